@@ -1,0 +1,155 @@
+"""Text in, text out: prompts, chat templates, streaming detokenisation, timing.
+
+The engine below works on token ids; this layer is the only one that touches tokenizers and text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from .methods import MethodConfig, MethodContext, build_method
+from .models.adapter import CausalLM
+from .models.loading import DEFAULT_MODEL, load_model
+from .sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.sampling  # validates temperature / top-k / top-p
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    seconds: float
+    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "num_prompt_tokens": len(self.prompt_ids),
+                "num_new_tokens": self.num_new_tokens, "seconds": round(self.seconds, 4),
+                "tokens_per_second": round(self.tokens_per_second, 3), "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+def eos_token_ids(model: CausalLM, tokenizer) -> frozenset[int]:
+    """Every id that ends a sequence: the tokenizer's EOS and the model's generation-config EOS ids."""
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_eos = getattr(getattr(model.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(int(i) for i in generation_eos)
+    return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is split across tokens: wait for the rest
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return delta
+
+
+class Pipeline:
+    """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it."""
+
+    def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
+                 device: str = "cpu", dtype: str | None = None) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.method = method or MethodConfig()
+        self._device, self._dtype = device, dtype
+        context = MethodContext(self.method, target, tokenizer,
+                                lambda source: load_model(source, device=device, dtype=dtype, name=source))
+        drafter, verifier = build_method(context)
+        self.decoder = SpeculativeDecoder(target, drafter, verifier)
+        self.eos_token_ids = eos_token_ids(target, tokenizer)
+
+    @classmethod
+    def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
+             dtype: str | None = None) -> "Pipeline":
+        target, tokenizer = load_model(model, device=device, dtype=dtype)
+        return cls(target, tokenizer, method, device=device, dtype=dtype)
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def stream_ids(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
+        generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids)
+        yield from self.decoder.stream(prompt_ids, decode, generator)
+
+    def stream(self, prompt: str, config: GenerationConfig = GenerationConfig()) -> Iterator[str]:
+        """Yield text deltas as rounds commit tokens."""
+        detok = IncrementalDetokenizer(self.tokenizer)
+        for chunk in self.stream_ids(self.encode(prompt, config.chat), config):
+            delta = detok.push(chunk)
+            if delta:
+                yield delta
+
+    def generate_ids(self, prompt_ids: list[int], config: GenerationConfig = GenerationConfig(),
+                     on_text=None) -> GenerationResult:
+        """Decode after ``prompt_ids``; ``on_text(delta)`` is called with streamed text if given."""
+        detok = IncrementalDetokenizer(self.tokenizer) if on_text is not None else None
+        new_ids: list[int] = []
+        start = time.perf_counter()
+        for chunk in self.stream_ids(prompt_ids, config):
+            new_ids.extend(chunk)
+            if detok is not None:
+                delta = detok.push(chunk)
+                if delta:
+                    on_text(delta)
+        seconds = time.perf_counter() - start
+        finished = bool(new_ids) and new_ids[-1] in self.eos_token_ids
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return GenerationResult(text, new_ids, list(prompt_ids), seconds, "stop" if finished else "length",
+                                self.decoder.stats)
+
+    def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:
+        return self.generate_ids(self.encode(prompt, config.chat), config, on_text)

@@ -1,0 +1,152 @@
+"""``jointspec`` command line. Subcommands live in their own modules and add themselves via ``add_parser``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .errors import JointspecError
+
+DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small draft propose several tokens that "
+                  "the large model checks in one forward pass, so generation gets faster without changing what the "
+                  "large model would have written.")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _tree(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,2,2, got '{text}'") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"branching factors must be >= 1, got '{text}'")
+    return values
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that loads a model and picks a method."""
+    parser.add_argument("--model", default="default",
+                        help="target: 'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a hub id")
+    parser.add_argument("--method", default="ar", help="decoding method (see `jointspec methods`)")
+    parser.add_argument("--draft", default=None, help="draft model for model-based methods; 'self' = the target")
+    parser.add_argument("--num-draft-tokens", type=_positive_int, default=4, help="draft length / depth (gamma)")
+    parser.add_argument("--max-ngram", type=_positive_int, default=3, help="pld: longest n-gram to match")
+    parser.add_argument("--min-ngram", type=_positive_int, default=1, help="pld: shortest n-gram to match")
+    parser.add_argument("--beam-width", type=_positive_int, default=4, help="mtad: beams per level")
+    parser.add_argument("--accept-threshold", type=float, default=0.5, help="mtad: joint-likelihood ratio tau")
+    parser.add_argument("--tree", type=_tree, default=(4, 2, 2), help="tree methods: branching per depth, e.g. 4,2,2")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+
+
+def method_config_from_args(args: argparse.Namespace, name: str | None = None):
+    from .methods import MethodConfig
+
+    return MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
+                        accept_threshold=args.accept_threshold, tree=args.tree)
+
+
+def _add_generate(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for one prompt")
+    parser.add_argument("prompt", nargs="?", default=None, help="the prompt (default: a short summarisation task)")
+    add_model_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from .api import GenerationConfig, Pipeline
+    from .methods import method_names
+
+    if args.method not in method_names():
+        raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
+    try:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed, chat=not args.no_chat)
+        method = method_config_from_args(args)
+    except ValueError as error:
+        raise JointspecError(str(error)) from error
+    pipeline = Pipeline.load(args.model, method, device=args.device, dtype=args.dtype)
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.json:
+        result = pipeline.generate(prompt, config)
+        print(json.dumps(result.to_dict()))
+        return 0
+
+    def show(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    result = pipeline.generate(prompt, config, on_text=show)
+    stats = result.stats
+    print(f"\n[{args.method}] {result.num_new_tokens} tokens in {result.seconds:.2f} s = "
+          f"{result.tokens_per_second:.1f} tok/s; {stats.num_rounds} target calls, "
+          f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
+          f"({pipeline.target.name})", file=sys.stderr)
+    return 0
+
+
+def _add_methods(subparsers) -> None:
+    parser = subparsers.add_parser("methods", help="list the decoding methods")
+    parser.set_defaults(run=_run_methods)
+
+
+def _run_methods(args: argparse.Namespace) -> int:
+    from .methods import method_summaries
+
+    for name, summary in method_summaries().items():
+        print(f"{name:12s} {summary}")
+    return 0
+
+
+# Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
+_SUBCOMMAND_MODULES: list[str] = []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="jointspec", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate(subparsers)
+    _add_methods(subparsers)
+    for module in _SUBCOMMAND_MODULES:
+        importlib.import_module(module).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("JOINTSPEC_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    # transformers is chatty on load (GGUF dequantisation notes, generation-config notes); keep the CLI readable.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except JointspecError as error:
+        print(f"jointspec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

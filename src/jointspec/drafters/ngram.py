@@ -1,0 +1,56 @@
+"""Prompt lookup: draft by copying what followed the last occurrence of the context's final n-gram.
+
+Example with ``max_ngram=2``: context ``[5, 6, 7, 9, 5, 6]`` ends with the bigram ``[5, 6]``, which also occurs at
+position 0 and was followed by ``[7, 9, 5, 6]``; with ``num_draft_tokens=3`` the draft is ``[7, 9, 5]``. Longer
+n-grams are tried first (a longer match predicts better); among equal-length matches the most recent one wins
+(recent text is what a model tends to repeat). No match: an empty draft, and the round costs one plain step.
+The drafter has no probabilities: verifiers treat its tokens as one-hot drafts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..sampling import SamplingConfig
+from .base import EMPTY_DRAFT, Draft
+
+
+def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The continuation of the most recent earlier occurrence of the longest matching suffix n-gram."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = context[-n:]
+        # Candidate starts j with j + n < length: the match must be followed by at least one token.
+        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return context[start: start + num_draft_tokens].tolist()
+    return []
+
+
+class PromptLookupDrafter:
+    def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.num_draft_tokens = num_draft_tokens
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        num_tokens = min(self.num_draft_tokens, max_num_draft_tokens)
+        if num_tokens <= 0:
+            return EMPTY_DRAFT
+        tokens = lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram)
+        return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
+
+    def commit(self, context_ids: list[int], num_accepted: int) -> None:
+        pass

@@ -1,0 +1,140 @@
+"""One causal LM and the KV cache of one sequence.
+
+The adapter is the only place that calls a Hugging Face model. It knows how many tokens are in its cache
+(``num_cached``), feeds new tokens after them, and rolls the cache back to exactly the tokens the loop kept.
+
+New tokens can form a *tree*: ``parents[i]`` names the input that token ``i`` follows (``-1``: the last cached
+token). Each token then sees the whole cache plus its own ancestors, and sits at position
+``num_cached + depth``, so every branch is scored as if it were run alone. A chain is the tree
+``parents = [-1, 0, 1, ...]`` and takes the model's ordinary causal path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [num_logits, vocab], float32
+    hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states (after the final norm), if asked
+
+
+def chain_parents(num_tokens: int) -> list[int]:
+    return list(range(-1, num_tokens - 1))
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (a child of the cache has depth 0). Parents must come before their children."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 or an earlier node")
+        depths.append(0 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
+def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+class CausalLM:
+    """A Hugging Face causal LM plus one sequence's KV cache."""
+
+    def __init__(self, model: PreTrainedModel, name: str = "model") -> None:
+        self.model = model.eval()
+        self.name = name
+        self.cache = DynamicCache(config=model.config)
+        self.num_cached = 0
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.num_cached = 0
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False) -> ForwardOutput:
+        """Feed ``token_ids`` after the cache; they stay cached. Returns the last ``num_logits`` rows (all if None).
+
+        ``parents`` (optional) makes the new tokens a tree, see the module docstring.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        start = self.num_cached
+        if parents is None or parents == chain_parents(n):
+            positions = torch.arange(start, start + n, device=self.device)
+            mask = None
+        else:
+            if len(parents) != n:
+                raise ValueError(f"parents has {len(parents)} entries for {n} tokens")
+            positions = torch.tensor(tree_depths(parents), device=self.device) + start
+            visible = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+            visible[:, start:] = tree_ancestor_mask(parents).to(self.device)
+            # Additive float mask: the eager and sdpa attention paths both accept it as given.
+            mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=n if num_logits is None else num_logits,
+                         output_hidden_states=output_hidden)
+        self.cache = out.past_key_values
+        self.num_cached = start + n
+        keep = n if num_logits is None else num_logits
+        hidden = out.hidden_states[-1][0, -keep:] if output_hidden and keep > 0 else None
+        logits = out.logits[0, -keep:].float() if keep > 0 else out.logits[0, :0].float()
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
+        if length < self.num_cached:
+            # transformers >= 5 takes the number of tokens to remove as a negative count.
+            self.cache.crop(length - self.num_cached)
+            self.num_cached = length
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep the cached tokens at ``positions`` (increasing), in that order, and drop the rest.
+
+        Used after a tree verification: the accepted path is scattered among its siblings in the cache. Keys were
+        rotated at their logical positions (depths), so gathering them preserves correctness.
+        """
+        if positions == list(range(len(positions))):
+            self.crop(len(positions))
+            return
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self.num_cached = len(positions)

@@ -1,0 +1,33 @@
+"""Greedy verification: keep draft tokens while they equal the target's argmax, then add the target's own choice.
+
+On a tree, follow at each step the child whose token is the target's argmax (the first such sibling). The output is
+exactly plain greedy decoding's, whatever the drafter proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafters.base import Draft
+from ..sampling import SamplingConfig
+from .base import Verdict, children_of
+
+
+class GreedyVerifier:
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None) -> Verdict:
+        target_choice = target_logits.argmax(dim=-1).tolist()  # [num_nodes + 1]
+        accepted: list[int] = []
+        if draft.is_chain:
+            while len(accepted) < draft.num_nodes and draft.token_ids[len(accepted)] == target_choice[len(accepted)]:
+                accepted.append(len(accepted))
+            return Verdict(accepted, [draft.token_ids[i] for i in accepted] + [target_choice[len(accepted)]])
+        children = children_of(draft)
+        node = -1
+        while True:
+            wanted = target_choice[node + 1]
+            match = next((c for c in children[node] if draft.token_ids[c] == wanted), None)
+            if match is None:
+                return Verdict(accepted, [draft.token_ids[i] for i in accepted] + [wanted])
+            accepted.append(match)
+            node = match

@@ -1,0 +1,58 @@
+"""Lossless speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for a chain draft.
+
+Draft token ``x`` at position ``i`` is kept with probability ``min(1, target_probs[i, x] / draft_probs[i, x])``.
+At the first rejection the recovered token is drawn from the normalised positive residual
+``max(target_probs[i] - draft_probs[i], 0)``; if all are kept, the bonus token is drawn from ``target_probs[k]``.
+The output then has exactly the target's distribution (the sampling config's, see :mod:`jointspec.sampling`),
+whatever the draft distribution. A drafter without probabilities is a one-hot draft: its token is kept with
+probability ``target_probs[i, x]``, and the residual is the target with ``x`` removed.
+
+At temperature 0 the target is one-hot and this reduces to :class:`GreedyVerifier`, which is used directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafters.base import Draft
+from ..sampling import SamplingConfig, processed_probs, sample
+from .base import Verdict
+from .greedy import GreedyVerifier
+
+
+def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """Normalised ``max(target - draft, 0)`` over the vocabulary ([vocab] -> [vocab])."""
+    residual = (target_row - draft_row).clamp_min(0.0)
+    total = residual.sum()
+    # The residual can only be all-zero when target <= draft everywhere, i.e. target == draft, in which case the
+    # rejection that led here had probability 0; fall back to the target so rounding never divides by zero.
+    return residual / total if total > 0 else target_row
+
+
+class RejectionSamplingVerifier:
+    def __init__(self) -> None:
+        self._greedy = GreedyVerifier()
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None) -> Verdict:
+        if sampling.greedy:
+            return self._greedy.verify(draft, target_logits, sampling, generator)
+        if not draft.is_chain:
+            raise ValueError("RejectionSamplingVerifier verifies chains; use a tree verifier for tree drafts")
+        target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
+        num_nodes = draft.num_nodes
+        uniforms = torch.rand(num_nodes, generator=generator).tolist() if num_nodes else []
+        for i, token in enumerate(draft.token_ids):
+            target_p = float(target_probs[i, token])
+            draft_p = float(draft.draft_probs[i, token]) if draft.draft_probs is not None else 1.0
+            if uniforms[i] * draft_p < target_p:
+                continue
+            if draft.draft_probs is not None:
+                draft_row = draft.draft_probs[i]
+            else:
+                draft_row = torch.zeros_like(target_probs[i])
+                draft_row[token] = 1.0
+            recovered = int(sample(residual_distribution(target_probs[i], draft_row), generator))
+            return Verdict(list(range(i)), list(draft.token_ids[:i]) + [recovered])
+        bonus = int(sample(target_probs[num_nodes], generator))
+        return Verdict(list(range(num_nodes)), list(draft.token_ids) + [bonus])
