@@ -1,0 +1,54 @@
+"""Quality of generated text: perplexity under the raw target, diversity, repetition.
+
+Perplexity is measured under the *raw* target distribution (temperature 1, no top-k/top-p), whatever decoding
+produced the tokens, so methods are compared on the same yardstick (MTAD's paper does the same).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .models.adapter import CausalLM
+
+
+@torch.inference_mode()
+def token_logprobs(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> torch.Tensor:
+    """log p_target(new_ids[i] | prompt, new_ids[:i]) for every generated token, in one forward pass ([len(new_ids)]).
+
+    Uses a fresh forward without touching ``target``'s decode cache.
+    """
+    if not new_ids:
+        return torch.zeros(0)
+    ids = torch.tensor([list(prompt_ids) + list(new_ids)], dtype=torch.long, device=target.device)
+    logits = target.model(input_ids=ids, use_cache=False, logits_to_keep=len(new_ids) + 1).logits[0, :-1].float()
+    logprobs = logits.log_softmax(dim=-1)  # [len(new_ids), vocab]
+    chosen = torch.tensor(list(new_ids), device=logprobs.device)
+    return logprobs.gather(-1, chosen[:, None])[:, 0].cpu()
+
+
+def perplexity(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> float:
+    """exp(-mean log-probability) of the generated tokens under the raw target; nan when nothing was generated."""
+    if not new_ids:
+        return float("nan")
+    return math.exp(-float(token_logprobs(target, prompt_ids, new_ids).mean()))
+
+
+def distinct_n(token_ids: Sequence[int], n: int = 2) -> float:
+    """Distinct n-grams / all n-grams (1.0 = no repeated n-gram); nan for fewer than n tokens."""
+    grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
+
+
+def repetition_rate(token_ids: Sequence[int], n: int = 4) -> float:
+    """Share of n-grams that already occurred earlier in the same output (0.0 = none)."""
+    seen: set[tuple[int, ...]] = set()
+    repeats = total = 0
+    for i in range(len(token_ids) - n + 1):
+        gram = tuple(token_ids[i:i + n])
+        repeats += gram in seen
+        total += 1
+        seen.add(gram)
+    return repeats / total if total else float("nan")
