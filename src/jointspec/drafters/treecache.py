@@ -1,0 +1,82 @@
+"""A draft model that scores token trees and keeps its KV cache in step with the loop.
+
+Tree drafters (beam sampling, SpecInfer k-configs) grow a tree one level at a time, and each new level needs the
+draft's distribution after every node of the level before. The adapter's tree mask lets a node see the cache plus
+its own ancestors *among the tokens fed in the same call*; a node fed in an earlier call would be visible to every
+later node, siblings' subtrees included. So each level crops the cache back to the committed context and re-feeds
+the whole tree grown so far in one call (``tree_logits``). That costs ``W·(1 + 2 + ... + (depth - 1))`` fed tokens
+per round instead of ``W·(depth - 1)``, but it needs nothing beyond ``CausalLM.forward(parents=...)``/``crop``/``keep``
+and every node is scored exactly as if its branch were run alone.
+
+Cache invariant between rounds (as in :mod:`jointspec.drafters.model`): the cache holds a prefix of the committed
+sequence, never all of it. After a round it holds the context plus the last fed tree; ``commit`` finds the newly
+committed tokens as a path in that tree and ``keep``\\ s the context plus that path. Sibling nodes with the same token
+under the same parent have identical keys and values, so any matching path will do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.adapter import CausalLM
+
+
+class DraftTreeCache:
+    def __init__(self, draft: CausalLM) -> None:
+        self.draft = draft
+        self._cached_ids: list[int] = []  # committed tokens in the cache, in order
+        self._tree_parents: list[int] = []  # the tree fed after them (adapter convention: -1 = last context token)
+        self._tree_tokens: list[int] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.draft.vocab_size
+
+    def start(self) -> None:
+        self.draft.reset()
+        self._cached_ids, self._tree_parents, self._tree_tokens = [], [], []
+
+    def context_logits(self, context_ids: list[int]) -> torch.Tensor:
+        """The draft's logits after the whole committed context ([vocab]); feeds only what the cache lacks."""
+        assert self.draft.num_cached == len(self._cached_ids) < len(context_ids)
+        logits = self.draft.forward(context_ids[self.draft.num_cached:], num_logits=1).logits[-1]
+        self._cached_ids = list(context_ids)
+        self._tree_parents, self._tree_tokens = [], []
+        return logits
+
+    def tree_logits(self, parents: list[int], token_ids: list[int], num_logits: int) -> torch.Tensor:
+        """Logits after the last ``num_logits`` nodes of a tree that follows the context ([num_logits, vocab])."""
+        self.draft.crop(len(self._cached_ids))
+        out = self.draft.forward(token_ids, parents=parents, num_logits=num_logits).logits
+        self._tree_parents, self._tree_tokens = list(parents), list(token_ids)
+        return out
+
+    def commit(self, context_ids: list[int], num_accepted: int) -> None:
+        num_context = len(self._cached_ids)
+        path = _longest_path(self._tree_parents, self._tree_tokens, context_ids[num_context:num_context + num_accepted])
+        keep = list(range(num_context)) + [num_context + node for node in path]
+        keep = keep[:len(context_ids) - 1]  # always leave one committed token to feed next time
+        self.draft.keep(keep)
+        self._cached_ids = list(context_ids[:len(keep)])
+        self._tree_parents, self._tree_tokens = [], []
+
+
+def _longest_path(parents: list[int], token_ids: list[int], wanted: list[int]) -> list[int]:
+    """Nodes of the deepest root-to-node path whose tokens are a prefix of ``wanted`` (depth-first)."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    best: list[int] = []
+
+    def walk(node: int, path: list[int]) -> None:
+        nonlocal best
+        if len(path) > len(best):
+            best = list(path)
+        if len(path) == len(wanted):
+            return
+        for child in children.get(node, []):
+            if token_ids[child] == wanted[len(path)]:
+                walk(child, path + [child])
+
+    walk(-1, [])
+    return best

@@ -1,0 +1,186 @@
+"""Lossless verification of multi-candidate drafts: SpecInfer/MCSD token trees and SpecTr's k-sequential selection.
+
+**Token tree (SpecInfer, Miao et al. 2023; MCSD, Yang et al. 2024).** Walk from the root. At the current node, with
+``target_row`` = the target's distribution there, try its children in order: child token ``x`` is accepted with
+probability ``min(1, target_row[x] / draft_row[x])``; on acceptance move to that child; on rejection replace
+``target_row`` by the normalised residual ``max(target_row - draft_row, 0)`` and, when the children were drawn
+without replacement, also remove ``x`` from ``draft_row`` and renormalise (the next child was drawn from that).
+When every child is rejected the *recovered* token comes from the last residual; at a leaf the *bonus* token comes
+from the target row after it. Each step is one speculative-sampling step with the right draft distribution, so the
+output has exactly the target's law provided the children of a node are i.i.d. draft samples (or sequential draws
+without replacement) given the node, as :class:`jointspec.drafters.tree.TreeDrafter` produces.
+
+**SpecTr K-SEQ (Sun et al. 2023, arXiv 2310.15141).** ``m`` i.i.d. candidates ``x_1..x_m ~ draft_row`` for one
+position. With ``beta(rho) = Σ_y min(draft_row[y], target_row[y] / rho)`` and
+``f = (1 - (1 - beta)^m) / beta = Σ_{i<m} (1 - beta)^i``, candidate ``x_i`` is accepted, in order, with probability
+``min(1, target_row[x_i] / (rho · draft_row[x_i]))``; the first acceptance wins. Token ``y`` is then output with
+probability ``min(draft_row[y], target_row[y] / rho) · f``, which is at most ``target_row[y]`` whenever ``f <= rho``;
+if all are rejected the token comes from the residual ``target_row - min(draft_row, target_row / rho) · f``
+(normalised; it carries mass ``(1 - beta)^m``). Any ``rho`` in ``[1, m]`` with ``f <= rho`` is lossless; the
+smallest accepts most, found by bisection (``rho = m`` always qualifies, and the bisection keeps a qualifying end).
+Over whole drafts: after accepting ``y`` every candidate whose token is ``y`` survives and their children (i.i.d.
+given the prefix, independent of the selection) are the next position's candidates. With one candidate this is
+plain speculative sampling. Drafts: ``k`` independent chains, i.e. a tree with branching ``(k, 1, ..., 1)``.
+
+Temperature 0: the target is one-hot and both reduce to greedy tree verification (:class:`GreedyVerifier`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..drafters.base import Draft
+from ..sampling import SamplingConfig, processed_probs, sample
+from .base import Verdict, children_of
+from .greedy import GreedyVerifier
+from .rejection import residual_distribution
+
+_BISECTION_STEPS = 30
+
+
+def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    row = torch.zeros_like(like)
+    row[token] = 1.0
+    return row
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    nodes: list[int] = []
+    while node != -1:
+        nodes.append(node)
+        node = parents[node]
+    return nodes[::-1]
+
+
+class TreeRejectionVerifier:
+    """SpecInfer / MCSD recursive rejection sampling over a token tree. ``replacement`` must match the drafter."""
+
+    def __init__(self, replacement: bool = True) -> None:
+        self.replacement = replacement
+        self._greedy = GreedyVerifier()
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None) -> Verdict:
+        if sampling.greedy:
+            return self._greedy.verify(draft, target_logits, sampling, generator)
+        target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
+        children = children_of(draft)
+        node = -1
+        while True:
+            target_row = target_probs[node + 1]
+            kids = children[node]
+            if not kids:  # a leaf (or an empty draft): the bonus token
+                return self._verdict(draft, node, int(sample(target_row, generator)))
+            # Siblings share their parent's draft distribution; a deterministic draft is one-hot per child.
+            draft_row = draft.draft_probs[kids[0]] if draft.draft_probs is not None else None
+            uniforms = torch.rand(len(kids), generator=generator).tolist()
+            accepted = None
+            for child, uniform in zip(kids, uniforms):
+                token = draft.token_ids[child]
+                child_row = draft_row if draft_row is not None else _one_hot(token, target_row)
+                if uniform * float(child_row[token]) < float(target_row[token]):
+                    accepted = child
+                    break
+                target_row = self._residual(target_row, child_row)
+                if not self.replacement and draft_row is not None:
+                    draft_row = draft_row.clone()
+                    draft_row[token] = 0.0
+                    total = draft_row.sum()
+                    if total <= 0:
+                        break  # the draft support is exhausted, so no sibling can follow
+                    draft_row = draft_row / total
+            if accepted is None:
+                return self._verdict(draft, node, int(sample(target_row, generator)))
+            node = accepted
+
+    def _residual(self, target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+        return residual_distribution(target_row, draft_row)
+
+    @staticmethod
+    def _verdict(draft: Draft, node: int, token: int) -> Verdict:
+        path = _path(draft.node_parents(), node)
+        return Verdict(path, [draft.token_ids[i] for i in path] + [token])
+
+
+def kseq_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: int) -> tuple[float, float, float]:
+    """SpecTr's (rho, beta, f) for ``num_candidates`` i.i.d. candidates: the smallest ``rho`` with ``f <= rho``
+    up to bisection precision (always a qualifying value, so always lossless). Rows: [vocab]."""
+    support = torch.nonzero(draft_row > 0).flatten()  # beta only depends on the draft's support
+    target = target_row[support].double().cpu().numpy()
+    draft = draft_row[support].double().cpu().numpy()
+
+    def beta_and_f(rho: float) -> tuple[float, float]:
+        beta = float(np.minimum(draft, target / rho).sum())
+        return beta, float(sum((1.0 - beta) ** i for i in range(num_candidates)))
+
+    low, high = 1.0, float(num_candidates)
+    if beta_and_f(low)[1] <= low:
+        high = low
+    else:
+        for _ in range(_BISECTION_STEPS):
+            mid = 0.5 * (low + high)
+            if beta_and_f(mid)[1] <= mid:
+                high = mid
+            else:
+                low = mid
+    beta, f = beta_and_f(high)
+    return high, beta, f
+
+
+class SpecTrVerifier:
+    """SpecTr's k-sequential draft selection, position by position over the surviving candidates."""
+
+    def __init__(self) -> None:
+        self._greedy = GreedyVerifier()
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None) -> Verdict:
+        if sampling.greedy:
+            return self._greedy.verify(draft, target_logits, sampling, generator)
+        if draft.num_nodes and draft.draft_probs is None:
+            raise ValueError("SpecTrVerifier needs the draft's probabilities (a sampled draft)")
+        target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
+        children = children_of(draft)
+        parents = draft.node_parents()
+        alive = [-1]  # nodes that all carry the accepted prefix (identical tokens, so identical target rows)
+        while True:
+            target_row = target_probs[alive[0] + 1]
+            candidates = [c for node in alive for c in children[node]]
+            if not candidates:
+                token = int(sample(target_row, generator))
+                return Verdict(_path(parents, alive[0]), self._tokens(draft, parents, alive[0]) + [token])
+            draft_row = draft.draft_probs[candidates[0]]  # every candidate was drawn after the same prefix
+            rho, f = self._rho(target_row, draft_row, len(candidates))
+            token = _select(target_row, draft_row, [draft.token_ids[c] for c in candidates], rho, generator)
+            if token is None:
+                token = int(sample(_residual(target_row, draft_row, rho, f), generator))
+                return Verdict(_path(parents, alive[0]), self._tokens(draft, parents, alive[0]) + [token])
+            alive = [c for c in candidates if draft.token_ids[c] == token]
+
+    @staticmethod
+    def _tokens(draft: Draft, parents: list[int], node: int) -> list[int]:
+        return [draft.token_ids[i] for i in _path(parents, node)]
+
+    def _rho(self, target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: int) -> tuple[float, float]:
+        rho, _, f = kseq_rho(target_row, draft_row, num_candidates)
+        return rho, f
+
+
+def _select(target_row: torch.Tensor, draft_row: torch.Tensor, tokens: list[int], rho: float,
+            generator: torch.Generator | None) -> int | None:
+    """K-SEQ: the first accepted candidate's token, or None when all are rejected."""
+    uniforms = torch.rand(len(tokens), generator=generator).tolist()
+    for token, uniform in zip(tokens, uniforms):
+        if uniform * rho * float(draft_row[token]) < float(target_row[token]):
+            return token
+    return None
+
+
+def _residual(target_row: torch.Tensor, draft_row: torch.Tensor, rho: float, f: float) -> torch.Tensor:
+    """Normalised ``target_row - min(draft_row, target_row / rho) * f`` ([vocab])."""
+    target, draft = target_row.double(), draft_row.double()
+    residual = (target - torch.minimum(draft, target / rho) * f).clamp_min(0.0)  # >= 0 up to rounding when f <= rho
+    total = residual.sum()
+    # All mass accepted means a rejection had probability 0; fall back to the target (as rejection.py does).
+    return (residual / total).float() if total > 0 else target_row
