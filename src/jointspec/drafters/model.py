@@ -77,7 +77,10 @@ class ModelDrafter:
         return Draft(token_ids=token_ids, draft_probs=torch.stack(rows) if rows else None)
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
-        keep = common_prefix_length(self._cached_ids, context_ids, start=len(self._cached_ids) - self.num_draft_tokens)
+        # The draft tokens were the last entries at most; a short cache (prompt of one token, or a budget that
+        # allowed no draft) must not make the start negative.
+        start = max(0, len(self._cached_ids) - self.num_draft_tokens)
+        keep = common_prefix_length(self._cached_ids, context_ids, start=start)
         keep = min(keep, len(context_ids) - 1)  # always leave one committed token to feed next time
         self.draft.crop(keep)
         self._cached_ids = self._cached_ids[:keep]
