@@ -1,0 +1,205 @@
+"""Batched decoding equals decoding each sequence alone.
+
+The reference for every sequence is :class:`jointspec.loop.SpeculativeDecoder` run on it alone with the same settings
+and seed: with ``ar`` for greedy runs (greedy output does not depend on the drafter, and the single loop's own tests
+show every lossless method matches ``ar``), with the same method for sampled runs. Settings, and why:
+- 16 prompts of 1 to 29 tokens, some repetitive (so prompt lookup finds drafts) and some random;
+- ``max_new_tokens=20`` gives ``ar`` 20 rounds and the draft methods several rounds of 4-token drafts, and 20 is not
+  a multiple of 5 so the length limit falls inside a draft;
+- end-of-sequence ids {2, 7}: the tiny target emits one of them in several of the 16 continuations, so rows leave
+  early, some in the middle of an accepted draft;
+- ``max_batch_size`` 1, 3, 8 and 16 with 16 requests: below 16, finished rows leave and waiting ones join
+  mid-run (continuous batching), so rows of very different cache lengths share rounds;
+- ``sps`` with the target as its own draft accepts everything (long drafts, fast-growing rows) and with an unrelated
+  random draft accepts almost nothing (holes every round; the cache compacts).
+
+Float caveat: a padded, masked batch forward multiplies different shapes than an unpadded one, so fp32 logits differ
+by up to ~5e-7 here (measured on 16 rows). A greedy token flips only if the target's top two logits are closer than
+that. conftest's lm_head x 8 makes the measured top-2 gaps (320 decode steps) at least 1.5e-3, with about 1.3 gaps per
+unit of logit near zero, so a flip has odds of ~1e-6 per token. The tests are deterministic (fixed models, prompts and
+seeds): they either pass or fail on a given CPU/BLAS build, and the odds that some build hits a near-tie in one of
+the ~5,000 compared tokens are ~0.5%. Sampled runs compare multinomial draws, which move only if a cumulative
+probability boundary falls within ~1e-7 of the uniform draw: negligible by comparison. (Sharpening further would
+not help: the logit noise scales with lm_head just as the gaps do.)
+
+The module runs torch on one thread: tiny matmuls gain nothing from intra-op threads, and on a shared CPU the
+hand-offs cost milliseconds per attention call (6 s instead of 80 s for this file).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jointspec.batch import BatchEngine, BatchRequest
+from jointspec.batch_cache import RaggedCache
+from jointspec.drafters.base import EMPTY_DRAFT
+from jointspec.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.loop import DecodeConfig, SpeculativeDecoder
+from jointspec import methods
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig
+from jointspec.verifiers.greedy import GreedyVerifier
+
+EOS = frozenset({2, 7})
+GREEDY = DecodeConfig(max_new_tokens=20, eos_token_ids=EOS)
+SAMPLED = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, top_k=50), eos_token_ids=EOS)
+
+METHODS = {
+    "ar": MethodConfig("ar"),
+    "pld": MethodConfig("pld", num_draft_tokens=4),
+    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
+    "sps-other": MethodConfig("sps", draft="other", num_draft_tokens=3),
+}
+
+
+def make_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        length = 1 + (i * 7) % 29
+        motif = [rng.randint(3, 98) for _ in range(max(1, length // 3))]
+        prompts.append((motif * 4)[:length] if i % 2 else [rng.randint(3, 98) for _ in range(length)])
+    return prompts
+
+
+PROMPTS = make_prompts()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from intra-op threads, and on a shared CPU the thread hand-offs cost milliseconds."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def load_draft(other_model):
+    return lambda source: (CausalLM(other_model, name="tiny-other"), None)
+
+
+@pytest.fixture(scope="module")
+def references(target_model, load_draft):
+    """Each prompt decoded alone by the single-sequence loop, computed once per (method, config)."""
+    memo: dict = {}
+
+    def get(method: str, config: DecodeConfig, index: int) -> list[int]:
+        if config.sampling.greedy:
+            method = "ar"  # greedy output does not depend on the drafter: one reference serves every method
+        key = (method, config, index)
+        if key not in memo:
+            target = CausalLM(target_model)
+            drafter, verifier = build_method(MethodContext(METHODS[method], target, None, load_draft))
+            generator = torch.Generator().manual_seed(index)
+            memo[key] = SpeculativeDecoder(target, drafter, verifier).generate(PROMPTS[index], config, generator)
+        return memo[key]
+
+    return get
+
+
+def engine(target_model, load_draft, max_batch_size: int) -> BatchEngine:
+    return BatchEngine(CausalLM(target_model), max_batch_size=max_batch_size, load_draft=load_draft)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sps-self", "sps-other"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8, 16])
+def test_batched_greedy_equals_single(method, batch_size, target_model, load_draft, references):
+    indices = range(4) if batch_size == 1 else range(16)  # batch size 1 is the single loop again: keep it short
+    eng = engine(target_model, load_draft, batch_size)
+    outs = eng.generate([BatchRequest(PROMPTS[i], GREEDY, METHODS[method], seed=i) for i in indices])
+    for i, out in zip(indices, outs):
+        assert out == references(method, GREEDY, i), f"prompt {i} ({len(PROMPTS[i])} tokens)"
+    assert eng.cache.num_rows == 0 and not eng.has_work
+
+
+def test_rows_leave_early_and_the_limit_falls_inside_drafts(target_model, load_draft, references):
+    """Guards the equivalence test's premises: some rows stop on EOS, some stop mid-draft at the length limit."""
+    outs = [references("sps-self", GREEDY, i) for i in range(16)]
+    assert any(out[-1] in EOS for out in outs)
+    assert any(len(out) == 20 for out in outs)
+
+
+@pytest.mark.parametrize("method", ["pld", "sps-other"])
+def test_batched_sampling_equals_single_with_the_same_seeds(method, target_model, load_draft, references):
+    indices = range(8)
+    outs = engine(target_model, load_draft, 8).generate(
+        [BatchRequest(PROMPTS[i], SAMPLED, METHODS[method], seed=i) for i in indices])
+    for i, out in zip(indices, outs):
+        assert out == references(method, SAMPLED, i)
+
+
+def test_mixed_methods_and_settings_share_one_batch(target_model, load_draft, references):
+    plan = [(i, ["ar", "pld", "sps-self", "sps-other"][i % 4], GREEDY if i % 3 else SAMPLED) for i in range(12)]
+    plan = [(i, m, c) for i, m, c in plan if c is GREEDY or m in ("pld", "sps-other")]
+    outs = engine(target_model, load_draft, 16).generate(
+        [BatchRequest(PROMPTS[i], c, METHODS[m], seed=i) for i, m, c in plan])
+    for (i, m, c), out in zip(plan, outs):
+        assert out == references(m, c, i), (i, m)
+
+
+def test_join_and_cancel_mid_run(target_model, load_draft, references):
+    eng = engine(target_model, load_draft, 4)
+    first = {eng.submit(BatchRequest(PROMPTS[i], GREEDY, METHODS["pld"], seed=i)): i for i in range(3)}
+    out: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    late: dict[int, int] = {}
+    victim = None
+    for round_index in range(200):
+        if round_index == 3:  # newcomers join rows that already hold prompt + several rounds
+            late = {eng.submit(BatchRequest(PROMPTS[i], GREEDY, METHODS["sps-other"], seed=i)): i
+                    for i in range(8, 12)}
+            victim = next(iter(late))
+        if round_index == 6:
+            eng.cancel(victim)
+        for event in eng.step():
+            out.setdefault(event.seq_id, []).extend(event.token_ids)
+            if event.finish_reason:
+                finish[event.seq_id] = event.finish_reason
+        if not eng.has_work:
+            break
+    assert finish[victim] == "cancelled"
+    for seq_id, i in first.items():
+        assert out[seq_id] == references("pld", GREEDY, i)
+    for seq_id, i in late.items():
+        if seq_id != victim:
+            assert out[seq_id] == references("sps-other", GREEDY, i)
+    assert eng.cache.num_rows == 0
+
+
+def test_compaction_keeps_logits(target_model):
+    """A cache full of holes scores the next token like its compacted self."""
+    cache = RaggedCache(CausalLM(target_model))
+    cache.add(0, PROMPTS[5])
+    cache.add(1, PROMPTS[3])
+    cache.forward([[5, 6, 7, 8], [9]])
+    cache.truncate([len(PROMPTS[5]) + 1, len(PROMPTS[3]) + 1])  # row 0 rejects 3 slots, row 1 has 3 dummies
+    before = cache.num_slots
+    holes = RaggedCache(CausalLM(target_model))
+    holes.cache, holes.valid, holes.row_ids = cache.cache, cache.valid.clone(), list(cache.row_ids)
+    cache.compact()
+    assert cache.num_slots < before and bool(cache.valid.all(dim=1).any())
+    torch.testing.assert_close(cache.forward([[11], [12]]), holes.forward([[11], [12]]), atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_draft, monkeypatch):
+    eng = engine(target_model, load_draft, 4)
+    with pytest.raises(ContextTooLongError):
+        eng.submit(BatchRequest([5] * 256, GREEDY))
+    with pytest.raises(UnsupportedOptionError, match="unknown method"):
+        eng.submit(BatchRequest([5], GREEDY, MethodConfig("no-such-method")))
+
+    class OneShotDrafter:  # a drafter type the batched engine has never heard of
+        def start(self, prompt_ids): pass
+        def propose(self, context_ids, max_num_draft_tokens, sampling, generator): return EMPTY_DRAFT
+        def commit(self, context_ids, num_accepted): pass
+
+    monkeypatch.setitem(methods._METHODS, "test-unbatchable",
+                        (lambda context: (OneShotDrafter(), GreedyVerifier()), "test only"))
+    with pytest.raises(UnsupportedOptionError, match="cannot run batched"):
+        eng.submit(BatchRequest([5], GREEDY, MethodConfig("test-unbatchable")))
+    assert not eng.has_work
