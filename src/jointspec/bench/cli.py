@@ -1,0 +1,78 @@
+"""The ``jointspec bench`` subcommand: parse options, load the target once, run, print a table and one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ..cli import _positive_int, add_model_arguments, method_config_from_args
+from ..models.loading import load_model
+from .prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
+from .report import contract, summarise, table, write_report
+from .runner import BenchConfig, memoised_loader, run_bench
+from .specs import MethodSpecError, all_method_names, parse_spec, parse_specs
+
+# Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
+load_target = load_model
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark methods against a baseline on prompt sets (Spec-Bench style)",
+        description="Run every method on the same prompts, seeds and max_new_tokens, prompt-major, and report "
+                    "tokens/s, speedup, acceptance, perplexity and output identity. The last stdout line is JSON.")
+    parser.add_argument("--prompts", action="append", default=None, metavar="FILE|builtin:NAME",
+                        help="MT-Bench/Spec-Bench JSONL (question_id, category, turns); repeatable. Built-in: "
+                             + ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) + " (default: builtin:mt_bench)")
+    parser.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
+    parser.add_argument("--num-per-category", type=_positive_int, default=None, help="first N prompts per category")
+    parser.add_argument("--max-turns", type=_positive_int, default=None, help="ask at most N turns per prompt")
+    parser.add_argument("--methods", default="ar,pld",
+                        help="comma-separated specs name[:key=value,...], e.g. ar,pld:n=4,sps:draft=self,k=5,"
+                             "hf-generate,hf-pld,hf-assisted:draft=self. Methods: " + ", ".join(all_method_names()))
+    parser.add_argument("--baseline", default="ar", help="the method speedups are relative to (added if not listed)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")
+    parser.add_argument("--repeats", type=_positive_int, default=1, help="timed repeats (median; min-max shown)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-dir", type=Path, default=None, help="write report.md, results.json and PNG plots")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run")
+    parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity under the target")
+    parser.add_argument("--no-cost-model", action="store_true", help="skip measuring T(k) and the predictions")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_model_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = parse_specs(args.methods)
+    if args.baseline not in [s.label for s in specs]:
+        specs.insert(0, parse_spec(args.baseline))
+    try:
+        defaults = method_config_from_args(args, name="ar")
+        config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
+                             seed=args.seed, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
+                             cost_model=not args.no_cost_model)
+    except ValueError as error:
+        raise MethodSpecError(str(error)) from error
+    prompts = []
+    for source in args.prompts or [f"{BUILTIN_PREFIX}mt_bench"]:
+        prompts += load_prompts(source)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
+
+    target, tokenizer = load_target(args.model, device=args.device, dtype=args.dtype)
+    result = run_bench(target, tokenizer, prompts, specs, args.baseline, config, defaults,
+                       memoised_loader(args.device, args.dtype), progress=not args.no_progress)
+    summary = summarise(result)
+    print(table(result, summary))
+    if args.report_dir is not None:
+        command = "jointspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        files = write_report(result, summary, args.report_dir, command)
+        print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    print(json.dumps(contract(result, summary)))
+    return 0
+

@@ -1,0 +1,254 @@
+"""Turning runs into numbers: per method, overall and per category; a terminal table, report.md, results.json, plots.
+
+Aggregates are over the same prompts for every method: tokens/s = all new tokens / the sum of per-prompt median
+times (the range uses per-prompt min and max times); speedup = tokens/s over the baseline's tokens/s; mean accepted
+tokens = 1 + accepted / rounds (for transformers' generate: new tokens per target call); perplexity = exp(-mean
+log-probability) of every generated token under the raw target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..loop import SpecStats
+from .costmodel import TargetCost, predict
+from .runner import BenchResult, PromptRun, perplexity_of
+
+CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
+                 "perplexity")
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    """None for missing or non-finite values (JSON has no NaN)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
+
+
+def accepted_histogram(stats: SpecStats) -> list[int]:
+    """Rounds that accepted exactly 0, 1, 2, ... draft tokens (from the per-position counts: a round that
+    accepted ``a`` tokens counts at positions 0..a-1)."""
+    at_least = [stats.num_rounds] + list(stats.accepted_per_position)
+    return [at_least[a] - (at_least[a + 1] if a + 1 < len(at_least) else 0) for a in range(len(at_least))]
+
+
+def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost: TargetCost | None) -> dict:
+    """Every number for one method over ``runs``; ``baseline_runs`` are the baseline's runs on the same prompts."""
+    tokens = sum(r.num_new_tokens for r in runs)
+    seconds = sum(r.median_seconds for r in runs)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    base_tokens = sum(r.num_new_tokens for r in baseline_runs)
+    base_seconds = sum(r.median_seconds for r in baseline_runs)
+    base_tps = base_tokens / base_seconds if base_seconds > 0 else 0.0
+    slowest, fastest = sum(max(r.seconds) for r in runs), sum(min(r.seconds) for r in runs)
+    summary: dict = {
+        "tokens_per_second": _rounded(tps, 3),
+        "speedup": _rounded(tps / base_tps if base_tps > 0 else None),
+        "num_identical": sum(r.identical for r in runs),
+        "num_prompts": len(runs),
+        "perplexity": _rounded(perplexity_of(runs)),
+        "tokens_per_second_min": _rounded(tokens / slowest if slowest > 0 else None, 3),
+        "tokens_per_second_max": _rounded(tokens / fastest if fastest > 0 else None, 3),
+        "num_new_tokens": tokens,
+        "seconds": _rounded(seconds),
+        "num_target_calls": sum(r.num_target_calls for r in runs),
+        "peak_rss_mb": _rounded(max(r.peak_rss_bytes for r in runs) / 2**20, 1),
+        "cuda_max_allocated_mb": (_rounded(max(r.cuda_peak_bytes for r in runs) / 2**20, 1)
+                                  if all(r.cuda_peak_bytes is not None for r in runs) else None),
+    }
+    if all(r.stats is not None for r in runs):
+        stats = SpecStats()
+        for r in runs:
+            stats.merge(r.stats)
+        summary.update({
+            "mean_accepted_tokens": _rounded(stats.mean_accepted_tokens),
+            "acceptance_rate": _rounded(stats.acceptance_rate),
+            "acceptance_per_position": [_rounded(x) for x in stats.acceptance_per_position],
+            "accepted_histogram": accepted_histogram(stats),
+            "draft_seconds": _rounded(stats.draft_seconds),
+            "verify_seconds": _rounded(stats.verify_seconds),
+            "prefill_seconds": _rounded(stats.prefill_seconds),
+        })
+        if cost is not None:
+            predictions = [predict(cost, r.stats) for r in runs]
+            if all(p is not None for p in predictions):
+                # Counters come from the first timed repeat: compare with that repeat's time.
+                predicted = sum(p.seconds for p in predictions)
+                first = sum(r.seconds[0] for r in runs)
+                summary["predicted_tokens_per_second"] = _rounded(tokens / predicted, 3)
+                summary["loop_efficiency"] = _rounded(predicted / first)
+    else:
+        calls = summary["num_target_calls"]
+        summary["mean_accepted_tokens"] = _rounded(tokens / calls if calls else None)
+    return summary
+
+
+def summarise(result: BenchResult) -> dict:
+    """{method: {...overall..., "per_category": {category: {...}}}}."""
+    by_method = {m: [r for r in result.runs if r.method == m] for m in result.methods}
+    base = by_method[result.baseline]
+    categories = list(dict.fromkeys(r.category for r in base))
+    out: dict = {}
+    for method, runs in by_method.items():
+        summary = summarise_group(runs, base, result.target_cost)
+        summary["per_category"] = {c: summarise_group([r for r in runs if r.category == c],
+                                                      [r for r in base if r.category == c], result.target_cost)
+                                   for c in categories}
+        out[method] = summary
+    base_predicted = out[result.baseline].get("predicted_tokens_per_second")
+    for summary in [s for m in out.values() for s in [m, *m["per_category"].values()]]:
+        predicted = summary.get("predicted_tokens_per_second")
+        summary["predicted_speedup"] = _rounded(predicted / base_predicted) if predicted and base_predicted else None
+    return out
+
+
+def contract(result: BenchResult, summary: dict) -> dict:
+    """The last stdout line: a fixed set of keys per method, for machines."""
+    def pick(d: dict) -> dict:
+        return {key: d.get(key) for key in CONTRACT_KEYS}
+
+    return {"baseline": result.baseline,
+            "methods": {m: {**pick(s), "per_category": {c: pick(cs) for c, cs in s["per_category"].items()}}
+                        for m, s in summary.items()}}
+
+
+def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table(result: BenchResult, summary: dict) -> str:
+    """A plain-text table for the terminal (also used in report.md)."""
+    header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "draft s", "verify s",
+              "pred.speedup", "loop eff", "RSS MB"]
+    rows = [header]
+    for method, s in summary.items():
+        rows.append([method, _fmt(s["tokens_per_second"], ".1f"),
+                     f"{_fmt(s['tokens_per_second_min'], '.1f')}-{_fmt(s['tokens_per_second_max'], '.1f')}",
+                     _fmt(s["speedup"], ".2f") + "x", _fmt(s["mean_accepted_tokens"]),
+                     f"{s['num_identical']}/{s['num_prompts']}", _fmt(s["perplexity"]),
+                     _fmt(s.get("draft_seconds")), _fmt(s.get("verify_seconds")),
+                     _fmt(s.get("predicted_speedup")), _fmt(s.get("loop_efficiency")),
+                     _fmt(s["peak_rss_mb"], ".0f")])
+    lines = _align(rows)
+    categories = list(next(iter(summary.values()))["per_category"])
+    if len(categories) > 1:
+        cat_rows = [["speedup by category"] + list(summary)]
+        for c in categories:
+            cat_rows.append([f"{c} (n={summary[result.baseline]['per_category'][c]['num_prompts']})"]
+                            + [_fmt(s["per_category"][c]["speedup"]) + "x" for s in summary.values()])
+        lines += [""] + _align(cat_rows)
+    return "\n".join(lines)
+
+
+def _align(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+            for r in rows]
+
+
+def write_report(result: BenchResult, summary: dict, folder: Path, command: str) -> list[Path]:
+    """report.md, results.json and PNG plots in ``folder``; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env, config = result.environment, result.config
+    results = {"command": command, "environment": env, "config": vars(config), "baseline": result.baseline,
+               "target_cost": result.target_cost.to_dict() if result.target_cost else None,
+               "methods": summary,
+               "runs": [{"prompt_index": r.prompt_index, "question_id": r.question_id, "category": r.category,
+                         "method": r.method, "seconds": [round(s, 4) for s in r.seconds],
+                         "num_new_tokens": r.num_new_tokens, "num_target_calls": r.num_target_calls,
+                         "identical": r.identical, "output_ids": r.output_ids,
+                         "stats": r.stats.to_dict() if r.stats else None} for r in result.runs]}
+    (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    plots = write_plots(summary, folder)
+
+    md = [f"# jointspec bench\n", f"`{command}`\n",
+          f"Model **{env['model']}**, {env['dtype']}, on {env['device']} ({env['device_name']}, "
+          f"{env['num_threads']} threads); torch {env['torch']}, transformers {env['transformers']}, "
+          f"jointspec {env['jointspec']}, Python {env['python']}.\n",
+          f"{len(summary[result.baseline]['per_category'])} categories, "
+          f"{summary[result.baseline]['num_prompts']} prompts, max_new_tokens {config.max_new_tokens}, temperature "
+          f"{config.temperature}, seed {config.seed}, {config.repeats} timed repeat(s) after a discarded warm-up; "
+          f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",
+          "```", table(result, summary), "```\n"]
+    if result.target_cost:
+        md.append("## Target cost T(k)\n")
+        md.append("| k | " + " | ".join(result.target_cost.to_dict()["ms_by_k"]) + " |")
+        md.append("|---" * (len(result.target_cost.seconds_by_k) + 1) + "|")
+        cost = result.target_cost.to_dict()
+        md.append("| ms | " + " | ".join(f"{v:.1f}" for v in cost["ms_by_k"].values()) + " |")
+        md.append("| × T(1) | " + " | ".join(f"{v:.2f}" for v in cost["relative_to_k1"].values()) + " |\n")
+        md.append(f"Measured after a {result.target_cost.prefill_tokens}-token prefill. Predicted time = prefill + "
+                  "rounds × (draft time per round + T(draft tokens per round + 1)); loop efficiency = predicted / "
+                  "measured time.\n")
+    md.append("## Acceptance per draft position\n")
+    for method, s in summary.items():
+        if s.get("acceptance_per_position"):
+            md.append(f"- `{method}`: " + ", ".join(f"{x:.2f}" for x in s["acceptance_per_position"]))
+    md.append("")
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    (folder / "report.md").write_text("\n".join(md) + "\n")
+    return [folder / "report.md", folder / "results.json", *plots]
+
+
+def write_plots(summary: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(summary)
+    categories = list(next(iter(summary.values()))["per_category"]) + ["overall"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods) / 3)), 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [summary[method]["per_category"][c]["speedup"] or 0 for c in categories[:-1]]
+        values.append(summary[method]["speedup"] or 0)
+        ax.bar([j + i * width for j in range(len(categories))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
+    ax.set_ylabel("speedup (tokens/s vs baseline)")
+    ax.set_title("Speedup by category")
+    ax.legend(fontsize="small")
+    paths.append(_save(fig, folder / "speedup_by_category.png"))
+
+    with_stats = [m for m in methods if summary[m].get("accepted_histogram")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    longest = max((len(summary[m]["accepted_histogram"]) for m in with_stats), default=1)
+    width = 0.8 / max(1, len(with_stats))
+    for i, method in enumerate(with_stats):
+        counts = summary[method]["accepted_histogram"]
+        total = sum(counts) or 1
+        ax.bar([a + i * width for a in range(len(counts))], [c / total for c in counts], width, label=method)
+    ax.set_xticks([a + 0.4 - width / 2 for a in range(longest)], [str(a) for a in range(longest)])
+    ax.set_xlabel("draft tokens accepted in a round")
+    ax.set_ylabel("share of rounds")
+    ax.set_title("Accepted length")
+    if with_stats:
+        ax.legend(fontsize="small")
+    paths.append(_save(fig, folder / "accepted_length.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        s = summary[method]
+        if s["perplexity"] is not None:
+            ax.scatter(s["perplexity"], s["tokens_per_second"], s=40)
+            ax.annotate(method, (s["perplexity"], s["tokens_per_second"]), fontsize="small",
+                        xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("perplexity under the target (lower = closer to the target)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Speed vs perplexity")
+    paths.append(_save(fig, folder / "speed_vs_perplexity.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

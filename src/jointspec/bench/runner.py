@@ -1,0 +1,260 @@
+"""Run every method on every prompt, prompt-major, and keep what each run measured.
+
+Order: one discarded warm-up of each method (on the first prompt), then for each prompt, ``repeats`` times, every
+method in turn. Interleaving methods within a prompt means that drift in machine speed (other processes, thermal
+limits) hits all methods alike. Outputs come from the first timed repeat; later repeats only add timings (and a
+warning if a method's output changes between repeats). Perplexity and the comparison with the baseline are computed
+after timing, outside the timers.
+
+The runner takes an already loaded target and tokenizer (tests pass tiny in-process models; the CLI loads the real
+ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from ..api import eos_token_ids
+from ..loop import SpecStats
+from ..methods import MethodConfig
+from ..models.adapter import CausalLM
+from ..models.loading import load_model
+from ..quality import token_logprobs
+from .costmodel import TargetCost, measure_target_cost
+from .engines import LoadDraft, TurnOutput, build_engine
+from .prompts import BenchPrompt, chat_prompt_ids
+from .specs import MethodSpec, MethodSpecError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    max_new_tokens: int = 128
+    repeats: int = 1
+    temperature: float = 0.0
+    seed: int = 0
+    warmup: bool = True
+    perplexity: bool = True
+    cost_model: bool = True
+    cost_repeats: int = 7
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class PromptRun:
+    """One method on one prompt (all its turns)."""
+
+    prompt_index: int
+    question_id: str
+    category: str
+    method: str
+    prompt_ids: list[list[int]]  # per turn
+    output_ids: list[list[int]]  # per turn
+    seconds: list[float]  # per timed repeat, all turns together
+    num_target_calls: int
+    stats: SpecStats | None  # all turns merged; None for transformers' generate
+    peak_rss_bytes: int = 0
+    cuda_peak_bytes: int | None = None
+    identical: bool = False  # same tokens as the baseline on every turn
+    logprob_sum: float = 0.0  # under the raw target, over every generated token
+    num_scored_tokens: int = 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(ids) for ids in self.output_ids)
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    methods: list[str]  # labels, baseline first
+    baseline: str
+    runs: list[PromptRun]
+    target_cost: TargetCost | None
+    environment: dict = field(default_factory=dict)
+
+
+def memoised_loader(device: str, dtype: str | None) -> LoadDraft:
+    """Load each draft model once, however many methods name it."""
+    loaded: dict[str, tuple[CausalLM, object]] = {}
+
+    def load(source: str) -> tuple[CausalLM, object]:
+        if source not in loaded:
+            loaded[source] = load_model(source, device=device, dtype=dtype, name=source)
+        return loaded[source]
+    return load
+
+
+def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: list[MethodSpec], baseline: str,
+              config: BenchConfig = BenchConfig(), defaults: MethodConfig = MethodConfig(),
+              load_draft: LoadDraft | None = None, progress: bool = True) -> BenchResult:
+    labels = [s.label for s in specs]
+    if baseline not in labels:
+        raise MethodSpecError(f"baseline '{baseline}' is not among the methods ({', '.join(labels)})")
+    if not prompts:
+        raise ValueError("no prompts to run")
+    specs = sorted(specs, key=lambda s: s.label != baseline)  # baseline first
+    load_draft = load_draft or memoised_loader(str(target.device), None)
+    eos = eos_token_ids(target, tokenizer)
+    engines = {s.label: build_engine(s, target, tokenizer, defaults, load_draft, eos) for s in specs}
+
+    cost = None
+    if config.cost_model:
+        cost = measure_target_cost(target, repeats=config.cost_repeats, seed=config.seed)
+
+    total = len(prompts) * config.repeats * len(engines) + (len(engines) if config.warmup else 0)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    if config.warmup:
+        for label, engine in engines.items():
+            bar.set_postfix_str(f"warm-up {label}")
+            run_conversation(engine, tokenizer, prompts[0], config)
+            bar.update()
+
+    runs: list[PromptRun] = []
+    for index, prompt in enumerate(prompts):
+        by_method: dict[str, PromptRun] = {}
+        for engine in engines.values():
+            if engine.warm_per_prompt:
+                run_conversation(engine, tokenizer, prompt, config)
+        for repeat in range(config.repeats):
+            for label, engine in engines.items():
+                bar.set_postfix_str(f"{prompt.category} {prompt.question_id} {label}")
+                reset_peak_memory(target.device)
+                turns = run_conversation(engine, tokenizer, prompt, config)
+                rss, cuda = peak_memory(target.device)
+                seconds = sum(out.seconds for _, out in turns)
+                if repeat == 0:
+                    by_method[label] = _new_run(index, prompt, label, turns, seconds, rss, cuda)
+                else:
+                    run = by_method[label]
+                    run.seconds.append(seconds)
+                    run.peak_rss_bytes = max(run.peak_rss_bytes, rss)
+                    if [out.new_ids for _, out in turns] != run.output_ids:
+                        log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,
+                                    prompt.question_id)
+                bar.update()
+        runs.extend(by_method[label] for label in engines)
+    bar.close()
+
+    _compare_and_score(runs, baseline, target, config)
+    return BenchResult(config, list(engines), baseline, runs, cost, environment(target))
+
+
+def run_conversation(engine, tokenizer, prompt: BenchPrompt,
+                     config: BenchConfig) -> list[tuple[list[int], TurnOutput]]:
+    """Ask each turn after the method's own previous answers, as Spec-Bench does."""
+    messages: list[dict[str, str]] = []
+    turns: list[tuple[list[int], TurnOutput]] = []
+    for text in prompt.turns:
+        messages.append({"role": "user", "content": text})
+        prompt_ids = chat_prompt_ids(tokenizer, messages)
+        out = engine.generate(prompt_ids, config.max_new_tokens, config.temperature, config.seed)
+        turns.append((prompt_ids, out))
+        messages.append({"role": "assistant", "content": tokenizer.decode(out.new_ids, skip_special_tokens=True)})
+    return turns
+
+
+def _new_run(index: int, prompt: BenchPrompt, label: str, turns: list[tuple[list[int], TurnOutput]],
+             seconds: float, rss: int, cuda: int | None) -> PromptRun:
+    stats = None
+    if all(out.stats is not None for _, out in turns):
+        stats = SpecStats()
+        for _, out in turns:
+            stats.merge(out.stats)
+    return PromptRun(index, prompt.question_id, prompt.category, label, [ids for ids, _ in turns],
+                     [out.new_ids for _, out in turns], [seconds], sum(out.num_target_calls for _, out in turns),
+                     stats, rss, cuda)
+
+
+def _compare_and_score(runs: list[PromptRun], baseline: str, target: CausalLM, config: BenchConfig) -> None:
+    reference = {run.prompt_index: run.output_ids for run in runs if run.method == baseline}
+    scored: dict[tuple, tuple[float, int]] = {}  # lossless methods repeat the baseline's tokens: score them once
+    for run in runs:
+        run.identical = run.output_ids == reference[run.prompt_index]
+        if not config.perplexity:
+            continue
+        for prompt_ids, new_ids in zip(run.prompt_ids, run.output_ids):
+            key = (tuple(prompt_ids), tuple(new_ids))
+            if key not in scored:
+                logprobs = token_logprobs(target, prompt_ids, new_ids)
+                scored[key] = (float(logprobs.sum()), len(new_ids))
+            total, count = scored[key]
+            run.logprob_sum += total
+            run.num_scored_tokens += count
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set size (VmHWM) to the current one
+    except OSError:
+        pass  # not Linux or not allowed: the peak then covers the whole process so far
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int, int | None]:
+    """(peak resident set size of this process in bytes, CUDA max allocated bytes or None)."""
+    rss = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    rss = int(line.split()[1]) * 1024
+    except OSError:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cuda = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return rss, cuda
+
+
+def environment(target: CausalLM) -> dict:
+    from importlib import metadata
+
+    import transformers
+
+    device = target.device
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = _cpu_name()
+    return {"model": target.name, "device": str(device), "device_name": device_name,
+            "dtype": str(target.dtype).replace("torch.", ""), "num_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "jointspec": metadata.version("jointspec")}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def perplexity_of(runs: list[PromptRun]) -> float:
+    count = sum(r.num_scored_tokens for r in runs)
+    return math.exp(-sum(r.logprob_sum for r in runs) / count) if count else float("nan")

@@ -1,0 +1,155 @@
+"""Method specs on the command line: ``name:key=value,...``, e.g. ``pld:n=4``, ``sps:draft=PATH,k=5``, ``mtad:tau=0.5``.
+
+jointspec methods map their keys onto :class:`jointspec.methods.MethodConfig` fields (a few short aliases such as
+``n``/``k`` for ``num_draft_tokens`` and ``tau`` for ``accept_threshold``); methods registered by other modules
+work without changes here. ``hf-generate``, ``hf-assisted`` and ``hf-pld`` run transformers' own ``generate``.
+
+A list of specs is comma-separated too, so ``--methods ar,pld:n=4,max_ngram=2,hf-pld`` is read as
+``ar`` | ``pld:n=4,max_ngram=2`` | ``hf-pld``: a piece with ``=`` and no ``:`` continues the previous spec's options,
+and a bare number continues the previous value (``tree=4,2,2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from ..drafters.oracle import OracleConfig
+from ..errors import UnsupportedOptionError
+from ..methods import MethodConfig, method_names
+
+# transformers' own generate, with the option keys each one accepts.
+HF_METHODS: dict[str, tuple[str, ...]] = {
+    "hf-generate": (),
+    "hf-assisted": ("draft", "num_draft_tokens", "schedule", "confidence"),
+    "hf-pld": ("num_draft_tokens", "max_ngram"),
+}
+
+ALIASES = {"n": "num_draft_tokens", "k": "num_draft_tokens", "gamma": "num_draft_tokens",
+           "ngram": "max_ngram", "tau": "accept_threshold", "threshold": "accept_threshold",
+           "beams": "beam_width", "corrupt": "corruption_rate", "corruption": "corruption_rate"}
+
+# Method-specific config classes (a MethodConfig subclass adds that method's fields).
+CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
+
+
+class MethodSpecError(UnsupportedOptionError):
+    """A method spec names an unknown method or option, or gives a bad value."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str  # as written by the user; the name of the method in every report
+    name: str
+    options: dict[str, str] = field(default_factory=dict)  # canonical key -> value text
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name in HF_METHODS
+
+
+def all_method_names() -> list[str]:
+    return sorted(set(method_names()) | set(HF_METHODS))
+
+
+def split_specs(text: str) -> list[str]:
+    """Split ``--methods`` text into one string per method (see the module docstring)."""
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        continues_options = specs and ":" in specs[-1] and ":" not in piece
+        if continues_options and ("=" in piece or re.fullmatch(r"\d+", piece)):
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
+def parse_spec(text: str) -> MethodSpec:
+    """``name:key=value,...`` -> MethodSpec with canonical keys; raises MethodSpecError naming what is valid."""
+    name, _, rest = text.strip().partition(":")
+    name = name.strip()
+    if name not in all_method_names():
+        raise MethodSpecError(f"unknown method '{name}' in '{text}'; choose one of: {', '.join(all_method_names())}")
+    valid = valid_keys(name)
+    options: dict[str, str] = {}
+    for item in split_items(rest):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not value.strip():
+            raise MethodSpecError(f"option '{item}' in '{text}' must be key=value")
+        key = ALIASES.get(key, key)
+        if key not in valid:
+            aliases = sorted(a for a, k in ALIASES.items() if k in valid)
+            raise MethodSpecError(f"unknown option '{item.partition('=')[0]}' for method '{name}'; valid options: "
+                                  f"{', '.join(valid) or '(none)'}" + (f" (aliases: {', '.join(aliases)})"
+                                                                       if aliases else ""))
+        options[key] = value.strip()
+    return MethodSpec(label=text.strip(), name=name, options=options)
+
+
+def split_items(rest: str) -> list[str]:
+    """``n=4,tree=4,2,2`` -> ``['n=4', 'tree=4,2,2']``."""
+    items: list[str] = []
+    for piece in (p for p in rest.split(",") if p.strip()):
+        if items and "=" not in piece:
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return items
+
+
+def parse_specs(text: str) -> list[MethodSpec]:
+    specs = [parse_spec(s) for s in split_specs(text)]
+    if not specs:
+        raise MethodSpecError("no methods given; pass e.g. --methods ar,pld")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise MethodSpecError(f"a method is listed twice in '{text}'")
+    return specs
+
+
+def config_class(name: str) -> type[MethodConfig]:
+    return CONFIG_CLASSES.get(name, MethodConfig)
+
+
+def valid_keys(name: str) -> list[str]:
+    if name in HF_METHODS:
+        return list(HF_METHODS[name])
+    return [f.name for f in dataclasses.fields(config_class(name)) if f.name != "name"]
+
+
+def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:
+    """The spec's MethodConfig: ``defaults`` (from the shared CLI options) overridden by the spec's options."""
+    cls = config_class(spec.name)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    base = {name: getattr(defaults, name) for name in fields if hasattr(defaults, name)}
+    base["name"] = spec.name
+    for key, text in spec.options.items():
+        default = getattr(defaults, key, fields[key].default)
+        base[key] = convert(text, default, key, spec.label)
+    try:
+        return cls(**base)
+    except (TypeError, ValueError) as error:
+        raise MethodSpecError(f"bad options in '{spec.label}': {error}") from error
+
+
+def convert(text: str, default: object, key: str, label: str) -> object:
+    """Convert ``text`` to the type of the field's default value."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, tuple):
+            return tuple(int(p) for p in re.split(r"[,x-]", text) if p)
+    except ValueError:
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        raise MethodSpecError(f"option {key}='{text}' in '{label}' must be {kind}") from None
+    return text

@@ -1,0 +1,239 @@
+"""``jointspec bench`` on tiny in-process models: prompt files, method specs, the JSON contract, losslessness.
+
+The target is conftest's tiny Llama (vocab 99, sharpened logits, so greedy ties are vanishingly rare) with a
+word-level tokenizer over 99 ids and a minimal chat template, injected through ``bench.cli.load_target``. Settings:
+``max_new_tokens=12`` gives several rounds of 4-token drafts per turn while keeping the two-turn conversations far
+inside the model's 256 positions; the cost model is measured with 2 repeats only (it is timed, not checked here).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from jointspec import cli
+from jointspec.bench import cli as bench_cli
+from jointspec.bench.prompts import BenchPrompt, PromptSetError, load_prompts, select_prompts
+from jointspec.bench.report import CONTRACT_KEYS, summarise
+from jointspec.bench.runner import BenchConfig, run_bench
+from jointspec.bench.specs import MethodSpecError, method_config, parse_spec, parse_specs, split_specs
+from jointspec.methods import MethodConfig
+from jointspec.models.adapter import CausalLM
+
+from conftest import VOCAB
+
+WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have "
+         "summarise rewrite text code function bees hive water wings warm cold nest list every number "
+         "answer question user assistant please short two sentences python def return value one more "
+         "now turn make add write explain what how why when where which who count word line file name "
+         "data test type hint error raise keep show whole class stack item price total").split()
+
+SPEC_BENCH_LINES = [
+    {"question_id": 1, "category": "summary", "turns": ["summarise the text : bees warm the nest with wings",
+                                                         "now make it one short line"]},
+    {"question_id": 2, "category": "summary", "turns": ["rewrite this text for a user : the hive is warm"]},
+    {"question_id": "c1", "category": "code", "turns": ["add a type hint to this python function : def total "
+                                                          "( price ) : return price", ],
+     "reference": ["ignored"]},
+]
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
+    extra = [":", "(", ")", ".", ","]
+    vocab = {tok: i for i, tok in enumerate(specials + extra + list(WORDS))}
+    assert len(vocab) <= VOCAB
+    for i in range(len(vocab), VOCAB):  # fill the model's vocabulary so every generated id decodes
+        vocab[f"w{i}"] = i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]",
+                                        unk_token="[UNK]", pad_token="[PAD]")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}assistant : {% endif %}")
+    return tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards are ~1 ms on one thread but ~15 ms with two threads on a busy shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in SPEC_BENCH_LINES) + "\n\n")
+    return path
+
+
+@pytest.fixture()
+def bench_main(monkeypatch, target_model, tokenizer, capsys):
+    """Run ``jointspec bench ...`` in process on the tiny target; returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr(bench_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tokenizer))
+
+    def main(*argv: str) -> tuple[int, str, str]:
+        code = cli.main(["bench", "--no-progress", *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return main
+
+
+def test_spec_bench_file_loads_unchanged(prompt_file):
+    prompts = load_prompts(str(prompt_file))
+    assert [p.question_id for p in prompts] == ["1", "2", "c1"]
+    assert prompts[0].turns == tuple(SPEC_BENCH_LINES[0]["turns"])  # two turns kept
+    assert [p.question_id for p in select_prompts(prompts, ["summary"], 1)] == ["1"]
+    assert [len(p.turns) for p in select_prompts(prompts, max_turns=1)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("name,count", [("mt_bench", 80), ("humaneval", 164), ("grounded", 16)])
+def test_builtin_sets(name, count):
+    prompts = load_prompts(f"builtin:{name}")
+    assert len(prompts) == count
+    assert all(p.turns and p.category for p in prompts)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"question_id": 1, "category": "x", "turns": ["ok"]', "not valid JSON"),
+    ('{"question_id": 1, "turns": ["ok"]}', "missing key(s) category"),
+    ('{"question_id": 1, "category": "x", "turns": []}', "'turns' must be a non-empty list"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_malformed_jsonl_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(SPEC_BENCH_LINES[0]) + "\n" + line + "\n")
+    with pytest.raises(PromptSetError, match=rf"bad\.jsonl:2: .*{re.escape(message)}"):
+        load_prompts(str(path))
+
+
+def test_empty_selection_and_unknown_category(prompt_file, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PromptSetError, match="empty"):
+        select_prompts(load_prompts(str(empty)))
+    with pytest.raises(PromptSetError, match="unknown category nope; this prompt set has: summary, code"):
+        select_prompts(load_prompts(str(prompt_file)), ["nope"])
+
+
+def test_spec_parsing():
+    assert split_specs("ar,pld:n=4,max_ngram=2,hf-pld,mtad-like:tree=4,2,2") == [
+        "ar", "pld:n=4,max_ngram=2", "hf-pld", "mtad-like:tree=4,2,2"]
+    spec = parse_spec("pld:n=4,ngram=2")
+    assert spec.options == {"num_draft_tokens": "4", "max_ngram": "2"}
+    config = method_config(spec, MethodConfig(max_ngram=3, min_ngram=1))
+    assert (config.name, config.num_draft_tokens, config.max_ngram) == ("pld", 4, 2)
+    oracle = method_config(parse_spec("oracle:corrupt=0.25,k=3"), MethodConfig())
+    assert (oracle.corruption_rate, oracle.num_draft_tokens) == (0.25, 3)
+    assert parse_spec("hf-assisted:draft=self,n=3").options == {"draft": "self", "num_draft_tokens": "3"}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nope", "unknown method 'nope'.*choose one of: .*ar.*hf-generate.*pld"),
+    ("pld:bogus=1", "unknown option 'bogus' for method 'pld'; valid options: .*num_draft_tokens"),
+    ("hf-pld:draft=x", "unknown option 'draft' for method 'hf-pld'; valid options: num_draft_tokens, max_ngram"),
+    ("pld:n", "must be key=value"),
+    ("ar,ar", "listed twice"),
+])
+def test_bad_specs(text, message):
+    with pytest.raises(MethodSpecError, match=message):
+        parse_specs(text)
+
+
+@pytest.mark.parametrize("text,message", [("pld:n=four", "must be int"), ("pld:n=0", "num_draft_tokens must be")])
+def test_bad_option_values(text, message):
+    with pytest.raises(MethodSpecError, match=message):
+        method_config(parse_spec(text), MethodConfig())
+
+
+def test_cli_errors_are_one_line(bench_main, prompt_file, tmp_path):
+    code, out, err = bench_main("--prompts", str(prompt_file), "--methods", "ar,warp")
+    assert code == 2 and err.startswith("jointspec: error: unknown method 'warp'") and err.count("\n") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1}\n{oops\n')
+    code, out, err = bench_main("--prompts", str(bad))
+    assert code == 2 and f"{bad}:1: missing key(s) category, turns" in err
+
+
+def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
+    report = tmp_path / "report"
+    code, out, err = bench_main("--prompts", str(prompt_file), "--methods", "ar,pld:n=4,hf-generate",
+                                "--max-new-tokens", "12", "--repeats", "2", "--report-dir", str(report))
+    assert code == 0, err
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["baseline"] == "ar"
+    assert set(last["methods"]) == {"ar", "pld:n=4", "hf-generate"}
+    for summary in last["methods"].values():
+        assert set(CONTRACT_KEYS) | {"per_category"} == set(summary)
+        assert set(summary["per_category"]) == {"summary", "code"}
+        assert set(summary["per_category"]["code"]) == set(CONTRACT_KEYS)
+        assert summary["num_prompts"] == 3
+    assert last["methods"]["ar"]["speedup"] == 1.0
+    assert "speedup by category" in out  # the people's table precedes the JSON line
+    assert {p.name for p in report.iterdir()} == {"report.md", "results.json", "speedup_by_category.png",
+                                                  "accepted_length.png", "speed_vs_perplexity.png"}
+    results = json.loads((report / "results.json").read_text())
+    assert results["target_cost"]["ms_by_k"]["1"] > 0
+    assert len(results["runs"]) == 9 and all(len(r["seconds"]) == 2 for r in results["runs"])
+
+
+def run_tiny(target_model, tokenizer, methods: str, prompts: list[BenchPrompt], **config):
+    target = CausalLM(target_model, name="tiny-target")
+    settings = dict(max_new_tokens=12, cost_model=False) | config
+    result = run_bench(target, tokenizer, prompts, parse_specs(methods), "ar", BenchConfig(**settings),
+                       progress=False)
+    return result, summarise(result)
+
+
+def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, tokenizer, prompt_file):
+    prompts = load_prompts(str(prompt_file))
+    methods = "ar,pld:n=4,sps:draft=self,k=3,oracle:corrupt=0.3,hf-generate,hf-pld:n=4,hf-assisted:draft=self,n=3"
+    result, summary = run_tiny(target_model, tokenizer, methods, prompts)
+    for method, s in summary.items():
+        assert s["num_identical"] == s["num_prompts"] == 3, method
+    assert summary["sps:draft=self,k=3"]["mean_accepted_tokens"] > 3.0  # the target drafting for itself
+    assert summary["hf-generate"]["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert summary["hf-assisted:draft=self,n=3"]["mean_accepted_tokens"] > 2.0
+    # The second turn followed the method's own first answer: its prompt contains that answer.
+    first = next(r for r in result.runs if r.method == "ar" and r.question_id == "1")
+    assert len(first.prompt_ids) == 2 and len(first.prompt_ids[1]) > len(first.prompt_ids[0]) + 5
+
+
+@pytest.mark.parametrize("corruption", [0.0, 0.3, 0.7])
+def test_oracle_acceptance_matches_corruption_rate(target_model, tokenizer, corruption):
+    # 12 prompts x 40 tokens with 4-token drafts: a few hundred first-position draws, so +-0.1 is > 3 sigma.
+    prompts = [BenchPrompt(str(i), "x", (f"{' '.join(WORDS[i:i + 6])}",)) for i in range(12)]
+    _, summary = run_tiny(target_model, tokenizer, f"ar,oracle:corrupt={corruption},n=4", prompts,
+                          max_new_tokens=40, perplexity=False)
+    s = summary[f"oracle:corrupt={corruption},n=4"]
+    assert s["num_identical"] == 12
+    assert s["acceptance_per_position"][0] == pytest.approx(1 - corruption, abs=0.1)
+    if corruption == 0.0:
+        assert s["acceptance_per_position"] == [1.0] * 4
+
+
+def test_every_registered_method_runs(target_model, tokenizer, prompt_file):
+    """Methods other modules register (mtad, specinfer, ...) need no change in the bench: each runs with the
+    target as its own draft, and the methods' lossless ones match the baseline."""
+    from jointspec.methods import method_names
+
+    specs = ",".join(["ar"] + [f"{name}:draft=self" for name in method_names() if name != "ar"])
+    _, summary = run_tiny(target_model, tokenizer, specs, load_prompts(str(prompt_file)), max_new_tokens=8,
+                          perplexity=False)
+    assert len(summary) == len(method_names())
+    for name in ("pld", "sps", "oracle"):
+        assert summary[f"{name}:draft=self"]["num_identical"] == 3, name
