@@ -1,0 +1,1 @@
+"""An OpenAI-compatible server over the batched engine: ``app`` (routes), ``engine`` (glue), ``metrics``, ``cli``."""

@@ -1,0 +1,59 @@
+"""``jointspec serve``: load a model, start the batched engine, serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..errors import JointspecError
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers) -> None:
+    from ..cli import _positive_int, add_model_arguments
+
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (completions, chat, metrics)")
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    parser.add_argument("--port", type=_positive_int, default=8000)
+    parser.add_argument("--max-batch-size", type=_positive_int, default=16, help="sequences decoded together")
+    parser.add_argument("--max-tokens", type=_positive_int, default=256,
+                        help="new tokens when a chat request does not say")
+    parser.add_argument("--model-id", default=None, help="the name /v1/models reports (default: the model source)")
+    parser.set_defaults(run=run_serve)
+
+
+def build_engine(args: argparse.Namespace):
+    """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
+    from ..cli import method_config_from_args
+    from ..methods import method_names
+    from ..models.loading import load_model
+    from .engine import ServingEngine
+
+    if args.method not in method_names():
+        raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
+    try:
+        method = method_config_from_args(args)
+    except ValueError as error:
+        raise JointspecError(str(error)) from error
+    target, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    return ServingEngine(target, tokenizer, method, model_id=args.model_id or args.model,
+                         max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
+                         load_draft=lambda source: load_model(source, device=args.device, dtype=args.dtype,
+                                                              name=source))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import ServerSettings, create_app
+
+    engine = build_engine(args)
+    settings = ServerSettings(host=args.host, port=args.port)
+    log.warning("serving %s (method %s) on http://%s:%d/v1", engine.model_id, args.method, args.host, args.port)
+    try:
+        uvicorn.run(create_app(settings, engine), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
