@@ -112,9 +112,14 @@ def error_response(error: RequestError) -> JSONResponse:
                                    "code": error.code}}, status_code=error.status)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}
+
+
 def _from_validation(error: ValidationError) -> RequestError:
     first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    # Union members add their type to the location ("stop.str"); OpenAI names only the field.
+    param = ".".join(str(part) for part in first["loc"]
+                     if not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS))) or None
     return RequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 

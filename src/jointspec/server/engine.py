@@ -182,6 +182,7 @@ class ServingEngine:
         self._streams: dict[int, _Stream] = {}
         self._stats_lock = threading.Lock()
         self._stats = SpecStats()
+        self._num_cancelled = 0
         self._gauges = {"running_sequences": 0.0, "waiting_sequences": 0.0}
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jointspec-engine", daemon=True)
@@ -242,7 +243,7 @@ class ServingEngine:
             return copy
 
     def gauges(self) -> dict[str, float]:
-        return dict(self._gauges)
+        return {**self._gauges, "cancelled_sequences": float(self._num_cancelled)}
 
     def close(self, timeout: float = 10.0) -> None:
         self._closed.set()
@@ -255,6 +256,7 @@ class ServingEngine:
         while not self._closed.is_set():
             self._drain(block=not self._engine.has_work)
             if not self._engine.has_work:
+                self._gauges = {"running_sequences": 0.0, "waiting_sequences": 0.0}
                 continue
             try:
                 events = self._engine.step()
@@ -294,8 +296,9 @@ class ServingEngine:
                     result, error = None, exc
                 self._resolve(stream.loop, future, result, error)
             elif item[0] == "cancel":
-                self._engine.cancel(item[1])
-                self._streams.pop(item[1], None)
+                if self._streams.pop(item[1], None) is not None:  # still decoding: free its row
+                    self._engine.cancel(item[1])
+                    self._num_cancelled += 1
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -1,0 +1,357 @@
+"""The OpenAI-compatible server: routes through FastAPI's TestClient, a live uvicorn server for the official
+``openai`` client and for disconnects.
+
+Models: the tiny random Llama from conftest with a 259-token vocabulary, and a byte-level tokenizer (256 byte
+tokens + <pad>, <s>, </s>) built with ``tokenizers``, so any text, multi-byte characters included, round-trips.
+The random model's text is gibberish; what matters is that the server returns exactly the tokens the engine decodes.
+Every network call goes to 127.0.0.1 with a timeout, and live servers stop at the end of their test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from argparse import Namespace
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from conftest import tiny_llama
+from jointspec.loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from jointspec.drafters.base import NoDrafter
+from jointspec.models.adapter import CausalLM
+from jointspec.server.app import ServerSettings, create_app
+from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream
+from jointspec.verifiers.greedy import GreedyVerifier
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/test_batch.py: tiny matmuls on a shared CPU
+    yield
+    torch.set_num_threads(previous)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    to_char = bytes_to_unicode()
+    vocab = {to_char[b]: b for b in range(256)} | {"<pad>": 256, "<s>": 257, "</s>": 258}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    model.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def byte_model():
+    return tiny_llama(3, vocab=259)
+
+
+@pytest.fixture(scope="module")
+def engine(byte_model, tokenizer):
+    served = ServingEngine(CausalLM(byte_model), tokenizer, model_id="tiny", max_batch_size=8)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return TestClient(create_app(ServerSettings(), engine))
+
+
+def reference_text(byte_model, tokenizer, engine, prompt_ids: list[int], max_tokens: int) -> tuple[str, int]:
+    """Greedy decoding of the prompt alone, by the single-sequence loop."""
+    decoder = SpeculativeDecoder(CausalLM(byte_model), NoDrafter(), GreedyVerifier())
+    ids = decoder.generate(prompt_ids, DecodeConfig(max_tokens, eos_token_ids=engine.eos_token_ids))
+    return tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+
+
+def chat_body(content: str = "hello", **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 24, **extra}
+
+
+def sse_payloads(text: str) -> list[dict]:
+    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# -- routes with the real engine --------------------------------------------------------------------------------
+
+def test_health_models_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0,
+                                         "jointspec": {"method": "sps", "draft": "self"}})
+    text = client.get("/metrics").text
+    for name in ("jointspec_requests_total", "jointspec_generated_tokens_total", "jointspec_rounds_total",
+                 "jointspec_draft_tokens_total", "jointspec_accepted_tokens_total",
+                 "jointspec_accepted_by_position_total", "jointspec_time_to_first_token_seconds_bucket",
+                 "jointspec_time_per_output_token_seconds_count"):
+        assert f"\n{name}" in "\n" + text, name
+    assert '_bucket{le="+Inf"}' in text
+
+
+@pytest.mark.parametrize("options", [None, {"method": "pld", "num_draft_tokens": 3},
+                                     {"method": "sps", "draft": "self", "num_draft_tokens": 4}])
+def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, engine, byte_model, tokenizer):
+    body = chat_body("abcabcabc", **({"jointspec": options} if options else {}))
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    prompt_ids = engine.encode(CompletionRequest(messages=tuple(body["messages"])))
+    text, num_tokens = reference_text(byte_model, tokenizer, engine, prompt_ids, 24)
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": num_tokens,
+                             "total_tokens": len(prompt_ids) + num_tokens}
+    if options and options["method"] == "sps":
+        assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
+
+
+def test_streaming_chat_and_completion_match_non_streaming(client):
+    whole = client.post("/v1/chat/completions", json=chat_body("stream me")).json()
+    streamed = sse_payloads(client.post("/v1/chat/completions",
+                                        json=chat_body("stream me", stream=True,
+                                                       stream_options={"include_usage": True})).text)
+    assert streamed[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(p["choices"][0]["delta"].get("content", "") for p in streamed if p["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert streamed[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert streamed[-1]["usage"] == whole["usage"]
+
+    body = {"prompt": "once upon", "max_tokens": 10, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()
+    streamed = sse_payloads(client.post("/v1/completions", json={**body, "stream": True}).text)
+    assert "".join(p["choices"][0]["text"] for p in streamed) == whole["choices"][0]["text"]
+    assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] == 10
+
+
+def test_unknown_fields_are_ignored_like_openai(client):
+    reply = client.post("/v1/chat/completions", json=chat_body(user="me", frequency_penalty=0.0, tools=None,
+                                                               metadata={"a": 1}))
+    assert reply.status_code == 200
+
+
+BAD_REQUESTS = [
+    ("chat", "{not json", None),
+    ("chat", "[1, 2]", None),
+    ("chat", json.dumps({"messages": "hi"}), "messages"),
+    ("chat", json.dumps({"messages": []}), "messages"),
+    ("chat", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages.0.role"),
+    ("chat", json.dumps(chat_body(temperature="hot")), "temperature"),
+    ("chat", json.dumps(chat_body(temperature=3.5)), "temperature"),
+    ("chat", json.dumps(chat_body(max_tokens=0)), "max_tokens"),
+    ("chat", json.dumps(chat_body(max_tokens=True)), "max_tokens"),
+    ("chat", json.dumps(chat_body(stop=5)), "stop"),
+    ("chat", json.dumps(chat_body(n=2)), "n"),
+    ("chat", json.dumps(chat_body(logprobs=True)), "logprobs"),
+    ("chat", json.dumps(chat_body(jointspec={"method": "nope"})), None),
+    ("chat", json.dumps(chat_body(jointspec={"method": "pld", "num_draft_tokens": "4"})), "jointspec.num_draft_tokens"),
+    ("chat", json.dumps(chat_body(jointspec={"mehtod": "pld"})), "jointspec.mehtod"),
+    ("chat", json.dumps(chat_body(jointspec={"method": "sps", "draft": "/etc/passwd"})), None),
+    ("chat", json.dumps(chat_body(jointspec={"method": "pld", "min_ngram": 4, "max_ngram": 2})), None),
+    ("chat", json.dumps(chat_body("x" * 300)), None),  # 300+ tokens for a 256-token context
+    ("completions", json.dumps({"prompt": ["a", "b"]}), "prompt"),
+    ("completions", json.dumps({"prompt": ""}), "prompt"),
+    ("completions", json.dumps({"prompt": "a", "best_of": 3}), "best_of"),
+    ("completions", json.dumps({}), "prompt"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, param", BAD_REQUESTS)
+def test_bad_requests_get_the_openai_error_envelope(endpoint, body, param, client):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    reply = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    # ... and the server still serves.
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_methods_that_cannot_batch_are_refused_with_400(client):
+    from jointspec.methods import method_names
+
+    for name in set(method_names()) - {"ar", "pld", "sps"}:
+        reply = client.post("/v1/chat/completions", json=chat_body(jointspec={"method": name, "draft": "self"}))
+        assert reply.status_code == 400, (name, reply.text)
+    assert client.get("/health").status_code == 200
+
+
+# -- the text layer ---------------------------------------------------------------------------------------------
+
+def test_streamed_text_never_splits_a_character(tokenizer):
+    text = "naïve café — 東京 🎉!"
+    stream = TextStream(tokenizer)
+    deltas = [stream.push([t]) for t in tokenizer(text)["input_ids"]] + [stream.finish()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert sum(1 for d in deltas if d == "") >= 10  # continuation bytes were held back, not emitted broken
+
+
+def test_stop_strings_cut_the_text_even_across_chunks(tokenizer):
+    stream = TextStream(tokenizer, stop=("END", "\n\n"))
+    ids = tokenizer("hello wEN world END tail")["input_ids"]
+    deltas = [stream.push(ids[i:i + 3]) for i in range(0, len(ids), 3)]
+    assert "".join(deltas) + stream.finish() == "hello wEN world "
+    assert stream.stopped
+
+
+# -- cancellation and the live server ---------------------------------------------------------------------------
+
+def test_a_consumer_that_stops_reading_cancels_its_sequence(engine):
+    before = engine.gauges()["cancelled_sequences"]
+
+    async def read_one_chunk() -> Chunk:
+        # Greedy "abc" has no end-of-sequence token in its first 200 tokens: only the cancel can end it early.
+        generation = await engine.submit(CompletionRequest(prompt="abc", max_tokens=200, temperature=0))
+        async for chunk in generation:
+            return chunk  # leaving the loop closes the generator, which cancels the sequence
+
+    first = asyncio.run(read_one_chunk())
+    assert first.finish_reason is None  # it was still running when we left
+    deadline = time.monotonic() + TIMEOUT
+    while engine.gauges()["cancelled_sequences"] == before or engine.gauges()["running_sequences"]:
+        assert time.monotonic() < deadline, "the sequence was not cancelled"
+        time.sleep(0.02)
+    assert engine.gauges()["cancelled_sequences"] == before + 1
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """uvicorn on 127.0.0.1 on a free port, in a thread; stops when the block ends."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+class EndlessGeneration:
+    """A fake engine's generation: one chunk every 10 ms until cancelled."""
+
+    def __init__(self) -> None:
+        self.num_prompt_tokens = 3
+        self.cancelled = threading.Event()
+
+    async def __aiter__(self):
+        while not self.cancelled.is_set():
+            await asyncio.sleep(0.01)
+            yield Chunk("x", 1)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class FakeEngine:
+    model_id = "fake"
+
+    def __init__(self) -> None:
+        self.generations: list[EndlessGeneration] = []
+
+    async def submit(self, request: CompletionRequest) -> EndlessGeneration:
+        self.generations.append(EndlessGeneration())
+        return self.generations[-1]
+
+    def spec_stats(self) -> SpecStats:
+        return SpecStats()
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+
+def test_disconnecting_clients_cancel_their_generation():
+    fake = FakeEngine()
+    with live_server(create_app(ServerSettings(), fake)) as url, httpx.Client(timeout=TIMEOUT) as http:
+        with http.stream("POST", f"{url}/v1/chat/completions", json=chat_body(stream=True)) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+        assert fake.generations[0].cancelled.wait(TIMEOUT), "streaming disconnect did not cancel"
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=0.5)
+        assert fake.generations[1].cancelled.wait(TIMEOUT), "non-streaming disconnect did not cancel"
+        assert http.get(f"{url}/health").status_code == 200
+
+
+def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokenizer):
+    """The `serve` code path (model folder -> build_engine -> create_app -> uvicorn) with the official client."""
+    import openai
+
+    from jointspec.server.cli import build_engine
+
+    byte_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    args = Namespace(model=str(tmp_path / "model"), method="pld", draft=None, num_draft_tokens=4, max_ngram=3,
+                     min_ngram=1, beam_width=4, accept_threshold=0.5, tree=(4, 2, 2), device="cpu",
+                     dtype="float32", max_batch_size=4, max_tokens=16, model_id="tiny-served")
+    served = build_engine(args)
+    try:
+        with live_server(create_app(ServerSettings(), served)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+            assert [m.id for m in client.models.list()] == ["tiny-served"]
+            messages = [{"role": "user", "content": "abcabc"}]
+            whole = client.chat.completions.create(model="tiny-served", messages=messages, temperature=0,
+                                                   max_tokens=12)
+            assert whole.choices[0].finish_reason in ("stop", "length") and whole.usage.completion_tokens >= 1
+            stream = client.chat.completions.create(model="tiny-served", messages=messages, temperature=0,
+                                                    max_tokens=12, stream=True,
+                                                    extra_body={"jointspec": {"method": "ar"}})
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == whole.choices[0].message.content
+            with pytest.raises(openai.BadRequestError) as error:
+                client.chat.completions.create(model="tiny-served", messages=messages, n=3)
+            assert error.value.body["param"] == "n"
+
+            async def concurrently() -> list[str]:
+                async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT,
+                                              max_retries=0) as aclient:
+                    replies = await asyncio.gather(*[
+                        aclient.completions.create(model="tiny-served", prompt=f"prompt {i}" * (i + 1),
+                                                   temperature=0, max_tokens=10) for i in range(6)])
+                return [r.choices[0].text for r in replies]
+
+            together = asyncio.run(concurrently())
+            alone = [client.completions.create(model="tiny-served", prompt=f"prompt {i}" * (i + 1), temperature=0,
+                                               max_tokens=10).choices[0].text for i in range(6)]
+            assert together == alone  # sharing the batch changes nobody's tokens
+    finally:
+        served.close()
