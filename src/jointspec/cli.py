@@ -119,7 +119,7 @@ def _run_methods(args: argparse.Namespace) -> int:
 
 
 # Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
-_SUBCOMMAND_MODULES: list[str] = ["jointspec.bench.cli"]
+_SUBCOMMAND_MODULES: list[str] = ["jointspec.bench.cli", "jointspec.server.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:
