@@ -1,0 +1,183 @@
+"""Losslessness of the multi-candidate verifiers (SpecInfer token trees, SpecTr k-sequential selection).
+
+Each case builds a two-level "language" on a tiny vocabulary from hand-made tables: target and draft distributions
+after the context, after each first token and after each pair. Drafts are drawn from the draft tables exactly as the
+drafters do (k-config trees with or without replacement; k i.i.d. chains for SpecTr), the verifier runs once per
+draw, and a chi-square test compares the first emitted token with ``target(. | context)`` and the first two with
+``target(a) target(b | a)`` (when a round emits one token the second is drawn from the target, as the next round
+would). Every run is seeded, so the tests are deterministic; for a fresh seed each lossless check fails falsely with
+probability ``ALPHA`` = 1e-4 (about 1e-3 over the file), and the mutants must give p-values below ``ALPHA`` too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from jointspec.drafters.base import Draft
+from jointspec.sampling import SamplingConfig
+from jointspec.verifiers.tree import SpecTrVerifier, TreeRejectionVerifier, kseq_rho
+
+ALPHA = 1e-4
+# 5·10^4 draws resolve a first-token error of ~0.5 % at ALPHA; edge cases and mutants (errors of several %) need
+# fewer. (10^5 draws for every case would take minutes on two shared cores.)
+NUM_DRAWS = 50_000
+NUM_SMALL = 15_000
+SAMPLING = SamplingConfig(temperature=1.0)  # no top-k/top-p: softmax(log p) gives back the tables exactly
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny tensors: two intra-op threads on a loaded 2-core machine make every op ~100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tables(vocab: int, seed: int, zeros: float = 0.3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random next-token tables after the context [V], after one token [V, V], after two [V, V, V]; some zeros."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in ((vocab,), (vocab, vocab), (vocab, vocab, vocab)):
+        weights = torch.rand(shape, generator=g) ** 2
+        weights[torch.rand(shape, generator=g) < zeros] = 0.0
+        weights[..., seed % vocab] += 0.05  # every row keeps some mass
+        out.append(weights / weights.sum(-1, keepdim=True))
+    return tuple(out)
+
+
+def draw_trees(draft_tables, branching: tuple[int, int], num: int, replacement: bool, g: torch.Generator):
+    """``num`` two-level trees drawn from the draft tables: first-level tokens [num, k0], second [num, k0, k1]."""
+    q0, q1, _ = draft_tables
+    k0, k1 = branching
+    first = torch.multinomial(q0.expand(num, -1), k0, replacement=replacement, generator=g)  # [num, k0]
+    second = torch.multinomial(q1[first.flatten()], k1, replacement=replacement, generator=g)  # [num*k0, k1]
+    return first, second.reshape(num, k0, k1)
+
+
+def run_verifier(verifier, target_tables, draft_tables, branching, num, replacement, seed, one_hot=False):
+    """First and second emitted tokens over ``num`` seeded rounds ([num] each)."""
+    g = torch.Generator().manual_seed(seed)
+    p0, p1, p2 = target_tables
+    q0, q1, _ = draft_tables
+    k0, k1 = branching
+    first, second = draw_trees(draft_tables, branching, num, replacement, g)
+    parents = [-1] * k0 + [j for j in range(k0) for _ in range(k1)]
+    # Target rows: after the context, after each first-level node, after each second-level node.
+    logits = torch.cat([p0.log().expand(num, 1, -1), p1[first].log(),
+                        p2[first[:, :, None].expand(-1, -1, k1), second].log().flatten(1, 2)], dim=1)
+    draft_rows = torch.cat([q0.expand(num, k0, -1), q1[first][:, :, None].expand(-1, -1, k1, -1).flatten(1, 2)], 1)
+    tokens = torch.cat([first, second.flatten(1)], dim=1).tolist()
+    fallback = torch.multinomial(p1, num, replacement=True, generator=g).T.tolist()  # [num, V]: a draw after each a
+    out_first, out_second = [], []
+    for i in range(num):
+        draft = Draft(tokens[i], None if one_hot else draft_rows[i], parents)
+        emitted = verifier.verify(draft, logits[i], SAMPLING, g).token_ids
+        out_first.append(emitted[0])
+        out_second.append(emitted[1] if len(emitted) > 1 else fallback[i][emitted[0]])
+    return torch.tensor(out_first), torch.tensor(out_second)
+
+
+def p_values(target_tables, first: torch.Tensor, second: torch.Tensor) -> tuple[float, float]:
+    """Chi-square p-values of the first token and of the first pair; impossible outcomes give 0."""
+    p0, p1, _ = target_tables
+    vocab = p0.shape[0]
+    results = []
+    for observed, expected in ((torch.bincount(first, minlength=vocab), p0),
+                               (torch.bincount(first * vocab + second, minlength=vocab * vocab),
+                                (p0[:, None] * p1).flatten())):
+        expected = expected.double() * len(first)
+        if observed[expected == 0].sum() > 0:
+            results.append(0.0)
+            continue
+        keep = expected > 0
+        results.append(float(chisquare(observed[keep].double(), expected[keep] * observed.sum() / expected.sum()).pvalue))
+    return results[0], results[1]
+
+
+VOCAB = 5
+TARGET = tables(VOCAB, seed=1)
+DRAFT = tables(VOCAB, seed=2, zeros=0.15)  # zeros where the target has mass, yet >= 3 tokens per row (k0 = 3)
+
+
+def disjoint_case() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(target, draft) tables whose first-token supports are disjoint: the draft only proposes tokens 3 and 4."""
+    p0 = TARGET[0].clone()
+    p0[3:] = 0.0
+    q0 = torch.zeros(VOCAB)
+    q0[3:] = 1.0
+    uniform = torch.full((VOCAB, VOCAB), 1.0 / VOCAB)
+    return (p0 / p0.sum(), TARGET[1], TARGET[2]), (q0 / q0.sum(), uniform, uniform[None].expand(VOCAB, -1, -1))
+
+
+class NoResidual(TreeRejectionVerifier):
+    """Mutant: the recovered token comes from the target row, not from the residual."""
+
+    def _residual(self, target_row, draft_row):
+        return target_row
+
+
+class RhoOne(SpecTrVerifier):
+    """Mutant: rho = 1 for any number of candidates (over-accepts; the residual is clamped, hence wrong)."""
+
+    def _rho(self, target_row, draft_row, num_candidates):
+        _, beta, _ = kseq_rho(target_row, draft_row, num_candidates)
+        return 1.0, sum((1.0 - beta) ** i for i in range(num_candidates))
+
+
+@pytest.mark.parametrize("replacement", [True, False], ids=["with-replacement", "without-replacement"])
+def test_specinfer_is_lossless(replacement):
+    first, second = run_verifier(TreeRejectionVerifier(replacement), TARGET, DRAFT, (3, 2), NUM_DRAWS, replacement,
+                                 seed=10)
+    assert min(p_values(TARGET, first, second)) > ALPHA
+
+
+@pytest.mark.parametrize("case", ["draft-is-target", "disjoint", "one-hot"])
+def test_specinfer_edge_cases_are_lossless(case):
+    target_tables, draft_tables = {"draft-is-target": (TARGET, TARGET), "disjoint": disjoint_case(),
+                                   "one-hot": (TARGET, DRAFT)}[case]
+    first, second = run_verifier(TreeRejectionVerifier(True), target_tables, draft_tables, (3, 2), NUM_SMALL, True,
+                                 seed=11, one_hot=case == "one-hot")
+    assert min(p_values(target_tables, first, second)) > ALPHA
+
+
+def test_specinfer_mutant_is_rejected():
+    first, second = run_verifier(NoResidual(True), TARGET, DRAFT, (3, 2), NUM_SMALL, True, seed=12)
+    assert min(p_values(TARGET, first, second)) < ALPHA
+
+
+def test_replacement_mismatch_is_rejected():
+    """Drafts drawn without replacement but verified as i.i.d. ones: the same test must catch it."""
+    first, second = run_verifier(TreeRejectionVerifier(True), TARGET, DRAFT, (3, 2), NUM_SMALL, False, seed=13)
+    assert min(p_values(TARGET, first, second)) < ALPHA
+
+
+def test_spectr_is_lossless():
+    first, second = run_verifier(SpecTrVerifier(), TARGET, DRAFT, (3, 1), NUM_DRAWS, True, seed=20)
+    assert min(p_values(TARGET, first, second)) > ALPHA
+
+
+@pytest.mark.parametrize("case", ["draft-is-target", "disjoint"])
+def test_spectr_edge_cases_are_lossless(case):
+    target_tables, draft_tables = {"draft-is-target": (TARGET, TARGET), "disjoint": disjoint_case()}[case]
+    first, second = run_verifier(SpecTrVerifier(), target_tables, draft_tables, (4, 1), NUM_SMALL, True, seed=21)
+    assert min(p_values(target_tables, first, second)) > ALPHA
+
+
+def test_spectr_mutant_is_rejected():
+    first, second = run_verifier(RhoOne(), TARGET, DRAFT, (3, 1), NUM_SMALL, True, seed=22)
+    assert min(p_values(TARGET, first, second)) < ALPHA
+
+
+def test_kseq_rho_qualifies_and_beats_the_trivial_choice():
+    p0, q0 = TARGET[0], DRAFT[0]
+    for m in (1, 2, 4, 8):
+        rho, beta, f = kseq_rho(p0, q0, m)
+        assert 1.0 <= rho <= m and f <= rho + 1e-12
+        # More candidates never lower the chance of accepting one: 1 - (1 - beta)^m grows with m.
+        if m == 1:
+            assert rho == 1.0 and abs(beta - float(torch.minimum(p0, q0).sum())) < 1e-6
+    rho_same, beta_same, _ = kseq_rho(p0, p0, 4)
+    assert rho_same == 1.0 and abs(beta_same - 1.0) < 1e-6  # draft = target: accept the first candidate always
