@@ -150,11 +150,13 @@ class RaggedCache:
         lengths = self.valid.sum(dim=1)  # [batch]
         # Dummies may run past the context; clamp so learned position tables are never indexed out of range.
         positions = (lengths[:, None] + torch.arange(width, device=device)).clamp_max(self.lm.max_context - 1)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # [width, width]
-        visible = torch.cat([self.valid[:, None, :].expand(num_rows, width, num_slots),
-                             causal.expand(num_rows, width, width)], dim=2)  # [batch, width, num_slots + width]
-        mask = torch.zeros(num_rows, 1, width, num_slots + width, dtype=dtype, device=device)
-        mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+        mask = None  # no holes, no padding: the model's own causal path (and its fastest kernels)
+        if not bool(self.valid.all()):
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # [width, width]
+            visible = torch.cat([self.valid[:, None, :].expand(num_rows, width, num_slots),
+                                 causal.expand(num_rows, width, width)], dim=2)  # [batch, width, slots + width]
+            mask = torch.zeros(num_rows, 1, width, num_slots + width, dtype=dtype, device=device)
+            mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
         out = self.lm.model(input_ids=ids.to(device), position_ids=positions, attention_mask=mask,
                             past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
