@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import JointspecError
 from .loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from .methods import MethodConfig, MethodContext, build_method
 from .models.adapter import CausalLM
@@ -121,6 +122,8 @@ class Pipeline:
         return self.tokenizer(prompt)["input_ids"]
 
     def stream_ids(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
+        if not prompt_ids:  # e.g. an empty prompt without a chat template: a user error, not an engine one
+            raise JointspecError("the prompt is empty after tokenisation; pass some text")
         generator = torch.Generator(device="cpu").manual_seed(config.seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids)
         yield from self.decoder.stream(prompt_ids, decode, generator)

@@ -37,6 +37,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return table[dtype]
 
 
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot name or this machine does not have, before anything is loaded."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ModelLoadError(f"unknown device '{device}'; use cpu or cuda (cuda:N for a given GPU)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device '{device}' asked for, but CUDA is not available on this machine; use cpu")
+
+
 def _looks_like_path(source: str) -> bool:
     return source.endswith(".gguf") or source.startswith((".", "/", "~")) or os.sep + os.sep in source
 
@@ -47,6 +57,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = source or DEFAULT_MODEL
+    check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     kwargs: dict = {}
     if source == DEFAULT_MODEL:

@@ -1,0 +1,231 @@
+"""``jointspec generate`` from the command line: bad input gives one clear line and a non-zero exit, never a
+traceback; ``--json`` prints a parseable result.
+
+Models are tiny random Llamas saved with ``save_pretrained`` into temporary folders, each with a small word-level
+tokenizer (``w4 w5 ...``; ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3), so the CLI loads them exactly as it would
+load a real model folder. Errors come in two forms, both accepted: argparse's (usage, then ``jointspec generate:
+error: ...``, exit 2) for malformed options, and the library's (``jointspec: error: ...``, exit 2) for everything
+found later. Deterministic: greedy decoding on fixed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import VOCAB, tiny_llama
+from jointspec.cli import main
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+PROMPT = "w10 w11 w12 w13 w10 w11"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny forwards: intra-op threads only add synchronisation on a shared machine. Restored afterwards.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``<pad> <s> </s> <unk> w4 ... w{vocab_size - 1}``."""
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def save_model(folder, seed: int, *, vocab: int = VOCAB, tokenizer_vocab: int | None = None,
+               max_positions: int = 256) -> str:
+    tiny_llama(seed, vocab=vocab, max_positions=max_positions).save_pretrained(folder)
+    word_tokenizer(tokenizer_vocab or vocab).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": save_model(root / "target", 0),
+        "draft": save_model(root / "draft", 1),
+        # Another vocabulary altogether (120 words): tokenizers differ.
+        "other_vocab": save_model(root / "other_vocab", 1, vocab=120),
+        # The target's tokenizer but 120 output rows: only the model sizes differ.
+        "other_size": save_model(root / "other_size", 1, vocab=120, tokenizer_vocab=VOCAB),
+        # A 16-position context.
+        "short": save_model(root / "short", 0, max_positions=16),
+    }
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``jointspec`` with ``args``, argparse's SystemExit included."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_clean_error(code: int, err: str, *needles: str) -> None:
+    """A non-zero exit, no traceback, and a final error line that mentions every needle."""
+    assert code not in (0, None), err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last, err
+    for needle in needles:
+        assert needle in last, last
+
+
+def generate_args(model: str, *extra: str) -> list[str]:
+    # --no-chat: the tiny tokenizers have no chat template; 8 new tokens keep each run to a few milliseconds.
+    return ["generate", PROMPT, "--model", model, "--no-chat", "--max-new-tokens", "8", *extra]
+
+
+def test_missing_model_path(capsys, tmp_path):
+    code, out, err = run_cli(capsys, *generate_args(str(tmp_path / "no-such-model")))
+    assert_clean_error(code, err, "jointspec: error:", "does not exist")
+    assert out == ""
+
+
+def test_folder_without_config(capsys, tmp_path):
+    code, _, err = run_cli(capsys, *generate_args(str(tmp_path)))
+    assert_clean_error(code, err, "jointspec: error:", "config.json")
+
+
+def test_missing_draft_path(capsys, model_dirs, tmp_path):
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps",
+                                                  "--draft", str(tmp_path / "no-such-draft")))
+    assert_clean_error(code, err, "jointspec: error:", "does not exist")
+
+
+def test_sps_without_draft(capsys, model_dirs):
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps"))
+    assert_clean_error(code, err, "jointspec: error:", "--draft")
+
+
+@pytest.mark.parametrize("draft", ["other_vocab", "other_size"])
+def test_draft_vocabulary_mismatch(capsys, model_dirs, draft):
+    # other_vocab: a different tokenizer; other_size: the same tokenizer on a model with more output rows.
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps",
+                                                  "--draft", model_dirs[draft]))
+    assert_clean_error(code, err, "jointspec: error:", "tokenizer")
+
+
+def test_prompt_longer_than_context(capsys, model_dirs):
+    long_prompt = " ".join(f"w{4 + i}" for i in range(20))  # 20 tokens for a 16-position context
+    code, _, err = run_cli(capsys, "generate", long_prompt, "--model", model_dirs["short"], "--no-chat")
+    assert_clean_error(code, err, "jointspec: error:", "20 tokens", "16")
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--num-draft-tokens", "0"),
+    ("--num-draft-tokens", "two"),
+    ("--max-new-tokens", "0"),
+    ("--temperature", "warm"),
+])
+def test_malformed_options_are_argparse_errors(capsys, model_dirs, option, value):
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], option, value))
+    assert code == 2
+    assert_clean_error(code, err, option)
+    assert "usage:" in err
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--temperature", "-0.5", "temperature"),
+    ("--temperature", "nan", "temperature"),
+    ("--top-p", "0", "top_p"),
+    ("--top-p", "1.5", "top_p"),
+    ("--top-p", "-0.1", "top_p"),
+    ("--top-k", "-1", "top_k"),
+    ("--method", "no-such-method", "unknown method"),
+    ("--dtype", "float8", "dtype"),
+    ("--min-ngram", "4", "min_ngram"),  # 4 > --max-ngram 3
+])
+def test_bad_values_are_library_errors(capsys, model_dirs, option, value, needle):
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], option, value))
+    assert code == 2
+    assert_clean_error(code, err, "jointspec: error:", needle)
+
+
+def test_unknown_device(capsys, model_dirs):
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--device", "tpu-please"))
+    assert_clean_error(code, err, "jointspec: error:", "unknown device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(capsys, model_dirs):
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--device", "cuda"))
+    assert_clean_error(code, err, "jointspec: error:", "CUDA is not available")
+
+
+def test_empty_prompt_without_chat_template(capsys, model_dirs):
+    # No chat template and no text: nothing to condition on (the loop needs at least one token).
+    code, _, err = run_cli(capsys, "generate", "", "--model", model_dirs["target"], "--no-chat")
+    assert_clean_error(code, err, "jointspec: error:", "prompt is empty")
+
+
+REQUIRED_STATS = {"num_rounds", "num_draft_tokens", "num_accepted_tokens", "mean_accepted_tokens"}
+
+
+def json_result(capsys, *args: str) -> dict:
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert {"text", "token_ids", "num_new_tokens", "seconds", "tokens_per_second", "stats"} <= set(result)
+    assert REQUIRED_STATS <= set(result["stats"])
+    assert len(result["token_ids"]) == result["num_new_tokens"] == result["stats"]["num_new_tokens"]
+    assert isinstance(result["text"], str) and result["seconds"] >= 0 and result["tokens_per_second"] >= 0
+    return result
+
+
+@pytest.mark.parametrize("method", [["--method", "ar"], ["--method", "pld"], ["--method", "sps", "--draft", "self"]])
+def test_json_output(capsys, model_dirs, method):
+    # 16 new tokens with 4-token drafts: a few rounds, unless the model emits </s> (id 2) before; the same greedy
+    # tokens for every method, whatever each accepted.
+    reference = json_result(capsys, "generate", PROMPT, "--model", model_dirs["target"], "--no-chat",
+                            "--max-new-tokens", "16", "--json")
+    result = json_result(capsys, "generate", PROMPT, "--model", model_dirs["target"], "--no-chat",
+                         "--max-new-tokens", "16", "--json", *method)
+    assert result["token_ids"] == reference["token_ids"]
+    assert 1 <= result["num_new_tokens"] <= 16
+    stats = result["stats"]
+    assert stats["num_rounds"] + stats["num_accepted_tokens"] == result["num_new_tokens"]
+    if method[-1] == "self":  # the target drafting for itself: everything is accepted
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+        assert stats["mean_accepted_tokens"] > 1.0
+
+
+def test_json_with_a_separate_draft_model(capsys, model_dirs):
+    result = json_result(capsys, *generate_args(model_dirs["target"], "--method", "sps", "--draft",
+                                                model_dirs["draft"], "--json"))
+    assert result["stats"]["num_draft_tokens"] > 0
+
+
+def test_text_output_streams_and_reports(capsys, model_dirs):
+    code, out, err = run_cli(capsys, *generate_args(model_dirs["target"]))
+    assert code == 0, err
+    assert out.strip() and all(word.startswith("w") or word in SPECIALS for word in out.split())
+    assert "[ar]" in err and "tok/s" in err
+
+
+def test_subprocess_error_has_no_traceback(tmp_path):
+    # The one end-to-end check in a fresh interpreter: the installed entry point, exit status and stderr as a user
+    # sees them.
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
+    done = subprocess.run([sys.executable, "-m", "jointspec", "generate", "hi", "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("jointspec: error: model path")
