@@ -5,6 +5,10 @@ position 0 and was followed by ``[7, 9, 5, 6]``; with ``num_draft_tokens=3`` the
 n-grams are tried first (a longer match predicts better); among equal-length matches the most recent one wins
 (recent text is what a model tends to repeat). No match: an empty draft, and the round costs one plain step.
 The drafter has no probabilities: verifiers treat its tokens as one-hot drafts.
+
+Draft length adapts: a copy that was accepted whole is probably still running (the model is quoting its input), so
+the next draft doubles, up to ``max_num_draft_tokens``; any rejection drops back to ``num_draft_tokens``. Long drafts
+thus only happen while they pay, and a spurious match costs at most a short verification.
 """
 
 from __future__ import annotations
@@ -32,25 +36,37 @@ def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram
 
 
 class PromptLookupDrafter:
-    def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
+                 max_num_draft_tokens: int | None = None) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        max_num_draft_tokens = num_draft_tokens if max_num_draft_tokens is None else max_num_draft_tokens
+        if max_num_draft_tokens < num_draft_tokens:
+            raise ValueError(f"max_num_draft_tokens ({max_num_draft_tokens}) must be >= num_draft_tokens "
+                             f"({num_draft_tokens})")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.num_draft_tokens = num_draft_tokens
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.max_num_draft_tokens = max_num_draft_tokens
+        self._length = num_draft_tokens
+        self._last_num_drafted = 0
 
     def start(self, prompt_ids: list[int]) -> None:
-        pass
+        self._length = self.num_draft_tokens
+        self._last_num_drafted = 0
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        num_tokens = min(self.num_draft_tokens, max_num_draft_tokens)
-        if num_tokens <= 0:
-            return EMPTY_DRAFT
-        tokens = lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram)
+        num_tokens = min(self._length, max_num_draft_tokens)
+        tokens = lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram) \
+            if num_tokens > 0 else []
+        self._last_num_drafted = len(tokens)
         return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
-        pass
+        if self._last_num_drafted and num_accepted == self._last_num_drafted:
+            self._length = min(2 * self._length, self.max_num_draft_tokens)
+        elif self._last_num_drafted:
+            self._length = self.num_draft_tokens

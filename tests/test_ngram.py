@@ -1,0 +1,53 @@
+"""Prompt lookup: which continuation it copies, and how its draft length adapts. Deterministic, no model needed."""
+
+import numpy as np
+import pytest
+
+from jointspec.drafters.ngram import PromptLookupDrafter, lookup
+from jointspec.sampling import SamplingConfig
+
+GREEDY = SamplingConfig()
+
+
+def test_longest_ngram_wins_over_more_recent_shorter_match():
+    # Suffix [5, 6] occurs at 0 (followed by 7, 9); the unigram [6] also occurs at 5, more recently (followed by 8).
+    context = np.array([5, 6, 7, 9, 4, 6, 8, 5, 6])
+    assert lookup(context, 2, max_ngram=2, min_ngram=1) == [7, 9]
+    assert lookup(context, 2, max_ngram=1, min_ngram=1) == [8, 5]
+
+
+def test_most_recent_match_among_equal_lengths_and_no_match():
+    context = np.array([1, 2, 3, 1, 2, 4, 1, 2])
+    assert lookup(context, 3, max_ngram=2, min_ngram=2) == [4, 1, 2]
+    assert lookup(np.array([1, 2, 3, 4]), 3, max_ngram=3, min_ngram=1) == []
+
+
+def test_draft_never_exceeds_budget():
+    drafter = PromptLookupDrafter(num_draft_tokens=8)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    assert drafter.propose(context, 3, GREEDY, None).token_ids == [3, 4, 5]
+    assert drafter.propose(context, 0, GREEDY, None).token_ids == []
+
+
+def test_length_doubles_after_full_acceptance_and_resets_after_rejection():
+    drafter = PromptLookupDrafter(num_draft_tokens=2, max_num_draft_tokens=8)
+    context = list(range(10, 40)) + [10, 11]
+    drafter.start(context)
+    assert len(drafter.propose(context, 100, GREEDY, None).token_ids) == 2
+    drafter.commit(context, 2)
+    assert len(drafter.propose(context, 100, GREEDY, None).token_ids) == 4
+    drafter.commit(context, 4)
+    assert len(drafter.propose(context, 100, GREEDY, None).token_ids) == 8
+    drafter.commit(context, 8)
+    assert len(drafter.propose(context, 100, GREEDY, None).token_ids) == 8  # capped
+    drafter.commit(context, 3)
+    assert len(drafter.propose(context, 100, GREEDY, None).token_ids) == 2  # a rejection resets
+    drafter.start(context)
+    assert drafter._length == 2
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="max_num_draft_tokens"):
+        PromptLookupDrafter(num_draft_tokens=4, max_num_draft_tokens=2)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        PromptLookupDrafter(num_draft_tokens=0)
