@@ -8,12 +8,14 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch
+
 from ..cli import _positive_int, add_model_arguments, method_config_from_args
 from ..models.loading import load_model
 from .prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from .report import contract, summarise, table, write_report
 from .runner import BenchConfig, memoised_loader, run_bench
-from .specs import MethodSpecError, all_method_names, parse_spec, parse_specs
+from .specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
 load_target = load_model
@@ -43,6 +45,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity under the target")
     parser.add_argument("--no-cost-model", action="store_true", help="skip measuring T(k) and the predictions")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads (default: torch's choice); fewer than the free cores avoids contention")
     add_model_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -58,16 +62,25 @@ def run(args: argparse.Namespace) -> int:
                              cost_model=not args.no_cost_model)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
+    for spec in specs:  # bad option values fail here, before the model loads
+        if not spec.is_hf:
+            method_config(spec, defaults)
     prompts = []
     for source in args.prompts or [f"{BUILTIN_PREFIX}mt_bench"]:
         prompts += load_prompts(source)
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.model, device=args.device, dtype=args.dtype)
     result = run_bench(target, tokenizer, prompts, specs, args.baseline, config, defaults,
                        memoised_loader(args.device, args.dtype), progress=not args.no_progress)
     summary = summarise(result)
+    load, cpus = result.environment.get("load_average_end"), result.environment.get("cpu_count")
+    if load is not None and cpus and load > cpus:
+        print(f"jointspec bench: warning: load average {load} on {cpus} CPUs: other work competed for the cores, "
+              "so timings are unreliable", file=sys.stderr)
     print(table(result, summary))
     if args.report_dir is not None:
         command = "jointspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])

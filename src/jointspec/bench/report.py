@@ -172,6 +172,11 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
           f"{config.temperature}, seed {config.seed}, {config.repeats} timed repeat(s) after a discarded warm-up; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",
           "```", table(result, summary), "```\n"]
+    load = [env.get("load_average_start"), env.get("load_average_end")]
+    if None not in load:
+        busy = max(load) > (env.get("cpu_count") or 1)
+        md.append(f"1-minute load average at start / end: {load[0]} / {load[1]} on {env.get('cpu_count')} CPUs"
+                  + (" — **the machine was busy with other work: timings are unreliable.**\n" if busy else ".\n"))
     if result.target_cost:
         md.append("## Target cost T(k)\n")
         md.append("| k | " + " | ".join(result.target_cost.to_dict()["ms_by_k"]) + " |")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 import statistics
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ def memoised_loader(device: str, dtype: str | None) -> LoadDraft:
 def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: list[MethodSpec], baseline: str,
               config: BenchConfig = BenchConfig(), defaults: MethodConfig = MethodConfig(),
               load_draft: LoadDraft | None = None, progress: bool = True) -> BenchResult:
+    load_at_start = _load_average()
     labels = [s.label for s in specs]
     if baseline not in labels:
         raise MethodSpecError(f"baseline '{baseline}' is not among the methods ({', '.join(labels)})")
@@ -156,7 +158,8 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     bar.close()
 
     _compare_and_score(runs, baseline, target, config)
-    return BenchResult(config, list(engines), baseline, runs, cost, environment(target))
+    env = environment(target) | {"load_average_start": load_at_start, "load_average_end": _load_average()}
+    return BenchResult(config, list(engines), baseline, runs, cost, env)
 
 
 def run_conversation(engine, tokenizer, prompt: BenchPrompt,
@@ -240,8 +243,17 @@ def environment(target: CausalLM) -> dict:
         device_name = _cpu_name()
     return {"model": target.name, "device": str(device), "device_name": device_name,
             "dtype": str(target.dtype).replace("torch.", ""), "num_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "jointspec": metadata.version("jointspec")}
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average: above the CPU count, other processes were competing for the cores."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _cpu_name() -> str:
