@@ -235,8 +235,8 @@ class OracleTreeDrafter:
 
     It is given that continuation in advance. Each round, at every depth, it adds a decoy child (which itself gets a
     decoy child, except at the deepest level the budget allows) and then the true child, so the accepted path is
-    never the first sibling and its cache entries end up scattered among rejected ones. Every ``miss_every``-th round the true
-    token at depth 2 is left out, so that round is rejected part-way through the tree.
+    never the first sibling and its cache entries end up scattered among rejected ones. Every ``miss_every``-th
+    round the true token at depth 2 is left out, so that round is rejected part-way through the tree.
 
     Example with truth ``[a, b, c]``: tokens ``[a', a'', a, b', b'', b, c', c]`` with parents
     ``[-1, 0, -1, 2, 3, 2, 5, 5]`` (x' is a decoy, x'' a decoy's child).
