@@ -163,7 +163,7 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     plots = write_plots(summary, folder)
 
-    md = [f"# jointspec bench\n", f"`{command}`\n",
+    md = ["# jointspec bench\n", f"`{command}`\n",
           f"Model **{env['model']}**, {env['dtype']}, on {env['device']} ({env['device_name']}, "
           f"{env['num_threads']} threads); torch {env['torch']}, transformers {env['transformers']}, "
           f"jointspec {env['jointspec']}, Python {env['python']}.\n",
