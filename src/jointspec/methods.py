@@ -110,7 +110,7 @@ def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 # Modules that register more methods when imported. Each adds itself here.
-_BUILTIN_METHOD_MODULES: list[str] = ["jointspec.methods_joint"]
+_BUILTIN_METHOD_MODULES: list[str] = ["jointspec.methods_joint", "jointspec.drafters.oracle"]
 _loaded = False
 
 
