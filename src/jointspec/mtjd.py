@@ -13,7 +13,6 @@ otherwise draw again. Its law is ``Q`` restricted to the kept set ``K`` and reno
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +111,3 @@ def beam_mtjd_generate(target: CausalLM, prompt_ids: list[int], max_new_tokens: 
         cache.commit(tokens, len(block))
     return new
 
-
-def enumerate_blocks(vocab_size: int, num_tokens: int):
-    """Every block of ``num_tokens`` tokens, in the order of a flattened ``[vocab] * num_tokens`` tensor."""
-    return itertools.product(range(vocab_size), repeat=num_tokens)
