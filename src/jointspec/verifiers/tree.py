@@ -17,7 +17,7 @@ position. With ``beta(rho) = Σ_y min(draft_row[y], target_row[y] / rho)`` and
 probability ``min(draft_row[y], target_row[y] / rho) · f``, which is at most ``target_row[y]`` whenever ``f <= rho``;
 if all are rejected the token comes from the residual ``target_row - min(draft_row, target_row / rho) · f``
 (normalised; it carries mass ``(1 - beta)^m``). Any ``rho`` in ``[1, m]`` with ``f <= rho`` is lossless; the
-smallest accepts most, found by bisection (``rho = m`` always qualifies, and the bisection keeps a qualifying end).
+smallest accepts most, found by a grid search (``rho = m`` always qualifies).
 Over whole drafts: after accepting ``y`` every candidate whose token is ``y`` survives and their children (i.i.d.
 given the prefix, independent of the selection) are the next position's candidates. With one candidate this is
 plain speculative sampling. Drafts: ``k`` independent chains, i.e. a tree with branching ``(k, 1, ..., 1)``.
@@ -36,7 +36,8 @@ from .base import Verdict, children_of
 from .greedy import GreedyVerifier
 from .rejection import residual_distribution
 
-_BISECTION_STEPS = 30
+_GRID = np.linspace(0.0, 1.0, 33)
+_GRID_ROUNDS = 2
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
@@ -104,28 +105,32 @@ class TreeRejectionVerifier:
 
 
 def kseq_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: int) -> tuple[float, float, float]:
-    """SpecTr's (rho, beta, f) for ``num_candidates`` i.i.d. candidates: the smallest ``rho`` with ``f <= rho``
-    up to bisection precision (always a qualifying value, so always lossless). Rows: [vocab]."""
+    """SpecTr's (rho, beta, f) for ``num_candidates`` i.i.d. candidates. Rows: [vocab].
+
+    ``rho`` is the smallest qualifying (``f <= rho``) point of a grid on ``[1, m]``, refined once around it. Any
+    qualifying ``rho`` is lossless and ``rho = m`` always qualifies, so a coarse search only costs acceptance, never
+    correctness; a grid also needs no monotonicity of ``f(rho) - rho``.
+    """
     support = torch.nonzero(draft_row > 0).flatten()  # beta only depends on the draft's support
     target = target_row[support].double().cpu().numpy()
     draft = draft_row[support].double().cpu().numpy()
+    powers = np.arange(num_candidates)
 
-    def beta_and_f(rho: float) -> tuple[float, float]:
-        beta = float(np.minimum(draft, target / rho).sum())
-        return beta, float(sum((1.0 - beta) ** i for i in range(num_candidates)))
+    def beta_and_f(rhos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        beta = np.minimum(draft[None, :], target[None, :] / rhos[:, None]).sum(axis=1)  # [num_rhos]
+        f = ((1.0 - beta)[:, None] ** powers[None, :]).sum(axis=1)  # Σ_{i<m} (1 - beta)^i, stable as beta -> 0
+        return beta, f
 
     low, high = 1.0, float(num_candidates)
-    if beta_and_f(low)[1] <= low:
-        high = low
-    else:
-        for _ in range(_BISECTION_STEPS):
-            mid = 0.5 * (low + high)
-            if beta_and_f(mid)[1] <= mid:
-                high = mid
-            else:
-                low = mid
-    beta, f = beta_and_f(high)
-    return high, beta, f
+    for _ in range(_GRID_ROUNDS if num_candidates > 1 else 0):  # one candidate: rho = f = 1 (plain SpS)
+        rhos = low + (high - low) * _GRID
+        qualifying = np.flatnonzero(beta_and_f(rhos)[1] <= rhos)
+        first = int(qualifying[0]) if qualifying.size else len(_GRID) - 1  # the top end qualifies
+        low, high = float(rhos[max(first - 1, 0)]), float(rhos[first])
+        if first == 0:
+            break
+    beta, f = beta_and_f(np.array([high]))
+    return high, float(beta[0]), float(f[0])
 
 
 class SpecTrVerifier:
