@@ -42,6 +42,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="ar", help="decoding method (see `jointspec methods`)")
     parser.add_argument("--draft", default=None, help="draft model for model-based methods; 'self' = the target")
     parser.add_argument("--num-draft-tokens", type=_positive_int, default=4, help="draft length / depth (gamma)")
+    parser.add_argument("--max-draft-tokens", type=_positive_int, default=16,
+                        help="pld: the draft length doubles after fully accepted drafts, up to this")
     parser.add_argument("--max-ngram", type=_positive_int, default=3, help="pld: longest n-gram to match")
     parser.add_argument("--min-ngram", type=_positive_int, default=1, help="pld: shortest n-gram to match")
     parser.add_argument("--beam-width", type=_positive_int, default=4, help="mtad: beams per level")
@@ -55,6 +57,7 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     from .methods import MethodConfig
 
     return MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                        max_num_draft_tokens=args.max_draft_tokens,
                         max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
                         accept_threshold=args.accept_threshold, tree=args.tree)
 

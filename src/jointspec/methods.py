@@ -24,6 +24,7 @@ class MethodConfig:
     name: str = "ar"
     draft: str | None = None
     num_draft_tokens: int = 4
+    max_num_draft_tokens: int = 16
     max_ngram: int = 3
     min_ngram: int = 1
     beam_width: int = 4
@@ -33,6 +34,8 @@ class MethodConfig:
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.max_num_draft_tokens < 1:
+            raise ValueError(f"max_num_draft_tokens must be >= 1, got {self.max_num_draft_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
         if self.beam_width < 1:
@@ -103,9 +106,13 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     return ModelDrafter(context.draft_model(), context.config.num_draft_tokens), RejectionSamplingVerifier()
 
 
-@register_method("pld", "prompt lookup: n-gram drafts copied from the context (lossless)")
+@register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)")
 def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
-    drafter = PromptLookupDrafter(context.config.num_draft_tokens, context.config.max_ngram, context.config.min_ngram)
+    config = context.config
+    # Draft length starts at num_draft_tokens and doubles while whole drafts are accepted, up to
+    # max_num_draft_tokens (docs/benchmarks.md has the side-by-side measurement that chose 4 -> 16).
+    drafter = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
+                                  max(config.max_num_draft_tokens, config.num_draft_tokens))
     return drafter, RejectionSamplingVerifier()
 
 
