@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")
     parser.add_argument("--repeats", type=_positive_int, default=1, help="timed repeats (median; min-max shown)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-dir", type=Path, default=None, help="write report.md, results.json and PNG plots")
     parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run")
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         defaults = method_config_from_args(args, name="ar")
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
-                             seed=args.seed, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
                              cost_model=not args.no_cost_model)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error

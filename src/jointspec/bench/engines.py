@@ -18,6 +18,7 @@ from ..api import GenerationConfig, Pipeline
 from ..loop import SpecStats, SpeculativeDecoder
 from ..methods import MethodConfig, MethodContext, build_method
 from ..models.adapter import CausalLM
+from ..sampling import SamplingConfig
 from .specs import MethodSpec, MethodSpecError, method_config
 
 LoadDraft = Callable[[str], tuple[CausalLM, object]]
@@ -50,8 +51,9 @@ class JointspecEngine:
         # Drafters whose first run of a prompt costs more than later ones (the oracle) get an untimed run per prompt.
         self.warm_per_prompt = bool(getattr(drafter, "warm_per_prompt", False))
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> TurnOutput:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
+        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
         device = self.pipeline.target.device
         synchronize(device)
         start = time.perf_counter()
@@ -103,11 +105,13 @@ class HFEngine:
         return assistant
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> TurnOutput:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
         device = self.model.device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, prompt_len]
-        sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
-                    else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
+        # The same temperature -> top-k -> top-p order as jointspec.sampling (transformers' default warper order).
+        options = ({"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                    "top_p": sampling.top_p} if not sampling.greedy
+                   else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
         calls = 0
 
         def count(module, args, kwargs):
@@ -122,7 +126,7 @@ class HFEngine:
             start = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                                      **sampling, **self.extra)
+                                      **options, **self.extra)
             synchronize(device)
             seconds = time.perf_counter() - start
         finally:

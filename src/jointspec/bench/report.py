@@ -169,7 +169,7 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
           f"jointspec {env['jointspec']}, Python {env['python']}.\n",
           f"{len(summary[result.baseline]['per_category'])} categories, "
           f"{summary[result.baseline]['num_prompts']} prompts, max_new_tokens {config.max_new_tokens}, temperature "
-          f"{config.temperature}, seed {config.seed}, {config.repeats} timed repeat(s) after a discarded warm-up; "
+          f"{config.temperature} (top-k {config.top_k}, top-p {config.top_p}), seed {config.seed}, {config.repeats} timed repeat(s) after a discarded warm-up; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",
           "```", table(result, summary), "```\n"]
     load = [env.get("load_average_start"), env.get("load_average_end")]

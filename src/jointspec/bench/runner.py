@@ -32,6 +32,7 @@ from .costmodel import TargetCost, measure_target_cost
 from .engines import LoadDraft, TurnOutput, build_engine
 from .prompts import BenchPrompt, chat_prompt_ids
 from .specs import MethodSpec, MethodSpecError
+from ..sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 1
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
     seed: int = 0
     warmup: bool = True
     perplexity: bool = True
@@ -52,8 +55,11 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.sampling  # validates temperature, top-k and top-p
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass
@@ -170,7 +176,7 @@ def run_conversation(engine, tokenizer, prompt: BenchPrompt,
     for text in prompt.turns:
         messages.append({"role": "user", "content": text})
         prompt_ids = chat_prompt_ids(tokenizer, messages)
-        out = engine.generate(prompt_ids, config.max_new_tokens, config.temperature, config.seed)
+        out = engine.generate(prompt_ids, config.max_new_tokens, config.sampling, config.seed)
         turns.append((prompt_ids, out))
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_ids, skip_special_tokens=True)})
     return turns
