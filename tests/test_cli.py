@@ -241,3 +241,32 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("jointspec: error: model path")
+
+
+
+def test_json_quality_block(capsys, model_dirs):
+    """--json reports perplexity under the raw target (checked against a direct computation), distinct-2 and
+    repetition in range, and energy only from a hardware counter ("unavailable" on machines without one)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jointspec.energy import meter_for_device
+
+    result = json_result(capsys, "generate", PROMPT, "--model", model_dirs["target"], "--no-chat",
+                         "--max-new-tokens", "12", "--json")
+    quality = result["quality"]
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"], dtype=torch.float32).eval()
+    prompt_ids = AutoTokenizer.from_pretrained(model_dirs["target"])(PROMPT)["input_ids"]
+    assert result["num_prompt_tokens"] == len(prompt_ids)
+    ids = torch.tensor([prompt_ids + result["token_ids"]])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0, len(prompt_ids) - 1:-1].log_softmax(-1)
+    expected = math.exp(-logprobs.gather(-1, torch.tensor(result["token_ids"])[:, None]).mean().item())
+    assert quality["perplexity"] == pytest.approx(expected, rel=1e-3)
+    assert 0.0 < quality["distinct_2"] <= 1.0 and 0.0 <= quality["repetition_rate_4"] <= 1.0
+    if isinstance(meter_for_device("cpu"), type(meter_for_device("nonexistent-device"))):
+        assert quality["energy_joules_per_token"] == "unavailable"
+    else:
+        assert quality["energy_joules_per_token"] > 0

@@ -91,8 +91,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     pipeline = Pipeline.load(args.model, method, device=args.device, dtype=args.dtype)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
+        from .energy import meter_for_device
+        from .quality import quality_report
+
+        meter = meter_for_device(args.device)
+        meter.start()
         result = pipeline.generate(prompt, config)
-        print(json.dumps(result.to_dict()))
+        joules = meter.stop()
+        record = result.to_dict()
+        record["quality"] = quality_report(pipeline.target, result.prompt_ids, result.token_ids, joules)
+        print(json.dumps(record))
         return 0
 
     def show(delta: str) -> None:

@@ -52,3 +52,19 @@ def repetition_rate(token_ids: Sequence[int], n: int = 4) -> float:
         total += 1
         seen.add(gram)
     return repeats / total if total else float("nan")
+
+
+def quality_report(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequence[int],
+                   energy_joules: float | None = None) -> dict:
+    """The quality block of ``jointspec generate --json``: one extra target forward over prompt + output."""
+    def finite(x: float) -> float | None:
+        return round(x, 4) if math.isfinite(x) else None
+
+    return {
+        "perplexity": finite(perplexity(target, prompt_ids, new_ids)),
+        "distinct_2": finite(distinct_n(new_ids, 2)),
+        "repetition_rate_4": finite(repetition_rate(new_ids, 4)),
+        # Only a hardware counter (RAPL, NVML) is reported; never an estimate.
+        "energy_joules_per_token": (round(energy_joules / len(new_ids), 6)
+                                    if energy_joules is not None and new_ids else "unavailable"),
+    }
