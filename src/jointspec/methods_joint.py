@@ -18,17 +18,10 @@ from .verifiers.tree import SpecTrVerifier, TreeRejectionVerifier
 
 
 def _eos_token_ids(context: MethodContext) -> frozenset[int]:
-    """EOS ids the drafters must not expand past: the tokenizer's and the generation config's (as the loop's)."""
-    ids: set[int] = set()
-    tokenizer_eos = getattr(context.tokenizer, "eos_token_id", None)
-    if tokenizer_eos is not None:
-        ids.add(int(tokenizer_eos))
-    generation_eos = getattr(getattr(context.target.model, "generation_config", None), "eos_token_id", None)
-    if isinstance(generation_eos, int):
-        ids.add(generation_eos)
-    elif generation_eos:
-        ids.update(int(i) for i in generation_eos)
-    return frozenset(ids)
+    """EOS ids the drafters must not expand past: the same set the loop stops at."""
+    from .api import eos_token_ids  # api imports methods, which imports this module lazily
+
+    return eos_token_ids(context.target, context.tokenizer)
 
 
 def _beam_drafter(context: MethodContext, tree: bool) -> BeamDrafter:
