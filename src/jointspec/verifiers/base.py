@@ -44,3 +44,19 @@ def children_of(draft: Draft) -> dict[int, list[int]]:
         children.setdefault(parent, []).append(node)
         children.setdefault(node, [])
     return children
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root down to ``node`` (inclusive); empty for -1."""
+    nodes: list[int] = []
+    while node != -1:
+        nodes.append(node)
+        node = parents[node]
+    return nodes[::-1]
+
+
+def one_hot_row(token: int, like: torch.Tensor) -> torch.Tensor:
+    """A distribution shaped like ``like`` ([vocab]) with all mass on ``token``: a deterministic draft's 'probs'."""
+    row = torch.zeros_like(like)
+    row[token] = 1.0
+    return row

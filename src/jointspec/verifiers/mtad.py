@@ -26,7 +26,7 @@ import torch
 
 from ..drafters.base import Draft
 from ..sampling import SamplingConfig, processed_probs, sample
-from .base import Verdict
+from .base import Verdict, path_to
 
 # Two fp32 forward passes of the same model over the same tokens (chain vs tree mask, different batch shapes) agree
 # to ~1e-6 per log-probability; 1e-4 nats over a few tokens covers that and is far below any meaningful tau.
@@ -75,7 +75,7 @@ class MTADVerifier:
             # -inf - (-inf) is nan, and nan >= x is False: a node off both supports fails, as it should.
             passing = (target_joint - draft_joint) >= self._log_threshold  # [num_nodes]
             node = self._deepest(draft.node_parents(), passing, target_joint)
-        path = _path(draft.node_parents(), node)
+        path = path_to(draft.node_parents(), node)
         if sampling.greedy:
             endpoint = int(target_logits[node + 1].argmax())
         else:
@@ -96,9 +96,3 @@ class MTADVerifier:
         return best
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    nodes: list[int] = []
-    while node != -1:
-        nodes.append(node)
-        node = parents[node]
-    return nodes[::-1]

@@ -16,7 +16,7 @@ import torch
 
 from ..drafters.base import Draft
 from ..sampling import SamplingConfig, processed_probs, sample
-from .base import Verdict
+from .base import Verdict, one_hot_row
 from .greedy import GreedyVerifier
 
 
@@ -47,11 +47,7 @@ class RejectionSamplingVerifier:
             draft_p = float(draft.draft_probs[i, token]) if draft.draft_probs is not None else 1.0
             if uniforms[i] * draft_p < target_p:
                 continue
-            if draft.draft_probs is not None:
-                draft_row = draft.draft_probs[i]
-            else:
-                draft_row = torch.zeros_like(target_probs[i])
-                draft_row[token] = 1.0
+            draft_row = draft.draft_probs[i] if draft.draft_probs is not None else one_hot_row(token, target_probs[i])
             recovered = int(sample(residual_distribution(target_probs[i], draft_row), generator))
             return Verdict(list(range(i)), list(draft.token_ids[:i]) + [recovered])
         bonus = int(sample(target_probs[num_nodes], generator))

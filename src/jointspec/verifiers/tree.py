@@ -32,26 +32,12 @@ import torch
 
 from ..drafters.base import Draft
 from ..sampling import SamplingConfig, processed_probs, sample
-from .base import Verdict, children_of
+from .base import Verdict, children_of, one_hot_row, path_to
 from .greedy import GreedyVerifier
 from .rejection import residual_distribution
 
 _GRID = np.linspace(0.0, 1.0, 33)
 _GRID_ROUNDS = 2
-
-
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    row = torch.zeros_like(like)
-    row[token] = 1.0
-    return row
-
-
-def _path(parents: list[int], node: int) -> list[int]:
-    nodes: list[int] = []
-    while node != -1:
-        nodes.append(node)
-        node = parents[node]
-    return nodes[::-1]
 
 
 class TreeRejectionVerifier:
@@ -79,7 +65,7 @@ class TreeRejectionVerifier:
             accepted = None
             for child, uniform in zip(kids, uniforms):
                 token = draft.token_ids[child]
-                child_row = draft_row if draft_row is not None else _one_hot(token, target_row)
+                child_row = draft_row if draft_row is not None else one_hot_row(token, target_row)
                 if uniform * float(child_row[token]) < float(target_row[token]):
                     accepted = child
                     break
@@ -100,7 +86,7 @@ class TreeRejectionVerifier:
 
     @staticmethod
     def _verdict(draft: Draft, node: int, token: int) -> Verdict:
-        path = _path(draft.node_parents(), node)
+        path = path_to(draft.node_parents(), node)
         return Verdict(path, [draft.token_ids[i] for i in path] + [token])
 
 
@@ -154,18 +140,18 @@ class SpecTrVerifier:
             candidates = [c for node in alive for c in children[node]]
             if not candidates:
                 token = int(sample(target_row, generator))
-                return Verdict(_path(parents, alive[0]), self._tokens(draft, parents, alive[0]) + [token])
+                return Verdict(path_to(parents, alive[0]), self._tokens(draft, parents, alive[0]) + [token])
             draft_row = draft.draft_probs[candidates[0]]  # every candidate was drawn after the same prefix
             rho, f = self._rho(target_row, draft_row, len(candidates))
             token = _select(target_row, draft_row, [draft.token_ids[c] for c in candidates], rho, generator)
             if token is None:
                 token = int(sample(_residual(target_row, draft_row, rho, f), generator))
-                return Verdict(_path(parents, alive[0]), self._tokens(draft, parents, alive[0]) + [token])
+                return Verdict(path_to(parents, alive[0]), self._tokens(draft, parents, alive[0]) + [token])
             alive = [c for c in candidates if draft.token_ids[c] == token]
 
     @staticmethod
     def _tokens(draft: Draft, parents: list[int], node: int) -> list[int]:
-        return [draft.token_ids[i] for i in _path(parents, node)]
+        return [draft.token_ids[i] for i in path_to(parents, node)]
 
     def _rho(self, target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: int) -> tuple[float, float]:
         rho, _, f = kseq_rho(target_row, draft_row, num_candidates)
