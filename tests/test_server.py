@@ -15,7 +15,6 @@ import json
 import socket
 import threading
 import time
-from argparse import Namespace
 
 import httpx
 import pytest
@@ -316,13 +315,15 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
     """The `serve` code path (model folder -> build_engine -> create_app -> uvicorn) with the official client."""
     import openai
 
+    from jointspec.cli import build_parser
     from jointspec.server.cli import build_engine
 
     byte_model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    args = Namespace(model=str(tmp_path / "model"), method="pld", draft=None, num_draft_tokens=4, max_ngram=3,
-                     min_ngram=1, beam_width=4, accept_threshold=0.5, tree=(4, 2, 2), device="cpu",
-                     dtype="float32", max_batch_size=4, max_tokens=16, model_id="tiny-served")
+    # Parsed by the real CLI parser, so every option `jointspec serve` has gets its real default.
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path / "model"), "--method", "pld",
+                                      "--dtype", "float32", "--max-batch-size", "4", "--max-tokens", "16",
+                                      "--model-id", "tiny-served"])
     served = build_engine(args)
     try:
         with live_server(create_app(ServerSettings(), served)) as url:
