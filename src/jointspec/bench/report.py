@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..loop import SpecStats
 from .costmodel import TargetCost, predict
+from ..quality import distinct_n
 from .runner import BenchResult, PromptRun, perplexity_of
 
 CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
@@ -34,6 +35,12 @@ def accepted_histogram(stats: SpecStats) -> list[int]:
     return [at_least[a] - (at_least[a + 1] if a + 1 < len(at_least) else 0) for a in range(len(at_least))]
 
 
+def mean_distinct_2(runs: list[PromptRun]) -> float:
+    """Mean over answers of distinct bigrams / bigrams: low perplexity that is only repetition shows up here."""
+    values = [distinct_n(out, 2) for r in runs for out in r.output_ids if len(out) >= 2]
+    return sum(values) / len(values) if values else float("nan")
+
+
 def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost: TargetCost | None) -> dict:
     """Every number for one method over ``runs``; ``baseline_runs`` are the baseline's runs on the same prompts."""
     tokens = sum(r.num_new_tokens for r in runs)
@@ -49,6 +56,7 @@ def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost:
         "num_identical": sum(r.identical for r in runs),
         "num_prompts": len(runs),
         "perplexity": _rounded(perplexity_of(runs)),
+        "distinct_2": _rounded(mean_distinct_2(runs)),
         "tokens_per_second_min": _rounded(tokens / slowest if slowest > 0 else None, 3),
         "tokens_per_second_max": _rounded(tokens / fastest if fastest > 0 else None, 3),
         "num_new_tokens": tokens,
@@ -120,14 +128,14 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
 
 def table(result: BenchResult, summary: dict) -> str:
     """A plain-text table for the terminal (also used in report.md)."""
-    header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "draft s", "verify s",
+    header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "dist-2", "draft s", "verify s",
               "pred.speedup", "loop eff", "RSS MB"]
     rows = [header]
     for method, s in summary.items():
         rows.append([method, _fmt(s["tokens_per_second"], ".1f"),
                      f"{_fmt(s['tokens_per_second_min'], '.1f')}-{_fmt(s['tokens_per_second_max'], '.1f')}",
                      _fmt(s["speedup"], ".2f") + "x", _fmt(s["mean_accepted_tokens"]),
-                     f"{s['num_identical']}/{s['num_prompts']}", _fmt(s["perplexity"]),
+                     f"{s['num_identical']}/{s['num_prompts']}", _fmt(s["perplexity"]), _fmt(s["distinct_2"]),
                      _fmt(s.get("draft_seconds")), _fmt(s.get("verify_seconds")),
                      _fmt(s.get("predicted_speedup")), _fmt(s.get("loop_efficiency")),
                      _fmt(s["peak_rss_mb"], ".0f")])
@@ -207,7 +215,8 @@ def write_plots(summary: dict, folder: Path) -> list[Path]:
     categories = list(next(iter(summary.values()))["per_category"]) + ["overall"]
     paths = []
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods) / 3)), 4))
+    # Wide enough for the bars, but capped: past ~14 inches a PNG stops being readable on a screen.
+    fig, ax = plt.subplots(figsize=(min(14, max(6, 0.6 * len(categories) * max(1, len(methods) / 3))), 5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         values = [summary[method]["per_category"][c]["speedup"] or 0 for c in categories[:-1]]
@@ -217,7 +226,7 @@ def write_plots(summary: dict, folder: Path) -> list[Path]:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
     ax.set_ylabel("speedup (tokens/s vs baseline)")
     ax.set_title("Speedup by category")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", ncol=min(len(methods), 4))
     paths.append(_save(fig, folder / "speedup_by_category.png"))
 
     with_stats = [m for m in methods if summary[m].get("accepted_histogram")]
