@@ -189,6 +189,11 @@ def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
     results = json.loads((report / "results.json").read_text())
     assert results["target_cost"]["ms_by_k"]["1"] > 0
     assert len(results["runs"]) == 9 and all(len(r["seconds"]) == 2 for r in results["runs"])
+    for method, numbers in results["methods"].items():  # distinct-2 recomputed from the stored outputs
+        from jointspec.quality import distinct_n
+
+        outputs = [out for r in results["runs"] if r["method"] == method for out in r["output_ids"] if len(out) >= 2]
+        assert numbers["distinct_2"] == pytest.approx(sum(distinct_n(o, 2) for o in outputs) / len(outputs), abs=1e-4)
 
 
 def run_tiny(target_model, tokenizer, methods: str, prompts: list[BenchPrompt], **config):
