@@ -365,3 +365,15 @@ def test_processed_probs_keeps_leading_dimensions():
 def test_sampling_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
+
+
+def test_sample_draws_on_the_generators_device():
+    """The helper every sampler uses draws exactly what torch.multinomial draws for the same seed, and returns ids on
+    the probabilities' device. (The cross-device case, CUDA logits with the CPU generator, needs a GPU to run.)"""
+    from jointspec.sampling import multinomial, sample
+
+    probs = torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]])
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert sample(probs, g1).tolist() == torch.multinomial(probs, 1, generator=g2).squeeze(-1).tolist()
+    draws = multinomial(probs[0], 2, replacement=False, generator=torch.Generator().manual_seed(1))
+    assert draws.device == probs.device and sorted(set(draws.tolist())) == sorted(draws.tolist())

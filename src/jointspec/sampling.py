@@ -62,10 +62,20 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     return logits.softmax(dim=-1)
 
 
+def multinomial(probs: torch.Tensor, num_samples: int, *, replacement: bool = False,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """``torch.multinomial`` drawn on the generator's device, returned on ``probs``' device.
+
+    The library seeds one CPU generator per request, and ``torch.multinomial`` refuses a generator that lives on
+    another device than its input (CUDA logits with a CPU generator).
+    """
+    source = probs if generator is None or generator.device == probs.device else probs.to(generator.device)
+    return torch.multinomial(source, num_samples, replacement=replacement, generator=generator).to(probs.device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of ``probs`` ([..., vocab] -> [...]), drawn with ``generator``."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    draws = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    draws = multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).squeeze(-1)
     return draws.reshape(probs.shape[:-1])
 
 

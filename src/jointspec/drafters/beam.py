@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig, processed_probs
+from ..sampling import SamplingConfig, multinomial, processed_probs
 from .base import EMPTY_DRAFT, Draft
 from .treecache import DraftTreeCache
 
@@ -124,7 +124,7 @@ def _choose(scores: torch.Tensor, beam_width: int, greedy: bool, replacement: bo
     probs = torch.softmax(scores, dim=0)  # [num_candidates]: the logsumexp normalisation of w_b ∝ Q(path_b)
     # Without replacement there may be fewer possible children than beams (top-k/top-p): keep them all.
     num_draws = beam_width if replacement else min(beam_width, num_possible)
-    return torch.multinomial(probs, num_draws, replacement=replacement, generator=generator)
+    return multinomial(probs, num_draws, replacement=replacement, generator=generator)
 
 
 class BeamDrafter:

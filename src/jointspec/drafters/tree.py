@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig, processed_probs
+from ..sampling import SamplingConfig, multinomial, processed_probs
 from .base import EMPTY_DRAFT, Draft
 from .treecache import DraftTreeCache
 
@@ -73,9 +73,9 @@ class TreeDrafter:
         if sampling.greedy:
             return torch.topk(logits, min(num_children, logits.shape[-1])).indices.tolist()
         if self.replacement:
-            return torch.multinomial(draft_row, num_children, replacement=True, generator=generator).tolist()
+            return multinomial(draft_row, num_children, replacement=True, generator=generator).tolist()
         num_children = min(num_children, int((draft_row > 0).sum()))
-        return torch.multinomial(draft_row, num_children, replacement=False, generator=generator).tolist()
+        return multinomial(draft_row, num_children, replacement=False, generator=generator).tolist()
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         self.cache.commit(context_ids, num_accepted)
