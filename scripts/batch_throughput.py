@@ -26,13 +26,12 @@ import time
 
 import torch
 
-from jointspec.api import Pipeline, eos_token_ids
+from jointspec.api import GenerationConfig, Pipeline, eos_token_ids
 from jointspec.batch import BatchEngine, BatchRequest
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.loop import DecodeConfig
 from jointspec.methods import MethodConfig
 from jointspec.models.loading import load_model
-from jointspec.api import GenerationConfig
 
 
 def build_prompts(tokenizer, count: int) -> list[list[int]]:
