@@ -101,7 +101,6 @@ class Pipeline:
         self.target = target
         self.tokenizer = tokenizer
         self.method = method or MethodConfig()
-        self._device, self._dtype = device, dtype
         context = MethodContext(self.method, target, tokenizer,
                                 lambda source: load_model(source, device=device, dtype=dtype, name=source))
         drafter, verifier = build_method(context)

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    max_request_bytes: int = 1 << 20
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
