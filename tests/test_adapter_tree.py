@@ -28,15 +28,6 @@ TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 TREE_PARENTS = [-1, 0, 0, 1, -1, 4, 3, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny forwards: intra-op threads only add synchronisation on a shared machine. Restored afterwards.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
 def model(request):
     # Both attention paths receive the adapter's additive tree mask and must honour it.

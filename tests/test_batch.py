@@ -69,15 +69,6 @@ def make_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from intra-op threads, and on a shared CPU the thread hand-offs cost milliseconds."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def load_draft(other_model):
     return lambda source: (CausalLM(other_model, name="tiny-other"), None)

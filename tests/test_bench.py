@@ -12,7 +12,6 @@ import json
 import re
 
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -57,15 +56,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
                                "{% if add_generation_prompt %}assistant : {% endif %}")
     return tokenizer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards are ~1 ms on one thread but ~15 ms with two threads on a busy shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -27,15 +27,6 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 PROMPT = "w10 w11 w12 w13 w10 w11"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny forwards: intra-op threads only add synchronisation on a shared machine. Restored afterwards.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over ``<pad> <s> </s> <unk> w4 ... w{vocab_size - 1}``."""
     vocab = {token: i for i, token in enumerate(SPECIALS)}
@@ -241,7 +232,6 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("jointspec: error: model path")
-
 
 
 def test_json_quality_block(capsys, model_dirs):

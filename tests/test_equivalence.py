@@ -73,16 +73,6 @@ def greedy(max_new_tokens: int, eos_token_ids: frozenset[int] = frozenset()) -> 
 METHODS = ["ar", "sps-self", "sps-other", "pld"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The tiny models run hundreds of sub-millisecond forwards; on a shared machine, intra-op threads spend more
-    # time synchronising than computing (a 40-token decode took 6 s with 2 threads, 0.3 s with 1). Restored after.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize("prompt_seed", [0, 3, 6])
 def test_ar_matches_hf_generate(target_model, prompt_seed):
     prompt = random_prompt(prompt_seed)

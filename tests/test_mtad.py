@@ -28,15 +28,6 @@ GREEDY = SamplingConfig(0.0)
 PROMPT = [1, 17, 42, 5, 88]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: two intra-op threads on a loaded 2-core machine make every op ~100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def plain(target_model, prompt, config: DecodeConfig, seed: int = 0) -> list[int]:
     decoder = SpeculativeDecoder(CausalLM(target_model), NoDrafter(), RejectionSamplingVerifier())
     return decoder.generate(prompt, config, torch.Generator().manual_seed(seed))

@@ -27,15 +27,6 @@ CONTEXT = [1, 4, 3]
 RAW = SamplingConfig(1.0)  # the untruncated joint: what beam search ranks by
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: two intra-op threads on a loaded 2-core machine make every op ~100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def small_model():
     return tiny_llama(3, vocab=SMALL_VOCAB)

@@ -23,18 +23,7 @@ PROMPTS = [
 MAX_NEW_TOKENS = 24
 
 
-@pytest.fixture()
-def one_thread():
-    # On a shared CPU, intra-op threads contend: one thread decodes this 135M model several times faster (0.9 s vs
-    # 4.6 s for 24 tokens under load). Restored afterwards.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
 def test_lossless_methods_match_plain_greedy_on_the_default_model():
     if not embedded.is_prepared():
         pytest.skip(f"the default model is not prepared in {embedded.default_model_dir()} "

@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -35,14 +34,6 @@ from jointspec.verifiers.greedy import GreedyVerifier
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 TIMEOUT = 30.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_batch.py: tiny matmuls on a shared CPU
-    yield
-    torch.set_num_threads(previous)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -27,15 +27,6 @@ NUM_SMALL = 15_000
 SAMPLING = SamplingConfig(temperature=1.0)  # no top-k/top-p: softmax(log p) gives back the tables exactly
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: two intra-op threads on a loaded 2-core machine make every op ~100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tables(vocab: int, seed: int, zeros: float = 0.3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random next-token tables after the context [V], after one token [V, V], after two [V, V, V]; some zeros."""
     g = torch.Generator().manual_seed(seed)

@@ -51,15 +51,6 @@ NUM_ROUNDS_MAIN = 100_000
 NUM_ROUNDS_EDGE = 20_000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Hundreds of thousands of tiny tensor ops: intra-op threads only add synchronisation. Restored afterwards.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def logits_from_probs(rows) -> torch.Tensor:
     """Logits whose softmax is ``rows`` (zeros become -inf)."""
     return torch.tensor(rows, dtype=torch.float64).log().float()
