@@ -1,0 +1,363 @@
+"""Cost-aware speculation: choose each round's draft length (or no draft) from the target's cost curve.
+
+Verifying ``k`` draft tokens means one target forward of ``k + 1`` tokens (the pending token plus the draft). What
+that costs relative to one plain step depends on the backend far more than on the method: on this CPU, 1.1x / 1.3-1.6x
+/ 1.5-2.0x / 2.2x for 2 / 4 / 8 / 16 tokens in torch fp32, but 1.5x / 2.1x / 3.4x / 6.0x in llama.cpp. A draft length
+that pays in torch loses in llama.cpp, so the length must come from the measured curve, not from a constant.
+
+The model. If each draft token is accepted with probability ``a`` once the ones before it were (a chain stops at
+its first rejection), a round that drafts ``k`` tokens commits on average ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens
+(the accepted ones plus the token the target always adds) and costs ``T(k + 1) + k * c``, with ``T`` the target
+forward cost and ``c`` the draft cost per token. Over many rounds tokens per unit cost is
+``E(k) / (T(k + 1) + k * c)`` (a renewal-reward ratio); plain decoding (``k = 0``) gets ``1 / T(1)``. Each round the
+wrapper picks the ``k`` in ``0 .. max`` with the highest ratio.
+
+Worked example, prompt lookup (``c = 0``) at ``a = 0.7``, with the curves ``{1: 1, 2: 1.5, 4: 2.1, 8: 3.4, 16: 6.0}``
+(llama.cpp) and ``{1: 1, 2: 1.1, 3: 1.2, 5: 1.45, 9: 1.75, 17: 2.2}`` (torch fp32), relative to one plain step::
+
+                     k = 0   k = 1   k = 2   k = 3   k = 4   k = 5
+    E(k)              1.00    1.70    2.19    2.53    2.77    2.94
+    llama.cpp T(k+1)  1.00    1.50    1.80    2.10    2.43    2.75   (odd sizes interpolated)
+      tokens / cost   1.00    1.13    1.22    1.21    1.14    1.07   -> k = 2: 22 % more tokens per second
+    torch T(k+1)      1.00    1.10    1.20    1.33    1.45    1.53
+      tokens / cost   1.00    1.55    1.83    1.91    1.91    1.93   -> k = 5 (k = 6: 3.06 / 1.60 = 1.91)
+
+At ``a = 0.3`` llama.cpp's best draft, ``k = 1``, gives 1.3 / 1.5 = 0.87 < 1: the wrapper decodes plainly, while
+torch still gains with ``k = 1`` (1.3 / 1.1 = 1.18).
+
+Estimating ``a``. A round that drafted ``d`` tokens and had ``m`` accepted tested ``m + 1`` tokens if ``m < d`` (the
+``m`` accepted ones and the first rejected one) and ``m`` if ``m = d``; the tokens after a rejection were never
+tested. So the estimate is accepted tokens over *tested* tokens (the maximum-likelihood estimate of a geometric
+acceptance with censoring). The naive accepted / drafted counts untested tokens as rejections and is biased low: at
+``a = 0.8`` and ``d = 4`` it gives 0.59, while ``E[m] / E[tested] = a`` exactly. Both counts decay exponentially per
+tested token (``memory`` = the effective number of recent tokens, 10 by default), so the estimate follows text
+that changes. They
+start each request from a weak prior (``prior_acceptance`` over ``prior_weight`` tokens): requests differ (chat vs.
+extraction), so acceptance is per request, while the cost curve is per target and measured once.
+
+Probing. When the best ``k`` is 0 the wrapper stops drafting, and every draft it skips is a draft it learns nothing
+from. So it still drafts a short probe after 1, 2, 4, ... rounds without a draft (at most ``max_probe_interval``):
+``probe_num_draft_tokens`` tokens, doubled after each probe accepted in full (a copied passage has begun: test more
+of it per round, so the estimate climbs in a few rounds rather than one token at a time), back to the short probe
+after any rejection. Any accepted probe token makes the next probe due in the next round. With the llama.cpp curve
+a 1-token probe every 64 rounds costs 0.5 / 64 < 1 % of plain decoding. The first round of a request is a probe if
+the prior alone would not draft.
+
+The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
+still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
+when ``max_new_tokens`` leaves no room) and ``inner.commit`` as usual. So the inner drafter's state stays what it
+would be under the plain loop: a draft model catches up on skipped tokens in its next propose, prompt lookup keeps
+its own length, and an inner drafter's own empty draft (no n-gram match) is respected and counts as no test.
+
+What is not modelled: loop overhead per round (it favours drafting, since plain decoding pays it on every token, so
+the choice errs towards plain decoding), and draft costs that are not per token (a draft model's catch-up forward
+after skipped rounds, a prompt-lookup scan). The curve is not refined online: timing ``propose`` mixes one-off work
+(the draft model's prefill after ``start``, catch-up forwards) into the per-token cost, and on a shared machine the
+noise would make the choice jitter; the measured medians of :func:`measure_cost_curve` are steadier. For a draft
+model, give ``c`` as the draft model's own ``measure_cost_curve(draft).cost(1)``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import UnsupportedOptionError
+from ..sampling import SamplingConfig
+from .base import Draft, Drafter
+
+# Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 4, 8 and 16 draft tokens.
+DEFAULT_SIZES = (1, 2, 3, 5, 9, 17)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """The cost of one target forward of ``n`` tokens, by ``n``, and the draft cost per drafted token.
+
+    Any unit (seconds, or relative to ``n = 1``) as long as both costs use the same one. Between measured sizes the
+    cost is interpolated linearly, past the largest one extrapolated along the last segment. A forward of more tokens
+    does all the work of a shorter one and more, so the curve is read through its running maximum: a measured dip
+    (timing noise) never makes a longer draft look cheaper than a shorter one.
+    """
+
+    target_cost: Mapping[int, float]  # num_inputs -> cost of one forward of that many tokens
+    draft_cost_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        sizes = sorted(self.target_cost)
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            raise ValueError(f"CostCurve sizes must be integers >= 1, got {sizes}")
+        if len(sizes) < 2 or sizes[0] != 1:
+            raise ValueError(f"CostCurve needs the cost of a 1-token forward (plain decoding) and at least one "
+                             f"larger size, got sizes {sizes}")
+        bad = {n: c for n, c in self.target_cost.items() if not (math.isfinite(c) and c > 0)}
+        if bad:
+            raise ValueError(f"CostCurve costs must be finite and > 0, got {bad}")
+        if not (math.isfinite(self.draft_cost_per_token) and self.draft_cost_per_token >= 0):
+            raise ValueError(f"draft_cost_per_token must be finite and >= 0, got {self.draft_cost_per_token}")
+        # A sorted private copy: the caller's mapping may change later, the curve must not.
+        object.__setattr__(self, "target_cost", {n: float(self.target_cost[n]) for n in sizes})
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.target_cost)
+
+    def cost(self, num_inputs: float) -> float:
+        """Cost of one target forward of ``num_inputs`` tokens (``>= 1``)."""
+        if num_inputs < 1:
+            raise ValueError(f"a target forward has at least 1 token, got {num_inputs}")
+        sizes = self.sizes
+        envelope = list(self.target_cost.values())
+        for i in range(1, len(envelope)):
+            envelope[i] = max(envelope[i], envelope[i - 1])
+        i = next((i for i, n in enumerate(sizes) if n >= num_inputs), len(sizes) - 1)
+        i = max(i, 1)
+        low, high = sizes[i - 1], sizes[i]
+        return envelope[i - 1] + (envelope[i] - envelope[i - 1]) * (num_inputs - low) / (high - low)
+
+    def round_cost(self, num_draft_tokens: int) -> float:
+        """Cost of a round that drafts ``num_draft_tokens`` tokens and verifies them with the pending token."""
+        return self.cost(num_draft_tokens + 1) + num_draft_tokens * self.draft_cost_per_token
+
+    def relative(self) -> CostCurve:
+        """The same curve in units of one plain step (``cost(1) = 1``)."""
+        unit = self.target_cost[1]
+        return CostCurve({n: c / unit for n, c in self.target_cost.items()}, self.draft_cost_per_token / unit)
+
+    def with_draft_cost(self, draft_cost_per_token: float) -> CostCurve:
+        return replace(self, draft_cost_per_token=draft_cost_per_token)
+
+    def to_dict(self) -> dict:
+        return {"target_cost": {str(n): c for n, c in self.target_cost.items()},
+                "draft_cost_per_token": self.draft_cost_per_token}
+
+
+def expected_tokens(acceptance: float, num_draft_tokens: int) -> float:
+    """Mean tokens committed by a round of ``num_draft_tokens`` chain tokens, each accepted with ``acceptance``
+    once its predecessors were: 1 + a + ... + a^k."""
+    if acceptance >= 1.0:
+        return num_draft_tokens + 1.0
+    return (1.0 - acceptance ** (num_draft_tokens + 1)) / (1.0 - acceptance)
+
+
+def choose_num_draft_tokens(acceptance: float, curve: CostCurve, max_num_draft_tokens: int,
+                            min_gain: float = 0.0) -> int:
+    """The draft length in ``0 .. max_num_draft_tokens`` with the most expected tokens per unit cost.
+
+    A draft must beat plain decoding by a factor ``1 + min_gain`` to be chosen; among equal rates the shorter draft
+    wins (less work thrown away when the estimate is off).
+    """
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    if max_num_draft_tokens < 0:
+        raise ValueError(f"max_num_draft_tokens must be >= 0, got {max_num_draft_tokens}")
+    best_k, best_rate = 0, (1.0 + min_gain) / curve.round_cost(0)
+    for k in range(1, max_num_draft_tokens + 1):
+        rate = expected_tokens(acceptance, k) / curve.round_cost(k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+# measure_cost_curve's results, per weights object (see _memo_owner) and settings.
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _memo_owner(target) -> object:
+    """What a measured curve belongs to: the weights (``target.model``) when the adapter exposes them, so adapters
+    sharing one model (a self-draft, the oracle) share one measurement; else the adapter itself."""
+    return getattr(target, "model", target)
+
+
+def _synchronize(device) -> None:
+    # Queued GPU work must finish before a timer reads, or it measures the launch.
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, context_tokens: int = 128,
+                       seed: int = 0, refresh: bool = False) -> CostCurve:
+    """Time target forwards of each of ``sizes`` tokens after a ``context_tokens``-token context; medians, seconds.
+
+    ``target`` is any adapter with the CausalLM interface (``forward(token_ids, num_logits=None)``, ``crop``,
+    ``num_cached``, ``max_context``): the torch adapter, a quantised model or a llama.cpp adapter alike. The
+    measurement runs *after* whatever the adapter has cached, on random tokens (their values do not change a
+    forward's cost), and crops back to the original length at the end, so the adapter's cache is left as it was:
+    the measured context is ``num_cached + context_tokens`` tokens. Each size is run once untimed (warm-up), then
+    ``repeats`` times with sizes shuffled within each pass, so drift in machine speed hits every size alike. Every
+    forward returns all rows of logits, as verification does.
+
+    The result is memoised per model (``target.model`` where the adapter has one, else the adapter), settings and
+    torch thread count: a server or benchmark pays for it once. ``refresh=True`` measures again.
+    """
+    sizes = tuple(sorted(set(sizes)))
+    if not sizes or sizes[0] != 1 or any(not isinstance(n, int) for n in sizes) or len(sizes) < 2:
+        raise ValueError(f"sizes must be integers including 1 and at least one larger size, got {sizes}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if context_tokens < 0:
+        raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
+    key = (sizes, repeats, context_tokens, seed, torch.get_num_threads())
+    owner = _memo_owner(target)
+    try:
+        memo = _MEASURED.setdefault(owner, {})
+    except TypeError:  # an owner that cannot be weakly referenced: measure every time
+        memo = {}
+    if key in memo and not refresh:
+        return memo[key]
+
+    start = target.num_cached
+    room = int(getattr(target, "max_context", 1 << 30)) - start - sizes[-1]
+    if room < 0:
+        raise ValueError(f"cannot measure a {sizes[-1]}-token forward: the adapter holds {start} cached tokens and "
+                         f"its context is {target.max_context}; measure on a reset adapter or pass smaller sizes")
+    context = min(context_tokens, room)
+    rng = random.Random(seed)
+    vocab = target.vocab_size
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    device = getattr(target, "device", None)
+    try:
+        if context:
+            target.forward([rng.randrange(vocab) for _ in range(context)], num_logits=0)
+        for timed in [False] + [True] * repeats:
+            order = list(sizes)
+            rng.shuffle(order)
+            for n in order:
+                tokens = [rng.randrange(vocab) for _ in range(n)]
+                _synchronize(device)
+                t0 = time.perf_counter()
+                target.forward(tokens)
+                _synchronize(device)
+                elapsed = time.perf_counter() - t0
+                target.crop(start + context)
+                if timed:
+                    samples[n].append(elapsed)
+    finally:
+        target.crop(start)
+    curve = CostCurve({n: statistics.median(s) for n, s in samples.items()})
+    memo[key] = curve
+    return curve
+
+
+@dataclass
+class _RequestState:
+    """What the wrapper learns during one request (reset by ``start``)."""
+
+    accepted: float  # exponentially decayed accepted draft tokens
+    tested: float  # exponentially decayed tested draft tokens (accepted + first rejected)
+    rounds_without_draft: int = 0
+    probe_interval: int = 1
+    probe_length: int = 1
+    num_drafted: int = 0  # tokens in the draft handed to the loop this round
+    probing: bool = False
+
+
+class CostAwareDrafter:
+    """Wraps a chain drafter; each round drafts the length with the most expected tokens per unit cost, or nothing.
+
+    ``max_num_draft_tokens`` bounds the chosen length (the inner drafter may draft fewer: its own limit, no n-gram
+    match). ``memory`` is how many recent tested tokens the acceptance estimate effectively averages. See the module
+    docstring for the model, the estimator and the probing schedule.
+    """
+
+    def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
+                 prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
+                 probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0) -> None:
+        if max_num_draft_tokens < 1:
+            raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
+        if not prior_weight > 0:
+            raise ValueError(f"prior_weight must be > 0 (pseudo-tokens behind the prior), got {prior_weight}")
+        if not memory > 1:
+            raise ValueError(f"memory must be > 1 (tested tokens the estimate averages), got {memory}")
+        if not 1 <= probe_num_draft_tokens <= max_num_draft_tokens:
+            raise ValueError(f"probe_num_draft_tokens must be in 1..max_num_draft_tokens ({max_num_draft_tokens}), "
+                             f"got {probe_num_draft_tokens}")
+        if max_probe_interval < 1:
+            raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
+        if not min_gain >= 0:
+            raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+        self.inner = inner
+        self.curve = curve
+        self.max_num_draft_tokens = max_num_draft_tokens
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.decay = 1.0 - 1.0 / memory
+        self.probe_num_draft_tokens = probe_num_draft_tokens
+        self.max_probe_interval = max_probe_interval
+        self.min_gain = min_gain
+        self._state = self._fresh_state()
+
+    @property
+    def warm_per_prompt(self) -> bool:
+        # The benchmark asks the drafter whether a prompt's first run is a warm-up (the oracle's is).
+        return bool(getattr(self.inner, "warm_per_prompt", False))
+
+    @property
+    def acceptance(self) -> float:
+        """The current per-token acceptance estimate."""
+        # accepted <= tested always; min() only guards the last bit of rounding.
+        return min(1.0, self._state.accepted / self._state.tested)
+
+    def _fresh_state(self) -> _RequestState:
+        # rounds_without_draft = 0 with probe_interval = 1: the first round probes if the prior would not draft.
+        return _RequestState(accepted=self.prior_acceptance * self.prior_weight, tested=self.prior_weight,
+                             probe_length=self.probe_num_draft_tokens)
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self._state = self._fresh_state()
+        self.inner.start(prompt_ids)
+
+    def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        state = self._state
+        limit = min(self.max_num_draft_tokens, max_num_draft_tokens)
+        num_tokens = choose_num_draft_tokens(self.acceptance, self.curve, max(limit, 0), self.min_gain)
+        # A probe is the probe_interval-th round since the last draft: interval 1 probes in consecutive rounds.
+        state.probing = num_tokens == 0 and limit > 0 and state.rounds_without_draft + 1 >= state.probe_interval
+        if state.probing:
+            num_tokens = min(state.probe_length, limit)
+        # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
+        # would leave (see the module docstring).
+        draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
+        if not draft.is_chain:
+            raise UnsupportedOptionError(
+                f"cost-aware speculation needs a chain drafter, but {type(self.inner).__name__} proposed a tree; "
+                "use the method without cost-aware speculation")
+        assert draft.num_nodes <= num_tokens, "the inner drafter exceeded its draft budget"
+        state.num_drafted = draft.num_nodes
+        if draft.num_nodes:
+            state.rounds_without_draft = 0
+            if not state.probing:
+                # Drafting paid until now: if it stops paying, probe again soon, and short.
+                state.probe_interval = 1
+                state.probe_length = self.probe_num_draft_tokens
+        else:
+            state.rounds_without_draft += 1
+            state.probing = False  # no draft (e.g. no n-gram match): the probe is still due
+        return draft
+
+    def commit(self, context_ids: list[int], num_accepted: int) -> None:
+        state = self._state
+        drafted = state.num_drafted
+        assert 0 <= num_accepted <= drafted, f"{num_accepted} accepted of {drafted} drafted"
+        if drafted:
+            tested = num_accepted + (1 if num_accepted < drafted else 0)
+            weight = self.decay ** tested
+            state.accepted = state.accepted * weight + num_accepted
+            state.tested = state.tested * weight + tested
+            if state.probing:
+                state.probe_interval = 1 if num_accepted else min(2 * state.probe_interval, self.max_probe_interval)
+                state.probe_length = (min(2 * state.probe_length, self.max_num_draft_tokens)
+                                      if num_accepted == drafted else self.probe_num_draft_tokens)
+        state.num_drafted = 0
+        state.probing = False
+        self.inner.commit(context_ids, num_accepted)
