@@ -62,6 +62,10 @@ class MethodContext:
                                          "(or --draft self to use the target as its own draft)")
         if self.config.draft == "self":
             return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)")
+        from .models.eagle import bind_head, is_head_artifact
+
+        if is_head_artifact(self.config.draft):  # a head from `jointspec train-draft`: bound to this target
+            return bind_head(self.config.draft, self.target)
         draft, draft_tokenizer = self.load_draft(self.config.draft)
         check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
         return draft

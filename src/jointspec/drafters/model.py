@@ -83,4 +83,5 @@ class ModelDrafter:
         keep = common_prefix_length(self._cached_ids, context_ids, start=start)
         keep = min(keep, len(context_ids) - 1)  # always leave one committed token to feed next time
         self.draft.crop(keep)
-        self._cached_ids = self._cached_ids[:keep]
+        # A draft model may keep less than asked (a feature-fed head drops entries fed with its own guesses).
+        self._cached_ids = self._cached_ids[:self.draft.num_cached]

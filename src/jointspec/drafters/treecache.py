@@ -57,7 +57,8 @@ class DraftTreeCache:
         keep = list(range(num_context)) + [num_context + node for node in path]
         keep = keep[:len(context_ids) - 1]  # always leave one committed token to feed next time
         self.draft.keep(keep)
-        self._cached_ids = list(context_ids[:len(keep)])
+        # A draft model may keep less than asked (a feature-fed head drops entries fed with its own guesses).
+        self._cached_ids = list(context_ids[:self.draft.num_cached])
         self._tree_parents, self._tree_tokens = [], []
 
 

@@ -47,6 +47,42 @@ def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
+class FeatureMirror:
+    """The target's features (last hidden states after the final norm) of exactly the tokens in its cache.
+
+    Feature-level draft heads (:mod:`jointspec.models.eagle`) read it. The adapter keeps it in step with its cache:
+    rows are appended by every forward and dropped or gathered by ``crop``/``keep``/``reset``. Storage grows by
+    doubling, so appending a round's rows does not copy the whole history.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._buffer = torch.zeros(256, hidden_size, dtype=dtype, device=device)  # [capacity, hidden]
+        self.length = 0
+        self.synced = False  # a mirror attached mid-sequence stays empty until the adapter's next reset
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self._buffer[:self.length]  # [length, hidden]
+
+    def append(self, rows: torch.Tensor) -> None:
+        end = self.length + rows.shape[0]
+        if end > self._buffer.shape[0]:
+            grown = torch.zeros(max(end, 2 * self._buffer.shape[0]), self._buffer.shape[1],
+                                dtype=self._buffer.dtype, device=self._buffer.device)
+            grown[:self.length] = self.features
+            self._buffer = grown
+        self._buffer[self.length:end] = rows
+        self.length = end
+
+    def crop(self, length: int) -> None:
+        self.length = min(length, self.length)
+
+    def keep(self, index: torch.Tensor) -> None:
+        kept = self.features.index_select(0, index)
+        self._buffer[:kept.shape[0]] = kept
+        self.length = kept.shape[0]
+
+
 class CausalLM:
     """A Hugging Face causal LM plus one sequence's KV cache."""
 
@@ -55,6 +91,14 @@ class CausalLM:
         self.name = name
         self.cache = DynamicCache(config=model.config)
         self.num_cached = 0
+        self.mirrors: list[FeatureMirror] = []
+
+    def attach_feature_mirror(self) -> FeatureMirror:
+        """Start recording this adapter's features; the mirror is in step with the cache from the next ``reset``."""
+        mirror = FeatureMirror(self.model.config.hidden_size, self.dtype, self.device)
+        mirror.synced = self.num_cached == 0
+        self.mirrors.append(mirror)
+        return mirror
 
     @property
     def config(self):
@@ -79,6 +123,9 @@ class CausalLM:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.num_cached = 0
+        for mirror in self.mirrors:
+            mirror.crop(0)
+            mirror.synced = True
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
@@ -107,9 +154,12 @@ class CausalLM:
         out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,
                          past_key_values=self.cache, use_cache=True,
                          logits_to_keep=n if num_logits is None else num_logits,
-                         output_hidden_states=output_hidden)
+                         output_hidden_states=output_hidden or bool(self.mirrors))
         self.cache = out.past_key_values
         self.num_cached = start + n
+        for mirror in self.mirrors:
+            if mirror.synced:
+                mirror.append(out.hidden_states[-1][0])  # [n, hidden]
         keep = n if num_logits is None else num_logits
         hidden = out.hidden_states[-1][0, -keep:] if output_hidden and keep > 0 else None
         logits = out.logits[0, -keep:].float() if keep > 0 else out.logits[0, :0].float()
@@ -123,6 +173,9 @@ class CausalLM:
             # transformers >= 5 takes the number of tokens to remove as a negative count.
             self.cache.crop(length - self.num_cached)
             self.num_cached = length
+            for mirror in self.mirrors:
+                if mirror.synced:
+                    mirror.crop(length)
 
     def keep(self, positions: list[int]) -> None:
         """Keep the cached tokens at ``positions`` (increasing), in that order, and drop the rest.
@@ -137,4 +190,7 @@ class CausalLM:
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
+        for mirror in self.mirrors:
+            if mirror.synced:
+                mirror.keep(index)
         self.num_cached = len(positions)

@@ -1,0 +1,364 @@
+"""A feature-level draft head (EAGLE-style) and the adapter that makes it a draft model like any other.
+
+**The head.** The target's last hidden state after the final norm is its *feature*: ``feature_t`` at position ``t``
+gives the target's logits for token ``t + 1`` through the target's LM head. The head is one decoder layer that reads,
+at position ``t``, ``fc([feature_t ; embed(token_{t+1})])`` and predicts ``feature_{t+1}``; the target's own LM head
+(frozen, optionally restricted to the draft vocabulary: VocabTrim) turns that into a draft for token ``t + 2``.
+Drafting further feeds the head its own predicted feature. Only ``fc`` and the decoder layer are trained and saved
+(a few MB); the embedding and LM head are the target's, so the head only fits the target it was trained on.
+
+**The adapter.** :class:`HeadDraftModel` has the :class:`~jointspec.models.adapter.CausalLM` interface (``forward``
+with chains or trees, ``crop``, ``keep``, ``reset``), so every model-based drafter (``sps``, ``mtad``, ``specinfer``,
+``spectr``) can use a head through ``--draft DIR``. It reads the target's true features from a
+:class:`~jointspec.models.adapter.FeatureMirror`, which the target adapter fills on every forward. Entry ``p`` of the
+head's cache holds token ``p``, fed with the feature of position ``p - 1``: the target's true feature when the target
+has already scored position ``p - 1`` (committed text), else the head's own prediction (draft text). Entries fed
+with a prediction are *inexact*: once the target has scored those positions, the true features are better inputs, so
+``crop``/``keep`` drop every inexact entry and the drafter feeds those tokens again. Drafters therefore read
+``num_cached`` back after ``crop``/``keep`` (it may be smaller than asked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from ..errors import ModelLoadError, UnsupportedOptionError
+from .adapter import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
+
+ARTIFACT_FORMAT = 1
+CONFIG_FILE = "draft.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shape of a head and the target it belongs to (saved as ``draft.json``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    target_fingerprint: str
+    target_name: str = ""
+    num_layers: int = 1
+    draft_vocab_size: int | None = None  # None: the full target vocabulary
+    kind: str = "eagle"
+    format: int = ARTIFACT_FORMAT
+
+    def __post_init__(self) -> None:
+        if self.kind != "eagle":
+            raise ValueError(f"unknown head kind '{self.kind}'")
+        if self.num_layers < 1 or self.hidden_size < 1:
+            raise ValueError(f"bad head shape: {self.num_layers} layers of width {self.hidden_size}")
+
+    @classmethod
+    def for_target(cls, target: CausalLM, fingerprint: str, *, draft_vocab_size: int | None = None,
+                   num_layers: int = 1, intermediate_size: int | None = None) -> "HeadConfig":
+        config = target.config
+        heads = config.num_attention_heads
+        return cls(hidden_size=config.hidden_size, intermediate_size=intermediate_size or config.intermediate_size,
+                   num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", heads),
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   rope_theta=float(_rope_theta(config)), rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
+                   max_position_embeddings=target.max_context, target_vocab_size=target.vocab_size,
+                   target_fingerprint=fingerprint, target_name=target.name, num_layers=num_layers,
+                   draft_vocab_size=draft_vocab_size)
+
+
+def _rope_theta(config) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return theta
+
+
+class EagleHead(nn.Module):
+    """``fc`` over [feature ; token embedding], then ``num_layers`` Llama decoder layers and a norm."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        body_config = LlamaConfig(
+            vocab_size=1, hidden_size=hidden, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+            rope_theta=config.rope_theta, attn_implementation="sdpa")
+        self.body = LlamaModel(body_config)  # its 1-row token embedding is never used: inputs come as embeddings
+        # Tokens outside the draft vocabulary are never drafted; the table maps draft rows to target token ids.
+        size = config.draft_vocab_size or config.target_vocab_size
+        self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, *, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None) -> torch.Tensor:
+        """``features``/``token_embeds``: [batch, n, hidden] -> predicted next features [batch, n, hidden]."""
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                        past_key_values=cache, use_cache=cache is not None)
+        return out.last_hidden_state
+
+    def save(self, folder: str | Path, training: dict | None = None) -> Path:
+        """Write ``draft.json`` and fp16 weights into ``folder`` (created; files replaced atomically)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in self.state_dict().items()
+                 if not k.startswith("body.embed_tokens")}
+        tmp = folder / (WEIGHTS_FILE + ".tmp")
+        save_file(state, str(tmp))
+        tmp.replace(folder / WEIGHTS_FILE)
+        meta = {"config": asdict(self.config), "training": training or {}}
+        (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
+        (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
+        return folder
+
+
+def target_fingerprint(target: CausalLM) -> str:
+    """A short hash that tells one target model from another: its shape plus a sample of its float weights.
+
+    Taken from the config, the input embedding and the final norm, which weight-only quantisation leaves in float, so a
+    draft trained on the fp32 target also fits its quantised versions (which are meant to be the same model).
+    """
+    model = target.model
+    config = model.config
+    digest = hashlib.sha256()
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                                                    "num_attention_heads", "num_key_value_heads")}
+    digest.update(json.dumps(shape, sort_keys=True).encode())
+    embedding = model.get_input_embeddings().weight.detach()
+    digest.update(embedding[:64].float().cpu().numpy().tobytes())
+    digest.update(embedding[-64:].float().cpu().numpy().tobytes())
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        digest.update(norm.weight.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def bind_head(folder: str | Path, target: CausalLM) -> HeadDraftModel:
+    """Load the head saved in ``folder`` for ``target``; refuses a head trained for another target."""
+    head, training = load_head(folder, device=target.device, dtype=torch.float32)
+    fingerprint = target_fingerprint(target)
+    if head.config.target_fingerprint != fingerprint:
+        raise ModelLoadError(
+            f"draft head '{folder}' was trained for target '{head.config.target_name}' (fingerprint "
+            f"{head.config.target_fingerprint}), not for '{target.name}' (fingerprint {fingerprint}); train a head "
+            "for this target with `jointspec train-draft --target ...`")
+    if head.config.target_vocab_size != target.vocab_size:
+        raise ModelLoadError(f"draft head '{folder}' expects {head.config.target_vocab_size} tokens, the target has "
+                             f"{target.vocab_size}")
+    return HeadDraftModel(head, target, name=f"head {Path(folder).name}")
+
+
+def is_head_artifact(path: str | Path) -> bool:
+    return (Path(path).expanduser() / CONFIG_FILE).is_file()
+
+
+def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[EagleHead, dict]:
+    """Load a saved head (weights back to ``dtype``) and its training record."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    try:
+        meta = json.loads((folder / CONFIG_FILE).read_text())
+        config = HeadConfig(**meta["config"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelLoadError(f"'{folder}' is not a readable jointspec draft head ({error}); "
+                             "train one with `jointspec train-draft`") from error
+    if config.format != ARTIFACT_FORMAT:
+        raise ModelLoadError(f"draft head '{folder}' has format {config.format}; this jointspec reads format "
+                             f"{ARTIFACT_FORMAT}: retrain it with this version")
+    head = EagleHead(config)
+    state = load_file(str(folder / WEIGHTS_FILE))
+    missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                for k, v in state.items()}, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("body.embed_tokens")]:
+        raise ModelLoadError(f"draft head '{folder}' weights do not match its config "
+                             f"(missing {missing}, unexpected {unexpected})")
+    return head.to(device=device, dtype=dtype).eval(), meta.get("training", {})
+
+
+def float_lm_weight(model) -> torch.Tensor:
+    """The target's LM head as a float [vocab, hidden] matrix (its tied input embedding if the head is quantised)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
+        return weight
+    if getattr(model.config, "tie_word_embeddings", False):
+        return model.get_input_embeddings().weight
+    raise UnsupportedOptionError("the target's LM head is not a float matrix (quantised?) and not tied to its "
+                                 "embedding; a draft head cannot read it")
+
+
+class HeadDraftModel:
+    """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
+
+    def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head") -> None:
+        self.head = head.eval()
+        self.target = target
+        self.name = name
+        self.mirror = target.attach_feature_mirror()
+        model = target.model
+        self.embed = model.get_input_embeddings()
+        # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
+        self.lm_weight = float_lm_weight(model).detach().index_select(0, head.draft_vocab).to(head.fc.weight.dtype)
+        self.draft_vocab = head.draft_vocab
+        self._full_vocab = target.vocab_size
+        self.reset()
+
+    @property
+    def config(self):
+        return self.head.body.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self._full_vocab
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.fc.weight.dtype
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.head.body.config)
+        self.num_cached = 0
+        self.num_exact = 0  # leading cache entries fed with true target features
+        self.predicted = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        self._tree_tail = False  # the cache ends in tree nodes: only crop/keep may follow
+
+    def _input_feature(self, entry: int) -> torch.Tensor | None:
+        """The feature fed with the token at cache entry ``entry`` (None: not computed yet)."""
+        source = entry - 1
+        if source < 0:
+            return torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        if source < self.mirror.length:  # the target has scored it: committed text, true feature
+            return self.mirror.features[source].to(self.dtype)
+        if source < self.predicted.shape[0]:
+            return self.predicted[source]
+        return None
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] predicted features -> [n, full vocab] logits, -inf outside the draft vocabulary."""
+        draft_logits = features.float() @ self.lm_weight.float().T  # [n, draft vocab]
+        if self.draft_vocab.shape[0] == self._full_vocab:
+            return draft_logits
+        full = torch.full((features.shape[0], self._full_vocab), float("-inf"), device=features.device)
+        full[:, self.draft_vocab] = draft_logits
+        return full
+
+    def _run(self, token_ids: list[int], inputs: list[torch.Tensor], positions: list[int],
+             mask: torch.Tensor | None) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = self.embed(ids).to(self.dtype)[None]  # [1, n, hidden]
+        features = torch.stack(inputs)[None]  # [1, n, hidden]
+        position_ids = torch.tensor(positions, device=self.device)[None]
+        out = self.head(features, embeds, position_ids=position_ids, attention_mask=mask, cache=self.cache)[0]
+        self.predicted = torch.cat([self.predicted, out])
+        self.num_cached += len(token_ids)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False) -> ForwardOutput:
+        token_ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)]
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if self._tree_tail:
+            raise UnsupportedOptionError("a draft head cannot extend a tree draft; crop or keep its cache first")
+        if parents is None or parents == chain_parents(n):
+            outputs = self._forward_chain(token_ids)
+        else:
+            outputs = self._forward_tree(token_ids, parents)
+        keep = n if num_logits is None else num_logits
+        rows = outputs[n - keep:] if keep > 0 else outputs[:0]
+        return ForwardOutput(logits=self._logits(rows), hidden=rows if output_hidden else None)
+
+    def _forward_chain(self, token_ids: list[int]) -> torch.Tensor:
+        # Feed in segments: a token whose input is the prediction of a token in the same call must wait for it.
+        outputs: list[torch.Tensor] = []
+        i = 0
+        while i < len(token_ids):
+            start = self.num_cached
+            inputs: list[torch.Tensor] = []
+            while i + len(inputs) < len(token_ids):
+                entry = start + len(inputs)
+                feature = self._input_feature(entry)
+                if feature is None:
+                    break
+                if self.num_exact == entry and entry - 1 < self.mirror.length:
+                    self.num_exact = entry + 1
+                inputs.append(feature)
+            assert inputs, "a draft head was fed a token whose input feature does not exist"
+            count = len(inputs)
+            outputs.append(self._run(token_ids[i:i + count], inputs, list(range(start, start + count)), None))
+            i += count
+        return torch.cat(outputs)
+
+    def _forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+        # Level by level: a node's input is its parent's predicted feature, so a level waits for the one above.
+        n = len(token_ids)
+        depths = tree_depths(parents)
+        if depths != sorted(depths):
+            raise ValueError("a draft head takes tree nodes level by level (depths must not decrease)")
+        start = self.num_cached
+        ancestors = tree_ancestor_mask(parents).to(self.device)  # [n, n]
+        root_input = self._input_feature(start)
+        assert root_input is not None, "a draft head was fed a tree after a token it has not seen"
+        out = torch.empty(n, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        level_start = 0
+        while level_start < n:
+            level_end = level_start
+            while level_end < n and depths[level_end] == depths[level_start]:
+                level_end += 1
+            nodes = list(range(level_start, level_end))
+            inputs = [root_input if parents[i] == -1 else out[parents[i]] for i in nodes]
+            # Visible: the whole cache before the tree, and each node's own ancestors among the nodes fed so far.
+            visible = torch.ones(len(nodes), start + level_end, dtype=torch.bool, device=self.device)
+            visible[:, start:] = ancestors[level_start:level_end, :level_end]
+            mask = torch.zeros(1, 1, len(nodes), start + level_end, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            out[level_start:level_end] = self._run([token_ids[i] for i in nodes], inputs,
+                                                   [start + depths[i] for i in nodes], mask)
+            level_start = level_end
+        self._tree_tail = True
+        return out
+
+    def crop(self, length: int) -> None:
+        """Keep at most the first ``length`` entries, and never an entry fed with a predicted feature."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
+        length = min(length, self.num_exact)
+        if length < self.num_cached:
+            self.cache.crop(length - self.num_cached)
+            self.num_cached = length
+            self.predicted = self.predicted[:length]
+        self._tree_tail = False
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep the leading run of ``positions`` that is a prefix of the cache (tree paths are fed again)."""
+        prefix = 0
+        while prefix < len(positions) and positions[prefix] == prefix:
+            prefix += 1
+        self.crop(min(prefix, self.num_cached))

@@ -1,0 +1,125 @@
+"""``jointspec train-draft``: self-distillation data for a target, then a trained draft saved as a folder.
+
+    jointspec train-draft --target default --kind heads --out drafts/smollm2-eagle
+
+The data stage and the training stage both resume when run again with the same settings (data shards and a
+training checkpoint live under ``--data`` and ``--out``). The saved folder works as ``--draft DIR`` for ``sps``,
+``mtad``, ``mtad-tree``, ``specinfer`` and ``spectr`` (and in ``bench`` specs), with this target only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ..cli import _positive_int
+from ..errors import UnsupportedOptionError
+
+log = logging.getLogger(__name__)
+
+# Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
+from ..models.loading import load_model as load_target  # noqa: E402
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train-draft", help="train a drafter for a target (self-distillation; EAGLE-style feature head)",
+        description="Generate the target's own answers to training prompts, save its features, and train a draft "
+                    "head on them. Re-running with the same options resumes both stages.")
+    parser.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf or a hub id")
+    parser.add_argument("--kind", default="heads", choices=["heads", "distill"],
+                        help="heads: feature-level head on the target's hidden states; distill: a small causal draft")
+    parser.add_argument("--head", default="eagle", choices=["eagle", "medusa", "hydra"],
+                        help="head type for --kind heads (only eagle is implemented)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
+    parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
+    parser.add_argument("--prompts", action="append", default=None, metavar="FILE|builtin:NAME|train:default",
+                        help="training prompts: train:default (built-in mix that avoids the benchmark sets), a "
+                             "JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; repeatable")
+    parser.add_argument("--num-prompts", type=_positive_int, default=None, help="use only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=192, help="answer length per prompt")
+    parser.add_argument("--generate-batch-size", type=_positive_int, default=16, help="batch size for the answers")
+    parser.add_argument("--draft-vocab", type=int, default=8192,
+                        help="VocabTrim: draft only the N most frequent target tokens (0 = full vocabulary)")
+    parser.add_argument("--layers", type=_positive_int, default=1, help="decoder layers in the head")
+    parser.add_argument("--epochs", type=_positive_int, default=8)
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    parser.add_argument("--batch-tokens", type=_positive_int, default=4096, help="padded tokens per training step")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--unroll", type=int, default=2, choices=[1, 2, 3],
+                        help="passes that read the head's own predicted features (training-time test)")
+    parser.add_argument("--eval-every", type=_positive_int, default=200, help="steps between held-out evaluations")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=run)
+
+
+def training_prompts(sources: list[str] | None, tokenizer) -> list[list[int]]:
+    """Prompt token ids (chat template applied) from the ``--prompts`` sources."""
+    from ..bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
+    from .prompts import default_training_prompts
+
+    texts: list[str] = []
+    for source in sources or ["train:default"]:
+        if source == "train:default":
+            texts.extend(default_training_prompts())
+        elif source.startswith(BUILTIN_PREFIX) or source.endswith(".jsonl"):
+            if source.startswith(BUILTIN_PREFIX):
+                log.warning("training on benchmark prompts (%s): measure on other prompts", source)
+            texts.extend(turn for prompt in load_prompts(source) for turn in prompt.turns[:1])
+        elif source.endswith(".txt"):
+            path = Path(source)
+            if not path.is_file():
+                raise UnsupportedOptionError(f"prompt file '{source}' does not exist")
+            texts.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
+        else:
+            raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, builtin:NAME, "
+                                         "a .jsonl file or a .txt file")
+    if not texts:
+        raise UnsupportedOptionError("no training prompts found in " + ", ".join(sources or []))
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import eos_token_ids
+    from .data import build_data, read_spec
+    from .heads import HeadTrainConfig, HeadTrainer
+
+    if args.kind == "distill":
+        raise UnsupportedOptionError("--kind distill is not implemented yet; use --kind heads (an EAGLE-style "
+                                     "feature head, cheaper and more accurate on this target)")
+    if args.head != "eagle":
+        raise UnsupportedOptionError(f"--head {args.head} is not implemented yet; use --head eagle")
+    if args.draft_vocab < 0:
+        raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, device=args.device)
+    prompts = training_prompts(args.prompts, tokenizer)
+    if args.num_prompts:
+        prompts = prompts[:args.num_prompts]
+    eos = eos_token_ids(target, tokenizer)
+    data = args.data or args.out / "data"
+    build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,
+               batch_size=args.generate_batch_size, eos_token_ids=eos)
+    config = HeadTrainConfig(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
+                             max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
+                             learning_rate=args.learning_rate, unroll=args.unroll, eval_every=args.eval_every,
+                             seed=args.seed)
+    head, result = HeadTrainer(target, config, eos).train(data, args.out, progress=not args.no_progress)
+    if result.best is None:
+        raise UnsupportedOptionError("training ran no evaluation (too little data or time); nothing was saved")
+    summary = {"out": str(args.out), "data": str(data), "data_spec": read_spec(data),
+               "num_train_tokens": result.num_train_tokens, "seconds": round(result.seconds, 1),
+               "stopped_early": result.stopped_early, "best": result.best.__dict__,
+               "size_bytes": sum(p.stat().st_size for p in args.out.iterdir() if p.name in ("model.safetensors",
+                                                                                         "draft.json"))}
+    print(f"saved {args.out} ({summary['size_bytes'] / 1e6:.1f} MB): {result.best.line()}")
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,142 @@
+"""Self-distillation data: the target answers training prompts, then its features on those answers are saved.
+
+Two stages, both resumable (each shard is written atomically and skipped when it already exists):
+
+1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch`), so the
+   drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest form);
+2. **featurise**: one teacher-forced forward of the target over each prompt + answer saves, per token, the token id
+   and the target's last hidden state after the final norm (the *feature*; the target's logits are
+   ``lm_head(feature)``, so they need not be stored). Features are kept in float16 to halve the disk footprint.
+
+A data folder holds ``data.json`` (what was generated, for which target) and ``shard-NNNNN.pt`` files, each a dict
+``{"token_ids": [T] long, "features": [T, hidden] float16, "starts": [S + 1] long, "answer_starts": [S] long}``:
+sequence ``s`` is ``token_ids[starts[s]:starts[s + 1]]``, and its answer begins at offset ``answer_starts[s]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import UnsupportedOptionError
+from ..models.adapter import CausalLM
+from ..models.eagle import target_fingerprint
+
+log = logging.getLogger(__name__)
+
+DATA_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a data folder holds; a folder whose spec differs is refused rather than silently mixed."""
+
+    target_fingerprint: str
+    prompts_sha256: str
+    num_prompts: int
+    max_new_tokens: int
+    max_length: int
+    shard_size: int
+    format: int = DATA_FORMAT
+
+
+def _prompts_sha256(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.pt"
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm comes with transformers; keep working without it
+        return None
+    return tqdm(total=total, desc=desc, unit="prompt")
+
+
+@torch.inference_mode()
+def _featurise(target: CausalLM, sequences: list[list[int]], answer_starts: list[int]) -> dict:
+    """One teacher-forced forward per sequence; returns the shard dict described in the module docstring."""
+    token_ids: list[torch.Tensor] = []
+    features: list[torch.Tensor] = []
+    for ids in sequences:
+        out = target.model(input_ids=torch.tensor([ids], device=target.device), output_hidden_states=True,
+                           logits_to_keep=1, use_cache=False)
+        features.append(out.hidden_states[-1][0].to("cpu", torch.float16))  # [T, hidden], after the final norm
+        token_ids.append(torch.tensor(ids, dtype=torch.long))
+    lengths = torch.tensor([0] + [len(ids) for ids in sequences])
+    return {"token_ids": torch.cat(token_ids), "features": torch.cat(features),
+            "starts": torch.cumsum(lengths, 0), "answer_starts": torch.tensor(answer_starts, dtype=torch.long)}
+
+
+def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: str | Path, *,
+               max_new_tokens: int = 256, max_length: int = 1024, shard_size: int = 32, batch_size: int = 16,
+               eos_token_ids: frozenset[int] = frozenset()) -> Path:
+    """Generate answers and features for ``prompts`` (token ids, chat template applied) into ``folder``.
+
+    Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
+    """
+    from ..batch import BatchEngine, BatchRequest
+    from ..loop import DecodeConfig
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = [p[: max_length - 1] for p in prompts]
+    spec = DataSpec(target_fingerprint(target), _prompts_sha256(prompts), len(prompts), max_new_tokens,
+                    max_length, shard_size)
+    meta_path = folder / "data.json"
+    if meta_path.exists():
+        existing = json.loads(meta_path.read_text())
+        if existing != asdict(spec):
+            raise UnsupportedOptionError(
+                f"data folder '{folder}' was built with different settings ({existing}); use a new --data folder "
+                "or delete this one")
+    else:
+        meta_path.write_text(json.dumps(asdict(spec), indent=1))
+
+    num_shards = (len(prompts) + shard_size - 1) // shard_size
+    bar = _progress(len(prompts), "self-distillation data")
+    engine = BatchEngine(target, tokenizer, max_batch_size=batch_size)
+    for index in range(num_shards):
+        chunk = prompts[index * shard_size:(index + 1) * shard_size]
+        path = _shard_path(folder, index)
+        if not path.exists():
+            requests = [BatchRequest(tuple(p), DecodeConfig(max_new_tokens=max(1, min(max_new_tokens,
+                                                                                         max_length - len(p))),
+                                                            eos_token_ids=eos_token_ids)) for p in chunk]
+            answers = engine.generate(requests)
+            sequences = [list(p) + list(a) for p, a in zip(chunk, answers)]
+            _atomic_save(_featurise(target, sequences, [len(p) for p in chunk]), path)
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return folder
+
+
+def load_shards(folder: str | Path) -> Iterator[dict]:
+    folder = Path(folder)
+    paths = sorted(folder.glob("shard-*.pt"))
+    if not paths:
+        raise UnsupportedOptionError(f"data folder '{folder}' has no shards; build it first (train-draft does)")
+    for path in paths:
+        yield torch.load(path, weights_only=True)
+
+
+def read_spec(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "data.json").read_text())

@@ -1,0 +1,320 @@
+"""Training an EAGLE-style feature head on self-distillation data (see :mod:`jointspec.models.eagle`).
+
+Each training position ``t`` of a sequence feeds ``(feature_t, token_{t+1})`` and asks for ``feature_{t+1}``. Two
+losses, as in EAGLE: a smooth-L1 regression onto the true feature, and a cross-entropy between the target's and the
+head's next-token distributions over the draft vocabulary (the target's distribution is ``lm_head(feature_{t+1})``,
+recomputed on the fly rather than stored).
+
+**Unrolling** (``unroll=2``, after EAGLE-3's training-time test): drafting past the first token feeds the head its
+own predicted features, which are never exactly the target's. A second pass therefore reads the first pass's
+predictions in place of the true input features and is trained on the same targets, so the head learns to draft
+from its own outputs. **Noise** on the input features (EAGLE-1) serves the same purpose more cheaply.
+
+**VocabTrim**: the draft vocabulary is the ``draft_vocab_size`` tokens the target emits most often in the data (its
+argmax at every position). Drafting then costs a ``hidden x draft_vocab`` matmul instead of ``hidden x vocab``.
+
+Held-out evaluation reports, at depth 1 and 2, how often the head's argmax equals the target's (teacher-forced; depth 2
+reads predicted features), plus the share of target tokens the draft vocabulary covers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedOptionError
+from ..models.adapter import CausalLM
+from ..models.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
+from .data import load_shards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadTrainConfig:
+    draft_vocab_size: int | None = 8192  # None: full vocabulary
+    num_layers: int = 1
+    epochs: int = 8
+    max_minutes: float | None = None
+    batch_tokens: int = 4096
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    unroll: int = 2
+    noise: float = 0.05  # uniform noise on input features, relative to their RMS
+    cls_weight: float = 0.3
+    eval_fraction: float = 0.05
+    eval_every: int = 200
+    patience: int = 4  # evaluations without improvement before stopping early
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"draft_vocab_size must be >= 2 or None, got {self.draft_vocab_size}")
+        if self.unroll not in (1, 2, 3):
+            raise ValueError(f"unroll must be 1, 2 or 3, got {self.unroll}")
+        if self.epochs < 1 or self.batch_tokens < 16 or self.learning_rate <= 0:
+            raise ValueError(f"bad training settings: epochs {self.epochs}, batch_tokens {self.batch_tokens}, "
+                             f"learning_rate {self.learning_rate}")
+
+
+@dataclass
+class EvalResult:
+    step: int
+    agreement: list[float]  # per depth: head argmax == target argmax
+    loss: float
+    vocab_coverage: float
+
+    def line(self) -> str:
+        depths = " ".join(f"d{i + 1} {a:.3f}" for i, a in enumerate(self.agreement))
+        return f"step {self.step}: held-out agreement {depths}, loss {self.loss:.4f}, coverage {self.vocab_coverage:.3f}"
+
+
+@dataclass
+class TrainResult:
+    best: EvalResult | None
+    history: list[EvalResult] = field(default_factory=list)
+    seconds: float = 0.0
+    num_train_tokens: int = 0
+    stopped_early: bool = False
+
+
+def _sequences(folder: str | Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    sequences = []
+    for shard in load_shards(folder):
+        starts = shard["starts"].tolist()
+        for a, b in zip(starts, starts[1:]):
+            if b - a >= 3:
+                sequences.append((shard["token_ids"][a:b], shard["features"][a:b]))
+    return sequences
+
+
+@torch.no_grad()
+def _target_argmax(features: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """The target's next-token argmax at every feature row ([T] long), computed in chunks."""
+    out = []
+    for i in range(0, features.shape[0], chunk):
+        out.append((features[i:i + chunk].float() @ lm_weight.T).argmax(-1))
+    return torch.cat(out)
+
+
+def choose_draft_vocab(labels: torch.Tensor, vocab_size: int, size: int | None,
+                       always: list[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent target argmax tokens (sorted ids), plus ``always`` (e.g. end-of-sequence)."""
+    if size is None or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.bincount(labels, minlength=vocab_size).float()
+    counts[torch.tensor(list(always), dtype=torch.long)] = float("inf")
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+def _batches(sequences, batch_tokens: int, rng: random.Random):
+    """Groups of similar-length sequences with at most ``batch_tokens`` padded tokens."""
+    order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i][0]), rng.random()))
+    groups, group, longest = [], [], 0
+    for i in order:
+        n = len(sequences[i][0])
+        if group and max(longest, n) * (len(group) + 1) > batch_tokens:
+            groups.append(group)
+            group, longest = [], 0
+        group.append(i)
+        longest = max(longest, n)
+    if group:
+        groups.append(group)
+    rng.shuffle(groups)
+    return groups
+
+
+def _collate(sequences, group, labels_of, device):
+    length = max(len(sequences[i][0]) for i in group)
+    hidden = sequences[group[0]][1].shape[1]
+    tokens = torch.zeros(len(group), length, dtype=torch.long)
+    features = torch.zeros(len(group), length, hidden)
+    labels = torch.full((len(group), length), -1, dtype=torch.long)
+    for row, i in enumerate(group):
+        ids, feats = sequences[i]
+        tokens[row, :len(ids)] = ids
+        features[row, :len(ids)] = feats.float()
+        labels[row, :len(ids)] = labels_of[i]
+    return tokens.to(device), features.to(device), labels.to(device)
+
+
+class HeadTrainer:
+    """Trains one head for one target; checkpoints to ``folder/checkpoint.pt`` and resumes from it."""
+
+    def __init__(self, target: CausalLM, config: HeadTrainConfig, eos_token_ids: frozenset[int] = frozenset()):
+        self.target = target
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.lm_weight_full = float_lm_weight(target.model).detach().float()
+        self.embed = target.model.get_input_embeddings()
+
+    def _passes(self, head: EagleHead, tokens, features, generator: torch.Generator | None, noise: float):
+        """Predicted features of every pass: [unroll] x [batch, length - 1, hidden]."""
+        batch, length, _ = features.shape
+        inputs = features[:, :-1]
+        embeds = self.embed(tokens[:, 1:]).float()
+        positions = torch.arange(length - 1, device=features.device)[None].expand(batch, -1)
+        outputs = []
+        for _ in range(self.config.unroll):
+            if noise > 0:
+                scale = inputs.detach().pow(2).mean().sqrt() * noise
+                inputs = inputs + (torch.rand(inputs.shape, generator=generator, device=inputs.device) * 2 - 1) * scale
+            predicted = head(inputs, embeds, position_ids=positions)
+            outputs.append(predicted)
+            # The next pass reads, at position t, the prediction of feature t (made at t - 1).
+            inputs = torch.cat([features[:, :1], predicted[:, :-1]], dim=1)
+        return outputs
+
+    def _loss(self, outputs, features, labels, draft_weight, draft_index):
+        targets = features[:, 1:]
+        valid = labels[:, 1:] >= 0  # [batch, length - 1]
+        with torch.no_grad():
+            teacher = F.softmax(targets[valid] @ draft_weight.T, dim=-1)
+        total, per_depth = 0.0, []
+        for depth, predicted in enumerate(outputs):
+            rows = predicted[valid]
+            regression = F.smooth_l1_loss(rows, targets[valid])
+            logprobs = F.log_softmax(rows @ draft_weight.T, dim=-1)
+            classification = -(teacher * logprobs).sum(-1).mean()
+            weight = 1.0 if depth == 0 else 0.5
+            total = total + weight * (regression + self.config.cls_weight * classification)
+            with torch.no_grad():
+                wanted = draft_index[labels[:, 1:][valid]]
+                per_depth.append(((logprobs.argmax(-1) == wanted) & (wanted >= 0)).float().sum().item())
+        return total, per_depth, int(valid.sum())
+
+    def train(self, data_folder: str | Path, out_folder: str | Path, progress: bool = True) -> tuple[EagleHead, TrainResult]:
+        config = self.config
+        out_folder = Path(out_folder)
+        out_folder.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)  # parameter init of the head; all later randomness uses explicit generators
+        rng = random.Random(config.seed)
+        generator = torch.Generator().manual_seed(config.seed)
+        sequences = _sequences(data_folder)
+        if len(sequences) < 2:
+            raise UnsupportedOptionError(f"data folder '{data_folder}' holds {len(sequences)} usable sequences; "
+                                         "generate more data (more prompts)")
+        labels_of = [_target_argmax(feats, self.lm_weight_full) for _, feats in sequences]
+        order = list(range(len(sequences)))
+        rng.shuffle(order)
+        num_eval = max(1, int(len(order) * config.eval_fraction))
+        eval_ids, train_ids = order[:num_eval], order[num_eval:]
+        train_labels = torch.cat([labels_of[i] for i in train_ids])
+        vocab = choose_draft_vocab(train_labels, self.target.vocab_size, config.draft_vocab_size,
+                                   sorted(self.eos_token_ids))
+        draft_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+        draft_index[vocab] = torch.arange(vocab.shape[0])
+        draft_weight = self.lm_weight_full.index_select(0, vocab)
+
+        head_config = HeadConfig.for_target(self.target, target_fingerprint(self.target),
+                                            draft_vocab_size=None if vocab.shape[0] == self.target.vocab_size
+                                            else int(vocab.shape[0]), num_layers=config.num_layers)
+        head = EagleHead(head_config)
+        head.draft_vocab.copy_(vocab)
+        head.train()
+        optimizer = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("body.embed")],
+                                      lr=config.learning_rate, weight_decay=config.weight_decay)
+        train_seqs = [sequences[i] for i in train_ids]
+        train_labels_of = [labels_of[i] for i in train_ids]
+        eval_seqs = [sequences[i] for i in eval_ids]
+        eval_labels_of = [labels_of[i] for i in eval_ids]
+        steps_per_epoch = len(_batches(train_seqs, config.batch_tokens, random.Random(0)))
+        total_steps = steps_per_epoch * config.epochs
+        state = {"step": 0, "best": None, "history": [], "bad_evals": 0, "seconds": 0.0}
+        checkpoint = out_folder / "checkpoint.pt"
+        if checkpoint.exists():
+            saved = torch.load(checkpoint, weights_only=False)
+            if saved["config"] == asdict(config) and saved["vocab"].equal(vocab):
+                head.load_state_dict(saved["head"])
+                optimizer.load_state_dict(saved["optimizer"])
+                state = saved["state"]
+                generator.set_state(saved["generator"])
+                log.info("resumed from %s at step %d", checkpoint, state["step"])
+            else:
+                log.warning("ignoring %s: it was made with other settings or data", checkpoint)
+
+        def learning_rate(step: int) -> float:
+            if step < config.warmup_steps:
+                return config.learning_rate * (step + 1) / config.warmup_steps
+            progress_ = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+            return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_)))
+
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total_steps, initial=state["step"], desc="train head", unit="step")
+        started = time.perf_counter() - state["seconds"]
+        stop = False
+        epoch = state["step"] // max(1, steps_per_epoch)
+        while not stop and epoch < config.epochs:
+            groups = _batches(train_seqs, config.batch_tokens, random.Random(config.seed * 1000 + epoch))
+            for group in groups[state["step"] - epoch * steps_per_epoch:]:
+                tokens, features, labels = _collate(train_seqs, group, train_labels_of, "cpu")
+                for g in optimizer.param_groups:
+                    g["lr"] = learning_rate(state["step"])
+                outputs = self._passes(head, tokens, features, generator, config.noise)
+                loss, _, _ = self._loss(outputs, features, labels, draft_weight, draft_index)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                optimizer.step()
+                state["step"] += 1
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.3f}")
+                timed_out = config.max_minutes is not None and time.perf_counter() - started > 60 * config.max_minutes
+                if state["step"] % config.eval_every == 0 or state["step"] == total_steps or timed_out:
+                    result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, state["step"])
+                    state["history"].append(asdict(result))
+                    log.info(result.line())
+                    if bar is not None:
+                        bar.write(result.line())
+                    if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
+                        state["best"], state["bad_evals"] = asdict(result), 0
+                        head.save(out_folder, training={"best": state["best"]})
+                    else:
+                        state["bad_evals"] += 1
+                    state["seconds"] = time.perf_counter() - started
+                    tmp = checkpoint.with_suffix(f".tmp{os.getpid()}")
+                    torch.save({"config": asdict(config), "vocab": vocab, "head": head.state_dict(),
+                                "optimizer": optimizer.state_dict(), "state": state,
+                                "generator": generator.get_state()}, tmp)
+                    os.replace(tmp, checkpoint)
+                    if state["bad_evals"] >= config.patience or timed_out:
+                        stop = True
+                        break
+            epoch += 1
+        if bar is not None:
+            bar.close()
+        history = [EvalResult(**h) for h in state["history"]]
+        best = EvalResult(**state["best"]) if state["best"] else None
+        return head, TrainResult(best=best, history=history, seconds=time.perf_counter() - started,
+                                 num_train_tokens=sum(len(s[0]) for s in train_seqs),
+                                 stopped_early=state["bad_evals"] >= config.patience)
+
+    @torch.no_grad()
+    def evaluate(self, head: EagleHead, sequences, labels_of, draft_weight, draft_index, step: int) -> EvalResult:
+        head.eval()
+        hits = [0.0] * self.config.unroll
+        total_loss, count, covered = 0.0, 0, 0
+        for group in _batches(sequences, self.config.batch_tokens, random.Random(0)):
+            tokens, features, labels = _collate(sequences, group, labels_of, "cpu")
+            outputs = self._passes(head, tokens, features, None, 0.0)
+            loss, per_depth, num = self._loss(outputs, features, labels, draft_weight, draft_index)
+            total_loss += float(loss) * num
+            count += num
+            hits = [h + d for h, d in zip(hits, per_depth)]
+            valid = labels[:, 1:] >= 0
+            covered += int((draft_index[labels[:, 1:][valid]] >= 0).sum())
+        head.train()
+        return EvalResult(step=step, agreement=[round(h / max(1, count), 4) for h in hits],
+                          loss=round(total_loss / max(1, count), 4), vocab_coverage=round(covered / max(1, count), 4))
