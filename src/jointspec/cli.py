@@ -130,7 +130,7 @@ def _run_methods(args: argparse.Namespace) -> int:
 
 
 # Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
-_SUBCOMMAND_MODULES: list[str] = ["jointspec.bench.cli", "jointspec.server.cli"]
+_SUBCOMMAND_MODULES: list[str] = ["jointspec.bench.cli", "jointspec.server.cli", "jointspec.train.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:
