@@ -121,6 +121,7 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
 
 @pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 4}), ("sps", {"num_draft_tokens": 7}),
+                                           ("sps", {"cost_aware": True, "max_num_draft_tokens": 6}),
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 @pytest.mark.parametrize("prompt_seed", [0, 3])
@@ -183,3 +184,12 @@ def test_unreadable_artifact_is_a_clear_error(tmp_path):
     (tmp_path / "draft.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not a readable jointspec draft head"):
         load_head(tmp_path)
+
+
+def test_cost_aware_wraps_chain_methods_only(target_model, trained_head_dir):
+    from jointspec.drafters.costaware import CostAwareDrafter
+
+    decoder = decoder_for(target_model, "sps", trained_head_dir, cost_aware=True, max_num_draft_tokens=6)
+    assert isinstance(decoder.drafter, CostAwareDrafter)
+    with pytest.raises(UnsupportedOptionError, match="'specinfer' cannot be made cost-aware.*pld, sps"):
+        decoder_for(target_model, "specinfer", trained_head_dir, cost_aware=True)

@@ -24,6 +24,7 @@ from .drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from .drafters.model import ModelDrafter, common_prefix_length
 from .drafters.ngram import PromptLookupDrafter
 from .errors import UnsupportedOptionError
+from .models.adapter import CausalLM
 from .sampling import SamplingConfig, processed_probs, sample
 
 
@@ -160,6 +161,11 @@ def register_batch_drafter(drafter_type: type, make: Callable[[Drafter], BatchDr
 
 def batch_drafter_for(drafter: Drafter, method_name: str) -> BatchDrafter:
     """The batched form of ``drafter``; :class:`UnsupportedOptionError` if it has none."""
+    # Cost-aware wrapping is per sequence: a batch runs the inner drafter (a batched forward has its own cost curve).
+    drafter = getattr(drafter, "inner", drafter)
+    if isinstance(drafter, ModelDrafter) and not isinstance(drafter.draft, CausalLM):
+        raise UnsupportedOptionError(f"method '{method_name}' with a trained draft head cannot run batched yet; "
+                                     "decode it one sequence at a time")
     make = _BATCH_DRAFTERS.get(type(drafter))
     if make is None:
         raise UnsupportedOptionError(

@@ -30,6 +30,7 @@ class MethodConfig:
     beam_width: int = 4
     accept_threshold: float = 0.5
     tree: tuple[int, ...] = (4, 2, 2)
+    cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -72,12 +73,13 @@ class MethodContext:
 
 
 Builder = Callable[[MethodContext], tuple[Drafter, Verifier]]
-_METHODS: dict[str, tuple[Builder, str]] = {}
+_METHODS: dict[str, tuple[Builder, str, bool]] = {}
 
 
-def register_method(name: str, summary: str) -> Callable[[Builder], Builder]:
+def register_method(name: str, summary: str, cost_aware: bool = False) -> Callable[[Builder], Builder]:
+    """Register a builder. ``cost_aware``: its drafter drafts chains, so ``MethodConfig.cost_aware`` may wrap it."""
     def decorate(builder: Builder) -> Builder:
-        _METHODS[name] = (builder, summary)
+        _METHODS[name] = (builder, summary, cost_aware)
         return builder
     return decorate
 
@@ -89,7 +91,7 @@ def method_names() -> list[str]:
 
 def method_summaries() -> dict[str, str]:
     _load_builtin_methods()
-    return {name: summary for name, (_, summary) in sorted(_METHODS.items())}
+    return {name: summary for name, (_, summary, _) in sorted(_METHODS.items())}
 
 
 def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
@@ -97,7 +99,30 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     name = context.config.name
     if name not in _METHODS:
         raise UnsupportedOptionError(f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}")
-    return _METHODS[name][0](context)
+    builder, _, cost_aware_ok = _METHODS[name]
+    if context.config.cost_aware and not cost_aware_ok:
+        cost_aware = sorted(n for n, entry in _METHODS.items() if entry[2])
+        raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
+                                     f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
+    drafter, verifier = builder(context)
+    if context.config.cost_aware:
+        drafter = make_cost_aware(drafter, context)
+    return drafter, verifier
+
+
+def make_cost_aware(drafter: Drafter, context: MethodContext) -> Drafter:
+    """Wrap a chain drafter so each round drafts the length the target's measured cost curve says pays, or none.
+
+    The curve is measured once per target model (a few seconds, memoised); a model drafter's per-token cost is its
+    own one-token forward, prompt lookup's is zero.
+    """
+    from .drafters.costaware import CostAwareDrafter, measure_cost_curve
+
+    curve = measure_cost_curve(context.target)
+    draft = getattr(drafter, "draft", None)
+    if draft is not None:
+        curve = curve.with_draft_cost(measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1))
+    return CostAwareDrafter(drafter, curve, max_num_draft_tokens=context.config.max_num_draft_tokens)
 
 
 @register_method("ar", "plain autoregressive decoding through the same loop (the baseline)")
@@ -105,12 +130,16 @@ def _build_ar(context: MethodContext) -> tuple[Drafter, Verifier]:
     return NoDrafter(), RejectionSamplingVerifier()
 
 
-@register_method("sps", "speculative sampling with a draft model (lossless)")
+@register_method("sps", "speculative sampling with a draft model or trained head (lossless)", cost_aware=True)
 def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
-    return ModelDrafter(context.draft_model(), context.config.num_draft_tokens), RejectionSamplingVerifier()
+    config = context.config
+    # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.
+    length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
+    return ModelDrafter(context.draft_model(), length), RejectionSamplingVerifier()
 
 
-@register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)")
+@register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)",
+                 cost_aware=True)
 def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Draft length starts at num_draft_tokens and doubles while whole drafts are accepted, up to

@@ -236,11 +236,12 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
                 target.forward(tokens)
                 _synchronize(device)
                 elapsed = time.perf_counter() - t0
-                target.crop(start + context)
+                # A feature-fed draft head may keep fewer entries than asked (it drops those fed with guesses).
+                target.crop(min(start + context, target.num_cached))
                 if timed:
                     samples[n].append(elapsed)
     finally:
-        target.crop(start)
+        target.crop(min(start, target.num_cached))
     curve = CostCurve({n: statistics.median(s) for n, s in samples.items()})
     memo[key] = curve
     return curve

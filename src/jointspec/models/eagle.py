@@ -97,7 +97,8 @@ class EagleHead(nn.Module):
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
             num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
             max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-            rope_theta=config.rope_theta, attn_implementation="sdpa")
+            rope_theta=config.rope_theta, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
         self.body = LlamaModel(body_config)  # its 1-row token embedding is never used: inputs come as embeddings
         # Tokens outside the draft vocabulary are never drafted; the table maps draft rows to target token ids.
         size = config.draft_vocab_size or config.target_vocab_size
