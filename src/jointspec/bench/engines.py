@@ -3,11 +3,17 @@
 ``JointspecEngine`` runs a registered jointspec method through :class:`jointspec.api.Pipeline`; ``HFEngine`` runs
 ``hf-generate``, ``hf-assisted`` (``assistant_model=``) and ``hf-pld`` (``prompt_lookup_num_tokens``) through
 transformers' own ``generate`` on the same target weights, prompts, ``max_new_tokens``, temperature and seed.
+
+llama.cpp: ``LlamaCppEngine`` runs ``llamacpp`` and ``llamacpp-pld`` through llama-cpp-python's own generation loop
+(``Llama.generate``, with its ``LlamaPromptLookupDecoding`` draft for the latter), what a llama.cpp user gets; a
+jointspec method with ``backend=llamacpp`` runs the jointspec loop on :class:`LlamaCppLM`. Both read the GGUF that
+:class:`LlamaCppBackend` loads once per bench run, and take the same prompt ids as every other engine.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +23,10 @@ import torch
 from ..api import GenerationConfig, Pipeline
 from ..loop import SpecStats, SpeculativeDecoder
 from ..methods import MethodConfig, MethodContext, build_method
+from ..errors import ModelLoadError
 from ..models.adapter import CausalLM
 from ..sampling import SamplingConfig
-from .specs import MethodSpec, MethodSpecError, method_config
+from .specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
 
 LoadDraft = Callable[[str], tuple[CausalLM, object]]
 
@@ -43,6 +50,12 @@ class JointspecEngine:
                  load_draft: LoadDraft) -> None:
         self.spec = spec
         self.config = method_config(spec, defaults)
+        if self.config.draft == "self" and not isinstance(target, CausalLM) and hasattr(target, "fork"):
+            # The registry's self-draft wraps the target's torch module; another backend's adapter has none, so
+            # the draft is a second context over the same weights (its own cache), handed in as a loaded draft.
+            self_draft = f"{target.name} (self-draft)"
+            self.config = dataclasses.replace(self.config, draft=self_draft)
+            load_draft = _with_self_draft(load_draft, self_draft, target, tokenizer)
         self.pipeline = Pipeline(target, tokenizer)  # plain "ar"; its decoder is replaced just below
         # Built here rather than by Pipeline so that every method shares one memoised draft loader.
         drafter, verifier = build_method(MethodContext(self.config, target, tokenizer, load_draft))
@@ -134,8 +147,121 @@ class HFEngine:
         return TurnOutput(out[0, len(prompt_ids):].tolist(), seconds, calls, None)
 
 
+def _with_self_draft(load_draft: LoadDraft, label: str, target, tokenizer) -> LoadDraft:
+    def load(source: str):
+        return (target.fork(label), tokenizer) if source == label else load_draft(source)
+    return load
+
+
+class LlamaCppBackend:
+    """The llama.cpp side of one bench run: the GGUF, loaded once, and shared by every engine that needs it.
+
+    ``source`` is 'default' (the embedded SmolLM2 GGUF, the same weights the torch target dequantises) or a .gguf
+    path. Its tokenizer must be the bench's: every engine gets the same prompt ids.
+    """
+
+    def __init__(self, source: str, tokenizer, threads: int, n_ctx: int = 4096) -> None:
+        self.source = source
+        self.tokenizer = tokenizer
+        self.threads = threads
+        self.n_ctx = n_ctx
+        self._adapter = None
+        self._llamas: dict[bool, object] = {}
+
+    def adapter(self):
+        """The jointspec adapter (:class:`LlamaCppLM`) every ``backend=llamacpp`` method shares."""
+        if self._adapter is None:
+            from ..models.llamacpp import load_llamacpp
+
+            adapter, tokenizer = load_llamacpp(self.source, n_threads=self.threads, n_ctx=self.n_ctx)
+            if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ModelLoadError(f"the llama.cpp model '{self.source}' does not use the bench target's "
+                                     "tokenizer; pass the GGUF of the same model (llama.cpp model source)")
+            self._adapter = adapter
+        return self._adapter
+
+    def llama(self, logits_all: bool):
+        """llama-cpp-python's ``Llama`` over the same file and settings (one with logits for every position, as its
+        speculative path requires, one without)."""
+        if logits_all not in self._llamas:
+            adapter = self.adapter()  # loads and checks the file first
+            from llama_cpp import Llama
+
+            # Flash attention as in the adapter (Llama's own default, off), the same context and threads.
+            self._llamas[logits_all] = Llama(
+                model_path=str(adapter.model.path), n_ctx=adapter.max_context, n_batch=adapter.n_batch,
+                n_ubatch=adapter.n_batch, n_threads=self.threads, n_threads_batch=self.threads,
+                logits_all=logits_all, flash_attn=adapter.flash_attn, verbose=False)
+        return self._llamas[logits_all]
+
+    def environment(self) -> dict:
+        from importlib import metadata
+
+        adapter = self.adapter()
+        return {"llamacpp_model": str(adapter.model.path), "llamacpp_threads": self.threads,
+                "llamacpp_n_ctx": adapter.max_context, "llama_cpp_python": metadata.version("llama-cpp-python")}
+
+
+class LlamaCppEngine:
+    """``llamacpp`` / ``llamacpp-pld``: llama-cpp-python's own ``Llama.generate`` loop from the prompt ids.
+
+    Stops as the jointspec loop does: after the first EOS token (which is kept), after ``max_new_tokens`` tokens, or
+    when the sequence fills the context. The KV cache is cleared first, so every run prefills the whole prompt
+    (``Llama.generate`` would otherwise reuse a prefix cached by the previous run). Greedy only: llama.cpp's
+    samplers apply top-k/top-p/temperature in another order and draw from their own generator.
+    """
+
+    warm_per_prompt = False
+
+    def __init__(self, spec: MethodSpec, backend: LlamaCppBackend, eos_token_ids: frozenset[int]) -> None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.spec = spec
+        self.eos_token_ids = eos_token_ids
+        options = llamacpp_options(spec)
+        self.draft_model = (LlamaPromptLookupDecoding(**options) if spec.name == "llamacpp-pld" else None)
+        self.llama = backend.llama(logits_all=self.draft_model is not None)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
+        if not sampling.greedy:
+            raise MethodSpecError(f"'{self.spec.label}' runs greedy only (temperature 0); drop it from a sampling "
+                                  "bench")
+        llama = self.llama
+        llama.draft_model = self.draft_model  # the PLD and plain engines may share one Llama with logits_all
+        budget = min(len(prompt_ids) + max_new_tokens, llama.n_ctx()) - len(prompt_ids)
+        calls = 0
+        evaluate = type(llama).eval
+
+        def counted_eval(tokens):
+            nonlocal calls
+            calls += 1
+            return evaluate(llama, tokens)
+
+        llama.eval = counted_eval  # Llama.generate calls self.eval once per target pass
+        new_ids: list[int] = []
+        try:
+            llama.reset()
+            start = time.perf_counter()
+            if budget > 0:
+                for token in llama.generate(prompt_ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                                            repeat_penalty=1.0, reset=True):
+                    new_ids.append(int(token))
+                    if token in self.eos_token_ids or len(new_ids) >= budget:
+                        break
+            seconds = time.perf_counter() - start
+        finally:
+            del llama.eval
+        return TurnOutput(new_ids, seconds, calls, None)
+
+
 def build_engine(spec: MethodSpec, target: CausalLM, tokenizer, defaults: MethodConfig, load_draft: LoadDraft,
-                 eos_token_ids: frozenset[int]):
+                 eos_token_ids: frozenset[int], llamacpp: LlamaCppBackend | None = None):
+    if spec.needs_llamacpp and llamacpp is None:
+        raise MethodSpecError(f"'{spec.label}' needs the llama.cpp backend, which this bench run was not given")
     if spec.is_hf:
         return HFEngine(spec, target, tokenizer, defaults, load_draft, eos_token_ids)
+    if spec.is_llamacpp_reference:
+        return LlamaCppEngine(spec, llamacpp, eos_token_ids)
+    if spec.backend == "llamacpp":
+        return JointspecEngine(spec, llamacpp.adapter(), tokenizer, defaults, load_draft)
     return JointspecEngine(spec, target, tokenizer, defaults, load_draft)

@@ -7,7 +7,8 @@ warning if a method's output changes between repeats). Perplexity and the compar
 after timing, outside the timers.
 
 The runner takes an already loaded target and tokenizer (tests pass tiny in-process models; the CLI loads the real
-ones).
+ones). Methods that run on llama.cpp (``llamacpp``, ``llamacpp-pld``, ``...:backend=llamacpp``) share one
+:class:`LlamaCppBackend` over ``BenchConfig.llamacpp_model``, loaded only when such a method is listed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..models.adapter import CausalLM
 from ..models.loading import load_model
 from ..quality import token_logprobs
 from .costmodel import TargetCost, measure_target_cost
-from .engines import LoadDraft, TurnOutput, build_engine
+from .engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
 from .prompts import BenchPrompt, chat_prompt_ids
 from .specs import MethodSpec, MethodSpecError
 from ..sampling import SamplingConfig
@@ -49,12 +50,19 @@ class BenchConfig:
     perplexity: bool = True
     cost_model: bool = True
     cost_repeats: int = 7
+    # The GGUF the llama.cpp methods run ('default' or a .gguf path): the same model as the torch target, so that
+    # outputs compare and perplexity under the torch target means something.
+    llamacpp_model: str = "default"
+    # llama.cpp threads (None: torch's current intra-op thread count, which `bench --threads` sets).
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.sampling  # validates temperature, top-k and top-p
 
     @property
@@ -123,7 +131,10 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     specs = sorted(specs, key=lambda s: s.label != baseline)  # baseline first
     load_draft = load_draft or memoised_loader(str(target.device), None)
     eos = eos_token_ids(target, tokenizer)
-    engines = {s.label: build_engine(s, target, tokenizer, defaults, load_draft, eos) for s in specs}
+    llamacpp = None
+    if any(s.needs_llamacpp for s in specs):
+        llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
+    engines = {s.label: build_engine(s, target, tokenizer, defaults, load_draft, eos, llamacpp) for s in specs}
 
     cost = None
     if config.cost_model:
@@ -165,6 +176,8 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
 
     _compare_and_score(runs, baseline, target, config)
     env = environment(target) | {"load_average_start": load_at_start, "load_average_end": _load_average()}
+    if llamacpp is not None:
+        env |= llamacpp.environment()
     return BenchResult(config, list(engines), baseline, runs, cost, env)
 
 

@@ -2,7 +2,10 @@
 
 jointspec methods map their keys onto :class:`jointspec.methods.MethodConfig` fields (a few short aliases such as
 ``n``/``k`` for ``num_draft_tokens`` and ``tau`` for ``accept_threshold``); methods registered by other modules
-work without changes here. ``hf-generate``, ``hf-assisted`` and ``hf-pld`` run transformers' own ``generate``.
+work without changes here. ``hf-generate``, ``hf-assisted`` and ``hf-pld`` run transformers' own ``generate``;
+``llamacpp`` and ``llamacpp-pld`` run llama-cpp-python's own generation loop (plain greedy, and its
+``LlamaPromptLookupDecoding`` draft) on the GGUF. Any jointspec method takes ``backend=llamacpp`` to run on the
+llama.cpp adapter instead of the torch target (``pld:backend=llamacpp``).
 
 A list of specs is comma-separated too, so ``--methods ar,pld:n=4,max_ngram=2,hf-pld`` is read as
 ``ar`` | ``pld:n=4,max_ngram=2`` | ``hf-pld``: a piece with ``=`` and no ``:`` continues the previous spec's options,
@@ -30,6 +33,16 @@ ALIASES = {"n": "num_draft_tokens", "k": "num_draft_tokens", "gamma": "num_draft
            "ngram": "max_ngram", "tau": "accept_threshold", "threshold": "accept_threshold",
            "beams": "beam_width", "corrupt": "corruption_rate", "corruption": "corruption_rate"}
 
+# llama-cpp-python's own generation loop, with the option keys each one accepts (LlamaPromptLookupDecoding's
+# constructor arguments; its defaults are max_ngram_size=2, num_pred_tokens=10).
+LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
+    "llamacpp": (),
+    "llamacpp-pld": ("num_pred_tokens", "max_ngram_size"),
+}
+
+# Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
+BACKENDS = ("torch", "llamacpp")
+
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
 
@@ -48,9 +61,23 @@ class MethodSpec:
     def is_hf(self) -> bool:
         return self.name in HF_METHODS
 
+    @property
+    def is_llamacpp_reference(self) -> bool:
+        """llama-cpp-python's own generation loop (``llamacpp``, ``llamacpp-pld``)."""
+        return self.name in LLAMACPP_METHODS
+
+    @property
+    def backend(self) -> str:
+        """Where a jointspec method runs: 'torch' or 'llamacpp'."""
+        return self.options.get("backend", "torch")
+
+    @property
+    def needs_llamacpp(self) -> bool:
+        return self.is_llamacpp_reference or self.backend == "llamacpp"
+
 
 def all_method_names() -> list[str]:
-    return sorted(set(method_names()) | set(HF_METHODS))
+    return sorted(set(method_names()) | set(HF_METHODS) | set(LLAMACPP_METHODS))
 
 
 def split_specs(text: str) -> list[str]:
@@ -87,6 +114,8 @@ def parse_spec(text: str) -> MethodSpec:
                                   f"{', '.join(valid) or '(none)'}" + (f" (aliases: {', '.join(aliases)})"
                                                                        if aliases else ""))
         options[key] = value.strip()
+    if options.get("backend", "torch") not in BACKENDS:
+        raise MethodSpecError(f"backend '{options['backend']}' in '{text}' must be one of: {', '.join(BACKENDS)}")
     return MethodSpec(label=text.strip(), name=name, options=options)
 
 
@@ -118,16 +147,27 @@ def config_class(name: str) -> type[MethodConfig]:
 def valid_keys(name: str) -> list[str]:
     if name in HF_METHODS:
         return list(HF_METHODS[name])
-    return [f.name for f in dataclasses.fields(config_class(name)) if f.name != "name"]
+    if name in LLAMACPP_METHODS:
+        return list(LLAMACPP_METHODS[name])
+    return [f.name for f in dataclasses.fields(config_class(name)) if f.name != "name"] + ["backend"]
 
 
 def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:
-    """The spec's MethodConfig: ``defaults`` (from the shared CLI options) overridden by the spec's options."""
+    """The spec's MethodConfig: ``defaults`` (from the shared CLI options) overridden by the spec's options.
+
+    llama.cpp reference engines read no MethodConfig: for them this only checks the spec's option values (so that
+    callers validating every spec before loading a model catch theirs too) and returns ``defaults``.
+    """
+    if spec.is_llamacpp_reference:
+        llamacpp_options(spec)
+        return defaults
     cls = config_class(spec.name)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     base = {name: getattr(defaults, name) for name in fields if hasattr(defaults, name)}
     base["name"] = spec.name
     for key, text in spec.options.items():
+        if key == "backend":  # where the method runs, not a method setting
+            continue
         default = getattr(defaults, key, fields[key].default)
         base[key] = convert(text, default, key, spec.label)
     try:
@@ -153,3 +193,16 @@ def convert(text: str, default: object, key: str, label: str) -> object:
         kind = "true/false" if isinstance(default, bool) else type(default).__name__
         raise MethodSpecError(f"option {key}='{text}' in '{label}' must be {kind}") from None
     return text
+
+
+def llamacpp_options(spec: MethodSpec) -> dict[str, int]:
+    """A llama.cpp reference spec's options as positive integers (``num_pred_tokens``, ``max_ngram_size``)."""
+    values: dict[str, int] = {}
+    for key, text in spec.options.items():
+        try:
+            values[key] = int(text)
+        except ValueError:
+            raise MethodSpecError(f"option {key}='{text}' in '{spec.label}' must be int") from None
+        if values[key] < 1:
+            raise MethodSpecError(f"option {key}={values[key]} in '{spec.label}' must be >= 1")
+    return values
