@@ -6,17 +6,18 @@ own converter lays out a Llama: q/k rows permuted for llama.cpp's rope, tokenize
 transformers reads the same file back (the tokenizer the adapter checks against, and the torch model the logits
 are compared with).
 
-Tolerances, measured on 8 random 40-token prompts (logits span about +-4):
-- llama.cpp against itself in another batch shape (one 40-token batch vs 40 single-token forwards): at most 1.3e-5.
-  A batched forward uses other matrix kernels and summation orders, so not bit-equal; ``ATOL_SELF`` = 1e-4.
-- llama.cpp against torch fp32 on the same weights: at most 6.8e-4, because llama.cpp stores its KV cache in fp16;
+Tolerances, measured on 8 random 40-token prompts (logits span about +-4; the adapter's default flash attention):
+- llama.cpp against itself in another batch shape (40 single-token forwards vs one 40-token forward, fed as 32 + 8):
+  at most 5.3e-5; ``ATOL_SELF`` = 2e-4. In fp32 a batched forward may sum in another order, so not bit-equal.
+- llama.cpp against torch fp32 on the same weights: at most 1.05e-3, because llama.cpp stores its KV cache in fp16;
   ``ATOL_TORCH`` = 3e-3. A position off by one or a stale cache entry moves logits by ~0.1 to 1, far outside it.
 The gap between the top two logits of a row goes down to 4e-4 on these prompts (263 tokens, lm_head scaled by 8 as
 in conftest), inside the llama.cpp-vs-torch noise. So argmax is compared with torch only on rows whose torch margin
 exceeds ``4 * ATOL_TORCH`` (a near-tie may legitimately flip there), and greedy *sequences* are compared only within
-llama.cpp, where the noise is 30 times below the smallest margin seen: speculative greedy on the adapter must equal
+llama.cpp, where the noise is 8 times below the smallest margin seen: speculative greedy on the adapter must equal
 plain greedy on the adapter token for token (a draft token is kept only when it is the argmax of the batch that
-verified it), and those tests are exact.
+verified it), and those tests are exact. (On the real Q4_1 model, batched and single-token rows are bit-identical
+with flash attention, and differ by up to ~1 without it: see jointspec.models.llamacpp.)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from jointspec.sampling import SamplingConfig  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0 (pad), 1 (bos), 2 (eos), as in SmolLM2
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
-ATOL_SELF = 1e-4  # llama.cpp vs itself in another batch shape (module docstring)
+ATOL_SELF = 2e-4  # llama.cpp vs itself in another batch shape (module docstring)
 ATOL_TORCH = 3e-3  # llama.cpp (fp16 KV cache) vs torch fp32 on the same weights
 MAX_NEW_TOKENS = 40
 NUM_DRAFT_TOKENS = 4
@@ -224,6 +225,31 @@ def test_forward_longer_than_n_batch_is_split(loaded):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     torch.testing.assert_close(got, expected, atol=ATOL_SELF, rtol=0)
     assert small.num_cached == 13
+
+
+def test_verify_batches_are_capped_and_prefills_are_not(lm, monkeypatch):
+    # Rows of a batch longer than EXACT_BATCH stop matching single-token decoding on real models (module docstring
+    # of jointspec.models.llamacpp), so a forward returning several rows of logits is fed in pieces.
+    from jointspec.models.llamacpp import EXACT_BATCH
+
+    sizes: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def recording_decode(context, batch):
+        sizes.append(batch.n_tokens)
+        return decode(context, batch)
+
+    monkeypatch.setattr(lm._lib, "llama_decode", recording_decode)
+    prompt = random_prompt(2, length=EXACT_BATCH + 8)
+    full = lm.forward(prompt).logits
+    assert sizes == [EXACT_BATCH, 8]
+    sizes.clear()
+    lm.reset()
+    last = lm.forward(prompt, num_logits=1).logits
+    lm.reset()
+    lm.forward(prompt, num_logits=0)
+    assert sizes == [EXACT_BATCH + 8] * 2
+    torch.testing.assert_close(last, full[-1:], atol=ATOL_SELF, rtol=0)
 
 
 def test_trees_hidden_states_and_scattered_keeps_are_refused(lm):
@@ -410,6 +436,12 @@ def test_bench_specs():
     assert parse_spec("pld:backend=llamacpp").backend == "llamacpp"
     assert parse_spec("pld").backend == "torch" and not parse_spec("pld").needs_llamacpp
     assert parse_spec("llamacpp-pld:num_pred_tokens=4").is_llamacpp_reference
+    from jointspec.bench.specs import llamacpp_options
+
+    assert llamacpp_options(parse_spec("llamacpp-pld:num_pred_tokens=4,flash_attn=true")) == {
+        "num_pred_tokens": 4, "flash_attn": True}
+    with pytest.raises(MethodSpecError, match="must be true/false"):
+        llamacpp_options(parse_spec("llamacpp:flash_attn=maybe"))
     with pytest.raises(MethodSpecError, match="backend 'cuda' .* must be one of: torch, llamacpp"):
         parse_spec("ar:backend=cuda")
     with pytest.raises(MethodSpecError, match="unknown option 'backend' for method 'llamacpp'"):

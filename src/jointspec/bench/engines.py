@@ -166,7 +166,7 @@ class LlamaCppBackend:
         self.threads = threads
         self.n_ctx = n_ctx
         self._adapter = None
-        self._llamas: dict[bool, object] = {}
+        self._llamas: dict[tuple[bool, bool], object] = {}
 
     def adapter(self):
         """The jointspec adapter (:class:`LlamaCppLM`) every ``backend=llamacpp`` method shares."""
@@ -180,26 +180,27 @@ class LlamaCppBackend:
             self._adapter = adapter
         return self._adapter
 
-    def llama(self, logits_all: bool):
-        """llama-cpp-python's ``Llama`` over the same file and settings (one with logits for every position, as its
-        speculative path requires, one without)."""
-        if logits_all not in self._llamas:
+    def llama(self, logits_all: bool, flash_attn: bool = False):
+        """llama-cpp-python's ``Llama`` over the same file, context and threads: with logits for every position (as
+        its speculative path requires) or not; flash attention off by default, as that class has it."""
+        key = (logits_all, flash_attn)
+        if key not in self._llamas:
             adapter = self.adapter()  # loads and checks the file first
             from llama_cpp import Llama
 
-            # Flash attention as in the adapter (Llama's own default, off), the same context and threads.
-            self._llamas[logits_all] = Llama(
+            self._llamas[key] = Llama(
                 model_path=str(adapter.model.path), n_ctx=adapter.max_context, n_batch=adapter.n_batch,
                 n_ubatch=adapter.n_batch, n_threads=self.threads, n_threads_batch=self.threads,
-                logits_all=logits_all, flash_attn=adapter.flash_attn, verbose=False)
-        return self._llamas[logits_all]
+                logits_all=logits_all, flash_attn=flash_attn, verbose=False)
+        return self._llamas[key]
 
     def environment(self) -> dict:
         from importlib import metadata
 
         adapter = self.adapter()
         return {"llamacpp_model": str(adapter.model.path), "llamacpp_threads": self.threads,
-                "llamacpp_n_ctx": adapter.max_context, "llama_cpp_python": metadata.version("llama-cpp-python")}
+                "llamacpp_n_ctx": adapter.max_context, "llamacpp_adapter_flash_attn": adapter.flash_attn,
+                "llama_cpp_python": metadata.version("llama-cpp-python")}
 
 
 class LlamaCppEngine:
@@ -209,6 +210,11 @@ class LlamaCppEngine:
     when the sequence fills the context. The KV cache is cleared first, so every run prefills the whole prompt
     (``Llama.generate`` would otherwise reuse a prefix cached by the previous run). Greedy only: llama.cpp's
     samplers apply top-k/top-p/temperature in another order and draw from their own generator.
+
+    Flash attention is off unless the spec says ``flash_attn=true``: llama-cpp-python's default. Without it,
+    llama.cpp's batched and single-token logits differ at some positions (see :mod:`jointspec.models.llamacpp`),
+    so ``llamacpp-pld`` can drift from ``llamacpp`` at near-ties, as jointspec methods on the adapter (flash
+    attention on) do not.
     """
 
     warm_per_prompt = False
@@ -219,8 +225,9 @@ class LlamaCppEngine:
         self.spec = spec
         self.eos_token_ids = eos_token_ids
         options = llamacpp_options(spec)
+        flash_attn = bool(options.pop("flash_attn", False))
         self.draft_model = (LlamaPromptLookupDecoding(**options) if spec.name == "llamacpp-pld" else None)
-        self.llama = backend.llama(logits_all=self.draft_model is not None)
+        self.llama = backend.llama(logits_all=self.draft_model is not None, flash_attn=flash_attn)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
         if not sampling.greedy:

@@ -33,11 +33,12 @@ ALIASES = {"n": "num_draft_tokens", "k": "num_draft_tokens", "gamma": "num_draft
            "ngram": "max_ngram", "tau": "accept_threshold", "threshold": "accept_threshold",
            "beams": "beam_width", "corrupt": "corruption_rate", "corruption": "corruption_rate"}
 
-# llama-cpp-python's own generation loop, with the option keys each one accepts (LlamaPromptLookupDecoding's
-# constructor arguments; its defaults are max_ngram_size=2, num_pred_tokens=10).
+# llama-cpp-python's own generation loop, with the option keys each one accepts: LlamaPromptLookupDecoding's
+# constructor arguments (its defaults: max_ngram_size=2, num_pred_tokens=10), and flash_attn (default off, as
+# llama-cpp-python's Llama class has it).
 LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
-    "llamacpp": (),
-    "llamacpp-pld": ("num_pred_tokens", "max_ngram_size"),
+    "llamacpp": ("flash_attn",),
+    "llamacpp-pld": ("num_pred_tokens", "max_ngram_size", "flash_attn"),
 }
 
 # Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
@@ -195,14 +196,14 @@ def convert(text: str, default: object, key: str, label: str) -> object:
     return text
 
 
-def llamacpp_options(spec: MethodSpec) -> dict[str, int]:
-    """A llama.cpp reference spec's options as positive integers (``num_pred_tokens``, ``max_ngram_size``)."""
-    values: dict[str, int] = {}
+def llamacpp_options(spec: MethodSpec) -> dict[str, int | bool]:
+    """A llama.cpp reference spec's options: ``flash_attn`` as a bool, the prompt-lookup sizes as integers >= 1."""
+    values: dict[str, int | bool] = {}
     for key, text in spec.options.items():
-        try:
-            values[key] = int(text)
-        except ValueError:
-            raise MethodSpecError(f"option {key}='{text}' in '{spec.label}' must be int") from None
+        if key == "flash_attn":
+            values[key] = convert(text, False, key, spec.label)
+            continue
+        values[key] = convert(text, 0, key, spec.label)
         if values[key] < 1:
             raise MethodSpecError(f"option {key}={values[key]} in '{spec.label}' must be >= 1")
     return values

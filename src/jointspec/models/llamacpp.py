@@ -8,9 +8,9 @@ How the interface maps onto llama.cpp's C API (the low-level bindings, not the `
 whole prompts with its own bookkeeping and copies logits of every position into a numpy array when asked for more
 than the last one):
 
-- ``forward(chain)`` is one ``llama_decode`` of one batch (split only past ``n_batch`` tokens, i.e. for long
-  prefills) on sequence 0 at positions ``num_cached ...``; only the rows asked for are flagged as outputs, so
-  llama.cpp computes no logits for the others;
+- ``forward(chain)`` is one ``llama_decode`` of one batch on sequence 0 at positions ``num_cached ...`` (split
+  past ``n_batch`` tokens, and past ``EXACT_BATCH`` tokens when more than one row of logits is asked for, see
+  below); only the rows asked for are flagged as outputs, so llama.cpp computes no logits for the others;
 - ``crop(length)`` is ``llama_memory_seq_rm(seq 0, length, -1)``;
 - ``keep(positions)`` accepts only a prefix (what the loop asks after a chain draft); trees are refused.
 
@@ -20,6 +20,21 @@ verify batch costs much more than in torch (k = 16 costs ~6x one step, see issue
 
 Logits come back as fp32 ``[rows, vocab]`` torch tensors on the CPU. There are no hidden states
 (``output_hidden=True`` is refused).
+
+Flash attention is on by default, for exactness. Without it, llama.cpp's CPU attention uses other kernels for a
+one-token batch than for a longer one, and on the embedded SmolLM2 (Q4_1, 30 layers) the logits of the same token at
+the same position then differ by up to ~1 (of a ~20 range) between a single-token decode and a verify batch, at
+some positions and not others (llama-cpp-python's ``Llama`` class shows exactly the same numbers). Greedy
+speculation then drifts from plain greedy decoding at near-ties: on 2 grounded prompts x 64 tokens, one diverged at
+its 6th token (top-two margin 0.04), for jointspec's ``pld`` and for llama-cpp-python's own prompt lookup alike.
+With flash attention every query row is computed by the same kernel whatever the batch, and batched and
+single-token logits were bit-identical for batches of 2 to 48 tokens after 0 to 400 cached tokens. From 64 tokens
+on, llama.cpp switches matrix kernels and rows differ again (by up to 1.5), so a forward that returns more than one
+row of logits (a verification) is fed in batches of at most ``EXACT_BATCH`` = 32 tokens; prefills (no logits, or
+the last row only) keep whole ``n_batch`` batches, which are faster. ``flash_attn=False`` gives llama-cpp-python's
+default back (the bench's ``llamacpp`` baselines use that default). A consequence: llama.cpp's own loop prefills
+the whole prompt in one batch while jointspec's loop prefills all but its last token, so even plain greedy outputs
+of the two can part at a near-tie, with either setting.
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ INSTALL_HINT = ("the llama.cpp backend needs llama-cpp-python: pip install 'join
                 "llama.cpp from source, so a C++ compiler and CMake must be installed)")
 TREE_ERROR = ("tree methods are not supported on the llama.cpp backend; use a chain method such as pld or sps")
 DEFAULT_GGUF_LABEL = "SmolLM2-135M-Instruct Q4_1 (embedded default, llama.cpp)"
+# Longest batch whose rows match single-token decoding bit for bit (with flash attention; module docstring).
+EXACT_BATCH = 32
 
 
 def import_llama_cpp():
@@ -118,7 +135,7 @@ class LlamaCppLM:
     """
 
     def __init__(self, weights: LlamaCppWeights, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_batch: int = 512, flash_attn: bool = False, name: str | None = None) -> None:
+                 n_batch: int = 512, flash_attn: bool = True, name: str | None = None) -> None:
         if n_ctx < 1 or n_batch < 1:
             raise ValueError(f"n_ctx and n_batch must be >= 1, got {n_ctx} and {n_batch}")
         llama_cpp = import_llama_cpp()
@@ -132,7 +149,7 @@ class LlamaCppLM:
         params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.n_threads
-        # Off, as llama-cpp-python's Llama class has it by default: the bench's reference engines use that class.
+        # On by default: batch-invariant attention (module docstring).
         if hasattr(params, "flash_attn_type"):
             params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                       else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -207,8 +224,9 @@ class LlamaCppLM:
         filled = 0
         first_output = n - keep
         batch = self._batch
-        for chunk_start in range(0, n, self.n_batch):
-            chunk = ids[chunk_start:chunk_start + self.n_batch]
+        step = self.n_batch if keep <= 1 else min(self.n_batch, EXACT_BATCH)
+        for chunk_start in range(0, n, step):
+            chunk = ids[chunk_start:chunk_start + step]
             num_outputs = 0
             for i, token in enumerate(chunk):
                 index = chunk_start + i
@@ -301,12 +319,12 @@ def resolve_gguf(source: str) -> tuple[Path, str, str]:
     return path, "", source
 
 
-def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 4096,
-                  name: str | None = None) -> tuple[LlamaCppLM, object]:
+def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 4096, name: str | None = None,
+                  flash_attn: bool = True) -> tuple[LlamaCppLM, object]:
     """Load ``source`` ('default' or a .gguf path) as (llama.cpp adapter, Hugging Face tokenizer).
 
     The context holds ``min(n_ctx, the model's trained context)`` tokens. ``n_threads`` defaults to the cores this
-    process may use. Raises :class:`ModelLoadError` when llama-cpp-python is missing, the file does not load, or
+    process may use. ``flash_attn`` stays on for exact speculation (module docstring). Raises :class:`ModelLoadError` when llama-cpp-python is missing, the file does not load, or
     the tokenizer's vocabulary differs from llama.cpp's.
     """
     from transformers import AutoTokenizer
@@ -323,4 +341,5 @@ def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 409
     weights = LlamaCppWeights(gguf_path)
     check_vocabulary(weights, tokenizer)
     context = min(n_ctx, weights.context_length_trained) if weights.context_length_trained > 0 else n_ctx
-    return LlamaCppLM(weights, n_ctx=context, n_threads=n_threads, name=name or label), tokenizer
+    adapter = LlamaCppLM(weights, n_ctx=context, n_threads=n_threads, flash_attn=flash_attn, name=name or label)
+    return adapter, tokenizer
