@@ -122,6 +122,8 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
 @pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 4}), ("sps", {"num_draft_tokens": 7}),
                                            ("sps", {"cost_aware": True, "max_num_draft_tokens": 6}),
+                                           ("hybrid", {"num_draft_tokens": 3}),
+                                           ("hybrid", {"cost_aware": True, "min_ngram": 2}),
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 @pytest.mark.parametrize("prompt_seed", [0, 3])
@@ -193,3 +195,11 @@ def test_cost_aware_wraps_chain_methods_only(target_model, trained_head_dir):
     assert isinstance(decoder.drafter, CostAwareDrafter)
     with pytest.raises(UnsupportedOptionError, match="'specinfer' cannot be made cost-aware.*pld, sps"):
         decoder_for(target_model, "specinfer", trained_head_dir, cost_aware=True)
+
+
+def test_hybrid_uses_lookup_where_text_repeats_and_the_head_elsewhere(target_model, trained_head_dir):
+    decoder = decoder_for(target_model, "hybrid", trained_head_dir, num_draft_tokens=4)
+    prompt = random_prompt(0)
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    # The tiny target's continuation falls into a loop: lookups match there, the head drafts before that.
+    assert decoder.drafter.num_lookup_rounds > 0 and decoder.drafter.num_model_rounds > 0

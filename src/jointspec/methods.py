@@ -149,6 +149,18 @@ def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
     return drafter, RejectionSamplingVerifier()
 
 
+@register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
+                 cost_aware=True)
+def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
+    from .drafters.hybrid import HybridDrafter
+
+    config = context.config
+    length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
+    lookup = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
+                                 max(config.max_num_draft_tokens, config.num_draft_tokens))
+    return HybridDrafter(lookup, ModelDrafter(context.draft_model(), length)), RejectionSamplingVerifier()
+
+
 # Modules that register more methods when imported. Each adds itself here.
 _BUILTIN_METHOD_MODULES: list[str] = ["jointspec.methods_joint", "jointspec.drafters.oracle"]
 _loaded = False

@@ -112,13 +112,20 @@ def _target_argmax(features: torch.Tensor, lm_weight: torch.Tensor, chunk: int =
 
 
 def choose_draft_vocab(labels: torch.Tensor, vocab_size: int, size: int | None,
-                       always: list[int] = ()) -> torch.Tensor:
-    """The ``size`` most frequent target argmax tokens (sorted ids), plus ``always`` (e.g. end-of-sequence)."""
+                       always: list[int] = (), background: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``size`` most frequent target argmax tokens in ``labels`` (sorted ids), plus ``always`` (e.g. EOS).
+
+    Tokens the data never shows are ranked by ``background`` counts (e.g. the target's argmax on prompt text), then
+    by id: BPE vocabularies number their merges roughly in order of frequency, so low ids are the common ones.
+    """
     if size is None or size >= vocab_size:
         return torch.arange(vocab_size)
-    counts = torch.bincount(labels, minlength=vocab_size).float()
-    counts[torch.tensor(list(always), dtype=torch.long)] = float("inf")
-    return torch.sort(torch.topk(counts, size).indices).values
+    score = torch.bincount(labels, minlength=vocab_size).double()
+    if background is not None:
+        score += 1e-3 * torch.bincount(background, minlength=vocab_size).double()
+    score += 1e-6 * (1 - torch.arange(vocab_size, dtype=torch.double) / vocab_size)
+    score[torch.tensor(list(always), dtype=torch.long)] = float("inf")
+    return torch.sort(torch.topk(score, size).indices).values
 
 
 def _batches(sequences, batch_tokens: int, rng: random.Random):
@@ -225,7 +232,7 @@ class HeadTrainer:
         # The draft vocabulary follows what the target writes in its answers (what the head will be asked to draft).
         train_labels = torch.cat([labels_of[i][max(0, sequences[i][2] - 1):] for i in train_ids])
         vocab = choose_draft_vocab(train_labels, self.target.vocab_size, config.draft_vocab_size,
-                                   sorted(self.eos_token_ids))
+                                   sorted(self.eos_token_ids), torch.cat([labels_of[i] for i in train_ids]))
         draft_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
         draft_index[vocab] = torch.arange(vocab.shape[0])
         draft_weight = self.lm_weight_full.index_select(0, vocab)
