@@ -53,7 +53,7 @@ def trained_head_dir(tmp_path_factory, target_model):
 
 def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDecoder:
     target = CausalLM(target_model, name="tiny-target")
-    method_config = MethodConfig(name=method, draft=str(draft_dir), **config)
+    method_config = MethodConfig(name=method, draft=None if draft_dir is None else str(draft_dir), **config)
     drafter, verifier = build_method(MethodContext(method_config, target, None, lambda source: None))
     return SpeculativeDecoder(target, drafter, verifier)
 
@@ -203,3 +203,25 @@ def test_hybrid_uses_lookup_where_text_repeats_and_the_head_elsewhere(target_mod
     assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
     # The tiny target's continuation falls into a loop: lookups match there, the head drafts before that.
     assert decoder.drafter.num_lookup_rounds > 0 and decoder.drafter.num_model_rounds > 0
+
+
+def test_default_method_uses_the_shipped_head_for_its_target(target_model, trained_head_dir, monkeypatch):
+    from jointspec.drafters.costaware import CostAwareDrafter
+    from jointspec.drafters.hybrid import HybridDrafter
+    from jointspec.drafters.ngram import PromptLookupDrafter
+    from jointspec.models import eagle
+
+    shipped = trained_head_dir.parent / "shipped"
+    shipped.mkdir(exist_ok=True)
+    monkeypatch.setattr(eagle, "SHIPPED_HEADS", shipped)
+    without = build_method(MethodContext(MethodConfig(name="default"), CausalLM(target_model), None, None))[0]
+    assert isinstance(without, CostAwareDrafter) and isinstance(without.inner, PromptLookupDrafter)
+    import shutil
+    shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
+    decoder = decoder_for(target_model, "default", None)
+    assert isinstance(decoder.drafter, CostAwareDrafter) and isinstance(decoder.drafter.inner, HybridDrafter)
+    prompt = random_prompt(3)
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    # Another target has no shipped head: prompt lookup.
+    other = build_method(MethodContext(MethodConfig(name="default"), CausalLM(tiny_llama(7)), None, None))[0]
+    assert isinstance(other.inner, PromptLookupDrafter)

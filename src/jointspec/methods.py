@@ -105,7 +105,7 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
     drafter, verifier = builder(context)
-    if context.config.cost_aware:
+    if context.config.cost_aware and not hasattr(drafter, "inner"):  # "default" builds an already wrapped method
         drafter = make_cost_aware(drafter, context)
     return drafter, verifier
 
@@ -159,6 +159,21 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     lookup = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
                                  max(config.max_num_draft_tokens, config.num_draft_tokens))
     return HybridDrafter(lookup, ModelDrafter(context.draft_model(), length)), RejectionSamplingVerifier()
+
+
+@register_method("default", "the fastest exact configuration for this target: hybrid with the head shipped for it "
+                 "(the embedded SmolLM2 has one), else prompt lookup; cost-aware", cost_aware=True)
+def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
+    from dataclasses import replace
+
+    from .models.eagle import shipped_head_for
+
+    head = shipped_head_for(context.target) if context.config.draft is None else context.config.draft
+    if head is None:
+        config = replace(context.config, name="pld", cost_aware=True)
+    else:
+        config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
+    return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
 
 
 # Modules that register more methods when imported. Each adds itself here.

@@ -165,6 +165,27 @@ def bind_head(folder: str | Path, target: CausalLM) -> HeadDraftModel:
     return HeadDraftModel(head, target, name=f"head {Path(folder).name}")
 
 
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "drafts"
+
+
+def shipped_head_for(target: CausalLM) -> Path | None:
+    """The draft head shipped inside the package for ``target`` (matched by fingerprint), if there is one."""
+    if not SHIPPED_HEADS.is_dir():
+        return None
+    fingerprint = None
+    for folder in sorted(SHIPPED_HEADS.iterdir()):
+        if not (folder / CONFIG_FILE).is_file():
+            continue
+        try:
+            wanted = json.loads((folder / CONFIG_FILE).read_text())["config"]["target_fingerprint"]
+        except (OSError, ValueError, KeyError):
+            continue
+        fingerprint = fingerprint or target_fingerprint(target)
+        if wanted == fingerprint:
+            return folder
+    return None
+
+
 def is_head_artifact(path: str | Path) -> bool:
     return (Path(path).expanduser() / CONFIG_FILE).is_file()
 
