@@ -225,3 +225,31 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     # Another target has no shipped head: prompt lookup.
     other = build_method(MethodContext(MethodConfig(name="default"), CausalLM(tiny_llama(7)), None, None))[0]
     assert isinstance(other.inner, PromptLookupDrafter)
+
+
+def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypatch, capsys):
+    """The command trains and saves a head, and a second run with the same options resumes instead of redoing."""
+    import json
+
+    from jointspec import cli
+    from jointspec.train import cli as train_cli
+    from test_bench import tiny_tokenizer
+
+    monkeypatch.setattr(train_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"please answer question {word} python" for word in
+                                 ["one", "two", "more", "short", "value", "return"] * 3))
+    argv = ["train-draft", "--out", str(tmp_path / "head"), "--prompts", str(prompts), "--max-new-tokens", "24",
+            "--epochs", "3", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "50", "--no-progress"]
+    assert cli.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["best"]["agreement"] and summary["size_bytes"] > 0
+    head, _ = load_head(tmp_path / "head")
+    assert head.config.draft_vocab_size == 50 and head.config.target_name == "tiny-target"
+    shards = sorted((tmp_path / "head" / "data").glob("shard-*.pt"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    assert cli.main(argv) == 0  # resumes: the data is kept, the finished checkpoint is reused
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+    assert cli.main(argv[:-1] + ["--kind", "distill"]) == 2  # not implemented: a clear one-line error
+    assert "not implemented yet" in capsys.readouterr().err
