@@ -40,13 +40,14 @@ from jointspec.bench.prompts import BenchPrompt  # noqa: E402
 from jointspec.bench.runner import BenchConfig, run_bench  # noqa: E402
 from jointspec.bench.specs import MethodSpecError, parse_spec, parse_specs  # noqa: E402
 from jointspec.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError  # noqa: E402
-from jointspec.loop import DecodeConfig, SpeculativeDecoder  # noqa: E402
+from jointspec.loop import SpeculativeDecoder  # noqa: E402
 from jointspec.methods import MethodConfig, MethodContext, build_method  # noqa: E402
 from jointspec.models import embedded  # noqa: E402
 from jointspec.models.adapter import CausalLM  # noqa: E402
 from jointspec.models.llamacpp import (LlamaCppLM, LlamaCppWeights, check_vocabulary,  # noqa: E402
                                        load_llamacpp)
 from jointspec.sampling import SamplingConfig  # noqa: E402
+from test_equivalence import greedy  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0 (pad), 1 (bos), 2 (eos), as in SmolLM2
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
@@ -295,11 +296,6 @@ def make_decoder(method: str, lm: LlamaCppLM, tokenizer, other: CausalLM | None 
     config = MethodConfig(name=name, draft=draft, num_draft_tokens=num_draft_tokens)
     drafter, verifier = build_method(MethodContext(config, lm, tokenizer, load_draft))
     return SpeculativeDecoder(lm, drafter, verifier)
-
-
-def greedy(max_new_tokens: int, eos_token_ids: frozenset[int] = frozenset()) -> DecodeConfig:
-    return DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0),
-                        eos_token_ids=eos_token_ids)
 
 
 def plain(lm, tokenizer, prompt, max_new_tokens, eos=frozenset()) -> list[int]:

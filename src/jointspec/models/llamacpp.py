@@ -39,7 +39,6 @@ of the two can part at a near-tie, with either setting.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import weakref
@@ -324,8 +323,9 @@ def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 409
     """Load ``source`` ('default' or a .gguf path) as (llama.cpp adapter, Hugging Face tokenizer).
 
     The context holds ``min(n_ctx, the model's trained context)`` tokens. ``n_threads`` defaults to the cores this
-    process may use. ``flash_attn`` stays on for exact speculation (module docstring). Raises :class:`ModelLoadError` when llama-cpp-python is missing, the file does not load, or
-    the tokenizer's vocabulary differs from llama.cpp's.
+    process may use. ``flash_attn`` stays on for exact speculation (module docstring). Raises
+    :class:`ModelLoadError` when llama-cpp-python is missing, the file does not load, or the tokenizer's vocabulary
+    differs from llama.cpp's.
     """
     from transformers import AutoTokenizer
 
