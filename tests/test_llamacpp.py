@@ -391,10 +391,18 @@ def test_vocabulary_mismatch_is_refused(tmp_path, loaded):
         check_vocabulary(weights, tokenizer)
 
 
-def test_missing_llama_cpp_names_the_extra(monkeypatch):
+def test_missing_llama_cpp_names_the_extra(monkeypatch, tiny, loaded):
+    from jointspec.bench.engines import LlamaCppBackend, LlamaCppEngine
+
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
     with pytest.raises(ModelLoadError, match=r"pip install 'jointspec\[llamacpp\]'"):
         load_llamacpp("default")
+    # The bench: a baseline engine and a backend=llamacpp method fail the same way, before anything is timed.
+    backend = LlamaCppBackend(str(tiny[0]), loaded[1], threads=1)
+    with pytest.raises(ModelLoadError, match=r"pip install 'jointspec\[llamacpp\]'"):
+        LlamaCppEngine(parse_spec("llamacpp-pld"), backend, frozenset())
+    with pytest.raises(ModelLoadError, match=r"pip install 'jointspec\[llamacpp\]'"):
+        backend.adapter()
 
 
 def test_non_gguf_sources_are_refused(tmp_path):

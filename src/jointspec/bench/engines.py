@@ -220,14 +220,16 @@ class LlamaCppEngine:
     warm_per_prompt = False
 
     def __init__(self, spec: MethodSpec, backend: LlamaCppBackend, eos_token_ids: frozenset[int]) -> None:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
         self.spec = spec
         self.eos_token_ids = eos_token_ids
         options = llamacpp_options(spec)
         flash_attn = bool(options.pop("flash_attn", False))
-        self.draft_model = (LlamaPromptLookupDecoding(**options) if spec.name == "llamacpp-pld" else None)
-        self.llama = backend.llama(logits_all=self.draft_model is not None, flash_attn=flash_attn)
+        is_pld = spec.name == "llamacpp-pld"
+        # Loads first: without llama-cpp-python this raises ModelLoadError with the install command.
+        self.llama = backend.llama(logits_all=is_pld, flash_attn=flash_attn)
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.draft_model = LlamaPromptLookupDecoding(**options) if is_pld else None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
         if not sampling.greedy:
