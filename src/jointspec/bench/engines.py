@@ -236,7 +236,7 @@ class LlamaCppEngine:
             raise MethodSpecError(f"'{self.spec.label}' runs greedy only (temperature 0); drop it from a sampling "
                                   "bench")
         llama = self.llama
-        llama.draft_model = self.draft_model  # the PLD and plain engines may share one Llama with logits_all
+        llama.draft_model = self.draft_model  # llamacpp-pld specs with other settings share one Llama
         budget = min(len(prompt_ids) + max_new_tokens, llama.n_ctx()) - len(prompt_ids)
         calls = 0
         evaluate = type(llama).eval
