@@ -62,6 +62,8 @@ class MethodContext:
             raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model: pass --draft PATH "
                                          "(or --draft self to use the target as its own draft)")
         if self.config.draft == "self":
+            if hasattr(self.target, "fork"):  # a llama.cpp target: a second context over the same weights
+                return self.target.fork(f"{self.target.name} (self-draft)")
             return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)")
         from .models.eagle import bind_head, is_head_artifact
 
