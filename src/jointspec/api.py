@@ -97,21 +97,31 @@ class Pipeline:
     """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it."""
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
-                 device: str = "cpu", dtype: str | None = None) -> None:
+                 device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
+                 threads: int | None = None) -> None:
+        """``device``, ``dtype``, ``quantize``, ``backend`` and ``threads`` load the method's draft model, if any,
+        the way :func:`load_model` loads a target."""
         self.target = target
         self.tokenizer = tokenizer
         self.method = method or MethodConfig()
-        context = MethodContext(self.method, target, tokenizer,
-                                lambda source: load_model(source, device=device, dtype=dtype, name=source))
-        drafter, verifier = build_method(context)
+
+        def load_draft(source: str):
+            return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
+                              threads=threads)
+
+        drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
 
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
-             dtype: str | None = None) -> "Pipeline":
-        target, tokenizer = load_model(model, device=device, dtype=dtype)
-        return cls(target, tokenizer, method, device=device, dtype=dtype)
+             dtype: str | None = None, quantize: str = "none", backend: str = "torch",
+             threads: int | None = None) -> "Pipeline":
+        """Load ``model`` and the method's draft with the same options: ``quantize`` none/int8/int4 (torch backend),
+        ``backend`` torch/llamacpp, ``threads`` for llama.cpp (see :func:`jointspec.models.loading.load_model`)."""
+        options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
+        target, tokenizer = load_model(model, **options)
+        return cls(target, tokenizer, method, **options)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if chat and getattr(self.tokenizer, "chat_template", None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -51,6 +52,40 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=_tree, default=(4, 2, 2), help="tree methods: branching per depth, e.g. 4,2,2")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    from .models.loading import BACKENDS
+    from .models.quantize import QUANTIZE_MODES
+
+    parser.add_argument("--backend", choices=BACKENDS, default="torch",
+                        help="what runs the target and draft models: torch (transformers) or llamacpp (the model must "
+                             "be 'default' or a .gguf file; needs llama-cpp-python; CPU only; chain methods only)")
+    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
+                        help="torch backend, applied at load to the target and to draft models: int4 = 4-bit weight "
+                             "groups of 32 with an int8 head (cheapest step; the embedded default's own Q4_1 grid); "
+                             "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
+                             "none = float. Exactness then holds against the quantised target")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="CPU threads for torch (process-wide) and llama.cpp (default: torch's choice, and the "
+                             "usable cores for llama.cpp); fewer than the free cores avoids contention")
+
+
+def model_loader(args: argparse.Namespace):
+    """``load(source, name=None) -> (model, tokenizer)`` with the run's device, dtype, backend, quantisation and
+    threads, for the target and every draft model alike; each (source, name) is loaded once."""
+    from .models.loading import load_model
+
+    @functools.cache
+    def load(source: str, name: str | None = None):
+        return load_model(source, device=args.device, dtype=args.dtype, name=name, quantize=args.quantize,
+                          backend=args.backend, threads=args.threads)
+    return load
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's intra-op threads from ``--threads`` (llama.cpp gets the count at load)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def method_config_from_args(args: argparse.Namespace, name: str | None = None):
@@ -88,7 +123,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         method = method_config_from_args(args)
     except ValueError as error:
         raise JointspecError(str(error)) from error
-    pipeline = Pipeline.load(args.model, method, device=args.device, dtype=args.dtype)
+    apply_threads(args)
+    pipeline = Pipeline.load(args.model, method, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                             backend=args.backend, threads=args.threads)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
         from .energy import meter_for_device

@@ -8,13 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
-from ..cli import _positive_int, add_model_arguments, method_config_from_args
-from ..models.loading import load_model
+from ..cli import _positive_int, add_model_arguments, apply_threads, method_config_from_args, model_loader
+from ..models.loading import DEFAULT_MODEL, load_model
 from .prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from .report import contract, summarise, table, write_report
-from .runner import BenchConfig, memoised_loader, run_bench
+from .runner import BenchConfig, run_bench
 from .specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
@@ -47,10 +45,18 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity under the target")
     parser.add_argument("--no-cost-model", action="store_true", help="skip measuring T(k) and the predictions")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--threads", type=_positive_int, default=None,
-                        help="torch CPU threads (default: torch's choice); fewer than the free cores avoids contention")
+    parser.add_argument("--llamacpp-model", default=None, metavar="default|FILE.gguf",
+                        help="the GGUF that the llamacpp / llamacpp-pld baselines and backend=llamacpp methods run "
+                             "(default: --model when it is 'default' or a .gguf file, else 'default')")
     add_model_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def llamacpp_model(args: argparse.Namespace) -> str:
+    """The GGUF for the llama.cpp methods: ``--llamacpp-model``, else the target itself when llama.cpp can read it."""
+    if args.llamacpp_model is not None:
+        return args.llamacpp_model
+    return args.model if args.model == DEFAULT_MODEL or args.model.endswith(".gguf") else DEFAULT_MODEL
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         defaults = method_config_from_args(args, name="ar")
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
-                             cost_model=not args.no_cost_model)
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup,
+                             perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
+                             llamacpp_model=llamacpp_model(args), threads=args.threads)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     for spec in specs:  # bad option values fail here, before the model loads
@@ -73,11 +80,13 @@ def run(args: argparse.Namespace) -> int:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.model, device=args.device, dtype=args.dtype)
+    apply_threads(args)
+    target, tokenizer = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                                    backend=args.backend, threads=args.threads)
+    # Draft models load with the target's options: same backend, same quantisation.
+    load_draft = model_loader(args)
     result = run_bench(target, tokenizer, prompts, specs, args.baseline, config, defaults,
-                       memoised_loader(args.device, args.dtype), progress=not args.no_progress)
+                       lambda source: load_draft(source, name=source), progress=not args.no_progress)
     summary = summarise(result)
     load, cpus = result.environment.get("load_average_end"), result.environment.get("cpu_count")
     if load is not None and cpus and load > cpus:

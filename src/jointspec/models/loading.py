@@ -5,6 +5,11 @@ Sources, in the order they are tried:
 - a ``.gguf`` file: loaded (dequantised) by transformers;
 - a local folder with a ``config.json``;
 - a hub id such as ``org/name``: only from this machine's Hugging Face cache, unless ``JOINTSPEC_ALLOW_DOWNLOAD=1``.
+
+Two options change what runs the model. ``backend="torch"`` (the default) gives a :class:`CausalLM` over the
+transformers model, optionally with its linear layers quantised (``quantize="int8"`` or ``"int4"``, see
+:mod:`jointspec.models.quantize`). ``backend="llamacpp"`` runs a GGUF file (or the embedded default's original GGUF)
+through llama.cpp (:mod:`jointspec.models.llamacpp`), whose quantisation is the file's own.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, UnsupportedOptionError
 from . import embedded
 from .adapter import CausalLM
+from .quantize import QUANTIZE_MODES, quantize_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
+BACKENDS = ("torch", "llamacpp")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -51,13 +58,61 @@ def _looks_like_path(source: str) -> bool:
     return source.endswith(".gguf") or source.startswith((".", "/", "~")) or os.sep + os.sep in source
 
 
+def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                       quantize: str = "none", backend: str = "torch", threads: int | None = None) -> None:
+    """Refuse an unknown value or a combination that cannot work, before anything is loaded."""
+    if backend not in BACKENDS:
+        raise UnsupportedOptionError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
+    if quantize not in QUANTIZE_MODES:
+        raise UnsupportedOptionError(f"unknown quantisation '{quantize}'; choose one of: {', '.join(QUANTIZE_MODES)}")
+    if threads is not None and threads < 1:
+        raise UnsupportedOptionError(f"threads must be >= 1, got {threads}")
+    if backend != "llamacpp":
+        return
+    if quantize != "none":
+        raise UnsupportedOptionError(
+            f"quantize '{quantize}' (--quantize) is for the torch backend; the llama.cpp backend runs the GGUF "
+            "file's own quantisation (pick a GGUF quantised as you want, e.g. Q4_1 or Q8_0), so drop it")
+    if str(device).split(":")[0] != "cpu":
+        raise UnsupportedOptionError(f"the llama.cpp backend runs on the CPU; drop device '{device}' (--device), "
+                                     "or use the torch backend on the GPU")
+    if dtype not in (None, "auto"):
+        raise UnsupportedOptionError(f"dtype '{dtype}' (--dtype) is for the torch backend; the llama.cpp backend "
+                                     "computes in the GGUF file's own types, so drop it")
+    if source != DEFAULT_MODEL and not source.endswith(".gguf"):
+        raise UnsupportedOptionError(f"the llama.cpp backend loads GGUF files: pass 'default' or a path to a .gguf "
+                                     f"file, got '{source}' (or use the torch backend for this model)")
+
+
 def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
-               name: str | None = None) -> tuple[CausalLM, object]:
-    """Load ``source`` as (adapter, tokenizer). Raises :class:`ModelLoadError` with what to do on failure."""
+               name: str | None = None, quantize: str = "none", backend: str = "torch",
+               threads: int | None = None) -> tuple[CausalLM, object]:
+    """Load ``source`` as (adapter, tokenizer). Raises :class:`ModelLoadError` with what to do on failure.
+
+    ``quantize``: ``none``, ``int8`` or ``int4`` (torch backend; applied after moving to ``device``). ``backend``:
+    ``torch`` or ``llamacpp`` (a :class:`~jointspec.models.llamacpp.LlamaCppLM`, CPU only, ``dtype`` ignored).
+    ``threads``: llama.cpp's thread count (default: the cores this process may use); the torch backend uses torch's
+    process-wide setting, which the CLI sets from ``--threads``.
+    """
+    source = source or DEFAULT_MODEL
+    check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
+    check_device(device)
+    if backend == "llamacpp":
+        # Imported here: llama-cpp-python is optional, and only this backend needs it.
+        from .llamacpp import load_llamacpp
+
+        return load_llamacpp(source, n_threads=threads, name=name)
+    model, tokenizer, label = _load_transformers(source, device, dtype)
+    if quantize != "none":
+        quantize_model(model, quantize)
+        label = f"{label} ({quantize})"
+    return CausalLM(model, name=name or label), tokenizer
+
+
+def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):
+    """(transformers model on ``device``, tokenizer, display label) for ``source``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = source or DEFAULT_MODEL
-    check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     kwargs: dict = {}
     if source == DEFAULT_MODEL:
@@ -86,4 +141,4 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
                 if kwargs.get("local_files_only") else "")
         raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}{hint}") from error
     model.to(device)
-    return CausalLM(model, name=name or label), tokenizer
+    return model, tokenizer, label

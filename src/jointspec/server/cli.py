@@ -20,41 +20,41 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-batch-size", type=_positive_int, default=16, help="sequences decoded together")
     parser.add_argument("--max-tokens", type=_positive_int, default=256,
                         help="new tokens when a chat request does not say")
-    parser.add_argument("--threads", type=_positive_int, default=None,
-                        help="torch intra-op threads (default: torch's choice; 1 is often faster on a busy CPU)")
     parser.add_argument("--model-id", default=None, help="the name /v1/models reports (default: the model source)")
     parser.set_defaults(run=run_serve)
 
 
 def build_engine(args: argparse.Namespace):
     """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
-    from ..cli import method_config_from_args
+    from ..cli import method_config_from_args, model_loader
+    from ..errors import UnsupportedOptionError
     from ..methods import method_names
-    from ..models.loading import load_model
     from .engine import ServingEngine
 
     if args.method not in method_names():
         raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
+    if args.backend != "torch":
+        raise UnsupportedOptionError(f"the server's batched engine runs on the torch backend only, not "
+                                     f"'{args.backend}'; drop --backend (--quantize int8/int4 gives quantised "
+                                     "weights on torch)")
     try:
         method = method_config_from_args(args)
     except ValueError as error:
         raise JointspecError(str(error)) from error
-    target, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    load = model_loader(args)
+    target, tokenizer = load(args.model)
     return ServingEngine(target, tokenizer, method, model_id=args.model_id or args.model,
                          max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
-                         load_draft=lambda source: load_model(source, device=args.device, dtype=args.dtype,
-                                                              name=source))
+                         load_draft=lambda source: load(source, name=source))
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..cli import apply_threads
     from .app import ServerSettings, create_app
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     engine = build_engine(args)
     settings = ServerSettings(host=args.host, port=args.port)
     log.warning("serving %s (method %s) on http://%s:%d/v1", engine.model_id, args.method, args.host, args.port)
