@@ -1,0 +1,378 @@
+"""Quantised targets (``--quantize int8|int4``) and the ``--backend`` / ``--quantize`` plumbing.
+
+Quantisation changes the model, so exactness is defined against the *quantised* model: every method must emit what
+plain greedy decoding (transformers' own ``generate``) emits on the same quantised model. That holds only if a token's
+logits do not depend on how many tokens are verified with it, which the kernels are chosen for (per-token activation
+scales, exact int32 sums; see ``jointspec.models.quantize``) and which is tested here row by row.
+
+The tiny model is conftest's recipe at sizes the int4 kernel accepts (out_features multiples of 16, in_features
+multiples of the group size 32): hidden 64, intermediate 96, 4 heads (head size 16), 2 KV heads, vocab 99. Its
+logits are sharpened as conftest does, so argmax near-ties are vanishingly rare and the equivalence tests are
+deterministic. A variant with the head *tied* to the input embedding, as in SmolLM2, checks the untying.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import VOCAB, tiny_llama
+from jointspec import cli
+from jointspec.bench import cli as bench_cli
+from jointspec.errors import JointspecError, UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.models.loading import load_model
+from jointspec.models.quantize import Int4Linear, Int8Linear, quantization_mode, quantize_model
+from test_cli import assert_clean_error, run_cli, save_model, word_tokenizer
+from test_equivalence import first_occurrences, greedy, hf_greedy, make_decoder, random_prompt
+
+MODES = ["int8", "int4"]
+MAX_NEW_TOKENS = 40  # with 4-token drafts: at least 8 rounds, as in test_equivalence
+NUM_DRAFT_TOKENS = 4
+BF16_EPS = 2.0 ** -8  # bfloat16 rounding: relative error at most half of 2^-7
+
+
+def quant_llama(seed: int, *, tied: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    # Only the tests say what ends a sequence: transformers' generate would otherwise stop at id 2, which some
+    # continuations produce, while jointspec's loop is given no EOS unless a test declares one.
+    model.generation_config.eos_token_id = None
+    if not tied:  # a random tied model just repeats its input token (the residual stream carries its embedding)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
+    return model
+
+
+@pytest.fixture(scope="module", params=MODES)
+def quantized(request) -> LlamaForCausalLM:
+    return quantize_model(quant_llama(0), request.param)
+
+
+# -- the layers ---------------------------------------------------------------------------------------------------
+
+
+def linear(out_features: int, in_features: int, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=True)
+    with torch.no_grad():
+        layer.weight[:, 5] *= 20  # an outlier input channel, as real models have: scales must cope with it
+    return layer
+
+
+def int8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - y_int8| <= sum_j |x_j| s_w / 2 + s_x / 2 sum_j |w_hat_j|, with s_w = max|w_row| / 127 per output row
+    and s_x = max|x_row| / 127 per token (round to nearest: each value moves by at most half a step), plus float
+    slack for the final scaling."""
+    s_w = w.abs().amax(dim=1) / 127  # [out]
+    s_x = x.abs().amax(dim=1, keepdim=True) / 127  # [m, 1]
+    w_hat_abs = w.abs() + s_w[:, None] / 2
+    return (x.abs().sum(1, keepdim=True) * s_w / 2 + s_x / 2 * w_hat_abs.sum(1)
+            + 1e-5 * (x.abs() @ w.abs().t()))
+
+
+def int4_error_bound(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group of ``group_size`` inputs, step s = (max - min) / 15 and zero z = min + 8 s, both stored in bfloat16:
+    a weight moves by at most s / 2 + 8 |s - bf16(s)| + |z - bf16(z)|; bfloat16 activations move by |x| 2^-8 at
+    most. Plus 1e-3 relative slack for the kernel's float accumulation."""
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, -1, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    zero = low + 8 * step
+    dw = (step / 2 + 8 * step * BF16_EPS + zero.abs() * BF16_EPS).expand_as(groups).reshape(out_features, in_features)
+    return x.abs() @ dw.t() + (x.abs() * BF16_EPS) @ (w.abs() + dw).t() + 1e-3 * (x.abs() @ w.abs().t())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_linear_is_within_its_error_bound(mode):
+    # A worst-case bound derived from the quantisation grid (docstrings above), not a tolerance tuned to pass. With
+    # outlier channels the grid is coarse and so is the bound (0.4x to 1.4x the mean output here), but it still
+    # has teeth: outputs in the wrong order (a transposed or misaligned weight) or no output at all break it.
+    layer = linear(96, 64)
+    x = torch.randn(7, 64) * torch.linspace(0.1, 3, 7)[:, None]  # tokens of different sizes: per-token scales
+    x[:, 9] *= 30  # an activation outlier channel too
+    quantized = Int8Linear(layer) if mode == "int8" else Int4Linear(layer, 32)
+    with torch.no_grad():
+        exact = layer(x)
+        out = quantized(x)
+    w = layer.weight.detach()
+    bound = int8_error_bound(x, w) if mode == "int8" else int4_error_bound(x, w, 32)
+    assert ((out - exact).abs() <= bound).all(), f"worst error/bound {((out - exact).abs() / bound).max():.3f}"
+    assert ((out.roll(1, dims=1) - exact).abs() > bound).float().mean() > 0.2
+    assert (exact.abs() > bound).float().mean() > 0.2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_do_not_depend_on_the_batch(mode):
+    # Verifying k tokens must give each token exactly the logits it gets alone: bit for bit, for every batch size a
+    # verification can have (up to 33 rows here, longer than any draft the methods make).
+    layer = linear(96, 64, seed=1)
+    quantized = Int8Linear(layer) if mode == "int8" else Int4Linear(layer, 32)
+    x = torch.randn(33, 64) * 3
+    with torch.no_grad():
+        alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])
+        for size in (2, 5, 17, 33):
+            batched = torch.cat([quantized(x[i:i + size]) for i in range(0, len(x), size)])
+            assert torch.equal(batched, alone), f"batches of {size}"
+        assert torch.equal(quantized(x.reshape(3, 11, 64)).reshape(33, -1), alone)  # [batch, seq, in] inputs too
+
+
+# -- quantize_model ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_model_replaces_every_linear_and_unties_the_head(mode):
+    model = quant_llama(0, tied=True)
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    quantize_model(model, mode)
+    assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    body = Int8Linear if mode == "int8" else Int4Linear
+    assert isinstance(model.model.layers[0].mlp.down_proj, body)
+    assert isinstance(model.lm_head, Int8Linear)  # int8 in both modes (module docstring: int4 hurts the head)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.model.embed_tokens.weight, embedding)  # the lookup stays float and untouched
+    assert quantization_mode(model) == mode
+    target = CausalLM(model)
+    assert target.vocab_size == VOCAB
+    assert target.forward([5, 6, 7]).logits.shape == (3, VOCAB)
+
+
+def test_head_can_stay_float():
+    model = quantize_model(quant_llama(0, tied=True), "int4", quantize_head=False)
+    assert type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert isinstance(model.model.layers[1].self_attn.q_proj, Int4Linear)
+
+
+def test_layers_the_int4_kernel_cannot_take_stay_float_and_are_logged(caplog):
+    # conftest's tiny Llama: intermediate 37 is neither a multiple of 16 (gate/up outputs) nor of 32 (down inputs).
+    model = tiny_llama(0)
+    with caplog.at_level(logging.WARNING, logger="jointspec.models.quantize"):
+        quantize_model(model, "int4")
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.gate_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
+    message = caplog.text
+    assert "model.layers.0.mlp.gate_proj (out_features 37 is not a multiple of 16)" in message
+    assert "model.layers.1.mlp.down_proj (in_features 37 is not a multiple of the group size 32)" in message
+
+
+def test_mode_none_changes_nothing():
+    model = quant_llama(0)
+    assert quantize_model(model, "none") is model
+    assert quantization_mode(model) == "none" and type(model.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("mode, options, needle", [
+    ("int3", {}, "unknown quantisation mode 'int3'"),
+    ("INT8", {}, "unknown quantisation mode 'INT8'"),
+    ("int4", {"group_size": 48}, "got 48"),
+])
+def test_bad_quantize_arguments(mode, options, needle):
+    with pytest.raises(ValueError, match=needle):
+        quantize_model(quant_llama(0), mode, **options)
+
+
+def test_quantizing_twice_is_refused():
+    model = quantize_model(quant_llama(0), "int8")
+    with pytest.raises(ValueError, match=r"already quantised \(int8\)"):
+        quantize_model(model, "int4")
+
+
+# -- greedy equivalence on the quantised model ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sps-self"])
+@pytest.mark.parametrize("prompt_seed", [0, 6])  # 9 to 14 distinct tokens in 40, for fp32, int8 and int4 alike
+def test_methods_match_plain_greedy_on_the_quantized_model(quantized, method, prompt_seed):
+    prompt = random_prompt(prompt_seed)
+    decoder = make_decoder(method, quantized)
+    out = decoder.generate(prompt, greedy(MAX_NEW_TOKENS))
+    assert out == hf_greedy(quantized, prompt, MAX_NEW_TOKENS)
+    assert len(set(out)) >= 8, "the continuation must not collapse into a tiny loop, or it hides position errors"
+
+
+def test_self_draft_accepts_everything_on_the_quantized_model(quantized):
+    # The draft (the quantised target, one token per forward) and the verifier (the same model, 5 tokens per
+    # forward) agree on every token only if a row's logits do not depend on the batch. 40 = 8 rounds of 4 + 1.
+    decoder = make_decoder("sps-self", quantized)
+    decoder.generate(random_prompt(0), greedy(MAX_NEW_TOKENS))
+    stats = decoder.stats
+    assert stats.num_rounds == MAX_NEW_TOKENS // (NUM_DRAFT_TOKENS + 1)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_prompt_lookup_accepts_and_stays_exact_on_the_quantized_model(quantized):
+    # As in test_equivalence: a prompt that repeats the model's own continuation makes n-gram drafts get accepted,
+    # so multi-token verification (and roll-back after partial accepts) really runs.
+    seed_prompt = random_prompt(1)
+    prompt = seed_prompt + hf_greedy(quantized, seed_prompt, 24) + seed_prompt
+    decoder = make_decoder("pld", quantized)
+    assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS)) == hf_greedy(quantized, prompt, MAX_NEW_TOKENS)
+    assert decoder.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["pld", "sps-self"])
+def test_eos_inside_a_draft_on_the_quantized_model(quantized, method):
+    # Declare as EOS a token first produced inside a draft (not round one, not a bonus position): the output must
+    # stop right after it, as plain greedy with that EOS does.
+    prompt = random_prompt(3)
+    reference = hf_greedy(quantized, prompt, MAX_NEW_TOKENS)
+    candidates = [(pos, tok) for tok, pos in first_occurrences(reference).items()
+                  if pos > NUM_DRAFT_TOKENS + 1 and pos % (NUM_DRAFT_TOKENS + 1) != NUM_DRAFT_TOKENS]
+    assert candidates, "the continuation must offer tokens to declare as EOS"
+    for pos, eos in (candidates[0], candidates[-1]):
+        expected = reference[:pos + 1]
+        assert hf_greedy(quantized, prompt, MAX_NEW_TOKENS, eos_token_id=eos) == expected
+        out = make_decoder(method, quantized).generate(prompt, greedy(MAX_NEW_TOKENS, frozenset({eos})))
+        assert out == expected, f"EOS {eos} first produced at new token {pos}"
+
+
+@pytest.mark.parametrize("method", ["pld", "sps-self"])
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 7, 11])
+def test_max_new_tokens_inside_a_draft_on_the_quantized_model(quantized, method, max_new_tokens):
+    # 5-token drafts (rounds of 6): 3 and 11 end inside a draft, 7 one token into round two, 1 leaves no room.
+    prompt = random_prompt(3)
+    decoder = make_decoder(method, quantized, num_draft_tokens=5)
+    out = decoder.generate(prompt, greedy(max_new_tokens))
+    assert out == hf_greedy(quantized, prompt, max_new_tokens)
+    assert len(out) == max_new_tokens
+
+
+# -- load_model: options and their combinations -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quant_folder(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("quant") / "model"
+    quant_llama(0).save_pretrained(folder)
+    word_tokenizer(VOCAB).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_model_quantizes(quant_folder, mode):
+    target, _ = load_model(quant_folder, quantize=mode)
+    assert quantization_mode(target.model) == mode
+    assert target.name.endswith(f"({mode})")
+    plain, _ = load_model(quant_folder)
+    assert quantization_mode(plain.model) == "none"  # the default is unchanged
+
+
+@pytest.mark.parametrize("source, options, needle", [
+    ("default", {"backend": "llamacpp", "quantize": "int8"}, "GGUF file's own quantisation"),
+    ("some/folder", {"backend": "llamacpp"}, "loads GGUF files"),
+    ("default", {"backend": "llamacpp", "device": "cuda"}, "runs on the CPU"),
+    ("default", {"backend": "llamacpp", "dtype": "bfloat16"}, "dtype 'bfloat16'"),
+    ("default", {"backend": "onnx"}, "unknown backend 'onnx'"),
+    ("default", {"quantize": "fp8"}, "unknown quantisation 'fp8'"),
+    ("default", {"threads": 0}, "threads must be >= 1"),
+])
+def test_bad_load_options_fail_before_loading(source, options, needle):
+    with pytest.raises(UnsupportedOptionError, match=needle):
+        load_model(source, **options)
+
+
+def test_llamacpp_backend_calls_the_llamacpp_loader(monkeypatch):
+    # The real adapter is tested in test_llamacpp; here only the hand-over: source, threads and name pass through,
+    # nothing goes through transformers.
+    import jointspec.models.llamacpp as llamacpp
+
+    calls = []
+
+    def fake_load(source, *, n_threads=None, n_ctx=4096, name=None, **_):
+        calls.append((source, n_threads, name))
+        return "adapter", "tokenizer"
+    monkeypatch.setattr(llamacpp, "load_llamacpp", fake_load)
+    assert load_model("/models/x.gguf", backend="llamacpp", threads=3, name="n") == ("adapter", "tokenizer")
+    assert load_model("default", backend="llamacpp") == ("adapter", "tokenizer")
+    assert calls == [("/models/x.gguf", 3, "n"), ("default", None, None)]
+
+
+# -- command line -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_flags_parse_for_every_model_command(command):
+    args = cli.build_parser().parse_args([command, "--quantize", "int4", "--backend", "llamacpp", "--threads", "3"])
+    assert (args.quantize, args.backend, args.threads) == ("int4", "llamacpp", 3)
+    args = cli.build_parser().parse_args([command])
+    assert (args.quantize, args.backend, args.threads) == ("none", "torch", None)
+
+
+@pytest.mark.parametrize("option, value", [("--quantize", "int2"), ("--backend", "vllm"), ("--threads", "0")])
+def test_bad_flag_values_are_argparse_errors(capsys, option, value):
+    code, _, err = run_cli(capsys, "generate", "x", option, value)
+    assert code == 2 and "Traceback" not in err and option in err.splitlines()[-1]
+
+
+def generate_json(capsys, model: str, *extra: str) -> dict:
+    code, out, err = run_cli(capsys, "generate", "w10 w11 w12 w10 w11 w12 w10", "--model", model, "--no-chat",
+                             "--max-new-tokens", "12", "--json", *extra)
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_quantized_pld_equals_quantized_ar(capsys, quant_folder, mode):
+    ar = generate_json(capsys, quant_folder, "--quantize", mode, "--threads", "1")
+    pld = generate_json(capsys, quant_folder, "--quantize", mode, "--method", "pld")
+    assert pld["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) == 12
+
+
+def test_generate_refuses_bad_combinations_cleanly(capsys, quant_folder):
+    code, _, err = run_cli(capsys, "generate", "x", "--model", quant_folder, "--backend", "llamacpp")
+    assert_clean_error(code, err, "jointspec: error:", "loads GGUF files")
+    code, _, err = run_cli(capsys, "generate", "x", "--backend", "llamacpp", "--quantize", "int4")
+    assert_clean_error(code, err, "jointspec: error:", "GGUF file's own quantisation")
+
+
+def prompts_file(folder: str) -> Path:
+    path = Path(folder).parent / "prompts.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["w10 w11 w12 w10 w11"]}) + "\n")
+    return path
+
+
+def test_bench_loads_target_and_drafts_with_the_options(monkeypatch, capsys, quant_folder):
+    # The target goes through bench's load_target seam with every option; a separate draft model goes through
+    # load_model with the same options (here: a folder draft, quantised like the target).
+    seen = {}
+
+    def load_target(source, **options):
+        seen.update(options)
+        return load_model(source, **options)
+    monkeypatch.setattr(bench_cli, "load_target", load_target)
+    draft = save_model(str(quant_folder) + "-draft", 1)
+    code, out, err = run_cli(capsys, "bench", "--no-progress", "--no-warmup", "--no-cost-model", "--no-perplexity",
+                             "--prompts", str(prompts_file(quant_folder)), "--methods", f"ar,sps:draft={draft}",
+                             "--max-new-tokens", "6", "--model", quant_folder, "--quantize", "int8",
+                             "--threads", "1")
+    assert code == 0, err
+    assert seen == {"device": "cpu", "dtype": "auto", "quantize": "int8", "backend": "torch", "threads": 1}
+    record = json.loads(out.strip().splitlines()[-1])
+    assert all(m["num_identical"] == m["num_prompts"] == 1 for m in record["methods"].values()), record
+
+
+def test_serve_refuses_llamacpp_and_quantizes_on_torch(quant_folder):
+    from jointspec.server.cli import build_engine
+
+    args = cli.build_parser().parse_args(["serve", "--model", quant_folder, "--backend", "llamacpp"])
+    with pytest.raises(JointspecError, match="torch backend only"):
+        build_engine(args)
+    args = cli.build_parser().parse_args(["serve", "--model", quant_folder, "--quantize", "int4"])
+    engine = build_engine(args)
+    try:
+        assert quantization_mode(engine.target.model) == "int4"
+    finally:
+        engine.close()
