@@ -376,3 +376,15 @@ def test_serve_refuses_llamacpp_and_quantizes_on_torch(quant_folder):
         assert quantization_mode(engine.target.model) == "int4"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--methods", "ar,hf-generate", "--no-perplexity"], "hf-generate run transformers and need --backend torch"),
+    (["--methods", "ar,pld"], "pass --no-perplexity"),
+])
+def test_bench_with_llamacpp_backend_refuses_what_needs_transformers(monkeypatch, capsys, extra, needle):
+    def load_target(*_, **__):
+        raise AssertionError("the options must be refused before anything loads")
+    monkeypatch.setattr(bench_cli, "load_target", load_target)
+    code, _, err = run_cli(capsys, "bench", "--no-progress", "--backend", "llamacpp", *extra)
+    assert_clean_error(code, err, needle)

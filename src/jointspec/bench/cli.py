@@ -74,6 +74,17 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:  # bad option values fail here, before the model loads
         if not spec.is_hf:
             method_config(spec, defaults)
+    if args.backend == "llamacpp":
+        # The bench target is then a llama.cpp adapter: it has no transformers model to run transformers' generate
+        # or to score perplexity with.
+        hf = [spec.label for spec in specs if spec.is_hf]
+        if hf:
+            raise MethodSpecError(f"{', '.join(hf)} run transformers and need --backend torch; to compare with "
+                                  "llama.cpp, keep --backend torch and add ':backend=llamacpp' methods or the "
+                                  "llamacpp baselines")
+        if not args.no_perplexity:
+            raise MethodSpecError("perplexity is scored by the torch target; with --backend llamacpp pass "
+                                  "--no-perplexity (or keep --backend torch and add ':backend=llamacpp' methods)")
     prompts = []
     for source in args.prompts or [f"{BUILTIN_PREFIX}mt_bench"]:
         prompts += load_prompts(source)
