@@ -388,3 +388,16 @@ def test_bench_with_llamacpp_backend_refuses_what_needs_transformers(monkeypatch
     monkeypatch.setattr(bench_cli, "load_target", load_target)
     code, _, err = run_cli(capsys, "bench", "--no-progress", "--backend", "llamacpp", *extra)
     assert_clean_error(code, err, needle)
+
+
+@pytest.mark.parametrize("method", ["pld", "sps-self"])
+def test_batched_decoding_equals_single_on_the_quantized_model(quantized, method):
+    # The server's batched engine pads and masks rows of different lengths into one forward: with per-row
+    # quantisation each row still gets the logits it gets alone (test_batch explains the prompts and settings).
+    from jointspec.batch import BatchEngine, BatchRequest
+    from test_batch import GREEDY, METHODS, PROMPTS
+
+    engine = BatchEngine(CausalLM(quantized), max_batch_size=8)
+    outs = engine.generate([BatchRequest(prompt, GREEDY, METHODS[method], seed=i) for i, prompt in enumerate(PROMPTS)])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out == make_decoder("ar", quantized).generate(prompt, GREEDY)
