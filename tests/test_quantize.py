@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ from jointspec.bench import cli as bench_cli
 from jointspec.errors import JointspecError, UnsupportedOptionError
 from jointspec.models.adapter import CausalLM
 from jointspec.models.loading import load_model
-from jointspec.models.quantize import Int4Linear, Int8Linear, quantization_mode, quantize_model
+from jointspec.models.quantize import (ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode,
+                                       quantize_model)
 from test_cli import assert_clean_error, run_cli, save_model, word_tokenizer
 from test_equivalence import first_occurrences, greedy, hf_greedy, make_decoder, random_prompt
 
@@ -126,6 +128,44 @@ def test_rows_do_not_depend_on_the_batch(mode):
             batched = torch.cat([quantized(x[i:i + size]) for i in range(0, len(x), size)])
             assert torch.equal(batched, alone), f"batches of {size}"
         assert torch.equal(quantized(x.reshape(3, 11, 64)).reshape(33, -1), alone)  # [batch, seq, in] inputs too
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verified_logits_are_bitwise_those_of_one_token_at_a_time(mode):
+    # The whole model, not just its linears: attention too must give a row the same bits whatever else shares the
+    # forward (quantize_model switches it to rowwise_sdpa; with plain sdpa this fails on most of these trials, as
+    # torch's CPU kernel rounds a lone row, or a longer key span, differently). Contexts and draft lengths are
+    # random, 1 to 17 new tokens (pld's longest verification) after 1 to 60 cached ones.
+    model = quantize_model(quant_llama(0), mode)
+    assert model.config._attn_implementation == ROWWISE_ATTENTION
+    rng = random.Random(0)
+    for _ in range(12):
+        context = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 61))]
+        new = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 18))]
+        together, alone = CausalLM(model), CausalLM(model)
+        together.forward(context, num_logits=0)
+        alone.forward(context, num_logits=0)
+        assert torch.equal(together.forward(new).logits, torch.cat([alone.forward([t]).logits for t in new]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tree_logits_are_bitwise_those_of_each_branch_decoded_alone(mode):
+    # A token tree (rows whose visible keys are not a prefix: the gather path) against each root-to-node path fed
+    # one token at a time after the same context.
+    model = quantize_model(quant_llama(0), mode)
+    context, tokens, parents = random_prompt(5), [11, 12, 13, 14, 15, 16, 17], [-1, 0, 0, 1, 2, 3, 3]
+    tree = CausalLM(model)
+    tree.forward(context, num_logits=0)
+    logits = tree.forward(tokens, parents=parents).logits
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        chain = CausalLM(model)
+        chain.forward(context, num_logits=0)
+        for index in reversed(path):
+            last = chain.forward([tokens[index]]).logits
+        assert torch.equal(logits[node:node + 1], last), f"node {node}"
 
 
 # -- quantize_model ---------------------------------------------------------------------------------------------
