@@ -28,9 +28,9 @@ kernel to use was decided by measuring PyTorch's own options on this project's 2
   the same quantised model. Per-token scales plus exact integer sums make every row's output independent of the batch
   (bit for bit, tested); with :func:`rowwise_sdpa` for attention, the whole forward is, which keeps greedy
   speculation lossless against the quantised target (13 of 13 prompts identical to ``ar`` for ``pld``, ``sps``
-  with a self-draft and transformers' ``generate``, where plain ``sdpa`` gave 5 of 13 in int4 and 2 of 13 in int8). torchao (0.18 installs
-  beside torch 2.13 with ``--no-deps``) was slower on CPU without ``torch.compile`` and its CPU int4 is the same aten
-  kernel in a prototype module, so it is not a dependency.
+  with a self-draft and transformers' ``generate``, where plain ``sdpa`` gave 5 of 13 in int4 and 2 of 13 in int8).
+  torchao (0.18 installs beside torch 2.13 with ``--no-deps``) was slower on CPU without ``torch.compile`` and its
+  CPU int4 is the same aten kernel in a prototype module, so it is not a dependency.
 - **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group), through
   ``_weight_int4pack_mm_for_cpu`` with bfloat16 activations (its fp16 and fp32 paths are ~40x slower). The smallest
   weight read, but the kernel's cost grows about linearly with the number of tokens. Its rows are batch-independent too.
@@ -191,8 +191,10 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     so a verified draft would not reproduce one-token-at-a-time decoding (measured: ``pld`` matched ``ar`` on 5 of 13
     prompts with int4). Here row ``i`` is one SDPA call on the first ``L_i`` keys: exactly the call that decoding
     that token alone makes, so the outputs are bit-identical. It costs one call per row: on SmolLM2-135M nothing
-    measurable up to 4 rows, +5 ms at 8 and +12 ms at 16 (of 55 and 85 ms, int4, busy machine). Tree masks (non-prefix rows) gather the row's keys. Query shapes: [1, heads, rows, dim];
-    keys and values [1, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min.
+    measurable up to 4 rows, +5 ms at 8 and +12 ms at 16 (of 55 and 85 ms, int4, busy machine). Tree masks
+    (non-prefix rows) gather the row's keys. Query shapes: [1, heads, rows, dim]; keys and values
+    [1, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min. Batches of several sequences (the server's
+    engine) and long prefills keep transformers' one-call SDPA.
     """
     batch, num_heads, num_rows, _ = query.shape
     if batch != 1 or num_rows > ROWWISE_MAX_ROWS or dropout or kwargs.get("position_bias") is not None:
