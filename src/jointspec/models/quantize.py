@@ -15,10 +15,10 @@ kernel to use was decided by measuring PyTorch's own options on this project's 2
     torchao 0.18 Int8WeightOnlyConfig (eager)        330          650         61 ms        108 ms
     _dyn_quant_matmul_4bit (x86 reference loop)    1,400       28,000           -             -
 
-    whole model, one thread, 128 cached tokens    k=1 step   k=2   k=4   k=8   k=16 (cost relative to k=1)
+    whole model, one thread, 200 cached tokens    k=1 step   k=2   k=4   k=8   k=16 (cost relative to k=1)
     fp32                                            54 ms    1.1   1.6   2.2   2.1
-    int8                                            32 ms    1.3   1.4   1.6   2.0
-    int4 (int8 head)                                25 ms    1.3   1.5   2.1   3.3
+    int8 (row-wise attention, below)                33 ms    1.4   1.5   1.8   2.5
+    int4 (int8 head, row-wise attention)            26 ms    1.3   1.6   2.3   3.8
 
 - **int8** = int8 weights (symmetric, one scale per output channel) times int8 activations quantised per token (one
   scale per row) on the fly, accumulated exactly in int32 by ``torch._int_mm`` (oneDNN VNNI on CPU). It is the fastest
