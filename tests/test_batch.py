@@ -190,7 +190,7 @@ def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_
         def commit(self, context_ids, num_accepted): pass
 
     monkeypatch.setitem(methods._METHODS, "test-unbatchable",
-                        (lambda context: (OneShotDrafter(), GreedyVerifier()), "test only"))
+                        (lambda context: (OneShotDrafter(), GreedyVerifier()), "test only", False))
     with pytest.raises(UnsupportedOptionError, match="cannot run batched"):
         eng.submit(BatchRequest([5], GREEDY, MethodConfig("test-unbatchable")))
     assert not eng.has_work

@@ -118,9 +118,11 @@ def make_cost_aware(drafter: Drafter, context: MethodContext) -> Drafter:
     The curve is measured once per target model (a few seconds, memoised); a model drafter's per-token cost is its
     own one-token forward, prompt lookup's is zero.
     """
-    from .drafters.costaware import CostAwareDrafter, measure_cost_curve
+    from .drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, measure_cost_curve
 
-    curve = measure_cost_curve(context.target)
+    # A model with a short context (tiny test models) is measured on the sizes that fit; the curve extrapolates.
+    room = getattr(context.target, "max_context", 1 << 30) - context.target.num_cached
+    curve = measure_cost_curve(context.target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
     draft = getattr(drafter, "draft", None)
     if draft is not None:
         curve = curve.with_draft_cost(measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1))
