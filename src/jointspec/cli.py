@@ -41,7 +41,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="target: 'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a hub id")
     parser.add_argument("--method", default="ar", help="decoding method (see `jointspec methods`)")
-    parser.add_argument("--draft", default=None, help="draft model for model-based methods; 'self' = the target")
+    parser.add_argument("--draft", default=None,
+                        help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'")
+    parser.add_argument("--cost-aware", action="store_true",
+                        help="pld/sps/hybrid: choose each round's draft length, or no draft, from the target's "
+                             "measured cost curve and the running acceptance, so speculation does not run slower "
+                             "than plain decoding (measures the curve once, a few seconds)")
     parser.add_argument("--num-draft-tokens", type=_positive_int, default=4, help="draft length / depth (gamma)")
     parser.add_argument("--max-draft-tokens", type=_positive_int, default=16,
                         help="pld: the draft length doubles after fully accepted drafts, up to this")
@@ -94,7 +99,8 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     return MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                         max_num_draft_tokens=args.max_draft_tokens,
                         max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
-                        accept_threshold=args.accept_threshold, tree=args.tree)
+                        accept_threshold=args.accept_threshold, tree=args.tree,
+                        cost_aware=getattr(args, "cost_aware", False))
 
 
 def _add_generate(subparsers) -> None:
@@ -108,7 +114,9 @@ def _add_generate(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.set_defaults(run=_run_generate)
+    # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
+    # since the batched engine has no hybrid/head drafter.
+    parser.set_defaults(run=_run_generate, method="default")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
