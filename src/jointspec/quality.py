@@ -22,8 +22,14 @@ def token_logprobs(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequenc
     """
     if not new_ids:
         return torch.zeros(0)
-    ids = torch.tensor([list(prompt_ids) + list(new_ids)], dtype=torch.long, device=target.device)
-    logits = target.model(input_ids=ids, use_cache=False, logits_to_keep=len(new_ids) + 1).logits[0, :-1].float()
+    if hasattr(target, "fork"):  # llama.cpp: score in a second context over the same weights
+        scorer = target.fork(f"{target.name} (scoring)")
+        scorer.reset()
+        logits = scorer.forward(list(prompt_ids) + list(new_ids), num_logits=len(new_ids) + 1).logits[:-1]
+    else:
+        ids = torch.tensor([list(prompt_ids) + list(new_ids)], dtype=torch.long, device=target.device)
+        logits = target.model(input_ids=ids, use_cache=False,
+                              logits_to_keep=len(new_ids) + 1).logits[0, :-1].float()
     logprobs = logits.log_softmax(dim=-1)  # [len(new_ids), vocab]
     chosen = torch.tensor(list(new_ids), device=logprobs.device)
     return logprobs.gather(-1, chosen[:, None])[:, 0].cpu()
