@@ -245,8 +245,12 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     assert cli.main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["best"]["agreement"] and summary["size_bytes"] > 0
-    head, _ = load_head(tmp_path / "head")
+    head, training = load_head(tmp_path / "head")
     assert head.config.draft_vocab_size == 50 and head.config.target_name == "tiny-target"
+    # The artifact says how it was made: the settings, and a command with every training option in it.
+    assert training["settings"]["draft_vocab_size"] == 50 and training["settings"]["epochs"] == 3
+    assert training["command"].startswith("jointspec train-draft --target default --kind heads")
+    assert "--draft-vocab 50" in training["command"] and "--no-progress" not in training["command"]
     shards = sorted((tmp_path / "head" / "data").glob("shard-*.pt"))
     stamps = [p.stat().st_mtime_ns for p in shards]
     assert cli.main(argv) == 0  # resumes: the data is kept, the finished checkpoint is reused

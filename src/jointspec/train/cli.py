@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 from pathlib import Path
 
 import torch
@@ -86,6 +87,21 @@ def training_prompts(sources: list[str] | None, tokenizer) -> list[list[int]]:
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
 
 
+# Options that do not change what is trained (where files go, how it reports) stay out of the recorded command.
+_NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level"}
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """Every training option as given or defaulted, as one command: what a saved head records to be made again."""
+    words = ["jointspec", "train-draft"]
+    for name, value in vars(args).items():
+        if name in _NOT_RECORDED or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            words += [f"--{name.replace('_', '-')}", str(item)]
+    return shlex.join(words + ["--out", "DIR"])
+
+
 def run(args: argparse.Namespace) -> int:
     from ..api import eos_token_ids
     from .data import build_data, read_spec
@@ -112,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
                              max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
                              learning_rate=args.learning_rate, unroll=args.unroll, eval_every=args.eval_every,
                              seed=args.seed)
-    head, result = HeadTrainer(target, config, eos).train(data, args.out, progress=not args.no_progress)
+    provenance = {"command": command_line(args), "data_spec": read_spec(data)}
+    head, result = HeadTrainer(target, config, eos).train(data, args.out, progress=not args.no_progress,
+                                                          provenance=provenance)
     if result.best is None:
         raise UnsupportedOptionError("training ran no evaluation (too little data or time); nothing was saved")
     summary = {"out": str(args.out), "data": str(data), "data_spec": read_spec(data),

@@ -213,7 +213,13 @@ class HeadTrainer:
                 per_depth.append(((logprobs.argmax(-1) == wanted) & (wanted >= 0)).float().sum().item())
         return total, per_depth, int(scored.shape[0])
 
-    def train(self, data_folder: str | Path, out_folder: str | Path, progress: bool = True) -> tuple[EagleHead, TrainResult]:
+    def train(self, data_folder: str | Path, out_folder: str | Path, progress: bool = True,
+              provenance: dict | None = None) -> tuple[EagleHead, TrainResult]:
+        """Train on ``data_folder``; save the best head (and a resumable checkpoint) in ``out_folder``.
+
+        The saved ``draft.json`` records the training settings and ``provenance`` (the command line, say) next to
+        the best evaluation, so an artifact says how to make it again.
+        """
         config = self.config
         out_folder = Path(out_folder)
         out_folder.mkdir(parents=True, exist_ok=True)
@@ -303,7 +309,8 @@ class HeadTrainer:
                         bar.write(result.line())
                     if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
                         state["best"], state["bad_evals"] = asdict(result), 0
-                        head.save(out_folder, training={"best": state["best"]})
+                        head.save(out_folder, training={"best": state["best"], "settings": asdict(config),
+                                                        **(provenance or {})})
                     else:
                         state["bad_evals"] += 1
                     state["seconds"] = time.perf_counter() - started
