@@ -404,6 +404,54 @@ def test_bench_loads_target_and_drafts_with_the_options(monkeypatch, capsys, qua
     assert all(m["num_identical"] == m["num_prompts"] == 1 for m in record["methods"].values()), record
 
 
+def bench_outputs(capsys, folder: str, methods: str, *extra: str) -> dict[str, list[int]]:
+    report = Path(folder).parent / "qreport"
+    code, out, err = run_cli(capsys, "bench", "--no-progress", "--no-warmup", "--no-cost-model", "--no-perplexity",
+                             "--prompts", str(prompts_file(folder)), "--model", folder, "--methods", methods,
+                             "--max-new-tokens", "12", "--threads", "1", "--report-dir", str(report), *extra)
+    assert code == 0, err
+    runs = json.loads((report / "results.json").read_text())["runs"]
+    return {run["method"]: run["output_ids"][0] for run in runs}
+
+
+def test_bench_quantize_option_runs_a_quantised_copy_beside_the_float_target(monkeypatch, capsys, quant_folder):
+    # Per-method quantize=: float and int4 rows in one run, the int4 ones sharing one quantised copy of the target.
+    # The int4 rows must decode exactly as a bench whose target was loaded with --quantize int4 (and pld on the
+    # copy must equal ar on it), and quantising the copy must leave the float target float.
+    from jointspec.bench import runner
+
+    copies, real_copy = [], runner.quantized_copy
+
+    def quantized_copy(target, mode):
+        copies.append((target, real_copy(target, mode)))
+        return copies[-1][1]
+    monkeypatch.setattr(runner, "quantized_copy", quantized_copy)
+    mixed = bench_outputs(capsys, quant_folder, "ar,ar:quantize=int4,pld:quantize=int4")
+    assert len(copies) == 1
+    original, copy = copies[0]
+    assert quantization_mode(copy.model) == "int4" and quantization_mode(original.model) == "none"
+    monkeypatch.undo()
+    loaded_int4 = bench_outputs(capsys, quant_folder, "ar", "--quantize", "int4")["ar"]
+    float_only = bench_outputs(capsys, quant_folder, "ar")["ar"]
+    assert len(loaded_int4) == 12
+    assert mixed["ar:quantize=int4"] == mixed["pld:quantize=int4"] == loaded_int4
+    assert mixed["ar"] == float_only
+
+
+@pytest.mark.parametrize("methods, extra, needle", [
+    ("ar,ar:quantize=int3", [], "quantize 'int3' in 'ar:quantize=int3' must be one of: none, int8, int4"),
+    ("ar,pld:backend=llamacpp,quantize=int4", [], "quantize is for the torch backend"),
+    ("ar,ar:quantize=int4", ["--quantize", "int8"], "quantise a copy of the float torch target"),
+    ("ar,hf-generate:quantize=int4", [], "unknown option 'quantize' for method 'hf-generate'"),
+])
+def test_bench_quantize_option_errors(monkeypatch, capsys, methods, extra, needle):
+    def load_target(*_, **__):
+        raise AssertionError("the options must be refused before anything loads")
+    monkeypatch.setattr(bench_cli, "load_target", load_target)
+    code, _, err = run_cli(capsys, "bench", "--no-progress", "--methods", methods, *extra)
+    assert_clean_error(code, err, needle)
+
+
 def test_serve_refuses_llamacpp_and_quantizes_on_torch(quant_folder):
     from jointspec.server.cli import build_engine
 

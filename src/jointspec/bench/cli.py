@@ -74,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:  # bad option values fail here, before the model loads
         if not spec.is_hf:
             method_config(spec, defaults)
+    quantized = [spec.label for spec in specs if spec.quantize != "none"]
+    if quantized and (args.quantize != "none" or args.backend != "torch"):
+        raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "
+                              "and --backend, or the methods' quantize option")
     if args.backend == "llamacpp":
         # The bench target is then a llama.cpp adapter: it has no transformers model to run transformers' generate
         # or to score perplexity with.

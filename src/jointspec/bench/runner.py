@@ -27,7 +27,7 @@ from ..api import eos_token_ids
 from ..loop import SpecStats
 from ..methods import MethodConfig
 from ..models.adapter import CausalLM
-from ..models.loading import load_model
+from ..models.loading import load_model, quantized_copy
 from ..quality import token_logprobs
 from .costmodel import TargetCost, measure_target_cost
 from .engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
@@ -134,7 +134,16 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     llamacpp = None
     if any(s.needs_llamacpp for s in specs):
         llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
-    engines = {s.label: build_engine(s, target, tokenizer, defaults, load_draft, eos, llamacpp) for s in specs}
+    quantized: dict[str, CausalLM] = {}  # one quantised copy of the target per mode named by a spec
+
+    def target_for(spec: MethodSpec) -> CausalLM:
+        if spec.quantize == "none":
+            return target
+        if spec.quantize not in quantized:
+            quantized[spec.quantize] = quantized_copy(target, spec.quantize)
+        return quantized[spec.quantize]
+
+    engines = {s.label: build_engine(s, target_for(s), tokenizer, defaults, load_draft, eos, llamacpp) for s in specs}
 
     cost = None
     if config.cost_model:

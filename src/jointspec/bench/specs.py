@@ -5,7 +5,8 @@ jointspec methods map their keys onto :class:`jointspec.methods.MethodConfig` fi
 work without changes here. ``hf-generate``, ``hf-assisted`` and ``hf-pld`` run transformers' own ``generate``;
 ``llamacpp`` and ``llamacpp-pld`` run llama-cpp-python's own generation loop (plain greedy, and its
 ``LlamaPromptLookupDecoding`` draft) on the GGUF. Any jointspec method takes ``backend=llamacpp`` to run on the
-llama.cpp adapter instead of the torch target (``pld:backend=llamacpp``).
+llama.cpp adapter instead of the torch target (``pld:backend=llamacpp``), and ``quantize=int8|int4`` to run on a
+quantised copy of the torch target (``ar:quantize=int4``), so float, quantised and llama.cpp rows share one run.
 
 A list of specs is comma-separated too, so ``--methods ar,pld:n=4,max_ngram=2,hf-pld`` is read as
 ``ar`` | ``pld:n=4,max_ngram=2`` | ``hf-pld``: a piece with ``=`` and no ``:`` continues the previous spec's options,
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from ..drafters.oracle import OracleConfig
 from ..errors import UnsupportedOptionError
 from ..methods import MethodConfig, method_names
+from ..models.quantize import QUANTIZE_MODES
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {
@@ -43,6 +45,8 @@ LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
 
 # Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
 BACKENDS = ("torch", "llamacpp")
+# Spec keys that say where a jointspec method runs rather than how it drafts: no MethodConfig field reads them.
+PLACEMENT_KEYS = ("backend", "quantize")
 
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
@@ -71,6 +75,11 @@ class MethodSpec:
     def backend(self) -> str:
         """Where a jointspec method runs: 'torch' or 'llamacpp'."""
         return self.options.get("backend", "torch")
+
+    @property
+    def quantize(self) -> str:
+        """The torch target's quantisation for this method: 'none' (the bench's target as loaded), 'int8', 'int4'."""
+        return self.options.get("quantize", "none")
 
     @property
     def needs_llamacpp(self) -> bool:
@@ -117,6 +126,12 @@ def parse_spec(text: str) -> MethodSpec:
         options[key] = value.strip()
     if options.get("backend", "torch") not in BACKENDS:
         raise MethodSpecError(f"backend '{options['backend']}' in '{text}' must be one of: {', '.join(BACKENDS)}")
+    if options.get("quantize", "none") not in QUANTIZE_MODES:
+        raise MethodSpecError(f"quantize '{options['quantize']}' in '{text}' must be one of: "
+                              f"{', '.join(QUANTIZE_MODES)}")
+    if options.get("quantize", "none") != "none" and options.get("backend", "torch") != "torch":
+        raise MethodSpecError(f"'{text}': quantize is for the torch backend; the llama.cpp backend runs the GGUF's "
+                              "own quantisation")
     return MethodSpec(label=text.strip(), name=name, options=options)
 
 
@@ -150,7 +165,7 @@ def valid_keys(name: str) -> list[str]:
         return list(HF_METHODS[name])
     if name in LLAMACPP_METHODS:
         return list(LLAMACPP_METHODS[name])
-    return [f.name for f in dataclasses.fields(config_class(name)) if f.name != "name"] + ["backend"]
+    return [f.name for f in dataclasses.fields(config_class(name)) if f.name != "name"] + list(PLACEMENT_KEYS)
 
 
 def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:
@@ -167,7 +182,7 @@ def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:
     base = {name: getattr(defaults, name) for name in fields if hasattr(defaults, name)}
     base["name"] = spec.name
     for key, text in spec.options.items():
-        if key == "backend":  # where the method runs, not a method setting
+        if key in PLACEMENT_KEYS:  # where the method runs, not a method setting
             continue
         default = getattr(defaults, key, fields[key].default)
         base[key] = convert(text, default, key, spec.label)

@@ -23,7 +23,7 @@ import torch
 from ..errors import ModelLoadError, UnsupportedOptionError
 from . import embedded
 from .adapter import CausalLM
-from .quantize import QUANTIZE_MODES, quantize_model
+from .quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,20 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
         quantize_model(model, quantize)
         label = f"{label} ({quantize})"
     return CausalLM(model, name=name or label), tokenizer
+
+
+def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
+    """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``); the
+    original stays as it is. For comparing float and quantised decoding in one process (the bench's
+    ``quantize=`` option) without loading the model twice."""
+    import copy
+
+    if quantization_mode(target.model) != "none":
+        raise UnsupportedOptionError(f"{target.name} is already quantised ({quantization_mode(target.model)}); "
+                                     f"load it in float to compare it with {mode}")
+    model = copy.deepcopy(target.model)
+    quantize_model(model, mode)
+    return CausalLM(model, name=f"{target.name} ({mode})")
 
 
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):
