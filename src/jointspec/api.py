@@ -98,8 +98,9 @@ class Pipeline:
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
-                 threads: int | None = None) -> None:
-        """``device``, ``dtype``, ``quantize``, ``backend`` and ``threads`` load the method's draft model, if any,
+                 threads: int | None = None, kernels: str = "auto") -> None:
+        """``device``, ``dtype``, ``quantize``, ``backend``, ``threads`` and ``kernels`` load the method's draft
+        model, if any,
         the way :func:`load_model` loads a target."""
         self.target = target
         self.tokenizer = tokenizer
@@ -107,7 +108,7 @@ class Pipeline:
 
         def load_draft(source: str):
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
-                              threads=threads)
+                              threads=threads, kernels=kernels)
 
         drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
@@ -116,10 +117,10 @@ class Pipeline:
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
              dtype: str | None = None, quantize: str = "none", backend: str = "torch",
-             threads: int | None = None) -> "Pipeline":
+             threads: int | None = None, kernels: str = "auto") -> "Pipeline":
         """Load ``model`` and the method's draft with the same options: ``quantize`` none/int8/int4 (torch backend),
-        ``backend`` torch/llamacpp, ``threads`` for llama.cpp (see :func:`jointspec.models.loading.load_model`)."""
-        options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
+        ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see :func:`jointspec.models.loading.load_model`)."""
+        options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads, kernels=kernels)
         target, tokenizer = load_model(model, **options)
         return cls(target, tokenizer, method, **options)
 

@@ -58,6 +58,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     from .models.loading import BACKENDS
+    from .models.cpukernels import KERNEL_CHOICES
     from .models.quantize import QUANTIZE_MODES
 
     parser.add_argument("--backend", choices=BACKENDS, default="torch",
@@ -68,6 +69,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "groups of 32 with an int8 head (cheapest step; the embedded default's own Q4_1 grid); "
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
                              "none = float. Exactness then holds against the quantised target")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="torch backend: linear-layer kernels. auto = oneDNN for a float32 model on CPU (a cheaper "
+                             "step and cheaper multi-token verification than PyTorch's default here), else PyTorch's "
+                             "own; onednn = insist; stock = PyTorch's F.linear")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="CPU threads for torch (process-wide) and llama.cpp (default: torch's choice, and the "
                              "usable cores for llama.cpp); fewer than the free cores avoids contention")
@@ -81,7 +86,7 @@ def model_loader(args: argparse.Namespace):
     @functools.cache
     def load(source: str, name: str | None = None):
         return load_model(source, device=args.device, dtype=args.dtype, name=name, quantize=args.quantize,
-                          backend=args.backend, threads=args.threads)
+                          backend=args.backend, threads=args.threads, kernels=args.kernels)
     return load
 
 

@@ -78,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if quantized and (args.quantize != "none" or args.backend != "torch"):
         raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "
                               "and --backend, or the methods' quantize option")
+    stock = [spec.label for spec in specs if spec.kernels != "loaded"]
+    if stock and (args.quantize != "none" or args.backend != "torch" or args.kernels == "stock"):
+        raise MethodSpecError(f"{', '.join(stock)} run on a stock-kernel copy of the float torch target loaded on "
+                              "oneDNN; drop --quantize, --backend and --kernels stock, or the methods' kernels option")
     if args.backend == "llamacpp":
         # The bench target is then a llama.cpp adapter: it has no transformers model to run transformers' generate
         # or to score perplexity with.
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     apply_threads(args)
     target, tokenizer = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
-                                    backend=args.backend, threads=args.threads)
+                                    backend=args.backend, threads=args.threads, kernels=args.kernels)
     # Draft models load with the target's options: same backend, same quantisation.
     load_draft = model_loader(args)
     result = run_bench(target, tokenizer, prompts, specs, args.baseline, config, defaults,

@@ -25,6 +25,7 @@ from ..loop import SpecStats, SpeculativeDecoder
 from ..methods import MethodConfig, MethodContext, build_method
 from ..errors import ModelLoadError
 from ..models.adapter import CausalLM
+from ..models.cpukernels import stock_kernels
 from ..sampling import SamplingConfig
 from .specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
 
@@ -137,9 +138,12 @@ class HFEngine:
             torch.manual_seed(seed)
             synchronize(device)
             start = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                                      **options, **self.extra)
+            # Stock transformers: the target's (and assistant's) linears on PyTorch's own kernels, not jointspec's
+            # oneDNN ones, so these rows measure transformers as users run it.
+            with stock_kernels(self.model), stock_kernels(self.extra.get("assistant_model", self.model)):
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                          eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                                          **options, **self.extra)
             synchronize(device)
             seconds = time.perf_counter() - start
         finally:

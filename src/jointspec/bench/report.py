@@ -172,7 +172,9 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
     plots = write_plots(summary, folder)
 
     md = ["# jointspec bench\n", f"`{command}`\n",
-          f"Model **{env['model']}**, {env['dtype']}, on {env['device']} ({env['device_name']}, "
+          f"Model **{env['model']}**, {env['dtype']}"
+          f"{' (linear layers on ' + env['kernels'] + ')' if env.get('kernels') else ''}, "
+          f"on {env['device']} ({env['device_name']}, "
           f"{env['num_threads']} threads); torch {env['torch']}, transformers {env['transformers']}, "
           f"jointspec {env['jointspec']}, Python {env['python']}.\n",
           f"{len(summary[result.baseline]['per_category'])} categories, "

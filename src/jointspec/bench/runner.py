@@ -27,7 +27,8 @@ from ..api import eos_token_ids
 from ..loop import SpecStats
 from ..methods import MethodConfig
 from ..models.adapter import CausalLM
-from ..models.loading import load_model, quantized_copy
+from ..models.cpukernels import kernels_in_use
+from ..models.loading import load_model, quantized_copy, stock_copy
 from ..quality import token_logprobs
 from .costmodel import TargetCost, measure_target_cost
 from .engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
@@ -136,7 +137,13 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
         llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
     quantized: dict[str, CausalLM] = {}  # one quantised copy of the target per mode named by a spec
 
+    stock: list[CausalLM] = []  # the float target on PyTorch's own linear kernels, if a spec asks for it
+
     def target_for(spec: MethodSpec) -> CausalLM:
+        if spec.kernels == "stock" and kernels_in_use(target.model) == "onednn":
+            if not stock:
+                stock.append(stock_copy(target))
+            return stock[0]
         if spec.quantize == "none":
             return target
         if spec.quantize not in quantized:
@@ -271,6 +278,7 @@ def environment(target: CausalLM) -> dict:
         device_name = _cpu_name()
     return {"model": target.name, "device": str(device), "device_name": device_name,
             "dtype": str(target.dtype).replace("torch.", ""), "num_threads": torch.get_num_threads(),
+            "kernels": kernels_in_use(getattr(target, "model", None)),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "jointspec": metadata.version("jointspec")}

@@ -6,7 +6,9 @@ work without changes here. ``hf-generate``, ``hf-assisted`` and ``hf-pld`` run t
 ``llamacpp`` and ``llamacpp-pld`` run llama-cpp-python's own generation loop (plain greedy, and its
 ``LlamaPromptLookupDecoding`` draft) on the GGUF. Any jointspec method takes ``backend=llamacpp`` to run on the
 llama.cpp adapter instead of the torch target (``pld:backend=llamacpp``), and ``quantize=int8|int4`` to run on a
-quantised copy of the torch target (``ar:quantize=int4``), so float, quantised and llama.cpp rows share one run.
+quantised copy of the torch target (``ar:quantize=int4``), so float, quantised and llama.cpp rows share one run;
+``kernels=stock`` runs on a copy of the float target on PyTorch's own linear kernels instead of oneDNN (see
+:mod:`jointspec.models.cpukernels`).
 
 A list of specs is comma-separated too, so ``--methods ar,pld:n=4,max_ngram=2,hf-pld`` is read as
 ``ar`` | ``pld:n=4,max_ngram=2`` | ``hf-pld``: a piece with ``=`` and no ``:`` continues the previous spec's options,
@@ -46,7 +48,9 @@ LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
 # Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
 BACKENDS = ("torch", "llamacpp")
 # Spec keys that say where a jointspec method runs rather than how it drafts: no MethodConfig field reads them.
-PLACEMENT_KEYS = ("backend", "quantize")
+PLACEMENT_KEYS = ("backend", "quantize", "kernels")
+# Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.
+SPEC_KERNELS = ("loaded", "stock")
 
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
@@ -80,6 +84,12 @@ class MethodSpec:
     def quantize(self) -> str:
         """The torch target's quantisation for this method: 'none' (the bench's target as loaded), 'int8', 'int4'."""
         return self.options.get("quantize", "none")
+
+    @property
+    def kernels(self) -> str:
+        """'loaded' (the bench's target as loaded, oneDNN linears on a float CPU model) or 'stock' (a copy of it on
+        PyTorch's own ``F.linear``, to measure what the kernels give)."""
+        return self.options.get("kernels", "loaded")
 
     @property
     def needs_llamacpp(self) -> bool:
@@ -132,6 +142,11 @@ def parse_spec(text: str) -> MethodSpec:
     if options.get("quantize", "none") != "none" and options.get("backend", "torch") != "torch":
         raise MethodSpecError(f"'{text}': quantize is for the torch backend; the llama.cpp backend runs the GGUF's "
                               "own quantisation")
+    if options.get("kernels", "loaded") not in SPEC_KERNELS:
+        raise MethodSpecError(f"kernels '{options['kernels']}' in '{text}' must be one of: {', '.join(SPEC_KERNELS)}")
+    if options.get("kernels", "loaded") != "loaded" and (options.get("backend", "torch") != "torch"
+                                                         or options.get("quantize", "none") != "none"):
+        raise MethodSpecError(f"'{text}': kernels=stock is for the float torch target; drop backend/quantize")
     return MethodSpec(label=text.strip(), name=name, options=options)
 
 

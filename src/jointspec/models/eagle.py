@@ -31,6 +31,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from ..errors import ModelLoadError, UnsupportedOptionError
 from .adapter import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
+from .cpukernels import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
 
 ARTIFACT_FORMAT = 1
 CONFIG_FILE = "draft.json"
@@ -239,6 +240,14 @@ class HeadDraftModel:
         # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
         self.lm_weight = float_lm_weight(model).detach().index_select(0, head.draft_vocab).to(head.fc.weight.dtype)
         self.draft_vocab = head.draft_vocab
+        # A target on oneDNN linears (float32 CPU, models.cpukernels) gets a head on them too: drafting is the same
+        # small-batch matmuls.
+        self._lm_onednn = None
+        if kernels_in_use(model) == "onednn" and onednn_supported(self.head) is None:
+            use_onednn_linears(self.head)
+            lm = nn.Linear(self.lm_weight.shape[1], self.lm_weight.shape[0], bias=False)
+            lm.weight = nn.Parameter(self.lm_weight, requires_grad=False)
+            self._lm_onednn = OneDNNLinear(lm)
         self._full_vocab = target.vocab_size
         self.reset()
 
@@ -282,7 +291,10 @@ class HeadDraftModel:
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """[n, hidden] predicted features -> [n, full vocab] logits, -inf outside the draft vocabulary."""
-        draft_logits = features.float() @ self.lm_weight.float().T  # [n, draft vocab]
+        if self._lm_onednn is not None:
+            draft_logits = self._lm_onednn(features.float())  # [n, draft vocab]
+        else:
+            draft_logits = features.float() @ self.lm_weight.float().T  # [n, draft vocab]
         if self.draft_vocab.shape[0] == self._full_vocab:
             return draft_logits
         full = torch.full((features.shape[0], self._full_vocab), float("-inf"), device=features.device)

@@ -23,6 +23,7 @@ import torch
 from ..errors import ModelLoadError, UnsupportedOptionError
 from . import embedded
 from .adapter import CausalLM
+from .cpukernels import KERNEL_CHOICES, resolve_kernels, use_onednn_linears, use_stock_linears
 from .quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
@@ -86,15 +87,19 @@ def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.d
 
 def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                name: str | None = None, quantize: str = "none", backend: str = "torch",
-               threads: int | None = None) -> tuple[CausalLM, object]:
+               threads: int | None = None, kernels: str = "auto") -> tuple[CausalLM, object]:
     """Load ``source`` as (adapter, tokenizer). Raises :class:`ModelLoadError` with what to do on failure.
 
     ``quantize``: ``none``, ``int8`` or ``int4`` (torch backend; applied after moving to ``device``). ``backend``:
     ``torch`` or ``llamacpp`` (a :class:`~jointspec.models.llamacpp.LlamaCppLM`, CPU only, ``dtype`` ignored).
     ``threads``: llama.cpp's thread count (default: the cores this process may use); the torch backend uses torch's
-    process-wide setting, which the CLI sets from ``--threads``.
+    process-wide setting, which the CLI sets from ``--threads``. ``kernels`` (torch backend): ``auto`` runs a float32
+    CPU model's linear layers on oneDNN (see :mod:`jointspec.models.cpukernels`), ``onednn`` insists on it, ``stock``
+    keeps PyTorch's ``F.linear``.
     """
     source = source or DEFAULT_MODEL
+    if kernels not in KERNEL_CHOICES:
+        raise UnsupportedOptionError(f"unknown kernels '{kernels}'; choose one of: {', '.join(KERNEL_CHOICES)}")
     check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
     check_device(device)
     if backend == "llamacpp":
@@ -106,6 +111,11 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     if quantize != "none":
         quantize_model(model, quantize)
         label = f"{label} ({quantize})"
+    try:
+        if resolve_kernels(kernels, model) == "onednn":
+            use_onednn_linears(model)
+    except ValueError as error:
+        raise UnsupportedOptionError(str(error)) from error
     return CausalLM(model, name=name or label), tokenizer
 
 
@@ -121,6 +131,16 @@ def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
     model = copy.deepcopy(target.model)
     quantize_model(model, mode)
     return CausalLM(model, name=f"{target.name} ({mode})")
+
+
+def stock_copy(target: CausalLM) -> CausalLM:
+    """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN), for comparing the
+    two kernels in one process (the bench's ``kernels=stock`` option)."""
+    import copy
+
+    model = copy.deepcopy(target.model)
+    use_stock_linears(model)
+    return CausalLM(model, name=f"{target.name} (stock kernels)")
 
 
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):

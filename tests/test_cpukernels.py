@@ -1,0 +1,142 @@
+"""oneDNN linear layers (``--kernels``): same function as ``nn.Linear`` up to float rounding, lossless speculation on
+them, and the plumbing (load, quantise, copy, switch back, bench placement).
+
+The tiny models are conftest's (sharpened logits, so greedy near-ties are vanishingly rare and the equivalence tests
+are deterministic: a float-rounding difference between kernels cannot flip an argmax whose margin is far larger).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_llama
+from jointspec.bench.specs import MethodSpecError, parse_spec
+from jointspec.drafters.costaware import measure_cost_curve
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import (OneDNNLinear, kernels_in_use, resolve_kernels, stock_kernels,
+                                         use_onednn_linears, use_stock_linears)
+from jointspec.models.loading import load_model, quantized_copy, stock_copy
+from jointspec.models.quantize import quantization_mode
+from test_cli import save_model
+from test_equivalence import greedy, hf_greedy, make_decoder, random_prompt
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture()
+def onednn_pair():
+    """(target, other) tiny models with every linear layer on oneDNN; fresh per test (they are changed in place)."""
+    target, other = tiny_llama(0), tiny_llama(1)
+    assert use_onednn_linears(target) == 2 * 7 + 1  # 7 per decoder layer (q, k, v, o, gate, up, down) + LM head
+    use_onednn_linears(other)
+    return target, other
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+def test_onednn_linear_matches_nn_linear(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 96)
+    fast = OneDNNLinear(linear)
+    x = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        expected, got = linear(x), fast(x)
+    assert got.shape == expected.shape
+    # Float rounding only: the products are the same, summed in another order (|x.w| ~ 10 here).
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
+    assert fast.weight is linear.weight and fast.bias is linear.bias  # shared, not copied
+
+
+def test_swapped_model_keeps_tied_weights_and_state_dict():
+    model = tiny_llama(0)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in SmolLM2
+    keys = set(model.state_dict())
+    use_onednn_linears(model)
+    assert isinstance(model.lm_head, OneDNNLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert set(model.state_dict()) == keys  # the packed copy is never saved
+    assert kernels_in_use(model) == "onednn"
+    assert use_stock_linears(model) == 15 and kernels_in_use(model) == "stock"
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sps-self", "sps-other"])
+@pytest.mark.parametrize("prompt_seed", [3, 6])
+def test_methods_on_onednn_match_plain_greedy(onednn_pair, method, prompt_seed):
+    # Exactness is against the target as it runs: transformers' generate on the same oneDNN model.
+    target, other = onednn_pair
+    prompt = random_prompt(prompt_seed)
+    decoder = make_decoder(method, target, other)
+    assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS)) == hf_greedy(target, prompt, MAX_NEW_TOKENS)
+
+
+def test_onednn_and_stock_give_the_same_greedy_text(onednn_pair):
+    # The kernels change float rounding, not the model: on sharpened tiny models the outputs agree exactly.
+    target, _ = onednn_pair
+    prompt = random_prompt(3)
+    fast = hf_greedy(target, prompt, MAX_NEW_TOKENS)
+    with stock_kernels(target):
+        assert kernels_in_use(target) == "stock"
+        slow = hf_greedy(target, prompt, MAX_NEW_TOKENS)
+    assert kernels_in_use(target) == "onednn"
+    assert fast == slow
+
+
+def test_deepcopy_quantize_and_stock_copy_of_an_onednn_target(onednn_pair):
+    target_model, _ = onednn_pair
+    target = CausalLM(target_model, name="tiny")
+    clone = copy.deepcopy(target_model)  # the packed oneDNN tensor has no storage: copied by repacking
+    assert kernels_in_use(clone) == "onednn" and clone.lm_head.weight is not target_model.lm_head.weight
+    int8 = quantized_copy(target, "int8")  # quantises the plain layers underneath
+    assert quantization_mode(int8.model) == "int8" and kernels_in_use(target_model) == "onednn"
+    stock = stock_copy(target)
+    assert kernels_in_use(stock.model) == "stock" and kernels_in_use(target_model) == "onednn"
+    prompt = random_prompt(6)
+    assert hf_greedy(stock.model, prompt, 20) == hf_greedy(target_model, prompt, 20)
+
+
+def test_cost_curve_memo_tells_the_kernels_apart(onednn_pair):
+    target_model, _ = onednn_pair
+    target = CausalLM(target_model, name="tiny")
+    fast = measure_cost_curve(target, sizes=(1, 2), repeats=1, context_tokens=4)
+    with stock_kernels(target_model):
+        slow = measure_cost_curve(target, sizes=(1, 2), repeats=1, context_tokens=4)
+    assert slow is not fast  # measured again, not the oneDNN curve from the memo
+    assert measure_cost_curve(target, sizes=(1, 2), repeats=1, context_tokens=4) is fast
+
+
+def test_resolve_kernels():
+    model = tiny_llama(0)
+    assert resolve_kernels("auto", model) == "onednn"
+    assert resolve_kernels("stock", model) == "stock"
+    half = tiny_llama(0).to(torch.bfloat16)
+    assert resolve_kernels("auto", half) == "stock"  # auto falls back where oneDNN linears do not apply
+    with pytest.raises(ValueError, match="float32"):
+        resolve_kernels("onednn", half)
+    with pytest.raises(ValueError, match="unknown kernels 'fast'"):
+        resolve_kernels("fast", model)
+
+
+def test_load_model_kernels(tmp_path):
+    folder = save_model(tmp_path / "tiny", 0)
+    assert kernels_in_use(load_model(folder)[0].model) == "onednn"  # auto: float32 on CPU
+    assert kernels_in_use(load_model(folder, kernels="stock")[0].model) == "stock"
+    with pytest.raises(UnsupportedOptionError, match="unknown kernels 'fast'"):
+        load_model(folder, kernels="fast")
+    with pytest.raises(UnsupportedOptionError, match="float32"):
+        load_model(folder, dtype="bfloat16", kernels="onednn")
+
+
+def test_bench_spec_kernels_option():
+    assert parse_spec("ar:kernels=stock").kernels == "stock"
+    assert parse_spec("pld").kernels == "loaded"
+    with pytest.raises(MethodSpecError, match="must be one of: loaded, stock"):
+        parse_spec("ar:kernels=fast")
+    with pytest.raises(MethodSpecError, match="kernels=stock is for the float torch target"):
+        parse_spec("ar:kernels=stock,quantize=int8")
