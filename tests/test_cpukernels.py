@@ -140,3 +140,38 @@ def test_bench_spec_kernels_option():
         parse_spec("ar:kernels=fast")
     with pytest.raises(MethodSpecError, match="kernels=stock is for the float torch target"):
         parse_spec("ar:kernels=stock,quantize=int8")
+
+
+def test_head_on_an_onednn_target(onednn_pair):
+    # A draft head bound to a oneDNN target runs on oneDNN too (layers and its VocabTrim LM head), drafts the same
+    # logits as on stock kernels up to rounding, and sps with it still emits plain greedy output.
+    from jointspec.drafters.model import ModelDrafter
+    from jointspec.loop import SpeculativeDecoder
+    from jointspec.models.eagle import HeadDraftModel
+    from jointspec.verifiers.rejection import RejectionSamplingVerifier
+    from test_heads import untrained_head
+
+    target_model, _ = onednn_pair
+    target = CausalLM(target_model, name="tiny")
+    head = untrained_head(target, draft_vocab_size=40)
+    plain = copy.deepcopy(head)
+    draft = HeadDraftModel(head, target)
+    assert kernels_in_use(draft.head) == "onednn" and draft._lm_onednn is not None
+    prompt = random_prompt(3)
+    target.reset()
+    target.forward(prompt[:-1], num_logits=0)
+    fast = draft.forward(prompt + [5, 6]).logits
+    with stock_kernels(target_model):
+        stock_target = CausalLM(target_model, name="tiny-stock")
+        stock_draft = HeadDraftModel(plain, stock_target)
+        assert kernels_in_use(stock_draft.head) == "stock"
+        stock_target.reset()
+        stock_target.forward(prompt[:-1], num_logits=0)
+        slow = stock_draft.forward(prompt + [5, 6]).logits
+    assert torch.equal(torch.isinf(fast), torch.isinf(slow))  # the same tokens are outside the draft vocabulary
+    torch.testing.assert_close(fast[~torch.isinf(fast)], slow[~torch.isinf(slow)], rtol=1e-4, atol=1e-4)
+
+    target.reset()
+    decoder = SpeculativeDecoder(target, ModelDrafter(HeadDraftModel(copy.deepcopy(plain), target), 3),
+                                 RejectionSamplingVerifier())
+    assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS)) == hf_greedy(target_model, prompt, MAX_NEW_TOKENS)
