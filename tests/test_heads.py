@@ -257,3 +257,19 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     assert [p.stat().st_mtime_ns for p in shards] == stamps
     assert cli.main(argv[:-1] + ["--kind", "distill"]) == 2  # not implemented: a clear one-line error
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_feature_mirror_keep_after_growing_in_inference_mode():
+    # The target grows its mirror inside a forward (inference mode); tree verification then calls keep() outside
+    # it. That used to fail: torch refuses in-place updates of inference tensors outside inference mode.
+    from jointspec.models.adapter import FeatureMirror
+
+    mirror = FeatureMirror(4, torch.float32, torch.device("cpu"))
+    rows = torch.arange(300 * 4, dtype=torch.float32).reshape(300, 4)
+    with torch.inference_mode():
+        mirror.append(rows)  # past the initial 256 rows: the buffer is reallocated here
+    mirror.keep(torch.tensor([0, 1, 5, 299]))
+    assert mirror.length == 4
+    assert torch.equal(mirror.features, rows[[0, 1, 5, 299]])
+    mirror.append(rows[:2])
+    assert torch.equal(mirror.features[4:], rows[:2])

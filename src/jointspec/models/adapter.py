@@ -64,6 +64,9 @@ class FeatureMirror:
     def features(self) -> torch.Tensor:
         return self._buffer[:self.length]  # [length, hidden]
 
+    # In-place updates run in inference mode: a buffer grown inside a forward (inference mode) is an inference tensor,
+    # which torch lets no one update in place outside it (tree verification calls keep() outside).
+    @torch.inference_mode()
     def append(self, rows: torch.Tensor) -> None:
         end = self.length + rows.shape[0]
         if end > self._buffer.shape[0]:
@@ -77,6 +80,7 @@ class FeatureMirror:
     def crop(self, length: int) -> None:
         self.length = min(length, self.length)
 
+    @torch.inference_mode()
     def keep(self, index: torch.Tensor) -> None:
         kept = self.features.index_select(0, index)
         self._buffer[:kept.shape[0]] = kept
