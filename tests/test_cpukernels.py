@@ -175,3 +175,18 @@ def test_head_on_an_onednn_target(onednn_pair):
     decoder = SpeculativeDecoder(target, ModelDrafter(HeadDraftModel(copy.deepcopy(plain), target), 3),
                                  RejectionSamplingVerifier())
     assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS)) == hf_greedy(target_model, prompt, MAX_NEW_TOKENS)
+
+
+def test_generate_and_serve_pass_kernels_to_the_loader(tmp_path, capsys):
+    # The CLI's --kernels reaches load_model for `generate` (a bfloat16 model cannot be put on oneDNN linears: a clean
+    # error naming why) and for the shared loader used by `serve` and `bench`.
+    from jointspec import cli
+    from jointspec.cli import model_loader
+    from test_cli import assert_clean_error, run_cli
+
+    folder = save_model(tmp_path / "tiny", 0)
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", folder, "--max-new-tokens", "2",
+                           "--dtype", "bfloat16", "--kernels", "onednn")
+    assert_clean_error(code, err, "float32")
+    args = cli.build_parser().parse_args(["serve", "--kernels", "stock", "--model", folder])
+    assert kernels_in_use(model_loader(args)(folder)[0].model) == "stock"

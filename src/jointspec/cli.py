@@ -138,7 +138,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise JointspecError(str(error)) from error
     apply_threads(args)
     pipeline = Pipeline.load(args.model, method, device=args.device, dtype=args.dtype, quantize=args.quantize,
-                             backend=args.backend, threads=args.threads)
+                             backend=args.backend, threads=args.threads, kernels=args.kernels)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
         from .energy import meter_for_device
