@@ -100,8 +100,7 @@ class Pipeline:
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
                  threads: int | None = None, kernels: str = "auto") -> None:
         """``device``, ``dtype``, ``quantize``, ``backend``, ``threads`` and ``kernels`` load the method's draft
-        model, if any,
-        the way :func:`load_model` loads a target."""
+        model, if any, the way :func:`load_model` loads a target."""
         self.target = target
         self.tokenizer = tokenizer
         self.method = method or MethodConfig()
@@ -119,8 +118,10 @@ class Pipeline:
              dtype: str | None = None, quantize: str = "none", backend: str = "torch",
              threads: int | None = None, kernels: str = "auto") -> "Pipeline":
         """Load ``model`` and the method's draft with the same options: ``quantize`` none/int8/int4 (torch backend),
-        ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see :func:`jointspec.models.loading.load_model`)."""
-        options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads, kernels=kernels)
+        ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see
+        :func:`jointspec.models.loading.load_model`)."""
+        options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,
+                       kernels=kernels)
         target, tokenizer = load_model(model, **options)
         return cls(target, tokenizer, method, **options)
 

@@ -78,15 +78,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "usable cores for llama.cpp); fewer than the free cores avoids contention")
 
 
+def model_options(args: argparse.Namespace) -> dict:
+    """The ``load_model`` options from the shared model arguments: the one place that lists them, so generate,
+    serve, bench and draft loading all pass every one."""
+    return dict(device=args.device, dtype=args.dtype, quantize=args.quantize, backend=args.backend,
+                threads=args.threads, kernels=args.kernels)
+
+
 def model_loader(args: argparse.Namespace):
-    """``load(source, name=None) -> (model, tokenizer)`` with the run's device, dtype, backend, quantisation and
-    threads, for the target and every draft model alike; each (source, name) is loaded once."""
+    """``load(source, name=None) -> (model, tokenizer)`` with the run's :func:`model_options`, for the target and
+    every draft model alike; each (source, name) is loaded once."""
     from .models.loading import load_model
 
     @functools.cache
     def load(source: str, name: str | None = None):
-        return load_model(source, device=args.device, dtype=args.dtype, name=name, quantize=args.quantize,
-                          backend=args.backend, threads=args.threads, kernels=args.kernels)
+        return load_model(source, name=name, **model_options(args))
     return load
 
 
@@ -137,8 +143,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise JointspecError(str(error)) from error
     apply_threads(args)
-    pipeline = Pipeline.load(args.model, method, device=args.device, dtype=args.dtype, quantize=args.quantize,
-                             backend=args.backend, threads=args.threads, kernels=args.kernels)
+    pipeline = Pipeline.load(args.model, method, **model_options(args))
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
         from .energy import meter_for_device

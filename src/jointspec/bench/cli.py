@@ -8,7 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..cli import _positive_int, add_model_arguments, apply_threads, method_config_from_args, model_loader
+from ..cli import (_positive_int, add_model_arguments, apply_threads, method_config_from_args, model_loader,
+                   model_options)
 from ..models.loading import DEFAULT_MODEL, load_model
 from .prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from .report import contract, summarise, table, write_report
@@ -100,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
 
     apply_threads(args)
-    target, tokenizer = load_target(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
-                                    backend=args.backend, threads=args.threads, kernels=args.kernels)
+    target, tokenizer = load_target(args.model, **model_options(args))
     # Draft models load with the target's options: same backend, same quantisation.
     load_draft = model_loader(args)
     result = run_bench(target, tokenizer, prompts, specs, args.baseline, config, defaults,

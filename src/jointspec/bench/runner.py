@@ -135,20 +135,18 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     llamacpp = None
     if any(s.needs_llamacpp for s in specs):
         llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
-    quantized: dict[str, CausalLM] = {}  # one quantised copy of the target per mode named by a spec
-
-    stock: list[CausalLM] = []  # the float target on PyTorch's own linear kernels, if a spec asks for it
+    copies: dict[str, CausalLM] = {}  # one copy of the target per quantisation or kernel choice named by a spec
 
     def target_for(spec: MethodSpec) -> CausalLM:
         if spec.kernels == "stock" and kernels_in_use(target.model) == "onednn":
-            if not stock:
-                stock.append(stock_copy(target))
-            return stock[0]
-        if spec.quantize == "none":
+            key, make = "stock kernels", stock_copy
+        elif spec.quantize != "none":
+            key, make = spec.quantize, lambda original: quantized_copy(original, spec.quantize)
+        else:
             return target
-        if spec.quantize not in quantized:
-            quantized[spec.quantize] = quantized_copy(target, spec.quantize)
-        return quantized[spec.quantize]
+        if key not in copies:
+            copies[key] = make(target)
+        return copies[key]
 
     engines = {s.label: build_engine(s, target_for(s), tokenizer, defaults, load_draft, eos, llamacpp) for s in specs}
 
