@@ -154,6 +154,12 @@ def target_fingerprint(target: CausalLM) -> str:
 def bind_head(folder: str | Path, target: CausalLM) -> HeadDraftModel:
     """Load the head saved in ``folder`` for ``target``; refuses a head trained for another target."""
     head, training = load_head(folder, device=target.device, dtype=torch.float32)
+    check_head_target(head, folder, target)
+    return HeadDraftModel(head, target, name=f"head {Path(folder).name}")
+
+
+def check_head_target(head: EagleHead, folder: str | Path, target: CausalLM) -> None:
+    """Raise :class:`ModelLoadError` unless ``head`` (loaded from ``folder``) was trained for ``target``."""
     fingerprint = target_fingerprint(target)
     if head.config.target_fingerprint != fingerprint:
         raise ModelLoadError(
@@ -163,7 +169,6 @@ def bind_head(folder: str | Path, target: CausalLM) -> HeadDraftModel:
     if head.config.target_vocab_size != target.vocab_size:
         raise ModelLoadError(f"draft head '{folder}' expects {head.config.target_vocab_size} tokens, the target has "
                              f"{target.vocab_size}")
-    return HeadDraftModel(head, target, name=f"head {Path(folder).name}")
 
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "drafts"

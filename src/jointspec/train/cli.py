@@ -15,6 +15,8 @@ import logging
 import shlex
 from pathlib import Path
 
+from dataclasses import asdict
+
 import torch
 
 from ..cli import _positive_int
@@ -38,12 +40,19 @@ def add_parser(subparsers) -> None:
                         help="head type for --kind heads (only eagle is implemented)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
     parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
-    parser.add_argument("--prompts", action="append", default=None, metavar="FILE|builtin:NAME|train:default",
-                        help="training prompts: train:default (built-in mix that avoids the benchmark sets), a "
-                             "JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; repeatable")
+    parser.add_argument("--prompts", action="append", default=None,
+                        metavar="FILE|builtin:NAME|train:default|self-instruct:N",
+                        help="training prompts: train:default (built-in mix that avoids the benchmark sets), "
+                             "self-instruct:N (N requests the target writes itself, Magpie-style; cached in the data "
+                             "folder), a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; "
+                             "repeatable")
     parser.add_argument("--num-prompts", type=_positive_int, default=None, help="use only the first N prompts")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=192, help="answer length per prompt")
     parser.add_argument("--generate-batch-size", type=_positive_int, default=16, help="batch size for the answers")
+    parser.add_argument("--data-only", action="store_true", help="build (or finish) the data folder and stop")
+    parser.add_argument("--init", type=Path, default=None, metavar="DIR",
+                        help="start from this head (same target; its draft vocabulary is kept) instead of from "
+                             "scratch: e.g. to train a shipped head further on new data")
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="VocabTrim: draft only the N most frequent target tokens (0 = full vocabulary)")
     parser.add_argument("--layers", type=_positive_int, default=1, help="decoder layers in the head")
@@ -61,7 +70,42 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def training_prompts(sources: list[str] | None, tokenizer) -> list[list[int]]:
+SELF_INSTRUCT_PREFIX = "self-instruct:"
+
+
+def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None, seed: int,
+                   batch_size: int) -> list[str]:
+    """The prompts of a ``self-instruct:N`` source, sampled once and kept in ``data_folder`` for later runs."""
+    from ..models.eagle import target_fingerprint
+    from .selfinstruct import SelfInstructConfig, self_instruct_prompts
+
+    count = source[len(SELF_INSTRUCT_PREFIX):]
+    if not count.isdigit() or int(count) < 1:
+        raise UnsupportedOptionError(f"'{source}': write self-instruct:N with N >= 1 prompts, e.g. self-instruct:800")
+    if target is None:
+        raise UnsupportedOptionError(f"'{source}' needs the target model to write the prompts")
+    config = SelfInstructConfig(num_prompts=int(count), seed=seed, batch_size=batch_size)
+    record = {"target_fingerprint": target_fingerprint(target), "settings": asdict(config)}
+    path = data_folder / f"self-instruct-{count}-seed{seed}.json" if data_folder is not None else None
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        if {k: saved.get(k) for k in record} == record:
+            return saved["prompts"]
+        log.warning("ignoring %s: it was written for another target or with other settings", path)
+    try:
+        prompts = self_instruct_prompts(target, tokenizer, config, eos)
+    except ValueError as error:
+        raise UnsupportedOptionError(f"'{source}': {error}") from error
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**record, "prompts": prompts}, indent=0))
+        tmp.replace(path)
+    return prompts
+
+
+def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: frozenset[int] = frozenset(),
+                     data_folder: Path | None = None, seed: int = 0, batch_size: int = 16) -> list[list[int]]:
     """Prompt token ids (chat template applied) from the ``--prompts`` sources."""
     from ..bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
     from .prompts import default_training_prompts
@@ -70,6 +114,8 @@ def training_prompts(sources: list[str] | None, tokenizer) -> list[list[int]]:
     for source in sources or ["train:default"]:
         if source == "train:default":
             texts.extend(default_training_prompts())
+        elif source.startswith(SELF_INSTRUCT_PREFIX):
+            texts.extend(_self_instruct(source, target, tokenizer, eos, data_folder, seed, batch_size))
         elif source.startswith(BUILTIN_PREFIX) or source.endswith(".jsonl"):
             if source.startswith(BUILTIN_PREFIX):
                 log.warning("training on benchmark prompts (%s): measure on other prompts", source)
@@ -80,15 +126,15 @@ def training_prompts(sources: list[str] | None, tokenizer) -> list[list[int]]:
                 raise UnsupportedOptionError(f"prompt file '{source}' does not exist")
             texts.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
         else:
-            raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, builtin:NAME, "
-                                         "a .jsonl file or a .txt file")
+            raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, self-instruct:N, "
+                                         "builtin:NAME, a .jsonl file or a .txt file")
     if not texts:
         raise UnsupportedOptionError("no training prompts found in " + ", ".join(sources or []))
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
 
 
 # Options that do not change what is trained (where files go, how it reports) stay out of the recorded command.
-_NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level"}
+_NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level", "data_only"}
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -100,6 +146,13 @@ def command_line(args: argparse.Namespace) -> str:
         for item in value if isinstance(value, list) else [value]:
             words += [f"--{name.replace('_', '-')}", str(item)]
     return shlex.join(words + ["--out", "DIR"])
+
+
+def load_head_training(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "draft.json").read_text()).get("training", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,21 +169,35 @@ def run(args: argparse.Namespace) -> int:
         raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.init is not None and not (args.init / "draft.json").is_file():
+        raise UnsupportedOptionError(f"--init '{args.init}' is not a head folder (no draft.json); give a folder "
+                                     "written by train-draft")
     target, tokenizer = load_target(args.target, device=args.device)
-    prompts = training_prompts(args.prompts, tokenizer)
-    if args.num_prompts:
-        prompts = prompts[:args.num_prompts]
+    init = None
+    if args.init is not None:  # checked before any data is built: a head made for another target is refused
+        from ..models.eagle import check_head_target, load_head
+
+        init, _ = load_head(args.init, device=target.device)
+        check_head_target(init, args.init, target)
     eos = eos_token_ids(target, tokenizer)
     data = args.data or args.out / "data"
+    prompts = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed, args.generate_batch_size)
+    if args.num_prompts:
+        prompts = prompts[:args.num_prompts]
     build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,
                batch_size=args.generate_batch_size, eos_token_ids=eos)
+    if args.data_only:
+        print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
+        return 0
     config = HeadTrainConfig(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
                              max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
                              learning_rate=args.learning_rate, unroll=args.unroll, eval_every=args.eval_every,
                              seed=args.seed)
     provenance = {"command": command_line(args), "data_spec": read_spec(data)}
+    if init is not None:
+        provenance["init"] = {"folder": str(args.init), "best": load_head_training(args.init).get("best")}
     head, result = HeadTrainer(target, config, eos).train(data, args.out, progress=not args.no_progress,
-                                                          provenance=provenance)
+                                                          provenance=provenance, init=init)
     if result.best is None:
         raise UnsupportedOptionError("training ran no evaluation (too little data or time); nothing was saved")
     summary = {"out": str(args.out), "data": str(data), "data_spec": read_spec(data),

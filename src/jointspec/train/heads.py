@@ -214,12 +214,18 @@ class HeadTrainer:
         return total, per_depth, int(scored.shape[0])
 
     def train(self, data_folder: str | Path, out_folder: str | Path, progress: bool = True,
-              provenance: dict | None = None) -> tuple[EagleHead, TrainResult]:
+              provenance: dict | None = None, init: EagleHead | None = None) -> tuple[EagleHead, TrainResult]:
         """Train on ``data_folder``; save the best head (and a resumable checkpoint) in ``out_folder``.
 
         The saved ``draft.json`` records the training settings and ``provenance`` (the command line, say) next to
-        the best evaluation, so an artifact says how to make it again.
+        the best evaluation, so an artifact says how to make it again. ``init``: start from this head's weights,
+        shape and draft vocabulary (``config.draft_vocab_size`` is then not used) rather than from scratch; the
+        first evaluation happens before any step, so the saved head is never worse on held-out data than ``init``.
         """
+        if init is not None and init.config.num_layers != self.config.num_layers:
+            raise UnsupportedOptionError(f"the head to start from has {init.config.num_layers} layer(s), the "
+                                         f"settings ask for {self.config.num_layers}; pass --layers "
+                                         f"{init.config.num_layers}")
         config = self.config
         out_folder = Path(out_folder)
         out_folder.mkdir(parents=True, exist_ok=True)
@@ -237,16 +243,21 @@ class HeadTrainer:
         eval_ids, train_ids = order[:num_eval], order[num_eval:]
         # The draft vocabulary follows what the target writes in its answers (what the head will be asked to draft).
         train_labels = torch.cat([labels_of[i][max(0, sequences[i][2] - 1):] for i in train_ids])
-        vocab = choose_draft_vocab(train_labels, self.target.vocab_size, config.draft_vocab_size,
-                                   sorted(self.eos_token_ids), torch.cat([labels_of[i] for i in train_ids]))
+        if init is not None:
+            vocab = init.draft_vocab.detach().cpu().clone()
+        else:
+            vocab = choose_draft_vocab(train_labels, self.target.vocab_size, config.draft_vocab_size,
+                                       sorted(self.eos_token_ids), torch.cat([labels_of[i] for i in train_ids]))
         draft_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
         draft_index[vocab] = torch.arange(vocab.shape[0])
         draft_weight = self.lm_weight_full.index_select(0, vocab)
 
-        head_config = HeadConfig.for_target(self.target, target_fingerprint(self.target),
-                                            draft_vocab_size=None if vocab.shape[0] == self.target.vocab_size
-                                            else int(vocab.shape[0]), num_layers=config.num_layers)
+        head_config = init.config if init is not None else HeadConfig.for_target(
+            self.target, target_fingerprint(self.target), num_layers=config.num_layers,
+            draft_vocab_size=None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
         head = EagleHead(head_config)
+        if init is not None:
+            head.load_state_dict({k: v.detach().float().cpu() for k, v in init.state_dict().items()})
         head.draft_vocab.copy_(vocab)
         head.train()
         optimizer = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("body.embed")],
@@ -281,6 +292,15 @@ class HeadTrainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=total_steps, initial=state["step"], desc="train head", unit="step")
         started = time.perf_counter() - state["seconds"]
+        if init is not None and state["step"] == 0 and not state["history"]:
+            # The starting head is the bar to clear: without this, a run that only made it worse would still save.
+            result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, 0)
+            state["history"].append(asdict(result))
+            state["best"] = asdict(result)
+            log.info("start: %s", result.line())
+            if bar is not None:
+                bar.write("start: " + result.line())
+            head.save(out_folder, training={"best": state["best"], "settings": asdict(config), **(provenance or {})})
         stop = False
         epoch = state["step"] // max(1, steps_per_epoch)
         while not stop and epoch < config.epochs:

@@ -1,0 +1,167 @@
+"""Self-instruct training prompts, warm-starting a head from another, and the data-only stage of train-draft.
+
+Everything is seeded and runs on one thread, so no test here has false-failure odds: a failure is a behaviour change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from jointspec import batch as batch_module
+from jointspec.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.models.eagle import load_head
+from jointspec.train.data import build_data
+from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts, user_turn_prefix
+
+from test_bench import tiny_tokenizer
+from test_equivalence import random_prompt
+
+EOS = frozenset({2})
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_users_text():
+    tokenizer = tiny_tokenizer()
+    prefix = user_turn_prefix(tokenizer)
+    assert tokenizer.decode(prefix) == "user :"  # the tiny template renders "user : {content} "
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        user_turn_prefix(tokenizer)
+
+
+def test_requests_are_filtered_deduplicated_and_capped(target_model, monkeypatch):
+    """Unfinished (no end-of-turn token), too short and repeated requests are dropped; draws are capped."""
+    tokenizer = tiny_tokenizer()
+    words = {w: tokenizer.convert_tokens_to_ids(w) for w in tokenizer.get_vocab()}
+    long_request = [words["water"], words["wings"], words["warm"], words["write"]]
+    outputs = iter([
+        long_request + [2],                 # kept
+        long_request,                       # cut by the length limit: dropped
+        [words["why"], 2],                  # shorter than min_prompt_chars: dropped
+        long_request + [2],                 # the same request again: dropped
+        [words["what"]] + long_request + [2],  # kept
+    ] + [long_request + [2]] * 100)         # from here on only repeats: the draw cap must end the loop
+    seen_prompts = []
+
+    def fake_generate(self, requests):
+        requests = list(requests)
+        seen_prompts.extend(r.prompt_ids for r in requests)
+        return [next(outputs) for _ in requests]
+
+    monkeypatch.setattr(batch_module.BatchEngine, "generate", fake_generate)
+    target = CausalLM(target_model, name="tiny-target")
+    config = SelfInstructConfig(num_prompts=3, batch_size=1, min_prompt_chars=8)
+    found = self_instruct_prompts(target, tokenizer, config, EOS, progress=False)
+    assert found == ["water wings warm write", "what water wings warm write"]
+    assert len(seen_prompts) == 4 * config.num_prompts  # the cap on draws
+    assert set(seen_prompts) == {tuple(user_turn_prefix(tokenizer))}
+    with pytest.raises(ValueError, match="end-of-turn"):
+        self_instruct_prompts(target, tokenizer, config, frozenset(), progress=False)
+
+
+def test_self_instruct_on_a_tiny_model_is_deterministic_in_the_seed(target_model):
+    tokenizer = tiny_tokenizer()
+    target = CausalLM(target_model, name="tiny-target")
+    config = SelfInstructConfig(num_prompts=5, max_prompt_tokens=64, batch_size=4, min_prompt_chars=1)
+    first = self_instruct_prompts(target, tokenizer, config, EOS, progress=False)
+    again = self_instruct_prompts(target, tokenizer, config, EOS, progress=False)
+    other = self_instruct_prompts(target, tokenizer, SelfInstructConfig(**{**config.__dict__, "seed": 1}), EOS,
+                                  progress=False)
+    assert len(first) == 5 and len(set(first)) == 5
+    assert first == again
+    assert first != other
+
+
+@pytest.fixture(scope="module")
+def head_data(tmp_path_factory, target_model):
+    target = CausalLM(target_model, name="tiny-target")
+    data = tmp_path_factory.mktemp("data")
+    prompts = [random_prompt(300 + i, length=8) for i in range(32)]
+    build_data(target, None, prompts, data, max_new_tokens=32, max_length=128, shard_size=16, batch_size=8)
+    return data
+
+
+def _config(**overrides) -> HeadTrainConfig:
+    settings = dict(draft_vocab_size=60, epochs=6, batch_tokens=512, learning_rate=3e-3, warmup_steps=5,
+                    eval_every=10, patience=100, eval_fraction=0.15)
+    return HeadTrainConfig(**{**settings, **overrides})
+
+
+def test_warm_start_keeps_the_vocabulary_and_never_saves_a_worse_head(target_model, head_data, tmp_path):
+    target = CausalLM(target_model, name="tiny-target")
+    first, first_result = HeadTrainer(target, _config(epochs=3)).train(head_data, tmp_path / "a", progress=False)
+    # Warm start at a learning rate so high that training can only hurt: the start is evaluated first, so the
+    # saved head is the starting one unless a later evaluation beats it.
+    init, _ = load_head(tmp_path / "a")
+    _, result = HeadTrainer(target, _config(learning_rate=5.0, epochs=2, draft_vocab_size=20)).train(
+        head_data, tmp_path / "b", progress=False, init=init)
+    assert result.history[0].step == 0
+    saved, training = load_head(tmp_path / "b")
+    assert torch.equal(saved.draft_vocab, init.draft_vocab)  # the init head's vocabulary, not a new one of 20
+    assert result.best.agreement[0] >= result.history[0].agreement[0]
+    assert training["best"]["agreement"] == result.best.agreement
+    if result.best.step == 0:  # nothing beat the start: the saved weights are the starting ones
+        assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), init.state_dict().values()))
+    # The start's held-out agreement equals the first head's best on the same split (same seed, same data).
+    assert result.history[0].agreement == first_result.best.agreement
+    with pytest.raises(UnsupportedOptionError, match="--layers 1"):
+        HeadTrainer(target, _config(num_layers=2)).train(head_data, tmp_path / "c", progress=False, init=init)
+
+
+def _patch_cli(monkeypatch, target_model):
+    from jointspec.train import cli as train_cli
+
+    monkeypatch.setattr(train_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
+
+
+def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, monkeypatch, capsys):
+    """self-instruct prompts are cached in the data folder; --data-only stops before training; --init resumes from a
+    head and refuses one made for another target."""
+    from jointspec import cli
+
+    _patch_cli(monkeypatch, target_model)
+    data = tmp_path / "data"
+    common = ["train-draft", "--data", str(data), "--prompts", "self-instruct:6", "--max-new-tokens", "16",
+              "--generate-batch-size", "4", "--no-progress"]
+    assert cli.main(common + ["--out", str(tmp_path / "unused"), "--data-only"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["data_spec"]["num_prompts"] == 6
+    assert not (tmp_path / "unused" / "draft.json").exists()
+    cached = json.loads((data / "self-instruct-6-seed0.json").read_text())
+    assert len(cached["prompts"]) == 6
+    stamp = (data / "self-instruct-6-seed0.json").stat().st_mtime_ns
+    train = ["--epochs", "2", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "40"]
+    assert cli.main(common + ["--out", str(tmp_path / "a")] + train) == 0
+    assert (data / "self-instruct-6-seed0.json").stat().st_mtime_ns == stamp  # the prompts were reused
+    assert cli.main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a")] + train) == 0
+    _, training = load_head(tmp_path / "b")
+    assert training["init"]["folder"] == str(tmp_path / "a") and "--init" in training["command"]
+    capsys.readouterr()
+
+    # A head for another target, and a folder that is no head, are refused before any work.
+    monkeypatch.setattr("jointspec.train.cli.load_target",
+                        lambda *args, **kwargs: (CausalLM(tiny_llama(7), name="other"), tiny_tokenizer()))
+    assert cli.main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "a")] + train) == 2
+    assert "was trained for target 'tiny-target'" in capsys.readouterr().err
+    assert cli.main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path)] + train) == 2
+    assert "not a head folder" in capsys.readouterr().err
+    assert cli.main(["train-draft", "--out", str(tmp_path / "d"), "--prompts", "self-instruct:x"]) == 2
+    assert "self-instruct:N" in capsys.readouterr().err
+
+
+def test_model_load_error_is_what_a_wrong_target_raises(target_model, tmp_path, head_data):
+    """check_head_target is the one place that refuses a head for another target (bind_head and --init use it)."""
+    from jointspec.models.eagle import check_head_target
+
+    target = CausalLM(target_model, name="tiny-target")
+    HeadTrainer(target, _config(epochs=1)).train(head_data, tmp_path / "h", progress=False)
+    head, _ = load_head(tmp_path / "h")
+    check_head_target(head, tmp_path / "h", target)
+    with pytest.raises(ModelLoadError, match="fingerprint"):
+        check_head_target(head, tmp_path / "h", CausalLM(tiny_llama(7), name="other"))
