@@ -165,3 +165,19 @@ def test_model_load_error_is_what_a_wrong_target_raises(target_model, tmp_path, 
     check_head_target(head, tmp_path / "h", target)
     with pytest.raises(ModelLoadError, match="fingerprint"):
         check_head_target(head, tmp_path / "h", CausalLM(tiny_llama(7), name="other"))
+
+
+def test_builtin_training_prompt_sources_split_the_default_mix():
+    """train:default is train:chat and train:code interleaved; unknown sources name the ones that exist."""
+    from jointspec.train import cli
+    from jointspec.train.prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
+
+    tokenizer = tiny_tokenizer()
+    chat, code = chat_prompts(600), stdlib_code_prompts(300)
+    assert len(chat) == 600 and len(code) == 300 and all(text.startswith("Complete this Python") for text in code)
+    assert sorted(default_training_prompts()) == sorted(chat + code)
+    both = cli.training_prompts(["train:chat", "train:code"], tokenizer)
+    assert len(both) == 900
+    assert both[600:] == cli.training_prompts(["train:code"], tokenizer)
+    with pytest.raises(UnsupportedOptionError, match="train:code"):
+        cli.training_prompts(["train:nothing"], tokenizer)

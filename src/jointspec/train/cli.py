@@ -41,8 +41,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
     parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
     parser.add_argument("--prompts", action="append", default=None,
-                        metavar="FILE|builtin:NAME|train:default|self-instruct:N",
-                        help="training prompts: train:default (built-in mix that avoids the benchmark sets), "
+                        metavar="FILE|builtin:NAME|train:default|train:chat|train:code|self-instruct:N",
+                        help="training prompts: train:default (built-in mix that avoids the benchmark sets: "
+                             "train:chat, 600 templated instructions, and train:code, 300 HumanEval-shaped tasks "
+                             "from the Python standard library), "
                              "self-instruct:N (N requests the target writes itself, Magpie-style; cached in the data "
                              "folder), a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; "
                              "repeatable")
@@ -108,12 +110,16 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
                      data_folder: Path | None = None, seed: int = 0, batch_size: int = 16) -> list[list[int]]:
     """Prompt token ids (chat template applied) from the ``--prompts`` sources."""
     from ..bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
-    from .prompts import default_training_prompts
+    from .prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
 
     texts: list[str] = []
     for source in sources or ["train:default"]:
         if source == "train:default":
             texts.extend(default_training_prompts())
+        elif source == "train:chat":
+            texts.extend(chat_prompts(600))
+        elif source == "train:code":
+            texts.extend(stdlib_code_prompts(300))
         elif source.startswith(SELF_INSTRUCT_PREFIX):
             texts.extend(_self_instruct(source, target, tokenizer, eos, data_folder, seed, batch_size))
         elif source.startswith(BUILTIN_PREFIX) or source.endswith(".jsonl"):
@@ -126,8 +132,8 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
                 raise UnsupportedOptionError(f"prompt file '{source}' does not exist")
             texts.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
         else:
-            raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, self-instruct:N, "
-                                         "builtin:NAME, a .jsonl file or a .txt file")
+            raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, train:chat, "
+                                         "train:code, self-instruct:N, builtin:NAME, a .jsonl file or a .txt file")
     if not texts:
         raise UnsupportedOptionError("no training prompts found in " + ", ".join(sources or []))
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
