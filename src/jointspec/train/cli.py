@@ -149,6 +149,8 @@ def command_line(args: argparse.Namespace) -> str:
     for name, value in vars(args).items():
         if name in _NOT_RECORDED or value is None:
             continue
+        if name == "draft_vocab" and getattr(args, "init", None) is not None:
+            continue  # a warm start keeps the vocabulary of the head it starts from
         for item in value if isinstance(value, list) else [value]:
             words += [f"--{name.replace('_', '-')}", str(item)]
     return shlex.join(words + ["--out", "DIR"])
