@@ -1,0 +1,103 @@
+"""Teacher-forced agreement of draft heads with the target on benchmark answers (not on the heads' training data).
+
+A head's held-out agreement during training is measured on answers to prompts shaped like its training prompts, which
+can flatter it. This script asks the same question on the built-in benchmark sets: the target answers the first
+``--num-prompts`` questions (taken round-robin over categories) greedily, and each head is scored, teacher-forced, on
+every answer position: does its depth-1 draft equal the target's argmax, does its depth-2 draft (drafted from its own
+depth-1 feature, as in decoding) equal the next argmax, and is the target's token in its depth-1 top 3 (what a tree
+of width 3 could catch). Depth-1 agreement is what first-position acceptance in greedy decoding converges to.
+
+    python scripts/head_agreement.py --num-prompts 8 src/jointspec/data/drafts/smollm2-135m-instruct-eagle OTHER_HEAD
+
+The target's answers and features are computed once per run and shared by all heads. The last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from jointspec.api import GenerationConfig, Pipeline
+from jointspec.bench.prompts import load_prompts
+from jointspec.methods import MethodConfig
+from jointspec.models.eagle import check_head_target, float_lm_weight, load_head
+from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+
+def round_robin(prompts, count: int):
+    by_category: dict[str, list] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    ordered = [group[i] for i in range(max(map(len, by_category.values()))) for group in by_category.values()
+               if i < len(group)]
+    return ordered[:count]
+
+
+def target_answers(pipe: Pipeline, prompt_set: str, count: int, max_new_tokens: int):
+    """(token ids of prompt + answer, prompt length, the target's final features) per prompt."""
+    items = []
+    for prompt in round_robin(load_prompts(f"builtin:{prompt_set}"), count):
+        prompt_ids = pipe.encode(prompt.turns[0])
+        answer = pipe.generate_ids(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
+        sequence = prompt_ids + list(answer)
+        with torch.inference_mode():
+            out = pipe.target.model(input_ids=torch.tensor([sequence]), output_hidden_states=True, logits_to_keep=1,
+                                    use_cache=False)
+        items.append((sequence, len(prompt_ids), out.hidden_states[-1][0].float()))
+    return items
+
+
+def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> dict:
+    vocab = head.draft_vocab
+    draft_weight = target_lm_weight.index_select(0, vocab)
+    hits, top3, count = [0, 0], 0, 0
+    for sequence, prompt_length, features in items:
+        target_argmax = (features @ target_lm_weight.T).argmax(-1)
+        with torch.inference_mode():
+            outputs = trainer._passes(head, torch.tensor([sequence]), features[None], None, 0.0)
+        # The head's output at position t drafts the token after t + 1; score the answer's positions only.
+        answer = slice(prompt_length - 1, len(sequence) - 2)
+        wanted = target_argmax[1:][answer]
+        for depth, predicted in enumerate(outputs):
+            logits = (predicted[0] @ draft_weight.T)[answer]
+            hits[depth] += int((vocab[logits.argmax(-1)] == wanted).sum())
+            if depth == 0:
+                top3 += int((vocab[logits.topk(3, -1).indices] == wanted[:, None]).any(-1).sum())
+        count += wanted.numel()
+    return {"depth1": round(hits[0] / count, 4), "depth2": round(hits[1] / count, 4),
+            "depth1_top3": round(top3 / count, 4), "tokens": count}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("heads", nargs="+", help="head folders written by train-draft")
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--sets", default="mt_bench,humaneval", help="built-in prompt sets, comma-separated")
+    parser.add_argument("--num-prompts", type=int, default=8, help="per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    pipe = Pipeline.load(args.target, MethodConfig(name="ar"))
+    target_lm_weight = float_lm_weight(pipe.target.model).detach().float()
+    trainer = HeadTrainer(pipe.target, HeadTrainConfig(unroll=2))
+    answers = {name: target_answers(pipe, name, args.num_prompts, args.max_new_tokens)
+               for name in args.sets.split(",")}
+    results = {}
+    for folder in args.heads:
+        head, _ = load_head(folder)
+        check_head_target(head, folder, pipe.target)
+        head.eval()
+        results[folder] = {name: score(head, trainer, target_lm_weight, items) for name, items in answers.items()}
+        for name, row in results[folder].items():
+            print(f"{folder}  {name}: depth 1 {row['depth1']:.1%}, depth 2 {row['depth2']:.1%}, "
+                  f"top 3 {row['depth1_top3']:.1%} ({row['tokens']} tokens)", flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
