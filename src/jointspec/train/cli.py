@@ -13,9 +13,8 @@ import argparse
 import json
 import logging
 import shlex
-from pathlib import Path
-
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
