@@ -142,6 +142,7 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
     assert cli.main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a")] + train) == 0
     _, training = load_head(tmp_path / "b")
     assert training["init"]["folder"] == str(tmp_path / "a") and "--init" in training["command"]
+    assert training["init"]["best"] == load_head(tmp_path / "a")[1]["best"]
     assert "--draft-vocab" not in training["command"]  # not used by a warm start, so not recorded as if it were
     capsys.readouterr()
 

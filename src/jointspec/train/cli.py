@@ -155,13 +155,6 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words + ["--out", "DIR"])
 
 
-def load_head_training(folder: Path) -> dict:
-    try:
-        return json.loads((folder / "draft.json").read_text()).get("training", {})
-    except (OSError, ValueError):
-        return {}
-
-
 def run(args: argparse.Namespace) -> int:
     from ..api import eos_token_ids
     from .data import build_data, read_spec
@@ -184,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.init is not None:  # checked before any data is built: a head made for another target is refused
         from ..models.eagle import check_head_target, load_head
 
-        init, _ = load_head(args.init, device=target.device)
+        init, init_training = load_head(args.init, device=target.device)
         check_head_target(init, args.init, target)
     eos = eos_token_ids(target, tokenizer)
     data = args.data or args.out / "data"
@@ -202,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
                              seed=args.seed)
     provenance = {"command": command_line(args), "data_spec": read_spec(data)}
     if init is not None:
-        provenance["init"] = {"folder": str(args.init), "best": load_head_training(args.init).get("best")}
+        provenance["init"] = {"folder": str(args.init), "best": init_training.get("best")}
     head, result = HeadTrainer(target, config, eos).train(data, args.out, progress=not args.no_progress,
                                                           provenance=provenance, init=init)
     if result.best is None:
