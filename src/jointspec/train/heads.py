@@ -292,15 +292,23 @@ class HeadTrainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=total_steps, initial=state["step"], desc="train head", unit="step")
         started = time.perf_counter() - state["seconds"]
+
+        def evaluate_and_keep_best(prefix: str = "") -> None:
+            result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, state["step"])
+            state["history"].append(asdict(result))
+            log.info(prefix + result.line())
+            if bar is not None:
+                bar.write(prefix + result.line())
+            if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
+                state["best"], state["bad_evals"] = asdict(result), 0
+                head.save(out_folder, training={"best": state["best"], "settings": asdict(config),
+                                                **(provenance or {})})
+            else:
+                state["bad_evals"] += 1
+
         if init is not None and state["step"] == 0 and not state["history"]:
             # The starting head is the bar to clear: without this, a run that only made it worse would still save.
-            result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, 0)
-            state["history"].append(asdict(result))
-            state["best"] = asdict(result)
-            log.info("start: %s", result.line())
-            if bar is not None:
-                bar.write("start: " + result.line())
-            head.save(out_folder, training={"best": state["best"], "settings": asdict(config), **(provenance or {})})
+            evaluate_and_keep_best("start: ")
         stop = False
         epoch = state["step"] // max(1, steps_per_epoch)
         while not stop and epoch < config.epochs:
@@ -322,17 +330,7 @@ class HeadTrainer:
                     bar.set_postfix(loss=f"{loss.item():.3f}")
                 timed_out = config.max_minutes is not None and time.perf_counter() - started > 60 * config.max_minutes
                 if state["step"] % config.eval_every == 0 or state["step"] == total_steps or timed_out:
-                    result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, state["step"])
-                    state["history"].append(asdict(result))
-                    log.info(result.line())
-                    if bar is not None:
-                        bar.write(result.line())
-                    if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
-                        state["best"], state["bad_evals"] = asdict(result), 0
-                        head.save(out_folder, training={"best": state["best"], "settings": asdict(config),
-                                                        **(provenance or {})})
-                    else:
-                        state["bad_evals"] += 1
+                    evaluate_and_keep_best()
                     state["seconds"] = time.perf_counter() - started
                     tmp = checkpoint.with_suffix(f".tmp{os.getpid()}")
                     torch.save({"config": asdict(config), "vocab": vocab, "head": head.state_dict(),
