@@ -178,8 +178,9 @@ def test_builtin_training_prompt_sources_split_the_default_mix():
     chat, code = chat_prompts(600), stdlib_code_prompts(300)
     assert len(chat) == 600 and len(code) == 300 and all(text.startswith("Complete this Python") for text in code)
     assert sorted(default_training_prompts()) == sorted(chat + code)
-    both = cli.training_prompts(["train:chat", "train:code"], tokenizer)
+    both, answers = cli.training_prompts(["train:chat", "train:code"], tokenizer)
     assert len(both) == 900
-    assert both[600:] == cli.training_prompts(["train:code"], tokenizer)
+    assert both[600:] == cli.training_prompts(["train:code"], tokenizer)[0]
+    assert answers == [None] * len(both)  # the target answers these itself
     with pytest.raises(UnsupportedOptionError, match="train:code"):
         cli.training_prompts(["train:nothing"], tokenizer)

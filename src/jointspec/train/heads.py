@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedOptionError
 from ..models.adapter import CausalLM
 from ..models.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
-from .data import load_shards
+from .data import load_shards, read_spec
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,10 @@ class TrainResult:
     stopped_early: bool = False
 
 
-def _sequences(folder: str | Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+def _sequences(folders: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """(token ids [T], features [T, hidden], offset where the target's answer begins) per sequence."""
     sequences = []
-    for shard in load_shards(folder):
+    for shard in (shard for folder in folders for shard in load_shards(folder)):
         starts = shard["starts"].tolist()
         for (a, b), answer in zip(zip(starts, starts[1:]), shard["answer_starts"].tolist()):
             if b - a >= 3:
@@ -213,9 +213,10 @@ class HeadTrainer:
                 per_depth.append(((logprobs.argmax(-1) == wanted) & (wanted >= 0)).float().sum().item())
         return total, per_depth, int(scored.shape[0])
 
-    def train(self, data_folder: str | Path, out_folder: str | Path, progress: bool = True,
+    def train(self, data_folder: str | Path | list[str | Path], out_folder: str | Path, progress: bool = True,
               provenance: dict | None = None, init: EagleHead | None = None) -> tuple[EagleHead, TrainResult]:
-        """Train on ``data_folder``; save the best head (and a resumable checkpoint) in ``out_folder``.
+        """Train on ``data_folder`` (or several, pooled); save the best head and a resumable checkpoint in
+        ``out_folder``.
 
         The saved ``draft.json`` records the training settings and ``provenance`` (the command line, say) next to
         the best evaluation, so an artifact says how to make it again. ``init``: start from this head's weights,
@@ -232,7 +233,14 @@ class HeadTrainer:
         torch.manual_seed(config.seed)  # parameter init of the head; all later randomness uses explicit generators
         rng = random.Random(config.seed)
         generator = torch.Generator().manual_seed(config.seed)
-        sequences = _sequences(data_folder)
+        folders = [Path(f) for f in (data_folder if isinstance(data_folder, list) else [data_folder])]
+        fingerprint = target_fingerprint(self.target)
+        for folder in folders:
+            made_for = read_spec(folder).get("target_fingerprint") if (folder / "data.json").is_file() else None
+            if made_for != fingerprint:
+                raise UnsupportedOptionError(f"data folder '{folder}' was not built for this target (its data.json "
+                                             f"names {made_for}, the target is {fingerprint}); build data for it")
+        sequences = _sequences(folders)
         if len(sequences) < 2:
             raise UnsupportedOptionError(f"data folder '{data_folder}' holds {len(sequences)} usable sequences; "
                                          "generate more data (more prompts)")

