@@ -16,6 +16,7 @@ from jointspec.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.models.adapter import CausalLM
 from jointspec.models.eagle import load_head
 from jointspec.train.data import build_data
+from jointspec.train import heads as heads_module
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts, user_turn_prefix
 
@@ -92,14 +93,21 @@ def _config(**overrides) -> HeadTrainConfig:
     return HeadTrainConfig(**{**settings, **overrides})
 
 
-def test_warm_start_keeps_the_vocabulary_and_never_saves_a_worse_head(target_model, head_data, tmp_path):
+def test_warm_start_keeps_the_vocabulary_and_never_saves_a_worse_head(target_model, head_data, tmp_path,
+                                                                       monkeypatch):
     target = CausalLM(target_model, name="tiny-target")
     first, first_result = HeadTrainer(target, _config(epochs=3)).train(head_data, tmp_path / "a", progress=False)
     # Warm start at a learning rate so high that training can only hurt: the start is evaluated first, so the
     # saved head is the starting one unless a later evaluation beats it.
     init, _ = load_head(tmp_path / "a")
+    scored = []
+    real_argmax = heads_module._target_argmax
+    monkeypatch.setattr(heads_module, "_target_argmax", lambda features, *a: scored.append(1) or real_argmax(
+        features, *a))
     _, result = HeadTrainer(target, _config(learning_rate=5.0, epochs=2, draft_vocab_size=20)).train(
         head_data, tmp_path / "b", progress=False, init=init)
+    # A warm start scores only the held-out sequences with the target's argmax (the training losses do not read it).
+    assert len(scored) == max(1, int(len(heads_module._sequences([head_data])) * 0.15))
     assert result.history[0].step == 0
     saved, training = load_head(tmp_path / "b")
     assert torch.equal(saved.draft_vocab, init.draft_vocab)  # the init head's vocabulary, not a new one of 20

@@ -244,16 +244,21 @@ class HeadTrainer:
         if len(sequences) < 2:
             raise UnsupportedOptionError(f"data folder '{data_folder}' holds {len(sequences)} usable sequences; "
                                          "generate more data (more prompts)")
-        labels_of = [_target_argmax(feats, self.lm_weight_full) for _, feats, _ in sequences]
         order = list(range(len(sequences)))
         rng.shuffle(order)
         num_eval = max(1, int(len(order) * config.eval_fraction))
         eval_ids, train_ids = order[:num_eval], order[num_eval:]
-        # The draft vocabulary follows what the target writes in its answers (what the head will be asked to draft).
-        train_labels = torch.cat([labels_of[i][max(0, sequences[i][2] - 1):] for i in train_ids])
+        # The target's argmax (a full-vocabulary matmul per token: minutes on a million tokens) is needed to score
+        # held-out data and to choose a draft vocabulary. Training steps only need to know which positions are
+        # real, since their losses read the target's distribution from the features, so a warm start skips it.
+        scored = set(range(len(sequences))) if init is None else set(eval_ids)
+        labels_of = [_target_argmax(sequences[i][1], self.lm_weight_full) if i in scored
+                     else torch.zeros(len(sequences[i][0]), dtype=torch.long) for i in range(len(sequences))]
         if init is not None:
             vocab = init.draft_vocab.detach().cpu().clone()
         else:
+            # The draft vocabulary follows what the target writes in its answers (what the head will draft).
+            train_labels = torch.cat([labels_of[i][max(0, sequences[i][2] - 1):] for i in train_ids])
             vocab = choose_draft_vocab(train_labels, self.target.vocab_size, config.draft_vocab_size,
                                        sorted(self.eos_token_ids), torch.cat([labels_of[i] for i in train_ids]))
         draft_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
