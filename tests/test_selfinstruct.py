@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from jointspec import batch as batch_module
 from jointspec.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.models.adapter import CausalLM
-from jointspec.models.eagle import load_head
+from jointspec.models.eagle import EagleHead, HeadConfig, load_head
 from jointspec.train.data import build_data
 from jointspec.train import heads as heads_module
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
@@ -107,7 +107,7 @@ def test_warm_start_keeps_the_vocabulary_and_never_saves_a_worse_head(target_mod
     _, result = HeadTrainer(target, _config(learning_rate=5.0, epochs=2, draft_vocab_size=20)).train(
         head_data, tmp_path / "b", progress=False, init=init)
     # A warm start scores only the held-out sequences with the target's argmax (the training losses do not read it).
-    assert len(scored) == max(1, int(len(heads_module._sequences([head_data])) * 0.15))
+    assert len(scored) == max(1, int(len(heads_module._sequences([head_data])) * _config().eval_fraction))
     assert result.history[0].step == 0
     saved, training = load_head(tmp_path / "b")
     assert torch.equal(saved.draft_vocab, init.draft_vocab)  # the init head's vocabulary, not a new one of 20
@@ -119,6 +119,32 @@ def test_warm_start_keeps_the_vocabulary_and_never_saves_a_worse_head(target_mod
     assert result.history[0].agreement == first_result.best.agreement
     with pytest.raises(UnsupportedOptionError, match="--layers 1"):
         HeadTrainer(target, _config(num_layers=2)).train(head_data, tmp_path / "c", progress=False, init=init)
+
+
+def test_training_losses_do_not_read_label_values(target_model, head_data):
+    """Training batches carry placeholder labels (0 on every real position, see _collate): the loss and its
+    gradients must equal those with the target's true argmax labels, bit for bit."""
+    target = CausalLM(target_model, name="tiny-target")
+    trainer = HeadTrainer(target, _config())
+    sequences = heads_module._sequences([head_data])[:6]
+    true_labels = [heads_module._target_argmax(feats, trainer.lm_weight_full) for _, feats, _ in sequences]
+    vocab = torch.arange(60)
+    draft_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    draft_index[vocab] = torch.arange(60)
+    results = []
+    for labels_of in (true_labels, None):
+        torch.manual_seed(0)
+        head = EagleHead(HeadConfig.for_target(target, "x", num_layers=1, draft_vocab_size=60))
+        tokens, features, labels = heads_module._collate(sequences, list(range(6)), labels_of, "cpu")
+        generator = torch.Generator().manual_seed(3)
+        outputs = trainer._passes(head, tokens, features, generator, 0.05)
+        loss, _, _ = trainer._loss(outputs, features, labels, trainer.lm_weight_full[vocab], draft_index, generator,
+                                   0.25)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and len(grads_a) == len(grads_b) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
 def _patch_cli(monkeypatch, target_model):

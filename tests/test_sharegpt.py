@@ -6,6 +6,7 @@ shuffles, so no test here can fail by chance.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -97,10 +98,40 @@ def test_given_answers_are_featurised_as_given_and_only_the_rest_generated(targe
     without = build_data(target, None, prompts, tmp_path / "plain", max_new_tokens=8, max_length=64, shard_size=4,
                          batch_size=4, answers=[None] * 6)
     assert read_spec(without)["prompts_sha256"] != read_spec(data)["prompts_sha256"]
-    # Answers given for none of the prompts keep the hash folders built before answers could be given have.
-    assert read_spec(without)["prompts_sha256"] == read_spec(
-        build_data(target, None, prompts, tmp_path / "old", max_new_tokens=8, max_length=64, shard_size=4,
-                   batch_size=4))["prompts_sha256"]
+    # Answers given for none of the prompts keep the hash that folders built before answers could be given have:
+    # the hash of the prompt list alone (so data built by earlier versions is still accepted).
+    assert read_spec(without)["prompts_sha256"] == hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def test_given_answers_respect_the_length_budget(target_model, tmp_path):
+    """A given answer is cut so that prompt + answer fits max_length, like a generated one."""
+    target = CausalLM(target_model, name="tiny-target")
+    long_prompt = random_prompt(450, length=60)
+    data = build_data(target, None, [long_prompt, random_prompt(451, length=70)], tmp_path / "d",
+                      max_new_tokens=16, max_length=64, shard_size=4, batch_size=2,
+                      answers=[list(range(10, 40)), list(range(10, 40))])
+    shard = next(load_shards(data))
+    starts = shard["starts"].tolist()
+    first, second = (shard["token_ids"][a:b].tolist() for a, b in zip(starts, starts[1:]))
+    assert first == long_prompt + list(range(10, 14))  # 64 - 60 tokens of the answer
+    assert len(second) == 64 and second[-1] == 10  # the prompt cut to 63 tokens, one answer token
+
+
+def test_given_answer_ids_end_at_the_end_of_turn_token_or_fall_back_to_the_text_alone():
+    from jointspec.train.cli import given_answer_ids
+    from jointspec.bench.prompts import chat_prompt_ids
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} [EOS] {% endfor %}"
+                               "{% if add_generation_prompt %}assistant : {% endif %}")
+    eos = frozenset({tokenizer.convert_tokens_to_ids("[EOS]")})
+    prompt = "please explain the bees"
+    prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    words = tokenizer("the bees make warm wax", add_special_tokens=False)["input_ids"]
+    answer = given_answer_ids(tokenizer, prompt, prompt_ids, "the bees make warm wax", eos)
+    assert answer == words + sorted(eos)  # the template's end-of-turn token, nothing after it
+    # A rendering that does not continue the prompt (here: the prompt ids do not match) gives the text's own ids.
+    assert given_answer_ids(tokenizer, prompt, prompt_ids[:-1] + [5], "the bees make warm wax", eos) == words
 
 
 def test_training_pools_folders_and_refuses_one_built_for_another_target(target_model, tmp_path):
@@ -117,8 +148,13 @@ def test_training_pools_folders_and_refuses_one_built_for_another_target(target_
     other = CausalLM(tiny_llama(7), name="other")
     foreign = build_data(other, None, [random_prompt(700, length=8)] * 2, tmp_path / "c", max_new_tokens=8,
                          max_length=64, shard_size=8, batch_size=2)
-    with pytest.raises(UnsupportedOptionError, match="was not built for this target"):
+    with pytest.raises(UnsupportedOptionError, match="built for another target"):
         HeadTrainer(target, config).train([first, foreign], tmp_path / "h3", progress=False)
+    with pytest.raises(UnsupportedOptionError, match="named twice"):
+        HeadTrainer(target, config).train([first, tmp_path / "b" / ".." / "a"], tmp_path / "h3", progress=False)
+    (second / "shard-00001.pt").unlink()  # as if the data build had been stopped half way
+    with pytest.raises(UnsupportedOptionError, match="unfinished .* run the same train-draft --data-only"):
+        HeadTrainer(target, config).train([first, second], tmp_path / "h3", progress=False)
 
 
 def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, monkeypatch, capsys):
@@ -158,5 +194,8 @@ def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, mon
     assert "built for another target" in capsys.readouterr().err
     assert cli.main(common + ["--out", str(tmp_path / "x"), "--extra-data", str(tmp_path)]) == 2
     assert "not a data folder" in capsys.readouterr().err
+    assert cli.main(common + ["--out", str(tmp_path / "x"), "--data", str(tmp_path / "sg"), "--extra-data",
+                              str(tmp_path / "sg")]) == 2
+    assert "names the --data folder" in capsys.readouterr().err
     assert cli.main(common + ["--out", str(tmp_path / "x"), "--prompts", "sharegpt:0"]) == 2
     assert "sharegpt:N with N >= 1" in capsys.readouterr().err

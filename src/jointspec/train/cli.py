@@ -185,6 +185,10 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
     answers = [None if answer is None else given_answer_ids(tokenizer, text, ids, answer, eos)
                for text, ids, answer in zip(texts, prompts, given)]
+    unended = sum(1 for answer in answers if answer is not None and eos and not eos.intersection(answer))
+    if unended:  # the head then never sees the answer end on these: worth knowing, not worth refusing
+        log.warning("%d given answers have no end-of-turn token (the chat template's rendering of the exchange did "
+                    "not extend the prompt, so they were tokenized on their own)", unended)
     return prompts, answers
 
 
@@ -229,17 +233,15 @@ def run(args: argparse.Namespace) -> int:
 
         init, init_training = load_head(args.init, device=target.device)
         check_head_target(init, args.init, target)
-    for folder in args.extra_data or []:  # also checked before any work: a wrong folder should not cost a data build
-        from ..models.eagle import target_fingerprint
-
-        if not (folder / "data.json").is_file():
-            raise UnsupportedOptionError(f"--extra-data '{folder}' is not a data folder (no data.json); build one "
-                                         "with train-draft --data DIR --data-only")
-        if read_spec(folder).get("target_fingerprint") != target_fingerprint(target):
-            raise UnsupportedOptionError(f"--extra-data '{folder}' was built for another target; build data for "
-                                         f"{args.target} instead")
-    eos = eos_token_ids(target, tokenizer)
     data = args.data or args.out / "data"
+    if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
+        from ..models.eagle import target_fingerprint
+        from .heads import check_data_folders
+
+        if any(folder.resolve() == data.resolve() for folder in args.extra_data):
+            raise UnsupportedOptionError(f"--extra-data names the --data folder '{data}' itself")
+        check_data_folders(args.extra_data, target_fingerprint(target))
+    eos = eos_token_ids(target, tokenizer)
     prompts, answers = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed,
                                         args.generate_batch_size)
     if args.num_prompts:

@@ -91,6 +91,28 @@ class TrainResult:
     stopped_early: bool = False
 
 
+def check_data_folders(folders: list[Path], fingerprint: str) -> None:
+    """Refuse folders that are no finished data folder, were built for another target, or are named twice (their
+    sequences would be trained on twice and could land on both sides of the held-out split)."""
+    seen: set[Path] = set()
+    for folder in folders:
+        if not (folder / "data.json").is_file():
+            raise UnsupportedOptionError(f"'{folder}' is not a data folder (no data.json); build one with "
+                                         "train-draft --data DIR --data-only")
+        spec = read_spec(folder)
+        if spec.get("target_fingerprint") != fingerprint:
+            raise UnsupportedOptionError(f"data folder '{folder}' was built for another target (fingerprint "
+                                         f"{spec.get('target_fingerprint')}, this target's is {fingerprint}); build "
+                                         "data for this target")
+        num_shards = -(-spec["num_prompts"] // spec["shard_size"])
+        if len(list(folder.glob("shard-*.pt"))) < num_shards:
+            raise UnsupportedOptionError(f"data folder '{folder}' is unfinished (fewer than its {num_shards} "
+                                         "shards); run the same train-draft --data-only command again to finish it")
+        if folder.resolve() in seen:
+            raise UnsupportedOptionError(f"data folder '{folder}' is named twice (--data and --extra-data?)")
+        seen.add(folder.resolve())
+
+
 def _sequences(folders: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """(token ids [T], features [T, hidden], offset where the target's answer begins) per sequence."""
     sequences = []
@@ -146,7 +168,12 @@ def _batches(sequences, batch_tokens: int, rng: random.Random):
 
 
 def _collate(sequences, group, labels_of, device, answers_only: bool = False):
-    """Padded batch; labels are -1 on padding (and on prompt positions when ``answers_only``)."""
+    """Padded batch; labels are -1 on padding (and on prompt positions when ``answers_only``).
+
+    ``labels_of=None`` (training batches): real positions get label 0. Training losses read the target's
+    distribution from the features and use labels only to tell real positions from padding; only the hit counts
+    of an evaluation read their values.
+    """
     length = max(len(sequences[i][0]) for i in group)
     hidden = sequences[group[0]][1].shape[1]
     tokens = torch.zeros(len(group), length, dtype=torch.long)
@@ -156,7 +183,7 @@ def _collate(sequences, group, labels_of, device, answers_only: bool = False):
         ids, feats, answer = sequences[i]
         tokens[row, :len(ids)] = ids
         features[row, :len(ids)] = feats.float()
-        labels[row, :len(ids)] = labels_of[i]
+        labels[row, :len(ids)] = labels_of[i] if labels_of is not None else 0
         if answers_only:  # label t is the target's choice for token t + 1: the answer's tokens start at answer - 1
             labels[row, :max(0, answer - 1)] = -1
     return tokens.to(device), features.to(device), labels.to(device)
@@ -234,33 +261,29 @@ class HeadTrainer:
         rng = random.Random(config.seed)
         generator = torch.Generator().manual_seed(config.seed)
         folders = [Path(f) for f in (data_folder if isinstance(data_folder, list) else [data_folder])]
-        fingerprint = target_fingerprint(self.target)
-        for folder in folders:
-            made_for = read_spec(folder).get("target_fingerprint") if (folder / "data.json").is_file() else None
-            if made_for != fingerprint:
-                raise UnsupportedOptionError(f"data folder '{folder}' was not built for this target (its data.json "
-                                             f"names {made_for}, the target is {fingerprint}); build data for it")
+        check_data_folders(folders, target_fingerprint(self.target))
         sequences = _sequences(folders)
         if len(sequences) < 2:
-            raise UnsupportedOptionError(f"data folder '{data_folder}' holds {len(sequences)} usable sequences; "
-                                         "generate more data (more prompts)")
+            raise UnsupportedOptionError(f"data folder(s) {', '.join(map(str, folders))} hold {len(sequences)} "
+                                         "usable sequences; generate more data (more prompts)")
         order = list(range(len(sequences)))
         rng.shuffle(order)
         num_eval = max(1, int(len(order) * config.eval_fraction))
         eval_ids, train_ids = order[:num_eval], order[num_eval:]
-        # The target's argmax (a full-vocabulary matmul per token: minutes on a million tokens) is needed to score
-        # held-out data and to choose a draft vocabulary. Training steps only need to know which positions are
-        # real, since their losses read the target's distribution from the features, so a warm start skips it.
-        scored = set(range(len(sequences))) if init is None else set(eval_ids)
-        labels_of = [_target_argmax(sequences[i][1], self.lm_weight_full) if i in scored
-                     else torch.zeros(len(sequences[i][0]), dtype=torch.long) for i in range(len(sequences))]
+        # The target's argmax (a full-vocabulary matmul per token: minutes on a million tokens) scores held-out
+        # data and chooses a draft vocabulary; training batches do not need it (see _collate), so a warm start,
+        # which inherits its vocabulary, computes it for the held-out sequences only.
+        eval_labels_of = [_target_argmax(sequences[i][1], self.lm_weight_full) for i in eval_ids]
         if init is not None:
             vocab = init.draft_vocab.detach().cpu().clone()
         else:
             # The draft vocabulary follows what the target writes in its answers (what the head will draft).
-            train_labels = torch.cat([labels_of[i][max(0, sequences[i][2] - 1):] for i in train_ids])
-            vocab = choose_draft_vocab(train_labels, self.target.vocab_size, config.draft_vocab_size,
-                                       sorted(self.eos_token_ids), torch.cat([labels_of[i] for i in train_ids]))
+            train_argmax = [_target_argmax(sequences[i][1], self.lm_weight_full) for i in train_ids]
+            answer_argmax = torch.cat([labels[max(0, sequences[i][2] - 1):] for i, labels in zip(train_ids,
+                                                                                                    train_argmax)])
+            vocab = choose_draft_vocab(answer_argmax, self.target.vocab_size, config.draft_vocab_size,
+                                       sorted(self.eos_token_ids), torch.cat(train_argmax))
+            del train_argmax
         draft_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
         draft_index[vocab] = torch.arange(vocab.shape[0])
         draft_weight = self.lm_weight_full.index_select(0, vocab)
@@ -276,9 +299,7 @@ class HeadTrainer:
         optimizer = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("body.embed")],
                                       lr=config.learning_rate, weight_decay=config.weight_decay)
         train_seqs = [sequences[i] for i in train_ids]
-        train_labels_of = [labels_of[i] for i in train_ids]
         eval_seqs = [sequences[i] for i in eval_ids]
-        eval_labels_of = [labels_of[i] for i in eval_ids]
         steps_per_epoch = len(_batches(train_seqs, config.batch_tokens, random.Random(0)))
         total_steps = steps_per_epoch * config.epochs
         state = {"step": 0, "best": None, "history": [], "bad_evals": 0, "seconds": 0.0}
@@ -327,7 +348,7 @@ class HeadTrainer:
         while not stop and epoch < config.epochs:
             groups = _batches(train_seqs, config.batch_tokens, random.Random(config.seed * 1000 + epoch))
             for group in groups[state["step"] - epoch * steps_per_epoch:]:
-                tokens, features, labels = _collate(train_seqs, group, train_labels_of, "cpu")
+                tokens, features, labels = _collate(train_seqs, group, None, "cpu")
                 for g in optimizer.param_groups:
                     g["lr"] = learning_rate(state["step"])
                 outputs = self._passes(head, tokens, features, generator, config.noise)

@@ -15,13 +15,17 @@ Two sources use it (see ``train-draft --prompts``):
 - ``sharegpt-prompts:N``: the same N requests, answered by the target (on-policy, a decode per token).
 
 The package ships a truncated copy of ``ShareGPT_V3_unfiltered_cleaned_split.json`` (the file stops mid-record),
-so the records are read one by one and reading stops at the first incomplete one. Kept: exchanges whose first two
+so the records are read one by one and reading stops at the first incomplete one. ShareGPT V3 splits long
+conversations into chunks (ids ``X_0``, ``X_1``, ...); each chunk counts as a conversation here, so a later chunk's
+"request" can be a follow-up ("continue", "now in Python") whose context is missing. That is harmless for a head:
+its losses compare it with the target on the same text, whatever the text means. Kept: chunks whose first two
 turns are a user request and an answer, mostly ASCII (the target is an English model), request of 16 to 4,000
 characters and answer of at least 64. The N are drawn from those with a seeded shuffle, so a seed names one sample.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ class Exchange:
     answer: str
 
 
+@functools.lru_cache(maxsize=1)  # sharegpt:N and sharegpt-prompts:N in one run read the 125 MB file once
 def _data_text() -> str:
     try:
         from importlib.resources import files
@@ -66,7 +71,7 @@ def parse_records(text: str) -> list[dict]:
         try:
             record, index = decoder.raw_decode(text, index)
         except json.JSONDecodeError:
-            return records  # the truncated tail
+            return records  # the truncated tail (a record broken mid-file would end the list here as well)
         records.append(record)
 
 
