@@ -79,18 +79,24 @@ def add_parser(subparsers) -> None:
 SELF_INSTRUCT_PREFIX = "self-instruct:"
 
 
+def _count(source: str, prefix: str) -> int:
+    """The N of a ``PREFIX:N`` prompt source, refused unless it is a whole number >= 1."""
+    count = source[len(prefix):]
+    if not count.isdigit() or int(count) < 1:
+        raise UnsupportedOptionError(f"'{source}': write {prefix}N with N >= 1, e.g. {prefix}2000")
+    return int(count)
+
+
 def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None, seed: int,
                    batch_size: int) -> list[str]:
     """The prompts of a ``self-instruct:N`` source, sampled once and kept in ``data_folder`` for later runs."""
     from ..models.eagle import target_fingerprint
     from .selfinstruct import SelfInstructConfig, self_instruct_prompts
 
-    count = source[len(SELF_INSTRUCT_PREFIX):]
-    if not count.isdigit() or int(count) < 1:
-        raise UnsupportedOptionError(f"'{source}': write self-instruct:N with N >= 1 prompts, e.g. self-instruct:800")
+    count = _count(source, SELF_INSTRUCT_PREFIX)
     if target is None:
         raise UnsupportedOptionError(f"'{source}' needs the target model to write the prompts")
-    config = SelfInstructConfig(num_prompts=int(count), seed=seed, batch_size=batch_size)
+    config = SelfInstructConfig(num_prompts=count, seed=seed, batch_size=batch_size)
     record = {"target_fingerprint": target_fingerprint(target), "settings": asdict(config)}
     path = data_folder / f"self-instruct-{count}-seed{seed}.json" if data_folder is not None else None
     if path is not None and path.is_file():
@@ -114,13 +120,6 @@ SHAREGPT_PREFIX = "sharegpt:"
 SHAREGPT_PROMPTS_PREFIX = "sharegpt-prompts:"
 
 
-def _count(source: str, prefix: str) -> int:
-    count = source[len(prefix):]
-    if not count.isdigit() or int(count) < 1:
-        raise UnsupportedOptionError(f"'{source}': write {prefix}N with N >= 1, e.g. {prefix}2000")
-    return int(count)
-
-
 def given_answer_ids(tokenizer, prompt: str, prompt_ids: list[int], answer: str,
                      eos: frozenset[int] = frozenset()) -> list[int]:
     """Token ids of ``answer`` as the chat template puts it after ``prompt_ids``, up to its first ``eos`` token.
@@ -129,13 +128,15 @@ def given_answer_ids(tokenizer, prompt: str, prompt_ids: list[int], answer: str,
     target's answers end (and, like them, stops at it). Without a chat template, or where the rendering does not
     extend the prompt, the answer is tokenized on its own.
     """
-    ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    ids = None
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
                                               {"role": "assistant", "content": answer}], tokenize=False)
         rendered = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if rendered[:len(prompt_ids)] == prompt_ids and len(rendered) > len(prompt_ids):
             ids = rendered[len(prompt_ids):]
+    if ids is None:
+        ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
     ends = [i for i, token in enumerate(ids) if token in eos]
     return ids[:ends[0] + 1] if ends else ids
 
