@@ -18,6 +18,7 @@ from jointspec.bench.specs import MethodSpecError, parse_spec
 from jointspec.drafters.costaware import measure_cost_curve
 from jointspec.errors import UnsupportedOptionError
 from jointspec.models.adapter import CausalLM
+from jointspec.models import cpukernels
 from jointspec.models.cpukernels import (OneDNNLinear, kernels_in_use, resolve_kernels, stock_kernels,
                                          use_onednn_linears, use_stock_linears)
 from jointspec.models.loading import load_model, quantized_copy, stock_copy
@@ -39,7 +40,7 @@ def onednn_pair():
     return target, other
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17])
 def test_onednn_linear_matches_nn_linear(rows):
     torch.manual_seed(rows)
     linear = nn.Linear(64, 96)
@@ -51,6 +52,33 @@ def test_onednn_linear_matches_nn_linear(rows):
     # Float rounding only: the products are the same, summed in another order (|x.w| ~ 10 here).
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
     assert fast.weight is linear.weight and fast.bias is linear.bias  # shared, not copied
+
+
+@pytest.mark.parametrize("rows, weight_major", [(1, False), (2, True), (3, True), (4, True), (5, False)])
+def test_small_row_counts_take_the_weight_major_path(monkeypatch, rows, weight_major):
+    # 2-4 rows (short verifications) run as W @ x.T; 1 row and 5+ stay on oneDNN's packed kernel.
+    calls, original = [], cpukernels.weight_major_linear
+
+    def spy(x, weight, bias):
+        calls.append(x.shape)
+        return original(x, weight, bias)
+
+    monkeypatch.setattr(cpukernels, "weight_major_linear", spy)
+    fast = OneDNNLinear(nn.Linear(64, 96, bias=False))
+    with torch.inference_mode():
+        fast(torch.randn(1, rows, 64))
+    assert calls == ([torch.Size([1, rows, 64])] if weight_major else [])
+
+
+def test_weight_major_linear_pads_odd_rows_without_changing_them():
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 3, 64)
+    got = cpukernels.weight_major_linear(x, weight, bias)  # 6 rows: even
+    assert got.shape == (2, 3, 96) and got.is_contiguous()
+    assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    odd = cpukernels.weight_major_linear(x[0], weight, None)  # 3 rows: padded to 4 inside, 3 come back
+    assert odd.shape == (3, 96)
+    assert torch.allclose(odd, x[0] @ weight.T, atol=1e-4, rtol=1e-5)
 
 
 def test_swapped_model_keeps_tied_weights_and_state_dict():

@@ -73,8 +73,9 @@ from ..errors import UnsupportedOptionError
 from ..sampling import SamplingConfig
 from .base import Draft, Drafter
 
-# Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 4, 8 and 16 draft tokens.
-DEFAULT_SIZES = (1, 2, 3, 5, 9, 17)
+# Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
+# is where the float32 CPU kernels switch, see models/cpukernels.py: the curve must not interpolate across it).
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 9, 17)
 
 
 @dataclass(frozen=True)

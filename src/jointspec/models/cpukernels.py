@@ -1,4 +1,4 @@
-"""oneDNN linear layers for float32 models on CPU: a faster plain step and a flatter k-token cost curve.
+"""Faster float32 linear layers on CPU: oneDNN's packed kernel, and a weight-major GEMM for 2-4 rows.
 
 PyTorch's CPU ``nn.Linear`` calls the BLAS it was built with (MKL in the official wheels). Measured on this project's
 2-core AMD EPYC (torch 2.13, SmolLM2-135M shapes, 2 threads, microseconds; ms for the 576 -> 49152 LM head)::
@@ -9,18 +9,29 @@ PyTorch's CPU ``nn.Linear`` calls the BLAS it was built with (MKL in the officia
     576 -> 1536, F.linear          139    204    347    231    238    313    401
     576 -> 1536, oneDNN             98    208    217    226    158    232    335
 
-MKL's small-batch path reads the weights once per row for 2 and 3 rows (cost ~ M x one step), which is exactly the
-forward size short drafts are verified with; oneDNN's packed-weight kernel reads them once. Over the whole model
-(200 cached tokens, medians of :func:`~jointspec.drafters.costaware.measure_cost_curve`) a plain step went from 57 to
-40 ms and the cost of verifying 1 / 2 / 4 / 8 / 16 draft tokens, relative to one step, from 1.66 / 2.03 / 1.49 / 1.72 /
-2.01 to 1.28 / 1.37 / 1.47 / 1.65 / 2.06.
+MKL's small-batch path for ``x @ W.T`` reads the weights once per row for 2 and 3 rows (cost ~ M x one step), which
+is exactly the forward size short drafts are verified with. oneDNN's packed-weight kernel (``to_mkldnn``) is the
+fastest one-row kernel here, but over the whole model its 2-5 row forwards still cost ~1.5x a step. The same product
+computed the other way round, ``(W @ x.T).T`` (:func:`weight_major_linear`: the weight is GEMM's left operand, streamed
+in its stored order against 2-4 input columns), costs about what one row does: whole-model forwards, 200 cached tokens,
+20th percentile of 15 interleaved passes (``scripts/linear_kernels.py``), relative to the same setting's 1-token step::
+
+                                    k = 1     2      3      4      5      8     16   (tokens in the forward)
+    stock (F.linear, MKL)           1.00   1.70   2.10   2.05   1.72   1.90   2.13
+    oneDNN packed for every k       1.00   1.46   1.51   1.57   1.62   1.66   1.95
+    these layers (weight-major 2-4) 1.00   1.04   1.18   1.03   1.72   1.78   1.95
+
+So verifying 1-3 draft tokens now costs about one plain step, and the plain step itself is oneDNN's (the fastest one
+measured; the step was ~10 % faster than stock here, 57 -> 40 ms when the machine was quiet). Past 4 columns MKL's
+weight-major kernel reads the weight again for every 4 columns, so oneDNN takes over from 5 rows on.
 
 The weights are packed once (a second copy in oneDNN's blocked layout, next to the original ``weight``, which stays
-the module's parameter: state dicts, tied embeddings, draft heads and quantisation keep reading it). Results differ
-from MKL's by float rounding only (max |logit difference| 8e-5 on the embedded model, the same argmax at 300 of 300
-positions). Speculative decoding is lossless against the target *as it runs*: plain decoding in jointspec uses the
-same kernels, so ``ar`` and every exact method share them; ``stock_kernels`` switches a model back to ``F.linear``
-for a while (the benchmark runs transformers' own ``generate`` that way, so its rows stay stock transformers).
+the module's parameter: state dicts, tied embeddings, draft heads, quantisation and the weight-major path keep reading
+it). Results differ from MKL's by float rounding only (max |logit difference| 8e-5 on the embedded model, the same
+argmax at 300 of 300 positions). Speculative decoding is lossless against the target *as it runs*: plain decoding in
+jointspec uses the same kernels, so ``ar`` and every exact method share them; ``stock_kernels`` switches a model back
+to ``F.linear`` for a while (the benchmark runs transformers' own ``generate`` that way, so its rows stay stock
+transformers).
 """
 
 from __future__ import annotations
@@ -35,8 +46,29 @@ from torch import nn
 KERNEL_CHOICES = ("auto", "onednn", "stock")
 
 
+# Rows (tokens) up to which weight_major_linear beats oneDNN's packed kernel here; see the module docstring.
+WEIGHT_MAJOR_MAX_ROWS = 4
+
+
+def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as ``weight @ x.T``: the weight is the GEMM's left operand, streamed
+    once in its stored row-major order against a few input columns. For 2-4 rows this is BLAS's fastest shape here
+    (see the module docstring). An odd row count is padded with a zero row: MKL's 3-column kernel is slower than its
+    4-column one, and a padded column changes no other column's result."""
+    rows = x.numel() // x.shape[-1]
+    columns = x.reshape(rows, x.shape[-1])  # [rows, in]
+    if rows % 2:
+        columns = torch.cat([columns, columns.new_zeros(1, columns.shape[1])])
+    # [out, rows] -> [rows, out]; contiguous, or every later view of it (heads, residual adds) pays for the strides.
+    out = torch.mm(weight, columns.t()).t()[:rows].contiguous()
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class OneDNNLinear(nn.Module):
-    """An ``nn.Linear`` (float32, CPU) computed by oneDNN with a packed copy of its weight."""
+    """An ``nn.Linear`` (float32, CPU) computed by oneDNN with a packed copy of its weight (2-4 rows: by
+    :func:`weight_major_linear`)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -50,6 +82,9 @@ class OneDNNLinear(nn.Module):
         if self.stock or x.dtype != torch.float32 or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
+        rows = x.numel() // self.in_features
+        if 2 <= rows <= WEIGHT_MAJOR_MAX_ROWS:
+            return weight_major_linear(x, self.weight.detach(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
