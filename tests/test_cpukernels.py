@@ -19,7 +19,8 @@ from jointspec.drafters.costaware import measure_cost_curve
 from jointspec.errors import UnsupportedOptionError
 from jointspec.models.adapter import CausalLM
 from jointspec.models import cpukernels
-from jointspec.models.cpukernels import (OneDNNLinear, kernels_in_use, resolve_kernels, stock_kernels,
+from jointspec.models.cpukernels import (GQA_ATTENTION, OneDNNLinear, attention_in_use, kernels_in_use,
+                                         resolve_kernels, stock_kernels, use_gqa_attention,
                                          use_onednn_linears, use_stock_linears)
 from jointspec.models.loading import load_model, quantized_copy, stock_copy
 from jointspec.models.quantize import quantization_mode
@@ -33,10 +34,12 @@ MAX_NEW_TOKENS = 40
 
 @pytest.fixture()
 def onednn_pair():
-    """(target, other) tiny models with every linear layer on oneDNN; fresh per test (they are changed in place)."""
+    """(target, other) tiny models with every linear layer on oneDNN and grouped-query attention in SDPA, as
+    load_model sets them up; fresh per test (they are changed in place)."""
     target, other = tiny_llama(0), tiny_llama(1)
     assert use_onednn_linears(target) == 2 * 7 + 1  # 7 per decoder layer (q, k, v, o, gate, up, down) + LM head
     use_onednn_linears(other)
+    assert use_gqa_attention(target) and use_gqa_attention(other)  # 4 query heads, 2 key/value heads
     return target, other
 
 
@@ -110,9 +113,9 @@ def test_onednn_and_stock_give_the_same_greedy_text(onednn_pair):
     prompt = random_prompt(3)
     fast = hf_greedy(target, prompt, MAX_NEW_TOKENS)
     with stock_kernels(target):
-        assert kernels_in_use(target) == "stock"
+        assert kernels_in_use(target) == "stock" and attention_in_use(target) == "sdpa"
         slow = hf_greedy(target, prompt, MAX_NEW_TOKENS)
-    assert kernels_in_use(target) == "onednn"
+    assert kernels_in_use(target) == "onednn" and attention_in_use(target) == GQA_ATTENTION
     assert fast == slow
 
 
@@ -125,8 +128,33 @@ def test_deepcopy_quantize_and_stock_copy_of_an_onednn_target(onednn_pair):
     assert quantization_mode(int8.model) == "int8" and kernels_in_use(target_model) == "onednn"
     stock = stock_copy(target)
     assert kernels_in_use(stock.model) == "stock" and kernels_in_use(target_model) == "onednn"
+    assert attention_in_use(stock.model) == "sdpa" and attention_in_use(target_model) == GQA_ATTENTION
     prompt = random_prompt(6)
     assert hf_greedy(stock.model, prompt, 20) == hf_greedy(target_model, prompt, 20)
+
+
+@pytest.mark.parametrize("parents", [None, [-1, -1, 0, 1, 1]], ids=["chain", "tree"])
+def test_gqa_attention_is_sdpa_without_copying_heads(monkeypatch, parents):
+    # A masked multi-token forward (a verification) gives bit-identical logits with the key/value heads grouped in
+    # SDPA, and no longer copies them per query head (repeat_kv).
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    copies = []
+    original = sdpa_module.repeat_kv
+    monkeypatch.setattr(sdpa_module, "repeat_kv", lambda states, n: copies.append(n) or original(states, n))
+    model = tiny_llama(0)
+    adapter = CausalLM(model)
+    prompt, new = random_prompt(3)[:20], [7, 8, 9, 10, 11]
+    logits = {}
+    for name in ("sdpa", GQA_ATTENTION):
+        if name == GQA_ATTENTION:
+            assert use_gqa_attention(model)
+        copies.clear()
+        adapter.reset()
+        adapter.forward(prompt, num_logits=0)
+        logits[name] = adapter.forward(new, parents=parents).logits
+        assert bool(copies) == (name == "sdpa")
+    assert torch.equal(logits["sdpa"], logits[GQA_ATTENTION])
 
 
 def test_cost_curve_memo_tells_the_kernels_apart(onednn_pair):
@@ -153,8 +181,9 @@ def test_resolve_kernels():
 
 def test_load_model_kernels(tmp_path):
     folder = save_model(tmp_path / "tiny", 0)
-    assert kernels_in_use(load_model(folder)[0].model) == "onednn"  # auto: float32 on CPU
-    assert kernels_in_use(load_model(folder, kernels="stock")[0].model) == "stock"
+    fast, stock = load_model(folder)[0].model, load_model(folder, kernels="stock")[0].model
+    assert kernels_in_use(fast) == "onednn" and attention_in_use(fast) == GQA_ATTENTION  # auto: float32 on CPU
+    assert kernels_in_use(stock) == "stock" and attention_in_use(stock) == "sdpa"
     with pytest.raises(UnsupportedOptionError, match="unknown kernels 'fast'"):
         load_model(folder, kernels="fast")
     with pytest.raises(UnsupportedOptionError, match="float32"):

@@ -206,10 +206,11 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     if context_tokens < 0:
         raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
     owner = _memo_owner(target)
-    from ..models.cpukernels import kernels_in_use
+    from ..models.cpukernels import attention_in_use, kernels_in_use
 
-    # The kernels are part of the key: stock_kernels() can switch a model's linears for a while.
-    key = (sizes, repeats, context_tokens, seed, torch.get_num_threads(), kernels_in_use(owner))
+    # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
+    key = (sizes, repeats, context_tokens, seed, torch.get_num_threads(), kernels_in_use(owner),
+           attention_in_use(owner))
     try:
         memo = _MEASURED.setdefault(owner, {})
     except TypeError:  # an owner that cannot be weakly referenced: measure every time

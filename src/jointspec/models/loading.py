@@ -23,7 +23,8 @@ import torch
 from ..errors import ModelLoadError, UnsupportedOptionError
 from . import embedded
 from .adapter import CausalLM
-from .cpukernels import KERNEL_CHOICES, resolve_kernels, use_onednn_linears, use_stock_linears
+from .cpukernels import (KERNEL_CHOICES, resolve_kernels, use_gqa_attention, use_onednn_linears,
+                         use_stock_attention, use_stock_linears)
 from .quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     try:
         if resolve_kernels(kernels, model) == "onednn":
             use_onednn_linears(model)
+            use_gqa_attention(model)
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
     return CausalLM(model, name=name or label), tokenizer
@@ -140,6 +142,7 @@ def stock_copy(target: CausalLM) -> CausalLM:
 
     model = copy.deepcopy(target.model)
     use_stock_linears(model)
+    use_stock_attention(model)
     return CausalLM(model, name=f"{target.name} (stock kernels)")
 
 
