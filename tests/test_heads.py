@@ -124,6 +124,8 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
                                            ("sps", {"cost_aware": True, "max_num_draft_tokens": 6}),
                                            ("hybrid", {"num_draft_tokens": 3}),
                                            ("hybrid", {"cost_aware": True, "min_ngram": 2}),
+                                           ("hybrid-tree", {"tree": (3,)}),
+                                           ("hybrid-tree", {"tree": (2, 2), "min_ngram": 2}),
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 @pytest.mark.parametrize("prompt_seed", [0, 3])
@@ -205,9 +207,40 @@ def test_hybrid_uses_lookup_where_text_repeats_and_the_head_elsewhere(target_mod
     assert decoder.drafter.num_lookup_rounds > 0 and decoder.drafter.num_model_rounds > 0
 
 
+def test_hybrid_tree_uses_lookup_where_text_repeats_and_the_tree_elsewhere(target_model, trained_head_dir):
+    decoder = decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(3,))
+    prompt = random_prompt(0)
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    drafter = decoder.drafter
+    # The tiny target's continuation falls into a loop: lookups pay there, the tree drafts before that.
+    assert drafter.num_lookup_rounds > 0 and drafter.num_tree_rounds > 0
+    assert drafter.num_lookup_rounds + drafter.num_tree_rounds <= decoder.stats.num_rounds
+    assert 0 <= drafter.tree_tokens <= 1  # a width-only tree accepts at most one draft token a round
+
+
+def test_hybrid_tree_holds_lookup_to_the_trees_rate():
+    from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
+    from jointspec.drafters.lookup_tree import LookupOrTreeDrafter, tree_round_cost
+
+    curve = CostCurve({1: 1.0, 2: 1.0, 4: 1.1, 5: 1.6})
+    assert tree_round_cost(curve, (3,), 0.1) == pytest.approx(1.1 + 0.1)
+    assert tree_round_cost(curve, (2, 1), 0.1) == pytest.approx(1.6 + 0.2)  # 2 + 2 nodes (5-token forward), 2 calls
+
+    class FakeTree:
+        branching = (3,)
+
+    drafter = LookupOrTreeDrafter(CostAwareDrafter(object(), curve), FakeTree(), curve, draft_cost_per_call=0.1,
+                                  prior_tree_tokens=0.65)
+    # (1 + 0.65) tokens for 1.2 units: the tree runs 37.5 % faster than plain decoding, so a lookup draft must too.
+    assert drafter.tree_gain() == pytest.approx(1.65 / 1.2 - 1)
+    weak = LookupOrTreeDrafter(CostAwareDrafter(object(), curve), FakeTree(), curve, draft_cost_per_call=0.1,
+                               prior_tree_tokens=0.1)
+    assert weak.tree_gain() == 0.0  # a tree slower than plain decoding sets no bar above plain decoding
+
+
 def test_default_method_uses_the_shipped_head_for_its_target(target_model, trained_head_dir, monkeypatch):
     from jointspec.drafters.costaware import CostAwareDrafter
-    from jointspec.drafters.hybrid import HybridDrafter
+    from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.models import eagle
 
@@ -219,7 +252,7 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
     decoder = decoder_for(target_model, "default", None)
-    assert isinstance(decoder.drafter, CostAwareDrafter) and isinstance(decoder.drafter.inner, HybridDrafter)
+    assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (3,)
     prompt = random_prompt(3)
     assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
     # Another target has no shipped head: prompt lookup.

@@ -112,17 +112,24 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     return drafter, verifier
 
 
+def target_cost_curve(target: CausalLM):
+    """The target's measured cost curve (memoised per model: a few seconds once)."""
+    from .drafters.costaware import DEFAULT_SIZES, measure_cost_curve
+
+    # A model with a short context (tiny test models) is measured on the sizes that fit; the curve extrapolates.
+    room = getattr(target, "max_context", 1 << 30) - target.num_cached
+    return measure_cost_curve(target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
+
+
 def make_cost_aware(drafter: Drafter, context: MethodContext) -> Drafter:
     """Wrap a chain drafter so each round drafts the length the target's measured cost curve says pays, or none.
 
     The curve is measured once per target model (a few seconds, memoised); a model drafter's per-token cost is its
     own one-token forward, prompt lookup's is zero.
     """
-    from .drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, measure_cost_curve
+    from .drafters.costaware import CostAwareDrafter, measure_cost_curve
 
-    # A model with a short context (tiny test models) is measured on the sizes that fit; the curve extrapolates.
-    room = getattr(context.target, "max_context", 1 << 30) - context.target.num_cached
-    curve = measure_cost_curve(context.target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
+    curve = target_cost_curve(context.target)
     draft = getattr(drafter, "draft", None)
     if draft is not None:
         curve = curve.with_draft_cost(measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1))
@@ -165,18 +172,53 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     return HybridDrafter(lookup, ModelDrafter(context.draft_model(), length)), RejectionSamplingVerifier()
 
 
-@register_method("default", "the fastest exact configuration for this target: hybrid with the head shipped for it "
-                 "(the embedded SmolLM2 has one), else prompt lookup; cost-aware", cost_aware=True)
+@register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft model or head, else the "
+                 "tree (--tree; 3 = the draft's top 3 next tokens) (lossless)")
+def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
+    from .api import eos_token_ids
+    from .drafters.costaware import CostAwareDrafter, measure_cost_curve
+    from .drafters.lookup_tree import LookupOrTreeDrafter
+    from .drafters.tree import TreeDrafter
+    from .verifiers.tree import TreeRejectionVerifier
+
+    config = context.config
+    draft = context.draft_model()
+    lookup = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
+                                 max(config.max_num_draft_tokens, config.num_draft_tokens))
+    curve = target_cost_curve(context.target)
+    aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
+    tree = TreeDrafter(draft, config.tree, replacement=True, eos_token_ids=eos_token_ids(context.target,
+                                                                                         context.tokenizer))
+    draft_cost = measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1)
+    drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost)
+    # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.
+    return drafter, TreeRejectionVerifier(replacement=True)
+
+
+# The tree `default` drafts with a head: its top 3 next tokens. With the pending token that is a 4-token forward, the
+# largest that costs about one plain step on the float32 CPU kernels (models/cpukernels.py).
+DEFAULT_TREE = (3,)
+
+
+@register_method("default", "the fastest exact configuration for this target: hybrid-tree (lookup, else the top 3 "
+                 "tokens of the head shipped for it; the embedded SmolLM2 has one), else cost-aware prompt lookup",
+                 cost_aware=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
 
     from .models.eagle import shipped_head_for
 
-    head = shipped_head_for(context.target) if context.config.draft is None else context.config.draft
+    # Only the torch adapter verifies trees and feeds heads (llama.cpp's refuses trees and has no hidden states).
+    torch_target = isinstance(context.target, CausalLM)
+    head = context.config.draft
+    if head is None and torch_target:
+        head = shipped_head_for(context.target)
     if head is None:
         config = replace(context.config, name="pld", cost_aware=True)
-    else:
+    elif not torch_target:
         config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
+    else:
+        config = replace(context.config, name="hybrid-tree", draft=str(head), tree=DEFAULT_TREE, cost_aware=False)
     return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
 
 
