@@ -255,6 +255,10 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (3,)
     prompt = random_prompt(3)
     assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    # --cost-aware with default: already cost-aware, not wrapped again (a wrapper would refuse its trees).
+    aware = decoder_for(target_model, "default", None, cost_aware=True)
+    assert isinstance(aware.drafter, LookupOrTreeDrafter)
+    assert aware.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
     # Another target has no shipped head: prompt lookup.
     other = build_method(MethodContext(MethodConfig(name="default"), CausalLM(tiny_llama(7)), None, None))[0]
     assert isinstance(other.inner, PromptLookupDrafter)

@@ -107,7 +107,8 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
     drafter, verifier = builder(context)
-    if context.config.cost_aware and not hasattr(drafter, "inner"):  # "default" builds an already wrapped method
+    # A drafter that already weighs drafting against the cost curve ("default" builds one) is not wrapped again.
+    if context.config.cost_aware and not getattr(drafter, "cost_aware", False):
         drafter = make_cost_aware(drafter, context)
     return drafter, verifier
 
@@ -173,7 +174,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft model or head, else the "
-                 "tree (--tree; 3 = the draft's top 3 next tokens) (lossless)")
+                 "tree (--tree; 3 = the draft's top 3 next tokens); always cost-aware (lossless)", cost_aware=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     from .api import eos_token_ids
     from .drafters.costaware import CostAwareDrafter, measure_cost_curve

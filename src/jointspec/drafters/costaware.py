@@ -273,6 +273,8 @@ class CostAwareDrafter:
     docstring for the model, the estimator and the probing schedule.
     """
 
+    cost_aware = True  # methods.build_method does not wrap it again
+
     def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
                  probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0) -> None:

@@ -45,6 +45,8 @@ def tree_round_cost(curve: CostCurve, branching: tuple[int, ...], draft_cost_per
 
 
 class LookupOrTreeDrafter:
+    cost_aware = True  # its lookup half is; the tree is what the lookup must beat (methods.build_method)
+
     def __init__(self, lookup: CostAwareDrafter, tree: TreeDrafter, curve: CostCurve, *,
                  draft_cost_per_call: float, prior_tree_tokens: float = 0.5, prior_weight: float = 2.0,
                  memory: float = 10.0) -> None:
