@@ -188,8 +188,8 @@ def stock_kernels(model: nn.Module) -> Iterator[None]:
 # SmolLM2: 9 and 3) inside SDPA only when there is no mask; a forward of several new tokens after a cache always has
 # one (a chain's causal mask, a tree's ancestor mask), and then it copies every key and value head once per query
 # head it serves (``repeat_kv``: 2 copies of the whole cache per layer per verification). SDPA itself takes the
-# grouping (``enable_gqa``) with a mask on CPU, bit for bit the same result: measured on the embedded model, 2-3 token
-# forwards 3-7 % faster (one decode step has no mask and is unchanged).
+# grouping (``enable_gqa``) with a mask on CPU, bit for bit the same result: measured on the embedded model, 2-5 token
+# forwards 3-6 % faster (one decode step has no mask and is unchanged).
 GQA_ATTENTION = "jointspec_gqa_sdpa"
 
 
