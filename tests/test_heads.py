@@ -238,6 +238,34 @@ def test_hybrid_tree_holds_lookup_to_the_trees_rate():
     assert weak.tree_gain() == 0.0  # a tree slower than plain decoding sets no bar above plain decoding
 
 
+@pytest.mark.parametrize("dear", [False, True])
+def test_hybrid_tree_drafts_no_tree_where_trees_do_not_pay(target_model, tmp_path, dear):
+    # On a target whose 4-token forward costs 3.4 steps (llama.cpp-like) a tree cannot pay (at most 2 tokens for 3.5
+    # units): the drafter decodes plainly and only probes the tree now and then. Where a 4-token forward and the draft
+    # cost nothing extra, any tree pays (1 + accepted > 1), so it drafts one in every round lookup leaves.
+    from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
+    from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
+    from jointspec.drafters.ngram import PromptLookupDrafter
+    from jointspec.drafters.tree import TreeDrafter
+    from jointspec.verifiers.tree import TreeRejectionVerifier
+
+    folder = tmp_path / "untrained"
+    untrained_head(CausalLM(target_model), draft_vocab_size=40).save(folder)
+    target = CausalLM(target_model, name="tiny-target")
+    curve = CostCurve({1: 1.0, 2: 1.8, 4: 3.4, 5: 4.0} if dear else {1: 1.0, 2: 1.0, 4: 1.0, 5: 1.5})
+    lookup = CostAwareDrafter(PromptLookupDrafter(4, 3, 3, 4), curve, max_num_draft_tokens=4)  # 3-grams: rare
+    drafter = LookupOrTreeDrafter(lookup, TreeDrafter(bind_head(folder, target), (3,)), curve,
+                                  draft_cost_per_call=0.1 if dear else 0.0)
+    decoder = SpeculativeDecoder(target, drafter, TreeRejectionVerifier(replacement=True))
+    prompt = random_prompt(5)
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    non_lookup_rounds = decoder.stats.num_rounds - drafter.num_lookup_rounds
+    if dear:
+        assert drafter.tree_speedup() < 1 and drafter.num_tree_rounds <= 6 < non_lookup_rounds  # probes 1, 3, 7, ...
+    else:
+        assert drafter.num_tree_rounds == non_lookup_rounds
+
+
 def test_default_method_uses_the_shipped_head_for_its_target(target_model, trained_head_dir, monkeypatch):
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter

@@ -15,7 +15,10 @@ Each round:
    and ``c`` one head call. Where the text repeats (extraction, code edits) lookup acceptance is high and long free
    drafts win; on open-ended text they rarely beat the tree and the wrapper skips them (probing now and then, as
    it does against plain decoding).
-2. Otherwise the tree drafter proposes its tree (``branching``, e.g. ``(3,)``).
+2. Otherwise the tree drafter proposes its tree (``branching``, e.g. ``(3,)``), if the tree pays: where its running
+   rate is below plain decoding's (a target whose multi-token forwards are dear, such as a quantised model or
+   llama.cpp, or a head that fits the text badly) the round drafts nothing, and the tree is tried again every 2nd,
+   4th, 8th, ... round (at most every ``max_probe_interval``-th) to see whether it pays again.
 
 ``t`` is a decayed mean over recent tree rounds (``memory`` rounds, starting from ``prior_tree_tokens`` over
 ``prior_weight`` rounds), per request. Both drafters see every ``start`` and ``commit``; the lookup wrapper is told
@@ -30,7 +33,7 @@ import math
 import torch
 
 from ..sampling import SamplingConfig
-from .base import Draft
+from .base import EMPTY_DRAFT, Draft
 from .costaware import CostAwareDrafter, CostCurve
 from .tree import TreeDrafter
 
@@ -49,7 +52,7 @@ class LookupOrTreeDrafter:
 
     def __init__(self, lookup: CostAwareDrafter, tree: TreeDrafter, curve: CostCurve, *,
                  draft_cost_per_call: float, prior_tree_tokens: float = 0.5, prior_weight: float = 2.0,
-                 memory: float = 10.0) -> None:
+                 memory: float = 10.0, max_probe_interval: int = 64) -> None:
         if not (math.isfinite(draft_cost_per_call) and draft_cost_per_call >= 0):
             raise ValueError(f"draft_cost_per_call must be finite and >= 0, got {draft_cost_per_call}")
         if prior_tree_tokens < 0 or not prior_weight > 0:
@@ -57,16 +60,23 @@ class LookupOrTreeDrafter:
                              f"{prior_weight}")
         if not memory > 1:
             raise ValueError(f"memory must be > 1 (tree rounds the estimate averages), got {memory}")
+        if max_probe_interval < 1:
+            raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
         self.lookup = lookup
         self.tree = tree
         self.curve = curve
         self.tree_cost = tree_round_cost(curve, tree.branching, draft_cost_per_call)
         self.prior = (prior_tree_tokens * prior_weight, prior_weight)
         self.decay = 1.0 - 1.0 / memory
+        self.max_probe_interval = max_probe_interval
+        self._reset()
+
+    def _reset(self) -> None:
         self._accepted, self._rounds = self.prior
         self._tree_round = False
-        self.num_lookup_rounds = 0
-        self.num_tree_rounds = 0
+        self._rounds_without_tree = 0
+        self._probe_interval = 1
+        self.num_lookup_rounds = self.num_tree_rounds = 0
 
     @property
     def draft(self):
@@ -78,16 +88,18 @@ class LookupOrTreeDrafter:
         """Running mean of draft tokens accepted per tree round."""
         return self._accepted / self._rounds
 
+    def tree_speedup(self) -> float:
+        """The tree's running rate relative to plain decoding (tokens per unit cost; 1 = level)."""
+        return (1.0 + self.tree_tokens) * self.curve.cost(1) / self.tree_cost
+
     def tree_gain(self) -> float:
         """How much faster than plain decoding the tree runs now (0: not faster)."""
-        return max(0.0, (1.0 + self.tree_tokens) * self.curve.cost(1) / self.tree_cost - 1.0)
+        return max(0.0, self.tree_speedup() - 1.0)
 
     def start(self, prompt_ids: list[int]) -> None:
         self.lookup.start(prompt_ids)
         self.tree.start(prompt_ids)
-        self._accepted, self._rounds = self.prior
-        self._tree_round = False
-        self.num_lookup_rounds = self.num_tree_rounds = 0
+        self._reset()
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
@@ -97,6 +109,10 @@ class LookupOrTreeDrafter:
         if not self._tree_round:
             self.num_lookup_rounds += 1
             return draft
+        if self.tree_speedup() <= 1.0 and self._rounds_without_tree + 1 < self._probe_interval:
+            self._rounds_without_tree += 1
+            self._tree_round = False
+            return EMPTY_DRAFT  # the tree's cache catches up on these tokens when it next drafts
         draft = self.tree.propose(context_ids, max_num_draft_tokens, sampling, generator)
         self._tree_round = draft.num_nodes > 0
         self.num_tree_rounds += self._tree_round
@@ -106,6 +122,10 @@ class LookupOrTreeDrafter:
         if self._tree_round:
             self._accepted = self._accepted * self.decay + num_accepted
             self._rounds = self._rounds * self.decay + 1.0
+            self._rounds_without_tree = 0
+            # Paying again: draft every round. Still not: try again after twice as many rounds.
+            self._probe_interval = (1 if self.tree_speedup() > 1.0
+                                    else min(2 * self._probe_interval, self.max_probe_interval))
         self.lookup.commit(context_ids, 0 if self._tree_round else num_accepted)
         self.tree.commit(context_ids, num_accepted)
         self._tree_round = False
