@@ -23,7 +23,7 @@ from jointspec.models.cpukernels import (GQA_ATTENTION, OneDNNLinear, attention_
                                          resolve_kernels, stock_kernels, use_gqa_attention,
                                          use_onednn_linears, use_stock_linears)
 from jointspec.models.loading import load_model, quantized_copy, stock_copy
-from jointspec.models.quantize import quantization_mode
+from jointspec.models.quantize import ROWWISE_ATTENTION, quantization_mode
 from test_cli import save_model
 from test_equivalence import greedy, hf_greedy, make_decoder, random_prompt
 
@@ -126,6 +126,8 @@ def test_deepcopy_quantize_and_stock_copy_of_an_onednn_target(onednn_pair):
     assert kernels_in_use(clone) == "onednn" and clone.lm_head.weight is not target_model.lm_head.weight
     int8 = quantized_copy(target, "int8")  # quantises the plain layers underneath
     assert quantization_mode(int8.model) == "int8" and kernels_in_use(target_model) == "onednn"
+    # The copy's attention is the quantised models' batch-independent one, not the float model's GQA attention.
+    assert attention_in_use(int8.model) == ROWWISE_ATTENTION and attention_in_use(target_model) == GQA_ATTENTION
     stock = stock_copy(target)
     assert kernels_in_use(stock.model) == "stock" and kernels_in_use(target_model) == "onednn"
     assert attention_in_use(stock.model) == "sdpa" and attention_in_use(target_model) == GQA_ATTENTION

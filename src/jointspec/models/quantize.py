@@ -277,10 +277,12 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     if already != "none":
         raise ValueError(f"the model is already quantised ({already}); load it again in float to quantise it as "
                          f"{mode}")
-    # oneDNN float layers (models.cpukernels) are plain linears underneath: quantise those.
-    from .cpukernels import use_stock_linears
+    # oneDNN float layers (models.cpukernels) are plain linears underneath: quantise those. The CPU kernels' attention
+    # goes back to sdpa too, so that the row-wise attention below replaces it (a copy of a float target has it).
+    from .cpukernels import use_stock_attention, use_stock_linears
 
     use_stock_linears(model)
+    use_stock_attention(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skipped: list[str] = []
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
