@@ -122,18 +122,25 @@ def target_cost_curve(target: CausalLM):
     return measure_cost_curve(target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
 
 
+def draft_cost_per_call(draft: CausalLM) -> float:
+    """Seconds of one 1-token forward of a draft model or head (memoised per model, like the target's curve)."""
+    from .drafters.costaware import measure_cost_curve
+
+    return measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1)
+
+
 def make_cost_aware(drafter: Drafter, context: MethodContext) -> Drafter:
     """Wrap a chain drafter so each round drafts the length the target's measured cost curve says pays, or none.
 
     The curve is measured once per target model (a few seconds, memoised); a model drafter's per-token cost is its
     own one-token forward, prompt lookup's is zero.
     """
-    from .drafters.costaware import CostAwareDrafter, measure_cost_curve
+    from .drafters.costaware import CostAwareDrafter
 
     curve = target_cost_curve(context.target)
     draft = getattr(drafter, "draft", None)
     if draft is not None:
-        curve = curve.with_draft_cost(measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1))
+        curve = curve.with_draft_cost(draft_cost_per_call(draft))
     return CostAwareDrafter(drafter, curve, max_num_draft_tokens=context.config.max_num_draft_tokens)
 
 
@@ -177,7 +184,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
                  "tree (--tree; 3 = the draft's top 3 next tokens); always cost-aware (lossless)", cost_aware=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     from .api import eos_token_ids
-    from .drafters.costaware import CostAwareDrafter, measure_cost_curve
+    from .drafters.costaware import CostAwareDrafter
     from .drafters.lookup_tree import LookupOrTreeDrafter
     from .drafters.tree import TreeDrafter
     from .verifiers.tree import TreeRejectionVerifier
@@ -190,8 +197,7 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
     tree = TreeDrafter(draft, config.tree, replacement=True, eos_token_ids=eos_token_ids(context.target,
                                                                                          context.tokenizer))
-    draft_cost = measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1)
-    drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost)
+    drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost_per_call(draft))
     # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.
     return drafter, TreeRejectionVerifier(replacement=True)
 

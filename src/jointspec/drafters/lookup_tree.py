@@ -104,14 +104,13 @@ class LookupOrTreeDrafter:
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         self.lookup.min_gain = self.tree_gain()
+        self._tree_round = False
         draft = self.lookup.propose(context_ids, max_num_draft_tokens, sampling, generator)
-        self._tree_round = not draft.num_nodes
-        if not self._tree_round:
+        if draft.num_nodes:
             self.num_lookup_rounds += 1
             return draft
         if self.tree_speedup() <= 1.0 and self._rounds_without_tree + 1 < self._probe_interval:
             self._rounds_without_tree += 1
-            self._tree_round = False
             return EMPTY_DRAFT  # the tree's cache catches up on these tokens when it next drafts
         draft = self.tree.propose(context_ids, max_num_draft_tokens, sampling, generator)
         self._tree_round = draft.num_nodes > 0

@@ -42,6 +42,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 KERNEL_CHOICES = ("auto", "onednn", "stock")
 
@@ -170,11 +173,9 @@ def stock_kernels(model: nn.Module) -> Iterator[None]:
     """Run ``model``'s oneDNN linears as plain ``F.linear``, and its attention as transformers' own ``sdpa``, inside
     the block (same weights, no copy)."""
     layers = [m for m in model.modules() if isinstance(m, OneDNNLinear) and not m.stock]
-    gqa = attention_in_use(model) == GQA_ATTENTION
     for layer in layers:
         layer.stock = True
-    if gqa:
-        model.set_attn_implementation("sdpa")
+    gqa = use_stock_attention(model)
     try:
         yield
     finally:
@@ -199,8 +200,6 @@ def gqa_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     """transformers' ``sdpa`` attention, except that a masked multi-token forward on CPU groups key/value heads in
     SDPA instead of copying them. Everything else (no mask, one query token, other devices, position biases,
     soft-capping, paged caches) goes to transformers' own function unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or query.shape[2] == 1
             or query.device.type != "cpu" or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("cache") is not None
@@ -212,12 +211,8 @@ def gqa_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_gqa_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_attention)
-    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the masks sdpa gets, unchanged
+AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_attention)
+AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the masks sdpa gets, unchanged
 
 
 def attention_in_use(model) -> str:
@@ -236,7 +231,6 @@ def use_gqa_attention(model: nn.Module) -> bool:
     heads = getattr(config, "num_attention_heads", None)
     if heads is None or getattr(config, "num_key_value_heads", heads) == heads:
         return False
-    _register_gqa_attention()
     model.set_attn_implementation(GQA_ATTENTION)
     return True
 
