@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_llama
+from jointspec.drafters.beam import beam_search
+from jointspec.drafters.treecache import DraftTreeCache
 from jointspec.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -108,6 +110,64 @@ def test_tree_rows_equal_each_branch_run_alone(target_model):
         branch.forward(context)
         rows = branch.forward([tokens[i] for i in path]).logits
         torch.testing.assert_close(tree[path], rows, rtol=1e-4, atol=1e-4)
+
+
+def test_extend_tree_scores_new_nodes_as_a_fresh_feed_of_the_whole_tree(target_model):
+    head = untrained_head(CausalLM(target_model))
+    context = random_prompt(7)
+    levels = [([7, 8], [-1, -1]), ([9, 10, 11], [0, 0, 1]), ([12, 13], [2, 4])]
+    grown = primed(target_model, head, context)
+    grown.forward(context)
+    tokens, parents = list(levels[0][0]), list(levels[0][1])
+    grown.forward(tokens, parents=parents)
+    for new_tokens, new_parents in levels[1:]:
+        tokens, parents = tokens + new_tokens, parents + new_parents
+        extended = grown.extend_tree(tokens, parents, num_logits=len(new_tokens)).logits
+        fresh = primed(target_model, head, context)
+        fresh.forward(context)
+        whole = fresh.forward(tokens, parents=parents, num_logits=len(new_tokens)).logits
+        assert torch.equal(extended, whole)  # same nodes, same masks, same kernels: bit-identical
+    with pytest.raises(ValueError, match="extend_tree needs the tree fed last"):
+        grown.extend_tree([99] + tokens[1:] + [3], parents + [0], num_logits=1)  # not the tree fed last
+    grown.crop(len(context))
+    with pytest.raises(ValueError, match="extend_tree needs the tree fed last"):
+        grown.extend_tree(tokens + [3], parents + [0], num_logits=1)  # the tree was cropped away
+    # A one-node level is fed as a chain (no mask); growing it gives the tree's logits up to rounding.
+    grown.forward([7])
+    extended = grown.extend_tree([7, 8, 9], [-1, 0, 0], num_logits=2).logits
+    fresh = primed(target_model, head, context)
+    fresh.forward(context)
+    torch.testing.assert_close(extended, fresh.forward([7, 8, 9], parents=[-1, 0, 0], num_logits=2).logits,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_beam_search_on_a_head_feeds_each_level_once_with_unchanged_results(target_model):
+    class WithoutExtend:  # the head behind the plain interface: every level crops and feeds the whole tree again
+        def __init__(self, draft):
+            self.draft = draft
+
+        def __getattr__(self, name):
+            if name == "extend_tree":
+                raise AttributeError(name)
+            return getattr(self.draft, name)
+
+    head = untrained_head(CausalLM(target_model))
+    context = random_prompt(8)
+    sampling = SamplingConfig(temperature=1.0)
+    trees = []
+    for wrap in (lambda d: d, WithoutExtend):
+        draft = primed(target_model, head, context)
+        fed = []
+        draft._run = lambda ids, *args, _run=draft._run, _fed=fed: (_fed.append(len(ids)), _run(ids, *args))[1]
+        cache = DraftTreeCache(wrap(draft))
+        cache.start()
+        tree = beam_search(cache, context, 3, 3, sampling, torch.Generator().manual_seed(1))
+        trees.append((tree, fed))
+    (extended, fed_once), (refed, fed_again) = trees
+    assert extended.token_ids == refed.token_ids and extended.parents == refed.parents
+    assert torch.equal(extended.beam_log_joint, refed.beam_log_joint)
+    # Context, then levels of 3: 3 + 3 nodes once, against 3 + (3 + 3) with the whole tree fed again.
+    assert sum(fed_once) == len(context) + 6 and sum(fed_again) == len(context) + 9
 
 
 def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):

@@ -6,7 +6,8 @@ its own ancestors *among the tokens fed in the same call*; a node fed in an earl
 later node, siblings' subtrees included. So each level crops the cache back to the committed context and re-feeds
 the whole tree grown so far in one call (``tree_logits``). That costs ``W·(1 + 2 + ... + (depth - 1))`` fed tokens
 per round instead of ``W·(depth - 1)``, but it needs nothing beyond ``CausalLM.forward(parents=...)``/``crop``/``keep``
-and every node is scored exactly as if its branch were run alone.
+and every node is scored exactly as if its branch were run alone. A draft with ``extend_tree`` (the feature head of
+:mod:`jointspec.models.eagle`, which builds its own masks over the cached tree) is fed only each level's new nodes.
 
 Cache invariant between rounds (as in :mod:`jointspec.drafters.model`): the cache holds a prefix of the committed
 sequence, never all of it. After a round it holds the context plus the last fed tree; ``commit`` finds the newly
@@ -46,8 +47,14 @@ class DraftTreeCache:
 
     def tree_logits(self, parents: list[int], token_ids: list[int], num_logits: int) -> torch.Tensor:
         """Logits after the last ``num_logits`` nodes of a tree that follows the context ([num_logits, vocab])."""
-        self.draft.crop(len(self._cached_ids))
-        out = self.draft.forward(token_ids, parents=parents, num_logits=num_logits).logits
+        fed = len(self._tree_tokens)
+        if (fed and hasattr(self.draft, "extend_tree") and num_logits <= len(token_ids) - fed
+                and token_ids[:fed] == self._tree_tokens and parents[:fed] == self._tree_parents):
+            # A draft that masks its own tree (a feature head) scores only the new nodes.
+            out = self.draft.extend_tree(token_ids, parents, num_logits=num_logits).logits
+        else:
+            self.draft.crop(len(self._cached_ids))
+            out = self.draft.forward(token_ids, parents=parents, num_logits=num_logits).logits
         self._tree_parents, self._tree_tokens = list(parents), list(token_ids)
         return out
 

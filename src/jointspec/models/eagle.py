@@ -281,7 +281,11 @@ class HeadDraftModel:
         self.num_cached = 0
         self.num_exact = 0  # leading cache entries fed with true target features
         self.predicted = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
-        self._tree_tail = False  # the cache ends in tree nodes: only crop/keep may follow
+        self._tree_tail = False  # the cache ends in tree nodes: only crop/keep/extend_tree may follow
+        # The last forward's tokens as a tree (a chain is one too) and its outputs: what extend_tree may grow.
+        self._fed_tokens: list[int] = []
+        self._fed_parents: list[int] = []
+        self._fed_out = self.predicted
 
     def _input_feature(self, entry: int) -> torch.Tensor | None:
         """The feature fed with the token at cache entry ``entry`` (None: not computed yet)."""
@@ -328,8 +332,30 @@ class HeadDraftModel:
             raise UnsupportedOptionError("a draft head cannot extend a tree draft; crop or keep its cache first")
         if parents is None or parents == chain_parents(n):
             outputs = self._forward_chain(token_ids)
+            self._fed_tokens, self._fed_parents, self._fed_out = token_ids, chain_parents(n), outputs
         else:
             outputs = self._forward_tree(token_ids, parents)
+        return self._output(outputs, num_logits, output_hidden)
+
+    @torch.inference_mode()
+    def extend_tree(self, token_ids: list[int], parents: list[int], *, num_logits: int) -> ForwardOutput:
+        """Feed the nodes a tree gained since the last tree call; ``token_ids``/``parents`` are the whole tree.
+
+        Tree drafters grow a tree level by level. A plain forward would crop the tree and feed it again (every node
+        of the last call becomes visible to every node of the next, so a generic cache cannot do better); the
+        head builds its own ancestor masks, so it scores only the new nodes, each seeing its ancestors among the
+        nodes already cached. The logits are those of ``forward(tree)`` after a crop: same nodes, same masks (up to
+        float rounding where the tree fed last was a chain, which takes the unmasked chain path).
+        """
+        old = len(self._fed_tokens)
+        if not (0 < old < len(token_ids) and token_ids[:old] == self._fed_tokens
+                and parents[:old] == self._fed_parents):
+            raise ValueError("extend_tree needs the tree fed last, grown by at least one node")
+        outputs = self._forward_tree([int(t) for t in token_ids], list(parents), first=old)
+        return self._output(outputs, num_logits, False)
+
+    def _output(self, outputs: torch.Tensor, num_logits: int | None, output_hidden: bool) -> ForwardOutput:
+        n = outputs.shape[0]
         keep = n if num_logits is None else num_logits
         rows = outputs[n - keep:] if keep > 0 else outputs[:0]
         return ForwardOutput(logits=self._logits(rows), hidden=rows if output_hidden else None)
@@ -355,18 +381,21 @@ class HeadDraftModel:
             i += count
         return torch.cat(outputs)
 
-    def _forward_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:
+    def _forward_tree(self, token_ids: list[int], parents: list[int], first: int = 0) -> torch.Tensor:
         # Level by level: a node's input is its parent's predicted feature, so a level waits for the one above.
+        # ``first`` > 0: nodes before it are the tree already cached (extend_tree), their outputs kept from then.
         n = len(token_ids)
         depths = tree_depths(parents)
         if depths != sorted(depths):
             raise ValueError("a draft head takes tree nodes level by level (depths must not decrease)")
-        start = self.num_cached
+        start = self.num_cached - first
         ancestors = tree_ancestor_mask(parents).to(self.device)  # [n, n]
         root_input = self._input_feature(start)
         assert root_input is not None, "a draft head was fed a tree after a token it has not seen"
         out = torch.empty(n, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
-        level_start = 0
+        if first:
+            out[:first] = self._fed_out
+        level_start = first
         while level_start < n:
             level_end = level_start
             while level_end < n and depths[level_end] == depths[level_start]:
@@ -382,6 +411,7 @@ class HeadDraftModel:
                                                    [start + depths[i] for i in nodes], mask)
             level_start = level_end
         self._tree_tail = True
+        self._fed_tokens, self._fed_parents, self._fed_out = list(token_ids), list(parents), out
         return out
 
     def crop(self, length: int) -> None:
@@ -394,6 +424,7 @@ class HeadDraftModel:
             self.num_cached = length
             self.predicted = self.predicted[:length]
         self._tree_tail = False
+        self._fed_tokens, self._fed_parents = [], []
 
     def keep(self, positions: list[int]) -> None:
         """Keep the leading run of ``positions`` that is a prefix of the cache (tree paths are fed again)."""
