@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from jointspec.drafters.base import Draft, NoDrafter
-from jointspec.drafters.beam import BeamDrafter, beam_search
+from jointspec.drafters.beam import BeamDrafter, _choose, beam_search
 from jointspec.drafters.treecache import DraftTreeCache
 from jointspec.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -136,6 +136,24 @@ def test_tree_scores_equal_sequential_scoring(target_model, other_model):
         assert torch.allclose(rows[1 + node], alone_target, atol=1e-4)
         logq = processed_probs(alone_draft, sampling).log()[path[-1]]
         assert abs(float(logq) - float(beams.draft_logprobs[node])) < 1e-4
+
+
+def test_beam_children_are_drawn_in_proportion_to_their_draft_joint():
+    """``_choose`` draws among the finite scores only; the draws must follow softmax(scores), which a uniform draw
+    over the same children must fail. 6,000 seeded draws; false-failure odds 1e-4 for fresh seeds."""
+    joints = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.0, 0.15, 0.05], dtype=torch.float64)
+    scores = joints.log()  # log 0 = -inf: children cut by top-k/top-p or outside a head's vocabulary
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(len(joints))
+    for _ in range(6000):
+        counts[_choose(scores, 1, False, False, generator)] += 1
+    support = joints > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support], joints[support] * counts.sum()).pvalue > 1e-4
+    uniform = torch.full((int(support.sum()),), counts.sum() / int(support.sum()))
+    assert chisquare(counts[support], uniform).pvalue < 1e-4  # the broken law is rejected
+    # Without replacement, every possible child comes back once when beams outnumber them.
+    assert sorted(_choose(scores, 6, False, False, generator).tolist()) == [0, 2, 5, 6]
 
 
 def test_beams_stop_at_eos(other_model):

@@ -51,13 +51,17 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # Only finite logits can be kept, so only they need ordering. After top-k, or from a head restricted to its
+        # draft vocabulary, that is a few hundredths of the vocabulary: a partial sort (topk returns its values in
+        # descending order) instead of a full one. The -inf rows beyond them would add exactly 0 to every sum.
+        num_finite = int(torch.isfinite(logits).sum(dim=-1).max())
+        sorted_logits, order = torch.topk(logits, max(num_finite, 1), dim=-1)
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Mass strictly before each token: a token is dropped once the tokens before it already reach top_p.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= sampling.top_p
         drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
 

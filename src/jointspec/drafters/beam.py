@@ -121,10 +121,13 @@ def _choose(scores: torch.Tensor, beam_width: int, greedy: bool, replacement: bo
     num_possible = int(torch.isfinite(scores).sum())
     if greedy:
         return torch.topk(scores, min(beam_width, num_possible)).indices
-    probs = torch.softmax(scores, dim=0)  # [num_candidates]: the logsumexp normalisation of w_b ∝ Q(path_b)
+    # Draw among the possible children only: with top-k/top-p (or a head's draft vocabulary) they are a few dozen of
+    # beams x vocabulary candidates, and a draw over the full vector cost milliseconds. Same distribution.
+    possible = torch.isfinite(scores).nonzero().squeeze(-1)  # [num_possible]
+    probs = torch.softmax(scores[possible], dim=0)  # the logsumexp normalisation of w_b ∝ Q(path_b)
     # Without replacement there may be fewer possible children than beams (top-k/top-p): keep them all.
     num_draws = beam_width if replacement else min(beam_width, num_possible)
-    return multinomial(probs, num_draws, replacement=replacement, generator=generator)
+    return possible[multinomial(probs, num_draws, replacement=replacement, generator=generator)]
 
 
 class BeamDrafter:
