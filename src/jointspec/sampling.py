@@ -51,9 +51,9 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        # Only finite logits can be kept, so only they need ordering. After top-k, or from a head restricted to its
-        # draft vocabulary, that is a few hundredths of the vocabulary: a partial sort (topk returns its values in
-        # descending order) instead of a full one. The -inf rows beyond them would add exactly 0 to every sum.
+        # Only finite logits can be kept, so only they need ordering: after top-k a few dozen (a head restricted to
+        # its draft vocabulary leaves a third). A partial sort (topk returns its values in descending order) replaces
+        # the full-vocabulary one; the -inf entries it leaves out would add exactly 0 to every sum.
         num_finite = int(torch.isfinite(logits).sum(dim=-1).max())
         sorted_logits, order = torch.topk(logits, max(num_finite, 1), dim=-1)
         sorted_probs = sorted_logits.softmax(dim=-1)
