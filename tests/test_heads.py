@@ -352,6 +352,17 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(other.inner, PromptLookupDrafter)
 
 
+def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, trained_head_dir):
+    # hybrid-tree (and default, which builds it) drafts the head's top 3 unless --tree is given; specinfer 4,2,2.
+    assert decoder_for(target_model, "hybrid-tree", trained_head_dir).drafter.tree.branching == (3,)
+    assert decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(2, 1)).drafter.tree.branching == (2, 1)
+    assert decoder_for(target_model, "default", trained_head_dir, tree=(2,)).drafter.tree.branching == (2,)
+    assert decoder_for(target_model, "specinfer", trained_head_dir).drafter.branching == (4, 2, 2)
+    assert decoder_for(target_model, "specinfer", trained_head_dir, tree=(3,)).drafter.branching == (3,)
+    with pytest.raises(ValueError, match="tree must be"):
+        MethodConfig(name="specinfer", tree=())
+
+
 def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypatch, capsys):
     """The command trains and saves a head, and a second run with the same options resumes instead of redoing."""
     import json

@@ -54,7 +54,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-ngram", type=_positive_int, default=1, help="pld: shortest n-gram to match")
     parser.add_argument("--beam-width", type=_positive_int, default=4, help="mtad: beams per level")
     parser.add_argument("--accept-threshold", type=float, default=0.5, help="mtad: joint-likelihood ratio tau")
-    parser.add_argument("--tree", type=_tree, default=(4, 2, 2), help="tree methods: branching per depth, e.g. 4,2,2")
+    parser.add_argument("--tree", type=_tree, default=None,
+                        help="tree methods: branching per depth, e.g. 4,2,2 (default: 3 for hybrid-tree, 4,2,2 for "
+                             "specinfer)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     from .models.loading import BACKENDS

@@ -29,7 +29,7 @@ class MethodConfig:
     min_ngram: int = 1
     beam_width: int = 4
     accept_threshold: float = 0.5
-    tree: tuple[int, ...] = (4, 2, 2)
+    tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: DEFAULT_TREE, specinfer: 4,2,2)
     cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
 
     def __post_init__(self) -> None:
@@ -43,7 +43,7 @@ class MethodConfig:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
         if not self.accept_threshold > 0:
             raise ValueError(f"accept_threshold must be > 0, got {self.accept_threshold}")
-        if not self.tree or any(k < 1 for k in self.tree):
+        if self.tree is not None and (not self.tree or any(k < 1 for k in self.tree)):
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
 
 
@@ -181,7 +181,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft model or head, else the "
-                 "tree (--tree; 3 = the draft's top 3 next tokens); always cost-aware (lossless)", cost_aware=True)
+                 "tree (--tree, default 3: the draft's top 3 next tokens); always cost-aware (lossless)", cost_aware=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     from .api import eos_token_ids
     from .drafters.costaware import CostAwareDrafter
@@ -195,15 +195,16 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
                                  max(config.max_num_draft_tokens, config.num_draft_tokens))
     curve = target_cost_curve(context.target)
     aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
-    tree = TreeDrafter(draft, config.tree, replacement=True, eos_token_ids=eos_token_ids(context.target,
-                                                                                         context.tokenizer))
+    tree = TreeDrafter(draft, config.tree or DEFAULT_TREE, replacement=True,
+                       eos_token_ids=eos_token_ids(context.target, context.tokenizer))
     drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost_per_call(draft))
     # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.
     return drafter, TreeRejectionVerifier(replacement=True)
 
 
-# The tree `default` drafts with a head: its top 3 next tokens. With the pending token that is a 4-token forward, the
-# largest that costs about one plain step on the float32 CPU kernels (models/cpukernels.py).
+# The tree `hybrid-tree` (and so `default`) drafts unless --tree says otherwise: the head's top 3 next tokens. With the
+# pending token that is a 4-token forward, the largest that costs about one plain step on the float32 CPU kernels
+# (models/cpukernels.py).
 DEFAULT_TREE = (3,)
 
 
@@ -225,7 +226,7 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     elif not torch_target:
         config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
     else:
-        config = replace(context.config, name="hybrid-tree", draft=str(head), tree=DEFAULT_TREE, cost_aware=False)
+        config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)
     return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
 
 

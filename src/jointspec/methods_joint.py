@@ -40,9 +40,14 @@ def _build_mtad_tree(context: MethodContext):
     return _beam_drafter(context, tree=True), MTADVerifier(context.config.accept_threshold)
 
 
-@register_method("specinfer", "SpecInfer/MCSD token tree (--tree k-config) with recursive rejection (lossless)")
+# specinfer's tree when --tree is not given: 4 + 8 + 16 = 28 nodes, the SpecInfer/MCSD papers' kind of k-config.
+SPECINFER_TREE = (4, 2, 2)
+
+
+@register_method("specinfer", "SpecInfer/MCSD token tree (--tree k-config, default 4,2,2) with recursive rejection "
+                 "(lossless)")
 def _build_specinfer(context: MethodContext):
-    drafter = TreeDrafter(context.draft_model(), context.config.tree, replacement=True,
+    drafter = TreeDrafter(context.draft_model(), context.config.tree or SPECINFER_TREE, replacement=True,
                           eos_token_ids=_eos_token_ids(context))
     return drafter, TreeRejectionVerifier(replacement=True)
 
