@@ -118,15 +118,15 @@ def beam_search(cache: DraftTreeCache, context_ids: list[int], num_draft_tokens:
 def _choose(scores: torch.Tensor, beam_width: int, greedy: bool, replacement: bool,
             generator: torch.Generator | None) -> torch.Tensor:
     """Indices of the kept children: the top ``beam_width`` scores, or draws ∝ ``exp(scores)``."""
-    num_possible = int(torch.isfinite(scores).sum())
+    finite = torch.isfinite(scores)
     if greedy:
-        return torch.topk(scores, min(beam_width, num_possible)).indices
+        return torch.topk(scores, min(beam_width, int(finite.sum()))).indices
     # Draw among the possible children only: with top-k/top-p (or a head's draft vocabulary) they are a few dozen of
     # beams x vocabulary candidates, and a draw over the full vector cost milliseconds. Same distribution.
-    possible = torch.isfinite(scores).nonzero().squeeze(-1)  # [num_possible]
+    possible = finite.nonzero().squeeze(-1)  # [num_possible]
     probs = torch.softmax(scores[possible], dim=0)  # the logsumexp normalisation of w_b ∝ Q(path_b)
     # Without replacement there may be fewer possible children than beams (top-k/top-p): keep them all.
-    num_draws = beam_width if replacement else min(beam_width, num_possible)
+    num_draws = beam_width if replacement else min(beam_width, possible.numel())
     return possible[multinomial(probs, num_draws, replacement=replacement, generator=generator)]
 
 
