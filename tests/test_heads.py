@@ -29,23 +29,71 @@ from test_equivalence import hf_greedy, random_prompt
 EOS = 2
 
 
-def untrained_head(target: CausalLM, seed: int = 0, draft_vocab_size: int | None = None) -> EagleHead:
+def untrained_draft_of(module_class, config_class, target: CausalLM, seed: int = 0,
+                       draft_vocab_size: int | None = None, **shape):
+    """A freshly initialised trained-draft module (a head, a distilled draft) for ``target``."""
     torch.manual_seed(seed)
-    config = HeadConfig.for_target(target, target_fingerprint(target), draft_vocab_size=draft_vocab_size)
-    head = EagleHead(config).eval()
+    config = config_class.for_target(target, target_fingerprint(target), draft_vocab_size=draft_vocab_size, **shape)
+    draft = module_class(config).eval()
     if draft_vocab_size:
         # Every other token, so some target tokens are outside the draft vocabulary.
-        head.draft_vocab.copy_(torch.arange(0, 2 * draft_vocab_size, 2)[:draft_vocab_size])
-    return head
+        draft.draft_vocab.copy_(torch.arange(0, 2 * draft_vocab_size, 2)[:draft_vocab_size])
+    return draft
 
 
-@pytest.fixture(scope="module")
-def trained_head_dir(tmp_path_factory, target_model):
-    """A head trained for the tiny target on its own greedy continuations of 48 random prompts (a few seconds)."""
+def untrained_head(target: CausalLM, seed: int = 0, draft_vocab_size: int | None = None) -> EagleHead:
+    return untrained_draft_of(EagleHead, HeadConfig, target, seed, draft_vocab_size)
+
+
+def assert_greedy_equivalent(target_model, decoder: SpeculativeDecoder, prompt: list[int]) -> None:
+    """``decoder`` gives transformers' greedy output, also when max length or EOS falls inside a draft."""
+    expected = hf_greedy(target_model, prompt, 40)
+    assert decoder.generate(prompt, greedy(40)) == expected
+    # Max length inside a draft: 7 new tokens cannot hold two full rounds of 4-token drafts.
+    assert decoder.generate(prompt, greedy(7)) == expected[:7]
+    # EOS inside a draft: pretend a token that appears mid-continuation is the end of sequence.
+    eos = expected[9]
+    cut = expected.index(eos) + 1
+    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:cut]
+
+
+def assert_loads_to_the_same_decoding(target_model, folder, prompt: list[int]) -> None:
+    """Two loads of the draft in ``folder`` give the same tokens and the same number of accepted drafts."""
+    runs = []
+    for _ in range(2):
+        decoder = decoder_for(target_model, "sps", folder, num_draft_tokens=4)
+        runs.append((decoder.generate(prompt, greedy(30)), decoder.stats.num_accepted_tokens))
+    assert runs[0] == runs[1]
+
+
+def train_cli_argv(monkeypatch, target_model, tmp_path, out: str) -> list[str]:
+    """``train-draft`` options for a quick run on the tiny target (patched in) with 18 text prompts into ``out``."""
+    from jointspec.train import cli as train_cli
+    from test_bench import tiny_tokenizer
+
+    monkeypatch.setattr(train_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"please answer question {word} python" for word in
+                                 ["one", "two", "more", "short", "value", "return"] * 3))
+    return ["train-draft", "--out", str(tmp_path / out), "--prompts", str(prompts), "--max-new-tokens", "24",
+            "--epochs", "3", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "50", "--no-progress"]
+
+
+def tiny_training_data(tmp_path_factory, target_model):
+    """The tiny target's own greedy continuations of 48 random prompts, with its features (a few seconds)."""
     target = CausalLM(target_model, name="tiny-target")
     prompts = [random_prompt(100 + i, length=8) for i in range(48)]
     data = tmp_path_factory.mktemp("data")
     build_data(target, None, prompts, data, max_new_tokens=40, max_length=128, shard_size=16, batch_size=8)
+    return data
+
+
+@pytest.fixture(scope="module")
+def trained_head_dir(tmp_path_factory, target_model):
+    """A head trained for the tiny target on its own greedy continuations of 48 random prompts."""
+    target = CausalLM(target_model, name="tiny-target")
+    data = tiny_training_data(tmp_path_factory, target_model)
     out = tmp_path_factory.mktemp("head")
     config = HeadTrainConfig(draft_vocab_size=None, epochs=40, batch_tokens=512, learning_rate=3e-3,
                              warmup_steps=10, eval_every=40, patience=100, eval_fraction=0.1)
@@ -196,16 +244,8 @@ def test_greedy_equivalence_with_a_head(target_model, trained_head_dir, tmp_path
     if not trained:
         folder = tmp_path / "untrained"
         untrained_head(CausalLM(target_model), draft_vocab_size=40).save(folder)
-    prompt = random_prompt(prompt_seed)
-    expected = hf_greedy(target_model, prompt, 40)
-    decoder = decoder_for(target_model, method, folder, **config)
-    assert decoder.generate(prompt, greedy(40)) == expected
-    # Max length inside a draft: 7 new tokens cannot hold two full rounds of 4-token drafts.
-    assert decoder.generate(prompt, greedy(7)) == expected[:7]
-    # EOS inside a draft: pretend a token that appears mid-continuation is the end of sequence.
-    eos = expected[9]
-    cut = expected.index(eos) + 1
-    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:cut]
+    assert_greedy_equivalent(target_model, decoder_for(target_model, method, folder, **config),
+                             random_prompt(prompt_seed))
 
 
 def test_training_raises_acceptance_well_above_the_untrained_head(target_model, trained_head_dir, tmp_path):
@@ -226,12 +266,7 @@ def test_training_raises_acceptance_well_above_the_untrained_head(target_model, 
 def test_artifact_reloads_to_identical_outputs(target_model, trained_head_dir):
     head, training = load_head(trained_head_dir)
     assert training["best"]["agreement"][0] > 0.3
-    prompt = random_prompt(0)
-    outs = []
-    for _ in range(2):
-        decoder = decoder_for(target_model, "sps", trained_head_dir, num_draft_tokens=4)
-        outs.append((decoder.generate(prompt, greedy(30)), decoder.stats.num_accepted_tokens))
-    assert outs[0] == outs[1]
+    assert_loads_to_the_same_decoding(target_model, trained_head_dir, random_prompt(0))
     # fp16 storage: the reloaded head drafts what the in-memory head drafts.
     target = CausalLM(target_model)
     reloaded = HeadDraftModel(head, target)
@@ -368,16 +403,8 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     import json
 
     from jointspec import cli
-    from jointspec.train import cli as train_cli
-    from test_bench import tiny_tokenizer
 
-    monkeypatch.setattr(train_cli, "load_target",
-                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"please answer question {word} python" for word in
-                                 ["one", "two", "more", "short", "value", "return"] * 3))
-    argv = ["train-draft", "--out", str(tmp_path / "head"), "--prompts", str(prompts), "--max-new-tokens", "24",
-            "--epochs", "3", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "50", "--no-progress"]
+    argv = train_cli_argv(monkeypatch, target_model, tmp_path, "head")
     assert cli.main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["best"]["agreement"] and summary["size_bytes"] > 0
@@ -391,8 +418,8 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     stamps = [p.stat().st_mtime_ns for p in shards]
     assert cli.main(argv) == 0  # resumes: the data is kept, the finished checkpoint is reused
     assert [p.stat().st_mtime_ns for p in shards] == stamps
-    assert cli.main(argv[:-1] + ["--kind", "distill"]) == 2  # not implemented: a clear one-line error
-    assert "not implemented yet" in capsys.readouterr().err
+    assert cli.main(argv + ["--head", "medusa"]) == 2  # not implemented: a clear one-line error
+    assert "--head medusa is not implemented yet" in capsys.readouterr().err
 
 
 def test_feature_mirror_keep_after_growing_in_inference_mode():

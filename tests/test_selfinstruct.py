@@ -186,7 +186,7 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
     assert cli.main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "a")] + train) == 2
     assert "was trained for target 'tiny-target'" in capsys.readouterr().err
     assert cli.main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path)] + train) == 2
-    assert "not a head folder" in capsys.readouterr().err
+    assert "not a draft folder" in capsys.readouterr().err
     assert cli.main(["train-draft", "--out", str(tmp_path / "d"), "--prompts", "self-instruct:x"]) == 2
     assert "self-instruct:N" in capsys.readouterr().err
 

@@ -59,8 +59,9 @@ class HeadConfig:
     format: int = ARTIFACT_FORMAT
 
     def __post_init__(self) -> None:
-        if self.kind != "eagle":
-            raise ValueError(f"unknown head kind '{self.kind}'")
+        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here, "distill" for models.distill's subclass
+        if self.kind != wanted:
+            raise ValueError(f"a {type(self).__name__} has kind '{wanted}', got '{self.kind}'")
         if self.num_layers < 1 or self.hidden_size < 1:
             raise ValueError(f"bad head shape: {self.num_layers} layers of width {self.hidden_size}")
 
@@ -115,19 +116,28 @@ class EagleHead(nn.Module):
 
     def save(self, folder: str | Path, training: dict | None = None) -> Path:
         """Write ``draft.json`` and fp16 weights into ``folder`` (created; files replaced atomically)."""
-        from safetensors.torch import save_file
+        return save_artifact(self, self.config, folder, training)
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in self.state_dict().items()
-                 if not k.startswith("body.embed_tokens")}
-        tmp = folder / (WEIGHTS_FILE + ".tmp")
-        save_file(state, str(tmp))
-        tmp.replace(folder / WEIGHTS_FILE)
-        meta = {"config": asdict(self.config), "training": training or {}}
-        (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
-        (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
-        return folder
+
+def save_artifact(module: nn.Module, config, folder: str | Path, training: dict | None = None) -> Path:
+    """Write a trained draft's ``draft.json`` (``config`` and ``training``) and fp16 weights into ``folder``.
+
+    The body's placeholder token embedding is left out: drafts read the target's embedding. Each file is replaced
+    atomically, weights first, so a folder never pairs a new config with old weights of another shape.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
+             if not k.startswith("body.embed_tokens")}
+    tmp = folder / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(folder / WEIGHTS_FILE)
+    meta = {"config": asdict(config), "training": training or {}}
+    (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
+    (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
+    return folder
 
 
 def target_fingerprint(target: CausalLM) -> str:
@@ -183,7 +193,8 @@ def shipped_head_for(target: CausalLM) -> Path | None:
         if not (folder / CONFIG_FILE).is_file():
             continue
         try:
-            wanted = json.loads((folder / CONFIG_FILE).read_text())["config"]["target_fingerprint"]
+            config = json.loads((folder / CONFIG_FILE).read_text())["config"]
+            wanted = config["target_fingerprint"] if config.get("kind", "eagle") == "eagle" else None
         except (OSError, ValueError, KeyError):
             continue
         fingerprint = fingerprint or target_fingerprint(target)
@@ -196,29 +207,49 @@ def is_head_artifact(path: str | Path) -> bool:
     return (Path(path).expanduser() / CONFIG_FILE).is_file()
 
 
-def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32) -> tuple[EagleHead, dict]:
-    """Load a saved head (weights back to ``dtype``) and its training record."""
+def artifact_kind(folder: str | Path) -> str | None:
+    """The kind of trained draft saved in ``folder`` ("eagle" or "distill"), or None if it holds none readable."""
+    try:
+        return json.loads((Path(folder).expanduser() / CONFIG_FILE).read_text())["config"].get("kind", "eagle")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def load_artifact(folder: str | Path, config_class, module_class, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32):
+    """Load a trained draft of one kind (``config_class``/``module_class``, e.g. ``HeadConfig``/``EagleHead``) from
+    ``folder``, weights back to ``dtype``; returns it and its training record."""
     from safetensors.torch import load_file
 
     folder = Path(folder).expanduser()
+    wanted_kind = config_class.__dataclass_fields__["kind"].default
     try:
         meta = json.loads((folder / CONFIG_FILE).read_text())
-        config = HeadConfig(**meta["config"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        kind = meta["config"].get("kind", "eagle")
+        if kind != wanted_kind:
+            raise ModelLoadError(f"'{folder}' holds a '{kind}' draft, not a '{wanted_kind}' one; pass it where a "
+                                 f"{kind} draft is expected (--draft DIR takes either)")
+        config = config_class(**meta["config"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ModelLoadError(f"'{folder}' is not a readable jointspec draft head ({error}); "
                              "train one with `jointspec train-draft`") from error
     if config.format != ARTIFACT_FORMAT:
-        raise ModelLoadError(f"draft head '{folder}' has format {config.format}; this jointspec reads format "
+        raise ModelLoadError(f"draft '{folder}' has format {config.format}; this jointspec reads format "
                              f"{ARTIFACT_FORMAT}: retrain it with this version")
-    head = EagleHead(config)
+    module = module_class(config)
     state = load_file(str(folder / WEIGHTS_FILE))
-    missing, unexpected = head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                                for k, v in state.items()}, strict=False)
+    missing, unexpected = module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                  for k, v in state.items()}, strict=False)
     if unexpected or [k for k in missing if not k.startswith("body.embed_tokens")]:
-        raise ModelLoadError(f"draft head '{folder}' weights do not match its config "
+        raise ModelLoadError(f"draft '{folder}' weights do not match its config "
                              f"(missing {missing}, unexpected {unexpected})")
-    return head.to(device=device, dtype=dtype).eval(), meta.get("training", {})
+    return module.to(device=device, dtype=dtype).eval(), meta.get("training", {})
+
+
+def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[EagleHead, dict]:
+    """Load a saved head (weights back to ``dtype``) and its training record."""
+    return load_artifact(folder, HeadConfig, EagleHead, device=device, dtype=dtype)
 
 
 def float_lm_weight(model) -> torch.Tensor:

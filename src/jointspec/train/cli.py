@@ -1,6 +1,7 @@
 """``jointspec train-draft``: self-distillation data for a target, then a trained draft saved as a folder.
 
     jointspec train-draft --target default --kind heads --out drafts/smollm2-eagle
+    jointspec train-draft --target default --kind distill --layers 2 --out drafts/smollm2-distill
 
 The data stage and the training stage both resume when run again with the same settings (data shards and a
 training checkpoint live under ``--data`` and ``--out``). The saved folder works as ``--draft DIR`` for ``sps``,
@@ -29,12 +30,14 @@ from ..models.loading import load_model as load_target  # noqa: E402
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train-draft", help="train a drafter for a target (self-distillation; EAGLE-style feature head)",
+        "train-draft", help="train a drafter for a target (self-distillation: EAGLE-style head or small draft)",
         description="Generate the target's own answers to training prompts, save its features, and train a draft "
-                    "head on them. Re-running with the same options resumes both stages.")
+                    "on them: a feature head (--kind heads) or a small causal draft (--kind distill). Re-running "
+                    "with the same options resumes both stages.")
     parser.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf or a hub id")
     parser.add_argument("--kind", default="heads", choices=["heads", "distill"],
-                        help="heads: feature-level head on the target's hidden states; distill: a small causal draft")
+                        help="heads: feature-level head on the target's hidden states; distill: a small causal draft "
+                             "(the target's first --layers layers, distilled; its embedding and LM head shared)")
     parser.add_argument("--head", default="eagle", choices=["eagle", "medusa", "hydra"],
                         help="head type for --kind heads (only eagle is implemented)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
@@ -61,13 +64,17 @@ def add_parser(subparsers) -> None:
                              "scratch: e.g. to train a shipped head further on new data")
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="VocabTrim: draft only the N most frequent target tokens (0 = full vocabulary)")
-    parser.add_argument("--layers", type=_positive_int, default=1, help="decoder layers in the head")
+    parser.add_argument("--layers", type=_positive_int, default=None,
+                        help="decoder layers in the draft (default: 1 for heads, 2 for distill)")
+    parser.add_argument("--loss", default=None, choices=["kl", "tv"],
+                        help="distillation loss for --kind distill: forward KL (default) or total variation")
     parser.add_argument("--epochs", type=_positive_int, default=8)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
     parser.add_argument("--batch-tokens", type=_positive_int, default=4096, help="padded tokens per training step")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--unroll", type=int, default=2, choices=[1, 2, 3],
-                        help="passes that read the head's own predicted features (training-time test)")
+    parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
+                        help="passes that read the head's own predicted features (training-time test; --kind heads "
+                             "only, default 2)")
     parser.add_argument("--eval-every", type=_positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -215,24 +222,43 @@ def run(args: argparse.Namespace) -> int:
     from .data import build_data, read_spec
     from .heads import HeadTrainConfig, HeadTrainer
 
-    if args.kind == "distill":
-        raise UnsupportedOptionError("--kind distill is not implemented yet; use --kind heads (an EAGLE-style "
-                                     "feature head, cheaper and more accurate on this target)")
-    if args.head != "eagle":
-        raise UnsupportedOptionError(f"--head {args.head} is not implemented yet; use --head eagle")
+    if args.kind == "heads" and args.head != "eagle":
+        raise UnsupportedOptionError(f"--head {args.head} is not implemented yet; use --head eagle, or --kind "
+                                     "distill")
+    if args.kind == "heads" and args.loss is not None:
+        raise UnsupportedOptionError("--loss is for --kind distill; a head's loss is fixed (feature regression "
+                                     "plus cross-entropy)")
+    if args.kind == "distill" and args.unroll is not None:
+        raise UnsupportedOptionError("--unroll is for --kind heads; a distilled draft reads tokens, not features")
+    # Defaults that depend on the kind, resolved here so that the recorded command names them.
+    args.layers = args.layers or (1 if args.kind == "heads" else 2)
+    if args.kind == "heads":
+        args.unroll = args.unroll or 2
+        args.loss = None
+    else:
+        args.loss = args.loss or "kl"
     if args.draft_vocab < 0:
         raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.init is not None and not (args.init / "draft.json").is_file():
-        raise UnsupportedOptionError(f"--init '{args.init}' is not a head folder (no draft.json); give a folder "
+        raise UnsupportedOptionError(f"--init '{args.init}' is not a draft folder (no draft.json); give a folder "
                                      "written by train-draft")
     target, tokenizer = load_target(args.target, device=args.device)
     init = None
-    if args.init is not None:  # checked before any data is built: a head made for another target is refused
-        from ..models.eagle import check_head_target, load_head
+    if args.init is not None:  # checked before any data is built: a draft made for another target is refused
+        from ..models.eagle import artifact_kind, check_head_target, load_head
 
-        init, init_training = load_head(args.init, device=target.device)
+        kind = artifact_kind(args.init)
+        if kind is not None and kind != ("eagle" if args.kind == "heads" else "distill"):
+            raise UnsupportedOptionError(f"--init '{args.init}' holds a '{kind}' draft, which --kind {args.kind} "
+                                         "cannot start from")
+        if args.kind == "heads":
+            init, init_training = load_head(args.init, device=target.device)
+        else:
+            from ..models.distill import load_distill
+
+            init, init_training = load_distill(args.init, device=target.device)
         check_head_target(init, args.init, target)
     data = args.data or args.out / "data"
     if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
@@ -252,17 +278,22 @@ def run(args: argparse.Namespace) -> int:
     if args.data_only:
         print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
         return 0
-    config = HeadTrainConfig(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
-                             max_minutes=args.max_minutes, batch_tokens=args.batch_tokens,
-                             learning_rate=args.learning_rate, unroll=args.unroll, eval_every=args.eval_every,
-                             seed=args.seed)
+    common = dict(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
+                  max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
+                  eval_every=args.eval_every, seed=args.seed)
+    if args.kind == "heads":
+        config, trainer_class = HeadTrainConfig(**common, unroll=args.unroll), HeadTrainer
+    else:
+        from .distill import DistillTrainConfig, DistillTrainer
+
+        config, trainer_class = DistillTrainConfig(**common, loss=args.loss), DistillTrainer
     folders = [data, *(args.extra_data or [])]
     provenance = {"command": command_line(args), "data_spec": read_spec(data)}
     if args.extra_data:
         provenance["extra_data_specs"] = [read_spec(folder) for folder in args.extra_data]
     if init is not None:
         provenance["init"] = {"folder": str(args.init), "best": init_training.get("best")}
-    head, result = HeadTrainer(target, config, eos).train(folders, args.out, progress=not args.no_progress,
+    head, result = trainer_class(target, config, eos).train(folders, args.out, progress=not args.no_progress,
                                                           provenance=provenance, init=init)
     if result.best is None:
         raise UnsupportedOptionError("training ran no evaluation (too little data or time); nothing was saved")

@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class HeadTrainConfig:
+class TrainConfig:
+    """Settings every trained draft shares (the data split, the schedule, evaluation and stopping)."""
+
     draft_vocab_size: int | None = 8192  # None: full vocabulary
     num_layers: int = 1
     epochs: int = 8
@@ -49,10 +51,6 @@ class HeadTrainConfig:
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 50
-    unroll: int = 2
-    noise: float = 0.05  # uniform noise on input features, relative to their RMS
-    cls_weight: float = 0.3
-    cls_fraction: float = 0.25  # share of positions that pay for the LM-head loss each step (it dominates the cost)
     eval_fraction: float = 0.05
     eval_every: int = 200
     patience: int = 4  # evaluations without improvement before stopping early
@@ -61,13 +59,24 @@ class HeadTrainConfig:
     def __post_init__(self) -> None:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise ValueError(f"draft_vocab_size must be >= 2 or None, got {self.draft_vocab_size}")
+        if self.epochs < 1 or self.batch_tokens < 16 or self.learning_rate <= 0:
+            raise ValueError(f"bad training settings: epochs {self.epochs}, batch_tokens {self.batch_tokens}, "
+                             f"learning_rate {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class HeadTrainConfig(TrainConfig):
+    unroll: int = 2
+    noise: float = 0.05  # uniform noise on input features, relative to their RMS
+    cls_weight: float = 0.3
+    cls_fraction: float = 0.25  # share of positions that pay for the LM-head loss each step (it dominates the cost)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.unroll not in (1, 2, 3):
             raise ValueError(f"unroll must be 1, 2 or 3, got {self.unroll}")
         if not 0 < self.cls_fraction <= 1:
             raise ValueError(f"cls_fraction must be in (0, 1], got {self.cls_fraction}")
-        if self.epochs < 1 or self.batch_tokens < 16 or self.learning_rate <= 0:
-            raise ValueError(f"bad training settings: epochs {self.epochs}, batch_tokens {self.batch_tokens}, "
-                             f"learning_rate {self.learning_rate}")
 
 
 @dataclass
@@ -192,12 +201,27 @@ def _collate(sequences, group, labels_of, device, answers_only: bool = False):
 class HeadTrainer:
     """Trains one head for one target; checkpoints to ``folder/checkpoint.pt`` and resumes from it."""
 
-    def __init__(self, target: CausalLM, config: HeadTrainConfig, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, target: CausalLM, config: TrainConfig, eos_token_ids: frozenset[int] = frozenset()):
         self.target = target
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.lm_weight_full = float_lm_weight(target.model).detach().float()
         self.embed = target.model.get_input_embeddings()
+
+    # What is trained: subclasses train other kinds of draft with the same data, schedule and checkpoints.
+    config_class = HeadConfig
+    module_class = EagleHead
+
+    def _initialise(self, head: EagleHead) -> None:
+        """Starting weights of a draft trained from scratch (a head keeps its random initialisation)."""
+
+    def _train_loss(self, head: EagleHead, tokens, features, labels, draft_weight, draft_index,
+                    generator: torch.Generator) -> torch.Tensor:
+        """The loss of one training batch (``labels`` only mark real positions, see :func:`_collate`)."""
+        outputs = self._passes(head, tokens, features, generator, self.config.noise)
+        loss, _, _ = self._loss(outputs, features, labels, draft_weight, draft_index, generator,
+                                self.config.cls_fraction)
+        return loss
 
     def _passes(self, head: EagleHead, tokens, features, generator: torch.Generator | None, noise: float):
         """Predicted features of every pass: [unroll] x [batch, length - 1, hidden]."""
@@ -250,6 +274,9 @@ class HeadTrainer:
         shape and draft vocabulary (``config.draft_vocab_size`` is then not used) rather than from scratch; the
         first evaluation happens before any step, so the saved head is never worse on held-out data than ``init``.
         """
+        if init is not None and not isinstance(init, self.module_class):
+            raise UnsupportedOptionError(f"the draft to start from is a '{init.config.kind}' draft; this trains "
+                                         f"'{self.config_class.kind}' drafts (match --init to --kind)")
         if init is not None and init.config.num_layers != self.config.num_layers:
             raise UnsupportedOptionError(f"the head to start from has {init.config.num_layers} layer(s), the "
                                          f"settings ask for {self.config.num_layers}; pass --layers "
@@ -288,12 +315,14 @@ class HeadTrainer:
         draft_index[vocab] = torch.arange(vocab.shape[0])
         draft_weight = self.lm_weight_full.index_select(0, vocab)
 
-        head_config = init.config if init is not None else HeadConfig.for_target(
+        head_config = init.config if init is not None else self.config_class.for_target(
             self.target, target_fingerprint(self.target), num_layers=config.num_layers,
             draft_vocab_size=None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
-        head = EagleHead(head_config)
+        head = self.module_class(head_config)
         if init is not None:
             head.load_state_dict({k: v.detach().float().cpu() for k, v in init.state_dict().items()})
+        else:
+            self._initialise(head)
         head.draft_vocab.copy_(vocab)
         head.train()
         optimizer = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("body.embed")],
@@ -351,9 +380,7 @@ class HeadTrainer:
                 tokens, features, labels = _collate(train_seqs, group, None, "cpu")
                 for g in optimizer.param_groups:
                     g["lr"] = learning_rate(state["step"])
-                outputs = self._passes(head, tokens, features, generator, config.noise)
-                loss, _, _ = self._loss(outputs, features, labels, draft_weight, draft_index, generator,
-                                        config.cls_fraction)
+                loss = self._train_loss(head, tokens, features, labels, draft_weight, draft_index, generator)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
