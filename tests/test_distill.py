@@ -21,8 +21,8 @@ from jointspec.models.eagle import load_head
 from jointspec.train.distill import DistillTrainConfig, DistillTrainer
 
 from test_equivalence import random_prompt
-from test_heads import (assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for, greedy,
-                        tiny_training_data, train_cli_argv, untrained_draft_of, untrained_head)
+from test_heads import (assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for,
+                        sps_acceptance, tiny_training_data, train_cli_argv, untrained_draft_of, untrained_head)
 
 
 def untrained_draft(target: CausalLM, *, from_target: bool, draft_vocab_size: int | None = None) -> DistillDraft:
@@ -53,20 +53,10 @@ def trained_distill_dir(tmp_path_factory, target_model, distill_data):
     return out
 
 
-def acceptance(target_model, folder) -> float:
-    """Share of drafted tokens ``sps`` (4 tokens a round) accepts on six prompts the draft was not trained on."""
-    decoder = decoder_for(target_model, "sps", folder, num_draft_tokens=4)
-    accepted = drafted = 0
-    for seed in range(200, 206):
-        decoder.generate(random_prompt(seed, length=8), greedy(40))
-        accepted += decoder.stats.num_accepted_tokens
-        drafted += decoder.stats.num_draft_tokens
-    return accepted / drafted
-
-
 def test_training_raises_acceptance_well_above_the_untrained_draft(target_model, trained_distill_dir, tmp_path):
     untrained_draft(CausalLM(target_model), from_target=False).save(tmp_path)
-    rates = {"trained": acceptance(target_model, trained_distill_dir), "untrained": acceptance(target_model, tmp_path)}
+    rates = {"trained": sps_acceptance(target_model, trained_distill_dir),
+             "untrained": sps_acceptance(target_model, tmp_path)}
     # A run gave 0.91 trained against 0.46 untrained: the tiny target's continuations loop, so even random layers
     # between its own embedding and LM head guess half of them.
     assert rates["trained"] > 0.7 and rates["trained"] > rates["untrained"] + 0.25, rates
@@ -99,7 +89,7 @@ def test_total_variation_loss_trains_too_and_is_one_minus_the_acceptance_chance(
     assert loss.item() == pytest.approx(wanted.item(), abs=1e-6)
     train(target_model, distill_data, tmp_path / "tv", loss="tv", init_from_target=False, epochs=20, eval_every=20)
     untrained_draft(CausalLM(target_model), from_target=False).save(tmp_path / "untrained")
-    rates = {name: acceptance(target_model, tmp_path / name) for name in ("tv", "untrained")}
+    rates = {name: sps_acceptance(target_model, tmp_path / name) for name in ("tv", "untrained")}
     assert rates["tv"] > rates["untrained"] + 0.25, rates  # a run gave 0.90 against 0.46
 
 
@@ -179,9 +169,9 @@ def test_train_draft_cli_distill_end_to_end(target_model, tmp_path, monkeypatch,
     assert "--kind distill" in command and "--layers 2" in command and "--loss kl" in command, command
     assert "--unroll" not in command, command
     assert cli.main(argv + ["--unroll", "2"]) == 2
-    assert "--unroll is for --kind heads" in capsys.readouterr().err
+    assert "--unroll is for --head eagle drafts" in capsys.readouterr().err
     assert cli.main(heads_argv + ["--loss", "tv"]) == 2  # --kind heads (the default) with --loss
-    assert "--loss is for --kind distill" in capsys.readouterr().err
+    assert "--loss is for --kind distill drafts" in capsys.readouterr().err
     # --init with a draft of the other kind is refused before any work.
     assert cli.main(heads_argv + ["--init", str(tmp_path / "draft")]) == 2
-    assert "holds a 'distill' draft, which --kind heads cannot start from" in capsys.readouterr().err
+    assert "holds a 'distill' draft, which cannot start a eagle draft" in capsys.readouterr().err

@@ -71,6 +71,10 @@ class MethodContext:
             from .models.distill import bind_distill
 
             return bind_distill(self.config.draft, self.target)
+        if artifact_kind(self.config.draft) == "medusa":  # `train-draft --head medusa`
+            from .models.medusa import bind_medusa
+
+            return bind_medusa(self.config.draft, self.target)
         if is_head_artifact(self.config.draft):  # a head from `jointspec train-draft`: bound to this target
             return bind_head(self.config.draft, self.target)
         draft, draft_tokenizer = self.load_draft(self.config.draft)

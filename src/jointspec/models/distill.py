@@ -14,7 +14,6 @@ output matmul covers the draft vocabulary only, and other tokens get ``-inf``.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from .adapter import CausalLM
 from .cpukernels import kernels_in_use, onednn_supported, use_onednn_linears
-from .eagle import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight, load_artifact,
-                    save_artifact)
-
-log = logging.getLogger(__name__)
+from .eagle import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight, full_vocab_logits,
+                    load_artifact, save_artifact)
 
 
 @dataclass(frozen=True)
@@ -98,12 +95,7 @@ class TrimmedLMHead(nn.Module):
         self.full_vocab = full_vocab
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [batch, n, hidden] -> [batch, n, full vocab]
-        logits = self.proj(hidden)
-        if logits.shape[-1] == self.full_vocab:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.full_vocab), float("-inf"))
-        full[..., self.draft_vocab] = logits
-        return full
+        return full_vocab_logits(self.proj(hidden), self.draft_vocab, self.full_vocab)
 
 
 class DistilledDraftModel(CausalLM):

@@ -263,14 +263,40 @@ def float_lm_weight(model) -> torch.Tensor:
                                  "embedding; a draft head cannot read it")
 
 
-class HeadDraftModel:
-    """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
+def full_vocab_logits(draft_logits: torch.Tensor, draft_vocab: torch.Tensor, full_vocab: int) -> torch.Tensor:
+    """[..., draft vocab] logits -> [..., full vocab], ``-inf`` for the tokens outside the draft vocabulary."""
+    if draft_logits.shape[-1] == full_vocab:
+        return draft_logits
+    full = draft_logits.new_full((*draft_logits.shape[:-1], full_vocab), float("-inf"))
+    full[..., draft_vocab] = draft_logits
+    return full
 
-    def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head") -> None:
-        self.head = head.eval()
+
+class FeatureDraft:
+    """What a draft that reads its target's features shares: the target's vocabulary and context length, and a
+    :class:`~jointspec.models.adapter.FeatureMirror` of the target's features."""
+
+    def __init__(self, target: CausalLM, name: str) -> None:
         self.target = target
         self.name = name
         self.mirror = target.attach_feature_mirror()
+        self._full_vocab = target.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._full_vocab
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+
+class HeadDraftModel(FeatureDraft):
+    """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
+
+    def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head") -> None:
+        super().__init__(target, name)
+        self.head = head.eval()
         model = target.model
         self.embed = model.get_input_embeddings()
         # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
@@ -284,20 +310,11 @@ class HeadDraftModel:
             lm = nn.Linear(self.lm_weight.shape[1], self.lm_weight.shape[0], bias=False)
             lm.weight = nn.Parameter(self.lm_weight, requires_grad=False)
             self._lm_onednn = OneDNNLinear(lm)
-        self._full_vocab = target.vocab_size
         self.reset()
 
     @property
     def config(self):
         return self.head.body.config
-
-    @property
-    def vocab_size(self) -> int:
-        return self._full_vocab
-
-    @property
-    def max_context(self) -> int:
-        return self.target.max_context
 
     @property
     def device(self) -> torch.device:
@@ -335,11 +352,7 @@ class HeadDraftModel:
             draft_logits = self._lm_onednn(features.float())  # [n, draft vocab]
         else:
             draft_logits = features.float() @ self.lm_weight.float().T  # [n, draft vocab]
-        if self.draft_vocab.shape[0] == self._full_vocab:
-            return draft_logits
-        full = torch.full((features.shape[0], self._full_vocab), float("-inf"), device=features.device)
-        full[:, self.draft_vocab] = draft_logits
-        return full
+        return full_vocab_logits(draft_logits, self.draft_vocab, self._full_vocab)
 
     def _run(self, token_ids: list[int], inputs: list[torch.Tensor], positions: list[int],
              mask: torch.Tensor | None) -> torch.Tensor:

@@ -38,8 +38,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kind", default="heads", choices=["heads", "distill"],
                         help="heads: feature-level head on the target's hidden states; distill: a small causal draft "
                              "(the target's first --layers layers, distilled; its embedding and LM head shared)")
-    parser.add_argument("--head", default="eagle", choices=["eagle", "medusa", "hydra"],
-                        help="head type for --kind heads (only eagle is implemented)")
+    parser.add_argument("--head", default=None, choices=["eagle", "medusa", "hydra"],
+                        help="head type for --kind heads: eagle (default; one decoder layer reading the feature and "
+                             "the drafted token), medusa (--num-heads independent heads on the last feature); hydra "
+                             "is not implemented")
+    parser.add_argument("--num-heads", type=_positive_int, default=None,
+                        help="Medusa heads, one per drafted token (--head medusa only, default 4)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
     parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
     parser.add_argument("--extra-data", type=Path, action="append", default=None, metavar="DIR",
@@ -217,26 +221,45 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words + ["--out", "DIR"])
 
 
+def _kind(kind: str):
+    """(training config class, trainer class, loader of a saved draft) for a kind of draft."""
+    if kind == "distill":
+        from ..models.distill import load_distill
+        from .distill import DistillTrainConfig, DistillTrainer
+
+        return DistillTrainConfig, DistillTrainer, load_distill
+    if kind == "medusa":
+        from ..models.medusa import load_medusa
+        from .medusa import MedusaTrainConfig, MedusaTrainer
+
+        return MedusaTrainConfig, MedusaTrainer, load_medusa
+    from ..models.eagle import load_head
+    from .heads import HeadTrainConfig, HeadTrainer
+
+    return HeadTrainConfig, HeadTrainer, load_head
+
+
 def run(args: argparse.Namespace) -> int:
     from ..api import eos_token_ids
     from .data import build_data, read_spec
-    from .heads import HeadTrainConfig, HeadTrainer
 
-    if args.kind == "heads" and args.head != "eagle":
-        raise UnsupportedOptionError(f"--head {args.head} is not implemented yet; use --head eagle, or --kind "
-                                     "distill")
-    if args.kind == "heads" and args.loss is not None:
-        raise UnsupportedOptionError("--loss is for --kind distill; a head's loss is fixed (feature regression "
-                                     "plus cross-entropy)")
-    if args.kind == "distill" and args.unroll is not None:
-        raise UnsupportedOptionError("--unroll is for --kind heads; a distilled draft reads tokens, not features")
+    if args.kind == "distill" and args.head is not None:
+        raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
+    kind = "distill" if args.kind == "distill" else (args.head or "eagle")  # the kind of draft saved
+    if kind == "hydra":
+        raise UnsupportedOptionError("--head hydra is not implemented yet; use --head eagle (which, like Hydra, "
+                                     "reads the drafted tokens) or --head medusa")
+    for option, value, wanted in (("--loss", args.loss, "distill"), ("--unroll", args.unroll, "eagle"),
+                                  ("--num-heads", args.num_heads, "medusa")):
+        if value is not None and kind != wanted:
+            owner = "--kind distill" if wanted == "distill" else f"--head {wanted}"
+            raise UnsupportedOptionError(f"{option} is for {owner} drafts, not for this {kind} draft")
     # Defaults that depend on the kind, resolved here so that the recorded command names them.
-    args.layers = args.layers or (1 if args.kind == "heads" else 2)
-    if args.kind == "heads":
-        args.unroll = args.unroll or 2
-        args.loss = None
-    else:
-        args.loss = args.loss or "kl"
+    args.layers = args.layers or (2 if kind == "distill" else 1)
+    args.head = None if kind == "distill" else kind
+    args.unroll = (args.unroll or 2) if kind == "eagle" else None
+    args.loss = (args.loss or "kl") if kind == "distill" else None
+    args.num_heads = (args.num_heads or 4) if kind == "medusa" else None
     if args.draft_vocab < 0:
         raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.threads:
@@ -247,18 +270,13 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, device=args.device)
     init = None
     if args.init is not None:  # checked before any data is built: a draft made for another target is refused
-        from ..models.eagle import artifact_kind, check_head_target, load_head
+        from ..models.eagle import artifact_kind, check_head_target
 
-        kind = artifact_kind(args.init)
-        if kind is not None and kind != ("eagle" if args.kind == "heads" else "distill"):
-            raise UnsupportedOptionError(f"--init '{args.init}' holds a '{kind}' draft, which --kind {args.kind} "
-                                         "cannot start from")
-        if args.kind == "heads":
-            init, init_training = load_head(args.init, device=target.device)
-        else:
-            from ..models.distill import load_distill
-
-            init, init_training = load_distill(args.init, device=target.device)
+        init_kind = artifact_kind(args.init)
+        if init_kind is not None and init_kind != kind:
+            raise UnsupportedOptionError(f"--init '{args.init}' holds a '{init_kind}' draft, which cannot start a "
+                                         f"{kind} draft")
+        init, init_training = _kind(kind)[2](args.init, device=target.device)
         check_head_target(init, args.init, target)
     data = args.data or args.out / "data"
     if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
@@ -281,12 +299,13 @@ def run(args: argparse.Namespace) -> int:
     common = dict(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
                   max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
                   eval_every=args.eval_every, seed=args.seed)
-    if args.kind == "heads":
-        config, trainer_class = HeadTrainConfig(**common, unroll=args.unroll), HeadTrainer
+    config_class, trainer_class, _ = _kind(kind)
+    if kind == "eagle":
+        config = config_class(**common, unroll=args.unroll)
+    elif kind == "medusa":
+        config = config_class(**common, num_heads=args.num_heads)
     else:
-        from .distill import DistillTrainConfig, DistillTrainer
-
-        config, trainer_class = DistillTrainConfig(**common, loss=args.loss), DistillTrainer
+        config = config_class(**common, loss=args.loss)
     folders = [data, *(args.extra_data or [])]
     provenance = {"command": command_line(args), "data_spec": read_spec(data)}
     if args.extra_data:

@@ -212,6 +212,11 @@ class HeadTrainer:
     config_class = HeadConfig
     module_class = EagleHead
 
+    def _new_config(self, draft_vocab_size: int | None):
+        """The shape of a draft trained from scratch for this target."""
+        return self.config_class.for_target(self.target, target_fingerprint(self.target),
+                                            num_layers=self.config.num_layers, draft_vocab_size=draft_vocab_size)
+
     def _initialise(self, head: EagleHead) -> None:
         """Starting weights of a draft trained from scratch (a head keeps its random initialisation)."""
 
@@ -315,9 +320,8 @@ class HeadTrainer:
         draft_index[vocab] = torch.arange(vocab.shape[0])
         draft_weight = self.lm_weight_full.index_select(0, vocab)
 
-        head_config = init.config if init is not None else self.config_class.for_target(
-            self.target, target_fingerprint(self.target), num_layers=config.num_layers,
-            draft_vocab_size=None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
+        head_config = init.config if init is not None else self._new_config(
+            None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
         head = self.module_class(head_config)
         if init is not None:
             head.load_state_dict({k: v.detach().float().cpu() for k, v in init.state_dict().items()})
