@@ -103,16 +103,19 @@ class MedusaDraftModel(FeatureDraft):
         known = self.mirror.length  # positions 0 .. known - 1 have true features
         if known == 0:
             raise ValueError("Medusa heads draft from the target's features; the target has scored no token yet")
+        computed: dict[tuple[int, int], torch.Tensor] = {}  # a tree's nodes at one depth share their row
         rows = []
         for p in positions:
             source = min(p, known - 1)
-            feature = self.mirror.features[source].float()
             k = min(p - source, self.heads.config.num_heads)
-            if k == 0:
-                rows.append(feature @ self.lm_full.float().T)
-                continue
-            draft_logits = self.heads.heads[k - 1](feature) @ self.lm_draft.T
-            rows.append(full_vocab_logits(draft_logits, self.draft_vocab, self._full_vocab))
+            if (source, k) not in computed:
+                feature = self.mirror.features[source].float()
+                if k == 0:
+                    computed[source, k] = feature @ self.lm_full.float().T
+                else:
+                    draft_logits = self.heads.heads[k - 1](feature) @ self.lm_draft.T
+                    computed[source, k] = full_vocab_logits(draft_logits, self.draft_vocab, self._full_vocab)
+            rows.append(computed[source, k])
         return torch.stack(rows)
 
     @torch.inference_mode()
