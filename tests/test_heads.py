@@ -441,3 +441,32 @@ def test_feature_mirror_keep_after_growing_in_inference_mode():
     assert torch.equal(mirror.features, rows[[0, 1, 5, 299]])
     mirror.append(rows[:2])
     assert torch.equal(mirror.features[4:], rows[:2])
+
+
+def test_target_argmax_is_kept_in_the_data_folder_and_reused(target_model, tmp_path_factory, tmp_path, monkeypatch):
+    """The first from-scratch run keeps the target's argmax in the data folder; later runs (warm starts too) read it
+    instead of recomputing, and get the same labels, so they train the same draft."""
+    from jointspec.train import heads as heads_module
+
+    data = tiny_training_data(tmp_path_factory, target_model)
+    target = CausalLM(target_model, name="tiny-target")
+    config = HeadTrainConfig(draft_vocab_size=40, epochs=1, batch_tokens=512, warmup_steps=2, eval_every=5,
+                             eval_fraction=0.1)
+    first, _ = HeadTrainer(target, config).train(data, tmp_path / "a", progress=False)
+    assert (data / heads_module.ARGMAX_FILE).is_file()
+    calls = []
+    real = heads_module._target_argmax
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads_module, "_target_argmax", counted)
+    second, _ = HeadTrainer(target, config).train(data, tmp_path / "b", progress=False)
+    assert calls == []  # nothing recomputed
+    assert torch.equal(first.draft_vocab, second.draft_vocab)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    # A kept file that does not fit the folder is ignored and computed again.
+    torch.save([torch.zeros(3, dtype=torch.int32)], data / heads_module.ARGMAX_FILE)
+    HeadTrainer(target, config).train(data, tmp_path / "c", progress=False)
+    assert calls and len(torch.load(data / heads_module.ARGMAX_FILE)) > 1

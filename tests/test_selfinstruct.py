@@ -100,6 +100,7 @@ def test_warm_start_keeps_the_vocabulary_and_never_saves_a_worse_head(target_mod
     # Warm start at a learning rate so high that training can only hurt: the start is evaluated first, so the
     # saved head is the starting one unless a later evaluation beats it.
     init, _ = load_head(tmp_path / "a")
+    (head_data / heads_module.ARGMAX_FILE).unlink()  # as for data no from-scratch run has used yet
     scored = []
     real_argmax = heads_module._target_argmax
     monkeypatch.setattr(heads_module, "_target_argmax", lambda features, *a: scored.append(1) or real_argmax(

@@ -59,7 +59,7 @@ class HeadConfig:
     format: int = ARTIFACT_FORMAT
 
     def __post_init__(self) -> None:
-        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here, "distill" for models.distill's subclass
+        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here; the Medusa and distill configs subclass
         if self.kind != wanted:
             raise ValueError(f"a {type(self).__name__} has kind '{wanted}', got '{self.kind}'")
         if self.num_layers < 1 or self.hidden_size < 1:
@@ -208,7 +208,8 @@ def is_head_artifact(path: str | Path) -> bool:
 
 
 def artifact_kind(folder: str | Path) -> str | None:
-    """The kind of trained draft saved in ``folder`` ("eagle" or "distill"), or None if it holds none readable."""
+    """The kind of trained draft saved in ``folder`` ("eagle", "medusa" or "distill"), or None if it holds none
+    readable."""
     try:
         return json.loads((Path(folder).expanduser() / CONFIG_FILE).read_text())["config"].get("kind", "eagle")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -228,7 +229,7 @@ def load_artifact(folder: str | Path, config_class, module_class, *, device: str
         kind = meta["config"].get("kind", "eagle")
         if kind != wanted_kind:
             raise ModelLoadError(f"'{folder}' holds a '{kind}' draft, not a '{wanted_kind}' one; pass it where a "
-                                 f"{kind} draft is expected (--draft DIR takes either)")
+                                 f"{kind} draft is expected (--draft DIR takes every kind)")
         config = config_class(**meta["config"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ModelLoadError(f"'{folder}' is not a readable jointspec draft head ({error}); "

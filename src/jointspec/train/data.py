@@ -54,7 +54,7 @@ def _prompts_sha256(prompts: list[list[int]], answers: list[list[int] | None] | 
     return hashlib.sha256(json.dumps([prompts, answers] if given else prompts).encode()).hexdigest()
 
 
-def _atomic_save(obj, path: Path) -> None:
+def atomic_save(obj, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -139,7 +139,7 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
             generated = dict(zip(to_generate, engine.generate(requests) if requests else []))
             sequences = [list(p) + list(a if a is not None else generated[i])
                          for i, (p, a) in enumerate(zip(chunk, chunk_answers))]
-            _atomic_save(_featurise(target, sequences, [len(p) for p in chunk]), path)
+            atomic_save(_featurise(target, sequences, [len(p) for p in chunk]), path)
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:

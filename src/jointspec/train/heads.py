@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedOptionError
 from ..models.adapter import CausalLM
 from ..models.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
-from .data import load_shards, read_spec
+from .data import atomic_save, load_shards, read_spec
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,28 @@ def _sequences(folders: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor, in
             if b - a >= 3:
                 sequences.append((shard["token_ids"][a:b], shard["features"][a:b], answer))
     return sequences
+
+
+ARGMAX_FILE = "target-argmax.pt"
+
+
+def _folder_argmax(folder: Path, sequences, lm_weight: torch.Tensor, compute: bool) -> list[torch.Tensor] | None:
+    """The target's argmax at every position of each of ``folder``'s ``sequences`` (its :func:`_sequences`), kept
+    in the folder once computed: it costs a full-vocabulary matmul per token (15 minutes for a million tokens on a
+    2-core CPU) and every later run on the folder, of any kind of draft, needs the same. None if it is not kept
+    yet and ``compute`` is False. A data folder never changes once built (its spec is checked), so neither does this.
+    """
+    path = folder / ARGMAX_FILE
+    if path.is_file():
+        kept = torch.load(path, weights_only=True)
+        if len(kept) == len(sequences) and all(len(k) == len(s[0]) for k, s in zip(kept, sequences)):
+            return [k.long() for k in kept]
+        log.warning("ignoring %s: it does not match the folder's sequences", path)
+    if not compute:
+        return None
+    argmax = [_target_argmax(features, lm_weight) for _, features, _ in sequences]
+    atomic_save([a.to(torch.int32) for a in argmax], path)
+    return argmax
 
 
 @torch.no_grad()
@@ -294,7 +316,8 @@ class HeadTrainer:
         generator = torch.Generator().manual_seed(config.seed)
         folders = [Path(f) for f in (data_folder if isinstance(data_folder, list) else [data_folder])]
         check_data_folders(folders, target_fingerprint(self.target))
-        sequences = _sequences(folders)
+        per_folder = [_sequences([folder]) for folder in folders]
+        sequences = [sequence for folder_sequences in per_folder for sequence in folder_sequences]
         if len(sequences) < 2:
             raise UnsupportedOptionError(f"data folder(s) {', '.join(map(str, folders))} hold {len(sequences)} "
                                          "usable sequences; generate more data (more prompts)")
@@ -302,15 +325,19 @@ class HeadTrainer:
         rng.shuffle(order)
         num_eval = max(1, int(len(order) * config.eval_fraction))
         eval_ids, train_ids = order[:num_eval], order[num_eval:]
-        # The target's argmax (a full-vocabulary matmul per token: minutes on a million tokens) scores held-out
-        # data and chooses a draft vocabulary; training batches do not need it (see _collate), so a warm start,
-        # which inherits its vocabulary, computes it for the held-out sequences only.
-        eval_labels_of = [_target_argmax(sequences[i][1], self.lm_weight_full) for i in eval_ids]
+        # The target's argmax scores held-out data and chooses a draft vocabulary; training batches do not need it
+        # (see _collate), so a warm start, which inherits its vocabulary, computes it for the held-out sequences
+        # only, unless the data folders keep it from an earlier run.
+        kept = [_folder_argmax(folder, folder_sequences, self.lm_weight_full, compute=init is None)
+                for folder, folder_sequences in zip(folders, per_folder)]
+        all_argmax = None if any(k is None for k in kept) else [a for k in kept for a in k]
+        eval_labels_of = [all_argmax[i] if all_argmax is not None
+                          else _target_argmax(sequences[i][1], self.lm_weight_full) for i in eval_ids]
         if init is not None:
             vocab = init.draft_vocab.detach().cpu().clone()
         else:
             # The draft vocabulary follows what the target writes in its answers (what the head will draft).
-            train_argmax = [_target_argmax(sequences[i][1], self.lm_weight_full) for i in train_ids]
+            train_argmax = [all_argmax[i] for i in train_ids]
             answer_argmax = torch.cat([labels[max(0, sequences[i][2] - 1):] for i, labels in zip(train_ids,
                                                                                                     train_argmax)])
             vocab = choose_draft_vocab(answer_argmax, self.target.vocab_size, config.draft_vocab_size,
