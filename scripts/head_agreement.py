@@ -7,6 +7,10 @@ every answer position: does its depth-1 draft equal the target's argmax, does it
 depth-1 feature, as in decoding) equal the next argmax, and is the target's token in its depth-1 top 3 (what a tree
 of width 3 could catch). Depth-1 agreement is what first-position acceptance in greedy decoding converges to.
 
+Medusa heads and distilled drafts (``train-draft --head medusa`` / ``--kind distill``) are scored by their trainer's
+own held-out evaluation on the same answers: per Medusa head k, does its guess equal the target's token k places on;
+for a distilled draft, does its next token equal the target's (one depth: it reads tokens, not its own features).
+
     python scripts/head_agreement.py --num-prompts 8 src/jointspec/data/drafts/smollm2-135m-instruct-eagle OTHER_HEAD
 
 The target's answers and features are computed once per run and shared by all heads. The last stdout line is JSON.
@@ -22,7 +26,7 @@ import torch
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.bench.prompts import load_prompts
 from jointspec.methods import MethodConfig
-from jointspec.models.eagle import check_head_target, float_lm_weight, load_head
+from jointspec.models.eagle import artifact_kind, check_head_target, float_lm_weight, load_head
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
 
@@ -70,9 +74,27 @@ def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> 
             "depth1_top3": round(top3 / count, 4), "tokens": count}
 
 
+def score_trained(folder: str, pipe: Pipeline, target_lm_weight: torch.Tensor, items) -> dict:
+    """Agreement per depth of a Medusa or distilled draft, by its trainer's evaluation (answers only)."""
+    from jointspec.train.cli import _kind
+
+    config_class, trainer_class, load = _kind(artifact_kind(folder))
+    draft, _ = load(folder)
+    check_head_target(draft, folder, pipe.target)
+    trainer = trainer_class(pipe.target, config_class(batch_tokens=1 << 20))
+    sequences = [(torch.tensor(sequence), features, prompt_length) for sequence, prompt_length, features in items]
+    labels_of = [(features @ target_lm_weight.T).argmax(-1) for _, _, features in items]
+    vocab = draft.draft_vocab
+    draft_index = torch.full((target_lm_weight.shape[0],), -1, dtype=torch.long)
+    draft_index[vocab] = torch.arange(vocab.shape[0])
+    result = trainer.evaluate(draft, sequences, labels_of, target_lm_weight.index_select(0, vocab), draft_index, 0)
+    return {"depth1": result.agreement[0], "per_depth": result.agreement,
+            "tokens": sum(len(s) - p + 1 for s, p, _ in items)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("heads", nargs="+", help="head folders written by train-draft")
+    parser.add_argument("heads", nargs="+", help="draft folders written by train-draft (any kind)")
     parser.add_argument("--target", default="default")
     parser.add_argument("--sets", default="mt_bench,humaneval", help="built-in prompt sets, comma-separated")
     parser.add_argument("--num-prompts", type=int, default=8, help="per set")
@@ -89,6 +111,13 @@ def main() -> None:
                for name in args.sets.split(",")}
     results = {}
     for folder in args.heads:
+        if artifact_kind(folder) in ("medusa", "distill"):
+            results[folder] = {name: score_trained(folder, pipe, target_lm_weight, items)
+                               for name, items in answers.items()}
+            for name, row in results[folder].items():
+                depths = ", ".join(f"{a:.1%}" for a in row["per_depth"])
+                print(f"{folder}  {name}: by depth {depths} (~{row['tokens']} tokens)", flush=True)
+            continue
         head, _ = load_head(folder)
         check_head_target(head, folder, pipe.target)
         head.eval()

@@ -384,7 +384,8 @@ class HeadTrainer:
         bar = None
         if progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=total_steps, initial=state["step"], desc="train head", unit="step")
+            bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {self.config_class.kind} draft",
+                       unit="step")
         started = time.perf_counter() - state["seconds"]
 
         def evaluate_and_keep_best(prefix: str = "") -> None:
