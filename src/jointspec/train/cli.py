@@ -1,6 +1,7 @@
 """``jointspec train-draft``: self-distillation data for a target, then a trained draft saved as a folder.
 
     jointspec train-draft --target default --kind heads --out drafts/smollm2-eagle
+    jointspec train-draft --target default --head medusa --num-heads 4 --out drafts/smollm2-medusa
     jointspec train-draft --target default --kind distill --layers 2 --out drafts/smollm2-distill
 
 The data stage and the training stage both resume when run again with the same settings (data shards and a

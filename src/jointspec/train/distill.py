@@ -7,7 +7,7 @@ vocabulary (VocabTrim), with one of two losses, as DistillSpec compares them:
 
 - ``kl``: forward KL(target || draft), the usual distillation loss (mode-covering);
 - ``tv``: total variation distance, ``1 - sum(min(target, draft))``, which is exactly one minus the chance that
-  speculative sampling accepts a draft token; its gradient is sparser, so it tends to train more slowly.
+  speculative sampling accepts a draft token: the quantity sampling-based verification pays for.
 
 Held-out evaluation reports, on the answers only, how often the draft's argmax equals the target's: the chance a
 greedy draft token is accepted. There is a single depth: the draft reads tokens, and an accepted draft token is the
