@@ -76,9 +76,9 @@ def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> 
 
 def score_trained(folder: str, pipe: Pipeline, target_lm_weight: torch.Tensor, items) -> dict:
     """Agreement per depth of a Medusa or distilled draft, by its trainer's evaluation (answers only)."""
-    from jointspec.train.cli import _kind
+    from jointspec.train.cli import trainer_for_kind
 
-    config_class, trainer_class, load = _kind(artifact_kind(folder))
+    config_class, trainer_class, load = trainer_for_kind(artifact_kind(folder))
     draft, _ = load(folder)
     check_head_target(draft, folder, pipe.target)
     trainer = trainer_class(pipe.target, config_class(batch_tokens=1 << 20))

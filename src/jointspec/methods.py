@@ -65,18 +65,10 @@ class MethodContext:
             if hasattr(self.target, "fork"):  # a llama.cpp target: a second context over the same weights
                 return self.target.fork(f"{self.target.name} (self-draft)")
             return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)")
-        from .models.eagle import artifact_kind, bind_head, is_head_artifact
+        from .models.eagle import bind_trained_draft, is_head_artifact
 
-        if artifact_kind(self.config.draft) == "distill":  # `train-draft --kind distill`: bound to this target
-            from .models.distill import bind_distill
-
-            return bind_distill(self.config.draft, self.target)
-        if artifact_kind(self.config.draft) == "medusa":  # `train-draft --head medusa`
-            from .models.medusa import bind_medusa
-
-            return bind_medusa(self.config.draft, self.target)
-        if is_head_artifact(self.config.draft):  # a head from `jointspec train-draft`: bound to this target
-            return bind_head(self.config.draft, self.target)
+        if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
+            return bind_trained_draft(self.config.draft, self.target)
         draft, draft_tokenizer = self.load_draft(self.config.draft)
         check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
         return draft

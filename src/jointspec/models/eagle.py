@@ -168,6 +168,21 @@ def bind_head(folder: str | Path, target: CausalLM) -> HeadDraftModel:
     return HeadDraftModel(head, target, name=f"head {Path(folder).name}")
 
 
+def bind_trained_draft(folder: str | Path, target: CausalLM):
+    """Any draft ``jointspec train-draft`` saved in ``folder`` (its ``draft.json`` names the kind: an EAGLE head,
+    Medusa heads or a distilled draft), bound to ``target``; refuses one trained for another target."""
+    kind = artifact_kind(folder)
+    if kind == "distill":
+        from .distill import bind_distill
+
+        return bind_distill(folder, target)
+    if kind == "medusa":
+        from .medusa import bind_medusa
+
+        return bind_medusa(folder, target)
+    return bind_head(folder, target)  # an unreadable folder gets load_head's error
+
+
 def check_head_target(head: EagleHead, folder: str | Path, target: CausalLM) -> None:
     """Raise :class:`ModelLoadError` unless ``head`` (loaded from ``folder``) was trained for ``target``."""
     fingerprint = target_fingerprint(target)

@@ -222,7 +222,7 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words + ["--out", "DIR"])
 
 
-def _kind(kind: str):
+def trainer_for_kind(kind: str):
     """(training config class, trainer class, loader of a saved draft) for a kind of draft."""
     if kind == "distill":
         from ..models.distill import load_distill
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         if init_kind is not None and init_kind != kind:
             raise UnsupportedOptionError(f"--init '{args.init}' holds a '{init_kind}' draft, which cannot start a "
                                          f"{kind} draft")
-        init, init_training = _kind(kind)[2](args.init, device=target.device)
+        init, init_training = trainer_for_kind(kind)[2](args.init, device=target.device)
         check_head_target(init, args.init, target)
     data = args.data or args.out / "data"
     if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     common = dict(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
                   max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
                   eval_every=args.eval_every, seed=args.seed)
-    config_class, trainer_class, _ = _kind(kind)
+    config_class, trainer_class, _ = trainer_for_kind(kind)
     if kind == "eagle":
         config = config_class(**common, unroll=args.unroll)
     elif kind == "medusa":
