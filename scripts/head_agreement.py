@@ -7,9 +7,10 @@ every answer position: does its depth-1 draft equal the target's argmax, does it
 depth-1 feature, as in decoding) equal the next argmax, and is the target's token in its depth-1 top 3 (what a tree
 of width 3 could catch). Depth-1 agreement is what first-position acceptance in greedy decoding converges to.
 
-Medusa heads and distilled drafts (``train-draft --head medusa`` / ``--kind distill``) are scored by their trainer's
-own held-out evaluation on the same answers: per Medusa head k, does its guess equal the target's token k places on;
-for a distilled draft, does its next token equal the target's (one depth: it reads tokens, not its own features).
+Medusa and Hydra heads and distilled drafts (``train-draft --head medusa|hydra`` / ``--kind distill``) are scored by
+their trainer's own held-out evaluation on the same answers: per Medusa or Hydra head k, does its guess equal the
+target's token k places on (a Hydra head reading the target's own tokens before it, as after accepted drafts); for a
+distilled draft, does its next token equal the target's (one depth: it reads tokens, not its own features).
 
     python scripts/head_agreement.py --num-prompts 8 src/jointspec/data/drafts/smollm2-135m-instruct-eagle OTHER_HEAD
 
@@ -75,7 +76,8 @@ def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> 
 
 
 def score_trained(folder: str, pipe: Pipeline, target_lm_weight: torch.Tensor, items) -> dict:
-    """Agreement per depth of a Medusa or distilled draft, by its trainer's evaluation (answers only)."""
+    """Agreement per depth of Medusa or Hydra heads or a distilled draft, by its trainer's evaluation (answers
+    only)."""
     from jointspec.train.cli import trainer_for_kind
 
     config_class, trainer_class, load = trainer_for_kind(artifact_kind(folder))
@@ -111,7 +113,7 @@ def main() -> None:
                for name in args.sets.split(",")}
     results = {}
     for folder in args.heads:
-        if artifact_kind(folder) in ("medusa", "distill"):
+        if artifact_kind(folder) in ("medusa", "hydra", "distill"):
             results[folder] = {name: score_trained(folder, pipe, target_lm_weight, items)
                                for name, items in answers.items()}
             for name, row in results[folder].items():

@@ -423,8 +423,9 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     stamps = [p.stat().st_mtime_ns for p in shards]
     assert cli.main(argv) == 0  # resumes: the data is kept, the finished checkpoint is reused
     assert [p.stat().st_mtime_ns for p in shards] == stamps
-    assert cli.main(argv + ["--head", "hydra"]) == 2  # not implemented: a clear one-line error
-    assert "--head hydra is not implemented yet" in capsys.readouterr().err
+    # A head of one kind cannot start another kind: a clear one-line error, before any work.
+    assert cli.main(argv + ["--head", "hydra", "--init", str(tmp_path / "head")]) == 2
+    assert "holds a 'eagle' draft, which cannot start a hydra draft" in capsys.readouterr().err
 
 
 def test_feature_mirror_keep_after_growing_in_inference_mode():

@@ -59,7 +59,7 @@ class HeadConfig:
     format: int = ARTIFACT_FORMAT
 
     def __post_init__(self) -> None:
-        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here; the Medusa and distill configs subclass
+        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here; the other kinds subclass
         if self.kind != wanted:
             raise ValueError(f"a {type(self).__name__} has kind '{wanted}', got '{self.kind}'")
         if self.num_layers < 1 or self.hidden_size < 1:
@@ -170,7 +170,7 @@ def bind_head(folder: str | Path, target: CausalLM) -> HeadDraftModel:
 
 def bind_trained_draft(folder: str | Path, target: CausalLM):
     """Any draft ``jointspec train-draft`` saved in ``folder`` (its ``draft.json`` names the kind: an EAGLE head,
-    Medusa heads or a distilled draft), bound to ``target``; refuses one trained for another target."""
+    Medusa or Hydra heads or a distilled draft), bound to ``target``; refuses one trained for another target."""
     kind = artifact_kind(folder)
     if kind == "distill":
         from .distill import bind_distill
@@ -180,6 +180,10 @@ def bind_trained_draft(folder: str | Path, target: CausalLM):
         from .medusa import bind_medusa
 
         return bind_medusa(folder, target)
+    if kind == "hydra":
+        from .hydra import bind_hydra
+
+        return bind_hydra(folder, target)
     return bind_head(folder, target)  # an unreadable folder gets load_head's error
 
 
@@ -223,7 +227,7 @@ def is_head_artifact(path: str | Path) -> bool:
 
 
 def artifact_kind(folder: str | Path) -> str | None:
-    """The kind of trained draft saved in ``folder`` ("eagle", "medusa" or "distill"), or None if it holds none
+    """The kind of trained draft saved in ``folder`` ("eagle", "medusa", "hydra" or "distill"), or None if it holds none
     readable."""
     try:
         return json.loads((Path(folder).expanduser() / CONFIG_FILE).read_text())["config"].get("kind", "eagle")

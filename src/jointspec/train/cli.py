@@ -2,6 +2,7 @@
 
     jointspec train-draft --target default --kind heads --out drafts/smollm2-eagle
     jointspec train-draft --target default --head medusa --num-heads 4 --out drafts/smollm2-medusa
+    jointspec train-draft --target default --head hydra --num-heads 4 --out drafts/smollm2-hydra
     jointspec train-draft --target default --kind distill --layers 2 --out drafts/smollm2-distill
 
 The data stage and the training stage both resume when run again with the same settings (data shards and a
@@ -41,10 +42,11 @@ def add_parser(subparsers) -> None:
                              "(the target's first --layers layers, distilled; its embedding and LM head shared)")
     parser.add_argument("--head", default=None, choices=["eagle", "medusa", "hydra"],
                         help="head type for --kind heads: eagle (default; one decoder layer reading the feature and "
-                             "the drafted token), medusa (--num-heads independent heads on the last feature); hydra "
-                             "is not implemented")
+                             "the drafted token), medusa (--num-heads independent heads on the last feature), hydra "
+                             "(--num-heads heads on the last feature that also read the tokens drafted before "
+                             "them)")
     parser.add_argument("--num-heads", type=_positive_int, default=None,
-                        help="Medusa heads, one per drafted token (--head medusa only, default 4)")
+                        help="Medusa or Hydra heads, one per drafted token (--head medusa|hydra only, default 4)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
     parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
     parser.add_argument("--extra-data", type=Path, action="append", default=None, metavar="DIR",
@@ -234,6 +236,11 @@ def trainer_for_kind(kind: str):
         from .medusa import MedusaTrainConfig, MedusaTrainer
 
         return MedusaTrainConfig, MedusaTrainer, load_medusa
+    if kind == "hydra":
+        from ..models.hydra import load_hydra
+        from .hydra import HydraTrainConfig, HydraTrainer
+
+        return HydraTrainConfig, HydraTrainer, load_hydra
     from ..models.eagle import load_head
     from .heads import HeadTrainConfig, HeadTrainer
 
@@ -247,12 +254,9 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "distill" and args.head is not None:
         raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
     kind = "distill" if args.kind == "distill" else (args.head or "eagle")  # the kind of draft saved
-    if kind == "hydra":
-        raise UnsupportedOptionError("--head hydra is not implemented yet; use --head eagle (which, like Hydra, "
-                                     "reads the drafted tokens) or --head medusa")
     for option, value, wanted in (("--loss", args.loss, "distill"), ("--unroll", args.unroll, "eagle"),
-                                  ("--num-heads", args.num_heads, "medusa")):
-        if value is not None and kind != wanted:
+                                  ("--num-heads", args.num_heads, "medusa|hydra")):
+        if value is not None and kind not in wanted.split("|"):
             owner = "--kind distill" if wanted == "distill" else f"--head {wanted}"
             raise UnsupportedOptionError(f"{option} is for {owner} drafts, not for this {kind} draft")
     # Defaults that depend on the kind, resolved here so that the recorded command names them.
@@ -260,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     args.head = None if kind == "distill" else kind
     args.unroll = (args.unroll or 2) if kind == "eagle" else None
     args.loss = (args.loss or "kl") if kind == "distill" else None
-    args.num_heads = (args.num_heads or 4) if kind == "medusa" else None
+    args.num_heads = (args.num_heads or 4) if kind in ("medusa", "hydra") else None
     if args.draft_vocab < 0:
         raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
     if args.threads:
@@ -303,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     config_class, trainer_class, _ = trainer_for_kind(kind)
     if kind == "eagle":
         config = config_class(**common, unroll=args.unroll)
-    elif kind == "medusa":
+    elif kind in ("medusa", "hydra"):
         config = config_class(**common, num_heads=args.num_heads)
     else:
         config = config_class(**common, loss=args.loss)

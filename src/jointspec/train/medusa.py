@@ -43,7 +43,7 @@ class MedusaTrainer(HeadTrainer):
     def _new_config(self, draft_vocab_size: int | None) -> MedusaConfig:
         return replace(super()._new_config(draft_vocab_size), num_heads=self.config.num_heads)
 
-    def _per_head(self, heads: MedusaHeads, features, labels, draft_weight):
+    def _per_head(self, heads: MedusaHeads, tokens, features, labels, draft_weight):
         """Per head k: (its draft log-probabilities at the scored positions, the target's log-probabilities there,
         the positions' labels k steps on); scored are the positions t whose position t + k is real."""
         predicted = heads(features)  # [num_heads, batch, length, hidden]
@@ -58,7 +58,7 @@ class MedusaTrainer(HeadTrainer):
 
     def _train_loss(self, heads, tokens, features, labels, draft_weight, draft_index, generator) -> torch.Tensor:
         total = 0.0
-        for k, (draft_logprobs, target_logprobs, _) in enumerate(self._per_head(heads, features, labels,
+        for k, (draft_logprobs, target_logprobs, _) in enumerate(self._per_head(heads, tokens, features, labels,
                                                                               draft_weight)):
             if draft_logprobs.shape[0]:
                 total = total - HEAD_DECAY ** k * (target_logprobs.exp() * draft_logprobs).sum(-1).mean()
@@ -74,7 +74,7 @@ class MedusaTrainer(HeadTrainer):
         for group in _batches(sequences, self.config.batch_tokens, random.Random(0)):
             tokens, features, labels = _collate(sequences, group, labels_of, "cpu", answers_only=True)
             for k, (draft_logprobs, target_logprobs, wanted_ids) in enumerate(
-                    self._per_head(heads, features, labels, draft_weight)):
+                    self._per_head(heads, tokens, features, labels, draft_weight)):
                 wanted = draft_index[wanted_ids]  # -1 where the target's choice is outside the draft vocabulary
                 hits[k] += float(((draft_logprobs.argmax(-1) == wanted) & (wanted >= 0)).sum())
                 counts[k] += int(wanted.shape[0])
