@@ -130,6 +130,9 @@ def test_spec_parsing():
     oracle = method_config(parse_spec("oracle:corrupt=0.25,k=3"), MethodConfig())
     assert (oracle.corruption_rate, oracle.num_draft_tokens) == (0.25, 3)
     assert parse_spec("hf-assisted:draft=self,n=3").options == {"draft": "self", "num_draft_tokens": "3"}
+    # A tree is a tuple of widths even though its default (None: the method's own tree) says no type.
+    assert method_config(parse_spec("specinfer:tree=3,1"), MethodConfig()).tree == (3, 1)
+    assert method_config(parse_spec("hybrid-tree:tree=2x2"), MethodConfig()).tree == (2, 2)
 
 
 @pytest.mark.parametrize("text,message", [

@@ -200,6 +200,8 @@ def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:
         if key in PLACEMENT_KEYS:  # where the method runs, not a method setting
             continue
         default = getattr(defaults, key, fields[key].default)
+        if default is None and "tuple" in str(fields[key].type):  # e.g. tree: None means the method's own
+            default = ()
         base[key] = convert(text, default, key, spec.label)
     try:
         return cls(**base)
