@@ -103,8 +103,6 @@ class HydraDraftModel(MedusaDraftModel):
     def _logits(self, entries: list[int]) -> torch.Tensor:
         """[len(entries), full vocab] logits for the token after each entry."""
         known = self.mirror.length  # positions 0 .. known - 1 have true features
-        if known == 0:
-            raise ValueError("Hydra heads draft from the target's features; the target has scored no token yet")
         num_heads = self.heads.config.num_heads
         computed: dict[tuple, torch.Tensor] = {}  # tree nodes with the same path share a row
         rows = []
@@ -114,7 +112,7 @@ class HydraDraftModel(MedusaDraftModel):
             k = min(position - source, num_heads)
             path = tuple(self._path_tokens(entry, k))
             if (source, path) not in computed:
-                feature = self.mirror.features[source].float()
+                feature = self._feature(source)
                 if k == 0:
                     computed[source, path] = feature @ self.lm_full.float().T
                 else:

@@ -98,18 +98,23 @@ class MedusaDraftModel(FeatureDraft):
     def reset(self) -> None:
         self.num_cached = 0
 
+    def _feature(self, source: int) -> torch.Tensor:
+        """The target's feature at position ``source``; before it has scored any token (``source`` -1: only a cost
+        measurement drafts then), zeros, as an EAGLE head's first entry reads."""
+        if source < 0:
+            return torch.zeros(self.lm_draft.shape[1], device=self.device)
+        return self.mirror.features[source].float()
+
     def _logits(self, positions: list[int]) -> torch.Tensor:
         """[len(positions), full vocab] logits for the token after each position."""
         known = self.mirror.length  # positions 0 .. known - 1 have true features
-        if known == 0:
-            raise ValueError("Medusa heads draft from the target's features; the target has scored no token yet")
         computed: dict[tuple[int, int], torch.Tensor] = {}  # a tree's nodes at one depth share their row
         rows = []
         for p in positions:
             source = min(p, known - 1)
             k = min(p - source, self.heads.config.num_heads)
             if (source, k) not in computed:
-                feature = self.mirror.features[source].float()
+                feature = self._feature(source)
                 if k == 0:
                     computed[source, k] = feature @ self.lm_full.float().T
                 else:
