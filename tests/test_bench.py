@@ -133,6 +133,7 @@ def test_spec_parsing():
     # A tree is a tuple of widths even though its default (None: the method's own tree) says no type.
     assert method_config(parse_spec("specinfer:tree=3,1"), MethodConfig()).tree == (3, 1)
     assert method_config(parse_spec("hybrid-tree:tree=2x2"), MethodConfig()).tree == (2, 2)
+    assert method_config(parse_spec("default:tree_budget=3"), MethodConfig()).tree_budget == 3
 
 
 @pytest.mark.parametrize("text,message", [

@@ -143,11 +143,19 @@ def test_malformed_options_are_argparse_errors(capsys, model_dirs, option, value
     ("--method", "no-such-method", "unknown method"),
     ("--dtype", "float8", "dtype"),
     ("--min-ngram", "4", "min_ngram"),  # 4 > --max-ngram 3
+    ("--tree-budget", "-1", "tree_budget"),
 ])
 def test_bad_values_are_library_errors(capsys, model_dirs, option, value, needle):
     code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], option, value))
     assert code == 2
     assert_clean_error(code, err, "jointspec: error:", needle)
+
+
+def test_dynamic_tree_with_sampling_is_refused_before_any_output(capsys, model_dirs):
+    code, out, err = run_cli(capsys, *generate_args(model_dirs["target"], "--tree-budget", "3", "--temperature",
+                                                    "0.8"))
+    assert code == 2 and out == ""
+    assert_clean_error(code, err, "jointspec: error:", "--tree-budget drafts for greedy decoding only")
 
 
 def test_unknown_device(capsys, model_dirs):

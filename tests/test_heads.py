@@ -234,6 +234,7 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
                                            ("hybrid", {"cost_aware": True, "min_ngram": 2}),
                                            ("hybrid-tree", {"tree": (3,)}),
                                            ("hybrid-tree", {"tree": (2, 2), "min_ngram": 2}),
+                                           ("hybrid-tree", {"tree_budget": 4}),
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 @pytest.mark.parametrize("prompt_seed", [0, 3])

@@ -140,6 +140,7 @@ def test_each_position_is_scored_from_the_latest_feature_and_the_tokens_since(ta
 @pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 3}),
                                            ("hybrid", {"num_draft_tokens": 3}),
                                            ("hybrid-tree", {"tree": (3,)}),  # `default`'s drafter
+                                           ("hybrid-tree", {"tree_budget": 4}),
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 @pytest.mark.parametrize("prompt_seed", [0, 3])

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from .errors import JointspecError
+from .errors import JointspecError, UnsupportedOptionError
 
 DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small draft propose several tokens that "
                   "the large model checks in one forward pass, so generation gets faster without changing what the "
@@ -57,6 +57,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=_tree, default=None,
                         help="tree methods: branching per depth, e.g. 4,2,2 (default: 3 for hybrid-tree, 4,2,2 for "
                              "specinfer)")
+    parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
+                        help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
+                             "(EAGLE-2) instead of the static --tree; greedy decoding only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     from .models.loading import BACKENDS
@@ -110,10 +113,16 @@ def apply_threads(args: argparse.Namespace) -> None:
 def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     from .methods import MethodConfig
 
+    if getattr(args, "tree_budget", 0) and getattr(args, "temperature", 0.0) > 0:
+        # Refused here, before a model loads, rather than by the drafter after the first token is out.
+        raise UnsupportedOptionError(f"--tree-budget drafts for greedy decoding only, not at --temperature "
+                                     f"{args.temperature}; for sampling, give a static tree with --tree")
+
     return MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                         max_num_draft_tokens=args.max_draft_tokens,
                         max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
                         accept_threshold=args.accept_threshold, tree=args.tree,
+                        tree_budget=getattr(args, "tree_budget", 0),
                         cost_aware=getattr(args, "cost_aware", False))
 
 

@@ -30,6 +30,7 @@ class MethodConfig:
     beam_width: int = 4
     accept_threshold: float = 0.5
     tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: DEFAULT_TREE, specinfer: 4,2,2)
+    tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
     cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
 
     def __post_init__(self) -> None:
@@ -45,6 +46,8 @@ class MethodConfig:
             raise ValueError(f"accept_threshold must be > 0, got {self.accept_threshold}")
         if self.tree is not None and (not self.tree or any(k < 1 for k in self.tree)):
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
+        if self.tree_budget < 0:
+            raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
 
 
 @dataclass
@@ -185,6 +188,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     from .api import eos_token_ids
     from .drafters.costaware import CostAwareDrafter
+    from .drafters.dynamic_tree import DynamicTreeDrafter
     from .drafters.lookup_tree import LookupOrTreeDrafter
     from .drafters.tree import TreeDrafter
     from .verifiers.tree import TreeRejectionVerifier
@@ -195,8 +199,14 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
                                  max(config.max_num_draft_tokens, config.num_draft_tokens))
     curve = target_cost_curve(context.target)
     aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
-    tree = TreeDrafter(draft, config.tree or DEFAULT_TREE, replacement=True,
-                       eos_token_ids=eos_token_ids(context.target, context.tokenizer))
+    eos = eos_token_ids(context.target, context.tokenizer)
+    if config.tree_budget:
+        if config.tree is not None:
+            raise UnsupportedOptionError("give either --tree (a static tree) or --tree-budget (a dynamic one), "
+                                         "not both")
+        tree = DynamicTreeDrafter(draft, config.tree_budget, eos_token_ids=eos)
+    else:
+        tree = TreeDrafter(draft, config.tree or DEFAULT_TREE, replacement=True, eos_token_ids=eos)
     drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost_per_call(draft))
     # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.
     return drafter, TreeRejectionVerifier(replacement=True)

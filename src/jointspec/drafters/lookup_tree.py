@@ -15,7 +15,8 @@ Each round:
    and ``c`` one head call. Where the text repeats (extraction, code edits) lookup acceptance is high and long free
    drafts win; on open-ended text they rarely beat the tree and the wrapper skips them (probing now and then, as
    it does against plain decoding).
-2. Otherwise the tree drafter proposes its tree (``branching``, e.g. ``(3,)``), if the tree pays: where its running
+2. Otherwise the tree drafter proposes its tree (``branching``, e.g. ``(3,)``, or a dynamic tree of ``budget`` nodes:
+   :mod:`jointspec.drafters.dynamic_tree`, charged as its largest round), if the tree pays: where its running
    rate is below plain decoding's (a target whose multi-token forwards are dear, such as a quantised model or
    llama.cpp, or a head that fits the text badly) the round drafts nothing, and the tree is tried again every 2nd,
    4th, 8th, ... round (at most every ``max_probe_interval``-th) to see whether it pays again.
@@ -35,6 +36,7 @@ import torch
 from ..sampling import SamplingConfig
 from .base import EMPTY_DRAFT, Draft
 from .costaware import CostAwareDrafter, CostCurve
+from .dynamic_tree import DynamicTreeDrafter
 from .tree import TreeDrafter
 
 
@@ -50,7 +52,7 @@ def tree_round_cost(curve: CostCurve, branching: tuple[int, ...], draft_cost_per
 class LookupOrTreeDrafter:
     cost_aware = True  # its lookup half is; the tree is what the lookup must beat (methods.build_method)
 
-    def __init__(self, lookup: CostAwareDrafter, tree: TreeDrafter, curve: CostCurve, *,
+    def __init__(self, lookup: CostAwareDrafter, tree: TreeDrafter | DynamicTreeDrafter, curve: CostCurve, *,
                  draft_cost_per_call: float, prior_tree_tokens: float = 0.5, prior_weight: float = 2.0,
                  memory: float = 10.0, max_probe_interval: int = 64) -> None:
         if not (math.isfinite(draft_cost_per_call) and draft_cost_per_call >= 0):
@@ -65,7 +67,10 @@ class LookupOrTreeDrafter:
         self.lookup = lookup
         self.tree = tree
         self.curve = curve
-        self.tree_cost = tree_round_cost(curve, tree.branching, draft_cost_per_call)
+        if isinstance(tree, TreeDrafter):
+            self.tree_cost = tree_round_cost(curve, tree.branching, draft_cost_per_call)
+        else:  # a dynamic tree (drafters.dynamic_tree): its largest round
+            self.tree_cost = curve.cost(tree.max_nodes + 1) + tree.max_draft_calls * draft_cost_per_call
         self.prior = (prior_tree_tokens * prior_weight, prior_weight)
         self.decay = 1.0 - 1.0 / memory
         self.max_probe_interval = max_probe_interval
