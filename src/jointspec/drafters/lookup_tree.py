@@ -67,7 +67,7 @@ class LookupOrTreeDrafter:
         self.lookup = lookup
         self.tree = tree
         self.curve = curve
-        if isinstance(tree, TreeDrafter):
+        if hasattr(tree, "branching"):  # a static tree
             self.tree_cost = tree_round_cost(curve, tree.branching, draft_cost_per_call)
         else:  # a dynamic tree (drafters.dynamic_tree): its largest round
             self.tree_cost = curve.cost(tree.max_nodes + 1) + tree.max_draft_calls * draft_cost_per_call
