@@ -42,7 +42,6 @@ class HydraHead(nn.Module):
 
     def __init__(self, hidden: int, num_tokens: int, num_layers: int) -> None:
         super().__init__()
-        self.num_tokens = num_tokens
         self.proj = nn.Linear((num_tokens + 1) * hidden, hidden)
         with torch.no_grad():  # start by passing the feature through: the target's next-token guess
             self.proj.weight.zero_()
