@@ -41,7 +41,7 @@ def round_robin(prompts, count: int):
 
 
 def target_answers(pipe: Pipeline, prompt_set: str, count: int, max_new_tokens: int):
-    """(token ids of prompt + answer, prompt length, the target's final features) per prompt."""
+    """(token ids of prompt + answer, prompt length, the target's hidden states: all layers) per prompt."""
     items = []
     for prompt in round_robin(load_prompts(f"builtin:{prompt_set}"), count):
         prompt_ids = pipe.encode(prompt.turns[0])
@@ -50,16 +50,22 @@ def target_answers(pipe: Pipeline, prompt_set: str, count: int, max_new_tokens: 
         with torch.inference_mode():
             out = pipe.target.model(input_ids=torch.tensor([sequence]), output_hidden_states=True, logits_to_keep=1,
                                     use_cache=False)
-        items.append((sequence, len(prompt_ids), out.hidden_states[-1][0].float()))
+        items.append((sequence, len(prompt_ids), [h[0].float() for h in out.hidden_states]))
     return items
+
+
+def features_of(hidden_states, layers=(-1,)) -> torch.Tensor:
+    """[T, hidden * len(layers)]: what a head with these feature layers reads (the last feature first)."""
+    return torch.cat([hidden_states[layer] for layer in layers], -1)
 
 
 def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> dict:
     vocab = head.draft_vocab
     draft_weight = target_lm_weight.index_select(0, vocab)
     hits, top3, count = [0, 0], 0, 0
-    for sequence, prompt_length, features in items:
-        target_argmax = (features @ target_lm_weight.T).argmax(-1)
+    for sequence, prompt_length, hidden_states in items:
+        target_argmax = (hidden_states[-1] @ target_lm_weight.T).argmax(-1)
+        features = features_of(hidden_states, head.config.feature_layers)
         with torch.inference_mode():
             outputs = trainer._passes(head, torch.tensor([sequence]), features[None], None, 0.0)
         # The head's output at position t drafts the token after t + 1; score the answer's positions only.
@@ -84,8 +90,8 @@ def score_trained(folder: str, pipe: Pipeline, target_lm_weight: torch.Tensor, i
     draft, _ = load(folder)
     check_head_target(draft, folder, pipe.target)
     trainer = trainer_class(pipe.target, config_class(batch_tokens=1 << 20))
-    sequences = [(torch.tensor(sequence), features, prompt_length) for sequence, prompt_length, features in items]
-    labels_of = [(features @ target_lm_weight.T).argmax(-1) for _, _, features in items]
+    sequences = [(torch.tensor(sequence), hidden[-1], prompt_length) for sequence, prompt_length, hidden in items]
+    labels_of = [(hidden[-1] @ target_lm_weight.T).argmax(-1) for _, _, hidden in items]
     vocab = draft.draft_vocab
     draft_index = torch.full((target_lm_weight.shape[0],), -1, dtype=torch.long)
     draft_index[vocab] = torch.arange(vocab.shape[0])

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..errors import UnsupportedOptionError
+
 
 @dataclass
 class ForwardOutput:
@@ -50,13 +52,18 @@ def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
 class FeatureMirror:
     """The target's features (last hidden states after the final norm) of exactly the tokens in its cache.
 
+    ``layers``: which of the target's hidden states each row holds, side by side (-1, the last after the final norm,
+    by default; a head that fuses several layers asks for more, see :mod:`jointspec.models.eagle`).
+
     Feature-level draft heads (:mod:`jointspec.models.eagle`) read it. The adapter keeps it in step with its cache:
     rows are appended by every forward and dropped or gathered by ``crop``/``keep``/``reset``. Storage grows by
     doubling, so appending a round's rows does not copy the whole history.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._buffer = torch.zeros(256, hidden_size, dtype=dtype, device=device)  # [capacity, hidden]
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 layers: tuple[int, ...] = (-1,)) -> None:
+        self.layers = tuple(layers)
+        self._buffer = torch.zeros(256, hidden_size * len(self.layers), dtype=dtype, device=device)  # [capacity, width]
         self.length = 0
         self.synced = False  # a mirror attached mid-sequence stays empty until the adapter's next reset
 
@@ -97,9 +104,14 @@ class CausalLM:
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
 
-    def attach_feature_mirror(self) -> FeatureMirror:
-        """Start recording this adapter's features; the mirror is in step with the cache from the next ``reset``."""
-        mirror = FeatureMirror(self.model.config.hidden_size, self.dtype, self.device)
+    def attach_feature_mirror(self, layers: tuple[int, ...] = (-1,)) -> FeatureMirror:
+        """Start recording this adapter's features (its hidden states at ``layers``, see :class:`FeatureMirror`);
+        the mirror is in step with the cache from the next ``reset``."""
+        bad = [layer for layer in layers if not -1 <= layer < self.model.config.num_hidden_layers]
+        if bad:
+            raise UnsupportedOptionError(f"this target has {self.model.config.num_hidden_layers} decoder layers; "
+                                         f"hidden-state indices {bad} do not exist")
+        mirror = FeatureMirror(self.model.config.hidden_size, self.dtype, self.device, layers)
         mirror.synced = self.num_cached == 0
         self.mirrors.append(mirror)
         return mirror
@@ -163,7 +175,8 @@ class CausalLM:
         self.num_cached = start + n
         for mirror in self.mirrors:
             if mirror.synced:
-                mirror.append(out.hidden_states[-1][0])  # [n, hidden]
+                mirror.append(out.hidden_states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
+                              torch.cat([out.hidden_states[layer][0] for layer in mirror.layers], -1))
         keep = n if num_logits is None else num_logits
         hidden = out.hidden_states[-1][0, -keep:] if output_hidden and keep > 0 else None
         logits = out.logits[0, -keep:].float() if keep > 0 else out.logits[0, :0].float()

@@ -7,6 +7,13 @@ at position ``t``, ``fc([feature_t ; embed(token_{t+1})])`` and predicts ``featu
 Drafting further feeds the head its own predicted feature. Only ``fc`` and the decoder layer are trained and saved
 (a few MB); the embedding and LM head are the target's, so the head only fits the target it was trained on.
 
+**Fused features** (EAGLE-3's multi-layer fusion, optional: ``fuse_layers``): the last feature is made to predict the
+next token, so it may have dropped context that the token after needs. A head with ``fuse_layers`` also reads the
+target's hidden states at those indices (each RMS-normalised: the residual stream grows with depth) and adds a
+learnt projection of them to the feature: ``feature_t + fuse_fc([h_a ; h_b ; ...])``. ``fuse_fc`` starts at zero,
+so a head trained without fusion is the starting point of one trained with it. Only true target positions have
+these hidden states; drafting further feeds the head's own prediction as before.
+
 **The adapter.** :class:`HeadDraftModel` has the :class:`~jointspec.models.adapter.CausalLM` interface (``forward``
 with chains or trees, ``crop``, ``keep``, ``reset``), so every model-based drafter (``sps``, ``mtad``, ``specinfer``,
 ``spectr``) can use a head through ``--draft DIR``. It reads the target's true features from a
@@ -55,6 +62,7 @@ class HeadConfig:
     target_name: str = ""
     num_layers: int = 1
     draft_vocab_size: int | None = None  # None: the full target vocabulary
+    fuse_layers: tuple[int, ...] = ()  # hidden-state indices of the target fused into the feature (eagle only)
     kind: str = "eagle"
     format: int = ARTIFACT_FORMAT
 
@@ -64,10 +72,19 @@ class HeadConfig:
             raise ValueError(f"a {type(self).__name__} has kind '{wanted}', got '{self.kind}'")
         if self.num_layers < 1 or self.hidden_size < 1:
             raise ValueError(f"bad head shape: {self.num_layers} layers of width {self.hidden_size}")
+        object.__setattr__(self, "fuse_layers", tuple(int(layer) for layer in self.fuse_layers))  # JSON gives a list
+        if self.fuse_layers and self.kind != "eagle":
+            raise ValueError(f"fuse_layers is for eagle heads, not for a '{self.kind}' draft")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states a head reads, the last (after the final norm) first: what its mirror records."""
+        return (-1, *self.fuse_layers)
 
     @classmethod
     def for_target(cls, target: CausalLM, fingerprint: str, *, draft_vocab_size: int | None = None,
-                   num_layers: int = 1, intermediate_size: int | None = None) -> "HeadConfig":
+                   num_layers: int = 1, intermediate_size: int | None = None,
+                   **extra) -> "HeadConfig":
         config = target.config
         heads = config.num_attention_heads
         return cls(hidden_size=config.hidden_size, intermediate_size=intermediate_size or config.intermediate_size,
@@ -76,7 +93,7 @@ class HeadConfig:
                    rope_theta=float(_rope_theta(config)), rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
                    max_position_embeddings=target.max_context, target_vocab_size=target.vocab_size,
                    target_fingerprint=fingerprint, target_name=target.name, num_layers=num_layers,
-                   draft_vocab_size=draft_vocab_size)
+                   draft_vocab_size=draft_vocab_size, **extra)
 
 
 def _rope_theta(config) -> float:
@@ -105,6 +122,21 @@ class EagleHead(nn.Module):
         # Tokens outside the draft vocabulary are never drafted; the table maps draft rows to target token ids.
         size = config.draft_vocab_size or config.target_vocab_size
         self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
+        self.fuse_fc = None
+        if config.fuse_layers:
+            self.fuse_fc = nn.Linear(len(config.fuse_layers) * hidden, hidden, bias=False)
+            nn.init.zeros_(self.fuse_fc.weight)  # start as the unfused head (see the module docstring)
+
+    def fuse(self, wide: torch.Tensor) -> torch.Tensor:
+        """[..., hidden * (1 + len(fuse_layers))] target hidden states (the last first) -> [..., hidden] input
+        feature. A head without fused layers reads the last feature alone (wider input is cut)."""
+        hidden = self.config.hidden_size
+        feature = wide[..., :hidden]
+        if self.fuse_fc is None:
+            return feature
+        other = wide[..., hidden:].unflatten(-1, (len(self.config.fuse_layers), hidden))
+        other = other * torch.rsqrt(other.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return feature + self.fuse_fc(other.flatten(-2))
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, *, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None) -> torch.Tensor:
@@ -296,10 +328,10 @@ class FeatureDraft:
     """What a draft that reads its target's features shares: the target's vocabulary and context length, and a
     :class:`~jointspec.models.adapter.FeatureMirror` of the target's features."""
 
-    def __init__(self, target: CausalLM, name: str) -> None:
+    def __init__(self, target: CausalLM, name: str, layers: tuple[int, ...] = (-1,)) -> None:
         self.target = target
         self.name = name
-        self.mirror = target.attach_feature_mirror()
+        self.mirror = target.attach_feature_mirror(layers)
         self._full_vocab = target.vocab_size
 
     @property
@@ -315,7 +347,7 @@ class HeadDraftModel(FeatureDraft):
     """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
 
     def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head") -> None:
-        super().__init__(target, name)
+        super().__init__(target, name, head.config.feature_layers)
         self.head = head.eval()
         model = target.model
         self.embed = model.get_input_embeddings()
@@ -361,7 +393,7 @@ class HeadDraftModel(FeatureDraft):
         if source < 0:
             return torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
         if source < self.mirror.length:  # the target has scored it: committed text, true feature
-            return self.mirror.features[source].to(self.dtype)
+            return self.head.fuse(self.mirror.features[source].to(self.dtype))
         if source < self.predicted.shape[0]:
             return self.predicted[source]
         return None

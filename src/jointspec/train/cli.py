@@ -82,12 +82,26 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
                         help="passes that read the head's own predicted features (training-time test; --kind heads "
                              "only, default 2)")
+    parser.add_argument("--fuse-layers", type=_layer_list, default=None, metavar="I,J",
+                        help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
+                             "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
+                             "3,15 for a 30-layer target; the data folder must be built with the same list")
     parser.add_argument("--eval-every", type=_positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of layer indices, e.g. 3,15")
+    if not layers or min(layers) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}': layer indices must be >= 0")
+    return layers
 
 
 SELF_INSTRUCT_PREFIX = "self-instruct:"
@@ -255,7 +269,10 @@ def run(args: argparse.Namespace) -> int:
         raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
     kind = "distill" if args.kind == "distill" else (args.head or "eagle")  # the kind of draft saved
     for option, value, wanted in (("--loss", args.loss, "distill"), ("--unroll", args.unroll, "eagle"),
-                                  ("--num-heads", args.num_heads, "medusa|hydra")):
+                                  ("--num-heads", args.num_heads, "medusa|hydra"),
+                                  ("--fuse-layers", args.fuse_layers, "eagle")):
+        if option == "--fuse-layers" and args.data_only:
+            continue  # a data folder serves every kind; only the training of a head reads the fused layers
         if value is not None and kind not in wanted.split("|"):
             owner = "--kind distill" if wanted == "distill" else f"--head {wanted}"
             raise UnsupportedOptionError(f"{option} is for {owner} drafts, not for this {kind} draft")
@@ -297,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts:
         prompts, answers = prompts[:args.num_prompts], answers[:args.num_prompts]
     build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,
-               batch_size=args.generate_batch_size, eos_token_ids=eos, answers=answers)
+               batch_size=args.generate_batch_size, eos_token_ids=eos, answers=answers,
+               fuse_layers=args.fuse_layers or ())
     if args.data_only:
         print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
         return 0
@@ -306,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                   eval_every=args.eval_every, seed=args.seed)
     config_class, trainer_class, _ = trainer_for_kind(kind)
     if kind == "eagle":
-        config = config_class(**common, unroll=args.unroll)
+        config = config_class(**common, unroll=args.unroll, fuse_layers=args.fuse_layers or ())
     elif kind in ("medusa", "hydra"):
         config = config_class(**common, num_heads=args.num_heads)
     else:

@@ -12,6 +12,9 @@ Two stages, both resumable (each shard is written atomically and skipped when it
 A data folder holds ``data.json`` (what was generated, for which target) and ``shard-NNNNN.pt`` files, each a dict
 ``{"token_ids": [T] long, "features": [T, hidden] float16, "starts": [S + 1] long, "answer_starts": [S] long}``:
 sequence ``s`` is ``token_ids[starts[s]:starts[s + 1]]``, and its answer begins at offset ``answer_starts[s]``.
+A folder built with ``fuse_layers`` (for heads that fuse several of the target's layers, EAGLE-3 style) also holds
+``"fuse_features": [T, len(fuse_layers) * hidden] float16``: the target's hidden states at those indices of
+``hidden_states`` (0 is the embedding output, ``i`` the output of decoder layer ``i``), side by side.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +49,25 @@ class DataSpec:
     max_length: int
     shard_size: int
     format: int = DATA_FORMAT
+    fuse_layers: tuple[int, ...] = ()
+
+    def as_json(self) -> dict:
+        """What ``data.json`` holds; folders without fused layers keep the keys they always had."""
+        spec = json.loads(json.dumps(asdict(self)))
+        if not self.fuse_layers:
+            del spec["fuse_layers"]
+        return spec
+
+
+def check_fuse_layers(fuse_layers, num_layers: int) -> tuple[int, ...]:
+    """``fuse_layers`` as a sorted tuple of hidden-state indices of a target with ``num_layers`` decoder layers."""
+    layers = tuple(sorted(set(int(layer) for layer in fuse_layers)))
+    bad = [layer for layer in layers if not 0 <= layer < num_layers]
+    if bad:
+        raise UnsupportedOptionError(f"fuse layers {list(bad)} are out of range: the target has {num_layers} decoder "
+                                     f"layers, so pick hidden-state indices 0..{num_layers - 1} (its last layer's "
+                                     "output, after the final norm, is always used)")
+    return layers
 
 
 def _prompts_sha256(prompts: list[list[int]], answers: list[list[int] | None] | None = None) -> str:
@@ -73,28 +95,38 @@ def _progress(total: int, desc: str):
 
 
 @torch.inference_mode()
-def _featurise(target: CausalLM, sequences: list[list[int]], answer_starts: list[int]) -> dict:
+def _featurise(target: CausalLM, sequences: list[list[int]], answer_starts: list[int],
+               fuse_layers: tuple[int, ...] = ()) -> dict:
     """One teacher-forced forward per sequence; returns the shard dict described in the module docstring."""
     token_ids: list[torch.Tensor] = []
     features: list[torch.Tensor] = []
+    fused: list[torch.Tensor] = []
     for ids in sequences:
         out = target.model(input_ids=torch.tensor([ids], device=target.device), output_hidden_states=True,
                            logits_to_keep=1, use_cache=False)
         features.append(out.hidden_states[-1][0].to("cpu", torch.float16))  # [T, hidden], after the final norm
+        if fuse_layers:
+            fused.append(torch.cat([out.hidden_states[layer][0] for layer in fuse_layers], -1).to("cpu", torch.float16))
         token_ids.append(torch.tensor(ids, dtype=torch.long))
     lengths = torch.tensor([0] + [len(ids) for ids in sequences])
-    return {"token_ids": torch.cat(token_ids), "features": torch.cat(features),
-            "starts": torch.cumsum(lengths, 0), "answer_starts": torch.tensor(answer_starts, dtype=torch.long)}
+    shard = {"token_ids": torch.cat(token_ids), "features": torch.cat(features),
+             "starts": torch.cumsum(lengths, 0), "answer_starts": torch.tensor(answer_starts, dtype=torch.long)}
+    if fuse_layers:
+        shard["fuse_features"] = torch.cat(fused)
+    return shard
 
 
 def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: str | Path, *,
                max_new_tokens: int = 256, max_length: int = 1024, shard_size: int = 32, batch_size: int = 16,
-               eos_token_ids: frozenset[int] = frozenset(), answers: list[list[int] | None] | None = None) -> Path:
+               eos_token_ids: frozenset[int] = frozenset(), answers: list[list[int] | None] | None = None,
+               fuse_layers: tuple[int, ...] = ()) -> Path:
     """Generate answers and features for ``prompts`` (token ids, chat template applied) into ``folder``.
 
     ``answers``: per prompt, either ``None`` (the target answers it) or the token ids of a given answer, which is
     featurised as it is (cut to ``max_new_tokens``) without generating: off-policy text, but a forward instead of a
     decode per token.
+
+    ``fuse_layers``: also keep the target's hidden states at these indices (for heads that fuse them).
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
@@ -112,17 +144,22 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
         return max(1, min(max_new_tokens, max_length - len(prompt)))
 
     answers = [None if a is None else list(a[:budget(p)]) for p, a in zip(prompts, answers)]
+    fuse_layers = check_fuse_layers(fuse_layers, target.config.num_hidden_layers)
     spec = DataSpec(target_fingerprint(target), _prompts_sha256(prompts, answers), len(prompts), max_new_tokens,
-                    max_length, shard_size)
+                    max_length, shard_size, fuse_layers=fuse_layers)
     meta_path = folder / "data.json"
     if meta_path.exists():
         existing = json.loads(meta_path.read_text())
-        if existing != asdict(spec):
+        if not fuse_layers and existing.get("fuse_layers"):
+            # A folder with fused layers serves drafts that read only the last feature too: finish it as begun.
+            spec = replace(spec, fuse_layers=tuple(existing["fuse_layers"]))
+            fuse_layers = spec.fuse_layers
+        if existing != spec.as_json():
             raise UnsupportedOptionError(
                 f"data folder '{folder}' was built with different settings ({existing}); use a new --data folder "
                 "or delete this one")
     else:
-        meta_path.write_text(json.dumps(asdict(spec), indent=1))
+        meta_path.write_text(json.dumps(spec.as_json(), indent=1))
 
     num_shards = (len(prompts) + shard_size - 1) // shard_size
     bar = _progress(len(prompts), "self-distillation data")
@@ -139,7 +176,7 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
             generated = dict(zip(to_generate, engine.generate(requests) if requests else []))
             sequences = [list(p) + list(a if a is not None else generated[i])
                          for i, (p, a) in enumerate(zip(chunk, chunk_answers))]
-            atomic_save(_featurise(target, sequences, [len(p) for p in chunk]), path)
+            atomic_save(_featurise(target, sequences, [len(p) for p in chunk], fuse_layers), path)
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:

@@ -10,6 +10,11 @@ own predicted features, which are never exactly the target's. A second pass ther
 predictions in place of the true input features and is trained on the same targets, so the head learns to draft
 from its own outputs. **Noise** on the input features (EAGLE-1) serves the same purpose more cheaply.
 
+**Fused features** (``fuse_layers``, see :mod:`jointspec.models.eagle`): the data folder must hold the target's
+hidden states at those indices; batches then carry them beside the last feature (``features`` is
+``[batch, length, hidden * (1 + len(fuse_layers))]``, the last feature first), and the head's ``fuse`` makes its
+input from them. Losses and the target's argmax read the last feature only.
+
 **VocabTrim**: the draft vocabulary is the ``draft_vocab_size`` tokens the target emits most often in the data (its
 argmax at every position). Drafting then costs a ``hidden x draft_vocab`` matmul instead of ``hidden x vocab``.
 
@@ -25,7 +30,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -70,6 +75,7 @@ class HeadTrainConfig(TrainConfig):
     noise: float = 0.05  # uniform noise on input features, relative to their RMS
     cls_weight: float = 0.3
     cls_fraction: float = 0.25  # share of positions that pay for the LM-head loss each step (it dominates the cost)
+    fuse_layers: tuple[int, ...] = ()  # the target's hidden states fused into the head's input (EAGLE-3 style)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,14 +128,30 @@ def check_data_folders(folders: list[Path], fingerprint: str) -> None:
         seen.add(folder.resolve())
 
 
-def _sequences(folders: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """(token ids [T], features [T, hidden], offset where the target's answer begins) per sequence."""
+def _sequences(folders: list[Path], fuse_layers: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(token ids [T], features [T, hidden], offset where the target's answer begins) per sequence.
+
+    ``fuse_layers``: features are [T, hidden * (1 + len(fuse_layers))], the last feature first, then the target's
+    hidden states at those indices (the folders must hold them: built with at least these ``fuse_layers``).
+    """
     sequences = []
-    for shard in (shard for folder in folders for shard in load_shards(folder)):
-        starts = shard["starts"].tolist()
-        for (a, b), answer in zip(zip(starts, starts[1:]), shard["answer_starts"].tolist()):
-            if b - a >= 3:
-                sequences.append((shard["token_ids"][a:b], shard["features"][a:b], answer))
+    for folder in folders:
+        stored = tuple(read_spec(folder).get("fuse_layers", ()))
+        missing = [layer for layer in fuse_layers if layer not in stored]
+        if missing:
+            raise UnsupportedOptionError(f"data folder '{folder}' holds the target's hidden states at layers "
+                                         f"{list(stored) or 'none'}, not at {missing}; build a data folder with "
+                                         f"--fuse-layers {','.join(map(str, fuse_layers))} (and --data-only)")
+        columns = [stored.index(layer) for layer in fuse_layers]
+        for shard in load_shards(folder):
+            features = shard["features"]
+            if columns:
+                fused = shard["fuse_features"].unflatten(-1, (len(stored), features.shape[1]))[:, columns]
+                features = torch.cat([features, fused.flatten(-2)], -1)
+            starts = shard["starts"].tolist()
+            for (a, b), answer in zip(zip(starts, starts[1:]), shard["answer_starts"].tolist()):
+                if b - a >= 3:
+                    sequences.append((shard["token_ids"][a:b], features[a:b], answer))
     return sequences
 
 
@@ -157,10 +179,11 @@ def _folder_argmax(folder: Path, sequences, lm_weight: torch.Tensor, compute: bo
 
 @torch.no_grad()
 def _target_argmax(features: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
-    """The target's next-token argmax at every feature row ([T] long), computed in chunks."""
+    """The target's next-token argmax at every feature row ([T] long), computed in chunks (fused hidden states
+    beside the last feature are not read)."""
     out = []
     for i in range(0, features.shape[0], chunk):
-        out.append((features[i:i + chunk].float() @ lm_weight.T).argmax(-1))
+        out.append((features[i:i + chunk, :lm_weight.shape[1]].float() @ lm_weight.T).argmax(-1))
     return torch.cat(out)
 
 
@@ -229,6 +252,7 @@ class HeadTrainer:
         self.eos_token_ids = eos_token_ids
         self.lm_weight_full = float_lm_weight(target.model).detach().float()
         self.embed = target.model.get_input_embeddings()
+        self.fuse_layers = tuple(getattr(config, "fuse_layers", ()))
 
     # What is trained: subclasses train other kinds of draft with the same data, schedule and checkpoints.
     config_class = HeadConfig
@@ -236,8 +260,10 @@ class HeadTrainer:
 
     def _new_config(self, draft_vocab_size: int | None):
         """The shape of a draft trained from scratch for this target."""
+        extra = {"fuse_layers": self.fuse_layers} if self.fuse_layers else {}
         return self.config_class.for_target(self.target, target_fingerprint(self.target),
-                                            num_layers=self.config.num_layers, draft_vocab_size=draft_vocab_size)
+                                            num_layers=self.config.num_layers, draft_vocab_size=draft_vocab_size,
+                                            **extra)
 
     def _initialise(self, head: EagleHead) -> None:
         """Starting weights of a draft trained from scratch (a head keeps its random initialisation)."""
@@ -253,7 +279,8 @@ class HeadTrainer:
     def _passes(self, head: EagleHead, tokens, features, generator: torch.Generator | None, noise: float):
         """Predicted features of every pass: [unroll] x [batch, length - 1, hidden]."""
         batch, length, _ = features.shape
-        inputs = features[:, :-1]
+        fused = head.fuse(features)  # [batch, length, hidden]
+        inputs = fused[:, :-1]
         embeds = self.embed(tokens[:, 1:]).float()
         positions = torch.arange(length - 1, device=features.device)[None].expand(batch, -1)
         outputs = []
@@ -264,12 +291,12 @@ class HeadTrainer:
             predicted = head(inputs, embeds, position_ids=positions)
             outputs.append(predicted)
             # The next pass reads, at position t, the prediction of feature t (made at t - 1).
-            inputs = torch.cat([features[:, :1], predicted[:, :-1]], dim=1)
+            inputs = torch.cat([fused[:, :1], predicted[:, :-1]], dim=1)
         return outputs
 
     def _loss(self, outputs, features, labels, draft_weight, draft_index, generator=None, cls_fraction=1.0):
         """Weighted loss over passes, argmax hits per pass, number of scored positions."""
-        targets = features[:, 1:]
+        targets = features[:, 1:, :draft_weight.shape[1]]  # the last feature (fused hidden states follow it)
         valid = labels[:, 1:] >= 0  # [batch, length - 1]
         # The LM-head loss costs a hidden x draft-vocab matmul per position (most of a step): pay it on a sample.
         scored = valid.nonzero()
@@ -316,7 +343,7 @@ class HeadTrainer:
         generator = torch.Generator().manual_seed(config.seed)
         folders = [Path(f) for f in (data_folder if isinstance(data_folder, list) else [data_folder])]
         check_data_folders(folders, target_fingerprint(self.target))
-        per_folder = [_sequences([folder]) for folder in folders]
+        per_folder = [_sequences([folder], self.fuse_layers) for folder in folders]
         sequences = [sequence for folder_sequences in per_folder for sequence in folder_sequences]
         if len(sequences) < 2:
             raise UnsupportedOptionError(f"data folder(s) {', '.join(map(str, folders))} hold {len(sequences)} "
@@ -349,9 +376,19 @@ class HeadTrainer:
 
         head_config = init.config if init is not None else self._new_config(
             None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
+        init_fuses = tuple(getattr(head_config, "fuse_layers", ()))
+        if init is not None and init_fuses != self.fuse_layers:
+            if init_fuses:
+                raise UnsupportedOptionError(f"the head to start from fuses layers {list(init_fuses)}; the settings "
+                                             f"ask for {list(self.fuse_layers) or 'none'}: pass --fuse-layers "
+                                             f"{','.join(map(str, init_fuses))}")
+            # An unfused head starts a fused one: its fuse_fc starts at zero, so it begins as the head it starts from.
+            head_config = replace(head_config, fuse_layers=self.fuse_layers)
         head = self.module_class(head_config)
         if init is not None:
-            head.load_state_dict({k: v.detach().float().cpu() for k, v in init.state_dict().items()})
+            missing, unexpected = head.load_state_dict({k: v.detach().float().cpu()
+                                                        for k, v in init.state_dict().items()}, strict=False)
+            assert not unexpected and set(missing) <= {"fuse_fc.weight"}, (missing, unexpected)
         else:
             self._initialise(head)
         head.draft_vocab.copy_(vocab)
