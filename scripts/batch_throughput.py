@@ -140,7 +140,7 @@ def main() -> None:
 
     # The table: tokens/s, speedup vs the same method at batch 1, vs transformers at the same batch size.
     by = {(r["method"], r["batch"]): r for r in rows}
-    print(f"\n| method | batch | tokens/s | vs batch 1 | vs transformers (same batch) | identical to single ar |")
+    print("\n| method | batch | tokens/s | vs batch 1 | vs transformers (same batch) | identical to single ar |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         base = by.get((r["method"], 1))

@@ -472,3 +472,21 @@ def test_target_argmax_is_kept_in_the_data_folder_and_reused(target_model, tmp_p
     torch.save([torch.zeros(3, dtype=torch.int32)], data / heads_module.ARGMAX_FILE)
     HeadTrainer(target, config).train(data, tmp_path / "c", progress=False)
     assert calls and len(torch.load(data / heads_module.ARGMAX_FILE)) > 1
+
+
+def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, tmp_path_factory, tmp_path):
+    """Stopping rules (--max-minutes, --patience) do not change what a step computes, so a run they stopped
+    resumes from its checkpoint when given more room, and ends where an uncapped run ends."""
+    data = tiny_training_data(tmp_path_factory, target_model)
+    target = CausalLM(target_model, name="tiny-target")
+    settings = dict(draft_vocab_size=40, epochs=2, batch_tokens=512, warmup_steps=2, eval_every=3, eval_fraction=0.1)
+    _, capped = HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=0.0)).train(data, tmp_path / "a",
+                                                                                        progress=False)
+    assert [h.step for h in capped.history] == [1]  # the cap stops it after its first step
+    resumed, result = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "a",
+                                                                                           progress=False)
+    uncapped, full = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "b",
+                                                                                          progress=False)
+    assert result.history[0] == capped.history[0]  # kept from the first run: resumed, not restarted
+    assert [h.step for h in result.history][-1] == [h.step for h in full.history][-1] > 1
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uncapped.state_dict().values()))

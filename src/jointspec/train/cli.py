@@ -77,6 +77,9 @@ def add_parser(subparsers) -> None:
                         help="distillation loss for --kind distill: forward KL (default) or total variation")
     parser.add_argument("--epochs", type=_positive_int, default=8)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    parser.add_argument("--patience", type=_positive_int, default=4,
+                        help="stop after this many held-out evaluations without a better depth-1 agreement; a run "
+                             "stopped by it (or by --max-minutes) resumes when given a larger value")
     parser.add_argument("--batch-tokens", type=_positive_int, default=4096, help="padded tokens per training step")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
@@ -321,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     common = dict(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
                   max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
-                  eval_every=args.eval_every, seed=args.seed)
+                  eval_every=args.eval_every, patience=args.patience, seed=args.seed)
     config_class, trainer_class, _ = trainer_for_kind(kind)
     if kind == "eagle":
         config = config_class(**common, unroll=args.unroll, fuse_layers=args.fuse_layers or ())

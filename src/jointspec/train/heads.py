@@ -243,6 +243,16 @@ def _collate(sequences, group, labels_of, device, answers_only: bool = False):
     return tokens.to(device), features.to(device), labels.to(device)
 
 
+# When to stop does not change what a step computes: a run stopped by them resumes under other values (a longer
+# --max-minutes, more --patience) instead of starting over.
+_STOPPING_RULES = ("patience", "max_minutes")
+
+
+def _trajectory(settings: dict) -> dict:
+    """The training settings that decide the weights after each step."""
+    return {k: v for k, v in settings.items() if k not in _STOPPING_RULES}
+
+
 class HeadTrainer:
     """Trains one head for one target; checkpoints to ``folder/checkpoint.pt`` and resumes from it."""
 
@@ -403,7 +413,7 @@ class HeadTrainer:
         checkpoint = out_folder / "checkpoint.pt"
         if checkpoint.exists():
             saved = torch.load(checkpoint, weights_only=False)
-            if saved["config"] == asdict(config) and saved["vocab"].equal(vocab):
+            if _trajectory(saved["config"]) == _trajectory(asdict(config)) and saved["vocab"].equal(vocab):
                 head.load_state_dict(saved["head"])
                 optimizer.load_state_dict(saved["optimizer"])
                 state = saved["state"]
