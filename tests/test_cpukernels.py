@@ -169,9 +169,18 @@ def test_cost_curve_memo_tells_the_kernels_apart(onednn_pair):
     assert measure_cost_curve(target, sizes=(1, 2), repeats=1, context_tokens=4) is fast
 
 
-def test_resolve_kernels():
+def test_resolve_kernels(monkeypatch):
+    from jointspec.models import cpukernels
+
     model = tiny_llama(0)
+    monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert resolve_kernels("auto", model) == "onednn"
+    # On the Intel Xeon measured, PyTorch's own kernels were faster: auto keeps them there, and on unmeasured CPUs.
+    for vendor in ("GenuineIntel", ""):
+        monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: vendor)
+        assert resolve_kernels("auto", model) == "stock"
+        assert resolve_kernels("onednn", model) == "onednn"  # still available on request
+    monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert resolve_kernels("stock", model) == "stock"
     half = tiny_llama(0).to(torch.bfloat16)
     assert resolve_kernels("auto", half) == "stock"  # auto falls back where oneDNN linears do not apply
@@ -181,7 +190,10 @@ def test_resolve_kernels():
         resolve_kernels("fast", model)
 
 
-def test_load_model_kernels(tmp_path):
+def test_load_model_kernels(tmp_path, monkeypatch):
+    from jointspec.models import cpukernels
+
+    monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")  # where auto picks oneDNN
     folder = save_model(tmp_path / "tiny", 0)
     fast, stock = load_model(folder)[0].model, load_model(folder, kernels="stock")[0].model
     assert kernels_in_use(fast) == "onednn" and attention_in_use(fast) == GQA_ATTENTION  # auto: float32 on CPU

@@ -75,10 +75,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
                              "none = float. Exactness then holds against the quantised target")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
-                        help="torch backend: CPU kernels. auto = for a float32 model on CPU, oneDNN linears (MKL "
-                             "weight-major for 2-4 tokens) and grouped-query attention inside SDPA (a cheaper step, "
-                             "and verifying 1-3 draft tokens at about the cost of one step here), else PyTorch's own; "
-                             "onednn = insist; stock = PyTorch's F.linear and transformers' sdpa attention")
+                        help="torch backend: CPU kernels. auto = for a float32 model on an AMD CPU, oneDNN linears "
+                             "(MKL weight-major for 2-4 tokens) and grouped-query attention inside SDPA (a cheaper "
+                             "step, and verifying 1-3 draft tokens at about the cost of one step there), else "
+                             "PyTorch's own (faster on the Intel Xeon measured); onednn = insist; stock = PyTorch's "
+                             "F.linear and transformers' sdpa attention")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="CPU threads for torch (process-wide) and llama.cpp (default: torch's choice, and the "
                              "usable cores for llama.cpp); fewer than the free cores avoids contention")
