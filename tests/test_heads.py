@@ -368,6 +368,7 @@ def test_hybrid_tree_drafts_no_tree_where_trees_do_not_pay(target_model, tmp_pat
 
 
 def test_default_method_uses_the_shipped_head_for_its_target(target_model, trained_head_dir, monkeypatch):
+    from jointspec import methods
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
@@ -380,8 +381,9 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(without, CostAwareDrafter) and isinstance(without.inner, PromptLookupDrafter)
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
+    monkeypatch.setattr(methods, "default_tree_width", lambda curve, draft_cost: 2)  # see test_default_tree_width
     decoder = decoder_for(target_model, "default", None)
-    assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (3,)
+    assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (2,)
     prompt = random_prompt(3)
     assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
     # --cost-aware with default: already cost-aware, not wrapped again (a wrapper would refuse its trees).
@@ -393,9 +395,27 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(other.inner, PromptLookupDrafter)
 
 
-def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, trained_head_dir):
-    # hybrid-tree (and default, which builds it) drafts the head's top 3 unless --tree is given; specinfer 4,2,2.
+def test_default_tree_width_follows_the_cost_curve():
+    from jointspec.drafters.costaware import CostCurve
+    from jointspec.methods import default_tree_width
+
+    # The AMD machine's oneDNN kernels: a 4-token forward costs about a step, so the widest tree pays.
+    assert default_tree_width(CostCurve({1: 1.0, 2: 1.04, 3: 1.18, 4: 1.03, 5: 1.72}), 0.1) == 3
+    # The Intel Xeon's stock kernels: 4 tokens cost 1.57 steps, 3 tokens 1.21 (measured: width 2 ran fastest).
+    assert default_tree_width(CostCurve({1: 1.0, 2: 1.13, 3: 1.21, 4: 1.57, 5: 1.60}), 0.1) == 2
+    # Every extra token dear: one candidate.
+    assert default_tree_width(CostCurve({1: 1.0, 2: 1.1, 3: 1.9, 4: 2.8}), 0.1) == 1
+
+
+def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, trained_head_dir, monkeypatch):
+    # hybrid-tree (and default, which builds it) drafts the head's top w (chosen from the target's measured cost
+    # curve) unless --tree is given; specinfer 4,2,2.
+    from jointspec import methods
+
+    seen = []
+    monkeypatch.setattr(methods, "default_tree_width", lambda curve, draft_cost: seen.append(curve) or 3)
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir).drafter.tree.branching == (3,)
+    assert seen == [methods.target_cost_curve(CausalLM(target_model))]  # the target's own curve, memoised
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(2, 1)).drafter.tree.branching == (2, 1)
     assert decoder_for(target_model, "default", trained_head_dir, tree=(2,)).drafter.tree.branching == (2,)
     assert decoder_for(target_model, "specinfer", trained_head_dir).drafter.branching == (4, 2, 2)

@@ -29,7 +29,7 @@ class MethodConfig:
     min_ngram: int = 1
     beam_width: int = 4
     accept_threshold: float = 0.5
-    tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: DEFAULT_TREE, specinfer: 4,2,2)
+    tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: default_tree_width, specinfer: 4,2,2)
     tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
     cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
 
@@ -184,7 +184,8 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft model or head, else the "
-                 "tree (--tree, default 3: the draft's top 3 next tokens); always cost-aware (lossless)", cost_aware=True)
+                 "tree (--tree; default: the draft's top 1-3 next tokens, as many as the target's measured cost curve "
+                 "pays for); always cost-aware (lossless)", cost_aware=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     from .api import eos_token_ids
     from .drafters.costaware import CostAwareDrafter
@@ -206,20 +207,31 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
                                          "not both")
         tree = DynamicTreeDrafter(draft, config.tree_budget, eos_token_ids=eos)
     else:
-        tree = TreeDrafter(draft, config.tree or DEFAULT_TREE, replacement=True, eos_token_ids=eos)
+        branching = config.tree or (default_tree_width(curve, draft_cost_per_call(draft)),)
+        tree = TreeDrafter(draft, branching, replacement=True, eos_token_ids=eos)
     drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost_per_call(draft))
     # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.
     return drafter, TreeRejectionVerifier(replacement=True)
 
 
-# The tree `hybrid-tree` (and so `default`) drafts unless --tree says otherwise: the head's top 3 next tokens. With the
-# pending token that is a 4-token forward, the largest that costs about one plain step on the float32 CPU kernels
-# (models/cpukernels.py).
-DEFAULT_TREE = (3,)
+# The tree `hybrid-tree` (and so `default`) drafts unless --tree says otherwise: the draft's top w next tokens, one
+# level, verified with the pending token as a (w + 1)-token forward. Which w pays depends on the target's cost curve:
+# on the AMD machine's oneDNN kernels a 4-token forward costs about one step and w = 3 wins; on an Intel Xeon with
+# PyTorch's kernels it costs 1.57x a step and w = 2 ran 1.20x over `ar` where w = 3 ran 1.11x (docs/benchmarks.md).
+# The chance that the top w hold the target's next token, measured for the shipped SmolLM2 head, teacher-forced on
+# the target's MT-Bench answers (8 prompts, 1,016 tokens): top 1 / 2 / 3 = 39.8 / 53.5 / 62.4 %.
+TOP_W_HIT_RATE = {1: 0.398, 2: 0.535, 3: 0.624}
 
 
-@register_method("default", "the fastest exact configuration for this target: hybrid-tree (lookup, else the top 3 "
-                 "tokens of the head shipped for it; the embedded SmolLM2 has one), else cost-aware prompt lookup",
+def default_tree_width(curve, draft_cost: float) -> int:
+    """The width w of the one-level tree that gives the most tokens per unit of cost on ``curve``: a round costs a
+    (w + 1)-token target forward plus one draft call and yields 1 + P(the target's token is in the top w)."""
+    return max(TOP_W_HIT_RATE, key=lambda w: (1 + TOP_W_HIT_RATE[w]) / (curve.cost(w + 1) + draft_cost))
+
+
+@register_method("default", "the fastest exact configuration for this target: hybrid-tree (lookup, else the top 1-3 "
+                 "tokens of the head shipped for it, as many as the measured cost curve pays for; the embedded SmolLM2 "
+                 "has one), else cost-aware prompt lookup",
                  cost_aware=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
