@@ -219,7 +219,8 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
 # on the AMD machine's oneDNN kernels a 4-token forward costs about one step and w = 3 wins; on an Intel Xeon with
 # PyTorch's kernels it costs 1.57x a step and w = 2 ran 1.20x over `ar` where w = 3 ran 1.11x (docs/benchmarks.md).
 # The chance that the top w hold the target's next token, measured for the shipped SmolLM2 head, teacher-forced on
-# the target's MT-Bench answers (8 prompts, 1,016 tokens): top 1 / 2 / 3 = 39.8 / 53.5 / 62.4 %.
+# the target's MT-Bench answers (8 prompts, 1,016 tokens): top 1 / 2 / 3 = 39.8 / 53.5 / 62.4 %. Other drafts get the
+# same prior (a better draft shifts all three up, which moves the choice little).
 TOP_W_HIT_RATE = {1: 0.398, 2: 0.535, 3: 0.624}
 
 

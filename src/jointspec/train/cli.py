@@ -88,7 +88,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--fuse-layers", type=_layer_list, default=None, metavar="I,J",
                         help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
                              "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
-                             "3,15 for a 30-layer target; the data folder must be built with the same list")
+                             "3,15 for a 30-layer target; the data folder must be built with (at least) these layers")
     parser.add_argument("--eval-every", type=_positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
