@@ -201,15 +201,16 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     curve = target_cost_curve(context.target)
     aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
     eos = eos_token_ids(context.target, context.tokenizer)
+    draft_cost = draft_cost_per_call(draft)
     if config.tree_budget:
         if config.tree is not None:
             raise UnsupportedOptionError("give either --tree (a static tree) or --tree-budget (a dynamic one), "
                                          "not both")
         tree = DynamicTreeDrafter(draft, config.tree_budget, eos_token_ids=eos)
     else:
-        branching = config.tree or (default_tree_width(curve, draft_cost_per_call(draft)),)
+        branching = config.tree or (default_tree_width(curve, draft_cost),)
         tree = TreeDrafter(draft, branching, replacement=True, eos_token_ids=eos)
-    drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost_per_call(draft))
+    drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost)
     # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.
     return drafter, TreeRejectionVerifier(replacement=True)
 

@@ -386,7 +386,7 @@ class HeadTrainer:
 
         head_config = init.config if init is not None else self._new_config(
             None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
-        init_fuses = tuple(getattr(head_config, "fuse_layers", ()))
+        init_fuses = head_config.fuse_layers
         if init is not None and init_fuses != self.fuse_layers:
             if init_fuses:
                 raise UnsupportedOptionError(f"the head to start from fuses layers {list(init_fuses)}; the settings "
