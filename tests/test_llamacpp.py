@@ -503,6 +503,22 @@ def test_bench_llamacpp_stops_on_eos(tiny, loaded):
         engine.generate(prompt, 4, SamplingConfig(temperature=1.0), seed=0)
 
 
+@pytest.mark.parametrize("flags, expected", [({"avx2", "avx512f", "amx_tile", "amx_int8"}, False), ({"avx2"}, True)])
+def test_extra_buffer_types_are_off_on_amx_cpus(tiny, loaded, monkeypatch, flags, expected):
+    # llama.cpp's AMX kernels segfault on quantised batches (jointspec.models.llamacpp): on a CPU with AMX, the
+    # adapter's weights and the Llama class behind the bench's baselines must both load without them; elsewhere
+    # both keep llama.cpp's default, and the Llama class's defaults are left as they were.
+    from jointspec.bench.engines import LlamaCppBackend
+    from jointspec.models import cpukernels
+
+    monkeypatch.setattr(cpukernels, "cpu_flags", lambda: frozenset(flags))
+    assert LlamaCppWeights(tiny[0]).extra_buffer_types is expected
+    backend = LlamaCppBackend(str(tiny[0]), loaded[1], threads=1)
+    assert backend.llama(logits_all=False).model_params.use_extra_bufts is expected
+    assert backend.environment()["llamacpp_extra_buffer_types"] is expected
+    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts is True
+
+
 def test_bench_refuses_a_gguf_of_another_vocabulary(tiny, tmp_path):
     from jointspec.bench.engines import LlamaCppBackend
 

@@ -192,10 +192,13 @@ class LlamaCppBackend:
             adapter = self.adapter()  # loads and checks the file first
             from llama_cpp import Llama
 
-            self._llamas[key] = Llama(
-                model_path=str(adapter.model.path), n_ctx=adapter.max_context, n_batch=adapter.n_batch,
-                n_ubatch=adapter.n_batch, n_threads=self.threads, n_threads_batch=self.threads,
-                logits_all=logits_all, flash_attn=flash_attn, verbose=False)
+            from ..models.llamacpp import llama_class_params
+
+            with llama_class_params():
+                self._llamas[key] = Llama(
+                    model_path=str(adapter.model.path), n_ctx=adapter.max_context, n_batch=adapter.n_batch,
+                    n_ubatch=adapter.n_batch, n_threads=self.threads, n_threads_batch=self.threads,
+                    logits_all=logits_all, flash_attn=flash_attn, verbose=False)
         return self._llamas[key]
 
     def environment(self) -> dict:
@@ -204,6 +207,7 @@ class LlamaCppBackend:
         adapter = self.adapter()
         return {"llamacpp_model": str(adapter.model.path), "llamacpp_threads": self.threads,
                 "llamacpp_n_ctx": adapter.max_context, "llamacpp_adapter_flash_attn": adapter.flash_attn,
+                "llamacpp_extra_buffer_types": adapter.model.extra_buffer_types,
                 "llama_cpp_python": metadata.version("llama-cpp-python")}
 
 

@@ -158,16 +158,26 @@ def kernels_in_use(model) -> str:
 
 
 @functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel", ...; "" where it cannot be read)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` field of /proc/cpuinfo ("" where it cannot be read)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel", ...; "" where it cannot be read)."""
+    return _cpuinfo_field("vendor_id")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("avx2", "amx_int8", ...; empty where they cannot be read)."""
+    return frozenset(_cpuinfo_field("flags").split())
 
 
 # Where ``auto`` picks oneDNN. The kernels above were tuned and measured on a 2-core AMD EPYC, where they make a step

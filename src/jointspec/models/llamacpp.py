@@ -39,6 +39,7 @@ of the two can part at a near-tie, with either setting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -96,6 +97,43 @@ def _init_backend(llama_cpp) -> None:
         _backend_ready = True
 
 
+# llama.cpp's AMX matrix kernels, which it picks for quantised weights on CPUs with AMX (Sapphire Rapids and later
+# Xeons), crash: on a 2-core Xeon with amx_int8, llama-cpp-python 0.3.36 built from source segfaulted in the first
+# decode of more than one token, in its own ``Llama`` class as in this adapter (llama.cpp issue #20824, "segfault in
+# ggml_backend_amx_mul_mat": machine-dependent, not fixed). Loading without llama.cpp's extra buffer types (no AMX,
+# no repacked weights) avoids it; on other CPUs they stay on.
+def use_extra_buffer_types() -> bool:
+    """Whether to load GGUF weights with llama.cpp's extra buffer types: not on CPUs with AMX (see above)."""
+    from .cpukernels import cpu_flags
+
+    return not any(flag.startswith("amx") for flag in cpu_flags())
+
+
+def model_params(llama_cpp):
+    """llama.cpp's default model parameters, with extra buffer types as :func:`use_extra_buffer_types` says."""
+    return _with_extra_buffer_types(llama_cpp.llama_model_default_params())
+
+
+@contextlib.contextmanager
+def llama_class_params():
+    """While open, llama-cpp-python's ``Llama`` class loads models with :func:`model_params` (it has no argument for
+    extra buffer types), so the bench's llama.cpp baselines run the same kernels as this adapter."""
+    import llama_cpp.llama_cpp as low_level
+
+    default = low_level.llama_model_default_params
+    low_level.llama_model_default_params = lambda: _with_extra_buffer_types(default())
+    try:
+        yield
+    finally:
+        low_level.llama_model_default_params = default
+
+
+def _with_extra_buffer_types(params):
+    if hasattr(params, "use_extra_bufts"):  # llama.cpp before mid 2025 had no such switch (nor the AMX crash)
+        params.use_extra_bufts = use_extra_buffer_types()
+    return params
+
+
 class LlamaCppWeights:
     """A loaded GGUF model (weights and vocabulary), shared by every context made from it.
 
@@ -107,7 +145,8 @@ class LlamaCppWeights:
         llama_cpp = import_llama_cpp()
         _init_backend(llama_cpp)
         self.path = path
-        params = llama_cpp.llama_model_default_params()
+        params = model_params(llama_cpp)
+        self.extra_buffer_types = bool(getattr(params, "use_extra_bufts", True))
         pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not pointer:
             raise ModelLoadError(f"llama.cpp could not load '{path}': not a GGUF model this llama.cpp build "
