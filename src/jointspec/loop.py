@@ -127,7 +127,8 @@ class SpeculativeDecoder:
         end = min(len(tokens) + config.max_new_tokens, max_context)
 
         start = time.perf_counter()
-        self.target.reset()
+        # A decode that never verifies may run on the target's fastest kernels even if batched rows would differ.
+        self.target.reset(plain=getattr(self.drafter, "never_drafts", False))
         if len(tokens) > 1:
             self.target.forward(tokens[:-1], num_logits=0)
         self.drafter.start(tokens)

@@ -68,6 +68,9 @@ class Drafter(Protocol):
 class NoDrafter:
     """Drafts nothing: the loop then decodes one token per target call (the ``ar`` baseline)."""
 
+    # Read by the loop: a target may then decode on kernels that are fast but not batch-invariant (llama.cpp).
+    never_drafts = True
+
     def start(self, prompt_ids: list[int]) -> None:
         pass
 

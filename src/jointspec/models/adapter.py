@@ -136,7 +136,9 @@ class CausalLM:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def reset(self) -> None:
+    def reset(self, *, plain: bool = False) -> None:
+        """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
+        runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes."""
         self.cache = DynamicCache(config=self.model.config)
         self.num_cached = 0
         for mirror in self.mirrors:

@@ -32,7 +32,10 @@ single-token logits were bit-identical for batches of 2 to 48 tokens after 0 to 
 on, llama.cpp switches matrix kernels and rows differ again (by up to 1.5), so a forward that returns more than one
 row of logits (a verification) is fed in batches of at most ``EXACT_BATCH`` = 32 tokens; prefills (no logits, or
 the last row only) keep whole ``n_batch`` batches, which are faster. ``flash_attn=False`` gives llama-cpp-python's
-default back (the bench's ``llamacpp`` baselines use that default). A consequence: llama.cpp's own loop prefills
+default back (the bench's ``llamacpp`` baselines use that default). A decode that verifies nothing (``ar``: the loop
+calls ``reset(plain=True)``) needs no batch invariance and runs on a second context with that default, since flash
+attention costs 10-22 % a step on the Intel Xeons measured; speculative methods are exact against greedy decoding
+on the flash-attention context, so their output can part from ``ar``'s at a near-tie. A consequence: llama.cpp's own loop prefills
 the whole prompt in one batch while jointspec's loop prefills all but its last token, so even plain greedy outputs
 of the two can part at a near-tie, with either setting.
 """
@@ -164,12 +167,48 @@ class LlamaCppWeights:
         return llama_cpp.llama_vocab_get_text(self.vocab, token_id).decode("utf-8", errors="replace")
 
 
+class _Context:
+    """One llama.cpp context (one sequence's KV cache) and its batch buffer, freed with this object."""
+
+    def __init__(self, llama_cpp, weights: LlamaCppWeights, *, n_ctx: int, n_threads: int, n_batch: int,
+                 flash_attn: bool) -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = n_threads
+        if hasattr(params, "flash_attn_type"):
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        else:  # llama.cpp before the auto setting (mid 2025) had a plain flag
+            params.flash_attn = flash_attn
+        params.no_perf = True
+        pointer = llama_cpp.llama_init_from_model(weights.pointer, params)
+        if not pointer:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for '{weights.path}' "
+                                 "(out of memory?); pass a smaller n_ctx")
+        self.pointer = pointer
+        self.flash_attn = flash_attn
+        self.memory = llama_cpp.llama_get_memory(pointer)
+        self.max_context = int(llama_cpp.llama_n_ctx(pointer))
+        self.n_batch = int(llama_cpp.llama_n_batch(pointer))
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        # The weights must outlive the context: the finalizer holds a reference to them.
+        self._finalizer = weakref.finalize(self, _free_context, llama_cpp, pointer, self.batch, weights)
+
+
 class LlamaCppLM:
-    """One llama.cpp context (one sequence's KV cache) over :class:`LlamaCppWeights`.
+    """A llama.cpp model over :class:`LlamaCppWeights`, holding one sequence's KV cache at a time.
 
     Duck-types :class:`jointspec.models.adapter.CausalLM` for chain methods (``ar``, ``pld``, ``sps``).
     ``model`` is the shared weights handle (no torch module: nothing here can run the model through torch);
     there is no ``config``.
+
+    Two llama.cpp contexts may back it: the exact one (flash attention as ``flash_attn`` says, on by default: batched
+    rows equal single-token rows, module docstring), which every decode that verifies uses; and, made on the first
+    ``reset(plain=True)``, one with llama.cpp's default kernels (flash attention off) for decodes that feed one token
+    at a time and verify nothing, where batch invariance buys nothing and flash attention costs 10-22 % a step on
+    the Intel Xeons measured (docs/benchmarks.md). ``plain`` says which one the current decode runs on.
     """
 
     def __init__(self, weights: LlamaCppWeights, *, n_ctx: int = 4096, n_threads: int | None = None,
@@ -182,29 +221,13 @@ class LlamaCppLM:
         self.name = name or weights.path.name
         self.n_threads = n_threads or default_threads()
         self.flash_attn = flash_attn
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
-        params.n_seq_max = 1
-        params.n_threads = params.n_threads_batch = self.n_threads
-        # On by default: batch-invariant attention (module docstring).
-        if hasattr(params, "flash_attn_type"):
-            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        else:  # llama.cpp before the auto setting (mid 2025) had a plain flag
-            params.flash_attn = flash_attn
-        params.no_perf = True
-        context = llama_cpp.llama_init_from_model(weights.pointer, params)
-        if not context:
-            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} tokens for '{weights.path}' "
-                                 "(out of memory?); pass a smaller n_ctx")
-        self._context = context
-        self._memory = llama_cpp.llama_get_memory(context)
-        self.max_context = int(llama_cpp.llama_n_ctx(context))
-        self.n_batch = int(llama_cpp.llama_n_batch(context))
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        # The weights must outlive the context: the finalizer holds a reference to them.
-        self._finalizer = weakref.finalize(self, _free_context, llama_cpp, context, self._batch, weights)
+        self._exact = _Context(llama_cpp, weights, n_ctx=n_ctx, n_threads=self.n_threads, n_batch=n_batch,
+                               flash_attn=flash_attn)
+        self._fast: _Context | None = None if flash_attn else self._exact
+        self._active = self._exact
+        self.max_context = self._exact.max_context
+        self.n_batch = self._exact.n_batch
+        self.plain = False
         self.num_cached = 0
 
     # --- what the loop and drafters read -----------------------------------------------------------------------
@@ -226,15 +249,24 @@ class LlamaCppLM:
         if n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.n_threads = n_threads
-        self._lib.llama_set_n_threads(self._context, n_threads, n_threads)
+        for context in (self._exact, self._fast):
+            if context is not None:
+                self._lib.llama_set_n_threads(context.pointer, n_threads, n_threads)
 
     def fork(self, name: str | None = None) -> "LlamaCppLM":
         """A new context (own KV cache, same settings) over the same weights: a self-draft, a cost probe."""
         return LlamaCppLM(self.model, n_ctx=self.max_context, n_threads=self.n_threads, n_batch=self.n_batch,
                           flash_attn=self.flash_attn, name=name or f"{self.name} (fork)")
 
-    def reset(self) -> None:
-        self._lib.llama_memory_clear(self._memory, True)
+    def reset(self, *, plain: bool = False) -> None:
+        """Empty the cache for a new sequence. ``plain=True``: this decode feeds one token at a time and verifies
+        nothing, so it may run on llama.cpp's faster default kernels (class docstring)."""
+        if plain and self._fast is None:
+            self._fast = _Context(self._lib, self.model, n_ctx=self.max_context, n_threads=self.n_threads,
+                                  n_batch=self.n_batch, flash_attn=False)
+        self._active = self._fast if plain else self._exact
+        self.plain = plain
+        self._lib.llama_memory_clear(self._active.memory, True)
         self.num_cached = 0
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
@@ -253,6 +285,9 @@ class LlamaCppLM:
         keep = n if num_logits is None else num_logits
         if not 0 <= keep <= n:
             raise ValueError(f"num_logits must be between 0 and {n}, got {num_logits}")
+        if keep > 1 and self._active is not self._exact:
+            raise RuntimeError("this decode was started with reset(plain=True), whose kernels give batched rows that "
+                               "differ from single-token ones; reset() without plain=True to verify drafts")
         start = self.num_cached
         if start + n > self.max_context:
             raise ContextTooLongError(f"{start} cached + {n} new tokens exceed the llama.cpp context of "
@@ -261,7 +296,8 @@ class LlamaCppLM:
         logits = np.empty((keep, vocab), dtype=np.float32)  # [keep, vocab]
         filled = 0
         first_output = n - keep
-        batch = self._batch
+        context = self._active
+        batch = context.batch
         step = self.n_batch if keep <= 1 else min(self.n_batch, EXACT_BATCH)
         for chunk_start in range(0, n, step):
             chunk = ids[chunk_start:chunk_start + step]
@@ -276,15 +312,15 @@ class LlamaCppLM:
                 batch.logits[i] = wanted
                 num_outputs += wanted
             batch.n_tokens = len(chunk)
-            status = self._lib.llama_decode(self._context, batch)
+            status = self._lib.llama_decode(context.pointer, batch)
             if status != 0:
                 # Whatever part of the batch was stored is dropped again, so the cache stays as before the call.
-                self._lib.llama_memory_seq_rm(self._memory, 0, start, -1)
+                self._lib.llama_memory_seq_rm(context.memory, 0, start, -1)
                 raise RuntimeError(f"llama_decode failed with status {status} on {len(chunk)} tokens after "
                                    f"{start + chunk_start} cached (1: no KV slot, -1: invalid batch)")
             if num_outputs:
                 # Outputs of this decode, in batch order: one contiguous [num_outputs, vocab] block.
-                rows = np.ctypeslib.as_array(self._lib.llama_get_logits(self._context),
+                rows = np.ctypeslib.as_array(self._lib.llama_get_logits(context.pointer),
                                              shape=(num_outputs * vocab,))
                 logits[filled:filled + num_outputs] = rows.reshape(num_outputs, vocab)
                 filled += num_outputs
@@ -297,7 +333,7 @@ class LlamaCppLM:
         if not 0 <= length <= self.num_cached:
             raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
         if length < self.num_cached:
-            if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):
+            if not self._lib.llama_memory_seq_rm(self._active.memory, 0, length, -1):
                 raise UnsupportedOptionError(
                     f"llama.cpp cannot roll back the memory of '{self.name}' (a recurrent or sliding-window "
                     "model?); speculative decoding on the llama.cpp backend needs a model with a plain KV cache")
