@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..errors import UnsupportedOptionError
+from .kvcache import BufferedCache
 
 
 @dataclass
@@ -100,7 +101,7 @@ class CausalLM:
     def __init__(self, model: PreTrainedModel, name: str = "model") -> None:
         self.model = model.eval()
         self.name = name
-        self.cache = DynamicCache(config=model.config)
+        self.cache = BufferedCache(model.config)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
 
@@ -139,7 +140,7 @@ class CausalLM:
     def reset(self, *, plain: bool = False) -> None:
         """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
         runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = BufferedCache(self.model.config)
         self.num_cached = 0
         for mirror in self.mirrors:
             mirror.crop(0)
@@ -206,9 +207,7 @@ class CausalLM:
             self.crop(len(positions))
             return
         index = torch.tensor(positions, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+        self.cache.keep(index)
         for mirror in self.mirrors:
             if mirror.synced:
                 mirror.keep(index)

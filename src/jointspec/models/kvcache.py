@@ -1,0 +1,114 @@
+"""A KV cache that appends in place: what the torch adapter keeps its target's keys and values in.
+
+transformers' ``DynamicCache`` appends a forward's new keys and values with ``torch.cat``, which copies every cached
+entry of every layer on every forward; a speculative loop also crops the cache after each verification, so no
+buffer is ever reused. :class:`BufferedCache` keeps each layer's keys and values in a buffer with room to spare:
+a forward writes its new entries after the cached ones, a crop only shortens the view, and keeping the accepted
+path of a tree moves only the entries after the first dropped one. Each layer's ``keys`` / ``values`` stay what
+transformers expects (``[batch, kv_heads, length, head_dim]`` tensors, here views of the buffers), so attention and
+masks run unchanged.
+
+The buffers grow by doubling (at least ``MIN_CAPACITY`` entries), so a sequence of n tokens copies its cache
+O(log n) times instead of n times. Anything that replaces a layer's ``keys`` / ``values`` with other tensors (as
+transformers' own batch utilities do) is taken over at the next append.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256
+
+
+class BufferedLayer(DynamicLayer):
+    """One attention layer's keys and values, stored in growing buffers (module docstring)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = self._value_buffer = None  # [batch, kv_heads, capacity, head_dim]
+
+    def _adopt(self) -> int:
+        """The cached length, taking over ``keys`` / ``values`` into fresh buffers if something replaced them."""
+        if self._key_buffer is not None and self.keys is self._key_view:
+            return self.keys.shape[-2]
+        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        self._key_buffer = self._value_buffer = None
+        if length:
+            self._reserve(self.keys, self.values, length)
+            self._key_buffer[..., :length, :] = self.keys
+            self._value_buffer[..., :length, :] = self.values
+        return length
+
+    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
+        """Room for ``needed`` entries shaped like ``keys`` / ``values``, keeping the cached ones."""
+        capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity, MIN_CAPACITY)
+        old = (self._key_buffer, self._value_buffer)
+        self._key_buffer = keys.new_empty(keys.shape[:-2] + (capacity, keys.shape[-1]))
+        self._value_buffer = values.new_empty(values.shape[:-2] + (capacity, values.shape[-1]))
+        if old[0] is not None:
+            length = self.keys.shape[-2]
+            self._key_buffer[..., :length, :] = old[0][..., :length, :]
+            self._value_buffer[..., :length, :] = old[1][..., :length, :]
+
+    def _set_length(self, length: int) -> None:
+        self.keys = self._key_view = self._key_buffer[..., :length, :]
+        self.values = self._value_buffer[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self._adopt()
+        end = start + key_states.shape[-2]
+        self._reserve(key_states, value_states, end)
+        self._key_buffer[..., start:end, :] = key_states
+        self._value_buffer[..., start:end, :] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` entries (transformers >= 5 passes a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a negative count, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        length = self._adopt()
+        self._set_length(max(0, length + tokens_to_remove))
+
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep the entries at ``positions`` (increasing), in that order. Entries before the first position that
+        moves stay where they are; only the rest are gathered."""
+        if not self.is_initialized:
+            return
+        self._adopt()
+        moved = (positions != torch.arange(len(positions), device=positions.device)).nonzero()
+        if len(moved):
+            first = int(moved[0])
+            tail = positions[first:]
+            # index_select makes a separate tensor, so the write cannot read entries it has already overwritten.
+            self._key_buffer[..., first:len(positions), :] = self._key_buffer.index_select(-2, tail)
+            self._value_buffer[..., first:len(positions), :] = self._value_buffer.index_select(-2, tail)
+        self._set_length(len(positions))
+
+
+class BufferedCache(DynamicCache):
+    """``DynamicCache`` whose full-attention layers are :class:`BufferedLayer` (sliding-window layers unchanged)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config=config)
+        self.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    @torch.inference_mode()  # the buffers are inference tensors (the adapter's forward makes them)
+    def keep(self, positions: torch.Tensor) -> None:
+        """Keep the cached entries at ``positions`` (increasing) in every layer, in that order."""
+        for layer in self.layers:
+            if isinstance(layer, BufferedLayer):
+                layer.keep(positions)
+            else:
+                layer.keys = layer.keys.index_select(-2, positions)
+                layer.values = layer.values.index_select(-2, positions)

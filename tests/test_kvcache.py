@@ -1,0 +1,75 @@
+"""The in-place KV cache (jointspec.models.kvcache): it must hold exactly what transformers' DynamicCache holds.
+
+Every check compares with DynamicCache fed the same tensors, or with the same entries gathered by hand; all are
+exact (the cache only copies values), so nothing here can fail by chance.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, LlamaConfig
+
+from jointspec.models.kvcache import MIN_CAPACITY, BufferedCache, BufferedLayer
+
+CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=64, vocab_size=64)
+
+
+def entries(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 2, n, 8, generator=generator),   # [batch, kv_heads, n, head_dim]
+            torch.randn(1, 2, n, 8, generator=generator))
+
+
+def feed(cache, chunks: list[int], seed: int = 0) -> None:
+    for i, n in enumerate(chunks):
+        for layer in range(2):
+            cache.update(*entries(seed + 10 * i + layer, n), layer)
+
+
+def assert_same(buffered: BufferedCache, reference: DynamicCache) -> None:
+    for ours, theirs in zip(buffered.layers, reference.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    assert buffered.get_seq_length() == reference.get_seq_length()
+
+
+def test_appends_and_crops_like_dynamic_cache_across_growth():
+    buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
+    assert all(isinstance(layer, BufferedLayer) for layer in buffered.layers)
+    chunks = [MIN_CAPACITY - 3, 1, 5, 2 * MIN_CAPACITY, 3]  # crosses the first capacity, then doubles past it
+    for i, n in enumerate(chunks):
+        feed(buffered, [n], seed=i)
+        feed(reference, [n], seed=i)
+        assert_same(buffered, reference)
+        buffered.crop(-2)
+        reference.crop(-2)
+        assert_same(buffered, reference)
+    # Doubling: the buffer holds the longest length reached (766) and is less than twice as long.
+    assert 766 <= buffered.layers[0]._key_buffer.shape[-2] < 2 * 766
+
+
+def test_keep_gathers_scattered_entries_in_order():
+    buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
+    feed(buffered, [6, 7])
+    feed(reference, [6, 7])
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 7, 9, 12])  # the context, then a path through a 7-node tree
+    buffered.keep(positions)
+    for layer in reference.layers:
+        layer.keys, layer.values = layer.keys.index_select(-2, positions), layer.values.index_select(-2, positions)
+    assert_same(buffered, reference)
+    feed(buffered, [3], seed=5)  # appends after the gathered path
+    feed(reference, [3], seed=5)
+    assert_same(buffered, reference)
+
+
+def test_keys_replaced_from_outside_are_taken_over():
+    # transformers' batch utilities assign new keys/values tensors; the next append must start from those.
+    buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
+    feed(buffered, [5])
+    feed(reference, [5])
+    for cache in (buffered, reference):
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., :3, :].clone(), layer.values[..., :3, :].clone()
+    feed(buffered, [2], seed=3)
+    feed(reference, [2], seed=3)
+    assert_same(buffered, reference)
