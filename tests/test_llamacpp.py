@@ -17,9 +17,10 @@ exceeds ``4 * ATOL_TORCH`` (a near-tie may legitimately flip there), and greedy 
 llama.cpp, where the noise is 8 times below the smallest margin seen: speculative greedy on the adapter must equal
 plain greedy on the adapter token for token (a draft token is kept only when it is the argmax of the batch that
 verified it), and those tests are exact. Their reference is greedy decoding by hand on the adapter's exact context:
-``ar`` runs on its plain context (flash attention off), whose logits differ from the exact context's by up to 7e-4,
-so it is compared only with greedy decoding on other kernels of the same kind. (On the real Q4_1 model, batched and single-token rows are bit-identical
-with flash attention, and differ by up to ~1 without it: see jointspec.models.llamacpp.)
+``ar`` runs on its plain context (flash attention off), whose logits differ from the exact context's by up to 1e-3,
+so it is compared only with greedy decoding on kernels of its own kind (the bench test is the one exception, see
+there). (On the real Q4_1 model, batched and single-token rows are bit-identical with flash attention, and differ
+by up to ~1 without it: see jointspec.models.llamacpp.)
 """
 
 from __future__ import annotations
@@ -352,6 +353,22 @@ def test_ar_decodes_on_the_plain_context_and_speculation_on_the_exact_one(loaded
     assert not lm.plain
 
 
+def test_cost_curve_is_measured_on_the_exact_context_after_ar(loaded):
+    # Building a cost-aware method measures verification costs (multi-row forwards), which the plain context
+    # refuses; an ar decode just before must not make that fail.
+    from jointspec.drafters import costaware
+
+    lm, tokenizer = loaded
+    prompt = random_prompt(3)
+    plain(lm, tokenizer, prompt, 4)
+    assert lm.plain
+    costaware._MEASURED.pop(lm.model, None)  # measure now, not from an earlier test's memo
+    config = MethodConfig(name="pld", cost_aware=True, num_draft_tokens=NUM_DRAFT_TOKENS)
+    drafter, verifier = build_method(MethodContext(config, lm, tokenizer, None))
+    decoder = SpeculativeDecoder(lm, drafter, verifier)
+    assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS)) == exact_greedy(lm, prompt, MAX_NEW_TOKENS)
+
+
 def test_plain_context_runs_without_flash_attention_and_refuses_verification(loaded):
     lm, _ = loaded
     prompt = random_prompt(4)
@@ -368,8 +385,8 @@ def test_plain_context_runs_without_flash_attention_and_refuses_verification(loa
     lm.forward(prompt[:4], num_logits=1)
     with pytest.raises(RuntimeError, match="reset\\(\\) without plain=True"):
         lm.forward(prompt[4:7])
-    lm.set_threads(2)
-    assert lm.n_threads == 2
+    lm.set_threads(2)  # reaches both contexts
+    assert llama_cpp.llama_n_threads(lm._exact.pointer) == llama_cpp.llama_n_threads(lm._fast.pointer) == 2
     lm.set_threads(1)
 
 
@@ -510,6 +527,9 @@ def test_bench_runs_llamacpp_engines_side_by_side(tiny, loaded):
     # The torch target and the llama.cpp methods in one run, on the same prompt ids. Against the baseline
     # ar:backend=llamacpp, llama.cpp's own loop (plain, and with its prompt-lookup draft) and jointspec's methods on
     # the adapter must give identical tokens. Torch's ar runs beside them, compared with nothing (fp16 KV noise).
+    # Rows with and without flash attention are compared here: on these prompts' greedy paths the smallest top-two
+    # margin is 4.0e-3 and the two kernels' logits differ by at most 1.0e-3 (measured with this llama.cpp build), so
+    # they agree; a build whose kernels differ four times more could part them at a near-tie.
     gguf_path, model = tiny
     tokenizer = loaded[1]
     prompts = [BenchPrompt("0", "x", ("the thin thing in the thin thin thing",)),

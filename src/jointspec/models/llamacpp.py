@@ -32,12 +32,14 @@ single-token logits were bit-identical for batches of 2 to 48 tokens after 0 to 
 on, llama.cpp switches matrix kernels and rows differ again (by up to 1.5), so a forward that returns more than one
 row of logits (a verification) is fed in batches of at most ``EXACT_BATCH`` = 32 tokens; prefills (no logits, or
 the last row only) keep whole ``n_batch`` batches, which are faster. ``flash_attn=False`` gives llama-cpp-python's
-default back (the bench's ``llamacpp`` baselines use that default). A decode that verifies nothing (``ar``: the loop
-calls ``reset(plain=True)``) needs no batch invariance and runs on a second context with that default, since flash
-attention costs 10-22 % a step on the Intel Xeons measured; speculative methods are exact against greedy decoding
-on the flash-attention context, so their output can part from ``ar``'s at a near-tie. A consequence: llama.cpp's own loop prefills
-the whole prompt in one batch while jointspec's loop prefills all but its last token, so even plain greedy outputs
-of the two can part at a near-tie, with either setting.
+default back (the bench's ``llamacpp`` baselines use that default). llama.cpp's own loop prefills the whole prompt
+in one batch while jointspec's loop prefills all but its last token, so even plain greedy outputs of the two can
+part at a near-tie, with either setting.
+
+A decode that verifies nothing (``ar``: the loop calls ``reset(plain=True)``) needs no batch invariance and runs on
+a second context without flash attention, as llama.cpp's own loop does, since flash attention costs 10-22 % a step
+on the Intel Xeons measured. Speculative methods are exact against greedy decoding on the flash-attention context,
+so their output can part from ``ar``'s at a near-tie.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -117,18 +120,23 @@ def model_params(llama_cpp):
     return _with_extra_buffer_types(llama_cpp.llama_model_default_params())
 
 
+_patch_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def llama_class_params():
     """While open, llama-cpp-python's ``Llama`` class loads models with :func:`model_params` (it has no argument for
-    extra buffer types), so the bench's llama.cpp baselines run the same kernels as this adapter."""
+    extra buffer types), so the bench's llama.cpp baselines run the same kernels as this adapter. One thread at a
+    time: the patch is on the module."""
     import llama_cpp.llama_cpp as low_level
 
-    default = low_level.llama_model_default_params
-    low_level.llama_model_default_params = lambda: _with_extra_buffer_types(default())
-    try:
-        yield
-    finally:
-        low_level.llama_model_default_params = default
+    with _patch_lock:
+        default = low_level.llama_model_default_params
+        low_level.llama_model_default_params = lambda: _with_extra_buffer_types(default())
+        try:
+            yield
+        finally:
+            low_level.llama_model_default_params = default
 
 
 def _with_extra_buffer_types(params):
@@ -262,8 +270,12 @@ class LlamaCppLM:
         """Empty the cache for a new sequence. ``plain=True``: this decode feeds one token at a time and verifies
         nothing, so it may run on llama.cpp's faster default kernels (class docstring)."""
         if plain and self._fast is None:
-            self._fast = _Context(self._lib, self.model, n_ctx=self.max_context, n_threads=self.n_threads,
-                                  n_batch=self.n_batch, flash_attn=False)
+            try:
+                self._fast = _Context(self._lib, self.model, n_ctx=self.max_context, n_threads=self.n_threads,
+                                      n_batch=self.n_batch, flash_attn=False)
+            except ModelLoadError as error:  # a second KV cache did not fit: decode on the exact one, a bit slower
+                log.warning("plain decoding stays on the flash-attention context: %s", error)
+                self._fast = self._exact
         self._active = self._fast if plain else self._exact
         self.plain = plain
         self._lib.llama_memory_clear(self._active.memory, True)
