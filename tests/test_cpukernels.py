@@ -198,6 +198,10 @@ def test_load_model_kernels(tmp_path, monkeypatch):
     fast, stock = load_model(folder)[0].model, load_model(folder, kernels="stock")[0].model
     assert kernels_in_use(fast) == "onednn" and attention_in_use(fast) == GQA_ATTENTION  # auto: float32 on CPU
     assert kernels_in_use(stock) == "stock" and attention_in_use(stock) == "sdpa"
+    # Where auto keeps PyTorch's linears it still groups attention heads (bit-identical, cheaper to verify with).
+    monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "GenuineIntel")
+    intel = load_model(folder)[0].model
+    assert kernels_in_use(intel) == "stock" and attention_in_use(intel) == GQA_ATTENTION
     with pytest.raises(UnsupportedOptionError, match="unknown kernels 'fast'"):
         load_model(folder, kernels="fast")
     with pytest.raises(UnsupportedOptionError, match="float32"):

@@ -173,7 +173,8 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
 
     md = ["# jointspec bench\n", f"`{command}`\n",
           f"Model **{env['model']}**, {env['dtype']}"
-          f"{' (linear layers on ' + env['kernels'] + ')' if env.get('kernels') else ''}, "
+          f"{' (linear layers on ' + env['kernels'] + ')' if env.get('kernels') else ''}"
+          f"{', attention ' + env['attention'] if env.get('attention') else ''}, "
           f"on {env['device']} ({env['device_name']}, "
           f"{env['num_threads']} threads); torch {env['torch']}, transformers {env['transformers']}, "
           f"jointspec {env['jointspec']}, Python {env['python']}.\n",

@@ -27,7 +27,7 @@ from ..api import eos_token_ids
 from ..loop import SpecStats
 from ..methods import MethodConfig
 from ..models.adapter import CausalLM
-from ..models.cpukernels import kernels_in_use
+from ..models.cpukernels import GQA_ATTENTION, attention_in_use, kernels_in_use
 from ..models.loading import load_model, quantized_copy, stock_copy
 from ..quality import token_logprobs
 from .costmodel import TargetCost, measure_target_cost
@@ -138,7 +138,8 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     copies: dict[str, CausalLM] = {}  # one copy of the target per quantisation or kernel choice named by a spec
 
     def target_for(spec: MethodSpec) -> CausalLM:
-        if spec.kernels == "stock" and kernels_in_use(target.model) == "onednn":
+        if spec.kernels == "stock" and (kernels_in_use(target.model) == "onednn"
+                                        or attention_in_use(target.model) == GQA_ATTENTION):
             key, make = "stock kernels", stock_copy
         elif spec.quantize != "none":
             key, make = spec.quantize, lambda original: quantized_copy(original, spec.quantize)
@@ -277,6 +278,7 @@ def environment(target: CausalLM) -> dict:
     return {"model": target.name, "device": str(device), "device_name": device_name,
             "dtype": str(target.dtype).replace("torch.", ""), "num_threads": torch.get_num_threads(),
             "kernels": kernels_in_use(getattr(target, "model", None)),
+            "attention": attention_in_use(getattr(target, "model", None)),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "jointspec": metadata.version("jointspec")}

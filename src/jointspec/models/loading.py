@@ -95,8 +95,9 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     ``torch`` or ``llamacpp`` (a :class:`~jointspec.models.llamacpp.LlamaCppLM`, CPU only, ``dtype`` ignored).
     ``threads``: llama.cpp's thread count (default: the cores this process may use); the torch backend uses torch's
     process-wide setting, which the CLI sets from ``--threads``. ``kernels`` (torch backend): ``auto`` runs a float32
-    CPU model's linear layers on oneDNN (see :mod:`jointspec.models.cpukernels`), ``onednn`` insists on it, ``stock``
-    keeps PyTorch's ``F.linear``.
+    CPU model's linear layers on oneDNN where that was measured faster (see :mod:`jointspec.models.cpukernels`) and
+    its grouped-query attention without copying heads on any CPU; ``onednn`` insists on both; ``stock`` keeps
+    PyTorch's ``F.linear`` and transformers' ``sdpa`` attention.
     """
     source = source or DEFAULT_MODEL
     if kernels not in KERNEL_CHOICES:
@@ -115,6 +116,8 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     try:
         if resolve_kernels(kernels, model) == "onednn":
             use_onednn_linears(model)
+        if kernels != "stock":
+            # Bit-identical to transformers' sdpa and cheaper to verify with on every CPU measured (cpukernels).
             use_gqa_attention(model)
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
@@ -136,8 +139,8 @@ def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
 
 
 def stock_copy(target: CausalLM) -> CausalLM:
-    """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN), for comparing the
-    two kernels in one process (the bench's ``kernels=stock`` option)."""
+    """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN) and whose attention is
+    transformers' own ``sdpa``, for comparing the kernels in one process (the bench's ``kernels=stock`` option)."""
     import copy
 
     model = copy.deepcopy(target.model)
