@@ -1,10 +1,13 @@
-"""Forward cost with the adapter's in-place KV cache against transformers' ``DynamicCache``, side by side.
+"""Forward cost of the torch adapter's KV cache and attention choices, side by side.
 
-Two adapters share one loaded model: one keeps its cache in :class:`jointspec.models.kvcache.BufferedCache` (what
-jointspec runs), the other in ``DynamicCache`` (which appends with ``torch.cat``, copying the whole cache each
-forward). For each ``--contexts`` length both prefill the same random tokens; then each of ``--repeats`` passes
-times every (cache, k) pair once in a shuffled order, a forward of k tokens with all k rows of logits, cropping back
-after each; the first pass is a discarded warm-up. Reports the 20th percentile in ms. Run on a quiet machine:
+Three settings on one loaded model: ``DynamicCache`` with transformers' ``sdpa`` attention (what transformers
+runs: appends with ``torch.cat``, copying the whole cache each forward, and copies key/value heads per query head
+under a mask), the adapter's in-place :class:`jointspec.models.kvcache.BufferedCache` with ``sdpa``, and the
+in-place cache with jointspec's grouped-query attention (what ``--kernels auto`` runs). For each ``--contexts``
+length the two adapters prefill the same random tokens; then each of ``--repeats`` passes times every (setting, k)
+pair once in a shuffled order, a forward of k tokens with all k rows of logits (switching the model's attention
+before it), cropping back after each; the first pass is a discarded warm-up. Reports the 20th percentile in ms.
+Run on a quiet machine:
 
     python scripts/kv_cache_cost.py --threads 2 --contexts 200,1000,2000,4000 --ks 1,3
 """
@@ -30,33 +33,39 @@ def main() -> None:
     from transformers import DynamicCache
 
     from jointspec.models.adapter import CausalLM
+    from jointspec.models.cpukernels import use_gqa_attention, use_stock_attention
     from jointspec.models.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    buffered, _ = load_model(args.model)
+    buffered, _ = load_model(args.model, kernels="stock")
 
     class Concatenating(CausalLM):
         def reset(self, *, plain: bool = False) -> None:
             super().reset(plain=plain)
             self.cache = DynamicCache(config=self.model.config)
 
-    adapters = {"buffered": buffered, "DynamicCache": Concatenating(buffered.model, name="cat")}
+    concatenating = Concatenating(buffered.model, name="cat")
+    # setting -> (adapter, grouped attention?)
+    settings = {"DynamicCache+sdpa": (concatenating, False), "in place+sdpa": (buffered, False),
+                "in place+grouped": (buffered, True)}
+    adapters = {"in place": buffered, "DynamicCache": concatenating}
     rng = random.Random(args.seed)
     ks = [int(k) for k in args.ks.split(",")]
-    print("| context | " + " | ".join(f"{name} k={k}" for name in adapters for k in ks) + " |")
-    print("|---:|" + "---:|" * (len(adapters) * len(ks)))
+    print("| context | " + " | ".join(f"{name} k={k}" for name in settings for k in ks) + " |")
+    print("|---:|" + "---:|" * (len(settings) * len(ks)))
     for context in (int(c) for c in args.contexts.split(",")):
         prompt = [rng.randrange(buffered.vocab_size) for _ in range(context)]
         for adapter in adapters.values():
             adapter.reset()
             adapter.forward(prompt, num_logits=0)
-        samples: dict[tuple[str, int], list[float]] = {(name, k): [] for name in adapters for k in ks}
+        samples: dict[tuple[str, int], list[float]] = {(name, k): [] for name in settings for k in ks}
         for timed in [False] + [True] * args.repeats:
             pairs = list(samples)
             rng.shuffle(pairs)
             for name, k in pairs:
-                adapter = adapters[name]
+                adapter, grouped = settings[name]
+                (use_gqa_attention if grouped else use_stock_attention)(buffered.model)
                 tokens = [rng.randrange(buffered.vocab_size) for _ in range(k)]
                 start = time.perf_counter()
                 adapter.forward(tokens)

@@ -224,8 +224,8 @@ def stock_kernels(model: nn.Module) -> Iterator[None]:
 # head it serves (``repeat_kv``: 2 copies of the whole cache per layer per verification). SDPA itself takes the
 # grouping (``enable_gqa``) with a mask on CPU, bit for bit the same result: measured on the embedded model, 2-5 token
 # forwards 3-6 % faster (one decode step has no mask and is unchanged) on the AMD EPYC; on an Intel Xeon with PyTorch's
-# own linears, 3-token forwards 6 / 12 / 21 % faster after 200 / 1000 / 4000 cached tokens. So ``--kernels auto``
-# uses it on every CPU, whichever linears it picks.
+# own linears, 3-token forwards 3 / 15 / 19 / 22 % faster after 200 / 1000 / 2000 / 4000 cached tokens
+# (scripts/kv_cache_cost.py). So ``--kernels auto`` uses it on every CPU, whichever linears it picks.
 GQA_ATTENTION = "jointspec_gqa_sdpa"
 
 
