@@ -55,7 +55,8 @@ class TreeDrafter:
             for row, node in enumerate(level):
                 if node != -1 and token_ids[node] in self.eos_token_ids:
                     continue
-                draft_row = processed_probs(logits[row], sampling)  # [vocab]
+                # Greedy drafts carry no probabilities (module docstring): skip the one-hot over the vocabulary.
+                draft_row = None if sampling.greedy else processed_probs(logits[row], sampling)  # [vocab]
                 for token in self._draw(logits[row], draft_row, self.branching[d], sampling, generator):
                     parents.append(node)
                     token_ids.append(token)
@@ -68,7 +69,7 @@ class TreeDrafter:
         draft_probs = None if sampling.greedy else torch.stack(rows)  # [num_nodes, vocab]
         return Draft(token_ids=token_ids, draft_probs=draft_probs, parents=parents)
 
-    def _draw(self, logits: torch.Tensor, draft_row: torch.Tensor, num_children: int, sampling: SamplingConfig,
+    def _draw(self, logits: torch.Tensor, draft_row: torch.Tensor | None, num_children: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> list[int]:
         if sampling.greedy:
             return torch.topk(logits, min(num_children, logits.shape[-1])).indices.tolist()
