@@ -45,7 +45,7 @@ def main() -> None:
             super().reset(plain=plain)
             self.cache = DynamicCache(config=self.model.config)
 
-    concatenating = Concatenating(buffered.model, name="cat")
+    concatenating = Concatenating(buffered.model, name="cat", lean=False)
     # setting -> (adapter, grouped attention?)
     settings = {"DynamicCache+sdpa": (concatenating, False), "in place+sdpa": (buffered, False),
                 "in place+grouped": (buffered, True)}

@@ -131,7 +131,7 @@ class BatchEngine:
             self._drafts[source] = self._load_draft(source)
         draft, tokenizer = self._drafts[source]
         # Each method config gets its own adapter (and cache) around the shared weights.
-        return CausalLM(draft.model, name=draft.name), tokenizer
+        return CausalLM(draft.model, name=draft.name, lean=getattr(draft, "lean", None) is not None), tokenizer
 
     def check(self, request: BatchRequest) -> None:
         """Raise the error ``submit`` would, without queueing anything."""

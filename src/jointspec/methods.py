@@ -67,7 +67,8 @@ class MethodContext:
         if self.config.draft == "self":
             if hasattr(self.target, "fork"):  # a llama.cpp target: a second context over the same weights
                 return self.target.fork(f"{self.target.name} (self-draft)")
-            return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)")
+            return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)",
+                            lean=self.target.lean is not None)
         from .models.eagle import bind_trained_draft, is_head_artifact
 
         if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target

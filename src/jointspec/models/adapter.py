@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import UnsupportedOptionError
+from .fastpath import fast_forward_for
 from .kvcache import BufferedCache
 
 
@@ -96,11 +97,16 @@ class FeatureMirror:
 
 
 class CausalLM:
-    """A Hugging Face causal LM plus one sequence's KV cache."""
+    """A Hugging Face causal LM plus one sequence's KV cache.
 
-    def __init__(self, model: PreTrainedModel, name: str = "model") -> None:
+    ``lean``: run transformers' Llama models through :mod:`jointspec.models.fastpath` (the same operations, bit for
+    bit, without transformers' per-module overhead); other models, and ``lean=False``, run transformers' forward.
+    """
+
+    def __init__(self, model: PreTrainedModel, name: str = "model", *, lean: bool = True) -> None:
         self.model = model.eval()
         self.name = name
+        self.lean = fast_forward_for(self.model) if lean else None
         self.cache = BufferedCache(model.config)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
@@ -170,20 +176,26 @@ class CausalLM:
             # Additive float mask: the eager and sdpa attention paths both accept it as given.
             mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype, device=self.device)
             mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=n if num_logits is None else num_logits,
-                         output_hidden_states=output_hidden or bool(self.mirrors))
-        self.cache = out.past_key_values
+        keep = n if num_logits is None else num_logits
+        layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
+                        | ({-1} if output_hidden else set()))
+        if self.lean is not None:
+            logits, states = self.lean(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers))
+        else:
+            # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
+            out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=max(keep, 1),
+                             output_hidden_states=bool(layers))
+            self.cache = out.past_key_values
+            logits = out.logits[:, out.logits.shape[1] - keep:]
+            states = {layer: out.hidden_states[layer] for layer in layers}
         self.num_cached = start + n
         for mirror in self.mirrors:
             if mirror.synced:
-                mirror.append(out.hidden_states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
-                              torch.cat([out.hidden_states[layer][0] for layer in mirror.layers], -1))
-        keep = n if num_logits is None else num_logits
-        hidden = out.hidden_states[-1][0, -keep:] if output_hidden and keep > 0 else None
-        logits = out.logits[0, -keep:].float() if keep > 0 else out.logits[0, :0].float()
-        return ForwardOutput(logits=logits, hidden=hidden)
+                mirror.append(states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
+                              torch.cat([states[layer][0] for layer in mirror.layers], -1))
+        hidden = states[-1][0, -keep:] if output_hidden and keep > 0 else None
+        return ForwardOutput(logits=logits[0].float(), hidden=hidden)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""

@@ -96,8 +96,9 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     ``threads``: llama.cpp's thread count (default: the cores this process may use); the torch backend uses torch's
     process-wide setting, which the CLI sets from ``--threads``. ``kernels`` (torch backend): ``auto`` runs a float32
     CPU model's linear layers on oneDNN where that was measured faster (see :mod:`jointspec.models.cpukernels`) and
-    its grouped-query attention without copying heads on any CPU; ``onednn`` insists on both; ``stock`` keeps
-    PyTorch's ``F.linear`` and transformers' ``sdpa`` attention.
+    its grouped-query attention without copying heads on any CPU, and a Llama model's forward through
+    :mod:`jointspec.models.fastpath` (bit-identical, less overhead); ``onednn`` insists on oneDNN; ``stock`` keeps
+    PyTorch's ``F.linear``, transformers' ``sdpa`` attention and transformers' own forward.
     """
     source = source or DEFAULT_MODEL
     if kernels not in KERNEL_CHOICES:
@@ -121,7 +122,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
             use_gqa_attention(model)
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
-    return CausalLM(model, name=name or label), tokenizer
+    return CausalLM(model, name=name or label, lean=kernels != "stock"), tokenizer
 
 
 def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
@@ -135,18 +136,19 @@ def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
                                      f"load it in float to compare it with {mode}")
     model = copy.deepcopy(target.model)
     quantize_model(model, mode)
-    return CausalLM(model, name=f"{target.name} ({mode})")
+    return CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
 
 
 def stock_copy(target: CausalLM) -> CausalLM:
-    """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN) and whose attention is
-    transformers' own ``sdpa``, for comparing the kernels in one process (the bench's ``kernels=stock`` option)."""
+    """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN), whose attention is
+    transformers' own ``sdpa`` and whose forward is transformers' own (not :mod:`~jointspec.models.fastpath`), for
+    comparing the kernels in one process (the bench's ``kernels=stock`` option)."""
     import copy
 
     model = copy.deepcopy(target.model)
     use_stock_linears(model)
     use_stock_attention(model)
-    return CausalLM(model, name=f"{target.name} (stock kernels)")
+    return CausalLM(model, name=f"{target.name} (stock kernels)", lean=False)
 
 
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):

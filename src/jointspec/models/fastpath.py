@@ -1,0 +1,143 @@
+"""A lean forward for Llama-architecture models: transformers' own operations, without its per-module machinery.
+
+transformers' ``LlamaForCausalLM`` runs every decoder layer, attention block and norm through ``nn.Module.__call__``
+plus its output-capturing hooks, gradient-checkpointing wrappers and keyword-argument plumbing. For a 135M model
+decoding one token on a CPU that bookkeeping is a large share of a step: on the embedded SmolLM2 (30 layers) a
+plain step spent about 4 ms of 34 outside the tensor operations themselves (2-core Intel Xeon, 200 cached tokens,
+20th percentiles, ``scripts/fast_forward_cost.py``). Speculative decoding pays it once per target forward and per
+draft call, so it is a fixed cost on every token the loop commits.
+
+:class:`LlamaFastForward` walks the same modules in the same order and calls the same tensor operations on the same
+tensors: the embedding, transformers' own causal-mask builder and rotary embedding, each layer's norm (inlined,
+operation for operation as ``LlamaRMSNorm.forward``), its q/k/v/o and MLP projections *as modules* (so quantised
+linears, oneDNN linears and anything else that replaced ``nn.Linear`` keep working), transformers'
+``apply_rotary_pos_emb``, the cache's ``update`` and the attention function registered for the model's
+``_attn_implementation`` (``sdpa``, the grouped-query kernel of :mod:`jointspec.models.cpukernels`, quantisation's
+row-wise one, ``eager``), with the arguments transformers passes it. Its logits and hidden states are therefore bit for
+bit transformers' (``tests/test_fastpath.py`` checks ``torch.equal`` on chains, trees, prefill, every attention
+implementation and quantised models), so every exactness argument made for the transformers path carries over.
+
+Two things it does differently, both outside the numbers: it skips the LM head when the caller wants no logits
+(transformers computes the logits of every prompt token at prefill, a 49152-wide projection per token on SmolLM2,
+when asked for none), and it keeps only the hidden states the caller asks for.
+
+Only models whose every part is exactly the transformers Llama class take this path (:func:`fast_forward_for`); a
+subclass or another architecture runs transformers' own forward, as does ``--kernels stock``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama as llama
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot take the lean forward (None: it can)."""
+    if type(model) is not llama.LlamaForCausalLM:
+        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    if model.training:
+        return "the model is in training mode"
+    base = model.model
+    parts = [(base, llama.LlamaModel), (base.norm, llama.LlamaRMSNorm), (base.rotary_emb, llama.LlamaRotaryEmbedding)]
+    for layer in base.layers[:model.config.num_hidden_layers]:
+        parts += [(layer, llama.LlamaDecoderLayer), (layer.self_attn, llama.LlamaAttention),
+                  (layer.mlp, llama.LlamaMLP), (layer.input_layernorm, llama.LlamaRMSNorm),
+                  (layer.post_attention_layernorm, llama.LlamaRMSNorm)]
+    for module, expected in parts:
+        if type(module) is not expected:
+            return f"{type(module).__name__} replaces transformers' {expected.__name__}"
+    # accelerate's offloading hooks move weights in and out around a module's call; the lean forward would bypass
+    # them on the modules it does not call.
+    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return "the model carries accelerate hooks (device_map offloading)"
+    if getattr(model.config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return None
+
+
+def fast_forward_for(model: torch.nn.Module) -> "LlamaFastForward | None":
+    """A :class:`LlamaFastForward` over ``model``, or None where transformers' own forward must run."""
+    return LlamaFastForward(model) if unsupported_reason(model) is None else None
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; a plain ``nn.Linear`` without hooks skips ``Module.__call__`` (its forward is this very call)."""
+    if type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def _rms_norm(norm: llama.LlamaRMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``, operation for operation."""
+    input_dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(input_dtype)
+
+
+class LlamaFastForward:
+    """``LlamaForCausalLM.forward`` for one sequence with a cache, as a plain function over the model's modules."""
+
+    def __init__(self, model: llama.LlamaForCausalLM) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward needs transformers' Llama model: {reason}")
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache, num_logits: int, hidden_layers: tuple[int, ...] = ()
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run ``input_ids`` ([1, n]) at ``position_ids`` ([1, n]) after ``cache`` (updated in place).
+
+        ``attention_mask``: None (causal) or the 4-D mask transformers' mask builder accepts. Returns the logits of
+        the last ``num_logits`` positions ([1, num_logits, vocab]; no LM head runs for 0) and, for each index in
+        ``hidden_layers``, the hidden states transformers' ``output_hidden_states`` tuple has there ([1, n, hidden]):
+        0 the embeddings, i the output of layer i - 1, -1 (and the last index) the final norm's output.
+        """
+        model = self.model
+        base = model.model
+        config = model.config
+        inputs_embeds = base.embed_tokens(input_ids)
+        causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                         past_key_values=cache, position_ids=position_ids)
+        hidden = inputs_embeds
+        cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, llama.eager_attention_forward)
+        num_layers = config.num_hidden_layers
+        wanted = {layer % (num_layers + 1) for layer in hidden_layers}
+        kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
+        batch_seq = hidden.shape[:-1]
+        for index, layer in enumerate(base.layers[:num_layers]):
+            attn = layer.self_attn
+            residual = hidden
+            hidden = _rms_norm(layer.input_layernorm, hidden)
+            shape = (*batch_seq, -1, attn.head_dim)
+            query = _linear(attn.q_proj, hidden).view(shape).transpose(1, 2)
+            key = _linear(attn.k_proj, hidden).view(shape).transpose(1, 2)
+            value = _linear(attn.v_proj, hidden).view(shape).transpose(1, 2)
+            query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
+            key, value = cache.update(key, value, attn.layer_idx)
+            out, _ = attention(attn, query, key, value, causal_mask, dropout=0.0, scaling=attn.scaling,
+                               position_ids=position_ids, use_cache=True)
+            out = _linear(attn.o_proj, out.reshape(*batch_seq, -1).contiguous())
+            hidden = residual + out
+            residual = hidden
+            hidden = _rms_norm(layer.post_attention_layernorm, hidden)
+            mlp = layer.mlp
+            hidden = residual + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, hidden))
+                                                      * _linear(mlp.up_proj, hidden))
+            if index + 1 in wanted and index + 1 < num_layers:
+                kept[index + 1] = hidden
+        hidden = _rms_norm(base.norm, hidden)
+        if num_layers in wanted:
+            kept[num_layers] = hidden
+        if num_logits > 0:
+            logits = _linear(model.lm_head, hidden[:, -num_logits:, :])
+        else:
+            logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
+        return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}

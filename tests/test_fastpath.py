@@ -1,0 +1,113 @@
+"""The lean Llama forward (models/fastpath.py) gives transformers' logits and hidden states bit for bit.
+
+Every comparison is ``torch.equal`` between two adapters over the same weights, one on the lean forward and one on
+transformers' forward, fed the same sequence of calls: a prefill, single-token steps, chains, trees (additive masks),
+crops and tree ``keep``s. Deterministic: no false-failure odds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from conftest import VOCAB, tiny_llama
+from jointspec.loop import SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import use_gqa_attention
+from jointspec.models.fastpath import LlamaFastForward, fast_forward_for, unsupported_reason
+from jointspec.models.quantize import quantize_model
+from test_equivalence import greedy, random_prompt
+
+
+def both(model) -> tuple[CausalLM, CausalLM]:
+    lean, stock = CausalLM(model, name="lean"), CausalLM(model, name="transformers", lean=False)
+    assert lean.lean is not None and stock.lean is None
+    return lean, stock
+
+
+def same_calls(lean: CausalLM, stock: CausalLM, layers: tuple[int, ...] = (-1,)) -> int:
+    """Drive both adapters through one script of calls; assert equal outputs at each; return the calls checked."""
+    for adapter in (lean, stock):
+        adapter.attach_feature_mirror(layers)
+        adapter.reset()
+    prompt = random_prompt(3, length=9)
+    calls = [
+        dict(token_ids=prompt, num_logits=0),  # prefill: no logits wanted
+        dict(token_ids=[5], num_logits=None, output_hidden=True),  # a plain step
+        dict(token_ids=[6, 7, 8], num_logits=None),  # a chain
+        dict(token_ids=[9, 10, 11, 12], parents=[-1, 0, 0, 1], num_logits=None, output_hidden=True),  # a tree
+        dict(token_ids=[13, 14], num_logits=1),
+    ]
+    for step, call in enumerate(calls):
+        outs = [adapter.forward(**call) for adapter in (lean, stock)]
+        assert torch.equal(outs[0].logits, outs[1].logits), f"call {step}: logits differ"
+        assert outs[0].logits.shape[0] == (len(call["token_ids"]) if call["num_logits"] is None
+                                           else call["num_logits"])
+        if call.get("output_hidden"):
+            assert torch.equal(outs[0].hidden, outs[1].hidden), f"call {step}: hidden states differ"
+        assert torch.equal(lean.mirrors[0].features, stock.mirrors[0].features), f"call {step}: mirrors differ"
+        if step == 3:  # keep the tree's path 0 -> 1 -> 3 and continue from there
+            kept = list(range(lean.num_cached - 4)) + [lean.num_cached - 4 + i for i in (0, 1, 3)]
+            for adapter in (lean, stock):
+                adapter.keep(kept)
+        if step == 2:
+            for adapter in (lean, stock):
+                adapter.crop(adapter.num_cached - 2)
+    for layer, (a, b) in enumerate(zip(lean.cache.layers, stock.cache.layers)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), f"layer {layer}: caches differ"
+    return len(calls)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "gqa"])
+def test_lean_forward_equals_transformers_bit_for_bit(attn):
+    model = tiny_llama(0, layers=3, attn="sdpa" if attn == "gqa" else attn)
+    if attn == "gqa":
+        assert use_gqa_attention(model)
+    # Hidden states the way a fused EAGLE head asks for them: the embeddings, a middle layer and the final norm.
+    assert same_calls(*both(model), layers=(0, 2, -1)) == 5
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lean_forward_runs_quantised_layers_and_their_attention(mode):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    model = quantize_model(LlamaForCausalLM(config).eval(), mode)
+    same_calls(*both(model))
+
+
+def test_lean_and_transformers_forward_decode_the_same_tokens(target_model):
+    """Whole greedy decodes through the loop (a tree method and plain decoding) give the same tokens either way."""
+    prompt = random_prompt(0)
+    outputs = {}
+    for lean in (True, False):
+        for method in ("ar", "specinfer"):
+            target = CausalLM(target_model, name="tiny-target", lean=lean)
+            config = MethodConfig(name=method, draft="self", tree=(2, 2))
+            drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+            outputs[lean, method] = SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(30))
+    assert len(outputs[True, "ar"]) == 30
+    assert outputs[True, "ar"] == outputs[False, "ar"] == outputs[True, "specinfer"] == outputs[False, "specinfer"]
+
+
+def test_models_other_than_transformers_llama_take_transformers_forward():
+    class MyLlama(LlamaForCausalLM):
+        pass
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    assert "MyLlama" in unsupported_reason(MyLlama(config).eval())
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    assert fast_forward_for(mistral.eval()) is None
+    assert CausalLM(mistral).lean is None
+    llama = LlamaForCausalLM(config)
+    assert "training" in unsupported_reason(llama.train())
+    llama.eval()
+    llama.model.layers[0].mlp = torch.nn.Identity()
+    assert "Identity replaces transformers' LlamaMLP" in unsupported_reason(llama)
+    with pytest.raises(ValueError, match="LlamaMLP"):
+        LlamaFastForward(llama)
