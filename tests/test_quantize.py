@@ -29,6 +29,7 @@ from jointspec.bench import cli as bench_cli
 from jointspec.errors import JointspecError, UnsupportedOptionError
 from jointspec.models.adapter import CausalLM
 from jointspec.models.loading import load_model
+from jointspec.models.grouped import GroupedInt4Linear, GroupedInt8Linear, kernels
 from jointspec.models.quantize import (ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode,
                                        quantize_model)
 from test_cli import assert_clean_error, run_cli, save_model, word_tokenizer
@@ -178,8 +179,11 @@ def test_quantize_model_replaces_every_linear_and_unties_the_head(mode):
     quantize_model(model, mode)
     assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
     body = Int8Linear if mode == "int8" else Int4Linear
-    assert isinstance(model.model.layers[0].mlp.down_proj, body)
-    assert isinstance(model.lm_head, Int8Linear)  # int8 in both modes (module docstring: int4 hurts the head)
+    assert isinstance(model.model.layers[0].mlp.down_proj, body)  # in_features 96: no grouped kernel (models/grouped)
+    # int8 in both modes (module docstring: int4 hurts the head); int4 mode puts it on the grouped kernel where it runs
+    grouped = mode == "int4" and kernels() is not None
+    assert isinstance(model.lm_head, GroupedInt8Linear if grouped else Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, GroupedInt4Linear if grouped else body)
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(model.model.embed_tokens.weight, embedding)  # the lookup stays float and untouched
     assert quantization_mode(model) == mode
@@ -192,7 +196,7 @@ def test_head_can_stay_float():
     model = quantize_model(quant_llama(0, tied=True), "int4", quantize_head=False)
     assert type(model.lm_head) is nn.Linear
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
-    assert isinstance(model.model.layers[1].self_attn.q_proj, Int4Linear)
+    assert isinstance(model.model.layers[1].self_attn.q_proj, GroupedInt4Linear if kernels() else Int4Linear)
 
 
 def test_layers_the_int4_kernel_cannot_take_stay_float_and_are_logged(caplog):

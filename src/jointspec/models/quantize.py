@@ -253,8 +253,12 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 
 def quantization_mode(model: nn.Module) -> str:
     """``int4``, ``int8`` or ``none``: what :func:`quantize_model` did to ``model`` (int4 mode keeps an int8 head)."""
+    from .grouped import GroupedInt4Linear, GroupedInt8Linear
+
     kinds = {type(module) for module in model.modules()}
-    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"
+    if kinds & {Int4Linear, GroupedInt4Linear}:
+        return "int4"
+    return "int8" if kinds & {Int8Linear, GroupedInt8Linear} else "none"
 
 
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GROUP_SIZE,
@@ -281,9 +285,16 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     # goes back to sdpa too, so that the row-wise attention below replaces it (a copy of a float target has it).
     from .cpukernels import use_stock_attention, use_stock_linears
 
+    from .grouped import GroupedInt4Linear, GroupedInt8Linear, grouped_misfit, kernels
+
     use_stock_linears(model)
     use_stock_attention(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # int4 in groups of 32 on a CPU with AVX-512: jointspec's own kernel (models/grouped.py), float32 activations and
+    # weights read once per forward whatever its rows; the head in 8-bit groups of 32 on the same kernel.
+    grouped = (mode == "int4" and group_size == 32
+               and any(type(m) is nn.Linear and grouped_misfit(m) is None for m in model.modules())
+               and kernels() is not None)
     skipped: list[str] = []
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for parent_name, parent in model.named_modules():
@@ -292,6 +303,10 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
                 continue
             full_name = f"{parent_name}.{child_name}" if parent_name else child_name
             as_int8 = mode == "int8" or child is head
+            if grouped and grouped_misfit(child) is None:
+                replacements.append((parent, child_name,
+                                     GroupedInt8Linear(child) if as_int8 else GroupedInt4Linear(child)))
+                continue
             misfit = int8_misfit(child) if as_int8 else int4_misfit(child, group_size)
             if misfit:
                 skipped.append(f"{full_name} ({misfit})")

@@ -1,0 +1,192 @@
+"""Grouped int4 / int8 weight-only linear layers with a CPU kernel of our own, for ``--quantize int4``.
+
+Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) wants bfloat16 activations and
+its cost grows about linearly with the rows of a forward, so verifying draft tokens on an int4 target cost almost as
+much as decoding them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3
+and 4 rows. ``csrc/grouped_linear.cpp`` (AVX-512, built once with the machine's own compiler) dequantises each
+weight row into an L1-resident float32 buffer and takes its dot product with every input row, so weights are read
+once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
+from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15 passes, ms)::
+
+    rows in the forward            1      2      3      4      5      6      8
+    float32, MKL F.linear        15.7   16.7   18.4   25.4   26.4   26.8   29.4
+    int4 g32, this kernel         5.9    6.2    8.6    9.0   10.1   11.1   13.6
+
+Why these formats. The embedded SmolLM2 GGUF stores its body as Q4_1 (4-bit levels in blocks of 32 inputs, a scale
+and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blocks of 32, a scale per block);
+jointspec's float32 model is those weights dequantised. Quantising that float model again in the same blocks
+(4-bit asymmetric g32 for the body, 8-bit symmetric g32 for the head) recovers the GGUF's own levels, scales and
+minima up to float rounding, so this int4 model is the float32 model up to float rounding, not a second rounding
+of it (``tests/test_grouped.py`` checks the round trip; ``docs/benchmarks.md`` has the agreement on real prompts).
+For a model that was never quantised it is an ordinary 4-bit quantisation.
+
+Exactness. Activations stay float32 and every output row is computed by the same instructions whatever the batch
+(bit-equal rows, tested), and quantised models use row-wise attention (:func:`jointspec.models.quantize.rowwise_sdpa`),
+so speculative decoding on this target is exactly its plain decoding.
+
+Where the kernel cannot be built or run (no AVX-512, no C++ compiler, a GPU model, in_features not a multiple of
+64) the layers fall back to PyTorch's int4 / int8 kernels of :mod:`jointspec.models.quantize`, with one warning that
+says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+_SOURCE = Path(__file__).with_name("csrc") / "grouped_linear.cpp"
+_TINY = 1e-12
+
+
+def _build_directory(tag: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "jointspec" / "kernels" / tag
+
+
+def kernels():
+    """The compiled extension, or None where it cannot run here (see :func:`unavailable_reason`)."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why the grouped kernels cannot run here (None: they can). Builds them on first call (about 20-30 s, once)."""
+    return _load()[1]
+
+
+@functools.cache
+def _load():
+    """(extension, None) or (None, why not); the reason is logged once."""
+    module, reason = _build()
+    if reason is not None:
+        log.warning("int4: %s; using PyTorch's int4/int8 kernels instead (slower to verify drafts)", reason)
+    return module, reason
+
+
+def _build():
+    from .cpukernels import cpu_flags
+
+    if not {"avx512f", "avx512bw"} <= cpu_flags():
+        return None, "this CPU has no AVX-512 (F and BW), which jointspec's grouped int4 kernel needs"
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+    except (ImportError, RuntimeError) as error:
+        return None, f"jointspec's grouped int4 kernel cannot be built ({error}; pip install ninja)"
+    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"jointspec_grouped_{tag}"
+    directory = _build_directory(name)
+    if not any(directory.glob("*.so")):
+        print("jointspec: building the int4 CPU kernel once (about 30 s) ...", file=sys.stderr, flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        module = load(name=name, sources=[str(_SOURCE)], build_directory=str(directory),
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
+        return None, f"jointspec's grouped int4 kernel failed to build ({str(error).splitlines()[0][:200]})"
+    if not module.available():
+        return None, "jointspec's grouped int4 kernel was built without AVX-512"
+    return module, None
+
+
+def grouped_misfit(linear: nn.Linear) -> str | None:
+    """Why the grouped kernels cannot take ``linear`` (None if they can, once built)."""
+    if linear.weight.device.type != "cpu":
+        return "not on the CPU"
+    if linear.in_features % 64:
+        return f"in_features {linear.in_features} is not a multiple of 64"
+    return None
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    return x.reshape(-1, in_features).to(torch.float32).contiguous()
+
+
+class GroupedInt4Linear(nn.Module):
+    """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [out, in]
+        out_features, in_features = weight.shape
+        groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
+        scale = ((high - low) / 15).clamp_min(_TINY)
+        levels = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        half = GROUP_SIZE // 2
+        # Byte i of a group: level i in the low nibble, level i + 16 in the high one (what the kernel unpacks).
+        packed = (levels[..., :half] | (levels[..., half:] << 4)).reshape(out_features, in_features // 2)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("minimum", low.contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in [out, in] (as :class:`~jointspec.models.quantize.Int4Linear` has), for code that
+        reads ``.weight.shape``; :meth:`dequantized` gives the values."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32."""
+        packed = self.packed.reshape(self.out_features, -1, GROUP_SIZE // 2)  # [out, groups, 16]
+        levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [out, groups, 32]
+        return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        out = kernels().int4_linear(_rows(x, self.in_features), self.packed, self.scale, self.minimum)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 weights in groups of "
+                f"{GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")
+
+
+class GroupedInt8Linear(nn.Module):
+    """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [out, in]
+        out_features, in_features = weight.shape
+        groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        scale = (groups.abs().amax(dim=-1) / 127).clamp_min(_TINY)  # [out, groups]
+        levels = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("levels", levels.reshape(out_features, in_features).contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 levels [out, in] (as :class:`~jointspec.models.quantize.Int8Linear` has): code that reads
+        ``.weight.shape`` works, code that wants floats sees ints; :meth:`dequantized` gives the values."""
+        return self.levels
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32."""
+        levels = self.levels.reshape(self.out_features, -1, GROUP_SIZE).float()
+        return (levels * self.scale[..., None]).reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        out = kernels().int8_linear(_rows(x, self.in_features), self.levels, self.scale)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights in groups of "
+                f"{GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")

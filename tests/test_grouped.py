@@ -1,0 +1,140 @@
+"""jointspec's grouped int4 / int8 CPU kernel (models/grouped.py, csrc/grouped_linear.cpp).
+
+Deterministic (seeded random weights and inputs): no false-failure odds. On a CPU with AVX-512 the kernel must build
+and run (a build failure there fails the tests, it is not skipped); elsewhere the tests that need it are skipped
+with the reason and quantisation falls back to PyTorch's kernels (checked too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import VOCAB
+from jointspec.loop import SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import cpu_flags
+from jointspec.models.grouped import (GROUP_SIZE, GroupedInt4Linear, GroupedInt8Linear, kernels, unavailable_reason)
+from jointspec.models.quantize import Int4Linear, quantization_mode, quantize_model
+from test_equivalence import greedy, random_prompt
+
+AVX512 = {"avx512f", "avx512bw"} <= cpu_flags()
+needs_kernel = pytest.mark.skipif(not AVX512, reason="the grouped kernel needs AVX-512 (F and BW); this CPU has none")
+
+
+def test_the_kernel_builds_wherever_the_cpu_can_run_it():
+    if AVX512:
+        assert kernels() is not None, unavailable_reason()
+    else:
+        assert kernels() is None and "AVX-512" in unavailable_reason()
+
+
+def linear(out_features: int, in_features: int, seed: int, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight[:, 5] *= 20  # an outlier input channel, as real models have
+    return layer
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
+    layer = linear(80, 192, seed=0, bias=bias)
+    quantized = kind(layer)
+    x = torch.randn(5, 192)
+    with torch.no_grad():
+        reference = x.double() @ quantized.dequantized().double().T + (0 if not bias else layer.bias.double())
+        out = quantized(x)
+    assert out.dtype == torch.float32 and out.shape == (5, 80)
+    # float32 sums of 192 products: a relative error of a few 1e-6 of the products' magnitude
+    scale = x.abs().double() @ quantized.dequantized().abs().double().T
+    assert ((out.double() - reference).abs() <= 1e-5 * scale + 1e-6).all()
+    # and the dequantized weight is the layer's to the quantisation step
+    step = (layer.weight.detach().reshape(80, -1, GROUP_SIZE).abs().amax(-1) / (7 if kind is GroupedInt4Linear
+                                                                                else 127))
+    error = (quantized.dequantized() - layer.weight.detach()).reshape(80, -1, GROUP_SIZE).abs().amax(-1)
+    assert (error <= step * 1.01).all()
+    assert not torch.allclose(out, x @ layer.weight.detach().roll(1, 0).T, atol=1e-2)  # not any matrix will do
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
+def test_rows_are_bitwise_independent_of_the_batch(kind):
+    quantized = kind(linear(48, 128, seed=1))
+    x = torch.randn(17, 128) * 3
+    with torch.no_grad():
+        alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])
+        for size in (2, 3, 4, 5, 17):
+            batched = torch.cat([quantized(x[i:i + size]) for i in range(0, len(x), size)])
+            assert torch.equal(batched, alone), f"batches of {size}"
+        assert torch.equal(quantized(x[None]).reshape(17, -1), alone)
+
+
+@needs_kernel
+def test_weights_already_on_the_grids_come_back_unchanged():
+    """A Q4_1- or Q8_0-style weight (levels times a per-32 scale, plus a minimum for 4 bits, each level range used in
+    full, as those formats' quantisers make it) is recovered to float rounding: the int4 model of a GGUF-born
+    float model is that float model, not a second rounding of it."""
+    generator = torch.Generator().manual_seed(0)
+    out_features, groups = 64, 6
+    levels = torch.randint(0, 16, (out_features, groups, GROUP_SIZE), generator=generator)
+    levels[..., 0], levels[..., 1] = 0, 15  # the block's minimum and maximum map to the extreme levels
+    scale = torch.rand(out_features, groups, 1, generator=generator) * 0.1 + 1e-3
+    minimum = -torch.rand(out_features, groups, 1, generator=generator)
+    q4 = nn.Linear(groups * GROUP_SIZE, out_features, bias=False)
+    with torch.no_grad():
+        q4.weight.copy_((levels * scale + minimum).reshape(out_features, -1))
+    assert torch.allclose(GroupedInt4Linear(q4).dequantized(), q4.weight, rtol=0, atol=1e-6)
+    signed = torch.randint(-127, 128, (out_features, groups, GROUP_SIZE), generator=generator)
+    signed[..., 0] = 127
+    q8 = nn.Linear(groups * GROUP_SIZE, out_features, bias=False)
+    with torch.no_grad():
+        q8.weight.copy_((signed * scale).reshape(out_features, -1))
+    assert torch.allclose(GroupedInt8Linear(q8).dequantized(), q8.weight, rtol=0, atol=1e-6)
+
+
+def grouped_llama(seed: int) -> LlamaForCausalLM:
+    """Every layer's in_features a multiple of 64, so every linear can take the grouped kernel."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
+    return model
+
+
+def test_int4_mode_takes_the_grouped_kernel_where_it_runs():
+    model = quantize_model(grouped_llama(0), "int4")
+    assert quantization_mode(model) == "int4"
+    kinds = {type(m) for m in model.modules()} & {GroupedInt4Linear, GroupedInt8Linear, Int4Linear, nn.Linear}
+    if kernels() is not None:
+        assert kinds == {GroupedInt4Linear, GroupedInt8Linear}
+    else:
+        assert Int4Linear in kinds and GroupedInt4Linear not in kinds
+
+
+@needs_kernel
+@pytest.mark.parametrize("method, draft, tree", [("pld", None, None), ("sps", "self", None),
+                                                 ("specinfer", "self", (2, 2))])
+@pytest.mark.parametrize("prompt_seed", [0, 3])
+def test_speculative_methods_equal_plain_greedy_on_the_grouped_int4_model(method, draft, tree, prompt_seed):
+    model = quantize_model(grouped_llama(0), "int4")
+    prompt = random_prompt(prompt_seed)
+    outputs = []
+    for name in ("ar", method):
+        target = CausalLM(model, name="int4")
+        config = MethodConfig(name=name, draft=draft if name != "ar" else None, tree=tree if name != "ar" else None)
+        drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+        decoder = SpeculativeDecoder(target, drafter, verifier)
+        outputs.append(decoder.generate(prompt, greedy(40)))
+        if name != "ar" and draft == "self":
+            assert decoder.stats.num_accepted_tokens > 0  # the drafts were verified, not skipped
+    assert len(outputs[0]) == 40 and outputs[1] == outputs[0]
