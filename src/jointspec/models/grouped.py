@@ -12,6 +12,12 @@ from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15
     float32, MKL F.linear        15.7   16.7   18.4   25.4   26.4   26.8   29.4
     int4 g32, this kernel         5.9    6.2    8.6    9.0   10.1   11.1   13.6
 
+In a whole forward the kernel is not faster than PyTorch's int4 one on this machine (``scripts/int4_kernel_ab.py``,
+200 cached tokens, ms: k = 1 / 3 / 4 / 6 tokens 18.3 / 22.9 / 25.2 / 30.5 here against 17.7 / 21.8 / 23.4 / 30.6; float32
+30.8 / 33.9 / 46.1 / 49.3): the standalone sweep above overstates it, since inside a forward each call pays about
+a third more than back to back, and PyTorch's kernel, whose cost grew with the rows on the machines first measured,
+does not here. What it buys is fidelity, next.
+
 Why these formats. The embedded SmolLM2 GGUF stores its body as Q4_1 (4-bit levels in blocks of 32 inputs, a scale
 and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blocks of 32, a scale per block);
 jointspec's float32 model is those weights dequantised. Quantising that float model again in the same blocks

@@ -31,9 +31,14 @@ kernel to use was decided by measuring PyTorch's own options on this project's 2
   with a self-draft and transformers' ``generate``, where plain ``sdpa`` gave 5 of 13 in int4 and 2 of 13 in int8).
   torchao (0.18 installs beside torch 2.13 with ``--no-deps``) was slower on CPU without ``torch.compile`` and its
   CPU int4 is the same aten kernel in a prototype module, so it is not a dependency.
-- **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group), through
-  ``_weight_int4pack_mm_for_cpu`` with bfloat16 activations (its fp16 and fp32 paths are ~40x slower). The smallest
-  weight read, but the kernel's cost grows about linearly with the number of tokens. Its rows are batch-independent too.
+- **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group). On a CPU
+  with AVX-512, groups of 32 run on jointspec's own kernel (:mod:`jointspec.models.grouped`: float32 activations, the
+  head as 8-bit groups of 32 on the same kernel), which on the embedded model recovers the GGUF's own Q4_1 / Q8_0
+  blocks, so that model's int4 copy is its float32 model up to float rounding (384 of 384 teacher-forced argmaxes
+  equal, 14 of 14 bench answers identical to float32 ``ar``). Elsewhere, through ``_weight_int4pack_mm_for_cpu`` with
+  bfloat16 activations (its fp16 and fp32 paths are ~40x slower): the same speed on the Intel Xeon with AMX, but
+  bfloat16 activations cost agreement (371 of 384, and 3 of 28 answers identical in the AMD run), and on the
+  machines first measured its cost grew about linearly with the number of tokens. Rows are batch-independent in both.
 - **LM head.** The head (49152 x 576 in SmolLM2) is a fifth of the weights and a quarter of an fp32 decode step, so it
   is quantised too (``quantize_head=True``), and always as int8: in int4 it costs far more agreement than the whole
   body does (table below). SmolLM2 ties it to the input embedding: the head is replaced by a new module built from a
