@@ -138,3 +138,23 @@ def test_speculative_methods_equal_plain_greedy_on_the_grouped_int4_model(method
         if name != "ar" and draft == "self":
             assert decoder.stats.num_accepted_tokens > 0  # the drafts were verified, not skipped
     assert len(outputs[0]) == 40 and outputs[1] == outputs[0]
+
+
+@needs_kernel
+def test_fused_calls_give_the_separate_layers_bits_and_step_aside_when_a_layer_changes():
+    model = quantize_model(grouped_llama(1), "int4")
+    lean, stock = CausalLM(model, name="fused"), CausalLM(model, name="separate", lean=False)
+    assert all(qkv is not None and gate_up is not None for qkv, gate_up in lean.lean.fused)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.packed.untyped_storage().data_ptr() == attn.v_proj.packed.untyped_storage().data_ptr()
+    context, new = random_prompt(2), [7, 8, 9]
+    for adapter in (lean, stock):
+        adapter.forward(context, num_logits=0)
+    assert torch.equal(lean.forward(new).logits, stock.forward(new).logits)
+    # A layer replaced after the adapter was built: the stale fused call must not run.
+    attn.k_proj = GroupedInt4Linear(linear(attn.k_proj.out_features, attn.k_proj.in_features, seed=3))
+    qkv, _ = lean.lean.fused[0]
+    assert not qkv.valid([attn.q_proj, attn.k_proj, attn.v_proj])
+    for adapter in (lean, stock):
+        adapter.crop(len(context))
+    assert torch.equal(lean.forward(new).logits, stock.forward(new).logits)

@@ -88,6 +88,20 @@ class LlamaFastForward:
         if reason is not None:
             raise ValueError(f"the lean forward needs transformers' Llama model: {reason}")
         self.model = model
+        from .grouped import FusedCall
+
+        # Per layer: one grouped-kernel call for q/k/v and one for gate/up where the int4 layers allow it (None
+        # elsewhere); bit for bit the separate calls (models/grouped.py).
+        self.fused = [(FusedCall.maybe(self._qkv(layer)), FusedCall.maybe(self._gate_up(layer)))
+                      for layer in model.model.layers[:model.config.num_hidden_layers]]
+
+    @staticmethod
+    def _qkv(layer) -> list[nn.Module]:
+        return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+
+    @staticmethod
+    def _gate_up(layer) -> list[nn.Module]:
+        return [layer.mlp.gate_proj, layer.mlp.up_proj]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  cache, num_logits: int, hidden_layers: tuple[int, ...] = ()
@@ -114,12 +128,18 @@ class LlamaFastForward:
         batch_seq = hidden.shape[:-1]
         for index, layer in enumerate(base.layers[:num_layers]):
             attn = layer.self_attn
+            fused_qkv, fused_gate_up = self.fused[index]
             residual = hidden
             hidden = _rms_norm(layer.input_layernorm, hidden)
             shape = (*batch_seq, -1, attn.head_dim)
-            query = _linear(attn.q_proj, hidden).view(shape).transpose(1, 2)
-            key = _linear(attn.k_proj, hidden).view(shape).transpose(1, 2)
-            value = _linear(attn.v_proj, hidden).view(shape).transpose(1, 2)
+            qkv = self._qkv(layer)
+            if fused_qkv is not None and fused_qkv.valid(qkv):
+                query, key, value = fused_qkv(hidden)
+            else:
+                query, key, value = (_linear(projection, hidden) for projection in qkv)
+            query = query.view(shape).transpose(1, 2)
+            key = key.view(shape).transpose(1, 2)
+            value = value.view(shape).transpose(1, 2)
             query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
             key, value = cache.update(key, value, attn.layer_idx)
             out, _ = attention(attn, query, key, value, causal_mask, dropout=0.0, scaling=attn.scaling,
@@ -129,8 +149,12 @@ class LlamaFastForward:
             residual = hidden
             hidden = _rms_norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
-            hidden = residual + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, hidden))
-                                                      * _linear(mlp.up_proj, hidden))
+            gate_up = self._gate_up(layer)
+            if fused_gate_up is not None and fused_gate_up.valid(gate_up):
+                gate, up = fused_gate_up(hidden)
+            else:
+                gate, up = (_linear(projection, hidden) for projection in gate_up)
+            hidden = residual + _linear(mlp.down_proj, mlp.act_fn(gate) * up)
             if index + 1 in wanted and index + 1 < num_layers:
                 kept[index + 1] = hidden
         hidden = _rms_norm(base.norm, hidden)

@@ -16,7 +16,8 @@ In a whole forward the kernel is not faster than PyTorch's int4 one on this mach
 200 cached tokens, ms: k = 1 / 3 / 4 / 6 tokens 18.3 / 22.9 / 25.2 / 30.5 here against 17.7 / 21.8 / 23.4 / 30.6; float32
 30.8 / 33.9 / 46.1 / 49.3): the standalone sweep above overstates it, since inside a forward each call pays about
 a third more than back to back, and PyTorch's kernel, whose cost grew with the rows on the machines first measured,
-does not here. What it buys is fidelity, next.
+does not here. With q/k/v and gate/up fused into one call each (:class:`FusedCall`, end of this module) a second run
+gave 17.6 / 22.5 / 24.5 / 29.3 against PyTorch's 17.9 / 21.7 / 23.5 / 30.8: level. What it buys is fidelity, next.
 
 Why these formats. The embedded SmolLM2 GGUF stores its body as Q4_1 (4-bit levels in blocks of 32 inputs, a scale
 and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blocks of 32, a scale per block);
@@ -196,3 +197,72 @@ class GroupedInt8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights in groups of "
                 f"{GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")
+
+
+# Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
+# one call over the stacked weights of several layers that read the same input (a Llama layer's q/k/v, its gate/up)
+# gives each layer's output bit for bit. One call instead of three or two saves the per-call cost, which inside a
+# forward is large (models/grouped.py docstring): about 2 ms of an 18 ms int4 step on SmolLM2-135M
+# (docs/benchmarks.md, section 5). :func:`stack_storage` lays such layers' buffers out back to back in one tensor
+# (each layer keeps views, so nothing is stored twice and the layers still work alone); :class:`FusedCall` then
+# makes the one call (the lean forward, models/fastpath.py, builds one per layer where it finds them so laid out).
+_BUFFERS = ("packed", "scale", "minimum")
+
+
+def stack_storage(layers: list[nn.Module]) -> bool:
+    """Put ``layers``' (:class:`GroupedInt4Linear`, same in_features, no bias) buffers back to back in one tensor
+    each, leaving every layer with views into it; returns whether it did (other layers are left alone)."""
+    if (len(layers) < 2 or any(type(layer) is not GroupedInt4Linear or layer.bias is not None for layer in layers)
+            or len({layer.in_features for layer in layers}) != 1):
+        return False
+    for name in _BUFFERS:
+        stacked = torch.cat([getattr(layer, name) for layer in layers]).contiguous()
+        start = 0
+        for layer in layers:
+            setattr(layer, name, stacked[start:start + layer.out_features])
+            start += layer.out_features
+    return True
+
+
+class FusedCall:
+    """One kernel call for several :class:`GroupedInt4Linear` layers that :func:`stack_storage` laid out back to back
+    and that read the same input; returns each layer's output, bit for bit what calling it alone gives. Build it
+    with :meth:`maybe` (None where the layers are not so laid out). It remembers the layers and buffers it was built
+    from; :meth:`valid` says whether they are still the model's (a replaced layer or a moved buffer: call them one by
+    one instead)."""
+
+    def __init__(self, layers: list[nn.Module], spans: tuple[torch.Tensor, ...]) -> None:
+        self.layers = list(layers)
+        self._buffers = [[layer._buffers[name] for name in _BUFFERS] for layer in layers]
+        self.spans = spans
+        self.sizes = [layer.out_features for layer in layers]
+        self.in_features = layers[0].in_features
+
+    @classmethod
+    def maybe(cls, layers: list[nn.Module]) -> "FusedCall | None":
+        if (len(layers) < 2 or any(type(layer) is not GroupedInt4Linear or layer.bias is not None for layer in layers)
+                or kernels() is None):
+            return None
+        spans = []
+        for name in _BUFFERS:
+            tensors = [getattr(layer, name) for layer in layers]
+            first = tensors[0]
+            storage = first.untyped_storage().data_ptr()
+            offset = first.storage_offset()
+            for tensor in tensors:
+                if (tensor.untyped_storage().data_ptr() != storage or tensor.storage_offset() != offset
+                        or not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:]):
+                    return None
+                offset += tensor.numel()
+            rows = sum(tensor.shape[0] for tensor in tensors)
+            spans.append(first.as_strided((rows, *first.shape[1:]), first.stride()))
+        return cls(layers, tuple(spans))
+
+    def valid(self, layers: list[nn.Module]) -> bool:
+        return all(layer is mine and all(layer._buffers[name] is buffer for name, buffer in zip(_BUFFERS, buffers))
+                   for layer, mine, buffers in zip(layers, self.layers, self._buffers))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out = kernels().int4_linear(_rows(x, self.in_features), *self.spans)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        return list(out.split(self.sizes, dim=-1))

@@ -290,7 +290,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     # goes back to sdpa too, so that the row-wise attention below replaces it (a copy of a float target has it).
     from .cpukernels import use_stock_attention, use_stock_linears
 
-    from .grouped import GroupedInt4Linear, GroupedInt8Linear, grouped_misfit, kernels
+    from .grouped import GroupedInt4Linear, GroupedInt8Linear, grouped_misfit, kernels, stack_storage
 
     use_stock_linears(model)
     use_stock_attention(model)
@@ -320,6 +320,12 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     # Replace after walking, so the walk never sees a half-rewritten tree.
     for parent, child_name, quantized in replacements:
         setattr(parent, child_name, quantized)
+    # Layers that read the same input (attention's q/k/v, a gated MLP's gate/up) side by side in memory, so that the
+    # lean forward can run each group as one grouped-kernel call (models/grouped.py, FusedCall).
+    for module in model.modules():
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            if all(hasattr(module, name) for name in names):
+                stack_storage([getattr(module, name) for name in names])
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(ROWWISE_ATTENTION)
