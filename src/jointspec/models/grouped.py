@@ -1,9 +1,9 @@
 """Grouped int4 / int8 weight-only linear layers with a CPU kernel of our own, for ``--quantize int4``.
 
-Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) wants bfloat16 activations and
-its cost grows about linearly with the rows of a forward, so verifying draft tokens on an int4 target cost almost as
-much as decoding them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3
-and 4 rows. ``csrc/grouped_linear.cpp`` (AVX-512, built once with the machine's own compiler) dequantises each
+Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) wants bfloat16 activations,
+which move the model away from its float32 self, and on the machine it was first measured on (models/quantize.py)
+its cost grew about linearly with the rows of a forward, so verifying draft tokens cost almost as much as decoding
+them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3 and 4 rows. ``csrc/grouped_linear.cpp`` (AVX-512, built once with the machine's own compiler) dequantises each
 weight row into an L1-resident float32 buffer and takes its dot product with every input row, so weights are read
 once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
 from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15 passes, ms)::
@@ -75,7 +75,8 @@ def _load():
     """(extension, None) or (None, why not); the reason is logged once."""
     module, reason = _build()
     if reason is not None:
-        log.warning("int4: %s; using PyTorch's int4/int8 kernels instead (slower to verify drafts)", reason)
+        log.warning("int4: %s; using PyTorch's int4/int8 kernels instead (bfloat16 activations: close to the float "
+                    "model, not equal to it)", reason)
     return module, reason
 
 
