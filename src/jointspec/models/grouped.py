@@ -203,18 +203,23 @@ class GroupedInt8Linear(nn.Module):
 # Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
 # one call over the stacked weights of several layers that read the same input (a Llama layer's q/k/v, its gate/up)
 # gives each layer's output bit for bit. One call instead of three or two saves the per-call cost, which inside a
-# forward is large (models/grouped.py docstring): about 2 ms of an 18 ms int4 step on SmolLM2-135M
-# (docs/benchmarks.md, section 5). :func:`stack_storage` lays such layers' buffers out back to back in one tensor
+# forward is large (module docstring): about 0.7 ms of an 18 ms int4 step on SmolLM2-135M (docs/benchmarks.md,
+# section 5). :func:`stack_storage` lays such layers' buffers out back to back in one tensor
 # (each layer keeps views, so nothing is stored twice and the layers still work alone); :class:`FusedCall` then
 # makes the one call (the lean forward, models/fastpath.py, builds one per layer where it finds them so laid out).
 _BUFFERS = ("packed", "scale", "minimum")
 
 
+def _stackable(layers: list[nn.Module]) -> bool:
+    """Two or more bias-free :class:`GroupedInt4Linear` layers of one input width."""
+    return (len(layers) >= 2 and all(type(layer) is GroupedInt4Linear and layer.bias is None for layer in layers)
+            and len({layer.in_features for layer in layers}) == 1)
+
+
 def stack_storage(layers: list[nn.Module]) -> bool:
     """Put ``layers``' (:class:`GroupedInt4Linear`, same in_features, no bias) buffers back to back in one tensor
     each, leaving every layer with views into it; returns whether it did (other layers are left alone)."""
-    if (len(layers) < 2 or any(type(layer) is not GroupedInt4Linear or layer.bias is not None for layer in layers)
-            or len({layer.in_features for layer in layers}) != 1):
+    if not _stackable(layers):
         return False
     for name in _BUFFERS:
         stacked = torch.cat([getattr(layer, name) for layer in layers]).contiguous()
@@ -241,8 +246,7 @@ class FusedCall:
 
     @classmethod
     def maybe(cls, layers: list[nn.Module]) -> "FusedCall | None":
-        if (len(layers) < 2 or any(type(layer) is not GroupedInt4Linear or layer.bias is not None for layer in layers)
-                or kernels() is None):
+        if not _stackable(layers) or kernels() is None:
             return None
         spans = []
         for name in _BUFFERS:
