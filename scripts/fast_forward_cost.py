@@ -4,7 +4,7 @@ Two adapters over one loaded model (``--kernels``, default ``auto``): one runs :
 other transformers' ``LlamaForCausalLM.forward``; both use the same linears, attention and in-place KV cache, so the
 difference is transformers' per-module overhead alone. For each ``--contexts`` length both prefill the same random
 tokens; then each of ``--repeats`` passes times every (forward, k) pair once in a shuffled order (a forward of k
-tokens with all k rows of logits, cropped back after), the first pass a discarded warm-up. It also checks that the two
+tokens with all k rows of logits, cropped back after; scripts/interleaved.py), the first pass a discarded warm-up. It also checks that the two
 give equal logits. Reports the 20th percentile in ms. Run on a quiet machine:
 
     python scripts/fast_forward_cost.py --threads 2 --contexts 200,1000 --ks 1,3,4
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+
+from interleaved import time_forwards
 
 
 def main() -> None:
@@ -55,19 +56,7 @@ def main() -> None:
             raise SystemExit("the lean forward's logits differ from transformers' (a bug: they must be bit-equal)")
         for adapter in adapters.values():
             adapter.crop(context)
-        samples: dict[tuple[str, int], list[float]] = {(name, k): [] for name in adapters for k in ks}
-        for timed in [False] + [True] * args.repeats:
-            pairs = list(samples)
-            rng.shuffle(pairs)
-            for name, k in pairs:
-                tokens = [rng.randrange(loaded.vocab_size) for _ in range(k)]
-                start = time.perf_counter()
-                adapters[name].forward(tokens)
-                elapsed = time.perf_counter() - start
-                adapters[name].crop(context)
-                if timed:
-                    samples[(name, k)].append(elapsed)
-        cells = {key: sorted(v)[len(v) // 5] * 1e3 for key, v in samples.items()}
+        cells = time_forwards(adapters, ks, context, args.repeats, rng)
         ratios = " / ".join(f"{cells['lean', k] / cells['transformers', k]:.2f}" for k in ks)
         print(f"| {context} | " + " | ".join(f"{c:.1f}" for c in cells.values()) + f" | {ratios} |", flush=True)
 

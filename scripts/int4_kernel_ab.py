@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+
+from interleaved import time_forwards
 
 
 def main() -> None:
@@ -55,23 +56,11 @@ def main() -> None:
         model.reset()
         model.forward(prompt, num_logits=0)
     ks = [int(k) for k in args.ks.split(",")]
-    samples: dict[tuple[str, int], list[float]] = {(name, k): [] for name in models for k in ks}
-    for timed in [False] + [True] * args.repeats:
-        pairs = list(samples)
-        rng.shuffle(pairs)
-        for name, k in pairs:
-            tokens = [rng.randrange(target.vocab_size) for _ in range(k)]
-            start = time.perf_counter()
-            models[name].forward(tokens)
-            elapsed = time.perf_counter() - start
-            models[name].crop(args.context)
-            if timed:
-                samples[(name, k)].append(elapsed)
+    cells = time_forwards(models, ks, args.context, args.repeats, rng)
     print("| model | " + " | ".join(f"k={k}" for k in ks) + " |")
     print("|---|" + "---:|" * len(ks))
     for name in models:
-        print(f"| {name} | " + " | ".join(f"{sorted(samples[name, k])[args.repeats // 5] * 1e3:.1f}" for k in ks)
-              + " |")
+        print(f"| {name} | " + " | ".join(f"{cells[name, k]:.1f}" for k in ks) + " |")
 
     pipeline = Pipeline(target, tokenizer, MethodConfig(name="ar"))
     agree = {name: 0 for name in models if name != "float32"}

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+
+from interleaved import time_forwards
 
 
 def main() -> None:
@@ -59,21 +60,9 @@ def main() -> None:
         for adapter in adapters.values():
             adapter.reset()
             adapter.forward(prompt, num_logits=0)
-        samples: dict[tuple[str, int], list[float]] = {(name, k): [] for name in settings for k in ks}
-        for timed in [False] + [True] * args.repeats:
-            pairs = list(samples)
-            rng.shuffle(pairs)
-            for name, k in pairs:
-                adapter, grouped = settings[name]
-                (use_gqa_attention if grouped else use_stock_attention)(buffered.model)
-                tokens = [rng.randrange(buffered.vocab_size) for _ in range(k)]
-                start = time.perf_counter()
-                adapter.forward(tokens)
-                elapsed = time.perf_counter() - start
-                adapter.crop(context)
-                if timed:
-                    samples[(name, k)].append(elapsed)
-        cells = [sorted(v)[len(v) // 5] * 1e3 for v in samples.values()]
+        cells = time_forwards({name: adapter for name, (adapter, _) in settings.items()}, ks, context, args.repeats,
+                              rng, before=lambda name: (use_gqa_attention if settings[name][1]
+                                                        else use_stock_attention)(buffered.model)).values()
         print(f"| {context} | " + " | ".join(f"{c:.1f}" for c in cells) + " |", flush=True)
 
 

@@ -120,8 +120,29 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features).to(torch.float32).contiguous()
 
 
-class GroupedInt4Linear(nn.Module):
+class _GroupedLinear(nn.Module):
+    """What the int4 and int8 layers share: float32 rows in, one kernel call, the bias, the input's shape back."""
+
+    bits: int
+
+    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:  # [m, in] float32 -> [m, out] float32
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        out = self._multiply(_rows(x, self.in_features))
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} weights in groups "
+                f"of {GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")
+
+
+class GroupedInt4Linear(_GroupedLinear):
     """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32."""
+
+    bits = 4
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -152,19 +173,14 @@ class GroupedInt4Linear(nn.Module):
         levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [out, groups, 32]
         return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
-        out = kernels().int4_linear(_rows(x, self.in_features), self.packed, self.scale, self.minimum)
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 weights in groups of "
-                f"{GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")
+    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return kernels().int4_linear(rows, self.packed, self.scale, self.minimum)
 
 
-class GroupedInt8Linear(nn.Module):
+class GroupedInt8Linear(_GroupedLinear):
     """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32."""
+
+    bits = 8
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -189,15 +205,8 @@ class GroupedInt8Linear(nn.Module):
         levels = self.levels.reshape(self.out_features, -1, GROUP_SIZE).float()
         return (levels * self.scale[..., None]).reshape(self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
-        out = kernels().int8_linear(_rows(x, self.in_features), self.levels, self.scale)
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights in groups of "
-                f"{GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")
+    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return kernels().int8_linear(rows, self.levels, self.scale)
 
 
 # Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
