@@ -147,6 +147,7 @@ def test_fused_calls_give_the_separate_layers_bits_and_step_aside_when_a_layer_c
     assert all(qkv is not None and gate_up is not None for qkv, gate_up in lean.lean.fused)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.packed.untyped_storage().data_ptr() == attn.v_proj.packed.untyped_storage().data_ptr()
+    lean.lean.compiled = None  # the fused calls inside the operation-by-operation forward, not the compiled layer
     context, new = random_prompt(2), [7, 8, 9]
     for adapter in (lean, stock):
         adapter.forward(context, num_logits=0)
@@ -158,3 +159,63 @@ def test_fused_calls_give_the_separate_layers_bits_and_step_aside_when_a_layer_c
     for adapter in (lean, stock):
         adapter.crop(len(context))
     assert torch.equal(lean.forward(new).logits, stock.forward(new).logits)
+
+
+@needs_kernel
+def test_compiled_layers_compute_the_int4_model_one_row_at_a_time():
+    """The compiled decoder layer (csrc decoder_layer): close to the operation-by-operation forward, and each row
+    alone: a chain of tokens, and every node of a tree, get bit for bit the logits of feeding them one by one."""
+    model = quantize_model(grouped_llama(1), "int4")
+    compiled, python = CausalLM(model, name="compiled"), CausalLM(model, name="python")
+    python.lean.compiled = None
+    assert compiled.lean.compiled is not None
+    context = random_prompt(2)
+    ours, theirs = compiled.forward(context, output_hidden=True), python.forward(context, output_hidden=True)
+    # Another order of float32 sums over the same quantised weights: differences of float rounding only.
+    assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(ours.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
+    new = [7, 8, 9, 10]
+    chain = compiled.forward(new).logits
+    compiled.crop(len(context))
+    steps = torch.cat([compiled.forward([token]).logits for token in new])
+    compiled.crop(len(context))
+    assert torch.equal(chain, steps)
+    tree = compiled.forward(new, parents=[-1, 0, 0, 1]).logits  # 7 -> (8 -> 10, 9)
+    compiled.crop(len(context))
+    assert torch.equal(tree[[0, 1, 3]], compiled.forward([7, 8, 10]).logits)
+    compiled.crop(len(context))
+    assert torch.equal(tree[[0, 2]], compiled.forward([7, 9]).logits)
+
+
+@needs_kernel
+def test_a_replaced_layer_takes_the_model_off_the_compiled_layers():
+    model = quantize_model(grouped_llama(1), "int4")
+    lean, stock = CausalLM(model, name="lean"), CausalLM(model, name="transformers", lean=False)
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = GroupedInt4Linear(linear(mlp.down_proj.out_features, mlp.down_proj.in_features, seed=4))
+    context = random_prompt(2)
+    # Off the compiled layers the lean forward is transformers' operations, bit for bit.
+    assert torch.equal(lean.forward(context).logits, stock.forward(context).logits)
+
+
+@needs_kernel
+def test_compiled_attention_is_attention():
+    """The compiled attention (what quantised models' row-wise attention calls) against PyTorch's, causal and with
+    a tree-style mask, with grouped key/value heads."""
+    compiled = kernels()
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, keys = 6, 2, 32, 40
+    query = torch.randn(heads, 3, dim, generator=generator)
+    key, value = (torch.randn(kv_heads, keys, dim, generator=generator) for _ in range(2))
+    visible = torch.rand(3, keys, generator=generator) > 0.4
+    visible[:, 0] = True
+    out = compiled.attention(query, key, value, visible, torch.empty(0, dtype=torch.long), dim ** -0.5)
+    reference = torch.nn.functional.scaled_dot_product_attention(query[None], key[None], value[None],
+                                                                 attn_mask=visible[None, None], enable_gqa=True)
+    assert torch.allclose(out, reference[0].transpose(0, 1), atol=1e-5)
+    lengths = torch.tensor([38, 39, 40])
+    out = compiled.attention(query, key, value, torch.empty(0, dtype=torch.bool), lengths, dim ** -0.5)
+    causal = torch.arange(keys)[None] < lengths[:, None]
+    reference = torch.nn.functional.scaled_dot_product_attention(query[None], key[None], value[None],
+                                                                 attn_mask=causal[None, None], enable_gqa=True)
+    assert torch.allclose(out, reference[0].transpose(0, 1), atol=1e-5)

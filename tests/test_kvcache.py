@@ -73,3 +73,16 @@ def test_keys_replaced_from_outside_are_taken_over():
     feed(buffered, [2], seed=3)
     feed(reference, [2], seed=3)
     assert_same(buffered, reference)
+
+
+def test_slots_written_by_the_caller_read_like_appended_entries():
+    """append_slots (what the compiled decoder layer writes into) holds what update() would, across growth."""
+    buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
+    for i, n in enumerate([MIN_CAPACITY - 1, 4, 1]):  # the second call outgrows the first buffer
+        for layer in range(2):
+            keys, values = entries(10 * i + layer, n)
+            key_buffer, value_buffer, start = buffered.layers[layer].append_slots(n, keys[:, :, :0])
+            key_buffer[:, :, start:start + n] = keys
+            value_buffer[:, :, start:start + n] = values
+            reference.update(keys, values, layer)
+        assert_same(buffered, reference)

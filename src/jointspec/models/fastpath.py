@@ -21,6 +21,11 @@ Two things it does differently, both outside the numbers: it skips the LM head w
 (transformers computes the logits of every prompt token at prefill, a 49152-wide projection per token on SmolLM2,
 when asked for none), and it keeps only the hidden states the caller asks for.
 
+One exception to "the same operations": a model quantised to jointspec's grouped int4 layers (models/grouped.py)
+runs each decoder layer as one compiled call (:meth:`LlamaFastForward._compiled_layers`), about a third cheaper a
+step. That is another summation order of the same quantised model, each row still computed alone, so plain and
+speculative decoding of it agree exactly; it is not bit for bit transformers' forward of the quantised model.
+
 Only models whose every part is exactly the transformers Llama class take this path (:func:`fast_forward_for`); a
 subclass or another architecture runs transformers' own forward, as does ``--kernels stock``.
 """
@@ -94,6 +99,52 @@ class LlamaFastForward:
         # elsewhere); bit for bit the separate calls (models/grouped.py).
         self.fused = [(FusedCall.maybe(self._qkv(layer)), FusedCall.maybe(self._gate_up(layer)))
                       for layer in model.model.layers[:model.config.num_hidden_layers]]
+        self.compiled = self._compiled_layers()
+
+    def _compiled_layers(self) -> list[tuple] | None:
+        """Per layer, what the compiled decoder layer (``decoder_layer`` in models/csrc) takes, where the whole model
+        fits it: 4-bit grouped layers laid out for fused calls, row-wise attention, SiLU, no biases. None elsewhere.
+
+        A quantised model is its own model (models/quantize.py): the compiled layer computes what the operations
+        below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
+        speculative decoding of that model both run it, and agree exactly with each other."""
+        from .grouped import GroupedInt4Linear, kernels
+        from .quantize import ROWWISE_ATTENTION
+
+        config = self.model.config
+        if config._attn_implementation != ROWWISE_ATTENTION or config.hidden_act != "silu" or kernels() is None:
+            return None
+        layers = []
+        for layer, (fused_qkv, fused_gate_up) in zip(self.model.model.layers, self.fused):
+            attn, mlp = layer.self_attn, layer.mlp
+            plain = [attn.o_proj, mlp.down_proj]
+            if (fused_qkv is None or fused_gate_up is None or attn.head_dim % 16
+                    or any(type(m) is not GroupedInt4Linear or m.bias is not None for m in plain)):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(weight.dtype != torch.float32 for weight in norms):
+                return None
+            layers.append((fused_qkv, fused_gate_up, [(m, m.packed, m.scale, m.minimum) for m in plain], norms))
+        return layers
+
+    def _compiled_ready(self, n: int, cache) -> bool:
+        """Whether this forward (``n`` rows) can take the compiled layers: still the layers they were built from,
+        a buffered cache, and a forward short enough for row-wise attention."""
+        from .kvcache import BufferedLayer
+        from .quantize import ROWWISE_MAX_ROWS
+
+        if self.compiled is None or n > ROWWISE_MAX_ROWS:
+            return False
+        base = self.model.model
+        for layer, cache_layer, (fused_qkv, fused_gate_up, plain, norms) in zip(base.layers, cache.layers,
+                                                                                 self.compiled):
+            if not (isinstance(cache_layer, BufferedLayer) and fused_qkv.valid(self._qkv(layer))
+                    and fused_gate_up.valid(self._gate_up(layer))
+                    and all(m is now and m.packed is p and m.scale is s and m.minimum is z
+                            for (m, p, s, z), now in zip(plain, (layer.self_attn.o_proj, layer.mlp.down_proj)))
+                    and norms[0] is layer.input_layernorm.weight and norms[1] is layer.post_attention_layernorm.weight):
+                return False
+        return True
 
     @staticmethod
     def _qkv(layer) -> list[nn.Module]:
@@ -126,6 +177,57 @@ class LlamaFastForward:
         wanted = {layer % (num_layers + 1) for layer in hidden_layers}
         kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
         batch_seq = hidden.shape[:-1]
+        if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
+            hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept)
+        else:
+            hidden = self._body(hidden, cos, sin, causal_mask, cache, position_ids, attention, wanted, kept)
+        hidden = _rms_norm(base.norm, hidden)
+        if num_layers in wanted:
+            kept[num_layers] = hidden
+        if num_logits > 0:
+            logits = _linear(model.lm_head, hidden[:, -num_logits:, :])
+        else:
+            logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
+        return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
+
+    def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept) -> torch.Tensor:
+        """The decoder layers as compiled calls (:meth:`_compiled_layers`); [1, n, width] in and out."""
+        from .grouped import kernels
+        from .quantize import _NO_LENGTHS, _NO_MASK
+
+        base = self.model.model
+        n = hidden.shape[1]
+        past = cache.get_seq_length()
+        if causal_mask is None:  # causal, the rows being the last ones
+            visible, lengths = _NO_MASK, torch.arange(past + 1, past + n + 1)
+        else:
+            visible = causal_mask[0, 0]
+            if visible.dtype != torch.bool:
+                visible = visible > torch.finfo(visible.dtype).min / 2
+            visible, lengths = visible.contiguous(), _NO_LENGTHS
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        rows = hidden[0].contiguous()
+        compiled = kernels()
+        num_layers = len(self.compiled)
+        for index, (layer, (fused_qkv, fused_gate_up, plain, norms)) in enumerate(zip(base.layers, self.compiled)):
+            attn = layer.self_attn
+            like = rows.new_empty(1, attn.config.num_key_value_heads, 0, attn.head_dim)
+            keys, values, start = cache.layers[index].append_slots(n, like)
+            # Each projection as (packed, scale, minimum), the order of FusedCall.spans.
+            rows = compiled.decoder_layer(
+                rows, norms[0], norms[1], layer.input_layernorm.variance_epsilon, list(fused_qkv.spans),
+                [plain[0][1], plain[0][2], plain[0][3]], list(fused_gate_up.spans),
+                [plain[1][1], plain[1][2], plain[1][3]], cos, sin, keys[0], values[0], start, visible, lengths,
+                attn.config.num_attention_heads, attn.scaling)
+            if index + 1 in wanted and index + 1 < num_layers:
+                kept[index + 1] = rows[None]
+        return rows[None]
+
+    def _body(self, hidden, cos, sin, causal_mask, cache, position_ids, attention, wanted, kept) -> torch.Tensor:
+        """The decoder layers as transformers runs them, operation for operation; [1, n, width] in and out."""
+        base = self.model.model
+        num_layers = self.model.config.num_hidden_layers
+        batch_seq = hidden.shape[:-1]
         for index, layer in enumerate(base.layers[:num_layers]):
             attn = layer.self_attn
             fused_qkv, fused_gate_up = self.fused[index]
@@ -157,11 +259,4 @@ class LlamaFastForward:
             hidden = residual + _linear(mlp.down_proj, mlp.act_fn(gate) * up)
             if index + 1 in wanted and index + 1 < num_layers:
                 kept[index + 1] = hidden
-        hidden = _rms_norm(base.norm, hidden)
-        if num_layers in wanted:
-            kept[num_layers] = hidden
-        if num_logits > 0:
-            logits = _linear(model.lm_head, hidden[:, -num_logits:, :])
-        else:
-            logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
-        return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
+        return hidden

@@ -31,6 +31,15 @@ Exactness. Activations stay float32 and every output row is computed by the same
 (bit-equal rows, tested), and quantised models use row-wise attention (:func:`jointspec.models.quantize.rowwise_sdpa`),
 so speculative decoding on this target is exactly its plain decoding.
 
+The same extension holds two more kernels for the int4 model. ``attention``: row-wise attention (each query row and
+head computed alone, by construction) in one call per layer, which :func:`jointspec.models.quantize.rowwise_sdpa`
+uses instead of one PyTorch SDPA call per row. ``decoder_layer``: a whole Llama decoder layer on these 4-bit weights
+(norms, fused q/k/v, rotary embedding, cache write, attention, output projection, gated MLP, residuals), which the
+lean forward (models/fastpath.py) runs instead of about fifty PyTorch operations per layer. A plain int4 step of
+SmolLM2-135M then costs 12.5 ms instead of 19 (2-core Xeon, 200 cached tokens). Both treat every row alone, so
+speculative decoding stays exactly plain decoding of the int4 model; neither is bit for bit the operation-by-operation
+forward (float sums in another order), which is why plain and speculative decoding both run them.
+
 Where the kernel cannot be built or run (no AVX-512, no C++ compiler, a GPU model, in_features not a multiple of
 64) the layers fall back to PyTorch's int4 / int8 kernels of :mod:`jointspec.models.quantize`, with one warning that
 says why.

@@ -71,6 +71,17 @@ class BufferedLayer(DynamicLayer):
         self._set_length(end)
         return self.keys, self.values
 
+    def append_slots(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Make room for ``count`` entries that the caller writes itself (a compiled layer does): returns the key and
+        value buffers ([batch, kv_heads, capacity, head_dim]) and the index of the first new entry; the cache counts
+        the new entries from now on. ``like`` ([batch, kv_heads, any, head_dim]) gives the shape, dtype and device."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        start = self._adopt()
+        self._reserve(like, like, start + count)
+        self._set_length(start + count)
+        return self._key_buffer, self._value_buffer, start
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` entries (transformers >= 5 passes a negative count)."""
         if tokens_to_remove > 0:

@@ -199,13 +199,26 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     measurable up to 4 rows, +5 ms at 8 and +12 ms at 16 (of 55 and 85 ms, int4, busy machine). Tree masks
     (non-prefix rows) gather the row's keys. Query shapes: [1, heads, rows, dim]; keys and values
     [1, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min. Batches of several sequences (the server's
-    engine) and long prefills keep transformers' one-call SDPA.
+    engine) and long prefills keep transformers' one-call SDPA. Where jointspec's compiled kernels run (AVX-512, float32,
+    models/grouped.py) one compiled call computes every row and head the same way, each alone by construction.
     """
     batch, num_heads, num_rows, _ = query.shape
     if batch != 1 or num_rows > ROWWISE_MAX_ROWS or dropout or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     num_keys = key.shape[2]
+    compiled = _compiled_attention(query, key)
+    if compiled is not None:
+        if attention_mask is None:
+            lengths = torch.arange(num_keys - num_rows + 1, num_keys + 1)
+            visible = _NO_MASK
+        else:
+            visible = attention_mask[0, 0]
+            if visible.dtype != torch.bool:
+                visible = visible > torch.finfo(visible.dtype).min / 2
+            visible, lengths = visible.contiguous(), _NO_LENGTHS
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return compiled.attention(query[0], key[0], value[0], visible, lengths, scale)[None], None
     visible = None
     if attention_mask is None:  # causal, the rows being the last ones (what transformers means by no mask)
         lengths = list(range(num_keys - num_rows + 1, num_keys + 1))
@@ -229,6 +242,23 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         rows.append(torch.nn.functional.scaled_dot_product_attention(
             query[:, :, row:row + 1], row_key, row_value, scale=scaling, enable_gqa=gqa))
     return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None  # [1, rows, heads, dim]
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+_NO_LENGTHS = torch.empty(0, dtype=torch.long)
+
+
+def _compiled_attention(query: torch.Tensor, key: torch.Tensor):
+    """jointspec's compiled attention (models/csrc, with the grouped kernels) where it takes these tensors, else
+    None. It computes each (row, head) pair alone by construction, so one call gives what one SDPA call per row
+    does (the same property, not the same bits), for every row and head of a layer at once."""
+    if query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32:
+        return None
+    if query.shape[-1] % 16 or query.stride(-1) != 1 or key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
+        return None
+    from .grouped import kernels
+
+    return kernels()
 
 
 AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)

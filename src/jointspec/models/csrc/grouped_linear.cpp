@@ -6,12 +6,16 @@
 // buffer that stays in L1 cache, then takes the dot product of that buffer with every input row. So the weights are
 // read from memory once per forward whatever the number of input rows (what verifying several draft tokens needs),
 // and every output is computed by exactly the same instructions whatever the number of rows: a row's result does not
-// depend on the batch it came in (what keeps speculative decoding exactly equal to plain decoding).
+// depend on the batch it came in (what keeps speculative decoding exactly equal to plain decoding). Below them, two
+// kernels built on the same rule: row-by-row attention, and a whole Llama decoder layer on 4-bit weights.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <vector>
+#include <algorithm>
 
 namespace {
 
@@ -91,12 +95,9 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
               scale.size(1) == x.size(1) / kGroup, "scale must be a contiguous float32 [out, in / 32] matrix");
 }
 
+// out [rows, out_features] = x [rows, k] times the dequantised weights, whose row n `dequantise(n, w)` writes.
 template <typename Dequantise>
-torch::Tensor run(const torch::Tensor& x, int64_t out_features, Dequantise dequantise) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  auto out = torch::empty({rows, out_features}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, Dequantise dequantise) {
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
     for (int64_t n = begin; n < end; ++n) {
@@ -105,7 +106,189 @@ torch::Tensor run(const torch::Tensor& x, int64_t out_features, Dequantise dequa
     }
     std::free(w);
   });
+}
+
+template <typename Dequantise>
+torch::Tensor run(const torch::Tensor& x, int64_t out_features, Dequantise dequantise) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto out = torch::empty({rows, out_features}, x.options());
+  multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), dequantise);
   return out;
+}
+
+// A 4-bit layer's buffers as raw pointers (packed [out, in / 2] uint8, scale and minimum [out, in / 32] float32).
+struct Int4Weights {
+  const uint8_t* packed;
+  const float* scale;
+  const float* minimum;
+  int64_t in_features, out_features;
+
+  void apply(const float* x, int64_t rows, float* out) const {
+    const int64_t groups = in_features / kGroup;
+    multiply(x, rows, in_features, out_features, out, [&](int64_t n, float* w) {
+      dequantise_int4(packed + n * groups * kGroup / 2, scale + n * groups, minimum + n * groups, groups, w);
+    });
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attention, one (query row, head) pair at a time: scores over the keys the row may see, in key order; softmax; the
+// probability-weighted sum of values, in key order. A pair's result depends only on its query and the keys it sees,
+// never on the other rows of the call, so a row verified among draft tokens equals the row decoded alone (what
+// jointspec/models/quantize.py's row-wise attention needs), and one call serves every row and head of a layer.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' coefficients), times 2^n.
+// Lane by lane the same instructions, so a score's exponential does not depend on its neighbours.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below this e^x is denormal: treat as 0 after scaling
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One pair: q [dim], keys/values rows at `key` + j * dim for the `count` visible key indices `index` (ascending).
+void attend(const float* q, const float* key, const float* value, const int64_t* index, int64_t count, int64_t dim,
+            float scale, float* scores, float* out) {
+  float high = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) {
+    const float* k = key + index[i] * dim;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+    scores[i] = _mm512_reduce_add_ps(acc) * scale;
+    high = std::max(high, scores[i]);
+  }
+  __m512 total = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(high);
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 lanes = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), top));
+    _mm512_mask_storeu_ps(scores + i, lanes, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+  }
+  const float inverse = 1.0f / _mm512_reduce_add_ps(total);
+  for (int64_t d = 0; d < dim; d += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; ++i)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[i]), _mm512_loadu_ps(value + index[i] * dim + d), acc);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(acc, _mm512_set1_ps(inverse)));
+  }
+}
+#else
+void attend(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, float*) {}
+#endif
+
+// Each row's visible key indices, ascending: from a bool [rows, keys] matrix, or (visible empty) row r sees keys
+// 0 .. lengths[r] - 1.
+std::vector<std::vector<int64_t>> visible_keys(const torch::Tensor& visible, const torch::Tensor& lengths,
+                                               int64_t rows, int64_t num_keys) {
+  std::vector<std::vector<int64_t>> index(rows);
+  if (visible.numel() > 0) {
+    TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() && visible.size(0) == rows &&
+                visible.size(1) == num_keys, "visible must be a contiguous bool [rows, keys] matrix");
+  } else {
+    TORCH_CHECK(lengths.scalar_type() == torch::kLong && lengths.is_contiguous() && lengths.numel() == rows,
+                "lengths must be a contiguous int64 [rows] vector");
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (visible.numel() > 0) {
+      const bool* v = visible.data_ptr<bool>() + r * num_keys;
+      for (int64_t j = 0; j < num_keys; ++j) if (v[j]) index[r].push_back(j);
+    } else {
+      const int64_t length = lengths.data_ptr<int64_t>()[r];
+      TORCH_CHECK(length > 0 && length <= num_keys, "row ", r, " sees ", length, " of ", num_keys, " keys");
+      index[r].resize(length);
+      for (int64_t j = 0; j < length; ++j) index[r][j] = j;
+    }
+    TORCH_CHECK(!index[r].empty(), "row ", r, " sees no key");
+  }
+  return index;
+}
+
+// Every (row, head) pair through attend(); out [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
+void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const float* kp, int64_t k_head_stride,
+                const float* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
+                int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op) {
+  const int64_t rows = static_cast<int64_t>(index.size()), group = heads / kv_heads;
+  int64_t most = 0;
+  for (const auto& keys : index) most = std::max(most, static_cast<int64_t>(keys.size()));
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(most + 16);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t r = pair / heads, h = pair % heads, g = h / group;
+      attend(qp + h * q_head_stride + r * q_row_stride, kp + g * k_head_stride, vp + g * v_head_stride,
+             index[r].data(), static_cast<int64_t>(index[r].size()), dim, scale, scores.data(),
+             op + (r * heads + h) * dim);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// A whole Llama decoder layer on 4-bit weights, for the lean forward (jointspec/models/fastpath.py): the norms, the
+// fused q/k/v projection, rotary embedding, writing the new keys and values into the cache, attention, the output
+// projection, the gated MLP and both residual adds, in one call instead of about fifty PyTorch operations. Every step
+// treats each row alone (norms, rotary, activation per row; projections and attention as above), so this layer
+// keeps the row independence speculative decoding needs.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n is a multiple of 16.
+void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(n) + eps);
+  const __m512 scale = _mm512_set1_ps(inverse);
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), scale)));
+}
+
+// silu(gate) * up = gate * up / (1 + e^-gate). n is a multiple of 16.
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    _mm512_storeu_ps(out + i, _mm512_div_ps(_mm512_mul_ps(g, _mm512_loadu_ps(up + i)), denominator));
+  }
+}
+
+void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+}
+#else
+void rms_norm(const float*, const float*, int64_t, float, float*) {}
+void silu_mul(const float*, const float*, int64_t, float*) {}
+void add_into(float*, const float*, int64_t) {}
+#endif
+
+// transformers' apply_rotary_pos_emb for one head vector: x * cos + rotate_half(x) * sin, rotate_half(x) being
+// [-x2, x1] for the halves x1, x2.
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+  for (int64_t i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& minimum,
+                         int64_t in_features, const char* name) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
+              packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
+              in_features / 2, "] matrix");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == packed.size(0) &&
+              scale.size(1) == in_features / kGroup && minimum.sizes() == scale.sizes() &&
+              minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(), name,
+              ": scale and minimum must be contiguous float32 [out, in / 32] matrices");
+  return {packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(), in_features,
+          packed.size(0)};
 }
 
 }  // namespace
@@ -137,8 +320,120 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor s
   });
 }
 
+
+// query [heads, rows, dim] (any strides, unit stride in dim); key / value [kv_heads, keys, dim] (rows of dim
+// contiguous, any head stride); visible: bool [rows, keys], or an empty tensor with `lengths` [rows]: row r sees keys
+// 0 .. lengths[r] - 1. Returns [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
+torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
+                        torch::Tensor lengths, double scale) {
+  TORCH_CHECK(kAvailable, "jointspec's attention kernel needs AVX-512 (F and BW); this CPU build has none");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be 3-D");
+  for (const auto* t : {&query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(2) == 1,
+                "query, key and value must be float32 CPU tensors with a unit stride in the last dimension");
+  }
+  const int64_t heads = query.size(0), rows = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key.size(0), num_keys = key.size(1);
+  TORCH_CHECK(dim % 16 == 0, "head_dim must be a multiple of 16, got ", dim);
+  TORCH_CHECK(key.size(2) == dim && value.sizes() == key.sizes() && key.stride(1) == dim && value.stride(1) == dim,
+              "key and value must be [kv_heads, keys, dim] with contiguous rows");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const auto index = visible_keys(visible, lengths, rows, num_keys);
+  auto out = torch::empty({rows, heads, dim}, query.options());
+  attend_all(query.data_ptr<float>(), query.stride(0), query.stride(1), key.data_ptr<float>(), key.stride(0),
+             value.data_ptr<float>(), value.stride(0), index, heads, kv_heads, dim, static_cast<float>(scale),
+             out.data_ptr<float>());
+  return out;
+}
+
+// hidden [rows, width] -> the layer's output [rows, width]. Each layer as (packed, scale, minimum); qkv holds q, k
+// and v stacked (q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
+// cos / sin [rows, dim] come from the model's rotary embedding. The new keys and values go to rows start ..
+// start + rows - 1 of key_cache / value_cache ([kv_heads, capacity, dim], contiguous rows); each row then attends
+// to the keys `visible` / `lengths` give it (as attention() above), scaled by `scale`.
+torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+                            std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o_proj,
+                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
+                            int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
+                            double scale) {
+  TORCH_CHECK(kAvailable, "jointspec's decoder-layer kernel needs AVX-512 (F and BW); this CPU build has none");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
+              hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
+  TORCH_CHECK(qkv.size() == 3 && o_proj.size() == 3 && gate_up.size() == 3 && down.size() == 3,
+              "each projection comes as (packed, scale, minimum)");
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && kv_heads > 0 && heads % kv_heads == 0,
+              "width must be a multiple of 64, head_dim of 16, heads of kv_heads");
+  for (const auto* t : {&input_norm, &post_norm}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == width,
+                "norm weights must be float32 [width]");
+  }
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
+                t->size(1) == dim, "cos and sin must be contiguous float32 [rows, head_dim]");
+  }
+  for (const auto* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim &&
+                t->stride(2) == 1 && t->stride(1) == dim, "caches must be float32 [kv_heads, capacity, dim] with "
+                "contiguous rows");
+  }
+  TORCH_CHECK(start >= 0 && start + rows <= key_cache.size(1) && value_cache.size(1) >= start + rows,
+              "the caches have no room for ", rows, " entries after ", start);
+  const Int4Weights w_qkv = int4_weights(qkv[0], qkv[1], qkv[2], width, "qkv");
+  const Int4Weights w_o = int4_weights(o_proj[0], o_proj[1], o_proj[2], q_size, "o_proj");
+  const Int4Weights w_gu = int4_weights(gate_up[0], gate_up[1], gate_up[2], width, "gate_up");
+  const int64_t intermediate = w_gu.out_features / 2;
+  const Int4Weights w_down = int4_weights(down[0], down[1], down[2], intermediate, "down");
+  TORCH_CHECK(w_qkv.out_features == q_size + 2 * kv_size && w_o.out_features == width &&
+              w_gu.out_features == 2 * intermediate && intermediate % 64 == 0 && w_down.out_features == width,
+              "projection shapes do not fit the layer");
+  const auto index = visible_keys(visible, lengths, rows, start + rows);
+  const float epsilon = static_cast<float>(eps);
+  const float* h = hidden.data_ptr<float>();
+  auto out = hidden.clone();
+  float* o = out.data_ptr<float>();
+  std::vector<float> normed(rows * width), projected(rows * (q_size + 2 * kv_size)), rotated(rows * q_size);
+  std::vector<float> attended(rows * q_size), mixed(rows * width), gated(rows * 2 * intermediate);
+  std::vector<float> activated(rows * intermediate);
+  // Attention block.
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm(h + r * width, input_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
+  w_qkv.apply(normed.data(), rows, projected.data());
+  float* key_base = key_cache.data_ptr<float>();
+  float* value_base = value_cache.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = projected.data() + r * (q_size + 2 * kv_size);
+    const float* c = cos.data_ptr<float>() + r * dim;
+    const float* sn = sin.data_ptr<float>() + r * dim;
+    for (int64_t head = 0; head < heads; ++head) rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      rotate(row + q_size + g * dim, c, sn, dim, key_base + g * key_cache.stride(0) + (start + r) * dim);
+      std::copy_n(row + q_size + kv_size + g * dim, dim, value_base + g * value_cache.stride(0) + (start + r) * dim);
+    }
+  }
+  attend_all(rotated.data(), dim, q_size, key_base, key_cache.stride(0), value_base, value_cache.stride(0), index,
+             heads, kv_heads, dim, static_cast<float>(scale), attended.data());
+  w_o.apply(attended.data(), rows, mixed.data());
+  add_into(o, mixed.data(), rows * width);
+  // MLP block.
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm(o + r * width, post_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
+  w_gu.apply(normed.data(), rows, gated.data());
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul(gated.data() + r * 2 * intermediate, gated.data() + r * 2 * intermediate + intermediate, intermediate,
+             activated.data() + r * intermediate);
+  w_down.apply(activated.data(), rows, mixed.data());
+  add_into(o, mixed.data(), rows * width);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX-512 kernels");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T");
+  m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
+  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer on 4-bit weights, rows independent");
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T");
 }
