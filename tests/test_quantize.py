@@ -352,7 +352,8 @@ def test_flags_parse_for_every_model_command(command):
     args = cli.build_parser().parse_args([command, "--quantize", "int4", "--backend", "llamacpp", "--threads", "3"])
     assert (args.quantize, args.backend, args.threads) == ("int4", "llamacpp", 3)
     args = cli.build_parser().parse_args([command])
-    assert (args.quantize, args.backend, args.threads) == ("none", "torch", None)
+    # generate runs the fastest exact configuration: int4 where that is the model's own weights (auto)
+    assert (args.quantize, args.backend, args.threads) == ("auto" if command == "generate" else "none", "torch", None)
 
 
 @pytest.mark.parametrize("option, value", [("--quantize", "int2"), ("--backend", "vllm"), ("--threads", "0")])
@@ -443,8 +444,36 @@ def test_bench_quantize_option_runs_a_quantised_copy_beside_the_float_target(mon
     assert mixed["ar"] == float_only
 
 
+def test_bench_default_runs_what_generate_runs(monkeypatch, capsys, quant_folder):
+    """``default`` in the bench takes quantize=auto, as ``jointspec generate`` does: here the source is made to count
+    as on the int4 grid, so it must run on the int4 copy (shared with ar:quantize=int4) and decode as int4 ``ar``;
+    ``default:quantize=none`` stays on the float target and decodes as float ``ar``."""
+    from jointspec.bench import runner
+
+    asked, copies, real_copy = [], [], runner.quantized_copy
+
+    def resolve(quantize, source, **options):
+        asked.append((quantize, source))
+        return "int4"
+
+    def quantized_copy(target, mode):
+        copies.append(mode)
+        return real_copy(target, mode)
+    monkeypatch.setattr(bench_cli, "resolve_quantize", resolve)
+    monkeypatch.setattr(runner, "quantized_copy", quantized_copy)
+    outputs = bench_outputs(capsys, quant_folder, "ar,default,ar:quantize=int4,default:quantize=none")
+    assert asked == [("auto", quant_folder)] and copies == ["int4"]
+    assert outputs["default"] == outputs["ar:quantize=int4"] and len(outputs["default"]) == 12
+    assert outputs["default:quantize=none"] == outputs["ar"]
+    # A bench whose target is loaded quantised already asks nothing and copies nothing.
+    asked.clear()
+    copies.clear()
+    bench_outputs(capsys, quant_folder, "ar,default", "--quantize", "int8")
+    assert asked == [] and copies == []
+
+
 @pytest.mark.parametrize("methods, extra, needle", [
-    ("ar,ar:quantize=int3", [], "quantize 'int3' in 'ar:quantize=int3' must be one of: none, int8, int4"),
+    ("ar,ar:quantize=int3", [], "quantize 'int3' in 'ar:quantize=int3' must be one of: auto, none, int8, int4"),
     ("ar,pld:backend=llamacpp,quantize=int4", [], "quantize is for the torch backend"),
     ("ar,ar:quantize=int4", ["--quantize", "int8"], "quantise a copy of the float torch target"),
     ("ar,hf-generate:quantize=int4", [], "unknown option 'quantize' for method 'hf-generate'"),
@@ -494,3 +523,58 @@ def test_batched_decoding_equals_single_on_the_quantized_model(quantized, method
     outs = engine.generate([BatchRequest(prompt, GREEDY, METHODS[method], seed=i) for i, prompt in enumerate(PROMPTS)])
     for prompt, out in zip(PROMPTS, outs):
         assert out == make_decoder("ar", quantized).generate(prompt, GREEDY)
+
+
+# -- quantize=auto: int4 where that is the model's own weights ------------------------------------------------------
+
+
+def write_typed_gguf(path: Path, projection_type: str, head_type: str) -> Path:
+    """A GGUF holding only tensors, each of the named quantisation type: all that on_int4_grid reads."""
+    import gguf
+    from gguf import quants
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).numpy()
+
+    def add(name: str, kind: str) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
+
+    for layer in range(2):
+        for projection in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            add(f"blk.{layer}.{projection}.weight", projection_type)
+        add(f"blk.{layer}.attn_norm.weight", "F32")  # norms stay float in every GGUF
+    add("output.weight", head_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_auto_takes_int4_only_where_it_recovers_the_files_own_weights(tmp_path):
+    from jointspec.models.loading import on_int4_grid, resolve_quantize
+
+    grid = write_typed_gguf(tmp_path / "q41.gguf", "Q4_1", "Q8_0")
+    assert on_int4_grid("default") and on_int4_grid(str(grid))
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q40.gguf", "Q4_0", "Q8_0")))  # symmetric 4-bit
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f32.gguf", "F32", "F32")))
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q4head.gguf", "Q4_1", "Q4_1")))
+    assert not on_int4_grid(str(tmp_path))  # a model folder
+    on_grid = "int4" if kernels() is not None else "none"
+    assert resolve_quantize("auto", "default") == on_grid
+    assert resolve_quantize("auto", str(grid)) == on_grid
+    assert resolve_quantize("auto", str(tmp_path)) == "none"
+    # Only the float32 torch model on the CPU, and not where transformers' own path is asked for.
+    assert resolve_quantize("auto", "default", backend="llamacpp") == "none"
+    assert resolve_quantize("auto", "default", dtype="bfloat16") == "none"
+    assert resolve_quantize("auto", "default", kernels="stock") == "none"
+    assert resolve_quantize("int8", str(tmp_path)) == "int8"  # named modes pass through
+
+
+def test_auto_leaves_a_model_folder_in_float(tmp_path):
+    target, _ = load_model(save_model(tmp_path / "model", seed=0), quantize="auto")
+    assert quantization_mode(target.model) == "none"

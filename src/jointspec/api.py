@@ -115,9 +115,10 @@ class Pipeline:
 
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
-             dtype: str | None = None, quantize: str = "none", backend: str = "torch",
+             dtype: str | None = None, quantize: str = "auto", backend: str = "torch",
              threads: int | None = None, kernels: str = "auto") -> "Pipeline":
-        """Load ``model`` and the method's draft with the same options: ``quantize`` none/int8/int4 (torch backend),
+        """Load ``model`` and the method's draft with the same options: ``quantize`` auto/none/int8/int4 (torch
+        backend; auto, as ``jointspec generate``: int4 where that recovers the model's own weights, else none),
         ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see
         :func:`jointspec.models.loading.load_model`)."""
         options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,

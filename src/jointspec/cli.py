@@ -62,18 +62,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(EAGLE-2) instead of the static --tree; greedy decoding only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    from .models.loading import BACKENDS
+    from .models.loading import BACKENDS, QUANTIZE_CHOICES
     from .models.cpukernels import KERNEL_CHOICES
-    from .models.quantize import QUANTIZE_MODES
 
     parser.add_argument("--backend", choices=BACKENDS, default="torch",
                         help="what runs the target and draft models: torch (transformers) or llamacpp (the model must "
                              "be 'default' or a .gguf file; needs llama-cpp-python; CPU only; chain methods only)")
-    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                         help="torch backend, applied at load to the target and to draft models: int4 = 4-bit weight "
                              "groups of 32 with an int8 head (cheapest step; the embedded default's own Q4_1 grid); "
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
-                             "none = float. Exactness then holds against the quantised target")
+                             "none = float; auto = int4 where that recovers the model's own weights (a GGUF stored "
+                             "as Q4_1 with a Q8_0 head, like the embedded default, on a CPU with AVX-512), else "
+                             "none. Exactness then holds against the quantised target (default: auto for generate, "
+                             "none elsewhere)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="torch backend: CPU kernels. auto = for a float32 model on an AMD CPU, oneDNN linears "
                              "(MKL weight-major for 2-4 tokens) and grouped-query attention inside SDPA (a cheaper "
@@ -140,7 +142,8 @@ def _add_generate(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
     # since the batched engine has no hybrid/head drafter.
-    parser.set_defaults(run=_run_generate, method="default")
+    # Its quantisation likewise: auto runs the embedded default on the int4 kernel that recovers its own weights.
+    parser.set_defaults(run=_run_generate, method="default", quantize="auto")
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..cli import (_positive_int, add_model_arguments, apply_threads, method_config_from_args, model_loader,
                    model_options)
-from ..models.loading import DEFAULT_MODEL, load_model
+from ..models.loading import DEFAULT_MODEL, load_model, resolve_quantize
 from .prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from .report import contract, summarise, table, write_report
 from .runner import BenchConfig, run_bench
@@ -60,6 +60,14 @@ def llamacpp_model(args: argparse.Namespace) -> str:
     return args.model if args.model == DEFAULT_MODEL or args.model.endswith(".gguf") else DEFAULT_MODEL
 
 
+def _auto_quantize(args: argparse.Namespace, specs) -> str:
+    """What quantize=auto means here: the quantisation ``jointspec generate`` would give this target, for a float
+    torch target ('none' when the target is loaded quantised or on llama.cpp, or no method asks)."""
+    if args.quantize != "none" or args.backend != "torch" or not any(spec.quantize == "auto" for spec in specs):
+        return "none"
+    return resolve_quantize("auto", args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+
+
 def run(args: argparse.Namespace) -> int:
     specs = parse_specs(args.methods)
     if args.baseline not in [s.label for s in specs]:
@@ -69,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup,
                              perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
-                             llamacpp_model=llamacpp_model(args), threads=args.threads)
+                             llamacpp_model=llamacpp_model(args), threads=args.threads,
+                             auto_quantize=_auto_quantize(args, specs))
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     for spec in specs:  # bad option values fail here, before the model loads
         if not spec.is_hf:
             method_config(spec, defaults)
-    quantized = [spec.label for spec in specs if spec.quantize != "none"]
+    quantized = [spec.label for spec in specs if spec.quantize_explicit]
     if quantized and (args.quantize != "none" or args.backend != "torch"):
         raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "
                               "and --backend, or the methods' quantize option")

@@ -56,6 +56,9 @@ class BenchConfig:
     llamacpp_model: str = "default"
     # llama.cpp threads (None: torch's current intra-op thread count, which `bench --threads` sets).
     threads: int | None = None
+    # What quantize=auto (the `default` method's unless told otherwise) means for this bench's target: 'int4' where
+    # that recovers the model's own weights (models.loading.resolve_quantize), else 'none'.
+    auto_quantize: str = "none"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -137,12 +140,17 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
         llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
     copies: dict[str, CausalLM] = {}  # one copy of the target per quantisation or kernel choice named by a spec
 
+    def quantize(spec: MethodSpec) -> str:
+        if spec.backend != "torch":
+            return "none"
+        return config.auto_quantize if spec.quantize == "auto" else spec.quantize
+
     def target_for(spec: MethodSpec) -> CausalLM:
         if spec.kernels == "stock" and (kernels_in_use(target.model) == "onednn"
                                         or attention_in_use(target.model) == GQA_ATTENTION):
             key, make = "stock kernels", stock_copy
-        elif spec.quantize != "none":
-            key, make = spec.quantize, lambda original: quantized_copy(original, spec.quantize)
+        elif quantize(spec) != "none":
+            key, make = quantize(spec), lambda original: quantized_copy(original, quantize(spec))
         else:
             return target
         if key not in copies:

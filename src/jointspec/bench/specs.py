@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..drafters.oracle import OracleConfig
 from ..errors import UnsupportedOptionError
 from ..methods import MethodConfig, method_names
-from ..models.quantize import QUANTIZE_MODES
+from ..models.loading import QUANTIZE_CHOICES
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {
@@ -82,8 +82,15 @@ class MethodSpec:
 
     @property
     def quantize(self) -> str:
-        """The torch target's quantisation for this method: 'none' (the bench's target as loaded), 'int8', 'int4'."""
-        return self.options.get("quantize", "none")
+        """The torch target's quantisation for this method: 'none' (the bench's target as loaded), 'int8', 'int4', or
+        'auto' (int4 where that recovers the model's own weights: models.loading.resolve_quantize). ``default`` takes
+        'auto' unless told otherwise, since it stands for what ``jointspec generate`` runs."""
+        return self.options.get("quantize", "auto" if self.name == "default" else "none")
+
+    @property
+    def quantize_explicit(self) -> bool:
+        """Whether this spec asks for a quantised copy by name (int8 / int4), not through 'auto'."""
+        return self.options.get("quantize", "none") not in ("none", "auto")
 
     @property
     def kernels(self) -> str:
@@ -136,16 +143,16 @@ def parse_spec(text: str) -> MethodSpec:
         options[key] = value.strip()
     if options.get("backend", "torch") not in BACKENDS:
         raise MethodSpecError(f"backend '{options['backend']}' in '{text}' must be one of: {', '.join(BACKENDS)}")
-    if options.get("quantize", "none") not in QUANTIZE_MODES:
+    if options.get("quantize", "none") not in QUANTIZE_CHOICES:
         raise MethodSpecError(f"quantize '{options['quantize']}' in '{text}' must be one of: "
-                              f"{', '.join(QUANTIZE_MODES)}")
-    if options.get("quantize", "none") != "none" and options.get("backend", "torch") != "torch":
+                              f"{', '.join(QUANTIZE_CHOICES)}")
+    if options.get("quantize", "none") not in ("none", "auto") and options.get("backend", "torch") != "torch":
         raise MethodSpecError(f"'{text}': quantize is for the torch backend; the llama.cpp backend runs the GGUF's "
                               "own quantisation")
     if options.get("kernels", "loaded") not in SPEC_KERNELS:
         raise MethodSpecError(f"kernels '{options['kernels']}' in '{text}' must be one of: {', '.join(SPEC_KERNELS)}")
     if options.get("kernels", "loaded") != "loaded" and (options.get("backend", "torch") != "torch"
-                                                         or options.get("quantize", "none") != "none"):
+                                                         or options.get("quantize", "none") not in ("none", "auto")):
         raise MethodSpecError(f"'{text}': kernels=stock is for the float torch target; drop backend/quantize")
     return MethodSpec(label=text.strip(), name=name, options=options)
 

@@ -102,49 +102,60 @@ class LlamaFastForward:
         self.compiled = self._compiled_layers()
 
     def _compiled_layers(self) -> list[tuple] | None:
-        """Per layer, what the compiled decoder layer (``decoder_layer`` in models/csrc) takes, where the whole model
-        fits it: 4-bit grouped layers laid out for fused calls, row-wise attention, SiLU, no biases. None elsewhere.
+        """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in models/csrc) but the
+        per-forward ones, where the whole model fits it: 4-bit grouped layers laid out for fused calls, row-wise
+        attention, SiLU, no biases. None elsewhere. Also records, in ``self._compiled_checks``, every module,
+        buffer and parameter they were read from, so that a later change to the model takes it off this path.
 
         A quantised model is its own model (models/quantize.py): the compiled layer computes what the operations
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
-        from .grouped import GroupedInt4Linear, kernels
+        from .grouped import _BUFFERS, GroupedInt4Linear, kernels
         from .quantize import ROWWISE_ATTENTION
 
         config = self.model.config
         if config._attn_implementation != ROWWISE_ATTENTION or config.hidden_act != "silu" or kernels() is None:
             return None
+        base = self.model.model
+        checks = [(base._modules, "layers", base.layers)]
         layers = []
-        for layer, (fused_qkv, fused_gate_up) in zip(self.model.model.layers, self.fused):
+        for index, (layer, (fused_qkv, fused_gate_up)) in enumerate(zip(base.layers, self.fused)):
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
             if (fused_qkv is None or fused_gate_up is None or attn.head_dim % 16
                     or any(type(m) is not GroupedInt4Linear or m.bias is not None for m in plain)):
                 return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(weight.dtype != torch.float32 for weight in norms):
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(norm.weight.dtype != torch.float32 for norm in norms):
                 return None
-            layers.append((fused_qkv, fused_gate_up, [(m, m.packed, m.scale, m.minimum) for m in plain], norms))
+            checks.append((base.layers._modules, str(index), layer))
+            for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+                checks.append((layer._modules, name, layer._modules[name]))
+            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (mlp, ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    module = owner._modules[name]
+                    checks.append((owner._modules, name, module))
+                    checks += [(module._buffers, buffer, module._buffers[buffer]) for buffer in _BUFFERS]
+            checks += [(norm._parameters, "weight", norm.weight) for norm in norms]
+            layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, list(fused_qkv.spans),
+                           [plain[0].packed, plain[0].scale, plain[0].minimum], list(fused_gate_up.spans),
+                           [plain[1].packed, plain[1].scale, plain[1].minimum], config.num_attention_heads,
+                           attn.scaling, config.num_key_value_heads, attn.head_dim))
+        self._compiled_checks = checks
         return layers
 
     def _compiled_ready(self, n: int, cache) -> bool:
-        """Whether this forward (``n`` rows) can take the compiled layers: still the layers they were built from,
-        a buffered cache, and a forward short enough for row-wise attention."""
+        """Whether this forward (``n`` rows) can take the compiled layers: the model still holds every module,
+        buffer and parameter they were built from (one identity check each, about 1,000 on SmolLM2: tens of
+        microseconds), a buffered cache, and a forward short enough for row-wise attention."""
         from .kvcache import BufferedLayer
         from .quantize import ROWWISE_MAX_ROWS
 
         if self.compiled is None or n > ROWWISE_MAX_ROWS:
             return False
-        base = self.model.model
-        for layer, cache_layer, (fused_qkv, fused_gate_up, plain, norms) in zip(base.layers, cache.layers,
-                                                                                 self.compiled):
-            if not (isinstance(cache_layer, BufferedLayer) and fused_qkv.valid(self._qkv(layer))
-                    and fused_gate_up.valid(self._gate_up(layer))
-                    and all(m is now and m.packed is p and m.scale is s and m.minimum is z
-                            for (m, p, s, z), now in zip(plain, (layer.self_attn.o_proj, layer.mlp.down_proj)))
-                    and norms[0] is layer.input_layernorm.weight and norms[1] is layer.post_attention_layernorm.weight):
-                return False
-        return True
+        return (all(type(layer) is BufferedLayer for layer in cache.layers)
+                and all(owner.get(name) is expected for owner, name, expected in self._compiled_checks))
 
     @staticmethod
     def _qkv(layer) -> list[nn.Module]:
@@ -195,7 +206,6 @@ class LlamaFastForward:
         from .grouped import kernels
         from .quantize import _NO_LENGTHS, _NO_MASK
 
-        base = self.model.model
         n = hidden.shape[1]
         past = cache.get_seq_length()
         if causal_mask is None:  # causal, the rows being the last ones
@@ -209,16 +219,11 @@ class LlamaFastForward:
         rows = hidden[0].contiguous()
         compiled = kernels()
         num_layers = len(self.compiled)
-        for index, (layer, (fused_qkv, fused_gate_up, plain, norms)) in enumerate(zip(base.layers, self.compiled)):
-            attn = layer.self_attn
-            like = rows.new_empty(1, attn.config.num_key_value_heads, 0, attn.head_dim)
-            keys, values, start = cache.layers[index].append_slots(n, like)
-            # Each projection as (packed, scale, minimum), the order of FusedCall.spans.
-            rows = compiled.decoder_layer(
-                rows, norms[0], norms[1], layer.input_layernorm.variance_epsilon, list(fused_qkv.spans),
-                [plain[0][1], plain[0][2], plain[0][3]], list(fused_gate_up.spans),
-                [plain[1][1], plain[1][2], plain[1][3]], cos, sin, keys[0], values[0], start, visible, lengths,
-                attn.config.num_attention_heads, attn.scaling)
+        for index, (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, kv_heads, head_dim) in enumerate(
+                self.compiled):
+            keys, values, start = cache.layers[index].append_slots(n, rows.new_empty(1, kv_heads, 0, head_dim))
+            rows = compiled.decoder_layer(rows, norm1, norm2, eps, qkv, o_proj, gate_up, down, cos, sin, keys[0],
+                                          values[0], start, visible, lengths, heads, scaling)
             if index + 1 in wanted and index + 1 < num_layers:
                 kept[index + 1] = rows[None]
         return rows[None]

@@ -31,6 +31,48 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 BACKENDS = ("torch", "llamacpp")
+# ``auto``: int4 where that is the model itself (:func:`resolve_quantize`), else none.
+QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
+# A GGUF's projection weights (llama.cpp's names) and the quantisation types jointspec's grouped int4 mode recovers.
+_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def on_int4_grid(source: str) -> bool:
+    """Whether ``source`` is a GGUF (or the embedded default, one) whose projections are stored as Q4_1 blocks and
+    whose output head as Q8_0: then ``quantize="int4"`` on jointspec's grouped kernel recovers the file's own
+    weights (models/grouped.py), so the int4 model *is* the file's model, computed in float32."""
+    if source == DEFAULT_MODEL:
+        return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (models/embedded.py)
+    path = Path(source).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return False
+    try:
+        import gguf
+
+        types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(str(path)).tensors}
+    except Exception as error:  # an unreadable file is load_model's to report; here it is just not on the grid
+        log.debug("could not read the tensor types of %s: %s", path, error)
+        return False
+    projections = [kind for name, kind in types.items()
+                   if name.startswith("blk.") and name.split(".")[-2] in _GGUF_PROJECTIONS]
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    return bool(projections) and set(projections) == {"Q4_1"} and head == "Q8_0"
+
+
+def resolve_quantize(quantize: str, source: str | None, *, backend: str = "torch", device: str = "cpu",
+                     dtype: str | torch.dtype | None = None, kernels: str = "auto") -> str:
+    """``quantize`` with ``auto`` decided: ``int4`` for a float32 torch model on a CPU that runs jointspec's grouped
+    kernel when the source is on its grid (:func:`on_int4_grid`: the same weights, a step about two thirds cheaper
+    than float32's), else ``none`` (also for ``kernels="stock"``, which asks for transformers' own path). Other
+    values are returned as given."""
+    if quantize != "auto":
+        return quantize
+    if (backend != "torch" or kernels == "stock" or torch.device(device).type != "cpu"
+            or resolve_dtype(dtype, device) != torch.float32 or not on_int4_grid(source or DEFAULT_MODEL)):
+        return "none"
+    from .grouped import kernels
+
+    return "int4" if kernels() is not None else "none"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -65,13 +107,13 @@ def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.d
     """Refuse an unknown value or a combination that cannot work, before anything is loaded."""
     if backend not in BACKENDS:
         raise UnsupportedOptionError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
-    if quantize not in QUANTIZE_MODES:
-        raise UnsupportedOptionError(f"unknown quantisation '{quantize}'; choose one of: {', '.join(QUANTIZE_MODES)}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise UnsupportedOptionError(f"unknown quantisation '{quantize}'; choose one of: {', '.join(QUANTIZE_CHOICES)}")
     if threads is not None and threads < 1:
         raise UnsupportedOptionError(f"threads must be >= 1, got {threads}")
     if backend != "llamacpp":
         return
-    if quantize != "none":
+    if quantize not in ("none", "auto"):
         raise UnsupportedOptionError(
             f"quantize '{quantize}' (--quantize) is for the torch backend; the llama.cpp backend runs the GGUF "
             "file's own quantisation (pick a GGUF quantised as you want, e.g. Q4_1 or Q8_0), so drop it")
@@ -91,7 +133,8 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
                threads: int | None = None, kernels: str = "auto") -> tuple[CausalLM, object]:
     """Load ``source`` as (adapter, tokenizer). Raises :class:`ModelLoadError` with what to do on failure.
 
-    ``quantize``: ``none``, ``int8`` or ``int4`` (torch backend; applied after moving to ``device``). ``backend``:
+    ``quantize``: ``none``, ``int8`` or ``int4`` (torch backend; applied after moving to ``device``), or ``auto``
+    (:func:`resolve_quantize`: int4 where that is the source's own model, else none). ``backend``:
     ``torch`` or ``llamacpp`` (a :class:`~jointspec.models.llamacpp.LlamaCppLM`, CPU only, ``dtype`` ignored).
     ``threads``: llama.cpp's thread count (default: the cores this process may use); the torch backend uses torch's
     process-wide setting, which the CLI sets from ``--threads``. ``kernels`` (torch backend): ``auto`` runs a float32
@@ -105,6 +148,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
         raise UnsupportedOptionError(f"unknown kernels '{kernels}'; choose one of: {', '.join(KERNEL_CHOICES)}")
     check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
     check_device(device)
+    quantize = resolve_quantize(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)
     if backend == "llamacpp":
         # Imported here: llama-cpp-python is optional, and only this backend needs it.
         from .llamacpp import load_llamacpp

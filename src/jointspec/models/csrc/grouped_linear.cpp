@@ -60,6 +60,30 @@ inline float dot(const float* x, const float* w, int64_t k) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
+
+// dot() for R input rows (x, x + k, ...) against one weight row at once: each weight vector is loaded once for all R
+// rows. Row r's accumulators see exactly the operations dot() would do for it, in the same order, so its result is
+// dot()'s bit for bit: blocking rows changes the loads, not the arithmetic.
+template <int R>
+inline void dot_rows(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 64) {
+    const __m512 w0 = _mm512_load_ps(w + i), w1 = _mm512_load_ps(w + i + 16);
+    const __m512 w2 = _mm512_load_ps(w + i + 32), w3 = _mm512_load_ps(w + i + 48);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + i;
+      a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 32), w2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 48), w3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]),
+                                                             _mm512_add_ps(a[r][2], a[r][3])));
+}
 #else
 // Without AVX-512 nothing here runs (check() refuses first and grouped.py keeps PyTorch's kernels); these plain
 // versions only let the file compile.
@@ -82,6 +106,11 @@ inline float dot(const float* x, const float* w, int64_t k) {
   for (int64_t i = 0; i < k; ++i) sum += x[i] * w[i];
   return sum;
 }
+
+template <int R>
+inline void dot_rows(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
+  for (int r = 0; r < R; ++r) out[r * out_stride] = dot(x + r * k, w, k);
+}
 #endif
 
 void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_per_row, const torch::Tensor& scale) {
@@ -98,11 +127,30 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 // out [rows, out_features] = x [rows, k] times the dequantised weights, whose row n `dequantise(n, w)` writes.
 template <typename Dequantise>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, Dequantise dequantise) {
+  // For a long forward (a prefill), weight rows in blocks of 8, dequantised side by side (8 x 576 floats: 18 KB, in
+  // L1), and input rows four at a time against every weight row of the block, so each input row is read from L2
+  // once per block rather than once per weight row (a 200-token prefill of SmolLM2 ~25 % cheaper). Short forwards
+  // (decoding, verification) go one weight row at a time: measured faster there. Either way every output is one
+  // dot_rows / dot over its own two rows, so the choice changes no result.
+  const int64_t block = rows > 8 ? 8 : 1;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
-    for (int64_t n = begin; n < end; ++n) {
-      dequantise(n, w);
-      for (int64_t m = 0; m < rows; ++m) op[m * out_features + n] = dot(xp + m * k, w, k);
+    float* w = static_cast<float*>(std::aligned_alloc(64, block * k * sizeof(float)));
+    for (int64_t first = begin; first < end; first += block) {
+      const int64_t count = std::min(block, end - first);
+      for (int64_t b = 0; b < count; ++b) dequantise(first + b, w + b * k);
+      int64_t m = 0;
+      for (; m + 4 <= rows; m += 4)
+        for (int64_t b = 0; b < count; ++b)
+          dot_rows<4>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
+      for (int64_t b = 0; b < count; ++b) {
+        float* o = op + m * out_features + first + b;
+        switch (rows - m) {
+          case 3: dot_rows<3>(xp + m * k, w + b * k, k, o, out_features); break;
+          case 2: dot_rows<2>(xp + m * k, w + b * k, k, o, out_features); break;
+          case 1: *o = dot(xp + m * k, w + b * k, k); break;
+          default: break;
+        }
+      }
     }
     std::free(w);
   });
