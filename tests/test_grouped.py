@@ -174,13 +174,13 @@ def test_compiled_layers_compute_the_int4_model_one_row_at_a_time():
     # Another order of float32 sums over the same quantised weights: differences of float rounding only.
     assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
     assert torch.allclose(ours.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
-    new = [7, 8, 9, 10]
+    new = [7, 8, 9, 10, 11, 12]  # more rows than the kernel's in-register path takes: both paths, same bits
     chain = compiled.forward(new).logits
     compiled.crop(len(context))
     steps = torch.cat([compiled.forward([token]).logits for token in new])
     compiled.crop(len(context))
     assert torch.equal(chain, steps)
-    tree = compiled.forward(new, parents=[-1, 0, 0, 1]).logits  # 7 -> (8 -> 10, 9)
+    tree = compiled.forward(new[:4], parents=[-1, 0, 0, 1]).logits  # 7 -> (8 -> 10, 9)
     compiled.crop(len(context))
     assert torch.equal(tree[[0, 1, 3]], compiled.forward([7, 8, 10]).logits)
     compiled.crop(len(context))
@@ -219,3 +219,39 @@ def test_compiled_attention_is_attention():
     reference = torch.nn.functional.scaled_dot_product_attention(query[None], key[None], value[None],
                                                                  attn_mask=causal[None, None], enable_gqa=True)
     assert torch.allclose(out, reference[0].transpose(0, 1), atol=1e-5)
+
+
+@needs_kernel
+def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
+    """A forward that wants no logits (the loop's prompt prefill) runs the compiled layers' projections as one GEMM
+    (rows not computed alone); plain and speculative decoding prefill alike, so they still agree exactly."""
+    from jointspec.models import grouped
+
+    model = quantize_model(grouped_llama(0), "int4")
+    real, flags = grouped.kernels(), []
+
+    class Recording:
+        def __getattr__(self, name):
+            if name != "decoder_layer":
+                return getattr(real, name)
+
+            def decoder_layer(*args):
+                flags.append(args[-1])
+                return real.decoder_layer(*args)
+            return decoder_layer
+    monkeypatch.setattr(grouped, "kernels", lambda: Recording())
+    prompt = random_prompt(5, length=40)
+    gemm, rows = CausalLM(model, name="gemm"), CausalLM(model, name="rows")
+    gemm.forward(prompt, num_logits=0)
+    rows.forward(prompt, num_logits=1)
+    assert flags == [True, True, False, False]  # two layers each
+    # The GEMM sums in another order: the next step differs from the row path's by float rounding only.
+    assert torch.allclose(gemm.forward([7]).logits, rows.forward([7]).logits, rtol=1e-4, atol=1e-4)
+    outputs = []
+    for name, draft, tree in [("ar", None, None), ("pld", None, None), ("sps", "self", None),
+                              ("specinfer", "self", (2, 2))]:
+        target = CausalLM(model, name="int4")
+        config = MethodConfig(name=name, draft=draft, tree=tree)
+        drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+        outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)))
+    assert len(outputs[0]) == 40 and all(output == outputs[0] for output in outputs)

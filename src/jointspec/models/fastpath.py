@@ -40,6 +40,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 
 
+# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LlamaFastForward).
+PREFILL_GEMM_ROWS = 16
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot take the lean forward (None: it can)."""
     if type(model) is not llama.LlamaForCausalLM:
@@ -189,7 +193,11 @@ class LlamaFastForward:
         kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
         batch_seq = hidden.shape[:-1]
         if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
-            hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept)
+            # A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain and
+            # speculative decoding run the same one, and no later forward has to reproduce its rows one by one, so
+            # its projections may take the faster GEMM, whose rows are not computed alone.
+            prefill = num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
+            hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept, prefill)
         else:
             hidden = self._body(hidden, cos, sin, causal_mask, cache, position_ids, attention, wanted, kept)
         hidden = _rms_norm(base.norm, hidden)
@@ -201,7 +209,7 @@ class LlamaFastForward:
             logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
-    def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept) -> torch.Tensor:
+    def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
         """The decoder layers as compiled calls (:meth:`_compiled_layers`); [1, n, width] in and out."""
         from .grouped import kernels
         from .quantize import _NO_LENGTHS, _NO_MASK
@@ -223,7 +231,7 @@ class LlamaFastForward:
                 self.compiled):
             keys, values, start = cache.layers[index].append_slots(n, rows.new_empty(1, kv_heads, 0, head_dim))
             rows = compiled.decoder_layer(rows, norm1, norm2, eps, qkv, o_proj, gate_up, down, cos, sin, keys[0],
-                                          values[0], start, visible, lengths, heads, scaling)
+                                          values[0], start, visible, lengths, heads, scaling, prefill)
             if index + 1 in wanted and index + 1 < num_layers:
                 kept[index + 1] = rows[None]
         return rows[None]

@@ -129,16 +129,25 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features).to(torch.float32).contiguous()
 
 
+def _long(rows: torch.Tensor) -> bool:
+    """Whether a forward is long enough to be a prompt prefill (models/quantize.py, ROWWISE_MAX_ROWS): then the kernel
+    runs the product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA."""
+    from .quantize import ROWWISE_MAX_ROWS
+
+    return rows.shape[0] > ROWWISE_MAX_ROWS
+
+
 class _GroupedLinear(nn.Module):
     """What the int4 and int8 layers share: float32 rows in, one kernel call, the bias, the input's shape back."""
 
     bits: int
 
-    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:  # [m, in] float32 -> [m, out] float32
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:  # [m, in] float32 -> [m, out] float32
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
-        out = self._multiply(_rows(x, self.in_features))
+        rows = _rows(x, self.in_features)
+        out = self._multiply(rows, _long(rows))
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -182,8 +191,8 @@ class GroupedInt4Linear(_GroupedLinear):
         levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [out, groups, 32]
         return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
 
-    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        return kernels().int4_linear(rows, self.packed, self.scale, self.minimum)
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
+        return kernels().int4_linear(rows, self.packed, self.scale, self.minimum, gemm)
 
 
 class GroupedInt8Linear(_GroupedLinear):
@@ -214,8 +223,8 @@ class GroupedInt8Linear(_GroupedLinear):
         levels = self.levels.reshape(self.out_features, -1, GROUP_SIZE).float()
         return (levels * self.scale[..., None]).reshape(self.out_features, self.in_features)
 
-    def _multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        return kernels().int8_linear(rows, self.levels, self.scale)
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
+        return kernels().int8_linear(rows, self.levels, self.scale, gemm)
 
 
 # Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
@@ -286,6 +295,7 @@ class FusedCall:
                    for layer, mine, buffers in zip(layers, self.layers, self._buffers))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        out = kernels().int4_linear(_rows(x, self.in_features), *self.spans)
+        rows = _rows(x, self.in_features)
+        out = kernels().int4_linear(rows, *self.spans, _long(rows))
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return list(out.split(self.sizes, dim=-1))

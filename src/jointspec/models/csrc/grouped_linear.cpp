@@ -25,29 +25,37 @@ constexpr int64_t kGroup = 32;
 constexpr bool kAvailable = true;
 
 // 4 bits: byte i of a group holds level i (low nibble) and level i + 16 (high nibble); w = level * scale + minimum.
-inline void dequantise_int4(const uint8_t* row, const float* scale, const float* minimum, int64_t groups, float* w) {
+// One group's 32 weights as two vectors (inputs 0-15 and 16-31 of the group).
+inline void int4_group(const uint8_t* row, const float* scale, const float* minimum, int64_t g, __m512& low_w,
+                       __m512& high_w) {
   const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m512 s = _mm512_set1_ps(scale[g]), lo = _mm512_set1_ps(minimum[g]);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup / 2));
+  low_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble))), s, lo);
+  high_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))),
+                           s, lo);
+}
+
+inline void dequantise_int4(const uint8_t* row, const float* scale, const float* minimum, int64_t groups, float* w) {
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_set1_ps(scale[g]), lo = _mm512_set1_ps(minimum[g]);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup / 2));
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
-    _mm512_store_ps(w + g * kGroup, _mm512_fmadd_ps(low, s, lo));
-    _mm512_store_ps(w + g * kGroup + 16, _mm512_fmadd_ps(high, s, lo));
+    __m512 low_w, high_w;
+    int4_group(row, scale, minimum, g, low_w, high_w);
+    _mm512_store_ps(w + g * kGroup, low_w);
+    _mm512_store_ps(w + g * kGroup + 16, high_w);
   }
 }
 
-// 8 bits: signed levels, w = level * scale.
-inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, float* w) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_set1_ps(scale[g]);
-    for (int64_t half = 0; half < 2; ++half) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup + half * 16));
-      const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      _mm512_store_ps(w + g * kGroup + half * 16, _mm512_mul_ps(levels, s));
-    }
-  }
+// 8 bits: signed levels, w = level * scale. Sixteen weights (half a group) as one vector.
+inline __m512 int8_half(const int8_t* row, const float* scale, int64_t g, int64_t half) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup + half * 16));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_set1_ps(scale[g]));
 }
+
+inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, float* w) {
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t half = 0; half < 2; ++half) _mm512_store_ps(w + g * kGroup + half * 16, int8_half(row, scale, g, half));
+}
+
 
 // Four independent accumulators over 64 inputs at a time, summed in a fixed order.
 inline float dot(const float* x, const float* w, int64_t k) {
@@ -84,6 +92,7 @@ inline void dot_rows(const float* x, const float* w, int64_t k, float* out, int6
     out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]),
                                                              _mm512_add_ps(a[r][2], a[r][3])));
 }
+
 #else
 // Without AVX-512 nothing here runs (check() refuses first and grouped.py keeps PyTorch's kernels); these plain
 // versions only let the file compile.
@@ -111,7 +120,28 @@ template <int R>
 inline void dot_rows(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
   for (int r = 0; r < R; ++r) out[r * out_stride] = dot(x + r * k, w, k);
 }
+
 #endif
+
+// One output row's weights, dequantised into a float32 buffer (what multiply() takes).
+struct Int4Rows {
+  const uint8_t* packed;
+  const float* scale;
+  const float* minimum;
+  int64_t groups;
+  void row(int64_t n, float* w) const {
+    dequantise_int4(packed + n * groups * kGroup / 2, scale + n * groups, minimum + n * groups, groups, w);
+  }
+};
+
+struct Int8Rows {
+  const int8_t* levels;
+  const float* scale;
+  int64_t groups;
+  void row(int64_t n, float* w) const {
+    dequantise_int8(levels + n * groups * kGroup, scale + n * groups, groups, w);
+  }
+};
 
 void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_per_row, const torch::Tensor& scale) {
   TORCH_CHECK(kAvailable, "jointspec's grouped int4/int8 kernels need AVX-512 (F and BW); this CPU build has none");
@@ -124,20 +154,21 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
               scale.size(1) == x.size(1) / kGroup, "scale must be a contiguous float32 [out, in / 32] matrix");
 }
 
-// out [rows, out_features] = x [rows, k] times the dequantised weights, whose row n `dequantise(n, w)` writes.
-template <typename Dequantise>
-void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, Dequantise dequantise) {
-  // For a long forward (a prefill), weight rows in blocks of 8, dequantised side by side (8 x 576 floats: 18 KB, in
-  // L1), and input rows four at a time against every weight row of the block, so each input row is read from L2
-  // once per block rather than once per weight row (a 200-token prefill of SmolLM2 ~25 % cheaper). Short forwards
-  // (decoding, verification) go one weight row at a time: measured faster there. Either way every output is one
-  // dot_rows / dot over its own two rows, so the choice changes no result.
+// out [rows, out_features] = x [rows, k] times the dequantised weights of `weights` (Int4Rows / Int8Rows).
+template <typename Rows>
+void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
+  // Each weight row dequantised once into a buffer (L1), then multiplied by every input row. (Dequantising into
+  // registers for each input row instead measured 3-16 % slower for 1-4 rows.) For a long forward (a prefill), weight rows in blocks of 8 dequantised side by side (8 x 576 floats: 18 KB) and input
+  // rows four at a time against every weight row of the block, so each input row is read from L2 once per block
+  // rather than once per weight row (a 200-token prefill of SmolLM2 ~25 % cheaper). Whatever the path, every output
+  // is one dot / dot_rows over its own two rows, which do the same arithmetic: the path changes no
+  // result.
   const int64_t block = rows > 8 ? 8 : 1;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     float* w = static_cast<float*>(std::aligned_alloc(64, block * k * sizeof(float)));
     for (int64_t first = begin; first < end; first += block) {
       const int64_t count = std::min(block, end - first);
-      for (int64_t b = 0; b < count; ++b) dequantise(first + b, w + b * k);
+      for (int64_t b = 0; b < count; ++b) weights.row(first + b, w + b * k);
       int64_t m = 0;
       for (; m + 4 <= rows; m += 4)
         for (int64_t b = 0; b < count; ++b)
@@ -156,11 +187,30 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
   });
 }
 
-template <typename Dequantise>
-torch::Tensor run(const torch::Tensor& x, int64_t out_features, Dequantise dequantise) {
+// The same product through PyTorch's float32 GEMM (MKL) on the whole weight dequantised first: several times faster
+// for a prefill's hundreds of rows, but its rows are not computed alone (the GEMM blocks them), so callers use it only
+// for forwards that decoding never has to reproduce row by row: prompt prefills, which plain and speculative
+// decoding run alike (models/fastpath.py).
+template <typename Rows>
+void multiply_gemm(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
+  auto weight = torch::empty({out_features, k}, torch::kFloat);
+  float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) weights.row(n, wp + n * k);
+  });
+  auto x = torch::from_blob(const_cast<float*>(xp), {rows, k}, torch::kFloat);
+  auto out = torch::from_blob(op, {rows, out_features}, torch::kFloat);
+  at::mm_out(out, x, weight.t());
+}
+
+template <typename Rows>
+torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weights, bool gemm) {
   const int64_t rows = x.size(0), k = x.size(1);
   auto out = torch::empty({rows, out_features}, x.options());
-  multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), dequantise);
+  if (gemm)
+    multiply_gemm(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
+  else
+    multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
   return out;
 }
 
@@ -171,11 +221,12 @@ struct Int4Weights {
   const float* minimum;
   int64_t in_features, out_features;
 
-  void apply(const float* x, int64_t rows, float* out) const {
-    const int64_t groups = in_features / kGroup;
-    multiply(x, rows, in_features, out_features, out, [&](int64_t n, float* w) {
-      dequantise_int4(packed + n * groups * kGroup / 2, scale + n * groups, minimum + n * groups, groups, w);
-    });
+  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
+    const Int4Rows weights{packed, scale, minimum, in_features / kGroup};
+    if (gemm)
+      multiply_gemm(x, rows, in_features, out_features, out, weights);
+    else
+      multiply(x, rows, in_features, out_features, out, weights);
   }
 };
 
@@ -343,29 +394,20 @@ Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scale
 
 bool available() { return kAvailable; }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum) {
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
+                          bool gemm) {
   check(x, packed, x.size(1) / 2, scale);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed levels must be uint8");
   TORCH_CHECK(minimum.sizes() == scale.sizes() && minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(),
               "minimum must be shaped and typed like scale");
-  const int64_t groups = scale.size(1);
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = minimum.data_ptr<float>();
-  return run(x, packed.size(0), [&](int64_t n, float* w) {
-    dequantise_int4(wp + n * groups * kGroup / 2, sp + n * groups, mp + n * groups, groups, w);
-  });
+  return run(x, packed.size(0), Int4Rows{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(),
+                                         scale.size(1)}, gemm);
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale) {
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm) {
   check(x, levels, x.size(1), scale);
   TORCH_CHECK(levels.scalar_type() == torch::kInt8, "levels must be int8");
-  const int64_t groups = scale.size(1);
-  const int8_t* wp = levels.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  return run(x, levels.size(0), [&](int64_t n, float* w) {
-    dequantise_int8(wp + n * groups * kGroup, sp + n * groups, groups, w);
-  });
+  return run(x, levels.size(0), Int8Rows{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.size(1)}, gemm);
 }
 
 
@@ -398,13 +440,14 @@ torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor va
 // and v stacked (q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
 // cos / sin [rows, dim] come from the model's rotary embedding. The new keys and values go to rows start ..
 // start + rows - 1 of key_cache / value_cache ([kv_heads, capacity, dim], contiguous rows); each row then attends
-// to the keys `visible` / `lengths` give it (as attention() above), scaled by `scale`.
+// to the keys `visible` / `lengths` give it (as attention() above), scaled by `scale`. `gemm`: the projections
+// through multiply_gemm (a prefill; its rows are then not computed alone), else row by row.
 torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
                             std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o_proj,
                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                             int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
-                            double scale) {
+                            double scale, bool gemm) {
   TORCH_CHECK(kAvailable, "jointspec's decoder-layer kernel needs AVX-512 (F and BW); this CPU build has none");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
               hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
@@ -449,7 +492,7 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   // Attention block.
   for (int64_t r = 0; r < rows; ++r)
     rms_norm(h + r * width, input_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
-  w_qkv.apply(normed.data(), rows, projected.data());
+  w_qkv.apply(normed.data(), rows, projected.data(), gemm);
   float* key_base = key_cache.data_ptr<float>();
   float* value_base = value_cache.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -464,24 +507,26 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   }
   attend_all(rotated.data(), dim, q_size, key_base, key_cache.stride(0), value_base, value_cache.stride(0), index,
              heads, kv_heads, dim, static_cast<float>(scale), attended.data());
-  w_o.apply(attended.data(), rows, mixed.data());
+  w_o.apply(attended.data(), rows, mixed.data(), gemm);
   add_into(o, mixed.data(), rows * width);
   // MLP block.
   for (int64_t r = 0; r < rows; ++r)
     rms_norm(o + r * width, post_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
-  w_gu.apply(normed.data(), rows, gated.data());
+  w_gu.apply(normed.data(), rows, gated.data(), gemm);
   for (int64_t r = 0; r < rows; ++r)
     silu_mul(gated.data() + r * 2 * intermediate, gated.data() + r * 2 * intermediate + intermediate, intermediate,
              activated.data() + r * intermediate);
-  w_down.apply(activated.data(), rows, mixed.data());
+  w_down.apply(activated.data(), rows, mixed.data(), gemm);
   add_into(o, mixed.data(), rows * width);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX-512 kernels");
-  m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T");
+  m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false);
   m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
   m.def("decoder_layer", &decoder_layer, "a Llama decoder layer on 4-bit weights, rows independent");
-  m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T");
+  m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
+        py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false);
 }
