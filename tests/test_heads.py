@@ -132,6 +132,23 @@ def test_chain_forward_in_one_call_equals_token_by_token(target_model):
     assert one_call.num_exact == len(context)  # the draft tokens were fed with predicted features
 
 
+def test_drafting_runs_the_body_through_the_lean_forward_bit_for_bit(target_model):
+    """A bound head runs its Llama body through models/fastpath's lean forward: the same operations as transformers'
+    LlamaModel, so chain and tree logits are bit for bit the same either way (deterministic: no false failures)."""
+    head = untrained_head(CausalLM(target_model))
+    context = random_prompt(5)
+    lean, stock = primed(target_model, head, context), primed(target_model, head, context)
+    assert lean._lean
+    stock._lean = False
+    for draft in (lean, stock):
+        draft.forward(context)
+    assert torch.equal(lean.forward([7, 8]).logits, stock.forward([7, 8]).logits)
+    for draft in (lean, stock):
+        draft.crop(len(context))
+    tree = [draft.forward([7, 8, 9, 10], parents=[-1, -1, 0, 1]).logits for draft in (lean, stock)]
+    assert torch.equal(*tree)
+
+
 def test_crop_drops_entries_fed_with_predicted_features(target_model):
     head = untrained_head(CausalLM(target_model))
     context = random_prompt(3)

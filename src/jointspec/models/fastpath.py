@@ -48,11 +48,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot take the lean forward (None: it can)."""
     if type(model) is not llama.LlamaForCausalLM:
         return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
-    if model.training:
+    if hasattr(model.lm_head, "_hf_hook"):
+        return "the model carries accelerate hooks (device_map offloading)"
+    return body_unsupported_reason(model.model)
+
+
+def body_unsupported_reason(base: torch.nn.Module) -> str | None:
+    """Why a ``LlamaModel`` (a causal LM's body, or a draft head's) cannot take the lean forward (None: it can)."""
+    if type(base) is not llama.LlamaModel:
+        return f"{type(base).__name__} is not transformers' LlamaModel"
+    if base.training:
         return "the model is in training mode"
-    base = model.model
     parts = [(base, llama.LlamaModel), (base.norm, llama.LlamaRMSNorm), (base.rotary_emb, llama.LlamaRotaryEmbedding)]
-    for layer in base.layers[:model.config.num_hidden_layers]:
+    for layer in base.layers[:base.config.num_hidden_layers]:
         parts += [(layer, llama.LlamaDecoderLayer), (layer.self_attn, llama.LlamaAttention),
                   (layer.mlp, llama.LlamaMLP), (layer.input_layernorm, llama.LlamaRMSNorm),
                   (layer.post_attention_layernorm, llama.LlamaRMSNorm)]
@@ -61,9 +69,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"{type(module).__name__} replaces transformers' {expected.__name__}"
     # accelerate's offloading hooks move weights in and out around a module's call; the lean forward would bypass
     # them on the modules it does not call.
-    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+    if any(hasattr(module, "_hf_hook") for module in base.modules()):
         return "the model carries accelerate hooks (device_map offloading)"
-    if getattr(model.config, "pretraining_tp", 1) != 1:
+    if getattr(base.config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     return None
 
@@ -187,7 +195,6 @@ class LlamaFastForward:
                                          past_key_values=cache, position_ids=position_ids)
         hidden = inputs_embeds
         cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, llama.eager_attention_forward)
         num_layers = config.num_hidden_layers
         wanted = {layer % (num_layers + 1) for layer in hidden_layers}
         kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
@@ -199,7 +206,7 @@ class LlamaFastForward:
             prefill = num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
             hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept, prefill)
         else:
-            hidden = self._body(hidden, cos, sin, causal_mask, cache, position_ids, attention, wanted, kept)
+            hidden = decoder_layers(base, hidden, cos, sin, causal_mask, cache, position_ids, wanted, kept, self.fused)
         hidden = _rms_norm(base.norm, hidden)
         if num_layers in wanted:
             kept[num_layers] = hidden
@@ -236,40 +243,58 @@ class LlamaFastForward:
                 kept[index + 1] = rows[None]
         return rows[None]
 
-    def _body(self, hidden, cos, sin, causal_mask, cache, position_ids, attention, wanted, kept) -> torch.Tensor:
-        """The decoder layers as transformers runs them, operation for operation; [1, n, width] in and out."""
-        base = self.model.model
-        num_layers = self.model.config.num_hidden_layers
-        batch_seq = hidden.shape[:-1]
-        for index, layer in enumerate(base.layers[:num_layers]):
-            attn = layer.self_attn
-            fused_qkv, fused_gate_up = self.fused[index]
-            residual = hidden
-            hidden = _rms_norm(layer.input_layernorm, hidden)
-            shape = (*batch_seq, -1, attn.head_dim)
-            qkv = self._qkv(layer)
-            if fused_qkv is not None and fused_qkv.valid(qkv):
-                query, key, value = fused_qkv(hidden)
-            else:
-                query, key, value = (_linear(projection, hidden) for projection in qkv)
-            query = query.view(shape).transpose(1, 2)
-            key = key.view(shape).transpose(1, 2)
-            value = value.view(shape).transpose(1, 2)
-            query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
-            key, value = cache.update(key, value, attn.layer_idx)
-            out, _ = attention(attn, query, key, value, causal_mask, dropout=0.0, scaling=attn.scaling,
-                               position_ids=position_ids, use_cache=True)
-            out = _linear(attn.o_proj, out.reshape(*batch_seq, -1).contiguous())
-            hidden = residual + out
-            residual = hidden
-            hidden = _rms_norm(layer.post_attention_layernorm, hidden)
-            mlp = layer.mlp
-            gate_up = self._gate_up(layer)
-            if fused_gate_up is not None and fused_gate_up.valid(gate_up):
-                gate, up = fused_gate_up(hidden)
-            else:
-                gate, up = (_linear(projection, hidden) for projection in gate_up)
-            hidden = residual + _linear(mlp.down_proj, mlp.act_fn(gate) * up)
-            if index + 1 in wanted and index + 1 < num_layers:
-                kept[index + 1] = hidden
-        return hidden
+
+def decoder_layers(base: llama.LlamaModel, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal_mask,
+                   cache, position_ids: torch.Tensor, wanted: set[int] = frozenset(), kept: dict | None = None,
+                   fused: list | None = None) -> torch.Tensor:
+    """``base``'s decoder layers as transformers runs them, operation for operation; [batch, n, width] in and out.
+    Outputs of the layers in ``wanted`` go into ``kept``; ``fused`` (per layer, the q/k/v and gate/up
+    :class:`~jointspec.models.grouped.FusedCall` or None) runs those groups as one grouped-kernel call each."""
+    config = base.config
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, llama.eager_attention_forward)
+    num_layers = config.num_hidden_layers
+    batch_seq = hidden.shape[:-1]
+    for index, layer in enumerate(base.layers[:num_layers]):
+        attn = layer.self_attn
+        fused_qkv, fused_gate_up = fused[index] if fused is not None else (None, None)
+        residual = hidden
+        hidden = _rms_norm(layer.input_layernorm, hidden)
+        shape = (*batch_seq, -1, attn.head_dim)
+        qkv = LlamaFastForward._qkv(layer)
+        if fused_qkv is not None and fused_qkv.valid(qkv):
+            query, key, value = fused_qkv(hidden)
+        else:
+            query, key, value = (_linear(projection, hidden) for projection in qkv)
+        query = query.view(shape).transpose(1, 2)
+        key = key.view(shape).transpose(1, 2)
+        value = value.view(shape).transpose(1, 2)
+        query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
+        key, value = cache.update(key, value, attn.layer_idx)
+        out, _ = attention(attn, query, key, value, causal_mask, dropout=0.0, scaling=attn.scaling,
+                           position_ids=position_ids, use_cache=True)
+        out = _linear(attn.o_proj, out.reshape(*batch_seq, -1).contiguous())
+        hidden = residual + out
+        residual = hidden
+        hidden = _rms_norm(layer.post_attention_layernorm, hidden)
+        mlp = layer.mlp
+        gate_up = LlamaFastForward._gate_up(layer)
+        if fused_gate_up is not None and fused_gate_up.valid(gate_up):
+            gate, up = fused_gate_up(hidden)
+        else:
+            gate, up = (_linear(projection, hidden) for projection in gate_up)
+        hidden = residual + _linear(mlp.down_proj, mlp.act_fn(gate) * up)
+        if index + 1 in wanted and index + 1 < num_layers:
+            kept[index + 1] = hidden
+    return hidden
+
+
+def lean_body_forward(base: llama.LlamaModel, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+    """``base(inputs_embeds=..., position_ids=..., attention_mask=..., past_key_values=cache,
+    use_cache=True).last_hidden_state``, operation for operation, without transformers' per-module machinery: for
+    draft heads whose body is a ``LlamaModel`` (models/eagle.py). Check :func:`body_unsupported_reason` first."""
+    causal_mask = create_causal_mask(config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                     past_key_values=cache, position_ids=position_ids)
+    cos, sin = base.rotary_emb(inputs_embeds, position_ids=position_ids)
+    hidden = decoder_layers(base, inputs_embeds, cos, sin, causal_mask, cache, position_ids)
+    return _rms_norm(base.norm, hidden)
