@@ -69,28 +69,31 @@ inline float dot(const float* x, const float* w, int64_t k) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-// dot() for R input rows (x, x + k, ...) against one weight row at once: each weight vector is loaded once for all R
-// rows. Row r's accumulators see exactly the operations dot() would do for it, in the same order, so its result is
-// dot()'s bit for bit: blocking rows changes the loads, not the arithmetic.
-template <int R>
-inline void dot_rows(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
-  __m512 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+// dot() for R input rows (x, x + k, ...) against W weight rows (w, w + k, ...) at once: each weight vector is loaded
+// once for all R input rows and each input vector once for all W weight rows. Every (weight row, input row) pair
+// keeps its own four accumulators, which see exactly the operations dot() would do for it, in the same order, so
+// each output is dot()'s bit for bit: blocking changes the loads, not the arithmetic. out[r * out_stride + b] gets
+// input row r against weight row b. W * R <= 4 keeps the accumulators in registers.
+template <int W, int R>
+inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
+  __m512 a[W][R][4];
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[b][r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 64) {
-    const __m512 w0 = _mm512_load_ps(w + i), w1 = _mm512_load_ps(w + i + 16);
-    const __m512 w2 = _mm512_load_ps(w + i + 32), w3 = _mm512_load_ps(w + i + 48);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * k + i;
-      a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, a[r][1]);
-      a[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 32), w2, a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 48), w3, a[r][3]);
-    }
+    __m512 wv[W][4];
+    for (int b = 0; b < W; ++b)
+      for (int j = 0; j < 4; ++j) wv[b][j] = _mm512_load_ps(w + b * k + i + 16 * j);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) {
+        const __m512 xv = _mm512_loadu_ps(x + r * k + i + 16 * j);
+        for (int b = 0; b < W; ++b) a[b][r][j] = _mm512_fmadd_ps(xv, wv[b][j], a[b][r][j]);
+      }
   }
-  for (int r = 0; r < R; ++r)
-    out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]),
-                                                             _mm512_add_ps(a[r][2], a[r][3])));
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r)
+      out[r * out_stride + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[b][r][0], a[b][r][1]),
+                                                                   _mm512_add_ps(a[b][r][2], a[b][r][3])));
 }
 
 #else
@@ -116,9 +119,10 @@ inline float dot(const float* x, const float* w, int64_t k) {
   return sum;
 }
 
-template <int R>
-inline void dot_rows(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
-  for (int r = 0; r < R; ++r) out[r * out_stride] = dot(x + r * k, w, k);
+template <int W, int R>
+inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r) out[r * out_stride + b] = dot(x + r * k, w + b * k, k);
 }
 
 #endif
@@ -158,27 +162,43 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
   // Each weight row dequantised once into a buffer (L1), then multiplied by every input row. (Dequantising into
-  // registers for each input row instead measured 3-16 % slower for 1-4 rows.) For a long forward (a prefill), weight rows in blocks of 8 dequantised side by side (8 x 576 floats: 18 KB) and input
-  // rows four at a time against every weight row of the block, so each input row is read from L2 once per block
+  // registers for each input row instead measured 3-16 % slower for 1-4 rows.) Short forwards (decoding,
+  // verification) take weight rows two at a time against input rows two at a time (dot_block<2, 2>), which loads a
+  // vector once per two multiply-adds; a long forward (a prefill), blocks of 8 weight rows dequantised side by side
+  // (8 x 576 floats: 18 KB) against input rows four at a time, so each input row is read from L2 once per block
   // rather than once per weight row (a 200-token prefill of SmolLM2 ~25 % cheaper). Whatever the path, every output
-  // is one dot / dot_rows over its own two rows, which do the same arithmetic: the path changes no
-  // result.
-  const int64_t block = rows > 8 ? 8 : 1;
+  // is one dot_block over its own two rows, with dot()'s arithmetic: the path changes no result.
+  const bool short_forward = rows <= 8;
+  const int64_t block = short_forward ? 2 : 8;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     float* w = static_cast<float*>(std::aligned_alloc(64, block * k * sizeof(float)));
     for (int64_t first = begin; first < end; first += block) {
       const int64_t count = std::min(block, end - first);
       for (int64_t b = 0; b < count; ++b) weights.row(first + b, w + b * k);
+      if (short_forward) {
+        int64_t m = 0;
+        for (; m + 2 <= rows; m += 2) {
+          float* o = op + m * out_features + first;
+          if (count == 2) dot_block<2, 2>(xp + m * k, w, k, o, out_features);
+          else dot_block<1, 2>(xp + m * k, w, k, o, out_features);
+        }
+        if (m < rows) {
+          float* o = op + m * out_features + first;
+          if (count == 2) dot_block<2, 1>(xp + m * k, w, k, o, out_features);
+          else dot_block<1, 1>(xp + m * k, w, k, o, out_features);
+        }
+        continue;
+      }
       int64_t m = 0;
       for (; m + 4 <= rows; m += 4)
         for (int64_t b = 0; b < count; ++b)
-          dot_rows<4>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
+          dot_block<1, 4>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
       for (int64_t b = 0; b < count; ++b) {
         float* o = op + m * out_features + first + b;
         switch (rows - m) {
-          case 3: dot_rows<3>(xp + m * k, w + b * k, k, o, out_features); break;
-          case 2: dot_rows<2>(xp + m * k, w + b * k, k, o, out_features); break;
-          case 1: *o = dot(xp + m * k, w + b * k, k); break;
+          case 3: dot_block<1, 3>(xp + m * k, w + b * k, k, o, out_features); break;
+          case 2: dot_block<1, 2>(xp + m * k, w + b * k, k, o, out_features); break;
+          case 1: dot_block<1, 1>(xp + m * k, w + b * k, k, o, out_features); break;
           default: break;
         }
       }
@@ -379,6 +399,7 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 
 Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& minimum,
                          int64_t in_features, const char* name) {
+  TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
               packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
               in_features / 2, "] matrix");
