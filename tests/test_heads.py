@@ -399,6 +399,8 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
     monkeypatch.setattr(methods, "default_tree_width", lambda curve, draft_cost: 2)  # see test_default_tree_width
+    # Where the head's tree is expected to pay (the tiny model's own timings would decide otherwise at random):
+    monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN)
     decoder = decoder_for(target_model, "default", None)
     assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (2,)
     prompt = random_prompt(3)
@@ -410,6 +412,37 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     # Another target has no shipped head: prompt lookup.
     other = build_method(MethodContext(MethodConfig(name="default"), CausalLM(tiny_llama(7)), None, None))[0]
     assert isinstance(other.inner, PromptLookupDrafter)
+
+
+def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(target_model, trained_head_dir,
+                                                                           monkeypatch):
+    from jointspec import methods
+    from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
+    from jointspec.drafters.ngram import PromptLookupDrafter
+    from jointspec.models import eagle
+
+    shipped = trained_head_dir.parent / "shipped-dear"
+    shipped.mkdir(exist_ok=True)
+    import shutil
+    shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"),
+                    dirs_exist_ok=True)
+    monkeypatch.setattr(eagle, "SHIPPED_HEADS", shipped)
+    estimate = methods.expected_tree_gain
+    monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN - 0.01)
+    target = CausalLM(target_model, name="tiny-target")
+    drafter, _ = build_method(MethodContext(MethodConfig(name="default"), target, None, None))
+    assert isinstance(drafter, CostAwareDrafter) and isinstance(drafter.inner, PromptLookupDrafter)
+    assert target.mirrors == []  # the unused head's feature mirror is gone: forwards stop recording for it
+    # A tree, or a draft, asked for is kept whatever the estimate.
+    asked, _ = build_method(MethodContext(MethodConfig(name="default", tree=(2,)), target, None, None))
+    assert hasattr(asked, "tree") and asked.tree.branching == (2,)
+    named, _ = build_method(MethodContext(MethodConfig(name="default", draft=str(shipped / "tiny-head")), target,
+                                          None, None))
+    assert hasattr(named, "tree")
+    # The estimate itself: the int4 SmolLM2's measured curve (ms) and head call, against float32's.
+    int4 = CostCurve({1: 11.2, 2: 12.6, 4: 15.3, 6: 18.1})
+    fp32 = CostCurve({1: 30.8, 2: 31.5, 3: 33.9, 4: 46.1})
+    assert estimate(int4, 1.74) < methods.MIN_TREE_GAIN < estimate(fp32, 1.74)
 
 
 def test_default_tree_width_follows_the_cost_curve():

@@ -5,6 +5,7 @@ A method is registered with :func:`register_method`; nothing else in the library
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from .errors import UnsupportedOptionError
 from .models.adapter import CausalLM
 from .verifiers.base import Verifier
 from .verifiers.rejection import RejectionSamplingVerifier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -235,9 +238,25 @@ def default_tree_width(curve, draft_cost: float) -> int:
     return max(TOP_W_HIT_RATE, key=lambda w: (1 + TOP_W_HIT_RATE[w]) / (curve.cost(w + 1) + draft_cost))
 
 
+def expected_tree_gain(curve, draft_cost: float) -> float:
+    """The rate of the :func:`default_tree_width` tree relative to plain decoding, by the same prior: tokens per
+    round over a round's cost, in plain steps."""
+    width = default_tree_width(curve, draft_cost)
+    return (1 + TOP_W_HIT_RATE[width]) * curve.cost(1) / (curve.cost(width + 1) + draft_cost)
+
+
+# Below this expected gain `default` leaves the head out and drafts by cost-aware lookup alone. Measured on the
+# embedded SmolLM2 (2-core Xeon with AMX, docs/benchmarks.md section 5): on its int4 model (a 4-token forward 1.37x
+# a step, a head call 16 % of one) the head's tree was expected at about 1.10x and ran no faster than lookup alone
+# in three runs of 14 to 28 prompts (within 1-4 %, lookup ahead in every set); on float32 it is expected at about
+# 1.3x and pays (1.37x over `ar` on MT-Bench with it).
+MIN_TREE_GAIN = 1.15
+
+
 @register_method("default", "the fastest exact configuration for this target: hybrid-tree (lookup, else the top 1-3 "
                  "tokens of the head shipped for it, as many as the measured cost curve pays for; the embedded SmolLM2 "
-                 "has one), else cost-aware prompt lookup",
+                 "has one), else (no head, or a tree not expected to pay on this target's cost curve, as on the "
+                 "int4 model) cost-aware prompt lookup",
                  cost_aware=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
@@ -249,12 +268,25 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     head = context.config.draft
     if head is None and torch_target:
         head = shipped_head_for(context.target)
+    lookup = replace(context.config, name="pld", cost_aware=True)
     if head is None:
-        config = replace(context.config, name="pld", cost_aware=True)
+        config = lookup
     elif not torch_target:
         config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
     else:
         config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)
+        drafter, verifier = build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
+        if context.config.draft is not None or context.config.tree or context.config.tree_budget:
+            return drafter, verifier  # a draft or a tree asked for: keep them
+        draft = drafter.draft
+        gain = expected_tree_gain(drafter.curve, draft_cost_per_call(draft))
+        if gain >= MIN_TREE_GAIN:
+            return drafter, verifier
+        log.info("default: the head's tree is expected at %.2fx of plain decoding on this target (under %.2fx): "
+                 "drafting by cost-aware lookup alone", gain, MIN_TREE_GAIN)
+        if hasattr(draft, "mirror"):
+            context.target.detach_feature_mirror(draft.mirror)
+        config = lookup
     return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
 
 

@@ -123,6 +123,10 @@ class CausalLM:
         self.mirrors.append(mirror)
         return mirror
 
+    def detach_feature_mirror(self, mirror: FeatureMirror) -> None:
+        """Stop recording into ``mirror`` (a draft that will not be used): every forward stops paying for it."""
+        self.mirrors = [other for other in self.mirrors if other is not mirror]
+
     @property
     def config(self):
         return self.model.config

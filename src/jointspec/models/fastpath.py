@@ -160,11 +160,13 @@ class LlamaFastForward:
     def _compiled_ready(self, n: int, cache) -> bool:
         """Whether this forward (``n`` rows) can take the compiled layers: the model still holds every module,
         buffer and parameter they were built from (one identity check each, about 1,000 on SmolLM2: tens of
-        microseconds), a buffered cache, and a forward short enough for row-wise attention."""
+        microseconds), row-wise attention still set, a buffered cache, and a forward short enough for row-wise
+        attention."""
         from .kvcache import BufferedLayer
-        from .quantize import ROWWISE_MAX_ROWS
+        from .quantize import ROWWISE_ATTENTION, ROWWISE_MAX_ROWS
 
-        if self.compiled is None or n > ROWWISE_MAX_ROWS:
+        if (self.compiled is None or n > ROWWISE_MAX_ROWS
+                or self.model.config._attn_implementation != ROWWISE_ATTENTION):
             return False
         return (all(type(layer) is BufferedLayer for layer in cache.layers)
                 and all(owner.get(name) is expected for owner, name, expected in self._compiled_checks))
