@@ -221,17 +221,10 @@ class LlamaFastForward:
     def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
         """The decoder layers as compiled calls (:meth:`_compiled_layers`); [1, n, width] in and out."""
         from .grouped import kernels
-        from .quantize import _NO_LENGTHS, _NO_MASK
+        from .quantize import compiled_visibility
 
         n = hidden.shape[1]
-        past = cache.get_seq_length()
-        if causal_mask is None:  # causal, the rows being the last ones
-            visible, lengths = _NO_MASK, torch.arange(past + 1, past + n + 1)
-        else:
-            visible = causal_mask[0, 0]
-            if visible.dtype != torch.bool:
-                visible = visible > torch.finfo(visible.dtype).min / 2
-            visible, lengths = visible.contiguous(), _NO_LENGTHS
+        visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         rows = hidden[0].contiguous()
         compiled = kernels()

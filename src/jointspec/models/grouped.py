@@ -36,7 +36,7 @@ head computed alone, by construction) in one call per layer, which :func:`joints
 uses instead of one PyTorch SDPA call per row. ``decoder_layer``: a whole Llama decoder layer on these 4-bit weights
 (norms, fused q/k/v, rotary embedding, cache write, attention, output projection, gated MLP, residuals), which the
 lean forward (models/fastpath.py) runs instead of about fifty PyTorch operations per layer. A plain int4 step of
-SmolLM2-135M then costs 12.5 ms instead of 19 (2-core Xeon, 200 cached tokens). Both treat every row alone, so
+SmolLM2-135M then costs 11.2 ms instead of 20 (2-core Xeon, 200 cached tokens, scripts/compiled_layer_cost.py). Both treat every row alone, so
 speculative decoding stays exactly plain decoding of the int4 model; neither is bit for bit the operation-by-operation
 forward (float sums in another order), which is why plain and speculative decoding both run them.
 

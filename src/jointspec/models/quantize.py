@@ -207,16 +207,9 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     num_keys = key.shape[2]
-    compiled = _compiled_attention(query, key)
+    compiled = _compiled_attention(query, key, value)
     if compiled is not None:
-        if attention_mask is None:
-            lengths = torch.arange(num_keys - num_rows + 1, num_keys + 1)
-            visible = _NO_MASK
-        else:
-            visible = attention_mask[0, 0]
-            if visible.dtype != torch.bool:
-                visible = visible > torch.finfo(visible.dtype).min / 2
-            visible, lengths = visible.contiguous(), _NO_LENGTHS
+        visible, lengths = compiled_visibility(attention_mask, num_keys, num_rows)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return compiled.attention(query[0], key[0], value[0], visible, lengths, scale)[None], None
     visible = None
@@ -248,13 +241,27 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 _NO_LENGTHS = torch.empty(0, dtype=torch.long)
 
 
-def _compiled_attention(query: torch.Tensor, key: torch.Tensor):
+def compiled_visibility(attention_mask: torch.Tensor | None, num_keys: int, num_rows: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible, lengths) as jointspec's compiled attention takes them: for no mask (causal, the rows being the last
+    ones) each row's number of keys, else the mask's [rows, keys] boolean matrix (an additive mask's finite
+    entries), with the other one empty."""
+    if attention_mask is None:
+        return _NO_MASK, torch.arange(num_keys - num_rows + 1, num_keys + 1)
+    visible = attention_mask[0, 0]
+    if visible.dtype != torch.bool:
+        visible = visible > torch.finfo(visible.dtype).min / 2
+    return visible.contiguous(), _NO_LENGTHS
+
+
+def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     """jointspec's compiled attention (models/csrc, with the grouped kernels) where it takes these tensors, else
     None. It computes each (row, head) pair alone by construction, so one call gives what one SDPA call per row
     does (the same property, not the same bits), for every row and head of a layer at once."""
-    if query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32:
+    if query.device.type != "cpu" or {query.dtype, key.dtype, value.dtype} != {torch.float32}:
         return None
-    if query.shape[-1] % 16 or query.stride(-1) != 1 or key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
+    if query.shape[-1] % 16 or query.stride(-1) != 1 or any(
+            t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value)):
         return None
     from .grouped import kernels
 
