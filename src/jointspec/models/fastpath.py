@@ -134,7 +134,7 @@ class LlamaFastForward:
         for index, (layer, (fused_qkv, fused_gate_up)) in enumerate(zip(base.layers, self.fused)):
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
-            if (fused_qkv is None or fused_gate_up is None or attn.head_dim % 16
+            if (fused_qkv is None or fused_gate_up is None or attn.head_dim % 16 or attn.head_dim > 256
                     or any(type(m) is not GroupedInt4Linear or m.bias is not None for m in plain)):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)

@@ -84,8 +84,8 @@ def _load():
     """(extension, None) or (None, why not); the reason is logged once."""
     module, reason = _build()
     if reason is not None:
-        log.warning("int4: %s; using PyTorch's int4/int8 kernels instead (bfloat16 activations: close to the float "
-                    "model, not equal to it)", reason)
+        log.warning("int4: %s; --quantize int4 uses PyTorch's int4/int8 kernels instead (bfloat16 activations: "
+                    "close to the float model, not equal to it), and --quantize auto keeps the float model", reason)
     return module, reason
 
 

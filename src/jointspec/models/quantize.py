@@ -260,7 +260,7 @@ def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     does (the same property, not the same bits), for every row and head of a layer at once."""
     if query.device.type != "cpu" or {query.dtype, key.dtype, value.dtype} != {torch.float32}:
         return None
-    if query.shape[-1] % 16 or query.stride(-1) != 1 or any(
+    if query.shape[-1] % 16 or query.shape[-1] > 256 or query.stride(-1) != 1 or any(
             t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value)):
         return None
     from .grouped import kernels
