@@ -25,55 +25,35 @@ constexpr int64_t kGroup = 32;
 constexpr bool kAvailable = true;
 
 // 4 bits: byte i of a group holds level i (low nibble) and level i + 16 (high nibble); w = level * scale + minimum.
-// One group's 32 weights as two vectors (inputs 0-15 and 16-31 of the group).
-inline void int4_group(const uint8_t* row, const float* scale, const float* minimum, int64_t g, __m512& low_w,
-                       __m512& high_w) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m512 s = _mm512_set1_ps(scale[g]), lo = _mm512_set1_ps(minimum[g]);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup / 2));
-  low_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble))), s, lo);
-  high_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))),
-                           s, lo);
-}
-
 inline void dequantise_int4(const uint8_t* row, const float* scale, const float* minimum, int64_t groups, float* w) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 low_w, high_w;
-    int4_group(row, scale, minimum, g, low_w, high_w);
-    _mm512_store_ps(w + g * kGroup, low_w);
-    _mm512_store_ps(w + g * kGroup + 16, high_w);
+    const __m512 s = _mm512_set1_ps(scale[g]), lo = _mm512_set1_ps(minimum[g]);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup / 2));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+    _mm512_store_ps(w + g * kGroup, _mm512_fmadd_ps(low, s, lo));
+    _mm512_store_ps(w + g * kGroup + 16, _mm512_fmadd_ps(high, s, lo));
   }
 }
 
-// 8 bits: signed levels, w = level * scale. Sixteen weights (half a group) as one vector.
-inline __m512 int8_half(const int8_t* row, const float* scale, int64_t g, int64_t half) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup + half * 16));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_set1_ps(scale[g]));
-}
-
+// 8 bits: signed levels, w = level * scale.
 inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, float* w) {
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t half = 0; half < 2; ++half) _mm512_store_ps(w + g * kGroup + half * 16, int8_half(row, scale, g, half));
-}
-
-
-// Four independent accumulators over 64 inputs at a time, summed in a fixed order.
-inline float dot(const float* x, const float* w, int64_t k) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 64) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_load_ps(w + i), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_load_ps(w + i + 16), a1);
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_load_ps(w + i + 32), a2);
-    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_load_ps(w + i + 48), a3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_set1_ps(scale[g]);
+    for (int64_t half = 0; half < 2; ++half) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup + half * 16));
+      const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      _mm512_store_ps(w + g * kGroup + half * 16, _mm512_mul_ps(levels, s));
+    }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
-// dot() for R input rows (x, x + k, ...) against W weight rows (w, w + k, ...) at once: each weight vector is loaded
-// once for all R input rows and each input vector once for all W weight rows. Every (weight row, input row) pair
-// keeps its own four accumulators, which see exactly the operations dot() would do for it, in the same order, so
-// each output is dot()'s bit for bit: blocking changes the loads, not the arithmetic. out[r * out_stride + b] gets
-// input row r against weight row b. W * R <= 4 keeps the accumulators in registers.
+// Dot products of R input rows (x, x + k, ...) with W weight rows (w, w + k, ...): out[r * out_stride + b] gets input
+// row r against weight row b. Each (weight row, input row) pair has four accumulators over 64 inputs at a time, summed
+// in a fixed order at the end; which pairs share a call changes only the loads (each weight vector is loaded once
+// for all R input rows, each input vector once for all W weight rows), never a pair's operations, so every output
+// is the same bits whatever W and R. W * R <= 4 keeps the accumulators in registers.
 template <int W, int R>
 inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
   __m512 a[W][R][4];
@@ -167,7 +147,7 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
   // vector once per two multiply-adds; a long forward (a prefill), blocks of 8 weight rows dequantised side by side
   // (8 x 576 floats: 18 KB) against input rows four at a time, so each input row is read from L2 once per block
   // rather than once per weight row (a 200-token prefill of SmolLM2 ~25 % cheaper). Whatever the path, every output
-  // is one dot_block over its own two rows, with dot()'s arithmetic: the path changes no result.
+  // is one dot_block pair with the same operations: the path changes no result.
   const bool short_forward = rows <= 8;
   const int64_t block = short_forward ? 2 : 8;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
