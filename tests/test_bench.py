@@ -225,17 +225,22 @@ def test_oracle_acceptance_matches_corruption_rate(target_model, tokenizer, corr
         assert s["acceptance_per_position"] == [1.0] * 4
 
 
-def test_every_registered_method_runs(target_model, tokenizer, prompt_file):
+def test_every_registered_method_runs(target_model, tokenizer, prompt_file, tmp_path):
     """Methods other modules register (mtad, specinfer, ...) need no change in the bench: each runs with the
-    target as its own draft, and the methods' lossless ones match the baseline."""
+    target as its own draft (``corpus``, which drafts from an n-gram table, with a small one), and the methods'
+    lossless ones match the baseline."""
+    from jointspec.drafters.corpus import NgramTable
     from jointspec.methods import method_names
 
-    specs = ",".join(["ar"] + [f"{name}:draft=self" for name in method_names() if name != "ar"])
+    NgramTable.build([[5, 6, 7, 8]] * 2, vocab_size=target_model.config.vocab_size).save(tmp_path, {"kind": "corpus"})
+    drafts = {"corpus": str(tmp_path)}
+    specs = ",".join(["ar"] + [f"{name}:draft={drafts.get(name, 'self')}" for name in method_names() if name != "ar"])
     _, summary = run_tiny(target_model, tokenizer, specs, load_prompts(str(prompt_file)), max_new_tokens=8,
                           perplexity=False)
     assert len(summary) == len(method_names())
     for name in ("pld", "sps", "oracle"):
         assert summary[f"{name}:draft=self"]["num_identical"] == 3, name
+    assert summary[f"corpus:draft={tmp_path}"]["num_identical"] == 3
 
 
 def test_cost_model_prediction_and_histogram():

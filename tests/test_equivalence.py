@@ -11,12 +11,15 @@ so argmax near-ties (where a legitimate reordering of float sums could flip a to
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from conftest import VOCAB, tiny_llama
 from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.corpus import NgramTable
 from jointspec.errors import ContextTooLongError
 from jointspec.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -49,12 +52,29 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int |
     return out[0, len(prompt):].tolist()
 
 
+_corpus_folders: dict[int, str] = {}
+
+
+def corpus_folder(target_model) -> str:
+    """An n-gram table (``corpus``) of the target's own greedy continuations of other prompts, as `build-corpus`
+    makes for a real target: random models repeat themselves, so its drafts are often accepted, and often not."""
+    if id(target_model) not in _corpus_folders:
+        sequences = [hf_greedy(target_model, random_prompt(seed), 24) for seed in range(20, 30)]
+        folder = tempfile.mkdtemp(prefix="jointspec-corpus-")
+        NgramTable.build(sequences, VOCAB, max_order=3, min_count=1).save(folder, {"kind": "corpus"})
+        _corpus_folders[id(target_model)] = folder
+    return _corpus_folders[id(target_model)]
+
+
 def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: int = NUM_DRAFT_TOKENS):
     """A registered method built the way the library builds it. ``method`` is a name, or ``sps-other`` for
     speculative sampling with a different random model as the draft."""
     target = CausalLM(target_model, name="tiny-target")
-    name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
-                   "sps-other": ("sps", "other")}[method]
+    if method == "corpus":
+        name, draft = "corpus", corpus_folder(target_model)
+    else:
+        name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
+                       "sps-other": ("sps", "other")}[method]
 
     def load_draft(source: str):
         assert source == "other"
@@ -70,7 +90,7 @@ def greedy(max_new_tokens: int, eos_token_ids: frozenset[int] = frozenset()) -> 
                         eos_token_ids=eos_token_ids)
 
 
-METHODS = ["ar", "sps-self", "sps-other", "pld"]
+METHODS = ["ar", "sps-self", "sps-other", "pld", "corpus"]
 
 
 @pytest.mark.parametrize("prompt_seed", [0, 3, 6])
@@ -160,7 +180,7 @@ def test_eos_inside_draft_stops_like_plain_greedy(target_model, other_model, met
         assert decoder.stats.num_new_tokens == len(expected)
 
 
-@pytest.mark.parametrize("method", ["sps-self", "pld"])
+@pytest.mark.parametrize("method", ["sps-self", "pld", "corpus"])
 def test_eos_as_first_new_token(target_model, method):
     # The first token generated is EOS: a single token comes out, whatever the draft proposed after it.
     prompt = random_prompt(0)

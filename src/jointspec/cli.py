@@ -201,7 +201,8 @@ def _run_methods(args: argparse.Namespace) -> int:
 
 
 # Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
-_SUBCOMMAND_MODULES: list[str] = ["jointspec.bench.cli", "jointspec.server.cli", "jointspec.train.cli"]
+_SUBCOMMAND_MODULES: list[str] = ["jointspec.bench.cli", "jointspec.server.cli", "jointspec.train.cli",
+                                    "jointspec.corpus_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -178,6 +178,25 @@ def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
     return drafter, RejectionSamplingVerifier()
 
 
+@register_method("corpus", "prompt lookup, else the continuation an n-gram table of the target's own answers makes "
+                 "most likely (--draft TABLE_FOLDER from `build-corpus`; default: the table shipped for the target's "
+                 "tokenizer), adaptive length (lossless)", cost_aware=True)
+def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
+    from .drafters.corpus import CorpusLookupDrafter, shipped_table_for, table_for
+
+    config = context.config
+    folder = config.draft or shipped_table_for(context.tokenizer)
+    if folder is None:
+        raise UnsupportedOptionError("method 'corpus' needs an n-gram table for this target's tokenizer and none is "
+                                     "shipped for it: build one with `jointspec build-corpus --target ... --out DIR` "
+                                     "and pass --draft DIR")
+    table = table_for(folder, context.tokenizer, context.target.vocab_size)
+    drafter = CorpusLookupDrafter(table, config.num_draft_tokens,
+                                  max(config.max_num_draft_tokens, config.num_draft_tokens),
+                                  max_ngram=config.max_ngram)
+    return drafter, RejectionSamplingVerifier()
+
+
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
                  cost_aware=True)
 def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
@@ -256,7 +275,8 @@ MIN_TREE_GAIN = 1.15
 @register_method("default", "the fastest exact configuration for this target: hybrid-tree (lookup, else the top 1-3 "
                  "tokens of the head shipped for it, as many as the measured cost curve pays for; the embedded SmolLM2 "
                  "has one), else (no head, or a tree not expected to pay on this target's cost curve, as on the "
-                 "int4 model) cost-aware prompt lookup",
+                 "int4 model) cost-aware lookup: corpus where an n-gram table is shipped for the target's tokenizer "
+                 "(the embedded SmolLM2 has one), else pld",
                  cost_aware=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
@@ -264,11 +284,16 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from .models.eagle import shipped_head_for
 
     # Only the torch adapter verifies trees and feeds heads (llama.cpp's refuses trees and has no hidden states).
+    from .drafters.corpus import shipped_table_for
+
     torch_target = isinstance(context.target, CausalLM)
     head = context.config.draft
     if head is None and torch_target:
         head = shipped_head_for(context.target)
-    lookup = replace(context.config, name="pld", cost_aware=True)
+    # Lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus), else prompt
+    # lookup alone (pld); both cost-aware.
+    table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
+    lookup = replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True)
     if head is None:
         config = lookup
     elif not torch_target:

@@ -1,0 +1,200 @@
+"""The corpus n-gram table, its drafter, the `corpus` method and `jointspec build-corpus` (tiny models, no downloads)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import VOCAB
+from jointspec.drafters.corpus import (CONFIG_FILE, CorpusLookupDrafter, NgramTable, shipped_table_for, table_for,
+                                       tokenizer_fingerprint)
+from jointspec.errors import UnsupportedOptionError
+from jointspec.sampling import SamplingConfig
+from test_equivalence import corpus_folder, greedy, hf_greedy, make_decoder, random_prompt
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def test_table_keeps_the_most_frequent_continuation():
+    # (1, 2, 3) is followed by 4 twice and 5 once: 4 with share 2/3. Pairs never cross from one sequence to the next
+    # (3 ends one sequence and 9 starts another, so (3, 9) is never counted).
+    table = NgramTable.build([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [9, 1, 2], [3]], vocab_size=10, max_order=3,
+                             min_count=1)
+    assert table.continuation([7, 1, 2, 3]) == (4, pytest.approx(2 / 3), 3)
+    assert table.continuation([9, 1]) == (2, 1.0, 2)
+    assert table.continuation([8]) is None  # never seen
+    assert table.continuation([3], min_order=1)[0] == 4  # "3" alone: followed by 4, 5, 4 (and by nothing once)
+    assert table.continuation([2, 3], min_order=3) is None  # too short for the orders asked
+
+
+def test_table_ties_go_to_the_lowest_id_and_rare_ngrams_are_dropped():
+    table = NgramTable.build([[5, 8], [5, 6]], vocab_size=10, max_order=2, min_count=1)
+    assert table.continuation([5]) == (6, 0.5, 1)
+    pruned = NgramTable.build([[5, 8], [5, 6], [7, 1]], vocab_size=10, max_order=2, min_count=2)
+    assert pruned.continuation([5]) == (6, 0.5, 1)
+    assert pruned.continuation([7]) is None  # seen once
+
+
+def test_table_refuses_ids_outside_the_vocabulary_and_orders_beyond_a_key():
+    with pytest.raises(ValueError, match="token ids"):
+        NgramTable.build([[1, 10]], vocab_size=10)
+    with pytest.raises(ValueError, match="max_order"):
+        NgramTable.build([[1, 2]], vocab_size=49152, max_order=5)  # 16 bits an id: 4 per 64-bit key
+
+
+def test_table_round_trips_through_its_folder(tmp_path):
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 20, size=30).tolist() for _ in range(8)]
+    table = NgramTable.build(sequences, vocab_size=20, max_order=3, min_count=1)
+    table.save(tmp_path, {"kind": "corpus", "note": "test"})
+    loaded, config = NgramTable.load(tmp_path)
+    assert config["note"] == "test" and config["num_entries"] == table.num_entries
+    for n in range(3):
+        assert np.array_equal(loaded.keys[n], table.keys[n]) and np.array_equal(loaded.next_ids[n], table.next_ids[n])
+    context = sequences[0][:10]
+    assert loaded.continuation(context) == (table.continuation(context)[0], pytest.approx(
+        table.continuation(context)[1], abs=1e-3), table.continuation(context)[2])
+
+
+def test_drafter_copies_the_context_first_then_the_table_then_stops():
+    # Context lookup ((4, 5) occurred earlier, followed by 6) wins over the table; where the context has no match
+    # of >= 2 tokens the table continues (1 -> 2 -> 3); the table knows nothing after 3: the draft ends there.
+    table = NgramTable.build([[1, 2, 3]] * 3 + [[4, 5, 9]] * 3, vocab_size=10, max_order=2, min_count=1)
+    drafter = CorpusLookupDrafter(table, num_draft_tokens=4)
+    drafter.start([])
+    assert drafter.propose([4, 5, 6, 0, 4, 5], 4, GREEDY, None).token_ids[0] == 6
+    assert drafter.propose([0, 7, 1], 4, GREEDY, None).token_ids == [2, 3]
+    assert drafter.propose([0, 8], 4, GREEDY, None).token_ids == []
+
+
+def test_drafter_leaves_out_continuations_below_min_share():
+    table = NgramTable.build([[1, 2], [1, 3], [1, 4]], vocab_size=10, max_order=1, min_count=1)  # 1 -> 2 at 1/3
+    assert CorpusLookupDrafter(table, 2, min_share=0.3).propose([1], 2, GREEDY, None).token_ids == [2]
+    assert CorpusLookupDrafter(table, 2, min_share=0.5).propose([1], 2, GREEDY, None).token_ids == []
+
+
+def test_drafter_length_doubles_after_a_whole_accepted_draft():
+    table = NgramTable.build([list(range(10))] * 2, vocab_size=10, max_order=1, min_count=1)
+    drafter = CorpusLookupDrafter(table, num_draft_tokens=2, max_num_draft_tokens=6)
+    drafter.start([0])
+    assert len(drafter.propose([0], 9, GREEDY, None).token_ids) == 2
+    drafter.commit([0, 1, 2, 3], 2)
+    assert len(drafter.propose([0, 1, 2, 3], 9, GREEDY, None).token_ids) == 4
+    drafter.commit([0, 1, 2, 3, 9], 0)
+    assert len(drafter.propose([0, 1, 2], 9, GREEDY, None).token_ids) == 2
+
+
+def test_corpus_method_accepts_drafts_and_matches_plain_greedy(target_model):
+    # The table holds the target's own continuations of other prompts; here also this prompt's own, so drafts are
+    # accepted (the output must still be plain greedy's, token for token).
+    prompt = random_prompt(4)
+    reference = hf_greedy(target_model, prompt, 40)
+    decoder = make_decoder("corpus", target_model)
+    assert decoder.generate(prompt, greedy(40)) == reference
+    assert decoder.stats.num_draft_tokens > 0  # the table drafted
+    assert decoder.stats.num_accepted_tokens > 0
+
+
+class FakeTokenizer:
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+
+def test_table_for_refuses_another_vocabulary_or_tokenizer(tmp_path, target_model):
+    mine = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
+    theirs = FakeTokenizer({f"u{i}": i for i in range(VOCAB)})
+    NgramTable.build([[1, 2, 3]], vocab_size=VOCAB, min_count=1).save(
+        tmp_path, {"kind": "corpus", "tokenizer_fingerprint": tokenizer_fingerprint(mine)})
+    assert table_for(tmp_path, mine, VOCAB).vocab_size == VOCAB
+    with pytest.raises(UnsupportedOptionError, match="another tokenizer"):
+        table_for(tmp_path, theirs, VOCAB)
+    with pytest.raises(UnsupportedOptionError, match="vocabulary"):
+        table_for(tmp_path, mine, VOCAB + 1)
+    with pytest.raises(UnsupportedOptionError, match="no n-gram table"):
+        table_for(tmp_path / "missing", mine, VOCAB)
+
+
+def test_corpus_method_without_a_table_says_how_to_build_one(target_model):
+    from jointspec.methods import MethodConfig, MethodContext, build_method
+    from jointspec.models.adapter import CausalLM
+
+    context = MethodContext(MethodConfig(name="corpus"), CausalLM(target_model), FakeTokenizer({"a": 0}), None)
+    with pytest.raises(UnsupportedOptionError, match="build-corpus"):
+        build_method(context)
+
+
+def test_shipped_table_is_found_by_tokenizer(tmp_path, monkeypatch):
+    import jointspec.drafters.corpus as corpus
+
+    mine = FakeTokenizer({"a": 0, "b": 1})
+    folder = tmp_path / "some-table"
+    NgramTable.build([[0, 1]], vocab_size=2, min_count=1).save(
+        folder, {"kind": "corpus", "tokenizer_fingerprint": tokenizer_fingerprint(mine)})
+    monkeypatch.setattr(corpus, "SHIPPED_TABLES", tmp_path)
+    assert shipped_table_for(mine) == folder
+    assert shipped_table_for(FakeTokenizer({"a": 1, "b": 0})) is None
+    assert shipped_table_for(None) is None
+
+
+def test_build_corpus_command_answers_resumes_and_writes_a_table(tmp_path, monkeypatch, target_model):
+    # The target answers the prompts of a .txt source; a second run with more prompts answers only the new ones.
+    import jointspec.corpus_cli as corpus_cli
+    from jointspec.cli import main
+    from jointspec.models.adapter import CausalLM
+
+    class Tokenizer(FakeTokenizer):
+        eos_token_id = None
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [3 + (ord(ch) % (VOCAB - 3)) for ch in text]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+            text = " ".join(m["content"] for m in messages)
+            return self(text)["input_ids"] if tokenize else text
+
+    tokenizer = Tokenizer({f"t{i}": i for i in range(VOCAB)})
+    monkeypatch.setattr(corpus_cli, "load_target", lambda *a, **k: (CausalLM(target_model), tokenizer))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"question number {i} about things" for i in range(5)))
+    out, data = tmp_path / "table", tmp_path / "data"
+    args = ["build-corpus", "--prompts", str(prompts), "--max-new-tokens", "6", "--min-count", "1", "--no-progress",
+            "--out", str(out), "--data", str(data)]
+    assert main(args + ["--num-prompts", "3"]) == 0
+    assert len((data / "answers.jsonl").read_text().splitlines()) == 3
+    assert main(args) == 0
+    lines = [json.loads(line) for line in (data / "answers.jsonl").read_text().splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1, 2, 3, 4]  # the first three were not answered again
+    config = json.loads((out / CONFIG_FILE).read_text())
+    assert config["num_target_answers"] == 5 and config["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    table = table_for(out, tokenizer, VOCAB)
+    assert table.num_entries > 0
+    assert all(len(line["answer_ids"]) == 6 for line in lines)
+    assert corpus_folder(target_model)  # the equivalence tests' table exists too (built once per model)
+
+
+def test_default_drafts_with_the_table_shipped_for_the_tokenizer(tmp_path, monkeypatch, target_model):
+    import jointspec.drafters.corpus as corpus
+    from jointspec.drafters.costaware import CostAwareDrafter
+    from jointspec.drafters.ngram import PromptLookupDrafter
+    from jointspec.methods import MethodConfig, MethodContext, build_method
+    from jointspec.models.adapter import CausalLM
+
+    mine = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
+    NgramTable.build([[1, 2, 3]], vocab_size=VOCAB, min_count=1).save(
+        tmp_path / "table", {"kind": "corpus", "tokenizer_fingerprint": tokenizer_fingerprint(mine)})
+    monkeypatch.setattr(corpus, "SHIPPED_TABLES", tmp_path)
+    target = CausalLM(target_model)  # no head is shipped for this tiny target
+    drafter, _ = build_method(MethodContext(MethodConfig(name="default"), target, mine, None))
+    assert isinstance(drafter, CostAwareDrafter) and isinstance(drafter.inner, CorpusLookupDrafter)
+    other = FakeTokenizer({f"u{i}": i for i in range(VOCAB)})  # no table for this one: prompt lookup
+    drafter, _ = build_method(MethodContext(MethodConfig(name="default"), target, other, None))
+    assert isinstance(drafter.inner, PromptLookupDrafter)
