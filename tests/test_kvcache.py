@@ -6,6 +6,7 @@ exact (the cache only copies values), so nothing here can fail by chance.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
@@ -62,7 +63,8 @@ def test_keep_gathers_scattered_entries_in_order():
     assert_same(buffered, reference)
 
 
-def test_keys_replaced_from_outside_are_taken_over():
+@pytest.mark.parametrize("then", [2, MIN_CAPACITY])  # within the taken-over buffer, or growing it at once
+def test_keys_replaced_from_outside_are_taken_over(then):
     # transformers' batch utilities assign new keys/values tensors; the next append must start from those.
     buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
     feed(buffered, [5])
@@ -70,9 +72,26 @@ def test_keys_replaced_from_outside_are_taken_over():
     for cache in (buffered, reference):
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[..., :3, :].clone(), layer.values[..., :3, :].clone()
-    feed(buffered, [2], seed=3)
-    feed(reference, [2], seed=3)
     assert_same(buffered, reference)
+    feed(buffered, [then], seed=3)
+    feed(reference, [then], seed=3)
+    assert_same(buffered, reference)
+    buffered.crop(-1)
+    reference.crop(-1)
+    assert_same(buffered, reference)
+
+
+def test_views_follow_the_length_and_replacing_one_side_keeps_the_other():
+    buffered = BufferedCache(CONFIG)
+    feed(buffered, [4])
+    layer = buffered.layers[0]
+    keys = layer.keys
+    assert layer.keys is keys  # one view per length, made when first read
+    buffered.crop(-1)
+    assert layer.keys.shape[-2] == 3 and torch.equal(layer.keys, keys[..., :3, :])
+    values = layer.values.clone()
+    layer.keys = layer.keys[..., :2, :].clone()  # only the keys replaced: the values stay what they were
+    assert torch.equal(layer.values, values) and layer.keys.shape[-2] == 2
 
 
 def test_slots_written_by_the_caller_read_like_appended_entries():

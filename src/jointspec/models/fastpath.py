@@ -32,6 +32,8 @@ subclass or another architecture runs transformers' own forward, as does ``--ker
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -154,7 +156,12 @@ class LlamaFastForward:
                            [plain[0].packed, plain[0].scale, plain[0].minimum], list(fused_gate_up.spans),
                            [plain[1].packed, plain[1].scale, plain[1].minimum], config.num_attention_heads,
                            attn.scaling, config.num_key_value_heads, attn.head_dim))
-        self._compiled_checks = checks
+        self._compiled_checks = tuple(map(list, zip(*checks)))  # owners, names, expected objects
+        # The same layers registered once in C++, so that a forward makes one call for all of them.
+        self._compiled_stack = kernels().CompiledLayers()
+        for norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, _, _ in layers:
+            self._compiled_stack.add_layer(norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling)
+        self._compiled_buffers: list = []  # the cache buffers the stack was last given
         return layers
 
     def _compiled_ready(self, n: int, cache) -> bool:
@@ -168,8 +175,9 @@ class LlamaFastForward:
         if (self.compiled is None or n > ROWWISE_MAX_ROWS
                 or self.model.config._attn_implementation != ROWWISE_ATTENTION):
             return False
+        owners, names, expected = self._compiled_checks
         return (all(type(layer) is BufferedLayer for layer in cache.layers)
-                and all(owner.get(name) is expected for owner, name, expected in self._compiled_checks))
+                and all(map(operator.is_, map(dict.get, owners, names), expected)))  # C-level loop: ~10 us
 
     @staticmethod
     def _qkv(layer) -> list[nn.Module]:
@@ -193,8 +201,6 @@ class LlamaFastForward:
         base = model.model
         config = model.config
         inputs_embeds = base.embed_tokens(input_ids)
-        causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                         past_key_values=cache, position_ids=position_ids)
         hidden = inputs_embeds
         cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
         num_layers = config.num_hidden_layers
@@ -202,12 +208,18 @@ class LlamaFastForward:
         kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
         batch_seq = hidden.shape[:-1]
         if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
-            # A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain and
-            # speculative decoding run the same one, and no later forward has to reproduce its rows one by one, so
-            # its projections may take the faster GEMM, whose rows are not computed alone.
+            # No mask given means causal, which the compiled attention takes as each row's number of keys: no mask
+            # to build. A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain
+            # and speculative decoding run the same one, and no later forward has to reproduce its rows one by one,
+            # so its projections may take the faster GEMM, whose rows are not computed alone.
+            causal_mask = None if attention_mask is None else create_causal_mask(
+                config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=cache,
+                position_ids=position_ids)
             prefill = num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
             hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept, prefill)
         else:
+            causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                             past_key_values=cache, position_ids=position_ids)
             hidden = decoder_layers(base, hidden, cos, sin, causal_mask, cache, position_ids, wanted, kept, self.fused)
         hidden = _rms_norm(base.norm, hidden)
         if num_layers in wanted:
@@ -219,23 +231,26 @@ class LlamaFastForward:
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
     def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
-        """The decoder layers as compiled calls (:meth:`_compiled_layers`); [1, n, width] in and out."""
-        from .grouped import kernels
+        """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out."""
         from .quantize import compiled_visibility
 
         n = hidden.shape[1]
         visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        rows = hidden[0].contiguous()
-        compiled = kernels()
-        num_layers = len(self.compiled)
-        for index, (norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, kv_heads, head_dim) in enumerate(
-                self.compiled):
-            keys, values, start = cache.layers[index].append_slots(n, rows.new_empty(1, kv_heads, 0, head_dim))
-            rows = compiled.decoder_layer(rows, norm1, norm2, eps, qkv, o_proj, gate_up, down, cos, sin, keys[0],
-                                          values[0], start, visible, lengths, heads, scaling, prefill)
-            if index + 1 in wanted and index + 1 < num_layers:
-                kept[index + 1] = rows[None]
+        kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
+        like = hidden.new_empty(1, kv_heads, 0, head_dim)
+        slots = [layer.append_slots(n, like) for layer in cache.layers]
+        start = slots[0][2]
+        assert all(slot[2] == start for slot in slots), "the layers' caches hold different lengths"
+        buffers = [buffer for slot in slots for buffer in slot[:2]]
+        if len(buffers) != len(self._compiled_buffers) or any(
+                mine is not theirs for mine, theirs in zip(buffers, self._compiled_buffers)):
+            self._compiled_stack.set_caches([slot[0][0] for slot in slots], [slot[1][0] for slot in slots])
+            self._compiled_buffers = buffers
+        keep = sorted(layer for layer in wanted if 0 < layer < len(self.compiled))
+        rows, *outputs = self._compiled_stack.forward(hidden[0].contiguous(), start, visible, lengths, cos, sin,
+                                                      prefill, keep)
+        kept.update({layer: output[None] for layer, output in zip(keep, outputs)})
         return rows[None]
 
 

@@ -23,7 +23,46 @@ MIN_CAPACITY = 256
 
 
 class BufferedLayer(DynamicLayer):
-    """One attention layer's keys and values, stored in growing buffers (module docstring)."""
+    """One attention layer's keys and values, stored in growing buffers (module docstring).
+
+    ``keys`` / ``values`` are views of the buffers' first ``length`` entries, made when first read after the length
+    changes: a forward that writes its entries itself (the compiled int4 layers) then only moves a count, and never
+    pays for views nobody reads. Assigning either one (as transformers' own utilities may) hands the layer plain
+    tensors again, which the next append copies into buffers."""
+
+    _length: int | None = None  # None: keys / values are the plain tensors in _keys / _values
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._length is None:
+            return self._keys
+        if self._key_view is None:
+            self._key_view = self._key_buffer[..., :self._length, :]
+        return self._key_view
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._detach()
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._length is None:
+            return self._values
+        if self._value_view is None:
+            self._value_view = self._value_buffer[..., :self._length, :]
+        return self._value_view
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._detach()
+        self._values = value
+
+    def _detach(self) -> None:
+        """Turn the buffer views into plain tensors (before one of them is replaced from outside)."""
+        if self._length is not None:
+            self._keys, self._values = self.keys, self.values
+            self._length = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -31,14 +70,16 @@ class BufferedLayer(DynamicLayer):
 
     def _adopt(self) -> int:
         """The cached length, taking over ``keys`` / ``values`` into fresh buffers if something replaced them."""
-        if self._key_buffer is not None and self.keys is self._key_view:
-            return self.keys.shape[-2]
-        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if self._length is not None:
+            return self._length
+        length = self._keys.shape[-2] if self._keys.dim() == 4 else 0
+        keys, values = self._keys, self._values
         self._key_buffer = self._value_buffer = None
         if length:
-            self._reserve(self.keys, self.values, length)
-            self._key_buffer[..., :length, :] = self.keys
-            self._value_buffer[..., :length, :] = self.values
+            self._reserve(keys, values, length)
+            self._key_buffer[..., :length, :] = keys
+            self._value_buffer[..., :length, :] = values
+            self._set_length(length)
         return length
 
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
@@ -51,13 +92,13 @@ class BufferedLayer(DynamicLayer):
         self._key_buffer = keys.new_empty(keys.shape[:-2] + (capacity, keys.shape[-1]))
         self._value_buffer = values.new_empty(values.shape[:-2] + (capacity, values.shape[-1]))
         if old[0] is not None:
-            length = self.keys.shape[-2]
+            length = self._length or 0
             self._key_buffer[..., :length, :] = old[0][..., :length, :]
             self._value_buffer[..., :length, :] = old[1][..., :length, :]
 
     def _set_length(self, length: int) -> None:
-        self.keys = self._key_view = self._key_buffer[..., :length, :]
-        self.values = self._value_buffer[..., :length, :]
+        self._length = length
+        self._key_view = self._value_view = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:

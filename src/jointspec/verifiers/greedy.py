@@ -13,10 +13,18 @@ from ..sampling import SamplingConfig
 from .base import Verdict, children_of
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first maximal entry, as torch.argmax; NaN counts as maximal in both). On the CPU through
+    NumPy: on a [1, 49152] row torch.argmax took 65 us and NumPy 3 (2-core Xeon), a few per cent of an int4 step."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class GreedyVerifier:
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
                generator: torch.Generator | None) -> Verdict:
-        target_choice = target_logits.argmax(dim=-1).tolist()  # [num_nodes + 1]
+        target_choice = argmax_rows(target_logits)  # [num_nodes + 1]
         accepted: list[int] = []
         if draft.is_chain:
             while len(accepted) < draft.num_nodes and draft.token_ids[len(accepted)] == target_choice[len(accepted)]:
