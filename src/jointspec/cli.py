@@ -42,9 +42,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target: 'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a hub id")
     parser.add_argument("--method", default="ar", help="decoding method (see `jointspec methods`)")
     parser.add_argument("--draft", default=None,
-                        help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'")
+                        help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'; for "
+                             "corpus: a table folder from `build-corpus`")
     parser.add_argument("--cost-aware", action="store_true",
-                        help="pld/sps/hybrid: choose each round's draft length, or no draft, from the target's "
+                        help="pld/corpus/sps/hybrid: choose each round's draft length, or no draft, from the target's "
                              "measured cost curve and the running acceptance, so speculation does not run slower "
                              "than plain decoding (measures the curve once, a few seconds)")
     parser.add_argument("--num-draft-tokens", type=_positive_int, default=4, help="draft length / depth (gamma)")
