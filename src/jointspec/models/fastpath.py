@@ -22,7 +22,8 @@ Two things it does differently, both outside the numbers: it skips the LM head w
 when asked for none), and it keeps only the hidden states the caller asks for.
 
 One exception to "the same operations": a model quantised to jointspec's grouped int4 layers (models/grouped.py)
-runs each decoder layer as one compiled call (:meth:`LlamaFastForward._compiled_layers`), about a third cheaper a
+runs each decoder layer as one compiled function, all layers in one call into C++
+(:meth:`LlamaFastForward._compiled_layers`), about a third cheaper a
 step. That is another summation order of the same quantised model, each row still computed alone, so plain and
 speculative decoding of it agree exactly; it is not bit for bit transformers' forward of the quantised model.
 
@@ -177,7 +178,7 @@ class LlamaFastForward:
             return False
         owners, names, expected = self._compiled_checks
         return (all(type(layer) is BufferedLayer for layer in cache.layers)
-                and all(map(operator.is_, map(dict.get, owners, names), expected)))  # C-level loop: ~10 us
+                and all(map(operator.is_, map(dict.get, owners, names), expected)))  # one C-level loop
 
     @staticmethod
     def _qkv(layer) -> list[nn.Module]:
