@@ -198,3 +198,21 @@ def test_default_drafts_with_the_table_shipped_for_the_tokenizer(tmp_path, monke
     other = FakeTokenizer({f"u{i}": i for i in range(VOCAB)})  # no table for this one: prompt lookup
     drafter, _ = build_method(MethodContext(MethodConfig(name="default"), target, other, None))
     assert isinstance(drafter.inner, PromptLookupDrafter)
+
+
+def test_fingerprint_is_kept_per_tokenizer_until_its_vocabulary_grows():
+    class Sized(FakeTokenizer):
+        calls = 0
+
+        def get_vocab(self):
+            Sized.calls += 1
+            return super().get_vocab()
+
+        def __len__(self):
+            return len(self.vocab)
+
+    tokenizer = Sized({"a": 0, "b": 1})
+    first = tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(tokenizer) == first and Sized.calls == 1  # hashed once
+    tokenizer.vocab["c"] = 2  # a token added: hashed again, and the hash changes
+    assert tokenizer_fingerprint(tokenizer) != first and Sized.calls == 2

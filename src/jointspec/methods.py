@@ -283,19 +283,21 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
 
     from .models.eagle import shipped_head_for
 
-    # Only the torch adapter verifies trees and feeds heads (llama.cpp's refuses trees and has no hidden states).
     from .drafters.corpus import shipped_table_for
 
+    def lookup() -> MethodConfig:
+        """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),
+        else prompt lookup alone (pld). Asked only where it is used: finding the table hashes the vocabulary."""
+        table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
+        return replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True)
+
+    # Only the torch adapter verifies trees and feeds heads (llama.cpp's refuses trees and has no hidden states).
     torch_target = isinstance(context.target, CausalLM)
     head = context.config.draft
     if head is None and torch_target:
         head = shipped_head_for(context.target)
-    # Lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus), else prompt
-    # lookup alone (pld); both cost-aware.
-    table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
-    lookup = replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True)
     if head is None:
-        config = lookup
+        config = lookup()
     elif not torch_target:
         config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
     else:
@@ -311,7 +313,7 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
                  "drafting by cost-aware lookup alone", gain, MIN_TREE_GAIN)
         if hasattr(draft, "mirror"):
             context.target.detach_feature_mirror(draft.mirror)
-        config = lookup
+        config = lookup()
     return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
 
 

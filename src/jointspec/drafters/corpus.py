@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +51,28 @@ CONFIG_FILE = "corpus.json"
 SHIPPED_TABLES = Path(__file__).resolve().parent.parent / "data" / "drafts"
 
 
+_fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (its vocabulary size, hash)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the tokenizer's vocabulary (token -> id): a table's ids mean something only under it."""
+    """A short hash of the tokenizer's vocabulary (token -> id): a table's ids mean something only under it.
+    Hashing SmolLM2's 49,152 tokens takes about 50 ms, and building `default` asks up to three times, so a sized
+    tokenizer's hash is kept while the tokenizer lives (and made again if tokens were added to it since)."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    try:
+        kept_size, fingerprint = _fingerprints[tokenizer]
+        if size is not None and kept_size == size:
+            return fingerprint
+    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced
+        pass
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+    if size is not None:
+        try:
+            _fingerprints[tokenizer] = (size, fingerprint)
+        except TypeError:
+            pass
+    return fingerprint
 
 
 def shipped_table_for(tokenizer) -> Path | None:

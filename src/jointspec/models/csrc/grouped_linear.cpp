@@ -610,7 +610,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false);
   m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
-  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer on 4-bit weights, rows independent");
   py::class_<CompiledLayers>(m, "CompiledLayers")
       .def(py::init<>())
       .def("add_layer", &CompiledLayers::add_layer)
