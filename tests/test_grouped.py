@@ -13,11 +13,13 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB
-from jointspec.loop import SpeculativeDecoder
+from jointspec.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.models.adapter import CausalLM
 from jointspec.models.cpukernels import cpu_flags
-from jointspec.models.grouped import (GROUP_SIZE, GroupedInt4Linear, GroupedInt8Linear, kernels, unavailable_reason)
+from jointspec.models.grouped import (GROUP_SIZE, SCREEN_MARGIN, GroupedInt4Linear, GroupedInt8Linear,
+                                      ScreenedInt8Head, kernels, unavailable_reason)
 from jointspec.models.quantize import Int4Linear, quantization_mode, quantize_model
 from test_equivalence import greedy, random_prompt
 
@@ -115,10 +117,86 @@ def test_int4_mode_takes_the_grouped_kernel_where_it_runs():
     model = quantize_model(grouped_llama(0), "int4")
     assert quantization_mode(model) == "int4"
     kinds = {type(m) for m in model.modules()} & {GroupedInt4Linear, GroupedInt8Linear, Int4Linear, nn.Linear}
+    kinds |= {type(m) for m in model.modules()} & {ScreenedInt8Head}
     if kernels() is not None:
-        assert kinds == {GroupedInt4Linear, GroupedInt8Linear}
+        assert kinds == {GroupedInt4Linear, ScreenedInt8Head}  # the head: int8, with its greedy screen
+        assert type(quantize_model(grouped_llama(0), "int4", screen_head=False).lm_head) is GroupedInt8Linear
     else:
         assert Int4Linear in kinds and GroupedInt4Linear not in kinds
+
+
+def head(out_features: int = 512, in_features: int = 128, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        layer.weight.mul_(torch.rand(1, in_features) * 4)  # columns of unequal sizes, as a real head's
+    return layer
+
+
+@needs_kernel
+def test_the_screened_head_computes_the_int8_heads_logits():
+    layer = head()
+    screened, plain = ScreenedInt8Head(layer), GroupedInt8Linear(layer)
+    x = torch.randn(7, 128) * 3
+    with torch.no_grad():
+        assert torch.equal(screened(x), plain(x))  # forward: the exact head, bit for bit
+        # With a margin that takes every token, the screen's result is the exact head's too.
+        screened.margin = 1e9
+        assert torch.equal(screened.argmax_logits(x), plain(x))
+
+
+@needs_kernel
+def test_the_screen_gives_exact_logits_exactly_near_each_rows_best_score():
+    """Tokens whose 4-bit score is within the margin of the best get the int8 head's logit (the same bits), the
+    rest keep their score; and the argmax is the exact head's on every one of 2,000 seeded rows."""
+    layer = head(seed=1)
+    screened = ScreenedInt8Head(layer, margin=1.5)
+    torch.manual_seed(2)
+    x = torch.randn(2000, 128) * 2
+    with torch.no_grad():
+        plain = GroupedInt8Linear(layer)
+        exact = torch.cat([plain(x[i:i + 4]) for i in range(0, len(x), 4)])  # row by row, as decoding runs it
+        screened.margin = -1.0
+        scores = screened.argmax_logits(x)  # a negative margin: the 4-bit scores alone, none exact
+        screened.margin = 1.5
+        out = screened.argmax_logits(x)
+    near = scores >= scores.max(dim=1, keepdim=True).values - 1.5
+    assert torch.equal(out[near], exact[near])
+    assert torch.equal(out[~near], scores[~near])
+    assert not torch.equal(scores, exact)  # the scores are approximate: the test compares two different things
+    assert 1.0 < near.sum(1).float().mean() < 100  # the margin picks a few tokens, not none and not all
+    # The screen's error: about a tenth of these logits' spread. So the exact argmax is always within the margin.
+    assert torch.equal(out.argmax(1), exact.argmax(1))
+
+
+@needs_kernel
+def test_screened_rows_are_bitwise_independent_of_the_batch():
+    screened = ScreenedInt8Head(head(seed=3))
+    x = torch.randn(17, 128) * 3
+    with torch.no_grad():
+        alone = torch.cat([screened.argmax_logits(x[i:i + 1]) for i in range(len(x))])
+        for size in (2, 4, 5, 17):
+            batched = torch.cat([screened.argmax_logits(x[i:i + size]) for i in range(0, len(x), size)])
+            assert torch.equal(batched, alone), f"batches of {size}"
+
+
+@needs_kernel
+def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatch):
+    model = quantize_model(grouped_llama(0), "int4")
+    assert model.lm_head.margin == SCREEN_MARGIN
+    calls = []
+    original = ScreenedInt8Head.argmax_logits
+    monkeypatch.setattr(ScreenedInt8Head, "argmax_logits", lambda self, x: calls.append(x.shape) or original(self, x))
+    target = CausalLM(model, name="int4")
+    assert target.screens_argmax
+    drafter, verifier = build_method(MethodContext(MethodConfig(name="pld"), target, None, load_draft=None))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    decoder.generate(random_prompt(0), greedy(20))
+    assert len(calls) == decoder.stats.num_rounds  # every verification forward, not the prefill
+    calls.clear()
+    decoder.generate(random_prompt(0), DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0)),
+                     torch.Generator().manual_seed(0))
+    assert calls == []
 
 
 @needs_kernel

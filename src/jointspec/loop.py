@@ -133,6 +133,9 @@ class SpeculativeDecoder:
             self.target.forward(tokens[:-1], num_logits=0)
         self.drafter.start(tokens)
         stats.prefill_seconds = time.perf_counter() - start
+        # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
+        argmax_only = ({"argmax_only": True} if config.sampling.greedy and getattr(self.target, "screens_argmax", False)
+                       and getattr(self.verifier, "reads_argmax_when_greedy", False) else {})
 
         while len(tokens) < end:
             # 1. Propose, leaving room for the one token the target always adds.
@@ -146,7 +149,8 @@ class SpeculativeDecoder:
             # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
             num_committed = len(tokens)
             logits = self.target.forward([tokens[-1]] + draft.token_ids,
-                                         parents=None if draft.is_chain else [-1] + [p + 1 for p in parents]).logits
+                                         parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
+                                         **argmax_only).logits
 
             # 3. Verify.
             verdict = self.verifier.verify(draft, logits, config.sampling, generator)

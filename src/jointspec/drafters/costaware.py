@@ -193,7 +193,8 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     forward's cost), and crops back to the original length at the end, so the adapter's cache is left as it was:
     the measured context is ``num_cached + context_tokens`` tokens. Each size is run once untimed (warm-up), then
     ``repeats`` times with sizes shuffled within each pass, so drift in machine speed hits every size alike. Every
-    forward returns all rows of logits, as verification does.
+    forward returns all rows of logits, as verification does; a target that reads greedy argmaxes through a cheaper
+    head (``screens_argmax``, models/grouped.py) is timed so, as greedy decoding (the default) runs it.
 
     The result is memoised per model (``target.model`` where the adapter has one, else the adapter), settings and
     torch thread count: a server or benchmark pays for it once. ``refresh=True`` measures again.
@@ -209,8 +210,9 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     from ..models.cpukernels import attention_in_use, kernels_in_use
 
     # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
+    argmax_only = {"argmax_only": True} if getattr(target, "screens_argmax", False) else {}
     key = (sizes, repeats, context_tokens, seed, torch.get_num_threads(), kernels_in_use(owner),
-           attention_in_use(owner))
+           attention_in_use(owner), bool(argmax_only))
     try:
         memo = _MEASURED.setdefault(owner, {})
     except TypeError:  # an owner that cannot be weakly referenced: measure every time
@@ -238,7 +240,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
                 tokens = [rng.randrange(vocab) for _ in range(n)]
                 _synchronize(device)
                 t0 = time.perf_counter()
-                target.forward(tokens)
+                target.forward(tokens, **argmax_only)
                 _synchronize(device)
                 elapsed = time.perf_counter() - t0
                 # A feature-fed draft head may keep fewer entries than asked (it drops those fed with guesses).

@@ -147,6 +147,11 @@ class CausalLM:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @property
+    def screens_argmax(self) -> bool:
+        """Whether ``forward(..., argmax_only=True)`` reads the argmax through a cheaper screened head."""
+        return self.lean is not None and hasattr(self.model.get_output_embeddings(), "argmax_logits")
+
     def reset(self, *, plain: bool = False) -> None:
         """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
         runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes."""
@@ -158,10 +163,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
-                num_logits: int | None = None, output_hidden: bool = False) -> ForwardOutput:
+                num_logits: int | None = None, output_hidden: bool = False,
+                argmax_only: bool = False) -> ForwardOutput:
         """Feed ``token_ids`` after the cache; they stay cached. Returns the last ``num_logits`` rows (all if None).
 
-        ``parents`` (optional) makes the new tokens a tree, see the module docstring.
+        ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
+        reads only each row's argmax (greedy verification), so a target with :attr:`screens_argmax` may return
+        logits whose other entries are approximate (models/grouped.py, ScreenedInt8Head).
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
@@ -184,7 +192,8 @@ class CausalLM:
         layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
                         | ({-1} if output_hidden else set()))
         if self.lean is not None:
-            logits, states = self.lean(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers))
+            logits, states = self.lean(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers),
+                                       argmax_only=argmax_only)
         else:
             # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
             out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,

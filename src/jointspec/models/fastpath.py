@@ -189,7 +189,7 @@ class LlamaFastForward:
         return [layer.mlp.gate_proj, layer.mlp.up_proj]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, num_logits: int, hidden_layers: tuple[int, ...] = ()
+                 cache, num_logits: int, hidden_layers: tuple[int, ...] = (), argmax_only: bool = False
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``input_ids`` ([1, n]) at ``position_ids`` ([1, n]) after ``cache`` (updated in place).
 
@@ -197,6 +197,8 @@ class LlamaFastForward:
         the last ``num_logits`` positions ([1, num_logits, vocab]; no LM head runs for 0) and, for each index in
         ``hidden_layers``, the hidden states transformers' ``output_hidden_states`` tuple has there ([1, n, hidden]):
         0 the embeddings, i the output of layer i - 1, -1 (and the last index) the final norm's output.
+        ``argmax_only``: the caller reads only each row's argmax (greedy decoding), so a screened head
+        (:class:`~jointspec.models.grouped.ScreenedInt8Head`) may give its screened logits.
         """
         model = self.model
         base = model.model
@@ -226,7 +228,11 @@ class LlamaFastForward:
         if num_layers in wanted:
             kept[num_layers] = hidden
         if num_logits > 0:
-            logits = _linear(model.lm_head, hidden[:, -num_logits:, :])
+            head = model.lm_head
+            if argmax_only and hasattr(head, "argmax_logits"):
+                logits = head.argmax_logits(hidden[:, -num_logits:, :])
+            else:
+                logits = _linear(head, hidden[:, -num_logits:, :])
         else:
             logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}

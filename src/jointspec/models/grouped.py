@@ -227,6 +227,60 @@ class GroupedInt8Linear(_GroupedLinear):
         return kernels().int8_linear(rows, self.levels, self.scale, gemm)
 
 
+
+# The greedy screen's margin, in logits: every token whose 4-bit score is within this of the row's best score gets
+# its exact logit. Measured on SmolLM2-135M (docs/benchmarks.md, section 5), teacher-forced on 14,436 positions of
+# bench answers and ShareGPT text: the screen's error has a standard deviation of about 1 logit, and the exact
+# head's argmax was screened out at 302 / 55 / 5 / 1 / 0 positions with margins of 2 / 3 / 4 / 5 / 6 (0 at 8), while
+# a row's exact logits numbered 58 on average at 6 (570 at the 99th percentile). Tokens 6 logits under the best have
+# under 1/400 of its probability: only near-ties are ever in question.
+SCREEN_MARGIN = 6.0
+
+
+class ScreenedInt8Head(GroupedInt8Linear):
+    """An int8 output head (:class:`GroupedInt8Linear`, same weights, same logits) that greedy decoding can read
+    through a 4-bit screen: :meth:`argmax_logits` scores the whole vocabulary from a 4-bit copy of the weights (half
+    the bytes, integer products; ``csrc/grouped_linear.cpp``, ``screened_head``) and computes the exact int8 logit
+    only for tokens within :data:`SCREEN_MARGIN` of each row's best score.
+
+    Why: on the int4 SmolLM2 the head's 32 MB are read from memory on every step, evicted by the layers' weights,
+    and cost about a quarter of a step; read through the screen a step costs ~13 % less (benchmarks.md). Its rows'
+    argmax is the exact head's wherever that token's score is within the margin of the best (every position
+    measured; not guaranteed), and each row's result depends on that row alone, so plain and speculative greedy
+    decoding read the same tokens. Sampling, perplexity and every other caller use :meth:`forward`: the exact
+    logits.
+    """
+
+    def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN) -> None:
+        super().__init__(linear)
+        if self.bias is not None or self.in_features % 64:
+            raise ValueError("the screened head needs a bias-free head with in_features a multiple of 64")
+        weight = self.dequantized()  # [V, in]: exactly what the int8 kernel multiplies by
+        # Columns equalised before rounding (x is multiplied back): a few of SmolLM2's hidden channels hold weights
+        # 3-4x the median, which would set every row's scale; the square root halves that spread (error 1.4 -> 1.0).
+        column = weight.abs().amax(dim=0).clamp_min(_TINY).sqrt()
+        equalised = weight / column
+        row_scale = (equalised.abs().amax(dim=1) / 7).clamp_min(_TINY)
+        levels = (torch.round(equalised / row_scale[:, None]).clamp(-8, 7) + 8).to(torch.uint8)  # [V, in], 0..15
+        chunks = levels.reshape(self.out_features, -1, 64)
+        # Byte b of a 64-input chunk: input b in the low nibble, input b + 32 in the high one (what the kernel reads).
+        self.register_buffer("screen4", (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(
+            self.out_features, -1).contiguous())
+        self.register_buffer("screen_scale", row_scale.contiguous())
+        self.register_buffer("column", column.contiguous())
+        self.margin = float(margin)
+
+    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits whose rows' argmax is what greedy decoding reads: the 4-bit screen's scores, with the exact logit
+        for every token within the margin of its row's best score. [..., in] -> [..., out]."""
+        rows = _rows(x, self.in_features)
+        out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column, self.levels, self.scale,
+                                      self.margin)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", greedy reads through a 4-bit screen (margin {self.margin:g} logits)"
+
 # Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
 # one call over the stacked weights of several layers that read the same input (a Llama layer's q/k/v, its gate/up)
 # gives each layer's output bit for bit. One call instead of three or two saves the per-call cost, which inside a

@@ -295,21 +295,23 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 
 def quantization_mode(model: nn.Module) -> str:
     """``int4``, ``int8`` or ``none``: what :func:`quantize_model` did to ``model`` (int4 mode keeps an int8 head)."""
-    from .grouped import GroupedInt4Linear, GroupedInt8Linear
+    from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
 
     kinds = {type(module) for module in model.modules()}
     if kinds & {Int4Linear, GroupedInt4Linear}:
         return "int4"
-    return "int8" if kinds & {Int8Linear, GroupedInt8Linear} else "none"
+    return "int8" if kinds & {Int8Linear, GroupedInt8Linear, ScreenedInt8Head} else "none"
 
 
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GROUP_SIZE,
-                   quantize_head: bool = True) -> nn.Module:
+                   quantize_head: bool = True, screen_head: bool = True) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers by int8 or int4 ones, in place, and return the model.
 
     ``mode``: ``none`` (unchanged), ``int8`` or ``int4`` (see the module docstring). ``group_size`` (int4 only): inputs
     per scale, one of 32, 64, 128, 256. ``quantize_head``: also the output head, as int8 in both modes (untied from
-    the input embedding, which stays float). Quantise after moving the model to its device: the int4 packing differs
+    the input embedding, which stays float). ``screen_head`` (int4 on jointspec's kernel): the int8 head also keeps
+    a 4-bit copy that greedy decoding reads its argmax through (:class:`~jointspec.models.grouped.ScreenedInt8Head`;
+    its logits are unchanged). Quantise after moving the model to its device: the int4 packing differs
     between CPU and CUDA. Layers the kernel cannot take stay in float, logged as a warning. A model on ``sdpa``
     attention switches to :func:`rowwise_sdpa`, so that its rows stay independent of the batch in attention too.
     """
@@ -327,7 +329,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     # goes back to sdpa too, so that the row-wise attention below replaces it (a copy of a float target has it).
     from .cpukernels import use_stock_attention, use_stock_linears
 
-    from .grouped import GroupedInt4Linear, GroupedInt8Linear, grouped_misfit, kernels, stack_storage
+    from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head, grouped_misfit, kernels, stack_storage
 
     use_stock_linears(model)
     use_stock_attention(model)
@@ -346,8 +348,11 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
             full_name = f"{parent_name}.{child_name}" if parent_name else child_name
             as_int8 = mode == "int8" or child is head
             if grouped and grouped_misfit(child) is None:
-                replacements.append((parent, child_name,
-                                     GroupedInt8Linear(child) if as_int8 else GroupedInt4Linear(child)))
+                if child is head and screen_head and child.bias is None and child.in_features % 64 == 0:
+                    quantized = ScreenedInt8Head(child)
+                else:
+                    quantized = GroupedInt8Linear(child) if as_int8 else GroupedInt4Linear(child)
+                replacements.append((parent, child_name, quantized))
                 continue
             misfit = int8_misfit(child) if as_int8 else int4_misfit(child, group_size)
             if misfit:

@@ -22,6 +22,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 
 class GreedyVerifier:
+    # At temperature 0 only each row's argmax is read (the loop may then ask the target for screened logits).
+    reads_argmax_when_greedy = True
+
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
                generator: torch.Generator | None) -> Verdict:
         target_choice = argmax_rows(target_logits)  # [num_nodes + 1]

@@ -30,6 +30,8 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
 
 
 class RejectionSamplingVerifier:
+    reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
+
     def __init__(self) -> None:
         self._greedy = GreedyVerifier()
 

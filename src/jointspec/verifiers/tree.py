@@ -42,6 +42,7 @@ _GRID_ROUNDS = 2
 
 class TreeRejectionVerifier:
     """SpecInfer / MCSD recursive rejection sampling over a token tree. ``replacement`` must match the drafter."""
+    reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
 
     def __init__(self, replacement: bool = True) -> None:
         self.replacement = replacement
@@ -121,6 +122,7 @@ def kseq_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: 
 
 class SpecTrVerifier:
     """SpecTr's k-sequential draft selection, position by position over the surviving candidates."""
+    reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
 
     def __init__(self) -> None:
         self._greedy = GreedyVerifier()

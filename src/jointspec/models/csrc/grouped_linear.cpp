@@ -605,6 +605,143 @@ class CompiledLayers {
   std::vector<torch::Tensor> keys_, values_;
 };
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The screened output head: a cheap 4-bit pass ranks the vocabulary, the exact 8-bit head scores the few tokens near
+// the top. The 8-bit head (49152 x 576 in SmolLM2, 32 MB with its scales) is read from memory on every decode step,
+// evicted by the layers' weights, and costs about a quarter of an int4 step; the 4-bit copy is half the bytes and
+// its products are integer (activations rounded to 8 bits, one dot-product instruction per 4 inputs).
+//
+// screen4: [V, in / 2] uint8. Inputs come in chunks of 64; byte b (0..31) of chunk c holds input c * 64 + b in its
+// low nibble and c * 64 + 32 + b in its high one, each as level + 8 (0..15) of a symmetric 4-bit code with one scale
+// per vocabulary row (screen_scale [V]). The input x is first multiplied by column [in] (the weight's columns were
+// divided by it before rounding: equalised columns round with less error), then rounded to signed 8 bits with one
+// scale per input row. The score of row j is screen_scale[j] * x_scale * (sum of level * x8), summed in int32:
+// exact, so scores do not depend on which rows or threads shared a call.
+//
+// Then, per input row: every vocabulary row whose score is within `margin` of the row's best score is computed
+// exactly as int8_linear computes it row by row (dequantise_int8, dot_block<1, 1>: the same bits), and its logit
+// replaces the score (a negative margin: the scores alone). The result is a deterministic function of the input row
+// alone: plain and speculative decoding see the same logits for the same row. Where the exact head's argmax was
+// screened out (its score more than `margin` under the best), the argmax differs from the exact head's; the
+// SCREEN_MARGIN note in models/grouped.py says how often that was measured to happen.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// sum over k inputs of level (0..15) times x8 (signed), for R input rows; integer, so the order does not matter.
+template <int R>
+inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
+  __m256i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t c = 0; c < k; c += 64) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));
+    const __m256i low = _mm256_and_si256(bytes, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c));
+      const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      acc[r] = _mm256_dpbusd_epi32(acc[r], low, x_low);
+      acc[r] = _mm256_dpbusd_epi32(acc[r], high, x_high);
+#else  // the same integer sums in two steps (15 * 127 * 2 fits in 16 bits: no saturation)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(low, x_low), ones));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(high, x_high), ones));
+#endif
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
+    const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+    out[r] = _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));
+  }
+}
+#else
+template <int R>
+inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
+  for (int r = 0; r < R; ++r) {
+    int32_t sum = 0;
+    for (int64_t c = 0; c < k; c += 64)
+      for (int64_t b = 0; b < 32; ++b) {
+        sum += int32_t(w[c / 2 + b] & 15) * x8[r * k + c + b] + int32_t(w[c / 2 + b] >> 4) * x8[r * k + c + 32 + b];
+      }
+    out[r] = sum;
+  }
+}
+#endif
+
+torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
+                            torch::Tensor levels, torch::Tensor scale, double margin) {
+  check(x, levels, x.size(1), scale);
+  const int64_t rows = x.size(0), k = x.size(1), vocab = levels.size(0);
+  TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
+              screen4.size(0) == vocab && screen4.size(1) == k / 2, "screen4 must be contiguous uint8 [V, in / 2]");
+  TORCH_CHECK(screen_scale.scalar_type() == torch::kFloat && screen_scale.is_contiguous() &&
+              screen_scale.numel() == vocab, "screen_scale must be float32 [V]");
+  TORCH_CHECK(column.scalar_type() == torch::kFloat && column.is_contiguous() && column.numel() == k,
+              "column must be float32 [in]");
+  TORCH_CHECK(std::isfinite(margin), "margin must be finite (below 0: the scores alone, none exact)");
+  const float* xp = x.data_ptr<float>();
+  const float* cp = column.data_ptr<float>();
+  // Each input row equalised and rounded to 8 bits alone (its own scale): rows stay independent.
+  std::vector<int8_t> x8(rows * k);
+  std::vector<float> x_scale(rows);
+  std::vector<int32_t> x_sum(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = 0.f;
+    for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(xp[r * k + i] * cp[i]));
+    const float s = top > 0.f ? top / 127.f : 1.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xp[r * k + i] * cp[i] / s));
+      x8[r * k + i] = static_cast<int8_t>(std::clamp(q, -127, 127));
+      sum += x8[r * k + i];
+    }
+    x_scale[r] = s;
+    x_sum[r] = sum;
+  }
+  auto out = torch::empty({rows, vocab}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = screen4.data_ptr<uint8_t>();
+  const float* sp = screen_scale.data_ptr<float>();
+  at::parallel_for(0, vocab, 256, [&](int64_t begin, int64_t end) {
+    int32_t dots[4];
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* w = wp + j * (k / 2);
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        screen_dots<4>(w, x8.data() + r * k, k, dots);
+        for (int q = 0; q < 4; ++q)
+          op[(r + q) * vocab + j] = sp[j] * x_scale[r + q] * float(dots[q] - 8 * x_sum[r + q]);
+      }
+      for (; r < rows; ++r) {
+        screen_dots<1>(w, x8.data() + r * k, k, dots);
+        op[r * vocab + j] = sp[j] * x_scale[r] * float(dots[0] - 8 * x_sum[r]);
+      }
+    }
+  });
+  // Exact logits near each row's top.
+  const Int8Rows exact{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), k / kGroup};
+  std::vector<std::vector<int64_t>> near(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = op + r * vocab;
+    const float best = *std::max_element(row, row + vocab);
+    const float bar = best - static_cast<float>(margin);
+    for (int64_t j = 0; j < vocab; ++j)
+      if (row[j] >= bar) near[r].push_back(j);
+  }
+  float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
+  for (int64_t r = 0; r < rows; ++r)
+    for (const int64_t j : near[r]) {
+      exact.row(j, w);
+      dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
+    }
+  std::free(w);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX-512 kernels");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
@@ -617,4 +754,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &CompiledLayers::forward);
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false);
+  m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
+        py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("levels"),
+        py::arg("scale"), py::arg("margin"));
 }
