@@ -414,6 +414,39 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(other.inner, PromptLookupDrafter)
 
 
+
+def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_model, trained_head_dir, monkeypatch,
+                                                                          tmp_path):
+    """Where a table is shipped for the tokenizer, the float32 `default` (lookup, else the head's tree) looks up as
+    `corpus` does; still equal to plain greedy decoding, drafts from the table accepted."""
+    import shutil
+
+    from jointspec import methods
+    from jointspec.drafters import corpus
+    from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
+    from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
+    from jointspec.models import eagle
+    from test_corpus import FakeTokenizer
+
+    shipped = tmp_path / "heads"
+    shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
+    monkeypatch.setattr(eagle, "SHIPPED_HEADS", shipped)
+    monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN)
+    prompts = [random_prompt(seed) for seed in (3, 4)]
+    answers = [hf_greedy(target_model, prompt, 40) for prompt in prompts]
+    tokenizer = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
+    tokenizer.eos_token_id = None
+    NgramTable.build(answers, vocab_size=VOCAB, min_count=1).save(  # the target's own answers: drafts that pass
+        tmp_path / "tables" / "tiny", {"kind": "corpus", "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)})
+    monkeypatch.setattr(corpus, "SHIPPED_TABLES", tmp_path / "tables")
+    target = CausalLM(target_model, name="tiny-target")
+    drafter, verifier = build_method(MethodContext(MethodConfig(name="default"), target, tokenizer, None))
+    assert isinstance(drafter, LookupOrTreeDrafter) and isinstance(drafter.lookup.inner, CorpusLookupDrafter)
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    for prompt, answer in zip(prompts, answers):
+        assert decoder.generate(prompt, greedy(40)) == answer
+        assert drafter.num_lookup_rounds > 0 and decoder.stats.num_accepted_tokens > 0
+
 def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(target_model, trained_head_dir,
                                                                            monkeypatch):
     from jointspec import methods

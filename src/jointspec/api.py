@@ -99,11 +99,12 @@ class Pipeline:
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
                  threads: int | None = None, kernels: str = "auto") -> None:
-        """``device``, ``dtype``, ``quantize``, ``backend``, ``threads`` and ``kernels`` load the method's draft
-        model, if any, the way :func:`load_model` loads a target."""
+        """``method``: by default ``default``, what ``jointspec generate`` runs. ``device``, ``dtype``,
+        ``quantize``, ``backend``, ``threads`` and ``kernels`` load the method's draft model, if any, the way
+        :func:`load_model` loads a target."""
         self.target = target
         self.tokenizer = tokenizer
-        self.method = method or MethodConfig()
+        self.method = method or MethodConfig(name="default")
 
         def load_draft(source: str):
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
@@ -117,7 +118,8 @@ class Pipeline:
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
              dtype: str | None = None, quantize: str = "auto", backend: str = "torch",
              threads: int | None = None, kernels: str = "auto") -> "Pipeline":
-        """Load ``model`` and the method's draft with the same options: ``quantize`` auto/none/int8/int4 (torch
+        """Load ``model`` and the method's draft (``method``: by default ``default``, as ``jointspec generate``)
+        with the same options: ``quantize`` auto/none/int8/int4 (torch
         backend; auto, as ``jointspec generate``: int4 where that recovers the model's own weights, else none),
         ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see
         :func:`jointspec.models.loading.load_model`)."""

@@ -57,7 +57,7 @@ class JointspecEngine:
             self_draft = f"{target.name} (self-draft)"
             self.config = dataclasses.replace(self.config, draft=self_draft)
             load_draft = _with_self_draft(load_draft, self_draft, target, tokenizer)
-        self.pipeline = Pipeline(target, tokenizer)  # plain "ar"; its decoder is replaced just below
+        self.pipeline = Pipeline(target, tokenizer, MethodConfig(name="ar"))  # its decoder is replaced just below
         # Built here rather than by Pipeline so that every method shares one memoised draft loader.
         drafter, verifier = build_method(MethodContext(self.config, target, tokenizer, load_draft))
         self.pipeline.method = self.config
