@@ -140,8 +140,8 @@ def test_the_screened_head_computes_the_int8_heads_logits():
     x = torch.randn(7, 128) * 3
     with torch.no_grad():
         assert torch.equal(screened(x), plain(x))  # forward: the exact head, bit for bit
-        # With a margin that takes every token, the screen's result is the exact head's too.
-        screened.margin = 1e9
+        # With a margin and a cap that take every token, the screen's result is the exact head's too.
+        screened.margin, screened.max_exact = 1e9, 512
         assert torch.equal(screened.argmax_logits(x), plain(x))
 
 
@@ -167,6 +167,13 @@ def test_the_screen_gives_exact_logits_exactly_near_each_rows_best_score():
     assert 1.0 < near.sum(1).float().mean() < 100  # the margin picks a few tokens, not none and not all
     # The screen's error: about a tenth of these logits' spread. So the exact argmax is always within the margin.
     assert torch.equal(out.argmax(1), exact.argmax(1))
+    # At most max_exact a row: the best scores within the margin (ties to the lower id).
+    screened.margin, screened.max_exact = 1e9, 5
+    with torch.no_grad():
+        capped = screened.argmax_logits(x[:50])
+    best = torch.sort(-scores[:50], dim=1, stable=True).indices[:, :5]
+    took = torch.zeros_like(capped, dtype=torch.bool).scatter_(1, best, True)
+    assert torch.equal(capped[took], exact[:50][took]) and torch.equal(capped[~took], scores[:50][~took])
 
 
 @needs_kernel

@@ -235,13 +235,18 @@ class GroupedInt8Linear(_GroupedLinear):
 # a row's exact logits numbered 58 on average at 6 (570 at the 99th percentile). Tokens 6 logits under the best have
 # under 1/400 of its probability: only near-ties are ever in question.
 SCREEN_MARGIN = 6.0
+# At most this many exact logits a row (the best scores within the margin): a flat row, as random tokens give, would
+# otherwise have thousands (and the cost curve, timed on random tokens, would price verification far too high). On
+# the same 14,436 positions a cap of 128 or 64 changed no argmax; 32 changed 6.
+SCREEN_MAX_EXACT = 128
 
 
 class ScreenedInt8Head(GroupedInt8Linear):
     """An int8 output head (:class:`GroupedInt8Linear`, same weights, same logits) that greedy decoding can read
     through a 4-bit screen: :meth:`argmax_logits` scores the whole vocabulary from a 4-bit copy of the weights (half
     the bytes, integer products; ``csrc/grouped_linear.cpp``, ``screened_head``) and computes the exact int8 logit
-    only for tokens within :data:`SCREEN_MARGIN` of each row's best score.
+    only for tokens within :data:`SCREEN_MARGIN` of each row's best score (at most :data:`SCREEN_MAX_EXACT`, the
+    best-scoring).
 
     Why: on the int4 SmolLM2 the head's 32 MB are read from memory on every step, evicted by the layers' weights,
     and cost about a quarter of a step; read through the screen a step costs ~13 % less (benchmarks.md). Its rows'
@@ -251,7 +256,7 @@ class ScreenedInt8Head(GroupedInt8Linear):
     logits.
     """
 
-    def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN) -> None:
+    def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN, max_exact: int = SCREEN_MAX_EXACT) -> None:
         super().__init__(linear)
         if self.bias is not None or self.in_features % 64:
             raise ValueError("the screened head needs a bias-free head with in_features a multiple of 64")
@@ -269,13 +274,14 @@ class ScreenedInt8Head(GroupedInt8Linear):
         self.register_buffer("screen_scale", row_scale.contiguous())
         self.register_buffer("column", column.contiguous())
         self.margin = float(margin)
+        self.max_exact = int(max_exact)
 
     def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits whose rows' argmax is what greedy decoding reads: the 4-bit screen's scores, with the exact logit
         for every token within the margin of its row's best score. [..., in] -> [..., out]."""
         rows = _rows(x, self.in_features)
         out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column, self.levels, self.scale,
-                                      self.margin)
+                                      self.margin, self.max_exact)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

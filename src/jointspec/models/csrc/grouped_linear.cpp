@@ -619,7 +619,8 @@ class CompiledLayers {
 // scale per input row. The score of row j is screen_scale[j] * x_scale * (sum of level * x8), summed in int32:
 // exact, so scores do not depend on which rows or threads shared a call.
 //
-// Then, per input row: every vocabulary row whose score is within `margin` of the row's best score is computed
+// Then, per input row: every vocabulary row whose score is within `margin` of the row's best score (at most
+// `max_exact` of them: the highest scores) is computed
 // exactly as int8_linear computes it row by row (dequantise_int8, dot_block<1, 1>: the same bits), and its logit
 // replaces the score (a negative margin: the scores alone). The result is a deterministic function of the input row
 // alone: plain and speculative decoding see the same logits for the same row. Where the exact head's argmax was
@@ -673,7 +674,7 @@ inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* 
 #endif
 
 torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
-                            torch::Tensor levels, torch::Tensor scale, double margin) {
+                            torch::Tensor levels, torch::Tensor scale, double margin, int64_t max_exact) {
   check(x, levels, x.size(1), scale);
   const int64_t rows = x.size(0), k = x.size(1), vocab = levels.size(0);
   TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
@@ -683,6 +684,7 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
   TORCH_CHECK(column.scalar_type() == torch::kFloat && column.is_contiguous() && column.numel() == k,
               "column must be float32 [in]");
   TORCH_CHECK(std::isfinite(margin), "margin must be finite (below 0: the scores alone, none exact)");
+  TORCH_CHECK(max_exact >= 1, "max_exact must be >= 1");
   const float* xp = x.data_ptr<float>();
   const float* cp = column.data_ptr<float>();
   // Each input row equalised and rounded to 8 bits alone (its own scale): rows stay independent.
@@ -710,35 +712,48 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
     int32_t dots[4];
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* w = wp + j * (k / 2);
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) {
-        screen_dots<4>(w, x8.data() + r * k, k, dots);
-        for (int q = 0; q < 4; ++q)
+      for (int64_t r = 0; r < rows; r += 4) {  // up to 4 input rows per pass over the weight row
+        const int64_t n = std::min<int64_t>(4, rows - r);
+        const int8_t* x = x8.data() + r * k;
+        switch (n) {
+          case 4: screen_dots<4>(w, x, k, dots); break;
+          case 3: screen_dots<3>(w, x, k, dots); break;
+          case 2: screen_dots<2>(w, x, k, dots); break;
+          default: screen_dots<1>(w, x, k, dots); break;
+        }
+        for (int64_t q = 0; q < n; ++q)
           op[(r + q) * vocab + j] = sp[j] * x_scale[r + q] * float(dots[q] - 8 * x_sum[r + q]);
-      }
-      for (; r < rows; ++r) {
-        screen_dots<1>(w, x8.data() + r * k, k, dots);
-        op[r * vocab + j] = sp[j] * x_scale[r] * float(dots[0] - 8 * x_sum[r]);
       }
     }
   });
-  // Exact logits near each row's top.
+  // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
+  // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
   const Int8Rows exact{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), k / kGroup};
-  std::vector<std::vector<int64_t>> near(rows);
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (input row, vocabulary row)
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = op + r * vocab;
     const float best = *std::max_element(row, row + vocab);
     const float bar = best - static_cast<float>(margin);
+    std::vector<int64_t> near;
     for (int64_t j = 0; j < vocab; ++j)
-      if (row[j] >= bar) near[r].push_back(j);
+      if (row[j] >= bar) near.push_back(j);
+    if (static_cast<int64_t>(near.size()) > max_exact) {
+      const auto higher = [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+      std::nth_element(near.begin(), near.begin() + max_exact, near.end(), higher);
+      near.resize(max_exact);
+    }
+    for (const int64_t j : near) pairs.emplace_back(r, j);
   }
-  float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
-  for (int64_t r = 0; r < rows; ++r)
-    for (const int64_t j : near[r]) {
+  // Each pair alone (its own buffer, the same operations): splitting them between threads changes no bits.
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 32, [&](int64_t begin, int64_t end) {
+    float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, j] = pairs[i];
       exact.row(j, w);
       dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
     }
-  std::free(w);
+    std::free(w);
+  });
   return out;
 }
 
@@ -756,5 +771,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false);
   m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("levels"),
-        py::arg("scale"), py::arg("margin"));
+        py::arg("scale"), py::arg("margin"), py::arg("max_exact"));
 }
