@@ -197,8 +197,8 @@ def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
 def _corpus_lookup(config: MethodConfig, table) -> Drafter:
     from .drafters.corpus import CorpusLookupDrafter
 
-    return CorpusLookupDrafter(table, config.num_draft_tokens, max(config.max_num_draft_tokens, config.num_draft_tokens),
-                               max_ngram=config.max_ngram)
+    return CorpusLookupDrafter(table, config.num_draft_tokens,
+                               max(config.max_num_draft_tokens, config.num_draft_tokens), max_ngram=config.max_ngram)
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
@@ -292,9 +292,9 @@ MIN_TREE_GAIN = 1.15
 
 @register_method("default", "the fastest exact configuration for this target: hybrid-tree (lookup, else the top 1-3 "
                  "tokens of the head shipped for it, as many as the measured cost curve pays for; the embedded SmolLM2 "
-                 "has one; its lookup drafts as corpus where a table is shipped), else (no head, or a tree not expected to pay on this target's cost curve, as on the "
-                 "int4 model) cost-aware lookup: corpus where an n-gram table is shipped for the target's tokenizer "
-                 "(the embedded SmolLM2 has one), else pld",
+                 "has one; its lookup drafts as corpus where a table is shipped), else (no head, or a tree not "
+                 "expected to pay on this target's cost curve, as on the int4 model) cost-aware lookup: corpus where "
+                 "an n-gram table is shipped for the target's tokenizer (the embedded SmolLM2 has one), else pld",
                  cost_aware=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
