@@ -620,9 +620,9 @@ class CompiledLayers {
 // exact, so scores do not depend on which rows or threads shared a call.
 //
 // Then, per input row: every vocabulary row whose score is within `margin` of the row's best score (at most
-// `max_exact` of them: the highest scores) is computed
-// exactly as int8_linear computes it row by row (dequantise_int8, dot_block<1, 1>: the same bits), and its logit
-// replaces the score (a negative margin: the scores alone). The result is a deterministic function of the input row
+// `max_exact` of them: the highest scores) is computed exactly as int8_linear computes it row by row
+// (dequantise_int8, dot_block<1, 1>: the same bits), and its logit replaces the score (a negative margin: the scores
+// alone). The result is a deterministic function of the input row
 // alone: plain and speculative decoding see the same logits for the same row. Where the exact head's argmax was
 // screened out (its score more than `margin` under the best), the argmax differs from the exact head's; the
 // SCREEN_MARGIN note in models/grouped.py says how often that was measured to happen.
@@ -697,8 +697,9 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
     const float s = top > 0.f ? top / 127.f : 1.f;
     int32_t sum = 0;
     for (int64_t i = 0; i < k; ++i) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(xp[r * k + i] * cp[i] / s));
-      x8[r * k + i] = static_cast<int8_t>(std::clamp(q, -127, 127));
+      const float q = std::nearbyint(xp[r * k + i] * cp[i] / s);
+      // A non-finite input (a broken model) scores as 0 rather than being cast: its exact logits say the rest.
+      x8[r * k + i] = std::isfinite(q) ? static_cast<int8_t>(std::clamp(q, -127.f, 127.f)) : 0;
       sum += x8[r * k + i];
     }
     x_scale[r] = s;
