@@ -6,7 +6,7 @@ answers repeat *each other*: the same openings, list markers, transitions and cl
 answer to the next. REST (He et al., 2023, "REST: Retrieval-Based Speculative Decoding") drafts from a datastore of
 text by the longest suffix match of the context; this module keeps the idea and makes the datastore small: a table
 of n-grams from a corpus of the target's own greedy answers to prompts that are not benchmark prompts
-(:mod:`jointspec.corpus_build` writes one), each mapped to the token that most often followed it.
+(``jointspec build-corpus``, :mod:`jointspec.corpus_cli`, writes one), each mapped to the token that most often followed it.
 
 Drafting, one token at a time (each drafted token joins the context for the next):
 
@@ -258,9 +258,10 @@ class CorpusLookupDrafter(PromptLookupDrafter):
         self.min_order = min_order
         self.min_share = min_share
 
-    def next_token(self, context: list[int]) -> int | None:
-        """The drafted token after ``context``: from the context itself, else from the table, else None."""
-        copied = lookup(np.asarray(context, dtype=np.int64), 1, self.max_ngram, self.min_ngram)
+    def next_token(self, context: np.ndarray) -> int | None:
+        """The drafted token after ``context`` (int64 token ids): from the context itself, else from the table, else
+        None."""
+        copied = lookup(context, 1, self.max_ngram, self.min_ngram)
         if copied:
             return copied[0]
         found = self.table.continuation(context, self.min_order)
@@ -270,13 +271,18 @@ class CorpusLookupDrafter(PromptLookupDrafter):
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
+        budget = max(0, min(self._length, max_num_draft_tokens))
+        # The context as one array with room for the draft (not converted again for every drafted token).
+        length = len(context_ids)
+        context = np.empty(length + budget, dtype=np.int64)
+        context[:length] = context_ids
         tokens: list[int] = []
-        context = list(context_ids)
-        while len(tokens) < min(self._length, max_num_draft_tokens):
-            token = self.next_token(context)
+        while len(tokens) < budget:
+            token = self.next_token(context[:length])
             if token is None:
                 break
             tokens.append(token)
-            context.append(token)
+            context[length] = token
+            length += 1
         self._last_num_drafted = len(tokens)
         return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
