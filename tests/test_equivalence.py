@@ -11,6 +11,8 @@ so argmax near-ties (where a legitimate reordering of float sums could flip a to
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 
 import pytest
@@ -61,6 +63,7 @@ def corpus_folder(target_model) -> str:
     if id(target_model) not in _corpus_folders:
         sequences = [hf_greedy(target_model, random_prompt(seed), 24) for seed in range(20, 30)]
         folder = tempfile.mkdtemp(prefix="jointspec-corpus-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # module-level cache: no tmp_path outlives it
         NgramTable.build(sequences, VOCAB, max_order=3, min_count=1).save(folder, {"kind": "corpus"})
         _corpus_folders[id(target_model)] = folder
     return _corpus_folders[id(target_model)]

@@ -199,3 +199,38 @@ def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, mon
     assert "names the --data folder" in capsys.readouterr().err
     assert cli.main(common + ["--out", str(tmp_path / "x"), "--prompts", "sharegpt:0"]) == 2
     assert "sharegpt:N with N >= 1" in capsys.readouterr().err
+
+
+def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(tmp_path):
+    """``answer_quantize``: an int4 copy of the target writes the answers (its own greedy text, which the float
+    model would not always write), and the features are still the float target's own on that text."""
+    from jointspec.batch import BatchEngine, BatchRequest
+    from jointspec.loop import DecodeConfig
+    from jointspec.models.loading import quantized_copy
+    from test_quantize import quant_llama
+
+    target = CausalLM(quant_llama(0), name="tiny-target")
+    before = {name: weight.clone() for name, weight in target.model.state_dict().items()}
+    prompts = [random_prompt(800 + i, length=6) for i in range(5)]
+    data = build_data(target, None, prompts, tmp_path / "int4", max_new_tokens=12, max_length=64, shard_size=4,
+                      batch_size=4, answer_quantize="int4")
+    assert read_spec(data)["answers_by"] == "int4"
+    assert all(torch.equal(weight, before[name]) for name, weight in target.model.state_dict().items())
+    int4 = BatchEngine(quantized_copy(target, "int4"), None, max_batch_size=4).generate(
+        [BatchRequest(tuple(p), DecodeConfig(max_new_tokens=12)) for p in prompts])
+    floats = BatchEngine(target, None, max_batch_size=4).generate(
+        [BatchRequest(tuple(p), DecodeConfig(max_new_tokens=12)) for p in prompts])
+    assert int4 != floats  # else this test could not tell who wrote the answers (seeds chosen so)
+    shards = list(load_shards(data))
+    sequences = [shard["token_ids"][a:b].tolist() for shard in shards
+                 for a, b in zip(shard["starts"].tolist(), shard["starts"].tolist()[1:])]
+    assert sequences == [p + a for p, a in zip(prompts, int4)]
+    with torch.inference_mode():
+        expected = target.model(input_ids=torch.tensor([sequences[0]]), output_hidden_states=True).hidden_states[-1]
+    a, b = shards[0]["starts"][0].item(), shards[0]["starts"][1].item()
+    assert torch.allclose(shards[0]["features"][a:b].float(), expected[0], atol=1e-3, rtol=2e-3)
+    # The same prompts answered by the target itself are other data: the folder refuses them.
+    with pytest.raises(UnsupportedOptionError, match="different settings"):
+        build_data(target, None, prompts, data, max_new_tokens=12, max_length=64, shard_size=4, batch_size=4)
+    with pytest.raises(UnsupportedOptionError, match="none, int8 or int4, got 'int3'"):
+        build_data(target, None, prompts, tmp_path / "bad", max_new_tokens=12, answer_quantize="int3")

@@ -65,6 +65,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-prompts", type=_positive_int, default=None, help="use only the first N prompts")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=192, help="answer length per prompt")
     parser.add_argument("--generate-batch-size", type=_positive_int, default=16, help="batch size for the answers")
+    parser.add_argument("--answer-quantize", default="none", choices=["none", "int8", "int4"],
+                        help="write the target's answers with a quantised copy of it (int4: about 1.8x faster on "
+                             "CPU); its features and the training labels still come from the target itself")
     parser.add_argument("--data-only", action="store_true", help="build (or finish) the data folder and stop")
     parser.add_argument("--init", type=Path, default=None, metavar="DIR",
                         help="start from this head (same target; its draft vocabulary is kept) instead of from "
@@ -318,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         prompts, answers = prompts[:args.num_prompts], answers[:args.num_prompts]
     build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,
                batch_size=args.generate_batch_size, eos_token_ids=eos, answers=answers,
-               fuse_layers=args.fuse_layers or ())
+               fuse_layers=args.fuse_layers or (), answer_quantize=args.answer_quantize)
     if args.data_only:
         print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
         return 0
