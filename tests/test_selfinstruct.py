@@ -219,3 +219,24 @@ def test_builtin_training_prompt_sources_split_the_default_mix():
     assert answers == [None] * len(both)  # the target answers these itself
     with pytest.raises(UnsupportedOptionError, match="train:code"):
         cli.training_prompts(["train:nothing"], tokenizer)
+
+
+def test_a_training_jsonl_takes_prompt_or_turns_rows_and_names_a_bad_line(tmp_path):
+    """``--prompts FILE.jsonl``: rows with ``prompt`` or ``turns`` (the bench's own files work as they are)."""
+    from jointspec.train import cli
+
+    good = tmp_path / "requests.jsonl"
+    good.write_text('{"prompt": "name three birds"}\n\n'
+                    '{"question_id": 7, "category": "x", "turns": ["sum two numbers", "now three"]}\n')
+    assert cli.jsonl_prompts(good) == ["name three birds", "sum two numbers"]
+    prompts, answers = cli.training_prompts([str(good)], tiny_tokenizer())
+    assert len(prompts) == 2 and answers == [None, None]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(UnsupportedOptionError, match=r"bad\.jsonl:2: expected an object with 'prompt'"):
+        cli.jsonl_prompts(bad)
+    bad.write_text('{"prompt": "fine"\n')
+    with pytest.raises(UnsupportedOptionError, match=r"bad\.jsonl:1: not valid JSON"):
+        cli.jsonl_prompts(bad)
+    with pytest.raises(UnsupportedOptionError, match="cannot read prompt file"):
+        cli.jsonl_prompts(tmp_path / "missing.jsonl")

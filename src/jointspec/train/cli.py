@@ -175,6 +175,32 @@ def given_answer_ids(tokenizer, prompt: str, prompt_ids: list[int], answer: str,
     return ids[:ends[0] + 1] if ends else ids
 
 
+def jsonl_prompts(path: Path) -> list[str]:
+    """Requests from a JSONL file: per line an object with ``prompt`` (a string) or ``turns`` (a list of strings, of
+    which the first is used, as in the bench's prompt files). Errors name the file and line."""
+    try:
+        lines = path.expanduser().read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UnsupportedOptionError(f"cannot read prompt file '{path}': {error.strerror or error}") from error
+    texts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UnsupportedOptionError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") \
+                from None
+        text = row.get("prompt") if isinstance(row, dict) else None
+        if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+            text = row["turns"][0]
+        if not isinstance(text, str) or not text.strip():
+            raise UnsupportedOptionError(f"{path}:{number}: expected an object with 'prompt' (a non-empty string) "
+                                         "or 'turns' (a list whose first item is a non-empty string)")
+        texts.append(text)
+    return texts
+
+
 def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: frozenset[int] = frozenset(),
                      data_folder: Path | None = None, seed: int = 0,
                      batch_size: int = 16) -> tuple[list[list[int]], list[list[int] | None]]:
@@ -201,10 +227,11 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
             given.extend(e.answer for e in exchanges)
         elif source.startswith(SHAREGPT_PROMPTS_PREFIX):
             texts.extend(e.prompt for e in sharegpt_exchanges(_count(source, SHAREGPT_PROMPTS_PREFIX), seed))
-        elif source.startswith(BUILTIN_PREFIX) or source.endswith(".jsonl"):
-            if source.startswith(BUILTIN_PREFIX):
-                log.warning("training on benchmark prompts (%s): measure on other prompts", source)
+        elif source.startswith(BUILTIN_PREFIX):
+            log.warning("training on benchmark prompts (%s): measure on other prompts", source)
             texts.extend(turn for prompt in load_prompts(source) for turn in prompt.turns[:1])
+        elif source.endswith(".jsonl"):
+            texts.extend(jsonl_prompts(Path(source)))
         elif source.endswith(".txt"):
             path = Path(source)
             if not path.is_file():
