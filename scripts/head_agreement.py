@@ -4,8 +4,9 @@ A head's held-out agreement during training is measured on answers to prompts sh
 can flatter it. This script asks the same question on the built-in benchmark sets: the target answers the first
 ``--num-prompts`` questions (taken round-robin over categories) greedily, and each head is scored, teacher-forced, on
 every answer position: does its depth-1 draft equal the target's argmax, does its depth-2 draft (drafted from its own
-depth-1 feature, as in decoding) equal the next argmax, and is the target's token in its depth-1 top 3 (what a tree
-of width 3 could catch). Depth-1 agreement is what first-position acceptance in greedy decoding converges to.
+depth-1 feature, as in decoding) equal the next argmax, and is the target's token in its depth-1 top 2 and top 3
+(what trees of width 2 and 3 could catch). Depth-1 agreement is what first-position acceptance in greedy decoding
+converges to.
 
 Medusa and Hydra heads and distilled drafts (``train-draft --head medusa|hydra`` / ``--kind distill``) are scored by
 their trainer's own held-out evaluation on the same answers: per Medusa or Hydra head k, does its guess equal the
@@ -62,7 +63,7 @@ def features_of(hidden_states, layers=(-1,)) -> torch.Tensor:
 def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> dict:
     vocab = head.draft_vocab
     draft_weight = target_lm_weight.index_select(0, vocab)
-    hits, top3, count = [0, 0], 0, 0
+    hits, top2, top3, count = [0, 0], 0, 0, 0
     for sequence, prompt_length, hidden_states in items:
         target_argmax = (hidden_states[-1] @ target_lm_weight.T).argmax(-1)
         features = features_of(hidden_states, head.config.feature_layers)
@@ -75,10 +76,12 @@ def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> 
             logits = (predicted[0] @ draft_weight.T)[answer]
             hits[depth] += int((vocab[logits.argmax(-1)] == wanted).sum())
             if depth == 0:
-                top3 += int((vocab[logits.topk(3, -1).indices] == wanted[:, None]).any(-1).sum())
+                found = (vocab[logits.topk(3, -1).indices] == wanted[:, None]).long().cumsum(-1)
+                top2 += int(found[:, 1].sum())
+                top3 += int(found[:, 2].sum())
         count += wanted.numel()
     return {"depth1": round(hits[0] / count, 4), "depth2": round(hits[1] / count, 4),
-            "depth1_top3": round(top3 / count, 4), "tokens": count}
+            "depth1_top2": round(top2 / count, 4), "depth1_top3": round(top3 / count, 4), "tokens": count}
 
 
 def score_trained(folder: str, pipe: Pipeline, target_lm_weight: torch.Tensor, items) -> dict:
@@ -132,7 +135,8 @@ def main() -> None:
         results[folder] = {name: score(head, trainer, target_lm_weight, items) for name, items in answers.items()}
         for name, row in results[folder].items():
             print(f"{folder}  {name}: depth 1 {row['depth1']:.1%}, depth 2 {row['depth2']:.1%}, "
-                  f"top 3 {row['depth1_top3']:.1%} ({row['tokens']} tokens)", flush=True)
+                  f"top 2 {row['depth1_top2']:.1%}, top 3 {row['depth1_top3']:.1%} ({row['tokens']} tokens)",
+                  flush=True)
     print(json.dumps(results))
 
 
