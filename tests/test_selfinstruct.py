@@ -174,8 +174,10 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
     train = ["--epochs", "2", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "40"]
     assert cli.main(common + ["--out", str(tmp_path / "a")] + train) == 0
     assert (data / "self-instruct-6-seed0.json").stat().st_mtime_ns == stamp  # the prompts were reused
-    assert cli.main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a")] + train) == 0
+    other_vocab = [word if word != "40" else "30" for word in train]
+    assert cli.main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a")] + other_vocab) == 0
     _, training = load_head(tmp_path / "b")
+    assert training["settings"]["draft_vocab_size"] == 40  # the head it started from, not the unused --draft-vocab
     assert training["init"]["folder"] == str(tmp_path / "a") and "--init" in training["command"]
     assert training["init"]["best"] == load_head(tmp_path / "a")[1]["best"]
     assert "--draft-vocab" not in training["command"]  # not used by a warm start, so not recorded as if it were

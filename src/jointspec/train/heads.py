@@ -435,6 +435,11 @@ class HeadTrainer:
                        unit="step")
         started = time.perf_counter() - state["seconds"]
 
+        settings = asdict(config)
+        if init is not None and getattr(head, "draft_vocab", None) is not None:
+            # A warm start keeps its head's vocabulary; record that, not the option it did not use.
+            settings["draft_vocab_size"] = int(head.draft_vocab.numel())
+
         def evaluate_and_keep_best(prefix: str = "") -> None:
             result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, state["step"])
             state["history"].append(asdict(result))
@@ -443,7 +448,7 @@ class HeadTrainer:
                 bar.write(prefix + result.line())
             if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
                 state["best"], state["bad_evals"] = asdict(result), 0
-                head.save(out_folder, training={"best": state["best"], "settings": asdict(config),
+                head.save(out_folder, training={"best": state["best"], "settings": settings,
                                                 **(provenance or {})})
             else:
                 state["bad_evals"] += 1
