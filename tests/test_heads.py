@@ -414,7 +414,6 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(other.inner, PromptLookupDrafter)
 
 
-
 def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_model, trained_head_dir, monkeypatch,
                                                                           tmp_path):
     """Where a table is shipped for the tokenizer, the float32 `default` (lookup, else the head's tree) looks up as
@@ -446,6 +445,7 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     for prompt, answer in zip(prompts, answers):
         assert decoder.generate(prompt, greedy(40)) == answer
         assert drafter.num_lookup_rounds > 0 and decoder.stats.num_accepted_tokens > 0
+
 
 def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(target_model, trained_head_dir,
                                                                            monkeypatch):

@@ -182,16 +182,16 @@ def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
                  "most likely (--draft TABLE_FOLDER from `build-corpus`; default: the table shipped for the target's "
                  "tokenizer), adaptive length (lossless)", cost_aware=True)
 def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
-    from .drafters.corpus import shipped_table_for, table_for
+    from .drafters.corpus import table_for
 
     config = context.config
-    folder = config.draft or shipped_table_for(context.tokenizer)
-    if folder is None:
+    table = (table_for(config.draft, context.tokenizer, context.target.vocab_size) if config.draft else
+             shipped_corpus_table(context))
+    if table is None:
         raise UnsupportedOptionError("method 'corpus' needs an n-gram table for this target's tokenizer and none is "
                                      "shipped for it: build one with `jointspec build-corpus --target ... --out DIR` "
                                      "and pass --draft DIR")
-    return _corpus_lookup(config, table_for(folder, context.tokenizer, context.target.vocab_size)), \
-        RejectionSamplingVerifier()
+    return _corpus_lookup(config, table), RejectionSamplingVerifier()
 
 
 def _corpus_lookup(config: MethodConfig, table) -> Drafter:
