@@ -347,3 +347,74 @@ def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
         drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
         outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)))
     assert len(outputs[0]) == 40 and all(output == outputs[0] for output in outputs)
+
+
+# Int8 draft heads (models/eagle.py, HEAD_WEIGHT_CHOICES): a bound EAGLE head's body and LM-head rows on the int8
+# kernel. Deterministic (seeded weights and prompts): no false-failure odds.
+
+def int8_and_float_heads(seed: int = 0):
+    """The same untrained head for the 64-wide tiny target, bound once with int8 weights and once float32."""
+    import copy
+
+    from jointspec.models.eagle import HeadDraftModel
+    from test_heads import untrained_head
+
+    target = CausalLM(grouped_llama(seed), name="tiny-64")
+    head = untrained_head(target, seed=seed, draft_vocab_size=40)
+    return (HeadDraftModel(copy.deepcopy(head), target, weights="int8"),
+            HeadDraftModel(head, target, weights="float32"), target)
+
+
+@needs_kernel
+def test_an_int8_head_drafts_from_int8_weights_close_to_its_float_self():
+    int8_head, float_head, target = int8_and_float_heads()
+    assert int8_head.weights == "int8" and float_head.weights == "float32"
+    body_linears = [type(m) for m in int8_head.head.body.modules() if isinstance(m, (nn.Linear, GroupedInt8Linear))]
+    assert body_linears and set(body_linears) == {GroupedInt8Linear}
+    assert type(int8_head.head.fc) is nn.Linear  # fc reads feature and embedding side by side: kept float
+    prompt = random_prompt(4)
+    target.reset()
+    target.forward(prompt[:-1], num_logits=0)
+    rows = [draft.forward(prompt + [5, 6]).logits for draft in (int8_head, float_head)]
+    drafted = torch.isfinite(rows[1])  # the draft vocabulary; -inf elsewhere in both
+    assert torch.equal(torch.isfinite(rows[0]), drafted)
+    difference = (rows[0][drafted] - rows[1][drafted]).abs().max()
+    assert 0 < difference < 0.05 * rows[1][drafted].abs().max()  # int8 rounding: present, and small
+
+
+@needs_kernel
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
+    """The head's precision changes only what is drafted: chains (sps) and trees (default's static tree) verified
+    against the target give its plain greedy output, with max length and EOS inside a draft."""
+    from jointspec.drafters.model import ModelDrafter
+    from jointspec.drafters.tree import TreeDrafter
+    from jointspec.verifiers.rejection import RejectionSamplingVerifier
+    from jointspec.verifiers.tree import TreeRejectionVerifier
+    from test_heads import assert_greedy_equivalent
+
+    int8_head, _, target = int8_and_float_heads(seed=1)
+    if tree:
+        decoder = SpeculativeDecoder(target, TreeDrafter(int8_head, (2, 2), replacement=True),
+                                     TreeRejectionVerifier(replacement=True))
+    else:
+        decoder = SpeculativeDecoder(target, ModelDrafter(int8_head, 4), RejectionSamplingVerifier())
+    for prompt_seed in (0, 3):
+        assert_greedy_equivalent(target.model, decoder, random_prompt(prompt_seed))
+    assert decoder.stats.num_draft_tokens > 0
+
+
+def test_int8_head_weights_refused_where_the_kernel_cannot_take_them(target_model):
+    # conftest's tiny target is 32 wide: no multiple of 64, so int8 is refused by name and auto keeps float32.
+    from jointspec.errors import UnsupportedOptionError
+    from jointspec.models.eagle import HeadDraftModel
+    from test_heads import untrained_head
+
+    target = CausalLM(target_model, name="tiny-target")
+    with pytest.raises(UnsupportedOptionError, match="multiple of 64"):
+        HeadDraftModel(untrained_head(target), target, weights="int8")
+    assert HeadDraftModel(untrained_head(target), target).weights == "float32"
+    with pytest.raises(UnsupportedOptionError, match="unknown head weights"):
+        HeadDraftModel(untrained_head(target), target, weights="fp8")
+    with pytest.raises(ValueError, match="head_weights"):
+        MethodConfig(name="sps", head_weights="half")

@@ -61,6 +61,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
                              "(EAGLE-2) instead of the static --tree; greedy decoding only")
+    from .models.eagle import HEAD_WEIGHT_CHOICES
+
+    parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
+                        help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
+                             "8-bit weight groups on jointspec's CPU kernel (a draft call ~25 %% cheaper, drafts "
+                             "nearly the same; output unchanged either way: the target verifies); auto = int8 where "
+                             "that kernel runs (CPU with AVX-512), else float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     from .models.loading import BACKENDS, QUANTIZE_CHOICES
@@ -127,7 +134,8 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
                         max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
                         accept_threshold=args.accept_threshold, tree=args.tree,
                         tree_budget=getattr(args, "tree_budget", 0),
-                        cost_aware=getattr(args, "cost_aware", False))
+                        cost_aware=getattr(args, "cost_aware", False),
+                        head_weights=getattr(args, "head_weights", "auto"))
 
 
 def _add_generate(subparsers) -> None:

@@ -35,6 +35,7 @@ class MethodConfig:
     tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: default_tree_width, specinfer: 4,2,2)
     tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
     cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
+    head_weights: str = "auto"  # a trained EAGLE head's weights: auto / float32 / int8 (models/eagle.py)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -51,6 +52,11 @@ class MethodConfig:
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
         if self.tree_budget < 0:
             raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
+        from .models.eagle import HEAD_WEIGHT_CHOICES
+
+        if self.head_weights not in HEAD_WEIGHT_CHOICES:
+            raise ValueError(f"head_weights must be one of {', '.join(HEAD_WEIGHT_CHOICES)}, got "
+                             f"'{self.head_weights}'")
 
 
 @dataclass
@@ -75,7 +81,7 @@ class MethodContext:
         from .models.eagle import bind_trained_draft, is_head_artifact
 
         if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
-            return bind_trained_draft(self.config.draft, self.target)
+            return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
         draft, draft_tokenizer = self.load_draft(self.config.draft)
         check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
         return draft
