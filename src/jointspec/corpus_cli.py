@@ -8,8 +8,10 @@ Prompts come from the same sources as ``train-draft --prompts`` (train:default, 
 whole, as given. The others are pooled, prompts over ``--max-prompt-tokens`` dropped, the rest shuffled with
 ``--seed`` and the first ``--num-prompts`` kept (so a smaller run is a prefix of a larger one), and the target
 answers each one greedily; its answers are appended to ``DATA/answers.jsonl`` as they come, so an interrupted run
-resumes where it stopped. Then the table is counted from all answers (:class:`jointspec.drafters.corpus.NgramTable`)
-and written to ``OUT``.
+resumes where it stopped. ``--answers-from DIR`` (repeatable) adds the answers already in a ``train-draft`` data
+folder (the target's own, or a quantised copy's: ``--answer-quantize``) for the same target, so answers generated
+once for training a head are counted too. Then the table is counted from all answers
+(:class:`jointspec.drafters.corpus.NgramTable`) and written to ``OUT``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompts", action="append", default=None, metavar="SOURCE",
                         help="prompt source, repeatable (as train-draft: train:default, sharegpt-prompts:N, "
                              "sharegpt:N, a .txt or .jsonl file)")
+    parser.add_argument("--answers-from", action="append", default=[], metavar="DIR",
+                        help="also count the answers in a `train-draft` data folder built for this target "
+                             "(repeatable)")
     parser.add_argument("--num-prompts", type=_positive_int, default=None,
                         help="keep the first N prompts of the seeded shuffle (default: all)")
     parser.add_argument("--max-prompt-tokens", type=_positive_int, default=400,
@@ -70,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     data.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(args.target, quantize="auto")
     eos = eos_token_ids(target, tokenizer)
+    # Read first, so a wrong folder is refused before any prompt is answered.
+    folder_answers = [answer for folder in args.answers_from for answer in data_folder_answers(folder, target)]
     prompts, given = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed)
     given_answers = [list(answer) for answer in given if answer is not None]
     pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                 progress.update()
     if progress is not None:
         progress.close()
-    sequences = given_answers + [done[i] for i in range(len(pool))]
+    sequences = given_answers + folder_answers + [done[i] for i in range(len(pool))]
     table = NgramTable.build(sequences, target.vocab_size, args.max_order, args.min_count)
     table.save(out, {
         "kind": "corpus",
@@ -107,10 +114,34 @@ def run(args: argparse.Namespace) -> int:
         "target_fingerprint": target_fingerprint(target),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "num_given_answers": len(given_answers),
+        "num_data_folder_answers": len(folder_answers),
         "num_target_answers": len(pool),
         "num_tokens": sum(len(s) for s in sequences),
         "settings": {key: value for key, value in vars(args).items()
-                     if key not in {"run", "command", "out", "data", "threads", "no_progress", "log_level"}},
+                     if key not in {"run", "command", "out", "data", "threads", "no_progress", "log_level",
+                                    "answers_from"}},
     })
     print(f"{len(sequences)} answers, {sum(len(s) for s in sequences)} tokens -> {table.num_entries} n-grams in {out}")
     return 0
+
+
+def data_folder_answers(folder: str | Path, target) -> list[list[int]]:
+    """The answers (token ids after each prompt) in a ``train-draft`` data folder built for ``target``."""
+    from .errors import UnsupportedOptionError
+    from .models.eagle import target_fingerprint
+    from .train.data import load_shards, read_spec
+
+    try:
+        spec = read_spec(folder)
+    except (OSError, ValueError) as error:
+        raise UnsupportedOptionError(f"--answers-from '{folder}' is not a train-draft data folder ({error})") from error
+    if spec.get("target_fingerprint") != target_fingerprint(target):
+        raise UnsupportedOptionError(f"--answers-from '{folder}' holds answers of another target (fingerprint "
+                                     f"{spec.get('target_fingerprint')}, this one {target_fingerprint(target)})")
+    answers = []
+    for shard in load_shards(folder):
+        starts, answer_starts = shard["starts"].tolist(), shard["answer_starts"].tolist()
+        tokens = shard["token_ids"]
+        for s, offset in enumerate(answer_starts):
+            answers.append(tokens[starts[s] + offset:starts[s + 1]].tolist())
+    return answers
