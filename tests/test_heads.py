@@ -593,3 +593,22 @@ def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, 
     assert result.history[0] == capped.history[0]  # kept from the first run: resumed, not restarted
     assert [h.step for h in result.history][-1] == [h.step for h in full.history][-1] > 1
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uncapped.state_dict().values()))
+
+
+def test_the_held_out_split_follows_content_not_the_pool():
+    # A sequence held out of one pool is held out of any larger pool with it (what keeps a warm start on a grown
+    # pool from being evaluated on its own training data), and about the asked fraction is held out. The tokens are
+    # fixed, so the hash-based split is deterministic: no false failures.
+    from jointspec.train.heads import held_out_split
+
+    pool = [torch.arange(i, i + 5 + i % 7) for i in range(400)]
+    more = [torch.arange(1000 + i, 1006 + i) for i in range(300)]
+    held, kept = held_out_split(pool, 0.1)
+    assert sorted(held + kept) == list(range(400)) and 20 <= len(held) <= 60
+    grown_held, _ = held_out_split(more[:150] + pool + more[150:], 0.1)
+    assert {150 + i for i in held} == {i for i in grown_held if 150 <= i < 550}
+    duplicate = held_out_split(pool + [pool[held[0]].clone()], 0.1)[0]
+    assert 400 in duplicate  # the same text in another folder: held out as well
+    tiny_held, tiny_kept = held_out_split(pool[:2], 0.0)
+    assert len(tiny_held) == 1 and len(tiny_kept) == 1  # at least one of each
+    assert held_out_split(pool[:2], 1.0)[1]
