@@ -165,6 +165,13 @@ def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs,
     assert bind(trained_dirs[kind], CausalLM(target_model)).vocab_size == VOCAB
     with pytest.raises(ModelLoadError, match="trained for target 'tiny-target'.*train-draft"):
         bind(trained_dirs[kind], CausalLM(tiny_llama(7), name="another-target"))
+    # Int8 weights are for EAGLE heads: asked for these, the binding refuses by name (auto keeps them float).
+    from jointspec.errors import UnsupportedOptionError
+    from jointspec.models.eagle import bind_trained_draft
+
+    with pytest.raises(UnsupportedOptionError, match=f"applies to EAGLE heads.*'{kind}' draft"):
+        bind_trained_draft(trained_dirs[kind], CausalLM(target_model), head_weights="int8")
+    assert bind_trained_draft(trained_dirs[kind], CausalLM(target_model)).vocab_size == VOCAB
 
 
 @pytest.mark.parametrize("kind,foreign,refusal", [
