@@ -216,6 +216,7 @@ def held_out_split(token_ids: list[torch.Tensor], fraction: float) -> tuple[list
     MT-Bench answers (never trained on) the weights 200 steps on agreed about as well (44.6 % against 44.2 %). By
     content, a sequence held out once is held out in every run on every pool that has it, the same text in two
     folders included."""
+
     def unit(tokens: torch.Tensor) -> float:
         digest = hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).digest()
         return int.from_bytes(digest[:8], "big") / 2 ** 64
