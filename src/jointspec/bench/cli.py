@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="when sampling, each prompt and turn draws with a seed derived from this and its id")
     parser.add_argument("--report-dir", type=Path, default=None, help="write report.md, results.json and PNG plots")
     parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run")
     parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity under the target")

@@ -3,7 +3,8 @@
 Aggregates are over the same prompts for every method: tokens/s = all new tokens / the sum of per-prompt median
 times (the range uses per-prompt min and max times); speedup = tokens/s over the baseline's tokens/s; mean accepted
 tokens = 1 + accepted / rounds (for transformers' generate: new tokens per target call); perplexity = exp(-mean
-log-probability) of every generated token under the raw target.
+log-probability) of every generated token under the raw target. Against the baseline, the overall speedup and
+perplexity ratio also get 95 % paired bootstrap intervals over prompts (:mod:`jointspec.bench.intervals`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from ..loop import SpecStats
 from .costmodel import TargetCost, predict
 from ..quality import distinct_n
+from .intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
 from .runner import BenchResult, PromptRun, perplexity_of
 
 CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
@@ -105,11 +109,29 @@ def summarise(result: BenchResult) -> dict:
                                                       [r for r in base if r.category == c], result.target_cost)
                                    for c in categories}
         out[method] = summary
+    for method, runs in by_method.items():
+        out[method].update(against_baseline(runs, base, result.config.seed))
     base_predicted = out[result.baseline].get("predicted_tokens_per_second")
     for summary in [s for m in out.values() for s in [m, *m["per_category"].values()]]:
         predicted = summary.get("predicted_tokens_per_second")
         summary["predicted_speedup"] = _rounded(predicted / base_predicted) if predicted and base_predicted else None
     return out
+
+
+def against_baseline(runs: list[PromptRun], baseline_runs: list[PromptRun], seed: int) -> dict:
+    """Speedup and perplexity ratio to the baseline with 95 % paired bootstrap intervals over prompts (None where
+    there are too few prompts, or no perplexity was scored); see :mod:`jointspec.bench.intervals`."""
+    by_prompt = {r.prompt_index: r for r in runs}
+    pairs = [(by_prompt[b.prompt_index], b) for b in baseline_runs]
+    speed = paired_ratio_interval(torch.tensor([[r.num_new_tokens, r.median_seconds] for r, _ in pairs]),
+                                  torch.tensor([[b.num_new_tokens, b.median_seconds] for _, b in pairs]),
+                                  "rate", seed=seed)
+    quality = paired_ratio_interval(torch.tensor([[r.logprob_sum, r.num_scored_tokens] for r, _ in pairs]),
+                                    torch.tensor([[b.logprob_sum, b.num_scored_tokens] for _, b in pairs]),
+                                    "perplexity", seed=seed)
+    return {"speedup_interval": speed.to_list() if speed else None,
+            "perplexity_ratio": _rounded(quality.ratio) if quality else None,
+            "perplexity_ratio_interval": quality.to_list() if quality else None}
 
 
 def contract(result: BenchResult, summary: dict) -> dict:
@@ -147,7 +169,32 @@ def table(result: BenchResult, summary: dict) -> str:
             cat_rows.append([f"{c} (n={summary[result.baseline]['per_category'][c]['num_prompts']})"]
                             + [_fmt(s["per_category"][c]["speedup"]) + "x" for s in summary.values()])
         lines += [""] + _align(cat_rows)
+    lines += [""] + interval_lines(result, summary)
     return "\n".join(lines)
+
+
+def interval_lines(result: BenchResult, summary: dict) -> list[str]:
+    """Each method against the baseline, with the paired bootstrap intervals and what they do (not) show."""
+    num_prompts = summary[result.baseline]["num_prompts"]
+    if num_prompts < MIN_PROMPTS:
+        return [f"(no {LEVEL:.0%} intervals against the baseline: {num_prompts} prompts, fewer than {MIN_PROMPTS})"]
+    rows = [[f"vs {result.baseline}, {LEVEL:.0%} paired bootstrap over {num_prompts} prompts", "speedup", "",
+             "perplexity ratio", ""]]
+    for method, s in summary.items():
+        if method == result.baseline:
+            continue
+        rows.append([method, *_with_interval(s["speedup"], s["speedup_interval"], "slower", "faster"),
+                     *_with_interval(s["perplexity_ratio"], s["perplexity_ratio_interval"], "lower", "higher")])
+    return _align(rows)
+
+
+def _with_interval(ratio: float | None, interval: list[float] | None, below: str, above: str) -> list[str]:
+    """[ratio with its interval, what the interval says]; a difference is claimed only when it excludes 1."""
+    if ratio is None or interval is None:
+        return ["-", ""]
+    low, high = interval
+    verdict = below if high < 1.0 else above if low > 1.0 else "no clear difference"
+    return [f"{ratio:.3f} [{low:.3f}, {high:.3f}]", verdict]
 
 
 def _align(rows: list[list[str]]) -> list[str]:

@@ -2,9 +2,10 @@
 
 Order: one discarded warm-up of each method (on the first prompt), then for each prompt, ``repeats`` times, every
 method in turn. Interleaving methods within a prompt means that drift in machine speed (other processes, thermal
-limits) hits all methods alike. Outputs come from the first timed repeat; later repeats only add timings (and a
-warning if a method's output changes between repeats). Perplexity and the comparison with the baseline are computed
-after timing, outside the timers.
+limits) hits all methods alike. When sampling, every method draws a prompt's turn with the same seed, and each
+prompt and turn with its own, derived from ``BenchConfig.seed`` (:func:`prompt_seed`). Outputs come from the first
+timed repeat; later repeats only add timings (and a warning if a method's output changes between repeats).
+Perplexity and the comparison with the baseline are computed after timing, outside the timers.
 
 The runner takes an already loaded target and tokenizer (tests pass tiny in-process models; the CLI loads the real
 ones). Methods that run on llama.cpp (``llamacpp``, ``llamacpp-pld``, ``...:backend=llamacpp``) share one
@@ -13,6 +14,7 @@ ones). Methods that run on llama.cpp (``llamacpp``, ``llamacpp-pld``, ``...:back
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -209,13 +211,25 @@ def run_conversation(engine, tokenizer, prompt: BenchPrompt,
     """Ask each turn after the method's own previous answers, as Spec-Bench does."""
     messages: list[dict[str, str]] = []
     turns: list[tuple[list[int], TurnOutput]] = []
-    for text in prompt.turns:
+    for turn, text in enumerate(prompt.turns):
         messages.append({"role": "user", "content": text})
         prompt_ids = chat_prompt_ids(tokenizer, messages)
-        out = engine.generate(prompt_ids, config.max_new_tokens, config.sampling, config.seed)
+        seed = prompt_seed(config.seed, prompt.question_id, turn)
+        out = engine.generate(prompt_ids, config.max_new_tokens, config.sampling, seed)
         turns.append((prompt_ids, out))
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_ids, skip_special_tokens=True)})
     return turns
+
+
+def prompt_seed(seed: int, question_id: str, turn: int) -> int:
+    """The sampling seed of one turn of one prompt: every method draws with it, each prompt with its own.
+
+    One seed for every prompt would reuse the same random numbers on each: answers to different prompts are then
+    correlated (a tiny model gave nearly the same answer to every prompt), so a bench's perplexity rests on fewer
+    independent draws than it has prompts, and intervals over prompts come out too narrow. Derived from the
+    question id, not the prompt's position, so a prompt draws the same whichever others are selected with it."""
+    digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # a non-negative 63-bit seed for torch.Generator
 
 
 def _new_run(index: int, prompt: BenchPrompt, label: str, turns: list[tuple[list[int], TurnOutput]],
