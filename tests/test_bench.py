@@ -183,6 +183,9 @@ def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
     results = json.loads((report / "results.json").read_text())
     assert results["target_cost"]["ms_by_k"]["1"] > 0
     assert len(results["runs"]) == 9 and all(len(r["seconds"]) == 2 for r in results["runs"])
+    # Each run keeps its log-probabilities, so any two methods can be compared later (scripts/bench_intervals.py).
+    assert all(r["num_scored_tokens"] == sum(map(len, r["output_ids"])) and r["logprob_sum"] < 0
+               for r in results["runs"])
     for method, numbers in results["methods"].items():  # distinct-2 recomputed from the stored outputs
         from jointspec.quality import distinct_n
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -214,9 +215,10 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
                          "method": r.method, "seconds": [round(s, 4) for s in r.seconds],
                          "num_new_tokens": r.num_new_tokens, "num_target_calls": r.num_target_calls,
                          "identical": r.identical, "output_ids": r.output_ids,
+                         "logprob_sum": round(r.logprob_sum, 4), "num_scored_tokens": r.num_scored_tokens,
                          "stats": r.stats.to_dict() if r.stats else None} for r in result.runs]}
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plots = write_plots(summary, folder)
+    plots = write_plots(summary, folder, result.baseline)
 
     md = ["# jointspec bench\n", f"`{command}`\n",
           f"Model **{env['model']}**, {env['dtype']}"
@@ -255,7 +257,7 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
     return [folder / "report.md", folder / "results.json", *plots]
 
 
-def write_plots(summary: dict, folder: Path) -> list[Path]:
+def write_plots(summary: dict, folder: Path, baseline: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,7 +273,7 @@ def write_plots(summary: dict, folder: Path) -> list[Path]:
     for i, method in enumerate(methods):
         values = [summary[method]["per_category"][c]["speedup"] or 0 for c in categories[:-1]]
         values.append(summary[method]["speedup"] or 0)
-        ax.bar([j + i * width for j in range(len(categories))], values, width, label=method)
+        ax.bar([j + i * width for j in range(len(categories))], values, width, label=short_label(method))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
     ax.set_ylabel("speedup (tokens/s vs baseline)")
@@ -286,7 +288,8 @@ def write_plots(summary: dict, folder: Path) -> list[Path]:
     for i, method in enumerate(with_stats):
         counts = summary[method]["accepted_histogram"]
         total = sum(counts) or 1
-        ax.bar([a + i * width for a in range(len(counts))], [c / total for c in counts], width, label=method)
+        ax.bar([a + i * width for a in range(len(counts))], [c / total for c in counts], width,
+               label=short_label(method))
     ax.set_xticks([a + 0.4 - width / 2 for a in range(longest)], [str(a) for a in range(longest)])
     ax.set_xlabel("draft tokens accepted in a round")
     ax.set_ylabel("share of rounds")
@@ -295,24 +298,46 @@ def write_plots(summary: dict, folder: Path) -> list[Path]:
         ax.legend(fontsize="small")
     paths.append(_save(fig, folder / "accepted_length.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 5))
+    base_ppl, base_tps = summary[baseline]["perplexity"], summary[baseline]["tokens_per_second"]
+    with_bars = False
     for method in methods:
         s = summary[method]
-        if s["perplexity"] is not None:
-            ax.scatter(s["perplexity"], s["tokens_per_second"], s=40)
-            ax.annotate(method, (s["perplexity"], s["tokens_per_second"]), fontsize="small",
-                        xytext=(4, 4), textcoords="offset points")
+        if s["perplexity"] is None:
+            continue
+        # Error bars: the 95 % paired interval of the ratio to the baseline, on the baseline's scale.
+        ppl_interval, speed_interval = s.get("perplexity_ratio_interval"), s.get("speedup_interval")
+        xerr = yerr = None
+        if method != baseline and ppl_interval and base_ppl:
+            xerr = [[max(0.0, s["perplexity"] - ppl_interval[0] * base_ppl)],
+                    [max(0.0, ppl_interval[1] * base_ppl - s["perplexity"])]]
+        if method != baseline and speed_interval and base_tps:
+            yerr = [[max(0.0, s["tokens_per_second"] - speed_interval[0] * base_tps)],
+                    [max(0.0, speed_interval[1] * base_tps - s["tokens_per_second"])]]
+        with_bars = with_bars or xerr is not None or yerr is not None
+        ax.errorbar(s["perplexity"], s["tokens_per_second"], xerr=xerr, yerr=yerr, fmt="o", capsize=3,
+                    label=short_label(method))
+    if with_bars:  # where the baseline stands: a bar crossing its line is no clear difference
+        ax.axvline(base_ppl, color="grey", linestyle=":", linewidth=0.8)
+        ax.axhline(base_tps, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("perplexity under the target (lower = closer to the target)")
     ax.set_ylabel("tokens/s")
-    ax.set_title("Speed vs perplexity")
+    ax.set_title("Speed vs perplexity" + (f" (bars: 95 % paired intervals against {short_label(baseline)})"
+                                          if with_bars else ""), fontsize="medium")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
     paths.append(_save(fig, folder / "speed_vs_perplexity.png"))
     return paths
+
+
+def short_label(method: str) -> str:
+    """A method's label for a plot: a draft given as a path is named by its last folder."""
+    return re.sub(r"draft=[^,]*/([^,/]+)/?(?=,|$)", r"draft=\1", method)
 
 
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # keeps a legend placed outside the axes
     plt.close(fig)
     return path
