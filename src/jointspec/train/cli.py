@@ -88,6 +88,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
                         help="passes that read the head's own predicted features (training-time test; --kind heads "
                              "only, default 2)")
+    parser.add_argument("--cls-weight", type=_positive_float, default=None, metavar="W",
+                        help="weight of the token loss (cross-entropy to the target's next-token distribution) "
+                             "against the feature regression (--head eagle; default 0.3)")
+    parser.add_argument("--cls-fraction", type=_fraction, default=None, metavar="F",
+                        help="share of positions that pay for the token loss each step, in (0, 1] (--head eagle; "
+                             "default 0.25: its draft-vocabulary matmul is most of a step's cost)")
     parser.add_argument("--fuse-layers", type=_layer_list, default=None, metavar="I,J",
                         help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
                              "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
@@ -98,6 +104,26 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -303,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
     kind = "distill" if args.kind == "distill" else (args.head or "eagle")  # the kind of draft saved
     for option, value, wanted in (("--loss", args.loss, "distill"), ("--unroll", args.unroll, "eagle"),
                                   ("--num-heads", args.num_heads, "medusa|hydra"),
-                                  ("--fuse-layers", args.fuse_layers, "eagle")):
+                                  ("--fuse-layers", args.fuse_layers, "eagle"),
+                                  ("--cls-weight", args.cls_weight, "eagle"),
+                                  ("--cls-fraction", args.cls_fraction, "eagle")):
         if option == "--fuse-layers" and args.data_only:
             continue  # a data folder serves every kind; only the training of a head reads the fused layers
         if value is not None and kind not in wanted.split("|"):
@@ -313,6 +341,11 @@ def run(args: argparse.Namespace) -> int:
     args.layers = args.layers or (2 if kind == "distill" else 1)
     args.head = None if kind == "distill" else kind
     args.unroll = (args.unroll or 2) if kind == "eagle" else None
+    if kind == "eagle":
+        from .heads import HeadTrainConfig
+
+        args.cls_weight = args.cls_weight or HeadTrainConfig.cls_weight
+        args.cls_fraction = args.cls_fraction or HeadTrainConfig.cls_fraction
     args.loss = (args.loss or "kl") if kind == "distill" else None
     args.num_heads = (args.num_heads or 4) if kind in ("medusa", "hydra") else None
     if args.draft_vocab < 0:
@@ -357,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
                   eval_every=args.eval_every, patience=args.patience, seed=args.seed)
     config_class, trainer_class, _ = trainer_for_kind(kind)
     if kind == "eagle":
-        config = config_class(**common, unroll=args.unroll, fuse_layers=args.fuse_layers or ())
+        config = config_class(**common, unroll=args.unroll, fuse_layers=args.fuse_layers or (),
+                              cls_weight=args.cls_weight, cls_fraction=args.cls_fraction)
     elif kind in ("medusa", "hydra"):
         config = config_class(**common, num_heads=args.num_heads)
     else:
