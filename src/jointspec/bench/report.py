@@ -324,7 +324,8 @@ def write_plots(summary: dict, folder: Path, baseline: str) -> list[Path]:
     ax.set_ylabel("tokens/s")
     ax.set_title("Speed vs perplexity" + (f" (bars: 95 % paired intervals against {short_label(baseline)})"
                                           if with_bars else ""), fontsize="medium")
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
+    if ax.get_legend_handles_labels()[1]:  # nothing is plotted without perplexities (--no-perplexity)
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
     paths.append(_save(fig, folder / "speed_vs_perplexity.png"))
     return paths
 
