@@ -91,4 +91,3 @@ def _ratio(sums: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "rate":
         return (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
     return torch.exp(-sums[:, 0] / sums[:, 1] + sums[:, 2] / sums[:, 3])
-
