@@ -1,8 +1,8 @@
-"""jointspec's grouped int4 / int8 CPU kernel (models/grouped.py, csrc/grouped_linear.cpp).
+"""jointspec's grouped int4 / int8 CPU kernels (models/grouped.py, csrc/grouped_linear.cpp, csrc/simd.h).
 
-Deterministic (seeded random weights and inputs): no false-failure odds. On a CPU with AVX-512 the kernel must build
-and run (a build failure there fails the tests, it is not skipped); elsewhere the tests that need it are skipped
-with the reason and quantisation falls back to PyTorch's kernels (checked too).
+Deterministic (seeded random weights and inputs): no false-failure odds. The kernels build on every CPU with a C++
+compiler (a build failure fails these tests, it is not skipped): the tests run on the fastest build this CPU runs,
+and the tests at the end hold every build it can run against the portable one, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,25 +13,24 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB
+from jointspec.errors import UnsupportedOptionError
 from jointspec.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.models.adapter import CausalLM
 from jointspec.models.cpukernels import cpu_flags
 from jointspec.models.grouped import (GROUP_SIZE, SCREEN_MARGIN, GroupedInt4Linear, GroupedInt8Linear,
-                                      ScreenedInt8Head, kernels, unavailable_reason)
+                                      ScreenedInt8Head, kernels, runnable_isas, selected_isa,
+                                      unavailable_reason, use_isa)
 from jointspec.models.quantize import Int4Linear, quantization_mode, quantize_model
 from test_equivalence import greedy, random_prompt
 
-AVX512 = {"avx512f", "avx512bw"} <= cpu_flags()
-needs_kernel = pytest.mark.skipif(not AVX512, reason="the grouped kernel needs AVX-512 (F and BW); this CPU has none")
-
-
-def test_the_kernel_builds_wherever_the_cpu_can_run_it():
-    if AVX512:
-        assert kernels() is not None, unavailable_reason()
-    else:
-        assert kernels() is None and "AVX-512" in unavailable_reason()
+def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
+    assert kernels() is not None, unavailable_reason()
+    flags = cpu_flags()
+    expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"} <= flags
+                else "avx2" if {"avx2", "fma"} <= flags else "portable")
+    assert kernels().isa() == selected_isa() == expected
 
 
 def linear(out_features: int, in_features: int, seed: int, bias: bool = False) -> nn.Linear:
@@ -42,7 +41,6 @@ def linear(out_features: int, in_features: int, seed: int, bias: bool = False) -
     return layer
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
@@ -64,7 +62,6 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
     assert not torch.allclose(out, x @ layer.weight.detach().roll(1, 0).T, atol=1e-2)  # not any matrix will do
 
 
-@needs_kernel
 @pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
 def test_rows_are_bitwise_independent_of_the_batch(kind):
     quantized = kind(linear(48, 128, seed=1))
@@ -77,7 +74,6 @@ def test_rows_are_bitwise_independent_of_the_batch(kind):
         assert torch.equal(quantized(x[None]).reshape(17, -1), alone)
 
 
-@needs_kernel
 def test_weights_already_on_the_grids_come_back_unchanged():
     """A Q4_1- or Q8_0-style weight (levels times a per-32 scale, plus a minimum for 4 bits, each level range used in
     full, as those formats' quantisers make it) is recovered to float rounding: the int4 model of a GGUF-born
@@ -118,11 +114,8 @@ def test_int4_mode_takes_the_grouped_kernel_where_it_runs():
     assert quantization_mode(model) == "int4"
     kinds = {type(m) for m in model.modules()} & {GroupedInt4Linear, GroupedInt8Linear, Int4Linear, nn.Linear}
     kinds |= {type(m) for m in model.modules()} & {ScreenedInt8Head}
-    if kernels() is not None:
-        assert kinds == {GroupedInt4Linear, ScreenedInt8Head}  # the head: int8, with its greedy screen
-        assert type(quantize_model(grouped_llama(0), "int4", screen_head=False).lm_head) is GroupedInt8Linear
-    else:
-        assert Int4Linear in kinds and GroupedInt4Linear not in kinds
+    assert kinds == {GroupedInt4Linear, ScreenedInt8Head}  # the head: int8, with its greedy screen
+    assert type(quantize_model(grouped_llama(0), "int4", screen_head=False).lm_head) is GroupedInt8Linear
 
 
 def head(out_features: int = 512, in_features: int = 128, seed: int = 0) -> nn.Linear:
@@ -133,7 +126,6 @@ def head(out_features: int = 512, in_features: int = 128, seed: int = 0) -> nn.L
     return layer
 
 
-@needs_kernel
 def test_the_screened_head_computes_the_int8_heads_logits():
     layer = head()
     screened, plain = ScreenedInt8Head(layer), GroupedInt8Linear(layer)
@@ -145,7 +137,6 @@ def test_the_screened_head_computes_the_int8_heads_logits():
         assert torch.equal(screened.argmax_logits(x), plain(x))
 
 
-@needs_kernel
 def test_the_screen_gives_exact_logits_exactly_near_each_rows_best_score():
     """Tokens whose 4-bit score is within the margin of the best get the int8 head's logit (the same bits), the
     rest keep their score; and the argmax is the exact head's on every one of 2,000 seeded rows."""
@@ -176,7 +167,6 @@ def test_the_screen_gives_exact_logits_exactly_near_each_rows_best_score():
     assert torch.equal(capped[took], exact[:50][took]) and torch.equal(capped[~took], scores[:50][~took])
 
 
-@needs_kernel
 def test_screened_rows_are_bitwise_independent_of_the_batch():
     screened = ScreenedInt8Head(head(seed=3))
     x = torch.randn(17, 128) * 3
@@ -187,7 +177,6 @@ def test_screened_rows_are_bitwise_independent_of_the_batch():
             assert torch.equal(batched, alone), f"batches of {size}"
 
 
-@needs_kernel
 def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatch):
     model = quantize_model(grouped_llama(0), "int4")
     assert model.lm_head.margin == SCREEN_MARGIN
@@ -206,7 +195,6 @@ def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatc
     assert calls == []
 
 
-@needs_kernel
 @pytest.mark.parametrize("method, draft, tree", [("pld", None, None), ("sps", "self", None),
                                                  ("specinfer", "self", (2, 2))])
 @pytest.mark.parametrize("prompt_seed", [0, 3])
@@ -225,7 +213,6 @@ def test_speculative_methods_equal_plain_greedy_on_the_grouped_int4_model(method
     assert len(outputs[0]) == 40 and outputs[1] == outputs[0]
 
 
-@needs_kernel
 def test_fused_calls_give_the_separate_layers_bits_and_step_aside_when_a_layer_changes():
     model = quantize_model(grouped_llama(1), "int4")
     lean, stock = CausalLM(model, name="fused"), CausalLM(model, name="separate", lean=False)
@@ -246,7 +233,6 @@ def test_fused_calls_give_the_separate_layers_bits_and_step_aside_when_a_layer_c
     assert torch.equal(lean.forward(new).logits, stock.forward(new).logits)
 
 
-@needs_kernel
 def test_compiled_layers_compute_the_int4_model_one_row_at_a_time():
     """The compiled decoder layer (csrc decoder_layer): close to the operation-by-operation forward, and each row
     alone: a chain of tokens, and every node of a tree, get bit for bit the logits of feeding them one by one."""
@@ -272,7 +258,6 @@ def test_compiled_layers_compute_the_int4_model_one_row_at_a_time():
     assert torch.equal(tree[[0, 2]], compiled.forward([7, 9]).logits)
 
 
-@needs_kernel
 def test_a_replaced_layer_takes_the_model_off_the_compiled_layers():
     model = quantize_model(grouped_llama(1), "int4")
     lean, stock = CausalLM(model, name="lean"), CausalLM(model, name="transformers", lean=False)
@@ -283,7 +268,6 @@ def test_a_replaced_layer_takes_the_model_off_the_compiled_layers():
     assert torch.equal(lean.forward(context).logits, stock.forward(context).logits)
 
 
-@needs_kernel
 def test_compiled_attention_is_attention():
     """The compiled attention (what quantised models' row-wise attention calls) against PyTorch's, causal and with
     a tree-style mask, with grouped key/value heads."""
@@ -306,7 +290,6 @@ def test_compiled_attention_is_attention():
     assert torch.allclose(out, reference[0].transpose(0, 1), atol=1e-5)
 
 
-@needs_kernel
 def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
     """A forward that wants no logits (the loop's prompt prefill) runs the compiled layers' projections as one GEMM
     (rows not computed alone); plain and speculative decoding prefill alike, so they still agree exactly."""
@@ -365,7 +348,6 @@ def int8_and_float_heads(seed: int = 0):
             HeadDraftModel(head, target, weights="float32"), target)
 
 
-@needs_kernel
 def test_an_int8_head_drafts_from_int8_weights_close_to_its_float_self():
     int8_head, float_head, target = int8_and_float_heads()
     assert int8_head.weights == "int8" and float_head.weights == "float32"
@@ -382,7 +364,6 @@ def test_an_int8_head_drafts_from_int8_weights_close_to_its_float_self():
     assert 0 < difference < 0.05 * rows[1][drafted].abs().max()  # int8 rounding: present, and small
 
 
-@needs_kernel
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     """The head's precision changes only what is drafted: chains (sps) and trees (default's static tree) verified
@@ -418,3 +399,107 @@ def test_int8_head_weights_refused_where_the_kernel_cannot_take_them(target_mode
         HeadDraftModel(untrained_head(target), target, weights="fp8")
     with pytest.raises(ValueError, match="head_weights"):
         MethodConfig(name="sps", head_weights="half")
+
+
+# Every instruction set: the avx512, avx2 and portable builds (csrc/simd.h) are written to give the same bits, so a
+# model decodes the same tokens on every CPU. Each build this CPU can run is held against the portable one, which
+# every CPU runs (on x86 without -mfma its fused multiply-adds are library calls: slow, so the sizes are small).
+
+OTHER_ISAS = [isa for isa in runnable_isas() if isa != "portable"]
+
+
+def test_every_cpu_runs_the_portable_build_and_x86_with_avx2_the_avx2_one():
+    assert "portable" in runnable_isas() and kernels("portable").isa() == "portable"
+    if {"avx2", "fma"} <= cpu_flags():
+        assert "avx2" in runnable_isas() and kernels("avx2").isa() == "avx2"
+    assert runnable_isas()[0] == selected_isa()
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param("none", marks=pytest.mark.skip(
+    reason="this CPU runs only the portable build"))])
+def test_each_build_gives_the_portable_builds_bits(isa):
+    fast, portable = kernels(isa), kernels("portable")
+    generator = torch.Generator().manual_seed(0)
+    layer = linear(72, 192, seed=5)
+    q4, q8 = GroupedInt4Linear(layer), GroupedInt8Linear(layer)
+    for rows in (1, 2, 3, 5, 9, 12):  # one and two rows, odd tails, the short and the long (> 8 rows) paths
+        x = torch.randn(rows, 192, generator=generator) * 3
+        for gemm in (False, True):
+            assert torch.equal(fast.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm),
+                               portable.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm)), (rows, gemm)
+            assert torch.equal(fast.int8_linear(x, q8.levels, q8.scale, gemm),
+                               portable.int8_linear(x, q8.levels, q8.scale, gemm)), (rows, gemm)
+    for dim, keys in ((32, 40), (64, 17), (16, 3)):  # key counts with and without a partial block of 16
+        query = torch.randn(4, 3, dim, generator=generator) * 2
+        key, value = (torch.randn(2, keys, dim, generator=generator) * 2 for _ in range(2))
+        visible = torch.rand(3, keys, generator=generator) > 0.3
+        visible[:, 0] = True
+        lengths = torch.tensor([keys - 2, keys - 1, keys])
+        none_bool, none_long = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.long)
+        for mask, length in ((visible, none_long), (none_bool, lengths)):
+            assert torch.equal(fast.attention(query, key, value, mask, length, dim ** -0.5),
+                               portable.attention(query, key, value, mask, length, dim ** -0.5)), (dim, keys)
+    screened = ScreenedInt8Head(head(seed=4))
+    x = torch.randn(5, 128, generator=generator) * 3
+    arguments = (screened.screen4, screened.screen_scale, screened.column, screened.levels, screened.scale)
+    has_vnni = fast.use_vnni(True)
+    try:
+        for vnni in {has_vnni, False}:  # VNNI's dot product where the CPU has it, and the two-step one
+            assert fast.use_vnni(vnni) == vnni
+            for margin in (-1.0, 1.5, 1e9):  # the scores alone, a few exact logits, every logit exact
+                assert torch.equal(fast.screened_head(x, *arguments, margin, 512),
+                                   portable.screened_head(x, *arguments, margin, 512)), (vnni, margin)
+    finally:
+        fast.use_vnni(True)
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param("none", marks=pytest.mark.skip(
+    reason="this CPU runs only the portable build"))])
+def test_a_model_decodes_the_same_tokens_with_the_same_logits_on_each_build(isa):
+    """The compiled decoder layers (norms, rotary, attention, the gated MLP's exponentials) and the screened head:
+    the same logits bit for bit on each build, so greedy decoding, plain and speculative, gives the same tokens."""
+    results = {}
+    for build in (isa, "portable"):
+        with use_isa(build):
+            model = quantize_model(grouped_llama(2), "int4")
+            target = CausalLM(model, name=f"int4 {build}")
+            assert target.lean.compiled is not None
+            logits = target.forward(random_prompt(1), num_logits=3).logits
+            tokens = []
+            for name, draft in (("ar", None), ("sps", "self")):
+                drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft), target, None,
+                                                               load_draft=None))
+                tokens.append(SpeculativeDecoder(target, drafter, verifier).generate(random_prompt(4), greedy(24)))
+        results[build] = logits, tokens
+    assert torch.equal(results[isa][0], results["portable"][0])
+    assert len(results[isa][1][0]) == 24 and results[isa][1][0] == results[isa][1][1] == results["portable"][1][0]
+
+
+def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
+    from jointspec.models import grouped
+
+    monkeypatch.setenv(grouped.ISA_ENV, "portable")
+    assert selected_isa() == "portable" and kernels().isa() == "portable"
+    monkeypatch.setenv(grouped.ISA_ENV, "avx9")
+    with pytest.raises(UnsupportedOptionError, match="unknown instruction set 'avx9'; choose one of: avx512, avx2, "
+                                                     "portable"):
+        selected_isa()
+    monkeypatch.delenv(grouped.ISA_ENV)
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "sse4_2"}))
+    lacks = (r"cannot run the 'avx512' kernels \(it lacks avx512bw, avx512dq, avx512f, avx512vl\); "
+             r"it runs: avx2, portable")
+    with pytest.raises(UnsupportedOptionError, match=lacks):
+        with use_isa("avx512"):
+            pass
+
+
+def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from jointspec.models import grouped
+
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    module, reason = grouped._build("portable")
+    assert module is None and "cannot be built (Ninja is required" in reason and "pip install ninja" in reason

@@ -555,16 +555,21 @@ def write_typed_gguf(path: Path, projection_type: str, head_type: str) -> Path:
     return path
 
 
-def test_auto_takes_int4_only_where_it_recovers_the_files_own_weights(tmp_path):
+def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_path):
     from jointspec.models.loading import on_int4_grid, resolve_quantize
 
     grid = write_typed_gguf(tmp_path / "q41.gguf", "Q4_1", "Q8_0")
     assert on_int4_grid("default") and on_int4_grid(str(grid))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q40.gguf", "Q4_0", "Q8_0")))  # symmetric 4-bit
+    # Block types the kernels take as stored (models/gguf_blocks.py), and ones they do not.
+    assert on_int4_grid(str(write_typed_gguf(tmp_path / "q40.gguf", "Q4_0", "Q8_0")))
+    assert on_int4_grid(str(write_typed_gguf(tmp_path / "q50.gguf", "Q5_0", "Q4_1")))
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q51.gguf", "Q5_1", "Q8_0")))
     assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f32.gguf", "F32", "F32")))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q4head.gguf", "Q4_1", "Q4_1")))
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q51head.gguf", "Q4_1", "Q5_1")))
     assert not on_int4_grid(str(tmp_path))  # a model folder
-    on_grid = "int4" if kernels() is not None else "none"
+    from jointspec.models.grouped import selected_isa
+
+    on_grid = "int4" if kernels() is not None and selected_isa() != "portable" else "none"
     assert resolve_quantize("auto", "default") == on_grid
     assert resolve_quantize("auto", str(grid)) == on_grid
     assert resolve_quantize("auto", str(tmp_path)) == "none"

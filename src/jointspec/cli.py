@@ -67,7 +67,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
                              "8-bit weight groups on jointspec's CPU kernel (a draft call ~25 %% cheaper, drafts "
                              "nearly the same; output unchanged either way: the target verifies); auto = int8 where "
-                             "that kernel runs (CPU with AVX-512), else float32")
+                             "that kernel runs with vector instructions (x86 with AVX2 or AVX-512), else float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     from .models.loading import BACKENDS, QUANTIZE_CHOICES
@@ -81,7 +81,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "groups of 32 with an int8 head (cheapest step; the embedded default's own Q4_1 grid); "
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
                              "none = float; auto = int4 where that recovers the model's own weights (a GGUF stored "
-                             "as Q4_1 with a Q8_0 head, like the embedded default, on a CPU with AVX-512), else "
+                             "as Q4_1 with a Q8_0 head, like the embedded default, on an x86 CPU with AVX2 or "
+                             "AVX-512; set JOINTSPEC_KERNEL_ISA=avx512|avx2|portable to pick a kernel build), else "
                              "none. Exactness then holds against the quantised target (default: auto for generate, "
                              "none elsewhere)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
@@ -169,6 +170,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise JointspecError(str(error)) from error
     apply_threads(args)
     pipeline = Pipeline.load(args.model, method, **model_options(args))
+    _say_quantize_choice(args)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
         from .energy import meter_for_device
@@ -194,6 +196,20 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
           f"({pipeline.target.name})", file=sys.stderr)
     return 0
+
+
+def _say_quantize_choice(args: argparse.Namespace) -> None:
+    """One line on stderr: the weights and kernels the target runs on, and why."""
+    from .models.loading import quantize_choice
+
+    mode, why = quantize_choice(args.quantize, args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+                                kernels=args.kernels)
+    if mode in ("int4", "int8") and args.backend == "torch" and args.device == "cpu":
+        from .models.grouped import kernels
+
+        built = kernels()
+        mode += f" ({built.isa()} kernels)" if built is not None and mode == "int4" else ""
+    print(f"jointspec: quantize={args.quantize} -> {mode}: {why}", file=sys.stderr)
 
 
 def _add_methods(subparsers) -> None:

@@ -38,7 +38,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from ..errors import ModelLoadError, UnsupportedOptionError
 from .adapter import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
-from .cpukernels import OneDNNLinear, cpu_flags, kernels_in_use, onednn_supported, use_onednn_linears
+from .cpukernels import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
 from .fastpath import body_unsupported_reason, lean_body_forward
 from .kvcache import BufferedCache
 
@@ -366,7 +366,8 @@ class FeatureDraft:
 #   took 2.70 ms against 3.67, and 42.2 % of drafted tokens were accepted against 41.9 % (the LM head's argmax
 #   alone was the float one at 359 of 359 drafted positions).
 # - ``float32``: the weights as trained.
-# - ``auto``: int8 where that kernel runs (a CPU with AVX-512, layer widths multiples of 64), else float32.
+# - ``auto``: int8 where that kernel runs with vector instructions (an x86 CPU with AVX2 or AVX-512, layer widths
+#   multiples of 64), else float32.
 # Either way the head only proposes tokens and the target verifies them, so the choice changes which tokens are
 # drafted (and so the speed), never what is generated.
 HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")
@@ -374,7 +375,7 @@ HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")
 
 def int8_head_misfit(head: EagleHead) -> str | None:
     """Why ``head`` cannot run on int8 weights (None: it can)."""
-    from .grouped import grouped_misfit, unavailable_reason
+    from .grouped import grouped_misfit, selected_isa, unavailable_reason
 
     if head.fc.weight.device.type != "cpu" or head.fc.weight.dtype != torch.float32:
         return f"int8 head weights are for float32 heads on the CPU; this one is {head.fc.weight.dtype} on " \
@@ -383,9 +384,9 @@ def int8_head_misfit(head: EagleHead) -> str | None:
                    for reason in [grouped_misfit(module)] if reason), None)
     if misfit is None and head.config.hidden_size % 64:
         misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"
-    if misfit is None and not {"avx512f", "avx512bw"} <= cpu_flags():
-        misfit = "this CPU has no AVX-512 (F and BW), which jointspec's int8 kernel needs"
-    return misfit or unavailable_reason()  # builds the kernel once if it can (about 30 s)
+    if misfit is None and selected_isa() == "portable":
+        misfit = "jointspec's kernels run their portable build here, not measured against float32 heads"
+    return misfit or unavailable_reason()  # builds the kernels once if it can (about 30 s)
 
 
 class HeadDraftModel(FeatureDraft):

@@ -118,14 +118,14 @@ class LlamaFastForward:
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in models/csrc) but the
-        per-forward ones, where the whole model fits it: 4-bit grouped layers laid out for fused calls, row-wise
+        per-forward ones, where the whole model fits it: grouped 4- or 8-bit layers without biases, row-wise
         attention, SiLU, no biases. None elsewhere. Also records, in ``self._compiled_checks``, every module,
         buffer and parameter they were read from, so that a later change to the model takes it off this path.
 
         A quantised model is its own model (models/quantize.py): the compiled layer computes what the operations
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
-        from .grouped import _BUFFERS, GroupedInt4Linear, kernels
+        from .grouped import GroupedInt4Linear, GroupedInt8Linear, kernel_arguments, kernels
         from .quantize import ROWWISE_ATTENTION
 
         config = self.model.config
@@ -137,9 +137,14 @@ class LlamaFastForward:
         for index, (layer, (fused_qkv, fused_gate_up)) in enumerate(zip(base.layers, self.fused)):
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
-            if (fused_qkv is None or fused_gate_up is None or attn.head_dim % 16 or attn.head_dim > 256
-                    or any(type(m) is not GroupedInt4Linear or m.bias is not None for m in plain)):
+            if (attn.head_dim % 16 or attn.head_dim > 256
+                    or any(type(m) not in (GroupedInt4Linear, GroupedInt8Linear) or m.bias is not None
+                           for m in plain + self._qkv(layer) + self._gate_up(layer))):
                 return None
+            # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.
+            qkv = [list(fused_qkv.spans)] if fused_qkv else [kernel_arguments(m) for m in self._qkv(layer)]
+            gate_up = ([list(fused_gate_up.spans)] if fused_gate_up
+                       else [kernel_arguments(m) for m in self._gate_up(layer)])
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(norm.weight.dtype != torch.float32 for norm in norms):
                 return None
@@ -151,11 +156,10 @@ class LlamaFastForward:
                 for name in names:
                     module = owner._modules[name]
                     checks.append((owner._modules, name, module))
-                    checks += [(module._buffers, buffer, module._buffers[buffer]) for buffer in _BUFFERS]
+                    checks += [(module._buffers, buffer, module._buffers[buffer]) for buffer in type(module).BUFFERS]
             checks += [(norm._parameters, "weight", norm.weight) for norm in norms]
-            layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, list(fused_qkv.spans),
-                           [plain[0].packed, plain[0].scale, plain[0].minimum], list(fused_gate_up.spans),
-                           [plain[1].packed, plain[1].scale, plain[1].minimum], config.num_attention_heads,
+            layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, qkv,
+                           kernel_arguments(plain[0]), gate_up, kernel_arguments(plain[1]), config.num_attention_heads,
                            attn.scaling, config.num_key_value_heads, attn.head_dim))
         self._compiled_checks = tuple(map(list, zip(*checks)))  # owners, names, expected objects
         # The same layers registered once in C++, so that a forward makes one call for all of them.

@@ -3,8 +3,8 @@
 Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) wants bfloat16 activations,
 which move the model away from its float32 self, and on the machine it was first measured on (models/quantize.py)
 its cost grew about linearly with the rows of a forward, so verifying draft tokens cost almost as much as decoding
-them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3 and 4 rows. ``csrc/grouped_linear.cpp`` (AVX-512, built once with the machine's own compiler) dequantises each
-weight row into an L1-resident float32 buffer and takes its dot product with every input row, so weights are read
+them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3 and 4 rows.
+``csrc/grouped_linear.cpp`` (built once with the machine's own compiler) dequantises each weight row into an L1-resident float32 buffer and takes its dot product with every input row, so weights are read
 once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
 from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15 passes, ms)::
 
@@ -40,28 +40,54 @@ SmolLM2-135M then costs 11.2 ms instead of 20 (2-core Xeon, 200 cached tokens, s
 speculative decoding stays exactly plain decoding of the int4 model; neither is bit for bit the operation-by-operation
 forward (float sums in another order), which is why plain and speculative decoding both run them.
 
-Where the kernel cannot be built or run (no AVX-512, no C++ compiler, a GPU model, in_features not a multiple of
-64) the layers fall back to PyTorch's int4 / int8 kernels of :mod:`jointspec.models.quantize`, with one warning that
-says why.
+One source, three builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNNI's integer dot product for the
+screened head where the CPU has it) and portable C++ for any other CPU (ARM included). They compute every float
+operation in the same order with the same single roundings, so they give the same bits: the same model decodes the
+same tokens on every CPU, and tests hold each build this CPU runs against the portable one. :func:`selected_isa`
+picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa` pick another). Where no build
+can be made (no C++ compiler, no ninja) the layers fall back to PyTorch's int4 / int8 kernels of
+:mod:`jointspec.models.quantize`, with one warning that says why; layers whose in_features is not a multiple of 64
+stay float.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..errors import UnsupportedOptionError
+from .cpukernels import cpu_flags
+
 log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
-_SOURCE = Path(__file__).with_name("csrc") / "grouped_linear.cpp"
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "grouped_linear.cpp"))
 _TINY = 1e-12
+
+# The instruction sets the kernels are built for, fastest first: the CPU flags each needs and its compiler flags.
+# Explicit flags, never -march=native, so a build runs on every CPU that has those flags and a cache copied to
+# another CPU is never run on instructions it lacks (the build's name carries the instruction set). VNNI, where
+# present, is chosen at run time inside the avx512 and avx2 builds. "portable" is plain C++ for any CPU.
+ISA_FLAGS = {
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-DJOINTSPEC_ISA_AVX512"]),
+    "avx2": (frozenset({"avx2", "fma"}), ["-mavx2", "-mfma", "-DJOINTSPEC_ISA_AVX2"]),
+    "portable": (frozenset(), []),
+}
+ISAS = tuple(ISA_FLAGS)
+# Set to one of ISAS to run that build instead of the fastest this CPU can run (tests, comparisons).
+ISA_ENV = "JOINTSPEC_KERNEL_ISA"
+_override: list[str] = []  # use_isa()'s stack
 
 
 def _build_directory(tag: str) -> Path:
@@ -69,50 +95,95 @@ def _build_directory(tag: str) -> Path:
     return cache / "jointspec" / "kernels" / tag
 
 
-def kernels():
-    """The compiled extension, or None where it cannot run here (see :func:`unavailable_reason`)."""
-    return _load()[0]
+def runnable_isas() -> tuple[str, ...]:
+    """The builds this CPU can run, fastest first ("portable" always among them)."""
+    flags = cpu_flags()
+    x86 = platform.machine().lower() in {"x86_64", "amd64"}
+    return tuple(isa for isa, (needs, _) in ISA_FLAGS.items() if not needs or (x86 and needs <= flags))
 
 
-def unavailable_reason() -> str | None:
-    """Why the grouped kernels cannot run here (None: they can). Builds them on first call (about 20-30 s, once)."""
-    return _load()[1]
+def selected_isa() -> str:
+    """The build the kernels run here: :func:`use_isa`'s, else $JOINTSPEC_KERNEL_ISA's, else the fastest runnable."""
+    if _override:
+        return _override[-1]
+    wanted = os.environ.get(ISA_ENV, "").strip().lower()
+    if wanted:
+        _check_isa(wanted, f"${ISA_ENV}")
+        return wanted
+    return runnable_isas()[0]
+
+
+def _check_isa(isa: str, where: str) -> None:
+    if isa not in ISA_FLAGS:
+        raise UnsupportedOptionError(f"{where}: unknown instruction set '{isa}'; choose one of: {', '.join(ISAS)}")
+    if isa not in runnable_isas():
+        missing = ", ".join(sorted(ISA_FLAGS[isa][0] - cpu_flags()))
+        raise UnsupportedOptionError(f"{where}: this CPU cannot run the '{isa}' kernels (it lacks {missing}); it runs: "
+                                     f"{', '.join(runnable_isas())}")
+
+
+@contextlib.contextmanager
+def use_isa(isa: str) -> Iterator[None]:
+    """Run the kernels of the ``isa`` build inside the block (for layers that look the kernels up when called;
+    a compiled layer stack keeps the build it was made with)."""
+    _check_isa(isa, "use_isa")
+    _override.append(isa)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def kernels(isa: str | None = None):
+    """The compiled extension for ``isa`` (default: :func:`selected_isa`), or None where it cannot run here (see
+    :func:`unavailable_reason`)."""
+    return _load(isa or selected_isa())[0]
+
+
+def unavailable_reason(isa: str | None = None) -> str | None:
+    """Why the grouped kernels cannot run here (None: they can). Builds them on first call (about 30 s, once)."""
+    return _load(isa or selected_isa())[1]
 
 
 @functools.cache
-def _load():
+def _load(isa: str):
     """(extension, None) or (None, why not); the reason is logged once."""
-    module, reason = _build()
+    module, reason = _build(isa)
     if reason is not None:
-        log.warning("int4: %s; --quantize int4 uses PyTorch's int4/int8 kernels instead (bfloat16 activations: "
-                    "close to the float model, not equal to it), and --quantize auto keeps the float model", reason)
+        log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 where the "
+                    "kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 activations: close "
+                    "to the float model, not equal to it)", reason)
     return module, reason
 
 
-def _build():
-    from .cpukernels import cpu_flags
-
-    if not {"avx512f", "avx512bw"} <= cpu_flags():
-        return None, "this CPU has no AVX-512 (F and BW), which jointspec's grouped int4 kernel needs"
+def _build(isa: str):
     try:
         from torch.utils.cpp_extension import load, verify_ninja_availability
 
         verify_ninja_availability()
     except (ImportError, RuntimeError) as error:
-        return None, f"jointspec's grouped int4 kernel cannot be built ({error}; pip install ninja)"
-    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"jointspec_grouped_{tag}"
+        return None, f"jointspec's CPU kernels cannot be built ({error}; pip install ninja)"
+    flags = ISA_FLAGS[isa][1]
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([torch.__version__, platform.machine(), *flags]).encode())
+    name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
     directory = _build_directory(name)
     if not any(directory.glob("*.so")):
-        print("jointspec: building the int4 CPU kernel once (about 30 s) ...", file=sys.stderr, flush=True)
+        print(f"jointspec: building the {isa} CPU kernels once (about 30 s) ...", file=sys.stderr, flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        module = load(name=name, sources=[str(_SOURCE)], build_directory=str(directory),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
+        module = load(name=name, sources=[str(_SOURCES[1])], build_directory=str(directory),
+                      extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags], extra_ldflags=["-fopenmp"],
+                      verbose=False)
     except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
-        return None, f"jointspec's grouped int4 kernel failed to build ({str(error).splitlines()[0][:200]})"
-    if not module.available():
-        return None, "jointspec's grouped int4 kernel was built without AVX-512"
+        lines = str(error).splitlines()
+        first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
+        return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
+    if module.isa() != isa:
+        return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
     return module, None
 
 
@@ -154,13 +225,15 @@ class _GroupedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} weights in groups "
-                f"of {GROUP_SIZE}, float32 activations (jointspec's CPU kernel)")
+                f"of {self.in_features // self.scale.shape[1]}, float32 activations (jointspec's CPU kernel)")
 
 
 class GroupedInt4Linear(_GroupedLinear):
-    """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32."""
+    """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32. Built
+    from a float ``nn.Linear`` (rounded onto the grid) or, with :meth:`from_levels`, from levels a file stores."""
 
     bits = 4
+    BUFFERS = ("packed", "scale", "minimum")  # what the kernel reads, in its argument order
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -170,14 +243,31 @@ class GroupedInt4Linear(_GroupedLinear):
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
         scale = ((high - low) / 15).clamp_min(_TINY)
         levels = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        self._set(levels.reshape(out_features, in_features), scale, low,
+                  None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "GroupedInt4Linear":
+        """W = levels * scale + minimum: ``levels`` [out, in] in 0..15, ``scale`` and ``minimum`` [out, in / 32]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        if levels.dim() != 2 or levels.shape[1] % GROUP_SIZE or int(levels.min()) < 0 or int(levels.max()) > 15:
+            raise ValueError(f"4-bit levels must be [out, in] in 0..15 with in a multiple of {GROUP_SIZE}")
+        layer._set(levels.to(torch.uint8), scale, minimum, bias)
+        return layer
+
+    def _set(self, levels: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None):
+        out_features, in_features = levels.shape
+        groups = levels.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
         half = GROUP_SIZE // 2
         # Byte i of a group: level i in the low nibble, level i + 16 in the high one (what the kernel unpacks).
-        packed = (levels[..., :half] | (levels[..., half:] << 4)).reshape(out_features, in_features // 2)
+        packed = (groups[..., :half] | (groups[..., half:] << 4)).reshape(out_features, in_features // 2)
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scale", scale.contiguous())
-        self.register_buffer("minimum", low.contiguous())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.register_buffer("scale", scale.float().reshape(out_features, -1).contiguous())
+        self.register_buffer("minimum", minimum.float().reshape(out_features, -1).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -196,9 +286,12 @@ class GroupedInt4Linear(_GroupedLinear):
 
 
 class GroupedInt8Linear(_GroupedLinear):
-    """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32."""
+    """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32. Built from a
+    float ``nn.Linear`` or, with :meth:`from_levels`, from levels a file stores (groups of 32 or 16: GGUF's Q6_K
+    keeps a scale per 16 inputs)."""
 
     bits = 8
+    BUFFERS = ("levels", "scale")
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -207,10 +300,30 @@ class GroupedInt8Linear(_GroupedLinear):
         groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
         scale = (groups.abs().amax(dim=-1) / 127).clamp_min(_TINY)  # [out, groups]
         levels = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("levels", levels.reshape(out_features, in_features).contiguous())
-        self.register_buffer("scale", scale.contiguous())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self._set(levels.reshape(out_features, in_features), scale,
+                  None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "GroupedInt8Linear":
+        """W = levels * scale: ``levels`` [out, in] int8, ``scale`` [out, in / 32] or [out, in / 16]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        if levels.dim() != 2 or scale.dim() != 2 or levels.shape[1] not in (16 * scale.shape[1], 32 * scale.shape[1]):
+            raise ValueError(f"8-bit levels [out, in] need scales [out, in / 32] or [out, in / 16], got "
+                             f"{tuple(levels.shape)} and {tuple(scale.shape)}")
+        layer._set(levels.to(torch.int8), scale, bias)
+        return layer
+
+    def _set(self, levels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = levels.shape
+        self.register_buffer("levels", levels.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scale.shape[1]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -220,7 +333,7 @@ class GroupedInt8Linear(_GroupedLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
-        levels = self.levels.reshape(self.out_features, -1, GROUP_SIZE).float()
+        levels = self.levels.reshape(self.out_features, -1, self.group_size).float()
         return (levels * self.scale[..., None]).reshape(self.out_features, self.in_features)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
@@ -258,6 +371,19 @@ class ScreenedInt8Head(GroupedInt8Linear):
 
     def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN, max_exact: int = SCREEN_MAX_EXACT) -> None:
         super().__init__(linear)
+        self._screen(margin, max_exact)
+
+    @classmethod
+    def from_int8(cls, layer: GroupedInt8Linear, margin: float = SCREEN_MARGIN,
+                  max_exact: int = SCREEN_MAX_EXACT) -> "ScreenedInt8Head":
+        """The screened head over ``layer``'s own levels and scales (a file's, for instance)."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head._set(layer.levels, layer.scale, layer.bias)
+        head._screen(margin, max_exact)
+        return head
+
+    def _screen(self, margin: float, max_exact: int) -> None:
         if self.bias is not None or self.in_features % 64:
             raise ValueError("the screened head needs a bias-free head with in_features a multiple of 64")
         weight = self.dequantized()  # [V, in]: exactly what the int8 kernel multiplies by
@@ -294,21 +420,26 @@ class ScreenedInt8Head(GroupedInt8Linear):
 # section 5). :func:`stack_storage` lays such layers' buffers out back to back in one tensor
 # (each layer keeps views, so nothing is stored twice and the layers still work alone); :class:`FusedCall` then
 # makes the one call (the lean forward, models/fastpath.py, builds one per layer where it finds them so laid out).
-_BUFFERS = ("packed", "scale", "minimum")
-
-
 def _stackable(layers: list[nn.Module]) -> bool:
-    """Two or more bias-free :class:`GroupedInt4Linear` layers of one input width."""
-    return (len(layers) >= 2 and all(type(layer) is GroupedInt4Linear and layer.bias is None for layer in layers)
-            and len({layer.in_features for layer in layers}) == 1)
+    """Two or more bias-free grouped layers of one class, one input width and one group size."""
+    kinds = {type(layer) for layer in layers}
+    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt8Linear}
+            and all(layer.bias is None for layer in layers)
+            and len({(layer.in_features, layer.scale.shape[1]) for layer in layers}) == 1)
+
+
+def kernel_arguments(layer: nn.Module) -> list[torch.Tensor]:
+    """A grouped layer's weight buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum;
+    8 bits: levels, scale)."""
+    return [getattr(layer, name) for name in type(layer).BUFFERS]
 
 
 def stack_storage(layers: list[nn.Module]) -> bool:
-    """Put ``layers``' (:class:`GroupedInt4Linear`, same in_features, no bias) buffers back to back in one tensor
-    each, leaving every layer with views into it; returns whether it did (other layers are left alone)."""
+    """Put ``layers``' (one grouped class, same in_features and group size, no bias) buffers back to back in one
+    tensor each, leaving every layer with views into it; returns whether it did (other layers are left alone)."""
     if not _stackable(layers):
         return False
-    for name in _BUFFERS:
+    for name in type(layers[0]).BUFFERS:
         stacked = torch.cat([getattr(layer, name) for layer in layers]).contiguous()
         start = 0
         for layer in layers:
@@ -326,7 +457,8 @@ class FusedCall:
 
     def __init__(self, layers: list[nn.Module], spans: tuple[torch.Tensor, ...]) -> None:
         self.layers = list(layers)
-        self._buffers = [[layer._buffers[name] for name in _BUFFERS] for layer in layers]
+        self.names = type(layers[0]).BUFFERS
+        self._buffers = [[layer._buffers[name] for name in self.names] for layer in layers]
         self.spans = spans
         self.sizes = [layer.out_features for layer in layers]
         self.in_features = layers[0].in_features
@@ -336,7 +468,7 @@ class FusedCall:
         if not _stackable(layers) or kernels() is None:
             return None
         spans = []
-        for name in _BUFFERS:
+        for name in type(layers[0]).BUFFERS:
             tensors = [getattr(layer, name) for layer in layers]
             first = tensors[0]
             storage = first.untyped_storage().data_ptr()
@@ -351,11 +483,12 @@ class FusedCall:
         return cls(layers, tuple(spans))
 
     def valid(self, layers: list[nn.Module]) -> bool:
-        return all(layer is mine and all(layer._buffers[name] is buffer for name, buffer in zip(_BUFFERS, buffers))
+        return all(layer is mine and all(layer._buffers[name] is buffer for name, buffer in zip(self.names, buffers))
                    for layer, mine, buffers in zip(layers, self.layers, self._buffers))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = _rows(x, self.in_features)
-        out = kernels().int4_linear(rows, *self.spans, _long(rows))
+        multiply = kernels().int4_linear if len(self.spans) == 3 else kernels().int8_linear
+        out = multiply(rows, *self.spans, _long(rows))
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return list(out.split(self.sizes, dim=-1))

@@ -37,42 +37,80 @@ QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
 _GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def on_int4_grid(source: str) -> bool:
-    """Whether ``source`` is a GGUF (or the embedded default, one) whose projections are stored as Q4_1 blocks and
-    whose output head as Q8_0: then ``quantize="int4"`` on jointspec's grouped kernel recovers the file's own
-    weights (models/grouped.py), so the int4 model *is* the file's model, computed in float32."""
-    if source == DEFAULT_MODEL:
-        return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (models/embedded.py)
+def gguf_path(source: str | None) -> Path | None:
+    """The GGUF file ``source`` is (the embedded default's own for ``default``), or None."""
+    if source in (None, DEFAULT_MODEL):
+        return embedded.default_gguf_path()
+    path = Path(source).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def gguf_block_types(source: str) -> dict[str, str] | None:
+    """Tensor name -> GGUF type name for the projections and output head of the GGUF ``source`` (None: not a
+    readable GGUF)."""
     path = Path(source).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
-        return False
+        return None
     try:
         import gguf
 
         types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(str(path)).tensors}
     except Exception as error:  # an unreadable file is load_model's to report; here it is just not on the grid
         log.debug("could not read the tensor types of %s: %s", path, error)
-        return False
-    projections = [kind for name, kind in types.items()
-                   if name.startswith("blk.") and name.split(".")[-2] in _GGUF_PROJECTIONS]
-    head = types.get("output.weight", types.get("token_embd.weight"))
-    return bool(projections) and set(projections) == {"Q4_1"} and head == "Q8_0"
+        return None
+    head = "output.weight" if "output.weight" in types else "token_embd.weight"
+    return {name: kind for name, kind in types.items()
+            if name == head or (name.startswith("blk.") and name.split(".")[-2] in _GGUF_PROJECTIONS)}
+
+
+def on_int4_grid(source: str) -> bool:
+    """Whether ``source`` is a GGUF (or the embedded default, one) whose projections and output head are all stored
+    in block types jointspec's grouped kernels take as they are (models/gguf_blocks.py: Q4_0, Q4_1, Q4_K, Q5_0,
+    Q8_0, Q6_K): then ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model,
+    computed with float32 activations."""
+    if source == DEFAULT_MODEL:
+        return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (models/embedded.py)
+    from .gguf_blocks import SUPPORTED_TYPES
+
+    types = gguf_block_types(source)
+    return bool(types) and any(name.startswith("blk.") for name in types) and set(types.values()) <= set(
+        SUPPORTED_TYPES)
 
 
 def resolve_quantize(quantize: str, source: str | None, *, backend: str = "torch", device: str = "cpu",
                      dtype: str | torch.dtype | None = None, kernels: str = "auto") -> str:
-    """``quantize`` with ``auto`` decided: ``int4`` for a float32 torch model on a CPU that runs jointspec's grouped
-    kernel when the source is on its grid (:func:`on_int4_grid`: the same weights, a step about two thirds cheaper
-    than float32's), else ``none`` (also for ``kernels="stock"``, which asks for transformers' own path). Other
-    values are returned as given."""
-    if quantize != "auto":
-        return quantize
-    if (backend != "torch" or kernels == "stock" or torch.device(device).type != "cpu"
-            or resolve_dtype(dtype, device) != torch.float32 or not on_int4_grid(source or DEFAULT_MODEL)):
-        return "none"
-    from .grouped import kernels
+    """``quantize`` with ``auto`` decided (:func:`quantize_choice`); other values are returned as given."""
+    return quantize_choice(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)[0]
 
-    return "int4" if kernels() is not None else "none"
+
+def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch", device: str = "cpu",
+                    dtype: str | torch.dtype | None = None, kernels: str = "auto") -> tuple[str, str]:
+    """(mode, why) for ``quantize``. ``auto`` gives ``int4`` for a float32 torch model on a CPU that runs jointspec's
+    grouped kernels with vector instructions (avx512 or avx2) when the source is on their grid (:func:`on_int4_grid`:
+    the same weights, a step about two thirds cheaper than float32's), else ``none`` (also for ``kernels="stock"``,
+    which asks for transformers' own path). The portable build is exact too but unmeasured against float32, so
+    ``auto`` does not pick it; ``--quantize int4`` does."""
+    if quantize != "auto":
+        return quantize, "asked for"
+    if backend != "torch":
+        return "none", f"the {backend} backend runs the file's own weights"
+    if kernels == "stock":
+        return "none", "--kernels stock asks for transformers' own path"
+    if torch.device(device).type != "cpu" or resolve_dtype(dtype, device) != torch.float32:
+        return "none", "jointspec's int4 kernels are for float32 models on the CPU"
+    if not on_int4_grid(source or DEFAULT_MODEL):
+        return "none", ("the model's weights are not 4-bit groups of 32 with an 8-bit head (Q4_1 / Q8_0): int4 would "
+                        "be a second rounding of them (--quantize int4 to ask for it anyway)")
+    from .grouped import selected_isa, unavailable_reason
+
+    isa = selected_isa()
+    reason = unavailable_reason()
+    if reason is not None:
+        return "none", reason
+    if isa == "portable":
+        return "none", ("jointspec's kernels run their portable build here (no AVX2, or $JOINTSPEC_KERNEL_ISA), "
+                        "which is exact but not measured against float32")
+    return "int4", f"the file's own blocks on jointspec's {isa} kernels: the same weights, the fastest exact path"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -156,7 +194,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
         return load_llamacpp(source, n_threads=threads, name=name)
     model, tokenizer, label = _load_transformers(source, device, dtype)
     if quantize != "none":
-        quantize_model(model, quantize)
+        quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize))
         label = f"{label} ({quantize})"
     try:
         if resolve_kernels(kernels, model) == "onednn":
@@ -167,6 +205,25 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
     return CausalLM(model, name=name or label, lean=kernels != "stock"), tokenizer
+
+
+def _file_levels(model, source: str, quantize: str) -> dict | None:
+    """For ``int4`` on a GGUF: the layers whose blocks jointspec's kernels take as they are (the rest are rounded,
+    with one warning naming them and their types)."""
+    path = gguf_path(source)
+    if quantize != "int4" or path is None or not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        return None
+    from .grouped import kernels
+    from .gguf_blocks import file_layers
+
+    if kernels() is None or next(model.parameters()).device.type != "cpu":
+        return None
+    found = file_layers(model, path)
+    if found.left:
+        log.warning("int4: %d layer(s) of %s are not in a block type jointspec's kernels take as stored, so they are "
+                    "rounded to 4-bit groups (a second rounding): %s", len(found.left), path.name,
+                    "; ".join(found.left[:6]) + (" ..." if len(found.left) > 6 else ""))
+    return found.layers
 
 
 def quantized_copy(target: CausalLM, mode: str) -> CausalLM:

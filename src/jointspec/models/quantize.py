@@ -31,11 +31,13 @@ kernel to use was decided by measuring PyTorch's own options on this project's 2
   with a self-draft and transformers' ``generate``, where plain ``sdpa`` gave 5 of 13 in int4 and 2 of 13 in int8).
   torchao (0.18 installs beside torch 2.13 with ``--no-deps``) was slower on CPU without ``torch.compile`` and its
   CPU int4 is the same aten kernel in a prototype module, so it is not a dependency.
-- **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group). On a CPU
-  with AVX-512, groups of 32 run on jointspec's own kernel (:mod:`jointspec.models.grouped`: float32 activations, the
+- **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group). Where
+  jointspec's kernels build (any CPU with a C++ compiler), groups of 32 run on jointspec's own kernel
+  (:mod:`jointspec.models.grouped`: float32 activations, the
   head as 8-bit groups of 32 on the same kernel), which on the embedded model recovers the GGUF's own Q4_1 / Q8_0
   blocks, so that model's int4 copy is its float32 model up to float rounding (384 of 384 teacher-forced argmaxes
-  equal, 14 of 14 bench answers identical to float32 ``ar``). Elsewhere, through ``_weight_int4pack_mm_for_cpu`` with
+  equal, 14 of 14 bench answers identical to float32 ``ar``). Where they cannot be built (no compiler or ninja),
+  through ``_weight_int4pack_mm_for_cpu`` with
   bfloat16 activations (its fp16 and fp32 paths are ~40x slower): the same speed on the Intel Xeon with AMX, but
   bfloat16 activations cost agreement (371 of 384, and 3 of 28 answers identical in the AMD run), and on the
   machines first measured its cost grew about linearly with the number of tokens. Rows are batch-independent in both.
@@ -202,7 +204,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     measurable up to 4 rows, +5 ms at 8 and +12 ms at 16 (of 55 and 85 ms, int4, busy machine). Tree masks
     (non-prefix rows) gather the row's keys. Query shapes: [1, heads, rows, dim]; keys and values
     [1, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min. Batches of several sequences (the server's
-    engine) and long prefills keep transformers' one-call SDPA. Where jointspec's compiled kernels run (AVX-512, float32,
+    engine) and long prefills keep transformers' one-call SDPA. Where jointspec's compiled kernels run (float32,
     models/grouped.py) one compiled call computes every row and head the same way, each alone by construction.
     """
     batch, num_heads, num_rows, _ = query.shape
@@ -296,6 +298,19 @@ def int8_misfit(linear: nn.Linear) -> str | None:
     return None
 
 
+def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
+    """A grouped layer holding a file's own levels (models/gguf_blocks.py) in place of ``linear``."""
+    from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
+
+    bias = None if linear.bias is None else linear.bias.detach()
+    if stored.bits == 4:
+        return GroupedInt4Linear.from_levels(stored.levels, stored.scale, stored.minimum, bias)
+    layer = GroupedInt8Linear.from_levels(stored.levels, stored.scale, bias)
+    if screen and bias is None and linear.in_features % 64 == 0:
+        return ScreenedInt8Head.from_int8(layer)
+    return layer
+
+
 def quantization_mode(model: nn.Module) -> str:
     """``int4``, ``int8`` or ``none``: what :func:`quantize_model` did to ``model`` (int4 mode keeps an int8 head)."""
     from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
@@ -307,7 +322,7 @@ def quantization_mode(model: nn.Module) -> str:
 
 
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GROUP_SIZE,
-                   quantize_head: bool = True, screen_head: bool = True) -> nn.Module:
+                   quantize_head: bool = True, screen_head: bool = True, file_levels: dict | None = None) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers by int8 or int4 ones, in place, and return the model.
 
     ``mode``: ``none`` (unchanged), ``int8`` or ``int4`` (see the module docstring). ``group_size`` (int4 only): inputs
@@ -317,6 +332,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     its logits are unchanged). Quantise after moving the model to its device: the int4 packing differs
     between CPU and CUDA. Layers the kernel cannot take stay in float, logged as a warning. A model on ``sdpa``
     attention switches to :func:`rowwise_sdpa`, so that its rows stay independent of the batch in attention too.
+    ``file_levels`` (int4 on jointspec's kernel): module name -> :class:`~jointspec.models.gguf_blocks.Levels`, the
+    blocks a GGUF file stores for that layer, taken as they are (4- or 8-bit) instead of rounding the float weight.
     """
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantisation mode '{mode}'; choose one of: {', '.join(QUANTIZE_MODES)}")
@@ -337,7 +354,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     use_stock_linears(model)
     use_stock_attention(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    # int4 in groups of 32 on a CPU with AVX-512: jointspec's own kernel (models/grouped.py), float32 activations and
+    # int4 in groups of 32 where jointspec's kernels build: its own kernel (models/grouped.py), float32 activations and
     # weights read once per forward whatever its rows; the head in 8-bit groups of 32 on the same kernel.
     grouped = (mode == "int4" and group_size == 32
                and any(type(m) is nn.Linear and grouped_misfit(m) is None for m in model.modules())
@@ -351,7 +368,10 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
             full_name = f"{parent_name}.{child_name}" if parent_name else child_name
             as_int8 = mode == "int8" or child is head
             if grouped and grouped_misfit(child) is None:
-                if child is head and screen_head and child.bias is None and child.in_features % 64 == 0:
+                stored = (file_levels or {}).get(full_name)
+                if stored is not None:
+                    quantized = _from_levels(stored, child, screen=child is head and screen_head)
+                elif child is head and screen_head and child.bias is None and child.in_features % 64 == 0:
                     quantized = ScreenedInt8Head(child)
                 else:
                     quantized = GroupedInt8Linear(child) if as_int8 else GroupedInt4Linear(child)

@@ -1,16 +1,21 @@
 // Weight-only quantised linear layers for CPU decoding: y = x W^T with W stored as 4- or 8-bit levels in groups of
 // 32 inputs, one scale (and, for 4 bits, one minimum) per group, and float32 activations. Built at first use by
-// jointspec/models/grouped.py (torch.utils.cpp_extension); see that module for why and for the measurements.
+// jointspec/models/grouped.py (torch.utils.cpp_extension), once per instruction set (simd.h: AVX-512, AVX2 + FMA,
+// portable C++); see that module for why and for the measurements.
 //
 // Each thread takes a range of output rows. For each row it dequantises the row's weights once into a float32
 // buffer that stays in L1 cache, then takes the dot product of that buffer with every input row. So the weights are
 // read from memory once per forward whatever the number of input rows (what verifying several draft tokens needs),
-// and every output is computed by exactly the same instructions whatever the number of rows: a row's result does not
+// and every output is computed by exactly the same operations whatever the number of rows: a row's result does not
 // depend on the batch it came in (what keeps speculative decoding exactly equal to plain decoding). Below them, two
 // kernels built on the same rule: row-by-row attention, and a whole Llama decoder layer on 4-bit weights.
+//
+// Every floating-point operation goes through simd.h, whose backends give the same bits, so the same model decodes
+// the same tokens on every instruction set (tests/test_grouped.py holds the builds against each other).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+
+#include "simd.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -19,93 +24,68 @@
 
 namespace {
 
+using simd::V16;
 constexpr int64_t kGroup = 32;
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr bool kAvailable = true;
 
 // 4 bits: byte i of a group holds level i (low nibble) and level i + 16 (high nibble); w = level * scale + minimum.
 inline void dequantise_int4(const uint8_t* row, const float* scale, const float* minimum, int64_t groups, float* w) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_set1_ps(scale[g]), lo = _mm512_set1_ps(minimum[g]);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup / 2));
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
-    _mm512_store_ps(w + g * kGroup, _mm512_fmadd_ps(low, s, lo));
-    _mm512_store_ps(w + g * kGroup + 16, _mm512_fmadd_ps(high, s, lo));
+    const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
+    V16 low, high;
+    simd::nibbles(row + g * kGroup / 2, low, high);
+    simd::store(w + g * kGroup, simd::fmadd(low, s, lo));
+    simd::store(w + g * kGroup + 16, simd::fmadd(high, s, lo));
   }
 }
 
-// 8 bits: signed levels, w = level * scale.
-inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, float* w) {
+// 8 bits: signed levels in groups of `group` (16 or 32) inputs, w = level * scale. (A group of 32 gives the same bits
+// as two groups of 16 with its scale: the product is per element.)
+inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, int64_t group, float* w) {
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_set1_ps(scale[g]);
-    for (int64_t half = 0; half < 2; ++half) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup + half * 16));
-      const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      _mm512_store_ps(w + g * kGroup + half * 16, _mm512_mul_ps(levels, s));
-    }
+    const V16 s = simd::set1(scale[g]);
+    for (int64_t i = 0; i < group; i += 16)
+      simd::store(w + g * group + i, simd::mul(simd::from_i8(row + g * group + i), s));
   }
 }
 
 // Dot products of R input rows (x, x + k, ...) with W weight rows (w, w + k, ...): out[r * out_stride + b] gets input
-// row r against weight row b. Each (weight row, input row) pair has four accumulators over 64 inputs at a time, summed
-// in a fixed order at the end; which pairs share a call changes only the loads (each weight vector is loaded once
-// for all R input rows, each input vector once for all W weight rows), never a pair's operations, so every output
-// is the same bits whatever W and R. W * R <= 4 keeps the accumulators in registers.
+// row r against weight row b. Each (weight row, input row) pair has 32 partial sums (input i goes to sum i mod 32, in
+// input order), added by the halving tree at the end (lane j + lane j + 16, then + 8, + 4, + 2, + 1). Sums 0-15 and
+// 16-31 never meet until then, so they are taken in two passes over the inputs: one vector of accumulators a pair at
+// a time, which leaves registers for more pairs. Which pairs share a call changes only the loads (each weight vector
+// is loaded once for all R input rows, each input vector once for all W weight rows), never a pair's operations, so
+// every output is the same bits whatever W and R and whatever the backend. k is a multiple of 32.
 template <int W, int R>
 inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
-  __m512 a[W][R][4];
-  for (int b = 0; b < W; ++b)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) a[b][r][j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 64) {
-    __m512 wv[W][4];
+  V16 sums[W][R][2];
+  for (int j = 0; j < 2; ++j) {
+    V16 a[W][R];
     for (int b = 0; b < W; ++b)
-      for (int j = 0; j < 4; ++j) wv[b][j] = _mm512_load_ps(w + b * k + i + 16 * j);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) {
-        const __m512 xv = _mm512_loadu_ps(x + r * k + i + 16 * j);
-        for (int b = 0; b < W; ++b) a[b][r][j] = _mm512_fmadd_ps(xv, wv[b][j], a[b][r][j]);
+      for (int r = 0; r < R; ++r) a[b][r] = simd::zero();
+    for (int64_t i = 16 * j; i < k; i += 32) {
+      V16 wv[W];
+      for (int b = 0; b < W; ++b) wv[b] = simd::load(w + b * k + i);
+      for (int r = 0; r < R; ++r) {
+        const V16 xv = simd::load(x + r * k + i);
+        for (int b = 0; b < W; ++b) a[b][r] = simd::fmadd(xv, wv[b], a[b][r]);
       }
+    }
+    for (int b = 0; b < W; ++b)
+      for (int r = 0; r < R; ++r) sums[b][r][j] = a[b][r];
   }
   for (int b = 0; b < W; ++b)
-    for (int r = 0; r < R; ++r)
-      out[r * out_stride + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[b][r][0], a[b][r][1]),
-                                                                   _mm512_add_ps(a[b][r][2], a[b][r][3])));
+    for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(simd::add(sums[b][r][0], sums[b][r][1]));
 }
 
-#else
-// Without AVX-512 nothing here runs (check() refuses first and grouped.py keeps PyTorch's kernels); these plain
-// versions only let the file compile.
-constexpr bool kAvailable = false;
-
-inline void dequantise_int4(const uint8_t* row, const float* scale, const float* minimum, int64_t groups, float* w) {
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t i = 0; i < kGroup / 2; ++i) {
-      w[g * kGroup + i] = float(row[g * kGroup / 2 + i] & 15) * scale[g] + minimum[g];
-      w[g * kGroup + i + kGroup / 2] = float(row[g * kGroup / 2 + i] >> 4) * scale[g] + minimum[g];
-    }
+// `count` weight rows (w, w + k, ...; count <= simd::kPairs) against R input rows, in the largest tiles that keep
+// the accumulators in registers.
+template <int R>
+inline void dot_rows(const float* x, const float* w, int64_t count, int64_t k, float* out, int64_t out_stride) {
+  constexpr int W = simd::kPairs / R > 0 ? simd::kPairs / R : 1;
+  int64_t b = 0;
+  for (; b + W <= count; b += W) dot_block<W, R>(x, w + b * k, k, out + b, out_stride);
+  for (; b < count; ++b) dot_block<1, R>(x, w + b * k, k, out + b, out_stride);
 }
-
-inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, float* w) {
-  for (int64_t i = 0; i < groups * kGroup; ++i) w[i] = float(row[i]) * scale[i / kGroup];
-}
-
-inline float dot(const float* x, const float* w, int64_t k) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < k; ++i) sum += x[i] * w[i];
-  return sum;
-}
-
-template <int W, int R>
-inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
-  for (int b = 0; b < W; ++b)
-    for (int r = 0; r < R; ++r) out[r * out_stride + b] = dot(x + r * k, w + b * k, k);
-}
-
-#endif
 
 // One output row's weights, dequantised into a float32 buffer (what multiply() takes).
 struct Int4Rows {
@@ -121,35 +101,45 @@ struct Int4Rows {
 struct Int8Rows {
   const int8_t* levels;
   const float* scale;
-  int64_t groups;
+  int64_t groups, group;
   void row(int64_t n, float* w) const {
-    dequantise_int8(levels + n * groups * kGroup, scale + n * groups, groups, w);
+    dequantise_int8(levels + n * groups * group, scale + n * groups, groups, group, w);
   }
 };
 
-void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_per_row, const torch::Tensor& scale) {
-  TORCH_CHECK(kAvailable, "jointspec's grouped int4/int8 kernels need AVX-512 (F and BW); this CPU build has none");
+// The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
+int64_t int8_group(const torch::Tensor& scale, int64_t in_features, const char* name) {
+  TORCH_CHECK(scale.dim() == 2 && scale.size(1) > 0 && (scale.size(1) * 32 == in_features ||
+              scale.size(1) * 16 == in_features), name, ": an 8-bit layer's scale must be [out, in / 32] or "
+              "[out, in / 16], got ", scale.sizes(), " for ", in_features, " inputs");
+  return in_features / scale.size(1);
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_per_row, const torch::Tensor& scale,
+           int64_t group = kGroup) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU matrix [rows, in]");
   TORCH_CHECK(x.size(1) % 64 == 0, "in_features must be a multiple of 64, got ", x.size(1));
   TORCH_CHECK(levels.dim() == 2 && levels.is_contiguous() && levels.size(1) == bytes_per_row,
               "levels must be a contiguous [out, ", bytes_per_row, "] matrix");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0) &&
-              scale.size(1) == x.size(1) / kGroup, "scale must be a contiguous float32 [out, in / 32] matrix");
+              scale.size(1) == x.size(1) / group, "scale must be a contiguous float32 [out, in / ", group,
+              "] matrix");
 }
 
 // out [rows, out_features] = x [rows, k] times the dequantised weights of `weights` (Int4Rows / Int8Rows).
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
   // Each weight row dequantised once into a buffer (L1), then multiplied by every input row. (Dequantising into
-  // registers for each input row instead measured 3-16 % slower for 1-4 rows.) Short forwards (decoding,
-  // verification) take weight rows two at a time against input rows two at a time (dot_block<2, 2>), which loads a
-  // vector once per two multiply-adds; a long forward (a prefill), blocks of 8 weight rows dequantised side by side
-  // (8 x 576 floats: 18 KB) against input rows four at a time, so each input row is read from L2 once per block
-  // rather than once per weight row (a 200-token prefill of SmolLM2 ~25 % cheaper). Whatever the path, every output
-  // is one dot_block pair with the same operations: the path changes no result.
+  // registers for each input row instead measured slower for 1-4 rows.) Short forwards (decoding, verification)
+  // take simd::kPairs weight rows at a time against input rows one or two at a time, so a loaded vector serves
+  // several multiply-adds; a long forward (a prefill), blocks of 8 weight rows dequantised side by side (8 x 576
+  // floats: 18 KB) against input rows several at a time, so each input row is read from L2 once per block rather
+  // than once per weight row. Whatever the path, every output is one dot_block pair with the same operations: the
+  // path changes no result.
   const bool short_forward = rows <= 8;
-  const int64_t block = short_forward ? 2 : 8;
+  const int64_t block = short_forward ? simd::kPairs : 8;
+  constexpr int kLongRows = simd::kPairs;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     float* w = static_cast<float*>(std::aligned_alloc(64, block * k * sizeof(float)));
     for (int64_t first = begin; first < end; first += block) {
@@ -157,31 +147,19 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
       for (int64_t b = 0; b < count; ++b) weights.row(first + b, w + b * k);
       if (short_forward) {
         int64_t m = 0;
-        for (; m + 2 <= rows; m += 2) {
-          float* o = op + m * out_features + first;
-          if (count == 2) dot_block<2, 2>(xp + m * k, w, k, o, out_features);
-          else dot_block<1, 2>(xp + m * k, w, k, o, out_features);
-        }
-        if (m < rows) {
-          float* o = op + m * out_features + first;
-          if (count == 2) dot_block<2, 1>(xp + m * k, w, k, o, out_features);
-          else dot_block<1, 1>(xp + m * k, w, k, o, out_features);
-        }
+        if (rows > 1)
+          for (; m + 2 <= rows; m += 2)
+            dot_rows<2>(xp + m * k, w, count, k, op + m * out_features + first, out_features);
+        if (m < rows) dot_rows<1>(xp + m * k, w, count, k, op + m * out_features + first, out_features);
         continue;
       }
       int64_t m = 0;
-      for (; m + 4 <= rows; m += 4)
+      for (; m + kLongRows <= rows; m += kLongRows)
         for (int64_t b = 0; b < count; ++b)
-          dot_block<1, 4>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
-      for (int64_t b = 0; b < count; ++b) {
-        float* o = op + m * out_features + first + b;
-        switch (rows - m) {
-          case 3: dot_block<1, 3>(xp + m * k, w + b * k, k, o, out_features); break;
-          case 2: dot_block<1, 2>(xp + m * k, w + b * k, k, o, out_features); break;
-          case 1: dot_block<1, 1>(xp + m * k, w + b * k, k, o, out_features); break;
-          default: break;
-        }
-      }
+          dot_block<1, kLongRows>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
+      for (; m < rows; ++m)
+        for (int64_t b = 0; b < count; ++b)
+          dot_block<1, 1>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
     }
     std::free(w);
   });
@@ -214,19 +192,29 @@ torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weig
   return out;
 }
 
-// A 4-bit layer's buffers as raw pointers (packed [out, in / 2] uint8, scale and minimum [out, in / 32] float32).
-struct Int4Weights {
+// One projection's buffers as raw pointers: 4 bits (packed [out, in / 2] uint8, scale and minimum [out, in / 32]
+// float32) or 8 bits (levels [out, in] int8, scale [out, in / group] float32).
+struct Weights {
+  int bits;
   const uint8_t* packed;
+  const int8_t* levels;
   const float* scale;
   const float* minimum;
-  int64_t in_features, out_features;
+  int64_t in_features, out_features, group;
 
-  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
-    const Int4Rows weights{packed, scale, minimum, in_features / kGroup};
+  template <typename Rows>
+  void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights) const {
     if (gemm)
       multiply_gemm(x, rows, in_features, out_features, out, weights);
     else
       multiply(x, rows, in_features, out_features, out, weights);
+  }
+
+  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
+    if (bits == 4)
+      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup});
+    else
+      apply_rows(x, rows, out, gemm, Int8Rows{levels, scale, in_features / group, group});
   }
 };
 
@@ -235,89 +223,46 @@ struct Int4Weights {
 // probability-weighted sum of values, in key order. A pair's result depends only on its query and the keys it sees,
 // never on the other rows of the call, so a row verified among draft tokens equals the row decoded alone (what
 // jointspec/models/quantize.py's row-wise attention needs), and one call serves every row and head of a layer.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' coefficients), times 2^n.
-// Lane by lane the same instructions, so a score's exponential does not depend on its neighbours.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below this e^x is denormal: treat as 0 after scaling
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Sixteen vectors in, one out: lane j is the sum of vector j's sixteen lanes. Every lane is summed by the same tree
-// (pairs of lanes, then pairs of pairs, ...), whatever its position, so a key's score does not depend on the keys
-// it shares a block with. About 3 instructions per vector where a horizontal sum each costs about 10.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 t[8], s[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of vectors 4i .. 4i + 3
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 r0 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 r1 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // One pair: q [dim], keys/values rows at `key` + j * dim for the `count` visible key indices `index` (ascending).
-// Scores sixteen keys at a time (sum_lanes16), then the softmax, then the weighted sum of values in key order.
-// dim is a multiple of 16, at most 256.
+// Scores sixteen keys at a time (simd::sum_lanes16: every key's score by the same tree, whatever its neighbours),
+// then the softmax, then the weighted sum of values in key order. dim is a multiple of 16, at most 256.
 void attend(const float* q, const float* key, const float* value, const int64_t* index, int64_t count, int64_t dim,
             float scale, float* scores, float* out) {
   const int64_t chunks = dim / 16;
-  __m512 qv[16];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  __m512 high = _mm512_set1_ps(-INFINITY);
+  V16 qv[16];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
+  float high = -INFINITY;
   for (int64_t i = 0; i < count; i += 16) {
     const int64_t n = std::min<int64_t>(16, count - i);
-    __m512 acc[16];
+    V16 acc[16];
     for (int64_t j = 0; j < 16; ++j) {
-      acc[j] = _mm512_setzero_ps();
+      acc[j] = simd::zero();
       if (j < n) {
         const float* k = key + index[i + j] * dim;
-        for (int64_t c = 0; c < chunks; ++c) acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+        for (int64_t c = 0; c < chunks; ++c) acc[j] = simd::fmadd(qv[c], simd::load(k + 16 * c), acc[j]);
       }
     }
-    const __mmask16 lanes = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    const __m512 block = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores + i, lanes, block);
-    high = _mm512_mask_max_ps(high, lanes, high, block);
+    simd::store_first(scores + i, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
+    for (int64_t j = 0; j < n; ++j) high = std::max(high, scores[i + j]);
   }
-  __m512 total = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(high));
+  V16 total = simd::zero();
+  const V16 top = simd::set1(high);
   for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 lanes = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), top));
-    _mm512_mask_storeu_ps(scores + i, lanes, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+    const int64_t n = std::min<int64_t>(16, count - i);
+    const V16 e = simd::exp(simd::sub(simd::load_first(scores + i, n), top));
+    simd::store_first(scores + i, e, n);
+    total = simd::add(total, simd::load_first(scores + i, n));  // lanes past the last key add 0
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  __m512 acc[16];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; ++i) {  // each output element a sum over the keys in order, as before
-    const __m512 p = _mm512_set1_ps(scores[i]);
+  const V16 inverse = simd::set1(1.0f / simd::reduce_add(total));
+  V16 acc[16];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::zero();
+  for (int64_t i = 0; i < count; ++i) {  // each output element a sum over the keys in order
+    const V16 p = simd::set1(scores[i]);
     const float* v = value + index[i] * dim;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::fmadd(p, simd::load(v + 16 * c), acc[c]);
   }
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inverse));
+  for (int64_t c = 0; c < chunks; ++c) simd::store(out + 16 * c, simd::mul(acc[c], inverse));
 }
-#else
-void attend(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, float, float*, float*) {}
-#endif
 
 // Each row's visible key indices, ascending: from a bool [rows, keys] matrix, or (visible empty) row r sees keys
 // 0 .. lengths[r] - 1.
@@ -365,43 +310,37 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// A whole Llama decoder layer on 4-bit weights, for the lean forward (jointspec/models/fastpath.py): the norms, the
-// fused q/k/v projection, rotary embedding, writing the new keys and values into the cache, attention, the output
+// A whole Llama decoder layer on 4- or 8-bit weights, for the lean forward (jointspec/models/fastpath.py): the norms,
+// the q/k/v projections, rotary embedding, writing the new keys and values into the cache, attention, the output
 // projection, the gated MLP and both residual adds, in one call instead of about fifty PyTorch operations. Every step
 // treats each row alone (norms, rotary, activation per row; projections and attention as above), so this layer
 // keeps the row independence speculative decoding needs.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
 // LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n is a multiple of 16.
 void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
-  __m512 acc = _mm512_setzero_ps();
+  V16 acc = simd::zero();
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const V16 v = simd::load(x + i);
+    acc = simd::fmadd(v, v, acc);
   }
-  const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(n) + eps);
-  const __m512 scale = _mm512_set1_ps(inverse);
+  const float inverse = 1.0f / std::sqrt(simd::reduce_add(acc) / float(n) + eps);
+  const V16 scale = simd::set1(inverse);
   for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), scale)));
+    simd::store(out + i, simd::mul(simd::load(weight + i), simd::mul(simd::load(x + i), scale)));
 }
 
 // silu(gate) * up = gate * up / (1 + e^-gate). n is a multiple of 16.
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const V16 one = simd::set1(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    _mm512_storeu_ps(out + i, _mm512_div_ps(_mm512_mul_ps(g, _mm512_loadu_ps(up + i)), denominator));
+    const V16 g = simd::load(gate + i);
+    const V16 denominator = simd::add(one, simd::exp(simd::sub(simd::zero(), g)));
+    simd::store(out + i, simd::div(simd::mul(g, simd::load(up + i)), denominator));
   }
 }
 
 void add_into(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (int64_t i = 0; i < n; i += 16) simd::store(x + i, simd::add(simd::load(x + i), simd::load(y + i)));
 }
-#else
-void rms_norm(const float*, const float*, int64_t, float, float*) {}
-void silu_mul(const float*, const float*, int64_t, float*) {}
-void add_into(float*, const float*, int64_t) {}
-#endif
 
 // transformers' apply_rotary_pos_emb for one head vector: x * cos + rotate_half(x) * sin, rotate_half(x) being
 // [-x2, x1] for the halves x1, x2.
@@ -411,23 +350,70 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   for (int64_t i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& minimum,
-                         int64_t in_features, const char* name) {
-  TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
-              packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
-              in_features / 2, "] matrix");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == packed.size(0) &&
-              scale.size(1) == in_features / kGroup && minimum.sizes() == scale.sizes() &&
-              minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(), name,
-              ": scale and minimum must be contiguous float32 [out, in / 32] matrices");
-  return {packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(), in_features,
-          packed.size(0)};
+// Several projections of one input whose outputs sit side by side (q | k | v, gate | up): one fused projection (a
+// single part, its layers' buffers stacked: models/grouped.py, stack_storage), or one part per layer where their
+// formats differ (a GGUF file may store v in another block type than q and k).
+struct Parts {
+  std::vector<Weights> parts;
+  int64_t out_features = 0;
+
+  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
+    if (parts.size() == 1) return parts[0].apply(x, rows, out, gemm);
+    std::vector<float> part_out;
+    int64_t column = 0;
+    for (const Weights& w : parts) {
+      part_out.resize(rows * w.out_features);
+      w.apply(x, rows, part_out.data(), gemm);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(part_out.data() + r * w.out_features, w.out_features, out + r * out_features + column);
+      column += w.out_features;
+    }
+  }
+};
+
+Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
+
+Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_features, const char* name) {
+  TORCH_CHECK(!parts.empty(), name, ": no projection given");
+  Parts out;
+  for (const auto& part : parts) {
+    out.parts.push_back(weights_of(part, in_features, name));
+    out.out_features += out.parts.back().out_features;
+  }
+  return out;
 }
 
-}  // namespace
+// A projection given as (packed, scale, minimum): 4 bits; as (levels, scale): 8 bits.
+Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
+  TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
+  TORCH_CHECK(tensors.size() == 3 || tensors.size() == 2, name, ": a projection comes as (packed, scale, minimum) "
+              "for 4 bits or (levels, scale) for 8 bits, got ", tensors.size(), " tensors");
+  const torch::Tensor& scale = tensors[1];
+  if (tensors.size() == 3) {
+    const torch::Tensor &packed = tensors[0], &minimum = tensors[2];
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
+                packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
+                in_features / 2, "] matrix");
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == packed.size(0) &&
+                scale.size(1) == in_features / kGroup && minimum.sizes() == scale.sizes() &&
+                minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(), name,
+                ": scale and minimum must be contiguous float32 [out, in / 32] matrices");
+    return {4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr<float>(), minimum.data_ptr<float>(), in_features,
+            packed.size(0), kGroup};
+  }
+  const torch::Tensor& levels = tensors[0];
+  TORCH_CHECK(levels.scalar_type() == torch::kInt8 && levels.dim() == 2 && levels.is_contiguous() &&
+              levels.size(1) == in_features, name, ": levels must be a contiguous int8 [out, ", in_features,
+              "] matrix");
+  const int64_t group = int8_group(scale, in_features, name);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0), name,
+              ": scale must be a contiguous float32 [out, in / ", group, "] matrix");
+  return {8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, levels.size(0),
+          group};
+}
 
-bool available() { return kAvailable; }
+
+std::string isa() { return JOINTSPEC_ISA_NAME; }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
                           bool gemm) {
@@ -440,9 +426,11 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm) {
-  check(x, levels, x.size(1), scale);
+  const int64_t group = int8_group(scale, x.size(1), "int8_linear");
+  check(x, levels, x.size(1), scale, group);
   TORCH_CHECK(levels.scalar_type() == torch::kInt8, "levels must be int8");
-  return run(x, levels.size(0), Int8Rows{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.size(1)}, gemm);
+  return run(x, levels.size(0), Int8Rows{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.size(1), group},
+             gemm);
 }
 
 
@@ -451,7 +439,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor s
 // 0 .. lengths[r] - 1. Returns [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
 torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
                         torch::Tensor lengths, double scale) {
-  TORCH_CHECK(kAvailable, "jointspec's attention kernel needs AVX-512 (F and BW); this CPU build has none");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be 3-D");
   for (const auto* t : {&query, &key, &value}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(2) == 1,
@@ -471,23 +458,21 @@ torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor va
   return out;
 }
 
-// hidden [rows, width] -> the layer's output [rows, width]. Each layer as (packed, scale, minimum); qkv holds q, k
-// and v stacked (q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
+// hidden [rows, width] -> the layer's output [rows, width]. Each projection as weights_of() reads it: (packed,
+// scale, minimum) for 4 bits, (levels, scale) for 8; qkv gives q, k and v as parts (parts_of: fused, or one each;
+// q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
 // cos / sin [rows, dim] come from the model's rotary embedding. The new keys and values go to rows start ..
 // start + rows - 1 of key_cache / value_cache ([kv_heads, capacity, dim], contiguous rows); each row then attends
 // to the keys `visible` / `lengths` give it (as attention() above), scaled by `scale`. `gemm`: the projections
 // through multiply_gemm (a prefill; its rows are then not computed alone), else row by row.
 torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
-                            std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o_proj,
-                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                            std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
+                            std::vector<std::vector<torch::Tensor>> gate_up, std::vector<torch::Tensor> down,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                             int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
                             double scale, bool gemm) {
-  TORCH_CHECK(kAvailable, "jointspec's decoder-layer kernel needs AVX-512 (F and BW); this CPU build has none");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
               hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
-  TORCH_CHECK(qkv.size() == 3 && o_proj.size() == 3 && gate_up.size() == 3 && down.size() == 3,
-              "each projection comes as (packed, scale, minimum)");
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
@@ -508,11 +493,11 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   }
   TORCH_CHECK(start >= 0 && start + rows <= key_cache.size(1) && value_cache.size(1) >= start + rows,
               "the caches have no room for ", rows, " entries after ", start);
-  const Int4Weights w_qkv = int4_weights(qkv[0], qkv[1], qkv[2], width, "qkv");
-  const Int4Weights w_o = int4_weights(o_proj[0], o_proj[1], o_proj[2], q_size, "o_proj");
-  const Int4Weights w_gu = int4_weights(gate_up[0], gate_up[1], gate_up[2], width, "gate_up");
+  const Parts w_qkv = parts_of(qkv, width, "qkv");
+  const Weights w_o = weights_of(o_proj, q_size, "o_proj");
+  const Parts w_gu = parts_of(gate_up, width, "gate_up");
   const int64_t intermediate = w_gu.out_features / 2;
-  const Int4Weights w_down = int4_weights(down[0], down[1], down[2], intermediate, "down");
+  const Weights w_down = weights_of(down, intermediate, "down");
   TORCH_CHECK(w_qkv.out_features == q_size + 2 * kv_size && w_o.out_features == width &&
               w_gu.out_features == 2 * intermediate && intermediate % 64 == 0 && w_down.out_features == width,
               "projection shapes do not fit the layer");
@@ -561,8 +546,9 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
 // layer runs decoder_layer() above, so the results are the same bits as calling it layer by layer.
 class CompiledLayers {
  public:
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<torch::Tensor> qkv,
-                 std::vector<torch::Tensor> o_proj, std::vector<torch::Tensor> gate_up,
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+                 std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
+                 std::vector<std::vector<torch::Tensor>> gate_up,
                  std::vector<torch::Tensor> down, int64_t heads, double scale) {
     layers_.push_back({input_norm, post_norm, eps, qkv, o_proj, gate_up, down, heads, scale});
   }
@@ -597,7 +583,10 @@ class CompiledLayers {
   struct Layer {
     torch::Tensor input_norm, post_norm;
     double eps;
-    std::vector<torch::Tensor> qkv, o_proj, gate_up, down;
+    std::vector<std::vector<torch::Tensor>> qkv;
+    std::vector<torch::Tensor> o_proj;
+    std::vector<std::vector<torch::Tensor>> gate_up;
+    std::vector<torch::Tensor> down;
     int64_t heads;
     double scale;
   };
@@ -627,30 +616,49 @@ class CompiledLayers {
 // screened out (its score more than `margin` under the best), the argmax differs from the exact head's; the
 // SCREEN_MARGIN note in models/grouped.py says how often that was measured to happen.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// sum over k inputs of level (0..15) times x8 (signed), for R input rows; integer, so the order does not matter.
-template <int R>
+// Sum over k inputs of level (0..15) times x8 (signed), for R input rows. Integer sums have no order, so every
+// variant below gives the same numbers: x86 builds take 32 inputs a step (VNNI's dot-product instruction where the
+// CPU has it, chosen at run time, else two steps whose 16-bit sums cannot saturate: 15 * 127 * 2 < 2^15), the
+// portable build one at a time.
+#if defined(JOINTSPEC_ISA_AVX512) || defined(JOINTSPEC_ISA_AVX2)
+enum Dot { kMaddubs, kVnni512, kVnniAvx };
+
+template <Dot D>
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s);
+template <>
+inline __m256i dot_add<kMaddubs>(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#if defined(JOINTSPEC_ISA_AVX512)
+template <>
+__attribute__((target("avx512vnni"))) inline __m256i dot_add<kVnni512>(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
+#define JOINTSPEC_VNNI kVnni512
+#define JOINTSPEC_VNNI_TARGET "avx512vnni"
+#define JOINTSPEC_VNNI_CPU "avx512vnni"
+#else
+template <>
+__attribute__((target("avxvnni"))) inline __m256i dot_add<kVnniAvx>(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+#define JOINTSPEC_VNNI kVnniAvx
+#define JOINTSPEC_VNNI_TARGET "avxvnni"
+#define JOINTSPEC_VNNI_CPU "avxvnni"
+#endif
+
+template <Dot D, int R>
 inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
   __m256i acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
   for (int64_t c = 0; c < k; c += 64) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));
     const __m256i low = _mm256_and_si256(bytes, nibble);
     const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
     for (int r = 0; r < R; ++r) {
-      const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c));
-      const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      acc[r] = _mm256_dpbusd_epi32(acc[r], low, x_low);
-      acc[r] = _mm256_dpbusd_epi32(acc[r], high, x_high);
-#else  // the same integer sums in two steps (15 * 127 * 2 fits in 16 bits: no saturation)
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(low, x_low), ones));
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(high, x_high), ones));
-#endif
+      acc[r] = dot_add<D>(acc[r], low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c)));
+      acc[r] = dot_add<D>(acc[r], high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32)));
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -673,9 +681,62 @@ inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* 
 }
 #endif
 
+// dots[(j - begin) * rows + r]: vocabulary rows begin .. end - 1 against every input row, up to 4 input rows per
+// pass over a weight row.
+#define JOINTSPEC_SCREEN_RANGE(DOTS)                                                              \
+  for (int64_t j = begin; j < end; ++j) {                                                        \
+    const uint8_t* w = wp + j * (k / 2);                                                         \
+    int32_t* out = dots + (j - begin) * rows;                                                    \
+    for (int64_t r = 0; r < rows; r += 4) {                                                      \
+      const int8_t* x = x8 + r * k;                                                              \
+      switch (std::min<int64_t>(4, rows - r)) {                                                  \
+        case 4: DOTS(4)(w, x, k, out + r); break;                                                \
+        case 3: DOTS(3)(w, x, k, out + r); break;                                                \
+        case 2: DOTS(2)(w, x, k, out + r); break;                                                \
+        default: DOTS(1)(w, x, k, out + r); break;                                               \
+      }                                                                                          \
+    }                                                                                            \
+  }
+
+#if defined(JOINTSPEC_ISA_AVX512) || defined(JOINTSPEC_ISA_AVX2)
+#define JOINTSPEC_MADDUBS(R) screen_dots<kMaddubs, R>
+#define JOINTSPEC_DPBUSD(R) screen_dots<JOINTSPEC_VNNI, R>
+void screen_range_plain(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                        int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(JOINTSPEC_MADDUBS)
+}
+__attribute__((target(JOINTSPEC_VNNI_TARGET))) void screen_range_vnni(
+    const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end, int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(JOINTSPEC_DPBUSD)
+}
+// Whether the screen takes VNNI's instruction: where the CPU has it, unless use_vnni(false) said otherwise (tests
+// hold both variants against the portable build).
+bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports(JOINTSPEC_VNNI_CPU));
+
+bool use_vnni(bool on) {
+  g_vnni = on && __builtin_cpu_supports(JOINTSPEC_VNNI_CPU);
+  return g_vnni;
+}
+
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots) {
+  if (g_vnni) screen_range_vnni(wp, x8, rows, k, begin, end, dots);
+  else screen_range_plain(wp, x8, rows, k, begin, end, dots);
+}
+#else
+bool use_vnni(bool) { return false; }
+
+#define JOINTSPEC_PORTABLE(R) screen_dots<R>
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(JOINTSPEC_PORTABLE)
+}
+#endif
+
 torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
                             torch::Tensor levels, torch::Tensor scale, double margin, int64_t max_exact) {
-  check(x, levels, x.size(1), scale);
+  const int64_t group = int8_group(scale, x.size(1), "screened_head");
+  check(x, levels, x.size(1), scale, group);
   const int64_t rows = x.size(0), k = x.size(1), vocab = levels.size(0);
   TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
               screen4.size(0) == vocab && screen4.size(1) == k / 2, "screen4 must be contiguous uint8 [V, in / 2]");
@@ -710,26 +771,15 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
   const uint8_t* wp = screen4.data_ptr<uint8_t>();
   const float* sp = screen_scale.data_ptr<float>();
   at::parallel_for(0, vocab, 256, [&](int64_t begin, int64_t end) {
-    int32_t dots[4];
-    for (int64_t j = begin; j < end; ++j) {
-      const uint8_t* w = wp + j * (k / 2);
-      for (int64_t r = 0; r < rows; r += 4) {  // up to 4 input rows per pass over the weight row
-        const int64_t n = std::min<int64_t>(4, rows - r);
-        const int8_t* x = x8.data() + r * k;
-        switch (n) {
-          case 4: screen_dots<4>(w, x, k, dots); break;
-          case 3: screen_dots<3>(w, x, k, dots); break;
-          case 2: screen_dots<2>(w, x, k, dots); break;
-          default: screen_dots<1>(w, x, k, dots); break;
-        }
-        for (int64_t q = 0; q < n; ++q)
-          op[(r + q) * vocab + j] = sp[j] * x_scale[r + q] * float(dots[q] - 8 * x_sum[r + q]);
-      }
-    }
+    std::vector<int32_t> dots((end - begin) * rows);
+    screen_range(wp, x8.data(), rows, k, begin, end, dots.data());
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < rows; ++r)
+        op[r * vocab + j] = sp[j] * x_scale[r] * float(dots[(j - begin) * rows + r] - 8 * x_sum[r]);
   });
   // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
   // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
-  const Int8Rows exact{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), k / kGroup};
+  const Int8Rows exact{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), k / group, group};
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (input row, vocabulary row)
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = op + r * vocab;
@@ -758,12 +808,15 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
   return out;
 }
 
+}  // namespace: internal linkage, so the builds for several instruction sets load side by side
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX-512 kernels");
+  m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
+  m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false);
   m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
-  py::class_<CompiledLayers>(m, "CompiledLayers")
+  py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
       .def(py::init<>())
       .def("add_layer", &CompiledLayers::add_layer)
       .def("set_caches", &CompiledLayers::set_caches)

@@ -1,0 +1,271 @@
+// Sixteen-float vectors for jointspec's CPU kernels (grouped_linear.cpp), in three backends picked by the build:
+//   JOINTSPEC_ISA_AVX512  one AVX-512 register        (built with -mavx512f -mavx512bw -mavx512vl -mavx512dq ...)
+//   JOINTSPEC_ISA_AVX2    two AVX2 registers           (built with -mavx2 -mfma)
+//   neither               sixteen floats in an array   (plain C++: any CPU with a C++ compiler, ARM included)
+//
+// The contract that makes the backends interchangeable: every operation here is defined lane by lane with one IEEE
+// rounding (fmadd rounds a * b + c once), every reduction by one fixed tree written out below, and the kernels are
+// built with -ffp-contract=off so the compiler fuses nothing on its own. So a kernel written once on V16 gives the
+// same bits on all three backends, and tests can hold them against each other. Only the integer dot products of the
+// screened head (screen_dots in grouped_linear.cpp) differ in instructions, and integer sums have no order.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(JOINTSPEC_ISA_AVX512)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__))
+#error "JOINTSPEC_ISA_AVX512 needs -mavx512f -mavx512bw -mavx512vl -mavx512dq"
+#endif
+#include <immintrin.h>
+#define JOINTSPEC_ISA_NAME "avx512"
+#elif defined(JOINTSPEC_ISA_AVX2)
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "JOINTSPEC_ISA_AVX2 needs -mavx2 -mfma"
+#endif
+#include <immintrin.h>
+#define JOINTSPEC_ISA_NAME "avx2"
+#else
+#define JOINTSPEC_ISA_PORTABLE 1
+#define JOINTSPEC_ISA_NAME "portable"
+#endif
+
+namespace simd {
+
+// e^x, the constants: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' coefficients).
+constexpr float kExpLow = -87.3f;  // below this e^x is denormal: clamped (about 1e-38, an exact 0 after the softmax)
+constexpr float kExpHigh = 88.0f;  // above this 2^n would not be a normal float; e^88 = 1.6e38 is as good as infinity
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(JOINTSPEC_ISA_AVX512)
+struct V16 {
+  __m512 v;
+};
+inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }  // the rest 0
+inline void store_first(float* p, V16 a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
+inline V16 set1(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 zero() { return {_mm512_setzero_ps()}; }
+inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 div(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a * b + c
+inline V16 fnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
+inline V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }  // lane: a > b ? a : b
+inline V16 min(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }  // lane: a < b ? a : b
+inline V16 round_even(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// 2^n for integral n in [-126, 127] (a normal float: exact).
+inline V16 pow2(V16 n) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+}
+// Lanes 0-15: bytes 0-15 of p as unsigned / signed integers.
+inline V16 from_u8(__m128i bytes) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))}; }
+inline V16 from_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+// Levels of a 4-bit group of 32: byte i holds level i (low nibble) and level i + 16 (high nibble).
+inline void nibbles(const uint8_t* p, V16& low, V16& high) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
+  low = from_u8(_mm_and_si128(bytes, mask));
+  high = from_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+}
+// The halving tree: lane j + lane j + 8, then j + j + 4, j + j + 2, j + j + 1.
+inline float reduce_add(V16 a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
+}
+inline float reduce_max(V16 a) { return _mm512_reduce_max_ps(a.v); }
+// Sixteen vectors in, one out: lane j is vector j's sum by the tree (B0 + B1) + (B2 + B3), where B_L =
+// (x[4L] + x[4L + 2]) + (x[4L + 1] + x[4L + 3]); about 3 instructions a vector where a horizontal sum costs 10.
+inline V16 sum_lanes16(const V16* v) {
+  __m512 t[8], s[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: B_L of each of vectors 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 r0 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 r1 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)))};
+}
+// (weight row, input row) pairs a short-forward kernel call takes together: their accumulators (one vector a pair,
+// grouped_linear.cpp's dot_block) must stay in registers.
+constexpr int kPairs = 4;
+
+#elif defined(JOINTSPEC_ISA_AVX2)
+struct V16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline __m256i first8(int64_t n) {  // lanes < n all ones
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))), index);
+}
+inline V16 load_first(const float* p, int64_t n) {
+  return {_mm256_maskload_ps(p, first8(n)), _mm256_maskload_ps(p + 8, first8(n - 8))};
+}
+inline void store_first(float* p, V16 a, int64_t n) {
+  _mm256_maskstore_ps(p, first8(n), a.lo);
+  _mm256_maskstore_ps(p + 8, first8(n - 8), a.hi);
+}
+inline V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+#define JOINTSPEC_V16_BINARY(name, op) \
+  inline V16 name(V16 a, V16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+JOINTSPEC_V16_BINARY(add, _mm256_add_ps)
+JOINTSPEC_V16_BINARY(sub, _mm256_sub_ps)
+JOINTSPEC_V16_BINARY(mul, _mm256_mul_ps)
+JOINTSPEC_V16_BINARY(div, _mm256_div_ps)
+JOINTSPEC_V16_BINARY(max, _mm256_max_ps)
+JOINTSPEC_V16_BINARY(min, _mm256_min_ps)
+#undef JOINTSPEC_V16_BINARY
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 fnmadd(V16 a, V16 b, V16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 round_even(V16 a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+inline __m256 pow2_8(__m256 n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V16 pow2(V16 n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
+inline V16 from_u8(__m128i bytes) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+inline V16 from_i8(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+inline void nibbles(const uint8_t* p, V16& low, V16& high) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
+  low = from_u8(_mm_and_si128(bytes, mask));
+  high = from_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+}
+inline float reduce_add(V16 a) {  // the halving tree, as for AVX-512
+  const __m256 h = _mm256_add_ps(a.lo, a.hi);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
+}
+inline float reduce_max(V16 a) {
+  const __m256 h = _mm256_max_ps(a.lo, a.hi);
+  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(e, _mm_shuffle_ps(e, e, 1)));
+}
+// The AVX-512 tree on half-width registers: the same unpacks within each 128-bit lane give B_L of four vectors at a
+// time (B0, B1 from the low halves, B2, B3 from the high ones), then (B0 + B1) + (B2 + B3).
+inline V16 sum_lanes16(const V16* v) {
+  __m128 out[4];
+  for (int i = 0; i < 4; ++i) {  // vectors 4i .. 4i + 3
+    __m256 s[2];
+    for (int half = 0; half < 2; ++half) {
+      __m256 t[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m256 a = half ? v[4 * i + 2 * j].hi : v[4 * i + 2 * j].lo;
+        const __m256 b = half ? v[4 * i + 2 * j + 1].hi : v[4 * i + 2 * j + 1].lo;
+        t[j] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+      }
+      const __m256d a = _mm256_castps_pd(t[0]), b = _mm256_castps_pd(t[1]);
+      s[half] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    const __m128 low = _mm_add_ps(_mm256_castps256_ps128(s[0]), _mm256_extractf128_ps(s[0], 1));   // B0 + B1
+    const __m128 high = _mm_add_ps(_mm256_castps256_ps128(s[1]), _mm256_extractf128_ps(s[1], 1));  // B2 + B3
+    out[i] = _mm_add_ps(low, high);
+  }
+  return {_mm256_set_m128(out[1], out[0]), _mm256_set_m128(out[3], out[2])};
+}
+constexpr int kPairs = 4;  // a pair's accumulators take two registers: eight of sixteen
+
+#else  // portable
+struct V16 {
+  float v[16];
+};
+inline V16 load(const float* p) { V16 r; std::memcpy(r.v, p, sizeof r.v); return r; }
+inline void store(float* p, V16 a) { std::memcpy(p, a.v, sizeof a.v); }
+inline V16 load_first(const float* p, int64_t n) {
+  V16 r{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = p[i];
+  return r;
+}
+inline void store_first(float* p, V16 a, int64_t n) {
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) p[i] = a.v[i];
+}
+inline V16 set1(float x) { V16 r; for (float& e : r.v) e = x; return r; }
+inline V16 zero() { return V16{}; }
+#define JOINTSPEC_V16_LANES(name, expression) \
+  inline V16 name(V16 a, V16 b) { V16 r; for (int i = 0; i < 16; ++i) { const float x = a.v[i], y = b.v[i]; r.v[i] = (expression); } return r; }
+JOINTSPEC_V16_LANES(add, x + y)
+JOINTSPEC_V16_LANES(sub, x - y)
+JOINTSPEC_V16_LANES(mul, x * y)
+JOINTSPEC_V16_LANES(div, x / y)
+JOINTSPEC_V16_LANES(max, x > y ? x : y)
+JOINTSPEC_V16_LANES(min, x < y ? x : y)
+#undef JOINTSPEC_V16_LANES
+inline V16 fmadd(V16 a, V16 b, V16 c) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+inline V16 fnmadd(V16 a, V16 b, V16 c) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::fma(-a.v[i], b.v[i], c.v[i]); return r; }
+inline V16 round_even(V16 a) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::nearbyint(a.v[i]); return r; }
+inline V16 pow2(V16 n) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n.v[i]) + 127) << 23;
+    std::memcpy(&r.v[i], &bits, sizeof bits);
+  }
+  return r;
+}
+inline void nibbles(const uint8_t* p, V16& low, V16& high) {
+  for (int i = 0; i < 16; ++i) {
+    low.v[i] = float(p[i] & 15);
+    high.v[i] = float(p[i] >> 4);
+  }
+}
+inline V16 from_i8(const int8_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = float(p[i]); return r; }
+inline float reduce_add(V16 a) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = a.v[i] + a.v[i + 8];
+  for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+inline float reduce_max(V16 a) { float m = a.v[0]; for (float e : a.v) m = e > m ? e : m; return m; }
+inline V16 sum_lanes16(const V16* v) {
+  V16 r;
+  for (int j = 0; j < 16; ++j) {
+    const float* x = v[j].v;
+    float block[4];
+    for (int L = 0; L < 4; ++L) block[L] = (x[4 * L] + x[4 * L + 2]) + (x[4 * L + 1] + x[4 * L + 3]);
+    r.v[j] = (block[0] + block[1]) + (block[2] + block[3]);
+  }
+  return r;
+}
+constexpr int kPairs = 2;
+#endif
+
+// e^x lane by lane: the same operations in every backend, so a score's exponential is the same bits everywhere.
+inline V16 exp(V16 x) {
+  x = min(max(x, set1(kExpLow)), set1(kExpHigh));
+  const V16 n = round_even(mul(x, set1(kLog2e)));
+  V16 r = fnmadd(n, set1(kLn2High), x);
+  r = fnmadd(n, set1(kLn2Low), r);
+  V16 p = set1(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = fmadd(p, r, set1(kExpPoly[i]));
+  p = fmadd(p, mul(r, r), add(r, set1(1.0f)));
+  return mul(p, pow2(n));
+}
+
+}  // namespace simd

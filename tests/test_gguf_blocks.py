@@ -1,0 +1,162 @@
+"""GGUF blocks taken as they are onto jointspec's kernels (models/gguf_blocks.py).
+
+Deterministic (seeded blocks and weights): no false-failure odds. The oracle for every block type is the gguf
+package's own numpy dequantiser, which follows llama.cpp's dequantize_row_*.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import VOCAB
+from jointspec.loop import SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.models.adapter import CausalLM
+from jointspec.models.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
+from jointspec.models.grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
+from jointspec.models.quantize import quantize_model
+from test_equivalence import greedy, random_prompt
+
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+
+
+def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Raw blocks [rows, bytes] of ``type_name``: quantised random weights where the gguf package quantises that
+    type, else random bytes with finite half-precision scales (every level and scale pattern is a valid block)."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[type_name]
+    if type_name not in BLOCK_BYTES:
+        return quants.quantize((rng.standard_normal((rows, columns)) * 0.05).astype(np.float32), qtype)
+    raw = rng.integers(0, 256, (rows, columns // 256, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    scales = (rng.random((rows, columns // 256, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    if type_name == "Q4_K":
+        raw[..., 0:4] = scales  # d, dmin
+    else:
+        raw[..., 208:210] = scales[..., :2]  # d
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_levels_are_the_files_weights_bit_for_bit(type_name):
+    raw = random_blocks(type_name, rows=6, columns=512, seed=1)
+    levels = decode(raw, type_name, 512)
+    expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+    assert torch.equal(levels.weight(), expected)
+    assert levels.bits == (4 if type_name.startswith("Q4") else 8)
+    assert levels.scale.shape == (6, 512 // (16 if type_name == "Q6_K" else 32))
+    assert expected.abs().max() > 0 and expected.std() > 0  # the blocks hold weights, not zeros
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+def test_the_kernels_multiply_by_the_files_weights(type_name):
+    raw = random_blocks(type_name, rows=48, columns=256, seed=2)
+    levels = decode(raw, type_name, 256)
+    if levels.bits == 4:
+        layer = GroupedInt4Linear.from_levels(levels.levels, levels.scale, levels.minimum)
+    else:
+        layer = GroupedInt8Linear.from_levels(levels.levels, levels.scale)
+    assert torch.equal(layer.dequantized(), levels.weight())
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(5)])
+    reference = x.double() @ levels.weight().double().T
+    assert ((out.double() - reference).abs() <= 1e-5 * (x.abs().double() @ levels.weight().abs().double().T)
+            + 1e-7).all()
+    assert torch.equal(out, alone)  # rows computed alone, in groups of 16 as in groups of 32
+
+
+def test_a_type_the_kernels_do_not_take_is_refused_by_name():
+    raw = quants.quantize(np.ones((2, 64), np.float32), GGMLQuantizationType.Q5_1)
+    with pytest.raises(ValueError, match="GGUF type Q5_1 is not one jointspec's kernels take; they take: Q4_0, "
+                                         "Q4_1, Q4_K, Q5_0, Q8_0, Q6_K"):
+        decode(raw, "Q5_1", 64)
+
+
+# A tiny Llama stored as a GGUF would store it: a Q4_K_M-like mix (q/k Q4_K, v Q6_K, o Q5_0, gate/up Q4_0,
+# down Q6_K, head Q8_0), q and k rows in llama.cpp's rotary order. The model's float weights are the file's
+# dequantised weights, as transformers' GGUF loader gives them.
+TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
+         "ffn_up": "Q4_0", "ffn_down": "Q6_K"}
+MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}
+
+
+def gguf_llama(path, head_type: str = "Q8_0", v_type: str = "Q6_K") -> LlamaForCausalLM:
+    import gguf
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    writer = gguf.GGUFWriter(str(path), "llama")
+    seed = 10
+    for index, layer in enumerate(model.model.layers):
+        for name, module_name in MODULES.items():
+            owner, attribute = module_name.split(".")
+            linear = getattr(getattr(layer, owner), attribute)
+            type_name = v_type if name == "attn_v" else TYPES[name]
+            raw = random_blocks(type_name, linear.out_features, linear.in_features, seed)
+            seed += 1
+            weight = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+            if name in ("attn_q", "attn_k"):  # the file's rows are in llama.cpp's order; the model's in HF's
+                heads = config.num_attention_heads if name == "attn_q" else config.num_key_value_heads
+                weight = weight[torch.argsort(_llama_permutation(linear.out_features, heads))]
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+            writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=GGMLQuantizationType[type_name])
+    raw = random_blocks(head_type, VOCAB, 256, seed)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.from_numpy(
+            quants.dequantize(raw, GGMLQuantizationType[head_type]).astype(np.float32)))
+    writer.add_tensor("output.weight", raw, raw_dtype=GGMLQuantizationType[head_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):
+    model = gguf_llama(tmp_path / "mix.gguf")
+    found = file_layers(model, tmp_path / "mix.gguf")
+    assert found.left == [] and len(found.layers) == 15  # 2 x 7 projections and the head
+    float_model = LlamaForCausalLM(model.config).eval()
+    float_model.load_state_dict(model.state_dict())
+    quantize_model(model, "int4", file_levels=found.layers)
+    attn = model.model.layers[0].self_attn
+    assert type(attn.q_proj) is GroupedInt4Linear and type(attn.v_proj) is GroupedInt8Linear
+    assert attn.v_proj.group_size == 16 and type(attn.o_proj) is GroupedInt8Linear and attn.o_proj.group_size == 32
+    assert type(model.lm_head) is ScreenedInt8Head
+    for name in found.layers:  # every projection and the head: the file's weight, bit for bit
+        assert torch.equal(model.get_submodule(name).dequantized(), float_model.get_submodule(name).weight), name
+    target = CausalLM(model, name="gguf mix")
+    assert target.lean.compiled is not None  # mixed formats, q/k/v not fused: still the compiled layers
+    context = random_prompt(1)
+    ours = target.forward(context).logits
+    theirs = CausalLM(float_model, name="float", lean=False).forward(context).logits
+    # The same weights; only the order of float32 sums differs.
+    assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max().item())
+    outputs = []
+    for name, draft, tree in (("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2))):
+        target = CausalLM(model, name="gguf mix")
+        drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft, tree=tree), target, None,
+                                                       load_draft=None))
+        outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(random_prompt(3), greedy(30)))
+    assert len(outputs[0]) == 30 and outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
+def test_a_layer_whose_blocks_are_not_its_weight_is_left_to_rounding_by_name(tmp_path):
+    model = gguf_llama(tmp_path / "mix.gguf")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    found = file_layers(model, tmp_path / "mix.gguf")
+    assert found.left == ["model.layers.1.mlp.up_proj (blk.1.ffn_up.weight: its blocks do not give the loaded weight)"]
+    assert len(found.layers) == 14
