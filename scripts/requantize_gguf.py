@@ -15,7 +15,8 @@ import argparse
 import sys
 
 TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-         "f16": "LLAMA_FTYPE_MOSTLY_F16"}
+         "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+         "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K", "f16": "LLAMA_FTYPE_MOSTLY_F16"}
 
 
 def main() -> None:
