@@ -58,6 +58,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,11 @@ def selected_isa() -> str:
     if wanted:
         _check_isa(wanted, f"${ISA_ENV}")
         return wanted
+    return _fastest_isa()
+
+
+@functools.cache
+def _fastest_isa() -> str:  # asked on every kernel call: read the CPU's flags once
     return runnable_isas()[0]
 
 
@@ -172,6 +178,8 @@ def _build(isa: str):
     directory = _build_directory(name)
     if not any(directory.glob("*.so")):
         print(f"jointspec: building the {isa} CPU kernels once (about 30 s) ...", file=sys.stderr, flush=True)
+        for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):  # builds of other sources or torch versions
+            shutil.rmtree(stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).

@@ -96,6 +96,14 @@ struct Int4Rows {
   void row(int64_t n, float* w) const {
     dequantise_int4(packed + n * groups * kGroup / 2, scale + n * groups, minimum + n * groups, groups, w);
   }
+  // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n, by the same operations as row().
+  void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
+    const int64_t g = n * groups + c;
+    const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
+    simd::nibbles(packed + g * kGroup / 2, a, b);
+    a = simd::fmadd(a, s, lo);
+    b = simd::fmadd(b, s, lo);
+  }
 };
 
 struct Int8Rows {
@@ -105,7 +113,32 @@ struct Int8Rows {
   void row(int64_t n, float* w) const {
     dequantise_int8(levels + n * groups * group, scale + n * groups, groups, group, w);
   }
+  void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
+    const int8_t* p = levels + n * groups * group + 32 * c;
+    const float* s = scale + n * groups + 32 * c / group;
+    a = simd::mul(simd::from_i8(p), simd::set1(s[0]));
+    b = simd::mul(simd::from_i8(p + 16), simd::set1(group == 16 ? s[1] : s[0]));
+  }
 };
+
+// One input row against W weight rows first .. first + W - 1, dequantised in registers 32 inputs at a time (no
+// buffer): the operations of dequantise_* then dot_block<W, 1>, pair by pair, so the same bits. A decoding step
+// (one row) saves the buffer's stores and loads.
+template <int W, typename Rows>
+inline void dot_direct(const float* x, const Rows& weights, int64_t first, int64_t k, float* out) {
+  V16 acc[W][2];
+  for (int b = 0; b < W; ++b) acc[b][0] = acc[b][1] = simd::zero();
+  for (int64_t c = 0; c < k / 32; ++c) {
+    const V16 xa = simd::load(x + 32 * c), xb = simd::load(x + 32 * c + 16);
+    for (int b = 0; b < W; ++b) {
+      V16 wa, wb;
+      weights.chunk(first + b, c, wa, wb);
+      acc[b][0] = simd::fmadd(xa, wa, acc[b][0]);
+      acc[b][1] = simd::fmadd(xb, wb, acc[b][1]);
+    }
+  }
+  for (int b = 0; b < W; ++b) out[b] = simd::reduce_add(simd::add(acc[b][0], acc[b][1]));
+}
 
 // The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
 int64_t int8_group(const torch::Tensor& scale, int64_t in_features, const char* name) {
@@ -130,16 +163,26 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 // out [rows, out_features] = x [rows, k] times the dequantised weights of `weights` (Int4Rows / Int8Rows).
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
-  // Each weight row dequantised once into a buffer (L1), then multiplied by every input row. (Dequantising into
-  // registers for each input row instead measured slower for 1-4 rows.) Short forwards (decoding, verification)
+  // One input row (a decoding step): each weight row dequantised in registers (dot_direct), as there is nothing to
+  // share a buffer with. More rows: each weight row dequantised once into a buffer (L1), then multiplied by every
+  // input row (dequantising into registers again for each input row was slower). Short forwards (verification)
   // take simd::kPairs weight rows at a time against input rows one or two at a time, so a loaded vector serves
   // several multiply-adds; a long forward (a prefill), blocks of 8 weight rows dequantised side by side (8 x 576
   // floats: 18 KB) against input rows several at a time, so each input row is read from L2 once per block rather
-  // than once per weight row. Whatever the path, every output is one dot_block pair with the same operations: the
-  // path changes no result.
+  // than once per weight row. Whatever the path, every output is one pair of dot_block or dot_direct, the same
+  // operations: the path changes no result.
   const bool short_forward = rows <= 8;
   const int64_t block = short_forward ? simd::kPairs : 8;
   constexpr int kLongRows = simd::kPairs;
+  if (rows == 1) {
+    constexpr int W = simd::kPairs / 2;  // two vectors of accumulators a weight row
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+      int64_t n = begin;
+      for (; n + W <= end; n += W) dot_direct<W>(xp, weights, n, k, op + n);
+      for (; n < end; ++n) dot_direct<1>(xp, weights, n, k, op + n);
+    });
+    return;
+  }
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     float* w = static_cast<float*>(std::aligned_alloc(64, block * k * sizeof(float)));
     for (int64_t first = begin; first < end; first += block) {
@@ -617,72 +660,12 @@ class CompiledLayers {
 // SCREEN_MARGIN note in models/grouped.py says how often that was measured to happen.
 
 // Sum over k inputs of level (0..15) times x8 (signed), for R input rows. Integer sums have no order, so every
-// variant below gives the same numbers: x86 builds take 32 inputs a step (VNNI's dot-product instruction where the
-// CPU has it, chosen at run time, else two steps whose 16-bit sums cannot saturate: 15 * 127 * 2 < 2^15), the
-// portable build one at a time.
-#if defined(JOINTSPEC_ISA_AVX512) || defined(JOINTSPEC_ISA_AVX2)
-enum Dot { kMaddubs, kVnni512, kVnniAvx };
-
-template <Dot D>
-inline __m256i dot_add(__m256i acc, __m256i u, __m256i s);
-template <>
-inline __m256i dot_add<kMaddubs>(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-#if defined(JOINTSPEC_ISA_AVX512)
-template <>
-__attribute__((target("avx512vnni"))) inline __m256i dot_add<kVnni512>(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_dpbusd_epi32(acc, u, s);
-}
-#define JOINTSPEC_VNNI kVnni512
-#define JOINTSPEC_VNNI_TARGET "avx512vnni"
-#define JOINTSPEC_VNNI_CPU "avx512vnni"
-#else
-template <>
-__attribute__((target("avxvnni"))) inline __m256i dot_add<kVnniAvx>(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-}
-#define JOINTSPEC_VNNI kVnniAvx
-#define JOINTSPEC_VNNI_TARGET "avxvnni"
-#define JOINTSPEC_VNNI_CPU "avxvnni"
-#endif
-
-template <Dot D, int R>
-inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
-  __m256i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  for (int64_t c = 0; c < k; c += 64) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));
-    const __m256i low = _mm256_and_si256(bytes, nibble);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = dot_add<D>(acc[r], low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c)));
-      acc[r] = dot_add<D>(acc[r], high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32)));
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
-    const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
-    out[r] = _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));
-  }
-}
-#else
-template <int R>
-inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
-  for (int r = 0; r < R; ++r) {
-    int32_t sum = 0;
-    for (int64_t c = 0; c < k; c += 64)
-      for (int64_t b = 0; b < 32; ++b) {
-        sum += int32_t(w[c / 2 + b] & 15) * x8[r * k + c + b] + int32_t(w[c / 2 + b] >> 4) * x8[r * k + c + 32 + b];
-      }
-    out[r] = sum;
-  }
-}
-#endif
+// variant below gives the same numbers: x86 builds take 64 inputs a step (VNNI's dot-product instruction where the
+// CPU has it, chosen at run time, else two steps whose 16-bit sums cannot saturate), the portable build one at a
+// time.
 
 // dots[(j - begin) * rows + r]: vocabulary rows begin .. end - 1 against every input row, up to 4 input rows per
-// pass over a weight row.
+// pass over a weight row (DOTS<R>: one of the screen_dots variants below).
 #define JOINTSPEC_SCREEN_RANGE(DOTS)                                                              \
   for (int64_t j = begin; j < end; ++j) {                                                        \
     const uint8_t* w = wp + j * (k / 2);                                                         \
@@ -690,25 +673,70 @@ inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* 
     for (int64_t r = 0; r < rows; r += 4) {                                                      \
       const int8_t* x = x8 + r * k;                                                              \
       switch (std::min<int64_t>(4, rows - r)) {                                                  \
-        case 4: DOTS(4)(w, x, k, out + r); break;                                                \
-        case 3: DOTS(3)(w, x, k, out + r); break;                                                \
-        case 2: DOTS(2)(w, x, k, out + r); break;                                                \
-        default: DOTS(1)(w, x, k, out + r); break;                                               \
+        case 4: DOTS<4>(w, x, k, out + r); break;                                                \
+        case 3: DOTS<3>(w, x, k, out + r); break;                                                \
+        case 2: DOTS<2>(w, x, k, out + r); break;                                                \
+        default: DOTS<1>(w, x, k, out + r); break;                                               \
       }                                                                                          \
     }                                                                                            \
   }
 
 #if defined(JOINTSPEC_ISA_AVX512) || defined(JOINTSPEC_ISA_AVX2)
-#define JOINTSPEC_MADDUBS(R) screen_dots<kMaddubs, R>
-#define JOINTSPEC_DPBUSD(R) screen_dots<JOINTSPEC_VNNI, R>
+// x86: 64 inputs a step; DOT_ADD(acc, levels, x8) adds the sums of four adjacent byte products to each 32-bit lane.
+#define JOINTSPEC_SCREEN_DOTS(NAME, DOT_ADD)                                                                   \
+  template <int R>                                                                                            \
+  inline void NAME(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {                              \
+    __m256i acc[R];                                                                                           \
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();                                              \
+    const __m256i nibble = _mm256_set1_epi8(0x0F);                                                            \
+    for (int64_t c = 0; c < k; c += 64) {                                                                     \
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));                 \
+      const __m256i low = _mm256_and_si256(bytes, nibble);                                                    \
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);                             \
+      for (int r = 0; r < R; ++r) {                                                                           \
+        acc[r] = DOT_ADD(acc[r], low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c)));   \
+        acc[r] = DOT_ADD(acc[r], high,                                                                        \
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32)));          \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1)); \
+      const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));                             \
+      out[r] = _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));                   \
+    }                                                                                                         \
+  }
+
+// Two steps, u8 x s8 -> pairs summed to s16 -> quadruples to s32 (15 * 127 * 2 < 2^15: no saturation).
+inline __m256i dot_add_maddubs(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+JOINTSPEC_SCREEN_DOTS(screen_dots_plain, dot_add_maddubs)
+
 void screen_range_plain(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
                         int32_t* dots) {
-  JOINTSPEC_SCREEN_RANGE(JOINTSPEC_MADDUBS)
+  JOINTSPEC_SCREEN_RANGE(screen_dots_plain)
 }
-__attribute__((target(JOINTSPEC_VNNI_TARGET))) void screen_range_vnni(
-    const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end, int32_t* dots) {
-  JOINTSPEC_SCREEN_RANGE(JOINTSPEC_DPBUSD)
+
+// VNNI's one instruction for the same sums, in a region compiled for it: every function there (the dot product, the
+// loop, the range) carries the target, so they inline into each other. Run only where the CPU has it.
+#pragma GCC push_options
+#if defined(JOINTSPEC_ISA_AVX512)
+#pragma GCC target("avx512vnni")
+#define JOINTSPEC_VNNI_CPU "avx512vnni"
+inline __m256i dot_add_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#pragma GCC target("avxvnni")
+#define JOINTSPEC_VNNI_CPU "avxvnni"
+inline __m256i dot_add_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+JOINTSPEC_SCREEN_DOTS(screen_dots_vnni, dot_add_vnni)
+
+void screen_range_vnni(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                       int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots_vnni)
 }
+#pragma GCC pop_options
+
 // Whether the screen takes VNNI's instruction: where the CPU has it, unless use_vnni(false) said otherwise (tests
 // hold both variants against the portable build).
 bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports(JOINTSPEC_VNNI_CPU));
@@ -724,12 +752,24 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
   else screen_range_plain(wp, x8, rows, k, begin, end, dots);
 }
 #else
+// Portable: one input at a time (integer sums: the same numbers).
+template <int R>
+inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
+  for (int r = 0; r < R; ++r) {
+    int32_t sum = 0;
+    for (int64_t c = 0; c < k; c += 64)
+      for (int64_t b = 0; b < 32; ++b) {
+        sum += int32_t(w[c / 2 + b] & 15) * x8[r * k + c + b] + int32_t(w[c / 2 + b] >> 4) * x8[r * k + c + 32 + b];
+      }
+    out[r] = sum;
+  }
+}
+
 bool use_vnni(bool) { return false; }
 
-#define JOINTSPEC_PORTABLE(R) screen_dots<R>
 void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
                   int32_t* dots) {
-  JOINTSPEC_SCREEN_RANGE(JOINTSPEC_PORTABLE)
+  JOINTSPEC_SCREEN_RANGE(screen_dots)
 }
 #endif
 
