@@ -111,3 +111,30 @@ def test_models_other_than_transformers_llama_take_transformers_forward():
     assert "Identity replaces transformers' LlamaMLP" in unsupported_reason(llama)
     with pytest.raises(ValueError, match="LlamaMLP"):
         LlamaFastForward(llama)
+
+
+def tiny_qwen2(seed: int, hidden: int = 64, intermediate: int = 128, **config):
+    """A Qwen2 model (biases on q/k/v, which Llama has not) with every linear's width a multiple of 64."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=False,
+                                         attn_implementation="sdpa", **config)).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for layer in model.model.layers:  # biases large enough to matter (they start at zero)
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_(0, 0.5)
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def test_qwen2_takes_the_lean_forward_bit_for_bit_and_sliding_windows_do_not():
+    model = tiny_qwen2(0)
+    assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    assert same_calls(*both(model)) == 5
+    windowed = tiny_qwen2(0, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert unsupported_reason(windowed) == "sliding-window attention layers"
+    assert CausalLM(windowed).lean is None

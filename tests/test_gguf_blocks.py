@@ -12,14 +12,12 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import VOCAB
-from jointspec.loop import SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
+from conftest import VOCAB, greedy_by_methods
 from jointspec.models.adapter import CausalLM
 from jointspec.models.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
 from jointspec.models.grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
 from jointspec.models.quantize import quantize_model
-from test_equivalence import greedy, random_prompt
+from test_equivalence import random_prompt
 
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 
@@ -144,12 +142,7 @@ def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):
     theirs = CausalLM(float_model, name="float", lean=False).forward(context).logits
     # The same weights; only the order of float32 sums differs.
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max().item())
-    outputs = []
-    for name, draft, tree in (("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2))):
-        target = CausalLM(model, name="gguf mix")
-        drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft, tree=tree), target, None,
-                                                       load_draft=None))
-        outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(random_prompt(3), greedy(30)))
+    outputs = greedy_by_methods(model, random_prompt(3), 30)
     assert len(outputs[0]) == 30 and outputs[1] == outputs[0] and outputs[2] == outputs[0]
 
 

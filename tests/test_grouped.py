@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import VOCAB
+from conftest import VOCAB, greedy_by_methods
 from jointspec.errors import UnsupportedOptionError
 from jointspec.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.sampling import SamplingConfig
@@ -452,6 +452,30 @@ def test_each_build_gives_the_portable_builds_bits(isa):
     finally:
         fast.use_vnni(True)
 
+
+
+def test_a_qwen2_model_with_qkv_biases_runs_the_compiled_layers_one_row_at_a_time():
+    from test_fastpath import tiny_qwen2
+
+    model = quantize_model(tiny_qwen2(1), "int4")
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    compiled, python = CausalLM(model, name="compiled"), CausalLM(model, name="python")
+    python.lean.compiled = None
+    assert compiled.lean.compiled is not None
+    context = random_prompt(2)
+    ours, theirs = compiled.forward(context), python.forward(context)
+    assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
+    without = CausalLM(quantize_model(tiny_qwen2(1), "int4"), name="no biases")
+    for layer in without.model.model.layers:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            projection.bias.zero_()
+    assert not torch.allclose(without.forward(context).logits, ours.logits, atol=1e-2)  # the biases are applied
+    new = [7, 8, 9, 10]
+    chain = compiled.forward(new).logits
+    compiled.crop(len(context))
+    assert torch.equal(chain, torch.cat([compiled.forward([token]).logits for token in new]))
+    outputs = greedy_by_methods(model, random_prompt(3), 30)
+    assert len(outputs[0]) == 30 and outputs[1] == outputs[0] and outputs[2] == outputs[0]
 
 @pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param("none", marks=pytest.mark.skip(
     reason="this CPU runs only the portable build"))])

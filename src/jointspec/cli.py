@@ -78,11 +78,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "be 'default' or a .gguf file; needs llama-cpp-python; CPU only; chain methods only)")
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                         help="torch backend, applied at load to the target and to draft models: int4 = 4-bit weight "
-                             "groups of 32 with an int8 head (cheapest step; the embedded default's own Q4_1 grid); "
+                             "groups of 32 with an int8 head on jointspec's CPU kernels (cheapest step; a GGUF's own "
+                             "Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks are taken as stored, docs/kernels.md); "
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
-                             "none = float; auto = int4 where that recovers the model's own weights (a GGUF stored "
-                             "as Q4_1 with a Q8_0 head, like the embedded default, on an x86 CPU with AVX2 or "
-                             "AVX-512; set JOINTSPEC_KERNEL_ISA=avx512|avx2|portable to pick a kernel build), else "
+                             "none = float; auto = int4 where that is the model's own weights (a GGUF whose "
+                             "projections and head are all such blocks, like the embedded default) on an x86 CPU with "
+                             "AVX2 or AVX-512 (JOINTSPEC_KERNEL_ISA=avx512|avx2|portable picks a kernel build), else "
                              "none. Exactness then holds against the quantised target (default: auto for generate, "
                              "none elsewhere)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",

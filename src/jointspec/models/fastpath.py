@@ -27,8 +27,9 @@ runs each decoder layer as one compiled function, all layers in one call into C+
 step. That is another summation order of the same quantised model, each row still computed alone, so plain and
 speculative decoding of it agree exactly; it is not bit for bit transformers' forward of the quantised model.
 
-Only models whose every part is exactly the transformers Llama class take this path (:func:`fast_forward_for`); a
-subclass or another architecture runs transformers' own forward, as does ``--kernels stock``.
+Only models whose every part is exactly a transformers class of :data:`FAMILIES` (Llama, and Qwen2 without sliding
+windows) take this path (:func:`fast_forward_for`); a subclass or another architecture runs transformers' own
+forward, as does ``--kernels stock``.
 """
 
 from __future__ import annotations
@@ -41,32 +42,48 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 
 # Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LlamaFastForward).
 PREFILL_GEMM_ROWS = 16
 
 
+# Architectures whose forward is Llama's, operation for operation: causal LM -> (body, decoder layer, attention, MLP,
+# RMS norm, rotary embedding). Qwen2 differs only by biases on q/k/v (inside the projection modules) and an optional
+# sliding window, which the lean forward does not take (checked below).
+FAMILIES = {
+    llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
+                             llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding),
+    qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
+                             qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
+}
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot take the lean forward (None: it can)."""
-    if type(model) is not llama.LlamaForCausalLM:
-        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    if type(model) not in FAMILIES:
+        return (f"{type(model).__name__} is not one of transformers' "
+                f"{', '.join(kind.__name__ for kind in FAMILIES)}")
     if hasattr(model.lm_head, "_hf_hook"):
         return "the model carries accelerate hooks (device_map offloading)"
-    return body_unsupported_reason(model.model)
+    return body_unsupported_reason(model.model, FAMILIES[type(model)])
 
 
-def body_unsupported_reason(base: torch.nn.Module) -> str | None:
-    """Why a ``LlamaModel`` (a causal LM's body, or a draft head's) cannot take the lean forward (None: it can)."""
-    if type(base) is not llama.LlamaModel:
-        return f"{type(base).__name__} is not transformers' LlamaModel"
+def body_unsupported_reason(base: torch.nn.Module, family: tuple | None = None) -> str | None:
+    """Why a model body (a causal LM's, or a draft head's ``LlamaModel``) cannot take the lean forward (None: it
+    can). ``family``: the classes of :data:`FAMILIES` it must be made of (default: Llama's)."""
+    body, decoder, attention, mlp, norm, rotary = family or FAMILIES[llama.LlamaForCausalLM]
+    if type(base) is not body:
+        return f"{type(base).__name__} is not transformers' {body.__name__}"
     if base.training:
         return "the model is in training mode"
-    parts = [(base, llama.LlamaModel), (base.norm, llama.LlamaRMSNorm), (base.rotary_emb, llama.LlamaRotaryEmbedding)]
+    if any(kind != "full_attention" for kind in getattr(base.config, "layer_types", None) or ()):
+        return "sliding-window attention layers"
+    parts = [(base, body), (base.norm, norm), (base.rotary_emb, rotary)]
     for layer in base.layers[:base.config.num_hidden_layers]:
-        parts += [(layer, llama.LlamaDecoderLayer), (layer.self_attn, llama.LlamaAttention),
-                  (layer.mlp, llama.LlamaMLP), (layer.input_layernorm, llama.LlamaRMSNorm),
-                  (layer.post_attention_layernorm, llama.LlamaRMSNorm)]
+        parts += [(layer, decoder), (layer.self_attn, attention), (layer.mlp, mlp), (layer.input_layernorm, norm),
+                  (layer.post_attention_layernorm, norm)]
     for module, expected in parts:
         if type(module) is not expected:
             return f"{type(module).__name__} replaces transformers' {expected.__name__}"
@@ -118,7 +135,7 @@ class LlamaFastForward:
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in models/csrc) but the
-        per-forward ones, where the whole model fits it: grouped 4- or 8-bit layers without biases, row-wise
+        per-forward ones, where the whole model fits it: grouped 4- or 8-bit layers (biases allowed), row-wise
         attention, SiLU, no biases. None elsewhere. Also records, in ``self._compiled_checks``, every module,
         buffer and parameter they were read from, so that a later change to the model takes it off this path.
 
@@ -138,7 +155,7 @@ class LlamaFastForward:
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
             if (attn.head_dim % 16 or attn.head_dim > 256
-                    or any(type(m) not in (GroupedInt4Linear, GroupedInt8Linear) or m.bias is not None
+                    or any(type(m) not in (GroupedInt4Linear, GroupedInt8Linear)
                            for m in plain + self._qkv(layer) + self._gate_up(layer))):
                 return None
             # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.
@@ -156,7 +173,8 @@ class LlamaFastForward:
                 for name in names:
                     module = owner._modules[name]
                     checks.append((owner._modules, name, module))
-                    checks += [(module._buffers, buffer, module._buffers[buffer]) for buffer in type(module).BUFFERS]
+                    checks += [(module._buffers, buffer, module._buffers[buffer])
+                               for buffer in (*type(module).BUFFERS, "bias")]
             checks += [(norm._parameters, "weight", norm.weight) for norm in norms]
             layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, qkv,
                            kernel_arguments(plain[0]), gate_up, kernel_arguments(plain[1]), config.num_attention_heads,

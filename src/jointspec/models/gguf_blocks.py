@@ -43,18 +43,29 @@ PROJECTIONS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
 
 @dataclass
 class Levels:
-    """One tensor's weights as a kernel layer holds them: W = levels * scale (+ minimum), [out, in]."""
+    """One tensor's weights as a kernel layer holds them (the same storage, so a model's layers cost no second
+    copy): W = levels * scale (+ minimum), [out, in]."""
 
     bits: int  # 4 or 8
-    levels: torch.Tensor  # [out, in]: uint8 0..15 (4 bits) or int8
+    levels: torch.Tensor  # 4 bits: uint8 [out, in / 2], byte i of a group of 32 = level i | level i + 16 << 4;
+    #                       8 bits: int8 [out, in]
     scale: torch.Tensor  # [out, in / group] float32
     minimum: torch.Tensor | None  # [out, in / 32] float32 (4 bits), None (8 bits)
 
+    def unpacked(self) -> torch.Tensor:
+        """The levels one per weight, [out, in]."""
+        if self.bits == 8:
+            return self.levels
+        out = self.levels.shape[0]
+        packed = self.levels.reshape(out, -1, 16)
+        return torch.cat([packed & 15, packed >> 4], dim=-1).reshape(out, -1)
+
     def weight(self) -> torch.Tensor:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
-        out, cols = self.levels.shape
+        levels = self.unpacked()
+        out, cols = levels.shape
         group = cols // self.scale.shape[1]
-        levels = self.levels.float().reshape(out, -1, group)
+        levels = levels.float().reshape(out, -1, group)
         if self.minimum is None:
             return (levels * self.scale[..., None]).reshape(out, cols)
         return torch.addcmul(self.minimum[..., None], levels, self.scale[..., None]).reshape(out, cols)
@@ -72,6 +83,11 @@ def _half(raw: np.ndarray, offset: int) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """16 bytes -> 32 levels: byte j holds element j (low nibble) and element j + 16 (high nibble)."""
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _pack(levels: np.ndarray) -> np.ndarray:
+    """[..., 32] levels (0..15) -> [..., 16] bytes in the kernel's (and Q4_0's) order."""
+    return levels[..., :16] | (levels[..., 16:] << 4)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,8 +117,8 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     if type_name in ("Q4_0", "Q4_1"):
         d = _half(blocks, 0)
         minimum = -8 * d if type_name == "Q4_0" else _half(blocks, 2)
-        levels = _nibbles(blocks[..., 2 if type_name == "Q4_0" else 4:])
-        return Levels(4, as_tensor(levels.reshape(rows, columns)), as_tensor(d), as_tensor(minimum))
+        packed = np.ascontiguousarray(blocks[..., 2 if type_name == "Q4_0" else 4:])  # already the kernel's order
+        return Levels(4, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum))
     if type_name == "Q4_K":
         d, dmin = _half(blocks, 0), _half(blocks, 2)
         sc, m = _k_scales(blocks[..., 4:16])
@@ -110,7 +126,7 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         levels = np.stack([qs & 15, qs >> 4], axis=3)  # chunk c: low nibbles sub-block 2c, high ones 2c + 1
         scale = d[..., None] * sc.astype(np.float32)
         minimum = -(dmin[..., None] * m.astype(np.float32))
-        return Levels(4, as_tensor(levels.reshape(rows, columns)), as_tensor(scale.reshape(rows, -1)),
+        return Levels(4, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
                       as_tensor(minimum.reshape(rows, -1)))
     if type_name == "Q5_0":
         d = _half(blocks, 0)

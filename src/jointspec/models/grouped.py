@@ -255,14 +255,17 @@ class GroupedInt4Linear(_GroupedLinear):
                   None if linear.bias is None else linear.bias.detach())
 
     @classmethod
-    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+    def from_levels(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None = None) -> "GroupedInt4Linear":
-        """W = levels * scale + minimum: ``levels`` [out, in] in 0..15, ``scale`` and ``minimum`` [out, in / 32]."""
+        """W = levels * scale + minimum: ``packed`` uint8 [out, in / 2] (byte i of a group of 32: level i in the low
+        nibble, level i + 16 in the high one; kept as given, not copied), ``scale`` and ``minimum`` [out, in / 32]."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        if levels.dim() != 2 or levels.shape[1] % GROUP_SIZE or int(levels.min()) < 0 or int(levels.max()) > 15:
-            raise ValueError(f"4-bit levels must be [out, in] in 0..15 with in a multiple of {GROUP_SIZE}")
-        layer._set(levels.to(torch.uint8), scale, minimum, bias)
+        if packed.dim() != 2 or packed.dtype != torch.uint8 or scale.shape != (packed.shape[0],
+                                                                                 2 * packed.shape[1] // GROUP_SIZE):
+            raise ValueError(f"4-bit levels must come packed, uint8 [out, in / 2], with scales [out, in / "
+                             f"{GROUP_SIZE}]; got {tuple(packed.shape)} {packed.dtype} and {tuple(scale.shape)}")
+        layer._set_packed(packed, scale, minimum, bias)
         return layer
 
     def _set(self, levels: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None):
@@ -271,6 +274,11 @@ class GroupedInt4Linear(_GroupedLinear):
         half = GROUP_SIZE // 2
         # Byte i of a group: level i in the low nibble, level i + 16 in the high one (what the kernel unpacks).
         packed = (groups[..., :half] | (groups[..., half:] << 4)).reshape(out_features, in_features // 2)
+        self._set_packed(packed, scale, minimum, bias)
+
+    def _set_packed(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+        out_features, in_features = packed.shape[0], 2 * packed.shape[1]
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("scale", scale.float().reshape(out_features, -1).contiguous())
@@ -437,9 +445,9 @@ def _stackable(layers: list[nn.Module]) -> bool:
 
 
 def kernel_arguments(layer: nn.Module) -> list[torch.Tensor]:
-    """A grouped layer's weight buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum;
-    8 bits: levels, scale)."""
-    return [getattr(layer, name) for name in type(layer).BUFFERS]
+    """A grouped layer's buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum; 8 bits:
+    levels, scale; then its bias, if it has one)."""
+    return [getattr(layer, name) for name in type(layer).BUFFERS] + ([] if layer.bias is None else [layer.bias])
 
 
 def stack_storage(layers: list[nn.Module]) -> bool:

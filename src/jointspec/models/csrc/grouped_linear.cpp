@@ -51,27 +51,43 @@ inline void dequantise_int8(const int8_t* row, const float* scale, int64_t group
 // Dot products of R input rows (x, x + k, ...) with W weight rows (w, w + k, ...): out[r * out_stride + b] gets input
 // row r against weight row b. Each (weight row, input row) pair has 32 partial sums (input i goes to sum i mod 32, in
 // input order), added by the halving tree at the end (lane j + lane j + 16, then + 8, + 4, + 2, + 1). Sums 0-15 and
-// 16-31 never meet until then, so they are taken in two passes over the inputs: one vector of accumulators a pair at
-// a time, which leaves registers for more pairs. Which pairs share a call changes only the loads (each weight vector
-// is loaded once for all R input rows, each input vector once for all W weight rows), never a pair's operations, so
-// every output is the same bits whatever W and R and whatever the backend. k is a multiple of 32.
+// 16-31 never meet until then, so a backend short of registers (simd::kTwoPass: AVX2's sixteen) takes them in two
+// passes over the inputs, one vector of accumulators a pair at a time, which leaves room for more pairs; AVX-512
+// keeps both in one pass, which gives its multiply-adds twice the independent chains. Which pairs share a call, and
+// the passes, change only the loads (each weight vector is loaded once for all R input rows, each input vector once
+// for all W weight rows), never a pair's operations, so every output is the same bits whatever W, R and the
+// backend. k is a multiple of 32.
 template <int W, int R>
 inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
   V16 sums[W][R][2];
-  for (int j = 0; j < 2; ++j) {
-    V16 a[W][R];
-    for (int b = 0; b < W; ++b)
-      for (int r = 0; r < R; ++r) a[b][r] = simd::zero();
-    for (int64_t i = 16 * j; i < k; i += 32) {
-      V16 wv[W];
-      for (int b = 0; b < W; ++b) wv[b] = simd::load(w + b * k + i);
-      for (int r = 0; r < R; ++r) {
-        const V16 xv = simd::load(x + r * k + i);
-        for (int b = 0; b < W; ++b) a[b][r] = simd::fmadd(xv, wv[b], a[b][r]);
+  if constexpr (simd::kTwoPass) {
+    for (int j = 0; j < 2; ++j) {
+      V16 a[W][R];
+      for (int b = 0; b < W; ++b)
+        for (int r = 0; r < R; ++r) a[b][r] = simd::zero();
+      for (int64_t i = 16 * j; i < k; i += 32) {
+        V16 wv[W];
+        for (int b = 0; b < W; ++b) wv[b] = simd::load(w + b * k + i);
+        for (int r = 0; r < R; ++r) {
+          const V16 xv = simd::load(x + r * k + i);
+          for (int b = 0; b < W; ++b) a[b][r] = simd::fmadd(xv, wv[b], a[b][r]);
+        }
       }
+      for (int b = 0; b < W; ++b)
+        for (int r = 0; r < R; ++r) sums[b][r][j] = a[b][r];
     }
+  } else {
     for (int b = 0; b < W; ++b)
-      for (int r = 0; r < R; ++r) sums[b][r][j] = a[b][r];
+      for (int r = 0; r < R; ++r) sums[b][r][0] = sums[b][r][1] = simd::zero();
+    for (int64_t i = 0; i < k; i += 32)
+      for (int j = 0; j < 2; ++j) {
+        V16 wv[W];
+        for (int b = 0; b < W; ++b) wv[b] = simd::load(w + b * k + i + 16 * j);
+        for (int r = 0; r < R; ++r) {
+          const V16 xv = simd::load(x + r * k + i + 16 * j);
+          for (int b = 0; b < W; ++b) sums[b][r][j] = simd::fmadd(xv, wv[b], sums[b][r][j]);
+        }
+      }
   }
   for (int b = 0; b < W; ++b)
     for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(simd::add(sums[b][r][0], sums[b][r][1]));
@@ -236,7 +252,7 @@ torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weig
 }
 
 // One projection's buffers as raw pointers: 4 bits (packed [out, in / 2] uint8, scale and minimum [out, in / 32]
-// float32) or 8 bits (levels [out, in] int8, scale [out, in / group] float32).
+// float32) or 8 bits (levels [out, in] int8, scale [out, in / group] float32), and a bias [out] or none.
 struct Weights {
   int bits;
   const uint8_t* packed;
@@ -244,6 +260,7 @@ struct Weights {
   const float* scale;
   const float* minimum;
   int64_t in_features, out_features, group;
+  const float* bias = nullptr;
 
   template <typename Rows>
   void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights) const {
@@ -258,6 +275,9 @@ struct Weights {
       apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup});
     else
       apply_rows(x, rows, out, gemm, Int8Rows{levels, scale, in_features / group, group});
+    if (bias != nullptr)  // as the layer's forward adds it: one rounding per output
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < out_features; ++n) out[r * out_features + n] += bias[n];
   }
 };
 
@@ -415,6 +435,7 @@ struct Parts {
 };
 
 Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
+Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 
 Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_features, const char* name) {
   TORCH_CHECK(!parts.empty(), name, ": no projection given");
@@ -426,11 +447,27 @@ Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_
   return out;
 }
 
-// A projection given as (packed, scale, minimum): 4 bits; as (levels, scale): 8 bits.
-Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
+// A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (levels, scale[, bias]): 8 bits.
+Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
   TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
-  TORCH_CHECK(tensors.size() == 3 || tensors.size() == 2, name, ": a projection comes as (packed, scale, minimum) "
-              "for 4 bits or (levels, scale) for 8 bits, got ", tensors.size(), " tensors");
+  TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits or "
+              "(levels, scale[, bias]) for 8 bits, got ", given.size(), " tensors");
+  const bool four = given[0].scalar_type() == torch::kUInt8;
+  const size_t count = four ? 3 : 2;
+  TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
+              four ? 4 : 8, " bits, got ", given.size());
+  const std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
+  Weights weights = weights_without_bias(tensors, in_features, name);
+  if (given.size() > count) {
+    const torch::Tensor& bias = given[count];
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == weights.out_features,
+                name, ": a bias must be float32 [", weights.out_features, "]");
+    weights.bias = bias.data_ptr<float>();
+  }
+  return weights;
+}
+
+Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
   const torch::Tensor& scale = tensors[1];
   if (tensors.size() == 3) {
     const torch::Tensor &packed = tensors[0], &minimum = tensors[2];

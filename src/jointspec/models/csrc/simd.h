@@ -101,9 +101,10 @@ inline V16 sum_lanes16(const V16* v) {
   return {_mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
                         _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)))};
 }
-// (weight row, input row) pairs a short-forward kernel call takes together: their accumulators (one vector a pair,
-// grouped_linear.cpp's dot_block) must stay in registers.
+// (weight row, input row) pairs a short-forward kernel call takes together, and whether their 32 partial sums go in
+// one pass or two (grouped_linear.cpp's dot_block): the accumulators must stay in registers.
 constexpr int kPairs = 4;
+constexpr bool kTwoPass = false;
 
 #elif defined(JOINTSPEC_ISA_AVX2)
 struct V16 {
@@ -191,7 +192,8 @@ inline V16 sum_lanes16(const V16* v) {
   }
   return {_mm256_set_m128(out[1], out[0]), _mm256_set_m128(out[3], out[2])};
 }
-constexpr int kPairs = 4;  // a pair's accumulators take two registers: eight of sixteen
+constexpr int kPairs = 4;  // two passes: a pair's accumulators take two registers, eight of sixteen
+constexpr bool kTwoPass = true;
 
 #else  // portable
 struct V16 {
@@ -254,6 +256,7 @@ inline V16 sum_lanes16(const V16* v) {
   return r;
 }
 constexpr int kPairs = 2;
+constexpr bool kTwoPass = false;
 #endif
 
 // e^x lane by lane: the same operations in every backend, so a score's exponential is the same bits everywhere.
