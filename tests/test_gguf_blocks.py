@@ -15,11 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import VOCAB, greedy_by_methods
 from jointspec.models.adapter import CausalLM
 from jointspec.models.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
-from jointspec.models.grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
+from jointspec.models.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
 from jointspec.models.quantize import quantize_model
 from test_equivalence import random_prompt
 
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -31,7 +31,7 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
         return quants.quantize((rng.standard_normal((rows, columns)) * 0.05).astype(np.float32), qtype)
     raw = rng.integers(0, 256, (rows, columns // 256, BLOCK_BYTES[type_name]), dtype=np.uint8)
     scales = (rng.random((rows, columns // 256, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         raw[..., 0:4] = scales  # d, dmin
     else:
         raw[..., 208:210] = scales[..., :2]  # d
@@ -44,17 +44,19 @@ def test_levels_are_the_files_weights_bit_for_bit(type_name):
     levels = decode(raw, type_name, 512)
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
     assert torch.equal(levels.weight(), expected)
-    assert levels.bits == (4 if type_name.startswith("Q4") else 8)
+    assert levels.bits == {"Q4": 4, "Q5": 5}.get(type_name[:2], 8)
     assert levels.scale.shape == (6, 512 // (16 if type_name == "Q6_K" else 32))
     assert expected.abs().max() > 0 and expected.std() > 0  # the blocks hold weights, not zeros
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q5_K"])
 def test_the_kernels_multiply_by_the_files_weights(type_name):
     raw = random_blocks(type_name, rows=48, columns=256, seed=2)
     levels = decode(raw, type_name, 256)
     if levels.bits == 4:
         layer = GroupedInt4Linear.from_levels(levels.levels, levels.scale, levels.minimum)
+    elif levels.bits == 5:
+        layer = GroupedInt5Linear.from_levels(levels.levels, levels.fifth, levels.scale, levels.minimum)
     else:
         layer = GroupedInt8Linear.from_levels(levels.levels, levels.scale)
     assert torch.equal(layer.dequantized(), levels.weight())
@@ -69,17 +71,17 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
 
 
 def test_a_type_the_kernels_do_not_take_is_refused_by_name():
-    raw = quants.quantize(np.ones((2, 64), np.float32), GGMLQuantizationType.Q5_1)
-    with pytest.raises(ValueError, match="GGUF type Q5_1 is not one jointspec's kernels take; they take: Q4_0, "
-                                         "Q4_1, Q4_K, Q5_0, Q8_0, Q6_K"):
-        decode(raw, "Q5_1", 64)
+    raw = np.zeros((2, 84), np.uint8)  # one Q2_K block a row
+    with pytest.raises(ValueError, match="GGUF type Q2_K is not one jointspec's kernels take; they take: Q4_0, "
+                                         "Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K"):
+        decode(raw, "Q2_K", 256)
 
 
-# A tiny Llama stored as a GGUF would store it: a Q4_K_M-like mix (q/k Q4_K, v Q6_K, o Q5_0, gate/up Q4_0,
+# A tiny Llama stored as a GGUF would store it: a Q4_K_M-like mix (q/k Q4_K, v Q6_K, o Q5_0, gate Q4_0, up Q5_K,
 # down Q6_K, head Q8_0), q and k rows in llama.cpp's rotary order. The model's float weights are the file's
 # dequantised weights, as transformers' GGUF loader gives them.
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
-         "ffn_up": "Q4_0", "ffn_down": "Q6_K"}
+         "ffn_up": "Q5_K", "ffn_down": "Q6_K"}
 MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
            "ffn_down": "mlp.down_proj"}
@@ -131,7 +133,8 @@ def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):
     quantize_model(model, "int4", file_levels=found.layers)
     attn = model.model.layers[0].self_attn
     assert type(attn.q_proj) is GroupedInt4Linear and type(attn.v_proj) is GroupedInt8Linear
-    assert attn.v_proj.group_size == 16 and type(attn.o_proj) is GroupedInt8Linear and attn.o_proj.group_size == 32
+    assert attn.v_proj.group_size == 16 and type(attn.o_proj) is GroupedInt5Linear
+    assert type(model.model.layers[0].mlp.up_proj) is GroupedInt5Linear
     assert type(model.lm_head) is ScreenedInt8Head
     for name in found.layers:  # every projection and the head: the file's weight, bit for bit
         assert torch.equal(model.get_submodule(name).dequantized(), float_model.get_submodule(name).weight), name

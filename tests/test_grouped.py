@@ -422,9 +422,12 @@ def test_each_build_gives_the_portable_builds_bits(isa):
     generator = torch.Generator().manual_seed(0)
     layer = linear(72, 192, seed=5)
     q4, q8 = GroupedInt4Linear(layer), GroupedInt8Linear(layer)
+    fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (72, 6), generator=generator, dtype=torch.int32)  # 5-bit levels
     for rows in (1, 2, 3, 5, 9, 12):  # one and two rows, odd tails, the short and the long (> 8 rows) paths
         x = torch.randn(rows, 192, generator=generator) * 3
         for gemm in (False, True):
+            assert torch.equal(fast.int5_linear(x, q4.packed, fifth, q4.scale, q4.minimum, gemm),
+                               portable.int5_linear(x, q4.packed, fifth, q4.scale, q4.minimum, gemm)), (rows, gemm)
             assert torch.equal(fast.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm),
                                portable.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm)), (rows, gemm)
             assert torch.equal(fast.int8_linear(x, q8.levels, q8.scale, gemm),

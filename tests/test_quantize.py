@@ -563,9 +563,10 @@ def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_pa
     # Block types the kernels take as stored (models/gguf_blocks.py), and ones they do not.
     assert on_int4_grid(str(write_typed_gguf(tmp_path / "q40.gguf", "Q4_0", "Q8_0")))
     assert on_int4_grid(str(write_typed_gguf(tmp_path / "q50.gguf", "Q5_0", "Q4_1")))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q51.gguf", "Q5_1", "Q8_0")))
+    assert on_int4_grid(str(write_typed_gguf(tmp_path / "q51.gguf", "Q5_1", "Q8_0")))
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f16.gguf", "F16", "Q8_0")))
     assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f32.gguf", "F32", "F32")))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "q51head.gguf", "Q4_1", "Q5_1")))
+    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f16head.gguf", "Q4_1", "F16")))
     assert not on_int4_grid(str(tmp_path))  # a model folder
     from jointspec.models.grouped import selected_isa
 

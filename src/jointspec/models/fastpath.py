@@ -142,7 +142,7 @@ class LlamaFastForward:
         A quantised model is its own model (models/quantize.py): the compiled layer computes what the operations
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
-        from .grouped import GroupedInt4Linear, GroupedInt8Linear, kernel_arguments, kernels
+        from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, kernel_arguments, kernels
         from .quantize import ROWWISE_ATTENTION
 
         config = self.model.config
@@ -155,7 +155,7 @@ class LlamaFastForward:
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
             if (attn.head_dim % 16 or attn.head_dim > 256
-                    or any(type(m) not in (GroupedInt4Linear, GroupedInt8Linear)
+                    or any(type(m) not in (GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear)
                            for m in plain + self._qkv(layer) + self._gate_up(layer))):
                 return None
             # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.

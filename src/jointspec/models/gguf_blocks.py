@@ -9,7 +9,9 @@ gives each projection its levels and scales in a kernel layer's own format:
     Q4_0        4-bit, groups of 32                 q (0..15)           d                    -8 d
     Q4_1        4-bit, groups of 32                 q                   d                    m
     Q4_K        4-bit, groups of 32                 q                   d * sc (sub-block)   -(dmin * m)
-    Q5_0        8-bit, groups of 32                 q - 16              d
+    Q5_0        5-bit, groups of 32                 q (0..31)           d                    -16 d
+    Q5_1        5-bit, groups of 32                 q                   d                    m
+    Q5_K        5-bit, groups of 32                 q                   d * sc (sub-block)   -(dmin * m)
     Q8_0        8-bit, groups of 32                 q                   d
     Q6_K        8-bit, groups of 16                 q - 32              d * sc (sub-block)
 
@@ -18,7 +20,7 @@ kernel forms each weight as level * scale (+ minimum) with one rounding, as llam
 layer's weight is bit for bit the file's dequantised weight (tests hold it against ``gguf.quants.dequantize``). The
 model the kernels run is then the file's model, computed with float32 activations.
 
-Other types (Q5_1, Q5_K, Q2_K, Q3_K, the IQ types, F16) are not taken: :func:`file_layers` names them and their
+Other types (Q2_K, Q3_K, the IQ types, F16) are not taken: :func:`file_layers` names them and their
 tensors, and the caller rounds those layers itself (:func:`jointspec.models.quantize.quantize_model`).
 """
 
@@ -34,7 +36,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
+SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
 # GGUF tensor names of a Llama-family layer's projections, by the Hugging Face module that holds them.
 PROJECTIONS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -46,11 +48,12 @@ class Levels:
     """One tensor's weights as a kernel layer holds them (the same storage, so a model's layers cost no second
     copy): W = levels * scale (+ minimum), [out, in]."""
 
-    bits: int  # 4 or 8
-    levels: torch.Tensor  # 4 bits: uint8 [out, in / 2], byte i of a group of 32 = level i | level i + 16 << 4;
-    #                       8 bits: int8 [out, in]
+    bits: int  # 4, 5 or 8
+    levels: torch.Tensor  # 4 and 5 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of level i
+    #                       | those of level i + 16 << 4; 8 bits: int8 [out, in]
     scale: torch.Tensor  # [out, in / group] float32
-    minimum: torch.Tensor | None  # [out, in / 32] float32 (4 bits), None (8 bits)
+    minimum: torch.Tensor | None  # [out, in / 32] float32 (4 and 5 bits), None (8 bits)
+    fifth: torch.Tensor | None = None  # 5 bits: int32 [out, in / 32], bit i = the fifth bit of the group's level i
 
     def unpacked(self) -> torch.Tensor:
         """The levels one per weight, [out, in]."""
@@ -58,7 +61,10 @@ class Levels:
             return self.levels
         out = self.levels.shape[0]
         packed = self.levels.reshape(out, -1, 16)
-        return torch.cat([packed & 15, packed >> 4], dim=-1).reshape(out, -1)
+        levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()
+        if self.fifth is not None:
+            levels = levels + 16 * ((self.fifth.long()[..., None] >> torch.arange(32)) & 1)
+        return levels.reshape(out, -1)
 
     def weight(self) -> torch.Tensor:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
@@ -72,7 +78,8 @@ class Levels:
 
     def rows(self, order: torch.Tensor) -> "Levels":
         return Levels(self.bits, self.levels[order], self.scale[order],
-                      None if self.minimum is None else self.minimum[order])
+                      None if self.minimum is None else self.minimum[order],
+                      None if self.fifth is None else self.fifth[order])
 
 
 def _half(raw: np.ndarray, offset: int) -> np.ndarray:
@@ -86,8 +93,14 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _pack(levels: np.ndarray) -> np.ndarray:
-    """[..., 32] levels (0..15) -> [..., 16] bytes in the kernel's (and Q4_0's) order."""
-    return levels[..., :16] | (levels[..., 16:] << 4)
+    """[..., 32] levels (their low four bits) -> [..., 16] bytes in the kernel's (and Q4_0's) order."""
+    return (levels[..., :16] & 15) | ((levels[..., 16:] & 15) << 4)
+
+
+def _fifth_words(levels: np.ndarray) -> np.ndarray:
+    """[..., 32] levels (0..31) -> [...] int32 words, bit i = level i's fifth bit."""
+    bits = (levels.astype(np.uint32) >> 4) & 1
+    return (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32).view(np.int32)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,7 +120,8 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     if type_name not in SUPPORTED_TYPES:
         raise ValueError(f"GGUF type {type_name} is not one jointspec's kernels take; they take: "
                          f"{', '.join(SUPPORTED_TYPES)}")
-    size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q8_0": 34, "Q6_K": 210}[type_name]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q8_0": 34,
+            "Q6_K": 210}[type_name]
     per_block = 256 if type_name.endswith("_K") else 32
     if columns % per_block or raw.shape[1] != columns // per_block * size:
         raise ValueError(f"a {type_name} row of {columns} weights takes {columns // per_block * size} bytes, "
@@ -128,12 +142,26 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         minimum = -(dmin[..., None] * m.astype(np.float32))
         return Levels(4, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
                       as_tensor(minimum.reshape(rows, -1)))
-    if type_name == "Q5_0":
+    if type_name in ("Q5_0", "Q5_1"):  # the nibbles in Q4_0's order, and bit i of a 32-bit word: element i's fifth bit
         d = _half(blocks, 0)
-        high = blocks[..., 2:6].copy().view("<u4")[..., 0]  # bit i: the fifth bit of element i
-        bits = ((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        levels = (_nibbles(blocks[..., 6:]) | (bits << 4)).astype(np.int16) - 16
-        return Levels(8, as_tensor(levels.astype(np.int8).reshape(rows, columns)), as_tensor(d), None)
+        minimum = -16 * d if type_name == "Q5_0" else _half(blocks, 2)
+        start = 2 if type_name == "Q5_0" else 4
+        fifth = blocks[..., start:start + 4].copy().view("<i4")[..., 0]
+        packed = np.ascontiguousarray(blocks[..., start + 4:])
+        return Levels(5, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum),
+                      as_tensor(fifth.astype(np.int32)))
+    if type_name == "Q5_K":  # Q4_K's layout, plus qh[32]: element 64c + l takes bit 2c of qh[l], 64c + 32 + l bit 2c + 1
+        d, dmin = _half(blocks, 0), _half(blocks, 2)
+        sc, m = _k_scales(blocks[..., 4:16])
+        qh = blocks[..., 16:48]  # [rows, blocks, 32]
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
+        shifts = np.arange(8, dtype=np.uint8).reshape(4, 2)  # chunk c: bits 2c (low nibbles) and 2c + 1 (high)
+        high = (qh[:, :, None, None, :] >> shifts[None, None, :, :, None]) & 1  # [rows, blocks, 4, 2, 32]
+        levels = np.stack([qs & 15, qs >> 4], axis=3) | (high << 4)
+        scale = d[..., None] * sc.astype(np.float32)
+        minimum = -(dmin[..., None] * m.astype(np.float32))
+        return Levels(5, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
+                      as_tensor(minimum.reshape(rows, -1)), as_tensor(_fifth_words(levels).reshape(rows, -1)))
     if type_name == "Q8_0":
         d = _half(blocks, 0)
         levels = blocks[..., 2:].copy().view(np.int8)

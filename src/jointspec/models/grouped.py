@@ -301,6 +301,51 @@ class GroupedInt4Linear(_GroupedLinear):
         return kernels().int4_linear(rows, self.packed, self.scale, self.minimum, gemm)
 
 
+class GroupedInt5Linear(_GroupedLinear):
+    """``y = x W^T + b``: W in 5-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32: GGUF's
+    Q5_0, Q5_1 and Q5_K blocks as stored. The low four bits of each level are packed as
+    :class:`GroupedInt4Linear`'s, the fifth bits of a group's 32 levels make one 32-bit word (bit i: level i). Built
+    only from a file's levels (:meth:`from_levels`); jointspec's own quantiser writes 4 or 8 bits."""
+
+    bits = 5
+    BUFFERS = ("packed", "fifth", "scale", "minimum")
+
+    @classmethod
+    def from_levels(cls, packed: torch.Tensor, fifth: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "GroupedInt5Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        out_features, in_features = packed.shape[0], 2 * packed.shape[1]
+        groups = in_features // GROUP_SIZE
+        if (packed.dtype != torch.uint8 or fifth.shape != (out_features, groups) or fifth.dtype != torch.int32
+                or scale.shape != (out_features, groups) or minimum.shape != (out_features, groups)):
+            raise ValueError(f"5-bit levels come as packed uint8 [out, in / 2] with int32 fifth bits, scales and "
+                             f"minima [out, in / {GROUP_SIZE}]")
+        layer.in_features, layer.out_features = in_features, out_features
+        layer.register_buffer("packed", packed.contiguous())
+        layer.register_buffer("fifth", fifth.contiguous())
+        layer.register_buffer("scale", scale.float().contiguous())
+        layer.register_buffer("minimum", minimum.float().contiguous())
+        layer.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        return layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in [out, in]; :meth:`dequantized` gives the values."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32."""
+        packed = self.packed.reshape(self.out_features, -1, GROUP_SIZE // 2)
+        levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()  # [out, groups, 32]
+        bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1
+        levels = (levels + 16 * bits).float()
+        return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
+
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
+        return kernels().int5_linear(rows, self.packed, self.fifth, self.scale, self.minimum, gemm)
+
+
 class GroupedInt8Linear(_GroupedLinear):
     """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32. Built from a
     float ``nn.Linear`` or, with :meth:`from_levels`, from levels a file stores (groups of 32 or 16: GGUF's Q6_K
@@ -439,7 +484,7 @@ class ScreenedInt8Head(GroupedInt8Linear):
 def _stackable(layers: list[nn.Module]) -> bool:
     """Two or more bias-free grouped layers of one class, one input width and one group size."""
     kinds = {type(layer) for layer in layers}
-    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt8Linear}
+    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear}
             and all(layer.bias is None for layer in layers)
             and len({(layer.in_features, layer.scale.shape[1]) for layer in layers}) == 1)
 
@@ -504,7 +549,7 @@ class FusedCall:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = _rows(x, self.in_features)
-        multiply = kernels().int4_linear if len(self.spans) == 3 else kernels().int8_linear
+        multiply = {3: kernels().int4_linear, 4: kernels().int5_linear, 2: kernels().int8_linear}[len(self.spans)]
         out = multiply(rows, *self.spans, _long(rows))
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return list(out.split(self.sizes, dim=-1))

@@ -300,11 +300,13 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 
 def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
     """A grouped layer holding a file's own levels (models/gguf_blocks.py) in place of ``linear``."""
-    from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
+    from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
 
     bias = None if linear.bias is None else linear.bias.detach()
     if stored.bits == 4:
         return GroupedInt4Linear.from_levels(stored.levels, stored.scale, stored.minimum, bias)
+    if stored.bits == 5:
+        return GroupedInt5Linear.from_levels(stored.levels, stored.fifth, stored.scale, stored.minimum, bias)
     layer = GroupedInt8Linear.from_levels(stored.levels, stored.scale, bias)
     if screen and bias is None and linear.in_features % 64 == 0:
         return ScreenedInt8Head.from_int8(layer)
@@ -313,10 +315,10 @@ def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
 
 def quantization_mode(model: nn.Module) -> str:
     """``int4``, ``int8`` or ``none``: what :func:`quantize_model` did to ``model`` (int4 mode keeps an int8 head)."""
-    from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head
+    from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
 
     kinds = {type(module) for module in model.modules()}
-    if kinds & {Int4Linear, GroupedInt4Linear}:
+    if kinds & {Int4Linear, GroupedInt4Linear, GroupedInt5Linear}:
         return "int4"
     return "int8" if kinds & {Int8Linear, GroupedInt8Linear, ScreenedInt8Head} else "none"
 

@@ -28,11 +28,21 @@ using simd::V16;
 constexpr int64_t kGroup = 32;
 
 // 4 bits: byte i of a group holds level i (low nibble) and level i + 16 (high nibble); w = level * scale + minimum.
-inline void dequantise_int4(const uint8_t* row, const float* scale, const float* minimum, int64_t groups, float* w) {
+// 5 bits (GGUF's Q5_0, Q5_1, Q5_K): the same nibbles, plus bit i of the group's `fifth` word adding 16 to level i.
+inline void group_levels(const uint8_t* bytes, const uint32_t* fifth, int64_t g, V16& low, V16& high) {
+  simd::nibbles(bytes, low, high);
+  if (fifth != nullptr) {
+    low = simd::add(low, simd::sixteens(fifth[g]));
+    high = simd::add(high, simd::sixteens(fifth[g] >> 16));
+  }
+}
+
+inline void dequantise_int4(const uint8_t* row, const uint32_t* fifth, const float* scale, const float* minimum,
+                            int64_t groups, float* w) {
   for (int64_t g = 0; g < groups; ++g) {
     const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
     V16 low, high;
-    simd::nibbles(row + g * kGroup / 2, low, high);
+    group_levels(row + g * kGroup / 2, fifth, g, low, high);
     simd::store(w + g * kGroup, simd::fmadd(low, s, lo));
     simd::store(w + g * kGroup + 16, simd::fmadd(high, s, lo));
   }
@@ -109,14 +119,16 @@ struct Int4Rows {
   const float* scale;
   const float* minimum;
   int64_t groups;
+  const uint32_t* fifth = nullptr;  // 5 bits: [out, groups] words of fifth bits
   void row(int64_t n, float* w) const {
-    dequantise_int4(packed + n * groups * kGroup / 2, scale + n * groups, minimum + n * groups, groups, w);
+    dequantise_int4(packed + n * groups * kGroup / 2, fifth ? fifth + n * groups : nullptr, scale + n * groups,
+                    minimum + n * groups, groups, w);
   }
   // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n, by the same operations as row().
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int64_t g = n * groups + c;
     const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
-    simd::nibbles(packed + g * kGroup / 2, a, b);
+    group_levels(packed + g * kGroup / 2, fifth, g, a, b);
     a = simd::fmadd(a, s, lo);
     b = simd::fmadd(b, s, lo);
   }
@@ -261,6 +273,7 @@ struct Weights {
   const float* minimum;
   int64_t in_features, out_features, group;
   const float* bias = nullptr;
+  const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
 
   template <typename Rows>
   void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights) const {
@@ -272,7 +285,7 @@ struct Weights {
 
   void apply(const float* x, int64_t rows, float* out, bool gemm) const {
     if (bits == 4)
-      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup});
+      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup, fifth});
     else
       apply_rows(x, rows, out, gemm, Int8Rows{levels, scale, in_features / group, group});
     if (bias != nullptr)  // as the layer's forward adds it: one rounding per output
@@ -447,17 +460,30 @@ Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_
   return out;
 }
 
-// A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (levels, scale[, bias]): 8 bits.
+// A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (packed, fifth, scale, minimum[,
+// bias]): 5 bits (int32 fifth-bit words); as (levels, scale[, bias]): 8 bits.
 Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
   TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
-  TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits or "
-              "(levels, scale[, bias]) for 8 bits, got ", given.size(), " tensors");
-  const bool four = given[0].scalar_type() == torch::kUInt8;
-  const size_t count = four ? 3 : 2;
+  TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits, "
+              "(packed, fifth, scale, minimum[, bias]) for 5 or (levels, scale[, bias]) for 8, got ", given.size(),
+              " tensors");
+  const bool nibbles = given[0].scalar_type() == torch::kUInt8;
+  const bool five = nibbles && given[1].scalar_type() == torch::kInt;
+  const size_t count = five ? 4 : nibbles ? 3 : 2;
   TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
-              four ? 4 : 8, " bits, got ", given.size());
-  const std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
+              five ? 5 : nibbles ? 4 : 8, " bits, got ", given.size());
+  std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
+  torch::Tensor fifth;
+  if (five) {
+    fifth = tensors[1];
+    tensors.erase(tensors.begin() + 1);
+  }
   Weights weights = weights_without_bias(tensors, in_features, name);
+  if (five) {
+    TORCH_CHECK(fifth.dim() == 2 && fifth.is_contiguous() && fifth.size(0) == weights.out_features &&
+                fifth.size(1) == in_features / kGroup, name, ": fifth bits must be contiguous int32 [out, in / 32]");
+    weights.fifth = reinterpret_cast<const uint32_t*>(fifth.data_ptr<int32_t>());
+  }
   if (given.size() > count) {
     const torch::Tensor& bias = given[count];
     TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == weights.out_features,
@@ -494,6 +520,14 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
 
 
 std::string isa() { return JOINTSPEC_ISA_NAME; }
+
+torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor fifth, torch::Tensor scale,
+                          torch::Tensor minimum, bool gemm) {
+  const Weights w = weights_of({packed, fifth, scale, minimum}, x.size(1), "int5_linear");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix [rows, in]");
+  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, w.fifth}, gemm);
+}
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
                           bool gemm) {
@@ -892,6 +926,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false);
+  m.def("int5_linear", &int5_linear, "x [rows, in] @ dequantised 5-bit W [out, in]^T (4-bit nibbles plus a fifth bit)",
+        py::arg("x"), py::arg("packed"), py::arg("fifth"), py::arg("scale"), py::arg("minimum"),
+        py::arg("gemm") = false);
   m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
   py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
       .def(py::init<>())

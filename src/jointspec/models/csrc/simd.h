@@ -76,6 +76,8 @@ inline void nibbles(const uint8_t* p, V16& low, V16& high) {
   low = from_u8(_mm_and_si128(bytes, mask));
   high = from_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
 }
+// 16.0 in lane i where bit i of `bits` is set, else 0 (a 5-bit level's fifth bit).
+inline V16 sixteens(uint32_t bits) { return {_mm512_maskz_mov_ps(__mmask16(bits & 0xFFFF), _mm512_set1_ps(16.0f))}; }
 // The halving tree: lane j + lane j + 8, then j + j + 4, j + j + 2, j + j + 1.
 inline float reduce_add(V16 a) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
@@ -158,6 +160,12 @@ inline void nibbles(const uint8_t* p, V16& low, V16& high) {
   low = from_u8(_mm_and_si128(bytes, mask));
   high = from_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
 }
+inline __m256 sixteens8(uint32_t bits) {
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(bits & 0xFF)), lane_bits), lane_bits);
+  return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(16.0f));
+}
+inline V16 sixteens(uint32_t bits) { return {sixteens8(bits), sixteens8(bits >> 8)}; }
 inline float reduce_add(V16 a) {  // the halving tree, as for AVX-512
   const __m256 h = _mm256_add_ps(a.lo, a.hi);
   const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -238,6 +246,7 @@ inline void nibbles(const uint8_t* p, V16& low, V16& high) {
   }
 }
 inline V16 from_i8(const int8_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = float(p[i]); return r; }
+inline V16 sixteens(uint32_t bits) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = (bits >> i) & 1 ? 16.0f : 0.0f; return r; }
 inline float reduce_add(V16 a) {
   float h[8], q[4];
   for (int i = 0; i < 8; ++i) h[i] = a.v[i] + a.v[i + 8];
