@@ -68,6 +68,11 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
     assert ((out.double() - reference).abs() <= 1e-5 * (x.abs().double() @ levels.weight().abs().double().T)
             + 1e-7).all()
     assert torch.equal(out, alone)  # rows computed alone, in groups of 16 as in groups of 32
+    # The kernel's own weights, exactly: a one-hot input row reads one column of W (every other product is 0).
+    with torch.no_grad():
+        columns = layer(torch.eye(256))  # 256 rows: the multi-row path
+        single = torch.cat([layer(torch.eye(256)[i:i + 1]) for i in (0, 77, 255)])  # one row: the in-register path
+    assert torch.equal(columns, levels.weight().T) and torch.equal(single, levels.weight().T[[0, 77, 255]])
 
 
 def test_a_type_the_kernels_do_not_take_is_refused_by_name():

@@ -423,6 +423,7 @@ def test_each_build_gives_the_portable_builds_bits(isa):
     layer = linear(72, 192, seed=5)
     q4, q8 = GroupedInt4Linear(layer), GroupedInt8Linear(layer)
     fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (72, 6), generator=generator, dtype=torch.int32)  # 5-bit levels
+    scale16 = torch.rand(72, 12, generator=generator) * 0.01 + 1e-3
     for rows in (1, 2, 3, 5, 9, 12):  # one and two rows, odd tails, the short and the long (> 8 rows) paths
         x = torch.randn(rows, 192, generator=generator) * 3
         for gemm in (False, True):
@@ -432,6 +433,8 @@ def test_each_build_gives_the_portable_builds_bits(isa):
                                portable.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm)), (rows, gemm)
             assert torch.equal(fast.int8_linear(x, q8.levels, q8.scale, gemm),
                                portable.int8_linear(x, q8.levels, q8.scale, gemm)), (rows, gemm)
+            assert torch.equal(fast.int8_linear(x, q8.levels, scale16, gemm),  # groups of 16 (GGUF's Q6_K)
+                               portable.int8_linear(x, q8.levels, scale16, gemm)), (rows, gemm)
     for dim, keys in ((32, 40), (64, 17), (16, 3)):  # key counts with and without a partial block of 16
         query = torch.randn(4, 3, dim, generator=generator) * 2
         key, value = (torch.randn(2, keys, dim, generator=generator) * 2 for _ in range(2))

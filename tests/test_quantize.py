@@ -547,6 +547,7 @@ def write_typed_gguf(path: Path, projection_type: str, head_type: str) -> Path:
         for projection in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             add(f"blk.{layer}.{projection}.weight", projection_type)
         add(f"blk.{layer}.attn_norm.weight", "F32")  # norms stay float in every GGUF
+        writer.add_tensor(f"blk.{layer}.attn_q.bias", values[0])  # and biases (Qwen2's q/k/v): not projections
     add("output.weight", head_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -79,7 +79,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                         help="torch backend, applied at load to the target and to draft models: int4 = 4-bit weight "
                              "groups of 32 with an int8 head on jointspec's CPU kernels (cheapest step; a GGUF's own "
-                             "Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks are taken as stored, docs/kernels.md); "
+                             "Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0/Q6_K blocks are taken as stored, docs/kernels.md); "
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
                              "none = float; auto = int4 where that is the model's own weights (a GGUF whose "
                              "projections and head are all such blocks, like the embedded default) on an x86 CPU with "

@@ -42,8 +42,9 @@ forward (float sums in another order), which is why plain and speculative decodi
 
 One source, three builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNNI's integer dot product for the
 screened head where the CPU has it) and portable C++ for any other CPU (ARM included). They compute every float
-operation in the same order with the same single roundings, so they give the same bits: the same model decodes the
-same tokens on every CPU, and tests hold each build this CPU runs against the portable one. :func:`selected_isa`
+operation in the same order with the same single roundings, so they give the same bits (the rest of a forward is
+PyTorch's, whose bits may vary between CPUs: docs/kernels.md), and tests hold each build this CPU runs against the
+portable one. :func:`selected_isa`
 picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa` pick another). Where no build
 can be made (no C++ compiler, no ninja) the layers fall back to PyTorch's int4 / int8 kernels of
 :mod:`jointspec.models.quantize`, with one warning that says why; layers whose in_features is not a multiple of 64
@@ -178,8 +179,11 @@ def _build(isa: str):
     directory = _build_directory(name)
     if not any(directory.glob("*.so")):
         print(f"jointspec: building the {isa} CPU kernels once (about 30 s) ...", file=sys.stderr, flush=True)
-        for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):  # builds of other sources or torch versions
-            shutil.rmtree(stale, ignore_errors=True)
+        # Finished builds of other sources or torch versions (a folder without a library may be another process's
+        # build in progress: left alone).
+        for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):
+            if stale != directory and any(stale.glob("*.so")):
+                shutil.rmtree(stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).

@@ -59,14 +59,14 @@ def gguf_block_types(source: str) -> dict[str, str] | None:
         log.debug("could not read the tensor types of %s: %s", path, error)
         return None
     head = "output.weight" if "output.weight" in types else "token_embd.weight"
-    return {name: kind for name, kind in types.items()
-            if name == head or (name.startswith("blk.") and name.split(".")[-2] in _GGUF_PROJECTIONS)}
+    return {name: kind for name, kind in types.items()  # weights only: Qwen2's q/k/v biases are float32 in every file
+            if name == head or (name.startswith("blk.") and name.endswith(".weight")
+                                and name.split(".")[-2] in _GGUF_PROJECTIONS)}
 
 
 def on_int4_grid(source: str) -> bool:
     """Whether ``source`` is a GGUF (or the embedded default, one) whose projections and output head are all stored
-    in block types jointspec's grouped kernels take as they are (models/gguf_blocks.py: Q4_0, Q4_1, Q4_K, Q5_0,
-    Q8_0, Q6_K): then ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model,
+    in block types jointspec's grouped kernels take as they are (models/gguf_blocks.py, SUPPORTED_TYPES): then ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model,
     computed with float32 activations."""
     if source == DEFAULT_MODEL:
         return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (models/embedded.py)
@@ -99,8 +99,11 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
     if torch.device(device).type != "cpu" or resolve_dtype(dtype, device) != torch.float32:
         return "none", "jointspec's int4 kernels are for float32 models on the CPU"
     if not on_int4_grid(source or DEFAULT_MODEL):
-        return "none", ("the model's weights are not 4-bit groups of 32 with an 8-bit head (Q4_1 / Q8_0): int4 would "
-                        "be a second rounding of them (--quantize int4 to ask for it anyway)")
+        from .gguf_blocks import SUPPORTED_TYPES
+
+        return "none", (f"the model is not a GGUF whose projections and head are all in block types the kernels take "
+                        f"as stored ({', '.join(SUPPORTED_TYPES)}): int4 would be a second rounding of its weights "
+                        "(--quantize int4 to ask for it anyway)")
     from .grouped import selected_isa, unavailable_reason
 
     isa = selected_isa()

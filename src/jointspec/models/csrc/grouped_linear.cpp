@@ -521,11 +521,15 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
 
 std::string isa() { return JOINTSPEC_ISA_NAME; }
 
-torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor fifth, torch::Tensor scale,
-                          torch::Tensor minimum, bool gemm) {
-  const Weights w = weights_of({packed, fifth, scale, minimum}, x.size(1), "int5_linear");
+void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU matrix [rows, in]");
+}
+
+torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor fifth, torch::Tensor scale,
+                          torch::Tensor minimum, bool gemm) {
+  check_x(x);
+  const Weights w = weights_of({packed, fifth, scale, minimum}, x.size(1), "int5_linear");
   return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, w.fifth}, gemm);
 }
 
@@ -540,6 +544,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm) {
+  check_x(x);
   const int64_t group = int8_group(scale, x.size(1), "int8_linear");
   check(x, levels, x.size(1), scale, group);
   TORCH_CHECK(levels.scalar_type() == torch::kInt8, "levels must be int8");
@@ -846,6 +851,7 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
 
 torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
                             torch::Tensor levels, torch::Tensor scale, double margin, int64_t max_exact) {
+  check_x(x);
   const int64_t group = int8_group(scale, x.size(1), "screened_head");
   check(x, levels, x.size(1), scale, group);
   const int64_t rows = x.size(0), k = x.size(1), vocab = levels.size(0);

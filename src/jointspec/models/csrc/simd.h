@@ -85,7 +85,6 @@ inline float reduce_add(V16 a) {
   const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
   return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
 }
-inline float reduce_max(V16 a) { return _mm512_reduce_max_ps(a.v); }
 // Sixteen vectors in, one out: lane j is vector j's sum by the tree (B0 + B1) + (B2 + B3), where B_L =
 // (x[4L] + x[4L + 2]) + (x[4L + 1] + x[4L + 3]); about 3 instructions a vector where a horizontal sum costs 10.
 inline V16 sum_lanes16(const V16* v) {
@@ -172,12 +171,6 @@ inline float reduce_add(V16 a) {  // the halving tree, as for AVX-512
   const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
   return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
 }
-inline float reduce_max(V16 a) {
-  const __m256 h = _mm256_max_ps(a.lo, a.hi);
-  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  const __m128 e = _mm_max_ps(q, _mm_movehl_ps(q, q));
-  return _mm_cvtss_f32(_mm_max_ss(e, _mm_shuffle_ps(e, e, 1)));
-}
 // The AVX-512 tree on half-width registers: the same unpacks within each 128-bit lane give B_L of four vectors at a
 // time (B0, B1 from the low halves, B2, B3 from the high ones), then (B0 + B1) + (B2 + B3).
 inline V16 sum_lanes16(const V16* v) {
@@ -253,7 +246,6 @@ inline float reduce_add(V16 a) {
   for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
-inline float reduce_max(V16 a) { float m = a.v[0]; for (float e : a.v) m = e > m ? e : m; return m; }
 inline V16 sum_lanes16(const V16* v) {
   V16 r;
   for (int j = 0; j < 16; ++j) {
