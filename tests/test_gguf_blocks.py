@@ -53,13 +53,10 @@ def test_levels_are_the_files_weights_bit_for_bit(type_name):
 def test_the_kernels_multiply_by_the_files_weights(type_name):
     raw = random_blocks(type_name, rows=48, columns=256, seed=2)
     levels = decode(raw, type_name, 256)
-    if levels.bits == 4:
-        layer = GroupedInt4Linear.from_levels(levels.levels, levels.scale, levels.minimum)
-    elif levels.bits == 5:
-        layer = GroupedInt5Linear.from_levels(levels.levels, levels.fifth, levels.scale, levels.minimum)
-    else:
-        layer = GroupedInt8Linear.from_levels(levels.levels, levels.scale)
-    assert torch.equal(layer.dequantized(), levels.weight())
+    layer = levels.layer()
+    assert type(layer) is {4: GroupedInt4Linear, 5: GroupedInt5Linear, 8: GroupedInt8Linear}[levels.bits]
+    expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+    assert torch.equal(layer.dequantized(), expected)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         out = layer(x)

@@ -205,11 +205,11 @@ def _say_quantize_choice(args: argparse.Namespace) -> None:
 
     mode, why = quantize_choice(args.quantize, args.model, backend=args.backend, device=args.device, dtype=args.dtype,
                                 kernels=args.kernels)
-    if mode in ("int4", "int8") and args.backend == "torch" and args.device == "cpu":
+    if mode == "int4" and args.backend == "torch" and args.device == "cpu":
         from .models.grouped import kernels
 
         built = kernels()
-        mode += f" ({built.isa()} kernels)" if built is not None and mode == "int4" else ""
+        mode += f" ({built.isa()} kernels)" if built is not None else ""
     print(f"jointspec: quantize={args.quantize} -> {mode}: {why}", file=sys.stderr)
 
 

@@ -135,8 +135,8 @@ class LlamaFastForward:
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in models/csrc) but the
-        per-forward ones, where the whole model fits it: grouped 4- or 8-bit layers (biases allowed), row-wise
-        attention, SiLU, no biases. None elsewhere. Also records, in ``self._compiled_checks``, every module,
+        per-forward ones, where the whole model fits it: grouped 4-, 5- or 8-bit layers (with or without biases),
+        row-wise attention, SiLU. None elsewhere. Also records, in ``self._compiled_checks``, every module,
         buffer and parameter they were read from, so that a later change to the model takes it off this path.
 
         A quantised model is its own model (models/quantize.py): the compiled layer computes what the operations

@@ -55,26 +55,19 @@ class Levels:
     minimum: torch.Tensor | None  # [out, in / 32] float32 (4 and 5 bits), None (8 bits)
     fifth: torch.Tensor | None = None  # 5 bits: int32 [out, in / 32], bit i = the fifth bit of the group's level i
 
-    def unpacked(self) -> torch.Tensor:
-        """The levels one per weight, [out, in]."""
-        if self.bits == 8:
-            return self.levels
-        out = self.levels.shape[0]
-        packed = self.levels.reshape(out, -1, 16)
-        levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()
-        if self.fifth is not None:
-            levels = levels + 16 * ((self.fifth.long()[..., None] >> torch.arange(32)) & 1)
-        return levels.reshape(out, -1)
+    def layer(self, bias: torch.Tensor | None = None) -> nn.Module:
+        """The grouped kernel layer holding these levels (their storage, not a copy), with ``bias``."""
+        from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear
+
+        if self.bits == 4:
+            return GroupedInt4Linear.from_levels(self.levels, self.scale, self.minimum, bias)
+        if self.bits == 5:
+            return GroupedInt5Linear.from_levels(self.levels, self.fifth, self.scale, self.minimum, bias)
+        return GroupedInt8Linear.from_levels(self.levels, self.scale, bias)
 
     def weight(self) -> torch.Tensor:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
-        levels = self.unpacked()
-        out, cols = levels.shape
-        group = cols // self.scale.shape[1]
-        levels = levels.float().reshape(out, -1, group)
-        if self.minimum is None:
-            return (levels * self.scale[..., None]).reshape(out, cols)
-        return torch.addcmul(self.minimum[..., None], levels, self.scale[..., None]).reshape(out, cols)
+        return self.layer().dequantized()
 
     def rows(self, order: torch.Tensor) -> "Levels":
         return Levels(self.bits, self.levels[order], self.scale[order],

@@ -4,8 +4,8 @@ Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cp
 which move the model away from its float32 self, and on the machine it was first measured on (models/quantize.py)
 its cost grew about linearly with the rows of a forward, so verifying draft tokens cost almost as much as decoding
 them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3 and 4 rows.
-``csrc/grouped_linear.cpp`` (built once with the machine's own compiler) dequantises each weight row into an L1-resident float32 buffer and takes its dot product with every input row, so weights are read
-once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
+``csrc/grouped_linear.cpp`` (built once with the machine's own compiler) dequantises each weight row into an
+L1-resident float32 buffer and takes its dot product with every input row, so weights are read once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
 from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15 passes, ms)::
 
     rows in the forward            1      2      3      4      5      6      8
@@ -44,8 +44,7 @@ One source, three builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNN
 screened head where the CPU has it) and portable C++ for any other CPU (ARM included). They compute every float
 operation in the same order with the same single roundings, so they give the same bits (the rest of a forward is
 PyTorch's, whose bits may vary between CPUs: docs/kernels.md), and tests hold each build this CPU runs against the
-portable one. :func:`selected_isa`
-picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa` pick another). Where no build
+portable one. :func:`selected_isa` picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa` pick another). Where no build
 can be made (no C++ compiler, no ninja) the layers fall back to PyTorch's int4 / int8 kernels of
 :mod:`jointspec.models.quantize`, with one warning that says why; layers whose in_features is not a multiple of 64
 stay float.
@@ -109,15 +108,19 @@ def selected_isa() -> str:
     if _override:
         return _override[-1]
     wanted = os.environ.get(ISA_ENV, "").strip().lower()
-    if wanted:
-        _check_isa(wanted, f"${ISA_ENV}")
-        return wanted
-    return _fastest_isa()
+    return _checked_env_isa(wanted) if wanted else _fastest_isa()
+
+
+# Both asked on every kernel call: the CPU's flags are read once (a refused name raises again, uncached).
+@functools.cache
+def _fastest_isa() -> str:
+    return runnable_isas()[0]
 
 
 @functools.cache
-def _fastest_isa() -> str:  # asked on every kernel call: read the CPU's flags once
-    return runnable_isas()[0]
+def _checked_env_isa(wanted: str) -> str:
+    _check_isa(wanted, f"${ISA_ENV}")
+    return wanted
 
 
 def _check_isa(isa: str, where: str) -> None:
@@ -220,6 +223,12 @@ def _long(rows: torch.Tensor) -> bool:
     return rows.shape[0] > ROWWISE_MAX_ROWS
 
 
+def _nibble_levels(packed: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit levels [out, in / 2] -> [out, in / 32, 32] (byte i of a group: level i low, level i + 16 high)."""
+    groups = packed.reshape(packed.shape[0], -1, GROUP_SIZE // 2)
+    return torch.cat([groups & 15, groups >> 4], dim=-1)
+
+
 class _GroupedLinear(nn.Module):
     """What the int4 and int8 layers share: float32 rows in, one kernel call, the bias, the input's shape back."""
 
@@ -297,8 +306,7 @@ class GroupedInt4Linear(_GroupedLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
-        packed = self.packed.reshape(self.out_features, -1, GROUP_SIZE // 2)  # [out, groups, 16]
-        levels = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [out, groups, 32]
+        levels = _nibble_levels(self.packed).float()  # [out, groups, 32]
         return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
@@ -340,10 +348,8 @@ class GroupedInt5Linear(_GroupedLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
-        packed = self.packed.reshape(self.out_features, -1, GROUP_SIZE // 2)
-        levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()  # [out, groups, 32]
-        bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1
-        levels = (levels + 16 * bits).float()
+        bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1  # [out, groups, 32]
+        levels = (_nibble_levels(self.packed).long() + 16 * bits).float()
         return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:

@@ -66,8 +66,9 @@ def gguf_block_types(source: str) -> dict[str, str] | None:
 
 def on_int4_grid(source: str) -> bool:
     """Whether ``source`` is a GGUF (or the embedded default, one) whose projections and output head are all stored
-    in block types jointspec's grouped kernels take as they are (models/gguf_blocks.py, SUPPORTED_TYPES): then ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model,
-    computed with float32 activations."""
+    in block types jointspec's grouped kernels take as they are (models/gguf_blocks.py, SUPPORTED_TYPES): then
+    ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model, computed with
+    float32 activations."""
     if source == DEFAULT_MODEL:
         return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (models/embedded.py)
     from .gguf_blocks import SUPPORTED_TYPES

@@ -299,16 +299,12 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 
 
 def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
-    """A grouped layer holding a file's own levels (models/gguf_blocks.py) in place of ``linear``."""
-    from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
+    """A grouped layer holding a file's own levels (models/gguf_blocks.py) in place of ``linear``; an 8-bit head
+    with ``screen``, screened as :class:`~jointspec.models.grouped.ScreenedInt8Head`."""
+    from .grouped import GroupedInt8Linear, ScreenedInt8Head
 
-    bias = None if linear.bias is None else linear.bias.detach()
-    if stored.bits == 4:
-        return GroupedInt4Linear.from_levels(stored.levels, stored.scale, stored.minimum, bias)
-    if stored.bits == 5:
-        return GroupedInt5Linear.from_levels(stored.levels, stored.fifth, stored.scale, stored.minimum, bias)
-    layer = GroupedInt8Linear.from_levels(stored.levels, stored.scale, bias)
-    if screen and bias is None and linear.in_features % 64 == 0:
+    layer = stored.layer(None if linear.bias is None else linear.bias.detach())
+    if screen and type(layer) is GroupedInt8Linear and layer.bias is None and linear.in_features % 64 == 0:
         return ScreenedInt8Head.from_int8(layer)
     return layer
 
@@ -335,7 +331,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     between CPU and CUDA. Layers the kernel cannot take stay in float, logged as a warning. A model on ``sdpa``
     attention switches to :func:`rowwise_sdpa`, so that its rows stay independent of the batch in attention too.
     ``file_levels`` (int4 on jointspec's kernel): module name -> :class:`~jointspec.models.gguf_blocks.Levels`, the
-    blocks a GGUF file stores for that layer, taken as they are (4- or 8-bit) instead of rounding the float weight.
+    blocks a GGUF file stores for that layer, taken as they are (4-, 5- or 8-bit) instead of rounding the float
+    weight.
     """
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantisation mode '{mode}'; choose one of: {', '.join(QUANTIZE_MODES)}")
