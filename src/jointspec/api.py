@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import JointspecError
-from .loop import DecodeConfig, SpecStats, SpeculativeDecoder
-from .methods import MethodConfig, MethodContext, build_method
-from .models.adapter import CausalLM
-from .models.loading import DEFAULT_MODEL, load_model
-from .sampling import SamplingConfig
+from jointspec.errors import JointspecError
+from jointspec.loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.models.adapter import CausalLM
+from jointspec.models.loading import DEFAULT_MODEL, load_model
+from jointspec.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch_cache import RaggedCache
-from .batch_drafters import BatchDrafter, batch_drafter_for
-from .errors import ContextTooLongError, UnsupportedOptionError
-from .loop import DecodeConfig, SpecStats
-from .methods import MethodConfig, MethodContext, build_method
-from .models.adapter import CausalLM, tree_depths
-from .verifiers.base import Verifier
-from .verifiers.greedy import GreedyVerifier
-from .verifiers.rejection import RejectionSamplingVerifier
+from jointspec.batch_cache import RaggedCache
+from jointspec.batch_drafters import BatchDrafter, batch_drafter_for
+from jointspec.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.loop import DecodeConfig, SpecStats
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.models.adapter import CausalLM, tree_depths
+from jointspec.verifiers.base import Verifier
+from jointspec.verifiers.greedy import GreedyVerifier
+from jointspec.verifiers.rejection import RejectionSamplingVerifier
 
 log = logging.getLogger(__name__)
 

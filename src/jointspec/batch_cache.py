@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .errors import UnsupportedOptionError
-from .models.adapter import CausalLM
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
 
 
 def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

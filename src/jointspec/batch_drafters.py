@@ -19,13 +19,13 @@ from typing import Protocol
 
 import torch
 
-from .batch_cache import RaggedCache
-from .drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
-from .drafters.model import ModelDrafter, common_prefix_length
-from .drafters.ngram import PromptLookupDrafter
-from .errors import UnsupportedOptionError
-from .models.adapter import CausalLM
-from .sampling import SamplingConfig, processed_probs, sample
+from jointspec.batch_cache import RaggedCache
+from jointspec.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
+from jointspec.drafters.model import ModelDrafter, common_prefix_length
+from jointspec.drafters.ngram import PromptLookupDrafter
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig, processed_probs, sample
 
 
 class BatchDrafter(Protocol):

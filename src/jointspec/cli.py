@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from .errors import JointspecError, UnsupportedOptionError
+from jointspec.errors import JointspecError, UnsupportedOptionError
 
 DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small draft propose several tokens that "
                   "the large model checks in one forward pass, so generation gets faster without changing what the "
@@ -61,7 +61,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
                              "(EAGLE-2) instead of the static --tree; greedy decoding only")
-    from .models.eagle import HEAD_WEIGHT_CHOICES
+    from jointspec.models.eagle import HEAD_WEIGHT_CHOICES
 
     parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
                         help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
@@ -70,8 +70,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "that kernel runs with vector instructions (x86 with AVX2 or AVX-512), else float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    from .models.loading import BACKENDS, QUANTIZE_CHOICES
-    from .models.cpukernels import KERNEL_CHOICES
+    from jointspec.models.loading import BACKENDS, QUANTIZE_CHOICES
+    from jointspec.models.cpukernels import KERNEL_CHOICES
 
     parser.add_argument("--backend", choices=BACKENDS, default="torch",
                         help="what runs the target and draft models: torch (transformers) or llamacpp (the model must "
@@ -107,7 +107,7 @@ def model_options(args: argparse.Namespace) -> dict:
 def model_loader(args: argparse.Namespace):
     """``load(source, name=None) -> (model, tokenizer)`` with the run's :func:`model_options`, for the target and
     every draft model alike; each (source, name) is loaded once."""
-    from .models.loading import load_model
+    from jointspec.models.loading import load_model
 
     @functools.cache
     def load(source: str, name: str | None = None):
@@ -124,7 +124,7 @@ def apply_threads(args: argparse.Namespace) -> None:
 
 
 def method_config_from_args(args: argparse.Namespace, name: str | None = None):
-    from .methods import MethodConfig
+    from jointspec.methods import MethodConfig
 
     if getattr(args, "tree_budget", 0) and getattr(args, "temperature", 0.0) > 0:
         # Refused here, before a model loads, rather than by the drafter after the first token is out.
@@ -158,8 +158,8 @@ def _add_generate(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .api import GenerationConfig, Pipeline
-    from .methods import method_names
+    from jointspec.api import GenerationConfig, Pipeline
+    from jointspec.methods import method_names
 
     if args.method not in method_names():
         raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
@@ -174,8 +174,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     _say_quantize_choice(args)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
-        from .energy import meter_for_device
-        from .quality import quality_report
+        from jointspec.energy import meter_for_device
+        from jointspec.quality import quality_report
 
         meter = meter_for_device(args.device)
         meter.start()
@@ -201,12 +201,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _say_quantize_choice(args: argparse.Namespace) -> None:
     """One line on stderr: the weights and kernels the target runs on, and why."""
-    from .models.loading import quantize_choice
+    from jointspec.models.loading import quantize_choice
 
     mode, why = quantize_choice(args.quantize, args.model, backend=args.backend, device=args.device, dtype=args.dtype,
                                 kernels=args.kernels)
     if mode == "int4" and args.backend == "torch" and args.device == "cpu":
-        from .models.grouped import kernels
+        from jointspec.models.grouped import kernels
 
         built = kernels()
         mode += f" ({built.isa()} kernels)" if built is not None else ""
@@ -219,7 +219,7 @@ def _add_methods(subparsers) -> None:
 
 
 def _run_methods(args: argparse.Namespace) -> int:
-    from .methods import method_summaries
+    from jointspec.methods import method_summaries
 
     for name, summary in method_summaries().items():
         print(f"{name:12s} {summary}")

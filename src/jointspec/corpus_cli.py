@@ -27,11 +27,11 @@ log = logging.getLogger(__name__)
 ANSWERS_FILE = "answers.jsonl"
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
-from .models.loading import load_model as load_target  # noqa: E402
+from jointspec.models.loading import load_model as load_target
 
 
 def add_parser(subparsers) -> None:
-    from .cli import _positive_int
+    from jointspec.cli import _positive_int
 
     parser = subparsers.add_parser(
         "build-corpus", help="build the n-gram table `corpus` drafts from, out of the target's own answers",
@@ -62,11 +62,11 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .api import GenerationConfig, Pipeline, eos_token_ids
-    from .drafters.corpus import NgramTable, tokenizer_fingerprint
-    from .methods import MethodConfig
-    from .models.eagle import target_fingerprint
-    from .train.cli import training_prompts
+    from jointspec.api import GenerationConfig, Pipeline, eos_token_ids
+    from jointspec.drafters.corpus import NgramTable, tokenizer_fingerprint
+    from jointspec.methods import MethodConfig
+    from jointspec.models.eagle import target_fingerprint
+    from jointspec.train.cli import training_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
 def data_folder_answers(folder: str | Path, target) -> list[list[int]]:
     """The answers (token ids after each prompt) in a ``train-draft`` data folder built for ``target``."""
-    from .errors import UnsupportedOptionError
-    from .models.eagle import target_fingerprint
-    from .train.data import load_shards, read_spec
+    from jointspec.errors import UnsupportedOptionError
+    from jointspec.models.eagle import target_fingerprint
+    from jointspec.train.data import load_shards, read_spec
 
     try:
         spec = read_spec(folder)

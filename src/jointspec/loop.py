@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import Drafter
-from .errors import ContextTooLongError
-from .models.adapter import CausalLM, tree_depths
-from .sampling import SamplingConfig
-from .verifiers.base import Verifier
+from jointspec.drafters.base import Drafter
+from jointspec.errors import ContextTooLongError
+from jointspec.models.adapter import CausalLM, tree_depths
+from jointspec.sampling import SamplingConfig
+from jointspec.verifiers.base import Verifier
 
 
 @dataclass

@@ -9,13 +9,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .drafters.base import Drafter, NoDrafter
-from .drafters.model import ModelDrafter, check_same_vocabulary
-from .drafters.ngram import PromptLookupDrafter
-from .errors import UnsupportedOptionError
-from .models.adapter import CausalLM
-from .verifiers.base import Verifier
-from .verifiers.rejection import RejectionSamplingVerifier
+from jointspec.drafters.base import Drafter, NoDrafter
+from jointspec.drafters.model import ModelDrafter, check_same_vocabulary
+from jointspec.drafters.ngram import PromptLookupDrafter
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.verifiers.base import Verifier
+from jointspec.verifiers.rejection import RejectionSamplingVerifier
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class MethodConfig:
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
         if self.tree_budget < 0:
             raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
-        from .models.eagle import HEAD_WEIGHT_CHOICES
+        from jointspec.models.eagle import HEAD_WEIGHT_CHOICES
 
         if self.head_weights not in HEAD_WEIGHT_CHOICES:
             raise ValueError(f"head_weights must be one of {', '.join(HEAD_WEIGHT_CHOICES)}, got "
@@ -78,7 +78,7 @@ class MethodContext:
                 return self.target.fork(f"{self.target.name} (self-draft)")
             return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)",
                             lean=self.target.lean is not None)
-        from .models.eagle import bind_trained_draft, is_head_artifact
+        from jointspec.models.eagle import bind_trained_draft, is_head_artifact
 
         if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
             return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
@@ -128,7 +128,7 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 def target_cost_curve(target: CausalLM):
     """The target's measured cost curve (memoised per model: a few seconds once)."""
-    from .drafters.costaware import DEFAULT_SIZES, measure_cost_curve
+    from jointspec.drafters.costaware import DEFAULT_SIZES, measure_cost_curve
 
     # Verification, and so its cost, runs on a llama.cpp adapter's exact context; an `ar` decode leaves the plain one.
     if getattr(target, "plain", False):
@@ -140,7 +140,7 @@ def target_cost_curve(target: CausalLM):
 
 def draft_cost_per_call(draft: CausalLM) -> float:
     """Seconds of one 1-token forward of a draft model or head (memoised per model, like the target's curve)."""
-    from .drafters.costaware import measure_cost_curve
+    from jointspec.drafters.costaware import measure_cost_curve
 
     return measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1)
 
@@ -151,7 +151,7 @@ def make_cost_aware(drafter: Drafter, context: MethodContext) -> Drafter:
     The curve is measured once per target model (a few seconds, memoised); a model drafter's per-token cost is its
     own one-token forward, prompt lookup's is zero.
     """
-    from .drafters.costaware import CostAwareDrafter
+    from jointspec.drafters.costaware import CostAwareDrafter
 
     curve = target_cost_curve(context.target)
     draft = getattr(drafter, "draft", None)
@@ -188,7 +188,7 @@ def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
                  "most likely (--draft TABLE_FOLDER from `build-corpus`; default: the table shipped for the target's "
                  "tokenizer), adaptive length (lossless)", cost_aware=True)
 def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
-    from .drafters.corpus import table_for
+    from jointspec.drafters.corpus import table_for
 
     config = context.config
     table = (table_for(config.draft, context.tokenizer, context.target.vocab_size) if config.draft else
@@ -201,7 +201,7 @@ def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 def _corpus_lookup(config: MethodConfig, table) -> Drafter:
-    from .drafters.corpus import CorpusLookupDrafter
+    from jointspec.drafters.corpus import CorpusLookupDrafter
 
     return CorpusLookupDrafter(table, config.num_draft_tokens,
                                max(config.max_num_draft_tokens, config.num_draft_tokens), max_ngram=config.max_ngram)
@@ -210,7 +210,7 @@ def _corpus_lookup(config: MethodConfig, table) -> Drafter:
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
                  cost_aware=True)
 def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
-    from .drafters.hybrid import HybridDrafter
+    from jointspec.drafters.hybrid import HybridDrafter
 
     config = context.config
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
@@ -228,12 +228,12 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 def _hybrid_tree(context: MethodContext, table=None) -> tuple[Drafter, Verifier]:
     """hybrid-tree; with an n-gram ``table`` (drafters/corpus.py) its lookup half drafts as ``corpus`` does."""
-    from .api import eos_token_ids
-    from .drafters.costaware import CostAwareDrafter
-    from .drafters.dynamic_tree import DynamicTreeDrafter
-    from .drafters.lookup_tree import LookupOrTreeDrafter
-    from .drafters.tree import TreeDrafter
-    from .verifiers.tree import TreeRejectionVerifier
+    from jointspec.api import eos_token_ids
+    from jointspec.drafters.costaware import CostAwareDrafter
+    from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
+    from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
+    from jointspec.drafters.tree import TreeDrafter
+    from jointspec.verifiers.tree import TreeRejectionVerifier
 
     config = context.config
     draft = context.draft_model()
@@ -283,7 +283,7 @@ def expected_tree_gain(curve, draft_cost: float) -> float:
 
 def shipped_corpus_table(context: MethodContext):
     """The n-gram table shipped for the target's tokenizer, loaded, or None."""
-    from .drafters.corpus import shipped_table_for, table_for
+    from jointspec.drafters.corpus import shipped_table_for, table_for
 
     folder = shipped_table_for(context.tokenizer)
     return None if folder is None else table_for(folder, context.tokenizer, context.target.vocab_size)
@@ -306,9 +306,9 @@ MIN_TREE_GAIN = 1.15
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
 
-    from .models.eagle import shipped_head_for
+    from jointspec.models.eagle import shipped_head_for
 
-    from .drafters.corpus import shipped_table_for
+    from jointspec.drafters.corpus import shipped_table_for
 
     def lookup() -> MethodConfig:
         """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),

@@ -10,16 +10,16 @@
 
 from __future__ import annotations
 
-from .drafters.beam import BeamDrafter
-from .drafters.tree import TreeDrafter
-from .methods import MethodContext, register_method
-from .verifiers.mtad import MTADVerifier
-from .verifiers.tree import SpecTrVerifier, TreeRejectionVerifier
+from jointspec.drafters.beam import BeamDrafter
+from jointspec.drafters.tree import TreeDrafter
+from jointspec.methods import MethodContext, register_method
+from jointspec.verifiers.mtad import MTADVerifier
+from jointspec.verifiers.tree import SpecTrVerifier, TreeRejectionVerifier
 
 
 def _eos_token_ids(context: MethodContext) -> frozenset[int]:
     """EOS ids the drafters must not expand past: the same set the loop stops at."""
-    from .api import eos_token_ids  # api imports methods, which imports this module lazily
+    from jointspec.api import eos_token_ids
 
     return eos_token_ids(context.target, context.tokenizer)
 

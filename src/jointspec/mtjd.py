@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters.beam import beam_search
-from .drafters.treecache import DraftTreeCache
-from .models.adapter import CausalLM
-from .sampling import SamplingConfig, processed_probs
+from jointspec.drafters.beam import beam_search
+from jointspec.drafters.treecache import DraftTreeCache
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig, processed_probs
 
 
 def all_prefixes_tree(vocab_size: int, max_len: int) -> tuple[list[int], list[int]]:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .models.adapter import CausalLM
+from jointspec.models.adapter import CausalLM
 
 
 @torch.inference_mode()

@@ -8,13 +8,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..cli import (_positive_int, add_model_arguments, apply_threads, method_config_from_args, model_loader,
-                   model_options)
-from ..models.loading import DEFAULT_MODEL, load_model, resolve_quantize
-from .prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
-from .report import contract, summarise, table, write_report
-from .runner import BenchConfig, run_bench
-from .specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
+from jointspec.cli import (_positive_int, add_model_arguments, apply_threads, method_config_from_args, model_loader,
+                           model_options)
+from jointspec.models.loading import DEFAULT_MODEL, load_model, resolve_quantize
+from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
+from jointspec.bench.report import contract, summarise, table, write_report
+from jointspec.bench.runner import BenchConfig, run_bench
+from jointspec.bench.specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
 load_target = load_model

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loop import SpecStats
-from ..models.adapter import CausalLM
-from .engines import synchronize
+from jointspec.loop import SpecStats
+from jointspec.models.adapter import CausalLM
+from jointspec.bench.engines import synchronize
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 

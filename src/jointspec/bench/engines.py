@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import GenerationConfig, Pipeline
-from ..loop import SpecStats, SpeculativeDecoder
-from ..methods import MethodConfig, MethodContext, build_method
-from ..errors import ModelLoadError
-from ..models.adapter import CausalLM
-from ..models.cpukernels import stock_kernels
-from ..sampling import SamplingConfig
-from .specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
+from jointspec.api import GenerationConfig, Pipeline
+from jointspec.loop import SpecStats, SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.errors import ModelLoadError
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import stock_kernels
+from jointspec.sampling import SamplingConfig
+from jointspec.bench.specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
 
 LoadDraft = Callable[[str], tuple[CausalLM, object]]
 
@@ -175,7 +175,7 @@ class LlamaCppBackend:
     def adapter(self):
         """The jointspec adapter (:class:`LlamaCppLM`) every ``backend=llamacpp`` method shares."""
         if self._adapter is None:
-            from ..models.llamacpp import load_llamacpp
+            from jointspec.models.llamacpp import load_llamacpp
 
             adapter, tokenizer = load_llamacpp(self.source, n_threads=self.threads, n_ctx=self.n_ctx)
             if tokenizer.get_vocab() != self.tokenizer.get_vocab():
@@ -192,7 +192,7 @@ class LlamaCppBackend:
             adapter = self.adapter()  # loads and checks the file first
             from llama_cpp import Llama
 
-            from ..models.llamacpp import llama_class_params
+            from jointspec.models.llamacpp import llama_class_params
 
             with llama_class_params():
                 self._llamas[key] = Llama(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..errors import JointspecError
+from jointspec.errors import JointspecError
 
 BUILTIN_PREFIX = "builtin:"
 

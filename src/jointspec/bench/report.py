@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..loop import SpecStats
-from .costmodel import TargetCost, predict
-from ..quality import distinct_n
-from .intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
-from .runner import BenchResult, PromptRun, perplexity_of
+from jointspec.loop import SpecStats
+from jointspec.bench.costmodel import TargetCost, predict
+from jointspec.quality import distinct_n
+from jointspec.bench.intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
+from jointspec.bench.runner import BenchResult, PromptRun, perplexity_of
 
 CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
                  "perplexity")

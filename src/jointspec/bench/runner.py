@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..api import eos_token_ids
-from ..loop import SpecStats
-from ..methods import MethodConfig
-from ..models.adapter import CausalLM
-from ..models.cpukernels import GQA_ATTENTION, attention_in_use, kernels_in_use
-from ..models.loading import load_model, quantized_copy, stock_copy
-from ..quality import token_logprobs
-from .costmodel import TargetCost, measure_target_cost
-from .engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
-from .prompts import BenchPrompt, chat_prompt_ids
-from .specs import MethodSpec, MethodSpecError
-from ..sampling import SamplingConfig
+from jointspec.api import eos_token_ids
+from jointspec.loop import SpecStats
+from jointspec.methods import MethodConfig
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import GQA_ATTENTION, attention_in_use, kernels_in_use
+from jointspec.models.loading import load_model, quantized_copy, stock_copy
+from jointspec.quality import token_logprobs
+from jointspec.bench.costmodel import TargetCost, measure_target_cost
+from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
+from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
+from jointspec.bench.specs import MethodSpec, MethodSpecError
+from jointspec.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 

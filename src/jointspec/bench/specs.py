@@ -21,10 +21,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from ..drafters.oracle import OracleConfig
-from ..errors import UnsupportedOptionError
-from ..methods import MethodConfig, method_names
-from ..models.loading import QUANTIZE_CHOICES
+from jointspec.drafters.oracle import OracleConfig
+from jointspec.errors import UnsupportedOptionError
+from jointspec.methods import MethodConfig, method_names
+from jointspec.models.loading import QUANTIZE_CHOICES
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {

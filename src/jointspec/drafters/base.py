@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from ..sampling import SamplingConfig
+from jointspec.sampling import SamplingConfig
 
 
 @dataclass

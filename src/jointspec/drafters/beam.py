@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig, multinomial, processed_probs
-from .base import EMPTY_DRAFT, Draft
-from .treecache import DraftTreeCache
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig, multinomial, processed_probs
+from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.treecache import DraftTreeCache
 
 
 @dataclass

@@ -40,10 +40,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UnsupportedOptionError
-from ..sampling import SamplingConfig
-from .base import EMPTY_DRAFT, Draft
-from .ngram import PromptLookupDrafter, lookup
+from jointspec.errors import UnsupportedOptionError
+from jointspec.sampling import SamplingConfig
+from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
 TABLE_FILE = "table.npz"
 CONFIG_FILE = "corpus.json"

@@ -69,9 +69,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import UnsupportedOptionError
-from ..sampling import SamplingConfig
-from .base import Draft, Drafter
+from jointspec.errors import UnsupportedOptionError
+from jointspec.sampling import SamplingConfig
+from jointspec.drafters.base import Draft, Drafter
 
 # Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
 # is where the float32 CPU kernels switch, see models/cpukernels.py: the curve must not interpolate across it).
@@ -207,7 +207,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     if context_tokens < 0:
         raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
     owner = _memo_owner(target)
-    from ..models.cpukernels import attention_in_use, kernels_in_use
+    from jointspec.models.cpukernels import attention_in_use, kernels_in_use
 
     # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
     argmax_only = {"argmax_only": True} if getattr(target, "screens_argmax", False) else {}

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedOptionError
-from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig
-from .base import EMPTY_DRAFT, Draft
-from .treecache import DraftTreeCache
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig
+from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.treecache import DraftTreeCache
 
 
 class DynamicTreeDrafter:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig
-from .base import Draft
-from .model import ModelDrafter
-from .ngram import PromptLookupDrafter
+from jointspec.sampling import SamplingConfig
+from jointspec.drafters.base import Draft
+from jointspec.drafters.model import ModelDrafter
+from jointspec.drafters.ngram import PromptLookupDrafter
 
 
 class HybridDrafter:

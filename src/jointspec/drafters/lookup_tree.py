@@ -33,11 +33,11 @@ import math
 
 import torch
 
-from ..sampling import SamplingConfig
-from .base import EMPTY_DRAFT, Draft
-from .costaware import CostAwareDrafter, CostCurve
-from .dynamic_tree import DynamicTreeDrafter
-from .tree import TreeDrafter
+from jointspec.sampling import SamplingConfig
+from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
+from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
+from jointspec.drafters.tree import TreeDrafter
 
 
 def tree_round_cost(curve: CostCurve, branching: tuple[int, ...], draft_cost_per_call: float) -> float:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..methods import MethodConfig, MethodContext, register_method
-from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig
-from ..verifiers.rejection import RejectionSamplingVerifier
-from .base import EMPTY_DRAFT, Draft
-from .model import common_prefix_length
+from jointspec.methods import MethodConfig, MethodContext, register_method
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig
+from jointspec.verifiers.rejection import RejectionSamplingVerifier
+from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.model import common_prefix_length
 
 # Extend a memoised continuation by at least this many tokens at a time (fewer, longer extensions).
 _EXTEND_CHUNK = 16

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig, multinomial, processed_probs
-from .base import EMPTY_DRAFT, Draft
-from .treecache import DraftTreeCache
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig, multinomial, processed_probs
+from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.drafters.treecache import DraftTreeCache
 
 
 class TreeDrafter:

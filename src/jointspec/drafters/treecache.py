@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.adapter import CausalLM
+from jointspec.models.adapter import CausalLM
 
 
 class DraftTreeCache:

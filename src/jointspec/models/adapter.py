@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import UnsupportedOptionError
-from .fastpath import fast_forward_for
-from .kvcache import BufferedCache
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.fastpath import fast_forward_for
+from jointspec.models.kvcache import BufferedCache
 
 
 @dataclass

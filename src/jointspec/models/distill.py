@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-from .adapter import CausalLM
-from .cpukernels import kernels_in_use, onednn_supported, use_onednn_linears
-from .eagle import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight, full_vocab_logits,
-                    load_artifact, save_artifact)
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import kernels_in_use, onednn_supported, use_onednn_linears
+from jointspec.models.eagle import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight, full_vocab_logits,
+                                    load_artifact, save_artifact)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
-from ..errors import ModelLoadError, UnsupportedOptionError
-from .adapter import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
-from .cpukernels import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
-from .fastpath import body_unsupported_reason, lean_body_forward
-from .kvcache import BufferedCache
+from jointspec.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.models.adapter import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
+from jointspec.models.cpukernels import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
+from jointspec.models.fastpath import body_unsupported_reason, lean_body_forward
+from jointspec.models.kvcache import BufferedCache
 
 ARTIFACT_FORMAT = 1
 CONFIG_FILE = "draft.json"
@@ -220,15 +220,15 @@ def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str =
         raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
                                      f"'{kind}' draft, which runs in float: leave head_weights at auto")
     if kind == "distill":
-        from .distill import bind_distill
+        from jointspec.models.distill import bind_distill
 
         return bind_distill(folder, target)
     if kind == "medusa":
-        from .medusa import bind_medusa
+        from jointspec.models.medusa import bind_medusa
 
         return bind_medusa(folder, target)
     if kind == "hydra":
-        from .hydra import bind_hydra
+        from jointspec.models.hydra import bind_hydra
 
         return bind_hydra(folder, target)
     return bind_head(folder, target, head_weights)  # an unreadable folder gets load_head's error
@@ -375,7 +375,7 @@ HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")
 
 def int8_head_misfit(head: EagleHead) -> str | None:
     """Why ``head`` cannot run on int8 weights (None: it can)."""
-    from .grouped import grouped_misfit, selected_isa, unavailable_reason
+    from jointspec.models.grouped import grouped_misfit, selected_isa, unavailable_reason
 
     if head.fc.weight.device.type != "cpu" or head.fc.weight.dtype != torch.float32:
         return f"int8 head weights are for float32 heads on the CPU; this one is {head.fc.weight.dtype} on " \
@@ -421,7 +421,7 @@ class HeadDraftModel(FeatureDraft):
 
     def _use_int8(self) -> None:
         """Swap the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""
-        from .grouped import GroupedInt8Linear
+        from jointspec.models.grouped import GroupedInt8Linear
 
         body = self.head.body
         swaps = [(parent, name, child) for parent in body.modules() for name, child in parent.named_children()

@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import ModelLoadError
+from jointspec.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -125,7 +125,7 @@ class LlamaFastForward:
         if reason is not None:
             raise ValueError(f"the lean forward needs transformers' Llama model: {reason}")
         self.model = model
-        from .grouped import FusedCall
+        from jointspec.models.grouped import FusedCall
 
         # Per layer: one grouped-kernel call for q/k/v and one for gate/up where the int4 layers allow it (None
         # elsewhere); bit for bit the separate calls (models/grouped.py).
@@ -142,8 +142,9 @@ class LlamaFastForward:
         A quantised model is its own model (models/quantize.py): the compiled layer computes what the operations
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
-        from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, kernel_arguments, kernels
-        from .quantize import ROWWISE_ATTENTION
+        from jointspec.models.grouped import (GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, kernel_arguments,
+                                              kernels)
+        from jointspec.models.quantize import ROWWISE_ATTENTION
 
         config = self.model.config
         if config._attn_implementation != ROWWISE_ATTENTION or config.hidden_act != "silu" or kernels() is None:
@@ -192,8 +193,8 @@ class LlamaFastForward:
         buffer and parameter they were built from (one identity check each, about 1,000 on SmolLM2: tens of
         microseconds), row-wise attention still set, a buffered cache, and a forward short enough for row-wise
         attention."""
-        from .kvcache import BufferedLayer
-        from .quantize import ROWWISE_ATTENTION, ROWWISE_MAX_ROWS
+        from jointspec.models.kvcache import BufferedLayer
+        from jointspec.models.quantize import ROWWISE_ATTENTION, ROWWISE_MAX_ROWS
 
         if (self.compiled is None or n > ROWWISE_MAX_ROWS
                 or self.model.config._attn_implementation != ROWWISE_ATTENTION):
@@ -261,7 +262,7 @@ class LlamaFastForward:
 
     def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
         """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out."""
-        from .quantize import compiled_visibility
+        from jointspec.models.quantize import compiled_visibility
 
         n = hidden.shape[1]
         visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)

@@ -57,7 +57,7 @@ class Levels:
 
     def layer(self, bias: torch.Tensor | None = None) -> nn.Module:
         """The grouped kernel layer holding these levels (their storage, not a copy), with ``bias``."""
-        from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear
+        from jointspec.models.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear
 
         if self.bits == 4:
             return GroupedInt4Linear.from_levels(self.levels, self.scale, self.minimum, bias)

@@ -66,8 +66,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UnsupportedOptionError
-from .cpukernels import cpu_flags
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.cpukernels import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 def _long(rows: torch.Tensor) -> bool:
     """Whether a forward is long enough to be a prompt prefill (models/quantize.py, ROWWISE_MAX_ROWS): then the kernel
     runs the product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA."""
-    from .quantize import ROWWISE_MAX_ROWS
+    from jointspec.models.quantize import ROWWISE_MAX_ROWS
 
     return rows.shape[0] > ROWWISE_MAX_ROWS
 

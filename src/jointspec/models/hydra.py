@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapter import CausalLM, ForwardOutput, tree_depths
-from .eagle import check_head_target, full_vocab_logits, load_artifact, save_artifact
-from .medusa import MedusaConfig, MedusaDraftModel, ResidualBlock
+from jointspec.models.adapter import CausalLM, ForwardOutput, tree_depths
+from jointspec.models.eagle import check_head_target, full_vocab_logits, load_artifact, save_artifact
+from jointspec.models.medusa import MedusaConfig, MedusaDraftModel, ResidualBlock
 
 
 @dataclass(frozen=True)

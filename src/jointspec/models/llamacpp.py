@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
-from .adapter import ForwardOutput, chain_parents
+from jointspec.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
+from jointspec.models.adapter import ForwardOutput, chain_parents
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _init_backend(llama_cpp) -> None:
 # no repacked weights) avoids it; on other CPUs they stay on.
 def use_extra_buffer_types() -> bool:
     """Whether to load GGUF weights with llama.cpp's extra buffer types: not on CPUs with AMX (see above)."""
-    from .cpukernels import cpu_flags
+    from jointspec.models.cpukernels import cpu_flags
 
     return not any(flag.startswith("amx") for flag in cpu_flags())
 
@@ -391,7 +391,7 @@ def check_vocabulary(weights: LlamaCppWeights, tokenizer, *, num_samples: int = 
 
 def resolve_gguf(source: str) -> tuple[Path, str, str]:
     """``default`` or a .gguf path -> (gguf file, tokenizer folder, label)."""
-    from . import embedded
+    from jointspec.models import embedded
 
     if source == "default":
         gguf_path = embedded.default_gguf_path()

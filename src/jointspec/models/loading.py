@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelLoadError, UnsupportedOptionError
-from . import embedded
-from .adapter import CausalLM
-from .cpukernels import (KERNEL_CHOICES, resolve_kernels, use_gqa_attention, use_onednn_linears,
-                         use_stock_attention, use_stock_linears)
-from .quantize import QUANTIZE_MODES, quantization_mode, quantize_model
+from jointspec.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.models import embedded
+from jointspec.models.adapter import CausalLM
+from jointspec.models.cpukernels import (KERNEL_CHOICES, resolve_kernels, use_gqa_attention, use_onednn_linears,
+                                         use_stock_attention, use_stock_linears)
+from jointspec.models.quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def on_int4_grid(source: str) -> bool:
     float32 activations."""
     if source == DEFAULT_MODEL:
         return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (models/embedded.py)
-    from .gguf_blocks import SUPPORTED_TYPES
+    from jointspec.models.gguf_blocks import SUPPORTED_TYPES
 
     types = gguf_block_types(source)
     return bool(types) and any(name.startswith("blk.") for name in types) and set(types.values()) <= set(
@@ -100,12 +100,12 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
     if torch.device(device).type != "cpu" or resolve_dtype(dtype, device) != torch.float32:
         return "none", "jointspec's int4 kernels are for float32 models on the CPU"
     if not on_int4_grid(source or DEFAULT_MODEL):
-        from .gguf_blocks import SUPPORTED_TYPES
+        from jointspec.models.gguf_blocks import SUPPORTED_TYPES
 
         return "none", (f"the model is not a GGUF whose projections and head are all in block types the kernels take "
                         f"as stored ({', '.join(SUPPORTED_TYPES)}): int4 would be a second rounding of its weights "
                         "(--quantize int4 to ask for it anyway)")
-    from .grouped import selected_isa, unavailable_reason
+    from jointspec.models.grouped import selected_isa, unavailable_reason
 
     isa = selected_isa()
     reason = unavailable_reason()
@@ -193,7 +193,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     quantize = resolve_quantize(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)
     if backend == "llamacpp":
         # Imported here: llama-cpp-python is optional, and only this backend needs it.
-        from .llamacpp import load_llamacpp
+        from jointspec.models.llamacpp import load_llamacpp
 
         return load_llamacpp(source, n_threads=threads, name=name)
     model, tokenizer, label = _load_transformers(source, device, dtype)
@@ -217,8 +217,8 @@ def _file_levels(model, source: str, quantize: str) -> dict | None:
     path = gguf_path(source)
     if quantize != "int4" or path is None or not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return None
-    from .grouped import kernels
-    from .gguf_blocks import file_layers
+    from jointspec.models.grouped import kernels
+    from jointspec.models.gguf_blocks import file_layers
 
     if kernels() is None or next(model.parameters()).device.type != "cpu":
         return None

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapter import CausalLM, ForwardOutput, tree_depths
-from .eagle import (ARTIFACT_FORMAT, FeatureDraft, HeadConfig, check_head_target, float_lm_weight,
-                    full_vocab_logits, load_artifact, save_artifact)
+from jointspec.models.adapter import CausalLM, ForwardOutput, tree_depths
+from jointspec.models.eagle import (ARTIFACT_FORMAT, FeatureDraft, HeadConfig, check_head_target, float_lm_weight,
+                                    full_vocab_logits, load_artifact, save_artifact)
 
 
 @dataclass(frozen=True)

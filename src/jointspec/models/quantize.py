@@ -268,7 +268,7 @@ def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if query.shape[-1] % 16 or query.shape[-1] > 256 or query.stride(-1) != 1 or any(
             t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value)):
         return None
-    from .grouped import kernels
+    from jointspec.models.grouped import kernels
 
     return kernels()
 
@@ -301,7 +301,7 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
     """A grouped layer holding a file's own levels (models/gguf_blocks.py) in place of ``linear``; an 8-bit head
     with ``screen``, screened as :class:`~jointspec.models.grouped.ScreenedInt8Head`."""
-    from .grouped import GroupedInt8Linear, ScreenedInt8Head
+    from jointspec.models.grouped import GroupedInt8Linear, ScreenedInt8Head
 
     layer = stored.layer(None if linear.bias is None else linear.bias.detach())
     if screen and type(layer) is GroupedInt8Linear and layer.bias is None and linear.in_features % 64 == 0:
@@ -311,7 +311,7 @@ def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
 
 def quantization_mode(model: nn.Module) -> str:
     """``int4``, ``int8`` or ``none``: what :func:`quantize_model` did to ``model`` (int4 mode keeps an int8 head)."""
-    from .grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
+    from jointspec.models.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
 
     kinds = {type(module) for module in model.modules()}
     if kinds & {Int4Linear, GroupedInt4Linear, GroupedInt5Linear}:
@@ -346,9 +346,10 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
                          f"{mode}")
     # oneDNN float layers (models.cpukernels) are plain linears underneath: quantise those. The CPU kernels' attention
     # goes back to sdpa too, so that the row-wise attention below replaces it (a copy of a float target has it).
-    from .cpukernels import use_stock_attention, use_stock_linears
+    from jointspec.models.cpukernels import use_stock_attention, use_stock_linears
 
-    from .grouped import GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head, grouped_misfit, kernels, stack_storage
+    from jointspec.models.grouped import (GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head, grouped_misfit,
+                                          kernels, stack_storage)
 
     use_stock_linears(model)
     use_stock_attention(model)

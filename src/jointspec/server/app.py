@@ -25,9 +25,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ContextTooLongError, JointspecError
-from .engine import Chunk, CompletionRequest, Engine, Generation
-from .metrics import CONTENT_TYPE, Metrics
+from jointspec.errors import ContextTooLongError, JointspecError
+from jointspec.server.engine import Chunk, CompletionRequest, Engine, Generation
+from jointspec.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..errors import JointspecError
+from jointspec.errors import JointspecError
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> None:
-    from ..cli import _positive_int, add_model_arguments
+    from jointspec.cli import _positive_int, add_model_arguments
 
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (completions, chat, metrics)")
     add_model_arguments(parser)
@@ -26,10 +26,10 @@ def add_parser(subparsers) -> None:
 
 def build_engine(args: argparse.Namespace):
     """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
-    from ..cli import method_config_from_args, model_loader
-    from ..errors import UnsupportedOptionError
-    from ..methods import method_names
-    from .engine import ServingEngine
+    from jointspec.cli import method_config_from_args, model_loader
+    from jointspec.errors import UnsupportedOptionError
+    from jointspec.methods import method_names
+    from jointspec.server.engine import ServingEngine
 
     if args.method not in method_names():
         raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
@@ -51,8 +51,8 @@ def build_engine(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import apply_threads
-    from .app import ServerSettings, create_app
+    from jointspec.cli import apply_threads
+    from jointspec.server.app import ServerSettings, create_app
 
     apply_threads(args)
     engine = build_engine(args)

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..api import IncrementalDetokenizer, eos_token_ids
-from ..batch import BatchEngine, BatchEvent, BatchRequest
-from ..errors import UnsupportedOptionError
-from ..loop import DecodeConfig, SpecStats
-from ..methods import MethodConfig, method_names
-from ..models.adapter import CausalLM
-from ..sampling import SamplingConfig
+from jointspec.api import IncrementalDetokenizer, eos_token_ids
+from jointspec.batch import BatchEngine, BatchEvent, BatchRequest
+from jointspec.errors import UnsupportedOptionError
+from jointspec.loop import DecodeConfig, SpecStats
+from jointspec.methods import MethodConfig, method_names
+from jointspec.models.adapter import CausalLM
+from jointspec.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 

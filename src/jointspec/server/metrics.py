@@ -11,7 +11,7 @@ import math
 import threading
 from collections import defaultdict
 
-from ..loop import SpecStats
+from jointspec.loop import SpecStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

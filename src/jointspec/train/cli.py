@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..cli import _positive_int
-from ..errors import UnsupportedOptionError
+from jointspec.cli import _positive_int
+from jointspec.errors import UnsupportedOptionError
 
 log = logging.getLogger(__name__)
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
-from ..models.loading import load_model as load_target  # noqa: E402
+from jointspec.models.loading import load_model as load_target
 
 
 def add_parser(subparsers) -> None:
@@ -149,8 +149,8 @@ def _count(source: str, prefix: str) -> int:
 def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None, seed: int,
                    batch_size: int) -> list[str]:
     """The prompts of a ``self-instruct:N`` source, sampled once and kept in ``data_folder`` for later runs."""
-    from ..models.eagle import target_fingerprint
-    from .selfinstruct import SelfInstructConfig, self_instruct_prompts
+    from jointspec.models.eagle import target_fingerprint
+    from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts
 
     count = _count(source, SELF_INSTRUCT_PREFIX)
     if target is None:
@@ -231,9 +231,9 @@ def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: fro
                      batch_size: int = 16) -> tuple[list[list[int]], list[list[int] | None]]:
     """Prompt token ids (chat template applied) from the ``--prompts`` sources, and per prompt its given answer's
     token ids (``sharegpt:N``) or ``None`` (the target answers it)."""
-    from ..bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
-    from .prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
-    from .sharegpt import sharegpt_exchanges
+    from jointspec.bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
+    from jointspec.train.prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
+    from jointspec.train.sharegpt import sharegpt_exchanges
 
     texts: list[str] = []
     given: list[str | None] = []
@@ -299,29 +299,29 @@ def command_line(args: argparse.Namespace) -> str:
 def trainer_for_kind(kind: str):
     """(training config class, trainer class, loader of a saved draft) for a kind of draft."""
     if kind == "distill":
-        from ..models.distill import load_distill
-        from .distill import DistillTrainConfig, DistillTrainer
+        from jointspec.models.distill import load_distill
+        from jointspec.train.distill import DistillTrainConfig, DistillTrainer
 
         return DistillTrainConfig, DistillTrainer, load_distill
     if kind == "medusa":
-        from ..models.medusa import load_medusa
-        from .medusa import MedusaTrainConfig, MedusaTrainer
+        from jointspec.models.medusa import load_medusa
+        from jointspec.train.medusa import MedusaTrainConfig, MedusaTrainer
 
         return MedusaTrainConfig, MedusaTrainer, load_medusa
     if kind == "hydra":
-        from ..models.hydra import load_hydra
-        from .hydra import HydraTrainConfig, HydraTrainer
+        from jointspec.models.hydra import load_hydra
+        from jointspec.train.hydra import HydraTrainConfig, HydraTrainer
 
         return HydraTrainConfig, HydraTrainer, load_hydra
-    from ..models.eagle import load_head
-    from .heads import HeadTrainConfig, HeadTrainer
+    from jointspec.models.eagle import load_head
+    from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
     return HeadTrainConfig, HeadTrainer, load_head
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..api import eos_token_ids
-    from .data import build_data, read_spec
+    from jointspec.api import eos_token_ids
+    from jointspec.train.data import build_data, read_spec
 
     if args.kind == "distill" and args.head is not None:
         raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
     args.head = None if kind == "distill" else kind
     args.unroll = (args.unroll or 2) if kind == "eagle" else None
     if kind == "eagle":
-        from .heads import HeadTrainConfig
+        from jointspec.train.heads import HeadTrainConfig
 
         args.cls_weight = args.cls_weight or HeadTrainConfig.cls_weight
         args.cls_fraction = args.cls_fraction or HeadTrainConfig.cls_fraction
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, device=args.device)
     init = None
     if args.init is not None:  # checked before any data is built: a draft made for another target is refused
-        from ..models.eagle import artifact_kind, check_head_target
+        from jointspec.models.eagle import artifact_kind, check_head_target
 
         init_kind = artifact_kind(args.init)
         if init_kind is not None and init_kind != kind:
@@ -367,8 +367,8 @@ def run(args: argparse.Namespace) -> int:
         check_head_target(init, args.init, target)
     data = args.data or args.out / "data"
     if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
-        from ..models.eagle import target_fingerprint
-        from .heads import check_data_folders
+        from jointspec.models.eagle import target_fingerprint
+        from jointspec.train.heads import check_data_folders
 
         if any(folder.resolve() == data.resolve() for folder in args.extra_data):
             raise UnsupportedOptionError(f"--extra-data names the --data folder '{data}' itself")

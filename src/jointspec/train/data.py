@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UnsupportedOptionError
-from ..models.adapter import CausalLM
-from ..models.eagle import target_fingerprint
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.models.eagle import target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
-    from ..batch import BatchEngine, BatchRequest
-    from ..loop import DecodeConfig
+    from jointspec.batch import BatchEngine, BatchRequest
+    from jointspec.loop import DecodeConfig
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 def _answer_model(target: CausalLM, answer_quantize: str) -> CausalLM:
     if answer_quantize == "none":
         return target
-    from ..models.loading import quantized_copy
+    from jointspec.models.loading import quantized_copy
 
     return quantized_copy(target, answer_quantize)
 

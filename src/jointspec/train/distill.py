@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..models.distill import DistillConfig, DistillDraft
-from .heads import EvalResult, HeadTrainer, TrainConfig, _batches, _collate
+from jointspec.models.distill import DistillConfig, DistillDraft
+from jointspec.train.heads import EvalResult, HeadTrainer, TrainConfig, _batches, _collate
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedOptionError
-from ..models.adapter import CausalLM
-from ..models.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
-from .data import atomic_save, load_shards, read_spec
+from jointspec.errors import UnsupportedOptionError
+from jointspec.models.adapter import CausalLM
+from jointspec.models.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
+from jointspec.train.data import atomic_save, load_shards, read_spec
 
 log = logging.getLogger(__name__)
 

