@@ -3,7 +3,7 @@
 Greedy decoding on the default model (SmolLM2-135M-Instruct), a fixed prompt list (first turns of the built-in
 ``grounded`` and ``mt_bench`` sets, chat template applied), every configuration decodes the same prompts:
 
-* ``jointspec ar/pld, batch B``: one :class:`~jointspec.batch.BatchEngine` with ``max_batch_size=B``; all prompts
+* ``jointspec ar/pld, batch B``: one :class:`~jointspec.batch.engine.BatchEngine` with ``max_batch_size=B``; all prompts
   are submitted at once and continuous batching keeps up to B sequences in flight;
 * ``transformers, batch B``: ``model.generate`` on consecutive chunks of B prompts, left padding + attention mask,
   greedy. transformers decodes every row until the longest row stops, so only each row's real new tokens (up to and
@@ -27,11 +27,11 @@ import time
 import torch
 
 from jointspec.api import GenerationConfig, Pipeline, eos_token_ids
-from jointspec.batch import BatchEngine, BatchRequest
+from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
-from jointspec.loop import DecodeConfig
+from jointspec.core.loop import DecodeConfig
 from jointspec.methods import MethodConfig
-from jointspec.models.loading import load_model
+from jointspec.backends.loading import load_model
 
 
 def build_prompts(tokenizer, count: int) -> list[list[int]]:

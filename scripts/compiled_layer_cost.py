@@ -1,4 +1,4 @@
-"""Forward cost of the compiled int4 decoder layer (models/fastpath.py, ``decoder_layer`` in models/csrc) next to the
+"""Forward cost of the compiled int4 decoder layer (backends/lean_forward.py, ``decoder_layer`` in kernels/csrc) next to the
 same int4 model run operation by operation, and the prompt prefill through its GEMM next to row-by-row.
 
 Two adapters over one int4 model (``--quantize int4`` on jointspec's grouped kernel): ``compiled`` runs each layer as
@@ -34,8 +34,8 @@ def main() -> None:
 
     import torch
 
-    from jointspec.models.adapter import CausalLM
-    from jointspec.models.loading import load_model
+    from jointspec.backends.hf import CausalLM
+    from jointspec.backends.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -21,10 +21,10 @@ from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
 from jointspec.methods import MethodConfig
-from jointspec.models.loading import load_model
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.loading import load_model
+from jointspec.core.sampling import SamplingConfig
 
-# The int4 SmolLM2's forward cost by tokens, relative to a step (docs/benchmarks.md section 5: a 2-token forward
+# The int4 SmolLM2's forward cost by tokens, relative to a step (docs/lab/benchmarks.md section 5: a 2-token forward
 # 1.13x, a 4-token one 1.37x; the rest from that run's curve).
 INT4_CURVE = "1:1,2:1.13,3:1.25,4:1.37,5:1.45,8:1.7,16:2.4"
 

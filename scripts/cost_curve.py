@@ -3,7 +3,7 @@
 For each configuration: the seconds of one forward of k tokens with all k rows of logits (k = 1 is a decode step,
 k > 1 a verification), relative to k = 1; then quality against the fp32 target on chat prompts from the built-in
 MT-Bench set: how many greedy outputs (``--max-new-tokens``) are token-identical to fp32's, where they first differ,
-the perplexity of each configuration's outputs under the fp32 target (``jointspec.quality``), and, teacher forced on
+the perplexity of each configuration's outputs under the fp32 target (``jointspec.analysis.quality``), and, teacher forced on
 fp32's outputs, the share of positions whose argmax agrees with fp32 and the perplexity the configuration gives fp32's
 outputs (how much the model itself changed). Perplexities pool every scored token of every prompt.
 
@@ -37,9 +37,9 @@ from jointspec.api import GenerationConfig, Pipeline
 from jointspec.bench.engines import synchronize
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.methods import MethodConfig
-from jointspec.models.loading import load_model
-from jointspec.models.quantize import quantize_model
-from jointspec.quality import token_logprobs
+from jointspec.backends.loading import load_model
+from jointspec.kernels.quantize import quantize_model
+from jointspec.analysis.quality import token_logprobs
 
 CONFIGS = ("none", "int8", "int4", "int8-float-head", "int4-float-head", "llamacpp")
 

@@ -1,6 +1,6 @@
-"""Forward cost of the lean Llama forward (models/fastpath.py) next to transformers' own, on the same model.
+"""Forward cost of the lean Llama forward (backends/lean_forward.py) next to transformers' own, on the same model.
 
-Two adapters over one loaded model (``--kernels``, default ``auto``): one runs :mod:`jointspec.models.fastpath`, the
+Two adapters over one loaded model (``--kernels``, default ``auto``): one runs :mod:`jointspec.backends.lean_forward`, the
 other transformers' ``LlamaForCausalLM.forward``; both use the same linears, attention and in-place KV cache, so the
 difference is transformers' per-module overhead alone. For each ``--contexts`` length both prefill the same random
 tokens; then each of ``--repeats`` passes times every (forward, k) pair once in a shuffled order (a forward of k
@@ -31,8 +31,8 @@ def main() -> None:
 
     import torch
 
-    from jointspec.models.adapter import CausalLM
-    from jointspec.models.loading import load_model
+    from jointspec.backends.hf import CausalLM
+    from jointspec.backends.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

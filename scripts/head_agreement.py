@@ -28,7 +28,7 @@ import torch
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.bench.prompts import load_prompts
 from jointspec.methods import MethodConfig
-from jointspec.models.eagle import artifact_kind, check_head_target, float_lm_weight, load_head
+from jointspec.drafts.eagle import artifact_kind, check_head_target, float_lm_weight, load_head
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
 
@@ -87,7 +87,7 @@ def score(head, trainer: HeadTrainer, target_lm_weight: torch.Tensor, items) -> 
 def score_trained(folder: str, pipe: Pipeline, target_lm_weight: torch.Tensor, items) -> dict:
     """Agreement per depth of Medusa or Hydra heads or a distilled draft, by its trainer's evaluation (answers
     only)."""
-    from jointspec.train.cli import trainer_for_kind
+    from jointspec.cli.train import trainer_for_kind
 
     config_class, trainer_class, load = trainer_for_kind(artifact_kind(folder))
     draft, _ = load(folder)

@@ -1,5 +1,5 @@
-"""The two int4 CPU paths side by side on one model: PyTorch's int4 kernel (bfloat16 activations, models/quantize.py)
-and jointspec's grouped kernel (float32 activations, models/grouped.py), plus the float32 model.
+"""The two int4 CPU paths side by side on one model: PyTorch's int4 kernel (bfloat16 activations, kernels/quantize.py)
+and jointspec's grouped kernel (float32 activations, kernels/grouped.py), plus the float32 model.
 
 Loads the model once (float32, ``--kernels auto``), quantises two copies,
 prefills the same random ``--context`` tokens into each, then times forwards of k tokens (all k rows of logits,
@@ -34,8 +34,8 @@ def main() -> None:
     from jointspec.api import GenerationConfig, Pipeline
     from jointspec.bench.prompts import load_prompts
     from jointspec.methods import MethodConfig
-    from jointspec.models import grouped
-    from jointspec.models.loading import load_model, quantized_copy
+    from jointspec.kernels import grouped
+    from jointspec.backends.loading import load_model, quantized_copy
 
     if args.threads:
         torch.set_num_threads(args.threads)

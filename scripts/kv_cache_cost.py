@@ -2,7 +2,7 @@
 
 Three settings on one loaded model: ``DynamicCache`` with transformers' ``sdpa`` attention (what transformers
 runs: appends with ``torch.cat``, copying the whole cache each forward, and copies key/value heads per query head
-under a mask), the adapter's in-place :class:`jointspec.models.kvcache.BufferedCache` with ``sdpa``, and the
+under a mask), the adapter's in-place :class:`jointspec.backends.kvcache.BufferedCache` with ``sdpa``, and the
 in-place cache with jointspec's grouped-query attention (what ``--kernels auto`` runs). For each ``--contexts``
 length the two adapters prefill the same random tokens; then each of ``--repeats`` passes times every (setting, k)
 pair once in a shuffled order, a forward of k tokens with all k rows of logits (switching the model's attention
@@ -33,9 +33,9 @@ def main() -> None:
     import torch
     from transformers import DynamicCache
 
-    from jointspec.models.adapter import CausalLM
-    from jointspec.models.cpukernels import use_gqa_attention, use_stock_attention
-    from jointspec.models.loading import load_model
+    from jointspec.backends.hf import CausalLM
+    from jointspec.kernels.fp32 import use_gqa_attention, use_stock_attention
+    from jointspec.backends.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

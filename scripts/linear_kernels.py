@@ -5,7 +5,7 @@ Three settings of the same loaded model (same weights, same cache contents):
 - ``stock``: PyTorch's ``F.linear`` (MKL in the official wheels), as transformers runs it;
 - ``onednn-packed``: every float32 linear on oneDNN's packed kernel, whatever the row count;
 - ``default``: what jointspec runs (oneDNN for 1 and more than ``WEIGHT_MAJOR_MAX_ROWS`` rows, the weight-major
-  GEMM of :func:`jointspec.models.cpukernels.weight_major_linear` in between).
+  GEMM of :func:`jointspec.kernels.fp32.weight_major_linear` in between).
 
 Each timed forward feeds ``k`` random tokens after ``--context`` cached ones (all ``k`` rows of logits, as verification
 needs) and crops back. Settings alternate forward by forward in a shuffled order, so drift in machine speed hits them
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from jointspec.models import cpukernels
-from jointspec.models.loading import load_model
+from jointspec.kernels import fp32 as cpukernels
+from jointspec.backends.loading import load_model
 
 SETTINGS = ("stock", "onednn-packed", "default")
 

@@ -57,7 +57,7 @@ def main() -> None:
     if ks[0] != 1:
         parser.error("--ks must include 1 (the curve is relative to one step)")
 
-    from jointspec.models.llamacpp import LlamaCppLM, default_threads, load_llamacpp
+    from jointspec.backends.llamacpp import LlamaCppLM, default_threads, load_llamacpp
 
     threads = args.threads or default_threads()
     adapters = {}
@@ -69,7 +69,7 @@ def main() -> None:
     if args.torch:
         import torch
 
-        from jointspec.models.loading import load_model
+        from jointspec.backends.loading import load_model
 
         torch.set_num_threads(threads)
         adapters["torch"], _ = load_model(args.model)

@@ -29,7 +29,7 @@ def main() -> None:
 
     import llama_cpp
 
-    from jointspec.models.embedded import default_gguf_path
+    from jointspec.backends.embedded import default_gguf_path
 
     source = str(default_gguf_path()) if args.source == "default" else args.source
     params = llama_cpp.llama_model_quantize_default_params()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jointspec.models.adapter import CausalLM
+from jointspec.backends.hf import CausalLM
 
 VOCAB = 99
 
@@ -64,9 +64,9 @@ def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
                       methods=(("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2)))):
     """Greedy output of ``model`` on ``prompt`` under each (method, draft, tree): a chain and a tree method next to
     plain decoding, each on a fresh adapter."""
-    from jointspec.loop import DecodeConfig, SpeculativeDecoder
+    from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
     from jointspec.methods import MethodConfig, MethodContext, build_method
-    from jointspec.sampling import SamplingConfig
+    from jointspec.core.sampling import SamplingConfig
 
     outputs = []
     for name, draft, tree in methods:

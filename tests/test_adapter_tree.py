@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_llama
-from jointspec.models.adapter import CausalLM, chain_parents, tree_ancestor_mask, tree_depths
+from jointspec.backends.hf import CausalLM, chain_parents, tree_ancestor_mask, tree_depths
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -1,6 +1,6 @@
 """Batched decoding equals decoding each sequence alone.
 
-The reference for every sequence is :class:`jointspec.loop.SpeculativeDecoder` run on it alone with the same settings
+The reference for every sequence is :class:`jointspec.core.loop.SpeculativeDecoder` run on it alone with the same settings
 and seed: with ``ar`` for greedy runs (greedy output does not depend on the drafter, and the single loop's own tests
 show every lossless method matches ``ar``), with the same method for sampled runs. Settings, and why:
 - 16 prompts of 1 to 29 tokens, some repetitive (so prompt lookup finds drafts) and some random;
@@ -33,15 +33,15 @@ import random
 import pytest
 import torch
 
-from jointspec.batch import BatchEngine, BatchRequest
-from jointspec.batch_cache import RaggedCache
-from jointspec.drafters.base import EMPTY_DRAFT
-from jointspec.errors import ContextTooLongError, UnsupportedOptionError
-from jointspec.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.batch.engine import BatchEngine, BatchRequest
+from jointspec.batch.cache import RaggedCache
+from jointspec.core.draft import EMPTY_DRAFT
+from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec import methods
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.hf import CausalLM
+from jointspec.core.sampling import SamplingConfig
 from jointspec.verifiers.greedy import GreedyVerifier
 
 EOS = frozenset({2, 7})

@@ -15,14 +15,14 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jointspec import cli
-from jointspec.bench import cli as bench_cli
+from jointspec.cli import main as cli
+from jointspec.cli import bench as bench_cli
 from jointspec.bench.prompts import BenchPrompt, PromptSetError, load_prompts, select_prompts
 from jointspec.bench.report import CONTRACT_KEYS, summarise
 from jointspec.bench.runner import BenchConfig, run_bench
 from jointspec.bench.specs import MethodSpecError, method_config, parse_spec, parse_specs, split_specs
 from jointspec.methods import MethodConfig
-from jointspec.models.adapter import CausalLM
+from jointspec.backends.hf import CausalLM
 
 from conftest import VOCAB
 
@@ -187,7 +187,7 @@ def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
     assert all(r["num_scored_tokens"] == sum(map(len, r["output_ids"])) and r["logprob_sum"] < 0
                for r in results["runs"])
     for method, numbers in results["methods"].items():  # distinct-2 recomputed from the stored outputs
-        from jointspec.quality import distinct_n
+        from jointspec.analysis.quality import distinct_n
 
         outputs = [out for r in results["runs"] if r["method"] == method for out in r["output_ids"] if len(out) >= 2]
         assert numbers["distinct_2"] == pytest.approx(sum(distinct_n(o, 2) for o in outputs) / len(outputs), abs=1e-4)
@@ -249,7 +249,7 @@ def test_every_registered_method_runs(target_model, tokenizer, prompt_file, tmp_
 def test_cost_model_prediction_and_histogram():
     from jointspec.bench.costmodel import TargetCost, expected_tokens_per_round, predict
     from jointspec.bench.report import accepted_histogram
-    from jointspec.loop import SpecStats
+    from jointspec.core.loop import SpecStats
 
     cost = TargetCost({1: 0.010, 2: 0.012, 4: 0.020}, prefill_tokens=200)
     assert cost.seconds(3) == pytest.approx(0.016)  # interpolated

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, tiny_llama
-from jointspec.cli import main
+from jointspec.cli.main import main
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 PROMPT = "w10 w11 w12 w13 w10 w11"
@@ -250,7 +250,7 @@ def test_json_quality_block(capsys, model_dirs):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jointspec.energy import meter_for_device
+    from jointspec.bench.energy import meter_for_device
 
     result = json_result(capsys, "generate", PROMPT, "--model", model_dirs["target"], "--no-chat",
                          "--max-new-tokens", "12", "--json")

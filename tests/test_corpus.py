@@ -10,8 +10,8 @@ import pytest
 from conftest import VOCAB
 from jointspec.drafters.corpus import (CONFIG_FILE, CorpusLookupDrafter, NgramTable, shipped_table_for, table_for,
                                        tokenizer_fingerprint)
-from jointspec.errors import UnsupportedOptionError
-from jointspec.sampling import SamplingConfig
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig
 from test_equivalence import corpus_folder, greedy, hf_greedy, make_decoder, random_prompt
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -121,7 +121,7 @@ def test_table_for_refuses_another_vocabulary_or_tokenizer(tmp_path, target_mode
 
 def test_corpus_method_without_a_table_says_how_to_build_one(target_model):
     from jointspec.methods import MethodConfig, MethodContext, build_method
-    from jointspec.models.adapter import CausalLM
+    from jointspec.backends.hf import CausalLM
 
     context = MethodContext(MethodConfig(name="corpus"), CausalLM(target_model), FakeTokenizer({"a": 0}), None)
     with pytest.raises(UnsupportedOptionError, match="build-corpus"):
@@ -160,8 +160,8 @@ class CharTokenizer(FakeTokenizer):
 
 def build_corpus_on(monkeypatch, target_model) -> CharTokenizer:
     """Point build-corpus at the tiny ``target_model``; returns the tokenizer it gets."""
-    import jointspec.corpus_cli as corpus_cli
-    from jointspec.models.adapter import CausalLM
+    import jointspec.cli.corpus as corpus_cli
+    from jointspec.backends.hf import CausalLM
 
     tokenizer = CharTokenizer({f"t{i}": i for i in range(VOCAB)})
     monkeypatch.setattr(corpus_cli, "load_target", lambda *a, **k: (CausalLM(target_model), tokenizer))
@@ -170,7 +170,7 @@ def build_corpus_on(monkeypatch, target_model) -> CharTokenizer:
 
 def test_build_corpus_command_answers_resumes_and_writes_a_table(tmp_path, monkeypatch, target_model):
     # The target answers the prompts of a .txt source; a second run with more prompts answers only the new ones.
-    from jointspec.cli import main
+    from jointspec.cli.main import main
 
     tokenizer = build_corpus_on(monkeypatch, target_model)
     prompts = tmp_path / "prompts.txt"
@@ -194,8 +194,8 @@ def test_build_corpus_command_answers_resumes_and_writes_a_table(tmp_path, monke
 def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, monkeypatch, capsys, target_model,
                                                                      other_model):
     # Answers generated for training a head go into the table as well; a folder of another target is refused.
-    from jointspec.cli import main
-    from jointspec.models.adapter import CausalLM
+    from jointspec.cli.main import main
+    from jointspec.backends.hf import CausalLM
     from jointspec.train.data import build_data
 
     tokenizer = build_corpus_on(monkeypatch, target_model)
@@ -214,7 +214,7 @@ def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, m
     without = table_for(tmp_path / "without", tokenizer, VOCAB)
     assert with_folder.num_entries > without.num_entries
     # Each folder answer is the target's greedy continuation: the table now predicts it from its own n-grams.
-    from jointspec.corpus_cli import data_folder_answers
+    from jointspec.cli.corpus import data_folder_answers
 
     answers = data_folder_answers(folder, CausalLM(target_model))
     assert [len(a) for a in answers] == [12] * 4
@@ -232,7 +232,7 @@ def test_default_drafts_with_the_table_shipped_for_the_tokenizer(tmp_path, monke
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.methods import MethodConfig, MethodContext, build_method
-    from jointspec.models.adapter import CausalLM
+    from jointspec.backends.hf import CausalLM
 
     mine = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
     NgramTable.build([[1, 2, 3]], vocab_size=VOCAB, min_count=1).save(

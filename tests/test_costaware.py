@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from conftest import VOCAB
-from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.costaware import (DEFAULT_SIZES, CostAwareDrafter, CostCurve, choose_num_draft_tokens,
                                           expected_tokens, measure_cost_curve)
-from jointspec.errors import UnsupportedOptionError
-from jointspec.loop import SpeculativeDecoder
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.loop import SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
+from jointspec.backends.hf import CausalLM
 from jointspec.verifiers.greedy import GreedyVerifier
 from test_equivalence import first_occurrences, greedy, hf_greedy, random_prompt
 

@@ -16,14 +16,13 @@ from torch import nn
 from conftest import tiny_llama
 from jointspec.bench.specs import MethodSpecError, parse_spec
 from jointspec.drafters.costaware import measure_cost_curve
-from jointspec.errors import UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models import cpukernels
-from jointspec.models.cpukernels import (GQA_ATTENTION, OneDNNLinear, attention_in_use, kernels_in_use,
-                                         resolve_kernels, stock_kernels, use_gqa_attention,
-                                         use_onednn_linears, use_stock_linears)
-from jointspec.models.loading import load_model, quantized_copy, stock_copy
-from jointspec.models.quantize import ROWWISE_ATTENTION, quantization_mode
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels import fp32 as cpukernels
+from jointspec.kernels.fp32 import (GQA_ATTENTION, OneDNNLinear, attention_in_use, kernels_in_use, resolve_kernels,
+                                    stock_kernels, use_gqa_attention, use_onednn_linears, use_stock_linears)
+from jointspec.backends.loading import load_model, quantized_copy, stock_copy
+from jointspec.kernels.quantize import ROWWISE_ATTENTION, quantization_mode
 from test_cli import save_model
 from test_equivalence import greedy, hf_greedy, make_decoder, random_prompt
 
@@ -170,7 +169,7 @@ def test_cost_curve_memo_tells_the_kernels_apart(onednn_pair):
 
 
 def test_resolve_kernels(monkeypatch):
-    from jointspec.models import cpukernels
+    from jointspec.kernels import fp32 as cpukernels
 
     model = tiny_llama(0)
     monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
@@ -191,7 +190,7 @@ def test_resolve_kernels(monkeypatch):
 
 
 def test_load_model_kernels(tmp_path, monkeypatch):
-    from jointspec.models import cpukernels
+    from jointspec.kernels import fp32 as cpukernels
 
     monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")  # where auto picks oneDNN
     folder = save_model(tmp_path / "tiny", 0)
@@ -221,8 +220,8 @@ def test_head_on_an_onednn_target(onednn_pair):
     # A draft head bound to a oneDNN target runs on oneDNN too (layers and its VocabTrim LM head), drafts the same
     # logits as on stock kernels up to rounding, and sps with it still emits plain greedy output.
     from jointspec.drafters.model import ModelDrafter
-    from jointspec.loop import SpeculativeDecoder
-    from jointspec.models.eagle import HeadDraftModel
+    from jointspec.core.loop import SpeculativeDecoder
+    from jointspec.drafts.eagle import HeadDraftModel
     from jointspec.verifiers.rejection import RejectionSamplingVerifier
     from test_heads import untrained_head
 
@@ -255,8 +254,8 @@ def test_head_on_an_onednn_target(onednn_pair):
 def test_generate_and_serve_pass_kernels_to_the_loader(tmp_path, capsys):
     # The CLI's --kernels reaches load_model for `generate` (a bfloat16 model cannot be put on oneDNN linears: a clean
     # error naming why) and for the shared loader used by `serve` and `bench`.
-    from jointspec import cli
-    from jointspec.cli import model_loader
+    from jointspec.cli import main as cli
+    from jointspec.cli.main import model_loader
     from test_cli import assert_clean_error, run_cli
 
     folder = save_model(tmp_path / "tiny", 0)

@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import VOCAB, tiny_llama
-from jointspec.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.distill import (DistillConfig, DistillDraft, DistilledDraftModel, bind_distill,
-                                      load_distill)
-from jointspec.models.eagle import load_head
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.distill import DistillConfig, DistillDraft, DistilledDraftModel, bind_distill, load_distill
+from jointspec.drafts.eagle import load_head
 from jointspec.train.distill import DistillTrainConfig, DistillTrainer
 
 from test_equivalence import random_prompt
@@ -155,7 +154,7 @@ def test_draft_refuses_another_target_and_the_wrong_loader(trained_distill_dir, 
 def test_train_draft_cli_distill_end_to_end(target_model, tmp_path, monkeypatch, capsys):
     import json
 
-    from jointspec import cli
+    from jointspec.cli import main as cli
 
     heads_argv = train_cli_argv(monkeypatch, target_model, tmp_path, "draft")
     argv = heads_argv[:1] + ["--kind", "distill"] + heads_argv[1:]

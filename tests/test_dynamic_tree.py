@@ -15,9 +15,9 @@ import torch
 
 from conftest import tiny_llama
 from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
-from jointspec.errors import UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.sampling import SamplingConfig
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.core.sampling import SamplingConfig
 
 from test_equivalence import random_prompt
 from test_heads import assert_greedy_equivalent, decoder_for

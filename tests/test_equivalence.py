@@ -20,13 +20,13 @@ import torch
 from transformers import GenerationConfig
 
 from conftest import VOCAB, tiny_llama
-from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.corpus import NgramTable
-from jointspec.errors import ContextTooLongError
-from jointspec.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.errors import ContextTooLongError
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.hf import CausalLM
+from jointspec.core.sampling import SamplingConfig
 from jointspec.verifiers.greedy import GreedyVerifier
 
 # 40 new tokens: with 4-token drafts a fully accepted round emits 5, so even the best case needs 8 rounds, and a

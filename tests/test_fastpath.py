@@ -1,4 +1,4 @@
-"""The lean Llama forward (models/fastpath.py) gives transformers' logits and hidden states bit for bit.
+"""The lean Llama forward (backends/lean_forward.py) gives transformers' logits and hidden states bit for bit.
 
 Every comparison is ``torch.equal`` between two adapters over the same weights, one on the lean forward and one on
 transformers' forward, fed the same sequence of calls: a prefill, single-token steps, chains, trees (additive masks),
@@ -12,12 +12,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from conftest import VOCAB, tiny_llama
-from jointspec.loop import SpeculativeDecoder
+from jointspec.core.loop import SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.models.cpukernels import use_gqa_attention
-from jointspec.models.fastpath import LlamaFastForward, fast_forward_for, unsupported_reason
-from jointspec.models.quantize import quantize_model
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels.fp32 import use_gqa_attention
+from jointspec.backends.lean_forward import LlamaFastForward, fast_forward_for, unsupported_reason
+from jointspec.kernels.quantize import quantize_model
 from test_equivalence import greedy, random_prompt
 
 

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from jointspec.errors import UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.eagle import EagleHead, HeadDraftModel, load_head
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.eagle import EagleHead, HeadDraftModel, load_head
 from jointspec.train.data import build_data
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
@@ -145,7 +145,7 @@ def test_a_folder_with_fused_layers_serves_unfused_heads_too(target_model, fused
 
 
 def test_cli_fuse_layers_checks(target_model, tmp_path, monkeypatch, capsys):
-    from jointspec import cli
+    from jointspec.cli import main as cli
 
     from test_heads import train_cli_argv
 

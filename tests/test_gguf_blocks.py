@@ -1,4 +1,4 @@
-"""GGUF blocks taken as they are onto jointspec's kernels (models/gguf_blocks.py).
+"""GGUF blocks taken as they are onto jointspec's kernels (kernels/gguf_blocks.py).
 
 Deterministic (seeded blocks and weights): no false-failure odds. The oracle for every block type is the gguf
 package's own numpy dequantiser, which follows llama.cpp's dequantize_row_*.
@@ -13,10 +13,10 @@ from gguf import GGMLQuantizationType, quants
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB, greedy_by_methods
-from jointspec.models.adapter import CausalLM
-from jointspec.models.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
-from jointspec.models.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
-from jointspec.models.quantize import quantize_model
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
+from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
+from jointspec.kernels.quantize import quantize_model
 from test_equivalence import random_prompt
 
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}

@@ -1,4 +1,4 @@
-"""jointspec's grouped int4 / int8 CPU kernels (models/grouped.py, csrc/grouped_linear.cpp, csrc/simd.h).
+"""jointspec's grouped int4 / int8 CPU kernels (kernels/grouped.py, csrc/grouped_linear.cpp, csrc/simd.h).
 
 Deterministic (seeded random weights and inputs): no false-failure odds. The kernels build on every CPU with a C++
 compiler (a build failure fails these tests, it is not skipped): the tests run on the fastest build this CPU runs,
@@ -13,16 +13,16 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB, greedy_by_methods
-from jointspec.errors import UnsupportedOptionError
-from jointspec.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.sampling import SamplingConfig
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.models.cpukernels import cpu_flags
-from jointspec.models.grouped import (GROUP_SIZE, SCREEN_MARGIN, GroupedInt4Linear, GroupedInt8Linear,
-                                      ScreenedInt8Head, kernels, runnable_isas, selected_isa,
-                                      unavailable_reason, use_isa)
-from jointspec.models.quantize import Int4Linear, quantization_mode, quantize_model
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels.fp32 import cpu_flags
+from jointspec.kernels.grouped import (GROUP_SIZE, SCREEN_MARGIN, GroupedInt4Linear, GroupedInt8Linear,
+                                       ScreenedInt8Head, kernels, runnable_isas, selected_isa, unavailable_reason,
+                                       use_isa)
+from jointspec.kernels.quantize import Int4Linear, quantization_mode, quantize_model
 from test_equivalence import greedy, random_prompt
 
 def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
@@ -293,7 +293,7 @@ def test_compiled_attention_is_attention():
 def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
     """A forward that wants no logits (the loop's prompt prefill) runs the compiled layers' projections as one GEMM
     (rows not computed alone); plain and speculative decoding prefill alike, so they still agree exactly."""
-    from jointspec.models import grouped
+    from jointspec.kernels import grouped
 
     model = quantize_model(grouped_llama(0), "int4")
     real, flags = grouped.kernels(), []
@@ -332,14 +332,14 @@ def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
     assert len(outputs[0]) == 40 and all(output == outputs[0] for output in outputs)
 
 
-# Int8 draft heads (models/eagle.py, HEAD_WEIGHT_CHOICES): a bound EAGLE head's body and LM-head rows on the int8
+# Int8 draft heads (drafts/eagle.py, HEAD_WEIGHT_CHOICES): a bound EAGLE head's body and LM-head rows on the int8
 # kernel. Deterministic (seeded weights and prompts): no false-failure odds.
 
 def int8_and_float_heads(seed: int = 0):
     """The same untrained head for the 64-wide tiny target, bound once with int8 weights and once float32."""
     import copy
 
-    from jointspec.models.eagle import HeadDraftModel
+    from jointspec.drafts.eagle import HeadDraftModel
     from test_heads import untrained_head
 
     target = CausalLM(grouped_llama(seed), name="tiny-64")
@@ -387,8 +387,8 @@ def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
 
 def test_int8_head_weights_refused_where_the_kernel_cannot_take_them(target_model):
     # conftest's tiny target is 32 wide: no multiple of 64, so int8 is refused by name and auto keeps float32.
-    from jointspec.errors import UnsupportedOptionError
-    from jointspec.models.eagle import HeadDraftModel
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.drafts.eagle import HeadDraftModel
     from test_heads import untrained_head
 
     target = CausalLM(target_model, name="tiny-target")
@@ -506,7 +506,7 @@ def test_a_model_decodes_the_same_tokens_with_the_same_logits_on_each_build(isa)
 
 
 def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
-    from jointspec.models import grouped
+    from jointspec.kernels import grouped
 
     monkeypatch.setenv(grouped.ISA_ENV, "portable")
     assert selected_isa() == "portable" and kernels().isa() == "portable"
@@ -526,7 +526,7 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
 def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypatch):
     from torch.utils import cpp_extension
 
-    from jointspec.models import grouped
+    from jointspec.kernels import grouped
 
     def no_ninja():
         raise RuntimeError("Ninja is required to load C++ extensions")

@@ -14,13 +14,12 @@ import torch
 from conftest import VOCAB, tiny_llama
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache
-from jointspec.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.models.eagle import (EagleHead, HeadConfig, HeadDraftModel, bind_head, load_head,
-                                    target_fingerprint)
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.eagle import EagleHead, HeadConfig, HeadDraftModel, bind_head, load_head, target_fingerprint
+from jointspec.core.sampling import SamplingConfig
 from jointspec.train.data import build_data
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
@@ -68,7 +67,7 @@ def assert_loads_to_the_same_decoding(target_model, folder, prompt: list[int]) -
 
 def train_cli_argv(monkeypatch, target_model, tmp_path, out: str) -> list[str]:
     """``train-draft`` options for a quick run on the tiny target (patched in) with 18 text prompts into ``out``."""
-    from jointspec.train import cli as train_cli
+    from jointspec.cli import train as train_cli
     from test_bench import tiny_tokenizer
 
     monkeypatch.setattr(train_cli, "load_target",
@@ -389,7 +388,7 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
-    from jointspec.models import eagle
+    from jointspec.drafts import eagle
 
     shipped = trained_head_dir.parent / "shipped"
     shipped.mkdir(exist_ok=True)
@@ -424,7 +423,7 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     from jointspec.drafters import corpus
     from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
-    from jointspec.models import eagle
+    from jointspec.drafts import eagle
     from test_corpus import FakeTokenizer
 
     shipped = tmp_path / "heads"
@@ -452,7 +451,7 @@ def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(targe
     from jointspec import methods
     from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
     from jointspec.drafters.ngram import PromptLookupDrafter
-    from jointspec.models import eagle
+    from jointspec.drafts import eagle
 
     shipped = trained_head_dir.parent / "shipped-dear"
     shipped.mkdir(exist_ok=True)
@@ -511,7 +510,7 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     """The command trains and saves a head, and a second run with the same options resumes instead of redoing."""
     import json
 
-    from jointspec import cli
+    from jointspec.cli import main as cli
 
     base = train_cli_argv(monkeypatch, target_model, tmp_path, "head")
     argv = base + ["--cls-weight", "1.5", "--cls-fraction", "1"]
@@ -543,7 +542,7 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
 def test_feature_mirror_keep_after_growing_in_inference_mode():
     # The target grows its mirror inside a forward (inference mode); tree verification then calls keep() outside
     # it. That used to fail: torch refuses in-place updates of inference tensors outside inference mode.
-    from jointspec.models.adapter import FeatureMirror
+    from jointspec.backends.hf import FeatureMirror
 
     mirror = FeatureMirror(4, torch.float32, torch.device("cpu"))
     rows = torch.arange(300 * 4, dtype=torch.float32).reshape(300, 4)

@@ -1,4 +1,4 @@
-"""The in-place KV cache (jointspec.models.kvcache): it must hold exactly what transformers' DynamicCache holds.
+"""The in-place KV cache (jointspec.backends.kvcache): it must hold exactly what transformers' DynamicCache holds.
 
 Every check compares with DynamicCache fed the same tensors, or with the same entries gathered by hand; all are
 exact (the cache only copies values), so nothing here can fail by chance.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from jointspec.models.kvcache import MIN_CAPACITY, BufferedCache, BufferedLayer
+from jointspec.backends.kvcache import MIN_CAPACITY, BufferedCache, BufferedLayer
 
 CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64, vocab_size=64)

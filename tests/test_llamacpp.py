@@ -20,7 +20,7 @@ verified it), and those tests are exact. Their reference is greedy decoding by h
 ``ar`` runs on its plain context (flash attention off), whose logits differ from the exact context's by up to 1e-3,
 so it is compared only with greedy decoding on kernels of its own kind (the bench test is the one exception, see
 there). (On the real Q4_1 model, batched and single-token rows are bit-identical with flash attention, and differ
-by up to ~1 without it: see jointspec.models.llamacpp.)
+by up to ~1 without it: see jointspec.backends.llamacpp.)
 """
 
 from __future__ import annotations
@@ -39,17 +39,16 @@ llama_cpp = pytest.importorskip(
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 
-from jointspec.bench.prompts import BenchPrompt  # noqa: E402
-from jointspec.bench.runner import BenchConfig, run_bench  # noqa: E402
-from jointspec.bench.specs import MethodSpecError, parse_spec, parse_specs  # noqa: E402
-from jointspec.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError  # noqa: E402
-from jointspec.loop import SpeculativeDecoder  # noqa: E402
-from jointspec.methods import MethodConfig, MethodContext, build_method  # noqa: E402
-from jointspec.models import embedded  # noqa: E402
-from jointspec.models.adapter import CausalLM  # noqa: E402
-from jointspec.models.llamacpp import (LlamaCppLM, LlamaCppWeights, check_vocabulary,  # noqa: E402
-                                       load_llamacpp)
-from jointspec.sampling import SamplingConfig  # noqa: E402
+from jointspec.bench.prompts import BenchPrompt
+from jointspec.bench.runner import BenchConfig, run_bench
+from jointspec.bench.specs import MethodSpecError, parse_spec, parse_specs
+from jointspec.core.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
+from jointspec.core.loop import SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.backends import embedded
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.llamacpp import LlamaCppLM, LlamaCppWeights, check_vocabulary, load_llamacpp
+from jointspec.core.sampling import SamplingConfig
 from test_equivalence import greedy  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0 (pad), 1 (bos), 2 (eos), as in SmolLM2
@@ -233,8 +232,8 @@ def test_forward_longer_than_n_batch_is_split(loaded):
 
 def test_verify_batches_are_capped_and_prefills_are_not(lm, monkeypatch):
     # Rows of a batch longer than EXACT_BATCH stop matching single-token decoding on real models (module docstring
-    # of jointspec.models.llamacpp), so a forward returning several rows of logits is fed in pieces.
-    from jointspec.models.llamacpp import EXACT_BATCH
+    # of jointspec.backends.llamacpp), so a forward returning several rows of logits is fed in pieces.
+    from jointspec.backends.llamacpp import EXACT_BATCH
 
     sizes: list[int] = []
     decode = llama_cpp.llama_decode
@@ -575,11 +574,11 @@ def test_bench_llamacpp_stops_on_eos(tiny, loaded):
 
 @pytest.mark.parametrize("flags, expected", [({"avx2", "avx512f", "amx_tile", "amx_int8"}, False), ({"avx2"}, True)])
 def test_extra_buffer_types_are_off_on_amx_cpus(tiny, loaded, monkeypatch, flags, expected):
-    # llama.cpp's AMX kernels segfault on quantised batches (jointspec.models.llamacpp): on a CPU with AMX, the
+    # llama.cpp's AMX kernels segfault on quantised batches (jointspec.backends.llamacpp): on a CPU with AMX, the
     # adapter's weights and the Llama class behind the bench's baselines must both load without them; elsewhere
     # both keep llama.cpp's default, and the Llama class's defaults are left as they were.
     from jointspec.bench.engines import LlamaCppBackend
-    from jointspec.models import cpukernels
+    from jointspec.kernels import fp32 as cpukernels
 
     monkeypatch.setattr(cpukernels, "cpu_flags", lambda: frozenset(flags))
     assert LlamaCppWeights(tiny[0]).extra_buffer_types is expected

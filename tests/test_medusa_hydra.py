@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from conftest import VOCAB, tiny_llama
-from jointspec.errors import ModelLoadError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.hydra import HydraConfig, HydraDraftModel, HydraHeads, bind_hydra, load_hydra
-from jointspec.models.medusa import MedusaConfig, MedusaDraftModel, MedusaHeads, bind_medusa, load_medusa
+from jointspec.core.errors import ModelLoadError
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.hydra import HydraConfig, HydraDraftModel, HydraHeads, bind_hydra, load_hydra
+from jointspec.drafts.medusa import MedusaConfig, MedusaDraftModel, MedusaHeads, bind_medusa, load_medusa
 from jointspec.train.hydra import HydraTrainer
 from jointspec.train.medusa import MedusaTrainConfig, MedusaTrainer
 
@@ -166,8 +166,8 @@ def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs,
     with pytest.raises(ModelLoadError, match="trained for target 'tiny-target'.*train-draft"):
         bind(trained_dirs[kind], CausalLM(tiny_llama(7), name="another-target"))
     # Int8 weights are for EAGLE heads: asked for these, the binding refuses by name (auto keeps them float).
-    from jointspec.errors import UnsupportedOptionError
-    from jointspec.models.eagle import bind_trained_draft
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.drafts.eagle import bind_trained_draft
 
     with pytest.raises(UnsupportedOptionError, match=f"applies to EAGLE heads.*'{kind}' draft"):
         bind_trained_draft(trained_dirs[kind], CausalLM(target_model), head_weights="int8")
@@ -179,7 +179,7 @@ def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs,
     ("hydra", ["--loss", "tv"], "--loss is for --kind distill drafts, not for this hydra draft"),
     ("medusa", ["--cls-weight", "1"], "--cls-weight is for --head eagle drafts, not for this medusa draft")])
 def test_train_draft_cli(target_model, tmp_path, monkeypatch, capsys, kind, foreign, refusal):
-    from jointspec import cli
+    from jointspec.cli import main as cli
 
     argv = train_cli_argv(monkeypatch, target_model, tmp_path, kind) + ["--head", kind, "--num-heads", "3"]
     assert cli.main(argv) == 0

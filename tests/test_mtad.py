@@ -13,14 +13,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from jointspec.drafters.base import Draft, NoDrafter
+from jointspec.core.draft import Draft, NoDrafter
 from jointspec.drafters.beam import BeamDrafter, _choose, beam_search
 from jointspec.drafters.treecache import DraftTreeCache
-from jointspec.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.mtjd import idealised_mtad, total_variation
-from jointspec.sampling import SamplingConfig, processed_probs
+from jointspec.backends.hf import CausalLM
+from jointspec.analysis.mtjd import idealised_mtad, total_variation
+from jointspec.core.sampling import SamplingConfig, processed_probs
 from jointspec.verifiers.mtad import MTADVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 

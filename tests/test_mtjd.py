@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from jointspec.drafters.base import NoDrafter
+from jointspec.core.draft import NoDrafter
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache
-from jointspec.energy import RaplMeter, energy_per_token, meter_for_device
-from jointspec.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.models.adapter import CausalLM
-from jointspec.mtjd import (all_prefixes_tree, beam_mtjd_generate, exact_block_distribution, idealised_mtad,
-                            mtjd_greedy_block, total_variation)
-from jointspec.sampling import SamplingConfig, processed_probs
+from jointspec.bench.energy import RaplMeter, energy_per_token, meter_for_device
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.backends.hf import CausalLM
+from jointspec.analysis.mtjd import (all_prefixes_tree, beam_mtjd_generate, exact_block_distribution, idealised_mtad,
+                                     mtjd_greedy_block, total_variation)
+from jointspec.core.sampling import SamplingConfig, processed_probs
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 
 SMALL_VOCAB = 7

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jointspec.drafters.ngram import PromptLookupDrafter, lookup
-from jointspec.sampling import SamplingConfig
+from jointspec.core.sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
 

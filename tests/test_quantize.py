@@ -3,7 +3,7 @@
 Quantisation changes the model, so exactness is defined against the *quantised* model: every method must emit what
 plain greedy decoding (transformers' own ``generate``) emits on the same quantised model. That holds only if a token's
 logits do not depend on how many tokens are verified with it, which the kernels are chosen for (per-token activation
-scales, exact int32 sums; see ``jointspec.models.quantize``) and which is tested here row by row.
+scales, exact int32 sums; see ``jointspec.kernels.quantize``) and which is tested here row by row.
 
 The tiny model is conftest's recipe at sizes the int4 kernel accepts (out_features multiples of 16, in_features
 multiples of the group size 32): hidden 64, intermediate 96, 4 heads (head size 16), 2 KV heads, vocab 99. Its
@@ -24,14 +24,13 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import VOCAB, tiny_llama
-from jointspec import cli
-from jointspec.bench import cli as bench_cli
-from jointspec.errors import JointspecError, UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.loading import load_model
-from jointspec.models.grouped import GroupedInt4Linear, GroupedInt8Linear, kernels
-from jointspec.models.quantize import (ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode,
-                                       quantize_model)
+from jointspec.cli import main as cli
+from jointspec.cli import bench as bench_cli
+from jointspec.core.errors import JointspecError, UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.loading import load_model
+from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt8Linear, kernels
+from jointspec.kernels.quantize import ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode, quantize_model
 from test_cli import assert_clean_error, run_cli, save_model, word_tokenizer
 from test_equivalence import first_occurrences, greedy, hf_greedy, make_decoder, random_prompt
 
@@ -202,7 +201,7 @@ def test_head_can_stay_float():
 def test_layers_the_int4_kernel_cannot_take_stay_float_and_are_logged(caplog):
     # conftest's tiny Llama: intermediate 37 is neither a multiple of 16 (gate/up outputs) nor of 32 (down inputs).
     model = tiny_llama(0)
-    with caplog.at_level(logging.WARNING, logger="jointspec.models.quantize"):
+    with caplog.at_level(logging.WARNING, logger="jointspec.kernels.quantize"):
         quantize_model(model, "int4")
     mlp = model.model.layers[0].mlp
     assert type(mlp.gate_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
@@ -331,7 +330,7 @@ def test_bad_load_options_fail_before_loading(source, options, needle):
 def test_llamacpp_backend_calls_the_llamacpp_loader(monkeypatch):
     # The real adapter is tested in test_llamacpp; here only the hand-over: source, threads and name pass through,
     # nothing goes through transformers.
-    import jointspec.models.llamacpp as llamacpp
+    import jointspec.backends.llamacpp as llamacpp
 
     calls = []
 
@@ -487,7 +486,7 @@ def test_bench_quantize_option_errors(monkeypatch, capsys, methods, extra, needl
 
 
 def test_serve_refuses_llamacpp_and_quantizes_on_torch(quant_folder):
-    from jointspec.server.cli import build_engine
+    from jointspec.cli.serve import build_engine
 
     args = cli.build_parser().parse_args(["serve", "--model", quant_folder, "--backend", "llamacpp"])
     with pytest.raises(JointspecError, match="torch backend only"):
@@ -516,7 +515,7 @@ def test_bench_with_llamacpp_backend_refuses_what_needs_transformers(monkeypatch
 def test_batched_decoding_equals_single_on_the_quantized_model(quantized, method):
     # The server's batched engine pads and masks rows of different lengths into one forward: with per-row
     # quantisation each row still gets the logits it gets alone (test_batch explains the prompts and settings).
-    from jointspec.batch import BatchEngine, BatchRequest
+    from jointspec.batch.engine import BatchEngine, BatchRequest
     from test_batch import GREEDY, METHODS, PROMPTS
 
     engine = BatchEngine(CausalLM(quantized), max_batch_size=8)
@@ -557,11 +556,11 @@ def write_typed_gguf(path: Path, projection_type: str, head_type: str) -> Path:
 
 
 def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_path):
-    from jointspec.models.loading import on_int4_grid, resolve_quantize
+    from jointspec.backends.loading import on_int4_grid, resolve_quantize
 
     grid = write_typed_gguf(tmp_path / "q41.gguf", "Q4_1", "Q8_0")
     assert on_int4_grid("default") and on_int4_grid(str(grid))
-    # Block types the kernels take as stored (models/gguf_blocks.py), and ones they do not.
+    # Block types the kernels take as stored (kernels/gguf_blocks.py), and ones they do not.
     assert on_int4_grid(str(write_typed_gguf(tmp_path / "q40.gguf", "Q4_0", "Q8_0")))
     assert on_int4_grid(str(write_typed_gguf(tmp_path / "q50.gguf", "Q5_0", "Q4_1")))
     assert on_int4_grid(str(write_typed_gguf(tmp_path / "q51.gguf", "Q5_1", "Q8_0")))
@@ -569,7 +568,7 @@ def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_pa
     assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f32.gguf", "F32", "F32")))
     assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f16head.gguf", "Q4_1", "F16")))
     assert not on_int4_grid(str(tmp_path))  # a model folder
-    from jointspec.models.grouped import selected_isa
+    from jointspec.kernels.grouped import selected_isa
 
     on_grid = "int4" if kernels() is not None and selected_isa() != "portable" else "none"
     assert resolve_quantize("auto", "default") == on_grid

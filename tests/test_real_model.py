@@ -15,7 +15,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.methods import MethodConfig
-from jointspec.models import embedded
+from jointspec.backends import embedded
 
 PROMPTS = [
     "What is the capital of France?",
@@ -33,7 +33,7 @@ def test_lossless_methods_match_plain_greedy_on_the_default_model():
             pytest.fail(f"CI: the default model is not prepared in {embedded.default_model_dir()}")
         pytest.skip(f"the default model is not prepared in {embedded.default_model_dir()} "
                     "(run `jointspec generate` once to prepare it); tests never download")
-    from jointspec.models.loading import load_model
+    from jointspec.backends.loading import load_model
 
     target, tokenizer = load_model("default")
     config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)

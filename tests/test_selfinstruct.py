@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from jointspec import batch as batch_module
-from jointspec.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.eagle import EagleHead, HeadConfig, load_head
+from jointspec.batch import engine as batch_module
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.eagle import EagleHead, HeadConfig, load_head
 from jointspec.train.data import build_data
 from jointspec.train import heads as heads_module
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
@@ -150,7 +150,7 @@ def test_training_losses_do_not_read_label_values(target_model, head_data):
 
 
 def _patch_cli(monkeypatch, target_model):
-    from jointspec.train import cli as train_cli
+    from jointspec.cli import train as train_cli
 
     monkeypatch.setattr(train_cli, "load_target",
                         lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
@@ -159,7 +159,7 @@ def _patch_cli(monkeypatch, target_model):
 def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, monkeypatch, capsys):
     """self-instruct prompts are cached in the data folder; --data-only stops before training; --init resumes from a
     head and refuses one made for another target."""
-    from jointspec import cli
+    from jointspec.cli import main as cli
 
     _patch_cli(monkeypatch, target_model)
     data = tmp_path / "data"
@@ -185,7 +185,7 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
     capsys.readouterr()
 
     # A head for another target, and a folder that is no head, are refused before any work.
-    monkeypatch.setattr("jointspec.train.cli.load_target",
+    monkeypatch.setattr("jointspec.cli.train.load_target",
                         lambda *args, **kwargs: (CausalLM(tiny_llama(7), name="other"), tiny_tokenizer()))
     assert cli.main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "a")] + train) == 2
     assert "was trained for target 'tiny-target'" in capsys.readouterr().err
@@ -197,7 +197,7 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
 
 def test_model_load_error_is_what_a_wrong_target_raises(target_model, tmp_path, head_data):
     """check_head_target is the one place that refuses a head for another target (bind_head and --init use it)."""
-    from jointspec.models.eagle import check_head_target
+    from jointspec.drafts.eagle import check_head_target
 
     target = CausalLM(target_model, name="tiny-target")
     HeadTrainer(target, _config(epochs=1)).train(head_data, tmp_path / "h", progress=False)
@@ -209,7 +209,7 @@ def test_model_load_error_is_what_a_wrong_target_raises(target_model, tmp_path, 
 
 def test_builtin_training_prompt_sources_split_the_default_mix():
     """train:default is train:chat and train:code interleaved; unknown sources name the ones that exist."""
-    from jointspec.train import cli
+    from jointspec.cli import train as cli
     from jointspec.train.prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
 
     tokenizer = tiny_tokenizer()
@@ -226,7 +226,7 @@ def test_builtin_training_prompt_sources_split_the_default_mix():
 
 def test_a_training_jsonl_takes_prompt_or_turns_rows_and_names_a_bad_line(tmp_path):
     """``--prompts FILE.jsonl``: rows with ``prompt`` or ``turns`` (the bench's own files work as they are)."""
-    from jointspec.train import cli
+    from jointspec.cli import train as cli
 
     good = tmp_path / "requests.jsonl"
     good.write_text('{"prompt": "name three birds"}\n\n'

@@ -24,9 +24,9 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from conftest import tiny_llama
-from jointspec.loop import DecodeConfig, SpecStats, SpeculativeDecoder
-from jointspec.drafters.base import NoDrafter
-from jointspec.models.adapter import CausalLM
+from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from jointspec.core.draft import NoDrafter
+from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream
 from jointspec.verifiers.greedy import GreedyVerifier
@@ -306,8 +306,8 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
     """The `serve` code path (model folder -> build_engine -> create_app -> uvicorn) with the official client."""
     import openai
 
-    from jointspec.cli import build_parser
-    from jointspec.server.cli import build_engine
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import build_engine
 
     byte_model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from jointspec import batch as batch_module
-from jointspec.errors import UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
+from jointspec.batch import engine as batch_module
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
 from jointspec.train import sharegpt
 from jointspec.train.data import build_data, load_shards, read_spec
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
@@ -118,7 +118,7 @@ def test_given_answers_respect_the_length_budget(target_model, tmp_path):
 
 
 def test_given_answer_ids_end_at_the_end_of_turn_token_or_fall_back_to_the_text_alone():
-    from jointspec.train.cli import given_answer_ids
+    from jointspec.cli.train import given_answer_ids
     from jointspec.bench.prompts import chat_prompt_ids
 
     tokenizer = tiny_tokenizer()
@@ -160,8 +160,8 @@ def test_training_pools_folders_and_refuses_one_built_for_another_target(target_
 def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, monkeypatch, capsys):
     """sharegpt:N feeds given answers (nothing generated for them), sharegpt-prompts:N lets the target answer the
     same requests, and --extra-data pools a folder built earlier after checking it belongs to this target."""
-    from jointspec import cli
-    from jointspec.train import cli as train_cli
+    from jointspec.cli import main as cli
+    from jointspec.cli import train as train_cli
 
     monkeypatch.setattr(sharegpt, "_data_text", lambda: _fake_file(8))
     monkeypatch.setattr(train_cli, "load_target",
@@ -204,9 +204,9 @@ def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, mon
 def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(tmp_path):
     """``answer_quantize``: an int4 copy of the target writes the answers (its own greedy text, which the float
     model would not always write), and the features are still the float target's own on that text."""
-    from jointspec.batch import BatchEngine, BatchRequest
-    from jointspec.loop import DecodeConfig
-    from jointspec.models.loading import quantized_copy
+    from jointspec.batch.engine import BatchEngine, BatchRequest
+    from jointspec.core.loop import DecodeConfig
+    from jointspec.backends.loading import quantized_copy
     from test_quantize import quant_llama
 
     target = CausalLM(quant_llama(0), name="tiny-target")

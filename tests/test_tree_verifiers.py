@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from jointspec.drafters.base import Draft
-from jointspec.sampling import SamplingConfig
+from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig
 from jointspec.verifiers.tree import SpecTrVerifier, TreeRejectionVerifier, kseq_rho
 
 ALPHA = 1e-4

@@ -36,10 +36,10 @@ import pytest
 import torch
 from scipy import stats
 
-from jointspec.drafters.base import Draft
-from jointspec.sampling import SamplingConfig, processed_probs
+from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig, processed_probs
 from jointspec.verifiers import rejection
-from jointspec.verifiers.base import Verdict
+from jointspec.core.verdict import Verdict
 from jointspec.verifiers.rejection import RejectionSamplingVerifier, residual_distribution
 
 VOCAB = 6
@@ -290,7 +290,7 @@ def test_mutant_accept_without_ratio_is_rejected():
     assert p_first < ALPHA and p_joint < ALPHA, (p_first, p_joint)
 
 
-# Sampling conventions (jointspec.sampling), on hand-computed examples.
+# Sampling conventions (jointspec.core.sampling), on hand-computed examples.
 
 def probs_close(actual: torch.Tensor, expected) -> None:
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=0)
@@ -387,7 +387,7 @@ def test_sampling_config_rejects_bad_values(kwargs):
 def test_sample_draws_on_the_generators_device():
     """The helper every sampler uses draws exactly what torch.multinomial draws for the same seed, and returns ids on
     the probabilities' device. (The cross-device case, CUDA logits with the CPU generator, needs a GPU to run.)"""
-    from jointspec.sampling import multinomial, sample
+    from jointspec.core.sampling import multinomial, sample
 
     probs = torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]])
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)

@@ -1,5 +1,5 @@
 import sys
 
-from jointspec.cli import main
+from jointspec.cli.main import main
 
 sys.exit(main())

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jointspec.errors import JointspecError
-from jointspec.loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from jointspec.core.errors import JointspecError
+from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.models.adapter import CausalLM
-from jointspec.models.loading import DEFAULT_MODEL, load_model
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.loading import DEFAULT_MODEL, load_model
+from jointspec.core.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Pipeline:
         with the same options: ``quantize`` auto/none/int8/int4 (torch
         backend; auto, as ``jointspec generate``: int4 where that recovers the model's own weights, else none),
         ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see
-        :func:`jointspec.models.loading.load_model`)."""
+        :func:`jointspec.backends.loading.load_model`)."""
         options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,
                        kernels=kernels)
         target, tokenizer = load_model(model, **options)

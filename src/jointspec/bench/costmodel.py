@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from jointspec.loop import SpecStats
-from jointspec.models.adapter import CausalLM
+from jointspec.core.loop import SpecStats
+from jointspec.backends.hf import CausalLM
 from jointspec.bench.engines import synchronize
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)

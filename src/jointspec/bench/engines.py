@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from jointspec.api import GenerationConfig, Pipeline
-from jointspec.loop import SpecStats, SpeculativeDecoder
+from jointspec.core.loop import SpecStats, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.errors import ModelLoadError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.cpukernels import stock_kernels
-from jointspec.sampling import SamplingConfig
+from jointspec.core.errors import ModelLoadError
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels.fp32 import stock_kernels
+from jointspec.core.sampling import SamplingConfig
 from jointspec.bench.specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
 
 LoadDraft = Callable[[str], tuple[CausalLM, object]]
@@ -122,7 +122,7 @@ class HFEngine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
         device = self.model.device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, prompt_len]
-        # The same temperature -> top-k -> top-p order as jointspec.sampling (transformers' default warper order).
+        # The same temperature -> top-k -> top-p order as jointspec.core.sampling (transformers' default warper order).
         options = ({"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p} if not sampling.greedy
                    else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
@@ -175,7 +175,7 @@ class LlamaCppBackend:
     def adapter(self):
         """The jointspec adapter (:class:`LlamaCppLM`) every ``backend=llamacpp`` method shares."""
         if self._adapter is None:
-            from jointspec.models.llamacpp import load_llamacpp
+            from jointspec.backends.llamacpp import load_llamacpp
 
             adapter, tokenizer = load_llamacpp(self.source, n_threads=self.threads, n_ctx=self.n_ctx)
             if tokenizer.get_vocab() != self.tokenizer.get_vocab():
@@ -192,7 +192,7 @@ class LlamaCppBackend:
             adapter = self.adapter()  # loads and checks the file first
             from llama_cpp import Llama
 
-            from jointspec.models.llamacpp import llama_class_params
+            from jointspec.backends.llamacpp import llama_class_params
 
             with llama_class_params():
                 self._llamas[key] = Llama(
@@ -220,7 +220,7 @@ class LlamaCppEngine:
     samplers apply top-k/top-p/temperature in another order and draw from their own generator.
 
     Flash attention is off unless the spec says ``flash_attn=true``: llama-cpp-python's default. Without it,
-    llama.cpp's batched and single-token logits differ at some positions (see :mod:`jointspec.models.llamacpp`),
+    llama.cpp's batched and single-token logits differ at some positions (see :mod:`jointspec.backends.llamacpp`),
     so ``llamacpp-pld`` can drift from ``llamacpp`` at near-ties, as jointspec methods on the adapter (flash
     attention on) do not.
     """

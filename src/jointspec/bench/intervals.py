@@ -2,7 +2,7 @@
 
 A bench's speedup and perplexity are ratios of sums over prompts, and prompts differ far more than methods do: on
 16 MT-Bench prompts x 64 sampled tokens, two lossless rows whose expected perplexity is equal landed 14 % apart
-(docs/benchmarks.md, section 6). So the bench also reports, for every method against the baseline, a 95 %
+(docs/lab/benchmarks.md, section 6). So the bench also reports, for every method against the baseline, a 95 %
 percentile-bootstrap interval that resamples *prompts* with replacement and recomputes the ratio from the same
 resampled prompts for both methods. Pairing by prompt removes how hard a prompt is from the comparison, which is most
 of the variance.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from jointspec.errors import JointspecError
+from jointspec.core.errors import JointspecError
 
 BUILTIN_PREFIX = "builtin:"
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from jointspec.loop import SpecStats
+from jointspec.core.loop import SpecStats
 from jointspec.bench.costmodel import TargetCost, predict
-from jointspec.quality import distinct_n
+from jointspec.analysis.quality import distinct_n
 from jointspec.bench.intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
 from jointspec.bench.runner import BenchResult, PromptRun, perplexity_of
 

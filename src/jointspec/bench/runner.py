@@ -26,17 +26,17 @@ import torch
 from tqdm import tqdm
 
 from jointspec.api import eos_token_ids
-from jointspec.loop import SpecStats
+from jointspec.core.loop import SpecStats
 from jointspec.methods import MethodConfig
-from jointspec.models.adapter import CausalLM
-from jointspec.models.cpukernels import GQA_ATTENTION, attention_in_use, kernels_in_use
-from jointspec.models.loading import load_model, quantized_copy, stock_copy
-from jointspec.quality import token_logprobs
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
+from jointspec.backends.loading import load_model, quantized_copy, stock_copy
+from jointspec.analysis.quality import token_logprobs
 from jointspec.bench.costmodel import TargetCost, measure_target_cost
 from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
 from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
 from jointspec.bench.specs import MethodSpec, MethodSpecError
-from jointspec.sampling import SamplingConfig
+from jointspec.core.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class BenchConfig:
     # llama.cpp threads (None: torch's current intra-op thread count, which `bench --threads` sets).
     threads: int | None = None
     # What quantize=auto (the `default` method's unless told otherwise) means for this bench's target: 'int4' where
-    # that recovers the model's own weights (models.loading.resolve_quantize), else 'none'.
+    # that recovers the model's own weights (backends.loading.resolve_quantize), else 'none'.
     auto_quantize: str = "none"
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ work without changes here. ``hf-generate``, ``hf-assisted`` and ``hf-pld`` run t
 llama.cpp adapter instead of the torch target (``pld:backend=llamacpp``), and ``quantize=int8|int4`` to run on a
 quantised copy of the torch target (``ar:quantize=int4``), so float, quantised and llama.cpp rows share one run;
 ``kernels=stock`` runs on a copy of the float target on PyTorch's own linear kernels instead of oneDNN (see
-:mod:`jointspec.models.cpukernels`).
+:mod:`jointspec.kernels.fp32`).
 
 A list of specs is comma-separated too, so ``--methods ar,pld:n=4,max_ngram=2,hf-pld`` is read as
 ``ar`` | ``pld:n=4,max_ngram=2`` | ``hf-pld``: a piece with ``=`` and no ``:`` continues the previous spec's options,
@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass, field
 
 from jointspec.drafters.oracle import OracleConfig
-from jointspec.errors import UnsupportedOptionError
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.methods import MethodConfig, method_names
-from jointspec.models.loading import QUANTIZE_CHOICES
+from jointspec.backends.loading import QUANTIZE_CHOICES
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {
@@ -83,7 +83,7 @@ class MethodSpec:
     @property
     def quantize(self) -> str:
         """The torch target's quantisation for this method: 'none' (the bench's target as loaded), 'int8', 'int4', or
-        'auto' (int4 where that recovers the model's own weights: models.loading.resolve_quantize). ``default`` takes
+        'auto' (int4 where that recovers the model's own weights: backends.loading.resolve_quantize). ``default`` takes
         'auto' unless told otherwise, since it stands for what ``jointspec generate`` runs."""
         return self.options.get("quantize", "auto" if self.name == "default" else "none")
 

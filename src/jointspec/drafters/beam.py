@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from jointspec.models.adapter import CausalLM
-from jointspec.sampling import SamplingConfig, multinomial, processed_probs
-from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.backends.hf import CausalLM
+from jointspec.core.sampling import SamplingConfig, multinomial, processed_probs
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.treecache import DraftTreeCache
 
 

@@ -6,7 +6,7 @@ answers repeat *each other*: the same openings, list markers, transitions and cl
 answer to the next. REST (He et al., 2023, "REST: Retrieval-Based Speculative Decoding") drafts from a datastore of
 text by the longest suffix match of the context; this module keeps the idea and makes the datastore small: a table
 of n-grams from a corpus of the target's own greedy answers to prompts that are not benchmark prompts
-(``jointspec build-corpus``, :mod:`jointspec.corpus_cli`, writes one), each mapped to the token that most often followed it.
+(``jointspec build-corpus``, :mod:`jointspec.cli.corpus`, writes one), each mapped to the token that most often followed it.
 
 Drafting, one token at a time (each drafted token joins the context for the next):
 
@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jointspec.errors import UnsupportedOptionError
-from jointspec.sampling import SamplingConfig
-from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
 TABLE_FILE = "table.npz"

@@ -69,12 +69,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from jointspec.errors import UnsupportedOptionError
-from jointspec.sampling import SamplingConfig
-from jointspec.drafters.base import Draft, Drafter
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig
+from jointspec.core.draft import Draft, Drafter
 
 # Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
-# is where the float32 CPU kernels switch, see models/cpukernels.py: the curve must not interpolate across it).
+# is where the float32 CPU kernels switch, see kernels/fp32.py: the curve must not interpolate across it).
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 9, 17)
 
 
@@ -194,7 +194,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     the measured context is ``num_cached + context_tokens`` tokens. Each size is run once untimed (warm-up), then
     ``repeats`` times with sizes shuffled within each pass, so drift in machine speed hits every size alike. Every
     forward returns all rows of logits, as verification does; a target that reads greedy argmaxes through a cheaper
-    head (``screens_argmax``, models/grouped.py) is timed so, as greedy decoding (the default) runs it.
+    head (``screens_argmax``, kernels/grouped.py) is timed so, as greedy decoding (the default) runs it.
 
     The result is memoised per model (``target.model`` where the adapter has one, else the adapter), settings and
     torch thread count: a server or benchmark pays for it once. ``refresh=True`` measures again.
@@ -207,7 +207,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     if context_tokens < 0:
         raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
     owner = _memo_owner(target)
-    from jointspec.models.cpukernels import attention_in_use, kernels_in_use
+    from jointspec.kernels.fp32 import attention_in_use, kernels_in_use
 
     # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
     argmax_only = {"argmax_only": True} if getattr(target, "screens_argmax", False) else {}

@@ -1,6 +1,6 @@
 """Prompt lookup where it pays more than a small token tree from a draft head; the tree otherwise.
 
-Two facts from the cost curve shape this drafter (``docs/benchmarks.md`` §6). On the float32 CPU kernels a target
+Two facts from the cost curve shape this drafter (``docs/lab/benchmarks.md`` §6). On the float32 CPU kernels a target
 forward of up to 4 tokens costs about one plain step, and a trained head's top-3 candidates contain the target's
 next token far more often (~0.6 on MT-Bench) than its top-1 does (~0.4). So where prompt lookup has nothing good to
 offer, the best use of those 4 tokens is one head call and a width-3 tree (the pending token plus 3 siblings), not a
@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from jointspec.sampling import SamplingConfig
-from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.core.sampling import SamplingConfig
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
 from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
 from jointspec.drafters.tree import TreeDrafter

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from jointspec.methods import MethodConfig, MethodContext, register_method
-from jointspec.models.adapter import CausalLM
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.hf import CausalLM
+from jointspec.core.sampling import SamplingConfig
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
-from jointspec.drafters.base import EMPTY_DRAFT, Draft
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.model import common_prefix_length
 
 # Extend a memoised continuation by at least this many tokens at a time (fewer, longer extensions).

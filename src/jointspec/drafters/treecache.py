@@ -7,7 +7,7 @@ later node, siblings' subtrees included. So each level crops the cache back to t
 the whole tree grown so far in one call (``tree_logits``). That costs ``W·(1 + 2 + ... + (depth - 1))`` fed tokens
 per round instead of ``W·(depth - 1)``, but it needs nothing beyond ``CausalLM.forward(parents=...)``/``crop``/``keep``
 and every node is scored exactly as if its branch were run alone. A draft with ``extend_tree`` (the feature head of
-:mod:`jointspec.models.eagle`, which builds its own masks over the cached tree) is fed only each level's new nodes.
+:mod:`jointspec.drafts.eagle`, which builds its own masks over the cached tree) is fed only each level's new nodes.
 
 Cache invariant between rounds (as in :mod:`jointspec.drafters.model`): the cache holds a prefix of the committed
 sequence, never all of it. After a round it holds the context plus the last fed tree; ``commit`` finds the newly
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from jointspec.models.adapter import CausalLM
+from jointspec.backends.hf import CausalLM
 
 
 class DraftTreeCache:

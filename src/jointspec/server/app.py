@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jointspec.errors import ContextTooLongError, JointspecError
+from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.server.engine import Chunk, CompletionRequest, Engine, Generation
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 

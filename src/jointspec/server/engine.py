@@ -1,6 +1,6 @@
 """The engine behind the server: text in, text chunks out, every request sharing one batched engine.
 
-A background thread owns the :class:`~jointspec.batch.BatchEngine` and runs its rounds; nothing else touches it.
+A background thread owns the :class:`~jointspec.batch.engine.BatchEngine` and runs its rounds; nothing else touches it.
 Requests and cancellations reach that thread through a queue and join or leave between rounds; each round's tokens
 go back to the request's asyncio loop, where :class:`TextStream` turns them into UTF-8-safe text deltas and applies
 stop strings. The routes in :mod:`jointspec.server.app` see only :class:`ServingEngine`'s small protocol, so tests
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from jointspec.api import IncrementalDetokenizer, eos_token_ids
-from jointspec.batch import BatchEngine, BatchEvent, BatchRequest
-from jointspec.errors import UnsupportedOptionError
-from jointspec.loop import DecodeConfig, SpecStats
+from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.methods import MethodConfig, method_names
-from jointspec.models.adapter import CausalLM
-from jointspec.sampling import SamplingConfig
+from jointspec.backends.hf import CausalLM
+from jointspec.core.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Counters and histograms are updated by the routes (requests, tokens, latency as the client sees it); the engine's
 speculative counters (rounds, drafted and accepted tokens, acceptance by draft position) are read from its
-:class:`~jointspec.loop.SpecStats` when scraped.
+:class:`~jointspec.core.loop.SpecStats` when scraped.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import threading
 from collections import defaultdict
 
-from jointspec.loop import SpecStats
+from jointspec.core.loop import SpecStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -2,7 +2,7 @@
 
 Two stages, both resumable (each shard is written atomically and skipped when it already exists):
 
-1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch`), so the
+1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch.engine`), so the
    drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest form).
    Prompts that come with a given answer (e.g. ShareGPT's, :mod:`jointspec.train.sharegpt`) skip this stage;
 2. **featurise**: one teacher-forced forward of the target over each prompt + answer saves, per token, the token id
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from jointspec.errors import UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.eagle import target_fingerprint
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.eagle import target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
-    from jointspec.batch import BatchEngine, BatchRequest
-    from jointspec.loop import DecodeConfig
+    from jointspec.batch.engine import BatchEngine, BatchRequest
+    from jointspec.core.loop import DecodeConfig
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 def _answer_model(target: CausalLM, answer_quantize: str) -> CausalLM:
     if answer_quantize == "none":
         return target
-    from jointspec.models.loading import quantized_copy
+    from jointspec.backends.loading import quantized_copy
 
     return quantized_copy(target, answer_quantize)
 

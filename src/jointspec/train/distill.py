@@ -1,4 +1,4 @@
-"""Training a distilled draft (:mod:`jointspec.models.distill`) on self-distillation data.
+"""Training a distilled draft (:mod:`jointspec.drafts.distill`) on self-distillation data.
 
 The data is the same as for heads (:mod:`jointspec.train.data`): the target's own answers and its features, from
 which its next-token distribution at every position is ``softmax(lm_head(feature))``, recomputed on the fly. The draft
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from jointspec.models.distill import DistillConfig, DistillDraft
+from jointspec.drafts.distill import DistillConfig, DistillDraft
 from jointspec.train.heads import EvalResult, HeadTrainer, TrainConfig, _batches, _collate
 
 log = logging.getLogger(__name__)

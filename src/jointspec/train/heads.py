@@ -1,4 +1,4 @@
-"""Training an EAGLE-style feature head on self-distillation data (see :mod:`jointspec.models.eagle`).
+"""Training an EAGLE-style feature head on self-distillation data (see :mod:`jointspec.drafts.eagle`).
 
 Each training position ``t`` of a sequence feeds ``(feature_t, token_{t+1})`` and asks for ``feature_{t+1}``. Two
 losses, as in EAGLE: a smooth-L1 regression onto the true feature, and a cross-entropy between the target's and the
@@ -10,7 +10,7 @@ own predicted features, which are never exactly the target's. A second pass ther
 predictions in place of the true input features and is trained on the same targets, so the head learns to draft
 from its own outputs. **Noise** on the input features (EAGLE-1) serves the same purpose more cheaply.
 
-**Fused features** (``fuse_layers``, see :mod:`jointspec.models.eagle`): the data folder must hold the target's
+**Fused features** (``fuse_layers``, see :mod:`jointspec.drafts.eagle`): the data folder must hold the target's
 hidden states at those indices; batches then carry them beside the last feature (``features`` is
 ``[batch, length, hidden * (1 + len(fuse_layers))]``, the last feature first), and the head's ``fuse`` makes its
 input from them. Losses and the target's argmax read the last feature only.
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from jointspec.errors import UnsupportedOptionError
-from jointspec.models.adapter import CausalLM
-from jointspec.models.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.hf import CausalLM
+from jointspec.drafts.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
 from jointspec.train.data import atomic_save, load_shards, read_spec
 
 log = logging.getLogger(__name__)

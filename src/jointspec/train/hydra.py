@@ -1,4 +1,4 @@
-"""Training Hydra heads (:mod:`jointspec.models.hydra`) on self-distillation data.
+"""Training Hydra heads (:mod:`jointspec.drafts.hydra`) on self-distillation data.
 
 Head ``k`` reads the target's feature at ``t`` and the tokens at ``t + 1 .. t + k`` of the training sequence (the
 target's own answers: the tokens a draft the target accepted would hold), and is trained towards the target's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jointspec.models.hydra import HydraConfig, HydraHeads
+from jointspec.drafts.hydra import HydraConfig, HydraHeads
 from jointspec.train.medusa import MedusaTrainConfig, MedusaTrainer
 
 HydraTrainConfig = MedusaTrainConfig  # the same settings: the number of heads and the shared ones

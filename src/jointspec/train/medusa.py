@@ -1,4 +1,4 @@
-"""Training Medusa heads (:mod:`jointspec.models.medusa`) on self-distillation data.
+"""Training Medusa heads (:mod:`jointspec.drafts.medusa`) on self-distillation data.
 
 Head ``k`` reads the target's feature at ``t`` and is trained towards the target's next-token distribution at
 ``t + k`` (``softmax(lm_head(feature_{t+k}))`` over the draft vocabulary), with a cross-entropy whose weight decays
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from jointspec.models.medusa import MedusaConfig, MedusaHeads
+from jointspec.drafts.medusa import MedusaConfig, MedusaHeads
 from jointspec.train.heads import EvalResult, HeadTrainer, TrainConfig, _batches, _collate
 
 HEAD_DECAY = 0.8

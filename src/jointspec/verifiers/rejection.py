@@ -3,7 +3,7 @@
 Draft token ``x`` at position ``i`` is kept with probability ``min(1, target_probs[i, x] / draft_probs[i, x])``.
 At the first rejection the recovered token is drawn from the normalised positive residual
 ``max(target_probs[i] - draft_probs[i], 0)``; if all are kept, the bonus token is drawn from ``target_probs[k]``.
-The output then has exactly the target's distribution (the sampling config's, see :mod:`jointspec.sampling`),
+The output then has exactly the target's distribution (the sampling config's, see :mod:`jointspec.core.sampling`),
 whatever the draft distribution. A drafter without probabilities is a one-hot draft: its token is kept with
 probability ``target_probs[i, x]``, and the residual is the target with ``x`` removed.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from jointspec.drafters.base import Draft
-from jointspec.sampling import SamplingConfig, processed_probs, sample
-from jointspec.verifiers.base import Verdict, one_hot_row
+from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.core.verdict import Verdict, one_hot_row
 from jointspec.verifiers.greedy import GreedyVerifier
 
 

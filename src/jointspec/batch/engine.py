@@ -1,0 +1,261 @@
+"""Batched speculative decoding: many sequences, one target forward per round, continuous batching.
+
+The round is the single-sequence loop's (:mod:`jointspec.core.loop`), run for every active sequence at once:
+
+1. each method group's :class:`~jointspec.batch.drafters.BatchDrafter` drafts for its sequences, each within its own
+   budget (``max_new_tokens`` and the context);
+2. the target scores every row's pending token plus its draft in one forward over a
+   :class:`~jointspec.batch.cache.RaggedCache`; drafts of different lengths are padded with dummy tokens;
+3. each row's logits slice goes to the row's verifier with the row's sampling settings and its own
+   ``torch.Generator`` (seeded from the request's seed), exactly as in the single-sequence loop;
+4. each row keeps a different number of tokens: the ragged cache keeps each row's committed tokens but the last
+   and masks the rest (see :mod:`jointspec.batch.cache`); rows that hit an end-of-sequence token or their length
+   limit leave, and waiting requests join before the next round.
+
+Sequences decode independently: in fp32, a sequence's tokens are the ones :class:`~jointspec.core.loop.SpeculativeDecoder`
+produces for it alone, up to float rounding of padded matmuls (see ``tests/test_batch.py``).
+
+Requests choose their method (a :class:`~jointspec.methods.MethodConfig`); sequences with the same method share one
+batched drafter and verifier, and every sequence shares the target forward. Methods whose drafter has no batched
+form are refused with :class:`~jointspec.core.errors.UnsupportedOptionError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from jointspec.batch.cache import RaggedCache
+from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
+from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpecStats
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.backends.hf import CausalLM, tree_depths
+from jointspec.core.verdict import Verifier
+from jointspec.verifiers.greedy import GreedyVerifier
+from jointspec.verifiers.rejection import RejectionSamplingVerifier
+
+log = logging.getLogger(__name__)
+
+# Verifiers that judge one chain per call and keep no state between calls: safe to share across rows.
+BATCHABLE_VERIFIERS: tuple[type, ...] = (GreedyVerifier, RejectionSamplingVerifier)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    prompt_ids: tuple[int, ...]
+    config: DecodeConfig = DecodeConfig()
+    method: MethodConfig = MethodConfig()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+
+
+@dataclass
+class BatchEvent:
+    """What one round did for one sequence. ``finish_reason``: None while it runs, else "stop" (end-of-sequence
+    token), "length" (``max_new_tokens`` or the context) or "cancelled"."""
+
+    seq_id: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    stats: SpecStats | None = None  # the sequence's whole-generation stats, on its last event
+
+
+@dataclass
+class _Method:
+    drafter: BatchDrafter
+    verifier: Verifier
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    request: BatchRequest
+    method: _Method
+    generator: torch.Generator
+    tokens: list[int]
+    end: int  # the sequence stops growing at this length
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class BatchEngine:
+    """Decodes many requests together. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
+
+    def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
+                 load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self._load_draft = load_draft
+        self._drafts: dict[str, tuple[CausalLM, object]] = {}
+        self._methods: dict[MethodConfig, _Method] = {}
+        self.cache = RaggedCache(target)
+        self.waiting: deque[_Sequence] = deque()
+        self.active: dict[int, _Sequence] = {}
+        self._ids = itertools.count()
+        self._cancelled: list[_Sequence] = []
+        self.stats = SpecStats()  # every round of every sequence since the engine started
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def method(self, config: MethodConfig) -> _Method:
+        """The batched drafter + verifier for ``config``, built once; raises if the method cannot batch."""
+        if config not in self._methods:
+            context = MethodContext(config, self.target, self.tokenizer, self._draft_model)
+            drafter, verifier = build_method(context)
+            if not isinstance(verifier, BATCHABLE_VERIFIERS):
+                raise UnsupportedOptionError(
+                    f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
+                    "chain verifier; batched methods are ar, pld and sps")
+            self._methods[config] = _Method(batch_drafter_for(drafter, config.name), verifier)
+        return self._methods[config]
+
+    def _draft_model(self, source: str) -> tuple[CausalLM, object]:
+        if self._load_draft is None:
+            raise UnsupportedOptionError(f"this engine loads no draft models; cannot use draft '{source}'")
+        if source not in self._drafts:
+            self._drafts[source] = self._load_draft(source)
+        draft, tokenizer = self._drafts[source]
+        # Each method config gets its own adapter (and cache) around the shared weights.
+        return CausalLM(draft.model, name=draft.name, lean=getattr(draft, "lean", None) is not None), tokenizer
+
+    def check(self, request: BatchRequest) -> None:
+        """Raise the error ``submit`` would, without queueing anything."""
+        if len(request.prompt_ids) >= self.target.max_context:
+            raise ContextTooLongError(
+                f"the prompt has {len(request.prompt_ids)} tokens but the model's context holds "
+                f"{self.target.max_context}; shorten the prompt")
+        self.method(request.method)
+
+    def submit(self, request: BatchRequest) -> int:
+        """Queue a request; it joins the batch at the next round with room. Returns its sequence id."""
+        self.check(request)
+        seq_id = next(self._ids)
+        generator = torch.Generator(device="cpu").manual_seed(request.seed)
+        end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
+        self.waiting.append(_Sequence(seq_id, request, self.method(request.method), generator,
+                                      list(request.prompt_ids), end))
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a sequence; its "cancelled" event comes with the next ``step``. Unknown ids are ignored."""
+        for seq in list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                self._cancelled.append(seq)
+        if seq_id in self.active:
+            self._cancelled.append(self.active[seq_id])
+            self._leave({seq_id})
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active or self._cancelled)
+
+    def _join(self) -> None:
+        while self.waiting and len(self.active) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            start = time.perf_counter()
+            self.cache.add(seq.seq_id, seq.tokens[:-1])  # the cache holds every committed token but the last
+            seq.method.drafter.add(seq.seq_id, seq.tokens)
+            seq.stats.prefill_seconds = time.perf_counter() - start
+            self.active[seq.seq_id] = seq
+
+    def _leave(self, seq_ids: set[int]) -> None:
+        self.cache.remove(seq_ids)
+        for seq_id in seq_ids:
+            seq = self.active.pop(seq_id)
+            seq.method.drafter.remove({seq_id})
+
+    # -- the round ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[BatchEvent]:
+        """Admit waiting requests, run one round for every active sequence, return what each one got."""
+        events = [BatchEvent(seq.seq_id, [], "cancelled", stats=seq.stats) for seq in self._cancelled]
+        self._cancelled = []
+        self._join()
+        if not self.active:
+            return events
+        rows = [self.active[seq_id] for seq_id in self.cache.row_ids]
+
+        # 1. Draft, per method group, each sequence leaving room for the token the target always adds.
+        t0 = time.perf_counter()
+        drafts: dict[int, object] = {}
+        groups: dict[int, list[_Sequence]] = {}
+        for seq in rows:
+            groups.setdefault(id(seq.method), []).append(seq)
+        for group in groups.values():
+            proposed = group[0].method.drafter.propose(
+                [s.seq_id for s in group], [s.tokens for s in group], [s.end - len(s.tokens) - 1 for s in group],
+                [s.request.config.sampling for s in group], [s.generator for s in group])
+            for seq, draft in zip(group, proposed):
+                if not draft.is_chain:
+                    raise UnsupportedOptionError("the batched engine verifies chain drafts only")
+                assert draft.num_nodes <= seq.end - len(seq.tokens) - 1, "drafter exceeded its draft budget"
+                drafts[seq.seq_id] = draft
+        t1 = time.perf_counter()
+
+        # 2. Score every row's pending token and draft in one forward (dummy tokens pad the shorter drafts).
+        logits = self.cache.forward([[seq.tokens[-1]] + drafts[seq.seq_id].token_ids for seq in rows])
+
+        # 3. Verify each row on its own slice, with its own sampling settings and generator.
+        keep: list[int] = []
+        num_accepted: dict[int, int] = {}
+        finished: dict[int, str] = {}
+        for r, seq in enumerate(rows):
+            draft = drafts[seq.seq_id]
+            config = seq.request.config
+            verdict = seq.method.verifier.verify(draft, logits[r, :draft.num_nodes + 1], config.sampling,
+                                                 seq.generator)
+            keep.append(len(seq.tokens) + verdict.num_accepted)
+            num_accepted[seq.seq_id] = verdict.num_accepted
+            new_tokens = verdict.token_ids
+            cut = next((i + 1 for i, t in enumerate(new_tokens) if t in config.eos_token_ids), None)
+            if cut is not None:
+                new_tokens = new_tokens[:cut]
+                finished[seq.seq_id] = "stop"
+            seq.tokens.extend(new_tokens)
+            if cut is None and len(seq.tokens) >= seq.end:
+                finished[seq.seq_id] = "length"
+            depths = tree_depths(draft.node_parents())
+            for stats in (seq.stats, self.stats):
+                stats.record(depths, verdict.num_accepted)
+                stats.num_new_tokens += len(new_tokens)
+            events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes,
+                                     verdict.num_accepted, seq.stats if seq.seq_id in finished else None))
+        t2 = time.perf_counter()
+        for stats in [self.stats] + [seq.stats for seq in rows]:
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += t2 - t1
+
+        # 4. Commit: rows keep what they accepted; finished rows leave; drafters learn what each row kept.
+        self.cache.truncate(keep)
+        self._leave(set(finished))
+        for group in groups.values():
+            alive = [s for s in group if s.seq_id not in finished]
+            if alive:
+                alive[0].method.drafter.commit([s.seq_id for s in alive], [s.tokens for s in alive],
+                                               [num_accepted[s.seq_id] for s in alive])
+        return events
+
+    def generate(self, requests: Iterable[BatchRequest]) -> list[list[int]]:
+        """Decode ``requests`` to the end; the new tokens of each, in order."""
+        ids = [self.submit(request) for request in requests]
+        out: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+        while self.has_work:
+            for event in self.step():
+                out[event.seq_id].extend(event.token_ids)
+        return [out[seq_id] for seq_id in ids]

@@ -1,0 +1,1 @@
+"""The ``jointspec`` command: ``main`` builds the parser, one module per subcommand group."""

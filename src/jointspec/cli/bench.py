@@ -1,0 +1,131 @@
+"""The ``jointspec bench`` subcommand: parse options, load the target once, run, print a table and one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from jointspec.cli.main import (_positive_int, add_model_arguments, apply_threads, method_config_from_args,
+                                model_loader, model_options)
+from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
+from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
+from jointspec.bench.report import contract, summarise, table, write_report
+from jointspec.bench.runner import BenchConfig, run_bench
+from jointspec.bench.specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
+
+# Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
+load_target = load_model
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark methods against a baseline on prompt sets (Spec-Bench style)",
+        description="Run every method on the same prompts, seeds and max_new_tokens, prompt-major, and report "
+                    "tokens/s, speedup, acceptance, perplexity and output identity. The last stdout line is JSON.")
+    parser.add_argument("--prompts", action="append", default=None, metavar="FILE|builtin:NAME",
+                        help="MT-Bench/Spec-Bench JSONL (question_id, category, turns); repeatable. Built-in: "
+                             + ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) + " (default: builtin:mt_bench)")
+    parser.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
+    parser.add_argument("--num-per-category", type=_positive_int, default=None, help="first N prompts per category")
+    parser.add_argument("--max-turns", type=_positive_int, default=None, help="ask at most N turns per prompt")
+    parser.add_argument("--methods", default="ar,pld",
+                        help="comma-separated specs name[:key=value,...], e.g. ar,pld:n=4,sps:draft=self,k=5,"
+                             "hf-generate,hf-pld,hf-assisted:draft=self. Methods: " + ", ".join(all_method_names()))
+    parser.add_argument("--baseline", default="ar", help="the method speedups are relative to (added if not listed)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")
+    parser.add_argument("--repeats", type=_positive_int, default=1, help="timed repeats (median; min-max shown)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="when sampling, each prompt and turn draws with a seed derived from this and its id")
+    parser.add_argument("--report-dir", type=Path, default=None, help="write report.md, results.json and PNG plots")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run")
+    parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity under the target")
+    parser.add_argument("--no-cost-model", action="store_true", help="skip measuring T(k) and the predictions")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--llamacpp-model", default=None, metavar="default|FILE.gguf",
+                        help="the GGUF that the llamacpp / llamacpp-pld baselines and backend=llamacpp methods run "
+                             "(default: --model when it is 'default' or a .gguf file, else 'default')")
+    add_model_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def llamacpp_model(args: argparse.Namespace) -> str:
+    """The GGUF for the llama.cpp methods: ``--llamacpp-model``, else the target itself when llama.cpp can read it."""
+    if args.llamacpp_model is not None:
+        return args.llamacpp_model
+    return args.model if args.model == DEFAULT_MODEL or args.model.endswith(".gguf") else DEFAULT_MODEL
+
+
+def _auto_quantize(args: argparse.Namespace, specs) -> str:
+    """What quantize=auto means here: the quantisation ``jointspec generate`` would give this target, for a float
+    torch target ('none' when the target is loaded quantised or on llama.cpp, or no method asks)."""
+    if args.quantize != "none" or args.backend != "torch" or not any(spec.quantize == "auto" for spec in specs):
+        return "none"
+    return resolve_quantize("auto", args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = parse_specs(args.methods)
+    if args.baseline not in [s.label for s in specs]:
+        specs.insert(0, parse_spec(args.baseline))
+    try:
+        defaults = method_config_from_args(args, name="ar")
+        config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup,
+                             perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
+                             llamacpp_model=llamacpp_model(args), threads=args.threads,
+                             auto_quantize=_auto_quantize(args, specs))
+    except ValueError as error:
+        raise MethodSpecError(str(error)) from error
+    for spec in specs:  # bad option values fail here, before the model loads
+        if not spec.is_hf:
+            method_config(spec, defaults)
+    quantized = [spec.label for spec in specs if spec.quantize_explicit]
+    if quantized and (args.quantize != "none" or args.backend != "torch"):
+        raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "
+                              "and --backend, or the methods' quantize option")
+    stock = [spec.label for spec in specs if spec.kernels != "loaded"]
+    if stock and (args.quantize != "none" or args.backend != "torch" or args.kernels == "stock"):
+        raise MethodSpecError(f"{', '.join(stock)} run on a stock-kernel copy of the float torch target loaded on "
+                              "oneDNN; drop --quantize, --backend and --kernels stock, or the methods' kernels option")
+    if args.backend == "llamacpp":
+        # The bench target is then a llama.cpp adapter: it has no transformers model to run transformers' generate
+        # or to score perplexity with.
+        hf = [spec.label for spec in specs if spec.is_hf]
+        if hf:
+            raise MethodSpecError(f"{', '.join(hf)} run transformers and need --backend torch; to compare with "
+                                  "llama.cpp, keep --backend torch and add ':backend=llamacpp' methods or the "
+                                  "llamacpp baselines")
+        if not args.no_perplexity:
+            raise MethodSpecError("perplexity is scored by the torch target; with --backend llamacpp pass "
+                                  "--no-perplexity (or keep --backend torch and add ':backend=llamacpp' methods)")
+    prompts = []
+    for source in args.prompts or [f"{BUILTIN_PREFIX}mt_bench"]:
+        prompts += load_prompts(source)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
+
+    apply_threads(args)
+    target, tokenizer = load_target(args.model, **model_options(args))
+    # Draft models load with the target's options: same backend, same quantisation.
+    load_draft = model_loader(args)
+    result = run_bench(target, tokenizer, prompts, specs, args.baseline, config, defaults,
+                       lambda source: load_draft(source, name=source), progress=not args.no_progress)
+    summary = summarise(result)
+    load, cpus = result.environment.get("load_average_end"), result.environment.get("cpu_count")
+    if load is not None and cpus and load > cpus:
+        print(f"jointspec bench: warning: load average {load} on {cpus} CPUs: other work competed for the cores, "
+              "so timings are unreliable", file=sys.stderr)
+    print(table(result, summary))
+    if args.report_dir is not None:
+        command = "jointspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        files = write_report(result, summary, args.report_dir, command)
+        print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    print(json.dumps(contract(result, summary)))
+    return 0
+

@@ -1,0 +1,147 @@
+"""``jointspec build-corpus``: the n-gram table ``corpus`` (and ``default``) draft from, built from a target's own answers.
+
+    jointspec build-corpus --target default --prompts sharegpt-prompts:1500 --prompts train:default \\
+        --num-prompts 1200 --out corpus/smollm2
+
+Prompts come from the same sources as ``train-draft --prompts`` (train:default, sharegpt-prompts:N, sharegpt:N,
+.txt / .jsonl files, builtin:NAME with a warning). Sources with their own answers (``sharegpt:N``: ChatGPT's) go in
+whole, as given. The others are pooled, prompts over ``--max-prompt-tokens`` dropped, the rest shuffled with
+``--seed`` and the first ``--num-prompts`` kept (so a smaller run is a prefix of a larger one), and the target
+answers each one greedily; its answers are appended to ``DATA/answers.jsonl`` as they come, so an interrupted run
+resumes where it stopped. ``--answers-from DIR`` (repeatable) adds the answers already in a ``train-draft`` data
+folder (the target's own, or a quantised copy's: ``--answer-quantize``) for the same target, so answers generated
+once for training a head are counted too. Then the table is counted from all answers
+(:class:`jointspec.drafters.corpus.NgramTable`) and written to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ANSWERS_FILE = "answers.jsonl"
+
+# Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
+from jointspec.backends.loading import load_model as load_target
+
+
+def add_parser(subparsers) -> None:
+    from jointspec.cli.main import _positive_int
+
+    parser = subparsers.add_parser(
+        "build-corpus", help="build the n-gram table `corpus` drafts from, out of the target's own answers",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf or a hub id")
+    parser.add_argument("--prompts", action="append", default=None, metavar="SOURCE",
+                        help="prompt source, repeatable (as train-draft: train:default, sharegpt-prompts:N, "
+                             "sharegpt:N, a .txt or .jsonl file)")
+    parser.add_argument("--answers-from", action="append", default=[], metavar="DIR",
+                        help="also count the answers in a `train-draft` data folder built for this target "
+                             "(repeatable)")
+    parser.add_argument("--num-prompts", type=_positive_int, default=None,
+                        help="keep the first N prompts of the seeded shuffle (default: all)")
+    parser.add_argument("--max-prompt-tokens", type=_positive_int, default=400,
+                        help="drop prompts longer than this (their prefill costs more than their answer gives)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length")
+    parser.add_argument("--max-order", type=_positive_int, default=4, help="longest n-gram in the table")
+    parser.add_argument("--min-count", type=_positive_int, default=2,
+                        help="keep n-grams seen at least this often")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=_positive_int, default=None)
+    parser.add_argument("--out", required=True, help="folder for the table (table.npz and corpus.json)")
+    parser.add_argument("--data", default=None, help="folder for the target's answers (default: OUT/data)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from jointspec.api import GenerationConfig, Pipeline, eos_token_ids
+    from jointspec.drafters.corpus import NgramTable, tokenizer_fingerprint
+    from jointspec.methods import MethodConfig
+    from jointspec.drafts.eagle import target_fingerprint
+    from jointspec.cli.train import training_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    data = Path(args.data) if args.data else out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_target(args.target, quantize="auto")
+    eos = eos_token_ids(target, tokenizer)
+    # Read first, so a wrong folder is refused before any prompt is answered.
+    folder_answers = [answer for folder in args.answers_from for answer in data_folder_answers(folder, target)]
+    prompts, given = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed)
+    given_answers = [list(answer) for answer in given if answer is not None]
+    pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
+    random.Random(args.seed).shuffle(pool)
+    pool = pool[:args.num_prompts]
+    answers_path = data / ANSWERS_FILE
+    done: dict[int, list[int]] = {}
+    if answers_path.is_file():
+        for line in answers_path.read_text().splitlines():
+            record = json.loads(line)
+            done[int(record["index"])] = record["answer_ids"]
+    pipeline = Pipeline(target, tokenizer, MethodConfig(name="default"))
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    todo = [i for i in range(len(pool)) if i not in done]
+    progress = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(pool), initial=len(pool) - len(todo), desc="answers", unit="prompt")
+    with answers_path.open("a") as sink:
+        for index in todo:
+            answer = pipeline.generate_ids(pool[index], config).token_ids
+            done[index] = list(answer)
+            sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
+            sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
+            if progress is not None:
+                progress.update()
+    if progress is not None:
+        progress.close()
+    sequences = given_answers + folder_answers + [done[i] for i in range(len(pool))]
+    table = NgramTable.build(sequences, target.vocab_size, args.max_order, args.min_count)
+    table.save(out, {
+        "kind": "corpus",
+        "target": args.target,
+        "target_fingerprint": target_fingerprint(target),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "num_given_answers": len(given_answers),
+        "num_data_folder_answers": len(folder_answers),
+        "num_target_answers": len(pool),
+        "num_tokens": sum(len(s) for s in sequences),
+        "settings": {key: value for key, value in vars(args).items()
+                     if key not in {"run", "command", "out", "data", "threads", "no_progress", "log_level",
+                                    "answers_from"}},
+    })
+    print(f"{len(sequences)} answers, {sum(len(s) for s in sequences)} tokens -> {table.num_entries} n-grams in {out}")
+    return 0
+
+
+def data_folder_answers(folder: str | Path, target) -> list[list[int]]:
+    """The answers (token ids after each prompt) in a ``train-draft`` data folder built for ``target``."""
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.drafts.eagle import target_fingerprint
+    from jointspec.train.data import load_shards, read_spec
+
+    try:
+        spec = read_spec(folder)
+    except (OSError, ValueError) as error:
+        raise UnsupportedOptionError(f"--answers-from '{folder}' is not a train-draft data folder ({error})") from error
+    if spec.get("target_fingerprint") != target_fingerprint(target):
+        raise UnsupportedOptionError(f"--answers-from '{folder}' holds answers of another target (fingerprint "
+                                     f"{spec.get('target_fingerprint')}, this one {target_fingerprint(target)})")
+    answers = []
+    for shard in load_shards(folder):
+        starts, answer_starts = shard["starts"].tolist(), shard["answer_starts"].tolist()
+        tokens = shard["token_ids"]
+        for s, offset in enumerate(answer_starts):
+            answers.append(tokens[starts[s] + offset:starts[s + 1]].tolist())
+    return answers

@@ -1,0 +1,65 @@
+"""``jointspec serve``: load a model, start the batched engine, serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from jointspec.core.errors import JointspecError
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers) -> None:
+    from jointspec.cli.main import _positive_int, add_model_arguments
+
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (completions, chat, metrics)")
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    parser.add_argument("--port", type=_positive_int, default=8000)
+    parser.add_argument("--max-batch-size", type=_positive_int, default=16, help="sequences decoded together")
+    parser.add_argument("--max-tokens", type=_positive_int, default=256,
+                        help="new tokens when a chat request does not say")
+    parser.add_argument("--model-id", default=None, help="the name /v1/models reports (default: the model source)")
+    parser.set_defaults(run=run_serve)
+
+
+def build_engine(args: argparse.Namespace):
+    """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
+    from jointspec.cli.main import method_config_from_args, model_loader
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.methods import method_names
+    from jointspec.server.engine import ServingEngine
+
+    if args.method not in method_names():
+        raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
+    if args.backend != "torch":
+        raise UnsupportedOptionError(f"the server's batched engine runs on the torch backend only, not "
+                                     f"'{args.backend}'; drop --backend (--quantize int8/int4 gives quantised "
+                                     "weights on torch)")
+    try:
+        method = method_config_from_args(args)
+    except ValueError as error:
+        raise JointspecError(str(error)) from error
+    load = model_loader(args)
+    target, tokenizer = load(args.model)
+    return ServingEngine(target, tokenizer, method, model_id=args.model_id or args.model,
+                         max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
+                         load_draft=lambda source: load(source, name=source))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jointspec.cli.main import apply_threads
+    from jointspec.server.app import ServerSettings, create_app
+
+    apply_threads(args)
+    engine = build_engine(args)
+    settings = ServerSettings(host=args.host, port=args.port)
+    log.warning("serving %s (method %s) on http://%s:%d/v1", engine.model_id, args.method, args.host, args.port)
+    try:
+        uvicorn.run(create_app(settings, engine), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,181 @@
+"""The decode loop: one loop for every method.
+
+Each round:
+1. the drafter proposes up to ``max_num_draft_tokens`` tokens (a chain or a tree); the budget is clipped so that a
+   round can never emit past ``max_new_tokens`` or the model's context;
+2. the target scores the pending token (the last committed one, not yet in its cache) and every draft node in one
+   forward pass, giving ``num_nodes + 1`` rows of logits, so even a rejected or empty draft yields a token;
+3. the verifier decides which draft nodes to keep and the one token that follows them;
+4. the loop commits: it cuts the new tokens after the first end-of-sequence token (plain decoding would have stopped
+   there), keeps in the target cache exactly the committed tokens but the new pending one, and tells the drafter.
+
+The target cache invariant: it holds every committed token except the last. Prefill therefore feeds the prompt
+minus its last token, and the ``ar`` baseline is this same loop with a drafter that proposes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from jointspec.core.draft import Drafter
+from jointspec.core.errors import ContextTooLongError
+from jointspec.backends.hf import CausalLM, tree_depths
+from jointspec.core.sampling import SamplingConfig
+from jointspec.core.verdict import Verifier
+
+
+@dataclass
+class SpecStats:
+    """Counters for one generation. Positions are draft depths (0 = first draft token)."""
+
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_new_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per target call: 1 + accepted / rounds (1.0 for plain decoding)."""
+        return 1.0 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def record(self, depths: list[int], num_accepted: int) -> None:
+        self.num_rounds += 1
+        self.num_draft_tokens += len(depths)
+        self.num_accepted_tokens += num_accepted
+        deepest = max(depths, default=-1) + 1
+        for counts in (self.drafted_per_position, self.accepted_per_position):
+            counts.extend([0] * (deepest - len(counts)))
+        for depth in range(deepest):
+            self.drafted_per_position[depth] += 1
+        for depth in range(num_accepted):
+            self.accepted_per_position[depth] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        for name in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "num_new_tokens",
+                     "draft_seconds", "verify_seconds", "prefill_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("drafted_per_position", "accepted_per_position"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, value in enumerate(theirs):
+                mine[i] += value
+
+    def to_dict(self) -> dict:
+        return {
+            "num_rounds": self.num_rounds,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_new_tokens": self.num_new_tokens,
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+        }
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = SamplingConfig()
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class SpeculativeDecoder:
+    """Runs rounds of draft -> verify -> commit for one sequence at a time."""
+
+    def __init__(self, target: CausalLM, drafter: Drafter, verifier: Verifier) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.verifier = verifier
+        self.stats = SpecStats()
+
+    def stream(self, prompt_ids: list[int], config: DecodeConfig,
+               generator: torch.Generator | None = None) -> Iterator[list[int]]:
+        """Yield the tokens committed by each round; ``self.stats`` describes the generation when it ends."""
+        if not prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        max_context = self.target.max_context
+        if len(prompt_ids) >= max_context:
+            raise ContextTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {max_context}; "
+                "shorten the prompt")
+        self.stats = stats = SpecStats()
+        tokens = list(prompt_ids)
+        end = min(len(tokens) + config.max_new_tokens, max_context)
+
+        start = time.perf_counter()
+        # A decode that never verifies may run on the target's fastest kernels even if batched rows would differ.
+        self.target.reset(plain=getattr(self.drafter, "never_drafts", False))
+        if len(tokens) > 1:
+            self.target.forward(tokens[:-1], num_logits=0)
+        self.drafter.start(tokens)
+        stats.prefill_seconds = time.perf_counter() - start
+        # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
+        argmax_only = ({"argmax_only": True} if config.sampling.greedy and getattr(self.target, "screens_argmax", False)
+                       and getattr(self.verifier, "reads_argmax_when_greedy", False) else {})
+
+        while len(tokens) < end:
+            # 1. Propose, leaving room for the one token the target always adds.
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(tokens, end - len(tokens) - 1, config.sampling, generator)
+            t1 = time.perf_counter()
+            parents = draft.node_parents()
+            depths = tree_depths(parents)
+            assert max(depths, default=-1) + 1 <= end - len(tokens) - 1, "drafter exceeded its draft budget"
+
+            # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
+            num_committed = len(tokens)
+            logits = self.target.forward([tokens[-1]] + draft.token_ids,
+                                         parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
+                                         **argmax_only).logits
+
+            # 3. Verify.
+            verdict = self.verifier.verify(draft, logits, config.sampling, generator)
+
+            # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
+            self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
+            new_tokens = verdict.token_ids
+            cut = next((i + 1 for i, t in enumerate(new_tokens) if t in config.eos_token_ids), None)
+            if cut is not None:
+                new_tokens = new_tokens[:cut]
+            tokens.extend(new_tokens)
+            stats.record(depths, verdict.num_accepted)
+            stats.num_new_tokens += len(new_tokens)
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += time.perf_counter() - t1
+            if cut is None:
+                self.drafter.commit(tokens, verdict.num_accepted)
+            yield new_tokens
+            if cut is not None:
+                return
+
+    def generate(self, prompt_ids: list[int], config: DecodeConfig,
+                 generator: torch.Generator | None = None) -> list[int]:
+        """All new tokens at once."""
+        out: list[int] = []
+        for chunk in self.stream(prompt_ids, config, generator):
+            out.extend(chunk)
+        return out

@@ -1,0 +1,606 @@
+"""A feature-level draft head (EAGLE-style) and the adapter that makes it a draft model like any other.
+
+**The head.** The target's last hidden state after the final norm is its *feature*: ``feature_t`` at position ``t``
+gives the target's logits for token ``t + 1`` through the target's LM head. The head is one decoder layer that reads,
+at position ``t``, ``fc([feature_t ; embed(token_{t+1})])`` and predicts ``feature_{t+1}``; the target's own LM head
+(frozen, optionally restricted to the draft vocabulary: VocabTrim) turns that into a draft for token ``t + 2``.
+Drafting further feeds the head its own predicted feature. Only ``fc`` and the decoder layer are trained and saved
+(a few MB); the embedding and LM head are the target's, so the head only fits the target it was trained on.
+
+**Fused features** (EAGLE-3's multi-layer fusion, optional: ``fuse_layers``): the last feature is made to predict the
+next token, so it may have dropped context that the token after needs. A head with ``fuse_layers`` also reads the
+target's hidden states at those indices (each RMS-normalised: the residual stream grows with depth) and adds a
+learnt projection of them to the feature: ``feature_t + fuse_fc([h_a ; h_b ; ...])``. ``fuse_fc`` starts at zero,
+so a head trained without fusion is the starting point of one trained with it. Only true target positions have
+these hidden states; drafting further feeds the head's own prediction as before.
+
+**The adapter.** :class:`HeadDraftModel` has the :class:`~jointspec.backends.hf.CausalLM` interface (``forward``
+with chains or trees, ``crop``, ``keep``, ``reset``), so every model-based drafter (``sps``, ``mtad``, ``specinfer``,
+``spectr``) can use a head through ``--draft DIR``. It reads the target's true features from a
+:class:`~jointspec.backends.hf.FeatureMirror`, which the target adapter fills on every forward. Entry ``p`` of the
+head's cache holds token ``p``, fed with the feature of position ``p - 1``: the target's true feature when the target
+has already scored position ``p - 1`` (committed text), else the head's own prediction (draft text). Entries fed
+with a prediction are *inexact*: once the target has scored those positions, the true features are better inputs, so
+``crop``/``keep`` drop every inexact entry and the drafter feeds those tokens again. Drafters therefore read
+``num_cached`` back after ``crop``/``keep`` (it may be smaller than asked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.backends.hf import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
+from jointspec.kernels.fp32 import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
+from jointspec.backends.lean_forward import body_unsupported_reason, lean_body_forward
+from jointspec.backends.kvcache import BufferedCache
+
+ARTIFACT_FORMAT = 1
+CONFIG_FILE = "draft.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shape of a head and the target it belongs to (saved as ``draft.json``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    target_fingerprint: str
+    target_name: str = ""
+    num_layers: int = 1
+    draft_vocab_size: int | None = None  # None: the full target vocabulary
+    fuse_layers: tuple[int, ...] = ()  # hidden-state indices of the target fused into the feature (eagle only)
+    kind: str = "eagle"
+    format: int = ARTIFACT_FORMAT
+
+    def __post_init__(self) -> None:
+        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here; the other kinds subclass
+        if self.kind != wanted:
+            raise ValueError(f"a {type(self).__name__} has kind '{wanted}', got '{self.kind}'")
+        if self.num_layers < 1 or self.hidden_size < 1:
+            raise ValueError(f"bad head shape: {self.num_layers} layers of width {self.hidden_size}")
+        object.__setattr__(self, "fuse_layers", tuple(int(layer) for layer in self.fuse_layers))  # JSON gives a list
+        if self.fuse_layers and self.kind != "eagle":
+            raise ValueError(f"fuse_layers is for eagle heads, not for a '{self.kind}' draft")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states a head reads, the last (after the final norm) first: what its mirror records."""
+        return (-1, *self.fuse_layers)
+
+    @classmethod
+    def for_target(cls, target: CausalLM, fingerprint: str, *, draft_vocab_size: int | None = None,
+                   num_layers: int = 1, intermediate_size: int | None = None,
+                   **extra) -> "HeadConfig":
+        config = target.config
+        heads = config.num_attention_heads
+        return cls(hidden_size=config.hidden_size, intermediate_size=intermediate_size or config.intermediate_size,
+                   num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", heads),
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   rope_theta=float(_rope_theta(config)), rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
+                   max_position_embeddings=target.max_context, target_vocab_size=target.vocab_size,
+                   target_fingerprint=fingerprint, target_name=target.name, num_layers=num_layers,
+                   draft_vocab_size=draft_vocab_size, **extra)
+
+
+def _rope_theta(config) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return theta
+
+
+class EagleHead(nn.Module):
+    """``fc`` over [feature ; token embedding], then ``num_layers`` Llama decoder layers and a norm."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        body_config = LlamaConfig(
+            vocab_size=1, hidden_size=hidden, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+            rope_theta=config.rope_theta, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
+        self.body = LlamaModel(body_config)  # its 1-row token embedding is never used: inputs come as embeddings
+        # Tokens outside the draft vocabulary are never drafted; the table maps draft rows to target token ids.
+        size = config.draft_vocab_size or config.target_vocab_size
+        self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
+        self.fuse_fc = None
+        if config.fuse_layers:
+            self.fuse_fc = nn.Linear(len(config.fuse_layers) * hidden, hidden, bias=False)
+            nn.init.zeros_(self.fuse_fc.weight)  # start as the unfused head (see the module docstring)
+
+    def fuse(self, wide: torch.Tensor) -> torch.Tensor:
+        """[..., hidden * (1 + len(fuse_layers))] target hidden states (the last first) -> [..., hidden] input
+        feature. A head without fused layers reads the last feature alone (wider input is cut)."""
+        hidden = self.config.hidden_size
+        feature = wide[..., :hidden]
+        if self.fuse_fc is None:
+            return feature
+        other = wide[..., hidden:].unflatten(-1, (len(self.config.fuse_layers), hidden))
+        other = other * torch.rsqrt(other.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return feature + self.fuse_fc(other.flatten(-2))
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, *, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
+                lean: bool = False) -> torch.Tensor:
+        """``features``/``token_embeds``: [batch, n, hidden] -> predicted next features [batch, n, hidden].
+
+        ``lean`` (drafting, with a cache, where :func:`~jointspec.backends.lean_forward.body_unsupported_reason` allows):
+        the body through the lean forward, the same operations without transformers' per-module overhead, which
+        was about half of a draft call's 1.8 ms on SmolLM2's head."""
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        if lean and cache is not None:
+            return lean_body_forward(self.body, x, position_ids, attention_mask, cache)
+        out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                        past_key_values=cache, use_cache=cache is not None)
+        return out.last_hidden_state
+
+    def save(self, folder: str | Path, training: dict | None = None) -> Path:
+        """Write ``draft.json`` and fp16 weights into ``folder`` (created; files replaced atomically)."""
+        return save_artifact(self, self.config, folder, training)
+
+
+def save_artifact(module: nn.Module, config, folder: str | Path, training: dict | None = None) -> Path:
+    """Write a trained draft's ``draft.json`` (``config`` and ``training``) and fp16 weights into ``folder``.
+
+    The body's placeholder token embedding is left out: drafts read the target's embedding. Each file is replaced
+    atomically, weights first, so a folder never pairs a new config with old weights of another shape.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
+             if not k.startswith("body.embed_tokens")}
+    tmp = folder / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(folder / WEIGHTS_FILE)
+    meta = {"config": asdict(config), "training": training or {}}
+    (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
+    (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
+    return folder
+
+
+def target_fingerprint(target: CausalLM) -> str:
+    """A short hash that tells one target model from another: its shape plus a sample of its float weights.
+
+    Taken from the config, the input embedding and the final norm, which weight-only quantisation leaves in float, so a
+    draft trained on the fp32 target also fits its quantised versions (which are meant to be the same model).
+    """
+    model = target.model
+    config = model.config
+    digest = hashlib.sha256()
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                                                    "num_attention_heads", "num_key_value_heads")}
+    digest.update(json.dumps(shape, sort_keys=True).encode())
+    embedding = model.get_input_embeddings().weight.detach()
+    digest.update(embedding[:64].float().cpu().numpy().tobytes())
+    digest.update(embedding[-64:].float().cpu().numpy().tobytes())
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        digest.update(norm.weight.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def bind_head(folder: str | Path, target: CausalLM, weights: str = "auto") -> HeadDraftModel:
+    """Load the head saved in ``folder`` for ``target``; refuses a head trained for another target. ``weights``:
+    see :data:`HEAD_WEIGHT_CHOICES`."""
+    head, training = load_head(folder, device=target.device, dtype=torch.float32)
+    check_head_target(head, folder, target)
+    return HeadDraftModel(head, target, name=f"head {Path(folder).name}", weights=weights)
+
+
+def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str = "auto"):
+    """Any draft ``jointspec train-draft`` saved in ``folder`` (its ``draft.json`` names the kind: an EAGLE head,
+    Medusa or Hydra heads or a distilled draft), bound to ``target``; refuses one trained for another target.
+    ``head_weights`` (EAGLE heads; the other kinds take only ``auto``, which keeps them float): see
+    :data:`HEAD_WEIGHT_CHOICES`."""
+    kind = artifact_kind(folder)
+    if head_weights != "auto" and kind not in (None, "eagle"):
+        raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
+                                     f"'{kind}' draft, which runs in float: leave head_weights at auto")
+    if kind == "distill":
+        from jointspec.drafts.distill import bind_distill
+
+        return bind_distill(folder, target)
+    if kind == "medusa":
+        from jointspec.drafts.medusa import bind_medusa
+
+        return bind_medusa(folder, target)
+    if kind == "hydra":
+        from jointspec.drafts.hydra import bind_hydra
+
+        return bind_hydra(folder, target)
+    return bind_head(folder, target, head_weights)  # an unreadable folder gets load_head's error
+
+
+def check_head_target(head: EagleHead, folder: str | Path, target: CausalLM) -> None:
+    """Raise :class:`ModelLoadError` unless ``head`` (loaded from ``folder``) was trained for ``target``."""
+    fingerprint = target_fingerprint(target)
+    if head.config.target_fingerprint != fingerprint:
+        raise ModelLoadError(
+            f"draft head '{folder}' was trained for target '{head.config.target_name}' (fingerprint "
+            f"{head.config.target_fingerprint}), not for '{target.name}' (fingerprint {fingerprint}); train a head "
+            "for this target with `jointspec train-draft --target ...`")
+    if head.config.target_vocab_size != target.vocab_size:
+        raise ModelLoadError(f"draft head '{folder}' expects {head.config.target_vocab_size} tokens, the target has "
+                             f"{target.vocab_size}")
+
+
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "drafts"
+
+
+def shipped_head_for(target: CausalLM) -> Path | None:
+    """The draft head shipped inside the package for ``target`` (matched by fingerprint), if there is one."""
+    if not SHIPPED_HEADS.is_dir():
+        return None
+    fingerprint = None
+    for folder in sorted(SHIPPED_HEADS.iterdir()):
+        if not (folder / CONFIG_FILE).is_file():
+            continue
+        try:
+            config = json.loads((folder / CONFIG_FILE).read_text())["config"]
+            wanted = config["target_fingerprint"] if config.get("kind", "eagle") == "eagle" else None
+        except (OSError, ValueError, KeyError):
+            continue
+        fingerprint = fingerprint or target_fingerprint(target)
+        if wanted == fingerprint:
+            return folder
+    return None
+
+
+def is_head_artifact(path: str | Path) -> bool:
+    return (Path(path).expanduser() / CONFIG_FILE).is_file()
+
+
+def artifact_kind(folder: str | Path) -> str | None:
+    """The kind of trained draft saved in ``folder`` ("eagle", "medusa", "hydra" or "distill"), or None if it holds none
+    readable."""
+    try:
+        return json.loads((Path(folder).expanduser() / CONFIG_FILE).read_text())["config"].get("kind", "eagle")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def load_artifact(folder: str | Path, config_class, module_class, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32):
+    """Load a trained draft of one kind (``config_class``/``module_class``, e.g. ``HeadConfig``/``EagleHead``) from
+    ``folder``, weights back to ``dtype``; returns it and its training record."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    wanted_kind = config_class.__dataclass_fields__["kind"].default
+    try:
+        meta = json.loads((folder / CONFIG_FILE).read_text())
+        kind = meta["config"].get("kind", "eagle")
+        if kind != wanted_kind:
+            raise ModelLoadError(f"'{folder}' holds a '{kind}' draft, not a '{wanted_kind}' one; pass it where a "
+                                 f"{kind} draft is expected (--draft DIR takes every kind)")
+        config = config_class(**meta["config"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ModelLoadError(f"'{folder}' is not a readable jointspec draft head ({error}); "
+                             "train one with `jointspec train-draft`") from error
+    if config.format != ARTIFACT_FORMAT:
+        raise ModelLoadError(f"draft '{folder}' has format {config.format}; this jointspec reads format "
+                             f"{ARTIFACT_FORMAT}: retrain it with this version")
+    module = module_class(config)
+    state = load_file(str(folder / WEIGHTS_FILE))
+    missing, unexpected = module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                  for k, v in state.items()}, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("body.embed_tokens")]:
+        raise ModelLoadError(f"draft '{folder}' weights do not match its config "
+                             f"(missing {missing}, unexpected {unexpected})")
+    return module.to(device=device, dtype=dtype).eval(), meta.get("training", {})
+
+
+def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[EagleHead, dict]:
+    """Load a saved head (weights back to ``dtype``) and its training record."""
+    return load_artifact(folder, HeadConfig, EagleHead, device=device, dtype=dtype)
+
+
+def float_lm_weight(model) -> torch.Tensor:
+    """The target's LM head as a float [vocab, hidden] matrix (its tied input embedding if the head is quantised)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
+        return weight
+    if getattr(model.config, "tie_word_embeddings", False):
+        return model.get_input_embeddings().weight
+    raise UnsupportedOptionError("the target's LM head is not a float matrix (quantised?) and not tied to its "
+                                 "embedding; a draft head cannot read it")
+
+
+def full_vocab_logits(draft_logits: torch.Tensor, draft_vocab: torch.Tensor, full_vocab: int) -> torch.Tensor:
+    """[..., draft vocab] logits -> [..., full vocab], ``-inf`` for the tokens outside the draft vocabulary."""
+    if draft_logits.shape[-1] == full_vocab:
+        return draft_logits
+    full = draft_logits.new_full((*draft_logits.shape[:-1], full_vocab), float("-inf"))
+    full[..., draft_vocab] = draft_logits
+    return full
+
+
+class FeatureDraft:
+    """What a draft that reads its target's features shares: the target's vocabulary and context length, and a
+    :class:`~jointspec.backends.hf.FeatureMirror` of the target's features."""
+
+    def __init__(self, target: CausalLM, name: str, layers: tuple[int, ...] = (-1,)) -> None:
+        self.target = target
+        self.name = name
+        self.mirror = target.attach_feature_mirror(layers)
+        self._full_vocab = target.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._full_vocab
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+
+# How a bound head's weights run (``--head-weights``, MethodConfig.head_weights).
+# - ``int8``: the head's decoder-layer linears and its rows of the target's LM head as signed 8-bit weights in groups
+#   of 32 on jointspec's CPU kernel (kernels/grouped.py), float32 activations; ``fc``, which reads the feature and the
+#   token embedding side by side, stays float. A draft call reads about a quarter of the bytes: on the shipped
+#   SmolLM2 head (2-core Xeon, float32 target, sps with k = 1 on 8 MT-Bench prompts x 96 tokens, 2 passes) a call
+#   took 2.70 ms against 3.67, and 42.2 % of drafted tokens were accepted against 41.9 % (the LM head's argmax
+#   alone was the float one at 359 of 359 drafted positions).
+# - ``float32``: the weights as trained.
+# - ``auto``: int8 where that kernel runs with vector instructions (an x86 CPU with AVX2 or AVX-512, layer widths
+#   multiples of 64), else float32.
+# Either way the head only proposes tokens and the target verifies them, so the choice changes which tokens are
+# drafted (and so the speed), never what is generated.
+HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")
+
+
+def int8_head_misfit(head: EagleHead) -> str | None:
+    """Why ``head`` cannot run on int8 weights (None: it can)."""
+    from jointspec.kernels.grouped import grouped_misfit, selected_isa, unavailable_reason
+
+    if head.fc.weight.device.type != "cpu" or head.fc.weight.dtype != torch.float32:
+        return f"int8 head weights are for float32 heads on the CPU; this one is {head.fc.weight.dtype} on " \
+               f"{head.fc.weight.device}"
+    misfit = next((f"{name}: {reason}" for name, module in head.body.named_modules() if type(module) is nn.Linear
+                   for reason in [grouped_misfit(module)] if reason), None)
+    if misfit is None and head.config.hidden_size % 64:
+        misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"
+    if misfit is None and selected_isa() == "portable":
+        misfit = "jointspec's kernels run their portable build here, not measured against float32 heads"
+    return misfit or unavailable_reason()  # builds the kernels once if it can (about 30 s)
+
+
+class HeadDraftModel(FeatureDraft):
+    """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
+
+    def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head", weights: str = "auto") -> None:
+        super().__init__(target, name, head.config.feature_layers)
+        if weights not in HEAD_WEIGHT_CHOICES:
+            raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
+                                         f"{', '.join(HEAD_WEIGHT_CHOICES)}")
+        self.head = head.eval()
+        model = target.model
+        self.embed = model.get_input_embeddings()
+        # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
+        self.lm_weight = float_lm_weight(model).detach().index_select(0, head.draft_vocab).to(head.fc.weight.dtype)
+        self.draft_vocab = head.draft_vocab
+        self._lm_int8 = None
+        self._lm_onednn = None
+        misfit = int8_head_misfit(self.head) if weights != "float32" else None
+        if weights == "int8" and misfit:
+            raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
+        self.weights = "int8" if weights != "float32" and misfit is None else "float32"
+        if self.weights == "int8":
+            self._use_int8()
+        # A target on oneDNN linears (float32 CPU, kernels.fp32) gets a float head on them too: drafting is the
+        # same small-batch matmuls.
+        elif kernels_in_use(model) == "onednn" and onednn_supported(self.head) is None:
+            use_onednn_linears(self.head)
+            self._lm_onednn = OneDNNLinear(self._lm_linear())
+        self._lean = body_unsupported_reason(self.head.body) is None
+        self.reset()
+
+    def _use_int8(self) -> None:
+        """Swap the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""
+        from jointspec.kernels.grouped import GroupedInt8Linear
+
+        body = self.head.body
+        swaps = [(parent, name, child) for parent in body.modules() for name, child in parent.named_children()
+                 if type(child) is nn.Linear]
+        for parent, name, child in swaps:  # after the walk: it never sees a half-rewritten tree
+            setattr(parent, name, GroupedInt8Linear(child))
+        self._lm_int8 = GroupedInt8Linear(self._lm_linear())
+
+    def _lm_linear(self) -> nn.Linear:
+        """The draft vocabulary's rows of the target's LM head as an ``nn.Linear`` (sharing ``lm_weight``)."""
+        lm = nn.Linear(self.lm_weight.shape[1], self.lm_weight.shape[0], bias=False)
+        lm.weight = nn.Parameter(self.lm_weight, requires_grad=False)
+        return lm
+
+    @property
+    def config(self):
+        return self.head.body.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.fc.weight.dtype
+
+    def reset(self) -> None:
+        # Written in place, not concatenated: a draft call then copies nothing of the context (backends/kvcache.py).
+        self.cache = BufferedCache(self.head.body.config)
+        self.num_cached = 0
+        self.num_exact = 0  # leading cache entries fed with true target features
+        self.predicted = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        self._tree_tail = False  # the cache ends in tree nodes: only crop/keep/extend_tree may follow
+        # The last forward's tokens as a tree (a chain is one too) and its outputs: what extend_tree may grow.
+        self._fed_tokens: list[int] = []
+        self._fed_parents: list[int] = []
+        self._fed_out = self.predicted
+
+    def _input_feature(self, entry: int) -> torch.Tensor | None:
+        """The feature fed with the token at cache entry ``entry`` (None: not computed yet)."""
+        source = entry - 1
+        if source < 0:
+            return torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        if source < self.mirror.length:  # the target has scored it: committed text, true feature
+            return self.head.fuse(self.mirror.features[source].to(self.dtype))
+        if source < self.predicted.shape[0]:
+            return self.predicted[source]
+        return None
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] predicted features -> [n, full vocab] logits, -inf outside the draft vocabulary."""
+        if self._lm_int8 is not None:
+            draft_logits = self._lm_int8(features.float())  # [n, draft vocab]
+        elif self._lm_onednn is not None:
+            draft_logits = self._lm_onednn(features.float())  # [n, draft vocab]
+        else:
+            draft_logits = features.float() @ self.lm_weight.float().T  # [n, draft vocab]
+        return full_vocab_logits(draft_logits, self.draft_vocab, self._full_vocab)
+
+    def _run(self, token_ids: list[int], inputs: list[torch.Tensor], positions: list[int],
+             mask: torch.Tensor | None) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = self.embed(ids).to(self.dtype)[None]  # [1, n, hidden]
+        features = torch.stack(inputs)[None]  # [1, n, hidden]
+        position_ids = torch.tensor(positions, device=self.device)[None]
+        out = self.head(features, embeds, position_ids=position_ids, attention_mask=mask, cache=self.cache,
+                        lean=self._lean)[0]
+        self.predicted = torch.cat([self.predicted, out])
+        self.num_cached += len(token_ids)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False) -> ForwardOutput:
+        token_ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)]
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if self._tree_tail:
+            raise UnsupportedOptionError("a draft head cannot extend a tree draft; crop or keep its cache first")
+        if parents is None or parents == chain_parents(n):
+            outputs = self._forward_chain(token_ids)
+            self._fed_tokens, self._fed_parents, self._fed_out = token_ids, chain_parents(n), outputs
+        else:
+            outputs = self._forward_tree(token_ids, parents)
+        return self._output(outputs, num_logits, output_hidden)
+
+    @torch.inference_mode()
+    def extend_tree(self, token_ids: list[int], parents: list[int], *, num_logits: int) -> ForwardOutput:
+        """Feed the nodes a tree gained since the last tree call; ``token_ids``/``parents`` are the whole tree.
+
+        Tree drafters grow a tree level by level. A plain forward would crop the tree and feed it again (every node
+        of the last call becomes visible to every node of the next, so a generic cache cannot do better); the
+        head builds its own ancestor masks, so it scores only the new nodes, each seeing its ancestors among the
+        nodes already cached. The logits are those of ``forward(tree)`` after a crop: same nodes, same masks (up to
+        float rounding where the tree fed last was a chain, which takes the unmasked chain path).
+        """
+        old = len(self._fed_tokens)
+        if not (0 < old < len(token_ids) and token_ids[:old] == self._fed_tokens
+                and parents[:old] == self._fed_parents):
+            raise ValueError("extend_tree needs the tree fed last, grown by at least one node")
+        outputs = self._forward_tree([int(t) for t in token_ids], list(parents), first=old)
+        return self._output(outputs, num_logits, False)
+
+    def _output(self, outputs: torch.Tensor, num_logits: int | None, output_hidden: bool) -> ForwardOutput:
+        n = outputs.shape[0]
+        keep = n if num_logits is None else num_logits
+        rows = outputs[n - keep:] if keep > 0 else outputs[:0]
+        return ForwardOutput(logits=self._logits(rows), hidden=rows if output_hidden else None)
+
+    def _forward_chain(self, token_ids: list[int]) -> torch.Tensor:
+        # Feed in segments: a token whose input is the prediction of a token in the same call must wait for it.
+        outputs: list[torch.Tensor] = []
+        i = 0
+        while i < len(token_ids):
+            start = self.num_cached
+            inputs: list[torch.Tensor] = []
+            while i + len(inputs) < len(token_ids):
+                entry = start + len(inputs)
+                feature = self._input_feature(entry)
+                if feature is None:
+                    break
+                if self.num_exact == entry and entry - 1 < self.mirror.length:
+                    self.num_exact = entry + 1
+                inputs.append(feature)
+            assert inputs, "a draft head was fed a token whose input feature does not exist"
+            count = len(inputs)
+            outputs.append(self._run(token_ids[i:i + count], inputs, list(range(start, start + count)), None))
+            i += count
+        return torch.cat(outputs)
+
+    def _forward_tree(self, token_ids: list[int], parents: list[int], first: int = 0) -> torch.Tensor:
+        # Level by level: a node's input is its parent's predicted feature, so a level waits for the one above.
+        # ``first`` > 0: nodes before it are the tree already cached (extend_tree), their outputs kept from then.
+        n = len(token_ids)
+        depths = tree_depths(parents)
+        if depths != sorted(depths):
+            raise ValueError("a draft head takes tree nodes level by level (depths must not decrease)")
+        start = self.num_cached - first
+        ancestors = tree_ancestor_mask(parents).to(self.device)  # [n, n]
+        root_input = self._input_feature(start)
+        assert root_input is not None, "a draft head was fed a tree after a token it has not seen"
+        out = torch.empty(n, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        if first:
+            out[:first] = self._fed_out
+        level_start = first
+        while level_start < n:
+            level_end = level_start
+            while level_end < n and depths[level_end] == depths[level_start]:
+                level_end += 1
+            nodes = list(range(level_start, level_end))
+            inputs = [root_input if parents[i] == -1 else out[parents[i]] for i in nodes]
+            # Visible: the whole cache before the tree, and each node's own ancestors among the nodes fed so far.
+            visible = torch.ones(len(nodes), start + level_end, dtype=torch.bool, device=self.device)
+            visible[:, start:] = ancestors[level_start:level_end, :level_end]
+            mask = torch.zeros(1, 1, len(nodes), start + level_end, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            out[level_start:level_end] = self._run([token_ids[i] for i in nodes], inputs,
+                                                   [start + depths[i] for i in nodes], mask)
+            level_start = level_end
+        self._tree_tail = True
+        self._fed_tokens, self._fed_parents, self._fed_out = list(token_ids), list(parents), out
+        return out
+
+    def crop(self, length: int) -> None:
+        """Keep at most the first ``length`` entries, and never an entry fed with a predicted feature."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
+        length = min(length, self.num_exact)
+        if length < self.num_cached:
+            self.cache.crop(length - self.num_cached)
+            self.num_cached = length
+            self.predicted = self.predicted[:length]
+        self._tree_tail = False
+        self._fed_tokens, self._fed_parents = [], []
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep the leading run of ``positions`` that is a prefix of the cache (tree paths are fed again)."""
+        prefix = 0
+        while prefix < len(positions) and positions[prefix] == prefix:
+            prefix += 1
+        self.crop(min(prefix, self.num_cached))

@@ -1,0 +1,949 @@
+// Weight-only quantised linear layers for CPU decoding: y = x W^T with W stored as 4- or 8-bit levels in groups of
+// 32 inputs, one scale (and, for 4 bits, one minimum) per group, and float32 activations. Built at first use by
+// jointspec/kernels/grouped.py (torch.utils.cpp_extension), once per instruction set (simd.h: AVX-512, AVX2 + FMA,
+// portable C++); see that module for why and for the measurements.
+//
+// Each thread takes a range of output rows. For each row it dequantises the row's weights once into a float32
+// buffer that stays in L1 cache, then takes the dot product of that buffer with every input row. So the weights are
+// read from memory once per forward whatever the number of input rows (what verifying several draft tokens needs),
+// and every output is computed by exactly the same operations whatever the number of rows: a row's result does not
+// depend on the batch it came in (what keeps speculative decoding exactly equal to plain decoding). Below them, two
+// kernels built on the same rule: row-by-row attention, and a whole Llama decoder layer on 4-bit weights.
+//
+// Every floating-point operation goes through simd.h, whose backends give the same bits, so the same model decodes
+// the same tokens on every instruction set (tests/test_grouped.py holds the builds against each other).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "simd.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+
+namespace {
+
+using simd::V16;
+constexpr int64_t kGroup = 32;
+
+// 4 bits: byte i of a group holds level i (low nibble) and level i + 16 (high nibble); w = level * scale + minimum.
+// 5 bits (GGUF's Q5_0, Q5_1, Q5_K): the same nibbles, plus bit i of the group's `fifth` word adding 16 to level i.
+inline void group_levels(const uint8_t* bytes, const uint32_t* fifth, int64_t g, V16& low, V16& high) {
+  simd::nibbles(bytes, low, high);
+  if (fifth != nullptr) {
+    low = simd::add(low, simd::sixteens(fifth[g]));
+    high = simd::add(high, simd::sixteens(fifth[g] >> 16));
+  }
+}
+
+inline void dequantise_int4(const uint8_t* row, const uint32_t* fifth, const float* scale, const float* minimum,
+                            int64_t groups, float* w) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
+    V16 low, high;
+    group_levels(row + g * kGroup / 2, fifth, g, low, high);
+    simd::store(w + g * kGroup, simd::fmadd(low, s, lo));
+    simd::store(w + g * kGroup + 16, simd::fmadd(high, s, lo));
+  }
+}
+
+// 8 bits: signed levels in groups of `group` (16 or 32) inputs, w = level * scale. (A group of 32 gives the same bits
+// as two groups of 16 with its scale: the product is per element.)
+inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, int64_t group, float* w) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const V16 s = simd::set1(scale[g]);
+    for (int64_t i = 0; i < group; i += 16)
+      simd::store(w + g * group + i, simd::mul(simd::from_i8(row + g * group + i), s));
+  }
+}
+
+// Dot products of R input rows (x, x + k, ...) with W weight rows (w, w + k, ...): out[r * out_stride + b] gets input
+// row r against weight row b. Each (weight row, input row) pair has 32 partial sums (input i goes to sum i mod 32, in
+// input order), added by the halving tree at the end (lane j + lane j + 16, then + 8, + 4, + 2, + 1). Sums 0-15 and
+// 16-31 never meet until then, so a backend short of registers (simd::kTwoPass: AVX2's sixteen) takes them in two
+// passes over the inputs, one vector of accumulators a pair at a time, which leaves room for more pairs; AVX-512
+// keeps both in one pass, which gives its multiply-adds twice the independent chains. Which pairs share a call, and
+// the passes, change only the loads (each weight vector is loaded once for all R input rows, each input vector once
+// for all W weight rows), never a pair's operations, so every output is the same bits whatever W, R and the
+// backend. k is a multiple of 32.
+template <int W, int R>
+inline void dot_block(const float* x, const float* w, int64_t k, float* out, int64_t out_stride) {
+  V16 sums[W][R][2];
+  if constexpr (simd::kTwoPass) {
+    for (int j = 0; j < 2; ++j) {
+      V16 a[W][R];
+      for (int b = 0; b < W; ++b)
+        for (int r = 0; r < R; ++r) a[b][r] = simd::zero();
+      for (int64_t i = 16 * j; i < k; i += 32) {
+        V16 wv[W];
+        for (int b = 0; b < W; ++b) wv[b] = simd::load(w + b * k + i);
+        for (int r = 0; r < R; ++r) {
+          const V16 xv = simd::load(x + r * k + i);
+          for (int b = 0; b < W; ++b) a[b][r] = simd::fmadd(xv, wv[b], a[b][r]);
+        }
+      }
+      for (int b = 0; b < W; ++b)
+        for (int r = 0; r < R; ++r) sums[b][r][j] = a[b][r];
+    }
+  } else {
+    for (int b = 0; b < W; ++b)
+      for (int r = 0; r < R; ++r) sums[b][r][0] = sums[b][r][1] = simd::zero();
+    for (int64_t i = 0; i < k; i += 32)
+      for (int j = 0; j < 2; ++j) {
+        V16 wv[W];
+        for (int b = 0; b < W; ++b) wv[b] = simd::load(w + b * k + i + 16 * j);
+        for (int r = 0; r < R; ++r) {
+          const V16 xv = simd::load(x + r * k + i + 16 * j);
+          for (int b = 0; b < W; ++b) sums[b][r][j] = simd::fmadd(xv, wv[b], sums[b][r][j]);
+        }
+      }
+  }
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(simd::add(sums[b][r][0], sums[b][r][1]));
+}
+
+// `count` weight rows (w, w + k, ...; count <= simd::kPairs) against R input rows, in the largest tiles that keep
+// the accumulators in registers.
+template <int R>
+inline void dot_rows(const float* x, const float* w, int64_t count, int64_t k, float* out, int64_t out_stride) {
+  constexpr int W = simd::kPairs / R > 0 ? simd::kPairs / R : 1;
+  int64_t b = 0;
+  for (; b + W <= count; b += W) dot_block<W, R>(x, w + b * k, k, out + b, out_stride);
+  for (; b < count; ++b) dot_block<1, R>(x, w + b * k, k, out + b, out_stride);
+}
+
+// One output row's weights, dequantised into a float32 buffer (what multiply() takes).
+struct Int4Rows {
+  const uint8_t* packed;
+  const float* scale;
+  const float* minimum;
+  int64_t groups;
+  const uint32_t* fifth = nullptr;  // 5 bits: [out, groups] words of fifth bits
+  void row(int64_t n, float* w) const {
+    dequantise_int4(packed + n * groups * kGroup / 2, fifth ? fifth + n * groups : nullptr, scale + n * groups,
+                    minimum + n * groups, groups, w);
+  }
+  // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n, by the same operations as row().
+  void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
+    const int64_t g = n * groups + c;
+    const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
+    group_levels(packed + g * kGroup / 2, fifth, g, a, b);
+    a = simd::fmadd(a, s, lo);
+    b = simd::fmadd(b, s, lo);
+  }
+};
+
+struct Int8Rows {
+  const int8_t* levels;
+  const float* scale;
+  int64_t groups, group;
+  void row(int64_t n, float* w) const {
+    dequantise_int8(levels + n * groups * group, scale + n * groups, groups, group, w);
+  }
+  void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
+    const int8_t* p = levels + n * groups * group + 32 * c;
+    const float* s = scale + n * groups + 32 * c / group;
+    a = simd::mul(simd::from_i8(p), simd::set1(s[0]));
+    b = simd::mul(simd::from_i8(p + 16), simd::set1(group == 16 ? s[1] : s[0]));
+  }
+};
+
+// One input row against W weight rows first .. first + W - 1, dequantised in registers 32 inputs at a time (no
+// buffer): the operations of dequantise_* then dot_block<W, 1>, pair by pair, so the same bits. A decoding step
+// (one row) saves the buffer's stores and loads.
+template <int W, typename Rows>
+inline void dot_direct(const float* x, const Rows& weights, int64_t first, int64_t k, float* out) {
+  V16 acc[W][2];
+  for (int b = 0; b < W; ++b) acc[b][0] = acc[b][1] = simd::zero();
+  for (int64_t c = 0; c < k / 32; ++c) {
+    const V16 xa = simd::load(x + 32 * c), xb = simd::load(x + 32 * c + 16);
+    for (int b = 0; b < W; ++b) {
+      V16 wa, wb;
+      weights.chunk(first + b, c, wa, wb);
+      acc[b][0] = simd::fmadd(xa, wa, acc[b][0]);
+      acc[b][1] = simd::fmadd(xb, wb, acc[b][1]);
+    }
+  }
+  for (int b = 0; b < W; ++b) out[b] = simd::reduce_add(simd::add(acc[b][0], acc[b][1]));
+}
+
+// The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
+int64_t int8_group(const torch::Tensor& scale, int64_t in_features, const char* name) {
+  TORCH_CHECK(scale.dim() == 2 && scale.size(1) > 0 && (scale.size(1) * 32 == in_features ||
+              scale.size(1) * 16 == in_features), name, ": an 8-bit layer's scale must be [out, in / 32] or "
+              "[out, in / 16], got ", scale.sizes(), " for ", in_features, " inputs");
+  return in_features / scale.size(1);
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_per_row, const torch::Tensor& scale,
+           int64_t group = kGroup) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix [rows, in]");
+  TORCH_CHECK(x.size(1) % 64 == 0, "in_features must be a multiple of 64, got ", x.size(1));
+  TORCH_CHECK(levels.dim() == 2 && levels.is_contiguous() && levels.size(1) == bytes_per_row,
+              "levels must be a contiguous [out, ", bytes_per_row, "] matrix");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0) &&
+              scale.size(1) == x.size(1) / group, "scale must be a contiguous float32 [out, in / ", group,
+              "] matrix");
+}
+
+// out [rows, out_features] = x [rows, k] times the dequantised weights of `weights` (Int4Rows / Int8Rows).
+template <typename Rows>
+void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
+  // One input row (a decoding step): each weight row dequantised in registers (dot_direct), as there is nothing to
+  // share a buffer with. More rows: each weight row dequantised once into a buffer (L1), then multiplied by every
+  // input row (dequantising into registers again for each input row was slower). Short forwards (verification)
+  // take simd::kPairs weight rows at a time against input rows one or two at a time, so a loaded vector serves
+  // several multiply-adds; a long forward (a prefill), blocks of 8 weight rows dequantised side by side (8 x 576
+  // floats: 18 KB) against input rows several at a time, so each input row is read from L2 once per block rather
+  // than once per weight row. Whatever the path, every output is one pair of dot_block or dot_direct, the same
+  // operations: the path changes no result.
+  const bool short_forward = rows <= 8;
+  const int64_t block = short_forward ? simd::kPairs : 8;
+  constexpr int kLongRows = simd::kPairs;
+  if (rows == 1) {
+    constexpr int W = simd::kPairs / 2;  // two vectors of accumulators a weight row
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+      int64_t n = begin;
+      for (; n + W <= end; n += W) dot_direct<W>(xp, weights, n, k, op + n);
+      for (; n < end; ++n) dot_direct<1>(xp, weights, n, k, op + n);
+    });
+    return;
+  }
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    float* w = static_cast<float*>(std::aligned_alloc(64, block * k * sizeof(float)));
+    for (int64_t first = begin; first < end; first += block) {
+      const int64_t count = std::min(block, end - first);
+      for (int64_t b = 0; b < count; ++b) weights.row(first + b, w + b * k);
+      if (short_forward) {
+        int64_t m = 0;
+        if (rows > 1)
+          for (; m + 2 <= rows; m += 2)
+            dot_rows<2>(xp + m * k, w, count, k, op + m * out_features + first, out_features);
+        if (m < rows) dot_rows<1>(xp + m * k, w, count, k, op + m * out_features + first, out_features);
+        continue;
+      }
+      int64_t m = 0;
+      for (; m + kLongRows <= rows; m += kLongRows)
+        for (int64_t b = 0; b < count; ++b)
+          dot_block<1, kLongRows>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
+      for (; m < rows; ++m)
+        for (int64_t b = 0; b < count; ++b)
+          dot_block<1, 1>(xp + m * k, w + b * k, k, op + m * out_features + first + b, out_features);
+    }
+    std::free(w);
+  });
+}
+
+// The same product through PyTorch's float32 GEMM (MKL) on the whole weight dequantised first: several times faster
+// for a prefill's hundreds of rows, but its rows are not computed alone (the GEMM blocks them), so callers use it only
+// for forwards that decoding never has to reproduce row by row: prompt prefills, which plain and speculative
+// decoding run alike (backends/lean_forward.py).
+template <typename Rows>
+void multiply_gemm(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
+  auto weight = torch::empty({out_features, k}, torch::kFloat);
+  float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) weights.row(n, wp + n * k);
+  });
+  auto x = torch::from_blob(const_cast<float*>(xp), {rows, k}, torch::kFloat);
+  auto out = torch::from_blob(op, {rows, out_features}, torch::kFloat);
+  at::mm_out(out, x, weight.t());
+}
+
+template <typename Rows>
+torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weights, bool gemm) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto out = torch::empty({rows, out_features}, x.options());
+  if (gemm)
+    multiply_gemm(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
+  else
+    multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
+  return out;
+}
+
+// One projection's buffers as raw pointers: 4 bits (packed [out, in / 2] uint8, scale and minimum [out, in / 32]
+// float32) or 8 bits (levels [out, in] int8, scale [out, in / group] float32), and a bias [out] or none.
+struct Weights {
+  int bits;
+  const uint8_t* packed;
+  const int8_t* levels;
+  const float* scale;
+  const float* minimum;
+  int64_t in_features, out_features, group;
+  const float* bias = nullptr;
+  const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
+
+  template <typename Rows>
+  void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights) const {
+    if (gemm)
+      multiply_gemm(x, rows, in_features, out_features, out, weights);
+    else
+      multiply(x, rows, in_features, out_features, out, weights);
+  }
+
+  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
+    if (bits == 4)
+      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup, fifth});
+    else
+      apply_rows(x, rows, out, gemm, Int8Rows{levels, scale, in_features / group, group});
+    if (bias != nullptr)  // as the layer's forward adds it: one rounding per output
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < out_features; ++n) out[r * out_features + n] += bias[n];
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attention, one (query row, head) pair at a time: scores over the keys the row may see, in key order; softmax; the
+// probability-weighted sum of values, in key order. A pair's result depends only on its query and the keys it sees,
+// never on the other rows of the call, so a row verified among draft tokens equals the row decoded alone (what
+// jointspec/kernels/quantize.py's row-wise attention needs), and one call serves every row and head of a layer.
+// One pair: q [dim], keys/values rows at `key` + j * dim for the `count` visible key indices `index` (ascending).
+// Scores sixteen keys at a time (simd::sum_lanes16: every key's score by the same tree, whatever its neighbours),
+// then the softmax, then the weighted sum of values in key order. dim is a multiple of 16, at most 256.
+void attend(const float* q, const float* key, const float* value, const int64_t* index, int64_t count, int64_t dim,
+            float scale, float* scores, float* out) {
+  const int64_t chunks = dim / 16;
+  V16 qv[16];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
+  float high = -INFINITY;
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    V16 acc[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      acc[j] = simd::zero();
+      if (j < n) {
+        const float* k = key + index[i + j] * dim;
+        for (int64_t c = 0; c < chunks; ++c) acc[j] = simd::fmadd(qv[c], simd::load(k + 16 * c), acc[j]);
+      }
+    }
+    simd::store_first(scores + i, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
+    for (int64_t j = 0; j < n; ++j) high = std::max(high, scores[i + j]);
+  }
+  V16 total = simd::zero();
+  const V16 top = simd::set1(high);
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    const V16 e = simd::exp(simd::sub(simd::load_first(scores + i, n), top));
+    simd::store_first(scores + i, e, n);
+    total = simd::add(total, simd::load_first(scores + i, n));  // lanes past the last key add 0
+  }
+  const V16 inverse = simd::set1(1.0f / simd::reduce_add(total));
+  V16 acc[16];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::zero();
+  for (int64_t i = 0; i < count; ++i) {  // each output element a sum over the keys in order
+    const V16 p = simd::set1(scores[i]);
+    const float* v = value + index[i] * dim;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::fmadd(p, simd::load(v + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) simd::store(out + 16 * c, simd::mul(acc[c], inverse));
+}
+
+// Each row's visible key indices, ascending: from a bool [rows, keys] matrix, or (visible empty) row r sees keys
+// 0 .. lengths[r] - 1.
+std::vector<std::vector<int64_t>> visible_keys(const torch::Tensor& visible, const torch::Tensor& lengths,
+                                               int64_t rows, int64_t num_keys) {
+  std::vector<std::vector<int64_t>> index(rows);
+  if (visible.numel() > 0) {
+    TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() && visible.size(0) == rows &&
+                visible.size(1) == num_keys, "visible must be a contiguous bool [rows, keys] matrix");
+  } else {
+    TORCH_CHECK(lengths.scalar_type() == torch::kLong && lengths.is_contiguous() && lengths.numel() == rows,
+                "lengths must be a contiguous int64 [rows] vector");
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (visible.numel() > 0) {
+      const bool* v = visible.data_ptr<bool>() + r * num_keys;
+      for (int64_t j = 0; j < num_keys; ++j) if (v[j]) index[r].push_back(j);
+    } else {
+      const int64_t length = lengths.data_ptr<int64_t>()[r];
+      TORCH_CHECK(length > 0 && length <= num_keys, "row ", r, " sees ", length, " of ", num_keys, " keys");
+      index[r].resize(length);
+      for (int64_t j = 0; j < length; ++j) index[r][j] = j;
+    }
+    TORCH_CHECK(!index[r].empty(), "row ", r, " sees no key");
+  }
+  return index;
+}
+
+// Every (row, head) pair through attend(); out [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
+void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const float* kp, int64_t k_head_stride,
+                const float* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
+                int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op) {
+  const int64_t rows = static_cast<int64_t>(index.size()), group = heads / kv_heads;
+  int64_t most = 0;
+  for (const auto& keys : index) most = std::max(most, static_cast<int64_t>(keys.size()));
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(most + 16);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t r = pair / heads, h = pair % heads, g = h / group;
+      attend(qp + h * q_head_stride + r * q_row_stride, kp + g * k_head_stride, vp + g * v_head_stride,
+             index[r].data(), static_cast<int64_t>(index[r].size()), dim, scale, scores.data(),
+             op + (r * heads + h) * dim);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// A whole Llama decoder layer on 4- or 8-bit weights, for the lean forward (jointspec/backends/lean_forward.py): the norms,
+// the q/k/v projections, rotary embedding, writing the new keys and values into the cache, attention, the output
+// projection, the gated MLP and both residual adds, in one call instead of about fifty PyTorch operations. Every step
+// treats each row alone (norms, rotary, activation per row; projections and attention as above), so this layer
+// keeps the row independence speculative decoding needs.
+// LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n is a multiple of 16.
+void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  V16 acc = simd::zero();
+  for (int64_t i = 0; i < n; i += 16) {
+    const V16 v = simd::load(x + i);
+    acc = simd::fmadd(v, v, acc);
+  }
+  const float inverse = 1.0f / std::sqrt(simd::reduce_add(acc) / float(n) + eps);
+  const V16 scale = simd::set1(inverse);
+  for (int64_t i = 0; i < n; i += 16)
+    simd::store(out + i, simd::mul(simd::load(weight + i), simd::mul(simd::load(x + i), scale)));
+}
+
+// silu(gate) * up = gate * up / (1 + e^-gate). n is a multiple of 16.
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  const V16 one = simd::set1(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const V16 g = simd::load(gate + i);
+    const V16 denominator = simd::add(one, simd::exp(simd::sub(simd::zero(), g)));
+    simd::store(out + i, simd::div(simd::mul(g, simd::load(up + i)), denominator));
+  }
+}
+
+void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) simd::store(x + i, simd::add(simd::load(x + i), simd::load(y + i)));
+}
+
+// transformers' apply_rotary_pos_emb for one head vector: x * cos + rotate_half(x) * sin, rotate_half(x) being
+// [-x2, x1] for the halves x1, x2.
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+  for (int64_t i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+// Several projections of one input whose outputs sit side by side (q | k | v, gate | up): one fused projection (a
+// single part, its layers' buffers stacked: kernels/grouped.py, stack_storage), or one part per layer where their
+// formats differ (a GGUF file may store v in another block type than q and k).
+struct Parts {
+  std::vector<Weights> parts;
+  int64_t out_features = 0;
+
+  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
+    if (parts.size() == 1) return parts[0].apply(x, rows, out, gemm);
+    std::vector<float> part_out;
+    int64_t column = 0;
+    for (const Weights& w : parts) {
+      part_out.resize(rows * w.out_features);
+      w.apply(x, rows, part_out.data(), gemm);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(part_out.data() + r * w.out_features, w.out_features, out + r * out_features + column);
+      column += w.out_features;
+    }
+  }
+};
+
+Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
+Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
+
+Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_features, const char* name) {
+  TORCH_CHECK(!parts.empty(), name, ": no projection given");
+  Parts out;
+  for (const auto& part : parts) {
+    out.parts.push_back(weights_of(part, in_features, name));
+    out.out_features += out.parts.back().out_features;
+  }
+  return out;
+}
+
+// A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (packed, fifth, scale, minimum[,
+// bias]): 5 bits (int32 fifth-bit words); as (levels, scale[, bias]): 8 bits.
+Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
+  TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
+  TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits, "
+              "(packed, fifth, scale, minimum[, bias]) for 5 or (levels, scale[, bias]) for 8, got ", given.size(),
+              " tensors");
+  const bool nibbles = given[0].scalar_type() == torch::kUInt8;
+  const bool five = nibbles && given[1].scalar_type() == torch::kInt;
+  const size_t count = five ? 4 : nibbles ? 3 : 2;
+  TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
+              five ? 5 : nibbles ? 4 : 8, " bits, got ", given.size());
+  std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
+  torch::Tensor fifth;
+  if (five) {
+    fifth = tensors[1];
+    tensors.erase(tensors.begin() + 1);
+  }
+  Weights weights = weights_without_bias(tensors, in_features, name);
+  if (five) {
+    TORCH_CHECK(fifth.dim() == 2 && fifth.is_contiguous() && fifth.size(0) == weights.out_features &&
+                fifth.size(1) == in_features / kGroup, name, ": fifth bits must be contiguous int32 [out, in / 32]");
+    weights.fifth = reinterpret_cast<const uint32_t*>(fifth.data_ptr<int32_t>());
+  }
+  if (given.size() > count) {
+    const torch::Tensor& bias = given[count];
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == weights.out_features,
+                name, ": a bias must be float32 [", weights.out_features, "]");
+    weights.bias = bias.data_ptr<float>();
+  }
+  return weights;
+}
+
+Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
+  const torch::Tensor& scale = tensors[1];
+  if (tensors.size() == 3) {
+    const torch::Tensor &packed = tensors[0], &minimum = tensors[2];
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
+                packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
+                in_features / 2, "] matrix");
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == packed.size(0) &&
+                scale.size(1) == in_features / kGroup && minimum.sizes() == scale.sizes() &&
+                minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(), name,
+                ": scale and minimum must be contiguous float32 [out, in / 32] matrices");
+    return {4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr<float>(), minimum.data_ptr<float>(), in_features,
+            packed.size(0), kGroup};
+  }
+  const torch::Tensor& levels = tensors[0];
+  TORCH_CHECK(levels.scalar_type() == torch::kInt8 && levels.dim() == 2 && levels.is_contiguous() &&
+              levels.size(1) == in_features, name, ": levels must be a contiguous int8 [out, ", in_features,
+              "] matrix");
+  const int64_t group = int8_group(scale, in_features, name);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0), name,
+              ": scale must be a contiguous float32 [out, in / ", group, "] matrix");
+  return {8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, levels.size(0),
+          group};
+}
+
+
+std::string isa() { return JOINTSPEC_ISA_NAME; }
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix [rows, in]");
+}
+
+torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor fifth, torch::Tensor scale,
+                          torch::Tensor minimum, bool gemm) {
+  check_x(x);
+  const Weights w = weights_of({packed, fifth, scale, minimum}, x.size(1), "int5_linear");
+  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, w.fifth}, gemm);
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
+                          bool gemm) {
+  check(x, packed, x.size(1) / 2, scale);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed levels must be uint8");
+  TORCH_CHECK(minimum.sizes() == scale.sizes() && minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(),
+              "minimum must be shaped and typed like scale");
+  return run(x, packed.size(0), Int4Rows{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(),
+                                         scale.size(1)}, gemm);
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm) {
+  check_x(x);
+  const int64_t group = int8_group(scale, x.size(1), "int8_linear");
+  check(x, levels, x.size(1), scale, group);
+  TORCH_CHECK(levels.scalar_type() == torch::kInt8, "levels must be int8");
+  return run(x, levels.size(0), Int8Rows{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.size(1), group},
+             gemm);
+}
+
+
+// query [heads, rows, dim] (any strides, unit stride in dim); key / value [kv_heads, keys, dim] (rows of dim
+// contiguous, any head stride); visible: bool [rows, keys], or an empty tensor with `lengths` [rows]: row r sees keys
+// 0 .. lengths[r] - 1. Returns [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
+torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
+                        torch::Tensor lengths, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be 3-D");
+  for (const auto* t : {&query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(2) == 1,
+                "query, key and value must be float32 CPU tensors with a unit stride in the last dimension");
+  }
+  const int64_t heads = query.size(0), rows = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key.size(0), num_keys = key.size(1);
+  TORCH_CHECK(dim % 16 == 0 && dim <= 256, "head_dim must be a multiple of 16, at most 256, got ", dim);
+  TORCH_CHECK(key.size(2) == dim && value.sizes() == key.sizes() && key.stride(1) == dim && value.stride(1) == dim,
+              "key and value must be [kv_heads, keys, dim] with contiguous rows");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const auto index = visible_keys(visible, lengths, rows, num_keys);
+  auto out = torch::empty({rows, heads, dim}, query.options());
+  attend_all(query.data_ptr<float>(), query.stride(0), query.stride(1), key.data_ptr<float>(), key.stride(0),
+             value.data_ptr<float>(), value.stride(0), index, heads, kv_heads, dim, static_cast<float>(scale),
+             out.data_ptr<float>());
+  return out;
+}
+
+// hidden [rows, width] -> the layer's output [rows, width]. Each projection as weights_of() reads it: (packed,
+// scale, minimum) for 4 bits, (levels, scale) for 8; qkv gives q, k and v as parts (parts_of: fused, or one each;
+// q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
+// cos / sin [rows, dim] come from the model's rotary embedding. The new keys and values go to rows start ..
+// start + rows - 1 of key_cache / value_cache ([kv_heads, capacity, dim], contiguous rows); each row then attends
+// to the keys `visible` / `lengths` give it (as attention() above), scaled by `scale`. `gemm`: the projections
+// through multiply_gemm (a prefill; its rows are then not computed alone), else row by row.
+torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+                            std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
+                            std::vector<std::vector<torch::Tensor>> gate_up, std::vector<torch::Tensor> down,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
+                            int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
+                            double scale, bool gemm) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
+              hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
+              "width must be a multiple of 64, head_dim of 16 (at most 256), heads of kv_heads");
+  for (const auto* t : {&input_norm, &post_norm}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == width,
+                "norm weights must be float32 [width]");
+  }
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
+                t->size(1) == dim, "cos and sin must be contiguous float32 [rows, head_dim]");
+  }
+  for (const auto* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim &&
+                t->stride(2) == 1 && t->stride(1) == dim, "caches must be float32 [kv_heads, capacity, dim] with "
+                "contiguous rows");
+  }
+  TORCH_CHECK(start >= 0 && start + rows <= key_cache.size(1) && value_cache.size(1) >= start + rows,
+              "the caches have no room for ", rows, " entries after ", start);
+  const Parts w_qkv = parts_of(qkv, width, "qkv");
+  const Weights w_o = weights_of(o_proj, q_size, "o_proj");
+  const Parts w_gu = parts_of(gate_up, width, "gate_up");
+  const int64_t intermediate = w_gu.out_features / 2;
+  const Weights w_down = weights_of(down, intermediate, "down");
+  TORCH_CHECK(w_qkv.out_features == q_size + 2 * kv_size && w_o.out_features == width &&
+              w_gu.out_features == 2 * intermediate && intermediate % 64 == 0 && w_down.out_features == width,
+              "projection shapes do not fit the layer");
+  const auto index = visible_keys(visible, lengths, rows, start + rows);
+  const float epsilon = static_cast<float>(eps);
+  const float* h = hidden.data_ptr<float>();
+  auto out = hidden.clone();
+  float* o = out.data_ptr<float>();
+  std::vector<float> normed(rows * width), projected(rows * (q_size + 2 * kv_size)), rotated(rows * q_size);
+  std::vector<float> attended(rows * q_size), mixed(rows * width), gated(rows * 2 * intermediate);
+  std::vector<float> activated(rows * intermediate);
+  // Attention block.
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm(h + r * width, input_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
+  w_qkv.apply(normed.data(), rows, projected.data(), gemm);
+  float* key_base = key_cache.data_ptr<float>();
+  float* value_base = value_cache.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = projected.data() + r * (q_size + 2 * kv_size);
+    const float* c = cos.data_ptr<float>() + r * dim;
+    const float* sn = sin.data_ptr<float>() + r * dim;
+    for (int64_t head = 0; head < heads; ++head) rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      rotate(row + q_size + g * dim, c, sn, dim, key_base + g * key_cache.stride(0) + (start + r) * dim);
+      std::copy_n(row + q_size + kv_size + g * dim, dim, value_base + g * value_cache.stride(0) + (start + r) * dim);
+    }
+  }
+  attend_all(rotated.data(), dim, q_size, key_base, key_cache.stride(0), value_base, value_cache.stride(0), index,
+             heads, kv_heads, dim, static_cast<float>(scale), attended.data());
+  w_o.apply(attended.data(), rows, mixed.data(), gemm);
+  add_into(o, mixed.data(), rows * width);
+  // MLP block.
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm(o + r * width, post_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
+  w_gu.apply(normed.data(), rows, gated.data(), gemm);
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul(gated.data() + r * 2 * intermediate, gated.data() + r * 2 * intermediate + intermediate, intermediate,
+             activated.data() + r * intermediate);
+  w_down.apply(activated.data(), rows, mixed.data(), gemm);
+  add_into(o, mixed.data(), rows * width);
+  return out;
+}
+
+// The decoder layers of one model, registered once, run in one call: a forward then crosses from Python to C++
+// once instead of once per layer, and converts no weight tensor (about 0.5 ms a step on SmolLM2's 30 layers). Each
+// layer runs decoder_layer() above, so the results are the same bits as calling it layer by layer.
+class CompiledLayers {
+ public:
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+                 std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
+                 std::vector<std::vector<torch::Tensor>> gate_up,
+                 std::vector<torch::Tensor> down, int64_t heads, double scale) {
+    layers_.push_back({input_norm, post_norm, eps, qkv, o_proj, gate_up, down, heads, scale});
+  }
+
+  // Each layer's key and value buffers ([kv_heads, capacity, dim]); set again whenever a buffer is replaced.
+  void set_caches(std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values) {
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "one key and one value buffer "
+                "per layer: ", layers_.size(), " layers, ", keys.size(), " key and ", values.size(), " value buffers");
+    keys_ = std::move(keys);
+    values_ = std::move(values);
+  }
+
+  // hidden [rows, width] through every layer (new entries written at start .. start + rows - 1 of the buffers);
+  // returns the last layer's output, then the outputs of the layers (1-based) in `keep`, in that order.
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, int64_t start, torch::Tensor visible, torch::Tensor lengths,
+                                     torch::Tensor cos, torch::Tensor sin, bool gemm, std::vector<int64_t> keep) {
+    TORCH_CHECK(keys_.size() == layers_.size(), "set_caches before forward");
+    std::vector<torch::Tensor> kept(keep.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      hidden = decoder_layer(hidden, l.input_norm, l.post_norm, l.eps, l.qkv, l.o_proj, l.gate_up, l.down, cos, sin,
+                             keys_[i], values_[i], start, visible, lengths, l.heads, l.scale, gemm);
+      for (size_t j = 0; j < keep.size(); ++j)
+        if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
+    }
+    std::vector<torch::Tensor> out{hidden};
+    out.insert(out.end(), kept.begin(), kept.end());
+    return out;
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, post_norm;
+    double eps;
+    std::vector<std::vector<torch::Tensor>> qkv;
+    std::vector<torch::Tensor> o_proj;
+    std::vector<std::vector<torch::Tensor>> gate_up;
+    std::vector<torch::Tensor> down;
+    int64_t heads;
+    double scale;
+  };
+  std::vector<Layer> layers_;
+  std::vector<torch::Tensor> keys_, values_;
+};
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// The screened output head: a cheap 4-bit pass ranks the vocabulary, the exact 8-bit head scores the few tokens near
+// the top. The 8-bit head (49152 x 576 in SmolLM2, 32 MB with its scales) is read from memory on every decode step,
+// evicted by the layers' weights, and costs about a quarter of an int4 step; the 4-bit copy is half the bytes and
+// its products are integer (activations rounded to 8 bits, one dot-product instruction per 4 inputs).
+//
+// screen4: [V, in / 2] uint8. Inputs come in chunks of 64; byte b (0..31) of chunk c holds input c * 64 + b in its
+// low nibble and c * 64 + 32 + b in its high one, each as level + 8 (0..15) of a symmetric 4-bit code with one scale
+// per vocabulary row (screen_scale [V]). The input x is first multiplied by column [in] (the weight's columns were
+// divided by it before rounding: equalised columns round with less error), then rounded to signed 8 bits with one
+// scale per input row. The score of row j is screen_scale[j] * x_scale * (sum of level * x8), summed in int32:
+// exact, so scores do not depend on which rows or threads shared a call.
+//
+// Then, per input row: every vocabulary row whose score is within `margin` of the row's best score (at most
+// `max_exact` of them: the highest scores) is computed exactly as int8_linear computes it row by row
+// (dequantise_int8, dot_block<1, 1>: the same bits), and its logit replaces the score (a negative margin: the scores
+// alone). The result is a deterministic function of the input row
+// alone: plain and speculative decoding see the same logits for the same row. Where the exact head's argmax was
+// screened out (its score more than `margin` under the best), the argmax differs from the exact head's; the
+// SCREEN_MARGIN note in kernels/grouped.py says how often that was measured to happen.
+
+// Sum over k inputs of level (0..15) times x8 (signed), for R input rows. Integer sums have no order, so every
+// variant below gives the same numbers: x86 builds take 64 inputs a step (VNNI's dot-product instruction where the
+// CPU has it, chosen at run time, else two steps whose 16-bit sums cannot saturate), the portable build one at a
+// time.
+
+// dots[(j - begin) * rows + r]: vocabulary rows begin .. end - 1 against every input row, up to 4 input rows per
+// pass over a weight row (DOTS<R>: one of the screen_dots variants below).
+#define JOINTSPEC_SCREEN_RANGE(DOTS)                                                              \
+  for (int64_t j = begin; j < end; ++j) {                                                        \
+    const uint8_t* w = wp + j * (k / 2);                                                         \
+    int32_t* out = dots + (j - begin) * rows;                                                    \
+    for (int64_t r = 0; r < rows; r += 4) {                                                      \
+      const int8_t* x = x8 + r * k;                                                              \
+      switch (std::min<int64_t>(4, rows - r)) {                                                  \
+        case 4: DOTS<4>(w, x, k, out + r); break;                                                \
+        case 3: DOTS<3>(w, x, k, out + r); break;                                                \
+        case 2: DOTS<2>(w, x, k, out + r); break;                                                \
+        default: DOTS<1>(w, x, k, out + r); break;                                               \
+      }                                                                                          \
+    }                                                                                            \
+  }
+
+#if defined(JOINTSPEC_ISA_AVX512) || defined(JOINTSPEC_ISA_AVX2)
+// x86: 64 inputs a step; DOT_ADD(acc, levels, x8) adds the sums of four adjacent byte products to each 32-bit lane.
+#define JOINTSPEC_SCREEN_DOTS(NAME, DOT_ADD)                                                                   \
+  template <int R>                                                                                            \
+  inline void NAME(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {                              \
+    __m256i acc[R];                                                                                           \
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();                                              \
+    const __m256i nibble = _mm256_set1_epi8(0x0F);                                                            \
+    for (int64_t c = 0; c < k; c += 64) {                                                                     \
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));                 \
+      const __m256i low = _mm256_and_si256(bytes, nibble);                                                    \
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);                             \
+      for (int r = 0; r < R; ++r) {                                                                           \
+        acc[r] = DOT_ADD(acc[r], low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c)));   \
+        acc[r] = DOT_ADD(acc[r], high,                                                                        \
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32)));          \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1)); \
+      const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));                             \
+      out[r] = _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));                   \
+    }                                                                                                         \
+  }
+
+// Two steps, u8 x s8 -> pairs summed to s16 -> quadruples to s32 (15 * 127 * 2 < 2^15: no saturation).
+inline __m256i dot_add_maddubs(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+JOINTSPEC_SCREEN_DOTS(screen_dots_plain, dot_add_maddubs)
+
+void screen_range_plain(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                        int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots_plain)
+}
+
+// VNNI's one instruction for the same sums, in a region compiled for it: every function there (the dot product, the
+// loop, the range) carries the target, so they inline into each other. Run only where the CPU has it.
+#pragma GCC push_options
+#if defined(JOINTSPEC_ISA_AVX512)
+#pragma GCC target("avx512vnni")
+#define JOINTSPEC_VNNI_CPU "avx512vnni"
+inline __m256i dot_add_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#pragma GCC target("avxvnni")
+#define JOINTSPEC_VNNI_CPU "avxvnni"
+inline __m256i dot_add_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+JOINTSPEC_SCREEN_DOTS(screen_dots_vnni, dot_add_vnni)
+
+void screen_range_vnni(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                       int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots_vnni)
+}
+#pragma GCC pop_options
+
+// Whether the screen takes VNNI's instruction: where the CPU has it, unless use_vnni(false) said otherwise (tests
+// hold both variants against the portable build).
+bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports(JOINTSPEC_VNNI_CPU));
+
+bool use_vnni(bool on) {
+  g_vnni = on && __builtin_cpu_supports(JOINTSPEC_VNNI_CPU);
+  return g_vnni;
+}
+
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots) {
+  if (g_vnni) screen_range_vnni(wp, x8, rows, k, begin, end, dots);
+  else screen_range_plain(wp, x8, rows, k, begin, end, dots);
+}
+#else
+// Portable: one input at a time (integer sums: the same numbers).
+template <int R>
+inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
+  for (int r = 0; r < R; ++r) {
+    int32_t sum = 0;
+    for (int64_t c = 0; c < k; c += 64)
+      for (int64_t b = 0; b < 32; ++b) {
+        sum += int32_t(w[c / 2 + b] & 15) * x8[r * k + c + b] + int32_t(w[c / 2 + b] >> 4) * x8[r * k + c + 32 + b];
+      }
+    out[r] = sum;
+  }
+}
+
+bool use_vnni(bool) { return false; }
+
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots)
+}
+#endif
+
+torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
+                            torch::Tensor levels, torch::Tensor scale, double margin, int64_t max_exact) {
+  check_x(x);
+  const int64_t group = int8_group(scale, x.size(1), "screened_head");
+  check(x, levels, x.size(1), scale, group);
+  const int64_t rows = x.size(0), k = x.size(1), vocab = levels.size(0);
+  TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
+              screen4.size(0) == vocab && screen4.size(1) == k / 2, "screen4 must be contiguous uint8 [V, in / 2]");
+  TORCH_CHECK(screen_scale.scalar_type() == torch::kFloat && screen_scale.is_contiguous() &&
+              screen_scale.numel() == vocab, "screen_scale must be float32 [V]");
+  TORCH_CHECK(column.scalar_type() == torch::kFloat && column.is_contiguous() && column.numel() == k,
+              "column must be float32 [in]");
+  TORCH_CHECK(std::isfinite(margin), "margin must be finite (below 0: the scores alone, none exact)");
+  TORCH_CHECK(max_exact >= 1, "max_exact must be >= 1");
+  const float* xp = x.data_ptr<float>();
+  const float* cp = column.data_ptr<float>();
+  // Each input row equalised and rounded to 8 bits alone (its own scale): rows stay independent.
+  std::vector<int8_t> x8(rows * k);
+  std::vector<float> x_scale(rows);
+  std::vector<int32_t> x_sum(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = 0.f;
+    for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(xp[r * k + i] * cp[i]));
+    const float s = top > 0.f ? top / 127.f : 1.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const float q = std::nearbyint(xp[r * k + i] * cp[i] / s);
+      // A non-finite input (a broken model) scores as 0 rather than being cast: its exact logits say the rest.
+      x8[r * k + i] = std::isfinite(q) ? static_cast<int8_t>(std::clamp(q, -127.f, 127.f)) : 0;
+      sum += x8[r * k + i];
+    }
+    x_scale[r] = s;
+    x_sum[r] = sum;
+  }
+  auto out = torch::empty({rows, vocab}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = screen4.data_ptr<uint8_t>();
+  const float* sp = screen_scale.data_ptr<float>();
+  at::parallel_for(0, vocab, 256, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> dots((end - begin) * rows);
+    screen_range(wp, x8.data(), rows, k, begin, end, dots.data());
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < rows; ++r)
+        op[r * vocab + j] = sp[j] * x_scale[r] * float(dots[(j - begin) * rows + r] - 8 * x_sum[r]);
+  });
+  // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
+  // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
+  const Int8Rows exact{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), k / group, group};
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (input row, vocabulary row)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = op + r * vocab;
+    const float best = *std::max_element(row, row + vocab);
+    const float bar = best - static_cast<float>(margin);
+    std::vector<int64_t> near;
+    for (int64_t j = 0; j < vocab; ++j)
+      if (row[j] >= bar) near.push_back(j);
+    if (static_cast<int64_t>(near.size()) > max_exact) {
+      const auto higher = [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+      std::nth_element(near.begin(), near.begin() + max_exact, near.end(), higher);
+      near.resize(max_exact);
+    }
+    for (const int64_t j : near) pairs.emplace_back(r, j);
+  }
+  // Each pair alone (its own buffer, the same operations): splitting them between threads changes no bits.
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 32, [&](int64_t begin, int64_t end) {
+    float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, j] = pairs[i];
+      exact.row(j, w);
+      dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
+    }
+    std::free(w);
+  });
+  return out;
+}
+
+}  // namespace: internal linkage, so the builds for several instruction sets load side by side
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
+  m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
+  m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false);
+  m.def("int5_linear", &int5_linear, "x [rows, in] @ dequantised 5-bit W [out, in]^T (4-bit nibbles plus a fifth bit)",
+        py::arg("x"), py::arg("packed"), py::arg("fifth"), py::arg("scale"), py::arg("minimum"),
+        py::arg("gemm") = false);
+  m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
+  py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
+      .def(py::init<>())
+      .def("add_layer", &CompiledLayers::add_layer)
+      .def("set_caches", &CompiledLayers::set_caches)
+      .def("forward", &CompiledLayers::forward);
+  m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
+        py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false);
+  m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
+        py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("levels"),
+        py::arg("scale"), py::arg("margin"), py::arg("max_exact"));
+}

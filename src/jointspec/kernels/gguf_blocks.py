@@ -1,0 +1,240 @@
+"""A GGUF file's quantised blocks, taken as they are onto jointspec's grouped CPU kernels.
+
+transformers loads a GGUF by dequantising every tensor to float. Quantising that float model again
+(``--quantize int4``) would round it a second time, except where the blocks happen to be recoverable from the floats
+(Q4_1 with a Q8_0 head: :func:`jointspec.backends.loading.on_int4_grid`). This module reads the blocks themselves and
+gives each projection its levels and scales in a kernel layer's own format:
+
+    GGUF type   kernel layer (kernels/grouped.py)    levels              scale per group      minimum
+    Q4_0        4-bit, groups of 32                 q (0..15)           d                    -8 d
+    Q4_1        4-bit, groups of 32                 q                   d                    m
+    Q4_K        4-bit, groups of 32                 q                   d * sc (sub-block)   -(dmin * m)
+    Q5_0        5-bit, groups of 32                 q (0..31)           d                    -16 d
+    Q5_1        5-bit, groups of 32                 q                   d                    m
+    Q5_K        5-bit, groups of 32                 q                   d * sc (sub-block)   -(dmin * m)
+    Q8_0        8-bit, groups of 32                 q                   d
+    Q6_K        8-bit, groups of 16                 q - 32              d * sc (sub-block)
+
+Every product there is exact in float32 (a half-precision scale times integers of at most 13 bits together), and the
+kernel forms each weight as level * scale (+ minimum) with one rounding, as llama.cpp's ``dequantize_row_*`` does, so a
+layer's weight is bit for bit the file's dequantised weight (tests hold it against ``gguf.quants.dequantize``). The
+model the kernels run is then the file's model, computed with float32 activations.
+
+Other types (Q2_K, Q3_K, the IQ types, F16) are not taken: :func:`file_layers` names them and their
+tensors, and the caller rounds those layers itself (:func:`jointspec.kernels.quantize.quantize_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
+# GGUF tensor names of a Llama-family layer's projections, by the Hugging Face module that holds them.
+PROJECTIONS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+@dataclass
+class Levels:
+    """One tensor's weights as a kernel layer holds them (the same storage, so a model's layers cost no second
+    copy): W = levels * scale (+ minimum), [out, in]."""
+
+    bits: int  # 4, 5 or 8
+    levels: torch.Tensor  # 4 and 5 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of level i
+    #                       | those of level i + 16 << 4; 8 bits: int8 [out, in]
+    scale: torch.Tensor  # [out, in / group] float32
+    minimum: torch.Tensor | None  # [out, in / 32] float32 (4 and 5 bits), None (8 bits)
+    fifth: torch.Tensor | None = None  # 5 bits: int32 [out, in / 32], bit i = the fifth bit of the group's level i
+
+    def layer(self, bias: torch.Tensor | None = None) -> nn.Module:
+        """The grouped kernel layer holding these levels (their storage, not a copy), with ``bias``."""
+        from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear
+
+        if self.bits == 4:
+            return GroupedInt4Linear.from_levels(self.levels, self.scale, self.minimum, bias)
+        if self.bits == 5:
+            return GroupedInt5Linear.from_levels(self.levels, self.fifth, self.scale, self.minimum, bias)
+        return GroupedInt8Linear.from_levels(self.levels, self.scale, bias)
+
+    def weight(self) -> torch.Tensor:
+        """The float32 weight these levels stand for (what the kernels multiply by)."""
+        return self.layer().dequantized()
+
+    def rows(self, order: torch.Tensor) -> "Levels":
+        return Levels(self.bits, self.levels[order], self.scale[order],
+                      None if self.minimum is None else self.minimum[order],
+                      None if self.fifth is None else self.fifth[order])
+
+
+def _half(raw: np.ndarray, offset: int) -> np.ndarray:
+    """The little-endian float16 at ``offset`` of every block, as float32: [rows, blocks]."""
+    return raw[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 levels: byte j holds element j (low nibble) and element j + 16 (high nibble)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _pack(levels: np.ndarray) -> np.ndarray:
+    """[..., 32] levels (their low four bits) -> [..., 16] bytes in the kernel's (and Q4_0's) order."""
+    return (levels[..., :16] & 15) | ((levels[..., 16:] & 15) << 4)
+
+
+def _fifth_words(levels: np.ndarray) -> np.ndarray:
+    """[..., 32] levels (0..31) -> [...] int32 words, bit i = level i's fifth bit."""
+    bits = (levels.astype(np.uint32) >> 4) & 1
+    return (bits << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32).view(np.int32)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's twelve bytes -> eight 6-bit scales and eight 6-bit minima (llama.cpp's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    m = np.empty_like(sc)
+    sc[..., :4], m[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, m
+
+
+def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
+    """A tensor's raw blocks ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them) as :class:`Levels`."""
+    rows = raw.shape[0]
+    if type_name not in SUPPORTED_TYPES:
+        raise ValueError(f"GGUF type {type_name} is not one jointspec's kernels take; they take: "
+                         f"{', '.join(SUPPORTED_TYPES)}")
+    size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q8_0": 34,
+            "Q6_K": 210}[type_name]
+    per_block = 256 if type_name.endswith("_K") else 32
+    if columns % per_block or raw.shape[1] != columns // per_block * size:
+        raise ValueError(f"a {type_name} row of {columns} weights takes {columns // per_block * size} bytes, "
+                         f"got {raw.shape[1]}")
+    blocks = np.ascontiguousarray(raw).reshape(rows, columns // per_block, size)
+    as_tensor = torch.from_numpy
+    if type_name in ("Q4_0", "Q4_1"):
+        d = _half(blocks, 0)
+        minimum = -8 * d if type_name == "Q4_0" else _half(blocks, 2)
+        packed = np.ascontiguousarray(blocks[..., 2 if type_name == "Q4_0" else 4:])  # already the kernel's order
+        return Levels(4, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum))
+    if type_name == "Q4_K":
+        d, dmin = _half(blocks, 0), _half(blocks, 2)
+        sc, m = _k_scales(blocks[..., 4:16])
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # four chunks of 64 elements, 32 bytes each
+        levels = np.stack([qs & 15, qs >> 4], axis=3)  # chunk c: low nibbles sub-block 2c, high ones 2c + 1
+        scale = d[..., None] * sc.astype(np.float32)
+        minimum = -(dmin[..., None] * m.astype(np.float32))
+        return Levels(4, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
+                      as_tensor(minimum.reshape(rows, -1)))
+    if type_name in ("Q5_0", "Q5_1"):  # the nibbles in Q4_0's order, and bit i of a 32-bit word: element i's fifth bit
+        d = _half(blocks, 0)
+        minimum = -16 * d if type_name == "Q5_0" else _half(blocks, 2)
+        start = 2 if type_name == "Q5_0" else 4
+        fifth = blocks[..., start:start + 4].copy().view("<i4")[..., 0]
+        packed = np.ascontiguousarray(blocks[..., start + 4:])
+        return Levels(5, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum),
+                      as_tensor(fifth.astype(np.int32)))
+    if type_name == "Q5_K":  # Q4_K's layout, plus qh[32]: element 64c + l takes bit 2c of qh[l], 64c + 32 + l bit 2c + 1
+        d, dmin = _half(blocks, 0), _half(blocks, 2)
+        sc, m = _k_scales(blocks[..., 4:16])
+        qh = blocks[..., 16:48]  # [rows, blocks, 32]
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 32)
+        shifts = np.arange(8, dtype=np.uint8).reshape(4, 2)  # chunk c: bits 2c (low nibbles) and 2c + 1 (high)
+        high = (qh[:, :, None, None, :] >> shifts[None, None, :, :, None]) & 1  # [rows, blocks, 4, 2, 32]
+        levels = np.stack([qs & 15, qs >> 4], axis=3) | (high << 4)
+        scale = d[..., None] * sc.astype(np.float32)
+        minimum = -(dmin[..., None] * m.astype(np.float32))
+        return Levels(5, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
+                      as_tensor(minimum.reshape(rows, -1)), as_tensor(_fifth_words(levels).reshape(rows, -1)))
+    if type_name == "Q8_0":
+        d = _half(blocks, 0)
+        levels = blocks[..., 2:].copy().view(np.int8)
+        return Levels(8, as_tensor(levels.reshape(rows, columns)), as_tensor(d), None)
+    # Q6_K: two halves of 128 elements; for l < 32 the four elements l, l + 32, l + 64, l + 96 of a half take the
+    # low or high nibble of ql[l] / ql[l + 32] and two bits of qh[l]; sixteen signed scales, one per 16 elements.
+    ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [half, l or l + 32, l]
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 32)
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = _half(blocks, 208)
+    low = np.concatenate([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-1)
+    shifts = np.repeat(np.array([0, 2, 4, 6], dtype=np.uint8), 32)
+    top = (np.tile(qh, (1, 1, 1, 4)) >> shifts) & 3
+    levels = (low | (top << 4)).astype(np.int16) - 32
+    scale = d[..., None] * scales
+    return Levels(8, as_tensor(levels.astype(np.int8).reshape(rows, columns)), as_tensor(scale.reshape(rows, -1)),
+                  None)
+
+
+def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
+    """The order llama.cpp's converter gives a Llama q or k projection's rows (rotary halves interleaved):
+    GGUF row i is Hugging Face row ``order[i]``."""
+    return torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+
+
+@dataclass
+class FileLayers:
+    """The layers :func:`file_layers` could take from the file, by module name, and what it left to rounding."""
+
+    layers: dict[str, Levels]
+    left: list[str]  # "module (reason)"
+
+
+def file_layers(model: nn.Module, path: str | Path) -> FileLayers:
+    """The exact :class:`Levels` of ``model``'s projections and output head, read from the GGUF ``path`` it was
+    loaded from. Each is checked against the float weight transformers dequantised from the same file (bit for
+    bit), which also settles the row order of q and k (llama.cpp's converter permutes them for Llama models)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = model.config
+    wanted: dict[str, tuple[str, nn.Linear]] = {}
+    for index, layer in enumerate(model.model.layers):
+        for module_name, tensor_name in PROJECTIONS.items():
+            owner, attribute = module_name.split(".")
+            linear = getattr(getattr(layer, owner, None), attribute, None)
+            if type(linear) is nn.Linear:
+                wanted[f"model.layers.{index}.{module_name}"] = (f"blk.{index}.{tensor_name}.weight", linear)
+    head = model.get_output_embeddings()
+    if type(head) is nn.Linear:
+        wanted["lm_head"] = ("output.weight" if "output.weight" in tensors else "token_embd.weight", head)
+    layers, left = {}, []
+    for module_name, (tensor_name, linear) in wanted.items():
+        tensor = tensors.get(tensor_name)
+        if tensor is None:
+            left.append(f"{module_name} (no tensor {tensor_name} in the file)")
+            continue
+        type_name = tensor.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            left.append(f"{module_name} ({tensor_name} is {type_name}; taken: {', '.join(SUPPORTED_TYPES)})")
+            continue
+        levels = decode(np.asarray(tensor.data), type_name, linear.in_features)
+        found = _matching_order(levels, linear.weight.detach(), module_name, config)
+        if found is None:
+            left.append(f"{module_name} ({tensor_name}: its blocks do not give the loaded weight)")
+            continue
+        layers[module_name] = found
+    return FileLayers(layers, left)
+
+
+def _matching_order(levels: Levels, weight: torch.Tensor, module_name: str, config) -> Levels | None:
+    """``levels`` in the module's row order, if their weight is the loaded one bit for bit (else None)."""
+    candidates = [None]
+    if module_name.endswith(("q_proj", "k_proj")):
+        heads = config.num_attention_heads if module_name.endswith("q_proj") else config.num_key_value_heads
+        if levels.levels.shape[0] % (2 * heads) == 0:
+            candidates.append(torch.argsort(_llama_permutation(levels.levels.shape[0], heads)))
+    for order in candidates:
+        ordered = levels if order is None else levels.rows(order)
+        if ordered.weight().shape == weight.shape and torch.equal(ordered.weight(), weight.float()):
+            return ordered
+    return None

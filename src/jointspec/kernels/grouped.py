@@ -1,0 +1,565 @@
+"""Grouped int4 / int8 weight-only linear layers with a CPU kernel of our own, for ``--quantize int4``.
+
+Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) wants bfloat16 activations,
+which move the model away from its float32 self, and on the machine it was first measured on (kernels/quantize.py)
+its cost grew about linearly with the rows of a forward, so verifying draft tokens cost almost as much as decoding
+them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3 and 4 rows.
+``csrc/grouped_linear.cpp`` (built once with the machine's own compiler) dequantises each weight row into an
+L1-resident float32 buffer and takes its dot product with every input row, so weights are read once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
+from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15 passes, ms)::
+
+    rows in the forward            1      2      3      4      5      6      8
+    float32, MKL F.linear        15.7   16.7   18.4   25.4   26.4   26.8   29.4
+    int4 g32, this kernel         5.9    6.2    8.6    9.0   10.1   11.1   13.6
+
+In a whole forward the kernel is not faster than PyTorch's int4 one on this machine (``scripts/int4_kernel_ab.py``,
+200 cached tokens, ms: k = 1 / 3 / 4 / 6 tokens 18.3 / 22.9 / 25.2 / 30.5 here against 17.7 / 21.8 / 23.4 / 30.6; float32
+30.8 / 33.9 / 46.1 / 49.3): the standalone sweep above overstates it, since inside a forward each call pays about
+a third more than back to back, and PyTorch's kernel, whose cost grew with the rows on the machines first measured,
+does not here. With q/k/v and gate/up fused into one call each (:class:`FusedCall`, end of this module) a second run
+gave 17.6 / 22.5 / 24.5 / 29.3 against PyTorch's 17.9 / 21.7 / 23.5 / 30.8: level. What it buys is fidelity, next.
+
+Why these formats. The embedded SmolLM2 GGUF stores its body as Q4_1 (4-bit levels in blocks of 32 inputs, a scale
+and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blocks of 32, a scale per block);
+jointspec's float32 model is those weights dequantised. Quantising that float model again in the same blocks
+(4-bit asymmetric g32 for the body, 8-bit symmetric g32 for the head) recovers the GGUF's own levels, scales and
+minima up to float rounding, so this int4 model is the float32 model up to float rounding, not a second rounding
+of it (``tests/test_grouped.py`` checks the round trip; ``docs/lab/benchmarks.md`` has the agreement on real prompts).
+For a model that was never quantised it is an ordinary 4-bit quantisation.
+
+Exactness. Activations stay float32 and every output row is computed by the same instructions whatever the batch
+(bit-equal rows, tested), and quantised models use row-wise attention (:func:`jointspec.kernels.quantize.rowwise_sdpa`),
+so speculative decoding on this target is exactly its plain decoding.
+
+The same extension holds two more kernels for the int4 model. ``attention``: row-wise attention (each query row and
+head computed alone, by construction) in one call per layer, which :func:`jointspec.kernels.quantize.rowwise_sdpa`
+uses instead of one PyTorch SDPA call per row. ``decoder_layer``: a whole Llama decoder layer on these 4-bit weights
+(norms, fused q/k/v, rotary embedding, cache write, attention, output projection, gated MLP, residuals), which the
+lean forward (backends/lean_forward.py) runs instead of about fifty PyTorch operations per layer. A plain int4 step of
+SmolLM2-135M then costs 11.2 ms instead of 20 (2-core Xeon, 200 cached tokens, scripts/compiled_layer_cost.py). Both treat every row alone, so
+speculative decoding stays exactly plain decoding of the int4 model; neither is bit for bit the operation-by-operation
+forward (float sums in another order), which is why plain and speculative decoding both run them.
+
+One source, three builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNNI's integer dot product for the
+screened head where the CPU has it) and portable C++ for any other CPU (ARM included). They compute every float
+operation in the same order with the same single roundings, so they give the same bits (the rest of a forward is
+PyTorch's, whose bits may vary between CPUs: docs/kernels.md), and tests hold each build this CPU runs against the
+portable one. :func:`selected_isa` picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa` pick another). Where no build
+can be made (no C++ compiler, no ninja) the layers fall back to PyTorch's int4 / int8 kernels of
+:mod:`jointspec.kernels.quantize`, with one warning that says why; layers whose in_features is not a multiple of 64
+stay float.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.kernels.fp32 import cpu_flags
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "grouped_linear.cpp"))
+_TINY = 1e-12
+
+# The instruction sets the kernels are built for, fastest first: the CPU flags each needs and its compiler flags.
+# Explicit flags, never -march=native, so a build runs on every CPU that has those flags and a cache copied to
+# another CPU is never run on instructions it lacks (the build's name carries the instruction set). VNNI, where
+# present, is chosen at run time inside the avx512 and avx2 builds. "portable" is plain C++ for any CPU.
+ISA_FLAGS = {
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-DJOINTSPEC_ISA_AVX512"]),
+    "avx2": (frozenset({"avx2", "fma"}), ["-mavx2", "-mfma", "-DJOINTSPEC_ISA_AVX2"]),
+    "portable": (frozenset(), []),
+}
+ISAS = tuple(ISA_FLAGS)
+# Set to one of ISAS to run that build instead of the fastest this CPU can run (tests, comparisons).
+ISA_ENV = "JOINTSPEC_KERNEL_ISA"
+_override: list[str] = []  # use_isa()'s stack
+
+
+def _build_directory(tag: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "jointspec" / "kernels" / tag
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The builds this CPU can run, fastest first ("portable" always among them)."""
+    flags = cpu_flags()
+    x86 = platform.machine().lower() in {"x86_64", "amd64"}
+    return tuple(isa for isa, (needs, _) in ISA_FLAGS.items() if not needs or (x86 and needs <= flags))
+
+
+def selected_isa() -> str:
+    """The build the kernels run here: :func:`use_isa`'s, else $JOINTSPEC_KERNEL_ISA's, else the fastest runnable."""
+    if _override:
+        return _override[-1]
+    wanted = os.environ.get(ISA_ENV, "").strip().lower()
+    return _checked_env_isa(wanted) if wanted else _fastest_isa()
+
+
+# Both asked on every kernel call: the CPU's flags are read once (a refused name raises again, uncached).
+@functools.cache
+def _fastest_isa() -> str:
+    return runnable_isas()[0]
+
+
+@functools.cache
+def _checked_env_isa(wanted: str) -> str:
+    _check_isa(wanted, f"${ISA_ENV}")
+    return wanted
+
+
+def _check_isa(isa: str, where: str) -> None:
+    if isa not in ISA_FLAGS:
+        raise UnsupportedOptionError(f"{where}: unknown instruction set '{isa}'; choose one of: {', '.join(ISAS)}")
+    if isa not in runnable_isas():
+        missing = ", ".join(sorted(ISA_FLAGS[isa][0] - cpu_flags()))
+        raise UnsupportedOptionError(f"{where}: this CPU cannot run the '{isa}' kernels (it lacks {missing}); it runs: "
+                                     f"{', '.join(runnable_isas())}")
+
+
+@contextlib.contextmanager
+def use_isa(isa: str) -> Iterator[None]:
+    """Run the kernels of the ``isa`` build inside the block (for layers that look the kernels up when called;
+    a compiled layer stack keeps the build it was made with)."""
+    _check_isa(isa, "use_isa")
+    _override.append(isa)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def kernels(isa: str | None = None):
+    """The compiled extension for ``isa`` (default: :func:`selected_isa`), or None where it cannot run here (see
+    :func:`unavailable_reason`)."""
+    return _load(isa or selected_isa())[0]
+
+
+def unavailable_reason(isa: str | None = None) -> str | None:
+    """Why the grouped kernels cannot run here (None: they can). Builds them on first call (about 30 s, once)."""
+    return _load(isa or selected_isa())[1]
+
+
+@functools.cache
+def _load(isa: str):
+    """(extension, None) or (None, why not); the reason is logged once."""
+    module, reason = _build(isa)
+    if reason is not None:
+        log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 where the "
+                    "kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 activations: close "
+                    "to the float model, not equal to it)", reason)
+    return module, reason
+
+
+def _build(isa: str):
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+    except (ImportError, RuntimeError) as error:
+        return None, f"jointspec's CPU kernels cannot be built ({error}; pip install ninja)"
+    flags = ISA_FLAGS[isa][1]
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([torch.__version__, platform.machine(), *flags]).encode())
+    name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
+    directory = _build_directory(name)
+    if not any(directory.glob("*.so")):
+        print(f"jointspec: building the {isa} CPU kernels once (about 30 s) ...", file=sys.stderr, flush=True)
+        # Finished builds of other sources or torch versions (a folder without a library may be another process's
+        # build in progress: left alone).
+        for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):
+            if stale != directory and any(stale.glob("*.so")):
+                shutil.rmtree(stale, ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
+        module = load(name=name, sources=[str(_SOURCES[1])], build_directory=str(directory),
+                      extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags], extra_ldflags=["-fopenmp"],
+                      verbose=False)
+    except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
+        lines = str(error).splitlines()
+        first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
+        return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
+    if module.isa() != isa:
+        return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
+    return module, None
+
+
+def grouped_misfit(linear: nn.Linear) -> str | None:
+    """Why the grouped kernels cannot take ``linear`` (None if they can, once built)."""
+    if linear.weight.device.type != "cpu":
+        return "not on the CPU"
+    if linear.in_features % 64:
+        return f"in_features {linear.in_features} is not a multiple of 64"
+    return None
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    return x.reshape(-1, in_features).to(torch.float32).contiguous()
+
+
+def _long(rows: torch.Tensor) -> bool:
+    """Whether a forward is long enough to be a prompt prefill (kernels/quantize.py, ROWWISE_MAX_ROWS): then the kernel
+    runs the product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA."""
+    from jointspec.kernels.quantize import ROWWISE_MAX_ROWS
+
+    return rows.shape[0] > ROWWISE_MAX_ROWS
+
+
+def _nibble_levels(packed: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit levels [out, in / 2] -> [out, in / 32, 32] (byte i of a group: level i low, level i + 16 high)."""
+    groups = packed.reshape(packed.shape[0], -1, GROUP_SIZE // 2)
+    return torch.cat([groups & 15, groups >> 4], dim=-1)
+
+
+class _GroupedLinear(nn.Module):
+    """What the int4 and int8 layers share: float32 rows in, one kernel call, the bias, the input's shape back."""
+
+    bits: int
+
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:  # [m, in] float32 -> [m, out] float32
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        rows = _rows(x, self.in_features)
+        out = self._multiply(rows, _long(rows))
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} weights in groups "
+                f"of {self.in_features // self.scale.shape[1]}, float32 activations (jointspec's CPU kernel)")
+
+
+class GroupedInt4Linear(_GroupedLinear):
+    """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32. Built
+    from a float ``nn.Linear`` (rounded onto the grid) or, with :meth:`from_levels`, from levels a file stores."""
+
+    bits = 4
+    BUFFERS = ("packed", "scale", "minimum")  # what the kernel reads, in its argument order
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [out, in]
+        out_features, in_features = weight.shape
+        groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
+        scale = ((high - low) / 15).clamp_min(_TINY)
+        levels = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        self._set(levels.reshape(out_features, in_features), scale, low,
+                  None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_levels(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "GroupedInt4Linear":
+        """W = levels * scale + minimum: ``packed`` uint8 [out, in / 2] (byte i of a group of 32: level i in the low
+        nibble, level i + 16 in the high one; kept as given, not copied), ``scale`` and ``minimum`` [out, in / 32]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        if packed.dim() != 2 or packed.dtype != torch.uint8 or scale.shape != (packed.shape[0],
+                                                                                 2 * packed.shape[1] // GROUP_SIZE):
+            raise ValueError(f"4-bit levels must come packed, uint8 [out, in / 2], with scales [out, in / "
+                             f"{GROUP_SIZE}]; got {tuple(packed.shape)} {packed.dtype} and {tuple(scale.shape)}")
+        layer._set_packed(packed, scale, minimum, bias)
+        return layer
+
+    def _set(self, levels: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None):
+        out_features, in_features = levels.shape
+        groups = levels.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        half = GROUP_SIZE // 2
+        # Byte i of a group: level i in the low nibble, level i + 16 in the high one (what the kernel unpacks).
+        packed = (groups[..., :half] | (groups[..., half:] << 4)).reshape(out_features, in_features // 2)
+        self._set_packed(packed, scale, minimum, bias)
+
+    def _set_packed(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+        out_features, in_features = packed.shape[0], 2 * packed.shape[1]
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scale", scale.float().reshape(out_features, -1).contiguous())
+        self.register_buffer("minimum", minimum.float().reshape(out_features, -1).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in [out, in] (as :class:`~jointspec.kernels.quantize.Int4Linear` has), for code that
+        reads ``.weight.shape``; :meth:`dequantized` gives the values."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32."""
+        levels = _nibble_levels(self.packed).float()  # [out, groups, 32]
+        return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
+
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
+        return kernels().int4_linear(rows, self.packed, self.scale, self.minimum, gemm)
+
+
+class GroupedInt5Linear(_GroupedLinear):
+    """``y = x W^T + b``: W in 5-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32: GGUF's
+    Q5_0, Q5_1 and Q5_K blocks as stored. The low four bits of each level are packed as
+    :class:`GroupedInt4Linear`'s, the fifth bits of a group's 32 levels make one 32-bit word (bit i: level i). Built
+    only from a file's levels (:meth:`from_levels`); jointspec's own quantiser writes 4 or 8 bits."""
+
+    bits = 5
+    BUFFERS = ("packed", "fifth", "scale", "minimum")
+
+    @classmethod
+    def from_levels(cls, packed: torch.Tensor, fifth: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "GroupedInt5Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        out_features, in_features = packed.shape[0], 2 * packed.shape[1]
+        groups = in_features // GROUP_SIZE
+        if (packed.dtype != torch.uint8 or fifth.shape != (out_features, groups) or fifth.dtype != torch.int32
+                or scale.shape != (out_features, groups) or minimum.shape != (out_features, groups)):
+            raise ValueError(f"5-bit levels come as packed uint8 [out, in / 2] with int32 fifth bits, scales and "
+                             f"minima [out, in / {GROUP_SIZE}]")
+        layer.in_features, layer.out_features = in_features, out_features
+        layer.register_buffer("packed", packed.contiguous())
+        layer.register_buffer("fifth", fifth.contiguous())
+        layer.register_buffer("scale", scale.float().contiguous())
+        layer.register_buffer("minimum", minimum.float().contiguous())
+        layer.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        return layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in [out, in]; :meth:`dequantized` gives the values."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32."""
+        bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1  # [out, groups, 32]
+        levels = (_nibble_levels(self.packed).long() + 16 * bits).float()
+        return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
+
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
+        return kernels().int5_linear(rows, self.packed, self.fifth, self.scale, self.minimum, gemm)
+
+
+class GroupedInt8Linear(_GroupedLinear):
+    """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32. Built from a
+    float ``nn.Linear`` or, with :meth:`from_levels`, from levels a file stores (groups of 32 or 16: GGUF's Q6_K
+    keeps a scale per 16 inputs)."""
+
+    bits = 8
+    BUFFERS = ("levels", "scale")
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [out, in]
+        out_features, in_features = weight.shape
+        groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        scale = (groups.abs().amax(dim=-1) / 127).clamp_min(_TINY)  # [out, groups]
+        levels = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        self._set(levels.reshape(out_features, in_features), scale,
+                  None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "GroupedInt8Linear":
+        """W = levels * scale: ``levels`` [out, in] int8, ``scale`` [out, in / 32] or [out, in / 16]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        if levels.dim() != 2 or scale.dim() != 2 or levels.shape[1] not in (16 * scale.shape[1], 32 * scale.shape[1]):
+            raise ValueError(f"8-bit levels [out, in] need scales [out, in / 32] or [out, in / 16], got "
+                             f"{tuple(levels.shape)} and {tuple(scale.shape)}")
+        layer._set(levels.to(torch.int8), scale, bias)
+        return layer
+
+    def _set(self, levels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = levels.shape
+        self.register_buffer("levels", levels.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scale.shape[1]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 levels [out, in] (as :class:`~jointspec.kernels.quantize.Int8Linear` has): code that reads
+        ``.weight.shape`` works, code that wants floats sees ints; :meth:`dequantized` gives the values."""
+        return self.levels
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32."""
+        levels = self.levels.reshape(self.out_features, -1, self.group_size).float()
+        return (levels * self.scale[..., None]).reshape(self.out_features, self.in_features)
+
+    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
+        return kernels().int8_linear(rows, self.levels, self.scale, gemm)
+
+
+
+# The greedy screen's margin, in logits: every token whose 4-bit score is within this of the row's best score gets
+# its exact logit. Measured on SmolLM2-135M (docs/lab/benchmarks.md, section 5), teacher-forced on 14,436 positions of
+# bench answers and ShareGPT text: the screen's error has a standard deviation of about 1 logit, and the exact
+# head's argmax was screened out at 302 / 55 / 5 / 1 / 0 positions with margins of 2 / 3 / 4 / 5 / 6 (0 at 8), while
+# a row's exact logits numbered 58 on average at 6 (570 at the 99th percentile). Tokens 6 logits under the best have
+# under 1/400 of its probability: only near-ties are ever in question.
+SCREEN_MARGIN = 6.0
+# At most this many exact logits a row (the best scores within the margin): a flat row, as random tokens give, would
+# otherwise have thousands (and the cost curve, timed on random tokens, would price verification far too high). On
+# the same 14,436 positions a cap of 128 or 64 changed no argmax; 32 changed 6.
+SCREEN_MAX_EXACT = 128
+
+
+class ScreenedInt8Head(GroupedInt8Linear):
+    """An int8 output head (:class:`GroupedInt8Linear`, same weights, same logits) that greedy decoding can read
+    through a 4-bit screen: :meth:`argmax_logits` scores the whole vocabulary from a 4-bit copy of the weights (half
+    the bytes, integer products; ``csrc/grouped_linear.cpp``, ``screened_head``) and computes the exact int8 logit
+    only for tokens within :data:`SCREEN_MARGIN` of each row's best score (at most :data:`SCREEN_MAX_EXACT`, the
+    best-scoring).
+
+    Why: on the int4 SmolLM2 the head's 32 MB are read from memory on every step, evicted by the layers' weights,
+    and cost about a quarter of a step; read through the screen a step costs ~13 % less (benchmarks.md). Its rows'
+    argmax is the exact head's wherever that token's score is within the margin of the best (every position
+    measured; not guaranteed), and each row's result depends on that row alone, so plain and speculative greedy
+    decoding read the same tokens. Sampling, perplexity and every other caller use :meth:`forward`: the exact
+    logits.
+    """
+
+    def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN, max_exact: int = SCREEN_MAX_EXACT) -> None:
+        super().__init__(linear)
+        self._screen(margin, max_exact)
+
+    @classmethod
+    def from_int8(cls, layer: GroupedInt8Linear, margin: float = SCREEN_MARGIN,
+                  max_exact: int = SCREEN_MAX_EXACT) -> "ScreenedInt8Head":
+        """The screened head over ``layer``'s own levels and scales (a file's, for instance)."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head._set(layer.levels, layer.scale, layer.bias)
+        head._screen(margin, max_exact)
+        return head
+
+    def _screen(self, margin: float, max_exact: int) -> None:
+        if self.bias is not None or self.in_features % 64:
+            raise ValueError("the screened head needs a bias-free head with in_features a multiple of 64")
+        weight = self.dequantized()  # [V, in]: exactly what the int8 kernel multiplies by
+        # Columns equalised before rounding (x is multiplied back): a few of SmolLM2's hidden channels hold weights
+        # 3-4x the median, which would set every row's scale; the square root halves that spread (error 1.4 -> 1.0).
+        column = weight.abs().amax(dim=0).clamp_min(_TINY).sqrt()
+        equalised = weight / column
+        row_scale = (equalised.abs().amax(dim=1) / 7).clamp_min(_TINY)
+        levels = (torch.round(equalised / row_scale[:, None]).clamp(-8, 7) + 8).to(torch.uint8)  # [V, in], 0..15
+        chunks = levels.reshape(self.out_features, -1, 64)
+        # Byte b of a 64-input chunk: input b in the low nibble, input b + 32 in the high one (what the kernel reads).
+        self.register_buffer("screen4", (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(
+            self.out_features, -1).contiguous())
+        self.register_buffer("screen_scale", row_scale.contiguous())
+        self.register_buffer("column", column.contiguous())
+        self.margin = float(margin)
+        self.max_exact = int(max_exact)
+
+    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits whose rows' argmax is what greedy decoding reads: the 4-bit screen's scores, with the exact logit
+        for every token within the margin of its row's best score. [..., in] -> [..., out]."""
+        rows = _rows(x, self.in_features)
+        out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column, self.levels, self.scale,
+                                      self.margin, self.max_exact)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", greedy reads through a 4-bit screen (margin {self.margin:g} logits)"
+
+# Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
+# one call over the stacked weights of several layers that read the same input (a Llama layer's q/k/v, its gate/up)
+# gives each layer's output bit for bit. One call instead of three or two saves the per-call cost, which inside a
+# forward is large (module docstring): about 0.7 ms of an 18 ms int4 step on SmolLM2-135M (docs/lab/benchmarks.md,
+# section 5). :func:`stack_storage` lays such layers' buffers out back to back in one tensor
+# (each layer keeps views, so nothing is stored twice and the layers still work alone); :class:`FusedCall` then
+# makes the one call (the lean forward, backends/lean_forward.py, builds one per layer where it finds them so laid out).
+def _stackable(layers: list[nn.Module]) -> bool:
+    """Two or more bias-free grouped layers of one class, one input width and one group size."""
+    kinds = {type(layer) for layer in layers}
+    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear}
+            and all(layer.bias is None for layer in layers)
+            and len({(layer.in_features, layer.scale.shape[1]) for layer in layers}) == 1)
+
+
+def kernel_arguments(layer: nn.Module) -> list[torch.Tensor]:
+    """A grouped layer's buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum; 8 bits:
+    levels, scale; then its bias, if it has one)."""
+    return [getattr(layer, name) for name in type(layer).BUFFERS] + ([] if layer.bias is None else [layer.bias])
+
+
+def stack_storage(layers: list[nn.Module]) -> bool:
+    """Put ``layers``' (one grouped class, same in_features and group size, no bias) buffers back to back in one
+    tensor each, leaving every layer with views into it; returns whether it did (other layers are left alone)."""
+    if not _stackable(layers):
+        return False
+    for name in type(layers[0]).BUFFERS:
+        stacked = torch.cat([getattr(layer, name) for layer in layers]).contiguous()
+        start = 0
+        for layer in layers:
+            setattr(layer, name, stacked[start:start + layer.out_features])
+            start += layer.out_features
+    return True
+
+
+class FusedCall:
+    """One kernel call for several :class:`GroupedInt4Linear` layers that :func:`stack_storage` laid out back to back
+    and that read the same input; returns each layer's output, bit for bit what calling it alone gives. Build it
+    with :meth:`maybe` (None where the layers are not so laid out). It remembers the layers and buffers it was built
+    from; :meth:`valid` says whether they are still the model's (a replaced layer or a moved buffer: call them one by
+    one instead)."""
+
+    def __init__(self, layers: list[nn.Module], spans: tuple[torch.Tensor, ...]) -> None:
+        self.layers = list(layers)
+        self.names = type(layers[0]).BUFFERS
+        self._buffers = [[layer._buffers[name] for name in self.names] for layer in layers]
+        self.spans = spans
+        self.sizes = [layer.out_features for layer in layers]
+        self.in_features = layers[0].in_features
+
+    @classmethod
+    def maybe(cls, layers: list[nn.Module]) -> "FusedCall | None":
+        if not _stackable(layers) or kernels() is None:
+            return None
+        spans = []
+        for name in type(layers[0]).BUFFERS:
+            tensors = [getattr(layer, name) for layer in layers]
+            first = tensors[0]
+            storage = first.untyped_storage().data_ptr()
+            offset = first.storage_offset()
+            for tensor in tensors:
+                if (tensor.untyped_storage().data_ptr() != storage or tensor.storage_offset() != offset
+                        or not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:]):
+                    return None
+                offset += tensor.numel()
+            rows = sum(tensor.shape[0] for tensor in tensors)
+            spans.append(first.as_strided((rows, *first.shape[1:]), first.stride()))
+        return cls(layers, tuple(spans))
+
+    def valid(self, layers: list[nn.Module]) -> bool:
+        return all(layer is mine and all(layer._buffers[name] is buffer for name, buffer in zip(self.names, buffers))
+                   for layer, mine, buffers in zip(layers, self.layers, self._buffers))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = _rows(x, self.in_features)
+        multiply = {3: kernels().int4_linear, 4: kernels().int5_linear, 2: kernels().int8_linear}[len(self.spans)]
+        out = multiply(rows, *self.spans, _long(rows))
+        out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        return list(out.split(self.sizes, dim=-1))
