@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from jointspec.api import GenerationConfig, Pipeline, eos_token_ids
+from jointspec.api import GenerationConfig, Pipeline
+from jointspec.backends.tokens import eos_token_ids
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.core.loop import DecodeConfig

@@ -28,7 +28,8 @@ import torch
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.bench.prompts import load_prompts
 from jointspec.methods import MethodConfig
-from jointspec.drafts.eagle import artifact_kind, check_head_target, float_lm_weight, load_head
+from jointspec.drafts.artifact import artifact_kind, check_head_target, float_lm_weight
+from jointspec.drafts.eagle import load_head
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
 

@@ -18,7 +18,8 @@ from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
-from jointspec.drafts.eagle import EagleHead, HeadConfig, HeadDraftModel, bind_head, load_head, target_fingerprint
+from jointspec.drafts.eagle import EagleHead, HeadDraftModel, bind_head, load_head
+from jointspec.drafts.artifact import HeadConfig, target_fingerprint
 from jointspec.core.sampling import SamplingConfig
 from jointspec.train.data import build_data
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
@@ -388,11 +389,11 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
-    from jointspec.drafts import eagle
+    from jointspec.drafts import artifact
 
     shipped = trained_head_dir.parent / "shipped"
     shipped.mkdir(exist_ok=True)
-    monkeypatch.setattr(eagle, "SHIPPED_HEADS", shipped)
+    monkeypatch.setattr(artifact, "SHIPPED_HEADS", shipped)
     without = build_method(MethodContext(MethodConfig(name="default"), CausalLM(target_model), None, None))[0]
     assert isinstance(without, CostAwareDrafter) and isinstance(without.inner, PromptLookupDrafter)
     import shutil
@@ -423,12 +424,12 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     from jointspec.drafters import corpus
     from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
-    from jointspec.drafts import eagle
+    from jointspec.drafts import artifact
     from test_corpus import FakeTokenizer
 
     shipped = tmp_path / "heads"
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
-    monkeypatch.setattr(eagle, "SHIPPED_HEADS", shipped)
+    monkeypatch.setattr(artifact, "SHIPPED_HEADS", shipped)
     monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN)
     prompts = [random_prompt(seed) for seed in (3, 4)]
     answers = [hf_greedy(target_model, prompt, 40) for prompt in prompts]
@@ -451,14 +452,14 @@ def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(targe
     from jointspec import methods
     from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
     from jointspec.drafters.ngram import PromptLookupDrafter
-    from jointspec.drafts import eagle
+    from jointspec.drafts import artifact
 
     shipped = trained_head_dir.parent / "shipped-dear"
     shipped.mkdir(exist_ok=True)
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"),
                     dirs_exist_ok=True)
-    monkeypatch.setattr(eagle, "SHIPPED_HEADS", shipped)
+    monkeypatch.setattr(artifact, "SHIPPED_HEADS", shipped)
     estimate = methods.expected_tree_gain
     monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN - 0.01)
     target = CausalLM(target_model, name="tiny-target")

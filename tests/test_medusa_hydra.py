@@ -167,7 +167,7 @@ def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs,
         bind(trained_dirs[kind], CausalLM(tiny_llama(7), name="another-target"))
     # Int8 weights are for EAGLE heads: asked for these, the binding refuses by name (auto keeps them float).
     from jointspec.core.errors import UnsupportedOptionError
-    from jointspec.drafts.eagle import bind_trained_draft
+    from jointspec.drafts.registry import bind_trained_draft
 
     with pytest.raises(UnsupportedOptionError, match=f"applies to EAGLE heads.*'{kind}' draft"):
         bind_trained_draft(trained_dirs[kind], CausalLM(target_model), head_weights="int8")

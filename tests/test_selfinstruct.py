@@ -14,7 +14,8 @@ from conftest import tiny_llama
 from jointspec.batch import engine as batch_module
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
-from jointspec.drafts.eagle import EagleHead, HeadConfig, load_head
+from jointspec.drafts.eagle import EagleHead, load_head
+from jointspec.drafts.artifact import HeadConfig
 from jointspec.train.data import build_data
 from jointspec.train import heads as heads_module
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
@@ -197,7 +198,7 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
 
 def test_model_load_error_is_what_a_wrong_target_raises(target_model, tmp_path, head_data):
     """check_head_target is the one place that refuses a head for another target (bind_head and --init use it)."""
-    from jointspec.drafts.eagle import check_head_target
+    from jointspec.drafts.artifact import check_head_target
 
     target = CausalLM(target_model, name="tiny-target")
     HeadTrainer(target, _config(epochs=1)).train(head_data, tmp_path / "h", progress=False)

@@ -194,7 +194,8 @@ class LlamaFastForward:
         microseconds), row-wise attention still set, a buffered cache, and a forward short enough for row-wise
         attention."""
         from jointspec.backends.kvcache import BufferedLayer
-        from jointspec.kernels.quantize import ROWWISE_ATTENTION, ROWWISE_MAX_ROWS
+        from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+        from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
         if (self.compiled is None or n > ROWWISE_MAX_ROWS
                 or self.model.config._attn_implementation != ROWWISE_ATTENTION):

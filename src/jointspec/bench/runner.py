@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from jointspec.api import eos_token_ids
+from jointspec.backends.tokens import eos_token_ids
 from jointspec.core.loop import SpecStats
 from jointspec.methods import MethodConfig
 from jointspec.backends.hf import CausalLM

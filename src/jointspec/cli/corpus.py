@@ -62,10 +62,11 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from jointspec.api import GenerationConfig, Pipeline, eos_token_ids
+    from jointspec.api import GenerationConfig, Pipeline
+    from jointspec.backends.tokens import eos_token_ids
     from jointspec.drafters.corpus import NgramTable, tokenizer_fingerprint
     from jointspec.methods import MethodConfig
-    from jointspec.drafts.eagle import target_fingerprint
+    from jointspec.drafts.artifact import target_fingerprint
     from jointspec.cli.train import training_prompts
 
     if args.threads:
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 def data_folder_answers(folder: str | Path, target) -> list[list[int]]:
     """The answers (token ids after each prompt) in a ``train-draft`` data folder built for ``target``."""
     from jointspec.core.errors import UnsupportedOptionError
-    from jointspec.drafts.eagle import target_fingerprint
+    from jointspec.drafts.artifact import target_fingerprint
     from jointspec.train.data import load_shards, read_spec
 
     try:

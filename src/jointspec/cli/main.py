@@ -61,7 +61,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
                              "(EAGLE-2) instead of the static --tree; greedy decoding only")
-    from jointspec.drafts.eagle import HEAD_WEIGHT_CHOICES
+    from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES
 
     parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
                         help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "

@@ -149,7 +149,7 @@ def _count(source: str, prefix: str) -> int:
 def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None, seed: int,
                    batch_size: int) -> list[str]:
     """The prompts of a ``self-instruct:N`` source, sampled once and kept in ``data_folder`` for later runs."""
-    from jointspec.drafts.eagle import target_fingerprint
+    from jointspec.drafts.artifact import target_fingerprint
     from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts
 
     count = _count(source, SELF_INSTRUCT_PREFIX)
@@ -320,7 +320,7 @@ def trainer_for_kind(kind: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from jointspec.api import eos_token_ids
+    from jointspec.backends.tokens import eos_token_ids
     from jointspec.train.data import build_data, read_spec
 
     if args.kind == "distill" and args.head is not None:
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, device=args.device)
     init = None
     if args.init is not None:  # checked before any data is built: a draft made for another target is refused
-        from jointspec.drafts.eagle import artifact_kind, check_head_target
+        from jointspec.drafts.artifact import artifact_kind, check_head_target
 
         init_kind = artifact_kind(args.init)
         if init_kind is not None and init_kind != kind:
@@ -367,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         check_head_target(init, args.init, target)
     data = args.data or args.out / "data"
     if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
-        from jointspec.drafts.eagle import target_fingerprint
+        from jointspec.drafts.artifact import target_fingerprint
         from jointspec.train.heads import check_data_folders
 
         if any(folder.resolve() == data.resolve() for folder in args.extra_data):

@@ -23,8 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from jointspec.backends.hf import CausalLM
 from jointspec.kernels.fp32 import kernels_in_use, onednn_supported, use_onednn_linears
-from jointspec.drafts.eagle import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight, full_vocab_logits,
-                                    load_artifact, save_artifact)
+from jointspec.drafts.artifact import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight,
+                                       full_vocab_logits, load_artifact, save_artifact)
 
 
 @dataclass(frozen=True)

@@ -27,82 +27,19 @@ with a prediction are *inexact*: once the target has scored those positions, the
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
-from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
 from jointspec.kernels.fp32 import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
 from jointspec.backends.lean_forward import body_unsupported_reason, lean_body_forward
 from jointspec.backends.kvcache import BufferedCache
-
-ARTIFACT_FORMAT = 1
-CONFIG_FILE = "draft.json"
-WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """Shape of a head and the target it belongs to (saved as ``draft.json``)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    target_vocab_size: int
-    target_fingerprint: str
-    target_name: str = ""
-    num_layers: int = 1
-    draft_vocab_size: int | None = None  # None: the full target vocabulary
-    fuse_layers: tuple[int, ...] = ()  # hidden-state indices of the target fused into the feature (eagle only)
-    kind: str = "eagle"
-    format: int = ARTIFACT_FORMAT
-
-    def __post_init__(self) -> None:
-        wanted = self.__dataclass_fields__["kind"].default  # "eagle" here; the other kinds subclass
-        if self.kind != wanted:
-            raise ValueError(f"a {type(self).__name__} has kind '{wanted}', got '{self.kind}'")
-        if self.num_layers < 1 or self.hidden_size < 1:
-            raise ValueError(f"bad head shape: {self.num_layers} layers of width {self.hidden_size}")
-        object.__setattr__(self, "fuse_layers", tuple(int(layer) for layer in self.fuse_layers))  # JSON gives a list
-        if self.fuse_layers and self.kind != "eagle":
-            raise ValueError(f"fuse_layers is for eagle heads, not for a '{self.kind}' draft")
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target hidden states a head reads, the last (after the final norm) first: what its mirror records."""
-        return (-1, *self.fuse_layers)
-
-    @classmethod
-    def for_target(cls, target: CausalLM, fingerprint: str, *, draft_vocab_size: int | None = None,
-                   num_layers: int = 1, intermediate_size: int | None = None,
-                   **extra) -> "HeadConfig":
-        config = target.config
-        heads = config.num_attention_heads
-        return cls(hidden_size=config.hidden_size, intermediate_size=intermediate_size or config.intermediate_size,
-                   num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", heads),
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   rope_theta=float(_rope_theta(config)), rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
-                   max_position_embeddings=target.max_context, target_vocab_size=target.vocab_size,
-                   target_fingerprint=fingerprint, target_name=target.name, num_layers=num_layers,
-                   draft_vocab_size=draft_vocab_size, **extra)
-
-
-def _rope_theta(config) -> float:
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return theta
+from jointspec.drafts.artifact import (HEAD_WEIGHT_CHOICES, FeatureDraft, HeadConfig, check_head_target,
+                                       float_lm_weight, full_vocab_logits, load_artifact, save_artifact)
 
 
 class EagleHead(nn.Module):
@@ -160,48 +97,6 @@ class EagleHead(nn.Module):
         return save_artifact(self, self.config, folder, training)
 
 
-def save_artifact(module: nn.Module, config, folder: str | Path, training: dict | None = None) -> Path:
-    """Write a trained draft's ``draft.json`` (``config`` and ``training``) and fp16 weights into ``folder``.
-
-    The body's placeholder token embedding is left out: drafts read the target's embedding. Each file is replaced
-    atomically, weights first, so a folder never pairs a new config with old weights of another shape.
-    """
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
-             if not k.startswith("body.embed_tokens")}
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(folder / WEIGHTS_FILE)
-    meta = {"config": asdict(config), "training": training or {}}
-    (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
-    (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
-    return folder
-
-
-def target_fingerprint(target: CausalLM) -> str:
-    """A short hash that tells one target model from another: its shape plus a sample of its float weights.
-
-    Taken from the config, the input embedding and the final norm, which weight-only quantisation leaves in float, so a
-    draft trained on the fp32 target also fits its quantised versions (which are meant to be the same model).
-    """
-    model = target.model
-    config = model.config
-    digest = hashlib.sha256()
-    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
-                                                    "num_attention_heads", "num_key_value_heads")}
-    digest.update(json.dumps(shape, sort_keys=True).encode())
-    embedding = model.get_input_embeddings().weight.detach()
-    digest.update(embedding[:64].float().cpu().numpy().tobytes())
-    digest.update(embedding[-64:].float().cpu().numpy().tobytes())
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    if norm is not None and getattr(norm, "weight", None) is not None:
-        digest.update(norm.weight.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def bind_head(folder: str | Path, target: CausalLM, weights: str = "auto") -> HeadDraftModel:
     """Load the head saved in ``folder`` for ``target``; refuses a head trained for another target. ``weights``:
     see :data:`HEAD_WEIGHT_CHOICES`."""
@@ -210,167 +105,10 @@ def bind_head(folder: str | Path, target: CausalLM, weights: str = "auto") -> He
     return HeadDraftModel(head, target, name=f"head {Path(folder).name}", weights=weights)
 
 
-def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str = "auto"):
-    """Any draft ``jointspec train-draft`` saved in ``folder`` (its ``draft.json`` names the kind: an EAGLE head,
-    Medusa or Hydra heads or a distilled draft), bound to ``target``; refuses one trained for another target.
-    ``head_weights`` (EAGLE heads; the other kinds take only ``auto``, which keeps them float): see
-    :data:`HEAD_WEIGHT_CHOICES`."""
-    kind = artifact_kind(folder)
-    if head_weights != "auto" and kind not in (None, "eagle"):
-        raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
-                                     f"'{kind}' draft, which runs in float: leave head_weights at auto")
-    if kind == "distill":
-        from jointspec.drafts.distill import bind_distill
-
-        return bind_distill(folder, target)
-    if kind == "medusa":
-        from jointspec.drafts.medusa import bind_medusa
-
-        return bind_medusa(folder, target)
-    if kind == "hydra":
-        from jointspec.drafts.hydra import bind_hydra
-
-        return bind_hydra(folder, target)
-    return bind_head(folder, target, head_weights)  # an unreadable folder gets load_head's error
-
-
-def check_head_target(head: EagleHead, folder: str | Path, target: CausalLM) -> None:
-    """Raise :class:`ModelLoadError` unless ``head`` (loaded from ``folder``) was trained for ``target``."""
-    fingerprint = target_fingerprint(target)
-    if head.config.target_fingerprint != fingerprint:
-        raise ModelLoadError(
-            f"draft head '{folder}' was trained for target '{head.config.target_name}' (fingerprint "
-            f"{head.config.target_fingerprint}), not for '{target.name}' (fingerprint {fingerprint}); train a head "
-            "for this target with `jointspec train-draft --target ...`")
-    if head.config.target_vocab_size != target.vocab_size:
-        raise ModelLoadError(f"draft head '{folder}' expects {head.config.target_vocab_size} tokens, the target has "
-                             f"{target.vocab_size}")
-
-
-SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "data" / "drafts"
-
-
-def shipped_head_for(target: CausalLM) -> Path | None:
-    """The draft head shipped inside the package for ``target`` (matched by fingerprint), if there is one."""
-    if not SHIPPED_HEADS.is_dir():
-        return None
-    fingerprint = None
-    for folder in sorted(SHIPPED_HEADS.iterdir()):
-        if not (folder / CONFIG_FILE).is_file():
-            continue
-        try:
-            config = json.loads((folder / CONFIG_FILE).read_text())["config"]
-            wanted = config["target_fingerprint"] if config.get("kind", "eagle") == "eagle" else None
-        except (OSError, ValueError, KeyError):
-            continue
-        fingerprint = fingerprint or target_fingerprint(target)
-        if wanted == fingerprint:
-            return folder
-    return None
-
-
-def is_head_artifact(path: str | Path) -> bool:
-    return (Path(path).expanduser() / CONFIG_FILE).is_file()
-
-
-def artifact_kind(folder: str | Path) -> str | None:
-    """The kind of trained draft saved in ``folder`` ("eagle", "medusa", "hydra" or "distill"), or None if it holds none
-    readable."""
-    try:
-        return json.loads((Path(folder).expanduser() / CONFIG_FILE).read_text())["config"].get("kind", "eagle")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def load_artifact(folder: str | Path, config_class, module_class, *, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32):
-    """Load a trained draft of one kind (``config_class``/``module_class``, e.g. ``HeadConfig``/``EagleHead``) from
-    ``folder``, weights back to ``dtype``; returns it and its training record."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder).expanduser()
-    wanted_kind = config_class.__dataclass_fields__["kind"].default
-    try:
-        meta = json.loads((folder / CONFIG_FILE).read_text())
-        kind = meta["config"].get("kind", "eagle")
-        if kind != wanted_kind:
-            raise ModelLoadError(f"'{folder}' holds a '{kind}' draft, not a '{wanted_kind}' one; pass it where a "
-                                 f"{kind} draft is expected (--draft DIR takes every kind)")
-        config = config_class(**meta["config"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ModelLoadError(f"'{folder}' is not a readable jointspec draft head ({error}); "
-                             "train one with `jointspec train-draft`") from error
-    if config.format != ARTIFACT_FORMAT:
-        raise ModelLoadError(f"draft '{folder}' has format {config.format}; this jointspec reads format "
-                             f"{ARTIFACT_FORMAT}: retrain it with this version")
-    module = module_class(config)
-    state = load_file(str(folder / WEIGHTS_FILE))
-    missing, unexpected = module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                                  for k, v in state.items()}, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("body.embed_tokens")]:
-        raise ModelLoadError(f"draft '{folder}' weights do not match its config "
-                             f"(missing {missing}, unexpected {unexpected})")
-    return module.to(device=device, dtype=dtype).eval(), meta.get("training", {})
-
-
 def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32) -> tuple[EagleHead, dict]:
     """Load a saved head (weights back to ``dtype``) and its training record."""
     return load_artifact(folder, HeadConfig, EagleHead, device=device, dtype=dtype)
-
-
-def float_lm_weight(model) -> torch.Tensor:
-    """The target's LM head as a float [vocab, hidden] matrix (its tied input embedding if the head is quantised)."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
-        return weight
-    if getattr(model.config, "tie_word_embeddings", False):
-        return model.get_input_embeddings().weight
-    raise UnsupportedOptionError("the target's LM head is not a float matrix (quantised?) and not tied to its "
-                                 "embedding; a draft head cannot read it")
-
-
-def full_vocab_logits(draft_logits: torch.Tensor, draft_vocab: torch.Tensor, full_vocab: int) -> torch.Tensor:
-    """[..., draft vocab] logits -> [..., full vocab], ``-inf`` for the tokens outside the draft vocabulary."""
-    if draft_logits.shape[-1] == full_vocab:
-        return draft_logits
-    full = draft_logits.new_full((*draft_logits.shape[:-1], full_vocab), float("-inf"))
-    full[..., draft_vocab] = draft_logits
-    return full
-
-
-class FeatureDraft:
-    """What a draft that reads its target's features shares: the target's vocabulary and context length, and a
-    :class:`~jointspec.backends.hf.FeatureMirror` of the target's features."""
-
-    def __init__(self, target: CausalLM, name: str, layers: tuple[int, ...] = (-1,)) -> None:
-        self.target = target
-        self.name = name
-        self.mirror = target.attach_feature_mirror(layers)
-        self._full_vocab = target.vocab_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self._full_vocab
-
-    @property
-    def max_context(self) -> int:
-        return self.target.max_context
-
-
-# How a bound head's weights run (``--head-weights``, MethodConfig.head_weights).
-# - ``int8``: the head's decoder-layer linears and its rows of the target's LM head as signed 8-bit weights in groups
-#   of 32 on jointspec's CPU kernel (kernels/grouped.py), float32 activations; ``fc``, which reads the feature and the
-#   token embedding side by side, stays float. A draft call reads about a quarter of the bytes: on the shipped
-#   SmolLM2 head (2-core Xeon, float32 target, sps with k = 1 on 8 MT-Bench prompts x 96 tokens, 2 passes) a call
-#   took 2.70 ms against 3.67, and 42.2 % of drafted tokens were accepted against 41.9 % (the LM head's argmax
-#   alone was the float one at 359 of 359 drafted positions).
-# - ``float32``: the weights as trained.
-# - ``auto``: int8 where that kernel runs with vector instructions (an x86 CPU with AVX2 or AVX-512, layer widths
-#   multiples of 64), else float32.
-# Either way the head only proposes tokens and the target verifies them, so the choice changes which tokens are
-# drafted (and so the speed), never what is generated.
-HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")
 
 
 def int8_head_misfit(head: EagleHead) -> str | None:

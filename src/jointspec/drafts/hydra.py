@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from jointspec.backends.hf import CausalLM, ForwardOutput, tree_depths
-from jointspec.drafts.eagle import check_head_target, full_vocab_logits, load_artifact, save_artifact
+from jointspec.drafts.artifact import check_head_target, full_vocab_logits, load_artifact, save_artifact
 from jointspec.drafts.medusa import MedusaConfig, MedusaDraftModel, ResidualBlock
 
 

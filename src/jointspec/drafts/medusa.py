@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from jointspec.backends.hf import CausalLM, ForwardOutput, tree_depths
-from jointspec.drafts.eagle import (ARTIFACT_FORMAT, FeatureDraft, HeadConfig, check_head_target, float_lm_weight,
-                                    full_vocab_logits, load_artifact, save_artifact)
+from jointspec.drafts.artifact import (ARTIFACT_FORMAT, FeatureDraft, HeadConfig, check_head_target, float_lm_weight,
+                                       full_vocab_logits, load_artifact, save_artifact)
 
 
 @dataclass(frozen=True)

@@ -215,11 +215,14 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features).to(torch.float32).contiguous()
 
 
-def _long(rows: torch.Tensor) -> bool:
-    """Whether a forward is long enough to be a prompt prefill (kernels/quantize.py, ROWWISE_MAX_ROWS): then the kernel
-    runs the product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA."""
-    from jointspec.kernels.quantize import ROWWISE_MAX_ROWS
+# Forwards longer than this (long prefills) take one-call GEMMs and transformers' one-call SDPA: the same prompt is
+# prefilled the same way by plain and speculative decoding, so only the rows after it need to be batch-independent.
+ROWWISE_MAX_ROWS = 256
 
+
+def _long(rows: torch.Tensor) -> bool:
+    """Whether a forward is long enough to be a prompt prefill (``ROWWISE_MAX_ROWS``): then the kernel runs the
+    product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA."""
     return rows.shape[0] > ROWWISE_MAX_ROWS
 
 

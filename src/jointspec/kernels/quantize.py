@@ -90,6 +90,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from jointspec.kernels.fp32 import use_stock_attention, use_stock_linears
+from jointspec.kernels.grouped import (ROWWISE_MAX_ROWS, GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear,
+                                       ScreenedInt8Head, grouped_misfit, kernels, stack_storage)
+
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("none", "int8", "int4")
@@ -185,9 +189,6 @@ class Int4Linear(nn.Module):
 
 
 ROWWISE_ATTENTION = "jointspec_rowwise"
-# Forwards longer than this (long prefills) take transformers' one-call SDPA: the same prompt is prefilled the same
-# way by plain and speculative decoding, so only the rows after it need to be batch-independent.
-ROWWISE_MAX_ROWS = 256
 
 
 def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -268,7 +269,6 @@ def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if query.shape[-1] % 16 or query.shape[-1] > 256 or query.stride(-1) != 1 or any(
             t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value)):
         return None
-    from jointspec.kernels.grouped import kernels
 
     return kernels()
 
@@ -301,7 +301,6 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
     """A grouped layer holding a file's own levels (kernels/gguf_blocks.py) in place of ``linear``; an 8-bit head
     with ``screen``, screened as :class:`~jointspec.kernels.grouped.ScreenedInt8Head`."""
-    from jointspec.kernels.grouped import GroupedInt8Linear, ScreenedInt8Head
 
     layer = stored.layer(None if linear.bias is None else linear.bias.detach())
     if screen and type(layer) is GroupedInt8Linear and layer.bias is None and linear.in_features % 64 == 0:
@@ -311,7 +310,6 @@ def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
 
 def quantization_mode(model: nn.Module) -> str:
     """``int4``, ``int8`` or ``none``: what :func:`quantize_model` did to ``model`` (int4 mode keeps an int8 head)."""
-    from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
 
     kinds = {type(module) for module in model.modules()}
     if kinds & {Int4Linear, GroupedInt4Linear, GroupedInt5Linear}:
@@ -346,10 +344,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
                          f"{mode}")
     # oneDNN float layers (kernels.fp32) are plain linears underneath: quantise those. The CPU kernels' attention
     # goes back to sdpa too, so that the row-wise attention below replaces it (a copy of a float target has it).
-    from jointspec.kernels.fp32 import use_stock_attention, use_stock_linears
 
-    from jointspec.kernels.grouped import (GroupedInt4Linear, GroupedInt8Linear, ScreenedInt8Head, grouped_misfit,
-                                           kernels, stack_storage)
 
     use_stock_linears(model)
     use_stock_attention(model)

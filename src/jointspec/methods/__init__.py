@@ -52,7 +52,7 @@ class MethodConfig:
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
         if self.tree_budget < 0:
             raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
-        from jointspec.drafts.eagle import HEAD_WEIGHT_CHOICES
+        from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES
 
         if self.head_weights not in HEAD_WEIGHT_CHOICES:
             raise ValueError(f"head_weights must be one of {', '.join(HEAD_WEIGHT_CHOICES)}, got "
@@ -78,7 +78,8 @@ class MethodContext:
                 return self.target.fork(f"{self.target.name} (self-draft)")
             return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)",
                             lean=self.target.lean is not None)
-        from jointspec.drafts.eagle import bind_trained_draft, is_head_artifact
+        from jointspec.drafts.registry import bind_trained_draft
+        from jointspec.drafts.artifact import is_head_artifact
 
         if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
             return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
@@ -228,7 +229,7 @@ def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 def _hybrid_tree(context: MethodContext, table=None) -> tuple[Drafter, Verifier]:
     """hybrid-tree; with an n-gram ``table`` (drafters/corpus.py) its lookup half drafts as ``corpus`` does."""
-    from jointspec.api import eos_token_ids
+    from jointspec.backends.tokens import eos_token_ids
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
@@ -306,7 +307,7 @@ MIN_TREE_GAIN = 1.15
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     from dataclasses import replace
 
-    from jointspec.drafts.eagle import shipped_head_for
+    from jointspec.drafts.artifact import shipped_head_for
 
     from jointspec.drafters.corpus import shipped_table_for
 

@@ -19,7 +19,7 @@ from jointspec.verifiers.tree import SpecTrVerifier, TreeRejectionVerifier
 
 def _eos_token_ids(context: MethodContext) -> frozenset[int]:
     """EOS ids the drafters must not expand past: the same set the loop stops at."""
-    from jointspec.api import eos_token_ids
+    from jointspec.backends.tokens import eos_token_ids
 
     return eos_token_ids(context.target, context.tokenizer)
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from jointspec.api import IncrementalDetokenizer, eos_token_ids
+from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats

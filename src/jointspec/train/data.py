@@ -31,7 +31,7 @@ import torch
 
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
-from jointspec.drafts.eagle import target_fingerprint
+from jointspec.drafts.artifact import target_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
-from jointspec.drafts.eagle import EagleHead, HeadConfig, float_lm_weight, target_fingerprint
+from jointspec.drafts.eagle import EagleHead
+from jointspec.drafts.artifact import HeadConfig, float_lm_weight, target_fingerprint
 from jointspec.train.data import atomic_save, load_shards, read_spec
 
 log = logging.getLogger(__name__)
