@@ -38,7 +38,7 @@ from jointspec.batch.cache import RaggedCache
 from jointspec.core.draft import EMPTY_DRAFT
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec import methods
+from jointspec.methods import registry as method_registry
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
 from jointspec.core.sampling import SamplingConfig
@@ -189,7 +189,7 @@ def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_
         def propose(self, context_ids, max_num_draft_tokens, sampling, generator): return EMPTY_DRAFT
         def commit(self, context_ids, num_accepted): pass
 
-    monkeypatch.setitem(methods._METHODS, "test-unbatchable",
+    monkeypatch.setitem(method_registry._METHODS, "test-unbatchable",
                         (lambda context: (OneShotDrafter(), GreedyVerifier()), "test only", False))
     with pytest.raises(UnsupportedOptionError, match="cannot run batched"):
         eng.submit(BatchRequest([5], GREEDY, MethodConfig("test-unbatchable")))

@@ -385,7 +385,8 @@ def test_hybrid_tree_drafts_no_tree_where_trees_do_not_pay(target_model, tmp_pat
 
 
 def test_default_method_uses_the_shipped_head_for_its_target(target_model, trained_head_dir, monkeypatch):
-    from jointspec import methods
+    from jointspec.methods import lossless
+    from jointspec.methods import default as default_policy
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
@@ -398,9 +399,9 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(without, CostAwareDrafter) and isinstance(without.inner, PromptLookupDrafter)
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
-    monkeypatch.setattr(methods, "default_tree_width", lambda curve, draft_cost: 2)  # see test_default_tree_width
+    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: 2)  # see test_default_tree_width
     # Where the head's tree is expected to pay (the tiny model's own timings would decide otherwise at random):
-    monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN)
+    monkeypatch.setattr(default_policy, "expected_tree_gain", lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
     decoder = decoder_for(target_model, "default", None)
     assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (2,)
     prompt = random_prompt(3)
@@ -420,7 +421,7 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     `corpus` does; still equal to plain greedy decoding, drafts from the table accepted."""
     import shutil
 
-    from jointspec import methods
+    from jointspec.methods import default as default_policy
     from jointspec.drafters import corpus
     from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
@@ -430,7 +431,7 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     shipped = tmp_path / "heads"
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
     monkeypatch.setattr(artifact, "SHIPPED_HEADS", shipped)
-    monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN)
+    monkeypatch.setattr(default_policy, "expected_tree_gain", lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
     prompts = [random_prompt(seed) for seed in (3, 4)]
     answers = [hf_greedy(target_model, prompt, 40) for prompt in prompts]
     tokenizer = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
@@ -449,7 +450,8 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
 
 def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(target_model, trained_head_dir,
                                                                            monkeypatch):
-    from jointspec import methods
+    from jointspec.methods import tree_width
+    from jointspec.methods import default as default_policy
     from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.drafts import artifact
@@ -460,8 +462,9 @@ def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(targe
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"),
                     dirs_exist_ok=True)
     monkeypatch.setattr(artifact, "SHIPPED_HEADS", shipped)
-    estimate = methods.expected_tree_gain
-    monkeypatch.setattr(methods, "expected_tree_gain", lambda curve, draft_cost: methods.MIN_TREE_GAIN - 0.01)
+    estimate = tree_width.expected_tree_gain
+    monkeypatch.setattr(default_policy, "expected_tree_gain",
+                        lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN - 0.01)
     target = CausalLM(target_model, name="tiny-target")
     drafter, _ = build_method(MethodContext(MethodConfig(name="default"), target, None, None))
     assert isinstance(drafter, CostAwareDrafter) and isinstance(drafter.inner, PromptLookupDrafter)
@@ -475,12 +478,12 @@ def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(targe
     # The estimate itself: the int4 SmolLM2's measured curve (ms) and head call, against float32's.
     int4 = CostCurve({1: 11.2, 2: 12.6, 4: 15.3, 6: 18.1})
     fp32 = CostCurve({1: 30.8, 2: 31.5, 3: 33.9, 4: 46.1})
-    assert estimate(int4, 1.74) < methods.MIN_TREE_GAIN < estimate(fp32, 1.74)
+    assert estimate(int4, 1.74) < default_policy.MIN_TREE_GAIN < estimate(fp32, 1.74)
 
 
 def test_default_tree_width_follows_the_cost_curve():
     from jointspec.drafters.costaware import CostCurve
-    from jointspec.methods import default_tree_width
+    from jointspec.methods.tree_width import default_tree_width
 
     # The AMD machine's oneDNN kernels: a 4-token forward costs about a step, so the widest tree pays.
     assert default_tree_width(CostCurve({1: 1.0, 2: 1.04, 3: 1.18, 4: 1.03, 5: 1.72}), 0.1) == 3
@@ -493,12 +496,12 @@ def test_default_tree_width_follows_the_cost_curve():
 def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, trained_head_dir, monkeypatch):
     # hybrid-tree (and default, which builds it) drafts the head's top w (chosen from the target's measured cost
     # curve) unless --tree is given; specinfer 4,2,2.
-    from jointspec import methods
+    from jointspec.methods import costs, lossless
 
     seen = []
-    monkeypatch.setattr(methods, "default_tree_width", lambda curve, draft_cost: seen.append(curve) or 3)
+    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 3)
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir).drafter.tree.branching == (3,)
-    assert seen == [methods.target_cost_curve(CausalLM(target_model))]  # the target's own curve, memoised
+    assert seen == [costs.target_cost_curve(CausalLM(target_model))]  # the target's own curve, memoised
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(2, 1)).drafter.tree.branching == (2, 1)
     assert decoder_for(target_model, "default", trained_head_dir, tree=(2,)).drafter.tree.branching == (2,)
     assert decoder_for(target_model, "specinfer", trained_head_dir).drafter.branching == (4, 2, 2)
@@ -620,3 +623,34 @@ def test_the_held_out_split_follows_content_not_the_pool():
     tiny_held, tiny_kept = held_out_split(pool[:2], 0.0)
     assert len(tiny_held) == 1 and len(tiny_kept) == 1  # at least one of each
     assert held_out_split(pool[:2], 1.0)[1]
+
+
+def test_a_heads_own_measured_hit_rates_choose_its_tree_width(trained_head_dir, tmp_path):
+    """`hybrid-tree` / `default` read P(target's token in the draft's top w) from the head's draft.json; a head that
+    records none, or records nonsense, gets the prior. On this curve the prior picks w = 2 and these rates w = 3."""
+    import json
+    import shutil
+
+    from jointspec.drafters.costaware import CostCurve
+    from jointspec.methods.tree_width import PRIOR_TOP_W_HIT_RATE, default_tree_width, top_w_hit_rate
+
+    curve = CostCurve({1: 1.0, 2: 1.13, 3: 1.21, 4: 1.57, 5: 1.60})
+    assert top_w_hit_rate(str(trained_head_dir)) == PRIOR_TOP_W_HIT_RATE  # trained here: nothing measured yet
+    assert default_tree_width(curve, 0.1, PRIOR_TOP_W_HIT_RATE) == 2
+    measured = tmp_path / "measured"
+    shutil.copytree(trained_head_dir, measured, ignore=shutil.ignore_patterns("checkpoint.pt"))
+    meta = json.loads((measured / "draft.json").read_text())
+    meta["measured"] = {"top_w_hit_rate": {"1": 0.1, "2": 0.2, "3": 0.95}}
+    (measured / "draft.json").write_text(json.dumps(meta))
+    rates = top_w_hit_rate(str(measured))
+    assert rates == {1: 0.1, 2: 0.2, 3: 0.95} and default_tree_width(curve, 0.1, rates) == 3
+    meta["measured"] = {"top_w_hit_rate": {"1": 1.5}}  # not a probability: ignored
+    (measured / "draft.json").write_text(json.dumps(meta))
+    assert top_w_hit_rate(str(measured)) == PRIOR_TOP_W_HIT_RATE
+
+
+def test_the_shipped_head_records_its_hit_rates():
+    from jointspec.drafts.artifact import SHIPPED_HEADS, measured_top_w_hit_rate
+
+    rates = measured_top_w_hit_rate(SHIPPED_HEADS / "smollm2-135m-instruct-eagle")
+    assert rates is not None and set(rates) == {1, 2, 3} and rates[1] < rates[2] < rates[3]

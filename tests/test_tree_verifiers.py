@@ -17,7 +17,8 @@ from scipy.stats import chisquare
 
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig
-from jointspec.verifiers.tree import SpecTrVerifier, TreeRejectionVerifier, kseq_rho
+from jointspec.verifiers.spectr import SpecTrVerifier, kseq_rho
+from jointspec.verifiers.tree import TreeRejectionVerifier
 
 ALPHA = 1e-4
 # 5·10^4 draws resolve a first-token error of ~0.5 % at ALPHA; edge cases and mutants (errors of several %) need

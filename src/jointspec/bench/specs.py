@@ -21,7 +21,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from jointspec.drafters.oracle import OracleConfig
+from jointspec.methods.oracle import OracleConfig
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.methods import MethodConfig, method_names
 from jointspec.backends.loading import QUANTIZE_CHOICES

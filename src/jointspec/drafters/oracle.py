@@ -17,33 +17,16 @@ replaced by a different random id with probability 0.25, e.g. ``[7, 3, 51, 4]``;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from jointspec.methods import MethodConfig, MethodContext, register_method
 from jointspec.backends.hf import CausalLM
 from jointspec.core.sampling import SamplingConfig
-from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.model import common_prefix_length
 
 # Extend a memoised continuation by at least this many tokens at a time (fewer, longer extensions).
 _EXTEND_CHUNK = 16
-
-
-@dataclass(frozen=True)
-class OracleConfig(MethodConfig):
-    """``MethodConfig`` plus the oracle's knobs: the share of draft tokens to corrupt and the seed that picks them."""
-
-    name: str = "oracle"
-    corruption_rate: float = 0.0
-    corruption_seed: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.corruption_rate <= 1.0:
-            raise ValueError(f"corruption_rate must be in [0, 1], got {self.corruption_rate}")
 
 
 class OracleDrafter:
@@ -112,11 +95,3 @@ class OracleDrafter:
                 logits = self.model.forward([out[-1]], num_logits=1).logits[-1]
                 self._cached_ids.append(out[-1])
         return out
-
-
-@register_method("oracle", "the target's own greedy continuation, a share corrupted (measures loop overhead)")
-def _build_oracle(context: MethodContext) -> tuple[OracleDrafter, RejectionSamplingVerifier]:
-    config = context.config
-    drafter = OracleDrafter(context.target, config.num_draft_tokens, getattr(config, "corruption_rate", 0.0),
-                            getattr(config, "corruption_seed", 0))
-    return drafter, RejectionSamplingVerifier()

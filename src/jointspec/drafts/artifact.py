@@ -160,6 +160,17 @@ def shipped_head_for(target: CausalLM) -> Path | None:
     return None
 
 
+def measured_top_w_hit_rate(folder: str | Path) -> dict[int, float] | None:
+    """How often the draft's top w tokens (w = 1, 2, ...) held the target's next token, as its ``draft.json`` records
+    under ``measured`` (``jointspec`` writes it after measuring), or None where it records none."""
+    try:
+        meta = json.loads((Path(folder).expanduser() / CONFIG_FILE).read_text())
+        rates = {int(w): float(rate) for w, rate in meta["measured"]["top_w_hit_rate"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return rates if rates and all(0.0 <= rate <= 1.0 for rate in rates.values()) else None
+
+
 def is_head_artifact(path: str | Path) -> bool:
     return (Path(path).expanduser() / CONFIG_FILE).is_file()
 

@@ -1,0 +1,34 @@
+"""What drafting costs on a target: its measured cost curve, a draft's per-call cost, and the cost-aware wrapper."""
+
+from __future__ import annotations
+
+from jointspec.core.draft import Drafter
+from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, measure_cost_curve
+
+
+def target_cost_curve(target):
+    """The target's measured cost curve (memoised per model: a few seconds once)."""
+    # Verification, and so its cost, runs on a llama.cpp adapter's exact context; an `ar` decode leaves the plain one.
+    if getattr(target, "plain", False):
+        target.reset()
+    # A model with a short context (tiny test models) is measured on the sizes that fit; the curve extrapolates.
+    room = getattr(target, "max_context", 1 << 30) - target.num_cached
+    return measure_cost_curve(target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
+
+
+def draft_cost_per_call(draft) -> float:
+    """Seconds of one 1-token forward of a draft model or head (memoised per model, like the target's curve)."""
+    return measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1)
+
+
+def make_cost_aware(drafter: Drafter, target, max_num_draft_tokens: int) -> Drafter:
+    """Wrap a chain drafter so each round drafts the length the target's measured cost curve says pays, or none.
+
+    The curve is measured once per target model (a few seconds, memoised); a model drafter's per-token cost is its
+    own one-token forward, prompt lookup's is zero.
+    """
+    curve = target_cost_curve(target)
+    draft = getattr(drafter, "draft", None)
+    if draft is not None:
+        curve = curve.with_draft_cost(draft_cost_per_call(draft))
+    return CostAwareDrafter(drafter, curve, max_num_draft_tokens=max_num_draft_tokens)

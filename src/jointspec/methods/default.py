@@ -1,0 +1,69 @@
+"""``default``: the fastest exact configuration this library knows for a target, chosen from its measured cost curve.
+
+A head shipped for the target (or ``--draft``) drafts a one-level tree of its top w next tokens where the curve says
+that tree pays, with lookup where the text repeats (``hybrid-tree``); else cost-aware lookup (``corpus`` where an
+n-gram table is shipped for the tokenizer, else ``pld``). The tree's expected gain needs how often the draft's top w
+hold the target's next token: a head carries that measurement in its own ``draft.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from jointspec.backends.hf import CausalLM
+from jointspec.core.draft import Drafter
+from jointspec.core.verdict import Verifier
+from jointspec.drafters.corpus import shipped_table_for
+from jointspec.drafts.artifact import shipped_head_for
+from jointspec.methods.costs import draft_cost_per_call
+from jointspec.methods.lossless import hybrid_tree, shipped_corpus_table
+from jointspec.methods.registry import MethodConfig, MethodContext, build_method, register_method
+from jointspec.methods.tree_width import expected_tree_gain, top_w_hit_rate
+
+log = logging.getLogger(__name__)
+
+
+# Below this expected gain over plain decoding `default` leaves the head out and drafts by cost-aware lookup alone:
+# the estimate is a prior, and trees expected at about 1.1x ran no faster than lookup alone, while those expected at
+# 1.35x paid (docs/methods.md, "default").
+MIN_TREE_GAIN = 1.15
+
+
+@register_method("default", "what `generate` runs: hybrid-tree with the head shipped for the target where its measured "
+                 "cost curve says the tree pays, else cost-aware corpus or pld (lossless)",
+                 cost_aware=True)
+def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
+    def lookup() -> MethodConfig:
+        """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),
+        else prompt lookup alone (pld)."""
+        table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
+        return replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True)
+
+    # Only the torch adapter verifies trees and feeds heads (llama.cpp's refuses trees and has no hidden states).
+    torch_target = isinstance(context.target, CausalLM)
+    head = context.config.draft
+    if head is None and torch_target:
+        head = shipped_head_for(context.target)
+    if head is None:
+        config = lookup()
+    elif not torch_target:
+        config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
+    else:
+        config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)
+        # Its lookup half drafts as `corpus` where a table is shipped for the tokenizer: on the float32 SmolLM2,
+        # 1.44x over `ar` on MT-Bench against 1.38x with prompt lookup alone (docs/lab/benchmarks.md, section 5).
+        drafter, verifier = hybrid_tree(MethodContext(config, context.target, context.tokenizer, context.load_draft),
+                                         table=shipped_corpus_table(context))
+        if context.config.draft is not None or context.config.tree or context.config.tree_budget:
+            return drafter, verifier  # a draft or a tree asked for: keep them
+        draft = drafter.draft
+        gain = expected_tree_gain(drafter.curve, draft_cost_per_call(draft), top_w_hit_rate(config.draft))
+        if gain >= MIN_TREE_GAIN:
+            return drafter, verifier
+        log.info("default: the head's tree is expected at %.2fx of plain decoding on this target (under %.2fx): "
+                 "drafting by cost-aware lookup alone", gain, MIN_TREE_GAIN)
+        if hasattr(draft, "mirror"):
+            context.target.detach_feature_mirror(draft.mirror)
+        config = lookup()
+    return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))

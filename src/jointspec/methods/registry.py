@@ -1,0 +1,125 @@
+"""The method registry: each name builds a (drafter, verifier) pair for the one loop.
+
+A method is registered with :func:`register_method`; nothing else in the library branches on method names. Importing
+:mod:`jointspec.methods` registers every built-in method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.tokens import eos_token_ids
+from jointspec.core.draft import Drafter
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.verdict import Verifier
+from jointspec.drafters.model import check_same_vocabulary
+from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact
+from jointspec.drafts.registry import bind_trained_draft
+from jointspec.methods.costs import make_cost_aware
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Every knob a method may read. ``draft`` names a draft model source ("self" = the target itself)."""
+
+    name: str = "ar"
+    draft: str | None = None
+    num_draft_tokens: int = 4
+    max_num_draft_tokens: int = 16
+    max_ngram: int = 3
+    min_ngram: int = 1
+    beam_width: int = 4
+    accept_threshold: float = 0.5
+    tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: default_tree_width, specinfer: 4,2,2)
+    tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
+    cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
+    head_weights: str = "auto"  # a trained EAGLE head's weights: auto / float32 / int8 (drafts/eagle.py)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.max_num_draft_tokens < 1:
+            raise ValueError(f"max_num_draft_tokens must be >= 1, got {self.max_num_draft_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if not self.accept_threshold > 0:
+            raise ValueError(f"accept_threshold must be > 0, got {self.accept_threshold}")
+        if self.tree is not None and (not self.tree or any(k < 1 for k in self.tree)):
+            raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
+        if self.tree_budget < 0:
+            raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
+        if self.head_weights not in HEAD_WEIGHT_CHOICES:
+            raise ValueError(f"head_weights must be one of {', '.join(HEAD_WEIGHT_CHOICES)}, got "
+                             f"'{self.head_weights}'")
+
+
+@dataclass
+class MethodContext:
+    """What a method builder may use: the target, its tokenizer, and a way to load the draft model."""
+
+    config: MethodConfig
+    target: CausalLM
+    tokenizer: object | None
+    load_draft: Callable[[str], tuple[CausalLM, object | None]]
+
+    def draft_model(self) -> CausalLM:
+        """The draft model named by ``config.draft`` (required), checked against the target's vocabulary."""
+        if self.config.draft is None:
+            raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model: pass --draft PATH "
+                                         "(or --draft self to use the target as its own draft)")
+        if self.config.draft == "self":
+            if hasattr(self.target, "fork"):  # a llama.cpp target: a second context over the same weights
+                return self.target.fork(f"{self.target.name} (self-draft)")
+            return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)",
+                            lean=self.target.lean is not None)
+        if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
+            return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
+        draft, draft_tokenizer = self.load_draft(self.config.draft)
+        check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
+        return draft
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids the drafters must not expand past: the same set the loop stops at."""
+        return eos_token_ids(self.target, self.tokenizer)
+
+
+Builder = Callable[[MethodContext], tuple[Drafter, Verifier]]
+
+
+_METHODS: dict[str, tuple[Builder, str, bool]] = {}
+
+
+def register_method(name: str, summary: str, cost_aware: bool = False) -> Callable[[Builder], Builder]:
+    """Register a builder. ``cost_aware``: its drafter drafts chains, so ``MethodConfig.cost_aware`` may wrap it."""
+    def decorate(builder: Builder) -> Builder:
+        _METHODS[name] = (builder, summary, cost_aware)
+        return builder
+    return decorate
+
+
+def method_names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def method_summaries() -> dict[str, str]:
+    return {name: summary for name, (_, summary, _) in sorted(_METHODS.items())}
+
+
+def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
+    name = context.config.name
+    if name not in _METHODS:
+        raise UnsupportedOptionError(f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}")
+    builder, _, cost_aware_ok = _METHODS[name]
+    if context.config.cost_aware and not cost_aware_ok:
+        cost_aware = sorted(n for n, entry in _METHODS.items() if entry[2])
+        raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
+                                     f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
+    drafter, verifier = builder(context)
+    # A drafter that already weighs drafting against the cost curve ("default" builds one) is not wrapped again.
+    if context.config.cost_aware and not getattr(drafter, "cost_aware", False):
+        drafter = make_cost_aware(drafter, context.target, context.config.max_num_draft_tokens)
+    return drafter, verifier
