@@ -255,7 +255,7 @@ def test_generate_and_serve_pass_kernels_to_the_loader(tmp_path, capsys):
     # The CLI's --kernels reaches load_model for `generate` (a bfloat16 model cannot be put on oneDNN linears: a clean
     # error naming why) and for the shared loader used by `serve` and `bench`.
     from jointspec.cli import main as cli
-    from jointspec.cli.main import model_loader
+    from jointspec.cli.options import model_loader
     from test_cli import assert_clean_error, run_cli
 
     folder = save_model(tmp_path / "tiny", 0)

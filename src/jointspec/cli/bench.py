@@ -8,8 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from jointspec.cli.main import (_positive_int, add_model_arguments, apply_threads, method_config_from_args,
-                                model_loader, model_options)
+from jointspec.cli.options import (positive_int, add_model_arguments, apply_threads, method_config_from_args,
+                                   model_loader, model_options)
 from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
@@ -29,14 +29,14 @@ def add_parser(subparsers) -> None:
                         help="MT-Bench/Spec-Bench JSONL (question_id, category, turns); repeatable. Built-in: "
                              + ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) + " (default: builtin:mt_bench)")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
-    parser.add_argument("--num-per-category", type=_positive_int, default=None, help="first N prompts per category")
-    parser.add_argument("--max-turns", type=_positive_int, default=None, help="ask at most N turns per prompt")
+    parser.add_argument("--num-per-category", type=positive_int, default=None, help="first N prompts per category")
+    parser.add_argument("--max-turns", type=positive_int, default=None, help="ask at most N turns per prompt")
     parser.add_argument("--methods", default="ar,pld",
                         help="comma-separated specs name[:key=value,...], e.g. ar,pld:n=4,sps:draft=self,k=5,"
                              "hf-generate,hf-pld,hf-assisted:draft=self. Methods: " + ", ".join(all_method_names()))
     parser.add_argument("--baseline", default="ar", help="the method speedups are relative to (added if not listed)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn")
-    parser.add_argument("--repeats", type=_positive_int, default=1, help="timed repeats (median; min-max shown)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="per turn")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="timed repeats (median; min-max shown)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")

@@ -31,7 +31,7 @@ from jointspec.backends.loading import load_model as load_target
 
 
 def add_parser(subparsers) -> None:
-    from jointspec.cli.main import _positive_int
+    from jointspec.cli.options import positive_int
 
     parser = subparsers.add_parser(
         "build-corpus", help="build the n-gram table `corpus` drafts from, out of the target's own answers",
@@ -43,16 +43,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--answers-from", action="append", default=[], metavar="DIR",
                         help="also count the answers in a `train-draft` data folder built for this target "
                              "(repeatable)")
-    parser.add_argument("--num-prompts", type=_positive_int, default=None,
+    parser.add_argument("--num-prompts", type=positive_int, default=None,
                         help="keep the first N prompts of the seeded shuffle (default: all)")
-    parser.add_argument("--max-prompt-tokens", type=_positive_int, default=400,
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=400,
                         help="drop prompts longer than this (their prefill costs more than their answer gives)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length")
-    parser.add_argument("--max-order", type=_positive_int, default=4, help="longest n-gram in the table")
-    parser.add_argument("--min-count", type=_positive_int, default=2,
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="answer length")
+    parser.add_argument("--max-order", type=positive_int, default=4, help="longest n-gram in the table")
+    parser.add_argument("--min-count", type=positive_int, default=2,
                         help="keep n-grams seen at least this often")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=_positive_int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--out", required=True, help="folder for the table (table.npz and corpus.json)")
     parser.add_argument("--data", default=None, help="folder for the target's answers (default: OUT/data)")
     parser.add_argument("--no-progress", action="store_true")

