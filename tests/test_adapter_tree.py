@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_llama
-from jointspec.backends.hf import CausalLM, chain_parents, tree_ancestor_mask, tree_depths
+from jointspec.backends.hf import CausalLM, tree_ancestor_mask
+from jointspec.core.draft import chain_parents, tree_depths
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 

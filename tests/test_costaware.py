@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import VOCAB
+from jointspec.core.target import TargetCapabilities
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.costaware import (DEFAULT_SIZES, CostAwareDrafter, CostCurve, choose_num_draft_tokens,
                                           expected_tokens, measure_cost_curve)
@@ -164,10 +165,12 @@ def test_measure_cost_curve_on_tiny_model(target_model):
 
 
 class CountingAdapter:
-    """The duck-typed adapter interface and nothing else (no ``model``, no torch): a stand-in for any backend."""
+    """The target interface with no capability beyond chains (no ``model``, no torch): a stand-in for any backend."""
 
     vocab_size = 50
     max_context = 64
+    device = torch.device("cpu")
+    capabilities = TargetCapabilities()
 
     def __init__(self, num_cached: int = 0) -> None:
         self.num_cached = num_cached

@@ -184,7 +184,7 @@ def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatc
     original = ScreenedInt8Head.argmax_logits
     monkeypatch.setattr(ScreenedInt8Head, "argmax_logits", lambda self, x: calls.append(x.shape) or original(self, x))
     target = CausalLM(model, name="int4")
-    assert target.screens_argmax
+    assert target.capabilities.argmax_screen
     drafter, verifier = build_method(MethodContext(MethodConfig(name="pld"), target, None, load_draft=None))
     decoder = SpeculativeDecoder(target, drafter, verifier)
     decoder.generate(random_prompt(0), greedy(20))

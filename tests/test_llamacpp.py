@@ -598,3 +598,10 @@ def test_bench_refuses_a_gguf_of_another_vocabulary(tiny, tmp_path):
     bench_tokenizer = AutoTokenizer.from_pretrained(str(tiny[0].parent), gguf_file=tiny[0].name)
     with pytest.raises(ModelLoadError, match="does not use the bench target's tokenizer"):
         LlamaCppBackend(str(path), bench_tokenizer, threads=1).adapter()
+
+
+def test_the_llamacpp_adapter_implements_the_target_protocol(lm):
+    from jointspec.core.target import TargetCapabilities, TargetLM
+
+    assert isinstance(lm, TargetLM)
+    assert lm.capabilities == TargetCapabilities(fork=True, plain_decode=True)  # chains only, no hidden states

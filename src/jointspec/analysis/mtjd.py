@@ -48,7 +48,7 @@ def exact_block_distribution(model: CausalLM, context_ids: list[int], num_tokens
     Scores every prefix in one tree forward on a private cache (``model``'s own cache is untouched).
     """
     vocab = model.vocab_size
-    probe = CausalLM(model.model, name=f"{model.name} (mtjd probe)", lean=model.lean is not None)
+    probe = model.fork(f"{model.name} (mtjd probe)")
     rows = [processed_probs(probe.forward(context_ids, num_logits=1).logits, sampling).double()]  # [1, vocab]
     if num_tokens > 1:
         parents, tokens = all_prefixes_tree(vocab, num_tokens - 1)
@@ -94,7 +94,7 @@ def beam_mtjd_generate(target: CausalLM, prompt_ids: list[int], max_new_tokens: 
                        eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
     """Target-only beam-sampling MTJD: per block, beam-sample ``num_tokens`` levels with the *target* and commit the
     best beam whole. Costs ``num_tokens`` target forwards per block (no speed-up; a quality reference only)."""
-    cache = DraftTreeCache(CausalLM(target.model, name=f"{target.name} (mtjd)", lean=target.lean is not None))
+    cache = DraftTreeCache(target.fork(f"{target.name} (mtjd)"))
     cache.start()
     tokens = list(prompt_ids)
     new: list[int] = []

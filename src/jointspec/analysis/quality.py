@@ -22,7 +22,7 @@ def token_logprobs(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequenc
     """
     if not new_ids:
         return torch.zeros(0)
-    if hasattr(target, "fork"):  # llama.cpp: score in a second context over the same weights
+    if not target.capabilities.torch_module:  # llama.cpp: score in a second context over the same weights
         scorer = target.fork(f"{target.name} (scoring)")
         scorer.reset()
         logits = scorer.forward(list(prompt_ids) + list(new_ids), num_logits=len(new_ids) + 1).logits[:-1]

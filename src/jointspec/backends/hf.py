@@ -11,34 +11,14 @@ token). Each token then sees the whole cache plus its own ancestors, and sits at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel
 
+from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.target import ForwardOutput, TargetCapabilities
 from jointspec.backends.lean_forward import fast_forward_for
 from jointspec.backends.kvcache import BufferedCache
-
-
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [num_logits, vocab], float32
-    hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states (after the final norm), if asked
-
-
-def chain_parents(num_tokens: int) -> list[int]:
-    return list(range(-1, num_tokens - 1))
-
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each node (a child of the cache has depth 0). Parents must come before their children."""
-    depths: list[int] = []
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 or an earlier node")
-        depths.append(0 if parent == -1 else depths[parent] + 1)
-    return depths
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -148,9 +128,14 @@ class CausalLM:
         return self.model.dtype
 
     @property
-    def screens_argmax(self) -> bool:
-        """Whether ``forward(..., argmax_only=True)`` reads the argmax through a cheaper screened head."""
-        return self.lean is not None and hasattr(self.model.get_output_embeddings(), "argmax_logits")
+    def capabilities(self) -> TargetCapabilities:
+        # The screen is read each time: quantising the model in place can give it a screened head after construction.
+        return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, argmax_screen=(
+            self.lean is not None and hasattr(self.model.get_output_embeddings(), "argmax_logits")))
+
+    def fork(self, name: str | None = None) -> CausalLM:
+        """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe)."""
+        return CausalLM(self.model, name=name or f"{self.name} (fork)", lean=self.lean is not None)
 
     def reset(self, *, plain: bool = False) -> None:
         """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
@@ -168,8 +153,8 @@ class CausalLM:
         """Feed ``token_ids`` after the cache; they stay cached. Returns the last ``num_logits`` rows (all if None).
 
         ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
-        reads only each row's argmax (greedy verification), so a target with :attr:`screens_argmax` may return
-        logits whose other entries are approximate (kernels/grouped.py, ScreenedInt8Head).
+        reads only each row's argmax (greedy verification), so a target with an argmax screen may return
+        logits whose other entries are approximate (``capabilities.argmax_screen``; kernels/grouped.py).
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]

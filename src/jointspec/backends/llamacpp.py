@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from jointspec.core.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
-from jointspec.backends.hf import ForwardOutput, chain_parents
+from jointspec.core.target import ForwardOutput, TargetCapabilities
+from jointspec.core.draft import chain_parents
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ class _Context:
 class LlamaCppLM:
     """A llama.cpp model over :class:`LlamaCppWeights`, holding one sequence's KV cache at a time.
 
-    Duck-types :class:`jointspec.backends.hf.CausalLM` for chain methods (``ar``, ``pld``, ``sps``).
+    A :class:`~jointspec.core.target.TargetLM` for chain methods (``ar``, ``pld``, ``sps``, ``corpus``, ``hybrid``).
     ``model`` is the shared weights handle (no torch module: nothing here can run the model through torch);
     there is no ``config``.
 
@@ -239,6 +240,10 @@ class LlamaCppLM:
         self.num_cached = 0
 
     # --- what the loop and drafters read -----------------------------------------------------------------------
+
+    # Chains only, no hidden states, no torch module; a fork is a second llama.cpp context; ``plain`` decodes may run
+    # on llama.cpp's default kernels (class docstring).
+    capabilities = TargetCapabilities(fork=True, plain_decode=True)
 
     @property
     def vocab_size(self) -> int:
@@ -282,8 +287,10 @@ class LlamaCppLM:
         self.num_cached = 0
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
-                num_logits: int | None = None, output_hidden: bool = False) -> ForwardOutput:
-        """Feed ``token_ids`` (a chain) after the cache; they stay cached. Returns the last ``num_logits`` rows."""
+                num_logits: int | None = None, output_hidden: bool = False,
+                argmax_only: bool = False) -> ForwardOutput:
+        """Feed ``token_ids`` (a chain) after the cache; they stay cached. Returns the last ``num_logits`` rows.
+        ``argmax_only`` changes nothing: llama.cpp has no screened head, so every row is exact anyway."""
         ids = [int(t) for t in (token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor)
                                 else token_ids)]
         n = len(ids)

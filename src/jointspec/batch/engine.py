@@ -36,7 +36,8 @@ from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends.hf import CausalLM, tree_depths
+from jointspec.backends.hf import CausalLM
+from jointspec.core.draft import tree_depths
 from jointspec.core.verdict import Verifier
 from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
@@ -131,7 +132,7 @@ class BatchEngine:
             self._drafts[source] = self._load_draft(source)
         draft, tokenizer = self._drafts[source]
         # Each method config gets its own adapter (and cache) around the shared weights.
-        return CausalLM(draft.model, name=draft.name, lean=getattr(draft, "lean", None) is not None), tokenizer
+        return draft.fork(draft.name), tokenizer
 
     def check(self, request: BatchRequest) -> None:
         """Raise the error ``submit`` would, without queueing anything."""

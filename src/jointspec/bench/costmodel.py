@@ -60,7 +60,7 @@ class TargetCost:
 def measure_target_cost(target: CausalLM, ks: tuple[int, ...] = DEFAULT_KS, prefill_tokens: int = 200,
                         repeats: int = 7, seed: int = 0) -> TargetCost:
     """Measure T(k) on a separate cache over the target's weights (the target's own cache is left alone)."""
-    model = CausalLM(target.model, name=f"{target.name} (cost model)", lean=target.lean is not None)
+    model = target.fork(f"{target.name} (cost model)")
     prefill_tokens = max(1, min(prefill_tokens, target.max_context - max(ks) - 1))
     rng = random.Random(seed)
     prompt = [rng.randrange(target.vocab_size) for _ in range(prefill_tokens)]

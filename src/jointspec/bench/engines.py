@@ -51,7 +51,7 @@ class JointspecEngine:
                  load_draft: LoadDraft) -> None:
         self.spec = spec
         self.config = method_config(spec, defaults)
-        if self.config.draft == "self" and not isinstance(target, CausalLM) and hasattr(target, "fork"):
+        if self.config.draft == "self" and target.capabilities.fork and not target.capabilities.torch_module:
             # The registry's self-draft wraps the target's torch module; another backend's adapter has none, so
             # the draft is a second context over the same weights (its own cache), handed in as a loaded draft.
             self_draft = f"{target.name} (self-draft)"

@@ -293,14 +293,14 @@ def environment(target: CausalLM) -> dict:
     import transformers
 
     device = target.device
+    model = target.model if target.capabilities.torch_module else None
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
         device_name = _cpu_name()
     return {"model": target.name, "device": str(device), "device_name": device_name,
             "dtype": str(target.dtype).replace("torch.", ""), "num_threads": torch.get_num_threads(),
-            "kernels": kernels_in_use(getattr(target, "model", None)),
-            "attention": attention_in_use(getattr(target, "model", None)),
+            "kernels": kernels_in_use(model), "attention": attention_in_use(model),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "jointspec": metadata.version("jointspec")}

@@ -48,6 +48,20 @@ class Draft:
         return list(range(-1, self.num_nodes - 1)) if self.parents is None else list(self.parents)
 
 
+def chain_parents(num_tokens: int) -> list[int]:
+    return list(range(-1, num_tokens - 1))
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (a child of the cache has depth 0). Parents must come before their children."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 or an earlier node")
+        depths.append(0 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
 EMPTY_DRAFT = Draft(token_ids=[])
 
 

@@ -23,8 +23,9 @@ import torch
 
 from jointspec.core.draft import Drafter
 from jointspec.core.errors import ContextTooLongError
-from jointspec.backends.hf import CausalLM, tree_depths
+from jointspec.core.draft import tree_depths
 from jointspec.core.sampling import SamplingConfig
+from jointspec.core.target import TargetLM
 from jointspec.core.verdict import Verifier
 
 
@@ -106,7 +107,7 @@ class DecodeConfig:
 class SpeculativeDecoder:
     """Runs rounds of draft -> verify -> commit for one sequence at a time."""
 
-    def __init__(self, target: CausalLM, drafter: Drafter, verifier: Verifier) -> None:
+    def __init__(self, target: TargetLM, drafter: Drafter, verifier: Verifier) -> None:
         self.target = target
         self.drafter = drafter
         self.verifier = verifier
@@ -134,7 +135,7 @@ class SpeculativeDecoder:
         self.drafter.start(tokens)
         stats.prefill_seconds = time.perf_counter() - start
         # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
-        argmax_only = ({"argmax_only": True} if config.sampling.greedy and getattr(self.target, "screens_argmax", False)
+        argmax_only = ({"argmax_only": True} if config.sampling.greedy and self.target.capabilities.argmax_screen
                        and getattr(self.verifier, "reads_argmax_when_greedy", False) else {})
 
         while len(tokens) < end:

@@ -172,9 +172,9 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _memo_owner(target) -> object:
-    """What a measured curve belongs to: the weights (``target.model``) when the adapter exposes them, so adapters
-    sharing one model (a self-draft, the oracle) share one measurement; else the adapter itself."""
-    return getattr(target, "model", target)
+    """What a measured curve belongs to: the weights (``target.model``) where the adapter forks over shared weights, so
+    adapters sharing one model (a self-draft, the oracle) share one measurement; else the adapter itself."""
+    return target.model if target.capabilities.fork else target
 
 
 def _synchronize(device) -> None:
@@ -194,7 +194,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     the measured context is ``num_cached + context_tokens`` tokens. Each size is run once untimed (warm-up), then
     ``repeats`` times with sizes shuffled within each pass, so drift in machine speed hits every size alike. Every
     forward returns all rows of logits, as verification does; a target that reads greedy argmaxes through a cheaper
-    head (``screens_argmax``, kernels/grouped.py) is timed so, as greedy decoding (the default) runs it.
+    head (``capabilities.argmax_screen``) is timed so, as greedy decoding (the default) runs it.
 
     The result is memoised per model (``target.model`` where the adapter has one, else the adapter), settings and
     torch thread count: a server or benchmark pays for it once. ``refresh=True`` measures again.
@@ -210,7 +210,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     from jointspec.kernels.fp32 import attention_in_use, kernels_in_use
 
     # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
-    argmax_only = {"argmax_only": True} if getattr(target, "screens_argmax", False) else {}
+    argmax_only = {"argmax_only": True} if target.capabilities.argmax_screen else {}
     key = (sizes, repeats, context_tokens, seed, torch.get_num_threads(), kernels_in_use(owner),
            attention_in_use(owner), bool(argmax_only))
     try:
@@ -221,7 +221,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
         return memo[key]
 
     start = target.num_cached
-    room = int(getattr(target, "max_context", 1 << 30)) - start - sizes[-1]
+    room = int(target.max_context) - start - sizes[-1]
     if room < 0:
         raise ValueError(f"cannot measure a {sizes[-1]}-token forward: the adapter holds {start} cached tokens and "
                          f"its context is {target.max_context}; measure on a reset adapter or pass smaller sizes")
@@ -229,7 +229,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     rng = random.Random(seed)
     vocab = target.vocab_size
     samples: dict[int, list[float]] = {n: [] for n in sizes}
-    device = getattr(target, "device", None)
+    device = target.device
     try:
         if context:
             target.forward([rng.randrange(vocab) for _ in range(context)], num_logits=0)

@@ -39,7 +39,7 @@ class OracleDrafter:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if not 0.0 <= corruption_rate <= 1.0:
             raise ValueError(f"corruption_rate must be in [0, 1], got {corruption_rate}")
-        self.model = CausalLM(target.model, name=f"{target.name} (oracle)", lean=target.lean is not None)
+        self.model = target.fork(f"{target.name} (oracle)")
         self.vocab_size = target.vocab_size
         self.num_draft_tokens = num_draft_tokens
         self.corruption_rate = corruption_rate

@@ -15,6 +15,7 @@ from torch import nn
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.core.target import TargetCapabilities
 
 ARTIFACT_FORMAT = 1
 
@@ -244,6 +245,9 @@ class FeatureDraft:
         self.name = name
         self.mirror = target.attach_feature_mirror(layers)
         self._full_vocab = target.vocab_size
+
+    # Drafts that read features score chains and trees; they have no features of their own and no fork.
+    capabilities = TargetCapabilities(trees=True)
 
     @property
     def vocab_size(self) -> int:

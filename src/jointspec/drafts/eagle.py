@@ -34,7 +34,9 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.backends.hf import CausalLM, ForwardOutput, chain_parents, tree_ancestor_mask, tree_depths
+from jointspec.backends.hf import CausalLM, tree_ancestor_mask
+from jointspec.core.target import ForwardOutput
+from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.kernels.fp32 import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
 from jointspec.backends.lean_forward import body_unsupported_reason, lean_body_forward
 from jointspec.backends.kvcache import BufferedCache

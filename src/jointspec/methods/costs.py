@@ -9,10 +9,10 @@ from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, measur
 def target_cost_curve(target):
     """The target's measured cost curve (memoised per model: a few seconds once)."""
     # Verification, and so its cost, runs on a llama.cpp adapter's exact context; an `ar` decode leaves the plain one.
-    if getattr(target, "plain", False):
+    if target.capabilities.plain_decode:
         target.reset()
     # A model with a short context (tiny test models) is measured on the sizes that fit; the curve extrapolates.
-    room = getattr(target, "max_context", 1 << 30) - target.num_cached
+    room = target.max_context - target.num_cached
     return measure_cost_curve(target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import Drafter
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.corpus import shipped_table_for
@@ -40,14 +39,15 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
         table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
         return replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True)
 
-    # Only the torch adapter verifies trees and feeds heads (llama.cpp's refuses trees and has no hidden states).
-    torch_target = isinstance(context.target, CausalLM)
+    # Trees and heads need a target that scores trees and exposes hidden states (llama.cpp's adapter does neither).
+    capabilities = context.target.capabilities
+    trees_and_heads = capabilities.trees and capabilities.features
     head = context.config.draft
-    if head is None and torch_target:
+    if head is None and trees_and_heads:
         head = shipped_head_for(context.target)
     if head is None:
         config = lookup()
-    elif not torch_target:
+    elif not trees_and_heads:
         config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
     else:
         config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)

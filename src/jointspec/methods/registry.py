@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.core.draft import Drafter
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.target import TargetLM
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.model import check_same_vocabulary
 from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact
@@ -62,20 +62,20 @@ class MethodContext:
     """What a method builder may use: the target, its tokenizer, and a way to load the draft model."""
 
     config: MethodConfig
-    target: CausalLM
+    target: TargetLM
     tokenizer: object | None
-    load_draft: Callable[[str], tuple[CausalLM, object | None]]
+    load_draft: Callable[[str], tuple[TargetLM, object | None]]
 
-    def draft_model(self) -> CausalLM:
+    def draft_model(self) -> TargetLM:
         """The draft model named by ``config.draft`` (required), checked against the target's vocabulary."""
         if self.config.draft is None:
             raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model: pass --draft PATH "
                                          "(or --draft self to use the target as its own draft)")
         if self.config.draft == "self":
-            if hasattr(self.target, "fork"):  # a llama.cpp target: a second context over the same weights
-                return self.target.fork(f"{self.target.name} (self-draft)")
-            return CausalLM(self.target.model, name=f"{self.target.name} (self-draft)",
-                            lean=self.target.lean is not None)
+            if not self.target.capabilities.fork:
+                raise UnsupportedOptionError(f"target '{self.target.name}' cannot open a second cache over its "
+                                             "weights, so it cannot be its own draft: pass --draft PATH")
+            return self.target.fork(f"{self.target.name} (self-draft)")
         if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
             return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
         draft, draft_tokenizer = self.load_draft(self.config.draft)

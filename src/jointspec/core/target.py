@@ -1,0 +1,84 @@
+"""What the loop, the methods, the batched engine and the bench may ask of a model: the ``TargetLM`` protocol.
+
+A target holds one sequence's KV cache. It knows how many tokens are cached (``num_cached``), feeds new tokens after
+them in one forward pass (a chain, or a tree given by ``parents``), and rolls the cache back to exactly the tokens the
+loop kept (``crop`` for a prefix, ``keep`` for a tree path). Every backend implements it (``backends/hf.py`` for
+transformers models, ``backends/llamacpp.py`` for GGUF files through llama.cpp), and so do the trained drafts that run
+as models (``drafts/``), which drafters call the same way.
+
+What a backend can do beyond that core it declares in :class:`TargetCapabilities`; callers read those fields instead
+of probing the object for attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [num_logits, vocab], float32
+    hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states (after the final norm), if asked
+
+
+@dataclass(frozen=True)
+class TargetCapabilities:
+    """What a target can do beyond chains of tokens and logits.
+
+    ``trees``: ``forward(parents=...)`` scores a token tree in one pass (each node sees its ancestors only).
+    ``features``: hidden states (``output_hidden``, feature mirrors), which EAGLE-style heads and Medusa read.
+    ``fork``: :meth:`TargetLM.fork` gives a second cache over the same weights (a self-draft, a cost probe).
+    ``argmax_screen``: ``forward(argmax_only=True)`` finds each row's argmax through a cheaper screened head.
+    ``plain_decode``: ``reset(plain=True)`` switches to faster kernels for decodes that verify nothing (whose rows
+    then need not equal batched rows).
+    ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.
+    """
+
+    trees: bool = False
+    features: bool = False
+    fork: bool = False
+    argmax_screen: bool = False
+    plain_decode: bool = False
+    torch_module: bool = False
+
+
+@runtime_checkable
+class TargetLM(Protocol):
+    name: str
+    num_cached: int
+
+    @property
+    def capabilities(self) -> TargetCapabilities: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def reset(self, *, plain: bool = False) -> None:
+        """Empty the cache for a new sequence; ``plain``: see :attr:`TargetCapabilities.plain_decode`."""
+
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False,
+                argmax_only: bool = False) -> ForwardOutput:
+        """Feed ``token_ids`` after the cache (they stay cached); the last ``num_logits`` rows of logits (all if
+        None). A target without a capability refuses the option that needs it with a clear error."""
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep the cached tokens at ``positions`` (increasing) and drop the rest."""
+
+    def fork(self, name: str | None = None) -> TargetLM:
+        """A new target over the same weights with its own empty cache (where ``capabilities.fork``)."""
