@@ -366,6 +366,26 @@ class HeadTrainer:
         shape and draft vocabulary (``config.draft_vocab_size`` is then not used) rather than from scratch; the
         first evaluation happens before any step, so the saved head is never worse on held-out data than ``init``.
         """
+        self._check_init(init)
+        config = self.config
+        out_folder = Path(out_folder)
+        out_folder.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)  # parameter init of the head; all later randomness uses explicit generators
+        data = self._training_data(data_folder, init)
+        head = self._starting_head(init, data.vocab)
+        run = _Run(trainer=self, head=head, data=data, out_folder=out_folder, provenance=provenance or {},
+                   init=init, progress=progress)
+        try:
+            run.train_epochs()
+        finally:
+            run.close()
+        history = [EvalResult(**h) for h in run.state["history"]]
+        best = EvalResult(**run.state["best"]) if run.state["best"] else None
+        return head, TrainResult(best=best, history=history, seconds=time.perf_counter() - run.started,
+                                 num_train_tokens=sum(len(s[0]) for s in data.train_seqs),
+                                 stopped_early=run.state["bad_evals"] >= config.patience)
+
+    def _check_init(self, init: EagleHead | None) -> None:
         if init is not None and not isinstance(init, self.module_class):
             raise UnsupportedOptionError(f"the draft to start from is a '{init.config.kind}' draft; this trains "
                                          f"'{self.config_class.kind}' drafts (match --init to --kind)")
@@ -373,11 +393,10 @@ class HeadTrainer:
             raise UnsupportedOptionError(f"the head to start from has {init.config.num_layers} layer(s), the "
                                          f"settings ask for {self.config.num_layers}; pass --layers "
                                          f"{init.config.num_layers}")
+
+    def _training_data(self, data_folder: str | Path | list[str | Path], init: EagleHead | None) -> _TrainingData:
+        """The pooled sequences, split into training and held-out ones, and the draft vocabulary."""
         config = self.config
-        out_folder = Path(out_folder)
-        out_folder.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(config.seed)  # parameter init of the head; all later randomness uses explicit generators
-        generator = torch.Generator().manual_seed(config.seed)
         folders = [Path(f) for f in (data_folder if isinstance(data_folder, list) else [data_folder])]
         check_data_folders(folders, target_fingerprint(self.target))
         per_folder = [_sequences([folder], self.fuse_layers) for folder in folders]
@@ -403,11 +422,14 @@ class HeadTrainer:
                                                                                                     train_argmax)])
             vocab = choose_draft_vocab(answer_argmax, self.target.vocab_size, config.draft_vocab_size,
                                        sorted(self.eos_token_ids), torch.cat(train_argmax))
-            del train_argmax
         draft_index = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
         draft_index[vocab] = torch.arange(vocab.shape[0])
-        draft_weight = self.lm_weight_full.index_select(0, vocab)
+        return _TrainingData(train_seqs=[sequences[i] for i in train_ids], eval_seqs=[sequences[i] for i in eval_ids],
+                             eval_labels_of=eval_labels_of, vocab=vocab, draft_index=draft_index,
+                             draft_weight=self.lm_weight_full.index_select(0, vocab))
 
+    def _starting_head(self, init: EagleHead | None, vocab: torch.Tensor) -> EagleHead:
+        """A new head over ``vocab``: ``init``'s weights where given (widened to fuse layers if asked), else fresh."""
         head_config = init.config if init is not None else self._new_config(
             None if vocab.shape[0] == self.target.vocab_size else int(vocab.shape[0]))
         init_fuses = head_config.fuse_layers
@@ -427,96 +449,7 @@ class HeadTrainer:
             self._initialise(head)
         head.draft_vocab.copy_(vocab)
         head.train()
-        optimizer = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("body.embed")],
-                                      lr=config.learning_rate, weight_decay=config.weight_decay)
-        train_seqs = [sequences[i] for i in train_ids]
-        eval_seqs = [sequences[i] for i in eval_ids]
-        steps_per_epoch = len(_batches(train_seqs, config.batch_tokens, random.Random(0)))
-        total_steps = steps_per_epoch * config.epochs
-        state = {"step": 0, "best": None, "history": [], "bad_evals": 0, "seconds": 0.0}
-        checkpoint = out_folder / "checkpoint.pt"
-        if checkpoint.exists():
-            saved = torch.load(checkpoint, weights_only=False)
-            if _trajectory(saved["config"]) == _trajectory(asdict(config)) and saved["vocab"].equal(vocab):
-                head.load_state_dict(saved["head"])
-                optimizer.load_state_dict(saved["optimizer"])
-                state = saved["state"]
-                generator.set_state(saved["generator"])
-                log.info("resumed from %s at step %d", checkpoint, state["step"])
-            else:
-                log.warning("ignoring %s: it was made with other settings or data", checkpoint)
-
-        def learning_rate(step: int) -> float:
-            if step < config.warmup_steps:
-                return config.learning_rate * (step + 1) / config.warmup_steps
-            progress_ = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
-            return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_)))
-
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {self.config_class.kind} draft",
-                       unit="step")
-        started = time.perf_counter() - state["seconds"]
-
-        settings = asdict(config)
-        if init is not None and getattr(head, "draft_vocab", None) is not None:
-            # A warm start keeps its head's vocabulary; record that, not the option it did not use.
-            settings["draft_vocab_size"] = int(head.draft_vocab.numel())
-
-        def evaluate_and_keep_best(prefix: str = "") -> None:
-            result = self.evaluate(head, eval_seqs, eval_labels_of, draft_weight, draft_index, state["step"])
-            state["history"].append(asdict(result))
-            log.info(prefix + result.line())
-            if bar is not None:
-                bar.write(prefix + result.line())
-            if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
-                state["best"], state["bad_evals"] = asdict(result), 0
-                head.save(out_folder, training={"best": state["best"], "settings": settings,
-                                                **(provenance or {})})
-            else:
-                state["bad_evals"] += 1
-
-        if init is not None and state["step"] == 0 and not state["history"]:
-            # The starting head is the bar to clear: without this, a run that only made it worse would still save.
-            evaluate_and_keep_best("start: ")
-        stop = False
-        epoch = state["step"] // max(1, steps_per_epoch)
-        while not stop and epoch < config.epochs:
-            groups = _batches(train_seqs, config.batch_tokens, random.Random(config.seed * 1000 + epoch))
-            for group in groups[state["step"] - epoch * steps_per_epoch:]:
-                tokens, features, labels = _collate(train_seqs, group, None, "cpu")
-                for g in optimizer.param_groups:
-                    g["lr"] = learning_rate(state["step"])
-                loss = self._train_loss(head, tokens, features, labels, draft_weight, draft_index, generator)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-                optimizer.step()
-                state["step"] += 1
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss.item():.3f}")
-                timed_out = config.max_minutes is not None and time.perf_counter() - started > 60 * config.max_minutes
-                if state["step"] % config.eval_every == 0 or state["step"] == total_steps or timed_out:
-                    evaluate_and_keep_best()
-                    state["seconds"] = time.perf_counter() - started
-                    tmp = checkpoint.with_suffix(f".tmp{os.getpid()}")
-                    torch.save({"config": asdict(config), "vocab": vocab, "head": head.state_dict(),
-                                "optimizer": optimizer.state_dict(), "state": state,
-                                "generator": generator.get_state()}, tmp)
-                    os.replace(tmp, checkpoint)
-                    if state["bad_evals"] >= config.patience or timed_out:
-                        stop = True
-                        break
-            epoch += 1
-        if bar is not None:
-            bar.close()
-        history = [EvalResult(**h) for h in state["history"]]
-        best = EvalResult(**state["best"]) if state["best"] else None
-        return head, TrainResult(best=best, history=history, seconds=time.perf_counter() - started,
-                                 num_train_tokens=sum(len(s[0]) for s in train_seqs),
-                                 stopped_early=state["bad_evals"] >= config.patience)
+        return head
 
     @torch.no_grad()
     def evaluate(self, head: EagleHead, sequences, labels_of, draft_weight, draft_index, step: int) -> EvalResult:
@@ -535,3 +468,128 @@ class HeadTrainer:
         head.train()
         return EvalResult(step=step, agreement=[round(h / max(1, count), 4) for h in hits],
                           loss=round(total_loss / max(1, count), 4), vocab_coverage=round(covered / max(1, count), 4))
+
+
+@dataclass
+class _TrainingData:
+    train_seqs: list
+    eval_seqs: list
+    eval_labels_of: list
+    vocab: torch.Tensor  # [draft vocab] target ids the head drafts
+    draft_index: torch.Tensor  # [target vocab] -> position in ``vocab``, -1 outside it
+    draft_weight: torch.Tensor  # [draft vocab, hidden] the target's LM head rows of ``vocab``
+
+
+class _Run:
+    """One training run of a :class:`HeadTrainer`: the optimiser, schedule, checkpoint and best-head bookkeeping."""
+
+    def __init__(self, *, trainer: HeadTrainer, head, data: _TrainingData, out_folder: Path, provenance: dict,
+                 init, progress: bool) -> None:
+        config = trainer.config
+        self.trainer, self.config, self.head, self.data = trainer, config, head, data
+        self.out_folder, self.provenance = out_folder, provenance
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.optimizer = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("body.embed")],
+                                           lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.steps_per_epoch = len(_batches(data.train_seqs, config.batch_tokens, random.Random(0)))
+        self.total_steps = self.steps_per_epoch * config.epochs
+        self.checkpoint = out_folder / "checkpoint.pt"
+        self.state = {"step": 0, "best": None, "history": [], "bad_evals": 0, "seconds": 0.0}
+        self._resume()
+        self.settings = asdict(config)
+        if init is not None and getattr(head, "draft_vocab", None) is not None:
+            # A warm start keeps its head's vocabulary; record that, not the option it did not use.
+            self.settings["draft_vocab_size"] = int(head.draft_vocab.numel())
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=self.total_steps, initial=self.state["step"],
+                            desc=f"train {trainer.config_class.kind} draft", unit="step")
+        self.started = time.perf_counter() - self.state["seconds"]
+        if init is not None and self.state["step"] == 0 and not self.state["history"]:
+            # The starting head is the bar to clear: without this, a run that only made it worse would still save.
+            self.evaluate_and_keep_best("start: ")
+
+    def _resume(self) -> None:
+        if not self.checkpoint.exists():
+            return
+        saved = torch.load(self.checkpoint, weights_only=False)
+        if _trajectory(saved["config"]) == _trajectory(asdict(self.config)) and saved["vocab"].equal(self.data.vocab):
+            self.head.load_state_dict(saved["head"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.state = saved["state"]
+            self.generator.set_state(saved["generator"])
+            log.info("resumed from %s at step %d", self.checkpoint, self.state["step"])
+        else:
+            log.warning("ignoring %s: it was made with other settings or data", self.checkpoint)
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to zero over the remaining steps."""
+        config = self.config
+        if step < config.warmup_steps:
+            return config.learning_rate * (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, self.total_steps - config.warmup_steps)
+        return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def evaluate_and_keep_best(self, prefix: str = "") -> None:
+        data, state = self.data, self.state
+        result = self.trainer.evaluate(self.head, data.eval_seqs, data.eval_labels_of, data.draft_weight,
+                                       data.draft_index, state["step"])
+        state["history"].append(asdict(result))
+        log.info(prefix + result.line())
+        if self.bar is not None:
+            self.bar.write(prefix + result.line())
+        if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
+            state["best"], state["bad_evals"] = asdict(result), 0
+            self.head.save(self.out_folder, training={"best": state["best"], "settings": self.settings,
+                                                      **self.provenance})
+        else:
+            state["bad_evals"] += 1
+
+    def train_epochs(self) -> None:
+        epoch = self.state["step"] // max(1, self.steps_per_epoch)
+        while epoch < self.config.epochs:
+            groups = _batches(self.data.train_seqs, self.config.batch_tokens,
+                              random.Random(self.config.seed * 1000 + epoch))
+            for group in groups[self.state["step"] - epoch * self.steps_per_epoch:]:
+                loss = self.step(group)
+                if self.bar is not None:
+                    self.bar.update(1)
+                    self.bar.set_postfix(loss=f"{loss:.3f}")
+                if self.after_step():
+                    return
+            epoch += 1
+
+    def step(self, group) -> float:
+        """One optimiser step on one batch; returns its loss."""
+        data = self.data
+        tokens, features, labels = _collate(data.train_seqs, group, None, "cpu")
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.learning_rate(self.state["step"])
+        loss = self.trainer._train_loss(self.head, tokens, features, labels, data.draft_weight, data.draft_index,
+                                        self.generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.optimizer.step()
+        self.state["step"] += 1
+        return loss.item()
+
+    def after_step(self) -> bool:
+        """Evaluate and checkpoint when due; True when training should stop (patience or time spent)."""
+        config, state = self.config, self.state
+        timed_out = config.max_minutes is not None and time.perf_counter() - self.started > 60 * config.max_minutes
+        if not (state["step"] % config.eval_every == 0 or state["step"] == self.total_steps or timed_out):
+            return False
+        self.evaluate_and_keep_best()
+        state["seconds"] = time.perf_counter() - self.started
+        tmp = self.checkpoint.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"config": asdict(config), "vocab": self.data.vocab, "head": self.head.state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "state": state,
+                    "generator": self.generator.get_state()}, tmp)
+        os.replace(tmp, self.checkpoint)
+        return state["bad_evals"] >= config.patience or timed_out
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
