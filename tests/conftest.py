@@ -1,31 +1,15 @@
-"""Tiny random models built in process (fp32, CPU): no downloads, forward passes well under a millisecond.
-
-Odd sizes (vocab 99, hidden 32, intermediate 37) catch shape mix-ups that round numbers hide.
+"""Fixtures shared by every test module: tiny random models built in process (fp32, CPU), no downloads, forward
+passes well under a millisecond. The builders themselves live in ``helpers.py``; no test module imports another.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from helpers import tiny_llama, tiny_tokenizer
 from jointspec.backends.hf import CausalLM
-
-VOCAB = 99
-
-
-def tiny_llama(seed: int, *, vocab: int = VOCAB, layers: int = 2, max_positions: int = 256,
-               attn: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-                         attn_implementation=attn)
-    model = LlamaForCausalLM(config).eval()
-    # Random init gives nearly flat logits; sharpen them so greedy ties and near-ties are vanishingly rare.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -60,19 +44,7 @@ def other(other_model) -> CausalLM:
     return CausalLM(other_model, name="tiny-other")
 
 
-def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
-                      methods=(("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2)))):
-    """Greedy output of ``model`` on ``prompt`` under each (method, draft, tree): a chain and a tree method next to
-    plain decoding, each on a fresh adapter."""
-    from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-    from jointspec.methods import MethodConfig, MethodContext, build_method
-    from jointspec.core.sampling import SamplingConfig
-
-    outputs = []
-    for name, draft, tree in methods:
-        target = CausalLM(model, name=f"{name} target")
-        drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft, tree=tree), target, None,
-                                                       load_draft=None))
-        config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0))
-        outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(prompt, config))
-    return outputs
+@pytest.fixture(scope="module")
+def bench_tokenizer():
+    """helpers.tiny_tokenizer: English words over the tiny models' 99 ids, with a minimal chat template."""
+    return tiny_tokenizer()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_llama
+from helpers import VOCAB, tiny_llama
 from jointspec.backends.hf import CausalLM, tree_ancestor_mask
 from jointspec.core.draft import chain_parents, tree_depths
 

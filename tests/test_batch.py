@@ -28,11 +28,14 @@ hand-offs cost milliseconds per attention call (6 s instead of 80 s for this fil
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
+from helpers import BATCH_EOS as EOS
+from helpers import BATCH_GREEDY as GREEDY
+from helpers import BATCH_METHODS as METHODS
+from helpers import BATCH_PROMPTS as PROMPTS
+from helpers import BATCH_SAMPLED as SAMPLED
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.cache import RaggedCache
 from jointspec.core.draft import EMPTY_DRAFT
@@ -41,33 +44,7 @@ from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import registry as method_registry
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig
 from jointspec.verifiers.greedy import GreedyVerifier
-
-EOS = frozenset({2, 7})
-GREEDY = DecodeConfig(max_new_tokens=20, eos_token_ids=EOS)
-SAMPLED = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, top_k=50), eos_token_ids=EOS)
-
-METHODS = {
-    "ar": MethodConfig("ar"),
-    "pld": MethodConfig("pld", num_draft_tokens=4),
-    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
-    "sps-other": MethodConfig("sps", draft="other", num_draft_tokens=3),
-}
-
-
-def make_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(count):
-        length = 1 + (i * 7) % 29
-        motif = [rng.randint(3, 98) for _ in range(max(1, length // 3))]
-        prompts.append((motif * 4)[:length] if i % 2 else [rng.randint(3, 98) for _ in range(length)])
-    return prompts
-
-
-PROMPTS = make_prompts()
-
 
 @pytest.fixture(scope="module")
 def load_draft(other_model):

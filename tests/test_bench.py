@@ -12,25 +12,15 @@ import json
 import re
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from jointspec.cli import main as cli
-from jointspec.cli import bench as bench_cli
-from jointspec.bench.prompts import BenchPrompt, PromptSetError, load_prompts, select_prompts
-from jointspec.bench.report import CONTRACT_KEYS, summarise
-from jointspec.bench.runner import BenchConfig, run_bench
-from jointspec.bench.specs import MethodSpecError, method_config, parse_spec, parse_specs, split_specs
-from jointspec.methods import MethodConfig
+from helpers import WORDS, run_tiny
 from jointspec.backends.hf import CausalLM
-
-from conftest import VOCAB
-
-WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have "
-         "summarise rewrite text code function bees hive water wings warm cold nest list every number "
-         "answer question user assistant please short two sentences python def return value one more "
-         "now turn make add write explain what how why when where which who count word line file name "
-         "data test type hint error raise keep show whole class stack item price total").split()
+from jointspec.bench.prompts import BenchPrompt, PromptSetError, load_prompts, select_prompts
+from jointspec.bench.report import CONTRACT_KEYS
+from jointspec.bench.specs import MethodSpecError, method_config, parse_spec, parse_specs, split_specs
+from jointspec.cli import bench as bench_cli
+from jointspec.cli import main as cli
+from jointspec.methods import MethodConfig
 
 SPEC_BENCH_LINES = [
     {"question_id": 1, "category": "summary", "turns": ["summarise the text : bees warm the nest with wings",
@@ -42,27 +32,6 @@ SPEC_BENCH_LINES = [
 ]
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
-    extra = [":", "(", ")", ".", ","]
-    vocab = {tok: i for i, tok in enumerate(specials + extra + list(WORDS))}
-    assert len(vocab) <= VOCAB
-    for i in range(len(vocab), VOCAB):  # fill the model's vocabulary so every generated id decodes
-        vocab[f"w{i}"] = i
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]",
-                                        unk_token="[UNK]", pad_token="[PAD]")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}assistant : {% endif %}")
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
 @pytest.fixture()
 def prompt_file(tmp_path):
     path = tmp_path / "question.jsonl"
@@ -71,10 +40,10 @@ def prompt_file(tmp_path):
 
 
 @pytest.fixture()
-def bench_main(monkeypatch, target_model, tokenizer, capsys):
+def bench_main(monkeypatch, target_model, bench_tokenizer, capsys):
     """Run ``jointspec bench ...`` in process on the tiny target; returns (exit code, stdout, stderr)."""
     monkeypatch.setattr(bench_cli, "load_target",
-                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tokenizer))
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), bench_tokenizer))
 
     def main(*argv: str) -> tuple[int, str, str]:
         code = cli.main(["bench", "--no-progress", *argv])
@@ -193,18 +162,10 @@ def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
         assert numbers["distinct_2"] == pytest.approx(sum(distinct_n(o, 2) for o in outputs) / len(outputs), abs=1e-4)
 
 
-def run_tiny(target_model, tokenizer, methods: str, prompts: list[BenchPrompt], **config):
-    target = CausalLM(target_model, name="tiny-target")
-    settings = dict(max_new_tokens=12, cost_model=False) | config
-    result = run_bench(target, tokenizer, prompts, parse_specs(methods), "ar", BenchConfig(**settings),
-                       progress=False)
-    return result, summarise(result)
-
-
-def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, tokenizer, prompt_file):
+def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, bench_tokenizer, prompt_file):
     prompts = load_prompts(str(prompt_file))
     methods = "ar,pld:n=4,sps:draft=self,k=3,oracle:corrupt=0.3,hf-generate,hf-pld:n=4,hf-assisted:draft=self,n=3"
-    result, summary = run_tiny(target_model, tokenizer, methods, prompts)
+    result, summary = run_tiny(target_model, bench_tokenizer, methods, prompts)
     for method, s in summary.items():
         assert s["num_identical"] == s["num_prompts"] == 3, method
     assert summary["sps:draft=self,k=3"]["mean_accepted_tokens"] > 3.0  # the target drafting for itself
@@ -216,10 +177,10 @@ def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, toke
 
 
 @pytest.mark.parametrize("corruption", [0.0, 0.3, 0.7])
-def test_oracle_acceptance_matches_corruption_rate(target_model, tokenizer, corruption):
+def test_oracle_acceptance_matches_corruption_rate(target_model, bench_tokenizer, corruption):
     # 12 prompts x 40 tokens with 4-token drafts: a few hundred first-position draws, so +-0.1 is > 3 sigma.
     prompts = [BenchPrompt(str(i), "x", (f"{' '.join(WORDS[i:i + 6])}",)) for i in range(12)]
-    _, summary = run_tiny(target_model, tokenizer, f"ar,oracle:corrupt={corruption},n=4", prompts,
+    _, summary = run_tiny(target_model, bench_tokenizer, f"ar,oracle:corrupt={corruption},n=4", prompts,
                           max_new_tokens=40, perplexity=False)
     s = summary[f"oracle:corrupt={corruption},n=4"]
     assert s["num_identical"] == 12
@@ -228,7 +189,7 @@ def test_oracle_acceptance_matches_corruption_rate(target_model, tokenizer, corr
         assert s["acceptance_per_position"] == [1.0] * 4
 
 
-def test_every_registered_method_runs(target_model, tokenizer, prompt_file, tmp_path):
+def test_every_registered_method_runs(target_model, bench_tokenizer, prompt_file, tmp_path):
     """Methods other modules register (mtad, specinfer, ...) need no change in the bench: each runs with the
     target as its own draft (``corpus``, which drafts from an n-gram table, with a small one), and the methods'
     lossless ones match the baseline."""
@@ -238,7 +199,7 @@ def test_every_registered_method_runs(target_model, tokenizer, prompt_file, tmp_
     NgramTable.build([[5, 6, 7, 8]] * 2, vocab_size=target_model.config.vocab_size).save(tmp_path, {"kind": "corpus"})
     drafts = {"corpus": str(tmp_path)}
     specs = ",".join(["ar"] + [f"{name}:draft={drafts.get(name, 'self')}" for name in method_names() if name != "ar"])
-    _, summary = run_tiny(target_model, tokenizer, specs, load_prompts(str(prompt_file)), max_new_tokens=8,
+    _, summary = run_tiny(target_model, bench_tokenizer, specs, load_prompts(str(prompt_file)), max_new_tokens=8,
                           perplexity=False)
     assert len(summary) == len(method_names())
     for name in ("pld", "sps", "oracle"):

@@ -13,12 +13,11 @@ import math
 import pytest
 import torch
 
+from helpers import WORDS, run_tiny
 from jointspec.bench.intervals import MIN_PROMPTS, RatioInterval, paired_ratio_interval
 from jointspec.bench.prompts import BenchPrompt
 from jointspec.bench.report import table
 from jointspec.bench.runner import prompt_seed
-
-from test_bench import WORDS, run_tiny, tokenizer  # noqa: F401  (the word-level tokenizer fixture)
 
 
 def simulated_bench(num_prompts: int, nats_shift: float, generator: torch.Generator):
@@ -127,9 +126,9 @@ def test_broken_intervals_fail_the_coverage_test(mutant):
     assert not 0.85 <= share <= 0.995, share
 
 
-def test_bench_summary_and_table_carry_the_intervals(target_model, tokenizer):  # noqa: F811
+def test_bench_summary_and_table_carry_the_intervals(target_model, bench_tokenizer):
     prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[i:i + 6]),)) for i in range(MIN_PROMPTS)]
-    result, summary = run_tiny(target_model, tokenizer, "ar,pld:n=4,oracle:corrupt=0.3", prompts)
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar,pld:n=4,oracle:corrupt=0.3", prompts)
     pld = summary["pld:n=4"]
     # Greedy and lossless: the same tokens on every prompt, so the same perplexity on every resample.
     assert pld["num_identical"] == MIN_PROMPTS
@@ -142,14 +141,14 @@ def test_bench_summary_and_table_carry_the_intervals(target_model, tokenizer):  
     assert "1.000 [1.000, 1.000]" in text and "no clear difference" in text
 
 
-def test_table_says_when_there_are_too_few_prompts(target_model, tokenizer):  # noqa: F811
+def test_table_says_when_there_are_too_few_prompts(target_model, bench_tokenizer):
     prompts = [BenchPrompt("0", "x", ("the hive is warm",))]
-    result, summary = run_tiny(target_model, tokenizer, "ar,pld:n=4", prompts)
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar,pld:n=4", prompts)
     assert summary["pld:n=4"]["speedup_interval"] is None and summary["pld:n=4"]["perplexity_ratio"] is None
     assert "fewer than" in table(result, summary)
 
 
-def test_each_prompt_and_turn_samples_with_its_own_seed(target_model, tokenizer):  # noqa: F811
+def test_each_prompt_and_turn_samples_with_its_own_seed(target_model, bench_tokenizer):
     assert prompt_seed(0, "81", 0) == prompt_seed(0, "81", 0)
     seeds = {prompt_seed(0, "81", 0), prompt_seed(0, "81", 1), prompt_seed(0, "82", 0), prompt_seed(1, "81", 0)}
     assert len(seeds) == 4
@@ -157,8 +156,8 @@ def test_each_prompt_and_turn_samples_with_its_own_seed(target_model, tokenizer)
     # distributions barely depend on the prompt); with a seed per prompt, 10 draws from ~70 likely tokens agree on
     # all 10 with odds far below 1e-9.
     prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[i:i + 6]),)) for i in range(10)]
-    result, _ = run_tiny(target_model, tokenizer, "ar", prompts, temperature=1.0, max_new_tokens=4, perplexity=False)
+    result, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts, temperature=1.0, max_new_tokens=4, perplexity=False)
     assert len({run.output_ids[0][0] for run in result.runs}) > 1
-    again, _ = run_tiny(target_model, tokenizer, "ar", prompts[3:4], temperature=1.0, max_new_tokens=4,
+    again, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts[3:4], temperature=1.0, max_new_tokens=4,
                         perplexity=False)
     assert again.runs[0].output_ids == result.runs[3].output_ids  # a prompt's draws do not depend on the others

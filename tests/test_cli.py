@@ -17,31 +17,10 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, tiny_llama
-from jointspec.cli.main import main
+from helpers import SPECIALS, VOCAB, assert_clean_error, run_cli, save_model
 
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 PROMPT = "w10 w11 w12 w13 w10 w11"
-
-
-def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over ``<pad> <s> </s> <unk> w4 ... w{vocab_size - 1}``."""
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-
-
-def save_model(folder, seed: int, *, vocab: int = VOCAB, tokenizer_vocab: int | None = None,
-               max_positions: int = 256) -> str:
-    tiny_llama(seed, vocab=vocab, max_positions=max_positions).save_pretrained(folder)
-    word_tokenizer(tokenizer_vocab or vocab).save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -57,26 +36,6 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         # A 16-position context.
         "short": save_model(root / "short", 0, max_positions=16),
     }
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``jointspec`` with ``args``, argparse's SystemExit included."""
-    try:
-        code = main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_clean_error(code: int, err: str, *needles: str) -> None:
-    """A non-zero exit, no traceback, and a final error line that mentions every needle."""
-    assert code not in (0, None), err
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert "error:" in last, err
-    for needle in needles:
-        assert needle in last, last
 
 
 def generate_args(model: str, *extra: str) -> list[str]:

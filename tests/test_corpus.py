@@ -7,12 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import VOCAB
+from helpers import FakeTokenizer, VOCAB, corpus_folder, greedy, hf_greedy, make_decoder, random_prompt
 from jointspec.drafters.corpus import (CONFIG_FILE, CorpusLookupDrafter, NgramTable, shipped_table_for, table_for,
                                        tokenizer_fingerprint)
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
-from test_equivalence import corpus_folder, greedy, hf_greedy, make_decoder, random_prompt
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -95,14 +94,6 @@ def test_corpus_method_accepts_drafts_and_matches_plain_greedy(target_model):
     assert decoder.generate(prompt, greedy(40)) == reference
     assert decoder.stats.num_draft_tokens > 0  # the table drafted
     assert decoder.stats.num_accepted_tokens > 0
-
-
-class FakeTokenizer:
-    def __init__(self, vocab: dict[str, int]) -> None:
-        self.vocab = vocab
-
-    def get_vocab(self) -> dict[str, int]:
-        return dict(self.vocab)
 
 
 def test_table_for_refuses_another_vocabulary_or_tokenizer(tmp_path, target_model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB
+from helpers import VOCAB, first_occurrences, greedy, hf_greedy, random_prompt
 from jointspec.core.target import TargetCapabilities
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.costaware import (DEFAULT_SIZES, CostAwareDrafter, CostCurve, choose_num_draft_tokens,
@@ -22,7 +22,6 @@ from jointspec.core.loop import SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
 from jointspec.verifiers.greedy import GreedyVerifier
-from test_equivalence import first_occurrences, greedy, hf_greedy, random_prompt
 
 # Verifying k tokens costs, relative to one step: llama.cpp 1.5 / 2.1 / 3.4 / 6.0 for k = 2 / 4 / 8 / 16 (issue 7);
 # torch fp32 about 1.1 / 1.45 / 1.75 / 2.2 (docs/research feasibility, 2 cores).

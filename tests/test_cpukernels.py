@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_llama
+from helpers import (assert_clean_error, greedy, hf_greedy, make_decoder, random_prompt, run_cli, save_model, tiny_llama,
+                     untrained_head)
 from jointspec.bench.specs import MethodSpecError, parse_spec
 from jointspec.drafters.costaware import measure_cost_curve
 from jointspec.core.errors import UnsupportedOptionError
@@ -23,8 +24,6 @@ from jointspec.kernels.fp32 import (GQA_ATTENTION, OneDNNLinear, attention_in_us
                                     stock_kernels, use_gqa_attention, use_onednn_linears, use_stock_linears)
 from jointspec.backends.loading import load_model, quantized_copy, stock_copy
 from jointspec.kernels.quantize import ROWWISE_ATTENTION, quantization_mode
-from test_cli import save_model
-from test_equivalence import greedy, hf_greedy, make_decoder, random_prompt
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -223,7 +222,6 @@ def test_head_on_an_onednn_target(onednn_pair):
     from jointspec.core.loop import SpeculativeDecoder
     from jointspec.drafts.eagle import HeadDraftModel
     from jointspec.verifiers.rejection import RejectionSamplingVerifier
-    from test_heads import untrained_head
 
     target_model, _ = onednn_pair
     target = CausalLM(target_model, name="tiny")
@@ -256,7 +254,6 @@ def test_generate_and_serve_pass_kernels_to_the_loader(tmp_path, capsys):
     # error naming why) and for the shared loader used by `serve` and `bench`.
     from jointspec.cli import main as cli
     from jointspec.cli.options import model_loader
-    from test_cli import assert_clean_error, run_cli
 
     folder = save_model(tmp_path / "tiny", 0)
     code, _, err = run_cli(capsys, "generate", "hi", "--model", folder, "--max-new-tokens", "2",

@@ -13,14 +13,11 @@ import itertools
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import assert_greedy_equivalent, decoder_for, random_prompt, tiny_llama
 from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
 from jointspec.core.sampling import SamplingConfig
-
-from test_equivalence import random_prompt
-from test_heads import assert_greedy_equivalent, decoder_for
 
 GREEDY = SamplingConfig(temperature=0.0)
 

@@ -5,93 +5,25 @@ shares none of our loop, cache bookkeeping or verification. Greedy speculative d
 (a draft token is kept only when it *is* the target's argmax), so any difference is a bug, never bad luck: these
 tests are deterministic and have no false-failure odds. Settings that matter are justified where they are chosen.
 
-Why the tiny models can be trusted for exact comparisons: they are fp32 on CPU and conftest sharpens their logits,
+Why the tiny models can be trusted for exact comparisons: they are fp32 on CPU and helpers.tiny_llama sharpens their logits,
 so argmax near-ties (where a legitimate reordering of float sums could flip a token) are vanishingly rare.
 """
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
-
 import pytest
-import torch
-from transformers import GenerationConfig
 
-from conftest import VOCAB, tiny_llama
-from jointspec.core.draft import EMPTY_DRAFT, Draft
-from jointspec.drafters.corpus import NgramTable
-from jointspec.core.errors import ContextTooLongError
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
+from helpers import VOCAB, first_occurrences, greedy, hf_greedy, make_decoder, random_prompt, tiny_llama
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig
+from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.errors import ContextTooLongError
+from jointspec.core.loop import SpeculativeDecoder
 from jointspec.verifiers.greedy import GreedyVerifier
 
 # 40 new tokens: with 4-token drafts a fully accepted round emits 5, so even the best case needs 8 rounds, and a
 # draft that is always rejected needs 40: every method goes through many draft/verify/commit/roll-back cycles.
 MAX_NEW_TOKENS = 40
 NUM_DRAFT_TOKENS = 4
-
-
-def random_prompt(seed: int, length: int = 12) -> list[int]:
-    """Random ids above the special ones (0 pad, 1 bos, 2 eos).
-
-    The tiny models' greedy continuations fall into short loops sooner or later, and a loop can hide an off-by-one
-    in positions. Seeds 0, 3, 5 and 6 give continuations of the target with 13 to 27 distinct tokens among the first
-    40 (seed 1 loops at once: it serves the prompt-lookup test, which wants repetition)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
-    """Plain greedy decoding by transformers itself: the reference every method must match."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                              pad_token_id=0)
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt):].tolist()
-
-
-_corpus_folders: dict[int, str] = {}
-
-
-def corpus_folder(target_model) -> str:
-    """An n-gram table (``corpus``) of the target's own greedy continuations of other prompts, as `build-corpus`
-    makes for a real target: random models repeat themselves, so its drafts are often accepted, and often not."""
-    if id(target_model) not in _corpus_folders:
-        sequences = [hf_greedy(target_model, random_prompt(seed), 24) for seed in range(20, 30)]
-        folder = tempfile.mkdtemp(prefix="jointspec-corpus-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # module-level cache: no tmp_path outlives it
-        NgramTable.build(sequences, VOCAB, max_order=3, min_count=1).save(folder, {"kind": "corpus"})
-        _corpus_folders[id(target_model)] = folder
-    return _corpus_folders[id(target_model)]
-
-
-def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: int = NUM_DRAFT_TOKENS):
-    """A registered method built the way the library builds it. ``method`` is a name, or ``sps-other`` for
-    speculative sampling with a different random model as the draft."""
-    target = CausalLM(target_model, name="tiny-target")
-    if method == "corpus":
-        name, draft = "corpus", corpus_folder(target_model)
-    else:
-        name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
-                       "sps-other": ("sps", "other")}[method]
-
-    def load_draft(source: str):
-        assert source == "other"
-        return CausalLM(other_model, name="tiny-other"), None
-
-    config = MethodConfig(name=name, draft=draft, num_draft_tokens=num_draft_tokens)
-    drafter, verifier = build_method(MethodContext(config, target, None, load_draft))
-    return SpeculativeDecoder(target, drafter, verifier)
-
-
-def greedy(max_new_tokens: int, eos_token_ids: frozenset[int] = frozenset()) -> DecodeConfig:
-    return DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0),
-                        eos_token_ids=eos_token_ids)
-
 
 METHODS = ["ar", "sps-self", "sps-other", "pld", "corpus"]
 
@@ -153,14 +85,6 @@ def test_prompt_lookup_accepts_on_repetitive_prompt(target_model):
     assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS)) == hf_greedy(target_model, prompt, MAX_NEW_TOKENS)
     assert decoder.stats.num_accepted_tokens > 0
     assert decoder.stats.mean_accepted_tokens > 1.0
-
-
-def first_occurrences(tokens: list[int]) -> dict[int, int]:
-    """Position of the first occurrence of each token."""
-    first: dict[int, int] = {}
-    for i, token in enumerate(tokens):
-        first.setdefault(token, i)
-    return first
 
 
 @pytest.mark.parametrize("method", METHODS)

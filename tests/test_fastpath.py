@@ -11,14 +11,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from conftest import VOCAB, tiny_llama
+from helpers import VOCAB, greedy, random_prompt, tiny_llama, tiny_qwen2
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
 from jointspec.kernels.fp32 import use_gqa_attention
 from jointspec.backends.lean_forward import LlamaFastForward, fast_forward_for, unsupported_reason
 from jointspec.kernels.quantize import quantize_model
-from test_equivalence import greedy, random_prompt
 
 
 def both(model) -> tuple[CausalLM, CausalLM]:
@@ -111,24 +110,6 @@ def test_models_other_than_transformers_llama_take_transformers_forward():
     assert "Identity replaces transformers' LlamaMLP" in unsupported_reason(llama)
     with pytest.raises(ValueError, match="LlamaMLP"):
         LlamaFastForward(llama)
-
-
-def tiny_qwen2(seed: int, hidden: int = 64, intermediate: int = 128, **config):
-    """A Qwen2 model (biases on q/k/v, which Llama has not) with every linear's width a multiple of 64."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, tie_word_embeddings=False,
-                                         attn_implementation="sdpa", **config)).eval()
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        for layer in model.model.layers:  # biases large enough to matter (they start at zero)
-            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                projection.bias.normal_(0, 0.5)
-        model.lm_head.weight.mul_(8.0)
-    return model
 
 
 def test_qwen2_takes_the_lean_forward_bit_for_bit_and_sliding_windows_do_not():

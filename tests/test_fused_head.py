@@ -13,21 +13,19 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers import (assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for, random_prompt,
+                     sps_acceptance, tiny_training_data, train_cli_argv, untrained_head)
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
 from jointspec.drafts.eagle import EagleHead, HeadDraftModel, load_head
 from jointspec.train.data import build_data
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
-from test_equivalence import random_prompt
-from test_heads import (assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for, sps_acceptance,
-                        tiny_training_data, untrained_head)
-
 FUSE = (0, 1)  # the tiny target's embedding output and its first layer's output (it has 2 layers)
 
 
 def fused_training_data(tmp_path_factory, target_model):
-    """:func:`test_heads.tiny_training_data`'s prompts and answers, with the hidden states at ``FUSE`` kept too."""
+    """:func:`helpers.tiny_training_data`'s prompts and answers, with the hidden states at ``FUSE`` kept too."""
     target = CausalLM(target_model, name="tiny-target")
     prompts = [random_prompt(100 + i, length=8) for i in range(48)]
     data = tmp_path_factory.mktemp("fused-data")
@@ -146,8 +144,6 @@ def test_a_folder_with_fused_layers_serves_unfused_heads_too(target_model, fused
 
 def test_cli_fuse_layers_checks(target_model, tmp_path, monkeypatch, capsys):
     from jointspec.cli import main as cli
-
-    from test_heads import train_cli_argv
 
     argv = train_cli_argv(monkeypatch, target_model, tmp_path, "head")
     assert cli.main(argv + ["--head", "medusa", "--fuse-layers", "1"]) == 2

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import VOCAB, greedy_by_methods
+from helpers import (VOCAB, assert_greedy_equivalent, greedy, greedy_by_methods, random_prompt, tiny_qwen2,
+                     untrained_head)
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
@@ -23,7 +24,6 @@ from jointspec.kernels.grouped import (GROUP_SIZE, SCREEN_MARGIN, GroupedInt4Lin
                                        ScreenedInt8Head, kernels, runnable_isas, selected_isa, unavailable_reason,
                                        use_isa)
 from jointspec.kernels.quantize import Int4Linear, quantization_mode, quantize_model
-from test_equivalence import greedy, random_prompt
 
 def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
     assert kernels() is not None, unavailable_reason()
@@ -340,7 +340,6 @@ def int8_and_float_heads(seed: int = 0):
     import copy
 
     from jointspec.drafts.eagle import HeadDraftModel
-    from test_heads import untrained_head
 
     target = CausalLM(grouped_llama(seed), name="tiny-64")
     head = untrained_head(target, seed=seed, draft_vocab_size=40)
@@ -372,7 +371,6 @@ def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     from jointspec.drafters.tree import TreeDrafter
     from jointspec.verifiers.rejection import RejectionSamplingVerifier
     from jointspec.verifiers.tree import TreeRejectionVerifier
-    from test_heads import assert_greedy_equivalent
 
     int8_head, _, target = int8_and_float_heads(seed=1)
     if tree:
@@ -389,7 +387,6 @@ def test_int8_head_weights_refused_where_the_kernel_cannot_take_them(target_mode
     # conftest's tiny target is 32 wide: no multiple of 64, so int8 is refused by name and auto keeps float32.
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.drafts.eagle import HeadDraftModel
-    from test_heads import untrained_head
 
     target = CausalLM(target_model, name="tiny-target")
     with pytest.raises(UnsupportedOptionError, match="multiple of 64"):
@@ -461,8 +458,6 @@ def test_each_build_gives_the_portable_builds_bits(isa):
 
 
 def test_a_qwen2_model_with_qkv_biases_runs_the_compiled_layers_one_row_at_a_time():
-    from test_fastpath import tiny_qwen2
-
     model = quantize_model(tiny_qwen2(1), "int4")
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     compiled, python = CausalLM(model, name="compiled"), CausalLM(model, name="python")

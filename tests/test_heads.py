@@ -11,82 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_llama
+from helpers import (VOCAB, FakeTokenizer, assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for,
+                     greedy, hf_greedy, random_prompt, sps_acceptance, tiny_llama, tiny_training_data,
+                     train_cli_argv, untrained_head)
+from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.core.loop import SpeculativeDecoder
+from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache
-from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends.hf import CausalLM
 from jointspec.drafts.eagle import EagleHead, HeadDraftModel, bind_head, load_head
-from jointspec.drafts.artifact import HeadConfig, target_fingerprint
-from jointspec.core.sampling import SamplingConfig
-from jointspec.train.data import build_data
+from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
-
-from test_equivalence import hf_greedy, random_prompt
-
-EOS = 2
-
-
-def untrained_draft_of(module_class, config_class, target: CausalLM, seed: int = 0,
-                       draft_vocab_size: int | None = None, **shape):
-    """A freshly initialised trained-draft module (a head, a distilled draft) for ``target``."""
-    torch.manual_seed(seed)
-    config = config_class.for_target(target, target_fingerprint(target), draft_vocab_size=draft_vocab_size, **shape)
-    draft = module_class(config).eval()
-    if draft_vocab_size:
-        # Every other token, so some target tokens are outside the draft vocabulary.
-        draft.draft_vocab.copy_(torch.arange(0, 2 * draft_vocab_size, 2)[:draft_vocab_size])
-    return draft
-
-
-def untrained_head(target: CausalLM, seed: int = 0, draft_vocab_size: int | None = None) -> EagleHead:
-    return untrained_draft_of(EagleHead, HeadConfig, target, seed, draft_vocab_size)
-
-
-def assert_greedy_equivalent(target_model, decoder: SpeculativeDecoder, prompt: list[int]) -> None:
-    """``decoder`` gives transformers' greedy output, also when max length or EOS falls inside a draft."""
-    expected = hf_greedy(target_model, prompt, 40)
-    assert decoder.generate(prompt, greedy(40)) == expected
-    # Max length inside a draft: 7 new tokens cannot hold two full rounds of 4-token drafts.
-    assert decoder.generate(prompt, greedy(7)) == expected[:7]
-    # EOS inside a draft: pretend a token that appears mid-continuation is the end of sequence.
-    eos = expected[9]
-    cut = expected.index(eos) + 1
-    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:cut]
-
-
-def assert_loads_to_the_same_decoding(target_model, folder, prompt: list[int]) -> None:
-    """Two loads of the draft in ``folder`` give the same tokens and the same number of accepted drafts."""
-    runs = []
-    for _ in range(2):
-        decoder = decoder_for(target_model, "sps", folder, num_draft_tokens=4)
-        runs.append((decoder.generate(prompt, greedy(30)), decoder.stats.num_accepted_tokens))
-    assert runs[0] == runs[1]
-
-
-def train_cli_argv(monkeypatch, target_model, tmp_path, out: str) -> list[str]:
-    """``train-draft`` options for a quick run on the tiny target (patched in) with 18 text prompts into ``out``."""
-    from jointspec.cli import train as train_cli
-    from test_bench import tiny_tokenizer
-
-    monkeypatch.setattr(train_cli, "load_target",
-                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"please answer question {word} python" for word in
-                                 ["one", "two", "more", "short", "value", "return"] * 3))
-    return ["train-draft", "--out", str(tmp_path / out), "--prompts", str(prompts), "--max-new-tokens", "24",
-            "--epochs", "3", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "50", "--no-progress"]
-
-
-def tiny_training_data(tmp_path_factory, target_model):
-    """The tiny target's own greedy continuations of 48 random prompts, with its features (a few seconds)."""
-    target = CausalLM(target_model, name="tiny-target")
-    prompts = [random_prompt(100 + i, length=8) for i in range(48)]
-    data = tmp_path_factory.mktemp("data")
-    build_data(target, None, prompts, data, max_new_tokens=40, max_length=128, shard_size=16, batch_size=8)
-    return data
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +35,6 @@ def trained_head_dir(tmp_path_factory, target_model):
                              warmup_steps=10, eval_every=40, patience=100, eval_fraction=0.1)
     HeadTrainer(target, config).train(data, out, progress=False)
     return out
-
-
-def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDecoder:
-    target = CausalLM(target_model, name="tiny-target")
-    method_config = MethodConfig(name=method, draft=None if draft_dir is None else str(draft_dir), **config)
-    drafter, verifier = build_method(MethodContext(method_config, target, None, lambda source: None))
-    return SpeculativeDecoder(target, drafter, verifier)
-
-
-def greedy(max_new_tokens: int, eos: frozenset[int] = frozenset()) -> DecodeConfig:
-    return DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0), eos_token_ids=eos)
 
 
 def primed(target_model, head: EagleHead, context: list[int]) -> HeadDraftModel:
@@ -266,18 +191,6 @@ def test_greedy_equivalence_with_a_head(target_model, trained_head_dir, tmp_path
                              random_prompt(prompt_seed))
 
 
-def sps_acceptance(target_model, folder, num_draft_tokens: int = 4) -> float:
-    """Share of drafted tokens ``sps`` accepts with the draft in ``folder``, on six prompts no tiny draft was trained
-    on (see :func:`tiny_training_data`)."""
-    decoder = decoder_for(target_model, "sps", folder, num_draft_tokens=num_draft_tokens)
-    accepted = drafted = 0
-    for seed in range(200, 206):
-        decoder.generate(random_prompt(seed, length=8), greedy(40))
-        accepted += decoder.stats.num_accepted_tokens
-        drafted += decoder.stats.num_draft_tokens
-    return accepted / drafted
-
-
 def test_training_raises_acceptance_well_above_the_untrained_head(target_model, trained_head_dir, tmp_path):
     untrained = tmp_path / "untrained"
     untrained_head(CausalLM(target_model)).save(untrained)
@@ -426,7 +339,6 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafts import artifact
-    from test_corpus import FakeTokenizer
 
     shipped = tmp_path / "heads"
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))

@@ -39,6 +39,7 @@ llama_cpp = pytest.importorskip(
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 
+from helpers import greedy  # noqa: E402
 from jointspec.bench.prompts import BenchPrompt
 from jointspec.bench.runner import BenchConfig, run_bench
 from jointspec.bench.specs import MethodSpecError, parse_spec, parse_specs
@@ -49,7 +50,6 @@ from jointspec.backends import embedded
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.llamacpp import LlamaCppLM, LlamaCppWeights, check_vocabulary, load_llamacpp
 from jointspec.core.sampling import SamplingConfig
-from test_equivalence import greedy  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0 (pad), 1 (bos), 2 (eos), as in SmolLM2
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import tiny_llama
 from jointspec.core.draft import NoDrafter
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache

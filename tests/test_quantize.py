@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from conftest import VOCAB, tiny_llama
+from helpers import (BATCH_GREEDY, BATCH_METHODS, BATCH_PROMPTS, VOCAB, assert_clean_error, first_occurrences, greedy,
+                     hf_greedy, make_decoder, quant_llama, random_prompt, run_cli, save_model, tiny_llama,
+                     word_tokenizer)
 from jointspec.cli import main as cli
 from jointspec.cli import bench as bench_cli
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
@@ -31,29 +33,11 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import load_model
 from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt8Linear, kernels
 from jointspec.kernels.quantize import ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode, quantize_model
-from test_cli import assert_clean_error, run_cli, save_model, word_tokenizer
-from test_equivalence import first_occurrences, greedy, hf_greedy, make_decoder, random_prompt
 
 MODES = ["int8", "int4"]
 MAX_NEW_TOKENS = 40  # with 4-token drafts: at least 8 rounds, as in test_equivalence
 NUM_DRAFT_TOKENS = 4
 BF16_EPS = 2.0 ** -8  # bfloat16 rounding: relative error at most half of 2^-7
-
-
-def quant_llama(seed: int, *, tied: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).eval()
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    # Only the tests say what ends a sequence: transformers' generate would otherwise stop at id 2, which some
-    # continuations produce, while jointspec's loop is given no EOS unless a test declares one.
-    model.generation_config.eos_token_id = None
-    if not tied:  # a random tied model just repeats its input token (the residual stream carries its embedding)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
-    return model
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -516,12 +500,12 @@ def test_batched_decoding_equals_single_on_the_quantized_model(quantized, method
     # The server's batched engine pads and masks rows of different lengths into one forward: with per-row
     # quantisation each row still gets the logits it gets alone (test_batch explains the prompts and settings).
     from jointspec.batch.engine import BatchEngine, BatchRequest
-    from test_batch import GREEDY, METHODS, PROMPTS
 
     engine = BatchEngine(CausalLM(quantized), max_batch_size=8)
-    outs = engine.generate([BatchRequest(prompt, GREEDY, METHODS[method], seed=i) for i, prompt in enumerate(PROMPTS)])
-    for prompt, out in zip(PROMPTS, outs):
-        assert out == make_decoder("ar", quantized).generate(prompt, GREEDY)
+    outs = engine.generate([BatchRequest(prompt, BATCH_GREEDY, BATCH_METHODS[method], seed=i)
+                            for i, prompt in enumerate(BATCH_PROMPTS)])
+    for prompt, out in zip(BATCH_PROMPTS, outs):
+        assert out == make_decoder("ar", quantized).generate(prompt, BATCH_GREEDY)
 
 
 # -- quantize=auto: int4 where that is the model's own weights ------------------------------------------------------

@@ -10,19 +10,17 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import random_prompt, tiny_llama, tiny_tokenizer
 from jointspec.batch import engine as batch_module
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
 from jointspec.drafts.eagle import EagleHead, load_head
 from jointspec.drafts.artifact import HeadConfig
+from jointspec.train import sources
 from jointspec.train.data import build_data
 from jointspec.train import heads as heads_module
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts, user_turn_prefix
-
-from test_bench import tiny_tokenizer
-from test_equivalence import random_prompt
 
 EOS = frozenset({2})
 
@@ -217,12 +215,12 @@ def test_builtin_training_prompt_sources_split_the_default_mix():
     chat, code = chat_prompts(600), stdlib_code_prompts(300)
     assert len(chat) == 600 and len(code) == 300 and all(text.startswith("Complete this Python") for text in code)
     assert sorted(default_training_prompts()) == sorted(chat + code)
-    both, answers = cli.training_prompts(["train:chat", "train:code"], tokenizer)
+    both, answers = sources.training_prompts(["train:chat", "train:code"], tokenizer)
     assert len(both) == 900
-    assert both[600:] == cli.training_prompts(["train:code"], tokenizer)[0]
+    assert both[600:] == sources.training_prompts(["train:code"], tokenizer)[0]
     assert answers == [None] * len(both)  # the target answers these itself
     with pytest.raises(UnsupportedOptionError, match="train:code"):
-        cli.training_prompts(["train:nothing"], tokenizer)
+        sources.training_prompts(["train:nothing"], tokenizer)
 
 
 def test_a_training_jsonl_takes_prompt_or_turns_rows_and_names_a_bad_line(tmp_path):
@@ -232,15 +230,15 @@ def test_a_training_jsonl_takes_prompt_or_turns_rows_and_names_a_bad_line(tmp_pa
     good = tmp_path / "requests.jsonl"
     good.write_text('{"prompt": "name three birds"}\n\n'
                     '{"question_id": 7, "category": "x", "turns": ["sum two numbers", "now three"]}\n')
-    assert cli.jsonl_prompts(good) == ["name three birds", "sum two numbers"]
-    prompts, answers = cli.training_prompts([str(good)], tiny_tokenizer())
+    assert sources.jsonl_prompts(good) == ["name three birds", "sum two numbers"]
+    prompts, answers = sources.training_prompts([str(good)], tiny_tokenizer())
     assert len(prompts) == 2 and answers == [None, None]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
     with pytest.raises(UnsupportedOptionError, match=r"bad\.jsonl:2: expected an object with 'prompt'"):
-        cli.jsonl_prompts(bad)
+        sources.jsonl_prompts(bad)
     bad.write_text('{"prompt": "fine"\n')
     with pytest.raises(UnsupportedOptionError, match=r"bad\.jsonl:1: not valid JSON"):
-        cli.jsonl_prompts(bad)
+        sources.jsonl_prompts(bad)
     with pytest.raises(UnsupportedOptionError, match="cannot read prompt file"):
-        cli.jsonl_prompts(tmp_path / "missing.jsonl")
+        sources.jsonl_prompts(tmp_path / "missing.jsonl")

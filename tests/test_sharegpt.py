@@ -12,16 +12,14 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers import quant_llama, random_prompt, tiny_llama, tiny_tokenizer
+from jointspec.train import sources
 from jointspec.batch import engine as batch_module
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
 from jointspec.train import sharegpt
 from jointspec.train.data import build_data, load_shards, read_spec
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
-
-from test_bench import tiny_tokenizer
-from test_equivalence import random_prompt
 
 
 def _record(i: int, prompt: str, answer: str, first: str = "human") -> dict:
@@ -167,7 +165,7 @@ def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, mon
     monkeypatch.setattr(train_cli, "load_target",
                         lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
     tokenizer = tiny_tokenizer()
-    prompts, answers = train_cli.training_prompts(["sharegpt:3", "sharegpt-prompts:2", "train:code"], tokenizer)
+    prompts, answers = sources.training_prompts(["sharegpt:3", "sharegpt-prompts:2", "train:code"], tokenizer)
     assert len(prompts) == 3 + 2 + 300
     assert all(a is not None for a in answers[:3]) and all(a is None for a in answers[3:])
     exchange = sharegpt.exchanges_from_text(_fake_file(8), 1)[0]
@@ -207,7 +205,6 @@ def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(
     from jointspec.batch.engine import BatchEngine, BatchRequest
     from jointspec.core.loop import DecodeConfig
     from jointspec.backends.loading import quantized_copy
-    from test_quantize import quant_llama
 
     target = CausalLM(quant_llama(0), name="tiny-target")
     before = {name: weight.clone() for name, weight in target.model.state_dict().items()}

@@ -1,0 +1,388 @@
+"""Builders and references shared by the test modules; no test module imports another.
+
+Fixtures live in ``conftest.py``; plain functions and constants live here, grouped by what they make:
+
+- tiny models: :func:`tiny_llama` (conftest's recipe), :func:`quant_llama` (sizes the int4 kernel takes),
+  :func:`tiny_qwen2` (q/k/v biases);
+- prompts and references: :func:`random_prompt`, :func:`hf_greedy` (transformers' own greedy decoding, the reference
+  every method must match), :func:`first_occurrences`, :func:`greedy` (a greedy ``DecodeConfig``);
+- decoders built the way the library builds them: :func:`make_decoder` (by method name), :func:`decoder_for` (with a
+  draft folder), :func:`greedy_by_methods`, :func:`corpus_folder`;
+- tokenizers: :func:`tiny_tokenizer` (English words and a chat template), :func:`word_tokenizer` (``w4 w5 ...``, saved
+  next to a model folder), :class:`FakeTokenizer` (a vocabulary and nothing else);
+- the command line: :func:`save_model`, :func:`run_cli`, :func:`assert_clean_error`, :func:`train_cli_argv`;
+- trained drafts: :func:`untrained_draft_of`, :func:`untrained_head`, :func:`tiny_training_data`,
+  :func:`sps_acceptance`, :func:`assert_greedy_equivalent`, :func:`assert_loads_to_the_same_decoding`;
+- the bench: :data:`WORDS`, :func:`run_tiny`; the batched engine: :data:`BATCH_PROMPTS` and its settings.
+
+Odd sizes (vocab 99, hidden 32, intermediate 37) catch shape mix-ups that round numbers hide. Every tiny model
+multiplies its LM head by 8 so that greedy ties and near-ties are vanishingly rare: exact comparisons can be trusted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import random
+import shutil
+import tempfile
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from jointspec.backends.hf import CausalLM
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.sampling import SamplingConfig
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+VOCAB = 99
+
+
+# -- tiny models ------------------------------------------------------------------------------------------------------
+
+def tiny_llama(seed: int, *, vocab: int = VOCAB, layers: int = 2, max_positions: int = 256,
+               attn: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                         attn_implementation=attn)
+    model = LlamaForCausalLM(config).eval()
+    # Random init gives nearly flat logits; sharpen them so greedy ties and near-ties are vanishingly rare.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def quant_llama(seed: int, *, tied: bool = False) -> LlamaForCausalLM:
+    """conftest's recipe at sizes the int4 kernel accepts (out_features multiples of 16, in_features multiples of the
+    group size 32): hidden 64, intermediate 96, 4 heads (head size 16), 2 KV heads, vocab 99. ``tied``: the head is
+    the input embedding, as in SmolLM2."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    # Only the tests say what ends a sequence: transformers' generate would otherwise stop at id 2, which some
+    # continuations produce, while jointspec's loop is given no EOS unless a test declares one.
+    model.generation_config.eos_token_id = None
+    if not tied:  # a random tied model just repeats its input token (the residual stream carries its embedding)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
+    return model
+
+
+def tiny_qwen2(seed: int, hidden: int = 64, intermediate: int = 128, **config):
+    """A Qwen2 model (biases on q/k/v, which Llama has not) with every linear's width a multiple of 64."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=False,
+                                         attn_implementation="sdpa", **config)).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for layer in model.model.layers:  # biases large enough to matter (they start at zero)
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_(0, 0.5)
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+# -- prompts and references -------------------------------------------------------------------------------------------
+
+def random_prompt(seed: int, length: int = 12) -> list[int]:
+    """Random ids above the special ones (0 pad, 1 bos, 2 eos).
+
+    The tiny models' greedy continuations fall into short loops sooner or later, and a loop can hide an off-by-one
+    in positions. Seeds 0, 3, 5 and 6 give continuations of the target with 13 to 27 distinct tokens among the first
+    40 (seed 1 loops at once: it serves the prompt-lookup test, which wants repetition)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """Plain greedy decoding by transformers itself: the reference every method must match."""
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                              pad_token_id=0)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def first_occurrences(tokens: list[int]) -> dict[int, int]:
+    """Position of the first occurrence of each token."""
+    first: dict[int, int] = {}
+    for i, token in enumerate(tokens):
+        first.setdefault(token, i)
+    return first
+
+
+def greedy(max_new_tokens: int, eos_token_ids: frozenset[int] = frozenset()) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0),
+                        eos_token_ids=eos_token_ids)
+
+
+# -- decoders built as the library builds them ------------------------------------------------------------------------
+
+_corpus_folders: dict[int, str] = {}
+
+
+def corpus_folder(target_model) -> str:
+    """An n-gram table (``corpus``) of the target's own greedy continuations of other prompts, as `build-corpus`
+    makes for a real target: random models repeat themselves, so its drafts are often accepted, and often not."""
+    from jointspec.drafters.corpus import NgramTable
+
+    if id(target_model) not in _corpus_folders:
+        sequences = [hf_greedy(target_model, random_prompt(seed), 24) for seed in range(20, 30)]
+        folder = tempfile.mkdtemp(prefix="jointspec-corpus-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # module-level cache: no tmp_path outlives it
+        NgramTable.build(sequences, VOCAB, max_order=3, min_count=1).save(folder, {"kind": "corpus"})
+        _corpus_folders[id(target_model)] = folder
+    return _corpus_folders[id(target_model)]
+
+
+def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: int = 4):
+    """A registered method built the way the library builds it. ``method`` is a name, or ``sps-other`` for
+    speculative sampling with a different random model as the draft."""
+    target = CausalLM(target_model, name="tiny-target")
+    if method == "corpus":
+        name, draft = "corpus", corpus_folder(target_model)
+    else:
+        name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
+                       "sps-other": ("sps", "other")}[method]
+
+    def load_draft(source: str):
+        assert source == "other"
+        return CausalLM(other_model, name="tiny-other"), None
+
+    config = MethodConfig(name=name, draft=draft, num_draft_tokens=num_draft_tokens)
+    drafter, verifier = build_method(MethodContext(config, target, None, load_draft))
+    return SpeculativeDecoder(target, drafter, verifier)
+
+
+def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDecoder:
+    """``method`` with the draft in ``draft_dir`` (a trained draft's folder, ``"self"``, or None for none)."""
+    target = CausalLM(target_model, name="tiny-target")
+    method_config = MethodConfig(name=method, draft=None if draft_dir is None else str(draft_dir), **config)
+    drafter, verifier = build_method(MethodContext(method_config, target, None, lambda source: None))
+    return SpeculativeDecoder(target, drafter, verifier)
+
+
+def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
+                      methods=(("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2)))):
+    """Greedy output of ``model`` on ``prompt`` under each (method, draft, tree): a chain and a tree method next to
+    plain decoding, each on a fresh adapter."""
+    outputs = []
+    for name, draft, tree in methods:
+        target = CausalLM(model, name=f"{name} target")
+        drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft, tree=tree), target, None,
+                                                       load_draft=None))
+        config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0))
+        outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(prompt, config))
+    return outputs
+
+
+# -- tokenizers -------------------------------------------------------------------------------------------------------
+
+WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have "
+         "summarise rewrite text code function bees hive water wings warm cold nest list every number "
+         "answer question user assistant please short two sentences python def return value one more "
+         "now turn make add write explain what how why when where which who count word line file name "
+         "data test type hint error raise keep show whole class stack item price total").split()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over :data:`WORDS` (plus fillers up to the tiny models' 99 ids) with a minimal chat
+    template: ``user : {content} assistant : ``."""
+    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
+    extra = [":", "(", ")", ".", ","]
+    vocab = {tok: i for i, tok in enumerate(specials + extra + list(WORDS))}
+    assert len(vocab) <= VOCAB
+    for i in range(len(vocab), VOCAB):  # fill the model's vocabulary so every generated id decodes
+        vocab[f"w{i}"] = i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]",
+                                        unk_token="[UNK]", pad_token="[PAD]")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}assistant : {% endif %}")
+    return tokenizer
+
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``<pad> <s> </s> <unk> w4 ... w{vocab_size - 1}``."""
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+class FakeTokenizer:
+    """A vocabulary and nothing else: what n-gram tables fingerprint a tokenizer by."""
+
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+
+# -- the command line -------------------------------------------------------------------------------------------------
+
+def save_model(folder, seed: int, *, vocab: int = VOCAB, tokenizer_vocab: int | None = None,
+               max_positions: int = 256) -> str:
+    """A tiny Llama and a :func:`word_tokenizer` saved into ``folder``, as a real model folder is laid out."""
+    tiny_llama(seed, vocab=vocab, max_positions=max_positions).save_pretrained(folder)
+    word_tokenizer(tokenizer_vocab or vocab).save_pretrained(folder)
+    return str(folder)
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``jointspec`` with ``args``, argparse's SystemExit included."""
+    from jointspec.cli.main import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_clean_error(code: int, err: str, *needles: str) -> None:
+    """A non-zero exit, no traceback, and a final error line that mentions every needle."""
+    assert code not in (0, None), err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last, err
+    for needle in needles:
+        assert needle in last, last
+
+
+def train_cli_argv(monkeypatch, target_model, tmp_path, out: str) -> list[str]:
+    """``train-draft`` options for a quick run on the tiny target (patched in) with 18 text prompts into ``out``."""
+    from jointspec.cli import train as train_cli
+
+    monkeypatch.setattr(train_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"please answer question {word} python" for word in
+                                 ["one", "two", "more", "short", "value", "return"] * 3))
+    return ["train-draft", "--out", str(tmp_path / out), "--prompts", str(prompts), "--max-new-tokens", "24",
+            "--epochs", "3", "--eval-every", "5", "--batch-tokens", "256", "--draft-vocab", "50", "--no-progress"]
+
+
+# -- trained drafts ---------------------------------------------------------------------------------------------------
+
+def untrained_draft_of(module_class, config_class, target: CausalLM, seed: int = 0,
+                       draft_vocab_size: int | None = None, **shape):
+    """A freshly initialised trained-draft module (a head, a distilled draft) for ``target``."""
+    from jointspec.drafts.artifact import target_fingerprint
+
+    torch.manual_seed(seed)
+    config = config_class.for_target(target, target_fingerprint(target), draft_vocab_size=draft_vocab_size, **shape)
+    draft = module_class(config).eval()
+    if draft_vocab_size:
+        # Every other token, so some target tokens are outside the draft vocabulary.
+        draft.draft_vocab.copy_(torch.arange(0, 2 * draft_vocab_size, 2)[:draft_vocab_size])
+    return draft
+
+
+def untrained_head(target: CausalLM, seed: int = 0, draft_vocab_size: int | None = None):
+    """A freshly initialised EAGLE head (:class:`jointspec.drafts.eagle.EagleHead`) for ``target``."""
+    from jointspec.drafts.artifact import HeadConfig
+    from jointspec.drafts.eagle import EagleHead
+
+    return untrained_draft_of(EagleHead, HeadConfig, target, seed, draft_vocab_size)
+
+
+def tiny_training_data(tmp_path_factory, target_model):
+    """The tiny target's own greedy continuations of 48 random prompts, with its features (a few seconds)."""
+    from jointspec.train.data import build_data
+
+    target = CausalLM(target_model, name="tiny-target")
+    prompts = [random_prompt(100 + i, length=8) for i in range(48)]
+    data = tmp_path_factory.mktemp("data")
+    build_data(target, None, prompts, data, max_new_tokens=40, max_length=128, shard_size=16, batch_size=8)
+    return data
+
+
+def sps_acceptance(target_model, folder, num_draft_tokens: int = 4) -> float:
+    """Share of drafted tokens ``sps`` accepts with the draft in ``folder``, on six prompts no tiny draft was trained
+    on (see :func:`tiny_training_data`)."""
+    decoder = decoder_for(target_model, "sps", folder, num_draft_tokens=num_draft_tokens)
+    accepted = drafted = 0
+    for seed in range(200, 206):
+        decoder.generate(random_prompt(seed, length=8), greedy(40))
+        accepted += decoder.stats.num_accepted_tokens
+        drafted += decoder.stats.num_draft_tokens
+    return accepted / drafted
+
+
+def assert_greedy_equivalent(target_model, decoder: SpeculativeDecoder, prompt: list[int]) -> None:
+    """``decoder`` gives transformers' greedy output, also when max length or EOS falls inside a draft."""
+    expected = hf_greedy(target_model, prompt, 40)
+    assert decoder.generate(prompt, greedy(40)) == expected
+    # Max length inside a draft: 7 new tokens cannot hold two full rounds of 4-token drafts.
+    assert decoder.generate(prompt, greedy(7)) == expected[:7]
+    # EOS inside a draft: pretend a token that appears mid-continuation is the end of sequence.
+    eos = expected[9]
+    cut = expected.index(eos) + 1
+    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:cut]
+
+
+def assert_loads_to_the_same_decoding(target_model, folder, prompt: list[int]) -> None:
+    """Two loads of the draft in ``folder`` give the same tokens and the same number of accepted drafts."""
+    runs = []
+    for _ in range(2):
+        decoder = decoder_for(target_model, "sps", folder, num_draft_tokens=4)
+        runs.append((decoder.generate(prompt, greedy(30)), decoder.stats.num_accepted_tokens))
+    assert runs[0] == runs[1]
+
+
+# -- the bench and the batched engine ---------------------------------------------------------------------------------
+
+def run_tiny(target_model, tokenizer, methods: str, prompts, **config):
+    """``jointspec bench``'s runner on the tiny target: (result, summary) for ``methods`` (a spec string)."""
+    from jointspec.bench.report import summarise
+    from jointspec.bench.runner import BenchConfig, run_bench
+    from jointspec.bench.specs import parse_specs
+
+    target = CausalLM(target_model, name="tiny-target")
+    settings = dict(max_new_tokens=12, cost_model=False) | config
+    result = run_bench(target, tokenizer, prompts, parse_specs(methods), "ar", BenchConfig(**settings),
+                       progress=False)
+    return result, summarise(result)
+
+
+def make_batch_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
+    """Prompts of 1 to 29 tokens, every other one a repeated motif (so prompt lookup finds drafts)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        length = 1 + (i * 7) % 29
+        motif = [rng.randint(3, 98) for _ in range(max(1, length // 3))]
+        prompts.append((motif * 4)[:length] if i % 2 else [rng.randint(3, 98) for _ in range(length)])
+    return prompts
+
+
+# The batched engine's settings (tests/test_batch.py says why each was chosen).
+BATCH_PROMPTS = make_batch_prompts()
+BATCH_EOS = frozenset({2, 7})
+BATCH_GREEDY = DecodeConfig(max_new_tokens=20, eos_token_ids=BATCH_EOS)
+BATCH_SAMPLED = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, top_k=50),
+                             eos_token_ids=BATCH_EOS)
+BATCH_METHODS = {
+    "ar": MethodConfig("ar"),
+    "pld": MethodConfig("pld", num_draft_tokens=4),
+    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
+    "sps-other": MethodConfig("sps", draft="other", num_draft_tokens=3),
+}
