@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from jointspec.cli.options import (positive_int, add_model_arguments, apply_threads, method_config_from_args,
                                    model_loader, model_options)
 from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
+from jointspec.bench import report
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
@@ -42,7 +44,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0,
                         help="when sampling, each prompt and turn draws with a seed derived from this and its id")
-    parser.add_argument("--report-dir", type=Path, default=None, help="write report.md, results.json and PNG plots")
+    parser.add_argument("--report-dir", type=Path, default=None,
+                        help="write report.md, results.json and PNG plots (plots need the bench extra)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up run")
     parser.add_argument("--no-perplexity", action="store_true", help="skip perplexity under the target")
     parser.add_argument("--no-cost-model", action="store_true", help="skip measuring T(k) and the predictions")
@@ -67,6 +70,28 @@ def _auto_quantize(args: argparse.Namespace, specs) -> str:
     if args.quantize != "none" or args.backend != "torch" or not any(spec.quantize == "auto" for spec in specs):
         return "none"
     return resolve_quantize("auto", args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+
+
+@contextlib.contextmanager
+def _plots_if_installed():
+    """Lets ``write_report`` draw its plots where matplotlib (the ``bench`` extra) is installed; elsewhere says so on
+    one line and has it write report.md and results.json without them. (``write_report`` has no switch for plots, so
+    its plot writer is swapped for one that draws none, for this call only.)"""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        yield
+        return
+    print("jointspec bench: no plots: they need matplotlib, the bench extra (pip install 'jointspec[bench]')",
+          file=sys.stderr)
+    saved = report.write_plots
+    report.write_plots = lambda *args, **kwargs: []
+    try:
+        yield
+    finally:
+        report.write_plots = saved
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(result, summary))
     if args.report_dir is not None:
         command = "jointspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        files = write_report(result, summary, args.report_dir, command)
+        with _plots_if_installed():
+            files = write_report(result, summary, args.report_dir, command)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
     print(json.dumps(contract(result, summary)))
     return 0

@@ -48,7 +48,24 @@ def build_engine(args: argparse.Namespace):
                          load_draft=lambda source: load(source, name=source))
 
 
+# What ``jointspec serve`` imports beyond the core dependencies: the ``serve`` extra.
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic")
+
+
+def require_serve_extra() -> None:
+    """Refuse, before any model loads, when the ``serve`` extra is not installed."""
+    import importlib
+
+    for module in SERVE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise JointspecError(f"`jointspec serve` needs the serve extra: pip install 'jointspec[serve]' "
+                                 f"({error})") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    require_serve_extra()
     import uvicorn
 
     from jointspec.cli.options import apply_threads

@@ -1,0 +1,96 @@
+"""The command line around the core commands: ``--version``, the errors a missing extra gives, and the tools that
+read a finished run or a trained head (``bench-intervals``, ``head-agreement --record``, ``corpus-replay``).
+
+Everything runs in process on conftest's tiny Llama with a word-level tokenizer, injected through each subcommand's
+``load_target`` seam. One tiny bench run (8 prompts: the fewest that get intervals) is shared by the tests that read
+a results.json; it runs with matplotlib hidden, as an install without the ``bench`` extra would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from jointspec.backends.hf import CausalLM
+from jointspec.cli import bench as bench_cli
+from jointspec.cli import main as cli
+
+WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have summarise "
+         "rewrite text code function bees hive water wings warm cold nest list every number answer question user "
+         "assistant please short two sentences python def return value one more").split()
+
+# Eight prompts in two categories; one has a second turn, so replays see two turns.
+PROMPTS = [{"question_id": f"q{i}", "category": "summary" if i % 2 else "code",
+            "turns": [f"please {WORDS[i]} the {WORDS[10 + i]} text with {WORDS[20 + i]} words"]
+            + (["now make it one short line"] if i == 0 else [])} for i in range(8)]
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over :data:`WORDS`, filled up to the model's ids, with a minimal chat template."""
+    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
+    vocab = {token: i for i, token in enumerate(specials + WORDS)}
+    for i in range(len(vocab), vocab_size):  # fill the model's vocabulary so every generated id decodes
+        vocab[f"w{i}"] = i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]",
+                                        unk_token="[UNK]", pad_token="[PAD]")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}assistant : {% endif %}")
+    return tokenizer
+
+
+def tiny_loader(target_model):
+    """A ``load_target`` stand-in: the tiny target (the name its trained heads record) and the word tokenizer."""
+    tokenizer = word_tokenizer(target_model.config.vocab_size)
+    return lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tokenizer)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "questions.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, target_model, prompt_file):
+    """``jointspec bench`` of ar and pld on the 8 prompts with matplotlib hidden: (report folder, code, stderr)."""
+    folder = tmp_path_factory.mktemp("bench") / "report"
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(bench_cli, "load_target", tiny_loader(target_model))
+        patch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+        code = cli.main(["bench", "--no-progress", "--no-warmup", "--no-cost-model", "--prompts", str(prompt_file),
+                         "--methods", "ar,pld:n=4", "--max-new-tokens", "10", "--report-dir", str(folder)])
+    return folder, code, err.getvalue()
+
+
+def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    code, _, err = run_cli(capsys, "serve")
+    assert code == 2
+    assert err.startswith("jointspec: error: `jointspec serve` needs the serve extra: pip install 'jointspec[serve]'")
+    assert err.count("\n") == 1
+
+
+def test_bench_without_matplotlib_writes_the_report_and_skips_plots(bench_run):
+    folder, code, err = bench_run
+    assert code == 0, err
+    assert {path.name for path in folder.iterdir()} == {"report.md", "results.json"}
+    notes = [line for line in err.splitlines() if "plots" in line]
+    assert notes == [("jointspec bench: no plots: they need matplotlib, the bench extra (pip install "
+                      "'jointspec[bench]')")]
+
