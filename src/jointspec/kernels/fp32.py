@@ -1,29 +1,14 @@
 """Faster float32 CPU kernels: oneDNN's packed linears, a weight-major GEMM for 2-4 rows, grouped-query attention.
 
-PyTorch's CPU ``nn.Linear`` calls the BLAS it was built with (MKL in the official wheels). Measured on this project's
-2-core AMD EPYC (torch 2.13, SmolLM2-135M shapes, 2 threads, microseconds; ms for the 576 -> 49152 LM head)::
-
-                                 M = 1     2      3      4      5      9     17   (tokens in the forward)
-    LM head, F.linear (MKL)       12.9   23.8   34.9   19.2   19.1   19.9   19.5 ms
-    LM head, oneDNN (packed)       6.5    6.9    7.0    7.6    8.2    7.9   10.0 ms
-    576 -> 1536, F.linear          139    204    347    231    238    313    401
-    576 -> 1536, oneDNN             98    208    217    226    158    232    335
-
-MKL's small-batch path for ``x @ W.T`` reads the weights once per row for 2 and 3 rows (cost ~ M x one step), which
-is exactly the forward size short drafts are verified with. oneDNN's packed-weight kernel (``to_mkldnn``) is the
-fastest one-row kernel here, but over the whole model its 2-5 row forwards still cost ~1.5x a step. The same product
-computed the other way round, ``(W @ x.T).T`` (:func:`weight_major_linear`: the weight is GEMM's left operand, streamed
-in its stored order against 2-4 input columns), costs about what one row does: whole-model forwards, 200 cached tokens,
-20th percentile of 15 interleaved passes (``scripts/linear_kernels.py``), relative to the same setting's 1-token step::
-
-                                    k = 1     2      3      4      5      8     16   (tokens in the forward)
-    stock (F.linear, MKL)           1.00   1.70   2.10   2.05   1.72   1.90   2.13
-    oneDNN packed for every k       1.00   1.46   1.51   1.57   1.62   1.66   1.95
-    these layers (weight-major 2-4) 1.00   1.04   1.18   1.03   1.72   1.78   1.95
-
-So verifying 1-3 draft tokens now costs about one plain step, and the plain step itself is oneDNN's (the fastest one
-measured; the step was ~10 % faster than stock here, 57 -> 40 ms when the machine was quiet). Past 4 columns MKL's
-weight-major kernel reads the weight again for every 4 columns, so oneDNN takes over from 5 rows on.
+PyTorch's CPU ``nn.Linear`` calls the BLAS it was built with (MKL in the official wheels). MKL's small-batch path for
+``x @ W.T`` can read the weights once per row for 2 and 3 rows (cost ~ M x one step), which is exactly the forward
+size short drafts are verified with. oneDNN's packed-weight kernel (``to_mkldnn``) makes the one-row product
+cheaper, but its 2-5 row forwards still cost well over a step. The same product computed the other way round,
+``(W @ x.T).T`` (:func:`weight_major_linear`: the weight is GEMM's left operand, streamed in its stored order against
+2-4 input columns), costs about what one row does. So on the CPUs where ``auto`` picks these kernels
+(:data:`ONEDNN_VENDORS`) the plain step is oneDNN's and verifying 1-3 draft tokens costs about one plain step. Past 4
+columns MKL's weight-major kernel reads the weight again for every 4 columns, so oneDNN takes over from 5 rows on.
+docs/kernels.md ("Measurements behind the kernel choices") has the timings, machines and commands behind each choice.
 
 The weights are packed once (a second copy in oneDNN's blocked layout, next to the original ``weight``, which stays
 the module's parameter: state dicts, tied embeddings, draft heads, quantisation and the weight-major path keep reading
@@ -50,15 +35,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 KERNEL_CHOICES = ("auto", "onednn", "stock")
 
 
-# Rows (tokens) up to which weight_major_linear beats oneDNN's packed kernel here; see the module docstring.
+# Rows (tokens) up to which weight_major_linear beat oneDNN's packed kernel where tuned; see the module docstring.
 WEIGHT_MAJOR_MAX_ROWS = 4
 
 
 def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed as ``weight @ x.T``: the weight is the GEMM's left operand, streamed
-    once in its stored row-major order against a few input columns. For 2-4 rows this is BLAS's fastest shape here
-    (see the module docstring). An odd row count is padded with a zero row: MKL's 3-column kernel is slower than its
-    4-column one, and a padded column changes no other column's result."""
+    once in its stored row-major order against a few input columns. For 2-4 rows this was BLAS's fastest shape where
+    these kernels were tuned (see the module docstring). An odd row count is padded with a zero row: MKL's 3-column
+    kernel is slower than its 4-column one, and a padded column changes no other column's result."""
     rows = x.numel() // x.shape[-1]
     columns = x.reshape(rows, x.shape[-1])  # [rows, in]
     if rows % 2:
@@ -180,11 +165,10 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags").split())
 
 
-# Where ``auto`` picks oneDNN. The kernels above were tuned and measured on a 2-core AMD EPYC, where they make a step
-# 1.3x faster and flatten verification. On a 2-core Intel Xeon (same torch wheel, ``scripts/linear_kernels.py``,
-# 200 cached tokens) the same kernels made things worse: a step took 43 ms against MKL's 30 ms, and 2-3 token
-# forwards 1.37-1.40x a step against MKL's 1.13-1.21x; ``ar`` ran 1.43x faster on stock kernels. Elsewhere (other
-# vendors, unmeasured) PyTorch's own kernels are the safe choice; ``--kernels onednn`` still insists.
+# Where ``auto`` picks oneDNN: CPU vendors on which these kernels were measured faster than PyTorch's own. On the one
+# other vendor measured they made a plain step slower and did not flatten verification, so elsewhere (other vendors
+# included, unmeasured) PyTorch's own kernels are the safe choice; ``--kernels onednn`` still insists. The
+# measurements: docs/kernels.md, "Where --kernels auto picks oneDNN".
 ONEDNN_VENDORS = frozenset({"AuthenticAMD"})
 
 
@@ -222,10 +206,9 @@ def stock_kernels(model: nn.Module) -> Iterator[None]:
 # SmolLM2: 9 and 3) inside SDPA only when there is no mask; a forward of several new tokens after a cache always has
 # one (a chain's causal mask, a tree's ancestor mask), and then it copies every key and value head once per query
 # head it serves (``repeat_kv``: 2 copies of the whole cache per layer per verification). SDPA itself takes the
-# grouping (``enable_gqa``) with a mask on CPU, bit for bit the same result: measured on the embedded model, 2-5 token
-# forwards 3-6 % faster (one decode step has no mask and is unchanged) on the AMD EPYC; on an Intel Xeon with PyTorch's
-# own linears, 3-token forwards 3 / 15 / 19 / 22 % faster after 200 / 1000 / 2000 / 4000 cached tokens
-# (scripts/kv_cache_cost.py). So ``--kernels auto`` uses it on every CPU, whichever linears it picks.
+# grouping (``enable_gqa``) with a mask on CPU, bit for bit the same result, without the copies: multi-token forwards
+# were measured faster with oneDNN's linears and with PyTorch's own, more so the longer the cache (one decode step has
+# no mask and is unchanged; docs/kernels.md). So ``--kernels auto`` uses it on every CPU, whichever linears it picks.
 GQA_ATTENTION = "jointspec_gqa_sdpa"
 
 

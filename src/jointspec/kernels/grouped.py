@@ -1,23 +1,14 @@
 """Grouped int4 / int8 weight-only linear layers with a CPU kernel of our own, for ``--quantize int4``.
 
 Why a kernel of our own. PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) wants bfloat16 activations,
-which move the model away from its float32 self, and on the machine it was first measured on (kernels/quantize.py)
-its cost grew about linearly with the rows of a forward, so verifying draft tokens cost almost as much as decoding
-them one by one; MKL's float32 GEMM reads 4x the bytes and jumps from 1.2x to 1.6x a step between 3 and 4 rows.
-``csrc/grouped_linear.cpp`` (built once with the machine's own compiler) dequantises each weight row into an
-L1-resident float32 buffer and takes its dot product with every input row, so weights are read once per forward and each extra row costs only arithmetic. The 30 layers' linears of SmolLM2-135M, weights streamed
-from memory as in decoding (2-core Intel Xeon, 2 threads, 20th percentiles of 15 passes, ms)::
-
-    rows in the forward            1      2      3      4      5      6      8
-    float32, MKL F.linear        15.7   16.7   18.4   25.4   26.4   26.8   29.4
-    int4 g32, this kernel         5.9    6.2    8.6    9.0   10.1   11.1   13.6
-
-In a whole forward the kernel is not faster than PyTorch's int4 one on this machine (``scripts/int4_kernel_ab.py``,
-200 cached tokens, ms: k = 1 / 3 / 4 / 6 tokens 18.3 / 22.9 / 25.2 / 30.5 here against 17.7 / 21.8 / 23.4 / 30.6; float32
-30.8 / 33.9 / 46.1 / 49.3): the standalone sweep above overstates it, since inside a forward each call pays about
-a third more than back to back, and PyTorch's kernel, whose cost grew with the rows on the machines first measured,
-does not here. With q/k/v and gate/up fused into one call each (:class:`FusedCall`, end of this module) a second run
-gave 17.6 / 22.5 / 24.5 / 29.3 against PyTorch's 17.9 / 21.7 / 23.5 / 30.8: level. What it buys is fidelity, next.
+which move the model away from its float32 self, and on some CPUs its cost grew about linearly with the rows of a
+forward, so verifying draft tokens cost almost as much as decoding them one by one; MKL's float32 GEMM reads 4x the
+bytes and its cost jumps between 3 and 4 rows. ``csrc/grouped_linear.cpp`` (built once with the machine's own
+compiler) dequantises each weight row into an L1-resident float32 buffer and takes its dot product with every input
+row, so weights are read once per forward and each extra row costs only arithmetic. Timed alone, its layers cost a
+fraction of MKL's float32 ones at every row count; inside a whole forward each call pays more, and it came out level
+with PyTorch's int4 kernel where both were timed (docs/kernels.md has both measurements). What it buys is fidelity,
+next.
 
 Why these formats. The embedded SmolLM2 GGUF stores its body as Q4_1 (4-bit levels in blocks of 32 inputs, a scale
 and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blocks of 32, a scale per block);
@@ -35,19 +26,19 @@ The same extension holds two more kernels for the int4 model. ``attention``: row
 head computed alone, by construction) in one call per layer, which :func:`jointspec.kernels.quantize.rowwise_sdpa`
 uses instead of one PyTorch SDPA call per row. ``decoder_layer``: a whole Llama decoder layer on these 4-bit weights
 (norms, fused q/k/v, rotary embedding, cache write, attention, output projection, gated MLP, residuals), which the
-lean forward (backends/lean_forward.py) runs instead of about fifty PyTorch operations per layer. A plain int4 step of
-SmolLM2-135M then costs 11.2 ms instead of 20 (2-core Xeon, 200 cached tokens, scripts/compiled_layer_cost.py). Both treat every row alone, so
-speculative decoding stays exactly plain decoding of the int4 model; neither is bit for bit the operation-by-operation
-forward (float sums in another order), which is why plain and speculative decoding both run them.
+lean forward (backends/lean_forward.py) runs instead of about fifty PyTorch operations per layer, for a much cheaper
+plain int4 step (docs/kernels.md). Both treat every row alone, so speculative decoding stays exactly plain decoding of
+the int4 model; neither is bit for bit the operation-by-operation forward (float sums in another order), which is why
+plain and speculative decoding both run them.
 
 One source, three builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNNI's integer dot product for the
 screened head where the CPU has it) and portable C++ for any other CPU (ARM included). They compute every float
 operation in the same order with the same single roundings, so they give the same bits (the rest of a forward is
 PyTorch's, whose bits may vary between CPUs: docs/kernels.md), and tests hold each build this CPU runs against the
-portable one. :func:`selected_isa` picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa` pick another). Where no build
-can be made (no C++ compiler, no ninja) the layers fall back to PyTorch's int4 / int8 kernels of
-:mod:`jointspec.kernels.quantize`, with one warning that says why; layers whose in_features is not a multiple of 64
-stay float.
+portable one. :func:`selected_isa` picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa`
+pick another). Where no build can be made (no C++ compiler, no ninja) the layers fall back to PyTorch's int4 / int8
+kernels of :mod:`jointspec.kernels.quantize`, with one warning that says why; layers whose in_features is not a
+multiple of 64 stay float.
 """
 
 from __future__ import annotations
@@ -416,15 +407,14 @@ class GroupedInt8Linear(_GroupedLinear):
 
 
 # The greedy screen's margin, in logits: every token whose 4-bit score is within this of the row's best score gets
-# its exact logit. Measured on SmolLM2-135M (docs/lab/benchmarks.md, section 5), teacher-forced on 14,436 positions of
-# bench answers and ShareGPT text: the screen's error has a standard deviation of about 1 logit, and the exact
-# head's argmax was screened out at 302 / 55 / 5 / 1 / 0 positions with margins of 2 / 3 / 4 / 5 / 6 (0 at 8), while
-# a row's exact logits numbered 58 on average at 6 (570 at the 99th percentile). Tokens 6 logits under the best have
-# under 1/400 of its probability: only near-ties are ever in question.
+# its exact logit. On SmolLM2-135M the screen's error is about 1 logit (one standard deviation), and teacher-forced
+# on bench answers and ShareGPT text no exact argmax was screened out at this margin, while a row keeps a few dozen
+# exact logits on average (docs/kernels.md, "The screened head", has the counts per margin). Tokens 6 logits under
+# the best have under 1/400 of its probability: only near-ties are ever in question.
 SCREEN_MARGIN = 6.0
 # At most this many exact logits a row (the best scores within the margin): a flat row, as random tokens give, would
 # otherwise have thousands (and the cost curve, timed on random tokens, would price verification far too high). On
-# the same 14,436 positions a cap of 128 or 64 changed no argmax; 32 changed 6.
+# the same positions caps down to half this changed no argmax; smaller ones did (docs/kernels.md).
 SCREEN_MAX_EXACT = 128
 
 
@@ -436,7 +426,7 @@ class ScreenedInt8Head(GroupedInt8Linear):
     best-scoring).
 
     Why: on the int4 SmolLM2 the head's 32 MB are read from memory on every step, evicted by the layers' weights,
-    and cost about a quarter of a step; read through the screen a step costs ~13 % less (benchmarks.md). Its rows'
+    and cost a large share of a step, which the screen's half-size integer pass cuts (docs/kernels.md). Its rows'
     argmax is the exact head's wherever that token's score is within the margin of the best (every position
     measured; not guaranteed), and each row's result depends on that row alone, so plain and speculative greedy
     decoding read the same tokens. Sampling, perplexity and every other caller use :meth:`forward`: the exact
@@ -490,8 +480,8 @@ class ScreenedInt8Head(GroupedInt8Linear):
 # Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
 # one call over the stacked weights of several layers that read the same input (a Llama layer's q/k/v, its gate/up)
 # gives each layer's output bit for bit. One call instead of three or two saves the per-call cost, which inside a
-# forward is large (module docstring): about 0.7 ms of an 18 ms int4 step on SmolLM2-135M (docs/lab/benchmarks.md,
-# section 5). :func:`stack_storage` lays such layers' buffers out back to back in one tensor
+# forward is large (module docstring): a few per cent of an int4 step on SmolLM2-135M (docs/kernels.md).
+# :func:`stack_storage` lays such layers' buffers out back to back in one tensor
 # (each layer keeps views, so nothing is stored twice and the layers still work alone); :class:`FusedCall` then
 # makes the one call (the lean forward, backends/lean_forward.py, builds one per layer where it finds them so laid out).
 def _stackable(layers: list[nn.Module]) -> bool:

@@ -1,36 +1,20 @@
 """Quantised linear layers for a Hugging Face causal LM: ``int8`` and ``int4``, chosen for fast CPU decoding.
 
 A decode step of a small model is bound by reading its weights, so fewer bytes per weight means a cheaper step. Which
-kernel to use was decided by measuring PyTorch's own options on this project's 2-core AVX-512 (VNNI) Xeon, torch
-2.13, SmolLM2-135M shapes, one thread (sanity timings on a busy shared machine, so only the large gaps count):
-
-    per layer, microseconds (lm_head: ms)      576->1536 M=1   M=16   576->49152 M=1   M=16
-    fp32 F.linear (MKL)                              125          420         10 ms         28 ms
-    int8 x per-token int8, torch._int_mm  [int8]      33          135        1.0 ms        3.6 ms
-    quantize_dynamic (fbgemm, per-tensor act.)        35           76        1.1 ms        3.2 ms
-    _weight_int8pack_mm, bf16 act.                    60          460        2.2 ms         27 ms
-    _weight_int8pack_mm, fp32 act. (scalar path)     680       22,000         36 ms        710 ms
-    _weight_int4pack_mm_for_cpu, bf16 act. [int4]     61          430        3.0 ms         20 ms
-    same, fp32 or fp16 act. (scalar path)          3,000       44,000         84 ms        1.4 s
-    torchao 0.18 Int8WeightOnlyConfig (eager)        330          650         61 ms        108 ms
-    _dyn_quant_matmul_4bit (x86 reference loop)    1,400       28,000           -             -
-
-    whole model, one thread, 200 cached tokens    k=1 step   k=2   k=4   k=8   k=16 (cost relative to k=1)
-    fp32                                            54 ms    1.1   1.6   2.2   2.1
-    int8 (row-wise attention, below)                33 ms    1.4   1.5   1.8   2.5
-    int4 (int8 head, row-wise attention)            26 ms    1.3   1.6   2.3   3.8
+kernel to use was decided by timing PyTorch's own options, per layer and over the whole model; the tables (machine,
+date, command) are in docs/kernels.md, "PyTorch's quantised kernels".
 
 - **int8** = int8 weights (symmetric, one scale per output channel) times int8 activations quantised per token (one
-  scale per row) on the fly, accumulated exactly in int32 by ``torch._int_mm`` (oneDNN VNNI on CPU). It is the fastest
-  here and its cost grows slowly with the number of tokens, which is what k-token verification needs. fbgemm's
-  ``quantize_dynamic`` is as fast but quantises activations with *one scale for the whole batch*, so a token's result
-  depends on the other tokens verified with it, and speculative decoding would stop being exactly plain decoding of
-  the same quantised model. Per-token scales plus exact integer sums make every row's output independent of the batch
-  (bit for bit, tested); with :func:`rowwise_sdpa` for attention, the whole forward is, which keeps greedy
-  speculation lossless against the quantised target (13 of 13 prompts identical to ``ar`` for ``pld``, ``sps``
-  with a self-draft and transformers' ``generate``, where plain ``sdpa`` gave 5 of 13 in int4 and 2 of 13 in int8).
-  torchao (0.18 installs beside torch 2.13 with ``--no-deps``) was slower on CPU without ``torch.compile`` and its
-  CPU int4 is the same aten kernel in a prototype module, so it is not a dependency.
+  scale per row) on the fly, accumulated exactly in int32 by ``torch._int_mm`` (oneDNN VNNI on CPU). It was the
+  fastest of PyTorch's options measured and its cost grows slowly with the number of tokens, which is what k-token
+  verification needs. fbgemm's ``quantize_dynamic`` is as fast but quantises activations with *one scale for the whole
+  batch*, so a token's result depends on the other tokens verified with it, and speculative decoding would stop being
+  exactly plain decoding of the same quantised model. Per-token scales plus exact integer sums make every row's output
+  independent of the batch (bit for bit, tested); with :func:`rowwise_sdpa` for attention, the whole forward is, which
+  keeps greedy speculation lossless against the quantised target (13 of 13 prompts identical to ``ar`` for ``pld``,
+  ``sps`` with a self-draft and transformers' ``generate``, where plain ``sdpa`` gave 5 of 13 in int4 and 2 of 13 in
+  int8). torchao (0.18 installs beside torch 2.13 with ``--no-deps``) was slower on CPU without ``torch.compile`` and
+  its CPU int4 is the same aten kernel in a prototype module, so it is not a dependency.
 - **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group). Where
   jointspec's kernels build (any CPU with a C++ compiler), groups of 32 run on jointspec's own kernel
   (:mod:`jointspec.kernels.grouped`: float32 activations, the
@@ -38,43 +22,28 @@ kernel to use was decided by measuring PyTorch's own options on this project's 2
   blocks, so that model's int4 copy is its float32 model up to float rounding (384 of 384 teacher-forced argmaxes
   equal, 14 of 14 bench answers identical to float32 ``ar``). Where they cannot be built (no compiler or ninja),
   through ``_weight_int4pack_mm_for_cpu`` with
-  bfloat16 activations (its fp16 and fp32 paths are ~40x slower): the same speed on the Intel Xeon with AMX, but
-  bfloat16 activations cost agreement (371 of 384, and 3 of 28 answers identical in the AMD run), and on the
-  machines first measured its cost grew about linearly with the number of tokens. Rows are batch-independent in both.
-- **LM head.** The head (49152 x 576 in SmolLM2) is a fifth of the weights and a quarter of an fp32 decode step, so it
+  bfloat16 activations (its fp16 and fp32 paths are scalar loops, far slower): about as fast as jointspec's kernel
+  where both were timed, but bfloat16 activations cost agreement with the float32 model, and on some CPUs its cost
+  grew about linearly with the number of tokens (docs/kernels.md). Rows are batch-independent in both.
+- **LM head.** The head (49152 x 576 in SmolLM2) is a fifth of the weights and a large share of a decode step, so it
   is quantised too (``quantize_head=True``), and always as int8: in int4 it costs far more agreement than the whole
-  body does (table below). SmolLM2 ties it to the input embedding: the head is replaced by a new module built from a
+  body does (docs/kernels.md). SmolLM2 ties it to the input embedding: the head is replaced by a new module built from a
   *copy*, so the tie is broken and the embedding lookup stays in float (and keeps the float weights, which draft heads
   read, see ``eagle.float_lm_weight``). On jointspec's kernel the int8 head also keeps a 4-bit copy through which
   greedy decoding finds each row's argmax (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`: exact int8 logits
-  for every token within 6 logits of the best 4-bit score; a step ~13 % cheaper on SmolLM2); its logits, which
+  for every token within a few logits of the best 4-bit score; a cheaper greedy step); its logits, which
   sampling and perplexity read, are the int8 head's.
 - Layers a kernel cannot take (int4: out_features not a multiple of 16 or in_features not a multiple of the group
   size) stay in float, with one warning naming them.
 
-Quality on the embedded SmolLM2: the share of positions where the quantised model's argmax equals fp32's, teacher
-forced on fp32's greedy answers to 6 MT-Bench prompts (384 tokens); fake quantisation for the unsupported rows:
+On the embedded SmolLM2 ``int4`` is both faster per step and closer to fp32 than ``int8`` (the GGUF's body already is
+4-bit groups of 32, which ``int4`` recovers; ``int8``'s per-token activation scales suffer from SmolLM2's outlier
+channels), and ``int8`` has the flatter cost curve; docs/kernels.md has the agreement of each choice with fp32. A model
+that was not quantised before would rank them differently (``scripts/cost_curve.py`` measures both).
 
-============================================  =========  =================================================
-what is quantised                             agreement  note
-============================================  =========  =================================================
-body int4 g32 (weights only)                  99.5 %     the GGUF's body *is* Q4_1 (int4, groups of 32):
-                                                         exact but for bfloat16 activations
-body int4 g64                                 68 %       groups no longer match Q4_1's
-body int4 g32 + head int8 (``int4``)          98.2 %
-head int4 g32 alone                           88 %       the GGUF stores the head as Q8_0
-body + head int8 (``int8``)                   89 %       per-token activation scales: SmolLM2's outlier
-                                                         channels crush the others (activations alone: 90 %)
-body int8 per-channel, activations fp32       95 %       re-quantising Q4_1 weights per channel
-============================================  =========  =================================================
-
-So on this model ``int4`` is both faster per step and closer to fp32 than ``int8``; ``int8`` has the flatter cost
-curve. A model that was not quantised before would rank them differently (``scripts/cost_curve.py`` measures both).
-
-No on-disk cache: quantising is a few tensor passes over weights that are already in memory (0.4 s for int8 and
-0.8 s for int4 on the 135M default, measured on the busy machine: under a second, next to ~2 s to load the fp32
-model), so storing a second copy of the model would cost more disk and code than it saves. A model many times
-larger would want one.
+No on-disk cache: quantising is a few tensor passes over weights that are already in memory (under a second on the
+135M default, less than loading the fp32 model takes), so storing a second copy of the model would cost more disk and
+code than it saves. A model many times larger would want one.
 
 CUDA: the same modules take the CUDA kernels when the weights are on a GPU (``_int_mm`` needs more than 16 rows there,
 so inputs are padded; int4 uses ``_convert_weight_to_int4pack``). These paths have not been run: no GPU was available.
@@ -202,7 +171,7 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     so a verified draft would not reproduce one-token-at-a-time decoding (measured: ``pld`` matched ``ar`` on 5 of 13
     prompts with int4). Here row ``i`` is one SDPA call on the first ``L_i`` keys: exactly the call that decoding
     that token alone makes, so the outputs are bit-identical. It costs one call per row: on SmolLM2-135M nothing
-    measurable up to 4 rows, +5 ms at 8 and +12 ms at 16 (of 55 and 85 ms, int4, busy machine). Tree masks
+    measurable up to 4 rows, a growing share of the forward beyond (docs/kernels.md). Tree masks
     (non-prefix rows) gather the row's keys. Query shapes: [1, heads, rows, dim]; keys and values
     [1, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min. Batches of several sequences (the server's
     engine) and long prefills keep transformers' one-call SDPA. Where jointspec's compiled kernels run (float32,

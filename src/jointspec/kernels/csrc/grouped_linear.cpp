@@ -661,7 +661,7 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
 }
 
 // The decoder layers of one model, registered once, run in one call: a forward then crosses from Python to C++
-// once instead of once per layer, and converts no weight tensor (about 0.5 ms a step on SmolLM2's 30 layers). Each
+// once instead of once per layer, and converts no weight tensor (a measurable share of a step: docs/kernels.md). Each
 // layer runs decoder_layer() above, so the results are the same bits as calling it layer by layer.
 class CompiledLayers {
  public:
@@ -733,7 +733,7 @@ class CompiledLayers {
 // alone). The result is a deterministic function of the input row
 // alone: plain and speculative decoding see the same logits for the same row. Where the exact head's argmax was
 // screened out (its score more than `margin` under the best), the argmax differs from the exact head's; the
-// SCREEN_MARGIN note in kernels/grouped.py says how often that was measured to happen.
+// docs/kernels.md ("The screened head") says how often that was measured to happen.
 
 // Sum over k inputs of level (0..15) times x8 (signed), for R input rows. Integer sums have no order, so every
 // variant below gives the same numbers: x86 builds take 64 inputs a step (VNNI's dot-product instruction where the
