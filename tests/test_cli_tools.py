@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -76,6 +78,23 @@ def bench_run(tmp_path_factory, target_model, prompt_file):
         code = cli.main(["bench", "--no-progress", "--no-warmup", "--no-cost-model", "--prompts", str(prompt_file),
                          "--methods", "ar,pld:n=4", "--max-new-tokens", "10", "--report-dir", str(folder)])
     return folder, code, err.getvalue()
+
+
+def test_version_prints_the_installed_version(capsys):
+    import jointspec
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"jointspec {metadata.version('jointspec')}\n"
+    assert jointspec.__version__ == metadata.version("jointspec")
+
+
+def test_importing_the_package_imports_nothing_else():
+    code = ("import sys, jointspec; "
+            "print(sorted(m for m in sys.modules if m.startswith(('jointspec', 'torch', 'transformers'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['jointspec']"
 
 
 def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):

@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from jointspec.cli.options import add_model_arguments, apply_threads, method_config_from_args, model_options, positive_int
+from jointspec.cli.options import (add_model_arguments, apply_threads, method_config_from_args, model_options,
+                                   positive_int)
 from jointspec.core.errors import JointspecError
 
 DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small draft propose several tokens that "
@@ -110,7 +111,12 @@ _SUBCOMMAND_MODULES: list[str] = ["jointspec.cli.bench", "jointspec.cli.serve", 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="jointspec", description=__doc__.splitlines()[0])
+    from jointspec import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="jointspec", description="Speculative and multi-token joint decoding for Hugging Face causal LMs.",
+        epilog="`jointspec SUBCOMMAND --help` lists a subcommand's options; docs/cli.md describes them all.")
+    parser.add_argument("--version", action="version", version=f"jointspec {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_methods(subparsers)
