@@ -37,8 +37,8 @@ in one batch while jointspec's loop prefills all but its last token, so even pla
 part at a near-tie, with either setting.
 
 A decode that verifies nothing (``ar``: the loop calls ``reset(plain=True)``) needs no batch invariance and runs on
-a second context without flash attention, as llama.cpp's own loop does, since flash attention costs 10-22 % a step
-on the Intel Xeons measured. Speculative methods are exact against greedy decoding on the flash-attention context,
+a second context without flash attention, as llama.cpp's own loop does, since flash attention makes a step dearer
+(docs/kernels.md, "llama.cpp"). Speculative methods are exact against greedy decoding on the flash-attention context,
 so their output can part from ``ar``'s at a near-tie.
 """
 
@@ -104,11 +104,10 @@ def _init_backend(llama_cpp) -> None:
         _backend_ready = True
 
 
-# llama.cpp's AMX matrix kernels, which it picks for quantised weights on CPUs with AMX (Sapphire Rapids and later
-# Xeons), crash: on a 2-core Xeon with amx_int8, llama-cpp-python 0.3.36 built from source segfaulted in the first
-# decode of more than one token, in its own ``Llama`` class as in this adapter (llama.cpp issue #20824, "segfault in
-# ggml_backend_amx_mul_mat": machine-dependent, not fixed). Loading without llama.cpp's extra buffer types (no AMX,
-# no repacked weights) avoids it; on other CPUs they stay on.
+# llama.cpp's AMX matrix kernels, which it picks for quantised weights on CPUs with AMX, crash in llama-cpp-python
+# 0.3.36: a segfault in the first decode of more than one token, in its own ``Llama`` class as in this adapter
+# (llama.cpp issue #20824). Loading without llama.cpp's extra buffer types (no AMX, no repacked weights) avoids it; on
+# other CPUs they stay on. Where it was seen, and how: docs/kernels.md, "llama.cpp".
 def use_extra_buffer_types() -> bool:
     """Whether to load GGUF weights with llama.cpp's extra buffer types: not on CPUs with AMX (see above)."""
     from jointspec.kernels.fp32 import cpu_flags
@@ -216,8 +215,8 @@ class LlamaCppLM:
     Two llama.cpp contexts may back it: the exact one (flash attention as ``flash_attn`` says, on by default: batched
     rows equal single-token rows, module docstring), which every decode that verifies uses; and, made on the first
     ``reset(plain=True)``, one with llama.cpp's default kernels (flash attention off) for decodes that feed one token
-    at a time and verify nothing, where batch invariance buys nothing and flash attention costs 10-22 % a step on
-    the Intel Xeons measured (docs/lab/benchmarks.md). ``plain`` says which one the current decode runs on.
+    at a time and verify nothing, where batch invariance buys nothing and flash attention makes a step dearer
+    (docs/kernels.md, "llama.cpp"). ``plain`` says which one the current decode runs on.
     """
 
     def __init__(self, weights: LlamaCppWeights, *, n_ctx: int = 4096, n_threads: int | None = None,

@@ -204,7 +204,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
         if resolve_kernels(kernels, model) == "onednn":
             use_onednn_linears(model)
         if kernels != "stock":
-            # Bit-identical to transformers' sdpa and cheaper to verify with on every CPU measured (cpukernels).
+            # Bit-identical to transformers' sdpa and cheaper to verify with on every CPU measured (docs/kernels.md).
             use_gqa_attention(model)
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
