@@ -113,3 +113,28 @@ def test_bench_without_matplotlib_writes_the_report_and_skips_plots(bench_run):
     assert notes == [("jointspec bench: no plots: they need matplotlib, the bench extra (pip install "
                       "'jointspec[bench]')")]
 
+
+def test_bench_intervals_between_two_methods(bench_run, capsys):
+    folder, _, _ = bench_run
+    code, out, err = run_cli(capsys, "bench-intervals", str(folder / "results.json"), "pld", "ar")
+    assert code == 0, err
+    comparison = json.loads(out.splitlines()[-1])
+    assert (comparison["method"], comparison["reference"], comparison["num_prompts"]) == ("pld:n=4", "ar", 8)
+    speedup = comparison["speedup"]
+    assert speedup["interval"][0] <= speedup["ratio"] <= speedup["interval"][1]
+    # pld is lossless: the same tokens, so the same log-probabilities on every prompt and a point interval at 1.
+    assert comparison["perplexity_ratio"] == {"ratio": 1.0, "interval": [1.0, 1.0], "excludes_1": False}
+    # The same pair as the bench's own report (its times unrounded, the file's to 0.1 ms).
+    summary = json.loads((folder / "results.json").read_text())["methods"]["pld:n=4"]
+    assert speedup["ratio"] == pytest.approx(summary["speedup"], rel=0.05)
+    assert out.splitlines()[0] == "pld:n=4 against ar, 8 prompts"
+
+
+def test_bench_intervals_names_a_method_the_run_does_not_have(bench_run, capsys):
+    folder, _, _ = bench_run
+    code, out, err = run_cli(capsys, "bench-intervals", str(folder / "results.json"), "mtad", "ar")
+    assert code == 2 and out == ""
+    assert err == "jointspec: error: 'mtad' matches 0 of the run's methods; the run has: ar, pld:n=4\n"
+    code, _, err = run_cli(capsys, "bench-intervals", str(folder / "nope.json"), "pld", "ar")
+    assert code == 2 and err.startswith("jointspec: error: cannot read ") and "nope.json" in err
+

@@ -104,8 +104,8 @@ def _run_methods(args: argparse.Namespace) -> int:
 
 
 # Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
-_SUBCOMMAND_MODULES: list[str] = ["jointspec.cli.bench", "jointspec.cli.serve", "jointspec.cli.train",
-                                    "jointspec.cli.corpus"]
+_SUBCOMMAND_MODULES: list[str] = ["jointspec.cli.bench", "jointspec.cli.bench_intervals", "jointspec.cli.serve",
+                                    "jointspec.cli.train", "jointspec.cli.corpus"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,95 @@
+"""Paired 95 % intervals between any two methods of a finished bench run, from its ``results.json``.
+
+The bench reports every method against its baseline. To ask "is MTAD faster than ``sps``, does it lower perplexity
+against it" without running again, :func:`compare_methods` reads the per-prompt times, token counts and
+log-probabilities that ``results.json`` keeps and applies the bench's own paired bootstrap
+(:mod:`jointspec.bench.intervals`, seeded with the run's seed). Methods may be named by their full label or by a
+unique part of it. Perplexity needs a run scored with perplexity on; without it only the speedup has an interval.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from jointspec.bench.intervals import MIN_PROMPTS, RatioInterval, paired_ratio_interval
+from jointspec.core.errors import JointspecError
+
+
+class ResultsError(JointspecError):
+    """A results.json that cannot be read, or a method it does not hold."""
+
+
+def load_results(path: str | Path) -> dict:
+    """A bench run's results.json (``jointspec bench --report-dir``), with a clear error when it is not one."""
+    try:
+        results = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ResultsError(f"cannot read '{path}': {error.strerror or error}") from None
+    except ValueError as error:
+        raise ResultsError(f"'{path}' is not JSON ({error})") from None
+    if not isinstance(results, dict) or not isinstance(results.get("methods"), dict) or "runs" not in results:
+        raise ResultsError(f"'{path}' is not a bench results.json (no 'methods' and 'runs'); jointspec bench "
+                           "--report-dir DIR writes one")
+    return results
+
+
+def pick_method(labels: list[str], wanted: str) -> str:
+    """The label ``wanted`` names: itself, or the one label that contains it."""
+    if wanted in labels:
+        return wanted
+    matches = [label for label in labels if wanted in label]
+    if len(matches) != 1:
+        raise ResultsError(f"'{wanted}' matches {len(matches)} of the run's methods"
+                           + (f" ({', '.join(matches)})" if matches else "") + f"; the run has: {', '.join(labels)}")
+    return matches[0]
+
+
+def _parts(runs: list[dict], kind: str) -> torch.Tensor:
+    """[num_prompts, 2] in ``runs``' order: (tokens, median seconds) or (log-prob sum, scored tokens)."""
+    if kind == "rate":
+        return torch.tensor([[r["num_new_tokens"], statistics.median(r["seconds"])] for r in runs],
+                            dtype=torch.float64)
+    return torch.tensor([[r.get("logprob_sum", 0.0), r.get("num_scored_tokens", 0)] for r in runs],
+                        dtype=torch.float64)
+
+
+def _interval_dict(interval: RatioInterval | None) -> dict | None:
+    if interval is None:
+        return None
+    return {"ratio": round(interval.ratio, 4), "interval": interval.to_list(), "excludes_1": interval.excludes_one}
+
+
+def compare_methods(results: dict, method: str, reference: str) -> dict:
+    """``method`` against ``reference`` over the prompts both ran: the speedup and the perplexity ratio, each with
+    its paired bootstrap interval (None with fewer than :data:`~jointspec.bench.intervals.MIN_PROMPTS` prompts or
+    nothing scored). Both may be given as unique parts of their labels."""
+    labels = list(results["methods"])
+    method, reference = pick_method(labels, method), pick_method(labels, reference)
+    by_prompt = {label: {r["prompt_index"]: r for r in results["runs"] if r["method"] == label}
+                 for label in (method, reference)}
+    prompts = sorted(by_prompt[method])
+    if prompts != sorted(by_prompt[reference]):
+        raise ResultsError(f"'{method}' and '{reference}' ran different prompts; they cannot be paired")
+    seed = results.get("config", {}).get("seed", 0)
+    out: dict = {"method": method, "reference": reference, "num_prompts": len(prompts)}
+    for kind, name in (("rate", "speedup"), ("perplexity", "perplexity_ratio")):
+        mine = _parts([by_prompt[method][p] for p in prompts], kind)
+        theirs = _parts([by_prompt[reference][p] for p in prompts], kind)
+        out[name] = _interval_dict(paired_ratio_interval(mine, theirs, kind, seed=seed))
+    return out
+
+
+def describe(comparison: dict) -> list[str]:
+    """Lines for people: one per ratio, ``-`` where it has no interval."""
+    lines = [f"{comparison['method']} against {comparison['reference']}, {comparison['num_prompts']} prompts"]
+    for name in ("speedup", "perplexity_ratio"):
+        row = comparison[name]
+        lines.append(f"{name}: " + ("-" if row is None else
+                                    f"{row['ratio']:.3f} [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]"))
+    if comparison["num_prompts"] < MIN_PROMPTS:
+        lines.append(f"(no intervals under {MIN_PROMPTS} prompts)")
+    return lines
