@@ -6,9 +6,10 @@ Exact MTJD chooses the next ``num_tokens`` tokens as one unit from the target's 
 vocabularies. Sampling the untempered joint is distributionally the same as ancestral sampling; joint decoding
 differs when a decoding rule (greedy, beam search, truncation) acts on the joint instead of each token.
 
-Idealised MTAD (research/mtad.md §4): draw a block ``y ~ Q`` (the draft joint), keep it iff ``P(y) >= tau·Q(y)``,
-otherwise draw again. Its law is ``Q`` restricted to the kept set ``K`` and renormalised, ``pi(y) = Q(y)/Z`` with
-``Z = Q(K)``, and ``TV(pi, P) <= (1 - Z) + TV(Q, P) <= TV(Q, P)·(2 - tau)/(1 - tau)`` for ``tau < 1``.
+Idealised MTAD (docs/mtad.md; Qin et al., arXiv 2407.09722): draw a block ``y ~ Q`` (the draft joint), keep it iff
+``P(y) >= tau·Q(y)``, otherwise draw again. Its law is ``Q`` restricted to the kept set ``K`` and renormalised,
+``pi(y) = Q(y)/Z`` with ``Z = Q(K)``, and ``TV(pi, P) <= (1 - Z) + TV(Q, P) <= TV(Q, P)·(2 - tau)/(1 - tau)`` for
+``tau < 1``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
 * CUDA: NVML's total energy counter (millijoules since driver load) via ``pynvml`` when it is importable and the
   GPU supports it (Volta and newer).
 
-The reference MTAD code integrated ``nvidia-smi power.draw`` sampled once a second over every visible GPU
-(research/mtad.md §7.1); counters are both cheaper and exact.
+The MTAD authors' reference code (arXiv 2407.09722) integrated ``nvidia-smi power.draw`` sampled once a second over
+every visible GPU; counters are both cheaper and exact.
 
 Usage::
 

@@ -5,7 +5,7 @@ A *beam* is a path of up to ``num_draft_tokens`` tokens after the context. Step 
 sampled from ``softmax`` of those scores (so a child is drawn with probability ∝ its draft joint ``Q``), or, at
 temperature 0, the top ``beam_width`` (plain beam search on the raw draft log-softmax). Beam weights are the kept
 joints renormalised, ``w_b = Q(path_b) / Σ_j Q(path_j)``, computed in log space. (The reference code instead took a
-softmax *of probabilities*, which makes weights nearly uniform; we do not copy that, see research/mtad.md §3.1.)
+softmax *of probabilities*, which makes weights nearly uniform; we do not copy that, see docs/mtad.md.)
 
 End of sequence: a beam whose last token is an end-of-sequence token is *finished*. It is never expanded (nothing
 after an EOS is worth the target's time); it stays a candidate at later steps with its joint unchanged (its

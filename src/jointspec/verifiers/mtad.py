@@ -6,10 +6,10 @@ ancestor path). The node passes when ``target_joint - draft_joint >= log tau``. 
 passing node (on a chain: the longest passing prefix; a failing short prefix does not block a longer passing one,
 since the joint ratio can recover), breaking ties at equal depth by the larger target joint, then appends one token
 sampled from the target's processed distribution after that node (row 0 when nothing passes). There is no residual
-correction: MTAD approximates multi-token joint decoding and is *not* lossless (research/mtad.md §3.3, §4).
+correction: MTAD approximates multi-token joint decoding and is *not* lossless (docs/mtad.md; arXiv 2407.09722).
 
 Differences from the reference code, on purpose: the tree threshold uses each node's own ancestor path, not
-column ``b*`` of every level (research/mtad.md §5.2 quirk); and the test is ``>=`` with a tolerance of
+column ``b*`` of every level (docs/mtad.md, the table of fixes); and the test is ``>=`` with a tolerance of
 ``JOINT_TOLERANCE`` nats rather than a strict ``>``, so that a draft identical to the target (ratio 1 up to
 floating-point noise between two forward passes) is fully accepted at ``tau = 1``.
 
