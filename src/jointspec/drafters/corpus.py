@@ -55,9 +55,10 @@ _fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # toke
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the tokenizer's vocabulary (token -> id): a table's ids mean something only under it.
-    Hashing SmolLM2's 49,152 tokens takes about 50 ms, and building `default` asks up to three times, so a sized
-    tokenizer's hash is kept while the tokenizer lives (and made again if tokens were added to it since)."""
+    """A short hash of the tokenizer's vocabulary (token -> id): a table's ids mean something only under it. Hashing a
+    vocabulary of tens of thousands of tokens takes tens of milliseconds, and building `default` asks up to three
+    times, so a sized tokenizer's hash is kept while the tokenizer lives (and made again if tokens were added to it
+    since)."""
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     try:
         kept_size, fingerprint = _fingerprints[tokenizer]

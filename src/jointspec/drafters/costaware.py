@@ -1,9 +1,10 @@
 """Cost-aware speculation: choose each round's draft length (or no draft) from the target's cost curve.
 
 Verifying ``k`` draft tokens means one target forward of ``k + 1`` tokens (the pending token plus the draft). What
-that costs relative to one plain step depends on the backend far more than on the method: on this CPU, 1.1x / 1.3-1.6x
-/ 1.5-2.0x / 2.2x for 2 / 4 / 8 / 16 tokens in torch fp32, but 1.5x / 2.1x / 3.4x / 6.0x in llama.cpp. A draft length
-that pays in torch loses in llama.cpp, so the length must come from the measured curve, not from a constant.
+that costs relative to one plain step depends on the backend (and the CPU) far more than on the method: a few extra
+tokens may cost little more than a step in torch float32 and several steps in llama.cpp (docs/kernels.md, "Cost
+curves by backend"). A draft length that pays in torch loses in llama.cpp, so the length must come from the measured
+curve, not from a constant.
 
 The model. If each draft token is accepted with probability ``a`` once the ones before it were (a chain stops at
 its first rejection), a round that drafts ``k`` tokens commits on average ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens

@@ -1,10 +1,11 @@
 """Prompt lookup where it pays more than a small token tree from a draft head; the tree otherwise.
 
-Two facts from the cost curve shape this drafter (``docs/lab/benchmarks.md`` §6). On the float32 CPU kernels a target
-forward of up to 4 tokens costs about one plain step, and a trained head's top-3 candidates contain the target's
-next token far more often (~0.6 on MT-Bench) than its top-1 does (~0.4). So where prompt lookup has nothing good to
-offer, the best use of those 4 tokens is one head call and a width-3 tree (the pending token plus 3 siblings), not a
-chain: the chain pays a head call per token and its second token is accepted only after the first was.
+Two facts from the cost curve shape this drafter (``docs/lab/benchmarks.md`` §6). On the float32 CPU kernels it was
+designed on (oneDNN with the weight-major GEMM, docs/kernels.md) a target forward of up to 4 tokens costs about one
+plain step, and a trained head's top-3 candidates contain the target's next token far more often (~0.6 on MT-Bench)
+than its top-1 does (~0.4). So where prompt lookup has nothing good to offer, the best use of those 4 tokens is one
+head call and a width-3 tree (the pending token plus 3 siblings), not a chain: the chain pays a head call per token
+and its second token is accepted only after the first was.
 
 Each round:
 

@@ -261,10 +261,8 @@ class FeatureDraft:
 # How a bound head's weights run (``--head-weights``, MethodConfig.head_weights).
 # - ``int8``: the head's decoder-layer linears and its rows of the target's LM head as signed 8-bit weights in groups
 #   of 32 on jointspec's CPU kernel (kernels/grouped.py), float32 activations; ``fc``, which reads the feature and the
-#   token embedding side by side, stays float. A draft call reads about a quarter of the bytes: on the shipped
-#   SmolLM2 head (2-core Xeon, float32 target, sps with k = 1 on 8 MT-Bench prompts x 96 tokens, 2 passes) a call
-#   took 2.70 ms against 3.67, and 42.2 % of drafted tokens were accepted against 41.9 % (the LM head's argmax
-#   alone was the float one at 359 of 359 drafted positions).
+#   token embedding side by side, stays float. A draft call reads about a quarter of the bytes, which made the shipped
+#   SmolLM2 head's calls cheaper at the same acceptance (docs/kernels.md, "Draft heads on int8 weights").
 # - ``float32``: the weights as trained.
 # - ``auto``: int8 where that kernel runs with vector instructions (an x86 CPU with AVX2 or AVX-512, layer widths
 #   multiples of 64), else float32.
