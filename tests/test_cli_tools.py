@@ -16,11 +16,13 @@ import sys
 from importlib import metadata
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from jointspec.backends.hf import CausalLM
 from jointspec.cli import bench as bench_cli
+from jointspec.cli import head_agreement as head_agreement_cli
 from jointspec.cli import main as cli
 
 WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have summarise "
@@ -137,4 +139,57 @@ def test_bench_intervals_names_a_method_the_run_does_not_have(bench_run, capsys)
     assert err == "jointspec: error: 'mtad' matches 0 of the run's methods; the run has: ar, pld:n=4\n"
     code, _, err = run_cli(capsys, "bench-intervals", str(folder / "nope.json"), "pld", "ar")
     assert code == 2 and err.startswith("jointspec: error: cannot read ") and "nope.json" in err
+
+
+@pytest.fixture(scope="module")
+def trained_head(tmp_path_factory, target_model):
+    """An EAGLE head trained briefly for the tiny target on its own greedy continuations of 24 random prompts."""
+    from jointspec.train.data import build_data
+    from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+    target = CausalLM(target_model, name="tiny-target")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, target.vocab_size, (8,), generator=generator).tolist() for _ in range(24)]
+    data = build_data(target, None, prompts, tmp_path_factory.mktemp("data"), max_new_tokens=24, max_length=64,
+                      shard_size=12, batch_size=8)
+    out = tmp_path_factory.mktemp("head")
+    config = HeadTrainConfig(draft_vocab_size=None, epochs=15, batch_tokens=512, learning_rate=3e-3,
+                             warmup_steps=5, eval_every=20, patience=100, eval_fraction=0.1)
+    HeadTrainer(target, config).train(data, out, progress=False)
+    return out
+
+
+def test_head_agreement_records_top_w_hit_rates(trained_head, target_model, prompt_file, monkeypatch, capsys):
+    from jointspec.methods.tree_width import top_w_hit_rate
+
+    monkeypatch.setattr(head_agreement_cli, "load_target", tiny_loader(target_model))
+    before = json.loads((trained_head / "draft.json").read_text())
+    assert "measured" not in before
+    code, out, err = run_cli(capsys, "head-agreement", "--sets", str(prompt_file), "--num-prompts", "6",
+                             "--max-new-tokens", "16", "--record", str(trained_head))
+    assert code == 0, err
+    row = json.loads(out.splitlines()[-1])[str(trained_head)][str(prompt_file)]
+    after = json.loads((trained_head / "draft.json").read_text())
+    rates = after["measured"]["top_w_hit_rate"]
+    assert set(rates) == {"1", "2", "3"}
+    assert 0.0 <= rates["1"] <= rates["2"] <= rates["3"] <= 1.0 and rates["3"] > 0.0
+    # One set: the recorded rates are that set's top-1/2/3 shares, over the positions it scored.
+    assert [rates["1"], rates["2"], rates["3"]] == [row["depth1"], row["depth1_top2"], row["depth1_top3"]]
+    assert row["tokens"] > 50 and "6 prompts" in after["measured"]["how"]
+    assert (after["config"], after["training"]) == (before["config"], before["training"])
+    assert sorted(path.name for path in trained_head.iterdir() if "draft.json" in path.name) == ["draft.json"]
+    # What `default` and `hybrid-tree` size their tree by now reads the measurement.
+    assert top_w_hit_rate(str(trained_head)) == {int(w): rate for w, rate in rates.items()}
+
+
+def test_head_agreement_refuses_to_record_what_it_does_not_measure(tmp_path, monkeypatch, capsys):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load for a refused request")
+
+    monkeypatch.setattr(head_agreement_cli, "load_target", no_model)
+    (tmp_path / "draft.json").write_text(json.dumps({"config": {"kind": "medusa"}}))
+    code, _, err = run_cli(capsys, "head-agreement", "--record", str(tmp_path))
+    assert code == 2 and "--record writes top-w hit rates" in err and "'medusa' draft" in err
+    code, _, err = run_cli(capsys, "head-agreement", str(tmp_path / "missing"))
+    assert code == 2 and "holds no readable draft.json" in err
 
