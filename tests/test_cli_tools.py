@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jointspec.backends.hf import CausalLM
 from jointspec.cli import bench as bench_cli
+from jointspec.cli import corpus_replay as corpus_replay_cli
 from jointspec.cli import head_agreement as head_agreement_cli
 from jointspec.cli import main as cli
 
@@ -193,3 +194,22 @@ def test_head_agreement_refuses_to_record_what_it_does_not_measure(tmp_path, mon
     code, _, err = run_cli(capsys, "head-agreement", str(tmp_path / "missing"))
     assert code == 2 and "holds no readable draft.json" in err
 
+
+def test_corpus_replay_ranks_a_table_of_the_answers_above_an_unrelated_one(bench_run, target_model, prompt_file,
+                                                                         tmp_path, monkeypatch, capsys):
+    from jointspec.drafters.corpus import NgramTable
+
+    folder, _, _ = bench_run
+    vocab = target_model.config.vocab_size
+    results = json.loads((folder / "results.json").read_text())
+    answers = [answer for run in results["runs"] if run["method"] == "ar" for answer in run["output_ids"]]
+    NgramTable.build(answers, vocab, max_order=3, min_count=1).save(tmp_path / "answers", {})
+    NgramTable.build([list(range(3, vocab))], vocab, max_order=3, min_count=1).save(tmp_path / "unrelated", {})
+    monkeypatch.setattr(corpus_replay_cli, "load_target", tiny_loader(target_model))
+    code, out, err = run_cli(capsys, "corpus-replay", "--results", str(folder / "results.json"), "--method", "ar",
+                             "--prompts", str(prompt_file), str(tmp_path / "answers"), str(tmp_path / "unrelated"))
+    assert code == 0, err
+    report = json.loads(out.splitlines()[-1])["tables"]
+    rates = {name: report[str(tmp_path / name)] for name in ("answers", "unrelated")}
+    assert all(len(row["by_turn"]) == 2 and row["tokens_per_cost"] > 0 for row in rates.values())
+    assert rates["answers"]["tokens_per_cost"] > rates["unrelated"]["tokens_per_cost"]
