@@ -80,9 +80,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "none elsewhere)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="torch backend: CPU kernels. auto = for a float32 model on an AMD CPU, oneDNN linears "
-                             "(MKL weight-major for 2-4 tokens) and grouped-query attention inside SDPA (a cheaper "
-                             "step, and verifying 1-3 draft tokens at about the cost of one step there), else "
-                             "PyTorch's own (faster on the Intel Xeon measured); onednn = insist; stock = PyTorch's "
+                             "(MKL weight-major for 2-4 tokens: a cheaper step, and verifying 1-3 draft tokens at "
+                             "about the cost of one step there), else PyTorch's own linears; grouped-query attention "
+                             "inside SDPA either way (docs/kernels.md says why); onednn = insist; stock = PyTorch's "
                              "F.linear and transformers' sdpa attention")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads for torch (process-wide) and llama.cpp (default: torch's choice, and the "
