@@ -3,9 +3,9 @@
 transformers' ``LlamaForCausalLM`` runs every decoder layer, attention block and norm through ``nn.Module.__call__``
 plus its output-capturing hooks, gradient-checkpointing wrappers and keyword-argument plumbing. For a 135M model
 decoding one token on a CPU that bookkeeping is a large share of a step: on the embedded SmolLM2 (30 layers) over a
-tenth of a plain step went outside the tensor operations themselves (docs/kernels.md; ``scripts/fast_forward_cost.py``
-measures it). Speculative decoding pays it once per target forward and per draft call, so it is a fixed cost on every
-token the loop commits.
+tenth of a plain step went outside the tensor operations themselves (docs/kernels.md;
+``benchmarks/fast_forward_cost.py`` measures it). Speculative decoding pays it once per target forward and per draft
+call, so it is a fixed cost on every token the loop commits.
 
 :class:`LlamaFastForward` walks the same modules in the same order and calls the same tensor operations on the same
 tensors: the embedding, transformers' own causal-mask builder and rotary embedding, each layer's norm (inlined,

@@ -39,7 +39,7 @@ date, command) are in docs/kernels.md, "PyTorch's quantised kernels".
 On the embedded SmolLM2 ``int4`` is both faster per step and closer to fp32 than ``int8`` (the GGUF's body already is
 4-bit groups of 32, which ``int4`` recovers; ``int8``'s per-token activation scales suffer from SmolLM2's outlier
 channels), and ``int8`` has the flatter cost curve; docs/kernels.md has the agreement of each choice with fp32. A model
-that was not quantised before would rank them differently (``scripts/cost_curve.py`` measures both).
+that was not quantised before would rank them differently (``benchmarks/cost_curve.py`` measures both).
 
 No on-disk cache: quantising is a few tensor passes over weights that are already in memory (under a second on the
 135M default, less than loading the fp32 model takes), so storing a second copy of the model would cost more disk and
