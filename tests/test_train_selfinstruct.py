@@ -208,7 +208,6 @@ def test_model_load_error_is_what_a_wrong_target_raises(target_model, tmp_path, 
 
 def test_builtin_training_prompt_sources_split_the_default_mix():
     """train:default is train:chat and train:code interleaved; unknown sources name the ones that exist."""
-    from jointspec.cli import train as cli
     from jointspec.train.prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
 
     tokenizer = tiny_tokenizer()
@@ -225,7 +224,6 @@ def test_builtin_training_prompt_sources_split_the_default_mix():
 
 def test_a_training_jsonl_takes_prompt_or_turns_rows_and_names_a_bad_line(tmp_path):
     """``--prompts FILE.jsonl``: rows with ``prompt`` or ``turns`` (the bench's own files work as they are)."""
-    from jointspec.cli import train as cli
 
     good = tmp_path / "requests.jsonl"
     good.write_text('{"prompt": "name three birds"}\n\n'

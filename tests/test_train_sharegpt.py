@@ -116,7 +116,7 @@ def test_given_answers_respect_the_length_budget(target_model, tmp_path):
 
 
 def test_given_answer_ids_end_at_the_end_of_turn_token_or_fall_back_to_the_text_alone():
-    from jointspec.cli.train import given_answer_ids
+    from jointspec.train.sources import given_answer_ids
     from jointspec.bench.prompts import chat_prompt_ids
 
     tokenizer = tiny_tokenizer()

@@ -16,13 +16,18 @@ import argparse
 import json
 import logging
 import shlex
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from jointspec.backends.tokens import eos_token_ids
 from jointspec.cli.options import positive_int
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.drafts.artifact import artifact_kind, check_head_target, target_fingerprint
+from jointspec.train.data import build_data, read_spec
+from jointspec.train.heads import check_data_folders
+from jointspec.train.kinds import KINDS, TrainKind, kind_named, kinds_taking, trainer_for_kind  # noqa: F401
+from jointspec.train.sources import training_prompts
 
 log = logging.getLogger(__name__)
 
@@ -135,150 +140,6 @@ def _layer_list(text: str) -> tuple[int, ...]:
     return layers
 
 
-SELF_INSTRUCT_PREFIX = "self-instruct:"
-
-
-def _count(source: str, prefix: str) -> int:
-    """The N of a ``PREFIX:N`` prompt source, refused unless it is a whole number >= 1."""
-    count = source[len(prefix):]
-    if not count.isdigit() or int(count) < 1:
-        raise UnsupportedOptionError(f"'{source}': write {prefix}N with N >= 1, e.g. {prefix}2000")
-    return int(count)
-
-
-def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None, seed: int,
-                   batch_size: int) -> list[str]:
-    """The prompts of a ``self-instruct:N`` source, sampled once and kept in ``data_folder`` for later runs."""
-    from jointspec.drafts.artifact import target_fingerprint
-    from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts
-
-    count = _count(source, SELF_INSTRUCT_PREFIX)
-    if target is None:
-        raise UnsupportedOptionError(f"'{source}' needs the target model to write the prompts")
-    config = SelfInstructConfig(num_prompts=count, seed=seed, batch_size=batch_size)
-    record = {"target_fingerprint": target_fingerprint(target), "settings": asdict(config)}
-    path = data_folder / f"self-instruct-{count}-seed{seed}.json" if data_folder is not None else None
-    if path is not None and path.is_file():
-        saved = json.loads(path.read_text())
-        if {k: saved.get(k) for k in record} == record:
-            return saved["prompts"]
-        log.warning("ignoring %s: it was written for another target or with other settings", path)
-    try:
-        prompts = self_instruct_prompts(target, tokenizer, config, eos)
-    except ValueError as error:
-        raise UnsupportedOptionError(f"'{source}': {error}") from error
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**record, "prompts": prompts}, indent=0))
-        tmp.replace(path)
-    return prompts
-
-
-SHAREGPT_PREFIX = "sharegpt:"
-SHAREGPT_PROMPTS_PREFIX = "sharegpt-prompts:"
-
-
-def given_answer_ids(tokenizer, prompt: str, prompt_ids: list[int], answer: str,
-                     eos: frozenset[int] = frozenset()) -> list[int]:
-    """Token ids of ``answer`` as the chat template puts it after ``prompt_ids``, up to its first ``eos`` token.
-
-    Rendering the whole exchange keeps the template's own end-of-turn marker, so a given answer ends the way the
-    target's answers end (and, like them, stops at it). Without a chat template, or where the rendering does not
-    extend the prompt, the answer is tokenized on its own.
-    """
-    ids = None
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
-                                              {"role": "assistant", "content": answer}], tokenize=False)
-        rendered = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if rendered[:len(prompt_ids)] == prompt_ids and len(rendered) > len(prompt_ids):
-            ids = rendered[len(prompt_ids):]
-    if ids is None:
-        ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    ends = [i for i, token in enumerate(ids) if token in eos]
-    return ids[:ends[0] + 1] if ends else ids
-
-
-def jsonl_prompts(path: Path) -> list[str]:
-    """Requests from a JSONL file: per line an object with ``prompt`` (a string) or ``turns`` (a list of strings, of
-    which the first is used, as in the bench's prompt files). Errors name the file and line."""
-    try:
-        lines = path.expanduser().read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise UnsupportedOptionError(f"cannot read prompt file '{path}': {error.strerror or error}") from error
-    texts = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UnsupportedOptionError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") \
-                from None
-        text = row.get("prompt") if isinstance(row, dict) else None
-        if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-            text = row["turns"][0]
-        if not isinstance(text, str) or not text.strip():
-            raise UnsupportedOptionError(f"{path}:{number}: expected an object with 'prompt' (a non-empty string) "
-                                         "or 'turns' (a list whose first item is a non-empty string)")
-        texts.append(text)
-    return texts
-
-
-def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: frozenset[int] = frozenset(),
-                     data_folder: Path | None = None, seed: int = 0,
-                     batch_size: int = 16) -> tuple[list[list[int]], list[list[int] | None]]:
-    """Prompt token ids (chat template applied) from the ``--prompts`` sources, and per prompt its given answer's
-    token ids (``sharegpt:N``) or ``None`` (the target answers it)."""
-    from jointspec.bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
-    from jointspec.train.prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
-    from jointspec.train.sharegpt import sharegpt_exchanges
-
-    texts: list[str] = []
-    given: list[str | None] = []
-    for source in sources or ["train:default"]:
-        if source == "train:default":
-            texts.extend(default_training_prompts())
-        elif source == "train:chat":
-            texts.extend(chat_prompts(600))
-        elif source == "train:code":
-            texts.extend(stdlib_code_prompts(300))
-        elif source.startswith(SELF_INSTRUCT_PREFIX):
-            texts.extend(_self_instruct(source, target, tokenizer, eos, data_folder, seed, batch_size))
-        elif source.startswith(SHAREGPT_PREFIX):
-            exchanges = sharegpt_exchanges(_count(source, SHAREGPT_PREFIX), seed)
-            texts.extend(e.prompt for e in exchanges)
-            given.extend(e.answer for e in exchanges)
-        elif source.startswith(SHAREGPT_PROMPTS_PREFIX):
-            texts.extend(e.prompt for e in sharegpt_exchanges(_count(source, SHAREGPT_PROMPTS_PREFIX), seed))
-        elif source.startswith(BUILTIN_PREFIX):
-            log.warning("training on benchmark prompts (%s): measure on other prompts", source)
-            texts.extend(turn for prompt in load_prompts(source) for turn in prompt.turns[:1])
-        elif source.endswith(".jsonl"):
-            texts.extend(jsonl_prompts(Path(source)))
-        elif source.endswith(".txt"):
-            path = Path(source)
-            if not path.is_file():
-                raise UnsupportedOptionError(f"prompt file '{source}' does not exist")
-            texts.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
-        else:
-            raise UnsupportedOptionError(f"unknown prompt source '{source}'; use train:default, train:chat, "
-                                         "train:code, self-instruct:N, sharegpt:N, sharegpt-prompts:N, "
-                                         "builtin:NAME, a .jsonl file or a .txt file")
-        given.extend([None] * (len(texts) - len(given)))  # sources without answers: the target answers
-    if not texts:
-        raise UnsupportedOptionError("no training prompts found in " + ", ".join(sources or []))
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
-    answers = [None if answer is None else given_answer_ids(tokenizer, text, ids, answer, eos)
-               for text, ids, answer in zip(texts, prompts, given)]
-    unended = sum(1 for answer in answers if answer is not None and eos and not eos.intersection(answer))
-    if unended:  # the head then never sees the answer end on these: worth knowing, not worth refusing
-        log.warning("%d given answers have no end-of-turn token (the chat template's rendering of the exchange did "
-                    "not extend the prompt, so they were tokenized on their own)", unended)
-    return prompts, answers
-
-
 # Options that do not change what is trained (where files go, how it reports) stay out of the recorded command.
 _NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level", "data_only"}
 
@@ -296,83 +157,17 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words + ["--out", "DIR"])
 
 
-def trainer_for_kind(kind: str):
-    """(training config class, trainer class, loader of a saved draft) for a kind of draft."""
-    if kind == "distill":
-        from jointspec.drafts.distill import load_distill
-        from jointspec.train.distill import DistillTrainConfig, DistillTrainer
-
-        return DistillTrainConfig, DistillTrainer, load_distill
-    if kind == "medusa":
-        from jointspec.drafts.medusa import load_medusa
-        from jointspec.train.medusa import MedusaTrainConfig, MedusaTrainer
-
-        return MedusaTrainConfig, MedusaTrainer, load_medusa
-    if kind == "hydra":
-        from jointspec.drafts.hydra import load_hydra
-        from jointspec.train.hydra import HydraTrainConfig, HydraTrainer
-
-        return HydraTrainConfig, HydraTrainer, load_hydra
-    from jointspec.drafts.eagle import load_head
-    from jointspec.train.heads import HeadTrainConfig, HeadTrainer
-
-    return HeadTrainConfig, HeadTrainer, load_head
-
-
 def run(args: argparse.Namespace) -> int:
-    from jointspec.backends.tokens import eos_token_ids
-    from jointspec.train.data import build_data, read_spec
-
-    if args.kind == "distill" and args.head is not None:
-        raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
-    kind = "distill" if args.kind == "distill" else (args.head or "eagle")  # the kind of draft saved
-    for option, value, wanted in (("--loss", args.loss, "distill"), ("--unroll", args.unroll, "eagle"),
-                                  ("--num-heads", args.num_heads, "medusa|hydra"),
-                                  ("--fuse-layers", args.fuse_layers, "eagle"),
-                                  ("--cls-weight", args.cls_weight, "eagle"),
-                                  ("--cls-fraction", args.cls_fraction, "eagle")):
-        if option == "--fuse-layers" and args.data_only:
-            continue  # a data folder serves every kind; only the training of a head reads the fused layers
-        if value is not None and kind not in wanted.split("|"):
-            owner = "--kind distill" if wanted == "distill" else f"--head {wanted}"
-            raise UnsupportedOptionError(f"{option} is for {owner} drafts, not for this {kind} draft")
-    # Defaults that depend on the kind, resolved here so that the recorded command names them.
-    args.layers = args.layers or (2 if kind == "distill" else 1)
-    args.head = None if kind == "distill" else kind
-    args.unroll = (args.unroll or 2) if kind == "eagle" else None
-    if kind == "eagle":
-        from jointspec.train.heads import HeadTrainConfig
-
-        args.cls_weight = args.cls_weight or HeadTrainConfig.cls_weight
-        args.cls_fraction = args.cls_fraction or HeadTrainConfig.cls_fraction
-    args.loss = (args.loss or "kl") if kind == "distill" else None
-    args.num_heads = (args.num_heads or 4) if kind in ("medusa", "hydra") else None
-    if args.draft_vocab < 0:
-        raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
+    kind = _resolve_kind_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.init is not None and not (args.init / "draft.json").is_file():
         raise UnsupportedOptionError(f"--init '{args.init}' is not a draft folder (no draft.json); give a folder "
                                      "written by train-draft")
     target, tokenizer = load_target(args.target, device=args.device)
-    init = None
-    if args.init is not None:  # checked before any data is built: a draft made for another target is refused
-        from jointspec.drafts.artifact import artifact_kind, check_head_target
-
-        init_kind = artifact_kind(args.init)
-        if init_kind is not None and init_kind != kind:
-            raise UnsupportedOptionError(f"--init '{args.init}' holds a '{init_kind}' draft, which cannot start a "
-                                         f"{kind} draft")
-        init, init_training = trainer_for_kind(kind)[2](args.init, device=target.device)
-        check_head_target(init, args.init, target)
+    init, init_training = _load_init(args, kind, target)
     data = args.data or args.out / "data"
-    if args.extra_data:  # checked before any work too: a wrong folder should not cost a data build first
-        from jointspec.drafts.artifact import target_fingerprint
-        from jointspec.train.heads import check_data_folders
-
-        if any(folder.resolve() == data.resolve() for folder in args.extra_data):
-            raise UnsupportedOptionError(f"--extra-data names the --data folder '{data}' itself")
-        check_data_folders(args.extra_data, target_fingerprint(target))
+    _check_extra_data(args, data, target)
     eos = eos_token_ids(target, tokenizer)
     prompts, answers = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed,
                                         args.generate_batch_size)
@@ -384,25 +179,14 @@ def run(args: argparse.Namespace) -> int:
     if args.data_only:
         print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
         return 0
-    common = dict(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
-                  max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
-                  eval_every=args.eval_every, patience=args.patience, seed=args.seed)
-    config_class, trainer_class, _ = trainer_for_kind(kind)
-    if kind == "eagle":
-        config = config_class(**common, unroll=args.unroll, fuse_layers=args.fuse_layers or (),
-                              cls_weight=args.cls_weight, cls_fraction=args.cls_fraction)
-    elif kind in ("medusa", "hydra"):
-        config = config_class(**common, num_heads=args.num_heads)
-    else:
-        config = config_class(**common, loss=args.loss)
-    folders = [data, *(args.extra_data or [])]
     provenance = {"command": command_line(args), "data_spec": read_spec(data)}
     if args.extra_data:
         provenance["extra_data_specs"] = [read_spec(folder) for folder in args.extra_data]
     if init is not None:
         provenance["init"] = {"folder": str(args.init), "best": init_training.get("best")}
-    head, result = trainer_class(target, config, eos).train(folders, args.out, progress=not args.no_progress,
-                                                          provenance=provenance, init=init)
+    trainer = kind.trainer_class(target, _train_config(args, kind), eos)
+    _, result = trainer.train([data, *(args.extra_data or [])], args.out, progress=not args.no_progress,
+                              provenance=provenance, init=init)
     if result.best is None:
         raise UnsupportedOptionError("training ran no evaluation (too little data or time); nothing was saved")
     summary = {"out": str(args.out), "data": str(data), "data_spec": read_spec(data),
@@ -413,3 +197,59 @@ def run(args: argparse.Namespace) -> int:
     print(f"saved {args.out} ({summary['size_bytes'] / 1e6:.1f} MB): {result.best.line()}")
     print(json.dumps(summary))
     return 0
+
+
+def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:
+    """The kind of draft to save, with its kind-only options checked and defaulted in ``args`` (so that the
+    recorded command names them)."""
+    if args.kind == "distill" and args.head is not None:
+        raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
+    kind = kind_named("distill" if args.kind == "distill" else (args.head or "eagle"))
+    for option in sorted({option for other in KINDS.values() for option in other.options}):
+        if option == "fuse_layers" and args.data_only:
+            continue  # a data folder serves every kind; only the training of a head reads the fused layers
+        if getattr(args, option) is not None and option not in kind.options:
+            owners = " or ".join("--kind distill" if name == "distill" else f"--head {name}"
+                                 for name in kinds_taking(option))
+            raise UnsupportedOptionError(f"--{option.replace('_', '-')} is for {owners} drafts, not for this "
+                                         f"{kind.name} draft")
+    for option in {option for other in KINDS.values() for option in other.options} - {"fuse_layers"}:
+        setattr(args, option, (getattr(args, option) or kind.options[option]) if option in kind.options else None)
+    args.layers = args.layers or kind.num_layers
+    args.head = None if kind.name == "distill" else kind.name
+    if args.draft_vocab < 0:
+        raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
+    return kind
+
+
+def _load_init(args: argparse.Namespace, kind: TrainKind, target):
+    """The draft to start from (``--init``) and its training record; checked before any data is built, so a draft
+    made for another target or of another kind is refused first."""
+    if args.init is None:
+        return None, {}
+    init_kind = artifact_kind(args.init)
+    if init_kind is not None and init_kind != kind.name:
+        raise UnsupportedOptionError(f"--init '{args.init}' holds a '{init_kind}' draft, which cannot start a "
+                                     f"{kind.name} draft")
+    init, init_training = kind.load(args.init, device=target.device)
+    check_head_target(init, args.init, target)
+    return init, init_training
+
+
+def _check_extra_data(args: argparse.Namespace, data: Path, target) -> None:
+    """Checked before any work too: a wrong folder should not cost a data build first."""
+    if not args.extra_data:
+        return
+    if any(folder.resolve() == data.resolve() for folder in args.extra_data):
+        raise UnsupportedOptionError(f"--extra-data names the --data folder '{data}' itself")
+    check_data_folders(args.extra_data, target_fingerprint(target))
+
+
+def _train_config(args: argparse.Namespace, kind: TrainKind):
+    common = dict(draft_vocab_size=args.draft_vocab or None, num_layers=args.layers, epochs=args.epochs,
+                  max_minutes=args.max_minutes, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
+                  eval_every=args.eval_every, patience=args.patience, seed=args.seed)
+    specific = {option: getattr(args, option) for option in kind.options}
+    if "fuse_layers" in specific:
+        specific["fuse_layers"] = specific["fuse_layers"] or ()
+    return kind.config_class(**common, **specific)
