@@ -34,7 +34,7 @@ import torch
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
-from jointspec.core.loop import DecodeConfig, SpecStats
+from jointspec.core.loop import committed_tokens, DecodeConfig, SpecStats
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import tree_depths
@@ -223,18 +223,13 @@ class BatchEngine:
                                                  seq.generator)
             keep.append(len(seq.tokens) + verdict.num_accepted)
             num_accepted[seq.seq_id] = verdict.num_accepted
-            new_tokens = verdict.token_ids
-            cut = next((i + 1 for i, t in enumerate(new_tokens) if t in config.eos_token_ids), None)
-            if cut is not None:
-                new_tokens = new_tokens[:cut]
-                finished[seq.seq_id] = "stop"
+            new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
             seq.tokens.extend(new_tokens)
-            if cut is None and len(seq.tokens) >= seq.end:
-                finished[seq.seq_id] = "length"
+            if stopped or len(seq.tokens) >= seq.end:
+                finished[seq.seq_id] = "stop" if stopped else "length"
             depths = tree_depths(draft.node_parents())
             for stats in (seq.stats, self.stats):
-                stats.record(depths, verdict.num_accepted)
-                stats.num_new_tokens += len(new_tokens)
+                stats.record(depths, verdict.num_accepted, len(new_tokens))
             events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes,
                                      verdict.num_accepted, seq.stats if seq.seq_id in finished else None))
         t2 = time.perf_counter()

@@ -29,6 +29,14 @@ from jointspec.core.target import TargetLM
 from jointspec.core.verdict import Verifier
 
 
+def committed_tokens(token_ids: list[int], eos_token_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """What a round commits of a verdict's tokens: all of them, or those up to and including the first
+    end-of-sequence token (plain decoding would have stopped there), and whether it stopped so. Shared by this loop
+    and the batched engine, which must commit the same tokens."""
+    cut = next((i + 1 for i, token in enumerate(token_ids) if token in eos_token_ids), None)
+    return (token_ids, False) if cut is None else (token_ids[:cut], True)
+
+
 @dataclass
 class SpecStats:
     """Counters for one generation. Positions are draft depths (0 = first draft token)."""
@@ -56,8 +64,10 @@ class SpecStats:
     def acceptance_per_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
-    def record(self, depths: list[int], num_accepted: int) -> None:
+    def record(self, depths: list[int], num_accepted: int, num_new_tokens: int = 0) -> None:
+        """One round: a draft with nodes at ``depths``, ``num_accepted`` of them kept, ``num_new_tokens`` committed."""
         self.num_rounds += 1
+        self.num_new_tokens += num_new_tokens
         self.num_draft_tokens += len(depths)
         self.num_accepted_tokens += num_accepted
         deepest = max(depths, default=-1) + 1
@@ -158,19 +168,15 @@ class SpeculativeDecoder:
 
             # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
             self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
-            new_tokens = verdict.token_ids
-            cut = next((i + 1 for i, t in enumerate(new_tokens) if t in config.eos_token_ids), None)
-            if cut is not None:
-                new_tokens = new_tokens[:cut]
+            new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
             tokens.extend(new_tokens)
-            stats.record(depths, verdict.num_accepted)
-            stats.num_new_tokens += len(new_tokens)
+            stats.record(depths, verdict.num_accepted, len(new_tokens))
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += time.perf_counter() - t1
-            if cut is None:
+            if not stopped:
                 self.drafter.commit(tokens, verdict.num_accepted)
             yield new_tokens
-            if cut is not None:
+            if stopped:
                 return
 
     def generate(self, prompt_ids: list[int], config: DecodeConfig,
