@@ -128,6 +128,8 @@ def memoised_loader(device: str, dtype: str | None) -> LoadDraft:
 def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: list[MethodSpec], baseline: str,
               config: BenchConfig = BenchConfig(), defaults: MethodConfig = MethodConfig(),
               load_draft: LoadDraft | None = None, progress: bool = True) -> BenchResult:
+    """Run every method of ``specs`` on every prompt, prompt-major (each prompt by every method before the next, so
+    drift in machine speed hits every method alike); compare outputs with ``baseline`` and score them."""
     load_at_start = _load_average()
     labels = [s.label for s in specs]
     if baseline not in labels:
@@ -140,70 +142,79 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     llamacpp = None
     if any(s.needs_llamacpp for s in specs):
         llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
-    copies: dict[str, CausalLM] = {}  # one copy of the target per quantisation or kernel choice named by a spec
-
-    def quantize(spec: MethodSpec) -> str:
-        if spec.backend != "torch":
-            return "none"
-        return config.auto_quantize if spec.quantize == "auto" else spec.quantize
-
-    def target_for(spec: MethodSpec) -> CausalLM:
-        if spec.kernels == "stock" and (kernels_in_use(target.model) == "onednn"
-                                        or attention_in_use(target.model) == GQA_ATTENTION):
-            key, make = "stock kernels", stock_copy
-        elif quantize(spec) != "none":
-            key, make = quantize(spec), lambda original: quantized_copy(original, quantize(spec))
-        else:
-            return target
-        if key not in copies:
-            copies[key] = make(target)
-        return copies[key]
-
-    engines = {s.label: build_engine(s, target_for(s), tokenizer, defaults, load_draft, eos, llamacpp) for s in specs}
-
-    cost = None
-    if config.cost_model:
-        cost = measure_target_cost(target, repeats=config.cost_repeats, seed=config.seed)
+    targets = _TargetCopies(target, config)
+    engines = {s.label: build_engine(s, targets.for_spec(s), tokenizer, defaults, load_draft, eos, llamacpp)
+               for s in specs}
+    cost = measure_target_cost(target, repeats=config.cost_repeats, seed=config.seed) if config.cost_model else None
 
     total = len(prompts) * config.repeats * len(engines) + (len(engines) if config.warmup else 0)
-    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
-    if config.warmup:
-        for label, engine in engines.items():
-            bar.set_postfix_str(f"warm-up {label}")
-            run_conversation(engine, tokenizer, prompts[0], config)
-            bar.update()
-
-    runs: list[PromptRun] = []
-    for index, prompt in enumerate(prompts):
-        by_method: dict[str, PromptRun] = {}
-        for engine in engines.values():
-            if engine.warm_per_prompt:
-                run_conversation(engine, tokenizer, prompt, config)
-        for repeat in range(config.repeats):
+    with tqdm(total=total, desc="bench", unit="run", disable=not progress, dynamic_ncols=True) as bar:
+        if config.warmup:
             for label, engine in engines.items():
-                bar.set_postfix_str(f"{prompt.category} {prompt.question_id} {label}")
-                reset_peak_memory(target.device)
-                turns = run_conversation(engine, tokenizer, prompt, config)
-                rss, cuda = peak_memory(target.device)
-                seconds = sum(out.seconds for _, out in turns)
-                if repeat == 0:
-                    by_method[label] = _new_run(index, prompt, label, turns, seconds, rss, cuda)
-                else:
-                    run = by_method[label]
-                    run.seconds.append(seconds)
-                    run.peak_rss_bytes = max(run.peak_rss_bytes, rss)
-                    if [out.new_ids for _, out in turns] != run.output_ids:
-                        log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,
-                                    prompt.question_id)
+                bar.set_postfix_str(f"warm-up {label}")
+                run_conversation(engine, tokenizer, prompts[0], config)
                 bar.update()
-        runs.extend(by_method[label] for label in engines)
-    bar.close()
+        runs = [run for index, prompt in enumerate(prompts)
+                for run in _time_prompt(index, prompt, engines, tokenizer, config, target.device, bar)]
 
     _compare_and_score(runs, baseline, target, config)
     env = environment(target) | {"load_average_start": load_at_start, "load_average_end": _load_average()}
     if llamacpp is not None:
         env |= llamacpp.environment()
     return BenchResult(config, list(engines), baseline, runs, cost, env)
+
+
+class _TargetCopies:
+    """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name."""
+
+    def __init__(self, target: CausalLM, config: BenchConfig) -> None:
+        self.target, self.config = target, config
+        self.copies: dict[str, CausalLM] = {}
+
+    def quantize(self, spec: MethodSpec) -> str:
+        if spec.backend != "torch":
+            return "none"
+        return self.config.auto_quantize if spec.quantize == "auto" else spec.quantize
+
+    def for_spec(self, spec: MethodSpec) -> CausalLM:
+        target, mode = self.target, self.quantize(spec)
+        if spec.kernels == "stock" and (kernels_in_use(target.model) == "onednn"
+                                        or attention_in_use(target.model) == GQA_ATTENTION):
+            key, make = "stock kernels", stock_copy
+        elif mode != "none":
+            key, make = mode, lambda original: quantized_copy(original, mode)
+        else:
+            return target
+        if key not in self.copies:
+            self.copies[key] = make(target)
+        return self.copies[key]
+
+
+def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, config: BenchConfig, device,
+                 bar) -> list[PromptRun]:
+    """Every method on one prompt, ``config.repeats`` times; one run per method (times of every repeat)."""
+    by_method: dict[str, PromptRun] = {}
+    for engine in engines.values():
+        if engine.warm_per_prompt:
+            run_conversation(engine, tokenizer, prompt, config)
+    for repeat in range(config.repeats):
+        for label, engine in engines.items():
+            bar.set_postfix_str(f"{prompt.category} {prompt.question_id} {label}")
+            reset_peak_memory(device)
+            turns = run_conversation(engine, tokenizer, prompt, config)
+            rss, cuda = peak_memory(device)
+            seconds = sum(out.seconds for _, out in turns)
+            if repeat == 0:
+                by_method[label] = _new_run(index, prompt, label, turns, seconds, rss, cuda)
+            else:
+                run = by_method[label]
+                run.seconds.append(seconds)
+                run.peak_rss_bytes = max(run.peak_rss_bytes, rss)
+                if [out.new_ids for _, out in turns] != run.output_ids:
+                    log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,
+                                prompt.question_id)
+            bar.update()
+    return [by_method[label] for label in engines]
 
 
 def run_conversation(engine, tokenizer, prompt: BenchPrompt,
