@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig
 from jointspec.backends.hf import CausalLM
 from jointspec.drafts.artifact import target_fingerprint
 
@@ -138,9 +140,6 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
-    from jointspec.batch.engine import BatchEngine, BatchRequest
-    from jointspec.core.loop import DecodeConfig
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if answers is not None and len(answers) != len(prompts):
@@ -158,19 +157,8 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     spec = DataSpec(target_fingerprint(target), _prompts_sha256(prompts, answers), len(prompts), max_new_tokens,
                     max_length, shard_size, fuse_layers=fuse_layers,
                     answers_by="target" if answer_quantize == "none" else answer_quantize)
-    meta_path = folder / "data.json"
-    if meta_path.exists():
-        existing = json.loads(meta_path.read_text())
-        if not fuse_layers and existing.get("fuse_layers"):
-            # A folder with fused layers serves drafts that read only the last feature too: finish it as begun.
-            spec = replace(spec, fuse_layers=tuple(existing["fuse_layers"]))
-            fuse_layers = spec.fuse_layers
-        if existing != spec.as_json():
-            raise UnsupportedOptionError(
-                f"data folder '{folder}' was built with different settings ({existing}); use a new --data folder "
-                "or delete this one")
-    else:
-        meta_path.write_text(json.dumps(spec.as_json(), indent=1))
+    spec = _open_folder(folder, spec)
+    fuse_layers = spec.fuse_layers
 
     num_shards = (len(prompts) + shard_size - 1) // shard_size
     bar = _progress(len(prompts), "self-distillation data")
@@ -195,6 +183,23 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     if bar is not None:
         bar.close()
     return folder
+
+
+def _open_folder(folder: Path, spec: DataSpec) -> DataSpec:
+    """Record ``spec`` in a new folder, or check that an existing one was begun with it; the spec to finish with."""
+    meta_path = folder / "data.json"
+    if not meta_path.exists():
+        meta_path.write_text(json.dumps(spec.as_json(), indent=1))
+        return spec
+    existing = json.loads(meta_path.read_text())
+    if not spec.fuse_layers and existing.get("fuse_layers"):
+        # A folder with fused layers serves drafts that read only the last feature too: finish it as begun.
+        spec = replace(spec, fuse_layers=tuple(existing["fuse_layers"]))
+    if existing != spec.as_json():
+        raise UnsupportedOptionError(
+            f"data folder '{folder}' was built with different settings ({existing}); use a new --data folder "
+            "or delete this one")
+    return spec
 
 
 def _answer_model(target: CausalLM, answer_quantize: str) -> CausalLM:
