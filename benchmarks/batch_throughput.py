@@ -13,8 +13,8 @@ Greedy decoding on the default model (SmolLM2-135M-Instruct), a fixed prompt lis
 
 One warm-up per configuration is discarded; times are ``time.perf_counter`` wall-clock for the whole prompt list.
 
-    python scripts/batch_throughput.py                       # 16 prompts, 128 new tokens, batch 1,4,8,16
-    python scripts/batch_throughput.py --num-prompts 2 --max-new-tokens 8 --batch-sizes 1,2   # smoke test
+    python benchmarks/batch_throughput.py                       # 16 prompts, 128 new tokens, batch 1,4,8,16
+    python benchmarks/batch_throughput.py --num-prompts 2 --max-new-tokens 8 --batch-sizes 1,2   # smoke test
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
-"""Forward cost of the compiled int4 decoder layer (backends/lean_forward.py, ``decoder_layer`` in kernels/csrc) next to the
-same int4 model run operation by operation, and the prompt prefill through its GEMM next to row-by-row.
+"""Forward cost of the compiled int4 decoder layer next to the same layers run op by op, and GEMM vs row-wise prefill.
+
+The compiled layer is ``decoder_layer`` in kernels/csrc, called from backends/lean_forward.py.
 
 Two adapters over one int4 model (``--quantize int4`` on jointspec's grouped kernel): ``compiled`` runs each layer as
 one compiled call, ``ops`` the lean forward's PyTorch operations around the same grouped kernels. For each
 ``--contexts`` length both prefill the same random tokens; each of ``--repeats`` passes then times every (forward, k)
-pair once in a shuffled order (scripts/interleaved.py), the first pass a discarded warm-up; 20th percentiles in ms.
+pair once in a shuffled order (benchmarks/interleaved.py), the first pass a discarded warm-up; 20th percentiles in ms.
 Before timing it checks that the two agree to float rounding and that the compiled layer gives a chain of k tokens
 bit for bit the logits of feeding them one by one. Last, the time of a prefill of each context (a forward that asks
 no logits: the GEMM path) against the same forward row by row (``ops``), the best of ``--repeats``. Run on a quiet
 machine:
 
-    python scripts/compiled_layer_cost.py --threads 2 --contexts 200,1000 --ks 1,2,4,6
+    python benchmarks/compiled_layer_cost.py --threads 2 --contexts 200,1000 --ks 1,2,4,6
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Cost curve and quality of the quantised targets: fp32 vs ``--quantize int8|int4`` (and llama.cpp), same model.
 
-For each configuration: the seconds of one forward of k tokens with all k rows of logits (k = 1 is a decode step,
-k > 1 a verification), relative to k = 1; then quality against the fp32 target on chat prompts from the built-in
-MT-Bench set: how many greedy outputs (``--max-new-tokens``) are token-identical to fp32's, where they first differ,
-the perplexity of each configuration's outputs under the fp32 target (``jointspec.analysis.quality``), and, teacher forced on
-fp32's outputs, the share of positions whose argmax agrees with fp32 and the perplexity the configuration gives fp32's
-outputs (how much the model itself changed). Perplexities pool every scored token of every prompt.
+For each configuration: the seconds of one forward of k tokens with all k rows of logits (k = 1 is a decode step, k > 1
+a verification), relative to k = 1; then quality against the fp32 target on chat prompts from the built-in MT-Bench set:
+how many greedy outputs (``--max-new-tokens``) are token-identical to fp32's, where they first differ, the perplexity of
+each configuration's outputs under the fp32 target (``jointspec.analysis.quality``), and, teacher forced on fp32's
+outputs, the share of positions whose argmax agrees with fp32 and the perplexity the configuration gives fp32's outputs
+(how much the model itself changed). Perplexities pool every scored token of every prompt.
 
 Run on a quiet machine (timings on a busy one mean nothing):
 
-    python scripts/cost_curve.py --threads 2 --configs none,int8,int4,int4-float-head,llamacpp \\
+    python benchmarks/cost_curve.py --threads 2 --configs none,int8,int4,int4-float-head,llamacpp \\
         --num-prompts 20 --max-new-tokens 128 --repeats 20 --json-out cost_curve.json
 
 Timing method: every configuration prefills the same ``--context`` random tokens into its own cache; then each of

@@ -1,13 +1,13 @@
 """Forward cost of the lean Llama forward (backends/lean_forward.py) next to transformers' own, on the same model.
 
-Two adapters over one loaded model (``--kernels``, default ``auto``): one runs :mod:`jointspec.backends.lean_forward`, the
-other transformers' ``LlamaForCausalLM.forward``; both use the same linears, attention and in-place KV cache, so the
+Two adapters over one loaded model (``--kernels``, default ``auto``): one runs :mod:`jointspec.backends.lean_forward`,
+the other transformers' ``LlamaForCausalLM.forward``; both use the same linears, attention and in-place KV cache, so the
 difference is transformers' per-module overhead alone. For each ``--contexts`` length both prefill the same random
-tokens; then each of ``--repeats`` passes times every (forward, k) pair once in a shuffled order (a forward of k
-tokens with all k rows of logits, cropped back after; scripts/interleaved.py), the first pass a discarded warm-up. It also checks that the two
-give equal logits. Reports the 20th percentile in ms. Run on a quiet machine:
+tokens; then each of ``--repeats`` passes times every (forward, k) pair once in a shuffled order (a forward of k tokens
+with all k rows of logits, cropped back after; benchmarks/interleaved.py), the first pass a discarded warm-up. It also
+checks that the two give equal logits. Reports the 20th percentile in ms. Run on a quiet machine:
 
-    python scripts/fast_forward_cost.py --threads 2 --contexts 200,1000 --ks 1,3,4
+    python benchmarks/fast_forward_cost.py --threads 2 --contexts 200,1000 --ks 1,3,4
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The two int4 CPU paths side by side on one model: PyTorch's int4 kernel (bfloat16 activations, kernels/quantize.py)
-and jointspec's grouped kernel (float32 activations, kernels/grouped.py), plus the float32 model.
+"""Forward cost and argmax agreement of the two int4 CPU paths, PyTorch's kernel and jointspec's, beside float32.
+
+PyTorch's int4 kernel runs bfloat16 activations (kernels/quantize.py), jointspec's grouped kernel float32 ones
+(kernels/grouped.py).
 
 Loads the model once (float32, ``--kernels auto``), quantises two copies,
 prefills the same random ``--context`` tokens into each, then times forwards of k tokens (all k rows of logits,
@@ -7,7 +9,7 @@ cropped back after), the (model, k) pairs interleaved over ``--repeats`` passes 
 percentiles in ms. Then it scores both int4 copies against the float model, teacher-forced on the float model's
 greedy answers to the first ``--prompts`` MT-Bench questions: the share of positions with the same argmax.
 
-    python scripts/int4_kernel_ab.py --threads 2 --ks 1,2,3,4,6
+    python benchmarks/int4_kernel_ab.py --threads 2 --ks 1,2,3,4,6
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Interleaved forward timing, shared by the cost scripts (kv_cache_cost.py, fast_forward_cost.py, int4_kernel_ab.py).
+"""Not a benchmark: the interleaved forward timing the cost benchmarks share (kv_cache_cost, fast_forward_cost, ...).
 
 Every (setting, k) pair is timed once per pass, in a shuffled order, so that drift on a shared machine hits all
 settings alike: a forward of k random tokens with all k rows of logits after ``context`` cached ones, cropped back

@@ -9,7 +9,7 @@ pair once in a shuffled order, a forward of k tokens with all k rows of logits (
 before it), cropping back after each; the first pass is a discarded warm-up. Reports the 20th percentile in ms.
 Run on a quiet machine:
 
-    python scripts/kv_cache_cost.py --threads 2 --contexts 200,1000,2000,4000 --ks 1,3
+    python benchmarks/kv_cache_cost.py --threads 2 --contexts 200,1000,2000,4000 --ks 1,3
 """
 
 from __future__ import annotations

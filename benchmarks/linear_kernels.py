@@ -13,7 +13,7 @@ alike; the first pass is a discarded warm-up. Reported: the median and the 20th 
 work on a shared machine) in ms, and the 20th percentile relative to the same setting's k = 1. The last stdout line
 is JSON.
 
-    python scripts/linear_kernels.py --threads 2 --ks 1,2,3,4,5,8,16 --repeats 15
+    python benchmarks/linear_kernels.py --threads 2 --ks 1,2,3,4,5,8,16 --repeats 15
 """
 
 from __future__ import annotations

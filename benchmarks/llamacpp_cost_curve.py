@@ -1,10 +1,11 @@
-"""Verify-cost curve of the llama.cpp adapter: seconds for one forward of k tokens (all k rows of logits, as
-verification needs) after a fixed context, relative to k = 1. Measured with flash attention on (the adapter's
+"""Verify-cost curve of the llama.cpp adapter: the time of one k-token forward after a fixed context, relative to k = 1.
+
+Each forward returns all k rows of logits, as verification needs. Measured with flash attention on (the adapter's
 default, needed for exact speculation) and off (llama-cpp-python's default); optionally the torch target beside it.
 
 Run on a quiet machine (timings on a busy one mean nothing):
 
-    python scripts/llamacpp_cost_curve.py --threads 2 --torch --json-out cost_curve.json
+    python benchmarks/llamacpp_cost_curve.py --threads 2 --torch --json-out cost_curve.json
 
 Method: prefill ``--context`` random tokens once, then for each of ``--repeats`` passes run every k once in a
 shuffled order (so drift in machine speed hits every k alike), cropping back to the context after each forward;

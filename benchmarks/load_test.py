@@ -1,12 +1,12 @@
-"""Load test for ``jointspec serve`` (or any OpenAI-compatible server): N chat requests, C at a time.
+"""Latency, time to first token and throughput of ``jointspec serve`` (or any OpenAI-compatible server) under load.
 
-Starts nothing itself: point it at a running server. Every request has a timeout and the whole run a deadline, so it
-always stops. Half the requests stream (time-to-first-token is measured on those), half do not; all greedy.
-Reports completed / failed / lost (no answer before the run's deadline) counts, latency and TTFT percentiles,
-aggregate completion tokens/s over the run's wall time, and a final JSON line.
+N chat requests, C at a time. Starts nothing itself: point it at a running server. Every request has a timeout and the
+whole run a deadline, so it always stops. Half the requests stream (time-to-first-token is measured on those), half do
+not; all greedy. Reports completed / failed / lost (no answer before the run's deadline) counts, latency and TTFT
+percentiles, aggregate completion tokens/s over the run's wall time, and a final JSON line.
 
     jointspec serve --method pld --host 127.0.0.1 --port 8765 &
-    python scripts/load_test.py --base-url http://127.0.0.1:8765/v1
+    python benchmarks/load_test.py --base-url http://127.0.0.1:8765/v1
 """
 
 from __future__ import annotations

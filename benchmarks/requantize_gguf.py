@@ -1,9 +1,10 @@
-"""Write a GGUF file in another llama.cpp quantisation type (through llama-cpp-python's ``llama_model_quantize``).
+"""Not a benchmark: writes a GGUF in another llama.cpp quantisation type, as input for llamacpp_cost_curve.py.
 
-Used to ask whether llama.cpp's verification cost depends on the weight format (benchmarks.md section 5):
+It goes through llama-cpp-python's ``llama_model_quantize``. Used to ask whether llama.cpp's verification cost depends
+on the weight format (docs/lab/benchmarks.md, section 5):
 
-    python scripts/requantize_gguf.py default /tmp/smollm2-q4_0.gguf q4_0
-    python scripts/llamacpp_cost_curve.py --model /tmp/smollm2-q4_0.gguf --threads 2 --no-flash-attn-off
+    python benchmarks/requantize_gguf.py default /tmp/smollm2-q4_0.gguf q4_0
+    python benchmarks/llamacpp_cost_curve.py --model /tmp/smollm2-q4_0.gguf --threads 2 --no-flash-attn-off
 
 Requantising an already quantised file (the embedded default is Q4_1) changes the model: its outputs are not the
 embedded model's. Q8_0 stays closest to it; Q4_0 rounds the weights a second time.
