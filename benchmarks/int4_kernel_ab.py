@@ -46,7 +46,7 @@ def main() -> None:
         raise SystemExit(f"jointspec's grouped kernel cannot run here: {grouped.unavailable_reason()}")
     models = {"float32": target, "grouped int4": quantized_copy(target, "int4")}
     load = grouped._load
-    grouped._load = lambda: (None, "switched off to compare")  # the next copy takes PyTorch's kernel
+    grouped._load = lambda isa: (None, "switched off to compare")  # the next copy takes PyTorch's kernel
     try:
         models["pytorch int4"] = quantized_copy(target, "int4")
     finally:
