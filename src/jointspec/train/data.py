@@ -134,8 +134,8 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 
     ``fuse_layers``: also keep the target's hidden states at these indices (for heads that fuse them).
 
-    ``answer_quantize``: ``int4`` / ``int8`` write the answers with a quantised copy of the target (on this CPU int4
-    answers a batch about 1.8x faster than float32, and its greedy text matched float32's on every prompt compared);
+    ``answer_quantize``: ``int4`` / ``int8`` write the answers with a quantised copy of the target (faster than float32
+    on CPUs, and its greedy text is meant to match float32's; docs/training.md has the measurement);
     features and everything trained on still come from ``target`` itself. ``none``: the target answers.
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.

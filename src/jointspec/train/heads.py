@@ -162,8 +162,8 @@ ARGMAX_FILE = "target-argmax.pt"
 
 def _folder_argmax(folder: Path, sequences, lm_weight: torch.Tensor, compute: bool) -> list[torch.Tensor] | None:
     """The target's argmax at every position of each of ``folder``'s ``sequences`` (its :func:`_sequences`), kept
-    in the folder once computed: it costs a full-vocabulary matmul per token (15 minutes for a million tokens on a
-    2-core CPU) and every later run on the folder, of any kind of draft, needs the same. None if it is not kept
+    in the folder once computed: it costs a full-vocabulary matmul per token (minutes for a million tokens on a
+    small CPU) and every later run on the folder, of any kind of draft, needs the same. None if it is not kept
     yet and ``compute`` is False. A data folder never changes once built (its spec is checked), so neither does this.
     """
     path = folder / ARGMAX_FILE
