@@ -8,8 +8,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from helpers import tiny_llama, tiny_tokenizer
+import json
+
+from helpers import SPEC_BENCH_LINES, tiny_llama, tiny_tokenizer, tiny_training_data
 from jointspec.backends.hf import CausalLM
+from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -48,3 +51,24 @@ def other(other_model) -> CausalLM:
 def bench_tokenizer():
     """helpers.tiny_tokenizer: English words over the tiny models' 99 ids, with a minimal chat template."""
     return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def trained_head_dir(tmp_path_factory, target_model):
+    """A head trained for the tiny target on its own greedy continuations of 48 random prompts (once per session:
+    the head, hybrid, default-method and training tests all read it; none writes into its folder)."""
+    target = CausalLM(target_model, name="tiny-target")
+    data = tiny_training_data(tmp_path_factory, target_model)
+    out = tmp_path_factory.mktemp("head")
+    config = HeadTrainConfig(draft_vocab_size=None, epochs=40, batch_tokens=512, learning_rate=3e-3,
+                             warmup_steps=10, eval_every=40, patience=100, eval_fraction=0.1)
+    HeadTrainer(target, config).train(data, out, progress=False)
+    return out
+
+
+@pytest.fixture()
+def bench_prompt_file(tmp_path):
+    """helpers.SPEC_BENCH_LINES written as a SpecBench-style question.jsonl (with a trailing blank line)."""
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in SPEC_BENCH_LINES) + "\n\n")
+    return path

@@ -386,3 +386,14 @@ BATCH_METHODS = {
     "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
     "sps-other": MethodConfig("sps", draft="other", num_draft_tokens=3),
 }
+
+
+# SpecBench's question.jsonl layout: two categories, a two-turn question, an extra key the bench ignores.
+SPEC_BENCH_LINES = [
+    {"question_id": 1, "category": "summary", "turns": ["summarise the text : bees warm the nest with wings",
+                                                         "now make it one short line"]},
+    {"question_id": 2, "category": "summary", "turns": ["rewrite this text for a user : the hive is warm"]},
+    {"question_id": "c1", "category": "code", "turns": ["add a type hint to this python function : def total "
+                                                          "( price ) : return price", ],
+     "reference": ["ignored"]},
+]

@@ -1,11 +1,9 @@
-"""Exact MTJD on a tiny vocabulary, the target-only beam approximation, the idealised MTAD bound, energy counters.
+"""Exact MTJD on a tiny vocabulary, the target-only beam approximation, the idealised MTAD bound.
 
 Everything here is exact or deterministic (no statistical tests).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from helpers import tiny_llama
 from jointspec.core.draft import NoDrafter
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache
-from jointspec.bench.energy import RaplMeter, energy_per_token, meter_for_device
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.backends.hf import CausalLM
 from jointspec.analysis.mtjd import (all_prefixes_tree, beam_mtjd_generate, exact_block_distribution, idealised_mtad,
@@ -98,41 +95,3 @@ def test_idealised_mtad_bound_holds_on_random_joints(tau):
         assert 1 - ideal.kept_mass <= total_variation(draft, target) / (1 - tau) + 1e-12
     same = idealised_mtad(target, target, tau)
     assert same.kept_mass == pytest.approx(1.0) and total_variation(same.law, target) < 1e-6
-
-
-# --- energy -----------------------------------------------------------------------------------------------------------
-
-def _zone(root, name, energy_uj, max_uj=1_000_000):
-    path = root / name
-    path.mkdir()
-    (path / "energy_uj").write_text(f"{energy_uj}\n")
-    (path / "max_energy_range_uj").write_text(f"{max_uj}\n")
-    return path
-
-
-def test_rapl_sums_packages_and_handles_wraparound(tmp_path):
-    package0 = _zone(tmp_path, "intel-rapl:0", 999_000)
-    package1 = _zone(tmp_path, "intel-rapl:1", 10)
-    _zone(tmp_path, "intel-rapl:0:0", 5)  # a sub-zone, already inside package 0: must not be counted
-    meter = RaplMeter(str(tmp_path))
-    meter.start()
-    (package0 / "energy_uj").write_text("2000\n")  # wrapped: 1_000_000 - 999_000 + 1 + 2000 µJ
-    (package1 / "energy_uj").write_text("500010\n")
-    (tmp_path / "intel-rapl:0:0" / "energy_uj").write_text("900000\n")
-    assert meter.stop() == pytest.approx((1_000 + 1 + 2_000 + 500_000) / 1e6)
-    assert energy_per_token(2.0, 4) == 0.5 and energy_per_token(None, 4) is None and energy_per_token(1.0, 0) is None
-
-
-def test_unreadable_or_missing_counters_report_unavailable(tmp_path):
-    package = _zone(tmp_path, "intel-rapl:0", 100)
-    meter = RaplMeter(str(tmp_path))
-    meter.start()
-    (package / "energy_uj").unlink()  # as good as unreadable (root-only files raise the same OSError)
-    assert meter.stop() is None
-    assert RaplMeter(str(tmp_path / "nowhere")).stop() is None
-    reading = meter_for_device("cpu")
-    reading.start()
-    assert reading.stop() is None or reading.stop() >= 0.0  # a real counter, or honestly unavailable
-    assert meter_for_device("mps").stop() is None
-    if not os.path.exists("/sys/class/powercap"):
-        assert meter_for_device("cpu").source == "unavailable"

@@ -172,3 +172,19 @@ def test_tree_helpers_by_hand():
     for bad in ([0], [-1, 1], [-1, -2]):  # a parent must be -1 or an earlier node
         with pytest.raises(ValueError):
             tree_depths(bad)
+
+
+def test_feature_mirror_keep_after_growing_in_inference_mode():
+    # The target grows its mirror inside a forward (inference mode); tree verification then calls keep() outside
+    # it. That used to fail: torch refuses in-place updates of inference tensors outside inference mode.
+    from jointspec.backends.hf import FeatureMirror
+
+    mirror = FeatureMirror(4, torch.float32, torch.device("cpu"))
+    rows = torch.arange(300 * 4, dtype=torch.float32).reshape(300, 4)
+    with torch.inference_mode():
+        mirror.append(rows)  # past the initial 256 rows: the buffer is reallocated here
+    mirror.keep(torch.tensor([0, 1, 5, 299]))
+    assert mirror.length == 4
+    assert torch.equal(mirror.features, rows[[0, 1, 5, 299]])
+    mirror.append(rows[:2])
+    assert torch.equal(mirror.features[4:], rows[:2])

@@ -400,7 +400,7 @@ def test_prompt_lookup_accepts_on_repetitive_prompt(loaded):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_eos_inside_draft_stops_like_plain_greedy(loaded, other_draft, method):
-    # As in test_equivalence: declare as EOS tokens whose first occurrence falls inside a draft (not on a bonus
+    # As in test_core_loop_equivalence: declare as EOS tokens whose first occurrence falls inside a draft (not on a bonus
     # token, not in round one), so the loop must cut accepted draft tokens after the EOS.
     lm, tokenizer = loaded
     prompt = random_prompt(6)

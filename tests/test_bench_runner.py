@@ -1,4 +1,6 @@
-"""``jointspec bench`` on tiny in-process models: prompt files, method specs, the JSON contract, losslessness.
+"""`jointspec bench` end to end on tiny in-process models (``jointspec.bench.runner`` and the command): the JSON
+contract and the report folder, losslessness of every lossless method against the baseline, and the oracle's known
+acceptance. Prompt files and method specs are tested in test_bench_prompts.py and test_bench_specs.py.
 
 The target is conftest's tiny Llama (vocab 99, sharpened logits, so greedy ties are vanishingly rare) with a
 word-level tokenizer over 99 ids and a minimal chat template, injected through ``bench.cli.load_target``. Settings:
@@ -9,34 +11,15 @@ inside the model's 256 positions; the cost model is measured with 2 repeats only
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
 from helpers import WORDS, run_tiny
 from jointspec.backends.hf import CausalLM
-from jointspec.bench.prompts import BenchPrompt, PromptSetError, load_prompts, select_prompts
+from jointspec.bench.prompts import BenchPrompt, load_prompts
 from jointspec.bench.report import CONTRACT_KEYS
-from jointspec.bench.specs import MethodSpecError, method_config, parse_spec, parse_specs, split_specs
 from jointspec.cli import bench as bench_cli
 from jointspec.cli import main as cli
-from jointspec.methods import MethodConfig
-
-SPEC_BENCH_LINES = [
-    {"question_id": 1, "category": "summary", "turns": ["summarise the text : bees warm the nest with wings",
-                                                         "now make it one short line"]},
-    {"question_id": 2, "category": "summary", "turns": ["rewrite this text for a user : the hive is warm"]},
-    {"question_id": "c1", "category": "code", "turns": ["add a type hint to this python function : def total "
-                                                          "( price ) : return price", ],
-     "reference": ["ignored"]},
-]
-
-
-@pytest.fixture()
-def prompt_file(tmp_path):
-    path = tmp_path / "question.jsonl"
-    path.write_text("\n".join(json.dumps(row) for row in SPEC_BENCH_LINES) + "\n\n")
-    return path
 
 
 @pytest.fixture()
@@ -52,79 +35,8 @@ def bench_main(monkeypatch, target_model, bench_tokenizer, capsys):
     return main
 
 
-def test_spec_bench_file_loads_unchanged(prompt_file):
-    prompts = load_prompts(str(prompt_file))
-    assert [p.question_id for p in prompts] == ["1", "2", "c1"]
-    assert prompts[0].turns == tuple(SPEC_BENCH_LINES[0]["turns"])  # two turns kept
-    assert [p.question_id for p in select_prompts(prompts, ["summary"], 1)] == ["1"]
-    assert [len(p.turns) for p in select_prompts(prompts, max_turns=1)] == [1, 1, 1]
-
-
-@pytest.mark.parametrize("name,count", [("mt_bench", 80), ("humaneval", 164), ("grounded", 16)])
-def test_builtin_sets(name, count):
-    prompts = load_prompts(f"builtin:{name}")
-    assert len(prompts) == count
-    assert all(p.turns and p.category for p in prompts)
-
-
-@pytest.mark.parametrize("line,message", [
-    ('{"question_id": 1, "category": "x", "turns": ["ok"]', "not valid JSON"),
-    ('{"question_id": 1, "turns": ["ok"]}', "missing key(s) category"),
-    ('{"question_id": 1, "category": "x", "turns": []}', "'turns' must be a non-empty list"),
-    ('[1, 2]', "expected a JSON object"),
-])
-def test_malformed_jsonl_names_file_and_line(tmp_path, line, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(SPEC_BENCH_LINES[0]) + "\n" + line + "\n")
-    with pytest.raises(PromptSetError, match=rf"bad\.jsonl:2: .*{re.escape(message)}"):
-        load_prompts(str(path))
-
-
-def test_empty_selection_and_unknown_category(prompt_file, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(PromptSetError, match="empty"):
-        select_prompts(load_prompts(str(empty)))
-    with pytest.raises(PromptSetError, match="unknown category nope; this prompt set has: summary, code"):
-        select_prompts(load_prompts(str(prompt_file)), ["nope"])
-
-
-def test_spec_parsing():
-    assert split_specs("ar,pld:n=4,max_ngram=2,hf-pld,mtad-like:tree=4,2,2") == [
-        "ar", "pld:n=4,max_ngram=2", "hf-pld", "mtad-like:tree=4,2,2"]
-    spec = parse_spec("pld:n=4,ngram=2")
-    assert spec.options == {"num_draft_tokens": "4", "max_ngram": "2"}
-    config = method_config(spec, MethodConfig(max_ngram=3, min_ngram=1))
-    assert (config.name, config.num_draft_tokens, config.max_ngram) == ("pld", 4, 2)
-    oracle = method_config(parse_spec("oracle:corrupt=0.25,k=3"), MethodConfig())
-    assert (oracle.corruption_rate, oracle.num_draft_tokens) == (0.25, 3)
-    assert parse_spec("hf-assisted:draft=self,n=3").options == {"draft": "self", "num_draft_tokens": "3"}
-    # A tree is a tuple of widths even though its default (None: the method's own tree) says no type.
-    assert method_config(parse_spec("specinfer:tree=3,1"), MethodConfig()).tree == (3, 1)
-    assert method_config(parse_spec("hybrid-tree:tree=2x2"), MethodConfig()).tree == (2, 2)
-    assert method_config(parse_spec("default:tree_budget=3"), MethodConfig()).tree_budget == 3
-
-
-@pytest.mark.parametrize("text,message", [
-    ("nope", "unknown method 'nope'.*choose one of: .*ar.*hf-generate.*pld"),
-    ("pld:bogus=1", "unknown option 'bogus' for method 'pld'; valid options: .*num_draft_tokens"),
-    ("hf-pld:draft=x", "unknown option 'draft' for method 'hf-pld'; valid options: num_draft_tokens, max_ngram"),
-    ("pld:n", "must be key=value"),
-    ("ar,ar", "listed twice"),
-])
-def test_bad_specs(text, message):
-    with pytest.raises(MethodSpecError, match=message):
-        parse_specs(text)
-
-
-@pytest.mark.parametrize("text,message", [("pld:n=four", "must be int"), ("pld:n=0", "num_draft_tokens must be")])
-def test_bad_option_values(text, message):
-    with pytest.raises(MethodSpecError, match=message):
-        method_config(parse_spec(text), MethodConfig())
-
-
-def test_cli_errors_are_one_line(bench_main, prompt_file, tmp_path):
-    code, out, err = bench_main("--prompts", str(prompt_file), "--methods", "ar,warp")
+def test_cli_errors_are_one_line(bench_main, bench_prompt_file, tmp_path):
+    code, out, err = bench_main("--prompts", str(bench_prompt_file), "--methods", "ar,warp")
     assert code == 2 and err.startswith("jointspec: error: unknown method 'warp'") and err.count("\n") == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1}\n{oops\n')
@@ -132,9 +44,9 @@ def test_cli_errors_are_one_line(bench_main, prompt_file, tmp_path):
     assert code == 2 and f"{bad}:1: missing key(s) category, turns" in err
 
 
-def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
+def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
     report = tmp_path / "report"
-    code, out, err = bench_main("--prompts", str(prompt_file), "--methods", "ar,pld:n=4,hf-generate",
+    code, out, err = bench_main("--prompts", str(bench_prompt_file), "--methods", "ar,pld:n=4,hf-generate",
                                 "--max-new-tokens", "12", "--repeats", "2", "--report-dir", str(report))
     assert code == 0, err
     last = json.loads(out.strip().splitlines()[-1])
@@ -162,8 +74,8 @@ def test_cli_json_contract_and_report(bench_main, prompt_file, tmp_path):
         assert numbers["distinct_2"] == pytest.approx(sum(distinct_n(o, 2) for o in outputs) / len(outputs), abs=1e-4)
 
 
-def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, bench_tokenizer, prompt_file):
-    prompts = load_prompts(str(prompt_file))
+def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, bench_tokenizer, bench_prompt_file):
+    prompts = load_prompts(str(bench_prompt_file))
     methods = "ar,pld:n=4,sps:draft=self,k=3,oracle:corrupt=0.3,hf-generate,hf-pld:n=4,hf-assisted:draft=self,n=3"
     result, summary = run_tiny(target_model, bench_tokenizer, methods, prompts)
     for method, s in summary.items():
@@ -189,7 +101,7 @@ def test_oracle_acceptance_matches_corruption_rate(target_model, bench_tokenizer
         assert s["acceptance_per_position"] == [1.0] * 4
 
 
-def test_every_registered_method_runs(target_model, bench_tokenizer, prompt_file, tmp_path):
+def test_every_registered_method_runs(target_model, bench_tokenizer, bench_prompt_file, tmp_path):
     """Methods other modules register (mtad, specinfer, ...) need no change in the bench: each runs with the
     target as its own draft (``corpus``, which drafts from an n-gram table, with a small one), and the methods'
     lossless ones match the baseline."""
@@ -199,27 +111,9 @@ def test_every_registered_method_runs(target_model, bench_tokenizer, prompt_file
     NgramTable.build([[5, 6, 7, 8]] * 2, vocab_size=target_model.config.vocab_size).save(tmp_path, {"kind": "corpus"})
     drafts = {"corpus": str(tmp_path)}
     specs = ",".join(["ar"] + [f"{name}:draft={drafts.get(name, 'self')}" for name in method_names() if name != "ar"])
-    _, summary = run_tiny(target_model, bench_tokenizer, specs, load_prompts(str(prompt_file)), max_new_tokens=8,
+    _, summary = run_tiny(target_model, bench_tokenizer, specs, load_prompts(str(bench_prompt_file)), max_new_tokens=8,
                           perplexity=False)
     assert len(summary) == len(method_names())
     for name in ("pld", "sps", "oracle"):
         assert summary[f"{name}:draft=self"]["num_identical"] == 3, name
     assert summary[f"corpus:draft={tmp_path}"]["num_identical"] == 3
-
-
-def test_cost_model_prediction_and_histogram():
-    from jointspec.bench.costmodel import TargetCost, expected_tokens_per_round, predict
-    from jointspec.bench.report import accepted_histogram
-    from jointspec.core.loop import SpecStats
-
-    cost = TargetCost({1: 0.010, 2: 0.012, 4: 0.020}, prefill_tokens=200)
-    assert cost.seconds(3) == pytest.approx(0.016)  # interpolated
-    assert cost.seconds(6) == pytest.approx(0.028)  # extrapolated from the last two
-    stats = SpecStats()
-    for accepted in (0, 1, 3, 3):  # four rounds of 3-token chains
-        stats.record([0, 1, 2], accepted)
-    stats.draft_seconds, stats.prefill_seconds = 0.004, 0.05
-    # 4 rounds x (1 ms drafting + T(4) = 20 ms) + 50 ms prefill.
-    assert predict(cost, stats).seconds == pytest.approx(0.05 + 4 * 0.021)
-    assert accepted_histogram(stats) == [1, 1, 0, 2]
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)

@@ -285,7 +285,7 @@ def test_wrapped_methods_match_plain_greedy(target_model, other_model, method, c
 
 @pytest.mark.parametrize("method", METHODS)
 def test_wrapped_eos_inside_draft_stops_like_plain_greedy(target_model, other_model, method):
-    # As in test_equivalence: declare as EOS a token of the greedy continuation and expect the output to stop after
+    # As in test_core_loop_equivalence: declare as EOS a token of the greedy continuation and expect the output to stop after
     # its first occurrence. Draft lengths vary here, so we try early, middle and late positions, and check below
     # that the self-draft did have to cut accepted draft tokens after an EOS at least once.
     prompt = random_prompt(6)

@@ -1,7 +1,7 @@
 """The dynamic tree (``--tree-budget N``, EAGLE-2 style): it proposes the N nodes whose draft path probability is
 highest, checked against a brute-force ranking computed with the draft model directly; it refuses sampling; and with
 ``hybrid-tree``/``default`` it decodes exactly like greedy decoding (the greedy-equivalence tests of the head kinds
-run it too: test_heads.py, test_medusa_hydra.py).
+run it too: test_drafts_eagle.py, test_drafts_medusa_hydra.py).
 
 Every check here is deterministic (greedy, fixed seeds): no false-failure odds.
 """

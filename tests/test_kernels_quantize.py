@@ -1,11 +1,12 @@
-"""Quantised targets (``--quantize int8|int4``) and the ``--backend`` / ``--quantize`` plumbing.
+"""Quantised targets (``--quantize int8|int4``, kernels/quantize.py): the layers, ``quantize_model``, and lossless
+speculation on the quantised model. The ``--quantize`` / ``--backend`` plumbing is tested in test_backends_loading.py.
 
 Quantisation changes the model, so exactness is defined against the *quantised* model: every method must emit what
 plain greedy decoding (transformers' own ``generate``) emits on the same quantised model. That holds only if a token's
 logits do not depend on how many tokens are verified with it, which the kernels are chosen for (per-token activation
 scales, exact int32 sums; see ``jointspec.kernels.quantize``) and which is tested here row by row.
 
-The tiny model is conftest's recipe at sizes the int4 kernel accepts (out_features multiples of 16, in_features
+The tiny model (helpers.quant_llama) is conftest's recipe at sizes the int4 kernel accepts (out_features multiples of 16, in_features
 multiples of the group size 32): hidden 64, intermediate 96, 4 heads (head size 16), 2 KV heads, vocab 99. Its
 logits are sharpened as conftest does, so argmax near-ties are vanishingly rare and the equivalence tests are
 deterministic. A variant with the head *tied* to the input embedding, as in SmolLM2, checks the untying.
@@ -13,29 +14,22 @@ deterministic. A variant with the head *tied* to the input embedding, as in Smol
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from helpers import (BATCH_GREEDY, BATCH_METHODS, BATCH_PROMPTS, VOCAB, assert_clean_error, first_occurrences, greedy,
-                     hf_greedy, make_decoder, quant_llama, random_prompt, run_cli, save_model, tiny_llama,
-                     word_tokenizer)
-from jointspec.cli import main as cli
-from jointspec.cli import bench as bench_cli
-from jointspec.core.errors import JointspecError, UnsupportedOptionError
+from helpers import (BATCH_GREEDY, BATCH_METHODS, BATCH_PROMPTS, VOCAB, first_occurrences, greedy,
+                     hf_greedy, make_decoder, quant_llama, random_prompt, tiny_llama)
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.loading import load_model
 from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt8Linear, kernels
 from jointspec.kernels.quantize import ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode, quantize_model
 
 MODES = ["int8", "int4"]
-MAX_NEW_TOKENS = 40  # with 4-token drafts: at least 8 rounds, as in test_equivalence
+MAX_NEW_TOKENS = 40  # with 4-token drafts: at least 8 rounds, as in test_core_loop_equivalence
 NUM_DRAFT_TOKENS = 4
 BF16_EPS = 2.0 ** -8  # bfloat16 rounding: relative error at most half of 2^-7
 
@@ -241,7 +235,7 @@ def test_self_draft_accepts_everything_on_the_quantized_model(quantized):
 
 
 def test_prompt_lookup_accepts_and_stays_exact_on_the_quantized_model(quantized):
-    # As in test_equivalence: a prompt that repeats the model's own continuation makes n-gram drafts get accepted,
+    # As in test_core_loop_equivalence: a prompt that repeats the model's own continuation makes n-gram drafts get accepted,
     # so multi-token verification (and roll-back after partial accepts) really runs.
     seed_prompt = random_prompt(1)
     prompt = seed_prompt + hf_greedy(quantized, seed_prompt, 24) + seed_prompt
@@ -277,224 +271,6 @@ def test_max_new_tokens_inside_a_draft_on_the_quantized_model(quantized, method,
     assert len(out) == max_new_tokens
 
 
-# -- load_model: options and their combinations -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def quant_folder(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("quant") / "model"
-    quant_llama(0).save_pretrained(folder)
-    word_tokenizer(VOCAB).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_load_model_quantizes(quant_folder, mode):
-    target, _ = load_model(quant_folder, quantize=mode)
-    assert quantization_mode(target.model) == mode
-    assert target.name.endswith(f"({mode})")
-    plain, _ = load_model(quant_folder)
-    assert quantization_mode(plain.model) == "none"  # the default is unchanged
-
-
-@pytest.mark.parametrize("source, options, needle", [
-    ("default", {"backend": "llamacpp", "quantize": "int8"}, "GGUF file's own quantisation"),
-    ("some/folder", {"backend": "llamacpp"}, "loads GGUF files"),
-    ("default", {"backend": "llamacpp", "device": "cuda"}, "runs on the CPU"),
-    ("default", {"backend": "llamacpp", "dtype": "bfloat16"}, "dtype 'bfloat16'"),
-    ("default", {"backend": "onnx"}, "unknown backend 'onnx'"),
-    ("default", {"quantize": "fp8"}, "unknown quantisation 'fp8'"),
-    ("default", {"threads": 0}, "threads must be >= 1"),
-])
-def test_bad_load_options_fail_before_loading(source, options, needle):
-    with pytest.raises(UnsupportedOptionError, match=needle):
-        load_model(source, **options)
-
-
-def test_llamacpp_backend_calls_the_llamacpp_loader(monkeypatch):
-    # The real adapter is tested in test_llamacpp; here only the hand-over: source, threads and name pass through,
-    # nothing goes through transformers.
-    import jointspec.backends.llamacpp as llamacpp
-
-    calls = []
-
-    def fake_load(source, *, n_threads=None, n_ctx=4096, name=None, **_):
-        calls.append((source, n_threads, name))
-        return "adapter", "tokenizer"
-    monkeypatch.setattr(llamacpp, "load_llamacpp", fake_load)
-    assert load_model("/models/x.gguf", backend="llamacpp", threads=3, name="n") == ("adapter", "tokenizer")
-    assert load_model("default", backend="llamacpp") == ("adapter", "tokenizer")
-    assert calls == [("/models/x.gguf", 3, "n"), ("default", None, None)]
-
-
-# -- command line -------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
-def test_flags_parse_for_every_model_command(command):
-    args = cli.build_parser().parse_args([command, "--quantize", "int4", "--backend", "llamacpp", "--threads", "3"])
-    assert (args.quantize, args.backend, args.threads) == ("int4", "llamacpp", 3)
-    args = cli.build_parser().parse_args([command])
-    # generate runs the fastest exact configuration: int4 where that is the model's own weights (auto)
-    assert (args.quantize, args.backend, args.threads) == ("auto" if command == "generate" else "none", "torch", None)
-
-
-@pytest.mark.parametrize("option, value", [("--quantize", "int2"), ("--backend", "vllm"), ("--threads", "0")])
-def test_bad_flag_values_are_argparse_errors(capsys, option, value):
-    code, _, err = run_cli(capsys, "generate", "x", option, value)
-    assert code == 2 and "Traceback" not in err and option in err.splitlines()[-1]
-
-
-def generate_json(capsys, model: str, *extra: str) -> dict:
-    code, out, err = run_cli(capsys, "generate", "w10 w11 w12 w10 w11 w12 w10", "--model", model, "--no-chat",
-                             "--max-new-tokens", "12", "--json", *extra)
-    assert code == 0, err
-    return json.loads(out.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_generate_quantized_pld_equals_quantized_ar(capsys, quant_folder, mode):
-    ar = generate_json(capsys, quant_folder, "--quantize", mode, "--threads", "1")
-    pld = generate_json(capsys, quant_folder, "--quantize", mode, "--method", "pld")
-    assert pld["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) == 12
-
-
-def test_generate_refuses_bad_combinations_cleanly(capsys, quant_folder):
-    code, _, err = run_cli(capsys, "generate", "x", "--model", quant_folder, "--backend", "llamacpp")
-    assert_clean_error(code, err, "jointspec: error:", "loads GGUF files")
-    code, _, err = run_cli(capsys, "generate", "x", "--backend", "llamacpp", "--quantize", "int4")
-    assert_clean_error(code, err, "jointspec: error:", "GGUF file's own quantisation")
-
-
-def prompts_file(folder: str) -> Path:
-    path = Path(folder).parent / "prompts.jsonl"
-    path.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["w10 w11 w12 w10 w11"]}) + "\n")
-    return path
-
-
-def test_bench_loads_target_and_drafts_with_the_options(monkeypatch, capsys, quant_folder):
-    # The target goes through bench's load_target seam with every option; a separate draft model goes through
-    # load_model with the same options (here: a folder draft, quantised like the target).
-    seen = {}
-
-    def load_target(source, **options):
-        seen.update(options)
-        return load_model(source, **options)
-    monkeypatch.setattr(bench_cli, "load_target", load_target)
-    draft = save_model(str(quant_folder) + "-draft", 1)
-    code, out, err = run_cli(capsys, "bench", "--no-progress", "--no-warmup", "--no-cost-model", "--no-perplexity",
-                             "--prompts", str(prompts_file(quant_folder)), "--methods", f"ar,sps:draft={draft}",
-                             "--max-new-tokens", "6", "--model", quant_folder, "--quantize", "int8",
-                             "--threads", "1")
-    assert code == 0, err
-    assert seen == {"device": "cpu", "dtype": "auto", "quantize": "int8", "backend": "torch", "threads": 1,
-                    "kernels": "auto"}
-    record = json.loads(out.strip().splitlines()[-1])
-    assert all(m["num_identical"] == m["num_prompts"] == 1 for m in record["methods"].values()), record
-
-
-def bench_outputs(capsys, folder: str, methods: str, *extra: str) -> dict[str, list[int]]:
-    report = Path(folder).parent / "qreport"
-    code, out, err = run_cli(capsys, "bench", "--no-progress", "--no-warmup", "--no-cost-model", "--no-perplexity",
-                             "--prompts", str(prompts_file(folder)), "--model", folder, "--methods", methods,
-                             "--max-new-tokens", "12", "--threads", "1", "--report-dir", str(report), *extra)
-    assert code == 0, err
-    runs = json.loads((report / "results.json").read_text())["runs"]
-    return {run["method"]: run["output_ids"][0] for run in runs}
-
-
-def test_bench_quantize_option_runs_a_quantised_copy_beside_the_float_target(monkeypatch, capsys, quant_folder):
-    # Per-method quantize=: float and int4 rows in one run, the int4 ones sharing one quantised copy of the target.
-    # The int4 rows must decode exactly as a bench whose target was loaded with --quantize int4 (and pld on the
-    # copy must equal ar on it), and quantising the copy must leave the float target float.
-    from jointspec.bench import runner
-
-    copies, real_copy = [], runner.quantized_copy
-
-    def quantized_copy(target, mode):
-        copies.append((target, real_copy(target, mode)))
-        return copies[-1][1]
-    monkeypatch.setattr(runner, "quantized_copy", quantized_copy)
-    mixed = bench_outputs(capsys, quant_folder, "ar,ar:quantize=int4,pld:quantize=int4")
-    assert len(copies) == 1
-    original, copy = copies[0]
-    assert quantization_mode(copy.model) == "int4" and quantization_mode(original.model) == "none"
-    monkeypatch.undo()
-    loaded_int4 = bench_outputs(capsys, quant_folder, "ar", "--quantize", "int4")["ar"]
-    float_only = bench_outputs(capsys, quant_folder, "ar")["ar"]
-    assert len(loaded_int4) == 12
-    assert mixed["ar:quantize=int4"] == mixed["pld:quantize=int4"] == loaded_int4
-    assert mixed["ar"] == float_only
-
-
-def test_bench_default_runs_what_generate_runs(monkeypatch, capsys, quant_folder):
-    """``default`` in the bench takes quantize=auto, as ``jointspec generate`` does: here the source is made to count
-    as on the int4 grid, so it must run on the int4 copy (shared with ar:quantize=int4) and decode as int4 ``ar``;
-    ``default:quantize=none`` stays on the float target and decodes as float ``ar``."""
-    from jointspec.bench import runner
-
-    asked, copies, real_copy = [], [], runner.quantized_copy
-
-    def resolve(quantize, source, **options):
-        asked.append((quantize, source))
-        return "int4"
-
-    def quantized_copy(target, mode):
-        copies.append(mode)
-        return real_copy(target, mode)
-    monkeypatch.setattr(bench_cli, "resolve_quantize", resolve)
-    monkeypatch.setattr(runner, "quantized_copy", quantized_copy)
-    outputs = bench_outputs(capsys, quant_folder, "ar,default,ar:quantize=int4,default:quantize=none")
-    assert asked == [("auto", quant_folder)] and copies == ["int4"]
-    assert outputs["default"] == outputs["ar:quantize=int4"] and len(outputs["default"]) == 12
-    assert outputs["default:quantize=none"] == outputs["ar"]
-    # A bench whose target is loaded quantised already asks nothing and copies nothing.
-    asked.clear()
-    copies.clear()
-    bench_outputs(capsys, quant_folder, "ar,default", "--quantize", "int8")
-    assert asked == [] and copies == []
-
-
-@pytest.mark.parametrize("methods, extra, needle", [
-    ("ar,ar:quantize=int3", [], "quantize 'int3' in 'ar:quantize=int3' must be one of: auto, none, int8, int4"),
-    ("ar,pld:backend=llamacpp,quantize=int4", [], "quantize is for the torch backend"),
-    ("ar,ar:quantize=int4", ["--quantize", "int8"], "quantise a copy of the float torch target"),
-    ("ar,hf-generate:quantize=int4", [], "unknown option 'quantize' for method 'hf-generate'"),
-])
-def test_bench_quantize_option_errors(monkeypatch, capsys, methods, extra, needle):
-    def load_target(*_, **__):
-        raise AssertionError("the options must be refused before anything loads")
-    monkeypatch.setattr(bench_cli, "load_target", load_target)
-    code, _, err = run_cli(capsys, "bench", "--no-progress", "--methods", methods, *extra)
-    assert_clean_error(code, err, needle)
-
-
-def test_serve_refuses_llamacpp_and_quantizes_on_torch(quant_folder):
-    from jointspec.cli.serve import build_engine
-
-    args = cli.build_parser().parse_args(["serve", "--model", quant_folder, "--backend", "llamacpp"])
-    with pytest.raises(JointspecError, match="torch backend only"):
-        build_engine(args)
-    args = cli.build_parser().parse_args(["serve", "--model", quant_folder, "--quantize", "int4"])
-    engine = build_engine(args)
-    try:
-        assert quantization_mode(engine.target.model) == "int4"
-    finally:
-        engine.close()
-
-
-@pytest.mark.parametrize("extra, needle", [
-    (["--methods", "ar,hf-generate", "--no-perplexity"], "hf-generate run transformers and need --backend torch"),
-    (["--methods", "ar,pld"], "pass --no-perplexity"),
-])
-def test_bench_with_llamacpp_backend_refuses_what_needs_transformers(monkeypatch, capsys, extra, needle):
-    def load_target(*_, **__):
-        raise AssertionError("the options must be refused before anything loads")
-    monkeypatch.setattr(bench_cli, "load_target", load_target)
-    code, _, err = run_cli(capsys, "bench", "--no-progress", "--backend", "llamacpp", *extra)
-    assert_clean_error(code, err, needle)
-
-
 @pytest.mark.parametrize("method", ["pld", "sps-self"])
 def test_batched_decoding_equals_single_on_the_quantized_model(quantized, method):
     # The server's batched engine pads and masks rows of different lengths into one forward: with per-row
@@ -506,65 +282,3 @@ def test_batched_decoding_equals_single_on_the_quantized_model(quantized, method
                             for i, prompt in enumerate(BATCH_PROMPTS)])
     for prompt, out in zip(BATCH_PROMPTS, outs):
         assert out == make_decoder("ar", quantized).generate(prompt, BATCH_GREEDY)
-
-
-# -- quantize=auto: int4 where that is the model's own weights ------------------------------------------------------
-
-
-def write_typed_gguf(path: Path, projection_type: str, head_type: str) -> Path:
-    """A GGUF holding only tensors, each of the named quantisation type: all that on_int4_grid reads."""
-    import gguf
-    from gguf import quants
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    values = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).numpy()
-
-    def add(name: str, kind: str) -> None:
-        qtype = gguf.GGMLQuantizationType[kind]
-        if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, values)
-        else:
-            writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
-
-    for layer in range(2):
-        for projection in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            add(f"blk.{layer}.{projection}.weight", projection_type)
-        add(f"blk.{layer}.attn_norm.weight", "F32")  # norms stay float in every GGUF
-        writer.add_tensor(f"blk.{layer}.attn_q.bias", values[0])  # and biases (Qwen2's q/k/v): not projections
-    add("output.weight", head_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_path):
-    from jointspec.backends.loading import on_int4_grid, resolve_quantize
-
-    grid = write_typed_gguf(tmp_path / "q41.gguf", "Q4_1", "Q8_0")
-    assert on_int4_grid("default") and on_int4_grid(str(grid))
-    # Block types the kernels take as stored (kernels/gguf_blocks.py), and ones they do not.
-    assert on_int4_grid(str(write_typed_gguf(tmp_path / "q40.gguf", "Q4_0", "Q8_0")))
-    assert on_int4_grid(str(write_typed_gguf(tmp_path / "q50.gguf", "Q5_0", "Q4_1")))
-    assert on_int4_grid(str(write_typed_gguf(tmp_path / "q51.gguf", "Q5_1", "Q8_0")))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f16.gguf", "F16", "Q8_0")))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f32.gguf", "F32", "F32")))
-    assert not on_int4_grid(str(write_typed_gguf(tmp_path / "f16head.gguf", "Q4_1", "F16")))
-    assert not on_int4_grid(str(tmp_path))  # a model folder
-    from jointspec.kernels.grouped import selected_isa
-
-    on_grid = "int4" if kernels() is not None and selected_isa() != "portable" else "none"
-    assert resolve_quantize("auto", "default") == on_grid
-    assert resolve_quantize("auto", str(grid)) == on_grid
-    assert resolve_quantize("auto", str(tmp_path)) == "none"
-    # Only the float32 torch model on the CPU, and not where transformers' own path is asked for.
-    assert resolve_quantize("auto", "default", backend="llamacpp") == "none"
-    assert resolve_quantize("auto", "default", dtype="bfloat16") == "none"
-    assert resolve_quantize("auto", "default", kernels="stock") == "none"
-    assert resolve_quantize("int8", str(tmp_path)) == "int8"  # named modes pass through
-
-
-def test_auto_leaves_a_model_folder_in_float(tmp_path):
-    target, _ = load_model(save_model(tmp_path / "model", seed=0), quantize="auto")
-    assert quantization_mode(target.model) == "none"

@@ -1,0 +1,98 @@
+"""`jointspec build-corpus`: the target answers prompt files (resuming where it stopped), the answers of train-draft
+data folders are counted too, and a folder of another target is refused before anything is written.
+
+Tiny in-process models with a one-token-per-character tokenizer; greedy decoding: no false-failure odds.
+"""
+
+from __future__ import annotations
+
+import json
+
+from helpers import VOCAB, FakeTokenizer, corpus_folder
+from jointspec.drafters.corpus import CONFIG_FILE, table_for, tokenizer_fingerprint
+
+
+class CharTokenizer(FakeTokenizer):
+    """One token per character, enough for build-corpus to tokenize prompt files."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + (ord(ch) % (VOCAB - 3)) for ch in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        text = " ".join(m["content"] for m in messages)
+        return self(text)["input_ids"] if tokenize else text
+
+
+def build_corpus_on(monkeypatch, target_model) -> CharTokenizer:
+    """Point build-corpus at the tiny ``target_model``; returns the tokenizer it gets."""
+    import jointspec.cli.corpus as corpus_cli
+    from jointspec.backends.hf import CausalLM
+
+    tokenizer = CharTokenizer({f"t{i}": i for i in range(VOCAB)})
+    monkeypatch.setattr(corpus_cli, "load_target", lambda *a, **k: (CausalLM(target_model), tokenizer))
+    return tokenizer
+
+
+def test_build_corpus_command_answers_resumes_and_writes_a_table(tmp_path, monkeypatch, target_model):
+    # The target answers the prompts of a .txt source; a second run with more prompts answers only the new ones.
+    from jointspec.cli.main import main
+
+    tokenizer = build_corpus_on(monkeypatch, target_model)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"question number {i} about things" for i in range(5)))
+    out, data = tmp_path / "table", tmp_path / "data"
+    args = ["build-corpus", "--prompts", str(prompts), "--max-new-tokens", "6", "--min-count", "1", "--no-progress",
+            "--out", str(out), "--data", str(data)]
+    assert main(args + ["--num-prompts", "3"]) == 0
+    assert len((data / "answers.jsonl").read_text().splitlines()) == 3
+    assert main(args) == 0
+    lines = [json.loads(line) for line in (data / "answers.jsonl").read_text().splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1, 2, 3, 4]  # the first three were not answered again
+    config = json.loads((out / CONFIG_FILE).read_text())
+    assert config["num_target_answers"] == 5 and config["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    table = table_for(out, tokenizer, VOCAB)
+    assert table.num_entries > 0
+    assert all(len(line["answer_ids"]) == 6 for line in lines)
+    assert corpus_folder(target_model)  # the equivalence tests' table exists too (built once per model)
+
+
+def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, monkeypatch, capsys, target_model,
+                                                                     other_model):
+    # Answers generated for training a head go into the table as well; a folder of another target is refused.
+    from jointspec.cli.main import main
+    from jointspec.backends.hf import CausalLM
+    from jointspec.train.data import build_data
+
+    tokenizer = build_corpus_on(monkeypatch, target_model)
+    prompts = [[5 + i, 7, 11 + i] for i in range(4)]
+    folder = build_data(CausalLM(target_model), None, prompts, tmp_path / "mine", max_new_tokens=12,
+                        max_length=64, shard_size=3, batch_size=4)
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("one short question")
+    args = ["build-corpus", "--prompts", str(prompt_file), "--max-new-tokens", "4", "--min-count", "1",
+            "--no-progress", "--data", str(tmp_path / "data")]
+    assert main(args + ["--out", str(tmp_path / "with"), "--answers-from", str(folder)]) == 0
+    config = json.loads((tmp_path / "with" / CONFIG_FILE).read_text())
+    assert config["num_data_folder_answers"] == 4 and config["num_target_answers"] == 1
+    with_folder = table_for(tmp_path / "with", tokenizer, VOCAB)
+    assert main(args + ["--out", str(tmp_path / "without")]) == 0  # the same table without the folder's answers
+    without = table_for(tmp_path / "without", tokenizer, VOCAB)
+    assert with_folder.num_entries > without.num_entries
+    # Each folder answer is the target's greedy continuation: the table now predicts it from its own n-grams.
+    from jointspec.cli.corpus import data_folder_answers
+
+    answers = data_folder_answers(folder, CausalLM(target_model))
+    assert [len(a) for a in answers] == [12] * 4
+    answer = answers[0]
+    assert with_folder.continuation(answer[:3])[0] == answer[3]
+    other = build_data(CausalLM(other_model), None, prompts, tmp_path / "other", max_new_tokens=4, max_length=64,
+                       shard_size=4, batch_size=4)
+    assert main(args + ["--out", str(tmp_path / "refused"), "--answers-from", str(other)]) != 0
+    assert "holds answers of another target" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()  # refused before anything was written

@@ -1,0 +1,62 @@
+"""The method registry (``jointspec.methods``): the joint methods build from a ``MethodConfig`` and stay greedy-exact,
+cost-aware wrapping applies to chain methods only, and tree methods have their own default trees.
+
+The registered methods are decoded against transformers' own greedy decoding (helpers.hf_greedy). Deterministic
+(greedy, fixed seeds): no false-failure odds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import decoder_for, hf_greedy
+from jointspec.backends.hf import CausalLM
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+GREEDY = SamplingConfig(0.0)
+PROMPT = [1, 17, 42, 5, 88]
+
+
+def test_methods_are_registered_and_run(target, target_model):
+    """The four methods build from MethodConfig (draft = self), stay greedy-exact, and sample without errors."""
+    expected = hf_greedy(target_model, PROMPT, 12)
+    for name in ("mtad", "mtad-tree", "specinfer", "spectr"):
+        config = MethodConfig(name=name, draft="self", num_draft_tokens=3, beam_width=2, tree=(2, 2))
+        drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+        decoder = SpeculativeDecoder(CausalLM(target_model), drafter, verifier)
+        assert decoder.generate(PROMPT, DecodeConfig(12, GREEDY)) == expected, name
+        sampled = decoder.generate(PROMPT, DecodeConfig(12, SamplingConfig(1.0, top_k=10, top_p=0.9)),
+                                   torch.Generator().manual_seed(1))
+        assert len(sampled) == 12, name
+        if name in ("specinfer", "spectr"):  # lossless with draft = target: the first child always passes
+            assert decoder.stats.acceptance_per_position[0] == 1.0, name
+
+
+def test_cost_aware_wraps_chain_methods_only(target_model, trained_head_dir):
+    from jointspec.drafters.costaware import CostAwareDrafter
+
+    decoder = decoder_for(target_model, "sps", trained_head_dir, cost_aware=True, max_num_draft_tokens=6)
+    assert isinstance(decoder.drafter, CostAwareDrafter)
+    with pytest.raises(UnsupportedOptionError, match="'specinfer' cannot be made cost-aware.*pld, sps"):
+        decoder_for(target_model, "specinfer", trained_head_dir, cost_aware=True)
+
+
+def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, trained_head_dir, monkeypatch):
+    # hybrid-tree (and default, which builds it) drafts the head's top w (chosen from the target's measured cost
+    # curve) unless --tree is given; specinfer 4,2,2.
+    from jointspec.methods import costs, lossless
+
+    seen = []
+    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 3)
+    assert decoder_for(target_model, "hybrid-tree", trained_head_dir).drafter.tree.branching == (3,)
+    assert seen == [costs.target_cost_curve(CausalLM(target_model))]  # the target's own curve, memoised
+    assert decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(2, 1)).drafter.tree.branching == (2, 1)
+    assert decoder_for(target_model, "default", trained_head_dir, tree=(2,)).drafter.tree.branching == (2,)
+    assert decoder_for(target_model, "specinfer", trained_head_dir).drafter.branching == (4, 2, 2)
+    assert decoder_for(target_model, "specinfer", trained_head_dir, tree=(3,)).drafter.branching == (3,)
+    with pytest.raises(ValueError, match="tree must be"):
+        MethodConfig(name="specinfer", tree=())

@@ -1,0 +1,88 @@
+"""Training EAGLE heads (``jointspec.train.heads``): training measurably raises acceptance, the target's argmax is kept
+in the data folder and reused, a run stopped by its time cap resumes, and the held-out split follows content.
+
+Seeded and deterministic on one thread. The acceptance margin (trained above 0.3 and at least 0.25 above the untrained
+head) was set from a run giving 0.44 vs 0.00.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import sps_acceptance, tiny_training_data, untrained_head
+from jointspec.backends.hf import CausalLM
+from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+
+def test_training_raises_acceptance_well_above_the_untrained_head(target_model, trained_head_dir, tmp_path):
+    untrained = tmp_path / "untrained"
+    untrained_head(CausalLM(target_model)).save(untrained)
+    rates = {name: sps_acceptance(target_model, folder)
+             for name, folder in {"untrained": untrained, "trained": trained_head_dir}.items()}
+    assert rates["trained"] > 0.3 and rates["trained"] > rates["untrained"] + 0.25, rates
+
+
+def test_target_argmax_is_kept_in_the_data_folder_and_reused(target_model, tmp_path_factory, tmp_path, monkeypatch):
+    """The first from-scratch run keeps the target's argmax in the data folder; later runs (warm starts too) read it
+    instead of recomputing, and get the same labels, so they train the same draft."""
+    from jointspec.train import heads as heads_module
+
+    data = tiny_training_data(tmp_path_factory, target_model)
+    target = CausalLM(target_model, name="tiny-target")
+    config = HeadTrainConfig(draft_vocab_size=40, epochs=1, batch_tokens=512, warmup_steps=2, eval_every=5,
+                             eval_fraction=0.1)
+    first, _ = HeadTrainer(target, config).train(data, tmp_path / "a", progress=False)
+    assert (data / heads_module.ARGMAX_FILE).is_file()
+    calls = []
+    real = heads_module._target_argmax
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads_module, "_target_argmax", counted)
+    second, _ = HeadTrainer(target, config).train(data, tmp_path / "b", progress=False)
+    assert calls == []  # nothing recomputed
+    assert torch.equal(first.draft_vocab, second.draft_vocab)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    # A kept file that does not fit the folder is ignored and computed again.
+    torch.save([torch.zeros(3, dtype=torch.int32)], data / heads_module.ARGMAX_FILE)
+    HeadTrainer(target, config).train(data, tmp_path / "c", progress=False)
+    assert calls and len(torch.load(data / heads_module.ARGMAX_FILE)) > 1
+
+
+def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, tmp_path_factory, tmp_path):
+    """Stopping rules (--max-minutes, --patience) do not change what a step computes, so a run they stopped
+    resumes from its checkpoint when given more room, and ends where an uncapped run ends."""
+    data = tiny_training_data(tmp_path_factory, target_model)
+    target = CausalLM(target_model, name="tiny-target")
+    settings = dict(draft_vocab_size=40, epochs=2, batch_tokens=512, warmup_steps=2, eval_every=3, eval_fraction=0.1)
+    _, capped = HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=0.0)).train(data, tmp_path / "a",
+                                                                                        progress=False)
+    assert [h.step for h in capped.history] == [1]  # the cap stops it after its first step
+    resumed, result = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "a",
+                                                                                           progress=False)
+    uncapped, full = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "b",
+                                                                                          progress=False)
+    assert result.history[0] == capped.history[0]  # kept from the first run: resumed, not restarted
+    assert [h.step for h in result.history][-1] == [h.step for h in full.history][-1] > 1
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uncapped.state_dict().values()))
+
+
+def test_the_held_out_split_follows_content_not_the_pool():
+    # A sequence held out of one pool is held out of any larger pool with it (what keeps a warm start on a grown
+    # pool from being evaluated on its own training data), and about the asked fraction is held out. The tokens are
+    # fixed, so the hash-based split is deterministic: no false failures.
+    from jointspec.train.heads import held_out_split
+
+    pool = [torch.arange(i, i + 5 + i % 7) for i in range(400)]
+    more = [torch.arange(1000 + i, 1006 + i) for i in range(300)]
+    held, kept = held_out_split(pool, 0.1)
+    assert sorted(held + kept) == list(range(400)) and 20 <= len(held) <= 60
+    grown_held, _ = held_out_split(more[:150] + pool + more[150:], 0.1)
+    assert {150 + i for i in held} == {i for i in grown_held if 150 <= i < 550}
+    duplicate = held_out_split(pool + [pool[held[0]].clone()], 0.1)[0]
+    assert 400 in duplicate  # the same text in another folder: held out as well
+    tiny_held, tiny_kept = held_out_split(pool[:2], 0.0)
+    assert len(tiny_held) == 1 and len(tiny_kept) == 1  # at least one of each
+    assert held_out_split(pool[:2], 1.0)[1]
