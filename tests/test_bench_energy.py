@@ -4,10 +4,12 @@ guess where no counter can be read. The sysfs tree is faked in a temporary folde
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
+from jointspec.bench import energy
 from jointspec.bench.energy import RaplMeter, energy_per_token, meter_for_device
 
 
@@ -39,9 +41,26 @@ def test_unreadable_or_missing_counters_report_unavailable(tmp_path):
     (package / "energy_uj").unlink()  # as good as unreadable (root-only files raise the same OSError)
     assert meter.stop() is None
     assert RaplMeter(str(tmp_path / "nowhere")).stop() is None
-    reading = meter_for_device("cpu")
-    reading.start()
-    assert reading.stop() is None or reading.stop() >= 0.0  # a real counter, or honestly unavailable
-    assert meter_for_device("mps").stop() is None
-    if not os.path.exists("/sys/class/powercap"):
+
+
+def test_a_cpu_run_reads_the_rapl_counters_where_there_are_some_and_says_unavailable_elsewhere(tmp_path,
+                                                                                                 monkeypatch):
+    """``meter_for_device("cpu")`` on a powercap tree (faked here through the meter it builds): joules from the
+    package counters where there are zones, "unavailable" (None, never a number) where there are none; other devices
+    without a counter are "unavailable" too. The check can fail: a meter that always said "unavailable", or that
+    returned 0.0, would not give the 0.25 J written below."""
+    if not os.path.exists("/sys/class/powercap"):  # this machine has no counters at all
         assert meter_for_device("cpu").source == "unavailable"
+    monkeypatch.setattr(energy, "RaplMeter", functools.partial(RaplMeter, str(tmp_path)))  # the tree it reads
+    empty = meter_for_device("cpu")
+    empty.start()
+    assert empty.source == "unavailable" and empty.stop() is None  # a tree without zones
+    package = _zone(tmp_path, "intel-rapl:0", 1_000)
+    meter = meter_for_device("cpu")
+    assert meter.source == "rapl" and meter.zones == [str(package)]
+    meter.start()
+    (package / "energy_uj").write_text("251000\n")  # 250,000 µJ while "decoding"
+    assert meter.stop() == 0.25
+    other = meter_for_device("mps")
+    other.start()
+    assert other.source == "unavailable" and other.stop() is None
