@@ -80,7 +80,7 @@ def _draft_kinds(folders: list[str], record: bool) -> dict[str, str]:
 
 def _load_drafts(kinds: dict[str, str], target) -> dict:
     """folder -> (kind, draft), each checked against the target, before any answer is generated."""
-    from jointspec.cli.train import trainer_for_kind
+    from jointspec.train.kinds import trainer_for_kind
     from jointspec.drafts.artifact import check_head_target
 
     drafts = {}
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from jointspec.bench.head_agreement import (HeadAgreement, record_top_w_hit_rate, score_head, score_trained,
                                                 target_answers)
     from jointspec.bench.prompts import load_prompts
-    from jointspec.cli.train import trainer_for_kind
+    from jointspec.train.kinds import trainer_for_kind
     from jointspec.drafts.artifact import float_lm_weight
     from jointspec.methods import MethodConfig
     from jointspec.train.heads import HeadTrainConfig, HeadTrainer
