@@ -1,9 +1,9 @@
 """The command line around the core commands: ``--version``, the errors a missing extra gives, and the tools that
 read a finished run or a trained head (``bench-intervals``, ``head-agreement --record``, ``corpus-replay``).
 
-Everything runs in process on conftest's tiny Llama with a word-level tokenizer, injected through each subcommand's
-``load_target`` seam. One tiny bench run (8 prompts: the fewest that get intervals) is shared by the tests that read
-a results.json; it runs with matplotlib hidden, as an install without the ``bench`` extra would.
+Everything runs in process on conftest's tiny Llama with the word-level tokenizer of helpers.py, injected through
+each subcommand's ``load_target`` seam. One tiny bench run (8 prompts: the fewest that get intervals) is shared by the
+tests that read a results.json; it runs with matplotlib hidden, as an install without the ``bench`` extra would.
 """
 
 from __future__ import annotations
@@ -17,18 +17,13 @@ from importlib import metadata
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from helpers import VOCAB, WORDS, run_cli, tiny_tokenizer
 from jointspec.backends.hf import CausalLM
 from jointspec.cli import bench as bench_cli
 from jointspec.cli import corpus_replay as corpus_replay_cli
 from jointspec.cli import head_agreement as head_agreement_cli
 from jointspec.cli import main as cli
-
-WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have summarise "
-         "rewrite text code function bees hive water wings warm cold nest list every number answer question user "
-         "assistant please short two sentences python def return value one more").split()
 
 # Eight prompts in two categories; one has a second turn, so replays see two turns.
 PROMPTS = [{"question_id": f"q{i}", "category": "summary" if i % 2 else "code",
@@ -36,31 +31,10 @@ PROMPTS = [{"question_id": f"q{i}", "category": "summary" if i % 2 else "code",
             + (["now make it one short line"] if i == 0 else [])} for i in range(8)]
 
 
-def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over :data:`WORDS`, filled up to the model's ids, with a minimal chat template."""
-    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
-    vocab = {token: i for i, token in enumerate(specials + WORDS)}
-    for i in range(len(vocab), vocab_size):  # fill the model's vocabulary so every generated id decodes
-        vocab[f"w{i}"] = i
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]",
-                                        unk_token="[UNK]", pad_token="[PAD]")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}assistant : {% endif %}")
-    return tokenizer
-
-
 def tiny_loader(target_model):
     """A ``load_target`` stand-in: the tiny target (the name its trained heads record) and the word tokenizer."""
-    tokenizer = word_tokenizer(target_model.config.vocab_size)
+    tokenizer = tiny_tokenizer()
     return lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tokenizer)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +60,8 @@ def bench_run(tmp_path_factory, target_model, prompt_file):
 def test_version_prints_the_installed_version(capsys):
     import jointspec
 
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["--version"])
-    assert exit_.value.code == 0
-    assert capsys.readouterr().out == f"jointspec {metadata.version('jointspec')}\n"
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out == f"jointspec {metadata.version('jointspec')}\n"
     assert jointspec.__version__ == metadata.version("jointspec")
 
 
@@ -150,7 +122,7 @@ def trained_head(tmp_path_factory, target_model):
 
     target = CausalLM(target_model, name="tiny-target")
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, target.vocab_size, (8,), generator=generator).tolist() for _ in range(24)]
+    prompts = [torch.randint(3, VOCAB, (8,), generator=generator).tolist() for _ in range(24)]
     data = build_data(target, None, prompts, tmp_path_factory.mktemp("data"), max_new_tokens=24, max_length=64,
                       shard_size=12, batch_size=8)
     out = tmp_path_factory.mktemp("head")
@@ -200,11 +172,10 @@ def test_corpus_replay_ranks_a_table_of_the_answers_above_an_unrelated_one(bench
     from jointspec.drafters.corpus import NgramTable
 
     folder, _, _ = bench_run
-    vocab = target_model.config.vocab_size
     results = json.loads((folder / "results.json").read_text())
     answers = [answer for run in results["runs"] if run["method"] == "ar" for answer in run["output_ids"]]
-    NgramTable.build(answers, vocab, max_order=3, min_count=1).save(tmp_path / "answers", {})
-    NgramTable.build([list(range(3, vocab))], vocab, max_order=3, min_count=1).save(tmp_path / "unrelated", {})
+    NgramTable.build(answers, VOCAB, max_order=3, min_count=1).save(tmp_path / "answers", {})
+    NgramTable.build([list(range(3, VOCAB))], VOCAB, max_order=3, min_count=1).save(tmp_path / "unrelated", {})
     monkeypatch.setattr(corpus_replay_cli, "load_target", tiny_loader(target_model))
     code, out, err = run_cli(capsys, "corpus-replay", "--results", str(folder / "results.json"), "--method", "ar",
                              "--prompts", str(prompt_file), str(tmp_path / "answers"), str(tmp_path / "unrelated"))
