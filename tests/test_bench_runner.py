@@ -64,7 +64,7 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
     results = json.loads((report / "results.json").read_text())
     assert results["target_cost"]["ms_by_k"]["1"] > 0
     assert len(results["runs"]) == 9 and all(len(r["seconds"]) == 2 for r in results["runs"])
-    # Each run keeps its log-probabilities, so any two methods can be compared later (scripts/bench_intervals.py).
+    # Each run keeps its log-probabilities, so any two methods can be compared later (jointspec bench-intervals).
     assert all(r["num_scored_tokens"] == sum(map(len, r["output_ids"])) and r["logprob_sum"] < 0
                for r in results["runs"])
     # distinct-2 recounted from the stored outputs, by hand (not with the library's own distinct_n): per answer,
