@@ -339,6 +339,37 @@ def assert_greedy_equivalent(target_model, decoder: SpeculativeDecoder, prompt: 
     assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:cut]
 
 
+def fp16_rounded(module):
+    """A copy of ``module`` whose state (its ``state_dict``: weights and persistent buffers, what a saved draft
+    artifact holds) is rounded to float16 and back, as drafts/artifact.py stores it. Buffers computed at construction
+    (rotary frequencies) are not stored, so they stay as they are."""
+    import copy
+
+    rounded = copy.deepcopy(module)
+    rounded.load_state_dict({name: tensor.half().float() if tensor.is_floating_point() else tensor
+                             for name, tensor in module.state_dict().items()})
+    return rounded
+
+
+def assert_artifact_round_trip(module, folder, load):
+    """``module`` (a trained-draft module: head, heads, distilled draft) saved into ``folder`` and loaded back by
+    ``load``: the same tensors under the same names, each bit for bit the module's own rounded to float16 (the
+    placeholder token embedding, which drafts read from the target, is not stored). Returns the loaded module."""
+    module.save(folder)
+    loaded, _ = load(folder)
+
+    def stored(state):
+        return {name: tensor for name, tensor in state.items() if not name.startswith("body.embed_tokens")}
+
+    expected = {name: tensor.half().float() if tensor.is_floating_point() else tensor
+                for name, tensor in stored(module.state_dict()).items()}
+    got = stored(loaded.state_dict())
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    return loaded
+
+
 def assert_loads_to_the_same_decoding(target_model, folder, prompt: list[int]) -> None:
     """Two loads of the draft in ``folder`` give the same tokens and the same number of accepted drafts."""
     runs = []

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (VOCAB, assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for, random_prompt,
-                     sps_acceptance, tiny_llama, tiny_training_data, train_cli_argv, untrained_draft_of,
-                     untrained_head)
+from helpers import (VOCAB, assert_artifact_round_trip, assert_greedy_equivalent, assert_loads_to_the_same_decoding,
+                     decoder_for, fp16_rounded, random_prompt, sps_acceptance, tiny_llama, tiny_training_data,
+                     train_cli_argv, untrained_draft_of, untrained_head)
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
 from jointspec.drafts.distill import DistillConfig, DistillDraft, DistilledDraftModel, bind_distill, load_distill
@@ -119,7 +119,7 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model, tmp_
     assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ~outside]).all()
 
 
-def test_artifact_reloads_to_identical_outputs(target_model, trained_distill_dir):
+def test_artifact_reloads_to_identical_outputs(target_model, trained_distill_dir, tmp_path):
     draft, training = load_distill(trained_distill_dir)
     assert training["best"]["agreement"][0] > 0.4 and training["settings"]["loss"] == "kl"
     assert draft.config.kind == "distill" and draft.config.target_name == "tiny-target"
@@ -132,6 +132,14 @@ def test_artifact_reloads_to_identical_outputs(target_model, trained_distill_dir
     hidden = draft(target_model.get_input_embeddings()(ids), position_ids=torch.arange(len(prompt))[None])
     by_hand = hidden[0] @ target_model.lm_head.weight.T
     assert torch.allclose(bound.forward(prompt).logits, by_hand, atol=1e-5)
+    # fp16 storage: a reloaded draft holds the in-memory draft's weights rounded to float16, bit for bit, and bound to
+    # the target it drafts exactly what that rounded draft drafts (and not what the unrounded one drafts).
+    original = untrained_draft(CausalLM(target_model), from_target=False, draft_vocab_size=40)
+    assert_artifact_round_trip(original, tmp_path / "draft", load_distill)
+    reloaded = bind_distill(tmp_path / "draft", CausalLM(target_model)).forward(prompt).logits
+    rounded = DistilledDraftModel(fp16_rounded(original), CausalLM(target_model)).forward(prompt).logits
+    assert torch.equal(reloaded, rounded)
+    assert not torch.equal(reloaded, DistilledDraftModel(original, CausalLM(target_model)).forward(prompt).logits)
 
 
 def test_draft_refuses_another_target_and_the_wrong_loader(trained_distill_dir, tmp_path, target_model):

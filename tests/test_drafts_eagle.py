@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (VOCAB, assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for,
-                     random_prompt, tiny_llama, untrained_head)
+from helpers import (VOCAB, assert_artifact_round_trip, assert_greedy_equivalent, assert_loads_to_the_same_decoding,
+                     decoder_for, fp16_rounded, random_prompt, tiny_llama, untrained_head)
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
@@ -176,14 +176,24 @@ def test_greedy_equivalence_with_a_head(target_model, trained_head_dir, tmp_path
                              random_prompt(prompt_seed))
 
 
-def test_artifact_reloads_to_identical_outputs(target_model, trained_head_dir):
+def test_artifact_reloads_to_identical_outputs(target_model, trained_head_dir, tmp_path):
     head, training = load_head(trained_head_dir)
     assert training["best"]["agreement"][0] > 0.3
     assert_loads_to_the_same_decoding(target_model, trained_head_dir, random_prompt(0))
-    # fp16 storage: the reloaded head drafts what the in-memory head drafts.
-    target = CausalLM(target_model)
-    reloaded = HeadDraftModel(head, target)
-    assert reloaded.vocab_size == VOCAB
+    # fp16 storage: the reloaded head holds the in-memory head's weights rounded to float16, bit for bit (its draft
+    # vocabulary too), and bound to the target it drafts exactly what that rounded in-memory head drafts.
+    original = untrained_head(CausalLM(target_model), seed=5, draft_vocab_size=40)
+    assert_artifact_round_trip(original, tmp_path / "head", load_head)
+    context = random_prompt(4)
+    target = CausalLM(target_model, name="tiny-target")
+    reloaded = bind_head(tmp_path / "head", target)
+    target.reset()
+    target.forward(context[:-1], num_logits=0)
+    drafted = reloaded.forward(context + [5, 6]).logits
+    rounded = primed(target_model, fp16_rounded(original), context).forward(context + [5, 6]).logits
+    assert torch.equal(drafted, rounded)
+    # The comparison sees float16 rounding: the unrounded head drafts other logits.
+    assert not torch.equal(drafted, primed(target_model, original, context).forward(context + [5, 6]).logits)
 
 
 def test_head_refuses_another_target(trained_head_dir):

@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import (VOCAB, assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for, random_prompt,
-                     sps_acceptance, tiny_llama, tiny_training_data, train_cli_argv, untrained_draft_of)
+from helpers import (assert_artifact_round_trip, assert_greedy_equivalent, assert_loads_to_the_same_decoding,
+                     decoder_for, fp16_rounded, random_prompt, sps_acceptance, tiny_llama, tiny_training_data,
+                     train_cli_argv, untrained_draft_of)
 from jointspec.core.errors import ModelLoadError
 from jointspec.backends.hf import CausalLM
 from jointspec.drafts.hydra import HydraConfig, HydraDraftModel, HydraHeads, bind_hydra, load_hydra
@@ -153,13 +154,30 @@ def test_greedy_equivalence_with_heads(target_model, trained_dirs, tmp_path, kin
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs, kind):
+def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs, kind, tmp_path):
     load, bind = KINDS[kind][3:]
     heads, training = load(trained_dirs[kind])
     assert heads.config.kind == kind and heads.config.num_heads == 4
     assert len(training["best"]["agreement"]) == 4 and training["settings"]["num_heads"] == 4
     assert_loads_to_the_same_decoding(target_model, trained_dirs[kind], random_prompt(5))
-    assert bind(trained_dirs[kind], CausalLM(target_model)).vocab_size == VOCAB
+    # fp16 storage: reloaded heads hold the in-memory heads' weights rounded to float16, bit for bit, and bound to
+    # the target they draft exactly what those rounded heads draft (and not what the unrounded ones draft).
+    original = untrained_heads(kind, CausalLM(target_model), draft_vocab_size=40, scale=0.5)
+    assert_artifact_round_trip(original, tmp_path / kind, load)
+    draft_model = {"medusa": MedusaDraftModel, "hydra": HydraDraftModel}[kind]
+    context = random_prompt(4)
+
+    def drafted(make_draft) -> torch.Tensor:
+        target = CausalLM(target_model, name="tiny-target")
+        draft = make_draft(target)
+        target.reset()
+        target.forward(context[:-1], num_logits=0)
+        draft.reset()
+        return draft.forward(context + [5, 6, 7]).logits
+
+    reloaded = drafted(lambda target: bind(tmp_path / kind, target))
+    assert torch.equal(reloaded, drafted(lambda target: draft_model(fp16_rounded(original), target)))
+    assert not torch.equal(reloaded, drafted(lambda target: draft_model(original, target)))
     with pytest.raises(ModelLoadError, match="trained for target 'tiny-target'.*train-draft"):
         bind(trained_dirs[kind], CausalLM(tiny_llama(7), name="another-target"))
     # Int8 weights are for EAGLE heads: asked for these, the binding refuses by name (auto keeps them float).
@@ -168,7 +186,7 @@ def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs,
 
     with pytest.raises(UnsupportedOptionError, match=f"applies to EAGLE heads.*'{kind}' draft"):
         bind_trained_draft(trained_dirs[kind], CausalLM(target_model), head_weights="int8")
-    assert bind_trained_draft(trained_dirs[kind], CausalLM(target_model)).vocab_size == VOCAB
+    assert torch.equal(drafted(lambda target: bind_trained_draft(tmp_path / kind, target)), reloaded)  # by kind
 
 
 @pytest.mark.parametrize("kind,foreign,refusal", [
