@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import decoder_for, hf_greedy
+from helpers import decoder_for, hf_greedy, random_prompt, tiny_llama
 from jointspec.backends.hf import CausalLM
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.errors import UnsupportedOptionError
@@ -34,6 +34,36 @@ def test_methods_are_registered_and_run(target, target_model):
         assert len(sampled) == 12, name
         if name in ("specinfer", "spectr"):  # lossless with draft = target: the first child always passes
             assert decoder.stats.acceptance_per_position[0] == 1.0, name
+
+
+def near_target(target_model, scale: float = 2.0):
+    """The target with seeded noise (``scale`` times each weight's spread) on its last MLP: a draft that agrees with
+    the target often but not always (with 3 candidates, depth 1 passed in 63 to 93 % of the rounds when written)."""
+    draft = tiny_llama(0)
+    assert torch.equal(draft.lm_head.weight, target_model.lm_head.weight)  # the target's own weights, then noise
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for weight in draft.model.layers[-1].mlp.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * scale * weight.std())
+    return draft
+
+
+@pytest.mark.parametrize("name", ["specinfer", "spectr"])
+def test_tree_methods_stay_greedy_exact_with_a_draft_that_is_often_wrong(target_model, name):
+    """The self-drafts above never reject, so a verifier that kept the first candidate unchecked would pass them.
+    With a draft that differs from the target, some rounds reject every candidate at some depth and others accept:
+    the output must still be plain greedy decoding's, token for token."""
+    draft_model = near_target(target_model)
+    config = MethodConfig(name=name, draft="near", num_draft_tokens=3, beam_width=3, tree=(3, 2))
+    target = CausalLM(target_model, name="tiny-target")
+    drafter, verifier = build_method(MethodContext(config, target, None,
+                                                   lambda source: (CausalLM(draft_model, name=source), None)))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    for seed in (0, 3, 6):
+        prompt = random_prompt(seed)
+        assert decoder.generate(prompt, DecodeConfig(40, GREEDY)) == hf_greedy(target_model, prompt, 40), seed
+        acceptance = decoder.stats.acceptance_per_position
+        assert min(acceptance) < 1.0 and decoder.stats.num_accepted_tokens > 0, acceptance  # rejections and accepts
 
 
 def test_cost_aware_wraps_chain_methods_only(target_model, trained_head_dir):
