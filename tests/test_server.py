@@ -302,7 +302,35 @@ def test_disconnecting_clients_cancel_their_generation():
         assert http.get(f"{url}/health").status_code == 200
 
 
-def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokenizer):
+def hold_rounds_and_count_rows(monkeypatch) -> tuple[dict, list[int]]:
+    """Patch the batched engine (the class every ServingEngine runs) so that, once ``hold["until"]`` is set, its rounds
+    wait until that many sequences are queued or running (for at most ``hold["deadline"]``), and so that the number
+    of sequences each target forward scores is appended to ``rows``. Nothing else about a round changes."""
+    from jointspec.batch.cache import RaggedCache
+    from jointspec.batch.engine import BatchEngine
+
+    hold = {"until": 0, "deadline": 0.0}
+    rows: list[int] = []
+    real_step, real_forward = BatchEngine.step, RaggedCache.forward
+
+    def step(self):
+        waiting = len(self.waiting) + len(self.active)
+        if hold["until"] and waiting < hold["until"] and time.monotonic() < hold["deadline"]:
+            time.sleep(0.002)  # the engine thread goes back to its inbox for the requests still on their way
+            return []
+        hold["until"] = 0
+        return real_step(self)
+
+    def forward(self, inputs, *args, **kwargs):
+        rows.append(len(inputs))
+        return real_forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(BatchEngine, "step", step)
+    monkeypatch.setattr(RaggedCache, "forward", forward)
+    return hold, rows
+
+
+def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokenizer, monkeypatch):
     """The `serve` code path (model folder -> build_engine -> create_app -> uvicorn) with the official client."""
     import openai
 
@@ -341,9 +369,18 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
                                                    temperature=0, max_tokens=10) for i in range(6)])
                 return [r.choices[0].text for r in replies]
 
+            # Six requests at once share the engine's rounds: the first round, once all six are in (rounds wait for
+            # them, so how fast the client sends them does not matter), scores four of them (--max-batch-size) in
+            # one target forward, and the other two join as those finish. Sent one by one, each runs alone.
+            hold, rows = hold_rounds_and_count_rows(monkeypatch)
+            hold.update(until=6, deadline=time.monotonic() + TIMEOUT)
             together = asyncio.run(concurrently())
+            together_rows = list(rows)
+            rows.clear()
             alone = [client.completions.create(model="tiny-served", prompt=f"prompt {i}" * (i + 1), temperature=0,
                                                max_tokens=10).choices[0].text for i in range(6)]
             assert together == alone  # sharing the batch changes nobody's tokens
+            assert together_rows[0] == max(together_rows) == 4, together_rows
+            assert set(rows) == {1}, rows
     finally:
         served.close()
