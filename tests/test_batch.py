@@ -166,8 +166,8 @@ def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_
         def propose(self, context_ids, max_num_draft_tokens, sampling, generator): return EMPTY_DRAFT
         def commit(self, context_ids, num_accepted): pass
 
-    monkeypatch.setitem(method_registry._METHODS, "test-unbatchable",
-                        (lambda context: (OneShotDrafter(), GreedyVerifier()), "test only", False))
+    monkeypatch.setitem(method_registry._METHODS, "test-unbatchable", method_registry.MethodEntry(
+        lambda context: (OneShotDrafter(), GreedyVerifier()), "test only", lossless=True, cost_aware=False))
     with pytest.raises(UnsupportedOptionError, match="cannot run batched"):
         eng.submit(BatchRequest([5], GREEDY, MethodConfig("test-unbatchable")))
     assert not eng.has_work

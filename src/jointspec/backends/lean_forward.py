@@ -14,7 +14,7 @@ linears, oneDNN linears and anything else that replaced ``nn.Linear`` keep worki
 ``apply_rotary_pos_emb``, the cache's ``update`` and the attention function registered for the model's
 ``_attn_implementation`` (``sdpa``, the grouped-query kernel of :mod:`jointspec.kernels.fp32`, quantisation's
 row-wise one, ``eager``), with the arguments transformers passes it. Its logits and hidden states are therefore bit for
-bit transformers' (``tests/test_fastpath.py`` checks ``torch.equal`` on chains, trees, prefill, every attention
+bit transformers' (``tests/test_backends_lean_forward.py`` checks ``torch.equal`` on chains, trees, prefill, every attention
 implementation and quantised models), so every exactness argument made for the transformers path carries over.
 
 Two things it does differently, both outside the numbers: it skips the LM head when the caller wants no logits

@@ -15,7 +15,7 @@ and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blo
 jointspec's float32 model is those weights dequantised. Quantising that float model again in the same blocks
 (4-bit asymmetric g32 for the body, 8-bit symmetric g32 for the head) recovers the GGUF's own levels, scales and
 minima up to float rounding, so this int4 model is the float32 model up to float rounding, not a second rounding
-of it (``tests/test_grouped.py`` checks the round trip; ``docs/lab/benchmarks.md`` has the agreement on real prompts).
+of it (``tests/test_kernels_grouped.py`` checks the round trip; ``docs/lab/benchmarks.md`` has the agreement on real prompts).
 For a model that was never quantised it is an ordinary 4-bit quantisation.
 
 Exactness. Activations stay float32 and every output row is computed by the same instructions whatever the batch

@@ -31,7 +31,7 @@ MIN_TREE_GAIN = 1.15
 
 @register_method("default", "what `generate` runs: hybrid-tree with the head shipped for the target where its measured "
                  "cost curve says the tree pays, else cost-aware corpus or pld (lossless)",
-                 cost_aware=True)
+                 lossless=True, cost_aware=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     def lookup() -> MethodConfig:
         """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),

@@ -21,12 +21,12 @@ from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.verifiers.tree import TreeRejectionVerifier
 
 
-@register_method("ar", "plain autoregressive decoding through the same loop (the baseline)")
+@register_method("ar", "plain autoregressive decoding through the same loop (the baseline)", lossless=True)
 def _build_ar(context: MethodContext) -> tuple[Drafter, Verifier]:
     return NoDrafter(), RejectionSamplingVerifier()
 
 
-@register_method("sps", "speculative sampling with a draft model or trained head (lossless)", cost_aware=True)
+@register_method("sps", "speculative sampling with a draft model or trained head (lossless)", lossless=True, cost_aware=True)
 def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.
@@ -35,7 +35,7 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)",
-                 cost_aware=True)
+                 lossless=True, cost_aware=True)
 def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Draft length starts at num_draft_tokens and doubles while whole drafts are accepted, up to
@@ -46,7 +46,7 @@ def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("corpus", "prompt lookup, else an n-gram table of the target's own answers (--draft TABLE, default: "
-                 "the one shipped for its tokenizer) (lossless)", cost_aware=True)
+                 "the one shipped for its tokenizer) (lossless)", lossless=True, cost_aware=True)
 def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     table = (table_for(config.draft, context.tokenizer, context.target.vocab_size) if config.draft else
@@ -64,7 +64,7 @@ def _corpus_lookup(config: MethodConfig, table) -> Drafter:
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
-                 cost_aware=True)
+                 lossless=True, cost_aware=True)
 def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
@@ -74,7 +74,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft, else the tree (--tree; "
-                 "default: the draft's top 1-3 tokens); cost-aware (lossless)", cost_aware=True)
+                 "default: the draft's top 1-3 tokens); cost-aware (lossless)", lossless=True, cost_aware=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     return hybrid_tree(context)
 

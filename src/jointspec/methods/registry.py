@@ -90,13 +90,23 @@ class MethodContext:
 Builder = Callable[[MethodContext], tuple[Drafter, Verifier]]
 
 
-_METHODS: dict[str, tuple[Builder, str, bool]] = {}
+@dataclass(frozen=True)
+class MethodEntry:
+    builder: Builder
+    summary: str
+    lossless: bool  # greedy output equals plain decoding's; samples follow the target's law (tests prove each)
+    cost_aware: bool  # drafts chains, so ``MethodConfig.cost_aware`` may wrap its drafter
 
 
-def register_method(name: str, summary: str, cost_aware: bool = False) -> Callable[[Builder], Builder]:
-    """Register a builder. ``cost_aware``: its drafter drafts chains, so ``MethodConfig.cost_aware`` may wrap it."""
+_METHODS: dict[str, MethodEntry] = {}
+
+
+def register_method(name: str, summary: str, *, lossless: bool,
+                    cost_aware: bool = False) -> Callable[[Builder], Builder]:
+    """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, and whether it
+    may be made ``cost_aware``."""
     def decorate(builder: Builder) -> Builder:
-        _METHODS[name] = (builder, summary, cost_aware)
+        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware)
         return builder
     return decorate
 
@@ -106,19 +116,24 @@ def method_names() -> list[str]:
 
 
 def method_summaries() -> dict[str, str]:
-    return {name: summary for name, (_, summary, _) in sorted(_METHODS.items())}
+    return {name: entry.summary for name, entry in sorted(_METHODS.items())}
+
+
+def lossless_methods() -> list[str]:
+    """The methods registered as lossless: the equivalence and bench tests hold every one of them to plain decoding."""
+    return sorted(name for name, entry in _METHODS.items() if entry.lossless)
 
 
 def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     name = context.config.name
     if name not in _METHODS:
         raise UnsupportedOptionError(f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}")
-    builder, _, cost_aware_ok = _METHODS[name]
-    if context.config.cost_aware and not cost_aware_ok:
-        cost_aware = sorted(n for n, entry in _METHODS.items() if entry[2])
+    entry = _METHODS[name]
+    if context.config.cost_aware and not entry.cost_aware:
+        cost_aware = sorted(n for n, other in _METHODS.items() if other.cost_aware)
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
-    drafter, verifier = builder(context)
+    drafter, verifier = entry.builder(context)
     # A drafter that already weighs drafting against the cost curve ("default" builds one) is not wrapped again.
     if context.config.cost_aware and not getattr(drafter, "cost_aware", False):
         drafter = make_cost_aware(drafter, context.target, context.config.max_num_draft_tokens)

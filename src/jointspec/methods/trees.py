@@ -14,14 +14,14 @@ SPECINFER_TREE = (4, 2, 2)
 
 
 @register_method("specinfer", "SpecInfer/MCSD token tree (--tree k-config, default 4,2,2) with recursive rejection "
-                 "(lossless)")
+                 "(lossless)", lossless=True)
 def _build_specinfer(context: MethodContext):
     drafter = TreeDrafter(context.draft_model(), context.config.tree or SPECINFER_TREE, replacement=True,
                           eos_token_ids=context.eos_token_ids())
     return drafter, TreeRejectionVerifier(replacement=True)
 
 
-@register_method("spectr", "SpecTr: --beam-width i.i.d. draft chains, k-sequential selection (lossless)")
+@register_method("spectr", "SpecTr: --beam-width i.i.d. draft chains, k-sequential selection (lossless)", lossless=True)
 def _build_spectr(context: MethodContext):
     config = context.config
     branching = (config.beam_width,) + (1,) * (config.num_draft_tokens - 1)
