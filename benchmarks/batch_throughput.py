@@ -27,12 +27,12 @@ import time
 import torch
 
 from jointspec.api import GenerationConfig, Pipeline
+from jointspec.backends.loading import load_model
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.core.loop import DecodeConfig
 from jointspec.methods import MethodConfig
-from jointspec.backends.loading import load_model
 
 
 def build_prompts(tokenizer, count: int) -> list[list[int]]:

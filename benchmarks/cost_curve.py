@@ -33,13 +33,13 @@ import time
 
 import torch
 
+from jointspec.analysis.quality import token_logprobs
 from jointspec.api import GenerationConfig, Pipeline
+from jointspec.backends.loading import load_model
 from jointspec.bench.engines import synchronize
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
-from jointspec.methods import MethodConfig
-from jointspec.backends.loading import load_model
 from jointspec.kernels.quantize import quantize_model
-from jointspec.analysis.quality import token_logprobs
+from jointspec.methods import MethodConfig
 
 CONFIGS = ("none", "int8", "int4", "int8-float-head", "int4-float-head", "llamacpp")
 

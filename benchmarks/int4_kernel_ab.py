@@ -34,10 +34,10 @@ def main() -> None:
     import torch
 
     from jointspec.api import GenerationConfig, Pipeline
-    from jointspec.bench.prompts import load_prompts
-    from jointspec.methods import MethodConfig
-    from jointspec.kernels import grouped
     from jointspec.backends.loading import load_model, quantized_copy
+    from jointspec.bench.prompts import load_prompts
+    from jointspec.kernels import grouped
+    from jointspec.methods import MethodConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -34,8 +34,8 @@ def main() -> None:
     from transformers import DynamicCache
 
     from jointspec.backends.hf import CausalLM
-    from jointspec.kernels.fp32 import use_gqa_attention, use_stock_attention
     from jointspec.backends.loading import load_model
+    from jointspec.kernels.fp32 import use_gqa_attention, use_stock_attention
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from jointspec.kernels import fp32 as cpukernels
 from jointspec.backends.loading import load_model
+from jointspec.kernels import fp32 as cpukernels
 
 SETTINGS = ("stock", "onednn-packed", "default")
 

@@ -4,15 +4,16 @@ passes well under a millisecond. The builders themselves live in ``helpers.py``;
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-import json
-
-from helpers import SPEC_BENCH_LINES, tiny_llama, tiny_tokenizer, tiny_training_data
 from jointspec.backends.hf import CausalLM
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+from helpers import SPEC_BENCH_LINES, tiny_llama, tiny_tokenizer, tiny_training_data
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,16 +8,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_llama
+from jointspec.analysis.mtjd import (
+    all_prefixes_tree,
+    beam_mtjd_generate,
+    exact_block_distribution,
+    idealised_mtad,
+    mtjd_greedy_block,
+    total_variation,
+)
+from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import NoDrafter
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.sampling import SamplingConfig, processed_probs
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.backends.hf import CausalLM
-from jointspec.analysis.mtjd import (all_prefixes_tree, beam_mtjd_generate, exact_block_distribution, idealised_mtad,
-                                     mtjd_greedy_block, total_variation)
-from jointspec.core.sampling import SamplingConfig, processed_probs
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
+
+from helpers import tiny_llama
 
 SMALL_VOCAB = 7
 CONTEXT = [1, 4, 3]

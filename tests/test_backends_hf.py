@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import VOCAB, tiny_llama
 from jointspec.backends.hf import CausalLM, tree_ancestor_mask
 from jointspec.core.draft import chain_parents, tree_depths
+
+from helpers import VOCAB, tiny_llama
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from helpers import VOCAB, greedy, random_prompt, tiny_llama, tiny_qwen2
-from jointspec.core.loop import SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
-from jointspec.kernels.fp32 import use_gqa_attention
 from jointspec.backends.lean_forward import LlamaFastForward, fast_forward_for, unsupported_reason
+from jointspec.core.loop import SpeculativeDecoder
+from jointspec.kernels.fp32 import use_gqa_attention
 from jointspec.kernels.quantize import quantize_model
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+from helpers import VOCAB, greedy, random_prompt, tiny_llama, tiny_qwen2
 
 
 def both(model) -> tuple[CausalLM, CausalLM]:

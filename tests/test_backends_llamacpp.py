@@ -39,17 +39,18 @@ llama_cpp = pytest.importorskip(
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 
-from helpers import greedy  # noqa: E402
+from jointspec.backends import embedded
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.llamacpp import LlamaCppLM, LlamaCppWeights, check_vocabulary, load_llamacpp
 from jointspec.bench.prompts import BenchPrompt
 from jointspec.bench.runner import BenchConfig, run_bench
 from jointspec.bench.specs import MethodSpecError, parse_spec, parse_specs
 from jointspec.core.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
 from jointspec.core.loop import SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends import embedded
-from jointspec.backends.hf import CausalLM
-from jointspec.backends.llamacpp import LlamaCppLM, LlamaCppWeights, check_vocabulary, load_llamacpp
 from jointspec.core.sampling import SamplingConfig
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+from helpers import greedy  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0 (pad), 1 (bos), 2 (eos), as in SmolLM2
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
@@ -400,7 +401,8 @@ def test_prompt_lookup_accepts_on_repetitive_prompt(loaded):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_eos_inside_draft_stops_like_plain_greedy(loaded, other_draft, method):
-    # As in test_core_loop_equivalence: declare as EOS tokens whose first occurrence falls inside a draft (not on a bonus
+    # As in test_core_loop_equivalence: declare as EOS tokens whose first occurrence falls inside a draft (not on a
+    # bonus
     # token, not in round one), so the loop must cut accepted draft tokens after the EOS.
     lm, tokenizer = loaded
     prompt = random_prompt(6)

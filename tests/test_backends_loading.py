@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import VOCAB, assert_clean_error, quant_llama, run_cli, save_model, word_tokenizer
 from jointspec.backends.loading import load_model
 from jointspec.cli import bench as bench_cli
 from jointspec.cli import main as cli
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.kernels.grouped import kernels
 from jointspec.kernels.quantize import quantization_mode
+
+from helpers import VOCAB, assert_clean_error, quant_llama, run_cli, save_model, word_tokenizer
 
 MODES = ["int8", "int4"]
 
@@ -61,7 +62,8 @@ def test_bad_load_options_fail_before_loading(source, options, needle):
 
 
 def test_llamacpp_backend_calls_the_llamacpp_loader(monkeypatch):
-    # The real adapter is tested in test_backends_llamacpp; here only the hand-over: source, threads and name pass through,
+    # The real adapter is tested in test_backends_llamacpp; here only the hand-over: source, threads and name pass
+    # through,
     # nothing goes through transformers.
     import jointspec.backends.llamacpp as llamacpp
 

@@ -1,6 +1,7 @@
 """Batched decoding equals decoding each sequence alone.
 
-The reference for every sequence is :class:`jointspec.core.loop.SpeculativeDecoder` run on it alone with the same settings
+The reference for every sequence is :class:`jointspec.core.loop.SpeculativeDecoder` run on it alone with the same
+settings
 and seed: with ``ar`` for greedy runs (greedy output does not depend on the drafter, and the single loop's own tests
 show every lossless method matches ``ar``), with the same method for sampled runs. Settings, and why:
 - 16 prompts of 1 to 29 tokens, some repetitive (so prompt lookup finds drafts) and some random;
@@ -31,20 +32,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jointspec.backends.hf import CausalLM
+from jointspec.batch.cache import RaggedCache
+from jointspec.batch.engine import BatchEngine, BatchRequest
+from jointspec.core.draft import EMPTY_DRAFT
+from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.methods import registry as method_registry
+from jointspec.verifiers.greedy import GreedyVerifier
+
 from helpers import BATCH_EOS as EOS
 from helpers import BATCH_GREEDY as GREEDY
 from helpers import BATCH_METHODS as METHODS
 from helpers import BATCH_PROMPTS as PROMPTS
 from helpers import BATCH_SAMPLED as SAMPLED
-from jointspec.batch.engine import BatchEngine, BatchRequest
-from jointspec.batch.cache import RaggedCache
-from jointspec.core.draft import EMPTY_DRAFT
-from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.methods import registry as method_registry
-from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends.hf import CausalLM
-from jointspec.verifiers.greedy import GreedyVerifier
+
 
 @pytest.fixture(scope="module")
 def load_draft(other_model):

@@ -13,11 +13,12 @@ import math
 import pytest
 import torch
 
-from helpers import WORDS, run_tiny
 from jointspec.bench.intervals import MIN_PROMPTS, RatioInterval, paired_ratio_interval
 from jointspec.bench.prompts import BenchPrompt
 from jointspec.bench.report import table
 from jointspec.bench.runner import prompt_seed
+
+from helpers import WORDS, run_tiny
 
 
 def simulated_bench(num_prompts: int, nats_shift: float, generator: torch.Generator):
@@ -162,7 +163,8 @@ def test_each_prompt_and_turn_samples_with_its_own_seed(target_model, bench_toke
     # distributions barely depend on the prompt); with a seed per prompt, 10 draws from ~70 likely tokens agree on
     # all 10 with odds far below 1e-9.
     prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[i:i + 6]),)) for i in range(10)]
-    result, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts, temperature=1.0, max_new_tokens=4, perplexity=False)
+    result, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts, temperature=1.0, max_new_tokens=4,
+                         perplexity=False)
     assert len({run.output_ids[0][0] for run in result.runs}) > 1
     again, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts[3:4], temperature=1.0, max_new_tokens=4,
                         perplexity=False)

@@ -11,8 +11,9 @@ import re
 
 import pytest
 
-from helpers import SPEC_BENCH_LINES
 from jointspec.bench.prompts import PromptSetError, load_prompts, select_prompts
+
+from helpers import SPEC_BENCH_LINES
 
 
 def test_spec_bench_file_loads_unchanged(bench_prompt_file):

@@ -14,12 +14,13 @@ import json
 
 import pytest
 
-from helpers import WORDS, run_tiny
 from jointspec.backends.hf import CausalLM
 from jointspec.bench.prompts import BenchPrompt, load_prompts
 from jointspec.bench.report import CONTRACT_KEYS
 from jointspec.cli import bench as bench_cli
 from jointspec.cli import main as cli
+
+from helpers import WORDS, run_tiny
 
 
 @pytest.fixture()

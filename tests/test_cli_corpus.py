@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 
-from helpers import VOCAB, FakeTokenizer, corpus_folder
 from jointspec.drafters.corpus import CONFIG_FILE, table_for, tokenizer_fingerprint
+
+from helpers import VOCAB, FakeTokenizer, corpus_folder
 
 
 class CharTokenizer(FakeTokenizer):
@@ -65,8 +66,8 @@ def test_build_corpus_command_answers_resumes_and_writes_a_table(tmp_path, monke
 def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, monkeypatch, capsys, target_model,
                                                                      other_model):
     # Answers generated for training a head go into the table as well; a folder of another target is refused.
-    from jointspec.cli.main import main
     from jointspec.backends.hf import CausalLM
+    from jointspec.cli.main import main
     from jointspec.train.data import build_data
 
     tokenizer = build_corpus_on(monkeypatch, target_model)

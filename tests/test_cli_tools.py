@@ -18,12 +18,13 @@ from importlib import metadata
 import pytest
 import torch
 
-from helpers import VOCAB, WORDS, run_cli, tiny_tokenizer
 from jointspec.backends.hf import CausalLM
 from jointspec.cli import bench as bench_cli
 from jointspec.cli import corpus_replay as corpus_replay_cli
 from jointspec.cli import head_agreement as head_agreement_cli
 from jointspec.cli import main as cli
+
+from helpers import VOCAB, WORDS, run_cli, tiny_tokenizer
 
 # Eight prompts in two categories; one has a second turn, so replays see two turns.
 PROMPTS = [{"question_id": f"q{i}", "category": "summary" if i % 2 else "code",

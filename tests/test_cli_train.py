@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import train_cli_argv
 from jointspec.drafts.eagle import load_head
+
+from helpers import train_cli_argv
 
 
 def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypatch, capsys):

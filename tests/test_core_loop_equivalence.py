@@ -5,7 +5,8 @@ shares none of our loop, cache bookkeeping or verification. Greedy speculative d
 (a draft token is kept only when it *is* the target's argmax), so any difference is a bug, never bad luck: these
 tests are deterministic and have no false-failure odds. Settings that matter are justified where they are chosen.
 
-Why the tiny models can be trusted for exact comparisons: they are fp32 on CPU and helpers.tiny_llama sharpens their logits,
+Why the tiny models can be trusted for exact comparisons: they are fp32 on CPU and helpers.tiny_llama sharpens their
+logits,
 so argmax near-ties (where a legitimate reordering of float sums could flip a token) are vanishingly rare.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import VOCAB, first_occurrences, greedy, hf_greedy, make_decoder, random_prompt, tiny_llama
 from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import ContextTooLongError
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.verifiers.greedy import GreedyVerifier
+
+from helpers import VOCAB, first_occurrences, greedy, hf_greedy, make_decoder, random_prompt, tiny_llama
 
 # 40 new tokens: with 4-token drafts a fully accepted round emits 5, so even the best case needs 8 rounds, and a
 # draft that is always rejected needs 40: every method goes through many draft/verify/commit/roll-back cycles.

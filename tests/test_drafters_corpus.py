@@ -3,15 +3,20 @@ is tested in test_cli_corpus.py. Deterministic: no false-failure odds."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from helpers import FakeTokenizer, VOCAB, greedy, hf_greedy, make_decoder, random_prompt
-from jointspec.drafters.corpus import (CorpusLookupDrafter, NgramTable, shipped_table_for, table_for,
-                                       tokenizer_fingerprint)
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.corpus import (
+    CorpusLookupDrafter,
+    NgramTable,
+    shipped_table_for,
+    table_for,
+    tokenizer_fingerprint,
+)
+
+from helpers import VOCAB, FakeTokenizer, greedy, hf_greedy, make_decoder, random_prompt
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -111,8 +116,8 @@ def test_table_for_refuses_another_vocabulary_or_tokenizer(tmp_path, target_mode
 
 
 def test_corpus_method_without_a_table_says_how_to_build_one(target_model):
-    from jointspec.methods import MethodConfig, MethodContext, build_method
     from jointspec.backends.hf import CausalLM
+    from jointspec.methods import MethodConfig, MethodContext, build_method
 
     context = MethodContext(MethodConfig(name="corpus"), CausalLM(target_model), FakeTokenizer({"a": 0}), None)
     with pytest.raises(UnsupportedOptionError, match="build-corpus"):

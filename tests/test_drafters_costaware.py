@@ -12,16 +12,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import VOCAB, first_occurrences, greedy, hf_greedy, random_prompt
-from jointspec.core.target import TargetCapabilities
+from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import EMPTY_DRAFT, Draft
-from jointspec.drafters.costaware import (DEFAULT_SIZES, CostAwareDrafter, CostCurve, choose_num_draft_tokens,
-                                          expected_tokens, measure_cost_curve)
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import SpeculativeDecoder
+from jointspec.core.target import TargetCapabilities
+from jointspec.drafters.costaware import (
+    DEFAULT_SIZES,
+    CostAwareDrafter,
+    CostCurve,
+    choose_num_draft_tokens,
+    expected_tokens,
+    measure_cost_curve,
+)
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends.hf import CausalLM
 from jointspec.verifiers.greedy import GreedyVerifier
+
+from helpers import VOCAB, first_occurrences, greedy, hf_greedy, random_prompt
 
 # Verifying k tokens costs, relative to one step: llama.cpp 1.5 / 2.1 / 3.4 / 6.0 for k = 2 / 4 / 8 / 16 (issue 7);
 # torch fp32 about 1.1 / 1.45 / 1.75 / 2.2 (docs/research feasibility, 2 cores).
@@ -285,7 +292,8 @@ def test_wrapped_methods_match_plain_greedy(target_model, other_model, method, c
 
 @pytest.mark.parametrize("method", METHODS)
 def test_wrapped_eos_inside_draft_stops_like_plain_greedy(target_model, other_model, method):
-    # As in test_core_loop_equivalence: declare as EOS a token of the greedy continuation and expect the output to stop after
+    # As in test_core_loop_equivalence: declare as EOS a token of the greedy continuation and expect the output to stop
+    # after
     # its first occurrence. Draft lengths vary here, so we try early, middle and late positions, and check below
     # that the self-draft did have to cut accepted draft tokens after an EOS at least once.
     prompt = random_prompt(6)

@@ -13,11 +13,12 @@ import itertools
 import pytest
 import torch
 
-from helpers import assert_greedy_equivalent, decoder_for, random_prompt, tiny_llama
-from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
+
+from helpers import assert_greedy_equivalent, decoder_for, random_prompt, tiny_llama
 
 GREEDY = SamplingConfig(temperature=0.0)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import decoder_for, greedy, hf_greedy, random_prompt, untrained_head
 from jointspec.backends.hf import CausalLM
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.drafts.eagle import bind_head
+
+from helpers import decoder_for, greedy, hf_greedy, random_prompt, untrained_head
 
 
 def test_hybrid_uses_lookup_where_text_repeats_and_the_head_elsewhere(target_model, trained_head_dir):

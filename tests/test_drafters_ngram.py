@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
 GREEDY = SamplingConfig()
 

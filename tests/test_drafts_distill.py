@@ -12,14 +12,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (VOCAB, assert_artifact_round_trip, assert_greedy_equivalent, assert_loads_to_the_same_decoding,
-                     decoder_for, fp16_rounded, random_prompt, sps_acceptance, tiny_llama, tiny_training_data,
-                     train_cli_argv, untrained_draft_of, untrained_head)
-from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.distill import DistillConfig, DistillDraft, DistilledDraftModel, bind_distill, load_distill
 from jointspec.drafts.eagle import load_head
 from jointspec.train.distill import DistillTrainConfig, DistillTrainer
+
+from helpers import (
+    VOCAB,
+    assert_artifact_round_trip,
+    assert_greedy_equivalent,
+    assert_loads_to_the_same_decoding,
+    decoder_for,
+    fp16_rounded,
+    random_prompt,
+    sps_acceptance,
+    tiny_llama,
+    tiny_training_data,
+    train_cli_argv,
+    untrained_draft_of,
+    untrained_head,
+)
 
 
 def untrained_draft(target: CausalLM, *, from_target: bool, draft_vocab_size: int | None = None) -> DistillDraft:

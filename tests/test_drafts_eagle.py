@@ -12,14 +12,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (VOCAB, assert_artifact_round_trip, assert_greedy_equivalent, assert_loads_to_the_same_decoding,
-                     decoder_for, fp16_rounded, random_prompt, tiny_llama, untrained_head)
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.beam import beam_search
 from jointspec.drafters.treecache import DraftTreeCache
 from jointspec.drafts.eagle import EagleHead, HeadDraftModel, bind_head, load_head
+
+from helpers import (
+    VOCAB,
+    assert_artifact_round_trip,
+    assert_greedy_equivalent,
+    assert_loads_to_the_same_decoding,
+    decoder_for,
+    fp16_rounded,
+    random_prompt,
+    tiny_llama,
+    untrained_head,
+)
 
 
 def primed(target_model, head: EagleHead, context: list[int]) -> HeadDraftModel:
@@ -80,7 +90,7 @@ def test_tree_rows_equal_each_branch_run_alone(target_model):
     tree = draft.forward(tokens, parents=parents).logits
     with pytest.raises(UnsupportedOptionError, match="cannot extend a tree"):
         draft.forward([3])
-    for leaf, path in {2: [0, 2], 3: [0, 3], 4: [1, 4]}.items():
+    for path in ([0, 2], [0, 3], [1, 4]):  # to leaves 2, 3 and 4
         branch = primed(target_model, head, context)
         branch.forward(context)
         rows = branch.forward([tokens[i] for i in path]).logits

@@ -13,13 +13,22 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import (assert_greedy_equivalent, assert_loads_to_the_same_decoding, decoder_for, random_prompt,
-                     sps_acceptance, tiny_training_data, train_cli_argv, untrained_head)
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.eagle import EagleHead, HeadDraftModel, load_head
 from jointspec.train.data import build_data
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+from helpers import (
+    assert_greedy_equivalent,
+    assert_loads_to_the_same_decoding,
+    decoder_for,
+    random_prompt,
+    sps_acceptance,
+    tiny_training_data,
+    train_cli_argv,
+    untrained_head,
+)
 
 FUSE = (0, 1)  # the tiny target's embedding output and its first layer's output (it has 2 layers)
 

@@ -16,15 +16,26 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import (assert_artifact_round_trip, assert_greedy_equivalent, assert_loads_to_the_same_decoding,
-                     decoder_for, fp16_rounded, random_prompt, sps_acceptance, tiny_llama, tiny_training_data,
-                     train_cli_argv, untrained_draft_of)
-from jointspec.core.errors import ModelLoadError
 from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import ModelLoadError
 from jointspec.drafts.hydra import HydraConfig, HydraDraftModel, HydraHeads, bind_hydra, load_hydra
 from jointspec.drafts.medusa import MedusaConfig, MedusaDraftModel, MedusaHeads, bind_medusa, load_medusa
 from jointspec.train.hydra import HydraTrainer
 from jointspec.train.medusa import MedusaTrainConfig, MedusaTrainer
+
+from helpers import (
+    assert_artifact_round_trip,
+    assert_greedy_equivalent,
+    assert_loads_to_the_same_decoding,
+    decoder_for,
+    fp16_rounded,
+    random_prompt,
+    sps_acceptance,
+    tiny_llama,
+    tiny_training_data,
+    train_cli_argv,
+    untrained_draft_of,
+)
 
 KINDS = {"medusa": (MedusaHeads, MedusaConfig, MedusaTrainer, load_medusa, bind_medusa),
          "hydra": (HydraHeads, HydraConfig, HydraTrainer, load_hydra, bind_hydra)}

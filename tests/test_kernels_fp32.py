@@ -13,17 +13,36 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import (assert_clean_error, greedy, hf_greedy, make_decoder, random_prompt, run_cli, save_model, tiny_llama,
-                     untrained_head)
-from jointspec.bench.specs import MethodSpecError, parse_spec
-from jointspec.drafters.costaware import measure_cost_curve
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
-from jointspec.kernels import fp32 as cpukernels
-from jointspec.kernels.fp32 import (GQA_ATTENTION, OneDNNLinear, attention_in_use, kernels_in_use, resolve_kernels,
-                                    stock_kernels, use_gqa_attention, use_onednn_linears, use_stock_linears)
 from jointspec.backends.loading import load_model, quantized_copy, stock_copy
+from jointspec.bench.specs import MethodSpecError, parse_spec
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.drafters.costaware import measure_cost_curve
+from jointspec.kernels import fp32 as cpukernels
+from jointspec.kernels.fp32 import (
+    GQA_ATTENTION,
+    OneDNNLinear,
+    attention_in_use,
+    kernels_in_use,
+    resolve_kernels,
+    stock_kernels,
+    use_gqa_attention,
+    use_onednn_linears,
+    use_stock_linears,
+)
 from jointspec.kernels.quantize import ROWWISE_ATTENTION, quantization_mode
+
+from helpers import (
+    assert_clean_error,
+    greedy,
+    hf_greedy,
+    make_decoder,
+    random_prompt,
+    run_cli,
+    save_model,
+    tiny_llama,
+    untrained_head,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -173,9 +192,9 @@ def test_resolve_kernels(monkeypatch):
     model = tiny_llama(0)
     monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert resolve_kernels("auto", model) == "onednn"
-    # On the Intel Xeon measured, PyTorch's own kernels were faster: auto keeps them there, and on unmeasured CPUs.
+    # Where PyTorch's own kernels were measured faster (docs/kernels.md), auto keeps them, and on unmeasured CPUs.
     for vendor in ("GenuineIntel", ""):
-        monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(cpukernels, "cpu_vendor", lambda vendor=vendor: vendor)
         assert resolve_kernels("auto", model) == "stock"
         assert resolve_kernels("onednn", model) == "onednn"  # still available on request
     monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
@@ -218,8 +237,8 @@ def test_bench_spec_kernels_option():
 def test_head_on_an_onednn_target(onednn_pair):
     # A draft head bound to a oneDNN target runs on oneDNN too (layers and its VocabTrim LM head), drafts the same
     # logits as on stock kernels up to rounding, and sps with it still emits plain greedy output.
-    from jointspec.drafters.model import ModelDrafter
     from jointspec.core.loop import SpeculativeDecoder
+    from jointspec.drafters.model import ModelDrafter
     from jointspec.drafts.eagle import HeadDraftModel
     from jointspec.verifiers.rejection import RejectionSamplingVerifier
 

@@ -12,11 +12,12 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import VOCAB, greedy_by_methods, random_prompt
 from jointspec.backends.hf import CausalLM
 from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
 from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
 from jointspec.kernels.quantize import quantize_model
+
+from helpers import VOCAB, greedy_by_methods, random_prompt
 
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 

@@ -12,18 +12,36 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import (VOCAB, assert_greedy_equivalent, greedy, greedy_by_methods, random_prompt, tiny_qwen2,
-                     untrained_head)
+from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
-from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends.hf import CausalLM
 from jointspec.kernels.fp32 import cpu_flags
-from jointspec.kernels.grouped import (GROUP_SIZE, SCREEN_MARGIN, GroupedInt4Linear, GroupedInt8Linear,
-                                       ScreenedInt8Head, kernels, runnable_isas, selected_isa, unavailable_reason,
-                                       use_isa)
+from jointspec.kernels.grouped import (
+    GROUP_SIZE,
+    SCREEN_MARGIN,
+    GroupedInt4Linear,
+    GroupedInt8Linear,
+    ScreenedInt8Head,
+    kernels,
+    runnable_isas,
+    selected_isa,
+    unavailable_reason,
+    use_isa,
+)
 from jointspec.kernels.quantize import Int4Linear, quantization_mode, quantize_model
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+from helpers import (
+    VOCAB,
+    assert_greedy_equivalent,
+    greedy,
+    greedy_by_methods,
+    random_prompt,
+    tiny_qwen2,
+    untrained_head,
+)
+
 
 def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
     assert kernels() is not None, unavailable_reason()

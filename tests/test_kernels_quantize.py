@@ -6,7 +6,8 @@ plain greedy decoding (transformers' own ``generate``) emits on the same quantis
 logits do not depend on how many tokens are verified with it, which the kernels are chosen for (per-token activation
 scales, exact int32 sums; see ``jointspec.kernels.quantize``) and which is tested here row by row.
 
-The tiny model (helpers.quant_llama) is conftest's recipe at sizes the int4 kernel accepts (out_features multiples of 16, in_features
+The tiny model (helpers.quant_llama) is conftest's recipe at sizes the int4 kernel accepts (out_features multiples of
+16, in_features
 multiples of the group size 32): hidden 64, intermediate 96, 4 heads (head size 16), 2 KV heads, vocab 99. Its
 logits are sharpened as conftest does, so argmax near-ties are vanishingly rare and the equivalence tests are
 deterministic. A variant with the head *tied* to the input embedding, as in SmolLM2, checks the untying.
@@ -22,11 +23,23 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from helpers import (BATCH_GREEDY, BATCH_METHODS, BATCH_PROMPTS, VOCAB, first_occurrences, greedy,
-                     hf_greedy, make_decoder, quant_llama, random_prompt, tiny_llama)
 from jointspec.backends.hf import CausalLM
 from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt8Linear, kernels
 from jointspec.kernels.quantize import ROWWISE_ATTENTION, Int4Linear, Int8Linear, quantization_mode, quantize_model
+
+from helpers import (
+    BATCH_GREEDY,
+    BATCH_METHODS,
+    BATCH_PROMPTS,
+    VOCAB,
+    first_occurrences,
+    greedy,
+    hf_greedy,
+    make_decoder,
+    quant_llama,
+    random_prompt,
+    tiny_llama,
+)
 
 MODES = ["int8", "int4"]
 MAX_NEW_TOKENS = 40  # with 4-token drafts: at least 8 rounds, as in test_core_loop_equivalence
@@ -235,7 +248,8 @@ def test_self_draft_accepts_everything_on_the_quantized_model(quantized):
 
 
 def test_prompt_lookup_accepts_and_stays_exact_on_the_quantized_model(quantized):
-    # As in test_core_loop_equivalence: a prompt that repeats the model's own continuation makes n-gram drafts get accepted,
+    # As in test_core_loop_equivalence: a prompt that repeats the model's own continuation makes n-gram drafts get
+    # accepted,
     # so multi-token verification (and roll-back after partial accepts) really runs.
     seed_prompt = random_prompt(1)
     prompt = seed_prompt + hf_greedy(quantized, seed_prompt, 24) + seed_prompt

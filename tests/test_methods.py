@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import decoder_for, hf_greedy, random_prompt, tiny_llama
 from jointspec.backends.hf import CausalLM
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, MethodContext, build_method
+
+from helpers import decoder_for, hf_greedy, random_prompt, tiny_llama
 
 GREEDY = SamplingConfig(0.0)
 PROMPT = [1, 17, 42, 5, 88]

@@ -8,20 +8,21 @@ false-failure odds.
 
 from __future__ import annotations
 
-from helpers import VOCAB, FakeTokenizer, decoder_for, greedy, hf_greedy, random_prompt, tiny_llama
 from jointspec.backends.hf import CausalLM
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
+from helpers import VOCAB, FakeTokenizer, decoder_for, greedy, hf_greedy, random_prompt, tiny_llama
+
 
 def test_default_method_uses_the_shipped_head_for_its_target(target_model, trained_head_dir, monkeypatch):
-    from jointspec.methods import lossless
-    from jointspec.methods import default as default_policy
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.drafts import artifact
+    from jointspec.methods import default as default_policy
+    from jointspec.methods import lossless
 
     shipped = trained_head_dir.parent / "shipped"
     shipped.mkdir(exist_ok=True)
@@ -30,9 +31,11 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     assert isinstance(without, CostAwareDrafter) and isinstance(without.inner, PromptLookupDrafter)
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
-    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: 2)  # see test_default_tree_width
+    # See test_default_tree_width.
+    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: 2)
     # Where the head's tree is expected to pay (the tiny model's own timings would decide otherwise at random):
-    monkeypatch.setattr(default_policy, "expected_tree_gain", lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
+    monkeypatch.setattr(default_policy, "expected_tree_gain",
+                        lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
     decoder = decoder_for(target_model, "default", None)
     assert isinstance(decoder.drafter, LookupOrTreeDrafter) and decoder.drafter.tree.branching == (2,)
     prompt = random_prompt(3)
@@ -52,16 +55,17 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
     `corpus` does; still equal to plain greedy decoding, drafts from the table accepted."""
     import shutil
 
-    from jointspec.methods import default as default_policy
     from jointspec.drafters import corpus
     from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
     from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
     from jointspec.drafts import artifact
+    from jointspec.methods import default as default_policy
 
     shipped = tmp_path / "heads"
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
     monkeypatch.setattr(artifact, "SHIPPED_HEADS", shipped)
-    monkeypatch.setattr(default_policy, "expected_tree_gain", lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
+    monkeypatch.setattr(default_policy, "expected_tree_gain",
+                        lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
     prompts = [random_prompt(seed) for seed in (3, 4)]
     answers = [hf_greedy(target_model, prompt, 40) for prompt in prompts]
     tokenizer = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
@@ -80,11 +84,11 @@ def test_default_heads_tree_drafts_its_lookup_half_from_a_shipped_table(target_m
 
 def test_default_drafts_by_lookup_alone_where_the_heads_tree_would_not_pay(target_model, trained_head_dir,
                                                                            monkeypatch):
-    from jointspec.methods import tree_width
-    from jointspec.methods import default as default_policy
     from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.drafts import artifact
+    from jointspec.methods import default as default_policy
+    from jointspec.methods import tree_width
 
     shipped = trained_head_dir.parent / "shipped-dear"
     shipped.mkdir(exist_ok=True)
@@ -156,10 +160,10 @@ def test_the_shipped_head_records_its_hit_rates():
 
 def test_default_drafts_with_the_table_shipped_for_the_tokenizer(tmp_path, monkeypatch, target_model):
     import jointspec.drafters.corpus as corpus
+    from jointspec.backends.hf import CausalLM
     from jointspec.drafters.costaware import CostAwareDrafter
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.methods import MethodConfig, MethodContext, build_method
-    from jointspec.backends.hf import CausalLM
 
     mine = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
     NgramTable.build([[1, 2, 3]], vocab_size=VOCAB, min_count=1).save(

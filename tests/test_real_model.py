@@ -14,8 +14,8 @@ import torch
 from transformers import GenerationConfig as HFGenerationConfig
 
 from jointspec.api import GenerationConfig, Pipeline
-from jointspec.methods import MethodConfig
 from jointspec.backends import embedded
+from jointspec.methods import MethodConfig
 
 PROMPTS = [
     "What is the capital of France?",

@@ -23,13 +23,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from helpers import tiny_llama
-from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
-from jointspec.core.draft import NoDrafter
 from jointspec.backends.hf import CausalLM
+from jointspec.core.draft import NoDrafter
+from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream
 from jointspec.verifiers.greedy import GreedyVerifier
+
+from helpers import tiny_llama
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")

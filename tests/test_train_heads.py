@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from helpers import sps_acceptance, tiny_training_data, untrained_head
 from jointspec.backends.hf import CausalLM
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+from helpers import sps_acceptance, tiny_training_data, untrained_head
 
 
 def test_training_raises_acceptance_well_above_the_untrained_head(target_model, trained_head_dir, tmp_path):

@@ -10,17 +10,18 @@ import json
 import pytest
 import torch
 
-from helpers import random_prompt, tiny_llama, tiny_tokenizer
+from jointspec.backends.hf import CausalLM
 from jointspec.batch import engine as batch_module
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.backends.hf import CausalLM
-from jointspec.drafts.eagle import EagleHead, load_head
 from jointspec.drafts.artifact import HeadConfig
+from jointspec.drafts.eagle import EagleHead, load_head
+from jointspec.train import heads as heads_module
 from jointspec.train import sources
 from jointspec.train.data import build_data
-from jointspec.train import heads as heads_module
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts, user_turn_prefix
+
+from helpers import random_prompt, tiny_llama, tiny_tokenizer
 
 EOS = frozenset({2})
 

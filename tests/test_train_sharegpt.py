@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 
-from helpers import quant_llama, random_prompt, tiny_llama, tiny_tokenizer
-from jointspec.train import sources
+from jointspec.backends.hf import CausalLM
 from jointspec.batch import engine as batch_module
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.backends.hf import CausalLM
-from jointspec.train import sharegpt
+from jointspec.train import sharegpt, sources
 from jointspec.train.data import build_data, load_shards, read_spec
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+
+from helpers import quant_llama, random_prompt, tiny_llama, tiny_tokenizer
 
 
 def _record(i: int, prompt: str, answer: str, first: str = "human") -> dict:
@@ -31,7 +31,8 @@ def _fake_file(num_good: int) -> str:
                     f"every bee has wings , answer {i} is short and the water is cold") for i in range(num_good)]
     bad = [_record(900, "hi", "a long enough answer " * 5),  # request too short
            _record(901, "a question that is long enough", "short"),  # answer too short
-           _record(902, "une question en fran\u00e7ais \u00e0 propos des \u00e9l\u00e9ments " * 3, "r\u00e9ponse " * 20),
+           _record(902, "une question en fran\u00e7ais \u00e0 propos des \u00e9l\u00e9ments " * 3,
+                   "r\u00e9ponse " * 20),
            _record(903, "a question that is long enough", "an answer that is long enough " * 3, first="gpt")]
     text = json.dumps(good[:2] + bad + good[2:], indent=1)
     return text[:-40]  # cut mid-record, as the file on PyPI is: the last record is incomplete
@@ -117,8 +118,8 @@ def test_given_answers_respect_the_length_budget(target_model, tmp_path):
 
 
 def test_given_answer_ids_end_at_the_end_of_turn_token_or_fall_back_to_the_text_alone():
-    from jointspec.train.sources import given_answer_ids
     from jointspec.bench.prompts import chat_prompt_ids
+    from jointspec.train.sources import given_answer_ids
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} [EOS] {% endfor %}"
@@ -203,9 +204,9 @@ def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, mon
 def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(tmp_path):
     """``answer_quantize``: an int4 copy of the target writes the answers (its own greedy text, which the float
     model would not always write), and the features are still the float target's own on that text."""
+    from jointspec.backends.loading import quantized_copy
     from jointspec.batch.engine import BatchEngine, BatchRequest
     from jointspec.core.loop import DecodeConfig
-    from jointspec.backends.loading import quantized_copy
 
     target = CausalLM(quant_llama(0), name="tiny-target")
     before = {name: weight.clone() for name, weight in target.model.state_dict().items()}

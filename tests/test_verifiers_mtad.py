@@ -14,12 +14,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from jointspec.core.draft import Draft, NoDrafter
-from jointspec.drafters.beam import BeamDrafter
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.backends.hf import CausalLM
 from jointspec.analysis.mtjd import idealised_mtad, total_variation
+from jointspec.backends.hf import CausalLM
+from jointspec.core.draft import Draft, NoDrafter
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.beam import BeamDrafter
 from jointspec.verifiers.mtad import MTADVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 

@@ -37,8 +37,8 @@ from scipy import stats
 
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs
-from jointspec.verifiers import rejection
 from jointspec.core.verdict import Verdict
+from jointspec.verifiers import rejection
 from jointspec.verifiers.rejection import RejectionSamplingVerifier, residual_distribution
 
 VOCAB = 6

@@ -85,7 +85,8 @@ def p_values(target_tables, first: torch.Tensor, second: torch.Tensor) -> tuple[
             results.append(0.0)
             continue
         keep = expected > 0
-        results.append(float(chisquare(observed[keep].double(), expected[keep] * observed.sum() / expected.sum()).pvalue))
+        scaled = expected[keep] * observed.sum() / expected.sum()
+        results.append(float(chisquare(observed[keep].double(), scaled).pvalue))
     return results[0], results[1]
 
 

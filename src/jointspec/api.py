@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jointspec.core.errors import JointspecError
-from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
 from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
+from jointspec.core.errors import JointspecError
+from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
+from jointspec.methods import MethodConfig, MethodContext, build_method
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        self.sampling  # validates temperature / top-k / top-p
+        _ = self.sampling  # building it validates temperature / top-k / top-p
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -87,7 +87,7 @@ class Pipeline:
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
              dtype: str | None = None, quantize: str = "auto", backend: str = "torch",
-             threads: int | None = None, kernels: str = "auto") -> "Pipeline":
+             threads: int | None = None, kernels: str = "auto") -> Pipeline:
         """Load ``model`` and the method's draft (``method``: by default ``default``, as ``jointspec generate``)
         with the same options: ``quantize`` auto/none/int8/int4 (torch
         backend; auto, as ``jointspec generate``: int4 where that recovers the model's own weights, else none),

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from jointspec.drafters.beam import beam_search
-from jointspec.drafters.treecache import DraftTreeCache
 from jointspec.backends.hf import CausalLM
 from jointspec.core.sampling import SamplingConfig, processed_probs
+from jointspec.drafters.beam import beam_search
+from jointspec.drafters.treecache import DraftTreeCache
 
 
 def all_prefixes_tree(vocab_size: int, max_len: int) -> tuple[list[int], list[int]]:

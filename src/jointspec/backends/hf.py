@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from jointspec.backends.kvcache import BufferedCache
+from jointspec.backends.lean_forward import fast_forward_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardOutput, TargetCapabilities
-from jointspec.backends.lean_forward import fast_forward_for
-from jointspec.backends.kvcache import BufferedCache
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -79,7 +79,8 @@ class FeatureMirror:
 class CausalLM:
     """A Hugging Face causal LM plus one sequence's KV cache.
 
-    ``lean``: run transformers' Llama models through :mod:`jointspec.backends.lean_forward` (the same operations, bit for
+    ``lean``: run transformers' Llama models through :mod:`jointspec.backends.lean_forward` (the same operations, bit
+    for
     bit, without transformers' per-module overhead); other models, and ``lean=False``, run transformers' forward.
     """
 

@@ -14,7 +14,8 @@ linears, oneDNN linears and anything else that replaced ``nn.Linear`` keep worki
 ``apply_rotary_pos_emb``, the cache's ``update`` and the attention function registered for the model's
 ``_attn_implementation`` (``sdpa``, the grouped-query kernel of :mod:`jointspec.kernels.fp32`, quantisation's
 row-wise one, ``eager``), with the arguments transformers passes it. Its logits and hidden states are therefore bit for
-bit transformers' (``tests/test_backends_lean_forward.py`` checks ``torch.equal`` on chains, trees, prefill, every attention
+bit transformers' (``tests/test_backends_lean_forward.py`` checks ``torch.equal`` on chains, trees, prefill, every
+attention
 implementation and quantised models), so every exactness argument made for the transformers path carries over.
 
 Two things it does differently, both outside the numbers: it skips the LM head when the caller wants no logits
@@ -43,7 +44,6 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
-
 
 # Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LlamaFastForward).
 PREFILL_GEMM_ROWS = 16
@@ -96,7 +96,7 @@ def body_unsupported_reason(base: torch.nn.Module, family: tuple | None = None) 
     return None
 
 
-def fast_forward_for(model: torch.nn.Module) -> "LlamaFastForward | None":
+def fast_forward_for(model: torch.nn.Module) -> LlamaFastForward | None:
     """A :class:`LlamaFastForward` over ``model``, or None where transformers' own forward must run."""
     return LlamaFastForward(model) if unsupported_reason(model) is None else None
 
@@ -142,8 +142,13 @@ class LlamaFastForward:
         A quantised model is its own model (kernels/quantize.py): the compiled layer computes what the operations
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
-        from jointspec.kernels.grouped import (GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear,
-                                               kernel_arguments, kernels)
+        from jointspec.kernels.grouped import (
+            GroupedInt4Linear,
+            GroupedInt5Linear,
+            GroupedInt8Linear,
+            kernel_arguments,
+            kernels,
+        )
         from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
         config = self.model.config

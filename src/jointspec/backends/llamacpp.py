@@ -54,9 +54,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jointspec.core.draft import chain_parents
 from jointspec.core.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
 from jointspec.core.target import ForwardOutput, TargetCapabilities
-from jointspec.core.draft import chain_parents
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class LlamaCppLM:
             if context is not None:
                 self._lib.llama_set_n_threads(context.pointer, n_threads, n_threads)
 
-    def fork(self, name: str | None = None) -> "LlamaCppLM":
+    def fork(self, name: str | None = None) -> LlamaCppLM:
         """A new context (own KV cache, same settings) over the same weights: a self-draft, a cost probe."""
         return LlamaCppLM(self.model, n_ctx=self.max_context, n_threads=self.n_threads, n_batch=self.n_batch,
                           flash_attn=self.flash_attn, name=name or f"{self.name} (fork)")

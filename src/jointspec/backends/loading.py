@@ -20,11 +20,17 @@ from pathlib import Path
 
 import torch
 
-from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.backends import embedded
 from jointspec.backends.hf import CausalLM
-from jointspec.kernels.fp32 import (KERNEL_CHOICES, resolve_kernels, use_gqa_attention, use_onednn_linears,
-                                    use_stock_attention, use_stock_linears)
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.kernels.fp32 import (
+    KERNEL_CHOICES,
+    resolve_kernels,
+    use_gqa_attention,
+    use_onednn_linears,
+    use_stock_attention,
+    use_stock_linears,
+)
 from jointspec.kernels.quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
@@ -217,8 +223,8 @@ def _file_levels(model, source: str, quantize: str) -> dict | None:
     path = gguf_path(source)
     if quantize != "int4" or path is None or not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return None
-    from jointspec.kernels.grouped import kernels
     from jointspec.kernels.gguf_blocks import file_layers
+    from jointspec.kernels.grouped import kernels
 
     if kernels() is None or next(model.parameters()).device.type != "cpu":
         return None

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import UnsupportedOptionError
 
 
 def _layer_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

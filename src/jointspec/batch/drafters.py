@@ -19,13 +19,13 @@ from typing import Protocol
 
 import torch
 
+from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.core.draft import EMPTY_DRAFT, Draft, Drafter, NoDrafter
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.drafters.model import ModelDrafter, common_prefix_length
 from jointspec.drafters.ngram import PromptLookupDrafter
-from jointspec.core.errors import UnsupportedOptionError
-from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 
 
 class BatchDrafter(Protocol):

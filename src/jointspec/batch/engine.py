@@ -12,7 +12,8 @@ The round is the single-sequence loop's (:mod:`jointspec.core.loop`), run for ev
    and masks the rest (see :mod:`jointspec.batch.cache`); rows that hit an end-of-sequence token or their length
    limit leave, and waiting requests join before the next round.
 
-Sequences decode independently: in fp32, a sequence's tokens are the ones :class:`~jointspec.core.loop.SpeculativeDecoder`
+Sequences decode independently: in fp32, a sequence's tokens are the ones
+:class:`~jointspec.core.loop.SpeculativeDecoder`
 produces for it alone, up to float rounding of padded matmuls (see ``tests/test_batch.py``).
 
 Requests choose their method (a :class:`~jointspec.methods.MethodConfig`); sequences with the same method share one
@@ -31,14 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
-from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
-from jointspec.core.loop import committed_tokens, DecodeConfig, SpecStats
-from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import tree_depths
+from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens
 from jointspec.core.verdict import Verifier
+from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from jointspec.core.loop import SpecStats
 from jointspec.backends.hf import CausalLM
 from jointspec.bench.engines import synchronize
+from jointspec.core.loop import SpecStats
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
@@ -41,7 +41,7 @@ class TargetCost:
         ks = sorted(self.seconds_by_k)
         if num_tokens <= ks[0]:
             return self.seconds_by_k[ks[0]]
-        for low, high in zip(ks, ks[1:]):
+        for low, high in zip(ks, ks[1:]):  # noqa: B007 (the pair it stops at, or the last, is used below)
             if num_tokens <= high:
                 break
         t_low, t_high = self.seconds_by_k[low], self.seconds_by_k[high]

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from jointspec.api import GenerationConfig, Pipeline
-from jointspec.core.loop import SpecStats, SpeculativeDecoder
-from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.core.errors import ModelLoadError
 from jointspec.backends.hf import CausalLM
-from jointspec.kernels.fp32 import stock_kernels
-from jointspec.core.sampling import SamplingConfig
 from jointspec.bench.specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
+from jointspec.core.errors import ModelLoadError
+from jointspec.core.loop import SpecStats, SpeculativeDecoder
+from jointspec.core.sampling import SamplingConfig
+from jointspec.kernels.fp32 import stock_kernels
+from jointspec.methods import MethodConfig, MethodContext, build_method
 
 LoadDraft = Callable[[str], tuple[CausalLM, object]]
 

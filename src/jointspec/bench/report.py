@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from jointspec.core.loop import SpecStats
-from jointspec.bench.costmodel import TargetCost, predict
 from jointspec.analysis.quality import distinct_n
+from jointspec.bench.costmodel import TargetCost, predict
 from jointspec.bench.intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
 from jointspec.bench.runner import BenchResult, PromptRun, perplexity_of
+from jointspec.core.loop import SpecStats
 
 CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
                  "perplexity")
@@ -229,7 +229,8 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
           f"jointspec {env['jointspec']}, Python {env['python']}.\n",
           f"{len(summary[result.baseline]['per_category'])} categories, "
           f"{summary[result.baseline]['num_prompts']} prompts, max_new_tokens {config.max_new_tokens}, temperature "
-          f"{config.temperature} (top-k {config.top_k}, top-p {config.top_p}), seed {config.seed}, {config.repeats} timed repeat(s) after a discarded warm-up; "
+          f"{config.temperature} (top-k {config.top_k}, top-p {config.top_p}), seed {config.seed}, "
+          f"{config.repeats} timed repeat(s) after a discarded warm-up; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",
           "```", table(result, summary), "```\n"]
     load = [env.get("load_average_start"), env.get("load_average_end")]

@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from jointspec.backends.tokens import eos_token_ids
-from jointspec.core.loop import SpecStats
-from jointspec.methods import MethodConfig
-from jointspec.backends.hf import CausalLM
-from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
-from jointspec.backends.loading import load_model, quantized_copy, stock_copy
 from jointspec.analysis.quality import token_logprobs
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.loading import load_model, quantized_copy, stock_copy
+from jointspec.backends.tokens import eos_token_ids
 from jointspec.bench.costmodel import TargetCost, measure_target_cost
 from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
 from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
 from jointspec.bench.specs import MethodSpec, MethodSpecError
+from jointspec.core.loop import SpecStats
 from jointspec.core.sampling import SamplingConfig
+from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
+from jointspec.methods import MethodConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        self.sampling  # validates temperature, top-k and top-p
+        _ = self.sampling  # building it validates temperature, top-k and top-p
 
     @property
     def sampling(self) -> SamplingConfig:

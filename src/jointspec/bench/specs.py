@@ -21,10 +21,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from jointspec.methods.oracle import OracleConfig
+from jointspec.backends.loading import QUANTIZE_CHOICES
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.methods import MethodConfig, method_names
-from jointspec.backends.loading import QUANTIZE_CHOICES
+from jointspec.methods.oracle import OracleConfig
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {

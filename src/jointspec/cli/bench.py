@@ -8,14 +8,20 @@ import shlex
 import sys
 from pathlib import Path
 
-from jointspec.cli.options import (positive_int, add_model_arguments, apply_threads, method_config_from_args,
-                                   model_loader, model_options)
 from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
 from jointspec.bench import report
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
 from jointspec.bench.specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
+from jointspec.cli.options import (
+    add_model_arguments,
+    apply_threads,
+    method_config_from_args,
+    model_loader,
+    model_options,
+    positive_int,
+)
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
 load_target = load_model

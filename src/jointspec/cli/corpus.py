@@ -1,4 +1,5 @@
-"""``jointspec build-corpus``: the n-gram table ``corpus`` (and ``default``) draft from, built from a target's own answers.
+"""``jointspec build-corpus``: the n-gram table ``corpus`` (and ``default``) draft from, built from a target's own
+answers.
 
     jointspec build-corpus --target default --prompts sharegpt-prompts:1500 --prompts train:default \\
         --num-prompts 1200 --out corpus/smollm2
@@ -22,17 +23,16 @@ import logging
 import random
 from pathlib import Path
 
+# Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
+from jointspec.backends.loading import load_model as load_target
+from jointspec.cli.options import positive_int
+
 log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "answers.jsonl"
 
-# Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
-from jointspec.backends.loading import load_model as load_target
-
 
 def add_parser(subparsers) -> None:
-    from jointspec.cli.options import positive_int
-
     parser = subparsers.add_parser(
         "build-corpus", help="build the n-gram table `corpus` drafts from, out of the target's own answers",
         description=__doc__.splitlines()[0])
@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from jointspec.api import GenerationConfig, Pipeline
     from jointspec.backends.tokens import eos_token_ids
     from jointspec.drafters.corpus import NgramTable, tokenizer_fingerprint
-    from jointspec.methods import MethodConfig
     from jointspec.drafts.artifact import target_fingerprint
-    from jointspec.cli.train import training_prompts
+    from jointspec.methods import MethodConfig
+    from jointspec.train.sources import training_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

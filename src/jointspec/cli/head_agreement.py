@@ -80,8 +80,8 @@ def _draft_kinds(folders: list[str], record: bool) -> dict[str, str]:
 
 def _load_drafts(kinds: dict[str, str], target) -> dict:
     """folder -> (kind, draft), each checked against the target, before any answer is generated."""
-    from jointspec.train.kinds import trainer_for_kind
     from jointspec.drafts.artifact import check_head_target
+    from jointspec.train.kinds import trainer_for_kind
 
     drafts = {}
     for folder, kind in kinds.items():
@@ -95,13 +95,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from jointspec.api import Pipeline
-    from jointspec.bench.head_agreement import (HeadAgreement, record_top_w_hit_rate, score_head, score_trained,
-                                                target_answers)
+    from jointspec.bench.head_agreement import (
+        HeadAgreement,
+        record_top_w_hit_rate,
+        score_head,
+        score_trained,
+        target_answers,
+    )
     from jointspec.bench.prompts import load_prompts
-    from jointspec.train.kinds import trainer_for_kind
     from jointspec.drafts.artifact import float_lm_weight
     from jointspec.methods import MethodConfig
     from jointspec.train.heads import HeadTrainConfig, HeadTrainer
+    from jointspec.train.kinds import trainer_for_kind
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,8 +8,13 @@ import logging
 import os
 import sys
 
-from jointspec.cli.options import (add_model_arguments, apply_threads, method_config_from_args, model_options,
-                                   positive_int)
+from jointspec.cli.options import (
+    add_model_arguments,
+    apply_threads,
+    method_config_from_args,
+    model_options,
+    positive_int,
+)
 from jointspec.core.errors import JointspecError
 
 DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small draft propose several tokens that "
@@ -51,8 +56,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     _say_quantize_choice(args)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.json:
-        from jointspec.bench.energy import meter_for_device
         from jointspec.analysis.quality import quality_report
+        from jointspec.bench.energy import meter_for_device
 
         meter = meter_for_device(args.device)
         meter.start()

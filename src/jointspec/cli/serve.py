@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> None:
-    from jointspec.cli.options import positive_int, add_model_arguments
+    from jointspec.cli.options import add_model_arguments, positive_int
 
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (completions, chat, metrics)")
     add_model_arguments(parser)

@@ -20,19 +20,18 @@ from pathlib import Path
 
 import torch
 
+# Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
+from jointspec.backends.loading import load_model as load_target
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.cli.options import positive_int
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.artifact import artifact_kind, check_head_target, target_fingerprint
 from jointspec.train.data import build_data, read_spec
 from jointspec.train.heads import check_data_folders
-from jointspec.train.kinds import KINDS, TrainKind, kind_named, kinds_taking, trainer_for_kind  # noqa: F401
+from jointspec.train.kinds import KINDS, TrainKind, kind_named, kinds_taking
 from jointspec.train.sources import training_prompts
 
 log = logging.getLogger(__name__)
-
-# Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
-from jointspec.backends.loading import load_model as load_target
 
 
 def add_parser(subparsers) -> None:
@@ -134,7 +133,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of layer indices, e.g. 3,15")
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of layer indices, e.g. 3,15") \
+            from None
     if not layers or min(layers) < 0:
         raise argparse.ArgumentTypeError(f"'{text}': layer indices must be >= 0")
     return layers

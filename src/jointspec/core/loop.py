@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jointspec.core.draft import Drafter
+from jointspec.core.draft import Drafter, tree_depths
 from jointspec.core.errors import ContextTooLongError
-from jointspec.core.draft import tree_depths
 from jointspec.core.sampling import SamplingConfig
 from jointspec.core.target import TargetLM
 from jointspec.core.verdict import Verifier
@@ -78,7 +77,7 @@ class SpecStats:
         for depth in range(num_accepted):
             self.accepted_per_position[depth] += 1
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         for name in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "num_new_tokens",
                      "draft_seconds", "verify_seconds", "prefill_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

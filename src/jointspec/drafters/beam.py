@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig, multinomial, processed_probs
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.sampling import SamplingConfig, multinomial, processed_probs
 from jointspec.drafters.treecache import DraftTreeCache
 
 

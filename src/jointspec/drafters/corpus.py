@@ -6,7 +6,8 @@ answers repeat *each other*: the same openings, list markers, transitions and cl
 answer to the next. REST (He et al., 2023, "REST: Retrieval-Based Speculative Decoding") drafts from a datastore of
 text by the longest suffix match of the context; this module keeps the idea and makes the datastore small: a table
 of n-grams from a corpus of the target's own greedy answers to prompts that are not benchmark prompts
-(``jointspec build-corpus``, :mod:`jointspec.cli.corpus`, writes one), each mapped to the token that most often followed it.
+(``jointspec build-corpus``, :mod:`jointspec.cli.corpus`, writes one), each mapped to the token that most often
+followed it.
 
 Drafting, one token at a time (each drafted token joins the context for the next):
 
@@ -40,9 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
-from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
 TABLE_FILE = "table.npz"
@@ -51,7 +52,7 @@ CONFIG_FILE = "corpus.json"
 SHIPPED_TABLES = Path(__file__).resolve().parent.parent / "data" / "drafts"
 
 
-_fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (its vocabulary size, hash)
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its vocabulary size, hash)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -92,7 +93,7 @@ def shipped_table_for(tokenizer) -> Path | None:
     return None
 
 
-def table_for(folder: str | Path, tokenizer, vocab_size: int) -> "NgramTable":
+def table_for(folder: str | Path, tokenizer, vocab_size: int) -> NgramTable:
     """The table in ``folder``, refused (clearly) if it was built for another vocabulary."""
     table, config = _load_cached(str(Path(folder).expanduser().resolve()))
     if table.vocab_size != vocab_size:
@@ -108,7 +109,7 @@ def table_for(folder: str | Path, tokenizer, vocab_size: int) -> "NgramTable":
 
 
 @functools.lru_cache(maxsize=4)  # a bench builds a method per row: read a table (megabytes) once
-def _load_cached(folder: str) -> tuple["NgramTable", dict]:
+def _load_cached(folder: str) -> tuple[NgramTable, dict]:
     return NgramTable.load(folder)
 
 
@@ -139,7 +140,8 @@ class NgramTable:
         if not self.keys or not len(self.keys) == len(self.next_ids) == len(self.shares) == len(self.counts):
             raise ValueError("an n-gram table needs the same number (>= 1) of key, next-token, share and count arrays")
         if len(self.keys) > 64 // _bits(self.vocab_size):
-            raise ValueError(f"order {len(self.keys)} does not fit a 64-bit key at {_bits(self.vocab_size)} bits per id")
+            raise ValueError(f"order {len(self.keys)} does not fit a 64-bit key at {_bits(self.vocab_size)} bits "
+                             "per id")
 
     @property
     def max_order(self) -> int:
@@ -151,7 +153,7 @@ class NgramTable:
 
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]], vocab_size: int, max_order: int = 4,
-              min_count: int = 2) -> "NgramTable":
+              min_count: int = 2) -> NgramTable:
         """Count every (n-gram, next token) pair of ``sequences`` (n = 1 .. max_order; pairs never cross from one
         sequence to the next) and keep, per n-gram seen at least ``min_count`` times, its most frequent next token
         (ties: the lowest id)."""
@@ -226,7 +228,7 @@ class NgramTable:
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
-    def load(cls, folder: str | Path) -> tuple["NgramTable", dict]:
+    def load(cls, folder: str | Path) -> tuple[NgramTable, dict]:
         folder = Path(folder).expanduser()
         if not (folder / CONFIG_FILE).is_file() or not (folder / TABLE_FILE).is_file():
             raise UnsupportedOptionError(f"'{folder}' holds no n-gram table ({CONFIG_FILE} and {TABLE_FILE}); build "

@@ -70,9 +70,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from jointspec.core.draft import Draft, Drafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
-from jointspec.core.draft import Draft, Drafter
 
 # Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
 # is where the float32 CPU kernels switch, see kernels/fp32.py: the curve must not interpolate across it).

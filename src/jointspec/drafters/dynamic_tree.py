@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.treecache import DraftTreeCache
 
 

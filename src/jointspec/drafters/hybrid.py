@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from jointspec.core.sampling import SamplingConfig
 from jointspec.core.draft import Draft
+from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.model import ModelDrafter
 from jointspec.drafters.ngram import PromptLookupDrafter
 

@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from jointspec.core.sampling import SamplingConfig
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
 from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
 from jointspec.drafters.tree import TreeDrafter

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from jointspec.core.errors import VocabularyMismatchError
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.errors import VocabularyMismatchError
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 
 
 def common_prefix_length(a: list[int], b: list[int], start: int = 0) -> int:

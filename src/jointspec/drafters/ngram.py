@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from jointspec.core.sampling import SamplingConfig
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.sampling import SamplingConfig
 
 
 def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -17,12 +17,11 @@ replaced by a different random id with probability 0.25, e.g. ``[7, 3, 51, 4]``;
 
 from __future__ import annotations
 
-
 import torch
 
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.model import common_prefix_length
 
 # Extend a memoised continuation by at least this many tokens at a time (fewer, longer extensions).

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from jointspec.backends.hf import CausalLM
-from jointspec.core.sampling import SamplingConfig, multinomial, processed_probs
 from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.sampling import SamplingConfig, multinomial, processed_probs
 from jointspec.drafters.treecache import DraftTreeCache
 
 

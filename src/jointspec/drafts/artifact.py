@@ -65,7 +65,7 @@ class HeadConfig:
     @classmethod
     def for_target(cls, target: CausalLM, fingerprint: str, *, draft_vocab_size: int | None = None,
                    num_layers: int = 1, intermediate_size: int | None = None,
-                   **extra) -> "HeadConfig":
+                   **extra) -> HeadConfig:
         config = target.config
         heads = config.num_attention_heads
         return cls(hidden_size=config.hidden_size, intermediate_size=intermediate_size or config.intermediate_size,

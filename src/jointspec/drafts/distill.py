@@ -22,9 +22,16 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from jointspec.backends.hf import CausalLM
+from jointspec.drafts.artifact import (
+    ARTIFACT_FORMAT,
+    HeadConfig,
+    check_head_target,
+    float_lm_weight,
+    full_vocab_logits,
+    load_artifact,
+    save_artifact,
+)
 from jointspec.kernels.fp32 import kernels_in_use, onednn_supported, use_onednn_linears
-from jointspec.drafts.artifact import (ARTIFACT_FORMAT, HeadConfig, check_head_target, float_lm_weight,
-                                       full_vocab_logits, load_artifact, save_artifact)
 
 
 @dataclass(frozen=True)

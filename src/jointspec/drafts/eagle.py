@@ -33,15 +33,23 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM, tree_ancestor_mask
-from jointspec.core.target import ForwardOutput
-from jointspec.core.draft import chain_parents, tree_depths
-from jointspec.kernels.fp32 import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
-from jointspec.backends.lean_forward import body_unsupported_reason, lean_body_forward
 from jointspec.backends.kvcache import BufferedCache
-from jointspec.drafts.artifact import (HEAD_WEIGHT_CHOICES, FeatureDraft, HeadConfig, check_head_target,
-                                       float_lm_weight, full_vocab_logits, load_artifact, save_artifact)
+from jointspec.backends.lean_forward import body_unsupported_reason, lean_body_forward
+from jointspec.core.draft import chain_parents, tree_depths
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.target import ForwardOutput
+from jointspec.drafts.artifact import (
+    HEAD_WEIGHT_CHOICES,
+    FeatureDraft,
+    HeadConfig,
+    check_head_target,
+    float_lm_weight,
+    full_vocab_logits,
+    load_artifact,
+    save_artifact,
+)
+from jointspec.kernels.fp32 import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
 
 
 class EagleHead(nn.Module):
@@ -84,7 +92,8 @@ class EagleHead(nn.Module):
                 lean: bool = False) -> torch.Tensor:
         """``features``/``token_embeds``: [batch, n, hidden] -> predicted next features [batch, n, hidden].
 
-        ``lean`` (drafting, with a cache, where :func:`~jointspec.backends.lean_forward.body_unsupported_reason` allows):
+        ``lean`` (drafting, with a cache, where :func:`~jointspec.backends.lean_forward.body_unsupported_reason`
+        allows):
         the body through the lean forward, the same operations without transformers' per-module overhead, a large
         share of a draft call on SmolLM2's small head (docs/kernels.md)."""
         x = self.fc(torch.cat([features, token_embeds], dim=-1))

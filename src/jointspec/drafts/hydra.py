@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from jointspec.backends.hf import CausalLM
-from jointspec.core.target import ForwardOutput
 from jointspec.core.draft import tree_depths
+from jointspec.core.target import ForwardOutput
 from jointspec.drafts.artifact import check_head_target, full_vocab_logits, load_artifact, save_artifact
 from jointspec.drafts.medusa import MedusaConfig, MedusaDraftModel, ResidualBlock
 

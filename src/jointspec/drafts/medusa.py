@@ -24,10 +24,18 @@ import torch
 from torch import nn
 
 from jointspec.backends.hf import CausalLM
-from jointspec.core.target import ForwardOutput
 from jointspec.core.draft import tree_depths
-from jointspec.drafts.artifact import (ARTIFACT_FORMAT, FeatureDraft, HeadConfig, check_head_target, float_lm_weight,
-                                       full_vocab_logits, load_artifact, save_artifact)
+from jointspec.core.target import ForwardOutput
+from jointspec.drafts.artifact import (
+    ARTIFACT_FORMAT,
+    FeatureDraft,
+    HeadConfig,
+    check_head_target,
+    float_lm_weight,
+    full_vocab_logits,
+    load_artifact,
+    save_artifact,
+)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class Levels:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
         return self.layer().dequantized()
 
-    def rows(self, order: torch.Tensor) -> "Levels":
+    def rows(self, order: torch.Tensor) -> Levels:
         return Levels(self.bits, self.levels[order], self.scale[order],
                       None if self.minimum is None else self.minimum[order],
                       None if self.fifth is None else self.fifth[order])
@@ -143,7 +143,8 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         packed = np.ascontiguousarray(blocks[..., start + 4:])
         return Levels(5, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum),
                       as_tensor(fifth.astype(np.int32)))
-    if type_name == "Q5_K":  # Q4_K's layout, plus qh[32]: element 64c + l takes bit 2c of qh[l], 64c + 32 + l bit 2c + 1
+    # Q5_K: Q4_K's layout, plus qh[32]: element 64c + l takes bit 2c of qh[l], 64c + 32 + l bit 2c + 1
+    if type_name == "Q5_K":
         d, dmin = _half(blocks, 0), _half(blocks, 2)
         sc, m = _k_scales(blocks[..., 4:16])
         qh = blocks[..., 16:48]  # [rows, blocks, 32]

@@ -15,7 +15,8 @@ and a minimum per block) and its output head as Q8_0 (signed 8-bit levels in blo
 jointspec's float32 model is those weights dequantised. Quantising that float model again in the same blocks
 (4-bit asymmetric g32 for the body, 8-bit symmetric g32 for the head) recovers the GGUF's own levels, scales and
 minima up to float rounding, so this int4 model is the float32 model up to float rounding, not a second rounding
-of it (``tests/test_kernels_grouped.py`` checks the round trip; ``docs/lab/benchmarks.md`` has the agreement on real prompts).
+of it (``tests/test_kernels_grouped.py`` checks the round trip; ``docs/lab/benchmarks.md`` has the agreement on real
+prompts).
 For a model that was never quantised it is an ordinary 4-bit quantisation.
 
 Exactness. Activations stay float32 and every output row is computed by the same instructions whatever the batch
@@ -263,7 +264,7 @@ class GroupedInt4Linear(_GroupedLinear):
 
     @classmethod
     def from_levels(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> "GroupedInt4Linear":
+                    bias: torch.Tensor | None = None) -> GroupedInt4Linear:
         """W = levels * scale + minimum: ``packed`` uint8 [out, in / 2] (byte i of a group of 32: level i in the low
         nibble, level i + 16 in the high one; kept as given, not copied), ``scale`` and ``minimum`` [out, in / 32]."""
         layer = cls.__new__(cls)
@@ -318,7 +319,7 @@ class GroupedInt5Linear(_GroupedLinear):
 
     @classmethod
     def from_levels(cls, packed: torch.Tensor, fifth: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> "GroupedInt5Linear":
+                    bias: torch.Tensor | None = None) -> GroupedInt5Linear:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         out_features, in_features = packed.shape[0], 2 * packed.shape[1]
@@ -370,7 +371,7 @@ class GroupedInt8Linear(_GroupedLinear):
 
     @classmethod
     def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> "GroupedInt8Linear":
+                    bias: torch.Tensor | None = None) -> GroupedInt8Linear:
         """W = levels * scale: ``levels`` [out, in] int8, ``scale`` [out, in / 32] or [out, in / 16]."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
@@ -439,7 +440,7 @@ class ScreenedInt8Head(GroupedInt8Linear):
 
     @classmethod
     def from_int8(cls, layer: GroupedInt8Linear, margin: float = SCREEN_MARGIN,
-                  max_exact: int = SCREEN_MAX_EXACT) -> "ScreenedInt8Head":
+                  max_exact: int = SCREEN_MAX_EXACT) -> ScreenedInt8Head:
         """The screened head over ``layer``'s own levels and scales (a file's, for instance)."""
         head = cls.__new__(cls)
         nn.Module.__init__(head)
@@ -528,7 +529,7 @@ class FusedCall:
         self.in_features = layers[0].in_features
 
     @classmethod
-    def maybe(cls, layers: list[nn.Module]) -> "FusedCall | None":
+    def maybe(cls, layers: list[nn.Module]) -> FusedCall | None:
         if not _stackable(layers) or kernels() is None:
             return None
         spans = []

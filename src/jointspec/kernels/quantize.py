@@ -60,8 +60,16 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from jointspec.kernels.fp32 import use_stock_attention, use_stock_linears
-from jointspec.kernels.grouped import (ROWWISE_MAX_ROWS, GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear,
-                                       ScreenedInt8Head, grouped_misfit, kernels, stack_storage)
+from jointspec.kernels.grouped import (
+    ROWWISE_MAX_ROWS,
+    GroupedInt4Linear,
+    GroupedInt5Linear,
+    GroupedInt8Linear,
+    ScreenedInt8Head,
+    grouped_misfit,
+    kernels,
+    stack_storage,
+)
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,15 @@ SpecInfer and SpecTr; ``mtad`` multi-token assisted decoding; ``default`` the po
 """
 
 from jointspec.methods import default, lossless, mtad, oracle, trees
-from jointspec.methods.registry import (MethodConfig, MethodContext, build_method, lossless_methods, method_names,
-                                        method_summaries, register_method)
+from jointspec.methods.registry import (
+                                        MethodConfig,
+                                        MethodContext,
+                                        build_method,
+                                        lossless_methods,
+                                        method_names,
+                                        method_summaries,
+                                        register_method,
+)
 
 # The modules are listed too: importing each registers its methods.
 __all__ = ["default", "lossless", "mtad", "oracle", "trees", "MethodConfig", "MethodContext", "build_method",

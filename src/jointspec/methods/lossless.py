@@ -26,7 +26,8 @@ def _build_ar(context: MethodContext) -> tuple[Drafter, Verifier]:
     return NoDrafter(), RejectionSamplingVerifier()
 
 
-@register_method("sps", "speculative sampling with a draft model or trained head (lossless)", lossless=True, cost_aware=True)
+@register_method("sps", "speculative sampling with a draft model or trained head (lossless)",
+                 lossless=True, cost_aware=True)
 def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.

@@ -18,11 +18,13 @@ def _beam_drafter(context: MethodContext, tree: bool) -> BeamDrafter:
                        eos_token_ids=context.eos_token_ids())
 
 
-@register_method("mtad", "MTAD: draft beam sampling + joint-likelihood verification of the best beam (not lossless)", lossless=False)
+@register_method("mtad", "MTAD: draft beam sampling + joint-likelihood verification of the best beam (not lossless)",
+                 lossless=False)
 def _build_mtad(context: MethodContext):
     return _beam_drafter(context, tree=False), MTADVerifier(context.config.accept_threshold)
 
 
-@register_method("mtad-tree", "tree MTAD: every draft beam of every level verified in one pass (not lossless)", lossless=False)
+@register_method("mtad-tree", "tree MTAD: every draft beam of every level verified in one pass (not lossless)",
+                 lossless=False)
 def _build_mtad_tree(context: MethodContext):
     return _beam_drafter(context, tree=True), MTADVerifier(context.config.accept_threshold)

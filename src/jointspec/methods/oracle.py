@@ -24,7 +24,8 @@ class OracleConfig(MethodConfig):
             raise ValueError(f"corruption_rate must be in [0, 1], got {self.corruption_rate}")
 
 
-@register_method("oracle", "the target's own greedy continuation, a share corrupted (measures loop overhead)", lossless=True)
+@register_method("oracle", "the target's own greedy continuation, a share corrupted (measures loop overhead)",
+                 lossless=True)
 def _build_oracle(context: MethodContext) -> tuple[OracleDrafter, RejectionSamplingVerifier]:
     config = context.config
     drafter = OracleDrafter(context.target, config.num_draft_tokens, getattr(config, "corruption_rate", 0.0),

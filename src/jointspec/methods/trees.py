@@ -8,7 +8,6 @@ from jointspec.methods.registry import MethodContext, register_method
 from jointspec.verifiers.spectr import SpecTrVerifier
 from jointspec.verifiers.tree import TreeRejectionVerifier
 
-
 # specinfer's tree when --tree is not given: 4 + 8 + 16 = 28 nodes, the SpecInfer/MCSD papers' kind of k-config.
 SPECINFER_TREE = (4, 2, 2)
 

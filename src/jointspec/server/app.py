@@ -203,7 +203,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 metrics.count_tokens(num_generated_tokens=chunk.num_tokens)
             yield chunk
 
-    async def _whole(request: Request, reply: "_Reply", chunks: AsyncIterator[Chunk], generation: Generation):
+    async def _whole(request: Request, reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation):
         async def collect() -> list[Chunk]:
             return [chunk async for chunk in chunks]
 
@@ -220,7 +220,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             return JSONResponse({}, status_code=499)
         return JSONResponse(reply.whole(collecting.result()))
 
-    async def _sse(reply: "_Reply", chunks: AsyncIterator[Chunk], generation: Generation,
+    async def _sse(reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation,
                    include_usage: bool) -> AsyncIterator[str]:
         finished = False
         try:

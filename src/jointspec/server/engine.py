@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
-from jointspec.methods import MethodConfig, method_names
-from jointspec.backends.hf import CausalLM
 from jointspec.core.sampling import SamplingConfig
+from jointspec.methods import MethodConfig, method_names
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class TextStream:
 class _Stream:
     """One request's side of the thread hand-off, and its text layer."""
 
-    def __init__(self, owner: "ServingEngine", loop: asyncio.AbstractEventLoop, stop: tuple[str, ...],
+    def __init__(self, owner: ServingEngine, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...],
                  num_prompt_tokens: int) -> None:
         self.owner = owner
         self.loop = loop

@@ -2,7 +2,8 @@
 
 Two stages, both resumable (each shard is written atomically and skipped when it already exists):
 
-1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch.engine`), so the
+1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch.engine`), so
+the
    drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest form).
    Prompts that come with a given answer (e.g. ShareGPT's, :mod:`jointspec.train.sharegpt`) skip this stage;
 2. **featurise**: one teacher-forced forward of the target over each prompt + answer saves, per token, the token id
@@ -29,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig
-from jointspec.backends.hf import CausalLM
 from jointspec.drafts.artifact import target_fingerprint
 
 log = logging.getLogger(__name__)

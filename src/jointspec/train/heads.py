@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from jointspec.core.errors import UnsupportedOptionError
 from jointspec.backends.hf import CausalLM
-from jointspec.drafts.eagle import EagleHead
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.artifact import HeadConfig, float_lm_weight, target_fingerprint
+from jointspec.drafts.eagle import EagleHead
 from jointspec.train.data import atomic_save, load_shards, read_spec
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class EvalResult:
 
     def line(self) -> str:
         depths = " ".join(f"d{i + 1} {a:.3f}" for i, a in enumerate(self.agreement))
-        return f"step {self.step}: held-out agreement {depths}, loss {self.loss:.4f}, coverage {self.vocab_coverage:.3f}"
+        return (f"step {self.step}: held-out agreement {depths}, loss {self.loss:.4f}, "
+                f"coverage {self.vocab_coverage:.3f}")
 
 
 @dataclass

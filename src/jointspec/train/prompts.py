@@ -135,7 +135,8 @@ def stdlib_code_prompts(num_prompts: int, seed: int = 0) -> list[str]:
                 continue
             signature = f"def {node.name}({ast.unparse(node.args)}):"
             body = "\n".join("    " + line if line else "" for line in doc.splitlines())
-            found.append(f'Complete this Python function:\n\n```python\n{signature}\n    """{body.strip()}\n    """\n```')
+            found.append(f'Complete this Python function:\n\n```python\n{signature}\n'
+                         f'    """{body.strip()}\n    """\n```')
     random.Random(seed).shuffle(found)
     return found[:num_prompts]
 

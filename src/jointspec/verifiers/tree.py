@@ -23,6 +23,7 @@ from jointspec.core.verdict import Verdict, children_of, one_hot_row, path_to
 from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import residual_distribution
 
+
 class TreeRejectionVerifier:
     """SpecInfer / MCSD recursive rejection sampling over a token tree. ``replacement`` must match the drafter."""
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
