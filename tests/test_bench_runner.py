@@ -3,7 +3,7 @@ contract and the report folder, losslessness of every lossless method against th
 acceptance. Prompt files and method specs are tested in test_bench_prompts.py and test_bench_specs.py.
 
 The target is conftest's tiny Llama (vocab 99, sharpened logits, so greedy ties are vanishingly rare) with a
-word-level tokenizer over 99 ids and a minimal chat template, injected through ``bench.cli.load_target``. Settings:
+word-level tokenizer over 99 ids and a minimal chat template, injected through ``cli.bench.load_target``. Settings:
 ``max_new_tokens=12`` gives several rounds of 4-token drafts per turn while keeping the two-turn conversations far
 inside the model's 256 positions; the cost model is measured with 2 repeats only (it is timed, not checked here).
 """

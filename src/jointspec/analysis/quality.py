@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from jointspec.backends.hf import CausalLM
+from jointspec.core.target import TargetLM
 
 
 @torch.inference_mode()
-def token_logprobs(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> torch.Tensor:
+def token_logprobs(target: TargetLM, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> torch.Tensor:
     """log p_target(new_ids[i] | prompt, new_ids[:i]) for every generated token, in one forward pass ([len(new_ids)]).
 
     Uses a fresh forward without touching ``target``'s decode cache.
@@ -35,7 +35,7 @@ def token_logprobs(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequenc
     return logprobs.gather(-1, chosen[:, None])[:, 0].cpu()
 
 
-def perplexity(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> float:
+def perplexity(target: TargetLM, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> float:
     """exp(-mean log-probability) of the generated tokens under the raw target; nan when nothing was generated."""
     if not new_ids:
         return float("nan")
@@ -60,7 +60,7 @@ def repetition_rate(token_ids: Sequence[int], n: int = 4) -> float:
     return repeats / total if total else float("nan")
 
 
-def quality_report(target: CausalLM, prompt_ids: Sequence[int], new_ids: Sequence[int],
+def quality_report(target: TargetLM, prompt_ids: Sequence[int], new_ids: Sequence[int],
                    energy_joules: float | None = None) -> dict:
     """The quality block of ``jointspec generate --json``: one extra target forward over prompt + output."""
     def finite(x: float) -> float | None:

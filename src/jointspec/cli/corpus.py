@@ -1,5 +1,6 @@
-"""``jointspec build-corpus``: the n-gram table ``corpus`` (and ``default``) draft from, built from a target's own
-answers.
+"""``jointspec build-corpus``: build the n-gram table ``corpus`` and ``default`` draft from.
+
+The table is counted from a target's own answers:
 
     jointspec build-corpus --target default --prompts sharegpt-prompts:1500 --prompts train:default \\
         --num-prompts 1200 --out corpus/smollm2

@@ -70,8 +70,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length per prompt")
     parser.add_argument("--generate-batch-size", type=positive_int, default=16, help="batch size for the answers")
     parser.add_argument("--answer-quantize", default="none", choices=["none", "int8", "int4"],
-                        help="write the target's answers with a quantised copy of it (int4: about 1.8x faster on "
-                             "CPU); its features and the training labels still come from the target itself")
+                        help="write the target's answers with a quantised copy of it (faster on CPUs: "
+                             "docs/training.md); its features and the training labels still come from the target")
     parser.add_argument("--data-only", action="store_true", help="build (or finish) the data folder and stop")
     parser.add_argument("--init", type=Path, default=None, metavar="DIR",
                         help="start from this head (same target; its draft vocabulary is kept) instead of from "
@@ -152,6 +152,8 @@ def command_line(args: argparse.Namespace) -> str:
             continue
         if name == "draft_vocab" and getattr(args, "init", None) is not None:
             continue  # a warm start keeps the vocabulary of the head it starts from
+        if isinstance(value, tuple):  # --fuse-layers 3,15
+            value = ",".join(map(str, value))
         for item in value if isinstance(value, list) else [value]:
             words += [f"--{name.replace('_', '-')}", str(item)]
     return shlex.join(words + ["--out", "DIR"])

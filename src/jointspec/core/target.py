@@ -3,8 +3,9 @@
 A target holds one sequence's KV cache. It knows how many tokens are cached (``num_cached``), feeds new tokens after
 them in one forward pass (a chain, or a tree given by ``parents``), and rolls the cache back to exactly the tokens the
 loop kept (``crop`` for a prefix, ``keep`` for a tree path). Every backend implements it (``backends/hf.py`` for
-transformers models, ``backends/llamacpp.py`` for GGUF files through llama.cpp), and so do the trained drafts that run
-as models (``drafts/``), which drafters call the same way.
+transformers models, ``backends/llamacpp.py`` for GGUF files through llama.cpp). Trained drafts that run as models
+(``drafts/``) implement the part drafters call (``forward``, ``crop``, ``keep``, ``reset``, ``capabilities``); a
+distilled draft is a full ``CausalLM``.
 
 What a backend can do beyond that core it declares in :class:`TargetCapabilities`; callers read those fields instead
 of probing the object for attributes.
@@ -33,7 +34,7 @@ class TargetCapabilities:
     ``fork``: :meth:`TargetLM.fork` gives a second cache over the same weights (a self-draft, a cost probe).
     ``argmax_screen``: ``forward(argmax_only=True)`` finds each row's argmax through a cheaper screened head.
     ``plain_decode``: ``reset(plain=True)`` switches to faster kernels for decodes that verify nothing (whose rows
-    then need not equal batched rows).
+    then need not equal batched rows); such a target says in ``plain`` which kernels the current decode runs on.
     ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.
     """
 

@@ -169,7 +169,8 @@ def measured_top_w_hit_rate(folder: str | Path) -> dict[int, float] | None:
         rates = {int(w): float(rate) for w, rate in meta["measured"]["top_w_hit_rate"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return rates if rates and all(0.0 <= rate <= 1.0 for rate in rates.values()) else None
+    valid = rates and all(w >= 1 for w in rates) and all(0.0 <= rate <= 1.0 for rate in rates.values())
+    return rates if valid else None
 
 
 def is_head_artifact(path: str | Path) -> bool:

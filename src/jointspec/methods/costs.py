@@ -8,8 +8,9 @@ from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, measur
 
 def target_cost_curve(target):
     """The target's measured cost curve (memoised per model: a few seconds once)."""
-    # Verification, and so its cost, runs on a llama.cpp adapter's exact context; an `ar` decode leaves the plain one.
-    if target.capabilities.plain_decode:
+    # Verification, and so its cost, runs on the exact kernels: a target left on its plain-decode ones by an `ar` decode
+    # goes back to them first.
+    if target.capabilities.plain_decode and target.plain:
         target.reset()
     # A model with a short context (tiny test models) is measured on the sizes that fit; the curve extrapolates.
     room = target.max_context - target.num_cached

@@ -1,1 +1,2 @@
-"""An OpenAI-compatible server over the batched engine: ``app`` (routes), ``engine`` (glue), ``metrics``, ``cli``."""
+"""An OpenAI-compatible server over the batched engine: ``app`` (routes), ``engine`` (glue), ``metrics``; the
+command is ``jointspec.cli.serve``."""

@@ -2,9 +2,9 @@
 
 Two stages, both resumable (each shard is written atomically and skipped when it already exists):
 
-1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch.engine`), so
-the
-   drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest form).
+1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch.engine`),
+   so the drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest
+   form).
    Prompts that come with a given answer (e.g. ShareGPT's, :mod:`jointspec.train.sharegpt`) skip this stage;
 2. **featurise**: one teacher-forced forward of the target over each prompt + answer saves, per token, the token id
    and the target's last hidden state after the final norm (the *feature*; the target's logits are
