@@ -13,7 +13,9 @@ Fixtures live in ``conftest.py``; plain functions and constants live here, group
 - the command line: :func:`save_model`, :func:`run_cli`, :func:`assert_clean_error`, :func:`train_cli_argv`;
 - trained drafts: :func:`untrained_draft_of`, :func:`untrained_head`, :func:`tiny_training_data`,
   :func:`sps_acceptance`, :func:`assert_greedy_equivalent`, :func:`assert_loads_to_the_same_decoding`;
-- the bench: :data:`WORDS`, :func:`run_tiny`; the batched engine: :data:`BATCH_PROMPTS` and its settings.
+- the bench: :data:`WORDS`, :func:`run_tiny`; the batched engine: :data:`BATCH_PROMPTS` and its settings;
+- the server: :func:`byte_tokenizer` (every byte a token, with a chat template), :func:`live_server` (uvicorn on a free
+  local port, in a thread).
 
 Odd sizes (vocab 99, hidden 32, intermediate 37) catch shape mix-ups that round numbers hide. Every tiny model
 multiplies its LM head by 8 so that greedy ties and near-ties are vanishingly rare: exact comparisons can be trusted.
@@ -22,6 +24,7 @@ multiplies its LM head by 8 so that greedy ties and near-ties are vanishingly ra
 from __future__ import annotations
 
 import atexit
+import contextlib
 import random
 import shutil
 import tempfile
@@ -428,3 +431,56 @@ SPEC_BENCH_LINES = [
                                                           "( price ) : return price", ],
      "reference": ["ignored"]},
 ]
+
+
+# -- the server -------------------------------------------------------------------------------------------------------
+
+SERVER_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+SERVER_TIMEOUT = 30.0  # seconds: every wait on a live server ends, pass or fail
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens + <pad>, <s>, </s> (259 ids, for ``tiny_llama(seed, vocab=259)``): any text, multi-byte
+    characters included, round-trips."""
+    from tokenizers import decoders
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_char = bytes_to_unicode()
+    vocab = {to_char[b]: b for b in range(256)} | {"<pad>": 256, "<s>": 257, "</s>": 258}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    model.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    tokenizer.chat_template = SERVER_CHAT_TEMPLATE
+    return tokenizer
+
+
+@contextlib.contextmanager
+def live_server(app, make_server=None):
+    """uvicorn on 127.0.0.1 on a free port, in a thread; yields (base URL, server) and stops when the block ends.
+    ``make_server(config)`` builds the server (default: ``uvicorn.Server``)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    server = (make_server or uvicorn.Server)(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + SERVER_TIMEOUT
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        server.should_exit = True
+        thread.join(SERVER_TIMEOUT)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"

@@ -10,43 +10,24 @@ Every network call goes to 127.0.0.1 with a timeout, and live servers stop at th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import NoDrafter
-from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream
+from jointspec.server.metrics import EngineSnapshot
 from jointspec.verifiers.greedy import GreedyVerifier
 
-from helpers import tiny_llama
-
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-TIMEOUT = 30.0
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    to_char = bytes_to_unicode()
-    vocab = {to_char[b]: b for b in range(256)} | {"<pad>": 256, "<s>": 257, "</s>": 258}
-    model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    model.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>",
-                                        pad_token="<pad>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+from helpers import SERVER_TIMEOUT as TIMEOUT
+from helpers import byte_tokenizer, live_server, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +97,11 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
     text, num_tokens = reference_text(byte_model, tokenizer, engine, prompt_ids, 24)
     assert data["object"] == "chat.completion"
     assert data["choices"][0]["message"] == {"role": "assistant", "content": text}
-    assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": num_tokens,
-                             "total_tokens": len(prompt_ids) + num_tokens}
+    usage = dict(data["usage"])
+    figures = usage.pop("jointspec")
+    assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": num_tokens,
+                     "total_tokens": len(prompt_ids) + num_tokens}
+    assert figures["rounds"] == data["jointspec"]["num_rounds"]  # the engine's own count for the sequence
     if options and options["method"] == "sps":
         assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
 
@@ -165,6 +149,13 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(jointspec={"method": "sps", "draft": "/etc/passwd"})), None),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "min_ngram": 4, "max_ngram": 2})), None),
     ("chat", json.dumps(chat_body("x" * 300)), None),  # 300+ tokens for a 256-token context
+    ("chat", json.dumps(chat_body(jointspec={"method": "pld", "num_draft_tokens": 0})), "jointspec.num_draft_tokens"),
+    ("chat", json.dumps(chat_body(jointspec={"method": "pld", "max_ngram": 65})), "jointspec.max_ngram"),
+    ("chat", json.dumps(chat_body(jointspec="pld")), "jointspec"),
+    ("chat", json.dumps(chat_body(jointspec={"method": "ar", "draft": "self", "extra": 1})), "jointspec.extra"),
+    ("completions", json.dumps({"prompt": [5, 259]}), None),  # past the 259-token vocabulary: must not reach a row
+    ("completions", json.dumps({"prompt": [-1, 5]}), None),
+    ("completions", json.dumps({"prompt": [5] * 300}), None),  # token ids past the context
     ("completions", json.dumps({"prompt": ["a", "b"]}), "prompt"),
     ("completions", json.dumps({"prompt": ""}), "prompt"),
     ("completions", json.dumps({"prompt": "a", "best_of": 3}), "best_of"),
@@ -183,6 +174,15 @@ def test_bad_requests_get_the_openai_error_envelope(endpoint, body, param, clien
     assert error["param"] == param
     # ... and the server still serves.
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint, body", [("chat", chat_body("x" * 300)),
+                                            ("completions", {"prompt": "x" * 300}),
+                                            ("completions", {"prompt": [5] * 256})])
+def test_a_prompt_past_the_context_is_a_400_naming_the_context(endpoint, body, client):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    reply = client.post(path, json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
 
 
 def test_methods_that_cannot_batch_are_refused_with_400(client):
@@ -216,7 +216,7 @@ def test_stop_strings_cut_the_text_even_across_chunks(tokenizer):
 # -- cancellation and the live server ---------------------------------------------------------------------------
 
 def test_a_consumer_that_stops_reading_cancels_its_sequence(engine):
-    before = engine.gauges()["cancelled_sequences"]
+    before = engine.snapshot().num_cancelled
 
     async def read_one_chunk() -> Chunk:
         # Greedy "abc" has no end-of-sequence token in its first 200 tokens: only the cancel can end it early.
@@ -227,33 +227,10 @@ def test_a_consumer_that_stops_reading_cancels_its_sequence(engine):
     first = asyncio.run(read_one_chunk())
     assert first.finish_reason is None  # it was still running when we left
     deadline = time.monotonic() + TIMEOUT
-    while engine.gauges()["cancelled_sequences"] == before or engine.gauges()["running_sequences"]:
+    while engine.snapshot().num_cancelled == before or engine.snapshot().running_sequences:
         assert time.monotonic() < deadline, "the sequence was not cancelled"
         time.sleep(0.02)
-    assert engine.gauges()["cancelled_sequences"] == before + 1
-
-
-@contextlib.contextmanager
-def live_server(app):
-    """uvicorn on 127.0.0.1 on a free port, in a thread; stops when the block ends."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
+    assert engine.snapshot().num_cancelled == before + 1
 
 
 class EndlessGeneration:
@@ -261,6 +238,7 @@ class EndlessGeneration:
 
     def __init__(self) -> None:
         self.num_prompt_tokens = 3
+        self.method = "ar"
         self.cancelled = threading.Event()
 
     async def __aiter__(self):
@@ -282,16 +260,17 @@ class FakeEngine:
         self.generations.append(EndlessGeneration())
         return self.generations[-1]
 
-    def spec_stats(self) -> SpecStats:
-        return SpecStats()
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot()
 
-    def gauges(self) -> dict[str, float]:
-        return {}
+    def close(self) -> None:
+        for generation in self.generations:
+            generation.cancel()
 
 
 def test_disconnecting_clients_cancel_their_generation():
     fake = FakeEngine()
-    with live_server(create_app(ServerSettings(), fake)) as url, httpx.Client(timeout=TIMEOUT) as http:
+    with live_server(create_app(ServerSettings(), fake)) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
         with http.stream("POST", f"{url}/v1/chat/completions", json=chat_body(stream=True)) as reply:
             assert reply.status_code == 200
             lines = reply.iter_lines()
@@ -346,18 +325,26 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
                                       "--model-id", "tiny-served"])
     served = build_engine(args)
     try:
-        with live_server(create_app(ServerSettings(), served)) as url:
+        with live_server(create_app(ServerSettings(), served)) as (url, _):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
             assert [m.id for m in client.models.list()] == ["tiny-served"]
             messages = [{"role": "user", "content": "abcabc"}]
             whole = client.chat.completions.create(model="tiny-served", messages=messages, temperature=0,
                                                    max_tokens=12)
             assert whole.choices[0].finish_reason in ("stop", "length") and whole.usage.completion_tokens >= 1
+            # The usage extension parses: the client keeps the unknown field as an extra of its usage model.
+            figures = whole.usage.model_extra["jointspec"]
+            assert figures["rounds"] >= 1 and figures["drafted_tokens"] >= figures["accepted_tokens"] >= 0
             stream = client.chat.completions.create(model="tiny-served", messages=messages, temperature=0,
-                                                    max_tokens=12, stream=True,
+                                                    max_tokens=12, stream=True, stream_options={"include_usage": True},
                                                     extra_body={"jointspec": {"method": "ar"}})
-            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert text == whole.choices[0].message.content
+            assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+            assert chunks[-1].usage.model_extra["jointspec"] == {  # ar drafts nothing: one token per round
+                "drafted_tokens": 0, "accepted_tokens": 0, "rounds": whole.usage.completion_tokens,
+                "mean_accepted_tokens": 1.0, "acceptance_rate": 0.0}
             with pytest.raises(openai.BadRequestError) as error:
                 client.chat.completions.create(model="tiny-served", messages=messages, n=3)
             assert error.value.body["param"] == "n"

@@ -21,7 +21,36 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="new tokens when a chat request does not say")
     parser.add_argument("--model-id", default=None, help="the name /v1/models reports (default: the model source)")
+    parser.add_argument("--max-queue", type=non_negative_int, default=64,
+                        help="requests that may wait for a row when every row is busy; past that a request gets "
+                             "429 with Retry-After at once (default 64)")
+    parser.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
+                        help="stop a request this long after it arrived and answer 504 (default: no limit)")
+    parser.add_argument("--drain-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before they get "
+                             "an error (default 30); new requests get 503 meanwhile")
     parser.set_defaults(run=run_serve)
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def build_engine(args: argparse.Namespace):
@@ -44,7 +73,8 @@ def build_engine(args: argparse.Namespace):
     load = model_loader(args)
     target, tokenizer = load(args.model)
     return ServingEngine(target, tokenizer, method, model_id=args.model_id or args.model,
-                         max_batch_size=args.max_batch_size, default_max_tokens=args.max_tokens,
+                         max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                         default_max_tokens=args.max_tokens,
                          load_draft=lambda source: load(source, name=source))
 
 
@@ -66,17 +96,17 @@ def require_serve_extra() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
-    import uvicorn
-
     from jointspec.cli.options import apply_threads
     from jointspec.server.app import ServerSettings, create_app
+    from jointspec.server.lifecycle import serve
 
     apply_threads(args)
     engine = build_engine(args)
-    settings = ServerSettings(host=args.host, port=args.port)
+    settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
+                              drain_timeout=args.drain_timeout)
     log.warning("serving %s (method %s) on http://%s:%d/v1", engine.model_id, args.method, args.host, args.port)
     try:
-        uvicorn.run(create_app(settings, engine), host=args.host, port=args.port, log_level="warning")
+        serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
     finally:
         engine.close()
     return 0

@@ -7,7 +7,13 @@ places are ignored, as OpenAI ignores them. Decoding options travel in an extra 
 
     {"model": "...", "messages": [...], "jointspec": {"method": "pld", "num_draft_tokens": 4}}
 
-A client that disconnects cancels its sequence in the engine.
+and each answer's ``usage`` carries the request's speculation figures in an extra ``jointspec`` field.
+
+Every request ends one way, counted on ``/metrics``: a full answer; cancelled, when its client leaves (its row is
+freed at once); or an error envelope: 400 for a bad request, 429 (queue full) or 503 (shutting down) with
+Retry-After, 504 past ``request_timeout``, 500 when the engine fails. A stream that fails after it started sends the
+envelope as its last event, with no ``[DONE]``. :func:`drain` (SIGTERM, or the app's shutdown) stops admitting,
+lets the requests in flight finish, then ends the rest with an error: none is left without an answer.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,16 +34,38 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
-from jointspec.server.engine import Chunk, CompletionRequest, Engine, Generation
+from jointspec.server.engine import (
+    Chunk,
+    CompletionRequest,
+    Engine,
+    Failure,
+    Generation,
+    QueueFullError,
+    ShuttingDownError,
+)
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
+
+# After the engine closes, how long the routes get to write the errors it handed them.
+FLUSH_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
+    request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
+    drain_timeout: float = 30.0  # at shutdown, how long requests in flight may take to finish before they fail
+    retry_after: int = 1  # seconds, the Retry-After header of a 429 or 503
+
+    def __post_init__(self) -> None:
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 (or None), got {self.request_timeout}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.retry_after < 0:
+            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
@@ -101,14 +131,24 @@ class ChatBody(_Sampling):
 
 class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @property
+    def outcome(self) -> str:
+        """How /metrics counts a request refused with this error before it started."""
+        return {429: "overloaded", 503: "overloaded", 504: "timeout"}.get(
+            self.status, "error" if self.status >= 500 else "rejected")
 
 
 def error_response(error: RequestError) -> JSONResponse:
-    return JSONResponse({"error": {"message": error.message, "type": error.type, "param": error.param,
-                                   "code": error.code}}, status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}
@@ -122,7 +162,12 @@ def _from_validation(error: ValidationError) -> RequestError:
     return RequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 
-def _from_engine(error: Exception) -> RequestError:
+def _from_engine(error: Exception, retry_after: int) -> RequestError:
+    if isinstance(error, QueueFullError):
+        return RequestError(str(error), code="queue_full", status=429, type_="server_overloaded",
+                            retry_after=retry_after)
+    if isinstance(error, ShuttingDownError):
+        return _shutting_down(str(error), retry_after)
     if isinstance(error, ContextTooLongError):
         return RequestError(str(error), code="context_length_exceeded")
     if isinstance(error, (JointspecError, ValueError, TypeError)):
@@ -131,12 +176,90 @@ def _from_engine(error: Exception) -> RequestError:
     return RequestError("internal error in the engine", status=500, type_="server_error")
 
 
+def _from_failure(failure: Failure, retry_after: int) -> RequestError:
+    if failure.code == "shutting_down":
+        return _shutting_down(failure.message, retry_after)
+    return RequestError(failure.message, code=failure.code, status=500, type_="server_error")
+
+
+def _shutting_down(message: str, retry_after: int) -> RequestError:
+    return RequestError(message, code="shutting_down", status=503, type_="server_error", retry_after=retry_after)
+
+
+def _timeout(seconds: float) -> RequestError:
+    return RequestError(f"the request took longer than the server's request timeout ({seconds:g} s) and was "
+                        "stopped", code="timeout", status=504, type_="server_error")
+
+
+class _InFlight:
+    """Requests the routes admitted and have not finished answering; and whether they still admit new ones.
+    Thread-safe: drain() may run on another thread's loop than the requests (tests do that)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.admitting = True
+
+    def enter(self) -> _Ticket | None:
+        with self._lock:
+            if not self.admitting:
+                return None
+            self.count += 1
+            return _Ticket(self)
+
+    def stop_admitting(self) -> None:
+        with self._lock:
+            self.admitting = False
+
+    def leave(self) -> None:
+        with self._lock:
+            self.count -= 1
+
+    async def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.count and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return not self.count
+
+
+class _Ticket:
+    """One request's place in :class:`_InFlight`, given back exactly once."""
+
+    def __init__(self, owner: _InFlight) -> None:
+        self.owner, self.closed = owner, False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.owner.leave()
+
+
 # -- the app ----------------------------------------------------------------------------------------------------
 
 def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
-    app = FastAPI(title="jointspec", docs_url=None, redoc_url=None)
-    app.state.settings, app.state.engine = settings, engine
-    app.state.metrics = metrics = Metrics()
+    metrics = Metrics()
+    in_flight = _InFlight()
+
+    async def drain(timeout: float | None = None) -> None:
+        """Shut down without losing a request: refuse new ones (503), give those in flight up to ``timeout``
+        seconds (default: ``settings.drain_timeout``) to finish, then close the engine, which ends the rest with an
+        error that their routes write. Safe to call more than once."""
+        in_flight.stop_admitting()
+        grace = settings.drain_timeout if timeout is None else timeout
+        if not await in_flight.wait_idle(grace):
+            log.warning("draining: %d requests still running after %g s; ending them with an error",
+                        in_flight.count, grace)
+        await asyncio.to_thread(engine.close)  # blocks on the engine thread: keep the event loop free meanwhile
+        if not await in_flight.wait_idle(FLUSH_SECONDS):
+            log.warning("draining: %d requests unanswered after the engine closed", in_flight.count)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await drain()  # under plain uvicorn this runs once its connections have closed: it closes the engine
+
+    app = FastAPI(title="jointspec", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.settings, app.state.engine, app.state.metrics, app.state.drain = settings, engine, metrics, drain
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, error: RequestError) -> JSONResponse:
@@ -148,8 +271,10 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         return error_response(RequestError("internal server error", status=500, type_="server_error"))
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if not in_flight.admitting:  # load balancers: send no more here
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -158,7 +283,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_route() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(engine.spec_stats(), engine.gauges()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(metrics.render(engine.snapshot(), in_flight.count), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -169,41 +294,75 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         return await _serve(request, "chat", ChatBody)
 
     async def _serve(request: Request, endpoint: str, model: type[_Sampling]):
+        arrived = time.perf_counter()
+        deadline = arrived + settings.request_timeout if settings.request_timeout else None
+        ticket = in_flight.enter()
+        if ticket is None:
+            metrics.count_request(endpoint, "overloaded")
+            return error_response(_shutting_down("the server is shutting down; retry on another instance or later",
+                                                 settings.retry_after))
+        streaming = False
         try:
-            body = await _parse(request, model)
-            engine_request = _engine_request(body)
-            arrived = time.perf_counter()
             try:
-                generation = await engine.submit(engine_request)
-            except Exception as error:
-                raise _from_engine(error) from error
-        except RequestError as error:
-            metrics.count_request(endpoint, "rejected" if error.status < 500 else "error")
-            return error_response(error)
-        metrics.count_request(endpoint, "accepted")
-        metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
-        timed = _timed(generation, arrived)
-        reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens)
-        if body.stream:
+                body = await _parse(request, model)
+                generation = await _submit(_engine_request(body), deadline)
+            except RequestError as error:
+                metrics.count_request(endpoint, error.outcome)
+                return error_response(error)
+            metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
+            reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens)
+            chunks = _timed(generation, arrived, deadline)
+            if not body.stream:
+                return await _whole(request, endpoint, reply, chunks, generation)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(reply, timed, generation, include_usage), media_type="text/event-stream")
-        return await _whole(request, reply, timed, generation)
+            events = _sse(endpoint, reply, chunks, generation, include_usage, ticket)
+            # Start the generator here: a body that never starts never runs its finally (which frees the row and
+            # the ticket), and Starlette drops a response's body unstarted when the client is gone before it.
+            first = await anext(events)
+            streaming = True
+            return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
+        finally:
+            if not streaming:  # a stream gives its ticket back when it ends
+                ticket.close()
 
-    async def _timed(generation: Generation, arrived: float) -> AsyncIterator[Chunk]:
-        """The engine's chunks, recording latency and token counts on the way."""
+    async def _submit(engine_request: CompletionRequest, deadline: float | None) -> Generation:
+        try:
+            if deadline is None:
+                return await engine.submit(engine_request)
+            return await asyncio.wait_for(engine.submit(engine_request), max(deadline - time.perf_counter(), 0))
+        except TimeoutError:
+            raise _timeout(settings.request_timeout) from None
+        except Exception as error:
+            raise _from_engine(error, settings.retry_after) from error
+
+    async def _timed(generation: Generation, arrived: float, deadline: float | None) -> AsyncIterator[Chunk]:
+        """The engine's chunks until ``deadline``, recording latency and token counts on the way. Past the
+        deadline the generation is cancelled (its row freed) and a 504 RequestError raised."""
         last = None
-        async for chunk in generation:
+        chunks = aiter(generation)
+        while True:
+            try:
+                if deadline is None:
+                    chunk = await anext(chunks)
+                else:
+                    chunk = await asyncio.wait_for(anext(chunks), max(deadline - time.perf_counter(), 0))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                generation.cancel()
+                raise _timeout(settings.request_timeout) from None
             now = time.perf_counter()
             if chunk.num_tokens:
                 if last is None:
-                    metrics.observe_first_token(now - arrived)
+                    metrics.observe_first_token(generation.method, now - arrived)
                 else:
-                    metrics.observe_chunk(now - last, chunk.num_tokens)
+                    metrics.observe_chunk(generation.method, now - last, chunk.num_tokens)
                 last = now
                 metrics.count_tokens(num_generated_tokens=chunk.num_tokens)
             yield chunk
 
-    async def _whole(request: Request, reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation):
+    async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk],
+                     generation: Generation) -> JSONResponse:
         async def collect() -> list[Chunk]:
             return [chunk async for chunk in chunks]
 
@@ -213,32 +372,58 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             leaving.cancel()
-            if not collecting.done():  # the client left: stop decoding for it
+            left = not collecting.done()
+            if left:  # the client left (or this task was cancelled): stop decoding for it
                 collecting.cancel()
                 generation.cancel()
-        if not collecting.done() or collecting.cancelled():
-            return JSONResponse({}, status_code=499)
-        return JSONResponse(reply.whole(collecting.result()))
+                metrics.count_request(endpoint, "cancelled")
+        if left:
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        if isinstance(collecting.exception(), RequestError):  # past the request timeout
+            metrics.count_request(endpoint, "timeout")
+            return error_response(collecting.exception())
+        collected = collecting.result()
+        if collected and collected[-1].failure is not None:
+            metrics.count_request(endpoint, "error")
+            return error_response(_from_failure(collected[-1].failure, settings.retry_after))
+        metrics.count_request(endpoint, "completed")
+        return JSONResponse(reply.whole(collected))
 
-    async def _sse(reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation,
-                   include_usage: bool) -> AsyncIterator[str]:
-        finished = False
+    async def _sse(endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation,
+                   include_usage: bool, ticket: _Ticket) -> AsyncIterator[str]:
+        outcome = "cancelled"  # unless it gets to an end of its own: the client left
         try:
             yield _event(reply.first_chunk())
-            async for chunk in chunks:
-                finished = chunk.finish_reason is not None
-                if chunk.text or finished:  # rounds whose text is held back (half a character) send nothing
-                    yield _event(reply.chunk(chunk))
-                else:
-                    reply.num_tokens += chunk.num_tokens
+            try:
+                async for chunk in chunks:
+                    reply.add(chunk)
+                    if chunk.failure is not None:
+                        outcome = "error"
+                        yield _event(_from_failure(chunk.failure, settings.retry_after).body())
+                        return
+                    if chunk.text or chunk.finish_reason:  # rounds whose text is held back (half a character)
+                        yield _event(reply.chunk(chunk))  # send nothing
+            except RequestError as error:  # past the request timeout
+                outcome = "timeout"
+                yield _event(error.body())
+                return
             if include_usage:
                 yield _event(reply.usage_chunk())
             yield "data: [DONE]\n\n"
+            outcome = "completed"
         finally:
-            if not finished:  # the client disconnected (or something broke): free the row
+            if outcome != "completed":  # the client left, or the stream failed: free the row
                 generation.cancel()
+            metrics.count_request(endpoint, outcome)
+            ticket.close()
 
     return app
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
@@ -300,7 +485,7 @@ def _event(payload: dict) -> str:
 
 
 class _Reply:
-    """OpenAI's response shapes for one request."""
+    """OpenAI's response shapes for one request, and the running totals its usage reports."""
 
     def __init__(self, endpoint: str, model_id: str, num_prompt_tokens: int) -> None:
         self.chat = endpoint == "chat"
@@ -309,17 +494,32 @@ class _Reply:
         self.model = model_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0
+        self.num_rounds = 0
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    def add(self, chunk: Chunk) -> None:
+        self.num_tokens += chunk.num_tokens
+        self.num_rounds += chunk.num_rounds
+        self.num_drafted += chunk.num_drafted
+        self.num_accepted += chunk.num_accepted
 
     def _envelope(self, kind: str, choice: dict) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
 
     def usage(self) -> dict:
+        # "jointspec" is an extension: OpenAI's clients keep unknown usage fields (or drop them) without failing.
+        mean = 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+        rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_tokens}
+                "total_tokens": self.num_prompt_tokens + self.num_tokens,
+                "jointspec": {"drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
+                              "rounds": self.num_rounds, "mean_accepted_tokens": round(mean, 4),
+                              "acceptance_rate": round(rate, 4)}}
 
     @staticmethod
     def _finish(reason: str | None) -> str | None:
-        return {"cancelled": "stop", "error": "error"}.get(reason, reason)
+        return {"cancelled": "stop"}.get(reason, reason)
 
     def first_chunk(self) -> dict:
         if self.chat:
@@ -328,7 +528,6 @@ class _Reply:
         return self._envelope("text_completion", {"index": 0, "text": "", "logprobs": None, "finish_reason": None})
 
     def chunk(self, chunk: Chunk) -> dict:
-        self.num_tokens += chunk.num_tokens
         finish = self._finish(chunk.finish_reason)
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
@@ -343,7 +542,8 @@ class _Reply:
         return payload
 
     def whole(self, chunks: list[Chunk]) -> dict:
-        self.num_tokens = sum(c.num_tokens for c in chunks)
+        for chunk in chunks:
+            self.add(chunk)
         text = "".join(c.text for c in chunks)
         finish = self._finish(chunks[-1].finish_reason if chunks else "stop")
         if self.chat:

@@ -5,6 +5,12 @@ Requests and cancellations reach that thread through a queue and join or leave b
 go back to the request's asyncio loop, where :class:`TextStream` turns them into UTF-8-safe text deltas and applies
 stop strings. The routes in :mod:`jointspec.server.app` see only :class:`ServingEngine`'s small protocol, so tests
 can hand them a fake.
+
+Overload and shutdown are decided here, not in the routes, because only this class knows what is in flight: at most
+``max_batch_size + max_queue`` requests are admitted at once and the next one is refused at once with
+:class:`QueueFullError` (the route answers 429); :meth:`ServingEngine.close` ends every request still in flight with a
+:class:`Failure` and refuses later ones with :class:`ShuttingDownError`, so no request is left waiting for an answer
+that will never come.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,12 +28,21 @@ from typing import Protocol
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest
-from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, method_names
+from jointspec.server.metrics import EngineSnapshot, MethodStats
 
 log = logging.getLogger(__name__)
+
+
+class QueueFullError(JointspecError):
+    """Every row is busy and the queue is full: the request is refused at once (429 with Retry-After)."""
+
+
+class ShuttingDownError(JointspecError):
+    """The server is draining or closed: the request is refused (503 with Retry-After)."""
 
 
 @dataclass(frozen=True)
@@ -49,16 +65,32 @@ class CompletionRequest:
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why the engine ended a request without an answer. ``code``: "shutting_down" (the server closed under it) or
+    "engine_error" (a round raised; the other requests in that round failed too)."""
+
+    code: str
+    message: str
+
+
 @dataclass
 class Chunk:
+    """What one round (or the end) gave a request: text, and the round's speculation figures."""
+
     text: str
     num_tokens: int
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last chunk
-    stats: SpecStats | None = None
+    stats: SpecStats | None = None  # the whole request's statistics, on the last chunk when the engine has them
+    num_rounds: int = 0  # target forwards behind this chunk: 1 for a decoded round, 0 for an end with no tokens
+    num_drafted: int = 0
+    num_accepted: int = 0
+    failure: Failure | None = None  # set when finish_reason is "error"
 
 
 class Generation(Protocol):
     num_prompt_tokens: int
+    method: str  # the method that decodes it (the server's, or the request's override)
 
     def __aiter__(self) -> AsyncIterator[Chunk]: ...
 
@@ -66,15 +98,16 @@ class Generation(Protocol):
 
 
 class Engine(Protocol):
-    """What the routes need. ``submit`` raises JointspecError / ValueError for requests it refuses."""
+    """What the routes need. ``submit`` raises JointspecError / ValueError for requests it refuses, QueueFullError
+    when full, ShuttingDownError once closed; ``close`` ends what is in flight with a Failure."""
 
     model_id: str
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
 
-    def spec_stats(self) -> SpecStats: ...
+    def snapshot(self) -> EngineSnapshot: ...
 
-    def gauges(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
 
 
 class TextStream:
@@ -125,16 +158,20 @@ class _Stream:
     """One request's side of the thread hand-off, and its text layer."""
 
     def __init__(self, owner: ServingEngine, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...],
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, method: str) -> None:
         self.owner = owner
         self.loop = loop
-        self.events: asyncio.Queue[BatchEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[BatchEvent | Failure] = asyncio.Queue()
         self.text = TextStream(owner.tokenizer, stop)
         self.num_prompt_tokens = num_prompt_tokens
+        self.method = method
         self.seq_id: int | None = None
-        self.done = False
+        self.submitted = time.perf_counter()
+        self.joined = False  # set by the engine thread at the sequence's first round
+        self.done = False  # the consumer wants no more events
+        self.ended = False  # the engine is done with the sequence: nothing to cancel
 
-    def deliver(self, event: BatchEvent) -> None:  # called from the engine thread
+    def deliver(self, event: BatchEvent | Failure) -> None:  # called from the engine thread
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the request's loop is gone: nobody is listening
@@ -144,34 +181,51 @@ class _Stream:
         try:
             while not self.done:
                 event = await self.events.get()
+                if isinstance(event, Failure):
+                    self.done = self.ended = True
+                    yield Chunk(self.text.finish(), 0, "error", failure=event)
+                    return
                 delta = self.text.push(event.token_ids)
                 finish = event.finish_reason
+                self.ended = finish is not None
                 if self.text.stopped:
                     finish = "stop"
                 if finish is not None:
                     delta += self.text.finish()
                     self.done = True
-                yield Chunk(delta, len(event.token_ids), finish, event.stats)
+                yield Chunk(delta, len(event.token_ids), finish, event.stats, num_rounds=int(bool(event.token_ids)),
+                            num_drafted=event.num_drafted, num_accepted=event.num_accepted)
         finally:
-            if not self.done:
+            # A consumer that leaves early, or a stop string the text hit before the engine's own end: free the row
+            # now rather than decode to max_tokens for nobody.
+            if not self.ended:
                 self.cancel()
 
     def cancel(self) -> None:
         self.done = True
-        if self.seq_id is not None:
+        if self.seq_id is not None and not self.ended:
+            self.ended = True
             self.owner._inbox.put(("cancel", self.seq_id))
 
 
 class ServingEngine:
-    """A target, a tokenizer and a default method, served by one batched engine on a background thread."""
+    """A target, a tokenizer and a default method, served by one batched engine on a background thread.
+
+    ``max_queue``: how many admitted requests may wait for a row when all ``max_batch_size`` rows are busy; past
+    ``max_batch_size + max_queue`` requests in flight, :meth:`submit` raises :class:`QueueFullError` at once.
+    """
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig = MethodConfig(), *,
-                 model_id: str = "jointspec", max_batch_size: int = 16, default_max_tokens: int = 256,
-                 load_draft=None) -> None:
+                 model_id: str = "jointspec", max_batch_size: int = 16, max_queue: int = 64,
+                 default_max_tokens: int = 256, load_draft=None) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.target = target
         self.tokenizer = tokenizer
         self.method = method
         self.model_id = model_id
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self._make_engine = lambda: BatchEngine(target, tokenizer, max_batch_size=max_batch_size,
@@ -179,11 +233,14 @@ class ServingEngine:
         self._engine = self._make_engine()
         self._engine.method(method)  # build (and load a draft) now, and refuse an unbatchable default early
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, _Stream] = {}  # the engine thread's: sequences still decoding
+        # Admission: guards _admitted and _closing, and orders every "submit" put before the thread's last look at
+        # its inbox, so a request either reaches the thread or is refused: none waits forever.
+        self._admission = threading.Lock()
+        self._admitted = 0  # requests submitted and not yet ended (decoding, queued, or on their way to the thread)
+        self._closing = False
         self._stats_lock = threading.Lock()
-        self._stats = SpecStats()
-        self._num_cancelled = 0
-        self._gauges = {"running_sequences": 0.0, "waiting_sequences": 0.0}
+        self._snapshot = EngineSnapshot(max_batch_size=max_batch_size, max_queue=max_queue)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jointspec-engine", daemon=True)
         self._thread.start()
@@ -199,6 +256,11 @@ class ServingEngine:
                 text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(request.prompt, list):
+            # Checked here: an id past the vocabulary would fail the whole batch's forward, not just this request.
+            vocab = self.target.vocab_size
+            bad = [t for t in request.prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
             return list(request.prompt)
         return self.tokenizer(request.prompt)["input_ids"]
 
@@ -224,10 +286,18 @@ class ServingEngine:
         max_tokens = request.max_tokens or min(self.default_max_tokens, max(room, 1))
         config = DecodeConfig(max_tokens, SamplingConfig(request.temperature, request.top_k, request.top_p),
                               self.eos_token_ids)
-        batch_request = BatchRequest(prompt_ids, config, self.method_for(request.method), request.seed)
-        stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids))
+        method = self.method_for(request.method)
+        batch_request = BatchRequest(prompt_ids, config, method, request.seed)
+        stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._inbox.put(("submit", batch_request, stream, future))
+        with self._admission:
+            if self._closing:
+                raise ShuttingDownError("the server is shutting down; retry on another instance or later")
+            if self._admitted >= self.max_batch_size + self.max_queue:
+                raise QueueFullError(f"the server is full: {self.max_batch_size} requests decoding and "
+                                     f"{self.max_queue} waiting; retry later")
+            self._admitted += 1
+            self._inbox.put(("submit", batch_request, stream, future))
         try:
             stream.seq_id = await asyncio.shield(future)  # raises what the engine raised (bad method, too long)
         except asyncio.CancelledError:  # the client left while we waited: cancel the sequence once it exists
@@ -236,16 +306,15 @@ class ServingEngine:
             raise
         return stream
 
-    def spec_stats(self) -> SpecStats:
+    def snapshot(self) -> EngineSnapshot:
         with self._stats_lock:
-            copy = SpecStats()
-            copy.merge(self._stats)
-            return copy
-
-    def gauges(self) -> dict[str, float]:
-        return {**self._gauges, "cancelled_sequences": float(self._num_cancelled)}
+            return self._snapshot.copy()
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread. Requests still in flight end with a "shutting_down" failure; later ones are
+        refused with ShuttingDownError. Safe to call more than once."""
+        with self._admission:
+            self._closing = True
         self._closed.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
@@ -255,30 +324,75 @@ class ServingEngine:
     def _run(self) -> None:
         while not self._closed.is_set():
             self._drain(block=not self._engine.has_work)
-            if not self._engine.has_work:
-                self._gauges = {"running_sequences": 0.0, "waiting_sequences": 0.0}
-                continue
-            try:
-                events = self._engine.step()
-            except Exception:  # a bug: fail the running requests, start afresh, keep serving
-                log.exception("batched engine failed; failing %d requests", len(self._streams))
-                for stream in self._streams.values():
-                    stream.deliver(BatchEvent(stream.seq_id, [], "error"))
-                self._streams.clear()
-                self._engine = self._make_engine()
-                continue
-            with self._stats_lock:
-                self._stats = SpecStats()
-                self._stats.merge(self._engine.stats)
-            self._gauges = {"running_sequences": float(len(self._engine.active)),
-                            "waiting_sequences": float(len(self._engine.waiting))}
+            if self._engine.has_work:
+                self._round()
+            self._update_gauges()
+        self._fail_all(Failure("shutting_down", "the server shut down before this request finished"), free_rows=True)
+        with self._admission:  # _closing is set: nothing more can arrive
+            leftovers = []
+            while not self._inbox.empty():
+                leftovers.append(self._inbox.get_nowait())
+        for item in leftovers:
+            if item[0] == "submit":
+                self._admitted_done(1)
+                self._resolve(item[2].loop, item[3], None, ShuttingDownError("the server is shutting down"))
+        self._update_gauges()
+
+    def _round(self) -> None:
+        started = time.perf_counter()
+        try:
+            events = self._engine.step()
+        except Exception:  # a bug: fail the running requests, start afresh, keep serving
+            log.exception("batched engine failed; failing %d requests", len(self._streams))
+            # The failed engine is dropped whole, its rows with it.
+            self._fail_all(Failure("engine_error", "the engine failed while decoding this request"), free_rows=False)
+            self._engine = self._make_engine()
+            return
+        num_rows = 0
+        with self._stats_lock:
             for event in events:
                 stream = self._streams.get(event.seq_id)
-                if stream is None:
+                if stream is None or not event.token_ids:  # an end with no round behind it (a cancel)
                     continue
-                if event.finish_reason is not None:
-                    del self._streams[event.seq_id]
-                stream.deliver(event)
+                num_rows += 1
+                stats = self._snapshot.methods.setdefault(stream.method, MethodStats())
+                # The batched engine drafts chains, so a round's draft nodes sit at depths 0..num_drafted-1.
+                stats.spec.record(list(range(event.num_drafted)), event.num_accepted, len(event.token_ids))
+                stats.tokens_per_round.observe(len(event.token_ids))
+                if not stream.joined:  # its first round: it waited from submission to the start of this step
+                    stream.joined = True
+                    stats.queue_seconds.observe(started - stream.submitted)
+            if num_rows:
+                self._snapshot.batch_size.observe(num_rows)
+        deliveries = [(self._streams[e.seq_id], e) for e in events if e.seq_id in self._streams]
+        for _, event in deliveries:
+            if event.finish_reason is not None:
+                self._forget(event.seq_id)
+        self._update_gauges()  # before the tokens go out: a client that sees them also sees the rows they came from
+        for stream, event in deliveries:
+            stream.deliver(event)
+
+    def _update_gauges(self) -> None:
+        running = len(self._engine.active)
+        with self._stats_lock:
+            self._snapshot.running_sequences = running
+            self._snapshot.waiting_sequences = max(self._admitted - running, 0)
+
+    def _forget(self, seq_id: int) -> _Stream | None:
+        stream = self._streams.pop(seq_id, None)
+        if stream is not None:
+            self._admitted_done(1)
+        return stream
+
+    def _admitted_done(self, count: int) -> None:
+        with self._admission:
+            self._admitted -= count
+
+    def _fail_all(self, failure: Failure, free_rows: bool) -> None:
+        for seq_id in list(self._streams):
+            if free_rows:
+                self._engine.cancel(seq_id)
+            self._forget(seq_id).deliver(failure)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -293,12 +407,14 @@ class ServingEngine:
                     self._streams[seq_id] = stream
                     result, error = seq_id, None
                 except Exception as exc:  # handed to the route, which answers 400 or 500
+                    self._admitted_done(1)
                     result, error = None, exc
                 self._resolve(stream.loop, future, result, error)
             elif item[0] == "cancel":
-                if self._streams.pop(item[1], None) is not None:  # still decoding: free its row
+                if self._forget(item[1]) is not None:  # still decoding: free its row
                     self._engine.cancel(item[1])
-                    self._num_cancelled += 1
+                    with self._stats_lock:
+                        self._snapshot.num_cancelled += 1
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
