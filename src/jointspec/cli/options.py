@@ -40,6 +40,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pld/corpus/sps/hybrid: choose each round's draft length, or no draft, from the target's "
                              "measured cost curve and the running acceptance, so speculation does not run slower "
                              "than plain decoding (measures the curve once, a few seconds)")
+    parser.add_argument("--verify", choices=("token", "block"), default="token",
+                        help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
+                             "same drafts (Sun et al. 2024): the same output law, more tokens kept per round")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft length / depth (gamma)")
     parser.add_argument("--max-draft-tokens", type=positive_int, default=16,
                         help="pld: the draft length doubles after fully accepted drafts, up to this")
@@ -129,4 +132,5 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
                         accept_threshold=args.accept_threshold, tree=args.tree,
                         tree_budget=getattr(args, "tree_budget", 0),
                         cost_aware=getattr(args, "cost_aware", False),
-                        head_weights=getattr(args, "head_weights", "auto"))
+                        head_weights=getattr(args, "head_weights", "auto"),
+                        verify=getattr(args, "verify", "token"))

@@ -17,8 +17,15 @@ from jointspec.drafters.tree import TreeDrafter
 from jointspec.methods.costs import draft_cost_per_call, target_cost_curve
 from jointspec.methods.registry import MethodConfig, MethodContext, register_method
 from jointspec.methods.tree_width import default_tree_width, top_w_hit_rate
+from jointspec.verifiers.block import BlockVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.verifiers.tree import TreeRejectionVerifier
+
+
+def chain_verifier(config: MethodConfig) -> Verifier:
+    """Token-wise speculative sampling, or block verification (``--verify block``) of the same drafts: the same output
+    law, more tokens kept per round where the draft rows differ from the target's."""
+    return BlockVerifier() if config.verify == "block" else RejectionSamplingVerifier()
 
 
 @register_method("ar", "plain autoregressive decoding through the same loop (the baseline)", lossless=True)
@@ -32,7 +39,7 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
-    return ModelDrafter(context.draft_model(), length), RejectionSamplingVerifier()
+    return ModelDrafter(context.draft_model(), length), chain_verifier(config)
 
 
 @register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)",
@@ -71,7 +78,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
     lookup = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
                                  max(config.max_num_draft_tokens, config.num_draft_tokens))
-    return HybridDrafter(lookup, ModelDrafter(context.draft_model(), length)), RejectionSamplingVerifier()
+    return HybridDrafter(lookup, ModelDrafter(context.draft_model(), length)), chain_verifier(config)
 
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft, else the tree (--tree; "

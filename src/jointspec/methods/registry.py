@@ -18,6 +18,9 @@ from jointspec.drafters.model import check_same_vocabulary
 from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact
 from jointspec.drafts.registry import bind_trained_draft
 from jointspec.methods.costs import make_cost_aware
+from jointspec.verifiers.block import BlockVerifier
+
+VERIFY_CHOICES = ("token", "block")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class MethodConfig:
     tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
     cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
     head_weights: str = "auto"  # a trained EAGLE head's weights: auto / float32 / int8 (drafts/eagle.py)
+    verify: str = "token"  # chains with draft rows: token-wise speculative sampling, or block verification
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -52,6 +56,8 @@ class MethodConfig:
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
         if self.tree_budget < 0:
             raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
+        if self.verify not in VERIFY_CHOICES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_CHOICES)}, got '{self.verify}'")
         if self.head_weights not in HEAD_WEIGHT_CHOICES:
             raise ValueError(f"head_weights must be one of {', '.join(HEAD_WEIGHT_CHOICES)}, got "
                              f"'{self.head_weights}'")
@@ -134,6 +140,9 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
     drafter, verifier = entry.builder(context)
+    if context.config.verify == "block" and not isinstance(verifier, BlockVerifier):
+        raise UnsupportedOptionError(f"method '{name}' has no block verification; it is for chain methods whose "
+                                     "drafts carry their probabilities: sps and hybrid (--verify block)")
     # A drafter that already weighs drafting against the cost curve ("default" builds one) is not wrapped again.
     if context.config.cost_aware and not getattr(drafter, "cost_aware", False):
         drafter = make_cost_aware(drafter, context.target, context.config.max_num_draft_tokens)
