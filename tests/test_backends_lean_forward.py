@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.lean_forward import LlamaFastForward, fast_forward_for, unsupported_reason
+from jointspec.backends.lean_forward import LeanLlamaForward, lean_forward_for, unsupported_reason
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.kernels.fp32 import use_gqa_attention
 from jointspec.kernels.quantize import quantize_model
@@ -102,7 +102,7 @@ def test_models_other_than_transformers_llama_take_transformers_forward():
     assert "MyLlama" in unsupported_reason(MyLlama(config).eval())
     mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37,
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    assert fast_forward_for(mistral.eval()) is None
+    assert lean_forward_for(mistral.eval()) is None
     assert CausalLM(mistral).lean is None
     llama = LlamaForCausalLM(config)
     assert "training" in unsupported_reason(llama.train())
@@ -110,7 +110,7 @@ def test_models_other_than_transformers_llama_take_transformers_forward():
     llama.model.layers[0].mlp = torch.nn.Identity()
     assert "Identity replaces transformers' LlamaMLP" in unsupported_reason(llama)
     with pytest.raises(ValueError, match="LlamaMLP"):
-        LlamaFastForward(llama)
+        LeanLlamaForward(llama)
 
 
 def test_qwen2_takes_the_lean_forward_bit_for_bit_and_sliding_windows_do_not():

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from jointspec.backends.kvcache import BufferedCache
-from jointspec.backends.lean_forward import fast_forward_for
+from jointspec.backends.lean_forward import lean_forward_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardOutput, TargetCapabilities
@@ -87,7 +87,7 @@ class CausalLM:
     def __init__(self, model: PreTrainedModel, name: str = "model", *, lean: bool = True) -> None:
         self.model = model.eval()
         self.name = name
-        self.lean = fast_forward_for(self.model) if lean else None
+        self.lean = lean_forward_for(self.model) if lean else None
         self.cache = BufferedCache(model.config)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []

@@ -7,7 +7,7 @@ tenth of a plain step went outside the tensor operations themselves (docs/kernel
 ``benchmarks/fast_forward_cost.py`` measures it). Speculative decoding pays it once per target forward and per draft
 call, so it is a fixed cost on every token the loop commits.
 
-:class:`LlamaFastForward` walks the same modules in the same order and calls the same tensor operations on the same
+:class:`LeanLlamaForward` walks the same modules in the same order and calls the same tensor operations on the same
 tensors: the embedding, transformers' own causal-mask builder and rotary embedding, each layer's norm (inlined,
 operation for operation as ``LlamaRMSNorm.forward``), its q/k/v/o and MLP projections *as modules* (so quantised
 linears, oneDNN linears and anything else that replaced ``nn.Linear`` keep working), transformers'
@@ -24,12 +24,12 @@ when asked for none), and it keeps only the hidden states the caller asks for.
 
 One exception to "the same operations": a model quantised to jointspec's grouped int4 layers (kernels/grouped.py)
 runs each decoder layer as one compiled function, all layers in one call into C++
-(:meth:`LlamaFastForward._compiled_layers`), about a third cheaper a
+(:meth:`LeanLlamaForward._compiled_layers`), about a third cheaper a
 step. That is another summation order of the same quantised model, each row still computed alone, so plain and
 speculative decoding of it agree exactly; it is not bit for bit transformers' forward of the quantised model.
 
 Only models whose every part is exactly a transformers class of :data:`FAMILIES` (Llama, and Qwen2 without sliding
-windows) take this path (:func:`fast_forward_for`); a subclass or another architecture runs transformers' own
+windows) take this path (:func:`lean_forward_for`); a subclass or another architecture runs transformers' own
 forward, as does ``--kernels stock``.
 """
 
@@ -45,7 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LlamaFastForward).
+# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LeanLlamaForward).
 PREFILL_GEMM_ROWS = 16
 
 
@@ -96,9 +96,9 @@ def body_unsupported_reason(base: torch.nn.Module, family: tuple | None = None) 
     return None
 
 
-def fast_forward_for(model: torch.nn.Module) -> LlamaFastForward | None:
-    """A :class:`LlamaFastForward` over ``model``, or None where transformers' own forward must run."""
-    return LlamaFastForward(model) if unsupported_reason(model) is None else None
+def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:
+    """A :class:`LeanLlamaForward` over ``model``, or None where transformers' own forward must run."""
+    return LeanLlamaForward(model) if unsupported_reason(model) is None else None
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ def _rms_norm(norm: llama.LlamaRMSNorm, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * hidden.to(input_dtype)
 
 
-class LlamaFastForward:
+class LeanLlamaForward:
     """``LlamaForCausalLM.forward`` for one sequence with a cache, as a plain function over the model's modules."""
 
     def __init__(self, model: llama.LlamaForCausalLM) -> None:
@@ -306,7 +306,7 @@ def decoder_layers(base: llama.LlamaModel, hidden: torch.Tensor, cos: torch.Tens
         residual = hidden
         hidden = _rms_norm(layer.input_layernorm, hidden)
         shape = (*batch_seq, -1, attn.head_dim)
-        qkv = LlamaFastForward._qkv(layer)
+        qkv = LeanLlamaForward._qkv(layer)
         if fused_qkv is not None and fused_qkv.valid(qkv):
             query, key, value = fused_qkv(hidden)
         else:
@@ -323,7 +323,7 @@ def decoder_layers(base: llama.LlamaModel, hidden: torch.Tensor, cos: torch.Tens
         residual = hidden
         hidden = _rms_norm(layer.post_attention_layernorm, hidden)
         mlp = layer.mlp
-        gate_up = LlamaFastForward._gate_up(layer)
+        gate_up = LeanLlamaForward._gate_up(layer)
         if fused_gate_up is not None and fused_gate_up.valid(gate_up):
             gate, up = fused_gate_up(hidden)
         else:
