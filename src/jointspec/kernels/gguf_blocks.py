@@ -80,11 +80,6 @@ def _half(raw: np.ndarray, offset: int) -> np.ndarray:
     return raw[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """16 bytes -> 32 levels: byte j holds element j (low nibble) and element j + 16 (high nibble)."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
 def _pack(levels: np.ndarray) -> np.ndarray:
     """[..., 32] levels (their low four bits) -> [..., 16] bytes in the kernel's (and Q4_0's) order."""
     return (levels[..., :16] & 15) | ((levels[..., 16:] & 15) << 4)
