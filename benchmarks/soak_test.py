@@ -1,9 +1,9 @@
 """Soak test of ``jointspec serve``: many requests at mixed concurrency, some clients leaving early; none may be lost.
 
-Starts nothing itself: point it at a running server. The requests run in phases, each at a random concurrency from 1
-to ``--max-concurrency``; each request is streamed or not, chat or completion, with a random ``max_tokens``, and with
-probability ``--disconnect-rate`` its client leaves early (a stream after a few events, a plain request after a random
-delay). Every request must end in one of three ways:
+Starts nothing itself: point it at a running server. The requests run in about 25 phases, each at one
+concurrency: every level from 1 to ``--max-concurrency`` in turn, in a random order. Each request is streamed or not,
+chat or completion, with a random ``max_tokens``, and with probability ``--disconnect-rate`` its client leaves early (a
+stream after a few events, a plain request after a random delay). Every request must end in one of three ways:
 
 * completed: a 200 with a whole answer (a stream: a finish reason, then ``[DONE]``);
 * cancelled: its own client left before the end;
@@ -152,8 +152,10 @@ async def soak(base_url: str, *, num_requests: int = 500, max_concurrency: int =
 
         start = time.perf_counter()
         position = 0
+        levels = list(range(1, max_concurrency + 1))
+        rng.shuffle(levels)  # phases take every concurrency from 1 to the maximum in turn, in a random order
         while position < len(plans):
-            concurrency = rng.randint(1, max_concurrency)
+            concurrency = levels[len(phases) % len(levels)]
             # About 25 phases, whatever the number of requests (10 to 41 requests each for 500).
             phase = plans[position:position + rng.randint(max(1, num_requests // 50), max(2, num_requests // 12))]
             position += len(phase)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchEngine
@@ -188,15 +187,18 @@ def test_a_client_that_leaves_mid_stream_frees_its_row_at_once(make_engine, monk
 
 def test_a_stop_string_ends_the_sequence_in_the_engine_too(make_engine):
     engine = make_engine(max_batch_size=2)
-    client = TestClient(create_app(ServerSettings(), engine))
-    full = client.post("/v1/completions", json={**LONG, "max_tokens": 60}).json()["choices"][0]["text"]
-    # A two-character stop string whose first occurrence is early in the 60-token answer.
-    i = next(i for i in range(1, 20) if full[i:i + 2].isascii() and full[i:i + 2].isprintable()
-             and full.find(full[i:i + 2]) == i)
-    cut = client.post("/v1/completions", json={**LONG, "max_tokens": 60, "stop": full[i:i + 2]}).json()
-    assert cut["choices"][0]["text"] == full[:i] and cut["choices"][0]["finish_reason"] == "stop"
-    # The text stopped; decoding must stop as well, not run on to max_tokens for nobody.
-    eventually(lambda: engine.snapshot().num_cancelled == 1 and rows_freed(engine), "it decoded on after the stop")
+    # A live server: TestClient closes each request's event loop after it, which would cancel the sequence anyway.
+    with live_server(create_app(ServerSettings(), engine)) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        body = {**LONG, "max_tokens": 60}
+        full = http.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        # A two-character stop string whose first occurrence is early in the 60-token answer.
+        i = next(i for i in range(1, 20) if full[i:i + 2].isascii() and full[i:i + 2].isprintable()
+                 and full.find(full[i:i + 2]) == i)
+        cut = http.post(f"{url}/v1/completions", json={**body, "stop": full[i:i + 2]}).json()
+        assert cut["choices"][0]["text"] == full[:i] and cut["choices"][0]["finish_reason"] == "stop"
+        # The text stopped; decoding must stop as well, not run on to max_tokens for nobody.
+        eventually(lambda: engine.snapshot().num_cancelled == 1 and rows_freed(engine),
+                   "it decoded on after the stop")
 
 
 # -- shutdown ---------------------------------------------------------------------------------------------------
