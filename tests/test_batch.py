@@ -174,3 +174,24 @@ def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_
     with pytest.raises(UnsupportedOptionError, match="cannot run batched"):
         eng.submit(BatchRequest([5], GREEDY, MethodConfig("test-unbatchable")))
     assert not eng.has_work
+
+
+def test_corpus_lookup_runs_batched_and_shares_its_table(target_model, load_draft, references, tmp_path):
+    """`corpus` batches like `pld`: each row drafts from one shared n-gram table (not a copy per request), greedy
+    output equals each prompt decoded alone, and drafts from the table are accepted (a table built from the target's
+    own answers). Deterministic."""
+    from jointspec.drafters.corpus import NgramTable
+
+    answers = [references("ar", GREEDY, i) for i in range(16)]
+    NgramTable.build([PROMPTS[i] + answers[i] for i in range(16)], vocab_size=target_model.config.vocab_size,
+                     min_count=1).save(tmp_path, {"kind": "corpus"})
+    method = MethodConfig("corpus", draft=str(tmp_path), num_draft_tokens=4)
+    eng = engine(target_model, load_draft, 8)
+    outs = eng.generate([BatchRequest(PROMPTS[i], GREEDY, method, seed=i) for i in range(16)])
+    assert outs == answers
+    assert eng.stats.num_accepted_tokens > 0
+    eng.submit(BatchRequest(PROMPTS[0], GREEDY, method))
+    eng.submit(BatchRequest(PROMPTS[1], GREEDY, method))
+    eng.step()
+    drafters = eng.method(method).drafter.drafters.values()
+    assert len(drafters) == 2 and len({id(drafter.table) for drafter in drafters}) == 1

@@ -24,6 +24,7 @@ from jointspec.batch.cache import RaggedCache
 from jointspec.core.draft import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.drafters.corpus import CorpusLookupDrafter
 from jointspec.drafters.model import ModelDrafter, common_prefix_length
 from jointspec.drafters.ngram import PromptLookupDrafter
 
@@ -44,14 +45,16 @@ class BatchDrafter(Protocol):
 
 
 class PerRowDrafter:
-    """A fresh copy of ``prototype`` per sequence; calls go to each copy in turn."""
+    """A fresh copy of ``prototype`` per sequence; calls go to each copy in turn. The attributes named in ``shared``
+    (read-only data such as an n-gram table) are shared by every copy rather than copied per request."""
 
-    def __init__(self, prototype: Drafter) -> None:
+    def __init__(self, prototype: Drafter, shared: tuple[str, ...] = ()) -> None:
         self.prototype = prototype
+        self.shared = {id(getattr(prototype, name)): getattr(prototype, name) for name in shared}
         self.drafters: dict[int, Drafter] = {}
 
     def add(self, seq_id: int, prompt_ids: list[int]) -> None:
-        drafter = copy.deepcopy(self.prototype)
+        drafter = copy.deepcopy(self.prototype, memo=dict(self.shared))
         drafter.start(prompt_ids)
         self.drafters[seq_id] = drafter
 
@@ -151,6 +154,7 @@ class BatchModelDrafter:
 _BATCH_DRAFTERS: dict[type, Callable[[Drafter], BatchDrafter]] = {
     NoDrafter: PerRowDrafter,
     PromptLookupDrafter: PerRowDrafter,
+    CorpusLookupDrafter: lambda drafter: PerRowDrafter(drafter, shared=("table",)),
     ModelDrafter: BatchModelDrafter,
 }
 
@@ -171,5 +175,5 @@ def batch_drafter_for(drafter: Drafter, method_name: str) -> BatchDrafter:
         raise UnsupportedOptionError(
             f"method '{method_name}' cannot run batched: its drafter ({type(drafter).__name__}) has no batched "
             f"form; batched methods use drafters {', '.join(sorted(t.__name__ for t in _BATCH_DRAFTERS))} "
-            "(methods ar, pld, sps). Decode it one sequence at a time instead")
+            "(methods ar, pld, corpus, sps). Decode it one sequence at a time instead")
     return make(drafter)

@@ -122,7 +122,7 @@ class BatchEngine:
             if not isinstance(verifier, BATCHABLE_VERIFIERS):
                 raise UnsupportedOptionError(
                     f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
-                    "chain verifier; batched methods are ar, pld and sps")
+                    "chain verifier; batched methods are ar, pld, corpus and sps")
             self._methods[config] = _Method(batch_drafter_for(drafter, config.name), verifier)
         return self._methods[config]
 
