@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 from jointspec.backends.hf import CausalLM
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
-from helpers import SPEC_BENCH_LINES, tiny_llama, tiny_tokenizer, tiny_training_data
+from helpers import SPEC_BENCH_LINES, byte_tokenizer, tiny_llama, tiny_tokenizer, tiny_training_data
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -73,3 +73,16 @@ def bench_prompt_file(tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in SPEC_BENCH_LINES) + "\n\n")
     return path
+
+
+# -- the server tests' model: bytes in, bytes out, so any prompt text round-trips ----------------------------------
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A byte-level tokenizer (259 ids); test modules with another tokenizer define their own fixture."""
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def byte_model():
+    return tiny_llama(3, vocab=259)

@@ -27,17 +27,7 @@ from jointspec.server.metrics import EngineSnapshot
 from jointspec.verifiers.greedy import GreedyVerifier
 
 from helpers import SERVER_TIMEOUT as TIMEOUT
-from helpers import byte_tokenizer, live_server, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def byte_model():
-    return tiny_llama(3, vocab=259)
+from helpers import live_server
 
 
 @pytest.fixture(scope="module")

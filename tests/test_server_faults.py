@@ -31,19 +31,9 @@ from jointspec.server.engine import ServingEngine
 from jointspec.server.lifecycle import DrainingServer
 
 from helpers import SERVER_TIMEOUT as TIMEOUT
-from helpers import byte_tokenizer, live_server, tiny_llama
+from helpers import live_server
 
 LONG = {"prompt": "abc", "max_tokens": 200, "temperature": 0}  # no end-of-sequence token in 200 greedy tokens
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def byte_model():
-    return tiny_llama(3, vocab=259)
 
 
 @pytest.fixture()

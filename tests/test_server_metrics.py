@@ -20,20 +20,10 @@ from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
 from jointspec.server.metrics import ENDPOINTS, OUTCOMES
 
-from helpers import SERVER_TIMEOUT, byte_tokenizer, tiny_llama
+from helpers import SERVER_TIMEOUT
 
 METHODS = {"ar": {"method": "ar"}, "pld": {"method": "pld", "num_draft_tokens": 3},
            "sps": {"method": "sps", "draft": "self", "num_draft_tokens": 4}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def byte_model():
-    return tiny_llama(3, vocab=259)
 
 
 @pytest.fixture()

@@ -28,7 +28,7 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.artifact import artifact_kind, check_head_target, target_fingerprint
 from jointspec.train.data import build_data, read_spec
 from jointspec.train.heads import check_data_folders
-from jointspec.train.kinds import KINDS, TrainKind, kind_named, kinds_taking
+from jointspec.train.kinds import KIND_OPTIONS, TrainKind, kind_named, kinds_taking
 from jointspec.train.sources import training_prompts
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:
     if args.kind == "distill" and args.head is not None:
         raise UnsupportedOptionError("--head is for --kind heads; --kind distill trains a small causal draft")
     kind = kind_named("distill" if args.kind == "distill" else (args.head or "eagle"))
-    for option in sorted({option for other in KINDS.values() for option in other.options}):
+    for option in sorted(KIND_OPTIONS):
         if option == "fuse_layers" and args.data_only:
             continue  # a data folder serves every kind; only the training of a head reads the fused layers
         if getattr(args, option) is not None and option not in kind.options:
@@ -215,7 +215,7 @@ def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:
                                  for name in kinds_taking(option))
             raise UnsupportedOptionError(f"--{option.replace('_', '-')} is for {owners} drafts, not for this "
                                          f"{kind.name} draft")
-    for option in {option for other in KINDS.values() for option in other.options} - {"fuse_layers"}:
+    for option in KIND_OPTIONS - {"fuse_layers"}:
         setattr(args, option, (getattr(args, option) or kind.options[option]) if option in kind.options else None)
     args.layers = args.layers or kind.num_layers
     args.head = None if kind.name == "distill" else kind.name

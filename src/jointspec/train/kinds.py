@@ -37,6 +37,10 @@ KINDS = {kind.name: kind for kind in (
 )}
 
 
+# Every kind-only option of any kind: train-draft checks each against the kind asked for.
+KIND_OPTIONS = frozenset(option for kind in KINDS.values() for option in kind.options)
+
+
 def kind_named(name: str) -> TrainKind:
     if name not in KINDS:
         raise UnsupportedOptionError(f"unknown kind of draft '{name}'; choose one of: {', '.join(KINDS)}")
