@@ -3,7 +3,7 @@
 Fixtures live in ``conftest.py``; plain functions and constants live here, grouped by what they make:
 
 - tiny models: :func:`tiny_llama` (conftest's recipe), :func:`quant_llama` (sizes the int4 kernel takes),
-  :func:`tiny_qwen2` (q/k/v biases);
+  :func:`grouped_llama` (sizes every grouped kernel and the compiled layers take), :func:`tiny_qwen2` (q/k/v biases);
 - prompts and references: :func:`random_prompt`, :func:`hf_greedy` (transformers' own greedy decoding, the reference
   every method must match), :func:`first_occurrences`, :func:`greedy` (a greedy ``DecodeConfig``);
 - decoders built the way the library builds them: :func:`make_decoder` (by method name), :func:`decoder_for` (with a
@@ -73,6 +73,19 @@ def quant_llama(seed: int, *, tied: bool = False) -> LlamaForCausalLM:
     if not tied:  # a random tied model just repeats its input token (the residual stream carries its embedding)
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
+    return model
+
+
+def grouped_llama(seed: int) -> LlamaForCausalLM:
+    """Every layer's in_features a multiple of 64, so every linear can take the grouped kernel."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
     return model
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
@@ -33,10 +32,10 @@ from jointspec.kernels.quantize import Int4Linear, quantization_mode, quantize_m
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
 from helpers import (
-    VOCAB,
     assert_greedy_equivalent,
     greedy,
     greedy_by_methods,
+    grouped_llama,
     random_prompt,
     tiny_qwen2,
     untrained_head,
@@ -112,19 +111,6 @@ def test_weights_already_on_the_grids_come_back_unchanged():
     with torch.no_grad():
         q8.weight.copy_((signed * scale).reshape(out_features, -1))
     assert torch.allclose(GroupedInt8Linear(q8).dequantized(), q8.weight, rtol=0, atol=1e-6)
-
-
-def grouped_llama(seed: int) -> LlamaForCausalLM:
-    """Every layer's in_features a multiple of 64, so every linear can take the grouped kernel."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # sharpen the logits, as conftest does
-    return model
 
 
 def test_int4_mode_takes_the_grouped_kernel_where_it_runs():

@@ -15,10 +15,10 @@ import torch
 from transformers import PreTrainedModel
 
 from jointspec.backends.kvcache import BufferedCache
-from jointspec.backends.lean_forward import lean_forward_for
+from jointspec.backends.lean_forward import LeanCall, lean_forward_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.core.target import ForwardOutput, TargetCapabilities
+from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities, TargetLM
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -136,7 +136,10 @@ class CausalLM:
 
     def fork(self, name: str | None = None) -> CausalLM:
         """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe)."""
-        return CausalLM(self.model, name=name or f"{self.name} (fork)", lean=self.lean is not None)
+        fork = CausalLM(self.model, name=name or f"{self.name} (fork)", lean=False)
+        # The same lean forward (it keeps no sequence state): cheap to fork, and forward_many can run both together.
+        fork.lean = self.lean
+        return fork
 
     def reset(self, *, plain: bool = False) -> None:
         """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
@@ -157,6 +160,23 @@ class CausalLM:
         reads only each row's argmax (greedy verification), so a target with an argmax screen may return
         logits whose other entries are approximate (``capabilities.argmax_screen``; kernels/grouped.py).
         """
+        call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only)
+        if self.lean is not None:
+            logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
+                                       call.num_logits, call.hidden_layers, argmax_only=argmax_only)
+        else:
+            # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
+            keep, layers = call.num_logits, call.hidden_layers
+            out = self.model(input_ids=call.input_ids, position_ids=call.position_ids,
+                             attention_mask=call.attention_mask, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=max(keep, 1), output_hidden_states=bool(layers))
+            self.cache = out.past_key_values
+            logits = out.logits[:, out.logits.shape[1] - keep:]
+            states = {layer: out.hidden_states[layer] for layer in layers}
+        return self._finish(call, output_hidden, logits, states)
+
+    def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only) -> LeanCall:
+        """The model-level arguments of a forward: ids, positions, the tree mask, rows of logits, hidden states."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if n == 0:
@@ -177,22 +197,17 @@ class CausalLM:
         keep = n if num_logits is None else num_logits
         layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
                         | ({-1} if output_hidden else set()))
-        if self.lean is not None:
-            logits, states = self.lean(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers),
-                                       argmax_only=argmax_only)
-        else:
-            # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
-            out = self.model(input_ids=ids, position_ids=positions.reshape(1, -1), attention_mask=mask,
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=max(keep, 1),
-                             output_hidden_states=bool(layers))
-            self.cache = out.past_key_values
-            logits = out.logits[:, out.logits.shape[1] - keep:]
-            states = {layer: out.hidden_states[layer] for layer in layers}
-        self.num_cached = start + n
+        return LeanCall(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers), argmax_only)
+
+    def _finish(self, call: LeanCall, output_hidden: bool, logits: torch.Tensor,
+                states: dict[int, torch.Tensor]) -> ForwardOutput:
+        """Count the new tokens as cached, feed the feature mirrors, and shape the output."""
+        self.num_cached += call.input_ids.shape[1]
         for mirror in self.mirrors:
             if mirror.synced:
                 mirror.append(states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
                               torch.cat([states[layer][0] for layer in mirror.layers], -1))
+        keep = call.num_logits
         hidden = states[-1][0, -keep:] if output_hidden and keep > 0 else None
         return ForwardOutput(logits=logits[0].float(), hidden=hidden)
 
@@ -223,3 +238,20 @@ class CausalLM:
             if mirror.synced:
                 mirror.keep(index)
         self.num_cached = len(positions)
+
+
+@torch.inference_mode()
+def forward_many(targets: list[TargetLM], calls: list[ForwardCall]) -> list[ForwardOutput]:
+    """``[call.run(target) for target, call in zip(targets, calls)]``, with the same results, but in one pass where
+    the targets are adapters of one model on jointspec's compiled CPU layers (:meth:`LeanLlamaForward.forward_many`):
+    the batched engine's round, one sequence per target. Elsewhere each call runs alone."""
+    lean = targets[0].lean if targets and isinstance(targets[0], CausalLM) else None
+    if lean is not None and len(targets) > 1 and all(
+            isinstance(target, CausalLM) and target.lean is lean for target in targets):
+        plans = [target._lean_call(call.token_ids, call.parents, call.num_logits, call.output_hidden,
+                                   call.argmax_only) for target, call in zip(targets, calls)]
+        together = lean.forward_many(plans)
+        if together is not None:
+            return [target._finish(plan, call.output_hidden, logits, states)
+                    for target, plan, call, (logits, states) in zip(targets, plans, calls, together)]
+    return [call.run(target) for target, call in zip(targets, calls)]

@@ -36,6 +36,7 @@ forward, as does ``--kernels stock``.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +116,19 @@ def _rms_norm(norm: llama.LlamaRMSNorm, hidden: torch.Tensor) -> torch.Tensor:
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
     return norm.weight * hidden.to(input_dtype)
+
+
+@dataclass
+class LeanCall:
+    """The arguments of one :meth:`LeanLlamaForward.__call__`, for :meth:`LeanLlamaForward.forward_many`."""
+
+    input_ids: torch.Tensor  # [1, n]
+    position_ids: torch.Tensor  # [1, n]
+    attention_mask: torch.Tensor | None
+    cache: object
+    num_logits: int
+    hidden_layers: tuple[int, ...] = ()
+    argmax_only: bool = False
 
 
 class LeanLlamaForward:
@@ -256,15 +270,88 @@ class LeanLlamaForward:
         hidden = _rms_norm(base.norm, hidden)
         if num_layers in wanted:
             kept[num_layers] = hidden
-        if num_logits > 0:
-            head = model.lm_head
-            if argmax_only and hasattr(head, "argmax_logits"):
-                logits = head.argmax_logits(hidden[:, -num_logits:, :])
-            else:
-                logits = _linear(head, hidden[:, -num_logits:, :])
-        else:
-            logits = hidden.new_zeros(hidden.shape[0], 0, config.vocab_size)
+        logits = self._head(hidden, num_logits, argmax_only)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
+
+    def forward_many(self, calls: list[LeanCall]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]] | None:
+        """Several sequences' forwards (each ``__call__``'s arguments, each with its own cache) in one pass of the
+        compiled layers, or None where that path does not take them all (then call each alone).
+
+        Each call's rows go through the operations ``__call__`` gives them when the call runs alone (the compiled
+        layers and the head compute each row alone), so every call returns the same bits it would alone: a
+        sequence decoded among others commits the tokens it commits by itself. The decoder weights are read once for
+        every row of every sequence, which is what makes serving several requests together cheaper than one at a time.
+        """
+        from jointspec.kernels.quantize import compiled_visibility
+
+        model = self.model
+        base, config = model.model, model.config
+        # A prefill (no logits, many rows) takes faster GEMMs alone, whose rows are not computed alone: not here.
+        if not calls or model.dtype != torch.float32 or any(
+                call.input_ids.shape[0] != 1 or not self._compiled_ready(call.input_ids.shape[1], call.cache)
+                or (call.num_logits == 0 and call.input_ids.shape[1] >= PREFILL_GEMM_ROWS) for call in calls):
+            return None
+        num_layers = config.num_hidden_layers
+        embeds, cos, sin, visible, lengths, keys, values, starts = [], [], [], [], [], [], [], []
+        kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
+        for call in calls:
+            hidden = base.embed_tokens(call.input_ids)  # [1, n, width]
+            n = hidden.shape[1]
+            c, s = base.rotary_emb(hidden, position_ids=call.position_ids)
+            causal_mask = None if call.attention_mask is None else create_causal_mask(
+                config=config, inputs_embeds=hidden, attention_mask=call.attention_mask, past_key_values=call.cache,
+                position_ids=call.position_ids)
+            seen, count = compiled_visibility(causal_mask, call.cache.get_seq_length() + n, n)
+            like = hidden.new_empty(1, kv_heads, 0, head_dim)
+            slots = [layer.append_slots(n, like) for layer in call.cache.layers]
+            assert all(slot[2] == slots[0][2] for slot in slots), "the layers' caches hold different lengths"
+            embeds.append(hidden[0])
+            cos.append(c[0].float())
+            sin.append(s[0].float())
+            visible.append(seen)
+            lengths.append(count)
+            keys.append([slot[0][0] for slot in slots])
+            values.append([slot[1][0] for slot in slots])
+            starts.append(slots[0][2])
+        wanted = sorted({layer % (num_layers + 1) for call in calls for layer in call.hidden_layers})
+        keep = [layer for layer in wanted if 0 < layer < len(self.compiled)]
+        rows, *outputs = self._compiled_stack.forward_many(
+            torch.cat(embeds).contiguous(), [e.shape[0] for e in embeds], starts, visible, lengths, keys, values,
+            torch.cat(cos).contiguous(), torch.cat(sin).contiguous(), keep)
+        normed = _rms_norm(base.norm, rows[None])  # [1, rows, width]: each row alone
+        states, heads = [], []
+        row = 0
+        for call, embed in zip(calls, embeds):
+            n = embed.shape[0]
+            kept = {0: embed[None]} if 0 in wanted else {}
+            kept.update({layer: output[None, row:row + n] for layer, output in zip(keep, outputs)})
+            kept[num_layers] = normed[:, row:row + n]
+            states.append({layer: kept[layer % (num_layers + 1)] for layer in call.hidden_layers})
+            heads.append(normed[0, row + n - max(call.num_logits, 0):row + n])
+            row += n
+        # One head call per kind of head (screened argmax or exact logits) over every call's rows: the head's
+        # weights are the largest single read of a step, and it too computes each row alone.
+        logits: list[torch.Tensor | None] = [None] * len(calls)
+        for argmax_only in (False, True):
+            group = [i for i, call in enumerate(calls) if call.argmax_only == argmax_only]
+            if not group:
+                continue
+            out = self._head(torch.cat([heads[i] for i in group])[None], sum(len(heads[i]) for i in group),
+                             argmax_only)[0]
+            start = 0
+            for i in group:
+                logits[i] = out[None, start:start + len(heads[i])]
+                start += len(heads[i])
+        return list(zip(logits, states))
+
+    def _head(self, hidden: torch.Tensor, num_logits: int, argmax_only: bool) -> torch.Tensor:
+        """The logits of the last ``num_logits`` rows of ``hidden`` ([1, n, width]); none for 0."""
+        if num_logits <= 0:
+            return hidden.new_zeros(hidden.shape[0], 0, self.model.config.vocab_size)
+        head = self.model.lm_head
+        if argmax_only and hasattr(head, "argmax_logits"):
+            return head.argmax_logits(hidden[:, -num_logits:, :])
+        return _linear(head, hidden[:, -num_logits:, :])
 
     def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
         """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out."""

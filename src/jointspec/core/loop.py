@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jointspec.core.draft import Drafter, tree_depths
+from jointspec.core.draft import Draft, Drafter, tree_depths
 from jointspec.core.errors import ContextTooLongError
 from jointspec.core.sampling import SamplingConfig
-from jointspec.core.target import TargetLM
+from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
 from jointspec.core.verdict import Verifier
 
 
@@ -113,6 +113,24 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+@dataclass
+class DecodeState:
+    """One sequence between rounds: its tokens (prompt and committed), where it must stop, and the round in flight."""
+
+    tokens: list[int]
+    end: int  # the sequence stops growing at this length (max_new_tokens or the context)
+    config: DecodeConfig
+    generator: torch.Generator | None
+    argmax_only: bool  # greedy verification may read the target's screened argmax
+    done: bool = False
+    stopped: bool = False  # it ended on an end-of-sequence token
+    draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
+    depths: list[int] = field(default_factory=list)
+    num_accepted: int = 0  # the last round's
+    draft_seconds: float = 0.0
+    verify_start: float = 0.0
+
+
 class SpeculativeDecoder:
     """Runs rounds of draft -> verify -> commit for one sequence at a time."""
 
@@ -125,6 +143,17 @@ class SpeculativeDecoder:
     def stream(self, prompt_ids: list[int], config: DecodeConfig,
                generator: torch.Generator | None = None) -> Iterator[list[int]]:
         """Yield the tokens committed by each round; ``self.stats`` describes the generation when it ends."""
+        state = self.start(prompt_ids, config, generator)
+        while not state.done:
+            yield self.finish_round(state, self.begin_round(state).run(self.target))
+
+    # The round in two halves, so that a batched engine (batch/lockstep.py) can run many sequences' target forwards
+    # as one: ``begin_round`` drafts and says what the target must score, ``finish_round`` verifies and commits.
+    # ``stream`` is exactly these calls with the forward in between.
+
+    def start(self, prompt_ids: list[int], config: DecodeConfig,
+              generator: torch.Generator | None = None) -> DecodeState:
+        """Prefill the target with the prompt and start the drafter; ``self.stats`` starts afresh."""
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         max_context = self.target.max_context
@@ -144,39 +173,48 @@ class SpeculativeDecoder:
         self.drafter.start(tokens)
         stats.prefill_seconds = time.perf_counter() - start
         # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
-        argmax_only = ({"argmax_only": True} if config.sampling.greedy and self.target.capabilities.argmax_screen
-                       and getattr(self.verifier, "reads_argmax_when_greedy", False) else {})
+        argmax_only = (config.sampling.greedy and self.target.capabilities.argmax_screen
+                       and getattr(self.verifier, "reads_argmax_when_greedy", False))
+        return DecodeState(tokens, end, config, generator, argmax_only)
 
-        while len(tokens) < end:
-            # 1. Propose, leaving room for the one token the target always adds.
-            t0 = time.perf_counter()
-            draft = self.drafter.propose(tokens, end - len(tokens) - 1, config.sampling, generator)
-            t1 = time.perf_counter()
-            parents = draft.node_parents()
-            depths = tree_depths(parents)
-            assert max(depths, default=-1) + 1 <= end - len(tokens) - 1, "drafter exceeded its draft budget"
+    def begin_round(self, state: DecodeState) -> ForwardCall:
+        """Draft (1.) and return the target forward that scores the pending token and the draft (2.)."""
+        tokens = state.tokens
+        t0 = time.perf_counter()
+        # 1. Propose, leaving room for the one token the target always adds.
+        draft = self.drafter.propose(tokens, state.end - len(tokens) - 1, state.config.sampling, state.generator)
+        state.draft_seconds = time.perf_counter() - t0
+        parents = draft.node_parents()
+        state.depths = tree_depths(parents)
+        assert max(state.depths, default=-1) + 1 <= state.end - len(tokens) - 1, "drafter exceeded its draft budget"
+        state.draft = draft
+        state.verify_start = time.perf_counter()
+        # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
+        return ForwardCall([tokens[-1]] + draft.token_ids,
+                           parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
+                           argmax_only=state.argmax_only)
 
-            # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
-            num_committed = len(tokens)
-            logits = self.target.forward([tokens[-1]] + draft.token_ids,
-                                         parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
-                                         **argmax_only).logits
+    def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
+        """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""
+        tokens, draft, stats = state.tokens, state.draft, self.stats
+        # 3. Verify.
+        verdict = self.verifier.verify(draft, output.logits, state.config.sampling, state.generator)
 
-            # 3. Verify.
-            verdict = self.verifier.verify(draft, logits, config.sampling, generator)
-
-            # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
-            self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
-            new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
-            tokens.extend(new_tokens)
-            stats.record(depths, verdict.num_accepted, len(new_tokens))
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += time.perf_counter() - t1
-            if not stopped:
-                self.drafter.commit(tokens, verdict.num_accepted)
-            yield new_tokens
-            if stopped:
-                return
+        # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
+        num_committed = len(tokens)
+        self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
+        new_tokens, stopped = committed_tokens(verdict.token_ids, state.config.eos_token_ids)
+        tokens.extend(new_tokens)
+        stats.record(state.depths, verdict.num_accepted, len(new_tokens))
+        stats.draft_seconds += state.draft_seconds
+        stats.verify_seconds += time.perf_counter() - state.verify_start
+        state.num_accepted = verdict.num_accepted
+        state.done = stopped or len(tokens) >= state.end
+        state.stopped = stopped
+        if not stopped:
+            self.drafter.commit(tokens, verdict.num_accepted)
+        state.draft = None
+        return new_tokens
 
     def generate(self, prompt_ids: list[int], config: DecodeConfig,
                  generator: torch.Generator | None = None) -> list[int]:

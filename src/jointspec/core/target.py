@@ -26,6 +26,22 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True)
+class ForwardCall:
+    """One :meth:`TargetLM.forward` call's arguments, as a value: what the decode loop asks of its target each round,
+    so that a batched engine can run many sequences' calls together (``forward_many`` in the backends)."""
+
+    token_ids: list[int]
+    parents: list[int] | None = None
+    num_logits: int | None = None
+    output_hidden: bool = False
+    argmax_only: bool = False
+
+    def run(self, target: TargetLM) -> ForwardOutput:
+        return target.forward(self.token_ids, parents=self.parents, num_logits=self.num_logits,
+                              output_hidden=self.output_hidden, argmax_only=self.argmax_only)
+
+
+@dataclass(frozen=True)
 class TargetCapabilities:
     """What a target can do beyond chains of tokens and logits.
 

@@ -577,34 +577,18 @@ torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor va
   return out;
 }
 
-// hidden [rows, width] -> the layer's output [rows, width]. Each projection as weights_of() reads it: (packed,
-// scale, minimum) for 4 bits, (levels, scale) for 8; qkv gives q, k and v as parts (parts_of: fused, or one each;
-// q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
-// cos / sin [rows, dim] come from the model's rotary embedding. The new keys and values go to rows start ..
-// start + rows - 1 of key_cache / value_cache ([kv_heads, capacity, dim], contiguous rows); each row then attends
-// to the keys `visible` / `lengths` give it (as attention() above), scaled by `scale`. `gemm`: the projections
-// through multiply_gemm (a prefill; its rows are then not computed alone), else row by row.
-torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
-                            std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
-                            std::vector<std::vector<torch::Tensor>> gate_up, std::vector<torch::Tensor> down,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
-                            int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
-                            double scale, bool gemm) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
-              hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
-  const int64_t rows = hidden.size(0), width = hidden.size(1);
-  const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
-  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-  TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
-              "width must be a multiple of 64, head_dim of 16 (at most 256), heads of kv_heads");
-  for (const auto* t : {&input_norm, &post_norm}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == width,
-                "norm weights must be float32 [width]");
-  }
-  for (const auto* t : {&cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
-                t->size(1) == dim, "cos and sin must be contiguous float32 [rows, head_dim]");
-  }
+// One sequence's rows in a decoder-layer call: rows row_begin .. row_begin + rows - 1 of the hidden matrix, whose new
+// keys and values go to entries start .. start + rows - 1 of its own cache buffers ([kv_heads, capacity, dim],
+// contiguous rows) and which attend to the keys `index` lists per row (visible_keys()).
+struct Segment {
+  int64_t row_begin, rows, start;
+  float *key_base, *value_base;
+  int64_t key_stride, value_stride;
+  const std::vector<std::vector<int64_t>>* index;  // per row, ascending: owned by the caller
+};
+
+Segment segment_of(int64_t row_begin, int64_t rows, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                   int64_t start, const std::vector<std::vector<int64_t>>& index, int64_t kv_heads, int64_t dim) {
   for (const auto* t : {&key_cache, &value_cache}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim &&
                 t->stride(2) == 1 && t->stride(1) == dim, "caches must be float32 [kv_heads, capacity, dim] with "
@@ -612,15 +596,26 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   }
   TORCH_CHECK(start >= 0 && start + rows <= key_cache.size(1) && value_cache.size(1) >= start + rows,
               "the caches have no room for ", rows, " entries after ", start);
-  const Parts w_qkv = parts_of(qkv, width, "qkv");
-  const Weights w_o = weights_of(o_proj, q_size, "o_proj");
-  const Parts w_gu = parts_of(gate_up, width, "gate_up");
+  return {row_begin, rows, start, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.stride(0),
+          value_cache.stride(0), &index};
+}
+
+// hidden [rows, width] -> the layer's output [rows, width]. Each projection as weights_of() reads it: (packed,
+// scale, minimum) for 4 bits, (levels, scale) for 8; qkv gives q, k and v as parts (parts_of: fused, or one each;
+// q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
+// cos / sin [rows, dim] come from the model's rotary embedding. The rows belong to one or more sequences
+// (`segments`); each segment's new keys and values go to its own cache, and its rows attend to its own keys (as
+// attention() above), scaled by `scale`. The projections take every row of every segment in one pass (each row
+// computed alone, so a row's result does not depend on the other sequences in the call). `gemm`: the projections
+// through multiply_gemm (a prefill; its rows are then not computed alone), else row by row.
+torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tensor& input_norm,
+                                  const torch::Tensor& post_norm, double eps, const Parts& w_qkv, const Weights& w_o,
+                                  const Parts& w_gu, const Weights& w_down, const torch::Tensor& cos,
+                                  const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t heads,
+                                  int64_t kv_heads, int64_t dim, double scale, bool gemm) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   const int64_t intermediate = w_gu.out_features / 2;
-  const Weights w_down = weights_of(down, intermediate, "down");
-  TORCH_CHECK(w_qkv.out_features == q_size + 2 * kv_size && w_o.out_features == width &&
-              w_gu.out_features == 2 * intermediate && intermediate % 64 == 0 && w_down.out_features == width,
-              "projection shapes do not fit the layer");
-  const auto index = visible_keys(visible, lengths, rows, start + rows);
   const float epsilon = static_cast<float>(eps);
   const float* h = hidden.data_ptr<float>();
   auto out = hidden.clone();
@@ -632,20 +627,23 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   for (int64_t r = 0; r < rows; ++r)
     rms_norm(h + r * width, input_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
   w_qkv.apply(normed.data(), rows, projected.data(), gemm);
-  float* key_base = key_cache.data_ptr<float>();
-  float* value_base = value_cache.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = projected.data() + r * (q_size + 2 * kv_size);
-    const float* c = cos.data_ptr<float>() + r * dim;
-    const float* sn = sin.data_ptr<float>() + r * dim;
-    for (int64_t head = 0; head < heads; ++head) rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      rotate(row + q_size + g * dim, c, sn, dim, key_base + g * key_cache.stride(0) + (start + r) * dim);
-      std::copy_n(row + q_size + kv_size + g * dim, dim, value_base + g * value_cache.stride(0) + (start + r) * dim);
+  for (const Segment& s : segments) {
+    for (int64_t i = 0; i < s.rows; ++i) {
+      const int64_t r = s.row_begin + i;
+      const float* row = projected.data() + r * (q_size + 2 * kv_size);
+      const float* c = cos.data_ptr<float>() + r * dim;
+      const float* sn = sin.data_ptr<float>() + r * dim;
+      for (int64_t head = 0; head < heads; ++head)
+        rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        rotate(row + q_size + g * dim, c, sn, dim, s.key_base + g * s.key_stride + (s.start + i) * dim);
+        std::copy_n(row + q_size + kv_size + g * dim, dim, s.value_base + g * s.value_stride + (s.start + i) * dim);
+      }
     }
+    attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, s.key_base, s.key_stride, s.value_base,
+               s.value_stride, *s.index, heads, kv_heads, dim, static_cast<float>(scale),
+               attended.data() + s.row_begin * q_size);
   }
-  attend_all(rotated.data(), dim, q_size, key_base, key_cache.stride(0), value_base, value_cache.stride(0), index,
-             heads, kv_heads, dim, static_cast<float>(scale), attended.data());
   w_o.apply(attended.data(), rows, mixed.data(), gemm);
   add_into(o, mixed.data(), rows * width);
   // MLP block.
@@ -658,6 +656,64 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   w_down.apply(activated.data(), rows, mixed.data(), gemm);
   add_into(o, mixed.data(), rows * width);
   return out;
+}
+
+// The checks every layer call makes of its inputs; returns the parsed projections.
+struct LayerWeights {
+  Parts qkv;
+  Weights o;
+  Parts gate_up;
+  Weights down;
+};
+
+LayerWeights layer_weights(const torch::Tensor& hidden, const torch::Tensor& input_norm,
+                           const torch::Tensor& post_norm, const std::vector<std::vector<torch::Tensor>>& qkv,
+                           const std::vector<torch::Tensor>& o_proj,
+                           const std::vector<std::vector<torch::Tensor>>& gate_up,
+                           const std::vector<torch::Tensor>& down, const torch::Tensor& cos, const torch::Tensor& sin,
+                           int64_t heads, int64_t kv_heads, int64_t dim) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
+              hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
+              "width must be a multiple of 64, head_dim of 16 (at most 256), heads of kv_heads");
+  for (const auto* t : {&input_norm, &post_norm}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == width,
+                "norm weights must be float32 [width]");
+  }
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
+                t->size(1) == dim, "cos and sin must be contiguous float32 [rows, head_dim]");
+  }
+  LayerWeights w{parts_of(qkv, width, "qkv"), weights_of(o_proj, q_size, "o_proj"),
+                 parts_of(gate_up, width, "gate_up"), {}};
+  const int64_t intermediate = w.gate_up.out_features / 2;
+  w.down = weights_of(down, intermediate, "down");
+  TORCH_CHECK(w.qkv.out_features == q_size + 2 * kv_size && w.o.out_features == width &&
+              w.gate_up.out_features == 2 * intermediate && intermediate % 64 == 0 && w.down.out_features == width,
+              "projection shapes do not fit the layer");
+  return w;
+}
+
+// One sequence's rows through one layer (layer_over_segments with a single segment): new keys and values go to rows
+// start .. start + rows - 1 of key_cache / value_cache, and each row attends to the keys `visible` / `lengths` give
+// it (as attention() above).
+torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+                            std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
+                            std::vector<std::vector<torch::Tensor>> gate_up, std::vector<torch::Tensor> down,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
+                            int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
+                            double scale, bool gemm) {
+  TORCH_CHECK(key_cache.dim() == 3, "caches must be float32 [kv_heads, capacity, dim] with contiguous rows");
+  const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
+  const LayerWeights w = layer_weights(hidden, input_norm, post_norm, qkv, o_proj, gate_up, down, cos, sin, heads,
+                                       kv_heads, dim);
+  const auto index = visible_keys(visible, lengths, hidden.size(0), start + hidden.size(0));
+  const std::vector<Segment> segments{segment_of(0, hidden.size(0), key_cache, value_cache, start, index, kv_heads,
+                                                 dim)};
+  return layer_over_segments(hidden, input_norm, post_norm, eps, w.qkv, w.o, w.gate_up, w.down, cos, sin, segments,
+                             heads, kv_heads, dim, scale, gemm);
 }
 
 // The decoder layers of one model, registered once, run in one call: a forward then crosses from Python to C++
@@ -690,6 +746,60 @@ class CompiledLayers {
       const Layer& l = layers_[i];
       hidden = decoder_layer(hidden, l.input_norm, l.post_norm, l.eps, l.qkv, l.o_proj, l.gate_up, l.down, cos, sin,
                              keys_[i], values_[i], start, visible, lengths, l.heads, l.scale, gemm);
+      for (size_t j = 0; j < keep.size(); ++j)
+        if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
+    }
+    std::vector<torch::Tensor> out{hidden};
+    out.insert(out.end(), kept.begin(), kept.end());
+    return out;
+  }
+
+  // Several sequences' rows through every layer in one pass (the batched engine's round): hidden [rows, width] holds
+  // row_counts[s] consecutive rows of sequence s, whose new entries go at starts[s] .. of its own buffers keys[s][i]
+  // / values[s][i] for layer i, and whose rows see the keys visible[s] / lengths[s] give them (as forward() takes
+  // them). Each row goes through exactly the operations forward() gives it when its sequence is run alone, so its
+  // results are the same bits. Returns what forward() returns, over all rows.
+  std::vector<torch::Tensor> forward_many(torch::Tensor hidden, std::vector<int64_t> row_counts,
+                                          std::vector<int64_t> starts, std::vector<torch::Tensor> visible,
+                                          std::vector<torch::Tensor> lengths,
+                                          std::vector<std::vector<torch::Tensor>> keys,
+                                          std::vector<std::vector<torch::Tensor>> values, torch::Tensor cos,
+                                          torch::Tensor sin, std::vector<int64_t> keep) {
+    const size_t count = row_counts.size();
+    TORCH_CHECK(!layers_.empty(), "no layers registered");
+    TORCH_CHECK(starts.size() == count && visible.size() == count && lengths.size() == count &&
+                keys.size() == count && values.size() == count, "one start, visibility, lengths and set of caches "
+                "per sequence");
+    int64_t total = 0;
+    for (size_t s = 0; s < count; ++s) {
+      TORCH_CHECK(row_counts[s] > 0, "sequence ", s, " has no rows");
+      TORCH_CHECK(keys[s].size() == layers_.size() && values[s].size() == layers_.size(), "sequence ", s,
+                  ": one key and one value buffer per layer");
+      total += row_counts[s];
+    }
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == total, "hidden must hold the rows of every sequence: ", total,
+                " rows");
+    TORCH_CHECK(keys[0][0].dim() == 3, "caches must be float32 [kv_heads, capacity, dim] with contiguous rows");
+    const int64_t kv_heads = keys[0][0].size(0), dim = keys[0][0].size(2);
+    std::vector<std::vector<std::vector<int64_t>>> index(count);
+    std::vector<int64_t> begins(count);
+    for (size_t s = 0, row = 0; s < count; row += row_counts[s], ++s) {
+      index[s] = visible_keys(visible[s], lengths[s], row_counts[s], starts[s] + row_counts[s]);
+      begins[s] = static_cast<int64_t>(row);
+    }
+    std::vector<torch::Tensor> kept(keep.size());
+    std::vector<Segment> segments;
+    segments.reserve(count);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      const LayerWeights w = layer_weights(hidden, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, cos,
+                                           sin, l.heads, kv_heads, dim);
+      segments.clear();
+      for (size_t s = 0; s < count; ++s)
+        segments.push_back(segment_of(begins[s], row_counts[s], keys[s][i], values[s][i], starts[s], index[s],
+                                      kv_heads, dim));
+      hidden = layer_over_segments(hidden, l.input_norm, l.post_norm, l.eps, w.qkv, w.o, w.gate_up, w.down, cos, sin,
+                                   segments, l.heads, kv_heads, dim, l.scale, false);
       for (size_t j = 0; j < keep.size(); ++j)
         if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
     }
@@ -940,7 +1050,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("add_layer", &CompiledLayers::add_layer)
       .def("set_caches", &CompiledLayers::set_caches)
-      .def("forward", &CompiledLayers::forward);
+      .def("forward", &CompiledLayers::forward)
+      .def("forward_many", &CompiledLayers::forward_many);
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false);
   m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
