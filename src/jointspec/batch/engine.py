@@ -73,6 +73,7 @@ class BatchEvent:
     num_drafted: int = 0
     num_accepted: int = 0
     stats: SpecStats | None = None  # the sequence's whole-generation stats, on its last event
+    depths: list[int] | None = None  # the round's draft nodes' depths (None: a chain of num_drafted)
 
 
 @dataclass
@@ -92,8 +93,10 @@ class _Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
-class BatchEngine:
-    """Decodes many requests together. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
+class EngineBase:
+    """What both batched engines share: the request queue, draft models loaded once, cancelling, ``generate``.
+    Subclasses define ``method`` (raise for a config they cannot run), ``_new_sequence``, ``_join``,
+    ``_drop_active`` and ``step``."""
 
     def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
@@ -104,27 +107,33 @@ class BatchEngine:
         self.max_batch_size = max_batch_size
         self._load_draft = load_draft
         self._drafts: dict[str, tuple[CausalLM, object]] = {}
-        self._methods: dict[MethodConfig, _Method] = {}
-        self.cache = RaggedCache(target)
-        self.waiting: deque[_Sequence] = deque()
-        self.active: dict[int, _Sequence] = {}
+        self.waiting: deque = deque()
+        self.active: dict = {}
         self._ids = itertools.count()
-        self._cancelled: list[_Sequence] = []
+        self._cancelled: list = []
         self.stats = SpecStats()  # every round of every sequence since the engine started
 
-    # -- requests -----------------------------------------------------------------------------------------------
+    def method(self, config: MethodConfig):
+        raise NotImplementedError
 
-    def method(self, config: MethodConfig) -> _Method:
-        """The batched drafter + verifier for ``config``, built once; raises if the method cannot batch."""
-        if config not in self._methods:
-            context = MethodContext(config, self.target, self.tokenizer, self._draft_model)
-            drafter, verifier = build_method(context)
-            if not isinstance(verifier, BATCHABLE_VERIFIERS):
-                raise UnsupportedOptionError(
-                    f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
-                    "chain verifier; batched methods are ar, pld, corpus and sps")
-            self._methods[config] = _Method(batch_drafter_for(drafter, config.name), verifier)
-        return self._methods[config]
+    def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator):
+        raise NotImplementedError
+
+    def _drop_active(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list[BatchEvent]:
+        raise NotImplementedError
+
+    def _join(self) -> None:
+        raise NotImplementedError
+
+    def _admit(self) -> list[BatchEvent]:
+        """A round's start: the "cancelled" events due, then waiting requests join while rows are free."""
+        events = [BatchEvent(seq.seq_id, [], "cancelled", stats=seq.stats) for seq in self._cancelled]
+        self._cancelled = []
+        self._join()
+        return events
 
     def _draft_model(self, source: str) -> tuple[CausalLM, object]:
         if self._load_draft is None:
@@ -132,7 +141,7 @@ class BatchEngine:
         if source not in self._drafts:
             self._drafts[source] = self._load_draft(source)
         draft, tokenizer = self._drafts[source]
-        # Each method config gets its own adapter (and cache) around the shared weights.
+        # Each method config (or request) gets its own adapter (and cache) around the shared weights.
         return draft.fork(draft.name), tokenizer
 
     def check(self, request: BatchRequest) -> None:
@@ -148,9 +157,7 @@ class BatchEngine:
         self.check(request)
         seq_id = next(self._ids)
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
-        end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
-        self.waiting.append(_Sequence(seq_id, request, self.method(request.method), generator,
-                                      list(request.prompt_ids), end))
+        self.waiting.append(self._new_sequence(seq_id, request, generator))
         return seq_id
 
     def cancel(self, seq_id: int) -> None:
@@ -161,11 +168,51 @@ class BatchEngine:
                 self._cancelled.append(seq)
         if seq_id in self.active:
             self._cancelled.append(self.active[seq_id])
-            self._leave({seq_id})
+            self._drop_active(seq_id)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.active or self._cancelled)
+
+    def generate(self, requests: Iterable[BatchRequest]) -> list[list[int]]:
+        """Decode ``requests`` to the end; the new tokens of each, in order."""
+        ids = [self.submit(request) for request in requests]
+        out: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+        while self.has_work:
+            for event in self.step():
+                out[event.seq_id].extend(event.token_ids)
+        return [out[seq_id] for seq_id in ids]
+
+
+class BatchEngine(EngineBase):
+    """Decodes many requests together. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
+
+    def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
+                 load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
+        super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
+        self._methods: dict[MethodConfig, _Method] = {}
+        self.cache = RaggedCache(target)
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def method(self, config: MethodConfig) -> _Method:
+        """The batched drafter + verifier for ``config``, built once; raises if the method cannot batch."""
+        if config not in self._methods:
+            context = MethodContext(config, self.target, self.tokenizer, self._draft_model)
+            drafter, verifier = build_method(context)
+            if not isinstance(verifier, BATCHABLE_VERIFIERS):
+                raise UnsupportedOptionError(
+                    f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
+                    "chain verifier; batched methods are ar, pld, corpus and sps")
+            self._methods[config] = _Method(batch_drafter_for(drafter, config.name), verifier)
+        return self._methods[config]
+
+    def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
+        end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
+        return _Sequence(seq_id, request, self.method(request.method), generator, list(request.prompt_ids), end)
+
+    def _drop_active(self, seq_id: int) -> None:
+        self._leave({seq_id})
 
     def _join(self) -> None:
         while self.waiting and len(self.active) < self.max_batch_size:
@@ -186,9 +233,7 @@ class BatchEngine:
 
     def step(self) -> list[BatchEvent]:
         """Admit waiting requests, run one round for every active sequence, return what each one got."""
-        events = [BatchEvent(seq.seq_id, [], "cancelled", stats=seq.stats) for seq in self._cancelled]
-        self._cancelled = []
-        self._join()
+        events = self._admit()
         if not self.active:
             return events
         rows = [self.active[seq_id] for seq_id in self.cache.row_ids]
@@ -247,12 +292,3 @@ class BatchEngine:
                 alive[0].method.drafter.commit([s.seq_id for s in alive], [s.tokens for s in alive],
                                                [num_accepted[s.seq_id] for s in alive])
         return events
-
-    def generate(self, requests: Iterable[BatchRequest]) -> list[list[int]]:
-        """Decode ``requests`` to the end; the new tokens of each, in order."""
-        ids = [self.submit(request) for request in requests]
-        out: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
-        while self.has_work:
-            for event in self.step():
-                out[event.seq_id].extend(event.token_ids)
-        return [out[seq_id] for seq_id in ids]

@@ -106,6 +106,11 @@ class CostCurve:
             raise ValueError(f"draft_cost_per_token must be finite and >= 0, got {self.draft_cost_per_token}")
         # A sorted private copy: the caller's mapping may change later, the curve must not.
         object.__setattr__(self, "target_cost", {n: float(self.target_cost[n]) for n in sizes})
+        # The running maximum, computed once: cost() runs for every candidate length of every round of every row.
+        envelope = list(self.target_cost.values())
+        for i in range(1, len(envelope)):
+            envelope[i] = max(envelope[i], envelope[i - 1])
+        object.__setattr__(self, "_envelope", tuple(envelope))
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -115,10 +120,7 @@ class CostCurve:
         """Cost of one target forward of ``num_inputs`` tokens (``>= 1``)."""
         if num_inputs < 1:
             raise ValueError(f"a target forward has at least 1 token, got {num_inputs}")
-        sizes = self.sizes
-        envelope = list(self.target_cost.values())
-        for i in range(1, len(envelope)):
-            envelope[i] = max(envelope[i], envelope[i - 1])
+        sizes, envelope = self.sizes, self._envelope
         i = next((i for i, n in enumerate(sizes) if n >= num_inputs), len(sizes) - 1)
         i = max(i, 1)
         low, high = sizes[i - 1], sizes[i]

@@ -9,6 +9,7 @@ hold the target's next token: a head carries that measurement in its own ``draft
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import replace
 
 from jointspec.core.draft import Drafter
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 MIN_TREE_GAIN = 1.15
 
 
+# The expected tree gain per (target weights, head), once measured: a server builds `default` for every request, and
+# loading the head to measure it again costs more than a short answer takes to decode.
+_TREE_GAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @register_method("default", "what `generate` runs: hybrid-tree with the head shipped for the target where its measured "
                  "cost curve says the tree pays, else cost-aware corpus or pld (lossless)",
                  lossless=True, cost_aware=True)
@@ -45,7 +51,9 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     head = context.config.draft
     if head is None and trees_and_heads:
         head = shipped_head_for(context.target)
-    if head is None:
+    remembered = _TREE_GAINS.get(context.target.model, {}).get(str(head)) if capabilities.torch_module else None
+    if head is None or (remembered is not None and remembered < MIN_TREE_GAIN and context.config.draft is None
+                        and not context.config.tree and not context.config.tree_budget):
         config = lookup()
     elif not trees_and_heads:
         config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
@@ -59,6 +67,8 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
             return drafter, verifier  # a draft or a tree asked for: keep them
         draft = drafter.draft
         gain = expected_tree_gain(drafter.curve, draft_cost_per_call(draft), top_w_hit_rate(config.draft))
+        if capabilities.torch_module:
+            _TREE_GAINS.setdefault(context.target.model, {})[str(head)] = gain
         if gain >= MIN_TREE_GAIN:
             return drafter, verifier
         log.info("default: the head's tree is expected at %.2fx of plain decoding on this target (under %.2fx): "

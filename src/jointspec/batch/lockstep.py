@@ -1,0 +1,188 @@
+"""Batched decoding on the single-sequence loop: each request its own decoder, every round's target forwards as one.
+
+:class:`~jointspec.batch.engine.BatchEngine` batches by rewriting the round for a ragged batch, so it runs only the
+methods it has batched forms for. This engine batches the other way round: every request gets exactly what
+``jointspec generate`` runs for it (a :class:`~jointspec.core.loop.SpeculativeDecoder` over its own fork of the
+target, with the method's own drafter and verifier: ``default``, trees, trained heads, lookup, anything), and the
+engine runs the rounds of all of them in lockstep:
+
+1. each sequence drafts (``SpeculativeDecoder.begin_round``) and says what its target must score;
+2. one call scores every sequence's pending token and draft (:func:`jointspec.backends.hf.forward_many`): on
+   jointspec's compiled CPU layers the decoder weights are read once for all of them, and every row is computed
+   alone, so each sequence's logits are the bits its own forward would give;
+3. each sequence verifies and commits (``SpeculativeDecoder.finish_round``).
+
+So a request's tokens are the tokens ``generate`` gives it with the same model, method and seed, whatever else is in
+the batch and whenever it joined (``tests/test_batch_lockstep.py``). Prompts are prefilled one at a time as they
+join (a prefill takes GEMM kernels that are not row by row, and ``generate`` runs it alone too).
+
+Where the target has no compiled layers (a float32 model), step 2 runs the forwards one after another: still
+correct, with none of the batching gain; :func:`engine_for` then picks the ragged engine, unless the method is one
+only this engine runs.
+
+Load-aware drafting: a draft that pays for one sequence alone can cost the batch more than it gains once the
+forward is busy with other rows. Each round the engine tells every cost-aware drafter the cost curve that its draft
+tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink, and stop, as the batch fills.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from jointspec.backends.hf import CausalLM, forward_many
+from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
+from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, CostCurve, measure_cost_curve
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+log = logging.getLogger(__name__)
+
+
+def compiled_target(target) -> bool:
+    """Whether ``target`` runs on jointspec's compiled CPU layers, where :func:`forward_many` batches."""
+    lean = getattr(target, "lean", None)
+    return isinstance(target, CausalLM) and lean is not None and lean.compiled is not None
+
+
+def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, max_batch_size: int = 16,
+               load_draft=None):
+    """The batched engine for ``target`` (and the server's ``method``): lockstep on the compiled CPU layers (every
+    method, ``generate``'s tokens, one pass of the weights a round); elsewhere the ragged-cache engine (chain methods,
+    one transformers forward over the padded batch), unless ``method`` is one it cannot batch: then lockstep too, whose
+    rounds there run the sequences' forwards one after another (correct, without the batching gain)."""
+    options = dict(max_batch_size=max_batch_size, load_draft=load_draft)
+    if compiled_target(target):
+        return LockstepEngine(target, tokenizer, **options)
+    ragged = BatchEngine(target, tokenizer, **options)
+    if method is not None:
+        try:
+            ragged.method(method)
+        except UnsupportedOptionError as error:
+            log.warning("%s; decoding every request with its own loop, the sequences of a round one after another",
+                        error)
+            return LockstepEngine(target, tokenizer, **options)
+    return ragged
+
+
+# The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward.
+BATCH_CURVE_SIZES = (*DEFAULT_SIZES, 33, 65)
+
+
+def batch_cost_curve(curve: CostCurve, other_rows: int) -> CostCurve:
+    """The cost curve one sequence's draft sees in a batch forward that also scores ``other_rows`` other rows.
+
+    ``curve`` gives the cost of one forward of n rows. In the batch, a sequence that feeds n rows pays its share of
+    the rows the forward scores anyway plus what its extra rows add: ``T_b(n) = T(b + 1) / (b + 1) + T(b + n) -
+    T(b + 1)`` for ``b`` other rows. Alone (b = 0) that is ``T(n)``; in a full batch an extra row costs about what a
+    row's share does, so a draft pays only where its tokens are accepted nearly as often as they cost, and
+    :func:`~jointspec.drafters.costaware.choose_num_draft_tokens` then drafts nothing: the batch decodes as
+    batched ``ar`` would. The draft cost per token stays the drafter's own.
+    """
+    if other_rows <= 0:
+        return curve
+    share = curve.cost(other_rows + 1) / (other_rows + 1)
+    base = curve.cost(other_rows + 1)
+    return CostCurve({n: share + curve.cost(other_rows + n) - base for n in curve.sizes},
+                     curve.draft_cost_per_token)
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    request: BatchRequest
+    decoder: SpeculativeDecoder
+    generator: torch.Generator
+    state: DecodeState | None = None  # set when it joins
+    single_curve: CostCurve | None = None  # a cost-aware drafter's own curve, before the batch's replaces it
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class LockstepEngine(EngineBase):
+    """Decodes many requests together, each by its own decoder (module docstring). The same interface as
+    :class:`~jointspec.batch.engine.BatchEngine`. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
+
+    def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
+                 load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
+        super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
+        self._checked: set[MethodConfig] = set()
+        self._curve: CostCurve | None = None
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def _decoder(self, config: MethodConfig) -> SpeculativeDecoder:
+        """A decoder for one request: the method built on a fork of the target, as ``generate`` builds it."""
+        fork = self.target.fork(self.target.name)
+        drafter, verifier = build_method(MethodContext(config, fork, self.tokenizer, self._draft_model))
+        return SpeculativeDecoder(fork, drafter, verifier)
+
+    def method(self, config: MethodConfig) -> None:
+        """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once."""
+        if config not in self._checked:
+            self._decoder(config)
+            self._checked.add(config)
+
+    def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
+        return _Sequence(seq_id, request, self._decoder(request.method), generator)
+
+    def _drop_active(self, seq_id: int) -> None:
+        del self.active[seq_id]
+
+    def _join(self) -> None:
+        while self.waiting and len(self.active) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            seq.state = seq.decoder.start(list(seq.request.prompt_ids), seq.request.config, seq.generator)
+            seq.stats = seq.decoder.stats
+            self.active[seq.seq_id] = seq
+
+    # -- the round ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[BatchEvent]:
+        """Admit waiting requests, run one round for every active sequence, return what each one got."""
+        events = self._admit()
+        if not self.active:
+            return events
+        rows = list(self.active.values())
+        self._set_draft_costs(rows)
+        calls = [seq.decoder.begin_round(seq.state) for seq in rows]
+        outputs = forward_many([seq.decoder.target for seq in rows], calls)
+        for seq, output in zip(rows, outputs):
+            state = seq.state
+            new_tokens = seq.decoder.finish_round(state, output)
+            self.stats.record(state.depths, state.num_accepted, len(new_tokens))
+            self.stats.draft_seconds += state.draft_seconds
+            finish = None
+            if state.done:
+                finish = "stop" if state.stopped else "length"
+                del self.active[seq.seq_id]
+            events.append(BatchEvent(seq.seq_id, new_tokens, finish, len(state.depths), state.num_accepted,
+                                     seq.stats if finish else None, depths=list(state.depths)))
+        return events
+
+    def _set_draft_costs(self, rows: list[_Sequence]) -> None:
+        """Give each cost-aware drafter the cost its draft tokens have in this round's batch (module docstring): its
+        own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve."""
+        for seq in rows:
+            drafter = seq.decoder.drafter
+            if not isinstance(drafter, CostAwareDrafter):
+                continue
+            if seq.single_curve is None:
+                seq.single_curve = drafter.curve
+            if len(rows) == 1:
+                drafter.curve = seq.single_curve
+            else:
+                wide = self._batch_curve().with_draft_cost(seq.single_curve.draft_cost_per_token)
+                drafter.curve = batch_cost_curve(wide, len(rows) - 1)
+
+    def _batch_curve(self) -> CostCurve:
+        """The target's cost by rows per forward up to a full batch's, measured once (memoised per model)."""
+        if self._curve is None:
+            room = self.target.max_context - 1
+            sizes = tuple(n for n in BATCH_CURVE_SIZES if 2 * n <= room) or (1, 2)
+            self._curve = measure_cost_curve(self.target.fork("cost probe"), sizes=sizes,
+                                             context_tokens=min(128, room - sizes[-1]))
+        return self._curve

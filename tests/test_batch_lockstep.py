@@ -1,0 +1,213 @@
+"""The lockstep engine: many requests, each decoded by its own single-sequence loop, the target forwards run as one.
+
+What is proved here, on the grouped int4 model whose decoder layers run compiled (helpers.grouped_llama):
+
+- :func:`forward_many` gives every sequence the bits its own ``forward`` gives (logits, screened argmax logits and
+  hidden states; chains and trees; caches of different lengths), so nothing a sequence computes depends on the
+  others in the call;
+- the engine therefore decodes each request to exactly the tokens the single-sequence loop gives it alone with the
+  same method and seed: greedy and sampled, chain and tree methods, one to sixteen rows a round, requests joining as
+  others finish, end-of-sequence and the length limit falling inside drafts (the settings of tests/test_batch.py);
+- load-aware drafting: the batch's cost curve is the sequence's own alone and drafts nothing where extra rows cost
+  what a row's share does.
+
+These tests compare exact integers and bits on fixed models, prompts and seeds: they have no false-failure odds on a
+given build (the kernels' results depend on neither the thread count nor the instruction set:
+tests/test_kernels_grouped.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jointspec.backends.hf import CausalLM, forward_many
+from jointspec.backends.lean_forward import LeanLlamaForward
+from jointspec.batch.engine import BatchEngine, BatchRequest
+from jointspec.batch.lockstep import LockstepEngine, batch_cost_curve, engine_for
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.target import ForwardCall
+from jointspec.drafters.costaware import CostCurve, choose_num_draft_tokens
+from jointspec.kernels.quantize import quantize_model
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+from helpers import BATCH_EOS as EOS
+from helpers import BATCH_GREEDY as GREEDY
+from helpers import BATCH_PROMPTS as PROMPTS
+from helpers import BATCH_SAMPLED as SAMPLED
+from helpers import grouped_llama, random_prompt, tiny_llama
+
+METHODS = {
+    "ar": MethodConfig("ar"),
+    "pld": MethodConfig("pld", num_draft_tokens=4),
+    "pld-cost-aware": MethodConfig("pld", num_draft_tokens=4, cost_aware=True),
+    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
+    "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    return quantize_model(grouped_llama(0), "int4")
+
+
+@pytest.fixture(scope="module")
+def int4_target(int4_model):
+    target = CausalLM(int4_model, name="int4")
+    assert target.lean is not None and target.lean.compiled is not None, "the compiled layers must run here"
+    return target
+
+
+def alone(target: CausalLM, config: MethodConfig, prompt: list[int], decode: DecodeConfig, seed: int = 0):
+    """``prompt`` decoded by the single-sequence loop on its own fork of the target: the reference."""
+    fork = target.fork("alone")
+    drafter, verifier = build_method(MethodContext(config, fork, None, None))
+    return SpeculativeDecoder(fork, drafter, verifier).generate(prompt, decode, torch.Generator().manual_seed(seed))
+
+
+# -- forward_many -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Counts the forward_many calls that ran as one pass of the compiled layers (not one call at a time)."""
+    count = {"one pass": 0}
+    original = LeanLlamaForward.forward_many
+
+    def counted(self, calls):
+        result = original(self, calls)
+        count["one pass"] += result is not None
+        return result
+    monkeypatch.setattr(LeanLlamaForward, "forward_many", counted)
+    return count
+
+
+@pytest.mark.parametrize("argmax_only", [False, True])
+def test_forward_many_gives_each_sequence_its_own_forwards_bits(int4_target, argmax_only, passes):
+    contexts = [random_prompt(seed, length=3 + 5 * seed) for seed in range(4)]
+    calls = [ForwardCall([5]), ForwardCall([6, 7, 8], argmax_only=argmax_only),
+             ForwardCall([9, 10, 11, 12], parents=[-1, 0, 0, 1], argmax_only=argmax_only),
+             ForwardCall([13, 14], output_hidden=True)]
+    together, apart = [int4_target.fork(f"t{i}") for i in range(4)], [int4_target.fork(f"a{i}") for i in range(4)]
+    for context, a, b in zip(contexts, together, apart):
+        a.forward(context, num_logits=0)
+        b.forward(context, num_logits=0)
+    for _ in range(2):  # the second round: caches that grew in the first
+        outputs = forward_many(together, calls)
+        for target, call, output in zip(apart, calls, outputs):
+            own = call.run(target)
+            assert torch.equal(output.logits, own.logits)
+            assert (output.hidden is None) == (own.hidden is None)
+            if own.hidden is not None:
+                assert torch.equal(output.hidden, own.hidden)
+        assert [t.num_cached for t in together] == [t.num_cached for t in apart]
+    assert passes["one pass"] == 2
+
+
+def test_forward_many_runs_each_call_alone_off_the_compiled_layers():
+    model = tiny_llama(0)
+    targets = [CausalLM(model, name=f"fp32 {i}") for i in range(2)]
+    reference = [CausalLM(model, name=f"ref {i}") for i in range(2)]
+    calls = [ForwardCall([3, 4]), ForwardCall([5])]
+    for output, target, call in zip(forward_many(targets, calls), reference, calls):
+        assert torch.equal(output.logits, call.run(target).logits)
+
+
+def test_the_engine_is_lockstep_on_the_compiled_layers_and_ragged_elsewhere(int4_target):
+    assert isinstance(engine_for(int4_target), LockstepEngine)
+    assert isinstance(engine_for(CausalLM(tiny_llama(0))), BatchEngine)
+
+
+# -- the engine -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("max_batch_size", [1, 3, 16])
+def test_each_request_gets_the_tokens_it_gets_alone_greedy(int4_target, method, max_batch_size, passes):
+    config = METHODS[method]
+    engine = LockstepEngine(int4_target, max_batch_size=max_batch_size)
+    out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS])
+    expected = [alone(int4_target, config, p, GREEDY) for p in PROMPTS]
+    assert out == expected
+    assert any(len(tokens) < GREEDY.max_new_tokens for tokens in out), "some rows must end on an EOS"
+    assert any(tokens[-1] in EOS for tokens in out if tokens)
+    if method != "ar":
+        assert engine.stats.num_accepted_tokens > 0
+    assert (passes["one pass"] > 0) == (max_batch_size > 1)  # rounds of several rows ran as one pass
+
+
+@pytest.mark.parametrize("method", ["ar", "sps-self", "specinfer-self"])
+def test_each_request_gets_the_tokens_it_gets_alone_sampled(int4_target, method):
+    config = METHODS[method]
+    engine = LockstepEngine(int4_target, max_batch_size=5)
+    requests = [BatchRequest(tuple(p), SAMPLED, config, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    out = engine.generate(requests)
+    assert out == [alone(int4_target, config, list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
+
+
+def test_a_cancelled_request_leaves_and_the_others_are_untouched(int4_target):
+    config = METHODS["pld"]
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    ids = [engine.submit(BatchRequest(tuple(p), GREEDY, config)) for p in PROMPTS[:6]]
+    out = {seq_id: [] for seq_id in ids}
+    finished = {}
+    rounds = 0
+    while engine.has_work:
+        for event in engine.step():
+            out[event.seq_id].extend(event.token_ids)
+            if event.finish_reason:
+                finished[event.seq_id] = event.finish_reason
+        rounds += 1
+        if rounds == 1:
+            engine.cancel(ids[1])
+            engine.cancel(ids[5])  # still waiting
+    assert finished[ids[1]] == finished[ids[5]] == "cancelled"
+    for i in (0, 2, 3, 4):
+        assert finished[ids[i]] in ("stop", "length")
+        assert out[ids[i]] == alone(int4_target, config, PROMPTS[i], GREEDY)
+
+
+def test_a_request_that_joins_mid_flight_gets_its_own_tokens(int4_target):
+    config = METHODS["sps-self"]
+    engine = LockstepEngine(int4_target, max_batch_size=16)
+    first = engine.submit(BatchRequest(tuple(PROMPTS[3]), GREEDY, config))
+    out = {first: []}
+    for _ in range(3):
+        for event in engine.step():
+            out[event.seq_id].extend(event.token_ids)
+    late = engine.submit(BatchRequest(tuple(PROMPTS[8]), GREEDY, config))
+    out[late] = []
+    while engine.has_work:
+        for event in engine.step():
+            out[event.seq_id].extend(event.token_ids)
+    assert out[first] == alone(int4_target, config, PROMPTS[3], GREEDY)
+    assert out[late] == alone(int4_target, config, PROMPTS[8], GREEDY)
+
+
+# -- load-aware drafting --------------------------------------------------------------------------------------------
+
+def test_a_sequence_alone_sees_its_own_curve():
+    curve = CostCurve({1: 1.0, 2: 1.1, 5: 1.4, 17: 3.0}, draft_cost_per_token=0.01)
+    assert batch_cost_curve(curve, 0) is curve
+
+
+def test_drafts_shrink_and_stop_as_the_batch_fills():
+    """An overhead-bound forward (a CPU decoding a small model: 16 rows cost about 3 single-row forwards) pays for
+    drafts alone; once 63 other rows fill the forward, an extra row costs what a row's share does, and a draft accepted
+    70% of the time no longer pays."""
+    curve = CostCurve({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4, 9: 1.8, 17: 2.6, 33: 4.2, 65: 7.4})
+    chosen = [choose_num_draft_tokens(0.7, batch_cost_curve(curve, rows), 8) for rows in (0, 3, 15, 63)]
+    assert chosen[0] >= 4
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[-1] == 0
+
+
+def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target):
+    engine = LockstepEngine(int4_target, max_batch_size=16)
+    config = METHODS["pld-cost-aware"]
+    for p in PROMPTS[:4]:
+        engine.submit(BatchRequest(tuple(p), DecodeConfig(max_new_tokens=4, eos_token_ids=EOS), config))
+    engine.step()
+    drafters = [seq.decoder.drafter for seq in engine.active.values()]
+    wide = engine._batch_curve()
+    assert len(drafters) == 4 and all(d.curve == batch_cost_curve(
+        wide.with_draft_cost(d.curve.draft_cost_per_token), 3) for d in drafters)
+
