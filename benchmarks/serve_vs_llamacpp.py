@@ -23,13 +23,12 @@ do not fit are reported as skipped.
     python benchmarks/serve_vs_llamacpp.py --gguf model.gguf --jointspec-args "--quantize auto --method pld"
 
 The servers' settings. jointspec: ``--model FILE.gguf --threads N`` and ``--jointspec-args`` (default ``--quantize
-auto``: the GGUF's own Q4_0/Q4_1/... blocks on jointspec's int4 kernels, as llama.cpp runs them; ``serve``'s own
-default is ``--quantize none``, float weights dequantised from the file; the method is serve's default, ``ar``,
-unless the args name one). llama.cpp: ``--n_ctx 2048 --n_threads N --n_threads_batch N --interrupt_requests False
---verbose False`` and ``--llamacpp-args``; N is ``--threads`` (default os.cpu_count()). Both apply the chat
-template stored in the GGUF (jointspec through its transformers tokenizer, llama-cpp-python through its Jinja2
-formatter); the warm-up's non-streamed ``usage.prompt_tokens`` from each server is printed and kept in the JSON, so
-a template mismatch shows.
+auto``, also ``serve``'s own default: the GGUF's own Q4_0/Q4_1/... blocks on jointspec's int4 kernels, as llama.cpp
+runs them; the method is serve's default, ``default``, unless the args name one). llama.cpp: ``--n_ctx 2048
+--n_threads N --n_threads_batch N --interrupt_requests False --verbose False`` and ``--llamacpp-args``; N is
+``--threads`` (default os.cpu_count()). Both apply the chat template stored in the GGUF (jointspec through its
+transformers tokenizer, llama-cpp-python through its Jinja2 formatter); the warm-up's non-streamed
+``usage.prompt_tokens`` from each server is printed and kept in the JSON, so a template mismatch shows.
 
 Caveats, which matter for reading the numbers:
 

@@ -87,8 +87,10 @@ def test_flags_parse_for_every_model_command(command):
     args = cli.build_parser().parse_args([command, "--quantize", "int4", "--backend", "llamacpp", "--threads", "3"])
     assert (args.quantize, args.backend, args.threads) == ("int4", "llamacpp", 3)
     args = cli.build_parser().parse_args([command])
-    # generate runs the fastest exact configuration: int4 where that is the model's own weights (auto)
-    assert (args.quantize, args.backend, args.threads) == ("auto" if command == "generate" else "none", "torch", None)
+    # generate and serve run the fastest exact configuration: int4 where that is the model's own weights (auto)
+    assert (args.quantize, args.backend, args.threads) == ("none" if command == "bench" else "auto", "torch", None)
+    if command != "bench":
+        assert args.method == "default"
 
 
 @pytest.mark.parametrize("option, value", [("--quantize", "int2"), ("--backend", "vllm"), ("--threads", "0")])

@@ -117,6 +117,16 @@ def test_the_engine_is_lockstep_on_the_compiled_layers_and_ragged_elsewhere(int4
     assert isinstance(engine_for(CausalLM(tiny_llama(0))), BatchEngine)
 
 
+def test_a_method_the_ragged_engine_cannot_batch_runs_lockstep_on_a_float_model():
+    target = CausalLM(tiny_llama(0), name="fp32")
+    config = METHODS["specinfer-self"]
+    engine = engine_for(target, method=config, max_batch_size=4)
+    assert isinstance(engine, LockstepEngine)
+    assert isinstance(engine_for(target, method=METHODS["pld"]), BatchEngine)
+    out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS[:6]])
+    assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]
+
+
 # -- the engine -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", list(METHODS))

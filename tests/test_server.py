@@ -362,3 +362,47 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
             assert set(rows) == {1}, rows
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("quantize", ["int4", "auto"])
+def test_serve_defaults_to_generates_method_and_answers_with_its_tokens(tmp_path, quantize):
+    """`serve` with no method runs `default`, as `generate` does: on the compiled int4 layers through the lockstep
+    engine; on a float32 model (auto keeps a local float folder float) through the ragged engine, as `default` is
+    prompt lookup here (no head or n-gram table is shipped for this model). Either way a served greedy answer is the
+    tokens the Python API's Pipeline (what `generate` runs) gives the same prompt ids, with two other requests in
+    flight."""
+    from jointspec.api import GenerationConfig, Pipeline
+    from jointspec.batch.lockstep import LockstepEngine, compiled_target
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import build_engine
+
+    from helpers import grouped_llama, random_prompt, word_tokenizer
+
+    folder = tmp_path / "model"
+    grouped_llama(0).save_pretrained(folder)
+    word_tokenizer(99).save_pretrained(folder)
+    args = build_parser().parse_args(["serve", "--model", str(folder), "--quantize", quantize, "--max-tokens", "16"])
+    assert args.method == "default"
+    served = build_engine(args)
+    try:
+        assert isinstance(served._engine, LockstepEngine) == compiled_target(served.target) == (quantize == "int4")
+        pipeline = Pipeline.load(str(folder), quantize=quantize)
+        prompts = [random_prompt(seed, length=6 + seed) for seed in range(3)]
+        expected = [pipeline.generate_ids(p, GenerationConfig(max_new_tokens=16)).token_ids for p in prompts]
+        with live_server(create_app(ServerSettings(), served)) as (url, _):
+            def ask(prompt: list[int]) -> list[int]:
+                reply = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={
+                    "prompt": prompt, "max_tokens": 16, "temperature": 0})
+                assert reply.status_code == 200, reply.text
+                return pipeline.tokenizer(reply.json()["choices"][0]["text"], add_special_tokens=False)["input_ids"]
+            answers: list = [None] * 3
+            threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, ask(prompts[i]))) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(TIMEOUT)
+        assert answers == [pipeline.tokenizer(pipeline.tokenizer.decode(e, skip_special_tokens=True),
+                                              add_special_tokens=False)["input_ids"] for e in expected]
+        assert any(len(e) > 0 for e in expected)
+    finally:
+        served.close()

@@ -29,7 +29,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--drain-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before they get "
                              "an error (default 30); new requests get 503 meanwhile")
-    parser.set_defaults(run=run_serve)
+    # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
+    parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
 
 def non_negative_int(text: str) -> int:

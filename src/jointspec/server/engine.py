@@ -1,6 +1,7 @@
 """The engine behind the server: text in, text chunks out, every request sharing one batched engine.
 
-A background thread owns the :class:`~jointspec.batch.engine.BatchEngine` and runs its rounds; nothing else touches it.
+A background thread owns the batched engine (:func:`~jointspec.batch.lockstep.engine_for`: lockstep on the compiled
+CPU layers, else the ragged-cache engine) and runs its rounds; nothing else touches it.
 Requests and cancellations reach that thread through a queue and join or leave between rounds; each round's tokens
 go back to the request's asyncio loop, where :class:`TextStream` turns them into UTF-8-safe text deltas and applies
 stop strings. The routes in :mod:`jointspec.server.app` see only :class:`ServingEngine`'s small protocol, so tests
@@ -27,7 +28,8 @@ from typing import Protocol
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
-from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest
+from jointspec.batch.engine import BatchEvent, BatchRequest
+from jointspec.batch.lockstep import engine_for
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
@@ -228,8 +230,8 @@ class ServingEngine:
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self.eos_token_ids = eos_token_ids(target, tokenizer)
-        self._make_engine = lambda: BatchEngine(target, tokenizer, max_batch_size=max_batch_size,
-                                                load_draft=load_draft)
+        self._make_engine = lambda: engine_for(target, tokenizer, method, max_batch_size=max_batch_size,
+                                               load_draft=load_draft)
         self._engine = self._make_engine()
         self._engine.method(method)  # build (and load a draft) now, and refuse an unbatchable default early
         self._inbox: queue.Queue = queue.Queue()
@@ -356,8 +358,9 @@ class ServingEngine:
                     continue
                 num_rows += 1
                 stats = self._snapshot.methods.setdefault(stream.method, MethodStats())
-                # The batched engine drafts chains, so a round's draft nodes sit at depths 0..num_drafted-1.
-                stats.spec.record(list(range(event.num_drafted)), event.num_accepted, len(event.token_ids))
+                # A chain's draft nodes sit at depths 0..num_drafted-1; a tree's come with the event.
+                depths = event.depths if event.depths is not None else list(range(event.num_drafted))
+                stats.spec.record(depths, event.num_accepted, len(event.token_ids))
                 stats.tokens_per_round.observe(len(event.token_ids))
                 if not stream.joined:  # its first round: it waited from submission to the start of this step
                     stream.joined = True
