@@ -406,3 +406,27 @@ def test_serve_defaults_to_generates_method_and_answers_with_its_tokens(tmp_path
         assert any(len(e) > 0 for e in expected)
     finally:
         served.close()
+
+
+def test_the_engine_thread_loads_the_model_and_reports_a_failed_load(byte_model, tokenizer):
+    """With ``load`` the model loads on the engine thread (all torch work on one thread: ServingEngine says why); a
+    load that fails raises from the constructor, and no engine thread is left behind."""
+    threads = []
+
+    def load():
+        threads.append(threading.current_thread().name)
+        return CausalLM(byte_model), tokenizer
+    served = ServingEngine(None, None, load=load)
+    try:
+        assert threads == ["jointspec-engine"] and served.target is not None
+    finally:
+        served.close()
+
+    def broken():
+        raise RuntimeError("no such model")
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="no such model"):
+        ServingEngine(None, None, load=broken)
+    assert {t.ident for t in threading.enumerate() if t.name == "jointspec-engine"} <= before
+    with pytest.raises(ValueError, match="not both"):
+        ServingEngine(CausalLM(byte_model), tokenizer, load=load)

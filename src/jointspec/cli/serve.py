@@ -72,10 +72,10 @@ def build_engine(args: argparse.Namespace):
     except ValueError as error:
         raise JointspecError(str(error)) from error
     load = model_loader(args)
-    target, tokenizer = load(args.model)
-    return ServingEngine(target, tokenizer, method, model_id=args.model_id or args.model,
+    # The engine thread loads the model: all torch work on one thread (ServingEngine says why).
+    return ServingEngine(None, None, method, model_id=args.model_id or args.model,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                         default_max_tokens=args.max_tokens,
+                         default_max_tokens=args.max_tokens, load=lambda: load(args.model),
                          load_draft=lambda source: load(source, name=source))
 
 

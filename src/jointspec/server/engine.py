@@ -215,13 +215,21 @@ class ServingEngine:
 
     ``max_queue``: how many admitted requests may wait for a row when all ``max_batch_size`` rows are busy; past
     ``max_batch_size + max_queue`` requests in flight, :meth:`submit` raises :class:`QueueFullError` at once.
+
+    ``load`` (instead of ``target`` and ``tokenizer``): a function that loads them, called on the engine thread, so
+    that every torch computation of the process runs on that one thread. OpenMP keeps a team of worker threads for
+    each thread that starts parallel regions; once two teams exist (the loading thread's and the engine's) a small
+    machine's cores are oversubscribed, libgomp stops spinning between regions, and every kernel call then waits for
+    its workers to wake: a decode step on 2 cores took 1.6x as long (docs/lab/serving.md, section 4).
     """
 
-    def __init__(self, target: CausalLM, tokenizer, method: MethodConfig = MethodConfig(), *,
+    def __init__(self, target: CausalLM | None, tokenizer=None, method: MethodConfig = MethodConfig(), *,
                  model_id: str = "jointspec", max_batch_size: int = 16, max_queue: int = 64,
-                 default_max_tokens: int = 256, load_draft=None) -> None:
+                 default_max_tokens: int = 256, load_draft=None, load=None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if (target is None) == (load is None):
+            raise ValueError("give the engine a target (and tokenizer) or a function that loads them, not both")
         self.target = target
         self.tokenizer = tokenizer
         self.method = method
@@ -229,11 +237,8 @@ class ServingEngine:
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
-        self.eos_token_ids = eos_token_ids(target, tokenizer)
-        self._make_engine = lambda: engine_for(target, tokenizer, method, max_batch_size=max_batch_size,
+        self._make_engine = lambda: engine_for(self.target, self.tokenizer, method, max_batch_size=max_batch_size,
                                                load_draft=load_draft)
-        self._engine = self._make_engine()
-        self._engine.method(method)  # build (and load a draft) now, and refuse an unbatchable default early
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}  # the engine thread's: sequences still decoding
         # Admission: guards _admitted and _closing, and orders every "submit" put before the thread's last look at
@@ -244,8 +249,14 @@ class ServingEngine:
         self._stats_lock = threading.Lock()
         self._snapshot = EngineSnapshot(max_batch_size=max_batch_size, max_queue=max_queue)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jointspec-engine", daemon=True)
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(load,), name="jointspec-engine", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
 
     # -- the request side (event loop threads) ------------------------------------------------------------------
 
@@ -323,7 +334,21 @@ class ServingEngine:
 
     # -- the engine thread --------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _start(self, load) -> None:
+        if load is not None:
+            self.target, self.tokenizer = load()
+        self.eos_token_ids = eos_token_ids(self.target, self.tokenizer)
+        self._engine = self._make_engine()
+        self._engine.method(self.method)  # build (and load a draft) now, and refuse an unbatchable default early
+
+    def _run(self, load) -> None:
+        try:
+            self._start(load)
+        except BaseException as error:  # handed to the constructor, which raises it
+            self._start_error = error
+            return
+        finally:
+            self._started.set()
         while not self._closed.is_set():
             self._drain(block=not self._engine.has_work)
             if self._engine.has_work:

@@ -1038,23 +1038,26 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
 }  // namespace: internal linkage, so the builds for several instruction sets load side by side
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The compute runs without Python's lock (taken again to return): a server's event loop thread then answers its
+  // clients while a forward runs, instead of waiting for the interpreter's switch interval after every round.
+  const auto unlocked = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false);
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false, unlocked);
   m.def("int5_linear", &int5_linear, "x [rows, in] @ dequantised 5-bit W [out, in]^T (4-bit nibbles plus a fifth bit)",
         py::arg("x"), py::arg("packed"), py::arg("fifth"), py::arg("scale"), py::arg("minimum"),
-        py::arg("gemm") = false);
-  m.def("attention", &attention, "row-by-row attention, each (row, head) alone");
+        py::arg("gemm") = false, unlocked);
+  m.def("attention", &attention, "row-by-row attention, each (row, head) alone", unlocked);
   py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
       .def(py::init<>())
       .def("add_layer", &CompiledLayers::add_layer)
       .def("set_caches", &CompiledLayers::set_caches)
-      .def("forward", &CompiledLayers::forward)
-      .def("forward_many", &CompiledLayers::forward_many);
+      .def("forward", &CompiledLayers::forward, unlocked)
+      .def("forward_many", &CompiledLayers::forward_many, unlocked);
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
-        py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false);
+        py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false, unlocked);
   m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("levels"),
-        py::arg("scale"), py::arg("margin"), py::arg("max_exact"));
+        py::arg("scale"), py::arg("margin"), py::arg("max_exact"), unlocked);
 }
