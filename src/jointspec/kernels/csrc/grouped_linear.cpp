@@ -168,6 +168,44 @@ inline void dot_direct(const float* x, const Rows& weights, int64_t first, int64
   for (int b = 0; b < W; ++b) out[b] = simd::reduce_add(simd::add(acc[b][0], acc[b][1]));
 }
 
+// dot_direct for R input rows at once: each weight chunk is dequantised in registers once and multiplied into all R
+// rows. Every (weight row, input row) pair runs the operations dot_direct and dot_block give it, so the same bits; a
+// short forward (verifying a few draft tokens) saves the weight buffer's stores and loads.
+template <int W, int R, typename Rows>
+inline void dot_direct_rows(const float* x, const Rows& weights, int64_t first, int64_t k, float* out,
+                            int64_t out_stride) {
+  V16 acc[W][R][2];
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r][0] = acc[b][r][1] = simd::zero();
+  for (int64_t c = 0; c < k / 32; ++c) {
+    V16 xa[R], xb[R];
+    for (int r = 0; r < R; ++r) {
+      xa[r] = simd::load(x + r * k + 32 * c);
+      xb[r] = simd::load(x + r * k + 32 * c + 16);
+    }
+    for (int b = 0; b < W; ++b) {
+      V16 wa, wb;
+      weights.chunk(first + b, c, wa, wb);
+      for (int r = 0; r < R; ++r) {
+        acc[b][r][0] = simd::fmadd(xa[r], wa, acc[b][r][0]);
+        acc[b][r][1] = simd::fmadd(xb[r], wb, acc[b][r][1]);
+      }
+    }
+  }
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(simd::add(acc[b][r][0], acc[b][r][1]));
+}
+
+// Input rows m .. m + R - 1 against every weight row in [begin, end), W weight rows a call.
+template <int R, typename Rows>
+inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int64_t end, int64_t k,
+                        int64_t out_features, float* op) {
+  constexpr int W = 2 * simd::kPairs / R > 0 ? 2 * simd::kPairs / R : 1;  // W * R * 2 accumulators: 16 at most
+  int64_t n = begin;
+  for (; n + W <= end; n += W) dot_direct_rows<W, R>(xp, weights, n, k, op + n, out_features);
+  for (; n < end; ++n) dot_direct_rows<1, R>(xp, weights, n, k, op + n, out_features);
+}
+
 // The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
 int64_t int8_group(const torch::Tensor& scale, int64_t in_features, const char* name) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(1) > 0 && (scale.size(1) * 32 == in_features ||
@@ -189,6 +227,10 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 }
 
 // out [rows, out_features] = x [rows, k] times the dequantised weights of `weights` (Int4Rows / Int8Rows).
+// Forwards of up to this many rows take direct_rows(), four input rows at a time: where the registers hold a weight
+// chunk and four rows' accumulators (AVX-512's 32); the two-pass backend (AVX2's 16) keeps the buffered path.
+constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 8;
+
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
   // One input row (a decoding step): each weight row dequantised in registers (dot_direct), as there is nothing to
@@ -208,6 +250,21 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
       int64_t n = begin;
       for (; n + W <= end; n += W) dot_direct<W>(xp, weights, n, k, op + n);
       for (; n < end; ++n) dot_direct<1>(xp, weights, n, k, op + n);
+    });
+    return;
+  }
+  if (rows <= kDirectRows) {  // a few rows: dequantise in registers too, once per four rows (no buffer)
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = 0; m < rows; m += 4) {
+        const float* x = xp + m * k;
+        float* o = op + m * out_features;
+        switch (std::min<int64_t>(4, rows - m)) {
+          case 1: direct_rows<1>(x, weights, begin, end, k, out_features, o); break;
+          case 2: direct_rows<2>(x, weights, begin, end, k, out_features, o); break;
+          case 3: direct_rows<3>(x, weights, begin, end, k, out_features, o); break;
+          default: direct_rows<4>(x, weights, begin, end, k, out_features, o); break;
+        }
+      }
     });
     return;
   }
