@@ -121,9 +121,11 @@ class LockstepEngine(EngineBase):
         return SpeculativeDecoder(fork, drafter, verifier)
 
     def method(self, config: MethodConfig) -> None:
-        """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once."""
+        """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once. A
+        cost-aware method also has the batch's cost curve measured now (a few seconds, once), not in a round."""
         if config not in self._checked:
-            self._decoder(config)
+            if isinstance(self._decoder(config).drafter, CostAwareDrafter):
+                self._batch_curve()
             self._checked.add(config)
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:

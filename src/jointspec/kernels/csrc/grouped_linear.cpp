@@ -227,9 +227,11 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 }
 
 // out [rows, out_features] = x [rows, k] times the dequantised weights of `weights` (Int4Rows / Int8Rows).
-// Forwards of up to this many rows take direct_rows(), four input rows at a time: where the registers hold a weight
-// chunk and four rows' accumulators (AVX-512's 32); the two-pass backend (AVX2's 16) keeps the buffered path.
-constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 8;
+// Forwards of up to this many rows take direct_rows(), four input rows at a time, where the registers hold a weight
+// chunk and four rows' accumulators (AVX-512's 32): it re-dequantises each weight chunk once per four rows but never
+// stores it, and measured faster than the buffer up to 64 rows (docs/kernels.md). The two-pass backend (AVX2's 16
+// registers) keeps the buffered path.
+constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 64;
 
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
