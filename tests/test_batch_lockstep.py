@@ -43,6 +43,8 @@ METHODS = {
     "pld-cost-aware": MethodConfig("pld", num_draft_tokens=4, cost_aware=True),
     "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
     "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
+    "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2),
+    "mtad-tree-self": MethodConfig("mtad-tree", draft="self", num_draft_tokens=3, beam_width=2),
 }
 
 
@@ -144,7 +146,7 @@ def test_each_request_gets_the_tokens_it_gets_alone_greedy(int4_target, method, 
     assert (passes["one pass"] > 0) == (max_batch_size > 1)  # rounds of several rows ran as one pass
 
 
-@pytest.mark.parametrize("method", ["ar", "sps-self", "specinfer-self"])
+@pytest.mark.parametrize("method", ["ar", "sps-self", "specinfer-self", "mtad-self", "mtad-tree-self"])
 def test_each_request_gets_the_tokens_it_gets_alone_sampled(int4_target, method):
     config = METHODS[method]
     engine = LockstepEngine(int4_target, max_batch_size=5)
