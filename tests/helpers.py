@@ -168,7 +168,7 @@ def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: 
         name, draft = "corpus", corpus_folder(target_model)
     else:
         name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
-                       "sps-other": ("sps", "other")}[method]
+                       "sps-other": ("sps", "other"), "lookahead": ("lookahead", None)}[method]
 
     def load_draft(source: str):
         assert source == "other"

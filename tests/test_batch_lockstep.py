@@ -43,6 +43,7 @@ METHODS = {
     "pld-cost-aware": MethodConfig("pld", num_draft_tokens=4, cost_aware=True),
     "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
     "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
+    "lookahead": MethodConfig("lookahead"),
     "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2),
     "mtad-tree-self": MethodConfig("mtad-tree", draft="self", num_draft_tokens=3, beam_width=2),
 }
