@@ -91,3 +91,23 @@ def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, 
     assert decoder_for(target_model, "specinfer", trained_head_dir, tree=(3,)).drafter.branching == (3,)
     with pytest.raises(ValueError, match="tree must be"):
         MethodConfig(name="specinfer", tree=())
+
+
+@pytest.mark.parametrize("name", ["sps", "mtad", "specinfer", "hybrid"])
+def test_methods_that_need_a_draft_take_the_head_shipped_for_the_target(name, target_model, trained_head_dir,
+                                                                        monkeypatch, tmp_path):
+    """With no --draft, a method that needs one drafts with the head shipped for its target (matched by
+    fingerprint); where none ships it still asks for --draft. Greedy output stays plain decoding's."""
+    import shutil
+
+    from jointspec.drafts import artifact
+
+    monkeypatch.setattr(artifact, "SHIPPED_HEADS", tmp_path)
+    with pytest.raises(UnsupportedOptionError, match="needs a draft model and no draft head ships"):
+        build_method(MethodContext(MethodConfig(name=name), CausalLM(target_model), None, None))
+    shutil.copytree(trained_head_dir, tmp_path / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
+    target = CausalLM(target_model)
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=name), target, None, None))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    assert decoder.generate(PROMPT, DecodeConfig(max_new_tokens=16)) == hf_greedy(target_model, PROMPT, 16)
+    assert decoder.stats.num_draft_tokens > 0

@@ -51,7 +51,9 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     head = context.config.draft
     if head is None and trees_and_heads:
         head = shipped_head_for(context.target)
-    remembered = _TREE_GAINS.get(context.target.model, {}).get(str(head)) if capabilities.torch_module else None
+    # What the remembered decision depends on besides the weights: the head, and the functions and bar that judge it.
+    key = (str(head), expected_tree_gain, draft_cost_per_call, top_w_hit_rate, MIN_TREE_GAIN)
+    remembered = _TREE_GAINS.get(context.target.model, {}).get(key) if capabilities.torch_module else None
     if head is None or (remembered is not None and remembered < MIN_TREE_GAIN and context.config.draft is None
                         and not context.config.tree and not context.config.tree_budget):
         config = lookup()
@@ -68,7 +70,7 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
         draft = drafter.draft
         gain = expected_tree_gain(drafter.curve, draft_cost_per_call(draft), top_w_hit_rate(config.draft))
         if capabilities.torch_module:
-            _TREE_GAINS.setdefault(context.target.model, {})[str(head)] = gain
+            _TREE_GAINS.setdefault(context.target.model, {})[key] = gain
         if gain >= MIN_TREE_GAIN:
             return drafter, verifier
         log.info("default: the head's tree is expected at %.2fx of plain decoding on this target (under %.2fx): "

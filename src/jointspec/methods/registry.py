@@ -6,6 +6,7 @@ A method is registered with :func:`register_method`; nothing else in the library
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,10 +16,12 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import TargetLM
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.model import check_same_vocabulary
-from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact
+from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact, shipped_head_for
 from jointspec.drafts.registry import bind_trained_draft
 from jointspec.methods.costs import make_cost_aware
 from jointspec.verifiers.block import BlockVerifier
+
+log = logging.getLogger(__name__)
 
 VERIFY_CHOICES = ("token", "block")
 
@@ -75,8 +78,15 @@ class MethodContext:
     def draft_model(self) -> TargetLM:
         """The draft model named by ``config.draft`` (required), checked against the target's vocabulary."""
         if self.config.draft is None:
-            raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model: pass --draft PATH "
-                                         "(or --draft self to use the target as its own draft)")
+            # The head shipped for the target where there is one (heads read the target's hidden states).
+            head = shipped_head_for(self.target) if self.target.capabilities.features else None
+            if head is None:
+                raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model and no draft head "
+                                             f"ships for target '{self.target.name}': pass --draft PATH (or --draft "
+                                             "self to use the target as its own draft)")
+            log.info("method %s: drafting with the head shipped for the target (%s); --draft chooses another",
+                     self.config.name, head)
+            return bind_trained_draft(str(head), self.target, self.config.head_weights)
         if self.config.draft == "self":
             if not self.target.capabilities.fork:
                 raise UnsupportedOptionError(f"target '{self.target.name}' cannot open a second cache over its "
