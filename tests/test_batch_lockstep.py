@@ -213,9 +213,10 @@ def test_drafts_shrink_and_stop_as_the_batch_fills():
     assert chosen[-1] == 0
 
 
-def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target):
+@pytest.mark.parametrize("method", ["pld-cost-aware", "lookahead"])
+def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target, method):
     engine = LockstepEngine(int4_target, max_batch_size=16)
-    config = METHODS["pld-cost-aware"]
+    config = METHODS[method]
     for p in PROMPTS[:4]:
         engine.submit(BatchRequest(tuple(p), DecodeConfig(max_new_tokens=4, eos_token_ids=EOS), config))
     engine.step()
@@ -223,4 +224,11 @@ def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target):
     wide = engine._batch_curve()
     assert len(drafters) == 4 and all(d.curve == batch_cost_curve(
         wide.with_draft_cost(d.curve.draft_cost_per_token), 3) for d in drafters)
+    # Alone, a request drafts on its own curve, as generate does.
+    alone_engine = LockstepEngine(int4_target, max_batch_size=16)
+    alone_engine.submit(BatchRequest(tuple(PROMPTS[5]), DecodeConfig(max_new_tokens=4, eos_token_ids=EOS), config))
+    seq = next(iter(alone_engine.waiting))
+    own = seq.decoder.drafter.curve
+    alone_engine.step()
+    assert seq.decoder.drafter.curve is own
 

@@ -21,8 +21,9 @@ correct, with none of the batching gain; :func:`engine_for` then picks the ragge
 only this engine runs.
 
 Load-aware drafting: a draft that pays for one sequence alone can cost the batch more than it gains once the
-forward is busy with other rows. Each round the engine tells every cost-aware drafter the cost curve that its draft
-tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink, and stop, as the batch fills.
+forward is busy with other rows. Each round the engine tells every cost-aware drafter (chains, and Lookahead's trie)
+the cost curve that its draft tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink,
+and stop, as the batch fills.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, Engine
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, CostCurve, measure_cost_curve
+from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,10 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
             return LockstepEngine(target, tokenizer, **options)
     return ragged
 
+
+# Drafters that read their ``curve`` afresh every round, so the batch's can replace it: cost-aware chains choose their
+# length from it, Lookahead's trie its number of nodes.
+LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter)
 
 # The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward.
 BATCH_CURVE_SIZES = (*DEFAULT_SIZES, 33, 65)
@@ -124,7 +130,7 @@ class LockstepEngine(EngineBase):
         """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once. A
         cost-aware method also has the batch's cost curve measured now (a few seconds, once), not in a round."""
         if config not in self._checked:
-            if isinstance(self._decoder(config).drafter, CostAwareDrafter):
+            if isinstance(self._decoder(config).drafter, LOAD_AWARE_DRAFTERS):
                 self._batch_curve()
             self._checked.add(config)
 
@@ -170,7 +176,7 @@ class LockstepEngine(EngineBase):
         own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve."""
         for seq in rows:
             drafter = seq.decoder.drafter
-            if not isinstance(drafter, CostAwareDrafter):
+            if not isinstance(drafter, LOAD_AWARE_DRAFTERS):
                 continue
             if seq.single_curve is None:
                 seq.single_curve = drafter.curve
