@@ -106,6 +106,26 @@ def test_forward_many_gives_each_sequence_its_own_forwards_bits(int4_target, arg
     assert passes["one pass"] == 2
 
 
+def test_forward_many_feeds_each_targets_feature_mirror_its_own_hidden_states(int4_target, passes):
+    """Heads that read several layers' hidden states (a fused EAGLE head's mirror: the embeddings, a middle layer, the
+    last) get, from the shared pass, exactly what their own forwards record."""
+    contexts = [random_prompt(seed, length=4 + 3 * seed) for seed in range(3)]
+    together, apart = [int4_target.fork(f"t{i}") for i in range(3)], [int4_target.fork(f"a{i}") for i in range(3)]
+    mirrors = [[t.attach_feature_mirror((0, 1, -1)) for t in group] for group in (together, apart)]
+    for context, a, b in zip(contexts, together, apart):
+        a.reset()
+        b.reset()
+        a.forward(context, num_logits=0)
+        b.forward(context, num_logits=0)
+    calls = [ForwardCall([5, 6]), ForwardCall([7], argmax_only=True), ForwardCall([8, 9, 10], parents=[-1, 0, 0])]
+    forward_many(together, calls)
+    for target, call in zip(apart, calls):
+        call.run(target)
+    for mine, theirs in zip(*mirrors):
+        assert mine.length == theirs.length and torch.equal(mine.features, theirs.features)
+    assert passes["one pass"] == 1
+
+
 def test_forward_many_runs_each_call_alone_off_the_compiled_layers():
     model = tiny_llama(0)
     targets = [CausalLM(model, name=f"fp32 {i}") for i in range(2)]
