@@ -24,7 +24,7 @@ import torch
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.backends.lean_forward import LeanLlamaForward
 from jointspec.batch.engine import BatchEngine, BatchRequest
-from jointspec.batch.lockstep import LockstepEngine, batch_cost_curve, engine_for
+from jointspec.batch.lockstep import LockstepEngine, batch_cost_curve, engine_description, engine_for
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.target import ForwardCall
 from jointspec.drafters.costaware import CostCurve, choose_num_draft_tokens
@@ -145,6 +145,7 @@ def test_a_method_the_ragged_engine_cannot_batch_runs_lockstep_on_a_float_model(
     config = METHODS["specinfer-self"]
     engine = engine_for(target, method=config, max_batch_size=4)
     assert isinstance(engine, LockstepEngine)
+    assert "one after another" in engine_description(engine)
     assert isinstance(engine_for(target, method=METHODS["pld"]), BatchEngine)
     out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS[:6]])
     assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]

@@ -386,6 +386,7 @@ def test_serve_defaults_to_generates_method_and_answers_with_its_tokens(tmp_path
     served = build_engine(args)
     try:
         assert isinstance(served._engine, LockstepEngine) == compiled_target(served.target) == (quantize == "int4")
+        assert served.description.startswith("lockstep engine: each request" if quantize == "int4" else "ragged engine")
         pipeline = Pipeline.load(str(folder), quantize=quantize)
         prompts = [random_prompt(seed, length=6 + seed) for seed in range(3)]
         expected = [pipeline.generate_ids(p, GenerationConfig(max_new_tokens=16)).token_ids for p in prompts]

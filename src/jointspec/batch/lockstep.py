@@ -51,6 +51,15 @@ def compiled_target(target) -> bool:
     return isinstance(target, CausalLM) and lean is not None and lean.compiled is not None
 
 
+def engine_description(engine) -> str:
+    """What batching ``engine`` gives, in a few words (the server says it at start-up)."""
+    if isinstance(engine, LockstepEngine):
+        if compiled_target(engine.target):
+            return "lockstep engine: each request decoded as generate decodes it, one pass of the weights a round"
+        return "lockstep engine without compiled layers: each request decoded as generate does, one after another"
+    return "ragged engine: one transformers forward over the padded batch (chain methods)"
+
+
 def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, max_batch_size: int = 16,
                load_draft=None):
     """The batched engine for ``target`` (and the server's ``method``): lockstep on the compiled CPU layers (every

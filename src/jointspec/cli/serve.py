@@ -105,7 +105,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
                               drain_timeout=args.drain_timeout)
-    log.warning("serving %s (method %s) on http://%s:%d/v1", engine.model_id, args.method, args.host, args.port)
+    log.warning("serving %s (method %s; %s) on http://%s:%d/v1", engine.model_id, args.method, engine.description,
+                args.host, args.port)
     try:
         serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
     finally:

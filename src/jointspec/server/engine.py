@@ -29,7 +29,7 @@ from typing import Protocol
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
 from jointspec.batch.engine import BatchEvent, BatchRequest
-from jointspec.batch.lockstep import engine_for
+from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
@@ -318,6 +318,11 @@ class ServingEngine:
                                      or self._inbox.put(("cancel", f.result())))
             raise
         return stream
+
+    @property
+    def description(self) -> str:
+        """Which batched engine serves, and what its batching gives."""
+        return engine_description(self._engine)
 
     def snapshot(self) -> EngineSnapshot:
         with self._stats_lock:
