@@ -12,7 +12,8 @@ import numpy as np
 from jointspec.core.draft import tree_depths
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostCurve
-from jointspec.drafters.trie import TrieLookupDrafter, suffix_matches
+from jointspec.drafters.ngram import suffix_matches
+from jointspec.drafters.trie import TrieLookupDrafter
 
 GREEDY = SamplingConfig()
 FLAT = CostCurve({1: 1.0, 64: 1.0 + 1e-9})  # extra rows cost nothing: every node pays

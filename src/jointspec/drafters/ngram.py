@@ -21,18 +21,23 @@ from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig
 
 
-def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """The continuation of the most recent earlier occurrence of the longest matching suffix n-gram."""
+def suffix_matches(context: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int) -> tuple[int, list[int]]:
+    """(n, starts): the longest suffix n-gram (``min_ngram <= n <= max_ngram``) that occurs earlier in ``context``
+    followed by at least one token, and where its most recent ``max_matches`` occurrences are followed (the index of
+    the token after each, most recent first). (0, []) when none occurs."""
     length = len(context)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        pattern = context[-n:]
-        # Candidate starts j with j + n < length: the match must be followed by at least one token.
-        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]: starts j with j + n < length
+        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return context[start: start + num_draft_tokens].tolist()
-    return []
+            return n, [int(h) + n for h in hits[::-1][:max_matches]]
+    return 0, []
+
+
+def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The continuation of the most recent earlier occurrence of the longest matching suffix n-gram."""
+    _, starts = suffix_matches(context, max_ngram, min_ngram, 1)
+    return context[starts[0]: starts[0] + num_draft_tokens].tolist() if starts else []
 
 
 class PromptLookupDrafter:

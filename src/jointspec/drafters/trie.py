@@ -27,24 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from jointspec.core.draft import EMPTY_DRAFT, Draft, chain_parents
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostCurve
-
-
-def suffix_matches(context: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int) -> tuple[int, list[int]]:
-    """(n, starts): the longest suffix n-gram (``min_ngram <= n <= max_ngram``) that occurs earlier in ``context``
-    followed by at least one token, and where its most recent ``max_matches`` occurrences are followed (the index of
-    the token after each, most recent first). (0, []) when none occurs."""
-    length = len(context)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]: starts j with j + n < length
-        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
-        if hits.size:
-            return n, [int(h) + n for h in hits[::-1][:max_matches]]
-    return 0, []
+from jointspec.drafters.ngram import suffix_matches
 
 
 class TrieLookupDrafter:
