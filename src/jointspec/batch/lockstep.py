@@ -100,8 +100,8 @@ def batch_cost_curve(curve: CostCurve, other_rows: int) -> CostCurve:
     """
     if other_rows <= 0:
         return curve
-    share = curve.cost(other_rows + 1) / (other_rows + 1)
     base = curve.cost(other_rows + 1)
+    share = base / (other_rows + 1)
     return CostCurve({n: share + curve.cost(other_rows + n) - base for n in curve.sizes},
                      curve.draft_cost_per_token)
 
@@ -183,6 +183,7 @@ class LockstepEngine(EngineBase):
     def _set_draft_costs(self, rows: list[_Sequence]) -> None:
         """Give each cost-aware drafter the cost its draft tokens have in this round's batch (module docstring): its
         own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve."""
+        curves: dict[float, CostCurve] = {}  # by draft cost per token: the rows of one method share one curve
         for seq in rows:
             drafter = seq.decoder.drafter
             if not isinstance(drafter, LOAD_AWARE_DRAFTERS):
@@ -191,9 +192,11 @@ class LockstepEngine(EngineBase):
                 seq.single_curve = drafter.curve
             if len(rows) == 1:
                 drafter.curve = seq.single_curve
-            else:
-                wide = self._batch_curve().with_draft_cost(seq.single_curve.draft_cost_per_token)
-                drafter.curve = batch_cost_curve(wide, len(rows) - 1)
+                continue
+            draft_cost = seq.single_curve.draft_cost_per_token
+            if draft_cost not in curves:
+                curves[draft_cost] = batch_cost_curve(self._batch_curve().with_draft_cost(draft_cost), len(rows) - 1)
+            drafter.curve = curves[draft_cost]
 
     def _batch_curve(self) -> CostCurve:
         """The target's cost by rows per forward up to a full batch's, measured once (memoised per model)."""
