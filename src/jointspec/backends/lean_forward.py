@@ -254,15 +254,12 @@ class LeanLlamaForward:
         kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
         batch_seq = hidden.shape[:-1]
         if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
-            # No mask given means causal, which the compiled attention takes as each row's number of keys: no mask
-            # to build. A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain
+            # A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain
             # and speculative decoding run the same one, and no later forward has to reproduce its rows one by one,
             # so its projections may take the faster GEMM, whose rows are not computed alone.
-            causal_mask = None if attention_mask is None else create_causal_mask(
-                config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=cache,
-                position_ids=position_ids)
             prefill = num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
-            hidden = self._compiled_body(hidden, cos, sin, causal_mask, cache, wanted, kept, prefill)
+            segment = self._segment(inputs_embeds, position_ids, attention_mask, cache)
+            hidden = self._compiled_body(hidden, cos, sin, segment, wanted, kept, prefill)
         else:
             causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                              past_key_values=cache, position_ids=position_ids)
@@ -282,8 +279,6 @@ class LeanLlamaForward:
         sequence decoded among others commits the tokens it commits by itself. The decoder weights are read once for
         every row of every sequence, which is what makes serving several requests together cheaper than one at a time.
         """
-        from jointspec.kernels.quantize import compiled_visibility
-
         model = self.model
         base, config = model.model, model.config
         # A prefill (no logits, many rows) takes faster GEMMs alone, whose rows are not computed alone: not here.
@@ -293,18 +288,10 @@ class LeanLlamaForward:
             return None
         num_layers = config.num_hidden_layers
         embeds, cos, sin, visible, lengths, keys, values, starts = [], [], [], [], [], [], [], []
-        kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
         for call in calls:
             hidden = base.embed_tokens(call.input_ids)  # [1, n, width]
-            n = hidden.shape[1]
             c, s = base.rotary_emb(hidden, position_ids=call.position_ids)
-            causal_mask = None if call.attention_mask is None else create_causal_mask(
-                config=config, inputs_embeds=hidden, attention_mask=call.attention_mask, past_key_values=call.cache,
-                position_ids=call.position_ids)
-            seen, count = compiled_visibility(causal_mask, call.cache.get_seq_length() + n, n)
-            like = hidden.new_empty(1, kv_heads, 0, head_dim)
-            slots = [layer.append_slots(n, like) for layer in call.cache.layers]
-            assert all(slot[2] == slots[0][2] for slot in slots), "the layers' caches hold different lengths"
+            seen, count, slots = self._segment(hidden, call.position_ids, call.attention_mask, call.cache)
             embeds.append(hidden[0])
             cos.append(c[0].float())
             sin.append(s[0].float())
@@ -353,18 +340,29 @@ class LeanLlamaForward:
             return head.argmax_logits(hidden[:, -num_logits:, :])
         return _linear(head, hidden[:, -num_logits:, :])
 
-    def _compiled_body(self, hidden, cos, sin, causal_mask, cache, wanted, kept, prefill: bool) -> torch.Tensor:
-        """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out."""
+    def _segment(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
+        """What the compiled layers need of one sequence's forward besides its rows: (visible, lengths) as their
+        attention takes them, and each layer's cache slots for the new entries (the cache counts them from now)."""
         from jointspec.kernels.quantize import compiled_visibility
 
-        n = hidden.shape[1]
+        n = inputs_embeds.shape[1]
+        # No mask given means causal, which the compiled attention takes as each row's number of keys.
+        causal_mask = None if attention_mask is None else create_causal_mask(
+            config=self.model.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=cache, position_ids=position_ids)
         visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
-        like = hidden.new_empty(1, kv_heads, 0, head_dim)
+        like = inputs_embeds.new_empty(1, kv_heads, 0, head_dim)
         slots = [layer.append_slots(n, like) for layer in cache.layers]
+        assert all(slot[2] == slots[0][2] for slot in slots), "the layers' caches hold different lengths"
+        return visible, lengths, slots
+
+    def _compiled_body(self, hidden, cos, sin, segment: tuple, wanted, kept, prefill: bool) -> torch.Tensor:
+        """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out.
+        ``segment``: :meth:`_segment` of this forward."""
+        visible, lengths, slots = segment
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         start = slots[0][2]
-        assert all(slot[2] == start for slot in slots), "the layers' caches hold different lengths"
         buffers = [buffer for slot in slots for buffer in slot[:2]]
         if len(buffers) != len(self._compiled_buffers) or any(
                 mine is not theirs for mine, theirs in zip(buffers, self._compiled_buffers)):
