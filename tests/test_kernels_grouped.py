@@ -294,6 +294,33 @@ def test_compiled_attention_is_attention():
     assert torch.allclose(out, reference[0].transpose(0, 1), atol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim, keys, rows", [
+    (9, 3, 64, 7000, 1),  # a long context's decode step: the prefix scored in spans over the threads
+    (9, 3, 64, 300, 6),  # a verification: shared cache, each row's own draft keys
+    (4, 2, 16, 1100, 500),  # more rows than one block of scores holds
+    (6, 6, 32, 37, 3),  # no grouped heads, a partial tile of sixteen keys
+    (8, 2, 128, 20, 2),
+])
+def test_compiled_attention_is_its_pairwise_definition_bit_for_bit(heads, kv_heads, dim, keys, rows):
+    """attend_all shares keys and values among the (row, head) pairs that see them; each pair must still get exactly
+    the bits of the definition computed one pair at a time (which is what makes a row verified among others equal
+    the row decoded alone): causal rows, tree-style rows (shared cache plus a few of the draft keys) and rows that
+    share nothing."""
+    compiled = kernels()
+    generator = torch.Generator().manual_seed(keys + rows)
+    query = torch.randn(heads, rows, dim, generator=generator)
+    key, value = (torch.randn(kv_heads, keys, dim, generator=generator) for _ in range(2))
+    cached = keys - rows
+    tree = torch.zeros(rows, keys, dtype=torch.bool)
+    tree[:, :cached] = True
+    tree[:, cached:] = torch.rand(rows, rows, generator=generator).tril() > 0.4
+    tree[torch.arange(rows), cached + torch.arange(rows)] = True
+    scattered = torch.rand(rows, keys, generator=generator) > 0.5
+    scattered[:, 0] = True
+    no_bool, no_long = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.long)
+    for visible, lengths in ((no_bool, torch.arange(cached + 1, keys + 1)), (tree, no_long), (scattered, no_long)):
+        assert torch.equal(compiled.attention(query, key, value, visible, lengths, dim ** -0.5),
+                           compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
 def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
     """A forward that wants no logits (the loop's prompt prefill) runs the compiled layers' projections as one GEMM
     (rows not computed alone); plain and speculative decoding prefill alike, so they still agree exactly."""

@@ -354,32 +354,33 @@ struct Weights {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Attention, one (query row, head) pair at a time: scores over the keys the row may see, in key order; softmax; the
-// probability-weighted sum of values, in key order. A pair's result depends only on its query and the keys it sees,
-// never on the other rows of the call, so a row verified among draft tokens equals the row decoded alone (what
-// jointspec/kernels/quantize.py's row-wise attention needs), and one call serves every row and head of a layer.
-// One pair: q [dim], keys/values rows at `key` + j * dim for the `count` visible key indices `index` (ascending).
-// Scores sixteen keys at a time (simd::sum_lanes16: every key's score by the same tree, whatever its neighbours),
-// then the softmax, then the weighted sum of values in key order. dim is a multiple of 16, at most 256.
-void attend(const float* q, const float* key, const float* value, const int64_t* index, int64_t count, int64_t dim,
-            float scale, float* scores, float* out) {
-  const int64_t chunks = dim / 16;
-  V16 qv[16];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
-  float high = -INFINITY;
-  for (int64_t i = 0; i < count; i += 16) {
-    const int64_t n = std::min<int64_t>(16, count - i);
-    V16 acc[16];
-    for (int64_t j = 0; j < 16; ++j) {
-      acc[j] = simd::zero();
-      if (j < n) {
-        const float* k = key + index[i + j] * dim;
-        for (int64_t c = 0; c < chunks; ++c) acc[j] = simd::fmadd(qv[c], simd::load(k + 16 * c), acc[j]);
-      }
+// Attention, defined one (query row, head) pair at a time: scores over the keys the row may see, in key order;
+// softmax; the probability-weighted sum of values, in key order. A pair's result depends only on its query and the
+// keys it sees, never on the other rows of the call, so a row verified among draft tokens equals the row decoded
+// alone (what jointspec/kernels/quantize.py's row-wise attention needs), and one call serves every row and head of a
+// layer. attend() is that definition; attend_all() computes the same bits for many pairs at once, sharing each key
+// and value it loads among the pairs that see it (the query heads of one key head, the rows of one sequence).
+
+// Scores of one query (qv: its dim / 16 chunks) against the `n` <= 16 keys at list entries index[0 .. n - 1], times
+// `scale`, into out[0 .. n - 1]. Every key's score by the same tree (simd::sum_lanes16), whatever its neighbours.
+inline void score16(const V16* qv, int64_t chunks, const float* key, const int64_t* index, int64_t n, int64_t dim,
+                    float scale, float* out) {
+  V16 acc[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    acc[j] = simd::zero();
+    if (j < n) {
+      const float* k = key + index[j] * dim;
+      for (int64_t c = 0; c < chunks; ++c) acc[j] = simd::fmadd(qv[c], simd::load(k + 16 * c), acc[j]);
     }
-    simd::store_first(scores + i, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
-    for (int64_t j = 0; j < n; ++j) high = std::max(high, scores[i + j]);
   }
+  simd::store_first(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
+}
+
+// scores[0 .. count - 1] -> e^(score - max), in place; returns 1 / their sum (summed sixteen lanes at a time in key
+// order, then the lanes by reduce_add's tree).
+inline float softmax_numerators(float* scores, int64_t count) {
+  float high = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) high = std::max(high, scores[i]);
   V16 total = simd::zero();
   const V16 top = simd::set1(high);
   for (int64_t i = 0; i < count; i += 16) {
@@ -388,7 +389,19 @@ void attend(const float* q, const float* key, const float* value, const int64_t*
     simd::store_first(scores + i, e, n);
     total = simd::add(total, simd::load_first(scores + i, n));  // lanes past the last key add 0
   }
-  const V16 inverse = simd::set1(1.0f / simd::reduce_add(total));
+  return 1.0f / simd::reduce_add(total);
+}
+
+// One pair: q [dim], keys/values rows at `key` + j * dim for the `count` visible key indices `index` (ascending).
+// dim is a multiple of 16, at most 256. `scores` has room for count + 16 floats.
+void attend(const float* q, const float* key, const float* value, const int64_t* index, int64_t count, int64_t dim,
+            float scale, float* scores, float* out) {
+  const int64_t chunks = dim / 16;
+  V16 qv[16];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
+  for (int64_t i = 0; i < count; i += 16)
+    score16(qv, chunks, key, index + i, std::min<int64_t>(16, count - i), dim, scale, scores + i);
+  const V16 inverse = simd::set1(softmax_numerators(scores, count));
   V16 acc[16];
   for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::zero();
   for (int64_t i = 0; i < count; ++i) {  // each output element a sum over the keys in order
@@ -426,22 +439,163 @@ std::vector<std::vector<int64_t>> visible_keys(const torch::Tensor& visible, con
   return index;
 }
 
-// Every (row, head) pair through attend(); out [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
+// Queries per pass over the values in attend_all(): their accumulators stay in registers (two per V16 on AVX2).
+#if defined(JOINTSPEC_ISA_AVX2)
+constexpr int64_t kValueQueries = 6;
+#else
+constexpr int64_t kValueQueries = 8;
+#endif
+// Score entries kept at once: rows are taken in blocks whose scores fit (a long context's rows take smaller blocks).
+constexpr int64_t kScoreBudget = int64_t(1) << 21;
+// Keys per score task: a key head's keys are scored in spans this long, so that a long context's scores spread
+// over every thread.
+constexpr int64_t kScoreSpan = 512;
+
+// M queries' values pass for one 16-float chunk of dim: acc_m += p_m[j] * value[index[j]] over j in key order,
+// for list entries j in [begin, end). `probs[m]` is query m's row of probabilities.
+template <int M>
+inline void values_pass(V16* acc, float* const* probs, const float* value, const int64_t* index, int64_t begin,
+                        int64_t end, int64_t dim) {
+  V16 a[M];
+  for (int m = 0; m < M; ++m) a[m] = acc[m];
+  for (int64_t j = begin; j < end; ++j) {
+    const V16 v = simd::load(value + index[j] * dim);
+    for (int m = 0; m < M; ++m) a[m] = simd::fmadd(simd::set1(probs[m][j]), v, a[m]);
+  }
+  for (int m = 0; m < M; ++m) acc[m] = a[m];
+}
+
+inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const float* value, const int64_t* index,
+                          int64_t begin, int64_t end, int64_t dim) {
+  switch (count) {
+    case 1: return values_pass<1>(acc, probs, value, index, begin, end, dim);
+    case 2: return values_pass<2>(acc, probs, value, index, begin, end, dim);
+    case 3: return values_pass<3>(acc, probs, value, index, begin, end, dim);
+    case 4: return values_pass<4>(acc, probs, value, index, begin, end, dim);
+    case 5: return values_pass<5>(acc, probs, value, index, begin, end, dim);
+    case 6: return values_pass<6>(acc, probs, value, index, begin, end, dim);
+#if !defined(JOINTSPEC_ISA_AVX2)
+    case 7: return values_pass<7>(acc, probs, value, index, begin, end, dim);
+    case 8: return values_pass<8>(acc, probs, value, index, begin, end, dim);
+#endif
+    default: TORCH_CHECK(false, "values_pass_n: ", count, " queries");
+  }
+}
+
+// Every (row, head) pair, each computing exactly attend()'s bits; out [rows, heads, dim]. Query head h reads key
+// head h / (heads / kv_heads). The pairs of one key head share the prefix of key lists that all rows have in common
+// (a sequence's cached tokens): its keys are scored sixteen at a time for every pair while they sit in the L1 cache,
+// and its values are read once per pass for up to kValueQueries pairs. The rest of each row's list (its own draft
+// tokens) runs pair by pair. A pair's arithmetic is attend()'s, operation for operation, in the same order.
 void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const float* kp, int64_t k_head_stride,
                 const float* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op) {
+  const int64_t rows = static_cast<int64_t>(index.size()), group = heads / kv_heads, chunks = dim / 16;
+  if (rows == 0) return;
+  // The list prefix every row shares.
+  int64_t shared = static_cast<int64_t>(index[0].size());
+  for (int64_t r = 1; r < rows; ++r) {
+    const auto& list = index[r];
+    int64_t same = 0;
+    const int64_t most = std::min<int64_t>(shared, static_cast<int64_t>(list.size()));
+    while (same < most && list[same] == index[0][same]) ++same;
+    shared = same;
+  }
+  const int64_t shared_tiles = shared / 16;  // whole tiles of sixteen keys inside the shared prefix
+  const int64_t* shared_index = index[0].data();
+  int64_t longest = 0;
+  for (const auto& list : index) longest = std::max(longest, static_cast<int64_t>(list.size()));
+  const int64_t stride = (longest + 31) / 16 * 16;  // a score row, room for a last partial tile
+  const int64_t block_rows = std::max<int64_t>(1, kScoreBudget / (heads * stride));
+  std::vector<float> scores(std::min(rows, block_rows) * heads * stride), inverse(std::min(rows, block_rows) * heads);
+  const int64_t spans = std::max<int64_t>(1, (shared_tiles * 16 + kScoreSpan - 1) / kScoreSpan);
+  const int64_t span_tiles = (shared_tiles + spans - 1) / spans;
+
+  for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
+    const int64_t r1 = std::min(rows, r0 + block_rows), block = r1 - r0;
+    auto pair_scores = [&](int64_t r, int64_t h) { return scores.data() + ((r - r0) * heads + h) * stride; };
+    auto finish_pair = [&](int64_t r, int64_t h) {  // the row's own keys, then the softmax
+      V16 qv[16];
+      const float* q = qp + h * q_head_stride + r * q_row_stride;
+      for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
+      const auto& list = index[r];
+      const int64_t count = static_cast<int64_t>(list.size());
+      float* s = pair_scores(r, h);
+      for (int64_t i = shared_tiles * 16; i < count; i += 16)
+        score16(qv, chunks, kp + (h / group) * k_head_stride, list.data() + i, std::min<int64_t>(16, count - i),
+                dim, scale, s + i);
+      inverse[(r - r0) * heads + h] = softmax_numerators(s, count);
+    };
+    // 1. Scores over the shared prefix: per key head and span of keys, every pair of the block; a key head whose
+    // prefix is one span also finishes its pairs (their own keys, the softmax) in the same task.
+    at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t g = task / spans, t0 = (task % spans) * span_tiles;
+        const int64_t t1 = std::min(shared_tiles, t0 + span_tiles);
+        const float* key = kp + g * k_head_stride;
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              V16 qv[16];
+              const float* q = qp + h * q_head_stride + r * q_row_stride;
+              for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
+              score16(qv, chunks, key, shared_index + 16 * t, 16, dim, scale, pair_scores(r, h) + 16 * t);
+            }
+          }
+        }
+        if (spans == 1)
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) finish_pair(r, h);
+      }
+    });
+    // 2. Where a prefix took several spans: each pair's own keys and softmax.
+    if (spans > 1) {
+      at::parallel_for(0, block * heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t pair = begin; pair < end; ++pair) finish_pair(r0 + pair / heads, pair % heads);
+      });
+    }
+    // 3. Values: per key head, 16-float chunk of dim and pass of up to kValueQueries pairs, over the shared prefix
+    // for the pass's pairs at once, then each pair's own keys; pair q's chunk c is attend()'s acc[c], in key order.
+    const int64_t per_head = block * group, passes = (per_head + kValueQueries - 1) / kValueQueries;
+    at::parallel_for(0, kv_heads * chunks * passes, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t g = task / (chunks * passes), c = task / passes % chunks, first = task % passes * kValueQueries;
+        const int64_t count = std::min(kValueQueries, per_head - first);
+        const float* value = vp + g * v_head_stride + 16 * c;
+        float* probs[kValueQueries];
+        V16 acc[kValueQueries];
+        for (int64_t m = 0; m < count; ++m) {
+          const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
+          probs[m] = pair_scores(r, h);
+          acc[m] = simd::zero();
+        }
+        values_pass_n(count, acc, probs, value, shared_index, 0, shared, dim);
+        for (int64_t m = 0; m < count; ++m) {
+          const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
+          const auto& list = index[r];
+          values_pass<1>(acc + m, probs + m, value, list.data(), shared, static_cast<int64_t>(list.size()), dim);
+          simd::store(op + (r * heads + h) * dim + 16 * c,
+                      simd::mul(acc[m], simd::set1(inverse[(r - r0) * heads + h])));
+        }
+      }
+    });
+  }
+}
+
+// The definition itself, pair by pair (attend()): what attend_all() must equal bit for bit (tests hold them against
+// each other).
+void attend_pairs(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const float* kp, int64_t k_head_stride,
+                  const float* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
+                  int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op) {
   const int64_t rows = static_cast<int64_t>(index.size()), group = heads / kv_heads;
   int64_t most = 0;
   for (const auto& keys : index) most = std::max(most, static_cast<int64_t>(keys.size()));
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(most + 16);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t r = pair / heads, h = pair % heads, g = h / group;
-      attend(qp + h * q_head_stride + r * q_row_stride, kp + g * k_head_stride, vp + g * v_head_stride,
-             index[r].data(), static_cast<int64_t>(index[r].size()), dim, scale, scores.data(),
-             op + (r * heads + h) * dim);
-    }
-  });
+  std::vector<float> scores(most + 16);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      attend(qp + h * q_head_stride + r * q_row_stride, kp + (h / group) * k_head_stride,
+             vp + (h / group) * v_head_stride, index[r].data(), static_cast<int64_t>(index[r].size()), dim, scale,
+             scores.data(), op + (r * heads + h) * dim);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -615,8 +769,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor s
 // query [heads, rows, dim] (any strides, unit stride in dim); key / value [kv_heads, keys, dim] (rows of dim
 // contiguous, any head stride); visible: bool [rows, keys], or an empty tensor with `lengths` [rows]: row r sees keys
 // 0 .. lengths[r] - 1. Returns [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
-torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
-                        torch::Tensor lengths, double scale) {
+torch::Tensor attention_by(bool pairwise, torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                           torch::Tensor visible, torch::Tensor lengths, double scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be 3-D");
   for (const auto* t : {&query, &key, &value}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(2) == 1,
@@ -630,10 +784,22 @@ torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor va
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   const auto index = visible_keys(visible, lengths, rows, num_keys);
   auto out = torch::empty({rows, heads, dim}, query.options());
-  attend_all(query.data_ptr<float>(), query.stride(0), query.stride(1), key.data_ptr<float>(), key.stride(0),
-             value.data_ptr<float>(), value.stride(0), index, heads, kv_heads, dim, static_cast<float>(scale),
-             out.data_ptr<float>());
+  (pairwise ? attend_pairs : attend_all)(query.data_ptr<float>(), query.stride(0), query.stride(1),
+                                         key.data_ptr<float>(), key.stride(0), value.data_ptr<float>(),
+                                         value.stride(0), index, heads, kv_heads, dim, static_cast<float>(scale),
+                                         out.data_ptr<float>());
   return out;
+}
+
+torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
+                        torch::Tensor lengths, double scale) {
+  return attention_by(false, query, key, value, visible, lengths, scale);
+}
+
+// attention() by its definition, one pair at a time on one thread: the reference attention() must equal.
+torch::Tensor attention_pairwise(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
+                                 torch::Tensor lengths, double scale) {
+  return attention_by(true, query, key, value, visible, lengths, scale);
 }
 
 // One sequence's rows in a decoder-layer call: rows row_begin .. row_begin + rows - 1 of the hidden matrix, whose new
@@ -1108,6 +1274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("fifth"), py::arg("scale"), py::arg("minimum"),
         py::arg("gemm") = false, unlocked);
   m.def("attention", &attention, "row-by-row attention, each (row, head) alone", unlocked);
+  m.def("attention_pairwise", &attention_pairwise, "attention's definition, one (row, head) pair at a time", unlocked);
   py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
       .def(py::init<>())
       .def("add_layer", &CompiledLayers::add_layer)
