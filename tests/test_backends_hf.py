@@ -16,10 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, tree_ancestor_mask
 from jointspec.core.draft import chain_parents, tree_depths
+from jointspec.kernels.quantize import quantize_model
 
-from helpers import VOCAB, tiny_llama
+from helpers import VOCAB, greedy_by_methods, grouped_llama, random_prompt, tiny_llama
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -189,3 +191,31 @@ def test_feature_mirror_keep_after_growing_in_inference_mode():
     assert torch.equal(mirror.features, rows[[0, 1, 5, 299]])
     mirror.append(rows[:2])
     assert torch.equal(mirror.features[4:], rows[:2])
+
+
+def test_a_long_prefill_runs_in_chunks_and_reports_progress(monkeypatch):
+    """A prompt longer than PREFILL_CHUNK is read chunk by chunk: the cache ends the same (the next token's logits
+    agree with one forward over the whole prompt, to float rounding), and the progress hook hears of each chunk."""
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
+    model = tiny_llama(3)
+    chunked, whole = CausalLM(model), CausalLM(model)
+    prompt = random_prompt(5, length=100)
+    seen = []
+    chunked.prefill_progress = lambda done, total: seen.append((done, total))
+    assert chunked.forward(prompt, num_logits=0).logits.shape[0] == 0
+    assert seen == [(done, 100) for done in (16, 32, 48, 64, 80, 96, 100)]
+    assert chunked.num_cached == 100 and chunked.cache.get_seq_length() == 100
+    expected = whole.forward(prompt + [7], num_logits=1).logits  # num_logits=1: one forward, no chunks
+    assert torch.allclose(chunked.forward([7]).logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, draft, tree", [("sps", "self", None), ("specinfer", "self", (2, 2)),
+                                                  ("pld", None, None), ("lookahead", None, None)])
+def test_methods_match_plain_greedy_after_a_chunked_prefill(monkeypatch, method, draft, tree):
+    """Every method prefills the same way, chunked or not, so a chunked prompt changes nothing in their agreement:
+    on int4's compiled layers (a chunk of up to 256 rows takes them) and on transformers' float32 path."""
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 24)
+    for model in (quantize_model(grouped_llama(2), "int4"), tiny_llama(4)):
+        prompt = random_prompt(8, length=90)
+        plain, other = greedy_by_methods(model, prompt, 40, methods=(("ar", None, None), (method, draft, tree)))
+        assert other == plain

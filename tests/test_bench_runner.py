@@ -11,6 +11,7 @@ inside the model's 256 positions; the cost model is measured with 2 repeats only
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -65,6 +66,9 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
     results = json.loads((report / "results.json").read_text())
     assert results["target_cost"]["ms_by_k"]["1"] > 0
     assert len(results["runs"]) == 9 and all(len(r["seconds"]) == 2 for r in results["runs"])
+    # Reading the prompt is timed apart where the engine says how long it took (transformers' generate does not).
+    assert all((r["prefill_seconds"] is None) == (r["method"] == "hf-generate") for r in results["runs"])
+    assert "prompt s" in out and "decode x" in out
     # Each run keeps its log-probabilities, so any two methods can be compared later (jointspec bench-intervals).
     assert all(r["num_scored_tokens"] == sum(map(len, r["output_ids"])) and r["logprob_sum"] < 0
                for r in results["runs"])
@@ -92,6 +96,25 @@ def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, benc
     # The second turn followed the method's own first answer: its prompt contains that answer.
     first = next(r for r in result.runs if r.method == "ar" and r.question_id == "1")
     assert len(first.prompt_ids) == 2 and len(first.prompt_ids[1]) > len(first.prompt_ids[0]) + 5
+
+
+def test_decode_speed_is_timed_after_the_prompt(target_model, bench_tokenizer, bench_prompt_file):
+    """The decode speedup is tokens over the medians of (time - time reading the prompt), recomputed here from the
+    runs; an engine that does not time its prompt (transformers' generate) gets none."""
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar,pld:n=4,hf-generate",
+                               load_prompts(str(bench_prompt_file)), repeats=2)
+
+    def decode_rate(method: str) -> float:
+        runs = [r for r in result.runs if r.method == method]
+        assert all(len(r.prefill_seconds) == 2 and 0 < min(r.prefill_seconds) for r in runs)
+        seconds = sum(statistics.median(s - p for s, p in zip(r.seconds, r.prefill_seconds)) for r in runs)
+        return sum(r.num_new_tokens for r in runs) / seconds
+
+    assert summary["pld:n=4"]["decode_speedup"] == pytest.approx(decode_rate("pld:n=4") / decode_rate("ar"),
+                                                                 abs=1e-4)
+    assert summary["ar"]["decode_speedup"] == 1.0
+    assert summary["hf-generate"]["decode_speedup"] is None
+    assert summary["pld:n=4"]["prompt_seconds"] > 0
 
 
 @pytest.mark.parametrize("corruption", [0.0, 0.3, 0.7])

@@ -254,3 +254,18 @@ def test_json_quality_block(capsys, model_dirs, monkeypatch):
     assert quality["energy_joules_per_token"] == pytest.approx(1.5 / len(tokens), abs=1e-6)
     monkeypatch.setattr(energy, "meter_for_device", lambda device: energy.UnavailableMeter())
     assert json_result(capsys, *args)["quality"]["energy_joules_per_token"] == "unavailable"
+
+
+def test_prompt_file_gives_the_same_answer_as_the_argument(capsys, model_dirs, tmp_path):
+    options = ["--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "8", "--method", "ar", "--json"]
+    code, out, _ = run_cli(capsys, "generate", PROMPT, *options)
+    assert code == 0
+    document = tmp_path / "prompt.txt"
+    document.write_text(PROMPT, encoding="utf-8")
+    code, from_file, _ = run_cli(capsys, "generate", "--prompt-file", str(document), *options)
+    assert code == 0
+    assert json.loads(from_file.splitlines()[-1])["token_ids"] == json.loads(out.splitlines()[-1])["token_ids"]
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--prompt-file", str(document), *options)
+    assert_clean_error(code, err, "jointspec: error:", "not both")
+    code, _, err = run_cli(capsys, "generate", "--prompt-file", str(tmp_path / "missing.txt"), *options)
+    assert_clean_error(code, err, "jointspec: error:", "missing.txt")

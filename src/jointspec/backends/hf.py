@@ -11,6 +11,8 @@ token). Each token then sees the whole cache plus its own ancestors, and sits at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -19,6 +21,11 @@ from jointspec.backends.lean_forward import LeanCall, lean_forward_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities, TargetLM
+
+# A prompt prefill longer than this runs in chunks of this many tokens: the attention of a chunk then needs no mask
+# over the whole prompt (transformers' mask at 7k tokens is 196 MB), peak memory stays bounded, and a caller can show
+# progress. The loop prefills the same way for every method, so chunking changes nothing between them.
+PREFILL_CHUNK = 1024
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -91,6 +98,8 @@ class CausalLM:
         self.cache = BufferedCache(model.config)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
+        # Called as (tokens done, tokens in all) after each chunk of a long prefill (see PREFILL_CHUNK).
+        self.prefill_progress: Callable[[int, int], None] | None = None
 
     def attach_feature_mirror(self, layers: tuple[int, ...] = (-1,)) -> FeatureMirror:
         """Start recording this adapter's features (its hidden states at ``layers``, see :class:`FeatureMirror`);
@@ -159,7 +168,10 @@ class CausalLM:
         ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
         reads only each row's argmax (greedy verification), so a target with an argmax screen may return
         logits whose other entries are approximate (``capabilities.argmax_screen``; kernels/grouped.py).
+        A prefill (``num_logits=0``, a chain) longer than :data:`PREFILL_CHUNK` runs in chunks.
         """
+        if num_logits == 0 and parents is None and len(token_ids) > PREFILL_CHUNK:
+            return self._prefill_in_chunks(token_ids, output_hidden)
         call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only)
         if self.lean is not None:
             logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
@@ -174,6 +186,14 @@ class CausalLM:
             logits = out.logits[:, out.logits.shape[1] - keep:]
             states = {layer: out.hidden_states[layer] for layer in layers}
         return self._finish(call, output_hidden, logits, states)
+
+    def _prefill_in_chunks(self, token_ids: list[int] | torch.Tensor, output_hidden: bool) -> ForwardOutput:
+        total = len(token_ids)
+        for start in range(0, total, PREFILL_CHUNK):
+            out = self.forward(token_ids[start:start + PREFILL_CHUNK], num_logits=0, output_hidden=output_hidden)
+            if self.prefill_progress is not None:
+                self.prefill_progress(min(start + PREFILL_CHUNK, total), total)
+        return out
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only) -> LeanCall:
         """The model-level arguments of a forward: ids, positions, the tree mask, rows of logits, hidden states."""

@@ -44,6 +44,8 @@ class TurnOutput:
     seconds: float
     num_target_calls: int
     stats: SpecStats | None  # None for transformers' own generate (it exposes no acceptance counters)
+    # Reading the prompt: the loop's prefill; llama.cpp's time to its first token. None where not measured.
+    prefill_seconds: float | None = None
 
 
 class JointspecEngine:
@@ -76,7 +78,7 @@ class JointspecEngine:
         seconds = time.perf_counter() - start
         # 1 + rounds: the prefill is a target call too, as it is for transformers' generate.
         calls = result.stats.num_rounds + (len(prompt_ids) > 1)
-        return TurnOutput(result.token_ids, seconds, calls, result.stats)
+        return TurnOutput(result.token_ids, seconds, calls, result.stats, result.stats.prefill_seconds)
 
 
 class HFEngine:
@@ -256,19 +258,21 @@ class LlamaCppEngine:
 
         llama.eval = counted_eval  # Llama.generate calls self.eval once per target pass
         new_ids: list[int] = []
+        first = None
         try:
             llama.reset()
             start = time.perf_counter()
             if budget > 0:
                 for token in llama.generate(prompt_ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0,
                                             repeat_penalty=1.0, reset=True):
+                    first = time.perf_counter() - start if first is None else first
                     new_ids.append(int(token))
                     if token in self.eos_token_ids or len(new_ids) >= budget:
                         break
             seconds = time.perf_counter() - start
         finally:
             del llama.eval
-        return TurnOutput(new_ids, seconds, calls, None)
+        return TurnOutput(new_ids, seconds, calls, None, first)
 
 
 def build_engine(spec: MethodSpec, target: CausalLM, tokenizer, defaults: MethodConfig, load_draft: LoadDraft,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import torch
@@ -70,7 +71,19 @@ def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost:
         "peak_rss_mb": _rounded(max(r.peak_rss_bytes for r in runs) / 2**20, 1),
         "cuda_max_allocated_mb": (_rounded(max(r.cuda_peak_bytes for r in runs) / 2**20, 1)
                                   if all(r.cuda_peak_bytes is not None for r in runs) else None),
+        "prompt_seconds": None, "decode_tokens_per_second": None, "decode_speedup": None,
     }
+    # Long inputs: reading the prompt and decoding after it, apart (the speedup above is over both).
+    if all(r.decode_seconds is not None for r in runs + baseline_runs):
+        decode = sum(r.decode_seconds for r in runs)
+        base_decode = sum(r.decode_seconds for r in baseline_runs)
+        decode_tps = tokens / decode if decode > 0 else None
+        base_decode_tps = base_tokens / base_decode if base_decode > 0 else None
+        summary.update({
+            "prompt_seconds": _rounded(sum(statistics.median(r.prefill_seconds) for r in runs) / len(runs), 3),
+            "decode_tokens_per_second": _rounded(decode_tps, 3),
+            "decode_speedup": _rounded(decode_tps / base_decode_tps if decode_tps and base_decode_tps else None),
+        })
     if all(r.stats is not None for r in runs):
         stats = SpecStats()
         for r in runs:
@@ -130,7 +143,13 @@ def against_baseline(runs: list[PromptRun], baseline_runs: list[PromptRun], seed
     quality = paired_ratio_interval(torch.tensor([[r.logprob_sum, r.num_scored_tokens] for r, _ in pairs]),
                                     torch.tensor([[b.logprob_sum, b.num_scored_tokens] for _, b in pairs]),
                                     "perplexity", seed=seed)
+    decode = None
+    if all(r.decode_seconds is not None and b.decode_seconds is not None for r, b in pairs):
+        decode = paired_ratio_interval(torch.tensor([[r.num_new_tokens, r.decode_seconds] for r, _ in pairs]),
+                                       torch.tensor([[b.num_new_tokens, b.decode_seconds] for _, b in pairs]),
+                                       "rate", seed=seed)
     return {"speedup_interval": speed.to_list() if speed else None,
+            "decode_speedup_interval": decode.to_list() if decode else None,
             "perplexity_ratio": _rounded(quality.ratio) if quality else None,
             "perplexity_ratio_interval": quality.to_list() if quality else None}
 
@@ -152,7 +171,7 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
 def table(result: BenchResult, summary: dict) -> str:
     """A plain-text table for the terminal (also used in report.md)."""
     header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "dist-2", "draft s", "verify s",
-              "pred.speedup", "loop eff", "RSS MB"]
+              "pred.speedup", "loop eff", "RSS MB", "prompt s", "decode x"]
     rows = [header]
     for method, s in summary.items():
         rows.append([method, _fmt(s["tokens_per_second"], ".1f"),
@@ -161,17 +180,24 @@ def table(result: BenchResult, summary: dict) -> str:
                      f"{s['num_identical']}/{s['num_prompts']}", _fmt(s["perplexity"]), _fmt(s["distinct_2"]),
                      _fmt(s.get("draft_seconds")), _fmt(s.get("verify_seconds")),
                      _fmt(s.get("predicted_speedup")), _fmt(s.get("loop_efficiency")),
-                     _fmt(s["peak_rss_mb"], ".0f")])
+                     _fmt(s["peak_rss_mb"], ".0f"), _fmt(s["prompt_seconds"]),
+                     _fmt(s["decode_speedup"], ".2f") + ("x" if s["decode_speedup"] is not None else "")])
     lines = _align(rows)
     categories = list(next(iter(summary.values()))["per_category"])
     if len(categories) > 1:
-        cat_rows = [["speedup by category"] + list(summary)]
+        cat_rows = [["speedup by category (after the prompt)"] + list(summary)]
         for c in categories:
             cat_rows.append([f"{c} (n={summary[result.baseline]['per_category'][c]['num_prompts']})"]
-                            + [_fmt(s["per_category"][c]["speedup"]) + "x" for s in summary.values()])
+                            + [_category_speedup(s["per_category"][c]) for s in summary.values()])
         lines += [""] + _align(cat_rows)
     lines += [""] + interval_lines(result, summary)
     return "\n".join(lines)
+
+
+def _category_speedup(s: dict) -> str:
+    """The speedup, and after reading the prompt in brackets where the bench timed that apart."""
+    decode = s.get("decode_speedup")
+    return _fmt(s["speedup"]) + "x" + (f" ({decode:.2f}x)" if decode is not None else "")
 
 
 def interval_lines(result: BenchResult, summary: dict) -> list[str]:
@@ -180,12 +206,13 @@ def interval_lines(result: BenchResult, summary: dict) -> list[str]:
     if num_prompts < MIN_PROMPTS:
         return [f"(no {LEVEL:.0%} intervals against the baseline: {num_prompts} prompts, fewer than {MIN_PROMPTS})"]
     rows = [[f"vs {result.baseline}, {LEVEL:.0%} paired bootstrap over {num_prompts} prompts", "speedup", "",
-             "perplexity ratio", ""]]
+             "perplexity ratio", "", "decode speedup (after the prompt)", ""]]
     for method, s in summary.items():
         if method == result.baseline:
             continue
         rows.append([method, *_with_interval(s["speedup"], s["speedup_interval"], "slower", "faster"),
-                     *_with_interval(s["perplexity_ratio"], s["perplexity_ratio_interval"], "lower", "higher")])
+                     *_with_interval(s["perplexity_ratio"], s["perplexity_ratio_interval"], "lower", "higher"),
+                     *_with_interval(s["decode_speedup"], s.get("decode_speedup_interval"), "slower", "faster")])
     return _align(rows)
 
 
@@ -213,6 +240,8 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
                "methods": summary,
                "runs": [{"prompt_index": r.prompt_index, "question_id": r.question_id, "category": r.category,
                          "method": r.method, "seconds": [round(s, 4) for s in r.seconds],
+                         "prefill_seconds": (None if r.prefill_seconds is None
+                                             else [round(s, 4) for s in r.prefill_seconds]),
                          "num_new_tokens": r.num_new_tokens, "num_target_calls": r.num_target_calls,
                          "identical": r.identical, "output_ids": r.output_ids,
                          "logprob_sum": round(r.logprob_sum, 4), "num_scored_tokens": r.num_scored_tokens,

@@ -94,6 +94,14 @@ class PromptRun:
     identical: bool = False  # same tokens as the baseline on every turn
     logprob_sum: float = 0.0  # under the raw target, over every generated token
     num_scored_tokens: int = 0
+    prefill_seconds: list[float] | None = None  # per timed repeat, all turns; None where an engine does not say
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """The median over repeats of the time after the prompt was read (None without prefill times)."""
+        if self.prefill_seconds is None:
+            return None
+        return statistics.median(s - p for s, p in zip(self.seconds, self.prefill_seconds))
 
     @property
     def num_new_tokens(self) -> int:
@@ -204,11 +212,18 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
             turns = run_conversation(engine, tokenizer, prompt, config)
             rss, cuda = peak_memory(device)
             seconds = sum(out.seconds for _, out in turns)
+            prefill = (None if any(out.prefill_seconds is None for _, out in turns)
+                       else sum(out.prefill_seconds for _, out in turns))
             if repeat == 0:
                 by_method[label] = _new_run(index, prompt, label, turns, seconds, rss, cuda)
+                by_method[label].prefill_seconds = None if prefill is None else [prefill]
             else:
                 run = by_method[label]
                 run.seconds.append(seconds)
+                if run.prefill_seconds is not None and prefill is not None:
+                    run.prefill_seconds.append(prefill)
+                else:
+                    run.prefill_seconds = None
                 run.peak_rss_bytes = max(run.peak_rss_bytes, rss)
                 if [out.new_ids for _, out in turns] != run.output_ids:
                     log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from jointspec.cli.options import (
     add_model_arguments,
@@ -25,6 +27,9 @@ DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small
 def _add_generate(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt")
     parser.add_argument("prompt", nargs="?", default=None, help="the prompt (default: a short summarisation task)")
+    parser.add_argument("--prompt-file", metavar="PATH", default=None,
+                        help="read the prompt from this text file ('-': standard input), e.g. a long document and a "
+                             "question about it")
     add_model_arguments(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -54,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     apply_threads(args)
     pipeline = Pipeline.load(args.model, method, **model_options(args))
     _say_quantize_choice(args)
-    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    prompt = _prompt_text(args)
     if args.json:
         from jointspec.analysis.quality import quality_report
         from jointspec.bench.energy import meter_for_device
@@ -72,13 +77,55 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    result = pipeline.generate(prompt, config, on_text=show)
+    with _prefill_bar(pipeline.target):
+        result = pipeline.generate(prompt, config, on_text=show)
     stats = result.stats
-    print(f"\n[{args.method}] {result.num_new_tokens} tokens in {result.seconds:.2f} s = "
-          f"{result.tokens_per_second:.1f} tok/s; {stats.num_rounds} target calls, "
+    decode_seconds = result.seconds - stats.prefill_seconds
+    print(f"\n[{args.method}] prompt {len(result.prompt_ids)} tokens read in {stats.prefill_seconds:.2f} s; "
+          f"{result.num_new_tokens} tokens in {decode_seconds:.2f} s = "
+          f"{result.num_new_tokens / decode_seconds if decode_seconds > 0 else 0.0:.1f} tok/s; "
+          f"{stats.num_rounds} target calls, "
           f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
           f"({pipeline.target.name})", file=sys.stderr)
     return 0
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise JointspecError("give the prompt as an argument or with --prompt-file, not both")
+    if args.prompt_file is None:
+        return args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        return Path(args.prompt_file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise JointspecError(f"cannot read --prompt-file '{args.prompt_file}': {error}") from error
+
+
+@contextlib.contextmanager
+def _prefill_bar(target):
+    """A progress bar on stderr while a long prompt is read (the target reports chunks of a long prefill)."""
+    if not hasattr(target, "prefill_progress"):
+        yield
+        return
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="reading the prompt", unit="tok", leave=False, file=sys.stderr)
+        bar.update(done - bar.n)
+
+    target.prefill_progress = update
+    try:
+        yield
+    finally:
+        target.prefill_progress = None
+        if bar is not None:
+            bar.close()
 
 
 def _say_quantize_choice(args: argparse.Namespace) -> None:
