@@ -134,8 +134,12 @@ def test_oracle_acceptance_matches_corruption_rate(target_model, bench_tokenizer
 
 # What the registry says of each method (``register_method(..., lossless=...)``); `ar` is the baseline itself. A method
 # added to the registry fails the test below until it is put in one of these two sets, agreeing with its flag.
-LOSSLESS = {"corpus", "default", "hybrid", "hybrid-tree", "lookahead", "oracle", "pld", "specinfer", "spectr", "sps"}
+LOSSLESS = {"corpus", "default", "hybrid", "hybrid-tree", "lookahead", "oracle", "pld", "sparse-self", "specinfer",
+            "spectr", "sps"}
 NOT_LOSSLESS = {"mtad", "mtad-tree"}
+# Methods for long inputs, which draft nothing on these short prompts (their drafting is tested on their own:
+# tests/test_drafters_sparse_self.py).
+LONG_INPUT_ONLY = {"sparse-self"}
 
 
 def test_every_registered_method_runs_and_every_lossless_one_matches_the_baseline(target_model, bench_tokenizer,
@@ -164,4 +168,4 @@ def test_every_registered_method_runs_and_every_lossless_one_matches_the_baselin
     for name in sorted(LOSSLESS):
         assert outputs(specs[name]) == baseline, name  # compared here, not only through the bench's own flag
         assert summary[specs[name]]["num_identical"] == 3, name
-        assert summary[specs[name]]["mean_accepted_tokens"] > 1.0, name
+        assert summary[specs[name]]["mean_accepted_tokens"] > (0.0 if name in LONG_INPUT_ONLY else 1.0), name

@@ -140,8 +140,9 @@ class CausalLM:
     @property
     def capabilities(self) -> TargetCapabilities:
         # The screen is read each time: quantising the model in place can give it a screened head after construction.
-        return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, argmax_screen=(
-            self.lean is not None and hasattr(self.model.get_output_embeddings(), "argmax_logits")))
+        return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, sparse_view=True,
+                                  argmax_screen=(self.lean is not None
+                                                 and hasattr(self.model.get_output_embeddings(), "argmax_logits")))
 
     def fork(self, name: str | None = None) -> CausalLM:
         """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe)."""
@@ -162,17 +163,19 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False,
-                argmax_only: bool = False) -> ForwardOutput:
+                argmax_only: bool = False, attend_to: torch.Tensor | None = None) -> ForwardOutput:
         """Feed ``token_ids`` after the cache; they stay cached. Returns the last ``num_logits`` rows (all if None).
 
         ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
         reads only each row's argmax (greedy verification), so a target with an argmax screen may return
         logits whose other entries are approximate (``capabilities.argmax_screen``; kernels/grouped.py).
         A prefill (``num_logits=0``, a chain) longer than :data:`PREFILL_CHUNK` runs in chunks.
+        ``attend_to`` (int64 positions below ``num_cached``, increasing): the only cached tokens the new ones see
+        (they still see each other causally, or along ``parents``); None: all of them.
         """
-        if num_logits == 0 and parents is None and len(token_ids) > PREFILL_CHUNK:
+        if num_logits == 0 and parents is None and attend_to is None and len(token_ids) > PREFILL_CHUNK:
             return self._prefill_in_chunks(token_ids, output_hidden)
-        call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only)
+        call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only, attend_to)
         if self.lean is not None:
             logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
                                        call.num_logits, call.hidden_layers, argmax_only=argmax_only)
@@ -195,22 +198,32 @@ class CausalLM:
                 self.prefill_progress(min(start + PREFILL_CHUNK, total), total)
         return out
 
-    def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only) -> LeanCall:
+    def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None) -> LeanCall:
         """The model-level arguments of a forward: ids, positions, the tree mask, rows of logits, hidden states."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if n == 0:
             raise ValueError("forward needs at least one token")
         start = self.num_cached
-        if parents is None or parents == chain_parents(n):
+        chain = parents is None or parents == chain_parents(n)
+        if chain and attend_to is None:
             positions = torch.arange(start, start + n, device=self.device)
             mask = None
         else:
-            if len(parents) != n:
+            if not chain and len(parents) != n:
                 raise ValueError(f"parents has {len(parents)} entries for {n} tokens")
-            positions = torch.tensor(tree_depths(parents), device=self.device) + start
-            visible = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
-            visible[:, start:] = tree_ancestor_mask(parents).to(self.device)
+            positions = (torch.arange(n, device=self.device) if chain
+                         else torch.tensor(tree_depths(parents), device=self.device)) + start
+            if attend_to is None:
+                visible = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+            else:
+                attend_to = torch.as_tensor(attend_to, dtype=torch.long, device=self.device)
+                if len(attend_to) and (int(attend_to[0]) < 0 or int(attend_to[-1]) >= start):
+                    raise ValueError(f"attend_to must name cached positions (0 to {start - 1})")
+                visible = torch.zeros(n, start + n, dtype=torch.bool, device=self.device)
+                visible[:, attend_to] = True
+            visible[:, start:] = (torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if chain
+                                  else tree_ancestor_mask(parents).to(self.device))
             # Additive float mask: the eager and sdpa attention paths both accept it as given.
             mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype, device=self.device)
             mask.masked_fill_(~visible, torch.finfo(self.dtype).min)

@@ -52,6 +52,8 @@ class TargetCapabilities:
     ``plain_decode``: ``reset(plain=True)`` switches to faster kernels for decodes that verify nothing (whose rows
     then need not equal batched rows); such a target says in ``plain`` which kernels the current decode runs on.
     ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.
+    ``sparse_view``: ``forward(attend_to=...)`` lets the new tokens see only some of the cached ones (a target
+    drafting for itself over part of its own cache, drafters/sparse_self.py).
     """
 
     trees: bool = False
@@ -60,6 +62,7 @@ class TargetCapabilities:
     argmax_screen: bool = False
     plain_decode: bool = False
     torch_module: bool = False
+    sparse_view: bool = False
 
 
 @runtime_checkable

@@ -1,11 +1,11 @@
 """Decoding methods: each name builds a (drafter, verifier) pair for the one loop. ``registry`` holds the names;
 ``lossless`` the chain and tree methods over lookup, draft models and heads; ``trees`` SpecInfer and SpecTr;
 ``lookahead`` Lookahead's trie drafts; ``mtad`` multi-token assisted decoding; ``default`` the policy ``jointspec
-generate`` runs; ``oracle`` a drafter that knows the answer (for measuring the loop). Importing this package
-registers them all.
+generate`` runs; ``oracle`` a drafter that knows the answer (for measuring the loop); ``sparse_self``
+TriForce-style self-speculation for long inputs. Importing this package registers them all.
 """
 
-from jointspec.methods import default, lookahead, lossless, mtad, oracle, trees
+from jointspec.methods import default, lookahead, lossless, mtad, oracle, sparse_self, trees
 from jointspec.methods.registry import (
                                         MethodConfig,
                                         MethodContext,
@@ -17,5 +17,5 @@ from jointspec.methods.registry import (
 )
 
 # The modules are listed too: importing each registers its methods.
-__all__ = ["default", "lookahead", "lossless", "mtad", "oracle", "trees", "MethodConfig", "MethodContext",
-           "build_method", "lossless_methods", "method_names", "method_summaries", "register_method"]
+__all__ = ["default", "lookahead", "lossless", "mtad", "oracle", "sparse_self", "trees", "MethodConfig",
+           "MethodContext", "build_method", "lossless_methods", "method_names", "method_summaries", "register_method"]

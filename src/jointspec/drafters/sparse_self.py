@@ -1,0 +1,125 @@
+"""The target drafts for itself over a sparse view of its own cache (TriForce-style self-speculation).
+
+At long context a decoding step reads the whole key/value cache: on SmolLM2-135M at 7k tokens that is four times the
+bytes of its int4 weights. TriForce (Sun et al., 2024) lets the target draft with only part of its cache, then verifies
+the draft with all of it. Here the part is chosen without looking inside the model:
+
+- the first ``sinks`` tokens (attention sinks: softmax mass parks there, StreamingLLM);
+- the last ``window`` tokens (what the next tokens mostly attend to);
+- ``chunks`` spans of ``chunk`` tokens where the context's last n-gram occurred earlier, each starting a little before
+  the occurrence (the text the answer is copying or discussing: a long input's relevant part, found the way prompt
+  lookup finds its drafts).
+
+The draft runs the target itself (``forward(attend_to=...)``, no second cache and no second copy of the weights): its
+entries are written after the committed ones and cropped before the verification rewrites them with full attention.
+So the draft is the target's own distribution under a restricted view, and the loop's verifier makes the output
+exactly the target's (greedy: token for token; sampling: the speculative-sampling law, with the draft rows carried).
+
+Below ``min_context`` cached tokens the view would be most of the cache, and drafting would cost as much as decoding:
+the drafter proposes nothing and the loop decodes plainly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.core.target import TargetLM
+from jointspec.drafters.ngram import suffix_matches
+
+
+@dataclass(frozen=True)
+class SparseView:
+    """Which cached tokens the draft sees (module docstring)."""
+
+    sinks: int = 16
+    window: int = 256
+    chunk: int = 64
+    chunks: int = 4
+    lead: int = 8  # a retrieved span starts this many tokens before the occurrence it was found by
+    max_ngram: int = 3
+    min_ngram: int = 2
+    min_context: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("sinks", "window", "chunk", "chunks", "lead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
+
+    def positions(self, context: np.ndarray, cached: int) -> torch.Tensor:
+        """The cached positions (below ``cached``) the draft sees after ``context``, increasing."""
+        seen = np.zeros(cached, dtype=bool)
+        seen[:self.sinks] = True
+        seen[max(0, cached - self.window):] = True
+        if self.chunks:
+            _, starts = suffix_matches(context[:cached + 1], self.max_ngram, self.min_ngram, self.chunks)
+            for start in starts:
+                seen[max(0, start - self.lead):start - self.lead + self.chunk] = True
+        return torch.from_numpy(np.flatnonzero(seen))
+
+
+class SparseSelfDrafter:
+    """Drafts ``num_draft_tokens`` tokens with the target over :class:`SparseView`'s part of its cache."""
+
+    def __init__(self, target: TargetLM, num_draft_tokens: int, view: SparseView = SparseView(),
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        if not target.capabilities.sparse_view:
+            raise UnsupportedOptionError(f"target '{target.name}' cannot restrict its attention to part of its "
+                                         "cache, so it cannot draft for itself over a sparse view; use the torch "
+                                         "backend")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.target = target
+        self.num_draft_tokens = num_draft_tokens
+        self.view = view
+        self.eos_token_ids = eos_token_ids
+        self._context = np.zeros(0, dtype=np.int64)
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self._context = np.asarray(prompt_ids, dtype=np.int64)
+
+    def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        target = self.target
+        cached = target.num_cached
+        count = min(self.num_draft_tokens, max_num_draft_tokens)
+        if count <= 0 or cached < self.view.min_context:
+            return EMPTY_DRAFT
+        assert cached == len(context_ids) - 1, "the loop's cache holds every committed token but the last"
+        if len(self._context) != len(context_ids):
+            self._context = np.asarray(context_ids, dtype=np.int64)
+        view = self.view.positions(self._context, cached)
+        token_ids: list[int] = []
+        rows: list[torch.Tensor] = []
+        feed = context_ids[-1]
+        # A greedy draft reads only each row's argmax, which a screened head finds more cheaply.
+        argmax_only = sampling.greedy and target.capabilities.argmax_screen
+        try:
+            for _ in range(count):
+                # The draft's own earlier tokens sit after the committed ones: it sees them all.
+                seen = torch.cat([view, torch.arange(cached, target.num_cached)])
+                logits = target.forward([feed], attend_to=seen, argmax_only=argmax_only).logits[-1]  # [vocab]
+                if sampling.greedy:
+                    feed = int(logits.argmax())
+                else:
+                    probs = processed_probs(logits, sampling)
+                    feed = int(sample(probs, generator))
+                    rows.append(probs)
+                token_ids.append(feed)
+                if feed in self.eos_token_ids:
+                    break
+        finally:
+            target.crop(cached)  # the verification writes these entries again, seeing the whole cache
+        return Draft(token_ids=token_ids, draft_probs=torch.stack(rows) if rows else None)
+
+    def commit(self, context_ids: list[int], num_accepted: int) -> None:
+        self._context = np.asarray(context_ids, dtype=np.int64)
