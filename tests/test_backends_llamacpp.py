@@ -574,6 +574,17 @@ def test_bench_llamacpp_stops_on_eos(tiny, loaded):
         engine.generate(prompt, 4, SamplingConfig(temperature=1.0), seed=0)
 
 
+def test_bench_llamacpp_refuses_a_prompt_its_context_cannot_hold(tiny, loaded):
+    """A prompt that fills llama.cpp's context would give no tokens in no time: refused, naming both sizes."""
+    from jointspec.bench.engines import LlamaCppBackend, LlamaCppEngine
+
+    backend = LlamaCppBackend(str(tiny[0]), loaded[1], threads=1, n_ctx=32)
+    engine = LlamaCppEngine(parse_spec("llamacpp"), backend, frozenset())
+    size = engine.llama.n_ctx()  # llama.cpp rounds a context up to a whole number of its blocks
+    with pytest.raises(MethodSpecError, match=f"{size + 4} tokens leaves no room in llama.cpp's context of {size}"):
+        engine.generate(random_prompt(7, length=size + 4), 4, SamplingConfig(temperature=0.0), seed=0)
+
+
 @pytest.mark.parametrize("flags, expected", [({"avx2", "avx512f", "amx_tile", "amx_int8"}, False), ({"avx2"}, True)])
 def test_extra_buffer_types_are_off_on_amx_cpus(tiny, loaded, monkeypatch, flags, expected):
     # llama.cpp's AMX kernels segfault on quantised batches (jointspec.backends.llamacpp): on a CPU with AMX, the

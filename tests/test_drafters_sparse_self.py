@@ -88,6 +88,38 @@ def test_drafting_leaves_the_cache_as_it_was():
     assert all(torch.equal(layer.keys, kept) for layer, kept in zip(target.cache.layers, before))
 
 
+def test_lookup_guesses_change_the_cost_not_the_draft(monkeypatch):
+    """Greedy drafts score prompt lookup's guesses in the same sparse forward and keep those that are the view's
+    argmax: on the compiled layers (rows computed alone) the draft is exactly token-by-token drafting's, in fewer
+    forwards where the text repeats."""
+    model = quantize_model(grouped_llama(2), "int4")
+    sequence = repetitive_prompt(4, 150)
+    drafts, calls = {}, {}
+    for guessing in (True, False):
+        target = CausalLM(model)
+        drafter = SparseSelfDrafter(target, 8, TINY_VIEW)
+        if not guessing:
+            monkeypatch.setattr(drafter, "_guess", lambda drafted, count: [])
+        forward, count = target.forward, [0]
+
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return forward(*args, **kwargs)
+
+        target.forward = counted
+        drafts[guessing] = []
+        for end in range(110, 150, 4):  # contexts whose last tokens occurred earlier
+            target.reset()
+            target.forward(sequence[:end - 1], num_logits=0)
+            drafter.start(sequence[:end])
+            count[0] = 0
+            drafts[guessing].append(drafter.propose(sequence[:end], 8, SamplingConfig(temperature=0.0),
+                                                    None).token_ids)
+            calls[guessing] = calls.get(guessing, 0) + count[0]
+    assert drafts[True] == drafts[False]
+    assert calls[False] == 8 * len(drafts[False]) and calls[True] < calls[False]
+
+
 def test_below_min_context_it_drafts_nothing():
     target = CausalLM(tiny_llama(2))
     decoder = SpeculativeDecoder(target, SparseSelfDrafter(target, 4, SparseView(min_context=1000)),

@@ -248,6 +248,9 @@ class LlamaCppEngine:
         llama = self.llama
         llama.draft_model = self.draft_model  # llamacpp-pld specs with other settings share one Llama
         budget = min(len(prompt_ids) + max_new_tokens, llama.n_ctx()) - len(prompt_ids)
+        if budget <= 0:
+            raise MethodSpecError(f"'{self.spec.label}': a prompt of {len(prompt_ids)} tokens leaves no room in "
+                                  f"llama.cpp's context of {llama.n_ctx()} tokens; drop the longer prompts")
         calls = 0
         evaluate = type(llama).eval
 
@@ -262,13 +265,12 @@ class LlamaCppEngine:
         try:
             llama.reset()
             start = time.perf_counter()
-            if budget > 0:
-                for token in llama.generate(prompt_ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                                            repeat_penalty=1.0, reset=True):
-                    first = time.perf_counter() - start if first is None else first
-                    new_ids.append(int(token))
-                    if token in self.eos_token_ids or len(new_ids) >= budget:
-                        break
+            for token in llama.generate(prompt_ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                        reset=True):
+                first = time.perf_counter() - start if first is None else first
+                new_ids.append(int(token))
+                if token in self.eos_token_ids or len(new_ids) >= budget:
+                    break
             seconds = time.perf_counter() - start
         finally:
             del llama.eval

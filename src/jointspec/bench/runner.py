@@ -122,6 +122,9 @@ class BenchResult:
     environment: dict = field(default_factory=dict)
 
 
+LLAMACPP_MAX_CONTEXT = 32768
+
+
 def memoised_loader(device: str, dtype: str | None) -> LoadDraft:
     """Load each draft model once, however many methods name it."""
     loaded: dict[str, tuple[CausalLM, object]] = {}
@@ -149,7 +152,10 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     eos = eos_token_ids(target, tokenizer)
     llamacpp = None
     if any(s.needs_llamacpp for s in specs):
-        llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads())
+        # llama.cpp's context as long as the target's (capped: its cache is allocated up front), so that both sides
+        # decode every prompt that fits the target.
+        llamacpp = LlamaCppBackend(config.llamacpp_model, tokenizer, config.threads or torch.get_num_threads(),
+                                   n_ctx=min(target.max_context, LLAMACPP_MAX_CONTEXT))
     targets = _TargetCopies(target, config)
     engines = {s.label: build_engine(s, targets.for_spec(s), tokenizer, defaults, load_draft, eos, llamacpp)
                for s in specs}

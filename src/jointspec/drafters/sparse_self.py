@@ -15,6 +15,12 @@ entries are written after the committed ones and cropped before the verification
 So the draft is the target's own distribution under a restricted view, and the loop's verifier makes the output
 exactly the target's (greedy: token for token; sampling: the speculative-sampling law, with the draft rows carried).
 
+When decoding greedily the draft itself speculates one level down, as TriForce's hierarchy does: each sparse
+forward also scores the tokens prompt lookup guesses next, and keeps those that are the view's own argmax. Where the
+answer copies from the input, one sparse forward then drafts several tokens. A guess is kept only when it is the
+token the view drafts, so the draft is the one token-by-token drafting gives (bit for bit on the compiled layers,
+whose rows are computed alone; to float rounding elsewhere): only its cost changes.
+
 Below ``min_context`` cached tokens the view would be most of the cache, and drafting would cost as much as decoding:
 the drafter proposes nothing and the loop decodes plainly.
 """
@@ -30,7 +36,7 @@ from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.core.target import TargetLM
-from jointspec.drafters.ngram import suffix_matches
+from jointspec.drafters.ngram import lookup, suffix_matches
 
 
 @dataclass(frozen=True)
@@ -38,13 +44,13 @@ class SparseView:
     """Which cached tokens the draft sees (module docstring)."""
 
     sinks: int = 16
-    window: int = 256
+    window: int = 1024
     chunk: int = 64
     chunks: int = 4
     lead: int = 8  # a retrieved span starts this many tokens before the occurrence it was found by
     max_ngram: int = 3
     min_ngram: int = 2
-    min_context: int = 1024
+    min_context: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("sinks", "window", "chunk", "chunks", "lead"):
@@ -104,22 +110,38 @@ class SparseSelfDrafter:
         # A greedy draft reads only each row's argmax, which a screened head finds more cheaply.
         argmax_only = sampling.greedy and target.capabilities.argmax_screen
         try:
-            for _ in range(count):
+            while len(token_ids) < count:
                 # The draft's own earlier tokens sit after the committed ones: it sees them all.
                 seen = torch.cat([view, torch.arange(cached, target.num_cached)])
-                logits = target.forward([feed], attend_to=seen, argmax_only=argmax_only).logits[-1]  # [vocab]
+                # Greedy: tokens prompt lookup guesses ride along and are kept while they are the view's argmax.
+                guess = self._guess(token_ids, count - len(token_ids) - 1) if sampling.greedy else []
+                logits = target.forward([feed] + guess, attend_to=seen, argmax_only=argmax_only).logits
                 if sampling.greedy:
-                    feed = int(logits.argmax())
+                    best = logits.argmax(-1).tolist()
+                    kept = 0
+                    while kept < len(guess) and guess[kept] == best[kept]:
+                        kept += 1
+                    new = guess[:kept] + [best[kept]]
+                    target.crop(target.num_cached - (len(guess) - kept))  # the guesses not kept
                 else:
-                    probs = processed_probs(logits, sampling)
-                    feed = int(sample(probs, generator))
+                    probs = processed_probs(logits[-1], sampling)
+                    new = [int(sample(probs, generator))]
                     rows.append(probs)
-                token_ids.append(feed)
-                if feed in self.eos_token_ids:
+                stop = next((i + 1 for i, token in enumerate(new) if token in self.eos_token_ids), None)
+                token_ids.extend(new[:stop])
+                if stop is not None:
                     break
+                feed = token_ids[-1]
         finally:
             target.crop(cached)  # the verification writes these entries again, seeing the whole cache
         return Draft(token_ids=token_ids, draft_probs=torch.stack(rows) if rows else None)
+
+    def _guess(self, drafted: list[int], count: int) -> list[int]:
+        """Up to ``count`` tokens that prompt lookup says follow the context and the draft so far."""
+        if count <= 0:
+            return []
+        sequence = np.concatenate([self._context, np.asarray(drafted, dtype=np.int64)])
+        return lookup(sequence, count, self.view.max_ngram, self.view.min_ngram)
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         self._context = np.asarray(context_ids, dtype=np.int64)

@@ -10,7 +10,7 @@ from jointspec.methods.registry import MethodContext, register_method
 
 @register_method("sparse-self", "TriForce-style self-speculation for long inputs: the target drafts seeing only "
                  "attention sinks, its recent window and the spans of the input its last n-gram points to, then "
-                 "verifies with its whole cache; drafts nothing below 1,024 tokens of context (lossless)",
+                 "verifies with its whole cache; drafts nothing below 2,048 tokens of context (lossless)",
                  lossless=True)
 def _build_sparse_self(context: MethodContext):
     config = context.config
