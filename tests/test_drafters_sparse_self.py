@@ -102,9 +102,9 @@ def test_lookup_guesses_change_the_cost_not_the_draft(monkeypatch):
             monkeypatch.setattr(drafter, "_guess", lambda drafted, count: [])
         forward, count = target.forward, [0]
 
-        def counted(*args, **kwargs):
-            count[0] += 1
-            return forward(*args, **kwargs)
+        def counted(*args, _forward=forward, _count=count, **kwargs):
+            _count[0] += 1
+            return _forward(*args, **kwargs)
 
         target.forward = counted
         drafts[guessing] = []

@@ -56,8 +56,14 @@ class ChainsOnly:
 def test_the_torch_adapter_implements_the_protocol(target_model):
     target = CausalLM(target_model)
     assert isinstance(target, TargetLM)
-    assert target.capabilities == TargetCapabilities(trees=True, features=True, fork=True, torch_module=True)
+    assert target.capabilities == TargetCapabilities(trees=True, features=True, fork=True, torch_module=True,
+                                                     sparse_view=True)
     assert isinstance(ChainsOnly(target), TargetLM)
+
+
+def test_sparse_self_needs_a_target_that_can_restrict_its_attention(target_model):
+    with pytest.raises(UnsupportedOptionError, match="cannot restrict its attention"):
+        build_method(MethodContext(MethodConfig(name="sparse-self"), ChainsOnly(CausalLM(target_model)), None, None))
 
 
 def test_a_fork_shares_the_weights_and_owns_its_cache(target_model):

@@ -10,7 +10,7 @@ def eos_token_ids(model: CausalLM, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    generation_eos = getattr(getattr(model.model, "generation_config", None), "eos_token_id", None)
+    generation_eos = getattr(getattr(getattr(model, "model", None), "generation_config", None), "eos_token_id", None)
     if isinstance(generation_eos, int):
         ids.add(generation_eos)
     elif generation_eos:
