@@ -21,8 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.backends.lean_forward import LeanLlamaForward
+from jointspec.batch import lockstep
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, batch_cost_curve, engine_description, engine_for
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
@@ -214,6 +216,33 @@ def test_a_request_that_joins_mid_flight_gets_its_own_tokens(int4_target):
             out[event.seq_id].extend(event.token_ids)
     assert out[first] == alone(int4_target, config, PROMPTS[3], GREEDY)
     assert out[late] == alone(int4_target, config, PROMPTS[8], GREEDY)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sps-self"])
+def test_a_long_prompt_is_read_over_rounds_while_the_others_decode(int4_target, monkeypatch, method):
+    """A prompt longer than PREFILL_CHUNK joins after several rounds, one chunk a round, while the request already
+    decoding gets tokens every round; both get exactly ``generate``'s tokens (the chunks are ``generate``'s)."""
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(lockstep, "PREFILL_CHUNK", 16)
+    config = METHODS[method]
+    engine = LockstepEngine(int4_target, max_batch_size=16)
+    engine.prefill_tokens_per_round = 16
+    first = engine.submit(BatchRequest(tuple(PROMPTS[3]), GREEDY, config))
+    engine.step()
+    long_prompt = random_prompt(9, length=100)  # 99 tokens to read: 7 chunks of up to 16
+    late = engine.submit(BatchRequest(tuple(long_prompt), GREEDY, config))
+    out, rounds_before = {first: [], late: []}, 0
+    while engine.has_work:
+        decoding = first in engine.active
+        events = engine.step()
+        if late not in engine.active and not any(e.seq_id == late for e in events):
+            rounds_before += 1
+            assert not decoding or any(e.seq_id == first and e.token_ids for e in events), "the decoding one waited"
+        for event in events:
+            out[event.seq_id].extend(event.token_ids)
+    assert rounds_before == 6  # chunks 1-6 in rounds of their own; the 7th in the round the request joins
+    assert out[first] == alone(int4_target, config, PROMPTS[3], GREEDY)
+    assert out[late] == alone(int4_target, config, long_prompt, GREEDY)
 
 
 # -- load-aware drafting --------------------------------------------------------------------------------------------

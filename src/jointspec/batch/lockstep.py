@@ -13,8 +13,10 @@ engine runs the rounds of all of them in lockstep:
 3. each sequence verifies and commits (``SpeculativeDecoder.finish_round``).
 
 So a request's tokens are the tokens ``generate`` gives it with the same model, method and seed, whatever else is in
-the batch and whenever it joined (``tests/test_batch_lockstep.py``). Prompts are prefilled one at a time as they
-join (a prefill takes GEMM kernels that are not row by row, and ``generate`` runs it alone too).
+the batch and whenever it joined (``tests/test_batch_lockstep.py``). Prompts are read one at a time before they
+join (a prefill takes GEMM kernels that are not row by row, and ``generate`` runs it alone too), about
+``PREFILL_CHUNK`` tokens a round: a long prompt is read over several rounds, in the very chunks ``generate`` reads it
+in, while the requests already decoding keep getting tokens.
 
 Where the target has no compiled layers (a float32 model), step 2 runs the forwards one after another: still
 correct, with none of the batching gain; :func:`engine_for` then picks the ragged engine, unless the method is one
@@ -29,12 +31,13 @@ and stop, as the batch fills.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from jointspec.backends.hf import CausalLM, forward_many
+from jointspec.backends.hf import PREFILL_CHUNK, CausalLM, forward_many
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
@@ -115,6 +118,8 @@ class _Sequence:
     state: DecodeState | None = None  # set when it joins
     single_curve: CostCurve | None = None  # a cost-aware drafter's own curve, before the batch's replaces it
     stats: SpecStats = field(default_factory=SpecStats)
+    prefilled: int = 0  # prompt tokens read so far (while waiting)
+    prefill_seconds: float = 0.0
 
 
 class LockstepEngine(EngineBase):
@@ -124,6 +129,7 @@ class LockstepEngine(EngineBase):
     def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
+        self.prefill_tokens_per_round = PREFILL_CHUNK
         self._checked: set[MethodConfig] = set()
         self._curve: CostCurve | None = None
 
@@ -150,11 +156,30 @@ class LockstepEngine(EngineBase):
         del self.active[seq_id]
 
     def _join(self) -> None:
+        """Read waiting prompts, at most about ``prefill_tokens_per_round`` tokens a round; a request whose prompt
+        is read joins the batch. A long prompt is read in the chunks ``generate`` reads it in (PREFILL_CHUNK), one or
+        so a round, so that the requests already decoding keep getting tokens meanwhile, and its cache holds the
+        same bits as ``generate``'s."""
+        budget = self.prefill_tokens_per_round
         while self.waiting and len(self.active) < self.max_batch_size:
-            seq = self.waiting.popleft()
-            seq.state = seq.decoder.start(list(seq.request.prompt_ids), seq.request.config, seq.generator)
-            seq.stats = seq.decoder.stats
-            self.active[seq.seq_id] = seq
+            seq = self.waiting[0]
+            prompt = list(seq.request.prompt_ids)
+            end = len(prompt) - 1  # the loop caches every prompt token but the last
+            if seq.prefilled < end:
+                if budget <= 0:
+                    return
+                start = time.perf_counter()
+                size = end if end <= PREFILL_CHUNK else min(PREFILL_CHUNK, end - seq.prefilled)
+                seq.decoder.target.forward(prompt[seq.prefilled:seq.prefilled + size], num_logits=0)
+                seq.prefilled += size
+                seq.prefill_seconds += time.perf_counter() - start
+                budget -= size
+            if seq.prefilled == end:
+                self.waiting.popleft()
+                seq.state = seq.decoder.start(prompt, seq.request.config, seq.generator, prefilled=True)
+                seq.stats = seq.decoder.stats
+                seq.stats.prefill_seconds += seq.prefill_seconds
+                self.active[seq.seq_id] = seq
 
     # -- the round ----------------------------------------------------------------------------------------------
 

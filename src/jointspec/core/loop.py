@@ -152,8 +152,10 @@ class SpeculativeDecoder:
     # ``stream`` is exactly these calls with the forward in between.
 
     def start(self, prompt_ids: list[int], config: DecodeConfig,
-              generator: torch.Generator | None = None) -> DecodeState:
-        """Prefill the target with the prompt and start the drafter; ``self.stats`` starts afresh."""
+              generator: torch.Generator | None = None, *, prefilled: bool = False) -> DecodeState:
+        """Prefill the target with the prompt and start the drafter; ``self.stats`` starts afresh. ``prefilled``:
+        the caller has already fed the target every prompt token but the last, in the forwards this method would
+        make (a batched engine reads a long prompt a chunk per round, between other requests' rounds)."""
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         max_context = self.target.max_context
@@ -166,10 +168,15 @@ class SpeculativeDecoder:
         end = min(len(tokens) + config.max_new_tokens, max_context)
 
         start = time.perf_counter()
-        # A decode that never verifies may run on the target's fastest kernels even if batched rows would differ.
-        self.target.reset(plain=getattr(self.drafter, "never_drafts", False))
-        if len(tokens) > 1:
-            self.target.forward(tokens[:-1], num_logits=0)
+        if prefilled:
+            if self.target.num_cached != len(tokens) - 1:
+                raise ValueError(f"a prefilled target must hold the prompt but its last token ({len(tokens) - 1} "
+                                 f"tokens); it holds {self.target.num_cached}")
+        else:
+            # A decode that never verifies may run on the target's fastest kernels even if batched rows would differ.
+            self.target.reset(plain=getattr(self.drafter, "never_drafts", False))
+            if len(tokens) > 1:
+                self.target.forward(tokens[:-1], num_logits=0)
         self.drafter.start(tokens)
         stats.prefill_seconds = time.perf_counter() - start
         # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
