@@ -19,7 +19,7 @@ from scipy import stats
 from jointspec.backends.hf import CausalLM
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.sparse_self import SparseSelfDrafter, SparseView
+from jointspec.drafters.sparse_self import SparseSelfDrafter, SparseView, SparseViewTarget
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
@@ -209,3 +209,47 @@ def test_sampled_first_token_follows_the_target_and_a_misreporting_drafter_is_ca
     probs /= probs.sum()
     assert chi_square_pvalue(first_token_counts(SparseSelfDrafter, model, prompt, sampling, 3000), probs) > ALPHA
     assert chi_square_pvalue(first_token_counts(MisreportingDrafter, model, prompt, sampling, 3000), probs) < ALPHA
+
+
+# -- the approximate target (lossy, opt-in) ---------------------------------------------------------------------------
+
+def decode(target, prompt: list[int], method: str = "ar", max_new_tokens: int = 40) -> list[int]:
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=method), target, None, None))
+    return SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(max_new_tokens))
+
+
+def test_the_sparse_target_is_the_target_where_the_view_holds_everything():
+    model = tiny_llama(0)
+    prompt = repetitive_prompt(3, 90)
+    assert decode(SparseViewTarget(CausalLM(model), SparseView(min_context=10 ** 6)), prompt) == decode(
+        CausalLM(model), prompt)
+
+
+def test_the_sparse_target_decodes_over_its_view_and_keeps_its_record_through_trees():
+    """Each decoding forward attends to exactly the view found from the cached tokens and the forward's first one;
+    after tree verifications (lookahead) its record of the cached tokens is still the committed sequence. The output
+    is approximate: it drifts from exact decoding on this prompt (that is what the bench measures)."""
+    model = tiny_llama(0)
+    prompt = repetitive_prompt(3, 120)
+    sparse = SparseViewTarget(CausalLM(model), TINY_VIEW)
+    sparse.forward(prompt[:-1], num_logits=0)
+    reference = CausalLM(model)
+    reference.forward(prompt[:-1], num_logits=0)
+    view = TINY_VIEW.positions(np.asarray(prompt), len(prompt) - 1)
+    assert len(view) < len(prompt) - 1
+    assert torch.equal(sparse.forward([prompt[-1]]).logits, reference.forward([prompt[-1]], attend_to=view).logits)
+    target = SparseViewTarget(CausalLM(model), TINY_VIEW)
+    out = decode(target, prompt, "lookahead")
+    assert target._tokens == (prompt + out)[:-1] and target.num_cached == len(prompt + out) - 1
+    assert out != decode(CausalLM(model), prompt)
+
+
+def test_sparse_attention_is_a_bench_option_for_the_torch_target():
+    from jointspec.bench.specs import MethodSpecError, parse_spec
+
+    assert parse_spec("ar:attention=sparse").attention == "sparse"
+    assert parse_spec("ar").attention == "full"
+    with pytest.raises(MethodSpecError, match="attention 'dense'"):
+        parse_spec("ar:attention=dense")
+    with pytest.raises(MethodSpecError, match="torch backend"):
+        parse_spec("ar:attention=sparse,backend=llamacpp")

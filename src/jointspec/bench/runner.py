@@ -35,6 +35,7 @@ from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
 from jointspec.bench.specs import MethodSpec, MethodSpecError
 from jointspec.core.loop import SpecStats
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.sparse_self import SparseViewTarget
 from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
 from jointspec.methods import MethodConfig
 
@@ -179,7 +180,8 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
 
 
 class _TargetCopies:
-    """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name."""
+    """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name, seen
+    through a sparse view where the spec says ``attention=sparse``."""
 
     def __init__(self, target: CausalLM, config: BenchConfig) -> None:
         self.target, self.config = target, config
@@ -191,6 +193,12 @@ class _TargetCopies:
         return self.config.auto_quantize if spec.quantize == "auto" else spec.quantize
 
     def for_spec(self, spec: MethodSpec) -> CausalLM:
+        target = self._weights_for(spec)
+        if spec.attention == "sparse":  # lossy: the target decodes over a sparse view of its cache
+            return SparseViewTarget(target)
+        return target
+
+    def _weights_for(self, spec: MethodSpec) -> CausalLM:
         target, mode = self.target, self.quantize(spec)
         if spec.kernels == "stock" and (kernels_in_use(target.model) == "onednn"
                                         or attention_in_use(target.model) == GQA_ATTENTION):

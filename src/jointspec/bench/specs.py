@@ -48,9 +48,12 @@ LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
 # Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
 BACKENDS = ("torch", "llamacpp")
 # Spec keys that say where a jointspec method runs rather than how it drafts: no MethodConfig field reads them.
-PLACEMENT_KEYS = ("backend", "quantize", "kernels")
+PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention")
 # Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.
 SPEC_KERNELS = ("loaded", "stock")
+# The torch target's attention after the prompt: the whole cache, or (lossy, for long inputs) a sparse view of it
+# (drafters.sparse_self.SparseViewTarget).
+SPEC_ATTENTION = ("full", "sparse")
 
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
@@ -97,6 +100,11 @@ class MethodSpec:
         """'loaded' (the bench's target as loaded, oneDNN linears on a float CPU model) or 'stock' (a copy of it on
         PyTorch's own ``F.linear``, to measure what the kernels give)."""
         return self.options.get("kernels", "loaded")
+
+    @property
+    def attention(self) -> str:
+        """'full', or 'sparse': the target decodes over a sparse view of its cache (lossy; long inputs)."""
+        return self.options.get("attention", "full")
 
     @property
     def needs_llamacpp(self) -> bool:
@@ -154,6 +162,11 @@ def parse_spec(text: str) -> MethodSpec:
     if options.get("kernels", "loaded") != "loaded" and (options.get("backend", "torch") != "torch"
                                                          or options.get("quantize", "none") not in ("none", "auto")):
         raise MethodSpecError(f"'{text}': kernels=stock is for the float torch target; drop backend/quantize")
+    if options.get("attention", "full") not in SPEC_ATTENTION:
+        raise MethodSpecError(f"attention '{options['attention']}' in '{text}' must be one of: "
+                              f"{', '.join(SPEC_ATTENTION)}")
+    if options.get("attention", "full") != "full" and options.get("backend", "torch") != "torch":
+        raise MethodSpecError(f"'{text}': attention=sparse is for the torch backend")
     return MethodSpec(label=text.strip(), name=name, options=options)
 
 

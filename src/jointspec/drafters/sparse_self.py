@@ -1,4 +1,5 @@
-"""The target drafts for itself over a sparse view of its own cache (TriForce-style self-speculation).
+"""The target drafts for itself over a sparse view of its own cache (TriForce-style self-speculation); and, lossy
+and opt-in, a target that decodes over that view (:class:`SparseViewTarget`).
 
 At long context a decoding step reads the whole key/value cache: on SmolLM2-135M at 7k tokens that is four times the
 bytes of its int4 weights. TriForce (Sun et al., 2024) lets the target draft with only part of its cache, then verifies
@@ -35,7 +36,7 @@ import torch
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
-from jointspec.core.target import TargetLM
+from jointspec.core.target import ForwardOutput, TargetCapabilities, TargetLM
 from jointspec.drafters.ngram import lookup, suffix_matches
 
 
@@ -145,3 +146,83 @@ class SparseSelfDrafter:
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         self._context = np.asarray(context_ids, dtype=np.int64)
+
+
+class SparseViewTarget:
+    """An approximate target for long inputs: ``inner`` (with ``capabilities.sparse_view``), every forward after
+    the prompt seeing only ``view``'s part of the cache. Not lossless, never a default: opt-in with the bench spec
+    option ``attention=sparse``, or by wrapping a target in Python.
+
+    The prompt is read with full attention, so the cache starts with the model's exact keys and values; each later
+    forward (decoding, verification) sees only the view, and writes its new entries from that restricted attention.
+    A step then reads about 1,300 cached tokens whatever the context's length: decoding at short-context speed, with
+    output that drifts from the model's wherever the left-out part of the input mattered. The bench reports how far
+    (answers identical to exact decoding; perplexity under the full-cache target). This is the trade of
+    StreamingLLM-style and retrieval-style cache selection; SpecKV / SpecPC choose what to keep by a draft model's
+    attention, this view is chosen from the tokens. Any method runs on it: ``ar`` is plain approximate decoding; a
+    speculative method verifies against the approximate target (a round's rows share the view found from its first
+    token, so its output can differ from ``ar``'s on it). It keeps the cached token ids, to find the view's spans."""
+
+    def __init__(self, inner: TargetLM, view: SparseView = SparseView(), name: str | None = None) -> None:
+        if not inner.capabilities.sparse_view:
+            raise UnsupportedOptionError(f"target '{inner.name}' cannot restrict its attention to part of its cache; "
+                                         "sparse attention needs the torch backend")
+        self.inner = inner
+        self.view = view
+        self.name = name or f"{inner.name} (sparse attention)"
+        self._tokens: list[int] = []  # the ids in the cache, in cache order
+
+    # --- what the loop, drafters and bench read ---------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> TargetCapabilities:
+        return self.inner.capabilities
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    @property
+    def lean(self):  # the batched engine's forward_many runs each call alone on this adapter
+        return None
+
+    num_cached = property(lambda self: self.inner.num_cached)
+    vocab_size = property(lambda self: self.inner.vocab_size)
+    max_context = property(lambda self: self.inner.max_context)
+    device = property(lambda self: self.inner.device)
+    dtype = property(lambda self: self.inner.dtype)
+
+    def reset(self, *, plain: bool = False) -> None:
+        self.inner.reset(plain=plain)
+        self._tokens = []
+
+    def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
+                num_logits: int | None = None, output_hidden: bool = False, argmax_only: bool = False,
+                attend_to: torch.Tensor | None = None) -> ForwardOutput:
+        ids = [int(t) for t in token_ids]
+        cached = self.inner.num_cached
+        if attend_to is None and num_logits != 0 and cached >= self.view.min_context:
+            # The context the view is found from: the cache, then this forward's first token (a chain's or a tree's
+            # root: what every new row follows).
+            attend_to = self.view.positions(np.asarray(self._tokens + ids[:1], dtype=np.int64), cached)
+        out = self.inner.forward(ids, parents=parents, num_logits=num_logits, output_hidden=output_hidden,
+                                 argmax_only=argmax_only, attend_to=attend_to)
+        self._tokens.extend(ids)
+        return out
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+        del self._tokens[length:]
+
+    def keep(self, positions: list[int]) -> None:
+        self.inner.keep(positions)
+        self._tokens = [self._tokens[i] for i in positions]
+
+    def fork(self, name: str | None = None) -> SparseViewTarget:
+        return SparseViewTarget(self.inner.fork(name), self.view, name)
+
+    def attach_feature_mirror(self, layers: tuple[int, ...] = (-1,)):
+        return self.inner.attach_feature_mirror(layers)
+
+    def detach_feature_mirror(self, mirror) -> None:
+        self.inner.detach_feature_mirror(mirror)
