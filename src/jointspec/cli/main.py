@@ -37,6 +37,10 @@ def _add_generate(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    parser.add_argument("--attention", choices=("full", "sparse"), default="full",
+                        help="sparse: APPROXIMATE (lossy) decoding for long inputs: after the prompt, the model sees "
+                             "only attention sinks, its last 1,024 tokens and the input spans its context points to "
+                             "(docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
     # since the batched engine has no hybrid/head drafter.
@@ -57,7 +61,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise JointspecError(str(error)) from error
     apply_threads(args)
-    pipeline = Pipeline.load(args.model, method, **model_options(args))
+    if args.attention == "sparse":
+        from jointspec.backends.loading import load_model
+        from jointspec.drafters.sparse_self import SparseViewTarget
+
+        model, tokenizer = load_model(args.model, **model_options(args))
+        pipeline = Pipeline(SparseViewTarget(model), tokenizer, method, **model_options(args))
+        print("jointspec: --attention sparse: approximate decoding; the output is not the model's own after the "
+              "first 2,048 tokens of context", file=sys.stderr)
+    else:
+        pipeline = Pipeline.load(args.model, method, **model_options(args))
+        model = pipeline.target
     _say_quantize_choice(args)
     prompt = _prompt_text(args)
     if args.json:
@@ -69,7 +83,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         result = pipeline.generate(prompt, config)
         joules = meter.stop()
         record = result.to_dict()
-        record["quality"] = quality_report(pipeline.target, result.prompt_ids, result.token_ids, joules)
+        # Scored by the model with its whole cache, also when it decoded over a sparse view.
+        record["quality"] = quality_report(model, result.prompt_ids, result.token_ids, joules)
         print(json.dumps(record))
         return 0
 

@@ -183,8 +183,12 @@ class SparseViewTarget:
         return self.inner.model
 
     @property
-    def lean(self):  # the batched engine's forward_many runs each call alone on this adapter
-        return None
+    def prefill_progress(self):
+        return self.inner.prefill_progress
+
+    @prefill_progress.setter
+    def prefill_progress(self, hook) -> None:  # generate's progress bar while the prompt is read
+        self.inner.prefill_progress = hook
 
     num_cached = property(lambda self: self.inner.num_cached)
     vocab_size = property(lambda self: self.inner.vocab_size)
