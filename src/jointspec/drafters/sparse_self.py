@@ -150,8 +150,8 @@ class SparseSelfDrafter:
 
 class SparseViewTarget:
     """An approximate target for long inputs: ``inner`` (with ``capabilities.sparse_view``), every forward after
-    the prompt seeing only ``view``'s part of the cache. Not lossless, never a default: opt-in with the bench spec
-    option ``attention=sparse``, or by wrapping a target in Python.
+    the prompt seeing only ``view``'s part of the cache. Not lossless, never a default: opt-in with ``generate
+    --attention sparse``, the bench spec option ``attention=sparse``, or by wrapping a target in Python.
 
     The prompt is read with full attention, so the cache starts with the model's exact keys and values; each later
     forward (decoding, verification) sees only the view, and writes its new entries from that restricted attention.
