@@ -552,6 +552,9 @@ def test_bench_runs_llamacpp_engines_side_by_side(tiny, loaded):
             assert all(run.identical for run in runs), label
     # Plain llama.cpp: one prefill and one call per new token but the last (never fed back), per turn.
     assert sum(r.num_target_calls for r in by_method["llamacpp"]) == 3 * 24
+    # Its time to the first token stands for reading the prompt, as the loop's prefill does for jointspec's rows.
+    assert all(0 < p < s for label in ("llamacpp", baseline) for r in by_method[label]
+               for p, s in zip(r.prefill_seconds, r.seconds))
     assert sum(r.num_target_calls for r in by_method["llamacpp-pld:num_pred_tokens=4"]) < 3 * 24
     assert result.environment["llamacpp_threads"] == 1
     assert result.environment["llamacpp_model"] == str(gguf_path)
