@@ -24,7 +24,6 @@ import torch
 from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.backends.lean_forward import LeanLlamaForward
-from jointspec.batch import lockstep
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, batch_cost_curve, engine_description, engine_for
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
@@ -223,7 +222,6 @@ def test_a_long_prompt_is_read_over_rounds_while_the_others_decode(int4_target, 
     """A prompt longer than PREFILL_CHUNK joins after several rounds, one chunk a round, while the request already
     decoding gets tokens every round; both get exactly ``generate``'s tokens (the chunks are ``generate``'s)."""
     monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
-    monkeypatch.setattr(lockstep, "PREFILL_CHUNK", 16)
     config = METHODS[method]
     engine = LockstepEngine(int4_target, max_batch_size=16)
     engine.prefill_tokens_per_round = 16

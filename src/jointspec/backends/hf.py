@@ -28,6 +28,12 @@ from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities
 PREFILL_CHUNK = 1024
 
 
+def prefill_chunk_end(start: int, total: int) -> int:
+    """Where the prefill chunk starting at token ``start`` of ``total`` ends: the forwards a prompt is read in
+    (:meth:`CausalLM.forward`; the batched engine reads them one a round, and must read the same ones)."""
+    return min(start + PREFILL_CHUNK, total)
+
+
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
     n = len(parents)
@@ -193,9 +199,10 @@ class CausalLM:
     def _prefill_in_chunks(self, token_ids: list[int] | torch.Tensor, output_hidden: bool) -> ForwardOutput:
         total = len(token_ids)
         for start in range(0, total, PREFILL_CHUNK):
-            out = self.forward(token_ids[start:start + PREFILL_CHUNK], num_logits=0, output_hidden=output_hidden)
+            stop = prefill_chunk_end(start, total)
+            out = self.forward(token_ids[start:stop], num_logits=0, output_hidden=output_hidden)
             if self.prefill_progress is not None:
-                self.prefill_progress(min(start + PREFILL_CHUNK, total), total)
+                self.prefill_progress(stop, total)
         return out
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None) -> LeanCall:

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jointspec.backends.hf import PREFILL_CHUNK, CausalLM, forward_many
+from jointspec.backends import hf
+from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
@@ -129,7 +130,7 @@ class LockstepEngine(EngineBase):
     def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
-        self.prefill_tokens_per_round = PREFILL_CHUNK
+        self.prefill_tokens_per_round = hf.PREFILL_CHUNK
         self._checked: set[MethodConfig] = set()
         self._curve: CostCurve | None = None
 
@@ -169,11 +170,11 @@ class LockstepEngine(EngineBase):
                 if budget <= 0:
                     return
                 start = time.perf_counter()
-                size = end if end <= PREFILL_CHUNK else min(PREFILL_CHUNK, end - seq.prefilled)
-                seq.decoder.target.forward(prompt[seq.prefilled:seq.prefilled + size], num_logits=0)
-                seq.prefilled += size
+                stop = hf.prefill_chunk_end(seq.prefilled, end)
+                seq.decoder.target.forward(prompt[seq.prefilled:stop], num_logits=0)
+                budget -= stop - seq.prefilled
+                seq.prefilled = stop
                 seq.prefill_seconds += time.perf_counter() - start
-                budget -= size
             if seq.prefilled == end:
                 self.waiting.popleft()
                 seq.state = seq.decoder.start(prompt, seq.request.config, seq.generator, prefilled=True)

@@ -361,47 +361,38 @@ struct Weights {
 // layer. attend() is that definition; attend_all() computes the same bits for many pairs at once, sharing each key
 // and value it loads among the pairs that see it (the query heads of one key head, the rows of one sequence).
 
-// Scores of one query (qv: its C = dim / 16 chunks) against the `n` <= 16 keys at list entries index[0 .. n - 1],
+// Scores of one query (qv: its dim / 16 chunks) against the `n` <= 16 keys at list entries index[0 .. n - 1],
 // times `scale`, into out[0 .. n - 1]: key j's 16-lane partial sums over the chunks in order, then every key's lanes by
-// the same tree (simd::sum_lanes16), whatever its neighbours. C fixed at compile time keeps the sixteen accumulators in
-// registers (the common head sizes); score16() below picks it.
+// the same tree (simd::sum_lanes16), whatever its neighbours. A whole tile of a common head size (every tile of a
+// shared prefix) takes score16_full, whose fixed chunk count keeps the sixteen accumulators in registers; the
+// arithmetic is the same either way.
 template <int C>
-inline void score16_fixed(const V16* qv, const float* key, const int64_t* index, int64_t n, int64_t dim, float scale,
-                          float* out) {
+inline void score16_full(const V16* qv, const float* key, const int64_t* index, int64_t dim, float scale, float* out) {
   V16 acc[16];
-  if (n == 16) {  // a whole tile (every tile of a shared prefix): unrolled, the accumulators in registers
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      const float* k = key + index[j] * dim;
-      V16 a = simd::zero();
+  for (int j = 0; j < 16; ++j) {
+    const float* k = key + index[j] * dim;
+    V16 a = simd::zero();
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], simd::load(k + 16 * c), a);
-      acc[j] = a;
-    }
-  } else {
-    for (int j = 0; j < 16; ++j) {
-      V16 a = simd::zero();
-      if (j < n) {
-        const float* k = key + index[j] * dim;
-        for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], simd::load(k + 16 * c), a);
-      }
-      acc[j] = a;
-    }
+    for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], simd::load(k + 16 * c), a);
+    acc[j] = a;
   }
-  simd::store_first(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
+  simd::store(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)));
 }
 
 inline void score16(const V16* qv, int64_t chunks, const float* key, const int64_t* index, int64_t n, int64_t dim,
                     float scale, float* out) {
-  switch (chunks) {
-    case 1: return score16_fixed<1>(qv, key, index, n, dim, scale, out);
-    case 2: return score16_fixed<2>(qv, key, index, n, dim, scale, out);
-    case 4: return score16_fixed<4>(qv, key, index, n, dim, scale, out);
-    case 6: return score16_fixed<6>(qv, key, index, n, dim, scale, out);
-    case 8: return score16_fixed<8>(qv, key, index, n, dim, scale, out);
-    default: break;
+  if (n == 16) {
+    switch (chunks) {
+      case 1: return score16_full<1>(qv, key, index, dim, scale, out);
+      case 2: return score16_full<2>(qv, key, index, dim, scale, out);
+      case 4: return score16_full<4>(qv, key, index, dim, scale, out);
+      case 6: return score16_full<6>(qv, key, index, dim, scale, out);
+      case 8: return score16_full<8>(qv, key, index, dim, scale, out);
+      default: break;
+    }
   }
-  V16 acc[16];  // the same arithmetic for other head sizes
+  V16 acc[16];
   for (int64_t j = 0; j < 16; ++j) {
     acc[j] = simd::zero();
     if (j < n) {
