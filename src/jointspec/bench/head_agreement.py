@@ -58,9 +58,10 @@ def target_answers(pipe: Pipeline, prompts: list[BenchPrompt], count: int, max_n
         answer = pipe.generate_ids(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
         sequence = list(prompt_ids) + list(answer)
         with torch.inference_mode():
-            out = pipe.target.model(input_ids=torch.tensor([sequence]), output_hidden_states=True, logits_to_keep=1,
-                                    use_cache=False)
-        answers.append(TargetAnswer(sequence, len(prompt_ids), [h[0].float() for h in out.hidden_states]))
+            out = pipe.target.model(input_ids=torch.tensor([sequence], device=pipe.target.device),
+                                    output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        # Scored on the CPU, where the trainers' passes run.
+        answers.append(TargetAnswer(sequence, len(prompt_ids), [h[0].float().cpu() for h in out.hidden_states]))
     return answers
 
 

@@ -328,9 +328,9 @@ def peak_memory(device: torch.device) -> tuple[int, int | None]:
 
 
 def environment(target: CausalLM) -> dict:
-    from importlib import metadata
-
     import transformers
+
+    import jointspec  # its __version__ also works from a source checkout that is not installed
 
     device = target.device
     model = target.model if target.capabilities.torch_module else None
@@ -343,7 +343,7 @@ def environment(target: CausalLM) -> dict:
             "kernels": kernels_in_use(model), "attention": attention_in_use(model),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "jointspec": metadata.version("jointspec")}
+            "transformers": transformers.__version__, "jointspec": jointspec.__version__}
 
 
 def _load_average() -> float | None:

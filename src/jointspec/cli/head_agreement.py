@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, quantize=args.quantize)
     drafts = _load_drafts(kinds, target)
     pipe = Pipeline(target, tokenizer, MethodConfig(name="ar"))
-    target_lm_weight = float_lm_weight(target.model).detach().float()
+    target_lm_weight = float_lm_weight(target.model).detach().float().cpu()
     answers = {name: target_answers(pipe, prompts[name], args.num_prompts, args.max_new_tokens) for name in sets}
     head_trainer = HeadTrainer(target, HeadTrainConfig(unroll=2))
     results = {}

@@ -79,6 +79,8 @@ def beam_search(cache: DraftTreeCache, context_ids: list[int], num_draft_tokens:
     token_ids: list[int] = []
     logprobs: list[float] = []
     beams = [-1]  # one empty beam at the root
+    # Small bookkeeping (joints, picked log-probabilities) stays on the CPU; the [beams, vocab] scores live with the
+    # draft's logits, on whatever device the draft runs.
     beam_log_joint = torch.zeros(1, dtype=torch.float64)
     logits = cache.context_logits(context_ids)[None]  # [1, vocab]: the root is the only expandable beam
     level_start = 0
@@ -90,28 +92,33 @@ def beam_search(cache: DraftTreeCache, context_ids: list[int], num_draft_tokens:
         if level > 0:
             # Alive beams all end on the last level, whose nodes are the last rows.
             logits = cache.tree_logits(parents, token_ids, num_logits=len(token_ids) - level_start)
-        rows = torch.tensor([0 if beams[b] == -1 else beams[b] - level_start for b in alive])
+        rows = torch.tensor([0 if beams[b] == -1 else beams[b] - level_start for b in alive], device=logits.device)
         if sampling.greedy:
             # Beam search ranks children by the untruncated draft joint.
             logq = logits[rows].double().log_softmax(dim=-1)  # [num_alive, vocab]
         else:
             logq = processed_probs(logits[rows], sampling).double().log()  # [num_alive, vocab], -inf off-support
         vocab = logq.shape[-1]
-        scores = torch.cat([(beam_log_joint[alive, None] + logq).flatten(), beam_log_joint[finished]])
+        joints = beam_log_joint.to(logq.device)
+        scores = torch.cat([(joints[alive, None] + logq).flatten(), joints[finished]])
         picks = _choose(scores, beam_width, sampling.greedy, replacement, generator)
 
         level_start = len(token_ids)
         new_beams: list[int] = []
-        for index in picks.tolist():
+        chosen = picks.tolist()
+        children = [index for index in chosen if index < len(alive) * vocab]
+        # One read of the chosen children's log-probabilities, not one device round trip each.
+        child_logprobs = iter(logq.flatten()[torch.tensor(children, dtype=torch.long, device=logq.device)].tolist())
+        for index in chosen:
             if index < len(alive) * vocab:
                 beam, token = alive[index // vocab], index % vocab
                 parents.append(beams[beam])
                 token_ids.append(token)
-                logprobs.append(float(logq[index // vocab, token]))
+                logprobs.append(next(child_logprobs))
                 new_beams.append(len(token_ids) - 1)
             else:
                 new_beams.append(beams[finished[index - len(alive) * vocab]])
-        beams, beam_log_joint = new_beams, scores[picks]
+        beams, beam_log_joint = new_beams, scores[picks].cpu()
     return BeamTree(parents, token_ids, torch.tensor(logprobs, dtype=torch.float64), beams, beam_log_joint)
 
 

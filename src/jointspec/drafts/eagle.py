@@ -146,7 +146,7 @@ class HeadDraftModel(FeatureDraft):
         if weights not in HEAD_WEIGHT_CHOICES:
             raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                          f"{', '.join(HEAD_WEIGHT_CHOICES)}")
-        self.head = head.eval()
+        self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
         model = target.model
         self.embed = model.get_input_embeddings()
         # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.

@@ -86,7 +86,7 @@ class MedusaDraftModel(FeatureDraft):
 
     def __init__(self, heads: MedusaHeads, target: CausalLM, name: str = "medusa heads") -> None:
         super().__init__(target, name)
-        self.heads = heads.eval()
+        self.heads = heads.to(target.device).eval()  # heads built or loaded on another device run beside the target
         lm_weight = float_lm_weight(target.model).detach()
         self.lm_full = lm_weight  # head 0: the target's own next-token logits
         self.lm_draft = lm_weight.index_select(0, heads.draft_vocab.to(lm_weight.device)).float()

@@ -289,8 +289,12 @@ class HeadTrainer:
         self.target = target
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.lm_weight_full = float_lm_weight(target.model).detach().float()
-        self.embed = target.model.get_input_embeddings()
+        # Drafts train on the CPU whatever device the target runs on (the data folders hold CPU features): a target on
+        # another device lends CPU float copies of its LM head and input embedding.
+        self.lm_weight_full = float_lm_weight(target.model).detach().float().cpu()
+        embed = target.model.get_input_embeddings()
+        self.embed = embed if embed.weight.device.type == "cpu" else \
+            torch.nn.Embedding.from_pretrained(embed.weight.detach().float().cpu())
         self.fuse_layers = tuple(getattr(config, "fuse_layers", ()))
 
     # What is trained: subclasses train other kinds of draft with the same data, schedule and checkpoints.

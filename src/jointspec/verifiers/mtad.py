@@ -39,13 +39,17 @@ def node_joints(draft: Draft, target_probs: torch.Tensor) -> tuple[torch.Tensor,
     target_probs: [num_nodes + 1, vocab] processed target distributions (row 1 + i: after node i).
     """
     parents = draft.node_parents()
-    tokens = torch.tensor(draft.token_ids, dtype=torch.long)
-    rows = torch.tensor([p + 1 for p in parents], dtype=torch.long)  # the row that predicts each node's token
-    target_logprobs = target_probs[rows, tokens].double().log()  # [num_nodes], -inf outside the target's nucleus
+    device = target_probs.device
+    tokens = torch.tensor(draft.token_ids, dtype=torch.long, device=device)
+    rows = torch.tensor([p + 1 for p in parents], dtype=torch.long, device=device)  # the row predicting each token
+    # The joints are summed on the CPU: a few numbers, walked node by node.
+    target_logprobs = target_probs[rows, tokens].double().log().cpu()  # [num_nodes], -inf outside the nucleus
     if draft.draft_logprobs is not None:
-        draft_logprobs = draft.draft_logprobs.double()
+        draft_logprobs = draft.draft_logprobs.double().cpu()
     elif draft.draft_probs is not None:
-        draft_logprobs = draft.draft_probs[torch.arange(len(tokens)), tokens].double().log()
+        probs = draft.draft_probs
+        index = torch.arange(len(tokens), device=probs.device)
+        draft_logprobs = probs[index, tokens.to(probs.device)].double().log().cpu()
     else:
         draft_logprobs = torch.zeros(len(tokens), dtype=torch.float64)  # a deterministic draft: Q = 1
     target_joint = target_logprobs.clone()
