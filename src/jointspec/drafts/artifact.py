@@ -9,6 +9,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -41,6 +42,9 @@ class HeadConfig:
     target_vocab_size: int
     target_fingerprint: str
     target_name: str = ""
+    # The fingerprint of the target's weights rounded to bf16 (target_fingerprint(target, torch.bfloat16)): lets the
+    # draft bind to the target's bf16 copy too. None in drafts saved before it was recorded.
+    target_fingerprint_bf16: str | None = None
     num_layers: int = 1
     draft_vocab_size: int | None = None  # None: the full target vocabulary
     fuse_layers: tuple[int, ...] = ()  # hidden-state indices of the target fused into the feature (eagle only)
@@ -73,7 +77,8 @@ class HeadConfig:
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    rope_theta=float(_rope_theta(config)), rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
                    max_position_embeddings=target.max_context, target_vocab_size=target.vocab_size,
-                   target_fingerprint=fingerprint, target_name=target.name, num_layers=num_layers,
+                   target_fingerprint=fingerprint, target_fingerprint_bf16=target_fingerprint(target, torch.bfloat16),
+                   target_name=target.name, num_layers=num_layers,
                    draft_vocab_size=draft_vocab_size, **extra)
 
 
@@ -105,11 +110,13 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
     return folder
 
 
-def target_fingerprint(target: CausalLM) -> str:
+def target_fingerprint(target: CausalLM, rounded_to: torch.dtype | None = None) -> str:
     """A short hash that tells one target model from another: its shape plus a sample of its float weights.
 
     Taken from the config, the input embedding and the final norm, which weight-only quantisation leaves in float, so a
     draft trained on the fp32 target also fits its quantised versions (which are meant to be the same model).
+    ``rounded_to=torch.bfloat16`` hashes the sampled weights rounded to bf16 first: the same for the fp32 model and
+    its bf16 copy (what CUDA runs by default), which the exact fingerprint tells apart.
     """
     model = target.model
     config = model.config
@@ -117,19 +124,34 @@ def target_fingerprint(target: CausalLM) -> str:
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                                     "num_attention_heads", "num_key_value_heads")}
     digest.update(json.dumps(shape, sort_keys=True).encode())
-    embedding = model.get_input_embeddings().weight.detach()
-    digest.update(embedding[:64].float().cpu().numpy().tobytes())
-    digest.update(embedding[-64:].float().cpu().numpy().tobytes())
+
+    def sample(weight: torch.Tensor) -> bytes:
+        weight = weight.detach() if rounded_to is None else weight.detach().to(rounded_to)
+        return weight.float().cpu().numpy().tobytes()
+
+    embedding = model.get_input_embeddings().weight
+    digest.update(sample(embedding[:64]))
+    digest.update(sample(embedding[-64:]))
     norm = getattr(getattr(model, "model", None), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
-        digest.update(norm.weight.detach().float().cpu().numpy().tobytes())
+        digest.update(sample(norm.weight))
     return digest.hexdigest()[:16]
+
+
+def fits_target(config, target: CausalLM) -> bool:
+    """Whether a draft whose config is ``config`` was trained for ``target``: the exact fingerprint, or, for a target
+    in another float type than the one the draft was trained on, the fingerprint of the weights rounded to bf16
+    (recorded since drafts carry ``target_fingerprint_bf16``; the shipped ones do)."""
+    if config.target_fingerprint == target_fingerprint(target):
+        return True
+    wanted = getattr(config, "target_fingerprint_bf16", None)
+    return wanted is not None and wanted == target_fingerprint(target, torch.bfloat16)
 
 
 def check_head_target(head: nn.Module, folder: str | Path, target: CausalLM) -> None:
     """Raise :class:`ModelLoadError` unless ``head`` (loaded from ``folder``) was trained for ``target``."""
-    fingerprint = target_fingerprint(target)
-    if head.config.target_fingerprint != fingerprint:
+    if not fits_target(head.config, target):
+        fingerprint = target_fingerprint(target)
         raise ModelLoadError(
             f"draft head '{folder}' was trained for target '{head.config.target_name}' (fingerprint "
             f"{head.config.target_fingerprint}), not for '{target.name}' (fingerprint {fingerprint}); train a head "
@@ -146,17 +168,18 @@ def shipped_head_for(target: CausalLM) -> Path | None:
     """The draft head shipped inside the package for ``target`` (matched by fingerprint), if there is one."""
     if not SHIPPED_HEADS.is_dir():
         return None
-    fingerprint = None
     for folder in sorted(SHIPPED_HEADS.iterdir()):
         if not (folder / CONFIG_FILE).is_file():
             continue
         try:
             config = json.loads((folder / CONFIG_FILE).read_text())["config"]
-            wanted = config["target_fingerprint"] if config.get("kind", "eagle") == "eagle" else None
+            if config.get("kind", "eagle") != "eagle":
+                continue
+            fingerprints = SimpleNamespace(target_fingerprint=config["target_fingerprint"],
+                                           target_fingerprint_bf16=config.get("target_fingerprint_bf16"))
         except (OSError, ValueError, KeyError):
             continue
-        fingerprint = fingerprint or target_fingerprint(target)
-        if wanted == fingerprint:
+        if fits_target(fingerprints, target):
             return folder
     return None
 
