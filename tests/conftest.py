@@ -13,7 +13,11 @@ from transformers import LlamaForCausalLM
 from jointspec.backends.hf import CausalLM
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
-from helpers import SPEC_BENCH_LINES, byte_tokenizer, tiny_llama, tiny_tokenizer, tiny_training_data
+from helpers import SPEC_BENCH_LINES, TEST_DEVICE, byte_tokenizer, tiny_llama, tiny_tokenizer, tiny_training_data
+
+
+def pytest_report_header(config):
+    return f"jointspec tiny models on: {TEST_DEVICE} (JOINTSPEC_TEST_DEVICE)"
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -17,6 +17,10 @@ Fixtures live in ``conftest.py``; plain functions and constants live here, group
 - the server: :func:`byte_tokenizer` (every byte a token, with a chat template), :func:`live_server` (uvicorn on a free
   local port, in a thread).
 
+``JOINTSPEC_TEST_DEVICE`` (default ``cpu``) puts :func:`tiny_llama`'s models, the ones the loop, method, verifier and
+batch tests decode with, on another device: ``JOINTSPEC_TEST_DEVICE=cuda pytest`` runs those tests on a GPU. The int4
+and compiled-layer models (:func:`quant_llama`, :func:`grouped_llama`) are CPU kernels' inputs and stay on the CPU.
+
 Odd sizes (vocab 99, hidden 32, intermediate 37) catch shape mix-ups that round numbers hide. Every tiny model
 multiplies its LM head by 8 so that greedy ties and near-ties are vanishingly rare: exact comparisons can be trusted.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import random
 import shutil
 import tempfile
@@ -39,12 +44,14 @@ from jointspec.core.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
 VOCAB = 99
+TEST_DEVICE = torch.device(os.environ.get("JOINTSPEC_TEST_DEVICE", "cpu"))
 
 
 # -- tiny models ------------------------------------------------------------------------------------------------------
 
 def tiny_llama(seed: int, *, vocab: int = VOCAB, layers: int = 2, max_positions: int = 256,
-               attn: str = "sdpa") -> LlamaForCausalLM:
+               attn: str = "sdpa", device: str | None = None) -> LlamaForCausalLM:
+    """conftest's recipe, on ``device`` (default :data:`TEST_DEVICE`; ``"cpu"`` for the CPU kernels' tests)."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
@@ -54,7 +61,7 @@ def tiny_llama(seed: int, *, vocab: int = VOCAB, layers: int = 2, max_positions:
     # Random init gives nearly flat logits; sharpen them so greedy ties and near-ties are vanishingly rare.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    return model
+    return model.to(TEST_DEVICE if device is None else device)
 
 
 def quant_llama(seed: int, *, tied: bool = False) -> LlamaForCausalLM:
@@ -123,7 +130,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int |
     """Plain greedy decoding by transformers itself: the reference every method must match."""
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                               pad_token_id=0)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt):].tolist()
 

@@ -51,8 +51,9 @@ def test_exact_block_distribution_matches_sequential_scoring(small_model):
     for block in [(0, 0, 0), (2, 5, 1), (6, 3, 3), mtjd_greedy_block(joint)]:
         probability = 1.0
         for i in range(3):
+            ids = torch.tensor([CONTEXT + list(block[:i])], device=small_model.device)
             with torch.no_grad():
-                logits = small_model(input_ids=torch.tensor([CONTEXT + list(block[:i])])).logits[0, -1]
+                logits = small_model(input_ids=ids).logits[0, -1]
             probability *= float(processed_probs(logits, sampling)[block[i]])
         assert abs(float(joint[block]) - probability) < 1e-5
 
@@ -76,9 +77,10 @@ def test_beam_mtjd_with_one_beam_is_greedy_and_wider_beams_find_likelier_blocks(
     wide = beam_mtjd_generate(CausalLM(target_model), CONTEXT, 3, 3, 4, greedy, None)
 
     def log_joint(block):
+        ids = torch.tensor([CONTEXT + block], device=target_model.device)
         with torch.no_grad():
-            logits = target_model(input_ids=torch.tensor([CONTEXT + block])).logits[0, len(CONTEXT) - 1:-1]
-        return float(logits.log_softmax(-1).gather(-1, torch.tensor(block)[:, None]).sum())
+            logits = target_model(input_ids=ids).logits[0, len(CONTEXT) - 1:-1]
+        return float(logits.log_softmax(-1).gather(-1, ids[0, len(CONTEXT):, None]).sum())
 
     assert log_joint(wide) >= log_joint(expected[:3]) - 1e-6
 

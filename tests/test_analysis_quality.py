@@ -33,7 +33,7 @@ def test_repetition_rate_counts_every_ngram_seen_before_in_the_same_output():
 def test_perplexity_is_the_exponentiated_mean_negative_log_probability_of_the_new_tokens(target_model):
     prompt, new = [5, 17, 33, 2, 60], [8, 41, 8, 90]
     with torch.no_grad():
-        logits = target_model(torch.tensor([prompt + new])).logits[0]
+        logits = target_model(torch.tensor([prompt + new], device=target_model.device)).logits[0]
     # Token new[i] is predicted by the row of the position before it: rows len(prompt) - 1 ... end - 1.
     logprobs = [logits[len(prompt) - 1 + i].log_softmax(-1)[token].item() for i, token in enumerate(new)]
     expected = math.exp(-sum(logprobs) / len(new))

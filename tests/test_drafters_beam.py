@@ -38,7 +38,7 @@ def test_tree_scores_equal_sequential_scoring(target_model, other_model):
     rows = target.forward([PROMPT[-1]] + beams.token_ids, parents=[-1] + [p + 1 for p in beams.parents]).logits
     for node in range(len(beams.token_ids)):
         path = [beams.token_ids[i] for i in beams.path(node)]
-        ids = torch.tensor([PROMPT + path])
+        ids = torch.tensor([PROMPT + path], device=target_model.device)
         with torch.no_grad():
             alone_target = target_model(input_ids=ids).logits[0, -1]
             alone_draft = other_model(input_ids=ids[:, :-1]).logits[0, -1]

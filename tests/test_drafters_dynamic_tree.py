@@ -26,7 +26,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 def path_logprob(model, context: list[int], path: tuple[int, ...]) -> float:
     """Sum of the draft's log-probabilities of ``path`` after ``context``, from one plain forward of the model."""
     with torch.no_grad():
-        logits = model(torch.tensor([context + list(path)])).logits[0].float()
+        logits = model(torch.tensor([context + list(path)], device=model.device)).logits[0].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     start = len(context) - 1
     return sum(float(logprobs[start + i, token]) for i, token in enumerate(path))
@@ -41,7 +41,7 @@ def best_paths(model, context: list[int], budget: int) -> set[tuple[int, ...]]:
         grown = []
         for path in frontier:
             with torch.no_grad():
-                logits = model(torch.tensor([context + list(path)])).logits[0, -1].float()
+                logits = model(torch.tensor([context + list(path)], device=model.device)).logits[0, -1].float()
             for token in torch.topk(logits, budget).indices.tolist():
                 grown.append(path + (token,))
                 candidates[grown[-1]] = path_logprob(model, context, grown[-1])

@@ -46,12 +46,12 @@ def test_attend_to_is_attention_over_exactly_those_cached_tokens():
     logits = target.forward([5, 6], attend_to=seen).logits  # two new tokens: each also sees the new ones before it
     assert target.num_cached == 32
     # transformers' forward over the whole sequence, with the same visibility written out as an additive mask.
-    ids = torch.tensor([context + [5, 6]])
+    ids = torch.tensor([context + [5, 6]], device=model.device)
     visible = torch.ones(32, 32, dtype=torch.bool).tril()
     for row in (30, 31):
         visible[row, :30] = False
         visible[row, seen] = True
-    mask = torch.zeros(1, 1, 32, 32).masked_fill(~visible, torch.finfo(torch.float32).min)
+    mask = torch.zeros(1, 1, 32, 32).masked_fill(~visible, torch.finfo(torch.float32).min).to(model.device)
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask).logits[0, 30:]
     assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)
@@ -205,7 +205,8 @@ def test_sampled_first_token_follows_the_target_and_a_misreporting_drafter_is_ca
     prompt = repetitive_prompt(3, 40)
     sampling = SamplingConfig(temperature=1.0)  # this tiny model's next token: 99 cells, the largest about 0.11
     with torch.no_grad():
-        probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], dim=-1).double().numpy()
+        logits = model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1]
+    probs = torch.softmax(logits, dim=-1).double().cpu().numpy()
     probs /= probs.sum()
     assert chi_square_pvalue(first_token_counts(SparseSelfDrafter, model, prompt, sampling, 3000), probs) > ALPHA
     assert chi_square_pvalue(first_token_counts(MisreportingDrafter, model, prompt, sampling, 3000), probs) < ALPHA

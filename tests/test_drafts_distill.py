@@ -78,11 +78,11 @@ def test_draft_from_the_target_layers_is_the_targets_early_exit(target_model):
 
     draft = untrained_draft(CausalLM(target_model), from_target=True)
     config = target_model.config.to_dict() | {"num_hidden_layers": 1}
-    early_exit = LlamaForCausalLM(type(target_model.config)(**config)).eval()
+    early_exit = LlamaForCausalLM(type(target_model.config)(**config)).eval().to(target_model.device)
     early_exit.load_state_dict(target_model.state_dict(), strict=False)
     prompt = random_prompt(3)
     with torch.no_grad():
-        wanted = early_exit(torch.tensor([prompt])).logits[0]
+        wanted = early_exit(torch.tensor([prompt], device=target_model.device)).logits[0]
     got = DistilledDraftModel(draft, CausalLM(target_model)).forward(prompt).logits
     assert torch.allclose(got, wanted, atol=1e-5), (got - wanted).abs().max()
 
@@ -127,8 +127,8 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model, tmp_
     bound = bind_distill(tmp_path, CausalLM(target_model))
     logits = bound.forward(random_prompt(0)).logits  # [12, vocab]
     assert logits.shape == (12, VOCAB) and bound.vocab_size == VOCAB
-    outside = torch.ones(VOCAB, dtype=torch.bool)
-    outside[draft.draft_vocab] = False
+    outside = torch.ones(VOCAB, dtype=torch.bool, device=logits.device)
+    outside[draft.draft_vocab.to(logits.device)] = False
     assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ~outside]).all()
 
 
@@ -141,8 +141,9 @@ def test_artifact_reloads_to_identical_outputs(target_model, trained_distill_dir
     # The bound draft is the saved layers: its logits equal those of the reloaded module run by hand.
     target = CausalLM(target_model)
     bound = bind_distill(trained_distill_dir, target)
-    ids = torch.tensor([prompt])
-    hidden = draft(target_model.get_input_embeddings()(ids), position_ids=torch.arange(len(prompt))[None])
+    ids = torch.tensor([prompt], device=target_model.device)
+    positions = torch.arange(len(prompt), device=ids.device)[None]
+    hidden = draft.to(ids.device)(target_model.get_input_embeddings()(ids), position_ids=positions)
     by_hand = hidden[0] @ target_model.lm_head.weight.T
     assert torch.allclose(bound.forward(prompt).logits, by_hand, atol=1e-5)
     # fp16 storage: a reloaded draft holds the in-memory draft's weights rounded to float16, bit for bit, and bound to

@@ -9,6 +9,8 @@ those tests have no false-failure odds; the rest compares logits of deterministi
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -159,8 +161,8 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
     head = untrained_head(CausalLM(target_model), draft_vocab_size=20)
     context = random_prompt(6)
     logits = primed(target_model, head, context).forward(context).logits
-    allowed = torch.zeros(VOCAB, dtype=torch.bool)
-    allowed[head.draft_vocab] = True
+    allowed = torch.zeros(VOCAB, dtype=torch.bool, device=logits.device)
+    allowed[head.draft_vocab.to(logits.device)] = True
     assert torch.isinf(logits[:, ~allowed]).all() and torch.isfinite(logits[:, allowed]).all()
 
 
@@ -209,6 +211,19 @@ def test_artifact_reloads_to_identical_outputs(target_model, trained_head_dir, t
 def test_head_refuses_another_target(trained_head_dir):
     other = CausalLM(tiny_llama(7), name="another-target")
     with pytest.raises(ModelLoadError, match="trained for target 'tiny-target'.*train-draft"):
+        bind_head(trained_head_dir, other)
+
+
+def test_head_binds_to_the_bf16_copy_of_its_target_and_not_to_another(trained_head_dir, target_model):
+    # CUDA runs targets in bf16 by default: their exact fingerprint differs from the fp32 model's the head was
+    # trained for, the fingerprint of the weights rounded to bf16 does not.
+    from jointspec.drafts.artifact import target_fingerprint
+
+    half = CausalLM(copy.deepcopy(target_model).to(torch.bfloat16), name="tiny-target-bf16")
+    assert target_fingerprint(half) != target_fingerprint(CausalLM(target_model))
+    assert bind_head(trained_head_dir, half).head.fc.weight.device == half.device
+    other = CausalLM(tiny_llama(7).to(torch.bfloat16), name="another-target-bf16")
+    with pytest.raises(ModelLoadError, match="trained for target 'tiny-target'"):
         bind_head(trained_head_dir, other)
 
 

@@ -69,7 +69,8 @@ def test_mirror_records_the_requested_hidden_states(target_model):
     target.forward(prompt[:7])
     target.forward(prompt[7:], parents=None)
     with torch.inference_mode():
-        states = target_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        ids = torch.tensor([prompt], device=target_model.device)
+        states = target_model(ids, output_hidden_states=True).hidden_states
     expected = torch.cat([states[layer][0] for layer in (-1, *FUSE)], -1)
     assert mirror.features.shape == expected.shape
     torch.testing.assert_close(mirror.features, expected, rtol=1e-4, atol=1e-5)

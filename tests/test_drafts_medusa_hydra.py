@@ -89,7 +89,8 @@ def test_each_position_is_scored_by_the_head_as_far_ahead_as_it_is(target_model)
     draft.reset()
     logits = draft.forward(context + [5, 6, 7]).logits  # positions 0 .. len(context) + 2
     last = len(context) - 2
-    feature = target.model(torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0, last]
+    ids = torch.tensor([context[:-1]], device=target.device)
+    feature = target.model(ids, output_hidden_states=True).hidden_states[-1][0, last]
     lm = target_model.lm_head.weight
     assert torch.allclose(logits[last], feature @ lm.T, atol=1e-5)  # head 0: the target's own next token
     for k in range(1, 4):
@@ -118,11 +119,12 @@ def test_each_position_is_scored_from_the_latest_feature_and_the_tokens_since(ta
     fed = context + [5, 6, 7]
     logits = draft.forward(fed).logits  # positions 0 .. len(context) + 2
     last = len(context) - 2
-    feature = target.model(torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0, last]
+    ids = torch.tensor([context[:-1]], device=target.device)
+    feature = target.model(ids, output_hidden_states=True).hidden_states[-1][0, last]
     lm = target_model.lm_head.weight
 
     def head(k: int, tokens: list[int]) -> torch.Tensor:
-        return heads.heads[k - 1](feature, embed(torch.tensor(tokens))) @ lm.T
+        return heads.heads[k - 1](feature, embed(torch.tensor(tokens, device=lm.device))) @ lm.T
 
     assert torch.allclose(logits[last], feature @ lm.T, atol=1e-5)  # head 0: the target's own next token
     for k in range(1, 4):

@@ -53,7 +53,7 @@ MAX_NEW_TOKENS = 40
 def onednn_pair():
     """(target, other) tiny models with every linear layer on oneDNN and grouped-query attention in SDPA, as
     load_model sets them up; fresh per test (they are changed in place)."""
-    target, other = tiny_llama(0), tiny_llama(1)
+    target, other = tiny_llama(0, device="cpu"), tiny_llama(1, device="cpu")
     assert use_onednn_linears(target) == 2 * 7 + 1  # 7 per decoder layer (q, k, v, o, gate, up, down) + LM head
     use_onednn_linears(other)
     assert use_gqa_attention(target) and use_gqa_attention(other)  # 4 query heads, 2 key/value heads
@@ -102,7 +102,7 @@ def test_weight_major_linear_pads_odd_rows_without_changing_them():
 
 
 def test_swapped_model_keeps_tied_weights_and_state_dict():
-    model = tiny_llama(0)
+    model = tiny_llama(0, device="cpu")
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in SmolLM2
     keys = set(model.state_dict())
     use_onednn_linears(model)
@@ -161,7 +161,7 @@ def test_gqa_attention_is_sdpa_without_copying_heads(monkeypatch, parents):
     copies = []
     original = sdpa_module.repeat_kv
     monkeypatch.setattr(sdpa_module, "repeat_kv", lambda states, n: copies.append(n) or original(states, n))
-    model = tiny_llama(0)
+    model = tiny_llama(0, device="cpu")
     adapter = CausalLM(model)
     prompt, new = random_prompt(3)[:20], [7, 8, 9, 10, 11]
     logits = {}
@@ -189,7 +189,7 @@ def test_cost_curve_memo_tells_the_kernels_apart(onednn_pair):
 def test_resolve_kernels(monkeypatch):
     from jointspec.kernels import fp32 as cpukernels
 
-    model = tiny_llama(0)
+    model = tiny_llama(0, device="cpu")
     monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert resolve_kernels("auto", model) == "onednn"
     # Where PyTorch's own kernels were measured faster (docs/kernels.md), auto keeps them, and on unmeasured CPUs.
@@ -199,7 +199,7 @@ def test_resolve_kernels(monkeypatch):
         assert resolve_kernels("onednn", model) == "onednn"  # still available on request
     monkeypatch.setattr(cpukernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert resolve_kernels("stock", model) == "stock"
-    half = tiny_llama(0).to(torch.bfloat16)
+    half = tiny_llama(0, device="cpu").to(torch.bfloat16)
     assert resolve_kernels("auto", half) == "stock"  # auto falls back where oneDNN linears do not apply
     with pytest.raises(ValueError, match="float32"):
         resolve_kernels("onednn", half)

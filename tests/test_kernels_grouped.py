@@ -37,6 +37,7 @@ from helpers import (
     greedy_by_methods,
     grouped_llama,
     random_prompt,
+    tiny_llama,
     tiny_qwen2,
     untrained_head,
 )
@@ -414,12 +415,12 @@ def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     assert decoder.stats.num_draft_tokens > 0
 
 
-def test_int8_head_weights_refused_where_the_kernel_cannot_take_them(target_model):
+def test_int8_head_weights_refused_where_the_kernel_cannot_take_them():
     # conftest's tiny target is 32 wide: no multiple of 64, so int8 is refused by name and auto keeps float32.
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.drafts.eagle import HeadDraftModel
 
-    target = CausalLM(target_model, name="tiny-target")
+    target = CausalLM(tiny_llama(0, device="cpu"), name="tiny-target")
     with pytest.raises(UnsupportedOptionError, match="multiple of 64"):
         HeadDraftModel(untrained_head(target), target, weights="int8")
     assert HeadDraftModel(untrained_head(target), target).weights == "float32"

@@ -191,7 +191,7 @@ def test_head_can_stay_float():
 
 def test_layers_the_int4_kernel_cannot_take_stay_float_and_are_logged(caplog):
     # conftest's tiny Llama: intermediate 37 is neither a multiple of 16 (gate/up outputs) nor of 32 (down inputs).
-    model = tiny_llama(0)
+    model = tiny_llama(0, device="cpu")
     with caplog.at_level(logging.WARNING, logger="jointspec.kernels.quantize"):
         quantize_model(model, "int4")
     mlp = model.model.layers[0].mlp

@@ -45,7 +45,7 @@ def near_target(target_model, scale: float = 2.0):
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for weight in draft.model.layers[-1].mlp.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator) * scale * weight.std())
+            weight.add_(torch.randn(weight.shape, generator=generator).to(weight.device) * scale * weight.std())
     return draft
 
 

@@ -7,6 +7,7 @@ Skipped, with the reason, when the converted model is not in the local cache (te
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.backends import embedded
+from jointspec.backends.hf import CausalLM
 from jointspec.methods import MethodConfig
 
 PROMPTS = [
@@ -63,3 +65,10 @@ def test_lossless_methods_match_plain_greedy_on_the_default_model():
         do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos_token_ids,
         pad_token_id=eos_token_ids[0]))
     assert hf[0, len(prompt_ids):].tolist() == reference.token_ids
+
+    # The bf16 copy that CUDA runs by default finds the same shipped head (by its bf16 fingerprint).
+    from jointspec.drafts.artifact import shipped_head_for
+
+    shipped = shipped_head_for(target)
+    assert shipped is not None
+    assert shipped_head_for(CausalLM(copy.deepcopy(target.model).to(torch.bfloat16), name="bf16 copy")) == shipped

@@ -85,9 +85,9 @@ def test_given_answers_are_featurised_as_given_and_only_the_rest_generated(targe
         else:
             assert 1 <= len(ids) - start <= 8
     # Features are the target's own hidden states on the given text, not anything generated.
-    ids = torch.tensor([sequences[1][0]])
+    ids = torch.tensor([sequences[1][0]], device=target.device)
     with torch.inference_mode():
-        expected = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        expected = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0].cpu()
     first = shards[0]
     a, b = first["starts"][1].item(), first["starts"][2].item()
     assert torch.allclose(first["features"][a:b].float(), expected, atol=1e-3, rtol=2e-3)  # stored as float16
@@ -225,7 +225,8 @@ def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(
                  for a, b in zip(shard["starts"].tolist(), shard["starts"].tolist()[1:])]
     assert sequences == [p + a for p, a in zip(prompts, int4)]
     with torch.inference_mode():
-        expected = target.model(input_ids=torch.tensor([sequences[0]]), output_hidden_states=True).hidden_states[-1]
+        ids = torch.tensor([sequences[0]], device=target.device)
+        expected = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1].cpu()
     a, b = shards[0]["starts"][0].item(), shards[0]["starts"][1].item()
     assert torch.allclose(shards[0]["features"][a:b].float(), expected[0], atol=1e-3, rtol=2e-3)
     # The same prompts answered by the target itself are other data: the folder refuses them.
