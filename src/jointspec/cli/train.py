@@ -29,6 +29,7 @@ from jointspec.drafts.artifact import artifact_kind, check_head_target, target_f
 from jointspec.train.data import build_data, read_spec
 from jointspec.train.heads import check_data_folders
 from jointspec.train.kinds import KIND_OPTIONS, TrainKind, kind_named, kinds_taking
+from jointspec.train.server_answers import AnswerServer, AnswerServerError
 from jointspec.train.sources import training_prompts
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,18 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--answer-quantize", default="none", choices=["none", "int8", "int4"],
                         help="write the target's answers with a quantised copy of it (faster on CPUs: "
                              "docs/training.md); its features and the training labels still come from the target")
+    parser.add_argument("--answers-from", type=_server_url, default=None, metavar="URL",
+                        help="have an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, jointspec serve) "
+                             "write the answers, e.g. http://127.0.0.1:8000/v1: greedy, the prompts sent as token "
+                             "ids, kept in the data folder as they arrive (a rerun fetches only the rest), and only "
+                             "after the server's answers to 3 prompts match the target's; features and labels still "
+                             "come from the local target")
+    parser.add_argument("--answers-concurrency", type=positive_int, default=None, metavar="N",
+                        help="requests in flight at once with --answers-from (default 8)")
+    parser.add_argument("--answers-model", default=None, metavar="NAME",
+                        help="the model name sent to --answers-from (default: the first one its /models lists)")
+    parser.add_argument("--no-answers-check", action="store_true",
+                        help="use --answers-from's answers without checking that the server runs the target")
     parser.add_argument("--data-only", action="store_true", help="build (or finish) the data folder and stop")
     parser.add_argument("--init", type=Path, default=None, metavar="DIR",
                         help="start from this head (same target; its draft vocabulary is kept) instead of from "
@@ -129,6 +142,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _server_url(text: str) -> str:
+    try:
+        return AnswerServer(text).url
+    except AnswerServerError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _layer_list(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(part) for part in text.split(","))
@@ -141,7 +161,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 # Options that do not change what is trained (where files go, how it reports) stay out of the recorded command.
-_NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level", "data_only"}
+_NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level", "data_only",
+                 "answers_concurrency", "no_answers_check"}
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -161,6 +182,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     kind = _resolve_kind_options(args)
+    answers_from = _answer_server(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.init is not None and not (args.init / "draft.json").is_file():
@@ -177,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
         prompts, answers = prompts[:args.num_prompts], answers[:args.num_prompts]
     build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,
                batch_size=args.generate_batch_size, eos_token_ids=eos, answers=answers,
-               fuse_layers=args.fuse_layers or (), answer_quantize=args.answer_quantize)
+               fuse_layers=args.fuse_layers or (), answer_quantize=args.answer_quantize, answers_from=answers_from,
+               progress=not args.no_progress)
     if args.data_only:
         print(json.dumps({"data": str(data), "data_spec": read_spec(data)}))
         return 0
@@ -199,6 +222,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"saved {args.out} ({summary['size_bytes'] / 1e6:.1f} MB): {result.best.line()}")
     print(json.dumps(summary))
     return 0
+
+
+def _answer_server(args: argparse.Namespace) -> AnswerServer | None:
+    """The server to fetch answers from, with its options checked before any work (a target load, self-instruct
+    prompts) is spent."""
+    if args.answers_from is None:
+        given = [name for name, value in (("--answers-concurrency", args.answers_concurrency),
+                                          ("--answers-model", args.answers_model),
+                                          ("--no-answers-check", args.no_answers_check or None)) if value is not None]
+        if given:
+            raise UnsupportedOptionError(f"{', '.join(given)} set how --answers-from fetches answers; give "
+                                         "--answers-from URL too, or drop them")
+        return None
+    if args.answer_quantize != "none":
+        raise UnsupportedOptionError(f"--answer-quantize {args.answer_quantize} has a local copy of the target write "
+                                     "the answers and --answers-from has a server write them; give one of the two")
+    return AnswerServer(args.answers_from, concurrency=args.answers_concurrency or AnswerServer.concurrency,
+                        model=args.answers_model, check=not args.no_answers_check)
 
 
 def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:

@@ -5,7 +5,8 @@ Two stages, both resumable (each shard is written atomically and skipped when it
 1. **generate**: the target answers every prompt greedily with the batched engine (:mod:`jointspec.batch.engine`),
    so the drafter learns the text the target will actually produce (DistillSpec's on-policy point, in its simplest
    form).
-   Prompts that come with a given answer (e.g. ShareGPT's, :mod:`jointspec.train.sharegpt`) skip this stage;
+   Prompts that come with a given answer (e.g. ShareGPT's, :mod:`jointspec.train.sharegpt`) skip this stage; with
+   ``answers_from`` an OpenAI-compatible server writes the answers (:mod:`jointspec.train.server_answers`);
 2. **featurise**: one teacher-forced forward of the target over each prompt + answer saves, per token, the token id
    and the target's last hidden state after the final norm (the *feature*; the target's logits are
    ``lm_head(feature)``, so they need not be stored). Features are kept in float16 to halve the disk footprint.
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -35,6 +37,7 @@ from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig
 from jointspec.drafts.artifact import target_fingerprint
+from jointspec.train.server_answers import AnswerServer, ServerAnswers
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class DataSpec:
     shard_size: int
     format: int = DATA_FORMAT
     fuse_layers: tuple[int, ...] = ()
-    answers_by: str = "target"  # or "int4" / "int8": a quantised copy of the target wrote the answers
+    answers_by: str = "target"  # or "int4" / "int8": a quantised copy of the target; "server": answers_from
 
     def as_json(self) -> dict:
         """What ``data.json`` holds; folders without fused layers or with the target's own answers keep the keys
@@ -93,7 +96,9 @@ def _shard_path(folder: Path, index: int) -> Path:
     return folder / f"shard-{index:05d}.pt"
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str, enabled: bool = True):
+    if not enabled:
+        return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with transformers; keep working without it
@@ -126,7 +131,8 @@ def _featurise(target: CausalLM, sequences: list[list[int]], answer_starts: list
 def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: str | Path, *,
                max_new_tokens: int = 256, max_length: int = 1024, shard_size: int = 32, batch_size: int = 16,
                eos_token_ids: frozenset[int] = frozenset(), answers: list[list[int] | None] | None = None,
-               fuse_layers: tuple[int, ...] = (), answer_quantize: str = "none") -> Path:
+               fuse_layers: tuple[int, ...] = (), answer_quantize: str = "none",
+               answers_from: AnswerServer | None = None, progress: bool = True) -> Path:
     """Generate answers and features for ``prompts`` (token ids, chat template applied) into ``folder``.
 
     ``answers``: per prompt, either ``None`` (the target answers it) or the token ids of a given answer, which is
@@ -138,6 +144,10 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     ``answer_quantize``: ``int4`` / ``int8`` write the answers with a quantised copy of the target (faster than float32
     on CPUs, and its greedy text is meant to match float32's; docs/training.md has the measurement);
     features and everything trained on still come from ``target`` itself. ``none``: the target answers.
+
+    ``answers_from``: an OpenAI-compatible server writes the answers instead
+    (:mod:`jointspec.train.server_answers`: fetched first, concurrently, kept in the folder as they arrive, and
+    only from a server that passes the same-model check); features and labels still come from ``target``.
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
@@ -155,14 +165,22 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     fuse_layers = check_fuse_layers(fuse_layers, target.config.num_hidden_layers)
     if answer_quantize not in ("none", "int8", "int4"):
         raise UnsupportedOptionError(f"answer_quantize must be none, int8 or int4, got '{answer_quantize}'")
+    if answers_from is not None and answer_quantize != "none":
+        raise UnsupportedOptionError(f"--answer-quantize {answer_quantize} picks a local copy to write the answers, "
+                                     "but --answers-from has a server write them; give one of the two")
+    answers_by = "server" if answers_from is not None else "target" if answer_quantize == "none" else answer_quantize
     spec = DataSpec(target_fingerprint(target), _prompts_sha256(prompts, answers), len(prompts), max_new_tokens,
-                    max_length, shard_size, fuse_layers=fuse_layers,
-                    answers_by="target" if answer_quantize == "none" else answer_quantize)
-    spec = _open_folder(folder, spec)
+                    max_length, shard_size, fuse_layers=fuse_layers, answers_by=answers_by)
+    # With a server, a new folder is begun only once the server passed its same-model check.
+    spec = _open_folder(folder, spec, write=answers_from is None)
+    if answers_from is not None:  # from here on the server's answers are featurised as given answers are
+        fetched = _answers_from_server(answers_from, target, tokenizer, folder, spec, prompts, answers, shard_size,
+                                       budget, eos_token_ids, progress)
+        answers = [fetched.get(i, answer) for i, answer in enumerate(answers)]
     fuse_layers = spec.fuse_layers
 
     num_shards = (len(prompts) + shard_size - 1) // shard_size
-    bar = _progress(len(prompts), "self-distillation data")
+    bar = _progress(len(prompts), "self-distillation data", progress)
     engine = None  # built on the first shard that needs answers: a finished folder costs no copy
     for index in range(num_shards):
         chunk = prompts[index * shard_size:(index + 1) * shard_size]
@@ -175,7 +193,10 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
                         for i in to_generate]
             if requests and engine is None:
                 engine = BatchEngine(_answer_model(target, answer_quantize), tokenizer, max_batch_size=batch_size)
+            started = time.perf_counter()
             generated = dict(zip(to_generate, engine.generate(requests) if requests else []))
+            if requests:  # the answers are most of a build's time: worth a line at JOINTSPEC_LOG=INFO
+                log.info("shard %d: %d answers in %.1f s", index, len(requests), time.perf_counter() - started)
             sequences = [list(p) + list(a if a is not None else generated[i])
                          for i, (p, a) in enumerate(zip(chunk, chunk_answers))]
             atomic_save(_featurise(target, sequences, [len(p) for p in chunk], fuse_layers), path)
@@ -186,11 +207,30 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     return folder
 
 
-def _open_folder(folder: Path, spec: DataSpec) -> DataSpec:
-    """Record ``spec`` in a new folder, or check that an existing one was begun with it; the spec to finish with."""
+def _answers_from_server(server: AnswerServer, target: CausalLM, tokenizer, folder: Path, spec: DataSpec,
+                         prompts: list[list[int]], answers: list[list[int] | None], shard_size: int, budget,
+                         eos_token_ids: frozenset[int], progress: bool) -> dict[int, list[int]]:
+    """The server's answers to every prompt that an unwritten shard needs, by prompt index. All are fetched before
+    any featurising: the server works while nothing here waits on it, and an interruption loses no answer (they are
+    kept in the folder as they arrive)."""
+    wanted = [i for i in range(len(prompts))
+              if answers[i] is None and not _shard_path(folder, i // shard_size).exists()]
+    fetcher = ServerAnswers(server, target, tokenizer, folder, [prompts[i] for i in wanted],
+                            [budget(prompts[i]) for i in wanted], eos_token_ids, progress)
+    fetcher.prepare()  # the same-model check
+    _open_folder(folder, spec)
+    return dict(zip(wanted, fetcher.fetch()))
+
+
+def _open_folder(folder: Path, spec: DataSpec, write: bool = True) -> DataSpec:
+    """Record ``spec`` in a new folder (unless ``write`` is false), or check that an existing one was begun with it;
+    the spec to finish with."""
     meta_path = folder / "data.json"
     if not meta_path.exists():
-        meta_path.write_text(json.dumps(spec.as_json(), indent=1))
+        if write:  # atomically, as the shards: a folder is begun with its whole spec or not at all
+            tmp = meta_path.with_suffix(f".json.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(spec.as_json(), indent=1))
+            os.replace(tmp, meta_path)
         return spec
     existing = json.loads(meta_path.read_text())
     if not spec.fuse_layers and existing.get("fuse_layers"):

@@ -1,0 +1,258 @@
+"""`train-draft --answers-from URL`: the answers come from an OpenAI-compatible server, here a live `jointspec serve`
+app on 127.0.0.1 (uvicorn in a thread, as tests/test_server.py runs it) over the tiny target.
+
+The tokenizer is a word-level one over the tiny models' 99 ids (``w0 w1 ...``, id 16 the special ``</s>``) in which
+any answer round-trips through text: the server answers text, so only such a tokenizer lets the server's answers and
+local generation be compared token for token. The tiny target's greedy answers to these prompts end at ``</s>``
+after 2 to 20 tokens or run to the 40-token budget, so both endings are covered.
+
+Deterministic on one thread (which requests arrive first at the server varies, and no assertion depends on it): no
+false-failure odds. Every network call goes to 127.0.0.1; each test takes one to three seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.tokens import eos_token_ids
+from jointspec.server.app import ServerSettings, create_app
+from jointspec.server.engine import ServingEngine
+from jointspec.train.data import build_data, load_shards, read_spec
+from jointspec.train.server_answers import (
+    ANSWERS_FILE,
+    CHECK_TOKENS,
+    AnswerCache,
+    AnswerServer,
+    AnswerServerError,
+    ServerAnswer,
+    answer_token_ids,
+)
+
+from helpers import assert_clean_error, live_server, random_prompt, run_cli, train_cli_argv
+
+EOS_WORD_ID = 16  # frequent in the tiny target's continuations, so many answers end early
+MAX_NEW_TOKENS = 40
+PROMPTS = [random_prompt(100 + i, length=8) for i in range(12)]
+
+
+def round_trip_tokenizer() -> PreTrainedTokenizerFast:
+    """``w0 .. w98`` as words split on whitespace, id 16 the special ``</s>``: decoding an answer and encoding the
+    text gives its ids back (``</s>`` ends an answer and is left out of the text, as servers leave it out)."""
+    vocab = {f"w{i}": i for i in range(99) if i != EOS_WORD_ID} | {"</s>": EOS_WORD_ID}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def words():
+    return round_trip_tokenizer()
+
+
+@pytest.fixture()
+def eos(target, words):
+    return eos_token_ids(target, words)  # {16} from the tokenizer, {2} from the model's generation config
+
+
+class CountingEngine:
+    """A served engine that records the prompts of the answers it is asked for (not the same-model check's short
+    ones) and, past ``fail_after`` of them, fails every further request (the route answers 500): a server that
+    breaks mid-run."""
+
+    def __init__(self, engine: ServingEngine, fail_after: int | None = None) -> None:
+        self.engine, self.fail_after = engine, fail_after
+        self.model_id = engine.model_id
+        self.answered: list[tuple[int, ...]] = []
+        self.refused = 0
+
+    async def submit(self, request):
+        if request.max_tokens != CHECK_TOKENS:
+            if self.fail_after is not None and len(self.answered) >= self.fail_after:
+                self.refused += 1
+                raise RuntimeError("simulated failure")
+            self.answered.append(tuple(request.prompt))
+        return await self.engine.submit(request)
+
+    def snapshot(self):
+        return self.engine.snapshot()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@contextlib.contextmanager
+def serving(model, tokenizer, fail_after: int | None = None):
+    """``jointspec serve``'s app over ``model`` on a free local port; yields (API base URL, CountingEngine)."""
+    engine = CountingEngine(ServingEngine(CausalLM(model), tokenizer, model_id="tiny", max_batch_size=4), fail_after)
+    try:
+        with live_server(create_app(ServerSettings(), engine)) as (url, _):
+            yield f"{url}/v1", engine
+    finally:
+        engine.close()
+
+
+def build(target, words, eos, folder, **options):
+    return build_data(target, words, PROMPTS, folder, max_new_tokens=MAX_NEW_TOKENS, max_length=128, shard_size=5,
+                      batch_size=4, eos_token_ids=eos, progress=False, **options)
+
+
+def assert_same_shards(folder_a, folder_b) -> None:
+    shards_a, shards_b = list(load_shards(folder_a)), list(load_shards(folder_b))
+    assert len(shards_a) == len(shards_b) == 3
+    for shard_a, shard_b in zip(shards_a, shards_b):
+        assert shard_a.keys() == shard_b.keys()
+        for name in shard_a:
+            assert torch.equal(shard_a[name], shard_b[name]), name
+
+
+def answers_in(folder) -> list[list[int]]:
+    answers = []
+    for shard in load_shards(folder):
+        starts, offsets, tokens = shard["starts"].tolist(), shard["answer_starts"].tolist(), shard["token_ids"]
+        answers += [tokens[starts[s] + offset:starts[s + 1]].tolist() for s, offset in enumerate(offsets)]
+    return answers
+
+
+# -- the data folder ----------------------------------------------------------------------------------------------
+
+def test_server_answers_build_the_same_folder_as_local_generation(target_model, target, words, eos, tmp_path):
+    """Same token ids, same features, shard for shard; only data.json says who wrote the answers."""
+    build(target, words, eos, tmp_path / "local")
+    with serving(target_model, words) as (url, engine):
+        build(target, words, eos, tmp_path / "served", answers_from=AnswerServer(url, concurrency=4))
+    assert_same_shards(tmp_path / "local", tmp_path / "served")
+    answers = answers_in(tmp_path / "local")
+    assert any(a[-1] == EOS_WORD_ID for a in answers) and any(len(a) == MAX_NEW_TOKENS for a in answers)
+    assert sorted(engine.answered) == sorted(tuple(p) for p in PROMPTS)  # each fetched once
+    local, served = read_spec(tmp_path / "local"), read_spec(tmp_path / "served")
+    assert served.pop("answers_by") == "server" and served == local
+    lines = (tmp_path / "served" / ANSWERS_FILE).read_text().splitlines()
+    assert len(lines) == len(PROMPTS) and all(json.loads(line)["model"] == "tiny" for line in lines)
+
+
+def test_an_interrupted_fetch_resumes_without_refetching(target_model, target, words, eos, tmp_path):
+    """The server fails after 5 answers: those 5 are kept (and no shard is written), and the rerun asks the server
+    for exactly the 7 others."""
+    folder = tmp_path / "served"
+    with serving(target_model, words, fail_after=5) as (url, first):
+        with pytest.raises(AnswerServerError, match=rf"{url}/completions answered HTTP 500"):
+            build(target, words, eos, folder, answers_from=AnswerServer(url, concurrency=4))
+    assert len(first.answered) == 5 and first.refused >= 1
+    assert len((folder / ANSWERS_FILE).read_text().splitlines()) == 5
+    assert not list(folder.glob("shard-*")) and (folder / "data.json").is_file()
+    with serving(target_model, words) as (url, second):
+        build(target, words, eos, folder, answers_from=AnswerServer(url, concurrency=4))
+    assert sorted(first.answered + second.answered) == sorted(tuple(p) for p in PROMPTS)
+    build(target, words, eos, tmp_path / "local")
+    assert_same_shards(tmp_path / "local", folder)
+
+
+def test_a_server_running_another_model_is_refused(other_model, target, words, eos, tmp_path):
+    """The same-model check refuses before any answer is fetched or the folder begun; --no-answers-check (check=False)
+    takes the other model's answers."""
+    folder = tmp_path / "served"
+    with serving(other_model, words) as (url, engine):
+        with pytest.raises(AnswerServerError) as refused:
+            build(target, words, eos, folder, answers_from=AnswerServer(url))
+        assert not engine.answered
+        assert not (folder / "data.json").exists() and not (folder / ANSWERS_FILE).exists()
+        build(target, words, eos, folder, answers_from=AnswerServer(url, check=False))
+    message = str(refused.value)
+    assert f"the answer server at {url} (model 'tiny') does not answer like the local target" in message
+    assert "at most 1 may differ" in message and "--no-answers-check" in message
+    build(target, words, eos, tmp_path / "local")
+    assert answers_in(folder) != answers_in(tmp_path / "local")
+
+
+def test_answer_ids_end_as_local_generation_ends(words, eos):
+    """A "stop" answer gets its end token back; an EOS id the text spells out ends the answer there; a "length"
+    answer is kept as it is."""
+    assert answer_token_ids(words, ServerAnswer("w5 w7", "stop"), eos, EOS_WORD_ID) == [5, 7, EOS_WORD_ID]
+    assert answer_token_ids(words, ServerAnswer("w5 w2 w7", "length"), eos, EOS_WORD_ID) == [5, 2]
+    assert answer_token_ids(words, ServerAnswer("w5 w7", "length"), eos, EOS_WORD_ID) == [5, 7]
+    assert answer_token_ids(words, ServerAnswer("", "stop"), eos, EOS_WORD_ID) == [EOS_WORD_ID]
+
+
+def test_the_answers_file_drops_a_line_cut_off_mid_write(tmp_path):
+    path = tmp_path / ANSWERS_FILE
+    whole = json.dumps({"key": "a", "text": "w5", "finish_reason": "stop", "model": "m"})
+    path.write_text(whole + '\n{"key": "b", "te')
+    cache = AnswerCache(path)
+    assert cache.answers == {"a": ServerAnswer("w5", "stop")}
+    cache.add("b", ServerAnswer("w6 w7", "length"), "m")
+    assert AnswerCache(path).answers == {"a": ServerAnswer("w5", "stop"), "b": ServerAnswer("w6 w7", "length")}
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+
+def cli_argv(monkeypatch, target_model, words, tmp_path) -> list[str]:
+    """``train-draft --data-only`` on the tiny target with the round-trip tokenizer and :data:`PROMPTS` as text."""
+    from jointspec.cli import train as train_cli
+
+    argv = train_cli_argv(monkeypatch, target_model, tmp_path, "unused")
+    monkeypatch.setattr(train_cli, "load_target", lambda *args, **kwargs: (CausalLM(target_model), words))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(words.decode(prompt) for prompt in PROMPTS))
+    argv[argv.index("--prompts") + 1] = str(prompts)
+    return argv + ["--data-only", "--max-new-tokens", str(MAX_NEW_TOKENS)]
+
+
+def test_cli_builds_from_a_server_what_it_builds_locally(target_model, words, tmp_path, monkeypatch, capsys):
+    argv = cli_argv(monkeypatch, target_model, words, tmp_path)
+    code, out, err = run_cli(capsys, *argv, "--data", str(tmp_path / "local"))
+    assert code == 0, err
+    with serving(target_model, words) as (url, engine):
+        code, out, err = run_cli(capsys, *argv, "--data", str(tmp_path / "served"), "--answers-from", url,
+                                 "--answers-concurrency", "3")
+        assert code == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["data_spec"]["answers_by"] == "server"
+        code, _, err = run_cli(capsys, *argv, "--data", str(tmp_path / "served"), "--answers-from", url)
+        assert code == 0, err
+    assert len(engine.answered) == len(PROMPTS)  # the rerun found the folder finished and asked for nothing
+    for local, served in zip(load_shards(tmp_path / "local"), load_shards(tmp_path / "served")):
+        assert torch.equal(local["token_ids"], served["token_ids"])
+        assert torch.equal(local["features"], served["features"])
+
+
+def test_cli_names_an_unreachable_server_and_writes_nothing(target_model, words, tmp_path, monkeypatch, capsys):
+    with socket.socket() as sock:  # a port nothing listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    argv = cli_argv(monkeypatch, target_model, words, tmp_path)
+    code, _, err = run_cli(capsys, *argv, "--data", str(tmp_path / "data"), "--answers-from", url)
+    assert_clean_error(code, err, f"cannot reach the answer server at {url}/models", "jointspec serve")
+    assert not (tmp_path / "data" / "data.json").exists()
+
+
+def test_cli_names_a_url_that_is_not_the_api_base(target_model, words, tmp_path, monkeypatch, capsys):
+    argv = cli_argv(monkeypatch, target_model, words, tmp_path)
+    with serving(target_model, words) as (url, _):
+        base = url.removesuffix("/v1")
+        code, _, err = run_cli(capsys, *argv, "--data", str(tmp_path / "data"), "--answers-from", base)
+    assert_clean_error(code, err, f"{base}/models answered HTTP 404", "ending in /v1")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--answers-concurrency", "4"], "--answers-concurrency set how --answers-from fetches answers"),
+    (["--no-answers-check"], "--no-answers-check set how --answers-from fetches answers"),
+    (["--answers-from", "http://127.0.0.1:1/v1", "--answer-quantize", "int4"], "give one of the two"),
+])
+def test_cli_refuses_answer_options_that_do_not_go_together(extra, message, target_model, words, tmp_path,
+                                                            monkeypatch, capsys):
+    code, _, err = run_cli(capsys, *cli_argv(monkeypatch, target_model, words, tmp_path), *extra)
+    assert_clean_error(code, err, message)
+
+
+def test_cli_refuses_a_url_without_a_scheme(target_model, words, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(capsys, *cli_argv(monkeypatch, target_model, words, tmp_path),
+                           "--answers-from", "localhost:8000/v1")
+    assert code == 2 and "'localhost:8000/v1' is not an http:// or https:// URL" in err
