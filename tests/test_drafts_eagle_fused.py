@@ -157,7 +157,7 @@ def test_cli_fuse_layers_checks(target_model, tmp_path, monkeypatch, capsys):
 
     argv = train_cli_argv(monkeypatch, target_model, tmp_path, "head")
     assert cli.main(argv + ["--head", "medusa", "--fuse-layers", "1"]) == 2
-    assert "--fuse-layers is for --head eagle drafts" in capsys.readouterr().err
+    assert "--fuse-layers is for --head eagle or --head eagle3 drafts" in capsys.readouterr().err
     assert cli.main(argv + ["--fuse-layers", "5"]) == 2
     assert "fuse layers [5] are out of range: the target has 2 decoder layers" in capsys.readouterr().err
     assert cli.main(argv + ["--fuse-layers", "1", "--epochs", "1"]) == 0

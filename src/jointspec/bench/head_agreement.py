@@ -123,7 +123,10 @@ def score_head(head, trainer, target_lm_weight: torch.Tensor, answers: list[Targ
 def score_trained(draft, trainer, target_lm_weight: torch.Tensor, answers: list[TargetAnswer]) -> dict:
     """Agreement per depth of Medusa or Hydra heads or a distilled draft on ``answers`` (answer positions only), by
     ``trainer``'s own held-out evaluation (the trainer of the draft's kind, built for the target)."""
-    sequences = [(torch.tensor(item.sequence), item.hidden_states[-1], item.prompt_length) for item in answers]
+    # The last feature, then the target layers the draft reads (EAGLE-3's; none for the others), as in a data folder.
+    layers = (-1, *getattr(trainer, "fuse_layers", ()))
+    sequences = [(torch.tensor(item.sequence), _features(item.hidden_states, layers), item.prompt_length)
+                 for item in answers]
     labels_of = [(item.hidden_states[-1] @ target_lm_weight.T).argmax(-1) for item in answers]
     vocab = draft.draft_vocab
     draft_index = torch.full((target_lm_weight.shape[0],), -1, dtype=torch.long)

@@ -20,7 +20,7 @@ from jointspec.backends.loading import load_model
 load_target = load_model
 
 # Kinds scored by their trainer's own evaluation (one top-1 agreement per depth, no top-w shares to record).
-TRAINED_KINDS = ("medusa", "hydra", "distill")
+TRAINED_KINDS = ("eagle3", "medusa", "hydra", "distill")
 
 
 def add_parser(subparsers) -> None:
@@ -72,8 +72,8 @@ def _draft_kinds(folders: list[str], record: bool) -> dict[str, str]:
             raise ModelLoadError(f"'{folder}' holds no readable draft.json; pass folders written by "
                                  "`jointspec train-draft`")
         if record and kind in TRAINED_KINDS:
-            raise UnsupportedOptionError(f"--record writes top-w hit rates, which head-agreement measures for EAGLE "
-                                         f"heads only; '{folder}' holds a '{kind}' draft")
+            raise UnsupportedOptionError(f"--record writes top-w hit rates, which head-agreement measures for "
+                                         f"EAGLE-style heads only; '{folder}' holds a '{kind}' draft")
         kinds[folder] = kind
     return kinds
 
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     for folder, (kind, draft) in drafts.items():
         if kind in TRAINED_KINDS:
             config_class, trainer_class, _ = trainer_for_kind(kind)
-            trainer = trainer_class(target, config_class(batch_tokens=1 << 20))
+            layers = {"fuse_layers": draft.config.aux_layers} if kind == "eagle3" else {}
+            trainer = trainer_class(target, config_class(batch_tokens=1 << 20, **layers))
             results[folder] = {name: score_trained(draft, trainer, target_lm_weight, items)
                                for name, items in answers.items()}
             for name, row in results[folder].items():

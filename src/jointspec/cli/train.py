@@ -27,6 +27,7 @@ from jointspec.cli.options import positive_int
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.artifact import artifact_kind, check_head_target, target_fingerprint
 from jointspec.train.data import build_data, read_spec
+from jointspec.train.eagle3 import default_aux_layers
 from jointspec.train.heads import check_data_folders
 from jointspec.train.kinds import KIND_OPTIONS, TrainKind, kind_named, kinds_taking
 from jointspec.train.server_answers import AnswerServer, AnswerServerError
@@ -45,11 +46,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kind", default="heads", choices=["heads", "distill"],
                         help="heads: feature-level head on the target's hidden states; distill: a small causal draft "
                              "(the target's first --layers layers, distilled; its embedding and LM head shared)")
-    parser.add_argument("--head", default=None, choices=["eagle", "medusa", "hydra"],
+    parser.add_argument("--head", default=None, choices=["eagle", "eagle3", "medusa", "hydra"],
                         help="head type for --kind heads: eagle (default; one decoder layer reading the feature and "
-                             "the drafted token), medusa (--num-heads independent heads on the last feature), hydra "
-                             "(--num-heads heads on the last feature that also read the tokens drafted before "
-                             "them)")
+                             "the drafted token), eagle3 (EAGLE-3: three target layers, its own LM head, trained "
+                             "with training-time test; export-draft writes it for vLLM and SGLang), medusa "
+                             "(--num-heads independent heads on the last feature), hydra (--num-heads heads on the "
+                             "last feature that also read the tokens drafted before them)")
     parser.add_argument("--num-heads", type=positive_int, default=None,
                         help="Medusa or Hydra heads, one per drafted token (--head medusa|hydra only, default 4)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
@@ -114,7 +116,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--fuse-layers", type=_layer_list, default=None, metavar="I,J",
                         help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
                              "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
-                             "3,15 for a 30-layer target; the data folder must be built with (at least) these layers")
+                             "3,15 for a 30-layer target; --head eagle3: the three layers fc reads (default: "
+                             "2, L/2, L-3 as vLLM's). The data folder must be built with (at least) these layers")
     parser.add_argument("--eval-every", type=positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -189,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         raise UnsupportedOptionError(f"--init '{args.init}' is not a draft folder (no draft.json); give a folder "
                                      "written by train-draft")
     target, tokenizer = load_target(args.target, device=args.device)
+    if kind.name == "eagle3" and not args.fuse_layers:  # its target layers, in the data and in the recorded command
+        args.fuse_layers = default_aux_layers(target.config.num_hidden_layers)
     init, init_training = _load_init(args, kind, target)
     data = args.data or args.out / "data"
     _check_extra_data(args, data, target)

@@ -197,7 +197,21 @@ def measured_top_w_hit_rate(folder: str | Path) -> dict[int, float] | None:
 
 
 def is_head_artifact(path: str | Path) -> bool:
-    return (Path(path).expanduser() / CONFIG_FILE).is_file()
+    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or a speculators EAGLE-3 checkpoint."""
+    return (Path(path).expanduser() / CONFIG_FILE).is_file() or is_speculators_eagle3(path)
+
+
+# The config file of the checkpoints vLLM's and SGLang's speculative decoding loads (the ``speculators`` format).
+SPECULATORS_CONFIG = "config.json"
+
+
+def is_speculators_eagle3(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a ``speculators`` EAGLE-3 checkpoint (its config.json says so)."""
+    try:
+        config = json.loads((Path(folder).expanduser() / SPECULATORS_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("speculators_model_type") == "eagle3"
 
 
 def artifact_kind(folder: str | Path) -> str | None:

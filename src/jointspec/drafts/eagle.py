@@ -197,9 +197,12 @@ class HeadDraftModel(FeatureDraft):
     def dtype(self) -> torch.dtype:
         return self.head.fc.weight.dtype
 
-    def reset(self) -> None:
+    def _new_cache(self) -> BufferedCache:
         # Written in place, not concatenated: a draft call then copies nothing of the context (backends/kvcache.py).
-        self.cache = BufferedCache(self.head.body.config)
+        return BufferedCache(self.head.body.config)
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
         self.num_cached = 0
         self.num_exact = 0  # leading cache entries fed with true target features
         self.predicted = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)

@@ -1,0 +1,258 @@
+"""EAGLE-3 heads (drafts/eagle3.py): the speculators format written and read back, the adapter's chains and trees,
+every head method greedy-exact with one, and the checkpoints it refuses. The comparison with speculators' own model
+class is in test_interop_speculators.py. Deterministic (greedy, fp32): no false-failure odds beyond an exact argmax tie,
+which the tiny models' sharpened heads make negligible."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import ModelLoadError
+from jointspec.drafts.artifact import target_fingerprint
+from jointspec.drafts.eagle3 import (
+    Eagle3Config,
+    Eagle3DraftModel,
+    Eagle3Head,
+    bind_eagle3,
+    load_eagle3_artifact,
+    save_speculators,
+)
+from jointspec.drafts.registry import bind_trained_draft
+from jointspec.train.data import build_data
+from jointspec.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
+
+from helpers import (
+    assert_greedy_equivalent,
+    decoder_for,
+    greedy,
+    random_prompt,
+    run_cli,
+    tiny_llama,
+    tiny_tokenizer,
+    train_cli_argv,
+)
+
+AUX = (0, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def target4():
+    """conftest's tiny Llama with 4 decoder layers, so that three distinct target layers can be read."""
+    return tiny_llama(0, layers=4)
+
+
+def random_head(target_model, seed: int = 0, draft_vocab_size: int | None = 50, **config) -> Eagle3Head:
+    """An EAGLE-3 head for ``target_model`` with random weights large enough to move its drafts, drafting every
+    other target token (so some tokens are outside its vocabulary)."""
+    target = CausalLM(target_model)
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(target, target_fingerprint(target), draft_vocab_size=draft_vocab_size,
+                                              aux_layers=AUX, **config))
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+        if draft_vocab_size:
+            head.draft_vocab.copy_(torch.arange(0, 2 * draft_vocab_size, 2))
+        # Start from the target's own LM head rows, as training does: the head then drafts what the target says
+        # often enough for every method to accept some drafts and reject others.
+        head.lm_head.weight.copy_(target_model.lm_head.weight[head.draft_vocab.to(target_model.device)])
+    return head.to(target_model.device)
+
+
+def exported(target_model, head: Eagle3Head, folder) -> str:
+    return str(save_speculators(head, folder, "tiny-target", target_model.get_input_embeddings().weight))
+
+
+def primed(target_model, draft_of, context: list[int]):
+    """A draft bound to a target whose cache (and feature mirror) holds ``context`` but its last token."""
+    target = CausalLM(target_model, name="tiny-target")
+    draft = draft_of(target)
+    target.forward(context[:-1], num_logits=0)
+    return draft
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_export_then_import_drafts_the_same_chains_and_trees(target4, tmp_path, norm_before_residual):
+    head = random_head(target4, norm_before_residual=norm_before_residual)
+    folder = exported(target4, head, tmp_path / "e3")
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert config["norm_before_residual"] == norm_before_residual
+    context = random_prompt(3)
+    tokens, parents = [7, 8, 9, 10, 11], [-1, -1, 0, 0, 1]
+    outputs = []
+    for draft_of in (lambda target: Eagle3DraftModel(head, target), lambda target: bind_eagle3(folder, target)):
+        draft = primed(target4, draft_of, context)
+        chain = draft.forward(context + [5, 6]).logits  # the last two entries read the head's own outputs
+        tree = draft.forward(tokens, parents=parents).logits
+        outputs.append((chain, tree))
+    # float32 weights written and read back: the very same numbers.
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    # Tokens outside the draft vocabulary are never drafted.
+    outside = torch.ones(outputs[0][0].shape[-1], dtype=torch.bool)
+    outside[torch.arange(0, 100, 2)[:50]] = False
+    assert torch.isneginf(outputs[0][0][:, outside.to(outputs[0][0].device)]).all()
+
+
+def test_tree_rows_equal_each_branch_fed_alone(target4):
+    head = random_head(target4, seed=1)
+    context = random_prompt(5)
+    tokens, parents = [7, 8, 9, 10, 11], [-1, -1, 0, 0, 1]
+    draft = primed(target4, lambda target: Eagle3DraftModel(head, target), context)
+    draft.forward(context)
+    tree = draft.forward(tokens, parents=parents).logits
+    for path in ([0, 2], [0, 3], [1, 4]):
+        branch = primed(target4, lambda target: Eagle3DraftModel(head, target), context)
+        branch.forward(context)
+        rows = branch.forward([tokens[i] for i in path]).logits
+        torch.testing.assert_close(tree[path], rows, rtol=1e-4, atol=1e-4)
+
+
+def test_the_first_entry_is_seen_by_no_later_entry(target4):
+    # vLLM's EAGLE-3 draft has no entry for the first token (it has no feature before it): jointspec keeps one, which
+    # must not change what later entries compute, whatever its token.
+    head = random_head(target4, seed=2)
+    context = random_prompt(6)
+    rows = []
+    for first in (context[0], (context[0] + 1) % 99):
+        draft = primed(target4, lambda target: Eagle3DraftModel(head, target), context)
+        rows.append(draft.forward([first] + context[1:]).logits[1:])
+    assert torch.equal(rows[0], rows[1])
+
+
+@pytest.fixture(scope="module")
+def trained_eagle3(tmp_path_factory, target4):
+    """An EAGLE-3 head trained (a few seconds) on target4's own greedy answers to 48 random prompts."""
+    target = CausalLM(target4, name="tiny-target")
+    folder = tmp_path_factory.mktemp("eagle3")
+    build_data(target, None, [random_prompt(100 + i) for i in range(48)], folder / "data", max_new_tokens=24,
+               batch_size=16, fuse_layers=AUX, progress=False)
+    config = Eagle3TrainConfig(draft_vocab_size=None, epochs=40, batch_tokens=512, learning_rate=3e-3,
+                               warmup_steps=10, eval_every=40, patience=100, eval_fraction=0.1, fuse_layers=AUX)
+    _, result = Eagle3Trainer(target, config).train(folder / "data", folder / "head", progress=False)
+    return folder / "head", result
+
+
+def test_training_time_test_raises_agreement_at_every_depth(trained_eagle3):
+    _, result = trained_eagle3
+    first, best = result.history[0].agreement, result.best.agreement
+    assert len(best) == 3  # three training-time-test passes: depths 1 to 3
+    # When written: 0.19 / 0.14 / 0.11 after the first 40 steps, 0.38 / 0.32 / 0.23 at the best evaluation.
+    assert all(b >= f + 0.05 for b, f in zip(best, first)) and best[0] >= 0.3
+
+
+@pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 4}), ("specinfer", {"tree": (2, 2)}),
+                                           ("mtad", {"num_draft_tokens": 3, "beam_width": 2}),
+                                           ("hybrid-tree", {})])
+def test_methods_with_an_eagle3_draft_are_greedy_exact(target4, trained_eagle3, tmp_path, method, config):
+    target = CausalLM(target4)
+    folder = exported(target4, bind_eagle3(trained_eagle3[0], target).head, tmp_path / "e3")
+    decoder = decoder_for(target4, method, folder, **config)
+    accepted = drafted = 0
+    for prompt_seed in (0, 3):
+        decoder.generate(random_prompt(prompt_seed), greedy(40))
+        accepted, drafted = accepted + decoder.stats.num_accepted_tokens, drafted + decoder.stats.num_draft_tokens
+        assert_greedy_equivalent(target4, decoder, random_prompt(prompt_seed))
+    assert 0 < accepted < drafted  # the head drafted, was sometimes right and sometimes wrong
+
+
+def test_jointspec_saved_head_binds_by_fingerprint(target4, tmp_path):
+    head = random_head(target4, seed=4)
+    head.save(tmp_path / "own")
+    loaded, _ = load_eagle3_artifact(tmp_path / "own")
+    assert loaded.config == head.config and loaded.config.kind == "eagle3"
+    draft = bind_trained_draft(tmp_path / "own", CausalLM(target4))
+    assert isinstance(draft, Eagle3DraftModel)
+    with pytest.raises(ModelLoadError, match="trained for target"):
+        bind_trained_draft(tmp_path / "own", CausalLM(tiny_llama(7, layers=4)))
+
+
+def rewrite_config(folder, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if key.startswith("layer_"):
+            config["transformer_layer_config"][key[len("layer_"):]] = value
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"norm_output": True}, "sets norm_output"),
+    ({"fc_norm": True}, "sets fc_norm"),
+    ({"layer_num_hidden_layers": 2}, "one-layer EAGLE-3 heads only"),
+    ({"layer_model_type": "qwen3"}, "Llama-style EAGLE-3 layers only"),
+    ({"target_hidden_size": 64}, "as wide as their target"),
+    ({"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}, r"reads target layers \[0, 2, 4\]; target .* has layers 0 to 3"),
+])
+def test_checkpoints_it_cannot_run_faithfully_are_refused(target4, tmp_path, changes, needle):
+    folder = tmp_path / "e3"
+    exported(target4, random_head(target4), folder)
+    rewrite_config(folder, **changes)
+    with pytest.raises(ModelLoadError, match=needle):
+        bind_eagle3(folder, CausalLM(target4))
+
+
+def test_a_checkpoint_for_another_shape_of_target_is_refused(target4, tmp_path):
+    folder = tmp_path / "e3"
+    exported(target4, random_head(target4), folder)
+    wider = CausalLM(tiny_llama(0, vocab=120, layers=4))
+    with pytest.raises(ModelLoadError, match="drafts for 99 tokens; target .* has 120"):
+        bind_eagle3(folder, wider)
+    with pytest.raises(FileExistsError, match="exists"):
+        exported(target4, random_head(target4), folder)  # never written over
+
+
+def test_train_draft_eagle3_then_export_draft_for_vllm(target4, tmp_path, monkeypatch, capsys):
+    from jointspec.cli import export as export_cli
+
+    argv = train_cli_argv(monkeypatch, target4, tmp_path, "head") + ["--head", "eagle3", "--fuse-layers", "0,2,3"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "head" / "draft.json").read_text())
+    assert saved["config"]["kind"] == "eagle3" and saved["config"]["aux_layers"] == [0, 2, 3]
+    assert "--head eagle3" in saved["training"]["command"] and "--unroll 3" in saved["training"]["command"]
+    monkeypatch.setattr(export_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target4, name="tiny-target"), tiny_tokenizer()))
+    code, out, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "speculators", "--out",
+                             str(tmp_path / "vllm"), "--verifier", "org/tiny-target")
+    assert code == 0, err
+    exported_config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert exported_config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    context = random_prompt(4)
+    rows = []
+    for folder in (tmp_path / "head", tmp_path / "vllm"):  # fp16 weights, written as float32: the same numbers
+        draft = primed(target4, lambda target, folder=folder: bind_trained_draft(folder, target), context)
+        rows.append(draft.forward(context + [5]).logits)
+    assert torch.equal(rows[0], rows[1])
+    # What a format cannot hold is refused by name, and nothing is written over.
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "vllm-eagle", "--out",
+                           str(tmp_path / "other"))
+    assert code == 2 and "vLLM loads EAGLE-3 heads in the speculators format" in err
+    assert not (tmp_path / "other").exists()
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "speculators", "--out",
+                           str(tmp_path / "vllm"))
+    assert code == 2 and "exists" in err
+
+
+def test_head_agreement_scores_an_eagle3_head_at_each_depth(target4, trained_eagle3, tmp_path, monkeypatch, capsys):
+    from jointspec.cli import head_agreement as head_agreement_cli
+
+    monkeypatch.setattr(head_agreement_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target4, name="tiny-target"), tiny_tokenizer()))
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": str(i), "category": "c", "turns": [text]}) + "\n"
+                               for i, text in enumerate(["please answer question one", "short python value",
+                                                         "two more sentences please", "return the value"])))
+    folder = str(trained_eagle3[0])
+    code, out, err = run_cli(capsys, "head-agreement", "--sets", str(prompts), "--num-prompts", "4",
+                             "--max-new-tokens", "24", folder)
+    assert code == 0, err
+    row = json.loads(out.splitlines()[-1])[folder][str(prompts)]
+    assert len(row["per_depth"]) == 3 and row["tokens"] > 50
+    assert 0.0 < row["per_depth"][0] <= 1.0
