@@ -18,6 +18,8 @@ import socket
 
 import pytest
 import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -34,6 +36,8 @@ from jointspec.train.server_answers import (
     AnswerServerError,
     ServerAnswer,
     answer_token_ids,
+    complete,
+    served_model,
 )
 
 from helpers import assert_clean_error, live_server, random_prompt, run_cli, train_cli_argv
@@ -189,6 +193,61 @@ def test_the_answers_file_drops_a_line_cut_off_mid_write(tmp_path):
     assert cache.answers == {"a": ServerAnswer("w5", "stop")}
     cache.add("b", ServerAnswer("w6 w7", "length"), "m")
     assert AnswerCache(path).answers == {"a": ServerAnswer("w5", "stop"), "b": ServerAnswer("w6 w7", "length")}
+
+
+# -- other servers' replies, from a scripted stand-in ----------------------------------------------------------
+
+@contextlib.contextmanager
+def scripted_server(*replies: tuple[int, dict]):
+    """An app on a free local port that lists one model, "fake", and answers its completions requests with
+    ``replies`` (status, JSON body) in turn; yields (API base URL, the request bodies it received)."""
+    app, bodies, queue = FastAPI(), [], list(replies)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        bodies.append(await request.json())
+        status, body = queue.pop(0)
+        return JSONResponse(body, status_code=status, headers={"Retry-After": "0"} if status == 429 else None)
+
+    with live_server(app) as (url, _):
+        yield f"{url}/v1", bodies
+
+
+def completion(text: str, finish: str = "stop", **extra) -> tuple[int, dict]:
+    return 200, {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                                           **extra}]}
+
+
+def test_ids_the_server_returns_are_used_and_a_busy_server_is_retried(words, eos):
+    """vLLM's reply shape (return_token_ids): its ids win over a tokenisation of its text; a 429 is retried after
+    its Retry-After. The request carries the prompt as token ids, greedy, with the budget and the listed model."""
+    busy = 429, {"error": {"message": "queue full", "type": "server_overloaded"}}
+    with scripted_server(busy, completion("w5 w7", token_ids=[5, 9, 16])) as (url, bodies):
+        server = AnswerServer(url)
+        answer = complete(server, served_model(server), [4, 8, 15], 12)
+    assert answer == ServerAnswer("w5 w7", "stop", (5, 9, 16))
+    assert answer_token_ids(words, answer, eos, EOS_WORD_ID) == [5, 9, 16]
+    assert len(bodies) == 2 and bodies[1] == bodies[0]
+    assert {key: bodies[0][key] for key in ("model", "prompt", "max_tokens", "temperature")} == {
+        "model": "fake", "prompt": [4, 8, 15], "max_tokens": 12, "temperature": 0.0}
+
+
+@pytest.mark.parametrize("reply, message", [
+    ((400, {"error": {"message": "prompt is too long", "type": "invalid_request_error"}}),
+     "answered HTTP 400 (prompt is too long); the server refused the request: it must take token ids"),
+    ((500, {"detail": "boom"}), "answered HTTP 500 (Internal Server Error); see the server's log"),
+    ((200, {"result": "w5"}), "not an OpenAI completion (choices[0].text)"),
+    (completion("w5", finish="content_filter"), "finish_reason 'content_filter'"),
+])
+def test_replies_that_are_not_an_answer_are_named(reply, message):
+    with scripted_server(reply) as (url, _):
+        with pytest.raises(AnswerServerError) as refused:
+            complete(AnswerServer(url), "fake", [4, 8], 4)
+    assert f"{url}/completions" in str(refused.value) and message in str(refused.value)
 
 
 # -- the command line ---------------------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ another machine. Only the answers come from it: the features and the labels stil
 - **Faithful prompts.** Each request is a ``POST URL/completions`` whose ``prompt`` is the prompt's token ids (chat
   template already applied), so the server reads exactly what the local target would read; no chat endpoint
   re-renders it. Greedy (``temperature`` 0), ``max_tokens`` the answer's budget, one choice.
-- **Answer ids.** The server answers text; the ids are the tokenizer's tokenisation of that text, cut after the first
-  end-of-sequence token it holds. A server leaves the end token out of its text (it is a special token), so an answer
-  that ended with ``finish_reason`` "stop" gets the template's end-of-turn token back, as local generation keeps it.
-  Where the model generated the canonical tokenisation of its text (nearly always), these are its own ids.
+- **Answer ids.** Where the server returns the generated ids (vLLM does, asked with ``return_token_ids``, which other
+  servers ignore), they are used. Otherwise the server's text is tokenised again: that gives the model's own ids
+  where it generated the canonical tokenisation of its text, which it nearly always does (docs/training.md has the
+  share measured through ``jointspec serve``). Either way the ids are cut after their first end-of-sequence token, and
+  an answer that ended with ``finish_reason`` "stop" without one (servers leave the special end token out of the
+  text) gets the template's end-of-turn token back, as local generation keeps it.
 - **Resumable.** Each answer is appended to ``server-answers.jsonl`` in the data folder as it arrives (one line,
   flushed and synced), keyed by a hash of the prompt ids and the budget; a rerun requests only what is missing. A
   line cut off by an interruption is dropped when the file is next opened.
@@ -83,6 +85,7 @@ class ServerAnswer:
 
     text: str
     finish_reason: str  # "stop" (an end token) or "length" (the budget)
+    token_ids: tuple[int, ...] | None = None  # the generated ids, where the server returns them (vLLM)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------------------
@@ -164,8 +167,9 @@ def served_model(server: AnswerServer) -> str:
 
 def complete(server: AnswerServer, model: str, prompt_ids: list[int], max_tokens: int) -> ServerAnswer:
     """The server's greedy answer to ``prompt_ids`` (token ids, so the prompt is read exactly as given)."""
+    # return_token_ids: vLLM then adds the generated ids to the choice; servers without it ignore the field.
     body = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0, "n": 1,
-            "stream": False}
+            "stream": False, "return_token_ids": True}
     reply = _request(server, "/completions", body)
     try:
         choice = reply["choices"][0]
@@ -176,7 +180,9 @@ def complete(server: AnswerServer, model: str, prompt_ids: list[int], max_tokens
     if not isinstance(text, str) or finish not in ("stop", "length"):
         raise AnswerServerError(f"{server.url}/completions ended an answer with finish_reason {finish!r}; only "
                                 "'stop' and 'length' are complete answers (see the server's log)")
-    return ServerAnswer(text, finish)
+    ids = choice.get("token_ids")
+    ids = tuple(ids) if isinstance(ids, list) and all(type(t) is int for t in ids) else None
+    return ServerAnswer(text, finish, ids)
 
 
 # -- answer ids ---------------------------------------------------------------------------------------------------
@@ -195,9 +201,12 @@ def end_of_answer_id(tokenizer, eos: frozenset[int]) -> int | None:
 
 
 def answer_token_ids(tokenizer, answer: ServerAnswer, eos: frozenset[int], end_id: int | None) -> list[int]:
-    """The ids of ``answer``, ending as local generation ends: after its first EOS token, which a "stop" answer
-    gets back where the server's text left it out."""
-    ids = list(tokenizer(answer.text, add_special_tokens=False)["input_ids"])
+    """The ids of ``answer`` (the server's own, else its text's), ending as local generation ends: after their
+    first EOS token, which a "stop" answer gets back where the server left it out."""
+    if answer.token_ids is not None:
+        ids = list(answer.token_ids)
+    else:
+        ids = list(tokenizer(answer.text, add_special_tokens=False)["input_ids"])
     ends = [i for i, token in enumerate(ids) if token in eos]
     if ends:
         return ids[:ends[0] + 1]
@@ -223,7 +232,9 @@ class AnswerCache:
         for number, line in enumerate(complete_lines.decode().splitlines(), start=1):
             try:
                 record = json.loads(line)
-                self.answers[record["key"]] = ServerAnswer(record["text"], record["finish_reason"])
+                ids = record.get("token_ids")
+                self.answers[record["key"]] = ServerAnswer(record["text"], record["finish_reason"],
+                                                           None if ids is None else tuple(ids))
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise AnswerServerError(f"{path}:{number} is not an answer line; delete the file to fetch every "
                                         "answer again") from None
@@ -233,7 +244,8 @@ class AnswerCache:
                 sink.truncate(len(complete_lines))
 
     def add(self, key: str, answer: ServerAnswer, model: str) -> None:
-        line = json.dumps({"key": key, "text": answer.text, "finish_reason": answer.finish_reason, "model": model})
+        line = json.dumps({"key": key, "text": answer.text, "finish_reason": answer.finish_reason, "model": model,
+                           "token_ids": None if answer.token_ids is None else list(answer.token_ids)})
         with self.path.open("a", encoding="utf-8") as sink:
             sink.write(line + "\n")
             sink.flush()
