@@ -76,6 +76,21 @@ def test_health_models_and_metrics(client):
     assert '_bucket{le="+Inf"}' in text
 
 
+def test_completion_returns_its_token_ids_when_asked(client, engine, byte_model, tokenizer):
+    # vLLM's return_token_ids, which `train-draft --answers-from` reads: the ids the engine decoded, not the text's
+    # tokenisation again; never beside a text a stop string cut short.
+    prompt_ids = tokenizer("abcabcabc")["input_ids"]
+    body = {"prompt": prompt_ids, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    decoder = SpeculativeDecoder(CausalLM(byte_model), NoDrafter(), GreedyVerifier())
+    expected = decoder.generate(prompt_ids, DecodeConfig(12, eos_token_ids=engine.eos_token_ids))
+    assert choice["token_ids"] == expected and choice["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert "token_ids" not in client.post("/v1/completions", json={**body, "return_token_ids": False}).json()[
+        "choices"][0]
+    cut = client.post("/v1/completions", json={**body, "stop": [choice["text"][2:4]]}).json()["choices"][0]
+    assert len(cut["text"]) < len(choice["text"]) and "token_ids" not in cut
+
+
 @pytest.mark.parametrize("options", [None, {"method": "pld", "num_draft_tokens": 3},
                                      {"method": "sps", "draft": "self", "num_draft_tokens": 4}])
 def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, engine, byte_model, tokenizer):

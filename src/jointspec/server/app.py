@@ -101,6 +101,9 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     jointspec: JointspecOptions | None = None
+    # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
+    # (non-streamed) reply, and not after a stop string cut the text short.
+    return_token_ids: bool = False
 
 
 class CompletionBody(_Sampling):
@@ -313,7 +316,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens)
             chunks = _timed(generation, arrived, deadline)
             if not body.stream:
-                return await _whole(request, endpoint, reply, chunks, generation)
+                return await _whole(request, endpoint, reply, chunks, generation, body.return_token_ids)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _sse(endpoint, reply, chunks, generation, include_usage, ticket)
             # Start the generator here: a body that never starts never runs its finally (which frees the row and
@@ -362,7 +365,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             yield chunk
 
     async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk],
-                     generation: Generation) -> JSONResponse:
+                     generation: Generation, return_token_ids: bool) -> JSONResponse:
         async def collect() -> list[Chunk]:
             return [chunk async for chunk in chunks]
 
@@ -387,7 +390,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             metrics.count_request(endpoint, "error")
             return error_response(_from_failure(collected[-1].failure, settings.retry_after))
         metrics.count_request(endpoint, "completed")
-        return JSONResponse(reply.whole(collected))
+        return JSONResponse(reply.whole(collected, return_token_ids=return_token_ids))
 
     async def _sse(endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation,
                    include_usage: bool, ticket: _Ticket) -> AsyncIterator[str]:
@@ -541,7 +544,7 @@ class _Reply:
         payload["usage"] = self.usage()
         return payload
 
-    def whole(self, chunks: list[Chunk]) -> dict:
+    def whole(self, chunks: list[Chunk], return_token_ids: bool = False) -> dict:
         for chunk in chunks:
             self.add(chunk)
         text = "".join(c.text for c in chunks)
@@ -551,6 +554,8 @@ class _Reply:
                       "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if return_token_ids and not any(c.text_cut for c in chunks):
+            choice["token_ids"] = [token for c in chunks for token in c.token_ids]
         payload = self._envelope("chat.completion" if self.chat else "text_completion", choice)
         payload["usage"] = self.usage()
         stats = chunks[-1].stats if chunks else None

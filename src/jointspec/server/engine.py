@@ -88,6 +88,8 @@ class Chunk:
     num_drafted: int = 0
     num_accepted: int = 0
     failure: Failure | None = None  # set when finish_reason is "error"
+    token_ids: tuple[int, ...] = ()  # the round's generated ids
+    text_cut: bool = False  # a stop string ended the text inside the ids: they say more than the text
 
 
 class Generation(Protocol):
@@ -196,7 +198,8 @@ class _Stream:
                     delta += self.text.finish()
                     self.done = True
                 yield Chunk(delta, len(event.token_ids), finish, event.stats, num_rounds=int(bool(event.token_ids)),
-                            num_drafted=event.num_drafted, num_accepted=event.num_accepted)
+                            num_drafted=event.num_drafted, num_accepted=event.num_accepted,
+                            token_ids=tuple(event.token_ids), text_cut=self.text.stopped)
         finally:
             # A consumer that leaves early, or a stop string the text hit before the engine's own end: free the row
             # now rather than decode to max_tokens for nobody.
