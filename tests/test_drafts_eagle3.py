@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jointspec.backends.hf import CausalLM
-from jointspec.core.errors import ModelLoadError
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import target_fingerprint
 from jointspec.drafts.eagle3 import (
     Eagle3Config,
@@ -19,6 +19,7 @@ from jointspec.drafts.eagle3 import (
     Eagle3Head,
     bind_eagle3,
     load_eagle3_artifact,
+    save_eagle3_layout,
     save_speculators,
 )
 from jointspec.drafts.registry import bind_trained_draft
@@ -233,7 +234,7 @@ def test_train_draft_eagle3_then_export_draft_for_vllm(target4, tmp_path, monkey
     # What a format cannot hold is refused by name, and nothing is written over.
     code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "vllm-eagle", "--out",
                            str(tmp_path / "other"))
-    assert code == 2 and "vLLM loads EAGLE-3 heads in the speculators format" in err
+    assert code == 2 and "that is the EAGLE-1 layout; an EAGLE-3 head goes as --format speculators" in err
     assert not (tmp_path / "other").exists()
     code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "speculators", "--out",
                            str(tmp_path / "vllm"))
@@ -256,3 +257,41 @@ def test_head_agreement_scores_an_eagle3_head_at_each_depth(target4, trained_eag
     row = json.loads(out.splitlines()[-1])[folder][str(prompts)]
     assert len(row["per_depth"]) == 3 and row["tokens"] > 50
     assert 0.0 < row["per_depth"][0] <= 1.0
+
+
+# What SGLang's LlamaForCausalLMEagle3.load_weights reads (python/sglang/srt/models/llama_eagle3.py, docs/interop.md):
+# the layer as midlayer.*, q/k/v and gate/up stacked by name, d2t as the draft-to-target offsets, t2d skipped.
+SGLANG_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+                "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+                *(f"midlayer.self_attn.{name}_proj.weight" for name in "qkvo"),
+                *(f"midlayer.mlp.{name}_proj.weight" for name in ("gate", "up", "down"))}
+
+
+def test_the_original_eagle3_layout_for_sglang_round_trips(target4, trained_eagle3, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    from jointspec.cli import export as export_cli
+
+    monkeypatch.setattr(export_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target4, name="tiny-target"), tiny_tokenizer()))
+    code, _, err = run_cli(capsys, "export-draft", str(trained_eagle3[0]), "--format", "eagle3", "--out",
+                           str(tmp_path / "sglang"))
+    assert code == 0, err
+    config = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert config["draft_vocab_size"] == config["vocab_size"] == 99  # trained on the full vocabulary
+    state = load_file(str(tmp_path / "sglang" / "model.safetensors"))
+    assert set(state) == SGLANG_NAMES
+    context = random_prompt(4)
+    rows = [primed(target4, lambda target, folder=folder: bind_trained_draft(folder, target), context)
+            .forward(context + [5]).logits for folder in (trained_eagle3[0], tmp_path / "sglang")]
+    assert torch.equal(rows[0], rows[1])
+    # A checkpoint of this layout that does not name its layers reads EAGLE-3's default for the target (2, L/2, L-3).
+    del config["eagle_config"]
+    (tmp_path / "sglang" / "config.json").write_text(json.dumps(config))
+    assert bind_eagle3(tmp_path / "sglang", CausalLM(target4)).head.config.aux_layers == (2, 2, 1)
+    # SGLang's layer takes its residual before hidden_norm: a head that does not is refused, not written.
+    with pytest.raises(UnsupportedOptionError, match="norm_before_residual"):
+        save_eagle3_layout(random_head(target4, norm_before_residual=True), tmp_path / "nbr")
+    assert not (tmp_path / "nbr").exists()

@@ -4,11 +4,13 @@
         --verifier HuggingFaceTB/SmolLM2-135M-Instruct
 
 Only formats that hold a kind of draft *faithfully* are written, so that the exported checkpoint drafts what the
-draft drafts here (docs/interop.md):
+draft drafts here (docs/interop.md). Both take EAGLE-3 heads (``train-draft --head eagle3``, or a checkpoint read
+back); the target is loaded to check that the head belongs to it:
 
-- ``speculators`` (what vLLM's and SGLang's EAGLE-3 load): EAGLE-3 heads (``train-draft --head eagle3``, or a
-  speculators checkpoint read back). The target is loaded to check that the head was trained for it and to write its
-  input embedding into the checkpoint, as speculators' own checkpoints carry it.
+- ``speculators``: what the speculators package and vLLM's EAGLE-3 load, with the target's input embedding written
+  in, as speculators' own checkpoints carry it;
+- ``eagle3``: EAGLE-3's original layout (``midlayer.*``, a Llama config naming ``LlamaForCausalLMEagle3``), what
+  SGLang's EAGLE-3 loads (vLLM's too).
 
 Refused, with the reason: jointspec's EAGLE-style head (``--head eagle``) in vLLM's or SGLang's EAGLE-1 layout (their
 layer has no input norm and no final norm; ours has both), and Medusa, Hydra and distilled drafts (not written yet).
@@ -24,7 +26,7 @@ from pathlib import Path
 from jointspec.backends.loading import load_model as load_target
 from jointspec.core.errors import UnsupportedOptionError
 
-FORMATS = ("speculators", "vllm-eagle", "sglang-eagle", "medusa")
+FORMATS = ("speculators", "eagle3", "vllm-eagle", "sglang-eagle", "medusa")
 
 # Why a kind cannot go into a format (kind, format) -> reason; "*" stands for every format.
 REFUSALS = {
@@ -33,19 +35,22 @@ REFUSALS = {
     ("eagle", "sglang-eagle"): "vLLM's and SGLang's EAGLE-1 layer has no input norm and no final norm, jointspec's "
                                "EAGLE-style head has both: the checkpoint would draft differently",
     ("eagle", "speculators"): "the speculators format holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
+    ("eagle", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
     ("medusa", "*"): "exporting Medusa heads is not built yet",
     ("hydra", "*"): "no engine loads Hydra heads",
     ("distill", "*"): "a distilled draft is a small model of its own: vLLM and SGLang load it from a model folder, "
                       "which export-draft does not write yet",
-    ("eagle3", "vllm-eagle"): "vLLM loads EAGLE-3 heads in the speculators format: use --format speculators",
-    ("eagle3", "sglang-eagle"): "SGLang loads EAGLE-3 heads in the speculators format: use --format speculators",
+    ("eagle3", "vllm-eagle"): "that is the EAGLE-1 layout; an EAGLE-3 head goes as --format speculators (vLLM) or "
+                              "--format eagle3 (SGLang)",
+    ("eagle3", "sglang-eagle"): "that is the EAGLE-1 layout; an EAGLE-3 head goes as --format eagle3 (SGLang) or "
+                                "--format speculators (vLLM)",
     ("eagle3", "medusa"): "an EAGLE-3 head is not a Medusa head",
 }
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "export-draft", help="write a trained draft in the format vLLM and SGLang load (speculators EAGLE-3)",
+        "export-draft", help="write a trained EAGLE-3 head in the formats vLLM and SGLang load",
         description=__doc__.splitlines()[0])
     parser.add_argument("draft", type=Path, help="the draft's folder (from train-draft, or a speculators checkpoint)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the format to write")
@@ -53,16 +58,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", default="default",
                         help="the target the draft belongs to: 'default', a folder, a .gguf or a hub id")
     parser.add_argument("--verifier", default=None,
-                        help="the target's name as the serving engine finds it (a hub id or a path; default: "
-                             "--target's own path or id)")
+                        help="--format speculators: the target's name as the serving engine finds it (a hub id or a "
+                             "path; default: --target's own path or id)")
     parser.set_defaults(run=run)
 
 
 def _kind(folder: Path) -> str:
     from jointspec.core.errors import ModelLoadError
-    from jointspec.drafts.artifact import artifact_kind, is_speculators_eagle3
+    from jointspec.drafts.artifact import artifact_kind, is_eagle3_checkpoint
 
-    if is_speculators_eagle3(folder):
+    if is_eagle3_checkpoint(folder):
         return "eagle3"
     kind = artifact_kind(folder)
     if kind is None:
@@ -72,7 +77,7 @@ def _kind(folder: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jointspec.drafts.eagle3 import bind_eagle3, save_speculators
+    from jointspec.drafts.eagle3 import bind_eagle3, save_eagle3_layout, save_speculators
 
     kind = _kind(args.draft)
     reason = REFUSALS.get((kind, args.format)) or REFUSALS.get((kind, "*"))
@@ -83,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
     target, _ = load_target(args.target)
     draft = bind_eagle3(args.draft, target)  # refuses a head trained for another target
     verifier = args.verifier or str(getattr(target.model.config, "_name_or_path", "") or args.target)
-    save_speculators(draft.head, args.out, verifier, target.model.get_input_embeddings().weight)
+    if args.format == "speculators":
+        save_speculators(draft.head, args.out, verifier, target.model.get_input_embeddings().weight)
+    else:
+        save_eagle3_layout(draft.head, args.out)
     print(json.dumps({"out": str(args.out), "format": args.format, "kind": kind, "verifier": verifier,
                       "aux_layers": list(draft.head.config.aux_layers)}))
     return 0

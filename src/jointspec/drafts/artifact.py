@@ -197,21 +197,24 @@ def measured_top_w_hit_rate(folder: str | Path) -> dict[int, float] | None:
 
 
 def is_head_artifact(path: str | Path) -> bool:
-    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or a speculators EAGLE-3 checkpoint."""
-    return (Path(path).expanduser() / CONFIG_FILE).is_file() or is_speculators_eagle3(path)
+    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or an EAGLE-3 checkpoint."""
+    return (Path(path).expanduser() / CONFIG_FILE).is_file() or is_eagle3_checkpoint(path)
 
 
-# The config file of the checkpoints vLLM's and SGLang's speculative decoding loads (the ``speculators`` format).
+# The config file of EAGLE-3 checkpoints, in both layouts vLLM and SGLang load: the ``speculators`` format
+# (``speculators_model_type: "eagle3"``) and EAGLE-3's original one (a Llama config naming an EAGLE-3 architecture).
 SPECULATORS_CONFIG = "config.json"
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
-def is_speculators_eagle3(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a ``speculators`` EAGLE-3 checkpoint (its config.json says so)."""
+def is_eagle3_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an EAGLE-3 checkpoint in either layout (its config.json says so)."""
     try:
         config = json.loads((Path(folder).expanduser() / SPECULATORS_CONFIG).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("speculators_model_type") == "eagle3"
+    return isinstance(config, dict) and (config.get("speculators_model_type") == "eagle3" or any(
+        name in EAGLE3_ARCHITECTURES for name in config.get("architectures") or ()))
 
 
 def artifact_kind(folder: str | Path) -> str | None:

@@ -38,14 +38,15 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.kvcache import BufferedCache
-from jointspec.core.errors import ModelLoadError
+from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import (
+    EAGLE3_ARCHITECTURES,
     SPECULATORS_CONFIG,
     FeatureDraft,
     HeadConfig,
     check_head_target,
     full_vocab_logits,
-    is_speculators_eagle3,
+    is_eagle3_checkpoint,
     load_artifact,
     save_artifact,
 )
@@ -180,9 +181,12 @@ class Eagle3Head(nn.Module):
         return save_artifact(self, self.config, folder, training)
 
 
-def _speculators_config(raw: dict, folder: Path) -> Eagle3Config:
-    """Our config of the head a speculators ``config.json`` describes; refuses what this head does not implement."""
-    layer = raw.get("transformer_layer_config") or {}
+def _checkpoint_config(raw: dict, folder: Path, target_layers: int | None) -> Eagle3Config:
+    """Our config of the head a checkpoint's ``config.json`` describes, in either layout (:data:`EAGLE3_LAYOUTS`);
+    refuses what this head does not implement. ``target_layers``: the target's decoder layers, for a checkpoint of the
+    original layout that does not name the layers it reads (EAGLE-3's default then applies)."""
+    speculators = raw.get("speculators_model_type") == "eagle3"
+    layer = (raw.get("transformer_layer_config") or {}) if speculators else raw
     switched = [name for name in UNSUPPORTED_SWITCHES if raw.get(name) or layer.get(name)]
     if switched:
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' sets {', '.join(switched)}, which jointspec's EAGLE-3 "
@@ -197,7 +201,11 @@ def _speculators_config(raw: dict, folder: Path) -> Eagle3Config:
     if raw.get("target_hidden_size") not in (None, hidden):
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' reads a target {raw['target_hidden_size']} wide with a "
                              f"head {hidden} wide; jointspec reads heads as wide as their target")
-    if not raw.get("eagle_aux_hidden_state_layer_ids"):
+    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not aux and not speculators and target_layers is not None:
+        aux = (2, target_layers // 2, target_layers - 3)  # what vLLM and SGLang capture when the config is silent
+    if not aux:
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' does not name its target layers "
                              "(eagle_aux_hidden_state_layer_ids)")
     heads = int(layer["num_attention_heads"])
@@ -211,8 +219,7 @@ def _speculators_config(raw: dict, folder: Path) -> Eagle3Config:
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
         target_vocab_size=int(layer["vocab_size"]), target_fingerprint="", target_name=str(verifier),
-        draft_vocab_size=int(raw.get("draft_vocab_size") or layer["vocab_size"]),
-        aux_layers=tuple(raw["eagle_aux_hidden_state_layer_ids"]),
+        draft_vocab_size=int(raw.get("draft_vocab_size") or layer["vocab_size"]), aux_layers=tuple(aux),
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
         rope_parameters=dict(rope, rope_theta=theta) if rope else None)
 
@@ -224,20 +231,21 @@ def _weight_names(head: Eagle3Head) -> dict[str, str]:
     return names
 
 
-def load_eagle3(folder: str | Path, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """Read a ``speculators`` EAGLE-3 folder (module docstring)."""
+def load_eagle3(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                target_layers: int | None = None) -> Eagle3Head:
+    """Read an EAGLE-3 checkpoint in either layout (:data:`EAGLE3_LAYOUTS`); ``target_layers`` as in
+    :func:`_checkpoint_config`."""
     from safetensors.torch import load_file
 
     folder = Path(folder).expanduser()
-    if not is_speculators_eagle3(folder):
-        raise ModelLoadError(f"'{folder}' holds no speculators EAGLE-3 checkpoint (config.json with "
-                             "speculators_model_type 'eagle3')")
+    if not is_eagle3_checkpoint(folder):
+        raise ModelLoadError(f"'{folder}' holds no EAGLE-3 checkpoint (a config.json with speculators_model_type "
+                             f"'eagle3', or architectures {list(EAGLE3_ARCHITECTURES)})")
     try:
-        config = _speculators_config(json.loads((folder / SPECULATORS_CONFIG).read_text()), folder)
+        config = _checkpoint_config(json.loads((folder / SPECULATORS_CONFIG).read_text()), folder, target_layers)
         state = load_file(str(folder / SPECULATORS_WEIGHTS))
     except (OSError, KeyError, TypeError, ValueError) as error:
-        raise ModelLoadError(f"'{folder}' is not a readable speculators EAGLE-3 checkpoint ({error})") from error
+        raise ModelLoadError(f"'{folder}' is not a readable EAGLE-3 checkpoint ({error})") from error
     state = {name.replace("midlayer.", "layers.0."): value for name, value in state.items()}
     head = Eagle3Head(config)
     names = _weight_names(head)
@@ -262,22 +270,10 @@ def save_speculators(head: Eagle3Head, folder: str | Path, verifier: str, embedd
     input ``embedding`` (as speculators' own checkpoints carry it: without it, speculators 0.9.0 filled the
     embedding from the verifier in some loads and left it random in others). ``verifier``: the target's name or path
     as vLLM and speculators will look it up."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
     folder = Path(folder).expanduser()
-    if folder.exists():
-        raise FileExistsError(f"'{folder}' exists; export-draft writes a new folder")
     config = head.config
-    layer = config.llama.to_dict()
-    for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "return_dict",
-                "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type",
-                "chunk_size_feed_forward"):
-        layer.pop(key, None)
     raw = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
-           "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+           "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(config),
            "draft_vocab_size": config.draft_vocab_size or config.target_vocab_size,
            "norm_before_residual": config.norm_before_residual, "target_hidden_size": None,
            "eagle_aux_hidden_state_layer_ids": list(config.aux_layers), "norm_before_fc": False, "fc_norm": False,
@@ -286,14 +282,64 @@ def save_speculators(head: Eagle3Head, folder: str | Path, verifier: str, embedd
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                                         "accept_tolerance": 0.0, "verifier_accept_k": 1}],
                                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
+    state = _renamed_state(head, layer_prefix="layers.0.")
+    state["embed_tokens.weight"] = embedding.detach().float().cpu().contiguous()
+    return _write_checkpoint(folder, raw, state)
+
+
+def save_eagle3_layout(head: Eagle3Head, folder: str | Path) -> Path:
+    """Write ``head`` in EAGLE-3's original layout, what SGLang's ``LlamaForCausalLMEagle3`` loads (and vLLM's
+    ``Eagle3LlamaForCausalLM`` too): a Llama ``config.json`` with ``draft_vocab_size`` and the target layers, and
+    ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` weights; the engine shares the target's
+    embedding. SGLang's layer takes its residual before ``hidden_norm``: a head trained with
+    ``norm_before_residual`` is refused."""
+    config = head.config
+    if config.norm_before_residual:
+        raise UnsupportedOptionError("this head sets norm_before_residual, which SGLang's EAGLE-3 layer does not "
+                                     "read: export it as speculators (vLLM) instead")
+    raw = _layer_dict(config)
+    raw.update({"architectures": ["LlamaForCausalLMEagle3"],
+                "draft_vocab_size": config.draft_vocab_size or config.target_vocab_size,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
+                                 "use_aux_hidden_state": True},
+                "dtype": "float32"})
+    state = _renamed_state(head, layer_prefix="midlayer.")
+    return _write_checkpoint(Path(folder).expanduser(), raw, state)
+
+
+def _layer_dict(config: Eagle3Config) -> dict:
+    """The decoder layer's transformers config as a plain dict, without what only a saved model carries."""
+    layer = config.llama.to_dict()
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "return_dict",
+                "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type",
+                "chunk_size_feed_forward"):
+        layer.pop(key, None)
+    return layer
+
+
+def _renamed_state(head: Eagle3Head, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The head's weights under the checkpoint names (the layer's under ``layer_prefix``), float32, with ``d2t``
+    (draft id -> target id - draft id) and ``t2d`` (the target ids drafted)."""
     ours = head.state_dict()
-    state = {theirs: ours[mine].detach().float().cpu().contiguous() for theirs, mine in _weight_names(head).items()}
+    state = {theirs.replace("layers.0.", layer_prefix): ours[mine].detach().float().cpu().contiguous()
+             for theirs, mine in _weight_names(head).items()}
     draft_vocab = head.draft_vocab.detach().cpu()
     state["d2t"] = draft_vocab - torch.arange(draft_vocab.numel())
-    t2d = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(head.config.target_vocab_size, dtype=torch.bool)
     t2d[draft_vocab] = True
     state["t2d"] = t2d
-    state["embed_tokens.weight"] = embedding.detach().float().cpu().contiguous()
+    return state
+
+
+def _write_checkpoint(folder: Path, raw: dict, state: dict[str, torch.Tensor]) -> Path:
+    """``config.json`` and ``model.safetensors`` into a new ``folder``, complete or not at all."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    if folder.exists():
+        raise FileExistsError(f"'{folder}' exists; export-draft writes a new folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
@@ -360,8 +406,9 @@ def load_eagle3_artifact(folder: str | Path, *, device: str | torch.device = "cp
 def bind_eagle3(folder: str | Path, target: CausalLM) -> Eagle3DraftModel:
     """The EAGLE-3 head in ``folder`` (a speculators checkpoint, or one ``jointspec train-draft`` saved), checked
     against ``target`` and bound to it."""
-    if is_speculators_eagle3(folder):
-        head = load_eagle3(folder, device=target.device, dtype=torch.float32)
+    if is_eagle3_checkpoint(folder):
+        head = load_eagle3(folder, device=target.device, dtype=torch.float32,
+                           target_layers=target.config.num_hidden_layers)
     else:
         head, _ = load_eagle3_artifact(folder, device=target.device, dtype=torch.float32)
         check_head_target(head, folder, target)

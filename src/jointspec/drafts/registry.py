@@ -7,7 +7,7 @@ from pathlib import Path
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafts.artifact import artifact_kind, is_speculators_eagle3
+from jointspec.drafts.artifact import artifact_kind, is_eagle3_checkpoint
 from jointspec.drafts.distill import bind_distill
 from jointspec.drafts.eagle import bind_head
 from jointspec.drafts.eagle3 import bind_eagle3
@@ -23,7 +23,7 @@ def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str =
     Medusa or Hydra heads or a distilled draft), bound to ``target``; refuses one trained for another target.
     ``head_weights`` (EAGLE heads; the other kinds take only ``auto``, which keeps them float): see
     :data:`HEAD_WEIGHT_CHOICES`."""
-    kind = "eagle3" if is_speculators_eagle3(folder) else artifact_kind(folder)
+    kind = "eagle3" if is_eagle3_checkpoint(folder) else artifact_kind(folder)
     if head_weights != "auto" and kind not in (None, "eagle"):
         raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
                                      f"'{kind}' draft, which runs in float: leave head_weights at auto")
