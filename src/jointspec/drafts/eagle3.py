@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads in the format vLLM and SGLang serve (``speculators``), bound to a target like any other draft.
+"""EAGLE-3 draft heads in the layouts vLLM and SGLang load, bound to a target like any other draft.
 
 **The head** (EAGLE-3, arXiv 2503.01840), as vLLM's ``llama_eagle3.py`` and the ``speculators`` package define it:
 
@@ -16,13 +16,18 @@ does with an EAGLE-1 head's features (true where the target has scored the posit
 shared. Rotary positions are the cache entries' (jointspec's rule); ``speculators`` trains with positions starting
 at 1, which rotary attention does not see (only differences of positions enter it).
 
-**The format.** A ``speculators`` folder: ``config.json`` (``speculators_model_type: "eagle3"``, the decoder layer's
-``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``)
-and ``model.safetensors`` (``fc.weight``, ``layers.0.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``;
-``embed_tokens.weight`` optional: without it the head reads the target's embedding, as vLLM does). EAGLE-3's original
-checkpoints name the layer ``midlayer``; both are read. Options this code does not implement (``norm_before_fc``,
-``fc_norm``, ``norm_output``, more than one layer, a target of another hidden size) are refused by name, never
-approximated.
+**The layouts.** Both are a ``config.json`` and a ``model.safetensors`` with ``fc.weight``, ``norm.weight``,
+``lm_head.weight``, ``d2t`` and ``t2d``:
+
+- ``speculators`` (vLLM): ``speculators_model_type: "eagle3"``, the layer's ``transformer_layer_config``,
+  ``draft_vocab_size``, ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``; the layer as ``layers.0.*``;
+  ``embed_tokens.weight`` optional (without it the head reads the target's embedding, as vLLM does);
+- EAGLE-3's original layout (SGLang, and vLLM too): a Llama config naming ``LlamaForCausalLMEagle3`` with
+  ``draft_vocab_size``; the layer as ``midlayer.*``.
+
+jointspec also saves its own trained heads in its draft format (``draft.json``). Options this code does not
+implement (``norm_before_fc``, ``fc_norm``, ``norm_output``, biases, more than one layer, a target of another hidden
+size) are refused by name, never approximated.
 """
 
 from __future__ import annotations
