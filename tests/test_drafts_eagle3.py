@@ -295,3 +295,32 @@ def test_the_original_eagle3_layout_for_sglang_round_trips(target4, trained_eagl
     with pytest.raises(UnsupportedOptionError, match="norm_before_residual"):
         save_eagle3_layout(random_head(target4, norm_before_residual=True), tmp_path / "nbr")
     assert not (tmp_path / "nbr").exists()
+
+
+def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    wide = LlamaForCausalLM(config).eval()  # every linear's in_features a multiple of 64: the int8 kernel takes it
+    with torch.no_grad():
+        wide.lm_head.weight.mul_(8.0)
+    head = random_head(wide, seed=6)
+    folder = exported(wide, head, tmp_path / "e3")
+    context = random_prompt(2)
+    drafts = {}
+    for weights in ("float32", "int8"):
+        draft = primed(wide, lambda target, weights=weights: bind_eagle3(folder, target, weights), context)
+        assert draft.weights == weights
+        drafts[weights] = draft.forward(context + [5, 6]).logits
+    assert bind_eagle3(folder, CausalLM(wide)).weights == "int8"  # auto takes it where it runs
+    finite = torch.isfinite(drafts["float32"])
+    error = (drafts["int8"] - drafts["float32"])[finite].abs().max()
+    assert 0 < error < 0.05 * drafts["float32"][finite].abs().max()  # int8 groups of 32: close, not equal
+    decoder = decoder_for(wide, "sps", folder, num_draft_tokens=4, head_weights="int8")
+    assert_greedy_equivalent(wide, decoder, random_prompt(0))
+    narrow = tiny_llama(0, layers=4, device="cpu")  # 32 wide
+    with pytest.raises(UnsupportedOptionError, match="multiple of 64"):
+        bind_eagle3(exported(narrow, random_head(narrow), tmp_path / "narrow"), CausalLM(narrow), "int8")

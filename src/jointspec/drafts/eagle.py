@@ -122,14 +122,15 @@ def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
     return load_artifact(folder, HeadConfig, EagleHead, device=device, dtype=dtype)
 
 
-def int8_head_misfit(head: EagleHead) -> str | None:
-    """Why ``head`` cannot run on int8 weights (None: it can)."""
+def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | None:
+    """Why ``head`` cannot run its ``body``'s linears (default: ``head.body``) on int8 weights (None: it can)."""
     from jointspec.kernels.grouped import grouped_misfit, selected_isa, unavailable_reason
 
     if head.fc.weight.device.type != "cpu" or head.fc.weight.dtype != torch.float32:
         return f"int8 head weights are for float32 heads on the CPU; this one is {head.fc.weight.dtype} on " \
                f"{head.fc.weight.device}"
-    misfit = next((f"{name}: {reason}" for name, module in head.body.named_modules() if type(module) is nn.Linear
+    body = head.body if body is None else body
+    misfit = next((f"{name}: {reason}" for name, module in body.named_modules() if type(module) is nn.Linear
                    for reason in [grouped_misfit(module)] if reason), None)
     if misfit is None and head.config.hidden_size % 64:
         misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"

@@ -46,6 +46,7 @@ from jointspec.backends.kvcache import BufferedCache
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import (
     EAGLE3_ARCHITECTURES,
+    HEAD_WEIGHT_CHOICES,
     SPECULATORS_CONFIG,
     FeatureDraft,
     HeadConfig,
@@ -55,7 +56,7 @@ from jointspec.drafts.artifact import (
     load_artifact,
     save_artifact,
 )
-from jointspec.drafts.eagle import HeadDraftModel
+from jointspec.drafts.eagle import HeadDraftModel, int8_head_misfit
 
 SPECULATORS_WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format export writes and the interop tests check
@@ -378,16 +379,36 @@ class Eagle3DraftModel(HeadDraftModel):
     """An EAGLE-3 head bound to its target: :class:`~jointspec.drafts.eagle.HeadDraftModel`'s caching, chains and
     trees, with this head's own norm and LM head over its draft vocabulary."""
 
-    def __init__(self, head: Eagle3Head, target: CausalLM, name: str = "EAGLE-3 head") -> None:
+    def __init__(self, head: Eagle3Head, target: CausalLM, name: str = "EAGLE-3 head", weights: str = "auto") -> None:
         FeatureDraft.__init__(self, target, name, head.config.feature_layers)
+        if weights not in HEAD_WEIGHT_CHOICES:
+            raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
+                                         f"{', '.join(HEAD_WEIGHT_CHOICES)}")
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
         self.head.hide_first_entry = True
         self.embed = head.embed_tokens if head.embed_tokens is not None else target.model.get_input_embeddings()
         self.draft_vocab = head.draft_vocab
-        self.weights = "float32"
         self._lm_int8 = self._lm_onednn = None
         self._lean = False
+        # int8 as for EAGLE-style heads (drafts/artifact.py, HEAD_WEIGHT_CHOICES): the layer's linears and the LM
+        # head on the grouped int8 kernel, fc float. It changes which tokens are drafted, never what is generated.
+        misfit = int8_head_misfit(self.head, self.head.layer) if weights != "float32" else None
+        if weights == "int8" and misfit:
+            raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
+        self.weights = "int8" if weights != "float32" and misfit is None else "float32"
+        if self.weights == "int8":
+            self._use_int8()
         self.reset()
+
+    def _use_int8(self) -> None:
+        from jointspec.kernels.grouped import GroupedInt8Linear
+
+        layer = self.head.layer
+        swaps = [(parent, name, child) for parent in layer.modules() for name, child in parent.named_children()
+                 if type(child) is nn.Linear]
+        for parent, name, child in swaps:  # after the walk: it never sees a half-rewritten tree
+            setattr(parent, name, GroupedInt8Linear(child))
+        self.head.lm_head = GroupedInt8Linear(self.head.lm_head)
 
     @property
     def config(self):
@@ -408,9 +429,9 @@ def load_eagle3_artifact(folder: str | Path, *, device: str | torch.device = "cp
     return head, training
 
 
-def bind_eagle3(folder: str | Path, target: CausalLM) -> Eagle3DraftModel:
-    """The EAGLE-3 head in ``folder`` (a speculators checkpoint, or one ``jointspec train-draft`` saved), checked
-    against ``target`` and bound to it."""
+def bind_eagle3(folder: str | Path, target: CausalLM, weights: str = "auto") -> Eagle3DraftModel:
+    """The EAGLE-3 head in ``folder`` (a checkpoint of either layout, or one ``jointspec train-draft`` saved), checked
+    against ``target`` and bound to it; ``weights``: see :data:`~jointspec.drafts.artifact.HEAD_WEIGHT_CHOICES`."""
     if is_eagle3_checkpoint(folder):
         head = load_eagle3(folder, device=target.device, dtype=torch.float32,
                            target_layers=target.config.num_hidden_layers)
@@ -418,4 +439,4 @@ def bind_eagle3(folder: str | Path, target: CausalLM) -> Eagle3DraftModel:
         head, _ = load_eagle3_artifact(folder, device=target.device, dtype=torch.float32)
         check_head_target(head, folder, target)
     check_eagle3_target(head, target)
-    return Eagle3DraftModel(head, target, name=f"EAGLE-3 head {Path(folder).name}")
+    return Eagle3DraftModel(head, target, name=f"EAGLE-3 head {Path(folder).name}", weights=weights)

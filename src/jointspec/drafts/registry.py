@@ -14,8 +14,8 @@ from jointspec.drafts.eagle3 import bind_eagle3
 from jointspec.drafts.hydra import bind_hydra
 from jointspec.drafts.medusa import bind_medusa
 
-# ``kind`` in draft.json -> its binder; eagle heads also take ``head_weights``.
-BINDERS = {"distill": bind_distill, "medusa": bind_medusa, "hydra": bind_hydra, "eagle3": bind_eagle3}
+# ``kind`` in draft.json -> its binder; EAGLE-style and EAGLE-3 heads also take ``head_weights``.
+BINDERS = {"distill": bind_distill, "medusa": bind_medusa, "hydra": bind_hydra}
 
 
 def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str = "auto"):
@@ -24,6 +24,8 @@ def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str =
     ``head_weights`` (EAGLE heads; the other kinds take only ``auto``, which keeps them float): see
     :data:`HEAD_WEIGHT_CHOICES`."""
     kind = "eagle3" if is_eagle3_checkpoint(folder) else artifact_kind(folder)
+    if kind == "eagle3":
+        return bind_eagle3(folder, target, head_weights)
     if head_weights != "auto" and kind not in (None, "eagle"):
         raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
                                      f"'{kind}' draft, which runs in float: leave head_weights at auto")
