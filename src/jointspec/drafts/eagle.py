@@ -139,6 +139,16 @@ def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | No
     return misfit or unavailable_reason()  # builds the kernels once if it can (about 30 s)
 
 
+def linears_to_int8(module: nn.Module) -> None:
+    """Replace every ``nn.Linear`` inside ``module`` by its int8 grouped-kernel copy (:data:`HEAD_WEIGHT_CHOICES`)."""
+    from jointspec.kernels.grouped import GroupedInt8Linear
+
+    swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear]
+    for parent, name, child in swaps:  # after the walk: it never sees a half-rewritten tree
+        setattr(parent, name, GroupedInt8Linear(child))
+
+
 class HeadDraftModel(FeatureDraft):
     """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
 
@@ -173,11 +183,7 @@ class HeadDraftModel(FeatureDraft):
         """Swap the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""
         from jointspec.kernels.grouped import GroupedInt8Linear
 
-        body = self.head.body
-        swaps = [(parent, name, child) for parent in body.modules() for name, child in parent.named_children()
-                 if type(child) is nn.Linear]
-        for parent, name, child in swaps:  # after the walk: it never sees a half-rewritten tree
-            setattr(parent, name, GroupedInt8Linear(child))
+        linears_to_int8(self.head.body)
         self._lm_int8 = GroupedInt8Linear(self._lm_linear())
 
     def _lm_linear(self) -> nn.Linear:

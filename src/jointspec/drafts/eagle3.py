@@ -56,7 +56,7 @@ from jointspec.drafts.artifact import (
     load_artifact,
     save_artifact,
 )
-from jointspec.drafts.eagle import HeadDraftModel, int8_head_misfit
+from jointspec.drafts.eagle import HeadDraftModel, int8_head_misfit, linears_to_int8
 
 SPECULATORS_WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format export writes and the interop tests check
@@ -403,11 +403,7 @@ class Eagle3DraftModel(HeadDraftModel):
     def _use_int8(self) -> None:
         from jointspec.kernels.grouped import GroupedInt8Linear
 
-        layer = self.head.layer
-        swaps = [(parent, name, child) for parent in layer.modules() for name, child in parent.named_children()
-                 if type(child) is nn.Linear]
-        for parent, name, child in swaps:  # after the walk: it never sees a half-rewritten tree
-            setattr(parent, name, GroupedInt8Linear(child))
+        linears_to_int8(self.head.layer)
         self.head.lm_head = GroupedInt8Linear(self.head.lm_head)
 
     @property
