@@ -297,7 +297,7 @@ def test_the_original_eagle3_layout_for_sglang_round_trips(target4, trained_eagl
     assert not (tmp_path / "nbr").exists()
 
 
-def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tmp_path):
+def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tmp_path, monkeypatch, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -321,6 +321,15 @@ def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tm
     assert 0 < error < 0.05 * drafts["float32"][finite].abs().max()  # int8 groups of 32: close, not equal
     decoder = decoder_for(wide, "sps", folder, num_draft_tokens=4, head_weights="int8")
     assert_greedy_equivalent(wide, decoder, random_prompt(0))
+    # export-draft writes the weights as trained, even where binding would run them on int8.
+    from jointspec.cli import export as export_cli
+
+    monkeypatch.setattr(export_cli, "load_target", lambda *args, **kwargs: (CausalLM(wide), tiny_tokenizer()))
+    for layout in ("speculators", "eagle3"):
+        code, _, err = run_cli(capsys, "export-draft", folder, "--format", layout, "--out", str(tmp_path / layout))
+        assert code == 0, err
+        again = primed(wide, lambda target, layout=layout: bind_eagle3(tmp_path / layout, target, "float32"), context)
+        assert torch.equal(again.forward(context + [5, 6]).logits, drafts["float32"])
     narrow = tiny_llama(0, layers=4, device="cpu")  # 32 wide
     with pytest.raises(UnsupportedOptionError, match="multiple of 64"):
         bind_eagle3(exported(narrow, random_head(narrow), tmp_path / "narrow"), CausalLM(narrow), "int8")

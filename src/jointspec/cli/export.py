@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists():
         raise UnsupportedOptionError(f"--out '{args.out}' exists; export-draft writes a new folder")
     target, _ = load_target(args.target)
-    draft = bind_eagle3(args.draft, target)  # refuses a head trained for another target
+    # Bound only to check it against the target (refusing one trained for another), in float32: auto would swap its
+    # linears for int8 copies, and the checkpoint must carry the weights as trained.
+    draft = bind_eagle3(args.draft, target, "float32")
     verifier = args.verifier or str(getattr(target.model.config, "_name_or_path", "") or args.target)
     if args.format == "speculators":
         save_speculators(draft.head, args.out, verifier, target.model.get_input_embeddings().weight)
