@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         save_speculators(draft.head, args.out, verifier, target.model.get_input_embeddings().weight)
     else:
         save_eagle3_layout(draft.head, args.out)
-    print(json.dumps({"out": str(args.out), "format": args.format, "kind": kind, "verifier": verifier,
-                      "aux_layers": list(draft.head.config.aux_layers)}))
+    summary = {"out": str(args.out), "format": args.format, "kind": kind,
+               "aux_layers": list(draft.head.config.aux_layers)}
+    print(json.dumps(summary | ({"verifier": verifier} if args.format == "speculators" else {})))
     return 0
