@@ -333,3 +333,25 @@ def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tm
     narrow = tiny_llama(0, layers=4, device="cpu")  # 32 wide
     with pytest.raises(UnsupportedOptionError, match="multiple of 64"):
         bind_eagle3(exported(narrow, random_head(narrow), tmp_path / "narrow"), CausalLM(narrow), "int8")
+
+
+def test_training_warm_starts_from_an_eagle3_checkpoint_made_elsewhere(target4, tmp_path, monkeypatch, capsys):
+    # A checkpoint of the speculators layout (what vLLM serves) starts a --head eagle3 run: its target layers, weights
+    # and vocabulary carry over, and the saved head belongs to this target (a fingerprint it then binds by).
+    head = random_head(target4, seed=7)
+    exported(target4, head, tmp_path / "published")
+    argv = train_cli_argv(monkeypatch, target4, tmp_path, "warm") + ["--head", "eagle3", "--init",
+                                                                     str(tmp_path / "published")]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "warm" / "draft.json").read_text())
+    assert saved["config"]["aux_layers"] == list(AUX) and "--fuse-layers 0,2,3" in saved["training"]["command"]
+    assert saved["config"]["target_fingerprint"] == target_fingerprint(CausalLM(target4))
+    assert saved["training"]["init"]["folder"] == str(tmp_path / "published")
+    warm, _ = load_eagle3_artifact(tmp_path / "warm")
+    assert torch.equal(warm.draft_vocab.cpu(), head.draft_vocab.cpu())
+    assert isinstance(bind_trained_draft(tmp_path / "warm", CausalLM(target4)), Eagle3DraftModel)
+    # An EAGLE-3 checkpoint starts EAGLE-3 heads only.
+    code, _, err = run_cli(capsys, *train_cli_argv(monkeypatch, target4, tmp_path, "other"),
+                           "--init", str(tmp_path / "published"))
+    assert code == 2 and "starts --head eagle3 drafts only" in err

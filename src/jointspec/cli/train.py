@@ -25,7 +25,8 @@ from jointspec.backends.loading import load_model as load_target
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.cli.options import positive_int
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafts.artifact import artifact_kind, check_head_target, target_fingerprint
+from jointspec.drafts.artifact import artifact_kind, check_head_target, is_eagle3_checkpoint, target_fingerprint
+from jointspec.drafts.eagle3 import check_eagle3_target, load_eagle3
 from jointspec.train.data import build_data, read_spec
 from jointspec.train.eagle3 import default_aux_layers
 from jointspec.train.heads import check_data_folders
@@ -188,13 +189,14 @@ def run(args: argparse.Namespace) -> int:
     answers_from = _answer_server(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.init is not None and not (args.init / "draft.json").is_file():
+    if args.init is not None and not (args.init / "draft.json").is_file() and not is_eagle3_checkpoint(args.init):
         raise UnsupportedOptionError(f"--init '{args.init}' is not a draft folder (no draft.json); give a folder "
-                                     "written by train-draft")
+                                     "written by train-draft, or an EAGLE-3 checkpoint for --head eagle3")
     target, tokenizer = load_target(args.target, device=args.device)
-    if kind.name == "eagle3" and not args.fuse_layers:  # its target layers, in the data and in the recorded command
-        args.fuse_layers = default_aux_layers(target.config.num_hidden_layers)
     init, init_training = _load_init(args, kind, target)
+    if kind.name == "eagle3" and not args.fuse_layers:  # its target layers, in the data and in the recorded command
+        args.fuse_layers = init.config.aux_layers if init is not None else default_aux_layers(
+            target.config.num_hidden_layers)
     data = args.data or args.out / "data"
     _check_extra_data(args, data, target)
     eos = eos_token_ids(target, tokenizer)
@@ -275,6 +277,13 @@ def _load_init(args: argparse.Namespace, kind: TrainKind, target):
     made for another target or of another kind is refused first."""
     if args.init is None:
         return None, {}
+    if is_eagle3_checkpoint(args.init):  # made for vLLM or SGLang: checked by shape, it has no fingerprint
+        if kind.name != "eagle3":
+            raise UnsupportedOptionError(f"--init '{args.init}' is an EAGLE-3 checkpoint, which starts --head eagle3 "
+                                         f"drafts only, not {kind.name} drafts")
+        init = load_eagle3(args.init, device=target.device, target_layers=target.config.num_hidden_layers)
+        check_eagle3_target(init, target)
+        return init, {}
     init_kind = artifact_kind(args.init)
     if init_kind is not None and init_kind != kind.name:
         raise UnsupportedOptionError(f"--init '{args.init}' holds a '{init_kind}' draft, which cannot start a "

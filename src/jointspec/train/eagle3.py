@@ -13,7 +13,7 @@ Held-out agreement at depth ``k + 1`` is how often pass ``k``'s argmax is the ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +77,14 @@ class Eagle3Trainer(HeadTrainer):
                 raise UnsupportedOptionError(f"the head to start from reads target layers "
                                              f"{list(init.config.aux_layers)}; pass --fuse-layers "
                                              f"{','.join(map(str, init.config.aux_layers))}")
-            head = Eagle3Head(init.config)
-            head.load_state_dict({k: v.detach().float().cpu() for k, v in init.state_dict().items()})
+            # Recorded as this target's: a checkpoint made for vLLM or SGLang carries no fingerprint of its own (it
+            # was checked against the target by shape), and one saved here carries this target's already.
+            target = self.target
+            head = Eagle3Head(replace(init.config, target_fingerprint=target_fingerprint(target),
+                                      target_fingerprint_bf16=target_fingerprint(target, torch.bfloat16),
+                                      target_name=target.name))
+            head.load_state_dict({k: v.detach().float().cpu() for k, v in init.state_dict().items()
+                                  if not k.startswith("embed_tokens.")})  # the target's embedding is read, not kept
         else:
             head = Eagle3Head(self._new_config(None if vocab.shape[0] == self.target.vocab_size
                                                else int(vocab.shape[0])))
