@@ -30,6 +30,7 @@ from helpers import (
     decoder_for,
     fp16_rounded,
     random_prompt,
+    run_cli,
     sps_acceptance,
     tiny_llama,
     tiny_training_data,
@@ -219,3 +220,42 @@ def test_train_draft_cli(target_model, tmp_path, monkeypatch, capsys, kind, fore
     assert "--unroll" not in training["command"], training["command"]
     assert cli.main(argv + foreign) == 2
     assert refusal in capsys.readouterr().err
+
+
+def test_medusa_heads_export_to_vllms_layout_and_draft_the_same_there(target_model, tmp_path, monkeypatch, capsys):
+    """vLLM's Medusa (vllm/model_executor/models/medusa.py, docs/interop.md) run by hand on the exported weights:
+    block ``k - 1`` (``x + SiLU(W x + b)`` per layer) and the shared LM head, with ``token_map`` placing the trimmed
+    vocabulary, must give jointspec's head ``k`` logits at every depth."""
+    from safetensors.torch import load_file
+
+    from jointspec.cli import export as export_cli
+
+    target = CausalLM(target_model, name="tiny-target")
+    untrained_heads("medusa", target, draft_vocab_size=50, scale=0.3).save(tmp_path / "heads")
+    monkeypatch.setattr(export_cli, "load_target", lambda *args, **kwargs: (target, None))
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "heads"), "--format", "medusa", "--out",
+                           str(tmp_path / "vllm"))
+    assert code == 0, err
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["num_heads"] == 4
+    assert config["truncated_vocab_size"] == 50 and config["original_lm_head"] and config["medusa_fc_bias"]
+    state = {name: value.to(target.device)
+             for name, value in load_file(str(tmp_path / "vllm" / "model.safetensors")).items()}
+    draft = bind_medusa(tmp_path / "heads", target)
+    context = random_prompt(3)
+    target.reset()
+    target.forward(context[:-1], num_logits=0)
+    draft.reset()
+    logits = draft.forward(context + [5, 6, 7]).logits  # rows len(context) - 1 + (k - 1): head k
+    feature = draft.mirror.features[len(context) - 2].float()
+    for k in range(1, 5):
+        x = feature
+        for i in range(config["num_hidden_layers"]):
+            x = x + torch.nn.functional.silu(x @ state[f"blocks.{k - 1}.layers.{i}.weight"].T
+                                             + state[f"blocks.{k - 1}.layers.{i}.bias"])
+        vllm = torch.full((target.vocab_size,), float("-inf"), device=x.device)
+        vllm[state["token_map"]] = x @ state["lm_head.weight"].T
+        torch.testing.assert_close(logits[len(context) - 2 + k], vllm, rtol=1e-5, atol=1e-5)
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "heads"), "--format", "speculators", "--out",
+                           str(tmp_path / "other"))
+    assert code == 2 and "Medusa heads go as --format medusa" in err

@@ -4,16 +4,18 @@
         --verifier HuggingFaceTB/SmolLM2-135M-Instruct
 
 Only formats that hold a kind of draft *faithfully* are written, so that the exported checkpoint drafts what the
-draft drafts here (docs/interop.md). Both take EAGLE-3 heads (``train-draft --head eagle3``, or a checkpoint read
-back); the target is loaded to check that the head belongs to it:
+draft drafts here (docs/interop.md). The target is loaded to check that the draft belongs to it:
 
-- ``speculators``: what the speculators package and vLLM's EAGLE-3 load, with the target's input embedding written
+- ``speculators``: EAGLE-3 heads (``train-draft --head eagle3``, or a checkpoint read back) as the speculators
+  package and vLLM's EAGLE-3 load them, with the target's input embedding written
   in, as speculators' own checkpoints carry it;
-- ``eagle3``: EAGLE-3's original layout (``midlayer.*``, a Llama config naming ``LlamaForCausalLMEagle3``), what
-  SGLang's EAGLE-3 loads (vLLM's too).
+- ``eagle3``: EAGLE-3 heads in EAGLE-3's original layout (``midlayer.*``, a Llama config naming
+  ``LlamaForCausalLMEagle3``), what SGLang's EAGLE-3 loads (vLLM's too);
+- ``medusa``: Medusa heads (``--head medusa``) in vLLM's Medusa layout, the target's LM head rows as the heads'
+  shared LM head.
 
 Refused, with the reason: jointspec's EAGLE-style head (``--head eagle``) in vLLM's or SGLang's EAGLE-1 layout (their
-layer has no input norm and no final norm; ours has both), and Medusa, Hydra and distilled drafts (not written yet).
+layer has no input norm and no final norm; ours has both), and Hydra heads and distilled drafts (not written).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ REFUSALS = {
                                "EAGLE-style head has both: the checkpoint would draft differently",
     ("eagle", "speculators"): "the speculators format holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
     ("eagle", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
-    ("medusa", "*"): "exporting Medusa heads is not built yet",
+    ("medusa", "speculators"): "the speculators format holds EAGLE-3 heads; Medusa heads go as --format medusa",
+    ("medusa", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; Medusa heads go as --format medusa",
+    ("medusa", "vllm-eagle"): "that is the EAGLE-1 layout; Medusa heads go as --format medusa",
+    ("medusa", "sglang-eagle"): "that is the EAGLE-1 layout; Medusa heads go as --format medusa",
     ("hydra", "*"): "no engine loads Hydra heads",
     ("distill", "*"): "a distilled draft is a small model of its own: vLLM and SGLang load it from a model folder, "
                       "which export-draft does not write yet",
@@ -86,6 +91,15 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists():
         raise UnsupportedOptionError(f"--out '{args.out}' exists; export-draft writes a new folder")
     target, _ = load_target(args.target)
+    if kind == "medusa":
+        from jointspec.drafts.artifact import float_lm_weight
+        from jointspec.drafts.medusa import bind_medusa, save_vllm_medusa
+
+        heads = bind_medusa(args.draft, target).heads  # refuses heads trained for another target
+        save_vllm_medusa(heads, args.out, float_lm_weight(target.model))
+        print(json.dumps({"out": str(args.out), "format": args.format, "kind": kind,
+                          "num_heads": heads.config.num_heads}))
+        return 0
     # Bound only to check it against the target (refusing one trained for another), in float32: auto would swap its
     # linears for int8 copies, and the checkpoint must carry the weights as trained.
     draft = bind_eagle3(args.draft, target, "float32")

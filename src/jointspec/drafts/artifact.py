@@ -207,6 +207,31 @@ SPECULATORS_CONFIG = "config.json"
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
+ENGINE_WEIGHTS = "model.safetensors"
+
+
+def write_engine_checkpoint(folder: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    """A checkpoint for another engine (``config.json`` and ``model.safetensors``) in a new ``folder``, complete or
+    not at all (written into a temporary sibling, then renamed)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    if folder.exists():
+        raise FileExistsError(f"'{folder}' exists; export-draft writes a new folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        (tmp / SPECULATORS_CONFIG).write_text(json.dumps(config, indent=2))
+        save_file(state, str(tmp / ENGINE_WEIGHTS), metadata={"format": "pt"})
+        tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
 def is_eagle3_checkpoint(folder: str | Path) -> bool:
     """Whether ``folder`` holds an EAGLE-3 checkpoint in either layout (its config.json says so)."""
     try:

@@ -46,6 +46,7 @@ from jointspec.backends.kvcache import BufferedCache
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import (
     EAGLE3_ARCHITECTURES,
+    ENGINE_WEIGHTS,
     HEAD_WEIGHT_CHOICES,
     SPECULATORS_CONFIG,
     FeatureDraft,
@@ -55,10 +56,10 @@ from jointspec.drafts.artifact import (
     is_eagle3_checkpoint,
     load_artifact,
     save_artifact,
+    write_engine_checkpoint,
 )
 from jointspec.drafts.eagle import HeadDraftModel, int8_head_misfit, linears_to_int8
 
-SPECULATORS_WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format export writes and the interop tests check
 # Config switches of later EAGLE-3 variants; a checkpoint that turns one on is refused (module docstring).
 UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias")
@@ -249,7 +250,7 @@ def load_eagle3(folder: str | Path, *, device: str | torch.device = "cpu", dtype
                              f"'eagle3', or architectures {list(EAGLE3_ARCHITECTURES)})")
     try:
         config = _checkpoint_config(json.loads((folder / SPECULATORS_CONFIG).read_text()), folder, target_layers)
-        state = load_file(str(folder / SPECULATORS_WEIGHTS))
+        state = load_file(str(folder / ENGINE_WEIGHTS))
     except (OSError, KeyError, TypeError, ValueError) as error:
         raise ModelLoadError(f"'{folder}' is not a readable EAGLE-3 checkpoint ({error})") from error
     state = {name.replace("midlayer.", "layers.0."): value for name, value in state.items()}
@@ -290,7 +291,7 @@ def save_speculators(head: Eagle3Head, folder: str | Path, verifier: str, embedd
                                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
     state = _renamed_state(head, layer_prefix="layers.0.")
     state["embed_tokens.weight"] = embedding.detach().float().cpu().contiguous()
-    return _write_checkpoint(folder, raw, state)
+    return write_engine_checkpoint(folder, raw, state)
 
 
 def save_eagle3_layout(head: Eagle3Head, folder: str | Path) -> Path:
@@ -310,7 +311,7 @@ def save_eagle3_layout(head: Eagle3Head, folder: str | Path) -> Path:
                                  "use_aux_hidden_state": True},
                 "dtype": "float32"})
     state = _renamed_state(head, layer_prefix="midlayer.")
-    return _write_checkpoint(Path(folder).expanduser(), raw, state)
+    return write_engine_checkpoint(Path(folder).expanduser(), raw, state)
 
 
 def _layer_dict(config: Eagle3Config) -> dict:
@@ -335,27 +336,6 @@ def _renamed_state(head: Eagle3Head, layer_prefix: str) -> dict[str, torch.Tenso
     t2d[draft_vocab] = True
     state["t2d"] = t2d
     return state
-
-
-def _write_checkpoint(folder: Path, raw: dict, state: dict[str, torch.Tensor]) -> Path:
-    """``config.json`` and ``model.safetensors`` into a new ``folder``, complete or not at all."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    if folder.exists():
-        raise FileExistsError(f"'{folder}' exists; export-draft writes a new folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        (tmp / SPECULATORS_CONFIG).write_text(json.dumps(raw, indent=2))
-        save_file(state, str(tmp / SPECULATORS_WEIGHTS), metadata={"format": "pt"})
-        tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
 
 
 def check_eagle3_target(head: Eagle3Head, target: CausalLM) -> None:

@@ -35,6 +35,7 @@ from jointspec.drafts.artifact import (
     full_vocab_logits,
     load_artifact,
     save_artifact,
+    write_engine_checkpoint,
 )
 
 
@@ -169,3 +170,24 @@ def bind_medusa(folder: str | Path, target: CausalLM) -> MedusaDraftModel:
     heads, _ = load_medusa(folder, device=target.device)
     check_head_target(heads, folder, target)
     return MedusaDraftModel(heads, target, name=f"medusa {Path(folder).name}")
+
+
+def save_vllm_medusa(heads: MedusaHeads, folder: str | Path, lm_weight: torch.Tensor) -> Path:
+    """Write ``heads`` in vLLM's Medusa layout (``vllm/model_executor/models/medusa.py``, docs/interop.md) in a new
+    ``folder``: ``blocks.{k}.layers.{i}`` (``x + SiLU(W x + b)``, ``medusa_fc_bias``), one LM head shared by every head
+    (``original_lm_head``) holding the target's rows ``lm_weight`` for the draft vocabulary, and ``token_map`` (the
+    draft vocabulary's target ids) where that vocabulary is trimmed. vLLM's head ``k`` drafts the token ``k + 2``
+    positions after the feature, as ours does; its config names ``MedusaModel``."""
+    config = heads.config
+    vocab = heads.draft_vocab.detach().cpu()
+    trimmed = vocab.numel() != config.target_vocab_size
+    state = {f"blocks.{k}.layers.{i}.{part}": getattr(block.linear, part).detach().float().cpu().contiguous()
+             for k, head in enumerate(heads.heads) for i, block in enumerate(head) for part in ("weight", "bias")}
+    state["lm_head.weight"] = lm_weight.detach().float().cpu().index_select(0, vocab).contiguous()
+    if trimmed:
+        state["token_map"] = vocab.clone()
+    raw = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": config.hidden_size,
+           "vocab_size": config.target_vocab_size, "num_heads": config.num_heads,
+           "num_hidden_layers": config.num_layers, "truncated_vocab_size": int(vocab.numel()),
+           "original_lm_head": True, "medusa_fc_bias": True}
+    return write_engine_checkpoint(Path(folder).expanduser(), raw, state)
