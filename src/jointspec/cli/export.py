@@ -31,11 +31,11 @@ from jointspec.core.errors import UnsupportedOptionError
 FORMATS = ("speculators", "eagle3", "vllm-eagle", "sglang-eagle", "medusa")
 
 # Why a kind cannot go into a format (kind, format) -> reason; "*" stands for every format.
+_EAGLE1_NORMS = ("vLLM's and SGLang's EAGLE-1 layer has no input norm and no final norm, jointspec's EAGLE-style "
+                 "head has both: the checkpoint would draft differently")
 REFUSALS = {
-    ("eagle", "vllm-eagle"): "vLLM's and SGLang's EAGLE-1 layer has no input norm and no final norm, jointspec's "
-                             "EAGLE-style head has both: the checkpoint would draft differently",
-    ("eagle", "sglang-eagle"): "vLLM's and SGLang's EAGLE-1 layer has no input norm and no final norm, jointspec's "
-                               "EAGLE-style head has both: the checkpoint would draft differently",
+    ("eagle", "vllm-eagle"): _EAGLE1_NORMS,
+    ("eagle", "sglang-eagle"): _EAGLE1_NORMS,
     ("eagle", "speculators"): "the speculators format holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
     ("eagle", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
     ("medusa", "speculators"): "the speculators format holds EAGLE-3 heads; Medusa heads go as --format medusa",
