@@ -17,6 +17,7 @@ from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
 from jointspec.core.errors import JointspecError
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
 
@@ -68,19 +69,21 @@ class Pipeline:
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
-                 threads: int | None = None, kernels: str = "auto") -> None:
+                 threads: int | None = None, kernels: str = "auto", memory: OutputMemory | None = None) -> None:
         """``method``: by default ``default``, what ``jointspec generate`` runs. ``device``, ``dtype``,
         ``quantize``, ``backend``, ``threads`` and ``kernels`` load the method's draft model, if any, the way
-        :func:`load_model` loads a target."""
+        :func:`load_model` loads a target. ``memory``: online adaptation, for the methods that learn online
+        (:func:`jointspec.methods.online_methods`): every finished answer joins it, and later ones draft from it."""
         self.target = target
         self.tokenizer = tokenizer
         self.method = method or MethodConfig(name="default")
+        self.memory = memory
 
         def load_draft(source: str):
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
                               threads=threads, kernels=kernels)
 
-        drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft))
+        drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft, memory))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
 
@@ -110,7 +113,12 @@ class Pipeline:
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
         generator = torch.Generator(device="cpu").manual_seed(config.seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids)
-        yield from self.decoder.stream(prompt_ids, decode, generator)
+        new_ids: list[int] = []
+        for chunk in self.decoder.stream(prompt_ids, decode, generator):
+            new_ids.extend(chunk)
+            yield chunk
+        if self.memory is not None:  # a whole answer only: a stream its caller stopped early is not remembered
+            self.memory.add(prompt_ids, new_ids)
 
     def stream(self, prompt: str, config: GenerationConfig = GenerationConfig()) -> Iterator[str]:
         """Yield text deltas as rounds commit tokens."""

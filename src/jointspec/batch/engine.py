@@ -39,6 +39,7 @@ from jointspec.core.draft import tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens
 from jointspec.core.verdict import Verifier
+from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
@@ -55,6 +56,7 @@ class BatchRequest:
     config: DecodeConfig = DecodeConfig()
     method: MethodConfig = MethodConfig()
     seed: int = 0
+    memory: OutputMemory | None = None  # earlier answers its drafter may copy from (online adaptation)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -208,6 +210,10 @@ class BatchEngine(EngineBase):
         return self._methods[config]
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
+        if request.memory is not None:
+            # Its batched drafters share one state per method, not one per request: no request's memory fits in.
+            raise UnsupportedOptionError("online memory needs the lockstep engine (the compiled CPU layers); this "
+                                         "target is served by the ragged-cache engine: serve without --online-memory")
         end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
         return _Sequence(seq_id, request, self.method(request.method), generator, list(request.prompt_ids), end)
 

@@ -43,6 +43,7 @@ from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, Engine
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, CostCurve, measure_cost_curve
+from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -136,10 +137,10 @@ class LockstepEngine(EngineBase):
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    def _decoder(self, config: MethodConfig) -> SpeculativeDecoder:
+    def _decoder(self, config: MethodConfig, memory: OutputMemory | None = None) -> SpeculativeDecoder:
         """A decoder for one request: the method built on a fork of the target, as ``generate`` builds it."""
         fork = self.target.fork(self.target.name)
-        drafter, verifier = build_method(MethodContext(config, fork, self.tokenizer, self._draft_model))
+        drafter, verifier = build_method(MethodContext(config, fork, self.tokenizer, self._draft_model, memory))
         return SpeculativeDecoder(fork, drafter, verifier)
 
     def method(self, config: MethodConfig) -> None:
@@ -151,7 +152,7 @@ class LockstepEngine(EngineBase):
             self._checked.add(config)
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
-        return _Sequence(seq_id, request, self._decoder(request.method), generator)
+        return _Sequence(seq_id, request, self._decoder(request.method, request.memory), generator)
 
     def _drop_active(self, seq_id: int) -> None:
         del self.active[seq_id]

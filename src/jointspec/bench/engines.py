@@ -26,6 +26,7 @@ from jointspec.bench.specs import MethodSpec, MethodSpecError, llamacpp_options,
 from jointspec.core.errors import ModelLoadError
 from jointspec.core.loop import SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.memory import OutputMemory
 from jointspec.kernels.fp32 import stock_kernels
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -60,8 +61,11 @@ class JointspecEngine:
             self.config = dataclasses.replace(self.config, draft=self_draft)
             load_draft = _with_self_draft(load_draft, self_draft, target, tokenizer)
         self.pipeline = Pipeline(target, tokenizer, MethodConfig(name="ar"))  # its decoder is replaced just below
+        # memory=online: the method drafts from this row's earlier answers too, which the runner adds after each
+        # prompt's timed runs (never a warm-up's, never before the prompt's own runs).
+        self.memory = OutputMemory() if spec.memory == "online" else None
         # Built here rather than by Pipeline so that every method shares one memoised draft loader.
-        drafter, verifier = build_method(MethodContext(self.config, target, tokenizer, load_draft))
+        drafter, verifier = build_method(MethodContext(self.config, target, tokenizer, load_draft, self.memory))
         self.pipeline.method = self.config
         self.pipeline.decoder = SpeculativeDecoder(target, drafter, verifier)
         # Drafters whose first run of a prompt costs more than later ones (the oracle) get an untimed run per prompt.
@@ -83,6 +87,7 @@ class JointspecEngine:
 
 class HFEngine:
     warm_per_prompt = False
+    memory = None
 
     def __init__(self, spec: MethodSpec, target: CausalLM, tokenizer, defaults: MethodConfig,
                  load_draft: LoadDraft, eos_token_ids: frozenset[int]) -> None:
@@ -228,6 +233,7 @@ class LlamaCppEngine:
     """
 
     warm_per_prompt = False
+    memory = None
 
     def __init__(self, spec: MethodSpec, backend: LlamaCppBackend, eos_token_ids: frozenset[int]) -> None:
         self.spec = spec

@@ -243,6 +243,11 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
                     log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,
                                 prompt.question_id)
             bar.update()
+    # Rows that learn online remember this prompt's answers only now: every repeat drafted without them.
+    for label, engine in engines.items():
+        if engine.memory is not None:
+            for prompt_ids, new_ids in zip(by_method[label].prompt_ids, by_method[label].output_ids):
+                engine.memory.add(prompt_ids, new_ids)
     return [by_method[label] for label in engines]
 
 

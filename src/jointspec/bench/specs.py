@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from jointspec.backends.loading import QUANTIZE_CHOICES
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.methods import MethodConfig, method_names
+from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.oracle import OracleConfig
 
 # transformers' own generate, with the option keys each one accepts.
@@ -48,12 +48,14 @@ LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
 # Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
 BACKENDS = ("torch", "llamacpp")
 # Spec keys that say where a jointspec method runs rather than how it drafts: no MethodConfig field reads them.
-PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention")
+PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention", "memory")
 # Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.
 SPEC_KERNELS = ("loaded", "stock")
 # The torch target's attention after the prompt: the whole cache, or (lossy, for long inputs) a sparse view of it
 # (drafters.sparse_self.SparseViewTarget).
 SPEC_ATTENTION = ("full", "sparse")
+# Whether a method also drafts from its own earlier answers in this run (drafters/memory.py): online adaptation.
+SPEC_MEMORY = ("off", "online")
 
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
@@ -105,6 +107,11 @@ class MethodSpec:
     def attention(self) -> str:
         """'full', or 'sparse': the target decodes over a sparse view of its cache (lossy; long inputs)."""
         return self.options.get("attention", "full")
+
+    @property
+    def memory(self) -> str:
+        """'off', or 'online': the method drafts from its earlier answers in this run as well (online adaptation)."""
+        return self.options.get("memory", "off")
 
     @property
     def needs_llamacpp(self) -> bool:
@@ -167,6 +174,11 @@ def parse_spec(text: str) -> MethodSpec:
                               f"{', '.join(SPEC_ATTENTION)}")
     if options.get("attention", "full") != "full" and options.get("backend", "torch") != "torch":
         raise MethodSpecError(f"'{text}': attention=sparse is for the torch backend")
+    if options.get("memory", "off") not in SPEC_MEMORY:
+        raise MethodSpecError(f"memory '{options['memory']}' in '{text}' must be one of: {', '.join(SPEC_MEMORY)}")
+    if options.get("memory", "off") != "off" and name not in online_methods():
+        raise MethodSpecError(f"'{text}': method '{name}' does not draft from earlier answers; memory=online is for "
+                              f"{', '.join(online_methods())}")
     return MethodSpec(label=text.strip(), name=name, options=options)
 
 

@@ -29,6 +29,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--drain-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before they get "
                              "an error (default 30); new requests get 503 meanwhile")
+    parser.add_argument("--online-memory", choices=("off", "user", "shared"), default="off",
+                        help="online adaptation: the lookup drafters (pld, corpus, lookahead, default's lookup) also "
+                             "copy from earlier answers, kept per request 'user' (requests without one get none) or "
+                             "shared by every request; bounded per model, off by default (docs/methods.md)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -76,7 +80,7 @@ def build_engine(args: argparse.Namespace):
     return ServingEngine(None, None, method, model_id=args.model_id or args.model,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          default_max_tokens=args.max_tokens, load=lambda: load(args.model),
-                         load_draft=lambda source: load(source, name=source))
+                         load_draft=lambda source: load(source, name=source), online_memory=args.online_memory)
 
 
 # What ``jointspec serve`` imports beyond the core dependencies: the ``serve`` extra.

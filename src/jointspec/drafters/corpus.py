@@ -12,7 +12,8 @@ followed it.
 Drafting, one token at a time (each drafted token joins the context for the next):
 
 1. the context's own continuation, if its last ``n >= min_context_ngram`` tokens occurred earlier in it (prompt
-   lookup, longest n first, most recent match);
+   lookup, longest n first, most recent match), or the continuation in the target's earlier answers where an
+   online memory is given and matches a longer n-gram (:mod:`jointspec.drafters.memory`);
 2. else the table's continuation of the longest final n-gram it holds (``n >= min_order``), if that continuation
    had at least ``min_share`` of the n-gram's occurrences in the corpus;
 3. else the draft ends.
@@ -44,7 +45,8 @@ import torch
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.ngram import PromptLookupDrafter, lookup
+from jointspec.drafters.memory import OutputMemory
+from jointspec.drafters.ngram import PromptLookupDrafter, lookup_with_memory
 
 TABLE_FILE = "table.npz"
 CONFIG_FILE = "corpus.json"
@@ -251,8 +253,9 @@ class CorpusLookupDrafter(PromptLookupDrafter):
 
     def __init__(self, table: NgramTable, num_draft_tokens: int = 3, max_num_draft_tokens: int | None = None, *,
                  max_ngram: int = 3, min_context_ngram: int = 2, min_order: int = 1,
-                 min_share: float = 0.4) -> None:
-        super().__init__(num_draft_tokens, max_ngram, min_context_ngram, max_num_draft_tokens)
+                 min_share: float = 0.4, output_memory: OutputMemory | None = None) -> None:
+        super().__init__(num_draft_tokens, max_ngram, min_context_ngram, max_num_draft_tokens,
+                         output_memory=output_memory)
         if not 1 <= min_order <= table.max_order:
             raise ValueError(f"min_order must be 1 .. {table.max_order} for this table, got {min_order}")
         if not 0.0 <= min_share <= 1.0:
@@ -262,9 +265,9 @@ class CorpusLookupDrafter(PromptLookupDrafter):
         self.min_share = min_share
 
     def next_token(self, context: np.ndarray) -> int | None:
-        """The drafted token after ``context`` (int64 token ids): from the context itself, else from the table, else
-        None."""
-        copied = lookup(context, 1, self.max_ngram, self.min_ngram)
+        """The drafted token after ``context`` (int64 token ids): from the context itself (or the memory of earlier
+        answers, where it matches longer), else from the table, else None."""
+        copied = lookup_with_memory(context, 1, self.max_ngram, self.min_ngram, self.output_memory)
         if copied:
             return copied[0]
         found = self.table.continuation(context, self.min_order)

@@ -9,6 +9,9 @@ The drafter has no probabilities: verifiers treat its tokens as one-hot drafts.
 Draft length adapts: a copy that was accepted whole is probably still running (the model is quoting its input), so
 the next draft doubles, up to ``max_num_draft_tokens``; any rejection drops back to ``num_draft_tokens``. Long drafts
 thus only happen while they pay, and a spurious match costs at most a short verification.
+
+With an :class:`~jointspec.drafters.memory.OutputMemory` the drafter also copies from the target's earlier answers
+where they hold a longer match than the context (online adaptation, :mod:`jointspec.drafters.memory`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.memory import OutputMemory, longest_source
 
 
 def suffix_matches(context: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int) -> tuple[int, list[int]]:
@@ -40,9 +44,23 @@ def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram
     return context[starts[0]: starts[0] + num_draft_tokens].tolist() if starts else []
 
 
+def lookup_with_memory(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int,
+                       memory: OutputMemory | None) -> list[int]:
+    """:func:`lookup`, or the most recent continuation in ``memory``'s earlier answers where they match a longer
+    final n-gram than the context does."""
+    if memory is None:
+        return lookup(context, num_draft_tokens, max_ngram, min_ngram)
+    in_context = suffix_matches(context, max_ngram, min_ngram, 1)
+    in_memory = memory.continuations(context, num_draft_tokens, max_ngram=max_ngram, min_ngram=min_ngram)
+    _, starts, continuations = longest_source(in_context, in_memory)
+    if starts:
+        return context[starts[0]: starts[0] + num_draft_tokens].tolist()
+    return continuations[0] if continuations else []
+
+
 class PromptLookupDrafter:
     def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
-                 max_num_draft_tokens: int | None = None) -> None:
+                 max_num_draft_tokens: int | None = None, *, output_memory: OutputMemory | None = None) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         max_num_draft_tokens = num_draft_tokens if max_num_draft_tokens is None else max_num_draft_tokens
@@ -55,6 +73,7 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_num_draft_tokens = max_num_draft_tokens
+        self.output_memory = output_memory
         self._length = num_draft_tokens
         self._last_num_drafted = 0
 
@@ -65,8 +84,8 @@ class PromptLookupDrafter:
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         num_tokens = min(self._length, max_num_draft_tokens)
-        tokens = lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram) \
-            if num_tokens > 0 else []
+        tokens = lookup_with_memory(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram,
+                                    self.min_ngram, self.output_memory) if num_tokens > 0 else []
         self._last_num_drafted = len(tokens)
         return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
 

@@ -18,7 +18,9 @@ this request's earlier rounds, starting from 1. A calibration that fell so low t
 again, so the drafter then still drafts the likeliest node as a probe after 1, 2, 4, ... skipped rounds (at most
 64), back to every round once a probe is accepted.
 
-The trie is rebuilt each round from the context (prompt and output so far): nothing crosses requests. The drafter
+The trie is rebuilt each round from the context (prompt and output so far), and, with an
+:class:`~jointspec.drafters.memory.OutputMemory`, from the target's earlier answers too (Lookahead's global trie):
+the memory's continuations join the trie where it matches a final n-gram at least as long as the context's. The drafter
 has no probabilities, so verifiers treat its nodes as deterministic, distinct siblings (greedy: the longest path
 the target agrees with; sampling: :class:`~jointspec.verifiers.tree.TreeRejectionVerifier`).
 """
@@ -31,6 +33,7 @@ import torch
 from jointspec.core.draft import EMPTY_DRAFT, Draft, chain_parents
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostCurve
+from jointspec.drafters.memory import OutputMemory, longest_source
 from jointspec.drafters.ngram import suffix_matches
 
 
@@ -38,11 +41,13 @@ class TrieLookupDrafter:
     """Multi-branch drafts from every earlier occurrence of the context's suffix n-gram (module docstring).
 
     ``curve``: the target's cost curve (None: always draft ``max_nodes`` nodes at most). ``max_depth``: the deepest
-    continuation taken. ``memory``: rounds the calibration averages over.
+    continuation taken. ``memory``: rounds the calibration averages over. ``output_memory``: earlier answers to
+    draft from as well (online adaptation).
     """
 
     def __init__(self, curve: CostCurve | None, *, max_depth: int = 8, max_nodes: int = 16, max_ngram: int = 3,
-                 min_ngram: int = 1, max_matches: int = 32, memory: float = 10.0) -> None:
+                 min_ngram: int = 1, max_matches: int = 32, memory: float = 10.0,
+                 output_memory: OutputMemory | None = None) -> None:
         if max_depth < 1 or max_nodes < 1 or max_matches < 1:
             raise ValueError(f"max_depth, max_nodes and max_matches must be >= 1, got {max_depth}, {max_nodes}, "
                              f"{max_matches}")
@@ -57,6 +62,7 @@ class TrieLookupDrafter:
         self.min_ngram = min_ngram
         self.max_matches = max_matches
         self.decay = 1.0 - 1.0 / memory
+        self.output_memory = output_memory
         self.start([])
 
     @property
@@ -71,15 +77,23 @@ class TrieLookupDrafter:
     def trie(self, context_ids: list[int], max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The merged continuations: (tokens, parents, chances) per node, ranked (parents before children)."""
         context = np.asarray(context_ids, dtype=np.int64)
-        _, starts = suffix_matches(context, self.max_ngram, self.min_ngram, self.max_matches)
+        match = suffix_matches(context, self.max_ngram, self.min_ngram, self.max_matches)
+        remembered: list[list[int]] = []
+        if self.output_memory is not None:
+            in_memory = self.output_memory.continuations(context, max_depth, max_ngram=self.max_ngram,
+                                                         min_ngram=self.min_ngram)
+            _, starts, remembered = longest_source(match, (in_memory[0], in_memory[1][:self.max_matches]))
+        else:
+            starts = match[1]
+        branches = [context[start:start + max_depth].tolist() for start in starts] + remembered
         tokens: list[int] = []
         parents: list[int] = []
         counts: list[int] = []
         depths: list[int] = []
         index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for start in starts:
+        for branch in branches:
             parent = -1
-            for token in context[start:start + max_depth].tolist():
+            for token in branch:
                 node = index.get((parent, token))
                 if node is None:
                     node = index[(parent, token)] = len(tokens)
@@ -93,7 +107,7 @@ class TrieLookupDrafter:
         order = sorted(range(len(tokens)), key=lambda i: (-counts[i], depths[i], i))
         rank = {node: r for r, node in enumerate(order)}
         return ([tokens[i] for i in order], [-1 if parents[i] < 0 else rank[parents[i]] for i in order],
-                [counts[i] / len(starts) for i in order])
+                [counts[i] / len(branches) for i in order])
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:

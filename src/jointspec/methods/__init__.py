@@ -13,9 +13,11 @@ from jointspec.methods.registry import (
                                         lossless_methods,
                                         method_names,
                                         method_summaries,
+                                        online_methods,
                                         register_method,
 )
 
 # The modules are listed too: importing each registers its methods.
 __all__ = ["default", "lookahead", "lossless", "mtad", "oracle", "sparse_self", "trees", "MethodConfig",
-           "MethodContext", "build_method", "lossless_methods", "method_names", "method_summaries", "register_method"]
+           "MethodContext", "build_method", "lossless_methods", "method_names", "method_summaries", "online_methods",
+           "register_method"]

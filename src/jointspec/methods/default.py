@@ -37,7 +37,7 @@ _TREE_GAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @register_method("default", "what `generate` runs: hybrid-tree with the head shipped for the target where its measured "
                  "cost curve says the tree pays, else cost-aware corpus or pld (lossless)",
-                 lossless=True, cost_aware=True)
+                 lossless=True, cost_aware=True, learns_online=True)
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     def lookup() -> MethodConfig:
         """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),
@@ -63,8 +63,7 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
         config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)
         # Its lookup half drafts as `corpus` where a table is shipped for the tokenizer: on the float32 SmolLM2 that
         # ran faster than with prompt lookup alone (docs/lab/benchmarks.md, section 5).
-        drafter, verifier = hybrid_tree(MethodContext(config, context.target, context.tokenizer, context.load_draft),
-                                         table=shipped_corpus_table(context))
+        drafter, verifier = hybrid_tree(replace(context, config=config), table=shipped_corpus_table(context))
         if context.config.draft is not None or context.config.tree or context.config.tree_budget:
             return drafter, verifier  # a draft or a tree asked for: keep them
         draft = drafter.draft
@@ -78,4 +77,4 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
         if hasattr(draft, "mirror"):
             context.target.detach_feature_mirror(draft.mirror)
         config = lookup()
-    return build_method(MethodContext(config, context.target, context.tokenizer, context.load_draft))
+    return build_method(replace(context, config=config))

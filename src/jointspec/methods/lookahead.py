@@ -11,12 +11,12 @@ from jointspec.verifiers.tree import TreeRejectionVerifier
 
 @register_method("lookahead", "Lookahead (Zhao et al. 2023): a trie of every earlier continuation of the context's "
                  "last n-gram, drafted as one token tree sized by the cost curve (--tree-budget caps the nodes, "
-                 "default 16) (lossless)", lossless=True)
+                 "default 16) (lossless)", lossless=True, learns_online=True)
 def _build_lookahead(context: MethodContext):
     config = context.config
     drafter = TrieLookupDrafter(target_cost_curve(context.target),
                                 max_depth=max(config.num_draft_tokens, config.max_num_draft_tokens),
                                 max_nodes=config.tree_budget or 16, max_ngram=config.max_ngram,
-                                min_ngram=config.min_ngram)
+                                min_ngram=config.min_ngram, output_memory=context.memory)
     # Distinct deterministic siblings: one-hot draft rows, so replacement or not gives the same law.
     return drafter, TreeRejectionVerifier(replacement=True)

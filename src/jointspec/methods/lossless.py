@@ -43,18 +43,22 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 
 @register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)",
-                 lossless=True, cost_aware=True)
+                 lossless=True, cost_aware=True, learns_online=True)
 def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
-    config = context.config
     # Draft length starts at num_draft_tokens and doubles while whole drafts are accepted, up to
     # max_num_draft_tokens (docs/lab/benchmarks.md has the side-by-side measurement that chose 4 -> 16).
-    drafter = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
-                                  max(config.max_num_draft_tokens, config.num_draft_tokens))
-    return drafter, RejectionSamplingVerifier()
+    return _prompt_lookup(context), RejectionSamplingVerifier()
+
+
+def _prompt_lookup(context: MethodContext) -> PromptLookupDrafter:
+    config = context.config
+    return PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
+                               max(config.max_num_draft_tokens, config.num_draft_tokens), output_memory=context.memory)
 
 
 @register_method("corpus", "prompt lookup, else an n-gram table of the target's own answers (--draft TABLE, default: "
-                 "the one shipped for its tokenizer) (lossless)", lossless=True, cost_aware=True)
+                 "the one shipped for its tokenizer) (lossless)", lossless=True, cost_aware=True,
+                 learns_online=True)
 def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     table = (table_for(config.draft, context.tokenizer, context.target.vocab_size) if config.draft else
@@ -63,26 +67,27 @@ def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
         raise UnsupportedOptionError("method 'corpus' needs an n-gram table for this target's tokenizer and none is "
                                      "shipped for it: build one with `jointspec build-corpus --target ... --out DIR` "
                                      "and pass --draft DIR")
-    return _corpus_lookup(config, table), RejectionSamplingVerifier()
+    return _corpus_lookup(context, table), RejectionSamplingVerifier()
 
 
-def _corpus_lookup(config: MethodConfig, table) -> Drafter:
+def _corpus_lookup(context: MethodContext, table) -> Drafter:
+    config = context.config
     return CorpusLookupDrafter(table, config.num_draft_tokens,
-                               max(config.max_num_draft_tokens, config.num_draft_tokens), max_ngram=config.max_ngram)
+                               max(config.max_num_draft_tokens, config.num_draft_tokens), max_ngram=config.max_ngram,
+                               output_memory=context.memory)
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
-                 lossless=True, cost_aware=True)
+                 lossless=True, cost_aware=True, learns_online=True)
 def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
-    lookup = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
-                                 max(config.max_num_draft_tokens, config.num_draft_tokens))
-    return HybridDrafter(lookup, ModelDrafter(context.draft_model(), length)), chain_verifier(config)
+    return HybridDrafter(_prompt_lookup(context), ModelDrafter(context.draft_model(), length)), chain_verifier(config)
 
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft, else the tree (--tree; "
-                 "default: the draft's top 1-3 tokens); cost-aware (lossless)", lossless=True, cost_aware=True)
+                 "default: the draft's top 1-3 tokens); cost-aware (lossless)", lossless=True, cost_aware=True,
+                 learns_online=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     return hybrid_tree(context)
 
@@ -92,9 +97,7 @@ def hybrid_tree(context: MethodContext, table=None) -> tuple[Drafter, Verifier]:
 
     config = context.config
     draft = context.draft_model()
-    lookup = (_corpus_lookup(config, table) if table is not None else
-              PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
-                                  max(config.max_num_draft_tokens, config.num_draft_tokens)))
+    lookup = _corpus_lookup(context, table) if table is not None else _prompt_lookup(context)
     curve = target_cost_curve(context.target)
     aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
     eos = context.eos_token_ids()

@@ -15,6 +15,7 @@ from jointspec.core.draft import Drafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import TargetLM
 from jointspec.core.verdict import Verifier
+from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.model import check_same_vocabulary
 from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact, shipped_head_for
 from jointspec.drafts.registry import bind_trained_draft
@@ -68,12 +69,14 @@ class MethodConfig:
 
 @dataclass
 class MethodContext:
-    """What a method builder may use: the target, its tokenizer, and a way to load the draft model."""
+    """What a method builder may use: the target, its tokenizer, a way to load the draft model, and the target's
+    earlier answers to copy from (``memory``: online adaptation, for the methods registered ``learns_online``)."""
 
     config: MethodConfig
     target: TargetLM
     tokenizer: object | None
     load_draft: Callable[[str], tuple[TargetLM, object | None]]
+    memory: OutputMemory | None = None
 
     def draft_model(self) -> TargetLM:
         """The draft model named by ``config.draft`` (required), checked against the target's vocabulary."""
@@ -112,17 +115,18 @@ class MethodEntry:
     summary: str
     lossless: bool  # greedy output equals plain decoding's; samples follow the target's law (tests prove each)
     cost_aware: bool  # drafts chains, so ``MethodConfig.cost_aware`` may wrap its drafter
+    learns_online: bool = False  # its drafters copy from ``MethodContext.memory`` (drafters/memory.py)
 
 
 _METHODS: dict[str, MethodEntry] = {}
 
 
-def register_method(name: str, summary: str, *, lossless: bool,
-                    cost_aware: bool = False) -> Callable[[Builder], Builder]:
-    """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, and whether it
-    may be made ``cost_aware``."""
+def register_method(name: str, summary: str, *, lossless: bool, cost_aware: bool = False,
+                    learns_online: bool = False) -> Callable[[Builder], Builder]:
+    """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, whether it
+    may be made ``cost_aware``, and whether it drafts from a memory of earlier answers (``learns_online``)."""
     def decorate(builder: Builder) -> Builder:
-        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware)
+        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online)
         return builder
     return decorate
 
@@ -140,6 +144,11 @@ def lossless_methods() -> list[str]:
     return sorted(name for name, entry in _METHODS.items() if entry.lossless)
 
 
+def online_methods() -> list[str]:
+    """The methods whose drafters copy from a memory of the target's earlier answers."""
+    return sorted(name for name, entry in _METHODS.items() if entry.learns_online)
+
+
 def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     name = context.config.name
     if name not in _METHODS:
@@ -149,6 +158,9 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
         cost_aware = sorted(n for n, other in _METHODS.items() if other.cost_aware)
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
+    if context.memory is not None and not entry.learns_online:
+        raise UnsupportedOptionError(f"method '{name}' does not draft from earlier answers; methods that learn "
+                                     f"online: {', '.join(online_methods())}")
     drafter, verifier = entry.builder(context)
     if context.config.verify == "block" and not isinstance(verifier, BlockVerifier):
         raise UnsupportedOptionError(f"method '{name}' has no block verification; it is for chain methods whose "

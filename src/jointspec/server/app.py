@@ -101,6 +101,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     jointspec: JointspecOptions | None = None
+    user: str | None = None  # OpenAI's end-user id: scopes the online memory (serve --online-memory user)
     # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
     # (non-streamed) reply, and not after a stop string cut the text short.
     return_token_ids: bool = False
@@ -463,7 +464,7 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
     common = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed or 0,
-                  stop=stop, method=options)
+                  stop=stop, method=options, user=body.user)
     try:
         if isinstance(body, ChatBody):
             messages = tuple({"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None

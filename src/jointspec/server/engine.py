@@ -33,10 +33,16 @@ from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
-from jointspec.methods import MethodConfig, method_names
+from jointspec.drafters.memory import OutputMemory, memory_for
+from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 
 log = logging.getLogger(__name__)
+
+
+# Whether the server keeps a memory of earlier answers for the lookup drafters (drafters/memory.py): never, one per
+# request's ``user``, or one that every request shares.
+ONLINE_MEMORY_CHOICES = ("off", "user", "shared")
 
 
 class QueueFullError(JointspecError):
@@ -60,6 +66,7 @@ class CompletionRequest:
     seed: int = 0
     stop: tuple[str, ...] = ()
     method: dict | None = None  # the request's "jointspec" options, overriding the server's method
+    user: str | None = None  # OpenAI's end-user id: the scope of the online memory where the server keeps one per user
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -164,6 +171,9 @@ class _Stream:
     def __init__(self, owner: ServingEngine, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...],
                  num_prompt_tokens: int, method: str) -> None:
         self.owner = owner
+        self.memory: OutputMemory | None = None  # where the engine thread remembers the whole answer, if anywhere
+        self.prompt_ids: list[int] = []
+        self.answer_ids: list[int] = []  # the engine thread's: every token committed so far
         self.loop = loop
         self.events: asyncio.Queue[BatchEvent | Failure] = asyncio.Queue()
         self.text = TextStream(owner.tokenizer, stop)
@@ -228,9 +238,13 @@ class ServingEngine:
 
     def __init__(self, target: CausalLM | None, tokenizer=None, method: MethodConfig = MethodConfig(), *,
                  model_id: str = "jointspec", max_batch_size: int = 16, max_queue: int = 64,
-                 default_max_tokens: int = 256, load_draft=None, load=None) -> None:
+                 default_max_tokens: int = 256, load_draft=None, load=None, online_memory: str = "off") -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if online_memory not in ONLINE_MEMORY_CHOICES:
+            raise ValueError(f"online_memory must be one of {', '.join(ONLINE_MEMORY_CHOICES)}, got "
+                             f"'{online_memory}'")
+        self.online_memory = online_memory
         if (target is None) == (load is None):
             raise ValueError("give the engine a target (and tokenizer) or a function that loads them, not both")
         self.target = target
@@ -294,6 +308,16 @@ class ServingEngine:
         fields = {"method": "name"}
         return dataclasses.replace(self.method, **{fields.get(k, k): v for k, v in options.items()})
 
+    def memory_for(self, user: str | None, method: MethodConfig) -> OutputMemory | None:
+        """The memory of earlier answers this request drafts from and joins: none unless the server keeps one
+        (``online_memory``) and the method learns online; per user (a request without ``user`` gets none), or one
+        that every request shares."""
+        if self.online_memory == "off" or method.name not in online_methods():
+            return None
+        if self.online_memory == "user":
+            return None if not user else memory_for(self.target.model, f"user:{user}")
+        return memory_for(self.target.model, "shared")
+
     async def submit(self, request: CompletionRequest) -> Generation:
         prompt_ids = self.encode(request)
         if not prompt_ids:
@@ -303,8 +327,10 @@ class ServingEngine:
         config = DecodeConfig(max_tokens, SamplingConfig(request.temperature, request.top_k, request.top_p),
                               self.eos_token_ids)
         method = self.method_for(request.method)
-        batch_request = BatchRequest(prompt_ids, config, method, request.seed)
+        memory = self.memory_for(request.user, method)
+        batch_request = BatchRequest(prompt_ids, config, method, request.seed, memory)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
+        stream.memory, stream.prompt_ids = memory, prompt_ids
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admission:
             if self._closing:
@@ -401,7 +427,11 @@ class ServingEngine:
             if num_rows:
                 self._snapshot.batch_size.observe(num_rows)
         deliveries = [(self._streams[e.seq_id], e) for e in events if e.seq_id in self._streams]
-        for _, event in deliveries:
+        for stream, event in deliveries:
+            if stream.memory is not None:
+                stream.answer_ids.extend(event.token_ids)
+                if event.finish_reason in ("stop", "length"):  # a whole answer: later requests may copy from it
+                    stream.memory.add(stream.prompt_ids, stream.answer_ids)
             if event.finish_reason is not None:
                 self._forget(event.seq_id)
         self._update_gauges()  # before the tokens go out: a client that sees them also sees the rows they came from

@@ -1,0 +1,78 @@
+"""The server's online memory (``serve --online-memory``): answers stay the engine's exact tokens, a later request
+drafts from earlier answers of its own scope only, and the engine that cannot hold a memory refuses it clearly.
+
+The model is a tiny random Llama on the compiled int4 layers, so the server runs the lockstep engine (what serves a
+CPU int4 model); greedy, so every comparison is exact (no false-failure odds)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from jointspec.backends.hf import CausalLM
+from jointspec.methods import MethodConfig
+from jointspec.server.app import ServerSettings, create_app
+from jointspec.server.engine import ServingEngine
+
+from helpers import random_prompt
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from jointspec.batch.lockstep import LockstepEngine
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import build_engine
+
+    from helpers import grouped_llama, word_tokenizer
+
+    folder = tmp_path_factory.mktemp("model")
+    grouped_llama(0).save_pretrained(folder)
+    word_tokenizer(99).save_pretrained(folder)
+    args = build_parser().parse_args(["serve", "--model", str(folder), "--quantize", "int4", "--max-tokens", "24",
+                                      "--method", "lookahead", "--online-memory", "user"])
+    engine = build_engine(args)
+    assert isinstance(engine._engine, LockstepEngine)
+    yield engine
+    engine.close()
+
+
+def ask(client, prompt: list[int], **extra) -> dict:
+    reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                 "return_token_ids": True, **extra})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_user_drafts_from_their_own_earlier_answers_and_gets_the_same_tokens(served):
+    client = TestClient(create_app(ServerSettings(), served))
+    prompt = random_prompt(5)
+    first = ask(client, prompt, user="alice")
+    again = ask(client, prompt, user="alice")
+    other = ask(client, prompt, user="bob")
+    anonymous = ask(client, prompt)
+    tokens = first["choices"][0]["token_ids"]
+    assert len(tokens) == 24
+    for reply in (again, other, anonymous):
+        assert reply["choices"][0]["token_ids"] == tokens  # lossless: the memory changes drafts, never tokens
+    # Alice's second request copied her first answer: far fewer target calls. Bob and a request without a user
+    # have no memory of it, so they decode as her first request did.
+    rounds = [reply["usage"]["jointspec"]["rounds"] for reply in (first, again, other, anonymous)]
+    assert rounds[1] < rounds[0] / 2 and rounds[2] == rounds[3] == rounds[0], rounds
+    memory = served.memory_for("alice", served.method)
+    assert memory is not None and memory.num_answers == 2
+    assert served.memory_for(None, served.method) is None
+    assert served.memory_for("alice", MethodConfig(name="sps", draft="self")) is None  # sps does not learn online
+
+
+def test_the_ragged_engine_refuses_a_memory_with_a_400(byte_model, tokenizer):
+    engine = ServingEngine(CausalLM(byte_model), tokenizer, MethodConfig(name="pld"), model_id="tiny",
+                           online_memory="shared")
+    try:
+        reply = TestClient(create_app(ServerSettings(), engine)).post(
+            "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 400, reply.text
+        assert "online memory needs the lockstep engine" in reply.json()["error"]["message"]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="online_memory must be one of"):
+        ServingEngine(CausalLM(byte_model), tokenizer, online_memory="everyone")
