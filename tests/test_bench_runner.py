@@ -169,3 +169,30 @@ def test_every_registered_method_runs_and_every_lossless_one_matches_the_baselin
         assert outputs(specs[name]) == baseline, name  # compared here, not only through the bench's own flag
         assert summary[specs[name]]["num_identical"] == 3, name
         assert summary[specs[name]]["mean_accepted_tokens"] > (0.0 if name in LONG_INPUT_ONLY else 1.0), name
+
+
+def test_a_row_that_learns_online_remembers_only_after_its_timed_runs(target_model, bench_tokenizer, tmp_path):
+    # Ten prompts of one "distribution": the same request under different ids. The row with memory=online copies
+    # each earlier answer, so it needs fewer target calls on every prompt but the first; the row without the
+    # memory decodes each as the first. The first prompt, even after the warm-up ran it, has nothing to copy: the
+    # warm-up never writes the memory, and a prompt's own answer joins it only after its timed runs (repeats 2).
+    from jointspec.bench.report import write_report
+
+    prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[:8]),)) for i in range(10)]
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar,pld,pld:memory=online", prompts, repeats=2,
+                               max_new_tokens=16)
+    runs = {m: sorted((r for r in result.runs if r.method == m), key=lambda r: r.prompt_index)
+            for m in result.methods}
+    assert all(r.identical for r in runs["pld:memory=online"])
+    assert runs["pld:memory=online"][0].num_target_calls == runs["pld"][0].num_target_calls
+    assert all(online.num_target_calls < plain.num_target_calls
+               for online, plain in zip(runs["pld:memory=online"][1:], runs["pld"][1:]))
+    curve = summary["pld:memory=online"]["learning"]
+    first, last = runs["pld:memory=online"][0].stats, runs["pld:memory=online"][-1].stats
+    assert curve["num_prompts_each"] == 1 and curve["first_tokens_per_call"] == round(first.mean_accepted_tokens, 4)
+    assert curve["last_tokens_per_call"] == round(last.mean_accepted_tokens, 4) > curve["first_tokens_per_call"]
+    assert "learning" not in summary["pld"]
+    write_report(result, summary, tmp_path, "jointspec bench ...")
+    report = (tmp_path / "report.md").read_text()
+    assert "## Online memory: the first prompts against the last" in report
+    assert "`pld` on the same prompts: " in report

@@ -21,6 +21,7 @@ from jointspec.analysis.quality import distinct_n
 from jointspec.bench.costmodel import TargetCost, predict
 from jointspec.bench.intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
 from jointspec.bench.runner import BenchResult, PromptRun, perplexity_of
+from jointspec.bench.specs import MethodSpecError, parse_spec
 from jointspec.core.loop import SpecStats
 
 CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
@@ -125,11 +126,63 @@ def summarise(result: BenchResult) -> dict:
         out[method] = summary
     for method, runs in by_method.items():
         out[method].update(against_baseline(runs, base, result.config.seed))
+        if _memory(method) == "online":
+            out[method]["learning"] = learning_curve(runs)
     base_predicted = out[result.baseline].get("predicted_tokens_per_second")
     for summary in [s for m in out.values() for s in [m, *m["per_category"].values()]]:
         predicted = summary.get("predicted_tokens_per_second")
         summary["predicted_speedup"] = _rounded(predicted / base_predicted) if predicted and base_predicted else None
     return out
+
+
+def _memory(label: str) -> str | None:
+    """A row's ``memory`` option, None for a label that is not a method spec (results made by hand)."""
+    try:
+        return parse_spec(label).memory
+    except MethodSpecError:
+        return None
+
+
+# The share of a run's prompts at each end that a learning curve compares (at least one prompt each).
+LEARNING_SLICE = 0.1
+
+
+def learning_curve(runs: list[PromptRun]) -> dict | None:
+    """Tokens per target call over the first and the last ``LEARNING_SLICE`` of the prompts, in the order they
+    ran: for a row that learns online (``memory=online``), what the earlier answers taught it. Pooled over the
+    slice (all tokens / all calls)."""
+    ordered = sorted((r for r in runs if r.stats is not None), key=lambda r: r.prompt_index)
+    size = max(1, int(len(ordered) * LEARNING_SLICE))
+    if len(ordered) < 2 * size:
+        return None
+
+    def per_call(part: list[PromptRun]) -> float:
+        rounds = sum(r.stats.num_rounds for r in part)
+        return (rounds + sum(r.stats.num_accepted_tokens for r in part)) / rounds if rounds else 0.0
+
+    first, last = per_call(ordered[:size]), per_call(ordered[-size:])
+    return {"num_prompts_each": size, "first_tokens_per_call": round(first, 4), "last_tokens_per_call": round(last, 4),
+            "last_over_first": _rounded(last / first) if first else None}
+
+
+def learning_lines(summary: dict, by_method: dict[str, list[PromptRun]]) -> list[str]:
+    """report.md's section on rows that learn online, each beside the same method without the memory when that
+    ran too (whose ratio is the prompts' own drift between the two ends)."""
+    lines = []
+    for method, s in summary.items():
+        curve = s.get("learning")
+        if not curve:
+            continue
+        lines.append(f"- `{method}`: {curve['first_tokens_per_call']:.2f} tokens per call over the first "
+                     f"{curve['num_prompts_each']} prompts, {curve['last_tokens_per_call']:.2f} over the last "
+                     f"{curve['num_prompts_each']}: **{curve['last_over_first']:.2f}x**")
+        name = parse_spec(method).name
+        plain = next((m for m in by_method if _memory(m) == "off" and parse_spec(m).name == name), None)
+        reference = learning_curve(by_method[plain]) if plain else None
+        if reference:
+            lines[-1] += (f"; `{plain}` on the same prompts: {reference['first_tokens_per_call']:.2f} and "
+                          f"{reference['last_tokens_per_call']:.2f} ({reference['last_over_first']:.2f}x)")
+    return lines
 
 
 def against_baseline(runs: list[PromptRun], baseline_runs: list[PromptRun], seed: int) -> dict:
@@ -277,6 +330,10 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
         md.append(f"Measured after a {result.target_cost.prefill_tokens}-token prefill. Predicted time = prefill + "
                   "rounds × (draft time per round + T(draft tokens per round + 1)); loop efficiency = predicted / "
                   "measured time.\n")
+    learning = learning_lines(summary, {m: [r for r in result.runs if r.method == m] for m in result.methods})
+    if learning:
+        md.append("## Online memory: the first prompts against the last\n")
+        md += learning + [""]
     md.append("## Acceptance per draft position\n")
     for method, s in summary.items():
         if s.get("acceptance_per_position"):
