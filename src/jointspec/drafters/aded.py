@@ -207,7 +207,8 @@ class AdedDrafter(TrieLookupDrafter):
             tokens.append(token)
             parents.append(parent)
             chances.append(-negative)
-            if token not in self.eos_token_ids:
+            # A full tree needs no more candidates; nothing follows an end-of-sequence token.
+            if len(tokens) < self.max_nodes and token not in self.eos_token_ids:
                 expand(node, depth + 1, path, -negative)
         return tokens, parents, chances
 
