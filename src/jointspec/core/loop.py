@@ -139,6 +139,8 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.verifier = verifier
         self.stats = SpecStats()
+        # A drafter that learns from the target's rows gets their argmax each round (core/draft.py).
+        self._observes_target = bool(getattr(drafter, "observes_target", False))
 
     def stream(self, prompt_ids: list[int], config: DecodeConfig,
                generator: torch.Generator | None = None) -> Iterator[list[int]]:
@@ -206,6 +208,8 @@ class SpeculativeDecoder:
         tokens, draft, stats = state.tokens, state.draft, self.stats
         # 3. Verify.
         verdict = self.verifier.verify(draft, output.logits, state.config.sampling, state.generator)
+        if self._observes_target:
+            self.drafter.observe_target(draft, output.logits.argmax(dim=-1).tolist())
 
         # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
         num_committed = len(tokens)

@@ -37,6 +37,34 @@ from jointspec.drafters.memory import OutputMemory, longest_source
 from jointspec.drafters.ngram import suffix_matches
 
 
+def merge_branches(branches: list[tuple[list[int], float]]) -> tuple[list[int], list[int], list[float]]:
+    """Token sequences that all follow the pending token, with weights, merged into one trie: (tokens, parents,
+    chances) per node, where a node's chance is the weight of the branches through it over the total. Ranked by
+    chance, shallower first among equals (so parents come first), then in order of first sight."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    weights: list[float] = []
+    depths: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for branch, weight in branches:
+        parent = -1
+        for token in branch:
+            node = index.get((parent, token))
+            if node is None:
+                node = index[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                weights.append(0.0)
+                depths.append(0 if parent < 0 else depths[parent] + 1)
+            weights[node] += weight
+            parent = node
+    total = sum(weight for _, weight in branches)
+    order = sorted(range(len(tokens)), key=lambda i: (-weights[i], depths[i], i))
+    rank = {node: r for r, node in enumerate(order)}
+    return ([tokens[i] for i in order], [-1 if parents[i] < 0 else rank[parents[i]] for i in order],
+            [weights[i] / total for i in order])
+
+
 class TrieLookupDrafter:
     """Multi-branch drafts from every earlier occurrence of the context's suffix n-gram (module docstring).
 
@@ -86,28 +114,7 @@ class TrieLookupDrafter:
         else:
             starts = match[1]
         branches = [context[start:start + max_depth].tolist() for start in starts] + remembered
-        tokens: list[int] = []
-        parents: list[int] = []
-        counts: list[int] = []
-        depths: list[int] = []
-        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for branch in branches:
-            parent = -1
-            for token in branch:
-                node = index.get((parent, token))
-                if node is None:
-                    node = index[(parent, token)] = len(tokens)
-                    tokens.append(token)
-                    parents.append(parent)
-                    counts.append(0)
-                    depths.append(0 if parent < 0 else depths[parent] + 1)
-                counts[node] += 1
-                parent = node
-        # By count, shallower first among equals (so parents come first), then in order of first sight (recency).
-        order = sorted(range(len(tokens)), key=lambda i: (-counts[i], depths[i], i))
-        rank = {node: r for r, node in enumerate(order)}
-        return ([tokens[i] for i in order], [-1 if parents[i] < 0 else rank[parents[i]] for i in order],
-                [counts[i] / len(branches) for i in order])
+        return merge_branches([(branch, 1.0) for branch in branches])
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:

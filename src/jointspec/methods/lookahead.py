@@ -1,8 +1,10 @@
 """``lookahead``: Lookahead's trie drafts (Zhao et al., 2023), every continuation the context offers merged into one
-token tree, as many nodes as the target's cost curve says pay (:mod:`jointspec.drafters.trie`)."""
+token tree, as many nodes as the target's cost curve says pay (:mod:`jointspec.drafters.trie`). ``lade``: lookahead
+decoding (Fu et al., 2024), Jacobi iterations and the n-grams they leave behind (:mod:`jointspec.drafters.jacobi`)."""
 
 from __future__ import annotations
 
+from jointspec.drafters.jacobi import JacobiLookaheadDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods.costs import target_cost_curve
 from jointspec.methods.registry import MethodContext, register_method
@@ -19,4 +21,15 @@ def _build_lookahead(context: MethodContext):
                                 max_nodes=config.tree_budget or 16, max_ngram=config.max_ngram,
                                 min_ngram=config.min_ngram, output_memory=context.memory)
     # Distinct deterministic siblings: one-hot draft rows, so replacement or not gives the same law.
+    return drafter, TreeRejectionVerifier(replacement=True)
+
+
+@register_method("lade", "lookahead decoding (Fu et al. 2024): Jacobi guesses scored in the verification forward, "
+                 "the target's n-grams from every scored row drafted when the context reaches their first token; "
+                 "one token tree sized by the cost curve (--num-draft-tokens: the window, --max-ngram: the n-gram "
+                 "length, --tree-budget: the most nodes) (lossless)", lossless=True)
+def _build_lade(context: MethodContext):
+    config = context.config
+    drafter = JacobiLookaheadDrafter(target_cost_curve(context.target), window=config.num_draft_tokens,
+                                     ngram=max(2, config.max_ngram), max_nodes=config.tree_budget or 16)
     return drafter, TreeRejectionVerifier(replacement=True)
