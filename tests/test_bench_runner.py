@@ -134,8 +134,8 @@ def test_oracle_acceptance_matches_corruption_rate(target_model, bench_tokenizer
 
 # What the registry says of each method (``register_method(..., lossless=...)``); `ar` is the baseline itself. A method
 # added to the registry fails the test below until it is put in one of these two sets, agreeing with its flag.
-LOSSLESS = {"corpus", "default", "hybrid", "hybrid-tree", "lookahead", "oracle", "pld", "sparse-self", "specinfer",
-            "spectr", "sps"}
+LOSSLESS = {"aded", "corpus", "cross", "default", "hybrid", "hybrid-tree", "lade", "lookahead", "oracle", "pld",
+            "sparse-self", "specinfer", "spectr", "sps"}
 NOT_LOSSLESS = {"mtad", "mtad-tree"}
 # Methods for long inputs, which draft nothing on these short prompts (their drafting is tested on their own:
 # tests/test_drafters_sparse_self.py).
@@ -145,16 +145,16 @@ LONG_INPUT_ONLY = {"sparse-self"}
 def test_every_registered_method_runs_and_every_lossless_one_matches_the_baseline(target_model, bench_tokenizer,
                                                                                    bench_prompt_file, tmp_path):
     """Methods other modules register (mtad, specinfer, ...) need no change in the bench: each runs with the
-    target as its own draft (``corpus``, which drafts from an n-gram table, with a small one), and every lossless one
-    emits the baseline's tokens on every turn of every prompt, with drafts accepted on the way (so the speculation
-    really ran). Greedy and deterministic: no false-failure odds."""
+    target as its own draft (``corpus`` and ``aded``, which draft from an n-gram table, with a small one), and every
+    lossless one emits the baseline's tokens on every turn of every prompt, with drafts accepted on the way (so the
+    speculation really ran). Greedy and deterministic: no false-failure odds."""
     from jointspec.drafters.corpus import NgramTable
     from jointspec.methods import lossless_methods, method_names
 
     assert set(method_names()) == LOSSLESS | NOT_LOSSLESS | {"ar"}, "put the new method in LOSSLESS or NOT_LOSSLESS"
     assert set(lossless_methods()) == LOSSLESS | {"ar"}
     NgramTable.build([[5, 6, 7, 8]] * 2, vocab_size=target_model.config.vocab_size).save(tmp_path, {"kind": "corpus"})
-    drafts = {"corpus": str(tmp_path)}
+    drafts = {"corpus": str(tmp_path), "aded": str(tmp_path)}  # aded's draft is its n-gram prior
     specs = {name: f"{name}:draft={drafts.get(name, 'self')}" for name in method_names() if name != "ar"}
     result, summary = run_tiny(target_model, bench_tokenizer, ",".join(["ar", *specs.values()]),
                                load_prompts(str(bench_prompt_file)), max_new_tokens=8, perplexity=False)
