@@ -20,7 +20,7 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostCurve
-from jointspec.drafters.memory import OutputMemory, longest_source, memory_for
+from jointspec.drafters.memory import OutputMemory, longest_source, memory_for, most_common_path
 from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method, online_methods
@@ -96,6 +96,14 @@ def test_settings_are_checked():
         OutputMemory(min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="max_tokens"):
         OutputMemory(max_tokens=0)
+
+
+def test_chains_follow_the_path_most_answers_agree_on():
+    continuations = [[1, 2, 3], [4, 5], [1, 2, 6], [1, 7]]  # most recent first
+    assert most_common_path(continuations, 3) == [1, 2, 3]  # 3 of 4 start with 1; 2 of those go on with 2; a tie
+    assert most_common_path(continuations, 1) == [1]
+    assert most_common_path([[9], [8]], 2) == [9]  # a tie: the most recent; nothing follows it
+    assert most_common_path([], 3) == [] and most_common_path([[]], 3) == []
 
 
 def test_the_longer_source_leads_and_ties_keep_both():

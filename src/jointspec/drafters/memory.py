@@ -117,6 +117,22 @@ class OutputMemory:
         return 0, []
 
 
+def most_common_path(continuations: list[list[int]], num_tokens: int) -> list[int]:
+    """The path most of ``continuations`` (most recent first) agree on: at each step the token most of those still
+    on the path continue with (ties: the most recent), for at most ``num_tokens`` tokens. Where many earlier answers
+    matched, the most recent one is often not the typical one; a chain drafter takes this path instead."""
+    path: list[int] = []
+    live = [c for c in continuations if c]
+    while live and len(path) < num_tokens:
+        counts: dict[int, int] = {}
+        for continuation in live:  # dicts keep insertion order, so max() breaks ties towards the most recent
+            counts[continuation[0]] = counts.get(continuation[0], 0) + 1
+        token = max(counts, key=counts.__getitem__)
+        path.append(token)
+        live = [c[1:] for c in live if c[0] == token and len(c) > 1]
+    return path
+
+
 def longest_source(context_match: tuple[int, list], memory_match: tuple[int, list]) -> tuple[int, list, list]:
     """Which source a lookup drafter follows: (n, context starts, memory continuations), keeping the longer match,
     both on a tie (the context's first: the current answer is the better guide to itself)."""

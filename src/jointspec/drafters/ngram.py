@@ -22,7 +22,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.memory import OutputMemory, longest_source
+from jointspec.drafters.memory import OutputMemory, longest_source, most_common_path
 
 
 def suffix_matches(context: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int) -> tuple[int, list[int]]:
@@ -46,7 +46,7 @@ def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram
 
 def lookup_with_memory(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int,
                        memory: OutputMemory | None) -> list[int]:
-    """:func:`lookup`, or the most recent continuation in ``memory``'s earlier answers where they match a longer
+    """:func:`lookup`, or the continuation most of ``memory``'s earlier answers agree on where they match a longer
     final n-gram than the context does."""
     if memory is None:
         return lookup(context, num_draft_tokens, max_ngram, min_ngram)
@@ -55,7 +55,7 @@ def lookup_with_memory(context: np.ndarray, num_draft_tokens: int, max_ngram: in
     _, starts, continuations = longest_source(in_context, in_memory)
     if starts:
         return context[starts[0]: starts[0] + num_draft_tokens].tolist()
-    return continuations[0] if continuations else []
+    return most_common_path(continuations, num_draft_tokens)
 
 
 class PromptLookupDrafter:
