@@ -1,8 +1,9 @@
-"""The server's online memory (``serve --online-memory``): answers stay the engine's exact tokens, a later request
-drafts from earlier answers of its own scope only, and the engine that cannot hold a memory refuses it clearly.
+"""The server's online memory (``serve --online-memory``): answers stay the engine's exact tokens, and a later request
+drafts from earlier answers of its own scope only, on both batched engines.
 
-The model is a tiny random Llama on the compiled int4 layers, so the server runs the lockstep engine (what serves a
-CPU int4 model); greedy, so every comparison is exact (no false-failure odds)."""
+Models: a tiny random Llama on the compiled int4 layers, served by the lockstep engine (what serves a CPU int4
+model), and the tiny float32 byte-level model, served by the ragged-cache engine. Greedy, so every comparison is
+exact (no false-failure odds)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,19 @@ def test_a_user_drafts_from_their_own_earlier_answers_and_gets_the_same_tokens(s
     assert served.memory_for("alice", MethodConfig(name="sps", draft="self")) is None  # sps does not learn online
 
 
-def test_the_ragged_engine_refuses_a_memory_with_a_400(byte_model, tokenizer):
+def test_the_ragged_engine_shares_one_memory_when_told_to(byte_model, tokenizer):
+    # A float32 model is served by the ragged-cache engine: its batched prompt lookup copies from the shared memory
+    # too, so a second request (another user's, or none) drafts the first one's answer, with the same tokens.
     engine = ServingEngine(CausalLM(byte_model), tokenizer, MethodConfig(name="pld"), model_id="tiny",
                            online_memory="shared")
     try:
-        reply = TestClient(create_app(ServerSettings(), engine)).post(
-            "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0})
-        assert reply.status_code == 400, reply.text
-        assert "online memory needs the lockstep engine" in reply.json()["error"]["message"]
+        client = TestClient(create_app(ServerSettings(), engine))
+        prompt = random_prompt(5)
+        first, again = ask(client, prompt, user="alice"), ask(client, prompt)
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        rounds = [reply["usage"]["jointspec"]["rounds"] for reply in (first, again)]
+        assert rounds[1] < rounds[0], rounds  # deterministic: 6 against 9 when written
+        assert engine.memory_for(None, engine.method) is engine.memory_for("bob", engine.method)
     finally:
         engine.close()
     with pytest.raises(ValueError, match="online_memory must be one of"):

@@ -153,8 +153,9 @@ class BatchModelDrafter:
 # Drafter types the batched engine knows how to run, and how. Add an entry to batch a new drafter.
 _BATCH_DRAFTERS: dict[type, Callable[[Drafter], BatchDrafter]] = {
     NoDrafter: PerRowDrafter,
-    PromptLookupDrafter: PerRowDrafter,
-    CorpusLookupDrafter: lambda drafter: PerRowDrafter(drafter, shared=("table",)),
+    # A memory of earlier answers (drafters/memory.py) is shared by every row that drafts from it, never copied.
+    PromptLookupDrafter: lambda drafter: PerRowDrafter(drafter, shared=("output_memory",)),
+    CorpusLookupDrafter: lambda drafter: PerRowDrafter(drafter, shared=("table", "output_memory")),
     ModelDrafter: BatchModelDrafter,
 }
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -186,6 +186,11 @@ class EngineBase:
         return [out[seq_id] for seq_id in ids]
 
 
+# Methods with a memory of earlier answers the ragged engine keeps built (one per method and memory: per user
+# where the server keeps a memory per user).
+MAX_MEMORY_METHODS = 64
+
+
 class BatchEngine(EngineBase):
     """Decodes many requests together. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
 
@@ -193,29 +198,40 @@ class BatchEngine(EngineBase):
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
         self._methods: dict[MethodConfig, _Method] = {}
+        # Methods that draft from a memory, by config and memory, with the memory (kept alive while its id is a
+        # key); the least recently used go past MAX_MEMORY_METHODS (a sequence in flight keeps its own method).
+        self._memory_methods: OrderedDict[tuple[MethodConfig, int], tuple[_Method, OutputMemory]] = OrderedDict()
         self.cache = RaggedCache(target)
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    def method(self, config: MethodConfig) -> _Method:
-        """The batched drafter + verifier for ``config``, built once; raises if the method cannot batch."""
+    def method(self, config: MethodConfig, memory: OutputMemory | None = None) -> _Method:
+        """The batched drafter + verifier for ``config`` (drafting from ``memory`` too, if given), built once;
+        raises if the method cannot batch."""
+        if memory is not None:
+            key = (config, id(memory))
+            if key not in self._memory_methods:
+                self._memory_methods[key] = (self._build(config, memory), memory)
+                while len(self._memory_methods) > MAX_MEMORY_METHODS:
+                    self._memory_methods.popitem(last=False)
+            self._memory_methods.move_to_end(key)
+            return self._memory_methods[key][0]
         if config not in self._methods:
-            context = MethodContext(config, self.target, self.tokenizer, self._draft_model)
-            drafter, verifier = build_method(context)
-            if not isinstance(verifier, BATCHABLE_VERIFIERS):
-                raise UnsupportedOptionError(
-                    f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
-                    "chain verifier; batched methods are ar, pld, corpus and sps")
-            self._methods[config] = _Method(batch_drafter_for(drafter, config.name), verifier)
+            self._methods[config] = self._build(config, None)
         return self._methods[config]
 
+    def _build(self, config: MethodConfig, memory: OutputMemory | None) -> _Method:
+        drafter, verifier = build_method(MethodContext(config, self.target, self.tokenizer, self._draft_model, memory))
+        if not isinstance(verifier, BATCHABLE_VERIFIERS):
+            raise UnsupportedOptionError(
+                f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
+                "chain verifier; batched methods are ar, pld, corpus and sps")
+        return _Method(batch_drafter_for(drafter, config.name), verifier)
+
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
-        if request.memory is not None:
-            # Its batched drafters share one state per method, not one per request: no request's memory fits in.
-            raise UnsupportedOptionError("online memory needs the lockstep engine (the compiled CPU layers); this "
-                                         "target is served by the ragged-cache engine: serve without --online-memory")
         end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
-        return _Sequence(seq_id, request, self.method(request.method), generator, list(request.prompt_ids), end)
+        return _Sequence(seq_id, request, self.method(request.method, request.memory), generator,
+                         list(request.prompt_ids), end)
 
     def _drop_active(self, seq_id: int) -> None:
         self._leave({seq_id})
