@@ -106,6 +106,30 @@ def test_chains_follow_the_path_most_answers_agree_on():
     assert most_common_path([], 3) == [] and most_common_path([[]], 3) == []
 
 
+def test_the_memory_answers_like_an_ngram_table():
+    memory = OutputMemory(prompt_tail=0)
+    for answer in ([5, 6, 7], [5, 6, 8], [1, 6, 7]):
+        memory.add([], answer)
+    assert memory.max_order == 3
+    # After "5 6": two answers, one each way; the most recent wins the tie. After "6" alone, 7 twice out of three.
+    assert memory.continuation([9, 5, 6]) == (8, 0.5, 2)
+    assert memory.continuation([9, 6]) == (7, 2 / 3, 1)
+    assert memory.continuation([9, 5, 6], min_order=3) is None and memory.continuation([4]) is None
+
+
+def test_aded_counts_the_memory_beside_its_own_store():
+    from jointspec.drafters.aded import TrigramStore
+
+    memory = OutputMemory(prompt_tail=0)
+    memory.add([], [5, 6, 7])
+    alone, remembering = TrigramStore(), TrigramStore(answers=memory)
+    for store in (alone, remembering):
+        store.observe_all([1, 5, 6, 9])  # the request itself saw "5 6 -> 9" once
+    assert 7 not in alone.chances([5, 6])
+    chances = remembering.chances([5, 6])
+    assert chances[7] > 0.3 and chances[9] > 0.2  # two pseudo-observations of 7 beside one real 9
+
+
 def test_the_longer_source_leads_and_ties_keep_both():
     assert longest_source((2, [7]), (3, [[1]])) == (3, [], [[1]])
     assert longest_source((3, [7]), (2, [[1]])) == (3, [7], [])
@@ -156,7 +180,7 @@ def test_a_method_that_cannot_learn_online_refuses_a_memory(target_model):
 # -- greedy equivalence while drafting from memory -------------------------------------------------------------------
 
 MAX_NEW_TOKENS = 40
-METHODS = ["pld", "corpus", "lookahead", "default"]
+METHODS = ["pld", "corpus", "lookahead", "default", "aded"]
 
 
 def decoder_with_memory(method: str, target_model, memory: OutputMemory) -> SpeculativeDecoder:

@@ -23,9 +23,11 @@ and ``P3(d | a b)`` about 0.25: both are drafted as siblings if the cost curve p
 
 An optional ``prior`` (an :class:`~jointspec.drafters.corpus.NgramTable` of the target's own answers, shipped for
 some tokenizers) adds ``prior_weight`` pseudo-observations to every context: ``prior_weight * share`` on the token
-the table says follows the path's longest known n-gram, the rest spread by the back-off. The table is read, never
-copied (a million entries would not fit the store's bound), and the request's own counts outweigh it after a few
-sightings.
+the table says follows the path's longest known n-gram, the rest spread by the back-off. With ``answers`` (an
+:class:`~jointspec.drafters.memory.OutputMemory` of this deployment's earlier answers: online adaptation) the
+memory adds its own ``prior_weight`` pseudo-observations beside the table's, wherever it knows the context. The
+table is read, never copied (a million entries would not fit the store's bound), and the request's own counts
+outweigh both after a few sightings.
 
 The tree search. The paper builds drafts with a Monte Carlo tree search (PUCT) that balances exploring uncertain
 branches against exploiting likely ones. Here the store gives every node's chance in closed form (the product of
@@ -48,6 +50,7 @@ from collections import OrderedDict
 
 from jointspec.drafters.corpus import NgramTable
 from jointspec.drafters.costaware import CostCurve
+from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.trie import TrieLookupDrafter
 
 
@@ -83,7 +86,8 @@ class TrigramStore:
     """The adaptive tri-gram representation with bigram and unigram back-off (module docstring)."""
 
     def __init__(self, *, memory: float = 16.0, beta: float = 1.0, max_next: int = 8, max_contexts: int = 1 << 16,
-                 prior: NgramTable | None = None, prior_weight: float = 2.0) -> None:
+                 prior: NgramTable | None = None, prior_weight: float = 2.0,
+                 answers: OutputMemory | None = None) -> None:
         if not memory > 1:
             raise ValueError(f"memory must be > 1, got {memory}")
         if not beta > 0 or prior_weight < 0:
@@ -92,8 +96,11 @@ class TrigramStore:
             raise ValueError(f"max_next and max_contexts must be >= 1, got {max_next} and {max_contexts}")
         decay = 1.0 - 1.0 / memory
         self.beta = beta
-        self.prior = prior
-        self.prior_weight = prior_weight if prior is not None else 0.0
+        # Each source that knows the context adds its pseudo-observations: the table of the target's answers to other
+        # prompts, and its earlier answers here (online adaptation, drafters/memory.py). Replayed over recorded
+        # answers, adding both beat asking either first (lab notes, section 13).
+        self.priors = tuple(source for source in (prior, answers) if source is not None)
+        self.prior_weight = prior_weight if self.priors else 0.0
         self.trigrams = _Counts(max_contexts, max_next, decay)
         self.bigrams = _Counts(max_contexts, max_next, decay)
         # The unigram table is one context with a wider reach: the back-off of last resort.
@@ -122,10 +129,11 @@ class TrigramStore:
             chances = self._mix(self.bigrams.get(history[-1]), chances, {}, 0.0)
         if len(history) >= 2:
             prior, prior_weight = {}, 0.0
-            if self.prior_weight:
-                found = self.prior.continuation(history[-self.prior.max_order:])
+            for source in self.priors:
+                found = source.continuation(history[-source.max_order:])
                 if found is not None:
-                    prior, prior_weight = {found[0]: self.prior_weight * found[1]}, self.prior_weight
+                    prior[found[0]] = prior.get(found[0], 0.0) + self.prior_weight * found[1]
+                    prior_weight += self.prior_weight
             chances = self._mix(self.trigrams.get((history[-2], history[-1])), chances, prior, prior_weight)
         return chances
 

@@ -116,6 +116,20 @@ class OutputMemory:
                     return n, found
         return 0, []
 
+    @property
+    def max_order(self) -> int:
+        return self.max_ngram
+
+    def continuation(self, context: Sequence[int], min_order: int = 1) -> tuple[int, float, int] | None:
+        """(next token, its share, n) for the longest final n-gram of ``context`` that earlier answers hold: the
+        token most of its recent occurrences were followed by. The interface of
+        :meth:`~jointspec.drafters.corpus.NgramTable.continuation`, so the memory can stand where a table does."""
+        n, continuations = self.continuations(context, 1, min_ngram=max(min_order, self.min_ngram))
+        if not continuations:
+            return None
+        token = most_common_path(continuations, 1)[0]
+        return token, sum(c[0] == token for c in continuations) / len(continuations), n
+
 
 def most_common_path(continuations: list[list[int]], num_tokens: int) -> list[int]:
     """The path most of ``continuations`` (most recent first) agree on: at each step the token most of those still

@@ -17,7 +17,7 @@ NO_PRIOR = "none"
 @register_method("aded", "ADED (Liu et al. 2024): an adaptive tri-gram model of the prompt and output, searched "
                  "best-first into one token tree sized by the cost curve (--tree-budget caps the nodes, default 16; "
                  "--draft TABLE or 'none' for its n-gram prior, default: the one shipped for the tokenizer) "
-                 "(lossless)", lossless=True)
+                 "(lossless)", lossless=True, learns_online=True)
 def _build_aded(context: MethodContext):
     config = context.config
     if config.draft == NO_PRIOR:
@@ -30,6 +30,7 @@ def _build_aded(context: MethodContext):
         prior = shipped_corpus_table(context)
     drafter = AdedDrafter(target_cost_curve(context.target),
                           max_depth=max(config.num_draft_tokens, config.max_num_draft_tokens),
-                          max_nodes=config.tree_budget or 16, eos_token_ids=context.eos_token_ids(), prior=prior)
+                          max_nodes=config.tree_budget or 16, eos_token_ids=context.eos_token_ids(), prior=prior,
+                          answers=context.memory)
     # Distinct deterministic siblings: one-hot draft rows, so replacement or not gives the same law.
     return drafter, TreeRejectionVerifier(replacement=True)
