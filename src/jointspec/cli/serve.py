@@ -30,9 +30,10 @@ def add_parser(subparsers) -> None:
                         help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before they get "
                              "an error (default 30); new requests get 503 meanwhile")
     parser.add_argument("--online-memory", choices=("off", "user", "shared"), default="off",
-                        help="online adaptation: the lookup drafters (pld, corpus, lookahead, aded, default's lookup) also "
-                             "copy from earlier answers, kept per request 'user' (requests without one get none) or "
-                             "shared by every request; bounded per model, off by default (docs/methods.md)")
+                        help="online adaptation: the lookup drafters (pld, corpus, lookahead, aded, default's "
+                             "lookup) also copy from earlier answers, kept per request 'user' (requests without one "
+                             "get none) or shared by every request; bounded per model, off by default "
+                             "(docs/methods.md)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
