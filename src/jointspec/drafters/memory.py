@@ -53,7 +53,7 @@ class OutputMemory:
         self._next_id = 0
         self._num_tokens = 0
         self._num_evicted = 0  # tokens of dropped sequences still named in the index (rebuilt when it grows)
-        self._lock = threading.Lock()  # a server's requests finish on other threads than the engine's drafting
+        self._lock = threading.Lock()  # one memory may serve several threads (a server scope, pipelines in threads)
         self.num_answers = 0  # answers ever added (evicted ones included)
 
     @property
