@@ -17,6 +17,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import Draft
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters.costaware import CostCurve
 from jointspec.drafters.jacobi import JacobiLookaheadDrafter, NgramPool
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.greedy import GreedyVerifier
@@ -77,11 +78,36 @@ def test_pool_continuations_and_the_window_merge_into_one_tree():
     drafter.start([1, 2, 3, 4])  # the window: 3 4
     for ngram in ([4, 3, 9], [4, 3, 9], [4, 5, 6]):
         drafter.pool.add(ngram)
+    # The pool's branches after the pending 4, ranked: "3 9" (count 2), "5 6" (1).
     tokens, parents, chances = drafter.trie([1, 2, 3, 4], 4)
-    # Branches after the pending 4: "3 9" (count 2), "5 6" (1) and the window "3 4" (weight 1), merged at "3".
-    # Ranked by weight, then shallower, then first seen.
-    assert tokens == [3, 9, 5, 6, 4] and parents == [-1, 0, -1, 2, 0]
-    assert chances == pytest.approx([0.75, 0.5, 0.25, 0.25, 0.25])
+    assert tokens == [3, 9, 5, 6] and parents == [-1, 0, -1, 2]
+    assert chances == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    # The window "3 4" follows the pooled "3" and adds one node under it.
+    draft = drafter.propose([1, 2, 3, 4], 8, GREEDY, None)
+    assert draft.token_ids == [3, 9, 5, 6, 4] and draft.parents == [-1, 0, -1, 2, 0]
+
+
+def test_the_window_takes_only_rows_the_cost_curve_says_are_nearly_free():
+    flat = CostCurve({1: 1.0, 2: 1.01, 17: 1.2})  # a row costs ~1 % of a step (a launch-bound GPU)
+    dear = CostCurve({1: 1.0, 2: 1.13, 17: 2.8})  # a row costs 13 % (the int4 CPU target)
+    for curve, expected in ((flat, [12, 13, 14]), (dear, [])):
+        drafter = JacobiLookaheadDrafter(curve, window=3)
+        drafter.start([10, 11, 12, 13, 14])  # an empty pool: only the window could be drafted
+        assert drafter.propose([10, 11, 12, 13, 14], 8, GREEDY, None).token_ids == expected
+    with pytest.raises(ValueError, match="free_row_cost"):
+        JacobiLookaheadDrafter(None, free_row_cost=-1)
+
+
+def test_accepted_window_guesses_leave_the_calibration_alone():
+    drafter = JacobiLookaheadDrafter(None, window=3)
+    context = [10, 11, 12, 13, 14]
+    drafter.start(context)
+    draft = drafter.propose(context, 8, GREEDY, None)  # the window alone: 12 13 14
+    drafter.observe_target(draft, [12, 13, 14, 99])  # the target agrees with every guess
+    drafter.commit(context + [12, 13, 14, 99], 3)
+    assert drafter.calibration == 1.0  # it predicted nothing for the window, and counts nothing for it
+    # Jacobi had nothing past the committed tokens: the next window restarts from the context's end.
+    assert drafter.guesses == [13, 14, 99]
 
 
 def test_the_loop_reports_the_target_argmax_of_every_row(target_model):

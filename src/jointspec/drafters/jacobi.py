@@ -24,10 +24,12 @@ chain and its n-grams are read along the chain itself, so the whole draft is an 
 its ancestors at consecutive positions) and the loop, the verifiers and every backend's tree forward serve it
 unchanged. Its rows are verified too, so a Jacobi guess the target agrees with is accepted at once.
 
-How many rows: as :class:`~jointspec.drafters.trie.TrieLookupDrafter`, the nodes ranked by their share of the
-branches' weight (a pool n-gram weighs its count, the window ``window_weight``), kept while the expected tokens
-per unit of the target's measured cost rise, with the same calibration and probes. On a GPU extra rows are nearly
-free and the whole window runs; on a CPU the cost curve keeps only what its acceptance pays for.
+How many rows: the pool's nodes as :class:`~jointspec.drafters.trie.TrieLookupDrafter` sizes its trie (ranked by
+their share of the pooled counts, kept while the expected tokens per unit of the target's measured cost rise, with its
+calibration and probes), then the window on the rows the cost curve says are nearly free (each at most
+``free_row_cost`` of a step). Jacobi guesses are rarely accepted; their worth is the n-grams their rows leave, so they
+stay out of the calibration and never make a round slower. On a GPU extra rows are nearly free and the whole window
+runs; on a CPU it runs only where the curve is flat.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections import OrderedDict
 
 import torch
 
-from jointspec.core.draft import Draft
+from jointspec.core.draft import Draft, chain_parents
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostCurve
 from jointspec.drafters.trie import TrieLookupDrafter, merge_branches
@@ -80,16 +82,16 @@ class JacobiLookaheadDrafter(TrieLookupDrafter):
     observes_target = True
 
     def __init__(self, curve: CostCurve | None, *, window: int = 4, ngram: int = 3, max_guesses: int = 4,
-                 max_nodes: int = 16, window_weight: float = 1.0, memory: float = 10.0) -> None:
+                 max_nodes: int = 16, free_row_cost: float = 0.05, memory: float = 10.0) -> None:
         if window < 1 or ngram < 2 or max_guesses < 0:
             raise ValueError(f"need window >= 1, ngram >= 2 and max_guesses >= 0, got {window}, {ngram}, "
                              f"{max_guesses}")
-        if not window_weight > 0:
-            raise ValueError(f"window_weight must be > 0, got {window_weight}")
+        if not free_row_cost >= 0:
+            raise ValueError(f"free_row_cost must be >= 0, got {free_row_cost}")
         self.window = window
         self.ngram = ngram
         self.max_guesses = max_guesses
-        self.window_weight = window_weight
+        self.free_row_cost = free_row_cost
         super().__init__(curve, max_depth=max(window, ngram - 1), max_nodes=max_nodes, memory=memory)
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -101,31 +103,47 @@ class JacobiLookaheadDrafter(TrieLookupDrafter):
         self._context_length = len(prompt_ids)
         self._window_nodes: list[int] = []  # draft node of each drafted window guess, in order
         self._next_guesses: list[int] = []  # the target's guesses for the positions after the pending token
+        self._num_pool_nodes = 0  # the last draft's nodes from the pool (the window's come after them)
+        self._argmax_path: list[int] = []  # the nodes the target's argmax followed in the last round
 
     def trie(self, context_ids: list[int], max_depth: int) -> tuple[list[int], list[int], list[float]]:
-        """The pool's continuations of the context's last token and the window, merged and ranked."""
-        branches = [(list(tokens[:max_depth]), float(count))
-                    for tokens, count in self.pool.continuations(context_ids[-1], self.max_guesses)]
-        if self.guesses:
-            branches.append((self.guesses[:max_depth], self.window_weight))
-        return merge_branches(branches)
+        """The pool's continuations of the context's last token, merged and ranked."""
+        return merge_branches([(list(tokens[:max_depth]), float(count))
+                               for tokens, count in self.pool.continuations(context_ids[-1], self.max_guesses)])
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         self._context_length = len(context_ids)
+        self._draft_context = context_ids[-(self.ngram - 1):]
+        # The pool's n-grams, as many as pay for their rows (the calibration learns how often they are accepted).
         draft = super().propose(context_ids, max_num_draft_tokens, sampling, generator)
-        # Where the drafted window guesses sit: the path that follows them from the root, as far as it was kept.
-        children = {(parent, token): node for node, (parent, token)
-                    in enumerate(zip(draft.node_parents(), draft.token_ids))}
+        self._num_pool_nodes = draft.num_nodes
+        tokens, parents = list(draft.token_ids), draft.node_parents()
+        # Then the window, on rows the cost curve says are nearly free: Jacobi guesses are rarely accepted, their worth
+        # is the n-grams their rows leave, so they are kept out of the calibration and never paid for with a slower
+        # round. Where a guess is already a node (a pooled n-gram drafted it), the window follows that node.
+        children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
         self._window_nodes, parent = [], -1
-        for token in self.guesses:
+        for token in self.guesses[:min(self.max_depth, max_num_draft_tokens)]:
             node = children.get((parent, token))
             if node is None:
-                break
+                if not self._free_row(len(tokens)):
+                    break
+                node = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
             self._window_nodes.append(node)
             parent = node
-        self._draft_context = context_ids[-(self.ngram - 1):]
-        return draft
+        if len(tokens) == draft.num_nodes:
+            return draft
+        return Draft(token_ids=tokens, parents=None if parents == chain_parents(len(tokens)) else parents)
+
+    def _free_row(self, num_nodes: int) -> bool:
+        """Whether one more draft row (after ``num_nodes``) costs at most ``free_row_cost`` of a step."""
+        if self.curve is None:
+            return num_nodes < self.max_nodes
+        return (num_nodes < self.max_nodes and self.curve.cost(num_nodes + 2) - self.curve.cost(num_nodes + 1)
+                <= self.free_row_cost * self.curve.cost(1))
 
     def observe_target(self, draft: Draft, target_tokens: list[int]) -> None:
         """Pool every row's n-gram; take the window rows' tokens as the next Jacobi guesses."""
@@ -138,9 +156,17 @@ class JacobiLookaheadDrafter(TrieLookupDrafter):
             self.pool.add((context + path + [target_tokens[node + 1]])[-self.ngram:])
         # The target's guess for position j after the pending token saw guesses 1..j-1 as its prefix (Jacobi).
         self._next_guesses = [target_tokens[0]] + [target_tokens[node + 1] for node in self._window_nodes]
+        # The path the target's argmax follows through the tree (the accepted one when greedy): the calibration
+        # counts only the pooled nodes on it, the window's rows being free.
+        children = {(parent, token): node for node, (parent, token)
+                    in enumerate(zip(draft.node_parents(), draft.token_ids))}
+        self._argmax_path, node = [], children.get((-1, target_tokens[0]))
+        while node is not None:
+            self._argmax_path.append(node)
+            node = children.get((node, target_tokens[node + 1]))
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
-        super().commit(context_ids, num_accepted)
+        super().commit(context_ids, sum(node < self._num_pool_nodes for node in self._argmax_path[:num_accepted]))
         num_committed = len(context_ids) - self._context_length  # accepted tokens and the target's own one
         # The guesses for the positions after the new pending token; positions Jacobi has not reached keep the
         # old guesses shifted along (or, past them, the last guess), to be refined in later rounds.
