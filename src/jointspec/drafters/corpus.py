@@ -46,7 +46,7 @@ from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory
-from jointspec.drafters.ngram import PromptLookupDrafter, lookup_with_memory
+from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
 TABLE_FILE = "table.npz"
 CONFIG_FILE = "corpus.json"
@@ -267,7 +267,7 @@ class CorpusLookupDrafter(PromptLookupDrafter):
     def next_token(self, context: np.ndarray) -> int | None:
         """The drafted token after ``context`` (int64 token ids): from the context itself (or the memory of earlier
         answers, where it matches longer), else from the table, else None."""
-        copied = lookup_with_memory(context, 1, self.max_ngram, self.min_ngram, self.output_memory)
+        copied = lookup(context, 1, self.max_ngram, self.min_ngram, self.output_memory)
         if copied:
             return copied[0]
         found = self.table.continuation(context, self.min_order)

@@ -38,24 +38,18 @@ def suffix_matches(context: np.ndarray, max_ngram: int, min_ngram: int, max_matc
     return 0, []
 
 
-def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """The continuation of the most recent earlier occurrence of the longest matching suffix n-gram."""
-    _, starts = suffix_matches(context, max_ngram, min_ngram, 1)
+def lookup(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int,
+           memory: OutputMemory | None = None) -> list[int]:
+    """The continuation of the most recent earlier occurrence of the longest matching suffix n-gram; with a
+    ``memory``, the continuation most of its earlier answers agree on where they match a longer final n-gram."""
+    match = suffix_matches(context, max_ngram, min_ngram, 1)
+    starts = match[1]
+    if memory is not None:
+        in_memory = memory.continuations(context, num_draft_tokens, max_ngram=max_ngram, min_ngram=min_ngram)
+        _, starts, continuations = longest_source(match, in_memory)
+        if not starts:
+            return most_common_path(continuations, num_draft_tokens)
     return context[starts[0]: starts[0] + num_draft_tokens].tolist() if starts else []
-
-
-def lookup_with_memory(context: np.ndarray, num_draft_tokens: int, max_ngram: int, min_ngram: int,
-                       memory: OutputMemory | None) -> list[int]:
-    """:func:`lookup`, or the continuation most of ``memory``'s earlier answers agree on where they match a longer
-    final n-gram than the context does."""
-    if memory is None:
-        return lookup(context, num_draft_tokens, max_ngram, min_ngram)
-    in_context = suffix_matches(context, max_ngram, min_ngram, 1)
-    in_memory = memory.continuations(context, num_draft_tokens, max_ngram=max_ngram, min_ngram=min_ngram)
-    _, starts, continuations = longest_source(in_context, in_memory)
-    if starts:
-        return context[starts[0]: starts[0] + num_draft_tokens].tolist()
-    return most_common_path(continuations, num_draft_tokens)
 
 
 class PromptLookupDrafter:
@@ -84,8 +78,8 @@ class PromptLookupDrafter:
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         num_tokens = min(self._length, max_num_draft_tokens)
-        tokens = lookup_with_memory(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram,
-                                    self.min_ngram, self.output_memory) if num_tokens > 0 else []
+        tokens = lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram,
+                        self.output_memory) if num_tokens > 0 else []
         self._last_num_drafted = len(tokens)
         return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
 
