@@ -58,7 +58,7 @@ def test_target_rows_become_pool_ngrams_and_the_next_jacobi_guesses():
     drafter.start(context)
     draft = drafter.propose(context, 8, GREEDY, None)  # the window 12 13 14 after the pending token 14
     # The target's argmax after the pending token, then after each window node: it agrees with none of the guesses.
-    drafter.observe_target(draft, [20, 21, 22, 23])
+    drafter.observe_target(draft, [20, 21, 22, 23], [])
     # One n-gram per row: the last two tokens before the row's position, then the target's token.
     # After the pending token: "13 14 -> 20"; after window node 12: "14 12 -> 21"; after 13: "12 13 -> 22"; after
     # 14: "13 14 -> 23" (the same two tokens as the first, so both continue 13; the later one first).
@@ -103,7 +103,7 @@ def test_accepted_window_guesses_leave_the_calibration_alone():
     context = [10, 11, 12, 13, 14]
     drafter.start(context)
     draft = drafter.propose(context, 8, GREEDY, None)  # the window alone: 12 13 14
-    drafter.observe_target(draft, [12, 13, 14, 99])  # the target agrees with every guess
+    drafter.observe_target(draft, [12, 13, 14, 99], [0, 1, 2])  # the target agrees with every guess
     drafter.commit(context + [12, 13, 14, 99], 3)
     assert drafter.calibration == 1.0  # it predicted nothing for the window, and counts nothing for it
     # Jacobi had nothing past the committed tokens: the next window restarts from the context's end.
@@ -115,15 +115,15 @@ def test_the_loop_reports_the_target_argmax_of_every_row(target_model):
         observes_target = True
 
         def __init__(self) -> None:
-            self.seen: list[tuple[list[int], list[int]]] = []
+            self.seen: list[tuple[list[int], list[int], list[int]]] = []
 
         def start(self, prompt_ids): pass
 
         def propose(self, context_ids, max_num_draft_tokens, sampling, generator):
             return Draft([7, 8, 9][:max_num_draft_tokens], parents=[-1, 0, -1][:max_num_draft_tokens])
 
-        def observe_target(self, draft, target_tokens):
-            self.seen.append((list(draft.token_ids), target_tokens))
+        def observe_target(self, draft, target_tokens, accepted):
+            self.seen.append((list(draft.token_ids), target_tokens, accepted))
 
         def commit(self, context_ids, num_accepted): pass
 
@@ -131,13 +131,16 @@ def test_the_loop_reports_the_target_argmax_of_every_row(target_model):
     recorder = Recorder()
     SpeculativeDecoder(CausalLM(target_model), recorder, GreedyVerifier()).generate(prompt, greedy(5))
     recorder.seen = recorder.seen[:1]
-    (tokens, target_tokens), = recorder.seen
+    (tokens, target_tokens, accepted), = recorder.seen
     # The target's own argmax after the prompt, after "7" and after "7 8" (node 1 is 7's child), after "9".
     with torch.no_grad():
         def next_token(ids: list[int]) -> int:
             return int(target_model(torch.tensor([ids])).logits[0, -1].argmax())
     assert target_tokens == [next_token(prompt), next_token(prompt + [7]), next_token(prompt + [7, 8]),
                              next_token(prompt + [9])]
+    # And the verdict's accepted nodes: the path the target's argmax follows through the tree.
+    expected = {7: [0] + ([1] if target_tokens[1] == 8 else []), 9: [2]}.get(target_tokens[0], [])
+    assert accepted == expected
 
 
 def lade_decoder(target_model, **settings) -> SpeculativeDecoder:

@@ -78,9 +78,10 @@ class Drafter(Protocol):
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         """The loop kept ``num_accepted`` draft tokens; ``context_ids`` is now the whole committed sequence."""
 
-    # Optional: a drafter with ``observes_target = True`` also gets ``observe_target(draft, target_tokens)`` before
-    # each ``commit``: the target's argmax after the pending token (``target_tokens[0]``) and after each draft node
-    # (``target_tokens[i + 1]``), whatever was accepted. Lookahead decoding learns its n-grams from those rows.
+    # Optional: a drafter with ``observes_target = True`` also gets ``observe_target(draft, target_tokens, accepted)``
+    # before each ``commit``: the target's argmax after the pending token (``target_tokens[0]``) and after each draft
+    # node (``target_tokens[i + 1]``), whatever was accepted, and the accepted nodes (the verdict's). Lookahead
+    # decoding learns its n-grams from those rows.
 
 
 class NoDrafter:

@@ -209,7 +209,7 @@ class SpeculativeDecoder:
         # 3. Verify.
         verdict = self.verifier.verify(draft, output.logits, state.config.sampling, state.generator)
         if self._observes_target:
-            self.drafter.observe_target(draft, output.logits.argmax(dim=-1).tolist())
+            self.drafter.observe_target(draft, output.logits.argmax(dim=-1).tolist(), verdict.accepted)
 
         # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
         num_committed = len(tokens)

@@ -14,7 +14,7 @@ This drafter, each round:
 1. drafts, as one token tree rooted after the pending token, the pool's continuations of the context's last token
    (the most frequent first, at most ``max_guesses``) and the Jacobi window (the current guesses for the next
    positions), shared prefixes merged;
-2. after the forward, reads the target's argmax on every row (:meth:`observe_target`): each row gives an n-gram
+2. after the verification, reads the target's argmax on every row (:meth:`observe_target`): each row gives an n-gram
    (the ``ngram - 1`` tokens ending at that node, context included, then the target's token) for the pool, and the
    window's rows give the next Jacobi guesses, shifted past whatever the round committed.
 
@@ -104,7 +104,7 @@ class JacobiLookaheadDrafter(TrieLookupDrafter):
         self._window_nodes: list[int] = []  # draft node of each drafted window guess, in order
         self._next_guesses: list[int] = []  # the target's guesses for the positions after the pending token
         self._num_pool_nodes = 0  # the last draft's nodes from the pool (the window's come after them)
-        self._argmax_path: list[int] = []  # the nodes the target's argmax followed in the last round
+        self._num_pool_accepted = 0  # of the last round's accepted nodes, those the pool drafted
 
     def trie(self, context_ids: list[int], max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The pool's continuations of the context's last token, merged and ranked."""
@@ -145,8 +145,9 @@ class JacobiLookaheadDrafter(TrieLookupDrafter):
         return (num_nodes < self.max_nodes and self.curve.cost(num_nodes + 2) - self.curve.cost(num_nodes + 1)
                 <= self.free_row_cost * self.curve.cost(1))
 
-    def observe_target(self, draft: Draft, target_tokens: list[int]) -> None:
-        """Pool every row's n-gram; take the window rows' tokens as the next Jacobi guesses."""
+    def observe_target(self, draft: Draft, target_tokens: list[int], accepted: list[int]) -> None:
+        """Pool every row's n-gram; take the window rows' tokens as the next Jacobi guesses; note how many of the
+        accepted nodes the pool drafted (the window's rows being free, the calibration counts only those)."""
         context = self._draft_context
         paths: list[list[int]] = []
         for parent, token in zip(draft.node_parents(), draft.token_ids):
@@ -156,17 +157,10 @@ class JacobiLookaheadDrafter(TrieLookupDrafter):
             self.pool.add((context + path + [target_tokens[node + 1]])[-self.ngram:])
         # The target's guess for position j after the pending token saw guesses 1..j-1 as its prefix (Jacobi).
         self._next_guesses = [target_tokens[0]] + [target_tokens[node + 1] for node in self._window_nodes]
-        # The path the target's argmax follows through the tree (the accepted one when greedy): the calibration
-        # counts only the pooled nodes on it, the window's rows being free.
-        children = {(parent, token): node for node, (parent, token)
-                    in enumerate(zip(draft.node_parents(), draft.token_ids))}
-        self._argmax_path, node = [], children.get((-1, target_tokens[0]))
-        while node is not None:
-            self._argmax_path.append(node)
-            node = children.get((node, target_tokens[node + 1]))
+        self._num_pool_accepted = sum(node < self._num_pool_nodes for node in accepted)
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
-        super().commit(context_ids, sum(node < self._num_pool_nodes for node in self._argmax_path[:num_accepted]))
+        super().commit(context_ids, self._num_pool_accepted)
         num_committed = len(context_ids) - self._context_length  # accepted tokens and the target's own one
         # The guesses for the positions after the new pending token; positions Jacobi has not reached keep the
         # old guesses shifted along (or, past them, the last guess), to be refined in later rounds.
