@@ -198,9 +198,9 @@ class BatchEngine(EngineBase):
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
         self._methods: dict[MethodConfig, _Method] = {}
-        # Methods that draft from a memory, by config and memory, with the memory (kept alive while its id is a
-        # key); the least recently used go past MAX_MEMORY_METHODS (a sequence in flight keeps its own method).
-        self._memory_methods: OrderedDict[tuple[MethodConfig, int], tuple[_Method, OutputMemory]] = OrderedDict()
+        # Methods that draft from a memory, by config and memory; the least recently used go past
+        # MAX_MEMORY_METHODS (a sequence in flight keeps its own method).
+        self._memory_methods: OrderedDict[tuple[MethodConfig, OutputMemory], _Method] = OrderedDict()
         self.cache = RaggedCache(target)
 
     # -- requests -----------------------------------------------------------------------------------------------
@@ -209,13 +209,13 @@ class BatchEngine(EngineBase):
         """The batched drafter + verifier for ``config`` (drafting from ``memory`` too, if given), built once;
         raises if the method cannot batch."""
         if memory is not None:
-            key = (config, id(memory))
+            key = (config, memory)
             if key not in self._memory_methods:
-                self._memory_methods[key] = (self._build(config, memory), memory)
+                self._memory_methods[key] = self._build(config, memory)
                 while len(self._memory_methods) > MAX_MEMORY_METHODS:
                     self._memory_methods.popitem(last=False)
             self._memory_methods.move_to_end(key)
-            return self._memory_methods[key][0]
+            return self._memory_methods[key]
         if config not in self._methods:
             self._methods[config] = self._build(config, None)
         return self._methods[config]
