@@ -1,8 +1,9 @@
 """Sampling conventions (``jointspec.core.sampling``), on hand-computed examples: temperature, then top-k, then
 top-p, on ``processed_probs``; ``SamplingConfig``'s validation; the helpers every sampler draws with.
 
-Every expected distribution is written by hand (or, for the partial sort, by a full sort written here), never by
-the function under test. Deterministic: no false-failure odds.
+Every expected distribution is written by hand (or, for the partial sorts, by a full sort written here), never by
+the function under test. Deterministic except the chi-square test of ``sample``, whose false-failure odds it
+states.
 """
 
 from __future__ import annotations
@@ -107,13 +108,97 @@ def test_sampling_config_rejects_bad_values(kwargs):
         SamplingConfig(**kwargs)
 
 
-def test_sample_draws_on_the_generators_device():
-    """The helper every sampler uses draws exactly what torch.multinomial draws for the same seed, and returns ids on
-    the probabilities' device. (The cross-device case, CUDA logits with the CPU generator, needs a GPU to run.)"""
+def test_sample_returns_ids_on_the_probabilities_device_and_multinomial_draws_distinct_ids():
+    """Ids come back on the probabilities' device (the cross-device case, CUDA logits with the CPU generator, needs a
+    GPU to run), one per row; without replacement a row's draws are distinct and drawn from its support."""
     from jointspec.core.sampling import multinomial, sample
 
     probs = torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]])
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert sample(probs, g1).tolist() == torch.multinomial(probs, 1, generator=g2).squeeze(-1).tolist()
-    draws = multinomial(probs[0], 2, replacement=False, generator=torch.Generator().manual_seed(1))
-    assert draws.device == probs.device and sorted(set(draws.tolist())) == sorted(draws.tolist())
+    ids = sample(probs, torch.Generator().manual_seed(5))
+    assert ids.shape == (2,) and ids.device == probs.device
+    sparse = torch.tensor([0.0, 0.3, 0.0, 0.0, 0.2, 0.5, 0.0])
+    for seed in range(20):
+        draws = multinomial(sparse, 3, replacement=False, generator=torch.Generator().manual_seed(seed)).tolist()
+        assert sorted(draws) == [1, 4, 5]
+
+
+def _inverse_cdf_off_by_one(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A deliberately broken sampler: ``searchsorted`` without ``right=True``, so a threshold that lands exactly on a
+    cumulative sum picks the token before it, and a zero-probability token at the start of a run of zeros can be
+    drawn (here made likely by rounding the uniform to a coarse grid)."""
+    cumulative = probs.float().cumsum(dim=-1)
+    uniform = (torch.rand(1, generator=generator) * 10).floor() / 10
+    return torch.searchsorted(cumulative, uniform * cumulative[-1:], right=False)
+
+
+@pytest.mark.parametrize("row", [
+    [0.0, 0.1, 0.0, 0.0, 0.3, 0.2, 0.0, 0.4, 0.0],  # zeros between, before and after the support
+    [0.25, 0.25, 0.25, 0.25],                         # cumulative sums that land on the grid a broken sampler uses
+])
+def test_sample_draws_the_rows_law_and_never_a_zero_probability_token(row):
+    """Chi-square over 20,000 seeded draws from ``sample`` against the row itself; the off-by-one mutant above fails
+    the same test. False-failure odds: the p-value threshold, 1e-4, per row."""
+    from scipy import stats
+
+    from jointspec.core.sampling import sample
+
+    probs = torch.tensor(row)
+    law = torch.tensor(row, dtype=torch.float64).numpy()
+    law /= law.sum()
+
+    def p_value(draw) -> float:
+        generator = torch.Generator().manual_seed(0)
+        counts = torch.bincount(torch.stack([draw(probs, generator).reshape(()) for _ in range(20_000)]),
+                                minlength=len(row)).numpy()
+        if counts[law == 0].sum() > 0:
+            return 0.0  # a token the law forbids was drawn
+        keep = law > 0
+        expected = law[keep] / law[keep].sum() * counts.sum()
+        return float(stats.chisquare(counts[keep], expected).pvalue)
+
+    assert p_value(sample) > 1e-4
+    assert p_value(_inverse_cdf_off_by_one) < 1e-4
+
+
+def test_sample_keeps_the_last_token_with_mass_when_the_threshold_rounds_up(monkeypatch):
+    """A uniform within one float step of 1 times the total can round to the total itself; the draw must then be the
+    last token that carries mass, never one past the support or past the row."""
+    from jointspec.core.sampling import sample
+
+    probs = torch.tensor([[0.0, 0.6, 0.4, 0.0, 0.0]])
+    for uniform in (1.0 - 2 ** -24, 1.0):  # the largest float32 below 1, and the extreme: exactly the total
+        monkeypatch.setattr(torch, "rand", lambda *args, value=uniform, **kwargs: torch.full((1, 1), value))
+        assert sample(probs, torch.Generator().manual_seed(0)).tolist() == [2]
+
+
+def test_fast_paths_match_the_full_vocabulary_computation():
+    """Top-k over a large vocabulary runs in the k kept tokens, and top-p alone in the few hundred or thousand most
+    likely: both must give what masking and a softmax over the whole row give, including ties at the k-th logit
+    (where every tied token stays) and rows whose nucleus is wider than the candidates (the full sort)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = 4 * torch.randn(4, 6000, generator=generator)
+    logits[1, :] = 0.01 * torch.randn(6000, generator=generator)  # nearly flat: the nucleus holds most of the row
+    logits[2, :50] = 30.0  # a 50-way tie at the top: top-k 10 keeps all 50
+    for sampling in (SamplingConfig(1.0, top_k=10), SamplingConfig(0.8, top_k=10, top_p=0.7),
+                     SamplingConfig(1.0, top_p=0.9), SamplingConfig(0.6, top_p=0.5)):
+        # Which of 50 tied tokens top-p keeps is the sort's choice, in both computations: the tie row is compared
+        # under top-k alone.
+        rows = logits if sampling.top_p == 1.0 else logits[[0, 1, 3]]
+        fast, reference = processed_probs(rows, sampling), _full_vocabulary_reference(rows, sampling)
+        assert torch.equal(fast > 0, reference > 0), sampling
+        torch.testing.assert_close(fast, reference, atol=1e-6, rtol=0)
+        if sampling.top_p == 1.0:
+            assert int((fast[2] > 0).sum()) == 50  # the tie kept every tied token
+
+
+def _full_vocabulary_reference(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    scaled = logits / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= sampling.top_p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf")).softmax(dim=-1)

@@ -135,7 +135,7 @@ def test_the_loop_reports_the_target_argmax_of_every_row(target_model):
     # The target's own argmax after the prompt, after "7" and after "7 8" (node 1 is 7's child), after "9".
     with torch.no_grad():
         def next_token(ids: list[int]) -> int:
-            return int(target_model(torch.tensor([ids])).logits[0, -1].argmax())
+            return int(target_model(torch.tensor([ids], device=target_model.device)).logits[0, -1].argmax())
     assert target_tokens == [next_token(prompt), next_token(prompt + [7]), next_token(prompt + [7, 8]),
                              next_token(prompt + [9])]
     # And the verdict's accepted nodes: the path the target's argmax follows through the tree.

@@ -48,22 +48,64 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     logits = logits / sampling.temperature
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top = torch.topk(logits, sampling.top_k, dim=-1)
+        kth = top.values[..., -1:]
+        if bool(((logits >= kth).sum(dim=-1) == sampling.top_k).all()):
+            return _top_k_probs(top.values, top.indices, vocab, sampling.top_p)
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties at the k-th logit keep every tied token
+    if sampling.top_p < 1.0 and not 0 < sampling.top_k < vocab:
+        nucleus = _nucleus_probs(logits, sampling.top_p)
+        if nucleus is not None:
+            return nucleus
     if sampling.top_p < 1.0:
         # Only finite logits can be kept, so only they need ordering: after top-k a few dozen (a head restricted to
         # its draft vocabulary leaves a third). A partial sort (topk returns its values in descending order) replaces
         # the full-vocabulary one; the -inf entries it leaves out would add exactly 0 to every sum.
         num_finite = int(torch.isfinite(logits).sum(dim=-1).max())
         sorted_logits, order = torch.topk(logits, max(num_finite, 1), dim=-1)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Mass strictly before each token: a token is dropped once the tokens before it already reach top_p.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= sampling.top_p
-        drop_sorted[..., 0] = False
+        drop_sorted = _top_p_drop(sorted_logits.softmax(dim=-1), sampling.top_p)
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def _top_p_drop(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which of the tokens, in descending order of probability, top-p drops: a token goes once the tokens before it
+    already reach ``top_p``; the most likely token always stays."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= top_p
+    drop[..., 0] = False
+    return drop
+
+
+NUCLEUS_CANDIDATES = (256, 4096)
+
+
+def _nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """``processed_probs`` for top-p alone, when the most likely few hundred or few thousand tokens of every row
+    (``NUCLEUS_CANDIDATES``) already hold ``top_p`` of its mass (None otherwise). Every token after them is then
+    dropped, so only they need sorting; a full sort of a large vocabulary costs milliseconds a row."""
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    for count in NUCLEUS_CANDIDATES:
+        if count >= logits.shape[-1]:
+            return None
+        top = torch.topk(logits, count, dim=-1)
+        probs = (top.values - log_total).exp()
+        if bool((probs.sum(dim=-1) >= top_p).all()):
+            values = top.values.masked_fill(_top_p_drop(probs, top_p), float("-inf"))
+            out = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+            return out.scatter_(-1, top.indices, values.softmax(dim=-1))
+    return None
+
+
+def _top_k_probs(values: torch.Tensor, indices: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
+    """``processed_probs`` when top-k keeps exactly k tokens per row: the softmax and top-p run over those k (in
+    descending order, as ``topk`` returns them) and are scattered back, instead of over the whole vocabulary, where
+    every other entry would be -inf and add exactly 0."""
+    if top_p < 1.0:
+        values = values.masked_fill(_top_p_drop(values.softmax(dim=-1), top_p), float("-inf"))
+    probs = torch.zeros(values.shape[:-1] + (vocab,), dtype=values.dtype, device=values.device)
+    return probs.scatter_(-1, indices, values.softmax(dim=-1))
 
 
 def multinomial(probs: torch.Tensor, num_samples: int, *, replacement: bool = False,
@@ -71,16 +113,37 @@ def multinomial(probs: torch.Tensor, num_samples: int, *, replacement: bool = Fa
     """``torch.multinomial`` drawn on the generator's device, returned on ``probs``' device.
 
     The library seeds one CPU generator per request, and ``torch.multinomial`` refuses a generator that lives on
-    another device than its input (CUDA logits with a CPU generator).
+    another device than its input (CUDA logits with a CPU generator). A single row is drawn from its nonzero entries
+    only: after top-k / top-p that is a few dozen tokens, and ``torch.multinomial`` costs time in the row's length,
+    not its support. Leaving out zero-probability tokens does not change the law, with or without replacement.
     """
     source = probs if generator is None or generator.device == probs.device else probs.to(generator.device)
+    if source.dim() == 1:
+        support = source.nonzero().squeeze(-1)
+        if 0 < support.numel() < source.numel():
+            draws = support[torch.multinomial(source[support], num_samples, replacement=replacement,
+                                              generator=generator)]
+            return draws.to(probs.device)
     return torch.multinomial(source, num_samples, replacement=replacement, generator=generator).to(probs.device)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of ``probs`` ([..., vocab] -> [...]), drawn with ``generator``."""
-    draws = multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).squeeze(-1)
-    return draws.reshape(probs.shape[:-1])
+    """One token id per row of ``probs`` ([..., vocab] -> [...]), drawn with ``generator``.
+
+    By inverse transform: one uniform ``u`` per row, and the first token whose cumulative mass exceeds ``u`` times
+    the row's total. A token of probability 0 adds nothing to the running sum, so it is never the first to exceed
+    it. (``torch.multinomial`` draws the same law but costs far more per row on a large vocabulary.)
+    """
+    rows = probs.reshape(-1, probs.shape[-1]).float()
+    cumulative = rows.cumsum(dim=-1)
+    total = cumulative[:, -1:].contiguous()
+    device = generator.device if generator is not None else rows.device
+    uniform = torch.rand(rows.shape[0], 1, generator=generator, device=device).to(rows.device)
+    draws = torch.searchsorted(cumulative, uniform * total, right=True)
+    # u * total can round up to the total itself: then the draw is the token where the sum reaches its total, the
+    # last one that carries mass.
+    last = torch.searchsorted(cumulative, total, right=False)
+    return torch.minimum(draws, last).reshape(probs.shape[:-1])
 
 
 def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:

@@ -93,31 +93,42 @@ def beam_search(cache: DraftTreeCache, context_ids: list[int], num_draft_tokens:
             # Alive beams all end on the last level, whose nodes are the last rows.
             logits = cache.tree_logits(parents, token_ids, num_logits=len(token_ids) - level_start)
         rows = torch.tensor([0 if beams[b] == -1 else beams[b] - level_start for b in alive], device=logits.device)
+        joints = beam_log_joint.to(logits.device)
+        vocab = logits.shape[-1]
         if sampling.greedy:
             # Beam search ranks children by the untruncated draft joint.
-            logq = logits[rows].double().log_softmax(dim=-1)  # [num_alive, vocab]
+            child_logq = logits[rows].double().log_softmax(dim=-1).flatten()  # [num_alive * vocab]
+            children = torch.arange(child_logq.numel(), device=logits.device)  # flat (beam, token) indices
+            child_scores = joints[alive].repeat_interleave(vocab) + child_logq
         else:
-            logq = processed_probs(logits[rows], sampling).double().log()  # [num_alive, vocab], -inf off-support
-        vocab = logq.shape[-1]
-        joints = beam_log_joint.to(logq.device)
-        scores = torch.cat([(joints[alive, None] + logq).flatten(), joints[finished]])
+            # Only the children inside top-k / top-p can be drawn: a few dozen of beams x vocabulary, listed in the
+            # same flat order, so the draws are those over the full vector.
+            probs = processed_probs(logits[rows], sampling)  # [num_alive, vocab]
+            beam_rows, tokens = probs.nonzero(as_tuple=True)
+            child_logq = probs[beam_rows, tokens].double().log()
+            children = beam_rows * vocab + tokens
+            child_scores = joints[alive][beam_rows] + child_logq
+        scores = torch.cat([child_scores, joints[finished]])
         picks = _choose(scores, beam_width, sampling.greedy, replacement, generator)
 
         level_start = len(token_ids)
         new_beams: list[int] = []
+        num_children = children.numel()
         chosen = picks.tolist()
-        children = [index for index in chosen if index < len(alive) * vocab]
-        # One read of the chosen children's log-probabilities, not one device round trip each.
-        child_logprobs = iter(logq.flatten()[torch.tensor(children, dtype=torch.long, device=logq.device)].tolist())
-        for index in chosen:
-            if index < len(alive) * vocab:
+        picked_children = picks[picks < num_children]
+        # One read of the chosen children's indices and log-probabilities, not one device round trip each.
+        child_index = iter(children[picked_children].tolist())
+        child_logprobs = iter(child_logq[picked_children].tolist())
+        for pick in chosen:
+            if pick < num_children:
+                index = next(child_index)
                 beam, token = alive[index // vocab], index % vocab
                 parents.append(beams[beam])
                 token_ids.append(token)
                 logprobs.append(next(child_logprobs))
                 new_beams.append(len(token_ids) - 1)
             else:
-                new_beams.append(beams[finished[index - len(alive) * vocab]])
+                new_beams.append(beams[finished[pick - num_children]])
         beams, beam_log_joint = new_beams, scores[picks].cpu()
     return BeamTree(parents, token_ids, torch.tensor(logprobs, dtype=torch.float64), beams, beam_log_joint)
 
