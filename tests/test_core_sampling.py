@@ -78,25 +78,13 @@ def test_processed_probs_keeps_leading_dimensions():
 def test_top_p_sorts_only_finite_logits_and_matches_a_full_sort():
     """processed_probs orders only the finite logits (a partial sort); a full-vocabulary sort must agree."""
 
-    def full_sort_reference(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-        logits = logits / sampling.temperature
-        if sampling.top_k:
-            kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= sampling.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        return logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-
     generator = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(6, 500, generator=generator)
     logits[0, 40:] = float("-inf")  # a head's draft vocabulary: only some tokens are finite
     logits[1, 1:] = float("-inf")  # a single finite token
     for sampling in (SamplingConfig(0.7, top_p=0.9), SamplingConfig(1.0, top_k=10, top_p=0.8),
                      SamplingConfig(1.3, top_k=450, top_p=0.95)):
-        fast, reference = processed_probs(logits, sampling), full_sort_reference(logits, sampling)
+        fast, reference = processed_probs(logits, sampling), _full_vocabulary_reference(logits, sampling)
         assert torch.equal(fast > 0, reference > 0)  # the same kept set, row by row
         torch.testing.assert_close(fast, reference, atol=1e-6, rtol=0)
 
