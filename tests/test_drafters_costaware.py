@@ -484,7 +484,43 @@ def test_tree_drafters_are_refused():
     ({"max_num_draft_tokens": 0}, "max_num_draft_tokens"), ({"prior_acceptance": 1.5}, "prior_acceptance"),
     ({"prior_weight": 0}, "prior_weight"), ({"memory": 1}, "memory"), ({"probe_num_draft_tokens": 0}, "probe"),
     ({"max_probe_interval": 0}, "max_probe_interval"), ({"min_gain": -0.1}, "min_gain"),
+    ({"min_num_draft_tokens": -1}, "min_num_draft_tokens"), ({"min_num_draft_tokens": 17}, "min_num_draft_tokens"),
 ])
 def test_wrapper_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CostAwareDrafter(RandomDrafter(1, seed=0), TORCH_FP32, **kwargs)
+
+
+def test_a_minimum_draft_length_is_kept_where_drafting_does_not_pay(target_model):
+    """MTAD's wrapper drafts at least one token every round, even from drafts that are never accepted (which the
+    wrapper without a minimum stops drafting at once, as the test above shows), and never past the loop's budget."""
+    curve = LLAMA_CPP.with_draft_cost(0.1)
+    prompt = random_prompt(0)
+    recorder = Recorder(RandomDrafter(4, seed=0))
+    wrapper = CostAwareDrafter(recorder, curve, max_num_draft_tokens=4, min_num_draft_tokens=1)
+    decoder = SpeculativeDecoder(CausalLM(target_model), wrapper, GreedyVerifier())
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    assert recorder.drafted[:-1] and all(d == 1 for d in recorder.drafted[:-1])  # the cheapest draft, every round
+    assert recorder.budgets[-1] == recorder.drafted[-1] <= 1  # the last round: what max_new_tokens leaves, 0 or 1
+
+
+@pytest.mark.parametrize("max_new_tokens, eos_index", [(40, None), (7, None), (40, 2), (40, -1)])
+def test_cost_aware_mtad_matches_plain_greedy(target_model, max_new_tokens, eos_index):
+    """``mtad --cost-aware`` at temperature 0 is greedy decoding whatever depth each round chooses, with EOS and the
+    length limit inside drafts; every round drafts between 1 and ``num_draft_tokens`` tokens."""
+    from jointspec.drafters import costaware
+
+    prompt = random_prompt(6)
+    reference = hf_greedy(target_model, prompt, max_new_tokens)
+    eos = frozenset() if eos_index is None else frozenset({sorted(first_occurrences(reference))[eos_index]})
+    if eos:
+        reference = reference[:reference.index(next(iter(eos))) + 1]
+    config = MethodConfig(name="mtad", draft="self", num_draft_tokens=4, beam_width=2, cost_aware=True)
+    target = CausalLM(target_model)
+    drafter, verifier = build_method(MethodContext(config, target, None, None))
+    assert isinstance(drafter, costaware.CostAwareDrafter) and drafter.min_num_draft_tokens == 1
+    recorder = Recorder(drafter.inner)
+    drafter.inner = recorder
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    assert decoder.generate(prompt, greedy(max_new_tokens, eos)) == reference
+    assert all(1 <= d <= 4 for d in recorder.drafted[:-1])

@@ -282,9 +282,13 @@ class CostAwareDrafter:
 
     def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
-                 probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0) -> None:
+                 probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0,
+                 min_num_draft_tokens: int = 0) -> None:
         if max_num_draft_tokens < 1:
             raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
+        if not 0 <= min_num_draft_tokens <= max_num_draft_tokens:
+            raise ValueError(f"min_num_draft_tokens must be in 0..max_num_draft_tokens ({max_num_draft_tokens}), "
+                             f"got {min_num_draft_tokens}")
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
         if not prior_weight > 0:
@@ -307,6 +311,8 @@ class CostAwareDrafter:
         self.probe_num_draft_tokens = probe_num_draft_tokens
         self.max_probe_interval = max_probe_interval
         self.min_gain = min_gain
+        # A method whose output law is its point (MTAD) never decodes a round plainly: it drafts at least this many.
+        self.min_num_draft_tokens = min_num_draft_tokens
         self._state = self._fresh_state()
 
     @property
@@ -334,6 +340,7 @@ class CostAwareDrafter:
         state = self._state
         limit = min(self.max_num_draft_tokens, max_num_draft_tokens)
         num_tokens = choose_num_draft_tokens(self.acceptance, self.curve, max(limit, 0), self.min_gain)
+        num_tokens = max(num_tokens, min(self.min_num_draft_tokens, max(limit, 0)))
         # A probe is the probe_interval-th round since the last draft: interval 1 probes in consecutive rounds.
         state.probing = num_tokens == 0 and limit > 0 and state.rounds_without_draft + 1 >= state.probe_interval
         if state.probing:

@@ -8,6 +8,8 @@ prefix whose joint likelihood ratio passes ``accept_threshold`` (approximates jo
 from __future__ import annotations
 
 from jointspec.drafters.beam import BeamDrafter
+from jointspec.drafters.costaware import CostAwareDrafter, measure_cost_curve
+from jointspec.methods.costs import target_cost_curve
 from jointspec.methods.registry import MethodContext, register_method
 from jointspec.verifiers.mtad import MTADVerifier
 
@@ -18,10 +20,23 @@ def _beam_drafter(context: MethodContext, tree: bool) -> BeamDrafter:
                        eos_token_ids=context.eos_token_ids())
 
 
-@register_method("mtad", "MTAD: draft beam sampling + joint-likelihood verification of the best beam (not lossless)",
-                 lossless=False)
+def _cost_aware_beams(context: MethodContext, drafter: BeamDrafter) -> CostAwareDrafter:
+    """Each round's depth γ (1 up to ``num_draft_tokens``) from the target's measured cost curve, the draft's cost of
+    one beam level (a forward of ``beam_width`` rows) and the running acceptance of the joint test. Never 0: MTAD's
+    output law is its point, so it chooses how deep to draft, not whether to."""
+    config = context.config
+    draft_curve = measure_cost_curve(drafter.cache.draft, sizes=(1, 2, 4), repeats=5)
+    curve = target_cost_curve(context.target).with_draft_cost(draft_curve.cost(config.beam_width))
+    return CostAwareDrafter(drafter, curve, max_num_draft_tokens=config.num_draft_tokens, min_num_draft_tokens=1)
+
+
+@register_method("mtad", "MTAD: draft beam sampling + joint-likelihood verification of the best beam (not lossless); "
+                 "--cost-aware chooses each round's depth", lossless=False, cost_aware=True)
 def _build_mtad(context: MethodContext):
-    return _beam_drafter(context, tree=False), MTADVerifier(context.config.accept_threshold)
+    drafter = _beam_drafter(context, tree=False)
+    if context.config.cost_aware:
+        drafter = _cost_aware_beams(context, drafter)
+    return drafter, MTADVerifier(context.config.accept_threshold)
 
 
 @register_method("mtad-tree", "tree MTAD: every draft beam of every level verified in one pass (not lossless)",
