@@ -506,8 +506,9 @@ def test_a_minimum_draft_length_is_kept_where_drafting_does_not_pay(target_model
 
 @pytest.mark.parametrize("max_new_tokens, eos_index", [(40, None), (7, None), (40, 2), (40, -1)])
 def test_cost_aware_mtad_matches_plain_greedy(target_model, max_new_tokens, eos_index):
-    """``mtad --cost-aware`` at temperature 0 is greedy decoding whatever depth each round chooses, with EOS and the
-    length limit inside drafts; every round drafts between 1 and ``num_draft_tokens`` tokens."""
+    """``mtad`` (cost-aware unless told otherwise) at temperature 0 is greedy decoding whatever depth each round
+    chooses, with EOS and the length limit inside drafts; every round drafts between 1 and ``num_draft_tokens``
+    tokens."""
     from jointspec.drafters import costaware
 
     prompt = random_prompt(6)
@@ -515,7 +516,7 @@ def test_cost_aware_mtad_matches_plain_greedy(target_model, max_new_tokens, eos_
     eos = frozenset() if eos_index is None else frozenset({sorted(first_occurrences(reference))[eos_index]})
     if eos:
         reference = reference[:reference.index(next(iter(eos))) + 1]
-    config = MethodConfig(name="mtad", draft="self", num_draft_tokens=4, beam_width=2, cost_aware=True)
+    config = MethodConfig(name="mtad", draft="self", num_draft_tokens=4, beam_width=2)  # cost-aware by default
     target = CausalLM(target_model)
     drafter, verifier = build_method(MethodContext(config, target, None, None))
     assert isinstance(drafter, costaware.CostAwareDrafter) and drafter.min_num_draft_tokens == 1
@@ -524,3 +525,23 @@ def test_cost_aware_mtad_matches_plain_greedy(target_model, max_new_tokens, eos_
     decoder = SpeculativeDecoder(target, drafter, verifier)
     assert decoder.generate(prompt, greedy(max_new_tokens, eos)) == reference
     assert all(1 <= d <= 4 for d in recorder.drafted[:-1])
+
+
+def test_mtad_fixes_its_depth_only_when_told(target_model):
+    """``cost_aware=False`` (``--no-cost-aware``, bench key ``cost_aware=false``) gives MTAD's fixed depth; every
+    other method keeps its fixed length unless ``cost_aware=True``."""
+    from jointspec.bench.specs import method_config, parse_spec
+    from jointspec.cli.main import build_parser
+    from jointspec.drafters.beam import BeamDrafter
+    from jointspec.drafters.model import ModelDrafter
+
+    target = CausalLM(target_model)
+    fixed = MethodConfig(name="mtad", draft="self", cost_aware=False)
+    assert isinstance(build_method(MethodContext(fixed, target, None, None))[0], BeamDrafter)
+    sps = MethodConfig(name="sps", draft="self")
+    assert isinstance(build_method(MethodContext(sps, target, None, None))[0], ModelDrafter)
+    assert method_config(parse_spec("mtad:cost_aware=false"), MethodConfig()).cost_aware is False
+    assert method_config(parse_spec("mtad"), MethodConfig()).cost_aware is None
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x", "--no-cost-aware"]).cost_aware is False
+    assert parser.parse_args(["generate", "x"]).cost_aware is None

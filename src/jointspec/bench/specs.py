@@ -234,6 +234,8 @@ def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:
         default = getattr(defaults, key, fields[key].default)
         if default is None and "tuple" in str(fields[key].type):  # e.g. tree: None means the method's own
             default = ()
+        if default is None and "bool" in str(fields[key].type):  # e.g. cost_aware: None means the method's own
+            default = False
         base[key] = convert(text, default, key, spec.label)
     try:
         return cls(**base)

@@ -36,10 +36,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None,
                         help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'; for "
                              "corpus: a table folder from `build-corpus`")
-    parser.add_argument("--cost-aware", action="store_true",
+    parser.add_argument("--cost-aware", action=argparse.BooleanOptionalAction, default=None,
                         help="pld/corpus/sps/hybrid: choose each round's draft length, or no draft, from the target's "
                              "measured cost curve and the running acceptance, so speculation does not run slower "
-                             "than plain decoding (measures the curve once, a few seconds)")
+                             "than plain decoding (measures the curve once, a few seconds); mtad: each round's "
+                             "depth, at least 1, which it does unless --no-cost-aware")
     parser.add_argument("--verify", choices=("token", "block"), default="token",
                         help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
                              "same drafts (Sun et al. 2024): the same output law, more tokens kept per round")
@@ -131,6 +132,6 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
                         max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
                         accept_threshold=args.accept_threshold, tree=args.tree,
                         tree_budget=getattr(args, "tree_budget", 0),
-                        cost_aware=getattr(args, "cost_aware", False),
+                        cost_aware=getattr(args, "cost_aware", None),
                         head_weights=getattr(args, "head_weights", "auto"),
                         verify=getattr(args, "verify", "token"))

@@ -41,7 +41,9 @@ class MethodConfig:
     accept_threshold: float = 0.5
     tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: default_tree_width, specinfer: 4,2,2)
     tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
-    cost_aware: bool = False  # choose each round's draft length (or none) from the target's measured cost curve
+    # Choose each round's draft length (or none) from the target's measured cost curve. None: the method's own default,
+    # which is fixed lengths for every method but mtad (it chooses its depth; `cost_aware=False` fixes it).
+    cost_aware: bool | None = None
     head_weights: str = "auto"  # a trained EAGLE head's weights: auto / float32 / int8 (drafts/eagle.py)
     verify: str = "token"  # chains with draft rows: token-wise speculative sampling, or block verification
 
