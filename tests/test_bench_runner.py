@@ -69,6 +69,10 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
     # Reading the prompt is timed apart where the engine says how long it took (transformers' generate does not).
     assert all((r["prefill_seconds"] is None) == (r["method"] == "hf-generate") for r in results["runs"])
     assert "prompt s" in out and "decode x" in out
+    # Each run keeps its answers as text too, per turn, for scorers that read text (jointspec pass-at-k).
+    assert all(len(r["output_text"]) == len(r["output_ids"]) and all(isinstance(t, str) for t in r["output_text"])
+               for r in results["runs"])
+    assert any(text.strip() for r in results["runs"] for text in r["output_text"])
     # Each run keeps its log-probabilities, so any two methods can be compared later (jointspec bench-intervals).
     assert all(r["num_scored_tokens"] == sum(map(len, r["output_ids"])) and r["logprob_sum"] < 0
                for r in results["runs"])
@@ -86,11 +90,12 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
 
 def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, bench_tokenizer, bench_prompt_file):
     prompts = load_prompts(str(bench_prompt_file))
-    methods = "ar,pld:n=4,sps:draft=self,k=3,oracle:corrupt=0.3,hf-generate,hf-pld:n=4,hf-assisted:draft=self,n=3"
+    sps = "sps:draft=self,k=3,cost_aware=false"  # a fixed length: the self-draft then fills every round
+    methods = f"ar,pld:n=4,{sps},oracle:corrupt=0.3,hf-generate,hf-pld:n=4,hf-assisted:draft=self,n=3"
     result, summary = run_tiny(target_model, bench_tokenizer, methods, prompts)
     for method, s in summary.items():
         assert s["num_identical"] == s["num_prompts"] == 3, method
-    assert summary["sps:draft=self,k=3"]["mean_accepted_tokens"] > 3.0  # the target drafting for itself
+    assert summary[sps]["mean_accepted_tokens"] > 3.0  # the target drafting for itself
     assert summary["hf-generate"]["mean_accepted_tokens"] == pytest.approx(1.0)
     assert summary["hf-assisted:draft=self,n=3"]["mean_accepted_tokens"] > 2.0
     # The second turn followed the method's own first answer: its prompt contains that answer.

@@ -296,7 +296,7 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
                          "prefill_seconds": (None if r.prefill_seconds is None
                                              else [round(s, 4) for s in r.prefill_seconds]),
                          "num_new_tokens": r.num_new_tokens, "num_target_calls": r.num_target_calls,
-                         "identical": r.identical, "output_ids": r.output_ids,
+                         "identical": r.identical, "output_ids": r.output_ids, "output_text": r.output_text,
                          "logprob_sum": round(r.logprob_sum, 4), "num_scored_tokens": r.num_scored_tokens,
                          "stats": r.stats.to_dict() if r.stats else None} for r in result.runs]}
     (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -96,6 +96,7 @@ class PromptRun:
     logprob_sum: float = 0.0  # under the raw target, over every generated token
     num_scored_tokens: int = 0
     prefill_seconds: list[float] | None = None  # per timed repeat, all turns; None where an engine does not say
+    output_text: list[str] = field(default_factory=list)  # per turn, decoded: what scorers such as pass@k read
 
     @property
     def decode_seconds(self) -> float | None:
@@ -231,6 +232,8 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
             if repeat == 0:
                 by_method[label] = _new_run(index, prompt, label, turns, seconds, rss, cuda)
                 by_method[label].prefill_seconds = None if prefill is None else [prefill]
+                by_method[label].output_text = [tokenizer.decode(out.new_ids, skip_special_tokens=True)
+                                                for _, out in turns]
             else:
                 run = by_method[label]
                 run.seconds.append(seconds)

