@@ -260,7 +260,7 @@ def build(method: str, target_model, other_model, num_draft_tokens: int):
         return CausalLM(other_model, name="tiny-other"), None
 
     config = MethodConfig(name=name, draft=draft, num_draft_tokens=num_draft_tokens,
-                          max_num_draft_tokens=max(num_draft_tokens, 16))
+                          max_num_draft_tokens=max(num_draft_tokens, 16), cost_aware=False)  # wrapped below
     return build_method(MethodContext(config, CausalLM(target_model), None, load_draft))
 
 
@@ -527,19 +527,27 @@ def test_cost_aware_mtad_matches_plain_greedy(target_model, max_new_tokens, eos_
     assert all(1 <= d <= 4 for d in recorder.drafted[:-1])
 
 
-def test_mtad_fixes_its_depth_only_when_told(target_model):
-    """``cost_aware=False`` (``--no-cost-aware``, bench key ``cost_aware=false``) gives MTAD's fixed depth; every
-    other method keeps its fixed length unless ``cost_aware=True``."""
+def test_which_methods_choose_their_length_by_default(target_model):
+    """``cost_aware=False`` (``--no-cost-aware``, bench key ``cost_aware=false``) gives MTAD's fixed depth and sps's
+    and hybrid's fixed length; lookup keeps its own unless ``cost_aware=True``."""
     from jointspec.bench.specs import method_config, parse_spec
     from jointspec.cli.main import build_parser
+    from jointspec.drafters import costaware
     from jointspec.drafters.beam import BeamDrafter
     from jointspec.drafters.model import ModelDrafter
 
     target = CausalLM(target_model)
     fixed = MethodConfig(name="mtad", draft="self", cost_aware=False)
     assert isinstance(build_method(MethodContext(fixed, target, None, None))[0], BeamDrafter)
-    sps = MethodConfig(name="sps", draft="self")
+    for name in ("sps", "hybrid"):  # cost-aware by default too, and fixed when told
+        default = build_method(MethodContext(MethodConfig(name=name, draft="self"), target, None, None))[0]
+        assert isinstance(default, costaware.CostAwareDrafter) and default.min_num_draft_tokens == 0
+        fixed = MethodConfig(name=name, draft="self", cost_aware=False)
+        assert not isinstance(build_method(MethodContext(fixed, target, None, None))[0], costaware.CostAwareDrafter)
+    sps = MethodConfig(name="sps", draft="self", cost_aware=False)
     assert isinstance(build_method(MethodContext(sps, target, None, None))[0], ModelDrafter)
+    pld = build_method(MethodContext(MethodConfig(name="pld"), target, None, None))[0]
+    assert not isinstance(pld, costaware.CostAwareDrafter)  # lookup keeps its own adaptive length by default
     assert method_config(parse_spec("mtad:cost_aware=false"), MethodConfig()).cost_aware is False
     assert method_config(parse_spec("mtad"), MethodConfig()).cost_aware is None
     parser = build_parser()

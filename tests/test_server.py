@@ -65,7 +65,8 @@ def sse_payloads(text: str) -> list[dict]:
 def test_health_models_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
-    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0,
+    # Several rounds, so inter-token times exist: a self-draft is always accepted, and cost-aware sps then drafts long.
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 40, "temperature": 0,
                                          "jointspec": {"method": "sps", "draft": "self"}})
     text = client.get("/metrics").text
     for name in ("jointspec_requests_total", "jointspec_generated_tokens_total", "jointspec_rounds_total",

@@ -92,6 +92,6 @@ def test_self_draft_needs_a_fork(target_model):
     chains = ChainsOnly(CausalLM(target_model))
     with pytest.raises(UnsupportedOptionError, match="cannot be its own draft"):
         build_method(MethodContext(MethodConfig(name="sps", draft="self"), chains, None, None))
-    drafter, _ = build_method(MethodContext(MethodConfig(name="sps", draft="self"), CausalLM(target_model), None,
-                                            None))
+    drafter, _ = build_method(MethodContext(MethodConfig(name="sps", draft="self", cost_aware=False),
+                                            CausalLM(target_model), None, None))
     assert drafter.draft.model is target_model  # the fork: same weights, its own cache

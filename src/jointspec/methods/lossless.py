@@ -33,8 +33,11 @@ def _build_ar(context: MethodContext) -> tuple[Drafter, Verifier]:
     return NoDrafter(), RejectionSamplingVerifier()
 
 
+# sps and hybrid choose each round's length unless told otherwise (cost_aware=False): at a fixed 4 draft tokens with
+# the shipped head they ran at 1.04x / 1.02x of plain sampling on the float32 target and 0.60x on the int4 one,
+# cost-aware at 1.21x / 1.24x and 0.93x (docs/lab/benchmarks.md, section 14).
 @register_method("sps", "speculative sampling with a draft model or trained head (lossless)",
-                 lossless=True, cost_aware=True)
+                 lossless=True, cost_aware=True, cost_aware_by_default=True)
 def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.
@@ -78,7 +81,7 @@ def _corpus_lookup(context: MethodContext, table) -> Drafter:
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
-                 lossless=True, cost_aware=True, learns_online=True)
+                 lossless=True, cost_aware=True, cost_aware_by_default=True, learns_online=True)
 def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens

@@ -32,12 +32,12 @@ def _cost_aware_beams(context: MethodContext, drafter: BeamDrafter) -> CostAware
 
 @register_method("mtad", "MTAD: draft beam sampling + joint-likelihood verification of the best beam (not lossless); "
                  "each round's depth from the cost curve (--no-cost-aware: always --num-draft-tokens)",
-                 lossless=False, cost_aware=True)
+                 lossless=False, cost_aware=True, cost_aware_by_default=True)
 def _build_mtad(context: MethodContext):
     drafter = _beam_drafter(context, tree=False)
     # Cost-aware unless told otherwise: at a fixed depth of 4 it ran at about half of plain sampling's speed on the
     # int4 target, where a draft call costs a fifth to a third of a step (docs/mtad.md).
-    if context.config.cost_aware is not False:
+    if context.config.cost_aware:
         drafter = _cost_aware_beams(context, drafter)
     return drafter, MTADVerifier(context.config.accept_threshold)
 

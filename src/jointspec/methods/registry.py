@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.core.draft import Drafter
@@ -41,8 +41,8 @@ class MethodConfig:
     accept_threshold: float = 0.5
     tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: default_tree_width, specinfer: 4,2,2)
     tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
-    # Choose each round's draft length (or none) from the target's measured cost curve. None: the method's own default,
-    # which is fixed lengths for every method but mtad (it chooses its depth; `cost_aware=False` fixes it).
+    # Choose each round's draft length (or none) from the target's measured cost curve. None: the method's own default
+    # (register_method's cost_aware_by_default), which build_method resolves to True or False before a builder runs.
     cost_aware: bool | None = None
     head_weights: str = "auto"  # a trained EAGLE head's weights: auto / float32 / int8 (drafts/eagle.py)
     verify: str = "token"  # chains with draft rows: token-wise speculative sampling, or block verification
@@ -118,17 +118,22 @@ class MethodEntry:
     lossless: bool  # greedy output equals plain decoding's; samples follow the target's law (tests prove each)
     cost_aware: bool  # drafts chains, so ``MethodConfig.cost_aware`` may wrap its drafter
     learns_online: bool = False  # its drafters copy from ``MethodContext.memory`` (drafters/memory.py)
+    cost_aware_by_default: bool = False  # what ``MethodConfig.cost_aware = None`` means for it
 
 
 _METHODS: dict[str, MethodEntry] = {}
 
 
 def register_method(name: str, summary: str, *, lossless: bool, cost_aware: bool = False,
-                    learns_online: bool = False) -> Callable[[Builder], Builder]:
+                    learns_online: bool = False, cost_aware_by_default: bool = False) -> Callable[[Builder], Builder]:
     """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, whether it
-    may be made ``cost_aware``, and whether it drafts from a memory of earlier answers (``learns_online``)."""
+    may be made ``cost_aware`` (and is unless told otherwise: ``cost_aware_by_default``), and whether it drafts from a
+    memory of earlier answers (``learns_online``)."""
+    if cost_aware_by_default and not cost_aware:
+        raise ValueError(f"method '{name}' cannot be cost-aware by default without being cost-aware")
+
     def decorate(builder: Builder) -> Builder:
-        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online)
+        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online, cost_aware_by_default)
         return builder
     return decorate
 
@@ -156,6 +161,8 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     if name not in _METHODS:
         raise UnsupportedOptionError(f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}")
     entry = _METHODS[name]
+    if context.config.cost_aware is None:
+        context = replace(context, config=replace(context.config, cost_aware=entry.cost_aware_by_default))
     if context.config.cost_aware and not entry.cost_aware:
         cost_aware = sorted(n for n, other in _METHODS.items() if other.cost_aware)
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
