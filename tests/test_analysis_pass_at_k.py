@@ -56,6 +56,7 @@ LOOPING = "```python\ndef has_close_elements(numbers, threshold):\n    while Tru
 def test_the_code_is_the_first_block_or_the_whole_answer():
     assert answer_code("text\n```python\nx = 1\n```\nmore\n```python\ny = 2\n```") == "x = 1\n"
     assert answer_code("```\nz = 3\n```") == "z = 3\n"
+    assert answer_code("```python3\nw = 4\n```") == "w = 4\n"
     assert answer_code("```python\nunclosed = 1\n") == "unclosed = 1\n"
     assert answer_code("    return 1\n") == "    return 1\n"
 

@@ -159,6 +159,14 @@ def test_sample_keeps_the_last_token_with_mass_when_the_threshold_rounds_up(monk
         assert sample(probs, torch.Generator().manual_seed(0)).tolist() == [2]
 
 
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5]])
+def test_sample_refuses_a_row_without_a_positive_finite_sum(row):
+    from jointspec.core.sampling import sample
+
+    with pytest.raises(ValueError, match="positive, finite sum"):
+        sample(torch.tensor([[0.2, 0.8, 0.0], row]), torch.Generator().manual_seed(0))
+
+
 def test_fast_paths_match_the_full_vocabulary_computation():
     """Top-k over a large vocabulary runs in the k kept tokens, and top-p alone in the few hundred or thousand most
     likely: both must give what masking and a softmax over the whole row give, including ties at the k-th logit

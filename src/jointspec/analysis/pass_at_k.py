@@ -34,7 +34,7 @@ import numpy as np
 
 from jointspec.core.errors import JointspecError
 
-_CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_CODE_BLOCK = re.compile(r"```[ \t]*[\w+.-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # any language tag, or none
 
 
 class MissingHumanEvalError(JointspecError):
@@ -105,8 +105,11 @@ def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int =
     request = json.dumps({"jobs": jobs, "timeout": timeout, "workers": workers})
     # Each program gets `timeout` seconds in its own forked process; the worker as a whole gets a generous bound.
     limit = 60 + len(jobs) * (timeout + 1) / max(workers, 1)
-    done = subprocess.run([python, "-m", "jointspec.analysis.pass_at_k"], input=request, capture_output=True,
-                          text=True, timeout=limit)
+    try:
+        done = subprocess.run([python, "-m", "jointspec.analysis.pass_at_k"], input=request, capture_output=True,
+                              text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise JointspecError(f"the HumanEval test process ran past {limit:.0f} s for {len(jobs)} programs") from None
     if done.returncode != 0:
         raise JointspecError(f"the HumanEval test process failed ({done.returncode}): {done.stderr.strip()[-400:]}")
     passed = json.loads(done.stdout.strip().splitlines()[-1])

@@ -137,6 +137,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     rows = probs.reshape(-1, probs.shape[-1]).float()
     cumulative = rows.cumsum(dim=-1)
     total = cumulative[:, -1:].contiguous()
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("sample() needs rows of probabilities with a positive, finite sum; got a row summing to "
+                         f"{total[~((total > 0) & torch.isfinite(total))][0].item()}")
     device = generator.device if generator is not None else rows.device
     uniform = torch.rand(rows.shape[0], 1, generator=generator, device=device).to(rows.device)
     draws = torch.searchsorted(cumulative, uniform * total, right=True)
