@@ -42,10 +42,13 @@ METHODS = {
     "ar": MethodConfig("ar"),
     "pld": MethodConfig("pld", num_draft_tokens=4),
     "pld-cost-aware": MethodConfig("pld", num_draft_tokens=4, cost_aware=True),
-    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4),
+    # sps and mtad at fixed lengths: cost-aware (their default), a batch's load changes their draft lengths, and so
+    # their sampled draws (tested below, with pld: greedy tokens stay the same, sampled ones need not).
+    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4, cost_aware=False),
     "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
     "lookahead": MethodConfig("lookahead"),
-    "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2),
+    "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2, cost_aware=False),
+    "mtad-cost-aware": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2),
     "mtad-tree-self": MethodConfig("mtad-tree", draft="self", num_draft_tokens=3, beam_width=2),
 }
 
@@ -261,7 +264,7 @@ def test_drafts_shrink_and_stop_as_the_batch_fills():
     assert chosen[-1] == 0
 
 
-@pytest.mark.parametrize("method", ["pld-cost-aware", "lookahead"])
+@pytest.mark.parametrize("method", ["pld-cost-aware", "lookahead", "mtad-cost-aware"])
 def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target, method):
     engine = LockstepEngine(int4_target, max_batch_size=16)
     config = METHODS[method]
