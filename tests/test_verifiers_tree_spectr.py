@@ -49,8 +49,10 @@ def draw_trees(draft_tables, branching: tuple[int, int], num: int, replacement: 
     return first, second.reshape(num, k0, k1)
 
 
-def run_verifier(verifier, target_tables, draft_tables, branching, num, replacement, seed, one_hot=False):
-    """First and second emitted tokens over ``num`` seeded rounds ([num] each)."""
+def run_verifier(verifier, target_tables, draft_tables, branching, num, replacement, seed, one_hot=False,
+                 kept: list[int] | None = None):
+    """First and second emitted tokens over ``num`` seeded rounds ([num] each); ``kept``, if given, gets each round's
+    number of kept draft tokens. The trees depend on the seed alone, whatever the verifier."""
     g = torch.Generator().manual_seed(seed)
     p0, p1, p2 = target_tables
     q0, q1, _ = draft_tables
@@ -66,7 +68,10 @@ def run_verifier(verifier, target_tables, draft_tables, branching, num, replacem
     out_first, out_second = [], []
     for i in range(num):
         draft = Draft(tokens[i], None if one_hot else draft_rows[i], parents)
-        emitted = verifier.verify(draft, logits[i], SAMPLING, g).token_ids
+        verdict = verifier.verify(draft, logits[i], SAMPLING, g)
+        emitted = verdict.token_ids
+        if kept is not None:
+            kept.append(len(verdict.accepted))
         out_first.append(emitted[0])
         out_second.append(emitted[1] if len(emitted) > 1 else fallback[i][emitted[0]])
     return torch.tensor(out_first), torch.tensor(out_second)

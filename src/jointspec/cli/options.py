@@ -41,9 +41,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured cost curve and the running acceptance, so speculation does not run slower "
                              "than plain decoding (measures the curve once, a few seconds); mtad: each round's "
                              "depth, at least 1, which it does unless --no-cost-aware")
-    parser.add_argument("--verify", choices=("token", "block"), default="token",
+    parser.add_argument("--verify", choices=("token", "block", "traversal"), default="token",
                         help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
-                             "same drafts (Sun et al. 2024): the same output law, more tokens kept per round")
+                             "same drafts (Sun et al. 2024): the same output law, more tokens kept per round; "
+                             "specinfer: traversal = traversal verification of its trees (Weng et al. 2025)")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft length / depth (gamma)")
     parser.add_argument("--max-draft-tokens", type=positive_int, default=16,
                         help="pld: the draft length doubles after fully accepted drafts, up to this")

@@ -21,10 +21,11 @@ from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact, shi
 from jointspec.drafts.registry import bind_trained_draft
 from jointspec.methods.costs import make_cost_aware
 from jointspec.verifiers.block import BlockVerifier
+from jointspec.verifiers.traversal import TraversalVerifier
 
 log = logging.getLogger(__name__)
 
-VERIFY_CHOICES = ("token", "block")
+VERIFY_CHOICES = ("token", "block", "traversal")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,9 @@ class MethodConfig:
     # (register_method's cost_aware_by_default), which build_method resolves to True or False before a builder runs.
     cost_aware: bool | None = None
     head_weights: str = "auto"  # a trained EAGLE head's weights: auto / float32 / int8 (drafts/eagle.py)
-    verify: str = "token"  # chains with draft rows: token-wise speculative sampling, or block verification
+    # chains with draft rows: token-wise speculative sampling or block verification; sampled trees: recursive rejection
+    # ("token") or traversal verification
+    verify: str = "token"
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -174,6 +177,9 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     if context.config.verify == "block" and not isinstance(verifier, BlockVerifier):
         raise UnsupportedOptionError(f"method '{name}' has no block verification; it is for chain methods whose "
                                      "drafts carry their probabilities: sps and hybrid (--verify block)")
+    if context.config.verify == "traversal" and not isinstance(verifier, TraversalVerifier):
+        raise UnsupportedOptionError(f"method '{name}' has no traversal verification; it is for sampled token "
+                                     "trees: specinfer (--verify traversal)")
     # A drafter that already weighs drafting against the cost curve ("default" builds one) is not wrapped again.
     if context.config.cost_aware and not getattr(drafter, "cost_aware", False):
         drafter = make_cost_aware(drafter, context.target, context.config.max_num_draft_tokens)
