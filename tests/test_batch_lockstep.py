@@ -42,8 +42,8 @@ METHODS = {
     "ar": MethodConfig("ar"),
     "pld": MethodConfig("pld", num_draft_tokens=4),
     "pld-cost-aware": MethodConfig("pld", num_draft_tokens=4, cost_aware=True),
-    # sps and mtad at fixed lengths: cost-aware (their default), a batch's load changes their draft lengths, and so
-    # their sampled draws (tested below, with pld: greedy tokens stay the same, sampled ones need not).
+    # sps and mtad at fixed lengths for the same-draws tests: cost-aware (their default), a batch's load changes their
+    # draft lengths and so their sampled draws. Greedy tokens stay the same: mtad-cost-aware runs the greedy test.
     "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=4, cost_aware=False),
     "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
     "lookahead": MethodConfig("lookahead"),
