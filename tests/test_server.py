@@ -112,6 +112,14 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
         assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
 
 
+def test_a_method_the_ragged_engine_cannot_batch_is_a_400_naming_it(client):
+    """The float32 byte model is served by the ragged engine, which batches chain methods only (a CPU int4 model is
+    served by the lockstep engine, which runs every method: test_server_memory.py serves MTAD there)."""
+    reply = client.post("/v1/chat/completions", json=chat_body(jointspec={"method": "mtad", "draft": "self",
+                                                                          "beam_width": 2}))
+    assert reply.status_code == 400 and "mtad" in reply.json()["error"]["message"]
+
+
 def test_streaming_chat_and_completion_match_non_streaming(client):
     whole = client.post("/v1/chat/completions", json=chat_body("stream me")).json()
     streamed = sse_payloads(client.post("/v1/chat/completions",

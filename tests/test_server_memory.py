@@ -1,5 +1,6 @@
 """The server's online memory (``serve --online-memory``): answers stay the engine's exact tokens, and a later request
-drafts from earlier answers of its own scope only, on both batched engines.
+drafts from earlier answers of its own scope only, on both batched engines. And MTAD served, with its request options,
+on the lockstep engine.
 
 Models: a tiny random Llama on the compiled int4 layers, served by the lockstep engine (what serves a CPU int4
 model), and the tiny float32 byte-level model, served by the ragged-cache engine. Greedy, so every comparison is
@@ -82,3 +83,22 @@ def test_the_ragged_engine_shares_one_memory_when_told_to(byte_model, tokenizer)
         engine.close()
     with pytest.raises(ValueError, match="online_memory must be one of"):
         ServingEngine(CausalLM(byte_model), tokenizer, online_memory="everyone")
+
+
+def test_mtad_is_served_with_its_own_options_on_the_lockstep_engine(served):
+    """MTAD at temperature 0 is plain greedy decoding whatever its depth, beams and threshold, so its tokens are the
+    server's method's; sampled, it answers in full with its speculation figures."""
+    client = TestClient(create_app(ServerSettings(), served))
+    prompt = random_prompt(7)
+    options = {"method": "mtad", "draft": "self", "num_draft_tokens": 3, "beam_width": 2, "accept_threshold": 0.3}
+    plain = ask(client, prompt)
+    for cost_aware in (True, False):
+        mtad = ask(client, prompt, jointspec={**options, "cost_aware": cost_aware})
+        assert mtad["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+        assert mtad["usage"]["jointspec"]["accepted_tokens"] > 0
+    sampled = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 1.0,
+                                                   "top_k": 10, "seed": 3, "jointspec": options})
+    assert sampled.status_code == 200, sampled.text
+    assert sampled.json()["usage"]["completion_tokens"] >= 1
+    bad = client.post("/v1/completions", json={"prompt": prompt, "jointspec": {**options, "verify": "blocks"}})
+    assert bad.status_code == 400 and "verify" in bad.text

@@ -83,6 +83,10 @@ class JointspecOptions(_Body):
     max_ngram: int | None = Field(None, ge=1, le=64)
     min_ngram: int | None = Field(None, ge=1, le=64)
     draft: str | None = None
+    beam_width: int | None = Field(None, ge=1, le=16)  # mtad, spectr
+    accept_threshold: float | None = Field(None, gt=0.0)  # mtad's tau
+    cost_aware: bool | None = None  # choose each round's draft length from the batch's cost curve
+    verify: Literal["token", "block", "traversal"] | None = None
 
 
 class StreamOptions(_Body):
