@@ -41,7 +41,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured cost curve and the running acceptance, so speculation does not run slower "
                              "than plain decoding (measures the curve once, a few seconds); mtad: each round's "
                              "depth, at least 1, which it does unless --no-cost-aware")
-    parser.add_argument("--verify", choices=("token", "block", "traversal"), default="token",
+    from jointspec.core.verdict import VERIFY_CHOICES
+
+    parser.add_argument("--verify", choices=VERIFY_CHOICES, default="token",
                         help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
                              "same drafts (Sun et al. 2024): the same output law, more tokens kept per round; "
                              "specinfer: traversal = traversal verification of its trees (Weng et al. 2025)")

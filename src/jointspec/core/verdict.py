@@ -10,6 +10,11 @@ import torch
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig
 
+# How a method may verify (``MethodConfig.verify``): chains with draft rows token-wise or as a block, sampled trees by
+# recursive rejection ("token") or by traversal. Here, not with the method registry, so that the CLI's parser and the
+# server's request schema can name the choices without importing every method.
+VERIFY_CHOICES = ("token", "block", "traversal")
+
 
 @dataclass
 class Verdict:

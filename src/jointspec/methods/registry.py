@@ -14,7 +14,7 @@ from jointspec.backends.tokens import eos_token_ids
 from jointspec.core.draft import Drafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import TargetLM
-from jointspec.core.verdict import Verifier
+from jointspec.core.verdict import VERIFY_CHOICES, Verifier
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.model import check_same_vocabulary
 from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact, shipped_head_for
@@ -24,8 +24,6 @@ from jointspec.verifiers.block import BlockVerifier
 from jointspec.verifiers.traversal import TraversalVerifier
 
 log = logging.getLogger(__name__)
-
-VERIFY_CHOICES = ("token", "block", "traversal")
 
 
 @dataclass(frozen=True)

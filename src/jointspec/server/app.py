@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
+from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.server.engine import (
     Chunk,
     CompletionRequest,
@@ -86,7 +87,7 @@ class JointspecOptions(_Body):
     beam_width: int | None = Field(None, ge=1, le=16)  # mtad, spectr
     accept_threshold: float | None = Field(None, gt=0.0)  # mtad's tau
     cost_aware: bool | None = None  # choose each round's draft length from the batch's cost curve
-    verify: Literal["token", "block", "traversal"] | None = None
+    verify: Literal[VERIFY_CHOICES] | None = None  # checked here: a 400
 
 
 class StreamOptions(_Body):
