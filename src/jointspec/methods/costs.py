@@ -17,9 +17,11 @@ def target_cost_curve(target):
     return measure_cost_curve(target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
 
 
-def draft_cost_per_call(draft) -> float:
-    """Seconds of one 1-token forward of a draft model or head (memoised per model, like the target's curve)."""
-    return measure_cost_curve(draft, sizes=(1, 2), repeats=5).cost(1)
+def draft_cost_per_call(draft, rows: int = 1) -> float:
+    """Seconds of one forward of ``rows`` tokens of a draft model or head (memoised per model, like the target's
+    curve): a chain's draft step is 1 row, a beam search's level one row per beam."""
+    sizes = (1, 2) if rows <= 2 else (1, 2, rows)
+    return measure_cost_curve(draft, sizes=sizes, repeats=5).cost(rows)
 
 
 def make_cost_aware(drafter: Drafter, target, max_num_draft_tokens: int) -> Drafter:

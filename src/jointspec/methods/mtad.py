@@ -8,8 +8,8 @@ prefix whose joint likelihood ratio passes ``accept_threshold`` (approximates jo
 from __future__ import annotations
 
 from jointspec.drafters.beam import BeamDrafter
-from jointspec.drafters.costaware import CostAwareDrafter, measure_cost_curve
-from jointspec.methods.costs import target_cost_curve
+from jointspec.drafters.costaware import CostAwareDrafter
+from jointspec.methods.costs import draft_cost_per_call, target_cost_curve
 from jointspec.methods.registry import MethodContext, register_method
 from jointspec.verifiers.mtad import MTADVerifier
 
@@ -25,8 +25,8 @@ def _cost_aware_beams(context: MethodContext, drafter: BeamDrafter) -> CostAware
     one beam level (a forward of ``beam_width`` rows) and the running acceptance of the joint test. Never 0: MTAD's
     output law is its point, so it chooses how deep to draft, not whether to."""
     config = context.config
-    draft_curve = measure_cost_curve(drafter.cache.draft, sizes=(1, 2, 4), repeats=5)
-    curve = target_cost_curve(context.target).with_draft_cost(draft_curve.cost(config.beam_width))
+    beam_level = draft_cost_per_call(drafter.cache.draft, rows=config.beam_width)
+    curve = target_cost_curve(context.target).with_draft_cost(beam_level)
     return CostAwareDrafter(drafter, curve, max_num_draft_tokens=config.num_draft_tokens, min_num_draft_tokens=1)
 
 
