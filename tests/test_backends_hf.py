@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jointspec.backends import hf
+from jointspec.backends import hf, lean_forward
 from jointspec.backends.hf import CausalLM, tree_ancestor_mask
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.kernels.quantize import quantize_model
@@ -209,12 +209,31 @@ def test_a_long_prefill_runs_in_chunks_and_reports_progress(monkeypatch):
     assert torch.allclose(chunked.forward([7]).logits, expected, atol=1e-5)
 
 
+def test_the_vector_builds_read_a_prompt_row_by_row():
+    """On the AVX2 and AVX-512 builds a prompt is read in chunks of ROWWISE_PREFILL_CHUNK rows, each row computed
+    alone: the cache then holds the bits that feeding the prompt one token at a time gives, so the next logits are
+    equal, not merely close. (The portable build's GEMM prefill would fail this; it reads in PREFILL_CHUNKs.)"""
+    from jointspec.kernels.grouped import selected_isa
+
+    model = quantize_model(grouped_llama(2), "int4")
+    chunked, stepped = CausalLM(model), CausalLM(model)
+    if chunked.lean.compiled is None or selected_isa() == "portable":
+        pytest.skip("no vector build of the kernels here")
+    assert chunked.prefill_chunk == lean_forward.ROWWISE_PREFILL_CHUNK
+    prompt = random_prompt(6, length=lean_forward.ROWWISE_PREFILL_CHUNK + 40)  # two chunks, both past GEMM's 16 rows
+    chunked.forward(prompt, num_logits=0)
+    for token in prompt:
+        stepped.forward([token], num_logits=0)
+    assert torch.equal(chunked.forward([7]).logits, stepped.forward([7]).logits)
+
+
 @pytest.mark.parametrize("method, draft, tree", [("sps", "self", None), ("specinfer", "self", (2, 2)),
                                                   ("pld", None, None), ("lookahead", None, None)])
 def test_methods_match_plain_greedy_after_a_chunked_prefill(monkeypatch, method, draft, tree):
     """Every method prefills the same way, chunked or not, so a chunked prompt changes nothing in their agreement:
     on int4's compiled layers (a chunk of up to 256 rows takes them) and on transformers' float32 path."""
     monkeypatch.setattr(hf, "PREFILL_CHUNK", 24)
+    monkeypatch.setattr(lean_forward, "ROWWISE_PREFILL_CHUNK", 24)
     for model in (quantize_model(grouped_llama(2), "int4"), tiny_llama(4)):
         prompt = random_prompt(8, length=90)
         plain, other = greedy_by_methods(model, prompt, 40, methods=(("ar", None, None), (method, draft, tree)))

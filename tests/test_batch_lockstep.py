@@ -222,9 +222,11 @@ def test_a_request_that_joins_mid_flight_gets_its_own_tokens(int4_target):
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps-self"])
 def test_a_long_prompt_is_read_over_rounds_while_the_others_decode(int4_target, monkeypatch, method):
-    """A prompt longer than PREFILL_CHUNK joins after several rounds, one chunk a round, while the request already
-    decoding gets tokens every round; both get exactly ``generate``'s tokens (the chunks are ``generate``'s)."""
+    """A prompt longer than the target's prefill chunk joins after several rounds, one chunk a round, while the
+    request already decoding gets tokens every round; both get exactly ``generate``'s tokens (the chunks are
+    ``generate``'s)."""
     monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(int4_target.lean, "prefill_chunk", 16)
     config = METHODS[method]
     engine = LockstepEngine(int4_target, max_batch_size=16)
     engine.prefill_tokens_per_round = 16

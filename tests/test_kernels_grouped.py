@@ -322,11 +322,13 @@ def test_compiled_attention_is_its_pairwise_definition_bit_for_bit(heads, kv_hea
     for visible, lengths in ((no_bool, torch.arange(cached + 1, keys + 1)), (tree, no_long), (scattered, no_long)):
         assert torch.equal(compiled.attention(query, key, value, visible, lengths, dim ** -0.5),
                            compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
-def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
-    """A forward that wants no logits (the loop's prompt prefill) runs the compiled layers' projections as one GEMM
-    (rows not computed alone); plain and speculative decoding prefill alike, so they still agree exactly."""
+def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
+    """On the portable build, a forward that wants no logits (the loop's prompt prefill) runs the compiled layers'
+    projections as one GEMM (rows not computed alone); plain and speculative decoding prefill alike, so they still
+    agree exactly. (The vector builds read prompts row-wise: test_backends_hf.py.)"""
     from jointspec.kernels import grouped
 
+    monkeypatch.setenv(grouped.ISA_ENV, "portable")
     model = quantize_model(grouped_llama(0), "int4")
     real, flags = grouped.kernels(), []
 
@@ -346,7 +348,7 @@ def test_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
 
         def __getattr__(self, name):
             return getattr(real, name)
-    monkeypatch.setattr(grouped, "kernels", lambda: Recording())
+    monkeypatch.setattr(grouped, "kernels", lambda isa=None: Recording())
     prompt = random_prompt(5, length=40)
     gemm, rows = CausalLM(model, name="gemm"), CausalLM(model, name="rows")
     gemm.forward(prompt, num_logits=0)

@@ -24,14 +24,9 @@ from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities
 
 # A prompt prefill longer than this runs in chunks of this many tokens: the attention of a chunk then needs no mask
 # over the whole prompt (transformers' mask at 7k tokens is 196 MB), peak memory stays bounded, and a caller can show
-# progress. The loop prefills the same way for every method, so chunking changes nothing between them.
+# progress. The loop prefills the same way for every method, so chunking changes nothing between them. A model on
+# jointspec's compiled layers reads in its own, smaller chunks (LeanLlamaForward.prefill_chunk).
 PREFILL_CHUNK = 1024
-
-
-def prefill_chunk_end(start: int, total: int) -> int:
-    """Where the prefill chunk starting at token ``start`` of ``total`` ends: the forwards a prompt is read in
-    (:meth:`CausalLM.forward`; the batched engine reads them one a round, and must read the same ones)."""
-    return min(start + PREFILL_CHUNK, total)
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -104,7 +99,7 @@ class CausalLM:
         self.cache = BufferedCache(model.config)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
-        # Called as (tokens done, tokens in all) after each chunk of a long prefill (see PREFILL_CHUNK).
+        # Called as (tokens done, tokens in all) after each chunk of a long prefill (see prefill_chunk).
         self.prefill_progress: Callable[[int, int], None] | None = None
 
     def attach_feature_mirror(self, layers: tuple[int, ...] = (-1,)) -> FeatureMirror:
@@ -175,11 +170,11 @@ class CausalLM:
         ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
         reads only each row's argmax (greedy verification), so a target with an argmax screen may return
         logits whose other entries are approximate (``capabilities.argmax_screen``; kernels/grouped.py).
-        A prefill (``num_logits=0``, a chain) longer than :data:`PREFILL_CHUNK` runs in chunks.
+        A prefill (``num_logits=0``, a chain) longer than ``prefill_chunk`` tokens runs in chunks of that many.
         ``attend_to`` (int64 positions below ``num_cached``, increasing): the only cached tokens the new ones see
         (they still see each other causally, or along ``parents``); None: all of them.
         """
-        if num_logits == 0 and parents is None and attend_to is None and len(token_ids) > PREFILL_CHUNK:
+        if num_logits == 0 and parents is None and attend_to is None and len(token_ids) > self.prefill_chunk:
             return self._prefill_in_chunks(token_ids, output_hidden)
         call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only, attend_to)
         if self.lean is not None:
@@ -198,12 +193,22 @@ class CausalLM:
 
     def _prefill_in_chunks(self, token_ids: list[int] | torch.Tensor, output_hidden: bool) -> ForwardOutput:
         total = len(token_ids)
-        for start in range(0, total, PREFILL_CHUNK):
-            stop = prefill_chunk_end(start, total)
+        for start in range(0, total, self.prefill_chunk):
+            stop = self.prefill_chunk_end(start, total)
             out = self.forward(token_ids[start:stop], num_logits=0, output_hidden=output_hidden)
             if self.prefill_progress is not None:
                 self.prefill_progress(stop, total)
         return out
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The tokens of a prompt read per forward: the lean forward's own chunk, else :data:`PREFILL_CHUNK`."""
+        return (self.lean.prefill_chunk if self.lean is not None else None) or PREFILL_CHUNK
+
+    def prefill_chunk_end(self, start: int, total: int) -> int:
+        """Where the prefill chunk starting at token ``start`` of ``total`` ends: the forwards a prompt is read in
+        (:meth:`forward`; the batched engine reads them a few a round, and must read the same ones)."""
+        return min(start + self.prefill_chunk, total)
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None) -> LeanCall:
         """The model-level arguments of a forward: ids, positions, the tree mask, rows of logits, hidden states."""

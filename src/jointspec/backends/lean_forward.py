@@ -46,8 +46,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LeanLlamaForward).
+# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LeanLlamaForward), on
+# the portable build only: there the row-wise product is scalar code, far slower than MKL's GEMM. The vector builds'
+# row-wise product beats dequantising every weight for a GEMM at any prefill, so they read a prompt row-wise, in
+# chunks of ROWWISE_PREFILL_CHUNK rows (docs/kernels.md, "Reading the prompt").
 PREFILL_GEMM_ROWS = 16
+ROWWISE_PREFILL_CHUNK = 128
 
 
 # Architectures whose forward is Llama's, operation for operation: causal LM -> (body, decoder layer, attention, MLP,
@@ -146,6 +150,13 @@ class LeanLlamaForward:
         self.fused = [(FusedCall.maybe(self._qkv(layer)), FusedCall.maybe(self._gate_up(layer)))
                       for layer in model.model.layers[:model.config.num_hidden_layers]]
         self.compiled = self._compiled_layers()
+        # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None: the caller's default chunk),
+        # their projections as one GEMM or not. Fixed per model, so every method reads a prompt into the same bits.
+        self.prefill_gemm = True
+        self.prefill_chunk: int | None = None
+        if self.compiled is not None and self._isa != "portable":
+            self.prefill_gemm = False
+            self.prefill_chunk = ROWWISE_PREFILL_CHUNK
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in kernels/csrc) but the
@@ -162,6 +173,7 @@ class LeanLlamaForward:
             GroupedInt8Linear,
             kernel_arguments,
             kernels,
+            selected_isa,
         )
         from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
@@ -201,7 +213,8 @@ class LeanLlamaForward:
                            attn.scaling, config.num_key_value_heads, attn.head_dim))
         self._compiled_checks = tuple(map(list, zip(*checks)))  # owners, names, expected objects
         # The same layers registered once in C++, so that a forward makes one call for all of them.
-        self._compiled_stack = kernels().CompiledLayers()
+        self._isa = selected_isa()
+        self._compiled_stack = kernels(self._isa).CompiledLayers()
         for norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, _, _ in layers:
             self._compiled_stack.add_layer(norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling)
         self._compiled_buffers: list = []  # the cache buffers the stack was last given
@@ -256,8 +269,8 @@ class LeanLlamaForward:
         if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
             # A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain
             # and speculative decoding run the same one, and no later forward has to reproduce its rows one by one,
-            # so its projections may take the faster GEMM, whose rows are not computed alone.
-            prefill = num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
+            # so where the GEMM is faster (prefill_gemm) its projections take it, whose rows are not computed alone.
+            prefill = self.prefill_gemm and num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
             segment = self._segment(inputs_embeds, position_ids, attention_mask, cache)
             hidden = self._compiled_body(hidden, cos, sin, segment, wanted, kept, prefill)
         else:
@@ -284,7 +297,8 @@ class LeanLlamaForward:
         # A prefill (no logits, many rows) takes faster GEMMs alone, whose rows are not computed alone: not here.
         if not calls or model.dtype != torch.float32 or any(
                 call.input_ids.shape[0] != 1 or not self._compiled_ready(call.input_ids.shape[1], call.cache)
-                or (call.num_logits == 0 and call.input_ids.shape[1] >= PREFILL_GEMM_ROWS) for call in calls):
+                or (self.prefill_gemm and call.num_logits == 0 and call.input_ids.shape[1] >= PREFILL_GEMM_ROWS)
+                for call in calls):
             return None
         num_layers = config.num_hidden_layers
         embeds, cos, sin, visible, lengths, keys, values, starts = [], [], [], [], [], [], [], []

@@ -120,7 +120,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 @contextlib.contextmanager
 def _prefill_bar(target):
-    """A progress bar on stderr while a long prompt is read (the target reports chunks of a long prefill)."""
+    """A progress bar on stderr while a long prompt is read (the target reports the chunks of a prefill; a prompt
+    of up to PREFILL_CHUNK tokens is read in about a second, with no bar)."""
     if not hasattr(target, "prefill_progress"):
         yield
         return
@@ -128,6 +129,10 @@ def _prefill_bar(target):
 
     def update(done: int, total: int) -> None:
         nonlocal bar
+        from jointspec.backends.hf import PREFILL_CHUNK
+
+        if total <= PREFILL_CHUNK:
+            return
         if bar is None:
             from tqdm.auto import tqdm
 
