@@ -9,6 +9,8 @@ Everything here is deterministic (seeded generators, greedy decoding): no test h
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -80,6 +82,28 @@ def test_min_gain_keeps_marginal_drafts_plain():
     # At a = 0.55 llama.cpp's k = 1 is only 3.3 % better than plain: a 5 % margin rejects it, a 3 % one does not.
     assert choose_num_draft_tokens(0.55, LLAMA_CPP, 16, min_gain=0.05) == 0
     assert choose_num_draft_tokens(0.55, LLAMA_CPP, 16, min_gain=0.03) == 1
+
+
+def test_the_chooser_stops_early_but_chooses_what_the_full_search_does():
+    """choose_num_draft_tokens stops once no longer draft can beat the best (a bound, not a guess): on 2,000
+    random curves, acceptances and draft costs it picks the length the search over every length picks."""
+    rng = random.Random(0)
+
+    def full_search(a, curve, max_k, min_gain):
+        rates = [(1.0 + min_gain) / curve.round_cost(0)] + [expected_tokens(a, k) / curve.round_cost(k)
+                                                            for k in range(1, max_k + 1)]
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+    for _ in range(2000):
+        sizes = sorted(rng.sample(range(2, 70), rng.randint(1, 6)))
+        costs, level = {1: 1.0}, 1.0
+        for n in sizes:
+            level += rng.uniform(-0.2, 1.5)  # dips too: the curve reads through its running maximum
+            costs[n] = max(level, 0.05)
+        curve = CostCurve(costs, rng.choice([0.0, rng.uniform(0, 0.5)]))
+        a = rng.choice([0.0, 1.0, rng.random(), 1 - rng.random() ** 4])
+        max_k, min_gain = rng.randint(0, 40), rng.choice([0.0, 0.05])
+        assert choose_num_draft_tokens(a, curve, max_k, min_gain) == full_search(a, curve, max_k, min_gain)
 
 
 def test_expected_tokens():
@@ -439,6 +463,28 @@ def test_probing_recovers_when_drafts_start_paying(target_model):
     assert modelled_cost(recorder.drafted, curve) < 0.7 * 200  # the whole generation beats plain decoding
 
 
+def test_probes_wait_out_their_cost_where_a_draft_token_is_dear():
+    """Alone on a torch curve a probe costs a tenth of a step, and one follows every accepted probe. In a full batch
+    (batch_cost_curve) a draft token costs about what a row's share of the round does: probing that often there,
+    with half the probes accepted, costs about 40 % more than decoding plainly (probe_budget=1 below, which lets
+    every probe through). By default probes wait until they cost at most probe_budget (10 %) of the rounds: here
+    8 rounds apart. Deterministic (no randomness reaches the counts)."""
+    dear = CostCurve({1: 1.0, 2: 1.8, 3: 2.6, 17: 13.8})
+    drafted = {}
+    for budget in (1.0, 0.1):
+        wrapper = CostAwareDrafter(RandomDrafter(1, seed=0), dear, max_num_draft_tokens=1, probe_budget=budget)
+        wrapper.start([1])
+        rounds = []
+        for _ in range(128):
+            rounds.append(wrapper.propose([1], 1, greedy(1).sampling, None).num_nodes)
+            wrapper.commit([1], rounds[-1] * (sum(rounds) % 2))  # every other probe accepted
+            assert wrapper.acceptance < 0.8  # never enough to draft by choice on this curve: every draft is a probe
+        drafted[budget] = rounds
+    assert modelled_cost(drafted[1.0], dear) > 1.3 * 128
+    assert sum(drafted[0.1]) <= 128 // 8 + 1
+    assert modelled_cost(drafted[0.1], dear) <= 1.1 * 128 + 1e-9  # 16 probes at 0.8: exactly the budget
+
+
 def test_inner_empty_drafts_are_respected_and_no_test(target_model):
     # Prompt lookup on a prompt without repetition: most rounds have no match. The wrapper must hand on the inner
     # drafter's empty drafts as they are, and an empty draft is not a failed test: it leaves the estimate alone.
@@ -484,6 +530,7 @@ def test_tree_drafters_are_refused():
     ({"max_num_draft_tokens": 0}, "max_num_draft_tokens"), ({"prior_acceptance": 1.5}, "prior_acceptance"),
     ({"prior_weight": 0}, "prior_weight"), ({"memory": 1}, "memory"), ({"probe_num_draft_tokens": 0}, "probe"),
     ({"max_probe_interval": 0}, "max_probe_interval"), ({"min_gain": -0.1}, "min_gain"),
+    ({"probe_budget": 0}, "probe_budget"), ({"probe_budget": 1.5}, "probe_budget"),
     ({"min_num_draft_tokens": -1}, "min_num_draft_tokens"), ({"min_num_draft_tokens": 17}, "min_num_draft_tokens"),
 ])
 def test_wrapper_validation(kwargs, message):

@@ -278,6 +278,9 @@ class CorpusLookupDrafter(PromptLookupDrafter):
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         budget = max(0, min(self._length, max_num_draft_tokens))
+        if budget == 0:  # a round that drafts nothing (cost-aware, or no room left) reads nothing
+            self._last_num_drafted = 0
+            return EMPTY_DRAFT
         # The context as one array with room for the draft (not converted again for every drafted token).
         length = len(context_ids)
         context = np.empty(length + budget, dtype=np.int64)

@@ -42,7 +42,10 @@ from. So it still drafts a short probe after 1, 2, 4, ... rounds without a draft
 of it per round, so the estimate climbs in a few rounds rather than one token at a time), back to the short probe
 after any rejection. Any accepted probe token makes the next probe due in the next round. With the llama.cpp curve
 a 1-token probe every 64 rounds costs 0.5 / 64 < 1 % of plain decoding. The first round of a request is a probe if
-the prior alone would not draft.
+the prior alone would not draft. Where a probe is dear next to a plain round, probes also stay far enough apart to
+cost at most ``probe_budget`` (10 %) of the rounds: alone on a CPU a probe token costs a tenth of a step or less and
+nothing changes, while in a full batch (the batched engine's curve) an extra row costs about a row's share of the
+round, and probing after every accepted probe, at the half acceptance lookup drafts get, cost more than it found.
 
 The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
 still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
@@ -111,6 +114,8 @@ class CostCurve:
         for i in range(1, len(envelope)):
             envelope[i] = max(envelope[i], envelope[i - 1])
         object.__setattr__(self, "_envelope", tuple(envelope))
+        # cost() by whole sizes, filled as asked: a batched engine asks for each candidate length of every row's round.
+        object.__setattr__(self, "_by_size", {})
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -118,13 +123,19 @@ class CostCurve:
 
     def cost(self, num_inputs: float) -> float:
         """Cost of one target forward of ``num_inputs`` tokens (``>= 1``)."""
+        known = self._by_size.get(num_inputs)
+        if known is not None:
+            return known
         if num_inputs < 1:
             raise ValueError(f"a target forward has at least 1 token, got {num_inputs}")
         sizes, envelope = self.sizes, self._envelope
         i = next((i for i, n in enumerate(sizes) if n >= num_inputs), len(sizes) - 1)
         i = max(i, 1)
         low, high = sizes[i - 1], sizes[i]
-        return envelope[i - 1] + (envelope[i] - envelope[i - 1]) * (num_inputs - low) / (high - low)
+        cost = envelope[i - 1] + (envelope[i] - envelope[i - 1]) * (num_inputs - low) / (high - low)
+        if type(num_inputs) is int:
+            self._by_size[num_inputs] = cost
+        return cost
 
     def round_cost(self, num_draft_tokens: int) -> float:
         """Cost of a round that drafts ``num_draft_tokens`` tokens and verifies them with the pending token."""
@@ -163,8 +174,14 @@ def choose_num_draft_tokens(acceptance: float, curve: CostCurve, max_num_draft_t
     if max_num_draft_tokens < 0:
         raise ValueError(f"max_num_draft_tokens must be >= 0, got {max_num_draft_tokens}")
     best_k, best_rate = 0, (1.0 + min_gain) / curve.round_cost(0)
+    # No draft commits 1 / (1 - a) tokens or more, and round costs never fall with k, so once that over the next
+    # round's cost is no better than the best, no longer draft can be (a batched engine asks every row every round).
+    most = 1.0 / (1.0 - acceptance) if acceptance < 1.0 else math.inf
     for k in range(1, max_num_draft_tokens + 1):
-        rate = expected_tokens(acceptance, k) / curve.round_cost(k)
+        cost = curve.round_cost(k)
+        if most / cost <= best_rate:
+            break
+        rate = expected_tokens(acceptance, k) / cost
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
@@ -283,7 +300,7 @@ class CostAwareDrafter:
     def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
                  probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0,
-                 min_num_draft_tokens: int = 0) -> None:
+                 min_num_draft_tokens: int = 0, probe_budget: float = 0.1) -> None:
         if max_num_draft_tokens < 1:
             raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
         if not 0 <= min_num_draft_tokens <= max_num_draft_tokens:
@@ -302,6 +319,9 @@ class CostAwareDrafter:
             raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
         if not min_gain >= 0:
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+        if not 0 < probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1] (the share of decoding time probes may cost), got "
+                             f"{probe_budget}")
         self.inner = inner
         self.curve = curve
         self.max_num_draft_tokens = max_num_draft_tokens
@@ -311,6 +331,7 @@ class CostAwareDrafter:
         self.probe_num_draft_tokens = probe_num_draft_tokens
         self.max_probe_interval = max_probe_interval
         self.min_gain = min_gain
+        self.probe_budget = probe_budget
         # A method whose output law is its point (MTAD) never decodes a round plainly: it drafts at least this many.
         self.min_num_draft_tokens = min_num_draft_tokens
         self._state = self._fresh_state()
@@ -341,10 +362,13 @@ class CostAwareDrafter:
         limit = min(self.max_num_draft_tokens, max_num_draft_tokens)
         num_tokens = choose_num_draft_tokens(self.acceptance, self.curve, max(limit, 0), self.min_gain)
         num_tokens = max(num_tokens, min(self.min_num_draft_tokens, max(limit, 0)))
-        # A probe is the probe_interval-th round since the last draft: interval 1 probes in consecutive rounds.
-        state.probing = num_tokens == 0 and limit > 0 and state.rounds_without_draft + 1 >= state.probe_interval
+        # A probe is the probe_interval-th round since the last draft: interval 1 probes in consecutive rounds. Where
+        # a probe costs much next to a round (a full batch), it also waits out its share of probe_budget.
+        probe_length = min(state.probe_length, limit)
+        state.probing = (num_tokens == 0 and limit > 0 and state.rounds_without_draft + 1
+                         >= max(state.probe_interval, self._probe_spacing(probe_length)))
         if state.probing:
-            num_tokens = min(state.probe_length, limit)
+            num_tokens = probe_length
         # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
         # would leave (see the module docstring).
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
@@ -364,6 +388,15 @@ class CostAwareDrafter:
             state.rounds_without_draft += 1
             state.probing = False  # no draft (e.g. no n-gram match): the probe is still due
         return draft
+
+    def _probe_spacing(self, length: int) -> int:
+        """The fewest rounds a probe of ``length`` tokens must come after the last draft so that probes cost at
+        most ``probe_budget`` of the rounds': 1 wherever a draft token costs little next to a step."""
+        if length < 1:
+            return 1
+        base = self.curve.round_cost(0)
+        extra = self.curve.round_cost(length) - base
+        return max(1, math.ceil(extra / (self.probe_budget * base) - 1e-9))
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         state = self._state
