@@ -19,7 +19,7 @@ from jointspec.train import sharegpt, sources
 from jointspec.train.data import build_data, load_shards, read_spec
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
-from helpers import quant_llama, random_prompt, tiny_llama, tiny_tokenizer
+from helpers import grouped_llama, random_prompt, tiny_llama, tiny_tokenizer
 
 
 def _record(i: int, prompt: str, answer: str, first: str = "human") -> dict:
@@ -203,20 +203,23 @@ def test_train_draft_sharegpt_sources_and_extra_data(target_model, tmp_path, mon
 
 def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(tmp_path):
     """``answer_quantize``: an int4 copy of the target writes the answers (its own greedy text, which the float
-    model would not always write), and the features are still the float target's own on that text."""
+    model would not always write), and the features are still the float target's own on that text. The copy runs on
+    the compiled int4 layers, so the lockstep engine writes its answers: `generate`'s own."""
     from jointspec.backends.loading import quantized_copy
     from jointspec.batch.engine import BatchEngine, BatchRequest
+    from jointspec.batch.lockstep import LockstepEngine, engine_for
     from jointspec.core.loop import DecodeConfig
 
-    target = CausalLM(quant_llama(0), name="tiny-target")
+    target = CausalLM(grouped_llama(0), name="tiny-target")
     before = {name: weight.clone() for name, weight in target.model.state_dict().items()}
     prompts = [random_prompt(800 + i, length=6) for i in range(5)]
     data = build_data(target, None, prompts, tmp_path / "int4", max_new_tokens=12, max_length=64, shard_size=4,
                       batch_size=4, answer_quantize="int4")
     assert read_spec(data)["answers_by"] == "int4"
     assert all(torch.equal(weight, before[name]) for name, weight in target.model.state_dict().items())
-    int4 = BatchEngine(quantized_copy(target, "int4"), None, max_batch_size=4).generate(
-        [BatchRequest(tuple(p), DecodeConfig(max_new_tokens=12)) for p in prompts])
+    int4_engine = engine_for(quantized_copy(target, "int4"), None, max_batch_size=4)
+    assert isinstance(int4_engine, LockstepEngine)
+    int4 = int4_engine.generate([BatchRequest(tuple(p), DecodeConfig(max_new_tokens=12)) for p in prompts])
     floats = BatchEngine(target, None, max_batch_size=4).generate(
         [BatchRequest(tuple(p), DecodeConfig(max_new_tokens=12)) for p in prompts])
     assert int4 != floats  # else this test could not tell who wrote the answers (seeds chosen so)

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from jointspec.backends.hf import CausalLM
-from jointspec.batch.engine import BatchEngine, BatchRequest
+from jointspec.batch.engine import BatchRequest
+from jointspec.batch.lockstep import engine_for
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig
 from jointspec.drafts.artifact import target_fingerprint
@@ -192,7 +193,9 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
                                                                    eos_token_ids=eos_token_ids))
                         for i in to_generate]
             if requests and engine is None:
-                engine = BatchEngine(_answer_model(target, answer_quantize), tokenizer, max_batch_size=batch_size)
+                # On jointspec's compiled layers (an int4 or int8 copy) the lockstep engine: every answer is the
+                # one `generate` gives, with the weights read once a round for the whole batch.
+                engine = engine_for(_answer_model(target, answer_quantize), tokenizer, max_batch_size=batch_size)
             started = time.perf_counter()
             generated = dict(zip(to_generate, engine.generate(requests) if requests else []))
             if requests:  # the answers are most of a build's time: worth a line at JOINTSPEC_LOG=INFO
