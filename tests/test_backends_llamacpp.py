@@ -296,7 +296,9 @@ def make_decoder(method: str, lm: LlamaCppLM, tokenizer, other: CausalLM | None 
     def load_draft(source: str):
         return (lm.fork("tiny-fork"), tokenizer) if source == "fork" else (other, None)
 
-    config = MethodConfig(name=name, draft=draft, num_draft_tokens=num_draft_tokens)
+    # A fixed draft length: these tests are about the adapter under drafts (its roll-back above all), and on
+    # llama.cpp's steep cost curve a cost-aware `sps` would rarely draft from a draft this poor.
+    config = MethodConfig(name=name, draft=draft, num_draft_tokens=num_draft_tokens, cost_aware=False)
     drafter, verifier = build_method(MethodContext(config, lm, tokenizer, load_draft))
     return SpeculativeDecoder(lm, drafter, verifier)
 
