@@ -221,20 +221,28 @@ class LeanLlamaForward:
         return layers
 
     def _compiled_ready(self, n: int, cache) -> bool:
-        """Whether this forward (``n`` rows) can take the compiled layers: the model still holds every module,
-        buffer and parameter they were built from (one identity check each, about 1,000 on SmolLM2: tens of
-        microseconds), row-wise attention still set, a buffered cache, and a forward short enough for row-wise
+        """Whether this forward (``n`` rows) can take the compiled layers: the model still holds what they were
+        built from (:meth:`_compiled_model_ready`), a buffered cache, and a forward short enough for row-wise
         attention."""
-        from jointspec.backends.kvcache import BufferedLayer
-        from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+        return self._compiled_model_ready() and self._compiled_call_ready(n, cache)
+
+    def _compiled_model_ready(self) -> bool:
+        """Whether the model still holds every module, buffer and parameter the compiled layers were built from (one
+        identity check each, about 1,000 on SmolLM2: tens of microseconds), with row-wise attention still set."""
         from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
-        if (self.compiled is None or n > ROWWISE_MAX_ROWS
-                or self.model.config._attn_implementation != ROWWISE_ATTENTION):
+        if self.compiled is None or self.model.config._attn_implementation != ROWWISE_ATTENTION:
             return False
         owners, names, expected = self._compiled_checks
-        return (all(type(layer) is BufferedLayer for layer in cache.layers)
-                and all(map(operator.is_, map(dict.get, owners, names), expected)))  # one C-level loop
+        return all(map(operator.is_, map(dict.get, owners, names), expected))  # one C-level loop
+
+    @staticmethod
+    def _compiled_call_ready(n: int, cache) -> bool:
+        """Whether one forward's rows (``n``) and cache fit the compiled layers."""
+        from jointspec.backends.kvcache import BufferedLayer
+        from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
+        return n <= ROWWISE_MAX_ROWS and all(type(layer) is BufferedLayer for layer in cache.layers)
 
     @staticmethod
     def _qkv(layer) -> list[nn.Module]:
@@ -294,9 +302,10 @@ class LeanLlamaForward:
         """
         model = self.model
         base, config = model.model, model.config
-        # A prefill (no logits, many rows) takes faster GEMMs alone, whose rows are not computed alone: not here.
-        if not calls or model.dtype != torch.float32 or any(
-                call.input_ids.shape[0] != 1 or not self._compiled_ready(call.input_ids.shape[1], call.cache)
+        # Where a prefill (no logits, many rows) takes the GEMM alone, its rows are not computed alone: not here. The
+        # model is checked once for every call: they all run on it.
+        if not calls or model.dtype != torch.float32 or not self._compiled_model_ready() or any(
+                call.input_ids.shape[0] != 1 or not self._compiled_call_ready(call.input_ids.shape[1], call.cache)
                 or (self.prefill_gemm and call.num_logits == 0 and call.input_ids.shape[1] >= PREFILL_GEMM_ROWS)
                 for call in calls):
             return None
