@@ -25,10 +25,16 @@ from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.backends.lean_forward import LeanLlamaForward
 from jointspec.batch.engine import BatchEngine, BatchRequest
-from jointspec.batch.lockstep import LockstepEngine, batch_cost_curve, engine_description, engine_for
+from jointspec.batch.lockstep import (
+    BATCH_PROBE_BUDGET,
+    LockstepEngine,
+    batch_cost_curve,
+    engine_description,
+    engine_for,
+)
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.target import ForwardCall
-from jointspec.drafters.costaware import CostCurve, choose_num_draft_tokens
+from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, choose_num_draft_tokens
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -249,6 +255,24 @@ def test_a_long_prompt_is_read_over_rounds_while_the_others_decode(int4_target, 
 
 
 # -- load-aware drafting --------------------------------------------------------------------------------------------
+
+def test_probes_are_spaced_in_a_batch_and_left_alone_otherwise(int4_target):
+    """A cost-aware drafter gets the engine's probe budget while its round has other sequences, and its own (none:
+    the plain probe schedule, as `generate` runs it) while it is alone."""
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    config = METHODS["pld-cost-aware"]
+    first = engine.submit(BatchRequest(tuple(PROMPTS[0]), GREEDY, config))
+    engine.step()
+    drafter = engine.active[first].decoder.drafter
+    assert isinstance(drafter, CostAwareDrafter) and drafter.probe_budget is None
+    second = engine.submit(BatchRequest(tuple(PROMPTS[1]), GREEDY, config))
+    engine.step()
+    assert len(engine.active) == 2
+    assert all(seq.decoder.drafter.probe_budget == BATCH_PROBE_BUDGET for seq in engine.active.values())
+    engine.cancel(second)
+    engine.step()
+    assert list(engine.active) == [first] and drafter.probe_budget is None
+
 
 def test_a_sequence_alone_sees_its_own_curve():
     curve = CostCurve({1: 1.0, 2: 1.1, 5: 1.4, 17: 3.0}, draft_cost_per_token=0.01)

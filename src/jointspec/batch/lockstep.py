@@ -92,6 +92,11 @@ LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter)
 # The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward.
 BATCH_CURVE_SIZES = (*DEFAULT_SIZES, 33, 65)
 
+# In a round of several sequences a cost-aware drafter's probes may cost at most this share of the rounds
+# (CostAwareDrafter.probe_budget): an extra row costs there about what a row's share of the round does
+# (docs/lab/serving.md, "Probes that wait out their cost").
+BATCH_PROBE_BUDGET = 0.1
+
 
 def batch_cost_curve(curve: CostCurve, other_rows: int) -> CostCurve:
     """The cost curve one sequence's draft sees in a batch forward that also scores ``other_rows`` other rows.
@@ -119,6 +124,7 @@ class _Sequence:
     generator: torch.Generator
     state: DecodeState | None = None  # set when it joins
     single_curve: CostCurve | None = None  # a cost-aware drafter's own curve, before the batch's replaces it
+    single_probe_budget: float | None = None  # and its own probe budget
     stats: SpecStats = field(default_factory=SpecStats)
     prefilled: int = 0  # prompt tokens read so far (while waiting)
     prefill_seconds: float = 0.0
@@ -209,7 +215,8 @@ class LockstepEngine(EngineBase):
 
     def _set_draft_costs(self, rows: list[_Sequence]) -> None:
         """Give each cost-aware drafter the cost its draft tokens have in this round's batch (module docstring): its
-        own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve."""
+        own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve, and
+        then also :data:`BATCH_PROBE_BUDGET` for its probes."""
         curves: dict[float, CostCurve] = {}  # by draft cost per token: the rows of one method share one curve
         for seq in rows:
             drafter = seq.decoder.drafter
@@ -217,6 +224,9 @@ class LockstepEngine(EngineBase):
                 continue
             if seq.single_curve is None:
                 seq.single_curve = drafter.curve
+                seq.single_probe_budget = getattr(drafter, "probe_budget", None)
+            if isinstance(drafter, CostAwareDrafter):
+                drafter.probe_budget = seq.single_probe_budget if len(rows) == 1 else BATCH_PROBE_BUDGET
             if len(rows) == 1:
                 drafter.curve = seq.single_curve
                 continue

@@ -42,10 +42,11 @@ from. So it still drafts a short probe after 1, 2, 4, ... rounds without a draft
 of it per round, so the estimate climbs in a few rounds rather than one token at a time), back to the short probe
 after any rejection. Any accepted probe token makes the next probe due in the next round. With the llama.cpp curve
 a 1-token probe every 64 rounds costs 0.5 / 64 < 1 % of plain decoding. The first round of a request is a probe if
-the prior alone would not draft. Where a probe is dear next to a plain round, probes also stay far enough apart to
-cost at most ``probe_budget`` (10 %) of the rounds: alone on a CPU a probe token costs a tenth of a step or less and
-nothing changes, while in a full batch (the batched engine's curve) an extra row costs about a row's share of the
-round, and probing after every accepted probe, at the half acceptance lookup drafts get, cost more than it found.
+the prior alone would not draft. With a ``probe_budget`` (the batched engine sets one while a round has more than
+one sequence), probes also stay far enough apart to cost at most that share of the rounds: in a full batch an extra
+row costs about a row's share of the round, and probing after every accepted probe, at the half acceptance lookup
+drafts get, cost more than it found. Alone, where a probe token costs a tenth of a step or less on a CPU, probes
+keep the schedule above.
 
 The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
 still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
@@ -300,7 +301,7 @@ class CostAwareDrafter:
     def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
                  probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0,
-                 min_num_draft_tokens: int = 0, probe_budget: float = 0.1) -> None:
+                 min_num_draft_tokens: int = 0, probe_budget: float | None = None) -> None:
         if max_num_draft_tokens < 1:
             raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
         if not 0 <= min_num_draft_tokens <= max_num_draft_tokens:
@@ -319,9 +320,9 @@ class CostAwareDrafter:
             raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
         if not min_gain >= 0:
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
-        if not 0 < probe_budget <= 1:
-            raise ValueError(f"probe_budget must be in (0, 1] (the share of decoding time probes may cost), got "
-                             f"{probe_budget}")
+        if probe_budget is not None and not 0 < probe_budget <= 1:
+            raise ValueError(f"probe_budget must be None or in (0, 1] (the share of decoding time probes may cost), "
+                             f"got {probe_budget}")
         self.inner = inner
         self.curve = curve
         self.max_num_draft_tokens = max_num_draft_tokens
@@ -391,8 +392,8 @@ class CostAwareDrafter:
 
     def _probe_spacing(self, length: int) -> int:
         """The fewest rounds a probe of ``length`` tokens must come after the last draft so that probes cost at
-        most ``probe_budget`` of the rounds': 1 wherever a draft token costs little next to a step."""
-        if length < 1:
+        most ``probe_budget`` of the rounds' (1 without a budget, or where a draft token costs little)."""
+        if length < 1 or self.probe_budget is None:
             return 1
         base = self.curve.round_cost(0)
         extra = self.curve.round_cost(length) - base
