@@ -209,18 +209,28 @@ def test_a_long_prefill_runs_in_chunks_and_reports_progress(monkeypatch):
     assert torch.allclose(chunked.forward([7]).logits, expected, atol=1e-5)
 
 
-def test_the_vector_builds_read_a_prompt_row_by_row():
-    """On the AVX2 and AVX-512 builds a prompt is read in chunks of ROWWISE_PREFILL_CHUNK rows, each row computed
-    alone: the cache then holds the bits that feeding the prompt one token at a time gives, so the next logits are
-    equal, not merely close. (The portable build's GEMM prefill would fail this; it reads in PREFILL_CHUNKs.)"""
-    from jointspec.kernels.grouped import selected_isa
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_the_vector_builds_read_a_prompt_row_by_row(isa):
+    """The AVX-512 build reads a prompt in chunks of ROWWISE_PREFILL_CHUNK rows, the AVX2 build reads forwards of up
+    to that many rows, each row computed alone: the cache then holds the bits that feeding the prompt one token at a
+    time gives, so the next logits are equal, not merely close. (A GEMM prefill fails this: the portable build's,
+    and the AVX2 build's past ROWWISE_PREFILL_CHUNK rows.)"""
+    from jointspec.kernels.grouped import runnable_isas, use_isa
 
+    if isa not in runnable_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
     model = quantize_model(grouped_llama(2), "int4")
-    chunked, stepped = CausalLM(model), CausalLM(model)
-    if chunked.lean.compiled is None or selected_isa() == "portable":
-        pytest.skip("no vector build of the kernels here")
-    assert chunked.prefill_chunk == lean_forward.ROWWISE_PREFILL_CHUNK
-    prompt = random_prompt(6, length=lean_forward.ROWWISE_PREFILL_CHUNK + 40)  # two chunks, both past GEMM's 16 rows
+    with use_isa(isa):
+        chunked, stepped = CausalLM(model), CausalLM(model)
+    assert chunked.lean.compiled is not None
+    chunk = lean_forward.ROWWISE_PREFILL_CHUNK
+    if isa == "avx512":
+        assert chunked.prefill_chunk == chunk
+        length = chunk + 40  # two chunks, both past the portable build's 16 GEMM rows
+    else:
+        assert chunked.prefill_chunk == hf.PREFILL_CHUNK and chunked.lean.prefill_gemm_rows == chunk + 1
+        length = chunk
+    prompt = random_prompt(6, length=length)
     chunked.forward(prompt, num_logits=0)
     for token in prompt:
         stepped.forward([token], num_logits=0)

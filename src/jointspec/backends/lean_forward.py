@@ -35,6 +35,7 @@ forward, as does ``--kernels stock``.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -46,10 +47,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-# Prompt prefills of at least this many rows take the compiled layers' GEMM projections (see LeanLlamaForward), on
-# the portable build only: there the row-wise product is scalar code, far slower than MKL's GEMM. The vector builds'
-# row-wise product beats dequantising every weight for a GEMM at any prefill, so they read a prompt row-wise, in
-# chunks of ROWWISE_PREFILL_CHUNK rows (docs/kernels.md, "Reading the prompt").
+# How the compiled layers read a prompt (docs/kernels.md, "Reading the prompt row by row"). The AVX-512 build's
+# row-wise product beats dequantising every weight for a GEMM at any length: it reads in chunks of
+# ROWWISE_PREFILL_CHUNK rows, all row-wise. The AVX2 build's beats the GEMM up to about that many rows and loses past
+# it (measured against an MKL that had AVX-512; unmeasured on an AVX2-only CPU): longer prompt forwards keep the GEMM.
+# The portable build's row-wise product is scalar code: prefills of PREFILL_GEMM_ROWS rows or more take the GEMM.
 PREFILL_GEMM_ROWS = 16
 ROWWISE_PREFILL_CHUNK = 128
 
@@ -151,12 +153,14 @@ class LeanLlamaForward:
                       for layer in model.model.layers[:model.config.num_hidden_layers]]
         self.compiled = self._compiled_layers()
         # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None: the caller's default chunk),
-        # their projections as one GEMM or not. Fixed per model, so every method reads a prompt into the same bits.
-        self.prefill_gemm = True
+        # those of ``prefill_gemm_rows`` rows or more with their projections as one GEMM. Fixed per model, so every
+        # method reads a prompt into the same bits.
         self.prefill_chunk: int | None = None
-        if self.compiled is not None and self._isa != "portable":
-            self.prefill_gemm = False
-            self.prefill_chunk = ROWWISE_PREFILL_CHUNK
+        self.prefill_gemm_rows: float = PREFILL_GEMM_ROWS
+        if self.compiled is not None and self._isa == "avx512":
+            self.prefill_chunk, self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK, math.inf
+        elif self.compiled is not None and self._isa != "portable":
+            self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK + 1
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in kernels/csrc) but the
@@ -277,8 +281,8 @@ class LeanLlamaForward:
         if batch_seq[0] == 1 and hidden.dtype == torch.float32 and self._compiled_ready(batch_seq[1], cache):
             # A forward that wants no logits is a prompt prefill (the decode loop's first forward): plain
             # and speculative decoding run the same one, and no later forward has to reproduce its rows one by one,
-            # so where the GEMM is faster (prefill_gemm) its projections take it, whose rows are not computed alone.
-            prefill = self.prefill_gemm and num_logits == 0 and batch_seq[1] >= PREFILL_GEMM_ROWS
+            # so where the GEMM is faster (prefill_gemm_rows) its projections take it: rows not computed alone.
+            prefill = num_logits == 0 and batch_seq[1] >= self.prefill_gemm_rows
             segment = self._segment(inputs_embeds, position_ids, attention_mask, cache)
             hidden = self._compiled_body(hidden, cos, sin, segment, wanted, kept, prefill)
         else:
@@ -306,7 +310,7 @@ class LeanLlamaForward:
         # model is checked once for every call: they all run on it.
         if not calls or model.dtype != torch.float32 or not self._compiled_model_ready() or any(
                 call.input_ids.shape[0] != 1 or not self._compiled_call_ready(call.input_ids.shape[1], call.cache)
-                or (self.prefill_gemm and call.num_logits == 0 and call.input_ids.shape[1] >= PREFILL_GEMM_ROWS)
+                or (call.num_logits == 0 and call.input_ids.shape[1] >= self.prefill_gemm_rows)
                 for call in calls):
             return None
         num_layers = config.num_hidden_layers
