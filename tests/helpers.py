@@ -96,6 +96,32 @@ def grouped_llama(seed: int) -> LlamaForCausalLM:
     return model
 
 
+def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a 4- or 5-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/grouped_linear.cpp,
+    multiply_q8), in float64, and the magnitude of its terms (for a tolerance): each group of 32 inputs rounded to
+    ``q = round(x * 127 / max|x|)`` (ties to even, float32 as the kernel rounds), then per group ``scale * step *
+    sum(level * q) + minimum * sum(x)``."""
+    rows, width = x.shape
+    groups = width // 32
+    packed = layer.packed.reshape(-1, groups, 16)
+    levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()  # byte i: level i low, level i + 16 high
+    fifth = getattr(layer, "fifth", None)
+    if fifth is not None:
+        bits = (fifth.long()[..., None] >> torch.arange(32)) & 1
+        levels = levels + 16 * bits
+    xg = x.reshape(rows, groups, 32)
+    top = xg.abs().amax(-1)
+    step = top / 127.0
+    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    q = torch.round(xg * inverse[..., None]).double()
+    dots = torch.einsum("ogi,rgi->rog", levels.double(), q)  # [rows, out, groups]
+    scaled = layer.scale.double()[None] * step.double()[:, None, :]
+    lows = layer.minimum.double()[None] * xg.double().sum(-1)[:, None, :]
+    out = (scaled * dots + lows).sum(-1)
+    magnitude = (scaled.abs() * torch.einsum("ogi,rgi->rog", levels.double(), q.abs()) + lows.abs()).sum(-1)
+    return out, magnitude
+
+
 def tiny_qwen2(seed: int, hidden: int = 64, intermediate: int = 128, **config):
     """A Qwen2 model (biases on q/k/v, which Llama has not) with every linear's width a multiple of 64."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

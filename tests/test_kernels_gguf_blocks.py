@@ -14,10 +14,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from jointspec.backends.hf import CausalLM
 from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
-from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear, ScreenedInt8Head
+from jointspec.kernels.grouped import (
+    GroupedInt4Linear,
+    GroupedInt5Linear,
+    GroupedInt8Linear,
+    ScreenedInt8Head,
+    float_inputs,
+)
 from jointspec.kernels.quantize import quantize_model
 
-from helpers import VOCAB, greedy_by_methods, random_prompt
+from helpers import VOCAB, greedy_by_methods, q8_reference, random_prompt
 
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
@@ -61,14 +67,18 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
     with torch.no_grad():
         out = layer(x)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(5)])
+    assert torch.equal(out, alone)  # rows computed alone, in groups of 16 as in groups of 32
+    if levels.bits < 8:  # 4 and 5 bits round their inputs to 8 bits (test_kernels_grouped.py)
+        reference, magnitude = q8_reference(x, layer)
+        assert ((out.double() - reference).abs() <= 1e-5 * magnitude + 1e-7).all()
+    with torch.no_grad(), float_inputs():
+        out = layer(x)
+        # The kernel's own weights, exactly: a one-hot input row reads one column of W (every other product is 0).
+        columns = layer(torch.eye(256))  # 256 rows: the multi-row path
+        single = torch.cat([layer(torch.eye(256)[i:i + 1]) for i in (0, 77, 255)])  # one row: the in-register path
     reference = x.double() @ levels.weight().double().T
     assert ((out.double() - reference).abs() <= 1e-5 * (x.abs().double() @ levels.weight().abs().double().T)
             + 1e-7).all()
-    assert torch.equal(out, alone)  # rows computed alone, in groups of 16 as in groups of 32
-    # The kernel's own weights, exactly: a one-hot input row reads one column of W (every other product is 0).
-    with torch.no_grad():
-        columns = layer(torch.eye(256))  # 256 rows: the multi-row path
-        single = torch.cat([layer(torch.eye(256)[i:i + 1]) for i in (0, 77, 255)])  # one row: the in-register path
     assert torch.equal(columns, levels.weight().T) and torch.equal(single, levels.weight().T[[0, 77, 255]])
 
 
@@ -143,7 +153,9 @@ def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):
     target = CausalLM(model, name="gguf mix")
     assert target.lean.compiled is not None  # mixed formats, q/k/v not fused: still the compiled layers
     context = random_prompt(1)
-    ours = target.forward(context).logits
+    with float_inputs():  # (on 8-bit inputs the model is llama.cpp's, not the float one)
+        ours = target.forward(context).logits
+    target.crop(0)
     theirs = CausalLM(float_model, name="float", lean=False).forward(context).logits
     # The same weights; only the order of float32 sums differs.
     assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max().item())
@@ -158,3 +170,4 @@ def test_a_layer_whose_blocks_are_not_its_weight_is_left_to_rounding_by_name(tmp
     found = file_layers(model, tmp_path / "mix.gguf")
     assert found.left == ["model.layers.1.mlp.up_proj (blk.1.ffn_up.weight: its blocks do not give the loaded weight)"]
     assert len(found.layers) == 14
+

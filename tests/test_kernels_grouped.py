@@ -22,6 +22,7 @@ from jointspec.kernels.grouped import (
     GroupedInt4Linear,
     GroupedInt8Linear,
     ScreenedInt8Head,
+    float_inputs,
     kernels,
     runnable_isas,
     selected_isa,
@@ -36,6 +37,7 @@ from helpers import (
     greedy,
     greedy_by_methods,
     grouped_llama,
+    q8_reference,
     random_prompt,
     tiny_llama,
     tiny_qwen2,
@@ -65,7 +67,7 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
     layer = linear(80, 192, seed=0, bias=bias)
     quantized = kind(layer)
     x = torch.randn(5, 192)
-    with torch.no_grad():
+    with torch.no_grad(), float_inputs():  # 4 bits: the float-input kernel (8-bit inputs: the test below)
         reference = x.double() @ quantized.dequantized().double().T + (0 if not bias else layer.bias.double())
         out = quantized(x)
     assert out.dtype == torch.float32 and out.shape == (5, 80)
@@ -78,6 +80,37 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
     error = (quantized.dequantized() - layer.weight.detach()).reshape(80, -1, GROUP_SIZE).abs().amax(-1)
     assert (error <= step * 1.01).all()
     assert not torch.allclose(out, x @ layer.weight.detach().roll(1, 0).T, atol=1e-2)  # not any matrix will do
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_4_and_5_bit_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_does(bits):
+    """The kernel's definition (helpers.q8_reference): each group of 32 inputs on signed 8-bit levels, an exact
+    integer dot product per group, scaled once. Close to the float product: within half an input step per weight."""
+    from jointspec.kernels.grouped import GroupedInt5Linear
+
+    layer = linear(80, 320, seed=0)  # 10 groups: 5 pairs, and a partial block of 16 for the minimum's term
+    quantized = GroupedInt4Linear(layer)
+    if bits == 5:
+        fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (80, 10), generator=torch.Generator().manual_seed(1),
+                              dtype=torch.int32)
+        quantized = GroupedInt5Linear.from_levels(quantized.packed, fifth, quantized.scale, quantized.minimum)
+    x = torch.randn(6, 320, generator=torch.Generator().manual_seed(2)) * 3
+    x[1] = 0.0  # a row of zeros: step 0, no division by it
+    x[2, 40:72] = 0.0  # and a group of zeros in a live row
+    with torch.no_grad():
+        out = quantized(x)
+        with float_inputs():
+            floats = quantized(x)
+    reference, magnitude = q8_reference(x, quantized)
+    assert ((out.double() - reference).abs() <= 1e-5 * magnitude + 1e-6).all()
+    assert torch.equal(out[1], torch.zeros(80))
+    # Against float inputs: each input off by at most half its group's step, so each output by at most that times
+    # the weights' magnitudes; and off by more than float rounding (the rounding happens).
+    step = x.reshape(6, 10, 32).abs().amax(-1) / 127
+    bound = (quantized.dequantized().abs().double().reshape(80, 10, 32).sum(-1) @ (step.double().T / 2)).T
+    difference = (out.double() - floats.double()).abs()
+    assert (difference <= bound * 1.001 + 1e-5).all()
+    assert difference.max() > 1e-3
 
 
 @pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
@@ -246,10 +279,14 @@ def test_compiled_layers_compute_the_int4_model_one_row_at_a_time():
     python.lean.compiled = None
     assert compiled.lean.compiled is not None
     context = random_prompt(2)
-    ours, theirs = compiled.forward(context, output_hidden=True), python.forward(context, output_hidden=True)
+    with float_inputs():  # (8-bit inputs would turn float rounding differences into flipped levels)
+        ours, theirs = compiled.forward(context, output_hidden=True), python.forward(context, output_hidden=True)
+        compiled.crop(0)
+        python.crop(0)
     # Another order of float32 sums over the same quantised weights: differences of float rounding only.
     assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
     assert torch.allclose(ours.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
+    compiled.forward(context)
     new = [7, 8, 9, 10, 11, 12]  # more rows than the kernel's in-register path takes: both paths, same bits
     chain = compiled.forward(new).logits
     compiled.crop(len(context))
@@ -351,11 +388,12 @@ def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeyp
     monkeypatch.setattr(grouped, "kernels", lambda isa=None: Recording())
     prompt = random_prompt(5, length=40)
     gemm, rows = CausalLM(model, name="gemm"), CausalLM(model, name="rows")
-    gemm.forward(prompt, num_logits=0)
-    rows.forward(prompt, num_logits=1)
-    assert flags == [True, False]
-    # The GEMM sums in another order: the next step differs from the row path's by float rounding only.
-    assert torch.allclose(gemm.forward([7]).logits, rows.forward([7]).logits, rtol=1e-4, atol=1e-4)
+    with float_inputs():  # the row path on float inputs, as the GEMM's
+        gemm.forward(prompt, num_logits=0)
+        rows.forward(prompt, num_logits=1)
+        assert flags == [True, False]
+        # The GEMM sums in another order: the next step differs from the row path's by float rounding only.
+        assert torch.allclose(gemm.forward([7]).logits, rows.forward([7]).logits, rtol=1e-4, atol=1e-4)
     outputs = []
     for name, draft, tree in [("ar", None, None), ("pld", None, None), ("sps", "self", None),
                               ("specinfer", "self", (2, 2))]:
@@ -498,13 +536,16 @@ def test_a_qwen2_model_with_qkv_biases_runs_the_compiled_layers_one_row_at_a_tim
     python.lean.compiled = None
     assert compiled.lean.compiled is not None
     context = random_prompt(2)
-    ours, theirs = compiled.forward(context), python.forward(context)
-    assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
-    without = CausalLM(quantize_model(tiny_qwen2(1), "int4"), name="no biases")
-    for layer in without.model.model.layers:
-        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            projection.bias.zero_()
-    assert not torch.allclose(without.forward(context).logits, ours.logits, atol=1e-2)  # the biases are applied
+    with float_inputs():
+        ours, theirs = compiled.forward(context), python.forward(context)
+        assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
+        without = CausalLM(quantize_model(tiny_qwen2(1), "int4"), name="no biases")
+        for layer in without.model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.zero_()
+        assert not torch.allclose(without.forward(context).logits, ours.logits, atol=1e-2)  # the biases are applied
+    compiled.crop(0)
+    compiled.forward(context)
     new = [7, 8, 9, 10]
     chain = compiled.forward(new).logits
     compiled.crop(len(context))

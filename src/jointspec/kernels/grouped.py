@@ -19,9 +19,16 @@ of it (``tests/test_kernels_grouped.py`` checks the round trip; ``docs/lab/bench
 prompts).
 For a model that was never quantised it is an ordinary 4-bit quantisation.
 
-Exactness. Activations stay float32 and every output row is computed by the same instructions whatever the batch
-(bit-equal rows, tested), and quantised models use row-wise attention (:func:`jointspec.kernels.quantize.rowwise_sdpa`),
-so speculative decoding on this target is exactly its plain decoding.
+Inputs. 4- and 5-bit layers round each input row to signed 8-bit levels per group of 32 (a step of max |x| / 127,
+as llama.cpp's Q8_0) and take each group's product as an exact integer sum, scaled once: on a model whose weights do
+not fit in cache that halves the instructions per weight, which is what a decoding step is short of
+(docs/kernels.md, "8-bit inputs"). llama.cpp rounds its inputs to 8 bits too (per 32 for Q4_0 to Q5_1, per 256 for
+the K-quants), so the model moves towards llama.cpp's and away from the float32 model of the dequantised weights;
+:func:`float_inputs` switches back, for comparisons. 8-bit layers and the head keep float32 inputs.
+
+Exactness. Every output row is computed by the same instructions whatever the batch (bit-equal rows, tested), and
+quantised models use row-wise attention (:func:`jointspec.kernels.quantize.rowwise_sdpa`), so speculative decoding on
+this target is exactly its plain decoding.
 
 The same extension holds two more kernels for the int4 model. ``attention``: row-wise attention (each query row and
 head computed alone, by construction) in one call per layer, which :func:`jointspec.kernels.quantize.rowwise_sdpa`
@@ -134,6 +141,22 @@ def use_isa(isa: str) -> Iterator[None]:
         yield
     finally:
         _override.pop()
+
+
+@contextlib.contextmanager
+def float_inputs(isa: str | None = None) -> Iterator[None]:
+    """4- and 5-bit layers of the ``isa`` build (default: the selected one) multiply float32 inputs inside the block,
+    as before the kernels rounded inputs to 8 bits: for comparing the two, and for tests that hold two forward paths
+    (compiled and operation by operation) to float rounding, which an 8-bit rounding of the inputs would turn into
+    flipped levels."""
+    module = kernels(isa)
+    if module is None:
+        raise RuntimeError(f"the grouped kernels cannot run here: {unavailable_reason(isa)}")
+    module.use_q8_inputs(False)
+    try:
+        yield
+    finally:
+        module.use_q8_inputs(True)
 
 
 def kernels(isa: str | None = None):

@@ -1,5 +1,6 @@
-// Weight-only quantised linear layers for CPU decoding: y = x W^T with W stored as 4- or 8-bit levels in groups of
-// 32 inputs, one scale (and, for 4 bits, one minimum) per group, and float32 activations. Built at first use by
+// Quantised linear layers for CPU decoding: y = x W^T with W stored as 4-, 5- or 8-bit levels in groups of 32 inputs,
+// one scale (and, for 4 and 5 bits, one minimum) per group; 4- and 5-bit layers round each input row to 8 bits per
+// group (multiply_q8, as llama.cpp does), 8-bit ones take float32 inputs. Built at first use by
 // jointspec/kernels/grouped.py (torch.utils.cpp_extension), once per instruction set (simd.h: AVX-512, AVX2 + FMA,
 // portable C++); see that module for why and for the measurements.
 //
@@ -21,6 +22,7 @@
 #include <cstdlib>
 #include <vector>
 #include <algorithm>
+#include <type_traits>
 
 namespace {
 
@@ -206,6 +208,118 @@ inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int
   for (; n < end; ++n) dot_direct_rows<1, R>(xp, weights, n, k, op + n, out_features);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// 4- and 5-bit weights against 8-bit inputs, the way llama.cpp multiplies its 4- and 5-bit blocks: each input row is
+// rounded to signed 8-bit levels per group of 32 inputs (step = the group's largest |x| / 127, as llama.cpp's Q8_0),
+// then a group's product is an exact integer sum of level products, scaled once:
+//   sum_i (l_i * s + m) * x_i  ~  s * step * sum_i l_i * q_i  +  m * sum_i x_i
+// The integer products take a fraction of the instructions that dequantising each weight to float does, which is
+// what a decoding step on weights that do not fit in cache is short of (docs/kernels.md, "8-bit inputs"). Each
+// (weight row, input row) pair is still computed alone and by fixed operations: the integer lanes of simd.h's pair
+// layout, each lane's float sum over the group pairs in order, the minimum's term by sixteen groups a vector, then the
+// halving trees. So a row's result does not depend on the other rows of the call, and every backend gives its bits.
+struct QuantisedInputs {
+  int64_t rows = 0, k = 0, groups = 0;
+  std::vector<int8_t> levels;  // [rows, k]: each pair of groups in simd.h's pair layout
+  std::vector<float> step;     // [rows, groups]
+  std::vector<float> sum;      // [rows, groups]: the group's float inputs summed (for the minimum's term)
+};
+
+QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantisedInputs q{rows, k, groups, std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
+                    std::vector<float>(rows * groups)};
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = x + r * k + g * kGroup;
+        simd::quantise_group(xg, q.levels.data() + r * k + (g / 2) * 64 + (g % 2) * 16, q.step[r * groups + g]);
+        q.sum[r * groups + g] = simd::reduce_add(simd::add(simd::load(xg), simd::load(xg + 16)));
+      }
+  });
+  return q;
+}
+
+// Whether 4- and 5-bit layers take 8-bit inputs (the default); use_q8_inputs(false) gives the float-input kernels,
+// for comparing the two.
+bool g_q8_inputs = true;
+
+bool use_q8_inputs(bool on) {
+  g_q8_inputs = on;
+  return on;
+}
+
+// Accumulators a tile keeps (weight rows x input rows). Four weight rows a block read together measured faster than
+// eight on a decoding step (fewer streams from memory at once), and leave AVX2's sixteen registers enough room.
+constexpr int kQ8Tile = 4;
+
+// Input rows r0 .. r0 + R - 1 against weight rows first .. first + W - 1: out[r * out_stride + b].
+template <int W, int R>
+inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Int4Rows& w, int64_t first, float* out,
+                   int64_t out_stride) {
+  const int64_t k = x.k, groups = x.groups;
+  V16 acc[W][R];
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = simd::zero();
+  for (int64_t p = 0; p < groups / 2; ++p) {
+    simd::L64 q[R];
+    V16 step[R];
+    for (int r = 0; r < R; ++r) {
+      q[r] = simd::load_q64(x.levels.data() + (r0 + r) * k + 64 * p);
+      step[r] = simd::pair_pattern(x.step.data() + (r0 + r) * groups + 2 * p);
+    }
+    // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
+    // stream for the hardware prefetcher to get ahead of alone.
+    if ((p & 1) == 0)
+      for (int b = 0; b < W; ++b) __builtin_prefetch(w.packed + ((first + W + b) * groups + 2 * p) * kGroup / 2, 0, 1);
+    for (int b = 0; b < W; ++b) {
+      const int64_t g = (first + b) * groups + 2 * p;
+      const simd::L64 levels = simd::pair_levels(w.packed + g * kGroup / 2, w.fifth ? w.fifth + g : nullptr);
+      const V16 scale = simd::pair_pattern(w.scale + g);
+      for (int r = 0; r < R; ++r)
+        acc[b][r] = simd::fmadd(simd::dot4(levels, q[r]), simd::mul(scale, step[r]), acc[b][r]);
+    }
+  }
+  for (int b = 0; b < W; ++b)
+    for (int r = 0; r < R; ++r) {
+      const float* minimum = w.minimum + (first + b) * groups;
+      const float* sums = x.sum.data() + (r0 + r) * groups;
+      V16 low = simd::zero();
+      for (int64_t g = 0; g < groups; g += 16)
+        low = simd::fmadd(simd::load_first(minimum + g, groups - g), simd::load_first(sums + g, groups - g), low);
+      out[r * out_stride + b] = simd::reduce_add(acc[b][r]) + simd::reduce_add(low);
+    }
+}
+
+template <int R>
+inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Int4Rows& w, int64_t first, int64_t count, float* out,
+                    int64_t out_features) {
+  constexpr int W = kQ8Tile / R > 0 ? kQ8Tile / R : 1;
+  int64_t b = 0;
+  for (; b + W <= count; b += W) dot_q8<W, R>(x, r0, w, first + b, out + b, out_features);
+  for (; b < count; ++b) dot_q8<1, R>(x, r0, w, first + b, out + b, out_features);
+}
+
+// out [rows, out_features] = x [rows, k] times 4- or 5-bit weights, with x rounded to 8 bits (above). Each thread
+// takes blocks of kQ8Tile weight rows and runs every input row against a block while it is in L1.
+void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Int4Rows& w) {
+  const QuantisedInputs x = quantise_inputs(xp, rows, k);
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end; first += kQ8Tile) {
+      const int64_t count = std::min<int64_t>(kQ8Tile, end - first);
+      for (int64_t m = 0; m < rows; m += 4) {
+        float* o = op + m * out_features + first;
+        switch (std::min<int64_t>(4, rows - m)) {
+          case 1: q8_tile<1>(x, m, w, first, count, o, out_features); break;
+          case 2: q8_tile<2>(x, m, w, first, count, o, out_features); break;
+          case 3: q8_tile<3>(x, m, w, first, count, o, out_features); break;
+          default: q8_tile<4>(x, m, w, first, count, o, out_features); break;
+        }
+      }
+    }
+  });
+}
+
 // The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
 int64_t int8_group(const torch::Tensor& scale, int64_t in_features, const char* name) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(1) > 0 && (scale.size(1) * 32 == in_features ||
@@ -235,6 +349,12 @@ constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 64;
 
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
+  if constexpr (std::is_same_v<Rows, Int4Rows>) {
+    if (g_q8_inputs) {
+      multiply_q8(xp, rows, k, out_features, op, weights);
+      return;
+    }
+  }
   // One input row (a decoding step): each weight row dequantised in registers (dot_direct), as there is nothing to
   // share a buffer with. More rows: each weight row dequantised once into a buffer (L1), then multiplied by every
   // input row (dequantising into registers again for each input row was slower). Short forwards (verification)
@@ -1300,6 +1420,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // clients while a forward runs, instead of waiting for the interpreter's switch interval after every round.
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
+  m.def("use_q8_inputs", &use_q8_inputs, "4- and 5-bit layers on 8-bit inputs (the default) or float ones; returns which");
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false, unlocked);

@@ -260,6 +260,143 @@ constexpr int kPairs = 2;
 constexpr bool kTwoPass = false;
 #endif
 
+// Two groups of 32 inputs at a time with 8-bit inputs (grouped_linear.cpp's multiply_q8): 64 weight levels of two
+// adjacent groups (unsigned, < 32) against the matching 64 input levels (signed, |q| <= 127). Lane j of the V16 that
+// dot4() returns is the exact integer sum of four products, always the same four whatever the backend:
+//   lanes 0-3   group 2p, inputs 0-15 (four each)    lanes 4-7   group 2p + 1, inputs 0-15
+//   lanes 8-11  group 2p, inputs 16-31               lanes 12-15 group 2p + 1, inputs 16-31
+// which is the byte order a 4-bit pair's 32 packed bytes give (low nibbles: inputs 0-15 of each group, high nibbles:
+// 16-31), so the inputs are stored in that order too (Q64: 64 bytes a pair). Integer sums have no rounding, so every
+// backend gives the same lanes; pair_pattern() gives each lane its group's float (scale or input step).
+#if defined(JOINTSPEC_ISA_AVX512)
+struct L64 {
+  __m512i v;
+};
+inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)), mask = _mm256_set1_epi8(0x0F);
+  __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  if (fifth != nullptr) {  // bit i of a group's word adds 16 to its level i
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    low = _mm256_mask_add_epi8(low, (fifth[0] & 0xFFFFu) | (fifth[1] << 16), low, sixteen);
+    high = _mm256_mask_add_epi8(high, (fifth[0] >> 16) | (fifth[1] & 0xFFFF0000u), high, sixteen);
+  }
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1)};
+}
+inline L64 load_q64(const int8_t* q) { return {_mm512_loadu_si512(q)}; }
+inline V16 dot4(L64 w, L64 q) {
+  return {_mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(w.v, q.v), _mm512_set1_epi16(1)))};
+}
+inline V16 pair_pattern(const float* two) {
+  const __m512 pair = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(two))));
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), pair)};
+}
+// Inputs x[0 .. 31] of one group as levels q = round(x / step) (ties to even), step = max |x| / 127; q[i] goes to
+// out[i] for i < 16 and out[i + 16] for the rest (a pair's layout above, with out at the group's first byte).
+inline void quantise_group(const float* x, int8_t* out, float& step) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  step = top / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))));
+}
+
+#elif defined(JOINTSPEC_ISA_AVX2)
+struct L64 {
+  __m256i lo, hi;  // bytes 0-31 (lanes 0-7), 32-63 (lanes 8-15)
+};
+inline __m256i byte_bits(uint32_t bits) {  // 16 in byte i where bit i is set
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                0x0303030303030303LL));
+  const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+}
+inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)), mask = _mm256_set1_epi8(0x0F);
+  L64 out{_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
+  if (fifth != nullptr) {
+    out.lo = _mm256_or_si256(out.lo, byte_bits((fifth[0] & 0xFFFFu) | (fifth[1] << 16)));
+    out.hi = _mm256_or_si256(out.hi, byte_bits((fifth[0] >> 16) | (fifth[1] & 0xFFFF0000u)));
+  }
+  return out;
+}
+inline L64 load_q64(const int8_t* q) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))};
+}
+inline __m256 dot4_8(__m256i w, __m256i q) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)));
+}
+inline V16 dot4(L64 w, L64 q) { return {dot4_8(w.lo, q.lo), dot4_8(w.hi, q.hi)}; }
+inline V16 pair_pattern(const float* two) {
+  const __m256 half = _mm256_set_m128(_mm_set1_ps(two[1]), _mm_set1_ps(two[0]));
+  return {half, half};
+}
+inline void quantise_group(const float* x, int8_t* out, float& step) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], top8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1)));
+  step = top / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // int32 -> int8 (|q| <= 127, no saturation), in order: packs interleave 128-bit halves, the permute undoes it.
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+  const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(bytes, 1));
+}
+
+#else  // portable
+struct L64 {
+  int32_t v[64];  // levels (weights) or signed levels (inputs), in the pair layout
+};
+inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
+  L64 out;
+  for (int i = 0; i < 32; ++i) {
+    const int e = i / 16, j = i % 16;  // group 2p + e, byte j
+    out.v[i] = bytes[i] & 15;
+    out.v[32 + i] = bytes[i] >> 4;
+    if (fifth != nullptr) {
+      out.v[i] += ((fifth[e] >> j) & 1) * 16;
+      out.v[32 + i] += ((fifth[e] >> (16 + j)) & 1) * 16;
+    }
+  }
+  return out;
+}
+inline L64 load_q64(const int8_t* q) { L64 out; for (int i = 0; i < 64; ++i) out.v[i] = q[i]; return out; }
+inline V16 dot4(const L64& w, const L64& q) {
+  V16 r;
+  for (int j = 0; j < 16; ++j) {
+    int32_t sum = 0;
+    for (int t = 0; t < 4; ++t) sum += w.v[4 * j + t] * q.v[4 * j + t];
+    r.v[j] = float(sum);
+  }
+  return r;
+}
+inline V16 pair_pattern(const float* two) {
+  V16 r;
+  for (int j = 0; j < 16; ++j) r.v[j] = two[(j / 4) % 2];
+  return r;
+}
+inline void quantise_group(const float* x, int8_t* out, float& step) {
+  float top = 0.0f;
+  for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
+  step = top / 127.0f;
+  const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+  for (int i = 0; i < 32; ++i) out[i < 16 ? i : i + 16] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+}
+#endif
+
 // e^x lane by lane: the same operations in every backend, so a score's exponential is the same bits everywhere.
 inline V16 exp(V16 x) {
   x = min(max(x, set1(kExpLow)), set1(kExpHigh));
