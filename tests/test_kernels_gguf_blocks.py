@@ -171,3 +171,97 @@ def test_a_layer_whose_blocks_are_not_its_weight_is_left_to_rounding_by_name(tmp
     assert found.left == ["model.layers.1.mlp.up_proj (blk.1.ffn_up.weight: its blocks do not give the loaded weight)"]
     assert len(found.layers) == 14
 
+def loadable_gguf(path, *, tied: bool, down_type: str = "Q6_K", arch: str = "llama") -> None:
+    """A tiny Llama (or Qwen2: q/k/v biases) GGUF that transformers loads: the embedded SmolLM2's tokenizer and chat
+    template, the projections in TYPES' mix of blocks (random levels: the row order does not matter), float norms, a
+    Q8_0 embedding, and a Q8_0 output head or none (tied)."""
+    import gguf
+
+    from jointspec.backends.embedded import default_gguf_path
+
+    source = gguf.GGUFReader(str(default_gguf_path()))
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, field in source.fields.items():
+        if key.startswith(("GGUF.", "llama.")) or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(key, field.contents(), vtype,
+                             sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    hidden, intermediate, layers, vocab = 256, 512, 2, int(source.fields["llama.vocab_size"].contents())
+    writer.add_vocab_size(vocab)
+    writer.add_context_length(256)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+    embedding = random_blocks("Q8_0", vocab, hidden, 1)
+    writer.add_tensor("token_embd.weight", embedding, raw_dtype=GGMLQuantizationType.Q8_0)
+    seed = 10
+    for index in range(layers):
+        for name in TYPES:
+            rows = {"attn_q": hidden, "attn_k": hidden // 2, "attn_v": hidden // 2, "attn_output": hidden,
+                    "ffn_gate": intermediate, "ffn_up": intermediate, "ffn_down": hidden}[name]
+            columns = intermediate if name == "ffn_down" else hidden
+            type_name = down_type if name == "ffn_down" else TYPES[name]
+            raw = random_blocks(type_name, rows, columns, seed)
+            seed += 1
+            writer.add_tensor(f"blk.{index}.{name}.weight", raw, raw_dtype=GGMLQuantizationType[type_name])
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{index}.{name}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{index}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    if not tied:
+        head = random_blocks("Q8_0", vocab, hidden, 2)
+        writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", True)])
+def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it(tmp_path, monkeypatch, arch, tied):
+    """load_model(file.gguf, quantize=int4) builds the model from the file's blocks (no float copy of its
+    weights); it is, bit for bit and module for module, what loading through transformers and taking the blocks back
+    (file_layers) gives, and decodes the same tokens."""
+    from jointspec.backends import loading
+
+    path = tmp_path / "tiny.gguf"
+    loadable_gguf(path, tied=tied, arch=arch)
+    direct, tokenizer, _ = loading._load_gguf_blocks(str(path))
+    via, _, _ = loading._load_transformers(str(path), "cpu", None)
+    quantize_model(via, "int4", file_levels=loading._file_levels(via, str(path), "int4"))
+    ours, theirs = direct.state_dict(), via.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
+    assert [type(m) for m in direct.modules()] == [type(m) for m in via.modules()]
+    assert direct.config._attn_implementation == via.config._attn_implementation
+    assert direct.generation_config.eos_token_id == via.generation_config.eos_token_id is not None
+    assert torch.equal(direct.model.rotary_emb.inv_freq, via.model.rotary_emb.inv_freq)
+    prompt = tokenizer("The sea is", return_tensors=None)["input_ids"]
+    a, b = CausalLM(direct, name="blocks"), CausalLM(via, name="transformers")
+    outputs = [greedy_by_methods(model, prompt, 12)[0] for model in (direct, via)]
+    assert len(outputs[0]) == 12 and outputs[0] == outputs[1]
+    assert torch.equal(a.forward(prompt).logits, b.forward(prompt).logits)
+    # load_model takes this path: transformers' dequantising load is not called
+    monkeypatch.setattr(loading, "_load_transformers", lambda *args: pytest.fail("loaded through transformers"))
+    loaded, _ = loading.load_model(str(path), quantize="int4")
+    assert torch.equal(loaded.forward(prompt).logits, CausalLM(direct, name="again").forward(prompt).logits)
+
+
+def test_a_gguf_with_a_type_the_kernels_do_not_take_loads_through_transformers_and_says_why(tmp_path, caplog):
+    from jointspec.backends import loading
+
+    path = tmp_path / "f16.gguf"
+    loadable_gguf(path, tied=True, down_type="F16")
+    with caplog.at_level("INFO", logger="jointspec.backends.loading"):
+        assert loading._load_gguf_blocks(str(path)) is None
+    assert "blk.0.ffn_down.weight is F16" in caplog.text
+    target, _ = loading.load_model(str(path), quantize="int4")  # through transformers, the F16 layer rounded
+    assert type(target.model.model.layers[0].mlp.down_proj) is GroupedInt4Linear

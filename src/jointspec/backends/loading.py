@@ -2,7 +2,8 @@
 
 Sources, in the order they are tried:
 - ``default`` (or nothing): the embedded SmolLM2-135M-Instruct, prepared once into a local cache;
-- a ``.gguf`` file: loaded (dequantised) by transformers;
+- a ``.gguf`` file: with ``int4`` (what ``auto`` picks where the kernels take its blocks) built straight from its
+  blocks (:func:`jointspec.kernels.gguf_blocks.model_from_blocks`), else loaded (dequantised) by transformers;
 - a local folder with a ``config.json``;
 - a hub id such as ``org/name``: only from this machine's Hugging Face cache, unless ``JOINTSPEC_ALLOW_DOWNLOAD=1``.
 
@@ -202,9 +203,17 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
         from jointspec.backends.llamacpp import load_llamacpp
 
         return load_llamacpp(source, n_threads=threads, name=name)
-    model, tokenizer, label = _load_transformers(source, device, dtype)
+    loaded = None
+    if (quantize == "int4" and kernels != "stock" and source != DEFAULT_MODEL and gguf_path(source) is not None
+            and device == "cpu" and resolve_dtype(dtype, device) == torch.float32):
+        loaded = _load_gguf_blocks(source)
+    if loaded is not None:
+        model, tokenizer, label = loaded
+    else:
+        model, tokenizer, label = _load_transformers(source, device, dtype)
+        if quantize != "none":
+            quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize))
     if quantize != "none":
-        quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize))
         label = f"{label} ({quantize})"
     try:
         if resolve_kernels(kernels, model) == "onednn":
@@ -260,6 +269,27 @@ def stock_copy(target: CausalLM) -> CausalLM:
     use_stock_linears(model)
     use_stock_attention(model)
     return CausalLM(model, name=f"{target.name} (stock kernels)", lean=False)
+
+
+def _load_gguf_blocks(source: str):
+    """(int4 model, tokenizer, label) for the GGUF file ``source``, built from its blocks without a float copy of
+    its weights (:func:`jointspec.kernels.gguf_blocks.model_from_blocks`), or None where it cannot be, said once in
+    the log (the caller then loads through transformers, as before)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from jointspec.kernels.gguf_blocks import model_from_blocks
+
+    path = Path(source).expanduser()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}") from error
+    model, why = model_from_blocks(path, config)
+    if model is None:
+        log.info("%s: loading through transformers (dequantised first), not from its blocks: %s", path.name, why)
+        return None
+    return model, tokenizer, source
 
 
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):

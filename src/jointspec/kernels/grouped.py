@@ -219,7 +219,8 @@ def _build(isa: str):
 
 def grouped_misfit(linear: nn.Linear) -> str | None:
     """Why the grouped kernels cannot take ``linear`` (None if they can, once built)."""
-    if linear.weight.device.type != "cpu":
+    # A meta weight is a layer built without storage, whose levels come from a file (gguf_blocks.model_from_blocks).
+    if linear.weight.device.type not in ("cpu", "meta"):
         return "not on the CPU"
     if linear.in_features % 64:
         return f"in_features {linear.in_features} is not a multiple of 64"
