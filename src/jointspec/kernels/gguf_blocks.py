@@ -174,6 +174,26 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
                   None)
 
 
+def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int = 8192) -> Levels:
+    """:func:`decode`, a block of rows at a time into the result: decoding a large tensor (a vocabulary's embedding)
+    whole would hold several times its size in temporaries."""
+    if raw.shape[0] <= block:
+        return decode(raw, type_name, columns)
+    first = decode(raw[:block], type_name, columns)
+    rows = raw.shape[0]
+
+    def full(part: torch.Tensor | None) -> torch.Tensor | None:
+        return None if part is None else torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
+
+    out = Levels(first.bits, full(first.levels), full(first.scale), full(first.minimum), full(first.fifth))
+    for start in range(0, rows, block):
+        part = first if start == 0 else decode(raw[start:start + block], type_name, columns)
+        for name in ("levels", "scale", "minimum", "fifth"):
+            if getattr(part, name) is not None:
+                getattr(out, name)[start:start + block] = getattr(part, name)
+    return out
+
+
 def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
     """The order llama.cpp's converter gives a Llama q or k projection's rows (rotary halves interleaved):
     GGUF row i is Hugging Face row ``order[i]``."""
@@ -240,6 +260,27 @@ def _matching_order(levels: Levels, weight: torch.Tensor, module_name: str, conf
     return None
 
 
+def _read(path: Path, tensor) -> np.ndarray:
+    """A tensor's bytes read from the file, shaped as the reader's mapped view, without touching that view: mapped
+    pages, once read, count towards the process's memory until the file is unmapped."""
+    with open(path, "rb") as file:
+        file.seek(tensor.data_offset)
+        raw = np.frombuffer(file.read(tensor.n_bytes), dtype=np.uint8)
+    return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
+
+
+def _dequantized_in_blocks(levels: Levels, block: int = 4096) -> torch.Tensor:
+    """``levels.weight()``, a block of rows at a time (the float temporaries of one block only)."""
+    rows, stored = levels.levels.shape
+    out = torch.empty(rows, stored if levels.bits == 8 else 2 * stored)  # 4 and 5 bits: two levels a byte
+    for start in range(0, rows, block):
+        part = slice(start, start + block)
+        out[part] = Levels(levels.bits, levels.levels[part], levels.scale[part],
+                           None if levels.minimum is None else levels.minimum[part],
+                           None if levels.fifth is None else levels.fifth[part]).weight()
+    return out
+
+
 # The float tensors of a Llama-family model besides its projections and head: Hugging Face name -> GGUF name, with
 # a layer's under its module. Biases of q/k/v are Qwen2's.
 _FLOAT_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -287,7 +328,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
             return None, f"{module_name} has no {tensor_name} in the file"
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             return None, f"{tensor_name} is {tensor.tensor_type.name}"
-        found = decode(np.asarray(tensor.data), tensor.tensor_type.name, linear.in_features)
+        found = decode_in_blocks(_read(path, tensor), tensor.tensor_type.name, linear.in_features)
         if architecture == "llama" and module_name.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if module_name.endswith("q_proj") else config.num_key_value_heads
             found = found.rows(torch.argsort(_llama_permutation(linear.out_features, heads)))
@@ -304,14 +345,21 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
             tensor = tensors.get(floats.get(full_name, ""))
             if tensor is None:
                 return None, f"no tensor in the file for {full_name}"
-            values = torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type),
-                                               dtype=np.float32))  # a writable copy (the file is mapped read-only)
+            if tensor.tensor_type.name in SUPPORTED_TYPES and parameter.dim() == 2:  # an embedding: by our decoder,
+                # in blocks of rows (the same floats as the gguf package's, tested), the head's levels if it is tied
+                found = levels["lm_head"] if tensor.name == wanted["lm_head"] else decode_in_blocks(
+                    _read(path, tensor), tensor.tensor_type.name, parameter.shape[1])
+                values = _dequantized_in_blocks(found)
+            else:
+                values = torch.from_numpy(np.array(gguf.quants.dequantize(_read(path, tensor), tensor.tensor_type),
+                                                   dtype=np.float32))
             if architecture == "llama" and full_name.endswith(("q_proj.bias", "k_proj.bias")):
                 heads = config.num_attention_heads if "q_proj" in full_name else config.num_key_value_heads
                 values = values.reshape(-1)[torch.argsort(_llama_permutation(values.numel(), heads))]
             module._parameters[name] = nn.Parameter(values.reshape(parameter.shape), requires_grad=False)
     rotary = model.model.rotary_emb  # its buffers are computed from the config, not stored
     model.model.rotary_emb = type(rotary)(config=config)
+    del reader, tensors, tensor  # (unmapped)
     quantize_model(model, "int4", file_levels=levels)
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
     if left:

@@ -421,10 +421,10 @@ class GroupedInt8Linear(_GroupedLinear):
         ``.weight.shape`` works, code that wants floats sees ints; :meth:`dequantized` gives the values."""
         return self.levels
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, [out, in] float32."""
-        levels = self.levels.reshape(self.out_features, -1, self.group_size).float()
-        return (levels * self.scale[..., None]).reshape(self.out_features, self.in_features)
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32 (only ``rows`` of it, if given)."""
+        levels = self.levels[rows].reshape(-1, self.in_features // self.group_size, self.group_size).float()
+        return (levels * self.scale[rows][..., None]).reshape(-1, self.in_features)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
         return kernels().int8_linear(rows, self.levels, self.scale, gemm)
@@ -475,18 +475,25 @@ class ScreenedInt8Head(GroupedInt8Linear):
     def _screen(self, margin: float, max_exact: int) -> None:
         if self.bias is not None or self.in_features % 64:
             raise ValueError("the screened head needs a bias-free head with in_features a multiple of 64")
-        weight = self.dequantized()  # [V, in]: exactly what the int8 kernel multiplies by
+        # The exact weights (what the int8 kernel multiplies by), a block of rows at a time: the whole float head
+        # would be several times the int8 one at once (a 1B model's vocabulary: a gigabyte).
+        blocks = [slice(start, start + 4096) for start in range(0, self.out_features, 4096)]
         # Columns equalised before rounding (x is multiplied back): a few of SmolLM2's hidden channels hold weights
         # 3-4x the median, which would set every row's scale; the square root halves that spread (error 1.4 -> 1.0).
-        column = weight.abs().amax(dim=0).clamp_min(_TINY).sqrt()
-        equalised = weight / column
-        row_scale = (equalised.abs().amax(dim=1) / 7).clamp_min(_TINY)
-        levels = (torch.round(equalised / row_scale[:, None]).clamp(-8, 7) + 8).to(torch.uint8)  # [V, in], 0..15
-        chunks = levels.reshape(self.out_features, -1, 64)
-        # Byte b of a 64-input chunk: input b in the low nibble, input b + 32 in the high one (what the kernel reads).
-        self.register_buffer("screen4", (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(
-            self.out_features, -1).contiguous())
-        self.register_buffer("screen_scale", row_scale.contiguous())
+        column = torch.stack([self.dequantized(rows).abs().amax(dim=0) for rows in blocks]).amax(dim=0)
+        column = column.clamp_min(_TINY).sqrt()
+        screen4 = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8)
+        row_scale = torch.empty(self.out_features)
+        for rows in blocks:
+            equalised = self.dequantized(rows) / column
+            row_scale[rows] = (equalised.abs().amax(dim=1) / 7).clamp_min(_TINY)
+            levels = (torch.round(equalised / row_scale[rows][:, None]).clamp(-8, 7) + 8).to(torch.uint8)  # 0..15
+            chunks = levels.reshape(len(levels), -1, 64)
+            # Byte b of a 64-input chunk: input b in the low nibble, input b + 32 in the high one (what the kernel
+            # reads).
+            screen4[rows] = (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(len(levels), -1)
+        self.register_buffer("screen4", screen4)
+        self.register_buffer("screen_scale", row_scale)
         self.register_buffer("column", column.contiguous())
         self.margin = float(margin)
         self.max_exact = int(max_exact)
