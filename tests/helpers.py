@@ -97,28 +97,35 @@ def grouped_llama(seed: int) -> LlamaForCausalLM:
 
 
 def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a 4- or 5-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/grouped_linear.cpp,
+    """What a 4-, 5- or 8-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/grouped_linear.cpp,
     multiply_q8), in float64, and the magnitude of its terms (for a tolerance): each group of 32 inputs rounded to
-    ``q = round(x * 127 / max|x|)`` (ties to even, float32 as the kernel rounds), then per group ``scale * step *
-    sum(level * q) + minimum * sum(x)``."""
+    ``q = round(x * 127 / max|x|)`` (ties to even, float32 as the kernel rounds), then per group (or per 16 inputs,
+    where the weights' scales are) ``scale * step * sum(level * q)``, plus ``minimum * sum(x)`` for 4 and 5 bits."""
     rows, width = x.shape
     groups = width // 32
-    packed = layer.packed.reshape(-1, groups, 16)
-    levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()  # byte i: level i low, level i + 16 high
-    fifth = getattr(layer, "fifth", None)
-    if fifth is not None:
-        bits = (fifth.long()[..., None] >> torch.arange(32)) & 1
-        levels = levels + 16 * bits
+    if layer.bits == 8:
+        levels = layer.levels.long().reshape(-1, groups, 32)
+    else:
+        packed = layer.packed.reshape(-1, groups, 16)
+        levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()  # byte i: level i low, level i + 16 high
+        fifth = getattr(layer, "fifth", None)
+        if fifth is not None:
+            levels = levels + 16 * ((fifth.long()[..., None] >> torch.arange(32)) & 1)
     xg = x.reshape(rows, groups, 32)
     top = xg.abs().amax(-1)
     step = top / 127.0
     inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
     q = torch.round(xg * inverse[..., None]).double()
-    dots = torch.einsum("ogi,rgi->rog", levels.double(), q)  # [rows, out, groups]
-    scaled = layer.scale.double()[None] * step.double()[:, None, :]
-    lows = layer.minimum.double()[None] * xg.double().sum(-1)[:, None, :]
-    out = (scaled * dots + lows).sum(-1)
-    magnitude = (scaled.abs() * torch.einsum("ogi,rgi->rog", levels.double(), q.abs()) + lows.abs()).sum(-1)
+    halves = lambda t: t.reshape(*t.shape[:-2], groups * 2, 16)  # noqa: E731 (16 inputs a scale at most)
+    dots = torch.einsum("ogi,rgi->rog", halves(levels.double()), halves(q))  # [rows, out, 2 groups]
+    magnitudes = torch.einsum("ogi,rgi->rog", halves(levels.double()).abs(), halves(q).abs())
+    scale = layer.scale.double()
+    scale = scale.repeat_interleave(2, dim=1) if scale.shape[1] == groups else scale  # per 16 inputs
+    scaled = scale[None] * step.double().repeat_interleave(2, dim=1)[:, None, :]
+    out, magnitude = (scaled * dots).sum(-1), (scaled.abs() * magnitudes).sum(-1)
+    if layer.bits != 8:
+        lows = layer.minimum.double()[None] * xg.double().sum(-1)[:, None, :]
+        out, magnitude = out + lows.sum(-1), magnitude + lows.abs().sum(-1)
     return out, magnitude
 
 

@@ -68,9 +68,8 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
         out = layer(x)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(5)])
     assert torch.equal(out, alone)  # rows computed alone, in groups of 16 as in groups of 32
-    if levels.bits < 8:  # 4 and 5 bits round their inputs to 8 bits (test_kernels_grouped.py)
-        reference, magnitude = q8_reference(x, layer)
-        assert ((out.double() - reference).abs() <= 1e-5 * magnitude + 1e-7).all()
+    reference, magnitude = q8_reference(x, layer)  # inputs rounded to 8 bits (test_kernels_grouped.py)
+    assert ((out.double() - reference).abs() <= 1e-5 * magnitude + 1e-7).all()
     with torch.no_grad(), float_inputs():
         out = layer(x)
         # The kernel's own weights, exactly: a one-hot input row reads one column of W (every other product is 0).

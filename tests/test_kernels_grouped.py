@@ -82,18 +82,22 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
     assert not torch.allclose(out, x @ layer.weight.detach().roll(1, 0).T, atol=1e-2)  # not any matrix will do
 
 
-@pytest.mark.parametrize("bits", [4, 5])
-def test_4_and_5_bit_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_does(bits):
+@pytest.mark.parametrize("bits", [4, 5, 8, "8/16"])
+def test_quantised_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_does(bits):
     """The kernel's definition (helpers.q8_reference): each group of 32 inputs on signed 8-bit levels, an exact
-    integer dot product per group, scaled once. Close to the float product: within half an input step per weight."""
+    integer dot product per group (per 16 inputs where Q6_K's scales are), scaled once. Close to the float product:
+    within half an input step per weight."""
     from jointspec.kernels.grouped import GroupedInt5Linear
 
     layer = linear(80, 320, seed=0)  # 10 groups: 5 pairs, and a partial block of 16 for the minimum's term
-    quantized = GroupedInt4Linear(layer)
+    quantized = GroupedInt4Linear(layer) if bits in (4, 5) else GroupedInt8Linear(layer)
     if bits == 5:
         fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (80, 10), generator=torch.Generator().manual_seed(1),
                               dtype=torch.int32)
         quantized = GroupedInt5Linear.from_levels(quantized.packed, fifth, quantized.scale, quantized.minimum)
+    if bits == "8/16":  # scales per 16 inputs, as GGUF's Q6_K
+        scale16 = torch.rand(80, 20, generator=torch.Generator().manual_seed(1)) * 0.01 + 1e-3
+        quantized = GroupedInt8Linear.from_levels(quantized.levels, scale16)
     x = torch.randn(6, 320, generator=torch.Generator().manual_seed(2)) * 3
     x[1] = 0.0  # a row of zeros: step 0, no division by it
     x[2, 40:72] = 0.0  # and a group of zeros in a live row
@@ -168,7 +172,7 @@ def test_the_screened_head_computes_the_int8_heads_logits():
     layer = head()
     screened, plain = ScreenedInt8Head(layer), GroupedInt8Linear(layer)
     x = torch.randn(7, 128) * 3
-    with torch.no_grad():
+    with torch.no_grad(), float_inputs():  # (the screened head's logits are on float inputs; a projection's are not)
         assert torch.equal(screened(x), plain(x))  # forward: the exact head, bit for bit
         # With a margin and a cap that take every token, the screen's result is the exact head's too.
         screened.margin, screened.max_exact = 1e9, 512
@@ -184,7 +188,8 @@ def test_the_screen_gives_exact_logits_exactly_near_each_rows_best_score():
     x = torch.randn(2000, 128) * 2
     with torch.no_grad():
         plain = GroupedInt8Linear(layer)
-        exact = torch.cat([plain(x[i:i + 4]) for i in range(0, len(x), 4)])  # row by row, as decoding runs it
+        with float_inputs():  # the head's exact logits are on float inputs
+            exact = torch.cat([plain(x[i:i + 4]) for i in range(0, len(x), 4)])  # row by row, as decoding runs it
         screened.margin = -1.0
         scores = screened.argmax_logits(x)  # a negative margin: the 4-bit scores alone, none exact
         screened.margin = 1.5

@@ -22,9 +22,10 @@ For a model that was never quantised it is an ordinary 4-bit quantisation.
 Inputs. 4- and 5-bit layers round each input row to signed 8-bit levels per group of 32 (a step of max |x| / 127,
 as llama.cpp's Q8_0) and take each group's product as an exact integer sum, scaled once: on a model whose weights do
 not fit in cache that halves the instructions per weight, which is what a decoding step is short of
-(docs/kernels.md, "8-bit inputs"). llama.cpp rounds its inputs to 8 bits too (per 32 for Q4_0 to Q5_1, per 256 for
-the K-quants), so the model moves towards llama.cpp's and away from the float32 model of the dequantised weights;
-:func:`float_inputs` switches back, for comparisons. 8-bit layers and the head keep float32 inputs.
+(docs/kernels.md, "8-bit inputs"). 8-bit projections (Q8_0, Q6_K) do the same with signed levels. llama.cpp rounds
+its inputs to 8 bits too (per 32 for Q4_0 to Q8_0, per 256 for the K-quants), so the model moves towards llama.cpp's
+and away from the float32 model of the dequantised weights; :func:`float_inputs` switches back, for comparisons. The
+screened output head keeps float32 inputs.
 
 Exactness. Every output row is computed by the same instructions whatever the batch (bit-equal rows, tested), and
 quantised models use row-wise attention (:func:`jointspec.kernels.quantize.rowwise_sdpa`), so speculative decoding on
@@ -145,7 +146,7 @@ def use_isa(isa: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def float_inputs(isa: str | None = None) -> Iterator[None]:
-    """4- and 5-bit layers of the ``isa`` build (default: the selected one) multiply float32 inputs inside the block,
+    """The quantised layers of the ``isa`` build (default: the selected one) multiply float32 inputs inside the block,
     as before the kernels rounded inputs to 8 bits: for comparing the two, and for tests that hold two forward paths
     (compiled and operation by operation) to float rounding, which an 8-bit rounding of the inputs would turn into
     flipped levels."""
@@ -376,12 +377,14 @@ class GroupedInt5Linear(_GroupedLinear):
 
 
 class GroupedInt8Linear(_GroupedLinear):
-    """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x float32. Built from a
-    float ``nn.Linear`` or, with :meth:`from_levels`, from levels a file stores (groups of 32 or 16: GGUF's Q6_K
-    keeps a scale per 16 inputs)."""
+    """``y = x W^T + b``: W in signed 8-bit symmetric groups of 32 inputs (a scale per group), x rounded to 8 bits per
+    group as for the 4-bit layers (``q8_inputs``; the screened head keeps float inputs). Built from a float
+    ``nn.Linear`` or, with :meth:`from_levels`, from levels a file stores (groups of 32 or 16: GGUF's Q6_K keeps a
+    scale per 16 inputs)."""
 
     bits = 8
     BUFFERS = ("levels", "scale")
+    q8_inputs = True
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -427,7 +430,7 @@ class GroupedInt8Linear(_GroupedLinear):
         return (levels * self.scale[rows][..., None]).reshape(-1, self.in_features)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
-        return kernels().int8_linear(rows, self.levels, self.scale, gemm)
+        return kernels().int8_linear(rows, self.levels, self.scale, gemm, self.q8_inputs)
 
 
 
@@ -457,6 +460,10 @@ class ScreenedInt8Head(GroupedInt8Linear):
     decoding read the same tokens. Sampling, perplexity and every other caller use :meth:`forward`: the exact
     logits.
     """
+
+    # The logits greedy decoding's screen completes are computed on float inputs; the head's own logits are too, so
+    # that they are the same numbers (sampling and perplexity read these).
+    q8_inputs = False
 
     def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN, max_exact: int = SCREEN_MAX_EXACT) -> None:
         super().__init__(linear)

@@ -1,6 +1,6 @@
 // Quantised linear layers for CPU decoding: y = x W^T with W stored as 4-, 5- or 8-bit levels in groups of 32 inputs,
-// one scale (and, for 4 and 5 bits, one minimum) per group; 4- and 5-bit layers round each input row to 8 bits per
-// group (multiply_q8, as llama.cpp does), 8-bit ones take float32 inputs. Built at first use by
+// one scale (and, for 4 and 5 bits, one minimum) per group; each input row is rounded to 8 bits per group
+// (multiply_q8, as llama.cpp does), except for the screened head's exact logits. Built at first use by
 // jointspec/kernels/grouped.py (torch.utils.cpp_extension), once per instruction set (simd.h: AVX-512, AVX2 + FMA,
 // portable C++); see that module for why and for the measurements.
 //
@@ -134,6 +134,17 @@ struct Int4Rows {
     a = simd::fmadd(a, s, lo);
     b = simd::fmadd(b, s, lo);
   }
+  // For multiply_q8: the levels and scales of groups 2p, 2p + 1 of row n in simd.h's pair layout, and their product
+  // with a pair of input levels.
+  static constexpr bool kMinimum = true;
+  static constexpr int kPrefetchEvery = 2;  // pairs to a cache line of levels
+  const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
+  simd::L64 q8_pair(int64_t n, int64_t p) const {
+    const int64_t g = n * groups + 2 * p;
+    return simd::pair_levels(packed + g * kGroup / 2, fifth ? fifth + g : nullptr);
+  }
+  V16 q8_scale(int64_t n, int64_t p) const { return simd::pair_pattern(scale + n * groups + 2 * p); }
+  static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4(w, q); }
 };
 
 struct Int8Rows {
@@ -149,6 +160,14 @@ struct Int8Rows {
     a = simd::mul(simd::from_i8(p), simd::set1(s[0]));
     b = simd::mul(simd::from_i8(p + 16), simd::set1(group == 16 ? s[1] : s[0]));
   }
+  static constexpr bool kMinimum = false;
+  static constexpr int kPrefetchEvery = 1;
+  const void* q8_address(int64_t n, int64_t p) const { return levels + n * groups * group + 64 * p; }
+  simd::L64 q8_pair(int64_t n, int64_t p) const { return simd::pair_int8(levels + n * groups * group + 64 * p); }
+  V16 q8_scale(int64_t n, int64_t p) const {
+    return group == 16 ? simd::quad_pattern(scale + n * groups + 4 * p) : simd::pair_pattern(scale + n * groups + 2 * p);
+  }
+  static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4_signed(w, q); }
 };
 
 // One input row against W weight rows first .. first + W - 1, dequantised in registers 32 inputs at a time (no
@@ -209,7 +228,7 @@ inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// 4- and 5-bit weights against 8-bit inputs, the way llama.cpp multiplies its 4- and 5-bit blocks: each input row is
+// 4-, 5- and 8-bit weights against 8-bit inputs, the way llama.cpp multiplies its blocks: each input row is
 // rounded to signed 8-bit levels per group of 32 inputs (step = the group's largest |x| / 127, as llama.cpp's Q8_0),
 // then a group's product is an exact integer sum of level products, scaled once:
 //   sum_i (l_i * s + m) * x_i  ~  s * step * sum_i l_i * q_i  +  m * sum_i x_i
@@ -240,8 +259,8 @@ QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k) {
   return q;
 }
 
-// Whether 4- and 5-bit layers take 8-bit inputs (the default); use_q8_inputs(false) gives the float-input kernels,
-// for comparing the two.
+// Whether quantised layers take 8-bit inputs (the default); use_q8_inputs(false) gives the float-input kernels, for
+// comparing the two.
 bool g_q8_inputs = true;
 
 bool use_q8_inputs(bool on) {
@@ -253,9 +272,10 @@ bool use_q8_inputs(bool on) {
 // eight on a decoding step (fewer streams from memory at once), and leave AVX2's sixteen registers enough room.
 constexpr int kQ8Tile = 4;
 
-// Input rows r0 .. r0 + R - 1 against weight rows first .. first + W - 1: out[r * out_stride + b].
-template <int W, int R>
-inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Int4Rows& w, int64_t first, float* out,
+// Input rows r0 .. r0 + R - 1 against weight rows first .. first + W - 1: out[r * out_stride + b]. Rows: Int4Rows
+// (4 and 5 bits, unsigned levels and a minimum) or Int8Rows (signed levels, groups of 32 or 16).
+template <int W, int R, typename Rows>
+inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t first, float* out,
                    int64_t out_stride) {
   const int64_t k = x.k, groups = x.groups;
   V16 acc[W][R];
@@ -270,29 +290,32 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Int4Rows& w, int6
     }
     // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
     // stream for the hardware prefetcher to get ahead of alone.
-    if ((p & 1) == 0)
-      for (int b = 0; b < W; ++b) __builtin_prefetch(w.packed + ((first + W + b) * groups + 2 * p) * kGroup / 2, 0, 1);
+    if (p % Rows::kPrefetchEvery == 0)
+      for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
     for (int b = 0; b < W; ++b) {
-      const int64_t g = (first + b) * groups + 2 * p;
-      const simd::L64 levels = simd::pair_levels(w.packed + g * kGroup / 2, w.fifth ? w.fifth + g : nullptr);
-      const V16 scale = simd::pair_pattern(w.scale + g);
+      const simd::L64 levels = w.q8_pair(first + b, p);
+      const V16 scale = w.q8_scale(first + b, p);
       for (int r = 0; r < R; ++r)
-        acc[b][r] = simd::fmadd(simd::dot4(levels, q[r]), simd::mul(scale, step[r]), acc[b][r]);
+        acc[b][r] = simd::fmadd(Rows::q8_dot(levels, q[r]), simd::mul(scale, step[r]), acc[b][r]);
     }
   }
   for (int b = 0; b < W; ++b)
     for (int r = 0; r < R; ++r) {
-      const float* minimum = w.minimum + (first + b) * groups;
-      const float* sums = x.sum.data() + (r0 + r) * groups;
-      V16 low = simd::zero();
-      for (int64_t g = 0; g < groups; g += 16)
-        low = simd::fmadd(simd::load_first(minimum + g, groups - g), simd::load_first(sums + g, groups - g), low);
-      out[r * out_stride + b] = simd::reduce_add(acc[b][r]) + simd::reduce_add(low);
+      float low_sum = 0.0f;
+      if constexpr (Rows::kMinimum) {
+        const float* minimum = w.minimum + (first + b) * groups;
+        const float* sums = x.sum.data() + (r0 + r) * groups;
+        V16 low = simd::zero();
+        for (int64_t g = 0; g < groups; g += 16)
+          low = simd::fmadd(simd::load_first(minimum + g, groups - g), simd::load_first(sums + g, groups - g), low);
+        low_sum = simd::reduce_add(low);
+      }
+      out[r * out_stride + b] = Rows::kMinimum ? simd::reduce_add(acc[b][r]) + low_sum : simd::reduce_add(acc[b][r]);
     }
 }
 
-template <int R>
-inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Int4Rows& w, int64_t first, int64_t count, float* out,
+template <int R, typename Rows>
+inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t first, int64_t count, float* out,
                     int64_t out_features) {
   constexpr int W = kQ8Tile / R > 0 ? kQ8Tile / R : 1;
   int64_t b = 0;
@@ -300,9 +323,11 @@ inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Int4Rows& w, int
   for (; b < count; ++b) dot_q8<1, R>(x, r0, w, first + b, out + b, out_features);
 }
 
-// out [rows, out_features] = x [rows, k] times 4- or 5-bit weights, with x rounded to 8 bits (above). Each thread
-// takes blocks of kQ8Tile weight rows and runs every input row against a block while it is in L1.
-void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Int4Rows& w) {
+// out [rows, out_features] = x [rows, k] times quantised weights (Int4Rows or Int8Rows), with x rounded to 8 bits
+// (above). Each thread takes blocks of kQ8Tile weight rows and runs every input row against a block while it is in
+// L1.
+template <typename Rows>
+void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& w) {
   const QuantisedInputs x = quantise_inputs(xp, rows, k);
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += kQ8Tile) {
@@ -348,9 +373,10 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 64;
 
 template <typename Rows>
-void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
-  if constexpr (std::is_same_v<Rows, Int4Rows>) {
-    if (g_q8_inputs) {
+void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights,
+              bool q8 = true) {
+  if constexpr (std::is_same_v<Rows, Int4Rows> || std::is_same_v<Rows, Int8Rows>) {
+    if (q8 && g_q8_inputs) {
       multiply_q8(xp, rows, k, out_features, op, weights);
       return;
     }
@@ -432,13 +458,13 @@ void multiply_gemm(const float* xp, int64_t rows, int64_t k, int64_t out_feature
 }
 
 template <typename Rows>
-torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weights, bool gemm) {
+torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weights, bool gemm, bool q8 = true) {
   const int64_t rows = x.size(0), k = x.size(1);
   auto out = torch::empty({rows, out_features}, x.options());
   if (gemm)
     multiply_gemm(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
   else
-    multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
+    multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights, q8);
   return out;
 }
 
@@ -909,13 +935,13 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                                          scale.size(1)}, gemm);
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm) {
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm, bool q8) {
   check_x(x);
   const int64_t group = int8_group(scale, x.size(1), "int8_linear");
   check(x, levels, x.size(1), scale, group);
   TORCH_CHECK(levels.scalar_type() == torch::kInt8, "levels must be int8");
   return run(x, levels.size(0), Int8Rows{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.size(1), group},
-             gemm);
+             gemm, q8);
 }
 
 
@@ -1420,7 +1446,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // clients while a forward runs, instead of waiting for the interpreter's switch interval after every round.
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
-  m.def("use_q8_inputs", &use_q8_inputs, "4- and 5-bit layers on 8-bit inputs (the default) or float ones; returns which");
+  m.def("use_q8_inputs", &use_q8_inputs, "quantised layers on 8-bit inputs (the default) or float ones; returns which");
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false, unlocked);
@@ -1436,7 +1462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &CompiledLayers::forward, unlocked)
       .def("forward_many", &CompiledLayers::forward_many, unlocked);
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
-        py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false, unlocked);
+        py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false, py::arg("q8") = true, unlocked);
   m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("levels"),
         py::arg("scale"), py::arg("margin"), py::arg("max_exact"), unlocked);

@@ -290,6 +290,23 @@ inline V16 pair_pattern(const float* two) {
   const __m512 pair = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(two))));
   return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), pair)};
 }
+// Signed 8-bit weights of a pair, stored in input order (group 2p's 32, then group 2p + 1's), in the pair layout.
+inline L64 pair_int8(const int8_t* w) {
+  const __m512i raw = _mm512_loadu_si512(w);  // 128-bit chunks: 2p 0-15, 2p 16-31, 2p+1 0-15, 2p+1 16-31
+  return {_mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0))};
+}
+// Signed times signed, by maddubs on |w| and q with w's sign (|w| <= 128, |q| <= 127: no saturation).
+inline V16 dot4_signed(L64 w, L64 q) {
+  const __m512i negative = _mm512_mask_sub_epi8(q.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), q.v);
+  return {_mm512_cvtepi32_ps(
+      _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), negative), _mm512_set1_epi16(1)))};
+}
+// Four groups of 16 (Q6_K's scales, sixteen inputs each) in the pair layout: lanes 0-3 take four[0], 4-7 four[2],
+// 8-11 four[1], 12-15 four[3].
+inline V16 quad_pattern(const float* four) {
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3),
+                                _mm512_castps128_ps512(_mm_loadu_ps(four)))};
+}
 // Inputs x[0 .. 31] of one group as levels q = round(x / step) (ties to even), step = max |x| / 127; q[i] goes to
 // out[i] for i < 16 and out[i + 16] for the rest (a pair's layout above, with out at the group's first byte).
 inline void quantise_group(const float* x, int8_t* out, float& step) {
@@ -333,6 +350,20 @@ inline V16 dot4(L64 w, L64 q) { return {dot4_8(w.lo, q.lo), dot4_8(w.hi, q.hi)};
 inline V16 pair_pattern(const float* two) {
   const __m256 half = _mm256_set_m128(_mm_set1_ps(two[1]), _mm_set1_ps(two[0]));
   return {half, half};
+}
+inline L64 pair_int8(const int8_t* w) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+  return {_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)};
+}
+inline __m256 dot4_signed_8(__m256i w, __m256i q) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)),
+                                              _mm256_set1_epi16(1)));
+}
+inline V16 dot4_signed(L64 w, L64 q) { return {dot4_signed_8(w.lo, q.lo), dot4_signed_8(w.hi, q.hi)}; }
+inline V16 quad_pattern(const float* four) {
+  return {_mm256_set_m128(_mm_set1_ps(four[2]), _mm_set1_ps(four[0])),
+          _mm256_set_m128(_mm_set1_ps(four[3]), _mm_set1_ps(four[1]))};
 }
 inline void quantise_group(const float* x, int8_t* out, float& step) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -386,6 +417,20 @@ inline V16 dot4(const L64& w, const L64& q) {
 inline V16 pair_pattern(const float* two) {
   V16 r;
   for (int j = 0; j < 16; ++j) r.v[j] = two[(j / 4) % 2];
+  return r;
+}
+inline L64 pair_int8(const int8_t* w) {
+  L64 out;
+  for (int i = 0; i < 64; ++i) {  // layout byte i: group (i / 16) % 2, input 16 * (i / 32) + i % 16
+    out.v[i] = w[32 * ((i / 16) % 2) + 16 * (i / 32) + i % 16];
+  }
+  return out;
+}
+inline V16 dot4_signed(const L64& w, const L64& q) { return dot4(w, q); }
+inline V16 quad_pattern(const float* four) {
+  static constexpr int kQuad[4] = {0, 2, 1, 3};
+  V16 r;
+  for (int j = 0; j < 16; ++j) r.v[j] = four[kQuad[j / 4]];
   return r;
 }
 inline void quantise_group(const float* x, int8_t* out, float& step) {
