@@ -111,3 +111,19 @@ def test_methods_that_need_a_draft_take_the_head_shipped_for_the_target(name, ta
     decoder = SpeculativeDecoder(target, drafter, verifier)
     assert decoder.generate(PROMPT, DecodeConfig(max_new_tokens=16)) == hf_greedy(target_model, PROMPT, 16)
     assert decoder.stats.num_draft_tokens > 0
+
+
+def test_a_system_of_the_family_that_is_not_built_says_so_and_why_wherever_it_is_asked_for(target, capsys):
+    """PEARL is not built: build_method, the CLI and the bench's specs answer with the reason, not with "unknown
+    method"; an unknown name still lists the choices."""
+    from jointspec.bench.specs import MethodSpecError, parse_spec
+    from jointspec.cli.main import main
+
+    with pytest.raises(UnsupportedOptionError, match=r"method 'pearl': PEARL .* is not built: .*2-core"):
+        build_method(MethodContext(MethodConfig(name="pearl"), target, None, load_draft=None))
+    with pytest.raises(MethodSpecError, match=r"'pearl:k=2': method 'pearl': PEARL"):
+        parse_spec("pearl:k=2")
+    assert main(["generate", "--method", "pearl", "--model", "default", "hi"]) == 2
+    assert "method 'pearl': PEARL" in capsys.readouterr().err
+    with pytest.raises(UnsupportedOptionError, match=r"unknown method 'nope'; choose one of: .*ar"):
+        build_method(MethodContext(MethodConfig(name="nope"), target, None, load_draft=None))

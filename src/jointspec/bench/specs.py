@@ -25,6 +25,7 @@ from jointspec.backends.loading import QUANTIZE_CHOICES
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.oracle import OracleConfig
+from jointspec.methods.registry import NOT_BUILT, unknown_method_error
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {
@@ -141,6 +142,8 @@ def parse_spec(text: str) -> MethodSpec:
     name, _, rest = text.strip().partition(":")
     name = name.strip()
     if name not in all_method_names():
+        if name in NOT_BUILT:
+            raise MethodSpecError(f"'{text}': {unknown_method_error(name)}")
         raise MethodSpecError(f"unknown method '{name}' in '{text}'; choose one of: {', '.join(all_method_names())}")
     valid = valid_keys(name)
     options: dict[str, str] = {}

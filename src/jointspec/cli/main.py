@@ -51,9 +51,10 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from jointspec.api import GenerationConfig, Pipeline
     from jointspec.methods import method_names
+    from jointspec.methods.registry import unknown_method_error
 
     if args.method not in method_names():
-        raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
+        raise JointspecError(unknown_method_error(args.method))
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed, chat=not args.no_chat)

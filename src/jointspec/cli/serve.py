@@ -64,10 +64,11 @@ def build_engine(args: argparse.Namespace):
     from jointspec.cli.options import method_config_from_args, model_loader
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.methods import method_names
+    from jointspec.methods.registry import unknown_method_error
     from jointspec.server.engine import ServingEngine
 
     if args.method not in method_names():
-        raise JointspecError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
+        raise JointspecError(unknown_method_error(args.method))
     if args.backend != "torch":
         raise UnsupportedOptionError(f"the server's batched engine runs on the torch backend only, not "
                                      f"'{args.backend}'; drop --backend (--quantize int8/int4 gives quantised "

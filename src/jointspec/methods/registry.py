@@ -143,6 +143,21 @@ def method_names() -> list[str]:
     return sorted(_METHODS)
 
 
+# Systems of the family that are not built, and why: asking for one says so instead of "unknown method".
+NOT_BUILT = {
+    "pearl": "PEARL (parallel drafting and verification) is not built: it overlaps drafting with the target's "
+             "verification on separate cores, and on a 2-core CPU the two halves, each on one core, took longer "
+             "than the sequential round on both (docs/lab/benchmarks.md, section 13); use 'default'",
+}
+
+
+def unknown_method_error(name: str) -> str:
+    """The message for a method name that is not registered: why, for a system not built; else the choices."""
+    if name in NOT_BUILT:
+        return f"method '{name}': {NOT_BUILT[name]}"
+    return f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}"
+
+
 def method_summaries() -> dict[str, str]:
     return {name: entry.summary for name, entry in sorted(_METHODS.items())}
 
@@ -160,7 +175,7 @@ def online_methods() -> list[str]:
 def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     name = context.config.name
     if name not in _METHODS:
-        raise UnsupportedOptionError(f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}")
+        raise UnsupportedOptionError(unknown_method_error(name))
     entry = _METHODS[name]
     if context.config.cost_aware is None:
         context = replace(context, config=replace(context.config, cost_aware=entry.cost_aware_by_default))

@@ -35,6 +35,7 @@ from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
+from jointspec.methods.registry import unknown_method_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 
 log = logging.getLogger(__name__)
@@ -299,8 +300,7 @@ class ServingEngine:
         if not options:
             return self.method
         if "method" in options and options["method"] not in method_names():
-            raise UnsupportedOptionError(f"unknown method '{options['method']}'; choose one of: "
-                                         f"{', '.join(method_names())}")
+            raise UnsupportedOptionError(unknown_method_error(options["method"]))
         draft = options.get("draft", self.method.draft)
         if draft not in (None, "self", self.method.draft):
             raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
