@@ -268,9 +268,17 @@ bool use_q8_inputs(bool on) {
   return on;
 }
 
-// Accumulators a tile keeps (weight rows x input rows). Four weight rows a block read together measured faster than
-// eight on a decoding step (fewer streams from memory at once), and leave AVX2's sixteen registers enough room.
-constexpr int kQ8Tile = 4;
+// Weight rows a block (each thread runs every input row against a block while it is in L1), which is also about the
+// accumulators a tile keeps (weight rows x input rows). A decoding step (one input row) reads four weight rows at a
+// time: eight measured slower from memory (more streams at once). Several input rows make the step compute-bound,
+// and there eight weight rows a block keep two of them per tile for four input rows where AVX-512's registers allow;
+// AVX2's sixteen do not.
+constexpr int kQ8StepBlock = 4;
+#if defined(JOINTSPEC_ISA_AVX512)
+constexpr int kQ8RowsBlock = 8;
+#else
+constexpr int kQ8RowsBlock = 4;
+#endif
 
 // Input rows r0 .. r0 + R - 1 against weight rows first .. first + W - 1: out[r * out_stride + b]. Rows: Int4Rows
 // (4 and 5 bits, unsigned levels and a minimum) or Int8Rows (signed levels, groups of 32 or 16).
@@ -314,35 +322,42 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
     }
 }
 
-template <int R, typename Rows>
+template <int Block, int R, typename Rows>
 inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t first, int64_t count, float* out,
                     int64_t out_features) {
-  constexpr int W = kQ8Tile / R > 0 ? kQ8Tile / R : 1;
+  constexpr int W = Block / R > 0 ? Block / R : 1;
   int64_t b = 0;
   for (; b + W <= count; b += W) dot_q8<W, R>(x, r0, w, first + b, out + b, out_features);
   for (; b < count; ++b) dot_q8<1, R>(x, r0, w, first + b, out + b, out_features);
 }
 
 // out [rows, out_features] = x [rows, k] times quantised weights (Int4Rows or Int8Rows), with x rounded to 8 bits
-// (above). Each thread takes blocks of kQ8Tile weight rows and runs every input row against a block while it is in
-// L1.
-template <typename Rows>
-void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& w) {
-  const QuantisedInputs x = quantise_inputs(xp, rows, k);
+// (above), Block weight rows a block.
+template <int Block, typename Rows>
+void multiply_q8_blocks(const QuantisedInputs& x, int64_t rows, int64_t out_features, float* op, const Rows& w) {
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t first = begin; first < end; first += kQ8Tile) {
-      const int64_t count = std::min<int64_t>(kQ8Tile, end - first);
+    for (int64_t first = begin; first < end; first += Block) {
+      const int64_t count = std::min<int64_t>(Block, end - first);
       for (int64_t m = 0; m < rows; m += 4) {
         float* o = op + m * out_features + first;
         switch (std::min<int64_t>(4, rows - m)) {
-          case 1: q8_tile<1>(x, m, w, first, count, o, out_features); break;
-          case 2: q8_tile<2>(x, m, w, first, count, o, out_features); break;
-          case 3: q8_tile<3>(x, m, w, first, count, o, out_features); break;
-          default: q8_tile<4>(x, m, w, first, count, o, out_features); break;
+          case 1: q8_tile<Block, 1>(x, m, w, first, count, o, out_features); break;
+          case 2: q8_tile<Block, 2>(x, m, w, first, count, o, out_features); break;
+          case 3: q8_tile<Block, 3>(x, m, w, first, count, o, out_features); break;
+          default: q8_tile<Block, 4>(x, m, w, first, count, o, out_features); break;
         }
       }
     }
   });
+}
+
+template <typename Rows>
+void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& w) {
+  const QuantisedInputs x = quantise_inputs(xp, rows, k);
+  if (rows == 1)
+    multiply_q8_blocks<kQ8StepBlock>(x, rows, out_features, op, w);
+  else
+    multiply_q8_blocks<kQ8RowsBlock>(x, rows, out_features, op, w);
 }
 
 // The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
