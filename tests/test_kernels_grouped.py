@@ -598,6 +598,34 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
             pass
 
 
+def test_kernel_inputs_are_chosen_by_the_environment_and_refused_by_name(monkeypatch):
+    """$JOINTSPEC_KERNEL_INPUTS=float keeps float inputs (applied when a build loads, and restored after
+    float_inputs()); q8 is the default; anything else is refused by name."""
+    from jointspec.kernels import grouped
+
+    layer = GroupedInt4Linear(linear(48, 128, seed=3))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    monkeypatch.delenv(grouped.INPUTS_ENV, raising=False)
+    assert grouped.inputs_setting() == "q8"
+    with torch.no_grad():
+        q8 = layer(x)
+        with float_inputs():
+            floats = layer(x)
+        assert not torch.equal(q8, floats)
+        monkeypatch.setenv(grouped.INPUTS_ENV, "float")
+        with float_inputs():
+            pass
+        assert torch.equal(layer(x), floats)  # the environment's choice holds after the block
+        monkeypatch.setenv(grouped.INPUTS_ENV, "q8")
+        with float_inputs():
+            pass
+        assert torch.equal(layer(x), q8)
+    monkeypatch.setenv(grouped.INPUTS_ENV, "int4")
+    with pytest.raises(UnsupportedOptionError, match="JOINTSPEC_KERNEL_INPUTS='int4' is not one of: q8, float"):
+        grouped.inputs_setting()
+    monkeypatch.delenv(grouped.INPUTS_ENV)
+
+
 def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypatch):
     from torch.utils import cpp_extension
 

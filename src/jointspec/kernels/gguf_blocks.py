@@ -18,7 +18,8 @@ gives each projection its levels and scales in a kernel layer's own format:
 Every product there is exact in float32 (a half-precision scale times integers of at most 13 bits together), and the
 kernel forms each weight as level * scale (+ minimum) with one rounding, as llama.cpp's ``dequantize_row_*`` does, so a
 layer's weight is bit for bit the file's dequantised weight (tests hold it against ``gguf.quants.dequantize``). The
-model the kernels run is then the file's model, computed with float32 activations.
+model the kernels run is then the file's model (its inputs rounded to 8 bits, as llama.cpp rounds them:
+kernels/grouped.py).
 
 Other types (Q2_K, Q3_K, the IQ types, F16) are not taken: :func:`file_layers` names them and their
 tensors, and the caller rounds those layers itself (:func:`jointspec.kernels.quantize.quantize_model`).

@@ -89,6 +89,19 @@ ISAS = tuple(ISA_FLAGS)
 # Set to one of ISAS to run that build instead of the fastest this CPU can run (tests, comparisons).
 ISA_ENV = "JOINTSPEC_KERNEL_ISA"
 _override: list[str] = []  # use_isa()'s stack
+# Set to "float" for quantised layers on float32 inputs (closer to the float32 model of the same weights, slower on
+# models that do not fit in cache); "q8" (the default) rounds inputs to 8 bits, as llama.cpp does.
+INPUTS_ENV = "JOINTSPEC_KERNEL_INPUTS"
+INPUT_CHOICES = ("q8", "float")
+
+
+def inputs_setting() -> str:
+    """What $JOINTSPEC_KERNEL_INPUTS asks for (``q8`` unless set); an unknown value is refused by name."""
+    value = os.environ.get(INPUTS_ENV, "q8").strip().lower() or "q8"
+    if value not in INPUT_CHOICES:
+        raise UnsupportedOptionError(f"{INPUTS_ENV}={value!r} is not one of: {', '.join(INPUT_CHOICES)} (q8: inputs "
+                                     "rounded to 8 bits, as llama.cpp does; float: float32 inputs)")
+    return value
 
 
 def _build_directory(tag: str) -> Path:
@@ -157,7 +170,7 @@ def float_inputs(isa: str | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        module.use_q8_inputs(True)
+        module.use_q8_inputs(inputs_setting() == "q8")  # what $JOINTSPEC_KERNEL_INPUTS set
 
 
 def kernels(isa: str | None = None):
@@ -175,6 +188,8 @@ def unavailable_reason(isa: str | None = None) -> str | None:
 def _load(isa: str):
     """(extension, None) or (None, why not); the reason is logged once."""
     module, reason = _build(isa)
+    if module is not None:
+        module.use_q8_inputs(inputs_setting() == "q8")
     if reason is not None:
         log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 where the "
                     "kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 activations: close "
@@ -266,7 +281,7 @@ class _GroupedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} weights in groups "
-                f"of {self.in_features // self.scale.shape[1]}, float32 activations (jointspec's CPU kernel)")
+                f"of {self.in_features // self.scale.shape[1]}, jointspec's CPU kernel")
 
 
 class GroupedInt4Linear(_GroupedLinear):

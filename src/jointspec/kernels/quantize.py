@@ -17,10 +17,11 @@ date, command) are in docs/kernels.md, "PyTorch's quantised kernels".
   its CPU int4 is the same aten kernel in a prototype module, so it is not a dependency.
 - **int4** = weight-only, 4-bit asymmetric groups of ``group_size`` inputs (scale and minimum per group). Where
   jointspec's kernels build (any CPU with a C++ compiler), groups of 32 run on jointspec's own kernel
-  (:mod:`jointspec.kernels.grouped`: float32 activations, the
+  (:mod:`jointspec.kernels.grouped`: inputs rounded to 8 bits per group, as llama.cpp does, the
   head as 8-bit groups of 32 on the same kernel), which on the embedded model recovers the GGUF's own Q4_1 / Q8_0
-  blocks, so that model's int4 copy is its float32 model up to float rounding (384 of 384 teacher-forced argmaxes
-  equal, 14 of 14 bench answers identical to float32 ``ar``). Where they cannot be built (no compiler or ninja),
+  blocks: the file's weights. With float32 inputs (``JOINTSPEC_KERNEL_INPUTS=float``) that int4 copy is the float32
+  model up to float rounding (1,024 of 1,024 teacher-forced argmaxes equal on 16 MT-Bench answers); with the default
+  8-bit inputs 948 of 1,024 (docs/kernels.md, "8-bit inputs"). Where they cannot be built (no compiler or ninja),
   through ``_weight_int4pack_mm_for_cpu`` with
   bfloat16 activations (its fp16 and fp32 paths are scalar loops, far slower): about as fast as jointspec's kernel
   where both were timed, but bfloat16 activations cost agreement with the float32 model, and on some CPUs its cost
@@ -326,8 +327,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     use_stock_linears(model)
     use_stock_attention(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    # int4 in groups of 32 where jointspec's kernels build: its own kernel (kernels/grouped.py), float32 activations and
-    # weights read once per forward whatever its rows; the head in 8-bit groups of 32 on the same kernel.
+    # int4 in groups of 32 where jointspec's kernels build: its own kernel (kernels/grouped.py), weights read once per
+    # forward whatever its rows; the head in 8-bit groups of 32 on the same kernel.
     grouped = (mode == "int4" and group_size == 32
                and any(type(m) is nn.Linear and grouped_misfit(m) is None for m in model.modules())
                and kernels() is not None)
