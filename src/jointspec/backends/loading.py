@@ -285,7 +285,10 @@ def _load_gguf_blocks(source: str):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}") from error
-    model, why = model_from_blocks(path, config)
+    try:
+        model, why = model_from_blocks(path, config)
+    except (ValueError, KeyError) as error:  # a tensor not as its type says: transformers' loader says what
+        model, why = None, str(error).splitlines()[0]
     if model is None:
         log.info("%s: loading through transformers (dequantised first), not from its blocks: %s", path.name, why)
         return None
