@@ -13,7 +13,13 @@ from gguf import GGMLQuantizationType, quants
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jointspec.backends.hf import CausalLM
-from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES, _llama_permutation, decode, file_layers
+from jointspec.kernels.gguf_blocks import (
+    SUPPORTED_TYPES,
+    BlockEmbedding,
+    _llama_permutation,
+    decode,
+    file_layers,
+)
 from jointspec.kernels.grouped import (
     GroupedInt4Linear,
     GroupedInt5Linear,
@@ -235,11 +241,21 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     direct, tokenizer, _ = loading._load_gguf_blocks(str(path))
     via, _, _ = loading._load_transformers(str(path), "cpu", None)
     quantize_model(via, "int4", file_levels=loading._file_levels(via, str(path), "int4"))
-    ours, theirs = direct.state_dict(), via.state_dict()
+    # The input embedding stays as blocks (BlockEmbedding): the same floats, looked up.
+    embedding = direct.model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and type(via.model.embed_tokens) is torch.nn.Embedding
+    assert torch.equal(embedding.weight, via.model.embed_tokens.weight)
+    ids = torch.tensor([[0, 5, 17], [VOCAB - 1, 3, 3]])
+    assert torch.equal(embedding(ids), via.model.embed_tokens(ids))
+    if tied:  # the head's own storage, not a copy
+        assert embedding.levels.data_ptr() == direct.lm_head.levels.data_ptr()
+    ours = {k: v for k, v in direct.state_dict().items() if not k.startswith("model.embed_tokens.")}
+    theirs = {k: v for k, v in via.state_dict().items() if not k.startswith("model.embed_tokens.")}
     assert sorted(ours) == sorted(theirs)
     for name in theirs:
         assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
-    assert [type(m) for m in direct.modules()] == [type(m) for m in via.modules()]
+    assert ([type(m) for m in direct.modules() if m is not embedding]
+            == [type(m) for m in via.modules() if m is not via.model.embed_tokens])
     assert direct.config._attn_implementation == via.config._attn_implementation
     assert direct.generation_config.eos_token_id == via.generation_config.eos_token_id is not None
     assert torch.equal(direct.model.rotary_emb.inv_freq, via.model.rotary_emb.inv_freq)

@@ -282,6 +282,34 @@ def _dequantized_in_blocks(levels: Levels, block: int = 4096) -> torch.Tensor:
     return out
 
 
+class BlockEmbedding(nn.Module):
+    """An input embedding that keeps a file's blocks (:class:`Levels`) and dequantises the rows it looks up: the same
+    floats as the float32 embedding of those blocks, at the blocks' size (for a tied model, the head's own storage).
+    ``weight`` gives the whole float matrix, for the rare callers that want it."""
+
+    def __init__(self, levels: Levels) -> None:
+        super().__init__()
+        self.bits = levels.bits
+        for name in ("levels", "scale", "minimum", "fifth"):
+            self.register_buffer(name, getattr(levels, name))
+        self.num_embeddings = levels.levels.shape[0]
+        self.embedding_dim = levels.levels.shape[1] * (1 if levels.bits == 8 else 2)
+        self.padding_idx = None
+
+    def _levels(self) -> Levels:
+        return Levels(self.bits, self.levels, self.scale, self.minimum, self.fifth)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._levels().rows(ids.reshape(-1)).weight().reshape(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _dequantized_in_blocks(self._levels())
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.bits}-bit blocks from the file"
+
+
 # The float tensors of a Llama-family model besides its projections and head: Hugging Face name -> GGUF name, with
 # a layer's under its module. Biases of q/k/v are Qwen2's.
 _FLOAT_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -300,9 +328,10 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
 
     The model is what loading through transformers and :func:`jointspec.kernels.quantize.quantize_model` with
     :func:`file_layers` gives, bit for bit (tested): the projections and head from the file's blocks, q and k rows in
-    Hugging Face's order (llama.cpp's converter permutes them for ``llama`` files), the other tensors (embeddings,
-    norms, biases) dequantised to float32. What it saves is the float32 copy of the projections: about 4 bytes per
-    weight of peak memory (6 GB for a 1.5B model), and the time transformers takes to make it."""
+    Hugging Face's order (llama.cpp's converter permutes them for ``llama`` files), the input embedding kept as blocks
+    (:class:`BlockEmbedding`: the same floats, looked up), norms and biases dequantised to float32. What it saves is the
+    float32 copy of the weights: about 4 bytes per weight of peak memory (6 GB for a 1.5B model), and the time
+    transformers takes to make it."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -338,6 +367,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
     for i in range(len(model.model.layers)):
         floats.update({f"model.layers.{i}.{name}": f"blk.{i}.{gguf_name}"
                        for name, gguf_name in _LAYER_FLOAT_TENSORS.items()})
+    embedding: Levels | None = None
     for module_name, module in model.named_modules():
         for name, parameter in list(module._parameters.items()):
             full_name = f"{module_name}.{name}" if module_name else name
@@ -346,11 +376,15 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
             tensor = tensors.get(floats.get(full_name, ""))
             if tensor is None:
                 return None, f"no tensor in the file for {full_name}"
-            if tensor.tensor_type.name in SUPPORTED_TYPES and parameter.dim() == 2:  # an embedding: by our decoder,
-                # in blocks of rows (the same floats as the gguf package's, tested), the head's levels if it is tied
-                found = levels["lm_head"] if tensor.name == wanted["lm_head"] else decode_in_blocks(
+            if full_name == "model.embed_tokens.weight" and tensor.tensor_type.name in SUPPORTED_TYPES:
+                # Kept as blocks (BlockEmbedding, below): the head's own levels if it is tied.
+                embedding = levels["lm_head"] if tensor.name == wanted["lm_head"] else decode_in_blocks(
                     _read(path, tensor), tensor.tensor_type.name, parameter.shape[1])
-                values = _dequantized_in_blocks(found)
+                continue
+            if tensor.tensor_type.name in SUPPORTED_TYPES and parameter.dim() == 2:  # by our decoder, in blocks of
+                # rows (the same floats as the gguf package's, tested)
+                values = _dequantized_in_blocks(decode_in_blocks(_read(path, tensor), tensor.tensor_type.name,
+                                                                 parameter.shape[1]))
             else:
                 values = torch.from_numpy(np.array(gguf.quants.dequantize(_read(path, tensor), tensor.tensor_type),
                                                    dtype=np.float32))
@@ -358,10 +392,14 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
                 heads = config.num_attention_heads if "q_proj" in full_name else config.num_key_value_heads
                 values = values.reshape(-1)[torch.argsort(_llama_permutation(values.numel(), heads))]
             module._parameters[name] = nn.Parameter(values.reshape(parameter.shape), requires_grad=False)
+    if embedding is not None:
+        model.model.embed_tokens = BlockEmbedding(embedding)
     rotary = model.model.rotary_emb  # its buffers are computed from the config, not stored
     model.model.rotary_emb = type(rotary)(config=config)
-    del reader, tensors, tensor  # (unmapped)
-    quantize_model(model, "int4", file_levels=levels)
+    del reader, tensors, tensor, found  # (unmapped)
+    handed = [levels]
+    del levels  # quantize_model holds the only reference, and drops it once the layers hold the levels
+    quantize_model(model, "int4", file_levels=handed.pop())
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
     if left:
         return None, f"tensors not in the file: {', '.join(left[:4])}"

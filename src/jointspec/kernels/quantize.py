@@ -358,6 +358,10 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     # Replace after walking, so the walk never sees a half-rewritten tree.
     for parent, child_name, quantized in replacements:
         setattr(parent, child_name, quantized)
+    # The layers hold the levels now; where the caller handed its only reference over, stacking below then frees each
+    # layer's first storage as it copies it, instead of keeping the whole model twice until the end.
+    replaced = len(replacements)
+    file_levels = replacements = None
     # Layers that read the same input (attention's q/k/v, a gated MLP's gate/up) side by side in memory, so that the
     # lean forward can run each group as one grouped-kernel call (kernels/grouped.py, FusedCall).
     for module in model.modules():
@@ -373,6 +377,6 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
                     getattr(config, "_attn_implementation", None))
     if skipped:
         log.warning("%s: %d linear layer(s) left in float: %s", mode, len(skipped), "; ".join(skipped))
-    if not replacements:
+    if not replaced:
         log.warning("%s: no linear layer could be quantised; the model is unchanged", mode)
     return model
