@@ -6,8 +6,8 @@
 // The contract that makes the backends interchangeable: every operation here is defined lane by lane with one IEEE
 // rounding (fmadd rounds a * b + c once), every reduction by one fixed tree written out below, and the kernels are
 // built with -ffp-contract=off so the compiler fuses nothing on its own. So a kernel written once on V16 gives the
-// same bits on all three backends, and tests can hold them against each other. Only the integer dot products of the
-// screened head (screen_dots in grouped_linear.cpp) differ in instructions, and integer sums have no order.
+// same bits on all three backends, and tests can hold them against each other. Only integer dot products (the
+// screened head's screen_dots, and dot4 / dot4_signed below) differ in instructions, and integer sums have no order.
 #pragma once
 
 #include <algorithm>
@@ -266,8 +266,9 @@ constexpr bool kTwoPass = false;
 //   lanes 0-3   group 2p, inputs 0-15 (four each)    lanes 4-7   group 2p + 1, inputs 0-15
 //   lanes 8-11  group 2p, inputs 16-31               lanes 12-15 group 2p + 1, inputs 16-31
 // which is the byte order a 4-bit pair's 32 packed bytes give (low nibbles: inputs 0-15 of each group, high nibbles:
-// 16-31), so the inputs are stored in that order too (Q64: 64 bytes a pair). Integer sums have no rounding, so every
-// backend gives the same lanes; pair_pattern() gives each lane its group's float (scale or input step).
+// 16-31), so the input levels are stored in that order too (64 bytes a pair, loaded by load_q64). Integer sums have
+// no rounding, so every backend gives the same lanes; pair_pattern() gives each lane its group's float (scale or
+// input step).
 #if defined(JOINTSPEC_ISA_AVX512)
 struct L64 {
   __m512i v;
