@@ -381,13 +381,9 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
                 embedding = levels["lm_head"] if tensor.name == wanted["lm_head"] else decode_in_blocks(
                     _read(path, tensor), tensor.tensor_type.name, parameter.shape[1])
                 continue
-            if tensor.tensor_type.name in SUPPORTED_TYPES and parameter.dim() == 2:  # by our decoder, in blocks of
-                # rows (the same floats as the gguf package's, tested)
-                values = _dequantized_in_blocks(decode_in_blocks(_read(path, tensor), tensor.tensor_type.name,
-                                                                 parameter.shape[1]))
-            else:
-                values = torch.from_numpy(np.array(gguf.quants.dequantize(_read(path, tensor), tensor.tensor_type),
-                                                   dtype=np.float32))
+            # The rest are norms and biases: small, any type.
+            values = torch.from_numpy(np.array(gguf.quants.dequantize(_read(path, tensor), tensor.tensor_type),
+                                               dtype=np.float32))
             if architecture == "llama" and full_name.endswith(("q_proj.bias", "k_proj.bias")):
                 heads = config.num_attention_heads if "q_proj" in full_name else config.num_key_value_heads
                 values = values.reshape(-1)[torch.argsort(_llama_permutation(values.numel(), heads))]
