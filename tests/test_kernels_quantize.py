@@ -121,6 +121,34 @@ def test_rows_do_not_depend_on_the_batch(mode):
         assert torch.equal(quantized(x.reshape(3, 11, 64)).reshape(33, -1), alone)  # [batch, seq, in] inputs too
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rowwise_attention_gives_each_sequence_of_a_padded_batch_its_own_bits(monkeypatch, compiled):
+    """The server's ragged engine attends over a batch whose sequences sit at different slots (left padding, holes
+    where drafts were rejected, masked): each sequence must get the bits it gets alone over its own keys, or 8-bit
+    inputs turn the rounding into whole quantisation steps and a batched greedy answer differs from `generate`'s.
+    (transformers' one-call SDPA over the padded batch fails this.)"""
+    from jointspec.kernels import quantize
+
+    if not compiled:
+        monkeypatch.setattr(quantize, "_compiled_attention", lambda *tensors: None)
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim, slots, rows = 3, 4, 2, 32, 30, 5
+    query = torch.randn(batch, heads, rows, dim, generator=generator)
+    key, value = (torch.randn(batch, kv_heads, slots, dim, generator=generator) for _ in range(2))
+    valid = torch.rand(batch, slots - rows, generator=generator) > 0.3  # padding and holes before the new rows
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    mask = torch.cat([valid[:, None, :].expand(batch, rows, -1), causal.expand(batch, rows, rows)], dim=-1)
+    out, _ = quantize.rowwise_sdpa(None, query, key, value, mask[:, None], scaling=dim ** -0.5)
+    for b in range(batch):
+        index = mask[b, -1].nonzero()[:, 0]  # the sequence's own keys, contiguous as it holds them alone
+        alone, _ = quantize.rowwise_sdpa(None, query[b:b + 1], key[b:b + 1, :, index], value[b:b + 1, :, index],
+                                         None, scaling=dim ** -0.5)
+        assert torch.equal(out[b], alone[0]), b
+    padded = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None],
+                                                              scale=dim ** -0.5, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(out, padded, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_verified_logits_are_bitwise_those_of_one_token_at_a_time(mode):
     # The whole model, not just its linears: attention too must give a row the same bits whatever else shares the

@@ -181,15 +181,22 @@ def rowwise_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     prompts with int4). Here row ``i`` is one SDPA call on the first ``L_i`` keys: exactly the call that decoding
     that token alone makes, so the outputs are bit-identical. It costs one call per row: on SmolLM2-135M nothing
     measurable up to 4 rows, a growing share of the forward beyond (docs/kernels.md). Tree masks
-    (non-prefix rows) gather the row's keys. Query shapes: [1, heads, rows, dim]; keys and values
-    [1, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min. Batches of several sequences (the server's
-    engine) and long prefills keep transformers' one-call SDPA. Where jointspec's compiled kernels run (float32,
-    kernels/grouped.py) one compiled call computes every row and head the same way, each alone by construction.
+    (non-prefix rows) gather the row's keys. Query shapes: [batch, heads, rows, dim]; keys and values
+    [batch, kv_heads, keys, dim]; masks boolean or additive 0 / dtype-min. A batch of several sequences (the server's
+    ragged engine: left padding and holes, masked) takes each sequence alone, its rows over the keys they see, so a
+    sequence gets the bits it gets alone; long prefills keep transformers' one-call SDPA. Where jointspec's compiled
+    kernels run (float32, kernels/grouped.py) one compiled call computes every row and head of a sequence the same
+    way, each alone by construction.
     """
     batch, num_heads, num_rows, _ = query.shape
-    if batch != 1 or num_rows > ROWWISE_MAX_ROWS or dropout or kwargs.get("position_bias") is not None:
+    if num_rows > ROWWISE_MAX_ROWS or dropout or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if batch > 1:  # the server's batches (padded, with holes): each sequence's rows alone, over the keys they see
+        masks = [None] * batch if attention_mask is None else [
+            attention_mask[b:b + 1] if attention_mask.shape[0] == batch else attention_mask for b in range(batch)]
+        return torch.cat([rowwise_sdpa(module, query[b:b + 1], key[b:b + 1], value[b:b + 1], masks[b],
+                                       scaling=scaling, is_causal=is_causal)[0] for b in range(batch)]), None
     num_keys = key.shape[2]
     compiled = _compiled_attention(query, key, value)
     if compiled is not None:
