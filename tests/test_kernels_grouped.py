@@ -48,8 +48,8 @@ from helpers import (
 def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
     assert kernels() is not None, unavailable_reason()
     flags = cpu_flags()
-    expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"} <= flags
-                else "avx2" if {"avx2", "fma"} <= flags else "portable")
+    expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"} <= flags
+                else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
     assert kernels().isa() == selected_isa() == expected
 
 
@@ -117,6 +117,40 @@ def test_quantised_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_doe
     assert difference.max() > 1e-3
 
 
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_scales_kept_as_halves_give_the_float32_scales_bits(isa):
+    """A file's float16 scales and minima (Q4_0/Q4_1/Q5_0/Q5_1) are kept as halves, a sixth fewer bytes to read; the
+    kernels widen them exactly, so every path gives the bits of the same values held as float32. Scales that are not
+    halves (a K-quant's d times a 6-bit sub-scale) stay float32; mixed types are refused by name."""
+    from jointspec.kernels.grouped import GroupedInt5Linear
+
+    module = kernels(isa)
+    generator = torch.Generator().manual_seed(3)
+    q4 = GroupedInt4Linear(linear(40, 320, seed=2))  # 10 groups: a partial block of 16 minima
+    assert q4.scale.dtype == q4.minimum.dtype == torch.float16
+    scale32, minimum32 = q4.scale.float(), q4.minimum.float()
+    fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (40, 10), generator=generator, dtype=torch.int32)
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, 320, generator=generator) * 3
+        for gemm in (False, True):
+            for q8 in (True, False):
+                module.use_q8_inputs(q8)
+                try:
+                    assert torch.equal(module.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm),
+                                       module.int4_linear(x, q4.packed, scale32, minimum32, gemm)), (rows, gemm, q8)
+                    assert torch.equal(module.int5_linear(x, q4.packed, fifth, q4.scale, q4.minimum, gemm),
+                                       module.int5_linear(x, q4.packed, fifth, scale32, minimum32, gemm))
+                finally:
+                    module.use_q8_inputs(True)
+    k_scale = scale32 * 37  # 6 more significant bits than a half holds, for most values
+    kept = GroupedInt4Linear.from_levels(q4.packed, k_scale, minimum32)
+    assert kept.scale.dtype == kept.minimum.dtype == torch.float32 and torch.equal(kept.scale, k_scale)
+    five = GroupedInt5Linear.from_levels(q4.packed, fifth, q4.scale.float(), q4.minimum.float())
+    assert five.scale.dtype == torch.float16
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        module.int4_linear(torch.randn(1, 320), q4.packed, q4.scale, minimum32, False)
+
+
 @pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
 def test_rows_are_bitwise_independent_of_the_batch(kind):
     quantized = kind(linear(48, 128, seed=1))
@@ -131,8 +165,8 @@ def test_rows_are_bitwise_independent_of_the_batch(kind):
 
 def test_weights_already_on_the_grids_come_back_unchanged():
     """A Q4_1- or Q8_0-style weight (levels times a per-32 scale, plus a minimum for 4 bits, each level range used in
-    full, as those formats' quantisers make it) is recovered to float rounding: the int4 model of a GGUF-born
-    float model is that float model, not a second rounding of it."""
+    full, as those formats' quantisers make it; Q4_1 keeps its scale and minimum as float16) is recovered: the int4
+    model of a GGUF-born float model is that float model, not a second rounding of it."""
     generator = torch.Generator().manual_seed(0)
     out_features, groups = 64, 6
     levels = torch.randint(0, 16, (out_features, groups, GROUP_SIZE), generator=generator)
@@ -141,8 +175,9 @@ def test_weights_already_on_the_grids_come_back_unchanged():
     minimum = -torch.rand(out_features, groups, 1, generator=generator)
     q4 = nn.Linear(groups * GROUP_SIZE, out_features, bias=False)
     with torch.no_grad():
-        q4.weight.copy_((levels * scale + minimum).reshape(out_features, -1))
-    assert torch.allclose(GroupedInt4Linear(q4).dequantized(), q4.weight, rtol=0, atol=1e-6)
+        q4.weight.copy_((levels * scale.half().float() + minimum.half().float()).reshape(out_features, -1))
+    recovered = GroupedInt4Linear(q4)
+    assert recovered.scale.dtype == torch.float16 and torch.equal(recovered.dequantized(), q4.weight)
     signed = torch.randint(-127, 128, (out_features, groups, GROUP_SIZE), generator=generator)
     signed[..., 0] = 127
     q8 = nn.Linear(groups * GROUP_SIZE, out_features, bias=False)
@@ -484,7 +519,7 @@ OTHER_ISAS = [isa for isa in runnable_isas() if isa != "portable"]
 
 def test_every_cpu_runs_the_portable_build_and_x86_with_avx2_the_avx2_one():
     assert "portable" in runnable_isas() and kernels("portable").isa() == "portable"
-    if {"avx2", "fma"} <= cpu_flags():
+    if {"avx2", "fma", "f16c"} <= cpu_flags():
         assert "avx2" in runnable_isas() and kernels("avx2").isa() == "avx2"
     assert runnable_isas()[0] == selected_isa()
 
@@ -503,8 +538,9 @@ def test_each_build_gives_the_portable_builds_bits(isa):
         for gemm in (False, True):
             assert torch.equal(fast.int5_linear(x, q4.packed, fifth, q4.scale, q4.minimum, gemm),
                                portable.int5_linear(x, q4.packed, fifth, q4.scale, q4.minimum, gemm)), (rows, gemm)
-            assert torch.equal(fast.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm),
-                               portable.int4_linear(x, q4.packed, q4.scale, q4.minimum, gemm)), (rows, gemm)
+            for scale, minimum in ((q4.scale, q4.minimum), (q4.scale.float() * 37, q4.minimum.float())):  # halves
+                assert torch.equal(fast.int4_linear(x, q4.packed, scale, minimum, gemm),  # and float32
+                                   portable.int4_linear(x, q4.packed, scale, minimum, gemm)), (rows, gemm)
             assert torch.equal(fast.int8_linear(x, q8.levels, q8.scale, gemm),
                                portable.int8_linear(x, q8.levels, q8.scale, gemm)), (rows, gemm)
             assert torch.equal(fast.int8_linear(x, q8.levels, scale16, gemm),  # groups of 16 (GGUF's Q6_K)
@@ -590,7 +626,7 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
                                                      "portable"):
         selected_isa()
     monkeypatch.delenv(grouped.ISA_ENV)
-    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "sse4_2"}))
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse4_2"}))
     lacks = (r"cannot run the 'avx512' kernels \(it lacks avx512bw, avx512dq, avx512f, avx512vl\); "
              r"it runs: avx2, portable")
     with pytest.raises(UnsupportedOptionError, match=lacks):

@@ -80,9 +80,10 @@ _TINY = 1e-12
 # another CPU is never run on instructions it lacks (the build's name carries the instruction set). VNNI, where
 # present, is chosen at run time inside the avx512 and avx2 builds. "portable" is plain C++ for any CPU.
 ISA_FLAGS = {
-    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-DJOINTSPEC_ISA_AVX512"]),
-    "avx2": (frozenset({"avx2", "fma"}), ["-mavx2", "-mfma", "-DJOINTSPEC_ISA_AVX2"]),
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                "-DJOINTSPEC_ISA_AVX512"]),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c", "-DJOINTSPEC_ISA_AVX2"]),
     "portable": (frozenset(), []),
 }
 ISAS = tuple(ISA_FLAGS)
@@ -258,6 +259,19 @@ def _long(rows: torch.Tensor) -> bool:
     return rows.shape[0] > ROWWISE_MAX_ROWS
 
 
+def _scales_as_stored(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4- or 5-bit layer's scales and minima as float16 where every one of them is a float16 (a file's own: GGUF's
+    Q4_0, Q4_1, Q5_0, Q5_1), else float32. The kernels widen halves exactly, so the layer computes the same bits and
+    reads a sixth fewer bytes (20 a group of 32 weights instead of 24)."""
+    if scale.dtype == minimum.dtype == torch.float16:
+        return scale, minimum
+    scale, minimum = scale.float(), minimum.float()
+    halves = scale.half(), minimum.half()
+    if all(torch.equal(half.float(), value) for half, value in zip(halves, (scale, minimum))):
+        return halves
+    return scale, minimum
+
+
 def _nibble_levels(packed: torch.Tensor) -> torch.Tensor:
     """Packed 4-bit levels [out, in / 2] -> [out, in / 32, 32] (byte i of a group: level i low, level i + 16 high)."""
     groups = packed.reshape(packed.shape[0], -1, GROUP_SIZE // 2)
@@ -298,6 +312,11 @@ class GroupedInt4Linear(_GroupedLinear):
         groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
         scale = ((high - low) / 15).clamp_min(_TINY)
+        # Scales and minima on the float16 grid, as llama.cpp's files keep them (so the layer reads them as halves),
+        # unless a value would leave that grid's normal range (float32 then).
+        half_scale, half_low = scale.half().float(), low.half().float()
+        if (half_scale >= 2 ** -14).all() and torch.isfinite(half_scale).all() and torch.isfinite(half_low).all():
+            scale, low = half_scale, half_low
         levels = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
         self._set(levels.reshape(out_features, in_features), scale, low,
                   None if linear.bias is None else linear.bias.detach())
@@ -328,9 +347,10 @@ class GroupedInt4Linear(_GroupedLinear):
                     bias: torch.Tensor | None) -> None:
         out_features, in_features = packed.shape[0], 2 * packed.shape[1]
         self.in_features, self.out_features = in_features, out_features
+        scale, minimum = _scales_as_stored(scale.reshape(out_features, -1), minimum.reshape(out_features, -1))
         self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scale", scale.float().reshape(out_features, -1).contiguous())
-        self.register_buffer("minimum", minimum.float().reshape(out_features, -1).contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("minimum", minimum.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @property
@@ -342,7 +362,8 @@ class GroupedInt4Linear(_GroupedLinear):
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
         levels = _nibble_levels(self.packed).float()  # [out, groups, 32]
-        return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
+        scale, minimum = self.scale.float(), self.minimum.float()
+        return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
         return kernels().int4_linear(rows, self.packed, self.scale, self.minimum, gemm)
@@ -371,8 +392,9 @@ class GroupedInt5Linear(_GroupedLinear):
         layer.in_features, layer.out_features = in_features, out_features
         layer.register_buffer("packed", packed.contiguous())
         layer.register_buffer("fifth", fifth.contiguous())
-        layer.register_buffer("scale", scale.float().contiguous())
-        layer.register_buffer("minimum", minimum.float().contiguous())
+        scale, minimum = _scales_as_stored(scale, minimum)
+        layer.register_buffer("scale", scale.contiguous())
+        layer.register_buffer("minimum", minimum.contiguous())
         layer.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         return layer
 
@@ -385,7 +407,8 @@ class GroupedInt5Linear(_GroupedLinear):
         """The weight the kernel multiplies by, [out, in] float32."""
         bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1  # [out, groups, 32]
         levels = (_nibble_levels(self.packed).long() + 16 * bits).float()
-        return (levels * self.scale[..., None] + self.minimum[..., None]).reshape(self.out_features, -1)
+        scale, minimum = self.scale.float(), self.minimum.float()
+        return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
         return kernels().int5_linear(rows, self.packed, self.fifth, self.scale, self.minimum, gemm)
@@ -543,7 +566,7 @@ def _stackable(layers: list[nn.Module]) -> bool:
     kinds = {type(layer) for layer in layers}
     return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear}
             and all(layer.bias is None for layer in layers)
-            and len({(layer.in_features, layer.scale.shape[1]) for layer in layers}) == 1)
+            and len({(layer.in_features, layer.scale.shape[1], layer.scale.dtype) for layer in layers}) == 1)
 
 
 def kernel_arguments(layer: nn.Module) -> list[torch.Tensor]:

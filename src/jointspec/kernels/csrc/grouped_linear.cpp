@@ -1,8 +1,8 @@
 // Quantised linear layers for CPU decoding: y = x W^T with W stored as 4-, 5- or 8-bit levels in groups of 32 inputs,
-// one scale (and, for 4 and 5 bits, one minimum) per group; each input row is rounded to 8 bits per group
-// (multiply_q8, as llama.cpp does), except for the screened head's exact logits. Built at first use by
-// jointspec/kernels/grouped.py (torch.utils.cpp_extension), once per instruction set (simd.h: AVX-512, AVX2 + FMA,
-// portable C++); see that module for why and for the measurements.
+// one scale (and, for 4 and 5 bits, one minimum; float32, or halves where a file keeps them so) per group; each input
+// row is rounded to 8 bits per group (multiply_q8, as llama.cpp does), except for the screened head's exact logits.
+// Built at first use by jointspec/kernels/grouped.py (torch.utils.cpp_extension), once per instruction set (simd.h:
+// AVX-512, AVX2 + FMA + F16C, portable C++); see that module for why and for the measurements.
 //
 // Each thread takes a range of output rows. For each row it dequantises the row's weights once into a float32
 // buffer that stays in L1 cache, then takes the dot product of that buffer with every input row. So the weights are
@@ -36,17 +36,6 @@ inline void group_levels(const uint8_t* bytes, const uint32_t* fifth, int64_t g,
   if (fifth != nullptr) {
     low = simd::add(low, simd::sixteens(fifth[g]));
     high = simd::add(high, simd::sixteens(fifth[g] >> 16));
-  }
-}
-
-inline void dequantise_int4(const uint8_t* row, const uint32_t* fifth, const float* scale, const float* minimum,
-                            int64_t groups, float* w) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
-    V16 low, high;
-    group_levels(row + g * kGroup / 2, fifth, g, low, high);
-    simd::store(w + g * kGroup, simd::fmadd(low, s, lo));
-    simd::store(w + g * kGroup + 16, simd::fmadd(high, s, lo));
   }
 }
 
@@ -115,27 +104,41 @@ inline void dot_rows(const float* x, const float* w, int64_t count, int64_t k, f
   for (; b < count; ++b) dot_block<1, R>(x, w + b * k, k, out + b, out_stride);
 }
 
-// One output row's weights, dequantised into a float32 buffer (what multiply() takes).
+// One output row's weights, dequantised into a float32 buffer (what multiply() takes). Scales and minima are float32
+// or, where the file stores them so (GGUF's Q4_0, Q4_1, Q5_0, Q5_1), IEEE halves: a quarter of a 4-bit layer's bytes
+// fewer to read, the same values (simd::half_to_float is exact), so the same bits.
 struct Int4Rows {
   const uint8_t* packed;
-  const float* scale;
-  const float* minimum;
+  const void* scale;    // [out, groups] float32, or uint16_t halves where `half`
+  const void* minimum;  // the same type as scale
   int64_t groups;
   const uint32_t* fifth = nullptr;  // 5 bits: [out, groups] words of fifth bits
-  void row(int64_t n, float* w) const {
-    dequantise_int4(packed + n * groups * kGroup / 2, fifth ? fifth + n * groups : nullptr, scale + n * groups,
-                    minimum + n * groups, groups, w);
+  bool half = false;
+  float scale_at(int64_t g) const {
+    return half ? simd::half_to_float(static_cast<const uint16_t*>(scale)[g]) : static_cast<const float*>(scale)[g];
   }
-  // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n, by the same operations as row().
+  float minimum_at(int64_t g) const {
+    return half ? simd::half_to_float(static_cast<const uint16_t*>(minimum)[g])
+                : static_cast<const float*>(minimum)[g];
+  }
+  void row(int64_t n, float* w) const {
+    for (int64_t c = 0; c < groups; ++c) {
+      V16 a, b;
+      chunk(n, c, a, b);
+      simd::store(w + c * kGroup, a);
+      simd::store(w + c * kGroup + 16, b);
+    }
+  }
+  // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n: level * scale + minimum, one rounding each.
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int64_t g = n * groups + c;
-    const V16 s = simd::set1(scale[g]), lo = simd::set1(minimum[g]);
+    const V16 s = simd::set1(scale_at(g)), lo = simd::set1(minimum_at(g));
     group_levels(packed + g * kGroup / 2, fifth, g, a, b);
     a = simd::fmadd(a, s, lo);
     b = simd::fmadd(b, s, lo);
   }
   // For multiply_q8: the levels and scales of groups 2p, 2p + 1 of row n in simd.h's pair layout, and their product
-  // with a pair of input levels.
+  // with a pair of input levels; the minima of groups g .. g + 15 of row n (those past `groups` 0).
   static constexpr bool kMinimum = true;
   static constexpr int kPrefetchEvery = 2;  // pairs to a cache line of levels
   const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
@@ -143,7 +146,26 @@ struct Int4Rows {
     const int64_t g = n * groups + 2 * p;
     return simd::pair_levels(packed + g * kGroup / 2, fifth ? fifth + g : nullptr);
   }
-  V16 q8_scale(int64_t n, int64_t p) const { return simd::pair_pattern(scale + n * groups + 2 * p); }
+  // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0), the
+  // input steps of those groups (`step`: an input row's), and pair p0 + i's lanes of their product.
+  static int64_t block_pairs() { return 8; }
+  V16 q8_scales(int64_t n, int64_t p0) const {
+    const int64_t g = 2 * p0, at = n * groups + g;
+    return half ? simd::load_first_half(static_cast<const uint16_t*>(scale) + at, groups - g)
+                : simd::load_first(static_cast<const float*>(scale) + at, groups - g);
+  }
+  V16 q8_steps(const float* step, int64_t p0) const { return simd::load_first(step + 2 * p0, groups - 2 * p0); }
+  static simd::Lanes q8_lanes(int i) { return simd::pair_lanes(i); }
+  void q8_prefetch_scales(int64_t n, int64_t p0) const {  // a block's scales and minima, to L2
+    const int64_t at = (n * groups + 2 * p0) * (half ? 2 : 4);
+    __builtin_prefetch(static_cast<const char*>(scale) + at, 0, 1);
+    __builtin_prefetch(static_cast<const char*>(minimum) + at, 0, 1);
+  }
+  V16 q8_minima(int64_t n, int64_t g) const {
+    const int64_t at = n * groups + g;
+    return half ? simd::load_first_half(static_cast<const uint16_t*>(minimum) + at, groups - g)
+                : simd::load_first(static_cast<const float*>(minimum) + at, groups - g);
+  }
   static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4(w, q); }
 };
 
@@ -164,8 +186,19 @@ struct Int8Rows {
   static constexpr int kPrefetchEvery = 1;
   const void* q8_address(int64_t n, int64_t p) const { return levels + n * groups * group + 64 * p; }
   simd::L64 q8_pair(int64_t n, int64_t p) const { return simd::pair_int8(levels + n * groups * group + 64 * p); }
-  V16 q8_scale(int64_t n, int64_t p) const {
-    return group == 16 ? simd::quad_pattern(scale + n * groups + 4 * p) : simd::pair_pattern(scale + n * groups + 2 * p);
+  // As Int4Rows's; a scale per 16 inputs (Q6_K) makes four scales a pair, so a block of sixteen is four pairs.
+  int64_t block_pairs() const { return group == 16 ? 4 : 8; }
+  V16 q8_scales(int64_t n, int64_t p0) const {
+    const int64_t unit = group == 16 ? 4 * p0 : 2 * p0;
+    return simd::load_first(scale + n * groups + unit, groups - unit);
+  }
+  V16 q8_steps(const float* step, int64_t p0) const {
+    const int64_t inputs = groups * group / kGroup;  // the input row's groups of 32
+    return group == 16 ? simd::doubled(step + 2 * p0, inputs - 2 * p0) : simd::load_first(step + 2 * p0, inputs - 2 * p0);
+  }
+  simd::Lanes q8_lanes(int i) const { return group == 16 ? simd::quad_lanes(i) : simd::pair_lanes(i); }
+  void q8_prefetch_scales(int64_t n, int64_t p0) const {
+    __builtin_prefetch(scale + n * groups + (group == 16 ? 4 * p0 : 2 * p0), 0, 1);
   }
   static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4_signed(w, q); }
 };
@@ -289,33 +322,45 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
   V16 acc[W][R];
   for (int b = 0; b < W; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = simd::zero();
-  for (int64_t p = 0; p < groups / 2; ++p) {
-    simd::L64 q[R];
-    V16 step[R];
-    for (int r = 0; r < R; ++r) {
-      q[r] = simd::load_q64(x.levels.data() + (r0 + r) * k + 64 * p);
-      step[r] = simd::pair_pattern(x.step.data() + (r0 + r) * groups + 2 * p);
+  const int64_t pairs = groups / 2, per_block = w.block_pairs();
+  for (int64_t p0 = 0; p0 < pairs; p0 += per_block) {
+    // Each lane's weight scale times its input step, a block of pairs at once: the products pair by pair would give
+    // (the same multiplications), for one conversion and one multiply per sixteen scales instead of per two.
+    V16 scaled[W][R];
+    for (int b = 0; b < W; ++b) w.q8_prefetch_scales(first + W + b, p0);  // the next tile's, as for its levels below
+    {
+      V16 step[R];
+      for (int r = 0; r < R; ++r) step[r] = w.q8_steps(x.step.data() + (r0 + r) * groups, p0);
+      for (int b = 0; b < W; ++b) {
+        const V16 scales = w.q8_scales(first + b, p0);
+        for (int r = 0; r < R; ++r) scaled[b][r] = simd::mul(scales, step[r]);
+      }
     }
-    // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
-    // stream for the hardware prefetcher to get ahead of alone.
-    if (p % Rows::kPrefetchEvery == 0)
-      for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
-    for (int b = 0; b < W; ++b) {
-      const simd::L64 levels = w.q8_pair(first + b, p);
-      const V16 scale = w.q8_scale(first + b, p);
-      for (int r = 0; r < R; ++r)
-        acc[b][r] = simd::fmadd(Rows::q8_dot(levels, q[r]), simd::mul(scale, step[r]), acc[b][r]);
+    const int count = static_cast<int>(std::min(per_block, pairs - p0));
+    for (int i = 0; i < count; ++i) {
+      const int64_t p = p0 + i;
+      const simd::Lanes lanes = w.q8_lanes(i);
+      simd::L64 q[R];
+      for (int r = 0; r < R; ++r) q[r] = simd::load_q64(x.levels.data() + (r0 + r) * k + 64 * p);
+      // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
+      // stream for the hardware prefetcher to get ahead of alone.
+      if (p % Rows::kPrefetchEvery == 0)
+        for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
+      for (int b = 0; b < W; ++b) {
+        const simd::L64 levels = w.q8_pair(first + b, p);
+        for (int r = 0; r < R; ++r)
+          acc[b][r] = simd::fmadd(Rows::q8_dot(levels, q[r]), simd::pick(scaled[b][r], lanes), acc[b][r]);
+      }
     }
   }
   for (int b = 0; b < W; ++b)
     for (int r = 0; r < R; ++r) {
       float low_sum = 0.0f;
       if constexpr (Rows::kMinimum) {
-        const float* minimum = w.minimum + (first + b) * groups;
         const float* sums = x.sum.data() + (r0 + r) * groups;
         V16 low = simd::zero();
         for (int64_t g = 0; g < groups; g += 16)
-          low = simd::fmadd(simd::load_first(minimum + g, groups - g), simd::load_first(sums + g, groups - g), low);
+          low = simd::fmadd(w.q8_minima(first + b, g), simd::load_first(sums + g, groups - g), low);
         low_sum = simd::reduce_add(low);
       }
       out[r * out_stride + b] = Rows::kMinimum ? simd::reduce_add(acc[b][r]) + low_sum : simd::reduce_add(acc[b][r]);
@@ -489,11 +534,12 @@ struct Weights {
   int bits;
   const uint8_t* packed;
   const int8_t* levels;
-  const float* scale;
-  const float* minimum;
+  const void* scale;    // float32, or (4 and 5 bits) halves where `half`
+  const void* minimum;
   int64_t in_features, out_features, group;
   const float* bias = nullptr;
   const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
+  bool half = false;
 
   template <typename Rows>
   void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights) const {
@@ -505,9 +551,9 @@ struct Weights {
 
   void apply(const float* x, int64_t rows, float* out, bool gemm) const {
     if (bits == 4)
-      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup, fifth});
+      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, half});
     else
-      apply_rows(x, rows, out, gemm, Int8Rows{levels, scale, in_features / group, group});
+      apply_rows(x, rows, out, gemm, Int8Rows{levels, static_cast<const float*>(scale), in_features / group, group});
     if (bias != nullptr)  // as the layer's forward adds it: one rounding per output
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < out_features; ++n) out[r * out_features + n] += bias[n];
@@ -907,12 +953,16 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
                 packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
                 in_features / 2, "] matrix");
-    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == packed.size(0) &&
-                scale.size(1) == in_features / kGroup && minimum.sizes() == scale.sizes() &&
-                minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(), name,
-                ": scale and minimum must be contiguous float32 [out, in / 32] matrices");
-    return {4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr<float>(), minimum.data_ptr<float>(), in_features,
-            packed.size(0), kGroup};
+    const bool half = scale.scalar_type() == torch::kHalf;
+    TORCH_CHECK((half || scale.scalar_type() == torch::kFloat) && scale.is_contiguous() &&
+                scale.size(0) == packed.size(0) && scale.size(1) == in_features / kGroup &&
+                minimum.sizes() == scale.sizes() && minimum.scalar_type() == scale.scalar_type() &&
+                minimum.is_contiguous(), name, ": scale and minimum must be contiguous [out, in / 32] matrices, both "
+                "float32 or both float16");
+    Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), minimum.data_ptr(), in_features,
+                    packed.size(0), kGroup};
+    weights.half = half;
+    return weights;
   }
   const torch::Tensor& levels = tensors[0];
   TORCH_CHECK(levels.scalar_type() == torch::kInt8 && levels.dim() == 2 && levels.is_contiguous() &&
@@ -937,17 +987,14 @@ torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor f
                           torch::Tensor minimum, bool gemm) {
   check_x(x);
   const Weights w = weights_of({packed, fifth, scale, minimum}, x.size(1), "int5_linear");
-  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, w.fifth}, gemm);
+  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, w.fifth, w.half}, gemm);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
                           bool gemm) {
-  check(x, packed, x.size(1) / 2, scale);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed levels must be uint8");
-  TORCH_CHECK(minimum.sizes() == scale.sizes() && minimum.scalar_type() == torch::kFloat && minimum.is_contiguous(),
-              "minimum must be shaped and typed like scale");
-  return run(x, packed.size(0), Int4Rows{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), minimum.data_ptr<float>(),
-                                         scale.size(1)}, gemm);
+  check_x(x);
+  const Weights w = weights_of({packed, scale, minimum}, x.size(1), "int4_linear");
+  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, nullptr, w.half}, gemm);
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm, bool q8) {

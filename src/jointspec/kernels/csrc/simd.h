@@ -260,6 +260,21 @@ constexpr int kPairs = 2;
 constexpr bool kTwoPass = false;
 #endif
 
+// IEEE half-precision scales and minima (a 4- or 5-bit layer whose file stores them so: GGUF's Q4_0, Q4_1, Q5_0,
+// Q5_1), widened to float32 exactly: every half is a float32. The scalar form is plain C++ on every backend (it is
+// off the hot loops); the vector forms below use the hardware conversion where there is one, which is exact too.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exponent = (h >> 10) & 31u, mantissa = h & 1023u;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float value = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -value : value;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 // Two groups of 32 inputs at a time with 8-bit inputs (grouped_linear.cpp's multiply_q8): 64 weight levels of two
 // adjacent groups (unsigned, < 32) against the matching 64 input levels (signed, |q| <= 127). Lane j of the V16 that
 // dot4() returns is the exact integer sum of four products, always the same four whatever the backend:
@@ -267,8 +282,11 @@ constexpr bool kTwoPass = false;
 //   lanes 8-11  group 2p, inputs 16-31               lanes 12-15 group 2p + 1, inputs 16-31
 // which is the byte order a 4-bit pair's 32 packed bytes give (low nibbles: inputs 0-15 of each group, high nibbles:
 // 16-31), so the input levels are stored in that order too (64 bytes a pair, loaded by load_q64). Integer sums have
-// no rounding, so every backend gives the same lanes; pair_pattern() gives each lane its group's float (scale or
-// input step).
+// no rounding, so every backend gives the same lanes. Each lane's float (weight scale times input step) comes from a
+// block of sixteen, one lane per scale unit in order, by pick(): pick(block, pair_lanes(i)) gives pair i of eight
+// (units are groups: lanes 0-3 and 8-11 take unit 2i, 4-7 and 12-15 unit 2i + 1), pick(block, quad_lanes(i)) pair i of
+// four (units are halves of groups, Q6_K's scales: lanes 0-3 take unit 4i, 4-7 4i + 2, 8-11 4i + 1, 12-15 4i + 3).
+// doubled(p, n) is p[0], p[0], p[1], p[1], ... (a group's input step for each of its halves).
 #if defined(JOINTSPEC_ISA_AVX512)
 struct L64 {
   __m512i v;
@@ -287,9 +305,23 @@ inline L64 load_q64(const int8_t* q) { return {_mm512_loadu_si512(q)}; }
 inline V16 dot4(L64 w, L64 q) {
   return {_mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(w.v, q.v), _mm512_set1_epi16(1)))};
 }
-inline V16 pair_pattern(const float* two) {
-  const __m512 pair = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(two))));
-  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), pair)};
+// The first n (<= 16) halves of p, widened (the rest 0).
+inline V16 load_first_half(const uint16_t* p, int64_t n) {
+  return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p))};
+}
+struct Lanes {
+  __m512i index;
+};
+inline Lanes pair_lanes(int i) {
+  return {_mm512_add_epi32(_mm512_set1_epi32(2 * i), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1))};
+}
+inline Lanes quad_lanes(int i) {
+  return {_mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3))};
+}
+inline V16 pick(V16 block, Lanes lanes) { return {_mm512_permutexvar_ps(lanes.index, block.v)}; }
+inline V16 doubled(const float* p, int64_t n) {
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                _mm512_maskz_loadu_ps(first(std::min<int64_t>(n, 8)), p))};
 }
 // Signed 8-bit weights of a pair, stored in input order (group 2p's 32, then group 2p + 1's), in the pair layout.
 inline L64 pair_int8(const int8_t* w) {
@@ -301,12 +333,6 @@ inline V16 dot4_signed(L64 w, L64 q) {
   const __m512i negative = _mm512_mask_sub_epi8(q.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), q.v);
   return {_mm512_cvtepi32_ps(
       _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), negative), _mm512_set1_epi16(1)))};
-}
-// Four groups of 16 (Q6_K's scales, sixteen inputs each) in the pair layout: lanes 0-3 take four[0], 4-7 four[2],
-// 8-11 four[1], 12-15 four[3].
-inline V16 quad_pattern(const float* four) {
-  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3),
-                                _mm512_castps128_ps512(_mm_loadu_ps(four)))};
 }
 // Inputs x[0 .. 31] of one group as levels q = round(x / step) (ties to even), step = max |x| / 127; q[i] goes to
 // out[i] for i < 16 and out[i + 16] for the rest (a pair's layout above, with out at the group's first byte).
@@ -348,9 +374,37 @@ inline __m256 dot4_8(__m256i w, __m256i q) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)));
 }
 inline V16 dot4(L64 w, L64 q) { return {dot4_8(w.lo, q.lo), dot4_8(w.hi, q.hi)}; }
-inline V16 pair_pattern(const float* two) {
-  const __m256 half = _mm256_set_m128(_mm_set1_ps(two[1]), _mm_set1_ps(two[0]));
-  return {half, half};
+struct Lanes {
+  __m256i low, high;  // the permutation giving lanes 0-7 and 8-15, from the block's low half or its high one
+  bool from_high;
+};
+inline Lanes pair_lanes(int i) {
+  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((2 * i) % 8), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  return {index, index, i >= 4};
+}
+inline Lanes quad_lanes(int i) {
+  const __m256i base = _mm256_set1_epi32((4 * i) % 8);
+  return {_mm256_add_epi32(base, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)),
+          _mm256_add_epi32(base, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3)), i >= 2};
+}
+inline V16 pick(V16 block, const Lanes& lanes) {
+  const __m256 from = lanes.from_high ? block.hi : block.lo;
+  return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
+}
+inline V16 doubled(const float* p, int64_t n) {
+  const __m256 eight = _mm256_maskload_ps(p, first8(n));
+  return {_mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
+          _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))};
+}
+inline V16 load_first_half(const uint16_t* p, int64_t n) {
+  alignas(32) uint16_t buffer[16] = {};
+  const uint16_t* from = p;
+  if (n < 16) {
+    std::memcpy(buffer, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(uint16_t));
+    from = buffer;
+  }
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(raw)), _mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1))};
 }
 inline L64 pair_int8(const int8_t* w) {
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -362,10 +416,6 @@ inline __m256 dot4_signed_8(__m256i w, __m256i q) {
                                               _mm256_set1_epi16(1)));
 }
 inline V16 dot4_signed(L64 w, L64 q) { return {dot4_signed_8(w.lo, q.lo), dot4_signed_8(w.hi, q.hi)}; }
-inline V16 quad_pattern(const float* four) {
-  return {_mm256_set_m128(_mm_set1_ps(four[2]), _mm_set1_ps(four[0])),
-          _mm256_set_m128(_mm_set1_ps(four[3]), _mm_set1_ps(four[1]))};
-}
 inline void quantise_group(const float* x, int8_t* out, float& step) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], top8 = _mm256_setzero_ps();
@@ -415,9 +465,33 @@ inline V16 dot4(const L64& w, const L64& q) {
   }
   return r;
 }
-inline V16 pair_pattern(const float* two) {
+struct Lanes {
+  int index[16];
+};
+inline Lanes pair_lanes(int i) {
+  Lanes out;
+  for (int j = 0; j < 16; ++j) out.index[j] = 2 * i + (j / 4) % 2;
+  return out;
+}
+inline Lanes quad_lanes(int i) {
+  static constexpr int kQuad[4] = {0, 2, 1, 3};
+  Lanes out;
+  for (int j = 0; j < 16; ++j) out.index[j] = 4 * i + kQuad[j / 4];
+  return out;
+}
+inline V16 pick(const V16& block, const Lanes& lanes) {
   V16 r;
-  for (int j = 0; j < 16; ++j) r.v[j] = two[(j / 4) % 2];
+  for (int j = 0; j < 16; ++j) r.v[j] = block.v[lanes.index[j]];
+  return r;
+}
+inline V16 doubled(const float* p, int64_t n) {
+  V16 r{};
+  for (int j = 0; j < 16; ++j) r.v[j] = j / 2 < n ? p[j / 2] : 0.0f;
+  return r;
+}
+inline V16 load_first_half(const uint16_t* p, int64_t n) {
+  V16 r{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = half_to_float(p[i]);
   return r;
 }
 inline L64 pair_int8(const int8_t* w) {
@@ -428,12 +502,6 @@ inline L64 pair_int8(const int8_t* w) {
   return out;
 }
 inline V16 dot4_signed(const L64& w, const L64& q) { return dot4(w, q); }
-inline V16 quad_pattern(const float* four) {
-  static constexpr int kQuad[4] = {0, 2, 1, 3};
-  V16 r;
-  for (int j = 0; j < 16; ++j) r.v[j] = four[kQuad[j / 4]];
-  return r;
-}
 inline void quantise_group(const float* x, int8_t* out, float& step) {
   float top = 0.0f;
   for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
