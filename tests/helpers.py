@@ -119,12 +119,13 @@ def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
     halves = lambda t: t.reshape(*t.shape[:-2], groups * 2, 16)  # noqa: E731 (16 inputs a scale at most)
     dots = torch.einsum("ogi,rgi->rog", halves(levels.double()), halves(q))  # [rows, out, 2 groups]
     magnitudes = torch.einsum("ogi,rgi->rog", halves(levels.double()).abs(), halves(q).abs())
-    scale = layer.scale.double()
+    # The layer's float scales, whatever form it keeps them in (float32, halves, K-quant sub-scales).
+    scale = (layer.unit_scales() if layer.bits == 8 else layer.group_scales()[0]).double()
     scale = scale.repeat_interleave(2, dim=1) if scale.shape[1] == groups else scale  # per 16 inputs
     scaled = scale[None] * step.double().repeat_interleave(2, dim=1)[:, None, :]
     out, magnitude = (scaled * dots).sum(-1), (scaled.abs() * magnitudes).sum(-1)
     if layer.bits != 8:
-        lows = layer.minimum.double()[None] * xg.double().sum(-1)[:, None, :]
+        lows = layer.group_scales()[1].double()[None] * xg.double().sum(-1)[:, None, :]
         out, magnitude = out + lows.sum(-1), magnitude + lows.abs().sum(-1)
     return out, magnitude
 

@@ -57,7 +57,10 @@ def test_levels_are_the_files_weights_bit_for_bit(type_name):
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
     assert torch.equal(levels.weight(), expected)
     assert levels.bits == {"Q4": 4, "Q5": 5}.get(type_name[:2], 8)
-    assert levels.scale.shape == (6, 512 // (16 if type_name == "Q6_K" else 32))
+    scale, minimum = levels.float_scales()
+    assert scale.shape == (6, 512 // (16 if type_name == "Q6_K" else 32)) and scale.dtype == torch.float32
+    assert (minimum is None) == (levels.bits == 8)
+    assert (levels.k_scales is not None) == type_name.endswith("_K")  # kept as the file keeps them
     assert expected.abs().max() > 0 and expected.std() > 0  # the blocks hold weights, not zeros
 
 
@@ -85,6 +88,42 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
     assert ((out.double() - reference).abs() <= 1e-5 * (x.abs().double() @ levels.weight().abs().double().T)
             + 1e-7).all()
     assert torch.equal(columns, levels.weight().T) and torch.equal(single, levels.weight().T[[0, 77, 255]])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_name):
+    """A layer keeps the scales as the file stores them, halves (Q4_0, Q4_1, Q5_0) or K-quant sub-scales with a float
+    per 256 inputs (Q4_K, Q5_K, Q6_K): fewer bytes a step reads. Every build and path gives the bits of the same
+    layer with each group's float32 scale (the float a K-quant's dequantisation rounds, d * sc, formed the same way),
+    and wrongly shaped K scales are refused by what they should be."""
+    from jointspec.kernels.grouped import kernels, runnable_isas
+
+    raw = random_blocks(type_name, rows=40, columns=512, seed=4)
+    levels = decode(raw, type_name, 512)
+    layer = levels.layer()
+    k_type = type_name.endswith("_K")
+    assert layer.k_form == k_type
+    if not k_type:
+        assert layer.scale.dtype == torch.float16
+    floats = [layer.packed] if levels.bits != 8 else [layer.levels]
+    if levels.bits == 5:
+        floats.append(layer.fifth)
+    floats += list(layer.group_scales()) if levels.bits != 8 else [layer.unit_scales()]
+    assert all(t.dtype == torch.float32 for t in floats[-2 if levels.bits != 8 else -1:])
+    stored = [getattr(layer, name) for name in layer.BUFFERS]
+    generator = torch.Generator().manual_seed(5)
+    for isa in runnable_isas():
+        module = kernels(isa)
+        for rows in (1, 2, 5, 9):
+            x = torch.randn(rows, 512, generator=generator) * 2
+            for gemm in (False, True):
+                for q8 in (True, False):
+                    assert torch.equal(module.linear(x, stored, gemm, q8), module.linear(x, floats, gemm, q8)), (
+                        isa, rows, gemm, q8)
+    if k_type:
+        wrong = [*stored[:-2], stored[-2][..., :1].contiguous(), stored[-1]]  # one super-block's scales a row
+        with pytest.raises(RuntimeError, match="K-quant"):
+            kernels().linear(torch.randn(1, 512), wrong, False, True)
 
 
 def test_a_type_the_kernels_do_not_take_is_refused_by_name():

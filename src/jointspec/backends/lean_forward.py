@@ -210,7 +210,7 @@ class LeanLlamaForward:
                     module = owner._modules[name]
                     checks.append((owner._modules, name, module))
                     checks += [(module._buffers, buffer, module._buffers[buffer])
-                               for buffer in (*type(module).BUFFERS, "bias")]
+                               for buffer in (*module.BUFFERS, "bias")]
             checks += [(norm._parameters, "weight", norm.weight) for norm in norms]
             layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, qkv,
                            kernel_arguments(plain[0]), gate_up, kernel_arguments(plain[1]), config.num_attention_heads,

@@ -58,28 +58,46 @@ class Levels:
     bits: int  # 4, 5 or 8
     levels: torch.Tensor  # 4 and 5 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of level i
     #                       | those of level i + 16 << 4; 8 bits: int8 [out, in]
-    scale: torch.Tensor  # [out, in / group] float32
-    minimum: torch.Tensor | None  # [out, in / 32] float32 (4 and 5 bits), None (8 bits)
+    scale: torch.Tensor | None  # [out, in / group] float32; None where k_scales holds them (float_scales())
+    minimum: torch.Tensor | None  # [out, in / 32] float32 (4 and 5 bits), None (8 bits; or k_scales)
     fifth: torch.Tensor | None = None  # 5 bits: int32 [out, in / 32], bit i = the fifth bit of the group's level i
+    # K-quants (Q4_K, Q5_K, Q6_K): the scales as the file keeps them, (super, sub) in the kernels' K form
+    # (kernels/grouped.py): 4 and 5 bits float32 [out, 2, in / 256] (d, dmin) and uint8 [out, 2, in / 32] (sc, m);
+    # 8 bits float32 [out, in / 256] (d) and int8 [out, in / 16] (sc). The same floats as scale and minimum would
+    # hold, in a fifth of the bytes; those are then None.
+    k_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def layer(self, bias: torch.Tensor | None = None) -> nn.Module:
         """The grouped kernel layer holding these levels (their storage, not a copy), with ``bias``."""
         from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear
 
+        scale, minimum = self.k_scales if self.k_scales is not None else (self.scale, self.minimum)
         if self.bits == 4:
-            return GroupedInt4Linear.from_levels(self.levels, self.scale, self.minimum, bias)
+            return GroupedInt4Linear.from_levels(self.levels, scale, minimum, bias)
         if self.bits == 5:
-            return GroupedInt5Linear.from_levels(self.levels, self.fifth, self.scale, self.minimum, bias)
+            return GroupedInt5Linear.from_levels(self.levels, self.fifth, scale, minimum, bias)
+        if self.k_scales is not None:
+            return GroupedInt8Linear.from_levels(self.levels, scale, bias, sub=minimum)
         return GroupedInt8Linear.from_levels(self.levels, self.scale, bias)
 
     def weight(self) -> torch.Tensor:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
         return self.layer().dequantized()
 
-    def rows(self, order: torch.Tensor) -> Levels:
-        return Levels(self.bits, self.levels[order], self.scale[order],
-                      None if self.minimum is None else self.minimum[order],
-                      None if self.fifth is None else self.fifth[order])
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's float32 scale, [out, in / group], and minimum (4 and 5 bits; else None), in any form."""
+        if self.k_scales is None:
+            return self.scale, self.minimum
+        layer = self.layer()
+        return (layer.unit_scales(), None) if self.bits == 8 else layer.group_scales()
+
+    def rows(self, order: torch.Tensor | slice) -> Levels:
+        """These levels' rows ``order`` (indices or a slice)."""
+        def take(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[order]
+
+        return Levels(self.bits, self.levels[order], take(self.scale), take(self.minimum), take(self.fifth),
+                      None if self.k_scales is None else (self.k_scales[0][order], self.k_scales[1][order]))
 
 
 def _half(raw: np.ndarray, offset: int) -> np.ndarray:
@@ -109,6 +127,13 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
+def _k_form(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K scales ([rows, blocks] d and dmin, [rows, blocks, 8] sc and m) in the kernels' K form."""
+    rows = d.shape[0]
+    return (torch.from_numpy(np.stack([d, dmin], axis=1).astype(np.float32)),
+            torch.from_numpy(np.stack([sc.reshape(rows, -1), m.reshape(rows, -1)], axis=1).astype(np.uint8)))
+
+
 def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     """A tensor's raw blocks ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them) as :class:`Levels`."""
     rows = raw.shape[0]
@@ -133,10 +158,8 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         sc, m = _k_scales(blocks[..., 4:16])
         qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # four chunks of 64 elements, 32 bytes each
         levels = np.stack([qs & 15, qs >> 4], axis=3)  # chunk c: low nibbles sub-block 2c, high ones 2c + 1
-        scale = d[..., None] * sc.astype(np.float32)
-        minimum = -(dmin[..., None] * m.astype(np.float32))
-        return Levels(4, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
-                      as_tensor(minimum.reshape(rows, -1)))
+        return Levels(4, as_tensor(_pack(levels).reshape(rows, columns // 2)), None, None,
+                      k_scales=_k_form(d, dmin, sc, m))
     if type_name in ("Q5_0", "Q5_1"):  # the nibbles in Q4_0's order, and bit i of a 32-bit word: element i's fifth bit
         d = _half(blocks, 0)
         minimum = -16 * d if type_name == "Q5_0" else _half(blocks, 2)
@@ -154,10 +177,8 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         shifts = np.arange(8, dtype=np.uint8).reshape(4, 2)  # chunk c: bits 2c (low nibbles) and 2c + 1 (high)
         high = (qh[:, :, None, None, :] >> shifts[None, None, :, :, None]) & 1  # [rows, blocks, 4, 2, 32]
         levels = np.stack([qs & 15, qs >> 4], axis=3) | (high << 4)
-        scale = d[..., None] * sc.astype(np.float32)
-        minimum = -(dmin[..., None] * m.astype(np.float32))
-        return Levels(5, as_tensor(_pack(levels).reshape(rows, columns // 2)), as_tensor(scale.reshape(rows, -1)),
-                      as_tensor(minimum.reshape(rows, -1)), as_tensor(_fifth_words(levels).reshape(rows, -1)))
+        return Levels(5, as_tensor(_pack(levels).reshape(rows, columns // 2)), None, None,
+                      as_tensor(_fifth_words(levels).reshape(rows, -1)), _k_form(d, dmin, sc, m))
     if type_name == "Q8_0":
         d = _half(blocks, 0)
         levels = blocks[..., 2:].copy().view(np.int8)
@@ -166,15 +187,15 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     # low or high nibble of ql[l] / ql[l + 32] and two bits of qh[l]; sixteen signed scales, one per 16 elements.
     ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [half, l or l + 32, l]
     qh = blocks[..., 128:192].reshape(rows, -1, 2, 32)
-    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
     d = _half(blocks, 208)
     low = np.concatenate([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-1)
     shifts = np.repeat(np.array([0, 2, 4, 6], dtype=np.uint8), 32)
     top = (np.tile(qh, (1, 1, 1, 4)) >> shifts) & 3
     levels = (low | (top << 4)).astype(np.int16) - 32
-    scale = d[..., None] * scales
-    return Levels(8, as_tensor(levels.astype(np.int8).reshape(rows, columns)), as_tensor(scale.reshape(rows, -1)),
-                  None)
+    # Scale of sub-block j: d * sc[j] (llama.cpp's dequantize_row_q6_K), kept as d and sc (the kernels' K form).
+    return Levels(8, as_tensor(levels.astype(np.int8).reshape(rows, columns)), None, None,
+                  k_scales=(as_tensor(np.ascontiguousarray(d)),
+                            as_tensor(blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1))))
 
 
 def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int = 8192) -> Levels:
@@ -188,12 +209,15 @@ def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int =
     def full(part: torch.Tensor | None) -> torch.Tensor | None:
         return None if part is None else torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
 
-    out = Levels(first.bits, full(first.levels), full(first.scale), full(first.minimum), full(first.fifth))
+    out = Levels(first.bits, full(first.levels), full(first.scale), full(first.minimum), full(first.fifth),
+                 None if first.k_scales is None else (full(first.k_scales[0]), full(first.k_scales[1])))
     for start in range(0, rows, block):
         part = first if start == 0 else decode(raw[start:start + block], type_name, columns)
         for name in ("levels", "scale", "minimum", "fifth"):
             if getattr(part, name) is not None:
                 getattr(out, name)[start:start + block] = getattr(part, name)
+        for mine, theirs in zip(out.k_scales or (), part.k_scales or ()):
+            mine[start:start + block] = theirs
     return out
 
 
@@ -278,9 +302,7 @@ def _dequantized_in_blocks(levels: Levels, block: int = 4096) -> torch.Tensor:
     out = torch.empty(rows, stored if levels.bits == 8 else 2 * stored)  # 4 and 5 bits: two levels a byte
     for start in range(0, rows, block):
         part = slice(start, start + block)
-        out[part] = Levels(levels.bits, levels.levels[part], levels.scale[part],
-                           None if levels.minimum is None else levels.minimum[part],
-                           None if levels.fifth is None else levels.fifth[part]).weight()
+        out[part] = levels.rows(part).weight()
     return out
 
 
@@ -294,12 +316,15 @@ class BlockEmbedding(nn.Module):
         self.bits = levels.bits
         for name in ("levels", "scale", "minimum", "fifth"):
             self.register_buffer(name, getattr(levels, name))
+        for name, tensor in zip(("k_super", "k_sub"), levels.k_scales or (None, None)):
+            self.register_buffer(name, tensor)
         self.num_embeddings = levels.levels.shape[0]
         self.embedding_dim = levels.levels.shape[1] * (1 if levels.bits == 8 else 2)
         self.padding_idx = None
 
     def _levels(self) -> Levels:
-        return Levels(self.bits, self.levels, self.scale, self.minimum, self.fifth)
+        return Levels(self.bits, self.levels, self.scale, self.minimum, self.fifth,
+                      None if self.k_super is None else (self.k_super, self.k_sub))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._levels().rows(ids.reshape(-1)).weight().reshape(*ids.shape, self.embedding_dim)

@@ -272,6 +272,29 @@ def _scales_as_stored(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch
     return scale, minimum
 
 
+def _check_scales(out_features: int, in_features: int, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+    """A 4- or 5-bit layer's scales: float [out, in / 32] each, or the K form: float32 [out, 2, in / 256] (each
+    super-block's d, then its dmin) and uint8 [out, 2, in / 32] (each group's 6-bit sc, then its m), the group's
+    scale being d * sc and its minimum -(dmin * m), as GGUF's Q4_K and Q5_K dequantise."""
+    groups = in_features // GROUP_SIZE
+    if minimum.dtype == torch.uint8:
+        if (in_features % 256 or scale.dtype != torch.float32 or tuple(scale.shape) != (out_features, 2, groups // 8)
+                or tuple(minimum.shape) != (out_features, 2, groups)):
+            raise ValueError(f"K-quant scales come as float32 [out, 2, in / 256] and uint8 [out, 2, in / 32]; got "
+                             f"{tuple(scale.shape)} {scale.dtype} and {tuple(minimum.shape)} for {in_features} inputs")
+    elif tuple(scale.shape) != (out_features, groups) or tuple(minimum.shape) != (out_features, groups):
+        raise ValueError(f"scales and minima must be [out, in / {GROUP_SIZE}] = {(out_features, groups)}; got "
+                         f"{tuple(scale.shape)} and {tuple(minimum.shape)}")
+
+
+def _group_scales(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 [out, groups] scales and minima from any of their forms (:func:`_check_scales`)."""
+    if minimum.dtype != torch.uint8:
+        return scale.float(), minimum.float()
+    d, dmin = (scale[:, i].repeat_interleave(8, dim=1) for i in (0, 1))
+    return d * minimum[:, 0].float(), -(dmin * minimum[:, 1].float())
+
+
 def _nibble_levels(packed: torch.Tensor) -> torch.Tensor:
     """Packed 4-bit levels [out, in / 2] -> [out, in / 32, 32] (byte i of a group: level i low, level i + 16 high)."""
     groups = packed.reshape(packed.shape[0], -1, GROUP_SIZE // 2)
@@ -282,9 +305,11 @@ class _GroupedLinear(nn.Module):
     """What the int4 and int8 layers share: float32 rows in, one kernel call, the bias, the input's shape back."""
 
     bits: int
+    BUFFERS: tuple[str, ...]  # what the kernel reads, in its argument order (an instance may name more)
+    q8_inputs = True
 
     def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:  # [m, in] float32 -> [m, out] float32
-        raise NotImplementedError
+        return kernels().linear(rows, [getattr(self, name) for name in self.BUFFERS], gemm, self.q8_inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
         rows = _rows(x, self.in_features)
@@ -293,9 +318,20 @@ class _GroupedLinear(nn.Module):
             out += self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def k_form(self) -> bool:
+        """Whether the scales are kept as K-quants keep them (a small integer per group, a float per 256 inputs)."""
+        raise NotImplementedError
+
+    def layout(self) -> tuple:
+        """What a kernel call needs the same across layers it takes at once (:func:`stack_storage`)."""
+        return (type(self), self.in_features, self.BUFFERS,
+                *((getattr(self, name).dtype, tuple(getattr(self, name).shape[1:])) for name in self.BUFFERS[1:]))
+
     def extra_repr(self) -> str:
+        form = ", K-quant scales" if self.k_form else ", half scales" if self.scale.dtype == torch.float16 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} weights in groups "
-                f"of {self.in_features // self.scale.shape[1]}, jointspec's CPU kernel")
+                f"of {self.group_size}{form}, jointspec's CPU kernel")
 
 
 class GroupedInt4Linear(_GroupedLinear):
@@ -303,7 +339,8 @@ class GroupedInt4Linear(_GroupedLinear):
     from a float ``nn.Linear`` (rounded onto the grid) or, with :meth:`from_levels`, from levels a file stores."""
 
     bits = 4
-    BUFFERS = ("packed", "scale", "minimum")  # what the kernel reads, in its argument order
+    BUFFERS = ("packed", "scale", "minimum")
+    group_size = GROUP_SIZE
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -325,13 +362,14 @@ class GroupedInt4Linear(_GroupedLinear):
     def from_levels(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None = None) -> GroupedInt4Linear:
         """W = levels * scale + minimum: ``packed`` uint8 [out, in / 2] (byte i of a group of 32: level i in the low
-        nibble, level i + 16 in the high one; kept as given, not copied), ``scale`` and ``minimum`` [out, in / 32]."""
+        nibble, level i + 16 in the high one; kept as given, not copied), ``scale`` and ``minimum`` [out, in / 32];
+        or, in the K form (:func:`_check_scales`), a K-quant's scales as the file keeps them."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        if packed.dim() != 2 or packed.dtype != torch.uint8 or scale.shape != (packed.shape[0],
-                                                                                 2 * packed.shape[1] // GROUP_SIZE):
-            raise ValueError(f"4-bit levels must come packed, uint8 [out, in / 2], with scales [out, in / "
-                             f"{GROUP_SIZE}]; got {tuple(packed.shape)} {packed.dtype} and {tuple(scale.shape)}")
+        if packed.dim() != 2 or packed.dtype != torch.uint8:
+            raise ValueError(f"4-bit levels must come packed, uint8 [out, in / 2]; got {tuple(packed.shape)} "
+                             f"{packed.dtype}")
+        _check_scales(packed.shape[0], 2 * packed.shape[1], scale, minimum)
         layer._set_packed(packed, scale, minimum, bias)
         return layer
 
@@ -347,7 +385,8 @@ class GroupedInt4Linear(_GroupedLinear):
                     bias: torch.Tensor | None) -> None:
         out_features, in_features = packed.shape[0], 2 * packed.shape[1]
         self.in_features, self.out_features = in_features, out_features
-        scale, minimum = _scales_as_stored(scale.reshape(out_features, -1), minimum.reshape(out_features, -1))
+        if minimum.dtype != torch.uint8:
+            scale, minimum = _scales_as_stored(scale.reshape(out_features, -1), minimum.reshape(out_features, -1))
         self.register_buffer("packed", packed.contiguous())
         self.register_buffer("scale", scale.contiguous())
         self.register_buffer("minimum", minimum.contiguous())
@@ -359,14 +398,19 @@ class GroupedInt4Linear(_GroupedLinear):
         reads ``.weight.shape``; :meth:`dequantized` gives the values."""
         return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
 
+    @property
+    def k_form(self) -> bool:
+        return self.minimum.dtype == torch.uint8
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale and minimum, float32 [out, in / 32], whatever form they are kept in."""
+        return _group_scales(self.scale, self.minimum)
+
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
         levels = _nibble_levels(self.packed).float()  # [out, groups, 32]
-        scale, minimum = self.scale.float(), self.minimum.float()
+        scale, minimum = self.group_scales()
         return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
-
-    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
-        return kernels().int4_linear(rows, self.packed, self.scale, self.minimum, gemm)
 
 
 class GroupedInt5Linear(_GroupedLinear):
@@ -377,6 +421,7 @@ class GroupedInt5Linear(_GroupedLinear):
 
     bits = 5
     BUFFERS = ("packed", "fifth", "scale", "minimum")
+    group_size = GROUP_SIZE
 
     @classmethod
     def from_levels(cls, packed: torch.Tensor, fifth: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -385,14 +430,15 @@ class GroupedInt5Linear(_GroupedLinear):
         nn.Module.__init__(layer)
         out_features, in_features = packed.shape[0], 2 * packed.shape[1]
         groups = in_features // GROUP_SIZE
-        if (packed.dtype != torch.uint8 or fifth.shape != (out_features, groups) or fifth.dtype != torch.int32
-                or scale.shape != (out_features, groups) or minimum.shape != (out_features, groups)):
-            raise ValueError(f"5-bit levels come as packed uint8 [out, in / 2] with int32 fifth bits, scales and "
-                             f"minima [out, in / {GROUP_SIZE}]")
+        if packed.dtype != torch.uint8 or fifth.shape != (out_features, groups) or fifth.dtype != torch.int32:
+            raise ValueError(f"5-bit levels come as packed uint8 [out, in / 2] with int32 fifth bits [out, in / "
+                             f"{GROUP_SIZE}]")
+        _check_scales(out_features, in_features, scale, minimum)
         layer.in_features, layer.out_features = in_features, out_features
         layer.register_buffer("packed", packed.contiguous())
         layer.register_buffer("fifth", fifth.contiguous())
-        scale, minimum = _scales_as_stored(scale, minimum)
+        if minimum.dtype != torch.uint8:
+            scale, minimum = _scales_as_stored(scale, minimum)
         layer.register_buffer("scale", scale.contiguous())
         layer.register_buffer("minimum", minimum.contiguous())
         layer.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -403,15 +449,20 @@ class GroupedInt5Linear(_GroupedLinear):
         """A shape-only stand-in [out, in]; :meth:`dequantized` gives the values."""
         return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
 
+    @property
+    def k_form(self) -> bool:
+        return self.minimum.dtype == torch.uint8
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale and minimum, float32 [out, in / 32], whatever form they are kept in."""
+        return _group_scales(self.scale, self.minimum)
+
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
         bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1  # [out, groups, 32]
         levels = (_nibble_levels(self.packed).long() + 16 * bits).float()
-        scale, minimum = self.scale.float(), self.minimum.float()
+        scale, minimum = self.group_scales()
         return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
-
-    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
-        return kernels().int5_linear(rows, self.packed, self.fifth, self.scale, self.minimum, gemm)
 
 
 class GroupedInt8Linear(_GroupedLinear):
@@ -421,8 +472,7 @@ class GroupedInt8Linear(_GroupedLinear):
     scale per 16 inputs)."""
 
     bits = 8
-    BUFFERS = ("levels", "scale")
-    q8_inputs = True
+    BUFFERS = ("levels", "scale")  # and "sub" in the K form (the instance's BUFFERS say so)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -435,11 +485,23 @@ class GroupedInt8Linear(_GroupedLinear):
                   None if linear.bias is None else linear.bias.detach())
 
     @classmethod
-    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> GroupedInt8Linear:
-        """W = levels * scale: ``levels`` [out, in] int8, ``scale`` [out, in / 32] or [out, in / 16]."""
+    def from_levels(cls, levels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    sub: torch.Tensor | None = None) -> GroupedInt8Linear:
+        """W = levels * scale: ``levels`` [out, in] int8, ``scale`` [out, in / 32] or [out, in / 16]; or, with
+        ``sub``, the K form (GGUF's Q6_K as the file keeps it): ``scale`` float32 [out, in / 256] and ``sub`` int8
+        [out, in / 16], the scale of inputs 16u .. 16u + 15 being scale[u / 16] * sub[u]."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
+        if sub is not None:
+            out_features, in_features = levels.shape
+            if (in_features % 256 or sub.dtype != torch.int8 or tuple(sub.shape) != (out_features, in_features // 16)
+                    or scale.dtype != torch.float32 or tuple(scale.shape) != (out_features, in_features // 256)):
+                raise ValueError(f"K-quant 8-bit scales come as float32 [out, in / 256] and int8 [out, in / 16]; "
+                                 f"got {tuple(scale.shape)} {scale.dtype} and {tuple(sub.shape)} {sub.dtype}")
+            layer._set(levels.to(torch.int8), scale, bias)
+            layer.register_buffer("sub", sub.contiguous())
+            layer.BUFFERS = ("levels", "scale", "sub")
+            return layer
         if levels.dim() != 2 or scale.dim() != 2 or levels.shape[1] not in (16 * scale.shape[1], 32 * scale.shape[1]):
             raise ValueError(f"8-bit levels [out, in] need scales [out, in / 32] or [out, in / 16], got "
                              f"{tuple(levels.shape)} and {tuple(scale.shape)}")
@@ -453,8 +515,18 @@ class GroupedInt8Linear(_GroupedLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @property
+    def k_form(self) -> bool:
+        return "sub" in self.BUFFERS
+
+    @property
     def group_size(self) -> int:
-        return self.in_features // self.scale.shape[1]
+        return 16 if self.k_form else self.in_features // self.scale.shape[1]
+
+    def unit_scales(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The scale of each group of ``group_size`` inputs, float32 [out, in / group_size] (only ``rows``)."""
+        if not self.k_form:
+            return self.scale[rows]
+        return self.scale[rows].repeat_interleave(16, dim=1) * self.sub[rows].float()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -465,10 +537,7 @@ class GroupedInt8Linear(_GroupedLinear):
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32 (only ``rows`` of it, if given)."""
         levels = self.levels[rows].reshape(-1, self.in_features // self.group_size, self.group_size).float()
-        return (levels * self.scale[rows][..., None]).reshape(-1, self.in_features)
-
-    def _multiply(self, rows: torch.Tensor, gemm: bool) -> torch.Tensor:
-        return kernels().int8_linear(rows, self.levels, self.scale, gemm, self.q8_inputs)
+        return (levels * self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)
 
 
 
@@ -513,7 +582,7 @@ class ScreenedInt8Head(GroupedInt8Linear):
         """The screened head over ``layer``'s own levels and scales (a file's, for instance)."""
         head = cls.__new__(cls)
         nn.Module.__init__(head)
-        head._set(layer.levels, layer.scale, layer.bias)
+        head._set(layer.levels, layer.unit_scales(), layer.bias)  # the screen's kernel takes float scales
         head._screen(margin, max_exact)
         return head
 
@@ -565,14 +634,13 @@ def _stackable(layers: list[nn.Module]) -> bool:
     """Two or more bias-free grouped layers of one class, one input width and one group size."""
     kinds = {type(layer) for layer in layers}
     return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear}
-            and all(layer.bias is None for layer in layers)
-            and len({(layer.in_features, layer.scale.shape[1], layer.scale.dtype) for layer in layers}) == 1)
+            and all(layer.bias is None for layer in layers) and len({layer.layout() for layer in layers}) == 1)
 
 
 def kernel_arguments(layer: nn.Module) -> list[torch.Tensor]:
     """A grouped layer's buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum; 8 bits:
     levels, scale; then its bias, if it has one)."""
-    return [getattr(layer, name) for name in type(layer).BUFFERS] + ([] if layer.bias is None else [layer.bias])
+    return [getattr(layer, name) for name in layer.BUFFERS] + ([] if layer.bias is None else [layer.bias])
 
 
 def stack_storage(layers: list[nn.Module]) -> bool:
@@ -580,7 +648,7 @@ def stack_storage(layers: list[nn.Module]) -> bool:
     tensor each, leaving every layer with views into it; returns whether it did (other layers are left alone)."""
     if not _stackable(layers):
         return False
-    for name in type(layers[0]).BUFFERS:
+    for name in layers[0].BUFFERS:
         stacked = torch.cat([getattr(layer, name) for layer in layers]).contiguous()
         start = 0
         for layer in layers:
@@ -598,7 +666,7 @@ class FusedCall:
 
     def __init__(self, layers: list[nn.Module], spans: tuple[torch.Tensor, ...]) -> None:
         self.layers = list(layers)
-        self.names = type(layers[0]).BUFFERS
+        self.names = layers[0].BUFFERS
         self._buffers = [[layer._buffers[name] for name in self.names] for layer in layers]
         self.spans = spans
         self.sizes = [layer.out_features for layer in layers]
@@ -609,7 +677,7 @@ class FusedCall:
         if not _stackable(layers) or kernels() is None:
             return None
         spans = []
-        for name in type(layers[0]).BUFFERS:
+        for name in layers[0].BUFFERS:
             tensors = [getattr(layer, name) for layer in layers]
             first = tensors[0]
             storage = first.untyped_storage().data_ptr()
@@ -629,7 +697,6 @@ class FusedCall:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = _rows(x, self.in_features)
-        multiply = {3: kernels().int4_linear, 4: kernels().int5_linear, 2: kernels().int8_linear}[len(self.spans)]
-        out = multiply(rows, *self.spans, _long(rows))
+        out = kernels().linear(rows, list(self.spans), _long(rows), True)
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return list(out.split(self.sizes, dim=-1))

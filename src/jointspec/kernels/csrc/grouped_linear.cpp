@@ -39,16 +39,6 @@ inline void group_levels(const uint8_t* bytes, const uint32_t* fifth, int64_t g,
   }
 }
 
-// 8 bits: signed levels in groups of `group` (16 or 32) inputs, w = level * scale. (A group of 32 gives the same bits
-// as two groups of 16 with its scale: the product is per element.)
-inline void dequantise_int8(const int8_t* row, const float* scale, int64_t groups, int64_t group, float* w) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const V16 s = simd::set1(scale[g]);
-    for (int64_t i = 0; i < group; i += 16)
-      simd::store(w + g * group + i, simd::mul(simd::from_i8(row + g * group + i), s));
-  }
-}
-
 // Dot products of R input rows (x, x + k, ...) with W weight rows (w, w + k, ...): out[r * out_stride + b] gets input
 // row r against weight row b. Each (weight row, input row) pair has 32 partial sums (input i goes to sum i mod 32, in
 // input order), added by the halving tree at the end (lane j + lane j + 16, then + 8, + 4, + 2, + 1). Sums 0-15 and
@@ -104,22 +94,41 @@ inline void dot_rows(const float* x, const float* w, int64_t count, int64_t k, f
   for (; b < count; ++b) dot_block<1, R>(x, w + b * k, k, out + b, out_stride);
 }
 
-// One output row's weights, dequantised into a float32 buffer (what multiply() takes). Scales and minima are float32
-// or, where the file stores them so (GGUF's Q4_0, Q4_1, Q5_0, Q5_1), IEEE halves: a quarter of a 4-bit layer's bytes
-// fewer to read, the same values (simd::half_to_float is exact), so the same bits.
+// How a layer keeps its scales (and minima): float32 per group; IEEE halves per group, where the file keeps them so
+// (GGUF's Q4_0, Q4_1, Q5_0, Q5_1); or as K-quants keep them (Q4_K, Q5_K, Q6_K): a small integer per group (6 bits,
+// or Q6_K's signed 8 per 16 inputs) times a float32 per super-block of 256 inputs. Each form gives the same float
+// per group as the float32 form of the same weights (a half widens exactly; a K-quant's float is the one product
+// d * sc its dequantisation rounds once), so the same bits, from fewer bytes: 0.75 bytes a 4-bit weight as float32,
+// 0.625 as halves, 0.59 as K-quant sub-scales.
+enum class ScaleForm { kFloat, kHalf, kSuper };
+
+// One output row's weights, dequantised into a float32 buffer (what multiply() takes).
+//   kFloat / kHalf: scale and minimum [out, groups] float32 / uint16_t halves;
+//   kSuper:         scale [out, 2, groups / 8] float32 (each super-block's d, then its dmin), minimum [out, 2,
+//                   groups] uint8 (each group's sc, then its m): the group's scale is d * sc, its minimum
+//                   -(dmin * m).
 struct Int4Rows {
   const uint8_t* packed;
-  const void* scale;    // [out, groups] float32, or uint16_t halves where `half`
-  const void* minimum;  // the same type as scale
+  const void* scale;
+  const void* minimum;
   int64_t groups;
   const uint32_t* fifth = nullptr;  // 5 bits: [out, groups] words of fifth bits
-  bool half = false;
-  float scale_at(int64_t g) const {
-    return half ? simd::half_to_float(static_cast<const uint16_t*>(scale)[g]) : static_cast<const float*>(scale)[g];
+  ScaleForm form = ScaleForm::kFloat;
+  const float* super_row(int64_t n) const { return static_cast<const float*>(scale) + n * 2 * (groups / 8); }
+  const uint8_t* sub_row(int64_t n) const { return static_cast<const uint8_t*>(minimum) + n * 2 * groups; }
+  float scale_at(int64_t n, int64_t c) const {
+    switch (form) {
+      case ScaleForm::kHalf: return simd::half_to_float(static_cast<const uint16_t*>(scale)[n * groups + c]);
+      case ScaleForm::kSuper: return super_row(n)[c / 8] * static_cast<float>(sub_row(n)[c]);
+      default: return static_cast<const float*>(scale)[n * groups + c];
+    }
   }
-  float minimum_at(int64_t g) const {
-    return half ? simd::half_to_float(static_cast<const uint16_t*>(minimum)[g])
-                : static_cast<const float*>(minimum)[g];
+  float minimum_at(int64_t n, int64_t c) const {
+    switch (form) {
+      case ScaleForm::kHalf: return simd::half_to_float(static_cast<const uint16_t*>(minimum)[n * groups + c]);
+      case ScaleForm::kSuper: return -(super_row(n)[groups / 8 + c / 8] * static_cast<float>(sub_row(n)[groups + c]));
+      default: return static_cast<const float*>(minimum)[n * groups + c];
+    }
   }
   void row(int64_t n, float* w) const {
     for (int64_t c = 0; c < groups; ++c) {
@@ -132,7 +141,7 @@ struct Int4Rows {
   // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n: level * scale + minimum, one rounding each.
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int64_t g = n * groups + c;
-    const V16 s = simd::set1(scale_at(g)), lo = simd::set1(minimum_at(g));
+    const V16 s = simd::set1(scale_at(n, c)), lo = simd::set1(minimum_at(n, c));
     group_levels(packed + g * kGroup / 2, fifth, g, a, b);
     a = simd::fmadd(a, s, lo);
     b = simd::fmadd(b, s, lo);
@@ -148,59 +157,108 @@ struct Int4Rows {
   }
   // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0), the
   // input steps of those groups (`step`: an input row's), and pair p0 + i's lanes of their product.
+  // (q8_scales, q8_minima and q8_prefetch_scales: Int4Q8 below, the form fixed at compile time.)
   static int64_t block_pairs() { return 8; }
-  V16 q8_scales(int64_t n, int64_t p0) const {
-    const int64_t g = 2 * p0, at = n * groups + g;
-    return half ? simd::load_first_half(static_cast<const uint16_t*>(scale) + at, groups - g)
-                : simd::load_first(static_cast<const float*>(scale) + at, groups - g);
-  }
   V16 q8_steps(const float* step, int64_t p0) const { return simd::load_first(step + 2 * p0, groups - 2 * p0); }
   static simd::Lanes q8_lanes(int i) { return simd::pair_lanes(i); }
-  void q8_prefetch_scales(int64_t n, int64_t p0) const {  // a block's scales and minima, to L2
-    const int64_t at = (n * groups + 2 * p0) * (half ? 2 : 4);
-    __builtin_prefetch(static_cast<const char*>(scale) + at, 0, 1);
-    __builtin_prefetch(static_cast<const char*>(minimum) + at, 0, 1);
-  }
-  V16 q8_minima(int64_t n, int64_t g) const {
-    const int64_t at = n * groups + g;
-    return half ? simd::load_first_half(static_cast<const uint16_t*>(minimum) + at, groups - g)
-                : simd::load_first(static_cast<const float*>(minimum) + at, groups - g);
-  }
   static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4(w, q); }
 };
 
+// Int4Rows with the scales' form fixed at compile time, for the 8-bit-input kernel's loops: with the form chosen at
+// run time there, a layer read from memory ran up to twice as slow (the branch held back the scale loads and
+// prefetches the loop waits on; docs/kernels.md). Scales a block at a time: those of groups 2 p0 .. 2 p0 + 15 (pairs
+// p0 .. p0 + 7, past the row 0), and the minima of groups g .. g + 15 (g a multiple of 16: two whole K-quant
+// super-blocks, or the row's last).
+template <ScaleForm F>
+struct Int4Q8 : Int4Rows {
+  V16 q8_scales(int64_t n, int64_t p0) const { return sixteen(n, 2 * p0, scale, 0); }
+  V16 q8_minima(int64_t n, int64_t g) const {
+    if constexpr (F == ScaleForm::kSuper) return simd::neg(sixteen(n, g, scale, 1));
+    else return sixteen(n, g, minimum, 0);
+  }
+  V16 sixteen(int64_t n, int64_t g, const void* from, int plane) const {
+    const int64_t count = groups - g;
+    if constexpr (F == ScaleForm::kSuper)  // plane 0: d * sc, plane 1: dmin * m
+      return simd::mul(simd::from_u8_first(sub_row(n) + plane * groups + g, count),
+                       simd::eights(super_row(n) + plane * (groups / 8) + g / 8, count > 8));
+    else if constexpr (F == ScaleForm::kHalf)
+      return simd::load_first_half(static_cast<const uint16_t*>(from) + n * groups + g, count);
+    else
+      return simd::load_first(static_cast<const float*>(from) + n * groups + g, count);
+  }
+  void q8_prefetch_scales(int64_t n, int64_t p0) const {  // a block's scales and minima, to L2
+    const int64_t g = 2 * p0;
+    if constexpr (F == ScaleForm::kSuper) {
+      __builtin_prefetch(sub_row(n) + g, 0, 1);
+      __builtin_prefetch(sub_row(n) + groups + g, 0, 1);
+      __builtin_prefetch(super_row(n) + g / 8, 0, 1);
+    } else {
+      const int64_t at = (n * groups + g) * (F == ScaleForm::kHalf ? 2 : 4);
+      __builtin_prefetch(static_cast<const char*>(scale) + at, 0, 1);
+      __builtin_prefetch(static_cast<const char*>(minimum) + at, 0, 1);
+    }
+  }
+};
+
+// Signed 8-bit levels, a scale per `group` (32, or Q6_K's 16) inputs: `units` scales a row. kFloat: scale [out, units]
+// float32; kSuper (Q6_K): scale [out, units / 16] float32 (each super-block's d) and sub [out, units] int8 (each
+// unit's sc): the unit's scale is d * sc.
 struct Int8Rows {
   const int8_t* levels;
   const float* scale;
-  int64_t groups, group;
+  int64_t units, group;
+  const int8_t* sub = nullptr;  // kSuper where set
+  float scale_at(int64_t n, int64_t u) const {
+    return sub != nullptr ? scale[n * (units / 16) + u / 16] * static_cast<float>(sub[n * units + u])
+                          : scale[n * units + u];
+  }
   void row(int64_t n, float* w) const {
-    dequantise_int8(levels + n * groups * group, scale + n * groups, groups, group, w);
+    for (int64_t c = 0; c < units * group / kGroup; ++c) {
+      V16 a, b;
+      chunk(n, c, a, b);
+      simd::store(w + c * kGroup, a);
+      simd::store(w + c * kGroup + 16, b);
+    }
   }
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
-    const int8_t* p = levels + n * groups * group + 32 * c;
-    const float* s = scale + n * groups + 32 * c / group;
-    a = simd::mul(simd::from_i8(p), simd::set1(s[0]));
-    b = simd::mul(simd::from_i8(p + 16), simd::set1(group == 16 ? s[1] : s[0]));
+    const int8_t* p = levels + n * units * group + 32 * c;
+    const int64_t u = 32 * c / group;
+    a = simd::mul(simd::from_i8(p), simd::set1(scale_at(n, u)));
+    b = simd::mul(simd::from_i8(p + 16), simd::set1(scale_at(n, group == 16 ? u + 1 : u)));
   }
   static constexpr bool kMinimum = false;
   static constexpr int kPrefetchEvery = 1;
-  const void* q8_address(int64_t n, int64_t p) const { return levels + n * groups * group + 64 * p; }
-  simd::L64 q8_pair(int64_t n, int64_t p) const { return simd::pair_int8(levels + n * groups * group + 64 * p); }
+  const void* q8_address(int64_t n, int64_t p) const { return levels + n * units * group + 64 * p; }
+  simd::L64 q8_pair(int64_t n, int64_t p) const { return simd::pair_int8(levels + n * units * group + 64 * p); }
   // As Int4Rows's; a scale per 16 inputs (Q6_K) makes four scales a pair, so a block of sixteen is four pairs.
   int64_t block_pairs() const { return group == 16 ? 4 : 8; }
-  V16 q8_scales(int64_t n, int64_t p0) const {
-    const int64_t unit = group == 16 ? 4 * p0 : 2 * p0;
-    return simd::load_first(scale + n * groups + unit, groups - unit);
-  }
   V16 q8_steps(const float* step, int64_t p0) const {
-    const int64_t inputs = groups * group / kGroup;  // the input row's groups of 32
+    const int64_t inputs = units * group / kGroup;  // the input row's groups of 32
     return group == 16 ? simd::doubled(step + 2 * p0, inputs - 2 * p0) : simd::load_first(step + 2 * p0, inputs - 2 * p0);
   }
   simd::Lanes q8_lanes(int i) const { return group == 16 ? simd::quad_lanes(i) : simd::pair_lanes(i); }
-  void q8_prefetch_scales(int64_t n, int64_t p0) const {
-    __builtin_prefetch(scale + n * groups + (group == 16 ? 4 * p0 : 2 * p0), 0, 1);
-  }
   static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4_signed(w, q); }
+};
+
+// Int8Rows with the scales' form fixed at compile time (as Int4Q8): K (Q6_K's sub-scales) or float32.
+template <bool K>
+struct Int8Q8 : Int8Rows {
+  V16 q8_scales(int64_t n, int64_t p0) const {
+    const int64_t u = group == 16 ? 4 * p0 : 2 * p0;
+    if constexpr (K)  // u is a multiple of 16: one super-block
+      return simd::mul(simd::from_i8_first(sub + n * units + u, units - u), simd::set1(scale[n * (units / 16) + u / 16]));
+    else
+      return simd::load_first(scale + n * units + u, units - u);
+  }
+  void q8_prefetch_scales(int64_t n, int64_t p0) const {
+    const int64_t u = group == 16 ? 4 * p0 : 2 * p0;
+    if constexpr (K) {
+      __builtin_prefetch(sub + n * units + u, 0, 1);
+      __builtin_prefetch(scale + n * (units / 16) + u / 16, 0, 1);
+    } else {
+      __builtin_prefetch(scale + n * units + u, 0, 1);
+    }
+  }
 };
 
 // One input row against W weight rows first .. first + W - 1, dequantised in registers 32 inputs at a time (no
@@ -353,18 +411,20 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
       }
     }
   }
-  for (int b = 0; b < W; ++b)
-    for (int r = 0; r < R; ++r) {
-      float low_sum = 0.0f;
-      if constexpr (Rows::kMinimum) {
-        const float* sums = x.sum.data() + (r0 + r) * groups;
-        V16 low = simd::zero();
-        for (int64_t g = 0; g < groups; g += 16)
-          low = simd::fmadd(w.q8_minima(first + b, g), simd::load_first(sums + g, groups - g), low);
-        low_sum = simd::reduce_add(low);
+  for (int b = 0; b < W; ++b) {
+    if constexpr (Rows::kMinimum) {  // each row's minima once for all R input rows
+      V16 low[R];
+      for (int r = 0; r < R; ++r) low[r] = simd::zero();
+      for (int64_t g = 0; g < groups; g += 16) {
+        const V16 minima = w.q8_minima(first + b, g);
+        for (int r = 0; r < R; ++r)
+          low[r] = simd::fmadd(minima, simd::load_first(x.sum.data() + (r0 + r) * groups + g, groups - g), low[r]);
       }
-      out[r * out_stride + b] = Rows::kMinimum ? simd::reduce_add(acc[b][r]) + low_sum : simd::reduce_add(acc[b][r]);
+      for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(acc[b][r]) + simd::reduce_add(low[r]);
+    } else {
+      for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(acc[b][r]);
     }
+  }
 }
 
 template <int Block, int R, typename Rows>
@@ -435,9 +495,20 @@ constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 64;
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights,
               bool q8 = true) {
-  if constexpr (std::is_same_v<Rows, Int4Rows> || std::is_same_v<Rows, Int8Rows>) {
-    if (q8 && g_q8_inputs) {
-      multiply_q8(xp, rows, k, out_features, op, weights);
+  if (q8 && g_q8_inputs) {
+    if constexpr (std::is_same_v<Rows, Int4Rows>) {
+      switch (weights.form) {
+        case ScaleForm::kHalf: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kHalf>{weights}); break;
+        case ScaleForm::kSuper: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kSuper>{weights}); break;
+        default: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kFloat>{weights});
+      }
+      return;
+    }
+    if constexpr (std::is_same_v<Rows, Int8Rows>) {
+      if (weights.sub != nullptr)
+        multiply_q8(xp, rows, k, out_features, op, Int8Q8<true>{weights});
+      else
+        multiply_q8(xp, rows, k, out_features, op, Int8Q8<false>{weights});
       return;
     }
   }
@@ -517,43 +588,39 @@ void multiply_gemm(const float* xp, int64_t rows, int64_t k, int64_t out_feature
   at::mm_out(out, x, weight.t());
 }
 
-template <typename Rows>
-torch::Tensor run(const torch::Tensor& x, int64_t out_features, const Rows& weights, bool gemm, bool q8 = true) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  auto out = torch::empty({rows, out_features}, x.options());
-  if (gemm)
-    multiply_gemm(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights);
-  else
-    multiply(x.data_ptr<float>(), rows, k, out_features, out.data_ptr<float>(), weights, q8);
-  return out;
-}
 
-// One projection's buffers as raw pointers: 4 bits (packed [out, in / 2] uint8, scale and minimum [out, in / 32]
-// float32) or 8 bits (levels [out, in] int8, scale [out, in / group] float32), and a bias [out] or none.
+// One projection's buffers as raw pointers: 4 bits (packed [out, in / 2] uint8, scales and minima in one of Int4Rows's
+// forms) or 8 bits (levels [out, in] int8, scales in one of Int8Rows's), and a bias [out] or none.
 struct Weights {
   int bits;
   const uint8_t* packed;
   const int8_t* levels;
-  const void* scale;    // float32, or (4 and 5 bits) halves where `half`
-  const void* minimum;
+  const void* scale;
+  const void* minimum;  // 4 bits
   int64_t in_features, out_features, group;
   const float* bias = nullptr;
   const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
-  bool half = false;
+  ScaleForm form = ScaleForm::kFloat;
+  const int8_t* sub = nullptr;  // 8 bits, kSuper: the sub-scales
+
+  Int4Rows int4_rows() const { return Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, form}; }
+  Int8Rows int8_rows() const {
+    return Int8Rows{levels, static_cast<const float*>(scale), in_features / group, group, sub};
+  }
 
   template <typename Rows>
-  void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights) const {
+  void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights, bool q8 = true) const {
     if (gemm)
       multiply_gemm(x, rows, in_features, out_features, out, weights);
     else
-      multiply(x, rows, in_features, out_features, out, weights);
+      multiply(x, rows, in_features, out_features, out, weights, q8);
   }
 
-  void apply(const float* x, int64_t rows, float* out, bool gemm) const {
+  void apply(const float* x, int64_t rows, float* out, bool gemm, bool q8 = true) const {
     if (bits == 4)
-      apply_rows(x, rows, out, gemm, Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, half});
+      apply_rows(x, rows, out, gemm, int4_rows(), q8);
     else
-      apply_rows(x, rows, out, gemm, Int8Rows{levels, static_cast<const float*>(scale), in_features / group, group});
+      apply_rows(x, rows, out, gemm, int8_rows(), q8);
     if (bias != nullptr)  // as the layer's forward adds it: one rounding per output
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < out_features; ++n) out[r * out_features + n] += bias[n];
@@ -914,15 +981,17 @@ Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_
 }
 
 // A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (packed, fifth, scale, minimum[,
-// bias]): 5 bits (int32 fifth-bit words); as (levels, scale[, bias]): 8 bits.
+// bias]): 5 bits (int32 fifth-bit words); as (levels, scale[, sub][, bias]): 8 bits (int8 sub-scales: Q6_K's form).
+// The scales' types say their form (Int4Rows, Int8Rows).
 Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
   TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
   TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits, "
-              "(packed, fifth, scale, minimum[, bias]) for 5 or (levels, scale[, bias]) for 8, got ", given.size(),
-              " tensors");
+              "(packed, fifth, scale, minimum[, bias]) for 5 or (levels, scale[, sub][, bias]) for 8, got ",
+              given.size(), " tensors");
   const bool nibbles = given[0].scalar_type() == torch::kUInt8;
   const bool five = nibbles && given[1].scalar_type() == torch::kInt;
-  const size_t count = five ? 4 : nibbles ? 3 : 2;
+  const bool sub = !nibbles && given.size() >= 3 && given[2].scalar_type() == torch::kChar;
+  const size_t count = five ? 4 : nibbles ? 3 : sub ? 3 : 2;
   TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
               five ? 5 : nibbles ? 4 : 8, " bits, got ", given.size());
   std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
@@ -946,33 +1015,54 @@ Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features,
   return weights;
 }
 
+bool has_shape(const torch::Tensor& t, std::initializer_list<int64_t> shape) {
+  return t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape);
+}
+
 Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
   const torch::Tensor& scale = tensors[1];
-  if (tensors.size() == 3) {
+  const int64_t groups = in_features / kGroup;
+  if (tensors[0].scalar_type() == torch::kUInt8) {
     const torch::Tensor &packed = tensors[0], &minimum = tensors[2];
-    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
-                packed.size(1) == in_features / 2, name, ": packed levels must be a contiguous uint8 [out, ",
-                in_features / 2, "] matrix");
+    TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == in_features / 2, name,
+                ": packed levels must be a contiguous uint8 [out, ", in_features / 2, "] matrix");
+    const int64_t out = packed.size(0);
+    Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), minimum.data_ptr(), in_features, out,
+                    kGroup};
+    if (minimum.scalar_type() == torch::kUInt8) {  // K-quant sub-scales
+      TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == torch::kFloat &&
+                  has_shape(scale, {out, 2, groups / 8}) && has_shape(minimum, {out, 2, groups}), name,
+                  ": K-quant scales come as float32 [out, 2, in / 256] (d, dmin) and uint8 [out, 2, in / 32] (sc, m)");
+      weights.form = ScaleForm::kSuper;
+      return weights;
+    }
     const bool half = scale.scalar_type() == torch::kHalf;
-    TORCH_CHECK((half || scale.scalar_type() == torch::kFloat) && scale.is_contiguous() &&
-                scale.size(0) == packed.size(0) && scale.size(1) == in_features / kGroup &&
+    TORCH_CHECK((half || scale.scalar_type() == torch::kFloat) && has_shape(scale, {out, groups}) &&
                 minimum.sizes() == scale.sizes() && minimum.scalar_type() == scale.scalar_type() &&
                 minimum.is_contiguous(), name, ": scale and minimum must be contiguous [out, in / 32] matrices, both "
                 "float32 or both float16");
-    Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), minimum.data_ptr(), in_features,
-                    packed.size(0), kGroup};
-    weights.half = half;
+    weights.form = half ? ScaleForm::kHalf : ScaleForm::kFloat;
     return weights;
   }
   const torch::Tensor& levels = tensors[0];
   TORCH_CHECK(levels.scalar_type() == torch::kInt8 && levels.dim() == 2 && levels.is_contiguous() &&
               levels.size(1) == in_features, name, ": levels must be a contiguous int8 [out, ", in_features,
               "] matrix");
+  const int64_t out = levels.size(0);
+  if (tensors.size() == 3) {  // Q6_K: a signed sub-scale per 16 inputs, a float32 per 256
+    const torch::Tensor& sub = tensors[2];
+    TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == torch::kFloat &&
+                has_shape(scale, {out, in_features / 256}) && has_shape(sub, {out, in_features / 16}), name,
+                ": K-quant 8-bit scales come as float32 [out, in / 256] and int8 [out, in / 16]");
+    Weights weights{8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, out, 16};
+    weights.form = ScaleForm::kSuper;
+    weights.sub = sub.data_ptr<int8_t>();
+    return weights;
+  }
   const int64_t group = int8_group(scale, in_features, name);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0), name,
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == out, name,
               ": scale must be a contiguous float32 [out, in / ", group, "] matrix");
-  return {8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, levels.size(0),
-          group};
+  return {8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, out, group};
 }
 
 
@@ -983,27 +1073,28 @@ void check_x(const torch::Tensor& x) {
               "x must be a contiguous float32 CPU matrix [rows, in]");
 }
 
+// x [rows, in] times one projection given as weights_of() takes it (any layout, no bias), -> [rows, out].
+torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> tensors, bool gemm, bool q8) {
+  check_x(x);
+  const Weights w = weights_of(tensors, x.size(1), "linear");
+  TORCH_CHECK(w.bias == nullptr, "linear: the bias is added by the caller");
+  auto out = torch::empty({x.size(0), w.out_features}, x.options());
+  w.apply(x.data_ptr<float>(), x.size(0), out.data_ptr<float>(), gemm, q8);
+  return out;
+}
+
 torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor fifth, torch::Tensor scale,
                           torch::Tensor minimum, bool gemm) {
-  check_x(x);
-  const Weights w = weights_of({packed, fifth, scale, minimum}, x.size(1), "int5_linear");
-  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, w.fifth, w.half}, gemm);
+  return linear(x, {packed, fifth, scale, minimum}, gemm, true);
 }
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
                           bool gemm) {
-  check_x(x);
-  const Weights w = weights_of({packed, scale, minimum}, x.size(1), "int4_linear");
-  return run(x, w.out_features, Int4Rows{w.packed, w.scale, w.minimum, x.size(1) / kGroup, nullptr, w.half}, gemm);
+  return linear(x, {packed, scale, minimum}, gemm, true);
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm, bool q8) {
-  check_x(x);
-  const int64_t group = int8_group(scale, x.size(1), "int8_linear");
-  check(x, levels, x.size(1), scale, group);
-  TORCH_CHECK(levels.scalar_type() == torch::kInt8, "levels must be int8");
-  return run(x, levels.size(0), Int8Rows{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), scale.size(1), group},
-             gemm, q8);
+  return linear(x, {levels, scale}, gemm, q8);
 }
 
 
@@ -1305,7 +1396,7 @@ class CompiledLayers {
 //
 // Then, per input row: every vocabulary row whose score is within `margin` of the row's best score (at most
 // `max_exact` of them: the highest scores) is computed exactly as int8_linear computes it row by row
-// (dequantise_int8, dot_block<1, 1>: the same bits), and its logit replaces the score (a negative margin: the scores
+// (Int8Rows::row, dot_block<1, 1>: the same bits), and its logit replaces the score (a negative margin: the scores
 // alone). The result is a deterministic function of the input row
 // alone: plain and speculative decoding see the same logits for the same row. Where the exact head's argmax was
 // screened out (its score more than `margin` under the best), the argmax differs from the exact head's; the
@@ -1510,6 +1601,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
   m.def("use_q8_inputs", &use_q8_inputs, "quantised layers on 8-bit inputs (the default) or float ones; returns which");
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
+  m.def("linear", &linear, "x [rows, in] @ dequantised W [out, in]^T, W as (packed, scale, minimum), (packed, fifth, "
+        "scale, minimum), (levels, scale) or (levels, scale, sub) (gemm: through MKL, rows not alone)",
+        py::arg("x"), py::arg("tensors"), py::arg("gemm") = false, py::arg("q8") = true, unlocked);
   m.def("int4_linear", &int4_linear, "x [rows, in] @ dequantised 4-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("minimum"), py::arg("gemm") = false, unlocked);
   m.def("int5_linear", &int5_linear, "x [rows, in] @ dequantised 5-bit W [out, in]^T (4-bit nibbles plus a fifth bit)",

@@ -70,6 +70,19 @@ inline V16 from_u8(__m128i bytes) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_ep
 inline V16 from_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+// K-quant sub-scales: the first n (<= 16) bytes of p as unsigned / signed integers, the rest 0; p[0] in lanes 0-7 and
+// p[1] in lanes 8-15 (or 0 where !two): a super-block's float for each of its eight groups; and -a, exactly.
+// (Plain loads where the whole block is there: a masked load measured slower here, in the loops that take these.)
+inline __m128i first_bytes(const void* p, int64_t n) {
+  return n >= 16 ? _mm_loadu_si128(static_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(first(n), p);
+}
+inline V16 from_u8_first(const uint8_t* p, int64_t n) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first_bytes(p, n)))}; }
+inline V16 from_i8_first(const int8_t* p, int64_t n) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first_bytes(p, n)))}; }
+inline V16 eights(const float* p, bool two) {
+  const __m512 low = _mm512_set1_ps(p[0]);
+  return {two ? _mm512_insertf32x8(low, _mm256_set1_ps(p[1]), 1) : _mm512_maskz_mov_ps(0x00FF, low)};
+}
+inline V16 neg(V16 a) { return {_mm512_xor_ps(a.v, _mm512_set1_ps(-0.0f))}; }
 // Levels of a 4-bit group of 32: byte i holds level i (low nibble) and level i + 16 (high nibble).
 inline void nibbles(const uint8_t* p, V16& low, V16& high) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
@@ -153,6 +166,22 @@ inline V16 from_u8(__m128i bytes) {
 inline V16 from_i8(const int8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+inline __m128i first_bytes(const void* p, int64_t n) {  // bytes 0 .. n - 1 of p (n <= 16), the rest 0
+  if (n >= 16) return _mm_loadu_si128(static_cast<const __m128i*>(p));
+  alignas(16) uint8_t buffer[16] = {};
+  std::memcpy(buffer, p, static_cast<size_t>(std::max<int64_t>(n, 0)));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(buffer));
+}
+inline V16 from_u8_first(const uint8_t* p, int64_t n) { return from_u8(first_bytes(p, n)); }
+inline V16 from_i8_first(const int8_t* p, int64_t n) {
+  const __m128i bytes = first_bytes(p, n);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+inline V16 eights(const float* p, bool two) { return {_mm256_set1_ps(p[0]), two ? _mm256_set1_ps(p[1]) : _mm256_setzero_ps()}; }
+inline V16 neg(V16 a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
 }
 inline void nibbles(const uint8_t* p, V16& low, V16& high) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
@@ -239,6 +268,22 @@ inline void nibbles(const uint8_t* p, V16& low, V16& high) {
   }
 }
 inline V16 from_i8(const int8_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = float(p[i]); return r; }
+inline V16 from_u8_first(const uint8_t* p, int64_t n) {
+  V16 r{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = float(p[i]);
+  return r;
+}
+inline V16 from_i8_first(const int8_t* p, int64_t n) {
+  V16 r{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = float(p[i]);
+  return r;
+}
+inline V16 eights(const float* p, bool two) {
+  V16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = i < 8 ? p[0] : two ? p[1] : 0.0f;
+  return r;
+}
+inline V16 neg(V16 a) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = -a.v[i]; return r; }
 inline V16 sixteens(uint32_t bits) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = (bits >> i) & 1 ? 16.0f : 0.0f; return r; }
 inline float reduce_add(V16 a) {
   float h[8], q[4];
