@@ -336,7 +336,10 @@ class _GroupedLinear(nn.Module):
 
 class GroupedInt4Linear(_GroupedLinear):
     """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32. Built
-    from a float ``nn.Linear`` (rounded onto the grid) or, with :meth:`from_levels`, from levels a file stores."""
+    from a float ``nn.Linear`` (rounded onto the grid) or, with :meth:`from_levels`, from levels a file stores. The
+    scales and minima are kept as halves where every one is a half (a file's Q4_0 / Q4_1, and this class's own
+    rounding), in the K form for a file's K-quants (:func:`_check_scales`), else float32: the same floats, fewer bytes
+    a step reads (:meth:`group_scales` gives them as float32)."""
 
     bits = 4
     BUFFERS = ("packed", "scale", "minimum")

@@ -262,7 +262,7 @@ struct Int8Q8 : Int8Rows {
 };
 
 // One input row against W weight rows first .. first + W - 1, dequantised in registers 32 inputs at a time (no
-// buffer): the operations of dequantise_* then dot_block<W, 1>, pair by pair, so the same bits. A decoding step
+// buffer): the operations of Rows::row then dot_block<W, 1>, pair by pair, so the same bits. A decoding step
 // (one row) saves the buffer's stores and loads.
 template <int W, typename Rows>
 inline void dot_direct(const float* x, const Rows& weights, int64_t first, int64_t k, float* out) {
@@ -384,14 +384,14 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
   for (int64_t p0 = 0; p0 < pairs; p0 += per_block) {
     // Each lane's weight scale times its input step, a block of pairs at once: the products pair by pair would give
     // (the same multiplications), for one conversion and one multiply per sixteen scales instead of per two.
-    V16 scaled[W][R];
+    simd::Held scaled[W][R];
     for (int b = 0; b < W; ++b) w.q8_prefetch_scales(first + W + b, p0);  // the next tile's, as for its levels below
     {
       V16 step[R];
       for (int r = 0; r < R; ++r) step[r] = w.q8_steps(x.step.data() + (r0 + r) * groups, p0);
       for (int b = 0; b < W; ++b) {
         const V16 scales = w.q8_scales(first + b, p0);
-        for (int r = 0; r < R; ++r) scaled[b][r] = simd::mul(scales, step[r]);
+        for (int r = 0; r < R; ++r) scaled[b][r] = simd::hold(simd::mul(scales, step[r]));
       }
     }
     const int count = static_cast<int>(std::min(per_block, pairs - p0));

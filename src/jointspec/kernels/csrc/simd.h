@@ -364,6 +364,9 @@ inline Lanes quad_lanes(int i) {
   return {_mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3))};
 }
 inline V16 pick(V16 block, Lanes lanes) { return {_mm512_permutexvar_ps(lanes.index, block.v)}; }
+// A block kept for pick() across a loop: in a register (AVX2: in L1, below).
+using Held = V16;
+inline Held hold(V16 block) { return block; }
 inline V16 doubled(const float* p, int64_t n) {
   return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
                                 _mm512_maskz_loadu_ps(first(std::min<int64_t>(n, 8)), p))};
@@ -434,6 +437,21 @@ inline Lanes quad_lanes(int i) {
 }
 inline V16 pick(V16 block, const Lanes& lanes) {
   const __m256 from = lanes.from_high ? block.hi : block.lo;
+  return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
+}
+// Sixteen registers cannot hold a loop's blocks besides its accumulators: kept in L1, each pick() loads the half it
+// needs (measured faster than the spills the compiler otherwise makes).
+struct Held {
+  alignas(32) float v[16];
+};
+inline Held hold(V16 block) {
+  Held out;
+  _mm256_store_ps(out.v, block.lo);
+  _mm256_store_ps(out.v + 8, block.hi);
+  return out;
+}
+inline V16 pick(const Held& block, const Lanes& lanes) {
+  const __m256 from = _mm256_load_ps(block.v + (lanes.from_high ? 8 : 0));
   return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
 }
 inline V16 doubled(const float* p, int64_t n) {
@@ -529,6 +547,8 @@ inline V16 pick(const V16& block, const Lanes& lanes) {
   for (int j = 0; j < 16; ++j) r.v[j] = block.v[lanes.index[j]];
   return r;
 }
+using Held = V16;
+inline Held hold(V16 block) { return block; }
 inline V16 doubled(const float* p, int64_t n) {
   V16 r{};
   for (int j = 0; j < 16; ++j) r.v[j] = j / 2 < n ? p[j / 2] : 0.0f;
