@@ -334,7 +334,40 @@ class _GroupedLinear(nn.Module):
                 f"of {self.group_size}{form}, jointspec's CPU kernel")
 
 
-class GroupedInt4Linear(_GroupedLinear):
+class _GroupedNibbles(_GroupedLinear):
+    """What the 4- and 5-bit layers share: groups of 32 inputs, a scale and a minimum per group in any of their forms
+    (float32, halves, K-quant sub-scales: :func:`_check_scales`)."""
+
+    group_size = GROUP_SIZE
+
+    def _register_scales(self, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        if minimum.dtype != torch.uint8:  # the K form stays as given
+            scale, minimum = _scales_as_stored(scale.reshape(self.out_features, -1),
+                                               minimum.reshape(self.out_features, -1))
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("minimum", minimum.contiguous())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in [out, in] (as :class:`~jointspec.kernels.quantize.Int4Linear` has), for code that
+        reads ``.weight.shape``; :meth:`dequantized` gives the values."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
+
+    @property
+    def k_form(self) -> bool:
+        return self.minimum.dtype == torch.uint8
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale and minimum, float32 [out, in / 32], whatever form they are kept in."""
+        return _group_scales(self.scale, self.minimum)
+
+    def _weight_of(self, levels: torch.Tensor) -> torch.Tensor:
+        """[out, groups, 32] float levels -> the weight the kernel multiplies by, [out, in] float32."""
+        scale, minimum = self.group_scales()
+        return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
+
+
+class GroupedInt4Linear(_GroupedNibbles):
     """``y = x W^T + b``: W in 4-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32. Built
     from a float ``nn.Linear`` (rounded onto the grid) or, with :meth:`from_levels`, from levels a file stores. The
     scales and minima are kept as halves where every one is a half (a file's Q4_0 / Q4_1, and this class's own
@@ -343,7 +376,6 @@ class GroupedInt4Linear(_GroupedLinear):
 
     bits = 4
     BUFFERS = ("packed", "scale", "minimum")
-    group_size = GROUP_SIZE
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -386,37 +418,17 @@ class GroupedInt4Linear(_GroupedLinear):
 
     def _set_packed(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None) -> None:
-        out_features, in_features = packed.shape[0], 2 * packed.shape[1]
-        self.in_features, self.out_features = in_features, out_features
-        if minimum.dtype != torch.uint8:
-            scale, minimum = _scales_as_stored(scale.reshape(out_features, -1), minimum.reshape(out_features, -1))
+        self.in_features, self.out_features = 2 * packed.shape[1], packed.shape[0]
         self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scale", scale.contiguous())
-        self.register_buffer("minimum", minimum.contiguous())
+        self._register_scales(scale, minimum)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """A shape-only stand-in [out, in] (as :class:`~jointspec.kernels.quantize.Int4Linear` has), for code that
-        reads ``.weight.shape``; :meth:`dequantized` gives the values."""
-        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
-
-    @property
-    def k_form(self) -> bool:
-        return self.minimum.dtype == torch.uint8
-
-    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each group's scale and minimum, float32 [out, in / 32], whatever form they are kept in."""
-        return _group_scales(self.scale, self.minimum)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
-        levels = _nibble_levels(self.packed).float()  # [out, groups, 32]
-        scale, minimum = self.group_scales()
-        return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
+        return self._weight_of(_nibble_levels(self.packed).float())  # levels [out, groups, 32]
 
 
-class GroupedInt5Linear(_GroupedLinear):
+class GroupedInt5Linear(_GroupedNibbles):
     """``y = x W^T + b``: W in 5-bit asymmetric groups of 32 inputs (scale and minimum per group), x float32: GGUF's
     Q5_0, Q5_1 and Q5_K blocks as stored. The low four bits of each level are packed as
     :class:`GroupedInt4Linear`'s, the fifth bits of a group's 32 levels make one 32-bit word (bit i: level i). Built
@@ -424,7 +436,6 @@ class GroupedInt5Linear(_GroupedLinear):
 
     bits = 5
     BUFFERS = ("packed", "fifth", "scale", "minimum")
-    group_size = GROUP_SIZE
 
     @classmethod
     def from_levels(cls, packed: torch.Tensor, fifth: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -440,32 +451,14 @@ class GroupedInt5Linear(_GroupedLinear):
         layer.in_features, layer.out_features = in_features, out_features
         layer.register_buffer("packed", packed.contiguous())
         layer.register_buffer("fifth", fifth.contiguous())
-        if minimum.dtype != torch.uint8:
-            scale, minimum = _scales_as_stored(scale, minimum)
-        layer.register_buffer("scale", scale.contiguous())
-        layer.register_buffer("minimum", minimum.contiguous())
+        layer._register_scales(scale, minimum)
         layer.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         return layer
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """A shape-only stand-in [out, in]; :meth:`dequantized` gives the values."""
-        return torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device="meta")
-
-    @property
-    def k_form(self) -> bool:
-        return self.minimum.dtype == torch.uint8
-
-    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each group's scale and minimum, float32 [out, in / 32], whatever form they are kept in."""
-        return _group_scales(self.scale, self.minimum)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
         bits = (self.fifth.long()[..., None] >> torch.arange(GROUP_SIZE)) & 1  # [out, groups, 32]
-        levels = (_nibble_levels(self.packed).long() + 16 * bits).float()
-        scale, minimum = self.group_scales()
-        return (levels * scale[..., None] + minimum[..., None]).reshape(self.out_features, -1)
+        return self._weight_of((_nibble_levels(self.packed).long() + 16 * bits).float())
 
 
 class GroupedInt8Linear(_GroupedLinear):

@@ -94,6 +94,18 @@ inline void dot_rows(const float* x, const float* w, int64_t count, int64_t k, f
   for (; b < count; ++b) dot_block<1, R>(x, w + b * k, k, out + b, out_stride);
 }
 
+// One output row's weights into a float32 buffer, 32 inputs at a time by the Rows type's chunk(): Int4Rows::row and
+// Int8Rows::row.
+template <typename Rows>
+inline void row_by_chunks(const Rows& rows, int64_t n, int64_t chunks, float* w) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    V16 a, b;
+    rows.chunk(n, c, a, b);
+    simd::store(w + c * kGroup, a);
+    simd::store(w + c * kGroup + 16, b);
+  }
+}
+
 // How a layer keeps its scales (and minima): float32 per group; IEEE halves per group, where the file keeps them so
 // (GGUF's Q4_0, Q4_1, Q5_0, Q5_1); or as K-quants keep them (Q4_K, Q5_K, Q6_K): a small integer per group (6 bits,
 // or Q6_K's signed 8 per 16 inputs) times a float32 per super-block of 256 inputs. Each form gives the same float
@@ -130,14 +142,7 @@ struct Int4Rows {
       default: return static_cast<const float*>(minimum)[n * groups + c];
     }
   }
-  void row(int64_t n, float* w) const {
-    for (int64_t c = 0; c < groups; ++c) {
-      V16 a, b;
-      chunk(n, c, a, b);
-      simd::store(w + c * kGroup, a);
-      simd::store(w + c * kGroup + 16, b);
-    }
-  }
+  void row(int64_t n, float* w) const { row_by_chunks(*this, n, groups, w); }
   // Inputs 32c .. 32c + 15 and 32c + 16 .. 32c + 31 of row n: level * scale + minimum, one rounding each.
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int64_t g = n * groups + c;
@@ -212,14 +217,7 @@ struct Int8Rows {
     return sub != nullptr ? scale[n * (units / 16) + u / 16] * static_cast<float>(sub[n * units + u])
                           : scale[n * units + u];
   }
-  void row(int64_t n, float* w) const {
-    for (int64_t c = 0; c < units * group / kGroup; ++c) {
-      V16 a, b;
-      chunk(n, c, a, b);
-      simd::store(w + c * kGroup, a);
-      simd::store(w + c * kGroup + 16, b);
-    }
-  }
+  void row(int64_t n, float* w) const { row_by_chunks(*this, n, units * group / kGroup, w); }
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int8_t* p = levels + n * units * group + 32 * c;
     const int64_t u = 32 * c / group;
@@ -600,8 +598,8 @@ struct Weights {
   int64_t in_features, out_features, group;
   const float* bias = nullptr;
   const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
-  ScaleForm form = ScaleForm::kFloat;
-  const int8_t* sub = nullptr;  // 8 bits, kSuper: the sub-scales
+  ScaleForm form = ScaleForm::kFloat;  // 4 and 5 bits
+  const int8_t* sub = nullptr;  // 8 bits: Q6_K's sub-scales (Int8Rows), or none
 
   Int4Rows int4_rows() const { return Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, form}; }
   Int8Rows int8_rows() const {
@@ -1055,7 +1053,6 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
                 has_shape(scale, {out, in_features / 256}) && has_shape(sub, {out, in_features / 16}), name,
                 ": K-quant 8-bit scales come as float32 [out, in / 256] and int8 [out, in / 16]");
     Weights weights{8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, out, 16};
-    weights.form = ScaleForm::kSuper;
     weights.sub = sub.data_ptr<int8_t>();
     return weights;
   }
