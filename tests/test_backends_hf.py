@@ -228,13 +228,33 @@ def test_the_vector_builds_read_a_prompt_row_by_row(isa):
         assert chunked.prefill_chunk == chunk
         length = chunk + 40  # two chunks, both past the portable build's 16 GEMM rows
     else:
-        assert chunked.prefill_chunk == hf.PREFILL_CHUNK and chunked.lean.prefill_gemm_rows == chunk + 1
+        assert chunked.lean.prefill_gemm_rows == chunk + 1
+        assert chunked.prefill_chunk == min(hf.PREFILL_CHUNK,
+                                            lean_forward.gemm_prefill_chunk(model.config.intermediate_size))
         length = chunk
     prompt = random_prompt(6, length=length)
     chunked.forward(prompt, num_logits=0)
     for token in prompt:
         stepped.forward([token], num_logits=0)
     assert torch.equal(chunked.forward([7]).logits, stepped.forward([7]).logits)
+
+
+def test_a_gemm_prefill_chunk_bounds_its_mlp_activations():
+    """Prompt chunks read through the GEMM shrink as the MLP widens (their activations are what a long prompt's
+    peak memory holds), in powers of two, never below GEMM_PREFILL_MIN_ROWS, and a reader takes at most its own
+    chunk."""
+    widths_and_rows = {1536: 1024, 2560: 512, 8192: 256, 14336: 256, 64: 32768}  # 135M, 360M, 1B, 8B, tiny
+    for intermediate, rows in widths_and_rows.items():
+        assert lean_forward.gemm_prefill_chunk(intermediate) == rows
+        assert rows * intermediate <= lean_forward.GEMM_PREFILL_ELEMENTS or rows == lean_forward.GEMM_PREFILL_MIN_ROWS
+    model = quantize_model(grouped_llama(2), "int4")
+    reader = CausalLM(model)
+    if reader.lean is None or reader.lean.compiled is None:
+        pytest.skip("the compiled layers do not run here")
+    reader.lean.prefill_chunk = 10 * hf.PREFILL_CHUNK
+    assert reader.prefill_chunk == hf.PREFILL_CHUNK
+    reader.lean.prefill_chunk = 40
+    assert reader.prefill_chunk == 40
 
 
 @pytest.mark.parametrize("method, draft, tree", [("sps", "self", None), ("specinfer", "self", (2, 2)),

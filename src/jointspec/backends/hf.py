@@ -202,8 +202,10 @@ class CausalLM:
 
     @property
     def prefill_chunk(self) -> int:
-        """The tokens of a prompt read per forward: the lean forward's own chunk, else :data:`PREFILL_CHUNK`."""
-        return (self.lean.prefill_chunk if self.lean is not None else None) or PREFILL_CHUNK
+        """The tokens of a prompt read per forward: :data:`PREFILL_CHUNK`, or the lean forward's own chunk where
+        that is smaller."""
+        own = self.lean.prefill_chunk if self.lean is not None else None
+        return min(own or PREFILL_CHUNK, PREFILL_CHUNK)
 
     def prefill_chunk_end(self, start: int, total: int) -> int:
         """Where the prefill chunk starting at token ``start`` of ``total`` ends: the forwards a prompt is read in

@@ -54,6 +54,19 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 # The portable build's row-wise product is scalar code: prefills of PREFILL_GEMM_ROWS rows or more take the GEMM.
 PREFILL_GEMM_ROWS = 16
 ROWWISE_PREFILL_CHUNK = 128
+# A chunk read through the GEMM holds its activations in every layer, the MLP's most (rows x intermediate floats,
+# several times over), and each chunk dequantises every weight again: chunks are cut at the largest power of two of
+# rows, at least GEMM_PREFILL_MIN_ROWS, whose rows x intermediate stays within GEMM_PREFILL_ELEMENTS (at most the
+# caller's chunk). A 1B model's MLP then reads 256 rows at a time instead of 1,024, at a quarter of the extra memory
+# (docs/kernels.md, "Reading the prompt").
+GEMM_PREFILL_ELEMENTS = 1 << 21
+GEMM_PREFILL_MIN_ROWS = 256
+
+
+def gemm_prefill_chunk(intermediate: int) -> int:
+    """The rows a prompt chunk read through the GEMM takes, for a model with this MLP width."""
+    rows = max(1, GEMM_PREFILL_ELEMENTS // max(1, intermediate))
+    return max(GEMM_PREFILL_MIN_ROWS, 1 << (rows.bit_length() - 1))
 
 
 # Architectures whose forward is Llama's, operation for operation: causal LM -> (body, decoder layer, attention, MLP,
@@ -152,15 +165,17 @@ class LeanLlamaForward:
         self.fused = [(FusedCall.maybe(self._qkv(layer)), FusedCall.maybe(self._gate_up(layer)))
                       for layer in model.model.layers[:model.config.num_hidden_layers]]
         self.compiled = self._compiled_layers()
-        # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None: the caller's default chunk),
+        # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None, or more: the caller's chunk),
         # those of ``prefill_gemm_rows`` rows or more with their projections as one GEMM. Fixed per model, so every
         # method reads a prompt into the same bits.
         self.prefill_chunk: int | None = None
         self.prefill_gemm_rows: float = PREFILL_GEMM_ROWS
         if self.compiled is not None and self._isa == "avx512":
             self.prefill_chunk, self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK, math.inf
-        elif self.compiled is not None and self._isa != "portable":
-            self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK + 1
+        elif self.compiled is not None:
+            self.prefill_chunk = gemm_prefill_chunk(model.config.intermediate_size)
+            if self._isa != "portable":
+                self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK + 1
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in kernels/csrc) but the

@@ -573,17 +573,33 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
 // The same product through PyTorch's float32 GEMM (MKL) on the whole weight dequantised first: several times faster
 // for a prefill's hundreds of rows, but its rows are not computed alone (the GEMM blocks them), so callers use it only
 // for forwards that decoding never has to reproduce row by row: prompt prefills, which plain and speculative
-// decoding run alike (backends/lean_forward.py).
+// decoding run alike (backends/lean_forward.py). The weight is dequantised kGemmSlice output rows at a time: all of
+// it at once (a fused gate and up projection of a 1B model: 128 MB of floats) held, with the GEMM's own buffers, more
+// memory than the 4-bit weights save.
+constexpr int64_t kGemmSlice = 512;
+
 template <typename Rows>
 void multiply_gemm(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
-  auto weight = torch::empty({out_features, k}, torch::kFloat);
-  float* wp = weight.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) weights.row(n, wp + n * k);
-  });
   auto x = torch::from_blob(const_cast<float*>(xp), {rows, k}, torch::kFloat);
-  auto out = torch::from_blob(op, {rows, out_features}, torch::kFloat);
-  at::mm_out(out, x, weight.t());
+  auto weight = torch::empty({std::min(kGemmSlice, out_features), k}, torch::kFloat);
+  float* wp = weight.data_ptr<float>();
+  torch::Tensor part;
+  for (int64_t first = 0; first < out_features; first += kGemmSlice) {
+    const int64_t count = std::min(kGemmSlice, out_features - first);
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) weights.row(first + n, wp + n * k);
+    });
+    if (count == out_features) {  // one slice: straight into the output
+      auto out = torch::from_blob(op, {rows, out_features}, torch::kFloat);
+      at::mm_out(out, x, weight.t());
+      return;
+    }
+    if (!part.defined() || part.size(1) != count) part = torch::empty({rows, count}, torch::kFloat);
+    at::mm_out(part, x, weight.narrow(0, 0, count).t());
+    const float* pp = part.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(op + r * out_features + first, pp + r * count, static_cast<size_t>(count) * sizeof(float));
+  }
 }
 
 
