@@ -570,7 +570,7 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
   });
 }
 
-// The same product through PyTorch's float32 GEMM (MKL) on the whole weight dequantised first: several times faster
+// The same product through PyTorch's float32 GEMM (MKL) on the weight dequantised first: several times faster
 // for a prefill's hundreds of rows, but its rows are not computed alone (the GEMM blocks them), so callers use it only
 // for forwards that decoding never has to reproduce row by row: prompt prefills, which plain and speculative
 // decoding run alike (backends/lean_forward.py). The weight is dequantised kGemmSlice output rows at a time: all of

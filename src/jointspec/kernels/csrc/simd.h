@@ -168,8 +168,8 @@ inline V16 from_i8(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
 }
 // Bytes 0 .. 4 * words - 1 of p (words <= 8), the rest 0, by one masked load. A copy into a buffer and a wide load
-// of it instead stalls (the load cannot take its bytes from the copy's smaller stores until they reach the cache):
-// at widths that leave part of a block of scales (576 inputs: 18 groups), that doubled a one-row product's time.
+// of it instead stalls (the load cannot take its bytes from the copy's smaller stores until they reach the cache),
+// once per weight row at widths that leave part of a block of scales (576 inputs: 18 groups; docs/kernels.md).
 inline __m256i first_words(const void* p, int64_t words) {
   return _mm256_maskload_epi32(static_cast<const int*>(p), first8(words));
 }
