@@ -173,9 +173,13 @@ struct Int4Rows {
 // run time there, a layer read from memory ran up to twice as slow (the branch held back the scale loads and
 // prefetches the loop waits on; docs/kernels.md). Scales a block at a time: those of groups 2 p0 .. 2 p0 + 15 (pairs
 // p0 .. p0 + 7, past the row 0), and the minima of groups g .. g + 15 (g a multiple of 16: two whole K-quant
-// super-blocks, or the row's last).
-template <ScaleForm F>
+// super-blocks, or the row's last). `Fifth`: 5-bit levels (fifth set), fixed at compile time for the same reason.
+template <ScaleForm F, bool Fifth>
 struct Int4Q8 : Int4Rows {
+  simd::L64 q8_pair(int64_t n, int64_t p) const {
+    const int64_t g = n * groups + 2 * p;
+    return simd::pair_levels(packed + g * kGroup / 2, Fifth ? fifth + g : nullptr);
+  }
   V16 q8_scales(int64_t n, int64_t p0) const { return sixteen(n, 2 * p0, scale, 0); }
   V16 q8_minima(int64_t n, int64_t g) const {
     if constexpr (F == ScaleForm::kSuper) return simd::neg(sixteen(n, g, scale, 1));
@@ -490,16 +494,24 @@ void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_pe
 // registers) keeps the buffered path.
 constexpr int64_t kDirectRows = simd::kTwoPass ? 1 : 64;
 
+// 4- and 5-bit weights against 8-bit inputs, with the scales' form and the fifth bits fixed at compile time.
+template <bool Fifth>
+void multiply_int4_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op,
+                      const Int4Rows& weights) {
+  switch (weights.form) {
+    case ScaleForm::kHalf: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kHalf, Fifth>{weights}); break;
+    case ScaleForm::kSuper: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kSuper, Fifth>{weights}); break;
+    default: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kFloat, Fifth>{weights});
+  }
+}
+
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights,
               bool q8 = true) {
   if (q8 && g_q8_inputs) {
     if constexpr (std::is_same_v<Rows, Int4Rows>) {
-      switch (weights.form) {
-        case ScaleForm::kHalf: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kHalf>{weights}); break;
-        case ScaleForm::kSuper: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kSuper>{weights}); break;
-        default: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kFloat>{weights});
-      }
+      if (weights.fifth != nullptr) multiply_int4_q8<true>(xp, rows, k, out_features, op, weights);
+      else multiply_int4_q8<false>(xp, rows, k, out_features, op, weights);
       return;
     }
     if constexpr (std::is_same_v<Rows, Int8Rows>) {
