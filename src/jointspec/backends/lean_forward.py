@@ -50,7 +50,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 # How the compiled layers read a prompt (docs/kernels.md, "Reading the prompt row by row"). The AVX-512 build's
 # row-wise product beats dequantising every weight for a GEMM at any length: it reads in chunks of
 # ROWWISE_PREFILL_CHUNK rows, all row-wise. The AVX2 build's beats the GEMM up to about that many rows and loses past
-# it (measured against an MKL that had AVX-512; unmeasured on an AVX2-only CPU): longer prompt forwards keep the GEMM.
+# it (against an MKL with AVX-512, and on an AVX2-only CPU for a 1B model): longer prompt forwards keep the GEMM.
 # The portable build's row-wise product is scalar code: prefills of PREFILL_GEMM_ROWS rows or more take the GEMM.
 PREFILL_GEMM_ROWS = 16
 ROWWISE_PREFILL_CHUNK = 128
