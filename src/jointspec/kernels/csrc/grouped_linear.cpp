@@ -156,13 +156,10 @@ struct Int4Rows {
   static constexpr bool kMinimum = true;
   static constexpr int kPrefetchEvery = 2;  // pairs to a cache line of levels
   const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
-  simd::L64 q8_pair(int64_t n, int64_t p) const {
-    const int64_t g = n * groups + 2 * p;
-    return simd::pair_levels(packed + g * kGroup / 2, fifth ? fifth + g : nullptr);
-  }
   // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0), the
   // input steps of those groups (`step`: an input row's), and pair p0 + i's lanes of their product.
-  // (q8_scales, q8_minima and q8_prefetch_scales: Int4Q8 below, the form fixed at compile time.)
+  // (q8_pair, q8_scales, q8_minima and q8_prefetch_scales: Int4Q8 below, the form and fifth bits fixed at compile
+  // time.)
   static int64_t block_pairs() { return 8; }
   V16 q8_steps(const float* step, int64_t p0) const { return simd::load_first(step + 2 * p0, groups - 2 * p0); }
   static simd::Lanes q8_lanes(int i) { return simd::pair_lanes(i); }
