@@ -124,6 +124,38 @@ def test_bench_intervals_names_a_method_the_run_does_not_have(bench_run, capsys)
     assert code == 2 and err.startswith("jointspec: error: cannot read ") and "nope.json" in err
 
 
+def test_bench_intervals_pools_shards_into_the_whole_runs_comparison(bench_run, capsys, tmp_path):
+    """A run split by prompts into two files (as shards would write them) pools back to the whole run's answer."""
+    folder, _, _ = bench_run
+    whole = json.loads((folder / "results.json").read_text())
+    shards = []
+    for name, keep in (("a", {0, 2, 4, 6}), ("b", {1, 3, 5, 7})):
+        # Each shard numbers its prompts from 0, as a run of only those prompts does.
+        renumber = {index: i for i, index in enumerate(sorted(keep))}
+        runs = [{**run, "prompt_index": renumber[run["prompt_index"]]}
+                for run in whole["runs"] if run["prompt_index"] in keep]
+        shards.append(tmp_path / f"{name}.json")
+        shards[-1].write_text(json.dumps({**whole, "runs": runs}))
+    code, out, err = run_cli(capsys, "bench-intervals", str(folder / "results.json"), "pld", "ar")
+    assert code == 0, err
+    code, pooled_out, err = run_cli(capsys, "bench-intervals", *map(str, shards), "pld", "ar")
+    assert code == 0, err
+    pooled, alone = json.loads(pooled_out.splitlines()[-1]), json.loads(out.splitlines()[-1])
+    assert pooled["num_prompts"] == 8
+    # The same prompts in another order: the same ratio; the resampling draws other prompts, so only close bounds.
+    assert pooled["speedup"]["ratio"] == pytest.approx(alone["speedup"]["ratio"], rel=1e-9)
+    assert pooled["perplexity_ratio"] == alone["perplexity_ratio"]
+    # The same shard twice holds the same prompts twice: refused, naming the prompt and both files.
+    code, _, err = run_cli(capsys, "bench-intervals", str(shards[0]), str(shards[0]), "pld", "ar")
+    assert code == 2 and "prompt 'q0' (code) is in both" in err and err.count(str(shards[0])) == 2
+    # Other sampling settings are another experiment: refused, naming the setting.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(shards[1].read_text()),
+                                 "config": {**whole["config"], "temperature": 0.7}}))
+    code, _, err = run_cli(capsys, "bench-intervals", str(shards[0]), str(other), "pld", "ar")
+    assert code == 2 and "temperature=0.7" in err and "only runs with the same settings pool" in err
+
+
 @pytest.fixture(scope="module")
 def trained_head(tmp_path_factory, target_model):
     """An EAGLE head trained briefly for the tiny target on its own greedy continuations of 24 random prompts."""

@@ -5,6 +5,11 @@ against it" without running again, :func:`compare_methods` reads the per-prompt 
 log-probabilities that ``results.json`` keeps and applies the bench's own paired bootstrap
 (:mod:`jointspec.bench.intervals`, seeded with the run's seed). Methods may be named by their full label or by a
 unique part of it. Perplexity needs a run scored with perplexity on; without it only the speedup has an interval.
+
+Several runs over disjoint prompts (shards: one process per category group, or one machine each) pool into one
+comparison with :func:`pool_results`. A prompt draws with a seed derived from its question id, not from its position
+(``runner.prompt_seed``), so sharded runs with the same settings sample exactly what one run over all the prompts
+would; timings stay paired within the run that made them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,45 @@ def load_results(path: str | Path) -> dict:
         raise ResultsError(f"'{path}' is not a bench results.json (no 'methods' and 'runs'); jointspec bench "
                            "--report-dir DIR writes one")
     return results
+
+
+# Settings that change what a run samples or scores; shards with different values do not pool.
+POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "perplexity", "repeats")
+
+
+def pool_results(results: list[dict], names: list[str] | None = None) -> dict:
+    """One results dict from bench runs over disjoint prompts with the same methods and settings.
+
+    Runs are renumbered so their prompt indices stay distinct; the config is the first run's. Refused, naming the
+    file: methods or a sampling setting that differ, and a prompt (question id and category) in two runs."""
+    if not results:
+        raise ResultsError("no results to pool")
+    names = names or [f"run {i + 1}" for i in range(len(results))]
+    first, first_config = results[0], results[0].get("config", {})
+    pooled_runs: list[dict] = []
+    owner: dict[tuple, str] = {}
+    offset = 0
+    for name, result in zip(names, results):
+        if list(result["methods"]) != list(first["methods"]):
+            raise ResultsError(f"{name} ran methods {', '.join(result['methods'])}, {names[0]} ran "
+                               f"{', '.join(first['methods'])}; only runs of the same methods pool")
+        config = result.get("config", {})
+        for key in POOLED_SETTINGS:
+            if config.get(key) != first_config.get(key):
+                raise ResultsError(f"{name} has {key}={config.get(key)!r}, {names[0]} has "
+                                   f"{key}={first_config.get(key)!r}; only runs with the same settings pool")
+        indices = sorted({run["prompt_index"] for run in result["runs"]})
+        renumber = {index: offset + i for i, index in enumerate(indices)}
+        for index in indices:
+            run = next(r for r in result["runs"] if r["prompt_index"] == index)
+            key = (run.get("question_id"), run.get("category"))
+            if key in owner:
+                raise ResultsError(f"prompt {key[0]!r} ({key[1]}) is in both {owner[key]} and {name}; pooled "
+                                   "runs must hold disjoint prompts")
+            owner[key] = name
+        pooled_runs += [{**run, "prompt_index": renumber[run["prompt_index"]]} for run in result["runs"]]
+        offset += len(indices)
+    return {**first, "runs": pooled_runs}
 
 
 def pick_method(labels: list[str], wanted: str) -> str:
