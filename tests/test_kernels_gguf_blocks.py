@@ -93,9 +93,10 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_name):
     """A layer keeps the scales as the file stores them, halves (Q4_0, Q4_1, Q5_0) or K-quant sub-scales with a float
-    per 256 inputs (Q4_K, Q5_K, Q6_K): fewer bytes a step reads. Every build and path gives the bits of the same
-    layer with each group's float32 scale (the float a K-quant's dequantisation rounds, d * sc, formed the same way),
-    and wrongly shaped K scales are refused by what they should be."""
+    per 256 inputs (Q4_K, Q5_K, Q6_K): fewer bytes a step reads. The symmetric Q4_0 and Q5_0 keep no minima, only
+    their offset (-8 and -16 scales). Every build and path gives the bits of the same layer with each group's float32
+    scale and minimum (the float a K-quant's dequantisation rounds, d * sc, formed the same way), and wrongly shaped
+    K scales or another offset are refused by what they should be."""
     from jointspec.kernels.grouped import kernels, runnable_isas
 
     raw = random_blocks(type_name, rows=40, columns=512, seed=4)
@@ -105,6 +106,12 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
     assert layer.k_form == k_type
     if not k_type:
         assert layer.scale.dtype == torch.float16
+    offset = {"Q4_0": -8.0, "Q5_0": -16.0}.get(type_name)
+    if offset is not None:  # one half a row, every one the offset
+        assert layer.minimum.shape == (40, 1) and layer.minimum.dtype == torch.float16
+        assert (layer.minimum == offset).all()
+    elif not k_type:
+        assert layer.minimum.shape == layer.scale.shape
     floats = [layer.packed] if levels.bits != 8 else [layer.levels]
     if levels.bits == 5:
         floats.append(layer.fifth)
@@ -123,6 +130,10 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
     if k_type:
         wrong = [*stored[:-2], stored[-2][..., :1].contiguous(), stored[-1]]  # one super-block's scales a row
         with pytest.raises(RuntimeError, match="K-quant"):
+            kernels().linear(torch.randn(1, 512), wrong, False, True)
+    if offset is not None:
+        wrong = [*stored[:-1], torch.full_like(stored[-1], -7.0)]
+        with pytest.raises(RuntimeError, match="must be -8 or -16"):
             kernels().linear(torch.randn(1, 512), wrong, False, True)
 
 

@@ -18,11 +18,10 @@ gives each projection its levels and scales in a kernel layer's own format:
 Every product there is exact in float32 (a half-precision scale times integers of at most 13 bits together), and the
 kernel forms each weight as level * scale (+ minimum) with one rounding, as llama.cpp's ``dequantize_row_*`` does, so a
 layer's weight is bit for bit the file's dequantised weight (tests hold it against ``gguf.quants.dequantize``). Where
-every scale and minimum of a layer is a half (Q4_0, Q4_1, Q5_0, Q5_1), the layer keeps them as halves, and the
-K-quants keep their sub-scales with a float per 256 weights (``Levels.k_scales``): fewer bytes a step reads, the same
-values (kernels/grouped.py). The
-model the kernels run is then the file's model (its inputs rounded to 8 bits, as llama.cpp rounds them:
-kernels/grouped.py).
+every scale and minimum of a layer is a half (Q4_0, Q4_1, Q5_0, Q5_1), the layer keeps them as halves (the symmetric
+Q4_0 and Q5_0 keep no minima at all, only their offset), and the K-quants keep their sub-scales with a float per 256
+weights (``Levels.k_scales``): fewer bytes a step reads, the same values (kernels/grouped.py). The model the kernels
+run is then the file's model (its inputs rounded to 8 bits, as llama.cpp rounds them: kernels/grouped.py).
 
 Other types (Q2_K, Q3_K, the IQ types, F16) are not taken: :func:`file_layers` names them and their
 tensors, and the caller rounds those layers itself (:func:`jointspec.kernels.quantize.quantize_model`).

@@ -259,16 +259,20 @@ def _long(rows: torch.Tensor) -> bool:
     return rows.shape[0] > ROWWISE_MAX_ROWS
 
 
-def _scales_as_stored(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales_as_stored(scale: torch.Tensor, minimum: torch.Tensor, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A 4- or 5-bit layer's scales and minima as float16 where every one of them is a float16 (a file's own: GGUF's
     Q4_0, Q4_1, Q5_0, Q5_1), else float32. The kernels widen halves exactly, so the layer computes the same bits and
-    reads a sixth fewer bytes (20 a group of 32 weights instead of 24)."""
-    if scale.dtype == minimum.dtype == torch.float16:
-        return scale, minimum
-    scale, minimum = scale.float(), minimum.float()
-    halves = scale.half(), minimum.half()
-    if all(torch.equal(half.float(), value) for half, value in zip(halves, (scale, minimum))):
-        return halves
+    reads a sixth fewer bytes (20 a group of 32 weights instead of 24). Where every minimum is also ``offset`` times
+    its scale (the symmetric Q4_0 and Q5_0: -8 d, -16 d), the minima are that offset alone, one half a row
+    ([out, 1]): the kernels form offset * scale, exact for a power of two, and read 18 bytes a group, as the file."""
+    if scale.dtype != torch.float16 or minimum.dtype != torch.float16:
+        scale, minimum = scale.float(), minimum.float()
+        halves = scale.half(), minimum.half()
+        if not all(torch.equal(half.float(), value) for half, value in zip(halves, (scale, minimum))):
+            return scale, minimum
+        scale, minimum = halves
+    if torch.equal(minimum.float(), offset * scale.float()):
+        return scale, torch.full((scale.shape[0], 1), offset, dtype=torch.float16)
     return scale, minimum
 
 
@@ -288,8 +292,11 @@ def _check_scales(out_features: int, in_features: int, scale: torch.Tensor, mini
 
 
 def _group_scales(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 [out, groups] scales and minima from any of their forms (:func:`_check_scales`)."""
+    """Float32 [out, groups] scales and minima from any of their forms (:func:`_check_scales`, and the offset form
+    of :func:`_scales_as_stored`)."""
     if minimum.dtype != torch.uint8:
+        if minimum.shape[-1] == 1 and scale.shape[-1] > 1:  # the offset form: every minimum offset * scale
+            return scale.float(), scale.float() * minimum.float()
         return scale.float(), minimum.float()
     d, dmin = (scale[:, i].repeat_interleave(8, dim=1) for i in (0, 1))
     return d * minimum[:, 0].float(), -(dmin * minimum[:, 1].float())
@@ -329,7 +336,9 @@ class _GroupedLinear(nn.Module):
                 *((getattr(self, name).dtype, tuple(getattr(self, name).shape[1:])) for name in self.BUFFERS[1:]))
 
     def extra_repr(self) -> str:
-        form = ", K-quant scales" if self.k_form else ", half scales" if self.scale.dtype == torch.float16 else ""
+        form = (", K-quant scales" if self.k_form else "" if self.scale.dtype != torch.float16
+                else ", half scales, symmetric" if getattr(self, "minimum", self.scale).shape[-1] == 1
+                else ", half scales")
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} weights in groups "
                 f"of {self.group_size}{form}, jointspec's CPU kernel")
 
@@ -339,11 +348,12 @@ class _GroupedNibbles(_GroupedLinear):
     (float32, halves, K-quant sub-scales: :func:`_check_scales`)."""
 
     group_size = GROUP_SIZE
+    SYMMETRIC_OFFSET: float  # the minimum of a symmetric group, in scales: -8 at 4 bits (Q4_0), -16 at 5 (Q5_0)
 
     def _register_scales(self, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         if minimum.dtype != torch.uint8:  # the K form stays as given
             scale, minimum = _scales_as_stored(scale.reshape(self.out_features, -1),
-                                               minimum.reshape(self.out_features, -1))
+                                               minimum.reshape(self.out_features, -1), self.SYMMETRIC_OFFSET)
         self.register_buffer("scale", scale.contiguous())
         self.register_buffer("minimum", minimum.contiguous())
 
@@ -375,6 +385,7 @@ class GroupedInt4Linear(_GroupedNibbles):
     a step reads (:meth:`group_scales` gives them as float32)."""
 
     bits = 4
+    SYMMETRIC_OFFSET = -8.0
     BUFFERS = ("packed", "scale", "minimum")
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -435,6 +446,7 @@ class GroupedInt5Linear(_GroupedNibbles):
     only from a file's levels (:meth:`from_levels`); jointspec's own quantiser writes 4 or 8 bits."""
 
     bits = 5
+    SYMMETRIC_OFFSET = -16.0
     BUFFERS = ("packed", "fifth", "scale", "minimum")
 
     @classmethod

@@ -111,11 +111,14 @@ inline void row_by_chunks(const Rows& rows, int64_t n, int64_t chunks, float* w)
 // or Q6_K's signed 8 per 16 inputs) times a float32 per super-block of 256 inputs. Each form gives the same float
 // per group as the float32 form of the same weights (a half widens exactly; a K-quant's float is the one product
 // d * sc its dequantisation rounds once), so the same bits, from fewer bytes: 0.75 bytes a 4-bit weight as float32,
-// 0.625 as halves, 0.59 as K-quant sub-scales.
-enum class ScaleForm { kFloat, kHalf, kSuper };
+// 0.625 as halves, 0.59 as K-quant sub-scales. kHalfOffset: halves, and every group's minimum the same multiple
+// (`offset`: -8 or -16, so the product is exact) of its scale, as GGUF's symmetric Q4_0 (-8 d) and Q5_0 (-16 d)
+// dequantise: no minima stored, 0.5625 bytes a 4-bit weight, as in the file.
+enum class ScaleForm { kFloat, kHalf, kSuper, kHalfOffset };
 
 // One output row's weights, dequantised into a float32 buffer (what multiply() takes).
 //   kFloat / kHalf: scale and minimum [out, groups] float32 / uint16_t halves;
+//   kHalfOffset:    scale [out, groups] uint16_t halves, the minimum offset * scale (minimum unused);
 //   kSuper:         scale [out, 2, groups / 8] float32 (each super-block's d, then its dmin), minimum [out, 2,
 //                   groups] uint8 (each group's sc, then its m): the group's scale is d * sc, its minimum
 //                   -(dmin * m).
@@ -126,11 +129,13 @@ struct Int4Rows {
   int64_t groups;
   const uint32_t* fifth = nullptr;  // 5 bits: [out, groups] words of fifth bits
   ScaleForm form = ScaleForm::kFloat;
+  float offset = 0.0f;  // kHalfOffset
   const float* super_row(int64_t n) const { return static_cast<const float*>(scale) + n * 2 * (groups / 8); }
   const uint8_t* sub_row(int64_t n) const { return static_cast<const uint8_t*>(minimum) + n * 2 * groups; }
   float scale_at(int64_t n, int64_t c) const {
     switch (form) {
-      case ScaleForm::kHalf: return simd::half_to_float(static_cast<const uint16_t*>(scale)[n * groups + c]);
+      case ScaleForm::kHalf:
+      case ScaleForm::kHalfOffset: return simd::half_to_float(static_cast<const uint16_t*>(scale)[n * groups + c]);
       case ScaleForm::kSuper: return super_row(n)[c / 8] * static_cast<float>(sub_row(n)[c]);
       default: return static_cast<const float*>(scale)[n * groups + c];
     }
@@ -138,6 +143,7 @@ struct Int4Rows {
   float minimum_at(int64_t n, int64_t c) const {
     switch (form) {
       case ScaleForm::kHalf: return simd::half_to_float(static_cast<const uint16_t*>(minimum)[n * groups + c]);
+      case ScaleForm::kHalfOffset: return offset * scale_at(n, c);
       case ScaleForm::kSuper: return -(super_row(n)[groups / 8 + c / 8] * static_cast<float>(sub_row(n)[groups + c]));
       default: return static_cast<const float*>(minimum)[n * groups + c];
     }
@@ -180,6 +186,7 @@ struct Int4Q8 : Int4Rows {
   V16 q8_scales(int64_t n, int64_t p0) const { return sixteen(n, 2 * p0, scale, 0); }
   V16 q8_minima(int64_t n, int64_t g) const {
     if constexpr (F == ScaleForm::kSuper) return simd::neg(sixteen(n, g, scale, 1));
+    else if constexpr (F == ScaleForm::kHalfOffset) return simd::mul(sixteen(n, g, scale, 0), simd::set1(offset));
     else return sixteen(n, g, minimum, 0);
   }
   V16 sixteen(int64_t n, int64_t g, const void* from, int plane) const {
@@ -187,7 +194,7 @@ struct Int4Q8 : Int4Rows {
     if constexpr (F == ScaleForm::kSuper)  // plane 0: d * sc, plane 1: dmin * m
       return simd::mul(simd::from_u8_first(sub_row(n) + plane * groups + g, count),
                        simd::eights(super_row(n) + plane * (groups / 8) + g / 8, count > 8));
-    else if constexpr (F == ScaleForm::kHalf)
+    else if constexpr (F == ScaleForm::kHalf || F == ScaleForm::kHalfOffset)
       return simd::load_first_half(static_cast<const uint16_t*>(from) + n * groups + g, count);
     else
       return simd::load_first(static_cast<const float*>(from) + n * groups + g, count);
@@ -199,9 +206,9 @@ struct Int4Q8 : Int4Rows {
       __builtin_prefetch(sub_row(n) + groups + g, 0, 1);
       __builtin_prefetch(super_row(n) + g / 8, 0, 1);
     } else {
-      const int64_t at = (n * groups + g) * (F == ScaleForm::kHalf ? 2 : 4);
+      const int64_t at = (n * groups + g) * (F == ScaleForm::kFloat ? 4 : 2);
       __builtin_prefetch(static_cast<const char*>(scale) + at, 0, 1);
-      __builtin_prefetch(static_cast<const char*>(minimum) + at, 0, 1);
+      if constexpr (F != ScaleForm::kHalfOffset) __builtin_prefetch(static_cast<const char*>(minimum) + at, 0, 1);
     }
   }
 };
@@ -498,6 +505,9 @@ void multiply_int4_q8(const float* xp, int64_t rows, int64_t k, int64_t out_feat
   switch (weights.form) {
     case ScaleForm::kHalf: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kHalf, Fifth>{weights}); break;
     case ScaleForm::kSuper: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kSuper, Fifth>{weights}); break;
+    case ScaleForm::kHalfOffset:
+      multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kHalfOffset, Fifth>{weights});
+      break;
     default: multiply_q8(xp, rows, k, out_features, op, Int4Q8<ScaleForm::kFloat, Fifth>{weights});
   }
 }
@@ -624,9 +634,10 @@ struct Weights {
   const float* bias = nullptr;
   const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
   ScaleForm form = ScaleForm::kFloat;  // 4 and 5 bits
+  float offset = 0.0f;  // kHalfOffset
   const int8_t* sub = nullptr;  // 8 bits: Q6_K's sub-scales (Int8Rows), or none
 
-  Int4Rows int4_rows() const { return Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, form}; }
+  Int4Rows int4_rows() const { return Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, form, offset}; }
   Int8Rows int8_rows() const {
     return Int8Rows{levels, static_cast<const float*>(scale), in_features / group, group, sub};
   }
@@ -1060,6 +1071,15 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
       return weights;
     }
     const bool half = scale.scalar_type() == torch::kHalf;
+    // The offset form: minimum [out, 1] halves, every one the offset (the layers write it so; row 0 is read).
+    if (half && minimum.scalar_type() == torch::kHalf && has_shape(minimum, {out, 1})) {
+      TORCH_CHECK(has_shape(scale, {out, groups}), name, ": scale must be a contiguous float16 [out, in / 32] matrix");
+      weights.form = ScaleForm::kHalfOffset;
+      weights.offset = simd::half_to_float(*reinterpret_cast<const uint16_t*>(minimum.data_ptr()));
+      TORCH_CHECK(weights.offset == -8.0f || weights.offset == -16.0f, name, ": minima given as one offset times "
+                  "each scale must be -8 or -16 (Q4_0's or Q5_0's), got ", weights.offset);
+      return weights;
+    }
     TORCH_CHECK((half || scale.scalar_type() == torch::kFloat) && has_shape(scale, {out, groups}) &&
                 minimum.sizes() == scale.sizes() && minimum.scalar_type() == scale.scalar_type() &&
                 minimum.is_contiguous(), name, ": scale and minimum must be contiguous [out, in / 32] matrices, both "
