@@ -433,10 +433,20 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
   }
 }
 
+// Weight rows a tile of R input rows: the block's rows shared among the input rows, but two for three or four input
+// rows in a block of four (AVX2's and the portable build's): one weight row against three input rows left too little
+// independent work in flight (a three-row product cost as much as a four-row one), and two still fit in sixteen
+// registers.
+template <int Block, int R>
+constexpr int tile_weight_rows() {
+  if constexpr (Block == 4 && (R == 3 || R == 4)) return 2;
+  return Block / R > 0 ? Block / R : 1;
+}
+
 template <int Block, int R, typename Rows>
 inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t first, int64_t count, float* out,
                     int64_t out_features) {
-  constexpr int W = Block / R > 0 ? Block / R : 1;
+  constexpr int W = tile_weight_rows<Block, R>();
   int64_t b = 0;
   for (; b + W <= count; b += W) dot_q8<W, R>(x, r0, w, first + b, out + b, out_features);
   for (; b < count; ++b) dot_q8<1, R>(x, r0, w, first + b, out + b, out_features);
