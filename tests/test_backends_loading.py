@@ -310,3 +310,26 @@ def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_pa
 def test_auto_leaves_a_model_folder_in_float(tmp_path):
     target, _ = load_model(save_model(tmp_path / "model", seed=0), quantize="auto")
     assert quantization_mode(target.model) == "none"
+
+
+def test_freed_heap_memory_goes_back_to_the_system():
+    """What load_model does at its end (backends/heap.py): the C library's free heap memory handed back. Heap blocks
+    freed between live ones stay resident until trimmed. Deterministic on glibc; skipped where the C library has no
+    malloc_trim."""
+    from jointspec.backends.heap import release_freed_memory
+
+    def resident_mb() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
+
+    if not Path("/proc/self/status").exists() or not release_freed_memory():
+        pytest.skip("needs glibc's malloc_trim and /proc")
+    first = bytearray(64 << 20)
+    del first  # a large free: glibc then serves blocks of this size from its heap, not from fresh mappings
+    blocks = [bytearray(b"\1" * (4 << 20)) for _ in range(60)]
+    kept = blocks[1::2]  # every other block stays: the freed ones are holes the heap cannot shrink past
+    del blocks
+    before = resident_mb()
+    assert release_freed_memory()
+    assert resident_mb() < before - 60  # about 120 MB of holes (30 x 4 MB); 60 leaves room for other allocations
+    assert len(kept) == 30

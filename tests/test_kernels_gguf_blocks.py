@@ -61,6 +61,9 @@ def test_levels_are_the_files_weights_bit_for_bit(type_name):
     assert scale.shape == (6, 512 // (16 if type_name == "Q6_K" else 32)) and scale.dtype == torch.float32
     assert (minimum is None) == (levels.bits == 8)
     assert (levels.k_scales is not None) == type_name.endswith("_K")  # kept as the file keeps them
+    if type_name[:2] in ("Q4", "Q5") and not type_name.endswith("_K"):  # the file's halves, never a float32 copy
+        assert levels.scale.dtype == levels.minimum.dtype == torch.float16
+        assert levels.minimum.shape == ((6, 1) if type_name.endswith("_0") else (6, 512 // 32))
     assert expected.abs().max() > 0 and expected.std() > 0  # the blocks hold weights, not zeros
 
 

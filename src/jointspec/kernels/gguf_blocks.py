@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from jointspec.backends.heap import release_freed_memory
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q6_K")
@@ -58,8 +60,11 @@ class Levels:
     bits: int  # 4, 5 or 8
     levels: torch.Tensor  # 4 and 5 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of level i
     #                       | those of level i + 16 << 4; 8 bits: int8 [out, in]
-    scale: torch.Tensor | None  # [out, in / group] float32; None where k_scales holds them (float_scales())
-    minimum: torch.Tensor | None  # [out, in / 32] float32 (4 and 5 bits), None (8 bits; or k_scales)
+    # The scales and minima: float32 [out, in / group]; for Q4_0, Q4_1, Q5_0 and Q5_1 the file's halves (float16),
+    # and for the symmetric Q4_0 and Q5_0 the minimum only as the offset, [out, 1] (kernels/grouped.py): no float32
+    # copy of them is ever made while a model loads. None where k_scales holds them; float_scales() gives float32.
+    scale: torch.Tensor | None
+    minimum: torch.Tensor | None  # (4 and 5 bits), None (8 bits; or k_scales)
     fifth: torch.Tensor | None = None  # 5 bits: int32 [out, in / 32], bit i = the fifth bit of the group's level i
     # K-quants (Q4_K, Q5_K, Q6_K): the scales as the file keeps them, (super, sub) in the kernels' K form
     # (kernels/grouped.py): 4 and 5 bits float32 [out, 2, in / 256] (d, dmin) and uint8 [out, 2, in / 32] (sc, m);
@@ -86,7 +91,7 @@ class Levels:
 
     def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each group's float32 scale, [out, in / group], and minimum (4 and 5 bits; else None), in any form."""
-        if self.k_scales is None:
+        if self.k_scales is None and self.scale.dtype == torch.float32:
             return self.scale, self.minimum
         layer = self.layer()
         return (layer.unit_scales(), None) if self.bits == 8 else layer.group_scales()
@@ -102,7 +107,18 @@ class Levels:
 
 def _half(raw: np.ndarray, offset: int) -> np.ndarray:
     """The little-endian float16 at ``offset`` of every block, as float32: [rows, blocks]."""
-    return raw[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return _halves(raw, offset).astype(np.float32)
+
+
+def _halves(raw: np.ndarray, offset: int) -> np.ndarray:
+    """The little-endian float16 at ``offset`` of every block, as float16: [rows, blocks]."""
+    return np.ascontiguousarray(raw[..., offset:offset + 2]).view(np.float16)[..., 0].copy()
+
+
+def _offset(rows: int, offset: float) -> torch.Tensor:
+    """A symmetric type's minima as the kernels' offset form: [rows, 1] float16, every one ``offset`` (its scale's
+    multiple)."""
+    return torch.full((rows, 1), offset, dtype=torch.float16)
 
 
 def _pack(levels: np.ndarray) -> np.ndarray:
@@ -149,10 +165,10 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     blocks = np.ascontiguousarray(raw).reshape(rows, columns // per_block, size)
     as_tensor = torch.from_numpy
     if type_name in ("Q4_0", "Q4_1"):
-        d = _half(blocks, 0)
-        minimum = -8 * d if type_name == "Q4_0" else _half(blocks, 2)
+        d = as_tensor(_halves(blocks, 0))
+        minimum = _offset(rows, -8.0) if type_name == "Q4_0" else as_tensor(_halves(blocks, 2))
         packed = np.ascontiguousarray(blocks[..., 2 if type_name == "Q4_0" else 4:])  # already the kernel's order
-        return Levels(4, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum))
+        return Levels(4, as_tensor(packed.reshape(rows, columns // 2)), d, minimum)
     if type_name == "Q4_K":
         d, dmin = _half(blocks, 0), _half(blocks, 2)
         sc, m = _k_scales(blocks[..., 4:16])
@@ -161,13 +177,12 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         return Levels(4, as_tensor(_pack(levels).reshape(rows, columns // 2)), None, None,
                       k_scales=_k_form(d, dmin, sc, m))
     if type_name in ("Q5_0", "Q5_1"):  # the nibbles in Q4_0's order, and bit i of a 32-bit word: element i's fifth bit
-        d = _half(blocks, 0)
-        minimum = -16 * d if type_name == "Q5_0" else _half(blocks, 2)
+        d = as_tensor(_halves(blocks, 0))
+        minimum = _offset(rows, -16.0) if type_name == "Q5_0" else as_tensor(_halves(blocks, 2))
         start = 2 if type_name == "Q5_0" else 4
         fifth = blocks[..., start:start + 4].copy().view("<i4")[..., 0]
         packed = np.ascontiguousarray(blocks[..., start + 4:])
-        return Levels(5, as_tensor(packed.reshape(rows, columns // 2)), as_tensor(d), as_tensor(minimum),
-                      as_tensor(fifth.astype(np.int32)))
+        return Levels(5, as_tensor(packed.reshape(rows, columns // 2)), d, minimum, as_tensor(fifth.astype(np.int32)))
     # Q5_K: Q4_K's layout, plus qh[32]: element 64c + l takes bit 2c of qh[l], 64c + 32 + l bit 2c + 1
     if type_name == "Q5_K":
         d, dmin = _half(blocks, 0), _half(blocks, 2)
@@ -390,6 +405,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
             heads = config.num_attention_heads if module_name.endswith("q_proj") else config.num_key_value_heads
             found = found.rows(torch.argsort(_llama_permutation(linear.out_features, heads)))
         levels[module_name] = found
+        release_freed_memory()  # each tensor's temporaries, before the next one's: the load's peak
     floats = dict(_FLOAT_TENSORS)
     for i in range(len(model.model.layers)):
         floats.update({f"model.layers.{i}.{name}": f"blk.{i}.{gguf_name}"
@@ -423,6 +439,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
     handed = [levels]
     del levels  # quantize_model holds the only reference, and drops it once the layers hold the levels
     quantize_model(model, "int4", file_levels=handed.pop())
+    release_freed_memory()
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
     if left:
         return None, f"tensors not in the file: {', '.join(left[:4])}"

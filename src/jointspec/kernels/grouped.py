@@ -265,6 +265,11 @@ def _scales_as_stored(scale: torch.Tensor, minimum: torch.Tensor, offset: float)
     reads a sixth fewer bytes (20 a group of 32 weights instead of 24). Where every minimum is also ``offset`` times
     its scale (the symmetric Q4_0 and Q5_0: -8 d, -16 d), the minima are that offset alone, one half a row
     ([out, 1]): the kernels form offset * scale, exact for a power of two, and read 18 bytes a group, as the file."""
+    if minimum.shape[-1] == 1 and scale.shape[-1] > 1:  # already the offset form (gguf_blocks)
+        if not bool((minimum == offset).all()):
+            raise ValueError(f"minima given as one offset a row must all be {offset:g} for this layer; got "
+                             f"{sorted(set(minimum.flatten().tolist()))[:4]}")
+        return scale, minimum
     if scale.dtype != torch.float16 or minimum.dtype != torch.float16:
         scale, minimum = scale.float(), minimum.float()
         halves = scale.half(), minimum.half()
@@ -286,9 +291,11 @@ def _check_scales(out_features: int, in_features: int, scale: torch.Tensor, mini
                 or tuple(minimum.shape) != (out_features, 2, groups)):
             raise ValueError(f"K-quant scales come as float32 [out, 2, in / 256] and uint8 [out, 2, in / 32]; got "
                              f"{tuple(scale.shape)} {scale.dtype} and {tuple(minimum.shape)} for {in_features} inputs")
-    elif tuple(scale.shape) != (out_features, groups) or tuple(minimum.shape) != (out_features, groups):
-        raise ValueError(f"scales and minima must be [out, in / {GROUP_SIZE}] = {(out_features, groups)}; got "
-                         f"{tuple(scale.shape)} and {tuple(minimum.shape)}")
+    elif tuple(scale.shape) != (out_features, groups) or tuple(minimum.shape) not in (
+            (out_features, groups), *([(out_features, 1)] if scale.dtype == minimum.dtype == torch.float16 else [])):
+        raise ValueError(f"scales and minima must be [out, in / {GROUP_SIZE}] = {(out_features, groups)} (halves: the "
+                         f"minima may be one offset a row, [out, 1]); got {tuple(scale.shape)} and "
+                         f"{tuple(minimum.shape)}")
 
 
 def _group_scales(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
