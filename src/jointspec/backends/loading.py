@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from jointspec.backends import embedded
-from jointspec.backends.heap import release_freed_memory
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.kernels.fp32 import (
@@ -33,6 +32,7 @@ from jointspec.kernels.fp32 import (
     use_stock_attention,
     use_stock_linears,
 )
+from jointspec.kernels.heap import release_freed_memory
 from jointspec.kernels.quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
             use_gqa_attention(model)
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
-    release_freed_memory()  # the load's temporaries (backends/heap.py)
+    release_freed_memory()  # the load's temporaries (kernels/heap.py)
     return CausalLM(model, name=name or label, lean=kernels != "stock"), tokenizer
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jointspec.backends.heap import release_freed_memory
+from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 
