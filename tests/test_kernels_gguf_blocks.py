@@ -200,13 +200,15 @@ def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):
     assert found.left == [] and len(found.layers) == 15  # 2 x 7 projections and the head
     float_model = LlamaForCausalLM(model.config).eval()
     float_model.load_state_dict(model.state_dict())
+    names = list(found.layers)
     quantize_model(model, "int4", file_levels=found.layers)
+    assert found.layers == {}  # handed over: emptied once the layers hold the levels, so stacking can free them
     attn = model.model.layers[0].self_attn
     assert type(attn.q_proj) is GroupedInt4Linear and type(attn.v_proj) is GroupedInt8Linear
     assert attn.v_proj.group_size == 16 and type(attn.o_proj) is GroupedInt5Linear
     assert type(model.model.layers[0].mlp.up_proj) is GroupedInt5Linear
     assert type(model.lm_head) is ScreenedInt8Head
-    for name in found.layers:  # every projection and the head: the file's weight, bit for bit
+    for name in names:  # every projection and the head: the file's weight, bit for bit
         assert torch.equal(model.get_submodule(name).dequantized(), float_model.get_submodule(name).weight), name
     target = CausalLM(model, name="gguf mix")
     assert target.lean.compiled is not None  # mixed formats, q/k/v not fused: still the compiled layers

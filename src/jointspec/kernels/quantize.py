@@ -71,6 +71,7 @@ from jointspec.kernels.grouped import (
     kernels,
     stack_storage,
 )
+from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     attention switches to :func:`rowwise_sdpa`, so that its rows stay independent of the batch in attention too.
     ``file_levels`` (int4 on jointspec's kernel): module name -> :class:`~jointspec.kernels.gguf_blocks.Levels`, the
     blocks a GGUF file stores for that layer, taken as they are (4-, 5- or 8-bit) instead of rounding the float
-    weight.
+    weight. The dict is emptied once the layers hold them: the caller hands the levels over.
     """
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantisation mode '{mode}'; choose one of: {', '.join(QUANTIZE_MODES)}")
@@ -365,16 +366,22 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
     # Replace after walking, so the walk never sees a half-rewritten tree.
     for parent, child_name, quantized in replacements:
         setattr(parent, child_name, quantized)
-    # The layers hold the levels now; where the caller handed its only reference over, stacking below then frees each
-    # layer's first storage as it copies it, instead of keeping the whole model twice until the end.
+    # The layers hold the levels now. Emptying the dict (not only dropping this name: the caller's call still holds the
+    # dict until this returns) lets stacking below free each layer's first storage as it copies it, instead of keeping
+    # the whole model twice until the end.
     replaced = len(replacements)
-    file_levels = replacements = None
+    if file_levels is not None:
+        file_levels.clear()
+    stored = file_levels = replacements = None
     # Layers that read the same input (attention's q/k/v, a gated MLP's gate/up) side by side in memory, so that the
     # lean forward can run each group as one grouped-kernel call (kernels/grouped.py, FusedCall).
     for module in model.modules():
         for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            if all(hasattr(module, name) for name in names):
-                stack_storage([getattr(module, name) for name in names])
+            if all(hasattr(module, name) for name in names) and stack_storage([getattr(module, name)
+                                                                                 for name in names]):
+                # The separate buffers are free now, but a stacked one does not fit in their holes: without this the
+                # heap grew by every stacked copy (0.4 GB over a 1B model's load; kernels/heap.py).
+                release_freed_memory()
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(ROWWISE_ATTENTION)
