@@ -314,8 +314,9 @@ def test_auto_leaves_a_model_folder_in_float(tmp_path):
 
 def test_freed_heap_memory_goes_back_to_the_system():
     """What load_model does at its end (kernels/heap.py): the C library's free heap memory handed back. Heap blocks
-    freed between live ones stay resident until trimmed. Deterministic on glibc; skipped where the C library has no
-    malloc_trim."""
+    freed between live ones stay resident until trimmed. Deterministic on glibc with its default tuning (a
+    MALLOC_MMAP_THRESHOLD_ in the environment, mapping such blocks apart, would fail it); skipped where the C
+    library has no malloc_trim."""
     from jointspec.kernels.heap import release_freed_memory
 
     def resident_mb() -> int:
