@@ -17,6 +17,7 @@ from jointspec.kernels.gguf_blocks import (
     SUPPORTED_TYPES,
     BlockEmbedding,
     _llama_permutation,
+    gguf_reader,
     decode,
     file_layers,
 )
@@ -192,6 +193,23 @@ def gguf_llama(path, head_type: str = "Q8_0", v_type: str = "Q6_K") -> LlamaForC
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def test_a_files_reader_is_made_once_while_the_file_is_unchanged(tmp_path):
+    """A load reads the file's tensors several times; the metadata is parsed once (a real vocabulary takes seconds),
+    and a file written again gets a new reader."""
+    import os
+
+    path = tmp_path / "mix.gguf"
+    gguf_llama(path)
+    first = gguf_reader(path)
+    assert gguf_reader(str(path)) is first and {t.name for t in first.tensors} >= {"blk.0.attn_q.weight"}
+    gguf_llama(path, head_type="Q4_0")
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new time even on a coarse clock
+    second = gguf_reader(path)
+    assert second is not first
+    assert {t.name: t.tensor_type.name for t in second.tensors}["output.weight"] == "Q4_0"
 
 
 def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):

@@ -60,9 +60,9 @@ def gguf_block_types(source: str) -> dict[str, str] | None:
     if path.suffix != ".gguf" or not path.is_file():
         return None
     try:
-        import gguf
+        from jointspec.kernels.gguf_blocks import gguf_reader
 
-        types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(str(path)).tensors}
+        types = {tensor.name: tensor.tensor_type.name for tensor in gguf_reader(path).tensors}
     except Exception as error:  # an unreadable file is load_model's to report; here it is just not on the grid
         log.debug("could not read the tensor types of %s: %s", path, error)
         return None

@@ -33,6 +33,7 @@ memory near its int4 size rather than its float32 one.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +237,22 @@ def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int =
     return out
 
 
+def gguf_reader(path: str | Path):
+    """A ``gguf.GGUFReader`` of ``path``, the same one for every caller while the file is unchanged (its size and
+    modification time): a reader parses every metadata key when made (a 128k-token vocabulary is seconds of Python),
+    and one load asks for the file's tensors more than once. The last file's reader is kept."""
+    resolved = Path(path).expanduser().resolve()
+    stat = resolved.stat()
+    return _reader(str(resolved), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, modified: int, size: int):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
     """The order llama.cpp's converter gives a Llama q or k projection's rows (rotary halves interleaved):
     GGUF row i is Hugging Face row ``order[i]``."""
@@ -254,9 +271,7 @@ def file_layers(model: nn.Module, path: str | Path) -> FileLayers:
     """The exact :class:`Levels` of ``model``'s projections and output head, read from the GGUF ``path`` it was
     loaded from. Each is checked against the float weight transformers dequantised from the same file (bit for
     bit), which also settles the row order of q and k (llama.cpp's converter permutes them for Llama models)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = model.config
     wanted: dict[str, tuple[str, nn.Linear]] = {}
@@ -384,7 +399,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
         return None, f"model type {config.model_type} (taken from blocks: {', '.join(BLOCK_LOADED_MODEL_TYPES)})"
     if kernels() is None:
         return None, "the grouped kernels do not run here"
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     architecture = reader.fields["general.architecture"].contents()
     with torch.device("meta"):
