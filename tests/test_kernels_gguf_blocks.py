@@ -17,9 +17,9 @@ from jointspec.kernels.gguf_blocks import (
     SUPPORTED_TYPES,
     BlockEmbedding,
     _llama_permutation,
-    gguf_reader,
     decode,
     file_layers,
+    gguf_reader,
 )
 from jointspec.kernels.grouped import (
     GroupedInt4Linear,
