@@ -20,6 +20,7 @@ from jointspec.kernels.gguf_blocks import (
     decode,
     file_layers,
     gguf_reader,
+    shared_gguf_readers,
 )
 from jointspec.kernels.grouped import (
     GroupedInt4Linear,
@@ -195,21 +196,24 @@ def gguf_llama(path, head_type: str = "Q8_0", v_type: str = "Q6_K") -> LlamaForC
     return model
 
 
-def test_a_files_reader_is_made_once_while_the_file_is_unchanged(tmp_path):
-    """A load reads the file's tensors several times; the metadata is parsed once (a real vocabulary takes seconds),
-    and a file written again gets a new reader."""
+def test_a_files_reader_is_made_once_within_a_load_while_the_file_is_unchanged(tmp_path):
+    """A load reads the file's tensors several times; inside shared_gguf_readers (load_model's) the metadata is
+    parsed once (a real vocabulary takes seconds), a file written again gets a new reader, and outside it every call
+    makes its own (nothing of a file is held after its load)."""
     import os
 
     path = tmp_path / "mix.gguf"
     gguf_llama(path)
-    first = gguf_reader(path)
-    assert gguf_reader(str(path)) is first and {t.name for t in first.tensors} >= {"blk.0.attn_q.weight"}
-    gguf_llama(path, head_type="Q4_0")
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new time even on a coarse clock
-    second = gguf_reader(path)
-    assert second is not first
-    assert {t.name: t.tensor_type.name for t in second.tensors}["output.weight"] == "Q4_0"
+    with shared_gguf_readers():
+        first = gguf_reader(path)
+        assert gguf_reader(str(path)) is first and {t.name for t in first.tensors} >= {"blk.0.attn_q.weight"}
+        gguf_llama(path, head_type="Q4_0")
+        stat = path.stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new time even on a coarse clock
+        second = gguf_reader(path)
+        assert second is not first
+        assert {t.name: t.tensor_type.name for t in second.tensors}["output.weight"] == "Q4_0"
+    assert gguf_reader(path) is not second and gguf_reader(path) is not gguf_reader(path)
 
 
 def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):

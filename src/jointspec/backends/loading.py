@@ -32,6 +32,7 @@ from jointspec.kernels.fp32 import (
     use_stock_attention,
     use_stock_linears,
 )
+from jointspec.kernels.gguf_blocks import shared_gguf_readers
 from jointspec.kernels.heap import release_freed_memory
 from jointspec.kernels.quantize import QUANTIZE_MODES, quantization_mode, quantize_model
 
@@ -193,6 +194,14 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     :mod:`jointspec.backends.lean_forward` (bit-identical, less overhead); ``onednn`` insists on oneDNN; ``stock`` keeps
     PyTorch's ``F.linear``, transformers' ``sdpa`` attention and transformers' own forward.
     """
+    with shared_gguf_readers():  # one reader of a GGUF file for the whole load
+        return _load_model(source, device=device, dtype=dtype, name=name, quantize=quantize, backend=backend,
+                           threads=threads, kernels=kernels)
+
+
+def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | None, name: str | None, quantize: str,
+                backend: str, threads: int | None, kernels: str) -> tuple[CausalLM, object]:
+    """:func:`load_model`, inside its shared GGUF readers."""
     source = source or DEFAULT_MODEL
     if kernels not in KERNEL_CHOICES:
         raise UnsupportedOptionError(f"unknown kernels '{kernels}'; choose one of: {', '.join(KERNEL_CHOICES)}")

@@ -33,7 +33,7 @@ memory near its int4 size rather than its float32 one.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,20 +237,39 @@ def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int =
     return out
 
 
+# The readers a load shares, by (path, modification time, size), while shared_gguf_readers() is open; None outside.
+_SHARED_READERS: dict[tuple, object] | None = None
+
+
+@contextlib.contextmanager
+def shared_gguf_readers():
+    """Within this block (``load_model`` runs in one), :func:`gguf_reader` gives every caller the same reader of an
+    unchanged file; afterwards they are dropped (a large vocabulary's parsed keys hold over 0.1 GB)."""
+    global _SHARED_READERS
+    outermost = _SHARED_READERS is None
+    if outermost:
+        _SHARED_READERS = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _SHARED_READERS = None
+
+
 def gguf_reader(path: str | Path):
-    """A ``gguf.GGUFReader`` of ``path``, the same one for every caller while the file is unchanged (its size and
-    modification time): a reader parses every metadata key when made (a 128k-token vocabulary is seconds of Python),
-    and one load asks for the file's tensors more than once. The last file's reader is kept."""
-    resolved = Path(path).expanduser().resolve()
-    stat = resolved.stat()
-    return _reader(str(resolved), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=1)
-def _reader(path: str, modified: int, size: int):
+    """A ``gguf.GGUFReader`` of ``path``: a reader parses every metadata key when made (a 128k-token vocabulary is
+    seconds of Python), and one load asks for the file's tensors more than once, so inside
+    :func:`shared_gguf_readers` the reader of an unchanged file (its size and modification time) is made once."""
     import gguf
 
-    return gguf.GGUFReader(path)
+    resolved = Path(path).expanduser().resolve()
+    if _SHARED_READERS is None:
+        return gguf.GGUFReader(str(resolved))
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_mtime_ns, stat.st_size)
+    if key not in _SHARED_READERS:
+        _SHARED_READERS[key] = gguf.GGUFReader(str(resolved))
+    return _SHARED_READERS[key]
 
 
 def _llama_permutation(rows: int, heads: int) -> torch.Tensor:
@@ -450,10 +469,8 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
         model.model.embed_tokens = BlockEmbedding(embedding)
     rotary = model.model.rotary_emb  # its buffers are computed from the config, not stored
     model.model.rotary_emb = type(rotary)(config=config)
-    del reader, tensors, tensor, found  # (unmapped)
-    handed = [levels]
-    del levels  # quantize_model holds the only reference, and drops it once the layers hold the levels
-    quantize_model(model, "int4", file_levels=handed.pop())
+    del reader, tensors, tensor, found
+    quantize_model(model, "int4", file_levels=levels)  # empties the dict once the layers hold the levels
     release_freed_memory()
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
     if left:
