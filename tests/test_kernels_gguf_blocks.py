@@ -142,6 +142,37 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
             kernels().linear(torch.randn(1, 512), wrong, False, True)
 
 
+def test_a_q6_k_head_is_screened_on_its_own_sub_scales():
+    """A Q6_K output head (what a Q4_K_M file holds) keeps the file's sub-scales under the screen, sharing the
+    layer's buffers rather than widening them to a float32 scale per 16 inputs, and its exact logits are the layer's
+    bits on every build: the same as a screen over the float32 scales gives."""
+    from jointspec.kernels.grouped import kernels, runnable_isas
+
+    raw = random_blocks("Q6_K", rows=300, columns=512, seed=6)
+    layer = decode(raw, "Q6_K", 512).layer()
+    screened = ScreenedInt8Head.from_int8(layer)
+    assert screened.k_form and screened.BUFFERS == ("levels", "scale", "sub")
+    assert screened.levels.data_ptr() == layer.levels.data_ptr() and screened.sub.data_ptr() == layer.sub.data_ptr()
+    assert screened.scale.shape == (300, 2)  # a float per 256 inputs, not per 16
+    widened = ScreenedInt8Head.from_int8(GroupedInt8Linear.from_levels(layer.levels, layer.unit_scales()))
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7)) * 3
+    with torch.no_grad(), float_inputs():
+        exact = layer(x)
+        assert torch.equal(screened(x), exact)  # forward: the exact head
+        for head in (screened, widened):
+            head.margin, head.max_exact = 1e9, 300  # every logit exact
+        assert torch.equal(screened.argmax_logits(x), exact) and torch.equal(widened.argmax_logits(x), exact)
+        screened.margin, screened.max_exact = 1.5, 8
+        widened.margin, widened.max_exact = 1.5, 8
+        near = screened.argmax_logits(x)
+        assert torch.equal(near, widened.argmax_logits(x))
+        assert torch.equal(near.argmax(1), exact.argmax(1))
+        arguments = (screened.screen4, screened.screen_scale, screened.column,
+                     [getattr(screened, name) for name in screened.BUFFERS], 1.5, 8)
+        for isa in runnable_isas():
+            assert torch.equal(kernels(isa).screened_head(x, *arguments), near), isa
+
+
 def test_a_type_the_kernels_do_not_take_is_refused_by_name():
     raw = np.zeros((2, 84), np.uint8)  # one Q2_K block a row
     with pytest.raises(ValueError, match="GGUF type Q2_K is not one jointspec's kernels take; they take: Q4_0, "

@@ -557,7 +557,7 @@ def test_each_build_gives_the_portable_builds_bits(isa):
                                portable.attention(query, key, value, mask, length, dim ** -0.5)), (dim, keys)
     screened = ScreenedInt8Head(head(seed=4))
     x = torch.randn(5, 128, generator=generator) * 3
-    arguments = (screened.screen4, screened.screen_scale, screened.column, screened.levels, screened.scale)
+    arguments = (screened.screen4, screened.screen_scale, screened.column, [screened.levels, screened.scale])
     has_vnni = fast.use_vnni(True)
     try:
         for vnni in {has_vnni, False}:  # VNNI's dot product where the CPU has it, and the two-step one

@@ -68,6 +68,7 @@ from torch import nn
 
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.kernels.fp32 import cpu_flags
+from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -552,7 +553,7 @@ class GroupedInt8Linear(_GroupedLinear):
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32 (only ``rows`` of it, if given)."""
         levels = self.levels[rows].reshape(-1, self.in_features // self.group_size, self.group_size).float()
-        return (levels * self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)
+        return levels.mul_(self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)  # in place: one copy
 
 
 
@@ -566,6 +567,8 @@ SCREEN_MARGIN = 6.0
 # otherwise have thousands (and the cost curve, timed on random tokens, would price verification far too high). On
 # the same positions caps down to half this changed no argmax; smaller ones did (docs/kernels.md).
 SCREEN_MAX_EXACT = 128
+# The screen is built from the exact weights this many at a time (rows x inputs, float32: 4 MB a block).
+SCREEN_BLOCK_ELEMENTS = 1 << 20
 
 
 class ScreenedInt8Head(GroupedInt8Linear):
@@ -594,10 +597,15 @@ class ScreenedInt8Head(GroupedInt8Linear):
     @classmethod
     def from_int8(cls, layer: GroupedInt8Linear, margin: float = SCREEN_MARGIN,
                   max_exact: int = SCREEN_MAX_EXACT) -> ScreenedInt8Head:
-        """The screened head over ``layer``'s own levels and scales (a file's, for instance)."""
+        """The screened head over ``layer``'s own levels and scales (a file's, for instance), shared, not copied: a
+        K-form head (GGUF's Q6_K) keeps its per-16 sub-scales rather than a float32 scale per 16 inputs (two bits a
+        weight more, tens of MB for a 128k-token vocabulary)."""
         head = cls.__new__(cls)
         nn.Module.__init__(head)
-        head._set(layer.levels, layer.unit_scales(), layer.bias)  # the screen's kernel takes float scales
+        head._set(layer.levels, layer.scale, layer.bias)
+        if layer.k_form:
+            head.register_buffer("sub", layer.sub)
+            head.BUFFERS = layer.BUFFERS
         head._screen(margin, max_exact)
         return head
 
@@ -605,22 +613,33 @@ class ScreenedInt8Head(GroupedInt8Linear):
         if self.bias is not None or self.in_features % 64:
             raise ValueError("the screened head needs a bias-free head with in_features a multiple of 64")
         # The exact weights (what the int8 kernel multiplies by), a block of rows at a time: the whole float head
-        # would be several times the int8 one at once (a 1B model's vocabulary: a gigabyte).
-        blocks = [slice(start, start + 4096) for start in range(0, self.out_features, 4096)]
+        # would be several times the int8 one at once (a 1B model's vocabulary: a gigabyte). The blocks are small and
+        # the heap is trimmed after each: the screen is built last in a load, at its peak of resident memory.
+        step = max(64, SCREEN_BLOCK_ELEMENTS // self.in_features)
+        blocks = [slice(start, start + step) for start in range(0, self.out_features, step)]
         # Columns equalised before rounding (x is multiplied back): a few of SmolLM2's hidden channels hold weights
         # 3-4x the median, which would set every row's scale; the square root halves that spread (error 1.4 -> 1.0).
-        column = torch.stack([self.dequantized(rows).abs().amax(dim=0) for rows in blocks]).amax(dim=0)
+        # Every step in place or as a reduction (max |w| as the larger of max w and -min w): a block's float copy is
+        # the only one, which sets the peak of a load whose head is screened.
+        column = torch.zeros(self.in_features)
+        for rows in blocks:
+            block = self.dequantized(rows)
+            column = torch.maximum(column, torch.maximum(block.amax(dim=0), block.amin(dim=0).neg_()))
+            del block
+            release_freed_memory()
         column = column.clamp_min(_TINY).sqrt()
         screen4 = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8)
         row_scale = torch.empty(self.out_features)
         for rows in blocks:
-            equalised = self.dequantized(rows) / column
-            row_scale[rows] = (equalised.abs().amax(dim=1) / 7).clamp_min(_TINY)
-            levels = (torch.round(equalised / row_scale[rows][:, None]).clamp(-8, 7) + 8).to(torch.uint8)  # 0..15
+            equalised = self.dequantized(rows).div_(column)
+            row_scale[rows] = (torch.maximum(equalised.amax(dim=1), equalised.amin(dim=1).neg_()) / 7).clamp_min(_TINY)
+            levels = equalised.div_(row_scale[rows][:, None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)  # 0..15
             chunks = levels.reshape(len(levels), -1, 64)
             # Byte b of a 64-input chunk: input b in the low nibble, input b + 32 in the high one (what the kernel
             # reads).
             screen4[rows] = (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(len(levels), -1)
+            del equalised, levels, chunks
+            release_freed_memory()
         self.register_buffer("screen4", screen4)
         self.register_buffer("screen_scale", row_scale)
         self.register_buffer("column", column.contiguous())
@@ -631,8 +650,8 @@ class ScreenedInt8Head(GroupedInt8Linear):
         """Logits whose rows' argmax is what greedy decoding reads: the 4-bit screen's scores, with the exact logit
         for every token within the margin of its row's best score. [..., in] -> [..., out]."""
         rows = _rows(x, self.in_features)
-        out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column, self.levels, self.scale,
-                                      self.margin, self.max_exact)
+        out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column,
+                                      [getattr(self, name) for name in self.BUFFERS], self.margin, self.max_exact)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1569,11 +1569,14 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
 #endif
 
 torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
-                            torch::Tensor levels, torch::Tensor scale, double margin, int64_t max_exact) {
+                            std::vector<torch::Tensor> head, double margin, int64_t max_exact) {
   check_x(x);
-  const int64_t group = int8_group(scale, x.size(1), "screened_head");
-  check(x, levels, x.size(1), scale, group);
-  const int64_t rows = x.size(0), k = x.size(1), vocab = levels.size(0);
+  // The exact head as an 8-bit layer takes it: (levels, scale) or Q6_K's (levels, scale, sub).
+  TORCH_CHECK(head.size() == 2 || head.size() == 3, "screened_head: the exact head comes as (levels, scale) or "
+              "(levels, scale, sub), got ", head.size(), " tensors");
+  TORCH_CHECK(head[0].scalar_type() == torch::kInt8, "screened_head: the exact head's levels must be int8");
+  const Weights weights = weights_without_bias(head, x.size(1), "screened_head");
+  const int64_t rows = x.size(0), k = x.size(1), vocab = weights.out_features;
   TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
               screen4.size(0) == vocab && screen4.size(1) == k / 2, "screen4 must be contiguous uint8 [V, in / 2]");
   TORCH_CHECK(screen_scale.scalar_type() == torch::kFloat && screen_scale.is_contiguous() &&
@@ -1615,7 +1618,7 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
   });
   // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
   // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
-  const Int8Rows exact{levels.data_ptr<int8_t>(), scale.data_ptr<float>(), k / group, group};
+  const Int8Rows exact = weights.int8_rows();
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (input row, vocabulary row)
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = op + r * vocab;
@@ -1672,6 +1675,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false, py::arg("q8") = true, unlocked);
   m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
-        py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("levels"),
-        py::arg("scale"), py::arg("margin"), py::arg("max_exact"), unlocked);
+        py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("head"),
+        py::arg("margin"), py::arg("max_exact"), unlocked);
 }
