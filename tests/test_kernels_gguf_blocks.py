@@ -18,6 +18,7 @@ from jointspec.kernels.gguf_blocks import (
     BlockEmbedding,
     _llama_permutation,
     decode,
+    decode_tensor,
     file_layers,
     gguf_reader,
     shared_gguf_readers,
@@ -171,6 +172,31 @@ def test_a_q6_k_head_is_screened_on_its_own_sub_scales():
                      [getattr(screened, name) for name in screened.BUFFERS], 1.5, 8)
         for isa in runnable_isas():
             assert torch.equal(kernels(isa).screened_head(x, *arguments), near), isa
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K", "Q5_0"])
+def test_a_files_tensor_decodes_block_by_block_to_the_whole_tensors_levels(tmp_path, type_name):
+    """A load reads a large tensor from the file a block of rows at a time (never its whole bytes, and only one
+    block's temporaries, at the load's peak of memory): the levels are those of decoding the whole tensor, whatever the
+    blocks (one, several, a last partial one)."""
+    import gguf
+
+    raw = random_blocks(type_name, rows=23, columns=512, seed=8)
+    writer = gguf.GGUFWriter(tmp_path / "one.gguf", "llama")
+    writer.add_tensor("t", raw, raw_dtype=GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf_reader(tmp_path / "one.gguf").tensors[0]
+    whole = decode(raw, type_name, 512)
+    for block in (23, 5, 8192):
+        found = decode_tensor(tmp_path / "one.gguf", tensor, 512, block=block)
+        for name in ("levels", "scale", "minimum", "fifth"):
+            mine, theirs = getattr(found, name), getattr(whole, name)
+            assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), (block, name)
+        assert all(torch.equal(a, b) for a, b in zip(found.k_scales or (), whole.k_scales or ()))
+        assert torch.equal(found.weight(), whole.weight())
 
 
 def test_a_type_the_kernels_do_not_take_is_refused_by_name():

@@ -204,23 +204,31 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [half, l or l + 32, l]
     qh = blocks[..., 128:192].reshape(rows, -1, 2, 32)
     d = _half(blocks, 208)
-    low = np.concatenate([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-1)
-    shifts = np.repeat(np.array([0, 2, 4, 6], dtype=np.uint8), 32)
-    top = (np.tile(qh, (1, 1, 1, 4)) >> shifts) & 3
-    levels = (low | (top << 4)).astype(np.int16) - 32
+    # In place, in bytes: an embedding-sized tensor's temporaries set a load's peak. The level (0..63) minus 32
+    # wraps in uint8 to the signed level's byte.
+    levels = np.concatenate([ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-1)
+    top = np.tile(qh, (1, 1, 1, 4))
+    top >>= np.repeat(np.array([0, 2, 4, 6], dtype=np.uint8), 32)
+    top &= 3
+    top <<= 4
+    levels |= top
+    del top
+    levels -= np.uint8(32)
     # Scale of sub-block j: d * sc[j] (llama.cpp's dequantize_row_q6_K), kept as d and sc (the kernels' K form).
-    return Levels(8, as_tensor(levels.astype(np.int8).reshape(rows, columns)), None, None,
+    return Levels(8, as_tensor(levels.view(np.int8).reshape(rows, columns)), None, None,
                   k_scales=(as_tensor(np.ascontiguousarray(d)),
                             as_tensor(blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1))))
 
 
-def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int = 8192) -> Levels:
-    """:func:`decode`, a block of rows at a time into the result: decoding a large tensor (a vocabulary's embedding)
-    whole would hold several times its size in temporaries."""
-    if raw.shape[0] <= block:
-        return decode(raw, type_name, columns)
-    first = decode(raw[:block], type_name, columns)
-    rows = raw.shape[0]
+def decode_tensor(path: Path, tensor, columns: int, block: int = 8192) -> Levels:
+    """:func:`decode` of a file's tensor, a block of rows at a time into the result, each block read from the file as
+    it is decoded: a large tensor (a vocabulary's embedding) whole would hold its bytes and several times its size in
+    temporaries, at a load's peak."""
+    type_name = tensor.tensor_type.name
+    rows = int(tensor.data.shape[0])
+    if rows <= block:
+        return decode(_read(path, tensor), type_name, columns)
+    first = decode(_read(path, tensor, 0, block), type_name, columns)
 
     def full(part: torch.Tensor | None) -> torch.Tensor | None:
         return None if part is None else torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
@@ -228,7 +236,7 @@ def decode_in_blocks(raw: np.ndarray, type_name: str, columns: int, block: int =
     out = Levels(first.bits, full(first.levels), full(first.scale), full(first.minimum), full(first.fifth),
                  None if first.k_scales is None else (full(first.k_scales[0]), full(first.k_scales[1])))
     for start in range(0, rows, block):
-        part = first if start == 0 else decode(raw[start:start + block], type_name, columns)
+        part = first if start == 0 else decode(_read(path, tensor, start, start + block), type_name, columns)
         for name in ("levels", "scale", "minimum", "fifth"):
             if getattr(part, name) is not None:
                 getattr(out, name)[start:start + block] = getattr(part, name)
@@ -336,13 +344,17 @@ def _matching_order(levels: Levels, weight: torch.Tensor, module_name: str, conf
     return None
 
 
-def _read(path: Path, tensor) -> np.ndarray:
-    """A tensor's bytes read from the file, shaped as the reader's mapped view, without touching that view: mapped
-    pages, once read, count towards the process's memory until the file is unmapped."""
+def _read(path: Path, tensor, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """A tensor's bytes (its rows ``start`` .. ``stop`` - 1) read from the file, shaped as the reader's mapped view,
+    without touching that view: mapped pages, once read, count towards the process's memory until the file is
+    unmapped."""
+    shape = tuple(tensor.data.shape)
+    stop = shape[0] if stop is None else min(stop, shape[0])
+    row_bytes = tensor.n_bytes // shape[0]
     with open(path, "rb") as file:
-        file.seek(tensor.data_offset)
-        raw = np.frombuffer(file.read(tensor.n_bytes), dtype=np.uint8)
-    return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
+        file.seek(tensor.data_offset + start * row_bytes)
+        raw = np.frombuffer(file.read((stop - start) * row_bytes), dtype=np.uint8)
+    return raw.view(tensor.data.dtype).reshape(stop - start, *shape[1:])
 
 
 def _dequantized_in_blocks(levels: Levels, block: int = 4096) -> torch.Tensor:
@@ -434,7 +446,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
             return None, f"{module_name} has no {tensor_name} in the file"
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             return None, f"{tensor_name} is {tensor.tensor_type.name}"
-        found = decode_in_blocks(_read(path, tensor), tensor.tensor_type.name, linear.in_features)
+        found = decode_tensor(path, tensor, linear.in_features)
         if architecture == "llama" and module_name.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if module_name.endswith("q_proj") else config.num_key_value_heads
             found = found.rows(torch.argsort(_llama_permutation(linear.out_features, heads)))
@@ -455,8 +467,8 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
                 return None, f"no tensor in the file for {full_name}"
             if full_name == "model.embed_tokens.weight" and tensor.tensor_type.name in SUPPORTED_TYPES:
                 # Kept as blocks (BlockEmbedding, below): the head's own levels if it is tied.
-                embedding = levels["lm_head"] if tensor.name == wanted["lm_head"] else decode_in_blocks(
-                    _read(path, tensor), tensor.tensor_type.name, parameter.shape[1])
+                embedding = (levels["lm_head"] if tensor.name == wanted["lm_head"]
+                             else decode_tensor(path, tensor, parameter.shape[1]))
                 continue
             # The rest are norms and biases: small, any type.
             values = torch.from_numpy(np.array(gguf.quants.dequantize(_read(path, tensor), tensor.tensor_type),
