@@ -405,10 +405,8 @@ inline void quantise_group(const float* x, int8_t* out, float& step) {
 struct L64 {
   __m256i lo, hi;  // bytes 0-31 (lanes 0-7), 32-63 (lanes 8-15)
 };
-inline __m256i byte_bits(uint32_t bits) {  // 16 in byte i where bit i is set
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
-                                                                0x0303030303030303LL));
+// 16 in byte i of `spread` where bit i % 8 of that byte is set (each byte holds a copy of the byte its bit is in).
+inline __m256i sixteen_where_set(__m256i spread) {
   const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
 }
@@ -416,8 +414,17 @@ inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)), mask = _mm256_set1_epi8(0x0F);
   L64 out{_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
   if (fifth != nullptr) {
-    out.lo = _mm256_or_si256(out.lo, byte_bits((fifth[0] & 0xFFFFu) | (fifth[1] << 16)));
-    out.hi = _mm256_or_si256(out.hi, byte_bits((fifth[0] >> 16) | (fifth[1] & 0xFFFF0000u)));
+    // The pair's two words, one load, as bytes 0-7 of every quadword. The low half's bytes take bits 0-15 of group
+    // 2p's word (its bytes 0, 1), then bits 0-15 of group 2p + 1's (bytes 4, 5); the high half bits 16-31 of each
+    // (bytes 2, 3 and 6, 7); each byte spread over the eight lanes of its bits.
+    int64_t words;
+    std::memcpy(&words, fifth, sizeof words);
+    const __m256i both = _mm256_set1_epi64x(words);
+    out.lo = _mm256_or_si256(out.lo, sixteen_where_set(_mm256_shuffle_epi8(
+        both, _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0404040404040404LL, 0x0505050505050505LL))));
+    out.hi = _mm256_or_si256(out.hi, sixteen_where_set(_mm256_shuffle_epi8(
+        both, _mm256_setr_epi64x(0x0202020202020202LL, 0x0303030303030303LL, 0x0606060606060606LL,
+                                 0x0707070707070707LL))));
   }
   return out;
 }
