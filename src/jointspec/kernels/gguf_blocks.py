@@ -252,16 +252,31 @@ _SHARED_READERS: dict[tuple, object] | None = None
 @contextlib.contextmanager
 def shared_gguf_readers():
     """Within this block (``load_model`` runs in one), :func:`gguf_reader` gives every caller the same reader of an
-    unchanged file; afterwards they are dropped (a large vocabulary's parsed keys hold over 0.1 GB)."""
+    unchanged file; afterwards they are dropped (a large vocabulary's parsed keys hold over 0.1 GB).
+
+    transformers parses the file again for the config and for the tokenizer's class (``gguf.GGUFReader`` inside
+    ``load_gguf_checkpoint``): within the block ``gguf.GGUFReader`` opens for reading give the shared reader too, which
+    takes two of a load's four parses of the metadata away (seconds on a large vocabulary). The module attribute is
+    restored when the block ends."""
     global _SHARED_READERS
-    outermost = _SHARED_READERS is None
-    if outermost:
-        _SHARED_READERS = {}
+    if _SHARED_READERS is not None:
+        yield
+        return
+    import gguf
+
+    original = gguf.GGUFReader
+
+    def shared(path, mode="r"):
+        return gguf_reader(path) if mode == "r" else original(path, mode)
+
+    shared.__wrapped__ = original  # gguf_reader's own reads
+    _SHARED_READERS = {}
+    gguf.GGUFReader = shared
     try:
         yield
     finally:
-        if outermost:
-            _SHARED_READERS = None
+        gguf.GGUFReader = original
+        _SHARED_READERS = None
 
 
 def gguf_reader(path: str | Path):
@@ -270,13 +285,14 @@ def gguf_reader(path: str | Path):
     :func:`shared_gguf_readers` the reader of an unchanged file (its size and modification time) is made once."""
     import gguf
 
+    reader_class = getattr(gguf.GGUFReader, "__wrapped__", gguf.GGUFReader)
     resolved = Path(path).expanduser().resolve()
     if _SHARED_READERS is None:
-        return gguf.GGUFReader(str(resolved))
+        return reader_class(str(resolved))
     stat = resolved.stat()
     key = (str(resolved), stat.st_mtime_ns, stat.st_size)
     if key not in _SHARED_READERS:
-        _SHARED_READERS[key] = gguf.GGUFReader(str(resolved))
+        _SHARED_READERS[key] = reader_class(str(resolved))
     return _SHARED_READERS[key]
 
 
