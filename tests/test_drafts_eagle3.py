@@ -146,7 +146,9 @@ def test_training_time_test_raises_agreement_at_every_depth(trained_eagle3):
     assert all(b >= f + 0.05 for b, f in zip(best, first)) and best[0] >= 0.3
 
 
-@pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 4}), ("specinfer", {"tree": (2, 2)}),
+# sps without its cost-aware default: timed on a loaded machine, its curve can leave nothing worth drafting.
+@pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 4, "cost_aware": False}),
+                                           ("specinfer", {"tree": (2, 2)}),
                                            ("mtad", {"num_draft_tokens": 3, "beam_width": 2}),
                                            ("hybrid-tree", {})])
 def test_methods_with_an_eagle3_draft_are_greedy_exact(target4, trained_eagle3, tmp_path, method, config):
