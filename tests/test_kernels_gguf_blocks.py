@@ -195,6 +195,7 @@ def test_a_files_tensor_decodes_block_by_block_to_the_whole_tensors_levels(tmp_p
         for name in ("levels", "scale", "minimum", "fifth"):
             mine, theirs = getattr(found, name), getattr(whole, name)
             assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), (block, name)
+        assert (found.k_scales is None) == (whole.k_scales is None)
         assert all(torch.equal(a, b) for a, b in zip(found.k_scales or (), whole.k_scales or ()))
         assert torch.equal(found.weight(), whole.weight())
 
