@@ -571,6 +571,11 @@ SCREEN_MAX_EXACT = 128
 SCREEN_BLOCK_ELEMENTS = 1 << 20
 
 
+def _largest_magnitude(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """``values.abs().amax(dim)`` without the absolute values' copy: the larger of max and -min (the same numbers)."""
+    return torch.maximum(values.amax(dim=dim), values.amin(dim=dim).neg_())
+
+
 class ScreenedInt8Head(GroupedInt8Linear):
     """An int8 output head (:class:`GroupedInt8Linear`, same weights, same logits) that greedy decoding can read
     through a 4-bit screen: :meth:`argmax_logits` scores the whole vocabulary from a 4-bit copy of the weights (half
@@ -619,12 +624,12 @@ class ScreenedInt8Head(GroupedInt8Linear):
         blocks = [slice(start, start + step) for start in range(0, self.out_features, step)]
         # Columns equalised before rounding (x is multiplied back): a few of SmolLM2's hidden channels hold weights
         # 3-4x the median, which would set every row's scale; the square root halves that spread (error 1.4 -> 1.0).
-        # Every step in place or as a reduction (max |w| as the larger of max w and -min w): a block's float copy is
-        # the only one, which sets the peak of a load whose head is screened.
+        # Every step in place or as a reduction: a block's float copy is the only one, which sets the peak of a load
+        # whose head is screened.
         column = torch.zeros(self.in_features)
         for rows in blocks:
             block = self.dequantized(rows)
-            column = torch.maximum(column, torch.maximum(block.amax(dim=0), block.amin(dim=0).neg_()))
+            column = torch.maximum(column, _largest_magnitude(block, dim=0))
             del block
             release_freed_memory()
         column = column.clamp_min(_TINY).sqrt()
@@ -632,7 +637,7 @@ class ScreenedInt8Head(GroupedInt8Linear):
         row_scale = torch.empty(self.out_features)
         for rows in blocks:
             equalised = self.dequantized(rows).div_(column)
-            row_scale[rows] = (torch.maximum(equalised.amax(dim=1), equalised.amin(dim=1).neg_()) / 7).clamp_min(_TINY)
+            row_scale[rows] = (_largest_magnitude(equalised, dim=1) / 7).clamp_min(_TINY)
             levels = equalised.div_(row_scale[rows][:, None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)  # 0..15
             chunks = levels.reshape(len(levels), -1, 64)
             # Byte b of a 64-input chunk: input b in the low nibble, input b + 32 in the high one (what the kernel
