@@ -187,6 +187,16 @@ def test_each_request_gets_the_tokens_it_gets_alone_sampled(int4_target, method)
     assert out == [alone(int4_target, config, list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
 
 
+def test_lookup_drafts_sample_what_ar_samples_under_load(int4_target):
+    # Cost-aware lookup drafts shorter as the batch fills, but its drafts use no draws and its verifier one draw per
+    # emitted token (verifiers/rejection.py): each request's sampled tokens are plain sampling's for its seed.
+    engine = LockstepEngine(int4_target, max_batch_size=5)
+    requests = [BatchRequest(tuple(p), SAMPLED, METHODS["pld-cost-aware"], seed=100 + i) for i, p in enumerate(PROMPTS)]
+    out = engine.generate(requests)
+    assert out == [alone(int4_target, METHODS["ar"], list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
+    assert engine.stats.num_accepted_tokens > 0
+
+
 def test_a_cancelled_request_leaves_and_the_others_are_untouched(int4_target):
     config = METHODS["pld"]
     engine = LockstepEngine(int4_target, max_batch_size=4)

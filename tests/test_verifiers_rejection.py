@@ -36,7 +36,7 @@ import torch
 from scipy import stats
 
 from jointspec.core.draft import Draft
-from jointspec.core.sampling import SamplingConfig, processed_probs
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.core.verdict import Verdict
 from jointspec.verifiers import rejection
 from jointspec.verifiers.rejection import RejectionSamplingVerifier, residual_distribution
@@ -192,6 +192,23 @@ def test_one_hot_draft_without_probabilities(fixed_draft):
     assert p_first > ALPHA and p_joint > ALPHA, (p_first, p_joint)
 
 
+def test_one_hot_draft_uses_the_draws_of_plain_sampling():
+    # A draft without probabilities is judged by the target's own draw at each position, one draw per emitted token:
+    # with the same generator, a round emits what plain sampling would have drawn for those positions, whatever was
+    # drafted (the rows here do not depend on the drafted tokens). Deterministic: no false failures.
+    case = chain_case(TARGET, None)
+    for seed in range(20):
+        plain = torch.Generator().manual_seed(seed)
+        draws = [int(sample(processed_probs(case["target_logits"][i], T1), plain)) for i in range(3)]
+        for fixed_draft in ([1, 5], [4, 0], draws[:2], [draws[0], 5 if draws[1] != 5 else 4]):
+            verdict = RejectionSamplingVerifier().verify(Draft(token_ids=fixed_draft), case["target_logits"], T1,
+                                                         torch.Generator().manual_seed(seed))
+            emitted = verdict.token_ids
+            assert emitted == draws[:len(emitted)], (seed, fixed_draft)
+            kept = next((i for i, token in enumerate(fixed_draft) if token != draws[i]), len(fixed_draft))
+            assert verdict.accepted == list(range(kept))
+
+
 def test_draft_zero_where_target_is_not():
     # Tokens 2-5 can never be drafted, so they can only come out as recovered tokens; the residual must supply them
     # with exactly the target's probability.
@@ -265,6 +282,28 @@ class AcceptWithoutRatioVerifier(RejectionSamplingVerifier):
             return Verdict(list(range(i)), list(draft.token_ids[:i]) + [recovered])
         bonus = int(torch.multinomial(target_probs[draft.num_nodes], 1, generator=generator))
         return Verdict(list(range(draft.num_nodes)), list(draft.token_ids) + [bonus])
+
+
+class RedrawAfterMismatchVerifier(RejectionSamplingVerifier):
+    """Bug: a one-hot draft token that differs from the target's draw is replaced by a second, fresh draw (which can
+    be the draft token again) instead of by that draw."""
+
+    def verify(self, draft, target_logits, sampling, generator):
+        target_probs = processed_probs(target_logits, sampling)
+        for i, token in enumerate(draft.token_ids):
+            if int(sample(target_probs[i], generator)) != token:
+                recovered = int(sample(target_probs[i], generator))
+                return Verdict(list(range(i)), list(draft.token_ids[:i]) + [recovered])
+        bonus = int(sample(target_probs[draft.num_nodes], generator))
+        return Verdict(list(range(draft.num_nodes)), list(draft.token_ids) + [bonus])
+
+
+def test_mutant_redraw_after_one_hot_mismatch_is_rejected():
+    # The first token then comes out as the draft token with probability p + (1 - p) p instead of p.
+    case = chain_case(TARGET, None)
+    case["fixed_draft"] = [1, 5]
+    p_first, p_joint = lossless_pvalues(RedrawAfterMismatchVerifier(), case, seed=10)
+    assert p_first < ALPHA and p_joint < ALPHA, (p_first, p_joint)
 
 
 def test_mutant_recovered_from_target_is_rejected(monkeypatch):

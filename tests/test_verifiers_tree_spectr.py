@@ -16,7 +16,8 @@ import torch
 from scipy.stats import chisquare
 
 from jointspec.core.draft import Draft
-from jointspec.core.sampling import SamplingConfig
+from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.core.verdict import Verdict, children_of
 from jointspec.verifiers.spectr import SpecTrVerifier, kseq_rho
 from jointspec.verifiers.tree import TreeRejectionVerifier
 
@@ -143,6 +144,30 @@ def test_specinfer_edge_cases_are_lossless(case):
 
 def test_specinfer_mutant_is_rejected():
     first, second = run_verifier(NoResidual(True), TARGET, DRAFT, (3, 2), NUM_SMALL, True, seed=12)
+    assert min(p_values(TARGET, first, second)) < ALPHA
+
+
+class RedrawWhereNoChildMatches(TreeRejectionVerifier):
+    """Mutant (children without draft probabilities): where no child has the target's draw, a second draw comes out
+    instead of that draw (it can be a child's token)."""
+
+    def verify(self, draft, target_logits, sampling, generator):
+        target_probs = processed_probs(target_logits, sampling)
+        children = children_of(draft)
+        node, path = -1, []
+        while True:
+            wanted = int(sample(target_probs[node + 1], generator))
+            match = next((c for c in children[node] if draft.token_ids[c] == wanted), None)
+            if match is None:
+                token = int(sample(target_probs[node + 1], generator)) if children[node] else wanted
+                return Verdict(path, [draft.token_ids[i] for i in path] + [token])
+            path.append(match)
+            node = match
+
+
+def test_one_hot_mutant_is_rejected():
+    first, second = run_verifier(RedrawWhereNoChildMatches(True), TARGET, DRAFT, (3, 2), NUM_SMALL, True, seed=14,
+                                 one_hot=True)
     assert min(p_values(TARGET, first, second)) < ALPHA
 
 

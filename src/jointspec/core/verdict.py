@@ -58,10 +58,3 @@ def path_to(parents: list[int], node: int) -> list[int]:
         nodes.append(node)
         node = parents[node]
     return nodes[::-1]
-
-
-def one_hot_row(token: int, like: torch.Tensor) -> torch.Tensor:
-    """A distribution shaped like ``like`` ([vocab]) with all mass on ``token``: a deterministic draft's 'probs'."""
-    row = torch.zeros_like(like)
-    row[token] = 1.0
-    return row

@@ -6,6 +6,8 @@ exactly plain greedy decoding's, whatever the drafter proposed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from jointspec.core.draft import Draft
@@ -22,24 +24,36 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def follow_target(draft: Draft, choice: Callable[[int], int]) -> Verdict:
+    """Keep draft nodes while their token is the target's own choice, then add that choice where they part.
+
+    ``choice(row)`` is the target's token for its logits row ``row`` (0: after the committed text; ``1 + i``: after
+    draft node ``i``). It is called once per emitted token, row by row in the order the tokens come out, and never for
+    a row past the first difference: a sampled choice then draws exactly what plain sampling would have drawn for
+    those tokens. On a tree, the first child whose token is the choice is followed.
+    """
+    accepted: list[int] = []
+    if draft.is_chain:
+        while True:
+            wanted = choice(len(accepted))
+            if len(accepted) == draft.num_nodes or draft.token_ids[len(accepted)] != wanted:
+                return Verdict(accepted, [draft.token_ids[i] for i in accepted] + [wanted])
+            accepted.append(len(accepted))
+    children = children_of(draft)
+    node = -1
+    while True:
+        wanted = choice(node + 1)
+        match = next((c for c in children[node] if draft.token_ids[c] == wanted), None)
+        if match is None:
+            return Verdict(accepted, [draft.token_ids[i] for i in accepted] + [wanted])
+        accepted.append(match)
+        node = match
+
+
 class GreedyVerifier:
     # At temperature 0 only each row's argmax is read (the loop may then ask the target for screened logits).
     reads_argmax_when_greedy = True
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
                generator: torch.Generator | None) -> Verdict:
-        target_choice = argmax_rows(target_logits)  # [num_nodes + 1]
-        accepted: list[int] = []
-        if draft.is_chain:
-            while len(accepted) < draft.num_nodes and draft.token_ids[len(accepted)] == target_choice[len(accepted)]:
-                accepted.append(len(accepted))
-            return Verdict(accepted, [draft.token_ids[i] for i in accepted] + [target_choice[len(accepted)]])
-        children = children_of(draft)
-        node = -1
-        while True:
-            wanted = target_choice[node + 1]
-            match = next((c for c in children[node] if draft.token_ids[c] == wanted), None)
-            if match is None:
-                return Verdict(accepted, [draft.token_ids[i] for i in accepted] + [wanted])
-            accepted.append(match)
-            node = match
+        return follow_target(draft, argmax_rows(target_logits).__getitem__)

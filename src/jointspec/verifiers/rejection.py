@@ -4,8 +4,13 @@ Draft token ``x`` at position ``i`` is kept with probability ``min(1, target_pro
 At the first rejection the recovered token is drawn from the normalised positive residual
 ``max(target_probs[i] - draft_probs[i], 0)``; if all are kept, the bonus token is drawn from ``target_probs[k]``.
 The output then has exactly the target's distribution (the sampling config's, see :mod:`jointspec.core.sampling`),
-whatever the draft distribution. A drafter without probabilities is a one-hot draft: its token is kept with
-probability ``target_probs[i, x]``, and the residual is the target with ``x`` removed.
+whatever the draft distribution.
+
+A drafter without probabilities (prompt or corpus lookup) is a one-hot draft: its token ``x`` must be kept with
+probability ``target_probs[i, x]``, and the residual is the target with ``x`` removed. That is what drawing the
+target's own token for the position and keeping ``x`` when the draw is ``x`` gives (the draw, when it is not ``x``, is
+the residual's sample), and done so, row by row with one draw per emitted token, a round uses the generator exactly as
+plain sampling does: with the same seed the text is plain sampling's, whatever was drafted, however long.
 
 At temperature 0 the target is one-hot and this reduces to :class:`GreedyVerifier`, which is used directly.
 """
@@ -16,8 +21,8 @@ import torch
 
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
-from jointspec.core.verdict import Verdict, one_hot_row
-from jointspec.verifiers.greedy import GreedyVerifier
+from jointspec.core.verdict import Verdict
+from jointspec.verifiers.greedy import GreedyVerifier, follow_target
 
 
 def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
@@ -42,15 +47,14 @@ class RejectionSamplingVerifier:
         if not draft.is_chain:
             raise ValueError("RejectionSamplingVerifier verifies chains; use a tree verifier for tree drafts")
         target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
+        if draft.draft_probs is None:
+            return follow_target(draft, lambda row: int(sample(target_probs[row], generator)))
         num_nodes = draft.num_nodes
         uniforms = torch.rand(num_nodes, generator=generator).tolist() if num_nodes else []
         for i, token in enumerate(draft.token_ids):
-            target_p = float(target_probs[i, token])
-            draft_p = float(draft.draft_probs[i, token]) if draft.draft_probs is not None else 1.0
-            if uniforms[i] * draft_p < target_p:
+            if uniforms[i] * float(draft.draft_probs[i, token]) < float(target_probs[i, token]):
                 continue
-            draft_row = draft.draft_probs[i] if draft.draft_probs is not None else one_hot_row(token, target_probs[i])
-            recovered = int(sample(residual_distribution(target_probs[i], draft_row), generator))
+            recovered = int(sample(residual_distribution(target_probs[i], draft.draft_probs[i]), generator))
             return Verdict(list(range(i)), list(draft.token_ids[:i]) + [recovered])
         bonus = int(sample(target_probs[num_nodes], generator))
         return Verdict(list(range(num_nodes)), list(draft.token_ids) + [bonus])

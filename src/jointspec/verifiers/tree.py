@@ -10,6 +10,10 @@ from the target row after it. Each step is one speculative-sampling step with th
 output has exactly the target's law provided the children of a node are i.i.d. draft samples (or sequential draws
 without replacement) given the node, as :class:`jointspec.drafters.tree.TreeDrafter` produces.
 
+Children without draft probabilities (lookup trees) are one-hot drafts: the target draws its own token at each node
+and the walk follows the child with that token, as for a one-hot chain (:mod:`jointspec.verifiers.rejection`): each
+child is kept with its target probability, and the round uses one draw per emitted token, as plain sampling does.
+
 Temperature 0: the target is one-hot and this reduces to greedy tree verification (:class:`GreedyVerifier`).
 """
 
@@ -19,8 +23,8 @@ import torch
 
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
-from jointspec.core.verdict import Verdict, children_of, one_hot_row, path_to
-from jointspec.verifiers.greedy import GreedyVerifier
+from jointspec.core.verdict import Verdict, children_of, path_to
+from jointspec.verifiers.greedy import GreedyVerifier, follow_target
 from jointspec.verifiers.rejection import residual_distribution
 
 
@@ -37,6 +41,8 @@ class TreeRejectionVerifier:
         if sampling.greedy:
             return self._greedy.verify(draft, target_logits, sampling, generator)
         target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
+        if draft.draft_probs is None:  # one-hot children: as for a chain (verifiers/rejection.py), the target's draws
+            return follow_target(draft, lambda row: int(sample(target_probs[row], generator)))
         children = children_of(draft)
         node = -1
         while True:
@@ -44,18 +50,16 @@ class TreeRejectionVerifier:
             kids = children[node]
             if not kids:  # a leaf (or an empty draft): the bonus token
                 return self._verdict(draft, node, int(sample(target_row, generator)))
-            # Siblings share their parent's draft distribution; a deterministic draft is one-hot per child.
-            draft_row = draft.draft_probs[kids[0]] if draft.draft_probs is not None else None
+            draft_row = draft.draft_probs[kids[0]]  # siblings share their parent's draft distribution
             uniforms = torch.rand(len(kids), generator=generator).tolist()
             accepted = None
             for child, uniform in zip(kids, uniforms):
                 token = draft.token_ids[child]
-                child_row = draft_row if draft_row is not None else one_hot_row(token, target_row)
-                if uniform * float(child_row[token]) < float(target_row[token]):
+                if uniform * float(draft_row[token]) < float(target_row[token]):
                     accepted = child
                     break
-                target_row = self._residual(target_row, child_row)
-                if not self.replacement and draft_row is not None:
+                target_row = self._residual(target_row, draft_row)
+                if not self.replacement:
                     draft_row = draft_row.clone()
                     draft_row[token] = 0.0
                     total = draft_row.sum()
