@@ -112,6 +112,21 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
         assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
 
 
+def test_a_request_without_a_seed_samples_afresh_and_reports_its_seed(client):
+    # OpenAI's semantics: without a seed, each sampled request draws anew. The server gives each its own seed (two
+    # alike by chance: 2^-63) and reports it, and the reported seed replays the answer exactly.
+    body = {"prompt": "abcab", "max_tokens": 16, "temperature": 1.0}
+    first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    seeds = [reply["usage"]["jointspec"]["seed"] for reply in (first, second)]
+    assert seeds[0] != seeds[1]
+    for reply, seed in zip((first, second), seeds):
+        replay = client.post("/v1/completions", json={**body, "seed": seed}).json()
+        assert replay["choices"][0]["text"] == reply["choices"][0]["text"]
+        assert replay["usage"]["jointspec"]["seed"] == seed
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    assert "seed" not in greedy["usage"]["jointspec"]  # a greedy answer draws nothing
+
+
 def test_a_method_the_ragged_engine_cannot_batch_is_a_400_naming_it(client):
     """The float32 byte model is served by the ragged engine, which batches chain methods only (a CPU int4 model is
     served by the lockstep engine, which runs every method: test_server_memory.py serves MTAD there)."""

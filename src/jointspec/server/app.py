@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -314,12 +315,14 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         try:
             try:
                 body = await _parse(request, model)
-                generation = await _submit(_engine_request(body), deadline)
+                engine_request = _engine_request(body)
+                generation = await _submit(engine_request, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
                 return error_response(error)
             metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
-            reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens)
+            reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens,
+                           engine_request.seed if engine_request.temperature > 0 else None)
             chunks = _timed(generation, arrived, deadline)
             if not body.stream:
                 return await _whole(request, endpoint, reply, chunks, generation, body.return_token_ids)
@@ -468,7 +471,10 @@ async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
 def _engine_request(body: _Sampling) -> CompletionRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
-    common = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed or 0,
+    # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports so that the
+    # answer can be replayed.
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    common = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
                   stop=stop, method=options, user=body.user)
     try:
         if isinstance(body, ChatBody):
@@ -496,12 +502,13 @@ def _event(payload: dict) -> str:
 class _Reply:
     """OpenAI's response shapes for one request, and the running totals its usage reports."""
 
-    def __init__(self, endpoint: str, model_id: str, num_prompt_tokens: int) -> None:
+    def __init__(self, endpoint: str, model_id: str, num_prompt_tokens: int, seed: int | None) -> None:
         self.chat = endpoint == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.seed = seed  # a sampled request's (None: greedy)
         self.num_tokens = 0
         self.num_rounds = 0
         self.num_drafted = 0
@@ -520,11 +527,12 @@ class _Reply:
         # "jointspec" is an extension: OpenAI's clients keep unknown usage fields (or drop them) without failing.
         mean = 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+        figures = {"drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted, "rounds": self.num_rounds,
+                   "mean_accepted_tokens": round(mean, 4), "acceptance_rate": round(rate, 4)}
+        if self.seed is not None:
+            figures["seed"] = self.seed
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_tokens,
-                "jointspec": {"drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
-                              "rounds": self.num_rounds, "mean_accepted_tokens": round(mean, 4),
-                              "acceptance_rate": round(rate, 4)}}
+                "total_tokens": self.num_prompt_tokens + self.num_tokens, "jointspec": figures}
 
     @staticmethod
     def _finish(reason: str | None) -> str | None:
