@@ -195,6 +195,21 @@ def test_sampling_is_reproducible_with_a_seed(capsys, model_dirs):
     assert other["token_ids"] != first["token_ids"]
 
 
+def test_sampling_without_a_seed_draws_one_and_reports_it(capsys, model_dirs):
+    # Without --seed each sampled run draws its own seed (two alike by chance: 2^-63) and reports it; that seed
+    # repeats the answer. A greedy run reports none: it draws nothing.
+    args = generate_args(model_dirs["target"], "--method", "pld", "--temperature", "1.5", "--top-k", "50",
+                         "--max-new-tokens", "16", "--json")
+    first, second = json_result(capsys, *args), json_result(capsys, *args)
+    assert first["seed"] != second["seed"]
+    again = json_result(capsys, *args, "--seed", str(first["seed"]))
+    assert again["token_ids"] == first["token_ids"] and again["seed"] == first["seed"]
+    assert "seed" not in json_result(capsys, *generate_args(model_dirs["target"], "--max-new-tokens", "4", "--json"))
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--temperature", "1", "--seed", "7",
+                                                  "--max-new-tokens", "4"))
+    assert code == 0 and "; seed 7" in err
+
+
 def test_text_output_streams_and_reports(capsys, model_dirs):
     code, out, err = run_cli(capsys, *generate_args(model_dirs["target"]))
     assert code == 0, err

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -35,7 +36,9 @@ def _add_generate(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="fixes a sampled answer (default: a fresh seed per run, reported so the answer can be "
+                             "repeated)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--attention", choices=("full", "sparse"), default="full",
                         help="sparse: APPROXIMATE (lossy) decoding for long inputs: after the prompt, the model sees "
@@ -55,9 +58,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     if args.method not in method_names():
         raise JointspecError(unknown_method_error(args.method))
+    # Without --seed a sampled answer is a fresh one each run, as in llama.cpp's CLI; the seed drawn is reported.
+    seed = args.seed if args.seed is not None else secrets.randbits(63)
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed, chat=not args.no_chat)
+                                  top_p=args.top_p, seed=seed, chat=not args.no_chat)
         method = method_config_from_args(args)
     except ValueError as error:
         raise JointspecError(str(error)) from error
@@ -84,6 +89,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         result = pipeline.generate(prompt, config)
         joules = meter.stop()
         record = result.to_dict()
+        if args.temperature > 0:
+            record["seed"] = seed
         # Scored by the model with its whole cache, also when it decoded over a sparse view.
         record["quality"] = quality_report(model, result.prompt_ids, result.token_ids, joules)
         print(json.dumps(record))
@@ -102,7 +109,7 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"{result.num_new_tokens / decode_seconds if decode_seconds > 0 else 0.0:.1f} tok/s; "
           f"{stats.num_rounds} target calls, "
           f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
-          f"({pipeline.target.name})", file=sys.stderr)
+          f"({pipeline.target.name}){f'; seed {seed}' if args.temperature > 0 else ''}", file=sys.stderr)
     return 0
 
 
