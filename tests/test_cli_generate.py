@@ -196,7 +196,7 @@ def test_sampling_is_reproducible_with_a_seed(capsys, model_dirs):
 
 
 def test_sampling_without_a_seed_draws_one_and_reports_it(capsys, model_dirs):
-    # Without --seed each sampled run draws its own seed (two alike by chance: 2^-63) and reports it; that seed
+    # Without --seed each sampled run draws its own seed (two alike by chance: 2^-53) and reports it; that seed
     # repeats the answer. A greedy run reports none: it draws nothing.
     args = generate_args(model_dirs["target"], "--method", "pld", "--temperature", "1.5", "--top-k", "50",
                          "--max-new-tokens", "16", "--json")

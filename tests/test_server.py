@@ -114,7 +114,7 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
 
 def test_a_request_without_a_seed_samples_afresh_and_reports_its_seed(client):
     # OpenAI's semantics: without a seed, each sampled request draws anew. The server gives each its own seed (two
-    # alike by chance: 2^-63) and reports it, and the reported seed replays the answer exactly.
+    # alike by chance: 2^-53) and reports it, and the reported seed replays the answer exactly.
     body = {"prompt": "abcab", "max_tokens": 16, "temperature": 1.0}
     first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
     seeds = [reply["usage"]["jointspec"]["seed"] for reply in (first, second)]

@@ -59,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.method not in method_names():
         raise JointspecError(unknown_method_error(args.method))
     # Without --seed a sampled answer is a fresh one each run, as in llama.cpp's CLI; the seed drawn is reported.
-    seed = args.seed if args.seed is not None else secrets.randbits(63)
+    seed = args.seed if args.seed is not None else secrets.randbits(53)
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=seed, chat=not args.no_chat)

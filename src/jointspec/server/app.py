@@ -472,8 +472,8 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
     # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports so that the
-    # answer can be replayed.
-    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    # answer can be replayed (53 bits: a JSON number any client, JavaScript's included, reads back exactly).
+    seed = body.seed if body.seed is not None else secrets.randbits(53)
     common = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
                   stop=stop, method=options, user=body.user)
     try:
