@@ -34,6 +34,12 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
     return residual / total if total > 0 else target_row
 
 
+def follow_target_draws(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """A draft without probabilities (a chain or a tree), judged by the target's own draw at each position, one draw
+    per emitted token in order (the module docstring says why that is lossless and repeats plain sampling)."""
+    return follow_target(draft, lambda row: int(sample(target_probs[row], generator)))
+
+
 class RejectionSamplingVerifier:
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
 
@@ -48,7 +54,7 @@ class RejectionSamplingVerifier:
             raise ValueError("RejectionSamplingVerifier verifies chains; use a tree verifier for tree drafts")
         target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
         if draft.draft_probs is None:
-            return follow_target(draft, lambda row: int(sample(target_probs[row], generator)))
+            return follow_target_draws(draft, target_probs, generator)
         num_nodes = draft.num_nodes
         uniforms = torch.rand(num_nodes, generator=generator).tolist() if num_nodes else []
         for i, token in enumerate(draft.token_ids):

@@ -24,8 +24,8 @@ import torch
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.core.verdict import Verdict, children_of, path_to
-from jointspec.verifiers.greedy import GreedyVerifier, follow_target
-from jointspec.verifiers.rejection import residual_distribution
+from jointspec.verifiers.greedy import GreedyVerifier
+from jointspec.verifiers.rejection import follow_target_draws, residual_distribution
 
 
 class TreeRejectionVerifier:
@@ -41,8 +41,8 @@ class TreeRejectionVerifier:
         if sampling.greedy:
             return self._greedy.verify(draft, target_logits, sampling, generator)
         target_probs = processed_probs(target_logits, sampling)  # [num_nodes + 1, vocab]
-        if draft.draft_probs is None:  # one-hot children: as for a chain (verifiers/rejection.py), the target's draws
-            return follow_target(draft, lambda row: int(sample(target_probs[row], generator)))
+        if draft.draft_probs is None:  # one-hot children: the target's draws, as for a chain
+            return follow_target_draws(draft, target_probs, generator)
         children = children_of(draft)
         node = -1
         while True:
