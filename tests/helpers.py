@@ -204,13 +204,14 @@ def corpus_folder(target_model) -> str:
 def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: int = 4):
     """A registered method built the way the library builds it, at its fixed draft length (the cost-aware wrapper,
     sps's default, has equivalence tests of its own in test_drafters_costaware.py). ``method`` is a name, or
-    ``sps-other`` for speculative sampling with a different random model as the draft."""
+    ``sps-other`` (``pearl-other``) for speculative sampling (PEARL) with a different random model as the draft."""
     target = CausalLM(target_model, name="tiny-target")
     if method == "corpus":
         name, draft = "corpus", corpus_folder(target_model)
     else:
         name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
-                       "sps-other": ("sps", "other"), "lookahead": ("lookahead", None)}[method]
+                       "sps-other": ("sps", "other"), "lookahead": ("lookahead", None),
+                       "pearl-self": ("pearl", "self"), "pearl-other": ("pearl", "other")}[method]
 
     def load_draft(source: str):
         assert source == "other"

@@ -139,8 +139,8 @@ def test_oracle_acceptance_matches_corruption_rate(target_model, bench_tokenizer
 
 # What the registry says of each method (``register_method(..., lossless=...)``); `ar` is the baseline itself. A method
 # added to the registry fails the test below until it is put in one of these two sets, agreeing with its flag.
-LOSSLESS = {"aded", "corpus", "cross", "default", "hybrid", "hybrid-tree", "lade", "lookahead", "oracle", "pld",
-            "sparse-self", "specinfer", "spectr", "sps"}
+LOSSLESS = {"aded", "corpus", "cross", "default", "hybrid", "hybrid-tree", "lade", "lookahead", "oracle", "pearl",
+            "pld", "sparse-self", "specinfer", "spectr", "sps"}
 NOT_LOSSLESS = {"mtad", "mtad-tree"}
 # Methods for long inputs, which draft nothing on these short prompts (their drafting is tested on their own:
 # tests/test_drafters_sparse_self.py).

@@ -27,7 +27,7 @@ from helpers import VOCAB, first_occurrences, greedy, hf_greedy, make_decoder, r
 MAX_NEW_TOKENS = 40
 NUM_DRAFT_TOKENS = 4
 
-METHODS = ["ar", "sps-self", "sps-other", "pld", "corpus", "lookahead"]
+METHODS = ["ar", "sps-self", "sps-other", "pld", "corpus", "lookahead", "pearl-self", "pearl-other"]
 
 
 @pytest.mark.parametrize("prompt_seed", [0, 3, 6])
@@ -109,7 +109,7 @@ def test_eos_inside_draft_stops_like_plain_greedy(target_model, other_model, met
         assert decoder.stats.num_new_tokens == len(expected)
 
 
-@pytest.mark.parametrize("method", ["sps-self", "pld", "corpus", "lookahead"])
+@pytest.mark.parametrize("method", ["sps-self", "pld", "corpus", "lookahead", "pearl-self"])
 def test_eos_as_first_new_token(target_model, method):
     # The first token generated is EOS: a single token comes out, whatever the draft proposed after it.
     prompt = random_prompt(0)

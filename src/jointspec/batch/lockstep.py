@@ -44,6 +44,7 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.memory import OutputMemory
+from jointspec.drafters.pearl import ParallelDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -153,7 +154,12 @@ class LockstepEngine(EngineBase):
         """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once. A
         cost-aware method also has the batch's cost curve measured now (a few seconds, once), not in a round."""
         if config not in self._checked:
-            if isinstance(self._decoder(config).drafter, LOAD_AWARE_DRAFTERS):
+            drafter = self._decoder(config).drafter
+            if isinstance(drafter, ParallelDrafter):
+                raise UnsupportedOptionError("method 'pearl' is not batched: it drafts on a thread of its own while "
+                                             "its target verifies, and a batch's forward already takes every core; "
+                                             "use 'default' or 'sps'")
+            if isinstance(drafter, LOAD_AWARE_DRAFTERS):
                 self._batch_curve()
             self._checked.add(config)
 

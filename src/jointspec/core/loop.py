@@ -141,6 +141,7 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         # A drafter that learns from the target's rows gets their argmax each round (core/draft.py).
         self._observes_target = bool(getattr(drafter, "observes_target", False))
+        self._finishes = callable(getattr(drafter, "finish", None))
 
     def stream(self, prompt_ids: list[int], config: DecodeConfig,
                generator: torch.Generator | None = None) -> Iterator[list[int]]:
@@ -224,6 +225,8 @@ class SpeculativeDecoder:
         state.stopped = stopped
         if not stopped:
             self.drafter.commit(tokens, verdict.num_accepted)
+        if state.done and self._finishes:
+            self.drafter.finish()
         state.draft = None
         return new_tokens
 

@@ -315,6 +315,16 @@ class FeatureDraft:
     # Drafts that read features score chains and trees; they have no features of their own and no fork.
     capabilities = TargetCapabilities(trees=True)
 
+    # How many leading target features the draft may read (None: all the mirror holds). A drafter that drafts while
+    # the target's forward runs (PEARL, drafters/pearl.py) caps it at what was committed when it began, so that the
+    # draft does not read rows that forward is writing, nor depend on how far it had got.
+    feature_horizon: int | None = None
+
+    def known_features(self) -> int:
+        """The number of leading positions whose true target features this draft reads now."""
+        length = self.mirror.length
+        return length if self.feature_horizon is None else min(length, self.feature_horizon)
+
     @property
     def vocab_size(self) -> int:
         return self._full_vocab

@@ -224,7 +224,7 @@ class HeadDraftModel(FeatureDraft):
         source = entry - 1
         if source < 0:
             return torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
-        if source < self.mirror.length:  # the target has scored it: committed text, true feature
+        if source < self.known_features():  # the target has scored it: committed text, true feature
             return self.head.fuse(self.mirror.features[source].to(self.dtype))
         if source < self.predicted.shape[0]:
             return self.predicted[source]
@@ -303,7 +303,7 @@ class HeadDraftModel(FeatureDraft):
                 feature = self._input_feature(entry)
                 if feature is None:
                     break
-                if self.num_exact == entry and entry - 1 < self.mirror.length:
+                if self.num_exact == entry and entry - 1 < self.known_features():
                     self.num_exact = entry + 1
                 inputs.append(feature)
             assert inputs, "a draft head was fed a token whose input feature does not exist"

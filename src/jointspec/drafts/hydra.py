@@ -103,7 +103,7 @@ class HydraDraftModel(MedusaDraftModel):
 
     def _logits(self, entries: list[int]) -> torch.Tensor:
         """[len(entries), full vocab] logits for the token after each entry."""
-        known = self.mirror.length  # positions 0 .. known - 1 have true features
+        known = self.known_features()  # positions 0 .. known - 1 have true features
         num_heads = self.heads.config.num_heads
         computed: dict[tuple, torch.Tensor] = {}  # tree nodes with the same path share a row
         rows = []

@@ -118,7 +118,7 @@ class MedusaDraftModel(FeatureDraft):
 
     def _logits(self, positions: list[int]) -> torch.Tensor:
         """[len(positions), full vocab] logits for the token after each position."""
-        known = self.mirror.length  # positions 0 .. known - 1 have true features
+        known = self.known_features()  # positions 0 .. known - 1 have true features
         computed: dict[tuple[int, int], torch.Tensor] = {}  # a tree's nodes at one depth share their row
         rows = []
         for p in positions:

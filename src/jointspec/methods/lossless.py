@@ -1,5 +1,5 @@
 """The lossless chain and tree methods built from lookup, a draft model or a trained head: ``ar`` (the baseline),
-``sps``, ``pld``, ``corpus``, ``hybrid`` and ``hybrid-tree``."""
+``sps``, ``pearl``, ``pld``, ``corpus``, ``hybrid`` and ``hybrid-tree``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from jointspec.drafters.hybrid import HybridDrafter
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.model import ModelDrafter
 from jointspec.drafters.ngram import PromptLookupDrafter
+from jointspec.drafters.pearl import ParallelDrafter
 from jointspec.drafters.tree import TreeDrafter
 from jointspec.methods.costs import draft_cost_per_call, target_cost_curve
 from jointspec.methods.registry import MethodConfig, MethodContext, register_method
@@ -43,6 +44,13 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
     return ModelDrafter(context.draft_model(), length), chain_verifier(config)
+
+
+@register_method("pearl", "PEARL: the draft model or head drafts on while the target verifies (worker thread), one "
+                 "token after a rejection, the drafted chain after a full acceptance (lossless)", lossless=True,
+                 cost_aware=False)
+def _build_pearl(context: MethodContext) -> tuple[Drafter, Verifier]:
+    return ParallelDrafter(context.draft_model(), context.config.num_draft_tokens), chain_verifier(context.config)
 
 
 @register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)",

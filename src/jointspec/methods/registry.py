@@ -144,11 +144,7 @@ def method_names() -> list[str]:
 
 
 # Systems of the family that are not built, and why: asking for one says so instead of "unknown method".
-NOT_BUILT = {
-    "pearl": "PEARL (parallel drafting and verification) is not built: it overlaps drafting with the target's "
-             "verification on separate cores, and on a 2-core CPU the two halves, each on one core, took longer "
-             "than the sequential round on both (docs/lab/benchmarks.md, section 13); use 'default'",
-}
+NOT_BUILT: dict[str, str] = {}
 
 
 def unknown_method_error(name: str) -> str:
