@@ -25,10 +25,11 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, processed_probs
 from jointspec.drafters.pearl import ParallelDrafter
+from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 
-from helpers import first_occurrences, greedy, hf_greedy, make_decoder, random_prompt
+from helpers import first_occurrences, greedy, grouped_llama, hf_greedy, make_decoder, random_prompt
 
 ALPHA = 1e-4
 GAMMA = 4
@@ -78,6 +79,27 @@ def test_greedy_with_a_trained_head_is_plain_decoding(target_model, trained_head
         assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
     assert decoder.stats.num_accepted_tokens > 0
     assert drafter.draft.feature_horizon is None  # set only while the worker drafts
+
+
+@pytest.mark.parametrize("prompt_seed", [1, 6])
+def test_a_self_draft_on_the_compiled_layers_drafts_beside_them(prompt_seed):
+    """A fork of the target shares the target's lean forward, whose compiled layers keep the cache they were last
+    given; the worker calling it during the target's forward once gave the target's rows another cache (zeros on the
+    embedded model). The worker's draft gets a forward of its own, and the output is plain decoding's."""
+    model = quantize_model(grouped_llama(2), "int4")
+    prompt = random_prompt(prompt_seed, length=40)
+    outputs = []
+    for method in ("ar", "pearl"):
+        target = CausalLM(model, name="int4 target")
+        config = MethodConfig(name=method, draft="self" if method == "pearl" else None, num_draft_tokens=3)
+        drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+        if method == "pearl":
+            assert target.lean is not None and drafter.draft.lean is not target.lean
+            assert drafter.draft.lean.compiled is not None  # the worker's draft runs the compiled layers too
+        decoder = SpeculativeDecoder(target, drafter, verifier)
+        outputs.append(decoder.generate(prompt, greedy(60)))
+    assert outputs[1] == outputs[0]
+    assert decoder.stats.num_accepted_tokens > 0
 
 
 class SlowDrafter(ParallelDrafter):

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from jointspec.backends.hf import CausalLM
+from jointspec.backends.lean_forward import lean_forward_for
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.drafts.artifact import FeatureDraft
@@ -66,6 +67,10 @@ class ParallelDrafter:
     def __init__(self, draft: CausalLM, num_draft_tokens: int, *, split_threads: bool = True) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if isinstance(draft, CausalLM) and draft.lean is not None:
+            # A fork of the target (``--draft self``) shares the target's lean forward, whose compiled layers keep
+            # the cache they were last given: two threads must not call one at once, so the worker gets its own.
+            draft.lean = lean_forward_for(draft.model)
         self.draft = draft
         self.num_draft_tokens = num_draft_tokens
         self.split_threads = split_threads and draft.device.type == "cpu"
