@@ -79,7 +79,6 @@ class ParallelDrafter:
         self._stop = threading.Event()  # the running continuation is no use: stop after the current token
         self._pending: Future | None = None
         self._threads: ThreadSplit | None = None
-        self._stream = torch.cuda.Stream(draft.device) if draft.device.type == "cuda" else None
         self.start([])
 
     # -- the loop's calls ----------------------------------------------------------------------------------------------
@@ -196,12 +195,9 @@ class ParallelDrafter:
         if feature_draft:
             self.draft.feature_horizon = horizon
         try:
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    work(*args)
-                self._stream.synchronize()
-            else:
-                work(*args)
+            # On a GPU the draft's kernels queue on the same stream as the target's (torch's current stream, per
+            # device): what overlaps is each side's host work, and the draft's rows are ordered before their use.
+            work(*args)
         finally:
             if feature_draft:
                 self.draft.feature_horizon = None
