@@ -102,6 +102,26 @@ def test_a_self_draft_on_the_compiled_layers_drafts_beside_them(prompt_seed):
     assert decoder.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("max_new_tokens", [6, 13, 21])
+def test_the_worker_drafts_nothing_the_sequence_cannot_use(target_model, max_new_tokens):
+    """The worker stops where the sequence's length (or the context) ends: a draft with a fixed context (llama.cpp's)
+    must never be fed past it. The draft agrees with every token, so each round runs the worker as far as it may."""
+    prompt = random_prompt(0)
+    decoder = pearl(target_model)
+    draft, furthest = decoder.drafter.draft, []
+    forward = draft.forward
+
+    def counted(token_ids, **kwargs):
+        out = forward(token_ids, **kwargs)
+        furthest.append(draft.num_cached)
+        return out
+
+    draft.forward = counted
+    assert decoder.generate(prompt, greedy(max_new_tokens)) == hf_greedy(target_model, prompt, max_new_tokens)
+    # The last token a sequence can use is its final one; the draft holds every token before the one it drafts.
+    assert max(furthest) <= len(prompt) + max_new_tokens - 1
+
+
 class SlowDrafter(ParallelDrafter):
     """Sleeps before some of the worker's tokens: the target's forward then often ends before the worker does."""
 

@@ -85,6 +85,8 @@ class ParallelDrafter:
 
     def start(self, prompt_ids: list[int]) -> None:
         self._wait()
+        if self._threads is not None:  # a sequence left before its end (its caller stopped reading) kept them split
+            self._threads.restore()
         self.draft.reset()
         self._threads = ThreadSplit() if self.split_threads else None
         self._prefix: list[int] = []  # the committed text the chain continues (its draft cache holds it, in part)
@@ -121,10 +123,11 @@ class ParallelDrafter:
         rows = None if sampling.greedy else torch.stack(self._rows[first:first + wanted])
         self._proposed = len(token_ids)
         self._next = first + len(token_ids)  # the chain token the target's own token must equal for the chain to last
-        # Draft on while the target verifies, as if every proposed token were kept; not past the sequence's last
-        # round (one whose whole draft is kept ends the sequence).
-        more = self._next + self.num_draft_tokens - len(self._chain)
-        if wanted < max_num_draft_tokens and more > 0:
+        # Draft on while the target verifies, as if every proposed token were kept: num_draft_tokens more, but none
+        # the sequence's length or context could not use (the target's own token, then the next round's budget).
+        more = min(self._next + self.num_draft_tokens,
+                   self._next + max_num_draft_tokens - len(token_ids)) - len(self._chain)
+        if more > 0:
             if self._threads is not None:
                 self._threads.split()
             self._run(self._extend, more, sampling, beside_target=True)
