@@ -179,6 +179,21 @@ def test_the_target_verifies_on_half_the_threads_and_gets_them_back(target_model
         torch.set_num_threads(before)
 
 
+def test_a_stream_closed_early_stops_the_worker(target_model):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        decoder = pearl(target_model)
+        stream = decoder.stream(random_prompt(0), greedy(40))
+        next(stream)  # round one, committed: its threads are back, its worker drafts on
+        assert torch.get_num_threads() == 2 and decoder.drafter._pending is not None
+        stream.close()
+        assert decoder.drafter._pending is None  # finish() waited for the worker: nothing runs on
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_batched_engine_refuses_it(target_model):
     from jointspec.batch.lockstep import LockstepEngine
 

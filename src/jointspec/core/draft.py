@@ -83,9 +83,9 @@ class Drafter(Protocol):
     # node (``target_tokens[i + 1]``), whatever was accepted, and the accepted nodes (the verdict's). Lookahead
     # decoding learns its n-grams from those rows.
 
-    # Optional: ``finish()``, called once when the sequence ends (its end-of-sequence token or its length), after
-    # the last round's ``commit`` if there is one. A drafter that works beside the loop (PEARL's worker thread) stops
-    # there, so that nothing of it runs on after the sequence.
+    # Optional: ``finish()``, called once when the sequence ends: at its end-of-sequence token or its length (after
+    # the last round's ``commit`` if there is one), or when its caller closes the stream before then. A drafter that
+    # works beside the loop (PEARL's worker thread) stops there, so that nothing of it runs on after the sequence.
 
 
 class NoDrafter:

@@ -147,8 +147,12 @@ class SpeculativeDecoder:
                generator: torch.Generator | None = None) -> Iterator[list[int]]:
         """Yield the tokens committed by each round; ``self.stats`` describes the generation when it ends."""
         state = self.start(prompt_ids, config, generator)
-        while not state.done:
-            yield self.finish_round(state, self.begin_round(state).run(self.target))
+        try:
+            while not state.done:
+                yield self.finish_round(state, self.begin_round(state).run(self.target))
+        finally:
+            if not state.done and self._finishes:  # the caller stopped reading before the end: the sequence is over
+                self.drafter.finish()
 
     # The round in two halves, so that a batched engine (batch/lockstep.py) can run many sequences' target forwards
     # as one: ``begin_round`` drafts and says what the target must score, ``finish_round`` verifies and commits.

@@ -85,7 +85,7 @@ class ParallelDrafter:
 
     def start(self, prompt_ids: list[int]) -> None:
         self._wait()
-        if self._threads is not None:  # a sequence left before its end (its caller stopped reading) kept them split
+        if self._threads is not None:  # a round left between propose and commit (outside stream()) kept them split
             self._threads.restore()
         self.draft.reset()
         self._threads = ThreadSplit() if self.split_threads else None
