@@ -4,7 +4,10 @@ What must hold: greedy output is plain decoding's token for token (also in tests
 EOS, length and context limits), including where the tokens proposed were drafted by the worker during the previous
 round's verification, and with a trained head as the draft; the worker's drafts are what they would be if drafted
 in place (the self-draft, which always agrees with the target, proposes the worker's chain every round after the
-first); delays in the worker change neither greedy nor seeded sampled output; at temperature > 0 the first four
+first); on the compiled int4 layers a self-draft gets a forward of its own and the output is plain decoding's; the
+worker drafts nothing the sequence cannot use; the target's forward runs on half the threads while the worker drafts,
+and the caller's thread gets them all back after the sequence, also after an early EOS or a stream closed early;
+delays in the worker change neither greedy nor seeded sampled output; at temperature > 0 the first four
 tokens follow the target's joint law (chi-square), and a drafter that reports a flattened distribution for the
 tokens its worker drafted is rejected by the same test. Greedy checks are deterministic (see
 tests/test_core_loop_equivalence.py). The chi-square tests reject at ALPHA = 1e-4: a correct drafter fails about
