@@ -34,7 +34,9 @@ import random
 import shutil
 import tempfile
 
+import numpy as np
 import torch
+from scipy import stats
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -543,3 +545,20 @@ def live_server(app, make_server=None):
         thread.join(SERVER_TIMEOUT)
         sock.close()
         assert not thread.is_alive(), "the server did not stop"
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs`` (same shape, probs summing to 1)."""
+    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
+    impossible = probs < 1e-12
+    if counts[impossible].sum() > 0:
+        return 0.0  # a token the law forbids was emitted
+    counts, probs = counts[~impossible], probs[~impossible]
+    expected = probs * counts.sum()
+    small = expected < 5
+    if small.any():  # pool rare cells into one so that every cell is expected at least 5 times
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    if len(counts) < 2:
+        return 1.0  # a single possible outcome, and it is the only one observed
+    return float(stats.chisquare(counts, expected).pvalue)

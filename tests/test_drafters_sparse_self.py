@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
@@ -25,7 +24,7 @@ from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 
-from helpers import VOCAB, greedy, grouped_llama, random_prompt, tiny_llama
+from helpers import VOCAB, chi_square_pvalue, greedy, grouped_llama, random_prompt, tiny_llama
 
 # A view small enough for tiny models: it leaves out most of a 100-token context.
 TINY_VIEW = SparseView(sinks=2, window=6, chunk=5, chunks=2, lead=1, min_ngram=1, min_context=8)
@@ -186,18 +185,6 @@ def first_token_counts(drafter_class, model, prompt: list[int], sampling: Sampli
         generator = torch.Generator().manual_seed(seed)
         counts[decoder.generate(prompt, DecodeConfig(max_new_tokens=1 + 3, sampling=sampling), generator)[0]] += 1
     return counts
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    if (counts[probs == 0] > 0).any():
-        return 0.0
-    keep = expected >= 5  # pool the rare cells into one so the approximation holds
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expected = np.append(expected[keep], expected[~keep].sum())
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    return float(stats.chisquare(observed, expected).pvalue)
 
 
 def test_sampled_first_token_follows_the_target_and_a_misreporting_drafter_is_caught():

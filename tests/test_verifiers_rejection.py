@@ -33,13 +33,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.core.verdict import Verdict
 from jointspec.verifiers import rejection
 from jointspec.verifiers.rejection import RejectionSamplingVerifier, residual_distribution
+
+from helpers import chi_square_pvalue
 
 VOCAB = 6
 NONE = VOCAB  # "no second token": the round ended after a recovered first token
@@ -68,23 +69,6 @@ def exact_joint(target_probs: np.ndarray, draft_probs: np.ndarray) -> np.ndarray
     joint[:, :VOCAB] = np.minimum(p0, q0)[:, None] * p1[None, :]
     joint[:, NONE] = np.maximum(p0 - q0, 0.0)
     return joint
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square p-value of ``counts`` against ``probs`` (same shape, probs summing to 1)."""
-    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
-    impossible = probs < 1e-12
-    if counts[impossible].sum() > 0:
-        return 0.0  # a token the law forbids was emitted
-    counts, probs = counts[~impossible], probs[~impossible]
-    expected = probs * counts.sum()
-    small = expected < 5
-    if small.any():  # pool rare cells into one so that every cell is expected at least 5 times
-        counts = np.append(counts[~small], counts[small].sum())
-        expected = np.append(expected[~small], expected[small].sum())
-    if len(counts) < 2:
-        return 1.0  # a single possible outcome, and it is the only one observed
-    return float(stats.chisquare(counts, expected).pvalue)
 
 
 def run_rounds(verifier, target_logits: torch.Tensor, draft_probs: torch.Tensor | None, sampling: SamplingConfig,
