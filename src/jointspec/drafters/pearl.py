@@ -64,7 +64,7 @@ class ThreadSplit:
 class ParallelDrafter:
     """Drafts chains with a draft model on a worker thread that keeps drafting while the target verifies."""
 
-    def __init__(self, draft: CausalLM, num_draft_tokens: int, *, split_threads: bool = True) -> None:
+    def __init__(self, draft: CausalLM, num_draft_tokens: int) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if isinstance(draft, CausalLM) and draft.lean is not None:
@@ -73,7 +73,7 @@ class ParallelDrafter:
             draft.lean = lean_forward_for(draft.model)
         self.draft = draft
         self.num_draft_tokens = num_draft_tokens
-        self.split_threads = split_threads and draft.device.type == "cpu"
+        self.split_threads = draft.device.type == "cpu"  # torch's CPU threads; a GPU draft needs none of them
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-draft")
         weakref.finalize(self, self._executor.shutdown, wait=False)
         self._stop = threading.Event()  # the running continuation is no use: stop after the current token
@@ -92,7 +92,6 @@ class ParallelDrafter:
         self._prefix: list[int] = []  # the committed text the chain continues (its draft cache holds it, in part)
         self._chain: list[int] = []
         self._rows: list[torch.Tensor] = []  # the distribution each chain token was drawn from (sampling)
-        self._next_logits: torch.Tensor | None = None  # the draft's logits after the chain's last token
         self._chain_generator: torch.Generator | None = None
         self._seed: int | None = None  # drawn from the loop's generator at the first sampled round
         self._whole_draft_kept = True  # PEARL starts in post-verify
@@ -164,7 +163,7 @@ class ParallelDrafter:
             keep += 1
         self.draft.crop(keep)
         self._prefix = list(context_ids)
-        self._chain, self._rows, self._next_logits = [], [], None
+        self._chain, self._rows = [], []
         if self._seed is not None:
             self._chain_generator = torch.Generator().manual_seed(self._seed + len(context_ids))
         return 0
@@ -174,17 +173,18 @@ class ParallelDrafter:
         for _ in range(count):
             if self._stop.is_set():
                 return
-            if self._next_logits is None:  # feed what the draft has not seen of the committed text and the chain
-                text = self._prefix + self._chain
-                self._next_logits = self.draft.forward(text[self.draft.num_cached:], num_logits=1).logits[-1]
+            # Feed what the draft has not seen of the committed text and the chain (its last token, or more after a
+            # crop), for the logits after the chain's end; without copying the whole text each token.
+            seen = self.draft.num_cached - len(self._prefix)
+            unseen = self._chain[seen:] if seen >= 0 else self._prefix[seen:] + self._chain
+            logits = self.draft.forward(unseen, num_logits=1).logits[-1]
             if sampling.greedy:
-                token = int(self._next_logits.argmax())
+                token = int(logits.argmax())
             else:
-                probs = processed_probs(self._next_logits, sampling)  # [vocab]
+                probs = processed_probs(logits, sampling)  # [vocab]
                 token = int(sample(probs, self._chain_generator))
                 self._rows.append(probs)
             self._chain.append(token)
-            self._next_logits = None
 
     # -- the worker ----------------------------------------------------------------------------------------------------
 
