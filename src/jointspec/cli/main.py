@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -53,13 +52,14 @@ def _add_generate(subparsers) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from jointspec.api import GenerationConfig, Pipeline
+    from jointspec.core.sampling import fresh_seed
     from jointspec.methods import method_names
     from jointspec.methods.registry import unknown_method_error
 
     if args.method not in method_names():
         raise JointspecError(unknown_method_error(args.method))
     # Without --seed a sampled answer is a fresh one each run, as in llama.cpp's CLI; the seed drawn is reported.
-    seed = args.seed if args.seed is not None else secrets.randbits(53)
+    seed = args.seed if args.seed is not None else fresh_seed()
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=seed, chat=not args.no_chat)

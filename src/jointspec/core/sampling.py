@@ -13,6 +13,7 @@ Convention (the same for every method, drafter and verifier, and the same as Hug
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def fresh_seed() -> int:
+    """A seed for a sampled request that did not give one, to report with its answer so that it can be repeated: 53
+    bits, a JSON number any client (JavaScript's included) reads back exactly."""
+    return secrets.randbits(53)
 
 
 def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

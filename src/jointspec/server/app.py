@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
+from jointspec.core.sampling import fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.server.engine import (
     Chunk,
@@ -471,9 +471,8 @@ async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
 def _engine_request(body: _Sampling) -> CompletionRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
-    # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports so that the
-    # answer can be replayed (53 bits: a JSON number any client, JavaScript's included, reads back exactly).
-    seed = body.seed if body.seed is not None else secrets.randbits(53)
+    # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports.
+    seed = body.seed if body.seed is not None else fresh_seed()
     common = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
                   stop=stop, method=options, user=body.user)
     try:
