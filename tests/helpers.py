@@ -232,6 +232,20 @@ def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDe
     return SpeculativeDecoder(target, drafter, verifier)
 
 
+def attention_masks(rows: int, keys: int, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(visible, lengths) as the compiled attention takes them, for ``rows`` new rows after ``keys - rows`` cached
+    keys: causal rows, tree-style rows (the cache plus some of the draft keys) and rows that share nothing."""
+    cached = keys - rows
+    tree = torch.zeros(rows, keys, dtype=torch.bool)
+    tree[:, :cached] = True
+    tree[:, cached:] = torch.rand(rows, rows, generator=generator).tril() > 0.4
+    tree[torch.arange(rows), cached + torch.arange(rows)] = True
+    scattered = torch.rand(rows, keys, generator=generator) > 0.5
+    scattered[:, 0] = True
+    no_bool, no_long = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.long)
+    return [(no_bool, torch.arange(cached + 1, keys + 1)), (tree, no_long), (scattered, no_long)]
+
+
 def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
                       methods=(("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2)))):
     """Greedy output of ``model`` on ``prompt`` under each (method, draft, tree): a chain and a tree method next to

@@ -142,7 +142,7 @@ def test_bench_loads_target_and_drafts_with_the_options(monkeypatch, capsys, qua
                              "--threads", "1")
     assert code == 0, err
     assert seen == {"device": "cpu", "dtype": "auto", "quantize": "int8", "backend": "torch", "threads": 1,
-                    "kernels": "auto"}
+                    "kernels": "auto", "kv_cache": "auto"}
     record = json.loads(out.strip().splitlines()[-1])
     assert all(m["num_identical"] == m["num_prompts"] == 1 for m in record["methods"].values()), record
 

@@ -34,6 +34,7 @@ from jointspec.methods import MethodConfig, MethodContext, build_method
 
 from helpers import (
     assert_greedy_equivalent,
+    attention_masks,
     greedy,
     greedy_by_methods,
     grouped_llama,
@@ -388,15 +389,7 @@ def test_compiled_attention_is_its_pairwise_definition_bit_for_bit(heads, kv_hea
     generator = torch.Generator().manual_seed(keys + rows)
     query = torch.randn(heads, rows, dim, generator=generator)
     key, value = (torch.randn(kv_heads, keys, dim, generator=generator) for _ in range(2))
-    cached = keys - rows
-    tree = torch.zeros(rows, keys, dtype=torch.bool)
-    tree[:, :cached] = True
-    tree[:, cached:] = torch.rand(rows, rows, generator=generator).tril() > 0.4
-    tree[torch.arange(rows), cached + torch.arange(rows)] = True
-    scattered = torch.rand(rows, keys, generator=generator) > 0.5
-    scattered[:, 0] = True
-    no_bool, no_long = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.long)
-    for visible, lengths in ((no_bool, torch.arange(cached + 1, keys + 1)), (tree, no_long), (scattered, no_long)):
+    for visible, lengths in attention_masks(rows, keys, generator):
         assert torch.equal(compiled.attention(query, key, value, visible, lengths, dim ** -0.5),
                            compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
 def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):

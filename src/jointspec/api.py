@@ -69,10 +69,11 @@ class Pipeline:
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
-                 threads: int | None = None, kernels: str = "auto", memory: OutputMemory | None = None) -> None:
+                 threads: int | None = None, kernels: str = "auto", kv_cache: str = "auto",
+                 memory: OutputMemory | None = None) -> None:
         """``method``: by default ``default``, what ``jointspec generate`` runs. ``device``, ``dtype``,
-        ``quantize``, ``backend``, ``threads`` and ``kernels`` load the method's draft model, if any, the way
-        :func:`load_model` loads a target. ``memory``: online adaptation, for the methods that learn online
+        ``quantize``, ``backend``, ``threads``, ``kernels`` and ``kv_cache`` load the method's draft model, if any,
+        the way :func:`load_model` loads a target. ``memory``: online adaptation, for the methods that learn online
         (:func:`jointspec.methods.online_methods`): every finished answer joins it, and later ones draft from it."""
         self.target = target
         self.tokenizer = tokenizer
@@ -81,7 +82,7 @@ class Pipeline:
 
         def load_draft(source: str):
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
-                              threads=threads, kernels=kernels)
+                              threads=threads, kernels=kernels, kv_cache=kv_cache)
 
         drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft, memory))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
@@ -90,14 +91,14 @@ class Pipeline:
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
              dtype: str | None = None, quantize: str = "auto", backend: str = "torch",
-             threads: int | None = None, kernels: str = "auto") -> Pipeline:
+             threads: int | None = None, kernels: str = "auto", kv_cache: str = "auto") -> Pipeline:
         """Load ``model`` and the method's draft (``method``: by default ``default``, as ``jointspec generate``)
         with the same options: ``quantize`` auto/none/int8/int4 (torch
         backend; auto, as ``jointspec generate``: int4 where that recovers the model's own weights, else none),
-        ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock (see
-        :func:`jointspec.backends.loading.load_model`)."""
+        ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock, ``kv_cache``
+        auto/float16 (see :func:`jointspec.backends.loading.load_model`)."""
         options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,
-                       kernels=kernels)
+                       kernels=kernels, kv_cache=kv_cache)
         target, tokenizer = load_model(model, **options)
         return cls(target, tokenizer, method, **options)
 

@@ -88,15 +88,19 @@ class CausalLM:
     """A Hugging Face causal LM plus one sequence's KV cache.
 
     ``lean``: run transformers' Llama models through :mod:`jointspec.backends.lean_forward` (the same operations, bit
-    for
-    bit, without transformers' per-module overhead); other models, and ``lean=False``, run transformers' forward.
+    for bit, without transformers' per-module overhead); other models, and ``lean=False``, run transformers' forward.
+    ``kv_dtype``: what the cache stores keys and values in (None: the model's dtype); float16 needs jointspec's
+    compiled CPU layers (:meth:`check_kv_dtype`).
     """
 
-    def __init__(self, model: PreTrainedModel, name: str = "model", *, lean: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, name: str = "model", *, lean: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model.eval()
         self.name = name
         self.lean = lean_forward_for(self.model) if lean else None
-        self.cache = BufferedCache(model.config)
+        self.kv_dtype = kv_dtype
+        self.check_kv_dtype()
+        self.cache = BufferedCache(model.config, kv_dtype)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
         # Called as (tokens done, tokens in all) after each chunk of a long prefill (see prefill_chunk).
@@ -145,17 +149,36 @@ class CausalLM:
                                   argmax_screen=(self.lean is not None
                                                  and hasattr(self.model.get_output_embeddings(), "argmax_logits")))
 
-    def fork(self, name: str | None = None) -> CausalLM:
-        """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe)."""
+    def check_kv_dtype(self) -> None:
+        """Raise :class:`UnsupportedOptionError` unless this adapter can keep its cache in ``kv_dtype``: the model's
+        own dtype anywhere; float16 for a float32 model on jointspec's compiled CPU layers, whose attention reads the
+        half entries directly (elsewhere every step would widen the whole cache again)."""
+        if self.kv_dtype in (None, self.model.dtype):
+            return
+        if self.kv_dtype != torch.float16 or self.model.dtype != torch.float32:
+            raise UnsupportedOptionError(f"a {str(self.kv_dtype).removeprefix('torch.')} cache for a "
+                                         f"{str(self.model.dtype).removeprefix('torch.')} model is not supported; "
+                                         "the cache can be float32 or, for a float32 model, float16")
+        if self.lean is None or self.lean.compiled is None:
+            raise UnsupportedOptionError("a float16 KV cache needs jointspec's compiled CPU layers (a model quantised "
+                                         "with --quantize int4|int8|auto on a CPU); this model runs transformers' "
+                                         "forward: use --kv-cache float32")
+
+    def fork(self, name: str | None = None, *, kv_dtype: torch.dtype | None = None) -> CausalLM:
+        """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe), stored in
+        ``kv_dtype`` (None: this adapter's)."""
         fork = CausalLM(self.model, name=name or f"{self.name} (fork)", lean=False)
         # The same lean forward (it keeps no sequence state): cheap to fork, and forward_many can run both together.
         fork.lean = self.lean
+        fork.kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
+        fork.check_kv_dtype()
+        fork.reset()
         return fork
 
     def reset(self, *, plain: bool = False) -> None:
         """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
         runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes."""
-        self.cache = BufferedCache(self.model.config)
+        self.cache = BufferedCache(self.model.config, self.kv_dtype)
         self.num_cached = 0
         for mirror in self.mirrors:
             mirror.crop(0)

@@ -42,6 +42,9 @@ DEFAULT_MODEL = "default"
 BACKENDS = ("torch", "llamacpp")
 # ``auto``: int4 where that is the model itself (:func:`resolve_quantize`), else none.
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
+# What the target's KV cache stores: ``auto`` the model's dtype; ``float16`` half the memory and the bytes a long
+# context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype).
+KV_CACHE_CHOICES = ("auto", "float16")
 # A GGUF's projection weights (llama.cpp's names) and the quantisation types jointspec's grouped int4 mode recovers.
 _GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -181,7 +184,7 @@ def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.d
 
 def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                name: str | None = None, quantize: str = "none", backend: str = "torch",
-               threads: int | None = None, kernels: str = "auto") -> tuple[CausalLM, object]:
+               threads: int | None = None, kernels: str = "auto", kv_cache: str = "auto") -> tuple[CausalLM, object]:
     """Load ``source`` as (adapter, tokenizer). Raises :class:`ModelLoadError` with what to do on failure.
 
     ``quantize``: ``none``, ``int8`` or ``int4`` (torch backend; applied after moving to ``device``), or ``auto``
@@ -192,19 +195,23 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     CPU model's linear layers on oneDNN where that was measured faster (see :mod:`jointspec.kernels.fp32`) and
     its grouped-query attention without copying heads on any CPU, and a Llama model's forward through
     :mod:`jointspec.backends.lean_forward` (bit-identical, less overhead); ``onednn`` insists on oneDNN; ``stock`` keeps
-    PyTorch's ``F.linear``, transformers' ``sdpa`` attention and transformers' own forward.
+    PyTorch's ``F.linear``, transformers' ``sdpa`` attention and transformers' own forward. ``kv_cache`` (torch
+    backend): ``auto`` stores keys and values in the model's dtype, ``float16`` in half precision (needs the compiled
+    CPU layers; exactness then holds against the same model with a float16 cache); llama.cpp keeps its own cache.
     """
     with shared_gguf_readers():  # one reader of a GGUF file for the whole load
         return _load_model(source, device=device, dtype=dtype, name=name, quantize=quantize, backend=backend,
-                           threads=threads, kernels=kernels)
+                           threads=threads, kernels=kernels, kv_cache=kv_cache)
 
 
 def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | None, name: str | None, quantize: str,
-                backend: str, threads: int | None, kernels: str) -> tuple[CausalLM, object]:
+                backend: str, threads: int | None, kernels: str, kv_cache: str) -> tuple[CausalLM, object]:
     """:func:`load_model`, inside its shared GGUF readers."""
     source = source or DEFAULT_MODEL
     if kernels not in KERNEL_CHOICES:
         raise UnsupportedOptionError(f"unknown kernels '{kernels}'; choose one of: {', '.join(KERNEL_CHOICES)}")
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise UnsupportedOptionError(f"unknown kv cache '{kv_cache}'; choose one of: {', '.join(KV_CACHE_CHOICES)}")
     check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
     check_device(device)
     quantize = resolve_quantize(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)
@@ -234,7 +241,10 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
     release_freed_memory()  # the load's temporaries (kernels/heap.py)
-    return CausalLM(model, name=name or label, lean=kernels != "stock"), tokenizer
+    kv_dtype = torch.float16 if kv_cache == "float16" else None
+    if kv_dtype is not None:
+        label = f"{label}, float16 KV cache"
+    return CausalLM(model, name=name or label, lean=kernels != "stock", kv_dtype=kv_dtype), tokenizer
 
 
 def _file_levels(model, source: str, quantize: str) -> dict | None:

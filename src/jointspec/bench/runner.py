@@ -181,12 +181,13 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
 
 
 class _TargetCopies:
-    """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name, seen
-    through a sparse view where the spec says ``attention=sparse``."""
+    """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name, with a
+    float16 cache where the spec says ``kv=float16``, seen through a sparse view where it says ``attention=sparse``."""
 
     def __init__(self, target: CausalLM, config: BenchConfig) -> None:
         self.target, self.config = target, config
         self.copies: dict[str, CausalLM] = {}
+        self.forks: dict[tuple, CausalLM] = {}
 
     def quantize(self, spec: MethodSpec) -> str:
         if spec.backend != "torch":
@@ -195,6 +196,11 @@ class _TargetCopies:
 
     def for_spec(self, spec: MethodSpec) -> CausalLM:
         target = self._weights_for(spec)
+        if spec.kv == "float16":  # the same weights, its own cache in half precision
+            key = (id(target), "float16 KV cache")
+            if key not in self.forks:
+                self.forks[key] = target.fork(f"{target.name}, float16 KV cache", kv_dtype=torch.float16)
+            target = self.forks[key]
         if spec.attention == "sparse":  # lossy: the target decodes over a sparse view of its cache
             return SparseViewTarget(target)
         return target

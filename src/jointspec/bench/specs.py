@@ -49,7 +49,7 @@ LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
 # Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
 BACKENDS = ("torch", "llamacpp")
 # Spec keys that say where a jointspec method runs rather than how it drafts: no MethodConfig field reads them.
-PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention", "memory")
+PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention", "memory", "kv")
 # Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.
 SPEC_KERNELS = ("loaded", "stock")
 # The torch target's attention after the prompt: the whole cache, or (lossy, for long inputs) a sparse view of it
@@ -57,6 +57,9 @@ SPEC_KERNELS = ("loaded", "stock")
 SPEC_ATTENTION = ("full", "sparse")
 # Whether a method also drafts from its own earlier answers in this run (drafters/memory.py): online adaptation.
 SPEC_MEMORY = ("off", "online")
+# What the torch target's KV cache stores: as loaded (--kv-cache), or float16 (a fork of the target over the same
+# weights with a half-precision cache; backends.hf.CausalLM.check_kv_dtype).
+SPEC_KV = ("loaded", "float16")
 
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
@@ -108,6 +111,11 @@ class MethodSpec:
     def attention(self) -> str:
         """'full', or 'sparse': the target decodes over a sparse view of its cache (lossy; long inputs)."""
         return self.options.get("attention", "full")
+
+    @property
+    def kv(self) -> str:
+        """'loaded' (the target's cache as loaded) or 'float16' (a float16 cache over the same weights)."""
+        return self.options.get("kv", "loaded")
 
     @property
     def memory(self) -> str:
@@ -177,6 +185,10 @@ def parse_spec(text: str) -> MethodSpec:
                               f"{', '.join(SPEC_ATTENTION)}")
     if options.get("attention", "full") != "full" and options.get("backend", "torch") != "torch":
         raise MethodSpecError(f"'{text}': attention=sparse is for the torch backend")
+    if options.get("kv", "loaded") not in SPEC_KV:
+        raise MethodSpecError(f"kv '{options['kv']}' in '{text}' must be one of: {', '.join(SPEC_KV)}")
+    if options.get("kv", "loaded") != "loaded" and options.get("backend", "torch") != "torch":
+        raise MethodSpecError(f"'{text}': kv=float16 is for the torch backend (llama.cpp keeps its own cache)")
     if options.get("memory", "off") not in SPEC_MEMORY:
         raise MethodSpecError(f"memory '{options['memory']}' in '{text}' must be one of: {', '.join(SPEC_MEMORY)}")
     if options.get("memory", "off") != "off" and name not in online_methods():

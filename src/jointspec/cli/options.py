@@ -91,6 +91,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "about the cost of one step there), else PyTorch's own linears; grouped-query attention "
                              "inside SDPA either way (docs/kernels.md says why); onednn = insist; stock = PyTorch's "
                              "F.linear and transformers' sdpa attention")
+    from jointspec.backends.loading import KV_CACHE_CHOICES
+
+    parser.add_argument("--kv-cache", choices=KV_CACHE_CHOICES, default="auto",
+                        help="torch backend: what the KV cache stores. auto = the model's dtype; float16 = half "
+                             "precision, as llama.cpp keeps it: half the cache memory, and at long inputs a much "
+                             "cheaper step (needs the int4/int8 CPU kernels; exactness then holds against the same "
+                             "model with a float16 cache, docs/long-inputs.md)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads for torch (process-wide) and llama.cpp (default: torch's choice, and the "
                              "usable cores for llama.cpp); fewer than the free cores avoids contention")
@@ -100,7 +107,7 @@ def model_options(args: argparse.Namespace) -> dict:
     """The ``load_model`` options from the shared model arguments: the one place that lists them, so generate,
     serve, bench and draft loading all pass every one."""
     return dict(device=args.device, dtype=args.dtype, quantize=args.quantize, backend=args.backend,
-                threads=args.threads, kernels=args.kernels)
+                threads=args.threads, kernels=args.kernels, kv_cache=args.kv_cache)
 
 
 def model_loader(args: argparse.Namespace):

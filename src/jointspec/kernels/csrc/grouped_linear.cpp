@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 #include <algorithm>
 #include <type_traits>
@@ -678,35 +679,40 @@ struct Weights {
 // alone (what jointspec/kernels/quantize.py's row-wise attention needs), and one call serves every row and head of a
 // layer. attend() is that definition; attend_all() computes the same bits for many pairs at once, sharing each key
 // and value it loads among the pairs that see it (the query heads of one key head, the rows of one sequence).
+// Keys and values are float32 or IEEE half (`T`: a cache stored in 16 bits, --kv-cache float16); a half is widened
+// exactly when loaded, so the arithmetic is the same float32 arithmetic on the values the cache holds.
+inline V16 load_kv(const float* p) { return simd::load(p); }
+inline V16 load_kv(const at::Half* p) { return simd::load_half(reinterpret_cast<const uint16_t*>(p)); }
 
 // Scores of one query (qv: its dim / 16 chunks) against the `n` <= 16 keys at list entries index[0 .. n - 1],
 // times `scale`, into out[0 .. n - 1]: key j's 16-lane partial sums over the chunks in order, then every key's lanes by
 // the same tree (simd::sum_lanes16), whatever its neighbours. A whole tile of a common head size (every tile of a
 // shared prefix) takes score16_full, whose fixed chunk count keeps the sixteen accumulators in registers; the
 // arithmetic is the same either way.
-template <int C>
-inline void score16_full(const V16* qv, const float* key, const int64_t* index, int64_t dim, float scale, float* out) {
+template <int C, typename T>
+inline void score16_full(const V16* qv, const T* key, const int64_t* index, int64_t dim, float scale, float* out) {
   V16 acc[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) {
-    const float* k = key + index[j] * dim;
+    const T* k = key + index[j] * dim;
     V16 a = simd::zero();
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], simd::load(k + 16 * c), a);
+    for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], load_kv(k + 16 * c), a);
     acc[j] = a;
   }
   simd::store(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)));
 }
 
-inline void score16(const V16* qv, int64_t chunks, const float* key, const int64_t* index, int64_t n, int64_t dim,
+template <typename T>
+inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* index, int64_t n, int64_t dim,
                     float scale, float* out) {
   if (n == 16) {
     switch (chunks) {
-      case 1: return score16_full<1>(qv, key, index, dim, scale, out);
-      case 2: return score16_full<2>(qv, key, index, dim, scale, out);
-      case 4: return score16_full<4>(qv, key, index, dim, scale, out);
-      case 6: return score16_full<6>(qv, key, index, dim, scale, out);
-      case 8: return score16_full<8>(qv, key, index, dim, scale, out);
+      case 1: return score16_full<1, T>(qv, key, index, dim, scale, out);
+      case 2: return score16_full<2, T>(qv, key, index, dim, scale, out);
+      case 4: return score16_full<4, T>(qv, key, index, dim, scale, out);
+      case 6: return score16_full<6, T>(qv, key, index, dim, scale, out);
+      case 8: return score16_full<8, T>(qv, key, index, dim, scale, out);
       default: break;
     }
   }
@@ -714,8 +720,8 @@ inline void score16(const V16* qv, int64_t chunks, const float* key, const int64
   for (int64_t j = 0; j < 16; ++j) {
     acc[j] = simd::zero();
     if (j < n) {
-      const float* k = key + index[j] * dim;
-      for (int64_t c = 0; c < chunks; ++c) acc[j] = simd::fmadd(qv[c], simd::load(k + 16 * c), acc[j]);
+      const T* k = key + index[j] * dim;
+      for (int64_t c = 0; c < chunks; ++c) acc[j] = simd::fmadd(qv[c], load_kv(k + 16 * c), acc[j]);
     }
   }
   simd::store_first(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
@@ -745,7 +751,8 @@ inline float softmax_numerators(float* scores, int64_t count) {
 
 // One pair: q [dim], keys/values rows at `key` + j * dim for the `count` visible key indices `index` (ascending).
 // dim is a multiple of 16, at most 256. `scores` has room for count + 16 floats.
-void attend(const float* q, const float* key, const float* value, const int64_t* index, int64_t count, int64_t dim,
+template <typename T>
+void attend(const float* q, const T* key, const T* value, const int64_t* index, int64_t count, int64_t dim,
             float scale, float* scores, float* out) {
   const int64_t chunks = dim / 16;
   V16 qv[16];
@@ -757,8 +764,8 @@ void attend(const float* q, const float* key, const float* value, const int64_t*
   for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::zero();
   for (int64_t i = 0; i < count; ++i) {  // each output element a sum over the keys in order
     const V16 p = simd::set1(scores[i]);
-    const float* v = value + index[i] * dim;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::fmadd(p, simd::load(v + 16 * c), acc[c]);
+    const T* v = value + index[i] * dim;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::fmadd(p, load_kv(v + 16 * c), acc[c]);
   }
   for (int64_t c = 0; c < chunks; ++c) simd::store(out + 16 * c, simd::mul(acc[c], inverse));
 }
@@ -804,30 +811,64 @@ constexpr int64_t kScoreSpan = 512;
 
 // M queries' values pass for one 16-float chunk of dim: acc_m += p_m[j] * value[index[j]] over j in key order,
 // for list entries j in [begin, end). `probs[m]` is query m's row of probabilities.
-template <int M>
-inline void values_pass(V16* acc, float* const* probs, const float* value, const int64_t* index, int64_t begin,
+template <int M, typename T>
+inline void values_pass(V16* acc, float* const* probs, const T* value, const int64_t* index, int64_t begin,
                         int64_t end, int64_t dim) {
   V16 a[M];
   for (int m = 0; m < M; ++m) a[m] = acc[m];
   for (int64_t j = begin; j < end; ++j) {
-    const V16 v = simd::load(value + index[j] * dim);
+    const V16 v = load_kv(value + index[j] * dim);
     for (int m = 0; m < M; ++m) a[m] = simd::fmadd(simd::set1(probs[m][j]), v, a[m]);
   }
   for (int m = 0; m < M; ++m) acc[m] = a[m];
 }
 
-inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const float* value, const int64_t* index,
+// values_pass for L adjacent chunks at once (L = 2: a half-precision cache's 64-byte line, so that one task reads
+// whole lines): acc[l * M + m] is query m's accumulator for chunk l, each summed in key order as values_pass sums it.
+template <int M, int L, typename T>
+inline void values_pass_lines(V16* acc, float* const* probs, const T* value, const int64_t* index, int64_t begin,
+                              int64_t end, int64_t dim) {
+  V16 a[L * M];
+  for (int i = 0; i < L * M; ++i) a[i] = acc[i];
+  for (int64_t j = begin; j < end; ++j) {
+    const T* row = value + index[j] * dim;
+    V16 v[L];
+    for (int l = 0; l < L; ++l) v[l] = load_kv(row + 16 * l);
+    for (int m = 0; m < M; ++m) {
+      const V16 p = simd::set1(probs[m][j]);
+      for (int l = 0; l < L; ++l) a[l * M + m] = simd::fmadd(p, v[l], a[l * M + m]);
+    }
+  }
+  for (int i = 0; i < L * M; ++i) acc[i] = a[i];
+}
+
+template <typename T>
+inline void values_pass_two(int64_t count, V16* acc, float* const* probs, const T* value, const int64_t* index,
+                            int64_t begin, int64_t end, int64_t dim) {
+  switch (count) {
+    case 1: return values_pass_lines<1, 2, T>(acc, probs, value, index, begin, end, dim);
+    case 2: return values_pass_lines<2, 2, T>(acc, probs, value, index, begin, end, dim);
+    case 3: return values_pass_lines<3, 2, T>(acc, probs, value, index, begin, end, dim);
+#if !defined(JOINTSPEC_ISA_AVX2)
+    case 4: return values_pass_lines<4, 2, T>(acc, probs, value, index, begin, end, dim);
+#endif
+    default: TORCH_CHECK(false, "values_pass_two: ", count, " queries");
+  }
+}
+
+template <typename T>
+inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const T* value, const int64_t* index,
                           int64_t begin, int64_t end, int64_t dim) {
   switch (count) {
-    case 1: return values_pass<1>(acc, probs, value, index, begin, end, dim);
-    case 2: return values_pass<2>(acc, probs, value, index, begin, end, dim);
-    case 3: return values_pass<3>(acc, probs, value, index, begin, end, dim);
-    case 4: return values_pass<4>(acc, probs, value, index, begin, end, dim);
-    case 5: return values_pass<5>(acc, probs, value, index, begin, end, dim);
-    case 6: return values_pass<6>(acc, probs, value, index, begin, end, dim);
+    case 1: return values_pass<1, T>(acc, probs, value, index, begin, end, dim);
+    case 2: return values_pass<2, T>(acc, probs, value, index, begin, end, dim);
+    case 3: return values_pass<3, T>(acc, probs, value, index, begin, end, dim);
+    case 4: return values_pass<4, T>(acc, probs, value, index, begin, end, dim);
+    case 5: return values_pass<5, T>(acc, probs, value, index, begin, end, dim);
+    case 6: return values_pass<6, T>(acc, probs, value, index, begin, end, dim);
 #if !defined(JOINTSPEC_ISA_AVX2)
-    case 7: return values_pass<7>(acc, probs, value, index, begin, end, dim);
-    case 8: return values_pass<8>(acc, probs, value, index, begin, end, dim);
+    case 7: return values_pass<7, T>(acc, probs, value, index, begin, end, dim);
+    case 8: return values_pass<8, T>(acc, probs, value, index, begin, end, dim);
 #endif
     default: TORCH_CHECK(false, "values_pass_n: ", count, " queries");
   }
@@ -838,8 +879,9 @@ inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const fl
 // (a sequence's cached tokens): its keys are scored sixteen at a time for every pair while they sit in the L1 cache,
 // and its values are read once per pass for up to kValueQueries pairs. The rest of each row's list (its own draft
 // tokens) runs pair by pair. A pair's arithmetic is attend()'s, operation for operation, in the same order.
-void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const float* kp, int64_t k_head_stride,
-                const float* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
+template <typename T>
+void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const T* kp, int64_t k_head_stride,
+                const T* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op) {
   const int64_t rows = static_cast<int64_t>(index.size()), group = heads / kv_heads, chunks = dim / 16;
   if (rows == 0) return;
@@ -858,13 +900,16 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
   for (const auto& list : index) longest = std::max(longest, static_cast<int64_t>(list.size()));
   const int64_t stride = (longest + 31) / 16 * 16;  // a score row, room for a last partial tile
   const int64_t block_rows = std::max<int64_t>(1, kScoreBudget / (heads * stride));
-  std::vector<float> scores(std::min(rows, block_rows) * heads * stride), inverse(std::min(rows, block_rows) * heads);
+  // Left uninitialised (zeroing them was a measurable share of a long context's step): every entry is written
+  // before it is read.
+  const std::unique_ptr<float[]> scores(new float[std::min(rows, block_rows) * heads * stride]);
+  const std::unique_ptr<float[]> inverse(new float[std::min(rows, block_rows) * heads]);
   const int64_t spans = std::max<int64_t>(1, (shared_tiles * 16 + kScoreSpan - 1) / kScoreSpan);
   const int64_t span_tiles = (shared_tiles + spans - 1) / spans;
 
   for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
     const int64_t r1 = std::min(rows, r0 + block_rows), block = r1 - r0;
-    auto pair_scores = [&](int64_t r, int64_t h) { return scores.data() + ((r - r0) * heads + h) * stride; };
+    auto pair_scores = [&](int64_t r, int64_t h) { return scores.get() + ((r - r0) * heads + h) * stride; };
     auto finish_pair = [&](int64_t r, int64_t h) {  // the row's own keys, then the softmax
       V16 qv[16];
       const float* q = qp + h * q_head_stride + r * q_row_stride;
@@ -883,7 +928,7 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
       for (int64_t task = begin; task < end; ++task) {
         const int64_t g = task / spans, t0 = (task % spans) * span_tiles;
         const int64_t t1 = std::min(shared_tiles, t0 + span_tiles);
-        const float* key = kp + g * k_head_stride;
+        const T* key = kp + g * k_head_stride;
         for (int64_t t = t0; t < t1; ++t) {
           for (int64_t r = r0; r < r1; ++r) {
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -907,26 +952,37 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
     }
     // 3. Values: per key head, 16-float chunk of dim and pass of up to kValueQueries pairs, over the shared prefix
     // for the pass's pairs at once, then each pair's own keys; pair q's chunk c is attend()'s acc[c], in key order.
-    const int64_t per_head = block * group, passes = (per_head + kValueQueries - 1) / kValueQueries;
-    at::parallel_for(0, kv_heads * chunks * passes, 1, [&](int64_t begin, int64_t end) {
+    // A half-precision cache's task takes two chunks, a whole 64-byte line of each value, for half as many pairs.
+    const int64_t lines = chunks % 2 == 0 ? 2 : 1;
+    const int64_t per_pass = kValueQueries / lines, chunk_groups = chunks / lines;
+    const int64_t per_head = block * group, passes = (per_head + per_pass - 1) / per_pass;
+    at::parallel_for(0, kv_heads * chunk_groups * passes, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t g = task / (chunks * passes), c = task / passes % chunks, first = task % passes * kValueQueries;
-        const int64_t count = std::min(kValueQueries, per_head - first);
-        const float* value = vp + g * v_head_stride + 16 * c;
+        const int64_t g = task / (chunk_groups * passes), c = task / passes % chunk_groups * lines;
+        const int64_t first = task % passes * per_pass, count = std::min(per_pass, per_head - first);
+        const T* value = vp + g * v_head_stride + 16 * c;
         float* probs[kValueQueries];
-        V16 acc[kValueQueries];
+        V16 acc[kValueQueries];  // acc[l * count + m]: pair m, chunk c + l
         for (int64_t m = 0; m < count; ++m) {
           const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
           probs[m] = pair_scores(r, h);
-          acc[m] = simd::zero();
         }
-        values_pass_n(count, acc, probs, value, shared_index, 0, shared, dim);
+        for (int64_t i = 0; i < lines * count; ++i) acc[i] = simd::zero();
+        if (lines == 2) {
+          values_pass_two(count, acc, probs, value, shared_index, 0, shared, dim);
+        } else {
+          values_pass_n(count, acc, probs, value, shared_index, 0, shared, dim);
+        }
         for (int64_t m = 0; m < count; ++m) {
           const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
           const auto& list = index[r];
-          values_pass<1>(acc + m, probs + m, value, list.data(), shared, static_cast<int64_t>(list.size()), dim);
-          simd::store(op + (r * heads + h) * dim + 16 * c,
-                      simd::mul(acc[m], simd::set1(inverse[(r - r0) * heads + h])));
+          for (int64_t l = 0; l < lines; ++l) {
+            V16* a = acc + l * count + m;
+            values_pass<1, T>(a, probs + m, value + 16 * l, list.data(), shared, static_cast<int64_t>(list.size()),
+                              dim);
+            simd::store(op + (r * heads + h) * dim + 16 * (c + l),
+                        simd::mul(*a, simd::set1(inverse[(r - r0) * heads + h])));
+          }
         }
       }
     });
@@ -935,8 +991,9 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
 
 // The definition itself, pair by pair (attend()): what attend_all() must equal bit for bit (tests hold them against
 // each other).
-void attend_pairs(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const float* kp, int64_t k_head_stride,
-                  const float* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
+template <typename T>
+void attend_pairs(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const T* kp, int64_t k_head_stride,
+                  const T* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
                   int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op) {
   const int64_t rows = static_cast<int64_t>(index.size()), group = heads / kv_heads;
   int64_t most = 0;
@@ -1157,9 +1214,12 @@ torch::Tensor attention_by(bool pairwise, torch::Tensor query, torch::Tensor key
                            torch::Tensor visible, torch::Tensor lengths, double scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be 3-D");
   for (const auto* t : {&query, &key, &value}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(2) == 1,
-                "query, key and value must be float32 CPU tensors with a unit stride in the last dimension");
+    TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1,
+                "query, key and value must be CPU tensors with a unit stride in the last dimension");
   }
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && value.scalar_type() == key.scalar_type() &&
+              (key.scalar_type() == torch::kFloat || key.scalar_type() == torch::kHalf),
+              "query must be float32, key and value both float32 or both float16");
   const int64_t heads = query.size(0), rows = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key.size(0), num_keys = key.size(1);
   TORCH_CHECK(dim % 16 == 0 && dim <= 256, "head_dim must be a multiple of 16, at most 256, got ", dim);
@@ -1168,10 +1228,17 @@ torch::Tensor attention_by(bool pairwise, torch::Tensor query, torch::Tensor key
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   const auto index = visible_keys(visible, lengths, rows, num_keys);
   auto out = torch::empty({rows, heads, dim}, query.options());
-  (pairwise ? attend_pairs : attend_all)(query.data_ptr<float>(), query.stride(0), query.stride(1),
-                                         key.data_ptr<float>(), key.stride(0), value.data_ptr<float>(),
-                                         value.stride(0), index, heads, kv_heads, dim, static_cast<float>(scale),
-                                         out.data_ptr<float>());
+  auto run = [&](auto* key_data, auto* value_data) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(key_data)>>;
+    (pairwise ? attend_pairs<T> : attend_all<T>)(query.data_ptr<float>(), query.stride(0), query.stride(1), key_data,
+                                                 key.stride(0), value_data, value.stride(0), index, heads, kv_heads,
+                                                 dim, static_cast<float>(scale), out.data_ptr<float>());
+  };
+  if (key.scalar_type() == torch::kHalf) {
+    run(key.data_ptr<at::Half>(), value.data_ptr<at::Half>());
+  } else {
+    run(key.data_ptr<float>(), value.data_ptr<float>());
+  }
   return out;
 }
 
@@ -1191,7 +1258,8 @@ torch::Tensor attention_pairwise(torch::Tensor query, torch::Tensor key, torch::
 // contiguous rows) and which attend to the keys `index` lists per row (visible_keys()).
 struct Segment {
   int64_t row_begin, rows, start;
-  float *key_base, *value_base;
+  void *key_base, *value_base;  // float, or at::Half where `half` (a cache kept in 16 bits)
+  bool half;
   int64_t key_stride, value_stride;
   const std::vector<std::vector<int64_t>>* index;  // per row, ascending: owned by the caller
 };
@@ -1199,14 +1267,15 @@ struct Segment {
 Segment segment_of(int64_t row_begin, int64_t rows, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                    int64_t start, const std::vector<std::vector<int64_t>>& index, int64_t kv_heads, int64_t dim) {
   for (const auto* t : {&key_cache, &value_cache}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim &&
-                t->stride(2) == 1 && t->stride(1) == dim, "caches must be float32 [kv_heads, capacity, dim] with "
-                "contiguous rows");
+    TORCH_CHECK((t->scalar_type() == torch::kFloat || t->scalar_type() == torch::kHalf) &&
+                t->scalar_type() == key_cache.scalar_type() && t->dim() == 3 && t->size(0) == kv_heads &&
+                t->size(2) == dim && t->stride(2) == 1 && t->stride(1) == dim, "caches must be float32 or float16 "
+                "(both the same) [kv_heads, capacity, dim] with contiguous rows");
   }
   TORCH_CHECK(start >= 0 && start + rows <= key_cache.size(1) && value_cache.size(1) >= start + rows,
               "the caches have no room for ", rows, " entries after ", start);
-  return {row_begin, rows, start, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.stride(0),
-          value_cache.stride(0), &index};
+  return {row_begin, rows, start, key_cache.data_ptr(), value_cache.data_ptr(),
+          key_cache.scalar_type() == torch::kHalf, key_cache.stride(0), value_cache.stride(0), &index};
 }
 
 // hidden [rows, width] -> the layer's output [rows, width]. Each projection as weights_of() reads it: (packed,
@@ -1245,13 +1314,31 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
       for (int64_t head = 0; head < heads; ++head)
         rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
       for (int64_t g = 0; g < kv_heads; ++g) {
-        rotate(row + q_size + g * dim, c, sn, dim, s.key_base + g * s.key_stride + (s.start + i) * dim);
-        std::copy_n(row + q_size + kv_size + g * dim, dim, s.value_base + g * s.value_stride + (s.start + i) * dim);
+        const float* value = row + q_size + kv_size + g * dim;
+        const int64_t key_at = g * s.key_stride + (s.start + i) * dim, value_at = g * s.value_stride + (s.start + i) * dim;
+        if (s.half) {  // rounded to the nearest half, ties to even, as torch's float32 -> float16 conversion rounds
+          float key[256];
+          rotate(row + q_size + g * dim, c, sn, dim, key);
+          at::Half* keys = static_cast<at::Half*>(s.key_base) + key_at;
+          at::Half* values = static_cast<at::Half*>(s.value_base) + value_at;
+          for (int64_t e = 0; e < dim; ++e) keys[e] = at::Half(key[e]);
+          for (int64_t e = 0; e < dim; ++e) values[e] = at::Half(value[e]);
+        } else {
+          rotate(row + q_size + g * dim, c, sn, dim, static_cast<float*>(s.key_base) + key_at);
+          std::copy_n(value, dim, static_cast<float*>(s.value_base) + value_at);
+        }
       }
     }
-    attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, s.key_base, s.key_stride, s.value_base,
-               s.value_stride, *s.index, heads, kv_heads, dim, static_cast<float>(scale),
-               attended.data() + s.row_begin * q_size);
+    float* attended_rows = attended.data() + s.row_begin * q_size;
+    if (s.half) {
+      attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, static_cast<const at::Half*>(s.key_base),
+                 s.key_stride, static_cast<const at::Half*>(s.value_base), s.value_stride, *s.index, heads, kv_heads,
+                 dim, static_cast<float>(scale), attended_rows);
+    } else {
+      attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, static_cast<const float*>(s.key_base),
+                 s.key_stride, static_cast<const float*>(s.value_base), s.value_stride, *s.index, heads, kv_heads,
+                 dim, static_cast<float>(scale), attended_rows);
+    }
   }
   w_o.apply(attended.data(), rows, mixed.data(), gemm);
   add_into(o, mixed.data(), rows * width);
@@ -1314,7 +1401,7 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                             int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
                             double scale, bool gemm) {
-  TORCH_CHECK(key_cache.dim() == 3, "caches must be float32 [kv_heads, capacity, dim] with contiguous rows");
+  TORCH_CHECK(key_cache.dim() == 3, "caches must be float32 or float16 [kv_heads, capacity, dim] with contiguous rows");
   const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
   const LayerWeights w = layer_weights(hidden, input_norm, post_norm, qkv, o_proj, gate_up, down, cos, sin, heads,
                                        kv_heads, dim);

@@ -46,6 +46,8 @@ struct V16 {
   __m512 v;
 };
 inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+// Sixteen IEEE half-precision values, widened (exactly: every half is a float).
+inline V16 load_half(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline void store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }  // the rest 0
@@ -125,6 +127,10 @@ struct V16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
 };
 inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load_half(const uint16_t* p) {  // F16C: every AVX2 CPU has it (the build asks for -mf16c)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 inline void store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 inline __m256i first8(int64_t n) {  // lanes < n all ones
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -326,6 +332,9 @@ inline float half_to_float(uint16_t h) {
   std::memcpy(&out, &bits, sizeof out);
   return out;
 }
+#if defined(JOINTSPEC_ISA_PORTABLE)
+inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
+#endif
 
 // Two groups of 32 inputs at a time with 8-bit inputs (grouped_linear.cpp's multiply_q8): 64 weight levels of two
 // adjacent groups (unsigned, < 32) against the matching 64 input levels (signed, |q| <= 127). Lane j of the V16 that
