@@ -162,7 +162,7 @@ class CausalLM:
         if self.lean is None or self.lean.compiled is None:
             raise UnsupportedOptionError("a float16 KV cache needs jointspec's compiled CPU layers (a model quantised "
                                          "with --quantize int4|int8|auto on a CPU); this model runs transformers' "
-                                         "forward: use --kv-cache float32")
+                                         "forward: use --kv-cache auto")
 
     def fork(self, name: str | None = None, *, kv_dtype: torch.dtype | None = None) -> CausalLM:
         """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe), stored in
