@@ -99,13 +99,13 @@ def test_a_float16_cache_needs_the_compiled_layers():
     assert parse_spec("default:kv=float16").kv == "float16"
 
 
-def decode(target: CausalLM, config: MethodConfig, prompt: list[int], max_new_tokens: int) -> list[int]:
+def decode(target: CausalLM, config: MethodConfig, prompt: list[int], decode_config: DecodeConfig) -> list[int]:
+    """``prompt`` decoded alone by ``config`` on a fork of ``target`` (its cache type kept)."""
     fork = target.fork(config.name)
     if config.name == "sparse-self":  # a view the tiny model's short context can draft from
         drafter, verifier = SparseSelfDrafter(fork, 4, TINY_VIEW), RejectionSamplingVerifier()
     else:
         drafter, verifier = build_method(MethodContext(config, fork, None, None))
-    decode_config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0))
     return SpeculativeDecoder(fork, drafter, verifier).generate(prompt, decode_config)
 
 
@@ -120,13 +120,14 @@ def test_lossless_methods_give_plain_greedy_tokens_with_a_float16_cache(int4_mod
     monkeypatch.setattr(lean_forward, "ROWWISE_PREFILL_CHUNK", 24)
     target = CausalLM(int4_model, name="half", kv_dtype=torch.float16)
     full = CausalLM(int4_model, name="full")
+    greedy_41 = DecodeConfig(max_new_tokens=41, sampling=SamplingConfig(temperature=0.0))
     for seed in range(2):
         prompt = random_prompt(8 + seed, length=90)
-        plain = decode(target, MethodConfig("ar"), prompt, 41)
-        assert decode(target, config, prompt, 41) == plain
+        plain = decode(target, MethodConfig("ar"), prompt, greedy_41)
+        assert decode(target, config, prompt, greedy_41) == plain
         assert len(plain) == 41
         # The float32 cache is another model's numbers: each cache type is held to its own plain decoding.
-        assert decode(full, config, prompt, 41) == decode(full, MethodConfig("ar"), prompt, 41)
+        assert decode(full, config, prompt, greedy_41) == decode(full, MethodConfig("ar"), prompt, greedy_41)
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "specinfer-self"])
@@ -136,10 +137,5 @@ def test_batched_requests_with_a_float16_cache_get_their_own_tokens(int4_model, 
     target = CausalLM(int4_model, name="half", kv_dtype=torch.float16)
     engine = LockstepEngine(target, max_batch_size=3)
     out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS])
-    alone = []
-    for prompt in PROMPTS:
-        fork = target.fork("alone")
-        drafter, verifier = build_method(MethodContext(config, fork, None, None))
-        alone.append(SpeculativeDecoder(fork, drafter, verifier).generate(prompt, GREEDY))
-    assert out == alone
+    assert out == [decode(target, config, prompt, GREEDY) for prompt in PROMPTS]
     assert any(tokens and tokens[-1] in EOS for tokens in out), "some rows must end on an EOS"

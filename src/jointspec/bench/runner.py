@@ -187,7 +187,7 @@ class _TargetCopies:
     def __init__(self, target: CausalLM, config: BenchConfig) -> None:
         self.target, self.config = target, config
         self.copies: dict[str, CausalLM] = {}
-        self.forks: dict[tuple, CausalLM] = {}
+        self.half_cache: dict[int, CausalLM] = {}  # by id() of the target (or copy) forked
 
     def quantize(self, spec: MethodSpec) -> str:
         if spec.backend != "torch":
@@ -197,10 +197,9 @@ class _TargetCopies:
     def for_spec(self, spec: MethodSpec) -> CausalLM:
         target = self._weights_for(spec)
         if spec.kv == "float16":  # the same weights, its own cache in half precision
-            key = (id(target), "float16 KV cache")
-            if key not in self.forks:
-                self.forks[key] = target.fork(f"{target.name}, float16 KV cache", kv_dtype=torch.float16)
-            target = self.forks[key]
+            if id(target) not in self.half_cache:
+                self.half_cache[id(target)] = target.fork(f"{target.name}, float16 KV cache", kv_dtype=torch.float16)
+            target = self.half_cache[id(target)]
         if spec.attention == "sparse":  # lossy: the target decodes over a sparse view of its cache
             return SparseViewTarget(target)
         return target

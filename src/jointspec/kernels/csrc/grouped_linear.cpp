@@ -809,25 +809,12 @@ constexpr int64_t kScoreBudget = int64_t(1) << 21;
 // over every thread.
 constexpr int64_t kScoreSpan = 512;
 
-// M queries' values pass for one 16-float chunk of dim: acc_m += p_m[j] * value[index[j]] over j in key order,
-// for list entries j in [begin, end). `probs[m]` is query m's row of probabilities.
-template <int M, typename T>
+// M queries' values pass for L adjacent 16-float chunks of dim: acc[l * M + m] += p_m[j] * value[index[j]] (chunk
+// l) over j in key order, for list entries j in [begin, end). `probs[m]` is query m's row of probabilities. Each
+// accumulator sums in key order whatever L is; L = 2 lets one task read whole 64-byte lines of a half cache's values.
+template <int M, int L, typename T>
 inline void values_pass(V16* acc, float* const* probs, const T* value, const int64_t* index, int64_t begin,
                         int64_t end, int64_t dim) {
-  V16 a[M];
-  for (int m = 0; m < M; ++m) a[m] = acc[m];
-  for (int64_t j = begin; j < end; ++j) {
-    const V16 v = load_kv(value + index[j] * dim);
-    for (int m = 0; m < M; ++m) a[m] = simd::fmadd(simd::set1(probs[m][j]), v, a[m]);
-  }
-  for (int m = 0; m < M; ++m) acc[m] = a[m];
-}
-
-// values_pass for L adjacent chunks at once (L = 2: a half-precision cache's 64-byte line, so that one task reads
-// whole lines): acc[l * M + m] is query m's accumulator for chunk l, each summed in key order as values_pass sums it.
-template <int M, int L, typename T>
-inline void values_pass_lines(V16* acc, float* const* probs, const T* value, const int64_t* index, int64_t begin,
-                              int64_t end, int64_t dim) {
   V16 a[L * M];
   for (int i = 0; i < L * M; ++i) a[i] = acc[i];
   for (int64_t j = begin; j < end; ++j) {
@@ -842,35 +829,15 @@ inline void values_pass_lines(V16* acc, float* const* probs, const T* value, con
   for (int i = 0; i < L * M; ++i) acc[i] = a[i];
 }
 
-template <typename T>
-inline void values_pass_two(int64_t count, V16* acc, float* const* probs, const T* value, const int64_t* index,
-                            int64_t begin, int64_t end, int64_t dim) {
-  switch (count) {
-    case 1: return values_pass_lines<1, 2, T>(acc, probs, value, index, begin, end, dim);
-    case 2: return values_pass_lines<2, 2, T>(acc, probs, value, index, begin, end, dim);
-    case 3: return values_pass_lines<3, 2, T>(acc, probs, value, index, begin, end, dim);
-#if !defined(JOINTSPEC_ISA_AVX2)
-    case 4: return values_pass_lines<4, 2, T>(acc, probs, value, index, begin, end, dim);
-#endif
-    default: TORCH_CHECK(false, "values_pass_two: ", count, " queries");
-  }
-}
-
-template <typename T>
+// values_pass for `count` queries (L * count <= kValueQueries, so that the accumulators stay in registers).
+template <int L, typename T, int M = 1>
 inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const T* value, const int64_t* index,
                           int64_t begin, int64_t end, int64_t dim) {
-  switch (count) {
-    case 1: return values_pass<1, T>(acc, probs, value, index, begin, end, dim);
-    case 2: return values_pass<2, T>(acc, probs, value, index, begin, end, dim);
-    case 3: return values_pass<3, T>(acc, probs, value, index, begin, end, dim);
-    case 4: return values_pass<4, T>(acc, probs, value, index, begin, end, dim);
-    case 5: return values_pass<5, T>(acc, probs, value, index, begin, end, dim);
-    case 6: return values_pass<6, T>(acc, probs, value, index, begin, end, dim);
-#if !defined(JOINTSPEC_ISA_AVX2)
-    case 7: return values_pass<7, T>(acc, probs, value, index, begin, end, dim);
-    case 8: return values_pass<8, T>(acc, probs, value, index, begin, end, dim);
-#endif
-    default: TORCH_CHECK(false, "values_pass_n: ", count, " queries");
+  if constexpr (M * L <= kValueQueries) {
+    if (count == M) return values_pass<M, L, T>(acc, probs, value, index, begin, end, dim);
+    return values_pass_n<L, T, M + 1>(count, acc, probs, value, index, begin, end, dim);
+  } else {
+    TORCH_CHECK(false, "values_pass_n: ", count, " queries of ", L, " chunks");
   }
 }
 
@@ -950,9 +917,11 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
         for (int64_t pair = begin; pair < end; ++pair) finish_pair(r0 + pair / heads, pair % heads);
       });
     }
-    // 3. Values: per key head, 16-float chunk of dim and pass of up to kValueQueries pairs, over the shared prefix
-    // for the pass's pairs at once, then each pair's own keys; pair q's chunk c is attend()'s acc[c], in key order.
-    // A half-precision cache's task takes two chunks, a whole 64-byte line of each value, for half as many pairs.
+    // 3. Values: per key head, group of `lines` 16-float chunks of dim and pass of up to kValueQueries / lines pairs,
+    // over the shared prefix for the pass's pairs at once, then each pair's own keys; pair q's chunk c is attend()'s
+    // acc[c], in key order.
+    // Where dim allows, a task takes two adjacent chunks (a whole 64-byte line of a half cache's values), for half as
+    // many pairs a pass.
     const int64_t lines = chunks % 2 == 0 ? 2 : 1;
     const int64_t per_pass = kValueQueries / lines, chunk_groups = chunks / lines;
     const int64_t per_head = block * group, passes = (per_head + per_pass - 1) / per_pass;
@@ -969,17 +938,17 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
         }
         for (int64_t i = 0; i < lines * count; ++i) acc[i] = simd::zero();
         if (lines == 2) {
-          values_pass_two(count, acc, probs, value, shared_index, 0, shared, dim);
+          values_pass_n<2>(count, acc, probs, value, shared_index, 0, shared, dim);
         } else {
-          values_pass_n(count, acc, probs, value, shared_index, 0, shared, dim);
+          values_pass_n<1>(count, acc, probs, value, shared_index, 0, shared, dim);
         }
         for (int64_t m = 0; m < count; ++m) {
           const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
           const auto& list = index[r];
           for (int64_t l = 0; l < lines; ++l) {
             V16* a = acc + l * count + m;
-            values_pass<1, T>(a, probs + m, value + 16 * l, list.data(), shared, static_cast<int64_t>(list.size()),
-                              dim);
+            values_pass<1, 1, T>(a, probs + m, value + 16 * l, list.data(), shared,
+                                 static_cast<int64_t>(list.size()), dim);
             simd::store(op + (r * heads + h) * dim + 16 * (c + l),
                         simd::mul(*a, simd::set1(inverse[(r - r0) * heads + h])));
           }
@@ -1315,7 +1284,8 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
         rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
       for (int64_t g = 0; g < kv_heads; ++g) {
         const float* value = row + q_size + kv_size + g * dim;
-        const int64_t key_at = g * s.key_stride + (s.start + i) * dim, value_at = g * s.value_stride + (s.start + i) * dim;
+        const int64_t key_at = g * s.key_stride + (s.start + i) * dim;
+        const int64_t value_at = g * s.value_stride + (s.start + i) * dim;
         if (s.half) {  // rounded to the nearest half, ties to even, as torch's float32 -> float16 conversion rounds
           float key[256];
           rotate(row + q_size + g * dim, c, sn, dim, key);
@@ -1329,15 +1299,14 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
         }
       }
     }
-    float* attended_rows = attended.data() + s.row_begin * q_size;
+    auto attend = [&](auto* keys, auto* values) {
+      attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, keys, s.key_stride, values, s.value_stride,
+                 *s.index, heads, kv_heads, dim, static_cast<float>(scale), attended.data() + s.row_begin * q_size);
+    };
     if (s.half) {
-      attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, static_cast<const at::Half*>(s.key_base),
-                 s.key_stride, static_cast<const at::Half*>(s.value_base), s.value_stride, *s.index, heads, kv_heads,
-                 dim, static_cast<float>(scale), attended_rows);
+      attend(static_cast<const at::Half*>(s.key_base), static_cast<const at::Half*>(s.value_base));
     } else {
-      attend_all(rotated.data() + s.row_begin * q_size, dim, q_size, static_cast<const float*>(s.key_base),
-                 s.key_stride, static_cast<const float*>(s.value_base), s.value_stride, *s.index, heads, kv_heads,
-                 dim, static_cast<float>(scale), attended_rows);
+      attend(static_cast<const float*>(s.key_base), static_cast<const float*>(s.value_base));
     }
   }
   w_o.apply(attended.data(), rows, mixed.data(), gemm);
