@@ -288,12 +288,13 @@ def test_prompt_file_gives_the_same_answer_as_the_argument(capsys, model_dirs, t
     assert_clean_error(code, err, "jointspec: error:", "missing.txt")
 
 
-def test_sparse_attention_says_it_is_approximate(capsys, model_dirs):
-    """--attention sparse decodes on the approximate target and says so; below its 2,048-token threshold (every
-    prompt of these tiny models) it still sees the whole cache, so the tokens are exact decoding's."""
+@pytest.mark.parametrize("mode", ["sparse", "speckv"])
+def test_approximate_attention_says_it_is_approximate(capsys, model_dirs, mode):
+    """--attention sparse|speckv decodes on the approximate target and says so; below its 2,048-token threshold
+    (every prompt of these tiny models) it still sees the whole cache, so the tokens are exact decoding's."""
     options = ["--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "8", "--method", "ar", "--json"]
     code, exact, _ = run_cli(capsys, "generate", PROMPT, *options)
     assert code == 0
-    code, sparse, err = run_cli(capsys, "generate", PROMPT, "--attention", "sparse", *options)
-    assert code == 0 and "approximate decoding" in err
+    code, sparse, err = run_cli(capsys, "generate", PROMPT, "--attention", mode, *options)
+    assert code == 0 and f"--attention {mode}: approximate decoding" in err
     assert json.loads(sparse.splitlines()[-1])["token_ids"] == json.loads(exact.splitlines()[-1])["token_ids"]

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from jointspec.backends.kvcache import BufferedCache
-from jointspec.backends.lean_forward import LeanCall, lean_forward_for
+from jointspec.backends.lean_forward import LeanCall, attention_mass, lean_forward_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities, TargetLM
@@ -280,6 +280,29 @@ class CausalLM:
         keep = call.num_logits
         hidden = states[-1][0, -keep:] if output_hidden and keep > 0 else None
         return ForwardOutput(logits=logits[0].float(), hidden=hidden)
+
+    @property
+    def reads_attention(self) -> bool:
+        """Whether :meth:`attention_mass` can run: the model takes the lean forward (Llama-family)."""
+        return self.lean is not None
+
+    @torch.inference_mode()
+    def attention_mass(self, token_ids: list[int]) -> torch.Tensor:
+        """How much attention ``token_ids``, fed after the cache as a chain, would pay each cached token:
+        [layers, query heads, num_cached], each new row's softmax weights summed over the rows
+        (:func:`~jointspec.backends.lean_forward.attention_mass`). The cache is left as it was. Needs the lean
+        forward (a Llama-family model)."""
+        if not self.reads_attention:
+            raise UnsupportedOptionError(f"target '{self.name}' runs transformers' own forward, so its attention "
+                                         "cannot be read; attention by lookahead needs a Llama-family model")
+        start, layers = self.num_cached, self.model.config.num_hidden_layers
+        call = self._lean_call(token_ids, None, 0, False, False)
+        _, states = self.lean(call.input_ids, call.position_ids, None, self.cache, 0, tuple(range(layers)))
+        try:
+            return attention_mass(self.model.model, [states[i] for i in range(layers)], call.position_ids,
+                                  self.cache, start)
+        finally:
+            self.cache.crop(-len(token_ids))  # transformers >= 5 takes a negative count of tokens to remove
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""

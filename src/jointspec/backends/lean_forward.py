@@ -470,3 +470,33 @@ def lean_body_forward(base: llama.LlamaModel, inputs_embeds: torch.Tensor, posit
     cos, sin = base.rotary_emb(inputs_embeds, position_ids=position_ids)
     hidden = decoder_layers(base, inputs_embeds, cos, sin, causal_mask, cache, position_ids)
     return _rms_norm(base.norm, hidden)
+
+
+def attention_mass(base: llama.LlamaModel, layer_inputs: list[torch.Tensor], position_ids: torch.Tensor, cache,
+                   start: int) -> torch.Tensor:
+    """How much attention each query head of each layer pays each of the first ``start`` cached positions, from
+    ``n`` rows that were just fed after them: [layers, heads, start], each row's softmax weights summed over the rows.
+
+    ``layer_inputs[i]`` is layer i's input for those rows ([1, n, width]) and ``cache`` already holds their keys after
+    the ``start`` earlier ones. Each row sees every earlier position and the rows before it, as a chain forward does.
+    The queries are made again from the inputs by the layer's own norm, q projection and rotary embedding: the
+    forward's queries, to float rounding where the compiled layers ran it. An estimate of which cached entries
+    matter (drafters/speckv.py), not part of any forward."""
+    n = layer_inputs[0].shape[1]
+    cos, sin = base.rotary_emb(layer_inputs[0], position_ids=position_ids)
+    causal = torch.ones(n, n, dtype=torch.bool, device=layer_inputs[0].device).tril()
+    masses = []
+    for index, layer in enumerate(base.layers[:base.config.num_hidden_layers]):
+        attn = layer.self_attn
+        query = _linear(attn.q_proj, _rms_norm(layer.input_layernorm, layer_inputs[index]))
+        query = query.view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, heads, n, dim]
+        query, _ = llama.apply_rotary_pos_emb(query, query, cos, sin)
+        keys = cache.layers[index].keys[0, :, :start + n].float()  # [kv heads, start + n, dim]
+        heads, kv_heads = query.shape[1], keys.shape[0]
+        # Query heads share their group's key head: [kv heads, group * n, dim] against [kv heads, dim, keys].
+        grouped = query[0].float().reshape(kv_heads, heads // kv_heads * n, attn.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(1, 2)).mul_(attn.scaling)
+        scores = scores.view(heads, n, start + n)
+        scores[:, :, start:].masked_fill_(~causal, float("-inf"))
+        masses.append(torch.softmax(scores, dim=-1)[:, :, :start].sum(1))
+    return torch.stack(masses)

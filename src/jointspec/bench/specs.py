@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from jointspec.backends.loading import QUANTIZE_CHOICES
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.drafters.speckv import ATTENTION_MODES
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.oracle import OracleConfig
 from jointspec.methods.registry import NOT_BUILT, unknown_method_error
@@ -52,9 +53,9 @@ BACKENDS = ("torch", "llamacpp")
 PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention", "memory", "kv")
 # Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.
 SPEC_KERNELS = ("loaded", "stock")
-# The torch target's attention after the prompt: the whole cache, or (lossy, for long inputs) a sparse view of it
-# (drafters.sparse_self.SparseViewTarget).
-SPEC_ATTENTION = ("full", "sparse")
+# The torch target's attention after the prompt: the whole cache, or (lossy, for long inputs) part of it
+# (drafters/speckv.py: with_attention).
+SPEC_ATTENTION = ATTENTION_MODES
 # Whether a method also drafts from its own earlier answers in this run (drafters/memory.py): online adaptation.
 SPEC_MEMORY = ("off", "online")
 # What the torch target's KV cache stores: as loaded (--kv-cache), or float16 (a fork of the target over the same
@@ -109,7 +110,7 @@ class MethodSpec:
 
     @property
     def attention(self) -> str:
-        """'full', or 'sparse': the target decodes over a sparse view of its cache (lossy; long inputs)."""
+        """'full', or 'sparse' / 'speckv': the target decodes over part of its cache (lossy; long inputs)."""
         return self.options.get("attention", "full")
 
     @property
@@ -184,7 +185,7 @@ def parse_spec(text: str) -> MethodSpec:
         raise MethodSpecError(f"attention '{options['attention']}' in '{text}' must be one of: "
                               f"{', '.join(SPEC_ATTENTION)}")
     if options.get("attention", "full") != "full" and options.get("backend", "torch") != "torch":
-        raise MethodSpecError(f"'{text}': attention=sparse is for the torch backend")
+        raise MethodSpecError(f"'{text}': attention={options['attention']} is for the torch backend")
     if options.get("kv", "loaded") not in SPEC_KV:
         raise MethodSpecError(f"kv '{options['kv']}' in '{text}' must be one of: {', '.join(SPEC_KV)}")
     if options.get("kv", "loaded") != "loaded" and options.get("backend", "torch") != "torch":

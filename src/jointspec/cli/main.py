@@ -39,10 +39,11 @@ def _add_generate(subparsers) -> None:
                         help="fixes a sampled answer (default: a fresh seed per run, reported so the answer can be "
                              "repeated)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
-    parser.add_argument("--attention", choices=("full", "sparse"), default="full",
-                        help="sparse: APPROXIMATE (lossy) decoding for long inputs: after the prompt, the model sees "
-                             "only attention sinks, its last 1,024 tokens and the input spans its context points to "
-                             "(docs/long-inputs.md)")
+    parser.add_argument("--attention", choices=("full", "sparse", "speckv"), default="full",
+                        help="APPROXIMATE (lossy) decoding for long inputs, past 2,048 tokens of context. sparse: "
+                             "the model sees only attention sinks, its last 1,024 tokens and the input spans its "
+                             "context points to; speckv: only the 1,296 prompt tokens a 16-token lookahead attends "
+                             "to most, and its answer (docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
     # since the batched engine has no hybrid/head drafter.
@@ -67,14 +68,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise JointspecError(str(error)) from error
     apply_threads(args)
-    if args.attention == "sparse":
+    if args.attention != "full":
         from jointspec.backends.loading import load_model
-        from jointspec.drafters.sparse_self import SparseViewTarget
+        from jointspec.drafters.speckv import with_attention
 
         model, tokenizer = load_model(args.model, **model_options(args))
-        pipeline = Pipeline(SparseViewTarget(model), tokenizer, method, **model_options(args))
-        print("jointspec: --attention sparse: approximate decoding; the output is not the model's own after the "
-              "first 2,048 tokens of context", file=sys.stderr)
+        pipeline = Pipeline(with_attention(model, args.attention), tokenizer, method, **model_options(args))
+        print(f"jointspec: --attention {args.attention}: approximate decoding; the output is not the model's own "
+              "after the first 2,048 tokens of context", file=sys.stderr)
     else:
         pipeline = Pipeline.load(args.model, method, **model_options(args))
         model = pipeline.target

@@ -204,15 +204,21 @@ class SparseViewTarget:
                 num_logits: int | None = None, output_hidden: bool = False, argmax_only: bool = False,
                 attend_to: torch.Tensor | None = None) -> ForwardOutput:
         ids = [int(t) for t in token_ids]
-        cached = self.inner.num_cached
-        if attend_to is None and num_logits != 0 and cached >= self.view.min_context:
-            # The context the view is found from: the cache, then this forward's first token (a chain's or a tree's
-            # root: what every new row follows).
-            attend_to = self.view.positions(np.asarray(self._tokens + ids[:1], dtype=np.int64), cached)
+        if attend_to is None and num_logits != 0:  # a prompt (no logits) is read with full attention
+            attend_to = self._view_for(ids)
         out = self.inner.forward(ids, parents=parents, num_logits=num_logits, output_hidden=output_hidden,
                                  argmax_only=argmax_only, attend_to=attend_to)
         self._tokens.extend(ids)
         return out
+
+    def _view_for(self, ids: list[int]) -> torch.Tensor | None:
+        """The cached positions a decoding forward of ``ids`` sees (None: all of them)."""
+        cached = self.inner.num_cached
+        if cached < self.view.min_context:
+            return None
+        # The context the view is found from: the cache, then this forward's first token (a chain's or a tree's
+        # root: what every new row follows).
+        return self.view.positions(np.asarray(self._tokens + ids[:1], dtype=np.int64), cached)
 
     def crop(self, length: int) -> None:
         self.inner.crop(length)
