@@ -74,8 +74,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
         model, tokenizer = load_model(args.model, **model_options(args))
         pipeline = Pipeline(with_attention(model, args.attention), tokenizer, method, **model_options(args))
+        where = ("once its context passes 2,048 tokens" if args.attention == "sparse"
+                 else "after a prompt of 2,048 tokens or more")
         print(f"jointspec: --attention {args.attention}: approximate decoding; the output is not the model's own "
-              "after the first 2,048 tokens of context", file=sys.stderr)
+              f"{where}", file=sys.stderr)
     else:
         pipeline = Pipeline.load(args.model, method, **model_options(args))
         model = pipeline.target
