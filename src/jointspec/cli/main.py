@@ -68,19 +68,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise JointspecError(str(error)) from error
     apply_threads(args)
-    if args.attention != "full":
-        from jointspec.backends.loading import load_model
-        from jointspec.drafters.speckv import with_attention
+    from jointspec.backends.loading import load_model
+    from jointspec.drafters.speckv import with_attention
 
-        model, tokenizer = load_model(args.model, **model_options(args))
-        pipeline = Pipeline(with_attention(model, args.attention), tokenizer, method, **model_options(args))
+    # Pipeline.load's two steps, with the target wrapped in between where --attention asks for an approximate one.
+    model, tokenizer = load_model(args.model, **model_options(args))
+    pipeline = Pipeline(with_attention(model, args.attention), tokenizer, method, **model_options(args))
+    if args.attention != "full":
         where = ("once its context passes 2,048 tokens" if args.attention == "sparse"
                  else "after a prompt of 2,048 tokens or more")
         print(f"jointspec: --attention {args.attention}: approximate decoding; the output is not the model's own "
               f"{where}", file=sys.stderr)
-    else:
-        pipeline = Pipeline.load(args.model, method, **model_options(args))
-        model = pipeline.target
     _say_quantize_choice(args)
     prompt = _prompt_text(args)
     if args.json:
