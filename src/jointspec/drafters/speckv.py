@@ -117,6 +117,8 @@ class SpecKVTarget(SparseViewTarget):
 
     def _select(self, first: int, cached: int) -> torch.Tensor:
         """Draft the lookahead after ``first`` and keep the prompt entries its attention points to."""
+        # One token a forward, not sparse-self's drafter: its lookup guesses make the same tokens, but the extra rows
+        # they add did not pay for themselves when measured (lab notes, section 24).
         inner = self.inner
         view = self.view.positions(np.asarray(self._tokens + [first], dtype=np.int64), cached)
         argmax_only = inner.capabilities.argmax_screen
