@@ -351,6 +351,38 @@ def test_a_replaced_layer_takes_the_model_off_the_compiled_layers():
     assert torch.equal(lean.forward(context).logits, stock.forward(context).logits)
 
 
+def test_a_layer_replaced_after_forwards_takes_the_model_off_the_compiled_layers():
+    """The full identity check runs again only after a registration anywhere (torch's global hooks); a module set
+    through the module API mid-model, a buffer replaced the way Module._apply does it (past the hooks) in the first
+    layer, are both seen at the next forward."""
+    model = quantize_model(grouped_llama(1), "int4")
+    lean, stock = CausalLM(model, name="lean"), CausalLM(model, name="transformers", lean=False)
+    forward = lean.lean
+    assert forward.compiled is not None and forward._compiled_model_ready()
+    # Nothing registered since the last full check: it is not run again (a check list that would fail is not read).
+    owners, names, expected = forward._compiled_checks
+    forward._compiled_checks = (owners, names, [object()] * len(expected))
+    assert forward._compiled_model_ready()
+    torch.nn.Module().register_buffer("unrelated", torch.zeros(1))  # any registration: the next call checks in full
+    assert not forward._compiled_model_ready()
+    forward._compiled_checks = (owners, names, expected)
+    assert forward._compiled_model_ready()
+
+    context = random_prompt(2)
+    attn = model.model.layers[1].self_attn  # outside the sample every forward tests (the ends' 12 entries each)
+    assert all(module is not attn.o_proj for module in forward._compiled_sample[2])
+    attn.o_proj = GroupedInt4Linear(linear(attn.o_proj.out_features, attn.o_proj.in_features, seed=4))
+    assert not forward._compiled_model_ready()
+    assert torch.equal(lean.forward(context).logits, stock.forward(context).logits)
+
+    model = quantize_model(grouped_llama(1), "int4")
+    lean = CausalLM(model, name="lean")
+    assert lean.lean._compiled_model_ready()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj._buffers["scale"] = q_proj._buffers["scale"].clone()  # what Module._apply does: no hook runs
+    assert not lean.lean._compiled_model_ready()
+
+
 def test_compiled_attention_is_attention():
     """The compiled attention (what quantised models' row-wise attention calls) against PyTorch's, causal and with
     a tree-style mask, with grouped key/value heads."""

@@ -47,12 +47,30 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
+# Registrations of modules, parameters and buffers on any module of this process, counted through torch's global
+# registration hooks (attribute assignment, register_*, add_module, ModuleList items all call them): while the count
+# stands still, no such change has happened, so the compiled layers' full identity check (about 1,300 dictionary
+# reads, cold in cache after a forward) need not run again (LeanLlamaForward._compiled_model_ready).
+_REGISTRATIONS = [0]
+
+
+def _count_registration(module, name, value):
+    _REGISTRATIONS[0] += 1  # returns None: the value registered is left as it is
+
+
+for _register in (torch.nn.modules.module.register_module_module_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_parameter_registration_hook):
+    _register(_count_registration)
+
 # How the compiled layers read a prompt (docs/kernels.md, "Reading the prompt row by row"). The AVX-512 build's
 # row-wise product beats dequantising every weight for a GEMM at any length: it reads in chunks of
 # ROWWISE_PREFILL_CHUNK rows, all row-wise. The AVX2 build's beats the GEMM up to about that many rows and loses past
 # it (against an MKL with AVX-512, and on an AVX2-only CPU for a 1B model): longer prompt forwards keep the GEMM.
 # The portable build's row-wise product is scalar code: prefills of PREFILL_GEMM_ROWS rows or more take the GEMM.
 PREFILL_GEMM_ROWS = 16
+# Entries of the compiled layers' identity checks tested on every forward, from each end (the first and last layers).
+COMPILED_SAMPLE = 12
 ROWWISE_PREFILL_CHUNK = 128
 # A chunk read through the GEMM holds its activations in every layer, the MLP's most (rows x intermediate floats,
 # several times over), and each chunk dequantises every weight again: chunks are cut at the largest power of two of
@@ -230,6 +248,11 @@ class LeanLlamaForward:
                            kernel_arguments(plain[0]), gate_up, kernel_arguments(plain[1]), config.num_attention_heads,
                            attn.scaling, config.num_key_value_heads, attn.head_dim))
         self._compiled_checks = tuple(map(list, zip(*checks)))  # owners, names, expected objects
+        # A sample checked on every forward: the first and last layers' entries. Module._apply (to, float, cuda...)
+        # writes every buffer straight into its module's dict, past the registration hooks; the sample sees it.
+        sample = checks[1:COMPILED_SAMPLE + 1] + checks[-COMPILED_SAMPLE:]
+        self._compiled_sample = tuple(map(list, zip(*sample)))
+        self._verified_at: int | None = None  # the registration count at the last full check that passed
         # The same layers registered once in C++, so that a forward makes one call for all of them.
         self._isa = selected_isa()
         self._compiled_stack = kernels(self._isa).CompiledLayers()
@@ -245,14 +268,30 @@ class LeanLlamaForward:
         return self._compiled_model_ready() and self._compiled_call_ready(n, cache)
 
     def _compiled_model_ready(self) -> bool:
-        """Whether the model still holds every module, buffer and parameter the compiled layers were built from (one
-        identity check each, about 1,000 on SmolLM2: tens of microseconds), with row-wise attention still set."""
+        """Whether the model still holds every module, buffer and parameter the compiled layers were built from, with
+        row-wise attention still set.
+
+        The full check is one identity test each (about 1,300 on SmolLM2; after a forward has streamed the weights
+        through the caches it costs about half a millisecond, some 4 % of a step). It runs again only when a module,
+        parameter or buffer has been registered anywhere since it last passed (:data:`_REGISTRATIONS`); every forward
+        tests the first and last layers' entries, which catches ``Module._apply``. Not seen: a raw write into a
+        middle layer's ``_modules``/``_buffers`` dict, or a ``del`` there.
+        """
         from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
         if self.compiled is None or self.model.config._attn_implementation != ROWWISE_ATTENTION:
             return False
+        owners, names, expected = self._compiled_sample
+        if not all(map(operator.is_, map(dict.get, owners, names), expected)):  # one C-level loop
+            self._verified_at = None
+            return False
+        count = _REGISTRATIONS[0]
+        if self._verified_at == count:
+            return True
         owners, names, expected = self._compiled_checks
-        return all(map(operator.is_, map(dict.get, owners, names), expected))  # one C-level loop
+        ready = all(map(operator.is_, map(dict.get, owners, names), expected))
+        self._verified_at = count if ready else None
+        return ready
 
     @staticmethod
     def _compiled_call_ready(n: int, cache) -> bool:
