@@ -5,8 +5,9 @@ where only speed and memory mean anything. Each engine runs in its own process, 
 (``ru_maxrss``), and the two alternate ``--repeats`` times. An engine loads the file, then for each context length
 reads that many random tokens and decodes ``--new-tokens`` greedily (end-of-sequence ignored), timing the decoding
 alone (after one short untimed warm-up). jointspec runs ``--method`` (default ``ar``: plain decoding) on what
-``--quantize auto`` picks; llama.cpp runs its own generate loop, as the bench's ``llamacpp`` method does. Prints a
-table and, last, one JSON line::
+``--quantize auto`` picks, its key/value cache as ``--kv-cache`` says (``float16``: halves, as llama.cpp keeps its
+cache); llama.cpp runs its own generate loop, as the bench's ``llamacpp`` method does. Prints a table and, last, one
+JSON line::
 
     python benchmarks/gguf_decode_vs_llamacpp.py /tmp/llama1b-q4_0.gguf --contexts 128 2048 --threads 2
 """
@@ -22,7 +23,8 @@ import sys
 import time
 
 
-def child(engine: str, path: str, contexts: list[int], new_tokens: int, threads: int, method: str) -> dict:
+def child(engine: str, path: str, contexts: list[int], new_tokens: int, threads: int, method: str,
+          kv_cache: str = "auto") -> dict:
     import resource
 
     start = time.perf_counter()
@@ -41,7 +43,7 @@ def child(engine: str, path: str, contexts: list[int], new_tokens: int, threads:
         from jointspec.methods import MethodConfig, MethodContext, build_method
 
         torch.set_num_threads(threads)
-        target, tokenizer = load_model(path, quantize="auto")
+        target, tokenizer = load_model(path, quantize="auto", kv_cache=kv_cache)
         vocab = target.vocab_size
         drafter, verifier = build_method(MethodContext(MethodConfig(name=method), target, tokenizer, load_draft=None))
         decoder = SpeculativeDecoder(target, drafter, verifier)
@@ -79,17 +81,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--method", default="ar")
+    # Checked by load_model in the jointspec child (an import here would weigh on llama.cpp's peak memory too).
+    parser.add_argument("--kv-cache", default="auto",
+                        help="jointspec's key/value cache: auto or float16 (as llama.cpp keeps its own)")
     parser.add_argument("--child", choices=["jointspec", "llamacpp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.model, args.contexts, args.new_tokens, args.threads, args.method)))
+        print(json.dumps(child(args.child, args.model, args.contexts, args.new_tokens, args.threads, args.method,
+                               args.kv_cache)))
         return
     runs: dict[str, list[dict]] = {"jointspec": [], "llamacpp": []}
     for repeat in range(args.repeats):
         for engine in ("jointspec", "llamacpp") if repeat % 2 == 0 else ("llamacpp", "jointspec"):
             command = [sys.executable, __file__, args.model, "--child", engine, "--contexts",
                        *map(str, args.contexts), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                       "--method", args.method]
+                       "--method", args.method, "--kv-cache", args.kv_cache]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 sys.exit(f"{engine} failed:\n{done.stderr[-2000:]}")
