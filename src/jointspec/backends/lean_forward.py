@@ -63,6 +63,12 @@ for _register in (torch.nn.modules.module.register_module_module_registration_ho
                   torch.nn.modules.module.register_module_parameter_registration_hook):
     _register(_count_registration)
 
+
+def _still_held(checks: tuple[list, list, list]) -> bool:
+    """Whether every owner dict still holds its expected object under its name (owners, names, objects)."""
+    owners, names, expected = checks
+    return all(map(operator.is_, map(dict.get, owners, names), expected))  # one C-level loop
+
 # How the compiled layers read a prompt (docs/kernels.md, "Reading the prompt row by row"). The AVX-512 build's
 # row-wise product beats dequantising every weight for a GEMM at any length: it reads in chunks of
 # ROWWISE_PREFILL_CHUNK rows, all row-wise. The AVX2 build's beats the GEMM up to about that many rows and loses past
@@ -281,15 +287,13 @@ class LeanLlamaForward:
 
         if self.compiled is None or self.model.config._attn_implementation != ROWWISE_ATTENTION:
             return False
-        owners, names, expected = self._compiled_sample
-        if not all(map(operator.is_, map(dict.get, owners, names), expected)):  # one C-level loop
+        if not _still_held(self._compiled_sample):
             self._verified_at = None
             return False
         count = _REGISTRATIONS[0]
         if self._verified_at == count:
             return True
-        owners, names, expected = self._compiled_checks
-        ready = all(map(operator.is_, map(dict.get, owners, names), expected))
+        ready = _still_held(self._compiled_checks)
         self._verified_at = count if ready else None
         return ready
 
