@@ -99,14 +99,14 @@ def grouped_llama(seed: int) -> LlamaForCausalLM:
 
 
 def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a 4-, 5- or 8-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/grouped_linear.cpp,
+    """What a 4-, 5-, 6- or 8-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/grouped_linear.cpp,
     multiply_q8), in float64, and the magnitude of its terms (for a tolerance): each group of 32 inputs rounded to
     ``q = round(x * 127 / max|x|)`` (ties to even, float32 as the kernel rounds), then per group (or per 16 inputs,
     where the weights' scales are) ``scale * step * sum(level * q)``, plus ``minimum * sum(x)`` for 4 and 5 bits."""
     rows, width = x.shape
     groups = width // 32
-    if layer.bits == 8:
-        levels = layer.levels.long().reshape(-1, groups, 32)
+    if layer.bits in (6, 8):  # signed levels, 6 bits in their own storage
+        levels = (layer.signed_levels() if layer.bits == 6 else layer.levels).long().reshape(-1, groups, 32)
     else:
         packed = layer.packed.reshape(-1, groups, 16)
         levels = torch.cat([packed & 15, packed >> 4], dim=-1).long()  # byte i: level i low, level i + 16 high
@@ -122,11 +122,11 @@ def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
     dots = torch.einsum("ogi,rgi->rog", halves(levels.double()), halves(q))  # [rows, out, 2 groups]
     magnitudes = torch.einsum("ogi,rgi->rog", halves(levels.double()).abs(), halves(q).abs())
     # The layer's float scales, whatever form it keeps them in (float32, halves, K-quant sub-scales).
-    scale = (layer.unit_scales() if layer.bits == 8 else layer.group_scales()[0]).double()
+    scale = (layer.unit_scales() if layer.bits in (6, 8) else layer.group_scales()[0]).double()
     scale = scale.repeat_interleave(2, dim=1) if scale.shape[1] == groups else scale  # per 16 inputs
     scaled = scale[None] * step.double().repeat_interleave(2, dim=1)[:, None, :]
     out, magnitude = (scaled * dots).sum(-1), (scaled.abs() * magnitudes).sum(-1)
-    if layer.bits != 8:
+    if layer.bits in (4, 5):
         lows = layer.group_scales()[1].double()[None] * xg.double().sum(-1)[:, None, :]
         out, magnitude = out + lows.sum(-1), magnitude + lows.abs().sum(-1)
     return out, magnitude

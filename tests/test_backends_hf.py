@@ -209,9 +209,9 @@ def test_a_long_prefill_runs_in_chunks_and_reports_progress(monkeypatch):
     assert torch.allclose(chunked.forward([7]).logits, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2"])
 def test_the_vector_builds_read_a_prompt_row_by_row(isa):
-    """The AVX-512 build reads a prompt in chunks of ROWWISE_PREFILL_CHUNK rows, the AVX2 build reads forwards of up
+    """The AVX-512 builds read a prompt in chunks of ROWWISE_PREFILL_CHUNK rows, the AVX2 build reads forwards of up
     to that many rows, each row computed alone: the cache then holds the bits that feeding the prompt one token at a
     time gives, so the next logits are equal, not merely close. (A GEMM prefill fails this: the portable build's,
     and the AVX2 build's past ROWWISE_PREFILL_CHUNK rows.)"""
@@ -224,7 +224,7 @@ def test_the_vector_builds_read_a_prompt_row_by_row(isa):
         chunked, stepped = CausalLM(model), CausalLM(model)
     assert chunked.lean.compiled is not None
     chunk = lean_forward.ROWWISE_PREFILL_CHUNK
-    if isa == "avx512":
+    if isa.startswith("avx512"):
         assert chunked.prefill_chunk == chunk
         length = chunk + 40  # two chunks, both past the portable build's 16 GEMM rows
     else:

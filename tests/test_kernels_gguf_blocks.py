@@ -26,7 +26,9 @@ from jointspec.kernels.gguf_blocks import (
 from jointspec.kernels.grouped import (
     GroupedInt4Linear,
     GroupedInt5Linear,
+    GroupedInt6Linear,
     GroupedInt8Linear,
+    ScreenedInt6Head,
     ScreenedInt8Head,
     float_inputs,
 )
@@ -59,10 +61,10 @@ def test_levels_are_the_files_weights_bit_for_bit(type_name):
     levels = decode(raw, type_name, 512)
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
     assert torch.equal(levels.weight(), expected)
-    assert levels.bits == {"Q4": 4, "Q5": 5}.get(type_name[:2], 8)
+    assert levels.bits == {"Q4": 4, "Q5": 5, "Q6": 6}.get(type_name[:2], 8)
     scale, minimum = levels.float_scales()
     assert scale.shape == (6, 512 // (16 if type_name == "Q6_K" else 32)) and scale.dtype == torch.float32
-    assert (minimum is None) == (levels.bits == 8)
+    assert (minimum is None) == (levels.bits in (6, 8))
     assert (levels.k_scales is not None) == type_name.endswith("_K")  # kept as the file keeps them
     if type_name[:2] in ("Q4", "Q5") and not type_name.endswith("_K"):  # the file's halves, never a float32 copy
         assert levels.scale.dtype == levels.minimum.dtype == torch.float16
@@ -75,7 +77,8 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
     raw = random_blocks(type_name, rows=48, columns=256, seed=2)
     levels = decode(raw, type_name, 256)
     layer = levels.layer()
-    assert type(layer) is {4: GroupedInt4Linear, 5: GroupedInt5Linear, 8: GroupedInt8Linear}[levels.bits]
+    assert type(layer) is {4: GroupedInt4Linear, 5: GroupedInt5Linear, 6: GroupedInt6Linear,
+                           8: GroupedInt8Linear}[levels.bits]
     expected = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
     assert torch.equal(layer.dequantized(), expected)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
@@ -118,11 +121,11 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
         assert (layer.minimum == offset).all()
     elif not k_type:
         assert layer.minimum.shape == layer.scale.shape
-    floats = [layer.packed] if levels.bits != 8 else [layer.levels]
-    if levels.bits == 5:
-        floats.append(layer.fifth)
-    floats += list(layer.group_scales()) if levels.bits != 8 else [layer.unit_scales()]
-    assert all(t.dtype == torch.float32 for t in floats[-2 if levels.bits != 8 else -1:])
+    if levels.bits == 6:  # Q6_K in 6 bits: the same as its levels in 8 bits with a float32 scale per 16 inputs
+        floats = [layer.signed_levels(), layer.unit_scales()]
+    else:
+        floats = [layer.packed] + ([layer.fifth] if levels.bits == 5 else []) + list(layer.group_scales())
+    assert all(t.dtype == torch.float32 for t in floats[-1 if levels.bits == 6 else -2:])
     stored = [getattr(layer, name) for name in layer.BUFFERS]
     generator = torch.Generator().manual_seed(5)
     for isa in runnable_isas():
@@ -143,19 +146,29 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
             kernels().linear(torch.randn(1, 512), wrong, False, True)
 
 
-def test_a_q6_k_head_is_screened_on_its_own_sub_scales():
-    """A Q6_K output head (what a Q4_K_M file holds) keeps the file's sub-scales under the screen, sharing the
-    layer's buffers rather than widening them to a float32 scale per 16 inputs, and its exact logits are the layer's
-    bits on every build: the same as a screen over the float32 scales gives."""
+@pytest.mark.parametrize("bits", [6, 8])
+def test_a_q6_k_head_is_screened_on_its_own_sub_scales(bits):
+    """A Q6_K output head (what a Q4_K_M file holds) keeps the file's 6-bit levels and sub-scales under the screen
+    (or, at 8 bits, the levels widened), sharing the layer's buffers rather than widening its scales to a float32
+    per 16 inputs, and its exact logits are the layer's bits on every build: the same as a screen over 8-bit levels
+    with float32 scales gives."""
     from jointspec.kernels.grouped import kernels, runnable_isas
 
     raw = random_blocks("Q6_K", rows=300, columns=512, seed=6)
     layer = decode(raw, "Q6_K", 512).layer()
-    screened = ScreenedInt8Head.from_int8(layer)
-    assert screened.k_form and screened.BUFFERS == ("levels", "scale", "sub")
-    assert screened.levels.data_ptr() == layer.levels.data_ptr() and screened.sub.data_ptr() == layer.sub.data_ptr()
+    assert type(layer) is GroupedInt6Linear
+    levels = layer.signed_levels()
+    if bits == 8:
+        layer = GroupedInt8Linear.from_levels(levels, layer.scale, sub=layer.sub)
+        screened = ScreenedInt8Head.from_int8(layer)
+        assert screened.BUFFERS == ("levels", "scale", "sub")
+    else:
+        screened = ScreenedInt6Head.from_int6(layer)
+        assert screened.BUFFERS == ("packed", "plane", "scale", "sub")
+    assert screened.k_form and screened.bits == bits
+    assert all(getattr(screened, name).data_ptr() == getattr(layer, name).data_ptr() for name in layer.BUFFERS)
     assert screened.scale.shape == (300, 2)  # a float per 256 inputs, not per 16
-    widened = ScreenedInt8Head.from_int8(GroupedInt8Linear.from_levels(layer.levels, layer.unit_scales()))
+    widened = ScreenedInt8Head.from_int8(GroupedInt8Linear.from_levels(levels, layer.unit_scales()))
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7)) * 3
     with torch.no_grad(), float_inputs():
         exact = layer(x)
@@ -313,7 +326,7 @@ def test_a_gguf_models_layers_come_from_its_blocks_and_decode_exactly(tmp_path):
     quantize_model(model, "int4", file_levels=found.layers)
     assert found.layers == {}  # handed over: emptied once the layers hold the levels, so stacking can free them
     attn = model.model.layers[0].self_attn
-    assert type(attn.q_proj) is GroupedInt4Linear and type(attn.v_proj) is GroupedInt8Linear
+    assert type(attn.q_proj) is GroupedInt4Linear and type(attn.v_proj) is GroupedInt6Linear
     assert attn.v_proj.group_size == 16 and type(attn.o_proj) is GroupedInt5Linear
     assert type(model.model.layers[0].mlp.up_proj) is GroupedInt5Linear
     assert type(model.lm_head) is ScreenedInt8Head

@@ -20,6 +20,7 @@ from jointspec.kernels.grouped import (
     GROUP_SIZE,
     SCREEN_MARGIN,
     GroupedInt4Linear,
+    GroupedInt6Linear,
     GroupedInt8Linear,
     ScreenedInt8Head,
     float_inputs,
@@ -49,7 +50,8 @@ from helpers import (
 def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
     assert kernels() is not None, unavailable_reason()
     flags = cpu_flags()
-    expected = ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"} <= flags
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
+    expected = ("avx512vnni" if avx512 | {"avx512_vnni"} <= flags else "avx512" if avx512 <= flags
                 else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
     assert kernels().isa() == selected_isa() == expected
 
@@ -202,6 +204,33 @@ def head(out_features: int = 512, in_features: int = 128, seed: int = 0) -> nn.L
     with torch.no_grad():
         layer.weight.mul_(torch.rand(1, in_features) * 4)  # columns of unequal sizes, as a real head's
     return layer
+
+
+def test_a_six_bit_layer_is_its_eight_bit_k_form_bit_for_bit():
+    """GGUF's Q6_K kept in 6 bits a level (GroupedInt6Linear) gives the bits of the same levels and K-quant scales in
+    8 bits, on every build this CPU runs, for every path (one row, a few, many; 8-bit or float inputs; the GEMM),
+    and its storage round-trips; levels that do not fit in 6 bits are refused by their range."""
+    generator = torch.Generator().manual_seed(11)
+    levels = torch.randint(-32, 32, (40, 512), generator=generator, dtype=torch.int8)
+    levels[0, :64] = torch.arange(-32, 32, dtype=torch.int8)  # every level
+    scale = torch.rand(40, 2, generator=generator) * 0.01
+    sub = torch.randint(-128, 128, (40, 32), generator=generator, dtype=torch.int8)
+    eight = GroupedInt8Linear.from_levels(levels, scale, sub=sub)
+    six = GroupedInt6Linear.from_int8(eight)
+    assert six.packed.shape == (40, 256) and six.plane.shape == (40, 128)  # 6 bits a level
+    assert torch.equal(six.signed_levels(), levels) and torch.equal(six.dequantized(), eight.dequantized())
+    for isa in runnable_isas():
+        module = kernels(isa)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 70):
+            x = torch.randn(rows, 512, generator=generator) * 3
+            for gemm in (False, True):
+                for q8 in (True, False):
+                    ours = module.linear(x, [getattr(six, name) for name in six.BUFFERS], gemm, q8)
+                    assert torch.equal(ours, module.linear(x, [levels, scale, sub], gemm, q8)), (isa, rows, gemm, q8)
+    with pytest.raises(ValueError, match="-32..31"):
+        GroupedInt6Linear.from_int8(GroupedInt8Linear.from_levels(levels.clamp(max=31) + 1, scale, sub=sub))
+    with pytest.raises(RuntimeError, match="6-bit levels come as"):
+        kernels().linear(torch.randn(1, 512), [six.packed, six.plane[:, :64].contiguous(), scale, sub], False, True)
 
 
 def test_the_screened_head_computes_the_int8_heads_logits():
@@ -535,9 +564,9 @@ def test_int8_head_weights_refused_where_the_kernel_cannot_take_them():
         MethodConfig(name="sps", head_weights="half")
 
 
-# Every instruction set: the avx512, avx2 and portable builds (csrc/simd.h) are written to give the same bits, so a
-# model decodes the same tokens on every CPU. Each build this CPU can run is held against the portable one, which
-# every CPU runs (on x86 without -mfma its fused multiply-adds are library calls: slow, so the sizes are small).
+# Every instruction set: the avx512vnni, avx512, avx2 and portable builds (csrc/simd.h) are written to give the same
+# bits, so a model decodes the same tokens on every CPU. Each build this CPU can run is held against the portable one,
+# which every CPU runs (on x86 without -mfma its fused multiply-adds are library calls: slow, so the sizes are small).
 
 OTHER_ISAS = [isa for isa in runnable_isas() if isa != "portable"]
 
@@ -647,8 +676,8 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
     monkeypatch.setenv(grouped.ISA_ENV, "portable")
     assert selected_isa() == "portable" and kernels().isa() == "portable"
     monkeypatch.setenv(grouped.ISA_ENV, "avx9")
-    with pytest.raises(UnsupportedOptionError, match="unknown instruction set 'avx9'; choose one of: avx512, avx2, "
-                                                     "portable"):
+    with pytest.raises(UnsupportedOptionError, match="unknown instruction set 'avx9'; choose one of: avx512vnni, "
+                                                     "avx512, avx2, portable"):
         selected_isa()
     monkeypatch.delenv(grouped.ISA_ENV)
     monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse4_2"}))

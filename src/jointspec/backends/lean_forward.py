@@ -193,7 +193,7 @@ class LeanLlamaForward:
         # method reads a prompt into the same bits.
         self.prefill_chunk: int | None = None
         self.prefill_gemm_rows: float = PREFILL_GEMM_ROWS
-        if self.compiled is not None and self._isa == "avx512":
+        if self.compiled is not None and self._isa in ("avx512vnni", "avx512"):
             self.prefill_chunk, self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK, math.inf
         elif self.compiled is not None:
             self.prefill_chunk = gemm_prefill_chunk(model.config.intermediate_size)
@@ -202,7 +202,7 @@ class LeanLlamaForward:
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in kernels/csrc) but the
-        per-forward ones, where the whole model fits it: grouped 4-, 5- or 8-bit layers (with or without biases),
+        per-forward ones, where the whole model fits it: grouped 4-, 5-, 6- or 8-bit layers (with or without biases),
         row-wise attention, SiLU. None elsewhere. Also records, in ``self._compiled_checks``, every module,
         buffer and parameter they were read from, so that a later change to the model takes it off this path.
 
@@ -212,6 +212,7 @@ class LeanLlamaForward:
         from jointspec.kernels.grouped import (
             GroupedInt4Linear,
             GroupedInt5Linear,
+            GroupedInt6Linear,
             GroupedInt8Linear,
             kernel_arguments,
             kernels,
@@ -229,7 +230,7 @@ class LeanLlamaForward:
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
             if (attn.head_dim % 16 or attn.head_dim > 256
-                    or any(type(m) not in (GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear)
+                    or any(type(m) not in (GroupedInt4Linear, GroupedInt5Linear, GroupedInt6Linear, GroupedInt8Linear)
                            for m in plain + self._qkv(layer) + self._gate_up(layer))):
                 return None
             # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.

@@ -13,7 +13,7 @@ gives each projection its levels and scales in a kernel layer's own format:
     Q5_1        5-bit, groups of 32                 q                   d                    m
     Q5_K        5-bit, groups of 32                 q                   d * sc (sub-block)   -(dmin * m)
     Q8_0        8-bit, groups of 32                 q                   d
-    Q6_K        8-bit, groups of 16                 q - 32              d * sc (sub-block)
+    Q6_K        6-bit, groups of 16                 q - 32              d * sc (sub-block)
 
 Every product there is exact in float32 (a half-precision scale times integers of at most 13 bits together), and the
 kernel forms each weight as level * scale (+ minimum) with one rounding, as llama.cpp's ``dequantize_row_*`` does, so a
@@ -58,9 +58,9 @@ class Levels:
     """One tensor's weights as a kernel layer holds them (the same storage, so a model's layers cost no second
     copy): W = levels * scale (+ minimum), [out, in]."""
 
-    bits: int  # 4, 5 or 8
-    levels: torch.Tensor  # 4 and 5 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of level i
-    #                       | those of level i + 16 << 4; 8 bits: int8 [out, in]
+    bits: int  # 4, 5, 6 or 8
+    levels: torch.Tensor  # 4, 5 and 6 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of
+    #                       level i | those of level i + 16 << 4; 8 bits: int8 [out, in]
     # The scales and minima: float32 [out, in / group]; for Q4_0, Q4_1, Q5_0 and Q5_1 the file's halves (float16),
     # and for the symmetric Q4_0 and Q5_0 the minimum only as the offset, [out, 1] (kernels/grouped.py): no float32
     # copy of them is ever made while a model loads. None where k_scales holds them; float_scales() gives float32.
@@ -69,19 +69,22 @@ class Levels:
     fifth: torch.Tensor | None = None  # 5 bits: int32 [out, in / 32], bit i = the fifth bit of the group's level i
     # K-quants (Q4_K, Q5_K, Q6_K): the scales as the file keeps them, (super, sub) in the kernels' K form
     # (kernels/grouped.py): 4 and 5 bits float32 [out, 2, in / 256] (d, dmin) and uint8 [out, 2, in / 32] (sc, m);
-    # 8 bits float32 [out, in / 256] (d) and int8 [out, in / 16] (sc). The same floats as scale and minimum would
-    # hold, in a fifth of the bytes; those are then None.
+    # 6 and 8 bits float32 [out, in / 256] (d) and int8 [out, in / 16] (sc). The same floats as scale and minimum
+    # would hold, in a fifth of the bytes; those are then None.
     k_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    plane: torch.Tensor | None = None  # 6 bits: uint8 [out, in / 4], the top two bits (kernels/grouped.py, pack_six)
 
     def layer(self, bias: torch.Tensor | None = None) -> nn.Module:
         """The grouped kernel layer holding these levels (their storage, not a copy), with ``bias``."""
-        from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear
+        from jointspec.kernels.grouped import GroupedInt4Linear, GroupedInt5Linear, GroupedInt6Linear, GroupedInt8Linear
 
         scale, minimum = self.k_scales if self.k_scales is not None else (self.scale, self.minimum)
         if self.bits == 4:
             return GroupedInt4Linear.from_levels(self.levels, scale, minimum, bias)
         if self.bits == 5:
             return GroupedInt5Linear.from_levels(self.levels, self.fifth, scale, minimum, bias)
+        if self.bits == 6:
+            return GroupedInt6Linear.from_levels(self.levels, self.plane, scale, minimum, bias)
         if self.k_scales is not None:
             return GroupedInt8Linear.from_levels(self.levels, scale, bias, sub=minimum)
         return GroupedInt8Linear.from_levels(self.levels, self.scale, bias)
@@ -95,7 +98,7 @@ class Levels:
         if self.k_scales is None and self.scale.dtype == torch.float32:
             return self.scale, self.minimum
         layer = self.layer()
-        return (layer.unit_scales(), None) if self.bits == 8 else layer.group_scales()
+        return (layer.unit_scales(), None) if self.bits in (6, 8) else layer.group_scales()
 
     def rows(self, order: torch.Tensor | slice) -> Levels:
         """These levels' rows ``order`` (indices or a slice)."""
@@ -103,7 +106,8 @@ class Levels:
             return None if tensor is None else tensor[order]
 
         return Levels(self.bits, self.levels[order], take(self.scale), take(self.minimum), take(self.fifth),
-                      None if self.k_scales is None else (self.k_scales[0][order], self.k_scales[1][order]))
+                      None if self.k_scales is None else (self.k_scales[0][order], self.k_scales[1][order]),
+                      take(self.plane))
 
 
 def _half(raw: np.ndarray, offset: int) -> np.ndarray:
@@ -201,6 +205,7 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         return Levels(8, as_tensor(levels.reshape(rows, columns)), as_tensor(d), None)
     # Q6_K: two halves of 128 elements; for l < 32 the four elements l, l + 32, l + 64, l + 96 of a half take the
     # low or high nibble of ql[l] / ql[l + 32] and two bits of qh[l]; sixteen signed scales, one per 16 elements.
+    # Kept in 6 bits a level (kernels/grouped.py, pack_six): the same levels in the kernel's order.
     ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [half, l or l + 32, l]
     qh = blocks[..., 128:192].reshape(rows, -1, 2, 32)
     d = _half(blocks, 208)
@@ -214,10 +219,15 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
     levels |= top
     del top
     levels -= np.uint8(32)
+    from jointspec.kernels.grouped import pack_six
+
+    packed, plane = pack_six(as_tensor(levels.view(np.int8).reshape(rows, columns)))
+    del levels
     # Scale of sub-block j: d * sc[j] (llama.cpp's dequantize_row_q6_K), kept as d and sc (the kernels' K form).
-    return Levels(8, as_tensor(levels.view(np.int8).reshape(rows, columns)), None, None,
+    return Levels(6, packed, None, None,
                   k_scales=(as_tensor(np.ascontiguousarray(d)),
-                            as_tensor(blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1))))
+                            as_tensor(blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1))),
+                  plane=plane)
 
 
 def decode_tensor(path: Path, tensor, columns: int, block: int = 8192) -> Levels:
@@ -234,10 +244,11 @@ def decode_tensor(path: Path, tensor, columns: int, block: int = 8192) -> Levels
         return None if part is None else torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
 
     out = Levels(first.bits, full(first.levels), full(first.scale), full(first.minimum), full(first.fifth),
-                 None if first.k_scales is None else (full(first.k_scales[0]), full(first.k_scales[1])))
+                 None if first.k_scales is None else (full(first.k_scales[0]), full(first.k_scales[1])),
+                 full(first.plane))
     for start in range(0, rows, block):
         part = first if start == 0 else decode(_read(path, tensor, start, start + block), type_name, columns)
-        for name in ("levels", "scale", "minimum", "fifth"):
+        for name in ("levels", "scale", "minimum", "fifth", "plane"):
             if getattr(part, name) is not None:
                 getattr(out, name)[start:start + block] = getattr(part, name)
         for mine, theirs in zip(out.k_scales or (), part.k_scales or ()):
@@ -391,7 +402,7 @@ class BlockEmbedding(nn.Module):
     def __init__(self, levels: Levels) -> None:
         super().__init__()
         self.bits = levels.bits
-        for name in ("levels", "scale", "minimum", "fifth"):
+        for name in ("levels", "scale", "minimum", "fifth", "plane"):
             self.register_buffer(name, getattr(levels, name))
         for name, tensor in zip(("k_super", "k_sub"), levels.k_scales or (None, None)):
             self.register_buffer(name, tensor)
@@ -401,7 +412,7 @@ class BlockEmbedding(nn.Module):
 
     def _levels(self) -> Levels:
         return Levels(self.bits, self.levels, self.scale, self.minimum, self.fifth,
-                      None if self.k_super is None else (self.k_super, self.k_sub))
+                      None if self.k_super is None else (self.k_super, self.k_sub), self.plane)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._levels().rows(ids.reshape(-1)).weight().reshape(*ids.shape, self.embedding_dim)

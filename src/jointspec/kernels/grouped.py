@@ -78,9 +78,14 @@ _TINY = 1e-12
 
 # The instruction sets the kernels are built for, fastest first: the CPU flags each needs and its compiler flags.
 # Explicit flags, never -march=native, so a build runs on every CPU that has those flags and a cache copied to
-# another CPU is never run on instructions it lacks (the build's name carries the instruction set). VNNI, where
-# present, is chosen at run time inside the avx512 and avx2 builds. "portable" is plain C++ for any CPU.
+# another CPU is never run on instructions it lacks (the build's name carries the instruction set). "avx512vnni" is the
+# avx512 build with VNNI's integer dot product for every 8-bit-input product (the same integers in fewer
+# instructions; what the 6-bit layers' products need most: docs/kernels.md); the avx512 and avx2 builds still take it
+# at run time for the screened head where the CPU has it. "portable" is plain C++ for any CPU.
 ISA_FLAGS = {
+    "avx512vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
+                    "-DJOINTSPEC_ISA_AVX512"]),
     "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                 "-DJOINTSPEC_ISA_AVX512"]),
@@ -557,6 +562,101 @@ class GroupedInt8Linear(_GroupedLinear):
 
 
 
+def pack_six(levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed 6-bit levels (-32..31) int8 [out, in] -> (packed uint8 [out, in / 2], plane uint8 [out, in / 4]): the
+    kernel's 6-bit storage (``csrc/simd.h``, ``pair_levels6``). Each level is stored plus 32 (0..63): its low four bits
+    packed as a 4-bit layer's, its top two in the plane, whose byte j of a pair of groups (64 inputs) holds those of
+    group 0's input j, group 1's input j, group 0's input j + 16 and group 1's input j + 16 (bits 0-1, 2-3, 4-5,
+    6-7)."""
+    out_features, in_features = levels.shape
+    if levels.dtype != torch.int8 or in_features % 64:
+        raise ValueError(f"6-bit levels must be int8 [out, in] with in a multiple of 64, got {tuple(levels.shape)} "
+                         f"{levels.dtype}")
+    if int(levels.min()) < -32 or int(levels.max()) > 31:
+        raise ValueError(f"6-bit levels must lie in -32..31, got {int(levels.min())}..{int(levels.max())}")
+    # [out, pairs, group of the pair, input]: each level plus 32
+    stored = (levels.to(torch.int16) + 32).to(torch.uint8).reshape(out_features, -1, 2, GROUP_SIZE)
+    packed = (stored[..., :16] & 15) | ((stored[..., 16:] & 15) << 4)
+    top = stored >> 4
+    plane = top[..., 0, :16] | (top[..., 1, :16] << 2) | (top[..., 0, 16:] << 4) | (top[..., 1, 16:] << 6)
+    return packed.reshape(out_features, in_features // 2), plane.reshape(out_features, in_features // 4)
+
+
+def unpack_six(packed: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_six`'s inverse: the signed levels, int8 [out, in]."""
+    out_features = packed.shape[0]
+    nibbles = packed.reshape(out_features, -1, 2, 16)
+    top = plane.reshape(out_features, -1, 1, 16)
+    low = (nibbles & 15) | (((top >> torch.tensor([[0], [2]], dtype=torch.uint8)) & 3) << 4)   # inputs 0-15
+    high = (nibbles >> 4) | (((top >> torch.tensor([[4], [6]], dtype=torch.uint8)) & 3) << 4)  # inputs 16-31
+    stored = torch.cat([low, high], dim=-1).reshape(out_features, -1)
+    return (stored.to(torch.int16) - 32).to(torch.int8)
+
+
+class GroupedInt6Linear(_GroupedLinear):
+    """``y = x W^T + b``: GGUF's Q6_K at its own size. W = level * scale with signed 6-bit levels and Q6_K's scales
+    (:class:`GroupedInt8Linear`'s K form: a signed sub-scale per 16 inputs, a float32 per 256), the levels stored in
+    6 bits (:func:`pack_six`) rather than 8: 6.6 bits a weight instead of 8.6, for the same products bit for bit
+    (the kernel takes the same integers and scales through the same operations). Built from a file's levels
+    (:meth:`from_levels`) or from an 8-bit K-form layer's (:meth:`from_int8`)."""
+
+    bits = 6
+    group_size = 16
+    BUFFERS = ("packed", "plane", "scale", "sub")
+
+    @classmethod
+    def from_levels(cls, packed: torch.Tensor, plane: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> GroupedInt6Linear:
+        """``packed`` uint8 [out, in / 2] and ``plane`` uint8 [out, in / 4] (:func:`pack_six`; kept as given, not
+        copied), ``scale`` float32 [out, in / 256], ``sub`` int8 [out, in / 16]."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        out_features, in_features = packed.shape[0], 2 * packed.shape[1]
+        shapes = {"packed": (packed, torch.uint8, (out_features, in_features // 2)),
+                  "plane": (plane, torch.uint8, (out_features, in_features // 4)),
+                  "scale": (scale, torch.float32, (out_features, in_features // 256)),
+                  "sub": (sub, torch.int8, (out_features, in_features // 16))}
+        for name, (tensor, dtype, shape) in shapes.items():
+            if in_features % 256 or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"6-bit {name} must be {dtype} {shape} for {in_features} inputs (a multiple of "
+                                 f"256), got {tensor.dtype} {tuple(tensor.shape)}")
+        layer.out_features, layer.in_features = out_features, in_features
+        for name, (tensor, _, _) in shapes.items():
+            layer.register_buffer(name, tensor.contiguous())
+        layer.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        return layer
+
+    @classmethod
+    def from_int8(cls, layer: GroupedInt8Linear) -> GroupedInt6Linear:
+        """The same weights as a K-form 8-bit layer whose levels fit in 6 bits (GGUF's Q6_K), in 6 bits."""
+        if not layer.k_form:
+            raise ValueError("only a K-form 8-bit layer (GGUF's Q6_K scales) has a 6-bit form")
+        return cls.from_levels(*pack_six(layer.levels), layer.scale, layer.sub, layer.bias)
+
+    @property
+    def k_form(self) -> bool:
+        return True
+
+    def signed_levels(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The levels, int8 [out, in] (only ``rows``)."""
+        return unpack_six(self.packed[rows], self.plane[rows])
+
+    def unit_scales(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The scale of each group of 16 inputs, float32 [out, in / 16] (only ``rows``)."""
+        return self.scale[rows].repeat_interleave(16, dim=1) * self.sub[rows].float()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A shape-only stand-in [out, in] (as the 4-bit layers have), for code that reads ``.weight.shape``;
+        :meth:`dequantized` gives the values."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.int8, device="meta")
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] float32 (only ``rows`` of it, if given)."""
+        levels = self.signed_levels(rows).reshape(-1, self.in_features // 16, 16).float()
+        return levels.mul_(self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)
+
+
 # The greedy screen's margin, in logits: every token whose 4-bit score is within this of the row's best score gets
 # its exact logit. On SmolLM2-135M the screen's error is about 1 logit (one standard deviation), and teacher-forced
 # on bench answers and ShareGPT text no exact argmax was screened out at this margin, while a row keeps a few dozen
@@ -662,6 +762,24 @@ class ScreenedInt8Head(GroupedInt8Linear):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", greedy reads through a 4-bit screen (margin {self.margin:g} logits)"
 
+
+class ScreenedInt6Head(GroupedInt6Linear, ScreenedInt8Head):
+    """:class:`ScreenedInt8Head` over a 6-bit head (GGUF's Q6_K at its own size, :class:`GroupedInt6Linear`): the
+    same screen, and the same exact logits as the head's 8-bit K form would give, from a quarter fewer bytes."""
+
+    @classmethod
+    def from_int6(cls, layer: GroupedInt6Linear, margin: float = SCREEN_MARGIN,
+                  max_exact: int = SCREEN_MAX_EXACT) -> ScreenedInt6Head:
+        """The screened head over ``layer``'s own storage, shared, not copied."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.out_features, head.in_features = layer.out_features, layer.in_features
+        for name in cls.BUFFERS:
+            head.register_buffer(name, getattr(layer, name))
+        head.register_buffer("bias", layer.bias)
+        head._screen(margin, max_exact)
+        return head
+
 # Fused calls. The kernel computes every output row by the same instructions whatever the other rows of the call, so
 # one call over the stacked weights of several layers that read the same input (a Llama layer's q/k/v, its gate/up)
 # gives each layer's output bit for bit. One call instead of three or two saves the per-call cost, which inside a
@@ -672,7 +790,8 @@ class ScreenedInt8Head(GroupedInt8Linear):
 def _stackable(layers: list[nn.Module]) -> bool:
     """Two or more bias-free grouped layers of one class, one input width and one group size."""
     kinds = {type(layer) for layer in layers}
-    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt8Linear}
+    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt6Linear,
+                                                             GroupedInt8Linear}
             and all(layer.bias is None for layer in layers) and len({layer.layout() for layer in layers}) == 1)
 
 

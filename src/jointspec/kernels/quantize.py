@@ -65,7 +65,9 @@ from jointspec.kernels.grouped import (
     ROWWISE_MAX_ROWS,
     GroupedInt4Linear,
     GroupedInt5Linear,
+    GroupedInt6Linear,
     GroupedInt8Linear,
+    ScreenedInt6Head,
     ScreenedInt8Head,
     grouped_misfit,
     kernels,
@@ -285,12 +287,15 @@ def int8_misfit(linear: nn.Linear) -> str | None:
 
 
 def _from_levels(stored, linear: nn.Linear, screen: bool) -> nn.Module:
-    """A grouped layer holding a file's own levels (kernels/gguf_blocks.py) in place of ``linear``; an 8-bit head
-    with ``screen``, screened as :class:`~jointspec.kernels.grouped.ScreenedInt8Head`."""
+    """A grouped layer holding a file's own levels (kernels/gguf_blocks.py) in place of ``linear``; an 8- or 6-bit
+    head with ``screen``, screened (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`, ``ScreenedInt6Head``)."""
 
     layer = stored.layer(None if linear.bias is None else linear.bias.detach())
-    if screen and type(layer) is GroupedInt8Linear and layer.bias is None and linear.in_features % 64 == 0:
-        return ScreenedInt8Head.from_int8(layer)
+    if screen and layer.bias is None and linear.in_features % 64 == 0:
+        if type(layer) is GroupedInt8Linear:
+            return ScreenedInt8Head.from_int8(layer)
+        if type(layer) is GroupedInt6Linear:
+            return ScreenedInt6Head.from_int6(layer)
     return layer
 
 
@@ -300,7 +305,8 @@ def quantization_mode(model: nn.Module) -> str:
     kinds = {type(module) for module in model.modules()}
     if kinds & {Int4Linear, GroupedInt4Linear, GroupedInt5Linear}:
         return "int4"
-    return "int8" if kinds & {Int8Linear, GroupedInt8Linear, ScreenedInt8Head} else "none"
+    return ("int8" if kinds & {Int8Linear, GroupedInt6Linear, GroupedInt8Linear, ScreenedInt6Head, ScreenedInt8Head}
+            else "none")
 
 
 def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GROUP_SIZE,

@@ -162,6 +162,8 @@ struct Int4Rows {
   // with a pair of input levels; the minima of groups g .. g + 15 of row n (those past `groups` 0).
   static constexpr bool kMinimum = true;
   static constexpr int kPrefetchEvery = 2;  // pairs to a cache line of levels
+  static constexpr bool kPlane = false;     // a second stream of level bits (Int6Rows)
+  static constexpr bool kOffset = false;    // levels stored with an offset (Int6Rows)
   const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
   // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0), the
   // input steps of those groups (`step`: an input row's), and pair p0 + i's lanes of their product.
@@ -235,6 +237,8 @@ struct Int8Rows {
   }
   static constexpr bool kMinimum = false;
   static constexpr int kPrefetchEvery = 1;
+  static constexpr bool kPlane = false;
+  static constexpr bool kOffset = false;
   const void* q8_address(int64_t n, int64_t p) const { return levels + n * units * group + 64 * p; }
   simd::L64 q8_pair(int64_t n, int64_t p) const { return simd::pair_int8(levels + n * units * group + 64 * p); }
   // As Int4Rows's; a scale per 16 inputs (Q6_K) makes four scales a pair, so a block of sixteen is four pairs.
@@ -265,6 +269,37 @@ struct Int8Q8 : Int8Rows {
     } else {
       __builtin_prefetch(scale + n * units + u, 0, 1);
     }
+  }
+};
+
+// 6-bit signed levels with Q6_K's scales, as a GGUF file keeps them: Int8Q8<true>'s scales (a signed sub-scale per 16
+// inputs, a float32 per 256), the levels in simd::pair_levels6's storage: packed [out, in / 2] nibbles as a 4-bit
+// layer's, plane [out, in / 4] the top two bits. The same levels and scales as the 8-bit K form of the same tensor,
+// taken by the same operations, so the same bits from 6.6 bits a weight instead of 8.6.
+struct Int6Rows : Int8Q8<true> {
+  const uint8_t* packed = nullptr;
+  const uint8_t* plane = nullptr;
+  Int6Rows(const uint8_t* packed_levels, const uint8_t* top_bits, const float* super, const int8_t* sub_scales,
+           int64_t in_features)
+      : Int8Q8<true>{Int8Rows{nullptr, super, in_features / 16, 16, sub_scales}}, packed(packed_levels),
+        plane(top_bits) {}
+  int64_t in() const { return units * 16; }
+  void row(int64_t n, float* w) const { row_by_chunks(*this, n, in() / kGroup, w); }
+  void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
+    simd::six_group(packed + n * in() / 2 + 16 * c, plane + n * in() / 4 + 16 * (c / 2), static_cast<int>(c % 2), a, b);
+    a = simd::mul(a, simd::set1(scale_at(n, 2 * c)));
+    b = simd::mul(b, simd::set1(scale_at(n, 2 * c + 1)));
+  }
+  static constexpr int kPrefetchEvery = 2;
+  static constexpr bool kPlane = true;  // a second stream to prefetch: the top bits, 16 bytes a pair
+  static constexpr bool kOffset = true;  // levels stored plus 32: products through simd::dot4_six
+  static V16 q8_dot_base(const simd::L64& w, const simd::L64& q, const simd::I16& base) {
+    return simd::dot4_six(w, q, base);
+  }
+  const void* q8_address(int64_t n, int64_t p) const { return packed + n * in() / 2 + 32 * p; }
+  const void* q8_plane_address(int64_t n, int64_t p) const { return plane + n * in() / 4 + 16 * p; }
+  simd::L64 q8_pair(int64_t n, int64_t p) const {
+    return simd::pair_levels6(packed + n * in() / 2 + 32 * p, plane + n * in() / 4 + 16 * p);
   }
 };
 
@@ -406,15 +441,26 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
       const int64_t p = p0 + i;
       const simd::Lanes lanes = w.q8_lanes(i);
       simd::L64 q[R];
-      for (int r = 0; r < R; ++r) q[r] = simd::load_q64(x.levels.data() + (r0 + r) * k + 64 * p);
+      simd::I16 base[R];  // Rows::kOffset: each input vector's share of the levels' offset
+      for (int r = 0; r < R; ++r) {
+        q[r] = simd::load_q64(x.levels.data() + (r0 + r) * k + 64 * p);
+        if constexpr (Rows::kOffset) base[r] = simd::six_base(q[r]);
+      }
       // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
       // stream for the hardware prefetcher to get ahead of alone.
       if (p % Rows::kPrefetchEvery == 0)
         for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
+      if constexpr (Rows::kPlane)
+        if (p % 4 == 0)
+          for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_plane_address(first + W + b, p), 0, 1);
       for (int b = 0; b < W; ++b) {
         const simd::L64 levels = w.q8_pair(first + b, p);
-        for (int r = 0; r < R; ++r)
-          acc[b][r] = simd::fmadd(Rows::q8_dot(levels, q[r]), simd::pick(scaled[b][r], lanes), acc[b][r]);
+        for (int r = 0; r < R; ++r) {
+          V16 dot;
+          if constexpr (Rows::kOffset) dot = Rows::q8_dot_base(levels, q[r], base[r]);
+          else dot = Rows::q8_dot(levels, q[r]);
+          acc[b][r] = simd::fmadd(dot, simd::pick(scaled[b][r], lanes), acc[b][r]);
+        }
       }
     }
   }
@@ -532,6 +578,10 @@ void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, fl
       else multiply_int4_q8<false>(xp, rows, k, out_features, op, weights);
       return;
     }
+    if constexpr (std::is_same_v<Rows, Int6Rows>) {
+      multiply_q8(xp, rows, k, out_features, op, weights);
+      return;
+    }
     if constexpr (std::is_same_v<Rows, Int8Rows>) {
       if (weights.sub != nullptr)
         multiply_q8(xp, rows, k, out_features, op, Int8Q8<true>{weights});
@@ -646,12 +696,14 @@ struct Weights {
   const uint32_t* fifth = nullptr;  // 5 bits: the fifth-bit words [out, in / 32]
   ScaleForm form = ScaleForm::kFloat;  // 4 and 5 bits
   float offset = 0.0f;  // kHalfOffset
-  const int8_t* sub = nullptr;  // 8 bits: Q6_K's sub-scales (Int8Rows), or none
+  const int8_t* sub = nullptr;  // 6 and 8 bits: Q6_K's sub-scales (Int6Rows, Int8Rows), or none
+  const uint8_t* plane = nullptr;  // 6 bits: the top two bits [out, in / 4]
 
   Int4Rows int4_rows() const { return Int4Rows{packed, scale, minimum, in_features / kGroup, fifth, form, offset}; }
   Int8Rows int8_rows() const {
     return Int8Rows{levels, static_cast<const float*>(scale), in_features / group, group, sub};
   }
+  Int6Rows int6_rows() const { return Int6Rows{packed, plane, static_cast<const float*>(scale), sub, in_features}; }
 
   template <typename Rows>
   void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights, bool q8 = true) const {
@@ -664,6 +716,8 @@ struct Weights {
   void apply(const float* x, int64_t rows, float* out, bool gemm, bool q8 = true) const {
     if (bits == 4)
       apply_rows(x, rows, out, gemm, int4_rows(), q8);
+    else if (bits == 6)
+      apply_rows(x, rows, out, gemm, int6_rows(), q8);
     else
       apply_rows(x, rows, out, gemm, int8_rows(), q8);
     if (bias != nullptr)  // as the layer's forward adds it: one rounding per output
@@ -1037,6 +1091,10 @@ struct Parts {
   }
 };
 
+bool has_shape(const torch::Tensor& t, std::initializer_list<int64_t> shape) {
+  return t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape);
+}
+
 Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 
@@ -1051,19 +1109,21 @@ Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_
 }
 
 // A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (packed, fifth, scale, minimum[,
-// bias]): 5 bits (int32 fifth-bit words); as (levels, scale[, sub][, bias]): 8 bits (int8 sub-scales: Q6_K's form).
-// The scales' types say their form (Int4Rows, Int8Rows).
+// bias]): 5 bits (int32 fifth-bit words); as (packed, plane, scale, sub[, bias]): 6 bits (uint8 top bits: Q6_K as
+// stored); as (levels, scale[, sub][, bias]): 8 bits (int8 sub-scales: Q6_K's form). The scales' types say their
+// form (Int4Rows, Int6Rows, Int8Rows).
 Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
   TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
   TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits, "
-              "(packed, fifth, scale, minimum[, bias]) for 5 or (levels, scale[, sub][, bias]) for 8, got ",
-              given.size(), " tensors");
+              "(packed, fifth, scale, minimum[, bias]) for 5, (packed, plane, scale, sub[, bias]) for 6 or (levels, "
+              "scale[, sub][, bias]) for 8, got ", given.size(), " tensors");
   const bool nibbles = given[0].scalar_type() == torch::kUInt8;
   const bool five = nibbles && given[1].scalar_type() == torch::kInt;
+  const bool six = nibbles && given[1].scalar_type() == torch::kUInt8;
   const bool sub = !nibbles && given.size() >= 3 && given[2].scalar_type() == torch::kChar;
-  const size_t count = five ? 4 : nibbles ? 3 : sub ? 3 : 2;
+  const size_t count = five || six ? 4 : nibbles ? 3 : sub ? 3 : 2;
   TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
-              five ? 5 : nibbles ? 4 : 8, " bits, got ", given.size());
+              five ? 5 : six ? 6 : nibbles ? 4 : 8, " bits, got ", given.size());
   std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
   torch::Tensor fifth;
   if (five) {
@@ -1085,13 +1145,23 @@ Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features,
   return weights;
 }
 
-bool has_shape(const torch::Tensor& t, std::initializer_list<int64_t> shape) {
-  return t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape);
-}
-
 Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
-  const torch::Tensor& scale = tensors[1];
   const int64_t groups = in_features / kGroup;
+  if (tensors.size() == 4 && tensors[0].scalar_type() == torch::kUInt8 && tensors[1].scalar_type() == torch::kUInt8) {
+    const torch::Tensor &packed = tensors[0], &plane = tensors[1], &super = tensors[2], &sub = tensors[3];
+    const int64_t out = packed.size(0);
+    TORCH_CHECK(in_features % 256 == 0 && packed.dim() == 2 && has_shape(packed, {out, in_features / 2}) &&
+                has_shape(plane, {out, in_features / 4}) && super.scalar_type() == torch::kFloat &&
+                has_shape(super, {out, in_features / 256}) && sub.scalar_type() == torch::kChar &&
+                has_shape(sub, {out, in_features / 16}), name, ": 6-bit levels come as uint8 [out, in / 2] (nibbles), "
+                "uint8 [out, in / 4] (top bits), float32 [out, in / 256] and int8 [out, in / 16] (K-quant scales), in "
+                "a multiple of 256 inputs");
+    Weights weights{6, packed.data_ptr<uint8_t>(), nullptr, super.data_ptr<float>(), nullptr, in_features, out, 16};
+    weights.plane = plane.data_ptr<uint8_t>();
+    weights.sub = sub.data_ptr<int8_t>();
+    return weights;
+  }
+  const torch::Tensor& scale = tensors[1];
   if (tensors[0].scalar_type() == torch::kUInt8) {
     const torch::Tensor &packed = tensors[0], &minimum = tensors[2];
     TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == in_features / 2, name,
@@ -1627,10 +1697,12 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
 torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
                             std::vector<torch::Tensor> head, double margin, int64_t max_exact) {
   check_x(x);
-  // The exact head as an 8-bit layer takes it: (levels, scale) or Q6_K's (levels, scale, sub).
-  TORCH_CHECK(head.size() == 2 || head.size() == 3, "screened_head: the exact head comes as (levels, scale) or "
-              "(levels, scale, sub), got ", head.size(), " tensors");
-  TORCH_CHECK(head[0].scalar_type() == torch::kInt8, "screened_head: the exact head's levels must be int8");
+  // The exact head as an 8-bit layer takes it, (levels, scale) or Q6_K's (levels, scale, sub), or as a 6-bit one:
+  // (packed, plane, scale, sub).
+  TORCH_CHECK(head.size() == 2 || head.size() == 3 || head.size() == 4, "screened_head: the exact head comes as "
+              "(levels, scale), (levels, scale, sub) or (packed, plane, scale, sub), got ", head.size(), " tensors");
+  TORCH_CHECK(head[0].scalar_type() == (head.size() == 4 ? torch::kUInt8 : torch::kInt8),
+              "screened_head: the exact head's levels must be int8, or packed uint8 at 6 bits");
   const Weights weights = weights_without_bias(head, x.size(1), "screened_head");
   const int64_t rows = x.size(0), k = x.size(1), vocab = weights.out_features;
   TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
@@ -1674,7 +1746,6 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
   });
   // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
   // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
-  const Int8Rows exact = weights.int8_rows();
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (input row, vocabulary row)
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = op + r * vocab;
@@ -1691,15 +1762,21 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
     for (const int64_t j : near) pairs.emplace_back(r, j);
   }
   // Each pair alone (its own buffer, the same operations): splitting them between threads changes no bits.
-  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 32, [&](int64_t begin, int64_t end) {
-    float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [r, j] = pairs[i];
-      exact.row(j, w);
-      dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
-    }
-    std::free(w);
-  });
+  const auto exact_logits = [&](const auto& exact) {
+    at::parallel_for(0, static_cast<int64_t>(pairs.size()), 32, [&](int64_t begin, int64_t end) {
+      float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [r, j] = pairs[i];
+        exact.row(j, w);
+        dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
+      }
+      std::free(w);
+    });
+  };
+  if (weights.bits == 6)
+    exact_logits(weights.int6_rows());
+  else
+    exact_logits(weights.int8_rows());
   return out;
 }
 

@@ -1,5 +1,6 @@
 // Sixteen-float vectors for jointspec's CPU kernels (grouped_linear.cpp), in three backends picked by the build:
-//   JOINTSPEC_ISA_AVX512  one AVX-512 register        (built with -mavx512f -mavx512bw -mavx512vl -mavx512dq ...)
+//   JOINTSPEC_ISA_AVX512  one AVX-512 register        (built with -mavx512f -mavx512bw -mavx512vl -mavx512dq ...;
+//                                                      with -mavx512vnni too: the avx512vnni build)
 //   JOINTSPEC_ISA_AVX2    two AVX2 registers           (built with -mavx2 -mfma)
 //   neither               sixteen floats in an array   (plain C++: any CPU with a C++ compiler, ARM included)
 //
@@ -20,7 +21,11 @@
 #error "JOINTSPEC_ISA_AVX512 needs -mavx512f -mavx512bw -mavx512vl -mavx512dq"
 #endif
 #include <immintrin.h>
+#if defined(__AVX512VNNI__)  // the avx512vnni build: the same kernels, integer products by VNNI's instruction
+#define JOINTSPEC_ISA_NAME "avx512vnni"
+#else
 #define JOINTSPEC_ISA_NAME "avx512"
+#endif
 #elif defined(JOINTSPEC_ISA_AVX2)
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "JOINTSPEC_ISA_AVX2 needs -mavx2 -mfma"
@@ -69,9 +74,8 @@ inline V16 pow2(V16 n) {
 }
 // Lanes 0-15: bytes 0-15 of p as unsigned / signed integers.
 inline V16 from_u8(__m128i bytes) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))}; }
-inline V16 from_i8(const int8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
+inline V16 from_i8(__m128i bytes) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))}; }
+inline V16 from_i8(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // K-quant sub-scales: the first n (<= 16) bytes of p as unsigned / signed integers, the rest 0; p[0] in lanes 0-7 and
 // p[1] in lanes 8-15 (or 0 where !two): a super-block's float for each of its eight groups; and -a, exactly.
 // (Plain loads where the whole block is there: a masked load measured slower here, in the loops that take these.)
@@ -169,10 +173,10 @@ inline V16 pow2(V16 n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
 inline V16 from_u8(__m128i bytes) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
 }
-inline V16 from_i8(const int8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+inline V16 from_i8(__m128i bytes) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
 }
+inline V16 from_i8(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // Bytes 0 .. 4 * words - 1 of p (words <= 8), the rest 0, by one masked load. A copy into a buffer and a wide load
 // of it instead stalls (the load cannot take its bytes from the copy's smaller stores until they reach the cache),
 // once per weight row at widths that leave part of a block of scales (576 inputs: 18 groups; docs/kernels.md).
@@ -348,6 +352,12 @@ inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.
 // (units are groups: lanes 0-3 and 8-11 take unit 2i, 4-7 and 12-15 unit 2i + 1), pick(block, quad_lanes(i)) pair i of
 // four (units are halves of groups, Q6_K's scales: lanes 0-3 take unit 4i, 4-7 4i + 2, 8-11 4i + 1, 12-15 4i + 3).
 // doubled(p, n) is p[0], p[0], p[1], p[1], ... (a group's input step for each of its halves).
+// pair_levels6() gives a 6-bit pair's levels (GGUF's Q6_K at its own size) as stored, the signed level plus 32
+// (0..63): a 4-bit pair's 32 nibble bytes, which give the low four bits, and a plane of 16 bytes whose byte j holds
+// the top two bits of layout bytes j, j + 16, j + 32 and j + 48 (bits 0-1, 2-3, 4-5, 6-7). dot4_six() takes the
+// signed levels' products from them: each lane's unsigned products plus six_base(q), -32 times the lane's four input
+// levels summed (an input vector's, computed once for every weight row it meets): the same integers as the signed
+// levels give, in fewer instructions than signed-by-signed products take.
 #if defined(JOINTSPEC_ISA_AVX512)
 struct L64 {
   __m512i v;
@@ -363,9 +373,23 @@ inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
   return {_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1)};
 }
 inline L64 load_q64(const int8_t* q) { return {_mm512_loadu_si512(q)}; }
-inline V16 dot4(L64 w, L64 q) {
-  return {_mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(w.v, q.v), _mm512_set1_epi16(1)))};
+// acc + the sums of four adjacent unsigned-by-signed byte products, per 32-bit lane (no pair of products here can
+// saturate maddubs' 16 bits: weights below 64, or |w| <= 128 against |q| <= 127).
+#if defined(__AVX512VNNI__)
+inline __m512i dot4_add(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+inline __m512i dot4_add(__m512i acc, __m512i u, __m512i s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 }
+#endif
+inline V16 dot4(L64 w, L64 q) { return {_mm512_cvtepi32_ps(dot4_add(_mm512_setzero_si512(), w.v, q.v))}; }
+struct I16 {
+  __m512i v;  // sixteen int32
+};
+inline I16 six_base(L64 q) {
+  return {_mm512_sub_epi32(_mm512_setzero_si512(), dot4_add(_mm512_setzero_si512(), _mm512_set1_epi8(32), q.v))};
+}
+inline V16 dot4_six(L64 u, L64 q, I16 base) { return {_mm512_cvtepi32_ps(dot4_add(base.v, u.v, q.v))}; }
 // The first n (<= 16) halves of p, widened (the rest 0).
 inline V16 load_first_half(const uint16_t* p, int64_t n) {
   return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p))};
@@ -393,10 +417,19 @@ inline L64 pair_int8(const int8_t* w) {
   return {_mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0))};
 }
 // Signed times signed, by maddubs on |w| and q with w's sign (|w| <= 128, |q| <= 127: no saturation).
+// Each half from one load of all 32 nibble bytes: the high half shifted down four bits (then both masked); the plane
+// in every 128-bit lane, rotated so that lane t's two bits (2t, 2t + 1) sit at bits 4-5, taken in by one ternary op.
+inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
+  const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  const __m512i low = _mm512_and_si512(
+      _mm512_srlv_epi16(raw, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)), _mm512_set1_epi8(0x0F));
+  const __m512i top = _mm512_rolv_epi64(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane))),
+                                        _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62));
+  return {_mm512_ternarylogic_epi64(low, top, _mm512_set1_epi8(0x30), 0xF8)};  // low | (top & 0x30)
+}
 inline V16 dot4_signed(L64 w, L64 q) {
   const __m512i negative = _mm512_mask_sub_epi8(q.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), q.v);
-  return {_mm512_cvtepi32_ps(
-      _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w.v), negative), _mm512_set1_epi16(1)))};
+  return {_mm512_cvtepi32_ps(dot4_add(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), negative))};
 }
 // Inputs x[0 .. 31] of one group as levels q = round(x / step) (ties to even), step = max |x| / 127; q[i] goes to
 // out[i] for i < 16 and out[i + 16] for the rest (a pair's layout above, with out at the group's first byte).
@@ -500,6 +533,29 @@ inline L64 pair_int8(const int8_t* w) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
   return {_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)};
 }
+// The plane shifted so that each 128-bit lane's two bits sit at bits 4-5 (left 4 and 2 for the low half's lanes, 0
+// and right 2 for the high half's).
+inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
+  const L64 low = pair_levels(bytes, nullptr);
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+  const __m256i bits = _mm256_set1_epi8(0x30);
+  const __m256i lo = _mm256_and_si256(_mm256_sllv_epi64(both, _mm256_setr_epi64x(4, 4, 2, 2)), bits);
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 2, 2)), bits);
+  return {_mm256_or_si256(low.lo, lo), _mm256_or_si256(low.hi, hi)};
+}
+struct I16 {
+  __m256i lo, hi;  // sixteen int32
+};
+inline __m256i dot4_add8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline I16 six_base(L64 q) {
+  const __m256i zero = _mm256_setzero_si256(), c = _mm256_set1_epi8(32);
+  return {_mm256_sub_epi32(zero, dot4_add8(zero, c, q.lo)), _mm256_sub_epi32(zero, dot4_add8(zero, c, q.hi))};
+}
+inline V16 dot4_six(L64 u, L64 q, I16 base) {
+  return {_mm256_cvtepi32_ps(dot4_add8(base.lo, u.lo, q.lo)), _mm256_cvtepi32_ps(dot4_add8(base.hi, u.hi, q.hi))};
+}
 inline __m256 dot4_signed_8(__m256i w, __m256i q) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)),
                                               _mm256_set1_epi16(1)));
@@ -592,6 +648,28 @@ inline L64 pair_int8(const int8_t* w) {
   }
   return out;
 }
+inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
+  L64 out = pair_levels(bytes, nullptr);
+  for (int i = 0; i < 64; ++i) out.v[i] += ((plane[i % 16] >> (2 * (i / 16))) & 3) << 4;
+  return out;
+}
+struct I16 {
+  int32_t v[16];
+};
+inline I16 six_base(const L64& q) {
+  I16 out;
+  for (int j = 0; j < 16; ++j) out.v[j] = -32 * (q.v[4 * j] + q.v[4 * j + 1] + q.v[4 * j + 2] + q.v[4 * j + 3]);
+  return out;
+}
+inline V16 dot4_six(const L64& u, const L64& q, const I16& base) {
+  V16 r;
+  for (int j = 0; j < 16; ++j) {
+    int32_t sum = base.v[j];
+    for (int t = 0; t < 4; ++t) sum += u.v[4 * j + t] * q.v[4 * j + t];
+    r.v[j] = float(sum);
+  }
+  return r;
+}
 inline V16 dot4_signed(const L64& w, const L64& q) { return dot4(w, q); }
 inline void quantise_group(const float* x, int8_t* out, float& step) {
   float top = 0.0f;
@@ -599,6 +677,29 @@ inline void quantise_group(const float* x, int8_t* out, float& step) {
   step = top / 127.0f;
   const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
   for (int i = 0; i < 32; ++i) out[i < 16 ? i : i + 16] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+}
+#endif
+
+// One group of a 6-bit pair (pair_levels6's storage; `e`: the group's place in its pair, 0 or 1): its signed levels as
+// floats, inputs 0-15 in `low` and 16-31 in `high`, from the group's 16 nibble bytes and the pair's plane. The same
+// integers as pair_levels6 gives, converted exactly.
+#if defined(JOINTSPEC_ISA_PORTABLE)
+inline void six_group(const uint8_t* p, const uint8_t* plane, int e, V16& low, V16& high) {
+  for (int j = 0; j < 16; ++j) {
+    low.v[j] = float(((p[j] & 15) | (((plane[j] >> (2 * e)) & 3) << 4)) - 32);
+    high.v[j] = float(((p[j] >> 4) | (((plane[j] >> (4 + 2 * e)) & 3) << 4)) - 32);
+  }
+}
+#else
+inline void six_group(const uint8_t* p, const uint8_t* plane, int e, V16& low, V16& high) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i top = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane));
+  const __m128i nibble = _mm_set1_epi8(0x0F), three = _mm_set1_epi8(3), offset = _mm_set1_epi8(32);
+  const __m128i top_low = _mm_and_si128(_mm_srl_epi16(top, _mm_cvtsi32_si128(2 * e)), three);
+  const __m128i top_high = _mm_and_si128(_mm_srl_epi16(top, _mm_cvtsi32_si128(4 + 2 * e)), three);
+  low = from_i8(_mm_sub_epi8(_mm_or_si128(_mm_and_si128(bytes, nibble), _mm_slli_epi16(top_low, 4)), offset));
+  high = from_i8(_mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_slli_epi16(top_high, 4)),
+                              offset));
 }
 #endif
 
