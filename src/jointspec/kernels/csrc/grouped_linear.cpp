@@ -216,6 +216,11 @@ struct Int4Q8 : Int4Rows {
   }
 };
 
+// Every cache line of `bytes` bytes at p, to L2 (a row read out of order: the screened head's exact rows).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 1);
+}
+
 // Signed 8-bit levels, a scale per `group` (32, or Q6_K's 16) inputs: `units` scales a row. kFloat: scale [out, units]
 // float32; kSuper (Q6_K): scale [out, units / 16] float32 (each super-block's d) and sub [out, units] int8 (each
 // unit's sc): the unit's scale is d * sc.
@@ -229,6 +234,10 @@ struct Int8Rows {
                           : scale[n * units + u];
   }
   void row(int64_t n, float* w) const { row_by_chunks(*this, n, units * group / kGroup, w); }
+  void prefetch_row(int64_t n) const {  // row n's levels and scales, to L2
+    prefetch_bytes(levels + n * units * group, units * group);
+    if (sub != nullptr) prefetch_bytes(sub + n * units, units);
+  }
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int8_t* p = levels + n * units * group + 32 * c;
     const int64_t u = 32 * c / group;
@@ -285,6 +294,11 @@ struct Int6Rows : Int8Q8<true> {
         plane(top_bits) {}
   int64_t in() const { return units * 16; }
   void row(int64_t n, float* w) const { row_by_chunks(*this, n, in() / kGroup, w); }
+  void prefetch_row(int64_t n) const {
+    prefetch_bytes(packed + n * in() / 2, in() / 2);
+    prefetch_bytes(plane + n * in() / 4, in() / 4);
+    prefetch_bytes(sub + n * units, units);
+  }
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     simd::six_group(packed + n * in() / 2 + 16 * c, plane + n * in() / 4 + 16 * (c / 2), static_cast<int>(c % 2), a, b);
     a = simd::mul(a, simd::set1(scale_at(n, 2 * c)));
@@ -1751,15 +1765,20 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
     const float* row = op + r * vocab;
     const float best = *std::max_element(row, row + vocab);
     const float bar = best - static_cast<float>(margin);
-    std::vector<int64_t> near;
+    // (score, id) side by side: a flat row's tens of thousands of candidates are then ranked in one array rather
+    // than through the ids into the row.
+    std::vector<std::pair<float, int64_t>> near;
+    near.reserve(std::min<int64_t>(vocab, 4096));
     for (int64_t j = 0; j < vocab; ++j)
-      if (row[j] >= bar) near.push_back(j);
+      if (row[j] >= bar) near.emplace_back(row[j], j);
     if (static_cast<int64_t>(near.size()) > max_exact) {
-      const auto higher = [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+      const auto higher = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
       std::nth_element(near.begin(), near.begin() + max_exact, near.end(), higher);
       near.resize(max_exact);
     }
-    for (const int64_t j : near) pairs.emplace_back(r, j);
+    for (const auto& [score, j] : near) pairs.emplace_back(r, j);
   }
   // Each pair alone (its own buffer, the same operations): splitting them between threads changes no bits.
   const auto exact_logits = [&](const auto& exact) {
@@ -1767,6 +1786,9 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
       float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
       for (int64_t i = begin; i < end; ++i) {
         const auto [r, j] = pairs[i];
+        // The next pair's row while this one is computed: the rows lie anywhere in the head, out of the hardware
+        // prefetcher's reach, and each would otherwise wait for memory.
+        if (i + 1 < end && pairs[i + 1].second != j) exact.prefetch_row(pairs[i + 1].second);
         exact.row(j, w);
         dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
       }

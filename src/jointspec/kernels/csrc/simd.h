@@ -362,15 +362,18 @@ inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.
 struct L64 {
   __m512i v;
 };
+// The 32 bytes in both halves from one load, the high half shifted down four bits, then both masked: three
+// instructions where unpacking each half and joining them took five.
 inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)), mask = _mm256_set1_epi8(0x0F);
-  __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-  if (fifth != nullptr) {  // bit i of a group's word adds 16 to its level i
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    low = _mm256_mask_add_epi8(low, (fifth[0] & 0xFFFFu) | (fifth[1] << 16), low, sixteen);
-    high = _mm256_mask_add_epi8(high, (fifth[0] >> 16) | (fifth[1] & 0xFFFF0000u), high, sixteen);
+  const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  __m512i levels = _mm512_and_si512(
+      _mm512_srlv_epi16(raw, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)), _mm512_set1_epi8(0x0F));
+  if (fifth != nullptr) {  // bit i of a group's word adds 16 to its level i: low nibbles' bits 0-15, high's 16-31
+    const uint64_t low = (fifth[0] & 0xFFFFu) | (uint64_t(fifth[1] & 0xFFFFu) << 16);
+    const uint64_t high = (fifth[0] >> 16) | (uint64_t(fifth[1] >> 16) << 16);
+    levels = _mm512_mask_add_epi8(levels, low | (high << 32), levels, _mm512_set1_epi8(16));
   }
-  return {_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1)};
+  return {levels};
 }
 inline L64 load_q64(const int8_t* q) { return {_mm512_loadu_si512(q)}; }
 // acc + the sums of four adjacent unsigned-by-signed byte products, per 32-bit lane (no pair of products here can
@@ -417,12 +420,10 @@ inline L64 pair_int8(const int8_t* w) {
   return {_mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0))};
 }
 // Signed times signed, by maddubs on |w| and q with w's sign (|w| <= 128, |q| <= 127: no saturation).
-// Each half from one load of all 32 nibble bytes: the high half shifted down four bits (then both masked); the plane
-// in every 128-bit lane, rotated so that lane t's two bits (2t, 2t + 1) sit at bits 4-5, taken in by one ternary op.
+// The nibbles as pair_levels takes them; the plane in every 128-bit lane, rotated so that lane t's two bits (2t,
+// 2t + 1) sit at bits 4-5, taken in by one ternary op.
 inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
-  const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-  const __m512i low = _mm512_and_si512(
-      _mm512_srlv_epi16(raw, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)), _mm512_set1_epi8(0x0F));
+  const __m512i low = pair_levels(bytes, nullptr).v;
   const __m512i top = _mm512_rolv_epi64(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane))),
                                         _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62));
   return {_mm512_ternarylogic_epi64(low, top, _mm512_set1_epi8(0x30), 0xF8)};  // low | (top & 0x30)
