@@ -60,7 +60,7 @@ class Levels:
 
     bits: int  # 4, 5, 6 or 8
     levels: torch.Tensor  # 4, 5 and 6 bits: uint8 [out, in / 2], byte i of a group of 32 = the low four bits of
-    #                       level i | those of level i + 16 << 4; 8 bits: int8 [out, in]
+    #                       level i | those of level i + 16 << 4 (6 bits: of the level plus 32); 8 bits: int8 [out, in]
     # The scales and minima: float32 [out, in / group]; for Q4_0, Q4_1, Q5_0 and Q5_1 the file's halves (float16),
     # and for the symmetric Q4_0 and Q5_0 the minimum only as the offset, [out, 1] (kernels/grouped.py): no float32
     # copy of them is ever made while a model loads. None where k_scales holds them; float_scales() gives float32.

@@ -216,11 +216,6 @@ struct Int4Q8 : Int4Rows {
   }
 };
 
-// Every cache line of `bytes` bytes at p, to L2 (a row read out of order: the screened head's exact rows).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 1);
-}
-
 // Signed 8-bit levels, a scale per `group` (32, or Q6_K's 16) inputs: `units` scales a row. kFloat: scale [out, units]
 // float32; kSuper (Q6_K): scale [out, units / 16] float32 (each super-block's d) and sub [out, units] int8 (each
 // unit's sc): the unit's scale is d * sc.
@@ -234,10 +229,6 @@ struct Int8Rows {
                           : scale[n * units + u];
   }
   void row(int64_t n, float* w) const { row_by_chunks(*this, n, units * group / kGroup, w); }
-  void prefetch_row(int64_t n) const {  // row n's levels and scales, to L2
-    prefetch_bytes(levels + n * units * group, units * group);
-    if (sub != nullptr) prefetch_bytes(sub + n * units, units);
-  }
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     const int8_t* p = levels + n * units * group + 32 * c;
     const int64_t u = 32 * c / group;
@@ -282,8 +273,8 @@ struct Int8Q8 : Int8Rows {
 };
 
 // 6-bit signed levels with Q6_K's scales, as a GGUF file keeps them: Int8Q8<true>'s scales (a signed sub-scale per 16
-// inputs, a float32 per 256), the levels in simd::pair_levels6's storage: packed [out, in / 2] nibbles as a 4-bit
-// layer's, plane [out, in / 4] the top two bits. The same levels and scales as the 8-bit K form of the same tensor,
+// inputs, a float32 per 256), each level plus 32 in simd::pair_levels6's storage: packed [out, in / 2] nibbles as a
+// 4-bit layer's, plane [out, in / 4] the top two bits. The same levels and scales as the 8-bit K form of the same tensor,
 // taken by the same operations, so the same bits from 6.6 bits a weight instead of 8.6.
 struct Int6Rows : Int8Q8<true> {
   const uint8_t* packed = nullptr;
@@ -294,11 +285,6 @@ struct Int6Rows : Int8Q8<true> {
         plane(top_bits) {}
   int64_t in() const { return units * 16; }
   void row(int64_t n, float* w) const { row_by_chunks(*this, n, in() / kGroup, w); }
-  void prefetch_row(int64_t n) const {
-    prefetch_bytes(packed + n * in() / 2, in() / 2);
-    prefetch_bytes(plane + n * in() / 4, in() / 4);
-    prefetch_bytes(sub + n * units, units);
-  }
   void chunk(int64_t n, int64_t c, V16& a, V16& b) const {
     simd::six_group(packed + n * in() / 2 + 16 * c, plane + n * in() / 4 + 16 * (c / 2), static_cast<int>(c % 2), a, b);
     a = simd::mul(a, simd::set1(scale_at(n, 2 * c)));
@@ -1786,9 +1772,6 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
       float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
       for (int64_t i = begin; i < end; ++i) {
         const auto [r, j] = pairs[i];
-        // The next pair's row while this one is computed: the rows lie anywhere in the head, out of the hardware
-        // prefetcher's reach, and each would otherwise wait for memory.
-        if (i + 1 < end && pairs[i + 1].second != j) exact.prefetch_row(pairs[i + 1].second);
         exact.row(j, w);
         dot_block<1, 1>(xp + r * k, w, k, op + r * vocab + j, vocab);
       }
