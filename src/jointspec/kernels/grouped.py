@@ -22,10 +22,10 @@ For a model that was never quantised it is an ordinary 4-bit quantisation.
 Inputs. 4- and 5-bit layers round each input row to signed 8-bit levels per group of 32 (a step of max |x| / 127,
 as llama.cpp's Q8_0) and take each group's product as an exact integer sum, scaled once: on a model whose weights do
 not fit in cache that halves the instructions per weight, which is what a decoding step is short of
-(docs/kernels.md, "8-bit inputs"). 8-bit projections (Q8_0, Q6_K) do the same with signed levels. llama.cpp rounds
-its inputs to 8 bits too (per 32 for Q4_0 to Q8_0, per 256 for the K-quants), so the model moves towards llama.cpp's
-and away from the float32 model of the dequantised weights; :func:`float_inputs` switches back for a block, and
-``$JOINTSPEC_KERNEL_INPUTS=float`` for a whole run. The screened output head keeps float32 inputs.
+(docs/kernels.md, "8-bit inputs"). 8- and 6-bit projections (Q8_0, Q6_K) do the same with signed levels. llama.cpp
+rounds its inputs to 8 bits too (per 32 for Q4_0 to Q8_0, per 256 for the K-quants), so the model moves towards
+llama.cpp's and away from the float32 model of the dequantised weights; :func:`float_inputs` switches back for a block,
+and ``$JOINTSPEC_KERNEL_INPUTS=float`` for a whole run. The screened output head keeps float32 inputs.
 
 Exactness. Every output row is computed by the same instructions whatever the batch (bit-equal rows, tested), and
 quantised models use row-wise attention (:func:`jointspec.kernels.quantize.rowwise_sdpa`), so speculative decoding on

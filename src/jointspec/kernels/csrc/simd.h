@@ -8,7 +8,8 @@
 // rounding (fmadd rounds a * b + c once), every reduction by one fixed tree written out below, and the kernels are
 // built with -ffp-contract=off so the compiler fuses nothing on its own. So a kernel written once on V16 gives the
 // same bits on all three backends, and tests can hold them against each other. Only integer dot products (the
-// screened head's screen_dots, and dot4 / dot4_signed below) differ in instructions, and integer sums have no order.
+// screened head's screen_dots, and dot4 / dot4_signed / dot4_six below) differ in instructions, and integer sums have
+// no order.
 #pragma once
 
 #include <algorithm>
@@ -419,7 +420,6 @@ inline L64 pair_int8(const int8_t* w) {
   const __m512i raw = _mm512_loadu_si512(w);  // 128-bit chunks: 2p 0-15, 2p 16-31, 2p+1 0-15, 2p+1 16-31
   return {_mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0))};
 }
-// Signed times signed, by maddubs on |w| and q with w's sign (|w| <= 128, |q| <= 127: no saturation).
 // The nibbles as pair_levels takes them; the plane in every 128-bit lane, rotated so that lane t's two bits (2t,
 // 2t + 1) sit at bits 4-5, taken in by one ternary op.
 inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
@@ -428,6 +428,7 @@ inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
                                         _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62));
   return {_mm512_ternarylogic_epi64(low, top, _mm512_set1_epi8(0x30), 0xF8)};  // low | (top & 0x30)
 }
+// Signed times signed, as unsigned |w| times q with w's sign (|w| <= 128, |q| <= 127: no saturation).
 inline V16 dot4_signed(L64 w, L64 q) {
   const __m512i negative = _mm512_mask_sub_epi8(q.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), q.v);
   return {_mm512_cvtepi32_ps(dot4_add(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), negative))};
