@@ -210,10 +210,7 @@ class LeanLlamaForward:
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
         from jointspec.kernels.grouped import (
-            GroupedInt4Linear,
-            GroupedInt5Linear,
-            GroupedInt6Linear,
-            GroupedInt8Linear,
+            GROUPED_LINEARS,
             kernel_arguments,
             kernels,
             selected_isa,
@@ -230,8 +227,7 @@ class LeanLlamaForward:
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
             if (attn.head_dim % 16 or attn.head_dim > 256
-                    or any(type(m) not in (GroupedInt4Linear, GroupedInt5Linear, GroupedInt6Linear, GroupedInt8Linear)
-                           for m in plain + self._qkv(layer) + self._gate_up(layer))):
+                    or any(type(m) not in GROUPED_LINEARS for m in plain + self._qkv(layer) + self._gate_up(layer))):
                 return None
             # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.
             qkv = [list(fused_qkv.spans)] if fused_qkv else [kernel_arguments(m) for m in self._qkv(layer)]

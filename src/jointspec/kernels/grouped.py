@@ -82,13 +82,12 @@ _TINY = 1e-12
 # avx512 build with VNNI's integer dot product for every 8-bit-input product (the same integers in fewer
 # instructions; what the 6-bit layers' products need most: docs/kernels.md); the avx512 and avx2 builds still take it
 # at run time for the screened head where the CPU has it. "portable" is plain C++ for any CPU.
+_AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+            "-DJOINTSPEC_ISA_AVX512"])
 ISA_FLAGS = {
-    "avx512vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
-                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
-                    "-DJOINTSPEC_ISA_AVX512"]),
-    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                "-DJOINTSPEC_ISA_AVX512"]),
+    "avx512vnni": (_AVX512[0] | {"avx512_vnni"}, [*_AVX512[1], "-mavx512vnni"]),
+    "avx512": _AVX512,
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c", "-DJOINTSPEC_ISA_AVX2"]),
     "portable": (frozenset(), []),
 }
@@ -657,6 +656,10 @@ class GroupedInt6Linear(_GroupedLinear):
         return levels.mul_(self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)
 
 
+# The grouped layer classes the kernels take as projections (fused calls, the compiled decoder layer).
+GROUPED_LINEARS = (GroupedInt4Linear, GroupedInt5Linear, GroupedInt6Linear, GroupedInt8Linear)
+
+
 # The greedy screen's margin, in logits: every token whose 4-bit score is within this of the row's best score gets
 # its exact logit. On SmolLM2-135M the screen's error is about 1 logit (one standard deviation), and teacher-forced
 # on bench answers and ShareGPT text no exact argmax was screened out at this margin, while a row keeps a few dozen
@@ -790,8 +793,7 @@ class ScreenedInt6Head(GroupedInt6Linear, ScreenedInt8Head):
 def _stackable(layers: list[nn.Module]) -> bool:
     """Two or more bias-free grouped layers of one class, one input width and one group size."""
     kinds = {type(layer) for layer in layers}
-    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= {GroupedInt4Linear, GroupedInt5Linear, GroupedInt6Linear,
-                                                             GroupedInt8Linear}
+    return (len(layers) >= 2 and len(kinds) == 1 and kinds <= set(GROUPED_LINEARS)
             and all(layer.bias is None for layer in layers) and len({layer.layout() for layer in layers}) == 1)
 
 

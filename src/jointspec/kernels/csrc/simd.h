@@ -476,9 +476,11 @@ inline L64 load_q64(const int8_t* q) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))};
 }
-inline __m256 dot4_8(__m256i w, __m256i q) {
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)));
+// acc + the sums of four adjacent unsigned-by-signed byte products, per 32-bit lane (as the AVX-512 build's dot4_add).
+inline __m256i dot4_add8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+inline __m256 dot4_8(__m256i w, __m256i q) { return _mm256_cvtepi32_ps(dot4_add8(_mm256_setzero_si256(), w, q)); }
 inline V16 dot4(L64 w, L64 q) { return {dot4_8(w.lo, q.lo), dot4_8(w.hi, q.hi)}; }
 struct Lanes {
   __m256i low, high;  // the permutation giving lanes 0-7 and 8-15, from the block's low half or its high one
@@ -548,9 +550,6 @@ inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
 struct I16 {
   __m256i lo, hi;  // sixteen int32
 };
-inline __m256i dot4_add8(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
 inline I16 six_base(L64 q) {
   const __m256i zero = _mm256_setzero_si256(), c = _mm256_set1_epi8(32);
   return {_mm256_sub_epi32(zero, dot4_add8(zero, c, q.lo)), _mm256_sub_epi32(zero, dot4_add8(zero, c, q.hi))};
@@ -559,8 +558,7 @@ inline V16 dot4_six(L64 u, L64 q, I16 base) {
   return {_mm256_cvtepi32_ps(dot4_add8(base.lo, u.lo, q.lo)), _mm256_cvtepi32_ps(dot4_add8(base.hi, u.hi, q.hi))};
 }
 inline __m256 dot4_signed_8(__m256i w, __m256i q) {
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)),
-                                              _mm256_set1_epi16(1)));
+  return _mm256_cvtepi32_ps(dot4_add8(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(q, w)));
 }
 inline V16 dot4_signed(L64 w, L64 q) { return {dot4_signed_8(w.lo, q.lo), dot4_signed_8(w.hi, q.hi)}; }
 inline void quantise_group(const float* x, int8_t* out, float& step) {
