@@ -164,6 +164,7 @@ struct Int4Rows {
   static constexpr int kPrefetchEvery = 2;  // pairs to a cache line of levels
   static constexpr bool kPlane = false;     // a second stream of level bits (Int6Rows)
   static constexpr bool kOffset = false;    // levels stored with an offset (Int6Rows)
+  static constexpr bool kQuad = true;       // scale units of 32: read a quad at a time (simd.h's quad layout)
   const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
   // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0), the
   // input steps of those groups (`step`: an input row's), and pair p0 + i's lanes of their product.
@@ -185,6 +186,11 @@ struct Int4Q8 : Int4Rows {
   simd::L64 q8_pair(int64_t n, int64_t p) const {
     const int64_t g = n * groups + 2 * p;
     return simd::pair_levels(packed + g * kGroup / 2, Fifth ? fifth + g : nullptr);
+  }
+  // Pairs p and p + 1 of row n (`both` false: pair p alone, the row's last) in the quad layout.
+  void q8_quad(int64_t n, int64_t p, bool both, simd::L64& low, simd::L64& high) const {
+    const int64_t g = n * groups + 2 * p;
+    simd::quad_levels(packed + g * kGroup / 2, Fifth ? fifth + g : nullptr, both, low, high);
   }
   V16 q8_scales(int64_t n, int64_t p0) const { return sixteen(n, 2 * p0, scale, 0); }
   V16 q8_minima(int64_t n, int64_t g) const {
@@ -239,6 +245,7 @@ struct Int8Rows {
   static constexpr int kPrefetchEvery = 1;
   static constexpr bool kPlane = false;
   static constexpr bool kOffset = false;
+  static constexpr bool kQuad = false;
   const void* q8_address(int64_t n, int64_t p) const { return levels + n * units * group + 64 * p; }
   simd::L64 q8_pair(int64_t n, int64_t p) const { return simd::pair_int8(levels + n * units * group + 64 * p); }
   // As Int4Rows's; a scale per 16 inputs (Q6_K) makes four scales a pair, so a block of sixteen is four pairs.
@@ -367,25 +374,28 @@ inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int
 //   sum_i (l_i * s + m) * x_i  ~  s * step * sum_i l_i * q_i  +  m * sum_i x_i
 // The integer products take a fraction of the instructions that dequantising each weight to float does, which is
 // what a decoding step on weights that do not fit in cache is short of (docs/kernels.md, "8-bit inputs"). Each
-// (weight row, input row) pair is still computed alone and by fixed operations: the integer lanes of simd.h's pair
-// layout, each lane's float sum over the group pairs in order, the minimum's term by sixteen groups a vector, then the
-// halving trees. So a row's result does not depend on the other rows of the call, and every backend gives its bits.
+// (weight row, input row) pair is still computed alone and by fixed operations: the integer lanes of simd.h's quad
+// layout (4 and 5 bits: eight products a lane, one group) or pair layout (8 bits: four), each lane's float sum over
+// the quads or pairs in order, the minimum's term by sixteen groups a vector, then the halving trees. So a row's result
+// does not depend on the other rows of the call, and every backend gives its bits.
 struct QuantisedInputs {
   int64_t rows = 0, k = 0, groups = 0;
-  std::vector<int8_t> levels;  // [rows, k]: each pair of groups in simd.h's pair layout
+  int64_t stride = 0;          // an input row's levels: k, or k rounded up to a whole quad (quad layout)
+  std::vector<int8_t> levels;  // [rows, stride]: in simd.h's pair layout, or its quad layout (`quad`); padding 0
   std::vector<float> step;     // [rows, groups]
   std::vector<float> sum;      // [rows, groups]: the group's float inputs summed (for the minimum's term)
 };
 
-QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k) {
-  const int64_t groups = k / kGroup;
-  QuantisedInputs q{rows, k, groups, std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
+QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k, bool quad) {
+  const int64_t groups = k / kGroup, stride = quad ? (k + 4 * kGroup - 1) / (4 * kGroup) * (4 * kGroup) : k;
+  QuantisedInputs q{rows, k, groups, stride, std::vector<int8_t>(rows * stride), std::vector<float>(rows * groups),
                     std::vector<float>(rows * groups)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
         const float* xg = x + r * k + g * kGroup;
-        simd::quantise_group(xg, q.levels.data() + r * k + (g / 2) * 64 + (g % 2) * 16, q.step[r * groups + g]);
+        const int64_t at = quad ? (g / 4) * 128 + (g % 4) * 16 : (g / 2) * 64 + (g % 2) * 16;
+        simd::quantise_group(xg, q.levels.data() + r * stride + at, q.step[r * groups + g], quad ? 64 : 32);
         q.sum[r * groups + g] = simd::reduce_add(simd::add(simd::load(xg), simd::load(xg + 16)));
       }
   });
@@ -418,7 +428,7 @@ constexpr int kQ8RowsBlock = 4;
 template <int W, int R, typename Rows>
 inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t first, float* out,
                    int64_t out_stride) {
-  const int64_t k = x.k, groups = x.groups;
+  const int64_t groups = x.groups;
   V16 acc[W][R];
   for (int b = 0; b < W; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = simd::zero();
@@ -437,13 +447,34 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
       }
     }
     const int count = static_cast<int>(std::min(per_block, pairs - p0));
+    if constexpr (Rows::kQuad) {  // a quad (two pairs) at a time: p0 is a multiple of 8, so p is even
+      const auto quad = [&](int i, bool both) __attribute__((always_inline)) {
+        const int64_t p = p0 + i;
+        const simd::Lanes lanes = simd::group_lanes(i / 2);
+        for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
+        const int8_t* inputs = x.levels.data() + r0 * x.stride + 64 * p;  // read where used (L1), not held
+        for (int b = 0; b < W; ++b) {
+          simd::L64 low, high;
+          w.q8_quad(first + b, p, both, low, high);
+          for (int r = 0; r < R; ++r)
+            acc[b][r] = simd::fmadd(simd::dot8(low, high, inputs + r * x.stride), simd::pick(scaled[b][r], lanes),
+                                    acc[b][r]);
+        }
+      };
+      if (count == 8) {  // a whole block, unrolled with its lanes known
+        for (int i = 0; i < 8; i += 2) quad(i, true);
+      } else {
+        for (int i = 0; i < count; i += 2) quad(i, i + 1 < count);
+      }
+      continue;
+    }
     for (int i = 0; i < count; ++i) {
       const int64_t p = p0 + i;
       const simd::Lanes lanes = w.q8_lanes(i);
       simd::L64 q[R];
       simd::I16 base[R];  // Rows::kOffset: each input vector's share of the levels' offset
       for (int r = 0; r < R; ++r) {
-        q[r] = simd::load_q64(x.levels.data() + (r0 + r) * k + 64 * p);
+        q[r] = simd::load_q64(x.levels.data() + (r0 + r) * x.stride + 64 * p);
         if constexpr (Rows::kOffset) base[r] = simd::six_base(q[r]);
       }
       // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
@@ -483,9 +514,13 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
 // Weight rows a tile of R input rows: the block's rows shared among the input rows, but two for three or four input
 // rows in a block of four (AVX2's and the portable build's): one weight row against three input rows left too little
 // independent work in flight (a three-row product cost as much as a four-row one), and two still fit in sixteen
-// registers.
-template <int Block, int R>
+// registers. AVX2's quads hold four registers of weight levels besides the accumulators, so there one weight row
+// takes several input rows alone (faster than two in an in-cache benchmark, docs/kernels.md).
+template <int Block, int R, bool Quad>
 constexpr int tile_weight_rows() {
+#if defined(JOINTSPEC_ISA_AVX2)
+  if constexpr (Quad && R > 1) return 1;
+#endif
   if constexpr (Block == 4 && (R == 3 || R == 4)) return 2;
   return Block / R > 0 ? Block / R : 1;
 }
@@ -493,7 +528,7 @@ constexpr int tile_weight_rows() {
 template <int Block, int R, typename Rows>
 inline void q8_tile(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t first, int64_t count, float* out,
                     int64_t out_features) {
-  constexpr int W = tile_weight_rows<Block, R>();
+  constexpr int W = tile_weight_rows<Block, R, Rows::kQuad>();
   int64_t b = 0;
   for (; b + W <= count; b += W) dot_q8<W, R>(x, r0, w, first + b, out + b, out_features);
   for (; b < count; ++b) dot_q8<1, R>(x, r0, w, first + b, out + b, out_features);
@@ -521,7 +556,7 @@ void multiply_q8_blocks(const QuantisedInputs& x, int64_t rows, int64_t out_feat
 
 template <typename Rows>
 void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& w) {
-  const QuantisedInputs x = quantise_inputs(xp, rows, k);
+  const QuantisedInputs x = quantise_inputs(xp, rows, k, Rows::kQuad);
   if (rows == 1)
     multiply_q8_blocks<kQ8StepBlock>(x, rows, out_features, op, w);
   else

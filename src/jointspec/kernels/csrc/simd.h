@@ -141,7 +141,9 @@ inline __m256i first8(int64_t n) {  // lanes < n all ones
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))), index);
 }
-inline V16 load_first(const float* p, int64_t n) {
+// load_first and load_first_half are inlined by force: GCC stopped inlining them into the quad loop's function,
+// and the calls (each a vzeroupper and a trip through memory) cost more than the loop saved.
+__attribute__((always_inline)) inline V16 load_first(const float* p, int64_t n) {
   return {_mm256_maskload_ps(p, first8(n)), _mm256_maskload_ps(p + 8, first8(n - 8))};
 }
 inline void store_first(float* p, V16 a, int64_t n) {
@@ -359,6 +361,18 @@ inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.
 // signed levels' products from them: each lane's unsigned products plus six_base(q), -32 times the lane's four input
 // levels summed (an input vector's, computed once for every weight row it meets): the same integers as the signed
 // levels give, in fewer instructions than signed-by-signed products take.
+//
+// The quad layout: four groups of 32 inputs at a time, for the 4- and 5-bit layers (scale units of 32). Two adjacent
+// pairs' 64 packed bytes give two vectors, their low nibbles and their high ones (quad_levels):
+//   low:  lanes 0-3 group 4u, inputs 0-15   lanes 4-7 group 4u + 1, inputs 0-15   lanes 8-11 group 4u + 2 ...
+//   high: the same lanes, inputs 16-31
+// so every lane holds one group in both, and dot8() sums a lane's eight products (four from each) exactly before the
+// one conversion and multiply-add a lane: half those of two pairs. The input levels are stored in that order (128
+// bytes a quad: the low vector's inputs, then the high one's), and dot8 reads them from there. group_lanes(u) picks quad u of a block of sixteen scales
+// (lanes 4j .. 4j + 3 take unit 4u + j). A row with an odd number of pairs ends on half a quad: its last two groups'
+// lanes are zero, as are their scales.
+// quad_levels is inlined by force: GCC left the AVX2 one out of line, its two results passing through memory, and
+// the quad loop then ran slower than the pair loop it replaced.
 #if defined(JOINTSPEC_ISA_AVX512)
 struct L64 {
   __m512i v;
@@ -408,6 +422,41 @@ inline Lanes quad_lanes(int i) {
   return {_mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3))};
 }
 inline V16 pick(V16 block, Lanes lanes) { return {_mm512_permutexvar_ps(lanes.index, block.v)}; }
+inline Lanes group_lanes(int u) {
+  return {_mm512_add_epi32(_mm512_set1_epi32(4 * u), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3))};
+}
+// Both pairs' 64 bytes in one load (`both` false: the first pair's 32, the rest 0), low and high nibbles masked.
+__attribute__((always_inline)) inline void quad_levels(const uint8_t* bytes, const uint32_t* fifth, bool both,
+                                                       L64& low, L64& high) {
+  const __m512i raw = both ? _mm512_loadu_si512(bytes)
+                           : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  low.v = _mm512_and_si512(raw, nibble);
+  high.v = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+  if (fifth != nullptr) {  // bits 0-15 of group e's word add 16 to low's bytes 16e .., bits 16-31 to high's
+    uint64_t low_bits = 0, high_bits = 0;
+    for (int e = 0; e < (both ? 4 : 2); ++e) {
+      low_bits |= uint64_t(fifth[e] & 0xFFFFu) << (16 * e);
+      high_bits |= uint64_t(fifth[e] >> 16) << (16 * e);
+    }
+    low.v = _mm512_mask_add_epi8(low.v, low_bits, low.v, _mm512_set1_epi8(16));
+    high.v = _mm512_mask_add_epi8(high.v, high_bits, high.v, _mm512_set1_epi8(16));
+  }
+}
+#if defined(__AVX512VNNI__)
+inline V16 dot8(L64 low, L64 high, const int8_t* q) {
+  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low.v, _mm512_loadu_si512(q)),
+                                                 high.v, _mm512_loadu_si512(q + 64)))};
+}
+#else
+// The two vectors' byte-pair sums added as 16-bit integers before widening: weights below 32, so each is at most
+// 4 * 31 * 127 in size, no overflow.
+inline V16 dot8(L64 low, L64 high, const int8_t* q) {
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(low.v, _mm512_loadu_si512(q)),
+                                         _mm512_maddubs_epi16(high.v, _mm512_loadu_si512(q + 64)));
+  return {_mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
+}
+#endif
 // A block kept for pick() across a loop: in a register (AVX2: in L1, below).
 using Held = V16;
 inline Held hold(V16 block) { return block; }
@@ -434,14 +483,15 @@ inline V16 dot4_signed(L64 w, L64 q) {
   return {_mm512_cvtepi32_ps(dot4_add(_mm512_setzero_si512(), _mm512_abs_epi8(w.v), negative))};
 }
 // Inputs x[0 .. 31] of one group as levels q = round(x / step) (ties to even), step = max |x| / 127; q[i] goes to
-// out[i] for i < 16 and out[i + 16] for the rest (a pair's layout above, with out at the group's first byte).
-inline void quantise_group(const float* x, int8_t* out, float& step) {
+// out[i] for i < 16 and out[high + i - 16] for the rest (high: 32 in the pair layout above, 64 in the quad layout,
+// with out at the group's first byte).
+inline void quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   step = top / 127.0f;
   const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32),
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + high),
                    _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))));
 }
 
@@ -499,6 +549,30 @@ inline V16 pick(V16 block, const Lanes& lanes) {
   const __m256 from = lanes.from_high ? block.hi : block.lo;
   return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
 }
+inline Lanes group_lanes(int u) {
+  const __m256i base = _mm256_set1_epi32((4 * u) % 8);
+  return {_mm256_add_epi32(base, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+          _mm256_add_epi32(base, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), u >= 2};
+}
+// A pair's levels are its low nibbles (lo) and its high ones (hi), so a quad's are two pairs' halves side by side.
+__attribute__((always_inline)) inline void quad_levels(const uint8_t* bytes, const uint32_t* fifth, bool both,
+                                                       L64& low, L64& high) {
+  const L64 first = pair_levels(bytes, fifth);
+  const L64 second = both ? pair_levels(bytes + 32, fifth == nullptr ? nullptr : fifth + 2)
+                          : L64{_mm256_setzero_si256(), _mm256_setzero_si256()};
+  low = {first.lo, second.lo};
+  high = {first.hi, second.hi};
+}
+// As the AVX-512 build's: byte-pair sums added as 16-bit integers (no overflow below 32), then widened.
+inline __m256 dot8_8(__m256i low, __m256i high, const int8_t* q) {
+  const __m256i pairs = _mm256_add_epi16(
+      _mm256_maddubs_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+      _mm256_maddubs_epi16(high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline V16 dot8(const L64& low, const L64& high, const int8_t* q) {
+  return {dot8_8(low.lo, high.lo, q), dot8_8(low.hi, high.hi, q + 32)};
+}
 // Sixteen registers cannot hold a loop's blocks besides its accumulators: kept in L1, each pick() loads the half it
 // needs (measured faster than the spills the compiler otherwise makes).
 struct Held {
@@ -514,12 +588,17 @@ inline V16 pick(const Held& block, const Lanes& lanes) {
   const __m256 from = _mm256_load_ps(block.v + (lanes.from_high ? 8 : 0));
   return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
 }
+// Half h (lanes 8h .. 8h + 7) of pick(block, lanes).
+inline __m256 pick_half(const Held& block, const Lanes& lanes, int h) {
+  return _mm256_permutevar8x32_ps(_mm256_load_ps(block.v + (lanes.from_high ? 8 : 0)), h == 0 ? lanes.low : lanes.high);
+}
+inline L64 zero_levels() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline V16 doubled(const float* p, int64_t n) {
   const __m256 eight = _mm256_maskload_ps(p, first8(n));
   return {_mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
           _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))};
 }
-inline V16 load_first_half(const uint16_t* p, int64_t n) {
+__attribute__((always_inline)) inline V16 load_first_half(const uint16_t* p, int64_t n) {
   __m256i raw;
   if (n >= 16) {
     raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -561,7 +640,7 @@ inline __m256 dot4_signed_8(__m256i w, __m256i q) {
   return _mm256_cvtepi32_ps(dot4_add8(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(q, w)));
 }
 inline V16 dot4_signed(L64 w, L64 q) { return {dot4_signed_8(w.lo, q.lo), dot4_signed_8(w.hi, q.hi)}; }
-inline void quantise_group(const float* x, int8_t* out, float& step) {
+inline void quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], top8 = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -580,7 +659,7 @@ inline void quantise_group(const float* x, int8_t* out, float& step) {
   const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
   const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(bytes, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + high), _mm256_extracti128_si256(bytes, 1));
 }
 
 #else  // portable
@@ -629,6 +708,32 @@ inline V16 pick(const V16& block, const Lanes& lanes) {
   for (int j = 0; j < 16; ++j) r.v[j] = block.v[lanes.index[j]];
   return r;
 }
+inline Lanes group_lanes(int u) {
+  Lanes out;
+  for (int j = 0; j < 16; ++j) out.index[j] = 4 * u + j / 4;
+  return out;
+}
+__attribute__((always_inline)) inline void quad_levels(const uint8_t* bytes, const uint32_t* fifth, bool both,
+                                                       L64& low, L64& high) {
+  const L64 first = pair_levels(bytes, fifth);
+  L64 second{};
+  if (both) second = pair_levels(bytes + 32, fifth == nullptr ? nullptr : fifth + 2);
+  for (int i = 0; i < 32; ++i) {
+    low.v[i] = first.v[i];
+    low.v[32 + i] = second.v[i];
+    high.v[i] = first.v[32 + i];
+    high.v[32 + i] = second.v[32 + i];
+  }
+}
+inline V16 dot8(const L64& low, const L64& high, const int8_t* q) {
+  V16 r;
+  for (int j = 0; j < 16; ++j) {
+    int32_t sum = 0;
+    for (int t = 0; t < 4; ++t) sum += low.v[4 * j + t] * q[4 * j + t] + high.v[4 * j + t] * q[64 + 4 * j + t];
+    r.v[j] = float(sum);
+  }
+  return r;
+}
 using Held = V16;
 inline Held hold(V16 block) { return block; }
 inline V16 doubled(const float* p, int64_t n) {
@@ -671,12 +776,12 @@ inline V16 dot4_six(const L64& u, const L64& q, const I16& base) {
   return r;
 }
 inline V16 dot4_signed(const L64& w, const L64& q) { return dot4(w, q); }
-inline void quantise_group(const float* x, int8_t* out, float& step) {
+inline void quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   float top = 0.0f;
   for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
   step = top / 127.0f;
   const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-  for (int i = 0; i < 32; ++i) out[i < 16 ? i : i + 16] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+  for (int i = 0; i < 32; ++i) out[i < 16 ? i : high + i - 16] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
 }
 #endif
 

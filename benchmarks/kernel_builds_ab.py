@@ -1,0 +1,102 @@
+"""Two builds of jointspec's grouped kernels in one process, on the same weights and inputs: time per call of each.
+
+For a change to the C++ kernels (``src/jointspec/kernels/csrc``): build the old sources into one cache and the new
+into another, then compare them here. Both builds are loaded side by side (their module names carry the sources'
+hash, so they do not collide) and their calls alternate, so a machine whose speed drifts between processes (the VMs
+this project measures on drift by 10-30 %) slows both alike. Random 4-bit layers of ``--shape`` OUTxIN in three scale
+forms (the K-quant form, Q4_0's half scales with the -8 offset, Q4_1's halves), 1, 2, 4 and 8 input rows; a layer
+that fits in cache measures the kernel's compute, one of a few tens of MB its streaming. Prints medians and the
+ratio new / old per case, then one JSON line::
+
+    git worktree add /tmp/old HEAD          # the sources before the change
+    PYTHONPATH=/tmp/old/src XDG_CACHE_HOME=/tmp/oldcache JOINTSPEC_KERNEL_ISA=avx2 \\
+        python -c "from jointspec.kernels.grouped import kernels; kernels()"
+    JOINTSPEC_KERNEL_ISA=avx2 python -c "from jointspec.kernels.grouped import kernels; kernels()"
+    python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --shape 2048x2048 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+def load_build(cache: Path, isa: str):
+    """The newest ``isa`` build under ``cache`` (an XDG cache directory), imported as a module."""
+    found = sorted((cache / "jointspec" / "kernels").glob(f"jointspec_kernels_{isa}_*/*.so"),
+                   key=lambda path: path.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no {isa} build under {cache}/jointspec/kernels: build it first (see --help)")
+    spec = importlib.util.spec_from_file_location(found[-1].name.split(".")[0], found[-1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def layers(out_features: int, in_features: int, generator):
+    import torch
+
+    from jointspec.kernels.grouped import GroupedInt4Linear
+
+    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=generator, dtype=torch.uint8)
+    groups = in_features // 32
+    half = (torch.rand(out_features, groups, generator=generator) * 0.01 + 1e-3).half()
+    made = {"Q4_0": GroupedInt4Linear.from_levels(packed, half, half.float() * -8),
+            "Q4_1": GroupedInt4Linear.from_levels(packed, half, (torch.rand(out_features, groups, generator=generator)
+                                                                 * -0.1).half())}
+    if in_features % 256 == 0:
+        super_scales = torch.rand(out_features, 2, in_features // 256, generator=generator) * 0.01
+        sub = torch.randint(0, 64, (out_features, 2, groups), generator=generator, dtype=torch.uint8)
+        made["K"] = GroupedInt4Linear.from_levels(packed, super_scales, sub)
+    return made
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", required=True, help="the build to compare: avx512vnni, avx512, avx2 or portable")
+    parser.add_argument("--old-cache", type=Path, required=True, help="XDG cache directory holding the old build")
+    parser.add_argument("--new-cache", type=Path,
+                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")),
+                        help="XDG cache directory holding the new build (default: this user's)")
+    parser.add_argument("--shape", default="2048x2048", help="OUTxIN of the random layers (IN a multiple of 64)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=60, help="timed calls of each build per case (10 more warm up)")
+    args = parser.parse_args()
+
+    import torch
+
+    from jointspec.kernels.grouped import kernel_arguments
+
+    torch.set_num_threads(args.threads)
+    out_features, in_features = (int(value) for value in args.shape.lower().split("x"))
+    if in_features % 64:
+        raise SystemExit(f"--shape: IN must be a multiple of 64, got {in_features}")
+    builds = {"old": load_build(args.old_cache, args.isa), "new": load_build(args.new_cache, args.isa)}
+    generator = torch.Generator().manual_seed(0)
+    results = {}
+    for form, layer in layers(out_features, in_features, generator).items():
+        tensors = kernel_arguments(layer)
+        for rows in (1, 2, 4, 8):
+            x = torch.randn(rows, in_features, generator=generator)
+            if not torch.equal(*(build.linear(x, tensors, False, True) for build in builds.values())):
+                print(f"note: {form}, {rows} rows: the two builds' outputs differ (a change of arithmetic)")
+            times = {name: [] for name in builds}
+            for call in range(args.calls + 10):
+                for name in (("old", "new") if call % 2 == 0 else ("new", "old")):
+                    start = time.perf_counter()
+                    builds[name].linear(x, tensors, False, True)
+                    if call >= 10:
+                        times[name].append(time.perf_counter() - start)
+            old, new = (statistics.median(times[name]) * 1e6 for name in ("old", "new"))
+            results[f"{form}/{rows}"] = {"old_us": round(old, 1), "new_us": round(new, 1), "ratio": round(new / old, 3)}
+            print(f"{form:5} {rows} rows: old {old:8.1f} us  new {new:8.1f} us  new / old {new / old:.3f}", flush=True)
+    print(json.dumps({"isa": args.isa, "shape": args.shape, "threads": args.threads, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
