@@ -368,9 +368,9 @@ inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.
 //   high: the same lanes, inputs 16-31
 // so every lane holds one group in both, and dot8() sums a lane's eight products (four from each) exactly before the
 // one conversion and multiply-add a lane: half those of two pairs. The input levels are stored in that order (128
-// bytes a quad: the low vector's inputs, then the high one's), and dot8 reads them from there. group_lanes(u) picks quad u of a block of sixteen scales
-// (lanes 4j .. 4j + 3 take unit 4u + j). A row with an odd number of pairs ends on half a quad: its last two groups'
-// lanes are zero, as are their scales.
+// bytes a quad: the low vector's inputs, then the high one's), and dot8 reads them from there. group_lanes(u) picks
+// quad u of a block of sixteen scales (lanes 4j .. 4j + 3 take unit 4u + j). A row with an odd number of pairs ends
+// on half a quad: its last two groups' lanes are zero, as are their scales.
 // quad_levels is inlined by force: GCC left the AVX2 one out of line, its two results passing through memory, and
 // the quad loop then ran slower than the pair loop it replaced.
 #if defined(JOINTSPEC_ISA_AVX512)
@@ -445,8 +445,8 @@ __attribute__((always_inline)) inline void quad_levels(const uint8_t* bytes, con
 }
 #if defined(__AVX512VNNI__)
 inline V16 dot8(L64 low, L64 high, const int8_t* q) {
-  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low.v, _mm512_loadu_si512(q)),
-                                                 high.v, _mm512_loadu_si512(q + 64)))};
+  const __m512i first = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low.v, _mm512_loadu_si512(q));
+  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(first, high.v, _mm512_loadu_si512(q + 64)))};
 }
 #else
 // The two vectors' byte-pair sums added as 16-bit integers before widening: weights below 32, so each is at most
@@ -588,11 +588,6 @@ inline V16 pick(const Held& block, const Lanes& lanes) {
   const __m256 from = _mm256_load_ps(block.v + (lanes.from_high ? 8 : 0));
   return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
 }
-// Half h (lanes 8h .. 8h + 7) of pick(block, lanes).
-inline __m256 pick_half(const Held& block, const Lanes& lanes, int h) {
-  return _mm256_permutevar8x32_ps(_mm256_load_ps(block.v + (lanes.from_high ? 8 : 0)), h == 0 ? lanes.low : lanes.high);
-}
-inline L64 zero_levels() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline V16 doubled(const float* p, int64_t n) {
   const __m256 eight = _mm256_maskload_ps(p, first8(n));
   return {_mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
