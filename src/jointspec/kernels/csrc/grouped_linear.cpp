@@ -158,22 +158,16 @@ struct Int4Rows {
     a = simd::fmadd(a, s, lo);
     b = simd::fmadd(b, s, lo);
   }
-  // For multiply_q8: the levels and scales of groups 2p, 2p + 1 of row n in simd.h's pair layout, and their product
-  // with a pair of input levels; the minima of groups g .. g + 15 of row n (those past `groups` 0).
+  // For multiply_q8: the levels of groups 2p .. 2p + 3 of row n in simd.h's quad layout (q8_quad), and the minima of
+  // groups g .. g + 15 of row n (those past `groups` 0).
   static constexpr bool kMinimum = true;
-  static constexpr int kPrefetchEvery = 2;  // pairs to a cache line of levels
-  static constexpr bool kPlane = false;     // a second stream of level bits (Int6Rows)
-  static constexpr bool kOffset = false;    // levels stored with an offset (Int6Rows)
-  static constexpr bool kQuad = true;       // scale units of 32: read a quad at a time (simd.h's quad layout)
+  static constexpr bool kQuad = true;  // scale units of 32: read a quad at a time (simd.h's quad layout)
   const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
-  // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0), the
-  // input steps of those groups (`step`: an input row's), and pair p0 + i's lanes of their product.
-  // (q8_pair, q8_scales, q8_minima and q8_prefetch_scales: Int4Q8 below, the form and fifth bits fixed at compile
-  // time.)
+  // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0) and the
+  // input steps of those groups (`step`: an input row's). (q8_quad, q8_scales, q8_minima and q8_prefetch_scales:
+  // Int4Q8 below, the form and fifth bits fixed at compile time.)
   static int64_t block_pairs() { return 8; }
   V16 q8_steps(const float* step, int64_t p0) const { return simd::load_first(step + 2 * p0, groups - 2 * p0); }
-  static simd::Lanes q8_lanes(int i) { return simd::pair_lanes(i); }
-  static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4(w, q); }
 };
 
 // Int4Rows with the scales' form fixed at compile time, for the 8-bit-input kernel's loops: with the form chosen at
@@ -183,10 +177,6 @@ struct Int4Rows {
 // super-blocks, or the row's last). `Fifth`: 5-bit levels (fifth set), fixed at compile time for the same reason.
 template <ScaleForm F, bool Fifth>
 struct Int4Q8 : Int4Rows {
-  simd::L64 q8_pair(int64_t n, int64_t p) const {
-    const int64_t g = n * groups + 2 * p;
-    return simd::pair_levels(packed + g * kGroup / 2, Fifth ? fifth + g : nullptr);
-  }
   // Pairs p and p + 1 of row n (`both` false: pair p alone, the row's last) in the quad layout.
   void q8_quad(int64_t n, int64_t p, bool both, simd::L64& low, simd::L64& high) const {
     const int64_t g = n * groups + 2 * p;
@@ -466,31 +456,31 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
       } else {
         for (int i = 0; i < count; i += 2) quad(i, i + 1 < count);
       }
-      continue;
-    }
-    for (int i = 0; i < count; ++i) {
-      const int64_t p = p0 + i;
-      const simd::Lanes lanes = w.q8_lanes(i);
-      simd::L64 q[R];
-      simd::I16 base[R];  // Rows::kOffset: each input vector's share of the levels' offset
-      for (int r = 0; r < R; ++r) {
-        q[r] = simd::load_q64(x.levels.data() + (r0 + r) * x.stride + 64 * p);
-        if constexpr (Rows::kOffset) base[r] = simd::six_base(q[r]);
-      }
-      // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short a
-      // stream for the hardware prefetcher to get ahead of alone.
-      if (p % Rows::kPrefetchEvery == 0)
-        for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
-      if constexpr (Rows::kPlane)
-        if (p % 4 == 0)
-          for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_plane_address(first + W + b, p), 0, 1);
-      for (int b = 0; b < W; ++b) {
-        const simd::L64 levels = w.q8_pair(first + b, p);
+    } else {  // a pair at a time: the 8- and 6-bit layers
+      for (int i = 0; i < count; ++i) {
+        const int64_t p = p0 + i;
+        const simd::Lanes lanes = w.q8_lanes(i);
+        simd::L64 q[R];
+        simd::I16 base[R];  // Rows::kOffset: each input vector's share of the levels' offset
         for (int r = 0; r < R; ++r) {
-          V16 dot;
-          if constexpr (Rows::kOffset) dot = Rows::q8_dot_base(levels, q[r], base[r]);
-          else dot = Rows::q8_dot(levels, q[r]);
-          acc[b][r] = simd::fmadd(dot, simd::pick(scaled[b][r], lanes), acc[b][r]);
+          q[r] = simd::load_q64(x.levels.data() + (r0 + r) * x.stride + 64 * p);
+          if constexpr (Rows::kOffset) base[r] = simd::six_base(q[r]);
+        }
+        // The next block's levels, to L2: a weight row's levels are only 16 cache lines at common widths, too short
+        // a stream for the hardware prefetcher to get ahead of alone.
+        if (p % Rows::kPrefetchEvery == 0)
+          for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
+        if constexpr (Rows::kPlane)
+          if (p % 4 == 0)
+            for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_plane_address(first + W + b, p), 0, 1);
+        for (int b = 0; b < W; ++b) {
+          const simd::L64 levels = w.q8_pair(first + b, p);
+          for (int r = 0; r < R; ++r) {
+            V16 dot;
+            if constexpr (Rows::kOffset) dot = Rows::q8_dot_base(levels, q[r], base[r]);
+            else dot = Rows::q8_dot(levels, q[r]);
+            acc[b][r] = simd::fmadd(dot, simd::pick(scaled[b][r], lanes), acc[b][r]);
+          }
         }
       }
     }

@@ -8,7 +8,7 @@
 // rounding (fmadd rounds a * b + c once), every reduction by one fixed tree written out below, and the kernels are
 // built with -ffp-contract=off so the compiler fuses nothing on its own. So a kernel written once on V16 gives the
 // same bits on all three backends, and tests can hold them against each other. Only integer dot products (the
-// screened head's screen_dots, and dot4 / dot4_signed / dot4_six below) differ in instructions, and integer sums have
+// screened head's screen_dots, and dot8 / dot4_signed / dot4_six below) differ in instructions, and integer sums have
 // no order.
 #pragma once
 
@@ -343,9 +343,10 @@ inline float half_to_float(uint16_t h) {
 inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
 #endif
 
-// Two groups of 32 inputs at a time with 8-bit inputs (grouped_linear.cpp's multiply_q8): 64 weight levels of two
-// adjacent groups (unsigned, < 32) against the matching 64 input levels (signed, |q| <= 127). Lane j of the V16 that
-// dot4() returns is the exact integer sum of four products, always the same four whatever the backend:
+// Two groups of 32 inputs at a time with 8-bit inputs (grouped_linear.cpp's multiply_q8, for the 8- and 6-bit layers;
+// the 4- and 5-bit ones take the quad layout below): 64 weight levels of two adjacent groups against the matching 64
+// input levels (signed, |q| <= 127). Lane j of the V16 that dot4_signed() or dot4_six() returns is the exact integer
+// sum of four products, always the same four whatever the backend:
 //   lanes 0-3   group 2p, inputs 0-15 (four each)    lanes 4-7   group 2p + 1, inputs 0-15
 //   lanes 8-11  group 2p, inputs 16-31               lanes 12-15 group 2p + 1, inputs 16-31
 // which is the byte order a 4-bit pair's 32 packed bytes give (low nibbles: inputs 0-15 of each group, high nibbles:
@@ -379,16 +380,11 @@ struct L64 {
 };
 // The 32 bytes in both halves from one load, the high half shifted down four bits, then both masked: three
 // instructions where unpacking each half and joining them took five.
-inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
+// (Here only pair_levels6 takes a pair's nibbles: the 4- and 5-bit layers read quads, quad_levels.)
+inline L64 pair_levels(const uint8_t* bytes) {
   const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-  __m512i levels = _mm512_and_si512(
-      _mm512_srlv_epi16(raw, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)), _mm512_set1_epi8(0x0F));
-  if (fifth != nullptr) {  // bit i of a group's word adds 16 to its level i: low nibbles' bits 0-15, high's 16-31
-    const uint64_t low = (fifth[0] & 0xFFFFu) | (uint64_t(fifth[1] & 0xFFFFu) << 16);
-    const uint64_t high = (fifth[0] >> 16) | (uint64_t(fifth[1] >> 16) << 16);
-    levels = _mm512_mask_add_epi8(levels, low | (high << 32), levels, _mm512_set1_epi8(16));
-  }
-  return {levels};
+  return {_mm512_and_si512(_mm512_srlv_epi16(raw, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)),
+                           _mm512_set1_epi8(0x0F))};
 }
 inline L64 load_q64(const int8_t* q) { return {_mm512_loadu_si512(q)}; }
 // acc + the sums of four adjacent unsigned-by-signed byte products, per 32-bit lane (no pair of products here can
@@ -400,7 +396,6 @@ inline __m512i dot4_add(__m512i acc, __m512i u, __m512i s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 }
 #endif
-inline V16 dot4(L64 w, L64 q) { return {_mm512_cvtepi32_ps(dot4_add(_mm512_setzero_si512(), w.v, q.v))}; }
 struct I16 {
   __m512i v;  // sixteen int32
 };
@@ -472,7 +467,7 @@ inline L64 pair_int8(const int8_t* w) {
 // The nibbles as pair_levels takes them; the plane in every 128-bit lane, rotated so that lane t's two bits (2t,
 // 2t + 1) sit at bits 4-5, taken in by one ternary op.
 inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
-  const __m512i low = pair_levels(bytes, nullptr).v;
+  const __m512i low = pair_levels(bytes).v;
   const __m512i top = _mm512_rolv_epi64(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane))),
                                         _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62));
   return {_mm512_ternarylogic_epi64(low, top, _mm512_set1_epi8(0x30), 0xF8)};  // low | (top & 0x30)
@@ -530,8 +525,6 @@ inline L64 load_q64(const int8_t* q) {
 inline __m256i dot4_add8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-inline __m256 dot4_8(__m256i w, __m256i q) { return _mm256_cvtepi32_ps(dot4_add8(_mm256_setzero_si256(), w, q)); }
-inline V16 dot4(L64 w, L64 q) { return {dot4_8(w.lo, q.lo), dot4_8(w.hi, q.hi)}; }
 struct Lanes {
   __m256i low, high;  // the permutation giving lanes 0-7 and 8-15, from the block's low half or its high one
   bool from_high;
