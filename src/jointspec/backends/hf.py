@@ -29,6 +29,13 @@ from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities
 PREFILL_CHUNK = 1024
 
 
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[rows, keys] bool: which keys a sliding-window layer's rows may see, by position: the last ``window``
+    positions up to the row's own, as transformers' sliding masks give a chain (``kv > q - window``). By position
+    rather than cache slot, so a tree node sees what it will see once its path is kept and decoded token by token."""
+    return key_positions[None, :] > query_positions[:, None] - window
+
+
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
     n = len(parents)
@@ -261,13 +268,23 @@ class CausalLM:
                 visible[:, attend_to] = True
             visible[:, start:] = (torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if chain
                                   else tree_ancestor_mask(parents).to(self.device))
-            # Additive float mask: the eager and sdpa attention paths both accept it as given.
-            mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            mask = self._additive_mask(visible)
+            window = self.cache.sliding_window
+            if window is not None:  # a 4-D mask is taken as given: the sliding layers' window must be in it
+                key_positions = torch.cat([torch.arange(start, device=self.device), positions])
+                sliding = self._additive_mask(visible & sliding_window_mask(positions, key_positions, window))
+                mask = sliding if all(getattr(layer, "is_sliding", False) for layer in self.cache.layers) else {
+                    "full_attention": mask, "sliding_attention": sliding}
         keep = n if num_logits is None else num_logits
         layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
                         | ({-1} if output_hidden else set()))
         return LeanCall(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers), argmax_only)
+
+    def _additive_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """[rows, keys] bool -> the additive float mask [1, 1, rows, keys] that eager and sdpa attention take as
+        given."""
+        mask = torch.zeros(1, 1, *visible.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
 
     def _finish(self, call: LeanCall, output_hidden: bool, logits: torch.Tensor,
                 states: dict[int, torch.Tensor]) -> ForwardOutput:

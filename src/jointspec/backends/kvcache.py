@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY = 256
 
@@ -164,13 +164,38 @@ class BufferedLayer(DynamicLayer):
         self._set_length(len(positions))
 
 
+class BufferedSlidingLayer(BufferedLayer):
+    """A sliding-window layer kept whole: every entry stays, as in a full-attention layer, and the attention mask
+    applies the window. transformers' masks do that for a layer that says it slides (``is_sliding``) and reports its
+    whole length (``get_mask_sizes``, as :class:`BufferedLayer` does); tree masks made by the adapter apply it
+    themselves (:func:`jointspec.backends.hf.sliding_window_mask`).
+
+    transformers' own ``DynamicSlidingWindowLayer`` keeps only the last ``sliding_window - 1`` entries, so once a
+    sequence passes the window its cache can no longer be cropped back, and a speculative loop crops after every
+    verification (Gemma-3, whose layers mostly slide, failed there after 512 tokens). Keeping every entry costs the
+    memory of a full-attention layer, as llama.cpp's default full-size cache for such models does."""
+
+    is_sliding = True
+
+    def __init__(self, dtype: torch.dtype | None, sliding_window: int) -> None:
+        super().__init__(dtype)
+        self.sliding_window = sliding_window
+
+
 class BufferedCache(DynamicCache):
-    """``DynamicCache`` whose full-attention layers are :class:`BufferedLayer` (sliding-window layers unchanged),
-    storing their entries in ``dtype`` (None: as they come)."""
+    """``DynamicCache`` whose layers are :class:`BufferedLayer` (full attention) and :class:`BufferedSlidingLayer`
+    (sliding windows), storing their entries in ``dtype`` (None: as they come)."""
 
     def __init__(self, config, dtype: torch.dtype | None = None) -> None:
         super().__init__(config=config)
-        self.layers = [BufferedLayer(dtype) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.layers = [BufferedLayer(dtype) if type(layer) is DynamicLayer
+                       else BufferedSlidingLayer(dtype, layer.sliding_window)
+                       if type(layer) is DynamicSlidingWindowLayer else layer for layer in self.layers]
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the layers that slide (None: none does)."""
+        return next((layer.sliding_window for layer in self.layers if isinstance(layer, BufferedSlidingLayer)), None)
 
     @torch.inference_mode()  # the buffers are inference tensors (the adapter's forward makes them)
     def keep(self, positions: torch.Tensor) -> None:
