@@ -150,6 +150,22 @@ def tiny_qwen2(seed: int, hidden: int = 64, intermediate: int = 128, **config):
     return model
 
 
+def tiny_gemma3(seed: int, window: int = 4):
+    """A Gemma-3 model with every linear's width a multiple of 64, in Gemma-3's layout: sliding-window layers
+    (``window``), then a full-attention one (its own rotary base), q/k norms, four norms a layer, tied embeddings
+    scaled by sqrt(hidden)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              sliding_window=window, attn_implementation="sdpa",
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    model = Gemma3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 # -- prompts and references -------------------------------------------------------------------------------------------
 
 def random_prompt(seed: int, length: int = 12) -> list[int]:

@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.kvcache import BufferedCache, BufferedSlidingLayer
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import VOCAB, assert_greedy_equivalent, greedy_by_methods, hf_greedy, random_prompt, tiny_qwen2
+from helpers import assert_greedy_equivalent, greedy_by_methods, hf_greedy, random_prompt, tiny_gemma3, tiny_qwen2
 
-WINDOW = 4
-
-
-def tiny_gemma3(seed: int, window: int = WINDOW) -> Gemma3ForCausalLM:
-    """Gemma-3's layout: sliding layers, then a full-attention one (its own rotary base), q/k norms, four norms a
-    layer, tied embeddings scaled by sqrt(hidden)."""
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                              sliding_window=window, attn_implementation="sdpa",
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-    model = Gemma3ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    return model
+WINDOW = 4  # tiny_gemma3's
 
 
 # (name, the model, the same weights without a window, prompt seed): seeds where the window changes the output.
