@@ -309,6 +309,10 @@ inline void dot_direct(const float* x, const Rows& weights, int64_t first, int64
   for (int b = 0; b < W; ++b) acc[b][0] = acc[b][1] = simd::zero();
   for (int64_t c = 0; c < k / 32; ++c) {
     const V16 xa = simd::load(x + 32 * c), xb = simd::load(x + 32 * c + 16);
+    // The next tile's levels, to L2, a pair of groups at a time: as in dot_q8, a weight row is too short a stream
+    // for the hardware prefetcher to get ahead of alone (an exact head on float inputs waited on its loads).
+    if (c % 2 == 0)
+      for (int b = 0; b < W; ++b) __builtin_prefetch(weights.q8_address(first + W + b, c / 2), 0, 1);
     for (int b = 0; b < W; ++b) {
       V16 wa, wb;
       weights.chunk(first + b, c, wa, wb);
@@ -334,6 +338,8 @@ inline void dot_direct_rows(const float* x, const Rows& weights, int64_t first, 
       xa[r] = simd::load(x + r * k + 32 * c);
       xb[r] = simd::load(x + r * k + 32 * c + 16);
     }
+    if (c % 2 == 0)  // the next tile's levels, as in dot_direct
+      for (int b = 0; b < W; ++b) __builtin_prefetch(weights.q8_address(first + W + b, c / 2), 0, 1);
     for (int b = 0; b < W; ++b) {
       V16 wa, wb;
       weights.chunk(first + b, c, wa, wb);
