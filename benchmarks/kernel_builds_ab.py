@@ -4,9 +4,9 @@ For a change to the C++ kernels (``src/jointspec/kernels/csrc``): build the old 
 into another, then compare them here. Both builds are loaded side by side (their module names carry the sources'
 hash, so they do not collide) and their calls alternate, so a machine whose speed drifts between processes (the VMs
 this project measures on drift by 10-30 %) slows both alike. Random 4-bit layers of ``--shape`` OUTxIN in three scale
-forms (the K-quant form, Q4_0's half scales with the -8 offset, Q4_1's halves), 1, 2, 4 and 8 input rows; a layer
-that fits in cache measures the kernel's compute, one of a few tens of MB its streaming. Prints medians and the
-ratio new / old per case, then one JSON line::
+forms (the K-quant form, Q4_0's half scales with the -8 offset, Q4_1's halves), 1, 2, 4 and 8 input rows (or
+``--rows``); a layer that fits in cache measures the kernel's compute, one of a few tens of MB its streaming. Prints
+medians and the ratio new / old per case, then one JSON line::
 
     git worktree add /tmp/old HEAD          # the sources before the change
     PYTHONPATH=/tmp/old/src XDG_CACHE_HOME=/tmp/oldcache JOINTSPEC_KERNEL_ISA=avx2 \\
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--shape", default="2048x2048", help="OUTxIN of the random layers (IN a multiple of 64)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=60, help="timed calls of each build per case (10 more warm up)")
+    parser.add_argument("--rows", default="1,2,4,8", help="input rows a call, comma-separated (default 1,2,4,8)")
     args = parser.parse_args()
 
     import torch
@@ -81,7 +82,7 @@ def main() -> None:
     results = {}
     for form, layer in layers(out_features, in_features, generator).items():
         tensors = kernel_arguments(layer)
-        for rows in (1, 2, 4, 8):
+        for rows in (int(value) for value in args.rows.split(",")):
             x = torch.randn(rows, in_features, generator=generator)
             if not torch.equal(*(build.linear(x, tensors, False, True) for build in builds.values())):
                 print(f"note: {form}, {rows} rows: the two builds' outputs differ (a change of arithmetic)")
