@@ -268,13 +268,14 @@ class CausalLM:
                 visible[:, attend_to] = True
             visible[:, start:] = (torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if chain
                                   else tree_ancestor_mask(parents).to(self.device))
-            mask = self._additive_mask(visible)
             window = self.cache.sliding_window
-            if window is not None:  # a 4-D mask is taken as given: the sliding layers' window must be in it
+            if window is None:
+                mask = self._additive_mask(visible)
+            else:  # a 4-D mask is taken as given: the sliding layers' window must be in it
                 key_positions = torch.cat([torch.arange(start, device=self.device), positions])
                 sliding = self._additive_mask(visible & sliding_window_mask(positions, key_positions, window))
-                mask = sliding if all(getattr(layer, "is_sliding", False) for layer in self.cache.layers) else {
-                    "full_attention": mask, "sliding_attention": sliding}
+                mask = sliding if all(self.cache.is_sliding) else {
+                    "full_attention": self._additive_mask(visible), "sliding_attention": sliding}
         keep = n if num_logits is None else num_logits
         layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
                         | ({-1} if output_hidden else set()))
