@@ -50,7 +50,7 @@ def layers(out_features: int, in_features: int, generator):
             "Q4_1": GroupedInt4Linear.from_levels(packed, half, (torch.rand(out_features, groups, generator=generator)
                                                                  * -0.1).half())}
     if in_features % 256 == 0:
-        super_scales = torch.rand(out_features, 2, in_features // 256, generator=generator) * 0.01
+        super_scales = (torch.rand(out_features, 2, in_features // 256, generator=generator) * 0.01).half().float()
         sub = torch.randint(0, 64, (out_features, 2, groups), generator=generator, dtype=torch.uint8)
         made["K"] = GroupedInt4Linear.from_levels(packed, super_scales, sub)
     return made

@@ -101,11 +101,12 @@ def test_the_kernels_multiply_by_the_files_weights(type_name):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_name):
-    """A layer keeps the scales as the file stores them, halves (Q4_0, Q4_1, Q5_0) or K-quant sub-scales with a float
-    per 256 inputs (Q4_K, Q5_K, Q6_K): fewer bytes a step reads. The symmetric Q4_0 and Q5_0 keep no minima, only
-    their offset (-8 and -16 scales). Every build and path gives the bits of the same layer with each group's float32
-    scale and minimum (the float a K-quant's dequantisation rounds, d * sc, formed the same way), and wrongly shaped
-    K scales or another offset are refused by what they should be."""
+    """A layer keeps the scales as the file stores them, halves (Q4_0, Q4_1, Q5_0) or K-quant sub-scales with a half
+    (Q4_K, Q5_K: all in one stream a row) or a float (Q6_K) per 256 inputs: fewer bytes a step reads. The symmetric
+    Q4_0 and Q5_0 keep no minima, only their offset (-8 and -16 scales). Every build and path gives the bits of the
+    same layer with each group's float32 scale and minimum (the float a K-quant's dequantisation rounds, d * sc,
+    formed the same way), and wrongly shaped K scales, K super-block scales that are not halves, or another offset
+    are refused by what they should be."""
     from jointspec.kernels.grouped import kernels, runnable_isas
 
     raw = random_blocks(type_name, rows=40, columns=512, seed=4)
@@ -136,10 +137,18 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
                 for q8 in (True, False):
                     assert torch.equal(module.linear(x, stored, gemm, q8), module.linear(x, floats, gemm, q8)), (
                         isa, rows, gemm, q8)
-    if k_type:
+    if levels.bits == 6:
         wrong = [*stored[:-2], stored[-2][..., :1].contiguous(), stored[-1]]  # one super-block's scales a row
         with pytest.raises(RuntimeError, match="K-quant"):
             kernels().linear(torch.randn(1, 512), wrong, False, True)
+    elif k_type:  # one stream a row, 40 bytes a block of 512 inputs: d and dmin as the file's halves
+        assert layer.scale.dtype == torch.uint8 and layer.scale.shape == (40, 1, 40) and layer.minimum is None
+        wrong = [*stored[:-1], stored[-1][..., :32].contiguous()]  # a block without its halves
+        with pytest.raises(RuntimeError, match="K-quant"):
+            kernels().linear(torch.randn(1, 512), wrong, False, True)
+        d_dmin, sub = levels.k_scales
+        with pytest.raises(ValueError, match="must be float16 values"):
+            type(layer).from_levels(*stored[:-1], d_dmin * (1 + 2 ** -20), sub)
     if offset is not None:
         wrong = [*stored[:-1], torch.full_like(stored[-1], -7.0)]
         with pytest.raises(RuntimeError, match="must be -8 or -16"):

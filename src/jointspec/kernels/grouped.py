@@ -303,9 +303,51 @@ def _check_scales(out_features: int, in_features: int, scale: torch.Tensor, mini
                          f"{tuple(minimum.shape)}")
 
 
-def _group_scales(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 [out, groups] scales and minima from any of their forms (:func:`_check_scales`, and the offset form
-    of :func:`_scales_as_stored`)."""
+# A K-quant layer's scales as the kernels read them: one stream a row, a block of 40 bytes per sixteen groups (two
+# super-blocks of 256 inputs): each group's sc (16 bytes), each group's m (16), the two super-blocks' d as halves (4),
+# their dmin as halves (4); zero past the row. Read as four streams a row (sc, m, d and dmin apart), the scales made a
+# layer read from memory a fifth to a quarter slower (docs/kernels.md, "K-quant scales as one stream").
+K_BLOCK_GROUPS, K_BLOCK_BYTES = 16, 40
+
+
+def _k_stream(super_scales: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """K-quant scales in their :func:`_check_scales` form (d and dmin float32 [out, 2, in / 256], sc and m uint8
+    [out, 2, in / 32]) -> the stream the kernels read, uint8 [out, blocks, 40]. d and dmin must be halves, as GGUF
+    stores them (the stream keeps them so)."""
+    halves = super_scales.half()
+    off_grid = halves.float() != super_scales
+    if off_grid.any():
+        raise ValueError(f"K-quant super-block scales (d, dmin) must be float16 values, as GGUF's Q4_K and Q5_K store "
+                         f"them; {int(off_grid.sum())} are not (e.g. {super_scales[off_grid][0].item()!r})")
+    out_features, _, groups = sub.shape
+    blocks = -(-groups // K_BLOCK_GROUPS)
+    padded_sub = torch.zeros(out_features, 2, blocks * K_BLOCK_GROUPS, dtype=torch.uint8)
+    padded_sub[..., :groups] = sub
+    padded_halves = torch.zeros(out_features, 2, blocks * 2, dtype=torch.float16)
+    padded_halves[..., :groups // 8] = halves
+    stream = torch.empty(out_features, blocks, K_BLOCK_BYTES, dtype=torch.uint8)
+    for plane in (0, 1):  # sc and d, then m and dmin
+        stream[..., 16 * plane:16 * plane + 16] = padded_sub[:, plane].reshape(out_features, blocks, 16)
+        stream[..., 32 + 4 * plane:36 + 4 * plane] = (
+            padded_halves[:, plane].reshape(out_features, blocks, 2).contiguous().view(torch.uint8))
+    return stream
+
+
+def _k_unstream(stream: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_k_stream`'s inverse: (d and dmin float32 [out, 2, groups / 8], sc and m uint8 [out, 2, groups])."""
+    out_features = stream.shape[0]
+    sub = torch.stack([stream[..., 16 * plane:16 * plane + 16].reshape(out_features, -1)[:, :groups]
+                       for plane in (0, 1)], dim=1)
+    halves = torch.stack([stream[..., 32 + 4 * plane:36 + 4 * plane].contiguous().view(torch.float16)
+                          .reshape(out_features, -1)[:, :groups // 8] for plane in (0, 1)], dim=1)
+    return halves.float(), sub
+
+
+def _group_scales(scale: torch.Tensor, minimum: torch.Tensor | None, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 [out, groups] scales and minima from any of their forms (:func:`_check_scales`, the offset form of
+    :func:`_scales_as_stored`, and the K-quant stream, ``minimum`` None)."""
+    if minimum is None:
+        scale, minimum = _k_unstream(scale, groups)
     if minimum.dtype != torch.uint8:
         if minimum.shape[-1] == 1 and scale.shape[-1] > 1:  # the offset form: every minimum offset * scale
             return scale.float(), scale.float() * minimum.float()
@@ -363,9 +405,13 @@ class _GroupedNibbles(_GroupedLinear):
     SYMMETRIC_OFFSET: float  # the minimum of a symmetric group, in scales: -8 at 4 bits (Q4_0), -16 at 5 (Q5_0)
 
     def _register_scales(self, scale: torch.Tensor, minimum: torch.Tensor) -> None:
-        if minimum.dtype != torch.uint8:  # the K form stays as given
-            scale, minimum = _scales_as_stored(scale.reshape(self.out_features, -1),
-                                               minimum.reshape(self.out_features, -1), self.SYMMETRIC_OFFSET)
+        if minimum.dtype == torch.uint8:  # the K form: one stream (K_BLOCK_BYTES), no minima apart
+            self.register_buffer("scale", _k_stream(scale, minimum))
+            self.register_buffer("minimum", None)
+            self.BUFFERS = tuple(name for name in type(self).BUFFERS if name != "minimum")
+            return
+        scale, minimum = _scales_as_stored(scale.reshape(self.out_features, -1),
+                                           minimum.reshape(self.out_features, -1), self.SYMMETRIC_OFFSET)
         self.register_buffer("scale", scale.contiguous())
         self.register_buffer("minimum", minimum.contiguous())
 
@@ -377,11 +423,11 @@ class _GroupedNibbles(_GroupedLinear):
 
     @property
     def k_form(self) -> bool:
-        return self.minimum.dtype == torch.uint8
+        return self.minimum is None
 
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's scale and minimum, float32 [out, in / 32], whatever form they are kept in."""
-        return _group_scales(self.scale, self.minimum)
+        return _group_scales(self.scale, self.minimum, self.in_features // GROUP_SIZE)
 
     def _weight_of(self, levels: torch.Tensor) -> torch.Tensor:
         """[out, groups, 32] float levels -> the weight the kernel multiplies by, [out, in] float32."""
@@ -798,8 +844,8 @@ def _stackable(layers: list[nn.Module]) -> bool:
 
 
 def kernel_arguments(layer: nn.Module) -> list[torch.Tensor]:
-    """A grouped layer's buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum; 8 bits:
-    levels, scale; then its bias, if it has one)."""
+    """A grouped layer's buffers in the order the compiled kernels take them (4 bits: packed, scale, minimum, or
+    packed and the K-quant scale stream; 8 bits: levels, scale; then its bias, if it has one)."""
     return [getattr(layer, name) for name in layer.BUFFERS] + ([] if layer.bias is None else [layer.bias])
 
 

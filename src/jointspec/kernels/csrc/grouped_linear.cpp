@@ -112,7 +112,7 @@ inline void row_by_chunks(const Rows& rows, int64_t n, int64_t chunks, float* w)
 // or Q6_K's signed 8 per 16 inputs) times a float32 per super-block of 256 inputs. Each form gives the same float
 // per group as the float32 form of the same weights (a half widens exactly; a K-quant's float is the one product
 // d * sc its dequantisation rounds once), so the same bits, from fewer bytes: 0.75 bytes a 4-bit weight as float32,
-// 0.625 as halves, 0.59 as K-quant sub-scales. kHalfOffset: halves, and every group's minimum the same multiple
+// 0.625 as halves, 0.578 as K-quant sub-scales. kHalfOffset: halves, and every group's minimum the same multiple
 // (`offset`: -8 or -16, so the product is exact) of its scale, as GGUF's symmetric Q4_0 (-8 d) and Q5_0 (-16 d)
 // dequantise: no minima stored, 0.5625 bytes a 4-bit weight, as in the file.
 enum class ScaleForm { kFloat, kHalf, kSuper, kHalfOffset };
@@ -120,9 +120,13 @@ enum class ScaleForm { kFloat, kHalf, kSuper, kHalfOffset };
 // One output row's weights, dequantised into a float32 buffer (what multiply() takes).
 //   kFloat / kHalf: scale and minimum [out, groups] float32 / uint16_t halves;
 //   kHalfOffset:    scale [out, groups] uint16_t halves, the minimum offset * scale (minimum unused);
-//   kSuper:         scale [out, 2, groups / 8] float32 (each super-block's d, then its dmin), minimum [out, 2,
-//                   groups] uint8 (each group's sc, then its m): the group's scale is d * sc, its minimum
-//                   -(dmin * m).
+//   kSuper:         scale [out, blocks, 40] uint8, minimum unused: a row's K-quant scales as one stream, a block
+//                   per sixteen groups (two super-blocks): each group's sc (16 bytes), each group's m (16 bytes),
+//                   the two super-blocks' d (halves, 4 bytes), then their dmin (4 bytes), zero past the row. The
+//                   group's scale is d * sc, its minimum -(dmin * m). As four streams a row (sc, m, d, dmin
+//                   apart), the scales made a layer read from memory a fifth to a quarter slower (docs/kernels.md).
+constexpr int64_t kSuperBlockBytes = 40;
+
 struct Int4Rows {
   const uint8_t* packed;
   const void* scale;
@@ -131,13 +135,23 @@ struct Int4Rows {
   const uint32_t* fifth = nullptr;  // 5 bits: [out, groups] words of fifth bits
   ScaleForm form = ScaleForm::kFloat;
   float offset = 0.0f;  // kHalfOffset
-  const float* super_row(int64_t n) const { return static_cast<const float*>(scale) + n * 2 * (groups / 8); }
-  const uint8_t* sub_row(int64_t n) const { return static_cast<const uint8_t*>(minimum) + n * 2 * groups; }
+  // kSuper: the block holding group c of row n, and a half in it.
+  const uint8_t* super_block(int64_t n, int64_t c) const {
+    return static_cast<const uint8_t*>(scale) + (n * ((groups + 15) / 16) + c / 16) * kSuperBlockBytes;
+  }
+  static float half_at(const uint8_t* block, int64_t at) {
+    uint16_t half;
+    std::memcpy(&half, block + at, sizeof half);
+    return simd::half_to_float(half);
+  }
   float scale_at(int64_t n, int64_t c) const {
     switch (form) {
       case ScaleForm::kHalf:
       case ScaleForm::kHalfOffset: return simd::half_to_float(static_cast<const uint16_t*>(scale)[n * groups + c]);
-      case ScaleForm::kSuper: return super_row(n)[c / 8] * static_cast<float>(sub_row(n)[c]);
+      case ScaleForm::kSuper: {
+        const uint8_t* block = super_block(n, c);
+        return half_at(block, 32 + 2 * (c % 16 / 8)) * static_cast<float>(block[c % 16]);
+      }
       default: return static_cast<const float*>(scale)[n * groups + c];
     }
   }
@@ -145,7 +159,10 @@ struct Int4Rows {
     switch (form) {
       case ScaleForm::kHalf: return simd::half_to_float(static_cast<const uint16_t*>(minimum)[n * groups + c]);
       case ScaleForm::kHalfOffset: return offset * scale_at(n, c);
-      case ScaleForm::kSuper: return -(super_row(n)[groups / 8 + c / 8] * static_cast<float>(sub_row(n)[groups + c]));
+      case ScaleForm::kSuper: {
+        const uint8_t* block = super_block(n, c);
+        return -(half_at(block, 36 + 2 * (c % 16 / 8)) * static_cast<float>(block[16 + c % 16]));
+      }
       default: return static_cast<const float*>(minimum)[n * groups + c];
     }
   }
@@ -190,20 +207,21 @@ struct Int4Q8 : Int4Rows {
   }
   V16 sixteen(int64_t n, int64_t g, const void* from, int plane) const {
     const int64_t count = groups - g;
-    if constexpr (F == ScaleForm::kSuper)  // plane 0: d * sc, plane 1: dmin * m
-      return simd::mul(simd::from_u8_first(sub_row(n) + plane * groups + g, count),
-                       simd::eights(super_row(n) + plane * (groups / 8) + g / 8, count > 8));
-    else if constexpr (F == ScaleForm::kHalf || F == ScaleForm::kHalfOffset)
+    if constexpr (F == ScaleForm::kSuper) {  // plane 0: d * sc, plane 1: dmin * m (zero past the row, as stored)
+      const uint8_t* block = super_block(n, g);
+      return simd::mul(simd::from_u8_first(block + 16 * plane, 16),
+                       simd::eights_half(reinterpret_cast<const uint16_t*>(block + 32 + 4 * plane)));
+    } else if constexpr (F == ScaleForm::kHalf || F == ScaleForm::kHalfOffset)
       return simd::load_first_half(static_cast<const uint16_t*>(from) + n * groups + g, count);
     else
       return simd::load_first(static_cast<const float*>(from) + n * groups + g, count);
   }
   void q8_prefetch_scales(int64_t n, int64_t p0) const {  // a block's scales and minima, to L2
     const int64_t g = 2 * p0;
-    if constexpr (F == ScaleForm::kSuper) {
-      __builtin_prefetch(sub_row(n) + g, 0, 1);
-      __builtin_prefetch(sub_row(n) + groups + g, 0, 1);
-      __builtin_prefetch(super_row(n) + g / 8, 0, 1);
+    if constexpr (F == ScaleForm::kSuper) {  // a block may straddle two cache lines
+      const uint8_t* block = super_block(n, g);
+      __builtin_prefetch(block, 0, 1);
+      __builtin_prefetch(block + kSuperBlockBytes - 1, 0, 1);
     } else {
       const int64_t at = (n * groups + g) * (F == ScaleForm::kFloat ? 4 : 2);
       __builtin_prefetch(static_cast<const char*>(scale) + at, 0, 1);
@@ -1129,6 +1147,21 @@ bool has_shape(const torch::Tensor& t, std::initializer_list<int64_t> shape) {
 Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 
+// (packed, scale stream): a 4-bit projection with K-quant scales (Int4Rows's kSuper; 5 bits: the fifth words are
+// taken out before).
+Weights k_weights(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
+  const torch::Tensor &packed = tensors[0], &scale = tensors[1];
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == in_features / 2, name,
+              ": packed levels must be a contiguous uint8 [out, ", in_features / 2, "] matrix");
+  const int64_t out = packed.size(0), blocks = (in_features / kGroup + 15) / 16;
+  TORCH_CHECK(in_features % 256 == 0 && has_shape(scale, {out, blocks, kSuperBlockBytes}), name,
+              ": K-quant scales come as one uint8 [out, ceil(in / 512), ", kSuperBlockBytes, "] stream in a multiple "
+              "of 256 inputs; got ", scale.sizes(), " for ", in_features, " inputs");
+  Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), nullptr, in_features, out, kGroup};
+  weights.form = ScaleForm::kSuper;
+  return weights;
+}
+
 Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_features, const char* name) {
   TORCH_CHECK(!parts.empty(), name, ": no projection given");
   Parts out;
@@ -1139,10 +1172,11 @@ Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_
   return out;
 }
 
-// A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels); as (packed, fifth, scale, minimum[,
-// bias]): 5 bits (int32 fifth-bit words); as (packed, plane, scale, sub[, bias]): 6 bits (uint8 top bits: Q6_K as
-// stored); as (levels, scale[, sub][, bias]): 8 bits (int8 sub-scales: Q6_K's form). The scales' types say their
-// form (Int4Rows, Int6Rows, Int8Rows).
+// A projection given as (packed, scale, minimum[, bias]): 4 bits (uint8 levels), or (packed, scale[, bias]) with the
+// K-quant scales' stream (uint8 [out, blocks, 40]: Int4Rows's kSuper); as (packed, fifth, scale, minimum[, bias]) or
+// (packed, fifth, scale[, bias]): 5 bits (int32 fifth-bit words); as (packed, plane, scale, sub[, bias]): 6 bits
+// (uint8 top bits: Q6_K as stored); as (levels, scale[, sub][, bias]): 8 bits (int8 sub-scales: Q6_K's form). The
+// scales' types say their form (Int4Rows, Int6Rows, Int8Rows).
 Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
   TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
   TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits, "
@@ -1150,9 +1184,12 @@ Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features,
               "scale[, sub][, bias]) for 8, got ", given.size(), " tensors");
   const bool nibbles = given[0].scalar_type() == torch::kUInt8;
   const bool five = nibbles && given[1].scalar_type() == torch::kInt;
-  const bool six = nibbles && given[1].scalar_type() == torch::kUInt8;
+  const size_t scale_at = five ? 2 : 1;  // a K-quant scale stream: uint8, three dimensions
+  const bool k_stream = nibbles && given.size() > scale_at && given[scale_at].scalar_type() == torch::kUInt8 &&
+                        given[scale_at].dim() == 3;
+  const bool six = nibbles && !k_stream && given[1].scalar_type() == torch::kUInt8;
   const bool sub = !nibbles && given.size() >= 3 && given[2].scalar_type() == torch::kChar;
-  const size_t count = five || six ? 4 : nibbles ? 3 : sub ? 3 : 2;
+  const size_t count = k_stream ? scale_at + 1 : five || six ? 4 : nibbles ? 3 : sub ? 3 : 2;
   TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
               five ? 5 : six ? 6 : nibbles ? 4 : 8, " bits, got ", given.size());
   std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
@@ -1161,7 +1198,7 @@ Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features,
     fifth = tensors[1];
     tensors.erase(tensors.begin() + 1);
   }
-  Weights weights = weights_without_bias(tensors, in_features, name);
+  Weights weights = k_stream ? k_weights(tensors, in_features, name) : weights_without_bias(tensors, in_features, name);
   if (five) {
     TORCH_CHECK(fifth.dim() == 2 && fifth.is_contiguous() && fifth.size(0) == weights.out_features &&
                 fifth.size(1) == in_features / kGroup, name, ": fifth bits must be contiguous int32 [out, in / 32]");
@@ -1200,13 +1237,6 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
     const int64_t out = packed.size(0);
     Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), minimum.data_ptr(), in_features, out,
                     kGroup};
-    if (minimum.scalar_type() == torch::kUInt8) {  // K-quant sub-scales
-      TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == torch::kFloat &&
-                  has_shape(scale, {out, 2, groups / 8}) && has_shape(minimum, {out, 2, groups}), name,
-                  ": K-quant scales come as float32 [out, 2, in / 256] (d, dmin) and uint8 [out, 2, in / 32] (sc, m)");
-      weights.form = ScaleForm::kSuper;
-      return weights;
-    }
     const bool half = scale.scalar_type() == torch::kHalf;
     // The offset form: minimum [out, 1] halves, every one the offset (the layers write it so; row 0 is read).
     if (half && minimum.scalar_type() == torch::kHalf && has_shape(minimum, {out, 1})) {

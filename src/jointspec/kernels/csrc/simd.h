@@ -342,6 +342,23 @@ inline float half_to_float(uint16_t h) {
 #if defined(JOINTSPEC_ISA_PORTABLE)
 inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
 #endif
+// Two halves, p[0] in lanes 0-7 and p[1] in lanes 8-15, widened exactly: a pair of K-quant super-blocks' floats for
+// each of their eight groups (eights() for floats stored as the file stores them).
+inline V16 eights_half(const uint16_t* p) {
+#if defined(JOINTSPEC_ISA_PORTABLE)
+  const float two[2] = {half_to_float(p[0]), half_to_float(p[1])};
+  return eights(two, true);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+#if defined(JOINTSPEC_ISA_AVX512)
+  return {_mm512_insertf32x8(_mm512_broadcastss_ps(two), _mm256_broadcastss_ps(_mm_movehdup_ps(two)), 1)};
+#else
+  return {_mm256_broadcastss_ps(two), _mm256_broadcastss_ps(_mm_movehdup_ps(two))};
+#endif
+#endif
+}
 
 // Two groups of 32 inputs at a time with 8-bit inputs (grouped_linear.cpp's multiply_q8, for the 8- and 6-bit layers;
 // the 4- and 5-bit ones take the quad layout below): 64 weight levels of two adjacent groups against the matching 64
