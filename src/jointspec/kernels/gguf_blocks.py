@@ -91,6 +91,10 @@ class Levels:
 
     def weight(self) -> torch.Tensor:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
+        if self.bits == 6:  # without building a layer: an embedding looks up a few rows of Q6_K every step
+            from jointspec.kernels.grouped import six_weight
+
+            return six_weight(self.levels, self.plane, *self.k_scales)
         return self.layer().dequantized()
 
     def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:

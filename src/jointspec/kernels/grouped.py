@@ -638,6 +638,16 @@ def unpack_six(packed: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
     return (stored.to(torch.int16) - 32).to(torch.int8)
 
 
+def six_weight(packed: torch.Tensor, plane: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [out, in] of 6-bit levels (:func:`pack_six`) with Q6_K's scales (``scale`` float32 [out,
+    in / 256], ``sub`` int8 [out, in / 16]): what :class:`GroupedInt6Linear` multiplies by, without building one (an
+    embedding looks up a few rows of it every step)."""
+    levels = unpack_six(packed, plane)
+    out_features, in_features = levels.shape
+    unit_scales = scale.repeat_interleave(16, dim=1) * sub.float()  # [out, in / 16]
+    return levels.reshape(out_features, -1, 16).float().mul_(unit_scales[..., None]).reshape(out_features, in_features)
+
+
 class GroupedInt6Linear(_GroupedLinear):
     """``y = x W^T + b``: GGUF's Q6_K at its own size. W = level * scale with signed 6-bit levels and Q6_K's scales
     (:class:`GroupedInt8Linear`'s K form: a signed sub-scale per 16 inputs, a float32 per 256), the levels stored in
@@ -698,8 +708,7 @@ class GroupedInt6Linear(_GroupedLinear):
 
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32 (only ``rows`` of it, if given)."""
-        levels = self.signed_levels(rows).reshape(-1, self.in_features // 16, 16).float()
-        return levels.mul_(self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)
+        return six_weight(self.packed[rows], self.plane[rows], self.scale[rows], self.sub[rows])
 
 
 # The grouped layer classes the kernels take as projections (fused calls, the compiled decoder layer).
