@@ -629,12 +629,12 @@ def pack_six(levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def unpack_six(packed: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
     """:func:`pack_six`'s inverse: the signed levels, int8 [out, in]."""
-    out_features = packed.shape[0]
-    nibbles = packed.reshape(out_features, -1, 2, 16)
-    top = plane.reshape(out_features, -1, 1, 16)
+    out_features, pairs = packed.shape[0], packed.shape[1] // 32  # sizes, not -1: zero rows are a valid lookup
+    nibbles = packed.reshape(out_features, pairs, 2, 16)
+    top = plane.reshape(out_features, pairs, 1, 16)
     low = (nibbles & 15) | (((top >> torch.tensor([[0], [2]], dtype=torch.uint8)) & 3) << 4)   # inputs 0-15
     high = (nibbles >> 4) | (((top >> torch.tensor([[4], [6]], dtype=torch.uint8)) & 3) << 4)  # inputs 16-31
-    stored = torch.cat([low, high], dim=-1).reshape(out_features, -1)
+    stored = torch.cat([low, high], dim=-1).reshape(out_features, 64 * pairs)
     return (stored.to(torch.int16) - 32).to(torch.int8)
 
 
@@ -645,7 +645,8 @@ def six_weight(packed: torch.Tensor, plane: torch.Tensor, scale: torch.Tensor, s
     levels = unpack_six(packed, plane)
     out_features, in_features = levels.shape
     unit_scales = scale.repeat_interleave(16, dim=1) * sub.float()  # [out, in / 16]
-    return levels.reshape(out_features, -1, 16).float().mul_(unit_scales[..., None]).reshape(out_features, in_features)
+    levels = levels.reshape(out_features, in_features // 16, 16).float()  # sizes, not -1, as unpack_six
+    return levels.mul_(unit_scales[..., None]).reshape(out_features, in_features)
 
 
 class GroupedInt6Linear(_GroupedLinear):
