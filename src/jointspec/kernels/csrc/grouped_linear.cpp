@@ -1147,21 +1147,6 @@ bool has_shape(const torch::Tensor& t, std::initializer_list<int64_t> shape) {
 Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
 
-// (packed, scale stream): a 4-bit projection with K-quant scales (Int4Rows's kSuper; 5 bits: the fifth words are
-// taken out before).
-Weights k_weights(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
-  const torch::Tensor &packed = tensors[0], &scale = tensors[1];
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == in_features / 2, name,
-              ": packed levels must be a contiguous uint8 [out, ", in_features / 2, "] matrix");
-  const int64_t out = packed.size(0), blocks = (in_features / kGroup + 15) / 16;
-  TORCH_CHECK(in_features % 256 == 0 && has_shape(scale, {out, blocks, kSuperBlockBytes}), name,
-              ": K-quant scales come as one uint8 [out, ceil(in / 512), ", kSuperBlockBytes, "] stream in a multiple "
-              "of 256 inputs; got ", scale.sizes(), " for ", in_features, " inputs");
-  Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), nullptr, in_features, out, kGroup};
-  weights.form = ScaleForm::kSuper;
-  return weights;
-}
-
 Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_features, const char* name) {
   TORCH_CHECK(!parts.empty(), name, ": no projection given");
   Parts out;
@@ -1198,7 +1183,7 @@ Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features,
     fifth = tensors[1];
     tensors.erase(tensors.begin() + 1);
   }
-  Weights weights = k_stream ? k_weights(tensors, in_features, name) : weights_without_bias(tensors, in_features, name);
+  Weights weights = weights_without_bias(tensors, in_features, name);
   if (five) {
     TORCH_CHECK(fifth.dim() == 2 && fifth.is_contiguous() && fifth.size(0) == weights.out_features &&
                 fifth.size(1) == in_features / kGroup, name, ": fifth bits must be contiguous int32 [out, in / 32]");
@@ -1231,10 +1216,21 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
   }
   const torch::Tensor& scale = tensors[1];
   if (tensors[0].scalar_type() == torch::kUInt8) {
-    const torch::Tensor &packed = tensors[0], &minimum = tensors[2];
+    const torch::Tensor& packed = tensors[0];
     TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == in_features / 2, name,
                 ": packed levels must be a contiguous uint8 [out, ", in_features / 2, "] matrix");
     const int64_t out = packed.size(0);
+    if (tensors.size() == 2) {  // (packed, the K-quant scales' stream): Int4Rows's kSuper
+      const int64_t blocks = (groups + 15) / 16;
+      TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == torch::kUInt8 &&
+                  has_shape(scale, {out, blocks, kSuperBlockBytes}), name,
+                  ": K-quant scales come as one uint8 [out, ceil(in / 512), ", kSuperBlockBytes, "] stream in a "
+                  "multiple of 256 inputs; got ", scale.sizes(), " for ", in_features, " inputs");
+      Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), nullptr, in_features, out, kGroup};
+      weights.form = ScaleForm::kSuper;
+      return weights;
+    }
+    const torch::Tensor& minimum = tensors[2];
     Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), minimum.data_ptr(), in_features, out,
                     kGroup};
     const bool half = scale.scalar_type() == torch::kHalf;
