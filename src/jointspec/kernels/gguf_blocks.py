@@ -370,7 +370,8 @@ def _matching_order(levels: Levels, weight: torch.Tensor, module_name: str, conf
             candidates.append(torch.argsort(_llama_permutation(levels.levels.shape[0], heads)))
     for order in candidates:
         ordered = levels if order is None else levels.rows(order)
-        if ordered.weight().shape == weight.shape and torch.equal(ordered.weight(), weight.float()):
+        dequantized = ordered.weight()
+        if dequantized.shape == weight.shape and torch.equal(dequantized, weight.float()):
             return ordered
     return None
 

@@ -356,6 +356,12 @@ def _group_scales(scale: torch.Tensor, minimum: torch.Tensor | None, groups: int
     return d * minimum[:, 0].float(), -(dmin * minimum[:, 1].float())
 
 
+def _k_unit_scales(scale: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """Q6_K's scale of each group of 16 inputs, float32 [out, in / 16]: each super-block's d (``scale`` [out, in / 256])
+    times the group's signed sub-scale (``sub`` int8 [out, in / 16]), as the kernels form it."""
+    return scale.repeat_interleave(16, dim=1) * sub.float()
+
+
 def _nibble_levels(packed: torch.Tensor) -> torch.Tensor:
     """Packed 4-bit levels [out, in / 2] -> [out, in / 32, 32] (byte i of a group: level i low, level i + 16 high)."""
     groups = packed.reshape(packed.shape[0], -1, GROUP_SIZE // 2)
@@ -592,7 +598,7 @@ class GroupedInt8Linear(_GroupedLinear):
         """The scale of each group of ``group_size`` inputs, float32 [out, in / group_size] (only ``rows``)."""
         if not self.k_form:
             return self.scale[rows]
-        return self.scale[rows].repeat_interleave(16, dim=1) * self.sub[rows].float()
+        return _k_unit_scales(self.scale[rows], self.sub[rows])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -644,7 +650,7 @@ def six_weight(packed: torch.Tensor, plane: torch.Tensor, scale: torch.Tensor, s
     embedding looks up a few rows of it every step)."""
     levels = unpack_six(packed, plane)
     out_features, in_features = levels.shape
-    unit_scales = scale.repeat_interleave(16, dim=1) * sub.float()  # [out, in / 16]
+    unit_scales = _k_unit_scales(scale, sub)  # [out, in / 16]
     levels = levels.reshape(out_features, in_features // 16, 16).float()  # sizes, not -1, as unpack_six
     return levels.mul_(unit_scales[..., None]).reshape(out_features, in_features)
 
@@ -699,7 +705,7 @@ class GroupedInt6Linear(_GroupedLinear):
 
     def unit_scales(self, rows: slice = slice(None)) -> torch.Tensor:
         """The scale of each group of 16 inputs, float32 [out, in / 16] (only ``rows``)."""
-        return self.scale[rows].repeat_interleave(16, dim=1) * self.sub[rows].float()
+        return _k_unit_scales(self.scale[rows], self.sub[rows])
 
     @property
     def weight(self) -> torch.Tensor:
