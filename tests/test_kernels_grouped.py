@@ -41,6 +41,7 @@ from helpers import (
     grouped_llama,
     q8_reference,
     random_prompt,
+    tiny_gemma3,
     tiny_llama,
     tiny_qwen2,
     untrained_head,
@@ -648,15 +649,17 @@ def test_a_qwen2_model_with_qkv_biases_runs_the_compiled_layers_one_row_at_a_tim
     outputs = greedy_by_methods(model, random_prompt(3), 30)
     assert len(outputs[0]) == 30 and outputs[1] == outputs[0] and outputs[2] == outputs[0]
 
+@pytest.mark.parametrize("make", [grouped_llama, tiny_gemma3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param("none", marks=pytest.mark.skip(
     reason="this CPU runs only the portable build"))])
-def test_a_model_decodes_the_same_tokens_with_the_same_logits_on_each_build(isa):
-    """The compiled decoder layers (norms, rotary, attention, the gated MLP's exponentials) and the screened head:
-    the same logits bit for bit on each build, so greedy decoding, plain and speculative, gives the same tokens."""
+def test_a_model_decodes_the_same_tokens_with_the_same_logits_on_each_build(isa, make):
+    """The compiled decoder layers (norms, rotary, attention, the gated MLP's exponentials; Gemma-3's extras) and
+    the screened head: the same logits bit for bit on each build, so greedy decoding, plain and speculative, gives
+    the same tokens."""
     results = {}
     for build in (isa, "portable"):
         with use_isa(build):
-            model = quantize_model(grouped_llama(2), "int4")
+            model = quantize_model(make(2), "int4")
             target = CausalLM(model, name=f"int4 {build}")
             assert target.lean.compiled is not None
             logits = target.forward(random_prompt(1), num_logits=3).logits

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from jointspec.backends.kvcache import BufferedCache
-from jointspec.backends.lean_forward import LeanCall, attention_mass, lean_forward_for
+from jointspec.backends.kvcache import BufferedCache, sliding_window_mask
+from jointspec.backends.lean_forward import LeanCall, LeanLlamaForward, attention_mass, lean_forward_for
+from jointspec.backends.lean_gemma import lean_gemma_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities, TargetLM
@@ -29,11 +30,10 @@ from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities
 PREFILL_CHUNK = 1024
 
 
-def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """[rows, keys] bool: which keys a sliding-window layer's rows may see, by position: the last ``window``
-    positions up to the row's own, as transformers' sliding masks give a chain (``kv > q - window``). By position
-    rather than cache slot, so a tree node sees what it will see once its path is kept and decoded token by token."""
-    return key_positions[None, :] > query_positions[:, None] - window
+def lean_forward_of(model: PreTrainedModel) -> LeanLlamaForward | None:
+    """The lean forward ``model`` takes: Llama's (Llama, Qwen2), Gemma-3's where its layers run on jointspec's
+    compiled ones, else None (transformers' own forward)."""
+    return lean_gemma_for(model) or lean_forward_for(model)
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -104,7 +104,7 @@ class CausalLM:
                  kv_dtype: torch.dtype | None = None) -> None:
         self.model = model.eval()
         self.name = name
-        self.lean = lean_forward_for(self.model) if lean else None
+        self.lean = lean_forward_of(self.model) if lean else None
         self.kv_dtype = kv_dtype
         self.check_kv_dtype()
         self.cache = BufferedCache(model.config, kv_dtype)
@@ -301,8 +301,8 @@ class CausalLM:
 
     @property
     def reads_attention(self) -> bool:
-        """Whether :meth:`attention_mass` can run: the model takes the lean forward (Llama-family)."""
-        return self.lean is not None
+        """Whether :meth:`attention_mass` can run: the model takes the lean forward of a Llama-family model."""
+        return self.lean is not None and self.lean.reads_attention
 
     @torch.inference_mode()
     def attention_mass(self, token_ids: list[int]) -> torch.Tensor:

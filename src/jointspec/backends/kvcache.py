@@ -164,11 +164,18 @@ class BufferedLayer(DynamicLayer):
         self._set_length(len(positions))
 
 
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[rows, keys] bool: which keys a sliding-window layer's rows may see, by position: the last ``window``
+    positions up to the row's own, as transformers' sliding masks give a chain (``kv > q - window``). By position
+    rather than cache slot, so a tree node sees what it will see once its path is kept and decoded token by token."""
+    return key_positions[None, :] > query_positions[:, None] - window
+
+
 class BufferedSlidingLayer(BufferedLayer):
     """A sliding-window layer kept whole: every entry stays, as in a full-attention layer, and the attention mask
     applies the window. transformers' masks do that for a layer that says it slides (``is_sliding``) and reports its
     whole length (``get_mask_sizes``, as :class:`BufferedLayer` does); tree masks made by the adapter apply it
-    themselves (:func:`jointspec.backends.hf.sliding_window_mask`).
+    themselves (:func:`sliding_window_mask`).
 
     transformers' own ``DynamicSlidingWindowLayer`` keeps only the last ``sliding_window - 1`` entries, so once a
     sequence passes the window its cache can no longer be cropped back, and a speculative loop crops after every

@@ -176,10 +176,17 @@ class LeanCall:
 class LeanLlamaForward:
     """``LlamaForCausalLM.forward`` for one sequence with a cache, as a plain function over the model's modules."""
 
+    FAMILY_NAME = "Llama"
+    unsupported_reason = staticmethod(unsupported_reason)
+    # Whether attention_mass() reads this model's attention (its layers are Llama's).
+    reads_attention = True
+    # The layer's norms the compiled layer takes: the attention block's input norm, then the MLP's.
+    NORMS = ("input_layernorm", "post_attention_layernorm")
+
     def __init__(self, model: llama.LlamaForCausalLM) -> None:
-        reason = unsupported_reason(model)
+        reason = self.unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"the lean forward needs transformers' Llama model: {reason}")
+            raise ValueError(f"the lean forward needs transformers' {self.FAMILY_NAME} model: {reason}")
         self.model = model
         from jointspec.kernels.grouped import FusedCall
 
@@ -188,6 +195,10 @@ class LeanLlamaForward:
         self.fused = [(FusedCall.maybe(self._qkv(layer)), FusedCall.maybe(self._gate_up(layer)))
                       for layer in model.model.layers[:model.config.num_hidden_layers]]
         self.compiled = self._compiled_layers()
+        self._set_prefill()
+
+    def _set_prefill(self) -> None:
+        model = self.model
         # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None, or more: the caller's chunk),
         # those of ``prefill_gemm_rows`` rows or more with their projections as one GEMM. Fixed per model, so every
         # method reads a prompt into the same bits.
@@ -218,7 +229,7 @@ class LeanLlamaForward:
         from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
         config = self.model.config
-        if config._attn_implementation != ROWWISE_ATTENTION or config.hidden_act != "silu" or kernels() is None:
+        if config._attn_implementation != ROWWISE_ATTENTION or not self._activation_fits() or kernels() is None:
             return None
         base = self.model.model
         checks = [(base._modules, "layers", base.layers)]
@@ -233,12 +244,13 @@ class LeanLlamaForward:
             qkv = [list(fused_qkv.spans)] if fused_qkv else [kernel_arguments(m) for m in self._qkv(layer)]
             gate_up = ([list(fused_gate_up.spans)] if fused_gate_up
                        else [kernel_arguments(m) for m in self._gate_up(layer)])
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            norms = [layer._modules[name] for name in self.NORMS] + self._head_norms(layer)
             if any(norm.weight.dtype != torch.float32 for norm in norms):
                 return None
             checks.append((base.layers._modules, str(index), layer))
-            for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            for name in ("self_attn", "mlp", *self.NORMS):
                 checks.append((layer._modules, name, layer._modules[name]))
+            checks += [(attn._modules, name, attn._modules[name]) for name in self.HEAD_NORMS]
             for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                  (mlp, ("gate_proj", "up_proj", "down_proj"))):
                 for name in names:
@@ -247,7 +259,7 @@ class LeanLlamaForward:
                     checks += [(module._buffers, buffer, module._buffers[buffer])
                                for buffer in (*module.BUFFERS, "bias")]
             checks += [(norm._parameters, "weight", norm.weight) for norm in norms]
-            layers.append((norms[0].weight, norms[1].weight, norms[0].variance_epsilon, qkv,
+            layers.append((self._norm_weight(norms[0]), self._norm_weight(norms[1]), self._norm_eps(norms[0]), qkv,
                            kernel_arguments(plain[0]), gate_up, kernel_arguments(plain[1]), config.num_attention_heads,
                            attn.scaling, config.num_key_value_heads, attn.head_dim))
         self._compiled_checks = tuple(map(list, zip(*checks)))  # owners, names, expected objects
@@ -261,8 +273,32 @@ class LeanLlamaForward:
         self._compiled_stack = kernels(self._isa).CompiledLayers()
         for norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, _, _ in layers:
             self._compiled_stack.add_layer(norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling)
+        for index, layer in enumerate(base.layers):
+            self._add_extras(index, layer)
         self._compiled_buffers: list = []  # the cache buffers the stack was last given
         return layers
+
+    # Per-head norms of a layer's attention (Gemma-3's q_norm, k_norm), by attribute name: none in Llama.
+    HEAD_NORMS: tuple[str, ...] = ()
+
+    def _head_norms(self, layer) -> list[nn.Module]:
+        return [layer.self_attn._modules[name] for name in self.HEAD_NORMS]
+
+    def _activation_fits(self) -> bool:
+        """Whether the MLP's activation is one the compiled layer computes."""
+        return self.model.config.hidden_act == "silu"
+
+    @staticmethod
+    def _norm_weight(norm: nn.Module) -> torch.Tensor:
+        """What the compiled layer multiplies a normed row by."""
+        return norm.weight
+
+    @staticmethod
+    def _norm_eps(norm: nn.Module) -> float:
+        return norm.variance_epsilon
+
+    def _add_extras(self, index: int, layer) -> None:
+        """Register what compiled layer ``index`` adds to Llama's (``CompiledLayers.set_extras``): nothing here."""
 
     def _compiled_ready(self, n: int, cache) -> bool:
         """Whether this forward (``n`` rows) can take the compiled layers: the model still holds what they were
@@ -338,7 +374,7 @@ class LeanLlamaForward:
             # so where the GEMM is faster (prefill_gemm_rows) its projections take it: rows not computed alone.
             prefill = num_logits == 0 and batch_seq[1] >= self.prefill_gemm_rows
             segment = self._segment(inputs_embeds, position_ids, attention_mask, cache)
-            hidden = self._compiled_body(hidden, cos, sin, segment, wanted, kept, prefill)
+            hidden = self._compiled_body(hidden, [(cos, sin)], segment, wanted, kept, prefill)
         else:
             causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                              past_key_values=cache, position_ids=position_ids)
@@ -372,7 +408,7 @@ class LeanLlamaForward:
         for call in calls:
             hidden = base.embed_tokens(call.input_ids)  # [1, n, width]
             c, s = base.rotary_emb(hidden, position_ids=call.position_ids)
-            seen, count, slots = self._segment(hidden, call.position_ids, call.attention_mask, call.cache)
+            [(seen, count)], slots = self._segment(hidden, call.position_ids, call.attention_mask, call.cache)
             embeds.append(hidden[0])
             cos.append(c[0].float())
             sin.append(s[0].float())
@@ -422,8 +458,9 @@ class LeanLlamaForward:
         return _linear(head, hidden[:, -num_logits:, :])
 
     def _segment(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
-        """What the compiled layers need of one sequence's forward besides its rows: (visible, lengths) as their
-        attention takes them, and each layer's cache slots for the new entries (the cache counts them from now)."""
+        """What the compiled layers need of one sequence's forward besides its rows: its views, each (visible,
+        lengths) as their attention takes them (Llama: one), and each layer's cache slots for the new entries (the
+        cache counts them from now)."""
         from jointspec.kernels.quantize import compiled_visibility
 
         n = inputs_embeds.shape[1]
@@ -431,18 +468,22 @@ class LeanLlamaForward:
         causal_mask = None if attention_mask is None else create_causal_mask(
             config=self.model.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=cache, position_ids=position_ids)
-        visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
+        return [compiled_visibility(causal_mask, cache.get_seq_length() + n, n)], self._slots(inputs_embeds, cache)
+
+    def _slots(self, inputs_embeds: torch.Tensor, cache) -> list:
+        """Each layer's cache slots for the forward's new entries (the cache counts them from now)."""
         kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
         like = inputs_embeds.new_empty(1, kv_heads, 0, head_dim)
-        slots = [layer.append_slots(n, like) for layer in cache.layers]
+        slots = [layer.append_slots(inputs_embeds.shape[1], like) for layer in cache.layers]
         assert all(slot[2] == slots[0][2] for slot in slots), "the layers' caches hold different lengths"
-        return visible, lengths, slots
+        return slots
 
-    def _compiled_body(self, hidden, cos, sin, segment: tuple, wanted, kept, prefill: bool) -> torch.Tensor:
+    def _compiled_body(self, hidden, ropes: list[tuple], segment: tuple, wanted, kept, prefill: bool) -> torch.Tensor:
         """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out.
-        ``segment``: :meth:`_segment` of this forward."""
-        visible, lengths, slots = segment
-        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        ``ropes``: the (cos, sin) pairs the layers rotate by; ``segment``: :meth:`_segment` of this forward."""
+        views, slots = segment
+        cos = [c[0].float().contiguous() for c, _ in ropes]
+        sin = [s[0].float().contiguous() for _, s in ropes]
         start = slots[0][2]
         buffers = [buffer for slot in slots for buffer in slot[:2]]
         if len(buffers) != len(self._compiled_buffers) or any(
@@ -450,8 +491,8 @@ class LeanLlamaForward:
             self._compiled_stack.set_caches([slot[0][0] for slot in slots], [slot[1][0] for slot in slots])
             self._compiled_buffers = buffers
         keep = sorted(layer for layer in wanted if 0 < layer < len(self.compiled))
-        rows, *outputs = self._compiled_stack.forward(hidden[0].contiguous(), start, visible, lengths, cos, sin,
-                                                      prefill, keep)
+        rows, *outputs = self._compiled_stack.forward(hidden[0].contiguous(), start, [v for v, _ in views],
+                                                      [length for _, length in views], cos, sin, prefill, keep)
         kept.update({layer: output[None] for layer, output in zip(keep, outputs)})
         return rows[None]
 

@@ -35,8 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from jointspec.backends.hf import CausalLM
-from jointspec.backends.lean_forward import lean_forward_for
+from jointspec.backends.hf import CausalLM, lean_forward_of
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.drafts.artifact import FeatureDraft
@@ -70,7 +69,7 @@ class ParallelDrafter:
         if isinstance(draft, CausalLM) and draft.lean is not None:
             # A fork of the target (``--draft self``) shares the target's lean forward, whose compiled layers keep
             # the cache they were last given: two threads must not call one at once, so the worker gets its own.
-            draft.lean = lean_forward_for(draft.model)
+            draft.lean = lean_forward_of(draft.model)
         self.draft = draft
         self.num_draft_tokens = num_draft_tokens
         self.split_threads = draft.device.type == "cpu"  # torch's CPU threads; a GPU draft needs none of them

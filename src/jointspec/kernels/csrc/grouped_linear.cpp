@@ -1107,6 +1107,19 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
+// gelu_tanh(gate) * up: transformers' gelu_pytorch_tanh (Gemma's MLP) in silu_mul's form, since
+// g / 2 * (1 + tanh(y)) = g / (1 + e^(-2y)) for y = sqrt(2 / pi) * (g + 0.044715 g^3). n is a multiple of 16.
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
+  const V16 one = simd::set1(1.0f), cubic = simd::set1(0.044715f);
+  const V16 minus_two_root = simd::set1(-2.0f * 0.7978845608028654f);  // -2 sqrt(2 / pi)
+  for (int64_t i = 0; i < n; i += 16) {
+    const V16 g = simd::load(gate + i);
+    const V16 inner = simd::fmadd(simd::mul(cubic, simd::mul(g, g)), g, g);
+    const V16 denominator = simd::add(one, simd::exp(simd::mul(minus_two_root, inner)));
+    simd::store(out + i, simd::div(simd::mul(g, simd::load(up + i)), denominator));
+  }
+}
+
 void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) simd::store(x + i, simd::add(simd::load(x + i), simd::load(y + i)));
 }
@@ -1374,6 +1387,15 @@ Segment segment_of(int64_t row_begin, int64_t rows, const torch::Tensor& key_cac
           key_cache.scalar_type() == torch::kHalf, key_cache.stride(0), value_cache.stride(0), &index};
 }
 
+// What a layer may add to Llama's (Gemma-3's layers); an undefined tensor is a step the layer does not have.
+struct LayerExtras {
+  torch::Tensor q_norm, k_norm;            // [dim]: each head's query / key RMS-normed before the rotary embedding
+  torch::Tensor attn_out_norm, mlp_out_norm;  // [width]: each block's output RMS-normed before the residual add
+  bool gelu = false;                       // the MLP's activation: gelu_tanh, else SiLU
+  int64_t rope = 0;                        // which of the forward's cos / sin pairs the layer rotates by
+  int64_t view = 0;                        // which of the forward's visibilities its rows attend by (sliding windows)
+};
+
 // hidden [rows, width] -> the layer's output [rows, width]. Each projection as weights_of() reads it: (packed,
 // scale, minimum) for 4 bits, (levels, scale) for 8; qkv gives q, k and v as parts (parts_of: fused, or one each;
 // q: heads * dim rows, k and v: kv_heads * dim each), gate_up gate and up (intermediate rows each).
@@ -1386,7 +1408,7 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
                                   const torch::Tensor& post_norm, double eps, const Parts& w_qkv, const Weights& w_o,
                                   const Parts& w_gu, const Weights& w_down, const torch::Tensor& cos,
                                   const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t heads,
-                                  int64_t kv_heads, int64_t dim, double scale, bool gemm) {
+                                  int64_t kv_heads, int64_t dim, double scale, bool gemm, const LayerExtras& extras) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   const int64_t intermediate = w_gu.out_features / 2;
@@ -1397,6 +1419,14 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
   std::vector<float> normed(rows * width), projected(rows * (q_size + 2 * kv_size)), rotated(rows * q_size);
   std::vector<float> attended(rows * q_size), mixed(rows * width), gated(rows * 2 * intermediate);
   std::vector<float> activated(rows * intermediate);
+  const float* q_norm = extras.q_norm.defined() ? extras.q_norm.data_ptr<float>() : nullptr;
+  const float* k_norm = extras.k_norm.defined() ? extras.k_norm.data_ptr<float>() : nullptr;
+  // A block's output RMS-normed in place, row by row, where the layer has that norm.
+  auto out_norm = [&](const torch::Tensor& weight) {
+    if (!weight.defined()) return;
+    for (int64_t r = 0; r < rows; ++r)
+      rms_norm(mixed.data() + r * width, weight.data_ptr<float>(), width, epsilon, mixed.data() + r * width);
+  };
   // Attention block.
   for (int64_t r = 0; r < rows; ++r)
     rms_norm(h + r * width, input_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
@@ -1407,21 +1437,27 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
       const float* row = projected.data() + r * (q_size + 2 * kv_size);
       const float* c = cos.data_ptr<float>() + r * dim;
       const float* sn = sin.data_ptr<float>() + r * dim;
-      for (int64_t head = 0; head < heads; ++head)
-        rotate(row + head * dim, c, sn, dim, rotated.data() + r * q_size + head * dim);
+      float normed_head[256];
+      for (int64_t head = 0; head < heads; ++head) {
+        const float* query = row + head * dim;
+        if (q_norm) query = (rms_norm(query, q_norm, dim, epsilon, normed_head), normed_head);
+        rotate(query, c, sn, dim, rotated.data() + r * q_size + head * dim);
+      }
       for (int64_t g = 0; g < kv_heads; ++g) {
         const float* value = row + q_size + kv_size + g * dim;
+        const float* key_in = row + q_size + g * dim;
+        if (k_norm) key_in = (rms_norm(key_in, k_norm, dim, epsilon, normed_head), normed_head);
         const int64_t key_at = g * s.key_stride + (s.start + i) * dim;
         const int64_t value_at = g * s.value_stride + (s.start + i) * dim;
         if (s.half) {  // rounded to the nearest half, ties to even, as torch's float32 -> float16 conversion rounds
           float key[256];
-          rotate(row + q_size + g * dim, c, sn, dim, key);
+          rotate(key_in, c, sn, dim, key);
           at::Half* keys = static_cast<at::Half*>(s.key_base) + key_at;
           at::Half* values = static_cast<at::Half*>(s.value_base) + value_at;
           for (int64_t e = 0; e < dim; ++e) keys[e] = at::Half(key[e]);
           for (int64_t e = 0; e < dim; ++e) values[e] = at::Half(value[e]);
         } else {
-          rotate(row + q_size + g * dim, c, sn, dim, static_cast<float*>(s.key_base) + key_at);
+          rotate(key_in, c, sn, dim, static_cast<float*>(s.key_base) + key_at);
           std::copy_n(value, dim, static_cast<float*>(s.value_base) + value_at);
         }
       }
@@ -1437,15 +1473,19 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
     }
   }
   w_o.apply(attended.data(), rows, mixed.data(), gemm);
+  out_norm(extras.attn_out_norm);
   add_into(o, mixed.data(), rows * width);
   // MLP block.
   for (int64_t r = 0; r < rows; ++r)
     rms_norm(o + r * width, post_norm.data_ptr<float>(), width, epsilon, normed.data() + r * width);
   w_gu.apply(normed.data(), rows, gated.data(), gemm);
-  for (int64_t r = 0; r < rows; ++r)
-    silu_mul(gated.data() + r * 2 * intermediate, gated.data() + r * 2 * intermediate + intermediate, intermediate,
-             activated.data() + r * intermediate);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gated.data() + r * 2 * intermediate;
+    float* activation = activated.data() + r * intermediate;
+    (extras.gelu ? gelu_tanh_mul : silu_mul)(gate, gate + intermediate, intermediate, activation);
+  }
   w_down.apply(activated.data(), rows, mixed.data(), gemm);
+  out_norm(extras.mlp_out_norm);
   add_into(o, mixed.data(), rows * width);
   return out;
 }
@@ -1496,7 +1536,7 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
                             std::vector<std::vector<torch::Tensor>> gate_up, std::vector<torch::Tensor> down,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
                             int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
-                            double scale, bool gemm) {
+                            double scale, bool gemm, const LayerExtras& extras = {}) {
   TORCH_CHECK(key_cache.dim() == 3, "caches must be float32 or float16 [kv_heads, capacity, dim] with contiguous rows");
   const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
   const LayerWeights w = layer_weights(hidden, input_norm, post_norm, qkv, o_proj, gate_up, down, cos, sin, heads,
@@ -1505,7 +1545,7 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
   const std::vector<Segment> segments{segment_of(0, hidden.size(0), key_cache, value_cache, start, index, kv_heads,
                                                  dim)};
   return layer_over_segments(hidden, input_norm, post_norm, eps, w.qkv, w.o, w.gate_up, w.down, cos, sin, segments,
-                             heads, kv_heads, dim, scale, gemm);
+                             heads, kv_heads, dim, scale, gemm, extras);
 }
 
 // The decoder layers of one model, registered once, run in one call: a forward then crosses from Python to C++
@@ -1517,7 +1557,34 @@ class CompiledLayers {
                  std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
                  std::vector<std::vector<torch::Tensor>> gate_up,
                  std::vector<torch::Tensor> down, int64_t heads, double scale) {
-    layers_.push_back({input_norm, post_norm, eps, qkv, o_proj, gate_up, down, heads, scale});
+    layers_.push_back({input_norm, post_norm, eps, qkv, o_proj, gate_up, down, heads, scale, {}});
+  }
+
+  // What layer `index` adds to Llama's (LayerExtras; None for a step it does not have): Gemma-3's per-head query and
+  // key norms, norms of each block's output, gelu_tanh, and which cos / sin pair and visibility of a forward it takes.
+  void set_extras(int64_t index, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                  c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm, bool gelu,
+                  int64_t rope, int64_t view) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
+    Layer& l = layers_[index];
+    const int64_t width = l.input_norm.numel();
+    LayerExtras extras;
+    extras.gelu = gelu;
+    extras.rope = rope;
+    extras.view = view;
+    TORCH_CHECK(rope >= 0 && view >= 0, "rope and view index a forward's lists: at least 0");
+    auto take = [&](const c10::optional<torch::Tensor>& given, torch::Tensor& into, int64_t size, const char* name) {
+      if (!given.has_value()) return;
+      TORCH_CHECK(given->scalar_type() == torch::kFloat && given->is_contiguous() && given->dim() == 1 &&
+                  given->numel() == size && size % 16 == 0, name, " must be float32 [", size, "]");
+      into = *given;
+    };
+    take(attn_out_norm, extras.attn_out_norm, width, "attn_out_norm");
+    take(mlp_out_norm, extras.mlp_out_norm, width, "mlp_out_norm");
+    // The head size is known once a cache is set; q_norm and k_norm are checked against it then (head_norms_fit).
+    if (q_norm.has_value()) take(q_norm, extras.q_norm, q_norm->numel(), "q_norm");
+    if (k_norm.has_value()) take(k_norm, extras.k_norm, k_norm->numel(), "k_norm");
+    l.extras = extras;
   }
 
   // Each layer's key and value buffers ([kv_heads, capacity, dim]); set again whenever a buffer is replaced.
@@ -1530,14 +1597,24 @@ class CompiledLayers {
 
   // hidden [rows, width] through every layer (new entries written at start .. start + rows - 1 of the buffers);
   // returns the last layer's output, then the outputs of the layers (1-based) in `keep`, in that order.
-  std::vector<torch::Tensor> forward(torch::Tensor hidden, int64_t start, torch::Tensor visible, torch::Tensor lengths,
-                                     torch::Tensor cos, torch::Tensor sin, bool gemm, std::vector<int64_t> keep) {
+  // A layer rotates by cos[extras.rope] / sin[extras.rope] and its rows see the keys visible[extras.view] /
+  // lengths[extras.view] give them (one of each for Llama; Gemma-3's sliding layers take their own).
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, int64_t start, std::vector<torch::Tensor> visible,
+                                     std::vector<torch::Tensor> lengths, std::vector<torch::Tensor> cos,
+                                     std::vector<torch::Tensor> sin, bool gemm, std::vector<int64_t> keep) {
     TORCH_CHECK(keys_.size() == layers_.size(), "set_caches before forward");
+    TORCH_CHECK(visible.size() == lengths.size() && cos.size() == sin.size(), "one lengths per visibility and one sin "
+                "per cos");
     std::vector<torch::Tensor> kept(keep.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      hidden = decoder_layer(hidden, l.input_norm, l.post_norm, l.eps, l.qkv, l.o_proj, l.gate_up, l.down, cos, sin,
-                             keys_[i], values_[i], start, visible, lengths, l.heads, l.scale, gemm);
+      const LayerExtras& x = l.extras;
+      TORCH_CHECK(x.rope < static_cast<int64_t>(cos.size()) && x.view < static_cast<int64_t>(visible.size()),
+                  "layer ", i, " takes cos / sin pair ", x.rope, " and visibility ", x.view, ": not given");
+      head_norms_fit(x, keys_[i].size(2), i);
+      hidden = decoder_layer(hidden, l.input_norm, l.post_norm, l.eps, l.qkv, l.o_proj, l.gate_up, l.down,
+                             cos[x.rope], sin[x.rope], keys_[i], values_[i], start, visible[x.view], lengths[x.view],
+                             l.heads, l.scale, gemm, x);
       for (size_t j = 0; j < keep.size(); ++j)
         if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
     }
@@ -1559,6 +1636,12 @@ class CompiledLayers {
                                           torch::Tensor sin, std::vector<int64_t> keep) {
     const size_t count = row_counts.size();
     TORCH_CHECK(!layers_.empty(), "no layers registered");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const LayerExtras& x = layers_[i].extras;
+      TORCH_CHECK(x.rope == 0 && x.view == 0, "forward_many takes one cos / sin pair and one visibility per "
+                  "sequence: layers with their own (sliding windows) run one sequence at a time");
+      if (!keys.empty() && !keys[0].empty()) head_norms_fit(x, keys[0][0].size(2), i);
+    }
     TORCH_CHECK(starts.size() == count && visible.size() == count && lengths.size() == count &&
                 keys.size() == count && values.size() == count, "one start, visibility, lengths and set of caches "
                 "per sequence");
@@ -1591,7 +1674,7 @@ class CompiledLayers {
         segments.push_back(segment_of(begins[s], row_counts[s], keys[s][i], values[s][i], starts[s], index[s],
                                       kv_heads, dim));
       hidden = layer_over_segments(hidden, l.input_norm, l.post_norm, l.eps, w.qkv, w.o, w.gate_up, w.down, cos, sin,
-                                   segments, l.heads, kv_heads, dim, l.scale, false);
+                                   segments, l.heads, kv_heads, dim, l.scale, false, l.extras);
       for (size_t j = 0; j < keep.size(); ++j)
         if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
     }
@@ -1601,6 +1684,13 @@ class CompiledLayers {
   }
 
  private:
+  static void head_norms_fit(const LayerExtras& x, int64_t dim, size_t layer) {
+    for (const auto* norm : {&x.q_norm, &x.k_norm}) {
+      TORCH_CHECK(!norm->defined() || norm->numel() == dim, "layer ", layer, ": q_norm and k_norm must have the "
+                  "head size, ", dim);
+    }
+  }
+
   struct Layer {
     torch::Tensor input_norm, post_norm;
     double eps;
@@ -1610,6 +1700,7 @@ class CompiledLayers {
     std::vector<torch::Tensor> down;
     int64_t heads;
     double scale;
+    LayerExtras extras;
   };
   std::vector<Layer> layers_;
   std::vector<torch::Tensor> keys_, values_;
@@ -1864,6 +1955,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
       .def(py::init<>())
       .def("add_layer", &CompiledLayers::add_layer)
+      .def("set_extras", &CompiledLayers::set_extras)
       .def("set_caches", &CompiledLayers::set_caches)
       .def("forward", &CompiledLayers::forward, unlocked)
       .def("forward_many", &CompiledLayers::forward_many, unlocked);

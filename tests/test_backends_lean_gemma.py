@@ -1,0 +1,94 @@
+"""Gemma-3 on the compiled int4 layers (backends/lean_gemma.py, the layer's extras in kernels/csrc).
+
+The tiny Gemma-3 (tests/helpers.py) has every part the compiled layer adds for it: two sliding layers with a window
+of 4 and their own rotary base, one full-attention layer, q/k norms, four (1 + weight) norms a layer, gelu_tanh and
+scaled tied embeddings. Its prompts run past the window, so an extra computed wrongly or a window ignored moves the
+logits far outside the float-rounding tolerance against transformers' own forward of the same quantised model.
+Deterministic: no false-failure odds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.lean_gemma import LeanGemmaForward
+from jointspec.core.loop import SpeculativeDecoder
+from jointspec.kernels.grouped import float_inputs
+from jointspec.kernels.quantize import quantize_model
+from jointspec.methods import MethodConfig, MethodContext, build_method
+
+from helpers import greedy, greedy_by_methods, random_prompt, tiny_gemma3
+
+
+def int4_gemma(seed: int = 0, window: int = 4):
+    return quantize_model(tiny_gemma3(seed, window=window), "int4")
+
+
+def test_the_compiled_layers_compute_transformers_gemma3_forward_to_float_rounding():
+    model = int4_gemma()
+    compiled, stock = CausalLM(model, name="compiled"), CausalLM(model, name="transformers", lean=False)
+    assert isinstance(compiled.lean, LeanGemmaForward) and compiled.lean.compiled is not None
+    assert not compiled.reads_attention  # attention_mass() reads Llama layers only
+    context = random_prompt(2, length=20)  # five times the window
+    with float_inputs():  # (8-bit inputs would turn float rounding differences into flipped levels)
+        ours = compiled.forward(context, output_hidden=True)
+        theirs = stock.forward(context, output_hidden=True)
+        # Another order of float32 sums over the same quantised weights: differences of float rounding only.
+        assert torch.allclose(ours.logits, theirs.logits, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(ours.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
+        # Past the window, one step and a tree (whose nodes' windows go by their positions, not their slots).
+        for tokens, parents in (([7], None), ([7, 8, 9, 10], [-1, 0, 0, 1])):
+            ours = compiled.forward(tokens, parents=parents).logits
+            theirs = stock.forward(tokens, parents=parents).logits
+            assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4), tokens
+            compiled.crop(len(context))
+            stock.crop(len(context))
+        # The same weights without a window give other logits: the comparison above tests the window.
+        wide = CausalLM(int4_gemma(window=512), name="no window")
+        assert not torch.allclose(wide.forward(context).logits[-1], ours[0], atol=1e-2)
+
+
+def test_each_row_is_computed_alone_past_the_window():
+    """A chain, and every node of a tree, get bit for bit the logits of feeding their tokens one by one."""
+    target = CausalLM(int4_gemma(1), name="compiled")
+    context = random_prompt(3, length=16)
+    target.forward(context, num_logits=0)
+    new = [7, 8, 9, 10, 11, 12]
+    chain = target.forward(new).logits
+    target.crop(len(context))
+    assert torch.equal(chain, torch.cat([target.forward([token]).logits for token in new]))
+    target.crop(len(context))
+    tree = target.forward(new[:4], parents=[-1, 0, 0, 1]).logits  # 7 -> (8 -> 10, 9)
+    target.crop(len(context))
+    assert torch.equal(tree[[0, 1, 3]], target.forward([7, 8, 10]).logits)
+    target.crop(len(context))
+    assert torch.equal(tree[[0, 2]], target.forward([7, 9]).logits)
+
+
+@pytest.mark.parametrize("prompt_seed", [0, 3])
+def test_speculative_methods_equal_plain_greedy_on_the_compiled_gemma3(prompt_seed):
+    ar, sps, specinfer = greedy_by_methods(int4_gemma(), random_prompt(prompt_seed), 40)
+    assert len(ar) == 40 and sps == ar and specinfer == ar
+
+
+@pytest.mark.parametrize("method, tree", [("sps", None), ("specinfer", (2, 2))])
+def test_eos_and_max_length_inside_a_draft_on_the_compiled_gemma3(method, tree):
+    model, prompt = int4_gemma(), random_prompt(0)
+    plain = CausalLM(model, name="plain")
+    drafter, verifier = build_method(MethodContext(MethodConfig(name="ar"), plain, None, load_draft=None))
+    expected = SpeculativeDecoder(plain, drafter, verifier).generate(prompt, greedy(40))
+    target = CausalLM(model, name="gemma3 target")
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft="self", tree=tree), target, None,
+                                                   load_draft=None))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    assert decoder.generate(prompt, greedy(40)) == expected
+    assert decoder.stats.num_accepted_tokens > 0  # the drafts were verified, not skipped
+    assert decoder.generate(prompt, greedy(7)) == expected[:7]  # max length inside a draft
+    eos = expected[9]  # a token that appears mid-continuation, taken as the end of sequence
+    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:expected.index(eos) + 1]
+
+
+def test_a_float32_gemma3_keeps_transformers_forward():
+    assert CausalLM(tiny_gemma3(0), name="float32").lean is None
