@@ -90,5 +90,18 @@ def test_eos_and_max_length_inside_a_draft_on_the_compiled_gemma3(method, tree):
     assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:expected.index(eos) + 1]
 
 
+def test_greedy_rows_read_the_exact_head_not_the_screen():
+    model = int4_gemma()
+    target = CausalLM(model, name="compiled")
+    assert hasattr(model.get_output_embeddings(), "argmax_logits")  # the quantiser gave the head a 4-bit screen
+    assert not target.capabilities.argmax_screen
+    context = random_prompt(2)
+    target.forward(context, num_logits=0)
+    exact = target.forward([7, 8]).logits
+    target.crop(len(context))
+    model.get_output_embeddings().argmax_logits = lambda *args: pytest.fail("a greedy row read the screen")
+    assert torch.equal(target.forward([7, 8], argmax_only=True).logits, exact)
+
+
 def test_a_float32_gemma3_keeps_transformers_forward():
     assert CausalLM(tiny_gemma3(0), name="float32").lean is None

@@ -153,7 +153,7 @@ class CausalLM:
     def capabilities(self) -> TargetCapabilities:
         # The screen is read each time: quantising the model in place can give it a screened head after construction.
         return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, sparse_view=True,
-                                  argmax_screen=(self.lean is not None
+                                  argmax_screen=(self.lean is not None and self.lean.screens_head
                                                  and hasattr(self.model.get_output_embeddings(), "argmax_logits")))
 
     def check_kv_dtype(self) -> None:

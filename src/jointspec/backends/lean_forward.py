@@ -180,6 +180,8 @@ class LeanLlamaForward:
     unsupported_reason = staticmethod(unsupported_reason)
     # Whether attention_mass() reads this model's attention (its layers are Llama's).
     reads_attention = True
+    # Whether greedy rows may read a screened head's argmax (kernels/grouped.py, ScreenedInt8Head).
+    screens_head = True
     # The layer's norms the compiled layer takes: the attention block's input norm, then the MLP's.
     NORMS = ("input_layernorm", "post_attention_layernorm")
 
@@ -453,7 +455,7 @@ class LeanLlamaForward:
         if num_logits <= 0:
             return hidden.new_zeros(hidden.shape[0], 0, self.model.config.vocab_size)
         head = self.model.lm_head
-        if argmax_only and hasattr(head, "argmax_logits"):
+        if argmax_only and self.screens_head and hasattr(head, "argmax_logits"):
             return head.argmax_logits(hidden[:, -num_logits:, :])
         return _linear(head, hidden[:, -num_logits:, :])
 

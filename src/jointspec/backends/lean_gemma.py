@@ -77,6 +77,9 @@ class LeanGemmaForward(LeanLlamaForward):
     FAMILY_NAME = "Gemma-3"
     unsupported_reason = staticmethod(gemma_unsupported_reason)
     reads_attention = False
+    # The 4-bit screen's error on Gemma-3-270M's 262,144-token head is too wide for the margin tuned on SmolLM2: it
+    # missed the exact argmax in 1 of 24 answers (docs/kernels.md, "The screened head"). The exact head, always.
+    screens_head = False
     NORMS = NORMS
     HEAD_NORMS = ("q_norm", "k_norm")
 
