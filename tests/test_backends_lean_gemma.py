@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jointspec.backends.hf import CausalLM
+from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.backends.lean_gemma import LeanGemmaForward
 from jointspec.core.loop import SpeculativeDecoder
+from jointspec.core.target import ForwardCall
 from jointspec.kernels.grouped import float_inputs
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -65,6 +66,30 @@ def test_each_row_is_computed_alone_past_the_window():
     assert torch.equal(tree[[0, 1, 3]], target.forward([7, 8, 10]).logits)
     target.crop(len(context))
     assert torch.equal(tree[[0, 2]], target.forward([7, 9]).logits)
+
+
+def test_forward_many_gives_each_sequence_its_own_forwards_bits(monkeypatch):
+    """The batched server's pass: sequences in and past the window side by side (each layer kind its own view and
+    rotary pair per sequence) get what their own forwards give, in one pass of the compiled layers."""
+    passes = []
+    original = LeanGemmaForward.forward_many
+    monkeypatch.setattr(LeanGemmaForward, "forward_many",
+                        lambda self, calls: passes.append(original(self, calls)) or passes[-1])
+    target = CausalLM(int4_gemma(1), name="compiled")
+    contexts = [random_prompt(seed, length=length) for seed, length in enumerate((2, 9, 16))]
+    calls = [ForwardCall([5]), ForwardCall([6, 7, 8], argmax_only=True),
+             ForwardCall([9, 10, 11, 12], parents=[-1, 0, 0, 1], output_hidden=True)]
+    together, apart = [target.fork(f"t{i}") for i in range(3)], [target.fork(f"a{i}") for i in range(3)]
+    for context, a, b in zip(contexts, together, apart):
+        a.forward(context, num_logits=0)
+        b.forward(context, num_logits=0)
+    for _ in range(2):  # the second round: caches that grew in the first
+        outputs = forward_many(together, calls)
+        for other, call, output in zip(apart, calls, outputs):
+            own = call.run(other)
+            assert torch.equal(output.logits, own.logits)
+            assert own.hidden is None or torch.equal(output.hidden, own.hidden)
+    assert len(passes) == 2 and all(result is not None for result in passes)
 
 
 @pytest.mark.parametrize("prompt_seed", [0, 3])

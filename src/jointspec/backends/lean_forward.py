@@ -30,7 +30,9 @@ speculative decoding of it agree exactly; it is not bit for bit transformers' fo
 
 Only models whose every part is exactly a transformers class of :data:`FAMILIES` (Llama, and Qwen2 without sliding
 windows) take this path (:func:`lean_forward_for`); a subclass or another architecture runs transformers' own
-forward, as does ``--kernels stock``.
+forward, as does ``--kernels stock``. Gemma-3 on the grouped kernels takes the compiled layers through a subclass,
+:class:`~jointspec.backends.lean_gemma.LeanGemmaForward`, whose hooks here (``NORMS``, ``_add_extras``...) give the
+compiled layer what Gemma's layers add.
 """
 
 from __future__ import annotations
@@ -280,6 +282,13 @@ class LeanLlamaForward:
         self._compiled_buffers: list = []  # the cache buffers the stack was last given
         return layers
 
+    def _ropes(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (cos, sin) pairs the compiled layers rotate by, each [1, n, head_dim] (Llama: one for every layer)."""
+        return [self.model.model.rotary_emb(hidden, position_ids=position_ids)]
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(self.model.model.norm, hidden)
+
     # Per-head norms of a layer's attention (Gemma-3's q_norm, k_norm), by attribute name: none in Llama.
     HEAD_NORMS: tuple[str, ...] = ()
 
@@ -406,25 +415,26 @@ class LeanLlamaForward:
                 for call in calls):
             return None
         num_layers = config.num_hidden_layers
-        embeds, cos, sin, visible, lengths, keys, values, starts = [], [], [], [], [], [], [], []
+        embeds, ropes, visible, lengths, keys, values, starts = [], [], [], [], [], [], []
         for call in calls:
             hidden = base.embed_tokens(call.input_ids)  # [1, n, width]
-            c, s = base.rotary_emb(hidden, position_ids=call.position_ids)
-            [(seen, count)], slots = self._segment(hidden, call.position_ids, call.attention_mask, call.cache)
+            ropes.append(self._ropes(hidden, call.position_ids))
+            views, slots = self._segment(hidden, call.position_ids, call.attention_mask, call.cache)
             embeds.append(hidden[0])
-            cos.append(c[0].float())
-            sin.append(s[0].float())
-            visible.append(seen)
-            lengths.append(count)
+            visible.append([seen for seen, _ in views])
+            lengths.append([count for _, count in views])
             keys.append([slot[0][0] for slot in slots])
             values.append([slot[1][0] for slot in slots])
             starts.append(slots[0][2])
+        # Rotary pair r of every row, the sequences' rows one after another.
+        cos, sin = ([torch.cat([pairs[r][part][0].float() for pairs in ropes]).contiguous()
+                     for r in range(len(ropes[0]))] for part in (0, 1))
         wanted = sorted({layer % (num_layers + 1) for call in calls for layer in call.hidden_layers})
         keep = [layer for layer in wanted if 0 < layer < len(self.compiled)]
         rows, *outputs = self._compiled_stack.forward_many(
             torch.cat(embeds).contiguous(), [e.shape[0] for e in embeds], starts, visible, lengths, keys, values,
-            torch.cat(cos).contiguous(), torch.cat(sin).contiguous(), keep)
-        normed = _rms_norm(base.norm, rows[None])  # [1, rows, width]: each row alone
+            cos, sin, keep)
+        normed = self._final_norm(rows[None])  # [1, rows, width]: each row alone
         states, heads = [], []
         row = 0
         for call, embed in zip(calls, embeds):

@@ -125,21 +125,24 @@ class LeanGemmaForward(LeanLlamaForward):
             logits = out.logits[:, out.logits.shape[1] - num_logits:]
             return logits, {layer: out.hidden_states[layer] for layer in hidden_layers}
         hidden = base.embed_tokens(input_ids)
-        ropes = [base.rotary_emb(hidden, position_ids, kind) for kind in LAYER_TYPES]
+        ropes = self._ropes(hidden, position_ids)
         num_layers = config.num_hidden_layers
         wanted = {layer % (num_layers + 1) for layer in hidden_layers}
         kept: dict[int, torch.Tensor] = {0: hidden} if 0 in wanted else {}
         prefill = num_logits == 0 and n >= self.prefill_gemm_rows
         segment = self._segment(hidden, position_ids, attention_mask, cache)
-        hidden = base.norm(self._compiled_body(hidden, ropes, segment, wanted, kept, prefill))
+        hidden = self._final_norm(self._compiled_body(hidden, ropes, segment, wanted, kept, prefill))
         if num_layers in wanted:
             kept[num_layers] = hidden
         logits = self._head(hidden, num_logits, argmax_only)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
-    def forward_many(self, calls) -> None:
-        """Not taken: the compiled layers' batched pass holds one view a sequence, and Gemma's layers need two."""
-        return None
+    def _ropes(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # One pair per layer kind, in LAYER_TYPES' order (a layer's ``rope`` index).
+        return [self.model.model.rotary_emb(hidden, position_ids, kind) for kind in LAYER_TYPES]
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.model.norm(hidden)
 
     def _segment(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
         """As :meth:`LeanLlamaForward._segment`, with one view per layer kind: the full layers' and the sliding

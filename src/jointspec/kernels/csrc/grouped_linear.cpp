@@ -1625,41 +1625,52 @@ class CompiledLayers {
 
   // Several sequences' rows through every layer in one pass (the batched engine's round): hidden [rows, width] holds
   // row_counts[s] consecutive rows of sequence s, whose new entries go at starts[s] .. of its own buffers keys[s][i]
-  // / values[s][i] for layer i, and whose rows see the keys visible[s] / lengths[s] give them (as forward() takes
-  // them). Each row goes through exactly the operations forward() gives it when its sequence is run alone, so its
-  // results are the same bits. Returns what forward() returns, over all rows.
+  // / values[s][i] for layer i, and whose rows see the keys visible[s][v] / lengths[s][v] give them in a layer of
+  // view v (as forward() takes them; cos[r] / sin[r] hold every row's rotary pair r). Each row goes through exactly
+  // the operations forward() gives it when its sequence is run alone, so its results are the same bits. Returns
+  // what forward() returns, over all rows.
   std::vector<torch::Tensor> forward_many(torch::Tensor hidden, std::vector<int64_t> row_counts,
-                                          std::vector<int64_t> starts, std::vector<torch::Tensor> visible,
-                                          std::vector<torch::Tensor> lengths,
+                                          std::vector<int64_t> starts,
+                                          std::vector<std::vector<torch::Tensor>> visible,
+                                          std::vector<std::vector<torch::Tensor>> lengths,
                                           std::vector<std::vector<torch::Tensor>> keys,
-                                          std::vector<std::vector<torch::Tensor>> values, torch::Tensor cos,
-                                          torch::Tensor sin, std::vector<int64_t> keep) {
+                                          std::vector<std::vector<torch::Tensor>> values,
+                                          std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                                          std::vector<int64_t> keep) {
     const size_t count = row_counts.size();
     TORCH_CHECK(!layers_.empty(), "no layers registered");
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const LayerExtras& x = layers_[i].extras;
-      TORCH_CHECK(x.rope == 0 && x.view == 0, "forward_many takes one cos / sin pair and one visibility per "
-                  "sequence: layers with their own (sliding windows) run one sequence at a time");
-      if (!keys.empty() && !keys[0].empty()) head_norms_fit(x, keys[0][0].size(2), i);
-    }
     TORCH_CHECK(starts.size() == count && visible.size() == count && lengths.size() == count &&
                 keys.size() == count && values.size() == count, "one start, visibility, lengths and set of caches "
                 "per sequence");
+    TORCH_CHECK(cos.size() == sin.size(), "one sin per cos");
     int64_t total = 0;
     for (size_t s = 0; s < count; ++s) {
       TORCH_CHECK(row_counts[s] > 0, "sequence ", s, " has no rows");
       TORCH_CHECK(keys[s].size() == layers_.size() && values[s].size() == layers_.size(), "sequence ", s,
                   ": one key and one value buffer per layer");
+      TORCH_CHECK(visible[s].size() == lengths[s].size(), "sequence ", s, ": one lengths per visibility");
       total += row_counts[s];
     }
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == total, "hidden must hold the rows of every sequence: ", total,
                 " rows");
     TORCH_CHECK(keys[0][0].dim() == 3, "caches must be float32 [kv_heads, capacity, dim] with contiguous rows");
     const int64_t kv_heads = keys[0][0].size(0), dim = keys[0][0].size(2);
-    std::vector<std::vector<std::vector<int64_t>>> index(count);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const LayerExtras& x = layers_[i].extras;
+      TORCH_CHECK(x.rope < static_cast<int64_t>(cos.size()), "layer ", i, " takes cos / sin pair ", x.rope,
+                  ": not given");
+      for (size_t s = 0; s < count; ++s) {
+        TORCH_CHECK(x.view < static_cast<int64_t>(visible[s].size()), "layer ", i, " takes visibility ", x.view,
+                    ": not given for sequence ", s);
+      }
+      head_norms_fit(x, dim, i);
+    }
+    // index[s][v]: sequence s's rows' visible keys in view v.
+    std::vector<std::vector<std::vector<std::vector<int64_t>>>> index(count);
     std::vector<int64_t> begins(count);
     for (size_t s = 0, row = 0; s < count; row += row_counts[s], ++s) {
-      index[s] = visible_keys(visible[s], lengths[s], row_counts[s], starts[s] + row_counts[s]);
+      for (size_t v = 0; v < visible[s].size(); ++v)
+        index[s].push_back(visible_keys(visible[s][v], lengths[s][v], row_counts[s], starts[s] + row_counts[s]));
       begins[s] = static_cast<int64_t>(row);
     }
     std::vector<torch::Tensor> kept(keep.size());
@@ -1667,13 +1678,14 @@ class CompiledLayers {
     segments.reserve(count);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      const LayerWeights w = layer_weights(hidden, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, cos,
-                                           sin, l.heads, kv_heads, dim);
+      const torch::Tensor &c = cos[l.extras.rope], &sn = sin[l.extras.rope];
+      const LayerWeights w = layer_weights(hidden, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, c, sn,
+                                           l.heads, kv_heads, dim);
       segments.clear();
       for (size_t s = 0; s < count; ++s)
-        segments.push_back(segment_of(begins[s], row_counts[s], keys[s][i], values[s][i], starts[s], index[s],
-                                      kv_heads, dim));
-      hidden = layer_over_segments(hidden, l.input_norm, l.post_norm, l.eps, w.qkv, w.o, w.gate_up, w.down, cos, sin,
+        segments.push_back(segment_of(begins[s], row_counts[s], keys[s][i], values[s][i], starts[s],
+                                      index[s][l.extras.view], kv_heads, dim));
+      hidden = layer_over_segments(hidden, l.input_norm, l.post_norm, l.eps, w.qkv, w.o, w.gate_up, w.down, c, sn,
                                    segments, l.heads, kv_heads, dim, l.scale, false, l.extras);
       for (size_t j = 0; j < keep.size(); ++j)
         if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
