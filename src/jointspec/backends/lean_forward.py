@@ -277,7 +277,7 @@ class LeanLlamaForward:
         self._compiled_stack = kernels(self._isa).CompiledLayers()
         for norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling, _, _ in layers:
             self._compiled_stack.add_layer(norm1, norm2, eps, qkv, o_proj, gate_up, down, heads, scaling)
-        for index, layer in enumerate(base.layers):
+        for index, layer in enumerate(base.layers[:len(layers)]):
             self._add_extras(index, layer)
         self._compiled_buffers: list = []  # the cache buffers the stack was last given
         return layers
