@@ -130,3 +130,32 @@ def test_greedy_rows_read_the_exact_head_not_the_screen():
 
 def test_a_float32_gemma3_keeps_transformers_forward():
     assert CausalLM(tiny_gemma3(0), name="float32").lean is None
+
+
+@pytest.mark.parametrize("config", [MethodConfig("pld", num_draft_tokens=4),
+                                    MethodConfig("specinfer", draft="self", tree=(2, 2))], ids=["pld", "specinfer"])
+def test_the_lockstep_engine_gives_each_request_its_own_tokens(config, monkeypatch):
+    """`serve` on the compiled Gemma-3: requests decoded together, joining as others finish, past the window, each
+    get the tokens the single-sequence loop gives them alone, with their forwards run as one pass."""
+    from jointspec.batch.engine import BatchRequest
+    from jointspec.batch.lockstep import LockstepEngine, engine_for
+
+    from helpers import BATCH_GREEDY, BATCH_PROMPTS
+
+    passes = []
+    original = LeanGemmaForward.forward_many
+    monkeypatch.setattr(LeanGemmaForward, "forward_many",
+                        lambda self, calls: passes.append(original(self, calls)) or passes[-1])
+
+    target = CausalLM(int4_gemma(), name="int4 gemma3")
+    engine = engine_for(target, method=config, max_batch_size=3)
+    assert isinstance(engine, LockstepEngine)
+    prompts = BATCH_PROMPTS[:5]
+    out = engine.generate([BatchRequest(tuple(prompt), BATCH_GREEDY, config) for prompt in prompts])
+    assert any(result is not None for result in passes)  # rounds that ran as one pass of the compiled layers
+    expected = []
+    for prompt in prompts:
+        alone = target.fork("alone")
+        drafter, verifier = build_method(MethodContext(config, alone, None, None))
+        expected.append(SpeculativeDecoder(alone, drafter, verifier).generate(prompt, BATCH_GREEDY))
+    assert out == expected and all(len(tokens) > 0 for tokens in out)
