@@ -17,7 +17,13 @@ import torch
 from transformers import PreTrainedModel
 
 from jointspec.backends.kvcache import BufferedCache, sliding_window_mask
-from jointspec.backends.lean_forward import LeanCall, LeanLlamaForward, attention_mass, lean_forward_for
+from jointspec.backends.lean_forward import (
+    LeanCall,
+    LeanLlamaForward,
+    attention_mass,
+    lean_forward_for,
+    transformers_forward,
+)
 from jointspec.backends.lean_gemma import lean_gemma_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
@@ -211,14 +217,8 @@ class CausalLM:
             logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
                                        call.num_logits, call.hidden_layers, argmax_only=argmax_only)
         else:
-            # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
-            keep, layers = call.num_logits, call.hidden_layers
-            out = self.model(input_ids=call.input_ids, position_ids=call.position_ids,
-                             attention_mask=call.attention_mask, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=max(keep, 1), output_hidden_states=bool(layers))
-            self.cache = out.past_key_values
-            logits = out.logits[:, out.logits.shape[1] - keep:]
-            states = {layer: out.hidden_states[layer] for layer in layers}
+            logits, states = transformers_forward(self.model, call.input_ids, call.position_ids, call.attention_mask,
+                                                  self.cache, call.num_logits, call.hidden_layers)
         return self._finish(call, output_hidden, logits, states)
 
     def _prefill_in_chunks(self, token_ids: list[int] | torch.Tensor, output_hidden: bool) -> ForwardOutput:

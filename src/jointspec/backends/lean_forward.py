@@ -146,6 +146,17 @@ def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:
     return LeanLlamaForward(model) if unsupported_reason(model) is None else None
 
 
+def transformers_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache,
+                         num_logits: int, hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict]:
+    """``model``'s own forward with the lean forward's arguments and results: the logits of the last ``num_logits``
+    rows and the hidden states of ``hidden_layers``; ``cache`` is updated in place."""
+    # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache,
+                use_cache=True, logits_to_keep=max(num_logits, 1), output_hidden_states=bool(hidden_layers))
+    logits = out.logits[:, out.logits.shape[1] - num_logits:]
+    return logits, {layer: out.hidden_states[layer] for layer in hidden_layers}
+
+
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; a plain ``nn.Linear`` without hooks skips ``Module.__call__`` (its forward is this very call)."""
     if type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):

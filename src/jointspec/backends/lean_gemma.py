@@ -22,7 +22,7 @@ import torch
 from transformers.models.gemma3 import modeling_gemma3 as gemma3
 
 from jointspec.backends.kvcache import BufferedLayer, BufferedSlidingLayer, sliding_window_mask
-from jointspec.backends.lean_forward import LeanLlamaForward
+from jointspec.backends.lean_forward import LeanLlamaForward, transformers_forward
 
 # The layer kinds, in the order of the compiled layers' rotary pairs and views (a layer's index into both).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -118,12 +118,8 @@ class LeanGemmaForward(LeanLlamaForward):
         base, config = model.model, model.config
         n = input_ids.shape[1]
         if input_ids.shape[0] != 1 or model.dtype != torch.float32 or not self._compiled_ready(n, cache):
-            # transformers reads logits_to_keep = 0 as "all of them": ask for one row and drop it instead.
-            out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                        past_key_values=cache, use_cache=True, logits_to_keep=max(num_logits, 1),
-                        output_hidden_states=bool(hidden_layers))
-            logits = out.logits[:, out.logits.shape[1] - num_logits:]
-            return logits, {layer: out.hidden_states[layer] for layer in hidden_layers}
+            return transformers_forward(model, input_ids, position_ids, attention_mask, cache, num_logits,
+                                        hidden_layers)
         hidden = base.embed_tokens(input_ids)
         ropes = self._ropes(hidden, position_ids)
         num_layers = config.num_hidden_layers
