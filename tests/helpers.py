@@ -276,6 +276,19 @@ def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
     return outputs
 
 
+def decode_greedy(target, prompt: list[int], method: str = "ar", max_new_tokens: int = 30, draft: str | None = None,
+                  tree: tuple[int, ...] | None = None, accepted: list[int] | None = None) -> list[int]:
+    """Greedy output of ``method`` on ``target`` (any adapter, an approximate one included); appends the accepted
+    draft tokens to ``accepted`` where given."""
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft=draft, tree=tree), target, None,
+                                                   None))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    out = decoder.generate(prompt, greedy(max_new_tokens))
+    if accepted is not None:
+        accepted.append(decoder.stats.num_accepted_tokens)
+    return out
+
+
 # -- tokenizers -------------------------------------------------------------------------------------------------------
 
 WORDS = ("the a of to and in is it that for on with as was be by this are or from at an not but have "

@@ -288,9 +288,9 @@ def test_prompt_file_gives_the_same_answer_as_the_argument(capsys, model_dirs, t
     assert_clean_error(code, err, "jointspec: error:", "missing.txt")
 
 
-@pytest.mark.parametrize("mode", ["sparse", "speckv"])
+@pytest.mark.parametrize("mode", ["sparse", "speckv", "specpc"])
 def test_approximate_attention_says_it_is_approximate(capsys, model_dirs, mode):
-    """--attention sparse|speckv decodes on the approximate target and says so; below its 2,048-token threshold
+    """--attention sparse|speckv|specpc decodes on the approximate target and says so; below its 2,048-token threshold
     (every prompt of these tiny models) it still sees the whole cache, so the tokens are exact decoding's."""
     options = ["--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "8", "--method", "ar", "--json"]
     code, exact, _ = run_cli(capsys, "generate", PROMPT, *options)

@@ -18,29 +18,18 @@ import torch
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.core.loop import SpeculativeDecoder
+from jointspec.drafters.approximate import with_attention
 from jointspec.drafters.sparse_self import SparseView
-from jointspec.drafters.speckv import LookaheadSelection, SpecKVTarget, with_attention
+from jointspec.drafters.speckv import LookaheadSelection, SpecKVTarget
 from jointspec.kernels.grouped import float_inputs
 from jointspec.kernels.quantize import quantize_model
-from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import greedy, grouped_llama, random_prompt, tiny_llama
+from helpers import decode_greedy as decode
+from helpers import grouped_llama, random_prompt, tiny_llama
 
 # Sizes for tiny models: the lookahead's view and the selection leave out most of a 120-token prompt.
 TINY_VIEW = SparseView(sinks=2, window=6, chunk=5, chunks=2, lead=1, min_ngram=1, min_context=8)
 TINY_SELECTION = LookaheadSelection(lookahead=4, capacity=24, sinks=2, window=4, pool=3, min_context=8)
-
-
-def decode(target, prompt: list[int], method: str = "ar", max_new_tokens: int = 30, draft: str | None = None,
-           tree: tuple[int, ...] | None = None, accepted: list[int] | None = None) -> list[int]:
-    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft=draft, tree=tree), target, None,
-                                                   None))
-    decoder = SpeculativeDecoder(target, drafter, verifier)
-    out = decoder.generate(prompt, greedy(max_new_tokens))
-    if accepted is not None:
-        accepted.append(decoder.stats.num_accepted_tokens)
-    return out
 
 
 def test_attention_mass_is_the_models_attention_and_leaves_the_cache_as_it_was():

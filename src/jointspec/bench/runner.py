@@ -35,7 +35,7 @@ from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
 from jointspec.bench.specs import MethodSpec, MethodSpecError
 from jointspec.core.loop import SpecStats
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.speckv import with_attention
+from jointspec.drafters.approximate import with_attention
 from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
 from jointspec.methods import MethodConfig
 
@@ -183,7 +183,7 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
 class _TargetCopies:
     """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name, with a
     float16 cache where the spec says ``kv=float16``, decoding over part of its cache where it says
-    ``attention=sparse`` or ``attention=speckv``."""
+    ``attention=sparse`` or ``attention=speckv``, reading part of a long prompt where it says ``attention=specpc``."""
 
     def __init__(self, target: CausalLM, config: BenchConfig) -> None:
         self.target, self.config = target, config
@@ -201,7 +201,7 @@ class _TargetCopies:
             if id(target) not in self.half_cache:
                 self.half_cache[id(target)] = target.fork(f"{target.name}, float16 KV cache", kv_dtype=torch.float16)
             target = self.half_cache[id(target)]
-        return with_attention(target, spec.attention)  # lossy unless 'full': the target sees part of its cache
+        return with_attention(target, spec.attention)  # lossy unless 'full': the target sees part of its input
 
     def _weights_for(self, spec: MethodSpec) -> CausalLM:
         target, mode = self.target, self.quantize(spec)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from jointspec.backends.loading import QUANTIZE_CHOICES
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafters.speckv import ATTENTION_MODES
+from jointspec.drafters.approximate import ATTENTION_MODES
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.oracle import OracleConfig
 from jointspec.methods.registry import NOT_BUILT, unknown_method_error
@@ -54,7 +54,7 @@ PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention", "memory", "kv")
 # Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.
 SPEC_KERNELS = ("loaded", "stock")
 # The torch target's attention after the prompt: the whole cache, or (lossy, for long inputs) part of it
-# (drafters/speckv.py: with_attention).
+# (drafters/approximate.py: with_attention).
 SPEC_ATTENTION = ATTENTION_MODES
 # Whether a method also drafts from its own earlier answers in this run (drafters/memory.py): online adaptation.
 SPEC_MEMORY = ("off", "online")
@@ -110,7 +110,8 @@ class MethodSpec:
 
     @property
     def attention(self) -> str:
-        """'full', or 'sparse' / 'speckv': the target decodes over part of its cache (lossy; long inputs)."""
+        """'full', or 'sparse' / 'speckv' / 'specpc': the target decodes over part of its cache, or reads part of a
+        long prompt (lossy; long inputs)."""
         return self.options.get("attention", "full")
 
     @property

@@ -39,11 +39,13 @@ def _add_generate(subparsers) -> None:
                         help="fixes a sampled answer (default: a fresh seed per run, reported so the answer can be "
                              "repeated)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
-    parser.add_argument("--attention", choices=("full", "sparse", "speckv"), default="full",
+    parser.add_argument("--attention", choices=("full", "sparse", "speckv", "specpc"), default="full",
                         help="APPROXIMATE (lossy) decoding for long inputs, past 2,048 tokens of context. sparse: "
                              "the model sees only attention sinks, its last 1,024 tokens and the input spans its "
                              "context points to; speckv: only the 1,296 prompt tokens a 16-token lookahead attends "
-                             "to most, and its answer (docs/long-inputs.md)")
+                             "to most, and its answer; specpc: the model reads only the 1,296 prompt tokens its first "
+                             "8 layers attend to most from the prompt's end, which also cuts the time to the first "
+                             "token (docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
     # since the batched engine has no hybrid/head drafter.
@@ -69,7 +71,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise JointspecError(str(error)) from error
     apply_threads(args)
     from jointspec.backends.loading import load_model
-    from jointspec.drafters.speckv import with_attention
+    from jointspec.drafters.approximate import with_attention
 
     # Pipeline.load's two steps, with the target wrapped in between where --attention asks for an approximate one.
     model, tokenizer = load_model(args.model, **model_options(args))

@@ -72,18 +72,28 @@ class LookaheadSelection:
     def positions(self, mass: torch.Tensor) -> torch.Tensor:
         """The prompt positions kept, increasing, from ``mass`` ([layers, heads, prompt length]: the lookahead's
         attention to each position)."""
-        length = mass.shape[-1]
-        keep = torch.zeros(length, dtype=torch.bool)
-        keep[:self.sinks] = True
-        keep[max(0, length - self.window):] = True
-        free = min(self.capacity, length) - int(keep.sum())
-        if free > 0:
-            flat = mass.reshape(-1, length).float().cpu()
-            score = flat.mean(0) if self.reduce == "mean" else flat.amax(0)
-            score = F.max_pool1d(score[None, None], self.pool, stride=1, padding=self.pool // 2)[0, 0]
-            score[keep] = float("-inf")
-            keep[score.topk(free).indices] = True
-        return keep.nonzero().flatten()
+        return select_positions(mass, capacity=self.capacity, sinks=self.sinks, window=self.window, pool=self.pool,
+                                reduce=self.reduce)
+
+
+def select_positions(mass: torch.Tensor, *, capacity: int, sinks: int, window: int, pool: int,
+                     reduce: str) -> torch.Tensor:
+    """The positions kept of ``mass``'s ([layers, heads, length]: attention paid to each position), increasing: the
+    first ``sinks`` and last ``window``, then the best-scored others up to ``capacity`` in all, scored by the mean
+    (or maximum) over layers and heads widened by a max-pool of width ``pool`` (a kept position brings its
+    neighbours). Shared by the SpecKV-style selection above and the SpecPC-style one (drafters/specpc.py)."""
+    length = mass.shape[-1]
+    keep = torch.zeros(length, dtype=torch.bool)
+    keep[:sinks] = True
+    keep[max(0, length - window):] = True
+    free = min(capacity, length) - int(keep.sum())
+    if free > 0:
+        flat = mass.reshape(-1, length).float().cpu()
+        score = flat.mean(0) if reduce == "mean" else flat.amax(0)
+        score = F.max_pool1d(score[None, None], pool, stride=1, padding=pool // 2)[0, 0]
+        score[keep] = float("-inf")
+        keep[score.topk(free).indices] = True
+    return keep.nonzero().flatten()
 
 
 class SpecKVTarget(SparseViewTarget):
@@ -150,19 +160,3 @@ class SpecKVTarget(SparseViewTarget):
 
     def fork(self, name: str | None = None) -> SpecKVTarget:
         return SpecKVTarget(self.inner.fork(name), self.selection, self.view, name)
-
-
-# The target's attention after the prompt: the whole cache (exact), or one of the two approximate targets.
-ATTENTION_MODES = ("full", "sparse", "speckv")
-
-
-def with_attention(target: TargetLM, mode: str) -> TargetLM:
-    """``target`` itself for ``full``; wrapped to decode over part of its cache for ``sparse`` (a view chosen from the
-    tokens, :class:`SparseViewTarget`) or ``speckv`` (chosen by a lookahead's attention, :class:`SpecKVTarget`)."""
-    if mode == "full":
-        return target
-    if mode == "sparse":
-        return SparseViewTarget(target)
-    if mode == "speckv":
-        return SpecKVTarget(target)
-    raise ValueError(f"attention '{mode}' must be one of: {', '.join(ATTENTION_MODES)}")
