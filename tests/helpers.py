@@ -40,7 +40,7 @@ from scipy import stats
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from jointspec.backends.hf import CausalLM
+from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -287,6 +287,26 @@ def decode_greedy(target, prompt: list[int], method: str = "ar", max_new_tokens:
     if accepted is not None:
         accepted.append(decoder.stats.num_accepted_tokens)
     return out
+
+
+def assert_forward_many_is_each_alone(target: CausalLM, contexts: list[list[int]], calls, rounds: int = 2) -> None:
+    """The batched pass (:func:`~jointspec.backends.hf.forward_many`) over forks of ``target`` holding ``contexts``
+    gives each call exactly what its own forward gives (logits, hidden states, cache length), round after round (a
+    later round runs on caches the earlier ones grew)."""
+    together = [target.fork(f"together {i}") for i in range(len(calls))]
+    apart = [target.fork(f"apart {i}") for i in range(len(calls))]
+    for context, a, b in zip(contexts, together, apart):
+        a.forward(context, num_logits=0)
+        b.forward(context, num_logits=0)
+    for _ in range(rounds):
+        outputs = forward_many(together, calls)
+        for other, call, output in zip(apart, calls, outputs):
+            own = call.run(other)
+            assert torch.equal(output.logits, own.logits)
+            assert (output.hidden is None) == (own.hidden is None)
+            if own.hidden is not None:
+                assert torch.equal(output.hidden, own.hidden)
+        assert [t.num_cached for t in together] == [t.num_cached for t in apart]
 
 
 # -- tokenizers -------------------------------------------------------------------------------------------------------

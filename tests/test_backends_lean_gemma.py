@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jointspec.backends.hf import CausalLM, forward_many
+from jointspec.backends.hf import CausalLM
 from jointspec.backends.lean_gemma import LeanGemmaForward
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.core.target import ForwardCall
@@ -20,7 +20,7 @@ from jointspec.kernels.grouped import float_inputs
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import greedy, greedy_by_methods, random_prompt, tiny_gemma3
+from helpers import assert_forward_many_is_each_alone, greedy, greedy_by_methods, random_prompt, tiny_gemma3
 
 
 def int4_gemma(seed: int = 0, window: int = 4):
@@ -79,16 +79,7 @@ def test_forward_many_gives_each_sequence_its_own_forwards_bits(monkeypatch):
     contexts = [random_prompt(seed, length=length) for seed, length in enumerate((2, 9, 16))]
     calls = [ForwardCall([5]), ForwardCall([6, 7, 8], argmax_only=True),
              ForwardCall([9, 10, 11, 12], parents=[-1, 0, 0, 1], output_hidden=True)]
-    together, apart = [target.fork(f"t{i}") for i in range(3)], [target.fork(f"a{i}") for i in range(3)]
-    for context, a, b in zip(contexts, together, apart):
-        a.forward(context, num_logits=0)
-        b.forward(context, num_logits=0)
-    for _ in range(2):  # the second round: caches that grew in the first
-        outputs = forward_many(together, calls)
-        for other, call, output in zip(apart, calls, outputs):
-            own = call.run(other)
-            assert torch.equal(output.logits, own.logits)
-            assert own.hidden is None or torch.equal(output.hidden, own.hidden)
+    assert_forward_many_is_each_alone(target, contexts, calls)
     assert len(passes) == 2 and all(result is not None for result in passes)
 
 

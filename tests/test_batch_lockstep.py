@@ -42,7 +42,7 @@ from helpers import BATCH_EOS as EOS
 from helpers import BATCH_GREEDY as GREEDY
 from helpers import BATCH_PROMPTS as PROMPTS
 from helpers import BATCH_SAMPLED as SAMPLED
-from helpers import grouped_llama, random_prompt, tiny_llama
+from helpers import assert_forward_many_is_each_alone, grouped_llama, random_prompt, tiny_llama
 
 METHODS = {
     "ar": MethodConfig("ar"),
@@ -100,19 +100,7 @@ def test_forward_many_gives_each_sequence_its_own_forwards_bits(int4_target, arg
     calls = [ForwardCall([5]), ForwardCall([6, 7, 8], argmax_only=argmax_only),
              ForwardCall([9, 10, 11, 12], parents=[-1, 0, 0, 1], argmax_only=argmax_only),
              ForwardCall([13, 14], output_hidden=True)]
-    together, apart = [int4_target.fork(f"t{i}") for i in range(4)], [int4_target.fork(f"a{i}") for i in range(4)]
-    for context, a, b in zip(contexts, together, apart):
-        a.forward(context, num_logits=0)
-        b.forward(context, num_logits=0)
-    for _ in range(2):  # the second round: caches that grew in the first
-        outputs = forward_many(together, calls)
-        for target, call, output in zip(apart, calls, outputs):
-            own = call.run(target)
-            assert torch.equal(output.logits, own.logits)
-            assert (output.hidden is None) == (own.hidden is None)
-            if own.hidden is not None:
-                assert torch.equal(output.hidden, own.hidden)
-        assert [t.num_cached for t in together] == [t.num_cached for t in apart]
+    assert_forward_many_is_each_alone(int4_target, contexts, calls)
     assert passes["one pass"] == 2
 
 

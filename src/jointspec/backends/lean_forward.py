@@ -129,16 +129,29 @@ def body_unsupported_reason(base: torch.nn.Module, family: tuple | None = None) 
     for layer in base.layers[:base.config.num_hidden_layers]:
         parts += [(layer, decoder), (layer.self_attn, attention), (layer.mlp, mlp), (layer.input_layernorm, norm),
                   (layer.post_attention_layernorm, norm)]
-    for module, expected in parts:
-        if type(module) is not expected:
-            return f"{type(module).__name__} replaces transformers' {expected.__name__}"
-    # accelerate's offloading hooks move weights in and out around a module's call; the lean forward would bypass
-    # them on the modules it does not call.
-    if any(hasattr(module, "_hf_hook") for module in base.modules()):
+    replaced = replaced_part(parts)
+    if replaced is not None:
+        return replaced
+    if accelerate_hooked(base):
         return "the model carries accelerate hooks (device_map offloading)"
     if getattr(base.config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     return None
+
+
+def replaced_part(parts: list[tuple[nn.Module, type]]) -> str | None:
+    """Why the first ``(module, expected class)`` pair whose module is not exactly that class rules the lean forward
+    out (None: every part is transformers' own): a subclass or a wrapper may compute something else."""
+    for module, expected in parts:
+        if type(module) is not expected:
+            return f"{type(module).__name__} replaces transformers' {expected.__name__}"
+    return None
+
+
+def accelerate_hooked(module: nn.Module) -> bool:
+    """Whether accelerate's offloading hooks sit on ``module`` or below it: they move weights in and out around a
+    module's call, and the lean forward would bypass them on the modules it does not call."""
+    return any(hasattr(part, "_hf_hook") for part in module.modules())
 
 
 def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:

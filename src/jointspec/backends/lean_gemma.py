@@ -22,7 +22,12 @@ import torch
 from transformers.models.gemma3 import modeling_gemma3 as gemma3
 
 from jointspec.backends.kvcache import BufferedLayer, BufferedSlidingLayer, sliding_window_mask
-from jointspec.backends.lean_forward import LeanLlamaForward, transformers_forward
+from jointspec.backends.lean_forward import (
+    LeanLlamaForward,
+    accelerate_hooked,
+    replaced_part,
+    transformers_forward,
+)
 
 # The layer kinds, in the order of the compiled layers' rotary pairs and views (a layer's index into both).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -38,7 +43,7 @@ def gemma_unsupported_reason(model: torch.nn.Module) -> str | None:
     base, config = model.model, model.config
     if type(base) is not gemma3.Gemma3TextModel or base.training:
         return "the body is not transformers' Gemma3TextModel in inference mode"
-    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+    if accelerate_hooked(model):
         return "the model carries accelerate hooks (device_map offloading)"
     if config.attn_logit_softcapping is not None or config.final_logit_softcapping is not None:
         return "logit soft-capping"
@@ -53,9 +58,9 @@ def gemma_unsupported_reason(model: torch.nn.Module) -> str | None:
         attn = layer.self_attn
         parts += [(layer, gemma3.Gemma3DecoderLayer), (attn, gemma3.Gemma3Attention), (layer.mlp, gemma3.Gemma3MLP)]
         parts += [(norm, gemma3.Gemma3RMSNorm) for norm in (*map(layer.__getattr__, NORMS), attn.q_norm, attn.k_norm)]
-    for module, expected in parts:
-        if type(module) is not expected:
-            return f"{type(module).__name__} replaces transformers' {expected.__name__}"
+    replaced = replaced_part(parts)
+    if replaced is not None:
+        return replaced
     # The compiled layer takes one epsilon for all of a layer's norms.
     if any(norm.eps != config.rms_norm_eps for norm, kind in parts if kind is gemma3.Gemma3RMSNorm):
         return "norms with different epsilons"
