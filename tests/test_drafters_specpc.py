@@ -91,6 +91,23 @@ def test_the_loop_keeps_the_full_prompts_positions():
     assert target.num_cached == 50 and torch.equal(target.forward([9]).logits, reference.forward([9]).logits)
 
 
+def test_reading_reports_one_rising_series_over_both_reads(monkeypatch):
+    """generate's bar: the scorer's read of the prompt, then the target's of what is kept, as one series of tokens
+    read that only rises and ends full (in chunks of 16 here, so both reads report as they go)."""
+    import jointspec.backends.hf as hf
+
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
+    target = PromptCompressedTarget(CausalLM(tiny_llama(0)), TINY)
+    reports = []
+    target.prefill_progress = lambda done, total: reports.append((done, total))
+    target.forward(random_prompt(5, length=110), num_logits=0)
+    total = 110 - TINY.window + TINY.capacity
+    assert {t for _, t in reports} == {total} and reports[-1] == (total, total)
+    done = [d for d, _ in reports]
+    assert done == sorted(done) and len(done) >= 110 // 16 + TINY.capacity // 16
+    assert target.inner.prefill_progress is target.prefill_progress and target.scorer.prefill_progress is None
+
+
 def test_below_min_context_it_is_the_target_itself():
     model = tiny_llama(0)
     prompt = random_prompt(6, length=60)

@@ -43,9 +43,9 @@ def _add_generate(subparsers) -> None:
                         help="APPROXIMATE (lossy) decoding for long inputs, past 2,048 tokens of context. sparse: "
                              "the model sees only attention sinks, its last 1,024 tokens and the input spans its "
                              "context points to; speckv: only the 1,296 prompt tokens a 16-token lookahead attends "
-                             "to most, and its answer; specpc: the model reads only the 1,296 prompt tokens its first "
-                             "quarter of layers attends to most from the prompt's end, which also cuts the time to the first "
-                             "token (docs/long-inputs.md)")
+                             "to most, and its answer; specpc: the model reads only the 1,296 prompt tokens its "
+                             "first quarter of layers attends to most from the prompt's end, which also cuts the time "
+                             "to the first token (docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
     # since the batched engine has no hybrid/head drafter.

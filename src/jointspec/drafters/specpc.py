@@ -135,6 +135,7 @@ class PromptCompressedTarget:
         self._dropped = 0  # prompt tokens the inner target never read
         self._prompt_end = 0  # where the compressed prompt ends, in the loop's positions (0: nothing dropped)
         self.kept: torch.Tensor | None = None  # the prompt positions read, increasing (None: the whole prompt)
+        self._progress = None  # called as (tokens done, tokens in all) while a prompt is read
 
     # --- what the loop, drafters and bench read ---------------------------------------------------------------
 
@@ -158,12 +159,11 @@ class PromptCompressedTarget:
 
     @property
     def prefill_progress(self):
-        return self.inner.prefill_progress
+        return self._progress
 
     @prefill_progress.setter
-    def prefill_progress(self, hook) -> None:  # generate's bar follows the scorer's read of the whole prompt
-        self.inner.prefill_progress = hook
-        self.scorer.prefill_progress = hook
+    def prefill_progress(self, hook) -> None:  # generate's bar while a prompt is read
+        self._progress = self.inner.prefill_progress = hook
 
     def reset(self, *, plain: bool = False) -> None:
         self.inner.reset(plain=plain)
@@ -187,17 +187,27 @@ class PromptCompressedTarget:
         """Score ``ids`` (a prompt read into the empty cache) with the scorer and read the tokens it keeps."""
         c = self.compression
         head, tail = ids[:-c.window], ids[-c.window:]
-        scorer = self.scorer
+        scorer, inner, hook = self.scorer, self.inner, self._progress
+        # One bar over both reads, in tokens read: the scorer's of the head, then the target's of what is kept.
+        total = len(head) + c.capacity
         scorer.reset()
         try:
+            scorer.prefill_progress = None if hook is None else (lambda done, _: hook(done, total))
             scorer.forward(head, num_logits=0)
             mass = scorer.attention_mass(tail)  # [layers, heads, len(head)]
         finally:
+            scorer.prefill_progress = None
             scorer.reset()  # its cache is the size of the whole prompt: do not hold it through the answer
         kept = select_positions(mass, capacity=c.capacity - len(tail), sinks=c.sinks, window=0, pool=c.pool,
                                 reduce=c.reduce)
         self.kept = torch.cat([kept, torch.arange(len(head), len(ids))])
-        out = self.inner.forward([ids[i] for i in self.kept.tolist()], num_logits=0)
+        inner.prefill_progress = None if hook is None else (lambda done, _: hook(len(head) + done, total))
+        try:
+            out = inner.forward([ids[i] for i in self.kept.tolist()], num_logits=0)
+        finally:
+            inner.prefill_progress = hook
+        if hook is not None:
+            hook(total, total)
         self._dropped = len(ids) - len(self.kept)
         self._prompt_end = len(ids)
         self._tokens.extend(ids)
