@@ -266,14 +266,8 @@ def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
                       methods=(("ar", None, None), ("sps", "self", None), ("specinfer", "self", (2, 2)))):
     """Greedy output of ``model`` on ``prompt`` under each (method, draft, tree): a chain and a tree method next to
     plain decoding, each on a fresh adapter."""
-    outputs = []
-    for name, draft, tree in methods:
-        target = CausalLM(model, name=f"{name} target")
-        drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft, tree=tree), target, None,
-                                                       load_draft=None))
-        config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0.0))
-        outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(prompt, config))
-    return outputs
+    return [decode_greedy(CausalLM(model, name=f"{name} target"), prompt, name, max_new_tokens, draft, tree)
+            for name, draft, tree in methods]
 
 
 def decode_greedy(target, prompt: list[int], method: str = "ar", max_new_tokens: int = 30, draft: str | None = None,

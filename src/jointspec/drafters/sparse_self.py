@@ -148,7 +148,23 @@ class SparseSelfDrafter:
         self._context = np.asarray(context_ids, dtype=np.int64)
 
 
-class SparseViewTarget:
+class WrappedTarget:
+    """What a target wrapping ``inner`` passes through unchanged: the weights, the vocabulary, the context limit, the
+    device and dtype. The approximate targets (this module's, drafters/speckv.py, drafters/specpc.py) build on it."""
+
+    inner: TargetLM
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    vocab_size = property(lambda self: self.inner.vocab_size)
+    max_context = property(lambda self: self.inner.max_context)
+    device = property(lambda self: self.inner.device)
+    dtype = property(lambda self: self.inner.dtype)
+
+
+class SparseViewTarget(WrappedTarget):
     """An approximate target for long inputs: ``inner`` (with ``capabilities.sparse_view``), every forward after
     the prompt seeing only ``view``'s part of the cache. Not lossless, never a default: opt-in with ``generate
     --attention sparse``, the bench spec option ``attention=sparse``, or by wrapping a target in Python.
@@ -179,10 +195,6 @@ class SparseViewTarget:
         return self.inner.capabilities
 
     @property
-    def model(self):
-        return self.inner.model
-
-    @property
     def prefill_progress(self):
         return self.inner.prefill_progress
 
@@ -191,10 +203,6 @@ class SparseViewTarget:
         self.inner.prefill_progress = hook
 
     num_cached = property(lambda self: self.inner.num_cached)
-    vocab_size = property(lambda self: self.inner.vocab_size)
-    max_context = property(lambda self: self.inner.max_context)
-    device = property(lambda self: self.inner.device)
-    dtype = property(lambda self: self.inner.dtype)
 
     def reset(self, *, plain: bool = False) -> None:
         self.inner.reset(plain=plain)

@@ -41,6 +41,7 @@ from torch import nn
 
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardOutput, TargetCapabilities, TargetLM
+from jointspec.drafters.sparse_self import WrappedTarget
 from jointspec.drafters.speckv import select_positions
 
 
@@ -106,7 +107,7 @@ def leading_layers(target, count: int):
     return CausalLM(top, f"{target.name} (first {count} of {total} layers)")
 
 
-class PromptCompressedTarget:
+class PromptCompressedTarget(WrappedTarget):
     """An approximate target for long inputs: ``inner`` reading, of a long prompt, only the tokens ``scorer``'s
     attention selects (module docstring). Not lossless, never a default: ``generate --attention specpc``, the bench
     spec option ``attention=specpc``, or by wrapping a target in Python. ``scorer``: a model of the same tokenizer
@@ -145,17 +146,8 @@ class PromptCompressedTarget:
         return dataclasses.replace(self.inner.capabilities, features=False, sparse_view=False)
 
     @property
-    def model(self):
-        return self.inner.model
-
-    @property
     def num_cached(self) -> int:
         return self.inner.num_cached + self._dropped
-
-    vocab_size = property(lambda self: self.inner.vocab_size)
-    max_context = property(lambda self: self.inner.max_context)
-    device = property(lambda self: self.inner.device)
-    dtype = property(lambda self: self.inner.dtype)
 
     @property
     def prefill_progress(self):
