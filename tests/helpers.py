@@ -3,7 +3,8 @@
 Fixtures live in ``conftest.py``; plain functions and constants live here, grouped by what they make:
 
 - tiny models: :func:`tiny_llama` (conftest's recipe), :func:`quant_llama` (sizes the int4 kernel takes),
-  :func:`grouped_llama` (sizes every grouped kernel and the compiled layers take), :func:`tiny_qwen2` (q/k/v biases);
+  :func:`grouped_llama` (sizes every grouped kernel and the compiled layers take), :func:`tiny_qwen2` (q/k/v biases),
+  :func:`tiny_qwen3` (q/k norms), :func:`tiny_gemma3`;
 - prompts and references: :func:`random_prompt`, :func:`hf_greedy` (transformers' own greedy decoding, the reference
   every method must match), :func:`first_occurrences`, :func:`greedy` (a greedy ``DecodeConfig``);
 - decoders built the way the library builds them: :func:`make_decoder` (by method name), :func:`decoder_for` (with a
@@ -43,6 +44,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
+from jointspec.core.target import ForwardCall
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
 VOCAB = 99
@@ -146,6 +148,25 @@ def tiny_qwen2(seed: int, hidden: int = 64, intermediate: int = 128, **config):
         for layer in model.model.layers:  # biases large enough to matter (they start at zero)
             for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 projection.bias.normal_(0, 0.5)
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def tiny_qwen3(seed: int, **config):
+    """A Qwen3 model (per-head q/k norms before the rotary embedding, no biases) with every linear's width a multiple
+    of 64 and a head size other than hidden / heads, as Qwen3's own (128 on 1,024-wide models)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         max_position_embeddings=256, tie_word_embeddings=True,
+                                         attn_implementation="sdpa", **config)).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for layer in model.model.layers:  # norms that matter (they start at one)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.25, 2.0)
         model.lm_head.weight.mul_(8.0)
     return model
 
@@ -301,6 +322,51 @@ def assert_forward_many_is_each_alone(target: CausalLM, contexts: list[list[int]
             if own.hidden is not None:
                 assert torch.equal(output.hidden, own.hidden)
         assert [t.num_cached for t in together] == [t.num_cached for t in apart]
+
+
+def assert_rows_computed_alone(target: CausalLM, context: list[int]) -> None:
+    """After ``context``, a chain and every node of a tree get bit for bit the logits of feeding their tokens one
+    by one (what makes plain and speculative decoding of a model agree exactly)."""
+    target.forward(context, num_logits=0)
+    new = [7, 8, 9, 10, 11, 12]
+    chain = target.forward(new).logits
+    target.crop(len(context))
+    assert torch.equal(chain, torch.cat([target.forward([token]).logits for token in new]))
+    target.crop(len(context))
+    tree = target.forward(new[:4], parents=[-1, 0, 0, 1]).logits  # 7 -> (8 -> 10, 9)
+    target.crop(len(context))
+    assert torch.equal(tree[[0, 1, 3]], target.forward([7, 8, 10]).logits)
+    target.crop(len(context))
+    assert torch.equal(tree[[0, 2]], target.forward([7, 9]).logits)
+
+
+def assert_forward_many_runs_one_pass(monkeypatch, kind: type, target: CausalLM) -> None:
+    """:func:`assert_forward_many_is_each_alone` on three sequences (a step, a chain read for its argmax, a tree
+    with hidden states) after contexts of 2, 9 and 16 tokens, and every round ran as one pass of ``kind``'s
+    ``forward_many`` (a lean forward class), not call by call."""
+    passes = []
+    original = kind.forward_many
+    monkeypatch.setattr(kind, "forward_many", lambda self, calls: passes.append(original(self, calls)) or passes[-1])
+    contexts = [random_prompt(seed, length=length) for seed, length in enumerate((2, 9, 16))]
+    calls = [ForwardCall([5]), ForwardCall([6, 7, 8], argmax_only=True),
+             ForwardCall([9, 10, 11, 12], parents=[-1, 0, 0, 1], output_hidden=True)]
+    assert_forward_many_is_each_alone(target, contexts, calls)
+    assert len(passes) == 2 and all(result is not None for result in passes)
+
+
+def assert_self_drafts_give_plain_greedy(model, method: str, tree: tuple[int, ...] | None, prompt: list[int]) -> None:
+    """``method`` drafting with ``model`` itself gives plain greedy decoding's 40 tokens with drafts accepted, and
+    the same when the length limit or an end of sequence falls inside a draft."""
+    expected = decode_greedy(CausalLM(model, name="plain"), prompt, "ar", 40)
+    target = CausalLM(model, name=f"{method} target")
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft="self", tree=tree), target, None,
+                                                   load_draft=None))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    assert decoder.generate(prompt, greedy(40)) == expected
+    assert decoder.stats.num_accepted_tokens > 0  # the drafts were verified, not skipped
+    assert decoder.generate(prompt, greedy(7)) == expected[:7]  # max length inside a draft
+    eos = expected[9]  # a token that appears mid-continuation, taken as the end of sequence
+    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:expected.index(eos) + 1]
 
 
 # -- tokenizers -------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from jointspec.kernels.fp32 import use_gqa_attention
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import VOCAB, greedy, random_prompt, tiny_llama, tiny_qwen2
+from helpers import VOCAB, greedy, greedy_by_methods, random_prompt, tiny_llama, tiny_qwen2
 
 
 def both(model) -> tuple[CausalLM, CausalLM]:
@@ -100,10 +100,6 @@ def test_models_other_than_transformers_llama_take_transformers_forward():
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2)
     assert "MyLlama" in unsupported_reason(MyLlama(config).eval())
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37,
-                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    assert lean_forward_for(mistral.eval()) is None
-    assert CausalLM(mistral).lean is None
     llama = LlamaForCausalLM(config)
     assert "training" in unsupported_reason(llama.train())
     llama.eval()
@@ -111,6 +107,25 @@ def test_models_other_than_transformers_llama_take_transformers_forward():
     assert "Identity replaces transformers' LlamaMLP" in unsupported_reason(llama)
     with pytest.raises(ValueError, match="LlamaMLP"):
         LeanLlamaForward(llama)
+
+
+def test_mistral_takes_the_lean_forward_bit_for_bit_and_its_sliding_window_does_not():
+    """Mistral is Llama's forward but for an optional window (7B v0.1's 4,096, MistralConfig's default; later Mistral
+    models have none)."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa")
+    model = MistralForCausalLM(MistralConfig(sliding_window=None, **sizes)).eval()
+    assert same_calls(*both(model)) == 5
+    # On the grouped int4 layers (every width a multiple of 64) it runs the compiled layers, each row alone.
+    grouped = quantize_model(MistralForCausalLM(MistralConfig(sliding_window=None, **{**sizes, "intermediate_size": 128}
+                                                              )).eval(), "int4")
+    assert CausalLM(grouped).lean.compiled is not None
+    ar, sps, specinfer = greedy_by_methods(grouped, random_prompt(0), 30)
+    assert len(ar) == 30 and sps == ar and specinfer == ar
+    windowed = MistralForCausalLM(MistralConfig(**sizes)).eval()
+    assert unsupported_reason(windowed) == "sliding-window attention layers"
+    assert lean_forward_for(windowed) is None and CausalLM(windowed).lean is None
 
 
 def test_qwen2_takes_the_lean_forward_bit_for_bit_and_sliding_windows_do_not():

@@ -15,12 +15,18 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.lean_gemma import LeanGemmaForward
 from jointspec.core.loop import SpeculativeDecoder
-from jointspec.core.target import ForwardCall
 from jointspec.kernels.grouped import float_inputs
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import assert_forward_many_is_each_alone, greedy, greedy_by_methods, random_prompt, tiny_gemma3
+from helpers import (
+    assert_forward_many_runs_one_pass,
+    assert_rows_computed_alone,
+    assert_self_drafts_give_plain_greedy,
+    greedy_by_methods,
+    random_prompt,
+    tiny_gemma3,
+)
 
 
 def int4_gemma(seed: int = 0, window: int = 4):
@@ -55,32 +61,13 @@ def test_each_row_is_computed_alone_past_the_window():
     """A chain, and every node of a tree, get bit for bit the logits of feeding their tokens one by one."""
     target = CausalLM(int4_gemma(1), name="compiled")
     context = random_prompt(3, length=16)
-    target.forward(context, num_logits=0)
-    new = [7, 8, 9, 10, 11, 12]
-    chain = target.forward(new).logits
-    target.crop(len(context))
-    assert torch.equal(chain, torch.cat([target.forward([token]).logits for token in new]))
-    target.crop(len(context))
-    tree = target.forward(new[:4], parents=[-1, 0, 0, 1]).logits  # 7 -> (8 -> 10, 9)
-    target.crop(len(context))
-    assert torch.equal(tree[[0, 1, 3]], target.forward([7, 8, 10]).logits)
-    target.crop(len(context))
-    assert torch.equal(tree[[0, 2]], target.forward([7, 9]).logits)
+    assert_rows_computed_alone(target, context)
 
 
 def test_forward_many_gives_each_sequence_its_own_forwards_bits(monkeypatch):
     """The batched server's pass: sequences in and past the window side by side (each layer kind its own view and
     rotary pair per sequence) get what their own forwards give, in one pass of the compiled layers."""
-    passes = []
-    original = LeanGemmaForward.forward_many
-    monkeypatch.setattr(LeanGemmaForward, "forward_many",
-                        lambda self, calls: passes.append(original(self, calls)) or passes[-1])
-    target = CausalLM(int4_gemma(1), name="compiled")
-    contexts = [random_prompt(seed, length=length) for seed, length in enumerate((2, 9, 16))]
-    calls = [ForwardCall([5]), ForwardCall([6, 7, 8], argmax_only=True),
-             ForwardCall([9, 10, 11, 12], parents=[-1, 0, 0, 1], output_hidden=True)]
-    assert_forward_many_is_each_alone(target, contexts, calls)
-    assert len(passes) == 2 and all(result is not None for result in passes)
+    assert_forward_many_runs_one_pass(monkeypatch, LeanGemmaForward, CausalLM(int4_gemma(1), name="compiled"))
 
 
 @pytest.mark.parametrize("prompt_seed", [0, 3])
@@ -91,19 +78,7 @@ def test_speculative_methods_equal_plain_greedy_on_the_compiled_gemma3(prompt_se
 
 @pytest.mark.parametrize("method, tree", [("sps", None), ("specinfer", (2, 2))])
 def test_eos_and_max_length_inside_a_draft_on_the_compiled_gemma3(method, tree):
-    model, prompt = int4_gemma(), random_prompt(0)
-    plain = CausalLM(model, name="plain")
-    drafter, verifier = build_method(MethodContext(MethodConfig(name="ar"), plain, None, load_draft=None))
-    expected = SpeculativeDecoder(plain, drafter, verifier).generate(prompt, greedy(40))
-    target = CausalLM(model, name="gemma3 target")
-    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft="self", tree=tree), target, None,
-                                                   load_draft=None))
-    decoder = SpeculativeDecoder(target, drafter, verifier)
-    assert decoder.generate(prompt, greedy(40)) == expected
-    assert decoder.stats.num_accepted_tokens > 0  # the drafts were verified, not skipped
-    assert decoder.generate(prompt, greedy(7)) == expected[:7]  # max length inside a draft
-    eos = expected[9]  # a token that appears mid-continuation, taken as the end of sequence
-    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:expected.index(eos) + 1]
+    assert_self_drafts_give_plain_greedy(int4_gemma(), method, tree, random_prompt(0))
 
 
 def test_greedy_rows_read_the_exact_head_not_the_screen():

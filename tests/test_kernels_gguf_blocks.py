@@ -363,9 +363,9 @@ def test_a_layer_whose_blocks_are_not_its_weight_is_left_to_rounding_by_name(tmp
     assert len(found.layers) == 14
 
 def loadable_gguf(path, *, tied: bool, down_type: str = "Q6_K", arch: str = "llama") -> None:
-    """A tiny Llama (or Qwen2: q/k/v biases) GGUF that transformers loads: the embedded SmolLM2's tokenizer and chat
-    template, the projections in TYPES' mix of blocks (random levels: the row order does not matter), float norms, a
-    Q8_0 embedding, and a Q8_0 output head or none (tied)."""
+    """A tiny Llama (or Qwen2: q/k/v biases; or Qwen3: q/k norms, heads 128 wide) GGUF that transformers loads: the
+    embedded SmolLM2's tokenizer and chat template, the projections in TYPES' mix of blocks (random levels: the row
+    order does not matter), float norms, a Q8_0 embedding, and a Q8_0 output head or none (tied)."""
     import gguf
 
     from jointspec.backends.embedded import default_gguf_path
@@ -388,15 +388,19 @@ def loadable_gguf(path, *, tied: bool, down_type: str = "Q6_K", arch: str = "lla
     writer.add_head_count_kv(2)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    # Qwen3's heads are 128 wide whatever the width (transformers' GGUF reader takes no head size from the file).
+    head_dim = 128 if arch == "qwen3" else hidden // 4
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     rng = np.random.default_rng(0)
     embedding = random_blocks("Q8_0", vocab, hidden, 1)
     writer.add_tensor("token_embd.weight", embedding, raw_dtype=GGMLQuantizationType.Q8_0)
     seed = 10
     for index in range(layers):
         for name in TYPES:
-            rows = {"attn_q": hidden, "attn_k": hidden // 2, "attn_v": hidden // 2, "attn_output": hidden,
+            rows = {"attn_q": 4 * head_dim, "attn_k": 2 * head_dim, "attn_v": 2 * head_dim, "attn_output": hidden,
                     "ffn_gate": intermediate, "ffn_up": intermediate, "ffn_down": hidden}[name]
-            columns = intermediate if name == "ffn_down" else hidden
+            columns = {"ffn_down": intermediate, "attn_output": 4 * head_dim}.get(name, hidden)
             type_name = down_type if name == "ffn_down" else TYPES[name]
             raw = random_blocks(type_name, rows, columns, seed)
             seed += 1
@@ -405,6 +409,9 @@ def loadable_gguf(path, *, tied: bool, down_type: str = "Q6_K", arch: str = "lla
                 writer.add_tensor(f"blk.{index}.{name}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{index}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{index}.{norm}.weight", rng.uniform(0.25, 2.0, head_dim).astype(np.float32))
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     if not tied:
         head = random_blocks("Q8_0", vocab, hidden, 2)
@@ -415,7 +422,7 @@ def loadable_gguf(path, *, tied: bool, down_type: str = "Q6_K", arch: str = "lla
     writer.close()
 
 
-@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", True)])
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", True)])
 def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it(tmp_path, monkeypatch, arch, tied):
     """load_model(file.gguf, quantize=int4) builds the model from the file's blocks (no float copy of its
     weights); it is, bit for bit and module for module, what loading through transformers and taking the blocks back
@@ -452,7 +459,7 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     assert torch.equal(a.forward(prompt).logits, b.forward(prompt).logits)
     # load_model takes this path: transformers' dequantising load is not called
     monkeypatch.setattr(loading, "_load_transformers", lambda *args: pytest.fail("loaded through transformers"))
-    loaded, _ = loading.load_model(str(path), quantize="int4")
+    loaded, _ = loading.load_model(str(path), quantize="int4", kv_cache="float32")  # (auto: float16, another model)
     assert torch.equal(loaded.forward(prompt).logits, CausalLM(direct, name="again").forward(prompt).logits)
 
 

@@ -25,9 +25,11 @@ from jointspec.backends.lean_forward import (
     transformers_forward,
 )
 from jointspec.backends.lean_gemma import lean_gemma_for
+from jointspec.backends.lean_qwen3 import lean_qwen3_for
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities, TargetLM
+from jointspec.kernels.heap import release_freed_memory
 
 # A prompt prefill longer than this runs in chunks of this many tokens: the attention of a chunk then needs no mask
 # over the whole prompt (transformers' mask at 7k tokens is 196 MB), peak memory stays bounded, and a caller can show
@@ -37,9 +39,9 @@ PREFILL_CHUNK = 1024
 
 
 def lean_forward_of(model: PreTrainedModel) -> LeanLlamaForward | None:
-    """The lean forward ``model`` takes: Llama's (Llama, Qwen2), Gemma-3's where its layers run on jointspec's
-    compiled ones, else None (transformers' own forward)."""
-    return lean_gemma_for(model) or lean_forward_for(model)
+    """The lean forward ``model`` takes: Llama's (Llama, Mistral, Qwen2), Gemma-3's or Qwen3's where its layers run
+    on jointspec's compiled ones, else None (transformers' own forward)."""
+    return lean_gemma_for(model) or lean_qwen3_for(model) or lean_forward_for(model)
 
 
 def tree_ancestor_mask(parents: list[int]) -> torch.Tensor:

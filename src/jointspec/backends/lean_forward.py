@@ -28,11 +28,12 @@ runs each decoder layer as one compiled function, all layers in one call into C+
 step. That is another summation order of the same quantised model, each row still computed alone, so plain and
 speculative decoding of it agree exactly; it is not bit for bit transformers' forward of the quantised model.
 
-Only models whose every part is exactly a transformers class of :data:`FAMILIES` (Llama, and Qwen2 without sliding
-windows) take this path (:func:`lean_forward_for`); a subclass or another architecture runs transformers' own
-forward, as does ``--kernels stock``. Gemma-3 on the grouped kernels takes the compiled layers through a subclass,
-:class:`~jointspec.backends.lean_gemma.LeanGemmaForward`, whose hooks here (``NORMS``, ``_add_extras``...) give the
-compiled layer what Gemma's layers add.
+Only models whose every part is exactly a transformers class of :data:`FAMILIES` (Llama, and Mistral and Qwen2
+without sliding windows) take this path (:func:`lean_forward_for`); a subclass or another architecture runs
+transformers' own forward, as does ``--kernels stock``. Gemma-3 and Qwen3 on the grouped kernels take the compiled
+layers through subclasses (:class:`~jointspec.backends.lean_gemma.LeanGemmaForward`,
+:class:`~jointspec.backends.lean_qwen3.LeanQwen3Forward`), whose hooks here (``NORMS``, ``HEAD_NORMS``,
+``_add_extras``...) give the compiled layer what their layers add.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 # Registrations of modules, parameters and buffers on any module of this process, counted through torch's global
@@ -96,10 +98,13 @@ def gemm_prefill_chunk(intermediate: int) -> int:
 
 # Architectures whose forward is Llama's, operation for operation: causal LM -> (body, decoder layer, attention, MLP,
 # RMS norm, rotary embedding). Qwen2 differs only by biases on q/k/v (inside the projection modules) and an optional
-# sliding window, which the lean forward does not take (checked below).
+# sliding window, Mistral only by an optional sliding window (Mistral 7B v0.1's; later Mistral models have none):
+# the lean forward takes neither window (checked below).
 FAMILIES = {
     llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
                              llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding),
+    mistral.MistralForCausalLM: (mistral.MistralModel, mistral.MistralDecoderLayer, mistral.MistralAttention,
+                                 mistral.MistralMLP, mistral.MistralRMSNorm, mistral.MistralRotaryEmbedding),
     qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
                              qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
 }
@@ -124,6 +129,8 @@ def body_unsupported_reason(base: torch.nn.Module, family: tuple | None = None) 
     if base.training:
         return "the model is in training mode"
     if any(kind != "full_attention" for kind in getattr(base.config, "layer_types", None) or ()):
+        return "sliding-window attention layers"
+    if body is mistral.MistralModel and base.config.sliding_window is not None:
         return "sliding-window attention layers"
     parts = [(base, body), (base.norm, norm), (base.rotary_emb, rotary)]
     for layer in base.layers[:base.config.num_hidden_layers]:
@@ -152,6 +159,15 @@ def accelerate_hooked(module: nn.Module) -> bool:
     """Whether accelerate's offloading hooks sit on ``module`` or below it: they move weights in and out around a
     module's call, and the lean forward would bypass them on the modules it does not call."""
     return any(hasattr(part, "_hf_hook") for part in module.modules())
+
+
+def compiled_forward_for(kind: type[LeanLlamaForward], model: torch.nn.Module) -> LeanLlamaForward | None:
+    """A ``kind`` (a subclass for an architecture only the compiled layers take: Gemma-3, Qwen3) over ``model`` where
+    its parts are ``kind``'s and its layers fit the compiled ones, else None (transformers' forward)."""
+    if kind.unsupported_reason(model) is not None:
+        return None
+    lean = kind(model)
+    return lean if lean.compiled is not None else None
 
 
 def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:

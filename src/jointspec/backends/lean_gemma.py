@@ -25,6 +25,7 @@ from jointspec.backends.kvcache import BufferedLayer, BufferedSlidingLayer, slid
 from jointspec.backends.lean_forward import (
     LeanLlamaForward,
     accelerate_hooked,
+    compiled_forward_for,
     replaced_part,
     transformers_forward,
 )
@@ -70,10 +71,7 @@ def gemma_unsupported_reason(model: torch.nn.Module) -> str | None:
 def lean_gemma_for(model: torch.nn.Module) -> LeanGemmaForward | None:
     """A :class:`LeanGemmaForward` over ``model`` where its layers fit the compiled ones, else None (transformers'
     forward)."""
-    if gemma_unsupported_reason(model) is not None:
-        return None
-    lean = LeanGemmaForward(model)
-    return lean if lean.compiled is not None else None
+    return compiled_forward_for(LeanGemmaForward, model)
 
 
 class LeanGemmaForward(LeanLlamaForward):

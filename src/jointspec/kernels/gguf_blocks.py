@@ -431,14 +431,15 @@ class BlockEmbedding(nn.Module):
 
 
 # The float tensors of a Llama-family model besides its projections and head: Hugging Face name -> GGUF name, with
-# a layer's under its module. Biases of q/k/v are Qwen2's.
+# a layer's under its module. Biases of q/k/v are Qwen2's, the per-head q/k norms Qwen3's.
 _FLOAT_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 _LAYER_FLOAT_TENSORS = {"input_layernorm.weight": "attn_norm.weight",
                         "post_attention_layernorm.weight": "ffn_norm.weight",
                         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-                        "self_attn.v_proj.bias": "attn_v.bias"}
+                        "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+                        "self_attn.k_norm.weight": "attn_k_norm.weight"}
 # The architectures whose every tensor the mappings above name (anything else loads through transformers).
-BLOCK_LOADED_MODEL_TYPES = ("llama", "qwen2")
+BLOCK_LOADED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str | None]:
