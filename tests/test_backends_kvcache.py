@@ -49,6 +49,34 @@ def test_appends_and_crops_like_dynamic_cache_across_growth():
     assert 766 <= buffered.layers[0]._key_buffer.shape[-2] < 2 * 766
 
 
+def test_a_known_length_takes_its_room_at_the_first_write_and_grows_by_a_quarter_past_it():
+    buffered, reference = BufferedCache(CONFIG, length=700), DynamicCache(config=CONFIG)
+    feed(buffered, [5])
+    feed(reference, [5])
+    buffers = [(layer._key_buffer, layer._value_buffer) for layer in buffered.layers]
+    assert all(key.shape[-2] == 700 for key, _ in buffers)
+    for i, n in enumerate([300, 200, 195]):  # up to the room exactly: no buffer replaced, no copy
+        feed(buffered, [n], seed=i + 1)
+        feed(reference, [n], seed=i + 1)
+    assert_same(buffered, reference)
+    assert all(layer._key_buffer is key and layer._value_buffer is value
+               for layer, (key, value) in zip(buffered.layers, buffers))
+    feed(buffered, [3], seed=9)  # a tree's nodes at the end: a quarter more (at least MIN_CAPACITY), not twice
+    feed(reference, [3], seed=9)
+    assert_same(buffered, reference)
+    assert buffered.layers[0]._key_buffer.shape[-2] == 700 + max(700 // 4, MIN_CAPACITY)
+
+
+def test_a_half_cache_widens_at_each_read_and_keeps_no_float32_copy():
+    buffered = BufferedCache(CONFIG, torch.float16)
+    feed(buffered, [6])
+    layer = buffered.layers[0]
+    keys = layer.keys
+    assert keys.dtype == torch.float32 and torch.equal(keys, layer._key_buffer[..., :6, :].float())
+    assert layer._key_view is None and layer._value_view is None  # nothing the size of the cache kept
+    assert layer.get_seq_length() == 6 and buffered.get_seq_length() == 6
+
+
 def test_keep_gathers_scattered_entries_in_order():
     buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
     feed(buffered, [6, 7])

@@ -42,7 +42,7 @@ def quant_folder(tmp_path_factory) -> str:
 def test_load_model_quantizes(quant_folder, mode):
     target, _ = load_model(quant_folder, quantize=mode)
     assert quantization_mode(target.model) == mode
-    assert target.name.endswith(f"({mode})")
+    assert f"({mode})" in target.name
     plain, _ = load_model(quant_folder)
     assert quantization_mode(plain.model) == "none"  # the default is unchanged
 

@@ -25,7 +25,7 @@ from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from helpers import BATCH_EOS as EOS
 from helpers import BATCH_GREEDY as GREEDY
 from helpers import BATCH_PROMPTS as PROMPTS
-from helpers import attention_masks, grouped_llama, random_prompt, tiny_llama
+from helpers import VOCAB, attention_masks, grouped_llama, random_prompt, tiny_llama, word_tokenizer
 
 TINY_VIEW = SparseView(sinks=2, window=6, chunk=5, chunks=2, lead=1, min_ngram=1, min_context=8)
 
@@ -97,6 +97,31 @@ def test_a_float16_cache_needs_the_compiled_layers():
     with pytest.raises(MethodSpecError, match="llama.cpp keeps its own cache"):
         parse_spec("pld:backend=llamacpp,kv=float16")
     assert parse_spec("default:kv=float16").kv == "float16"
+
+
+def test_kv_cache_auto_keeps_halves_on_the_compiled_layers_and_the_models_dtype_elsewhere(tmp_path, int4_model):
+    """--kv-cache auto (the default): float16 where a float32 model runs on the compiled layers, as llama.cpp keeps
+    its cache; the model's dtype where transformers' forward or the Python path reads the cache."""
+    from jointspec.backends.loading import auto_kv_dtype, quantized_copy
+
+    assert auto_kv_dtype(CausalLM(int4_model, name="compiled")) == torch.float16
+    assert auto_kv_dtype(CausalLM(int4_model, name="transformers", lean=False)) is None
+    assert auto_kv_dtype(CausalLM(tiny_llama(1), name="float32")) is None
+    folder = tmp_path / "model"
+    grouped_llama(0).save_pretrained(folder)
+    word_tokenizer(VOCAB).save_pretrained(folder)
+    prompt = random_prompt(3, length=20)
+    for kv_cache, expected in (("auto", torch.float16), ("float32", torch.float32), ("float16", torch.float16)):
+        target, _ = load_model(str(folder), quantize="int4", kv_cache=kv_cache)
+        assert target.lean.compiled is not None
+        target.forward(prompt, num_logits=0)
+        assert target.cache.layers[0]._key_buffer.dtype == expected, kv_cache
+        assert ("float16 KV cache" in target.name) == (expected == torch.float16)
+    plain, _ = load_model(str(folder))
+    assert plain.kv_dtype is None and plain.lean.compiled is None
+    copied = quantized_copy(plain, "int4")  # the bench's quantize=auto rows
+    assert copied.kv_dtype == torch.float16 and copied.lean.compiled is not None
+    assert parse_spec("ar:kv=float32").kv == "float32"
 
 
 def decode(target: CausalLM, config: MethodConfig, prompt: list[int], decode_config: DecodeConfig) -> list[int]:

@@ -33,7 +33,7 @@ class ChainsOnly:
     device = property(lambda self: self.inner.device)
     dtype = property(lambda self: self.inner.dtype)
 
-    def reset(self, *, plain: bool = False) -> None:
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
         self.inner.reset()
 
     def forward(self, token_ids, *, parents=None, num_logits=None, output_hidden=False, argmax_only=False):

@@ -190,10 +190,12 @@ class CausalLM:
         fork.reset()
         return fork
 
-    def reset(self, *, plain: bool = False) -> None:
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
         """Empty the cache for a new sequence. ``plain`` (this decode verifies nothing) changes nothing here: torch
-        runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes."""
-        self.cache = BufferedCache(self.model.config, self.kv_dtype)
+        runs the same kernels either way; the llama.cpp adapter keeps faster ones for such decodes. ``length``: the
+        most tokens the sequence will hold, where known; each layer's buffers then take that room at their first
+        write, instead of growing (and copying) as the sequence does."""
+        self.cache = BufferedCache(self.model.config, self.kv_dtype, length=length)
         self.num_cached = 0
         for mirror in self.mirrors:
             mirror.crop(0)
@@ -228,6 +230,9 @@ class CausalLM:
         for start in range(0, total, self.prefill_chunk):
             stop = self.prefill_chunk_end(start, total)
             out = self.forward(token_ids[start:stop], num_logits=0, output_hidden=output_hidden)
+            # A chunk's activations, attention scores and dequantised weights are tens of megabytes each, freed
+            # into the C heap, which keeps them as resident memory; handed back, the next chunk's peak starts lower.
+            release_freed_memory()
             if self.prefill_progress is not None:
                 self.prefill_progress(stop, total)
         return out

@@ -9,13 +9,17 @@ transformers expects (``[batch, kv_heads, length, head_dim]`` tensors, here view
 masks run unchanged.
 
 The buffers grow by doubling (at least ``MIN_CAPACITY`` entries), so a sequence of n tokens copies its cache
-O(log n) times instead of n times. Anything that replaces a layer's ``keys`` / ``values`` with other tensors (as
-transformers' own batch utilities do) is taken over at the next append.
+O(log n) times instead of n times. Where the most tokens a sequence will hold is known (``length``: the decode loop
+knows its prompt and its ``max_new_tokens``), the first write takes that room at once: no copies, and no buffer up to
+twice the size needed (each freed buffer also stayed in the C heap, as resident memory, until trimmed). A tree
+verified at the sequence's end may briefly pass that room; the buffers then grow by a quarter. Anything that
+replaces a layer's ``keys`` / ``values`` with other tensors (as transformers' own batch utilities do) is taken over
+at the next append.
 
 A cache may store its entries in another dtype than the model computes in (``dtype``: float16 for a float32 model,
 ``--kv-cache float16``): half the memory and half the bytes each decoding step reads at long context. jointspec's
 compiled layers read such buffers directly; anyone reading ``keys`` / ``values`` gets them widened to the model's
-dtype (a copy), so attention elsewhere runs unchanged on the values the cache holds.
+dtype (a copy, made at each read and not kept), so attention elsewhere runs unchanged on the values the cache holds.
 """
 
 from __future__ import annotations
@@ -37,21 +41,33 @@ class BufferedLayer(DynamicLayer):
 
     _length: int | None = None  # None: keys / values are the plain tensors in _keys / _values
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, length: int | None = None) -> None:
         super().__init__()
         self.storage_dtype = dtype  # None: as the keys and values come
+        self.expected_length = length or 0  # the room a first write takes (0: grow as needed)
 
-    def _widened(self, view: torch.Tensor) -> torch.Tensor:
-        # A cache stored in another dtype is read in the dtype the model computes in (the module docstring).
-        return view if view.dtype == self._compute_dtype else view.to(self._compute_dtype)
+    def _view(self, buffer: torch.Tensor, kept: str) -> torch.Tensor:
+        """The first ``length`` entries of ``buffer``, in the dtype the model computes in (the module docstring).
+        A view of buffers in that dtype is kept (attribute ``kept``) until the length changes; a widened copy of
+        buffers in another dtype is made at each read and not kept: kept, every layer's copy would stay alive until
+        that layer's next forward, a second cache at the model's width beside the stored one."""
+        view = getattr(self, kept)
+        if view is None:
+            view = buffer[..., :self._length, :]
+            if view.dtype != self._compute_dtype:
+                return view.to(self._compute_dtype)
+            setattr(self, kept, view)
+        return view
+
+    def get_seq_length(self) -> int:
+        # The count, without reading (and so widening) the entries as transformers' own does.
+        return self._length if self._length is not None else super().get_seq_length()
 
     @property
     def keys(self) -> torch.Tensor | None:
         if self._length is None:
             return self._keys
-        if self._key_view is None:
-            self._key_view = self._widened(self._key_buffer[..., :self._length, :])
-        return self._key_view
+        return self._view(self._key_buffer, "_key_view")
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -62,9 +78,7 @@ class BufferedLayer(DynamicLayer):
     def values(self) -> torch.Tensor | None:
         if self._length is None:
             return self._values
-        if self._value_view is None:
-            self._value_view = self._widened(self._value_buffer[..., :self._length, :])
-        return self._value_view
+        return self._view(self._value_buffer, "_value_view")
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
@@ -101,7 +115,14 @@ class BufferedLayer(DynamicLayer):
         capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
         if needed <= capacity:
             return
-        capacity = max(needed, 2 * capacity, MIN_CAPACITY)
+        if needed <= self.expected_length:
+            capacity = self.expected_length
+        elif self.expected_length:
+            # Past the expected room (a verified tree's nodes, kept for a moment, can pass the sequence's last
+            # position): a quarter more, not twice what the sequence needs.
+            capacity = max(needed, capacity + capacity // 4, capacity + MIN_CAPACITY)
+        else:
+            capacity = max(needed, 2 * capacity, MIN_CAPACITY)
         old = (self._key_buffer, self._value_buffer)
         self._key_buffer = keys.new_empty(keys.shape[:-2] + (capacity, keys.shape[-1]),
                                           dtype=self.storage_dtype or keys.dtype)
@@ -184,19 +205,20 @@ class BufferedSlidingLayer(BufferedLayer):
 
     is_sliding = True
 
-    def __init__(self, dtype: torch.dtype | None, sliding_window: int) -> None:
-        super().__init__(dtype)
+    def __init__(self, dtype: torch.dtype | None, sliding_window: int, length: int | None = None) -> None:
+        super().__init__(dtype, length)
         self.sliding_window = sliding_window
 
 
 class BufferedCache(DynamicCache):
     """``DynamicCache`` whose layers are :class:`BufferedLayer` (full attention) and :class:`BufferedSlidingLayer`
-    (sliding windows), storing their entries in ``dtype`` (None: as they come)."""
+    (sliding windows), storing their entries in ``dtype`` (None: as they come), with room for ``length`` entries
+    taken at their first write (None: grown as needed)."""
 
-    def __init__(self, config, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config, dtype: torch.dtype | None = None, length: int | None = None) -> None:
         super().__init__(config=config)
-        self.layers = [BufferedLayer(dtype) if type(layer) is DynamicLayer
-                       else BufferedSlidingLayer(dtype, layer.sliding_window)
+        self.layers = [BufferedLayer(dtype, length) if type(layer) is DynamicLayer
+                       else BufferedSlidingLayer(dtype, layer.sliding_window, length)
                        if type(layer) is DynamicSlidingWindowLayer else layer for layer in self.layers]
 
     @property

@@ -270,9 +270,10 @@ class LlamaCppLM:
         return LlamaCppLM(self.model, n_ctx=self.max_context, n_threads=self.n_threads, n_batch=self.n_batch,
                           flash_attn=self.flash_attn, name=name or f"{self.name} (fork)")
 
-    def reset(self, *, plain: bool = False) -> None:
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
         """Empty the cache for a new sequence. ``plain=True``: this decode feeds one token at a time and verifies
-        nothing, so it may run on llama.cpp's faster default kernels (class docstring)."""
+        nothing, so it may run on llama.cpp's faster default kernels (class docstring). ``length`` changes nothing:
+        llama.cpp's cache is allocated with its context."""
         if plain and self._fast is None:
             try:
                 self._fast = _Context(self._lib, self.model, n_ctx=self.max_context, n_threads=self.n_threads,

@@ -44,7 +44,7 @@ BACKENDS = ("torch", "llamacpp")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
 # What the target's KV cache stores: ``auto`` the model's dtype; ``float16`` half the memory and the bytes a long
 # context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype).
-KV_CACHE_CHOICES = ("auto", "float16")
+KV_CACHE_CHOICES = ("auto", "float32", "float16")
 # A GGUF's projection weights (llama.cpp's names) and the quantisation types jointspec's grouped int4 mode recovers.
 _GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -196,8 +196,10 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
     its grouped-query attention without copying heads on any CPU, and a Llama model's forward through
     :mod:`jointspec.backends.lean_forward` (bit-identical, less overhead); ``onednn`` insists on oneDNN; ``stock`` keeps
     PyTorch's ``F.linear``, transformers' ``sdpa`` attention and transformers' own forward. ``kv_cache`` (torch
-    backend): ``auto`` stores keys and values in the model's dtype, ``float16`` in half precision (needs the compiled
-    CPU layers; exactness then holds against the same model with a float16 cache); llama.cpp keeps its own cache.
+    backend): ``float32`` stores keys and values in the model's dtype, ``float16`` in half precision (needs the
+    compiled CPU layers; exactness then holds against the same model with a float16 cache), ``auto`` in half
+    precision where the model runs on the compiled CPU layers (:func:`auto_kv_dtype`), else in the model's dtype;
+    llama.cpp keeps its own cache.
     """
     with shared_gguf_readers():  # one reader of a GGUF file for the whole load
         return _load_model(source, device=device, dtype=dtype, name=name, quantize=quantize, backend=backend,
@@ -241,10 +243,25 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
     release_freed_memory()  # the load's temporaries (kernels/heap.py)
-    kv_dtype = torch.float16 if kv_cache == "float16" else None
+    target = CausalLM(model, name=name or label, lean=kernels != "stock")
+    kv_dtype = {"float16": torch.float16, "float32": None, "auto": auto_kv_dtype(target)}[kv_cache]
     if kv_dtype is not None:
-        label = f"{label}, float16 KV cache"
-    return CausalLM(model, name=name or label, lean=kernels != "stock", kv_dtype=kv_dtype), tokenizer
+        target.kv_dtype = kv_dtype
+        target.check_kv_dtype()
+        target.reset()
+        if name is None:
+            target.name = f"{label}, float16 KV cache"
+    return target, tokenizer
+
+
+def auto_kv_dtype(target: CausalLM) -> torch.dtype | None:
+    """What ``--kv-cache auto`` stores keys and values in for ``target``: float16 where a float32 model runs on
+    jointspec's compiled CPU layers, whose attention reads halves directly (as llama.cpp keeps its cache by default:
+    half the memory, and at long inputs a cheaper step, since a step reads the whole cache), else None (the model's
+    dtype). Exactness of every lossless method holds against plain decoding with the same cache."""
+    if target.model.dtype == torch.float32 and target.lean is not None and target.lean.compiled is not None:
+        return torch.float16
+    return None
 
 
 def _file_levels(model, source: str, quantize: str) -> dict | None:
@@ -267,9 +284,9 @@ def _file_levels(model, source: str, quantize: str) -> dict | None:
 
 
 def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
-    """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``); the
-    original stays as it is. For comparing float and quantised decoding in one process (the bench's
-    ``quantize=`` option) without loading the model twice."""
+    """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``), its cache
+    as ``--kv-cache auto`` keeps it (:func:`auto_kv_dtype`); the original stays as it is. For comparing float and
+    quantised decoding in one process (the bench's ``quantize=`` option) without loading the model twice."""
     import copy
 
     if quantization_mode(target.model) != "none":
@@ -277,7 +294,10 @@ def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
                                      f"load it in float to compare it with {mode}")
     model = copy.deepcopy(target.model)
     quantize_model(model, mode)
-    return CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
+    copied = CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
+    copied.kv_dtype = auto_kv_dtype(copied)
+    copied.reset()
+    return copied
 
 
 def stock_copy(target: CausalLM) -> CausalLM:

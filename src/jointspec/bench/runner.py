@@ -182,13 +182,14 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
 
 class _TargetCopies:
     """The target as each spec runs it: itself, or one copy per quantisation or kernel choice that specs name, with a
-    float16 cache where the spec says ``kv=float16``, decoding over part of its cache where it says
-    ``attention=sparse`` or ``attention=speckv``, reading part of a long prompt where it says ``attention=specpc``."""
+    float16 or float32 cache where the spec says ``kv=float16`` / ``kv=float32``, decoding over part of its cache where
+    it says ``attention=sparse`` or ``attention=speckv``, reading part of a long prompt where it says
+    ``attention=specpc``."""
 
     def __init__(self, target: CausalLM, config: BenchConfig) -> None:
         self.target, self.config = target, config
         self.copies: dict[str, CausalLM] = {}
-        self.half_cache: dict[int, CausalLM] = {}  # by id() of the target (or copy) forked
+        self.other_cache: dict[tuple[int, str], CausalLM] = {}  # by id() of the target (or copy) forked, and kv
 
     def quantize(self, spec: MethodSpec) -> str:
         if spec.backend != "torch":
@@ -197,10 +198,12 @@ class _TargetCopies:
 
     def for_spec(self, spec: MethodSpec) -> CausalLM:
         target = self._weights_for(spec)
-        if spec.kv == "float16":  # the same weights, its own cache in half precision
-            if id(target) not in self.half_cache:
-                self.half_cache[id(target)] = target.fork(f"{target.name}, float16 KV cache", kv_dtype=torch.float16)
-            target = self.half_cache[id(target)]
+        if spec.kv != "loaded":  # the same weights, its own cache in that dtype
+            key = (id(target), spec.kv)
+            if key not in self.other_cache:
+                self.other_cache[key] = target.fork(f"{target.name}, {spec.kv} KV cache",
+                                                    kv_dtype=getattr(torch, spec.kv))
+            target = self.other_cache[key]
         return with_attention(target, spec.attention)  # lossy unless 'full': the target sees part of its input
 
     def _weights_for(self, spec: MethodSpec) -> CausalLM:

@@ -58,9 +58,9 @@ SPEC_KERNELS = ("loaded", "stock")
 SPEC_ATTENTION = ATTENTION_MODES
 # Whether a method also drafts from its own earlier answers in this run (drafters/memory.py): online adaptation.
 SPEC_MEMORY = ("off", "online")
-# What the torch target's KV cache stores: as loaded (--kv-cache), or float16 (a fork of the target over the same
-# weights with a half-precision cache; backends.hf.CausalLM.check_kv_dtype).
-SPEC_KV = ("loaded", "float16")
+# What the torch target's KV cache stores: as loaded (--kv-cache; a quantize=auto copy as --kv-cache auto keeps it),
+# or float16 / float32 (a fork of the target over the same weights with that cache; hf.CausalLM.check_kv_dtype).
+SPEC_KV = ("loaded", "float16", "float32")
 
 # Method-specific config classes (a MethodConfig subclass adds that method's fields).
 CONFIG_CLASSES: dict[str, type[MethodConfig]] = {"oracle": OracleConfig}
@@ -190,7 +190,7 @@ def parse_spec(text: str) -> MethodSpec:
     if options.get("kv", "loaded") not in SPEC_KV:
         raise MethodSpecError(f"kv '{options['kv']}' in '{text}' must be one of: {', '.join(SPEC_KV)}")
     if options.get("kv", "loaded") != "loaded" and options.get("backend", "torch") != "torch":
-        raise MethodSpecError(f"'{text}': kv=float16 is for the torch backend (llama.cpp keeps its own cache)")
+        raise MethodSpecError(f"'{text}': kv={options['kv']} is for the torch backend (llama.cpp keeps its own cache)")
     if options.get("memory", "off") not in SPEC_MEMORY:
         raise MethodSpecError(f"memory '{options['memory']}' in '{text}' must be one of: {', '.join(SPEC_MEMORY)}")
     if options.get("memory", "off") != "off" and name not in online_methods():

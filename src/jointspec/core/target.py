@@ -85,8 +85,9 @@ class TargetLM(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def reset(self, *, plain: bool = False) -> None:
-        """Empty the cache for a new sequence; ``plain``: see :attr:`TargetCapabilities.plain_decode`."""
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
+        """Empty the cache for a new sequence; ``plain``: see :attr:`TargetCapabilities.plain_decode`. ``length``:
+        the most tokens the sequence will hold (None: not known), so that a cache may take its room at once."""
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False,

@@ -204,8 +204,8 @@ class SparseViewTarget(WrappedTarget):
 
     num_cached = property(lambda self: self.inner.num_cached)
 
-    def reset(self, *, plain: bool = False) -> None:
-        self.inner.reset(plain=plain)
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
+        self.inner.reset(plain=plain, length=length)
         self._tokens = []
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,

@@ -143,8 +143,8 @@ class SpecKVTarget(SparseViewTarget):
         mass = inner.attention_mass([first] + lookahead[:-1])
         return self.selection.positions(mass)
 
-    def reset(self, *, plain: bool = False) -> None:
-        super().reset(plain=plain)
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
+        super().reset(plain=plain, length=length)
         self._prompt_end = self._kept = None
 
     def crop(self, length: int) -> None:

@@ -157,8 +157,8 @@ class PromptCompressedTarget(WrappedTarget):
     def prefill_progress(self, hook) -> None:  # generate's bar while a prompt is read
         self._progress = self.inner.prefill_progress = hook
 
-    def reset(self, *, plain: bool = False) -> None:
-        self.inner.reset(plain=plain)
+    def reset(self, *, plain: bool = False, length: int | None = None) -> None:
+        self.inner.reset(plain=plain, length=length)  # (a bound: the inner cache holds the compressed prompt)
         self._tokens, self._dropped, self._prompt_end, self.kept = [], 0, 0, None
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
