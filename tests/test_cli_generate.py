@@ -282,8 +282,13 @@ def test_prompt_file_gives_the_same_answer_as_the_argument(capsys, model_dirs, t
     code, from_file, _ = run_cli(capsys, "generate", "--prompt-file", str(document), *options)
     assert code == 0
     assert json.loads(from_file.splitlines()[-1])["token_ids"] == json.loads(out.splitlines()[-1])["token_ids"]
-    code, _, err = run_cli(capsys, "generate", PROMPT, "--prompt-file", str(document), *options)
-    assert_clean_error(code, err, "jointspec: error:", "not both")
+    for flag in ("--prompt", "-p"):  # llama.cpp's spelling, not an abbreviation of --prompt-file
+        code, as_option, _ = run_cli(capsys, "generate", flag, PROMPT, *options)
+        assert code == 0 and json.loads(as_option.splitlines()[-1])["token_ids"] == json.loads(out.splitlines()[-1])[
+            "token_ids"]
+    for twice in ((PROMPT, "--prompt-file", str(document)), (PROMPT, "--prompt", PROMPT)):
+        code, _, err = run_cli(capsys, "generate", *twice, *options)
+        assert_clean_error(code, err, "jointspec: error:", "give the prompt once")
     code, _, err = run_cli(capsys, "generate", "--prompt-file", str(tmp_path / "missing.txt"), *options)
     assert_clean_error(code, err, "jointspec: error:", "missing.txt")
 

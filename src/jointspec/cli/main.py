@@ -27,6 +27,9 @@ DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small
 def _add_generate(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt")
     parser.add_argument("prompt", nargs="?", default=None, help="the prompt (default: a short summarisation task)")
+    # As llama.cpp's -p / --prompt; without it, argparse reads --prompt as an abbreviation of --prompt-file.
+    parser.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", default=None,
+                        help="the prompt, as an option (the same as giving it as the argument)")
     parser.add_argument("--prompt-file", metavar="PATH", default=None,
                         help="read the prompt from this text file ('-': standard input), e.g. a long document and a "
                              "question about it")
@@ -117,8 +120,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
-    if args.prompt is not None and args.prompt_file is not None:
-        raise JointspecError("give the prompt as an argument or with --prompt-file, not both")
+    given = [args.prompt is not None, args.prompt_option is not None, args.prompt_file is not None]
+    if sum(given) > 1:
+        raise JointspecError("give the prompt once: as the argument, with --prompt or with --prompt-file, not more")
+    if args.prompt_option is not None:
+        return args.prompt_option
     if args.prompt_file is None:
         return args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.prompt_file == "-":
