@@ -5,9 +5,9 @@ where only speed and memory mean anything. Each engine runs in its own process, 
 (``ru_maxrss``), and the two alternate ``--repeats`` times. An engine loads the file, then for each context length
 reads that many random tokens and decodes ``--new-tokens`` greedily (end-of-sequence ignored), timing the decoding
 alone (after one short untimed warm-up). jointspec runs ``--method`` (default ``ar``: plain decoding) on what
-``--quantize auto`` picks, its key/value cache as ``--kv-cache`` says (``float16``: halves, as llama.cpp keeps its
-cache); llama.cpp runs its own generate loop, as the bench's ``llamacpp`` method does. Prints a table and, last, one
-JSON line::
+``--quantize auto`` picks, its key/value cache as ``--kv-cache`` says (``auto``: halves on the compiled layers, as
+llama.cpp keeps its cache; ``float32`` to compare); llama.cpp runs its own generate loop, as the bench's
+``llamacpp`` method does. Prints a table and, last, one JSON line::
 
     python benchmarks/gguf_decode_vs_llamacpp.py /tmp/llama1b-q4_0.gguf --contexts 128 2048 --threads 2
 """
@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("--method", default="ar")
     # Checked by load_model in the jointspec child (an import here would weigh on llama.cpp's peak memory too).
     parser.add_argument("--kv-cache", default="auto",
-                        help="jointspec's key/value cache: auto or float16 (as llama.cpp keeps its own)")
+                        help="jointspec's key/value cache: auto (halves on the compiled layers, as llama.cpp keeps "
+                             "its own), float32 or float16")
     parser.add_argument("--child", choices=["jointspec", "llamacpp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -44,6 +44,7 @@ from helpers import (
     tiny_gemma3,
     tiny_llama,
     tiny_qwen2,
+    tiny_qwen3,
     untrained_head,
 )
 
@@ -649,13 +650,13 @@ def test_a_qwen2_model_with_qkv_biases_runs_the_compiled_layers_one_row_at_a_tim
     outputs = greedy_by_methods(model, random_prompt(3), 30)
     assert len(outputs[0]) == 30 and outputs[1] == outputs[0] and outputs[2] == outputs[0]
 
-@pytest.mark.parametrize("make", [grouped_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("make", [grouped_llama, tiny_gemma3, tiny_qwen3], ids=["llama", "gemma3", "qwen3"])
 @pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param("none", marks=pytest.mark.skip(
     reason="this CPU runs only the portable build"))])
 def test_a_model_decodes_the_same_tokens_with_the_same_logits_on_each_build(isa, make):
-    """The compiled decoder layers (norms, rotary, attention, the gated MLP's exponentials; Gemma-3's extras) and
-    the screened head: the same logits bit for bit on each build, so greedy decoding, plain and speculative, gives
-    the same tokens."""
+    """The compiled decoder layers (norms, rotary, attention, the gated MLP's exponentials; Gemma-3's and Qwen3's
+    extras) and the screened head: the same logits bit for bit on each build, so greedy decoding, plain and
+    speculative, gives the same tokens."""
     results = {}
     for build in (isa, "portable"):
         with use_isa(build):
