@@ -165,8 +165,9 @@ def test_bench_quantize_option_runs_a_quantised_copy_beside_the_float_target(mon
 
     copies, real_copy = [], runner.quantized_copy
 
-    def quantized_copy(target, mode):
-        copies.append((target, real_copy(target, mode)))
+    def quantized_copy(target, mode, kv_cache):
+        assert kv_cache == "auto"  # bench's --kv-cache default, handed to the copies
+        copies.append((target, real_copy(target, mode, kv_cache)))
         return copies[-1][1]
     monkeypatch.setattr(runner, "quantized_copy", quantized_copy)
     mixed = bench_outputs(capsys, quant_folder, "ar,ar:quantize=int4,pld:quantize=int4")
@@ -193,9 +194,9 @@ def test_bench_default_runs_what_generate_runs(monkeypatch, capsys, quant_folder
         asked.append((quantize, source))
         return "int4"
 
-    def quantized_copy(target, mode):
+    def quantized_copy(target, mode, kv_cache):
         copies.append(mode)
-        return real_copy(target, mode)
+        return real_copy(target, mode, kv_cache)
     monkeypatch.setattr(bench_cli, "resolve_quantize", resolve)
     monkeypatch.setattr(runner, "quantized_copy", quantized_copy)
     outputs = bench_outputs(capsys, quant_folder, "ar,default,ar:quantize=int4,default:quantize=none")

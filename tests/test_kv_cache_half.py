@@ -119,8 +119,9 @@ def test_kv_cache_auto_keeps_halves_on_the_compiled_layers_and_the_models_dtype_
         assert ("float16 KV cache" in target.name) == (expected == torch.float16)
     plain, _ = load_model(str(folder))
     assert plain.kv_dtype is None and plain.lean.compiled is None
-    copied = quantized_copy(plain, "int4")  # the bench's quantize=auto rows
+    copied = quantized_copy(plain, "int4")  # the bench's quantize=auto rows, under its --kv-cache
     assert copied.kv_dtype == torch.float16 and copied.lean.compiled is not None
+    assert quantized_copy(plain, "int4", "float32").kv_dtype is None
     assert parse_spec("ar:kv=float32").kv == "float32"
 
 

@@ -42,8 +42,9 @@ DEFAULT_MODEL = "default"
 BACKENDS = ("torch", "llamacpp")
 # ``auto``: int4 where that is the model itself (:func:`resolve_quantize`), else none.
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
-# What the target's KV cache stores: ``auto`` the model's dtype; ``float16`` half the memory and the bytes a long
-# context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype).
+# What the target's KV cache stores: ``float32`` the model's dtype; ``float16`` half the memory and the bytes a long
+# context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype); ``auto`` float16
+# where the model runs on those layers, else the model's dtype (auto_kv_dtype).
 KV_CACHE_CHOICES = ("auto", "float32", "float16")
 # A GGUF's projection weights (llama.cpp's names) and the quantisation types jointspec's grouped int4 mode recovers.
 _GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -283,9 +284,9 @@ def _file_levels(model, source: str, quantize: str) -> dict | None:
     return found.layers
 
 
-def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
+def quantized_copy(target: CausalLM, mode: str, kv_cache: str = "auto") -> CausalLM:
     """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``), its cache
-    as ``--kv-cache auto`` keeps it (:func:`auto_kv_dtype`); the original stays as it is. For comparing float and
+    as ``kv_cache`` says (``auto``: :func:`auto_kv_dtype`); the original stays as it is. For comparing float and
     quantised decoding in one process (the bench's ``quantize=`` option) without loading the model twice."""
     import copy
 
@@ -295,7 +296,8 @@ def quantized_copy(target: CausalLM, mode: str) -> CausalLM:
     model = copy.deepcopy(target.model)
     quantize_model(model, mode)
     copied = CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
-    copied.kv_dtype = auto_kv_dtype(copied)
+    copied.kv_dtype = {"float16": torch.float16, "float32": None, "auto": auto_kv_dtype(copied)}[kv_cache]
+    copied.check_kv_dtype()
     copied.reset()
     return copied
 

@@ -62,6 +62,8 @@ class BenchConfig:
     # What quantize=auto (the `default` method's unless told otherwise) means for this bench's target: 'int4' where
     # that recovers the model's own weights (backends.loading.resolve_quantize), else 'none'.
     auto_quantize: str = "none"
+    # What the quantised copies' caches store (--kv-cache; backends.loading.quantized_copy).
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -212,7 +214,7 @@ class _TargetCopies:
                                         or attention_in_use(target.model) == GQA_ATTENTION):
             key, make = "stock kernels", stock_copy
         elif mode != "none":
-            key, make = mode, lambda original: quantized_copy(original, mode)
+            key, make = mode, lambda original: quantized_copy(original, mode, self.config.kv_cache)
         else:
             return target
         if key not in self.copies:

@@ -58,7 +58,7 @@ SPEC_KERNELS = ("loaded", "stock")
 SPEC_ATTENTION = ATTENTION_MODES
 # Whether a method also drafts from its own earlier answers in this run (drafters/memory.py): online adaptation.
 SPEC_MEMORY = ("off", "online")
-# What the torch target's KV cache stores: as loaded (--kv-cache; a quantize=auto copy as --kv-cache auto keeps it),
+# What the torch target's KV cache stores: as loaded (--kv-cache, which a quantize=auto copy's cache follows too),
 # or float16 / float32 (a fork of the target over the same weights with that cache; hf.CausalLM.check_kv_dtype).
 SPEC_KV = ("loaded", "float16", "float32")
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup,
                              perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
                              llamacpp_model=llamacpp_model(args), threads=args.threads,
-                             auto_quantize=_auto_quantize(args, specs))
+                             auto_quantize=_auto_quantize(args, specs), kv_cache=args.kv_cache)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     for spec in specs:  # bad option values fail here, before the model loads
