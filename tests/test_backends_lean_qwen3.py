@@ -22,6 +22,7 @@ from helpers import (
     assert_self_drafts_give_plain_greedy,
     greedy_by_methods,
     random_prompt,
+    tiny_gemma3,
     tiny_qwen3,
 )
 
@@ -79,6 +80,15 @@ def test_speculative_methods_equal_plain_greedy_on_the_compiled_qwen3(prompt_see
 @pytest.mark.parametrize("method, tree", [("sps", None), ("specinfer", (2, 2))])
 def test_eos_and_max_length_inside_a_draft_on_the_compiled_qwen3(method, tree):
     assert_self_drafts_give_plain_greedy(int4_qwen3(), method, tree, random_prompt(0))
+
+
+def test_the_exact_head_model_types_are_those_whose_forward_never_reads_a_screen():
+    """Their loads skip building the 4-bit screen (backends/loading.py, screens_head); the GGUF tests see it done."""
+    from jointspec.backends.hf import EXACT_HEAD_MODEL_TYPES
+    from jointspec.backends.lean_gemma import LeanGemmaForward
+
+    for kind, model in ((LeanQwen3Forward, tiny_qwen3(0)), (LeanGemmaForward, tiny_gemma3(0))):
+        assert not kind.screens_head and model.config.model_type in EXACT_HEAD_MODEL_TYPES
 
 
 def test_what_keeps_transformers_forward_is_named():

@@ -433,7 +433,8 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     loadable_gguf(path, tied=tied, arch=arch)
     direct, tokenizer, _ = loading._load_gguf_blocks(str(path))
     via, _, _ = loading._load_transformers(str(path), "cpu", None)
-    quantize_model(via, "int4", file_levels=loading._file_levels(via, str(path), "int4"))
+    quantize_model(via, "int4", file_levels=loading._file_levels(via, str(path), "int4"),
+                   screen_head=loading.screens_head(via.config))
     # The input embedding stays as blocks (BlockEmbedding): the same floats, looked up.
     embedding = direct.model.embed_tokens
     assert isinstance(embedding, BlockEmbedding) and type(via.model.embed_tokens) is torch.nn.Embedding
@@ -442,6 +443,8 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     assert torch.equal(embedding(ids), via.model.embed_tokens(ids))
     if tied:  # the head's own storage, not a copy
         assert embedding.levels.data_ptr() == direct.lm_head.levels.data_ptr()
+    # The 4-bit screen is built only where the model's forward reads it (Qwen3's greedy rows read the exact head).
+    assert hasattr(direct.lm_head, "argmax_logits") == (arch != "qwen3")
     ours = {k: v for k, v in direct.state_dict().items() if not k.startswith("model.embed_tokens.")}
     theirs = {k: v for k, v in via.state_dict().items() if not k.startswith("model.embed_tokens.")}
     assert sorted(ours) == sorted(theirs)

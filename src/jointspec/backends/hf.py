@@ -38,6 +38,11 @@ from jointspec.kernels.heap import release_freed_memory
 PREFILL_CHUNK = 1024
 
 
+# The model types whose lean forwards never read a screened head (LeanGemmaForward and LeanQwen3Forward's
+# ``screens_head``): their loads skip building one (backends/loading.py).
+EXACT_HEAD_MODEL_TYPES = ("gemma3", "gemma3_text", "qwen3")
+
+
 def lean_forward_of(model: PreTrainedModel) -> LeanLlamaForward | None:
     """The lean forward ``model`` takes: Llama's (Llama, Mistral, Qwen2), Gemma-3's or Qwen3's where its layers run
     on jointspec's compiled ones, else None (transformers' own forward)."""

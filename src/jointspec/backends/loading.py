@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from jointspec.backends import embedded
-from jointspec.backends.hf import CausalLM
+from jointspec.backends.hf import EXACT_HEAD_MODEL_TYPES, CausalLM
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.kernels.fp32 import (
     KERNEL_CHOICES,
@@ -232,7 +232,8 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     else:
         model, tokenizer, label = _load_transformers(source, device, dtype)
         if quantize != "none":
-            quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize))
+            quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize),
+                           screen_head=screens_head(model.config))
     if quantize != "none":
         label = f"{label} ({quantize})"
     try:
@@ -253,6 +254,13 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
         if name is None:
             target.name = f"{label}, float16 KV cache"
     return target, tokenizer
+
+
+def screens_head(config) -> bool:
+    """Whether a quantised model of this config gets the 4-bit screen beside its 8-bit head: not where its forward
+    reads the exact head for greedy rows (:data:`~jointspec.backends.hf.EXACT_HEAD_MODEL_TYPES`), which would only
+    pay the screen's build (two passes over the dequantised head: seconds for a 150k-token vocabulary)."""
+    return config.model_type not in EXACT_HEAD_MODEL_TYPES
 
 
 def auto_kv_dtype(target: CausalLM) -> torch.dtype | None:
@@ -329,7 +337,7 @@ def _load_gguf_blocks(source: str):
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}") from error
     try:
-        model, why = model_from_blocks(path, config)
+        model, why = model_from_blocks(path, config, screen_head=screens_head(config))
     except (ValueError, KeyError) as error:  # a tensor not as its type says: transformers' loader says what
         model, why = None, str(error).splitlines()[0]
     if model is None:

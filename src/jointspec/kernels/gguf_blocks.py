@@ -442,7 +442,7 @@ _LAYER_FLOAT_TENSORS = {"input_layernorm.weight": "attn_norm.weight",
 BLOCK_LOADED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str | None]:
+def model_from_blocks(path: str | Path, config, screen_head: bool = True) -> tuple[nn.Module | None, str | None]:
     """(model, None): the GGUF model at ``path`` built on jointspec's kernels straight from its blocks, without the
     float copy of every weight that transformers' loader makes first; or (None, why not) where that cannot be done
     (the caller then loads through transformers). ``config``: the model's transformers config (read from the file).
@@ -452,7 +452,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
     Hugging Face's order (llama.cpp's converter permutes them for ``llama`` files), the input embedding kept as blocks
     (:class:`BlockEmbedding`: the same floats, looked up), norms and biases dequantised to float32. What it saves is the
     float32 copy of the weights: about 4 bytes per weight of peak memory (6 GB for a 1.5B model), and the time
-    transformers takes to make it."""
+    transformers takes to make it. ``screen_head``: as :func:`~jointspec.kernels.quantize.quantize_model`'s."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -515,7 +515,7 @@ def model_from_blocks(path: str | Path, config) -> tuple[nn.Module | None, str |
     rotary = model.model.rotary_emb  # its buffers are computed from the config, not stored
     model.model.rotary_emb = type(rotary)(config=config)
     del reader, tensors, tensor, found
-    quantize_model(model, "int4", file_levels=levels)  # empties the dict once the layers hold the levels
+    quantize_model(model, "int4", file_levels=levels, screen_head=screen_head)  # empties the dict (levels handed over)
     release_freed_memory()
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
     if left:
