@@ -10,7 +10,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
+from jointspec.backends.hf import CausalLM
 from jointspec.backends.kvcache import MIN_CAPACITY, BufferedCache, BufferedLayer
+
+from helpers import decode_greedy, random_prompt
 
 CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64, vocab_size=64)
@@ -133,3 +136,12 @@ def test_slots_written_by_the_caller_read_like_appended_entries():
             value_buffer[:, :, start:start + n] = values
             reference.update(keys, values, layer)
         assert_same(buffered, reference)
+
+
+def test_the_decode_loop_gives_each_layer_its_room_once(target_model):
+    """The loop tells the target how long the sequence can grow (reset(length=...)): the buffers hold exactly the
+    prompt and the new tokens, taken at the first write, where doubling would have left them at 256 or more."""
+    target = CausalLM(target_model, name="room")
+    prompt = random_prompt(0)
+    assert len(decode_greedy(target, prompt, "pld", 30)) == 30
+    assert all(layer._key_buffer.shape[-2] == len(prompt) + 30 for layer in target.cache.layers)
