@@ -9,7 +9,7 @@ import torch
 
 from jointspec.backends import hf, lean_forward
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.loading import load_model
+from jointspec.backends.loading import auto_kv_dtype, load_model, quantized_copy
 from jointspec.batch.engine import BatchRequest
 from jointspec.batch.lockstep import LockstepEngine
 from jointspec.bench.specs import MethodSpecError, parse_spec
@@ -102,8 +102,6 @@ def test_a_float16_cache_needs_the_compiled_layers():
 def test_kv_cache_auto_keeps_halves_on_the_compiled_layers_and_the_models_dtype_elsewhere(tmp_path, int4_model):
     """--kv-cache auto (the default): float16 where a float32 model runs on the compiled layers, as llama.cpp keeps
     its cache; the model's dtype where transformers' forward or the Python path reads the cache."""
-    from jointspec.backends.loading import auto_kv_dtype, quantized_copy
-
     assert auto_kv_dtype(CausalLM(int4_model, name="compiled")) == torch.float16
     assert auto_kv_dtype(CausalLM(int4_model, name="transformers", lean=False)) is None
     assert auto_kv_dtype(CausalLM(tiny_llama(1), name="float32")) is None
