@@ -58,6 +58,18 @@ def test_the_compiled_layers_compute_transformers_qwen3_forward_to_float_roundin
         assert not torch.allclose(other, compiled.forward(context).logits, atol=1e-2)
 
 
+def test_a_forward_the_compiled_layers_do_not_take_runs_transformers_own(monkeypatch):
+    """Longer forwards than the compiled attention reads (here: more than 2 rows) run transformers' Qwen3 forward,
+    not the Llama operations, which have no q/k norms."""
+    from jointspec.kernels import grouped
+
+    model = int4_qwen3()
+    lean, stock = CausalLM(model, name="lean"), CausalLM(model, name="transformers", lean=False)
+    monkeypatch.setattr(grouped, "ROWWISE_MAX_ROWS", 2)
+    context = random_prompt(2, length=20)
+    assert torch.equal(lean.forward(context).logits, stock.forward(context).logits)
+
+
 def test_each_row_is_computed_alone():
     """A chain, and every node of a tree, get bit for bit the logits of feeding their tokens one by one."""
     target = CausalLM(int4_qwen3(1), name="compiled")

@@ -226,6 +226,9 @@ class LeanLlamaForward:
     screens_head = True
     # The layer's norms the compiled layer takes: the attention block's input norm, then the MLP's.
     NORMS = ("input_layernorm", "post_attention_layernorm")
+    # Whether a forward the compiled layers do not take may run Llama's operations below (decoder_layers); a subclass
+    # whose layers add a step (Qwen3's q/k norms) runs transformers' own forward there instead.
+    llama_operations = True
 
     def __init__(self, model: llama.LlamaForCausalLM) -> None:
         reason = self.unsupported_reason(model)
@@ -426,6 +429,9 @@ class LeanLlamaForward:
             prefill = num_logits == 0 and batch_seq[1] >= self.prefill_gemm_rows
             segment = self._segment(inputs_embeds, position_ids, attention_mask, cache)
             hidden = self._compiled_body(hidden, [(cos, sin)], segment, wanted, kept, prefill)
+        elif not self.llama_operations:
+            return transformers_forward(model, input_ids, position_ids, attention_mask, cache, num_logits,
+                                        hidden_layers)
         else:
             causal_mask = create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                              past_key_values=cache, position_ids=position_ids)

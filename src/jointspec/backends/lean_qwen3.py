@@ -22,7 +22,6 @@ from jointspec.backends.lean_forward import (
     accelerate_hooked,
     compiled_forward_for,
     replaced_part,
-    transformers_forward,
 )
 
 
@@ -69,20 +68,9 @@ class LeanQwen3Forward(LeanLlamaForward):
     # hand to measure it on a 151,936-token one (docs/kernels.md, "Architectures"). The exact head, always.
     screens_head = False
     HEAD_NORMS = ("q_norm", "k_norm")
+    # Llama's Python operations lack the q/k norms: a forward the compiled layers do not take runs transformers'.
+    llama_operations = False
 
     def _add_extras(self, index: int, layer: qwen3.Qwen3DecoderLayer) -> None:
         attn = layer.self_attn
         self._compiled_stack.set_extras(index, attn.q_norm.weight, attn.k_norm.weight, None, None, False, 0, 0)
-
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache, num_logits: int,
-                 hidden_layers: tuple[int, ...] = (), argmax_only: bool = False
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """As :meth:`LeanLlamaForward.__call__`, whose Python path (Llama's operations) is not Qwen3's: a forward
-        the compiled layers do not take runs transformers' own."""
-        model = self.model
-        if input_ids.shape[0] != 1 or model.dtype != torch.float32 or not self._compiled_ready(input_ids.shape[1],
-                                                                                              cache):
-            return transformers_forward(model, input_ids, position_ids, attention_mask, cache, num_logits,
-                                        hidden_layers)
-        return super().__call__(input_ids, position_ids, attention_mask, cache, num_logits, hidden_layers,
-                                argmax_only)
