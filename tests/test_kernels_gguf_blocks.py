@@ -298,30 +298,36 @@ def test_a_files_reader_is_made_once_within_a_load_while_the_file_is_unchanged(t
 
 def test_transformers_reads_a_files_metadata_through_the_loads_reader(tmp_path, monkeypatch):
     """transformers parses a GGUF file's metadata for the config (gguf.GGUFReader in load_gguf_checkpoint): inside
-    shared_gguf_readers that is the load's own reader, so the file is parsed once; the config is the same, and
+    shared_gguf_readers that is the load's own (fast) reader, so the file is parsed once; the config is the same, and
     gguf.GGUFReader is gguf's own class again afterwards."""
     import gguf
     from transformers import AutoConfig
 
+    from jointspec.kernels import gguf_reader as fast
+
     path = tmp_path / "mix.gguf"
     gguf_llama(path)
-    original = gguf.GGUFReader
     made = []
 
-    class Counting(original):
-        def __init__(self, *args, **kwargs):
-            made.append(args[0])
-            super().__init__(*args, **kwargs)
+    def counting(base):
+        class Counting(base):
+            def __init__(self, *args, **kwargs):
+                made.append(base.__name__)
+                super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+        return Counting
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting(gguf.GGUFReader))
+    monkeypatch.setattr(fast, "FastGGUFReader", counting(fast.FastGGUFReader))
     alone = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
-    assert len(made) == 1
+    assert made == ["GGUFReader"]
     made.clear()
+    patched = gguf.GGUFReader
     with shared_gguf_readers():
         reader = gguf_reader(path)
         config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
         assert gguf.GGUFReader(str(path)) is reader
-    assert len(made) == 1 and gguf.GGUFReader is Counting
+    assert made == ["FastGGUFReader"] and gguf.GGUFReader is patched
     assert config.to_dict() == alone.to_dict()
 
 

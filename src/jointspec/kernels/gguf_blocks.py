@@ -271,8 +271,8 @@ def shared_gguf_readers():
 
     transformers parses the file again for the config and for the tokenizer's class (``gguf.GGUFReader`` inside
     ``load_gguf_checkpoint``): within the block ``gguf.GGUFReader`` opens for reading give the shared reader too, which
-    takes two of a load's four parses of the metadata away (seconds on a large vocabulary). The module attribute is
-    restored when the block ends."""
+    takes two of a load's four parses of the metadata away and gives transformers the fast parse. The module
+    attribute is restored when the block ends."""
     global _SHARED_READERS
     if _SHARED_READERS is not None:
         yield
@@ -284,7 +284,6 @@ def shared_gguf_readers():
     def shared(path, mode="r"):
         return gguf_reader(path) if mode == "r" else original(path, mode)
 
-    shared.__wrapped__ = original  # gguf_reader's own reads
     _SHARED_READERS = {}
     gguf.GGUFReader = shared
     try:
@@ -295,12 +294,11 @@ def shared_gguf_readers():
 
 
 def gguf_reader(path: str | Path):
-    """A ``gguf.GGUFReader`` of ``path``: a reader parses every metadata key when made (a 128k-token vocabulary is
-    seconds of Python), and one load asks for the file's tensors more than once, so inside
+    """A reader of ``path`` (:class:`~jointspec.kernels.gguf_reader.FastGGUFReader`, what ``gguf.GGUFReader`` gives):
+    a reader parses every metadata key when made, and one load asks for the file's tensors more than once, so inside
     :func:`shared_gguf_readers` the reader of an unchanged file (its size and modification time) is made once."""
-    import gguf
+    from jointspec.kernels.gguf_reader import FastGGUFReader as reader_class
 
-    reader_class = getattr(gguf.GGUFReader, "__wrapped__", gguf.GGUFReader)
     resolved = Path(path).expanduser().resolve()
     if _SHARED_READERS is None:
         return reader_class(str(resolved))
