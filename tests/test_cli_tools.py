@@ -8,6 +8,7 @@ tests that read a results.json; it runs with matplotlib hidden, as an install wi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -80,6 +81,35 @@ def test_importing_the_package_imports_nothing_else():
             "print(sorted(m for m in sys.modules if m.startswith(('jointspec', 'torch', 'transformers'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "['jointspec']"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["bogus"]])
+def test_help_and_a_mistyped_command_import_neither_torch_nor_transformers(argv):
+    """The parser of the command a run asks for is built alone: `jointspec --help` answers in a fraction of a second
+    instead of after torch's and transformers' imports."""
+    code = ("import sys\nfrom jointspec.cli.main import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout + run.stderr
+    if argv == ["bogus"]:
+        assert "invalid choice: 'bogus'" in run.stderr and "'generate'" in run.stderr
+
+
+def test_each_commands_own_parser_is_the_full_parsers():
+    """A run builds only its command's options; they are the options the whole parser gives that command, and every
+    command's summary is listed either way."""
+    from jointspec.cli.commands import COMMANDS
+
+    def options(parser, name):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        assert sorted(sub.choices) == sorted(COMMANDS)
+        return [(a.dest, tuple(a.option_strings), a.default, a.choices, a.help) for a in sub.choices[name]._actions]
+
+    full = cli.build_parser()
+    for name in COMMANDS:
+        assert options(cli.build_parser(name), name) == options(full, name), name
+    assert len(options(cli.build_parser(""), "bench")) == 1  # only -h until bench is the command
 
 
 def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):

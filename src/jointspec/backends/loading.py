@@ -23,6 +23,7 @@ import torch
 
 from jointspec.backends import embedded
 from jointspec.backends.hf import EXACT_HEAD_MODEL_TYPES, CausalLM
+from jointspec.core.choices import BACKENDS, KV_CACHE_CHOICES, QUANTIZE_CHOICES
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.kernels.fp32 import (
     KERNEL_CHOICES,
@@ -34,18 +35,15 @@ from jointspec.kernels.fp32 import (
 )
 from jointspec.kernels.gguf_blocks import shared_gguf_readers
 from jointspec.kernels.heap import release_freed_memory
-from jointspec.kernels.quantize import QUANTIZE_MODES, quantization_mode, quantize_model
+from jointspec.kernels.quantize import quantization_mode, quantize_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
-BACKENDS = ("torch", "llamacpp")
-# ``auto``: int4 where that is the model itself (:func:`resolve_quantize`), else none.
-QUANTIZE_CHOICES = ("auto", *QUANTIZE_MODES)
-# What the target's KV cache stores: ``float32`` the model's dtype; ``float16`` half the memory and the bytes a long
-# context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype); ``auto`` float16
-# where the model runs on those layers, else the model's dtype (auto_kv_dtype).
-KV_CACHE_CHOICES = ("auto", "float32", "float16")
+# QUANTIZE_CHOICES: ``auto`` is int4 where that is the model itself (:func:`resolve_quantize`), else none.
+# KV_CACHE_CHOICES, what the target's KV cache stores: ``float32`` the model's dtype; ``float16`` half the memory and
+# the bytes a long context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype);
+# ``auto`` float16 where the model runs on those layers, else the model's dtype (auto_kv_dtype).
 # A GGUF's projection weights (llama.cpp's names) and the quantisation types jointspec's grouped int4 mode recovers.
 _GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 

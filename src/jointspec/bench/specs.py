@@ -21,7 +21,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from jointspec.backends.loading import QUANTIZE_CHOICES
+from jointspec.core.choices import BACKENDS, QUANTIZE_CHOICES
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafters.approximate import ATTENTION_MODES
 from jointspec.methods import MethodConfig, method_names, online_methods
@@ -47,8 +47,7 @@ LLAMACPP_METHODS: dict[str, tuple[str, ...]] = {
     "llamacpp-pld": ("num_pred_tokens", "max_ngram_size", "flash_attn"),
 }
 
-# Where a jointspec method runs: the torch target (default) or the llama.cpp adapter over the GGUF.
-BACKENDS = ("torch", "llamacpp")
+# BACKENDS: where a jointspec method runs, the torch target (default) or the llama.cpp adapter over the GGUF.
 # Spec keys that say where a jointspec method runs rather than how it drafts: no MethodConfig field reads them.
 PLACEMENT_KEYS = ("backend", "quantize", "kernels", "attention", "memory", "kv")
 # Linear-layer kernels of the torch target a method runs on: as loaded, or a copy on PyTorch's own F.linear.

@@ -14,6 +14,7 @@ from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts,
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
 from jointspec.bench.specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
+from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
     add_model_arguments,
     apply_threads,
@@ -29,7 +30,7 @@ load_target = load_model
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmark methods against a baseline on prompt sets (Spec-Bench style)",
+        "bench", help=command_help("bench"),
         description="Run every method on the same prompts, seeds and max_new_tokens, prompt-major, and report "
                     "tokens/s, speedup, acceptance, perplexity and output identity. The last stdout line is JSON.")
     parser.add_argument("--prompts", action="append", default=None, metavar="FILE|builtin:NAME",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from jointspec.cli.commands import command_help
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench-intervals", help="paired 95 %% intervals between two methods of a finished bench run's results.json",
+        "bench-intervals", help=command_help("bench-intervals"),
         description="The speedup and perplexity ratio of METHOD against REFERENCE, with the bench's paired bootstrap "
                     "intervals over prompts, from a results.json that `jointspec bench --report-dir` wrote; no "
                     "model is loaded. Methods may be given by their full label or a unique part of it. Several "

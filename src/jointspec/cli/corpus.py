@@ -26,6 +26,7 @@ from pathlib import Path
 
 # Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
 from jointspec.backends.loading import load_model as load_target
+from jointspec.cli.commands import command_help
 from jointspec.cli.options import positive_int
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ ANSWERS_FILE = "answers.jsonl"
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "build-corpus", help="build the n-gram table `corpus` drafts from, out of the target's own answers",
+        "build-corpus", help=command_help("build-corpus"),
         description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf or a hub id")
     parser.add_argument("--prompts", action="append", default=None, metavar="SOURCE",

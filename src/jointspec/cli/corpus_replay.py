@@ -12,6 +12,7 @@ import argparse
 import json
 
 from jointspec.backends.loading import load_model
+from jointspec.cli.commands import command_help
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
 load_target = load_model
@@ -21,7 +22,7 @@ def add_parser(subparsers) -> None:
     from jointspec.bench.corpus_replay import INT4_CURVE
 
     parser = subparsers.add_parser(
-        "corpus-replay", help="replay cost-aware corpus drafting over a bench run's answers to compare n-gram tables",
+        "corpus-replay", help=command_help("corpus-replay"),
         description="Replays the rounds cost-aware `corpus` drafting would run on a lossless method's recorded greedy "
                     "answers (a bench results.json), with each table, charging each round the target forward it "
                     "needs on --curve; reports answer tokens per unit of that cost, overall and by turn. No model "

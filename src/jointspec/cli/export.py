@@ -26,6 +26,7 @@ from pathlib import Path
 
 # Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
 from jointspec.backends.loading import load_model as load_target
+from jointspec.cli.commands import command_help
 from jointspec.core.errors import UnsupportedOptionError
 
 FORMATS = ("speculators", "eagle3", "vllm-eagle", "sglang-eagle", "medusa")
@@ -55,7 +56,7 @@ REFUSALS = {
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "export-draft", help="write a trained EAGLE-3 head in the formats vLLM and SGLang load",
+        "export-draft", help=command_help("export-draft"),
         description=__doc__.splitlines()[0])
     parser.add_argument("draft", type=Path, help="the draft's folder (from train-draft, or a speculators checkpoint)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the format to write")

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from jointspec.backends.loading import load_model
+from jointspec.cli.commands import command_help
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
 load_target = load_model
@@ -27,8 +28,7 @@ def add_parser(subparsers) -> None:
     from jointspec.cli.options import positive_int
 
     parser = subparsers.add_parser(
-        "head-agreement", help="how often trained drafts agree with the target on benchmark answers (teacher-forced); "
-                               "--record writes a head's top-w hit rates into its draft.json",
+        "head-agreement", help=command_help("head-agreement"),
         description="The target answers the first --num-prompts questions of each set greedily (round-robin over "
                     "categories); each draft is scored teacher-forced on every answer position. EAGLE heads: depth-1 "
                     "and depth-2 agreement and whether the target's token is in the head's top 2 and 3; Medusa and "

@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from jointspec.cli.commands import COMMANDS, command_help
 from jointspec.cli.options import (
     add_model_arguments,
     apply_threads,
@@ -25,7 +26,7 @@ DEFAULT_PROMPT = ("Summarise in two sentences: Speculative decoding lets a small
 
 
 def _add_generate(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate text for one prompt")
+    parser = subparsers.add_parser("generate", help=command_help("generate"))
     parser.add_argument("prompt", nargs="?", default=None, help="the prompt (default: a short summarisation task)")
     # As llama.cpp's -p / --prompt; without it, argparse reads --prompt as an abbreviation of --prompt-file.
     parser.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", default=None,
@@ -180,7 +181,7 @@ def _say_quantize_choice(args: argparse.Namespace) -> None:
 
 
 def _add_methods(subparsers) -> None:
-    parser = subparsers.add_parser("methods", help="list the decoding methods")
+    parser = subparsers.add_parser("methods", help=command_help("methods"))
     parser.set_defaults(run=_run_methods)
 
 
@@ -192,14 +193,10 @@ def _run_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommand modules that define ``add_parser(subparsers)``. Each adds itself here.
-_SUBCOMMAND_MODULES: list[str] = ["jointspec.cli.bench", "jointspec.cli.bench_intervals", "jointspec.cli.serve",
-                                    "jointspec.cli.train", "jointspec.cli.corpus", "jointspec.cli.corpus_replay",
-                                    "jointspec.cli.head_agreement", "jointspec.cli.export",
-                                    "jointspec.cli.pass_at_k"]
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser: every subcommand's options, or, given the ``command`` a run asks for, that subcommand's
+    options and the others' names only (each subcommand's module imports what it runs, torch and transformers among
+    them: seconds that ``jointspec --help`` should not wait for)."""
     import importlib
 
     from jointspec import __version__
@@ -209,10 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="`jointspec SUBCOMMAND --help` lists a subcommand's options; docs/cli.md describes them all.")
     parser.add_argument("--version", action="version", version=f"jointspec {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_generate(subparsers)
-    _add_methods(subparsers)
-    for module in _SUBCOMMAND_MODULES:
-        importlib.import_module(module).add_parser(subparsers)
+    builders = {"generate": _add_generate, "methods": _add_methods}
+    for name, (module, summary) in COMMANDS.items():
+        if command is not None and name != command:
+            subparsers.add_parser(name, help=summary)  # listed; its options are added when it is the one run
+        elif name in builders:
+            builders[name](subparsers)
+        else:
+            importlib.import_module(module).add_parser(subparsers)
     return parser
 
 
@@ -220,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("JOINTSPEC_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     # transformers is chatty on load (GGUF dequantisation notes, generation-config notes); keep the CLI readable.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The subcommand is the first word that is not an option (the options before it take no values).
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     try:
         return args.run(args)
     except JointspecError as error:

@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 import functools
 
+from jointspec.core.choices import (
+    BACKENDS,
+    HEAD_WEIGHT_CHOICES,
+    KERNEL_CHOICES,
+    KV_CACHE_CHOICES,
+    QUANTIZE_CHOICES,
+    VERIFY_CHOICES,
+)
 from jointspec.core.errors import UnsupportedOptionError
 
 
@@ -41,8 +49,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured cost curve and the running acceptance, so speculation does not run slower "
                              "than plain decoding (measures the curve once, a few seconds); mtad: each round's "
                              "depth, at least 1, which it does unless --no-cost-aware")
-    from jointspec.core.verdict import VERIFY_CHOICES
-
     parser.add_argument("--verify", choices=VERIFY_CHOICES, default="token",
                         help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
                              "same drafts (Sun et al. 2024): the same output law, more tokens kept per round; "
@@ -60,8 +66,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
                              "(EAGLE-2) instead of the static --tree; greedy decoding only")
-    from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES
-
     parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
                         help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
                              "8-bit weight groups on jointspec's CPU kernel (a draft call ~25 %% cheaper, drafts "
@@ -69,9 +73,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "that kernel runs with vector instructions (x86 with AVX2 or AVX-512), else float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    from jointspec.backends.loading import BACKENDS, QUANTIZE_CHOICES
-    from jointspec.kernels.fp32 import KERNEL_CHOICES
-
     parser.add_argument("--backend", choices=BACKENDS, default="torch",
                         help="what runs the target and draft models: torch (transformers) or llamacpp (the model must "
                              "be 'default' or a .gguf file; needs llama-cpp-python; CPU only; chain methods only)")
@@ -91,7 +92,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "about the cost of one step there), else PyTorch's own linears; grouped-query attention "
                              "inside SDPA either way (docs/kernels.md says why); onednn = insist; stock = PyTorch's "
                              "F.linear and transformers' sdpa attention")
-    from jointspec.backends.loading import KV_CACHE_CHOICES
 
     parser.add_argument("--kv-cache", choices=KV_CACHE_CHOICES, default="auto",
                         help="torch backend: what the KV cache stores. float16 = half precision, as llama.cpp keeps "

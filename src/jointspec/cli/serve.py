@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from jointspec.cli.commands import command_help
 from jointspec.core.errors import JointspecError
 
 log = logging.getLogger(__name__)
@@ -13,7 +14,7 @@ log = logging.getLogger(__name__)
 def add_parser(subparsers) -> None:
     from jointspec.cli.options import add_model_arguments, positive_int
 
-    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (completions, chat, metrics)")
+    parser = subparsers.add_parser("serve", help=command_help("serve"))
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     parser.add_argument("--port", type=positive_int, default=8000)

@@ -23,6 +23,7 @@ import torch
 # Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
 from jointspec.backends.loading import load_model as load_target
 from jointspec.backends.tokens import eos_token_ids
+from jointspec.cli.commands import command_help
 from jointspec.cli.options import positive_int
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.artifact import artifact_kind, check_head_target, is_eagle3_checkpoint, target_fingerprint
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train-draft", help="train a drafter for a target (self-distillation: EAGLE-style head or small draft)",
+        "train-draft", help=command_help("train-draft"),
         description="Generate the target's own answers to training prompts, save its features, and train a draft "
                     "on them: a feature head (--kind heads) or a small causal draft (--kind distill). Re-running "
                     "with the same options resumes both stages.")

@@ -7,13 +7,9 @@ from typing import Protocol
 
 import torch
 
+from jointspec.core.choices import VERIFY_CHOICES  # noqa: F401  (re-exported: the method registry, the server)
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig
-
-# How a method may verify (``MethodConfig.verify``): chains with draft rows token-wise or as a block, sampled trees by
-# recursive rejection ("token") or by traversal. Here, not with the method registry, so that the CLI's parser and the
-# server's request schema can name the choices without importing every method.
-VERIFY_CHOICES = ("token", "block", "traversal")
 
 
 @dataclass

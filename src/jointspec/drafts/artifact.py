@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from jointspec.backends.hf import CausalLM
+from jointspec.core.choices import HEAD_WEIGHT_CHOICES  # noqa: F401  (re-exported)
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.core.target import TargetCapabilities
 
@@ -334,7 +335,7 @@ class FeatureDraft:
         return self.target.max_context
 
 
-# How a bound head's weights run (``--head-weights``, MethodConfig.head_weights).
+# How a bound head's weights run (``--head-weights``, MethodConfig.head_weights; HEAD_WEIGHT_CHOICES).
 # - ``int8``: the head's decoder-layer linears and its rows of the target's LM head as signed 8-bit weights in groups
 #   of 32 on jointspec's CPU kernel (kernels/grouped.py), float32 activations; ``fc``, which reads the feature and the
 #   token embedding side by side, stays float. A draft call reads about a quarter of the bytes, which made the shipped
@@ -344,4 +345,3 @@ class FeatureDraft:
 #   multiples of 64), else float32.
 # Either way the head only proposes tokens and the target verifies them, so the choice changes which tokens are
 # drafted (and so the speed), never what is generated.
-HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")

@@ -32,8 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-KERNEL_CHOICES = ("auto", "onednn", "stock")
-
+from jointspec.core.choices import KERNEL_CHOICES  # noqa: F401  (re-exported)
 
 # Rows (tokens) up to which weight_major_linear beat oneDNN's packed kernel where tuned; see the module docstring.
 WEIGHT_MAJOR_MAX_ROWS = 4

@@ -60,6 +60,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from jointspec.core.choices import QUANTIZE_MODES
 from jointspec.kernels.fp32 import use_stock_attention, use_stock_linears
 from jointspec.kernels.grouped import (
     ROWWISE_MAX_ROWS,
@@ -76,8 +77,6 @@ from jointspec.kernels.grouped import (
 from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
-
-QUANTIZE_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what both int4 kernels accept
 DEFAULT_GROUP_SIZE = 32  # 576 (SmolLM2's hidden size) is not a multiple of 128; 32 is the most accurate of the rest
 _TINY = 1e-12  # floor for scales, so an all-zero row or group quantises to zeros instead of dividing by zero
