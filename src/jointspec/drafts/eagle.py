@@ -136,7 +136,7 @@ def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | No
         misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"
     if misfit is None and selected_isa() == "portable":
         misfit = "jointspec's kernels run their portable build here, not measured against float32 heads"
-    return misfit or unavailable_reason()  # builds the kernels once if it can (about 30 s)
+    return misfit or unavailable_reason()  # builds the kernels once if it can (a minute or more)
 
 
 def linears_to_int8(module: nn.Module) -> None:

@@ -186,7 +186,8 @@ def kernels(isa: str | None = None):
 
 
 def unavailable_reason(isa: str | None = None) -> str | None:
-    """Why the grouped kernels cannot run here (None: they can). Builds them on first call (about 30 s, once)."""
+    """Why the grouped kernels cannot run here (None: they can). Builds them on first call (once: a minute or more
+    on two cores)."""
     return _load(isa or selected_isa())[1]
 
 
@@ -218,7 +219,8 @@ def _build(isa: str):
     name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
     directory = _build_directory(name)
     if not any(directory.glob("*.so")):
-        print(f"jointspec: building the {isa} CPU kernels once (about 30 s) ...", file=sys.stderr, flush=True)
+        print(f"jointspec: building the {isa} CPU kernels, once for this CPU type (a minute or two on two cores) ...",
+              file=sys.stderr, flush=True)
         # Finished builds of other sources or torch versions (a folder without a library may be another process's
         # build in progress: left alone).
         for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):
