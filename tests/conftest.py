@@ -5,6 +5,7 @@ passes well under a millisecond. The builders themselves live in ``helpers.py``;
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -30,6 +31,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_kept_cost_curves():
+    """`jointspec generate` keeps measured cost curves in the user's cache (drafters/curve_store.py); the suite's CLI
+    runs measure afresh and leave that cache alone, except where a test turns the store on for its own folder."""
+    previous = os.environ.get("JOINTSPEC_COST_CURVES")
+    os.environ["JOINTSPEC_COST_CURVES"] = "off"
+    yield
+    if previous is None:
+        os.environ.pop("JOINTSPEC_COST_CURVES", None)
+    else:
+        os.environ["JOINTSPEC_COST_CURVES"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -303,3 +303,26 @@ def test_approximate_attention_says_it_is_approximate(capsys, model_dirs, mode):
     code, sparse, err = run_cli(capsys, "generate", PROMPT, "--attention", mode, *options)
     assert code == 0 and f"--attention {mode}: approximate decoding" in err
     assert json.loads(sparse.splitlines()[-1])["token_ids"] == json.loads(exact.splitlines()[-1])["token_ids"]
+
+
+def test_generate_keeps_its_cost_curve_for_the_next_run(capsys, model_dirs, tmp_path, monkeypatch):
+    """A cost-aware method measures the target's cost curve once; the next `generate` of the same model reads it
+    back instead of measuring (nothing new written), and answers the same."""
+    from jointspec.drafters import curve_store
+
+    monkeypatch.delenv(curve_store.ENV)
+    monkeypatch.setattr(curve_store, "default_directory", lambda: tmp_path)
+    args = generate_args(model_dirs["target"], "--method", "pld", "--cost-aware", "--json")
+    code, first, _ = run_cli(capsys, *args)
+    assert code == 0 and len(list(tmp_path.glob("*.json"))) == 1
+    read, written, read_kept = [], [], curve_store.read
+
+    def recording_read(path):
+        read.append(read_kept(path))
+        return read[-1]
+
+    monkeypatch.setattr(curve_store, "read", recording_read)
+    monkeypatch.setattr(curve_store, "write", lambda path, costs: written.append(path))
+    code, second, _ = run_cli(capsys, *args)
+    assert code == 0 and json.loads(second.splitlines()[-1])["text"] == json.loads(first.splitlines()[-1])["text"]
+    assert len(read) == 1 and read[0] is not None and written == []

@@ -56,6 +56,18 @@ def gguf_path(source: str | None) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
+def source_identity(source: str | None) -> str | None:
+    """A local model's files as a string that changes when they do (path, size and modification time of the GGUF
+    file or of each file in the folder); None for a hub id or what cannot be read."""
+    try:
+        path = gguf_path(source) or Path(source).expanduser()
+        files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
+        stats = [(str(file.resolve()), file.stat()) for file in files if file.is_file()]
+    except (OSError, TypeError):
+        return None
+    return ";".join(f"{name}:{stat.st_size}:{stat.st_mtime_ns}" for name, stat in stats) or None
+
+
 def gguf_block_types(source: str) -> dict[str, str] | None:
     """Tensor name -> GGUF type name for the projections and output head of the GGUF ``source`` (None: not a
     readable GGUF)."""
@@ -243,6 +255,9 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     except ValueError as error:
         raise UnsupportedOptionError(str(error)) from error
     release_freed_memory()  # the load's temporaries (kernels/heap.py)
+    identity = source_identity(source)
+    if identity is not None:  # what a measured cost curve may be kept under (drafters/curve_store.py)
+        model.jointspec_identity = f"{identity}|{quantize}|{kernels}|{kv_cache}|{dtype}|{device}"
     target = CausalLM(model, name=name or label, lean=kernels != "stock")
     kv_dtype = {"float16": torch.float16, "float32": None, "auto": auto_kv_dtype(target)}[kv_cache]
     if kv_dtype is not None:
@@ -299,7 +314,7 @@ def quantized_copy(target: CausalLM, mode: str, kv_cache: str = "auto") -> Causa
     if quantization_mode(target.model) != "none":
         raise UnsupportedOptionError(f"{target.name} is already quantised ({quantization_mode(target.model)}); "
                                      f"load it in float to compare it with {mode}")
-    model = copy.deepcopy(target.model)
+    model = _unmarked(copy.deepcopy(target.model))
     quantize_model(model, mode)
     copied = CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
     copied.kv_dtype = {"float16": torch.float16, "float32": None, "auto": auto_kv_dtype(copied)}[kv_cache]
@@ -308,13 +323,19 @@ def quantized_copy(target: CausalLM, mode: str, kv_cache: str = "auto") -> Causa
     return copied
 
 
+def _unmarked(model):
+    """A copy runs other kernels than the loaded model, so it does not keep its load identity (curve_store.py)."""
+    model.__dict__.pop("jointspec_identity", None)
+    return model
+
+
 def stock_copy(target: CausalLM) -> CausalLM:
     """A copy of a torch target whose linear layers run PyTorch's own ``F.linear`` (no oneDNN), whose attention is
     transformers' own ``sdpa`` and whose forward is transformers' own (not :mod:`~jointspec.backends.lean_forward`), for
     comparing the kernels in one process (the bench's ``kernels=stock`` option)."""
     import copy
 
-    model = copy.deepcopy(target.model)
+    model = _unmarked(copy.deepcopy(target.model))
     use_stock_linears(model)
     use_stock_attention(model)
     return CausalLM(model, name=f"{target.name} (stock kernels)", lean=False)

@@ -76,10 +76,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     apply_threads(args)
     from jointspec.backends.loading import load_model
     from jointspec.drafters.approximate import with_attention
+    from jointspec.drafters.curve_store import persisted_curves
 
     # Pipeline.load's two steps, with the target wrapped in between where --attention asks for an approximate one.
     model, tokenizer = load_model(args.model, **model_options(args))
-    pipeline = Pipeline(with_attention(model, args.attention), tokenizer, method, **model_options(args))
+    with persisted_curves():  # one answer per process: the cost curve measured by an earlier run is read back
+        pipeline = Pipeline(with_attention(model, args.attention), tokenizer, method, **model_options(args))
     if args.attention != "full":
         where = ("once its context passes 2,048 tokens" if args.attention == "sparse"
                  else "after a prompt of 2,048 tokens or more")

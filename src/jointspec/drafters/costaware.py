@@ -77,6 +77,7 @@ import torch
 from jointspec.core.draft import Draft, Drafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
+from jointspec.drafters import curve_store
 
 # Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
 # is where the float32 CPU kernels switch, see kernels/fp32.py: the curve must not interpolate across it).
@@ -218,7 +219,9 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     head (``capabilities.argmax_screen``) is timed so, as greedy decoding (the default) runs it.
 
     The result is memoised per model (``target.model`` where the adapter has one, else the adapter), settings and
-    torch thread count: a server or benchmark pays for it once. ``refresh=True`` measures again.
+    torch thread count: a server or benchmark pays for it once. Inside
+    :func:`~jointspec.drafters.curve_store.persisted_curves` (``jointspec generate``) it is also kept on disk for the
+    next process that loads the same model with the same options. ``refresh=True`` measures again.
     """
     sizes = tuple(sorted(set(sizes)))
     if not sizes or sizes[0] != 1 or any(not isinstance(n, int) for n in sizes) or len(sizes) < 2:
@@ -239,6 +242,12 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     except TypeError:  # an owner that cannot be weakly referenced: measure every time
         memo = {}
     if key in memo and not refresh:
+        return memo[key]
+    stored = curve_store.entry_path(getattr(owner, "jointspec_identity", None),
+                                    (*key, getattr(target, "kv_dtype", None), target.device))
+    kept = None if refresh else curve_store.read(stored)
+    if kept is not None and set(kept) == set(sizes):
+        memo[key] = CostCurve(kept)
         return memo[key]
 
     start = target.num_cached
@@ -272,6 +281,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
         target.crop(min(start, target.num_cached))
     curve = CostCurve({n: statistics.median(s) for n, s in samples.items()})
     memo[key] = curve
+    curve_store.write(stored, curve.target_cost)
     return curve
 
 

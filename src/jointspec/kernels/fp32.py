@@ -164,6 +164,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags").split())
 
 
+def cpu_signature() -> str:
+    """What tells this CPU type from another: model name, family, model and flags (for keys of per-CPU caches)."""
+    return "|".join(_cpuinfo_field(name) for name in ("model name", "cpu family", "model", "flags"))
+
+
 # Where ``auto`` picks oneDNN: CPU vendors on which these kernels were measured faster than PyTorch's own. On the one
 # other vendor measured they made a plain step slower and did not flatten verification, so elsewhere (other vendors
 # included, unmeasured) PyTorch's own kernels are the safe choice; ``--kernels onednn`` still insists. The

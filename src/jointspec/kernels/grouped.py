@@ -204,6 +204,17 @@ def _load(isa: str):
     return module, reason
 
 
+@functools.cache
+def source_digest() -> str:
+    """A hash of the kernels' sources and the torch version they build against (what a kernel build is made of
+    besides its instruction set)."""
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()
+
+
 def _build(isa: str):
     try:
         from torch.utils.cpp_extension import load, verify_ninja_availability
