@@ -13,8 +13,11 @@
 //
 // Every floating-point operation goes through simd.h, whose backends give the same bits, so the same model decodes
 // the same tokens on every instruction set (tests/test_grouped.py holds the builds against each other).
-#include <torch/extension.h>
+// ATen and torch's pybind11 glue, not <torch/extension.h>: the C++ frontend headers that one adds took over half of
+// a build's time, and nothing here uses them.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "simd.h"
 
@@ -578,21 +581,21 @@ void multiply_q8(const float* xp, int64_t rows, int64_t k, int64_t out_features,
 }
 
 // The group size an 8-bit layer's scales give: 32 (Q8_0, Q5_0 and jointspec's own int8) or 16 (Q6_K's sub-blocks).
-int64_t int8_group(const torch::Tensor& scale, int64_t in_features, const char* name) {
+int64_t int8_group(const at::Tensor& scale, int64_t in_features, const char* name) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(1) > 0 && (scale.size(1) * 32 == in_features ||
               scale.size(1) * 16 == in_features), name, ": an 8-bit layer's scale must be [out, in / 32] or "
               "[out, in / 16], got ", scale.sizes(), " for ", in_features, " inputs");
   return in_features / scale.size(1);
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& levels, int64_t bytes_per_row, const torch::Tensor& scale,
+void check(const at::Tensor& x, const at::Tensor& levels, int64_t bytes_per_row, const at::Tensor& scale,
            int64_t group = kGroup) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU matrix [rows, in]");
   TORCH_CHECK(x.size(1) % 64 == 0, "in_features must be a multiple of 64, got ", x.size(1));
   TORCH_CHECK(levels.dim() == 2 && levels.is_contiguous() && levels.size(1) == bytes_per_row,
               "levels must be a contiguous [out, ", bytes_per_row, "] matrix");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0) &&
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == levels.size(0) &&
               scale.size(1) == x.size(1) / group, "scale must be a contiguous float32 [out, in / ", group,
               "] matrix");
 }
@@ -709,21 +712,21 @@ constexpr int64_t kGemmSlice = 512;
 
 template <typename Rows>
 void multiply_gemm(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights) {
-  auto x = torch::from_blob(const_cast<float*>(xp), {rows, k}, torch::kFloat);
-  auto weight = torch::empty({std::min(kGemmSlice, out_features), k}, torch::kFloat);
+  auto x = at::from_blob(const_cast<float*>(xp), {rows, k}, at::kFloat);
+  auto weight = at::empty({std::min(kGemmSlice, out_features), k}, at::kFloat);
   float* wp = weight.data_ptr<float>();
-  torch::Tensor part;
+  at::Tensor part;
   for (int64_t first = 0; first < out_features; first += kGemmSlice) {
     const int64_t count = std::min(kGemmSlice, out_features - first);
     at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) weights.row(first + n, wp + n * k);
     });
     if (count == out_features) {  // one slice: straight into the output
-      auto out = torch::from_blob(op, {rows, out_features}, torch::kFloat);
+      auto out = at::from_blob(op, {rows, out_features}, at::kFloat);
       at::mm_out(out, x, weight.t());
       return;
     }
-    if (!part.defined() || part.size(1) != count) part = torch::empty({rows, count}, torch::kFloat);
+    if (!part.defined() || part.size(1) != count) part = at::empty({rows, count}, at::kFloat);
     at::mm_out(part, x, weight.narrow(0, 0, count).t());
     const float* pp = part.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r)
@@ -875,14 +878,14 @@ void attend(const float* q, const T* key, const T* value, const int64_t* index, 
 
 // Each row's visible key indices, ascending: from a bool [rows, keys] matrix, or (visible empty) row r sees keys
 // 0 .. lengths[r] - 1.
-std::vector<std::vector<int64_t>> visible_keys(const torch::Tensor& visible, const torch::Tensor& lengths,
+std::vector<std::vector<int64_t>> visible_keys(const at::Tensor& visible, const at::Tensor& lengths,
                                                int64_t rows, int64_t num_keys) {
   std::vector<std::vector<int64_t>> index(rows);
   if (visible.numel() > 0) {
-    TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() && visible.size(0) == rows &&
+    TORCH_CHECK(visible.scalar_type() == at::kBool && visible.is_contiguous() && visible.size(0) == rows &&
                 visible.size(1) == num_keys, "visible must be a contiguous bool [rows, keys] matrix");
   } else {
-    TORCH_CHECK(lengths.scalar_type() == torch::kLong && lengths.is_contiguous() && lengths.numel() == rows,
+    TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == rows,
                 "lengths must be a contiguous int64 [rows] vector");
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -1153,14 +1156,14 @@ struct Parts {
   }
 };
 
-bool has_shape(const torch::Tensor& t, std::initializer_list<int64_t> shape) {
+bool has_shape(const at::Tensor& t, std::initializer_list<int64_t> shape) {
   return t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape);
 }
 
-Weights weights_of(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
-Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name);
+Weights weights_of(const std::vector<at::Tensor>& tensors, int64_t in_features, const char* name);
+Weights weights_without_bias(const std::vector<at::Tensor>& tensors, int64_t in_features, const char* name);
 
-Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_features, const char* name) {
+Parts parts_of(const std::vector<std::vector<at::Tensor>>& parts, int64_t in_features, const char* name) {
   TORCH_CHECK(!parts.empty(), name, ": no projection given");
   Parts out;
   for (const auto& part : parts) {
@@ -1175,23 +1178,23 @@ Parts parts_of(const std::vector<std::vector<torch::Tensor>>& parts, int64_t in_
 // (packed, fifth, scale[, bias]): 5 bits (int32 fifth-bit words); as (packed, plane, scale, sub[, bias]): 6 bits
 // (uint8 top bits: Q6_K as stored); as (levels, scale[, sub][, bias]): 8 bits (int8 sub-scales: Q6_K's form). The
 // scales' types say their form (Int4Rows, Int6Rows, Int8Rows).
-Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features, const char* name) {
+Weights weights_of(const std::vector<at::Tensor>& given, int64_t in_features, const char* name) {
   TORCH_CHECK(in_features % 64 == 0, name, ": in_features must be a multiple of 64, got ", in_features);
   TORCH_CHECK(given.size() >= 2, name, ": a projection comes as (packed, scale, minimum[, bias]) for 4 bits, "
               "(packed, fifth, scale, minimum[, bias]) for 5, (packed, plane, scale, sub[, bias]) for 6 or (levels, "
               "scale[, sub][, bias]) for 8, got ", given.size(), " tensors");
-  const bool nibbles = given[0].scalar_type() == torch::kUInt8;
-  const bool five = nibbles && given[1].scalar_type() == torch::kInt;
+  const bool nibbles = given[0].scalar_type() == at::kByte;
+  const bool five = nibbles && given[1].scalar_type() == at::kInt;
   const size_t scale_at = five ? 2 : 1;  // a K-quant scale stream: uint8, three dimensions
-  const bool k_stream = nibbles && given.size() > scale_at && given[scale_at].scalar_type() == torch::kUInt8 &&
+  const bool k_stream = nibbles && given.size() > scale_at && given[scale_at].scalar_type() == at::kByte &&
                         given[scale_at].dim() == 3;
-  const bool six = nibbles && !k_stream && given[1].scalar_type() == torch::kUInt8;
-  const bool sub = !nibbles && given.size() >= 3 && given[2].scalar_type() == torch::kChar;
+  const bool six = nibbles && !k_stream && given[1].scalar_type() == at::kByte;
+  const bool sub = !nibbles && given.size() >= 3 && given[2].scalar_type() == at::kChar;
   const size_t count = k_stream ? scale_at + 1 : five || six ? 4 : nibbles ? 3 : sub ? 3 : 2;
   TORCH_CHECK(given.size() == count || given.size() == count + 1, name, ": ", count, " tensors (and a bias) for ",
               five ? 5 : six ? 6 : nibbles ? 4 : 8, " bits, got ", given.size());
-  std::vector<torch::Tensor> tensors(given.begin(), given.begin() + count);
-  torch::Tensor fifth;
+  std::vector<at::Tensor> tensors(given.begin(), given.begin() + count);
+  at::Tensor fifth;
   if (five) {
     fifth = tensors[1];
     tensors.erase(tensors.begin() + 1);
@@ -1203,22 +1206,22 @@ Weights weights_of(const std::vector<torch::Tensor>& given, int64_t in_features,
     weights.fifth = reinterpret_cast<const uint32_t*>(fifth.data_ptr<int32_t>());
   }
   if (given.size() > count) {
-    const torch::Tensor& bias = given[count];
-    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == weights.out_features,
+    const at::Tensor& bias = given[count];
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == weights.out_features,
                 name, ": a bias must be float32 [", weights.out_features, "]");
     weights.bias = bias.data_ptr<float>();
   }
   return weights;
 }
 
-Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t in_features, const char* name) {
+Weights weights_without_bias(const std::vector<at::Tensor>& tensors, int64_t in_features, const char* name) {
   const int64_t groups = in_features / kGroup;
-  if (tensors.size() == 4 && tensors[0].scalar_type() == torch::kUInt8 && tensors[1].scalar_type() == torch::kUInt8) {
-    const torch::Tensor &packed = tensors[0], &plane = tensors[1], &super = tensors[2], &sub = tensors[3];
+  if (tensors.size() == 4 && tensors[0].scalar_type() == at::kByte && tensors[1].scalar_type() == at::kByte) {
+    const at::Tensor &packed = tensors[0], &plane = tensors[1], &super = tensors[2], &sub = tensors[3];
     const int64_t out = packed.size(0);
     TORCH_CHECK(in_features % 256 == 0 && packed.dim() == 2 && has_shape(packed, {out, in_features / 2}) &&
-                has_shape(plane, {out, in_features / 4}) && super.scalar_type() == torch::kFloat &&
-                has_shape(super, {out, in_features / 256}) && sub.scalar_type() == torch::kChar &&
+                has_shape(plane, {out, in_features / 4}) && super.scalar_type() == at::kFloat &&
+                has_shape(super, {out, in_features / 256}) && sub.scalar_type() == at::kChar &&
                 has_shape(sub, {out, in_features / 16}), name, ": 6-bit levels come as uint8 [out, in / 2] (nibbles), "
                 "uint8 [out, in / 4] (top bits), float32 [out, in / 256] and int8 [out, in / 16] (K-quant scales), in "
                 "a multiple of 256 inputs");
@@ -1227,15 +1230,15 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
     weights.sub = sub.data_ptr<int8_t>();
     return weights;
   }
-  const torch::Tensor& scale = tensors[1];
-  if (tensors[0].scalar_type() == torch::kUInt8) {
-    const torch::Tensor& packed = tensors[0];
+  const at::Tensor& scale = tensors[1];
+  if (tensors[0].scalar_type() == at::kByte) {
+    const at::Tensor& packed = tensors[0];
     TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == in_features / 2, name,
                 ": packed levels must be a contiguous uint8 [out, ", in_features / 2, "] matrix");
     const int64_t out = packed.size(0);
     if (tensors.size() == 2) {  // (packed, the K-quant scales' stream): Int4Rows's kSuper
       const int64_t blocks = (groups + 15) / 16;
-      TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == torch::kUInt8 &&
+      TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == at::kByte &&
                   has_shape(scale, {out, blocks, kSuperBlockBytes}), name,
                   ": K-quant scales come as one uint8 [out, ceil(in / 512), ", kSuperBlockBytes, "] stream in a "
                   "multiple of 256 inputs; got ", scale.sizes(), " for ", in_features, " inputs");
@@ -1243,12 +1246,12 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
       weights.form = ScaleForm::kSuper;
       return weights;
     }
-    const torch::Tensor& minimum = tensors[2];
+    const at::Tensor& minimum = tensors[2];
     Weights weights{4, packed.data_ptr<uint8_t>(), nullptr, scale.data_ptr(), minimum.data_ptr(), in_features, out,
                     kGroup};
-    const bool half = scale.scalar_type() == torch::kHalf;
+    const bool half = scale.scalar_type() == at::kHalf;
     // The offset form: minimum [out, 1] halves, every one the offset (the layers write it so; row 0 is read).
-    if (half && minimum.scalar_type() == torch::kHalf && has_shape(minimum, {out, 1})) {
+    if (half && minimum.scalar_type() == at::kHalf && has_shape(minimum, {out, 1})) {
       TORCH_CHECK(has_shape(scale, {out, groups}), name, ": scale must be a contiguous float16 [out, in / 32] matrix");
       weights.form = ScaleForm::kHalfOffset;
       weights.offset = simd::half_to_float(*reinterpret_cast<const uint16_t*>(minimum.data_ptr()));
@@ -1256,21 +1259,21 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
                   "each scale must be -8 or -16 (Q4_0's or Q5_0's), got ", weights.offset);
       return weights;
     }
-    TORCH_CHECK((half || scale.scalar_type() == torch::kFloat) && has_shape(scale, {out, groups}) &&
+    TORCH_CHECK((half || scale.scalar_type() == at::kFloat) && has_shape(scale, {out, groups}) &&
                 minimum.sizes() == scale.sizes() && minimum.scalar_type() == scale.scalar_type() &&
                 minimum.is_contiguous(), name, ": scale and minimum must be contiguous [out, in / 32] matrices, both "
                 "float32 or both float16");
     weights.form = half ? ScaleForm::kHalf : ScaleForm::kFloat;
     return weights;
   }
-  const torch::Tensor& levels = tensors[0];
-  TORCH_CHECK(levels.scalar_type() == torch::kInt8 && levels.dim() == 2 && levels.is_contiguous() &&
+  const at::Tensor& levels = tensors[0];
+  TORCH_CHECK(levels.scalar_type() == at::kChar && levels.dim() == 2 && levels.is_contiguous() &&
               levels.size(1) == in_features, name, ": levels must be a contiguous int8 [out, ", in_features,
               "] matrix");
   const int64_t out = levels.size(0);
   if (tensors.size() == 3) {  // Q6_K: a signed sub-scale per 16 inputs, a float32 per 256
-    const torch::Tensor& sub = tensors[2];
-    TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == torch::kFloat &&
+    const at::Tensor& sub = tensors[2];
+    TORCH_CHECK(in_features % 256 == 0 && scale.scalar_type() == at::kFloat &&
                 has_shape(scale, {out, in_features / 256}) && has_shape(sub, {out, in_features / 16}), name,
                 ": K-quant 8-bit scales come as float32 [out, in / 256] and int8 [out, in / 16]");
     Weights weights{8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, out, 16};
@@ -1278,7 +1281,7 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
     return weights;
   }
   const int64_t group = int8_group(scale, in_features, name);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.size(0) == out, name,
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == out, name,
               ": scale must be a contiguous float32 [out, in / ", group, "] matrix");
   return {8, nullptr, levels.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, in_features, out, group};
 }
@@ -1286,32 +1289,32 @@ Weights weights_without_bias(const std::vector<torch::Tensor>& tensors, int64_t 
 
 std::string isa() { return JOINTSPEC_ISA_NAME; }
 
-void check_x(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU matrix [rows, in]");
 }
 
 // x [rows, in] times one projection given as weights_of() takes it (any layout, no bias), -> [rows, out].
-torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> tensors, bool gemm, bool q8) {
+at::Tensor linear(at::Tensor x, std::vector<at::Tensor> tensors, bool gemm, bool q8) {
   check_x(x);
   const Weights w = weights_of(tensors, x.size(1), "linear");
   TORCH_CHECK(w.bias == nullptr, "linear: the bias is added by the caller");
-  auto out = torch::empty({x.size(0), w.out_features}, x.options());
+  auto out = at::empty({x.size(0), w.out_features}, x.options());
   w.apply(x.data_ptr<float>(), x.size(0), out.data_ptr<float>(), gemm, q8);
   return out;
 }
 
-torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor fifth, torch::Tensor scale,
-                          torch::Tensor minimum, bool gemm) {
+at::Tensor int5_linear(at::Tensor x, at::Tensor packed, at::Tensor fifth, at::Tensor scale,
+                          at::Tensor minimum, bool gemm) {
   return linear(x, {packed, fifth, scale, minimum}, gemm, true);
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum,
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scale, at::Tensor minimum,
                           bool gemm) {
   return linear(x, {packed, scale, minimum}, gemm, true);
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor scale, bool gemm, bool q8) {
+at::Tensor int8_linear(at::Tensor x, at::Tensor levels, at::Tensor scale, bool gemm, bool q8) {
   return linear(x, {levels, scale}, gemm, q8);
 }
 
@@ -1319,15 +1322,15 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor levels, torch::Tensor s
 // query [heads, rows, dim] (any strides, unit stride in dim); key / value [kv_heads, keys, dim] (rows of dim
 // contiguous, any head stride); visible: bool [rows, keys], or an empty tensor with `lengths` [rows]: row r sees keys
 // 0 .. lengths[r] - 1. Returns [rows, heads, dim]. Query head h reads key head h / (heads / kv_heads).
-torch::Tensor attention_by(bool pairwise, torch::Tensor query, torch::Tensor key, torch::Tensor value,
-                           torch::Tensor visible, torch::Tensor lengths, double scale) {
+at::Tensor attention_by(bool pairwise, at::Tensor query, at::Tensor key, at::Tensor value,
+                           at::Tensor visible, at::Tensor lengths, double scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query, key and value must be 3-D");
   for (const auto* t : {&query, &key, &value}) {
     TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1,
                 "query, key and value must be CPU tensors with a unit stride in the last dimension");
   }
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && value.scalar_type() == key.scalar_type() &&
-              (key.scalar_type() == torch::kFloat || key.scalar_type() == torch::kHalf),
+  TORCH_CHECK(query.scalar_type() == at::kFloat && value.scalar_type() == key.scalar_type() &&
+              (key.scalar_type() == at::kFloat || key.scalar_type() == at::kHalf),
               "query must be float32, key and value both float32 or both float16");
   const int64_t heads = query.size(0), rows = query.size(1), dim = query.size(2);
   const int64_t kv_heads = key.size(0), num_keys = key.size(1);
@@ -1336,14 +1339,14 @@ torch::Tensor attention_by(bool pairwise, torch::Tensor query, torch::Tensor key
               "key and value must be [kv_heads, keys, dim] with contiguous rows");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   const auto index = visible_keys(visible, lengths, rows, num_keys);
-  auto out = torch::empty({rows, heads, dim}, query.options());
+  auto out = at::empty({rows, heads, dim}, query.options());
   auto run = [&](auto* key_data, auto* value_data) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(key_data)>>;
     (pairwise ? attend_pairs<T> : attend_all<T>)(query.data_ptr<float>(), query.stride(0), query.stride(1), key_data,
                                                  key.stride(0), value_data, value.stride(0), index, heads, kv_heads,
                                                  dim, static_cast<float>(scale), out.data_ptr<float>());
   };
-  if (key.scalar_type() == torch::kHalf) {
+  if (key.scalar_type() == at::kHalf) {
     run(key.data_ptr<at::Half>(), value.data_ptr<at::Half>());
   } else {
     run(key.data_ptr<float>(), value.data_ptr<float>());
@@ -1351,14 +1354,14 @@ torch::Tensor attention_by(bool pairwise, torch::Tensor query, torch::Tensor key
   return out;
 }
 
-torch::Tensor attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
-                        torch::Tensor lengths, double scale) {
+at::Tensor attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor visible,
+                        at::Tensor lengths, double scale) {
   return attention_by(false, query, key, value, visible, lengths, scale);
 }
 
 // attention() by its definition, one pair at a time on one thread: the reference attention() must equal.
-torch::Tensor attention_pairwise(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor visible,
-                                 torch::Tensor lengths, double scale) {
+at::Tensor attention_pairwise(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor visible,
+                                 at::Tensor lengths, double scale) {
   return attention_by(true, query, key, value, visible, lengths, scale);
 }
 
@@ -1373,10 +1376,10 @@ struct Segment {
   const std::vector<std::vector<int64_t>>* index;  // per row, ascending: owned by the caller
 };
 
-Segment segment_of(int64_t row_begin, int64_t rows, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+Segment segment_of(int64_t row_begin, int64_t rows, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    int64_t start, const std::vector<std::vector<int64_t>>& index, int64_t kv_heads, int64_t dim) {
   for (const auto* t : {&key_cache, &value_cache}) {
-    TORCH_CHECK((t->scalar_type() == torch::kFloat || t->scalar_type() == torch::kHalf) &&
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
                 t->scalar_type() == key_cache.scalar_type() && t->dim() == 3 && t->size(0) == kv_heads &&
                 t->size(2) == dim && t->stride(2) == 1 && t->stride(1) == dim, "caches must be float32 or float16 "
                 "(both the same) [kv_heads, capacity, dim] with contiguous rows");
@@ -1384,13 +1387,13 @@ Segment segment_of(int64_t row_begin, int64_t rows, const torch::Tensor& key_cac
   TORCH_CHECK(start >= 0 && start + rows <= key_cache.size(1) && value_cache.size(1) >= start + rows,
               "the caches have no room for ", rows, " entries after ", start);
   return {row_begin, rows, start, key_cache.data_ptr(), value_cache.data_ptr(),
-          key_cache.scalar_type() == torch::kHalf, key_cache.stride(0), value_cache.stride(0), &index};
+          key_cache.scalar_type() == at::kHalf, key_cache.stride(0), value_cache.stride(0), &index};
 }
 
 // What a layer may add to Llama's (Gemma-3's layers); an undefined tensor is a step the layer does not have.
 struct LayerExtras {
-  torch::Tensor q_norm, k_norm;            // [dim]: each head's query / key RMS-normed before the rotary embedding
-  torch::Tensor attn_out_norm, mlp_out_norm;  // [width]: each block's output RMS-normed before the residual add
+  at::Tensor q_norm, k_norm;            // [dim]: each head's query / key RMS-normed before the rotary embedding
+  at::Tensor attn_out_norm, mlp_out_norm;  // [width]: each block's output RMS-normed before the residual add
   bool gelu = false;                       // the MLP's activation: gelu_tanh, else SiLU
   int64_t rope = 0;                        // which of the forward's cos / sin pairs the layer rotates by
   int64_t view = 0;                        // which of the forward's visibilities its rows attend by (sliding windows)
@@ -1404,10 +1407,10 @@ struct LayerExtras {
 // attention() above), scaled by `scale`. The projections take every row of every segment in one pass (each row
 // computed alone, so a row's result does not depend on the other sequences in the call). `gemm`: the projections
 // through multiply_gemm (a prefill; its rows are then not computed alone), else row by row.
-torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tensor& input_norm,
-                                  const torch::Tensor& post_norm, double eps, const Parts& w_qkv, const Weights& w_o,
-                                  const Parts& w_gu, const Weights& w_down, const torch::Tensor& cos,
-                                  const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t heads,
+at::Tensor layer_over_segments(const at::Tensor& hidden, const at::Tensor& input_norm,
+                                  const at::Tensor& post_norm, double eps, const Parts& w_qkv, const Weights& w_o,
+                                  const Parts& w_gu, const Weights& w_down, const at::Tensor& cos,
+                                  const at::Tensor& sin, const std::vector<Segment>& segments, int64_t heads,
                                   int64_t kv_heads, int64_t dim, double scale, bool gemm, const LayerExtras& extras) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
@@ -1422,7 +1425,7 @@ torch::Tensor layer_over_segments(const torch::Tensor& hidden, const torch::Tens
   const float* q_norm = extras.q_norm.defined() ? extras.q_norm.data_ptr<float>() : nullptr;
   const float* k_norm = extras.k_norm.defined() ? extras.k_norm.data_ptr<float>() : nullptr;
   // A block's output RMS-normed in place, row by row, where the layer has that norm.
-  auto out_norm = [&](const torch::Tensor& weight) {
+  auto out_norm = [&](const at::Tensor& weight) {
     if (!weight.defined()) return;
     for (int64_t r = 0; r < rows; ++r)
       rms_norm(mixed.data() + r * width, weight.data_ptr<float>(), width, epsilon, mixed.data() + r * width);
@@ -1498,24 +1501,24 @@ struct LayerWeights {
   Weights down;
 };
 
-LayerWeights layer_weights(const torch::Tensor& hidden, const torch::Tensor& input_norm,
-                           const torch::Tensor& post_norm, const std::vector<std::vector<torch::Tensor>>& qkv,
-                           const std::vector<torch::Tensor>& o_proj,
-                           const std::vector<std::vector<torch::Tensor>>& gate_up,
-                           const std::vector<torch::Tensor>& down, const torch::Tensor& cos, const torch::Tensor& sin,
+LayerWeights layer_weights(const at::Tensor& hidden, const at::Tensor& input_norm,
+                           const at::Tensor& post_norm, const std::vector<std::vector<at::Tensor>>& qkv,
+                           const std::vector<at::Tensor>& o_proj,
+                           const std::vector<std::vector<at::Tensor>>& gate_up,
+                           const std::vector<at::Tensor>& down, const at::Tensor& cos, const at::Tensor& sin,
                            int64_t heads, int64_t kv_heads, int64_t dim) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat && hidden.is_contiguous() &&
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
               hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
               "width must be a multiple of 64, head_dim of 16 (at most 256), heads of kv_heads");
   for (const auto* t : {&input_norm, &post_norm}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == width,
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == width,
                 "norm weights must be float32 [width]");
   }
   for (const auto* t : {&cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == rows &&
                 t->size(1) == dim, "cos and sin must be contiguous float32 [rows, head_dim]");
   }
   LayerWeights w{parts_of(qkv, width, "qkv"), weights_of(o_proj, q_size, "o_proj"),
@@ -1531,11 +1534,11 @@ LayerWeights layer_weights(const torch::Tensor& hidden, const torch::Tensor& inp
 // One sequence's rows through one layer (layer_over_segments with a single segment): new keys and values go to rows
 // start .. start + rows - 1 of key_cache / value_cache, and each row attends to the keys `visible` / `lengths` give
 // it (as attention() above).
-torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
-                            std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
-                            std::vector<std::vector<torch::Tensor>> gate_up, std::vector<torch::Tensor> down,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
-                            int64_t start, torch::Tensor visible, torch::Tensor lengths, int64_t heads,
+at::Tensor decoder_layer(at::Tensor hidden, at::Tensor input_norm, at::Tensor post_norm, double eps,
+                            std::vector<std::vector<at::Tensor>> qkv, std::vector<at::Tensor> o_proj,
+                            std::vector<std::vector<at::Tensor>> gate_up, std::vector<at::Tensor> down,
+                            at::Tensor cos, at::Tensor sin, at::Tensor key_cache, at::Tensor value_cache,
+                            int64_t start, at::Tensor visible, at::Tensor lengths, int64_t heads,
                             double scale, bool gemm, const LayerExtras& extras = {}) {
   TORCH_CHECK(key_cache.dim() == 3, "caches must be float32 or float16 [kv_heads, capacity, dim] with contiguous rows");
   const int64_t kv_heads = key_cache.size(0), dim = key_cache.size(2);
@@ -1553,17 +1556,17 @@ torch::Tensor decoder_layer(torch::Tensor hidden, torch::Tensor input_norm, torc
 // layer runs decoder_layer() above, so the results are the same bits as calling it layer by layer.
 class CompiledLayers {
  public:
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
-                 std::vector<std::vector<torch::Tensor>> qkv, std::vector<torch::Tensor> o_proj,
-                 std::vector<std::vector<torch::Tensor>> gate_up,
-                 std::vector<torch::Tensor> down, int64_t heads, double scale) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps,
+                 std::vector<std::vector<at::Tensor>> qkv, std::vector<at::Tensor> o_proj,
+                 std::vector<std::vector<at::Tensor>> gate_up,
+                 std::vector<at::Tensor> down, int64_t heads, double scale) {
     layers_.push_back({input_norm, post_norm, eps, qkv, o_proj, gate_up, down, heads, scale, {}});
   }
 
   // What layer `index` adds to Llama's (LayerExtras; None for a step it does not have): Gemma-3's per-head query and
   // key norms, norms of each block's output, gelu_tanh, and which cos / sin pair and visibility of a forward it takes.
-  void set_extras(int64_t index, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
-                  c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm, bool gelu,
+  void set_extras(int64_t index, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                  c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm, bool gelu,
                   int64_t rope, int64_t view) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
     Layer& l = layers_[index];
@@ -1573,9 +1576,9 @@ class CompiledLayers {
     extras.rope = rope;
     extras.view = view;
     TORCH_CHECK(rope >= 0 && view >= 0, "rope and view index a forward's lists: at least 0");
-    auto take = [&](const c10::optional<torch::Tensor>& given, torch::Tensor& into, int64_t size, const char* name) {
+    auto take = [&](const c10::optional<at::Tensor>& given, at::Tensor& into, int64_t size, const char* name) {
       if (!given.has_value()) return;
-      TORCH_CHECK(given->scalar_type() == torch::kFloat && given->is_contiguous() && given->dim() == 1 &&
+      TORCH_CHECK(given->scalar_type() == at::kFloat && given->is_contiguous() && given->dim() == 1 &&
                   given->numel() == size && size % 16 == 0, name, " must be float32 [", size, "]");
       into = *given;
     };
@@ -1588,7 +1591,7 @@ class CompiledLayers {
   }
 
   // Each layer's key and value buffers ([kv_heads, capacity, dim]); set again whenever a buffer is replaced.
-  void set_caches(std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values) {
+  void set_caches(std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "one key and one value buffer "
                 "per layer: ", layers_.size(), " layers, ", keys.size(), " key and ", values.size(), " value buffers");
     keys_ = std::move(keys);
@@ -1599,13 +1602,13 @@ class CompiledLayers {
   // returns the last layer's output, then the outputs of the layers (1-based) in `keep`, in that order.
   // A layer rotates by cos[extras.rope] / sin[extras.rope] and its rows see the keys visible[extras.view] /
   // lengths[extras.view] give them (one of each for Llama; Gemma-3's sliding layers take their own).
-  std::vector<torch::Tensor> forward(torch::Tensor hidden, int64_t start, std::vector<torch::Tensor> visible,
-                                     std::vector<torch::Tensor> lengths, std::vector<torch::Tensor> cos,
-                                     std::vector<torch::Tensor> sin, bool gemm, std::vector<int64_t> keep) {
+  std::vector<at::Tensor> forward(at::Tensor hidden, int64_t start, std::vector<at::Tensor> visible,
+                                     std::vector<at::Tensor> lengths, std::vector<at::Tensor> cos,
+                                     std::vector<at::Tensor> sin, bool gemm, std::vector<int64_t> keep) {
     TORCH_CHECK(keys_.size() == layers_.size(), "set_caches before forward");
     TORCH_CHECK(visible.size() == lengths.size() && cos.size() == sin.size(), "one lengths per visibility and one sin "
                 "per cos");
-    std::vector<torch::Tensor> kept(keep.size());
+    std::vector<at::Tensor> kept(keep.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const LayerExtras& x = l.extras;
@@ -1618,7 +1621,7 @@ class CompiledLayers {
       for (size_t j = 0; j < keep.size(); ++j)
         if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
     }
-    std::vector<torch::Tensor> out{hidden};
+    std::vector<at::Tensor> out{hidden};
     out.insert(out.end(), kept.begin(), kept.end());
     return out;
   }
@@ -1629,13 +1632,13 @@ class CompiledLayers {
   // view v (as forward() takes them; cos[r] / sin[r] hold every row's rotary pair r). Each row goes through exactly
   // the operations forward() gives it when its sequence is run alone, so its results are the same bits. Returns
   // what forward() returns, over all rows.
-  std::vector<torch::Tensor> forward_many(torch::Tensor hidden, std::vector<int64_t> row_counts,
+  std::vector<at::Tensor> forward_many(at::Tensor hidden, std::vector<int64_t> row_counts,
                                           std::vector<int64_t> starts,
-                                          std::vector<std::vector<torch::Tensor>> visible,
-                                          std::vector<std::vector<torch::Tensor>> lengths,
-                                          std::vector<std::vector<torch::Tensor>> keys,
-                                          std::vector<std::vector<torch::Tensor>> values,
-                                          std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                                          std::vector<std::vector<at::Tensor>> visible,
+                                          std::vector<std::vector<at::Tensor>> lengths,
+                                          std::vector<std::vector<at::Tensor>> keys,
+                                          std::vector<std::vector<at::Tensor>> values,
+                                          std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                                           std::vector<int64_t> keep) {
     const size_t count = row_counts.size();
     TORCH_CHECK(!layers_.empty(), "no layers registered");
@@ -1673,12 +1676,12 @@ class CompiledLayers {
         index[s].push_back(visible_keys(visible[s][v], lengths[s][v], row_counts[s], starts[s] + row_counts[s]));
       begins[s] = static_cast<int64_t>(row);
     }
-    std::vector<torch::Tensor> kept(keep.size());
+    std::vector<at::Tensor> kept(keep.size());
     std::vector<Segment> segments;
     segments.reserve(count);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      const torch::Tensor &c = cos[l.extras.rope], &sn = sin[l.extras.rope];
+      const at::Tensor &c = cos[l.extras.rope], &sn = sin[l.extras.rope];
       const LayerWeights w = layer_weights(hidden, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, c, sn,
                                            l.heads, kv_heads, dim);
       segments.clear();
@@ -1690,7 +1693,7 @@ class CompiledLayers {
       for (size_t j = 0; j < keep.size(); ++j)
         if (keep[j] == static_cast<int64_t>(i) + 1) kept[j] = hidden;
     }
-    std::vector<torch::Tensor> out{hidden};
+    std::vector<at::Tensor> out{hidden};
     out.insert(out.end(), kept.begin(), kept.end());
     return out;
   }
@@ -1704,18 +1707,18 @@ class CompiledLayers {
   }
 
   struct Layer {
-    torch::Tensor input_norm, post_norm;
+    at::Tensor input_norm, post_norm;
     double eps;
-    std::vector<std::vector<torch::Tensor>> qkv;
-    std::vector<torch::Tensor> o_proj;
-    std::vector<std::vector<torch::Tensor>> gate_up;
-    std::vector<torch::Tensor> down;
+    std::vector<std::vector<at::Tensor>> qkv;
+    std::vector<at::Tensor> o_proj;
+    std::vector<std::vector<at::Tensor>> gate_up;
+    std::vector<at::Tensor> down;
     int64_t heads;
     double scale;
     LayerExtras extras;
   };
   std::vector<Layer> layers_;
-  std::vector<torch::Tensor> keys_, values_;
+  std::vector<at::Tensor> keys_, values_;
 };
 
 
@@ -1854,22 +1857,22 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
 }
 #endif
 
-torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tensor screen_scale, torch::Tensor column,
-                            std::vector<torch::Tensor> head, double margin, int64_t max_exact) {
+at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_scale, at::Tensor column,
+                            std::vector<at::Tensor> head, double margin, int64_t max_exact) {
   check_x(x);
   // The exact head as an 8-bit layer takes it, (levels, scale) or Q6_K's (levels, scale, sub), or as a 6-bit one:
   // (packed, plane, scale, sub).
   TORCH_CHECK(head.size() == 2 || head.size() == 3 || head.size() == 4, "screened_head: the exact head comes as "
               "(levels, scale), (levels, scale, sub) or (packed, plane, scale, sub), got ", head.size(), " tensors");
-  TORCH_CHECK(head[0].scalar_type() == (head.size() == 4 ? torch::kUInt8 : torch::kInt8),
+  TORCH_CHECK(head[0].scalar_type() == (head.size() == 4 ? at::kByte : at::kChar),
               "screened_head: the exact head's levels must be int8, or packed uint8 at 6 bits");
   const Weights weights = weights_without_bias(head, x.size(1), "screened_head");
   const int64_t rows = x.size(0), k = x.size(1), vocab = weights.out_features;
-  TORCH_CHECK(screen4.scalar_type() == torch::kUInt8 && screen4.is_contiguous() && screen4.dim() == 2 &&
+  TORCH_CHECK(screen4.scalar_type() == at::kByte && screen4.is_contiguous() && screen4.dim() == 2 &&
               screen4.size(0) == vocab && screen4.size(1) == k / 2, "screen4 must be contiguous uint8 [V, in / 2]");
-  TORCH_CHECK(screen_scale.scalar_type() == torch::kFloat && screen_scale.is_contiguous() &&
+  TORCH_CHECK(screen_scale.scalar_type() == at::kFloat && screen_scale.is_contiguous() &&
               screen_scale.numel() == vocab, "screen_scale must be float32 [V]");
-  TORCH_CHECK(column.scalar_type() == torch::kFloat && column.is_contiguous() && column.numel() == k,
+  TORCH_CHECK(column.scalar_type() == at::kFloat && column.is_contiguous() && column.numel() == k,
               "column must be float32 [in]");
   TORCH_CHECK(std::isfinite(margin), "margin must be finite (below 0: the scores alone, none exact)");
   TORCH_CHECK(max_exact >= 1, "max_exact must be >= 1");
@@ -1893,7 +1896,7 @@ torch::Tensor screened_head(torch::Tensor x, torch::Tensor screen4, torch::Tenso
     x_scale[r] = s;
     x_sum[r] = sum;
   }
-  auto out = torch::empty({rows, vocab}, x.options());
+  auto out = at::empty({rows, vocab}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = screen4.data_ptr<uint8_t>();
   const float* sp = screen_scale.data_ptr<float>();
