@@ -730,3 +730,29 @@ def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypa
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
     module, reason = grouped._build("portable")
     assert module is None and "cannot be built (Ninja is required" in reason and "pip install ninja" in reason
+
+
+def test_a_build_waits_for_another_process_build_and_clears_a_dead_ones_lock(tmp_path, capsys, caplog):
+    """torch waits for ever on a build folder's lock; a process killed while building leaves one behind. A fresh lock
+    is waited on (said once), one older than the longest build is removed with a warning."""
+    import os
+    import threading
+    import time
+
+    from jointspec.kernels import grouped
+
+    grouped._wait_for_other_build(tmp_path)  # no lock: no wait
+    assert capsys.readouterr().err == ""
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(1.5, lock.unlink).start()  # the other build finishing
+    start = time.monotonic()
+    grouped._wait_for_other_build(tmp_path)
+    assert 1.4 < time.monotonic() - start < 30
+    assert capsys.readouterr().err.count("waiting for another process building the CPU kernels") == 1
+    lock.touch()
+    old = time.time() - grouped.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger="jointspec.kernels.grouped"):
+        grouped._wait_for_other_build(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text

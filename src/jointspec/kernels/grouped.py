@@ -60,6 +60,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,10 +186,21 @@ def kernels(isa: str | None = None):
     return _load(isa or selected_isa())[0]
 
 
+def loaded_kernels():
+    """The selected build's extension if it is already loaded in this process, else None (never builds)."""
+    try:
+        return _LOADED.get(selected_isa())
+    except UnsupportedOptionError:
+        return None
+
+
 def unavailable_reason(isa: str | None = None) -> str | None:
     """Why the grouped kernels cannot run here (None: they can). Builds them on first call (once: a minute or more
     on two cores)."""
     return _load(isa or selected_isa())[1]
+
+
+_LOADED: dict[str, object] = {}  # the builds _load() has loaded, by instruction set
 
 
 @functools.cache
@@ -197,6 +209,7 @@ def _load(isa: str):
     module, reason = _build(isa)
     if module is not None:
         module.use_q8_inputs(inputs_setting() == "q8")
+        _LOADED[isa] = module
     if reason is not None:
         log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 where the "
                     "kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 activations: close "
@@ -213,6 +226,32 @@ def source_digest() -> str:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()
+
+
+# A build that holds its folder's lock longer than this is taken for a process that died building (torch's own wait
+# would last for ever): a build takes a minute or two on two cores.
+STALE_LOCK_SECONDS = 600
+
+
+def _wait_for_other_build(directory: Path) -> None:
+    """Wait while another process builds into ``directory`` (torch's lock file there), saying so once; a lock left
+    by a process that died while building (older than :data:`STALE_LOCK_SECONDS`) is removed, with a warning."""
+    lock = directory / "lock"
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            print(f"jointspec: waiting for another process building the CPU kernels (its lock: {lock}; if no "
+                  "jointspec process is running, remove that file)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1.0)
 
 
 def _build(isa: str):
@@ -238,6 +277,7 @@ def _build(isa: str):
             if stale != directory and any(stale.glob("*.so")):
                 shutil.rmtree(stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
+    _wait_for_other_build(directory)
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
         module = load(name=name, sources=[str(_SOURCES[1])], build_directory=str(directory),
