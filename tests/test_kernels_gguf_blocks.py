@@ -31,6 +31,9 @@ from jointspec.kernels.grouped import (
     ScreenedInt6Head,
     ScreenedInt8Head,
     float_inputs,
+    kernels,
+    runnable_isas,
+    use_isa,
 )
 from jointspec.kernels.quantize import quantize_model
 
@@ -107,7 +110,6 @@ def test_layers_keep_the_files_scales_and_compute_the_float_scales_bits(type_nam
     same layer with each group's float32 scale and minimum (the float a K-quant's dequantisation rounds, d * sc,
     formed the same way), and wrongly shaped K scales, K super-block scales that are not halves, or another offset
     are refused by what they should be."""
-    from jointspec.kernels.grouped import kernels, runnable_isas
 
     raw = random_blocks(type_name, rows=40, columns=512, seed=4)
     levels = decode(raw, type_name, 512)
@@ -161,7 +163,6 @@ def test_a_q6_k_head_is_screened_on_its_own_sub_scales(bits):
     (or, at 8 bits, the levels widened), sharing the layer's buffers rather than widening its scales to a float32
     per 16 inputs, and its exact logits are the layer's bits on every build: the same as a screen over 8-bit levels
     with float32 scales gives."""
-    from jointspec.kernels.grouped import kernels, runnable_isas
 
     raw = random_blocks("Q6_K", rows=300, columns=512, seed=6)
     layer = decode(raw, "Q6_K", 512).layer()
@@ -220,6 +221,31 @@ def test_a_files_tensor_decodes_block_by_block_to_the_whole_tensors_levels(tmp_p
         assert (found.k_scales is None) == (whole.k_scales is None)
         assert all(torch.equal(a, b) for a, b in zip(found.k_scales or (), whole.k_scales or ()))
         assert torch.equal(found.weight(), whole.weight())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_compiled_block_rearrangement_equals_the_numpy_reference(type_name, isa):
+    """A load rearranges K-quant blocks in the compiled kernels (on every build), byte for byte what the numpy
+    reference of decode() gives, whatever the bytes (random ones: every level, scale and minimum pattern)."""
+    rng = np.random.default_rng(3)
+    size = BLOCK_BYTES[type_name]
+    for rows, blocks in ((1, 1), (5, 3), (33, 2)):
+        raw = rng.integers(0, 256, (rows, blocks * size), dtype=np.uint8)
+        halves = (rng.random((rows, blocks, 2)) * 2 - 1).astype(np.float16).view(np.uint8).reshape(rows, blocks, 4)
+        where = (208, 210) if type_name == "Q6_K" else (0, 4)
+        raw.reshape(rows, blocks, size)[..., where[0]:where[1]] = halves[..., :where[1] - where[0]]
+        kernels(isa)
+        with use_isa(isa):
+            mine = decode(raw, type_name, blocks * 256)
+        reference = decode(raw, type_name, blocks * 256, compiled=False)
+        assert torch.equal(mine.levels, reference.levels)
+        for name in ("plane", "fifth"):
+            a, b = getattr(mine, name), getattr(reference, name)
+            assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b))), name
+        for a, b in zip(mine.k_scales, reference.k_scales, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (type_name, rows, blocks)
+        assert torch.equal(mine.weight(), reference.weight())
 
 
 def test_a_type_the_kernels_do_not_take_is_refused_by_name():

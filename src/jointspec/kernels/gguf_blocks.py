@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,8 +160,19 @@ def _k_form(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> t
             torch.from_numpy(np.stack([sc.reshape(rows, -1), m.reshape(rows, -1)], axis=1).astype(np.uint8)))
 
 
-def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
-    """A tensor's raw blocks ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them) as :class:`Levels`."""
+def _block_kernels():
+    """The compiled kernels where they are already loaded (a load onto them builds them first), else None."""
+    from jointspec.kernels.grouped import loaded_kernels
+
+    return loaded_kernels()
+
+
+def decode(raw: np.ndarray, type_name: str, columns: int, compiled: bool = True) -> Levels:
+    """A tensor's raw blocks ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them) as :class:`Levels`.
+
+    The K-quants (Q4_K, Q5_K, Q6_K: the bulk of a Q4_K_M or Q5_K_M file) are rearranged by the compiled kernels
+    where they are loaded (``compiled``), else by the numpy code below, which is their reference (the same bytes;
+    tested)."""
     rows = raw.shape[0]
     if type_name not in SUPPORTED_TYPES:
         raise ValueError(f"GGUF type {type_name} is not one jointspec's kernels take; they take: "
@@ -178,6 +190,19 @@ def decode(raw: np.ndarray, type_name: str, columns: int) -> Levels:
         minimum = _offset(rows, -8.0) if type_name == "Q4_0" else as_tensor(_halves(blocks, 2))
         packed = np.ascontiguousarray(blocks[..., 2 if type_name == "Q4_0" else 4:])  # already the kernel's order
         return Levels(4, as_tensor(packed.reshape(rows, columns // 2)), d, minimum)
+    module = _block_kernels() if compiled and type_name in ("Q4_K", "Q5_K", "Q6_K") else None
+    if module is not None:
+        with warnings.catch_warnings():  # a mapped file is read-only; the kernels only read it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            flat = as_tensor(blocks.reshape(rows, -1))
+        if type_name == "Q4_K":
+            packed, scales, subs = module.k_quant_blocks(flat, False)
+            return Levels(4, packed, None, None, k_scales=(scales, subs))
+        if type_name == "Q5_K":
+            packed, scales, subs, fifth = module.k_quant_blocks(flat, True)
+            return Levels(5, packed, None, None, fifth, (scales, subs))
+        packed, plane, scale, sub = module.q6_k_blocks(flat)
+        return Levels(6, packed, None, None, k_scales=(scale, sub), plane=plane)
     if type_name == "Q4_K":
         d, dmin = _half(blocks, 0), _half(blocks, 2)
         sc, m = _k_scales(blocks[..., 4:16])
@@ -381,9 +406,11 @@ def _read(path: Path, tensor, start: int = 0, stop: int | None = None) -> np.nda
     shape = tuple(tensor.data.shape)
     stop = shape[0] if stop is None else min(stop, shape[0])
     row_bytes = tensor.n_bytes // shape[0]
+    raw = np.empty((stop - start) * row_bytes, dtype=np.uint8)  # writable, so torch may view it without a copy
     with open(path, "rb") as file:
         file.seek(tensor.data_offset + start * row_bytes)
-        raw = np.frombuffer(file.read((stop - start) * row_bytes), dtype=np.uint8)
+        if file.readinto(memoryview(raw)) != raw.size:
+            raise ValueError(f"{path} ends inside tensor {tensor.name}: the file is cut short")
     return raw.view(tensor.data.dtype).reshape(stop - start, *shape[1:])
 
 

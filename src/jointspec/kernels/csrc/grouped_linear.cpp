@@ -1948,6 +1948,121 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// A GGUF file's K-quant blocks in the layers' storage, at load (jointspec/kernels/gguf_blocks.py's decode(), whose
+// numpy version is the reference these equal byte for byte): plain integer shuffles and exact half -> float widening,
+// a row per task. raw: uint8 [rows, blocks * block bytes].
+
+// Q4_K (144 bytes: d, dmin halves, twelve bytes of 6-bit scales and minima, 128 bytes of nibbles) and Q5_K (the same
+// with 32 bytes of fifth bits before the nibbles: 176 bytes) -> (packed uint8 [rows, in / 2] in the 4- and 5-bit
+// layers' order, (d, dmin) float32 [rows, 2, blocks], (sc, m) uint8 [rows, 2, blocks * 8], and for Q5_K the fifth
+// bits int32 [rows, in / 32], bit i of a group's word that of its level i).
+std::vector<at::Tensor> k_quant_blocks(at::Tensor raw, bool fifth_bits) {
+  const int64_t size = fifth_bits ? 176 : 144;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % size == 0,
+              "k_quant_blocks: raw must be contiguous uint8 [rows, blocks * ", size, "]");
+  const int64_t rows = raw.size(0), blocks = raw.size(1) / size;
+  at::Tensor packed = at::empty({rows, blocks * 128}, at::kByte);
+  at::Tensor scales = at::empty({rows, 2, blocks}, at::kFloat);
+  at::Tensor subs = at::empty({rows, 2, blocks * 8}, at::kByte);
+  at::Tensor fifth = at::empty({fifth_bits ? rows : 0, blocks * 8}, at::kInt);
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* d = scales.data_ptr<float>();
+  uint8_t* sm = subs.data_ptr<uint8_t>();
+  uint32_t* words = fifth_bits ? reinterpret_cast<uint32_t*>(fifth.data_ptr<int32_t>()) : nullptr;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = in + (r * blocks + b) * size;
+        uint16_t half[2];
+        std::memcpy(half, block, sizeof half);
+        d[(r * 2) * blocks + b] = simd::half_to_float(half[0]);
+        d[(r * 2 + 1) * blocks + b] = simd::half_to_float(half[1]);
+        const uint8_t* s = block + 4;  // llama.cpp's get_scale_min_k4
+        uint8_t* sc = sm + (r * 2) * blocks * 8 + b * 8;
+        uint8_t* m = sm + (r * 2 + 1) * blocks * 8 + b * 8;
+        for (int j = 0; j < 4; ++j) {
+          sc[j] = s[j] & 63;
+          m[j] = s[j + 4] & 63;
+          sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+          m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+        }
+        // Chunk c of 32 bytes: low nibbles are sub-block 2c, high ones 2c + 1; byte i of a sub-block holds its levels
+        // i and i + 16. Q5_K: level l of sub-block g takes bit g of qh[l] as its fifth.
+        const uint8_t* q = block + (fifth_bits ? 48 : 16);
+        uint8_t* o = out + r * blocks * 128 + b * 128;
+        for (int c = 0; c < 4; ++c, q += 32, o += 32)
+          for (int i = 0; i < 16; ++i) {
+            o[i] = (q[i] & 15) | static_cast<uint8_t>(q[i + 16] << 4);
+            o[16 + i] = (q[i] >> 4) | (q[i + 16] & 0xF0);
+          }
+        if (fifth_bits) {
+          const uint8_t* qh = block + 16;
+          for (int g = 0; g < 8; ++g) {
+            uint32_t word = 0;
+            for (int l = 0; l < 32; ++l) word |= uint32_t((qh[l] >> g) & 1) << l;
+            words[r * blocks * 8 + b * 8 + g] = word;
+          }
+        }
+      }
+    }
+  });
+  if (fifth_bits) return {packed, scales, subs, fifth};
+  return {packed, scales, subs};
+}
+
+// Q6_K (210 bytes: 128 of low nibbles, 64 of top bit pairs, 16 signed scales, d) -> (packed uint8 [rows, in / 2] and
+// plane uint8 [rows, in / 4], the 6-bit layers' storage of each level plus 32 (grouped.py's pack_six); d float32
+// [rows, blocks]; sc int8 [rows, blocks * 16]).
+std::vector<at::Tensor> q6_k_blocks(at::Tensor raw) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) % 210 == 0,
+              "q6_k_blocks: raw must be contiguous uint8 [rows, blocks * 210]");
+  const int64_t rows = raw.size(0), blocks = raw.size(1) / 210;
+  at::Tensor packed = at::empty({rows, blocks * 128}, at::kByte);
+  at::Tensor plane = at::empty({rows, blocks * 64}, at::kByte);
+  at::Tensor scale = at::empty({rows, blocks}, at::kFloat);
+  at::Tensor sub = at::empty({rows, blocks * 16}, at::kChar);
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  uint8_t* top_out = plane.data_ptr<uint8_t>();
+  float* d = scale.data_ptr<float>();
+  int8_t* sc = sub.data_ptr<int8_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    uint8_t level[256];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = in + (r * blocks + b) * 210;
+        const uint8_t *ql = block, *qh = block + 128;
+        // llama.cpp's dequantize_row_q6_K: element 128h + 32k + l from a nibble of ql and bits 2k, 2k + 1 of qh.
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], t = qh[32 * h + l];
+            level[128 * h + l] = (a & 15) | ((t & 3) << 4);
+            level[128 * h + 32 + l] = (c & 15) | (((t >> 2) & 3) << 4);
+            level[128 * h + 64 + l] = (a >> 4) | (((t >> 4) & 3) << 4);
+            level[128 * h + 96 + l] = (c >> 4) | (((t >> 6) & 3) << 4);
+          }
+        uint8_t* o = out + r * blocks * 128 + b * 128;
+        uint8_t* p = top_out + r * blocks * 64 + b * 64;
+        for (int pair = 0; pair < 4; ++pair) {  // 64 inputs: groups g0 = level[64 pair ..], g1 = level[64 pair + 32 ..]
+          const uint8_t *g0 = level + 64 * pair, *g1 = g0 + 32;
+          for (int i = 0; i < 16; ++i) {
+            o[32 * pair + i] = (g0[i] & 15) | static_cast<uint8_t>(g0[i + 16] << 4);
+            o[32 * pair + 16 + i] = (g1[i] & 15) | static_cast<uint8_t>(g1[i + 16] << 4);
+            p[16 * pair + i] = (g0[i] >> 4) | ((g1[i] >> 4) << 2) | ((g0[i + 16] >> 4) << 4) | ((g1[i + 16] >> 4) << 6);
+          }
+        }
+        uint16_t half;
+        std::memcpy(&half, block + 208, sizeof half);
+        d[r * blocks + b] = simd::half_to_float(half);
+        std::memcpy(sc + r * blocks * 16 + b * 16, block + 192, 16);
+      }
+    }
+  });
+  return {packed, plane, scale, sub};
+}
+
 }  // namespace: internal linkage, so the builds for several instruction sets load side by side
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1966,6 +2081,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("fifth"), py::arg("scale"), py::arg("minimum"),
         py::arg("gemm") = false, unlocked);
   m.def("attention", &attention, "row-by-row attention, each (row, head) alone", unlocked);
+  m.def("k_quant_blocks", &k_quant_blocks, "a GGUF Q4_K (fifth_bits false) or Q5_K tensor's blocks in the 4- or "
+        "5-bit layers' storage", py::arg("raw"), py::arg("fifth_bits"), unlocked);
+  m.def("q6_k_blocks", &q6_k_blocks, "a GGUF Q6_K tensor's blocks in the 6-bit layers' storage", unlocked);
   m.def("attention_pairwise", &attention_pairwise, "attention's definition, one (row, head) pair at a time", unlocked);
   py::class_<CompiledLayers>(m, "CompiledLayers", py::module_local())
       .def(py::init<>())
