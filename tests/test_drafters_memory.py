@@ -209,7 +209,13 @@ def test_drafting_from_other_answers_matches_plain_greedy(target_model, method):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("max_new_tokens", [1, 3, 7, 11])
 def test_the_same_prompt_again_drafts_its_whole_answer_and_stops_at_the_budget(target_model, method,
-                                                                                 max_new_tokens):
+                                                                                 max_new_tokens, monkeypatch):
+    # A tiny model's curve, pinned: a timed one, measured while other tests load the cores, has said that no draft
+    # pays (then nothing is drafted, and the check that drafts were kept fails though the tokens are right).
+    from jointspec.methods import costs
+
+    monkeypatch.setattr(costs, "measure_cost_curve",
+                        lambda target, sizes, **options: CostCurve({n: 1.0 + 0.02 * (n - 1) for n in sizes}))
     prompt = random_prompt(3)
     memory = remembered(target_model, [3])  # the very answer: drafts run into the budget
     decoder = decoder_with_memory(method, target_model, memory)
