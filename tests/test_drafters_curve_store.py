@@ -76,7 +76,7 @@ def test_a_kept_curve_is_read_back_by_the_next_process_and_only_by_its_twin(tmp_
 
 
 def test_nothing_is_kept_without_an_identity_outside_the_block_or_with_the_store_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("JOINTSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(curve_store.ENV, raising=False)
     measure(Adapter())
     with persisted_curves(tmp_path / "kept"):

@@ -29,8 +29,9 @@ _directory: Path | None = None  # set inside persisted_curves()
 
 
 def default_directory() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "jointspec" / "cost-curves"
+    from jointspec.backends.embedded import cache_root
+
+    return cache_root() / "cost-curves"
 
 
 @contextlib.contextmanager

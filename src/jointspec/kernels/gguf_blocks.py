@@ -160,13 +160,6 @@ def _k_form(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> t
             torch.from_numpy(np.stack([sc.reshape(rows, -1), m.reshape(rows, -1)], axis=1).astype(np.uint8)))
 
 
-def _block_kernels():
-    """The compiled kernels where they are already loaded (a load onto them builds them first), else None."""
-    from jointspec.kernels.grouped import loaded_kernels
-
-    return loaded_kernels()
-
-
 def decode(raw: np.ndarray, type_name: str, columns: int, compiled: bool = True) -> Levels:
     """A tensor's raw blocks ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them) as :class:`Levels`.
 
@@ -190,7 +183,10 @@ def decode(raw: np.ndarray, type_name: str, columns: int, compiled: bool = True)
         minimum = _offset(rows, -8.0) if type_name == "Q4_0" else as_tensor(_halves(blocks, 2))
         packed = np.ascontiguousarray(blocks[..., 2 if type_name == "Q4_0" else 4:])  # already the kernel's order
         return Levels(4, as_tensor(packed.reshape(rows, columns // 2)), d, minimum)
-    module = _block_kernels() if compiled and type_name in ("Q4_K", "Q5_K", "Q6_K") else None
+    # The kernels as loaded (a load onto them has built them); never a build here.
+    from jointspec.kernels.grouped import loaded_kernels
+
+    module = loaded_kernels() if compiled and type_name in ("Q4_K", "Q5_K", "Q6_K") else None
     if module is not None:
         with warnings.catch_warnings():  # a mapped file is read-only; the kernels only read it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -262,10 +262,7 @@ def _build(isa: str):
     except (ImportError, RuntimeError) as error:
         return None, f"jointspec's CPU kernels cannot be built ({error}; pip install ninja)"
     flags = ISA_FLAGS[isa][1]
-    digest = hashlib.sha256()
-    for source in _SOURCES:
-        digest.update(source.read_bytes())
-    digest.update(" ".join([torch.__version__, platform.machine(), *flags]).encode())
+    digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
     name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
     directory = _build_directory(name)
     if not any(directory.glob("*.so")):
