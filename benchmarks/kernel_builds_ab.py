@@ -5,14 +5,17 @@ into another, then compare them here. Both builds are loaded side by side (their
 hash, so they do not collide) and their calls alternate, so a machine whose speed drifts between processes (the VMs
 this project measures on drift by 10-30 %) slows both alike. Random 4-bit layers of ``--shape`` OUTxIN in three scale
 forms (the K-quant form, Q4_0's half scales with the -8 offset, Q4_1's halves), 1, 2, 4 and 8 input rows (or
-``--rows``); a layer that fits in cache measures the kernel's compute, one of a few tens of MB its streaming. Prints
-medians and the ratio new / old per case, then one JSON line::
+``--rows``); a layer that fits in cache measures the kernel's compute, one of a few tens of MB its streaming. With
+``--model`` it times whole forwards instead (a decoding step, or a verification of ``--rows`` rows), each build on
+its own copy of the model: what a change is worth where every layer's weights come after the others' through memory.
+Prints medians and the ratio new / old per case, then one JSON line::
 
     git worktree add /tmp/old HEAD          # the sources before the change
     PYTHONPATH=/tmp/old/src XDG_CACHE_HOME=/tmp/oldcache JOINTSPEC_KERNEL_ISA=avx2 \\
         python -c "from jointspec.kernels.grouped import kernels; kernels()"
     JOINTSPEC_KERNEL_ISA=avx2 python -c "from jointspec.kernels.grouped import kernels; kernels()"
     python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --shape 2048x2048 --threads 1
+    python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --model default --rows 1,4 --threads 2
 """
 
 from __future__ import annotations
@@ -56,28 +59,15 @@ def layers(out_features: int, in_features: int, generator):
     return made
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", required=True, help="the build to compare: avx512vnni, avx512, avx2 or portable")
-    parser.add_argument("--old-cache", type=Path, required=True, help="XDG cache directory holding the old build")
-    parser.add_argument("--new-cache", type=Path,
-                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")),
-                        help="XDG cache directory holding the new build (default: this user's)")
-    parser.add_argument("--shape", default="2048x2048", help="OUTxIN of the random layers (IN a multiple of 64)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=60, help="timed calls of each build per case (10 more warm up)")
-    parser.add_argument("--rows", default="1,2,4,8", help="input rows a call, comma-separated (default 1,2,4,8)")
-    args = parser.parse_args()
-
+def time_layers(builds: dict, args) -> dict:
+    """Each scale form's random layer of ``--shape``, every ``--rows``: µs a call of each build."""
     import torch
 
     from jointspec.kernels.grouped import kernel_arguments
 
-    torch.set_num_threads(args.threads)
     out_features, in_features = (int(value) for value in args.shape.lower().split("x"))
     if in_features % 64:
         raise SystemExit(f"--shape: IN must be a multiple of 64, got {in_features}")
-    builds = {"old": load_build(args.old_cache, args.isa), "new": load_build(args.new_cache, args.isa)}
     generator = torch.Generator().manual_seed(0)
     results = {}
     for form, layer in layers(out_features, in_features, generator).items():
@@ -93,10 +83,88 @@ def main() -> None:
                     builds[name].linear(x, tensors, False, True)
                     if call >= 10:
                         times[name].append(time.perf_counter() - start)
-            old, new = (statistics.median(times[name]) * 1e6 for name in ("old", "new"))
-            results[f"{form}/{rows}"] = {"old_us": round(old, 1), "new_us": round(new, 1), "ratio": round(new / old, 3)}
-            print(f"{form:5} {rows} rows: old {old:8.1f} us  new {new:8.1f} us  new / old {new / old:.3f}", flush=True)
-    print(json.dumps({"isa": args.isa, "shape": args.shape, "threads": args.threads, "results": results}))
+            results[f"{form}/{rows}"] = report(f"{form:5} {rows} rows", times, 1e6, "us")
+    return results
+
+
+def time_model(builds: dict, args) -> dict:
+    """Whole forwards of ``--model`` (loaded once per build, ``--quantize auto``) after ``--context`` tokens: ms a
+    forward of each build, greedy (the screened head where the model has one), as a decoding step or a verification
+    of ``--rows`` rows runs it. A layer timed alone is read from cache more than inside a model, where each layer's
+    weights follow the others' through memory: the gains the two measure can differ (docs/kernels.md)."""
+    import random
+
+    import torch
+
+    from jointspec.backends.loading import load_model
+    from jointspec.kernels.grouped import forced_build, inputs_setting
+
+    generator = random.Random(0)
+    prompt = [generator.randrange(1000) for _ in range(args.context)]
+    models = {}
+    for name, build in builds.items():
+        build.use_q8_inputs(inputs_setting() == "q8")
+        with forced_build(build):
+            target, _ = load_model(**({} if args.model == "default" else {"source": args.model}), quantize="auto")
+            target.forward(prompt, num_logits=0)
+        models[name] = (target, build, target.num_cached)
+    results = {}
+    for rows in (int(value) for value in args.rows.split(",")):
+        ids = [generator.randrange(1000) for _ in range(rows)]
+        logits = []
+        for target, build, cached in models.values():
+            with forced_build(build):
+                logits.append(target.forward(ids, num_logits=rows).logits)
+            target.crop(cached)
+        if not torch.equal(*logits):
+            print(f"note: {rows} rows: the two builds' logits differ (a change of arithmetic)")
+        times = {name: [] for name in builds}
+        for call in range(args.calls + 5):
+            for name in (("old", "new") if call % 2 == 0 else ("new", "old")):
+                target, build, cached = models[name]
+                with forced_build(build):
+                    start = time.perf_counter()
+                    target.forward(ids, num_logits=rows, argmax_only=True)
+                    elapsed = time.perf_counter() - start
+                target.crop(cached)
+                if call >= 5:
+                    times[name].append(elapsed)
+        results[f"model/{rows}"] = report(f"{rows} rows", times, 1e3, "ms")
+    return results
+
+
+def report(label: str, times: dict, scale: float, unit: str) -> dict:
+    old, new = (statistics.median(times[name]) * scale for name in ("old", "new"))
+    print(f"{label}: old {old:8.2f} {unit}  new {new:8.2f} {unit}  new / old {new / old:.3f}", flush=True)
+    return {f"old_{unit}": round(old, 3), f"new_{unit}": round(new, 3), "ratio": round(new / old, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", required=True, help="the build to compare: avx512vnni, avx512, avx2 or portable")
+    parser.add_argument("--old-cache", type=Path, required=True, help="XDG cache directory holding the old build")
+    parser.add_argument("--new-cache", type=Path,
+                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")),
+                        help="XDG cache directory holding the new build (default: this user's)")
+    parser.add_argument("--shape", default="2048x2048", help="OUTxIN of the random layers (IN a multiple of 64)")
+    parser.add_argument("--model", default=None,
+                        help="time whole forwards of this model instead of layers ('default': the embedded one; a "
+                             "GGUF file or model folder): each build gets its own copy, loaded with --quantize auto")
+    parser.add_argument("--context", type=int, default=128, help="--model: cached tokens before the timed forwards")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=60, help="timed calls of each build per case (10 more warm up)")
+    parser.add_argument("--rows", default="1,2,4,8", help="input rows a call, comma-separated (default 1,2,4,8)")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    builds = {"old": load_build(args.old_cache, args.isa), "new": load_build(args.new_cache, args.isa)}
+    if builds["old"].__name__ == builds["new"].__name__:
+        raise SystemExit("the old and the new cache hold the same build (the same sources): nothing to compare")
+    results = time_model(builds, args) if args.model else time_layers(builds, args)
+    print(json.dumps({"isa": args.isa, "shape": None if args.model else args.shape, "model": args.model,
+                      "threads": args.threads, "results": results}))
 
 
 if __name__ == "__main__":

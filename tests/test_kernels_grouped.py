@@ -756,3 +756,21 @@ def test_a_build_waits_for_another_process_build_and_clears_a_dead_ones_lock(tmp
     with caplog.at_level("WARNING", logger="jointspec.kernels.grouped"):
         grouped._wait_for_other_build(tmp_path)
     assert not lock.exists() and "did not finish" in caplog.text
+
+
+def test_a_forced_build_serves_every_kernels_call_inside_its_block():
+    """benchmarks/kernel_builds_ab.py --model times two builds on whole models in one process: a model loaded inside
+    forced_build() must run that build's compiled layers, and everything after the block the selected build again."""
+    from jointspec.kernels.grouped import forced_build, loaded_kernels
+
+    selected, portable = kernels(), kernels("portable")
+    with forced_build(portable):
+        assert kernels() is portable and kernels(selected_isa()) is portable and loaded_kernels() is portable
+        target = CausalLM(quantize_model(grouped_llama(2), "int4"), name="int4, forced portable")
+        logits = target.forward(random_prompt(1), num_logits=3).logits
+        assert type(target.lean._compiled_stack).__module__ == portable.__name__
+    assert kernels() is selected
+    with use_isa("portable"):
+        expected = CausalLM(quantize_model(grouped_llama(2), "int4"), name="int4 portable").forward(
+            random_prompt(1), num_logits=3).logits
+    assert torch.equal(logits, expected)

@@ -180,14 +180,34 @@ def float_inputs(isa: str | None = None) -> Iterator[None]:
         module.use_q8_inputs(inputs_setting() == "q8")  # what $JOINTSPEC_KERNEL_INPUTS set
 
 
+_FORCED: list = []  # builds forced_build() stands in for the selected one, innermost last
+
+
+@contextlib.contextmanager
+def forced_build(module) -> Iterator[None]:
+    """Inside, :func:`kernels` and :func:`loaded_kernels` return ``module``: another build of these kernels that the
+    caller loaded itself. For comparing two builds on whole models in one process
+    (``benchmarks/kernel_builds_ab.py --model``): a model loaded inside keeps that build's compiled layers, and each of
+    its forwards runs inside the same block so that its head calls that build too."""
+    _FORCED.append(module)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
 def kernels(isa: str | None = None):
     """The compiled extension for ``isa`` (default: :func:`selected_isa`), or None where it cannot run here (see
     :func:`unavailable_reason`)."""
+    if _FORCED:
+        return _FORCED[-1]
     return _load(isa or selected_isa())[0]
 
 
 def loaded_kernels():
     """The selected build's extension if it is already loaded in this process, else None (never builds)."""
+    if _FORCED:
+        return _FORCED[-1]
     try:
         return _LOADED.get(selected_isa())
     except UnsupportedOptionError:
