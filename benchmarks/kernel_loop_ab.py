@@ -4,11 +4,11 @@
 This one is for working on the product's inner loop: it takes, from each of two copies of ``grouped_linear.cpp``,
 the code from its first ``namespace {`` up to ``multiply_q8`` (the 8-bit-input product ``multiply_q8_blocks`` and
 what it needs), puts each in a namespace of its own beside ``simd.h``, with a one-thread stand-in for
-``at::parallel_for``, and compiles one program with the instruction set's flags (seconds, no torch). The program
-multiplies random Q4_1-form layers (4-bit levels, half scales and minima, ``--layers`` copies taken in turn, so that
-several copies of a large shape stream from memory) by ``--rows`` random input rows with both versions, checks that
-their outputs are the same bits, and times them alternating; medians of 20 turns each. One thread: the loop's own
-speed, not the threads'.
+``at::parallel_for``, and compiles one program with the flags of the build named by ``--isa`` (seconds; torch is
+imported only for those flags). The program multiplies random Q4_1-form layers (4-bit levels, half scales and
+minima, ``--layers`` copies taken in turn, so that several copies of a large shape stream from memory) by ``--rows``
+random input rows with both versions, checks that their outputs are the same bits, and times them alternating;
+medians of 20 turns each. One thread: the loop's own speed, not the threads'.
 
     cp src/jointspec/kernels/csrc/grouped_linear.cpp /tmp/new.cpp      # then change the loop in /tmp/new.cpp
     python benchmarks/kernel_loop_ab.py --new /tmp/new.cpp --shape 1024x2048 --rows 1
@@ -30,14 +30,6 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "src" / "jointspec" / "kernels" / "csrc"
-# The flags each build compiles with (kernels/grouped.py's ISA_FLAGS), and -ffp-contract=off as every build.
-FLAGS = {
-    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma",
-                   "-DJOINTSPEC_ISA_AVX512"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma", "-DJOINTSPEC_ISA_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DJOINTSPEC_ISA_AVX2"],
-    "portable": [],
-}
 
 PROGRAM = r"""
 #include <algorithm>
@@ -156,12 +148,16 @@ def main() -> None:
     parser.add_argument("--old", type=Path, default=CSRC / "grouped_linear.cpp",
                         help="the copy to compare against (default: this checkout's)")
     parser.add_argument("--simd", type=Path, default=CSRC / "simd.h", help="simd.h both copies include")
-    parser.add_argument("--isa", default="avx2", choices=tuple(FLAGS))
+    parser.add_argument("--isa", default="avx2", help="the build's flags: avx512vnni, avx512, avx2 or portable")
     parser.add_argument("--shape", default="1024x2048", help="OUTxIN of the layers (IN a multiple of 64)")
     parser.add_argument("--rows", default="1,4", help="input rows a call, comma-separated")
     parser.add_argument("--layers", type=int, default=1, help="copies of the layer taken in turn (from memory: "
                         "enough copies to pass the last-level cache)")
     args = parser.parse_args()
+    from jointspec.kernels.grouped import ISA_FLAGS  # the flags the builds compile with
+
+    if args.isa not in ISA_FLAGS:
+        raise SystemExit(f"--isa: one of {', '.join(ISA_FLAGS)}, got {args.isa!r}")
     out_features, in_features = (int(value) for value in args.shape.lower().split("x"))
     if in_features % 64:
         raise SystemExit(f"--shape: IN must be a multiple of 64, got {in_features}")
@@ -174,7 +170,8 @@ def main() -> None:
         (work / "old.inc").write_text(product_code(args.old))
         (work / "new.inc").write_text(product_code(args.new))
         (work / "ab.cpp").write_text(PROGRAM)
-        command = [compiler, "-O3", "-std=c++17", "-ffp-contract=off", *FLAGS[args.isa], str(work / "ab.cpp"),
+        # -ffp-contract=off, as every build (simd.h: the same bits on every instruction set).
+        command = [compiler, "-O3", "-std=c++17", "-ffp-contract=off", *ISA_FLAGS[args.isa][1], str(work / "ab.cpp"),
                    "-o", str(work / "ab")]
         built = subprocess.run(command, capture_output=True, text=True)
         if built.returncode != 0:
