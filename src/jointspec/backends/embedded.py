@@ -135,7 +135,7 @@ def _keep_gguf(source: Path, workdir: Path) -> Path:
     """Keep the checked GGUF ``source`` as :func:`default_gguf_file` (unless it is there already): staged in
     ``workdir`` (on the same file system) and renamed into place, so a reader never sees a partial file."""
     final_path = default_gguf_file()
-    if final_path.is_file() or source == final_path:
+    if final_path.is_file():  # kept before (source may be that very file)
         return final_path
     staged = workdir / f"{final_path.name}.partial"
     shutil.copyfile(source, staged)
