@@ -596,7 +596,7 @@ def test_extra_buffer_types_are_off_on_amx_cpus(tiny, loaded, monkeypatch, flags
     # adapter's weights and the Llama class behind the bench's baselines must both load without them; elsewhere
     # both keep llama.cpp's default, and the Llama class's defaults are left as they were.
     from jointspec.bench.engines import LlamaCppBackend
-    from jointspec.kernels import fp32 as cpukernels
+    from jointspec.kernels import cpu as cpukernels
 
     monkeypatch.setattr(cpukernels, "cpu_flags", lambda: frozenset(flags))
     assert LlamaCppWeights(tiny[0]).extra_buffer_types is expected

@@ -308,6 +308,34 @@ def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_pa
     assert resolve_quantize("int8", str(tmp_path)) == "int8"  # named modes pass through
 
 
+def test_auto_reads_the_embedded_model_before_it_waits_for_the_kernels(monkeypatch, tmp_path):
+    """``auto`` on the embedded default decides only after the kernels are built, which on a first run takes a
+    minute or more; the model is read the same way whatever it decides, so load_model reads it first (on a first run
+    it is fetched and converted then, while grouped.prebuild's build runs) and reads it once. A tiny folder stands in
+    for the embedded model."""
+    from jointspec.backends import loading
+
+    folder = save_model(tmp_path / "model", seed=0)
+    calls = []
+
+    def read(source, device, dtype):
+        calls.append(("read", source))
+        return real_read(folder, device, dtype)
+
+    def decide(quantize, source, **options):
+        calls.append(("decide", quantize))
+        return "none"
+    real_read = loading._load_transformers
+    monkeypatch.setattr(loading, "_load_transformers", read)
+    monkeypatch.setattr(loading, "resolve_quantize", decide)
+    target, _ = load_model("default", quantize="auto")
+    assert calls == [("read", "default"), ("decide", "auto")]
+    assert quantization_mode(target.model) == "none"
+    calls.clear()
+    load_model("default", quantize="none")  # a named mode: nothing to wait for, the usual order
+    assert calls == [("decide", "none"), ("read", "default")]
+
+
 def test_auto_leaves_a_model_folder_in_float(tmp_path):
     target, _ = load_model(save_model(tmp_path / "model", seed=0), quantize="auto")
     assert quantization_mode(target.model) == "none"

@@ -15,7 +15,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
-from jointspec.kernels.fp32 import cpu_flags
+from jointspec.kernels.cpu import cpu_flags
 from jointspec.kernels.grouped import (
     GROUP_SIZE,
     SCREEN_MARGIN,
@@ -730,6 +730,40 @@ def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypa
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
     module, reason = grouped._build("portable")
     assert module is None and "cannot be built (Ninja is required" in reason and "pip install ninja" in reason
+
+
+def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch):
+    """A first run starts the build ahead (prebuild) and asks for the kernels later, maybe while the build still runs:
+    the later call must get that build's module, and the build must run once. The build here is a stand-in that
+    takes half a second."""
+    import threading
+    import time
+
+    from jointspec.kernels import grouped
+
+    started, builds = threading.Event(), []
+
+    class Built:
+        def use_q8_inputs(self, on):
+            return on
+
+    def slow_build(isa):
+        builds.append((isa, threading.current_thread().name))
+        started.set()
+        time.sleep(0.5)
+        return Built(), None
+    monkeypatch.setattr(grouped, "_build", slow_build)
+    monkeypatch.setattr(grouped, "_RESULTS", {})
+    monkeypatch.setattr(grouped, "_LOADED", {})
+    thread = grouped.prebuild("portable")
+    assert thread is not None and started.wait(10)
+    module = grouped.kernels("portable")  # while the thread is still building
+    thread.join(10)
+    assert isinstance(module, Built) and grouped.kernels("portable") is module
+    assert builds == [("portable", "jointspec kernels (portable)")]
+    assert grouped.prebuild("portable") is None  # loaded: nothing more to start
+    monkeypatch.setenv(grouped.ISA_ENV, "no-such-isa")
+    assert grouped.prebuild() is None  # the caller's own kernels() call will name the bad value
 
 
 def test_a_build_waits_for_another_process_build_and_clears_a_dead_ones_lock(tmp_path, capsys, caplog):

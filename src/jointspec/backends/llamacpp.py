@@ -110,7 +110,7 @@ def _init_backend(llama_cpp) -> None:
 # other CPUs they stay on. Where it was seen, and how: docs/kernels.md, "llama.cpp".
 def use_extra_buffer_types() -> bool:
     """Whether to load GGUF weights with llama.cpp's extra buffer types: not on CPUs with AMX (see above)."""
-    from jointspec.kernels.fp32 import cpu_flags
+    from jointspec.kernels.cpu import cpu_flags
 
     return not any(flag.startswith("amx") for flag in cpu_flags())
 

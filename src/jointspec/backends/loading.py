@@ -227,6 +227,11 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
         raise UnsupportedOptionError(f"unknown kv cache '{kv_cache}'; choose one of: {', '.join(KV_CACHE_CHOICES)}")
     check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
     check_device(device)
+    read_first = None
+    if quantize == "auto" and backend == "torch" and source == DEFAULT_MODEL:
+        # `auto` waits for the kernels' build to decide; the embedded model is read the same way whatever it decides,
+        # so it is read (on a first run: fetched and converted) while a build started ahead runs (grouped.prebuild).
+        read_first = _load_transformers(source, device, dtype)
     quantize = resolve_quantize(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)
     if backend == "llamacpp":
         # Imported here: llama-cpp-python is optional, and only this backend needs it.
@@ -240,7 +245,7 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     if loaded is not None:
         model, tokenizer, label = loaded
     else:
-        model, tokenizer, label = _load_transformers(source, device, dtype)
+        model, tokenizer, label = read_first or _load_transformers(source, device, dtype)
         if quantize != "none":
             quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize),
                            screen_head=screens_head(model.config))

@@ -22,6 +22,7 @@ from jointspec.cli.options import (
     model_loader,
     model_options,
     positive_int,
+    prebuild_kernels,
 )
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
@@ -79,6 +80,7 @@ def _auto_quantize(args: argparse.Namespace, specs) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
     specs = parse_specs(args.methods)
     if args.baseline not in [s.label for s in specs]:
         specs.insert(0, parse_spec(args.baseline))

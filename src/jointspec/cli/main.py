@@ -17,6 +17,7 @@ from jointspec.cli.options import (
     method_config_from_args,
     model_options,
     positive_int,
+    prebuild_kernels,
 )
 from jointspec.core.errors import JointspecError
 
@@ -58,6 +59,7 @@ def _add_generate(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    prebuild_kernels(args)  # first: a first run compiles them while the rest imports and loads
     from jointspec.api import GenerationConfig, Pipeline
     from jointspec.core.sampling import fresh_seed
     from jointspec.methods import method_names

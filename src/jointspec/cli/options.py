@@ -122,6 +122,17 @@ def model_loader(args: argparse.Namespace):
     return load
 
 
+def prebuild_kernels(args: argparse.Namespace) -> None:
+    """Where this run's model is a torch model on the CPU (which runs jointspec's kernels unless ``--kernels
+    stock``), start building them now, beside the imports and the model load (:func:`jointspec.kernels.grouped.
+    prebuild`): a first run then waits for the longer of the two instead of their sum."""
+    if args.backend != "torch" or args.device != "cpu" or args.kernels == "stock":
+        return
+    from jointspec.kernels.grouped import prebuild
+
+    prebuild()
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """Set torch's intra-op threads from ``--threads`` (llama.cpp gets the count at load)."""
     if args.threads is not None:

@@ -104,7 +104,9 @@ def require_serve_extra() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
-    from jointspec.cli.options import apply_threads
+    from jointspec.cli.options import apply_threads, prebuild_kernels
+
+    prebuild_kernels(args)  # a first run compiles them while the server's modules import and the model loads
     from jointspec.server.app import ServerSettings, create_app
     from jointspec.server.lifecycle import serve
 

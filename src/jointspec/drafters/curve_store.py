@@ -54,7 +54,7 @@ def entry_path(identity: str | None, settings: tuple) -> Path | None:
     if _directory is None or not identity:
         return None
     import jointspec
-    from jointspec.kernels.fp32 import cpu_signature
+    from jointspec.kernels.cpu import cpu_signature
     from jointspec.kernels.grouped import source_digest
 
     key = json.dumps([identity, [str(part) for part in settings], cpu_signature(), source_digest(),

@@ -22,7 +22,6 @@ transformers).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from jointspec.core.choices import KERNEL_CHOICES  # noqa: F401  (re-exported)
+from jointspec.kernels.cpu import cpu_vendor
 
 # Rows (tokens) up to which weight_major_linear beat oneDNN's packed kernel where tuned; see the module docstring.
 WEIGHT_MAJOR_MAX_ROWS = 4
@@ -139,34 +139,6 @@ def kernels_in_use(model) -> str:
     if not isinstance(model, nn.Module):
         return ""
     return "onednn" if any(isinstance(m, OneDNNLinear) and not m.stock for m in model.modules()) else "stock"
-
-
-@functools.cache
-def _cpuinfo_field(name: str) -> str:
-    """The first ``name`` field of /proc/cpuinfo ("" where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.split(":", 1)[0].strip() == name:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel", ...; "" where it cannot be read)."""
-    return _cpuinfo_field("vendor_id")
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags ("avx2", "amx_int8", ...; empty where they cannot be read)."""
-    return frozenset(_cpuinfo_field("flags").split())
-
-
-def cpu_signature() -> str:
-    """What tells this CPU type from another: model name, family, model and flags (for keys of per-CPU caches)."""
-    return "|".join(_cpuinfo_field(name) for name in ("model name", "cpu family", "model", "flags"))
 
 
 # Where ``auto`` picks oneDNN: CPU vendors on which these kernels were measured faster than PyTorch's own. On the one

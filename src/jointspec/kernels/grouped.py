@@ -60,6 +60,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,7 +69,7 @@ import torch
 from torch import nn
 
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.kernels.fp32 import cpu_flags
+from jointspec.kernels.cpu import cpu_flags
 from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -221,20 +222,47 @@ def unavailable_reason(isa: str | None = None) -> str | None:
 
 
 _LOADED: dict[str, object] = {}  # the builds _load() has loaded, by instruction set
+_RESULTS: dict[str, tuple] = {}  # _load()'s answer by instruction set: (extension, None) or (None, why not)
+_LOAD_LOCK = threading.Lock()  # one build at a time: a call made while prebuild()'s thread builds waits for it
 
 
-@functools.cache
 def _load(isa: str):
-    """(extension, None) or (None, why not); the reason is logged once."""
-    module, reason = _build(isa)
-    if module is not None:
-        module.use_q8_inputs(inputs_setting() == "q8")
-        _LOADED[isa] = module
-    if reason is not None:
-        log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 where the "
-                    "kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 activations: close "
-                    "to the float model, not equal to it)", reason)
-    return module, reason
+    """(extension, None) or (None, why not), once per instruction set; the reason is logged once."""
+    found = _RESULTS.get(isa)  # every kernel call asks: no lock once answered
+    if found is not None:
+        return found
+    with _LOAD_LOCK:
+        if isa not in _RESULTS:
+            module, reason = _build(isa)
+            if module is not None:
+                module.use_q8_inputs(inputs_setting() == "q8")
+                _LOADED[isa] = module
+            if reason is not None:
+                log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 "
+                            "where the kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 "
+                            "activations: close to the float model, not equal to it)", reason)
+            _RESULTS[isa] = (module, reason)
+        return _RESULTS[isa]
+
+
+def prebuild(isa: str | None = None) -> threading.Thread | None:
+    """Build (or load) the kernels for ``isa`` (default: :func:`selected_isa`) on a thread of their own, so that a
+    first run's compiling (a minute or more) overlaps the caller's imports and model loading instead of following
+    them; the compiler runs in a child process, so the thread holds Python's lock only to start and load it. A
+    :func:`kernels` call made meanwhile waits for that build; a failure is the same warning and fallback as without
+    it. Returns the thread, or None where there is nothing to do (already loaded, or an instruction set this CPU
+    refuses: the caller's own :func:`kernels` call then says why)."""
+    try:
+        isa = isa or selected_isa()
+    except UnsupportedOptionError:
+        return None
+    if isa in _RESULTS or _FORCED:
+        return None
+    # Not a daemon: interrupted, the compiler (in the terminal's process group) stops too, and the thread then
+    # returns through torch's cleanup, which removes the build folder's lock instead of leaving it to the next run.
+    thread = threading.Thread(target=_load, args=(isa,), name=f"jointspec kernels ({isa})")
+    thread.start()
+    return thread
 
 
 @functools.cache

@@ -1,0 +1,36 @@
+"""What the CPU is, read from /proc/cpuinfo without importing torch: its flags choose the kernel build
+(:mod:`jointspec.kernels.grouped`), its vendor the float32 kernels (:mod:`jointspec.kernels.fp32`), and its signature
+keys per-CPU caches. Importing nothing heavy lets a first run start compiling the kernels before transformers is
+imported (:func:`jointspec.kernels.grouped.prebuild`)."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` field of /proc/cpuinfo ("" where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.split(":", 1)[0].strip() == name:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel", ...; "" where it cannot be read)."""
+    return _cpuinfo_field("vendor_id")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("avx2", "amx_int8", ...; empty where they cannot be read)."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_signature() -> str:
+    """What tells this CPU type from another: model name, family, model and flags (for keys of per-CPU caches)."""
+    return "|".join(_cpuinfo_field(name) for name in ("model name", "cpu family", "model", "flags"))
