@@ -1,18 +1,18 @@
 """Two versions of the kernels' quantised product compiled side by side in one program: time per call and same bits.
 
 ``kernel_builds_ab.py`` compares two whole builds through torch (a minute or two to build each, calls from Python).
-This one is for working on the product's inner loop: it takes, from each of two copies of ``grouped_linear.cpp``,
-the code from its first ``namespace {`` up to ``multiply_q8`` (the 8-bit-input product ``multiply_q8_blocks`` and
-what it needs), puts each in a namespace of its own beside ``simd.h``, with a one-thread stand-in for
-``at::parallel_for``, and compiles one program with the flags of the build named by ``--isa`` (seconds; torch is
-imported only for those flags). The program multiplies random Q4_1-form layers (4-bit levels, half scales and
-minima, ``--layers`` copies taken in turn, so that several copies of a large shape stream from memory) by ``--rows``
-random input rows with both versions, checks that their outputs are the same bits, and times them alternating;
-medians of 20 turns each. One thread: the loop's own speed, not the threads'.
+This one is for working on the product's inner loop: it takes, from each of two copies of the kernels' source folder,
+the weight forms of ``rows.h`` and the code of ``products.cpp`` up to ``multiply_q8`` (the 8-bit-input product
+``multiply_q8_blocks`` and what it needs), puts each in a namespace of its own beside ``simd.h``, with a one-thread
+stand-in for ``at::parallel_for``, and compiles one program with the flags of the build named by ``--isa`` (seconds;
+torch is imported only for those flags). The program multiplies random Q4_1-form layers (4-bit levels, half scales
+and minima, ``--layers`` copies taken in turn, so that several copies of a large shape stream from memory) by
+``--rows`` random input rows with both versions, checks that their outputs are the same bits, and times them
+alternating; medians of 20 turns each. One thread: the loop's own speed, not the threads'.
 
-    cp src/jointspec/kernels/csrc/grouped_linear.cpp /tmp/new.cpp      # then change the loop in /tmp/new.cpp
-    python benchmarks/kernel_loop_ab.py --new /tmp/new.cpp --shape 1024x2048 --rows 1
-    python benchmarks/kernel_loop_ab.py --new /tmp/new.cpp --shape 2048x8192 --layers 8     # from memory
+    cp -r src/jointspec/kernels/csrc /tmp/new      # then change the loop in /tmp/new/products.cpp
+    python benchmarks/kernel_loop_ab.py --new /tmp/new --shape 1024x2048 --rows 1
+    python benchmarks/kernel_loop_ab.py --new /tmp/new --shape 2048x8192 --layers 8     # from memory
 
 A gain here is a lead, not a result: whole forwards (``kernel_builds_ab.py --model``) decide (docs/kernels.md).
 """
@@ -132,21 +132,32 @@ int main(int argc, char** argv) {
 """
 
 
-def product_code(source: Path) -> str:
-    """The code of ``source`` from its first ``namespace {`` up to ``multiply_q8`` (exclusive), without includes."""
-    text = source.read_text()
-    start = text.index("namespace {\n") + len("namespace {\n")
-    end = re.search(r"^template <typename Rows>\nvoid multiply_q8\(", text, re.MULTILINE)
-    if end is None:
-        raise SystemExit(f"{source}: no 'void multiply_q8(' after a 'template <typename Rows>' line to stop at")
-    return "\n".join(line for line in text[start:end.start()].splitlines() if not line.startswith("#include"))
+def _between(text: str, start: str, end: str, name: str) -> str:
+    """The text of ``name`` after the first ``start`` up to the first ``end`` line after it, without includes."""
+    begin = text.find(start)
+    if begin < 0:
+        raise SystemExit(f"{name}: no {start.strip()!r} to start at")
+    stop = re.search(end, text[begin + len(start):], re.MULTILINE)
+    if stop is None:
+        raise SystemExit(f"{name}: nothing matching {end!r} after {start.strip()!r} to stop at")
+    body = text[begin + len(start):begin + len(start) + stop.start()]
+    return "\n".join(line for line in body.splitlines() if not line.startswith("#include"))
+
+
+def product_code(folder: Path) -> str:
+    """From a copy of the kernels' sources: rows.h's weight forms, then products.cpp's code up to ``multiply_q8``."""
+    rows = _between((folder / "rows.h").read_text(), "namespace JOINTSPEC_NS {\n", r"^// out \[rows, out_features\]",
+                    f"{folder}/rows.h")
+    products = _between((folder / "products.cpp").read_text(), "namespace {\n",
+                        r"^template <typename Rows>\nvoid multiply_q8\(", f"{folder}/products.cpp")
+    return rows + "\n" + products
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new", type=Path, required=True, help="the changed copy of grouped_linear.cpp")
-    parser.add_argument("--old", type=Path, default=CSRC / "grouped_linear.cpp",
-                        help="the copy to compare against (default: this checkout's)")
+    parser.add_argument("--new", type=Path, required=True, help="the changed copy of the kernels' source folder")
+    parser.add_argument("--old", type=Path, default=CSRC,
+                        help="the copy to compare against (default: this checkout's src/jointspec/kernels/csrc)")
     parser.add_argument("--simd", type=Path, default=CSRC / "simd.h", help="simd.h both copies include")
     parser.add_argument("--isa", default="avx2", help="the build's flags: avx512vnni, avx512, avx2 or portable")
     parser.add_argument("--shape", default="1024x2048", help="OUTxIN of the layers (IN a multiple of 64)")

@@ -101,7 +101,7 @@ def grouped_llama(seed: int) -> LlamaForCausalLM:
 
 
 def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a 4-, 5-, 6- or 8-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/grouped_linear.cpp,
+    """What a 4-, 5-, 6- or 8-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/products.cpp,
     multiply_q8), in float64, and the magnitude of its terms (for a tolerance): each group of 32 inputs rounded to
     ``q = round(x * 127 / max|x|)`` (ties to even, float32 as the kernel rounds), then per group (or per 16 inputs,
     where the weights' scales are) ``scale * step * sum(level * q)``, plus ``minimum * sum(x)`` for 4 and 5 bits."""

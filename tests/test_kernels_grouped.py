@@ -1,4 +1,5 @@
-"""jointspec's grouped int4 / int8 CPU kernels (kernels/grouped.py, csrc/grouped_linear.cpp, csrc/simd.h).
+"""jointspec's grouped int4 / int8 CPU kernels (kernels/grouped.py; csrc/: simd.h, rows.h, products.cpp,
+grouped_linear.cpp).
 
 Deterministic (seeded random weights and inputs): no false-failure odds. The kernels build on every CPU with a C++
 compiler (a build failure fails these tests, it is not skipped): the tests run on the fastest build this CPU runs,

@@ -75,7 +75,10 @@ from jointspec.kernels.heap import release_freed_memory
 log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "grouped_linear.cpp"))
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                 for name in ("simd.h", "rows.h", "products.cpp", "grouped_linear.cpp"))
+# The translation units a build compiles (ninja runs them side by side); the headers are in _SOURCES for the hash.
+_UNITS = tuple(source for source in _SOURCES if source.suffix == ".cpp")
 _TINY = 1e-12
 
 # The instruction sets the kernels are built for, fastest first: the CPU flags each needs and its compiler flags.
@@ -325,7 +328,7 @@ def _build(isa: str):
     _wait_for_other_build(directory)
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
-        module = load(name=name, sources=[str(_SOURCES[1])], build_directory=str(directory),
+        module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
                       extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags], extra_ldflags=["-fopenmp"],
                       verbose=False)
     except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
