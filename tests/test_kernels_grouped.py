@@ -765,6 +765,16 @@ def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_fo
     assert grouped.prebuild("portable") is None  # loaded: nothing more to start
     monkeypatch.setenv(grouped.ISA_ENV, "no-such-isa")
     assert grouped.prebuild() is None  # the caller's own kernels() call will name the bad value
+    # An error on the thread is not printed there: the caller's own kernels() call raises it, by name.
+    monkeypatch.delenv(grouped.ISA_ENV)
+    monkeypatch.setattr(grouped, "_RESULTS", {})
+    monkeypatch.setenv(grouped.INPUTS_ENV, "bad-value")
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    grouped.prebuild("portable").join(10)
+    assert errors == [] and "portable" not in grouped._RESULTS
+    with pytest.raises(UnsupportedOptionError, match="bad-value"):
+        grouped.kernels("portable")
 
 
 def test_a_build_waits_for_another_process_build_and_clears_a_dead_ones_lock(tmp_path, capsys, caplog):

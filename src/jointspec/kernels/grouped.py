@@ -263,9 +263,18 @@ def prebuild(isa: str | None = None) -> threading.Thread | None:
         return None
     # Not a daemon: interrupted, the compiler (in the terminal's process group) stops too, and the thread then
     # returns through torch's cleanup, which removes the build folder's lock instead of leaving it to the next run.
-    thread = threading.Thread(target=_load, args=(isa,), name=f"jointspec kernels ({isa})")
+    thread = threading.Thread(target=_load_quietly, args=(isa,), name=f"jointspec kernels ({isa})")
     thread.start()
     return thread
+
+
+def _load_quietly(isa: str) -> None:
+    """prebuild()'s thread: an error (a bad $JOINTSPEC_KERNEL_INPUTS, say) is left for the caller's own kernels()
+    call to raise with its message, not printed here as a thread's traceback."""
+    try:
+        _load(isa)
+    except Exception:  # noqa: BLE001 - raised again, by name, where the caller asks for the kernels
+        log.debug("prebuilding the %s kernels failed; the next kernels() call tries again", isa, exc_info=True)
 
 
 @functools.cache
