@@ -733,7 +733,7 @@ def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypa
     assert module is None and "cannot be built (Ninja is required" in reason and "pip install ninja" in reason
 
 
-def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch):
+def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch, capsys):
     """A first run starts the build ahead (prebuild) and asks for the kernels later, maybe while the build still runs:
     the later call must get that build's module, and the build must run once. The build here is a stand-in that
     takes half a second."""
@@ -750,16 +750,24 @@ def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_fo
 
     def slow_build(isa):
         builds.append((isa, threading.current_thread().name))
+        grouped._COMPILING.set()  # as _build does while the compiler runs
         started.set()
         time.sleep(0.5)
+        grouped._COMPILING.clear()
         return Built(), None
     monkeypatch.setattr(grouped, "_build", slow_build)
     monkeypatch.setattr(grouped, "_RESULTS", {})
     monkeypatch.setattr(grouped, "_LOADED", {})
+    from jointspec.cli import main as cli
+
     thread = grouped.prebuild("portable")
     assert thread is not None and started.wait(10)
+    cli._say_if_still_building()  # a run stopping on an error now waits for the compiler: it says why
+    assert "finishing the CPU kernel build" in capsys.readouterr().err
     module = grouped.kernels("portable")  # while the thread is still building
     thread.join(10)
+    cli._say_if_still_building()
+    assert capsys.readouterr().err == ""
     assert isinstance(module, Built) and grouped.kernels("portable") is module
     assert builds == [("portable", "jointspec kernels (portable)")]
     assert grouped.prebuild("portable") is None  # loaded: nothing more to start

@@ -232,10 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except JointspecError as error:
+        _say_if_still_building()
         print(f"jointspec: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _say_if_still_building() -> None:
+    """A run that stops on an error before it needed the kernels still waits for the build it started ahead
+    (grouped.prebuild: stopping the compiler midway would leave its lock to the next run): say why the process
+    lingers after its error."""
+    grouped = sys.modules.get("jointspec.kernels.grouped")
+    if grouped is not None and grouped.prebuild_compiling():
+        print("jointspec: finishing the CPU kernel build this run started (about a minute; kept for the next run)",
+              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,8 @@ def unavailable_reason(isa: str | None = None) -> str | None:
 _LOADED: dict[str, object] = {}  # the builds _load() has loaded, by instruction set
 _RESULTS: dict[str, tuple] = {}  # _load()'s answer by instruction set: (extension, None) or (None, why not)
 _LOAD_LOCK = threading.Lock()  # one build at a time: a call made while prebuild()'s thread builds waits for it
+_PREBUILDS: list[threading.Thread] = []  # prebuild()'s threads
+_COMPILING = threading.Event()  # set while _build() runs the compiler
 
 
 def _load(isa: str):
@@ -265,7 +267,14 @@ def prebuild(isa: str | None = None) -> threading.Thread | None:
     # returns through torch's cleanup, which removes the build folder's lock instead of leaving it to the next run.
     thread = threading.Thread(target=_load_quietly, args=(isa,), name=f"jointspec kernels ({isa})")
     thread.start()
+    _PREBUILDS.append(thread)
     return thread
+
+
+def prebuild_compiling() -> bool:
+    """Whether a thread prebuild() started is compiling now (a process that ends then waits for it: see prebuild);
+    loading a build already made is not counted (a second or so)."""
+    return _COMPILING.is_set() and any(thread.is_alive() for thread in _PREBUILDS)
 
 
 def _load_quietly(isa: str) -> None:
@@ -325,7 +334,8 @@ def _build(isa: str):
     digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
     name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
     directory = _build_directory(name)
-    if not any(directory.glob("*.so")):
+    compiling = not any(directory.glob("*.so"))
+    if compiling:
         print(f"jointspec: building the {isa} CPU kernels, once for this CPU type (a minute or two on two cores) ...",
               file=sys.stderr, flush=True)
         # Finished builds of other sources or torch versions (a folder without a library may be another process's
@@ -335,6 +345,8 @@ def _build(isa: str):
                 shutil.rmtree(stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
     _wait_for_other_build(directory)
+    if compiling:
+        _COMPILING.set()
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
         module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
@@ -344,6 +356,8 @@ def _build(isa: str):
         lines = str(error).splitlines()
         first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
         return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
+    finally:
+        _COMPILING.clear()
     if module.isa() != isa:
         return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
     return module, None
