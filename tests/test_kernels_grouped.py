@@ -757,7 +757,6 @@ def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_fo
         return Built(), None
     monkeypatch.setattr(grouped, "_build", slow_build)
     monkeypatch.setattr(grouped, "_RESULTS", {})
-    monkeypatch.setattr(grouped, "_LOADED", {})
     from jointspec.cli import main as cli
 
     thread = grouped.prebuild("portable")

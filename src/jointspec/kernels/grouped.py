@@ -213,7 +213,7 @@ def loaded_kernels():
     if _FORCED:
         return _FORCED[-1]
     try:
-        return _LOADED.get(selected_isa())
+        return _RESULTS.get(selected_isa(), (None, None))[0]
     except UnsupportedOptionError:
         return None
 
@@ -224,7 +224,6 @@ def unavailable_reason(isa: str | None = None) -> str | None:
     return _load(isa or selected_isa())[1]
 
 
-_LOADED: dict[str, object] = {}  # the builds _load() has loaded, by instruction set
 _RESULTS: dict[str, tuple] = {}  # _load()'s answer by instruction set: (extension, None) or (None, why not)
 _LOAD_LOCK = threading.Lock()  # one build at a time: a call made while prebuild()'s thread builds waits for it
 _PREBUILDS: list[threading.Thread] = []  # prebuild()'s threads
@@ -241,7 +240,6 @@ def _load(isa: str):
             module, reason = _build(isa)
             if module is not None:
                 module.use_q8_inputs(inputs_setting() == "q8")
-                _LOADED[isa] = module
             if reason is not None:
                 log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 "
                             "where the kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 "
