@@ -440,6 +440,7 @@ def test_compiled_attention_is_attention():
 @pytest.mark.parametrize("heads, kv_heads, dim, keys, rows", [
     (9, 3, 64, 7000, 1),  # a long context's decode step: the prefix scored in spans over the threads
     (9, 3, 64, 300, 6),  # a verification: shared cache, each row's own draft keys
+    (9, 3, 64, 2000, 40),  # many rows at a long context: values in spans, passes in more than one task
     (4, 2, 16, 1100, 500),  # more rows than one block of scores holds
     (6, 6, 32, 37, 3),  # no grouped heads, a partial tile of sixteen keys
     (8, 2, 128, 20, 2),
@@ -602,7 +603,8 @@ def test_each_build_gives_the_portable_builds_bits(isa):
                                portable.int8_linear(x, q8.levels, q8.scale, gemm)), (rows, gemm)
             assert torch.equal(fast.int8_linear(x, q8.levels, scale16, gemm),  # groups of 16 (GGUF's Q6_K)
                                portable.int8_linear(x, q8.levels, scale16, gemm)), (rows, gemm)
-    for dim, keys in ((32, 40), (64, 17), (16, 3)):  # key counts with and without a partial block of 16
+    # Key counts with and without a partial block of 16, and one that takes the values in several spans.
+    for dim, keys in ((32, 40), (64, 17), (16, 3), (64, 300)):
         query = torch.randn(4, 3, dim, generator=generator) * 2
         key, value = (torch.randn(2, keys, dim, generator=generator) * 2 for _ in range(2))
         visible = torch.rand(3, keys, generator=generator) > 0.3

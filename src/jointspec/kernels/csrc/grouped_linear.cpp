@@ -29,6 +29,7 @@
 #include <vector>
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 
 namespace JOINTSPEC_NS {
 namespace {
@@ -144,20 +145,24 @@ inline V16 load_kv(const at::Half* p) { return simd::load_half(reinterpret_cast<
 // Scores of one query (qv: its dim / 16 chunks) against the `n` <= 16 keys at list entries index[0 .. n - 1],
 // times `scale`, into out[0 .. n - 1]: key j's 16-lane partial sums over the chunks in order, then every key's lanes by
 // the same tree (simd::sum_lanes16), whatever its neighbours. A whole tile of a common head size (every tile of a
-// shared prefix) takes score16_full, whose fixed chunk count keeps the sixteen accumulators in registers; the
-// arithmetic is the same either way.
+// shared prefix) takes score16_full, whose fixed chunk count keeps the accumulators in registers (sixteen keys' at
+// once; four at a time on AVX2, which has sixteen registers and spilled them); the arithmetic is the same either way.
 template <int C, typename T>
 inline void score16_full(const V16* qv, const T* key, const int64_t* index, int64_t dim, float scale, float* out) {
-  V16 acc[16];
+  constexpr int kKeys = simd::kSumGroup;  // keys reduced at once: all sixteen, or AVX2's four
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += kKeys) {
+    V16 acc[kKeys];
 #pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) {
-    const T* k = key + index[j] * dim;
-    V16 a = simd::zero();
+    for (int j = 0; j < kKeys; ++j) {
+      const T* k = key + index[i + j] * dim;
+      V16 a = simd::zero();
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], load_kv(k + 16 * c), a);
-    acc[j] = a;
+      for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], load_kv(k + 16 * c), a);
+      acc[j] = a;
+    }
+    simd::sum_lanes_scaled(acc, scale, out + i);
   }
-  simd::store(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)));
 }
 
 template <typename T>
@@ -182,6 +187,16 @@ inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* 
     }
   }
   simd::store_first(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
+}
+
+// The sixteen keys at list entries index[0 .. 15], to L1 (a 64-byte line at a time).
+template <typename T>
+inline void prefetch_keys(const T* key, const int64_t* index, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int j = 0; j < 16; ++j) {
+    const char* k = reinterpret_cast<const char*>(key + index[j] * dim);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(k + b, 0, 3);
+  }
 }
 
 // scores[0 .. count - 1] -> e^(score - max), in place; returns 1 / their sum (summed sixteen lanes at a time in key
@@ -265,6 +280,15 @@ constexpr int64_t kScoreBudget = int64_t(1) << 21;
 // Keys per score task: a key head's keys are scored in spans this long, so that a long context's scores spread
 // over every thread.
 constexpr int64_t kScoreSpan = 512;
+// Keys per span of attend_all()'s values passes: a task's share of a span's values (128 keys: 16 KB of float32, two
+// chunks a key) stays in L1 while every pass reads it.
+constexpr int64_t kValueSpan = 128;
+// Passes a values task takes over each span (their accumulators: 6 KB on AVX-512); the rest go to further tasks, so
+// that a prompt's many rows still spread over the threads.
+constexpr int64_t kValuePasses = 12;
+
+// Keys values_pass() prefetches ahead.
+constexpr int64_t kValueAhead = 8;
 
 // M queries' values pass for L adjacent 16-float chunks of dim: acc[l * M + m] += p_m[j] * value[index[j]] (chunk
 // l) over j in key order, for list entries j in [begin, end). `probs[m]` is query m's row of probabilities. Each
@@ -275,6 +299,13 @@ inline void values_pass(V16* acc, float* const* probs, const T* value, const int
   V16 a[L * M];
   for (int i = 0; i < L * M; ++i) a[i] = acc[i];
   for (int64_t j = begin; j < end; ++j) {
+    // A row's chunks some keys ahead, to L1: a long context's values come from memory, one line or two a key, and
+    // the hardware prefetcher did not keep the loop fed (it waited on the loads).
+    if (j + kValueAhead < end) {
+      const char* ahead = reinterpret_cast<const char*>(value + index[j + kValueAhead] * dim);
+      __builtin_prefetch(ahead, 0, 3);
+      if constexpr (L * 16 * sizeof(T) > 64) __builtin_prefetch(ahead + 64, 0, 3);
+    }
     const T* row = value + index[j] * dim;
     V16 v[L];
     for (int l = 0; l < L; ++l) v[l] = load_kv(row + 16 * l);
@@ -354,6 +385,9 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
         const int64_t t1 = std::min(shared_tiles, t0 + span_tiles);
         const T* key = kp + g * k_head_stride;
         for (int64_t t = t0; t < t1; ++t) {
+          // The next tile's keys, to L1, while this one is scored: its first pair would otherwise wait on memory
+          // for each of them (the keys of a long context do not stay in cache from one forward to the next).
+          if (t + 1 < t1) prefetch_keys(key, shared_index + 16 * (t + 1), dim);
           for (int64_t r = r0; r < r1; ++r) {
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               V16 qv[16];
@@ -374,40 +408,61 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
         for (int64_t pair = begin; pair < end; ++pair) finish_pair(r0 + pair / heads, pair % heads);
       });
     }
-    // 3. Values: per key head, group of `lines` 16-float chunks of dim and pass of up to kValueQueries / lines pairs,
-    // over the shared prefix for the pass's pairs at once, then each pair's own keys; pair q's chunk c is attend()'s
-    // acc[c], in key order.
-    // Where dim allows, a task takes two adjacent chunks (a whole 64-byte line of a half cache's values), for half as
-    // many pairs a pass.
+    // 3. Values: per key head and group of `lines` 16-float chunks of dim, the pairs in passes of up to
+    // kValueQueries / lines, over the shared prefix for the pass's pairs at once, then each pair's own keys; pair q's
+    // chunk c is attend()'s acc[c], in key order. Where dim allows, a task takes two adjacent chunks (a whole 64-byte
+    // line of a half cache's values), for half as many pairs a pass. A task takes up to kValuePasses passes and the
+    // prefix in spans of kValueSpan keys, all its passes over one span before the next, each pass's accumulators kept
+    // between spans: a verification's rows take several passes, and each then reads the span from L1 instead of the
+    // whole prefix again from memory.
     const int64_t lines = chunks % 2 == 0 ? 2 : 1;
     const int64_t per_pass = kValueQueries / lines, chunk_groups = chunks / lines;
     const int64_t per_head = block * group, passes = (per_head + per_pass - 1) / per_pass;
-    at::parallel_for(0, kv_heads * chunk_groups * passes, 1, [&](int64_t begin, int64_t end) {
+    const int64_t pass_blocks = (passes + kValuePasses - 1) / kValuePasses;
+    at::parallel_for(0, kv_heads * chunk_groups * pass_blocks, 1, [&](int64_t begin, int64_t end) {
+      V16 held[kValuePasses * kValueQueries];  // the task's pass i's accumulators at i * kValueQueries, as acc below
+      float* probs[kValuePasses * kValueQueries];
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t g = task / (chunk_groups * passes), c = task / passes % chunk_groups * lines;
-        const int64_t first = task % passes * per_pass, count = std::min(per_pass, per_head - first);
+        const int64_t g = task / (chunk_groups * pass_blocks), c = task / pass_blocks % chunk_groups * lines;
+        const int64_t first = task % pass_blocks * kValuePasses, last = std::min(passes, first + kValuePasses);
         const T* value = vp + g * v_head_stride + 16 * c;
-        float* probs[kValueQueries];
-        V16 acc[kValueQueries];  // acc[l * count + m]: pair m, chunk c + l
-        for (int64_t m = 0; m < count; ++m) {
-          const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
-          probs[m] = pair_scores(r, h);
+        auto pass_pairs = [&](int64_t pass) { return std::min(per_pass, per_head - pass * per_pass); };
+        auto pair_of = [&](int64_t pass, int64_t m) {  // (row, head) of pass `pass`'s pair m
+          const int64_t q = pass * per_pass + m;
+          return std::make_pair(r0 + q / group, g * group + q % group);
+        };
+        for (int64_t pass = first; pass < last; ++pass) {
+          for (int64_t m = 0; m < pass_pairs(pass); ++m) {
+            const auto [r, h] = pair_of(pass, m);
+            probs[(pass - first) * kValueQueries + m] = pair_scores(r, h);
+          }
+          for (int64_t i = 0; i < lines * pass_pairs(pass); ++i)
+            held[(pass - first) * kValueQueries + i] = simd::zero();
         }
-        for (int64_t i = 0; i < lines * count; ++i) acc[i] = simd::zero();
-        if (lines == 2) {
-          values_pass_n<2>(count, acc, probs, value, shared_index, 0, shared, dim);
-        } else {
-          values_pass_n<1>(count, acc, probs, value, shared_index, 0, shared, dim);
+        for (int64_t s0 = 0; s0 < shared; s0 += kValueSpan) {
+          const int64_t s1 = std::min(shared, s0 + kValueSpan);
+          for (int64_t pass = first; pass < last; ++pass) {
+            V16* acc = held + (pass - first) * kValueQueries;  // acc[l * count + m]: pair m, chunk c + l
+            float* const* pass_probs = probs + (pass - first) * kValueQueries;
+            if (lines == 2) {
+              values_pass_n<2>(pass_pairs(pass), acc, pass_probs, value, shared_index, s0, s1, dim);
+            } else {
+              values_pass_n<1>(pass_pairs(pass), acc, pass_probs, value, shared_index, s0, s1, dim);
+            }
+          }
         }
-        for (int64_t m = 0; m < count; ++m) {
-          const int64_t r = r0 + (first + m) / group, h = g * group + (first + m) % group;
-          const auto& list = index[r];
-          for (int64_t l = 0; l < lines; ++l) {
-            V16* a = acc + l * count + m;
-            values_pass<1, 1, T>(a, probs + m, value + 16 * l, list.data(), shared,
-                                 static_cast<int64_t>(list.size()), dim);
-            simd::store(op + (r * heads + h) * dim + 16 * (c + l),
-                        simd::mul(*a, simd::set1(inverse[(r - r0) * heads + h])));
+        for (int64_t pass = first; pass < last; ++pass) {
+          const int64_t count = pass_pairs(pass);
+          for (int64_t m = 0; m < count; ++m) {
+            const auto [r, h] = pair_of(pass, m);
+            const auto& list = index[r];
+            for (int64_t l = 0; l < lines; ++l) {
+              V16* a = held + (pass - first) * kValueQueries + l * count + m;
+              values_pass<1, 1, T>(a, probs + (pass - first) * kValueQueries + m, value + 16 * l, list.data(), shared,
+                                   static_cast<int64_t>(list.size()), dim);
+              simd::store(op + (r * heads + h) * dim + 16 * (c + l),
+                          simd::mul(*a, simd::set1(inverse[(r - r0) * heads + h])));
+            }
           }
         }
       }

@@ -122,6 +122,11 @@ inline V16 sum_lanes16(const V16* v) {
   return {_mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
                         _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)))};
 }
+// Vectors summed at once by sum_lanes_scaled (AVX2 takes four; see there).
+constexpr int kSumGroup = 16;
+inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(v).v, _mm512_set1_ps(scale)));
+}
 // (weight row, input row) pairs a short-forward kernel call takes together, and whether their 32 partial sums go in
 // one pass or two (grouped_linear.cpp's dot_block): the accumulators must stay in registers.
 constexpr int kPairs = 4;
@@ -222,25 +227,32 @@ inline float reduce_add(V16 a) {  // the halving tree, as for AVX-512
 }
 // The AVX-512 tree on half-width registers: the same unpacks within each 128-bit lane give B_L of four vectors at a
 // time (B0, B1 from the low halves, B2, B3 from the high ones), then (B0 + B1) + (B2 + B3).
+inline __m128 sum_lanes4_128(const V16* v) {  // vectors v[0 .. 3]
+  __m256 s[2];
+  for (int half = 0; half < 2; ++half) {
+    __m256 t[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256 a = half ? v[2 * j].hi : v[2 * j].lo;
+      const __m256 b = half ? v[2 * j + 1].hi : v[2 * j + 1].lo;
+      t[j] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    }
+    const __m256d a = _mm256_castps_pd(t[0]), b = _mm256_castps_pd(t[1]);
+    s[half] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  const __m128 low = _mm_add_ps(_mm256_castps256_ps128(s[0]), _mm256_extractf128_ps(s[0], 1));   // B0 + B1
+  const __m128 high = _mm_add_ps(_mm256_castps256_ps128(s[1]), _mm256_extractf128_ps(s[1], 1));  // B2 + B3
+  return _mm_add_ps(low, high);
+}
 inline V16 sum_lanes16(const V16* v) {
   __m128 out[4];
-  for (int i = 0; i < 4; ++i) {  // vectors 4i .. 4i + 3
-    __m256 s[2];
-    for (int half = 0; half < 2; ++half) {
-      __m256 t[2];
-      for (int j = 0; j < 2; ++j) {
-        const __m256 a = half ? v[4 * i + 2 * j].hi : v[4 * i + 2 * j].lo;
-        const __m256 b = half ? v[4 * i + 2 * j + 1].hi : v[4 * i + 2 * j + 1].lo;
-        t[j] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-      }
-      const __m256d a = _mm256_castps_pd(t[0]), b = _mm256_castps_pd(t[1]);
-      s[half] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-    }
-    const __m128 low = _mm_add_ps(_mm256_castps256_ps128(s[0]), _mm256_extractf128_ps(s[0], 1));   // B0 + B1
-    const __m128 high = _mm_add_ps(_mm256_castps256_ps128(s[1]), _mm256_extractf128_ps(s[1], 1));  // B2 + B3
-    out[i] = _mm_add_ps(low, high);
-  }
+  for (int i = 0; i < 4; ++i) out[i] = sum_lanes4_128(v + 4 * i);
   return {_mm256_set_m128(out[1], out[0]), _mm256_set_m128(out[3], out[2])};
+}
+// Four vectors' sums (sum_lanes16's tree, lane by lane), each times `scale`, into out[0 .. 3]. Scoring keys four at a
+// time keeps AVX2's sixteen registers from spilling sixteen keys' accumulators (grouped_linear.cpp's score16_full).
+constexpr int kSumGroup = 4;
+inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
+  _mm_storeu_ps(out, _mm_mul_ps(sum_lanes4_128(v), _mm_set1_ps(scale)));
 }
 constexpr int kPairs = 4;  // two passes: a pair's accumulators take two registers, eight of sixteen
 constexpr bool kTwoPass = true;
@@ -320,6 +332,11 @@ inline V16 sum_lanes16(const V16* v) {
     r.v[j] = (block[0] + block[1]) + (block[2] + block[3]);
   }
   return r;
+}
+constexpr int kSumGroup = 16;  // as AVX-512's
+inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
+  const V16 sums = sum_lanes16(v);
+  for (int j = 0; j < 16; ++j) out[j] = sums.v[j] * scale;
 }
 constexpr int kPairs = 2;
 constexpr bool kTwoPass = false;
