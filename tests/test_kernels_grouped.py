@@ -735,6 +735,37 @@ def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypa
     assert module is None and "cannot be built (Ninja is required" in reason and "pip install ninja" in reason
 
 
+def test_a_build_runs_a_compiler_job_a_core_longest_unit_first_and_keeps_the_users_max_jobs(monkeypatch, tmp_path):
+    """ninja's default starts every unit at once, so on two cores the longest shares them from its start (a first run
+    waits for it): the build asks for a job a core, grouped_linear.cpp first, through torch's MAX_JOBS, and leaves a
+    MAX_JOBS the user set (and the environment) as it was. The compiler is a stand-in that records what it was given."""
+    import os
+
+    from torch.utils import cpp_extension
+
+    from jointspec.kernels import grouped
+
+    calls = []
+
+    class Built:
+        def isa(self):
+            return "portable"
+
+    def fake_load(*, name, sources, build_directory, **options):
+        calls.append((os.environ.get("MAX_JOBS"), [os.path.basename(source) for source in sources]))
+        return Built()
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    module, reason = grouped._build("portable")
+    assert reason is None and isinstance(module, Built) and "MAX_JOBS" not in os.environ
+    cores = str(len(os.sched_getaffinity(0)))
+    assert calls[-1] == (cores, ["grouped_linear.cpp", "products.cpp", "attention.cpp"])
+    monkeypatch.setenv("MAX_JOBS", "7")
+    grouped._build("portable")
+    assert calls[-1][0] == "7" and os.environ["MAX_JOBS"] == "7"
+
+
 def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch, capsys):
     """A first run starts the build ahead (prebuild) and asks for the kernels later, maybe while the build still runs:
     the later call must get that build's module, and the build must run once. The build here is a stand-in that

@@ -76,8 +76,9 @@ log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("simd.h", "rows.h", "products.cpp", "grouped_linear.cpp"))
-# The translation units a build compiles (ninja runs them side by side); the headers are in _SOURCES for the hash.
+                 for name in ("simd.h", "rows.h", "attention.h", "grouped_linear.cpp", "products.cpp", "attention.cpp"))
+# The translation units a build compiles, the longest first (ninja starts them in this order, a job a core); the
+# headers are in _SOURCES for the hash.
 _UNITS = tuple(source for source in _SOURCES if source.suffix == ".cpp")
 _TINY = 1e-12
 
@@ -345,6 +346,13 @@ def _build(isa: str):
     _wait_for_other_build(directory)
     if compiling:
         _COMPILING.set()
+    # ninja's default runs every unit at once (cores + 2 jobs): on two cores the longest unit then shares them with
+    # the others from its start. A job a core, longest first, ends sooner (docs/kernels.md). MAX_JOBS, torch's
+    # setting for this, is left as the user set it.
+    jobs = os.environ.get("MAX_JOBS")
+    if jobs is None:
+        os.environ["MAX_JOBS"] = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                     else os.cpu_count() or 1)
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
         module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
@@ -355,6 +363,8 @@ def _build(isa: str):
         first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
         return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
     finally:
+        if jobs is None:
+            os.environ.pop("MAX_JOBS", None)
         _COMPILING.clear()
     if module.isa() != isa:
         return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
