@@ -8,10 +8,10 @@
 // buffer that stays in L1 cache, then takes the dot product of that buffer with every input row. So the weights are
 // read from memory once per forward whatever the number of input rows (what verifying several draft tokens needs),
 // and every output is computed by exactly the same operations whatever the number of rows: a row's result does not
-// depend on the batch it came in (what keeps speculative decoding exactly equal to plain decoding). Below them, two
-// kernels built on the same rule: row-by-row attention, and a whole Llama decoder layer on 4-bit weights. The product
-// itself is products.cpp, a translation unit of its own so that a build compiles on two cores; rows.h holds the weight
-// forms both read.
+// depend on the batch it came in (what keeps speculative decoding exactly equal to plain decoding). Below them, a
+// kernel built on the same rule: a whole Llama decoder layer on 4-bit weights. The product itself is products.cpp and
+// row-by-row attention attention.cpp, translation units of their own so that a build compiles on several cores;
+// rows.h holds the weight forms the product and this unit read.
 //
 // Every floating-point operation goes through simd.h, whose backends give the same bits, so the same model decodes
 // the same tokens on every instruction set (tests/test_grouped.py holds the builds against each other).
