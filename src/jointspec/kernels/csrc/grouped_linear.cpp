@@ -14,7 +14,7 @@
 // rows.h holds the weight forms the product and this unit read.
 //
 // Every floating-point operation goes through simd.h, whose backends give the same bits, so the same model decodes
-// the same tokens on every instruction set (tests/test_grouped.py holds the builds against each other).
+// the same tokens on every instruction set (tests/test_kernels_grouped.py holds the builds against each other).
 // The tensor type, the three operations used and torch's pybind11 glue, not <torch/extension.h> or <ATen/ATen.h>:
 // the headers are most of this unit's compile time, which a first run waits for (the C++ frontend's took over half of
 // a build's time; ATen.h's every operation a third of this unit's).
