@@ -76,9 +76,10 @@ log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("simd.h", "rows.h", "attention.h", "grouped_linear.cpp", "products.cpp", "attention.cpp"))
-# The translation units a build compiles, the longest first (ninja starts them in this order, a job a core); the
-# headers are in _SOURCES for the hash.
+                 for name in ("simd.h", "rows.h", "attention.h", "grouped_linear.cpp", "attention.cpp", "products.cpp"))
+# The translation units a build compiles; the headers are in _SOURCES for the hash. ninja starts them in this order, a
+# job a core: the longest is grouped_linear.cpp on the vector builds and attention.cpp on the portable one (its scalar
+# loops unrolled), so those two go first and the product takes whichever core frees first (docs/kernels.md).
 _UNITS = tuple(source for source in _SOURCES if source.suffix == ".cpp")
 _TINY = 1e-12
 
@@ -347,7 +348,7 @@ def _build(isa: str):
     if compiling:
         _COMPILING.set()
     # ninja's default runs every unit at once (cores + 2 jobs): on two cores the longest unit then shares them with
-    # the others from its start. A job a core, longest first, ends sooner (docs/kernels.md). MAX_JOBS, torch's
+    # the others from its start. A job a core, in _UNITS' order, ends sooner (docs/kernels.md). MAX_JOBS, torch's
     # setting for this, is left as the user set it.
     jobs = os.environ.get("MAX_JOBS")
     if jobs is None:
