@@ -58,9 +58,10 @@ def main() -> None:
     if ks[0] != 1:
         parser.error("--ks must include 1 (the curve is relative to one step)")
 
-    from jointspec.backends.llamacpp import LlamaCppLM, default_threads, load_llamacpp
+    from jointspec.backends.llamacpp import LlamaCppLM, load_llamacpp
+    from jointspec.kernels.cpu import usable_cores
 
-    threads = args.threads or default_threads()
+    threads = args.threads or usable_cores()
     adapters = {}
     adapter, _ = load_llamacpp(args.model, n_threads=threads)
     adapters["llamacpp"] = adapter

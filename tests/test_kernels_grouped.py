@@ -16,7 +16,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
-from jointspec.kernels.cpu import cpu_flags
+from jointspec.kernels.cpu import cpu_flags, usable_cores
 from jointspec.kernels.grouped import (
     GROUP_SIZE,
     SCREEN_MARGIN,
@@ -760,8 +760,7 @@ def test_a_build_runs_a_compiler_job_a_core_longest_units_first_and_keeps_the_us
     monkeypatch.delenv("MAX_JOBS", raising=False)
     module, reason = grouped._build("portable")
     assert reason is None and isinstance(module, Built) and "MAX_JOBS" not in os.environ
-    cores = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    assert calls[-1] == (cores, ["grouped_linear.cpp", "attention.cpp", "products.cpp"])
+    assert calls[-1] == (str(usable_cores()), ["grouped_linear.cpp", "attention.cpp", "products.cpp"])
     monkeypatch.setenv("MAX_JOBS", "7")
     grouped._build("portable")
     assert calls[-1][0] == "7" and os.environ["MAX_JOBS"] == "7"

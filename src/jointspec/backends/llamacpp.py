@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import weakref
 from pathlib import Path
@@ -57,6 +56,7 @@ import torch
 from jointspec.core.draft import chain_parents
 from jointspec.core.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
 from jointspec.core.target import ForwardOutput, TargetCapabilities
+from jointspec.kernels.cpu import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,6 @@ def import_llama_cpp():
         raise ModelLoadError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is too old for jointspec "
                              "(no llama_memory_* API); pip install -U 'jointspec[llamacpp]'")
     return llama_cpp
-
-
-def default_threads() -> int:
-    """The cores this process may run on (llama.cpp's own default, 4, oversubscribes small machines)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 _backend_ready = False
@@ -227,7 +219,7 @@ class LlamaCppLM:
         self._lib = llama_cpp
         self.model = weights
         self.name = name or weights.path.name
-        self.n_threads = n_threads or default_threads()
+        self.n_threads = n_threads or usable_cores()  # llama.cpp's own default, 4, oversubscribes small machines
         self.flash_attn = flash_attn
         self._exact = _Context(llama_cpp, weights, n_ctx=n_ctx, n_threads=self.n_threads, n_batch=n_batch,
                                flash_attn=flash_attn)

@@ -6,6 +6,7 @@ imported (:func:`jointspec.kernels.grouped.prebuild`)."""
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -34,3 +35,11 @@ def cpu_flags() -> frozenset[str]:
 def cpu_signature() -> str:
     """What tells this CPU type from another: model name, family, model and flags (for keys of per-CPU caches)."""
     return "|".join(_cpuinfo_field(name) for name in ("model name", "cpu family", "model", "flags"))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

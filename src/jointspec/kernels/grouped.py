@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.kernels.cpu import cpu_flags
+from jointspec.kernels.cpu import cpu_flags, usable_cores
 from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -352,8 +352,7 @@ def _build(isa: str):
     # setting for this, is left as the user set it.
     jobs = os.environ.get("MAX_JOBS")
     if jobs is None:
-        os.environ["MAX_JOBS"] = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                     else os.cpu_count() or 1)
+        os.environ["MAX_JOBS"] = str(usable_cores())
     try:
         # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
         module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
