@@ -122,11 +122,6 @@ inline V16 sum_lanes16(const V16* v) {
   return {_mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
                         _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)))};
 }
-// Vectors summed at once by sum_lanes_scaled (AVX2 takes four; see there).
-constexpr int kSumGroup = 16;
-inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
-  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(v).v, _mm512_set1_ps(scale)));
-}
 // (weight row, input row) pairs a short-forward kernel call takes together, and whether their 32 partial sums go in
 // one pass or two (grouped_linear.cpp's dot_block): the accumulators must stay in registers.
 constexpr int kPairs = 4;
@@ -333,13 +328,15 @@ inline V16 sum_lanes16(const V16* v) {
   }
   return r;
 }
-constexpr int kSumGroup = 16;  // as AVX-512's
-inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
-  const V16 sums = sum_lanes16(v);
-  for (int j = 0; j < 16; ++j) out[j] = sums.v[j] * scale;
-}
 constexpr int kPairs = 2;
 constexpr bool kTwoPass = false;
+#endif
+
+#if !defined(JOINTSPEC_ISA_AVX2)
+// Sixteen vectors' sums (sum_lanes16), each times `scale`, into out[0 .. 15]: the AVX-512 and portable builds score
+// sixteen keys at once (AVX2 four: its own sum_lanes_scaled above).
+constexpr int kSumGroup = 16;
+inline void sum_lanes_scaled(const V16* v, float scale, float* out) { store(out, mul(sum_lanes16(v), set1(scale))); }
 #endif
 
 // IEEE half-precision scales and minima (a 4- or 5-bit layer whose file stores them so: GGUF's Q4_0, Q4_1, Q5_0,
