@@ -141,7 +141,8 @@ def report(label: str, times: dict, scale: float, unit: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", required=True, help="the build to compare: avx512vnni, avx512, avx2 or portable")
+    parser.add_argument("--isa", required=True,
+                        help="the build to compare: avx512vnni, avx512, avx2vnni, avx2 or portable")
     parser.add_argument("--old-cache", type=Path, required=True, help="XDG cache directory holding the old build")
     parser.add_argument("--new-cache", type=Path,
                         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")),

@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--old", type=Path, default=CSRC,
                         help="the copy to compare against (default: this checkout's src/jointspec/kernels/csrc)")
     parser.add_argument("--simd", type=Path, default=CSRC / "simd.h", help="simd.h both copies include")
-    parser.add_argument("--isa", default="avx2", help="the build's flags: avx512vnni, avx512, avx2 or portable")
+    parser.add_argument("--isa", default="avx2",
+                        help="the build's flags: avx512vnni, avx512, avx2vnni, avx2 or portable")
     parser.add_argument("--shape", default="1024x2048", help="OUTxIN of the layers (IN a multiple of 64)")
     parser.add_argument("--rows", default="1,4", help="input rows a call, comma-separated")
     parser.add_argument("--layers", type=int, default=1, help="copies of the layer taken in turn (from memory: "

@@ -209,7 +209,7 @@ def test_a_long_prefill_runs_in_chunks_and_reports_progress(monkeypatch):
     assert torch.allclose(chunked.forward([7]).logits, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2"])
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2vnni", "avx2"])
 def test_the_vector_builds_read_a_prompt_row_by_row(isa):
     """The AVX-512 builds read a prompt in chunks of ROWWISE_PREFILL_CHUNK rows, the AVX2 build reads forwards of up
     to that many rows, each row computed alone: the cache then holds the bits that feeding the prompt one token at a

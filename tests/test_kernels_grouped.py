@@ -8,6 +8,12 @@ and the tests at the end hold every build it can run against the portable one, b
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +25,7 @@ from jointspec.core.sampling import SamplingConfig
 from jointspec.kernels.cpu import cpu_flags, usable_cores
 from jointspec.kernels.grouped import (
     GROUP_SIZE,
+    ISA_FLAGS,
     SCREEN_MARGIN,
     GroupedInt4Linear,
     GroupedInt6Linear,
@@ -54,8 +61,9 @@ def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
     assert kernels() is not None, unavailable_reason()
     flags = cpu_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
+    avx2 = {"avx2", "fma", "f16c"}
     expected = ("avx512vnni" if avx512 | {"avx512_vnni"} <= flags else "avx512" if avx512 <= flags
-                else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+                else "avx2vnni" if avx2 | {"avx_vnni"} <= flags else "avx2" if avx2 <= flags else "portable")
     assert kernels().isa() == selected_isa() == expected
 
 
@@ -568,9 +576,10 @@ def test_int8_head_weights_refused_where_the_kernel_cannot_take_them():
         MethodConfig(name="sps", head_weights="half")
 
 
-# Every instruction set: the avx512vnni, avx512, avx2 and portable builds (csrc/simd.h) are written to give the same
-# bits, so a model decodes the same tokens on every CPU. Each build this CPU can run is held against the portable one,
-# which every CPU runs (on x86 without -mfma its fused multiply-adds are library calls: slow, so the sizes are small).
+# Every instruction set: the avx512vnni, avx512, avx2vnni, avx2 and portable builds (csrc/simd.h) are written to give
+# the same bits, so a model decodes the same tokens on every CPU. Each build this CPU can run is held against the
+# portable one, which every CPU runs (on x86 without -mfma its fused multiply-adds are library calls: slow, so the
+# sizes are small).
 
 OTHER_ISAS = [isa for isa in runnable_isas() if isa != "portable"]
 
@@ -684,7 +693,7 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
     assert selected_isa() == "portable" and kernels().isa() == "portable"
     monkeypatch.setenv(grouped.ISA_ENV, "avx9")
     with pytest.raises(UnsupportedOptionError, match="unknown instruction set 'avx9'; choose one of: avx512vnni, "
-                                                     "avx512, avx2, portable"):
+                                                     "avx512, avx2vnni, avx2, portable"):
         selected_isa()
     monkeypatch.delenv(grouped.ISA_ENV)
     monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse4_2"}))
@@ -693,6 +702,41 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
     with pytest.raises(UnsupportedOptionError, match=lacks):
         with use_isa("avx512"):
             pass
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    assert runnable_isas() == ("avx2vnni", "avx2", "portable")  # AVX-VNNI without AVX-512 (Alder Lake and later)
+
+
+# The builds this CPU cannot run are still compiled by every x86 CI machine, as far as their integer products: a build
+# whose flags did not select its own instructions, or whose VNNI code did not compile, fails here, not first on a
+# user's CPU. (Whether they give the portable build's bits is tested where the CPU runs them, above.)
+_PRODUCTS_PROBE = """
+#include "simd.h"
+extern "C" const char* probe_isa() { return JOINTSPEC_ISA_NAME; }
+#if !defined(JOINTSPEC_ISA_PORTABLE)
+extern "C" void probe_dot8(const simd::L64* low, const simd::L64* high, const int8_t* q, simd::V16* out) {
+  *out = simd::dot8(*low, *high, q);
+}
+extern "C" void probe_dot4(const simd::L64* w, const simd::L64* q, simd::V16* out) { *out = simd::dot4_signed(*w, *q); }
+#endif
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in {"x86_64", "amd64"}, reason="the x86 builds' flags need x86")
+@pytest.mark.parametrize("isa", [isa for isa in ISA_FLAGS if isa != "portable"])
+def test_every_x86_build_compiles_its_own_integer_products(isa, tmp_path):
+    from jointspec.kernels import grouped
+
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    assert compiler is not None, "no C++ compiler: the kernels cannot build either"
+    source = tmp_path / "probe.cpp"
+    source.write_text(_PRODUCTS_PROBE)
+    csrc = Path(grouped.__file__).with_name("csrc")
+    done = subprocess.run([compiler, "-std=c++17", "-O2", "-ffp-contract=off", *ISA_FLAGS[isa][1], f"-I{csrc}", "-S",
+                           "-o", "-", str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f'"{isa}"' in done.stdout  # the build names itself as _build() expects
+    assert ("vpdpbusd" in done.stdout) == ("vnni" in isa)
+    assert ("vpmaddubsw" in done.stdout) == ("vnni" not in isa)
 
 
 def test_kernel_inputs_are_chosen_by_the_environment_and_refused_by_name(monkeypatch):

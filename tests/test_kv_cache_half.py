@@ -35,7 +35,7 @@ def int4_model():
     return quantize_model(grouped_llama(0), "int4")
 
 
-@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2vnni", "avx2", "portable"])
 @pytest.mark.parametrize("heads, kv_heads, dim, keys, rows", [
     (9, 3, 64, 7000, 1),  # a long context's decode step (values two chunks a task, spans over threads)
     (9, 3, 64, 300, 6),  # a verification: shared cache, each row's own draft keys

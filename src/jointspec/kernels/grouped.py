@@ -88,14 +88,17 @@ _TINY = 1e-12
 # another CPU is never run on instructions it lacks (the build's name carries the instruction set). "avx512vnni" is the
 # avx512 build with VNNI's integer dot product for every 8-bit-input product (the same integers in fewer
 # instructions; what the 6-bit layers' products need most: docs/kernels.md); the avx512 and avx2 builds still take it
-# at run time for the screened head where the CPU has it. "portable" is plain C++ for any CPU.
+# at run time for the screened head where the CPU has it. "avx2vnni" is the avx2 build with AVX-VNNI's 256-bit form
+# of that instruction (the laptops and desktops that have it without AVX-512). "portable" is plain C++ for any CPU.
 _AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
             "-DJOINTSPEC_ISA_AVX512"])
+_AVX2 = (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c", "-DJOINTSPEC_ISA_AVX2"])
 ISA_FLAGS = {
     "avx512vnni": (_AVX512[0] | {"avx512_vnni"}, [*_AVX512[1], "-mavx512vnni"]),
     "avx512": _AVX512,
-    "avx2": (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c", "-DJOINTSPEC_ISA_AVX2"]),
+    "avx2vnni": (_AVX2[0] | {"avx_vnni"}, [*_AVX2[1], "-mavxvnni"]),
+    "avx2": _AVX2,
     "portable": (frozenset(), []),
 }
 ISAS = tuple(ISA_FLAGS)

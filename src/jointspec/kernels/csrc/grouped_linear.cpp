@@ -1155,7 +1155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute runs without Python's lock (taken again to return): a server's event loop thread then answers its
   // clients while a forward runs, instead of waiting for the interpreter's switch interval after every round.
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
-  m.def("isa", &isa, "the instruction set this build was compiled for: avx512, avx2 or portable");
+  m.def("isa", &isa, "the instruction set this build was compiled for: avx512vnni, avx512, avx2vnni, avx2 or portable");
   m.def("use_q8_inputs", &use_q8_inputs, "quantised layers on 8-bit inputs (the default) or float ones; returns which");
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("linear", &linear, "x [rows, in] @ dequantised W [out, in]^T, W as (packed, scale, minimum), (packed, fifth, "

@@ -1,7 +1,8 @@
 // Sixteen-float vectors for jointspec's CPU kernels (grouped_linear.cpp), in three backends picked by the build:
 //   JOINTSPEC_ISA_AVX512  one AVX-512 register        (built with -mavx512f -mavx512bw -mavx512vl -mavx512dq ...;
 //                                                      with -mavx512vnni too: the avx512vnni build)
-//   JOINTSPEC_ISA_AVX2    two AVX2 registers           (built with -mavx2 -mfma)
+//   JOINTSPEC_ISA_AVX2    two AVX2 registers           (built with -mavx2 -mfma; with -mavxvnni too: the avx2vnni
+//                                                      build)
 //   neither               sixteen floats in an array   (plain C++: any CPU with a C++ compiler, ARM included)
 //
 // The contract that makes the backends interchangeable: every operation here is defined lane by lane with one IEEE
@@ -32,7 +33,11 @@
 #error "JOINTSPEC_ISA_AVX2 needs -mavx2 -mfma"
 #endif
 #include <immintrin.h>
+#if defined(__AVXVNNI__)  // the avx2vnni build: the same kernels, integer products by AVX-VNNI's instruction
+#define JOINTSPEC_ISA_NAME "avx2vnni"
+#else
 #define JOINTSPEC_ISA_NAME "avx2"
+#endif
 #else
 #define JOINTSPEC_ISA_PORTABLE 1
 #define JOINTSPEC_ISA_NAME "portable"
@@ -553,9 +558,13 @@ inline L64 load_q64(const int8_t* q) {
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))};
 }
 // acc + the sums of four adjacent unsigned-by-signed byte products, per 32-bit lane (as the AVX-512 build's dot4_add).
+#if defined(__AVXVNNI__)
+inline __m256i dot4_add8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
 inline __m256i dot4_add8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+#endif
 struct Lanes {
   __m256i low, high;  // the permutation giving lanes 0-7 and 8-15, from the block's low half or its high one
   bool from_high;
@@ -587,13 +596,23 @@ __attribute__((always_inline)) inline void quad_levels(const uint8_t* bytes, con
   low = {first.lo, second.lo};
   high = {first.hi, second.hi};
 }
-// As the AVX-512 build's: byte-pair sums added as 16-bit integers (no overflow below 32), then widened.
+// As the AVX-512 build's: byte-pair sums added as 16-bit integers (no overflow below 32), then widened; with
+// AVX-VNNI two dot-product instructions give the same eight-product sums.
+#if defined(__AVXVNNI__)
+inline __m256 dot8_8(__m256i low, __m256i high, const int8_t* q) {
+  const __m256i first = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), low,
+                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  return _mm256_cvtepi32_ps(
+      _mm256_dpbusd_avx_epi32(first, high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
+}
+#else
 inline __m256 dot8_8(__m256i low, __m256i high, const int8_t* q) {
   const __m256i pairs = _mm256_add_epi16(
       _mm256_maddubs_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
       _mm256_maddubs_epi16(high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+#endif
 inline V16 dot8(const L64& low, const L64& high, const int8_t* q) {
   return {dot8_8(low.lo, high.lo, q), dot8_8(low.hi, high.hi, q + 32)};
 }
