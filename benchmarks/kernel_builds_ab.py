@@ -16,6 +16,11 @@ Prints medians and the ratio new / old per case, then one JSON line::
     JOINTSPEC_KERNEL_ISA=avx2 python -c "from jointspec.kernels.grouped import kernels; kernels()"
     python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --shape 2048x2048 --threads 1
     python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --model default --rows 1,4 --threads 2
+
+With ``--old-isa`` the two builds are two instruction sets of the same sources, from one cache (build each first with
+its ``JOINTSPEC_KERNEL_ISA``): what a build is worth against the one below it on this CPU::
+
+    python benchmarks/kernel_builds_ab.py --old-isa avx2 --isa avx2vnni --old-cache ~/.cache --model default
 """
 
 from __future__ import annotations
@@ -143,6 +148,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", required=True,
                         help="the build to compare: avx512vnni, avx512, avx2vnni, avx2 or portable")
+    parser.add_argument("--old-isa", default=None,
+                        help="the old build's instruction set, where it is not --isa's (then --isa names the new one)")
     parser.add_argument("--old-cache", type=Path, required=True, help="XDG cache directory holding the old build")
     parser.add_argument("--new-cache", type=Path,
                         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")),
@@ -160,11 +167,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    builds = {"old": load_build(args.old_cache, args.isa), "new": load_build(args.new_cache, args.isa)}
+    builds = {"old": load_build(args.old_cache, args.old_isa or args.isa), "new": load_build(args.new_cache, args.isa)}
     if builds["old"].__name__ == builds["new"].__name__:
         raise SystemExit("the old and the new cache hold the same build (the same sources): nothing to compare")
     results = time_model(builds, args) if args.model else time_layers(builds, args)
-    print(json.dumps({"isa": args.isa, "shape": None if args.model else args.shape, "model": args.model,
+    print(json.dumps({"isa": args.isa, "old_isa": args.old_isa or args.isa,
+                      "shape": None if args.model else args.shape, "model": args.model,
                       "threads": args.threads, "results": results}))
 
 
