@@ -267,14 +267,46 @@ def test_probes_are_spaced_in_a_batch_and_left_alone_otherwise(int4_target):
     first = engine.submit(BatchRequest(tuple(PROMPTS[0]), GREEDY, config))
     engine.step()
     drafter = engine.active[first].decoder.drafter
-    assert isinstance(drafter, CostAwareDrafter) and drafter.probe_budget is None
+    assert isinstance(drafter, CostAwareDrafter) and drafter.probe_budget is None and not drafter.shadow_tests
     second = engine.submit(BatchRequest(tuple(PROMPTS[1]), GREEDY, config))
     engine.step()
     assert len(engine.active) == 2
-    assert all(seq.decoder.drafter.probe_budget == BATCH_PROBE_BUDGET for seq in engine.active.values())
+    assert all(seq.decoder.drafter.probe_budget == BATCH_PROBE_BUDGET and seq.decoder.drafter.shadow_tests
+               for seq in engine.active.values())
     engine.cancel(second)
     engine.step()
-    assert list(engine.active) == [first] and drafter.probe_budget is None
+    assert list(engine.active) == [first] and drafter.probe_budget is None and not drafter.shadow_tests
+
+
+def test_defaults_lookup_or_tree_drafter_takes_the_batch_curve_in_both_halves(int4_target):
+    """`default` drafts lookup-or-tree where the head's tree is expected to pay: in a batch its tree must be judged on
+    the batch's cost (a tree's extra rows cost a full batch more than they cost one sequence alone) and its lookup
+    half must take the batch's curve and shadow tests; alone, both get their own curve back."""
+    from types import SimpleNamespace
+
+    from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
+
+    class FakeTree:
+        branching = (3,)
+
+    own = CostCurve({1: 1.0, 2: 1.05, 4: 1.1, 5: 1.6})
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    engine._curve = CostCurve({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0, 9: 5.0, 17: 9.0})  # one row costs half a step
+    rows = [SimpleNamespace(decoder=SimpleNamespace(drafter=LookupOrTreeDrafter(
+        CostAwareDrafter(object(), own), FakeTree(), own, draft_cost_per_call=0.0)), own_settings={})
+        for _ in range(4)]
+    drafter = rows[0].decoder.drafter
+    alone_tree_cost = drafter.tree_cost
+    assert drafter.tree_speedup() > 1.3  # alone, the tree's expected 1.5 tokens cost 1.1 steps
+    engine._set_draft_costs(rows)
+    batch = batch_cost_curve(engine._curve, 3)
+    assert drafter.curve.target_cost == batch.target_cost and drafter.lookup.curve is drafter.curve
+    assert drafter.tree_cost == pytest.approx(batch.cost(4))
+    assert drafter.tree_speedup() < 0.5  # in the full batch its three rows cost 3.4 rows' shares
+    assert drafter.lookup.shadow_tests and drafter.lookup.probe_budget == BATCH_PROBE_BUDGET
+    engine._set_draft_costs(rows[:1])
+    assert drafter.curve is own and drafter.lookup.curve is own and drafter.tree_cost == alone_tree_cost
+    assert not drafter.lookup.shadow_tests and drafter.lookup.probe_budget is None
 
 
 def test_a_sequence_alone_sees_its_own_curve():

@@ -153,3 +153,16 @@ def test_fingerprint_is_kept_per_tokenizer_until_its_vocabulary_grows():
     assert tokenizer_fingerprint(tokenizer) == first and Sized.calls == 1  # hashed once
     tokenizer.vocab["c"] = 2  # a token added: hashed again, and the hash changes
     assert tokenizer_fingerprint(tokenizer) != first and Sized.calls == 2
+
+
+def test_peek_is_the_draft_without_its_state():
+    # A cost-aware wrapper's shadow tests read peek: it must be the draft propose would make, and leave the length
+    # propose adapts (doubled after a whole accepted draft) as it was.
+    table = NgramTable.build([list(range(10))] * 2, vocab_size=10, max_order=1, min_count=1)
+    drafter = CorpusLookupDrafter(table, num_draft_tokens=2, max_num_draft_tokens=6)
+    drafter.start([0])
+    drafter.propose([0], 9, GREEDY, None)
+    drafter.commit([0, 1, 2, 3], 2)  # a whole draft accepted: the next one is 4 long
+    assert drafter.peek([0, 1, 2, 3], 6) == [4, 5, 6, 7, 8, 9]
+    assert drafter.peek([0, 8], 3) == [9] and drafter.peek([0, 1], 0) == []
+    assert drafter.propose([0, 1, 2, 3], 9, GREEDY, None).token_ids == drafter.peek([0, 1, 2, 3], 4)

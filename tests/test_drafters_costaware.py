@@ -600,3 +600,90 @@ def test_which_methods_choose_their_length_by_default(target_model):
     parser = build_parser()
     assert parser.parse_args(["generate", "x", "--no-cost-aware"]).cost_aware is False
     assert parser.parse_args(["generate", "x"]).cost_aware is None
+
+
+class PeekingScript:
+    """A lookup-like drafter that can peek: it drafts ``reference``'s next tokens while the context is shorter than
+    ``right_until``, and wrong tokens after. It records every budget its ``propose`` was given."""
+
+    def __init__(self, reference: list[int], right_until: int) -> None:
+        self.reference, self.right_until = reference, right_until
+        self.budgets: list[int] = []
+
+    def start(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def peek(self, context_ids: list[int], num_tokens: int) -> list[int]:
+        at = len(context_ids)
+        if at < self.right_until:
+            return self.reference[at: at + num_tokens]
+        return [-1] * num_tokens
+
+    def propose(self, context_ids, max_num_draft_tokens, sampling, generator) -> Draft:
+        self.budgets.append(max_num_draft_tokens)
+        tokens = self.peek(context_ids, max_num_draft_tokens)
+        return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
+
+    def commit(self, context_ids, num_accepted) -> None:
+        pass
+
+
+def test_shadow_tests_learn_what_probes_would_at_no_cost():
+    """With shadow tests on, a wrapper whose drafts do not pay hands the loop no draft at all (no probes), yet its
+    estimate follows the text: it climbs while the skipped drafts agree with what the target commits and falls once
+    they stop agreeing. Deterministic. A scorer that counted a disagreement as accepted, or never scored, would leave
+    the estimate high (or at the prior's 0.5) after the wrong stretch."""
+    dear = CostCurve({1: 1.0, 2: 2.0, 3: 3.0, 17: 17.0})  # a draft token costs a step: no draft ever pays
+    reference = list(range(100, 300))
+    inner = PeekingScript(reference, right_until=60)
+    wrapper = CostAwareDrafter(inner, dear, max_num_draft_tokens=4, shadow_tests=True)
+    context = reference[:10]
+    wrapper.start(context)
+    estimates = {}
+    while len(context) < 100:
+        draft = wrapper.propose(context, 8, greedy(1).sampling, None)
+        assert draft.num_nodes == 0  # nothing verified: the tests cost the target nothing
+        context = context + [reference[len(context)]]  # the plain round commits the target's own token
+        wrapper.commit(context, 0)
+        estimates[len(context)] = wrapper.acceptance
+    assert set(inner.budgets) == {0}  # the inner drafter's state saw only skipped rounds, as under the plain loop
+    assert estimates[11] == 0.5  # the first skipped draft is scored when the next round begins
+    assert estimates[60] > 0.95  # fifty agreeing tokens
+    assert estimates[100] < 0.05  # then forty disagreeing rounds, each scored at its first token
+
+
+def test_without_shadow_tests_the_same_text_is_learnt_by_probes():
+    # The reference behaviour the shadow tests replace: the same script, probes on, hands the loop drafts to verify.
+    dear = CostCurve({1: 1.0, 2: 1.8, 3: 2.6, 17: 13.8})
+    reference = list(range(100, 300))
+    wrapper = CostAwareDrafter(PeekingScript(reference, right_until=60), dear, max_num_draft_tokens=4)
+    context = reference[:10]
+    wrapper.start(context)
+    drafted = 0
+    while len(context) < 60:
+        draft = wrapper.propose(context, 8, greedy(1).sampling, None)
+        drafted += draft.num_nodes
+        context = context + reference[len(context): len(context) + draft.num_nodes + 1]
+        wrapper.commit(context, draft.num_nodes)
+    assert drafted > 0 and wrapper.acceptance > 0.9
+
+
+def test_a_verified_draft_ends_a_pending_shadow_test():
+    # A shadow test pending when the wrapper drafts for real would score positions the verified draft scores: the
+    # pending one is dropped, so no token is counted twice.
+    cheap = CostCurve({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 17: 1.0})
+    reference = list(range(100, 300))
+    wrapper = CostAwareDrafter(PeekingScript(reference, right_until=200), cheap, max_num_draft_tokens=4,
+                               shadow_tests=True, prior_acceptance=0.0, prior_weight=1.0)
+    context = reference[:10]
+    wrapper.start(context)
+    assert wrapper.propose(context, 8, greedy(1).sampling, None).num_nodes == 0  # prior 0: skipped, shadow kept
+    context = context + [reference[10]]
+    wrapper.commit(context, 0)
+    draft = wrapper.propose(context, 8, greedy(1).sampling, None)  # the shadow's first token scored: now it pays
+    assert draft.num_nodes == 4 and wrapper._state.shadow == ()
+    tested_before = wrapper._state.tested
+    context = context + reference[11:16]
+    wrapper.commit(context, 4)
+    wrapper.propose(context, 8, greedy(1).sampling, None)
+    assert wrapper._state.tested == pytest.approx(tested_before * wrapper.decay ** 4 + 4)  # the 4 verified only

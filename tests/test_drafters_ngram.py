@@ -51,3 +51,15 @@ def test_bad_lengths_are_refused():
         PromptLookupDrafter(num_draft_tokens=4, max_num_draft_tokens=2)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         PromptLookupDrafter(num_draft_tokens=0)
+
+
+def test_peek_is_the_draft_without_its_state():
+    drafter = PromptLookupDrafter(num_draft_tokens=2, max_num_draft_tokens=8)
+    context = [1, 2, 3, 4, 5, 1, 2]
+    drafter.start(context)
+    assert drafter.peek(context, 3) == [3, 4, 5]
+    assert drafter.peek(context, 0) == [] and drafter.peek([7, 8], 3) == []
+    drafter.propose(context, 8, SamplingConfig(), None)
+    drafter.commit(context + [3, 4], 2)  # whole draft accepted: the next draft may be 4 long
+    drafter.peek(context + [3, 4], 1)  # changes nothing
+    assert drafter.propose(context + [3, 4], 8, SamplingConfig(), None).token_ids == [5, 1, 2, 3]

@@ -25,7 +25,10 @@ only this engine runs.
 Load-aware drafting: a draft that pays for one sequence alone can cost the batch more than it gains once the
 forward is busy with other rows. Each round the engine tells every cost-aware drafter (chains, and Lookahead's trie)
 the cost curve that its draft tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink,
-and stop, as the batch fills.
+and stop, as the batch fills. A stopped drafter must still learn when drafting starts to pay again; a probe that
+tells it costs a whole extra row in a batch, so a lookup drafter learns instead from shadow tests (its skipped
+drafts scored against the tokens the target commits, at no cost; :mod:`jointspec.drafters.costaware`), and any
+other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, Engine
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, CostCurve, measure_cost_curve
+from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.pearl import ParallelDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
@@ -87,8 +91,8 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
 
 
 # Drafters that read their ``curve`` afresh every round, so the batch's can replace it: cost-aware chains choose their
-# length from it, Lookahead's trie its number of nodes.
-LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter)
+# length from it, Lookahead's trie its number of nodes, `default`'s lookup-or-tree whether its tree pays.
+LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter, LookupOrTreeDrafter)
 
 # The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward.
 BATCH_CURVE_SIZES = (*DEFAULT_SIZES, 33, 65)
@@ -117,6 +121,14 @@ def batch_cost_curve(curve: CostCurve, other_rows: int) -> CostCurve:
                      curve.draft_cost_per_token)
 
 
+def load_aware_parts(drafter) -> list:
+    """The parts of a request's drafter that take the batch's cost curve: the drafter itself where it is load-aware,
+    and the lookup half of `default`'s lookup-or-tree drafter as well."""
+    if not isinstance(drafter, LOAD_AWARE_DRAFTERS):
+        return []
+    return [drafter.lookup, drafter] if isinstance(drafter, LookupOrTreeDrafter) else [drafter]
+
+
 @dataclass
 class _Sequence:
     seq_id: int
@@ -124,8 +136,8 @@ class _Sequence:
     decoder: SpeculativeDecoder
     generator: torch.Generator
     state: DecodeState | None = None  # set when it joins
-    single_curve: CostCurve | None = None  # a cost-aware drafter's own curve, before the batch's replaces it
-    single_probe_budget: float | None = None  # and its own probe budget
+    # Each load-aware part of its drafter (by id): its own curve and probe budget, before the batch's replace them.
+    own_settings: dict[int, tuple[CostCurve, float | None]] = field(default_factory=dict)
     stats: SpecStats = field(default_factory=SpecStats)
     prefilled: int = 0  # prompt tokens read so far (while waiting)
     prefill_seconds: float = 0.0
@@ -222,24 +234,25 @@ class LockstepEngine(EngineBase):
     def _set_draft_costs(self, rows: list[_Sequence]) -> None:
         """Give each cost-aware drafter the cost its draft tokens have in this round's batch (module docstring): its
         own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve, and
-        then also :data:`BATCH_PROBE_BUDGET` for its probes."""
+        then also :data:`BATCH_PROBE_BUDGET` for its probes and shadow tests in their place where it can have
+        them."""
         curves: dict[float, CostCurve] = {}  # by draft cost per token: the rows of one method share one curve
+        alone = len(rows) == 1
         for seq in rows:
-            drafter = seq.decoder.drafter
-            if not isinstance(drafter, LOAD_AWARE_DRAFTERS):
-                continue
-            if seq.single_curve is None:
-                seq.single_curve = drafter.curve
-                seq.single_probe_budget = getattr(drafter, "probe_budget", None)
-            if isinstance(drafter, CostAwareDrafter):
-                drafter.probe_budget = seq.single_probe_budget if len(rows) == 1 else BATCH_PROBE_BUDGET
-            if len(rows) == 1:
-                drafter.curve = seq.single_curve
-                continue
-            draft_cost = seq.single_curve.draft_cost_per_token
-            if draft_cost not in curves:
-                curves[draft_cost] = batch_cost_curve(self._batch_curve().with_draft_cost(draft_cost), len(rows) - 1)
-            drafter.curve = curves[draft_cost]
+            for part in load_aware_parts(seq.decoder.drafter):
+                own_curve, own_budget = seq.own_settings.setdefault(
+                    id(part), (part.curve, getattr(part, "probe_budget", None)))
+                if isinstance(part, CostAwareDrafter):
+                    part.probe_budget = own_budget if alone else BATCH_PROBE_BUDGET
+                    part.shadow_tests = not alone
+                if alone:
+                    part.curve = own_curve
+                    continue
+                draft_cost = own_curve.draft_cost_per_token
+                if draft_cost not in curves:
+                    curves[draft_cost] = batch_cost_curve(self._batch_curve().with_draft_cost(draft_cost),
+                                                          len(rows) - 1)
+                part.curve = curves[draft_cost]
 
     def _batch_curve(self) -> CostCurve:
         """The target's cost by rows per forward up to a full batch's, measured once (memoised per model)."""

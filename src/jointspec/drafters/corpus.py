@@ -40,11 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
@@ -275,12 +272,12 @@ class CorpusLookupDrafter(PromptLookupDrafter):
             return found[0]
         return None
 
-    def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
-        budget = max(0, min(self._length, max_num_draft_tokens))
+    def peek(self, context_ids: list[int], num_tokens: int) -> list[int]:
+        """The draft of up to ``num_tokens`` tokens after ``context_ids`` (``propose`` drafts through it), with no
+        change to the drafter's state."""
+        budget = max(0, num_tokens)
         if budget == 0:  # a round that drafts nothing (cost-aware, or no room left) reads nothing
-            self._last_num_drafted = 0
-            return EMPTY_DRAFT
+            return []
         # The context as one array with room for the draft (not converted again for every drafted token).
         length = len(context_ids)
         context = np.empty(length + budget, dtype=np.int64)
@@ -293,5 +290,4 @@ class CorpusLookupDrafter(PromptLookupDrafter):
             tokens.append(token)
             context[length] = token
             length += 1
-        self._last_num_drafted = len(tokens)
-        return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
+        return tokens

@@ -48,6 +48,14 @@ row costs about a row's share of the round, and probing after every accepted pro
 drafts get, cost more than it found. Alone, where a probe token costs a tenth of a step or less on a CPU, probes
 keep the schedule above.
 
+Shadow tests. Where a probe is dear (a full batch) and the inner drafter can say what it would draft without
+changing its state (``peek``: the lookup drafters), the batched engine turns probes off and ``shadow_tests`` on: in a
+round that drafts nothing the wrapper keeps the draft it skipped, and as the target commits the next tokens it scores
+that draft against them, token by token, as verification would have (accepted while they agree; the first
+disagreement a rejection). Verification accepts a lookup draft's token exactly when it is the target's own choice
+(greedy), or with the probability the target gives it (sampling, the draft being certain), so the estimate learns
+what a verified probe would have taught it, at no cost, one round late. One such draft is pending at a time.
+
 The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
 still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
 when ``max_new_tokens`` leaves no room) and ``inner.commit`` as usual. So the inner drafter's state stays what it
@@ -82,6 +90,10 @@ from jointspec.drafters import curve_store
 # Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
 # is where the float32 CPU kernels switch, see kernels/fp32.py: the curve must not interpolate across it).
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 9, 17)
+
+# Tokens a shadow test scores at most (module docstring): one such draft is pending at a time, and a plain round
+# commits one token, so longer ones would only test further along the same draft.
+SHADOW_LENGTH = 4
 
 
 @dataclass(frozen=True)
@@ -296,6 +308,8 @@ class _RequestState:
     probe_length: int = 1
     num_drafted: int = 0  # tokens in the draft handed to the loop this round
     probing: bool = False
+    shadow: tuple[int, ...] = ()  # a skipped draft not yet scored in full (shadow tests)
+    shadow_at: int = 0  # the context position its first token stands for
 
 
 class CostAwareDrafter:
@@ -311,7 +325,8 @@ class CostAwareDrafter:
     def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
                  probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0,
-                 min_num_draft_tokens: int = 0, probe_budget: float | None = None) -> None:
+                 min_num_draft_tokens: int = 0, probe_budget: float | None = None,
+                 shadow_tests: bool = False) -> None:
         if max_num_draft_tokens < 1:
             raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
         if not 0 <= min_num_draft_tokens <= max_num_draft_tokens:
@@ -343,6 +358,9 @@ class CostAwareDrafter:
         self.max_probe_interval = max_probe_interval
         self.min_gain = min_gain
         self.probe_budget = probe_budget
+        # Score skipped drafts against the target's tokens instead of probing (module docstring), where the inner
+        # drafter can peek.
+        self.shadow_tests = shadow_tests
         # A method whose output law is its point (MTAD) never decodes a round plainly: it drafts at least this many.
         self.min_num_draft_tokens = min_num_draft_tokens
         self._state = self._fresh_state()
@@ -370,16 +388,24 @@ class CostAwareDrafter:
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         state = self._state
+        self._score_shadow(context_ids)
         limit = min(self.max_num_draft_tokens, max_num_draft_tokens)
         num_tokens = choose_num_draft_tokens(self.acceptance, self.curve, max(limit, 0), self.min_gain)
         num_tokens = max(num_tokens, min(self.min_num_draft_tokens, max(limit, 0)))
+        shadowing = self.shadow_tests and hasattr(self.inner, "peek")
         # A probe is the probe_interval-th round since the last draft: interval 1 probes in consecutive rounds. Where
-        # a probe costs much next to a round (a full batch), it also waits out its share of probe_budget.
+        # a probe costs much next to a round (a full batch), it also waits out its share of probe_budget; with shadow
+        # tests there are none.
         probe_length = min(state.probe_length, limit)
-        state.probing = (num_tokens == 0 and limit > 0 and state.rounds_without_draft + 1
+        state.probing = (not shadowing and num_tokens == 0 and limit > 0 and state.rounds_without_draft + 1
                          >= max(state.probe_interval, self._probe_spacing(probe_length)))
         if state.probing:
             num_tokens = probe_length
+        if num_tokens:
+            state.shadow = ()  # a verified draft tests these positions itself
+        elif shadowing and not state.shadow and limit > 0:
+            state.shadow = tuple(self.inner.peek(context_ids, min(limit, SHADOW_LENGTH)))
+            state.shadow_at = len(context_ids)
         # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
         # would leave (see the module docstring).
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
@@ -400,6 +426,31 @@ class CostAwareDrafter:
             state.probing = False  # no draft (e.g. no n-gram match): the probe is still due
         return draft
 
+    def _score_shadow(self, context_ids: list[int]) -> None:
+        """Score the pending skipped draft against the tokens committed since it was made: each agreeing token
+        accepted, the first that disagrees rejected (and the draft done), as verification would have counted them."""
+        state = self._state
+        if not state.shadow:
+            return
+        committed = context_ids[state.shadow_at: state.shadow_at + len(state.shadow)]
+        agreed = 0
+        while agreed < len(committed) and committed[agreed] == state.shadow[agreed]:
+            agreed += 1
+        if agreed < len(committed):  # a disagreement: tested up to it
+            self._observe(agreed, agreed + 1)
+            state.shadow = ()
+            return
+        self._observe(agreed, agreed)
+        state.shadow = state.shadow[agreed:]
+        state.shadow_at += agreed
+
+    def _observe(self, accepted: int, tested: int) -> None:
+        """Fold ``accepted`` of ``tested`` draft tokens into the decayed estimate."""
+        state = self._state
+        weight = self.decay ** tested
+        state.accepted = state.accepted * weight + accepted
+        state.tested = state.tested * weight + tested
+
     def _probe_spacing(self, length: int) -> int:
         """The fewest rounds a probe of ``length`` tokens must come after the last draft so that probes cost at
         most ``probe_budget`` of the rounds' (1 without a budget, or where a draft token costs little)."""
@@ -414,10 +465,7 @@ class CostAwareDrafter:
         drafted = state.num_drafted
         assert 0 <= num_accepted <= drafted, f"{num_accepted} accepted of {drafted} drafted"
         if drafted:
-            tested = num_accepted + (1 if num_accepted < drafted else 0)
-            weight = self.decay ** tested
-            state.accepted = state.accepted * weight + num_accepted
-            state.tested = state.tested * weight + tested
+            self._observe(num_accepted, num_accepted + (1 if num_accepted < drafted else 0))
             if state.probing:
                 state.probe_interval = 1 if num_accepted else min(2 * state.probe_interval, self.max_probe_interval)
                 state.probe_length = (min(2 * state.probe_length, self.max_num_draft_tokens)

@@ -67,15 +67,26 @@ class LookupOrTreeDrafter:
             raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
         self.lookup = lookup
         self.tree = tree
+        self.draft_cost_per_call = draft_cost_per_call
         self.curve = curve
-        if hasattr(tree, "branching"):  # a static tree
-            self.tree_cost = tree_round_cost(curve, tree.branching, draft_cost_per_call)
-        else:  # a dynamic tree (drafters.dynamic_tree): its largest round
-            self.tree_cost = curve.cost(tree.max_nodes + 1) + tree.max_draft_calls * draft_cost_per_call
         self.prior = (prior_tree_tokens * prior_weight, prior_weight)
         self.decay = 1.0 - 1.0 / memory
         self.max_probe_interval = max_probe_interval
         self._reset()
+
+    @property
+    def curve(self) -> CostCurve:
+        """The target's cost curve the tree is judged on; a batched engine replaces it with its batch's each round
+        (its lookup half gets the batch's too), and the tree's round cost follows."""
+        return self._curve
+
+    @curve.setter
+    def curve(self, curve: CostCurve) -> None:
+        self._curve = curve
+        if hasattr(self.tree, "branching"):  # a static tree
+            self.tree_cost = tree_round_cost(curve, self.tree.branching, self.draft_cost_per_call)
+        else:  # a dynamic tree (drafters.dynamic_tree): its largest round
+            self.tree_cost = curve.cost(self.tree.max_nodes + 1) + self.tree.max_draft_calls * self.draft_cost_per_call
 
     def _reset(self) -> None:
         self._accepted, self._rounds = self.prior

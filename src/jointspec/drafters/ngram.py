@@ -77,11 +77,17 @@ class PromptLookupDrafter:
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        num_tokens = min(self._length, max_num_draft_tokens)
-        tokens = lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram,
-                        self.output_memory) if num_tokens > 0 else []
+        tokens = self.peek(context_ids, min(self._length, max_num_draft_tokens))
         self._last_num_drafted = len(tokens)
         return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
+
+    def peek(self, context_ids: list[int], num_tokens: int) -> list[int]:
+        """The draft of up to ``num_tokens`` tokens that ``propose`` would make after ``context_ids``, with no change
+        to the drafter's state (a cost-aware wrapper's shadow test reads it)."""
+        if num_tokens <= 0:
+            return []
+        return lookup(np.asarray(context_ids, dtype=np.int64), num_tokens, self.max_ngram, self.min_ngram,
+                      self.output_memory)
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         if self._last_num_drafted and num_accepted == self._last_num_drafted:
