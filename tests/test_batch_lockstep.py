@@ -28,6 +28,7 @@ from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import (
     BATCH_CURVE_SIZES,
     BATCH_PROBE_BUDGET,
+    BATCH_SHADOW_BUDGET,
     LockstepEngine,
     batch_cost_curve,
     engine_description,
@@ -272,10 +273,11 @@ def test_probes_are_spaced_in_a_batch_and_left_alone_otherwise(int4_target):
     engine.step()
     assert len(engine.active) == 2
     assert all(seq.decoder.drafter.probe_budget == BATCH_PROBE_BUDGET and seq.decoder.drafter.shadow_tests
-               for seq in engine.active.values())
+               and seq.decoder.drafter.shadow_budget == BATCH_SHADOW_BUDGET for seq in engine.active.values())
     engine.cancel(second)
     engine.step()
     assert list(engine.active) == [first] and drafter.probe_budget is None and not drafter.shadow_tests
+    assert drafter.shadow_budget is None
 
 
 def test_defaults_lookup_or_tree_drafter_takes_the_batch_curve_in_both_halves(int4_target):

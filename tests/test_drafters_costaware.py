@@ -609,11 +609,16 @@ class PeekingScript:
     def __init__(self, reference: list[int], right_until: int) -> None:
         self.reference, self.right_until = reference, right_until
         self.budgets: list[int] = []
+        self.peeks = 0
 
     def start(self, prompt_ids: list[int]) -> None:
         pass
 
     def peek(self, context_ids: list[int], num_tokens: int) -> list[int]:
+        self.peeks += 1
+        return self._draft(context_ids, num_tokens)
+
+    def _draft(self, context_ids: list[int], num_tokens: int) -> list[int]:
         at = len(context_ids)
         if at < self.right_until:
             return self.reference[at: at + num_tokens]
@@ -621,7 +626,7 @@ class PeekingScript:
 
     def propose(self, context_ids, max_num_draft_tokens, sampling, generator) -> Draft:
         self.budgets.append(max_num_draft_tokens)
-        tokens = self.peek(context_ids, max_num_draft_tokens)
+        tokens = self._draft(context_ids, max_num_draft_tokens)
         return Draft(token_ids=tokens) if tokens else EMPTY_DRAFT
 
     def commit(self, context_ids, num_accepted) -> None:
@@ -687,3 +692,27 @@ def test_a_verified_draft_ends_a_pending_shadow_test():
     wrapper.commit(context, 4)
     wrapper.propose(context, 8, greedy(1).sampling, None)
     assert wrapper._state.tested == pytest.approx(tested_before * wrapper.decay ** 4 + 4)  # the 4 verified only
+
+
+def test_shadow_tests_wait_out_the_cost_of_peeking(monkeypatch):
+    """With a shadow budget, a skipped draft that disagreed is followed by the next only after enough rounds that the
+    lookups cost at most that share of the rounds: here a peek takes 45 us (a stand-in clock), a round's share is
+    1 ms and the budget 1 %, so one peek in every five rounds; without a budget, one every round."""
+    import jointspec.drafters.costaware as costaware
+
+    clock = iter(i * 45e-6 for i in range(10_000))
+    monkeypatch.setattr(costaware.time, "perf_counter", lambda: next(clock))
+    seconds = CostCurve({1: 1e-3, 2: 2e-3, 3: 3e-3, 17: 17e-3})  # a draft token costs a step: never drafted
+    peeks = {}
+    for budget in (None, 0.01):
+        inner = PeekingScript(list(range(100, 300)), right_until=0)  # every skipped draft disagrees
+        wrapper = CostAwareDrafter(inner, seconds, max_num_draft_tokens=4, shadow_tests=True, shadow_budget=budget)
+        context = [100]
+        wrapper.start(context)
+        for _ in range(50):
+            assert wrapper.propose(context, 8, greedy(1).sampling, None).num_nodes == 0
+            context = context + [0]
+            wrapper.commit(context, 0)
+        peeks[budget] = inner.peeks
+    assert peeks == {None: 50, 0.01: 10}
+

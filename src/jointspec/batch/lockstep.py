@@ -102,6 +102,10 @@ BATCH_CURVE_SIZES = (*DEFAULT_SIZES, 33, 65)
 # (docs/lab/serving.md, "Probes that wait out their cost").
 BATCH_PROBE_BUDGET = 0.1
 
+# And the lookups behind its shadow tests at most this share (CostAwareDrafter.shadow_budget): on a small model a
+# lookup drafter's peek costs a few per cent of a batch row's share of a round.
+BATCH_SHADOW_BUDGET = 0.02
+
 
 def batch_cost_curve(curve: CostCurve, other_rows: int) -> CostCurve:
     """The cost curve one sequence's draft sees in a batch forward that also scores ``other_rows`` other rows.
@@ -245,6 +249,7 @@ class LockstepEngine(EngineBase):
                 if isinstance(part, CostAwareDrafter):
                     part.probe_budget = own_budget if alone else BATCH_PROBE_BUDGET
                     part.shadow_tests = not alone
+                    part.shadow_budget = None if alone else BATCH_SHADOW_BUDGET
                 if alone:
                     part.curve = own_curve
                     continue

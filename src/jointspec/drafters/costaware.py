@@ -54,7 +54,11 @@ round that drafts nothing the wrapper keeps the draft it skipped, and as the tar
 that draft against them, token by token, as verification would have (accepted while they agree; the first
 disagreement a rejection). Verification accepts a lookup draft's token exactly when it is the target's own choice
 (greedy), or with the probability the target gives it (sampling, the draft being certain), so the estimate learns
-what a verified probe would have taught it, at no cost, one round late. One such draft is pending at a time.
+what a verified probe would have taught it, at no target cost, one round late. One such draft is pending at a time.
+Peeking still costs the drafter's own lookup (tens of microseconds, against a batch row's share of a round of a
+millisecond or two on a small model), so with a ``shadow_budget`` a skipped draft that disagreed is followed by the
+next only after enough rounds that peeking costs at most that share of the rounds; one that agreed throughout is
+followed at once, as an accepted probe is.
 
 The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
 still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
@@ -310,6 +314,8 @@ class _RequestState:
     probing: bool = False
     shadow: tuple[int, ...] = ()  # a skipped draft not yet scored in full (shadow tests)
     shadow_at: int = 0  # the context position its first token stands for
+    shadow_wait: int = 0  # rounds to pass before the next shadow test (shadow_budget)
+    peek_seconds: float = 0.0  # what the last peek took
 
 
 class CostAwareDrafter:
@@ -326,7 +332,7 @@ class CostAwareDrafter:
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
                  probe_num_draft_tokens: int = 1, max_probe_interval: int = 64, min_gain: float = 0.0,
                  min_num_draft_tokens: int = 0, probe_budget: float | None = None,
-                 shadow_tests: bool = False) -> None:
+                 shadow_tests: bool = False, shadow_budget: float | None = None) -> None:
         if max_num_draft_tokens < 1:
             raise ValueError(f"max_num_draft_tokens must be >= 1, got {max_num_draft_tokens}")
         if not 0 <= min_num_draft_tokens <= max_num_draft_tokens:
@@ -345,6 +351,9 @@ class CostAwareDrafter:
             raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
         if not min_gain >= 0:
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+        if shadow_budget is not None and not 0 < shadow_budget <= 1:
+            raise ValueError(f"shadow_budget must be None or in (0, 1] (the share of decoding time peeking may cost), "
+                             f"got {shadow_budget}")
         if probe_budget is not None and not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be None or in (0, 1] (the share of decoding time probes may cost), "
                              f"got {probe_budget}")
@@ -361,6 +370,7 @@ class CostAwareDrafter:
         # Score skipped drafts against the target's tokens instead of probing (module docstring), where the inner
         # drafter can peek.
         self.shadow_tests = shadow_tests
+        self.shadow_budget = shadow_budget
         # A method whose output law is its point (MTAD) never decodes a round plainly: it drafts at least this many.
         self.min_num_draft_tokens = min_num_draft_tokens
         self._state = self._fresh_state()
@@ -404,8 +414,13 @@ class CostAwareDrafter:
         if num_tokens:
             state.shadow = ()  # a verified draft tests these positions itself
         elif shadowing and not state.shadow and limit > 0:
-            state.shadow = tuple(self.inner.peek(context_ids, min(limit, SHADOW_LENGTH)))
-            state.shadow_at = len(context_ids)
+            if state.shadow_wait:
+                state.shadow_wait -= 1
+            else:
+                start = time.perf_counter()
+                state.shadow = tuple(self.inner.peek(context_ids, min(limit, SHADOW_LENGTH)))
+                state.peek_seconds = time.perf_counter() - start
+                state.shadow_at = len(context_ids)
         # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
         # would leave (see the module docstring).
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
@@ -439,10 +454,19 @@ class CostAwareDrafter:
         if agreed < len(committed):  # a disagreement: tested up to it
             self._observe(agreed, agreed + 1)
             state.shadow = ()
+            state.shadow_wait = self._shadow_spacing()
             return
         self._observe(agreed, agreed)
         state.shadow = state.shadow[agreed:]
         state.shadow_at += agreed
+
+    def _shadow_spacing(self) -> int:
+        """Rounds to pass after a disagreeing shadow test so that peeking costs at most ``shadow_budget`` of the
+        rounds' time (the curve in seconds, as measured; 0 without a budget)."""
+        if self.shadow_budget is None:
+            return 0
+        share = self.curve.round_cost(0)
+        return max(0, math.ceil(self._state.peek_seconds / (self.shadow_budget * share)) - 1)
 
     def _observe(self, accepted: int, tested: int) -> None:
         """Fold ``accepted`` of ``tested`` draft tokens into the decayed estimate."""
