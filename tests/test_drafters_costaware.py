@@ -716,3 +716,20 @@ def test_shadow_tests_wait_out_the_cost_of_peeking(monkeypatch):
         peeks[budget] = inner.peeks
     assert peeks == {None: 50, 0.01: 10}
 
+
+def test_a_peek_that_finds_nothing_waits_out_its_cost_too(monkeypatch):
+    # A lookup with no match costs what one with a match does: it is spaced the same way.
+    import jointspec.drafters.costaware as costaware
+
+    clock = iter(i * 45e-6 for i in range(10_000))
+    monkeypatch.setattr(costaware.time, "perf_counter", lambda: next(clock))
+    inner = PeekingScript([], right_until=0)
+    inner.peek = lambda context_ids, num_tokens: (setattr(inner, "peeks", inner.peeks + 1), [])[1]
+    wrapper = CostAwareDrafter(inner, CostCurve({1: 1e-3, 2: 2e-3, 17: 17e-3}), shadow_tests=True,
+                               shadow_budget=0.01)
+    wrapper.start([1])
+    for _ in range(50):
+        assert wrapper.propose([1], 8, greedy(1).sampling, None).num_nodes == 0
+        wrapper.commit([1, 2], 0)
+    assert inner.peeks == 10
+

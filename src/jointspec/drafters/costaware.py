@@ -421,6 +421,8 @@ class CostAwareDrafter:
                 state.shadow = tuple(self.inner.peek(context_ids, min(limit, SHADOW_LENGTH)))
                 state.peek_seconds = time.perf_counter() - start
                 state.shadow_at = len(context_ids)
+                if not state.shadow:  # nothing to draft here (no match): the lookup cost all the same
+                    state.shadow_wait = self._shadow_spacing()
         # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
         # would leave (see the module docstring).
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
