@@ -211,8 +211,12 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _memo_owner(target) -> object:
     """What a measured curve belongs to: the weights (``target.model``) where the adapter forks over shared weights, so
-    adapters sharing one model (a self-draft, the oracle) share one measurement; else the adapter itself."""
-    return target.model if target.capabilities.fork else target
+    adapters sharing one model (a self-draft, the oracle) share one measurement; an adapter's ``cost_owner`` where it
+    names one (draft heads bound per request over shared weights, drafts/eagle.py); else the adapter itself."""
+    if target.capabilities.fork:
+        return target.model
+    owner = getattr(target, "cost_owner", None)
+    return target if owner is None else owner
 
 
 def _synchronize(device) -> None:
