@@ -403,6 +403,45 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
         served.close()
 
 
+def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_model, tokenizer, monkeypatch):
+    """`jointspec serve` keeps the cost curves it measures in the store `generate` uses (drafters/curve_store.py), so
+    a restart answers the same without measuring again (nothing new written) and makes the same speed choices."""
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import run_serve
+    from jointspec.drafters import curve_store
+    from jointspec.server import lifecycle
+
+    byte_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    monkeypatch.delenv(curve_store.ENV)
+    monkeypatch.setattr(curve_store, "default_directory", lambda: tmp_path / "curves")
+    answers = []
+
+    def one_request(app, settings):  # stands in for uvicorn: one request, then the drain
+        with live_server(app) as (url, _):
+            reply = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={
+                "prompt": "abcabcabc", "max_tokens": 12, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json()["choices"][0]["text"])
+
+    monkeypatch.setattr(lifecycle, "serve", one_request)
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path / "model"), "--method", "pld", "--cost-aware",
+                                      "--dtype", "float32", "--max-tokens", "12"])
+    assert run_serve(args) == 0
+    kept = sorted((tmp_path / "curves").glob("*.json"))
+    assert kept, "the server measured a cost curve and kept none"
+    read, written, read_kept = [], [], curve_store.read
+
+    def recording_read(path):
+        read.append(read_kept(path))
+        return read[-1]
+
+    monkeypatch.setattr(curve_store, "read", recording_read)
+    monkeypatch.setattr(curve_store, "write", lambda path, costs: written.append(path))
+    assert run_serve(args) == 0
+    assert answers[1] == answers[0] and written == [] and read and all(curve is not None for curve in read)
+
+
 @pytest.mark.parametrize("quantize", ["int4", "auto"])
 def test_serve_defaults_to_generates_method_and_answers_with_its_tokens(tmp_path, quantize):
     """`serve` with no method runs `default`, as `generate` does: on the compiled int4 layers through the lockstep

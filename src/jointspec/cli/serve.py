@@ -107,17 +107,22 @@ def run_serve(args: argparse.Namespace) -> int:
     from jointspec.cli.options import apply_threads, prebuild_kernels
 
     prebuild_kernels(args)  # a first run compiles them while the server's modules import and the model loads
+    from jointspec.drafters.curve_store import persisted_curves
     from jointspec.server.app import ServerSettings, create_app
     from jointspec.server.lifecycle import serve
 
     apply_threads(args)
-    engine = build_engine(args)
-    settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
-                              drain_timeout=args.drain_timeout)
-    log.warning("serving %s (method %s; %s) on http://%s:%d/v1", engine.model_id, args.method, engine.description,
-                args.host, args.port)
-    try:
-        serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
-    finally:
-        engine.close()
+    # The cost curves `generate` measured and kept for this model are read back, and the server's are kept: a restart
+    # skips the measurement, and `default` makes the choice `generate` makes on this machine (its tree or lookup alone
+    # follows the curve, and a fresh measurement near the bar could fall either side).
+    with persisted_curves():
+        engine = build_engine(args)
+        settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
+                                  drain_timeout=args.drain_timeout)
+        log.warning("serving %s (method %s; %s) on http://%s:%d/v1", engine.model_id, args.method,
+                    engine.description, args.host, args.port)
+        try:
+            serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
+        finally:
+            engine.close()
     return 0
