@@ -208,31 +208,6 @@ def test_artifact_reloads_to_identical_outputs(target_model, trained_head_dir, t
     assert not torch.equal(drafted, primed(target_model, original, context).forward(context + [5, 6]).logits)
 
 
-def test_binding_again_to_a_fork_shares_the_weights_and_drafts_the_same(target_model, trained_head_dir, tmp_path):
-    """A server binds the head per request, to a fork of the target: the second bind reuses the first's prepared
-    weights (nothing loaded or copied again, the draft cost measured once) with its own cache and feature mirror, and
-    drafts what a freshly loaded head drafts. A head saved again into the folder is loaded again. Deterministic: no
-    false failures."""
-    from jointspec.methods.costs import draft_cost_per_call
-
-    folder = tmp_path / "head"
-    untrained_head(CausalLM(target_model), seed=2, draft_vocab_size=40).save(folder)
-    target = CausalLM(target_model, name="tiny-target")
-    first, second = bind_head(folder, target.fork("a")), bind_head(folder, target.fork("b"))
-    assert second.head is first.head and second.lm_weight is first.lm_weight and second.mirror is not first.mirror
-    assert draft_cost_per_call(first) == draft_cost_per_call(second)  # one measurement (a second would differ)
-    context = random_prompt(6)
-    fresh = HeadDraftModel(load_head(folder)[0], CausalLM(target_model, name="fresh"), name="fresh")
-    drafted = []
-    for draft in (first, second, fresh):
-        draft.target.reset()
-        draft.target.forward(context[:-1], num_logits=0)
-        drafted.append(draft.forward(context + [5, 6]).logits)
-    assert torch.equal(drafted[0], drafted[2]) and torch.equal(drafted[1], drafted[2])
-    untrained_head(CausalLM(target_model), seed=3, draft_vocab_size=40).save(folder)
-    assert bind_head(folder, target.fork("c")).head is not first.head
-
-
 def test_head_refuses_another_target(trained_head_dir):
     other = CausalLM(tiny_llama(7), name="another-target")
     with pytest.raises(ModelLoadError, match="trained for target 'tiny-target'.*train-draft"):

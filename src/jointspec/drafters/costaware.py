@@ -212,7 +212,7 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _memo_owner(target) -> object:
     """What a measured curve belongs to: the weights (``target.model``) where the adapter forks over shared weights, so
     adapters sharing one model (a self-draft, the oracle) share one measurement; an adapter's ``cost_owner`` where it
-    names one (draft heads bound per request over shared weights, drafts/eagle.py); else the adapter itself."""
+    names one (heads bound per request from one template, drafts/artifact.py); else the adapter itself."""
     if target.capabilities.fork:
         return target.model
     owner = getattr(target, "cost_owner", None)

@@ -5,6 +5,7 @@ target's features. The kinds themselves (eagle, medusa, hydra, distill) build on
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -310,8 +311,31 @@ class FeatureDraft:
     def __init__(self, target: CausalLM, name: str, layers: tuple[int, ...] = (-1,)) -> None:
         self.target = target
         self.name = name
+        self.mirror_layers = layers
         self.mirror = target.attach_feature_mirror(layers)
         self._full_vocab = target.vocab_size
+
+    # What the draft's measured cost curve belongs to (drafters.costaware): drafts bound from one template share it.
+    cost_owner: object | None = None
+
+    def template(self) -> FeatureDraft:
+        """This freshly bound draft without its target: every module, tensor and setting shared (a shallow copy), no
+        feature mirror and no cache. :meth:`bound_to` makes drafts of it for forks of the same target model; this
+        draft and those share one measured cost (the template's)."""
+        template = copy.copy(self)
+        template.target = template.mirror = None
+        template.reset()  # its own (empty) state, not this draft's
+        template.cost_owner = self.cost_owner = template
+        return template
+
+    def bound_to(self, target: CausalLM) -> FeatureDraft:
+        """A draft of this :meth:`template` for ``target``, a fork of the model it was bound to: nothing loaded,
+        copied or converted again; its own feature mirror and fresh state (every kind keeps what drafting changes in
+        the attributes ``reset`` sets)."""
+        draft = copy.copy(self)
+        FeatureDraft.__init__(draft, target, self.name, self.mirror_layers)
+        draft.reset()
+        return draft
 
     # Drafts that read features score chains and trees; they have no features of their own and no fork.
     capabilities = TargetCapabilities(trees=True)

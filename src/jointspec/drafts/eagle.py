@@ -27,8 +27,6 @@ with a prediction are *inexact*: once the target has scored those positions, the
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,34 +111,9 @@ class EagleHead(nn.Module):
 def bind_head(folder: str | Path, target: CausalLM, weights: str = "auto") -> HeadDraftModel:
     """Load the head saved in ``folder`` for ``target``; refuses a head trained for another target. ``weights``:
     see :data:`HEAD_WEIGHT_CHOICES`."""
-    name = f"head {Path(folder).name}"
-    # A server binds the head to a fork of the target for every request: load and prepare its weights once per model.
-    key = (folder_signature(folder), weights, str(target.device), kernels_in_use(target.model))
-    try:
-        prepared = _PREPARED.setdefault(target.model, {})
-    except TypeError:  # a model that cannot be weakly referenced: prepare every time
-        prepared = {}
-    if key in prepared:
-        return HeadDraftModel.over(prepared[key], target, name=name)
     head, training = load_head(folder, device=target.device, dtype=torch.float32)
     check_head_target(head, folder, target)
-    draft = HeadDraftModel(head, target, name=name, weights=weights)
-    prepared[key] = draft.weights_in_use
-    return draft
-
-
-# bind_head's prepared weights per target model (weakly: they go with the model).
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def folder_signature(folder: str | Path) -> tuple:
-    """What identifies a saved draft's files as loaded: the folder's resolved path and each file's name, inode, size
-    and modification time (a head saved again into the folder is loaded again: saves replace files, so even one
-    within the clock's resolution has a new inode)."""
-    path = Path(folder).resolve()
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
-    stats = [(p.name, p.stat()) for p in files]
-    return (str(path), *((name, st.st_ino, st.st_size, st.st_mtime_ns) for name, st in stats))
+    return HeadDraftModel(head, target, name=f"head {Path(folder).name}", weights=weights)
 
 
 def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
@@ -176,45 +149,8 @@ def linears_to_int8(module: nn.Module) -> None:
         setattr(parent, name, GroupedInt8Linear(child))
 
 
-@dataclass(frozen=True)
-class HeadWeights:
-    """A head's weights as they run beside one target model: what every :class:`HeadDraftModel` over that model's
-    forks can share (none of it changes while drafting)."""
-
-    head: EagleHead
-    embed: nn.Module  # the target's token embedding
-    lm_weight: torch.Tensor  # the draft vocabulary's rows of the target's LM head
-    lm_int8: nn.Module | None
-    lm_onednn: nn.Module | None
-    weights: str  # "int8" or "float32" (HEAD_WEIGHT_CHOICES resolved)
-    lean: bool  # the body runs on lean_forward
-
-
 class HeadDraftModel(FeatureDraft):
     """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
-
-    @classmethod
-    def over(cls, weights: HeadWeights, target: CausalLM, name: str = "draft head") -> HeadDraftModel:
-        """A draft on ``weights`` (another draft's :attr:`weights_in_use`), bound to ``target``, a fork of the model
-        they were prepared for: its own cache and feature mirror, no copy of any weight."""
-        draft = cls.__new__(cls)
-        FeatureDraft.__init__(draft, target, name, weights.head.config.feature_layers)
-        draft._take(weights)
-        return draft
-
-    @property
-    def weights_in_use(self) -> HeadWeights:
-        return HeadWeights(self.head, self.embed, self.lm_weight, self._lm_int8, self._lm_onednn, self.weights,
-                           self._lean)
-
-    def _take(self, weights: HeadWeights) -> None:
-        self.head, self.embed, self.lm_weight = weights.head, weights.embed, weights.lm_weight
-        self.draft_vocab = weights.head.draft_vocab
-        self._lm_int8, self._lm_onednn = weights.lm_int8, weights.lm_onednn
-        self.weights, self._lean = weights.weights, weights.lean
-        # Drafts over one set of weights cost the same per call: their cost curve is measured once (methods.costs).
-        self.cost_owner = weights.head
-        self.reset()
 
     def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head", weights: str = "auto") -> None:
         super().__init__(target, name, head.config.feature_layers)
@@ -240,8 +176,8 @@ class HeadDraftModel(FeatureDraft):
         elif kernels_in_use(model) == "onednn" and onednn_supported(self.head) is None:
             use_onednn_linears(self.head)
             self._lm_onednn = OneDNNLinear(self._lm_linear())
-        self._take(HeadWeights(self.head, self.embed, self.lm_weight, self._lm_int8, self._lm_onednn, self.weights,
-                               body_unsupported_reason(self.head.body) is None))
+        self._lean = body_unsupported_reason(self.head.body) is None
+        self.reset()
 
     def _use_int8(self) -> None:
         """Swap the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""

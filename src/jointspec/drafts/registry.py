@@ -3,16 +3,18 @@ there (its ``draft.json`` names the kind)."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafts.artifact import artifact_kind, is_eagle3_checkpoint
+from jointspec.drafts.artifact import FeatureDraft, artifact_kind, is_eagle3_checkpoint
 from jointspec.drafts.distill import bind_distill
 from jointspec.drafts.eagle import bind_head
 from jointspec.drafts.eagle3 import bind_eagle3
 from jointspec.drafts.hydra import bind_hydra
 from jointspec.drafts.medusa import bind_medusa
+from jointspec.kernels.fp32 import kernels_in_use
 
 # ``kind`` in draft.json -> its binder; EAGLE-style and EAGLE-3 heads also take ``head_weights``.
 BINDERS = {"distill": bind_distill, "medusa": bind_medusa, "hydra": bind_hydra}
@@ -22,7 +24,42 @@ def bind_trained_draft(folder: str | Path, target: CausalLM, head_weights: str =
     """Any draft ``jointspec train-draft`` saved in ``folder`` (its ``draft.json`` names the kind: an EAGLE head,
     Medusa or Hydra heads or a distilled draft), bound to ``target``; refuses one trained for another target.
     ``head_weights`` (EAGLE heads; the other kinds take only ``auto``, which keeps them float): see
-    :data:`HEAD_WEIGHT_CHOICES`."""
+    :data:`HEAD_WEIGHT_CHOICES`.
+
+    A server binds the draft to a fork of its target for every request, so heads (drafts that read the target's
+    features) are loaded, checked and prepared once per target model and folder contents; later binds share those
+    weights (:meth:`~jointspec.drafts.artifact.FeatureDraft.bound_to`)."""
+    model = getattr(target, "model", None)
+    if model is None:  # not a torch target (the binders say what it lacks)
+        return _bind(folder, target, head_weights)
+    key = (folder_signature(folder), head_weights, str(target.device), kernels_in_use(model))
+    try:
+        templates = _TEMPLATES.setdefault(model, {})
+    except TypeError:  # a model that cannot be weakly referenced: bind from the files every time
+        templates = {}
+    if key in templates:
+        return templates[key].bound_to(target)
+    draft = _bind(folder, target, head_weights)
+    if isinstance(draft, FeatureDraft):
+        templates[key] = draft.template()
+    return draft
+
+
+# bind_trained_draft's templates per target model (weakly: they go with the model).
+_TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def folder_signature(folder: str | Path) -> tuple:
+    """What identifies a saved draft's files as read: the folder's resolved path and each file's name, inode, size
+    and modification time (a draft saved again into the folder is read again: saves replace files, so even one within
+    the clock's resolution has a new inode)."""
+    path = Path(folder).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    stats = [(p.name, p.stat()) for p in files]
+    return (str(path), *((name, st.st_ino, st.st_size, st.st_mtime_ns) for name, st in stats))
+
+
+def _bind(folder: str | Path, target: CausalLM, head_weights: str):
     kind = "eagle3" if is_eagle3_checkpoint(folder) else artifact_kind(folder)
     if kind == "eagle3":
         return bind_eagle3(folder, target, head_weights)
