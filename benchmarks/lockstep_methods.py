@@ -2,19 +2,27 @@
 
 Each concurrency level keeps that many requests in flight on one :class:`~jointspec.batch.lockstep.LockstepEngine`
 (a finished request is replaced by the next prompt) until every prompt is answered, greedy, 128 new tokens by
-default. The prompts are the first turns of the built-in MT-Bench set (one per category, in turn) with the model's
-chat template. Each method runs once untimed, then ``--repeats`` times, the methods alternating, so drift hits them
-alike. Reported per level: each method's best tokens per second (prompt reading included, as a server pays it), its
-ratio to the first method's best, and whether every answer equals the first method's.
+default. The prompts are first turns of the built-in sets named by ``--prompt-sets`` (MT-Bench by default; one
+category at a time, in turn) with the model's chat template. Each method runs once untimed, then ``--repeats``
+times, the methods alternating and their order reversed every other repeat, so drift hits them alike.
 
-    python benchmarks/lockstep_methods.py                                  # ar,default at 1 2 4 8 16
+Reported per level: each method's tokens per second (prompt reading included, as a server pays it; the best repeat),
+its ratio to the first method paired by repeat (the geometric mean of the repeats' ratios, with a 95 % t interval
+over repeats from 3 repeats on: a repeat, not a request, is the unit, since requests in flight share each forward),
+and whether every answer equals the first method's. What the interval leaves out: another machine, or this one's
+speed moving by more within a level than between its repeats.
+
+    python benchmarks/lockstep_methods.py --repeats 5                      # ar,default at 1 2 4 8 16
     python benchmarks/lockstep_methods.py --methods ar,pld --concurrency 4 --prompts 8 --repeats 1
+    python benchmarks/lockstep_methods.py --prompt-sets builtin:mt_bench builtin:grounded   # serve_vs_llamacpp's mix
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 
 import torch
@@ -29,15 +37,34 @@ from jointspec.kernels.grouped import selected_isa
 from jointspec.methods import MethodConfig
 
 
-def prompt_ids(tokenizer, count: int) -> list[list[int]]:
-    """``count`` chat prompts: the MT-Bench first turns one category at a time, round the categories."""
-    prompts = load_prompts("builtin:mt_bench")
+def prompt_ids(tokenizer, count: int, sets: tuple[str, ...] = ("builtin:mt_bench",)) -> list[list[int]]:
+    """``count`` chat prompts: the sets' first turns one category at a time, round the categories."""
     by_category: dict[str, list] = {}
-    for prompt in prompts:
-        by_category.setdefault(prompt.category, []).append(prompt)
-    order = [p for group in zip(*by_category.values()) for p in group]
+    for source in sets:
+        for prompt in load_prompts(source):
+            by_category.setdefault(f"{source}/{prompt.category}", []).append(prompt)
+    groups = list(by_category.values())
+    order = [group[i] for i in range(max(map(len, groups))) for group in groups if i < len(group)]
     order = (order * (count // len(order) + 1))[:count]
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in order]
+
+
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (repeats - 1).
+T_975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 15: 2.131,
+         20: 2.086, 30: 2.042}
+
+
+def paired_ratio(ratios: list[float]) -> tuple[float, float | None, float | None]:
+    """(geometric mean, low, high) of per-repeat ratios; the interval is a t interval on their logarithms (None
+    under 3 repeats)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 3:
+        return math.exp(mean), None, None
+    df = len(logs) - 1
+    t = T_975[max(k for k in T_975 if k <= df)] if df <= 30 else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurrency: int,
@@ -66,39 +93,52 @@ def main() -> None:
     parser.add_argument("--methods", default="ar,default", help="comma-separated; the first is the reference")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--prompts", type=int, default=32, help="prompts per level")
+    parser.add_argument("--prompt-sets", nargs="+", default=["builtin:mt_bench"], metavar="SET",
+                        help="bench prompt sets whose first turns are asked (default: builtin:mt_bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     model, tokenizer = load_model(args.model, quantize=args.quantize)
-    prompts = prompt_ids(tokenizer, args.prompts)
+    prompts = prompt_ids(tokenizer, args.prompts, tuple(args.prompt_sets))
     config = DecodeConfig(max_new_tokens=args.max_new_tokens)
     engine = LockstepEngine(model, tokenizer, max_batch_size=max(args.concurrency))
     report = {"cpu": _cpu_name(), "kernels": selected_isa(), "threads": torch.get_num_threads(),
-              "methods": methods, "levels": []}
-    print(f"{report['cpu']}, {report['kernels']} kernels, {report['threads']} threads")
-    print(f"{'concurrency':>11}  " + "  ".join(f"{m:>18}" for m in methods))
+              "methods": methods, "prompt_sets": args.prompt_sets, "prompts": args.prompts,
+              "repeats": args.repeats, "levels": []}
+    print(f"{report['cpu']}, {report['kernels']} kernels, {report['threads']} threads; {args.prompts} prompts from "
+          f"{' '.join(args.prompt_sets)}, {args.repeats} repeats")
+    print(f"{'concurrency':>11}  " + "  ".join(f"{m:>36}" for m in methods))
     for concurrency in args.concurrency:
         for method in methods:  # untimed: cost curves, kernels and caches warm
             run(engine, method, prompts[:2], concurrency, config)
-        best: dict[str, float] = {}
-        identical: dict[str, bool] = {}
+        rates: dict[str, list[float]] = {m: [] for m in methods}
+        identical = dict.fromkeys(methods, True)
         reference = None
-        for _ in range(args.repeats):
-            for method in methods:
+        for repeat in range(args.repeats):
+            for method in (methods if repeat % 2 == 0 else methods[::-1]):
                 tokens, seconds, answers = run(engine, method, prompts, concurrency, config)
-                best[method] = max(best.get(method, 0.0), tokens / seconds)
-                reference = reference if reference is not None else answers
-                identical[method] = identical.get(method, True) and answers == reference
-        cells = [f"{best[m]:7.1f} tok/s {best[m] / best[methods[0]]:5.3f}x" + ("" if identical[m] else " !=")
-                 for m in methods]
-        print(f"{concurrency:>11}  " + "  ".join(cells), flush=True)
-        report["levels"].append({"concurrency": concurrency, "tokens_per_second": best,
-                                 "ratio": {m: best[m] / best[methods[0]] for m in methods},
-                                 "identical": identical})
+                rates[method].append(tokens / seconds)
+                if method == methods[0] and reference is None:
+                    reference = answers
+                elif method != methods[0]:
+                    identical[method] = identical[method] and reference is not None and answers == reference
+        level = {"concurrency": concurrency, "tokens_per_second": {m: max(rates[m]) for m in methods},
+                 "repeats": rates, "ratio": {}, "identical": identical}
+        cells = []
+        for method in methods:
+            ratio, low, high = paired_ratio([a / b for a, b in zip(rates[method], rates[methods[0]])])
+            level["ratio"][method] = {"ratio": ratio, "low": low, "high": high}
+            interval = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
+            cells.append(f"{max(rates[method]):7.1f} tok/s {ratio:5.3f}x{interval}" +
+                         ("" if identical[method] else " !="))
+        print(f"{concurrency:>11}  " + "  ".join(f"{c:>36}" for c in cells), flush=True)
+        report["levels"].append(level)
     print(json.dumps(report))
 
 
