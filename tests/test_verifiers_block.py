@@ -126,6 +126,22 @@ def test_block_keeps_more_tokens_than_token_wise():
     assert block_mean_kept(TARGET, DRAFT) > token_wise_mean_kept(TARGET, DRAFT)
 
 
+@pytest.mark.parametrize("case", ["worked", "random-rows"])
+def test_expected_kept_lengths_of_one_draft_average_to_each_verifiers_mean(case):
+    """expected_kept_lengths gives, for one fixed draft, each verifier's expected kept length over its own uniforms;
+    weighted by how likely each draft is, they must give the two means above exactly. Deterministic."""
+    target, draft = ((np.array([[.5, .5, 0], [.4, .4, .2], [.3, .3, .4]]), np.array([[.6, .2, .2], [.2, .3, .5]]))
+                     if case == "worked" else (TARGET, DRAFT))
+    p, q = torch.tensor(target, dtype=torch.float64), torch.tensor(draft, dtype=torch.float64)
+    means = np.zeros(2)
+    for tokens in itertools.product(range(target.shape[1]), repeat=len(draft)):
+        drafted = float(np.prod([draft[i, token] for i, token in enumerate(tokens)]))
+        means += drafted * np.array(block.expected_kept_lengths(p, q, list(tokens)))
+    assert means[0] == pytest.approx(token_wise_mean_kept(target, draft), abs=1e-12)
+    assert means[1] == pytest.approx(block_mean_kept(target, draft), abs=1e-12)
+    assert means[1] > means[0]
+
+
 def first_two_counts(verifier, num_rounds: int, seed: int) -> np.ndarray:
     logits = torch.tensor(TARGET).log().float()
     draft_rows = torch.tensor(DRAFT, dtype=torch.float32)

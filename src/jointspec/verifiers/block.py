@@ -76,6 +76,24 @@ def block_decision(target_rows: torch.Tensor, draft_rows: torch.Tensor, tokens: 
     return BlockDecision(weights, keep)
 
 
+def expected_kept_lengths(target_rows: torch.Tensor, draft_rows: torch.Tensor, tokens: list[int]) -> tuple[float,
+                                                                                                      float]:
+    """(token-wise, block): the expected number of draft tokens each verifier keeps of this one draft, over its own
+    uniforms only (the draft fixed). Token-wise keeps token ``i`` with chance ``min(1, p_i(x_i) / q_i(x_i))`` once it
+    kept every earlier one; block keeps ``i`` with the law :meth:`BlockDecision.law_of_kept_length` gives. Comparing
+    the two on the same drafts leaves out the noise of both verifiers' draws and of different drafts
+    (``benchmarks/block_verification_expectation.py``). Rows as for :func:`block_decision`."""
+    p = target_rows.double()
+    q = draft_rows.double()
+    token_wise, survive = 0.0, 1.0
+    for i, token in enumerate(tokens):
+        drafted = float(q[i, token])
+        survive *= min(1.0, float(p[i, token]) / drafted) if drafted > 0 else 1.0
+        token_wise += survive
+    law = block_decision(target_rows, draft_rows, tokens).law_of_kept_length()
+    return token_wise, sum(i * chance for i, chance in enumerate(law))
+
+
 def block_residual(target_row: torch.Tensor, draft_row: torch.Tensor, weight: float) -> torch.Tensor:
     """Normalised ``max(weight * target - draft, 0)``: the law of the token after a kept prefix that is not the whole
     block. Falls back to the target row where that is all zero (a branch taken with probability 0)."""
