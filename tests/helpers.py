@@ -685,3 +685,19 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     if len(counts) < 2:
         return 1.0  # a single possible outcome, and it is the only one observed
     return float(stats.chisquare(counts, expected).pvalue)
+
+
+def record_curve_store(monkeypatch) -> tuple[list, list]:
+    """From now on, what the cost-curve store reads (each curve read back, None where nothing was kept) and the paths
+    it would write (nothing is written): drafters/curve_store.py, for tests of commands that keep their curves."""
+    from jointspec.drafters import curve_store
+
+    read, written, read_kept = [], [], curve_store.read
+
+    def recording_read(path):
+        read.append(read_kept(path))
+        return read[-1]
+
+    monkeypatch.setattr(curve_store, "read", recording_read)
+    monkeypatch.setattr(curve_store, "write", lambda path, costs: written.append(path))
+    return read, written

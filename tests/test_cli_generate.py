@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from helpers import SPECIALS, VOCAB, assert_clean_error, run_cli, save_model
+from helpers import SPECIALS, VOCAB, assert_clean_error, record_curve_store, run_cli, save_model
 
 PROMPT = "w10 w11 w12 w13 w10 w11"
 
@@ -315,14 +315,7 @@ def test_generate_keeps_its_cost_curve_for_the_next_run(capsys, model_dirs, tmp_
     args = generate_args(model_dirs["target"], "--method", "pld", "--cost-aware", "--json")
     code, first, _ = run_cli(capsys, *args)
     assert code == 0 and len(list(tmp_path.glob("*.json"))) == 1
-    read, written, read_kept = [], [], curve_store.read
-
-    def recording_read(path):
-        read.append(read_kept(path))
-        return read[-1]
-
-    monkeypatch.setattr(curve_store, "read", recording_read)
-    monkeypatch.setattr(curve_store, "write", lambda path, costs: written.append(path))
+    read, written = record_curve_store(monkeypatch)
     code, second, _ = run_cli(capsys, *args)
     assert code == 0 and json.loads(second.splitlines()[-1])["text"] == json.loads(first.splitlines()[-1])["text"]
     assert len(read) == 1 and read[0] is not None and written == []

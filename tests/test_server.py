@@ -27,7 +27,7 @@ from jointspec.server.metrics import EngineSnapshot
 from jointspec.verifiers.greedy import GreedyVerifier
 
 from helpers import SERVER_TIMEOUT as TIMEOUT
-from helpers import live_server
+from helpers import live_server, record_curve_store
 
 
 @pytest.fixture(scope="module")
@@ -430,14 +430,7 @@ def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_mo
     assert run_serve(args) == 0
     kept = sorted((tmp_path / "curves").glob("*.json"))
     assert kept, "the server measured a cost curve and kept none"
-    read, written, read_kept = [], [], curve_store.read
-
-    def recording_read(path):
-        read.append(read_kept(path))
-        return read[-1]
-
-    monkeypatch.setattr(curve_store, "read", recording_read)
-    monkeypatch.setattr(curve_store, "write", lambda path, costs: written.append(path))
+    read, written = record_curve_store(monkeypatch)
     assert run_serve(args) == 0
     assert answers[1] == answers[0] and written == [] and read and all(curve is not None for curve in read)
 
