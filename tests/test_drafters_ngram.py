@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.ngram import PromptLookupDrafter, lookup
+from jointspec.drafters.ngram import PromptLookupDrafter, lookup, suffix_matches
 
 GREEDY = SamplingConfig()
 
@@ -20,6 +20,27 @@ def test_most_recent_match_among_equal_lengths_and_no_match():
     context = np.array([1, 2, 3, 1, 2, 4, 1, 2])
     assert lookup(context, 3, max_ngram=2, min_ngram=2) == [4, 1, 2]
     assert lookup(np.array([1, 2, 3, 4]), 3, max_ngram=3, min_ngram=1) == []
+
+
+def reference_suffix_matches(context, max_ngram, min_ngram, max_matches):
+    """suffix_matches by its definition: every window of n tokens followed by one more, compared with the suffix."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        starts = [j + n for j in range(len(context) - n) if list(context[j:j + n]) == list(context[-n:])]
+        if starts:
+            return n, starts[::-1][:max_matches]
+    return 0, []
+
+
+@pytest.mark.parametrize("alphabet", [2, 5, 50])
+def test_suffix_matches_follows_its_definition(alphabet):
+    """On 300 random contexts each (lengths 0-60; small alphabets repeat a lot, large ones rarely) and several n-gram
+    ranges, the filtered search finds what comparing every window finds. Deterministic."""
+    rng = np.random.default_rng(alphabet)
+    for _ in range(300):
+        context = rng.integers(0, alphabet, int(rng.integers(0, 61))).astype(np.int64)
+        for max_ngram, min_ngram, max_matches in ((3, 1, 4), (3, 2, 1), (5, 1, 32), (1, 1, 2)):
+            assert suffix_matches(context, max_ngram, min_ngram, max_matches) == \
+                reference_suffix_matches(context, max_ngram, min_ngram, max_matches), (context, max_ngram, min_ngram)
 
 
 def test_draft_never_exceeds_budget():

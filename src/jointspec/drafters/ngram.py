@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig
@@ -30,11 +29,20 @@ def suffix_matches(context: np.ndarray, max_ngram: int, min_ngram: int, max_matc
     followed by at least one token, and where its most recent ``max_matches`` occurrences are followed (the index of
     the token after each, most recent first). (0, []) when none occurs."""
     length = len(context)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(context[: length - 1], n)  # [length - n, n]: starts j with j + n < length
-        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+    top = min(max_ngram, length - 1)
+    if top < min_ngram:
+        return 0, []
+    # Every drafted token asks this of the whole context, so compare the context once: the positions where its last
+    # token recurs (not at the end) are the only places an occurrence can end; longer n-grams filter them further.
+    ends = np.flatnonzero(context[: length - 1] == context[-1])
+    for n in range(top, min_ngram - 1, -1):
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            if not hits.size:
+                break
+            hits = hits[context[hits - back] == context[-1 - back]]
         if hits.size:
-            return n, [int(h) + n for h in hits[::-1][:max_matches]]
+            return n, [int(h) + 1 for h in hits[::-1][:max_matches]]
     return 0, []
 
 
