@@ -54,7 +54,7 @@ def folder_signature(folder: str | Path) -> tuple:
     and modification time (a draft saved again into the folder is read again: saves replace files, so even one within
     the clock's resolution has a new inode)."""
     path = Path(folder).resolve()
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
     stats = [(p.name, p.stat()) for p in files]
     return (str(path), *((name, st.st_ino, st.st_size, st.st_mtime_ns) for name, st in stats))
 
