@@ -76,8 +76,8 @@ def block_decision(target_rows: torch.Tensor, draft_rows: torch.Tensor, tokens: 
     return BlockDecision(weights, keep)
 
 
-def expected_kept_lengths(target_rows: torch.Tensor, draft_rows: torch.Tensor, tokens: list[int]) -> tuple[float,
-                                                                                                      float]:
+def expected_kept_lengths(target_rows: torch.Tensor, draft_rows: torch.Tensor,
+                          tokens: list[int]) -> tuple[float, float]:
     """(token-wise, block): the expected number of draft tokens each verifier keeps of this one draft, over its own
     uniforms only (the draft fixed). Token-wise keeps token ``i`` with chance ``min(1, p_i(x_i) / q_i(x_i))`` once it
     kept every earlier one; block keeps ``i`` with the law :meth:`BlockDecision.law_of_kept_length` gives. Comparing
@@ -87,8 +87,9 @@ def expected_kept_lengths(target_rows: torch.Tensor, draft_rows: torch.Tensor, t
     q = draft_rows.double()
     token_wise, survive = 0.0, 1.0
     for i, token in enumerate(tokens):
-        drafted = float(q[i, token])
-        survive *= min(1.0, float(p[i, token]) / drafted) if drafted > 0 else 1.0
+        drafted, scored = float(q[i, token]), float(p[i, token])
+        # RejectionSamplingVerifier keeps a token when u * q < p: a token the draft gave no mass is kept where p > 0.
+        survive *= min(1.0, scored / drafted) if drafted > 0 else float(scored > 0)
         token_wise += survive
     law = block_decision(target_rows, draft_rows, tokens).law_of_kept_length()
     return token_wise, sum(i * chance for i, chance in enumerate(law))
