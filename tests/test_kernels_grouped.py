@@ -810,6 +810,37 @@ def test_a_build_runs_a_compiler_job_a_core_longest_units_first_and_keeps_the_us
     assert calls[-1][0] == "7" and os.environ["MAX_JOBS"] == "7"
 
 
+def test_a_build_runs_this_pythons_own_ninja_whatever_path_says(monkeypatch, tmp_path):
+    """Two ninja versions keep the build log in formats each reads as stale, so a build run by the system's ninja
+    after one run by the environment's (a script calling .venv/bin/python, then an activated shell) compiled
+    everything again. A build puts this Python's own ninja first on PATH for torch, and leaves PATH as it was. The
+    compiler is a stand-in that records the PATH it saw."""
+    import os
+
+    from torch.utils import cpp_extension
+
+    from jointspec.kernels import grouped
+
+    own = grouped.own_ninja_directory()
+    assert own is not None and os.access(os.path.join(own, "ninja"), os.X_OK)  # the ninja package is a dependency
+    seen = []
+
+    class Built:
+        def isa(self):
+            return "portable"
+
+    def fake_load(*, name, sources, build_directory, **options):
+        seen.append(os.environ["PATH"])
+        return Built()
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: seen.append(os.environ["PATH"]))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the system's ninja first, as without an activated environment
+    module, reason = grouped._build("portable")
+    assert reason is None and isinstance(module, Built)
+    assert seen == [own + os.pathsep + "/usr/bin:/bin"] * 2 and os.environ["PATH"] == "/usr/bin:/bin"
+
+
 def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch, capsys):
     """A first run starts the build ahead (prebuild) and asks for the kernels later, maybe while the build still runs:
     the later call must get that build's module, and the build must run once. The build here is a stand-in that

@@ -326,7 +326,37 @@ def _wait_for_other_build(directory: Path) -> None:
         time.sleep(1.0)
 
 
+def own_ninja_directory() -> str | None:
+    """The folder of the ninja installed with this Python (the ``ninja`` package jointspec depends on), or None."""
+    try:
+        import ninja
+
+        candidates = [getattr(ninja, "BIN_DIR", None), os.path.dirname(sys.executable)]
+    except ImportError:
+        candidates = [os.path.dirname(sys.executable)]
+    return next((folder for folder in candidates
+                 if folder and os.access(os.path.join(folder, "ninja"), os.X_OK)), None)
+
+
 def _build(isa: str):
+    # torch runs whichever ninja PATH names first. Two ninja versions (the environment's and the system's, as in an
+    # activated shell and a script that calls .venv/bin/python) keep the build log in formats each reads as stale,
+    # so every switch between them rebuilt the kernels (20 s and more on two cores): always this Python's own.
+    path = os.environ.get("PATH")
+    own = own_ninja_directory()
+    if own is not None:
+        os.environ["PATH"] = own + os.pathsep + (path or "")
+    try:
+        return _build_with_path(isa)
+    finally:
+        if own is not None:
+            if path is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = path
+
+
+def _build_with_path(isa: str):
     try:
         from torch.utils.cpp_extension import load, verify_ninja_availability
 
