@@ -338,67 +338,68 @@ def own_ninja_directory() -> str | None:
                  if folder and os.access(os.path.join(folder, "ninja"), os.X_OK)), None)
 
 
+@contextlib.contextmanager
+def _environment_variable(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` inside the block (None: left alone), and as it was again after it."""
+    previous = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if previous is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = previous
+
+
 def _build(isa: str):
     # torch runs whichever ninja PATH names first. Two ninja versions (the environment's and the system's, as in an
     # activated shell and a script that calls .venv/bin/python) keep the build log in formats each reads as stale,
     # so every switch between them rebuilt the kernels (20 s and more on two cores): always this Python's own.
-    path = os.environ.get("PATH")
     own = own_ninja_directory()
-    if own is not None:
-        os.environ["PATH"] = own + os.pathsep + (path or "")
-    try:
-        return _build_with_path(isa)
-    finally:
-        if own is not None:
-            if path is None:
-                os.environ.pop("PATH", None)
-            else:
-                os.environ["PATH"] = path
+    with _environment_variable("PATH", None if own is None else own + os.pathsep + os.environ.get("PATH", "")):
+        try:
+            from torch.utils.cpp_extension import load, verify_ninja_availability
 
-
-def _build_with_path(isa: str):
-    try:
-        from torch.utils.cpp_extension import load, verify_ninja_availability
-
-        verify_ninja_availability()
-    except (ImportError, RuntimeError) as error:
-        return None, f"jointspec's CPU kernels cannot be built ({error}; pip install ninja)"
-    flags = ISA_FLAGS[isa][1]
-    digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
-    name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
-    directory = _build_directory(name)
-    compiling = not any(directory.glob("*.so"))
-    if compiling:
-        print(f"jointspec: building the {isa} CPU kernels, once for this CPU type (a minute or two on two cores) ...",
-              file=sys.stderr, flush=True)
-        # Finished builds of other sources or torch versions (a folder without a library may be another process's
-        # build in progress: left alone).
-        for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):
-            if stale != directory and any(stale.glob("*.so")):
-                shutil.rmtree(stale, ignore_errors=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    _wait_for_other_build(directory)
-    if compiling:
-        _COMPILING.set()
-    # ninja's default runs every unit at once (cores + 2 jobs): on two cores the longest unit then shares them with
-    # the others from its start. A job a core, in _UNITS' order, ends sooner (docs/kernels.md). MAX_JOBS, torch's
-    # setting for this, is left as the user set it.
-    jobs = os.environ.get("MAX_JOBS")
-    if jobs is None:
-        os.environ["MAX_JOBS"] = str(usable_cores())
-    try:
-        # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
-        module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
-                      extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags], extra_ldflags=["-fopenmp"],
-                      verbose=False)
-    except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
-        lines = str(error).splitlines()
-        first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
-        return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
-    finally:
-        if jobs is None:
-            os.environ.pop("MAX_JOBS", None)
-        _COMPILING.clear()
+            verify_ninja_availability()
+        except (ImportError, RuntimeError) as error:
+            return None, f"jointspec's CPU kernels cannot be built ({error}; pip install ninja)"
+        flags = ISA_FLAGS[isa][1]
+        digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
+        name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
+        directory = _build_directory(name)
+        compiling = not any(directory.glob("*.so"))
+        if compiling:
+            print(f"jointspec: building the {isa} CPU kernels, once for this CPU type (a minute or two on two cores) "
+                  "...", file=sys.stderr, flush=True)
+            # Finished builds of other sources or torch versions (a folder without a library may be another process's
+            # build in progress: left alone).
+            for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):
+                if stale != directory and any(stale.glob("*.so")):
+                    shutil.rmtree(stale, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        _wait_for_other_build(directory)
+        if compiling:
+            _COMPILING.set()
+        # ninja's default runs every unit at once (cores + 2 jobs): on two cores the longest unit then shares them with
+        # the others from its start. A job a core, in _UNITS' order, ends sooner (docs/kernels.md). MAX_JOBS, torch's
+        # setting for this, is left as the user set it.
+        jobs = None if "MAX_JOBS" in os.environ else str(usable_cores())
+        try:
+            with _environment_variable("MAX_JOBS", jobs):
+                # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same
+                # bits).
+                module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
+                              extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
+            lines = str(error).splitlines()
+            first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
+            return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
+        finally:
+            _COMPILING.clear()
     if module.isa() != isa:
         return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
     return module, None
