@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+from scipy import stats
 
 from jointspec.backends.loading import load_model
 from jointspec.batch.engine import BatchRequest
@@ -49,11 +50,6 @@ def prompt_ids(tokenizer, count: int, sets: tuple[str, ...] = ("builtin:mt_bench
     return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in order]
 
 
-# Two-sided 95 % quantiles of Student's t by degrees of freedom (repeats - 1).
-T_975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 15: 2.131,
-         20: 2.086, 30: 2.042}
-
-
 def paired_ratio(ratios: list[float]) -> tuple[float, float | None, float | None]:
     """(geometric mean, low, high) of per-repeat ratios; the interval is a t interval on their logarithms (None
     under 3 repeats)."""
@@ -61,9 +57,7 @@ def paired_ratio(ratios: list[float]) -> tuple[float, float | None, float | None
     mean = statistics.fmean(logs)
     if len(logs) < 3:
         return math.exp(mean), None, None
-    df = len(logs) - 1
-    t = T_975[max(k for k in T_975 if k <= df)] if df <= 30 else 1.96
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
