@@ -19,6 +19,7 @@ from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.core.target import TargetCapabilities
+from jointspec.drafters import costaware
 from jointspec.drafters.costaware import (
     DEFAULT_SIZES,
     CostAwareDrafter,
@@ -466,12 +467,14 @@ def test_probing_recovers_when_drafts_start_paying(target_model):
 def test_probes_wait_out_their_cost_where_a_draft_token_is_dear():
     """Alone on a torch curve a probe costs a tenth of a step, and one follows every accepted probe. In a full batch
     (batch_cost_curve) a draft token costs about what a row's share of the round does: probing that often there,
-    with half the probes accepted, costs about 40 % more than decoding plainly (probe_budget=1 below, which lets
-    every probe through). By default probes wait until they cost at most probe_budget (10 %) of the rounds: here
-    8 rounds apart. Deterministic (no randomness reaches the counts)."""
+    with half the probes accepted, costs about 40 % more than decoding plainly (no budget below, as alone). With
+    probe_budget (10 %) probes wait until they cost at most that share of the rounds, and at most a quarter of the
+    most a draft could gain here (a 1-token draft always accepted: 2 / 1.8, 11 %): 2.8 %, so 29 rounds apart.
+    Deterministic (no randomness reaches the counts)."""
     dear = CostCurve({1: 1.0, 2: 1.8, 3: 2.6, 17: 13.8})
+    assert dear.best_gain(1) == pytest.approx(2 / 1.8 - 1)
     drafted = {}
-    for budget in (1.0, 0.1):
+    for budget in (None, 0.1):
         wrapper = CostAwareDrafter(RandomDrafter(1, seed=0), dear, max_num_draft_tokens=1, probe_budget=budget)
         wrapper.start([1])
         rounds = []
@@ -480,9 +483,34 @@ def test_probes_wait_out_their_cost_where_a_draft_token_is_dear():
             wrapper.commit([1], rounds[-1] * (sum(rounds) % 2))  # every other probe accepted
             assert wrapper.acceptance < 0.8  # never enough to draft by choice on this curve: every draft is a probe
         drafted[budget] = rounds
-    assert modelled_cost(drafted[1.0], dear) > 1.3 * 128
-    assert sum(drafted[0.1]) <= 128 // 8 + 1
-    assert modelled_cost(drafted[0.1], dear) <= 1.1 * 128 + 1e-9  # 16 probes at 0.8: exactly the budget
+    assert modelled_cost(drafted[None], dear) > 1.3 * 128
+    learning = costaware.LEARNING_SHARE_OF_GAIN * dear.best_gain(1)
+    assert sum(drafted[0.1]) == 128 // 29 and drafted[0.1][28] == 1  # the first probe waits 29 rounds too
+    assert modelled_cost(drafted[0.1], dear) <= (1 + learning) * 128 + 1e-9
+
+
+def test_no_probe_or_peek_where_no_draft_can_pay():
+    """Where an extra row costs a whole step or more (a full batch on some CPUs), no draft pays at any acceptance
+    (best_gain <= 0): with budgets (in a batch) the wrapper neither probes nor peeks; alone (no budgets) it keeps
+    probing on its schedule. Deterministic."""
+    flat = CostCurve({1: 1.0, 2: 2.0, 3: 3.1, 17: 18.0})
+    assert flat.best_gain(4) <= 0
+    for budgets, expect_learning in (({}, True), ({"probe_budget": 0.1, "shadow_budget": 0.02}, False)):
+        for shadow in (False, True):
+            inner = PeekingScript(list(range(100, 300)), right_until=1000)  # every draft would be right
+            wrapper = CostAwareDrafter(inner, flat, max_num_draft_tokens=4, shadow_tests=shadow, **budgets)
+            context = [100]
+            wrapper.start(context)
+            drafted = 0
+            for _ in range(64):
+                num_drafted = wrapper.propose(context, 8, greedy(1).sampling, None).num_nodes
+                drafted += num_drafted
+                context = context + [100 + len(context) + i for i in range(num_drafted + 1)]  # all accepted
+                wrapper.commit(context, num_drafted)
+            learned = inner.peeks if shadow else sum(budget > 0 for budget in inner.budgets)
+            assert (learned > 0) == expect_learning, (budgets, shadow, learned)
+            if not expect_learning:
+                assert drafted == 0 and wrapper.acceptance == 0.5  # the prior, untouched
 
 
 def test_inner_empty_drafts_are_respected_and_no_test(target_model):
@@ -556,7 +584,6 @@ def test_cost_aware_mtad_matches_plain_greedy(target_model, max_new_tokens, eos_
     """``mtad`` (cost-aware unless told otherwise) at temperature 0 is greedy decoding whatever depth each round
     chooses, with EOS and the length limit inside drafts; every round drafts between 1 and ``num_draft_tokens``
     tokens."""
-    from jointspec.drafters import costaware
 
     prompt = random_prompt(6)
     reference = hf_greedy(target_model, prompt, max_new_tokens)
@@ -579,7 +606,6 @@ def test_which_methods_choose_their_length_by_default(target_model):
     and hybrid's fixed length; lookup keeps its own unless ``cost_aware=True``."""
     from jointspec.bench.specs import method_config, parse_spec
     from jointspec.cli.main import build_parser
-    from jointspec.drafters import costaware
     from jointspec.drafters.beam import BeamDrafter
     from jointspec.drafters.model import ModelDrafter
 
@@ -702,7 +728,8 @@ def test_shadow_tests_wait_out_the_cost_of_peeking(monkeypatch):
 
     clock = iter(i * 45e-6 for i in range(10_000))
     monkeypatch.setattr(costaware.time, "perf_counter", lambda: next(clock))
-    seconds = CostCurve({1: 1e-3, 2: 2e-3, 3: 3e-3, 17: 17e-3})  # a draft token costs a step: never drafted
+    # Drafts pay only near full acceptance (a 1-token draft at 2 / 1.6), and every skipped one disagrees: never drafted.
+    seconds = CostCurve({1: 1e-3, 2: 1.6e-3, 3: 2.2e-3, 17: 10.6e-3})
     peeks = {}
     for budget in (None, 0.01):
         inner = PeekingScript(list(range(100, 300)), right_until=0)  # every skipped draft disagrees
@@ -725,7 +752,7 @@ def test_a_peek_that_finds_nothing_waits_out_its_cost_too(monkeypatch):
     monkeypatch.setattr(costaware.time, "perf_counter", lambda: next(clock))
     inner = PeekingScript([], right_until=0)
     inner.peek = lambda context_ids, num_tokens: (setattr(inner, "peeks", inner.peeks + 1), [])[1]
-    wrapper = CostAwareDrafter(inner, CostCurve({1: 1e-3, 2: 2e-3, 17: 17e-3}), shadow_tests=True,
+    wrapper = CostAwareDrafter(inner, CostCurve({1: 1e-3, 2: 1.6e-3, 17: 10.6e-3}), shadow_tests=True,
                                shadow_budget=0.01)
     wrapper.start([1])
     for _ in range(50):

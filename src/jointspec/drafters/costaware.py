@@ -60,6 +60,12 @@ millisecond or two on a small model), so with a ``shadow_budget`` a skipped draf
 next only after enough rounds that peeking costs at most that share of the rounds; one that agreed throughout is
 followed at once, as an accepted probe is.
 
+What learning may cost. Probes and shadow tests only tell the wrapper when drafting pays, so with a budget they
+also cost at most :data:`LEARNING_SHARE_OF_GAIN` of the most a draft could gain on the round's curve (every token
+accepted, :meth:`CostCurve.best_gain`), and nothing where no draft could pay at any acceptance. Four requests in a
+batch can still gain a third from a long accepted draft, so their budgets stand; sixteen can gain a per cent or so,
+and their lookups would cost more than that.
+
 The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
 still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
 when ``max_new_tokens`` leaves no room) and ``inner.commit`` as usual. So the inner drafter's state stays what it
@@ -94,6 +100,11 @@ from jointspec.drafters import curve_store
 # Forward sizes (draft tokens + 1) measured by default: plain, then 1, 2, 3, 4, 8 and 16 draft tokens (4 tokens
 # is where the float32 CPU kernels switch, see kernels/fp32.py: the curve must not interpolate across it).
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 9, 17)
+
+# Probes and shadow tests (module docstring) may cost at most this share of the most drafting could gain where they
+# run (CostCurve.best_gain, every token accepted), besides their own budget: they only tell when drafting pays, and in
+# a nearly full batch it pays by a per cent or so at best; where it cannot pay at all they stop.
+LEARNING_SHARE_OF_GAIN = 0.25
 
 # Tokens a shadow test scores at most (module docstring): one such draft is pending at a time, and a plain round
 # commits one token, so longer ones would only test further along the same draft.
@@ -134,6 +145,7 @@ class CostCurve:
         object.__setattr__(self, "_envelope", tuple(envelope))
         # cost() by whole sizes, filled as asked: a batched engine asks for each candidate length of every row's round.
         object.__setattr__(self, "_by_size", {})
+        object.__setattr__(self, "_best_gain", {})
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -158,6 +170,18 @@ class CostCurve:
     def round_cost(self, num_draft_tokens: int) -> float:
         """Cost of a round that drafts ``num_draft_tokens`` tokens and verifies them with the pending token."""
         return self.cost(num_draft_tokens + 1) + num_draft_tokens * self.draft_cost_per_token
+
+    def best_gain(self, max_num_draft_tokens: int) -> float:
+        """The most any chain of up to ``max_num_draft_tokens`` tokens can gain over plain decoding on this curve:
+        ``max_k (k + 1) * round_cost(0) / round_cost(k) - 1``, every token accepted. At or under 0 no draft pays
+        whatever its acceptance (in a full batch, where an extra row costs a row's share of the round)."""
+        known = self._best_gain.get(max_num_draft_tokens)
+        if known is None:
+            plain = self.round_cost(0)
+            known = max(((k + 1) * plain / self.round_cost(k) - 1.0 for k in range(1, max_num_draft_tokens + 1)),
+                        default=0.0)
+            self._best_gain[max_num_draft_tokens] = known
+        return known
 
     def relative(self) -> CostCurve:
         """The same curve in units of one plain step (``cost(1) = 1``)."""
@@ -420,7 +444,7 @@ class CostAwareDrafter:
         elif shadowing and not state.shadow and limit > 0:
             if state.shadow_wait:
                 state.shadow_wait -= 1
-            else:
+            elif self._learning_budget(self.shadow_budget) != 0:
                 start = time.perf_counter()
                 state.shadow = tuple(self.inner.peek(context_ids, min(limit, SHADOW_LENGTH)))
                 state.peek_seconds = time.perf_counter() - start
@@ -469,10 +493,20 @@ class CostAwareDrafter:
     def _shadow_spacing(self) -> int:
         """Rounds to pass after a disagreeing shadow test so that peeking costs at most ``shadow_budget`` of the
         rounds' time (the curve in seconds, as measured; 0 without a budget)."""
-        if self.shadow_budget is None:
+        budget = self._learning_budget(self.shadow_budget)
+        if not budget:  # none set, or no draft pays here (then no peek is made until one can)
             return 0
         share = self.curve.round_cost(0)
-        return max(0, math.ceil(self._state.peek_seconds / (self.shadow_budget * share)) - 1)
+        return max(0, math.ceil(self._state.peek_seconds / (budget * share)) - 1)
+
+    def _learning_budget(self, budget: float | None) -> float | None:
+        """``budget`` (the share of the rounds' time probes or shadow tests may cost) capped at
+        :data:`LEARNING_SHARE_OF_GAIN` of the most a draft could gain on the current curve; 0 where no draft can
+        pay (it could never be chosen, so nothing is worth learning); None without a budget."""
+        if budget is None:
+            return None
+        gain = self.curve.best_gain(self.max_num_draft_tokens)
+        return 0.0 if gain <= self.min_gain else min(budget, LEARNING_SHARE_OF_GAIN * gain)
 
     def _observe(self, accepted: int, tested: int) -> None:
         """Fold ``accepted`` of ``tested`` draft tokens into the decayed estimate."""
@@ -481,14 +515,17 @@ class CostAwareDrafter:
         state.accepted = state.accepted * weight + accepted
         state.tested = state.tested * weight + tested
 
-    def _probe_spacing(self, length: int) -> int:
+    def _probe_spacing(self, length: int) -> float:
         """The fewest rounds a probe of ``length`` tokens must come after the last draft so that probes cost at
         most ``probe_budget`` of the rounds' (1 without a budget, or where a draft token costs little)."""
         if length < 1 or self.probe_budget is None:
             return 1
+        budget = self._learning_budget(self.probe_budget)
+        if not budget:  # no draft pays here: no probe until one can
+            return math.inf
         base = self.curve.round_cost(0)
         extra = self.curve.round_cost(length) - base
-        return max(1, math.ceil(extra / (self.probe_budget * base) - 1e-9))
+        return max(1, math.ceil(extra / (budget * base) - 1e-9))
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
         state = self._state
