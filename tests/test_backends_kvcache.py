@@ -138,6 +138,29 @@ def test_slots_written_by_the_caller_read_like_appended_entries():
         assert_same(buffered, reference)
 
 
+def test_rows_for_every_layer_read_like_appended_entries():
+    """BufferedCache.append_rows (what the compiled layers take, every layer at once) holds what update() would,
+    across growth and crops; its rows are the same objects until a buffer grows, and then new ones."""
+    buffered, reference = BufferedCache(CONFIG), DynamicCache(config=CONFIG)
+    seen = None
+    for i, n in enumerate([3, MIN_CAPACITY - 4, 1, 4, 2]):  # the fourth outgrows the first buffers
+        keys = [entries(10 * i + layer, n) for layer in range(2)]
+        key_rows, value_rows, start = buffered.append_rows(n, keys[0][0][:, :, :0])
+        assert start == reference.get_seq_length() and len(key_rows) == len(value_rows) == 2
+        for layer, (k, v) in enumerate(keys):
+            key_rows[layer][:, start:start + n] = k[0]
+            value_rows[layer][:, start:start + n] = v[0]
+            reference.update(k, v, layer)
+        assert_same(buffered, reference)
+        grew = i == 3
+        if seen is not None:
+            assert all((mine is not theirs) == grew for mine, theirs in zip(key_rows + value_rows, seen))
+        seen = key_rows + value_rows
+        if i == 1:  # a crop keeps the buffers, and the rows
+            buffered.crop(-2)
+            reference.crop(-2)
+
+
 def test_the_decode_loop_gives_each_layer_its_room_once(target_model):
     """The loop tells the target how long the sequence can grow (reset(length=...)): the buffers hold exactly the
     prompt and the new tokens, taken at the first write, where doubling would have left them at 256 or more."""

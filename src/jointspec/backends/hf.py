@@ -256,14 +256,15 @@ class CausalLM:
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None) -> LeanCall:
         """The model-level arguments of a forward: ids, positions, the tree mask, rows of logits, hidden states."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        device = self.device  # read once: the module finds it by walking its parameters
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if n == 0:
             raise ValueError("forward needs at least one token")
         start = self.num_cached
         chain = parents is None or parents == chain_parents(n)
         if chain and attend_to is None:
-            positions = torch.arange(start, start + n, device=self.device)
+            positions = torch.arange(start, start + n, device=device)
             mask = None
         else:
             if not chain and len(parents) != n:

@@ -153,12 +153,30 @@ class BufferedLayer(DynamicLayer):
         """Make room for ``count`` entries that the caller writes itself (a compiled layer does): returns the key and
         value buffers ([batch, kv_heads, capacity, head_dim]) and the index of the first new entry; the cache counts
         the new entries from now on. ``like`` ([batch, kv_heads, any, head_dim]) gives the shape, dtype and device."""
+        start, key_buffer = self._length, getattr(self, "_key_buffer", None)
+        if start is not None and key_buffer is not None and start + count <= key_buffer.shape[-2]:
+            # The common case, at every layer of every step: room in the buffers already taken over.
+            self._length = start + count
+            self._key_view = self._value_view = None
+            return key_buffer, self._value_buffer, start
         if not self.is_initialized:
             self.lazy_initialization(like, like)
         start = self._adopt()
         self._reserve(like, like, start + count)
         self._set_length(start + count)
         return self._key_buffer, self._value_buffer, start
+
+    _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (key buffer, its row 0, value row 0)
+
+    def append_rows(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`append_slots` for a batch of one, as the compiled layers take it: the key and value buffers' only
+        batch row ([kv_heads, capacity, head_dim]) and the index of the first new entry. The row views are kept
+        until the buffers grow, so a caller may tell a changed buffer by identity (and each step makes no views)."""
+        key_buffer, value_buffer, start = self.append_slots(count, like)
+        rows = self._rows
+        if rows is None or rows[0] is not key_buffer:
+            rows = self._rows = (key_buffer, key_buffer[0], value_buffer[0])
+        return rows[1], rows[2], start
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` entries (transformers >= 5 passes a negative count)."""
@@ -225,6 +243,29 @@ class BufferedCache(DynamicCache):
     def sliding_window(self) -> int | None:
         """The window of the layers that slide (None: none does)."""
         return next((layer.sliding_window for layer in self.layers if isinstance(layer, BufferedSlidingLayer)), None)
+
+    def append_rows(self, count: int, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Every layer's :meth:`BufferedLayer.append_rows` (all layers :class:`BufferedLayer`): their key rows,
+        value rows, and the index of the first new entry, which all layers share. The common case (room in buffers
+        already taken over) is done here for every layer, without a call per layer: the compiled layers ask this of
+        every sequence at every step."""
+        keys, values, start = [], [], None
+        for layer in self.layers:
+            length, rows = layer._length, layer._rows
+            if (length is not None and rows is not None and rows[0] is layer._key_buffer
+                    and length + count <= rows[1].shape[1]):
+                layer._length = length + count
+                layer._key_view = layer._value_view = None
+                key_rows, value_rows = rows[1], rows[2]
+            else:
+                key_rows, value_rows, length = layer.append_rows(count, like)
+            if start is None:
+                start = length
+            elif length != start:
+                raise AssertionError(f"the layers' caches hold different lengths ({start} and {length})")
+            keys.append(key_rows)
+            values.append(value_rows)
+        return keys, values, start
 
     @torch.inference_mode()  # the buffers are inference tensors (the adapter's forward makes them)
     def keep(self, positions: torch.Tensor) -> None:

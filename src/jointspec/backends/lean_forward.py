@@ -465,13 +465,14 @@ class LeanLlamaForward:
         for call in calls:
             hidden = base.embed_tokens(call.input_ids)  # [1, n, width]
             ropes.append(self._ropes(hidden, call.position_ids))
-            views, slots = self._segment(hidden, call.position_ids, call.attention_mask, call.cache)
+            views, (call_keys, call_values, start) = self._segment(hidden, call.position_ids, call.attention_mask,
+                                                                   call.cache)
             embeds.append(hidden[0])
             visible.append([seen for seen, _ in views])
             lengths.append([count for _, count in views])
-            keys.append([slot[0][0] for slot in slots])
-            values.append([slot[1][0] for slot in slots])
-            starts.append(slots[0][2])
+            keys.append(call_keys)
+            values.append(call_values)
+            starts.append(start)
         # Rotary pair r of every row, the sequences' rows one after another.
         cos, sin = ([torch.cat([pairs[r][part][0].float() for pairs in ropes]).contiguous()
                      for r in range(len(ropes[0]))] for part in (0, 1))
@@ -528,25 +529,23 @@ class LeanLlamaForward:
             past_key_values=cache, position_ids=position_ids)
         return [compiled_visibility(causal_mask, cache.get_seq_length() + n, n)], self._slots(inputs_embeds, cache)
 
-    def _slots(self, inputs_embeds: torch.Tensor, cache) -> list:
-        """Each layer's cache slots for the forward's new entries (the cache counts them from now)."""
+    def _slots(self, inputs_embeds: torch.Tensor, cache) -> tuple[list, list, int]:
+        """The cache slots for the forward's new entries (the cache counts them from now): every layer's key buffer,
+        every layer's value buffer ([kv_heads, capacity, head_dim], the same objects until they grow), and the index
+        of the first new entry (:meth:`~jointspec.backends.kvcache.BufferedCache.append_rows`)."""
         kv_heads, head_dim = self.compiled[0][9], self.compiled[0][10]
-        like = inputs_embeds.new_empty(1, kv_heads, 0, head_dim)
-        slots = [layer.append_slots(inputs_embeds.shape[1], like) for layer in cache.layers]
-        assert all(slot[2] == slots[0][2] for slot in slots), "the layers' caches hold different lengths"
-        return slots
+        return cache.append_rows(inputs_embeds.shape[1], inputs_embeds.new_empty(1, kv_heads, 0, head_dim))
 
     def _compiled_body(self, hidden, ropes: list[tuple], segment: tuple, wanted, kept, prefill: bool) -> torch.Tensor:
         """The decoder layers as compiled calls (:meth:`_compiled_layers`), all in one; [1, n, width] in and out.
         ``ropes``: the (cos, sin) pairs the layers rotate by; ``segment``: :meth:`_segment` of this forward."""
-        views, slots = segment
+        views, (keys, values, start) = segment
         cos = [c[0].float().contiguous() for c, _ in ropes]
         sin = [s[0].float().contiguous() for _, s in ropes]
-        start = slots[0][2]
-        buffers = [buffer for slot in slots for buffer in slot[:2]]
+        buffers = keys + values
         if len(buffers) != len(self._compiled_buffers) or any(
                 mine is not theirs for mine, theirs in zip(buffers, self._compiled_buffers)):
-            self._compiled_stack.set_caches([slot[0][0] for slot in slots], [slot[1][0] for slot in slots])
+            self._compiled_stack.set_caches(keys, values)
             self._compiled_buffers = buffers
         keep = sorted(layer for layer in wanted if 0 < layer < len(self.compiled))
         rows, *outputs = self._compiled_stack.forward(hidden[0].contiguous(), start, [v for v, _ in views],
