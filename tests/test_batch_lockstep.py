@@ -294,9 +294,9 @@ def test_defaults_lookup_or_tree_drafter_takes_the_batch_curve_in_both_halves(in
     own = CostCurve({1: 1.0, 2: 1.05, 4: 1.1, 5: 1.6})
     engine = LockstepEngine(int4_target, max_batch_size=4)
     engine._curve = CostCurve({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0, 9: 5.0, 17: 9.0})  # one row costs half a step
-    rows = [SimpleNamespace(decoder=SimpleNamespace(drafter=LookupOrTreeDrafter(
+    rows = [SimpleNamespace(seq_id=i, decoder=SimpleNamespace(drafter=LookupOrTreeDrafter(
         CostAwareDrafter(object(), own), FakeTree(), own, draft_cost_per_call=0.0)), own_settings={})
-        for _ in range(4)]
+        for i in range(4)]
     drafter = rows[0].decoder.drafter
     alone_tree_cost = drafter.tree_cost
     assert drafter.tree_speedup() > 1.3  # alone, the tree's expected 1.5 tokens cost 1.1 steps
@@ -309,6 +309,11 @@ def test_defaults_lookup_or_tree_drafter_takes_the_batch_curve_in_both_halves(in
     engine._set_draft_costs(rows[:1])
     assert drafter.curve is own and drafter.lookup.curve is own and drafter.tree_cost == alone_tree_cost
     assert not drafter.lookup.shadow_tests and drafter.lookup.probe_budget is None
+    # Settings are made again only when the batch's members change (not every round): two other requests now.
+    engine._set_draft_costs(rows[1:3])
+    engine._set_draft_costs(rows[1:3])
+    other = rows[1].decoder.drafter
+    assert other.curve.target_cost == batch_cost_curve(engine._curve, 1).target_cost and other.lookup.shadow_tests
 
 
 def test_a_sequence_alone_sees_its_own_curve():

@@ -157,6 +157,7 @@ class LockstepEngine(EngineBase):
         self.prefill_tokens_per_round = hf.PREFILL_CHUNK
         self._checked: set[MethodConfig] = set()
         self._curve: CostCurve | None = None
+        self._costs_set_for: tuple[int, ...] = ()  # the sequences whose drafters got this batch's costs
 
     # -- requests -----------------------------------------------------------------------------------------------
 
@@ -240,6 +241,10 @@ class LockstepEngine(EngineBase):
         own curve alone, as ``generate`` gives it, else :func:`batch_cost_curve` of the engine's wider curve, and
         then also :data:`BATCH_PROBE_BUDGET` for its probes and shadow tests in their place where it can have
         them."""
+        members = tuple(seq.seq_id for seq in rows)
+        if members == self._costs_set_for:  # the same batch as last round: every setting still stands
+            return
+        self._costs_set_for = members
         curves: dict[float, CostCurve] = {}  # by draft cost per token: the rows of one method share one curve
         alone = len(rows) == 1
         for seq in rows:
