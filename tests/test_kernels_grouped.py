@@ -541,6 +541,32 @@ def test_an_int8_head_drafts_from_int8_weights_close_to_its_float_self():
     assert 0 < difference < 0.05 * rows[1][drafted].abs().max()  # int8 rounding: present, and small
 
 
+def test_an_int8_heads_body_runs_as_one_compiled_call_close_to_its_operations():
+    """An int8 head's one-layer body runs as one call of the compiled decoder layers (lean_forward.CompiledBody): the
+    operations' results to float rounding, for a chain fed in one call and for a tree's masked levels. Deterministic:
+    no false-failure odds."""
+    import copy
+
+    from jointspec.backends.lean_forward import CompiledBody
+    from jointspec.drafts.eagle import HeadDraftModel
+
+    target = CausalLM(grouped_llama(2), name="tiny-64")
+    head = untrained_head(target, seed=2, draft_vocab_size=40)
+    compiled, stepwise = (HeadDraftModel(copy.deepcopy(head), target, weights="int8") for _ in range(2))
+    assert isinstance(compiled._lean, CompiledBody)
+    stepwise._lean = True  # the same body through lean_body_forward's separate operations
+    prompt = random_prompt(6)
+    target.reset()
+    target.forward(prompt[:-1], num_logits=0)
+    for call in ({"token_ids": prompt + [5, 6]}, {"token_ids": [7, 8, 9, 10], "parents": [-1, -1, 0, 1]}):
+        rows = [draft.forward(**call).logits for draft in (compiled, stepwise)]
+        drafted = torch.isfinite(rows[1])
+        assert torch.equal(torch.isfinite(rows[0]), drafted)
+        torch.testing.assert_close(rows[0][drafted], rows[1][drafted], rtol=1e-4, atol=1e-4)
+        for draft in (compiled, stepwise):
+            draft.crop(len(prompt))
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     """The head's precision changes only what is drafted: chains (sps) and trees (default's static tree) verified

@@ -598,6 +598,67 @@ def decoder_layers(base: llama.LlamaModel, hidden: torch.Tensor, cos: torch.Tens
     return hidden
 
 
+class CompiledBody:
+    """A draft head's ``LlamaModel`` body (drafts/eagle.py) on the compiled decoder layers: :func:`lean_body_forward`
+    in one call to the kernels instead of a few dozen small ones. A head's draft step is one layer of a few million
+    weights, where each separate kernel call's dispatch cost as much as its arithmetic (docs/kernels.md). Made by
+    :meth:`maybe` where the body's linears are grouped int4/int8 layers, its norms float32 and its activation SiLU;
+    a forward it does not take (more than ``ROWWISE_MAX_ROWS`` rows, a cache of other layers) runs
+    :func:`lean_body_forward`. The results are the compiled layers' float rounding, not the operations' bit for bit:
+    a draft's tokens, never what verification keeps."""
+
+    def __init__(self, base: llama.LlamaModel, stack, kv_heads: int, head_dim: int) -> None:
+        self.base = base
+        self.stack = stack
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self._buffers: list = []  # the cache buffers the stack was last given
+
+    @classmethod
+    def maybe(cls, base: llama.LlamaModel) -> CompiledBody | None:
+        """The compiled body of ``base``, or None where its layers do not fit the compiled decoder layer."""
+        from jointspec.kernels.grouped import GROUPED_LINEARS, kernel_arguments, kernels, selected_isa
+
+        config = base.config
+        if (body_unsupported_reason(base) is not None or config.hidden_act != "silu" or selected_isa() == "portable"
+                or kernels() is None):
+            return None
+        stack = kernels().CompiledLayers()
+        for layer in base.layers[:config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if (attn.head_dim % 16 or attn.head_dim > 256 or any(type(m) not in GROUPED_LINEARS for m in linears)
+                    or any(norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms)):
+                return None
+            q, k, v, o, gate, up, down = map(kernel_arguments, linears)
+            stack.add_layer(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, [q, k, v], o, [gate, up],
+                            down, config.num_attention_heads, attn.scaling)
+        return cls(base, stack, config.num_key_value_heads, base.layers[0].self_attn.head_dim)
+
+    def __call__(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache) -> torch.Tensor:
+        """:func:`lean_body_forward`'s arguments and result ([1, n, hidden] after the final norm)."""
+        from jointspec.kernels.quantize import compiled_visibility
+
+        base = self.base
+        n = inputs_embeds.shape[1]
+        if inputs_embeds.dtype != torch.float32 or not LeanLlamaForward._compiled_call_ready(n, cache):
+            return lean_body_forward(base, inputs_embeds, position_ids, attention_mask, cache)
+        causal_mask = None if attention_mask is None else create_causal_mask(
+            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=cache,
+            position_ids=position_ids)
+        visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
+        keys, values, start = cache.append_rows(n, inputs_embeds.new_empty(1, self.kv_heads, 0, self.head_dim))
+        buffers = keys + values
+        if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
+            self.stack.set_caches(keys, values)
+            self._buffers = buffers
+        cos, sin = base.rotary_emb(inputs_embeds, position_ids=position_ids)
+        rows = self.stack.forward(inputs_embeds[0].contiguous(), start, [visible], [lengths],
+                                  [cos[0].float().contiguous()], [sin[0].float().contiguous()], False, [])[0]
+        return _rms_norm(base.norm, rows[None])
+
+
 def lean_body_forward(base: llama.LlamaModel, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
     """``base(inputs_embeds=..., position_ids=..., attention_mask=..., past_key_values=cache,

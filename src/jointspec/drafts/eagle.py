@@ -27,6 +27,8 @@ with a prediction are *inexact*: once the target has scored those positions, the
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +37,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from jointspec.backends.hf import CausalLM, tree_ancestor_mask
 from jointspec.backends.kvcache import BufferedCache
-from jointspec.backends.lean_forward import body_unsupported_reason, lean_body_forward
+from jointspec.backends.lean_forward import CompiledBody, body_unsupported_reason, lean_body_forward
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import ForwardOutput
@@ -89,16 +91,18 @@ class EagleHead(nn.Module):
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, *, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
-                lean: bool = False) -> torch.Tensor:
+                lean: bool | Callable = False) -> torch.Tensor:
         """``features``/``token_embeds``: [batch, n, hidden] -> predicted next features [batch, n, hidden].
 
         ``lean`` (drafting, with a cache, where :func:`~jointspec.backends.lean_forward.body_unsupported_reason`
         allows):
         the body through the lean forward, the same operations without transformers' per-module overhead, a large
-        share of a draft call on SmolLM2's small head (docs/kernels.md)."""
+        share of a draft call on SmolLM2's small head (docs/kernels.md); or a callable with its arguments that runs
+        the body another way (:class:`~jointspec.backends.lean_forward.CompiledBody`)."""
         x = self.fc(torch.cat([features, token_embeds], dim=-1))
         if lean and cache is not None:
-            return lean_body_forward(self.body, x, position_ids, attention_mask, cache)
+            body = lean if callable(lean) else functools.partial(lean_body_forward, self.body)
+            return body(x, position_ids, attention_mask, cache)
         out = self.body(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                         past_key_values=cache, use_cache=cache is not None)
         return out.last_hidden_state
@@ -177,6 +181,9 @@ class HeadDraftModel(FeatureDraft):
             use_onednn_linears(self.head)
             self._lm_onednn = OneDNNLinear(self._lm_linear())
         self._lean = body_unsupported_reason(self.head.body) is None
+        # int8 weights: the body's one layer as one compiled call where it fits (drafting's largest cost otherwise).
+        if self._lean and self.weights == "int8":
+            self._lean = CompiledBody.maybe(self.head.body) or True
         self.reset()
 
     def _use_int8(self) -> None:
