@@ -171,7 +171,7 @@ def test_rows_are_bitwise_independent_of_the_batch(kind):
     x = torch.randn(17, 128) * 3
     with torch.no_grad():
         alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])
-        for size in (2, 3, 4, 5, 7, 8, 9, 17):  # the direct paths (up to 8 rows, four at a time) and the buffered
+        for size in (2, 3, 4, 5, 7, 8, 9, 17):  # row tiles of 1-8 (8-bit inputs) and the buffered
             batched = torch.cat([quantized(x[i:i + size]) for i in range(0, len(x), size)])
             assert torch.equal(batched, alone), f"batches of {size}"
         assert torch.equal(quantized(x[None]).reshape(17, -1), alone)
@@ -626,7 +626,7 @@ def test_each_build_gives_the_portable_builds_bits(isa):
     q4, q8 = GroupedInt4Linear(layer), GroupedInt8Linear(layer)
     fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (72, 6), generator=generator, dtype=torch.int32)  # 5-bit levels
     scale16 = torch.rand(72, 12, generator=generator) * 0.01 + 1e-3
-    for rows in (1, 2, 3, 4, 5, 8, 9, 12):  # one row, the direct path (2-8 rows, four at a time), the long one
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12):  # one row, tiles of 2-8 rows and their remainders, the long path
         x = torch.randn(rows, 192, generator=generator) * 3
         for gemm in (False, True):
             assert torch.equal(fast.int5_linear(x, q4.packed, fifth, q4.scale, q4.minimum, gemm),
