@@ -45,7 +45,7 @@ from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
-from jointspec.drafters.costaware import DEFAULT_SIZES, CostAwareDrafter, CostCurve, measure_cost_curve
+from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.pearl import ParallelDrafter
@@ -94,8 +94,11 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
 # length from it, Lookahead's trie its number of nodes, `default`'s lookup-or-tree whether its tree pays.
 LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter, LookupOrTreeDrafter)
 
-# The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward.
-BATCH_CURVE_SIZES = (*DEFAULT_SIZES, 33, 65)
+# The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward. Every size up
+# to 17 and both sides of the larger multiples of 8: the kernels take input rows in tiles (8 on AVX-512, 4 elsewhere),
+# and a forward one row past a whole tile costs a step more (a ninth row about 1.6 rows' time), which a curve
+# interpolated across it hid: a batch of eight then drafted rows that cost more than they gained.
+BATCH_CURVE_SIZES = (*range(1, 18), 24, 25, 32, 33, 48, 49, 64, 65)
 
 # In a round of several sequences a cost-aware drafter's probes may cost at most this share of the rounds
 # (CostAwareDrafter.probe_budget): an extra row costs there about what a row's share of the round does
