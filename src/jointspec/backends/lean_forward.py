@@ -619,8 +619,10 @@ class CompiledBody:
         from jointspec.kernels.grouped import GROUPED_LINEARS, kernel_arguments, kernels, selected_isa
 
         config = base.config
+        # The compiled layer's shapes (layer_weights in kernels/csrc): checked here, so that a head that does not fit
+        # keeps the separate operations instead of failing at its first forward.
         if (body_unsupported_reason(base) is not None or config.hidden_act != "silu" or selected_isa() == "portable"
-                or kernels() is None):
+                or config.hidden_size % 64 or config.intermediate_size % 64 or kernels() is None):
             return None
         stack = kernels().CompiledLayers()
         for layer in base.layers[:config.num_hidden_layers]:
