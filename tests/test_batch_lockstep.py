@@ -185,6 +185,9 @@ def test_lookup_drafts_sample_what_ar_samples_under_load(int4_target):
     # Cost-aware lookup drafts shorter as the batch fills, but its drafts use no draws and its verifier one draw per
     # emitted token (verifiers/rejection.py): each request's sampled tokens are plain sampling's for its seed.
     engine = LockstepEngine(int4_target, max_batch_size=5)
+    # Rows priced nearly free, as above: a measured curve on a loaded machine can leave drafting (and learning) too
+    # rare for the acceptance check below; the tokens hold either way.
+    engine._curve = CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES})
     requests = [BatchRequest(tuple(p), SAMPLED, METHODS["pld-cost-aware"], seed=100 + i) for i, p in enumerate(PROMPTS)]
     out = engine.generate(requests)
     assert out == [alone(int4_target, METHODS["ar"], list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
