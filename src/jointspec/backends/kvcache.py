@@ -153,12 +153,6 @@ class BufferedLayer(DynamicLayer):
         """Make room for ``count`` entries that the caller writes itself (a compiled layer does): returns the key and
         value buffers ([batch, kv_heads, capacity, head_dim]) and the index of the first new entry; the cache counts
         the new entries from now on. ``like`` ([batch, kv_heads, any, head_dim]) gives the shape, dtype and device."""
-        start, key_buffer = self._length, getattr(self, "_key_buffer", None)
-        if start is not None and key_buffer is not None and start + count <= key_buffer.shape[-2]:
-            # The common case, at every layer of every step: room in the buffers already taken over.
-            self._length = start + count
-            self._key_view = self._value_view = None
-            return key_buffer, self._value_buffer, start
         if not self.is_initialized:
             self.lazy_initialization(like, like)
         start = self._adopt()

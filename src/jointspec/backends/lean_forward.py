@@ -520,14 +520,8 @@ class LeanLlamaForward:
         """What the compiled layers need of one sequence's forward besides its rows: its views, each (visible,
         lengths) as their attention takes them (Llama: one), and each layer's cache slots for the new entries (the
         cache counts them from now)."""
-        from jointspec.kernels.quantize import compiled_visibility
-
-        n = inputs_embeds.shape[1]
-        # No mask given means causal, which the compiled attention takes as each row's number of keys.
-        causal_mask = None if attention_mask is None else create_causal_mask(
-            config=self.model.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=cache, position_ids=position_ids)
-        return [compiled_visibility(causal_mask, cache.get_seq_length() + n, n)], self._slots(inputs_embeds, cache)
+        view = causal_view(self.model.config, inputs_embeds, position_ids, attention_mask, cache)
+        return [view], self._slots(inputs_embeds, cache)
 
     def _slots(self, inputs_embeds: torch.Tensor, cache) -> tuple[list, list, int]:
         """The cache slots for the forward's new entries (the cache counts them from now): every layer's key buffer,
@@ -542,16 +536,35 @@ class LeanLlamaForward:
         views, (keys, values, start) = segment
         cos = [c[0].float().contiguous() for c, _ in ropes]
         sin = [s[0].float().contiguous() for _, s in ropes]
-        buffers = keys + values
-        if len(buffers) != len(self._compiled_buffers) or any(
-                mine is not theirs for mine, theirs in zip(buffers, self._compiled_buffers)):
-            self._compiled_stack.set_caches(keys, values)
-            self._compiled_buffers = buffers
+        self._compiled_buffers = give_caches(self._compiled_stack, self._compiled_buffers, keys, values)
         keep = sorted(layer for layer in wanted if 0 < layer < len(self.compiled))
         rows, *outputs = self._compiled_stack.forward(hidden[0].contiguous(), start, [v for v, _ in views],
                                                       [length for _, length in views], cos, sin, prefill, keep)
         kept.update({layer: output[None] for layer, output in zip(keep, outputs)})
         return rows[None]
+
+
+def causal_view(config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
+    """(visible, lengths): which keys each of a forward's rows sees, as the compiled attention takes them, for a model
+    whose layers all attend alike (its ``config``), the rows fed after ``cache``."""
+    from jointspec.kernels.quantize import compiled_visibility
+
+    n = inputs_embeds.shape[1]
+    # No mask given means causal, which the compiled attention takes as each row's number of keys.
+    causal_mask = None if attention_mask is None else create_causal_mask(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=cache,
+        position_ids=position_ids)
+    return compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
+
+
+def give_caches(stack, given: list, keys: list, values: list) -> list:
+    """Hand a compiled stack a sequence's key and value buffers where they are not the ones it was ``given`` last
+    (by identity: the cache keeps them until they grow); returns what it holds now."""
+    buffers = keys + values
+    if len(buffers) != len(given) or any(mine is not theirs for mine, theirs in zip(buffers, given)):
+        stack.set_caches(keys, values)
+        return buffers
+    return given
 
 
 def decoder_layers(base: llama.LlamaModel, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal_mask,
@@ -640,21 +653,13 @@ class CompiledBody:
     def __call__(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  cache) -> torch.Tensor:
         """:func:`lean_body_forward`'s arguments and result ([1, n, hidden] after the final norm)."""
-        from jointspec.kernels.quantize import compiled_visibility
-
         base = self.base
         n = inputs_embeds.shape[1]
         if inputs_embeds.dtype != torch.float32 or not LeanLlamaForward._compiled_call_ready(n, cache):
             return lean_body_forward(base, inputs_embeds, position_ids, attention_mask, cache)
-        causal_mask = None if attention_mask is None else create_causal_mask(
-            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=cache,
-            position_ids=position_ids)
-        visible, lengths = compiled_visibility(causal_mask, cache.get_seq_length() + n, n)
+        visible, lengths = causal_view(base.config, inputs_embeds, position_ids, attention_mask, cache)
         keys, values, start = cache.append_rows(n, inputs_embeds.new_empty(1, self.kv_heads, 0, self.head_dim))
-        buffers = keys + values
-        if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
-            self.stack.set_caches(keys, values)
-            self._buffers = buffers
+        self._buffers = give_caches(self.stack, self._buffers, keys, values)
         cos, sin = base.rotary_emb(inputs_embeds, position_ids=position_ids)
         rows = self.stack.forward(inputs_embeds[0].contiguous(), start, [visible], [lengths],
                                   [cos[0].float().contiguous()], [sin[0].float().contiguous()], False, [])[0]
