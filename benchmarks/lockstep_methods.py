@@ -6,6 +6,12 @@ default. The prompts are first turns of the built-in sets named by ``--prompt-se
 category at a time, in turn) with the model's chat template. Each method runs once untimed, then ``--repeats``
 times, the methods alternating and their order reversed every other repeat, so drift hits them alike.
 
+With ``--rounds-log FILE`` every timed round is also written to FILE as a JSON line (method, level, repeat, and the
+engine's :class:`~jointspec.batch.lockstep.RoundRecord`: sequences, input rows, the batched forward's seconds, draft
+tokens accepted), and each level prints where each method's time went (rounds, rows, forwards' share of the run):
+the rounds' forwards can then be priced cell by cell (sequences, rows) against the same cells of the other method,
+which a run's total time, moved by the machine's drift, cannot show.
+
 Reported per level: each method's tokens per second (prompt reading included, as a server pays it; the best repeat),
 its ratio to the first method paired by repeat (the geometric mean of the repeats' ratios, with a 95 % t interval
 over repeats from 3 repeats on: a repeat, not a request, is the unit, since requests in flight share each forward),
@@ -15,6 +21,7 @@ speed moving by more within a level than between its repeats.
     python benchmarks/lockstep_methods.py --repeats 5                      # ar,default at 1 2 4 8 16
     python benchmarks/lockstep_methods.py --methods ar,pld --concurrency 4 --prompts 8 --repeats 1
     python benchmarks/lockstep_methods.py --prompt-sets builtin:mt_bench builtin:grounded   # serve_vs_llamacpp's mix
+    python benchmarks/lockstep_methods.py --concurrency 4 --rounds-log rounds.jsonl          # every round's forward
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ import json
 import math
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 from scipy import stats
 
 from jointspec.backends.loading import load_model
 from jointspec.batch.engine import BatchRequest
-from jointspec.batch.lockstep import LockstepEngine
+from jointspec.batch.lockstep import LockstepEngine, RoundRecord
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.bench.runner import _cpu_name
 from jointspec.core.loop import DecodeConfig
@@ -62,8 +70,10 @@ def paired_ratio(ratios: list[float]) -> tuple[float, float | None, float | None
 
 
 def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurrency: int,
-        config: DecodeConfig) -> tuple[int, float, list[list[int]]]:
-    """Answer every prompt with ``concurrency`` in flight; (tokens, seconds, answers in prompt order)."""
+        config: DecodeConfig, rounds: list[RoundRecord] | None = None) -> tuple[int, float, list[list[int]]]:
+    """Answer every prompt with ``concurrency`` in flight; (tokens, seconds, answers in prompt order). Each round's
+    record is appended to ``rounds`` where given."""
+    engine.on_round = None if rounds is None else rounds.append
     queue = list(enumerate(prompts))
     answers: dict[int, list[int]] = {}
     owner: dict[int, int] = {}
@@ -92,6 +102,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds-log", default=None, metavar="FILE",
+                        help="write every timed round (sequences, rows, forward seconds, accepted) as JSON lines")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -108,16 +120,25 @@ def main() -> None:
     print(f"{report['cpu']}, {report['kernels']} kernels, {report['threads']} threads; {args.prompts} prompts from "
           f"{' '.join(args.prompt_sets)}, {args.repeats} repeats")
     print(f"{'concurrency':>11}  " + "  ".join(f"{m:>36}" for m in methods))
+    rounds_log = open(args.rounds_log, "w") if args.rounds_log else None
     for concurrency in args.concurrency:
         for method in methods:  # untimed: cost curves, kernels and caches warm
             run(engine, method, prompts[:2], concurrency, config)
         rates: dict[str, list[float]] = {m: [] for m in methods}
         identical = dict.fromkeys(methods, True)
         reference = None
+        spent: dict[str, list[tuple[int, int, float, float]]] = {m: [] for m in methods}
         for repeat in range(args.repeats):
             for method in (methods if repeat % 2 == 0 else methods[::-1]):
-                tokens, seconds, answers = run(engine, method, prompts, concurrency, config)
+                rounds: list[RoundRecord] = []
+                tokens, seconds, answers = run(engine, method, prompts, concurrency, config, rounds)
                 rates[method].append(tokens / seconds)
+                spent[method].append((len(rounds), sum(r.rows for r in rounds),
+                                      sum(r.forward_seconds for r in rounds), seconds))
+                if rounds_log is not None:
+                    for record in rounds:
+                        rounds_log.write(json.dumps({"method": method, "concurrency": concurrency, "repeat": repeat,
+                                                     **asdict(record)}) + "\n")
                 if method == methods[0] and reference is None:
                     reference = answers
                 elif method != methods[0]:
@@ -132,7 +153,16 @@ def main() -> None:
             cells.append(f"{max(rates[method]):7.1f} tok/s {ratio:5.3f}x{interval}" +
                          ("" if identical[method] else " !="))
         print(f"{concurrency:>11}  " + "  ".join(f"{c:>36}" for c in cells), flush=True)
+        if rounds_log is not None:
+            for method in methods:
+                n, rows, forward, total = (statistics.fmean(x[i] for x in spent[method]) for i in range(4))
+                print(f"{'':>11}  {method}: {n:.0f} rounds, {rows:.0f} rows, forwards {forward:.2f} s of "
+                      f"{total:.2f} s a run ({forward / total:.0%})", flush=True)
+        level["rounds"] = {m: [{"rounds": n, "rows": rows, "forward_seconds": f, "seconds": t}
+                               for n, rows, f, t in spent[m]] for m in methods}
         report["levels"].append(level)
+    if rounds_log is not None:
+        rounds_log.close()
     print(json.dumps(report))
 
 

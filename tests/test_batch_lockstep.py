@@ -30,6 +30,7 @@ from jointspec.batch.lockstep import (
     BATCH_PROBE_BUDGET,
     BATCH_SHADOW_BUDGET,
     LockstepEngine,
+    RoundRecord,
     batch_cost_curve,
     engine_description,
     engine_for,
@@ -170,6 +171,33 @@ def test_each_request_gets_the_tokens_it_gets_alone_greedy(int4_target, method, 
     if method != "ar":
         assert engine.stats.num_accepted_tokens > 0
     assert (passes["one pass"] > 0) == (max_batch_size > 1)  # rounds of several rows ran as one pass
+
+
+def test_each_round_reports_its_sequences_rows_and_accepted_tokens(int4_target):
+    # on_round is what benchmarks/lockstep_methods.py --rounds-log prices rounds by: its counts must add up to the
+    # engine's own per-sequence statistics, round by round.
+    engine = LockstepEngine(int4_target, max_batch_size=3)
+    engine._curve = CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES})  # rows nearly free: drafts
+    records: list[RoundRecord] = []
+    engine.on_round = records.append
+    before = []
+
+    def step():
+        before.append((engine.stats.num_rounds, engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens))
+        return original()
+
+    original, engine.step = engine.step, step
+    out = engine.generate([BatchRequest(tuple(p), GREEDY, METHODS["pld-cost-aware"]) for p in PROMPTS])
+    assert out == [alone(int4_target, METHODS["pld-cost-aware"], p, GREEDY) for p in PROMPTS]
+    after = before[1:] + [(engine.stats.num_rounds, engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens)]
+    ran = [(b, a) for b, a in zip(before, after) if a[0] > b[0]]  # steps that ran a round (not only admitted)
+    assert len(records) == len(ran) > 0
+    for record, (b, a) in zip(records, ran):
+        assert 1 <= record.sequences <= 3 and record.forward_seconds > 0
+        assert record.sequences == a[0] - b[0]
+        assert record.rows - record.sequences == a[1] - b[1]
+        assert record.accepted == a[2] - b[2]
+    assert sum(r.accepted for r in records) > 0 and max(r.sequences for r in records) == 3
 
 
 @pytest.mark.parametrize("method", ["ar", "sps-self", "specinfer-self", "mtad-self", "mtad-tree-self"])

@@ -136,6 +136,18 @@ def load_aware_parts(drafter) -> list:
     return [drafter.lookup, drafter] if isinstance(drafter, LookupOrTreeDrafter) else [drafter]
 
 
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round of the lockstep engine, for whoever studies what its forwards cost (``LockstepEngine.on_round``):
+    how many sequences it scored, how many input rows (each sequence's pending token plus its draft), the seconds of
+    the one batched forward, and the draft tokens the round accepted in all."""
+
+    sequences: int
+    rows: int
+    forward_seconds: float
+    accepted: int
+
+
 @dataclass
 class _Sequence:
     seq_id: int
@@ -161,6 +173,8 @@ class LockstepEngine(EngineBase):
         self._checked: set[MethodConfig] = set()
         self._curve: CostCurve | None = None
         self._costs_set_for: tuple[int, ...] = ()  # the sequences whose drafters got this batch's costs
+        # Called with each round's RoundRecord where set (benchmarks/lockstep_methods.py --rounds-log); None: nothing.
+        self.on_round: Callable[[RoundRecord], None] | None = None
 
     # -- requests -----------------------------------------------------------------------------------------------
 
@@ -225,18 +239,25 @@ class LockstepEngine(EngineBase):
         rows = list(self.active.values())
         self._set_draft_costs(rows)
         calls = [seq.decoder.begin_round(seq.state) for seq in rows]
+        start = time.perf_counter()
         outputs = forward_many([seq.decoder.target for seq in rows], calls)
+        forward_seconds = time.perf_counter() - start
+        accepted = 0
         for seq, output in zip(rows, outputs):
             state = seq.state
             new_tokens = seq.decoder.finish_round(state, output)
             self.stats.record(state.depths, state.num_accepted, len(new_tokens))
             self.stats.draft_seconds += state.draft_seconds
+            accepted += state.num_accepted
             finish = None
             if state.done:
                 finish = "stop" if state.stopped else "length"
                 del self.active[seq.seq_id]
             events.append(BatchEvent(seq.seq_id, new_tokens, finish, len(state.depths), state.num_accepted,
                                      seq.stats if finish else None, depths=list(state.depths)))
+        if self.on_round is not None:
+            self.on_round(RoundRecord(len(rows), sum(len(call.token_ids) for call in calls), forward_seconds,
+                                      accepted))
         return events
 
     def _set_draft_costs(self, rows: list[_Sequence]) -> None:
