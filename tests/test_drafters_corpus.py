@@ -33,6 +33,36 @@ def test_table_keeps_the_most_frequent_continuation():
     assert table.continuation([2, 3], min_order=3) is None  # too short for the orders asked
 
 
+def test_table_finds_every_ngram_of_a_large_vocabulary_at_its_longest_order():
+    # Keys take 16 bits a token here (4 orders fill 64): a lookup packs its key as the table was built, ids up to the
+    # last of the vocabulary included. Checked against counts made directly, at every position of the sequences and
+    # for contexts never seen.
+    rng = np.random.default_rng(0)
+    vocab = 50_000
+    sequences = [list(rng.choice([0, 1, 2, vocab - 2, vocab - 1, 40_000], size=60)) for _ in range(20)]
+    table = NgramTable.build(sequences, vocab_size=vocab, max_order=4, min_count=1)
+    followers: dict[tuple[int, ...], dict[int, int]] = {}
+    for sequence in sequences:
+        for end in range(1, len(sequence)):
+            for n in range(1, min(4, end) + 1):
+                counts = followers.setdefault(tuple(int(t) for t in sequence[end - n:end]), {})
+                counts[int(sequence[end])] = counts.get(int(sequence[end]), 0) + 1
+    contexts = [list(sequence[:end]) for sequence in sequences for end in range(1, len(sequence))]
+    contexts += [[3, 4, 5], [vocab - 1, 7], [0, 1, vocab - 1, 9]]
+    for context in contexts:
+        expected = None
+        for n in range(min(4, len(context)), 0, -1):
+            counts = followers.get(tuple(int(t) for t in context[-n:]))
+            if counts:
+                best = min(counts, key=lambda token: (-counts[token], token))
+                expected = (best, counts[best] / sum(counts.values()), n)
+                break
+        found = table.continuation(np.asarray(context, dtype=np.int64))
+        assert (found is None) == (expected is None), context
+        if found is not None:
+            assert found[0] == expected[0] and found[2] == expected[2] and found[1] == pytest.approx(expected[1])
+
+
 def test_table_ties_go_to_the_lowest_id_and_rare_ngrams_are_dropped():
     table = NgramTable.build([[5, 8], [5, 6]], vocab_size=10, max_order=2, min_count=1)
     assert table.continuation([5]) == (6, 0.5, 1)

@@ -202,12 +202,19 @@ class NgramTable:
     def continuation(self, context: Sequence[int], min_order: int = 1) -> tuple[int, float, int] | None:
         """(next token, its share, order) for the longest final n-gram of ``context`` in the table, else None."""
         bits = _bits(self.vocab_size)
-        for n in range(min(self.max_order, len(context)), min_order - 1, -1):
+        top = min(self.max_order, len(context))
+        # Drafting asks this for every drafted token: the keys are packed as _pack packs them, in Python integers
+        # (an array per order cost more than the search itself).
+        tail = [int(token) for token in context[len(context) - top:]] if top > 0 else []
+        for n in range(top, min_order - 1, -1):
             keys = self.keys[n - 1]
             if not keys.size:
                 continue
-            key = _pack(np.asarray(context[-n:], dtype=np.int64)[None, :], bits)[0]
-            at = int(np.searchsorted(keys, key))
+            key = 0
+            for token in tail[top - n:]:
+                key = (key << bits) | token
+            key = np.uint64(key)
+            at = int(keys.searchsorted(key))
             if at < keys.size and keys[at] == key:
                 return int(self.next_ids[n - 1][at]), float(self.shares[n - 1][at]), n
         return None
