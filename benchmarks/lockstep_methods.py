@@ -12,6 +12,12 @@ tokens accepted), and each level prints where each method's time went (rounds, r
 the rounds' forwards can then be priced cell by cell (sequences, rows) against the same cells of the other method,
 which a run's total time, moved by the machine's drift, cannot show.
 
+A second line per level ("all busy") gives the tokens per second of the rounds that ran with every slot taken, their
+prompt reading left out (the same work for every method): what a server under steady load decodes at. The rest of a
+run is its end, when no prompt is left to replace a finished request and the last requests finish with fewer beside
+them; that end weighs on a method whose requests finish at different rounds (a speculative one) more than on one
+whose requests of equal length finish together (`ar`).
+
 Reported per level: each method's tokens per second (prompt reading included, as a server pays it; the best repeat),
 its ratio to the first method paired by repeat (the geometric mean of the repeats' ratios, with a 95 % t interval
 over repeats from 3 repeats on: a repeat, not a request, is the unit, since requests in flight share each forward),
@@ -31,7 +37,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 from scipy import stats
@@ -69,25 +75,45 @@ def paired_ratio(ratios: list[float]) -> tuple[float, float | None, float | None
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
+@dataclass
+class RunResult:
+    tokens: int
+    seconds: float
+    answers: list[list[int]]  # in prompt order
+    # The rounds with every slot taken (as many sequences as the level keeps in flight), their prompt reading left
+    # out (the same work for every method): a server under steady load decodes in such rounds only.
+    busy_tokens: int = 0
+    busy_seconds: float = 0.0
+
+
 def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurrency: int,
-        config: DecodeConfig, rounds: list[RoundRecord] | None = None) -> tuple[int, float, list[list[int]]]:
-    """Answer every prompt with ``concurrency`` in flight; (tokens, seconds, answers in prompt order). Each round's
-    record is appended to ``rounds`` where given."""
-    engine.on_round = None if rounds is None else rounds.append
+        config: DecodeConfig, rounds: list[RoundRecord] | None = None) -> RunResult:
+    """Answer every prompt with ``concurrency`` in flight. Each round's record is appended to ``rounds`` where
+    given."""
+    records: list[RoundRecord] = [] if rounds is None else rounds
+    engine.on_round = records.append
     queue = list(enumerate(prompts))
     answers: dict[int, list[int]] = {}
     owner: dict[int, int] = {}
-    tokens = 0
+    result = RunResult(0, 0.0, [])
     start = time.perf_counter()
     while queue or engine.has_work:
         while queue and len(engine.active) + len(engine.waiting) < concurrency:
             index, ids = queue.pop(0)
             owner[engine.submit(BatchRequest(tuple(ids), config, MethodConfig(method)))] = index
             answers[index] = []
+        num_records, got = len(records), 0
         for event in engine.step():
-            tokens += len(event.token_ids)
+            got += len(event.token_ids)
             answers[owner[event.seq_id]].extend(event.token_ids)
-    return tokens, time.perf_counter() - start, [answers[i] for i in range(len(prompts))]
+        result.tokens += got
+        if len(records) > num_records and records[-1].sequences == concurrency:
+            result.busy_tokens += got
+            result.busy_seconds += records[-1].seconds
+    engine.on_round = None
+    result.seconds = time.perf_counter() - start
+    result.answers = [answers[i] for i in range(len(prompts))]
+    return result
 
 
 def main() -> None:
@@ -125,16 +151,20 @@ def main() -> None:
         for method in methods:  # untimed: cost curves, kernels and caches warm
             run(engine, method, prompts[:2], concurrency, config)
         rates: dict[str, list[float]] = {m: [] for m in methods}
+        busy: dict[str, list[float]] = {m: [] for m in methods}  # tokens per second while every slot was taken
         identical = dict.fromkeys(methods, True)
         reference = None
         spent: dict[str, list[tuple[int, int, float, float]]] = {m: [] for m in methods}
         for repeat in range(args.repeats):
             for method in (methods if repeat % 2 == 0 else methods[::-1]):
                 rounds: list[RoundRecord] = []
-                tokens, seconds, answers = run(engine, method, prompts, concurrency, config, rounds)
-                rates[method].append(tokens / seconds)
+                result = run(engine, method, prompts, concurrency, config, rounds)
+                answers = result.answers
+                rates[method].append(result.tokens / result.seconds)
+                if result.busy_seconds > 0:
+                    busy[method].append(result.busy_tokens / result.busy_seconds)
                 spent[method].append((len(rounds), sum(r.rows for r in rounds),
-                                      sum(r.forward_seconds for r in rounds), seconds))
+                                      sum(r.forward_seconds for r in rounds), result.seconds))
                 if rounds_log is not None:
                     for record in rounds:
                         rounds_log.write(json.dumps({"method": method, "concurrency": concurrency, "repeat": repeat,
@@ -153,6 +183,16 @@ def main() -> None:
             cells.append(f"{max(rates[method]):7.1f} tok/s {ratio:5.3f}x{interval}" +
                          ("" if identical[method] else " !="))
         print(f"{concurrency:>11}  " + "  ".join(f"{c:>36}" for c in cells), flush=True)
+        if all(len(busy[m]) == args.repeats for m in methods):
+            level["busy_tokens_per_second"] = {m: max(busy[m]) for m in methods}
+            level["busy_ratio"] = {}
+            cells = []
+            for method in methods:
+                ratio, low, high = paired_ratio([a / b for a, b in zip(busy[method], busy[methods[0]])])
+                level["busy_ratio"][method] = {"ratio": ratio, "low": low, "high": high}
+                interval = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
+                cells.append(f"{max(busy[method]):7.1f} tok/s {ratio:5.3f}x{interval}")
+            print(f"{'all busy':>11}  " + "  ".join(f"{c:>36}" for c in cells), flush=True)
         if rounds_log is not None:
             for method in methods:
                 n, rows, forward, total = (statistics.fmean(x[i] for x in spent[method]) for i in range(4))

@@ -140,12 +140,14 @@ def load_aware_parts(drafter) -> list:
 class RoundRecord:
     """One round of the lockstep engine, for whoever studies what its forwards cost (``LockstepEngine.on_round``):
     how many sequences it scored, how many input rows (each sequence's pending token plus its draft), the seconds of
-    the one batched forward, and the draft tokens the round accepted in all."""
+    the one batched forward and of the whole round (drafting, the forward, verifying and committing; not the
+    reading of prompts that joined before it), and the draft tokens the round accepted in all."""
 
     sequences: int
     rows: int
     forward_seconds: float
     accepted: int
+    seconds: float
 
 
 @dataclass
@@ -236,6 +238,7 @@ class LockstepEngine(EngineBase):
         events = self._admit()
         if not self.active:
             return events
+        round_start = time.perf_counter()
         rows = list(self.active.values())
         self._set_draft_costs(rows)
         calls = [seq.decoder.begin_round(seq.state) for seq in rows]
@@ -257,7 +260,7 @@ class LockstepEngine(EngineBase):
                                      seq.stats if finish else None, depths=list(state.depths)))
         if self.on_round is not None:
             self.on_round(RoundRecord(len(rows), sum(len(call.token_ids) for call in calls), forward_seconds,
-                                      accepted))
+                                      accepted, time.perf_counter() - round_start))
         return events
 
     def _set_draft_costs(self, rows: list[_Sequence]) -> None:
