@@ -9,12 +9,15 @@ import pytest
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.corpus import (
+    DEFAULT_MIN_SHARE,
+    SHARE_OVER_ACCEPTANCE,
     CorpusLookupDrafter,
     NgramTable,
     shipped_table_for,
     table_for,
     tokenizer_fingerprint,
 )
+from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
 
 from helpers import VOCAB, FakeTokenizer, greedy, hf_greedy, make_decoder, random_prompt
 
@@ -107,6 +110,29 @@ def test_drafter_leaves_out_continuations_below_min_share():
     table = NgramTable.build([[1, 2], [1, 3], [1, 4]], vocab_size=10, max_order=1, min_count=1)  # 1 -> 2 at 1/3
     assert CorpusLookupDrafter(table, 2, min_share=0.3).propose([1], 2, GREEDY, None).token_ids == [2]
     assert CorpusLookupDrafter(table, 2, min_share=0.5).propose([1], 2, GREEDY, None).token_ids == []
+
+
+def test_a_cost_aware_wrapper_prices_the_tables_bar_by_what_a_row_costs():
+    # 1 -> 2 at share 1/3. Alone a drafted row costs 5 % of a step (the bar 0.15: drafted); where a row costs half a
+    # plain round, as in a batch of four, the bar is 0.6 and the entry is left out; a bar given stays where it is.
+    table = NgramTable.build([[1, 2], [1, 3], [1, 4]], vocab_size=10, max_order=1, min_count=1)
+    cheap = CostCurve({1: 1.0, 2: 1.05, 3: 1.1})
+    dear = CostCurve({1: 1.0, 2: 1.5, 3: 2.0})
+    lookup = CorpusLookupDrafter(table, 2)
+    assert lookup.min_share == DEFAULT_MIN_SHARE  # nothing prices it yet
+    wrapper = CostAwareDrafter(lookup, cheap, prior_acceptance=0.9)
+    wrapper.start([])
+    assert lookup.min_share == pytest.approx(0.05 + SHARE_OVER_ACCEPTANCE)
+    assert wrapper.propose([1], 2, GREEDY, None).token_ids[:1] == [2]
+    wrapper.commit([1, 2], 1)
+    wrapper.curve = dear  # what a batched engine does as its batch fills
+    assert lookup.min_share == pytest.approx(0.5 + SHARE_OVER_ACCEPTANCE)
+    assert lookup.peek([1], 2) == []
+    fixed = CorpusLookupDrafter(table, 2, min_share=0.3)
+    CostAwareDrafter(fixed, dear)
+    assert fixed.min_share == 0.3 and fixed.peek([1], 2) == [2]
+    with pytest.raises(ValueError, match="row_cost"):
+        lookup.price_rows(-0.1)
 
 
 def test_drafter_length_doubles_after_a_whole_accepted_draft():

@@ -18,6 +18,10 @@ Drafting, one token at a time (each drafted token joins the context for the next
    had at least ``min_share`` of the n-gram's occurrences in the corpus;
 3. else the draft ends.
 
+Under a cost-aware wrapper the bar ``min_share`` follows the price of a drafted row (:meth:`CorpusLookupDrafter.
+price_rows`): alone, where an extra row costs a few per cent of a step, entries from a share of about 0.2 pay; in a
+batch, where a row costs about half a sequence's share of the round, only entries from about 0.6.
+
 Example: the corpus has "Here are some tips" 30 times and "Here are some ideas" 10 times, so the table maps
 (Here, are, some) to "tips" with share 0.75; a context ending in "Here are some" drafts "tips" when ``min_share <=
 0.75``. A draft is verified like any other (one-hot drafts), so the output is the target's, whatever the table says;
@@ -249,24 +253,47 @@ class NgramTable:
         return table, config
 
 
+# The bar for a table entry where nothing prices a drafted row (a drafter without a cost-aware wrapper).
+DEFAULT_MIN_SHARE = 0.4
+
+# How much less often the target takes a table entry's token than the entry's share says: on the shipped SmolLM2 table
+# and MT-Bench, entries of share 0.4-0.9 were accepted about 0.1 less often than their share (docs/lab/serving.md,
+# section 10).
+SHARE_OVER_ACCEPTANCE = 0.1
+
+
 class CorpusLookupDrafter(PromptLookupDrafter):
     """Prompt lookup first, the corpus table where the context has no match of ``min_context_ngram`` tokens or more
     (module docstring). Draft length as prompt lookup's (``num_draft_tokens``, doubled after a draft accepted
     whole, up to ``max_num_draft_tokens``, back after any rejection); a draft also ends at the first position
-    neither source fills."""
+    neither source fills.
+
+    ``min_share``: the least share a table entry needs to be drafted; None (the default) lets a cost-aware wrapper
+    set it from the price of a row (:meth:`price_rows`), :data:`DEFAULT_MIN_SHARE` until one does."""
 
     def __init__(self, table: NgramTable, num_draft_tokens: int = 3, max_num_draft_tokens: int | None = None, *,
                  max_ngram: int = 3, min_context_ngram: int = 2, min_order: int = 1,
-                 min_share: float = 0.4, output_memory: OutputMemory | None = None) -> None:
+                 min_share: float | None = None, output_memory: OutputMemory | None = None) -> None:
         super().__init__(num_draft_tokens, max_ngram, min_context_ngram, max_num_draft_tokens,
                          output_memory=output_memory)
         if not 1 <= min_order <= table.max_order:
             raise ValueError(f"min_order must be 1 .. {table.max_order} for this table, got {min_order}")
-        if not 0.0 <= min_share <= 1.0:
+        if min_share is not None and not 0.0 <= min_share <= 1.0:
             raise ValueError(f"min_share must be in [0, 1], got {min_share}")
         self.table = table
         self.min_order = min_order
-        self.min_share = min_share
+        self.priced = min_share is None
+        self.min_share = DEFAULT_MIN_SHARE if min_share is None else min_share
+
+    def price_rows(self, row_cost: float) -> None:
+        """Draft table entries whose share, less :data:`SHARE_OVER_ACCEPTANCE`, pays for the row a drafted token
+        adds. ``row_cost``: that row's cost as a fraction of a plain round (a one-token draft pays where its token is
+        accepted more often than that); a cost-aware wrapper calls this whenever its curve changes. Above 0.9 no
+        entry pays. A ``min_share`` given at construction stays."""
+        if not row_cost >= 0:
+            raise ValueError(f"row_cost must be >= 0, got {row_cost}")
+        if self.priced:
+            self.min_share = row_cost + SHARE_OVER_ACCEPTANCE
 
     def next_token(self, context: np.ndarray) -> int | None:
         """The drafted token after ``context`` (int64 token ids): from the context itself (or the memory of earlier

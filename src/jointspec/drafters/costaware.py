@@ -404,6 +404,20 @@ class CostAwareDrafter:
         self._state = self._fresh_state()
 
     @property
+    def curve(self) -> CostCurve:
+        """The target's cost curve the draft length is chosen on (a batched engine replaces it as the batch
+        changes). An inner drafter with ``price_rows`` (corpus lookup) is told what one drafted row then costs, as
+        a fraction of a plain round."""
+        return self._curve
+
+    @curve.setter
+    def curve(self, curve: CostCurve) -> None:
+        self._curve = curve
+        price_rows = getattr(self.inner, "price_rows", None)
+        if price_rows is not None:
+            price_rows(max(0.0, curve.round_cost(1) / curve.round_cost(0) - 1.0))
+
+    @property
     def warm_per_prompt(self) -> bool:
         # The benchmark asks the drafter whether a prompt's first run is a warm-up (the oracle's is).
         return bool(getattr(self.inner, "warm_per_prompt", False))
