@@ -267,12 +267,7 @@ class LeanLlamaForward:
         A quantised model is its own model (kernels/quantize.py): the compiled layer computes what the operations
         below do, each row alone as they do, but not bit for bit (float sums in another order), so plain and
         speculative decoding of that model both run it, and agree exactly with each other."""
-        from jointspec.kernels.grouped import (
-            GROUPED_LINEARS,
-            kernel_arguments,
-            kernels,
-            selected_isa,
-        )
+        from jointspec.kernels.grouped import kernel_arguments, kernels, selected_isa
         from jointspec.kernels.quantize import ROWWISE_ATTENTION
 
         config = self.model.config
@@ -284,8 +279,7 @@ class LeanLlamaForward:
         for index, (layer, (fused_qkv, fused_gate_up)) in enumerate(zip(base.layers, self.fused)):
             attn, mlp = layer.self_attn, layer.mlp
             plain = [attn.o_proj, mlp.down_proj]
-            if (attn.head_dim % 16 or attn.head_dim > 256
-                    or any(type(m) not in GROUPED_LINEARS for m in plain + self._qkv(layer) + self._gate_up(layer))):
+            if not compiled_layer_fits(attn, plain + self._qkv(layer) + self._gate_up(layer)):
                 return None
             # q | k | v and gate | up: one fused call where their buffers are stacked, else one part per layer.
             qkv = [list(fused_qkv.spans)] if fused_qkv else [kernel_arguments(m) for m in self._qkv(layer)]
@@ -544,6 +538,14 @@ class LeanLlamaForward:
         return rows[None]
 
 
+def compiled_layer_fits(attn, linears: list) -> bool:
+    """Whether a decoder layer with attention ``attn`` and these linears fits the compiled decoder layer
+    (``decoder_layer`` in kernels/csrc): its head width, and every linear a grouped int4/int8 layer."""
+    from jointspec.kernels.grouped import GROUPED_LINEARS
+
+    return not (attn.head_dim % 16 or attn.head_dim > 256) and all(type(m) in GROUPED_LINEARS for m in linears)
+
+
 def causal_view(config, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
     """(visible, lengths): which keys each of a forward's rows sees, as the compiled attention takes them, for a model
     whose layers all attend alike (its ``config``), the rows fed after ``cache``."""
@@ -629,7 +631,7 @@ class CompiledBody:
     @classmethod
     def maybe(cls, base: llama.LlamaModel) -> CompiledBody | None:
         """The compiled body of ``base``, or None where its layers do not fit the compiled decoder layer."""
-        from jointspec.kernels.grouped import GROUPED_LINEARS, kernel_arguments, kernels, selected_isa
+        from jointspec.kernels.grouped import kernel_arguments, kernels, selected_isa
 
         config = base.config
         # The compiled layer's shapes (layer_weights in kernels/csrc): checked here, so that a head that does not fit
@@ -642,8 +644,8 @@ class CompiledBody:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if (attn.head_dim % 16 or attn.head_dim > 256 or any(type(m) not in GROUPED_LINEARS for m in linears)
-                    or any(norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms)):
+            if not compiled_layer_fits(attn, linears) or any(
+                    norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms):
                 return None
             q, k, v, o, gate, up, down = map(kernel_arguments, linears)
             stack.add_layer(norms[0].weight, norms[1].weight, norms[0].variance_epsilon, [q, k, v], o, [gate, up],
