@@ -23,6 +23,7 @@ from jointspec.drafts.eagle3 import (
     save_speculators,
 )
 from jointspec.drafts.registry import bind_trained_draft
+from jointspec.kernels.grouped import GroupedInt8Linear
 from jointspec.train.data import build_data
 from jointspec.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
 
@@ -316,6 +317,7 @@ def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tm
     for weights in ("float32", "int8"):
         draft = primed(wide, lambda target, weights=weights: bind_eagle3(folder, target, weights), context)
         assert draft.weights == weights
+        assert (type(draft.head.fc) is GroupedInt8Linear) == (weights == "int8")
         drafts[weights] = draft.forward(context + [5, 6]).logits
     assert bind_eagle3(folder, CausalLM(wide)).weights == "int8"  # auto takes it where it runs
     finite = torch.isfinite(drafts["float32"])

@@ -510,7 +510,7 @@ def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeyp
     assert len(outputs[0]) == 40 and all(output == outputs[0] for output in outputs)
 
 
-# Int8 draft heads (drafts/eagle.py, HEAD_WEIGHT_CHOICES): a bound EAGLE head's body and LM-head rows on the int8
+# Int8 draft heads (drafts/eagle.py, HEAD_WEIGHT_CHOICES): a bound EAGLE head's fc, body and LM-head rows on the int8
 # kernel. Deterministic (seeded weights and prompts): no false-failure odds.
 
 def int8_and_float_heads(seed: int = 0):
@@ -530,7 +530,8 @@ def test_an_int8_head_drafts_from_int8_weights_close_to_its_float_self():
     assert int8_head.weights == "int8" and float_head.weights == "float32"
     body_linears = [type(m) for m in int8_head.head.body.modules() if isinstance(m, (nn.Linear, GroupedInt8Linear))]
     assert body_linears and set(body_linears) == {GroupedInt8Linear}
-    assert type(int8_head.head.fc) is nn.Linear  # fc reads feature and embedding side by side: kept float
+    assert type(int8_head.head.fc) is GroupedInt8Linear and type(float_head.head.fc) is nn.Linear
+    assert int8_head.dtype == torch.float32 and int8_head.device.type == "cpu"  # its activations', not fc's levels'
     prompt = random_prompt(4)
     target.reset()
     target.forward(prompt[:-1], num_logits=0)

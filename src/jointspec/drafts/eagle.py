@@ -134,8 +134,8 @@ def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | No
         return f"int8 head weights are for float32 heads on the CPU; this one is {head.fc.weight.dtype} on " \
                f"{head.fc.weight.device}"
     body = head.body if body is None else body
-    misfit = next((f"{name}: {reason}" for name, module in body.named_modules() if type(module) is nn.Linear
-                   for reason in [grouped_misfit(module)] if reason), None)
+    misfit = next((f"{name}: {reason}" for name, module in [("fc", head.fc), *body.named_modules()]
+                   if type(module) is nn.Linear for reason in [grouped_misfit(module)] if reason), None)
     if misfit is None and head.config.hidden_size % 64:
         misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"
     if misfit is None and selected_isa() == "portable":
@@ -162,6 +162,8 @@ class HeadDraftModel(FeatureDraft):
             raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                          f"{', '.join(HEAD_WEIGHT_CHOICES)}")
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
+        # Its float activations' device and dtype, read before int8 weights replace fc's float ones.
+        self._device, self._dtype = head.fc.weight.device, head.fc.weight.dtype
         model = target.model
         self.embed = model.get_input_embeddings()
         # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
@@ -187,9 +189,10 @@ class HeadDraftModel(FeatureDraft):
         self.reset()
 
     def _use_int8(self) -> None:
-        """Swap the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""
+        """Swap fc, the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""
         from jointspec.kernels.grouped import GroupedInt8Linear
 
+        self.head.fc = GroupedInt8Linear(self.head.fc)
         linears_to_int8(self.head.body)
         self._lm_int8 = GroupedInt8Linear(self._lm_linear())
 
@@ -205,11 +208,11 @@ class HeadDraftModel(FeatureDraft):
 
     @property
     def device(self) -> torch.device:
-        return self.head.fc.weight.device
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.head.fc.weight.dtype
+        return self._dtype
 
     def _new_cache(self) -> BufferedCache:
         # Written in place, not concatenated: a draft call then copies nothing of the context (backends/kvcache.py).
