@@ -542,6 +542,23 @@ def test_an_int8_head_drafts_from_int8_weights_close_to_its_float_self():
     assert 0 < difference < 0.05 * rows[1][drafted].abs().max()  # int8 rounding: present, and small
 
 
+def test_a_head_bound_twice_keeps_its_int8_weights_and_float_activations():
+    """Binding converts the head's linears in place, so a second binding of the same head object finds them int8
+    already: it must still bind as int8, compute in float32 and draft what the first binding drafts."""
+    from jointspec.drafts.eagle import HeadDraftModel
+
+    int8_head, _, target = int8_and_float_heads()
+    again = HeadDraftModel(int8_head.head, target, weights="auto")
+    assert again.weights == "int8" and again.dtype == torch.float32 and again.lm_weight.dtype == torch.float32
+    assert HeadDraftModel(int8_head.head, target, weights="int8").weights == "int8"
+    prompt = random_prompt(4)
+    target.reset()
+    target.forward(prompt[:-1], num_logits=0)
+    first = int8_head.forward(prompt + [5, 6]).logits
+    int8_head.reset()
+    assert torch.equal(again.forward(prompt + [5, 6]).logits, first)
+
+
 def test_an_int8_heads_body_runs_as_one_compiled_call_close_to_its_operations():
     """An int8 head's one-layer body runs as one call of the compiled decoder layers (lean_forward.CompiledBody): the
     operations' results to float rounding, for a chain fed in one call and for a tree's masked levels. Deterministic:

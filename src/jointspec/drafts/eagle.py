@@ -126,16 +126,25 @@ def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
     return load_artifact(folder, HeadConfig, EagleHead, device=device, dtype=dtype)
 
 
+def float_activations(head: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype a head computes in: its float parameters' (the norms', which int8 weights never replace;
+    a head bound once already may hold int8 linears, since binding converts them in place)."""
+    weight = next(p for p in head.parameters() if p.is_floating_point())
+    return weight.device, weight.dtype
+
+
 def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | None:
-    """Why ``head`` cannot run its ``body``'s linears (default: ``head.body``) on int8 weights (None: it can)."""
+    """Why ``head`` cannot run its ``body``'s linears (default: ``head.body`` and ``fc``) on int8 weights (None: it
+    can)."""
     from jointspec.kernels.grouped import grouped_misfit, selected_isa, unavailable_reason
 
-    if head.fc.weight.device.type != "cpu" or head.fc.weight.dtype != torch.float32:
-        return f"int8 head weights are for float32 heads on the CPU; this one is {head.fc.weight.dtype} on " \
-               f"{head.fc.weight.device}"
-    body = head.body if body is None else body
-    misfit = next((f"{name}: {reason}" for name, module in [("fc", head.fc), *body.named_modules()]
-                   if type(module) is nn.Linear for reason in [grouped_misfit(module)] if reason), None)
+    device, dtype = float_activations(head)
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"int8 head weights are for float32 heads on the CPU; this one is {dtype} on {device}"
+    # An EAGLE-style head's fc goes on int8 too (HeadDraftModel._use_int8); an EAGLE-3 head's (``body`` given) stays.
+    linears = [("fc", head.fc), *head.body.named_modules()] if body is None else list(body.named_modules())
+    misfit = next((f"{name}: {reason}" for name, module in linears if type(module) is nn.Linear
+                   for reason in [grouped_misfit(module)] if reason), None)
     if misfit is None and head.config.hidden_size % 64:
         misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"
     if misfit is None and selected_isa() == "portable":
@@ -162,12 +171,11 @@ class HeadDraftModel(FeatureDraft):
             raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                          f"{', '.join(HEAD_WEIGHT_CHOICES)}")
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
-        # Its float activations' device and dtype, read before int8 weights replace fc's float ones.
-        self._device, self._dtype = head.fc.weight.device, head.fc.weight.dtype
+        self._device, self._dtype = float_activations(self.head)
         model = target.model
         self.embed = model.get_input_embeddings()
         # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
-        self.lm_weight = float_lm_weight(model).detach().index_select(0, head.draft_vocab).to(head.fc.weight.dtype)
+        self.lm_weight = float_lm_weight(model).detach().index_select(0, head.draft_vocab).to(self._dtype)
         self.draft_vocab = head.draft_vocab
         self._lm_int8 = None
         self._lm_onednn = None
@@ -192,7 +200,8 @@ class HeadDraftModel(FeatureDraft):
         """Swap fc, the body's linears and the LM head rows for int8 weight groups (see :data:`HEAD_WEIGHT_CHOICES`)."""
         from jointspec.kernels.grouped import GroupedInt8Linear
 
-        self.head.fc = GroupedInt8Linear(self.head.fc)
+        if type(self.head.fc) is nn.Linear:  # a head bound before has it converted already
+            self.head.fc = GroupedInt8Linear(self.head.fc)
         linears_to_int8(self.head.body)
         self._lm_int8 = GroupedInt8Linear(self._lm_linear())
 

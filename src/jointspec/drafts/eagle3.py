@@ -58,7 +58,7 @@ from jointspec.drafts.artifact import (
     save_artifact,
     write_engine_checkpoint,
 )
-from jointspec.drafts.eagle import HeadDraftModel, int8_head_misfit, linears_to_int8
+from jointspec.drafts.eagle import HeadDraftModel, float_activations, int8_head_misfit, linears_to_int8
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format export writes and the interop tests check
 # Config switches of later EAGLE-3 variants; a checkpoint that turns one on is refused (module docstring).
@@ -365,14 +365,16 @@ class Eagle3DraftModel(HeadDraftModel):
             raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                          f"{', '.join(HEAD_WEIGHT_CHOICES)}")
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
-        self._device, self._dtype = head.fc.weight.device, head.fc.weight.dtype  # before int8 replaces fc's weights
+        self._device, self._dtype = float_activations(self.head)
         self.head.hide_first_entry = True
         self.embed = head.embed_tokens if head.embed_tokens is not None else target.model.get_input_embeddings()
         self.draft_vocab = head.draft_vocab
         self._lm_int8 = self._lm_onednn = None
         self._lean = False
-        # int8 as for EAGLE-style heads (drafts/artifact.py, HEAD_WEIGHT_CHOICES): fc, the layer's linears and the
-        # LM head on the grouped int8 kernel. It changes which tokens are drafted, never what is generated.
+        # int8 as for EAGLE-style heads (drafts/artifact.py, HEAD_WEIGHT_CHOICES): the layer's linears and the LM
+        # head on the grouped int8 kernel. fc stays float: it reads the target's raw hidden states, whose outliers
+        # would dominate a group's 8-bit inputs, and no EAGLE-3 head here has been measured with it on int8. It
+        # changes which tokens are drafted, never what is generated.
         misfit = int8_head_misfit(self.head, self.head.layer) if weights != "float32" else None
         if weights == "int8" and misfit:
             raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
@@ -384,9 +386,9 @@ class Eagle3DraftModel(HeadDraftModel):
     def _use_int8(self) -> None:
         from jointspec.kernels.grouped import GroupedInt8Linear
 
-        self.head.fc = GroupedInt8Linear(self.head.fc)
         linears_to_int8(self.head.layer)
-        self.head.lm_head = GroupedInt8Linear(self.head.lm_head)
+        if type(self.head.lm_head) is nn.Linear:  # a head bound before has it converted already
+            self.head.lm_head = GroupedInt8Linear(self.head.lm_head)
 
     @property
     def config(self):
