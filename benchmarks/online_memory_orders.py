@@ -2,12 +2,13 @@
 the same requests, replayed over a bench run's recorded greedy answers.
 
 One bench run puts its requests in one order, so "last 20 against first 20" mixes what the memory learnt with which
-requests happened to land at the two ends. This replays cost-aware prompt lookup (``pld``) with and without an
-:class:`~jointspec.drafters.memory.OutputMemory` that each finished answer joins, over the answers a lossless method
-committed (greedy: every drafter's rounds are then fixed by the answers), in ``--orders`` random orders, and reports
-the measure's mean with the memory and without it, and the memory's own gain over the first and last requests. No
-model forward runs: tokens per call are exact for the recorded answers, the cost curve only sets each round's draft
-length.
+requests happened to land at the two ends. This replays prompt lookup (``pld`` as the bench runs it: its adaptive
+length, not cost-aware) with and without an :class:`~jointspec.drafters.memory.OutputMemory` that each finished
+answer joins, over the answers a lossless method committed (greedy: every drafter's rounds are then fixed by the
+answers), in ``--orders`` random orders, and reports the measure's mean with the memory and without it, and the
+memory's own gain over the first and last requests. No model forward runs: tokens per call are exact for the
+recorded answers (in the bench's own order they are the bench's ``pld`` and ``pld:memory=online`` rows' figures).
+Single-turn prompt sets only: the bench remembers every turn, this replays first turns.
 
     python benchmarks/online_memory_orders.py --results DIR/results.json --prompts code200.jsonl --method ar
 
@@ -23,24 +24,22 @@ import statistics
 
 from jointspec.backends.loading import load_model
 from jointspec.bench.compare import load_results, pick_method
-from jointspec.bench.corpus_replay import INT4_CURVE, parse_curve, runs_by_prompt
+from jointspec.bench.corpus_replay import runs_by_prompt
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.costaware import CostAwareDrafter
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.methods import MethodConfig
 
 
-def replay(requests: list[tuple[list[int], list[int]]], curve, memory: OutputMemory | None) -> list[tuple[int, int]]:
-    """(answer tokens, target calls) per request, in the given order, cost-aware ``pld`` with its defaults."""
+def replay(requests: list[tuple[list[int], list[int]]], memory: OutputMemory | None) -> list[tuple[int, int]]:
+    """(answer tokens, target calls) per request, in the given order, ``pld`` with its defaults."""
     config = MethodConfig(name="pld")
     greedy = SamplingConfig(temperature=0.0)
     per_request = []
     for prompt_ids, answer in requests:
-        lookup = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
-                                     max(config.max_num_draft_tokens, config.num_draft_tokens), output_memory=memory)
-        drafter = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
+        drafter = PromptLookupDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram,
+                                      max(config.max_num_draft_tokens, config.num_draft_tokens), output_memory=memory)
         drafter.start(list(prompt_ids))
         context, done, calls = list(prompt_ids), 0, 0
         while done < len(answer):
@@ -69,7 +68,6 @@ def main() -> None:
     parser.add_argument("--method", default="ar", help="the lossless row whose greedy answers to replay")
     parser.add_argument("--prompts", required=True, help="the prompt set that run used (first turns are replayed)")
     parser.add_argument("--model", default="default", help="whose tokenizer formats the prompts (the run's target)")
-    parser.add_argument("--curve", default=INT4_CURVE, help="tokens:cost pairs (default: the int4 embedded model's)")
     parser.add_argument("--orders", type=int, default=20, help="random orders replayed (seeds 0 .. orders - 1)")
     parser.add_argument("--ends", type=int, default=20, help="requests at each end that are compared")
     args = parser.parse_args()
@@ -77,13 +75,14 @@ def main() -> None:
     results = load_results(args.results)
     method = pick_method(list(results["methods"]), args.method)
     runs = runs_by_prompt(results, method, load_prompts(args.prompts))
+    if any(len(prompt.turns) > 1 for prompt, _ in runs):
+        parser.error("multi-turn prompts: the bench remembers every turn and this replays first turns only")
     if len(runs) < 2 * args.ends:
         parser.error(f"{len(runs)} requests cannot give two ends of {args.ends}")
     _, tokenizer = load_model(args.model, quantize="none")
-    curve = parse_curve(args.curve)
     requests = [(chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt.turns[0]}]), run["output_ids"][0])
                 for prompt, run in runs]
-    plain = replay(requests, curve, None)  # without a memory a request's rounds do not depend on the order
+    plain = replay(requests, None)  # without a memory a request's rounds do not depend on the order
 
     def ends(rows):
         return tokens_per_call(rows[:args.ends]), tokens_per_call(rows[-args.ends:])
@@ -92,7 +91,7 @@ def main() -> None:
     for seed in range(args.orders):
         order = list(range(len(requests)))
         random.Random(seed).shuffle(order)
-        learnt = replay([requests[i] for i in order], curve, OutputMemory())
+        learnt = replay([requests[i] for i in order], OutputMemory())
         (first, last), (plain_first, plain_last) = ends(learnt), ends([plain[i] for i in order])
         measures["memory"].append(last / first)
         measures["plain"].append(plain_last / plain_first)
@@ -106,7 +105,7 @@ def main() -> None:
     print(f"mean over {args.orders} orders: last/first {summary['memory']:.3f} (sd {summary['memory_sd']:.3f}) with "
           f"the memory, {summary['plain']:.3f} without; the memory's gain {summary['gain_first']:.3f} over the first "
           f"{args.ends} requests, {summary['gain_last']:.3f} over the last {args.ends}")
-    print(json.dumps({"results": args.results, "method": method, "requests": len(requests), "curve": args.curve,
+    print(json.dumps({"results": args.results, "method": method, "requests": len(requests),
                       "orders": args.orders, "ends": args.ends, **summary}))
 
 
