@@ -135,6 +135,20 @@ def test_a_cost_aware_wrapper_prices_the_tables_bar_by_what_a_row_costs():
         lookup.price_rows(-0.1)
 
 
+def test_the_ragged_batch_engine_drafts_the_table_at_the_unpriced_bar():
+    # The ragged engine runs the inner drafter of a cost-aware wrapper in a padded batch, whose rows cost more than a
+    # lone sequence's: the bar a lone sequence's curve set (0.15 here) goes back to the unpriced one; a given one stays.
+    from jointspec.batch.drafters import batch_drafter_for
+
+    table = NgramTable.build([[1, 2], [1, 3], [1, 4]], vocab_size=10, max_order=1, min_count=1)
+    cheap = CostCurve({1: 1.0, 2: 1.05, 3: 1.1})
+    priced = CostAwareDrafter(CorpusLookupDrafter(table, 2), cheap)
+    assert priced.inner.min_share == pytest.approx(0.05 + SHARE_OVER_ACCEPTANCE)
+    assert batch_drafter_for(priced, "corpus").prototype.min_share == DEFAULT_MIN_SHARE
+    given = CostAwareDrafter(CorpusLookupDrafter(table, 2, min_share=0.3), cheap)
+    assert batch_drafter_for(given, "corpus").prototype.min_share == 0.3
+
+
 def test_drafter_length_doubles_after_a_whole_accepted_draft():
     table = NgramTable.build([list(range(10))] * 2, vocab_size=10, max_order=1, min_count=1)
     drafter = CorpusLookupDrafter(table, num_draft_tokens=2, max_num_draft_tokens=6)

@@ -362,9 +362,10 @@ class FeatureDraft:
 # How a bound head's weights run (``--head-weights``, MethodConfig.head_weights; HEAD_WEIGHT_CHOICES).
 # - ``int8``: the head's decoder-layer linears, its rows of the target's LM head and (EAGLE-style heads, whose ``fc``
 #   reads normed features) its ``fc`` as signed 8-bit weights in groups of 32 on jointspec's CPU kernel
-#   (kernels/grouped.py), activations rounded to 8 bits per group as the kernel's inputs are. A draft call reads about a quarter of the bytes, and after a target step has evicted
-#   the head from the caches its time goes with those bytes, which made the shipped SmolLM2 head's calls cheaper at
-#   the same acceptance (docs/kernels.md, "Draft heads on int8 weights").
+#   (kernels/grouped.py), activations rounded to 8 bits per group as the kernel's inputs are. A draft call reads
+#   about a quarter of the bytes, and after a target step has evicted the head from the caches its time goes with
+#   those bytes, which made the shipped SmolLM2 head's calls cheaper at the same acceptance (docs/kernels.md, "Draft
+#   heads on int8 weights").
 # - ``float32``: the weights as trained.
 # - ``auto``: int8 where that kernel runs with vector instructions (an x86 CPU with AVX2 or AVX-512, layer widths
 #   multiples of 64), else float32.
