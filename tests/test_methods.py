@@ -26,7 +26,9 @@ def test_methods_are_registered_and_run(target, target_model):
     """The four methods build from MethodConfig (draft = self), stay greedy-exact, and sample without errors."""
     expected = hf_greedy(target_model, PROMPT, 12)
     for name in ("mtad", "mtad-tree", "specinfer", "spectr"):
-        config = MethodConfig(name=name, draft="self", num_draft_tokens=3, beam_width=2, tree=(2, 2))
+        # spectr's chains every round (its default drafts them only while they pay on the measured curve)
+        config = MethodConfig(name=name, draft="self", num_draft_tokens=3, beam_width=2, tree=(2, 2),
+                              cost_aware=False if name == "spectr" else None)
         drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
         decoder = SpeculativeDecoder(CausalLM(target_model), drafter, verifier)
         assert decoder.generate(PROMPT, DecodeConfig(12, GREEDY)) == expected, name
@@ -55,7 +57,8 @@ def test_tree_methods_stay_greedy_exact_with_a_draft_that_is_often_wrong(target_
     With a draft that differs from the target, some rounds reject every candidate at some depth and others accept:
     the output must still be plain greedy decoding's, token for token."""
     draft_model = near_target(target_model)
-    config = MethodConfig(name=name, draft="near", num_draft_tokens=3, beam_width=3, tree=(3, 2))
+    config = MethodConfig(name=name, draft="near", num_draft_tokens=3, beam_width=3, tree=(3, 2),
+                          cost_aware=False if name == "spectr" else None)  # every round: see above
     target = CausalLM(target_model, name="tiny-target")
     drafter, verifier = build_method(MethodContext(config, target, None,
                                                    lambda source: (CausalLM(draft_model, name=source), None)))
@@ -72,23 +75,31 @@ def test_cost_aware_wraps_chain_methods_only(target_model, trained_head_dir):
 
     decoder = decoder_for(target_model, "sps", trained_head_dir, cost_aware=True, max_num_draft_tokens=6)
     assert isinstance(decoder.drafter, CostAwareDrafter)
-    with pytest.raises(UnsupportedOptionError, match="'specinfer' cannot be made cost-aware.*pld, sps"):
-        decoder_for(target_model, "specinfer", trained_head_dir, cost_aware=True)
+    with pytest.raises(UnsupportedOptionError, match="'mtad-tree' cannot be made cost-aware.*pld, specinfer"):
+        decoder_for(target_model, "mtad-tree", trained_head_dir, cost_aware=True)
 
 
 def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, trained_head_dir, monkeypatch):
-    # hybrid-tree (and default, which builds it) drafts the head's top w (chosen from the target's measured cost
-    # curve) unless --tree is given; specinfer 4,2,2.
-    from jointspec.methods import costs, lossless
+    # hybrid-tree (and default, which builds it) and specinfer draft the head's top w (chosen from the target's
+    # measured cost curve) unless --tree is given; specinfer with --no-cost-aware 4,2,2 every round.
+    from jointspec.drafters.tree import TreeDrafter
+    from jointspec.drafters.tree_gate import GatedTreeDrafter
+    from jointspec.methods import costs, lossless, trees
 
     seen = []
     monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 3)
+    monkeypatch.setattr(trees, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 2)
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir).drafter.tree.branching == (3,)
     assert seen == [costs.target_cost_curve(CausalLM(target_model))]  # the target's own curve, memoised
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(2, 1)).drafter.tree.branching == (2, 1)
     assert decoder_for(target_model, "default", trained_head_dir, tree=(2,)).drafter.tree.branching == (2,)
-    assert decoder_for(target_model, "specinfer", trained_head_dir).drafter.branching == (4, 2, 2)
-    assert decoder_for(target_model, "specinfer", trained_head_dir, tree=(3,)).drafter.branching == (3,)
+    chosen = decoder_for(target_model, "specinfer", trained_head_dir).drafter
+    assert type(chosen) is GatedTreeDrafter and chosen.tree.branching == (2,) and not chosen.every_round
+    assert seen[-1] == seen[0]
+    given = decoder_for(target_model, "specinfer", trained_head_dir, tree=(3,)).drafter
+    assert type(given) is GatedTreeDrafter and given.tree.branching == (3,) and given.every_round
+    fixed = decoder_for(target_model, "specinfer", trained_head_dir, cost_aware=False).drafter
+    assert type(fixed) is TreeDrafter and fixed.branching == (4, 2, 2)
     with pytest.raises(ValueError, match="tree must be"):
         MethodConfig(name="specinfer", tree=())
 
@@ -100,9 +111,15 @@ def test_methods_that_need_a_draft_take_the_head_shipped_for_the_target(name, ta
     fingerprint); where none ships it still asks for --draft. Greedy output stays plain decoding's."""
     import shutil
 
+    from jointspec.drafters.costaware import CostCurve
     from jointspec.drafts import artifact
+    from jointspec.methods import trees
 
     monkeypatch.setattr(artifact, "SHIPPED_HEADS", tmp_path)
+    # specinfer drafts its tree where the target's curve says it pays; on the tiny target's it does not, and then
+    # decodes plainly (tests/test_drafters_tree_gate.py): given a curve where any kept token pays, it drafts.
+    monkeypatch.setattr(trees, "target_cost_curve", lambda target: CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 5: 1.0}))
+    monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft: 0.0)
     with pytest.raises(UnsupportedOptionError, match="needs a draft model and no draft head ships"):
         build_method(MethodContext(MethodConfig(name=name), CausalLM(target_model), None, None))
     shutil.copytree(trained_head_dir, tmp_path / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))

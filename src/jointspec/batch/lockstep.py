@@ -49,6 +49,7 @@ from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_co
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.pearl import ParallelDrafter
+from jointspec.drafters.tree_gate import GatedTreeDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -91,8 +92,9 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
 
 
 # Drafters that read their ``curve`` afresh every round, so the batch's can replace it: cost-aware chains choose their
-# length from it, Lookahead's trie its number of nodes, `default`'s lookup-or-tree whether its tree pays.
-LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter, LookupOrTreeDrafter)
+# length from it, Lookahead's trie its number of nodes, `default`'s lookup-or-tree and the gated trees of `specinfer`
+# and `spectr` whether their tree pays.
+LOAD_AWARE_DRAFTERS = (CostAwareDrafter, TrieLookupDrafter, LookupOrTreeDrafter, GatedTreeDrafter)
 
 # The batch's cost curve reaches past one sequence's drafts: a full batch scores tens of rows a forward. Every size up
 # to 17 and both sides of the larger multiples of 8: the kernels take input rows in tiles (8 on AVX-512, 4 elsewhere),

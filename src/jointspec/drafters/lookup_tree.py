@@ -30,24 +30,14 @@ while lookup drafted (see :mod:`jointspec.drafters.treecache`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from jointspec.core.draft import EMPTY_DRAFT, Draft
+from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve
 from jointspec.drafters.dynamic_tree import DynamicTreeDrafter
 from jointspec.drafters.tree import TreeDrafter
-
-
-def tree_round_cost(curve: CostCurve, branching: tuple[int, ...], draft_cost_per_call: float) -> float:
-    """Cost of a round that drafts a full ``branching`` tree (one draft call per level) and verifies it."""
-    nodes, level = 0, 1
-    for factor in branching:
-        level *= factor
-        nodes += level
-    return curve.cost(nodes + 1) + len(branching) * draft_cost_per_call
+from jointspec.drafters.tree_gate import GatedTreeDrafter, tree_round_cost  # noqa: F401  (re-exported)
 
 
 class LookupOrTreeDrafter:
@@ -56,58 +46,48 @@ class LookupOrTreeDrafter:
     def __init__(self, lookup: CostAwareDrafter, tree: TreeDrafter | DynamicTreeDrafter, curve: CostCurve, *,
                  draft_cost_per_call: float, prior_tree_tokens: float = 0.5, prior_weight: float = 2.0,
                  memory: float = 10.0, max_probe_interval: int = 64) -> None:
-        if not (math.isfinite(draft_cost_per_call) and draft_cost_per_call >= 0):
-            raise ValueError(f"draft_cost_per_call must be finite and >= 0, got {draft_cost_per_call}")
-        if prior_tree_tokens < 0 or not prior_weight > 0:
-            raise ValueError(f"need prior_tree_tokens >= 0 and prior_weight > 0, got {prior_tree_tokens} and "
-                             f"{prior_weight}")
-        if not memory > 1:
-            raise ValueError(f"memory must be > 1 (tree rounds the estimate averages), got {memory}")
-        if max_probe_interval < 1:
-            raise ValueError(f"max_probe_interval must be >= 1, got {max_probe_interval}")
         self.lookup = lookup
-        self.tree = tree
-        self.draft_cost_per_call = draft_cost_per_call
-        self.curve = curve
-        self.prior = (prior_tree_tokens * prior_weight, prior_weight)
-        self.decay = 1.0 - 1.0 / memory
-        self.max_probe_interval = max_probe_interval
-        self._reset()
+        # The tree half: drafted where lookup drafts nothing, while it pays (drafters/tree_gate.py).
+        self.gated = GatedTreeDrafter(tree, curve, draft_cost_per_call=draft_cost_per_call, space_probes=False,
+                                      prior_tree_tokens=prior_tree_tokens, prior_weight=prior_weight, memory=memory,
+                                      max_probe_interval=max_probe_interval)
+        self.num_lookup_rounds = 0
+
+    @property
+    def tree(self) -> TreeDrafter | DynamicTreeDrafter:
+        return self.gated.tree
 
     @property
     def curve(self) -> CostCurve:
         """The target's cost curve the tree is judged on; a batched engine replaces it with its batch's each round
         (its lookup half gets the batch's too), and the tree's round cost follows."""
-        return self._curve
+        return self.gated.curve
 
     @curve.setter
     def curve(self, curve: CostCurve) -> None:
-        self._curve = curve
-        if hasattr(self.tree, "branching"):  # a static tree
-            self.tree_cost = tree_round_cost(curve, self.tree.branching, self.draft_cost_per_call)
-        else:  # a dynamic tree (drafters.dynamic_tree): its largest round
-            self.tree_cost = curve.cost(self.tree.max_nodes + 1) + self.tree.max_draft_calls * self.draft_cost_per_call
+        self.gated.curve = curve
 
-    def _reset(self) -> None:
-        self._accepted, self._rounds = self.prior
-        self._tree_round = False
-        self._rounds_without_tree = 0
-        self._probe_interval = 1
-        self.num_lookup_rounds = self.num_tree_rounds = 0
+    @property
+    def tree_cost(self) -> float:
+        return self.gated.tree_cost
+
+    @property
+    def num_tree_rounds(self) -> int:
+        return self.gated.num_tree_rounds
 
     @property
     def draft(self):
         """The draft model behind the tree (what the benchmark times as draft work)."""
-        return self.tree.cache.draft
+        return self.gated.draft
 
     @property
     def tree_tokens(self) -> float:
         """Running mean of draft tokens accepted per tree round."""
-        return self._accepted / self._rounds
+        return self.gated.tree_tokens
 
     def tree_speedup(self) -> float:
         """The tree's running rate relative to plain decoding (tokens per unit cost; 1 = level)."""
-        return (1.0 + self.tree_tokens) * self.curve.cost(1) / self.tree_cost
+        return self.gated.tree_speedup()
 
     def tree_gain(self) -> float:
         """How much faster than plain decoding the tree runs now (0: not faster)."""
@@ -115,33 +95,18 @@ class LookupOrTreeDrafter:
 
     def start(self, prompt_ids: list[int]) -> None:
         self.lookup.start(prompt_ids)
-        self.tree.start(prompt_ids)
-        self._reset()
+        self.gated.start(prompt_ids)
+        self.num_lookup_rounds = 0
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         self.lookup.min_gain = self.tree_gain()
-        self._tree_round = False
         draft = self.lookup.propose(context_ids, max_num_draft_tokens, sampling, generator)
         if draft.num_nodes:
             self.num_lookup_rounds += 1
             return draft
-        if self.tree_speedup() <= 1.0 and self._rounds_without_tree + 1 < self._probe_interval:
-            self._rounds_without_tree += 1
-            return EMPTY_DRAFT  # the tree's cache catches up on these tokens when it next drafts
-        draft = self.tree.propose(context_ids, max_num_draft_tokens, sampling, generator)
-        self._tree_round = draft.num_nodes > 0
-        self.num_tree_rounds += self._tree_round
-        return draft
+        return self.gated.propose(context_ids, max_num_draft_tokens, sampling, generator)
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
-        if self._tree_round:
-            self._accepted = self._accepted * self.decay + num_accepted
-            self._rounds = self._rounds * self.decay + 1.0
-            self._rounds_without_tree = 0
-            # Paying again: draft every round. Still not: try again after twice as many rounds.
-            self._probe_interval = (1 if self.tree_speedup() > 1.0
-                                    else min(2 * self._probe_interval, self.max_probe_interval))
-        self.lookup.commit(context_ids, 0 if self._tree_round else num_accepted)
-        self.tree.commit(context_ids, num_accepted)
-        self._tree_round = False
+        self.lookup.commit(context_ids, 0 if self.gated.tree_round else num_accepted)
+        self.gated.commit(context_ids, num_accepted)
