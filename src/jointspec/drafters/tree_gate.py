@@ -58,10 +58,9 @@ class TreeGate:
         self.prior = (prior_tree_tokens * prior_weight, prior_weight)
         self.decay = 1.0 - 1.0 / memory
         self.max_probe_interval = max_probe_interval
-        self.reset()
-
         # The fewest plain rounds between probes (its owner sets it from what a probe costs); inf: never probe.
         self.min_probe_interval = 1.0
+        self.reset()
 
     def reset(self) -> None:
         self._accepted, self._rounds = self.prior
