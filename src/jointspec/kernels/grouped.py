@@ -266,6 +266,14 @@ def prebuild(isa: str | None = None) -> threading.Thread | None:
         return None
     if isa in _RESULTS or _FORCED:
         return None
+    # What the thread imports is imported here, in the caller's thread: torch's extension builder brings setuptools,
+    # which patches the import system for distutils, and a thread importing it while the caller imports transformers
+    # is the likeliest cause of one first run, in a fresh clone, that failed inside transformers' own import ("cannot
+    # import name ... from partially initialized module", 2026-12-03; not reproduced since). The thread then only
+    # compiles or loads the library.
+    with contextlib.suppress(ImportError):  # _build says what is missing
+        import ninja  # noqa: F401
+        import torch.utils.cpp_extension  # noqa: F401
     # Not a daemon: interrupted, the compiler (in the terminal's process group) stops too, and the thread then
     # returns through torch's cleanup, which removes the build folder's lock instead of leaving it to the next run.
     thread = threading.Thread(target=_load_quietly, args=(isa,), name=f"jointspec kernels ({isa})")
