@@ -343,9 +343,14 @@ def test_auto_leaves_a_model_folder_in_float(tmp_path):
 
 def test_freed_heap_memory_goes_back_to_the_system():
     """What load_model does at its end (kernels/heap.py): the C library's free heap memory handed back. Heap blocks
-    freed between live ones stay resident until trimmed. Deterministic on glibc with its default tuning (a
-    MALLOC_MMAP_THRESHOLD_ in the environment, mapping such blocks apart, would fail it); skipped where the C
-    library has no malloc_trim."""
+    freed between live ones stay resident until trimmed. The blocks come from the C library itself, 64 KB each: under
+    glibc's smallest threshold for mapping a block apart (128 KB, which it only ever raises), so they are heap blocks
+    whatever the process allocated and freed before (a version of this test with 4 MB blocks from Python failed or
+    passed with that history). Deterministic on glibc with its default tuning (a MALLOC_MMAP_THRESHOLD_ below 64 KB
+    in the environment would fail it); skipped where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
     from jointspec.kernels.heap import release_freed_memory
 
     def resident_mb() -> int:
@@ -354,12 +359,20 @@ def test_freed_heap_memory_goes_back_to_the_system():
 
     if not Path("/proc/self/status").exists() or not release_freed_memory():
         pytest.skip("needs glibc's malloc_trim and /proc")
-    first = bytearray(64 << 20)
-    del first  # a large free: glibc then serves blocks of this size from its heap, not from fresh mappings
-    blocks = [bytearray(b"\1" * (4 << 20)) for _ in range(60)]
-    kept = blocks[1::2]  # every other block stays: the freed ones are holes the heap cannot shrink past
-    del blocks
-    before = resident_mb()
-    assert release_freed_memory()
-    assert resident_mb() < before - 60  # about 120 MB of holes (30 x 4 MB); 60 leaves room for other allocations
-    assert len(kept) == 30
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    size = 64 << 10
+    blocks = [libc.malloc(size) for _ in range(3072)]  # 192 MB
+    assert all(blocks)
+    try:
+        for block in blocks:
+            ctypes.memset(block, 1, size)  # resident
+        for block in blocks[::2]:
+            libc.free(block)  # holes between the blocks kept: the heap cannot shrink past them
+        before = resident_mb()
+        assert release_freed_memory()
+        assert resident_mb() < before - 60  # about 96 MB of holes; 60 leaves room for other allocations
+    finally:
+        for block in blocks[1::2]:
+            libc.free(block)
