@@ -24,7 +24,7 @@ from jointspec.batch.cache import RaggedCache
 from jointspec.core.draft import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
-from jointspec.drafters.corpus import DEFAULT_MIN_SHARE, CorpusLookupDrafter
+from jointspec.drafters.corpus import CorpusLookupDrafter
 from jointspec.drafters.model import ModelDrafter, common_prefix_length
 from jointspec.drafters.ngram import PromptLookupDrafter
 
@@ -168,10 +168,11 @@ def batch_drafter_for(drafter: Drafter, method_name: str) -> BatchDrafter:
     """The batched form of ``drafter``; :class:`UnsupportedOptionError` if it has none."""
     # Cost-aware wrapping is per sequence: a batch runs the inner drafter (a batched forward has its own cost curve).
     drafter = getattr(drafter, "inner", drafter)
-    if isinstance(drafter, CorpusLookupDrafter) and drafter.priced:
-        # The wrapper priced the table's bar by a lone sequence's row; a padded batch's rows cost more: the bar that
-        # held before rows were priced.
-        drafter.min_share = DEFAULT_MIN_SHARE
+    price_rows = getattr(drafter, "price_rows", None)
+    if price_rows is not None:
+        # The wrapper priced the drafter's rows as a lone sequence's; a padded batch's cost more, and no curve
+        # prices them here: the unpriced bar.
+        price_rows(None)
     if isinstance(drafter, ModelDrafter) and not isinstance(drafter.draft, CausalLM):
         raise UnsupportedOptionError(f"method '{method_name}' with a trained draft head cannot run batched yet; "
                                      "decode it one sequence at a time")

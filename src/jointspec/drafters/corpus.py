@@ -285,15 +285,16 @@ class CorpusLookupDrafter(PromptLookupDrafter):
         self.priced = min_share is None
         self.min_share = DEFAULT_MIN_SHARE if min_share is None else min_share
 
-    def price_rows(self, row_cost: float) -> None:
+    def price_rows(self, row_cost: float | None) -> None:
         """Draft table entries whose share, less :data:`SHARE_OVER_ACCEPTANCE`, pays for the row a drafted token
         adds. ``row_cost``: that row's cost as a fraction of a plain round (a one-token draft pays where its token is
         accepted more often than that); a cost-aware wrapper calls this whenever its curve changes. Above 0.9 no
-        entry pays. A ``min_share`` given at construction stays."""
-        if not row_cost >= 0:
+        entry pays. None: no price known (a batch that runs the drafter without its wrapper), the bar
+        :data:`DEFAULT_MIN_SHARE`. A ``min_share`` given at construction stays."""
+        if row_cost is not None and not row_cost >= 0:
             raise ValueError(f"row_cost must be >= 0, got {row_cost}")
         if self.priced:
-            self.min_share = row_cost + SHARE_OVER_ACCEPTANCE
+            self.min_share = DEFAULT_MIN_SHARE if row_cost is None else row_cost + SHARE_OVER_ACCEPTANCE
 
     def next_token(self, context: np.ndarray) -> int | None:
         """The drafted token after ``context`` (int64 token ids): from the context itself (or the memory of earlier
