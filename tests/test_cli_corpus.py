@@ -97,3 +97,42 @@ def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, m
     assert main(args + ["--out", str(tmp_path / "refused"), "--answers-from", str(other)]) != 0
     assert "holds answers of another target" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+
+def test_answers_made_with_other_settings_are_refused_not_reused(tmp_path, monkeypatch, capsys, target_model):
+    # A rerun into the same data folder with other prompts or another answer length would have counted the old
+    # answers under the new settings; it is refused, naming what differs. A cut-off last line is made again.
+    from jointspec.cli.main import main
+
+    build_corpus_on(monkeypatch, target_model)
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("question one here\nquestion two here\n")
+    second.write_text("another question\nand one more\nand a third\n")
+    out, data = tmp_path / "table", tmp_path / "data"
+
+    def run(prompts, length="4"):
+        return main(["build-corpus", "--max-new-tokens", length, "--min-count", "1", "--no-progress", "--out",
+                     str(out), "--data", str(data), "--prompts", str(prompts)])
+
+    assert run(first) == 0
+    capsys.readouterr()
+    assert run(second) == 2 and "differing: prompts" in capsys.readouterr().err
+    assert run(first, "8") == 2 and "differing: max_new_tokens" in capsys.readouterr().err
+    answers = data / "answers.jsonl"
+    lines = answers.read_text().splitlines()
+    answers.write_text(lines[0] + "\n" + lines[1][:7])  # an interrupted run's last line
+    assert run(first) == 0
+    assert [json.loads(line)["index"] for line in answers.read_text().splitlines()] == [0, 1]
+
+
+def test_a_failed_start_leaves_no_folders(tmp_path, monkeypatch, capsys, target_model):
+    from jointspec.cli.main import main
+
+    build_corpus_on(monkeypatch, target_model)
+    out = tmp_path / "table"
+    assert main(["build-corpus", "--prompts", str(tmp_path / "missing.txt"), "--out", str(out), "--no-progress"]) == 2
+    assert not out.exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["build-corpus", "--prompts", "train:default", "--out", str(blocker / "t"), "--no-progress"]) == 2
+    assert "is a file" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
 from jointspec.bench import report
-from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompts, select_prompts
+from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompt_sets, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
 from jointspec.bench.specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
@@ -18,6 +18,7 @@ from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
     add_model_arguments,
     apply_threads,
+    check_output_folder,
     method_config_from_args,
     model_loader,
     model_options,
@@ -115,12 +116,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_perplexity:
             raise MethodSpecError("perplexity is scored by the torch target; with --backend llamacpp pass "
                                   "--no-perplexity (or keep --backend torch and add ':backend=llamacpp' methods)")
-    prompts = []
-    for source in args.prompts or [f"{BUILTIN_PREFIX}mt_bench"]:
-        prompts += load_prompts(source)
+    prompts = load_prompt_sets(args.prompts or [f"{BUILTIN_PREFIX}mt_bench"])
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
 
+    if args.report_dir is not None:  # before the run: a report that cannot be written would lose its results
+        check_output_folder(args.report_dir, "--report-dir")
     apply_threads(args)
     target, tokenizer = load_target(args.model, **model_options(args))
     # Draft models load with the target's options: same backend, same quantisation.

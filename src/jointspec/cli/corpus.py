@@ -27,11 +27,13 @@ from pathlib import Path
 # Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
 from jointspec.backends.loading import load_model as load_target
 from jointspec.cli.commands import command_help
-from jointspec.cli.options import positive_int
+from jointspec.cli.options import check_output_folder, positive_int
 
 log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "answers.jsonl"
+# The settings the answers in a data folder were made with, so that a rerun resumes only what it would make again.
+ANSWERS_SPEC_FILE = "answers.json"
 
 
 def add_parser(subparsers) -> None:
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     data = Path(args.data) if args.data else out / "data"
-    data.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out, "--out")
+    check_output_folder(data, "--data")
     target, tokenizer = load_target(args.target, quantize="auto")
     eos = eos_token_ids(target, tokenizer)
     # Read first, so a wrong folder is refused before any prompt is answered.
@@ -85,12 +88,17 @@ def run(args: argparse.Namespace) -> int:
     pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
     random.Random(args.seed).shuffle(pool)
     pool = pool[:args.num_prompts]
+    # What decides the answers (not --num-prompts: a larger count extends the same seeded order).
+    spec = {"target_fingerprint": target_fingerprint(target), "prompts": list(args.prompts),
+            "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
     answers_path = data / ANSWERS_FILE
-    done: dict[int, list[int]] = {}
-    if answers_path.is_file():
-        for line in answers_path.read_text().splitlines():
-            record = json.loads(line)
-            done[int(record["index"])] = record["answer_ids"]
+    done = _answers_so_far(data, spec)
+    data.mkdir(parents=True, exist_ok=True)
+    spec_path = data / ANSWERS_SPEC_FILE
+    if not spec_path.is_file():
+        tmp = spec_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(spec, indent=1))
+        tmp.replace(spec_path)
     pipeline = Pipeline(target, tokenizer, MethodConfig(name="default"))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     todo = [i for i in range(len(pool)) if i not in done]
@@ -126,6 +134,38 @@ def run(args: argparse.Namespace) -> int:
     })
     print(f"{len(sequences)} answers, {sum(len(s) for s in sequences)} tokens -> {table.num_entries} n-grams in {out}")
     return 0
+
+
+def _answers_so_far(data: Path, spec: dict) -> dict[int, list[int]]:
+    """The answers an earlier run left in ``data`` (by prompt index), if it was made with ``spec``; a last line cut
+    short by an interruption is dropped from the file. Answers made with other settings are refused, not reused."""
+    from jointspec.core.errors import UnsupportedOptionError
+
+    answers_path, spec_path = data / ANSWERS_FILE, data / ANSWERS_SPEC_FILE
+    if not answers_path.is_file():
+        return {}
+    try:
+        existing = json.loads(spec_path.read_text())
+    except (OSError, ValueError):
+        existing = None
+    if existing != spec:
+        differing = sorted(key for key in spec if (existing or {}).get(key) != spec[key])
+        raise UnsupportedOptionError(
+            f"--data '{data}' holds answers made with other settings (differing: {', '.join(differing)}); use a new "
+            "--data folder or delete this one")
+    done: dict[int, list[int]] = {}
+    lines = answers_path.read_text().splitlines(keepends=True)
+    for number, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            done[int(record["index"])] = [int(t) for t in record["answer_ids"]]
+        except (ValueError, KeyError, TypeError):
+            if number + 1 < len(lines) or line.endswith("\n"):
+                raise UnsupportedOptionError(f"'{answers_path}' line {number + 1} is not an answer record; use a "
+                                             "new --data folder or delete this one") from None
+            log.warning("dropping the last line of %s: an interrupted run cut it short", answers_path)
+            answers_path.write_text("".join(lines[:number]))
+    return done
 
 
 def data_folder_answers(folder: str | Path, target) -> list[list[int]]:

@@ -27,6 +27,7 @@ from pathlib import Path
 # Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
 from jointspec.backends.loading import load_model as load_target
 from jointspec.cli.commands import command_help
+from jointspec.cli.options import check_output_folder
 from jointspec.core.errors import UnsupportedOptionError
 
 FORMATS = ("speculators", "eagle3", "vllm-eagle", "sglang-eagle", "medusa")
@@ -39,6 +40,7 @@ REFUSALS = {
     ("eagle", "sglang-eagle"): _EAGLE1_NORMS,
     ("eagle", "speculators"): "the speculators format holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
     ("eagle", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; this is an EAGLE-style (EAGLE-1) head",
+    ("eagle", "medusa"): "the medusa format holds Medusa heads; this is an EAGLE-style (EAGLE-1) head",
     ("medusa", "speculators"): "the speculators format holds EAGLE-3 heads; Medusa heads go as --format medusa",
     ("medusa", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; Medusa heads go as --format medusa",
     ("medusa", "vllm-eagle"): "that is the EAGLE-1 layout; Medusa heads go as --format medusa",
@@ -52,6 +54,8 @@ REFUSALS = {
                                 "--format speculators (vLLM)",
     ("eagle3", "medusa"): "an EAGLE-3 head is not a Medusa head",
 }
+# What each format is written from; any other kind is refused (REFUSALS says why where it is known).
+WRITES = {"medusa": {"medusa"}, "speculators": {"eagle3"}, "eagle3": {"eagle3"}}
 
 
 def add_parser(subparsers) -> None:
@@ -87,10 +91,14 @@ def run(args: argparse.Namespace) -> int:
 
     kind = _kind(args.draft)
     reason = REFUSALS.get((kind, args.format)) or REFUSALS.get((kind, "*"))
+    if not reason and kind not in WRITES.get(args.format, ()):
+        kinds = sorted(WRITES.get(args.format, ()))
+        reason = f"it is written from {' or '.join(kinds)} drafts only" if kinds else "no kind of draft goes into it"
     if reason:
         raise UnsupportedOptionError(f"cannot export the '{kind}' draft in '{args.draft}' as {args.format}: {reason}")
     if args.out.exists():
         raise UnsupportedOptionError(f"--out '{args.out}' exists; export-draft writes a new folder")
+    check_output_folder(args.out, "--out")
     target, _ = load_target(args.target)
     if kind == "medusa":
         from jointspec.drafts.artifact import float_lm_weight

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+from pathlib import Path
 
 from jointspec.core.choices import (
     BACKENDS,
@@ -24,6 +26,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def check_output_folder(path: str | os.PathLike, option: str) -> None:
+    """Refuse, before any work, a folder a command would write into but could not: a file in its place or above it,
+    or a parent it may not write in. Creates nothing, so a refused command leaves nothing behind."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UnsupportedOptionError(f"{option} '{path}' is a file, not a folder; pass a folder path")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UnsupportedOptionError(f"{option} '{path}' cannot be made: '{existing}' is a file; pass a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnsupportedOptionError(f"{option} '{path}' cannot be written: no permission to write in '{existing}'")
 
 
 def tree_spec(text: str) -> tuple[int, ...]:

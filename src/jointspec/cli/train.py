@@ -24,7 +24,7 @@ import torch
 from jointspec.backends.loading import load_model as load_target
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.cli.commands import command_help
-from jointspec.cli.options import positive_int
+from jointspec.cli.options import check_output_folder, positive_int
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.artifact import artifact_kind, check_head_target, is_eagle3_checkpoint, target_fingerprint
 from jointspec.drafts.eagle3 import check_eagle3_target, load_eagle3
@@ -190,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
     answers_from = _answer_server(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.data_only:
+        check_output_folder(args.out, "--out")
+    check_output_folder(args.data or args.out / "data", "--data")
     if args.init is not None and not (args.init / "draft.json").is_file() and not is_eagle3_checkpoint(args.init):
         raise UnsupportedOptionError(f"--init '{args.init}' is not a draft folder (no draft.json); give a folder "
                                      "written by train-draft, or an EAGLE-3 checkpoint for --head eagle3")

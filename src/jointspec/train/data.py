@@ -152,8 +152,7 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
 
     Resumes: shards already on disk are kept. A folder made for another target or prompt list is refused.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(folder)  # made when the first file is written: a refused or failed start leaves nothing behind
     if answers is not None and len(answers) != len(prompts):
         raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts")
     prompts = [p[: max_length - 1] for p in prompts]
@@ -231,6 +230,7 @@ def _open_folder(folder: Path, spec: DataSpec, write: bool = True) -> DataSpec:
     meta_path = folder / "data.json"
     if not meta_path.exists():
         if write:  # atomically, as the shards: a folder is begun with its whole spec or not at all
+            folder.mkdir(parents=True, exist_ok=True)
             tmp = meta_path.with_suffix(f".json.tmp{os.getpid()}")
             tmp.write_text(json.dumps(spec.as_json(), indent=1))
             os.replace(tmp, meta_path)
