@@ -94,7 +94,7 @@ def test_pass_at_k_is_the_unbiased_estimate_per_problem_averaged():
 def write_results(path, method_answers: dict[str, str], baseline: str = "ar") -> str:
     runs = [{"question_id": "HumanEval/0", "method": m, "output_ids": [[1]], "output_text": [a]}
             for m, a in method_answers.items()]
-    path.write_text(json.dumps({"baseline": baseline, "runs": runs}))
+    path.write_text(json.dumps({"baseline": baseline, "methods": {m: {} for m in method_answers}, "runs": runs}))
     return str(path)
 
 
@@ -111,12 +111,24 @@ def test_the_command_scores_several_runs_as_samples(tmp_path, capsys):
     assert rows["mtad", 2]["pass_at_k"] == 0.0 and rows["mtad", 2]["difference"][0] == -1.0
 
 
-def test_runs_without_answer_text_or_humaneval_are_refused(tmp_path):
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"runs": [{"question_id": "HumanEval/3", "method": "ar", "output_ids": [[1]]}]}))
+def test_runs_without_answer_text_or_humaneval_are_refused():
+    old = {"methods": {"ar": {}}, "runs": [{"question_id": "HumanEval/3", "method": "ar", "output_ids": [[1]]}]}
     with pytest.raises(JointspecError, match="no answer text"):
-        samples_from_results([str(old)])
-    other = tmp_path / "other.json"
-    other.write_text(json.dumps({"runs": [{"question_id": "81", "method": "ar", "output_text": ["hi"]}]}))
+        samples_from_results([("old.json", old)])
+    other = {"methods": {"ar": {}}, "runs": [{"question_id": "81", "method": "ar", "output_text": ["hi"]}]}
     with pytest.raises(JointspecError, match="no HumanEval answers"):
-        samples_from_results([str(other)])
+        samples_from_results([("other.json", other)])
+
+
+def test_files_that_are_not_results_or_repeat_are_refused_by_name(tmp_path, capsys):
+    from jointspec.cli.main import main
+
+    missing, broken, other = tmp_path / "nope.json", tmp_path / "broken.json", tmp_path / "other.json"
+    broken.write_text("{not json")
+    other.write_text(json.dumps({"a": 1}))
+    for path, reason in ((missing, "cannot read"), (broken, "is not JSON"), (other, "is not a bench results.json")):
+        assert main(["pass-at-k", str(path)]) == 2  # the command answers with the error, not a traceback
+        assert reason in capsys.readouterr().err
+    first = write_results(tmp_path / "seed0.json", {"ar": RIGHT})
+    assert main(["pass-at-k", first, str(tmp_path / "." / "seed0.json")]) == 2
+    assert "more than once" in capsys.readouterr().err

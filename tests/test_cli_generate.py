@@ -319,3 +319,22 @@ def test_generate_keeps_its_cost_curve_for_the_next_run(capsys, model_dirs, tmp_
     code, second, _ = run_cli(capsys, *args)
     assert code == 0 and json.loads(second.splitlines()[-1])["text"] == json.loads(first.splitlines()[-1])["text"]
     assert len(read) == 1 and read[0] is not None and written == []
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(capsys, tmp_path):
+    # The model path does not exist either: the prompt is read and refused first.
+    for argv in (["generate", ""], ["generate", "--prompt", "  \n"]):
+        code, _, err = run_cli(capsys, *argv, "--model", str(tmp_path / "no-such-model"))
+        assert_clean_error(code, err, "jointspec: error:", "the prompt is empty")
+
+
+def test_a_model_folder_without_tokenizer_or_weights_says_what_a_folder_holds(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    code, _, err = run_cli(capsys, *generate_args(str(tmp_path)))
+    assert_clean_error(code, err, "jointspec: error:", "could not load model", "tokenizer files and weights")
+
+
+def test_an_ngram_table_as_a_draft_model_is_named(capsys, model_dirs, tmp_path):
+    (tmp_path / "corpus.json").write_text("{}")
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps", "--draft", str(tmp_path)))
+    assert_clean_error(code, err, "jointspec: error:", "n-gram table", "--method corpus")

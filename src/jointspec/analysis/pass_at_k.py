@@ -75,21 +75,21 @@ class Sample:
     answer: str
 
 
-def samples_from_results(paths: Sequence[str]) -> list[Sample]:
-    """Every HumanEval answer in one or more bench ``results.json`` files (one sample per file, method and problem)."""
+def samples_from_results(results: Sequence[tuple[str, dict]]) -> list[Sample]:
+    """Every HumanEval answer in one or more bench runs, ``(name, results.json's contents)`` each (one sample per
+    run, method and problem)."""
     samples: list[Sample] = []
-    for path in paths:
-        with open(path) as handle:
-            runs = json.load(handle)["runs"]
-        for run in runs:
+    for name, result in results:
+        for run in result["runs"]:
             if not str(run["question_id"]).startswith("HumanEval/"):
                 continue
             if "output_text" not in run:
-                raise JointspecError(f"{path} holds no answer text (bench runs before output_text was recorded); "
+                raise JointspecError(f"{name} holds no answer text (bench runs before output_text was recorded); "
                                      "rerun the bench")
             samples.append(Sample(run["method"], run["question_id"], run["output_text"][0]))
     if not samples:
-        raise JointspecError(f"no HumanEval answers in {', '.join(paths)}: bench with --prompts builtin:humaneval")
+        raise JointspecError(f"no HumanEval answers in {', '.join(name for name, _ in results)}: bench with "
+                             "--prompts builtin:humaneval")
     return samples
 
 

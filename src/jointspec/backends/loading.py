@@ -359,7 +359,7 @@ def _load_gguf_blocks(source: str):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}") from error
+        raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}") from error
     try:
         model, why = model_from_blocks(path, config, screen_head=screens_head(config))
     except (ValueError, KeyError) as error:  # a tensor not as its type says: transformers' loader says what
@@ -368,6 +368,12 @@ def _load_gguf_blocks(source: str):
         log.info("%s: loading through transformers (dequantised first), not from its blocks: %s", path.name, why)
         return None
     return model, tokenizer, source
+
+
+def _error_text(error: Exception, limit: int = 400) -> str:
+    """A library's error message on one line (transformers' run over several, and the first can end mid-sentence)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):
@@ -400,6 +406,9 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
     except (OSError, ValueError, KeyError) as error:
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
-        raise ModelLoadError(f"could not load model '{source}': {str(error).splitlines()[0]}{hint}") from error
+        if Path(folder).is_dir() and "gguf_file" not in kwargs:
+            hint = (" (a model folder holds its tokenizer files and weights, *.safetensors or *.bin, beside "
+                    "config.json)")
+        raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}{hint}") from error
     model.to(device)
     return model, tokenizer, label

@@ -56,6 +56,7 @@ def load_prompts(source: str) -> list[BenchPrompt]:
 
 def parse_jsonl(text: str, where: str) -> list[BenchPrompt]:
     prompts: list[BenchPrompt] = []
+    places: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -63,8 +64,28 @@ def parse_jsonl(text: str, where: str) -> list[BenchPrompt]:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise PromptSetError(f"{where}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
-        prompts.append(_prompt_from_row(row, f"{where}:{number}"))
+        _add_unique(prompts, places, _prompt_from_row(row, f"{where}:{number}"), f"{where}:{number}")
     return prompts
+
+
+def load_prompt_sets(sources: list[str]) -> list[BenchPrompt]:
+    """The prompts of every source in order, refusing a question id that two sources share."""
+    prompts: list[BenchPrompt] = []
+    places: dict[str, str] = {}
+    for source in sources:
+        for prompt in load_prompts(source):
+            _add_unique(prompts, places, prompt, source)
+    return prompts
+
+
+def _add_unique(prompts: list[BenchPrompt], places: dict[str, str], prompt: BenchPrompt, where: str) -> None:
+    """Append ``prompt``, refusing an id already in ``places`` (id -> where it was): results and replays find
+    prompts by id, so a repeated one would pair an answer with the wrong prompt."""
+    if prompt.question_id in places:
+        raise PromptSetError(f"{where}: question_id {prompt.question_id} is also at {places[prompt.question_id]}; "
+                             "give each prompt its own id")
+    places[prompt.question_id] = where
+    prompts.append(prompt)
 
 
 def _prompt_from_row(row: object, where: str) -> BenchPrompt:

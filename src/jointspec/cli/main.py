@@ -75,6 +75,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         method = method_config_from_args(args)
     except ValueError as error:
         raise JointspecError(str(error)) from error
+    prompt = _prompt_text(args)  # before the model loads: a prompt that cannot be read fails at once
+    if not prompt.strip():
+        raise JointspecError("the prompt is empty; pass some text (as the argument, --prompt, --prompt-file or on "
+                             "stdin with --prompt-file -)")
     apply_threads(args)
     from jointspec.backends.loading import load_model
     from jointspec.drafters.approximate import with_attention
@@ -90,7 +94,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"jointspec: --attention {args.attention}: approximate decoding; the output is not the model's own "
               f"{where}", file=sys.stderr)
     _say_quantize_choice(args)
-    prompt = _prompt_text(args)
     if args.json:
         from jointspec.analysis.quality import quality_report
         from jointspec.bench.energy import meter_for_device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import positive_int
@@ -40,11 +41,16 @@ def run(args: argparse.Namespace) -> int:
         raise JointspecError(f"--k values must be >= 1, got '{args.k}'")
     if not args.timeout > 0:
         raise JointspecError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    reference = args.reference
-    if reference is None:
-        with open(args.results[0]) as handle:
-            reference = json.load(handle).get("baseline")
-    samples = samples_from_results(args.results)
+    from jointspec.bench.compare import load_results
+
+    resolved = [Path(path).expanduser().resolve() for path in args.results]
+    repeated = sorted({str(path) for path in resolved if resolved.count(path) > 1})
+    if repeated:
+        raise JointspecError(f"{', '.join(repeated)} given more than once: each results file is one sample per "
+                             "method and problem, so a file counted twice would inflate pass@k")
+    results = [(path, load_results(path)) for path in args.results]  # names a file that is not bench results
+    samples = samples_from_results(results)
+    reference = args.reference if args.reference is not None else results[0][1].get("baseline")
     passed = run_tests(samples, timeout=args.timeout, workers=args.workers)
     rows = pass_at_k_table(samples, passed, ks, reference)
     if not rows:

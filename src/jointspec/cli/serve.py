@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help=command_help("serve"))
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    parser.add_argument("--port", type=positive_int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--max-batch-size", type=positive_int, default=16, help="sequences decoded together")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="new tokens when a chat request does not say")
@@ -37,6 +37,34 @@ def add_parser(subparsers) -> None:
                              "(docs/methods.md)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
+
+
+def port_number(text: str) -> int:
+    from jointspec.cli.options import positive_int
+
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {value}")
+    return value
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Refuse, before the model loads, an address the server could not listen on (a port in use, a host that is not
+    this machine's). Binds as uvicorn does (address reuse on), so only what would make uvicorn fail is refused."""
+    import socket
+
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise JointspecError(f"--host '{host}' does not resolve ({error.strerror}); pass an address of this machine, "
+                             "e.g. 127.0.0.1 or 0.0.0.0") from None
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise JointspecError(f"cannot listen on {host}:{port}: {error.strerror or error}; pass another --port "
+                                 "(or stop what listens there)") from None
 
 
 def non_negative_int(text: str) -> int:
@@ -106,6 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
     from jointspec.cli.options import apply_threads, prebuild_kernels
 
+    check_address_free(args.host, args.port)
     prebuild_kernels(args)  # a first run compiles them while the server's modules import and the model loads
     from jointspec.drafters.curve_store import persisted_curves
     from jointspec.server.app import ServerSettings, create_app

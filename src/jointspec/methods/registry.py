@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.core.draft import Drafter
@@ -99,7 +100,17 @@ class MethodContext:
                                              "weights, so it cannot be its own draft: pass --draft PATH")
             return self.target.fork(f"{self.target.name} (self-draft)")
         if is_head_artifact(self.config.draft):  # a draft from `jointspec train-draft`: bound to this target
+            if not self.target.capabilities.features:
+                raise UnsupportedOptionError(
+                    f"'{self.config.draft}' is a trained draft (`jointspec train-draft`): it is bound to the target's "
+                    f"weights and hidden states, which target '{self.target.name}' does not expose (the llama.cpp "
+                    "backend does not); use --backend torch, or draft with a model (--draft a model folder or "
+                    ".gguf, or --draft self)")
             return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
+        if (Path(self.config.draft).expanduser() / "corpus.json").is_file():
+            raise UnsupportedOptionError(f"'{self.config.draft}' is an n-gram table (`jointspec build-corpus`), not "
+                                         f"a draft model: method '{self.config.name}' drafts with a model or head; "
+                                         "a table goes with --method corpus --draft DIR")
         draft, draft_tokenizer = self.load_draft(self.config.draft)
         check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
         return draft
