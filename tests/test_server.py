@@ -77,6 +77,14 @@ def test_health_models_and_metrics(client):
     assert '_bucket{le="+Inf"}' in text
 
 
+def test_an_unknown_route_or_method_answers_in_the_openai_envelope(client):
+    for response in (client.post("/v1/embeddings", json={"input": "x"}), client.get("/v1/chat/completions")):
+        assert response.status_code in (404, 405)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "Invalid URL" in error["message"]
+        assert "/v1/chat/completions" in error["message"]  # says what the server does answer
+
+
 def test_completion_returns_its_token_ids_when_asked(client, engine, byte_model, tokenizer):
     # vLLM's return_token_ids, which `train-draft --answers-from` reads: the ids the engine decoded, not the text's
     # tokenisation again; never beside a text a stop string cut short.

@@ -32,6 +32,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.sampling import fresh_seed
@@ -274,6 +275,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, error: RequestError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
+        # An unknown path or method: OpenAI's envelope (clients read error.message), not FastAPI's {"detail": ...}.
+        message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions "
+                   "and /v1/chat/completions, GET /v1/models, /health and /metrics"
+                   if error.status_code in (404, 405) else str(error.detail))
+        return JSONResponse(RequestError(message, status=error.status_code).body(), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
