@@ -118,6 +118,9 @@ def test_answers_made_with_other_settings_are_refused_not_reused(tmp_path, monke
     capsys.readouterr()
     assert run(second) == 2 and "differing: prompts" in capsys.readouterr().err
     assert run(first, "8") == 2 and "differing: max_new_tokens" in capsys.readouterr().err
+    (data / "answers.json").rename(tmp_path / "kept.json")  # answers whose settings nobody recorded
+    assert run(first) == 2 and "no record of the settings" in capsys.readouterr().err
+    (tmp_path / "kept.json").rename(data / "answers.json")
     answers = data / "answers.jsonl"
     lines = answers.read_text().splitlines()
     answers.write_text(lines[0] + "\n" + lines[1][:7])  # an interrupted run's last line

@@ -148,8 +148,12 @@ def _answers_so_far(data: Path, spec: dict) -> dict[int, list[int]]:
         existing = json.loads(spec_path.read_text())
     except (OSError, ValueError):
         existing = None
+    if existing is None:
+        raise UnsupportedOptionError(f"--data '{data}' holds answers with no record of the settings they were made "
+                                     f"with ({ANSWERS_SPEC_FILE}: an older jointspec wrote them); use a new --data "
+                                     "folder or delete this one")
     if existing != spec:
-        differing = sorted(key for key in spec if (existing or {}).get(key) != spec[key])
+        differing = sorted(key for key in spec if existing.get(key) != spec[key])
         raise UnsupportedOptionError(
             f"--data '{data}' holds answers made with other settings (differing: {', '.join(differing)}); use a new "
             "--data folder or delete this one")

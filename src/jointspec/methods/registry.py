@@ -103,9 +103,9 @@ class MethodContext:
             if not self.target.capabilities.features:
                 raise UnsupportedOptionError(
                     f"'{self.config.draft}' is a trained draft (`jointspec train-draft`): it is bound to the target's "
-                    f"weights and hidden states, which target '{self.target.name}' does not expose (the llama.cpp "
-                    "backend does not); use --backend torch, or draft with a model (--draft a model folder or "
-                    ".gguf, or --draft self)")
+                    f"weights and hidden states, which target '{self.target.name}' does not expose (neither the "
+                    "llama.cpp backend nor --attention specpc does); use --backend torch, or draft with a model "
+                    "(--draft a model folder or .gguf, or --draft self)")
             return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
         if (Path(self.config.draft).expanduser() / "corpus.json").is_file():
             raise UnsupportedOptionError(f"'{self.config.draft}' is an n-gram table (`jointspec build-corpus`), not "
