@@ -245,3 +245,21 @@ def test_tree_draft_clipped_by_budget(target_model, max_new_tokens):
     reference = hf_greedy(target_model, prompt, max_new_tokens)
     decoder = SpeculativeDecoder(CausalLM(target_model), OracleTreeDrafter(prompt, reference), GreedyVerifier())
     assert decoder.generate(prompt, greedy(max_new_tokens)) == reference
+
+
+def test_a_draft_past_the_rows_computed_alone_is_refused_not_verified(target_model, monkeypatch):
+    # Past ROWWISE_MAX_ROWS rows a CPU forward is read as a prompt, in one-call kernels whose rows are not each
+    # computed alone: a 256-node tree on the int4 model changed greedy output. The loop refuses such a round instead.
+    # The limit is lowered here so that a tiny tree crosses it; below it the same method stays exact.
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.kernels import grouped
+
+    from helpers import decode_greedy
+
+    monkeypatch.setattr(grouped, "ROWWISE_MAX_ROWS", 4)
+    prompt = random_prompt(3)
+    assert CausalLM(target_model).capabilities.max_verify_rows == 4
+    expected = decode_greedy(CausalLM(target_model), prompt, "ar", 12)
+    assert decode_greedy(CausalLM(target_model), prompt, "specinfer", 12, "self", (3,)) == expected  # 4 rows
+    with pytest.raises(UnsupportedOptionError, match="5 rows.*at most 3 tokens"):
+        decode_greedy(CausalLM(target_model), prompt, "specinfer", 12, "self", (4,))  # 5 rows

@@ -165,9 +165,13 @@ class CausalLM:
     @property
     def capabilities(self) -> TargetCapabilities:
         # The screen is read each time: quantising the model in place can give it a screened head after construction.
+        from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
         return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, sparse_view=True,
                                   argmax_screen=(self.lean is not None and self.lean.screens_head
-                                                 and hasattr(self.model.get_output_embeddings(), "argmax_logits")))
+                                                 and hasattr(self.model.get_output_embeddings(), "argmax_logits")),
+                                  # CPU forwards past it take the prompt's one-call kernels (kernels/grouped.py)
+                                  max_verify_rows=ROWWISE_MAX_ROWS if self.device.type == "cpu" else None)
 
     def check_kv_dtype(self) -> None:
         """Raise :class:`UnsupportedOptionError` unless this adapter can keep its cache in ``kv_dtype``: the model's

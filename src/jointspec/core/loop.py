@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jointspec.core.draft import Draft, Drafter, tree_depths
-from jointspec.core.errors import ContextTooLongError
+from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
 from jointspec.core.verdict import Verifier
@@ -198,6 +198,13 @@ class SpeculativeDecoder:
         # 1. Propose, leaving room for the one token the target always adds.
         draft = self.drafter.propose(tokens, state.end - len(tokens) - 1, state.config.sampling, state.generator)
         state.draft_seconds = time.perf_counter() - t0
+        limit = self.target.capabilities.max_verify_rows
+        if limit is not None and 1 + draft.num_nodes > limit:
+            raise UnsupportedOptionError(
+                f"a draft of {draft.num_nodes} tokens needs a verification forward of {1 + draft.num_nodes} rows; "
+                f"past {limit} rows this target computes a forward as it reads a prompt, not row by row, which would "
+                f"change the output: draft at most {limit - 1} tokens a round (--tree, --tree-budget, "
+                "--num-draft-tokens, --beam-width)")
         parents = draft.node_parents()
         state.depths = tree_depths(parents)
         assert max(state.depths, default=-1) + 1 <= state.end - len(tokens) - 1, "drafter exceeded its draft budget"

@@ -54,6 +54,8 @@ class TargetCapabilities:
     ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.
     ``sparse_view``: ``forward(attend_to=...)`` lets the new tokens see only some of the cached ones (a target
     drafting for itself over part of its own cache, drafters/sparse_self.py).
+    ``max_verify_rows``: the most rows a forward may have and still compute each row as it would alone (past it a
+    forward is read as a prompt, in other kernels); None: no such limit. A round verifying more would not be exact.
     """
 
     trees: bool = False
@@ -63,6 +65,7 @@ class TargetCapabilities:
     plain_decode: bool = False
     torch_module: bool = False
     sparse_view: bool = False
+    max_verify_rows: int | None = None
 
 
 @runtime_checkable
