@@ -56,8 +56,12 @@ class ChainsOnly:
 def test_the_torch_adapter_implements_the_protocol(target_model):
     target = CausalLM(target_model)
     assert isinstance(target, TargetLM)
+    from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
+    # On a CPU a forward past ROWWISE_MAX_ROWS rows is read as a prompt: a verification must stay within it.
+    rows = ROWWISE_MAX_ROWS if target.device.type == "cpu" else None
     assert target.capabilities == TargetCapabilities(trees=True, features=True, fork=True, torch_module=True,
-                                                     sparse_view=True)
+                                                     sparse_view=True, max_verify_rows=rows)
     assert isinstance(ChainsOnly(target), TargetLM)
 
 

@@ -5,8 +5,9 @@ The engine below works on token ids; this layer is the only one that touches tok
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from jointspec.backends.loading import DEFAULT_MODEL, load_model
 from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
 from jointspec.core.errors import JointspecError
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
-from jointspec.core.sampling import SamplingConfig
+from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -27,12 +28,18 @@ class GenerationConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         _ = self.sampling  # building it validates temperature / top-k / top-p
 
     @property
@@ -65,7 +72,11 @@ class GenerationResult:
 
 
 class Pipeline:
-    """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it."""
+    """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it.
+
+    One pipeline decodes one request at a time (one cache): ``generate`` calls from several threads run one after
+    another, and a stream left open when another generation starts on the same pipeline is ended, its next read
+    raising :class:`JointspecError`. Decode in parallel with one pipeline per thread (``jointspec serve`` batches)."""
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
@@ -75,10 +86,18 @@ class Pipeline:
         ``quantize``, ``backend``, ``threads``, ``kernels`` and ``kv_cache`` load the method's draft model, if any,
         the way :func:`load_model` loads a target. ``memory``: online adaptation, for the methods that learn online
         (:func:`jointspec.methods.online_methods`): every finished answer joins it, and later ones draft from it."""
+        if isinstance(method, str):  # the name alone, as the CLI's --method
+            method = MethodConfig(name=method)
+        if method is not None and not isinstance(method, MethodConfig):
+            raise TypeError(f"method must be a MethodConfig or a method name, not {type(method).__name__}")
         self.target = target
         self.tokenizer = tokenizer
         self.method = method or MethodConfig(name="default")
         self.memory = memory
+        self._lock = threading.Lock()  # held while the decoder runs a round, never while a caller holds a chunk
+        self._calls = threading.RLock()  # one generate_ids at a time (threads queue); a nested call ends the outer
+        self._generation = 0  # which stream owns the decoder
+        self._active: Iterator[list[int]] | None = None  # that stream's decoder generator, while unfinished
 
         def load_draft(source: str):
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
@@ -89,7 +108,7 @@ class Pipeline:
         self.eos_token_ids = eos_token_ids(target, tokenizer)
 
     @classmethod
-    def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | None = None, *, device: str = "cpu",
+    def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | str | None = None, *, device: str = "cpu",
              dtype: str | None = None, quantize: str = "auto", backend: str = "torch",
              threads: int | None = None, kernels: str = "auto", kv_cache: str = "auto") -> Pipeline:
         """Load ``model`` and the method's draft (``method``: by default ``default``, as ``jointspec generate``)
@@ -109,17 +128,54 @@ class Pipeline:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
 
-    def stream_ids(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
+    def stream_ids(self, prompt_ids: Sequence[int] | torch.Tensor, config: GenerationConfig) -> Iterator[list[int]]:
+        prompt_ids = self._token_ids(prompt_ids)
         if not prompt_ids:  # e.g. an empty prompt without a chat template: a user error, not an engine one
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
-        generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        seed = config.seed if config.seed is not None else fresh_seed()
+        generator = torch.Generator(device="cpu").manual_seed(seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids)
         new_ids: list[int] = []
-        for chunk in self.decoder.stream(prompt_ids, decode, generator):
+        with self._lock:
+            if self._active is not None:  # a stream left unfinished ends before this one starts (its drafter too)
+                self._active.close()
+            self._generation += 1
+            mine = self._generation
+            stream = self._active = self.decoder.stream(prompt_ids, decode, generator)
+        while True:
+            with self._lock:
+                if self._generation != mine:
+                    raise JointspecError("another generation started on this Pipeline while this stream was open, "
+                                         "so it was ended; a Pipeline decodes one request at a time (use one per "
+                                         "thread, or finish a stream before starting another)")
+                try:
+                    chunk = next(stream)
+                except StopIteration:
+                    self._active = None
+                    break
             new_ids.extend(chunk)
             yield chunk
         if self.memory is not None:  # a whole answer only: a stream its caller stopped early is not remembered
             self.memory.add(prompt_ids, new_ids)
+
+    def _token_ids(self, prompt_ids) -> list[int]:
+        """``prompt_ids`` as a list of ints inside the vocabulary (a list, tuple, 1-D tensor or array), else a clear
+        error: they index the embedding table."""
+        if isinstance(prompt_ids, (str, bytes)):
+            raise TypeError("prompt_ids must be token ids (ints); for text, call generate() or stream()")
+        if hasattr(prompt_ids, "tolist"):  # a tensor or an array
+            prompt_ids = prompt_ids.tolist()
+        ids = []
+        for position, token in enumerate(prompt_ids):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"prompt_ids must be a flat sequence of ints; item {position} is {token!r}")
+            ids.append(token)
+        vocab = self.target.vocab_size
+        outside = next((i for i, token in enumerate(ids) if not 0 <= token < vocab), None)
+        if outside is not None:
+            raise JointspecError(f"token id {ids[outside]} at position {outside} is outside the vocabulary [0, "
+                                 f"{vocab})")
+        return ids
 
     def stream(self, prompt: str, config: GenerationConfig = GenerationConfig()) -> Iterator[str]:
         """Yield text deltas as rounds commit tokens."""
@@ -134,18 +190,20 @@ class Pipeline:
         """Decode after ``prompt_ids``; ``on_text(delta)`` is called with streamed text if given."""
         detok = IncrementalDetokenizer(self.tokenizer) if on_text is not None else None
         new_ids: list[int] = []
-        start = time.perf_counter()
-        for chunk in self.stream_ids(prompt_ids, config):
-            new_ids.extend(chunk)
-            if detok is not None:
-                delta = detok.push(chunk)
-                if delta:
-                    on_text(delta)
-        seconds = time.perf_counter() - start
+        with self._calls:
+            start = time.perf_counter()
+            for chunk in self.stream_ids(prompt_ids, config):
+                new_ids.extend(chunk)
+                if detok is not None:
+                    delta = detok.push(chunk)
+                    if delta:
+                        on_text(delta)
+            seconds = time.perf_counter() - start
+            stats = self.decoder.stats
         finished = bool(new_ids) and new_ids[-1] in self.eos_token_ids
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerationResult(text, new_ids, list(prompt_ids), seconds, "stop" if finished else "length",
-                                self.decoder.stats)
+        return GenerationResult(text, new_ids, self._token_ids(prompt_ids), seconds, "stop" if finished else "length",
+                                stats)
 
     def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:
         return self.generate_ids(self.encode(prompt, config.chat), config, on_text)

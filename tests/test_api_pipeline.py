@@ -1,0 +1,88 @@
+"""The Python API's Pipeline: one request at a time whatever its callers do (threads, interleaved streams), and clear
+errors for the arguments a caller can get wrong (a method name, prompt ids as a tensor or out of the vocabulary,
+seeds and counts of the wrong type).
+
+Tiny in-process Llama, greedy decoding (and one seeded sampled run): deterministic, no false-failure odds.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from jointspec.api import GenerationConfig, Pipeline
+from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import JointspecError
+
+from helpers import VOCAB, random_prompt
+
+CONFIG = GenerationConfig(max_new_tokens=16)
+
+
+def pipeline(model, method: str = "pld") -> Pipeline:
+    return Pipeline(CausalLM(model, name="tiny"), None, method)  # the name alone, as the CLI's --method
+
+
+def test_threads_calling_generate_on_one_pipeline_each_get_their_own_answer(target_model):
+    prompts = [random_prompt(seed) for seed in range(4)]
+    alone = [pipeline(target_model).generate_ids(p, CONFIG).token_ids for p in prompts]
+    shared, answers = pipeline(target_model), {}
+
+    def run(index):
+        answers[index] = shared.generate_ids(prompts[index], CONFIG).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [answers[i] for i in range(len(prompts))] == alone
+
+
+def test_a_stream_left_open_is_ended_by_the_next_generation_and_says_so(target_model):
+    shared = pipeline(target_model)
+    first, second = random_prompt(1), random_prompt(2)
+    expected = pipeline(target_model).generate_ids(second, CONFIG).token_ids
+    open_stream = shared.stream_ids(first, CONFIG)
+    next(open_stream)
+    assert shared.generate_ids(second, CONFIG).token_ids == expected  # the open stream did not disturb it
+    with pytest.raises(JointspecError, match="another generation started"):
+        next(open_stream)
+    one, two = shared.stream_ids(first, CONFIG), shared.stream_ids(second, CONFIG)
+    next(one)
+    next(two)  # starting the second ends the first
+    with pytest.raises(JointspecError, match="another generation started"):
+        next(one)
+
+
+def test_prompt_ids_as_tensors_and_bad_ids_are_handled_by_name(target_model):
+    shared = pipeline(target_model, "ar")
+    prompt = random_prompt(3)
+    expected = shared.generate_ids(prompt, CONFIG).token_ids
+    assert shared.generate_ids(torch.tensor(prompt), CONFIG).token_ids == expected
+    with pytest.raises(JointspecError, match=f"token id {VOCAB} at position 1 is outside the vocabulary"):
+        shared.generate_ids([1, VOCAB], CONFIG)
+    with pytest.raises(JointspecError, match="token id -5"):
+        shared.generate_ids([1, -5], CONFIG)
+    with pytest.raises(TypeError, match="item 0"):
+        shared.generate_ids([[1, 2, 3]], CONFIG)
+    with pytest.raises(TypeError, match="for text, call generate"):
+        shared.generate_ids("hello", CONFIG)
+    with pytest.raises(TypeError, match="MethodConfig or a method name"):
+        Pipeline(CausalLM(target_model), None, 3)
+
+
+def test_generation_config_checks_types_and_takes_none_for_a_fresh_seed(target_model):
+    for bad in (dict(max_new_tokens=2.5), dict(top_k=2.5), dict(seed="1")):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            GenerationConfig(**bad)
+    with pytest.raises(ValueError, match="seed"):
+        GenerationConfig(seed=2 ** 70)
+    sampled = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=None)
+    assert len(pipeline(target_model, "ar").generate_ids(random_prompt(4), sampled).token_ids) == 8
+    seeded = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=7)
+    shared = pipeline(target_model, "ar")
+    assert shared.generate_ids(random_prompt(4), seeded).token_ids == shared.generate_ids(random_prompt(4),
+                                                                                           seeded).token_ids
