@@ -142,19 +142,24 @@ class Pipeline:
             self._generation += 1
             mine = self._generation
             stream = self._active = self.decoder.stream(prompt_ids, decode, generator)
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if self._generation != mine:
+                        raise JointspecError("another generation started on this Pipeline while this stream was open, "
+                                             "so it was ended; a Pipeline decodes one request at a time (use one per "
+                                             "thread, or finish a stream before starting another)")
+                    try:
+                        chunk = next(stream)
+                    except StopIteration:
+                        break
+                new_ids.extend(chunk)
+                yield chunk
+        finally:  # finished, failed or dropped by its caller: a stream still owning the decoder ends now
             with self._lock:
-                if self._generation != mine:
-                    raise JointspecError("another generation started on this Pipeline while this stream was open, "
-                                         "so it was ended; a Pipeline decodes one request at a time (use one per "
-                                         "thread, or finish a stream before starting another)")
-                try:
-                    chunk = next(stream)
-                except StopIteration:
+                if self._generation == mine and self._active is stream:
+                    stream.close()
                     self._active = None
-                    break
-            new_ids.extend(chunk)
-            yield chunk
         if self.memory is not None:  # a whole answer only: a stream its caller stopped early is not remembered
             self.memory.add(prompt_ids, new_ids)
 
