@@ -129,7 +129,10 @@ class Pipeline:
         return self.tokenizer(prompt)["input_ids"]
 
     def stream_ids(self, prompt_ids: Sequence[int] | torch.Tensor, config: GenerationConfig) -> Iterator[list[int]]:
-        prompt_ids = self._token_ids(prompt_ids)
+        yield from self._stream(self._token_ids(prompt_ids), config)
+
+    def _stream(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
+        """stream_ids on ids already checked (:meth:`_token_ids`)."""
         if not prompt_ids:  # e.g. an empty prompt without a chat template: a user error, not an engine one
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
         seed = config.seed if config.seed is not None else fresh_seed()
@@ -193,11 +196,12 @@ class Pipeline:
     def generate_ids(self, prompt_ids: list[int], config: GenerationConfig = GenerationConfig(),
                      on_text=None) -> GenerationResult:
         """Decode after ``prompt_ids``; ``on_text(delta)`` is called with streamed text if given."""
+        prompt_ids = self._token_ids(prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer) if on_text is not None else None
         new_ids: list[int] = []
         with self._calls:
             start = time.perf_counter()
-            for chunk in self.stream_ids(prompt_ids, config):
+            for chunk in self._stream(prompt_ids, config):
                 new_ids.extend(chunk)
                 if detok is not None:
                     delta = detok.push(chunk)
@@ -207,8 +211,7 @@ class Pipeline:
             stats = self.decoder.stats
         finished = bool(new_ids) and new_ids[-1] in self.eos_token_ids
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerationResult(text, new_ids, self._token_ids(prompt_ids), seconds, "stop" if finished else "length",
-                                stats)
+        return GenerationResult(text, new_ids, prompt_ids, seconds, "stop" if finished else "length", stats)
 
     def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:
         return self.generate_ids(self.encode(prompt, config.chat), config, on_text)

@@ -157,18 +157,16 @@ def _answers_so_far(data: Path, spec: dict) -> dict[int, list[int]]:
         raise UnsupportedOptionError(
             f"--data '{data}' holds answers made with other settings (differing: {', '.join(differing)}); use a new "
             "--data folder or delete this one")
+    from jointspec.train.server_answers import complete_lines
+
     done: dict[int, list[int]] = {}
-    lines = answers_path.read_text().splitlines(keepends=True)
-    for number, line in enumerate(lines):
+    for number, line in enumerate(complete_lines(answers_path), start=1):
         try:
             record = json.loads(line)
             done[int(record["index"])] = [int(t) for t in record["answer_ids"]]
         except (ValueError, KeyError, TypeError):
-            if number + 1 < len(lines) or line.endswith("\n"):
-                raise UnsupportedOptionError(f"'{answers_path}' line {number + 1} is not an answer record; use a "
-                                             "new --data folder or delete this one") from None
-            log.warning("dropping the last line of %s: an interrupted run cut it short", answers_path)
-            answers_path.write_text("".join(lines[:number]))
+            raise UnsupportedOptionError(f"'{answers_path}' line {number} is not an answer record; use a new --data "
+                                         "folder or delete this one") from None
     return done
 
 

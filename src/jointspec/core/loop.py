@@ -122,6 +122,7 @@ class DecodeState:
     config: DecodeConfig
     generator: torch.Generator | None
     argmax_only: bool  # greedy verification may read the target's screened argmax
+    max_verify_rows: int | None = None  # the target's, read once (TargetCapabilities)
     done: bool = False
     stopped: bool = False  # it ended on an end-of-sequence token
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
@@ -187,9 +188,10 @@ class SpeculativeDecoder:
         self.drafter.start(tokens)
         stats.prefill_seconds = time.perf_counter() - start
         # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
-        argmax_only = (config.sampling.greedy and self.target.capabilities.argmax_screen
+        capabilities = self.target.capabilities
+        argmax_only = (config.sampling.greedy and capabilities.argmax_screen
                        and getattr(self.verifier, "reads_argmax_when_greedy", False))
-        return DecodeState(tokens, end, config, generator, argmax_only)
+        return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows)
 
     def begin_round(self, state: DecodeState) -> ForwardCall:
         """Draft (1.) and return the target forward that scores the pending token and the draft (2.)."""
@@ -198,7 +200,7 @@ class SpeculativeDecoder:
         # 1. Propose, leaving room for the one token the target always adds.
         draft = self.drafter.propose(tokens, state.end - len(tokens) - 1, state.config.sampling, state.generator)
         state.draft_seconds = time.perf_counter() - t0
-        limit = self.target.capabilities.max_verify_rows
+        limit = state.max_verify_rows
         if limit is not None and 1 + draft.num_nodes > limit:
             raise UnsupportedOptionError(
                 f"a draft of {draft.num_nodes} tokens needs a verification forward of {1 + draft.num_nodes} rows; "

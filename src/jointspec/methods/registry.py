@@ -16,6 +16,7 @@ from jointspec.core.draft import Drafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.target import TargetLM
 from jointspec.core.verdict import VERIFY_CHOICES, Verifier
+from jointspec.drafters.corpus import CONFIG_FILE as TABLE_CONFIG_FILE
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.model import check_same_vocabulary
 from jointspec.drafts.artifact import HEAD_WEIGHT_CHOICES, is_head_artifact, shipped_head_for
@@ -107,7 +108,7 @@ class MethodContext:
                     "llama.cpp backend nor --attention specpc does); use --backend torch, or draft with a model "
                     "(--draft a model folder or .gguf, or --draft self)")
             return bind_trained_draft(self.config.draft, self.target, self.config.head_weights)
-        if (Path(self.config.draft).expanduser() / "corpus.json").is_file():
+        if (Path(self.config.draft).expanduser() / TABLE_CONFIG_FILE).is_file():
             raise UnsupportedOptionError(f"'{self.config.draft}' is an n-gram table (`jointspec build-corpus`), not "
                                          f"a draft model: method '{self.config.name}' drafts with a model or head; "
                                          "a table goes with --method corpus --draft DIR")

@@ -219,6 +219,18 @@ def answer_key(prompt_ids: list[int], max_tokens: int) -> str:
     return hashlib.sha256(json.dumps([list(prompt_ids), max_tokens]).encode()).hexdigest()
 
 
+def complete_lines(path: Path) -> list[str]:
+    """The whole lines of an append-only file (one record a line, appended as each is made). A last line cut off
+    mid-write by an interrupted run is dropped, from the file too: the next append would join it."""
+    raw = path.read_bytes()
+    complete = raw[:raw.rfind(b"\n") + 1]
+    if len(complete) < len(raw):
+        log.warning("%s: dropping an unfinished last line (an interrupted run)", path)
+        with path.open("r+b") as sink:
+            sink.truncate(len(complete))
+    return complete.decode().splitlines()
+
+
 class AnswerCache:
     """``server-answers.jsonl``: one answer a line, appended as it arrives, so an interrupted run keeps them."""
 
@@ -227,9 +239,7 @@ class AnswerCache:
         self.answers: dict[str, ServerAnswer] = {}
         if not path.is_file():
             return
-        raw = path.read_bytes()
-        complete_lines = raw[:raw.rfind(b"\n") + 1]
-        for number, line in enumerate(complete_lines.decode().splitlines(), start=1):
+        for number, line in enumerate(complete_lines(path), start=1):
             try:
                 record = json.loads(line)
                 ids = record.get("token_ids")
@@ -238,10 +248,6 @@ class AnswerCache:
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise AnswerServerError(f"{path}:{number} is not an answer line; delete the file to fetch every "
                                         "answer again") from None
-        if len(complete_lines) < len(raw):  # the end of a line cut off mid-write: drop it, or the next would join it
-            log.warning("%s: dropping an unfinished last line (an interrupted run)", path)
-            with path.open("r+b") as sink:
-                sink.truncate(len(complete_lines))
 
     def add(self, key: str, answer: ServerAnswer, model: str) -> None:
         line = json.dumps({"key": key, "text": answer.text, "finish_reason": answer.finish_reason, "model": model,
