@@ -38,6 +38,7 @@ from jointspec.batch.lockstep import (
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.target import ForwardCall
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, choose_num_draft_tokens
+from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
@@ -105,6 +106,17 @@ def test_forward_many_gives_each_sequence_its_own_forwards_bits(int4_target, arg
              ForwardCall([13, 14], output_hidden=True)]
     assert_forward_many_is_each_alone(int4_target, contexts, calls)
     assert passes["one pass"] == 2
+
+
+@pytest.mark.parametrize("argmax_only", [False, True])
+def test_forward_many_past_the_row_wise_limit_together_keeps_each_calls_bits(int4_target, argmax_only, passes):
+    """Three chains of 100 rows: each alone is row-wise, but their 300 logits rows together pass ROWWISE_MAX_ROWS,
+    where a quantised head on the rows of all calls at once took a prompt's GEMM (other bits for the exact logits)."""
+    assert 3 * 100 > ROWWISE_MAX_ROWS >= 100
+    contexts = [random_prompt(seed, length=5 + seed) for seed in range(3)]
+    calls = [ForwardCall([5 + (i * 7 + seed) % 50 for i in range(100)], argmax_only=argmax_only) for seed in range(3)]
+    assert_forward_many_is_each_alone(int4_target, contexts, calls, rounds=1)
+    assert passes["one pass"] == 1
 
 
 def test_forward_many_feeds_each_targets_feature_mirror_its_own_hidden_states(int4_target, passes):

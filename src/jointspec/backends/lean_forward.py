@@ -487,14 +487,18 @@ class LeanLlamaForward:
             heads.append(normed[0, row + n - max(call.num_logits, 0):row + n])
             row += n
         # One head call per kind of head (screened argmax or exact logits) over every call's rows: the head's
-        # weights are the largest single read of a step, and it too computes each row alone.
+        # weights are the largest single read of a step, and it too computes each row alone. Up to ROWWISE_MAX_ROWS
+        # rows a call: past that a quantised head takes a prompt's GEMM, whose rows are not computed alone, and the
+        # calls' rows together may pass it where no call's own rows do.
+        from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
         logits: list[torch.Tensor | None] = [None] * len(calls)
         for argmax_only in (False, True):
             group = [i for i, call in enumerate(calls) if call.argmax_only == argmax_only]
             if not group:
                 continue
-            out = self._head(torch.cat([heads[i] for i in group])[None], sum(len(heads[i]) for i in group),
-                             argmax_only)[0]
+            out = torch.cat([self._head(piece[None], len(piece), argmax_only)[0]
+                             for piece in torch.cat([heads[i] for i in group]).split(ROWWISE_MAX_ROWS)])
             start = 0
             for i in group:
                 logits[i] = out[None, start:start + len(heads[i])]
