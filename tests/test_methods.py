@@ -84,20 +84,19 @@ def test_tree_methods_have_their_own_default_tree_and_honour_tree(target_model, 
     # measured cost curve) unless --tree is given; specinfer with --no-cost-aware 4,2,2 every round.
     from jointspec.drafters.tree import TreeDrafter
     from jointspec.drafters.tree_gate import GatedTreeDrafter
-    from jointspec.methods import costs, lossless, trees
+    from jointspec.methods import costs, tree_width
 
     seen = []
-    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 3)
-    monkeypatch.setattr(trees, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 2)
+    monkeypatch.setattr(tree_width, "default_tree_width", lambda curve, draft_cost, hit_rate: seen.append(curve) or 3)
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir).drafter.tree.branching == (3,)
     assert seen == [costs.target_cost_curve(CausalLM(target_model))]  # the target's own curve, memoised
     assert decoder_for(target_model, "hybrid-tree", trained_head_dir, tree=(2, 1)).drafter.tree.branching == (2, 1)
     assert decoder_for(target_model, "default", trained_head_dir, tree=(2,)).drafter.tree.branching == (2,)
     chosen = decoder_for(target_model, "specinfer", trained_head_dir).drafter
-    assert type(chosen) is GatedTreeDrafter and chosen.tree.branching == (2,) and not chosen.every_round
+    assert type(chosen) is GatedTreeDrafter and chosen.tree.branching == (3,) and not chosen.every_round
     assert seen[-1] == seen[0]
-    given = decoder_for(target_model, "specinfer", trained_head_dir, tree=(3,)).drafter
-    assert type(given) is GatedTreeDrafter and given.tree.branching == (3,) and given.every_round
+    given = decoder_for(target_model, "specinfer", trained_head_dir, tree=(2,)).drafter
+    assert type(given) is GatedTreeDrafter and given.tree.branching == (2,) and given.every_round
     fixed = decoder_for(target_model, "specinfer", trained_head_dir, cost_aware=False).drafter
     assert type(fixed) is TreeDrafter and fixed.branching == (4, 2, 2)
     with pytest.raises(ValueError, match="tree must be"):

@@ -17,7 +17,7 @@ from jointspec.drafters.pearl import ParallelDrafter
 from jointspec.drafters.tree import TreeDrafter
 from jointspec.methods.costs import draft_cost_per_call, target_cost_curve
 from jointspec.methods.registry import MethodConfig, MethodContext, register_method
-from jointspec.methods.tree_width import default_tree_width, top_w_hit_rate
+from jointspec.methods.tree_width import top_w_hit_rate, tree_branching
 from jointspec.verifiers.block import BlockVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.verifiers.tree import TreeRejectionVerifier
@@ -119,7 +119,7 @@ def hybrid_tree(context: MethodContext, table=None) -> tuple[Drafter, Verifier]:
                                          "not both")
         tree = DynamicTreeDrafter(draft, config.tree_budget, eos_token_ids=eos)
     else:
-        branching = config.tree or (default_tree_width(curve, draft_cost, top_w_hit_rate(config.draft)),)
+        branching = tree_branching(config.tree, curve, draft_cost, top_w_hit_rate(config.draft))
         tree = TreeDrafter(draft, branching, replacement=True, eos_token_ids=eos)
     drafter = LookupOrTreeDrafter(aware_lookup, tree, curve, draft_cost_per_call=draft_cost)
     # Chains (lookup, one-hot drafts) and i.i.d. trees alike: recursive rejection is lossless for both.

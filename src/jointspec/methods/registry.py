@@ -40,7 +40,8 @@ class MethodConfig:
     min_ngram: int = 1
     beam_width: int = 4
     accept_threshold: float = 0.5
-    tree: tuple[int, ...] | None = None  # None: the method's own (hybrid-tree: default_tree_width, specinfer: 4,2,2)
+    # None: the method's own (tree_width.tree_branching; specinfer with --no-cost-aware: 4,2,2)
+    tree: tuple[int, ...] | None = None
     tree_budget: int = 0  # hybrid-tree: > 0 drafts a dynamic tree of this many nodes instead (greedy only)
     # Choose each round's draft length (or none) from the target's measured cost curve. None: the method's own default
     # (register_method's cost_aware_by_default), which build_method resolves to True or False before a builder runs.

@@ -28,6 +28,13 @@ def default_tree_width(curve, draft_cost: float, hit_rate: dict[int, float] = PR
     return max(hit_rate, key=lambda w: (1 + hit_rate[w]) / (curve.cost(w + 1) + draft_cost))
 
 
+def tree_branching(tree: tuple[int, ...] | None, curve, draft_cost: float,
+                   hit_rate: dict[int, float] = PRIOR_TOP_W_HIT_RATE) -> tuple[int, ...]:
+    """The k-config a tree method drafts: ``tree`` as given (``--tree``), else the one-level tree of
+    :func:`default_tree_width`."""
+    return tree or (default_tree_width(curve, draft_cost, hit_rate),)
+
+
 def expected_tree_gain(curve, draft_cost: float, hit_rate: dict[int, float] = PRIOR_TOP_W_HIT_RATE) -> float:
     """The rate of the :func:`default_tree_width` tree relative to plain decoding, by the same rates: tokens per
     round over a round's cost, in plain steps."""

@@ -16,7 +16,7 @@ from jointspec.drafters.tree import TreeDrafter
 from jointspec.drafters.tree_gate import GatedTreeDrafter
 from jointspec.methods.costs import draft_cost_per_call, target_cost_curve
 from jointspec.methods.registry import MethodContext, register_method
-from jointspec.methods.tree_width import default_tree_width, top_w_hit_rate
+from jointspec.methods.tree_width import top_w_hit_rate, tree_branching
 from jointspec.verifiers.spectr import SpecTrVerifier
 from jointspec.verifiers.traversal import TraversalVerifier
 from jointspec.verifiers.tree import TreeRejectionVerifier
@@ -33,7 +33,7 @@ def _tree(context: MethodContext, branching: tuple[int, ...] | None, every_round
     curve = target_cost_curve(context.target)
     draft_cost = draft_cost_per_call(draft)
     hit_rate = top_w_hit_rate(context.config.draft)
-    branching = branching or (default_tree_width(curve, draft_cost, hit_rate),)
+    branching = tree_branching(branching, curve, draft_cost, hit_rate)
     tree = TreeDrafter(draft, branching, replacement=True, eos_token_ids=context.eos_token_ids())
     # The prior: how often the draft's top tokens, as many as the first level has, hold the target's next token.
     prior = hit_rate[min(branching[0], max(hit_rate))]
