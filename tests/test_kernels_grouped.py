@@ -177,6 +177,23 @@ def test_rows_are_bitwise_independent_of_the_batch(kind):
         assert torch.equal(quantized(x[None]).reshape(17, -1), alone)
 
 
+
+@pytest.mark.parametrize("kind", [GroupedInt4Linear, GroupedInt8Linear])
+def test_a_padded_batch_past_the_row_wise_limit_gives_each_sequence_its_own_bits(kind):
+    # The ragged engine's rounds feed [sequences, rows, in]: 16 x 20 rows pass ROWWISE_MAX_ROWS together, which
+    # took the prompt GEMM (other bits, 1e-2 apart) where each sequence alone is row-wise. A sequence longer than
+    # the limit is a prompt, as row-wise attention counts it.
+    from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
+    quantized = kind(linear(48, 128, seed=1))
+    x = torch.randn(16, 20, 128) * 3
+    assert x.shape[0] * x.shape[1] > ROWWISE_MAX_ROWS
+    with torch.no_grad():
+        assert torch.equal(quantized(x), torch.cat([quantized(x[i:i + 1]) for i in range(len(x))]))
+        long = torch.randn(2, ROWWISE_MAX_ROWS + 1, 128)
+        row_wise = torch.cat([quantized(long[:, i:i + 1]) for i in range(long.shape[1])], dim=1)
+        assert not torch.equal(quantized(long), row_wise)  # the GEMM: what a prompt of its length takes
+
 def test_weights_already_on_the_grids_come_back_unchanged():
     """A Q4_1- or Q8_0-style weight (levels times a per-32 scale, plus a minimum for 4 bits, each level range used in
     full, as those formats' quantisers make it; Q4_1 keeps its scale and minimum as float16) is recovered: the int4

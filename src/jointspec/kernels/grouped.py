@@ -432,10 +432,14 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 ROWWISE_MAX_ROWS = 256
 
 
-def _long(rows: torch.Tensor) -> bool:
+def _long(x: torch.Tensor) -> bool:
     """Whether a forward is long enough to be a prompt prefill (``ROWWISE_MAX_ROWS``): then the kernel runs the
-    product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA."""
-    return rows.shape[0] > ROWWISE_MAX_ROWS
+    product as one float32 GEMM, whose rows are not computed alone, as row-wise attention runs one SDPA.
+
+    ``x``: [..., rows, in]. The rows counted are one sequence's: a padded batch of several (the ragged engine's) is
+    long only where its sequences are, as row-wise attention counts them, so a decode round of many sequences still
+    gives each the bits it gets alone."""
+    return x.dim() >= 2 and x.shape[-2] > ROWWISE_MAX_ROWS
 
 
 def _scales_as_stored(scale: torch.Tensor, minimum: torch.Tensor, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -554,7 +558,7 @@ class _GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
         rows = _rows(x, self.in_features)
-        out = self._multiply(rows, _long(rows))
+        out = self._multiply(rows, _long(x))
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -1093,6 +1097,6 @@ class FusedCall:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = _rows(x, self.in_features)
-        out = kernels().linear(rows, list(self.spans), _long(rows), True)
+        out = kernels().linear(rows, list(self.spans), _long(x), True)
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return list(out.split(self.sizes, dim=-1))
