@@ -224,6 +224,19 @@ def test_bench_quantize_option_errors(monkeypatch, capsys, methods, extra, needl
     assert_clean_error(code, err, needle)
 
 
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--methods", "ar,hybrid-tree:draft=self,tree_budget=4", "--temperature", "0.7"],
+     "hybrid-tree: --tree-budget drafts for greedy decoding only, not at --temperature 0.7"),
+    (["--methods", "ar,pld", "--method", "pld"], "bench runs the methods of --methods"),
+])
+def test_bench_method_option_errors(monkeypatch, capsys, extra, needle):
+    def load_target(*_, **__):
+        raise AssertionError("the options must be refused before anything loads")
+    monkeypatch.setattr(bench_cli, "load_target", load_target)
+    code, _, err = run_cli(capsys, "bench", "--no-progress", *extra)
+    assert_clean_error(code, err, needle)
+
 def test_serve_refuses_llamacpp_and_quantizes_on_torch(quant_folder):
     from jointspec.cli.serve import build_engine
 

@@ -111,11 +111,20 @@ def test_bad_values_are_library_errors(capsys, model_dirs, option, value, needle
     assert_clean_error(code, err, "jointspec: error:", needle)
 
 
-def test_dynamic_tree_with_sampling_is_refused_before_any_output(capsys, model_dirs):
-    code, out, err = run_cli(capsys, *generate_args(model_dirs["target"], "--tree-budget", "3", "--temperature",
-                                                    "0.8"))
+@pytest.mark.parametrize("method", ["hybrid-tree", "default"])
+def test_dynamic_tree_with_sampling_is_refused_before_any_output(capsys, model_dirs, method):
+    code, out, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", method, "--tree-budget", "3",
+                                                    "--temperature", "0.8"))
     assert code == 2 and out == ""
-    assert_clean_error(code, err, "jointspec: error:", "--tree-budget drafts for greedy decoding only")
+    assert_clean_error(code, err, "jointspec: error:", f"{method}: --tree-budget drafts for greedy decoding only")
+
+
+def test_a_tree_budget_that_caps_a_lookup_tree_samples(capsys, model_dirs):
+    # lookahead's --tree-budget is its trie's node cap, not a dynamic tree: sampling with it runs.
+    code, out, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "lookahead", "--tree-budget",
+                                                    "3", "--temperature", "0.8", "--seed", "1"))
+    assert code == 0, err
+    assert out.strip()
 
 
 def test_unknown_device(capsys, model_dirs):

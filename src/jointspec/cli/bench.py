@@ -18,6 +18,7 @@ from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
     add_model_arguments,
     apply_threads,
+    check_dynamic_tree,
     check_output_folder,
     method_config_from_args,
     model_loader,
@@ -62,7 +63,7 @@ def add_parser(subparsers) -> None:
                         help="the GGUF that the llamacpp / llamacpp-pld baselines and backend=llamacpp methods run "
                              "(default: --model when it is 'default' or a .gguf file, else 'default')")
     add_model_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, method=None)  # the bench runs --methods; --method is refused in run
 
 
 def llamacpp_model(args: argparse.Namespace) -> str:
@@ -81,6 +82,9 @@ def _auto_quantize(args: argparse.Namespace, specs) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.method is not None:
+        raise MethodSpecError(f"bench runs the methods of --methods (comma-separated specs, e.g. --methods ar,"
+                              f"{args.method}), not --method")
     prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
     specs = parse_specs(args.methods)
     if args.baseline not in [s.label for s in specs]:
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise MethodSpecError(str(error)) from error
     for spec in specs:  # bad option values fail here, before the model loads
         if not spec.is_hf:
-            method_config(spec, defaults)
+            check_dynamic_tree(method_config(spec, defaults), args.temperature)
     quantized = [spec.label for spec in specs if spec.quantize_explicit]
     if quantized and (args.quantize != "none" or args.backend != "torch"):
         raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "

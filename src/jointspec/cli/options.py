@@ -17,6 +17,9 @@ from jointspec.core.choices import (
 )
 from jointspec.core.errors import UnsupportedOptionError
 
+# Methods whose --tree-budget is a dynamic (EAGLE-2) tree, which drafts for greedy decoding only.
+DYNAMIC_TREE_METHODS = ("hybrid-tree", "default")
+
 
 def positive_int(text: str) -> int:
     try:
@@ -65,7 +68,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pld/corpus/sps/hybrid: choose each round's draft length, or no draft, from the target's "
                              "measured cost curve and the running acceptance, so speculation does not run slower "
                              "than plain decoding (measures the curve once, a few seconds); mtad: each round's "
-                             "depth, at least 1, which it does unless --no-cost-aware")
+                             "depth, at least 1; specinfer/spectr: whether a round drafts their tree at all. sps, "
+                             "hybrid, mtad, specinfer and spectr do this unless --no-cost-aware; pld and corpus only "
+                             "with --cost-aware")
     parser.add_argument("--verify", choices=VERIFY_CHOICES, default="token",
                         help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
                              "same drafts (Sun et al. 2024): the same output law, more tokens kept per round; "
@@ -78,11 +83,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=positive_int, default=4, help="mtad: beams per level")
     parser.add_argument("--accept-threshold", type=float, default=0.5, help="mtad: joint-likelihood ratio tau")
     parser.add_argument("--tree", type=tree_spec, default=None,
-                        help="tree methods: branching per depth, e.g. 4,2,2 (default: 3 for hybrid-tree, 4,2,2 for "
-                             "specinfer)")
+                        help="tree methods: branching per depth, e.g. 4,2,2, drafted every round (default: the "
+                             "one-level tree of the draft's top 1-3 tokens that the target's cost curve pays best; "
+                             "specinfer with --no-cost-aware: 4,2,2)")
     parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
-                             "(EAGLE-2) instead of the static --tree; greedy decoding only")
+                             "(EAGLE-2) instead of the static --tree, greedy decoding only; lookahead/lade/aded: the "
+                             "most nodes of their trees (default 16)")
     parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
                         help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
                              "8-bit weight groups on jointspec's CPU kernel (a draft call ~25 %% cheaper, drafts "
@@ -161,12 +168,7 @@ def apply_threads(args: argparse.Namespace) -> None:
 def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     from jointspec.methods import MethodConfig
 
-    if getattr(args, "tree_budget", 0) and getattr(args, "temperature", 0.0) > 0:
-        # Refused here, before a model loads, rather than by the drafter after the first token is out.
-        raise UnsupportedOptionError(f"--tree-budget drafts for greedy decoding only, not at --temperature "
-                                     f"{args.temperature}; for sampling, give a static tree with --tree")
-
-    return MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+    config = MethodConfig(name=name or args.method, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                         max_num_draft_tokens=args.max_draft_tokens,
                         max_ngram=args.max_ngram, min_ngram=args.min_ngram, beam_width=args.beam_width,
                         accept_threshold=args.accept_threshold, tree=args.tree,
@@ -174,3 +176,13 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
                         cost_aware=getattr(args, "cost_aware", None),
                         head_weights=getattr(args, "head_weights", "auto"),
                         verify=getattr(args, "verify", "token"))
+    check_dynamic_tree(config, getattr(args, "temperature", 0.0))
+    return config
+
+
+def check_dynamic_tree(config, temperature: float) -> None:
+    """Refuse a dynamic tree (``--tree-budget`` of hybrid-tree or default) with sampling here, before a model loads,
+    rather than by the drafter after the first tokens are out."""
+    if config.name in DYNAMIC_TREE_METHODS and config.tree_budget and temperature > 0:
+        raise UnsupportedOptionError(f"{config.name}: --tree-budget drafts for greedy decoding only, not at "
+                                     f"--temperature {temperature:g}; for sampling, give a static tree with --tree")
