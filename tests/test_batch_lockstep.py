@@ -35,6 +35,7 @@ from jointspec.batch.lockstep import (
     engine_description,
     engine_for,
 )
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.target import ForwardCall
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, choose_num_draft_tokens
@@ -255,6 +256,32 @@ def test_a_cancelled_request_leaves_and_the_others_are_untouched(int4_target):
         assert finished[ids[i]] in ("stop", "length")
         assert out[ids[i]] == alone(int4_target, config, PROMPTS[i], GREEDY)
 
+
+
+def test_a_request_its_own_method_refuses_ends_alone_and_the_others_are_untouched(int4_target):
+    # A 16 x 16 tree is 272 draft nodes, past the rows a CPU forward computes alone: the loop refuses that round.
+    # In a batch the refusal ends that request with its error; it used to raise out of the round and fail them all.
+    too_big = MethodConfig("specinfer", draft="self", tree=(16, 16), cost_aware=False)
+    with pytest.raises(UnsupportedOptionError, match="272 tokens"):
+        alone(int4_target, too_big, PROMPTS[0], GREEDY)
+    config = METHODS["pld"]
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    ids = [engine.submit(BatchRequest(tuple(p), GREEDY, too_big if i == 1 else config))
+           for i, p in enumerate(PROMPTS[:4])]
+    out = {seq_id: [] for seq_id in ids}
+    finished = {}
+    while engine.has_work:
+        for event in engine.step():
+            out[event.seq_id].extend(event.token_ids)
+            if event.finish_reason:
+                finished[event.seq_id] = (event.finish_reason, event.error)
+    reason, error = finished[ids[1]]
+    assert reason == "error" and isinstance(error, UnsupportedOptionError) and out[ids[1]] == []
+    for i in (0, 2, 3):
+        assert finished[ids[i]][0] in ("stop", "length")
+        assert out[ids[i]] == alone(int4_target, config, PROMPTS[i], GREEDY)
+    with pytest.raises(UnsupportedOptionError, match="272 tokens"):  # generate() raises the request's own error
+        LockstepEngine(int4_target).generate([BatchRequest(tuple(PROMPTS[0]), GREEDY, too_big)])
 
 def test_a_request_that_joins_mid_flight_gets_its_own_tokens(int4_target):
     config = METHODS["sps-self"]

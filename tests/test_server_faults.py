@@ -193,6 +193,39 @@ def test_a_stop_string_ends_the_sequence_in_the_engine_too(make_engine):
                    "it decoded on after the stop")
 
 
+
+def test_a_request_its_own_method_refuses_mid_way_gets_a_400_and_the_server_goes_on(tmp_path):
+    """A draft past the rows a CPU forward computes alone (SpecTr's 16 chains of up to 29 tokens: hundreds of nodes,
+    within the options' own bounds) is refused by the decode loop at the request's first round, on the lockstep
+    engine that serves a CPU int4 model. That request gets a 400 in OpenAI's envelope (an error event when
+    streamed); it used to raise out of the engine's round and fail every request in flight with a 500. The next
+    request is served as before."""
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import build_engine
+
+    from helpers import grouped_llama, random_prompt, word_tokenizer
+
+    folder = tmp_path / "model"
+    grouped_llama(0).save_pretrained(folder)
+    word_tokenizer(99).save_pretrained(folder)
+    engine = build_engine(build_parser().parse_args(["serve", "--model", str(folder), "--quantize", "int4",
+                                                      "--method", "pld", "--max-tokens", "16"]))
+    body = {"prompt": random_prompt(2), "temperature": 0, "max_tokens": 30,
+            "jointspec": {"method": "spectr", "draft": "self", "beam_width": 16, "num_draft_tokens": 64,
+                          "cost_aware": False}}
+    try:
+        with live_server(create_app(ServerSettings(), engine)) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+            reply = http.post(f"{url}/v1/completions", json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "invalid_request" and "needs a verification forward of" in error["message"]
+            streamed = http.post(f"{url}/v1/completions", json={**body, "stream": True}).text
+            assert '"code": "invalid_request"' in streamed.replace('":"', '": "')
+            good = http.post(f"{url}/v1/completions", json={**body, "jointspec": {"method": "pld"}})
+            assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 30
+    finally:
+        engine.close()
+
 # -- shutdown ---------------------------------------------------------------------------------------------------
 
 def test_sigterm_drains_every_request_finishes_or_gets_an_error(make_engine, monkeypatch):

@@ -36,7 +36,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.draft import tree_depths
-from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
@@ -67,7 +67,8 @@ class BatchRequest:
 @dataclass
 class BatchEvent:
     """What one round did for one sequence. ``finish_reason``: None while it runs, else "stop" (end-of-sequence
-    token), "length" (``max_new_tokens`` or the context) or "cancelled"."""
+    token), "length" (``max_new_tokens`` or the context), "cancelled", or "error": the request's own method refused
+    a round (``error`` says why; a draft too large for the target, say), which ends it alone."""
 
     seq_id: int
     token_ids: list[int]
@@ -76,6 +77,7 @@ class BatchEvent:
     num_accepted: int = 0
     stats: SpecStats | None = None  # the sequence's whole-generation stats, on its last event
     depths: list[int] | None = None  # the round's draft nodes' depths (None: a chain of num_drafted)
+    error: JointspecError | None = None  # why, where finish_reason is "error"
 
 
 @dataclass
@@ -177,11 +179,14 @@ class EngineBase:
         return bool(self.waiting or self.active or self._cancelled)
 
     def generate(self, requests: Iterable[BatchRequest]) -> list[list[int]]:
-        """Decode ``requests`` to the end; the new tokens of each, in order."""
+        """Decode ``requests`` to the end; the new tokens of each, in order. A request its own method refuses
+        mid-way raises that error."""
         ids = [self.submit(request) for request in requests]
         out: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
         while self.has_work:
             for event in self.step():
+                if event.error is not None:
+                    raise event.error
                 out[event.seq_id].extend(event.token_ids)
         return [out[seq_id] for seq_id in ids]
 

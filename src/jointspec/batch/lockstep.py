@@ -43,7 +43,7 @@ import torch
 from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase
-from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
@@ -241,9 +241,17 @@ class LockstepEngine(EngineBase):
         if not self.active:
             return events
         round_start = time.perf_counter()
-        rows = list(self.active.values())
-        self._set_draft_costs(rows)
-        calls = [seq.decoder.begin_round(seq.state) for seq in rows]
+        self._set_draft_costs(list(self.active.values()))
+        rows, calls = [], []
+        for seq in list(self.active.values()):
+            try:
+                calls.append(seq.decoder.begin_round(seq.state))
+                rows.append(seq)
+            except JointspecError as error:  # its own options refused (say, a draft past the target's rows)
+                del self.active[seq.seq_id]
+                events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=error))
+        if not rows:
+            return events
         start = time.perf_counter()
         outputs = forward_many([seq.decoder.target for seq in rows], calls)
         forward_seconds = time.perf_counter() - start

@@ -190,6 +190,8 @@ def _from_engine(error: Exception, retry_after: int) -> RequestError:
 def _from_failure(failure: Failure, retry_after: int) -> RequestError:
     if failure.code == "shutting_down":
         return _shutting_down(failure.message, retry_after)
+    if failure.code == "invalid_request":
+        return RequestError(failure.message, code=failure.code, status=400)
     return RequestError(failure.message, code=failure.code, status=500, type_="server_error")
 
 

@@ -77,8 +77,9 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class Failure:
-    """Why the engine ended a request without an answer. ``code``: "shutting_down" (the server closed under it) or
-    "engine_error" (a round raised; the other requests in that round failed too)."""
+    """Why the engine ended a request without an answer. ``code``: "shutting_down" (the server closed under it),
+    "invalid_request" (its own method refused a round: its options, not the server, are at fault; the other
+    requests go on) or "engine_error" (a round raised; the other requests in that round failed too)."""
 
     code: str
     message: str
@@ -199,6 +200,10 @@ class _Stream:
                 if isinstance(event, Failure):
                     self.done = self.ended = True
                     yield Chunk(self.text.finish(), 0, "error", failure=event)
+                    return
+                if event.error is not None:  # its own options refused a round: it ends, with the text so far
+                    self.done = self.ended = True
+                    yield Chunk(self.text.finish(), 0, "error", failure=Failure("invalid_request", str(event.error)))
                     return
                 delta = self.text.push(event.token_ids)
                 finish = event.finish_reason
