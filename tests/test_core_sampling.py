@@ -198,3 +198,24 @@ def _full_vocabulary_reference(logits: torch.Tensor, sampling: SamplingConfig) -
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return scaled.masked_fill(drop, float("-inf")).softmax(dim=-1)
+
+
+def test_each_row_gets_the_bits_it_gets_alone_whatever_rows_come_with_it():
+    """A verification round processes its pending row with the draft's rows. The shortcuts (exactly k kept, a
+    nucleus within 256 or 4,096 candidates, the finite logits only) sum a row's terms in other orders than the general
+    path, so a row must take the path it takes alone, whatever its companions need: else a seeded lookup draft would
+    sample other bits than ``ar`` does. Each pair below mixes a row of one path with a row of another."""
+    generator = torch.Generator().manual_seed(5)
+    peaked = 4 * torch.randn(6000, generator=generator)
+    flat = 0.01 * torch.randn(6000, generator=generator)  # its nucleus needs more than 4,096 candidates
+    mid = 0.6 * torch.randn(6000, generator=generator)  # within 4,096 but not 256
+    tied = peaked.clone()
+    tied[torch.topk(tied, 11).indices[-1]] = torch.topk(tied, 10).values[-1]  # an 11th token tied with the 10th
+    masked = peaked.masked_fill(torch.arange(6000) % 3 == 0, float("-inf"))  # fewer finite logits
+    cases = [(SamplingConfig(1.0, top_k=10), peaked, tied), (SamplingConfig(0.8, top_k=10, top_p=0.7), peaked, tied),
+             (SamplingConfig(1.0, top_p=0.9), peaked, flat), (SamplingConfig(1.0, top_p=0.9), mid, peaked),
+             (SamplingConfig(1.0, top_p=0.9), flat, masked), (SamplingConfig(0.7, top_k=10, top_p=0.8), tied, masked)]
+    for sampling, first, second in cases:
+        together = processed_probs(torch.stack([first, second]), sampling)
+        for row, alone in zip(together, (processed_probs(first[None], sampling), processed_probs(second, sampling))):
+            assert torch.equal(row, alone.reshape(row.shape)), sampling

@@ -47,29 +47,45 @@ def fresh_seed() -> int:
 def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, in float32.
 
-    logits: [..., vocab]. Returns [..., vocab] rows that sum to 1.
+    logits: [..., vocab]. Returns [..., vocab] rows that sum to 1. Each row gets the bits it gets alone: the shortcuts
+    below sum a row's terms in another order than the general path, so where the rows of one call would take
+    different ones, each row is processed as a call of its own. A round's pending row must get the probabilities
+    plain sampling gives it, whatever was drafted beside it (seeded lookup drafts sample exactly ``ar``'s text).
     """
     logits = logits.float()
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / sampling.temperature
+    rows = logits.reshape(-1, logits.shape[-1]) / sampling.temperature
+    probs = _processed(rows, sampling)
+    if probs is None:
+        probs = torch.cat([_processed(row[None], sampling) for row in rows])
+    return probs.reshape(logits.shape)
+
+
+def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor | None:
+    """``processed_probs`` of tempered rows [n, vocab], or None where its rows would not all take the same path."""
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         top = torch.topk(logits, sampling.top_k, dim=-1)
         kth = top.values[..., -1:]
-        if bool(((logits >= kth).sum(dim=-1) == sampling.top_k).all()):
+        exact = (logits >= kth).sum(dim=-1) == sampling.top_k
+        if bool(exact.all()):
             return _top_k_probs(top.values, top.indices, vocab, sampling.top_p)
+        if bool(exact.any()):
+            return None
         logits = logits.masked_fill(logits < kth, float("-inf"))  # ties at the k-th logit keep every tied token
     if sampling.top_p < 1.0 and not 0 < sampling.top_k < vocab:
         nucleus = _nucleus_probs(logits, sampling.top_p)
         if nucleus is not None:
-            return nucleus
+            return nucleus if nucleus.numel() else None
     if sampling.top_p < 1.0:
         # Only finite logits can be kept, so only they need ordering: after top-k a few dozen (a head restricted to
         # its draft vocabulary leaves a third). A partial sort (topk returns its values in descending order) replaces
         # the full-vocabulary one; the -inf entries it leaves out would add exactly 0 to every sum.
-        num_finite = int(torch.isfinite(logits).sum(dim=-1).max())
-        sorted_logits, order = torch.topk(logits, max(num_finite, 1), dim=-1)
+        num_finite = torch.isfinite(logits).sum(dim=-1)
+        if bool((num_finite != num_finite[0]).any()):  # rows of other widths: their sums would group differently
+            return None
+        sorted_logits, order = torch.topk(logits, max(int(num_finite[0]), 1), dim=-1)
         drop_sorted = _top_p_drop(sorted_logits.softmax(dim=-1), sampling.top_p)
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
@@ -91,17 +107,21 @@ NUCLEUS_CANDIDATES = (256, 4096)
 def _nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
     """``processed_probs`` for top-p alone, when the most likely few hundred or few thousand tokens of every row
     (``NUCLEUS_CANDIDATES``) already hold ``top_p`` of its mass (None otherwise). Every token after them is then
-    dropped, so only they need sorting; a full sort of a large vocabulary costs milliseconds a row."""
+    dropped, so only they need sorting; a full sort of a large vocabulary costs milliseconds a row. An empty tensor
+    where some rows would stop at a count and others not: alone, each would take its own."""
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
     for count in NUCLEUS_CANDIDATES:
         if count >= logits.shape[-1]:
             return None
         top = torch.topk(logits, count, dim=-1)
         probs = (top.values - log_total).exp()
-        if bool((probs.sum(dim=-1) >= top_p).all()):
+        held = probs.sum(dim=-1) >= top_p
+        if bool(held.all()):
             values = top.values.masked_fill(_top_p_drop(probs, top_p), float("-inf"))
             out = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
             return out.scatter_(-1, top.indices, values.softmax(dim=-1))
+        if bool(held.any()):  # alone, some rows would stop here and others go on: an empty result says so
+            return logits.new_empty(0)
     return None
 
 
