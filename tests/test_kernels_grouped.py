@@ -44,6 +44,7 @@ from jointspec.methods import MethodConfig, MethodContext, build_method
 from helpers import (
     assert_greedy_equivalent,
     attention_masks,
+    decode_greedy,
     greedy,
     greedy_by_methods,
     grouped_llama,
@@ -330,6 +331,23 @@ def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatc
                      torch.Generator().manual_seed(0))
     assert calls == []
 
+
+@pytest.mark.parametrize("method, options", [("sps", {}), ("specinfer", {"tree": (2, 2)}), ("mtad", {}),
+                                             ("mtad-tree", {"beam_width": 2, "num_draft_tokens": 3})])
+def test_greedy_verifiers_read_the_argmax_plain_greedy_reads(method, options):
+    # Plain greedy decoding reads the screened head; a verifier that read the exact logits instead would commit other
+    # tokens wherever the screen missed the exact argmax (not guaranteed). A screen narrowed to nothing (margin 0,
+    # one exact logit a row) misses often: every greedy verifier must still give ar's tokens. MTAD read the exact
+    # head here and differed on most prompts.
+    model = quantize_model(grouped_llama(0), "int4")
+    model.lm_head.margin, model.lm_head.max_exact = 0.0, 1
+    for seed in range(4):
+        prompt = random_prompt(seed, length=12)
+        expected = decode_greedy(CausalLM(model, name="ar"), prompt, "ar", 40)
+        config = MethodConfig(name=method, draft="self", cost_aware=False, **options)
+        target = CausalLM(model, name="int4")
+        drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+        assert SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)) == expected, seed
 
 @pytest.mark.parametrize("method, draft, tree", [("pld", None, None), ("sps", "self", None),
                                                  ("specinfer", "self", (2, 2))])

@@ -64,6 +64,10 @@ def node_joints(draft: Draft, target_probs: torch.Tensor) -> tuple[torch.Tensor,
 class MTADVerifier:
     """Chain and tree MTAD: one rule, since a chain is a tree with one node per depth."""
 
+    # At temperature 0 it reads each row's argmax only (processed_probs' one-hot, the greedy endpoint): it may read
+    # the screened head's argmax logits, as plain greedy decoding does, and so commits the same tokens.
+    reads_argmax_when_greedy = True
+
     def __init__(self, accept_threshold: float = 0.5) -> None:
         if not accept_threshold > 0:
             raise ValueError(f"accept_threshold must be > 0, got {accept_threshold}")
