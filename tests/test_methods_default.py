@@ -22,7 +22,7 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     from jointspec.drafters.ngram import PromptLookupDrafter
     from jointspec.drafts import artifact
     from jointspec.methods import default as default_policy
-    from jointspec.methods import lossless
+    from jointspec.methods import tree_width
 
     shipped = trained_head_dir.parent / "shipped"
     shipped.mkdir(exist_ok=True)
@@ -32,7 +32,7 @@ def test_default_method_uses_the_shipped_head_for_its_target(target_model, train
     import shutil
     shutil.copytree(trained_head_dir, shipped / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
     # See test_default_tree_width.
-    monkeypatch.setattr(lossless, "default_tree_width", lambda curve, draft_cost, hit_rate: 2)
+    monkeypatch.setattr(tree_width, "default_tree_width", lambda curve, draft_cost, hit_rate: 2)
     # Where the head's tree is expected to pay (the tiny model's own timings would decide otherwise at random):
     monkeypatch.setattr(default_policy, "expected_tree_gain",
                         lambda curve, draft_cost, hit_rate: default_policy.MIN_TREE_GAIN)
