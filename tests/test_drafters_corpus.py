@@ -171,6 +171,23 @@ def test_corpus_method_accepts_drafts_and_matches_plain_greedy(target_model):
     assert decoder.stats.num_accepted_tokens > 0
 
 
+
+def test_corpus_with_one_token_context_matches_builds_and_matches_plain_greedy(target_model):
+    # --max-ngram 1: the context's 1-token matches, then the table. It used to fail building with a min_ngram of 2
+    # the user never gave.
+    from jointspec.backends.hf import CausalLM
+    from jointspec.core.loop import SpeculativeDecoder
+    from jointspec.methods import MethodConfig, MethodContext, build_method
+
+    from helpers import corpus_folder
+
+    prompt = random_prompt(4)
+    config = MethodConfig(name="corpus", draft=corpus_folder(target_model), max_ngram=1, cost_aware=False)
+    target = CausalLM(target_model)
+    decoder = SpeculativeDecoder(target, *build_method(MethodContext(config, target, None, None)))
+    assert decoder.drafter.min_ngram == decoder.drafter.max_ngram == 1
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+
 def test_table_for_refuses_another_vocabulary_or_tokenizer(tmp_path, target_model):
     mine = FakeTokenizer({f"t{i}": i for i in range(VOCAB)})
     theirs = FakeTokenizer({f"u{i}": i for i in range(VOCAB)})

@@ -83,9 +83,10 @@ def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 def _corpus_lookup(context: MethodContext, table) -> Drafter:
     config = context.config
+    # The context's matches come first from 2 tokens on; --max-ngram 1 asks for 1-token matches alone.
     return CorpusLookupDrafter(table, config.num_draft_tokens,
                                max(config.max_num_draft_tokens, config.num_draft_tokens), max_ngram=config.max_ngram,
-                               output_memory=context.memory)
+                               min_context_ngram=min(2, config.max_ngram), output_memory=context.memory)
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
