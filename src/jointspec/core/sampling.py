@@ -56,14 +56,20 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     rows = logits.reshape(-1, logits.shape[-1]) / sampling.temperature
-    probs = _processed(rows, sampling)
-    if probs is None:
+    try:
+        probs = _processed(rows, sampling)
+    except _PathsDiffer:
         probs = torch.cat([_processed(row[None], sampling) for row in rows])
     return probs.reshape(logits.shape)
 
 
-def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor | None:
-    """``processed_probs`` of tempered rows [n, vocab], or None where its rows would not all take the same path."""
+class _PathsDiffer(Exception):
+    """The rows of one ``_processed`` call would not all take the same path (one row alone never raises it)."""
+
+
+def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """``processed_probs`` of tempered rows [n, vocab]; raises :class:`_PathsDiffer` where they would take different
+    paths."""
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         top = torch.topk(logits, sampling.top_k, dim=-1)
@@ -72,19 +78,19 @@ def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor |
         if bool(exact.all()):
             return _top_k_probs(top.values, top.indices, vocab, sampling.top_p)
         if bool(exact.any()):
-            return None
+            raise _PathsDiffer
         logits = logits.masked_fill(logits < kth, float("-inf"))  # ties at the k-th logit keep every tied token
     if sampling.top_p < 1.0 and not 0 < sampling.top_k < vocab:
         nucleus = _nucleus_probs(logits, sampling.top_p)
         if nucleus is not None:
-            return nucleus if nucleus.numel() else None
+            return nucleus
     if sampling.top_p < 1.0:
         # Only finite logits can be kept, so only they need ordering: after top-k a few dozen (a head restricted to
         # its draft vocabulary leaves a third). A partial sort (topk returns its values in descending order) replaces
         # the full-vocabulary one; the -inf entries it leaves out would add exactly 0 to every sum.
         num_finite = torch.isfinite(logits).sum(dim=-1)
         if bool((num_finite != num_finite[0]).any()):  # rows of other widths: their sums would group differently
-            return None
+            raise _PathsDiffer
         sorted_logits, order = torch.topk(logits, max(int(num_finite[0]), 1), dim=-1)
         drop_sorted = _top_p_drop(sorted_logits.softmax(dim=-1), sampling.top_p)
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, order, drop_sorted)
@@ -107,8 +113,8 @@ NUCLEUS_CANDIDATES = (256, 4096)
 def _nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
     """``processed_probs`` for top-p alone, when the most likely few hundred or few thousand tokens of every row
     (``NUCLEUS_CANDIDATES``) already hold ``top_p`` of its mass (None otherwise). Every token after them is then
-    dropped, so only they need sorting; a full sort of a large vocabulary costs milliseconds a row. An empty tensor
-    where some rows would stop at a count and others not: alone, each would take its own."""
+    dropped, so only they need sorting; a full sort of a large vocabulary costs milliseconds a row. Raises
+    :class:`_PathsDiffer` where some rows would stop at a count and others not: alone, each would take its own."""
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
     for count in NUCLEUS_CANDIDATES:
         if count >= logits.shape[-1]:
@@ -120,8 +126,8 @@ def _nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
             values = top.values.masked_fill(_top_p_drop(probs, top_p), float("-inf"))
             out = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
             return out.scatter_(-1, top.indices, values.softmax(dim=-1))
-        if bool(held.any()):  # alone, some rows would stop here and others go on: an empty result says so
-            return logits.new_empty(0)
+        if bool(held.any()):
+            raise _PathsDiffer
     return None
 
 
