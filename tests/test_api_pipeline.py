@@ -2,7 +2,8 @@
 errors for the arguments a caller can get wrong (a method name, prompt ids as a tensor or out of the vocabulary,
 seeds and counts of the wrong type).
 
-Tiny in-process Llama, greedy decoding (and one seeded sampled run): deterministic, no false-failure odds.
+Tiny in-process Llama, greedy decoding and seeded sampled runs: deterministic, no false-failure odds (the one
+unseeded run is checked only for what holds whatever it samples).
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def test_generation_config_checks_types_and_takes_none_for_a_fresh_seed(target_m
     with pytest.raises(ValueError, match="seed"):
         GenerationConfig(seed=2 ** 70)
     sampled = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=None)
-    assert len(pipeline(target_model, "ar").generate_ids(random_prompt(4), sampled).token_ids) == 8
+    fresh = pipeline(target_model, "ar")
+    ids = fresh.generate_ids(random_prompt(4), sampled).token_ids
+    # A fresh seed may sample the end of sequence before the eighth token: then it ends there, nowhere else.
+    assert 1 <= len(ids) <= 8 and (len(ids) == 8 or ids[-1] in fresh.eos_token_ids), ids
+    assert not set(ids[:-1]) & set(fresh.eos_token_ids)
     seeded = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=7)
     shared = pipeline(target_model, "ar")
     assert shared.generate_ids(random_prompt(4), seeded).token_ids == shared.generate_ids(random_prompt(4),
