@@ -86,6 +86,8 @@ def test_batched_greedy_equals_single(method, batch_size, target_model, load_dra
     for i, out in zip(indices, outs):
         assert out == references(method, GREEDY, i), f"prompt {i} ({len(PROMPTS[i])} tokens)"
     assert eng.cache.num_rows == 0 and not eng.has_work
+    # Tokens per round = 1 + accepted / rounds, also where an EOS ended a round inside its accepted draft.
+    assert eng.stats.num_new_tokens == eng.stats.num_rounds + eng.stats.num_accepted_tokens
 
 
 def test_rows_leave_early_and_the_limit_falls_inside_drafts(target_model, load_draft, references):

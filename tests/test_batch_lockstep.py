@@ -183,6 +183,8 @@ def test_each_request_gets_the_tokens_it_gets_alone_greedy(int4_target, method, 
     assert any(tokens[-1] in EOS for tokens in out if tokens)
     if method != "ar":
         assert engine.stats.num_accepted_tokens > 0
+    # Tokens per round = 1 + accepted / rounds, also where an EOS ended a round inside its accepted draft.
+    assert engine.stats.num_new_tokens == engine.stats.num_rounds + engine.stats.num_accepted_tokens
     assert (passes["one pass"] > 0) == (max_batch_size > 1)  # rounds of several rows ran as one pass
 
 

@@ -107,6 +107,8 @@ def test_eos_inside_draft_stops_like_plain_greedy(target_model, other_model, met
         out = decoder.generate(prompt, greedy(MAX_NEW_TOKENS, frozenset({eos})))
         assert out == expected, f"EOS {eos} first produced at new token {pos}"
         assert decoder.stats.num_new_tokens == len(expected)
+        # Tokens per round = 1 + accepted / rounds: accepted draft tokens after the EOS, never committed, not counted.
+        assert decoder.stats.num_new_tokens == decoder.stats.num_rounds + decoder.stats.num_accepted_tokens
 
 
 @pytest.mark.parametrize("method", ["sps-self", "pld", "corpus", "lookahead", "pearl-self"])
@@ -116,6 +118,7 @@ def test_eos_as_first_new_token(target_model, method):
     eos = hf_greedy(target_model, prompt, 1)[0]
     decoder = make_decoder(method, target_model)
     assert decoder.generate(prompt, greedy(MAX_NEW_TOKENS, frozenset({eos}))) == [eos]
+    assert (decoder.stats.num_rounds, decoder.stats.num_accepted_tokens) == (1, 0)
 
 
 @pytest.mark.parametrize("method", METHODS)

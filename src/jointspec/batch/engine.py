@@ -37,7 +37,7 @@ from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.draft import tree_depths
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
-from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens
+from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -301,10 +301,11 @@ class BatchEngine(EngineBase):
             if stopped or len(seq.tokens) >= seq.end:
                 finished[seq.seq_id] = "stop" if stopped else "length"
             depths = tree_depths(draft.node_parents())
+            kept = kept_draft_tokens(verdict.num_accepted, new_tokens)
             for stats in (seq.stats, self.stats):
-                stats.record(depths, verdict.num_accepted, len(new_tokens))
-            events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes,
-                                     verdict.num_accepted, seq.stats if seq.seq_id in finished else None))
+                stats.record(depths, kept, len(new_tokens))
+            events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes, kept,
+                                     seq.stats if seq.seq_id in finished else None))
         t2 = time.perf_counter()
         for stats in [self.stats] + [seq.stats for seq in rows]:
             stats.draft_seconds += t1 - t0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +34,14 @@ def committed_tokens(token_ids: list[int], eos_token_ids: frozenset[int]) -> tup
     and the batched engine, which must commit the same tokens."""
     cut = next((i + 1 for i, token in enumerate(token_ids) if token in eos_token_ids), None)
     return (token_ids, False) if cut is None else (token_ids[:cut], True)
+
+
+def kept_draft_tokens(num_accepted: int, new_tokens: list[int]) -> int:
+    """The accepted draft tokens that the statistics count for a round: all of them, unless an end-of-sequence token
+    among them ended the round early. That token then counts as the round's one token of its own (as the target's
+    token does otherwise) and the accepted tokens after it, never committed, not at all; so a round commits
+    ``1 + kept`` tokens either way, as "tokens per round = 1 + accepted / rounds" says."""
+    return min(num_accepted, len(new_tokens) - 1)
 
 
 @dataclass
@@ -76,6 +84,10 @@ class SpecStats:
             self.drafted_per_position[depth] += 1
         for depth in range(num_accepted):
             self.accepted_per_position[depth] += 1
+
+    def copy(self) -> SpecStats:
+        return replace(self, drafted_per_position=list(self.drafted_per_position),
+                                   accepted_per_position=list(self.accepted_per_position))
 
     def merge(self, other: SpecStats) -> None:
         for name in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "num_new_tokens",
@@ -230,10 +242,10 @@ class SpeculativeDecoder:
         self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
         new_tokens, stopped = committed_tokens(verdict.token_ids, state.config.eos_token_ids)
         tokens.extend(new_tokens)
-        stats.record(state.depths, verdict.num_accepted, len(new_tokens))
+        stats.record(state.depths, kept_draft_tokens(verdict.num_accepted, new_tokens), len(new_tokens))
         stats.draft_seconds += state.draft_seconds
         stats.verify_seconds += time.perf_counter() - state.verify_start
-        state.num_accepted = verdict.num_accepted
+        state.num_accepted = kept_draft_tokens(verdict.num_accepted, new_tokens)
         state.done = stopped or len(tokens) >= state.end
         state.stopped = stopped
         if not stopped:
