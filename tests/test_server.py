@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 import time
 
@@ -19,10 +20,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
+from jointspec.batch.engine import BatchEvent
 from jointspec.core.draft import NoDrafter
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.server.app import ServerSettings, create_app
-from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream
+from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream, _Stream
 from jointspec.server.metrics import EngineSnapshot
 from jointspec.verifiers.greedy import GreedyVerifier
 
@@ -120,6 +122,39 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
         assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_every_method_at_the_token_that_completed_it(stream, client, engine, byte_model,
+                                                                        tokenizer):
+    body = chat_body("abcabcabc")
+    prompt_ids = engine.encode(CompletionRequest(messages=tuple(body["messages"])))
+    decoder = SpeculativeDecoder(CausalLM(byte_model), NoDrafter(), GreedyVerifier())
+    ids = decoder.generate(prompt_ids, DecodeConfig(24, eos_token_ids=engine.eos_token_ids))
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    # Two characters from the middle of the answer, whole ones: the stop string.
+    at = next(i for i in range(6, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    stop = text[at:at + 2]
+    kept = next(n for n in range(1, len(ids) + 1)  # the first token whose whole characters hold the stop string
+                if stop in (prefix := tokenizer.decode(ids[:n], skip_special_tokens=True))
+                and not prefix.endswith("\ufffd"))
+    # sps drafting with the target itself keeps its whole 8-token drafts: rounds of 9 tokens, stopped inside one.
+    for options in ({"method": "ar"}, {"method": "pld", "num_draft_tokens": 3},
+                    {"method": "sps", "draft": "self", "num_draft_tokens": 8, "cost_aware": False}):
+        request = {**body, "stop": [stop], "jointspec": options}
+        if stream:
+            request["stream_options"] = {"include_usage": True}
+            reply = client.post("/v1/chat/completions", json={**request, "stream": True})
+            payloads = sse_payloads(reply.text)
+            got = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"])
+            finish = [p["choices"][0]["finish_reason"] for p in payloads if p["choices"]][-1]
+            usage = payloads[-1]["usage"]
+        else:
+            data = client.post("/v1/chat/completions", json=request).json()
+            got, finish, usage = data["choices"][0]["message"]["content"], data["choices"][0]["finish_reason"], \
+                data["usage"]
+            assert data["jointspec"]["num_rounds"] == usage["jointspec"]["rounds"]  # the statistics, up to the cut
+        assert (got, finish, usage["completion_tokens"]) == (text[:text.index(stop)], "stop", kept), options
+
+
 def test_a_request_without_a_seed_samples_afresh_and_reports_its_seed(client):
     # OpenAI's semantics: without a seed, each sampled request draws anew. The server gives each its own seed (two
     # alike by chance: 2^-53) and reports it, and the reported seed replays the answer exactly.
@@ -180,6 +215,10 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(stop=5)), "stop"),
     ("chat", json.dumps(chat_body(n=2)), "n"),
     ("chat", json.dumps(chat_body(logprobs=True)), "logprobs"),
+    ("chat", json.dumps(chat_body(top_logprobs=3)), "top_logprobs"),
+    ("completions", json.dumps({"prompt": "a", "logprobs": 0}), "logprobs"),  # 0: the chosen tokens' own
+    ("chat", json.dumps(chat_body(seed=-1)), "seed"),
+    ("chat", json.dumps(chat_body(seed=2 ** 64)), "seed"),  # past what a torch.Generator takes
     ("chat", json.dumps(chat_body(jointspec={"method": "nope"})), None),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "num_draft_tokens": "4"})), "jointspec.num_draft_tokens"),
     ("chat", json.dumps(chat_body(jointspec={"mehtod": "pld"})), "jointspec.mehtod"),
@@ -236,7 +275,7 @@ def test_methods_that_cannot_batch_are_refused_with_400(client):
 def test_streamed_text_never_splits_a_character(tokenizer):
     text = "naïve café — 東京 🎉!"
     stream = TextStream(tokenizer)
-    deltas = [stream.push([t]) for t in tokenizer(text)["input_ids"]] + [stream.finish()]
+    deltas = [stream.push([t])[0] for t in tokenizer(text)["input_ids"]] + [stream.finish()]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
     assert sum(1 for d in deltas if d == "") >= 10  # continuation bytes were held back, not emitted broken
@@ -245,9 +284,50 @@ def test_streamed_text_never_splits_a_character(tokenizer):
 def test_stop_strings_cut_the_text_even_across_chunks(tokenizer):
     stream = TextStream(tokenizer, stop=("END", "\n\n"))
     ids = tokenizer("hello wEN world END tail")["input_ids"]
-    deltas = [stream.push(ids[i:i + 3]) for i in range(0, len(ids), 3)]
-    assert "".join(deltas) + stream.finish() == "hello wEN world "
+    pushed = [stream.push(ids[i:i + 3]) for i in range(0, len(ids), 3)]
+    assert "".join(delta for delta, _ in pushed) + stream.finish() == "hello wEN world "
     assert stream.stopped
+    assert sum(used for _, used in pushed) == len("hello wEN world END")  # up to the token that completed "END"
+
+
+def through_text_layer(tokenizer, rounds: list[list[int]], stop: tuple[str, ...], last_reason: str = "length"):
+    """One request's text layer (the server's ``_Stream``) fed the engine's rounds as the server feeds them: the
+    text, finish reason, tokens kept (``completion_tokens``) and ids kept."""
+
+    class Owner:  # what a stream needs of its ServingEngine: the tokenizer, and an inbox for its cancel
+        def __init__(self) -> None:
+            self.tokenizer, self._inbox = tokenizer, queue.Queue()
+
+    async def run() -> list[Chunk]:
+        stream = _Stream(Owner(), asyncio.get_running_loop(), stop, 1, "test")
+        stream.seq_id = 0
+        for i, ids in enumerate(rounds):
+            stream.events.put_nowait(BatchEvent(0, list(ids), last_reason if i == len(rounds) - 1 else None))
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(run())
+    return ("".join(c.text for c in chunks), chunks[-1].finish_reason, sum(c.num_tokens for c in chunks),
+            [token for c in chunks for token in c.token_ids])
+
+
+EMOJI = "🎉".encode()
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    # a stop early in a round: the answer keeps the tokens up to the one that completed it
+    ("Hello, world. More", (",",), ("Hello", "stop", 6)),
+    # overlapping stops: the one that completes first wins, as one token a round finds it
+    ("xABCDy", ("BC", "ABCD"), ("xA", "stop", 4)),
+    # the round ends (max_tokens) in half a character that hid the stop from the round's decode until the end
+    (b"Hi! " + EMOJI[:2], ("!",), ("Hi", "stop", 3)),
+])
+def test_a_stop_string_ends_the_answer_at_the_same_token_however_many_a_round_commits(tokenizer, text, stop,
+                                                                                        expected):
+    ids = list(text) if isinstance(text, bytes) else tokenizer(text)["input_ids"]  # byte tokens: id = byte
+    for size in (1, 3, len(ids)):  # ar's one token a round, a short draft's rounds, one round for everything
+        rounds = [ids[i:i + size] for i in range(0, len(ids), size)]
+        got = through_text_layer(tokenizer, rounds, stop)
+        assert got == (*expected, ids[:expected[2]]), size
 
 
 # -- cancellation and the live server ---------------------------------------------------------------------------

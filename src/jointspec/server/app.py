@@ -103,7 +103,7 @@ class _Sampling(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)  # as the Python API's GenerationConfig takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -136,6 +136,7 @@ class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
@@ -466,8 +467,10 @@ async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
         raise RequestError("n > 1 is not supported: send one request per choice", param="n")
     if getattr(body, "best_of", None) not in (None, 1):
         raise RequestError("best_of > 1 is not supported", param="best_of")
-    if getattr(body, "logprobs", None):
-        raise RequestError("logprobs are not supported", param="logprobs")
+    for name in ("logprobs", "top_logprobs"):  # completions' logprobs 0 asks for the chosen tokens' own
+        value = getattr(body, name, None)
+        if value is not None and value is not False:
+            raise RequestError("logprobs are not supported", param=name)
     if getattr(body, "echo", False):
         raise RequestError("echo is not supported", param="echo")
     if isinstance(body, CompletionBody) and isinstance(body.prompt, list) and body.prompt \

@@ -17,13 +17,12 @@ that will never come.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from jointspec.backends.hf import CausalLM
@@ -90,14 +89,14 @@ class Chunk:
     """What one round (or the end) gave a request: text, and the round's speculation figures."""
 
     text: str
-    num_tokens: int
+    num_tokens: int  # the round's tokens the answer keeps: all, or those up to the one that completed a stop string
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last chunk
-    stats: SpecStats | None = None  # the whole request's statistics, on the last chunk when the engine has them
+    stats: SpecStats | None = None  # the whole request's statistics so far, on the last chunk where the engine has them
     num_rounds: int = 0  # target forwards behind this chunk: 1 for a decoded round, 0 for an end with no tokens
     num_drafted: int = 0
     num_accepted: int = 0
     failure: Failure | None = None  # set when finish_reason is "error"
-    token_ids: tuple[int, ...] = ()  # the round's generated ids
+    token_ids: tuple[int, ...] = ()  # the round's generated ids the answer keeps (as num_tokens)
     text_cut: bool = False  # a stop string ended the text inside the ids: they say more than the text
 
 
@@ -134,11 +133,22 @@ class TextStream:
         self.num_sent = 0  # characters of ``text`` already returned
         self.stopped = False
 
-    def push(self, token_ids: list[int]) -> str:
+    def push(self, token_ids: list[int]) -> tuple[str, int]:
+        """The text ``token_ids`` add, and how many of them it takes: all, or those up to the one that completed a
+        stop string. With stop strings the ids go in one at a time, so that a round that commits several tokens
+        stops where one token a round would have: at the same token, and at the stop string that completed first."""
         if self.stopped:
-            return ""
-        self.text += self.detokenizer.push(token_ids)
-        return self._release(final=False)
+            return "", 0
+        if not self.stop:
+            self.text += self.detokenizer.push(token_ids)
+            return self._release(final=False), len(token_ids)
+        delta = ""
+        for used, token in enumerate(token_ids, 1):
+            self.text += self.detokenizer.push([token])
+            delta += self._release(final=False)
+            if self.stopped:
+                return delta, used
+        return delta, len(token_ids)
 
     def finish(self) -> str:
         """The held-back rest, at the end (undecodable bytes then show as U+FFFD, as a full decode would)."""
@@ -205,17 +215,18 @@ class _Stream:
                     self.done = self.ended = True
                     yield Chunk(self.text.finish(), 0, "error", failure=Failure("invalid_request", str(event.error)))
                     return
-                delta = self.text.push(event.token_ids)
+                delta, used = self.text.push(event.token_ids)
                 finish = event.finish_reason
                 self.ended = finish is not None
+                if finish is not None:
+                    delta += self.text.finish()  # which may still find a stop string, in a held-back last character
                 if self.text.stopped:
                     finish = "stop"
                 if finish is not None:
-                    delta += self.text.finish()
                     self.done = True
-                yield Chunk(delta, len(event.token_ids), finish, event.stats, num_rounds=int(bool(event.token_ids)),
+                yield Chunk(delta, used, finish, event.stats, num_rounds=int(bool(event.token_ids)),
                             num_drafted=event.num_drafted, num_accepted=event.num_accepted,
-                            token_ids=tuple(event.token_ids), text_cut=self.text.stopped)
+                            token_ids=tuple(event.token_ids[:used]), text_cut=self.text.stopped)
         finally:
             # A consumer that leaves early, or a stop string the text hit before the engine's own end: free the row
             # now rather than decode to max_tokens for nobody.
@@ -311,7 +322,7 @@ class ServingEngine:
             raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
                                          f"draft ({self.method.draft or 'none'})")
         fields = {"method": "name"}
-        return dataclasses.replace(self.method, **{fields.get(k, k): v for k, v in options.items()})
+        return replace(self.method, **{fields.get(k, k): v for k, v in options.items()})
 
     def memory_for(self, user: str | None, method: MethodConfig) -> OutputMemory | None:
         """The memory of earlier answers this request drafts from and joins: none unless the server keeps one
@@ -441,6 +452,10 @@ class ServingEngine:
                 self._forget(event.seq_id)
         self._update_gauges()  # before the tokens go out: a client that sees them also sees the rows they came from
         for stream, event in deliveries:
+            if event.stats is None and stream.text.stop and event.seq_id in self._engine.active:
+                # A stop string may end this answer before the engine does: the round then is its last chunk, and
+                # carries the statistics so far, copied here, where the engine's own copy changes.
+                event = replace(event, stats=self._engine.active[event.seq_id].stats.copy())
             stream.deliver(event)
 
     def _update_gauges(self) -> None:
