@@ -152,7 +152,9 @@ def test_beam_search_on_a_head_feeds_each_level_once_with_unchanged_results(targ
         trees.append((tree, fed))
     (extended, fed_once), (refed, fed_again) = trees
     assert extended.token_ids == refed.token_ids and extended.parents == refed.parents
-    assert torch.equal(extended.beam_log_joint, refed.beam_log_joint)
+    # A level fed on its own and the whole tree fed again are products of other row counts, which some CPUs' BLAS
+    # sum in other orders: equal up to rounding, as the logits in the test above.
+    torch.testing.assert_close(extended.beam_log_joint, refed.beam_log_joint, rtol=1e-4, atol=1e-4)
     # Context, then levels of 3: 3 + 3 nodes once, against 3 + (3 + 3) with the whole tree fed again.
     assert sum(fed_once) == len(context) + 6 and sum(fed_again) == len(context) + 9
 

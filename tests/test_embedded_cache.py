@@ -3,15 +3,15 @@ CLI run): one converts, the others wait for it, and nobody's model folder is rep
 
 The fetch, the checksum and the conversion are stand-ins (the real conversion takes ~20 s and the wheel is not
 needed to test the locking); threads stand in for processes, which ``flock`` treats alike since each opens the lock
-file itself. Deterministic: the lock, not timing, decides the outcome; the stand-in conversion sleeps so that without
-the lock every caller would pass the first "is it prepared" check before any finishes.
+file itself. Deterministic: the lock, not timing, decides the outcome; the stand-in conversion ends only once every
+other caller waits on the lock, so that without the lock every caller would pass the first "is it prepared" check
+before any finishes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -32,16 +32,32 @@ def fake_preparation(tmp_path, monkeypatch):
         path.write_bytes(b"gguf")
         return path
 
+    said: list[str] = []
+    said_changed = threading.Condition()
+
+    def say(message: str, _say=embedded._say) -> None:
+        with said_changed:
+            said.append(message)
+            said_changed.notify_all()
+        _say(message)
+
     def convert(gguf_path: Path, out_dir: Path) -> None:
         conversions.append(threading.current_thread().name)
-        time.sleep(0.4)
+        # The conversion ends once every other caller of prepare_at_once waits on the lock (10 s at most): each of
+        # them has then passed the first "is it prepared" check, which without the lock would let it convert too.
+        with said_changed:
+            said_changed.wait_for(lambda: sum("waiting" in m for m in said) >= EXPECTED_WAITERS[0], timeout=10)
         out_dir.mkdir(parents=True)
         (out_dir / "model.safetensors").write_text(threading.current_thread().name)
 
     monkeypatch.setattr(embedded, "_fetch_gguf", fetch)
     monkeypatch.setattr(embedded, "_check_sha256", lambda path: "0" * 64)
     monkeypatch.setattr(embedded, "_convert", convert)
+    monkeypatch.setattr(embedded, "_say", say)
     return conversions
+
+
+EXPECTED_WAITERS = [0]  # callers that will wait on the lock while one converts (set by prepare_at_once)
 
 
 def prepare_at_once(num_callers: int) -> list[Path | BaseException]:
@@ -59,10 +75,14 @@ def prepare_at_once(num_callers: int) -> list[Path | BaseException]:
             results[index] = error
 
     threads = [threading.Thread(target=call, args=(i,), name=f"caller-{i}") for i in range(num_callers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    EXPECTED_WAITERS[0] = num_callers - 1
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        EXPECTED_WAITERS[0] = 0
     return results
 
 

@@ -25,6 +25,7 @@ from jointspec.core.sampling import SamplingConfig
 from jointspec.kernels.cpu import cpu_flags, usable_cores
 from jointspec.kernels.grouped import (
     GROUP_SIZE,
+    ISA_ENV,
     ISA_FLAGS,
     SCREEN_MARGIN,
     GroupedInt4Linear,
@@ -58,7 +59,8 @@ from helpers import (
 )
 
 
-def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has():
+def test_the_kernels_build_for_the_fastest_instruction_set_this_cpu_has(monkeypatch):
+    monkeypatch.delenv(ISA_ENV, raising=False)  # a build chosen by hand is not the one this CPU's flags choose
     assert kernels() is not None, unavailable_reason()
     flags = cpu_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
@@ -663,7 +665,8 @@ def test_int8_head_weights_refused_where_the_kernel_cannot_take_them():
 OTHER_ISAS = [isa for isa in runnable_isas() if isa != "portable"]
 
 
-def test_every_cpu_runs_the_portable_build_and_x86_with_avx2_the_avx2_one():
+def test_every_cpu_runs_the_portable_build_and_x86_with_avx2_the_avx2_one(monkeypatch):
+    monkeypatch.delenv(ISA_ENV, raising=False)
     assert "portable" in runnable_isas() and kernels("portable").isa() == "portable"
     if {"avx2", "fma", "f16c"} <= cpu_flags():
         assert "avx2" in runnable_isas() and kernels("avx2").isa() == "avx2"
@@ -923,13 +926,13 @@ def test_a_build_runs_this_pythons_own_ninja_whatever_path_says(monkeypatch, tmp
 def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch, capsys):
     """A first run starts the build ahead (prebuild) and asks for the kernels later, maybe while the build still runs:
     the later call must get that build's module, and the build must run once. The build here is a stand-in that
-    takes half a second."""
+    runs until the test lets it end (no timing decides the outcome: a main thread stalled past the timer that ends
+    it only makes the later call find the build done)."""
     import threading
-    import time
 
     from jointspec.kernels import grouped
 
-    started, builds = threading.Event(), []
+    started, release, builds = threading.Event(), threading.Event(), []
 
     class Built:
         def use_q8_inputs(self, on):
@@ -939,7 +942,7 @@ def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_fo
         builds.append((isa, threading.current_thread().name))
         grouped._COMPILING.set()  # as _build does while the compiler runs
         started.set()
-        time.sleep(0.5)
+        assert release.wait(10)
         grouped._COMPILING.clear()
         return Built(), None
     monkeypatch.setattr(grouped, "_build", slow_build)
@@ -950,7 +953,8 @@ def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_fo
     assert thread is not None and started.wait(10)
     cli._say_if_still_building()  # a run stopping on an error now waits for the compiler: it says why
     assert "finishing the CPU kernel build" in capsys.readouterr().err
-    module = grouped.kernels("portable")  # while the thread is still building
+    threading.Timer(0.2, release.set).start()  # the build ends while the call below waits for it
+    module = grouped.kernels("portable")
     thread.join(10)
     cli._say_if_still_building()
     assert capsys.readouterr().err == ""
