@@ -202,6 +202,32 @@ def test_checkpoints_it_cannot_run_faithfully_are_refused(target4, tmp_path, cha
         bind_eagle3(folder, CausalLM(target4))
 
 
+def _zeros_like(state, name):
+    return torch.zeros_like(state[name])
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda state: state.update(d2t=state["d2t"][:40]), "d2t map of 40 entries for 50 draft tokens"),
+    (lambda state: state["d2t"].__setitem__(-1, 60), "points outside the 99-token vocabulary"),
+    (lambda state: state.update({"fc.weight": state["fc.weight"][:, :64]}), "does not match its config.json"),
+    (lambda state: state.update({"fc.bias": torch.zeros(32)}), "does not implement: fc.bias"),
+    (lambda state: state.update({"layers.1.mlp.up_proj.weight": _zeros_like(state, "layers.0.mlp.up_proj.weight")}),
+     "does not implement: layers.1.mlp.up_proj.weight"),
+    (lambda state: state.update({"embed_tokens.weight": torch.zeros(120, 32)}), "120 x 32 embedding"),
+])
+def test_checkpoints_whose_weights_disagree_with_their_config_are_refused_by_name(target4, tmp_path, change,
+                                                                                   needle):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "e3"
+    exported(target4, random_head(target4), folder)
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=needle):
+        bind_eagle3(folder, CausalLM(target4))
+
+
 def test_a_checkpoint_for_another_shape_of_target_is_refused(target4, tmp_path):
     folder = tmp_path / "e3"
     exported(target4, random_head(target4), folder)
@@ -282,7 +308,12 @@ def test_the_original_eagle3_layout_for_sglang_round_trips(target4, trained_eagl
     assert code == 0, err
     config = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    # Each engine's numbering: vLLM's top-level key as ours (the input of layer i); SGLang's eagle_config by the
+    # output of layer v, captured as the input of layer v + 1 (sglang/srt/models/llama.py,
+    # set_eagle3_layers_to_capture).
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
+    assert config["rope_theta"] == target4.config.rope_parameters["rope_theta"]  # SGLang's layer reads it there
     assert config["draft_vocab_size"] == config["vocab_size"] == 99  # trained on the full vocabulary
     state = load_file(str(tmp_path / "sglang" / "model.safetensors"))
     assert set(state) == SGLANG_NAMES
@@ -290,6 +321,10 @@ def test_the_original_eagle3_layout_for_sglang_round_trips(target4, trained_eagl
     rows = [primed(target4, lambda target, folder=folder: bind_trained_draft(folder, target), context)
             .forward(context + [5]).logits for folder in (trained_eagle3[0], tmp_path / "sglang")]
     assert torch.equal(rows[0], rows[1])
+    # A checkpoint SGLang's tools wrote names its layers in eagle_config alone, by their outputs.
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (tmp_path / "sglang" / "config.json").write_text(json.dumps(config))
+    assert bind_eagle3(tmp_path / "sglang", CausalLM(target4)).head.config.aux_layers == AUX
     # A checkpoint of this layout that does not name its layers reads EAGLE-3's default for the target (2, L/2, L-3).
     del config["eagle_config"]
     (tmp_path / "sglang" / "config.json").write_text(json.dumps(config))

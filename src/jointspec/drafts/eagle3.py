@@ -208,8 +208,11 @@ def _checkpoint_config(raw: dict, folder: Path, target_layers: int | None) -> Ea
     if raw.get("target_hidden_size") not in (None, hidden):
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' reads a target {raw['target_hidden_size']} wide with a "
                              f"head {hidden} wide; jointspec reads heads as wide as their target")
-    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and speculators' numbering: transformers' own
+    if not aux:
+        # SGLang's (and SpecForge's) names a layer by its output, one below ours (:func:`save_eagle3_layout`).
+        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = [int(i) + 1 for i in nested] if nested else None
     if not aux and not speculators and target_layers is not None:
         aux = (2, target_layers // 2, target_layers - 3)  # what vLLM and SGLang capture when the config is silent
     if not aux:
@@ -254,18 +257,42 @@ def load_eagle3(folder: str | Path, *, device: str | torch.device = "cpu", dtype
     except (OSError, KeyError, TypeError, ValueError) as error:
         raise ModelLoadError(f"'{folder}' is not a readable EAGLE-3 checkpoint ({error})") from error
     state = {name.replace("midlayer.", "layers.0."): value for name, value in state.items()}
+    if not 2 <= config.draft_vocab_size <= config.target_vocab_size:
+        raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' drafts {config.draft_vocab_size} tokens of a "
+                             f"{config.target_vocab_size}-token vocabulary (draft_vocab_size)")
     head = Eagle3Head(config)
     names = _weight_names(head)
     missing = [name for name in names if name not in state]
     if missing:
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' lacks {', '.join(missing)}")
-    head.load_state_dict({ours: state[theirs] for theirs, ours in names.items()}, strict=False)
+    # speculators keeps the target's own LM head and norm beside the draft (verifier_*) for training: not the draft's.
+    unread = sorted(name for name in set(state) - set(names) - {"d2t", "t2d", "embed_tokens.weight"}
+                    if not name.startswith("verifier_"))
+    if unread:  # a bias, a second layer, a norm this head lacks: loading without it would draft otherwise
+        raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' has weights jointspec's EAGLE-3 head does not "
+                             f"implement: {', '.join(unread[:6])}{' ...' if len(unread) > 6 else ''}")
+    try:
+        head.load_state_dict({ours: state[theirs] for theirs, ours in names.items()}, strict=False)
+    except RuntimeError as error:  # a weight of another shape than its config.json says
+        raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' does not match its config.json: {error}") from error
     if "d2t" in state:
-        head.draft_vocab.copy_(torch.arange(config.draft_vocab_size) + state["d2t"].long())
+        d2t = state["d2t"].long().flatten()
+        draft_vocab = torch.arange(d2t.numel()) + d2t
+        if d2t.numel() != config.draft_vocab_size:
+            raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' has a d2t map of {d2t.numel()} entries for "
+                                 f"{config.draft_vocab_size} draft tokens")
+        if not bool(((draft_vocab >= 0) & (draft_vocab < config.target_vocab_size)).all()):
+            raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' has a d2t map that points outside the "
+                                 f"{config.target_vocab_size}-token vocabulary")
+        head.draft_vocab.copy_(draft_vocab)
     elif config.draft_vocab_size != config.target_vocab_size:
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' drafts {config.draft_vocab_size} of "
                              f"{config.target_vocab_size} tokens but has no d2t map")
     if "embed_tokens.weight" in state:
+        shape = tuple(state["embed_tokens.weight"].shape)
+        if shape != (config.target_vocab_size, config.hidden_size):
+            raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' has a {shape[0]} x {shape[-1]} embedding for a "
+                                 f"{config.target_vocab_size}-token vocabulary {config.hidden_size} wide")
         head.embed_tokens = nn.Embedding.from_pretrained(state["embed_tokens.weight"].float(), freeze=True)
     head.source = str(folder)
     return head.to(device=device, dtype=dtype).eval()
@@ -305,9 +332,16 @@ def save_eagle3_layout(head: Eagle3Head, folder: str | Path) -> Path:
         raise UnsupportedOptionError("this head sets norm_before_residual, which SGLang's EAGLE-3 layer does not "
                                      "read: export it as speculators (vLLM) instead")
     raw = _layer_dict(config)
+    # transformers 5 keeps the RoPE base only inside rope_parameters; SGLang's Llama layer reads rope_theta, and
+    # without it takes 10,000 (SmolLM2's is 100,000).
+    raw.setdefault("rope_theta", config.rope_theta)
+    # The layers twice, as each engine numbers them. vLLM reads the top-level key first: the input of layer i, as
+    # here. SGLang reads eagle_config's and captures the input of layer v + 1 for each v: the output of layer v (-1
+    # for the embeddings, layer 0's input).
     raw.update({"architectures": ["LlamaForCausalLMEagle3"],
                 "draft_vocab_size": config.draft_vocab_size or config.target_vocab_size,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
+                "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.aux_layers],
                                  "use_aux_hidden_state": True},
                 "dtype": "float32"})
     state = _renamed_state(head, layer_prefix="midlayer.")
