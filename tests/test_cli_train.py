@@ -45,3 +45,30 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
         with pytest.raises(SystemExit):
             cli.main(base + ["--cls-fraction", bad])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, refusal", [
+    (["--learning-rate", "0"], "--learning-rate: must be a finite number > 0, got 0"),
+    (["--learning-rate=-1e-3"], "--learning-rate: must be a finite number > 0"),
+    (["--batch-tokens", "8"], "--batch-tokens: must be at least 16, got 8"),
+    (["--draft-vocab", "1"], "--draft-vocab must be 0 (the full vocabulary) or at least 2, got 1"),
+    (["--head", "eagle3", "--layers", "2"], "--layers 2: an EAGLE-3 head has one decoder layer"),
+])
+def test_bad_training_settings_are_refused_before_the_target_loads(target_model, tmp_path, monkeypatch, capsys, bad,
+                                                                     refusal):
+    from jointspec.cli import main as cli
+    from jointspec.cli import train as train_cli
+
+    argv = train_cli_argv(monkeypatch, target_model, tmp_path, "out") + bad
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the options were checked")
+
+    monkeypatch.setattr(train_cli, "load_target", no_load)
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    assert code == 2
+    assert refusal in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

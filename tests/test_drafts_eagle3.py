@@ -395,3 +395,22 @@ def test_training_warm_starts_from_an_eagle3_checkpoint_made_elsewhere(target4, 
     code, _, err = run_cli(capsys, *train_cli_argv(monkeypatch, target4, tmp_path, "other"),
                            "--init", str(tmp_path / "published"))
     assert code == 2 and "starts --head eagle3 drafts only" in err
+
+
+def test_exports_and_saved_heads_are_readable_by_others_as_the_umask_allows(target4, tmp_path):
+    # safetensors writes owner-only files and mkdtemp owner-only folders; a server running as another user must
+    # still load what train-draft and export-draft wrote.
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        head = random_head(target4)
+        exported(target4, head, tmp_path / "e3")
+        head.save(tmp_path / "own")
+    finally:
+        os.umask(previous)
+    for path in (tmp_path / "e3", tmp_path / "own"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755
+        for item in path.iterdir():
+            assert stat.S_IMODE(item.stat().st_mode) == 0o644, item

@@ -104,8 +104,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--patience", type=positive_int, default=4,
                         help="stop after this many held-out evaluations without a better depth-1 agreement; a run "
                              "stopped by it (or by --max-minutes) resumes when given a larger value")
-    parser.add_argument("--batch-tokens", type=positive_int, default=4096, help="padded tokens per training step")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--batch-tokens", type=_batch_tokens, default=4096,
+                        help="padded tokens per training step (at least 16)")
+    parser.add_argument("--learning-rate", type=_positive_float, default=1e-3)
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
                         help="passes that read the head's own predicted features (training-time test; --kind heads "
                              "only, default 2)")
@@ -138,6 +139,12 @@ def _number(text: str) -> float:
 def _positive_float(text: str) -> float:
     if not 0 < (value := _number(text)) < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _batch_tokens(text: str) -> int:
+    if not 16 <= (value := positive_int(text)):
+        raise argparse.ArgumentTypeError(f"must be at least 16, got {text}")
     return value
 
 
@@ -269,10 +276,14 @@ def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:
                                          f"{kind.name} draft")
     for option in KIND_OPTIONS - {"fuse_layers"}:
         setattr(args, option, (getattr(args, option) or kind.options[option]) if option in kind.options else None)
+    if kind.name == "eagle3" and args.layers not in (None, 1):
+        raise UnsupportedOptionError(f"--layers {args.layers}: an EAGLE-3 head has one decoder layer, the one vLLM "
+                                     "and SGLang load")
     args.layers = args.layers or kind.num_layers
     args.head = None if kind.name == "distill" else kind.name
-    if args.draft_vocab < 0:
-        raise UnsupportedOptionError(f"--draft-vocab must be >= 0 (0 = full vocabulary), got {args.draft_vocab}")
+    if args.draft_vocab < 0 or args.draft_vocab == 1:
+        raise UnsupportedOptionError(f"--draft-vocab must be 0 (the full vocabulary) or at least 2, got "
+                                     f"{args.draft_vocab}")
     return kind
 
 

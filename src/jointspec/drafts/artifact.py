@@ -105,11 +105,26 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
              if not k.startswith("body.embed_tokens")}
     tmp = folder / (WEIGHTS_FILE + ".tmp")
     save_file(state, str(tmp))
+    shareable(tmp)
     tmp.replace(folder / WEIGHTS_FILE)
     meta = {"config": asdict(config), "training": training or {}}
     (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
     (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
     return folder
+
+
+def shareable(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and all it holds) the permissions the user's umask gives new files. A
+    draft is written to be loaded by others (a server's user, another engine), but safetensors writes its files for
+    their owner alone and ``mkdtemp`` its folders likewise."""
+    mask = 0o022
+    try:
+        status = Path("/proc/self/status").read_text()
+        mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        pass  # not Linux: the usual umask
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
 def target_fingerprint(target: CausalLM, rounded_to: torch.dtype | None = None) -> str:
@@ -227,6 +242,7 @@ def write_engine_checkpoint(folder: Path, config: dict, state: dict[str, torch.T
     try:
         (tmp / SPECULATORS_CONFIG).write_text(json.dumps(config, indent=2))
         save_file(state, str(tmp / ENGINE_WEIGHTS), metadata={"format": "pt"})
+        shareable(tmp)
         tmp.rename(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
