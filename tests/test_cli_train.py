@@ -51,6 +51,7 @@ def test_train_draft_cli_end_to_end_and_resume(target_model, tmp_path, monkeypat
     (["--learning-rate", "0"], "--learning-rate: must be a finite number > 0, got 0"),
     (["--learning-rate=-1e-3"], "--learning-rate: must be a finite number > 0"),
     (["--batch-tokens", "8"], "--batch-tokens: must be at least 16, got 8"),
+    (["--max-minutes", "0"], "--max-minutes: must be a finite number > 0, got 0"),
     (["--draft-vocab", "1"], "--draft-vocab must be 0 (the full vocabulary) or at least 2, got 1"),
     (["--head", "eagle3", "--layers", "2"], "--layers 2: an EAGLE-3 head has one decoder layer"),
 ])

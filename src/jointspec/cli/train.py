@@ -100,7 +100,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--loss", default=None, choices=["kl", "tv"],
                         help="distillation loss for --kind distill: forward KL (default) or total variation")
     parser.add_argument("--epochs", type=positive_int, default=8)
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    parser.add_argument("--max-minutes", type=_positive_float, default=None,
+                        help="stop training after this long (minutes, > 0)")
     parser.add_argument("--patience", type=positive_int, default=4,
                         help="stop after this many held-out evaluations without a better depth-1 agreement; a run "
                              "stopped by it (or by --max-minutes) resumes when given a larger value")
