@@ -327,10 +327,15 @@ def test_wrapped_eos_inside_draft_stops_like_plain_greedy(target_model, other_mo
     cut_inside_draft = 0
     for eos, pos in (positions[2], positions[len(positions) // 2], positions[-1]):
         decoder, _ = cost_aware_decoder(method, target_model, other_model, TORCH_FP32)
+        verdicts = []
+        verify = decoder.verifier.verify
+        decoder.verifier.verify = lambda *args, _verify=verify, _verdicts=verdicts, **kwargs: (
+            _verdicts.append(_verify(*args, **kwargs)) or _verdicts[-1])
         out = decoder.generate(prompt, greedy(40, frozenset({eos})))
         assert out == reference[:pos + 1], f"EOS {eos} first produced at new token {pos}"
         stats = decoder.stats
-        cut_inside_draft += stats.num_rounds + stats.num_accepted_tokens > stats.num_new_tokens
+        assert stats.num_new_tokens == stats.num_rounds + stats.num_accepted_tokens  # nothing past the EOS counted
+        cut_inside_draft += eos in verdicts[-1].token_ids[:-1]  # the last round accepted tokens past its EOS
     if method == "sps-self":
         assert cut_inside_draft >= 1
 

@@ -55,9 +55,12 @@ def test_lossless_methods_match_plain_greedy_on_the_default_model():
         assert reference.text.strip(), f"empty output for {prompt!r}"
         for name, result in results.items():
             assert result.token_ids == reference.token_ids, f"{name} differs from ar on {prompt!r}"
-        # The target drafting for itself accepts every draft token.
+        # The target drafting for itself accepts every draft token, but those past an end of sequence inside its
+        # last draft, which are neither committed nor counted.
         stats = results["sps-self"].stats
-        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        uncounted = stats.num_draft_tokens - stats.num_accepted_tokens
+        assert stats.num_draft_tokens > 0 and (uncounted == 0 or (
+            results["sps-self"].token_ids[-1] in eos_token_ids and uncounted < 4)), stats
 
     # ar itself against transformers' own greedy decoding, on the last prompt.
     ids = torch.tensor([prompt_ids])
