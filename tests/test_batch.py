@@ -197,3 +197,15 @@ def test_corpus_lookup_runs_batched_and_shares_its_table(target_model, load_draf
     eng.step()
     drafters = eng.method(method).drafter.drafters.values()
     assert len(drafters) == 2 and len({id(drafter.table) for drafter in drafters}) == 1
+
+
+def test_the_engine_keeps_a_bounded_number_of_built_methods(target_model, load_draft):
+    # A server's requests may each name their own options: the engine keeps the most recently used methods only.
+    from jointspec.batch.engine import MAX_BUILT_METHODS
+
+    eng = engine(target_model, load_draft, 4)
+    configs = [MethodConfig("pld", num_draft_tokens=4, accept_threshold=1.0 + i) for i in range(MAX_BUILT_METHODS + 6)]
+    for config in configs:
+        eng.method(config)
+    assert len(eng._methods) == MAX_BUILT_METHODS
+    assert configs[0] not in eng._methods and configs[-1] in eng._methods

@@ -102,3 +102,30 @@ def test_mtad_is_served_with_its_own_options_on_the_lockstep_engine(served):
     assert sampled.json()["usage"]["completion_tokens"] >= 1
     bad = client.post("/v1/completions", json={"prompt": prompt, "jointspec": {**options, "verify": "blocks"}})
     assert bad.status_code == 400 and "verify" in bad.text
+
+
+def test_only_answers_no_stop_string_cut_are_remembered(served):
+    # docs/methods.md: only whole answers join a memory. A stop string is found by the request's text layer, after
+    # the engine may already have finished the answer (this one copies its earlier answer, so it ends in a round
+    # or two): an answer it cut must not be remembered, whatever the threads' timing.
+    client = TestClient(create_app(ServerSettings(), served))
+    prompt = random_prompt(9)
+    whole = ask(client, prompt, user="carol", stop=["no such words"])  # may meet a stop string, meets none
+    memory = served.memory_for("carol", served.method)
+    assert whole["choices"][0]["finish_reason"] == "length" and memory.num_answers == 1
+    stop = whole["choices"][0]["text"].split()[3]
+    cut = ask(client, prompt, user="carol", stop=[stop])
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] < 24
+    ask(client, random_prompt(10), user="carol")  # the same inbox: anything the cut answer queued is done by now
+    assert memory.num_answers == 2  # the first answer and the last, not the cut one
+
+
+def test_a_refused_request_makes_no_memory(served):
+    # A user's memory is one of 64 per model (least recently used out): requests the server refuses must not make
+    # scopes that push real ones out.
+    from jointspec.drafters import memory as memories
+
+    client = TestClient(create_app(ServerSettings(), served))
+    too_long = client.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4, "user": "mallory"})
+    assert too_long.status_code == 400, too_long.text
+    assert "user:mallory" not in memories._memories.get(served.target.model, {})

@@ -191,9 +191,9 @@ class EngineBase:
         return [out[seq_id] for seq_id in ids]
 
 
-# Methods with a memory of earlier answers the ragged engine keeps built (one per method and memory: per user
-# where the server keeps a memory per user).
-MAX_MEMORY_METHODS = 64
+# Methods the ragged engine keeps built, of each kind: by config, and with a memory of earlier answers by config and
+# memory (per user where the server keeps a memory per user).
+MAX_BUILT_METHODS = 64
 
 
 class BatchEngine(EngineBase):
@@ -202,9 +202,11 @@ class BatchEngine(EngineBase):
     def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
-        self._methods: dict[MethodConfig, _Method] = {}
+        # Built methods by config, the least recently used past MAX_BUILT_METHODS: each request may name its own
+        # options, and a server must not keep a method for every set ever asked for.
+        self._methods: OrderedDict[MethodConfig, _Method] = OrderedDict()
         # Methods that draft from a memory, by config and memory; the least recently used go past
-        # MAX_MEMORY_METHODS (a sequence in flight keeps its own method).
+        # MAX_BUILT_METHODS (a sequence in flight keeps its own method).
         self._memory_methods: OrderedDict[tuple[MethodConfig, OutputMemory], _Method] = OrderedDict()
         self.cache = RaggedCache(target)
 
@@ -217,12 +219,15 @@ class BatchEngine(EngineBase):
             key = (config, memory)
             if key not in self._memory_methods:
                 self._memory_methods[key] = self._build(config, memory)
-                while len(self._memory_methods) > MAX_MEMORY_METHODS:
+                while len(self._memory_methods) > MAX_BUILT_METHODS:
                     self._memory_methods.popitem(last=False)
             self._memory_methods.move_to_end(key)
             return self._memory_methods[key]
         if config not in self._methods:
             self._methods[config] = self._build(config, None)
+            while len(self._methods) > MAX_BUILT_METHODS:
+                self._methods.popitem(last=False)
+        self._methods.move_to_end(config)
         return self._methods[config]
 
     def _build(self, config: MethodConfig, memory: OutputMemory | None) -> _Method:

@@ -176,3 +176,13 @@ def memory_for(model: object, scope: str, **settings) -> OutputMemory:
                 scopes.popitem(last=False)
         scopes.move_to_end(scope)
         return memory
+
+
+def forget_if_unused(model: object, memory: OutputMemory) -> None:
+    """Drop ``memory``'s scope where it holds no answer: made for a request that was then refused, it would only push
+    a scope with answers out of the :data:`MAX_SCOPES`."""
+    with _memories_lock:
+        scopes = _memories.get(model) or {}
+        for scope, held in list(scopes.items()):
+            if held is memory and memory.num_answers == 0:
+                del scopes[scope]

@@ -32,7 +32,7 @@ from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.memory import OutputMemory, memory_for
+from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import unknown_method_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
@@ -224,6 +224,8 @@ class _Stream:
                     finish = "stop"
                 if finish is not None:
                     self.done = True
+                    if self.memory is not None and self.text.stop and not self.text.stopped:
+                        self.owner._inbox.put(("remember", self))  # whole: no stop string cut it
                 yield Chunk(delta, used, finish, event.stats, num_rounds=int(bool(event.token_ids)),
                             num_drafted=event.num_drafted, num_accepted=event.num_accepted,
                             token_ids=tuple(event.token_ids[:used]), text_cut=self.text.stopped)
@@ -343,10 +345,8 @@ class ServingEngine:
         config = DecodeConfig(max_tokens, SamplingConfig(request.temperature, request.top_k, request.top_p),
                               self.eos_token_ids)
         method = self.method_for(request.method)
-        memory = self.memory_for(request.user, method)
-        batch_request = BatchRequest(prompt_ids, config, method, request.seed, memory)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
-        stream.memory, stream.prompt_ids = memory, prompt_ids
+        stream.prompt_ids = prompt_ids
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admission:
             if self._closing:
@@ -354,6 +354,8 @@ class ServingEngine:
             if self._admitted >= self.max_batch_size + self.max_queue:
                 raise QueueFullError(f"the server is full: {self.max_batch_size} requests decoding and "
                                      f"{self.max_queue} waiting; retry later")
+            stream.memory = self.memory_for(request.user, method)  # admitted: a refused request makes no memory
+            batch_request = BatchRequest(prompt_ids, config, method, request.seed, stream.memory)
             self._admitted += 1
             self._inbox.put(("submit", batch_request, stream, future))
         try:
@@ -412,6 +414,8 @@ class ServingEngine:
         for item in leftovers:
             if item[0] == "submit":
                 self._admitted_done(1)
+                if item[2].memory is not None:
+                    forget_if_unused(self.target.model, item[2].memory)
                 self._resolve(item[2].loop, item[3], None, ShuttingDownError("the server is shutting down"))
         self._update_gauges()
 
@@ -446,7 +450,9 @@ class ServingEngine:
         for stream, event in deliveries:
             if stream.memory is not None:
                 stream.answer_ids.extend(event.token_ids)
-                if event.finish_reason in ("stop", "length"):  # a whole answer: later requests may copy from it
+                # A whole answer: later requests may copy from it. One that may meet a stop string is whole only if
+                # its text layer found none; that layer's stream then says so (_Stream.__aiter__).
+                if event.finish_reason in ("stop", "length") and not stream.text.stop:
                     stream.memory.add(stream.prompt_ids, stream.answer_ids)
             if event.finish_reason is not None:
                 self._forget(event.seq_id)
@@ -494,8 +500,13 @@ class ServingEngine:
                     result, error = seq_id, None
                 except Exception as exc:  # handed to the route, which answers 400 or 500
                     self._admitted_done(1)
+                    if stream.memory is not None:
+                        forget_if_unused(self.target.model, stream.memory)
                     result, error = None, exc
                 self._resolve(stream.loop, future, result, error)
+            elif item[0] == "remember":  # a whole answer, as its client got it: later requests may copy from it
+                stream = item[1]
+                stream.memory.add(stream.prompt_ids, stream.answer_ids)
             elif item[0] == "cancel":
                 if self._forget(item[1]) is not None:  # still decoding: free its row
                     self._engine.cancel(item[1])
