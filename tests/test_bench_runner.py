@@ -11,6 +11,7 @@ inside the model's 256 positions; the cost model is measured with 2 repeats only
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -44,6 +45,44 @@ def test_cli_errors_are_one_line(bench_main, bench_prompt_file, tmp_path):
     bad.write_text('{"question_id": 1}\n{oops\n')
     code, out, err = bench_main("--prompts", str(bad))
     assert code == 2 and f"{bad}:1: missing key(s) category, turns" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ar,hf-pld:n=0"], "num_draft_tokens=0 in 'hf-pld:n=0' must be a whole number >= 1"),
+    (["--methods", "ar,hf-pld:max_ngram=0"], "max_ngram=0 in 'hf-pld:max_ngram=0' must be a whole number >= 1"),
+    (["--methods", "ar,hf-assisted:draft=self,schedule=bogus"], "schedule=bogus in .* must be one of: constant"),
+    (["--methods", "ar,hf-assisted:draft=self,confidence=2"], r"confidence=2 in .* must be a number in \[0, 1\]"),
+    (["--methods", "ar,hf-assisted"], "'hf-assisted' needs a draft model"),
+    (["--methods", "ar,llamacpp", "--temperature", "1"], "'llamacpp' runs greedy only"),
+])
+def test_bad_reference_rows_are_refused_before_the_model_loads(bench_main, bench_prompt_file, monkeypatch, argv,
+                                                               message):
+    # transformers would fail at the warm-up, or run another setting than the row's label says (max_ngram 0 as 2).
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the methods were checked")
+
+    monkeypatch.setattr(bench_cli, "load_target", no_load)
+    code, out, err = bench_main("--prompts", str(bench_prompt_file), *argv)
+    assert code == 2 and err.count("\n") == 1
+    assert re.search(message, err), err
+
+
+def test_transformers_rows_stop_at_the_context_as_jointspec_does(bench_main, tmp_path):
+    # A prompt 4 tokens short of the tiny model's 256 positions: every row gets the same 4 new tokens at most.
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "long",
+                                   "turns": [" ".join(WORDS[i % 40] for i in range(250))]}) + "\n")
+    code, out, err = bench_main("--prompts", str(prompts), "--methods", "ar,hf-generate,hf-pld:n=3",
+                                "--max-new-tokens", "16", "--no-perplexity", "--no-cost-model",
+                                "--baseline", " ar",  # as --methods names it: no second 'ar' row
+                                "--report-dir", str(tmp_path / "report"))
+    assert code == 0, err
+    results = json.loads((tmp_path / "report" / "results.json").read_text())
+    assert results["baseline"] == "ar" and len(results["runs"]) == 3
+    runs = {r["method"]: r for r in results["runs"]}
+    assert runs["ar"]["num_new_tokens"] < 16
+    for name in ("hf-generate", "hf-pld:n=3"):
+        assert runs[name]["num_new_tokens"] == runs["ar"]["num_new_tokens"] and runs[name]["identical"], name
 
 
 def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
@@ -205,3 +244,22 @@ def test_a_row_that_learns_online_remembers_only_after_its_timed_runs(target_mod
     report = (tmp_path / "report.md").read_text()
     assert "## Online memory: the first prompts against the last" in report
     assert "`pld` on the same prompts: " in report
+
+
+def test_a_report_that_fails_while_written_leaves_the_earlier_one_whole(bench_main, bench_prompt_file, tmp_path,
+                                                                        monkeypatch):
+    from jointspec.bench import report as bench_report
+
+    folder = tmp_path / "report"
+    common = ("--prompts", str(bench_prompt_file), "--max-new-tokens", "4", "--no-perplexity", "--no-cost-model",
+              "--report-dir", str(folder))
+    assert bench_main(*common, "--methods", "ar,pld")[0] == 0
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+
+    def broken_plots(*args, **kwargs):  # as a Ctrl-C or a plotting error while the plots are drawn
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_report, "write_plots", broken_plots)
+    code, out, err = bench_main(*common, "--methods", "ar,hf-generate")
+    assert code == 130 and "interrupted" in err
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing half-written

@@ -85,6 +85,49 @@ class JointspecEngine:
         return TurnOutput(result.token_ids, seconds, calls, result.stats, result.stats.prefill_seconds)
 
 
+# transformers' num_assistant_tokens_schedule values.
+HF_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+def hf_settings(spec: MethodSpec, defaults: MethodConfig) -> dict:
+    """An ``hf-*`` spec's settings, checked before anything loads: a bad value raises :class:`MethodSpecError` by
+    name, where transformers would fail at the warm-up or quietly run another setting (a max_ngram of 0 as 2, a
+    schedule it does not know as constant)."""
+    options = spec.options
+
+    def count(key: str, default) -> int:
+        text = options.get(key, default)
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            value = 0
+        if value < 1 or str(value) != str(text).strip():
+            raise MethodSpecError(f"{key}={text} in '{spec.label}' must be a whole number >= 1")
+        return value
+
+    settings: dict = {}
+    if spec.name == "hf-pld":
+        settings = {"num_draft_tokens": count("num_draft_tokens", defaults.num_draft_tokens),
+                    "max_ngram": count("max_ngram", defaults.max_ngram)}
+    elif spec.name == "hf-assisted":
+        schedule = options.get("schedule", "constant")
+        if schedule not in HF_SCHEDULES:
+            raise MethodSpecError(f"schedule={schedule} in '{spec.label}' must be one of: {', '.join(HF_SCHEDULES)}")
+        try:
+            confidence = float(options.get("confidence", 0.0))
+        except ValueError:
+            confidence = -1.0
+        if not 0.0 <= confidence <= 1.0:
+            raise MethodSpecError(f"confidence={options['confidence']} in '{spec.label}' must be a number in [0, 1]")
+        draft = options.get("draft", defaults.draft)
+        if draft is None:
+            raise MethodSpecError(f"'{spec.label}' needs a draft model: add draft=PATH (or draft=self), or pass "
+                                  "--draft")
+        settings = {"num_draft_tokens": count("num_draft_tokens", defaults.num_draft_tokens), "schedule": schedule,
+                    "confidence": confidence, "draft": draft}
+    return settings
+
+
 class HFEngine:
     warm_per_prompt = False
     memory = None
@@ -93,31 +136,25 @@ class HFEngine:
                  load_draft: LoadDraft, eos_token_ids: frozenset[int]) -> None:
         self.spec = spec
         self.model = target.model
+        self.max_context = target.max_context
         self.eos_token_ids = sorted(eos_token_ids)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        options = spec.options
+        settings = hf_settings(spec, defaults)
         self.extra: dict = {}
-        try:
-            n = int(options.get("num_draft_tokens", defaults.num_draft_tokens))
-            if spec.name == "hf-pld":
-                self.extra = {"prompt_lookup_num_tokens": n,
-                              "max_matching_ngram_size": int(options.get("max_ngram", defaults.max_ngram))}
-            elif spec.name == "hf-assisted":
-                assistant = self._assistant(options.get("draft", defaults.draft), load_draft)
-                # transformers reads these from the assistant's generation config, not from generate's arguments.
-                assistant.generation_config.num_assistant_tokens = n
-                assistant.generation_config.num_assistant_tokens_schedule = options.get("schedule", "constant")
-                # 0: always draft n tokens, like jointspec's sps (transformers' default stops early).
-                assistant.generation_config.assistant_confidence_threshold = float(options.get("confidence", 0.0))
-                self.extra = {"assistant_model": assistant}
-        except ValueError as error:
-            raise MethodSpecError(f"bad option value in '{spec.label}': {error}") from error
+        if spec.name == "hf-pld":
+            self.extra = {"prompt_lookup_num_tokens": settings["num_draft_tokens"],
+                          "max_matching_ngram_size": settings["max_ngram"]}
+        elif spec.name == "hf-assisted":
+            assistant = self._assistant(settings["draft"], load_draft)
+            # transformers reads these from the assistant's generation config, not from generate's arguments.
+            assistant.generation_config.num_assistant_tokens = settings["num_draft_tokens"]
+            assistant.generation_config.num_assistant_tokens_schedule = settings["schedule"]
+            # 0: always draft n tokens, like jointspec's sps (transformers' default stops early).
+            assistant.generation_config.assistant_confidence_threshold = settings["confidence"]
+            self.extra = {"assistant_model": assistant}
 
-    def _assistant(self, draft: str | None, load_draft: LoadDraft):
-        if draft is None:
-            raise MethodSpecError(f"'{self.spec.label}' needs a draft model: add draft=PATH (or draft=self), or "
-                                  "pass --draft")
+    def _assistant(self, draft: str, load_draft: LoadDraft):
         # A shallow copy shares the weights but is a distinct module (for draft=self, its calls are then not
         # counted as target calls) with its own generation config, which the options above set.
         model = self.model if draft == "self" else load_draft(draft)[0].model
@@ -127,6 +164,11 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
+        # The same budget as jointspec's loop: the new tokens stop at the model's context.
+        max_new_tokens = min(max_new_tokens, self.max_context - len(prompt_ids))
+        if max_new_tokens <= 0:
+            raise MethodSpecError(f"'{self.spec.label}': a prompt of {len(prompt_ids)} tokens leaves no room in the "
+                                  f"model's context of {self.max_context} tokens; drop the longer prompts")
         device = self.model.device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, prompt_len]
         # The same temperature -> top-k -> top-p order as jointspec.core.sampling (transformers' default warper order).

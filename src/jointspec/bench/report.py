@@ -285,8 +285,24 @@ def _align(rows: list[list[str]]) -> list[str]:
 
 
 def write_report(result: BenchResult, summary: dict, folder: Path, command: str) -> list[Path]:
-    """report.md, results.json and PNG plots in ``folder``; returns the files written."""
+    """report.md, results.json and PNG plots in ``folder``; returns the files written. They are written aside first
+    and moved in together at the end, so that a run stopped while writing (the plots take a second or two) does not
+    leave a new results.json beside an older run's report.md."""
+    import shutil
+    import tempfile
+
     folder.mkdir(parents=True, exist_ok=True)
+    aside = Path(tempfile.mkdtemp(prefix=".report-", dir=folder))
+    try:
+        written = _write_report(result, summary, aside, command)
+        for path in written:
+            path.replace(folder / path.name)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+    return [folder / path.name for path in written]
+
+
+def _write_report(result: BenchResult, summary: dict, folder: Path, command: str) -> list[Path]:
     env, config = result.environment, result.config
     results = {"command": command, "environment": env, "config": vars(config), "baseline": result.baseline,
                "target_cost": result.target_cost.to_dict() if result.target_cost else None,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
 from jointspec.bench import report
+from jointspec.bench.engines import hf_settings
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompt_sets, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
@@ -87,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
                               f"{args.method}), not --method")
     prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
     specs = parse_specs(args.methods)
+    baseline = parse_spec(args.baseline)
+    args.baseline = baseline.label  # as --methods names it: " ar" is ar
     if args.baseline not in [s.label for s in specs]:
-        specs.insert(0, parse_spec(args.baseline))
+        specs.insert(0, baseline)
     try:
         defaults = method_config_from_args(args, name="ar")
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
@@ -99,7 +102,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     for spec in specs:  # bad option values fail here, before the model loads
-        if not spec.is_hf:
+        if spec.is_hf:
+            hf_settings(spec, defaults)
+        elif spec.is_llamacpp_reference:
+            if args.temperature > 0:
+                raise MethodSpecError(f"'{spec.label}' runs greedy only (temperature 0); drop it from a sampling "
+                                      "bench")
+        else:
             check_dynamic_tree(method_config(spec, defaults), args.temperature)
     quantized = [spec.label for spec in specs if spec.quantize_explicit]
     if quantized and (args.quantize != "none" or args.backend != "torch"):

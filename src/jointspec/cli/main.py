@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         _say_if_still_building()
         print(f"jointspec: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what a command had not finished is lost, and the user should know it stopped
+        print(f"jointspec: interrupted: {command or 'the command'} stopped before it finished", file=sys.stderr)
         return 130
 
 
