@@ -423,3 +423,15 @@ def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target, metho
     alone_engine.step()
     assert seq.decoder.drafter.curve is own
 
+
+
+def test_the_engine_keeps_a_bounded_number_of_checked_methods(int4_target):
+    # A server's requests may each name their own options: the checked configs are the most recently used only.
+    from jointspec.batch.engine import MAX_BUILT_METHODS
+
+    engine = LockstepEngine(int4_target, max_batch_size=2)
+    configs = [MethodConfig("pld", num_draft_tokens=4, accept_threshold=1.0 + i) for i in range(MAX_BUILT_METHODS + 6)]
+    for config in configs:
+        engine.method(config)
+    assert len(engine._checked) == MAX_BUILT_METHODS
+    assert configs[0] not in engine._checked and configs[-1] in engine._checked

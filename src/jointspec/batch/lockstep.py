@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ import torch
 
 from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
-from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase
+from jointspec.batch.engine import MAX_BUILT_METHODS, BatchEngine, BatchEvent, BatchRequest, EngineBase
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
@@ -174,7 +175,8 @@ class LockstepEngine(EngineBase):
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
         self.prefill_tokens_per_round = hf.PREFILL_CHUNK
-        self._checked: set[MethodConfig] = set()
+        # Configs whose method was checked, the most recently used MAX_BUILT_METHODS (each request may name its own).
+        self._checked: OrderedDict[MethodConfig, None] = OrderedDict()
         self._curve: CostCurve | None = None
         self._costs_set_for: tuple[int, ...] = ()  # the sequences whose drafters got this batch's costs
         # Called with each round's RoundRecord where set (benchmarks/lockstep_methods.py --rounds-log); None: nothing.
@@ -199,7 +201,10 @@ class LockstepEngine(EngineBase):
                                              "use 'default' or 'sps'")
             if isinstance(drafter, LOAD_AWARE_DRAFTERS):
                 self._batch_curve()
-            self._checked.add(config)
+            self._checked[config] = None
+            while len(self._checked) > MAX_BUILT_METHODS:
+                self._checked.popitem(last=False)
+        self._checked.move_to_end(config)
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
         return _Sequence(seq_id, request, self._decoder(request.method, request.memory), generator)
