@@ -224,7 +224,8 @@ class _Stream:
                     finish = "stop"
                 if finish is not None:
                     self.done = True
-                    if self.memory is not None and self.text.stop and not self.text.stopped:
+                    if (self.memory is not None and self.text.stop and not self.text.stopped
+                            and event.finish_reason in ("stop", "length")):
                         self.owner._inbox.put(("remember", self))  # whole: no stop string cut it
                 yield Chunk(delta, used, finish, event.stats, num_rounds=int(bool(event.token_ids)),
                             num_drafted=event.num_drafted, num_accepted=event.num_accepted,
