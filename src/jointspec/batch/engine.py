@@ -196,6 +196,17 @@ class EngineBase:
 MAX_BUILT_METHODS = 64
 
 
+def recently_used(cache: OrderedDict, key, make: Callable[[], object]):
+    """``cache[key]``, made by ``make()`` on first use; past :data:`MAX_BUILT_METHODS` entries the least recently
+    used leave."""
+    if key not in cache:
+        cache[key] = make()
+        while len(cache) > MAX_BUILT_METHODS:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return cache[key]
+
+
 class BatchEngine(EngineBase):
     """Decodes many requests together. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
 
@@ -216,19 +227,8 @@ class BatchEngine(EngineBase):
         """The batched drafter + verifier for ``config`` (drafting from ``memory`` too, if given), built once;
         raises if the method cannot batch."""
         if memory is not None:
-            key = (config, memory)
-            if key not in self._memory_methods:
-                self._memory_methods[key] = self._build(config, memory)
-                while len(self._memory_methods) > MAX_BUILT_METHODS:
-                    self._memory_methods.popitem(last=False)
-            self._memory_methods.move_to_end(key)
-            return self._memory_methods[key]
-        if config not in self._methods:
-            self._methods[config] = self._build(config, None)
-            while len(self._methods) > MAX_BUILT_METHODS:
-                self._methods.popitem(last=False)
-        self._methods.move_to_end(config)
-        return self._methods[config]
+            return recently_used(self._memory_methods, (config, memory), lambda: self._build(config, memory))
+        return recently_used(self._methods, config, lambda: self._build(config, None))
 
     def _build(self, config: MethodConfig, memory: OutputMemory | None) -> _Method:
         drafter, verifier = build_method(MethodContext(config, self.target, self.tokenizer, self._draft_model, memory))

@@ -43,7 +43,7 @@ import torch
 
 from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
-from jointspec.batch.engine import MAX_BUILT_METHODS, BatchEngine, BatchEvent, BatchRequest, EngineBase
+from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase, recently_used
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
@@ -193,18 +193,16 @@ class LockstepEngine(EngineBase):
     def method(self, config: MethodConfig) -> None:
         """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once. A
         cost-aware method also has the batch's cost curve measured now (a few seconds, once), not in a round."""
-        if config not in self._checked:
-            drafter = self._decoder(config).drafter
-            if isinstance(drafter, ParallelDrafter):
-                raise UnsupportedOptionError("method 'pearl' is not batched: it drafts on a thread of its own while "
-                                             "its target verifies, and a batch's forward already takes every core; "
-                                             "use 'default' or 'sps'")
-            if isinstance(drafter, LOAD_AWARE_DRAFTERS):
-                self._batch_curve()
-            self._checked[config] = None
-            while len(self._checked) > MAX_BUILT_METHODS:
-                self._checked.popitem(last=False)
-        self._checked.move_to_end(config)
+        recently_used(self._checked, config, lambda: self._check(config))
+
+    def _check(self, config: MethodConfig) -> None:
+        drafter = self._decoder(config).drafter
+        if isinstance(drafter, ParallelDrafter):
+            raise UnsupportedOptionError("method 'pearl' is not batched: it drafts on a thread of its own while "
+                                         "its target verifies, and a batch's forward already takes every core; "
+                                         "use 'default' or 'sps'")
+        if isinstance(drafter, LOAD_AWARE_DRAFTERS):
+            self._batch_curve()
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
         return _Sequence(seq_id, request, self._decoder(request.method, request.memory), generator)

@@ -242,10 +242,10 @@ class SpeculativeDecoder:
         self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
         new_tokens, stopped = committed_tokens(verdict.token_ids, state.config.eos_token_ids)
         tokens.extend(new_tokens)
-        stats.record(state.depths, kept_draft_tokens(verdict.num_accepted, new_tokens), len(new_tokens))
+        state.num_accepted = kept_draft_tokens(verdict.num_accepted, new_tokens)
+        stats.record(state.depths, state.num_accepted, len(new_tokens))
         stats.draft_seconds += state.draft_seconds
         stats.verify_seconds += time.perf_counter() - state.verify_start
-        state.num_accepted = kept_draft_tokens(verdict.num_accepted, new_tokens)
         state.done = stopped or len(tokens) >= state.end
         state.stopped = stopped
         if not stopped:
