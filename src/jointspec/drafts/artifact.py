@@ -214,8 +214,10 @@ def measured_top_w_hit_rate(folder: str | Path) -> dict[int, float] | None:
 
 
 def is_head_artifact(path: str | Path) -> bool:
-    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or an EAGLE-3 checkpoint."""
-    return (Path(path).expanduser() / CONFIG_FILE).is_file() or is_eagle3_checkpoint(path)
+    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or an EAGLE-3 or Medusa checkpoint
+    made for another engine."""
+    return (Path(path).expanduser() / CONFIG_FILE).is_file() or is_eagle3_checkpoint(path) \
+        or is_medusa_checkpoint(path)
 
 
 # The config file of EAGLE-3 checkpoints, in both layouts vLLM and SGLang load: the ``speculators`` format
@@ -250,14 +252,32 @@ def write_engine_checkpoint(folder: Path, config: dict, state: dict[str, torch.T
     return folder
 
 
-def is_eagle3_checkpoint(folder: str | Path) -> bool:
-    """Whether ``folder`` holds an EAGLE-3 checkpoint in either layout (its config.json says so)."""
+def engine_config(folder: str | Path) -> dict | None:
+    """The ``config.json`` of a checkpoint made for another engine in ``folder``, or None if it has none readable."""
     try:
         config = json.loads((Path(folder).expanduser() / SPECULATORS_CONFIG).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and (config.get("speculators_model_type") == "eagle3" or any(
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def is_eagle3_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an EAGLE-3 checkpoint in either layout (its config.json says so)."""
+    config = engine_config(folder)
+    return config is not None and (config.get("speculators_model_type") == "eagle3" or any(
         name in EAGLE3_ARCHITECTURES for name in config.get("architectures") or ()))
+
+
+# Medusa heads as vLLM loads them (its config names ``MedusaModel``) and as the Medusa project saves them (a config
+# with ``medusa_num_heads``): drafts/medusa_checkpoint.py reads both.
+MEDUSA_ARCHITECTURES = ("MedusaModel",)
+
+
+def is_medusa_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds Medusa heads in vLLM's or the Medusa project's layout (its config.json says so)."""
+    config = engine_config(folder)
+    return config is not None and (config.get("model_type") == "medusa" or "medusa_num_heads" in config or any(
+        name in MEDUSA_ARCHITECTURES for name in config.get("architectures") or ()))
 
 
 def artifact_kind(folder: str | Path) -> str | None:

@@ -33,6 +33,7 @@ from jointspec.drafts.artifact import (
     check_head_target,
     float_lm_weight,
     full_vocab_logits,
+    is_medusa_checkpoint,
     load_artifact,
     save_artifact,
     write_engine_checkpoint,
@@ -73,6 +74,10 @@ class MedusaHeads(nn.Module):
             for _ in range(config.num_heads))
         size = config.draft_vocab_size or config.target_vocab_size
         self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
+        # Heads trained here read the target's LM head. Heads made for another engine bring their own
+        # (drafts/medusa_checkpoint.py): [num_heads or 1 shared, draft vocab, hidden], their logits times logit_scale.
+        self.lm_heads: torch.Tensor | None = None
+        self.logit_scale = 1.0
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] features -> [num_heads, ..., hidden]: head k's guess of the feature k positions on."""
@@ -90,7 +95,13 @@ class MedusaDraftModel(FeatureDraft):
         self.heads = heads.to(target.device).eval()  # heads built or loaded on another device run beside the target
         lm_weight = float_lm_weight(target.model).detach()
         self.lm_full = lm_weight  # head 0: the target's own next-token logits
-        self.lm_draft = lm_weight.index_select(0, heads.draft_vocab.to(lm_weight.device)).float()
+        own = getattr(heads, "lm_heads", None)
+        if own is None:
+            self.lm_draft = lm_weight.index_select(0, heads.draft_vocab.to(lm_weight.device)).float()
+            self.lm_own = None
+        else:  # scaled once here: vLLM multiplies the logits by logit_scale
+            self.lm_own = (own.float() * heads.logit_scale).to(lm_weight.device)
+            self.lm_draft = self.lm_own[0]
         self.draft_vocab = heads.draft_vocab
         self.reset()
 
@@ -129,7 +140,8 @@ class MedusaDraftModel(FeatureDraft):
                 if k == 0:
                     computed[source, k] = feature @ self.lm_full.float().T
                 else:
-                    draft_logits = self.heads.heads[k - 1](feature) @ self.lm_draft.T
+                    lm = self.lm_draft if self.lm_own is None else self.lm_own[min(k, len(self.lm_own)) - 1]
+                    draft_logits = self.heads.heads[k - 1](feature) @ lm.T
                     computed[source, k] = full_vocab_logits(draft_logits, self.draft_vocab, self._full_vocab)
             rows.append(computed[source, k])
         return torch.stack(rows)
@@ -166,7 +178,13 @@ def load_medusa(folder: str | Path, *, device: str | torch.device = "cpu",
 
 
 def bind_medusa(folder: str | Path, target: CausalLM) -> MedusaDraftModel:
-    """Load the Medusa heads saved in ``folder`` for ``target``; refuses heads trained for another target."""
+    """Load the Medusa heads saved in ``folder`` for ``target``; refuses heads trained for another target. A
+    checkpoint made for vLLM or by the Medusa project (:mod:`jointspec.drafts.medusa_checkpoint`) is read too."""
+    from jointspec.drafts.medusa_checkpoint import load_medusa_checkpoint
+
+    if is_medusa_checkpoint(folder):
+        heads = load_medusa_checkpoint(folder, target)
+        return MedusaDraftModel(heads, target, name=f"medusa {Path(folder).name}")
     heads, _ = load_medusa(folder, device=target.device)
     check_head_target(heads, folder, target)
     return MedusaDraftModel(heads, target, name=f"medusa {Path(folder).name}")

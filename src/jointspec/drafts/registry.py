@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafts.artifact import FeatureDraft, artifact_kind, is_eagle3_checkpoint
+from jointspec.drafts.artifact import FeatureDraft, artifact_kind, is_eagle3_checkpoint, is_medusa_checkpoint
 from jointspec.drafts.distill import bind_distill
 from jointspec.drafts.eagle import bind_head
 from jointspec.drafts.eagle3 import bind_eagle3
@@ -60,7 +60,8 @@ def folder_signature(folder: str | Path) -> tuple:
 
 
 def _bind(folder: str | Path, target: CausalLM, head_weights: str):
-    kind = "eagle3" if is_eagle3_checkpoint(folder) else artifact_kind(folder)
+    kind = "eagle3" if is_eagle3_checkpoint(folder) else "medusa" if is_medusa_checkpoint(folder) \
+        else artifact_kind(folder)
     if kind == "eagle3":
         return bind_eagle3(folder, target, head_weights)
     if head_weights != "auto" and kind not in (None, "eagle"):
