@@ -75,10 +75,19 @@ def add_parser(subparsers) -> None:
 
 def _kind(folder: Path) -> str:
     from jointspec.core.errors import ModelLoadError
-    from jointspec.drafts.artifact import artifact_kind, is_eagle3_checkpoint, is_medusa_checkpoint
+    from jointspec.drafts.artifact import (
+        artifact_kind,
+        is_eagle1_checkpoint,
+        is_eagle3_checkpoint,
+        is_medusa_checkpoint,
+    )
 
     if is_eagle3_checkpoint(folder):
         return "eagle3"
+    if is_eagle1_checkpoint(folder):
+        raise ModelLoadError(f"'{folder}' is an EAGLE-1 checkpoint for another engine already (vLLM's and SGLang's "
+                             "layout); --draft reads it as it is, and export-draft converts drafts that "
+                             "`jointspec train-draft` saved")
     if is_medusa_checkpoint(folder):
         raise ModelLoadError(f"'{folder}' is a Medusa checkpoint for another engine already (vLLM's layout or the "
                              "Medusa project's); --draft reads it as it is, and export-draft converts drafts that "

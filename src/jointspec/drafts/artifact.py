@@ -214,10 +214,10 @@ def measured_top_w_hit_rate(folder: str | Path) -> dict[int, float] | None:
 
 
 def is_head_artifact(path: str | Path) -> bool:
-    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or an EAGLE-3 or Medusa checkpoint
-    made for another engine."""
+    """Whether ``path`` holds a draft head: one ``jointspec train-draft`` saved, or an EAGLE-1, EAGLE-3 or Medusa
+    checkpoint made for another engine."""
     return (Path(path).expanduser() / CONFIG_FILE).is_file() or is_eagle3_checkpoint(path) \
-        or is_medusa_checkpoint(path)
+        or is_eagle1_checkpoint(path) or is_medusa_checkpoint(path)
 
 
 # The config file of EAGLE-3 checkpoints, in both layouts vLLM and SGLang load: the ``speculators`` format
@@ -261,11 +261,57 @@ def engine_config(folder: str | Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def refuse_unsupported_layer(layer: dict, folder: Path, what: str, switches: tuple[str, ...],
+                             outer: dict | None = None) -> None:
+    """Refuse a checkpoint whose Llama-style layer config ``layer`` (or its own config ``outer``) turns on one of
+    ``switches``, or whose layer is not a SiLU Llama layer; ``what`` names the head ("EAGLE-3") in the message."""
+    switched = [name for name in switches if layer.get(name) or (outer or {}).get(name)]
+    if switched:
+        raise ModelLoadError(f"{what} checkpoint '{folder}' sets {', '.join(switched)}, which jointspec's {what} head "
+                             "does not implement")
+    if layer.get("model_type", "llama") != "llama" or layer.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{what} checkpoint '{folder}' has a '{layer.get('model_type')}' decoder layer "
+                             f"({layer.get('hidden_act')}); jointspec reads Llama-style {what} layers only")
+
+
+def read_engine_weights(folder: Path, files: tuple[str, ...], what: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of the first of ``files`` in ``folder`` that exists (``.safetensors``, or a PyTorch pickle read as
+    tensors only) and its name; ``what`` names the checkpoint in errors."""
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                state = load_file(str(path))
+            else:  # tensors only: a pickle that needs anything else is refused by torch
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # safetensors and torch raise their own kinds for a damaged file
+            raise ModelLoadError(f"{what} '{folder}': cannot read {name} ({error})") from error
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ModelLoadError(f"{what} '{folder}': {name} is not a flat map of tensors")
+        return state, name
+    raise ModelLoadError(f"{what} '{folder}' has none of {', '.join(files)}")
+
+
 def is_eagle3_checkpoint(folder: str | Path) -> bool:
     """Whether ``folder`` holds an EAGLE-3 checkpoint in either layout (its config.json says so)."""
     config = engine_config(folder)
     return config is not None and (config.get("speculators_model_type") == "eagle3" or any(
         name in EAGLE3_ARCHITECTURES for name in config.get("architectures") or ()))
+
+
+# EAGLE-1 heads as SGLang (``LlamaForCausalLMEagle``) and vLLM (``EagleLlamaForCausalLM``) load them:
+# drafts/eagle1.py reads them.
+EAGLE1_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
+
+
+def is_eagle1_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an EAGLE-1 head in the layout vLLM and SGLang load (its config.json says so)."""
+    config = engine_config(folder)
+    return config is not None and any(name in EAGLE1_ARCHITECTURES for name in config.get("architectures") or ())
 
 
 # Medusa heads as vLLM loads them (its config names ``MedusaModel``) and as the Medusa project saves them (a config

@@ -152,6 +152,38 @@ def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | No
     return misfit or unavailable_reason()  # builds the kernels once if it can (a minute or more)
 
 
+def engine_head_mask(features: torch.Tensor, cache, attention_mask: torch.Tensor | None,
+                     hide_first_entry: bool) -> torch.Tensor:
+    """The additive attention mask of a head made for vLLM or SGLang (EAGLE-1, EAGLE-3) over ``features`` [1, n,
+    hidden] after ``cache``'s entries: ``attention_mask`` as given (a tree's), or a causal chain after the cache.
+
+    ``hide_first_entry``: entry 0 (the first token, with no feature before it) is not in such a head's cache: the
+    engines' first draft entry is the second token with the first position's feature. It stays in jointspec's cache,
+    seen by no later entry, so that entry p still holds token p."""
+    n = features.shape[1]
+    cached = cache.get_seq_length() if cache is not None else 0
+    if attention_mask is None:
+        visible = torch.ones(n, cached + n, dtype=torch.bool, device=features.device).tril(cached)
+        attention_mask = torch.zeros(1, 1, n, cached + n, dtype=features.dtype, device=features.device)
+        attention_mask.masked_fill_(~visible, torch.finfo(features.dtype).min)
+    if hide_first_entry:
+        attention_mask = attention_mask.clone()
+        attention_mask[..., 1 if cached == 0 else 0:, 0] = torch.finfo(attention_mask.dtype).min
+    return attention_mask
+
+
+def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = None) -> str:
+    """How ``head`` runs for the choice ``weights`` (:data:`HEAD_WEIGHT_CHOICES`): "int8" or "float32"; refuses an
+    unknown choice, and ``int8`` where the kernel cannot take ``body``'s linears (:func:`int8_head_misfit`)."""
+    if weights not in HEAD_WEIGHT_CHOICES:
+        raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
+                                     f"{', '.join(HEAD_WEIGHT_CHOICES)}")
+    misfit = int8_head_misfit(head, body) if weights != "float32" else None
+    if weights == "int8" and misfit:
+        raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
+    return "int8" if weights != "float32" and misfit is None else "float32"
+
+
 def linears_to_int8(module: nn.Module) -> None:
     """Replace every ``nn.Linear`` inside ``module`` by its int8 grouped-kernel copy (:data:`HEAD_WEIGHT_CHOICES`)."""
     from jointspec.kernels.grouped import GroupedInt8Linear
@@ -167,9 +199,6 @@ class HeadDraftModel(FeatureDraft):
 
     def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head", weights: str = "auto") -> None:
         super().__init__(target, name, head.config.feature_layers)
-        if weights not in HEAD_WEIGHT_CHOICES:
-            raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
-                                         f"{', '.join(HEAD_WEIGHT_CHOICES)}")
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
         self._device, self._dtype = float_activations(self.head)
         model = target.model
@@ -179,10 +208,7 @@ class HeadDraftModel(FeatureDraft):
         self.draft_vocab = head.draft_vocab
         self._lm_int8 = None
         self._lm_onednn = None
-        misfit = int8_head_misfit(self.head) if weights != "float32" else None
-        if weights == "int8" and misfit:
-            raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
-        self.weights = "int8" if weights != "float32" and misfit is None else "float32"
+        self.weights = chosen_head_weights(self.head, weights)
         if self.weights == "int8":
             self._use_int8()
         # A target on oneDNN linears (float32 CPU, kernels.fp32) gets a float head on them too: drafting is the

@@ -47,7 +47,6 @@ from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import (
     EAGLE3_ARCHITECTURES,
     ENGINE_WEIGHTS,
-    HEAD_WEIGHT_CHOICES,
     SPECULATORS_CONFIG,
     FeatureDraft,
     HeadConfig,
@@ -55,10 +54,17 @@ from jointspec.drafts.artifact import (
     full_vocab_logits,
     is_eagle3_checkpoint,
     load_artifact,
+    refuse_unsupported_layer,
     save_artifact,
     write_engine_checkpoint,
 )
-from jointspec.drafts.eagle import HeadDraftModel, float_activations, int8_head_misfit, linears_to_int8
+from jointspec.drafts.eagle import (
+    HeadDraftModel,
+    chosen_head_weights,
+    engine_head_mask,
+    float_activations,
+    linears_to_int8,
+)
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format export writes and the interop tests check
 # Config switches of later EAGLE-3 variants; a checkpoint that turns one on is refused (module docstring).
@@ -164,18 +170,7 @@ class Eagle3Head(nn.Module):
                 lean: bool = False) -> torch.Tensor:
         """[batch, n, hidden] inputs and token embeddings -> [batch, n, hidden] outputs before ``norm`` (what the next
         drafted position reads). Without a mask the rows are a causal chain after the cached entries."""
-        n = features.shape[1]
-        cached = cache.get_seq_length() if cache is not None else 0
-        if attention_mask is None:
-            visible = torch.ones(n, cached + n, dtype=torch.bool, device=features.device).tril(cached)
-            attention_mask = torch.zeros(1, 1, n, cached + n, dtype=features.dtype, device=features.device)
-            attention_mask.masked_fill_(~visible, torch.finfo(features.dtype).min)
-        if self.hide_first_entry:
-            # Entry 0 (the first token, with no feature before it) is not in an EAGLE-3 draft's cache: vLLM's first
-            # draft entry is the second token with the first position's feature. It stays in jointspec's cache, seen
-            # by no later entry, so that entry p still holds token p.
-            attention_mask = attention_mask.clone()
-            attention_mask[..., 1 if cached == 0 else 0:, 0] = torch.finfo(attention_mask.dtype).min
+        attention_mask = engine_head_mask(features, cache, attention_mask, self.hide_first_entry)
         position_embeddings = self.rotary_emb(features, position_ids)
         return self.layer(token_embeds, features, position_embeddings, attention_mask, cache)
 
@@ -194,13 +189,7 @@ def _checkpoint_config(raw: dict, folder: Path, target_layers: int | None) -> Ea
     original layout that does not name the layers it reads (EAGLE-3's default then applies)."""
     speculators = raw.get("speculators_model_type") == "eagle3"
     layer = (raw.get("transformer_layer_config") or {}) if speculators else raw
-    switched = [name for name in UNSUPPORTED_SWITCHES if raw.get(name) or layer.get(name)]
-    if switched:
-        raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' sets {', '.join(switched)}, which jointspec's EAGLE-3 "
-                             "head does not implement")
-    if layer.get("model_type", "llama") != "llama" or layer.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' has a '{layer.get('model_type')}' decoder layer "
-                             f"({layer.get('hidden_act')}); jointspec reads Llama-style EAGLE-3 layers only")
+    refuse_unsupported_layer(layer, folder, "EAGLE-3", UNSUPPORTED_SWITCHES, outer=raw)
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ModelLoadError(f"EAGLE-3 checkpoint '{folder}' has {layer['num_hidden_layers']} decoder layers; "
                              "jointspec reads one-layer EAGLE-3 heads only")
@@ -395,9 +384,6 @@ class Eagle3DraftModel(HeadDraftModel):
 
     def __init__(self, head: Eagle3Head, target: CausalLM, name: str = "EAGLE-3 head", weights: str = "auto") -> None:
         FeatureDraft.__init__(self, target, name, head.config.feature_layers)
-        if weights not in HEAD_WEIGHT_CHOICES:
-            raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
-                                         f"{', '.join(HEAD_WEIGHT_CHOICES)}")
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
         self._device, self._dtype = float_activations(self.head)
         self.head.hide_first_entry = True
@@ -409,10 +395,7 @@ class Eagle3DraftModel(HeadDraftModel):
         # head on the grouped int8 kernel. fc stays float: it reads the target's raw hidden states, whose outliers
         # would dominate a group's 8-bit inputs, and no EAGLE-3 head here has been measured with it on int8. It
         # changes which tokens are drafted, never what is generated.
-        misfit = int8_head_misfit(self.head, self.head.layer) if weights != "float32" else None
-        if weights == "int8" and misfit:
-            raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
-        self.weights = "int8" if weights != "float32" and misfit is None else "float32"
+        self.weights = chosen_head_weights(self.head, weights, self.head.layer)
         if self.weights == "int8":
             self._use_int8()
         self.reset()

@@ -28,7 +28,7 @@ import torch
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError
-from jointspec.drafts.artifact import engine_config, is_medusa_checkpoint, target_fingerprint
+from jointspec.drafts.artifact import engine_config, is_medusa_checkpoint, read_engine_weights, target_fingerprint
 from jointspec.drafts.medusa import MedusaConfig, MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -37,27 +37,6 @@ log = logging.getLogger(__name__)
 WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt")
 
 _PROJECT_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
-
-
-def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
-    for name in WEIGHT_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                state = load_file(str(path))
-            else:  # tensors only: a pickle that needs anything else is refused by torch
-                state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # safetensors and torch raise their own kinds for a damaged file
-            raise ModelLoadError(f"Medusa checkpoint '{folder}': cannot read {name} ({error})") from error
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ModelLoadError(f"Medusa checkpoint '{folder}': {name} is not a flat map of tensors")
-        return state, name
-    raise ModelLoadError(f"Medusa checkpoint '{folder}' has none of {', '.join(WEIGHT_FILES)}; a Medusa-2 folder that "
-                         "also holds the base model is not read: save its heads alone")
 
 
 def _count(raw: dict, names: tuple[str, ...], folder: Path, default: int | None = None) -> int:
@@ -122,7 +101,13 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
     if raw is None or not is_medusa_checkpoint(folder):
         raise ModelLoadError(f"'{folder}' holds no Medusa checkpoint (a config.json naming MedusaModel, or with "
                              "medusa_num_heads)")
-    state, file = _read_weights(folder)
+    try:
+        state, file = read_engine_weights(folder, WEIGHT_FILES, "Medusa checkpoint")
+    except ModelLoadError as error:
+        if "has none of" not in str(error):
+            raise
+        raise ModelLoadError(f"{error}; a Medusa-2 folder that also holds the base model is not read: save its heads "
+                             "alone") from error
     state = {re.sub(r"^medusa_heads?\.", "", name): value for name, value in state.items()}
     num_heads = _count(raw, ("num_heads", "medusa_num_heads"), folder)
     num_layers = _count(raw, ("num_hidden_layers", "medusa_num_layers"), folder, default=1)

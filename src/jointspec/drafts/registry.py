@@ -8,9 +8,16 @@ from pathlib import Path
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafts.artifact import FeatureDraft, artifact_kind, is_eagle3_checkpoint, is_medusa_checkpoint
+from jointspec.drafts.artifact import (
+    FeatureDraft,
+    artifact_kind,
+    is_eagle1_checkpoint,
+    is_eagle3_checkpoint,
+    is_medusa_checkpoint,
+)
 from jointspec.drafts.distill import bind_distill
 from jointspec.drafts.eagle import bind_head
+from jointspec.drafts.eagle1 import bind_eagle1
 from jointspec.drafts.eagle3 import bind_eagle3
 from jointspec.drafts.hydra import bind_hydra
 from jointspec.drafts.medusa import bind_medusa
@@ -64,6 +71,8 @@ def _bind(folder: str | Path, target: CausalLM, head_weights: str):
         else artifact_kind(folder)
     if kind == "eagle3":
         return bind_eagle3(folder, target, head_weights)
+    if is_eagle1_checkpoint(folder):
+        return bind_eagle1(folder, target, head_weights)
     if head_weights != "auto" and kind not in (None, "eagle"):
         raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
                                      f"'{kind}' draft, which runs in float: leave head_weights at auto")

@@ -1,0 +1,171 @@
+"""EAGLE-1 heads in the layout vLLM and SGLang load, read by ``--draft DIR`` (drafts/eagle1.py).
+
+The reference is transformers' own Llama stack with the two EAGLE-1 changes made by hand (no input norm on layer 0,
+no final norm), run over the whole sequence at once without a cache: jointspec's cached, segment-by-segment draft
+must give its logits, with the target's LM head, at every committed and drafted position. Greedy equivalence with an
+imported head is exact by construction; malformed checkpoints are refused by name. No test here samples: none has
+false-failure odds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaModel
+
+from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import ModelLoadError
+from jointspec.drafts.artifact import is_head_artifact
+from jointspec.drafts.registry import bind_trained_draft
+
+from helpers import VOCAB, assert_greedy_equivalent, decoder_for, grouped_llama, random_prompt, run_cli
+
+HIDDEN = 32  # conftest's tiny target
+
+
+def _config(layers: int, hidden: int = HIDDEN, **extra) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "vocab_size": VOCAB,
+            "hidden_size": hidden, "intermediate_size": 48 if hidden == HIDDEN else 2 * hidden,
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": layers, "rms_norm_eps": 1e-6, "rope_theta": 5000.0, "hidden_act": "silu",
+            "max_position_embeddings": 256, **extra}
+
+
+def _reference(config: dict, seed: int = 5) -> tuple[nn.Linear, LlamaModel]:
+    """fc and transformers' Llama layers as EAGLE-1 runs them (no input norm on layer 0, no final norm), random."""
+    torch.manual_seed(seed)
+    llama = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "logit_scale")})
+    model = LlamaModel(llama).eval()
+    with torch.no_grad():  # norms away from 1, so that reading one that should not be there would show
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    model.layers[0].input_layernorm = nn.Identity()
+    model.norm = nn.Identity()
+    fc = nn.Linear(2 * llama.hidden_size, llama.hidden_size, bias=True)
+    return fc, model
+
+
+def _write(folder, config: dict, fc: nn.Linear, model: LlamaModel, *, prefix: str = "", file: str = "model.safetensors",
+           extra: dict | None = None, drop: tuple[str, ...] = ()):
+    from safetensors.torch import save_file
+
+    state = {f"fc.{name}": value for name, value in fc.state_dict().items()}
+    state.update({name: value for name, value in model.state_dict().items() if name.startswith("layers.")})
+    state["embed_tokens.weight"] = torch.zeros(VOCAB, fc.out_features)  # the engines read the target's, and so do we
+    state.update(extra or {})
+    state = {prefix + name: value.contiguous() for name, value in state.items() if name not in drop}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if file.endswith(".safetensors"):
+        save_file(state, str(folder / file))
+    else:
+        torch.save(state, folder / file)
+    return folder
+
+
+def _reference_outputs(fc, model, target_model, tokens: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+    """The head's outputs for entries 1..len(tokens)-1, entry p fed token p and feature ``features[p - 1]``."""
+    embeds = target_model.get_input_embeddings()(torch.tensor(tokens[1:], device=features[0].device)).float().cpu()
+    inputs = fc(torch.cat([embeds, torch.stack(features).cpu()], dim=-1))[None]
+    positions = torch.arange(1, len(tokens))[None]
+    return model(inputs_embeds=inputs, position_ids=positions).last_hidden_state[0]
+
+
+@pytest.mark.parametrize("layers,prefix,file,scale", [(1, "", "model.safetensors", None),
+                                                     (2, "model.", "pytorch_model.bin", 0.5)])
+@torch.no_grad()
+def test_eagle1_head_drafts_what_the_engines_compute(target_model, tmp_path, layers, prefix, file, scale):
+    config = _config(layers, **({"logit_scale": scale} if scale else {}))
+    fc, model = _reference(config)
+    folder = _write(tmp_path / "eagle1", config, fc, model, prefix=prefix, file=file)
+    assert is_head_artifact(folder)
+    target = CausalLM(target_model, name="tiny-target")
+    draft = bind_trained_draft(folder, target, "float32")
+    context = random_prompt(4)
+    target.reset()
+    target.forward(context[:-1], num_logits=0)  # true features for positions 0 .. len(context) - 2
+    draft.reset()
+    drafted = [7, 11]
+    logits = draft.forward(context + drafted).logits.cpu()
+    lm = target_model.lm_head.weight.float().cpu() * (scale or 1.0)
+    true = [draft.mirror.features[p].float() for p in range(len(context) - 1)]
+    # Committed entries read true features; each drafted entry reads the head's output one before it.
+    tokens = context + drafted
+    features = list(true)
+    for _ in drafted:
+        outputs = _reference_outputs(fc, model, target_model, tokens[:len(features) + 1], features)
+        features.append(outputs[-1])
+    outputs = _reference_outputs(fc, model, target_model, tokens, features)
+    torch.testing.assert_close(logits[1:], outputs @ lm.T, rtol=1e-4, atol=1e-4)
+    # A tree of two siblings after the context: each scores as the chain through it would.
+    draft.crop(len(context))
+    tree = draft.forward([7, 9], parents=[-1, -1]).logits.cpu()
+    torch.testing.assert_close(tree[0], logits[len(context)], rtol=1e-4, atol=1e-4)
+    sibling = _reference_outputs(fc, model, target_model, context + [9], features[:len(context)])
+    torch.testing.assert_close(tree[1], sibling[-1] @ lm.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["sps", "hybrid-tree"])
+def test_imported_eagle1_head_decodes_exactly_greedy(target_model, tmp_path, method):
+    config = _config(1)
+    fc, model = _reference(config)
+    folder = _write(tmp_path / "eagle1", config, fc, model)
+    decoder = decoder_for(target_model, method, folder, num_draft_tokens=4, cost_aware=False)
+    assert_greedy_equivalent(target_model, decoder, random_prompt(9))
+
+
+def test_int8_weights_change_drafts_never_outputs(tmp_path):
+    """Where the int8 kernel takes the layers (64 wide), ``auto`` runs the layers and the LM head on it, fc in float;
+    the drafts move a little, the output not at all."""
+    from jointspec.kernels.grouped import GroupedInt8Linear
+
+    wide = grouped_llama(0)
+    config = _config(1, hidden=64)
+    folder = _write(tmp_path / "eagle1", config, *_reference(config))
+    context = random_prompt(2)
+    logits = {}
+    for weights in ("float32", "int8"):
+        target = CausalLM(wide, name="wide")
+        draft = bind_trained_draft(folder, target, weights)
+        assert draft.weights == weights and type(draft.head.fc) is nn.Linear
+        assert (type(draft.head.layers[0].mlp.down_proj) is GroupedInt8Linear) == (weights == "int8")
+        target.reset()
+        target.forward(context[:-1], num_logits=0)
+        draft.reset()
+        logits[weights] = draft.forward(context + [5, 6]).logits[1:]
+    assert bind_trained_draft(folder, CausalLM(wide, name="wide")).weights == "int8"  # auto takes it where it runs
+    error = (logits["int8"] - logits["float32"]).abs().max()
+    assert 0 < error < 0.05 * logits["float32"].abs().max()  # int8 groups of 32: close, not equal
+    decoder = decoder_for(wide, "sps", folder, num_draft_tokens=4, head_weights="int8", cost_aware=False)
+    assert_greedy_equivalent(wide, decoder, random_prompt(0))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(drop=("layers.0.mlp.down_proj.weight",)), "lacks layers.0.mlp.down_proj.weight"),
+    (dict(extra={"layers.0.input_layernorm.weight": torch.ones(HIDDEN)}),
+     "does not implement: layers.0.input_layernorm.weight"),
+    (dict(extra={"norm.weight": torch.ones(HIDDEN)}), "does not implement: norm.weight"),
+    (dict(extra={"fc.weight": torch.zeros(HIDDEN, HIDDEN)}), r"fc.weight \(32, 32\), not \(32, 64\)"),
+    (dict(extra={"embed_tokens.weight": torch.zeros(VOCAB + 1, HIDDEN)}), r"embed_tokens.weight \(100, 32\)"),
+    (dict(config={"add_para_norm": True}), "sets add_para_norm"),
+    (dict(config={"hidden_act": "gelu"}), "jointspec reads Llama-style EAGLE-1 layers only"),
+    (dict(config={"vocab_size": VOCAB + 1}), "drafts for 100 tokens; target 'tiny-target' has 99"),
+    (dict(config={"hidden_size": 64, "intermediate_size": 64}), "is 64 wide; target 'tiny-target' is 32 wide"),
+])
+def test_malformed_eagle1_checkpoints_are_refused_by_name(target_model, tmp_path, change, message):
+    config = _config(1)
+    fc, model = _reference(config)
+    folder = _write(tmp_path / "eagle1", {**config, **change.pop("config", {})}, fc, model, **change)
+    with pytest.raises(ModelLoadError, match=message):
+        bind_trained_draft(folder, CausalLM(target_model, name="tiny-target"))
+
+
+def test_export_draft_says_an_eagle1_checkpoint_is_exported_already(tmp_path, capsys):
+    config = _config(1)
+    folder = _write(tmp_path / "eagle1", config, *_reference(config))
+    code, _, err = run_cli(capsys, "export-draft", str(folder), "--format", "medusa", "--out", str(tmp_path / "x"))
+    assert code == 2 and "EAGLE-1 checkpoint for another engine already" in err, err
