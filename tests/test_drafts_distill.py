@@ -188,7 +188,7 @@ def test_train_draft_cli_distill_end_to_end(target_model, tmp_path, monkeypatch,
     assert "--kind distill" in command and "--layers 2" in command and "--loss kl" in command, command
     assert "--unroll" not in command, command
     assert cli.main(argv + ["--unroll", "2"]) == 2
-    assert "--unroll is for --head eagle or --head eagle3 drafts" in capsys.readouterr().err
+    assert "--unroll is for --head eagle or --head eagle1 or --head eagle3 drafts" in capsys.readouterr().err
     assert cli.main(heads_argv + ["--loss", "tv"]) == 2  # --kind heads (the default) with --loss
     assert "--loss is for --kind distill drafts" in capsys.readouterr().err
     # --init with a draft of the other kind is refused before any work.

@@ -21,7 +21,18 @@ from jointspec.core.errors import ModelLoadError
 from jointspec.drafts.artifact import is_head_artifact
 from jointspec.drafts.registry import bind_trained_draft
 
-from helpers import VOCAB, assert_greedy_equivalent, decoder_for, grouped_llama, random_prompt, run_cli
+from helpers import (
+    VOCAB,
+    assert_greedy_equivalent,
+    decoder_for,
+    grouped_llama,
+    random_prompt,
+    run_cli,
+    sps_acceptance,
+    tiny_training_data,
+    train_cli_argv,
+    untrained_draft_of,
+)
 
 HIDDEN = 32  # conftest's tiny target
 
@@ -169,3 +180,108 @@ def test_export_draft_says_an_eagle1_checkpoint_is_exported_already(tmp_path, ca
     folder = _write(tmp_path / "eagle1", config, *_reference(config))
     code, _, err = run_cli(capsys, "export-draft", str(folder), "--format", "medusa", "--out", str(tmp_path / "x"))
     assert code == 2 and "EAGLE-1 checkpoint for another engine already" in err, err
+
+
+# -- EAGLE-1 heads trained here (train-draft --head eagle1) and written for the engines ----------------------------
+
+@pytest.fixture(scope="module")
+def trained_eagle1(tmp_path_factory, target_model):
+    from jointspec.train.eagle1 import Eagle1Trainer
+    from jointspec.train.heads import HeadTrainConfig
+
+    data = tiny_training_data(tmp_path_factory, target_model)
+    config = HeadTrainConfig(draft_vocab_size=None, epochs=30, batch_tokens=512, learning_rate=3e-3,
+                             warmup_steps=10, eval_every=40, patience=100, eval_fraction=0.1)
+    folder = tmp_path_factory.mktemp("eagle1")
+    Eagle1Trainer(CausalLM(target_model, name="tiny-target"), config).train(data, folder, progress=False)
+    return folder
+
+
+def test_training_an_eagle1_head_raises_acceptance(target_model, trained_eagle1, tmp_path):
+    """Seeded; a run gave 0.47 trained against 0.02 untrained (the margins below leave room for thread counts)."""
+    from jointspec.drafts.eagle1 import Eagle1Config, Eagle1Head
+
+    untrained_draft_of(Eagle1Head, Eagle1Config, CausalLM(target_model)).save(tmp_path)
+    rates = {"trained": sps_acceptance(target_model, trained_eagle1, 3),
+             "untrained": sps_acceptance(target_model, tmp_path, 3)}
+    assert rates["trained"] > 0.3 and rates["trained"] > rates["untrained"] + 0.2, rates
+    decoder = decoder_for(target_model, "hybrid-tree", trained_eagle1, num_draft_tokens=4, cost_aware=False)
+    assert_greedy_equivalent(target_model, decoder, random_prompt(3))
+
+
+@torch.no_grad()
+def test_exported_eagle1_heads_draft_the_same_in_both_layouts(target_model, trained_eagle1, tmp_path, monkeypatch,
+                                                              capsys):
+    """export-draft writes the trained head for vLLM and for SGLang; each checkpoint, read back as the engines read it
+    (drafts/eagle1.py's reader, held to the engines' forward above), drafts exactly what the head drafts here."""
+    from safetensors.torch import load_file
+
+    from jointspec.cli import export as export_cli
+
+    monkeypatch.setattr(export_cli, "load_target", lambda *args, **kwargs: (CausalLM(target_model), None))
+    context = random_prompt(6)
+
+    def drafted(folder):
+        target = CausalLM(target_model, name="tiny-target")
+        draft = bind_trained_draft(folder, target, "float32")
+        target.reset()
+        target.forward(context[:-1], num_logits=0)
+        draft.reset()
+        return draft.forward(context + [5, 6]).logits
+
+    ours = drafted(trained_eagle1)
+    for layout, architecture in (("vllm-eagle", "EagleLlamaForCausalLM"), ("sglang-eagle", "LlamaForCausalLMEagle")):
+        code, _, err = run_cli(capsys, "export-draft", str(trained_eagle1), "--format", layout, "--out",
+                               str(tmp_path / layout))
+        assert code == 0, err
+        config = json.loads((tmp_path / layout / "config.json").read_text())
+        assert config["architectures"] == [architecture] and config["vocab_size"] == VOCAB
+        state = load_file(str(tmp_path / layout / "model.safetensors"))
+        assert torch.equal(state["fc.bias"], torch.zeros(HIDDEN))  # SGLang's fc has a bias: written, as zeros
+        assert "layers.0.input_layernorm.weight" not in state and "norm.weight" not in state
+        assert torch.equal(drafted(tmp_path / layout), ours)
+
+
+def test_export_refuses_what_the_engines_would_draft_otherwise(target_model, tmp_path, monkeypatch, capsys):
+    from jointspec.cli import export as export_cli
+    from jointspec.drafts.artifact import target_fingerprint
+    from jointspec.drafts.eagle1 import Eagle1Config, Eagle1Head
+
+    monkeypatch.setattr(export_cli, "load_target", lambda *args, **kwargs: (CausalLM(target_model), None))
+    target = CausalLM(target_model)
+    trimmed = untrained_draft_of(Eagle1Head, Eagle1Config, target, draft_vocab_size=50)
+    trimmed.save(tmp_path / "trimmed")
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "trimmed"), "--format", "sglang-eagle", "--out",
+                           str(tmp_path / "x"))
+    assert code == 2 and "drafts over 50 of 99 tokens" in err and "--draft-vocab 0" in err, err
+    torch.manual_seed(0)
+    biased = Eagle1Head(Eagle1Config.for_target(target, target_fingerprint(target), fc_bias=True))
+    with torch.no_grad():
+        biased.fc.bias.uniform_(-0.1, 0.1)
+    biased.save(tmp_path / "biased")
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "biased"), "--format", "vllm-eagle", "--out",
+                           str(tmp_path / "y"))
+    assert code == 2 and "vLLM's EAGLE-1 drops" in err, err
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "biased"), "--format", "sglang-eagle", "--out",
+                           str(tmp_path / "z"))
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "biased"), "--format", "speculators", "--out",
+                           str(tmp_path / "w"))
+    assert code == 2 and "an EAGLE-1 head goes as --format vllm-eagle or sglang-eagle" in err, err
+    assert not any((tmp_path / name).exists() for name in "xyw")
+
+
+def test_train_draft_head_eagle1_drafts_over_the_whole_vocabulary_by_default(target_model, tmp_path, monkeypatch,
+                                                                             capsys):
+    from jointspec.cli import main as cli
+    from jointspec.drafts.eagle1 import load_eagle1_artifact
+
+    argv = train_cli_argv(monkeypatch, target_model, tmp_path, "e1")
+    at = argv.index("--draft-vocab")
+    argv = argv[:at] + argv[at + 2:] + ["--head", "eagle1", "--epochs", "1"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    head, training = load_eagle1_artifact(tmp_path / "e1")
+    assert head.config.draft_vocab_size is None and head.draft_vocab.numel() == VOCAB
+    assert "--head eagle1" in training["command"] and "--draft-vocab 0" in training["command"]
+    assert cli.main(argv[:-4] + ["--head", "eagle1", "--fuse-layers", "1", "--out", str(tmp_path / "f")]) == 2
+    assert "--fuse-layers is for --head eagle or --head eagle3 drafts" in capsys.readouterr().err

@@ -204,9 +204,11 @@ def test_artifact_reloads_and_refuses_another_target(target_model, trained_dirs,
 
 
 @pytest.mark.parametrize("kind,foreign,refusal", [
-    ("medusa", ["--unroll", "2"], "--unroll is for --head eagle or --head eagle3 drafts, not for this medusa draft"),
+    ("medusa", ["--unroll", "2"],
+     "--unroll is for --head eagle or --head eagle1 or --head eagle3 drafts, not for this medusa draft"),
     ("hydra", ["--loss", "tv"], "--loss is for --kind distill drafts, not for this hydra draft"),
-    ("medusa", ["--cls-weight", "1"], "--cls-weight is for --head eagle drafts, not for this medusa draft")])
+    ("medusa", ["--cls-weight", "1"],
+     "--cls-weight is for --head eagle or --head eagle1 drafts, not for this medusa draft")])
 def test_train_draft_cli(target_model, tmp_path, monkeypatch, capsys, kind, foreign, refusal):
     from jointspec.cli import main as cli
 

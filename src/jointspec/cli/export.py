@@ -12,7 +12,8 @@ draft drafts here (docs/interop.md). The target is loaded to check that the draf
 - ``eagle3``: EAGLE-3 heads in EAGLE-3's original layout (``midlayer.*``, a Llama config naming
   ``LlamaForCausalLMEagle3``), what SGLang's EAGLE-3 loads (vLLM's too);
 - ``medusa``: Medusa heads (``--head medusa``) in vLLM's Medusa layout, the target's LM head rows as the heads'
-  shared LM head.
+  shared LM head;
+- ``vllm-eagle`` / ``sglang-eagle``: EAGLE-1 heads (``--head eagle1``) in the EAGLE-1 layout each engine loads.
 
 Refused, with the reason: jointspec's EAGLE-style head (``--head eagle``) in vLLM's or SGLang's EAGLE-1 layout (their
 layer has no input norm and no final norm; ours has both), and Hydra heads and distilled drafts (not written).
@@ -34,7 +35,8 @@ FORMATS = ("speculators", "eagle3", "vllm-eagle", "sglang-eagle", "medusa")
 
 # Why a kind cannot go into a format (kind, format) -> reason; "*" stands for every format.
 _EAGLE1_NORMS = ("vLLM's and SGLang's EAGLE-1 layer has no input norm and no final norm, jointspec's EAGLE-style "
-                 "head has both: the checkpoint would draft differently")
+                 "head has both: the checkpoint would draft differently; train-draft --head eagle1 trains a head "
+                 "in their layout")
 REFUSALS = {
     ("eagle", "vllm-eagle"): _EAGLE1_NORMS,
     ("eagle", "sglang-eagle"): _EAGLE1_NORMS,
@@ -53,9 +55,15 @@ REFUSALS = {
     ("eagle3", "sglang-eagle"): "that is the EAGLE-1 layout; an EAGLE-3 head goes as --format eagle3 (SGLang) or "
                                 "--format speculators (vLLM)",
     ("eagle3", "medusa"): "an EAGLE-3 head is not a Medusa head",
+    ("eagle1", "speculators"): "the speculators format holds EAGLE-3 heads; an EAGLE-1 head goes as --format "
+                               "vllm-eagle or sglang-eagle",
+    ("eagle1", "eagle3"): "the eagle3 layout holds EAGLE-3 heads; an EAGLE-1 head goes as --format vllm-eagle or "
+                          "sglang-eagle",
+    ("eagle1", "medusa"): "an EAGLE-1 head is not a Medusa head",
 }
 # What each format is written from; any other kind is refused (REFUSALS says why where it is known).
-WRITES = {"medusa": {"medusa"}, "speculators": {"eagle3"}, "eagle3": {"eagle3"}}
+WRITES = {"medusa": {"medusa"}, "speculators": {"eagle3"}, "eagle3": {"eagle3"}, "vllm-eagle": {"eagle1"},
+          "sglang-eagle": {"eagle1"}}
 
 
 def add_parser(subparsers) -> None:
@@ -121,6 +129,14 @@ def run(args: argparse.Namespace) -> int:
         save_vllm_medusa(heads, args.out, float_lm_weight(target.model))
         print(json.dumps({"out": str(args.out), "format": args.format, "kind": kind,
                           "num_heads": heads.config.num_heads}))
+        return 0
+    if kind == "eagle1":
+        from jointspec.drafts.eagle1 import bind_eagle1, save_eagle1_layout
+
+        head = bind_eagle1(args.draft, target, "float32").head  # refuses a head trained for another target
+        save_eagle1_layout(head, args.out, args.format)
+        print(json.dumps({"out": str(args.out), "format": args.format, "kind": kind,
+                          "num_layers": head.config.num_layers}))
         return 0
     # Bound only to check it against the target (refusing one trained for another), in float32: auto would swap its
     # linears for int8 copies, and the checkpoint must carry the weights as trained.

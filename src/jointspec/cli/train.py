@@ -48,12 +48,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kind", default="heads", choices=["heads", "distill"],
                         help="heads: feature-level head on the target's hidden states; distill: a small causal draft "
                              "(the target's first --layers layers, distilled; its embedding and LM head shared)")
-    parser.add_argument("--head", default=None, choices=["eagle", "eagle3", "medusa", "hydra"],
+    parser.add_argument("--head", default=None, choices=["eagle", "eagle1", "eagle3", "medusa", "hydra"],
                         help="head type for --kind heads: eagle (default; one decoder layer reading the feature and "
-                             "the drafted token), eagle3 (EAGLE-3: three target layers, its own LM head, trained "
-                             "with training-time test; export-draft writes it for vLLM and SGLang), medusa "
-                             "(--num-heads independent heads on the last feature), hydra (--num-heads heads on the "
-                             "last feature that also read the tokens drafted before them)")
+                             "the drafted token), eagle1 (the same in EAGLE-1's exact layout, no input or final "
+                             "norm: export-draft writes it for vLLM and SGLang), eagle3 (EAGLE-3: three target "
+                             "layers, its own LM head, trained with training-time test; export-draft writes it for "
+                             "vLLM and SGLang), medusa (--num-heads independent heads on the last feature), hydra "
+                             "(--num-heads heads on the last feature that also read the tokens drafted before them)")
     parser.add_argument("--num-heads", type=positive_int, default=None,
                         help="Medusa or Hydra heads, one per drafted token (--head medusa|hydra only, default 4)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the trained draft (and its checkpoint)")
@@ -93,8 +94,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--init", type=Path, default=None, metavar="DIR",
                         help="start from this head (same target; its draft vocabulary is kept) instead of from "
                              "scratch: e.g. to train a shipped head further on new data")
-    parser.add_argument("--draft-vocab", type=int, default=8192,
-                        help="VocabTrim: draft only the N most frequent target tokens (0 = full vocabulary)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="VocabTrim: draft only the N most frequent target tokens (0 = full vocabulary; default "
+                             "8192, and 0 for --head eagle1, whose engines draft over the whole vocabulary)")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="decoder layers in the draft (default: 1 for heads, 2 for distill)")
     parser.add_argument("--loss", default=None, choices=["kl", "tv"],
@@ -113,10 +115,10 @@ def add_parser(subparsers) -> None:
                              "only, default 2)")
     parser.add_argument("--cls-weight", type=_positive_float, default=None, metavar="W",
                         help="weight of the token loss (cross-entropy to the target's next-token distribution) "
-                             "against the feature regression (--head eagle; default 0.3)")
+                             "against the feature regression (--head eagle or eagle1; default 0.3)")
     parser.add_argument("--cls-fraction", type=_fraction, default=None, metavar="F",
-                        help="share of positions that pay for the token loss each step, in (0, 1] (--head eagle; "
-                             "default 0.25: its draft-vocabulary matmul is most of a step's cost)")
+                        help="share of positions that pay for the token loss each step, in (0, 1] (--head eagle or "
+                             "eagle1; default 0.25: its draft-vocabulary matmul is most of a step's cost)")
     parser.add_argument("--fuse-layers", type=_layer_list, default=None, metavar="I,J",
                         help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
                              "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
@@ -174,6 +176,9 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 # Options that do not change what is trained (where files go, how it reports) stay out of the recorded command.
+# VocabTrim's size where --draft-vocab is not given (EAGLE-1 heads: the whole vocabulary, as their engines draft).
+DEFAULT_DRAFT_VOCAB = 8192
+
 _NOT_RECORDED = {"run", "command", "out", "data", "no_progress", "threads", "device", "log_level", "data_only",
                  "answers_concurrency", "no_answers_check"}
 
@@ -282,6 +287,8 @@ def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:
                                      "and SGLang load")
     args.layers = args.layers or kind.num_layers
     args.head = None if kind.name == "distill" else kind.name
+    if args.draft_vocab is None:
+        args.draft_vocab = 0 if kind.name == "eagle1" else DEFAULT_DRAFT_VOCAB
     if args.draft_vocab < 0 or args.draft_vocab == 1:
         raise UnsupportedOptionError(f"--draft-vocab must be 0 (the full vocabulary) or at least 2, got "
                                      f"{args.draft_vocab}")

@@ -152,6 +152,20 @@ def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | No
     return misfit or unavailable_reason()  # builds the kernels once if it can (a minute or more)
 
 
+def layer_llama_config(config: HeadConfig, num_layers: int, rope_parameters: dict | None) -> LlamaConfig:
+    """The transformers config of the decoder layers of a head made for vLLM or SGLang (EAGLE-1, EAGLE-3), from its
+    shape; ``rope_parameters`` None: default rope at ``config.rope_theta``."""
+    rope = rope_parameters or {"rope_type": "default", "rope_theta": config.rope_theta}
+    llama = LlamaConfig(vocab_size=config.target_vocab_size, hidden_size=config.hidden_size,
+                        intermediate_size=config.intermediate_size, num_hidden_layers=num_layers,
+                        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                        rms_norm_eps=config.rms_norm_eps, rope_parameters=dict(rope), bos_token_id=None,
+                        eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    llama._attn_implementation = "sdpa"
+    return llama
+
+
 def engine_head_mask(features: torch.Tensor, cache, attention_mask: torch.Tensor | None,
                      hide_first_entry: bool) -> torch.Tensor:
     """The additive attention mask of a head made for vLLM or SGLang (EAGLE-1, EAGLE-3) over ``features`` [1, n,

@@ -63,6 +63,7 @@ from jointspec.drafts.eagle import (
     chosen_head_weights,
     engine_head_mask,
     float_activations,
+    layer_llama_config,
     linears_to_int8,
 )
 
@@ -99,16 +100,7 @@ class Eagle3Config(HeadConfig):
     @property
     def llama(self) -> LlamaConfig:
         """The decoder layer's transformers config."""
-        rope = self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta}
-        config = LlamaConfig(vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
-                             intermediate_size=self.intermediate_size, num_hidden_layers=1,
-                             num_attention_heads=self.num_attention_heads,
-                             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                             max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-                             rope_parameters=dict(rope), bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                             tie_word_embeddings=False)
-        config._attn_implementation = "sdpa"
-        return config
+        return layer_llama_config(self, 1, self.rope_parameters)
 
 
 class Eagle3Layer(nn.Module):

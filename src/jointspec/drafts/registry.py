@@ -71,7 +71,7 @@ def _bind(folder: str | Path, target: CausalLM, head_weights: str):
         else artifact_kind(folder)
     if kind == "eagle3":
         return bind_eagle3(folder, target, head_weights)
-    if is_eagle1_checkpoint(folder):
+    if kind == "eagle1" or is_eagle1_checkpoint(folder):
         return bind_eagle1(folder, target, head_weights)
     if head_weights != "auto" and kind not in (None, "eagle"):
         raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafts.distill import load_distill
 from jointspec.drafts.eagle import load_head
+from jointspec.drafts.eagle1 import load_eagle1_artifact
 from jointspec.drafts.eagle3 import load_eagle3_artifact
 from jointspec.drafts.hydra import load_hydra
 from jointspec.drafts.medusa import load_medusa
 from jointspec.train.distill import DistillTrainConfig, DistillTrainer
+from jointspec.train.eagle1 import Eagle1Trainer
 from jointspec.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 from jointspec.train.hydra import HydraTrainConfig, HydraTrainer
@@ -33,6 +35,8 @@ KINDS = {kind.name: kind for kind in (
     TrainKind("eagle", HeadTrainConfig, HeadTrainer, load_head,
               {"unroll": 2, "fuse_layers": (), "cls_weight": HeadTrainConfig.cls_weight,
                "cls_fraction": HeadTrainConfig.cls_fraction}),
+    TrainKind("eagle1", HeadTrainConfig, Eagle1Trainer, load_eagle1_artifact,
+              {"unroll": 2, "cls_weight": HeadTrainConfig.cls_weight, "cls_fraction": HeadTrainConfig.cls_fraction}),
     TrainKind("eagle3", Eagle3TrainConfig, Eagle3Trainer, load_eagle3_artifact, {"unroll": 3, "fuse_layers": ()}),
     TrainKind("medusa", MedusaTrainConfig, MedusaTrainer, load_medusa, {"num_heads": 4}),
     TrainKind("hydra", HydraTrainConfig, HydraTrainer, load_hydra, {"num_heads": 4}),
