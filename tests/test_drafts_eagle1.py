@@ -285,3 +285,53 @@ def test_train_draft_head_eagle1_drafts_over_the_whole_vocabulary_by_default(tar
     assert "--head eagle1" in training["command"] and "--draft-vocab 0" in training["command"]
     assert cli.main(argv[:-4] + ["--head", "eagle1", "--fuse-layers", "1", "--out", str(tmp_path / "f")]) == 2
     assert "--fuse-layers is for --head eagle or --head eagle3 drafts" in capsys.readouterr().err
+
+
+def test_published_llama_named_and_sharded_heads_are_read_and_full_models_are_not(target_model, tmp_path):
+    """The EAGLE repository's heads name LlamaForCausalLM (vLLM renames it); a head's weight names tell them from a
+    model. Sharded weights (an .index.json) read as one file."""
+    from safetensors.torch import save_file
+
+    from jointspec.drafts.artifact import is_eagle1_checkpoint
+
+    config = _config(1)
+    fc, model = _reference(config)
+    named = _write(tmp_path / "named", config, fc, model)
+    published = _write(tmp_path / "published", {**config, "architectures": ["LlamaForCausalLM"]}, fc, model,
+                       file="pytorch_model.bin")
+    assert is_eagle1_checkpoint(published)
+    target_model.save_pretrained(tmp_path / "model")  # a whole Llama model, safetensors: not a head
+    assert not is_eagle1_checkpoint(tmp_path / "model")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps({**config, "architectures": ["EagleLlamaForCausalLM"]}))
+    from safetensors.torch import load_file
+
+    state = load_file(str(named / "model.safetensors"))
+    halves = [dict(list(state.items())[:5]), dict(list(state.items())[5:])]
+    for i, half in enumerate(halves):
+        save_file(half, str(sharded / f"model-0000{i + 1}-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: f"model-0000{i + 1}-of-00002.safetensors" for i, half in enumerate(halves)
+                        for name in half}}))
+    context = random_prompt(5)
+    logits = []
+    for folder in (named, published, sharded):
+        target = CausalLM(target_model, name="tiny-target")
+        draft = bind_trained_draft(folder, target, "float32")
+        target.reset()
+        target.forward(context[:-1], num_logits=0)
+        draft.reset()
+        logits.append(draft.forward(context + [5]).logits)
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"rope_scaling": {"rope_type": "yarn"}}, "describes no Llama layer transformers can build"),
+    ({"num_attention_heads": 5}, "describes no Llama layer transformers can build"),
+])
+def test_configs_transformers_cannot_build_are_refused_by_name(target_model, tmp_path, extra, message):
+    config = _config(1)
+    folder = _write(tmp_path / "eagle1", {**config, **extra}, *_reference(config))
+    with pytest.raises(ModelLoadError, match=message):
+        bind_trained_draft(folder, CausalLM(target_model, name="tiny-target"))

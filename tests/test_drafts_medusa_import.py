@@ -230,3 +230,42 @@ def test_export_draft_says_an_engine_checkpoint_is_exported_already(tmp_path, ca
     code, _, err = run_cli(capsys, "export-draft", str(folder), "--format", "medusa", "--out", str(tmp_path / "x"))
     assert code == 2 and "Medusa checkpoint for another engine already" in err, err
     assert not (tmp_path / "x").exists()
+
+
+@torch.no_grad()
+def test_medusa_project_files_read_as_its_loader_runs_them(target_model, tmp_path):
+    """The project's loader runs five heads whatever the config says (its published configs said two), and one block
+    object per head, so the last of a file's differing layer copies is what every layer runs."""
+    torch.manual_seed(9)
+    heads = nn.ModuleList(nn.Sequential(*([_ResBlock(HIDDEN)] * 2), nn.Linear(HIDDEN, VOCAB, bias=False))
+                          for _ in range(3))
+    state = heads.state_dict()
+    for h in range(3):  # copies that differ, as a file from another trainer may hold
+        state[f"{h}.0.linear.weight"] = torch.randn(HIDDEN, HIDDEN)
+    heads.load_state_dict(state, strict=False)  # the project's own load: the last copy wins
+    folder = _write(tmp_path / "medusa", {"medusa_num_heads": 2, "medusa_num_layers": 2}, state, "medusa_lm_head.pt")
+    target = _target(target_model)
+    rows, feature = _draft_rows(bind_trained_draft(folder, target), target, random_prompt(8), depths=3)
+    for k, row in enumerate(rows, start=1):
+        torch.testing.assert_close(row.cpu(), heads[k - 1](feature.cpu()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(token_map=torch.arange(40)), None),  # the map's length must be truncated_vocab_size: set below
+    (dict(shared=True, token_map=torch.arange(45), extra={"lm_head.weight": torch.zeros(60, HIDDEN)}),
+     "lm_head.weight is 60x32; target 'tiny-target' needs 45x32"),
+])
+def test_token_map_and_lm_head_rows_that_disagree_are_refused(target_model, tmp_path, change, message):
+    folder, written, _ = _vllm_checkpoint(tmp_path / "vllm", **change)
+    if message is None:
+        (folder / "config.json").write_text(json.dumps({**written, "truncated_vocab_size": 45}))
+        message = "has a token_map of 40 ids for truncated_vocab_size 45"
+    with pytest.raises(ModelLoadError, match=message):
+        bind_trained_draft(folder, _target(target_model))
+
+
+def test_imported_lm_heads_are_held_once(target_model, tmp_path):
+    """One float32 copy of the checkpoint's LM heads, shared by the draft (a 7B model's Medusa heads are GBs)."""
+    folder, _, _ = _vllm_checkpoint(tmp_path / "vllm", scale=2.0)
+    draft = bind_trained_draft(folder, _target(target_model))
+    assert draft.lm_own.data_ptr() == draft.heads.lm_heads.data_ptr()

@@ -26,7 +26,13 @@ from jointspec.backends.tokens import eos_token_ids
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import check_output_folder, positive_int
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.drafts.artifact import artifact_kind, check_head_target, is_eagle3_checkpoint, target_fingerprint
+from jointspec.drafts.artifact import (
+    artifact_kind,
+    check_head_target,
+    is_eagle3_checkpoint,
+    is_head_artifact,
+    target_fingerprint,
+)
 from jointspec.drafts.eagle3 import check_eagle3_target, load_eagle3
 from jointspec.train.data import build_data, read_spec
 from jointspec.train.eagle3 import default_aux_layers
@@ -207,8 +213,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_folder(args.out, "--out")
     check_output_folder(args.data or args.out / "data", "--data")
     if args.init is not None and not (args.init / "draft.json").is_file() and not is_eagle3_checkpoint(args.init):
-        raise UnsupportedOptionError(f"--init '{args.init}' is not a draft folder (no draft.json); give a folder "
-                                     "written by train-draft, or an EAGLE-3 checkpoint for --head eagle3")
+        what = ("an EAGLE-1 or Medusa checkpoint made for another engine, which --init does not read"
+                if is_head_artifact(args.init) else "not a draft folder (no draft.json)")
+        raise UnsupportedOptionError(f"--init '{args.init}' is {what}; give a folder written by train-draft, or an "
+                                     "EAGLE-3 checkpoint for --head eagle3")
     target, tokenizer = load_target(args.target, device=args.device)
     init, init_training = _load_init(args, kind, target)
     if kind.name == "eagle3" and not args.fuse_layers:  # its target layers, in the data and in the recorded command

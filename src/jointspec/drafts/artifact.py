@@ -274,26 +274,37 @@ def refuse_unsupported_layer(layer: dict, folder: Path, what: str, switches: tup
                              f"({layer.get('hidden_act')}); jointspec reads Llama-style {what} layers only")
 
 
+def _read_tensor_file(path: Path) -> dict:
+    if path.name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)  # tensors only: torch refuses anything else
+
+
 def read_engine_weights(folder: Path, files: tuple[str, ...], what: str) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors of the first of ``files`` in ``folder`` that exists (``.safetensors``, or a PyTorch pickle read as
-    tensors only) and its name; ``what`` names the checkpoint in errors."""
+    """The tensors of the first of ``files`` in ``folder`` that exists (``.safetensors``, a PyTorch pickle read as
+    tensors only, or either's ``.index.json`` naming its shards, as transformers saves large checkpoints) and its
+    name; ``what`` names the checkpoint in errors."""
     for name in files:
         path = folder / name
-        if not path.is_file():
+        index = folder / f"{name}.index.json"
+        if not path.is_file() and not index.is_file():
             continue
         try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                state = load_file(str(path))
-            else:  # tensors only: a pickle that needs anything else is refused by torch
-                state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # safetensors and torch raise their own kinds for a damaged file
-            raise ModelLoadError(f"{what} '{folder}': cannot read {name} ({error})") from error
+            if path.is_file():
+                state, shown = _read_tensor_file(path), name
+            else:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                state, shown = {}, index.name
+                for shard in shards:
+                    state.update(_read_tensor_file(folder / shard))
+        except Exception as error:  # safetensors, torch and json raise their own kinds for a damaged file
+            raise ModelLoadError(f"{what} '{folder}': cannot read {name} or its shards ({error})") from error
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ModelLoadError(f"{what} '{folder}': {name} is not a flat map of tensors")
-        return state, name
-    raise ModelLoadError(f"{what} '{folder}' has none of {', '.join(files)}")
+            raise ModelLoadError(f"{what} '{folder}': {shown} is not a flat map of tensors")
+        return state, shown
+    raise ModelLoadError(f"{what} '{folder}' has none of {', '.join(files)} (nor their .index.json shards)")
 
 
 def is_eagle3_checkpoint(folder: str | Path) -> bool:
@@ -309,9 +320,35 @@ EAGLE1_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
 
 def is_eagle1_checkpoint(folder: str | Path) -> bool:
-    """Whether ``folder`` holds an EAGLE-1 head in the layout vLLM and SGLang load (its config.json says so)."""
+    """Whether ``folder`` holds an EAGLE-1 head in the layout vLLM and SGLang load: its config.json names their
+    architecture, or (as the EAGLE repository publishes its heads, and vLLM renames) names ``LlamaForCausalLM`` over
+    weights that are a head's (``fc.weight`` and ``layers.*``, no ``model.*``), read from the file's names alone."""
     config = engine_config(folder)
-    return config is not None and any(name in EAGLE1_ARCHITECTURES for name in config.get("architectures") or ())
+    if config is None:
+        return False
+    architectures = config.get("architectures") or ()
+    if any(name in EAGLE1_ARCHITECTURES for name in architectures):
+        return True
+    return list(architectures) == ["LlamaForCausalLM"] and _head_weight_names(Path(folder).expanduser())
+
+
+def _head_weight_names(folder: Path) -> bool:
+    """Whether the weights in ``folder`` are named as an EAGLE-1 head's: ``fc.weight`` and ``layers.*``, no full
+    model's ``model.layers.*`` (a safetensors header, or a PyTorch file mapped, not read)."""
+    names: list[str] = []
+    try:
+        if (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+                names = list(handle.keys())
+        elif (folder / "pytorch_model.bin").is_file():
+            names = list(torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True,
+                                    mmap=True).keys())
+    except Exception:  # not a readable weight file: not a head either
+        return False
+    return "fc.weight" in names and any(name.startswith("layers.") for name in names) \
+        and not any(name.startswith("model.layers.") for name in names)
 
 
 # Medusa heads as vLLM loads them (its config names ``MedusaModel``) and as the Medusa project saves them (a config

@@ -3,14 +3,17 @@
 **The head** (EAGLE, arXiv 2401.15077; SafeAILab/EAGLE ``eagle/model/cnets.py``), as vLLM's ``llama_eagle.py`` and
 SGLang's ``llama_eagle.py`` run it: ``fc`` maps ``[embed(token) ; feature]`` (the token's embedding *first*) from
 ``2 x hidden`` to ``hidden``; then Llama decoder layers, the first without its input norm; no final norm. The output
-is the predicted feature: the target's own LM head turns it into logits (times ``logit_scale``), and the next
+is the predicted feature: the target's own LM head turns it into logits (times a config's ``logit_scale``, as vLLM
+applies it; SGLang does not read one), and the next
 drafted position reads it as its feature. The true features are the target's last hidden states after its final
 norm, as for jointspec's EAGLE-style heads, so :class:`~jointspec.drafts.eagle.HeadDraftModel` binds this head as it
 binds those: chains, trees, crops and the feature mirror are shared. Entry 0 is hidden from later entries, as the
 engines' caches start at the second token (:func:`~jointspec.drafts.eagle.engine_head_mask`).
 
 **The layout**: a Llama ``config.json`` naming ``LlamaForCausalLMEagle`` (SGLang) or ``EagleLlamaForCausalLM``
-(vLLM), and ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight``, ``fc.bias`` (the EAGLE repository's
+(vLLM), or ``LlamaForCausalLM`` over a head's weight names as the EAGLE repository publishes them
+(:func:`~jointspec.drafts.artifact.is_eagle1_checkpoint`), and ``model.safetensors`` or ``pytorch_model.bin`` (or
+their shards) with ``fc.weight``, ``fc.bias`` (the EAGLE repository's
 heads have one; SGLang reads it, vLLM drops it: jointspec reads it, as the head was trained with it) and
 ``layers.{i}.*`` (``layers.0`` without ``input_layernorm``). ``embed_tokens.weight`` and ``lm_head.weight``, where a
 checkpoint carries them, are not read: both engines use the target's. The head has no fingerprint of its target, so
@@ -170,7 +173,11 @@ def load_eagle1(folder: str | Path, target: CausalLM) -> Eagle1Head:
     if config.target_vocab_size != target.vocab_size:
         raise ModelLoadError(f"EAGLE-1 head '{folder}' drafts for {config.target_vocab_size} tokens; target "
                              f"'{target.name}' has {target.vocab_size}")
-    head = Eagle1Head(config)
+    try:
+        head = Eagle1Head(config)
+    except Exception as error:  # rope settings or head counts transformers refuses, in its own error kinds
+        raise ModelLoadError(f"EAGLE-1 checkpoint '{folder}': config.json describes no Llama layer transformers can "
+                             f"build ({type(error).__name__}: {error})") from error
     wanted = {name: value for name, value in head.state_dict().items() if name != "draft_vocab"}
     missing = sorted(set(wanted) - set(state))
     if missing:

@@ -75,9 +75,8 @@ class MedusaHeads(nn.Module):
         size = config.draft_vocab_size or config.target_vocab_size
         self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
         # Heads trained here read the target's LM head. Heads made for another engine bring their own
-        # (drafts/medusa_checkpoint.py): [num_heads or 1 shared, draft vocab, hidden], their logits times logit_scale.
+        # (drafts/medusa_checkpoint.py): float32 [num_heads or 1 shared, draft vocab, hidden], any logit scale in them.
         self.lm_heads: torch.Tensor | None = None
-        self.logit_scale = 1.0
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] features -> [num_heads, ..., hidden]: head k's guess of the feature k positions on."""
@@ -99,8 +98,8 @@ class MedusaDraftModel(FeatureDraft):
         if own is None:
             self.lm_draft = lm_weight.index_select(0, heads.draft_vocab.to(lm_weight.device)).float()
             self.lm_own = None
-        else:  # scaled once here: vLLM multiplies the logits by logit_scale
-            self.lm_own = (own.float() * heads.logit_scale).to(lm_weight.device)
+        else:  # the heads' own, shared (not copied) between every draft bound from them
+            self.lm_own = own.to(device=lm_weight.device, dtype=torch.float32)
             self.lm_draft = self.lm_own[0]
         self.draft_vocab = heads.draft_vocab
         self.reset()

@@ -39,12 +39,23 @@ WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_mode
 _PROJECT_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 
 
-def _count(raw: dict, names: tuple[str, ...], folder: Path, default: int | None = None) -> int:
-    value = next((raw[name] for name in names if name in raw), default)
+def _count(raw: dict, names: tuple[str, ...], folder: Path, default: int | None = None) -> int | None:
+    """The first of ``names`` that config.json sets, a whole number >= 1 (``default`` where none is set)."""
+    name = next((name for name in names if raw.get(name) is not None), None)
+    if name is None:
+        return default
+    value = raw[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelLoadError(f"Medusa checkpoint '{folder}': config.json's {names[0]} must be a whole number >= 1, "
+        raise ModelLoadError(f"Medusa checkpoint '{folder}': config.json's {name} must be a whole number >= 1, "
                              f"got {value!r}")
     return value
+
+
+def _project_shape(state: dict) -> tuple[int, int]:
+    """(heads, residual layers) of the Medusa project's weights, from their names: what its loader runs whatever its
+    config says (medusa_model.py sets five heads over the config's count, which published configs got wrong)."""
+    blocks = [tuple(map(int, match.groups()[:2])) for match in map(_PROJECT_BLOCK.match, state) if match]
+    return max(h for h, _ in blocks) + 1, max(i for _, i in blocks) + 1
 
 
 def _vllm_tensors(raw: dict, state: dict, folder: Path, num_heads: int, num_layers: int):
@@ -67,28 +78,38 @@ def _vllm_tensors(raw: dict, state: dict, folder: Path, num_heads: int, num_laye
     else:
         lm_names = [f"lm_heads.{h}.weight" for h in range(num_heads)]
         used.update(lm_names)
-    vocab = raw.get("vocab_size")
-    truncated = raw.get("truncated_vocab_size") or vocab
+    vocab = _count(raw, ("vocab_size",), folder)
+    truncated = _count(raw, ("truncated_vocab_size",), folder, default=vocab)
     token_map = None
     if "token_map" in state:
         used.add("token_map")
         if vocab is None or truncated is None or truncated < vocab:  # vLLM reads it only for a truncated vocabulary
             token_map = state["token_map"].long().flatten()
+            if truncated is not None and token_map.numel() != truncated:  # vLLM's LM head has truncated rows
+                raise ModelLoadError(f"Medusa checkpoint '{folder}' has a token_map of {token_map.numel()} ids for "
+                                     f"truncated_vocab_size {truncated}")
     elif vocab is not None and truncated is not None and truncated < vocab:
         raise ModelLoadError(f"Medusa checkpoint '{folder}' truncates the vocabulary to {truncated} of {vocab} tokens "
                              "but has no token_map")
     return blocks, [state.get(name) for name in lm_names], token_map, used, lm_names
 
 
-def _project_tensors(state: dict, num_heads: int, num_layers: int):
-    """The same, as the Medusa project's ``medusa_head`` modules name them (an LM head per head, no map)."""
+def _project_tensors(state: dict, num_heads: int, num_layers: int, folder: Path):
+    """The same, as the Medusa project's ``medusa_head`` modules name them (an LM head per head, no map). Its heads
+    repeat one residual block object ``num_layers`` times, so loading a file copies each ``{h}.{i}`` into that one
+    block in turn and the last copy is what every layer runs: so here too."""
     used, blocks = set(), []
     for h in range(num_heads):
-        layers = []
-        for i in range(num_layers):
-            used.update({f"{h}.{i}.linear.weight", f"{h}.{i}.linear.bias"})
-            layers.append((state.get(f"{h}.{i}.linear.weight"), state.get(f"{h}.{i}.linear.bias")))
-        blocks.append(layers)
+        names = [(f"{h}.{i}.linear.weight", f"{h}.{i}.linear.bias") for i in range(num_layers)]
+        for pair in names:
+            used.update(pair)
+        last = (state.get(names[-1][0]), state.get(names[-1][1]))
+        copies = [(state.get(w), state.get(b)) for w, b in names[:-1]]
+        if any(w is not None and last[0] is not None and not (torch.equal(w, last[0]) and torch.equal(b, last[1]))
+               for w, b in copies if b is not None and last[1] is not None):
+            log.warning("Medusa checkpoint '%s': head %d's layer copies differ; the Medusa project runs the last "
+                        "(%s) for every layer, and so does jointspec", folder, h, names[-1][0])
+        blocks.append([last] * num_layers)
     lm_names = [f"{h}.{num_layers}.weight" for h in range(num_heads)]
     used.update(lm_names)
     return blocks, [state.get(name) for name in lm_names], None, used, lm_names
@@ -113,10 +134,18 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
     num_layers = _count(raw, ("num_hidden_layers", "medusa_num_layers"), folder, default=1)
     if any(name.startswith("blocks.") for name in state):
         layout = "vLLM"
+        if num_heads is None:
+            raise ModelLoadError(f"Medusa checkpoint '{folder}': config.json names no num_heads")
         blocks, lm, token_map, used, lm_names = _vllm_tensors(raw, state, folder, num_heads, num_layers)
     elif any(_PROJECT_BLOCK.match(name) for name in state):
         layout = "Medusa project"
-        blocks, lm, token_map, used, lm_names = _project_tensors(state, num_heads, num_layers)
+        found = _project_shape(state)
+        if (num_heads, num_layers) != found:
+            log.info("Medusa checkpoint '%s': config.json says %s heads of %s layers, the weights hold %d of %d; "
+                     "read as the weights are (as the Medusa project's loader does)", folder, num_heads, num_layers,
+                     *found)
+        num_heads, num_layers = found
+        blocks, lm, token_map, used, lm_names = _project_tensors(state, num_heads, num_layers, folder)
     else:
         raise ModelLoadError(f"Medusa checkpoint '{folder}': {file} names no Medusa block (blocks.H.layers.I.weight "
                              "as vLLM writes, or H.I.linear.weight as the Medusa project does)")
@@ -141,8 +170,7 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
             raise ModelLoadError(f"Medusa checkpoint '{folder}' has a token_map that is not {token_map.numel()} "
                                  f"distinct ids of target '{target.name}''s {vocab}-token vocabulary")
         # vLLM picks the map's rows from an LM head over the whole vocabulary.
-        lm = [weight[token_map] if weight.dim() == 2 and weight.shape[0] > token_map.numel() else weight
-              for weight in lm]
+        lm = [weight[token_map] if weight.dim() == 2 and weight.shape[0] == vocab else weight for weight in lm]
     rows = token_map.numel() if token_map is not None else vocab
     for name, weight in zip(lm_names, lm):
         if tuple(weight.shape) != (rows, hidden):
@@ -151,10 +179,13 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
                                  f"{', ' + str(rows) + ' drafted' if token_map is not None else ''})")
     for name in ("vocab_size", "hidden_size"):
         wanted = vocab if name == "vocab_size" else hidden
-        if name in raw and layout == "vLLM" and raw[name] != wanted:
+        if layout == "vLLM" and _count(raw, (name,), folder, default=wanted) != wanted:
             raise ModelLoadError(f"Medusa checkpoint '{folder}' has {name} {raw[name]}; target '{target.name}' has "
                                  f"{wanted}")
-    scale = float(raw.get("logit_scale", 1.0) or 1.0)
+    scale = raw.get("logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ModelLoadError(f"Medusa checkpoint '{folder}': config.json's logit_scale must be a number > 0, got "
+                             f"{scale!r}")
     config = MedusaConfig.for_target(target, target_fingerprint(target), num_heads=num_heads, num_layers=num_layers,
                                      draft_vocab_size=rows if token_map is not None else None)
     heads = MedusaHeads(config)
@@ -165,8 +196,10 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
                 block.linear.bias.copy_(bias.float() if bias is not None else torch.zeros(hidden))
         if token_map is not None:
             heads.draft_vocab.copy_(token_map)
+    # One float32 copy, the scale folded in (vLLM multiplies the logits by it): the draft reads it as it is.
     heads.lm_heads = torch.stack([weight.float() for weight in lm])
-    heads.logit_scale = scale
+    if scale != 1:
+        heads.lm_heads.mul_(float(scale))
     base = raw.get("base_model_name_or_path")
     log.info("Medusa checkpoint '%s' (%s layout, %d heads, %d layers%s) read for target '%s', checked by shape",
              folder, layout, num_heads, num_layers, f", made for '{base}'" if base else "", target.name)
