@@ -23,6 +23,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchEvent
 from jointspec.core.draft import NoDrafter
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.methods import MethodConfig
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream, _Stream
 from jointspec.server.metrics import EngineSnapshot
@@ -120,6 +121,24 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
     assert figures["rounds"] == data["jointspec"]["num_rounds"]  # the engine's own count for the sequence
     if options and options["method"] == "sps":
         assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
+
+
+def test_a_request_for_another_method_does_not_inherit_the_servers_method_knobs(byte_model, tokenizer):
+    """A server run with ``sps --verify block --no-cost-aware`` serves ``ar`` and ``pld`` (which have neither knob)
+    and a ``specinfer`` request gets its own default verifier, while its own method keeps the server's settings."""
+    served = ServingEngine(CausalLM(byte_model), tokenizer, MethodConfig(name="sps", draft="self", verify="block",
+                                                                         cost_aware=False), model_id="tiny")
+    try:
+        client = TestClient(create_app(ServerSettings(), served))
+        for options in ({"method": "ar"}, {"method": "pld"}, {"method": "sps"}, None):
+            reply = client.post("/v1/chat/completions",
+                                json=chat_body("abcabc", **({"jointspec": options} if options else {})))
+            assert reply.status_code == 200, (options, reply.text)
+        assert served.method_for({"method": "pld"}) == MethodConfig(name="pld", draft="self")
+        assert served.method_for({"method": "sps", "num_draft_tokens": 2}) == MethodConfig(
+            name="sps", draft="self", verify="block", cost_aware=False, num_draft_tokens=2)
+    finally:
+        served.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])

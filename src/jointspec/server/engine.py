@@ -315,7 +315,10 @@ class ServingEngine:
         return self.tokenizer(request.prompt)["input_ids"]
 
     def method_for(self, options: dict | None) -> MethodConfig:
-        """The server's method with the request's overrides; requests may not name arbitrary draft models."""
+        """The server's method with the request's overrides; requests may not name arbitrary draft models. A request
+        naming another method starts from that method's defaults: of the server's settings it keeps only the draft
+        and how a head's weights run, not the knobs of the server's own method (a server run with ``--verify block``
+        for ``sps`` must not refuse ``pld`` for a verifier the request never asked for)."""
         if not options:
             return self.method
         if "method" in options and options["method"] not in method_names():
@@ -324,8 +327,11 @@ class ServingEngine:
         if draft not in (None, "self", self.method.draft):
             raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
                                          f"draft ({self.method.draft or 'none'})")
+        base = self.method
+        if options.get("method", base.name) != base.name:
+            base = MethodConfig(draft=base.draft, head_weights=base.head_weights)
         fields = {"method": "name"}
-        return replace(self.method, **{fields.get(k, k): v for k, v in options.items()})
+        return replace(base, **{fields.get(k, k): v for k, v in options.items()})
 
     def memory_for(self, user: str | None, method: MethodConfig) -> OutputMemory | None:
         """The memory of earlier answers this request drafts from and joins: none unless the server keeps one
