@@ -57,3 +57,22 @@ def test_chat_token_counts_are_in_their_buckets():
         low, high = BUCKETS[prompt.category]
         count = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt.turns[0]}]))
         assert low <= count <= high, f"{prompt.question_id}: {count} tokens, outside {prompt.category}"
+
+
+def test_the_licence_texts_ship_with_the_prompt_sets():
+    """BSD and MIT ask copies to carry their notices, Apache-2.0 its text: the package data takes data/README.md
+    (which holds the BSD and MIT texts and the NOTICE lines) and the Apache text beside the sets."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["jointspec"]
+    data = root / "src" / "jointspec" / "data"
+    shipped = {path.relative_to(data.parent).as_posix() for path in data.iterdir()
+               if any(fnmatch.fnmatch(path.relative_to(data.parent).as_posix(), p) for p in patterns)}
+    assert {"data/README.md", "data/LICENSE-Apache-2.0.txt", "data/long.jsonl"} <= shipped, shipped
+    readme = (data / "README.md").read_text()
+    assert "Permission is hereby granted" in readme and "Redistribution and use in source and binary forms" in readme
+    apache = (data / "LICENSE-Apache-2.0.txt").read_text()
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in apache
