@@ -14,7 +14,7 @@ import torch
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
-from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
+from jointspec.backends.tokens import IncrementalDetokenizer, decode_text, eos_token_ids
 from jointspec.core.errors import JointspecError
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
@@ -94,7 +94,9 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.method = method or MethodConfig(name="default")
         self.memory = memory
-        self._lock = threading.Lock()  # held while the decoder runs a round, never while a caller holds a chunk
+        # Held while the decoder runs a round, never while a caller holds a chunk. Reentrant: the cyclic garbage
+        # collector may finalise a dropped stream (its finally takes the lock) inside a round of this thread.
+        self._lock = threading.RLock()
         self._calls = threading.RLock()  # one generate_ids at a time (threads queue); a nested call ends the outer
         self._generation = 0  # which stream owns the decoder
         self._active: Iterator[list[int]] | None = None  # that stream's decoder generator, while unfinished
@@ -192,6 +194,9 @@ class Pipeline:
             delta = detok.push(chunk)
             if delta:
                 yield delta
+        tail = detok.finish()  # the deltas then add up to what generate() returns as text
+        if tail:
+            yield tail
 
     def generate_ids(self, prompt_ids: list[int], config: GenerationConfig = GenerationConfig(),
                      on_text=None) -> GenerationResult:
@@ -209,8 +214,12 @@ class Pipeline:
                         on_text(delta)
             seconds = time.perf_counter() - start
             stats = self.decoder.stats
+        if detok is not None:
+            tail = detok.finish()
+            if tail:
+                on_text(tail)
         finished = bool(new_ids) and new_ids[-1] in self.eos_token_ids
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = decode_text(self.tokenizer, new_ids) if self.tokenizer is not None else ""
         return GenerationResult(text, new_ids, prompt_ids, seconds, "stop" if finished else "length", stats)
 
     def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:

@@ -18,8 +18,17 @@ def eos_token_ids(model: CausalLM, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def decode_text(tokenizer, token_ids: list[int]) -> str:
+    """The text of generated ``token_ids``, as every front end shows it: special tokens skipped and no clean-up of
+    spaces. Clean-up (``clean_up_tokenization_spaces``, which some tokenizers turn on) rewrites text before a later
+    token (" '" then "m" becomes "'m"), so a stream that had sent the earlier text could not show what a whole decode
+    shows; without it a decode of more tokens extends a decode of fewer."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters; the deltas and
+    :meth:`finish` add up to :func:`decode_text` of every id pushed."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -28,9 +37,19 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = decode_text(self.tokenizer, self.token_ids)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is split across tokens: wait for the rest
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
-        self.emitted = text
+        return self._advance(text)
+
+    def finish(self) -> str:
+        """The held-back rest at the end: bytes no later token completes show as U+FFFD, as a whole decode shows
+        them."""
+        return self._advance(decode_text(self.tokenizer, self.token_ids))
+
+    def _advance(self, text: str) -> str:
+        # Text already sent is never sent again: a decode that no longer extends it (a tokenizer whose pieces change
+        # with what follows them) sends only what lies past it.
+        delta = text[len(self.emitted):]
+        self.emitted = text if text.startswith(self.emitted) else self.emitted + delta
         return delta

@@ -13,10 +13,15 @@ Convention (the same for every method, drafter and verifier, and the same as Hug
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
 import torch
+
+# The lowest temperature but 0: float32 logits divided by much less overflow to infinity, and their softmax to NaN
+# (every probability then lost). Sampling at it is greedy in all but exact ties; 0 is greedy.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,14 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        for name, kind in (("temperature", "a number"), ("top_k", "an int"), ("top_p", "a number")):
+            value = getattr(self, name)
+            wanted = int if name == "top_k" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, wanted):
+                raise TypeError(f"{name} must be {kind}, got {value!r}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
+                             f"{self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

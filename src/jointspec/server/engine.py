@@ -154,9 +154,7 @@ class TextStream:
         """The held-back rest, at the end (undecodable bytes then show as U+FFFD, as a full decode would)."""
         if self.stopped:
             return ""
-        full = self.tokenizer.decode(self.detokenizer.token_ids, skip_special_tokens=True)
-        if full.startswith(self.text):
-            self.text = full
+        self.text += self.detokenizer.finish()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
