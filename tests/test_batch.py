@@ -178,6 +178,20 @@ def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_
     assert not eng.has_work
 
 
+def test_a_head_method_refused_leaves_no_feature_mirror_on_the_target(target_model, load_draft, tmp_path):
+    """Binding a trained head attaches a feature mirror to the target; where the ragged engine then refuses the
+    method, that mirror went with it no more, one more per request, each filled by every later forward."""
+    from helpers import untrained_head
+
+    eng = engine(target_model, load_draft, 4)
+    untrained_head(eng.target).save(tmp_path / "head")
+    before = len(eng.target.mirrors)
+    for _ in range(3):
+        with pytest.raises(UnsupportedOptionError):
+            eng.submit(BatchRequest([5, 6], GREEDY, MethodConfig("sps", draft=str(tmp_path / "head"))))
+    assert len(eng.target.mirrors) == before
+
+
 def test_corpus_lookup_runs_batched_and_shares_its_table(target_model, load_draft, references, tmp_path):
     """`corpus` batches like `pld`: each row drafts from one shared n-gram table (not a copy per request), greedy
     output equals each prompt decoded alone, and drafts from the table are accepted (a table built from the target's

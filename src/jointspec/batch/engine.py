@@ -231,12 +231,21 @@ class BatchEngine(EngineBase):
         return recently_used(self._methods, config, lambda: self._build(config, None))
 
     def _build(self, config: MethodConfig, memory: OutputMemory | None) -> _Method:
-        drafter, verifier = build_method(MethodContext(config, self.target, self.tokenizer, self._draft_model, memory))
-        if not isinstance(verifier, BATCHABLE_VERIFIERS):
-            raise UnsupportedOptionError(
-                f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
-                "chain verifier; batched methods are ar, pld, corpus and sps")
-        return _Method(batch_drafter_for(drafter, config.name), verifier)
+        mirrors = list(self.target.mirrors)
+        try:
+            drafter, verifier = build_method(MethodContext(config, self.target, self.tokenizer, self._draft_model,
+                                                           memory))
+            if not isinstance(verifier, BATCHABLE_VERIFIERS):
+                raise UnsupportedOptionError(
+                    f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
+                    "chain verifier; batched methods are ar, pld, corpus and sps")
+            return _Method(batch_drafter_for(drafter, config.name), verifier)
+        except BaseException:
+            # A head bound for a method then refused had attached a feature mirror to the shared target, one more
+            # per refused request: the target would fill every one of them on its next forward.
+            for mirror in [m for m in self.target.mirrors if not any(m is kept for kept in mirrors)]:
+                self.target.detach_feature_mirror(mirror)
+            raise
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
         end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
