@@ -178,6 +178,19 @@ def test_prompt_too_long_and_unbatchable_methods_are_refused(target_model, load_
     assert not eng.has_work
 
 
+def test_a_dynamic_tree_with_sampling_is_refused_at_submit(target_model, load_draft):
+    """`generate` refuses --tree-budget with sampling before decoding; the batched engines did only once the
+    drafter ran, after a streamed answer's first tokens were out. Both engines share this check."""
+    from jointspec.core.sampling import SamplingConfig
+
+    eng = engine(target_model, load_draft, 4)
+    sampled = DecodeConfig(8, SamplingConfig(0.8))
+    with pytest.raises(UnsupportedOptionError, match="--tree-budget drafts for greedy decoding only"):
+        eng.submit(BatchRequest([5, 6], sampled, MethodConfig("hybrid-tree", tree_budget=6)))
+    assert not eng.has_work
+    eng.check(BatchRequest([5, 6], GREEDY, MethodConfig("pld", tree_budget=6)))  # a method without a dynamic tree
+
+
 def test_a_head_method_refused_leaves_no_feature_mirror_on_the_target(target_model, load_draft, tmp_path):
     """Binding a trained head attaches a feature mirror to the target; where the ragged engine then refuses the
     method, that mirror went with it no more, one more per request, each filled by every later forward."""

@@ -35,6 +35,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
+from jointspec.core.choices import dynamic_tree_refusal
 from jointspec.core.draft import tree_depths
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
@@ -154,6 +155,10 @@ class EngineBase:
             raise ContextTooLongError(
                 f"the prompt has {len(request.prompt_ids)} tokens but the model's context holds "
                 f"{self.target.max_context}; shorten the prompt")
+        refusal = dynamic_tree_refusal(request.method.name, request.method.tree_budget,
+                                       request.config.sampling.temperature)
+        if refusal:  # now, not by the drafter once the answer's first tokens are out
+            raise UnsupportedOptionError(refusal)
         self.method(request.method)
 
     def submit(self, request: BatchRequest) -> int:

@@ -14,11 +14,9 @@ from jointspec.core.choices import (
     KV_CACHE_CHOICES,
     QUANTIZE_CHOICES,
     VERIFY_CHOICES,
+    dynamic_tree_refusal,
 )
 from jointspec.core.errors import UnsupportedOptionError
-
-# Methods whose --tree-budget is a dynamic (EAGLE-2) tree, which drafts for greedy decoding only.
-DYNAMIC_TREE_METHODS = ("hybrid-tree", "default")
 
 
 def positive_int(text: str) -> int:
@@ -183,6 +181,6 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
 def check_dynamic_tree(config, temperature: float) -> None:
     """Refuse a dynamic tree (``--tree-budget`` of hybrid-tree or default) with sampling here, before a model loads,
     rather than by the drafter after the first tokens are out."""
-    if config.name in DYNAMIC_TREE_METHODS and config.tree_budget and temperature > 0:
-        raise UnsupportedOptionError(f"{config.name}: --tree-budget drafts for greedy decoding only, not at "
-                                     f"--temperature {temperature:g}; for sampling, give a static tree with --tree")
+    refusal = dynamic_tree_refusal(config.name, config.tree_budget, temperature)
+    if refusal:
+        raise UnsupportedOptionError(refusal)

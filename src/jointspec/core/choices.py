@@ -9,6 +9,19 @@ used; the modules that use them re-export them under the same names.
 # by recursive rejection ("token") or by traversal (core/verdict.py).
 VERIFY_CHOICES = ("token", "block", "traversal")
 
+# Methods whose ``tree_budget`` grows a dynamic (EAGLE-2) tree, which drafts for greedy decoding only.
+DYNAMIC_TREE_METHODS = ("hybrid-tree", "default")
+
+
+def dynamic_tree_refusal(method: str, tree_budget: int, temperature: float) -> str | None:
+    """Why a dynamic tree cannot serve this request (sampling), or None: the CLI and the batched engines refuse it
+    before decoding, rather than the drafter after the first tokens are out."""
+    if method in DYNAMIC_TREE_METHODS and tree_budget and temperature > 0:
+        return (f"{method}: --tree-budget drafts for greedy decoding only, not at --temperature {temperature:g}; for "
+                "sampling, give a static tree with --tree")
+    return None
+
+
 # Weights of a trained head's linears (drafts/artifact.py).
 HEAD_WEIGHT_CHOICES = ("auto", "float32", "int8")
 
