@@ -55,6 +55,8 @@ def test_load_model_quantizes(quant_folder, mode):
     ("default", {"backend": "onnx"}, "unknown backend 'onnx'"),
     ("default", {"quantize": "fp8"}, "unknown quantisation 'fp8'"),
     ("default", {"threads": 0}, "threads must be >= 1"),
+    ("default", {"backend": "llamacpp", "kernels": "onednn"}, "--kernels onednn is for the torch backend"),
+    ("default", {"backend": "llamacpp", "kv_cache": "float16"}, "--kv-cache float16 is for the torch backend"),
 ])
 def test_bad_load_options_fail_before_loading(source, options, needle):
     with pytest.raises(UnsupportedOptionError, match=needle):
@@ -389,3 +391,19 @@ def test_freed_heap_memory_goes_back_to_the_system():
     finally:
         for block in blocks[1::2]:
             libc.free(block)
+
+
+def test_a_gguf_cut_short_or_a_folder_is_named_as_such(tmp_path):
+    """A GGUF cut inside its metadata was a bare struct.error traceback; a folder named x.gguf was "does not
+    exist"."""
+    from jointspec.backends.llamacpp import resolve_gguf
+    from jointspec.core.errors import ModelLoadError
+
+    whole = write_typed_gguf(tmp_path / "whole.gguf", "Q4_1", "Q8_0").read_bytes()
+    for cut in (40, 1000):
+        (tmp_path / f"cut{cut}.gguf").write_bytes(whole[:cut])
+        with pytest.raises(ModelLoadError, match="cut short or damaged"):
+            load_model(str(tmp_path / f"cut{cut}.gguf"), quantize="none")
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(ModelLoadError, match="is a folder, not a GGUF file"):
+        resolve_gguf(str(tmp_path / "folder.gguf"))

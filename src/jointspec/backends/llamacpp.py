@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
 import weakref
 from pathlib import Path
@@ -399,12 +400,14 @@ def resolve_gguf(source: str) -> tuple[Path, str, str]:
     if path.suffix != ".gguf":
         raise ModelLoadError(f"the llama.cpp backend loads GGUF files: pass 'default' or a path to a .gguf file, "
                              f"got '{source}'")
+    if path.is_dir():
+        raise ModelLoadError(f"'{source}' is a folder, not a GGUF file; pass the .gguf file itself, or 'default'")
     if not path.is_file():
         raise ModelLoadError(f"GGUF file '{source}' does not exist; check the path, or pass 'default'")
     return path, "", source
 
 
-def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 4096, name: str | None = None,
+def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 8192, name: str | None = None,
                   flash_attn: bool = True) -> tuple[LlamaCppLM, object]:
     """Load ``source`` ('default' or a .gguf path) as (llama.cpp adapter, Hugging Face tokenizer).
 
@@ -422,8 +425,9 @@ def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 409
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"could not load the tokenizer of '{source}': {str(error).splitlines()[0]}") from error
+    except (OSError, ValueError, KeyError, struct.error) as error:  # struct.error: a file cut inside its metadata
+        raise ModelLoadError(f"could not load the tokenizer of '{source}': {str(error).splitlines()[0]} (a GGUF file "
+                             "cut short or damaged reads so; check its size against the original)") from error
     weights = LlamaCppWeights(gguf_path)
     check_vocabulary(weights, tokenizer)
     context = min(n_ctx, weights.context_length_trained) if weights.context_length_trained > 0 else n_ctx

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -90,8 +91,8 @@ def gguf_block_types(source: str) -> dict[str, str] | None:
 def on_int4_grid(source: str) -> bool:
     """Whether ``source`` is a GGUF (or the embedded default, one) whose projections and output head are all stored
     in block types jointspec's grouped kernels take as they are (kernels/gguf_blocks.py, SUPPORTED_TYPES): then
-    ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model, computed with
-    float32 activations."""
+    ``quantize="int4"`` runs the file's own weights, so the quantised model *is* the file's model (its inputs rounded
+    to 8 bits by default, docs/kernels.md)."""
     if source == DEFAULT_MODEL:
         return True  # SmolLM2-135M-Instruct.Q4_1.gguf, checked by its SHA-256 (backends/embedded.py)
     from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES
@@ -226,6 +227,10 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     if kv_cache not in KV_CACHE_CHOICES:
         raise UnsupportedOptionError(f"unknown kv cache '{kv_cache}'; choose one of: {', '.join(KV_CACHE_CHOICES)}")
     check_load_options(source, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
+    if backend == "llamacpp" and (kernels, kv_cache) != ("auto", "auto"):
+        option, value = ("kernels", kernels) if kernels != "auto" else ("kv-cache", kv_cache)
+        raise UnsupportedOptionError(f"--{option} {value} is for the torch backend; the llama.cpp backend runs "
+                                     "llama.cpp's own kernels and cache, so drop it")
     check_device(device)
     read_first = None
     if quantize == "auto" and backend == "torch" and source == DEFAULT_MODEL:
@@ -358,8 +363,9 @@ def _load_gguf_blocks(source: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}") from error
+    except (OSError, ValueError, KeyError, struct.error) as error:  # struct.error: a GGUF cut inside its metadata
+        hint = " (a GGUF file cut short or damaged reads so)" if isinstance(error, struct.error) else ""
+        raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}{hint}") from error
     try:
         model, why = model_from_blocks(path, config, screen_head=screens_head(config))
     except (ValueError, KeyError) as error:  # a tensor not as its type says: transformers' loader says what
@@ -403,12 +409,14 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, struct.error) as error:
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
         if Path(folder).is_dir() and "gguf_file" not in kwargs:
             hint = (" (a model folder holds its tokenizer files and weights, *.safetensors or *.bin, beside "
                     "config.json)")
+        if isinstance(error, struct.error):
+            hint = " (a GGUF file cut short or damaged reads so; check its size against the original)"
         raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}{hint}") from error
     model.to(device)
     return model, tokenizer, label
