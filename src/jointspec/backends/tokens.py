@@ -23,7 +23,10 @@ def decode_text(tokenizer, token_ids: list[int]) -> str:
     spaces. Clean-up (``clean_up_tokenization_spaces``, which some tokenizers turn on) rewrites text before a later
     token (" '" then "m" becomes "'m"), so a stream that had sent the earlier text could not show what a whole decode
     shows; without it a decode of more tokens extends a decode of fewer."""
-    return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    try:
+        return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    except TypeError:  # a tokenizer whose decode takes no such option (not transformers') has no clean-up either
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:

@@ -33,7 +33,6 @@ from jointspec.drafts.artifact import (
     check_head_target,
     float_lm_weight,
     full_vocab_logits,
-    is_medusa_checkpoint,
     load_artifact,
     save_artifact,
     write_engine_checkpoint,
@@ -177,13 +176,8 @@ def load_medusa(folder: str | Path, *, device: str | torch.device = "cpu",
 
 
 def bind_medusa(folder: str | Path, target: CausalLM) -> MedusaDraftModel:
-    """Load the Medusa heads saved in ``folder`` for ``target``; refuses heads trained for another target. A
-    checkpoint made for vLLM or by the Medusa project (:mod:`jointspec.drafts.medusa_checkpoint`) is read too."""
-    from jointspec.drafts.medusa_checkpoint import load_medusa_checkpoint
-
-    if is_medusa_checkpoint(folder):
-        heads = load_medusa_checkpoint(folder, target)
-        return MedusaDraftModel(heads, target, name=f"medusa {Path(folder).name}")
+    """Load the Medusa heads saved in ``folder`` for ``target``; refuses heads trained for another target (a checkpoint
+    made for vLLM or by the Medusa project: :func:`jointspec.drafts.medusa_checkpoint.bind_medusa_checkpoint`)."""
     heads, _ = load_medusa(folder, device=target.device)
     check_head_target(heads, folder, target)
     return MedusaDraftModel(heads, target, name=f"medusa {Path(folder).name}")

@@ -29,7 +29,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError
 from jointspec.drafts.artifact import engine_config, is_medusa_checkpoint, read_engine_weights, target_fingerprint
-from jointspec.drafts.medusa import MedusaConfig, MedusaHeads
+from jointspec.drafts.medusa import MedusaConfig, MedusaDraftModel, MedusaHeads
 
 log = logging.getLogger(__name__)
 
@@ -204,3 +204,8 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
     log.info("Medusa checkpoint '%s' (%s layout, %d heads, %d layers%s) read for target '%s', checked by shape",
              folder, layout, num_heads, num_layers, f", made for '{base}'" if base else "", target.name)
     return heads.to(target.device).eval()
+
+
+def bind_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaDraftModel:
+    """The Medusa heads of a checkpoint made for another engine in ``folder``, checked by shape, bound to ``target``."""
+    return MedusaDraftModel(load_medusa_checkpoint(folder, target), target, name=f"medusa {Path(folder).name}")

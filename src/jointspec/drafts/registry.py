@@ -21,6 +21,7 @@ from jointspec.drafts.eagle1 import bind_eagle1
 from jointspec.drafts.eagle3 import bind_eagle3
 from jointspec.drafts.hydra import bind_hydra
 from jointspec.drafts.medusa import bind_medusa
+from jointspec.drafts.medusa_checkpoint import bind_medusa_checkpoint
 from jointspec.kernels.fp32 import kernels_in_use
 
 # ``kind`` in draft.json -> its binder; EAGLE-style and EAGLE-3 heads also take ``head_weights``.
@@ -76,6 +77,8 @@ def _bind(folder: str | Path, target: CausalLM, head_weights: str):
     if head_weights != "auto" and kind not in (None, "eagle"):
         raise UnsupportedOptionError(f"head_weights={head_weights} applies to EAGLE heads; '{folder}' holds a "
                                      f"'{kind}' draft, which runs in float: leave head_weights at auto")
+    if kind == "medusa" and is_medusa_checkpoint(folder):
+        return bind_medusa_checkpoint(folder, target)
     if kind in BINDERS:
         return BINDERS[kind](folder, target)
     return bind_head(folder, target, head_weights)  # an unreadable folder gets load_head's error
