@@ -146,3 +146,13 @@ def test_a_system_of_the_family_that_is_not_built_says_so_and_why_wherever_it_is
     assert "method 'medusa-2': Medusa-2 is not built" in capsys.readouterr().err
     with pytest.raises(UnsupportedOptionError, match=r"unknown method 'nope'; choose one of: .*ar"):
         build_method(MethodContext(MethodConfig(name="nope"), target, None, load_draft=None))
+
+
+@pytest.mark.parametrize("field,value", [("num_draft_tokens", 2.5), ("max_ngram", "3"), ("beam_width", True),
+                                         ("accept_threshold", "0.5"), ("cost_aware", 1), ("tree", (2, 1.5)),
+                                         ("tree_budget", None)])
+def test_method_config_refuses_values_of_the_wrong_type_by_name(field, value):
+    """A 2.5-token draft used to build a Pipeline and fail at generate time inside a drafter."""
+    with pytest.raises(TypeError, match=field):
+        MethodConfig(name="pld", **{field: value})
+    assert MethodConfig(name="pld", num_draft_tokens=__import__("numpy").int64(3)).num_draft_tokens == 3

@@ -7,6 +7,7 @@ A method is registered with :func:`register_method`; nothing else in the library
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,6 +53,19 @@ class MethodConfig:
     verify: str = "token"
 
     def __post_init__(self) -> None:
+        # Types first: a 2.5-token draft or a string threshold passed here used to fail at generate time, deep in a
+        # drafter, with Python's own message.
+        for name in ("num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram", "beam_width", "tree_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if isinstance(self.accept_threshold, bool) or not isinstance(self.accept_threshold, numbers.Real):
+            raise TypeError(f"accept_threshold must be a number, got {self.accept_threshold!r}")
+        if self.cost_aware is not None and not isinstance(self.cost_aware, bool):
+            raise TypeError(f"cost_aware must be true, false or None, got {self.cost_aware!r}")
+        if self.tree is not None and not all(isinstance(k, numbers.Integral) and not isinstance(k, bool)
+                                             for k in self.tree):
+            raise TypeError(f"tree must be a list of ints (branching factors), got {self.tree!r}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_num_draft_tokens < 1:
