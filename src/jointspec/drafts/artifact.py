@@ -282,10 +282,11 @@ def _read_tensor_file(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)  # tensors only: torch refuses anything else
 
 
-def read_engine_weights(folder: Path, files: tuple[str, ...], what: str) -> tuple[dict[str, torch.Tensor], str]:
+def read_engine_weights(folder: Path, files: tuple[str, ...], what: str,
+                        none_hint: str = "") -> tuple[dict[str, torch.Tensor], str]:
     """The tensors of the first of ``files`` in ``folder`` that exists (``.safetensors``, a PyTorch pickle read as
     tensors only, or either's ``.index.json`` naming its shards, as transformers saves large checkpoints) and its
-    name; ``what`` names the checkpoint in errors."""
+    name; ``what`` names the checkpoint in errors, ``none_hint`` ends the one for a folder holding none of them."""
     for name in files:
         path = folder / name
         index = folder / f"{name}.index.json"
@@ -304,7 +305,8 @@ def read_engine_weights(folder: Path, files: tuple[str, ...], what: str) -> tupl
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise ModelLoadError(f"{what} '{folder}': {shown} is not a flat map of tensors")
         return state, shown
-    raise ModelLoadError(f"{what} '{folder}' has none of {', '.join(files)} (nor their .index.json shards)")
+    raise ModelLoadError(f"{what} '{folder}' has none of {', '.join(files)} (nor their .index.json shards)"
+                         f"{none_hint}")
 
 
 def is_eagle3_checkpoint(folder: str | Path) -> bool:

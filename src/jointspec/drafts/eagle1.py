@@ -41,6 +41,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.kvcache import BufferedCache
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import (
+    CONFIG_FILE,
     FeatureDraft,
     HeadConfig,
     check_head_target,
@@ -249,11 +250,11 @@ def load_eagle1_artifact(folder: str | Path, *, device: str | torch.device = "cp
 def bind_eagle1(folder: str | Path, target: CausalLM, weights: str = "auto") -> Eagle1DraftModel:
     """The EAGLE-1 head in ``folder`` (a checkpoint made for vLLM or SGLang, checked by shape, or one ``jointspec
     train-draft`` saved, checked by fingerprint), bound to ``target``."""
-    if is_eagle1_checkpoint(folder):
-        head = load_eagle1(folder, target)
-    else:
+    if (Path(folder).expanduser() / CONFIG_FILE).is_file():  # jointspec's own draft.json
         head, _ = load_eagle1_artifact(folder, device=target.device)
         check_head_target(head, folder, target)
+    else:  # an engine's checkpoint: load_eagle1 checks that it is one (reading its weights' names once more)
+        head = load_eagle1(folder, target)
     return Eagle1DraftModel(head, target, name=f"EAGLE-1 head {Path(folder).name}", weights=weights)
 
 

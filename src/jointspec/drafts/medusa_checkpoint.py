@@ -122,13 +122,9 @@ def load_medusa_checkpoint(folder: str | Path, target: CausalLM) -> MedusaHeads:
     if raw is None or not is_medusa_checkpoint(folder):
         raise ModelLoadError(f"'{folder}' holds no Medusa checkpoint (a config.json naming MedusaModel, or with "
                              "medusa_num_heads)")
-    try:
-        state, file = read_engine_weights(folder, WEIGHT_FILES, "Medusa checkpoint")
-    except ModelLoadError as error:
-        if "has none of" not in str(error):
-            raise
-        raise ModelLoadError(f"{error}; a Medusa-2 folder that also holds the base model is not read: save its heads "
-                             "alone") from error
+    state, file = read_engine_weights(folder, WEIGHT_FILES, "Medusa checkpoint",
+                                      "; a Medusa-2 folder that also holds the base model is not read: save its "
+                                      "heads alone")
     state = {re.sub(r"^medusa_heads?\.", "", name): value for name, value in state.items()}
     num_heads = _count(raw, ("num_heads", "medusa_num_heads"), folder)
     num_layers = _count(raw, ("num_hidden_layers", "medusa_num_layers"), folder, default=1)
