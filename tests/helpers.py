@@ -294,9 +294,10 @@ def greedy_by_methods(model, prompt: list[int], max_new_tokens: int,
 def decode_greedy(target, prompt: list[int], method: str = "ar", max_new_tokens: int = 30, draft: str | None = None,
                   tree: tuple[int, ...] | None = None, accepted: list[int] | None = None) -> list[int]:
     """Greedy output of ``method`` on ``target`` (any adapter, an approximate one included); appends the accepted
-    draft tokens to ``accepted`` where given."""
-    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft=draft, tree=tree), target, None,
-                                                   None))
+    draft tokens to ``accepted`` where given. A self-draft drafts every round (not cost-aware): it costs a target step
+    a token, so on the cost curve it never pays, and the equivalence would be tested on no drafts at all."""
+    config = MethodConfig(name=method, draft=draft, tree=tree, cost_aware=False if draft == "self" else None)
+    drafter, verifier = build_method(MethodContext(config, target, None, None))
     decoder = SpeculativeDecoder(target, drafter, verifier)
     out = decoder.generate(prompt, greedy(max_new_tokens))
     if accepted is not None:
@@ -359,8 +360,8 @@ def assert_self_drafts_give_plain_greedy(model, method: str, tree: tuple[int, ..
     the same when the length limit or an end of sequence falls inside a draft."""
     expected = decode_greedy(CausalLM(model, name="plain"), prompt, "ar", 40)
     target = CausalLM(model, name=f"{method} target")
-    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft="self", tree=tree), target, None,
-                                                   load_draft=None))
+    config = MethodConfig(name=method, draft="self", tree=tree, cost_aware=False)  # as decode_greedy's self-drafts
+    drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
     decoder = SpeculativeDecoder(target, drafter, verifier)
     assert decoder.generate(prompt, greedy(40)) == expected
     assert decoder.stats.num_accepted_tokens > 0  # the drafts were verified, not skipped

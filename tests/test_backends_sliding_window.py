@@ -51,8 +51,8 @@ def test_chains_and_trees_match_plain_greedy_past_the_window(kind):
 def test_eos_and_max_length_inside_a_draft_past_the_window(method, tree):
     model = tiny_gemma3(0)
     target = CausalLM(model, name="gemma3 target")
-    drafter, verifier = build_method(MethodContext(MethodConfig(name=method, draft="self", tree=tree), target, None,
-                                                   load_draft=None))
+    config = MethodConfig(name=method, draft="self", tree=tree, cost_aware=False)  # a self-draft never pays otherwise
+    drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
     assert_greedy_equivalent(model, SpeculativeDecoder(target, drafter, verifier), random_prompt(0))
 
 

@@ -199,9 +199,9 @@ def test_every_registered_method_runs_and_every_lossless_one_matches_the_baselin
     assert set(lossless_methods()) == LOSSLESS | {"ar"}
     NgramTable.build([[5, 6, 7, 8]] * 2, vocab_size=target_model.config.vocab_size).save(tmp_path, {"kind": "corpus"})
     drafts = {"corpus": str(tmp_path), "aded": str(tmp_path)}  # aded's draft is its n-gram prior
-    # The tree methods draft a tree only where it pays, and a self-draft's tree never pays (a draft call costs a
-    # target step): told to draft every round, they speculate here.
-    every_round = {"specinfer": ",cost_aware=false", "spectr": ",cost_aware=false"}
+    # The cost-aware methods draft only where it pays, and a self-draft never pays (a draft call costs a target
+    # step): told to draft every round, they speculate here.
+    every_round = {name: ",cost_aware=false" for name in ("specinfer", "spectr", "sps", "hybrid")}
     specs = {name: f"{name}:draft={drafts.get(name, 'self')}{every_round.get(name, '')}" for name in method_names()
              if name != "ar"}
     result, summary = run_tiny(target_model, bench_tokenizer, ",".join(["ar", *specs.values()]),

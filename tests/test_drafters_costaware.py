@@ -494,28 +494,40 @@ def test_probes_wait_out_their_cost_where_a_draft_token_is_dear():
     assert modelled_cost(drafted[0.1], dear) <= (1 + learning) * 128 + 1e-9
 
 
-def test_no_probe_or_peek_where_no_draft_can_pay():
-    """Where an extra row costs a whole step or more (a full batch on some CPUs), no draft pays at any acceptance
-    (best_gain <= 0): with budgets (in a batch) the wrapper neither probes nor peeks; alone (no budgets) it keeps
-    probing on its schedule. Deterministic."""
-    flat = CostCurve({1: 1.0, 2: 2.0, 3: 3.1, 17: 18.0})
-    assert flat.best_gain(4) <= 0
-    for budgets, expect_learning in (({}, True), ({"probe_budget": 0.1, "shadow_budget": 0.02}, False)):
-        for shadow in (False, True):
-            inner = PeekingScript(list(range(100, 300)), right_until=1000)  # every draft would be right
-            wrapper = CostAwareDrafter(inner, flat, max_num_draft_tokens=4, shadow_tests=shadow, **budgets)
-            context = [100]
-            wrapper.start(context)
-            drafted = 0
-            for _ in range(64):
-                num_drafted = wrapper.propose(context, 8, greedy(1).sampling, None).num_nodes
-                drafted += num_drafted
-                context = context + [100 + len(context) + i for i in range(num_drafted + 1)]  # all accepted
-                wrapper.commit(context, num_drafted)
-            learned = inner.peeks if shadow else sum(budget > 0 for budget in inner.budgets)
-            assert (learned > 0) == expect_learning, (budgets, shadow, learned)
-            if not expect_learning:
-                assert drafted == 0 and wrapper.acceptance == 0.5  # the prior, untouched
+@pytest.mark.parametrize("curve, pays", [
+    # An extra row costs a whole step or more (a full batch on some CPUs), no draft cost.
+    (CostCurve({1: 1.0, 2: 2.0, 3: 3.1, 17: 18.0}), False),
+    # Cheap extra rows, but a draft token costs a step: the target as its own draft.
+    (CostCurve({1: 1.0, 2: 1.1, 3: 1.2, 17: 2.5}, draft_cost_per_token=1.0), False),
+    # The control: the cheap rows with a free draft, where every draft is right, pay.
+    (CostCurve({1: 1.0, 2: 1.1, 3: 1.2, 17: 2.5}), True),
+])
+@pytest.mark.parametrize("budgets", [{}, {"probe_budget": 0.1, "shadow_budget": 0.02}])
+@pytest.mark.parametrize("shadow", [False, True])
+def test_no_probe_or_peek_where_no_draft_can_pay(curve, pays, budgets, shadow):
+    """Where no draft pays at any acceptance (best_gain <= 0) the wrapper never probes, in a batch (with budgets) or
+    alone (without): every probe would cost more than it could ever find, and a probe accepted in full only doubles
+    the next. With budgets it does not peek either (shadow tests without a budget cost the target nothing and learn,
+    test_shadow_tests_learn_what_probes_would_at_no_cost). Where drafts pay, the same always-right drafts are learnt
+    and drafted. Deterministic."""
+    assert (curve.best_gain(4) > 0) == pays
+    inner = PeekingScript(list(range(100, 300)), right_until=1000)  # every draft would be right
+    wrapper = CostAwareDrafter(inner, curve, max_num_draft_tokens=4, shadow_tests=shadow, **budgets)
+    context = [100]
+    wrapper.start(context)
+    drafted = 0
+    for _ in range(64):
+        num_drafted = wrapper.propose(context, 8, greedy(1).sampling, None).num_nodes
+        drafted += num_drafted
+        context = context + [100 + len(context) + i for i in range(num_drafted + 1)]  # all accepted
+        wrapper.commit(context, num_drafted)
+    asked = sum(budget > 0 for budget in inner.budgets)  # probes and chosen drafts
+    if pays:
+        assert asked > 0 and drafted > 64 and wrapper.acceptance > 0.9
+    else:
+        assert asked == 0 and drafted == 0
+        if budgets or not shadow:
+            assert inner.peeks == 0 and wrapper.acceptance == 0.5  # the prior, untouched
 
 
 def test_inner_empty_drafts_are_respected_and_no_test(target_model):

@@ -88,7 +88,7 @@ def test_gated_tree_methods_match_plain_greedy(target_model, trained_head_dir, m
     from jointspec.methods import trees
 
     monkeypatch.setattr(trees, "target_cost_curve", lambda target: CostCurve({1: 1.0, 17: 1.0}))
-    monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft: 0.0)
+    monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft, target=None: 0.0)
     prompt = random_prompt(6)
     reference = hf_greedy(target_model, prompt, max_new_tokens)
     eos = frozenset() if eos_index is None else frozenset({sorted(first_occurrences(reference))[eos_index]})

@@ -360,7 +360,8 @@ def test_speculative_methods_equal_plain_greedy_on_the_grouped_int4_model(method
     outputs = []
     for name in ("ar", method):
         target = CausalLM(model, name="int4")
-        config = MethodConfig(name=name, draft=draft if name != "ar" else None, tree=tree if name != "ar" else None)
+        config = MethodConfig(name=name, draft=draft if name != "ar" else None, tree=tree if name != "ar" else None,
+                              cost_aware=False if draft == "self" else None)  # a self-draft never pays: every round
         drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
         decoder = SpeculativeDecoder(target, drafter, verifier)
         outputs.append(decoder.generate(prompt, greedy(40)))
@@ -541,7 +542,7 @@ def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeyp
     for name, draft, tree in [("ar", None, None), ("pld", None, None), ("sps", "self", None),
                               ("specinfer", "self", (2, 2))]:
         target = CausalLM(model, name="int4")
-        config = MethodConfig(name=name, draft=draft, tree=tree)
+        config = MethodConfig(name=name, draft=draft, tree=tree, cost_aware=False if draft == "self" else None)
         drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
         outputs.append(SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)))
     assert len(outputs[0]) == 40 and all(output == outputs[0] for output in outputs)
@@ -760,8 +761,8 @@ def test_a_model_decodes_the_same_tokens_with_the_same_logits_on_each_build(isa,
             logits = target.forward(random_prompt(1), num_logits=3).logits
             tokens = []
             for name, draft in (("ar", None), ("sps", "self")):
-                drafter, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft), target, None,
-                                                               load_draft=None))
+                config = MethodConfig(name=name, draft=draft, cost_aware=False if draft else None)  # every round
+                drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
                 tokens.append(SpeculativeDecoder(target, drafter, verifier).generate(random_prompt(4), greedy(24)))
         results[build] = logits, tokens
     assert torch.equal(results[isa][0], results["portable"][0])

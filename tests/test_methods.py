@@ -39,6 +39,23 @@ def test_methods_are_registered_and_run(target, target_model):
             assert decoder.stats.acceptance_per_position[0] == 1.0, name
 
 
+def test_a_self_draft_costs_a_target_step_and_is_never_drafted_by_cost_aware_sps(target, target_model):
+    """A draft over the target's own weights costs what the target's forward does, read from the target's curve (not
+    measured apart, where a quieter moment made it look cheaper). Then no chain can beat plain decoding at any
+    acceptance, and cost-aware sps drafts nothing, not even probes (each accepted in full, they would double), while
+    staying greedy-exact. Deterministic: the draft cost is the curve's own number, whatever the timings."""
+    from jointspec.methods.costs import target_cost_curve
+
+    config = MethodConfig(name="sps", draft="self", cost_aware=True, max_num_draft_tokens=8)
+    drafter, verifier = build_method(MethodContext(config, target, None, load_draft=None))
+    curve = target_cost_curve(target)
+    assert drafter.curve.draft_cost_per_token == curve.cost(1)
+    assert drafter.curve.best_gain(8) <= 0
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    assert decoder.generate(PROMPT, DecodeConfig(24, GREEDY)) == hf_greedy(target_model, PROMPT, 24)
+    assert decoder.stats.num_draft_tokens == 0
+
+
 def near_target(target_model, scale: float = 2.0):
     """The target with seeded noise (``scale`` times each weight's spread) on its last MLP: a draft that agrees with
     the target often but not always (with 3 candidates, depth 1 passed in 63 to 93 % of the rounds when written)."""
@@ -118,7 +135,7 @@ def test_methods_that_need_a_draft_take_the_head_shipped_for_the_target(name, ta
     # specinfer drafts its tree where the target's curve says it pays; on the tiny target's it does not, and then
     # decodes plainly (tests/test_drafters_tree_gate.py): given a curve where any kept token pays, it drafts.
     monkeypatch.setattr(trees, "target_cost_curve", lambda target: CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 5: 1.0}))
-    monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft: 0.0)
+    monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft, target=None: 0.0)
     with pytest.raises(UnsupportedOptionError, match="needs a draft model and no draft head ships"):
         build_method(MethodContext(MethodConfig(name=name), CausalLM(target_model), None, None))
     shutil.copytree(trained_head_dir, tmp_path / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))

@@ -62,9 +62,11 @@ followed at once, as an accepted probe is.
 
 What learning may cost. Probes and shadow tests only tell the wrapper when drafting pays, so with a budget they
 also cost at most :data:`LEARNING_SHARE_OF_GAIN` of the most a draft could gain on the round's curve (every token
-accepted, :meth:`CostCurve.best_gain`), and nothing where no draft could pay at any acceptance. Four requests in a
-batch can still gain a third from a long accepted draft, so their budgets stand; sixteen can gain a per cent or so,
-and their lookups would cost more than that.
+accepted, :meth:`CostCurve.best_gain`). Four requests in a batch can still gain a third from a long accepted draft,
+so their budgets stand; sixteen can gain a per cent or so, and their lookups would cost more than that. Where no
+draft could pay at any acceptance there are no probes, with a budget or without (a full batch, or a draft model
+nearly as dear as the target, such as the target as its own draft: a probe accepted in full only doubles the next),
+and no shadow tests with a budget (without one they cost the target nothing).
 
 The inner drafter. The wrapper never changes the calls the loop makes, only the budget it passes: a round it skips
 still calls ``inner.propose`` with a budget of 0 (which every drafter already handles, since the loop does the same
@@ -531,12 +533,17 @@ class CostAwareDrafter:
 
     def _probe_spacing(self, length: int) -> float:
         """The fewest rounds a probe of ``length`` tokens must come after the last draft so that probes cost at
-        most ``probe_budget`` of the rounds' (1 without a budget, or where a draft token costs little)."""
-        if length < 1 or self.probe_budget is None:
+        most ``probe_budget`` of the rounds' (1 without a budget, or where a draft token costs little; inf where no
+        draft can pay)."""
+        if length < 1:
+            return 1
+        # No draft pays here, with a budget or without: no probe until one can (a probe of a draft as dear as the
+        # target costs more than a step, and one accepted in full only doubles the next).
+        if self.curve.best_gain(self.max_num_draft_tokens) <= self.min_gain:
+            return math.inf
+        if self.probe_budget is None:
             return 1
         budget = self._learning_budget(self.probe_budget)
-        if not budget:  # no draft pays here: no probe until one can
-            return math.inf
         base = self.curve.round_cost(0)
         extra = self.curve.round_cost(length) - base
         return max(1, math.ceil(extra / (budget * base) - 1e-9))

@@ -17,11 +17,23 @@ def target_cost_curve(target):
     return measure_cost_curve(target, sizes=tuple(n for n in DEFAULT_SIZES if n < room) or (1,))
 
 
-def draft_cost_per_call(draft, rows: int = 1) -> float:
+def draft_cost_per_call(draft, rows: int = 1, *, target=None) -> float:
     """Seconds of one forward of ``rows`` tokens of a draft model or head (memoised per model, like the target's
-    curve): a chain's draft step is 1 row, a beam search's level one row per beam."""
+    curve): a chain's draft step is 1 row, a beam search's level one row per beam.
+
+    A draft over the target's own weights (``--draft self``) costs what the target's forward of ``rows`` does, read
+    from the target's curve: measured apart (or kept on disk from another process, curve_store.py), a quieter
+    moment made the same forward look cheaper than a plain step, and drafting look as if it paid."""
+    if target is not None and same_weights(draft, target):
+        return target_cost_curve(target).cost(rows)
     sizes = (1, 2) if rows <= 2 else (1, 2, rows)
     return measure_cost_curve(draft, sizes=sizes, repeats=5).cost(rows)
+
+
+def same_weights(draft, target) -> bool:
+    """Whether ``draft`` runs the target's own weights (a fork of it, or the target itself)."""
+    return draft is target or (draft.capabilities.fork and target.capabilities.fork
+                               and getattr(draft, "model", None) is getattr(target, "model", object()))
 
 
 def make_cost_aware(drafter: Drafter, target, max_num_draft_tokens: int) -> Drafter:
@@ -33,5 +45,5 @@ def make_cost_aware(drafter: Drafter, target, max_num_draft_tokens: int) -> Draf
     curve = target_cost_curve(target)
     draft = getattr(drafter, "draft", None)
     if draft is not None:
-        curve = curve.with_draft_cost(draft_cost_per_call(draft))
+        curve = curve.with_draft_cost(draft_cost_per_call(draft, target=target))
     return CostAwareDrafter(drafter, curve, max_num_draft_tokens=max_num_draft_tokens)

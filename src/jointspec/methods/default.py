@@ -68,7 +68,8 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
         if context.config.draft is not None or context.config.tree or context.config.tree_budget:
             return drafter, verifier  # a draft or a tree asked for: keep them
         draft = drafter.draft
-        gain = expected_tree_gain(drafter.curve, draft_cost_per_call(draft), top_w_hit_rate(config.draft))
+        gain = expected_tree_gain(drafter.curve, draft_cost_per_call(draft, target=context.target),
+                                  top_w_hit_rate(config.draft))
         if capabilities.torch_module:
             _TREE_GAINS.setdefault(context.target.model, {})[key] = gain
         if gain >= MIN_TREE_GAIN:

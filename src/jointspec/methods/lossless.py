@@ -113,7 +113,7 @@ def hybrid_tree(context: MethodContext, table=None) -> tuple[Drafter, Verifier]:
     curve = target_cost_curve(context.target)
     aware_lookup = CostAwareDrafter(lookup, curve, max_num_draft_tokens=config.max_num_draft_tokens)
     eos = context.eos_token_ids()
-    draft_cost = draft_cost_per_call(draft)
+    draft_cost = draft_cost_per_call(draft, target=context.target)
     if config.tree_budget:
         if config.tree is not None:
             raise UnsupportedOptionError("give either --tree (a static tree) or --tree-budget (a dynamic one), "

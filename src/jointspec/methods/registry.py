@@ -190,6 +190,23 @@ def lossless_methods() -> list[str]:
     return sorted(name for name, entry in _METHODS.items() if entry.lossless)
 
 
+def method_is_lossless(name: str) -> bool:
+    """Whether method ``name`` is registered as lossless (False for a name not registered)."""
+    entry = _METHODS.get(name)
+    return entry is not None and entry.lossless
+
+
+def resolved_cost_aware(config: MethodConfig) -> bool:
+    """Whether ``config``'s drafts are chosen by the cost curve: as asked, else the method's own default; `default`
+    weighs every draft against the curve whatever is asked."""
+    entry = _METHODS.get(config.name)
+    if entry is None:
+        return False
+    if config.name == "default":
+        return True
+    return entry.cost_aware_by_default if config.cost_aware is None else config.cost_aware and entry.cost_aware
+
+
 def online_methods() -> list[str]:
     """The methods whose drafters copy from a memory of the target's earlier answers."""
     return sorted(name for name, entry in _METHODS.items() if entry.learns_online)

@@ -31,7 +31,7 @@ def _tree(context: MethodContext, branching: tuple[int, ...] | None, every_round
     where ``every_round``."""
     draft = context.draft_model()
     curve = target_cost_curve(context.target)
-    draft_cost = draft_cost_per_call(draft)
+    draft_cost = draft_cost_per_call(draft, target=context.target)
     hit_rate = top_w_hit_rate(context.config.draft)
     branching = tree_branching(branching, curve, draft_cost, hit_rate)
     tree = TreeDrafter(draft, branching, replacement=True, eos_token_ids=context.eos_token_ids())
