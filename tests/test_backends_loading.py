@@ -143,6 +143,7 @@ def test_bench_loads_target_and_drafts_with_the_options(monkeypatch, capsys, qua
                              "--max-new-tokens", "6", "--model", quant_folder, "--quantize", "int8",
                              "--threads", "1")
     assert code == 0, err
+    assert "Loading weights" not in err  # --no-progress silences transformers' bar too
     assert seen == {"device": "cpu", "dtype": "auto", "quantize": "int8", "backend": "torch", "threads": 1,
                     "kernels": "auto", "kv_cache": "auto"}
     record = json.loads(out.strip().splitlines()[-1])

@@ -165,10 +165,12 @@ def json_result(capsys, *args: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("method", [["--method", "ar"], ["--method", "pld"], ["--method", "sps", "--draft", "self"]])
+@pytest.mark.parametrize("method", [["--method", "ar"], ["--method", "pld"],
+                                    ["--method", "sps", "--no-cost-aware", "--draft", "self"]])
 def test_json_output(capsys, model_dirs, method):
     # 16 new tokens with 4-token drafts: a few rounds, unless the model emits </s> (id 2) before; the same greedy
-    # tokens for every method, whatever each accepted.
+    # tokens for every method, whatever each accepted. The self-draft every round (cost-aware, it never drafts: a
+    # draft as dear as a target step cannot pay).
     reference = json_result(capsys, "generate", PROMPT, "--model", model_dirs["target"], "--no-chat",
                             "--max-new-tokens", "16", "--json")
     result = json_result(capsys, "generate", PROMPT, "--model", model_dirs["target"], "--no-chat",
@@ -180,6 +182,32 @@ def test_json_output(capsys, model_dirs, method):
     if method[-1] == "self":  # the target drafting for itself: everything is accepted
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
         assert stats["mean_accepted_tokens"] > 1.0
+
+
+def test_a_method_that_drafted_nothing_says_it_decoded_plainly(capsys, model_dirs):
+    """Cost-aware sps with the target as its own draft drafts nothing (no chain of a draft as dear as a target step
+    pays): it says so, and how to draft anyway; with --no-cost-aware it drafts and says nothing. 32 tokens: past the
+    rounds after which the note is due, unless the tiny model emits </s> early (then the check below says so)."""
+    args = ["generate", PROMPT, "--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "32", "--method",
+            "sps", "--draft", "self"]
+    code, out, err = run_cli(capsys, *args, "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["stats"]["num_rounds"] >= 16, "the tiny model stopped early: pick a longer answer"
+    assert result["stats"]["num_draft_tokens"] == 0
+    assert "sps drafted no tokens in" in err and "plain decoding" in err and "--no-cost-aware" in err
+    code, _, err = run_cli(capsys, *args, "--no-cost-aware")
+    assert code == 0 and "drafted no tokens" not in err
+
+
+@pytest.mark.parametrize("extra, exact", [((), True), (("--attention", "speckv"), False),
+                                          (("--method", "mtad", "--draft", "self"), False)])
+def test_json_says_whether_the_text_is_the_models_own(capsys, model_dirs, extra, exact):
+    """--json names the attention and whether the output is exact (a lossless method over full attention): an
+    approximate attention mode or MTAD is not, whatever the tokens happen to be on a short prompt."""
+    result = json_result(capsys, *generate_args(model_dirs["target"], "--json", *extra))
+    assert result["exact"] is exact
+    assert result["attention"] == (extra[1] if extra[:1] == ("--attention",) else "full")
 
 
 def test_json_with_a_separate_draft_model(capsys, model_dirs):

@@ -63,7 +63,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from jointspec.api import GenerationConfig, Pipeline
     from jointspec.core.sampling import fresh_seed
     from jointspec.methods import method_names
-    from jointspec.methods.registry import unknown_method_error
+    from jointspec.methods.registry import method_is_lossless, unknown_method_error
 
     if args.method not in method_names():
         raise JointspecError(unknown_method_error(args.method))
@@ -107,7 +107,12 @@ def _run_generate(args: argparse.Namespace) -> int:
             record["seed"] = seed
         # Scored by the model with its whole cache, also when it decoded over a sparse view.
         record["quality"] = quality_report(model, result.prompt_ids, result.token_ids, joules)
+        # Whether the text is the model's own: a lossless method over full attention (greedy: token-identical to
+        # plain decoding; sampled: the model's own law).
+        record["attention"] = args.attention
+        record["exact"] = args.attention == "full" and method_is_lossless(args.method)
         print(json.dumps(record))
+        _say_if_drafted_nothing(method, result.stats)
         return 0
 
     def show(delta: str) -> None:
@@ -124,7 +129,30 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"{stats.num_rounds} target calls, "
           f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
           f"({pipeline.target.name}){f'; seed {seed}' if args.temperature > 0 else ''}", file=sys.stderr)
+    _say_if_drafted_nothing(method, stats)
     return 0
+
+
+# Rounds after which a method that drafted nothing is worth a word (a short answer may end before a lookup matches).
+QUIET_ROUNDS = 16
+
+
+def _say_if_drafted_nothing(method, stats) -> None:
+    """A speculative method that drafted nothing ran as plain decoding: say so, and why it can, rather than leave a
+    user to wonder why it was no faster."""
+    from jointspec.methods.registry import resolved_cost_aware
+
+    if method.name in ("ar", "oracle") or stats.num_draft_tokens or stats.num_rounds < QUIET_ROUNDS:
+        return
+    if resolved_cost_aware(method):
+        why = ("it drafts only where the target's measured costs and the running acceptance say a draft pays, "
+               "which a draft as dear as a target step never does")
+        if method.name != "default":
+            why += "; --no-cost-aware drafts every round"
+    else:
+        why = "its drafter proposed nothing (lookup drafts only where the text repeats itself)"
+    print(f"jointspec: {method.name} drafted no tokens in {stats.num_rounds} rounds, so this was plain decoding: "
+          f"{why}", file=sys.stderr)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -233,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     command = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     try:
-        return args.run(args)
+        with _library_bars_off(getattr(args, "no_progress", False)):
+            return args.run(args)
     except JointspecError as error:
         _say_if_still_building()
         print(f"jointspec: error: {error}", file=sys.stderr)
@@ -241,6 +270,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # what a command had not finished is lost, and the user should know it stopped
         print(f"jointspec: interrupted: {command or 'the command'} stopped before it finished", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _library_bars_off(off: bool):
+    """``--no-progress`` also silences transformers' own bars (its "Loading weights" bar as a model loads), for the
+    command's duration only: main() may run again in the same process."""
+    if not off:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
 
 
 def _say_if_still_building() -> None:
