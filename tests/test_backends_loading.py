@@ -408,3 +408,28 @@ def test_a_gguf_cut_short_or_a_folder_is_named_as_such(tmp_path):
     (tmp_path / "folder.gguf").mkdir()
     with pytest.raises(ModelLoadError, match="is a folder, not a GGUF file"):
         resolve_gguf(str(tmp_path / "folder.gguf"))
+
+
+@pytest.mark.parametrize("quantize", ["none", "auto"])
+def test_a_gguf_cut_inside_its_tensor_data_says_how_much_is_missing(tmp_path, quantize):
+    """A file cut inside its tensor data (an interrupted download) was "cannot reshape array of size ..." from the
+    reader, and on the llama.cpp backend blamed the tokenizer: now it is named as cut short, with the sizes, on
+    transformers' path, on the int4 blocks' and (where llama-cpp-python is installed) on llama.cpp's."""
+    from jointspec.core.errors import ModelLoadError
+    from jointspec.kernels.gguf_reader import gguf_shortfall
+
+    whole = write_typed_gguf(tmp_path / "whole.gguf", "Q4_1", "Q8_0")
+    data = whole.read_bytes()
+    assert gguf_shortfall(whole) is None
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 100])
+    assert gguf_shortfall(cut) == (len(data), len(data) - 100)
+    message = f"is cut short: its header describes {len(data):,} bytes and the file holds {len(data) - 100:,}"
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(cut), quantize=quantize)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(cut), backend="llamacpp")

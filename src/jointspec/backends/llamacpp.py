@@ -153,6 +153,11 @@ class LlamaCppWeights:
         self.extra_buffer_types = bool(getattr(params, "use_extra_bufts", True))
         pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not pointer:
+            from jointspec.kernels.gguf_reader import shortfall_message
+
+            short = shortfall_message(path)
+            if short is not None:
+                raise ModelLoadError(f"llama.cpp could not load {short}")
             raise ModelLoadError(f"llama.cpp could not load '{path}': not a GGUF model this llama.cpp build "
                                  "supports (set the 'llama-cpp-python' logger to INFO to see why)")
         self.pointer = pointer
@@ -426,6 +431,10 @@ def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 819
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (OSError, ValueError, KeyError, struct.error) as error:  # struct.error: a file cut inside its metadata
+        if not tokenizer_folder:
+            from jointspec.backends.loading import raise_if_cut_short
+
+            raise_if_cut_short(source, gguf_path, error)
         raise ModelLoadError(f"could not load the tokenizer of '{source}': {str(error).splitlines()[0]} (a GGUF file "
                              "cut short or damaged reads so; check its size against the original)") from error
     weights = LlamaCppWeights(gguf_path)

@@ -364,6 +364,7 @@ def _load_gguf_blocks(source: str):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, struct.error) as error:  # struct.error: a GGUF cut inside its metadata
+        raise_if_cut_short(source, path, error)
         hint = " (a GGUF file cut short or damaged reads so)" if isinstance(error, struct.error) else ""
         raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}{hint}") from error
     try:
@@ -374,6 +375,16 @@ def _load_gguf_blocks(source: str):
         log.info("%s: loading through transformers (dequantised first), not from its blocks: %s", path.name, why)
         return None
     return model, tokenizer, source
+
+
+def raise_if_cut_short(source: str, path: Path, error: Exception) -> None:
+    """Where loading the GGUF file ``path`` failed because the file is shorter than its header says (an interrupted
+    copy), raise that, not the reader's error about a shape or the tokenizer; else return."""
+    from jointspec.kernels.gguf_reader import shortfall_message
+
+    message = shortfall_message(path)
+    if message is not None:
+        raise ModelLoadError(f"could not load model '{source}': {message}") from error
 
 
 def _error_text(error: Exception, limit: int = 400) -> str:
@@ -410,6 +421,8 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError, KeyError, struct.error) as error:
+        if "gguf_file" in kwargs:
+            raise_if_cut_short(source, Path(folder) / kwargs["gguf_file"], error)
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
         if Path(folder).is_dir() and "gguf_file" not in kwargs:

@@ -76,3 +76,42 @@ class FastGGUFReader(GGUFReader):
             parts.append(plain[offs + 8:offs + 8 + size])
             offs += 8 + size
         return parts, offs
+
+
+class _ExtentReader(FastGGUFReader):
+    """Reads a GGUF's header only, for where its tensor data must end (no tensor views: a file cut inside its
+    tensor data cannot give them)."""
+
+    def _build_tensors(self, start_offs, fields) -> None:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        end = start_offs
+        for field in fields:
+            _name_length, _name, _num_dims, dims, raw_type, offset = field.parts
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            end = max(end, start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size)
+        self.data_end = end
+        self.tensors = []
+
+
+def gguf_shortfall(path) -> tuple[int, int] | None:
+    """(bytes a GGUF's header says the file holds, bytes it holds) where the file is shorter than its tensors need;
+    None where it is whole, or where its header cannot be read (then the reader's own error says what is wrong)."""
+    from pathlib import Path
+
+    try:
+        have = Path(path).stat().st_size
+        need = _ExtentReader(path).data_end
+    except Exception:  # a header cut short or damaged: not this question's to answer
+        return None
+    return (need, have) if have < need else None
+
+
+def shortfall_message(path) -> str | None:
+    """What to tell a user whose GGUF file ``path`` is cut short inside its tensor data; None where it is not."""
+    short = gguf_shortfall(path)
+    if short is None:
+        return None
+    need, have = short
+    return (f"'{path}' is cut short: its header describes {need:,} bytes and the file holds {have:,} "
+            f"({100 * have / need:.0f} %); copy or download it again (an interrupted download leaves such a file)")
