@@ -9,6 +9,7 @@ unseeded run is checked only for what holds whatever it samples).
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -56,6 +57,45 @@ def test_a_stream_left_open_is_ended_by_the_next_generation_and_says_so(target_m
     next(two)  # starting the second ends the first
     with pytest.raises(JointspecError, match="another generation started"):
         next(one)
+
+
+def test_a_stream_started_in_another_thread_waits_for_a_running_generate(target_model):
+    """generate() owns the decoder until it returns: a stream another thread starts meanwhile waits for it (it does
+    not end the running call, as it ends a stream left open), then decodes its own answer. The first generation is
+    held after its first round until the other thread is inside stream_ids, so the two overlap every run."""
+    first, second = random_prompt(1), random_prompt(2)
+    expected = [pipeline(target_model).generate_ids(prompt, CONFIG).token_ids for prompt in (first, second)]
+    shared = pipeline(target_model)
+    decoder_stream, calls = shared.decoder.stream, []
+    held, streaming = threading.Event(), threading.Event()
+
+    def held_after_a_round(*args, **kwargs):
+        rounds = decoder_stream(*args, **kwargs)
+        calls.append(args)
+        chunk = next(rounds)
+        if len(calls) == 1:  # the generate() call
+            held.set()
+            assert streaming.wait(10)
+            time.sleep(0.2)  # the other thread is now waiting (or, without the fix, ending this generation)
+        yield chunk
+        yield from rounds
+
+    shared.decoder.stream = held_after_a_round
+    results = {}
+
+    def stream_in_another_thread():
+        streaming.set()
+        results["stream"] = [token for chunk in shared.stream_ids(second, CONFIG) for token in chunk]
+
+    generating = threading.Thread(target=lambda: results.update(generate=shared.generate_ids(first, CONFIG)))
+    generating.start()
+    assert held.wait(10)
+    other = threading.Thread(target=stream_in_another_thread)
+    other.start()
+    generating.join(30)
+    other.join(30)
+    assert results["generate"].token_ids == expected[0]
+    assert results["stream"] == expected[1]
 
 
 def test_prompt_ids_as_tensors_and_bad_ids_are_handled_by_name(target_model):

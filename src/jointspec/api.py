@@ -75,8 +75,9 @@ class Pipeline:
     """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it.
 
     One pipeline decodes one request at a time (one cache): ``generate`` calls from several threads run one after
-    another, and a stream left open when another generation starts on the same pipeline is ended, its next read
-    raising :class:`JointspecError`. Decode in parallel with one pipeline per thread (``jointspec serve`` batches)."""
+    another, a stream started while another thread's ``generate`` runs waits for it, and a stream left open when
+    another generation starts on the same pipeline is ended, its next read raising :class:`JointspecError`. Decode
+    in parallel with one pipeline per thread (``jointspec serve`` batches)."""
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
@@ -131,7 +132,17 @@ class Pipeline:
         return self.tokenizer(prompt)["input_ids"]
 
     def stream_ids(self, prompt_ids: Sequence[int] | torch.Tensor, config: GenerationConfig) -> Iterator[list[int]]:
-        yield from self._stream(self._token_ids(prompt_ids), config)
+        """Yield the new token ids as rounds commit them. A ``generate`` call running in another thread finishes
+        first (the stream's first read waits for it); a stream still open when another generation starts is ended."""
+        stream = self._stream(self._token_ids(prompt_ids), config)
+        # Started under the calls' lock, never held across a yield: a stream's caller may keep it open for as long
+        # as it likes, and a dropped one is finalised on whichever thread the collector runs.
+        with self._calls:
+            first = next(stream, None)
+        if first is None:
+            return
+        yield first
+        yield from stream
 
     def _stream(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
         """stream_ids on ids already checked (:meth:`_token_ids`)."""
