@@ -263,3 +263,21 @@ def test_a_report_that_fails_while_written_leaves_the_earlier_one_whole(bench_ma
     code, out, err = bench_main(*common, "--methods", "ar,hf-generate")
     assert code == 130 and "interrupted" in err
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing half-written
+
+
+def test_prompts_that_cannot_fit_the_context_are_refused_before_anything_runs(target_model, bench_tokenizer,
+                                                                              monkeypatch):
+    """A prompt too long for the model's context was refused only when the bench reached it, after every prompt
+    before it had run (hours, on a real set), and without its id. Now every prompt's turns are checked first, with
+    empty answers before each turn (the least a turn needs): the too-long ones are named, and nothing is built or
+    run. The tiny target holds 256 positions."""
+    from jointspec.bench import runner
+    from jointspec.core.errors import ContextTooLongError
+
+    monkeypatch.setattr(runner, "build_engine", lambda *args: pytest.fail("an engine was built"))
+    short, long_turn = " ".join(WORDS[:8]), " ".join(WORDS[:60] * 5)
+    prompts = [BenchPrompt("fits", "x", (short,)), BenchPrompt("too-long", "x", (long_turn,)),
+               BenchPrompt("second-turn", "x", (short, long_turn))]
+    with pytest.raises(ContextTooLongError, match=r"2 of 3 prompts do not fit the model's context of 256 tokens: "
+                                                  r"too-long \(turn 1: [\d,]+ tokens\), second-turn \(turn 2: "):
+        run_tiny(target_model, bench_tokenizer, "ar,pld", prompts)

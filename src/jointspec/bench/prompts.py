@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from jointspec.core.errors import JointspecError
+from jointspec.core.errors import ContextTooLongError, JointspecError
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -136,3 +136,25 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer(text)["input_ids"])
+
+
+def check_prompts_fit(prompts: list[BenchPrompt], tokenizer, max_context: int) -> None:
+    """Refuse, before anything runs, the prompts whose turns cannot fit ``max_context`` tokens even with empty
+    answers before them (a turn is asked after the method's own earlier answers, so this is the least it needs);
+    otherwise a bench ran every prompt before the first such one, which could be hours, and then stopped."""
+    too_long = []
+    for prompt in prompts:
+        messages: list[dict[str, str]] = []
+        for turn, text in enumerate(prompt.turns):
+            messages.append({"role": "user", "content": text})
+            length = len(chat_prompt_ids(tokenizer, messages))
+            if length >= max_context:
+                too_long.append(f"{prompt.question_id} (turn {turn + 1}: {length:,} tokens)")
+                break
+            messages.append({"role": "assistant", "content": ""})
+    if too_long:
+        shown = ", ".join(too_long[:5]) + (f" and {len(too_long) - 5} more" if len(too_long) > 5 else "")
+        raise ContextTooLongError(
+            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context of {max_context:,} tokens: "
+            f"{shown}; leave them out (--categories, or a prompt file without them) or use a model with a longer "
+            "context")

@@ -31,7 +31,7 @@ from jointspec.backends.loading import load_model, quantized_copy, stock_copy
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.bench.costmodel import TargetCost, measure_target_cost
 from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
-from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
+from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids, check_prompts_fit
 from jointspec.bench.specs import MethodSpec, MethodSpecError
 from jointspec.core.loop import SpecStats
 from jointspec.core.sampling import SamplingConfig
@@ -151,6 +151,7 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
         raise MethodSpecError(f"baseline '{baseline}' is not among the methods ({', '.join(labels)})")
     if not prompts:
         raise ValueError("no prompts to run")
+    check_prompts_fit(prompts, tokenizer, target.max_context)
     specs = sorted(specs, key=lambda s: s.label != baseline)  # baseline first
     load_draft = load_draft or memoised_loader(str(target.device), None)
     eos = eos_token_ids(target, tokenizer)
