@@ -281,3 +281,30 @@ def test_prompts_that_cannot_fit_the_context_are_refused_before_anything_runs(ta
     with pytest.raises(ContextTooLongError, match=r"2 of 3 prompts do not fit the model's context of 256 tokens: "
                                                   r"too-long \(turn 1: [\d,]+ tokens\), second-turn \(turn 2: "):
         run_tiny(target_model, bench_tokenizer, "ar,pld", prompts)
+
+
+def test_each_row_reports_what_it_added_apart_from_the_memory_other_rows_hold(target_model, bench_tokenizer,
+                                                                              monkeypatch):
+    """The RSS column is the process's peak, which holds every row's caches: a row that kept 96 MB made the baseline
+    look as big on the next prompt. +MB is what a run raised memory by over what was resident when it began: the
+    holding row shows its 96 MB, the baseline next to nothing, though its peak covers the other row's memory. Margins
+    of 32 MB against the tiny model's own allocations (a few MB)."""
+    import numpy as np
+
+    from jointspec.bench import runner
+
+    held, conversation = [], runner.run_conversation
+
+    def holding(engine, tokenizer, prompt, config):
+        turns = conversation(engine, tokenizer, prompt, config)
+        if engine.spec.label == "pld" and not held:
+            held.append(np.ones(96 * 2**20, dtype=np.uint8))  # written: resident, and kept for the rest of the run
+        return turns
+
+    monkeypatch.setattr(runner, "run_conversation", holding)
+    prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[i:i + 8]),)) for i in range(3)]
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar,pld", prompts, max_new_tokens=4, warmup=False)
+    assert summary["pld"]["added_rss_mb"] >= 96 - 8
+    assert summary["ar"]["added_rss_mb"] < 32
+    late_baseline = [run for run in result.runs if run.method == "ar" and run.prompt_index > 0]
+    assert all(run.peak_rss_bytes >= run.added_rss_bytes + 64 * 2**20 for run in late_baseline)

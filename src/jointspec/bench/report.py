@@ -70,6 +70,7 @@ def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost:
         "seconds": _rounded(seconds),
         "num_target_calls": sum(r.num_target_calls for r in runs),
         "peak_rss_mb": _rounded(max(r.peak_rss_bytes for r in runs) / 2**20, 1),
+        "added_rss_mb": _rounded(max(r.added_rss_bytes for r in runs) / 2**20, 1),
         "cuda_max_allocated_mb": (_rounded(max(r.cuda_peak_bytes for r in runs) / 2**20, 1)
                                   if all(r.cuda_peak_bytes is not None for r in runs) else None),
         "prompt_seconds": None, "decode_tokens_per_second": None, "decode_speedup": None,
@@ -224,7 +225,7 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
 def table(result: BenchResult, summary: dict) -> str:
     """A plain-text table for the terminal (also used in report.md)."""
     header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "dist-2", "draft s", "verify s",
-              "pred.speedup", "loop eff", "RSS MB", "prompt s", "decode x"]
+              "pred.speedup", "loop eff", "RSS MB", "+MB", "prompt s", "decode x"]
     rows = [header]
     for method, s in summary.items():
         rows.append([method, _fmt(s["tokens_per_second"], ".1f"),
@@ -233,7 +234,7 @@ def table(result: BenchResult, summary: dict) -> str:
                      f"{s['num_identical']}/{s['num_prompts']}", _fmt(s["perplexity"]), _fmt(s["distinct_2"]),
                      _fmt(s.get("draft_seconds")), _fmt(s.get("verify_seconds")),
                      _fmt(s.get("predicted_speedup")), _fmt(s.get("loop_efficiency")),
-                     _fmt(s["peak_rss_mb"], ".0f"), _fmt(s["prompt_seconds"]),
+                     _fmt(s["peak_rss_mb"], ".0f"), _fmt(s.get("added_rss_mb"), ".0f"), _fmt(s["prompt_seconds"]),
                      _fmt(s["decode_speedup"], ".2f") + ("x" if s["decode_speedup"] is not None else "")])
     lines = _align(rows)
     categories = list(next(iter(summary.values()))["per_category"])

@@ -92,7 +92,11 @@ class PromptRun:
     seconds: list[float]  # per timed repeat, all turns together
     num_target_calls: int
     stats: SpecStats | None  # all turns merged; None for transformers' generate
+    # The process's peak during the runs: the weights and every other row's drafts and caches still held included.
     peak_rss_bytes: int = 0
+    # The most a run raised the process's memory above what was resident when it began: this row's own use
+    # (its caches once grown, the most a run allocates at once), apart from the other rows'.
+    added_rss_bytes: int = 0
     cuda_peak_bytes: int | None = None
     identical: bool = False  # same tokens as the baseline on every turn
     logprob_sum: float = 0.0  # under the raw target, over every generated token
@@ -234,13 +238,16 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
         for label, engine in engines.items():
             bar.set_postfix_str(f"{prompt.category} {prompt.question_id} {label}")
             reset_peak_memory(device)
+            resident = current_rss()
             turns = run_conversation(engine, tokenizer, prompt, config)
             rss, cuda = peak_memory(device)
+            added = max(0, rss - resident) if resident is not None else 0
             seconds = sum(out.seconds for _, out in turns)
             prefill = (None if any(out.prefill_seconds is None for _, out in turns)
                        else sum(out.prefill_seconds for _, out in turns))
             if repeat == 0:
                 by_method[label] = _new_run(index, prompt, label, turns, seconds, rss, cuda)
+                by_method[label].added_rss_bytes = added
                 by_method[label].prefill_seconds = None if prefill is None else [prefill]
                 by_method[label].output_text = [tokenizer.decode(out.new_ids, skip_special_tokens=True)
                                                 for _, out in turns]
@@ -252,6 +259,7 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
                 else:
                     run.prefill_seconds = None
                 run.peak_rss_bytes = max(run.peak_rss_bytes, rss)
+                run.added_rss_bytes = max(run.added_rss_bytes, added)
                 if [out.new_ids for _, out in turns] != run.output_ids:
                     log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,
                                 prompt.question_id)
@@ -327,6 +335,18 @@ def reset_peak_memory(device: torch.device) -> None:
         pass  # not Linux or not allowed: the peak then covers the whole process so far
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def current_rss() -> int | None:
+    """This process's resident set size in bytes now (None where /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def peak_memory(device: torch.device) -> tuple[int, int | None]:
