@@ -924,6 +924,57 @@ def test_a_build_runs_this_pythons_own_ninja_whatever_path_says(monkeypatch, tmp
     assert seen == [own + os.pathsep + "/usr/bin:/bin"] * 2 and os.environ["PATH"] == "/usr/bin:/bin"
 
 
+def test_builds_of_other_sources_are_kept_so_checkouts_used_in_turn_do_not_rebuild(monkeypatch, tmp_path):
+    """Two checkouts (or versions) sharing one kernel cache each removed the other's build when they compiled, so
+    using them in turn rebuilt at every switch. Now the KEPT_BUILDS most recently used builds of an ISA stay, and
+    the least recently used beyond them go. The compiler is a stand-in that writes a library file; the sources'
+    digest is switched to stand for each checkout; each use is marked one second after the last (the clock's grain
+    cannot order them)."""
+    import itertools
+
+    from torch.utils import cpp_extension
+
+    from jointspec.kernels import grouped
+
+    compiled = []
+
+    class Built:
+        def isa(self):
+            return "portable"
+
+    def fake_load(*, name, sources, build_directory, **options):
+        library = Path(build_directory) / f"{name}.so"
+        if not library.exists():  # torch's load compiles only then (ninja finds the rest up to date)
+            compiled.append(name)
+            library.write_bytes(b"")
+        return Built()
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    seconds, mark = itertools.count(1_000_000), grouped._mark_used
+
+    def mark_in_order(directory):
+        mark(directory)
+        when = next(seconds)
+        os.utime(directory / grouped._USED, (when, when))
+    monkeypatch.setattr(grouped, "_mark_used", mark_in_order)
+
+    def use(checkout: str) -> None:
+        monkeypatch.setattr(grouped, "source_digest", lambda: checkout)
+        assert grouped._build("portable")[1] is None
+
+    for checkout in "ababa":
+        use(checkout)
+    assert len(compiled) == 2  # each compiled once, then found again
+    for checkout in "cde":  # five sources: the least recently used, b, goes
+        use(checkout)
+    assert len(compiled) == 5 and len(list((tmp_path / "jointspec" / "kernels").iterdir())) == grouped.KEPT_BUILDS
+    use("a")  # kept: found again
+    assert len(compiled) == 5
+    use("b")  # removed: compiled again
+    assert len(compiled) == 6
+
+
 def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_for_that_build(monkeypatch, capsys):
     """A first run starts the build ahead (prebuild) and asks for the kernels later, maybe while the build still runs:
     the later call must get that build's module, and the build must run once. The build here is a stand-in that

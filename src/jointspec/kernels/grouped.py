@@ -382,11 +382,7 @@ def _build(isa: str):
         if compiling:
             print(f"jointspec: building the {isa} CPU kernels, once for this CPU type (a minute or two on two cores) "
                   "...", file=sys.stderr, flush=True)
-            # Finished builds of other sources or torch versions (a folder without a library may be another process's
-            # build in progress: left alone).
-            for stale in directory.parent.glob(f"jointspec_kernels_{isa}_*"):
-                if stale != directory and any(stale.glob("*.so")):
-                    shutil.rmtree(stale, ignore_errors=True)
+            _prune_builds(directory, isa)
         directory.mkdir(parents=True, exist_ok=True)
         _wait_for_other_build(directory)
         if compiling:
@@ -410,7 +406,39 @@ def _build(isa: str):
             _COMPILING.clear()
     if module.isa() != isa:
         return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
+    _mark_used(directory)
     return module, None
+
+
+# Finished builds of other sources kept per ISA, the most recently used first: two checkouts (or versions) used in
+# turn on one machine removed each other's build when only the newest was kept, and rebuilt at every switch.
+KEPT_BUILDS = 4
+_USED = ".last_used"
+
+
+def _mark_used(directory: Path) -> None:
+    try:
+        (directory / _USED).touch()
+    except OSError:  # a read-only cache: pruning then goes by the folders' own times
+        pass
+
+
+def _last_used(directory: Path) -> float:
+    try:
+        return (directory / _USED).stat().st_mtime
+    except OSError:
+        return directory.stat().st_mtime
+
+
+def _prune_builds(directory: Path, isa: str) -> None:
+    """Before building into ``directory``, remove the finished builds of ``isa`` for other sources beyond the
+    :data:`KEPT_BUILDS` - 1 most recently used (a folder without a library may be another process's build in
+    progress: left alone)."""
+    others = [other for other in directory.parent.glob(f"jointspec_kernels_{isa}_*")
+              if other != directory and any(other.glob("*.so"))]
+    others.sort(key=_last_used, reverse=True)
+    for stale in others[KEPT_BUILDS - 1:]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def grouped_misfit(linear: nn.Linear) -> str | None:
