@@ -98,6 +98,15 @@ def test_a_stream_started_in_another_thread_waits_for_a_running_generate(target_
     assert results["stream"] == expected[1]
 
 
+def test_a_setting_the_method_does_not_read_is_refused(target_model):
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.methods import MethodConfig
+
+    with pytest.raises(UnsupportedOptionError, match="method 'pld' does not read beam_width"):
+        Pipeline(CausalLM(target_model), None, MethodConfig(name="pld", beam_width=8))
+    Pipeline(CausalLM(target_model), None, MethodConfig(name="pld", max_ngram=4))  # one it reads
+
+
 def test_prompt_ids_as_tensors_and_bad_ids_are_handled_by_name(target_model):
     shared = pipeline(target_model, "ar")
     prompt = random_prompt(3)

@@ -194,6 +194,7 @@ def test_every_registered_method_runs_and_every_lossless_one_matches_the_baselin
     speculation really ran). Greedy and deterministic: no false-failure odds."""
     from jointspec.drafters.corpus import NgramTable
     from jointspec.methods import lossless_methods, method_names
+    from jointspec.methods.registry import method_reads
 
     assert set(method_names()) == LOSSLESS | NOT_LOSSLESS | {"ar"}, "put the new method in LOSSLESS or NOT_LOSSLESS"
     assert set(lossless_methods()) == LOSSLESS | {"ar"}
@@ -201,9 +202,11 @@ def test_every_registered_method_runs_and_every_lossless_one_matches_the_baselin
     drafts = {"corpus": str(tmp_path), "aded": str(tmp_path)}  # aded's draft is its n-gram prior
     # The cost-aware methods draft only where it pays, and a self-draft never pays (a draft call costs a target
     # step): told to draft every round, they speculate here.
-    every_round = {name: ",cost_aware=false" for name in ("specinfer", "spectr", "sps", "hybrid")}
-    specs = {name: f"{name}:draft={drafts.get(name, 'self')}{every_round.get(name, '')}" for name in method_names()
-             if name != "ar"}
+    every_round = {name: ["cost_aware=false"] for name in ("specinfer", "spectr", "sps", "hybrid")}
+    # A draft only for the methods that read one (a key a method would ignore is refused).
+    options = {name: ([f"draft={drafts.get(name, 'self')}"] if "draft" in method_reads(name) else [])
+               + every_round.get(name, []) for name in method_names() if name != "ar"}
+    specs = {name: ":".join([name, ",".join(items)]) if items else name for name, items in options.items()}
     result, summary = run_tiny(target_model, bench_tokenizer, ",".join(["ar", *specs.values()]),
                                load_prompts(str(bench_prompt_file)), max_new_tokens=8, perplexity=False)
     assert set(summary) == {"ar", *specs.values()}

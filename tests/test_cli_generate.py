@@ -127,6 +127,23 @@ def test_a_tree_budget_that_caps_a_lookup_tree_samples(capsys, model_dirs):
     assert out.strip()
 
 
+@pytest.mark.parametrize("options, flag", [(("--method", "pld", "--beam-width", "8"), "--beam-width"),
+                                           (("--method", "ar", "--draft", "self"), "--draft"),
+                                           (("--method", "default", "--no-cost-aware"), "--no-cost-aware")])
+def test_an_option_the_method_does_not_read_is_refused_not_ignored(capsys, model_dirs, options, flag):
+    code, out, err = run_cli(capsys, *generate_args(model_dirs["target"], *options))
+    assert_clean_error(code, err, "jointspec: error:", f"does not read {flag}, so it would be ignored")
+    assert not out
+
+
+def test_methods_lists_the_options_each_method_reads(capsys):
+    code, out, _ = run_cli(capsys, "methods")
+    lines = out.splitlines()
+    options = {line.split()[0]: lines[i + 1] for i, line in enumerate(lines) if not line.startswith(" ")}
+    assert code == 0 and "--max-ngram" in options["pld"] and "--beam-width" not in options["pld"]
+    assert options["ar"].split() == ["options:", "none"]
+
+
 def test_unknown_device(capsys, model_dirs):
     code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--device", "tpu-please"))
     assert_clean_error(code, err, "jointspec: error:", "unknown device")

@@ -7,6 +7,9 @@ The registered methods are decoded against transformers' own greedy decoding (he
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -173,3 +176,58 @@ def test_method_config_refuses_values_of_the_wrong_type_by_name(field, value):
     with pytest.raises(TypeError, match=field):
         MethodConfig(name="pld", **{field: value})
     assert MethodConfig(name="pld", num_draft_tokens=__import__("numpy").int64(3)).num_draft_tokens == 3
+
+
+def recorded_reads(config_class, name: str, context_for) -> set[str]:
+    """The settings method ``name``'s builder reads: a config whose field reads from jointspec's own code are
+    recorded (not MethodConfig's own checks, nor build_method's generic ones, which every method passes through)."""
+    import sys
+
+    import jointspec
+
+    source = str(Path(jointspec.__file__).parent)
+    names = {field.name for field in dataclasses.fields(config_class)} - {"name"}
+    seen: set[str] = set()
+
+    class Recording(config_class):
+        def __getattribute__(self, field):
+            if field in names:
+                caller = sys._getframe(1).f_code
+                if caller.co_filename.startswith(source) and caller.co_name not in ("__post_init__", "build_method"):
+                    seen.add(field)
+            return object.__getattribute__(self, field)
+
+    build_method(context_for(Recording(name=name)))
+    return seen
+
+
+def test_each_method_declares_exactly_the_settings_it_reads(target_model, trained_head_dir, bench_tokenizer,
+                                                            tmp_path):
+    """The settings a method reads are declared (register_method's ``reads``): generate, serve, a request and a bench
+    spec refuse the others instead of ignoring them. Recorded here by building every method twice, with the target
+    as its draft and with a trained head where it takes one (an n-gram table for corpus and aded): what a builder
+    reads must be declared (else a user's setting would be refused though it counts), and what is declared must be
+    read, but for what build_method reads for every method (cost_aware: the cost-aware wrapper; verify: which
+    verifier) and head_weights, read where a head binds."""
+    from jointspec.bench.specs import config_class
+    from jointspec.drafters.corpus import NgramTable
+    from jointspec.methods import method_names
+    from jointspec.methods.registry import _METHODS
+
+    NgramTable.build([[5, 6, 7, 8]] * 2, vocab_size=target_model.config.vocab_size).save(tmp_path, {"kind": "corpus"})
+    for name in method_names():
+        declared = _METHODS[name].reads
+        seen: set[str] = set()
+        for draft in ("self", trained_head_dir):
+            if "draft" not in declared:
+                draft = None
+            elif name in ("corpus", "aded"):
+                draft = str(tmp_path)
+            elif name == "cross" and draft != "self":
+                continue  # a head drafts in the target's vocabulary: cross refuses it
+            seen |= recorded_reads(config_class(name), name, lambda config, draft=draft: MethodContext(
+                dataclasses.replace(config, draft=draft), CausalLM(target_model), bench_tokenizer, None))
+        assert seen <= declared, (name, seen - declared)
+        assert declared - seen <= {"cost_aware", "verify", "head_weights"}, (name, declared - seen)
+        if "draft" in declared and name not in ("corpus", "aded", "cross"):
+            assert "head_weights" in declared, name  # it binds heads

@@ -243,6 +243,7 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(jointspec={"mehtod": "pld"})), "jointspec.mehtod"),
     ("chat", json.dumps(chat_body(jointspec={"method": "sps", "draft": "/etc/passwd"})), None),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "min_ngram": 4, "max_ngram": 2})), None),
+    ("chat", json.dumps(chat_body(jointspec={"method": "pld", "beam_width": 8})), None),  # pld reads no beams
     ("chat", json.dumps(chat_body("x" * 300)), None),  # 300+ tokens for a 256-token context
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "num_draft_tokens": 0})), "jointspec.num_draft_tokens"),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "max_ngram": 65})), "jointspec.max_ngram"),

@@ -15,11 +15,12 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
 from jointspec.backends.tokens import IncrementalDetokenizer, decode_text, eos_token_ids
-from jointspec.core.errors import JointspecError
+from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
-from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.methods import MethodConfig, MethodContext, build_method, method_names
+from jointspec.methods.registry import options_set, unread_options_error
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,11 @@ class Pipeline:
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
                               threads=threads, kernels=kernels, kv_cache=kv_cache)
 
+        if self.method.name in method_names():  # else build_method names the choices
+            # A setting the method does not read is refused, as generate and serve refuse it, not ignored.
+            error = unread_options_error(self.method.name, options_set(self.method))
+            if error:
+                raise UnsupportedOptionError(error)
         drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft, memory))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
         self.eos_token_ids = eos_token_ids(target, tokenizer)

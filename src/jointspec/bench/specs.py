@@ -26,7 +26,7 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafters.approximate import ATTENTION_MODES
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.oracle import OracleConfig
-from jointspec.methods.registry import NOT_BUILT, unknown_method_error
+from jointspec.methods.registry import NOT_BUILT, method_reads, unknown_method_error
 
 # transformers' own generate, with the option keys each one accepts.
 HF_METHODS: dict[str, tuple[str, ...]] = {
@@ -228,7 +228,9 @@ def valid_keys(name: str) -> list[str]:
         return list(HF_METHODS[name])
     if name in LLAMACPP_METHODS:
         return list(LLAMACPP_METHODS[name])
-    return [f.name for f in dataclasses.fields(config_class(name)) if f.name != "name"] + list(PLACEMENT_KEYS)
+    # A jointspec method's options are the settings it reads (a key it would ignore is refused with the valid ones).
+    reads = method_reads(name)
+    return [f.name for f in dataclasses.fields(config_class(name)) if f.name in reads] + list(PLACEMENT_KEYS)
 
 
 def method_config(spec: MethodSpec, defaults: MethodConfig) -> MethodConfig:

@@ -14,6 +14,7 @@ from jointspec.cli.commands import COMMANDS, command_help
 from jointspec.cli.options import (
     add_model_arguments,
     apply_threads,
+    check_reads,
     method_config_from_args,
     model_options,
     positive_int,
@@ -73,6 +74,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=seed, chat=not args.no_chat)
         method = method_config_from_args(args)
+        check_reads(method)
     except ValueError as error:
         raise JointspecError(str(error)) from error
     prompt = _prompt_text(args)  # before the model loads: a prompt that cannot be read fails at once
@@ -221,10 +223,17 @@ def _add_methods(subparsers) -> None:
 
 
 def _run_methods(args: argparse.Namespace) -> int:
-    from jointspec.methods import method_summaries
+    from dataclasses import fields
 
+    from jointspec.cli.options import cli_flag
+    from jointspec.methods import MethodConfig, method_summaries
+    from jointspec.methods.registry import method_reads
+
+    flags = {field.name for field in fields(MethodConfig)}  # the oracle's own settings are bench keys only
     for name, summary in method_summaries().items():
         print(f"{name:12s} {summary}")
+        options = ", ".join(cli_flag(option) for option in sorted(method_reads(name)) if option in flags)
+        print(f"{'':12s}   options: {options or 'none'}")
     return 0
 
 

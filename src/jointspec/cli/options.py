@@ -178,6 +178,24 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     return config
 
 
+def check_reads(config) -> None:
+    """Refuse the method options given for a method that does not read them (``--beam-width`` with ``pld``): they
+    were ignored without a word. The CLI's defaults are MethodConfig's, so what differs from them was given."""
+    from jointspec.methods.registry import options_set, unread_options_error
+
+    def spell(field: str) -> str:
+        return "--no-cost-aware" if field == "cost_aware" and config.cost_aware is False else cli_flag(field)
+
+    error = unread_options_error(config.name, options_set(config), spell=spell)
+    if error:
+        raise UnsupportedOptionError(error)
+
+
+def cli_flag(field: str) -> str:
+    """The command-line flag of a MethodConfig field."""
+    return {"max_num_draft_tokens": "--max-draft-tokens"}.get(field, "--" + field.replace("_", "-"))
+
+
 def check_dynamic_tree(config, temperature: float) -> None:
     """Refuse a dynamic tree (``--tree-budget`` of hybrid-tree or default) with sampling here, before a model loads,
     rather than by the drafter after the first tokens are out."""

@@ -90,7 +90,7 @@ def non_negative_float(text: str) -> float:
 
 def build_engine(args: argparse.Namespace):
     """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
-    from jointspec.cli.options import method_config_from_args, model_loader
+    from jointspec.cli.options import check_reads, method_config_from_args, model_loader
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.methods import method_names
     from jointspec.methods.registry import unknown_method_error
@@ -104,6 +104,7 @@ def build_engine(args: argparse.Namespace):
                                      "weights on torch)")
     try:
         method = method_config_from_args(args)
+        check_reads(method)
     except ValueError as error:
         raise JointspecError(str(error)) from error
     load = model_loader(args)

@@ -17,7 +17,8 @@ NO_PRIOR = "none"
 @register_method("aded", "ADED (Liu et al. 2024): an adaptive tri-gram model of the prompt and output, searched "
                  "best-first into one token tree sized by the cost curve (--tree-budget caps the nodes, default 16; "
                  "--draft TABLE or 'none' for its n-gram prior, default: the one shipped for the tokenizer) "
-                 "(lossless)", lossless=True, learns_online=True)
+                 "(lossless)", lossless=True, learns_online=True,
+                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "tree_budget"))
 def _build_aded(context: MethodContext):
     config = context.config
     if config.draft == NO_PRIOR:

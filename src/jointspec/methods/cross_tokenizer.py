@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 @register_method("cross", "a draft model with its own tokenizer (--draft SOURCE), its text re-encoded for the target; "
-                 "adaptive length (lossless)", lossless=True, cost_aware=True)
+                 "adaptive length (lossless)", lossless=True, cost_aware=True,
+                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "cost_aware"))
 def _build_cross(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     source = config.draft

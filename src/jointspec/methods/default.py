@@ -38,7 +38,9 @@ _TREE_GAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @register_method("default", "what `generate` runs: hybrid-tree with the head shipped for the target where its measured "
                  "cost curve says the tree pays, else cost-aware corpus or pld (lossless)",
-                 lossless=True, cost_aware=True, learns_online=True)
+                 lossless=True, cost_aware=True, learns_online=True,
+                 reads=("draft", "head_weights", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram",
+                        "tree", "tree_budget"))
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     def lookup() -> MethodConfig:
         """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),

@@ -29,7 +29,8 @@ def chain_verifier(config: MethodConfig) -> Verifier:
     return BlockVerifier() if config.verify == "block" else RejectionSamplingVerifier()
 
 
-@register_method("ar", "plain autoregressive decoding through the same loop (the baseline)", lossless=True)
+@register_method("ar", "plain autoregressive decoding through the same loop (the baseline)", lossless=True,
+                 reads=())
 def _build_ar(context: MethodContext) -> tuple[Drafter, Verifier]:
     return NoDrafter(), RejectionSamplingVerifier()
 
@@ -38,7 +39,8 @@ def _build_ar(context: MethodContext) -> tuple[Drafter, Verifier]:
 # the shipped head they ran at 1.04x / 1.02x of plain sampling on the float32 target and 0.60x on the int4 one,
 # cost-aware at 1.21x / 1.24x and 0.93x (docs/lab/benchmarks.md, section 14).
 @register_method("sps", "speculative sampling with a draft model or trained head (lossless)",
-                 lossless=True, cost_aware=True, cost_aware_by_default=True)
+                 lossless=True, cost_aware=True, cost_aware_by_default=True,
+                 reads=("draft", "head_weights", "num_draft_tokens", "max_num_draft_tokens", "cost_aware", "verify"))
 def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     # Cost-aware: the wrapper picks each round's length, so the drafter must be allowed the longest one.
@@ -48,13 +50,15 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 @register_method("pearl", "PEARL: the draft model or head drafts on while the target verifies (worker thread), one "
                  "token after a rejection, the drafted chain after a full acceptance (lossless)", lossless=True,
-                 cost_aware=False)
+                 cost_aware=False,
+                 reads=("draft", "head_weights", "num_draft_tokens", "verify"))
 def _build_pearl(context: MethodContext) -> tuple[Drafter, Verifier]:
     return ParallelDrafter(context.draft_model(), context.config.num_draft_tokens), chain_verifier(context.config)
 
 
 @register_method("pld", "prompt lookup: n-gram drafts copied from the context, adaptive length (lossless)",
-                 lossless=True, cost_aware=True, learns_online=True)
+                 lossless=True, cost_aware=True, learns_online=True,
+                 reads=("num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram", "cost_aware"))
 def _build_pld(context: MethodContext) -> tuple[Drafter, Verifier]:
     # Draft length starts at num_draft_tokens and doubles while whole drafts are accepted, up to
     # max_num_draft_tokens (docs/lab/benchmarks.md has the side-by-side measurement that chose 4 -> 16).
@@ -69,7 +73,8 @@ def _prompt_lookup(context: MethodContext) -> PromptLookupDrafter:
 
 @register_method("corpus", "prompt lookup, else an n-gram table of the target's own answers (--draft TABLE, default: "
                  "the one shipped for its tokenizer) (lossless)", lossless=True, cost_aware=True,
-                 learns_online=True)
+                 learns_online=True,
+                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "cost_aware"))
 def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     table = (table_for(config.draft, context.tokenizer, context.target.vocab_size) if config.draft else
@@ -90,7 +95,9 @@ def _corpus_lookup(context: MethodContext, table) -> Drafter:
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",
-                 lossless=True, cost_aware=True, cost_aware_by_default=True, learns_online=True)
+                 lossless=True, cost_aware=True, cost_aware_by_default=True, learns_online=True,
+                 reads=("draft", "head_weights", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram",
+                        "cost_aware", "verify"))
 def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     length = max(config.num_draft_tokens, config.max_num_draft_tokens) if config.cost_aware else config.num_draft_tokens
@@ -99,7 +106,9 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 @register_method("hybrid-tree", "prompt lookup where it beats a token tree from the draft, else the tree (--tree; "
                  "default: the draft's top 1-3 tokens); cost-aware (lossless)", lossless=True, cost_aware=True,
-                 learns_online=True)
+                 learns_online=True,
+                 reads=("draft", "head_weights", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram",
+                        "tree", "tree_budget"))
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     return hybrid_tree(context)
 

@@ -33,7 +33,8 @@ def _cost_aware_beams(context: MethodContext, drafter: BeamDrafter) -> CostAware
 
 @register_method("mtad", "MTAD: draft beam sampling + joint-likelihood verification of the best beam (not lossless); "
                  "each round's depth from the cost curve (--no-cost-aware: always --num-draft-tokens)",
-                 lossless=False, cost_aware=True, cost_aware_by_default=True)
+                 lossless=False, cost_aware=True, cost_aware_by_default=True,
+                 reads=("draft", "head_weights", "num_draft_tokens", "beam_width", "accept_threshold", "cost_aware"))
 def _build_mtad(context: MethodContext):
     drafter = _beam_drafter(context, tree=False)
     # Cost-aware unless told otherwise: at a fixed depth of 4 it ran at about half of plain sampling's speed on the
@@ -44,6 +45,7 @@ def _build_mtad(context: MethodContext):
 
 
 @register_method("mtad-tree", "tree MTAD: every draft beam of every level verified in one pass (not lossless)",
-                 lossless=False)
+                 lossless=False,
+                 reads=("draft", "head_weights", "num_draft_tokens", "beam_width", "accept_threshold"))
 def _build_mtad_tree(context: MethodContext):
     return _beam_drafter(context, tree=True), MTADVerifier(context.config.accept_threshold)

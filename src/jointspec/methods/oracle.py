@@ -25,7 +25,8 @@ class OracleConfig(MethodConfig):
 
 
 @register_method("oracle", "the target's own greedy continuation, a share corrupted (measures loop overhead)",
-                 lossless=True)
+                 lossless=True,
+                 reads=("num_draft_tokens", "corruption_rate", "corruption_seed"))
 def _build_oracle(context: MethodContext) -> tuple[OracleDrafter, RejectionSamplingVerifier]:
     config = context.config
     drafter = OracleDrafter(context.target, config.num_draft_tokens, getattr(config, "corruption_rate", 0.0),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from jointspec.backends.tokens import eos_token_ids
@@ -147,23 +147,51 @@ class MethodEntry:
     cost_aware: bool  # drafts chains, so ``MethodConfig.cost_aware`` may wrap its drafter
     learns_online: bool = False  # its drafters copy from ``MethodContext.memory`` (drafters/memory.py)
     cost_aware_by_default: bool = False  # what ``MethodConfig.cost_aware = None`` means for it
+    reads: frozenset[str] = frozenset()  # the MethodConfig fields it reads (tests/test_methods.py records them)
 
 
 _METHODS: dict[str, MethodEntry] = {}
 
 
-def register_method(name: str, summary: str, *, lossless: bool, cost_aware: bool = False,
+def register_method(name: str, summary: str, *, lossless: bool, reads: tuple[str, ...], cost_aware: bool = False,
                     learns_online: bool = False, cost_aware_by_default: bool = False) -> Callable[[Builder], Builder]:
-    """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, whether it
-    may be made ``cost_aware`` (and is unless told otherwise: ``cost_aware_by_default``), and whether it drafts from a
-    memory of earlier answers (``learns_online``)."""
+    """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, the
+    :class:`MethodConfig` fields it ``reads`` (a setting of any other is refused where a user gives it, not ignored),
+    whether it may be made ``cost_aware`` (and is unless told otherwise: ``cost_aware_by_default``), and whether it
+    drafts from a memory of earlier answers (``learns_online``)."""
     if cost_aware_by_default and not cost_aware:
         raise ValueError(f"method '{name}' cannot be cost-aware by default without being cost-aware")
+    if "cost_aware" in reads and not cost_aware:
+        raise ValueError(f"method '{name}' reads cost_aware but cannot be made cost-aware")
 
     def decorate(builder: Builder) -> Builder:
-        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online, cost_aware_by_default)
+        _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online, cost_aware_by_default,
+                                     frozenset(reads))
         return builder
     return decorate
+
+
+def method_reads(name: str) -> frozenset[str]:
+    """The settings method ``name`` reads (:class:`MethodConfig` fields, and its own config class's)."""
+    return _METHODS[name].reads
+
+
+def options_set(config: MethodConfig) -> list[str]:
+    """The fields of ``config`` that differ from their defaults: what a user set (the CLI's defaults are these)."""
+    return [field.name for field in fields(config)
+            if field.name != "name" and getattr(config, field.name) != field.default]
+
+
+def unread_options_error(name: str, options: list[str], spell=lambda option: option) -> str | None:
+    """The refusal for settings ``options`` that method ``name`` does not read (None where it reads them all), each
+    named as ``spell`` writes it (a CLI flag, a request's key)."""
+    unread = [option for option in options if option not in _METHODS[name].reads]
+    if not unread:
+        return None
+    reads = sorted(_METHODS[name].reads)
+    return (f"method '{name}' does not read {', '.join(spell(option) for option in unread)}, so it would be "
+            f"ignored; {name} reads {', '.join(spell(option) for option in reads) if reads else 'no method options'}"
+            " (`jointspec methods` lists what each method is)")
 
 
 def method_names() -> list[str]:

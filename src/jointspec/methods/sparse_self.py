@@ -11,7 +11,8 @@ from jointspec.methods.registry import MethodContext, register_method
 @register_method("sparse-self", "TriForce-style self-speculation for long inputs: the target drafts seeing only "
                  "attention sinks, its recent window and the spans of the input its last n-gram points to, then "
                  "verifies with its whole cache; drafts nothing below 2,048 tokens of context (lossless)",
-                 lossless=True)
+                 lossless=True,
+                 reads=("num_draft_tokens", "verify"))
 def _build_sparse_self(context: MethodContext):
     config = context.config
     return (SparseSelfDrafter(context.target, config.num_draft_tokens, eos_token_ids=context.eos_token_ids()),

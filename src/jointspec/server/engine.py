@@ -34,7 +34,7 @@ from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
-from jointspec.methods.registry import unknown_method_error
+from jointspec.methods.registry import unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 
 log = logging.getLogger(__name__)
@@ -325,8 +325,13 @@ class ServingEngine:
         if draft not in (None, "self", self.method.draft):
             raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
                                          f"draft ({self.method.draft or 'none'})")
+        name = options.get("method", self.method.name)
+        # A setting the method does not read is refused, not ignored (the server's own draft is given to every method).
+        error = unread_options_error(name, [key for key in options if key != "method"])
+        if error:
+            raise UnsupportedOptionError(error)
         base = self.method
-        if options.get("method", base.name) != base.name:
+        if name != base.name:
             base = MethodConfig(draft=base.draft, head_weights=base.head_weights)
         fields = {"method": "name"}
         return replace(base, **{fields.get(k, k): v for k, v in options.items()})
