@@ -58,6 +58,7 @@ from jointspec.core.draft import chain_parents
 from jointspec.core.errors import ContextTooLongError, ModelLoadError, UnsupportedOptionError
 from jointspec.core.target import ForwardOutput, TargetCapabilities
 from jointspec.kernels.cpu import usable_cores
+from jointspec.kernels.gguf_reader import shortfall_message
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,6 @@ class LlamaCppWeights:
         self.extra_buffer_types = bool(getattr(params, "use_extra_bufts", True))
         pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not pointer:
-            from jointspec.kernels.gguf_reader import shortfall_message
-
             short = shortfall_message(path)
             if short is not None:
                 raise ModelLoadError(f"llama.cpp could not load {short}")
@@ -431,10 +430,9 @@ def load_llamacpp(source: str, *, n_threads: int | None = None, n_ctx: int = 819
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (OSError, ValueError, KeyError, struct.error) as error:  # struct.error: a file cut inside its metadata
-        if not tokenizer_folder:
-            from jointspec.backends.loading import raise_if_cut_short
-
-            raise_if_cut_short(source, gguf_path, error)
+        short = None if tokenizer_folder else shortfall_message(gguf_path)
+        if short is not None:  # the file, not the tokenizer: say so
+            raise ModelLoadError(f"could not load model '{source}': {short}") from error
         raise ModelLoadError(f"could not load the tokenizer of '{source}': {str(error).splitlines()[0]} (a GGUF file "
                              "cut short or damaged reads so; check its size against the original)") from error
     weights = LlamaCppWeights(gguf_path)
