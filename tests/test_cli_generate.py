@@ -215,6 +215,9 @@ def test_a_method_that_drafted_nothing_says_it_decoded_plainly(capsys, model_dir
     assert "sps drafted no tokens in" in err and "plain decoding" in err and "--no-cost-aware" in err
     code, _, err = run_cli(capsys, *args, "--no-cost-aware")
     assert code == 0 and "drafted no tokens" not in err
+    # A method for long inputs says why it drafted nothing on a short one.
+    code, _, err = run_cli(capsys, *args[:-4], "--method", "sparse-self")
+    assert code == 0 and "sparse-self drafted no tokens" in err and "passes 2,048 tokens" in err, err
 
 
 @pytest.mark.parametrize("extra, exact", [((), True), (("--attention", "speckv"), False),

@@ -146,13 +146,15 @@ def _say_if_drafted_nothing(method, stats) -> None:
 
     if method.name in ("ar", "oracle") or stats.num_draft_tokens or stats.num_rounds < QUIET_ROUNDS:
         return
-    if resolved_cost_aware(method):
-        why = ("it drafts only where the target's measured costs and the running acceptance say a draft pays, "
-               "which a draft as dear as a target step never does")
-        if method.name != "default":
+    if method.name == "sparse-self":
+        why = "it drafts only once the context passes 2,048 tokens (a long input)"
+    elif resolved_cost_aware(method):
+        why = ("it drafts only where it finds a draft and the target's measured costs and the running acceptance say "
+               "the draft pays, which one as dear as a target step never does")
+        if method.name not in ("default", "hybrid-tree"):
             why += "; --no-cost-aware drafts every round"
     else:
-        why = "its drafter proposed nothing (lookup drafts only where the text repeats itself)"
+        why = "its drafter found nothing to propose (lookup drafts only where the text repeats itself)"
     print(f"jointspec: {method.name} drafted no tokens in {stats.num_rounds} rounds, so this was plain decoding: "
           f"{why}", file=sys.stderr)
 

@@ -25,8 +25,7 @@ def _cost_aware_beams(context: MethodContext, drafter: BeamDrafter) -> CostAware
     one beam level (a forward of ``beam_width`` rows) and the running acceptance of the joint test. Never 0: MTAD's
     output law is its point, so it chooses how deep to draft, not whether to."""
     config = context.config
-    beam_level = draft_cost_per_call(drafter.cache.draft, rows=config.beam_width,
-                                     target=context.target)
+    beam_level = draft_cost_per_call(drafter.cache.draft, rows=config.beam_width, target=context.target)
     curve = target_cost_curve(context.target).with_draft_cost(beam_level)
     return CostAwareDrafter(drafter, curve, max_num_draft_tokens=config.num_draft_tokens, min_num_draft_tokens=1)
 

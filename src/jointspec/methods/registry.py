@@ -226,11 +226,11 @@ def method_is_lossless(name: str) -> bool:
 
 def resolved_cost_aware(config: MethodConfig) -> bool:
     """Whether ``config``'s drafts are chosen by the cost curve: as asked, else the method's own default; `default`
-    weighs every draft against the curve whatever is asked."""
+    and `hybrid-tree` weigh every draft against the curve whatever is asked."""
     entry = _METHODS.get(config.name)
     if entry is None:
         return False
-    if config.name == "default":
+    if config.name in ("default", "hybrid-tree"):
         return True
     return entry.cost_aware_by_default if config.cost_aware is None else config.cost_aware and entry.cost_aware
 
