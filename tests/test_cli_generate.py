@@ -286,6 +286,17 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("jointspec: error: model path")
 
 
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """`jointspec methods | head -1`: the reader closes the pipe, and the listing stopped with a BrokenPipeError
+    traceback. The pipe is closed here before the command has imported enough to write (a second or so)."""
+    done = subprocess.Popen([sys.executable, "-m", "jointspec", "methods"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    done.stdout.close()
+    err = done.stderr.read()
+    done.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_json_quality_block(capsys, model_dirs, monkeypatch):
     """--json reports perplexity under the raw target (checked against a direct computation), distinct-2 and the
     4-gram repetition rate of the tokens it printed (counted here by hand), and energy per token only from a

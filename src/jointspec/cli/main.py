@@ -281,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # what a command had not finished is lost, and the user should know it stopped
         print(f"jointspec: interrupted: {command or 'the command'} stopped before it finished", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`jointspec methods | head`): nothing more to say, no traceback
+        # Python flushes stdout again on exit: point it at /dev/null so that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 @contextlib.contextmanager
