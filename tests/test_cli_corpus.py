@@ -128,6 +128,41 @@ def test_answers_made_with_other_settings_are_refused_not_reused(tmp_path, monke
     assert [json.loads(line)["index"] for line in answers.read_text().splitlines()] == [0, 1]
 
 
+def test_a_run_stopped_before_its_first_answer_does_not_file_later_answers_under_its_settings(
+        tmp_path, monkeypatch, capsys, target_model):
+    """A run stopped after writing its settings record but before its first answer (the method's setup times the cost
+    curve: seconds) left that record; the next run, with another answer length, then filed its answers under it, and
+    a third with the first settings reused them. The record is now written afresh while there are no answers, so the
+    third run is refused as made with other settings. Without --prompts, the shipped prompts are used (it was a
+    traceback)."""
+    import jointspec.api as api
+    from jointspec.cli.main import main
+
+    build_corpus_on(monkeypatch, target_model)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("question one here\nquestion two here\n")
+    out, data = tmp_path / "table", tmp_path / "data"
+
+    def run(length):
+        return main(["build-corpus", "--max-new-tokens", length, "--min-count", "1", "--no-progress", "--out",
+                     str(out), "--data", str(data), "--prompts", str(prompts)])
+
+    real = api.Pipeline
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(api, "Pipeline", stopped)
+    assert run("4") == 130
+    monkeypatch.setattr(api, "Pipeline", real)
+    assert run("8") == 0
+    assert json.loads((data / "answers.json").read_text())["max_new_tokens"] == 8
+    capsys.readouterr()
+    assert run("4") == 2 and "differing: max_new_tokens" in capsys.readouterr().err
+    assert main(["build-corpus", "--max-new-tokens", "2", "--num-prompts", "2", "--min-count", "1", "--no-progress",
+                 "--out", str(tmp_path / "shipped")]) == 0
+    assert json.loads((tmp_path / "shipped" / "data" / "answers.json").read_text())["prompts"] == ["train:default"]
+
+
 def test_a_failed_start_leaves_no_folders(tmp_path, monkeypatch, capsys, target_model):
     from jointspec.cli.main import main
 

@@ -83,19 +83,22 @@ def run(args: argparse.Namespace) -> int:
     eos = eos_token_ids(target, tokenizer)
     # Read first, so a wrong folder is refused before any prompt is answered.
     folder_answers = [answer for folder in args.answers_from for answer in data_folder_answers(folder, target)]
-    prompts, given = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed)
+    sources = args.prompts or ["train:default"]
+    prompts, given = training_prompts(sources, tokenizer, target, eos, data, args.seed)
     given_answers = [list(answer) for answer in given if answer is not None]
     pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
     random.Random(args.seed).shuffle(pool)
     pool = pool[:args.num_prompts]
     # What decides the answers (not --num-prompts: a larger count extends the same seeded order).
-    spec = {"target_fingerprint": target_fingerprint(target), "prompts": list(args.prompts),
+    spec = {"target_fingerprint": target_fingerprint(target), "prompts": list(sources),
             "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
     answers_path = data / ANSWERS_FILE
     done = _answers_so_far(data, spec)
     data.mkdir(parents=True, exist_ok=True)
     spec_path = data / ANSWERS_SPEC_FILE
-    if not spec_path.is_file():
+    # The record goes with the answers: written afresh while there are none (an earlier run stopped before its first
+    # answer may have left one for other settings, which the answers to come would then be filed under).
+    if not _has_answers(answers_path):
         tmp = spec_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(spec, indent=1))
         tmp.replace(spec_path)
@@ -142,7 +145,7 @@ def _answers_so_far(data: Path, spec: dict) -> dict[int, list[int]]:
     from jointspec.core.errors import UnsupportedOptionError
 
     answers_path, spec_path = data / ANSWERS_FILE, data / ANSWERS_SPEC_FILE
-    if not answers_path.is_file():
+    if not _has_answers(answers_path):
         return {}
     try:
         existing = json.loads(spec_path.read_text())
@@ -168,6 +171,11 @@ def _answers_so_far(data: Path, spec: dict) -> dict[int, list[int]]:
             raise UnsupportedOptionError(f"'{answers_path}' line {number} is not an answer record; use a new --data "
                                          "folder or delete this one") from None
     return done
+
+
+def _has_answers(path: Path) -> bool:
+    """Whether the answers file holds anything (a run stopped before its first answer leaves it empty)."""
+    return path.is_file() and path.stat().st_size > 0
 
 
 def data_folder_answers(folder: str | Path, target) -> list[list[int]]:
