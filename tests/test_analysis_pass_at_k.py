@@ -132,3 +132,19 @@ def test_files_that_are_not_results_or_repeat_are_refused_by_name(tmp_path, caps
     first = write_results(tmp_path / "seed0.json", {"ar": RIGHT})
     assert main(["pass-at-k", first, str(tmp_path / "." / "seed0.json")]) == 2
     assert "more than once" in capsys.readouterr().err
+
+
+def test_a_missing_reference_and_an_endless_timeout_are_refused_before_any_test_runs(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """--reference naming no method was refused only after every program had run (minutes on HumanEval), and
+    --timeout inf was an OverflowError traceback. Both are refused first now: a test run here fails the check."""
+    from jointspec.analysis import pass_at_k
+    from jointspec.cli.main import main
+
+    monkeypatch.setattr(pass_at_k, "run_tests", lambda *args, **kwargs: pytest.fail("the tests ran"))
+    results = write_results(tmp_path / "seed0.json", {"ar": RIGHT, "mtad": WRONG})
+    assert main(["pass-at-k", results, "--reference", "nope"]) == 2
+    assert "reference method 'nope' has no HumanEval answers; methods: ar, mtad" in capsys.readouterr().err
+    for timeout in ("inf", "nan", "0"):
+        assert main(["pass-at-k", results, "--timeout", timeout]) == 2
+        assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err

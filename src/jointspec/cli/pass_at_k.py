@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from jointspec.cli.commands import command_help
@@ -39,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
         raise JointspecError(f"--k must be comma-separated integers, got '{args.k}'") from None
     if not ks or ks[0] < 1:
         raise JointspecError(f"--k values must be >= 1, got '{args.k}'")
-    if not args.timeout > 0:
-        raise JointspecError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 < args.timeout < math.inf:  # inf and nan too: each program's limit is a whole number of seconds
+        raise JointspecError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     from jointspec.bench.compare import load_results
 
     resolved = [Path(path).expanduser().resolve() for path in args.results]
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     results = [(path, load_results(path)) for path in args.results]  # names a file that is not bench results
     samples = samples_from_results(results)
     reference = args.reference if args.reference is not None else results[0][1].get("baseline")
+    methods = sorted({sample.method for sample in samples})
+    if reference is not None and reference not in methods:  # before the tests run, which take minutes
+        raise JointspecError(f"reference method '{reference}' has no HumanEval answers; methods: {', '.join(methods)}")
     passed = run_tests(samples, timeout=args.timeout, workers=args.workers)
     rows = pass_at_k_table(samples, passed, ks, reference)
     if not rows:
