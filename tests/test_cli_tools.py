@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import io
 import json
+import statistics
 import subprocess
 import sys
 from importlib import metadata
@@ -256,3 +257,22 @@ def test_corpus_replay_ranks_a_table_of_the_answers_above_an_unrelated_one(bench
     rates = {name: report[str(tmp_path / name)] for name in ("answers", "unrelated")}
     assert all(len(row["by_turn"]) == 2 and row["tokens_per_cost"] > 0 for row in rates.values())
     assert rates["answers"]["tokens_per_cost"] > rates["unrelated"]["tokens_per_cost"]
+
+
+def test_bench_intervals_under_eight_prompts_gives_the_ratio_without_an_interval(bench_run, capsys, tmp_path):
+    """Under 8 prompts there is no interval, but the ratio is still the run's (it printed '-' for both and null in the
+    JSON): the same pooled ratio as the summed tokens and seconds give."""
+    folder, _, _ = bench_run
+    whole = json.loads((folder / "results.json").read_text())
+    runs = [run for run in whole["runs"] if run["prompt_index"] < 4]
+    few = tmp_path / "few.json"
+    few.write_text(json.dumps({**whole, "runs": runs}))
+    code, out, err = run_cli(capsys, "bench-intervals", str(few), "pld", "ar")
+    assert code == 0, err
+    comparison = json.loads(out.splitlines()[-1])
+    rate = {label: sum(r["num_new_tokens"] for r in runs if r["method"] == label)
+            / sum(statistics.median(r["seconds"]) for r in runs if r["method"] == label) for label in ("pld:n=4", "ar")}
+    assert comparison["speedup"]["interval"] is None
+    assert comparison["speedup"]["ratio"] == pytest.approx(rate["pld:n=4"] / rate["ar"], abs=1e-4)
+    assert comparison["perplexity_ratio"] == {"ratio": 1.0, "interval": None, "excludes_1": None}
+    assert f"speedup: {comparison['speedup']['ratio']:.3f}" in out and "(no intervals under 8 prompts)" in out

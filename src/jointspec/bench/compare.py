@@ -15,12 +15,13 @@ would; timings stay paired within the run that made them.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
 import torch
 
-from jointspec.bench.intervals import MIN_PROMPTS, RatioInterval, paired_ratio_interval
+from jointspec.bench.intervals import MIN_PROMPTS, RatioInterval, paired_ratio_interval, ratio_of_sums
 from jointspec.core.errors import JointspecError
 
 
@@ -101,16 +102,23 @@ def _parts(runs: list[dict], kind: str) -> torch.Tensor:
                         dtype=torch.float64)
 
 
-def _interval_dict(interval: RatioInterval | None) -> dict | None:
-    if interval is None:
+def _interval_dict(interval: RatioInterval | None, mine: torch.Tensor, theirs: torch.Tensor, kind: str) -> dict | None:
+    """The ratio with its interval; under MIN_PROMPTS prompts the ratio alone (interval None); None where the ratio
+    is undefined (nothing scored, no time)."""
+    if interval is not None:
+        return {"ratio": round(interval.ratio, 4), "interval": interval.to_list(),
+                "excludes_1": interval.excludes_one}
+    sums = torch.cat([mine.sum(0), theirs.sum(0)]).double()[None]
+    if not len(mine) or not torch.isfinite(sums).all() or (sums[0, [1, 3]] <= 0).any():
         return None
-    return {"ratio": round(interval.ratio, 4), "interval": interval.to_list(), "excludes_1": interval.excludes_one}
+    ratio = float(ratio_of_sums(sums, kind)[0])
+    return {"ratio": round(ratio, 4), "interval": None, "excludes_1": None} if math.isfinite(ratio) else None
 
 
 def compare_methods(results: dict, method: str, reference: str) -> dict:
     """``method`` against ``reference`` over the prompts both ran: the speedup and the perplexity ratio, each with
-    its paired bootstrap interval (None with fewer than :data:`~jointspec.bench.intervals.MIN_PROMPTS` prompts or
-    nothing scored). Both may be given as unique parts of their labels."""
+    its paired bootstrap interval (the ratio alone with fewer than :data:`~jointspec.bench.intervals.MIN_PROMPTS`
+    prompts; None where nothing was scored). Both may be given as unique parts of their labels."""
     labels = list(results["methods"])
     method, reference = pick_method(labels, method), pick_method(labels, reference)
     by_prompt = {label: {r["prompt_index"]: r for r in results["runs"] if r["method"] == label}
@@ -123,7 +131,7 @@ def compare_methods(results: dict, method: str, reference: str) -> dict:
     for kind, name in (("rate", "speedup"), ("perplexity", "perplexity_ratio")):
         mine = _parts([by_prompt[method][p] for p in prompts], kind)
         theirs = _parts([by_prompt[reference][p] for p in prompts], kind)
-        out[name] = _interval_dict(paired_ratio_interval(mine, theirs, kind, seed=seed))
+        out[name] = _interval_dict(paired_ratio_interval(mine, theirs, kind, seed=seed), mine, theirs, kind)
     return out
 
 
@@ -132,8 +140,12 @@ def describe(comparison: dict) -> list[str]:
     lines = [f"{comparison['method']} against {comparison['reference']}, {comparison['num_prompts']} prompts"]
     for name in ("speedup", "perplexity_ratio"):
         row = comparison[name]
-        lines.append(f"{name}: " + ("-" if row is None else
-                                    f"{row['ratio']:.3f} [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]"))
+        if row is None:
+            lines.append(f"{name}: -")
+        elif row["interval"] is None:
+            lines.append(f"{name}: {row['ratio']:.3f}")
+        else:
+            lines.append(f"{name}: {row['ratio']:.3f} [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]")
     if comparison["num_prompts"] < MIN_PROMPTS:
         lines.append(f"(no intervals under {MIN_PROMPTS} prompts)")
     return lines

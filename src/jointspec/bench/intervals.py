@@ -75,18 +75,18 @@ def paired_ratio_interval(method_parts: torch.Tensor, baseline_parts: torch.Tens
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(num_prompts, (num_resamples, num_prompts), generator=generator)
     resampled = parts[picks].sum(dim=1)  # [num_resamples, 4]: the four sums over each resample's prompts
-    ratios = _ratio(resampled, kind)
+    ratios = ratio_of_sums(resampled, kind)
     ratios = ratios[torch.isfinite(ratios)]  # a resample with no seconds / tokens for a side has no ratio
     if ratios.numel() < num_resamples // 2:
         return None
-    ratio = float(_ratio(parts.sum(dim=0, keepdim=True), kind)[0])
+    ratio = float(ratio_of_sums(parts.sum(dim=0, keepdim=True), kind)[0])
     tail = (1 - level) / 2
     low, high = torch.quantile(ratios, torch.tensor([tail, 1 - tail], dtype=ratios.dtype)).tolist()
     # The percentile interval of a skewed ratio can miss the point estimate by rounding; keep the contract.
     return RatioInterval(ratio, min(low, ratio), max(high, ratio))
 
 
-def _ratio(sums: torch.Tensor, kind: str) -> torch.Tensor:
+def ratio_of_sums(sums: torch.Tensor, kind: str) -> torch.Tensor:
     """``sums`` [n, 4] = (method a, method b, baseline a, baseline b) -> [n] ratios (inf / nan where undefined)."""
     if kind == "rate":
         return (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
