@@ -168,7 +168,9 @@ def test_train_draft_self_instruct_data_only_then_init(target_model, tmp_path, m
     common = ["train-draft", "--data", str(data), "--prompts", "self-instruct:6", "--max-new-tokens", "16",
               "--generate-batch-size", "4", "--no-progress"]
     assert cli.main(common + ["--out", str(tmp_path / "unused"), "--data-only"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    assert "self-instruct prompts" not in err  # its bar too keeps quiet under --no-progress
+    summary = json.loads(out.strip().splitlines()[-1])
     assert summary["data_spec"]["num_prompts"] == 6
     assert not (tmp_path / "unused" / "draft.json").exists()
     cached = json.loads((data / "self-instruct-6-seed0.json").read_text())

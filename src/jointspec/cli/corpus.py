@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     # Read first, so a wrong folder is refused before any prompt is answered.
     folder_answers = [answer for folder in args.answers_from for answer in data_folder_answers(folder, target)]
     sources = args.prompts or ["train:default"]
-    prompts, given = training_prompts(sources, tokenizer, target, eos, data, args.seed)
+    prompts, given = training_prompts(sources, tokenizer, target, eos, data, args.seed,
+                                      progress=not args.no_progress)
     given_answers = [list(answer) for answer in given if answer is not None]
     pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
     random.Random(args.seed).shuffle(pool)

@@ -36,6 +36,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default="default", help="whose tokenizer formats the turns (the run's target)")
     parser.add_argument("--curve", default=INT4_CURVE,
                         help="tokens:cost pairs relative to a 1-token step (default: the int4 embedded model's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (model loading's too)")
     parser.set_defaults(run=run)
 
 

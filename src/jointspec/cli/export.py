@@ -78,6 +78,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--verifier", default=None,
                         help="--format speculators: the target's name as the serving engine finds it (a hub id or a "
                              "path; default: --target's own path or id)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (model loading's too)")
     parser.set_defaults(run=run)
 
 

@@ -48,6 +48,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--record", action="store_true",
                         help="write each EAGLE head's top-1/2/3 hit rates, pooled over the sets, into its draft.json "
                              "as measured.top_w_hit_rate (what `default` sizes its tree by)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (model loading's too)")
     parser.set_defaults(run=run)
 
 

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     _check_extra_data(args, data, target)
     eos = eos_token_ids(target, tokenizer)
     prompts, answers = training_prompts(args.prompts, tokenizer, target, eos, data, args.seed,
-                                        args.generate_batch_size)
+                                        args.generate_batch_size, progress=not args.no_progress)
     if args.num_prompts:
         prompts, answers = prompts[:args.num_prompts], answers[:args.num_prompts]
     build_data(target, tokenizer, prompts, data, max_new_tokens=args.max_new_tokens,

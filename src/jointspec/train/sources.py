@@ -34,7 +34,7 @@ def _count(source: str, prefix: str) -> int:
 
 
 def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None, seed: int,
-                   batch_size: int) -> list[str]:
+                   batch_size: int, progress: bool = True) -> list[str]:
     """The prompts of a ``self-instruct:N`` source, sampled once and kept in ``data_folder`` for later runs."""
     count = _count(source, SELF_INSTRUCT_PREFIX)
     if target is None:
@@ -48,7 +48,7 @@ def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None
             return saved["prompts"]
         log.warning("ignoring %s: it was written for another target or with other settings", path)
     try:
-        prompts = self_instruct_prompts(target, tokenizer, config, eos)
+        prompts = self_instruct_prompts(target, tokenizer, config, eos, progress=progress)
     except ValueError as error:
         raise UnsupportedOptionError(f"'{source}': {error}") from error
     if path is not None:
@@ -111,13 +111,14 @@ def jsonl_prompts(path: Path) -> list[str]:
 
 
 def training_prompts(sources: list[str] | None, tokenizer, target=None, eos: frozenset[int] = frozenset(),
-                     data_folder: Path | None = None, seed: int = 0,
-                     batch_size: int = 16) -> tuple[list[list[int]], list[list[int] | None]]:
+                     data_folder: Path | None = None, seed: int = 0, batch_size: int = 16,
+                     progress: bool = True) -> tuple[list[list[int]], list[list[int] | None]]:
     """Prompt token ids (chat template applied) from the ``--prompts`` sources, and per prompt its given answer's
-    token ids (``sharegpt:N``) or ``None`` (the target answers it)."""
+    token ids (``sharegpt:N``) or ``None`` (the target answers it). ``progress``: a bar while the target writes
+    ``self-instruct:N`` prompts."""
     texts: list[str] = []
     given: list[str | None] = []
-    context = _SourceContext(tokenizer, target, eos, data_folder, seed, batch_size)
+    context = _SourceContext(tokenizer, target, eos, data_folder, seed, batch_size, progress)
     for source in sources or ["train:default"]:
         prompts, answers = _read_source(source, context)
         texts.extend(prompts)
@@ -144,6 +145,7 @@ class _SourceContext:
     data_folder: Path | None
     seed: int
     batch_size: int
+    progress: bool = True
 
 
 def _sharegpt(source: str, context: _SourceContext) -> tuple[list[str], list[str]]:
@@ -169,7 +171,7 @@ _NAMED = {"train:default": lambda source, context: default_training_prompts(),
           "train:code": lambda source, context: stdlib_code_prompts(300)}
 _PREFIXED = {SELF_INSTRUCT_PREFIX: lambda source, context: _self_instruct(
                  source, context.target, context.tokenizer, context.eos, context.data_folder, context.seed,
-                 context.batch_size),
+                 context.batch_size, context.progress),
              SHAREGPT_PREFIX: _sharegpt,
              SHAREGPT_PROMPTS_PREFIX: lambda source, context: [
                  e.prompt for e in sharegpt_exchanges(_count(source, SHAREGPT_PROMPTS_PREFIX), context.seed)],
