@@ -240,6 +240,28 @@ def test_head_agreement_refuses_to_record_what_it_does_not_measure(tmp_path, mon
     assert code == 2 and "holds no readable draft.json" in err
 
 
+def test_head_agreement_records_nothing_it_did_not_measure(trained_head, target_model, prompt_file, tmp_path,
+                                                           monkeypatch, capsys):
+    """Answers of one token score no position, and an empty set or list of sets scores nothing: --record wrote hit
+    rates of 0 % (what default sizes its tree by) over 0 tokens. Refused now, the head's draft.json untouched; the
+    empty sets before the model loads."""
+    import shutil
+
+    head = tmp_path / "head"
+    shutil.copytree(trained_head, head)
+    before = (head / "draft.json").read_text()
+    monkeypatch.setattr(head_agreement_cli, "load_target", tiny_loader(target_model))
+    code, _, err = run_cli(capsys, "head-agreement", "--sets", str(prompt_file), "--num-prompts", "2",
+                           "--max-new-tokens", "1", "--record", str(head))
+    assert code == 2 and "no answer position was scored" in err, err
+    assert (head / "draft.json").read_text() == before
+    monkeypatch.setattr(head_agreement_cli, "load_target", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "empty.jsonl").write_text("")
+    for sets, reason in ((",", "names no prompt set"), (str(tmp_path / "empty.jsonl"), "holds no prompts")):
+        code, _, err = run_cli(capsys, "head-agreement", "--sets", sets, "--record", str(head))
+        assert code == 2 and reason in err, err
+
+
 def test_corpus_replay_ranks_a_table_of_the_answers_above_an_unrelated_one(bench_run, target_model, prompt_file,
                                                                          tmp_path, monkeypatch, capsys):
     from jointspec.drafters.corpus import NgramTable

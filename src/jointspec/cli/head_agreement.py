@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         target_answers,
     )
     from jointspec.bench.prompts import load_prompts
+    from jointspec.core.errors import JointspecError
     from jointspec.drafts.artifact import float_lm_weight
     from jointspec.methods import MethodConfig
     from jointspec.train.heads import HeadTrainConfig, HeadTrainer
@@ -112,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sets = [name.strip() for name in args.sets.split(",") if name.strip()]
+    if not sets:
+        raise JointspecError(f"--sets names no prompt set ('{args.sets}'); e.g. --sets mt_bench,humaneval")
     prompts = {name: load_prompts(_prompt_source(name)) for name in sets}  # a bad set fails before the model loads
+    empty = [name for name in sets if not prompts[name]]
+    if empty:
+        raise JointspecError(f"prompt set {', '.join(empty)} holds no prompts")
     kinds = _draft_kinds(args.drafts, args.record)
     target, tokenizer = load_target(args.target, quantize=args.quantize)
     drafts = _load_drafts(kinds, target)
@@ -140,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
         if args.record:
             pooled = sum(scores.values(), HeadAgreement())
+            if not pooled.tokens:  # rates of 0 % would replace what default sizes its tree by
+                raise JointspecError(f"nothing recorded for '{folder}': no answer position was scored (answers of "
+                                     f"up to {args.max_new_tokens} new tokens); give --max-new-tokens 2 or more")
             rates = pooled.top_w_hit_rate()
             num_prompts = sum(len(items) for items in answers.values())
             how = (f"teacher-forced on the target's greedy answers to {num_prompts} prompts of {', '.join(sets)} "
