@@ -281,6 +281,29 @@ def test_corpus_replay_ranks_a_table_of_the_answers_above_an_unrelated_one(bench
     assert rates["answers"]["tokens_per_cost"] > rates["unrelated"]["tokens_per_cost"]
 
 
+def test_corpus_replay_refuses_a_table_of_another_tokenizer_and_a_sampled_run(bench_run, target_model, prompt_file,
+                                                                               tmp_path, monkeypatch, capsys):
+    """A table built under another tokenizer (same vocabulary size) was replayed and could even rank first, though
+    `corpus` refuses it; a sampled run was replayed as if its answers were greedy. Both refused, by name."""
+    from jointspec.drafters.corpus import NgramTable, tokenizer_fingerprint
+
+    from helpers import FakeTokenizer
+
+    folder, _, _ = bench_run
+    other = FakeTokenizer({f"other{i}": i for i in range(VOCAB)})
+    NgramTable.build([list(range(3, VOCAB))], VOCAB, max_order=3, min_count=1).save(
+        tmp_path / "other", {"tokenizer_fingerprint": tokenizer_fingerprint(other)})
+    monkeypatch.setattr(corpus_replay_cli, "load_target", tiny_loader(target_model))
+    args = ["corpus-replay", "--method", "ar", "--prompts", str(prompt_file), str(tmp_path / "other")]
+    code, _, err = run_cli(capsys, *args[:1], "--results", str(folder / "results.json"), *args[1:])
+    assert code == 2 and "was built under another tokenizer" in err, err
+    sampled = json.loads((folder / "results.json").read_text())
+    sampled["config"]["temperature"] = 0.8
+    (tmp_path / "sampled.json").write_text(json.dumps(sampled))
+    code, _, err = run_cli(capsys, *args[:1], "--results", str(tmp_path / "sampled.json"), *args[1:])
+    assert code == 2 and "is a sampled run (temperature 0.8)" in err, err
+
+
 def test_bench_intervals_under_eight_prompts_gives_the_ratio_without_an_interval(bench_run, capsys, tmp_path):
     """Under 8 prompts there is no interval, but the ratio is still the run's (it printed '-' for both and null in the
     JSON): the same pooled ratio as the summed tokens and seconds give."""

@@ -44,14 +44,21 @@ def run(args: argparse.Namespace) -> int:
     from jointspec.bench.compare import load_results, pick_method
     from jointspec.bench.corpus_replay import parse_curve, replay, replay_summary, runs_by_prompt
     from jointspec.bench.prompts import load_prompts
-    from jointspec.drafters.corpus import NgramTable
+    from jointspec.core.errors import JointspecError
+    from jointspec.drafters.corpus import NgramTable, table_for
 
     results = load_results(args.results)
     method = pick_method(list(results["methods"]), args.method)
+    temperature = results.get("config", {}).get("temperature", 0.0) or 0.0
+    if temperature > 0:  # a sampled answer is one draw: drafts matching it say nothing of what greedy accepts
+        raise JointspecError(f"'{args.results}' is a sampled run (temperature {temperature}); the replay scores "
+                             "drafts against greedy answers: give a bench run at temperature 0")
     curve = parse_curve(args.curve)
     runs = runs_by_prompt(results, method, load_prompts(args.prompts))
     tables = {folder: NgramTable.load(folder)[0] for folder in args.tables}  # a bad folder fails before the model
-    _, tokenizer = load_target(args.model, quantize="none")
+    target, tokenizer = load_target(args.model, quantize="none")
+    for folder in tables:  # a table of another tokenizer drafts other tokens: refused, as `corpus` refuses it
+        table_for(folder, tokenizer, target.vocab_size)
     report = {}
     for folder, table in tables.items():
         turns = replay(table, tokenizer, runs, curve)
