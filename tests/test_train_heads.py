@@ -12,7 +12,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 
-from helpers import sps_acceptance, tiny_training_data, untrained_head
+from helpers import random_prompt, sps_acceptance, tiny_training_data, untrained_head
 
 
 def test_training_raises_acceptance_well_above_the_untrained_head(target_model, trained_head_dir, tmp_path):
@@ -52,22 +52,55 @@ def test_target_argmax_is_kept_in_the_data_folder_and_reused(target_model, tmp_p
     assert calls and len(torch.load(data / heads_module.ARGMAX_FILE)) > 1
 
 
-def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, tmp_path_factory, tmp_path):
+def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, tmp_path_factory, tmp_path,
+                                                                   monkeypatch):
     """Stopping rules (--max-minutes, --patience) do not change what a step computes, so a run they stopped
-    resumes from its checkpoint when given more room, and ends where an uncapped run ends."""
+    resumes from its checkpoint when given more room, and ends where an uncapped run ends: the same weights and the
+    same evaluations. The cap's own evaluation, off the schedule, is not in the resumed bookkeeping (counted towards
+    --patience, or kept as the best to beat, it made a resumed run stop or save elsewhere)."""
+    from jointspec.train import heads as heads_module
+
     data = tiny_training_data(tmp_path_factory, target_model)
     target = CausalLM(target_model, name="tiny-target")
     settings = dict(draft_vocab_size=40, epochs=2, batch_tokens=512, warmup_steps=2, eval_every=3, eval_fraction=0.1)
     _, capped = HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=0.0)).train(data, tmp_path / "a",
                                                                                         progress=False)
     assert [h.step for h in capped.history] == [1]  # the cap stops it after its first step
+    steps, step = [], heads_module._Run.step
+    monkeypatch.setattr(heads_module._Run, "step", lambda run, group: steps.append(1) or step(run, group))
     resumed, result = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "a",
                                                                                            progress=False)
+    resumed_steps = len(steps)
     uncapped, full = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "b",
                                                                                           progress=False)
-    assert result.history[0] == capped.history[0]  # kept from the first run: resumed, not restarted
-    assert [h.step for h in result.history][-1] == [h.step for h in full.history][-1] > 1
+    assert resumed_steps == len(steps) - resumed_steps - 1  # resumed after its first step, not restarted
+    assert result.history == full.history and [h.step for h in full.history][-1] > 1
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uncapped.state_dict().values()))
+
+
+def test_a_checkpoint_made_on_other_data_is_not_resumed(target_model, tmp_path_factory, tmp_path, monkeypatch):
+    """A checkpoint was matched on the settings and the draft vocabulary only, and a full vocabulary matches on any
+    data: a second run on other data resumed the first's head and bookkeeping. It starts over now: every one of its
+    steps runs in it (a resumed run would skip the checkpoint's one)."""
+    from jointspec.train import heads as heads_module
+    from jointspec.train.data import build_data
+
+    target = CausalLM(target_model, name="tiny-target")
+    first = tiny_training_data(tmp_path_factory, target_model)
+    other = tmp_path / "other"
+    build_data(target, None, [random_prompt(500 + i, length=8) for i in range(24)], other, max_new_tokens=24,
+               max_length=64, shard_size=12, batch_size=8)
+    settings = dict(draft_vocab_size=None, epochs=1, batch_tokens=256, warmup_steps=1, eval_every=2,
+                    eval_fraction=0.2)
+    HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=0.0)).train(first, tmp_path / "a", progress=False)
+    saved = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["step"] == 1
+    steps, step = [], heads_module._Run.step
+    monkeypatch.setattr(heads_module._Run, "step", lambda run, group: steps.append(1) or step(run, group))
+    HeadTrainer(target, HeadTrainConfig(**settings)).train(other, tmp_path / "a", progress=False)
+    kept = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    assert kept["data_digest"] != saved["data_digest"]
+    assert len(steps) == kept["state"]["step"] > 1
 
 
 def test_the_held_out_split_follows_content_not_the_pool():

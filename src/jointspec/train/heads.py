@@ -25,6 +25,7 @@ tokens the draft vocabulary covers.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -485,6 +486,18 @@ class _TrainingData:
     draft_weight: torch.Tensor  # [draft vocab, hidden] the target's LM head rows of ``vocab``
 
 
+def _data_digest(data: _TrainingData) -> str:
+    """A hash of the training and held-out examples' tokens, in order: what a checkpoint is resumed on."""
+    digest = hashlib.sha256()
+    for part in (data.train_seqs, data.eval_seqs):
+        digest.update(len(part).to_bytes(8, "little"))
+        for sequence in part:
+            tokens = torch.as_tensor(sequence[0]).to(torch.int64).contiguous()
+            digest.update(tokens.numel().to_bytes(8, "little"))
+            digest.update(tokens.numpy().tobytes())
+    return digest.hexdigest()
+
+
 class _Run:
     """One training run of a :class:`HeadTrainer`: the optimiser, schedule, checkpoint and best-head bookkeeping."""
 
@@ -499,6 +512,7 @@ class _Run:
         self.steps_per_epoch = len(_batches(data.train_seqs, config.batch_tokens, random.Random(0)))
         self.total_steps = self.steps_per_epoch * config.epochs
         self.checkpoint = out_folder / "checkpoint.pt"
+        self.data_digest = _data_digest(data)
         self.state = {"step": 0, "best": None, "history": [], "bad_evals": 0, "seconds": 0.0}
         self._resume()
         self.settings = asdict(config)
@@ -519,7 +533,9 @@ class _Run:
         if not self.checkpoint.exists():
             return
         saved = torch.load(self.checkpoint, weights_only=False)
-        if _trajectory(saved["config"]) == _trajectory(asdict(self.config)) and saved["vocab"].equal(self.data.vocab):
+        # The same settings, vocabulary and data (the examples themselves: a full vocabulary is the same on any data).
+        if (_trajectory(saved["config"]) == _trajectory(asdict(self.config)) and saved["vocab"].equal(self.data.vocab)
+                and saved.get("data_digest") == self.data_digest):
             self.head.load_state_dict(saved["head"])
             self.optimizer.load_state_dict(saved["optimizer"])
             self.state = saved["state"]
@@ -584,14 +600,21 @@ class _Run:
         """Evaluate and checkpoint when due; True when training should stop (patience or time spent)."""
         config, state = self.config, self.state
         timed_out = config.max_minutes is not None and time.perf_counter() - self.started > 60 * config.max_minutes
-        if not (state["step"] % config.eval_every == 0 or state["step"] == self.total_steps or timed_out):
+        scheduled = state["step"] % config.eval_every == 0 or state["step"] == self.total_steps
+        if not (scheduled or timed_out):
             return False
+        # An evaluation off the schedule (the time cap fell between two) still saves the head if it is the best yet,
+        # but the checkpoint keeps the bookkeeping of the scheduled ones only: counted towards --patience or kept as
+        # the best to beat, it made a resumed run end elsewhere than an uninterrupted one.
+        kept = copy.deepcopy(state) if not scheduled else None
         self.evaluate_and_keep_best()
         state["seconds"] = time.perf_counter() - self.started
+        if kept is not None:
+            kept["seconds"] = state["seconds"]
         tmp = self.checkpoint.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"config": asdict(config), "vocab": self.data.vocab, "head": self.head.state_dict(),
-                    "optimizer": self.optimizer.state_dict(), "state": state,
-                    "generator": self.generator.get_state()}, tmp)
+        torch.save({"config": asdict(config), "vocab": self.data.vocab, "data_digest": self.data_digest,
+                    "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "state": state if kept is None else kept, "generator": self.generator.get_state()}, tmp)
         os.replace(tmp, self.checkpoint)
         return state["bad_evals"] >= config.patience or timed_out
 
