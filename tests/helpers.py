@@ -104,7 +104,8 @@ def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
     """What a 4-, 5-, 6- or 8-bit grouped layer computes from float32 ``x`` [rows, in] (csrc/products.cpp,
     multiply_q8), in float64, and the magnitude of its terms (for a tolerance): each group of 32 inputs rounded to
     ``q = round(x * 127 / max|x|)`` (ties to even, float32 as the kernel rounds), then per group (or per 16 inputs,
-    where the weights' scales are) ``scale * step * sum(level * q)``, plus ``minimum * sum(x)`` for 4 and 5 bits."""
+    where the weights' scales are) ``scale * step * sum(level * q)``, plus ``minimum * step * sum(q)`` for 4 and 5
+    bits: the dequantised weights times the rounded inputs."""
     rows, width = x.shape
     groups = width // 32
     if layer.bits in (6, 8):  # signed levels, 6 bits in their own storage
@@ -129,7 +130,7 @@ def q8_reference(x: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = scale[None] * step.double().repeat_interleave(2, dim=1)[:, None, :]
     out, magnitude = (scaled * dots).sum(-1), (scaled.abs() * magnitudes).sum(-1)
     if layer.bits in (4, 5):
-        lows = layer.group_scales()[1].double()[None] * xg.double().sum(-1)[:, None, :]
+        lows = layer.group_scales()[1].double()[None] * (step.double() * q.sum(-1))[:, None, :]
         out, magnitude = out + lows.sum(-1), magnitude + lows.abs().sum(-1)
     return out, magnitude
 

@@ -134,6 +134,34 @@ def test_quantised_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_doe
     assert difference.max() > 1e-3
 
 
+@pytest.mark.parametrize("bits", [4, 5])
+def test_8_bit_inputs_give_the_dequantised_weights_times_the_rounded_inputs(bits):
+    """The minimum's (or the offset's) term takes the rounded inputs too, as llama.cpp's Q8_1 sum does, so a 4- or
+    5-bit layer on 8-bit inputs is exactly its dequantised weights times the rounded inputs: the rounding errors are
+    then weighted by the whole weights, which centre on zero. With the inputs' exact sum in that term they were
+    weighted by the levels' part alone (all of one sign), and the output was two to three times further from the
+    float product. Deterministic: no false failures."""
+    from jointspec.kernels.grouped import GroupedInt5Linear
+
+    layer = linear(64, 320, seed=4)
+    quantized = GroupedInt4Linear(layer)
+    if bits == 5:
+        fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (64, 10), generator=torch.Generator().manual_seed(5),
+                              dtype=torch.int32)
+        quantized = GroupedInt5Linear.from_levels(quantized.packed, fifth, quantized.scale, quantized.minimum)
+    x = torch.randn(7, 320, generator=torch.Generator().manual_seed(6)) * 3
+    groups = x.reshape(7, 10, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    rounded = (torch.round(groups * (127.0 / top)) * (top / 127.0)).reshape(7, 320).double()
+    weights = quantized.dequantized().double()
+    with torch.no_grad():
+        out = quantized(x).double()
+    reference, magnitude = rounded @ weights.T, rounded.abs() @ weights.abs().T
+    assert ((out - reference).abs() <= 1e-5 * magnitude + 1e-6).all()
+    # and the rounding moved the product (the check above is not of the float product)
+    assert (reference - x.double() @ weights.T).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 def test_scales_kept_as_halves_give_the_float32_scales_bits(isa):
     """A file's float16 scales and minima (Q4_0/Q4_1/Q5_0/Q5_1) are kept as halves, a sixth fewer bytes to read; the

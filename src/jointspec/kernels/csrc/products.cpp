@@ -83,7 +83,10 @@ inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int
 // 4-, 5- and 8-bit weights against 8-bit inputs, the way llama.cpp multiplies its blocks: each input row is
 // rounded to signed 8-bit levels per group of 32 inputs (step = the group's largest |x| / 127, as llama.cpp's Q8_0),
 // then a group's product is an exact integer sum of level products, scaled once:
-//   sum_i (l_i * s + m) * x_i  ~  s * step * sum_i l_i * q_i  +  m * sum_i x_i
+//   sum_i (l_i * s + m) * x_i  ~  s * step * sum_i l_i * q_i  +  m * step * sum_i q_i
+// The minimum's term takes the rounded inputs too, as llama.cpp's Q8_1 sum does: the rounding errors e_i = step q_i -
+// x_i are then weighted by the weights l_i s + m, which centre on zero, where with the exact sum of x_i they were
+// weighted by l_i s alone (0 to 15 s, all one sign), two to three times the error on the embedded model's layers.
 // The integer products take a fraction of the instructions that dequantising each weight to float does, which is
 // what a decoding step on weights that do not fit in cache is short of (docs/kernels.md, "8-bit inputs"). Each
 // (weight row, input row) pair is still computed alone and by fixed operations: the integer lanes of simd.h's quad
@@ -95,7 +98,7 @@ struct QuantisedInputs {
   int64_t stride = 0;          // an input row's levels: k, or k rounded up to a whole quad (quad layout)
   std::vector<int8_t> levels;  // [rows, stride]: in simd.h's pair layout, or its quad layout (`quad`); padding 0
   std::vector<float> step;     // [rows, groups]
-  std::vector<float> sum;      // [rows, groups]: the group's float inputs summed (for the minimum's term)
+  std::vector<float> sum;      // [rows, groups]: step * the group's levels summed (for the minimum's term)
 };
 
 QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k, bool quad) {
@@ -107,8 +110,9 @@ QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k, bool qu
       for (int64_t g = 0; g < groups; ++g) {
         const float* xg = x + r * k + g * kGroup;
         const int64_t at = quad ? (g / 4) * 128 + (g % 4) * 16 : (g / 2) * 64 + (g % 2) * 16;
-        simd::quantise_group(xg, q.levels.data() + r * stride + at, q.step[r * groups + g], quad ? 64 : 32);
-        q.sum[r * groups + g] = simd::reduce_add(simd::add(simd::load(xg), simd::load(xg + 16)));
+        float& step = q.step[r * groups + g];
+        const int total = simd::quantise_group(xg, q.levels.data() + r * stride + at, step, quad ? 64 : 32);
+        q.sum[r * groups + g] = step * static_cast<float>(total);  // one rounding: every build's bits
       }
   });
   return q;

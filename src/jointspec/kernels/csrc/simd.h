@@ -515,15 +515,16 @@ inline V16 dot4_signed(L64 w, L64 q) {
 }
 // Inputs x[0 .. 31] of one group as levels q = round(x / step) (ties to even), step = max |x| / 127; q[i] goes to
 // out[i] for i < 16 and out[high + i - 16] for the rest (high: 32 in the pair layout above, 64 in the quad layout,
-// with out at the group's first byte).
-inline void quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
+// with out at the group's first byte). Returns the levels' sum, an integer (exact in any order, so every build's).
+inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   step = top / 127.0f;
   const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + high),
-                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))));
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + high), _mm512_cvtsepi32_epi8(qb));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
 #elif defined(JOINTSPEC_ISA_AVX2)
@@ -678,7 +679,7 @@ inline __m256 dot4_signed_8(__m256i w, __m256i q) {
   return _mm256_cvtepi32_ps(dot4_add8(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(q, w)));
 }
 inline V16 dot4_signed(L64 w, L64 q) { return {dot4_signed_8(w.lo, q.lo), dot4_signed_8(w.hi, q.hi)}; }
-inline void quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
+inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], top8 = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -698,6 +699,10 @@ inline void quantise_group(const float* x, int8_t* out, float& step, int64_t hig
   const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + high), _mm256_extracti128_si256(bytes, 1));
+  const __m256i eight = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i four = _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+  four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1)));
 }
 
 #else  // portable
@@ -814,12 +819,18 @@ inline V16 dot4_six(const L64& u, const L64& q, const I16& base) {
   return r;
 }
 inline V16 dot4_signed(const L64& w, const L64& q) { return dot4(w, q); }
-inline void quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
+inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   float top = 0.0f;
   for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
   step = top / 127.0f;
   const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-  for (int i = 0; i < 32; ++i) out[i < 16 ? i : high + i - 16] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+  int total = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int8_t level = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+    out[i < 16 ? i : high + i - 16] = level;
+    total += level;
+  }
+  return total;
 }
 #endif
 
