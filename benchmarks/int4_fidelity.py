@@ -40,10 +40,14 @@ def main() -> None:
     from jointspec.backends.loading import gguf_path, load_model
     from jointspec.bench.prompts import load_prompts
     from jointspec.kernels.grouped import float_inputs
+    from jointspec.kernels.quantize import quantization_mode
 
     if args.threads:
         torch.set_num_threads(args.threads)
     int4, tokenizer = load_model(args.model, quantize="auto")
+    if quantization_mode(int4.model) != "int4":
+        raise SystemExit(f"--quantize auto keeps {args.model or 'the embedded model'} in float here: no int4 layers "
+                         "to measure (a GGUF file of 4- or 5-bit blocks, on a CPU the kernels run on, has them)")
     fp32, _ = load_model(args.model, quantize="none")
     llama, gguf = None, gguf_path(args.model)
     try:
