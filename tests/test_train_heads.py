@@ -78,6 +78,46 @@ def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, 
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), uncapped.state_dict().values()))
 
 
+def test_a_cap_between_evaluations_does_not_save_a_head_the_schedule_would_not(target_model, tmp_path_factory,
+                                                                                 tmp_path, monkeypatch):
+    """The cap's own evaluation, off the schedule, used to save the head where it beat the scheduled best; a resumed
+    run then ended with that head on disk (and a result naming another), where an uninterrupted run saves the
+    scheduled one. Scripted scores (0.5 at step 3, 0.9 at the cap's step 4) and a clock of one second a step make it
+    deterministic: no false failures."""
+    import json
+    from dataclasses import asdict
+
+    from jointspec.train import heads as heads_module
+    from jointspec.train.heads import EvalResult
+
+    data = tiny_training_data(tmp_path_factory, target_model)
+    target = CausalLM(target_model, name="tiny-target")
+    clock = [0.0]
+    monkeypatch.setattr(heads_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    step = heads_module._Run.step
+
+    def timed_step(run, group):
+        clock[0] += 1.0
+        return step(run, group)
+
+    def scripted(self, head, *args):
+        return EvalResult(step=args[-1], agreement=[{3: 0.5, 4: 0.9}.get(args[-1], 0.1)], loss=1.0,
+                          vocab_coverage=1.0)
+
+    monkeypatch.setattr(heads_module._Run, "step", timed_step)
+    monkeypatch.setattr(HeadTrainer, "evaluate", scripted)
+    settings = dict(draft_vocab_size=40, epochs=2, batch_tokens=512, warmup_steps=2, eval_every=3, eval_fraction=0.1,
+                    patience=100)
+    saved_best = lambda folder: json.loads((folder / "draft.json").read_text())["training"]["best"]  # noqa: E731
+    HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=3.5 / 60)).train(data, tmp_path / "a", progress=False)
+    assert saved_best(tmp_path / "a")["step"] == 3  # the scheduled best, not the cap's better one
+    clock[0] = 0.0
+    _, resumed = HeadTrainer(target, HeadTrainConfig(**settings)).train(data, tmp_path / "a", progress=False)
+    clock[0] = 0.0
+    _, full = HeadTrainer(target, HeadTrainConfig(**settings)).train(data, tmp_path / "b", progress=False)
+    assert saved_best(tmp_path / "a") == saved_best(tmp_path / "b") == asdict(full.best) == asdict(resumed.best)
+
+
 def test_a_checkpoint_made_on_other_data_is_not_resumed(target_model, tmp_path_factory, tmp_path, monkeypatch):
     """A checkpoint was matched on the settings and the draft vocabulary only, and a full vocabulary matches on any
     data: a second run on other data resumed the first's head and bookkeeping. It starts over now: every one of its

@@ -552,7 +552,10 @@ class _Run:
         progress = (step - config.warmup_steps) / max(1, self.total_steps - config.warmup_steps)
         return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    def evaluate_and_keep_best(self, prefix: str = "") -> None:
+    def evaluate_and_keep_best(self, prefix: str = "", scheduled: bool = True) -> None:
+        """Evaluate, and save the head where it is the best yet. An evaluation off the schedule (the time cap fell
+        between two) saves it only where no scheduled one has been kept: a head that beat the scheduled best there
+        would stay on disk after a resumed run that an uninterrupted one never saves."""
         data, state = self.data, self.state
         result = self.trainer.evaluate(self.head, data.eval_seqs, data.eval_labels_of, data.draft_weight,
                                        data.draft_index, state["step"])
@@ -560,6 +563,8 @@ class _Run:
         log.info(prefix + result.line())
         if self.bar is not None:
             self.bar.write(prefix + result.line())
+        if not scheduled and state["best"] is not None:
+            return
         if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
             state["best"], state["bad_evals"] = asdict(result), 0
             self.head.save(self.out_folder, training={"best": state["best"], "settings": self.settings,
@@ -603,11 +608,11 @@ class _Run:
         scheduled = state["step"] % config.eval_every == 0 or state["step"] == self.total_steps
         if not (scheduled or timed_out):
             return False
-        # An evaluation off the schedule (the time cap fell between two) still saves the head if it is the best yet,
-        # but the checkpoint keeps the bookkeeping of the scheduled ones only: counted towards --patience or kept as
-        # the best to beat, it made a resumed run end elsewhere than an uninterrupted one.
+        # The checkpoint keeps the bookkeeping of the scheduled evaluations only: an evaluation off the schedule,
+        # counted towards --patience or kept as the best to beat, made a resumed run end elsewhere than an
+        # uninterrupted one.
         kept = copy.deepcopy(state) if not scheduled else None
-        self.evaluate_and_keep_best()
+        self.evaluate_and_keep_best(scheduled=scheduled)
         state["seconds"] = time.perf_counter() - self.started
         if kept is not None:
             kept["seconds"] = state["seconds"]
