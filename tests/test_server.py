@@ -141,6 +141,22 @@ def test_a_request_for_another_method_does_not_inherit_the_servers_method_knobs(
         served.close()
 
 
+def test_the_request_options_docs_serving_md_shows_are_accepted():
+    """Every ``"jointspec": {...}`` example in docs/serving.md passes the server's checks (an example asked ``mtad``
+    for ``verify``, a setting it does not read, which the server refuses). Deterministic: no false failures."""
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    found = [json.loads(found) for found in re.findall(r'"jointspec": (\{[^{}]*\})', text)]
+    examples = [options for options in found if "method" in options]  # requests, not the answers' usage field
+    assert len(examples) >= 2
+    served = SimpleNamespace(method=MethodConfig(name="default"))
+    for options in examples:
+        assert ServingEngine.method_for(served, options).name == options["method"], options
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_ends_every_method_at_the_token_that_completed_it(stream, client, engine, byte_model,
                                                                         tokenizer):
