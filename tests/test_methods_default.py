@@ -175,3 +175,29 @@ def test_default_drafts_with_the_table_shipped_for_the_tokenizer(tmp_path, monke
     other = FakeTokenizer({f"u{i}": i for i in range(VOCAB)})  # no table for this one: prompt lookup
     drafter, _ = build_method(MethodContext(MethodConfig(name="default"), target, other, None))
     assert isinstance(drafter.inner, PromptLookupDrafter)
+
+
+def test_default_verifies_token_wise_on_a_chain_only_target_whatever_its_config_says(target_model):
+    """On a target that scores no trees and exposes no features (llama.cpp's adapter) `default` with a draft runs
+    `hybrid`; it copied its whole config there, so a `verify` that reached it (the Python API, a spec) turned on
+    block verification on those targets alone, while `default` declares no `verify` and refuses it everywhere else.
+    Deterministic: no false failures."""
+    import dataclasses
+
+    import pytest
+
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.verifiers.block import BlockVerifier
+
+    class ChainOnly(CausalLM):
+        @property
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities, trees=False, features=False)
+
+    def build(verify: str):
+        config = dataclasses.replace(MethodConfig(name="default", draft="self"), verify=verify)
+        return build_method(MethodContext(config, ChainOnly(target_model, name="chain-only"), None, None))
+
+    assert not isinstance(build("token")[1], BlockVerifier)
+    with pytest.raises(UnsupportedOptionError, match="no block verification"):
+        build("block")  # refused, as on every other target

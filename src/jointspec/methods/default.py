@@ -46,7 +46,7 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
         """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),
         else prompt lookup alone (pld)."""
         table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
-        return replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True)
+        return replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True, verify="token")
 
     # Trees and heads need a target that scores trees and exposes hidden states (llama.cpp's adapter does neither).
     capabilities = context.target.capabilities
@@ -61,7 +61,9 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
                         and not context.config.tree and not context.config.tree_budget):
         config = lookup()
     elif not trees_and_heads:
-        config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True)
+        # Verified token-wise, as everywhere else `default` runs: it does not read `verify` (a --verify is refused
+        # by name), so a chain-only target must not obey one that reached its config another way.
+        config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True, verify="token")
     else:
         config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)
         # Its lookup half drafts as `corpus` where a table is shipped for the tokenizer: on the float32 SmolLM2 that
