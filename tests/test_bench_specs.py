@@ -29,7 +29,7 @@ def test_spec_parsing():
 @pytest.mark.parametrize("text,message", [
     ("nope", "unknown method 'nope'.*choose one of: .*ar.*hf-generate.*pld"),
     ("pld:bogus=1", "unknown option 'bogus' for method 'pld'; valid options: .*num_draft_tokens"),
-    ("pld:beam=4", "unknown option 'beam' for method 'pld'; valid options: .*num_draft_tokens"),  # one it ignores
+    ("pld:beams=4", "unknown option 'beams' for method 'pld'; valid options: .*num_draft_tokens"),  # one it ignores
     ("ar:draft=self", "unknown option 'draft' for method 'ar'; valid options: backend"),
     ("hf-pld:draft=x", "unknown option 'draft' for method 'hf-pld'; valid options: num_draft_tokens, max_ngram"),
     ("pld:n", "must be key=value"),

@@ -40,6 +40,20 @@ def test_bench_refuses_a_report_dir_it_could_not_write_before_running(capsys, tm
     assert_clean_error(code, err, "jointspec: error:", "--report-dir", "is a file")
 
 
+@pytest.mark.parametrize("flags", [["--beam-width", "8"], ["--tree", "4,2,2"], ["--draft", "self"]])
+def test_bench_refuses_a_shared_option_no_method_of_it_reads(capsys, tmp_path, flags):
+    # Accepted, every row ignored it. No model at that path: the refusal comes before anything loads.
+    code, _, err = run_cli(capsys, "bench", "--model", str(tmp_path / "no-model"), "--methods", "ar,pld", *flags,
+                           "--no-progress")
+    assert_clean_error(code, err, "jointspec: error:", flags[0], "(ar, pld)", "would be ignored")
+
+
+def test_bench_takes_a_shared_option_one_of_its_methods_reads(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "bench", "--model", str(tmp_path / "no-model"), "--methods", "ar,spectr",
+                           "--beam-width", "3", "--no-progress")
+    assert code != 0 and "would be ignored" not in err and "no-model" in err  # it got as far as loading
+
+
 def test_export_names_the_format_it_was_asked_for(capsys, tmp_path):
     head = tmp_path / "head"
     head.mkdir()

@@ -14,19 +14,28 @@ from jointspec.bench.engines import hf_settings
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompt_sets, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
-from jointspec.bench.specs import MethodSpecError, all_method_names, method_config, parse_spec, parse_specs
+from jointspec.bench.specs import (
+    MethodSpecError,
+    all_method_names,
+    method_config,
+    parse_spec,
+    parse_specs,
+    valid_keys,
+)
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
     add_model_arguments,
     apply_threads,
     check_dynamic_tree,
     check_output_folder,
+    cli_flag,
     method_config_from_args,
     model_loader,
     model_options,
     positive_int,
     prebuild_kernels,
 )
+from jointspec.methods.registry import options_set
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
 load_target = load_model
@@ -82,6 +91,17 @@ def _auto_quantize(args: argparse.Namespace, specs) -> str:
     return resolve_quantize("auto", args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
 
 
+def check_shared_options(defaults, specs) -> None:
+    """Refuse a shared method option (``--beam-width 8``) that no method of the bench reads: it would be ignored by
+    every row, as ``generate`` refuses one its method does not read. One that some row reads is that row's setting."""
+    unread = [option for option in options_set(defaults)
+              if not any(option in valid_keys(spec.name) for spec in specs)]
+    if unread:
+        raise MethodSpecError(f"no method of --methods ({', '.join(spec.label for spec in specs)}) reads "
+                              f"{', '.join(cli_flag(option) for option in unread)}, so it would be ignored; "
+                              "`jointspec methods` lists what each method reads")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.method is not None:
         raise MethodSpecError(f"bench runs the methods of --methods (comma-separated specs, e.g. --methods ar,"
@@ -101,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                              auto_quantize=_auto_quantize(args, specs), kv_cache=args.kv_cache)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
+    check_shared_options(defaults, specs)
     for spec in specs:  # bad option values fail here, before the model loads
         if spec.is_hf:
             hf_settings(spec, defaults)
