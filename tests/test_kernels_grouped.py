@@ -1097,3 +1097,26 @@ def test_a_forced_build_serves_every_kernels_call_inside_its_block():
         expected = CausalLM(quantize_model(grouped_llama(2), "int4"), name="int4 portable").forward(
             random_prompt(1), num_logits=3).logits
     assert torch.equal(logits, expected)
+
+
+def test_pruning_builds_survives_another_process_removing_one_meanwhile(monkeypatch, tmp_path):
+    """Two processes compiling other sources of one ISA prune at once: a folder the other removed between this one's
+    listing and its sort by last use raised FileNotFoundError out of kernels(). Simulated by removing it on its first
+    look. Deterministic: no false failures."""
+    import shutil
+
+    from jointspec.kernels import grouped
+
+    builds = [tmp_path / f"jointspec_kernels_avx2_{name}" for name in ("a", "b", "c", "d", "e")]
+    for build in builds:
+        build.mkdir()
+        (build / "x.so").write_bytes(b"")
+    real = grouped._last_used
+
+    def racing(directory):
+        if directory == builds[1] and directory.exists():
+            shutil.rmtree(directory)
+        return real(directory)
+    monkeypatch.setattr(grouped, "_last_used", racing)
+    grouped._prune_builds(tmp_path / "jointspec_kernels_avx2_new", "avx2")
+    assert len([build for build in builds if build.exists()]) == grouped.KEPT_BUILDS - 1

@@ -427,7 +427,11 @@ def _last_used(directory: Path) -> float:
     try:
         return (directory / _USED).stat().st_mtime
     except OSError:
+        pass
+    try:
         return directory.stat().st_mtime
+    except OSError:  # gone meanwhile: another process's prune removed it
+        return 0.0
 
 
 def _prune_builds(directory: Path, isa: str) -> None:
