@@ -311,3 +311,20 @@ def test_each_row_reports_what_it_added_apart_from_the_memory_other_rows_hold(ta
     assert summary["ar"]["added_rss_mb"] < 32
     late_baseline = [run for run in result.runs if run.method == "ar" and run.prompt_index > 0]
     assert all(run.peak_rss_bytes >= run.added_rss_bytes + 64 * 2**20 for run in late_baseline)
+
+
+def test_a_process_that_cannot_reset_its_peak_reports_no_added_memory(target_model, bench_tokenizer, monkeypatch):
+    """Where the peak cannot be reset between runs (no /proc/self/clear_refs, or not allowed), it holds every earlier
+    run's peak, so +MB would charge a row with the others' memory: it says nothing ('-') rather than that."""
+    from jointspec.bench import runner
+    from jointspec.bench.report import table
+
+    monkeypatch.setattr(runner, "reset_peak_memory", lambda device: False)
+    prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[i:i + 8]),)) for i in range(2)]
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar,pld", prompts, max_new_tokens=4, warmup=False)
+    assert summary["ar"]["added_rss_mb"] is None and summary["pld"]["added_rss_mb"] is None
+    assert all(run.added_rss_bytes is None for run in result.runs)
+    assert summary["ar"]["peak_rss_mb"] > 0  # the peak itself is still reported
+    header, *rows = table(result, summary).splitlines()[:3]
+    end = header.index("+MB") + len("+MB")  # cells are right-aligned to their header's end
+    assert [row[:end].split()[-1] for row in rows] == ["-", "-"]

@@ -70,7 +70,8 @@ def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost:
         "seconds": _rounded(seconds),
         "num_target_calls": sum(r.num_target_calls for r in runs),
         "peak_rss_mb": _rounded(max(r.peak_rss_bytes for r in runs) / 2**20, 1),
-        "added_rss_mb": _rounded(max(r.added_rss_bytes for r in runs) / 2**20, 1),
+        "added_rss_mb": (None if any(r.added_rss_bytes is None for r in runs)
+                         else _rounded(max(r.added_rss_bytes for r in runs) / 2**20, 1)),
         "cuda_max_allocated_mb": (_rounded(max(r.cuda_peak_bytes for r in runs) / 2**20, 1)
                                   if all(r.cuda_peak_bytes is not None for r in runs) else None),
         "prompt_seconds": None, "decode_tokens_per_second": None, "decode_speedup": None,

@@ -95,8 +95,9 @@ class PromptRun:
     # The process's peak during the runs: the weights and every other row's drafts and caches still held included.
     peak_rss_bytes: int = 0
     # The most a run raised the process's memory above what was resident when it began: this row's own use
-    # (its caches once grown, the most a run allocates at once), apart from the other rows'.
-    added_rss_bytes: int = 0
+    # (its caches once grown, the most a run allocates at once), apart from the other rows'. None where the process
+    # cannot say (no /proc, or a peak that cannot be reset between runs and so holds the other rows' too).
+    added_rss_bytes: int | None = 0
     cuda_peak_bytes: int | None = None
     identical: bool = False  # same tokens as the baseline on every turn
     logprob_sum: float = 0.0  # under the raw target, over every generated token
@@ -237,11 +238,11 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
     for repeat in range(config.repeats):
         for label, engine in engines.items():
             bar.set_postfix_str(f"{prompt.category} {prompt.question_id} {label}")
-            reset_peak_memory(device)
+            peak_reset = reset_peak_memory(device)
             resident = current_rss()
             turns = run_conversation(engine, tokenizer, prompt, config)
             rss, cuda = peak_memory(device)
-            added = max(0, rss - resident) if resident is not None else 0
+            added = max(0, rss - resident) if peak_reset and resident is not None and rss else None
             seconds = sum(out.seconds for _, out in turns)
             prefill = (None if any(out.prefill_seconds is None for _, out in turns)
                        else sum(out.prefill_seconds for _, out in turns))
@@ -259,7 +260,8 @@ def _time_prompt(index: int, prompt: BenchPrompt, engines: dict, tokenizer, conf
                 else:
                     run.prefill_seconds = None
                 run.peak_rss_bytes = max(run.peak_rss_bytes, rss)
-                run.added_rss_bytes = max(run.added_rss_bytes, added)
+                run.added_rss_bytes = (None if run.added_rss_bytes is None or added is None
+                                       else max(run.added_rss_bytes, added))
                 if [out.new_ids for _, out in turns] != run.output_ids:
                     log.warning("%s gave a different output on repeat %d of prompt %s", label, repeat + 1,
                                 prompt.question_id)
@@ -327,14 +329,16 @@ def _compare_and_score(runs: list[PromptRun], baseline: str, target: CausalLM, c
             run.num_scored_tokens += count
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device) -> bool:
+    """Reset the process's peak resident size (and CUDA's peak); whether the former could be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the peak resident set size (VmHWM) to the current one
     except OSError:
-        pass  # not Linux or not allowed: the peak then covers the whole process so far
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        return False  # not Linux or not allowed: the peak then covers the whole process so far
+    return True
 
 
 def current_rss() -> int | None:
