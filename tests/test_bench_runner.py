@@ -286,6 +286,21 @@ def test_prompts_that_cannot_fit_the_context_are_refused_before_anything_runs(ta
         run_tiny(target_model, bench_tokenizer, "ar,pld", prompts)
 
 
+def test_llamacpp_rows_check_the_prompts_against_their_own_capped_context(target_model, bench_tokenizer,
+                                                                            monkeypatch):
+    """llama.cpp's rows read within a context capped below the target's (its cache is allocated up front): a prompt
+    that fits the target but not that cap was refused only when its llama.cpp row reached it. The cap is lowered to 48
+    here, the tiny target holding 256."""
+    from jointspec.bench import runner
+    from jointspec.core.errors import ContextTooLongError
+
+    monkeypatch.setattr(runner, "build_engine", lambda *args: pytest.fail("an engine was built"))
+    monkeypatch.setattr(runner, "LLAMACPP_MAX_CONTEXT", 48)
+    prompts = [BenchPrompt("fits", "x", (" ".join(WORDS[:8]),)), BenchPrompt("long", "x", (" ".join(WORDS[:60]),))]
+    with pytest.raises(ContextTooLongError, match=r"1 of 2 prompts do not fit the model's context of 48 tokens: long"):
+        run_tiny(target_model, bench_tokenizer, "ar,llamacpp", prompts)
+
+
 def test_each_row_reports_what_it_added_apart_from_the_memory_other_rows_hold(target_model, bench_tokenizer,
                                                                               monkeypatch):
     """The RSS column is the process's peak, which holds every row's caches: a row that kept 96 MB made the baseline

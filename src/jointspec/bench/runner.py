@@ -156,7 +156,9 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
         raise MethodSpecError(f"baseline '{baseline}' is not among the methods ({', '.join(labels)})")
     if not prompts:
         raise ValueError("no prompts to run")
-    check_prompts_fit(prompts, tokenizer, target.max_context)
+    # llama.cpp's rows read within their own, capped context (below): the prompts must fit that too.
+    check_prompts_fit(prompts, tokenizer, min(target.max_context, LLAMACPP_MAX_CONTEXT)
+                      if any(s.needs_llamacpp for s in specs) else target.max_context)
     specs = sorted(specs, key=lambda s: s.label != baseline)  # baseline first
     load_draft = load_draft or memoised_loader(str(target.device), None)
     eos = eos_token_ids(target, tokenizer)
