@@ -169,3 +169,19 @@ def test_each_prompt_and_turn_samples_with_its_own_seed(target_model, bench_toke
     again, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts[3:4], temperature=1.0, max_new_tokens=4,
                         perplexity=False)
     assert again.runs[0].output_ids == result.runs[3].output_ids  # a prompt's draws do not depend on the others
+
+
+def test_a_ratio_without_an_interval_over_enough_prompts_says_why():
+    """From 8 prompts on, a ratio whose interval is missing (undefined in most resamples: a method that scored tokens
+    on one prompt only) was printed bare, as if the interval had been left off. Deterministic."""
+    from jointspec.bench.compare import describe
+
+    comparison = {"method": "pld", "reference": "ar", "num_prompts": 10,
+                  "speedup": {"ratio": 1.1, "interval": [1.0, 1.2], "excludes_1": False},
+                  "perplexity_ratio": {"ratio": 0.9, "interval": None, "excludes_1": None}}
+    lines = describe(comparison)
+    assert lines[1] == "speedup: 1.100 [1.000, 1.200]" and lines[2] == "perplexity_ratio: 0.900"
+    assert lines[3].startswith("(perplexity_ratio: no interval") and "undefined" in lines[3]
+    assert describe(dict(comparison, num_prompts=4))[-1] == f"(no intervals under {MIN_PROMPTS} prompts)"
+    complete = dict(comparison, perplexity_ratio=comparison["speedup"])
+    assert len(describe(complete)) == 3  # nothing to explain

@@ -148,4 +148,10 @@ def describe(comparison: dict) -> list[str]:
             lines.append(f"{name}: {row['ratio']:.3f} [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]")
     if comparison["num_prompts"] < MIN_PROMPTS:
         lines.append(f"(no intervals under {MIN_PROMPTS} prompts)")
+    else:
+        bare = [name for name in ("speedup", "perplexity_ratio")
+                if comparison[name] is not None and comparison[name]["interval"] is None]
+        if bare:  # the ratio is defined over all the prompts, but not over most resamples of them
+            lines.append(f"({' and '.join(bare)}: no interval, the ratio being undefined in most bootstrap resamples "
+                         "of these prompts)")
     return lines
