@@ -86,7 +86,7 @@ inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int
 //   sum_i (l_i * s + m) * x_i  ~  s * step * sum_i l_i * q_i  +  m * step * sum_i q_i
 // The minimum's term takes the rounded inputs too, as llama.cpp's Q8_1 sum does: the rounding errors e_i = step q_i -
 // x_i are then weighted by the weights l_i s + m, which centre on zero, where with the exact sum of x_i they were
-// weighted by l_i s alone (0 to 15 s, all one sign), two to three times the error on the embedded model's layers.
+// weighted by l_i s alone (0 to 15 s, all one sign), a larger error (docs/kernels.md, "The minimum's term").
 // The integer products take a fraction of the instructions that dequantising each weight to float does, which is
 // what a decoding step on weights that do not fit in cache is short of (docs/kernels.md, "8-bit inputs"). Each
 // (weight row, input row) pair is still computed alone and by fixed operations: the integer lanes of simd.h's quad
