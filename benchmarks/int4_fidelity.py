@@ -69,7 +69,7 @@ def main() -> None:
         return torch.tensor(llama.scores[:len(ids)], dtype=torch.float64)
 
     names = ["int4, 8-bit inputs", "int4, float inputs"] + (["llama.cpp"] if llama else [])
-    difference = {name: 0.0 for name in names} | {"int4 vs llama.cpp": 0.0}
+    difference = {name: 0.0 for name in names + (["int4 vs llama.cpp"] if llama else [])}
     agree = {name: 0 for name in names}
     positions = 0
     for question in questions[:args.prompts]:
@@ -119,8 +119,7 @@ def main() -> None:
     perplexity = {name: math.exp(loss / count) for name, loss in losses.items()}
     print(f"perplexity over {count} tokens of question text: " +
           ", ".join(f"{name} {value:.2f}" for name, value in perplexity.items()))
-    print(json.dumps({"positions": positions, "difference": {k: v / positions for k, v in difference.items()
-                                                             if llama or k != "int4 vs llama.cpp"},
+    print(json.dumps({"positions": positions, "difference": {k: v / positions for k, v in difference.items()},
                       "argmax_agree": agree, "perplexity": perplexity, "perplexity_tokens": count}))
 
 

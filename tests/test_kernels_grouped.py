@@ -139,8 +139,8 @@ def test_8_bit_inputs_give_the_dequantised_weights_times_the_rounded_inputs(bits
     """The minimum's (or the offset's) term takes the rounded inputs too, as llama.cpp's Q8_1 sum does, so a 4- or
     5-bit layer on 8-bit inputs is exactly its dequantised weights times the rounded inputs: the rounding errors are
     then weighted by the whole weights, which centre on zero. With the inputs' exact sum in that term they were
-    weighted by the levels' part alone (all of one sign), and the output was two to three times further from the
-    float product. Deterministic: no false failures."""
+    weighted by the levels' part alone (all of one sign), and the output was further from the float product
+    (docs/kernels.md, "The minimum's term"). Deterministic: no false failures."""
     from jointspec.kernels.grouped import GroupedInt5Linear
 
     layer = linear(64, 320, seed=4)

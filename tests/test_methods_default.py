@@ -8,6 +8,8 @@ false-failure odds.
 
 from __future__ import annotations
 
+import pytest
+
 from jointspec.backends.hf import CausalLM
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.drafters.corpus import CorpusLookupDrafter, NgramTable, tokenizer_fingerprint
@@ -183,8 +185,6 @@ def test_default_verifies_token_wise_on_a_chain_only_target_whatever_its_config_
     block verification on those targets alone, while `default` declares no `verify` and refuses it everywhere else.
     Deterministic: no false failures."""
     import dataclasses
-
-    import pytest
 
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.verifiers.block import BlockVerifier

@@ -42,11 +42,15 @@ _TREE_GAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
                  reads=("draft", "head_weights", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram",
                         "tree", "tree_budget"))
 def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
+    # What the methods `default` builds start from. Verified token-wise, as everywhere `default` runs: it does not read
+    # `verify` (a --verify is refused by name), so no method it builds may obey one that reached its config otherwise.
+    own = replace(context.config, verify="token")
+
     def lookup() -> MethodConfig:
         """Cost-aware lookup: with the n-gram table shipped for the target's tokenizer where there is one (corpus),
         else prompt lookup alone (pld)."""
-        table = shipped_table_for(context.tokenizer) if context.config.draft is None else None
-        return replace(context.config, name="corpus" if table is not None else "pld", cost_aware=True, verify="token")
+        table = shipped_table_for(context.tokenizer) if own.draft is None else None
+        return replace(own, name="corpus" if table is not None else "pld", cost_aware=True)
 
     # Trees and heads need a target that scores trees and exposes hidden states (llama.cpp's adapter does neither).
     capabilities = context.target.capabilities
@@ -61,11 +65,9 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
                         and not context.config.tree and not context.config.tree_budget):
         config = lookup()
     elif not trees_and_heads:
-        # Verified token-wise, as everywhere else `default` runs: it does not read `verify` (a --verify is refused
-        # by name), so a chain-only target must not obey one that reached its config another way.
-        config = replace(context.config, name="hybrid", draft=str(head), cost_aware=True, verify="token")
+        config = replace(own, name="hybrid", draft=str(head), cost_aware=True)
     else:
-        config = replace(context.config, name="hybrid-tree", draft=str(head), cost_aware=False)
+        config = replace(own, name="hybrid-tree", draft=str(head), cost_aware=False)
         # Its lookup half drafts as `corpus` where a table is shipped for the tokenizer: on the float32 SmolLM2 that
         # ran faster than with prompt lookup alone (docs/lab/benchmarks.md, section 5).
         drafter, verifier = hybrid_tree(replace(context, config=config), table=shipped_corpus_table(context))
