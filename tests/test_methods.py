@@ -130,20 +130,16 @@ def test_methods_that_need_a_draft_take_the_head_shipped_for_the_target(name, ta
     fingerprint); where none ships it still asks for --draft. Greedy output stays plain decoding's."""
     import shutil
 
-    from jointspec.drafters.costaware import CostCurve
     from jointspec.drafts import artifact
-    from jointspec.methods import trees
 
     monkeypatch.setattr(artifact, "SHIPPED_HEADS", tmp_path)
-    # specinfer drafts its tree where the target's curve says it pays; on the tiny target's it does not, and then
-    # decodes plainly (tests/test_drafters_tree_gate.py): given a curve where any kept token pays, it drafts.
-    monkeypatch.setattr(trees, "target_cost_curve", lambda target: CostCurve({1: 1.0, 2: 1.0, 4: 1.0, 5: 1.0}))
-    monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft, target=None: 0.0)
     with pytest.raises(UnsupportedOptionError, match="needs a draft model and no draft head ships"):
         build_method(MethodContext(MethodConfig(name=name), CausalLM(target_model), None, None))
     shutil.copytree(trained_head_dir, tmp_path / "tiny-head", ignore=shutil.ignore_patterns("checkpoint.pt"))
     target = CausalLM(target_model)
-    drafter, verifier = build_method(MethodContext(MethodConfig(name=name), target, None, None))
+    # Every round drafted (cost_aware=False): whether the tiny head pays against the tiny target is a timing, and on a
+    # busy machine the cost-aware wrapper rightly drafted nothing, which said nothing of the head being taken.
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=name, cost_aware=False), target, None, None))
     decoder = SpeculativeDecoder(target, drafter, verifier)
     assert decoder.generate(PROMPT, DecodeConfig(max_new_tokens=16)) == hf_greedy(target_model, PROMPT, 16)
     assert decoder.stats.num_draft_tokens > 0
