@@ -89,10 +89,16 @@ inline float softmax_numerators(float* scores, int64_t count) {
   for (; i < count; ++i) high = std::max(high, scores[i]);
   V16 total = simd::zero();
   const V16 top = simd::set1(high);
-  for (i = 0; i < count; i += 16) {
-    const int64_t n = std::min<int64_t>(16, count - i);
-    const V16 e = simd::exp(simd::sub(simd::load_first(scores + i, n), top));
-    simd::store_first(scores + i, e, n);
+  // Whole vectors without masks (AVX2's masked loads and stores are slow, and a masked load of a masked store's
+  // bytes waits for the store to reach the cache), then the last part vector with them.
+  for (i = 0; i + 16 <= count; i += 16) {
+    const V16 e = simd::exp(simd::sub(simd::load(scores + i), top));
+    simd::store(scores + i, e);
+    total = simd::add(total, e);
+  }
+  if (i < count) {
+    const int64_t n = count - i;
+    simd::store_first(scores + i, simd::exp(simd::sub(simd::load_first(scores + i, n), top)), n);
     total = simd::add(total, simd::load_first(scores + i, n));  // lanes past the last key add 0
   }
   return 1.0f / simd::reduce_add(total);

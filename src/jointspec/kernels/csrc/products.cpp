@@ -96,23 +96,26 @@ inline void direct_rows(const float* xp, const Rows& weights, int64_t begin, int
 struct QuantisedInputs {
   int64_t rows = 0, k = 0, groups = 0;
   int64_t stride = 0;          // an input row's levels: k, or k rounded up to a whole quad (quad layout)
+  int64_t group_stride = 0;    // an input row's steps and sums: groups rounded up to 16, the rest 0
   std::vector<int8_t> levels;  // [rows, stride]: in simd.h's pair layout, or its quad layout (`quad`); padding 0
-  std::vector<float> step;     // [rows, groups]
-  std::vector<float> sum;      // [rows, groups]: step * the group's levels summed (for the minimum's term)
+  std::vector<float> step;     // [rows, group_stride]
+  std::vector<float> sum;      // [rows, group_stride]: step * the group's levels summed (for the minimum's term)
 };
 
 QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k, bool quad) {
   const int64_t groups = k / kGroup, stride = quad ? (k + 4 * kGroup - 1) / (4 * kGroup) * (4 * kGroup) : k;
-  QuantisedInputs q{rows, k, groups, stride, std::vector<int8_t>(rows * stride), std::vector<float>(rows * groups),
-                    std::vector<float>(rows * groups)};
+  // Steps and sums padded with zeros to whole vectors of sixteen: the tiles load them without masks.
+  const int64_t group_stride = (groups + 15) / 16 * 16;
+  QuantisedInputs q{rows, k, groups, stride, group_stride, std::vector<int8_t>(rows * stride),
+                    std::vector<float>(rows * group_stride), std::vector<float>(rows * group_stride)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
         const float* xg = x + r * k + g * kGroup;
         const int64_t at = quad ? (g / 4) * 128 + (g % 4) * 16 : (g / 2) * 64 + (g % 2) * 16;
-        float& step = q.step[r * groups + g];
+        float& step = q.step[r * group_stride + g];
         const int total = simd::quantise_group(xg, q.levels.data() + r * stride + at, step, quad ? 64 : 32);
-        q.sum[r * groups + g] = step * static_cast<float>(total);  // one rounding: every build's bits
+        q.sum[r * group_stride + g] = step * static_cast<float>(total);  // one rounding: every build's bits
       }
   });
   return q;
@@ -152,7 +155,7 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
     for (int b = 0; b < W; ++b) w.q8_prefetch_scales(first + W + b, p0);  // the next tile's, as for its levels below
     {
       V16 step[R];
-      for (int r = 0; r < R; ++r) step[r] = w.q8_steps(x.step.data() + (r0 + r) * groups, p0);
+      for (int r = 0; r < R; ++r) step[r] = w.q8_steps(x.step.data() + (r0 + r) * x.group_stride, p0);
       for (int b = 0; b < W; ++b) {
         const V16 scales = w.q8_scales(first + b, p0);
         for (int r = 0; r < R; ++r) scaled[b][r] = simd::hold(simd::mul(scales, step[r]));
@@ -175,6 +178,8 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
       };
       if (count == 8) {  // a whole block, unrolled with its lanes known
         for (int i = 0; i < 8; i += 2) quad(i, true);
+      } else if (count == 1) {  // a row's last pair alone (576 inputs: 18 groups), its lanes known too
+        quad(0, false);
       } else {
         for (int i = 0; i < count; i += 2) quad(i, i + 1 < count);
       }
@@ -214,7 +219,7 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
       for (int64_t g = 0; g < groups; g += 16) {
         const V16 minima = w.q8_minima(first + b, g);
         for (int r = 0; r < R; ++r)
-          low[r] = simd::fmadd(minima, simd::load_first(x.sum.data() + (r0 + r) * groups + g, groups - g), low[r]);
+          low[r] = simd::fmadd(minima, simd::load(x.sum.data() + (r0 + r) * x.group_stride + g), low[r]);
       }
       for (int r = 0; r < R; ++r) out[r * out_stride + b] = simd::reduce_add(acc[b][r]) + simd::reduce_add(low[r]);
     } else {

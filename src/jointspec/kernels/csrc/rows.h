@@ -175,10 +175,11 @@ struct Int4Rows {
   static constexpr bool kQuad = true;  // scale units of 32: read a quad at a time (simd.h's quad layout)
   const void* q8_address(int64_t n, int64_t p) const { return packed + (n * groups + 2 * p) * kGroup / 2; }
   // Scales a block at a time: the scales of groups 2 p0 .. 2 p0 + 15 (pairs p0 .. p0 + 7; past the row 0) and the
-  // input steps of those groups (`step`: an input row's). (q8_quad, q8_scales, q8_minima and q8_prefetch_scales:
-  // Int4Q8 below, the form and fifth bits fixed at compile time.)
+  // input steps of those groups (`step`: an input row's, zero past its groups to a multiple of 16, so read without a
+  // mask). (q8_quad, q8_scales, q8_minima and q8_prefetch_scales: Int4Q8 below, the form and fifth bits fixed at
+  // compile time.)
   static int64_t block_pairs() { return 8; }
-  V16 q8_steps(const float* step, int64_t p0) const { return simd::load_first(step + 2 * p0, groups - 2 * p0); }
+  V16 q8_steps(const float* step, int64_t p0) const { return simd::load(step + 2 * p0); }
 };
 
 // Int4Rows with the scales' form fixed at compile time, for the 8-bit-input kernel's loops: with the form chosen at
@@ -254,7 +255,7 @@ struct Int8Rows {
   int64_t block_pairs() const { return group == 16 ? 4 : 8; }
   V16 q8_steps(const float* step, int64_t p0) const {
     const int64_t inputs = units * group / kGroup;  // the input row's groups of 32
-    return group == 16 ? simd::doubled(step + 2 * p0, inputs - 2 * p0) : simd::load_first(step + 2 * p0, inputs - 2 * p0);
+    return group == 16 ? simd::doubled(step + 2 * p0, inputs - 2 * p0) : simd::load(step + 2 * p0);  // zero-padded
   }
   simd::Lanes q8_lanes(int i) const { return group == 16 ? simd::quad_lanes(i) : simd::pair_lanes(i); }
   static V16 q8_dot(const simd::L64& w, const simd::L64& q) { return simd::dot4_signed(w, q); }
