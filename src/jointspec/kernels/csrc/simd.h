@@ -148,7 +148,9 @@ inline __m256i first8(int64_t n) {  // lanes < n all ones
 }
 // load_first and load_first_half are inlined by force: GCC stopped inlining them into the quad loop's function,
 // and the calls (each a vzeroupper and a trip through memory) cost more than the loop saved.
+// A whole vector is read by plain loads: masked ones are slow on some CPUs (AMD's Zen 3 among them).
 __attribute__((always_inline)) inline V16 load_first(const float* p, int64_t n) {
+  if (n >= 16) return load(p);
   return {_mm256_maskload_ps(p, first8(n)), _mm256_maskload_ps(p + 8, first8(n - 8))};
 }
 inline void store_first(float* p, V16 a, int64_t n) {
@@ -185,11 +187,24 @@ inline V16 from_i8(__m128i bytes) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
 }
 inline V16 from_i8(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-// Bytes 0 .. 4 * words - 1 of p (words <= 8), the rest 0, by one masked load. A copy into a buffer and a wide load
-// of it instead stalls (the load cannot take its bytes from the copy's smaller stores until they reach the cache),
-// once per weight row at widths that leave part of a block of scales (576 inputs: 18 groups; docs/kernels.md).
+// Bytes 0 .. 4 * words - 1 of p (words <= 8), the rest 0: up to four words by loads of exactly their size, more by
+// one masked load (slow on some CPUs, as above). A copy into a buffer and a wide load of it instead stalls (the load
+// cannot take its bytes from the copy's smaller stores until they reach the cache), once per weight row at widths
+// that leave part of a block of scales (576 inputs: 18 groups; docs/kernels.md).
 inline __m256i first_words(const void* p, int64_t words) {
-  return _mm256_maskload_epi32(static_cast<const int*>(p), first8(words));
+  const char* bytes = static_cast<const char*>(p);
+  int word;
+  switch (words) {
+    case 1:
+      std::memcpy(&word, bytes, 4);
+      return _mm256_zextsi128_si256(_mm_cvtsi32_si128(word));
+    case 2: return _mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    case 3:
+      std::memcpy(&word, bytes + 8, 4);
+      return _mm256_zextsi128_si256(_mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)), word, 2));
+    case 4: return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    default: return _mm256_maskload_epi32(reinterpret_cast<const int*>(bytes), first8(words));
+  }
 }
 inline __m128i first_bytes(const void* p, int64_t n) {  // bytes 0 .. n - 1 of p (n <= 16), the rest 0
   if (n >= 16) return _mm_loadu_si128(static_cast<const __m128i*>(p));
@@ -633,7 +648,7 @@ inline V16 pick(const Held& block, const Lanes& lanes) {
   return {_mm256_permutevar8x32_ps(from, lanes.low), _mm256_permutevar8x32_ps(from, lanes.high)};
 }
 inline V16 doubled(const float* p, int64_t n) {
-  const __m256 eight = _mm256_maskload_ps(p, first8(n));
+  const __m256 eight = n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first8(n));
   return {_mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
           _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))};
 }
