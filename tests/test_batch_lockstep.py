@@ -404,6 +404,17 @@ def test_drafts_shrink_and_stop_as_the_batch_fills():
     assert chosen[-1] == 0
 
 
+def test_the_engine_shows_the_batch_curve_it_prices_drafts_by(int4_target, monkeypatch):
+    import jointspec.batch.lockstep as lockstep
+
+    measured = CostCurve({1: 5.0, 2: 6.0, 16: 40.0, 17: 43.0})
+    calls = []
+    monkeypatch.setattr(lockstep, "measure_cost_curve", lambda *args, **kwargs: calls.append(1) or measured)
+    engine = LockstepEngine(int4_target, max_batch_size=16)
+    assert engine.batch_curve is None  # not measured until a load-aware method needs it
+    assert engine._batch_curve() is measured and engine.batch_curve is measured and calls == [1]
+
+
 @pytest.mark.parametrize("method", ["pld-cost-aware", "lookahead", "mtad-cost-aware"])
 def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target, method):
     engine = LockstepEngine(int4_target, max_batch_size=16)

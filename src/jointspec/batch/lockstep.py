@@ -304,6 +304,12 @@ class LockstepEngine(EngineBase):
                                                           len(rows) - 1)
                 part.curve = curves[draft_cost]
 
+    @property
+    def batch_curve(self) -> CostCurve | None:
+        """The target's measured cost by rows per forward that a full batch's drafts are priced by (seconds), or
+        None before a load-aware method first needed it: what a benchmark records beside the rounds it priced."""
+        return self._curve
+
     def _batch_curve(self) -> CostCurve:
         """The target's cost by rows per forward up to a full batch's, measured once (memoised per model)."""
         if self._curve is None:
