@@ -99,23 +99,26 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, bias):
     assert not torch.allclose(out, x @ layer.weight.detach().roll(1, 0).T, atol=1e-2)  # not any matrix will do
 
 
+@pytest.mark.parametrize("width", [320, 576])
 @pytest.mark.parametrize("bits", [4, 5, 8, "8/16"])
-def test_quantised_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_does(bits):
+def test_quantised_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_does(bits, width):
     """The kernel's definition (helpers.q8_reference): each group of 32 inputs on signed 8-bit levels, an exact
     integer dot product per group (per 16 inputs where Q6_K's scales are), scaled once. Close to the float product:
-    within half an input step per weight."""
+    within half an input step per weight. 320 inputs: 10 groups, 5 pairs, a partial block of 16 for the minimum's
+    term; 576 (SmolLM2's width): a whole block of 16 groups, then a row's last pair alone."""
     from jointspec.kernels.grouped import GroupedInt5Linear
 
-    layer = linear(80, 320, seed=0)  # 10 groups: 5 pairs, and a partial block of 16 for the minimum's term
+    groups = width // 32
+    layer = linear(80, width, seed=0)
     quantized = GroupedInt4Linear(layer) if bits in (4, 5) else GroupedInt8Linear(layer)
     if bits == 5:
-        fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (80, 10), generator=torch.Generator().manual_seed(1),
+        fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (80, groups), generator=torch.Generator().manual_seed(1),
                               dtype=torch.int32)
         quantized = GroupedInt5Linear.from_levels(quantized.packed, fifth, quantized.scale, quantized.minimum)
     if bits == "8/16":  # scales per 16 inputs, as GGUF's Q6_K
-        scale16 = torch.rand(80, 20, generator=torch.Generator().manual_seed(1)) * 0.01 + 1e-3
+        scale16 = torch.rand(80, 2 * groups, generator=torch.Generator().manual_seed(1)) * 0.01 + 1e-3
         quantized = GroupedInt8Linear.from_levels(quantized.levels, scale16)
-    x = torch.randn(6, 320, generator=torch.Generator().manual_seed(2)) * 3
+    x = torch.randn(6, width, generator=torch.Generator().manual_seed(2)) * 3
     x[1] = 0.0  # a row of zeros: step 0, no division by it
     x[2, 40:72] = 0.0  # and a group of zeros in a live row
     with torch.no_grad():
@@ -127,8 +130,8 @@ def test_quantised_layers_round_their_inputs_to_8_bits_per_group_as_llamacpp_doe
     assert torch.equal(out[1], torch.zeros(80))
     # Against float inputs: each input off by at most half its group's step, so each output by at most that times
     # the weights' magnitudes; and off by more than float rounding (the rounding happens).
-    step = x.reshape(6, 10, 32).abs().amax(-1) / 127
-    bound = (quantized.dequantized().abs().double().reshape(80, 10, 32).sum(-1) @ (step.double().T / 2)).T
+    step = x.reshape(6, groups, 32).abs().amax(-1) / 127
+    bound = (quantized.dequantized().abs().double().reshape(80, groups, 32).sum(-1) @ (step.double().T / 2)).T
     difference = (out.double() - floats.double()).abs()
     assert (difference <= bound * 1.001 + 1e-5).all()
     assert difference.max() > 1e-3
