@@ -193,16 +193,18 @@ inline V16 from_i8(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret
 // that leave part of a block of scales (576 inputs: 18 groups; docs/kernels.md).
 inline __m256i first_words(const void* p, int64_t words) {
   const char* bytes = static_cast<const char*>(p);
+  // The low half, the high one zero (_mm256_zextsi128_si256 says the same, but older compilers lack it).
+  const auto widen = [](__m128i low) { return _mm256_inserti128_si256(_mm256_setzero_si256(), low, 0); };
   int word;
   switch (words) {
     case 1:
       std::memcpy(&word, bytes, 4);
-      return _mm256_zextsi128_si256(_mm_cvtsi32_si128(word));
-    case 2: return _mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+      return widen(_mm_cvtsi32_si128(word));
+    case 2: return widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
     case 3:
       std::memcpy(&word, bytes + 8, 4);
-      return _mm256_zextsi128_si256(_mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)), word, 2));
-    case 4: return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      return widen(_mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)), word, 2));
+    case 4: return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
     default: return _mm256_maskload_epi32(reinterpret_cast<const int*>(bytes), first8(words));
   }
 }
