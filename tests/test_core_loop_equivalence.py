@@ -250,15 +250,17 @@ def test_tree_draft_clipped_by_budget(target_model, max_new_tokens):
     assert decoder.generate(prompt, greedy(max_new_tokens)) == reference
 
 
-def test_a_draft_past_the_rows_computed_alone_is_refused_not_verified(target_model, monkeypatch):
+def test_a_draft_past_the_rows_computed_alone_is_refused_not_verified(monkeypatch):
     # Past ROWWISE_MAX_ROWS rows a CPU forward is read as a prompt, in one-call kernels whose rows are not each
     # computed alone: a 256-node tree on the int4 model changed greedy output. The loop refuses such a round instead.
-    # The limit is lowered here so that a tiny tree crosses it; below it the same method stays exact.
+    # The limit is lowered here so that a tiny tree crosses it; below it the same method stays exact. The limit is a
+    # CPU target's (a GPU target has none), so the model is on the CPU whatever JOINTSPEC_TEST_DEVICE says.
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.kernels import grouped
 
     from helpers import decode_greedy
 
+    target_model = tiny_llama(0, device="cpu")
     monkeypatch.setattr(grouped, "ROWWISE_MAX_ROWS", 4)
     prompt = random_prompt(3)
     assert CausalLM(target_model).capabilities.max_verify_rows == 4

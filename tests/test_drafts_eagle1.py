@@ -80,7 +80,7 @@ def _write(folder, config: dict, fc: nn.Linear, model: LlamaModel, *, prefix: st
 
 def _reference_outputs(fc, model, target_model, tokens: list[int], features: list[torch.Tensor]) -> torch.Tensor:
     """The head's outputs for entries 1..len(tokens)-1, entry p fed token p and feature ``features[p - 1]``."""
-    embeds = target_model.get_input_embeddings()(torch.tensor(tokens[1:], device=features[0].device)).float().cpu()
+    embeds = target_model.get_input_embeddings()(torch.tensor(tokens[1:], device=target_model.device)).float().cpu()
     inputs = fc(torch.cat([embeds, torch.stack(features).cpu()], dim=-1))[None]
     positions = torch.arange(1, len(tokens))[None]
     return model(inputs_embeds=inputs, position_ids=positions).last_hidden_state[0]
@@ -103,7 +103,7 @@ def test_eagle1_head_drafts_what_the_engines_compute(target_model, tmp_path, lay
     drafted = [7, 11]
     logits = draft.forward(context + drafted).logits.cpu()
     lm = target_model.lm_head.weight.float().cpu() * (scale or 1.0)
-    true = [draft.mirror.features[p].float() for p in range(len(context) - 1)]
+    true = [draft.mirror.features[p].float().cpu() for p in range(len(context) - 1)]  # the reference runs on the CPU
     # Committed entries read true features; each drafted entry reads the head's output one before it.
     tokens = context + drafted
     features = list(true)
