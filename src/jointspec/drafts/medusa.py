@@ -75,7 +75,9 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
         # Heads trained here read the target's LM head. Heads made for another engine bring their own
         # (drafts/medusa_checkpoint.py): float32 [num_heads or 1 shared, draft vocab, hidden], any logit scale in them.
-        self.lm_heads: torch.Tensor | None = None
+        # A buffer, so that moving the heads to their target's device moves it too (one copy, not one on each
+        # device); not saved, since a checkpoint made elsewhere keeps them in its own files.
+        self.register_buffer("lm_heads", None, persistent=False)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] features -> [num_heads, ..., hidden]: head k's guess of the feature k positions on."""
