@@ -352,6 +352,28 @@ def test_auto_reads_the_embedded_model_before_it_waits_for_the_kernels(monkeypat
     assert calls == [("decide", "none"), ("read", "default")]
 
 
+def test_the_embedded_models_identity_is_its_converted_folder_and_fetches_nothing(monkeypatch, tmp_path):
+    """What a kept cost curve is filed under (source_identity) is read off the files the model loads from; it never
+    fetches the GGUF wheel, which a cache without the GGUF's copy would otherwise download on every load (and fail
+    offline: a machine with the converted model and no network could not load it)."""
+    from jointspec.backends import embedded, loading
+
+    def no_fetch(*args, **kwargs):
+        raise AssertionError("the identity fetched the model")
+
+    monkeypatch.setenv("JOINTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "default_gguf_path", no_fetch)
+    monkeypatch.setattr(embedded, "_fetch_gguf", no_fetch)
+    assert loading.source_identity("default") is None  # nothing converted yet
+    folder = embedded.default_model_dir()
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"1234")
+    first = loading.source_identity("default")
+    assert first is not None and "model.safetensors:4:" in first
+    (folder / "model.safetensors").write_bytes(b"123456")  # converted again: another identity
+    assert loading.source_identity(None) not in (None, first)
+
+
 def test_auto_leaves_a_model_folder_in_float(tmp_path):
     target, _ = load_model(save_model(tmp_path / "model", seed=0), quantize="auto")
     assert quantization_mode(target.model) == "none"

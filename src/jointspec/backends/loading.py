@@ -61,7 +61,12 @@ def source_identity(source: str | None) -> str | None:
     """A local model's files as a string that changes when they do (path, size and modification time of the GGUF
     file or of each file in the folder); None for a hub id or what cannot be read."""
     try:
-        path = gguf_path(source) or Path(source).expanduser()
+        if source in (None, DEFAULT_MODEL):
+            # The converted folder the model is read from. Not gguf_path: that fetches the wheel when the cache holds
+            # no copy of the GGUF, and an identity is no reason to download 93 MB (or to fail offline).
+            path = embedded.default_model_dir()
+        else:
+            path = gguf_path(source) or Path(source).expanduser()
         files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
         stats = [(str(file.resolve()), file.stat()) for file in files if file.is_file()]
     except (OSError, TypeError):
