@@ -58,10 +58,16 @@ def test_cli_errors_are_one_line(bench_main, bench_prompt_file, tmp_path):
 def test_bad_reference_rows_are_refused_before_the_model_loads(bench_main, bench_prompt_file, monkeypatch, argv,
                                                                message):
     # transformers would fail at the warm-up, or run another setting than the row's label says (max_ngram 0 as 2).
+    # Nor does a first run start compiling the kernels, or wait for them to decide quantize=auto, before the check.
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the methods were checked")
 
+    def no_build(*args, **kwargs):
+        raise AssertionError("the kernels were built before the methods were checked")
+
     monkeypatch.setattr(bench_cli, "load_target", no_load)
+    monkeypatch.setattr(bench_cli, "prebuild_kernels", no_build)
+    monkeypatch.setattr(bench_cli, "_auto_quantize", no_build)
     code, out, err = bench_main("--prompts", str(bench_prompt_file), *argv)
     assert code == 2 and err.count("\n") == 1
     assert re.search(message, err), err

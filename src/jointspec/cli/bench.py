@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
@@ -106,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
     if args.method is not None:
         raise MethodSpecError(f"bench runs the methods of --methods (comma-separated specs, e.g. --methods ar,"
                               f"{args.method}), not --method")
-    prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
     specs = parse_specs(args.methods)
     baseline = parse_spec(args.baseline)
     args.baseline = baseline.label  # as --methods names it: " ar" is ar
@@ -117,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, warmup=not args.no_warmup,
                              perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
-                             llamacpp_model=llamacpp_model(args), threads=args.threads,
-                             auto_quantize=_auto_quantize(args, specs), kv_cache=args.kv_cache)
+                             llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     check_shared_options(defaults, specs)
@@ -150,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_perplexity:
             raise MethodSpecError("perplexity is scored by the torch target; with --backend llamacpp pass "
                                   "--no-perplexity (or keep --backend torch and add ':backend=llamacpp' methods)")
+    # Every check above is cheap and runs first: a mistyped option is refused before a first run starts compiling
+    # the kernels, and before quantize=auto waits for them (or reads the model file) to decide.
+    prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
+    config = replace(config, auto_quantize=_auto_quantize(args, specs))
     prompts = load_prompt_sets(args.prompts or [f"{BUILTIN_PREFIX}mt_bench"])
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
