@@ -269,3 +269,14 @@ def test_imported_lm_heads_are_held_once(target_model, tmp_path):
     folder, _, _ = _vllm_checkpoint(tmp_path / "vllm", scale=2.0)
     draft = bind_trained_draft(folder, _target(target_model))
     assert draft.lm_own.data_ptr() == draft.heads.lm_heads.data_ptr()
+
+
+def test_imported_lm_heads_move_with_the_heads(target_model, tmp_path):
+    """Binding to a target moves the heads to its device, LM heads included: a copy left on the CPU beside one on a
+    GPU would hold them twice (the test above caught it on CUDA; the meta device shows the same move on a CPU)."""
+    from jointspec.drafts.medusa_checkpoint import load_medusa_checkpoint
+
+    folder, _, _ = _vllm_checkpoint(tmp_path / "vllm", scale=2.0)
+    heads = load_medusa_checkpoint(folder, _target(target_model)).to("meta")
+    assert heads.lm_heads is not None and heads.lm_heads.device.type == "meta"
+    assert "lm_heads" not in heads.state_dict()  # the checkpoint's own files keep them, not a jointspec save
