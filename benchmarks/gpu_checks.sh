@@ -64,6 +64,9 @@ case "${1:-}" in
     cp $CARRY/p2 $WORK/parts/ && ls -l $WORK/parts && grep -c PASSED $WORK/suite.log || true ;;
   finish)
     device_env
+    # One call may run 600 s: every step below gets at most its own cap and what is left of 570 s.
+    deadline=$((SECONDS + 570))
+    cap() { local left=$((deadline - SECONDS)); echo $((left < $1 ? (left > 1 ? left : 1) : $1)); }
     mkdir -p $JOINTSPEC_CACHE/models && cp $CARRY/p3 $WORK/parts/
     cat $WORK/parts/p1 $WORK/parts/p2 $WORK/parts/p3 > $JOINTSPEC_CACHE/models/$GGUF
     python3 -c "
@@ -71,17 +74,17 @@ import hashlib, sys
 from jointspec.backends.embedded import GGUF_SHA256, default_gguf_file
 digest = hashlib.sha256(default_gguf_file().read_bytes()).hexdigest()
 sys.exit(0 if digest == GGUF_SHA256 else f'the reassembled GGUF is not the pinned one: {digest}')"
-    for _ in $(seq 1 300); do [ -f $WORK/suite.done ] && break; sleep 1; done
+    for _ in $(seq 1 "$(cap 240)"); do [ -f $WORK/suite.done ] && break; sleep 1; done
     cp $WORK/suite.log "$OUT/suite.log"
     grep -E "FAILED|ERROR|rc=" $WORK/suite.log > "$OUT/failures.txt" || true
     echo "suite: $(grep -c PASSED $WORK/suite.log || true) passed, $(grep -c SKIPPED $WORK/suite.log || true) skipped"
     cat "$OUT/failures.txt"
     cd $WORK/tree
-    timeout 120 jointspec generate --device cuda --max-new-tokens 32 2>&1 | tail -2
+    timeout "$(cap 90)" jointspec generate --device cuda --max-new-tokens 32 2>&1 | tail -2 || echo "generate: exit $?"
     bench="jointspec bench --device cuda --prompts builtin:mt_bench --num-per-category 1 --max-turns 1 --no-progress"
-    timeout 240 $bench --methods ar,default,pld,mtad --baseline ar --max-new-tokens 128 --report-dir $WORK/greedy \
+    timeout "$(cap 240)" $bench --methods ar,default,pld,mtad --baseline ar --max-new-tokens 128 --report-dir $WORK/greedy \
       > "$OUT/greedy.log" 2>&1 || echo "greedy bench: exit $?"
-    timeout 180 $bench --methods sps,sps:verify=block,mtad --baseline sps --max-new-tokens 64 --temperature 1 \
+    timeout "$(cap 180)" $bench --methods sps,sps:verify=block,mtad --baseline sps --max-new-tokens 64 --temperature 1 \
       --top-k 10 --top-p 0.9 --report-dir $WORK/sampled > "$OUT/sampled.log" 2>&1 || echo "sampled bench: exit $?"
     for kind in greedy sampled; do
       for file in report.md results.json; do
