@@ -992,8 +992,10 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
   });
   // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
   // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
-  std::vector<std::pair<int64_t, int64_t>> pairs;  // (input row, vocabulary row)
-  for (int64_t r = 0; r < rows; ++r) {
+  // The rows are searched in parallel, each alone, in the same steps as one at a time: a verification or a batch has
+  // several rows, and each search is two passes over the whole vocabulary.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> row_pairs(rows);  // (input row, vocabulary row)
+  const auto search = [&](int64_t r) {
     const float* row = op + r * vocab;
     const float best = *std::max_element(row, row + vocab);
     const float bar = best - static_cast<float>(margin);
@@ -1010,8 +1012,13 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
       std::nth_element(near.begin(), near.begin() + max_exact, near.end(), higher);
       near.resize(max_exact);
     }
-    for (const auto& [score, j] : near) pairs.emplace_back(r, j);
-  }
+    for (const auto& [score, j] : near) row_pairs[r].emplace_back(r, j);
+  };
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) search(r);
+  });
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (const auto& found : row_pairs) pairs.insert(pairs.end(), found.begin(), found.end());
   // Each pair alone (its own buffer, the same operations): splitting them between threads changes no bits.
   const auto exact_logits = [&](const auto& exact) {
     at::parallel_for(0, static_cast<int64_t>(pairs.size()), 32, [&](int64_t begin, int64_t end) {
