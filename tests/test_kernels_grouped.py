@@ -749,6 +749,22 @@ def test_each_build_gives_the_portable_builds_bits(isa):
                                    portable.screened_head(x, *arguments, margin, 512)), (vnni, margin)
     finally:
         fast.use_vnni(True)
+    # Broken inputs and weights: a row with an infinite input scores NaN everywhere, and NaN screen scales make NaN
+    # scores among finite ones: as the first score (then it is the best), inside a vector and in the scalar tail
+    # (509 rows: a part-vector at the end). Every build picks the same best and the same tokens near it as the
+    # portable build's scalar search.
+    odd = ScreenedInt8Head(head(out_features=509, seed=4))
+    broken = x.clone()
+    broken[1, 5] = float("inf")
+    for nan_rows in ([], [37, 496, 504, 508], [0]):  # 496, 504: the last whole vector of 16 and of 8 scores
+        scale = odd.screen_scale.clone()
+        scale[nan_rows] = float("nan")
+        for margin in (-1.0, 1.5):
+            given = (broken, odd.screen4, scale, odd.column, [odd.levels, odd.scale], margin, 512)
+            ours, theirs = fast.screened_head(*given), portable.screened_head(*given)
+            assert torch.equal(ours.isnan(), theirs.isnan()), (nan_rows, margin)
+            assert torch.equal(ours.nan_to_num(0.0), theirs.nan_to_num(0.0)), (nan_rows, margin)
+            assert theirs[1].isnan().all() and theirs[0].isnan().sum() == len(nan_rows)  # the cases are there
 
 
 

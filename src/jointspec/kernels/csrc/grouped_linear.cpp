@@ -940,6 +940,52 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
 }
 #endif
 
+// A row's best score and the tokens within `bar` of it, as std::max_element and a scalar scan give them: a NaN first
+// score is the best (then nothing is near), a NaN elsewhere is passed over, and the tokens come in id order. The x86
+// forms compare sixteen or eight scores at once: maxps keeps its second operand where the first is NaN, and an ordered
+// compare is false for NaN, as the scalar >= is. (A best of -0 or +0 gives the same bar either way.)
+inline float row_best(const float* row, int64_t n) {
+  float best = row[0];
+  int64_t j = 1;
+  if (std::isnan(best)) return best;
+#if defined(JOINTSPEC_ISA_AVX512)
+  __m512 lanes = _mm512_set1_ps(best);
+  for (; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(row + j), lanes);
+  best = _mm512_reduce_max_ps(lanes);
+#elif defined(JOINTSPEC_ISA_AVX2)
+  __m256 lanes = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(row + j), lanes);
+  alignas(32) float held[8];
+  _mm256_store_ps(held, lanes);
+  for (float value : held) best = std::max(best, value);
+#endif
+  for (; j < n; ++j)
+    if (best < row[j]) best = row[j];
+  return best;
+}
+
+inline void near_scores(const float* row, int64_t n, float bar, std::vector<std::pair<float, int64_t>>& near) {
+  int64_t j = 0;
+#if defined(JOINTSPEC_ISA_AVX512)
+  const __m512 level = _mm512_set1_ps(bar);
+  for (; j + 16 <= n; j += 16)
+    for (__mmask16 hits = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), level, _CMP_GE_OQ); hits; hits &= hits - 1) {
+      const int64_t i = j + __builtin_ctz(hits);
+      near.emplace_back(row[i], i);
+    }
+#elif defined(JOINTSPEC_ISA_AVX2)
+  const __m256 level = _mm256_set1_ps(bar);
+  for (; j + 8 <= n; j += 8)
+    for (unsigned hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), level, _CMP_GE_OQ)); hits;
+         hits &= hits - 1) {
+      const int64_t i = j + __builtin_ctz(hits);
+      near.emplace_back(row[i], i);
+    }
+#endif
+  for (; j < n; ++j)
+    if (row[j] >= bar) near.emplace_back(row[j], j);
+}
+
 at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_scale, at::Tensor column,
                             std::vector<at::Tensor> head, double margin, int64_t max_exact) {
   check_x(x);
@@ -997,14 +1043,12 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
   std::vector<std::vector<std::pair<int64_t, int64_t>>> row_pairs(rows);  // (input row, vocabulary row)
   const auto search = [&](int64_t r) {
     const float* row = op + r * vocab;
-    const float best = *std::max_element(row, row + vocab);
-    const float bar = best - static_cast<float>(margin);
+    const float bar = row_best(row, vocab) - static_cast<float>(margin);
     // (score, id) side by side: a flat row's tens of thousands of candidates are then ranked in one array rather
     // than through the ids into the row.
     std::vector<std::pair<float, int64_t>> near;
     near.reserve(std::min<int64_t>(vocab, 4096));
-    for (int64_t j = 0; j < vocab; ++j)
-      if (row[j] >= bar) near.emplace_back(row[j], j);
+    near_scores(row, vocab, bar, near);
     if (static_cast<int64_t>(near.size()) > max_exact) {
       const auto higher = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
         return a.first > b.first || (a.first == b.first && a.second < b.second);
