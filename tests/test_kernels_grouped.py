@@ -756,7 +756,7 @@ def test_each_build_gives_the_portable_builds_bits(isa):
     odd = ScreenedInt8Head(head(out_features=509, seed=4))
     broken = x.clone()
     broken[1, 5] = float("inf")
-    for nan_rows in ([], [37, 496, 504, 508], [0]):  # 496, 504: the last whole vector of 16 and of 8 scores
+    for nan_rows in ([], [37, 496, 504, 508], [0]):  # 496: the last whole vector of 16; 504, 508: the tail
         scale = odd.screen_scale.clone()
         scale[nan_rows] = float("nan")
         for margin in (-1.0, 1.5):

@@ -940,25 +940,19 @@ void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, 
 }
 #endif
 
-// A row's best score and the tokens within `bar` of it, as std::max_element and a scalar scan give them: a NaN first
-// score is the best (then nothing is near), a NaN elsewhere is passed over, and the tokens come in id order. The x86
-// forms compare sixteen or eight scores at once: maxps keeps its second operand where the first is NaN, and an ordered
-// compare is false for NaN, as the scalar >= is. (A best of -0 or +0 gives the same bar either way.)
+// A row's best score and the tokens within `bar` of it, as std::max_element and a scalar >= scan give them, sixteen
+// scores at a time (as softmax_numerators finds its largest score): a NaN first score is the best (then nothing is
+// near), a NaN elsewhere is passed over (simd::max keeps its second operand where the first is NaN), and at_least is
+// false for NaN, as >= is; the tokens come in id order. (A best of -0 or +0 gives the same bar either way.)
 inline float row_best(const float* row, int64_t n) {
   float best = row[0];
-  int64_t j = 1;
   if (std::isnan(best)) return best;
-#if defined(JOINTSPEC_ISA_AVX512)
-  __m512 lanes = _mm512_set1_ps(best);
-  for (; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(row + j), lanes);
-  best = _mm512_reduce_max_ps(lanes);
-#elif defined(JOINTSPEC_ISA_AVX2)
-  __m256 lanes = _mm256_set1_ps(best);
-  for (; j + 8 <= n; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(row + j), lanes);
-  alignas(32) float held[8];
-  _mm256_store_ps(held, lanes);
-  for (float value : held) best = std::max(best, value);
-#endif
+  V16 lanes = simd::set1(best);
+  int64_t j = 1;
+  for (; j + 16 <= n; j += 16) lanes = simd::max(simd::load(row + j), lanes);
+  float lane[16];
+  simd::store(lane, lanes);
+  for (const float x : lane) best = std::max(best, x);
   for (; j < n; ++j)
     if (best < row[j]) best = row[j];
   return best;
@@ -966,22 +960,11 @@ inline float row_best(const float* row, int64_t n) {
 
 inline void near_scores(const float* row, int64_t n, float bar, std::vector<std::pair<float, int64_t>>& near) {
   int64_t j = 0;
-#if defined(JOINTSPEC_ISA_AVX512)
-  const __m512 level = _mm512_set1_ps(bar);
   for (; j + 16 <= n; j += 16)
-    for (__mmask16 hits = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), level, _CMP_GE_OQ); hits; hits &= hits - 1) {
+    for (uint32_t hits = simd::at_least(simd::load(row + j), bar); hits; hits &= hits - 1) {
       const int64_t i = j + __builtin_ctz(hits);
       near.emplace_back(row[i], i);
     }
-#elif defined(JOINTSPEC_ISA_AVX2)
-  const __m256 level = _mm256_set1_ps(bar);
-  for (; j + 8 <= n; j += 8)
-    for (unsigned hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), level, _CMP_GE_OQ)); hits;
-         hits &= hits - 1) {
-      const int64_t i = j + __builtin_ctz(hits);
-      near.emplace_back(row[i], i);
-    }
-#endif
   for (; j < n; ++j)
     if (row[j] >= bar) near.emplace_back(row[j], j);
 }

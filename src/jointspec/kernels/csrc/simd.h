@@ -73,6 +73,9 @@ inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)};
 inline V16 fnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
 inline V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }  // lane: a > b ? a : b
 inline V16 min(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }  // lane: a < b ? a : b
+inline uint32_t at_least(V16 a, float bar) {  // bit i: lane i >= bar (false for NaN, as the scalar >=)
+  return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(bar), _CMP_GE_OQ);
+}
 inline V16 round_even(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // 2^n for integral n in [-126, 127] (a normal float: exact).
 inline V16 pow2(V16 n) {
@@ -168,6 +171,11 @@ JOINTSPEC_V16_BINARY(div, _mm256_div_ps)
 JOINTSPEC_V16_BINARY(max, _mm256_max_ps)
 JOINTSPEC_V16_BINARY(min, _mm256_min_ps)
 #undef JOINTSPEC_V16_BINARY
+inline uint32_t at_least(V16 a, float bar) {  // bit i: lane i >= bar (false for NaN, as the scalar >=)
+  const __m256 level = _mm256_set1_ps(bar);
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, level, _CMP_GE_OQ))) |
+         uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, level, _CMP_GE_OQ))) << 8;
+}
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V16 fnmadd(V16 a, V16 b, V16 c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
@@ -298,6 +306,11 @@ JOINTSPEC_V16_LANES(mul, x * y)
 JOINTSPEC_V16_LANES(div, x / y)
 JOINTSPEC_V16_LANES(max, x > y ? x : y)
 JOINTSPEC_V16_LANES(min, x < y ? x : y)
+inline uint32_t at_least(V16 a, float bar) {  // bit i: lane i >= bar (false for NaN)
+  uint32_t bits = 0;
+  for (int i = 0; i < 16; ++i) bits |= uint32_t(a.v[i] >= bar) << i;
+  return bits;
+}
 #undef JOINTSPEC_V16_LANES
 inline V16 fmadd(V16 a, V16 b, V16 c) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
 inline V16 fnmadd(V16 a, V16 b, V16 c) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = std::fma(-a.v[i], b.v[i], c.v[i]); return r; }
