@@ -2,7 +2,8 @@
 
 Each concurrency level keeps that many requests in flight on one :class:`~jointspec.batch.lockstep.LockstepEngine`
 (a finished request is replaced by the next prompt) until every prompt is answered, greedy, 128 new tokens by
-default. The prompts are first turns of the built-in sets named by ``--prompt-sets`` (MT-Bench by default; one
+default (``--temperature``, ``--top-k`` and ``--top-p`` sample instead, request i seeded ``--seed`` + i in every
+method). The prompts are first turns of the built-in sets named by ``--prompt-sets`` (MT-Bench by default; one
 category at a time, in turn) with the model's chat template. Each method runs once untimed, then ``--repeats``
 times, the methods alternating and their order reversed every other repeat, so drift hits them alike.
 
@@ -21,7 +22,8 @@ whose requests of equal length finish together (`ar`).
 Reported per level: each method's tokens per second (prompt reading included, as a server pays it; the best repeat),
 its ratio to the first method paired by repeat (the geometric mean of the repeats' ratios, with a 95 % t interval
 over repeats from 3 repeats on: a repeat, not a request, is the unit, since requests in flight share each forward),
-and whether every answer equals the first method's. What the interval leaves out: another machine, or this one's
+and whether every answer equals the first method's (greedy only: sampled methods with other laws need not agree).
+What the interval leaves out: another machine, or this one's
 speed moving by more within a level than between its repeats. The report ends with the batch cost curve the engine
 measured (once a process) and priced every level's drafts by, where a load-aware method asked for one.
 
@@ -29,6 +31,8 @@ measured (once a process) and priced every level's drafts by, where a load-aware
     python benchmarks/lockstep_methods.py --methods ar,pld --concurrency 4 --prompts 8 --repeats 1
     python benchmarks/lockstep_methods.py --prompt-sets builtin:mt_bench builtin:grounded   # serve_vs_llamacpp's mix
     python benchmarks/lockstep_methods.py --concurrency 4 --rounds-log rounds.jsonl          # every round's forward
+    python benchmarks/lockstep_methods.py --methods ar,sps,mtad --temperature 1 --top-k 10 --top-p 0.9 \
+        --max-new-tokens 64                                       # sampling: MTAD against plain sampling and sps
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from jointspec.batch.lockstep import LockstepEngine, RoundRecord
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts
 from jointspec.bench.runner import _cpu_name
 from jointspec.core.loop import DecodeConfig
+from jointspec.core.sampling import SamplingConfig
 from jointspec.kernels.grouped import selected_isa
 from jointspec.methods import MethodConfig
 
@@ -88,9 +93,9 @@ class RunResult:
 
 
 def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurrency: int,
-        config: DecodeConfig, rounds: list[RoundRecord] | None = None) -> RunResult:
-    """Answer every prompt with ``concurrency`` in flight. Each round's record is appended to ``rounds`` where
-    given."""
+        config: DecodeConfig, rounds: list[RoundRecord] | None = None, seed: int = 0) -> RunResult:
+    """Answer every prompt with ``concurrency`` in flight, prompt i's request seeded ``seed`` + i. Each round's
+    record is appended to ``rounds`` where given."""
     records: list[RoundRecord] = [] if rounds is None else rounds
     engine.on_round = records.append
     queue = list(enumerate(prompts))
@@ -101,7 +106,7 @@ def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurren
     while queue or engine.has_work:
         while queue and len(engine.active) + len(engine.waiting) < concurrency:
             index, ids = queue.pop(0)
-            owner[engine.submit(BatchRequest(tuple(ids), config, MethodConfig(method)))] = index
+            owner[engine.submit(BatchRequest(tuple(ids), config, MethodConfig(method), seed + index))] = index
             answers[index] = []
         num_records, got = len(records), 0
         for event in engine.step():
@@ -127,6 +132,10 @@ def main() -> None:
     parser.add_argument("--prompt-sets", nargs="+", default=["builtin:mt_bench"], metavar="SET",
                         help="bench prompt sets whose first turns are asked (default: builtin:mt_bench)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="request i's seed is this plus i (sampling)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds-log", default=None, metavar="FILE",
@@ -139,27 +148,35 @@ def main() -> None:
     methods = args.methods.split(",")
     model, tokenizer = load_model(args.model, quantize=args.quantize)
     prompts = prompt_ids(tokenizer, args.prompts, tuple(args.prompt_sets))
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens)
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
     engine = LockstepEngine(model, tokenizer, max_batch_size=max(args.concurrency))
     report = {"cpu": _cpu_name(), "kernels": selected_isa(), "threads": torch.get_num_threads(),
               "methods": methods, "prompt_sets": args.prompt_sets, "prompts": args.prompts,
+              "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                           "seed": args.seed},
               "repeats": args.repeats, "levels": []}
     print(f"{report['cpu']}, {report['kernels']} kernels, {report['threads']} threads; {args.prompts} prompts from "
-          f"{' '.join(args.prompt_sets)}, {args.repeats} repeats")
+          f"{' '.join(args.prompt_sets)}, {args.repeats} repeats; "
+          + ("greedy" if sampling.greedy else f"temperature {args.temperature}, top-k {args.top_k}, top-p "
+             f"{args.top_p}, seeds from {args.seed}"))
     print(f"{'concurrency':>11}  " + "  ".join(f"{m:>36}" for m in methods))
     rounds_log = open(args.rounds_log, "w") if args.rounds_log else None
     for concurrency in args.concurrency:
         for method in methods:  # untimed: cost curves, kernels and caches warm
-            run(engine, method, prompts[:2], concurrency, config)
+            run(engine, method, prompts[:2], concurrency, config, seed=args.seed)
         rates: dict[str, list[float]] = {m: [] for m in methods}
         busy: dict[str, list[float]] = {m: [] for m in methods}  # tokens per second while every slot was taken
-        identical = dict.fromkeys(methods, True)
+        identical = dict.fromkeys(methods, True if sampling.greedy else None)  # None: not compared (sampled)
         reference = None
         spent: dict[str, list[tuple[int, int, float, float]]] = {m: [] for m in methods}
         for repeat in range(args.repeats):
             for method in (methods if repeat % 2 == 0 else methods[::-1]):
                 rounds: list[RoundRecord] = []
-                result = run(engine, method, prompts, concurrency, config, rounds)
+                result = run(engine, method, prompts, concurrency, config, rounds, seed=args.seed)
                 answers = result.answers
                 rates[method].append(result.tokens / result.seconds)
                 if result.busy_seconds > 0:
@@ -172,7 +189,7 @@ def main() -> None:
                                                      **asdict(record)}) + "\n")
                 if method == methods[0] and reference is None:
                     reference = answers
-                elif method != methods[0]:
+                elif method != methods[0] and sampling.greedy:
                     identical[method] = identical[method] and reference is not None and answers == reference
         level = {"concurrency": concurrency, "tokens_per_second": {m: max(rates[m]) for m in methods},
                  "repeats": rates, "ratio": {}, "identical": identical}
@@ -182,7 +199,7 @@ def main() -> None:
             level["ratio"][method] = {"ratio": ratio, "low": low, "high": high}
             interval = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
             cells.append(f"{max(rates[method]):7.1f} tok/s {ratio:5.3f}x{interval}" +
-                         ("" if identical[method] else " !="))
+                         (" !=" if identical[method] is False else ""))
         print(f"{concurrency:>11}  " + "  ".join(f"{c:>36}" for c in cells), flush=True)
         if all(len(busy[m]) == args.repeats for m in methods):
             level["busy_tokens_per_second"] = {m: max(busy[m]) for m in methods}
