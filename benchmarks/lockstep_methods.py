@@ -25,7 +25,8 @@ over repeats from 3 repeats on: a repeat, not a request, is the unit, since requ
 and whether every answer equals the first method's (greedy only: sampled methods with other laws need not agree).
 What the interval leaves out: another machine, or this one's
 speed moving by more within a level than between its repeats. The report ends with the batch cost curve the engine
-measured (once a process) and priced every level's drafts by, where a load-aware method asked for one.
+measured (once a process) and priced every level's drafts by, where a load-aware method asked for one: greedy rows'
+and, for sampled requests, sampled rows' (every row's exact logits).
 
     python benchmarks/lockstep_methods.py --repeats 5                      # ar,default at 1 2 4 8 16
     python benchmarks/lockstep_methods.py --methods ar,pld --concurrency 4 --prompts 8 --repeats 1
@@ -221,10 +222,10 @@ def main() -> None:
         report["levels"].append(level)
     if rounds_log is not None:
         rounds_log.close()
-    if engine.batch_curve is not None:  # one a process: what every level's drafts were priced by
-        report["batch_curve_ms"] = {n: round(cost * 1e3, 3) for n, cost in engine.batch_curve.target_cost.items()}
-        costs = report["batch_curve_ms"].items()
-        print("batch cost curve, ms by rows: " + " ".join(f"{n}:{ms:.1f}" for n, ms in costs))
+    for kind, curve in engine.batch_curves.items():  # one a process each: what every level's drafts were priced by
+        costs = {n: round(cost * 1e3, 3) for n, cost in curve.target_cost.items()}
+        report[f"batch_curve_ms_{kind}"] = costs
+        print(f"batch cost curve ({kind} rows), ms by rows: " + " ".join(f"{n}:{ms:.1f}" for n, ms in costs.items()))
     print(json.dumps(report))
 
 

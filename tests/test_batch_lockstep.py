@@ -34,6 +34,7 @@ from jointspec.batch.lockstep import (
     batch_cost_curve,
     engine_description,
     engine_for,
+    sampled_rows_curve,
 )
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
@@ -175,7 +176,7 @@ def test_each_request_gets_the_tokens_it_gets_alone_greedy(int4_target, method, 
     # The batch's cost curve is measured by timing; on a loaded machine it can say that no draft pays at 16 rows,
     # and then nothing is verified. Rows priced nearly free keep the cost-aware drafters drafting: the check below
     # that drafts were accepted then holds whatever the machine's load (the tokens hold either way).
-    engine._curve = CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES})
+    engine._curves = dict.fromkeys((False, True), CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES}))
     out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS])
     expected = [alone(int4_target, config, p, GREEDY) for p in PROMPTS]
     assert out == expected
@@ -192,7 +193,8 @@ def test_each_round_reports_its_sequences_rows_and_accepted_tokens(int4_target):
     # on_round is what benchmarks/lockstep_methods.py --rounds-log prices rounds by: its counts must add up to the
     # engine's own per-sequence statistics, round by round.
     engine = LockstepEngine(int4_target, max_batch_size=3)
-    engine._curve = CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES})  # rows nearly free: drafts
+    # Rows nearly free: drafts.
+    engine._curves = dict.fromkeys((False, True), CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES}))
     records: list[RoundRecord] = []
     engine.on_round = records.append
     before = []
@@ -230,7 +232,7 @@ def test_lookup_drafts_sample_what_ar_samples_under_load(int4_target):
     engine = LockstepEngine(int4_target, max_batch_size=5)
     # Rows priced nearly free, as above: a measured curve on a loaded machine can leave drafting (and learning) too
     # rare for the acceptance check below; the tokens hold either way.
-    engine._curve = CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES})
+    engine._curves = dict.fromkeys((False, True), CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES}))
     requests = [BatchRequest(tuple(p), SAMPLED, METHODS["pld-cost-aware"], seed=100 + i) for i, p in enumerate(PROMPTS)]
     out = engine.generate(requests)
     assert out == [alone(int4_target, METHODS["ar"], list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
@@ -365,15 +367,15 @@ def test_defaults_lookup_or_tree_drafter_takes_the_batch_curve_in_both_halves(in
 
     own = CostCurve({1: 1.0, 2: 1.05, 4: 1.1, 5: 1.6})
     engine = LockstepEngine(int4_target, max_batch_size=4)
-    engine._curve = CostCurve({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0, 9: 5.0, 17: 9.0})  # one row costs half a step
+    engine._curves = {False: CostCurve({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0, 9: 5.0, 17: 9.0})}  # a row: half a step
     rows = [SimpleNamespace(seq_id=i, decoder=SimpleNamespace(drafter=LookupOrTreeDrafter(
-        CostAwareDrafter(object(), own), FakeTree(), own, draft_cost_per_call=0.0)), own_settings={})
-        for i in range(4)]
+        CostAwareDrafter(object(), own), FakeTree(), own, draft_cost_per_call=0.0)), own_settings={},
+        request=BatchRequest((1,), GREEDY)) for i in range(4)]
     drafter = rows[0].decoder.drafter
     alone_tree_cost = drafter.tree_cost
     assert drafter.tree_speedup() > 1.3  # alone, the tree's expected 1.5 tokens cost 1.1 steps
     engine._set_draft_costs(rows)
-    batch = batch_cost_curve(engine._curve, 3)
+    batch = batch_cost_curve(engine._curves[False], 3)
     assert drafter.curve.target_cost == batch.target_cost and drafter.lookup.curve is drafter.curve
     assert drafter.tree_cost == pytest.approx(batch.cost(4))
     assert drafter.tree_speedup() < 0.5  # in the full batch its three rows cost 3.4 rows' shares
@@ -385,7 +387,8 @@ def test_defaults_lookup_or_tree_drafter_takes_the_batch_curve_in_both_halves(in
     engine._set_draft_costs(rows[1:3])
     engine._set_draft_costs(rows[1:3])
     other = rows[1].decoder.drafter
-    assert other.curve.target_cost == batch_cost_curve(engine._curve, 1).target_cost and other.lookup.shadow_tests
+    assert other.curve.target_cost == batch_cost_curve(engine._curves[False], 1).target_cost
+    assert other.lookup.shadow_tests
 
 
 def test_a_sequence_alone_sees_its_own_curve():
@@ -404,15 +407,56 @@ def test_drafts_shrink_and_stop_as_the_batch_fills():
     assert chosen[-1] == 0
 
 
-def test_the_engine_shows_the_batch_curve_it_prices_drafts_by(int4_target, monkeypatch):
+def test_the_engine_shows_the_batch_curves_it_prices_drafts_by(int4_target, monkeypatch):
     import jointspec.batch.lockstep as lockstep
 
-    measured = CostCurve({1: 5.0, 2: 6.0, 16: 40.0, 17: 43.0})
+    greedy, sampled = CostCurve({1: 5.0, 2: 6.0, 16: 40.0, 17: 43.0}), CostCurve({1: 7.0, 2: 9.0, 16: 70.0, 17: 74.0})
     calls = []
-    monkeypatch.setattr(lockstep, "measure_cost_curve", lambda *args, **kwargs: calls.append(1) or measured)
+
+    def measure(*args, argmax_only, **kwargs):
+        calls.append(argmax_only)
+        return greedy if argmax_only else sampled
+
+    monkeypatch.setattr(lockstep, "measure_cost_curve", measure)
     engine = LockstepEngine(int4_target, max_batch_size=16)
-    assert engine.batch_curve is None  # not measured until a load-aware method needs it
-    assert engine._batch_curve() is measured and engine.batch_curve is measured and calls == [1]
+    assert int4_target.capabilities.argmax_screen  # greedy rows read the screened head, sampled rows the exact one
+    assert engine.batch_curves == {}  # not measured until a load-aware method needs one
+    assert engine._batch_curve() is greedy and engine.batch_curves == {"greedy": greedy} and calls == [True]
+    # Sampled rows are timed apart, with every row's exact logits, and each kind once; their curve is the greedy
+    # one plus the exact head's fitted share.
+    fitted = engine._batch_curve(sampled=True)
+    assert fitted == sampled_rows_curve(greedy, sampled) and engine._batch_curve() is greedy
+    assert engine._batch_curve(sampled=True) is fitted
+    assert engine.batch_curves == {"greedy": greedy, "sampled": fitted} and calls == [True, False]
+
+
+def test_the_sampled_rows_curve_is_the_greedy_one_plus_a_fitted_line():
+    greedy = CostCurve({n: 5.0 + 1.0 * n + (3.0 if n > 8 else 0.0) for n in BATCH_CURVE_SIZES})  # a tile's step
+    exact = {n: greedy.target_cost[n] + 1.0 + 0.5 * n for n in BATCH_CURVE_SIZES}
+    fitted = sampled_rows_curve(greedy, CostCurve(exact))
+    assert fitted.target_cost == pytest.approx(exact)  # a difference that is a line is kept as measured
+    # One size measured high (16) would make the next (17) flat under the curve's running maximum: a free row.
+    noisy = {**exact, 16: exact[16] + 6.0}
+    assert CostCurve(noisy).cost(17) - CostCurve(noisy).cost(16) == 0.0
+    fitted = sampled_rows_curve(greedy, CostCurve(noisy))
+    assert fitted.cost(17) - fitted.cost(16) == pytest.approx(1.5, abs=0.05)  # greedy's 1.0 and about 0.5 more
+    # Never below the greedy rows, whatever the measured difference.
+    cheaper = sampled_rows_curve(greedy, CostCurve({n: greedy.target_cost[n] * 0.9 for n in BATCH_CURVE_SIZES}))
+    assert all(cheaper.target_cost[n] >= greedy.target_cost[n] for n in BATCH_CURVE_SIZES)
+
+
+def test_a_sampled_request_has_the_sampled_curve_measured_when_it_is_checked(int4_target, monkeypatch):
+    import jointspec.batch.lockstep as lockstep
+
+    calls = []
+    monkeypatch.setattr(lockstep, "measure_cost_curve",
+                        lambda *args, argmax_only, **kwargs: calls.append(argmax_only) or CostCurve({1: 1.0, 2: 1.2}))
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    engine.check(BatchRequest(tuple(PROMPTS[0]), SAMPLED, METHODS["ar"]))  # no drafts: no curve
+    engine.check(BatchRequest(tuple(PROMPTS[0]), GREEDY, METHODS["pld-cost-aware"]))
+    assert calls == [True]
+    engine.check(BatchRequest(tuple(PROMPTS[0]), SAMPLED, METHODS["pld-cost-aware"]))
+    assert calls == [True, False]  # before any round, not in one
 
 
 @pytest.mark.parametrize("method", ["pld-cost-aware", "lookahead", "mtad-cost-aware"])
@@ -433,6 +477,25 @@ def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target, metho
     own = seq.decoder.drafter.curve
     alone_engine.step()
     assert seq.decoder.drafter.curve is own
+
+
+def test_sampled_and_greedy_requests_in_one_batch_are_priced_by_their_own_rows_curves(int4_target):
+    # A sampled row reads the exact head where a greedy one reads the screen: in one batch, each request's drafts
+    # take the batch curve of its own kind of row.
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    engine._curves = {False: CostCurve({n: 1.0 + 0.1 * (n - 1) for n in BATCH_CURVE_SIZES}),
+                      True: CostCurve({n: 1.5 + 0.4 * (n - 1) for n in BATCH_CURVE_SIZES})}
+    config = METHODS["pld-cost-aware"]
+    for i, p in enumerate(PROMPTS[:4]):
+        sampling = SAMPLED if i % 2 else GREEDY
+        engine.submit(BatchRequest(tuple(p), DecodeConfig(4, sampling.sampling, EOS), config, seed=i))
+    engine.step()
+    assert len(engine.active) == 4
+    for seq in engine.active.values():
+        kind = not seq.request.config.sampling.greedy
+        drafter = seq.decoder.drafter
+        assert drafter.curve == batch_cost_curve(engine._curves[kind].with_draft_cost(
+            drafter.curve.draft_cost_per_token), 3)
 
 
 

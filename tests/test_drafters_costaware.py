@@ -231,6 +231,27 @@ def test_measure_cost_curve_on_any_adapter():
     assert sorted(adapter.forwards[1:]) == sorted([(n, None) for n in (1, 2, 4)] * 3)
 
 
+class ScreenedAdapter(CountingAdapter):
+    """A CountingAdapter whose greedy rows can read a cheaper screened head; it records how each forward was asked."""
+
+    capabilities = TargetCapabilities(argmax_screen=True)
+
+    def forward(self, token_ids, num_logits=None, argmax_only=False):
+        super().forward(token_ids, num_logits)
+        self.forwards[-1] += (argmax_only,)
+
+
+def test_measure_cost_curve_times_greedy_rows_screened_and_sampled_rows_exact():
+    adapter = ScreenedAdapter()
+    greedy = measure_cost_curve(adapter, sizes=(1, 2), repeats=2, context_tokens=10)
+    assert {f[2] for f in adapter.forwards[1:]} == {True}  # as greedy decoding runs its rows (the default)
+    adapter.forwards.clear()
+    sampled = measure_cost_curve(adapter, sizes=(1, 2), repeats=2, context_tokens=10, argmax_only=False)
+    assert {f[2] for f in adapter.forwards[1:]} == {False}  # every row's exact logits, as sampled verification reads
+    assert sampled is not greedy  # memoised apart
+    assert measure_cost_curve(adapter, sizes=(1, 2), repeats=2, context_tokens=10, argmax_only=False) is sampled
+
+
 def test_measure_cost_curve_refuses_a_full_adapter():
     with pytest.raises(ValueError, match="reset adapter"):
         measure_cost_curve(CountingAdapter(num_cached=62), sizes=(1, 2, 4))

@@ -22,13 +22,14 @@ Where the target has no compiled layers (a float32 model), step 2 runs the forwa
 correct, with none of the batching gain; :func:`engine_for` then picks the ragged engine, unless the method is one
 only this engine runs.
 
-Load-aware drafting: a draft that pays for one sequence alone can cost the batch more than it gains once the
-forward is busy with other rows. Each round the engine tells every cost-aware drafter (chains, and Lookahead's trie)
-the cost curve that its draft tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink,
-and stop, as the batch fills. A stopped drafter must still learn when drafting starts to pay again; a probe that
-tells it costs a whole extra row in a batch, so a lookup drafter learns instead from shadow tests (its skipped
-drafts scored against the tokens the target commits, at no cost; :mod:`jointspec.drafters.costaware`), and any
-other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
+Load-aware drafting: a draft that pays for one sequence alone can cost the batch more than it gains once the forward is
+busy with other rows. Each round the engine tells every cost-aware drafter (chains, and Lookahead's trie) the cost curve
+that its draft tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink, and stop, as the
+batch fills. The curve is of the request's own kind of rows: a sampled row reads every logit of the exact head, where a
+greedy one may read the screened head's argmax, and costs more. A stopped drafter must still learn when drafting starts
+to pay again; a probe that tells it costs a whole extra row in a batch, so a lookup drafter learns instead from shadow
+tests (its skipped drafts scored against the tokens the target commits, at no cost;
+:mod:`jointspec.drafters.costaware`), and any other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
 """
 
 from __future__ import annotations
@@ -131,6 +132,29 @@ def batch_cost_curve(curve: CostCurve, other_rows: int) -> CostCurve:
                      curve.draft_cost_per_token)
 
 
+def sampled_rows_curve(greedy: CostCurve, sampled: CostCurve) -> CostCurve:
+    """The batch's cost of sampled rows: the greedy rows' curve plus the exact head's share, a line ``a + h n`` fitted
+    by least squares to the two measured curves' difference at every size they share.
+
+    A sampled row differs from a greedy one only in its head (every logit of the exact head, not the screened
+    argmax), whose cost grows with the rows as a line. The sampled curve measured alone has the noise of each size's
+    own median: a size measured high makes the next ones flat under the running maximum, and a full batch then prices
+    its next rows as free and drafts rows that cost it more than they gain (docs/lab/benchmarks.md, section 49).
+    Fitted over every size, one noisy median moves the line little.
+    """
+    sizes = [n for n in greedy.sizes if n in sampled.target_cost]
+    if len(sizes) < 2:
+        return sampled
+    differences = [sampled.target_cost[n] - greedy.target_cost[n] for n in sizes]
+    mean_n, mean_d = sum(sizes) / len(sizes), sum(differences) / len(sizes)
+    spread = sum((n - mean_n) ** 2 for n in sizes)
+    slope = max(0.0, sum((n - mean_n) * (d - mean_d) for n, d in zip(sizes, differences)) / spread)
+    base = mean_d - slope * mean_n
+    # Never below the greedy rows' own cost: the exact head does not make a forward cheaper.
+    return CostCurve({n: cost + max(0.0, base + slope * n) for n, cost in greedy.target_cost.items()},
+                     greedy.draft_cost_per_token)
+
+
 def load_aware_parts(drafter) -> list:
     """The parts of a request's drafter that take the batch's cost curve: the drafter itself where it is load-aware,
     and the lookup half of `default`'s lookup-or-tree drafter as well."""
@@ -177,7 +201,9 @@ class LockstepEngine(EngineBase):
         self.prefill_tokens_per_round = hf.PREFILL_CHUNK
         # Configs whose method was checked, the most recently used MAX_BUILT_METHODS (each request may name its own).
         self._checked: OrderedDict[MethodConfig, None] = OrderedDict()
-        self._curve: CostCurve | None = None
+        # The batch's cost curves, measured once each: greedy rows (read through the screened head where the target
+        # has one) and sampled rows (every row's exact logits), by whether they are sampled (_batch_curve).
+        self._curves: dict[bool, CostCurve] = {}
         self._costs_set_for: tuple[int, ...] = ()  # the sequences whose drafters got this batch's costs
         # Called with each round's RoundRecord where set (benchmarks/lockstep_methods.py --rounds-log); None: nothing.
         self.on_round: Callable[[RoundRecord], None] | None = None
@@ -190,12 +216,19 @@ class LockstepEngine(EngineBase):
         drafter, verifier = build_method(MethodContext(config, fork, self.tokenizer, self._draft_model, memory))
         return SpeculativeDecoder(fork, drafter, verifier)
 
-    def method(self, config: MethodConfig) -> None:
-        """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once. A
-        cost-aware method also has the batch's cost curve measured now (a few seconds, once), not in a round."""
-        recently_used(self._checked, config, lambda: self._check(config))
+    def method(self, config: MethodConfig) -> bool:
+        """Raise the error ``config`` would meet (an unknown method, a draft this engine cannot load), once; return
+        whether it is load-aware. A load-aware method also has the batch's cost curve measured now (a few seconds,
+        once), not in a round."""
+        return recently_used(self._checked, config, lambda: self._check(config))
 
-    def _check(self, config: MethodConfig) -> None:
+    def check(self, request: BatchRequest) -> None:
+        # A sampled request's drafts are priced by the sampled rows' curve: measured now too, not in a round.
+        super().check(request)
+        if not request.config.sampling.greedy and self.method(request.method):
+            self._batch_curve(sampled=True)
+
+    def _check(self, config: MethodConfig) -> bool:
         drafter = self._decoder(config).drafter
         if isinstance(drafter, ParallelDrafter):
             raise UnsupportedOptionError("method 'pearl' is not batched: it drafts on a thread of its own while "
@@ -203,6 +236,8 @@ class LockstepEngine(EngineBase):
                                          "use 'default' or 'sps'")
         if isinstance(drafter, LOAD_AWARE_DRAFTERS):
             self._batch_curve()
+            return True
+        return False
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
         return _Sequence(seq_id, request, self._decoder(request.method, request.memory), generator)
@@ -285,9 +320,11 @@ class LockstepEngine(EngineBase):
         if members == self._costs_set_for:  # the same batch as last round: every setting still stands
             return
         self._costs_set_for = members
-        curves: dict[float, CostCurve] = {}  # by draft cost per token: the rows of one method share one curve
+        # By draft cost per token and by sampled rows or not: the rows of one method and kind share one curve.
+        curves: dict[tuple[float, bool], CostCurve] = {}
         alone = len(rows) == 1
         for seq in rows:
+            sampled = not seq.request.config.sampling.greedy
             for part in load_aware_parts(seq.decoder.drafter):
                 own_curve, own_budget = seq.own_settings.setdefault(
                     id(part), (part.curve, getattr(part, "probe_budget", None)))
@@ -298,23 +335,30 @@ class LockstepEngine(EngineBase):
                 if alone:
                     part.curve = own_curve
                     continue
-                draft_cost = own_curve.draft_cost_per_token
-                if draft_cost not in curves:
-                    curves[draft_cost] = batch_cost_curve(self._batch_curve().with_draft_cost(draft_cost),
-                                                          len(rows) - 1)
-                part.curve = curves[draft_cost]
+                key = (own_curve.draft_cost_per_token, sampled)
+                if key not in curves:
+                    curves[key] = batch_cost_curve(self._batch_curve(sampled).with_draft_cost(key[0]), len(rows) - 1)
+                part.curve = curves[key]
 
     @property
-    def batch_curve(self) -> CostCurve | None:
-        """The target's measured cost by rows per forward that a full batch's drafts are priced by (seconds), or
-        None before a load-aware method first needed it: what a benchmark records beside the rounds it priced."""
-        return self._curve
+    def batch_curves(self) -> dict[str, CostCurve]:
+        """The target's measured costs by rows per forward that a full batch's drafts were priced by (seconds): by
+        "greedy" and "sampled" rows, those measured so far (none before a load-aware method first needed one;
+        "greedy" alone prices both where the target has no screened head). What a benchmark records beside the rounds
+        it priced."""
+        return {("sampled" if sampled else "greedy"): curve for sampled, curve in sorted(self._curves.items())}
 
-    def _batch_curve(self) -> CostCurve:
-        """The target's cost by rows per forward up to a full batch's, measured once (memoised per model)."""
-        if self._curve is None:
+    def _batch_curve(self, sampled: bool = False) -> CostCurve:
+        """The target's cost by rows per forward up to a full batch's, measured once (memoised per model). Sampled
+        rows (``sampled``) are timed with every row's exact logits, as sampled verification reads them: on a target
+        whose greedy rows take a screened head, a sampled row costs the exact head's row besides, which a sampled
+        request's extra rows must be priced by (docs/serving.md, "Sampled requests under load"): the greedy curve plus
+        that share, fitted (:func:`sampled_rows_curve`)."""
+        key = sampled and self.target.capabilities.argmax_screen  # without a screen the two kinds are one curve
+        if key not in self._curves:
             room = self.target.max_context - 1
             sizes = tuple(n for n in BATCH_CURVE_SIZES if 2 * n <= room) or (1, 2)
-            self._curve = measure_cost_curve(self.target.fork("cost probe"), sizes=sizes,
-                                             context_tokens=min(128, room - sizes[-1]))
-        return self._curve
+            measured = measure_cost_curve(self.target.fork("cost probe"), sizes=sizes,
+                                          context_tokens=min(128, room - sizes[-1]), argmax_only=not key)
+            self._curves[key] = sampled_rows_curve(self._batch_curve(), measured) if key else measured
+        return self._curves[key]

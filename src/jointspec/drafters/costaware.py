@@ -252,7 +252,7 @@ def _synchronize(device) -> None:
 
 
 def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7, context_tokens: int = 128,
-                       seed: int = 0, refresh: bool = False) -> CostCurve:
+                       seed: int = 0, refresh: bool = False, argmax_only: bool | None = None) -> CostCurve:
     """Time target forwards of each of ``sizes`` tokens after a ``context_tokens``-token context; medians, seconds.
 
     ``target`` is any adapter with the CausalLM interface (``forward(token_ids, num_logits=None)``, ``crop``,
@@ -262,7 +262,8 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     the measured context is ``num_cached + context_tokens`` tokens. Each size is run once untimed (warm-up), then
     ``repeats`` times with sizes shuffled within each pass, so drift in machine speed hits every size alike. Every
     forward returns all rows of logits, as verification does; a target that reads greedy argmaxes through a cheaper
-    head (``capabilities.argmax_screen``) is timed so, as greedy decoding (the default) runs it.
+    head (``capabilities.argmax_screen``) is timed so, as greedy decoding (the default) runs it, unless
+    ``argmax_only`` is False: then with its exact head, as sampled verification runs it (every row's logits).
 
     The result is memoised per model (``target.model`` where the adapter has one, else the adapter), settings and
     torch thread count: a server or benchmark pays for it once. Inside
@@ -280,7 +281,8 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
     from jointspec.kernels.fp32 import attention_in_use, kernels_in_use
 
     # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
-    argmax_only = {"argmax_only": True} if target.capabilities.argmax_screen else {}
+    screened = target.capabilities.argmax_screen and argmax_only is not False
+    argmax_only = {"argmax_only": True} if screened else {}
     key = (sizes, repeats, context_tokens, seed, torch.get_num_threads(), kernels_in_use(owner),
            attention_in_use(owner), bool(argmax_only))
     try:
