@@ -199,8 +199,9 @@ class LockstepEngine(EngineBase):
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
         self.prefill_tokens_per_round = hf.PREFILL_CHUNK
-        # Configs whose method was checked, the most recently used MAX_BUILT_METHODS (each request may name its own).
-        self._checked: OrderedDict[MethodConfig, None] = OrderedDict()
+        # Configs whose method was checked, the most recently used MAX_BUILT_METHODS (each request may name its own),
+        # and whether each is load-aware.
+        self._checked: OrderedDict[MethodConfig, bool] = OrderedDict()
         # The batch's cost curves, measured once each: greedy rows (read through the screened head where the target
         # has one) and sampled rows (every row's exact logits), by whether they are sampled (_batch_curve).
         self._curves: dict[bool, CostCurve] = {}

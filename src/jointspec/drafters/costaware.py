@@ -282,9 +282,9 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
 
     # The kernels are part of the key: stock_kernels() can switch a model's linears and attention for a while.
     screened = target.capabilities.argmax_screen and argmax_only is not False
-    argmax_only = {"argmax_only": True} if screened else {}
+    forward_options = {"argmax_only": True} if screened else {}
     key = (sizes, repeats, context_tokens, seed, torch.get_num_threads(), kernels_in_use(owner),
-           attention_in_use(owner), bool(argmax_only))
+           attention_in_use(owner), screened)
     try:
         memo = _MEASURED.setdefault(owner, {})
     except TypeError:  # an owner that cannot be weakly referenced: measure every time
@@ -318,7 +318,7 @@ def measure_cost_curve(target, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats:
                 tokens = [rng.randrange(vocab) for _ in range(n)]
                 _synchronize(device)
                 t0 = time.perf_counter()
-                target.forward(tokens, **argmax_only)
+                target.forward(tokens, **forward_options)
                 _synchronize(device)
                 elapsed = time.perf_counter() - t0
                 # A feature-fed draft head may keep fewer entries than asked (it drops those fed with guesses).
