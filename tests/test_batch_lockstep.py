@@ -18,6 +18,8 @@ tests/test_kernels_grouped.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -38,6 +40,7 @@ from jointspec.batch.lockstep import (
 )
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.sampling import SamplingConfig
 from jointspec.core.target import ForwardCall
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, choose_num_draft_tokens
 from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
@@ -456,6 +459,9 @@ def test_a_sampled_request_has_the_sampled_curve_measured_when_it_is_checked(int
     engine.check(BatchRequest(tuple(PROMPTS[0]), GREEDY, METHODS["pld-cost-aware"]))
     assert calls == [True]
     engine.check(BatchRequest(tuple(PROMPTS[0]), SAMPLED, METHODS["pld-cost-aware"]))
+    assert calls == [True]  # its top-k reads the screen: greedy rows' curve
+    exact = replace(SAMPLED, sampling=SamplingConfig(temperature=0.8))
+    engine.check(BatchRequest(tuple(PROMPTS[0]), exact, METHODS["pld-cost-aware"]))
     assert calls == [True, False]  # before any round, not in one
 
 
@@ -480,21 +486,23 @@ def test_the_engine_gives_cost_aware_drafters_the_batch_curve(int4_target, metho
 
 
 def test_sampled_and_greedy_requests_in_one_batch_are_priced_by_their_own_rows_curves(int4_target):
-    # A sampled row reads the exact head where a greedy one reads the screen: in one batch, each request's drafts
-    # take the batch curve of its own kind of row.
+    # A sampled row without a top-k reads the exact head, where a greedy one reads the screen's argmax and a sampled
+    # one with a top-k the screen's top k: in one batch, each request's drafts take the batch curve of its own kind
+    # of row (the exact head's, or the screened one's).
     engine = LockstepEngine(int4_target, max_batch_size=4)
     engine._curves = {False: CostCurve({n: 1.0 + 0.1 * (n - 1) for n in BATCH_CURVE_SIZES}),
                       True: CostCurve({n: 1.5 + 0.4 * (n - 1) for n in BATCH_CURVE_SIZES})}
     config = METHODS["pld-cost-aware"]
-    for i, p in enumerate(PROMPTS[:4]):
-        sampling = SAMPLED if i % 2 else GREEDY
-        engine.submit(BatchRequest(tuple(p), DecodeConfig(4, sampling.sampling, EOS), config, seed=i))
+    exact = SamplingConfig(temperature=0.8)
+    assert 0 < SAMPLED.sampling.top_k <= int4_target.capabilities.top_k_screen
+    kinds = [(GREEDY.sampling, False), (SAMPLED.sampling, False), (exact, True), (exact, True)]
+    for i, (p, (sampling, _)) in enumerate(zip(PROMPTS, kinds)):
+        engine.submit(BatchRequest(tuple(p), DecodeConfig(4, sampling, EOS), config, seed=i))
     engine.step()
     assert len(engine.active) == 4
-    for seq in engine.active.values():
-        kind = not seq.request.config.sampling.greedy
+    for seq, (_, exact_rows) in zip(sorted(engine.active.values(), key=lambda seq: seq.seq_id), kinds):
         drafter = seq.decoder.drafter
-        assert drafter.curve == batch_cost_curve(engine._curves[kind].with_draft_cost(
+        assert drafter.curve == batch_cost_curve(engine._curves[exact_rows].with_draft_cost(
             drafter.curve.draft_cost_per_token), 3)
 
 

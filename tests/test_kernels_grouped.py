@@ -28,6 +28,7 @@ from jointspec.kernels.grouped import (
     ISA_ENV,
     ISA_FLAGS,
     SCREEN_MARGIN,
+    SCREEN_TOP_K_MAX,
     GroupedInt4Linear,
     GroupedInt6Linear,
     GroupedInt8Linear,
@@ -337,32 +338,118 @@ def test_the_screen_gives_exact_logits_exactly_near_each_rows_best_score():
     assert torch.equal(capped[took], exact[:50][took]) and torch.equal(capped[~took], scores[:50][~took])
 
 
+@pytest.mark.parametrize("k", [2, 5, 16])
+def test_the_top_k_screen_gives_exact_logits_exactly_near_each_rows_kth_best_score(k):
+    """Sampling with top-k reads a row's k largest logits: tokens whose 4-bit score is within the margin of the
+    row's k-th best score get the int8 head's logit (the same bits), the rest keep their score, and the k largest
+    entries are the exact head's k largest, tokens and values, on every one of 2,000 seeded rows."""
+    layer = head(seed=1)
+    screened = ScreenedInt8Head(layer, margin=1.5)
+    torch.manual_seed(2)
+    x = torch.randn(2000, 128) * 2
+    with torch.no_grad():
+        with float_inputs():  # the head's exact logits are on float inputs
+            exact = torch.cat([GroupedInt8Linear(layer)(x[i:i + 4]) for i in range(0, len(x), 4)])
+        screened.margin = -1.0
+        scores = screened.argmax_logits(x)  # the 4-bit scores alone
+        screened.margin = 1.5
+        out = screened.top_k_logits(x, k)
+    near = scores >= scores.topk(k, dim=1).values[:, -1:] - 1.5
+    assert (near.sum(1) < screened.exact_per_rank * k).all()  # the margin decides here, not the cap
+    assert torch.equal(out[near], exact[near]) and torch.equal(out[~near], scores[~near])
+    assert near.sum(1).float().mean() > k + 1  # more than the k: the test compares more than it keeps
+    top, top_exact = out.topk(k, dim=1), exact.topk(k, dim=1)
+    assert torch.equal(top.values, top_exact.values) and torch.equal(top.indices, top_exact.indices)
+    # Past the margin, the cap: exact_per_rank * k exact logits at most, the best scores.
+    screened.margin, screened.exact_per_rank = 1e9, 2
+    with torch.no_grad():
+        capped = screened.top_k_logits(x[:50], k)
+    best = torch.sort(-scores[:50], dim=1, stable=True).indices[:, :2 * k]
+    took = torch.zeros_like(capped, dtype=torch.bool).scatter_(1, best, True)
+    assert torch.equal(capped[took], exact[:50][took]) and torch.equal(capped[~took], scores[:50][~took])
+    with pytest.raises(ValueError, match="k in"):
+        screened.top_k_logits(x[:1], 65)
+
+
 def test_screened_rows_are_bitwise_independent_of_the_batch():
     screened = ScreenedInt8Head(head(seed=3))
     x = torch.randn(17, 128) * 3
     with torch.no_grad():
-        alone = torch.cat([screened.argmax_logits(x[i:i + 1]) for i in range(len(x))])
-        for size in (2, 4, 5, 17):
-            batched = torch.cat([screened.argmax_logits(x[i:i + size]) for i in range(0, len(x), size)])
-            assert torch.equal(batched, alone), f"batches of {size}"
+        for read in (screened.argmax_logits, lambda rows: screened.top_k_logits(rows, 7)):
+            alone = torch.cat([read(x[i:i + 1]) for i in range(len(x))])
+            for size in (2, 4, 5, 17):
+                batched = torch.cat([read(x[i:i + size]) for i in range(0, len(x), size)])
+                assert torch.equal(batched, alone), f"batches of {size}"
 
 
 def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatch):
     model = quantize_model(grouped_llama(0), "int4")
     assert model.lm_head.margin == SCREEN_MARGIN
-    calls = []
-    original = ScreenedInt8Head.argmax_logits
+    calls, exact_calls = [], []
+    original, exact = ScreenedInt8Head.argmax_logits, ScreenedInt8Head.forward
     monkeypatch.setattr(ScreenedInt8Head, "argmax_logits", lambda self, x: calls.append(x.shape) or original(self, x))
+    monkeypatch.setattr(ScreenedInt8Head, "forward", lambda self, x: exact_calls.append(x.shape) or exact(self, x))
     target = CausalLM(model, name="int4")
     assert target.capabilities.argmax_screen
     drafter, verifier = build_method(MethodContext(MethodConfig(name="pld"), target, None, load_draft=None))
     decoder = SpeculativeDecoder(target, drafter, verifier)
     decoder.generate(random_prompt(0), greedy(20))
     assert len(calls) == decoder.stats.num_rounds  # every verification forward, not the prefill
+    assert exact_calls == []
     calls.clear()
-    decoder.generate(random_prompt(0), DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0)),
-                     torch.Generator().manual_seed(0))
-    assert calls == []
+    # Sampling without a top-k, or with one past the screen's, reads every logit of the exact head.
+    for top_k in (0, target.capabilities.top_k_screen + 1):
+        config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, top_k=top_k))
+        decoder.generate(random_prompt(0), config, torch.Generator().manual_seed(0))
+        assert calls == [] and len(exact_calls) == decoder.stats.num_rounds
+        exact_calls.clear()
+
+
+SAMPLED_TOP_K = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)
+
+
+def sample_with(model, method: str, prompt: list[int], seed: int, *, screen: bool = True) -> list[int]:
+    target = CausalLM(model, name="int4")
+    if not screen:
+        target.lean.screens_head = False  # this adapter reads the exact head: what the screen must give
+    assert target.capabilities.top_k_screen == (SCREEN_TOP_K_MAX if screen else 0)
+    drafter, verifier = build_method(MethodContext(MethodConfig(name=method), target, None, load_draft=None))
+    decoder = SpeculativeDecoder(target, drafter, verifier)
+    config = DecodeConfig(max_new_tokens=40, sampling=SAMPLED_TOP_K)
+    return decoder.generate(prompt, config, torch.Generator().manual_seed(seed))
+
+
+def test_sampling_with_a_top_k_reads_the_screens_top_k_and_samples_the_exact_heads_tokens(monkeypatch):
+    # A sampled row with a top-k reads the screen's top k (exact logits for every token near the k-th best score),
+    # and its k largest are the exact head's: seeded, plain sampling through the screen samples the tokens it samples
+    # from the exact head.
+    model = quantize_model(grouped_llama(0), "int4")
+    calls = []
+    original = ScreenedInt8Head.top_k_logits
+    monkeypatch.setattr(ScreenedInt8Head, "top_k_logits",
+                        lambda self, x, k: calls.append(k) or original(self, x, k))
+    for seed in range(3):
+        prompt = random_prompt(seed, length=12)
+        calls.clear()
+        screened = sample_with(model, "ar", prompt, seed)
+        assert calls == [SAMPLED_TOP_K.top_k] * 40  # every token's row, not the prefill
+        assert screened == sample_with(model, "ar", prompt, seed, screen=False), seed
+
+
+@pytest.mark.parametrize("method", ["pld", "lookahead"])
+def test_lookup_drafts_sample_what_plain_sampling_samples_through_a_screen_that_misses(method):
+    # Plain sampling reads the screen's top k; a verifier that read other logits (the exact head's) would draw other
+    # tokens wherever the screen missed one of the exact top k (not guaranteed). A screen narrowed to k exact logits
+    # and no margin misses often, and lookup drafts must still sample plain sampling's tokens.
+    model = quantize_model(grouped_llama(0), "int4")
+    model.lm_head.margin, model.lm_head.exact_per_rank = 0.0, 1
+    misses = 0
+    for seed in range(4):
+        prompt = random_prompt(seed, length=6) * 3  # repeats itself: lookup drafts from the first round
+        expected = sample_with(model, "ar", prompt, seed)
+        assert sample_with(model, method, prompt, seed) == expected, seed
+        misses += expected != sample_with(model, "ar", prompt, seed, screen=False)
+    assert misses > 0  # the narrowed screen did change what plain sampling reads: the test tells the two apart
 
 
 @pytest.mark.parametrize("method, options", [("sps", {}), ("specinfer", {"tree": (2, 2)}), ("mtad", {}),
@@ -745,8 +832,9 @@ def test_each_build_gives_the_portable_builds_bits(isa):
         for vnni in {has_vnni, False}:  # VNNI's dot product where the CPU has it, and the two-step one
             assert fast.use_vnni(vnni) == vnni
             for margin in (-1.0, 1.5, 1e9):  # the scores alone, a few exact logits, every logit exact
-                assert torch.equal(fast.screened_head(x, *arguments, margin, 512),
-                                   portable.screened_head(x, *arguments, margin, 512)), (vnni, margin)
+                for rank in (1, 3, 40):  # greedy's best score; a top-k's k-th best
+                    assert torch.equal(fast.screened_head(x, *arguments, margin, 512, rank),
+                                       portable.screened_head(x, *arguments, margin, 512, rank)), (vnni, margin, rank)
     finally:
         fast.use_vnni(True)
     # Broken inputs and weights: a row with an infinite input scores NaN everywhere, and NaN screen scales make NaN
@@ -759,11 +847,11 @@ def test_each_build_gives_the_portable_builds_bits(isa):
     for nan_rows in ([], [37, 496, 504, 508], [0]):  # 496: the last whole vector of 16; 504, 508: the tail
         scale = odd.screen_scale.clone()
         scale[nan_rows] = float("nan")
-        for margin in (-1.0, 1.5):
-            given = (broken, odd.screen4, scale, odd.column, [odd.levels, odd.scale], margin, 512)
+        for margin, rank in ((-1.0, 1), (1.5, 1), (1.5, 5), (1.5, 509)):
+            given = (broken, odd.screen4, scale, odd.column, [odd.levels, odd.scale], margin, 512, rank)
             ours, theirs = fast.screened_head(*given), portable.screened_head(*given)
-            assert torch.equal(ours.isnan(), theirs.isnan()), (nan_rows, margin)
-            assert torch.equal(ours.nan_to_num(0.0), theirs.nan_to_num(0.0)), (nan_rows, margin)
+            assert torch.equal(ours.isnan(), theirs.isnan()), (nan_rows, margin, rank)
+            assert torch.equal(ours.nan_to_num(0.0), theirs.nan_to_num(0.0)), (nan_rows, margin, rank)
             assert theirs[1].isnan().all() and theirs[0].isnan().sum() == len(nan_rows)  # the cases are there
 
 

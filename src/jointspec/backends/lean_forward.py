@@ -213,6 +213,17 @@ class LeanCall:
     num_logits: int
     hidden_layers: tuple[int, ...] = ()
     argmax_only: bool = False
+    top_k_only: int = 0
+
+    @property
+    def screen_rank(self) -> int:
+        return screen_rank(self.argmax_only, self.top_k_only)
+
+
+def screen_rank(argmax_only: bool, top_k_only: int) -> int:
+    """What of each row's logits a forward's caller reads, as a screened head takes it: 1 the argmax alone (greedy), k
+    the k largest (sampling with top-k), 0 all of them."""
+    return 1 if argmax_only else top_k_only
 
 
 class LeanLlamaForward:
@@ -395,8 +406,8 @@ class LeanLlamaForward:
         return [layer.mlp.gate_proj, layer.mlp.up_proj]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, num_logits: int, hidden_layers: tuple[int, ...] = (), argmax_only: bool = False
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 cache, num_logits: int, hidden_layers: tuple[int, ...] = (), argmax_only: bool = False,
+                 top_k_only: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``input_ids`` ([1, n]) at ``position_ids`` ([1, n]) after ``cache`` (updated in place).
 
         ``attention_mask``: None (causal) or the 4-D mask transformers' mask builder accepts. Returns the logits of
@@ -404,7 +415,8 @@ class LeanLlamaForward:
         ``hidden_layers``, the hidden states transformers' ``output_hidden_states`` tuple has there ([1, n, hidden]):
         0 the embeddings, i the output of layer i - 1, -1 (and the last index) the final norm's output.
         ``argmax_only``: the caller reads only each row's argmax (greedy decoding), so a screened head
-        (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`) may give its screened logits.
+        (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`) may give its screened logits; ``top_k_only`` (k > 0):
+        it reads only each row's k largest logits (sampling with top-k), which the screen completes likewise.
         """
         model = self.model
         base = model.model
@@ -433,7 +445,7 @@ class LeanLlamaForward:
         hidden = _rms_norm(base.norm, hidden)
         if num_layers in wanted:
             kept[num_layers] = hidden
-        logits = self._head(hidden, num_logits, argmax_only)
+        logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only))
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
     def forward_many(self, calls: list[LeanCall]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]] | None:
@@ -486,18 +498,16 @@ class LeanLlamaForward:
             states.append({layer: kept[layer % (num_layers + 1)] for layer in call.hidden_layers})
             heads.append(normed[0, row + n - max(call.num_logits, 0):row + n])
             row += n
-        # One head call per kind of head (screened argmax or exact logits) over every call's rows: the head's
-        # weights are the largest single read of a step, and it too computes each row alone. Up to ROWWISE_MAX_ROWS
-        # rows a call: past that a quantised head takes a prompt's GEMM, whose rows are not computed alone, and the
-        # calls' rows together may pass it where no call's own rows do.
+        # One head call per kind of head (screened argmax, screened top k or exact logits) over every call's rows:
+        # the head's weights are the largest single read of a step, and it too computes each row alone. Up to
+        # ROWWISE_MAX_ROWS rows a call: past that a quantised head takes a prompt's GEMM, whose rows are not computed
+        # alone, and the calls' rows together may pass it where no call's own rows do.
         from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
 
         logits: list[torch.Tensor | None] = [None] * len(calls)
-        for argmax_only in (False, True):
-            group = [i for i, call in enumerate(calls) if call.argmax_only == argmax_only]
-            if not group:
-                continue
-            out = torch.cat([self._head(piece[None], len(piece), argmax_only)[0]
+        for rank in sorted({call.screen_rank for call in calls}):
+            group = [i for i, call in enumerate(calls) if call.screen_rank == rank]
+            out = torch.cat([self._head(piece[None], len(piece), rank)[0]
                              for piece in torch.cat([heads[i] for i in group]).split(ROWWISE_MAX_ROWS)])
             start = 0
             for i in group:
@@ -505,14 +515,20 @@ class LeanLlamaForward:
                 start += len(heads[i])
         return list(zip(logits, states))
 
-    def _head(self, hidden: torch.Tensor, num_logits: int, argmax_only: bool) -> torch.Tensor:
-        """The logits of the last ``num_logits`` rows of ``hidden`` ([1, n, width]); none for 0."""
+    def _head(self, hidden: torch.Tensor, num_logits: int, screen: int) -> torch.Tensor:
+        """The logits of the last ``num_logits`` rows of ``hidden`` ([1, n, width]); none for 0. ``screen``
+        (:func:`screen_rank`): 1 where the caller reads each row's argmax alone, k its k largest logits, 0 all."""
         if num_logits <= 0:
             return hidden.new_zeros(hidden.shape[0], 0, self.model.config.vocab_size)
-        head = self.model.lm_head
-        if argmax_only and self.screens_head and hasattr(head, "argmax_logits"):
-            return head.argmax_logits(hidden[:, -num_logits:, :])
-        return _linear(head, hidden[:, -num_logits:, :])
+        from jointspec.kernels.grouped import SCREEN_TOP_K_MAX
+
+        head, rows = self.model.lm_head, hidden[:, -num_logits:, :]
+        if screen and self.screens_head and hasattr(head, "argmax_logits"):
+            if screen == 1:
+                return head.argmax_logits(rows)
+            if screen <= SCREEN_TOP_K_MAX:
+                return head.top_k_logits(rows, screen)
+        return _linear(head, rows)
 
     def _segment(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
         """What the compiled layers need of one sequence's forward besides its rows: its views, each (visible,

@@ -285,9 +285,10 @@ class LlamaCppLM:
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False,
-                argmax_only: bool = False) -> ForwardOutput:
+                argmax_only: bool = False, top_k_only: int = 0) -> ForwardOutput:
         """Feed ``token_ids`` (a chain) after the cache; they stay cached. Returns the last ``num_logits`` rows.
-        ``argmax_only`` changes nothing: llama.cpp has no screened head, so every row is exact anyway."""
+        ``argmax_only`` and ``top_k_only`` change nothing: llama.cpp has no screened head, so every row is exact
+        anyway."""
         ids = [int(t) for t in (token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor)
                                 else token_ids)]
         n = len(ids)

@@ -25,11 +25,12 @@ only this engine runs.
 Load-aware drafting: a draft that pays for one sequence alone can cost the batch more than it gains once the forward is
 busy with other rows. Each round the engine tells every cost-aware drafter (chains, and Lookahead's trie) the cost curve
 that its draft tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink, and stop, as the
-batch fills. The curve is of the request's own kind of rows: a sampled row reads every logit of the exact head, where a
-greedy one may read the screened head's argmax, and costs more. A stopped drafter must still learn when drafting starts
-to pay again; a probe that tells it costs a whole extra row in a batch, so a lookup drafter learns instead from shadow
-tests (its skipped drafts scored against the tokens the target commits, at no cost;
-:mod:`jointspec.drafters.costaware`), and any other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
+batch fills. The curve is of the request's own kind of rows: a sampled row without a top-k reads every logit of the
+exact head, and costs more than a greedy one, which may read the screened head's argmax (or a sampled one with a top-k,
+its k largest). A stopped drafter must still learn when drafting starts to pay again; a probe that tells it costs a
+whole extra row in a batch, so a lookup drafter learns instead from shadow tests (its skipped drafts scored against the
+tokens the target commits, at no cost; :mod:`jointspec.drafters.costaware`), and any other cost-aware drafter probes
+within :data:`BATCH_PROBE_BUDGET`.
 """
 
 from __future__ import annotations
@@ -226,8 +227,14 @@ class LockstepEngine(EngineBase):
     def check(self, request: BatchRequest) -> None:
         # A sampled request's drafts are priced by the sampled rows' curve: measured now too, not in a round.
         super().check(request)
-        if not request.config.sampling.greedy and self.method(request.method):
+        if self._reads_exact_rows(request) and self.method(request.method):
             self._batch_curve(sampled=True)
+
+    def _reads_exact_rows(self, request: BatchRequest) -> bool:
+        """Whether ``request``'s verified rows read every logit of the exact head: sampled, without a top-k that the
+        target's screen completes (SpeculativeDecoder.start says which rows read what)."""
+        sampling = request.config.sampling
+        return not sampling.greedy and not 0 < sampling.top_k <= self.target.capabilities.top_k_screen
 
     def _check(self, config: MethodConfig) -> bool:
         drafter = self._decoder(config).drafter
@@ -325,7 +332,7 @@ class LockstepEngine(EngineBase):
         curves: dict[tuple[float, bool], CostCurve] = {}
         alone = len(rows) == 1
         for seq in rows:
-            sampled = not seq.request.config.sampling.greedy
+            sampled = self._reads_exact_rows(seq.request)
             for part in load_aware_parts(seq.decoder.drafter):
                 own_curve, own_budget = seq.own_settings.setdefault(
                     id(part), (part.curve, getattr(part, "probe_budget", None)))

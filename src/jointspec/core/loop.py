@@ -135,6 +135,7 @@ class DecodeState:
     generator: torch.Generator | None
     argmax_only: bool  # greedy verification may read the target's screened argmax
     max_verify_rows: int | None = None  # the target's, read once (TargetCapabilities)
+    top_k_only: int = 0  # sampled verification with top-k may read the target's screened top k (k; 0: every logit)
     done: bool = False
     stopped: bool = False  # it ended on an end-of-sequence token
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
@@ -199,11 +200,16 @@ class SpeculativeDecoder:
                 self.target.forward(tokens[:-1], num_logits=0)
         self.drafter.start(tokens)
         stats.prefill_seconds = time.perf_counter() - start
-        # Greedy verifiers read only the argmax of each row: a target that can find it more cheaply may.
+        # Greedy verifiers read only the argmax of each row, and sampling verifiers only the probabilities after
+        # top-k (core/sampling.py), so with a top-k only each row's k largest logits: a target that can find those
+        # more cheaply may. Plain decoding reads them the same way, so the two commit the same tokens.
         capabilities = self.target.capabilities
-        argmax_only = (config.sampling.greedy and capabilities.argmax_screen
+        sampling = config.sampling
+        argmax_only = (sampling.greedy and capabilities.argmax_screen
                        and getattr(self.verifier, "reads_argmax_when_greedy", False))
-        return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows)
+        top_k_only = (sampling.top_k if not sampling.greedy and 0 < sampling.top_k <= capabilities.top_k_screen
+                      and getattr(self.verifier, "reads_top_k_when_sampling", False) else 0)
+        return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only)
 
     def begin_round(self, state: DecodeState) -> ForwardCall:
         """Draft (1.) and return the target forward that scores the pending token and the draft (2.)."""
@@ -227,7 +233,7 @@ class SpeculativeDecoder:
         # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
         return ForwardCall([tokens[-1]] + draft.token_ids,
                            parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
-                           argmax_only=state.argmax_only)
+                           argmax_only=state.argmax_only, top_k_only=state.top_k_only)
 
     def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
         """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""

@@ -35,10 +35,13 @@ class ForwardCall:
     num_logits: int | None = None
     output_hidden: bool = False
     argmax_only: bool = False
+    top_k_only: int = 0
 
     def run(self, target: TargetLM) -> ForwardOutput:
+        # top_k_only only where set: a target without the capability need not take it.
+        extra = {"top_k_only": self.top_k_only} if self.top_k_only else {}
         return target.forward(self.token_ids, parents=self.parents, num_logits=self.num_logits,
-                              output_hidden=self.output_hidden, argmax_only=self.argmax_only)
+                              output_hidden=self.output_hidden, argmax_only=self.argmax_only, **extra)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class TargetCapabilities:
     ``features``: hidden states (``output_hidden``, feature mirrors), which EAGLE-style heads and Medusa read.
     ``fork``: :meth:`TargetLM.fork` gives a second cache over the same weights (a self-draft, a cost probe).
     ``argmax_screen``: ``forward(argmax_only=True)`` finds each row's argmax through a cheaper screened head.
+    ``top_k_screen``: the largest k for which ``forward(top_k_only=k)`` gives each row's k largest logits exactly
+    through the screened head (the rest of the row approximate, and below them); 0: none.
     ``plain_decode``: ``reset(plain=True)`` switches to faster kernels for decodes that verify nothing (whose rows
     then need not equal batched rows); such a target says in ``plain`` which kernels the current decode runs on.
     ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.
@@ -62,6 +67,7 @@ class TargetCapabilities:
     features: bool = False
     fork: bool = False
     argmax_screen: bool = False
+    top_k_screen: int = 0
     plain_decode: bool = False
     torch_module: bool = False
     sparse_view: bool = False
@@ -94,9 +100,10 @@ class TargetLM(Protocol):
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False,
-                argmax_only: bool = False) -> ForwardOutput:
+                argmax_only: bool = False, top_k_only: int = 0) -> ForwardOutput:
         """Feed ``token_ids`` after the cache (they stay cached); the last ``num_logits`` rows of logits (all if
-        None). A target without a capability refuses the option that needs it with a clear error."""
+        None). A target without a capability refuses the option that needs it with a clear error (``top_k_only``
+        is passed only to a target with ``top_k_screen``)."""
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""

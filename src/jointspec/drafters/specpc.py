@@ -163,7 +163,7 @@ class PromptCompressedTarget(WrappedTarget):
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False, argmax_only: bool = False,
-                attend_to: torch.Tensor | None = None) -> ForwardOutput:
+                top_k_only: int = 0, attend_to: torch.Tensor | None = None) -> ForwardOutput:
         if attend_to is not None:
             raise UnsupportedOptionError("a target reading a compressed prompt cannot restrict its attention further")
         ids = [int(t) for t in token_ids]
@@ -171,7 +171,8 @@ class PromptCompressedTarget(WrappedTarget):
                 and len(ids) >= self.compression.min_context):
             return self._read_compressed(ids)
         out = self.inner.forward(ids, parents=parents, num_logits=num_logits, output_hidden=output_hidden,
-                                 argmax_only=argmax_only)
+                                 argmax_only=argmax_only,
+                                 **({"top_k_only": top_k_only} if top_k_only else {}))
         self._tokens.extend(ids)
         return out
 

@@ -942,6 +942,13 @@ SCREEN_MARGIN = 6.0
 # otherwise have thousands (and the cost curve, timed on random tokens, would price verification far too high). On
 # the same positions caps down to half this changed no argmax; smaller ones did (docs/kernels.md).
 SCREEN_MAX_EXACT = 128
+# Sampling with top-k reads each row's k largest logits only (core/sampling.py): the screen then completes the exact
+# logit of every token within SCREEN_MARGIN of the row's k-th best score, at most SCREEN_EXACT_PER_RANK * k of them (the
+# best scores). Past the k-th best the scores crowd, so the cap, not the margin, decides what is kept; at this cap the
+# exact top k was kept whole at every position measured, and at half of it not (docs/kernels.md, "Sampling with a
+# top-k reads the screen too"). Up to SCREEN_TOP_K_MAX; a larger k reads the exact head.
+SCREEN_EXACT_PER_RANK = 32
+SCREEN_TOP_K_MAX = 64
 # The screen is built from the exact weights this many at a time (rows x inputs, float32: 4 MB a block).
 SCREEN_BLOCK_ELEMENTS = 1 << 20
 
@@ -962,13 +969,16 @@ class ScreenedInt8Head(GroupedInt8Linear):
     and cost a large share of a step, which the screen's half-size integer pass cuts (docs/kernels.md). Its rows'
     argmax is the exact head's wherever that token's score is within the margin of the best (every position
     measured; not guaranteed), and each row's result depends on that row alone, so plain and speculative greedy
-    decoding read the same tokens. Sampling, perplexity and every other caller use :meth:`forward`: the exact
-    logits.
+    decoding read the same tokens. Sampling with a top-k of at most :data:`SCREEN_TOP_K_MAX` reads
+    :meth:`top_k_logits` likewise, exact for the tokens near the row's k-th best score; sampling without one,
+    perplexity and every other caller use :meth:`forward`: the exact logits.
     """
 
     # The logits greedy decoding's screen completes are computed on float inputs; the head's own logits are too, so
     # that they are the same numbers (sampling and perplexity read these).
     q8_inputs = False
+    # Exact logits a row per rank of a top-k (top_k_logits); an instance may narrow it (tests make the screen miss).
+    exact_per_rank = SCREEN_EXACT_PER_RANK
 
     def __init__(self, linear: nn.Linear, margin: float = SCREEN_MARGIN, max_exact: int = SCREEN_MAX_EXACT) -> None:
         super().__init__(linear)
@@ -1029,13 +1039,29 @@ class ScreenedInt8Head(GroupedInt8Linear):
     def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits whose rows' argmax is what greedy decoding reads: the 4-bit screen's scores, with the exact logit
         for every token within the margin of its row's best score. [..., in] -> [..., out]."""
+        return self._screened_logits(x, 1)
+
+    def top_k_logits(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Logits whose rows' ``k`` largest are what sampling with top-k reads: the 4-bit screen's scores, with the
+        exact logit for every token within the margin of its row's k-th best score (at most
+        ``exact_per_rank`` * k, the best-scoring). Every other entry is a score at least a margin below
+        the k-th best, so top-k keeps exact logits only, the same bits :meth:`forward` gives them. [..., in] ->
+        [..., out]."""
+        if not 1 <= k <= SCREEN_TOP_K_MAX:
+            raise ValueError(f"the screen completes the top k for k in [1, {SCREEN_TOP_K_MAX}], got {k}; read "
+                             "the exact head (forward) for a larger k")
+        return self._screened_logits(x, k)
+
+    def _screened_logits(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         rows = _rows(x, self.in_features)
+        max_exact = self.max_exact if rank == 1 else max(rank, self.exact_per_rank * rank)
         out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column,
-                                      [getattr(self, name) for name in self.BUFFERS], self.margin, self.max_exact)
+                                      [getattr(self, name) for name in self.BUFFERS], self.margin, max_exact, rank)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", greedy reads through a 4-bit screen (margin {self.margin:g} logits)"
+        return super().extra_repr() + (f", greedy and top-k sampling read through a 4-bit screen (margin "
+                                       f"{self.margin:g} logits)")
 
 
 class ScreenedInt6Head(GroupedInt6Linear, ScreenedInt8Head):

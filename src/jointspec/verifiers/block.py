@@ -108,6 +108,7 @@ class BlockVerifier:
     verifiers with the same law (see the module docstring)."""
 
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
+    reads_top_k_when_sampling = True  # only processed_probs of the target's rows
 
     def __init__(self) -> None:
         self._greedy = GreedyVerifier()

@@ -67,6 +67,7 @@ class MTADVerifier:
     # At temperature 0 it reads each row's argmax only (processed_probs' one-hot, the greedy endpoint): it may read
     # the screened head's argmax logits, as plain greedy decoding does, and so commits the same tokens.
     reads_argmax_when_greedy = True
+    reads_top_k_when_sampling = True  # only processed_probs of the target's rows
 
     def __init__(self, accept_threshold: float = 0.5) -> None:
         if not accept_threshold > 0:

@@ -61,6 +61,7 @@ def kseq_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: 
 class SpecTrVerifier:
     """SpecTr's k-sequential draft selection, position by position over the surviving candidates."""
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
+    reads_top_k_when_sampling = True  # only processed_probs of the target's rows
 
     def __init__(self) -> None:
         self._greedy = GreedyVerifier()

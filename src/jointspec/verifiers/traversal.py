@@ -40,6 +40,7 @@ class TraversalVerifier:
     """Traversal verification of token trees that carry their draft rows. ``replacement`` must match the drafter."""
 
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
+    reads_top_k_when_sampling = True  # only processed_probs of the target's rows
 
     def __init__(self, replacement: bool = True) -> None:
         self.replacement = replacement

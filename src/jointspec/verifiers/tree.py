@@ -31,6 +31,7 @@ from jointspec.verifiers.rejection import follow_target_draws, residual_distribu
 class TreeRejectionVerifier:
     """SpecInfer / MCSD recursive rejection sampling over a token tree. ``replacement`` must match the drafter."""
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
+    reads_top_k_when_sampling = True  # only processed_probs of the target's rows
 
     def __init__(self, replacement: bool = True) -> None:
         self.replacement = replacement

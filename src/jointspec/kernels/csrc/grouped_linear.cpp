@@ -30,6 +30,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <vector>
 #include <algorithm>
@@ -958,6 +959,36 @@ inline float row_best(const float* row, int64_t n) {
   return best;
 }
 
+// A row's rank-th largest score (NaN scores passed over, as at_least passes them): a min-heap of the largest so far,
+// and a scan sixteen scores at a time for those above its least; -inf where fewer than `rank` scores are numbers. The
+// same value whatever order the scores are visited in (it is an order statistic), so every build gives it.
+inline float row_kth(const float* row, int64_t n, int64_t rank) {
+  std::vector<float> top;
+  top.reserve(rank);
+  const auto greater = std::greater<float>();
+  int64_t j = 0;
+  for (; j < n && static_cast<int64_t>(top.size()) < rank; ++j)
+    if (!std::isnan(row[j])) {
+      top.push_back(row[j]);
+      std::push_heap(top.begin(), top.end(), greater);
+    }
+  if (static_cast<int64_t>(top.size()) < rank) return -INFINITY;
+  float least = top.front();
+  const auto offer = [&](float x) {
+    if (x > least) {
+      std::pop_heap(top.begin(), top.end(), greater);
+      top.back() = x;
+      std::push_heap(top.begin(), top.end(), greater);
+      least = top.front();
+    }
+  };
+  for (; j + 16 <= n; j += 16)
+    for (uint32_t hits = simd::at_least(simd::load(row + j), least); hits; hits &= hits - 1)
+      offer(row[j + __builtin_ctz(hits)]);
+  for (; j < n; ++j) offer(row[j]);
+  return least;
+}
+
 inline void near_scores(const float* row, int64_t n, float bar, std::vector<std::pair<float, int64_t>>& near) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
@@ -970,7 +1001,7 @@ inline void near_scores(const float* row, int64_t n, float bar, std::vector<std:
 }
 
 at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_scale, at::Tensor column,
-                            std::vector<at::Tensor> head, double margin, int64_t max_exact) {
+                            std::vector<at::Tensor> head, double margin, int64_t max_exact, int64_t rank) {
   check_x(x);
   // The exact head as an 8-bit layer takes it, (levels, scale) or Q6_K's (levels, scale, sub), or as a 6-bit one:
   // (packed, plane, scale, sub).
@@ -988,6 +1019,7 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
               "column must be float32 [in]");
   TORCH_CHECK(std::isfinite(margin), "margin must be finite (below 0: the scores alone, none exact)");
   TORCH_CHECK(max_exact >= 1, "max_exact must be >= 1");
+  TORCH_CHECK(rank >= 1 && rank <= max_exact, "rank must be in [1, max_exact], got ", rank);
   const float* xp = x.data_ptr<float>();
   const float* cp = column.data_ptr<float>();
   // Each input row equalised and rounded to 8 bits alone (its own scale): rows stay independent.
@@ -1019,14 +1051,15 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
       for (int64_t r = 0; r < rows; ++r)
         op[r * vocab + j] = sp[j] * x_scale[r] * float(dots[(j - begin) * rows + r] - 8 * x_sum[r]);
   });
-  // Exact logits near each row's top: the tokens within the margin, at most max_exact of them (the best scores,
-  // ties to the lower id), so that a flat row (random text: thousands within the margin) costs a bounded amount.
+  // Exact logits near each row's top: the tokens within the margin of its best score (of its rank-th best, for a
+  // sampler that keeps the top `rank`), at most max_exact of them (the best scores, ties to the lower id), so that a
+  // flat row (random text: thousands within the margin) costs a bounded amount.
   // The rows are searched in parallel, each alone, in the same steps as one at a time: a verification or a batch has
   // several rows, and each search is two passes over the whole vocabulary.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> row_pairs(rows);  // (input row, vocabulary row)
   const auto search = [&](int64_t r) {
     const float* row = op + r * vocab;
-    const float bar = row_best(row, vocab) - static_cast<float>(margin);
+    const float bar = (rank == 1 ? row_best(row, vocab) : row_kth(row, vocab, rank)) - static_cast<float>(margin);
     // (score, id) side by side: a flat row's tens of thousands of candidates are then ranked in one array rather
     // than through the ids into the row.
     std::vector<std::pair<float, int64_t>> near;
@@ -1214,7 +1247,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_many", &CompiledLayers::forward_many, unlocked);
   m.def("int8_linear", &int8_linear, "x [rows, in] @ dequantised 8-bit W [out, in]^T (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("levels"), py::arg("scale"), py::arg("gemm") = false, py::arg("q8") = true, unlocked);
-  m.def("screened_head", &screened_head, "logits: 4-bit scores, exact 8-bit logits within margin of each row's best",
+  m.def("screened_head", &screened_head,
+        "logits: 4-bit scores, exact 8-bit logits within margin of each row's best (rank: its rank-th best) score",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("head"),
-        py::arg("margin"), py::arg("max_exact"), unlocked);
+        py::arg("margin"), py::arg("max_exact"), py::arg("rank") = 1, unlocked);
 }
