@@ -1,0 +1,103 @@
+"""Sampling with a top-k through the screened head against the exact head, side by side in one process.
+
+A sampled row with a top-k of at most ``SCREEN_TOP_K_MAX`` reads the screen's top k (``ScreenedInt8Head.top_k_logits``:
+exact logits for every token near the row's k-th best score) instead of every logit of the exact head. This script
+decodes the same prompts with the same seeds both ways, alternating per prompt and method (the order reversed every
+other prompt, so drift hits both alike), and reports for each method tokens per second both ways, the paired ratio
+with a 95 % bootstrap interval over prompts (``jointspec.bench.intervals``), and how many answers differ. The "exact"
+side is the code before the screen read top-k rows: the same adapter, its head's ``top_k_logits`` replaced by the
+exact head for the run. Where the screen held every token of the exact top k, both sides sample the same tokens.
+
+    python benchmarks/sampled_top_k_ab.py                                     # ar,sps,mtad,default; top-k 10
+    python benchmarks/sampled_top_k_ab.py --methods ar --top-k 40 --top-p 1 --prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+
+from jointspec.api import GenerationConfig, Pipeline
+from jointspec.backends.loading import load_model
+from jointspec.bench.intervals import paired_ratio_interval
+from jointspec.bench.prompts import chat_prompt_ids, load_prompts, select_prompts
+from jointspec.kernels.grouped import ScreenedInt8Head
+
+
+@contextlib.contextmanager
+def exact_top_k_rows():
+    """Within it a screened head answers a top-k read with every exact logit (what sampling read before)."""
+    screened = ScreenedInt8Head.top_k_logits
+    ScreenedInt8Head.top_k_logits = lambda self, x, k: self.forward(x)
+    try:
+        yield
+    finally:
+        ScreenedInt8Head.top_k_logits = screened
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="ar,sps,mtad,default")
+    parser.add_argument("--prompts", type=int, default=24, help="MT-Bench first turns, 3 a category for 24")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=10)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_model("default", quantize="auto")
+    per_category = max(1, -(-args.prompts // 8))
+    prompts = select_prompts(load_prompts("builtin:mt_bench"), num_per_category=per_category)[:args.prompts]
+    prompt_ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    methods = args.methods.split(",")
+    pipelines = {method: Pipeline(target, tokenizer, method) for method in methods}
+    print(f"top-k {args.top_k}, top-p {args.top_p}, temperature {args.temperature}; target screens top k up to "
+          f"{target.capabilities.top_k_screen}; {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
+
+    def run(method: str, ids: list[int], seed: int, exact: bool) -> tuple[list[int], float]:
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=seed)
+        with exact_top_k_rows() if exact else contextlib.nullcontext():
+            start = time.perf_counter()
+            result = pipelines[method].generate_ids(ids, config)
+            return result.token_ids, time.perf_counter() - start
+
+    for method in methods:  # untimed: kernels, cost curves, the draft's first calls
+        run(method, prompt_ids[0], 0, False)
+        run(method, prompt_ids[0], 0, True)
+    parts = {(m, side): [] for m in methods for side in ("screen", "exact")}
+    differ = {m: 0 for m in methods}
+    for i, ids in enumerate(prompt_ids):
+        for method in methods:
+            sides = ("screen", "exact") if i % 2 == 0 else ("exact", "screen")
+            tokens = {}
+            for side in sides:
+                tokens[side], seconds = run(method, ids, i, side == "exact")
+                parts[(method, side)].append((len(tokens[side]), seconds))
+            differ[method] += tokens["screen"] != tokens["exact"]
+        print(f"prompt {i + 1}/{len(prompt_ids)}", flush=True)
+    report = {}
+    for method in methods:
+        screen, exact = (torch.tensor(parts[(method, side)], dtype=torch.float64) for side in ("screen", "exact"))
+        interval = paired_ratio_interval(screen, exact, "rate")
+        rate = {side: float(t[:, 0].sum() / t[:, 1].sum()) for side, t in (("screen", screen), ("exact", exact))}
+        report[method] = {"tok_s_screen": round(rate["screen"], 1), "tok_s_exact": round(rate["exact"], 1),
+                          "ratio": None if interval is None else round(interval.ratio, 3),
+                          "interval": None if interval is None else interval.to_list(3),
+                          "answers_differing": differ[method], "prompts": len(prompt_ids)}
+        print(f"{method:10s} screen {rate['screen']:6.1f} tok/s, exact {rate['exact']:6.1f} tok/s, "
+              f"ratio {report[method]['ratio']} {report[method]['interval']}, "
+              f"{differ[method]}/{len(prompt_ids)} answers differ")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "methods": report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
