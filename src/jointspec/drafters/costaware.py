@@ -74,16 +74,29 @@ when ``max_new_tokens`` leaves no room) and ``inner.commit`` as usual. So the in
 would be under the plain loop: a draft model catches up on skipped tokens in its next propose, prompt lookup keeps
 its own length, and an inner drafter's own empty draft (no n-gram match) is respected and counts as no test.
 
+The draft's own cost, learned. For a draft model, ``c`` is given as the draft model's own
+``measure_cost_curve(draft).cost(1)``: one call timed alone, its weights in cache. In decoding each target step evicts
+them, and a sampled draft also pays for its probabilities, so a drafted token costs more than that (several times more
+for a trained head on the int4 target: docs/lab/benchmarks.md, section 50), and a draft that looked as if it paid ran
+slower than plain decoding. So the wrapper also times its inner drafter's ``propose`` in every round that drafted (but
+the first of a request, which holds one-off work: a draft model's prompt), and once :data:`DRAFT_COST_MIN_ROUNDS` rounds
+are timed the median of the last :data:`DRAFT_COST_ROUNDS` rounds' seconds per drafted token replaces ``c`` wherever it
+is larger by more than :data:`DRAFT_COST_MARGIN` of a plain step. A median, so that a round with one-off work (catch-up
+after skipped rounds) moves it little; never smaller than the given ``c``, so that timing noise cannot make drafting
+look cheaper than it was measured. Where it is larger, probes alone also wait out their cost (as with a
+``probe_budget``, capped at :data:`LEARNING_SHARE_OF_GAIN` of the most a draft could gain): a probe after every accepted
+one, at the acceptance a dear draft gets, costs what drafting does. The learned cost is in seconds, the unit
+:func:`measure_cost_curve` measures in; on a curve in other units (relative to a step, as tests give them) it stays
+under the margin, as it should where the units say nothing of time.
+
 What is not modelled: loop overhead per round (it favours drafting, since plain decoding pays it on every token, so
-the choice errs towards plain decoding), and draft costs that are not per token (a draft model's catch-up forward
-after skipped rounds, a prompt-lookup scan). The curve is not refined online: timing ``propose`` mixes one-off work
-(the draft model's prefill after ``start``, catch-up forwards) into the per-token cost, and on a shared machine the
-noise would make the choice jitter; the measured medians of :func:`measure_cost_curve` are steadier. For a draft
-model, give ``c`` as the draft model's own ``measure_cost_curve(draft).cost(1)``.
+the choice errs towards plain decoding), and the target curve is not refined online (on a shared machine its noise
+would make the choice jitter; the measured medians of :func:`measure_cost_curve` are steadier).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import statistics
@@ -107,6 +120,14 @@ DEFAULT_SIZES = (1, 2, 3, 4, 5, 9, 17)
 # run (CostCurve.best_gain, every token accepted), besides their own budget: they only tell when drafting pays, and in
 # a nearly full batch it pays by a per cent or so at best; where it cannot pay at all they stop.
 LEARNING_SHARE_OF_GAIN = 0.25
+
+# The draft's own cost, learned (module docstring): the median seconds per drafted token of this many recent drafted
+# rounds, once at least DRAFT_COST_MIN_ROUNDS are timed.
+DRAFT_COST_ROUNDS = 15
+DRAFT_COST_MIN_ROUNDS = 3
+# ... and only where it exceeds the given cost by more than this share of a plain step: a lookup's tens of microseconds
+# change no choice, and on a curve in other units than seconds the learned cost never counts.
+DRAFT_COST_MARGIN = 0.05
 
 # Tokens a shadow test scores at most (module docstring): one such draft is pending at a time, and a plain round
 # commits one token, so longer ones would only test further along the same draft.
@@ -348,6 +369,7 @@ class _RequestState:
     shadow_at: int = 0  # the context position its first token stands for
     shadow_wait: int = 0  # rounds to pass before the next shadow test (shadow_budget)
     peek_seconds: float = 0.0  # what the last peek took
+    proposed: bool = False  # the inner drafter has been asked once (its first call holds one-off work)
 
 
 class CostAwareDrafter:
@@ -359,6 +381,7 @@ class CostAwareDrafter:
     """
 
     cost_aware = True  # methods.build_method does not wrap it again
+    clock = staticmethod(time.perf_counter)  # what drafted rounds are timed by (a test gives its own)
 
     def __init__(self, inner: Drafter, curve: CostCurve, *, max_num_draft_tokens: int = 16,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, memory: float = 10.0,
@@ -406,6 +429,9 @@ class CostAwareDrafter:
         # A method whose output law is its point (MTAD) never decodes a round plainly: it drafts at least this many.
         self.min_num_draft_tokens = min_num_draft_tokens
         self._state = self._fresh_state()
+        # Seconds per drafted token of recent drafted rounds, across requests (the draft's cost is the machine's).
+        self._draft_seconds: collections.deque[float] = collections.deque(maxlen=DRAFT_COST_ROUNDS)
+        self._priced: tuple[CostCurve | None, float, CostCurve | None] = (None, 0.0, None)
 
     @property
     def curve(self) -> CostCurve:
@@ -420,6 +446,26 @@ class CostAwareDrafter:
         price_rows = getattr(self.inner, "price_rows", None)
         if price_rows is not None:
             price_rows(max(0.0, curve.round_cost(1) / curve.round_cost(0) - 1.0))
+
+    @property
+    def learned_draft_cost(self) -> float | None:
+        """The drafted rounds' median seconds per drafted token (None until DRAFT_COST_MIN_ROUNDS are timed)."""
+        if len(self._draft_seconds) < DRAFT_COST_MIN_ROUNDS:
+            return None
+        return statistics.median(self._draft_seconds)
+
+    @property
+    def priced_curve(self) -> CostCurve:
+        """``curve`` with its draft cost per token raised to the learned one where that is larger (module
+        docstring, "The draft's own cost, learned"): what each round's length is chosen on."""
+        curve, learned = self._curve, self.learned_draft_cost
+        if learned is None or learned - curve.draft_cost_per_token <= DRAFT_COST_MARGIN * curve.round_cost(0):
+            return curve
+        priced_for, priced_at, priced = self._priced
+        if priced_for is not curve or priced_at != learned:
+            priced = curve.with_draft_cost(learned)
+            self._priced = (curve, learned, priced)
+        return priced
 
     @property
     def warm_per_prompt(self) -> bool:
@@ -446,7 +492,7 @@ class CostAwareDrafter:
         state = self._state
         self._score_shadow(context_ids)
         limit = min(self.max_num_draft_tokens, max_num_draft_tokens)
-        num_tokens = choose_num_draft_tokens(self.acceptance, self.curve, max(limit, 0), self.min_gain)
+        num_tokens = choose_num_draft_tokens(self.acceptance, self.priced_curve, max(limit, 0), self.min_gain)
         num_tokens = max(num_tokens, min(self.min_num_draft_tokens, max(limit, 0)))
         shadowing = self.shadow_tests and hasattr(self.inner, "peek")
         # A probe is the probe_interval-th round since the last draft: interval 1 probes in consecutive rounds. Where
@@ -471,7 +517,11 @@ class CostAwareDrafter:
                     state.shadow_wait = self._shadow_spacing()
         # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
         # would leave (see the module docstring).
+        start = self.clock()
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
+        if draft.num_nodes and state.proposed:
+            self._draft_seconds.append((self.clock() - start) / draft.num_nodes)
+        state.proposed = True
         if not draft.is_chain:
             raise UnsupportedOptionError(
                 f"cost-aware speculation needs a chain drafter, but {type(self.inner).__name__} proposed a tree; "
@@ -523,7 +573,7 @@ class CostAwareDrafter:
         pay (it could never be chosen, so nothing is worth learning); None without a budget."""
         if budget is None:
             return None
-        gain = self.curve.best_gain(self.max_num_draft_tokens)
+        gain = self.priced_curve.best_gain(self.max_num_draft_tokens)
         return 0.0 if gain <= self.min_gain else min(budget, LEARNING_SHARE_OF_GAIN * gain)
 
     def _observe(self, accepted: int, tested: int) -> None:
@@ -541,13 +591,20 @@ class CostAwareDrafter:
             return 1
         # No draft pays here, with a budget or without: no probe until one can (a probe of a draft as dear as the
         # target costs more than a step, and one accepted in full only doubles the next).
-        if self.curve.best_gain(self.max_num_draft_tokens) <= self.min_gain:
+        curve = self.priced_curve
+        if curve.best_gain(self.max_num_draft_tokens) <= self.min_gain:
             return math.inf
         if self.probe_budget is None:
-            return 1
-        budget = self._learning_budget(self.probe_budget)
-        base = self.curve.round_cost(0)
-        extra = self.curve.round_cost(length) - base
+            # Alone a probe follows every accepted one (it costs a tenth of a step or so), unless the draft has been
+            # timed dearer than its measured cost: then probing so often costs what drafting does, and probes wait
+            # until they cost at most their share of the most a draft could gain here.
+            if curve is self._curve:
+                return 1
+            budget = self._learning_budget(1.0)
+        else:
+            budget = self._learning_budget(self.probe_budget)
+        base = curve.round_cost(0)
+        extra = curve.round_cost(length) - base
         return max(1, math.ceil(extra / (budget * base) - 1e-9))
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
