@@ -167,10 +167,11 @@ class CausalLM:
         # The screen is read each time: quantising the model in place can give it a screened head after construction.
         from jointspec.kernels.grouped import ROWWISE_MAX_ROWS, SCREEN_TOP_K_MAX
 
-        screen = (self.lean is not None and self.lean.screens_head
-                  and hasattr(self.model.get_output_embeddings(), "top_k_logits"))
+        head = self.model.get_output_embeddings()
+        screens = self.lean is not None and self.lean.screens_head
         return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, sparse_view=True,
-                                  argmax_screen=screen, top_k_screen=SCREEN_TOP_K_MAX if screen else 0,
+                                  argmax_screen=screens and hasattr(head, "argmax_logits"),
+                                  top_k_screen=SCREEN_TOP_K_MAX if screens and hasattr(head, "top_k_logits") else 0,
                                   # CPU forwards past it take the prompt's one-call kernels (kernels/grouped.py)
                                   max_verify_rows=ROWWISE_MAX_ROWS if self.device.type == "cpu" else None)
 
