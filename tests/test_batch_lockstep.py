@@ -229,6 +229,35 @@ def test_each_request_gets_the_tokens_it_gets_alone_sampled(int4_target, method)
     assert out == [alone(int4_target, config, list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
 
 
+def test_requests_reading_different_heads_in_one_batch_each_get_their_own_tokens(int4_target):
+    # Greedy rows read the screen's argmax, top-k rows the screen's top k (of their own k), the others every exact
+    # logit: one batch holds all four kinds, its head called once per kind over their rows, and each request still
+    # gets the tokens it gets alone. The screen is narrowed until it misses, so that a row read through another kind
+    # of head than its own gives other tokens.
+    engine = LockstepEngine(int4_target, max_batch_size=8)
+    screen = int4_target.model.lm_head
+    narrowed = {"margin": 0.0, "max_exact": 1, "exact_per_rank": 1}
+    kept = {name: getattr(screen, name) for name in narrowed}
+    samplings = [GREEDY, SAMPLED, replace(SAMPLED, sampling=SamplingConfig(temperature=0.8, top_k=3)),
+                 replace(SAMPLED, sampling=SamplingConfig(temperature=0.8))]
+    requests = [BatchRequest(tuple(p), samplings[i % 4], METHODS["pld"], seed=100 + i) for i, p in enumerate(PROMPTS)]
+    heads = []
+    lean = int4_target.lean
+    head = lean._head
+    lean._head = lambda hidden, num_logits, rank: heads.append(rank) or head(hidden, num_logits, rank)
+    try:
+        for name, value in narrowed.items():
+            setattr(screen, name, value)
+        out = engine.generate(requests)
+        expected = [alone(int4_target, METHODS["pld"], list(r.prompt_ids), r.config, seed=r.seed) for r in requests]
+    finally:
+        del lean._head
+        for name, value in kept.items():
+            setattr(screen, name, value)
+    assert set(heads) >= {0, 1, 3, SAMPLED.sampling.top_k}  # every kind of head was read
+    assert out == expected
+
+
 def test_lookup_drafts_sample_what_ar_samples_under_load(int4_target):
     # Cost-aware lookup drafts shorter as the batch fills, but its drafts use no draws and its verifier one draw per
     # emitted token (verifiers/rejection.py): each request's sampled tokens are plain sampling's for its seed.

@@ -801,23 +801,41 @@ def test_a_peek_that_finds_nothing_waits_out_its_cost_too(monkeypatch):
 
 
 class ChargedDrafter:
-    """Drafts token 1 (as many as asked) and charges a fake clock for it: ``per_token`` seconds a drafted token, and
-    ``first`` seconds more on its first call of a request (one-off work, as a draft model's prompt)."""
+    """Drafts token 1 (as many as asked) and charges a fake clock for it, as a draft model's calls cost: ``per_token``
+    seconds a drafted token, and ``first`` seconds more on its first draft of a request (one-off work: its prompt)."""
 
     def __init__(self, clock: list[float], per_token: float, first: float = 0.0) -> None:
         self.clock, self.per_token, self.first = clock, per_token, first
-        self.calls = 0
+        self.drafted = False
 
     def start(self, prompt_ids):
-        self.calls = 0
+        self.drafted = False
 
     def propose(self, context_ids, max_num_draft_tokens, sampling, generator):
-        self.clock[0] += self.per_token * max_num_draft_tokens + (self.first if self.calls == 0 else 0.0)
-        self.calls += 1
-        return Draft([1] * max_num_draft_tokens) if max_num_draft_tokens else EMPTY_DRAFT
+        if not max_num_draft_tokens:
+            return EMPTY_DRAFT
+        self.clock[0] += self.per_token * max_num_draft_tokens + (0.0 if self.drafted else self.first)
+        self.drafted = True
+        return Draft([1] * max_num_draft_tokens)
 
     def commit(self, context_ids, num_accepted):
         pass
+
+
+def run_charged(monkeypatch, per_token: float, rounds: int = 100, **charges) -> tuple[CostAwareDrafter, list[int]]:
+    """A wrapper over ChargedDrafter on a curve in seconds that prices a draft token at 0.6 ms, accepting its drafts
+    at 40 % in a fixed pattern; returns it and how many tokens each round drafted."""
+    clock = [0.0]
+    monkeypatch.setattr(CostAwareDrafter, "clock", staticmethod(lambda: clock[0]))
+    curve = CostCurve({1: 0.005, 2: 0.006, 3: 0.007, 17: 0.02}, draft_cost_per_token=0.0006)
+    wrapper = CostAwareDrafter(ChargedDrafter(clock, per_token, **charges), curve, max_num_draft_tokens=1,
+                               prior_acceptance=0.4, prior_weight=50.0)
+    wrapper.start([1])
+    drafted = []
+    for i in range(rounds):
+        drafted.append(wrapper.propose([1], 1, greedy(1).sampling, None).num_nodes)
+        wrapper.commit([1], drafted[-1] * (i % 5 in (0, 2)))
+    return wrapper, drafted
 
 
 @pytest.mark.parametrize("per_token, drafts", [(0.0006, True), (0.002, False), (0.0001, True)])
@@ -826,19 +844,25 @@ def test_a_draft_dearer_in_decoding_than_measured_alone_stops_drafting(monkeypat
     draft then pays (1.4 tokens for 6.6 ms against 1 for 5). Where its drafted rounds cost 2 ms a token (its weights
     evicted in decoding), the wrapper learns that from their times and stops drafting (1.4 for 8 ms), and its probes
     wait out their cost (a probe after every accepted one would draft about half the rounds here); where they cost
-    what was measured, or less, it keeps drafting (a cheaper time never lowers the measured cost). The first call's
-    one-off second is left out of what it learns. Deterministic: a fake clock."""
-    clock = [0.0]
-    monkeypatch.setattr(CostAwareDrafter, "clock", staticmethod(lambda: clock[0]))
-    curve = CostCurve({1: 0.005, 2: 0.006, 3: 0.007, 17: 0.02}, draft_cost_per_token=0.0006)
-    wrapper = CostAwareDrafter(ChargedDrafter(clock, per_token, first=1.0), curve, max_num_draft_tokens=1,
-                               prior_acceptance=0.4, prior_weight=50.0)
+    what was measured, or less, it keeps drafting (a cheaper time never lowers the measured cost). The first draft's
+    one-off second is not timed. Deterministic: a fake clock."""
+    wrapper, drafted = run_charged(monkeypatch, per_token, first=1.0)
+    assert wrapper.learned_draft_cost == pytest.approx(per_token)
+    assert max(wrapper._draft_seconds) == pytest.approx(per_token)  # no timed round held the one-off second
+    assert wrapper.priced_curve.draft_cost_per_token == pytest.approx(max(per_token, 0.0006))
+    late = sum(drafted[20:])
+    assert late >= 75 if drafts else late <= 10, drafted  # of 80 rounds: all drafted, or a probe now and then
+
+
+def test_a_learned_cost_carries_over_unless_no_draft_could_pay(monkeypatch):
+    """What one request's drafted rounds cost carries over to the wrapper's next request (it does not pay to learn
+    it again), unless it says that no draft could pay at all: then no probe would ever time a draft again, and a busy
+    moment would keep every later request from drafting."""
+    wrapper, drafted = run_charged(monkeypatch, 0.002, first=1.0)
     wrapper.start([1])
-    rounds = []
-    for i in range(100):
-        rounds.append(wrapper.propose([1], 1, greedy(1).sampling, None).num_nodes)
-        wrapper.commit([1], rounds[-1] * (i % 5 in (0, 2)))
-    assert wrapper.learned_draft_cost == pytest.approx(per_token)  # the one-off second left out
-    assert (wrapper.priced_curve.draft_cost_per_token == pytest.approx(max(per_token, 0.0006)))
-    late = sum(rounds[20:])
-    assert late >= 75 if drafts else late <= 10, rounds  # of 80 rounds: all drafted, or a probe now and then
+    assert wrapper.learned_draft_cost == pytest.approx(0.002)
+    # 20 ms a drafted token: even a draft always accepted would cost more than it gains (2 tokens for 26 ms).
+    wrapper, _ = run_charged(monkeypatch, 0.02, rounds=50)
+    assert wrapper.priced_curve.best_gain(1) <= 0 < wrapper.curve.best_gain(1)
+    wrapper.start([1])
+    assert wrapper.learned_draft_cost is None and wrapper.priced_curve is wrapper.curve

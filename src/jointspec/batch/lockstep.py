@@ -332,7 +332,10 @@ class LockstepEngine(EngineBase):
         curves: dict[tuple[float, bool], CostCurve] = {}
         alone = len(rows) == 1
         for seq in rows:
-            sampled = self._reads_exact_rows(seq.request)
+            # What its rows read, as its decoder chose it when it started (before that, from its request).
+            state = getattr(seq, "state", None)
+            sampled = (not (state.argmax_only or state.top_k_only) if state is not None
+                       else self._reads_exact_rows(seq.request))
             for part in load_aware_parts(seq.decoder.drafter):
                 own_curve, own_budget = seq.own_settings.setdefault(
                     id(part), (part.curve, getattr(part, "probe_budget", None)))

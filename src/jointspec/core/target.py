@@ -52,8 +52,9 @@ class TargetCapabilities:
     ``features``: hidden states (``output_hidden``, feature mirrors), which EAGLE-style heads and Medusa read.
     ``fork``: :meth:`TargetLM.fork` gives a second cache over the same weights (a self-draft, a cost probe).
     ``argmax_screen``: ``forward(argmax_only=True)`` finds each row's argmax through a cheaper screened head.
-    ``top_k_screen``: the largest k for which ``forward(top_k_only=k)`` gives each row's k largest logits exactly
-    through the screened head (the rest of the row approximate, and below them); 0: none.
+    ``top_k_screen``: the largest k for which ``forward(top_k_only=k)`` computes each row's k largest logits through
+    the screened head (exact near the k-th best, the rest of the row approximate; as the argmax screen, not
+    guaranteed to hold the exact top k); 0: none.
     ``plain_decode``: ``reset(plain=True)`` switches to faster kernels for decodes that verify nothing (whose rows
     then need not equal batched rows); such a target says in ``plain`` which kernels the current decode runs on.
     ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.

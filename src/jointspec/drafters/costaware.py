@@ -76,18 +76,21 @@ its own length, and an inner drafter's own empty draft (no n-gram match) is resp
 
 The draft's own cost, learned. For a draft model, ``c`` is given as the draft model's own
 ``measure_cost_curve(draft).cost(1)``: one call timed alone, its weights in cache. In decoding each target step evicts
-them, and a sampled draft also pays for its probabilities, so a drafted token costs more than that (several times more
-for a trained head on the int4 target: docs/lab/benchmarks.md, section 50), and a draft that looked as if it paid ran
-slower than plain decoding. So the wrapper also times its inner drafter's ``propose`` in every round that drafted (but
-the first of a request, which holds one-off work: a draft model's prompt), and once :data:`DRAFT_COST_MIN_ROUNDS` rounds
-are timed the median of the last :data:`DRAFT_COST_ROUNDS` rounds' seconds per drafted token replaces ``c`` wherever it
-is larger by more than :data:`DRAFT_COST_MARGIN` of a plain step. A median, so that a round with one-off work (catch-up
-after skipped rounds) moves it little; never smaller than the given ``c``, so that timing noise cannot make drafting
-look cheaper than it was measured. Where it is larger, probes alone also wait out their cost (as with a
-``probe_budget``, capped at :data:`LEARNING_SHARE_OF_GAIN` of the most a draft could gain): a probe after every accepted
-one, at the acceptance a dear draft gets, costs what drafting does. The learned cost is in seconds, the unit
-:func:`measure_cost_curve` measures in; on a curve in other units (relative to a step, as tests give them) it stays
-under the margin, as it should where the units say nothing of time.
+them, a sampled draft also pays for its probabilities, and a draft after skipped rounds catches up on their tokens, so
+a drafted token costs more than that (several times more for a trained head on the int4 target: docs/lab/benchmarks.md,
+section 50), and a draft that looked as if it paid ran slower than plain decoding. So the wrapper also times its inner
+drafter's ``propose`` in every round that drafts, but a request's first such round (which holds one-off work, such as
+a draft model's prompt), and once :data:`DRAFT_COST_MIN_ROUNDS` rounds are timed the median of the last
+:data:`DRAFT_COST_ROUNDS` rounds' seconds per drafted token replaces ``c`` wherever it is larger by more than
+:data:`DRAFT_COST_MARGIN` of a plain step; never smaller than the given ``c``, so that timing noise cannot make drafting
+look cheaper than it was measured. A catch-up is timed with the draft it comes with: drafting after skipped rounds
+costs it. Where the learned cost is larger, probes alone also wait out their cost (as with a ``probe_budget``, capped
+at :data:`LEARNING_SHARE_OF_GAIN` of the most a draft could gain): a probe after every accepted one, at the acceptance
+a dear draft gets, costs what drafting does. What was learned carries over to the wrapper's next request, unless it
+says that no draft could pay at all (then no probe would time a draft again, and a busy moment would keep every later
+request from drafting). The learned cost is in seconds, the unit :func:`measure_cost_curve` measures in; on a curve in
+other units (relative to a step, as tests give them) it stays under the margin, as it should where the units say
+nothing of time.
 
 What is not modelled: loop overhead per round (it favours drafting, since plain decoding pays it on every token, so
 the choice errs towards plain decoding), and the target curve is not refined online (on a shared machine its noise
@@ -369,7 +372,7 @@ class _RequestState:
     shadow_at: int = 0  # the context position its first token stands for
     shadow_wait: int = 0  # rounds to pass before the next shadow test (shadow_budget)
     peek_seconds: float = 0.0  # what the last peek took
-    proposed: bool = False  # the inner drafter has been asked once (its first call holds one-off work)
+    drafted_before: bool = False  # a round of this request drafted (the first such round holds one-off work)
 
 
 class CostAwareDrafter:
@@ -485,6 +488,12 @@ class CostAwareDrafter:
 
     def start(self, prompt_ids: list[int]) -> None:
         self._state = self._fresh_state()
+        # A cost learned on earlier requests stands (the draft's cost is the machine's), unless it says that no draft
+        # could pay at all: then nothing would time a draft again, and one busy moment would keep every later request
+        # from drafting.
+        if self.priced_curve.best_gain(self.max_num_draft_tokens) <= self.min_gain < self._curve.best_gain(
+                self.max_num_draft_tokens):
+            self._draft_seconds.clear()
         self.inner.start(prompt_ids)
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
@@ -517,11 +526,14 @@ class CostAwareDrafter:
                     state.shadow_wait = self._shadow_spacing()
         # A skipped round still calls the inner drafter, with no budget: its state then stays what the plain loop
         # would leave (see the module docstring).
+        # Every drafted round is timed but a request's first (module docstring), catch-up after skipped rounds
+        # included: drafting then costs that too.
+        timed = state.drafted_before
         start = self.clock()
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
-        if draft.num_nodes and state.proposed:
+        if draft.num_nodes and timed:
             self._draft_seconds.append((self.clock() - start) / draft.num_nodes)
-        state.proposed = True
+        state.drafted_before = state.drafted_before or draft.num_nodes > 0
         if not draft.is_chain:
             raise UnsupportedOptionError(
                 f"cost-aware speculation needs a chain drafter, but {type(self.inner).__name__} proposed a tree; "

@@ -1043,10 +1043,11 @@ class ScreenedInt8Head(GroupedInt8Linear):
 
     def top_k_logits(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Logits whose rows' ``k`` largest are what sampling with top-k reads: the 4-bit screen's scores, with the
-        exact logit for every token within the margin of its row's k-th best score (at most
-        ``exact_per_rank`` * k, the best-scoring). Every other entry is a score at least a margin below
-        the k-th best, so top-k keeps exact logits only, the same bits :meth:`forward` gives them. [..., in] ->
-        [..., out]."""
+        exact logit for every token within the margin of its row's k-th best score (at most ``exact_per_rank`` * k of
+        them, the best-scoring). Where the margin decides, every other entry is a score at least a margin below the
+        k-th best, and top-k keeps exact logits only, the same bits :meth:`forward` gives them; where the cap
+        decides, scores past it may still be near the k-th best (not guaranteed exact, as the greedy screen's
+        argmax is not: docs/kernels.md has how often). Each row depends on that row alone. [..., in] -> [..., out]."""
         if not 1 <= k <= SCREEN_TOP_K_MAX:
             raise ValueError(f"the screen completes the top k for k in [1, {SCREEN_TOP_K_MAX}], got {k}; read "
                              "the exact head (forward) for a larger k")
