@@ -234,7 +234,7 @@ class LockstepEngine(EngineBase):
         """Whether ``request``'s verified rows read every logit of the exact head: sampled, without a top-k that the
         target's screen completes (SpeculativeDecoder.start says which rows read what)."""
         sampling = request.config.sampling
-        return not sampling.greedy and not 0 < sampling.top_k <= self.target.capabilities.top_k_screen
+        return not sampling.greedy and not self.target.capabilities.screened_top_k(sampling)
 
     def _check(self, config: MethodConfig) -> bool:
         drafter = self._decoder(config).drafter

@@ -207,8 +207,8 @@ class SpeculativeDecoder:
         sampling = config.sampling
         argmax_only = (sampling.greedy and capabilities.argmax_screen
                        and getattr(self.verifier, "reads_argmax_when_greedy", False))
-        top_k_only = (sampling.top_k if not sampling.greedy and 0 < sampling.top_k <= capabilities.top_k_screen
-                      and getattr(self.verifier, "reads_top_k_when_sampling", False) else 0)
+        top_k_only = (capabilities.screened_top_k(sampling)
+                      if getattr(self.verifier, "reads_top_k_when_sampling", False) else 0)
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only)
 
     def begin_round(self, state: DecodeState) -> ForwardCall:

@@ -18,6 +18,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from jointspec.core.sampling import SamplingConfig
+
 
 @dataclass
 class ForwardOutput:
@@ -73,6 +75,12 @@ class TargetCapabilities:
     torch_module: bool = False
     sparse_view: bool = False
     max_verify_rows: int | None = None
+
+    def screened_top_k(self, sampling: SamplingConfig) -> int:
+        """The k of the top k that rows sampled with ``sampling`` may read through this target's screen
+        (``forward(top_k_only=k)``); 0 where they read every logit (greedy rows have their own screen)."""
+        k = sampling.top_k
+        return k if not sampling.greedy and 0 < k <= self.top_k_screen else 0
 
 
 @runtime_checkable
