@@ -1,15 +1,21 @@
-"""Sampling with a top-k through the screened head against the exact head, side by side in one process.
+"""Sampled decoding's fast paths against the code before them, side by side in one process.
 
-A sampled row with a top-k of at most ``SCREEN_TOP_K_MAX`` reads the screen's top k (``ScreenedInt8Head.top_k_logits``:
-exact logits for every token near the row's k-th best score) instead of every logit of the exact head. This script
-decodes the same prompts with the same seeds both ways, alternating per prompt and method (the order reversed every
-other prompt, so drift hits both alike), and reports for each method tokens per second both ways, the paired ratio
-with a 95 % bootstrap interval over prompts (``jointspec.bench.intervals``), and how many answers differ. The "exact"
-side is the code before the screen read top-k rows: the same adapter, its head's ``top_k_logits`` replaced by the
-exact head for the run. Where the screen held every token of the exact top k, both sides sample the same tokens.
+``--compare screen`` (the default): a sampled row with a top-k of at most ``SCREEN_TOP_K_MAX`` reads the screen's top
+k (``ScreenedInt8Head.top_k_logits``: exact logits for every token near the row's k-th best score) instead of every
+logit of the exact head; the "old" side is the same adapter, its head's ``top_k_logits`` replaced by the exact head
+for the run. Where the screen held every token of the exact top k, both sides sample the same tokens.
+
+``--compare row-kernels``: sampling's top-k search and inverse-transform draw run on the compiled kernels
+(``top_k_rows``, ``sample_rows``: core/sampling.py) instead of PyTorch's full-row operations; both sides sample the
+same tokens by construction (tests/test_sampling_kernels.py), which the count of differing answers checks again.
+
+The script decodes the same prompts with the same seeds both ways, alternating per prompt and method (the order
+reversed every other prompt, so drift hits both alike), and reports for each method tokens per second both ways, the
+paired ratio with a 95 % bootstrap interval over prompts (``jointspec.bench.intervals``), and how many answers differ.
 
     python benchmarks/sampled_top_k_ab.py                                     # ar,sps,mtad,default; top-k 10
     python benchmarks/sampled_top_k_ab.py --methods ar --top-k 40 --top-p 1 --prompts 8
+    python benchmarks/sampled_top_k_ab.py --compare row-kernels --top-k 0 --top-p 0.95
 """
 
 from __future__ import annotations
@@ -25,7 +31,19 @@ from jointspec.api import GenerationConfig, Pipeline
 from jointspec.backends.loading import load_model
 from jointspec.bench.intervals import paired_ratio_interval
 from jointspec.bench.prompts import chat_prompt_ids, load_prompts, select_prompts
+from jointspec.core import sampling
 from jointspec.kernels.grouped import ScreenedInt8Head
+
+
+@contextlib.contextmanager
+def pytorch_sampling_rows():
+    """Within it sampling runs PyTorch's full-row operations, not the compiled row kernels (what it ran before)."""
+    kernels = sampling._row_kernels
+    sampling._row_kernels = lambda rows: None
+    try:
+        yield
+    finally:
+        sampling._row_kernels = kernels
 
 
 @contextlib.contextmanager
@@ -39,8 +57,13 @@ def exact_top_k_rows():
         ScreenedInt8Head.top_k_logits = screened
 
 
+OLD_SIDE = {"screen": exact_top_k_rows, "row-kernels": pytorch_sampling_rows}  # --compare: the code before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=sorted(OLD_SIDE), default="screen",
+                        help="the fast path to compare with the code before it (module docstring)")
     parser.add_argument("--methods", default="ar,sps,mtad,default")
     parser.add_argument("--prompts", type=int, default=24, help="MT-Bench first turns, 3 a category for 24")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -60,10 +83,10 @@ def main() -> None:
     print(f"top-k {args.top_k}, top-p {args.top_p}, temperature {args.temperature}; target screens top k up to "
           f"{target.capabilities.top_k_screen}; {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
 
-    def run(method: str, ids: list[int], seed: int, exact: bool) -> tuple[list[int], float]:
+    def run(method: str, ids: list[int], seed: int, old: bool) -> tuple[list[int], float]:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=seed)
-        with exact_top_k_rows() if exact else contextlib.nullcontext():
+        with OLD_SIDE[args.compare]() if old else contextlib.nullcontext():
             start = time.perf_counter()
             result = pipelines[method].generate_ids(ids, config)
             return result.token_ids, time.perf_counter() - start
@@ -71,27 +94,27 @@ def main() -> None:
     for method in methods:  # untimed: kernels, cost curves, the draft's first calls
         run(method, prompt_ids[0], 0, False)
         run(method, prompt_ids[0], 0, True)
-    parts = {(m, side): [] for m in methods for side in ("screen", "exact")}
+    parts = {(m, side): [] for m in methods for side in ("new", "old")}
     differ = {m: 0 for m in methods}
     for i, ids in enumerate(prompt_ids):
         for method in methods:
-            sides = ("screen", "exact") if i % 2 == 0 else ("exact", "screen")
+            sides = ("new", "old") if i % 2 == 0 else ("old", "new")
             tokens = {}
             for side in sides:
-                tokens[side], seconds = run(method, ids, i, side == "exact")
+                tokens[side], seconds = run(method, ids, i, side == "old")
                 parts[(method, side)].append((len(tokens[side]), seconds))
-            differ[method] += tokens["screen"] != tokens["exact"]
+            differ[method] += tokens["new"] != tokens["old"]
         print(f"prompt {i + 1}/{len(prompt_ids)}", flush=True)
     report = {}
     for method in methods:
-        screen, exact = (torch.tensor(parts[(method, side)], dtype=torch.float64) for side in ("screen", "exact"))
-        interval = paired_ratio_interval(screen, exact, "rate")
-        rate = {side: float(t[:, 0].sum() / t[:, 1].sum()) for side, t in (("screen", screen), ("exact", exact))}
-        report[method] = {"tok_s_screen": round(rate["screen"], 1), "tok_s_exact": round(rate["exact"], 1),
+        new, old = (torch.tensor(parts[(method, side)], dtype=torch.float64) for side in ("new", "old"))
+        interval = paired_ratio_interval(new, old, "rate")
+        rate = {side: float(t[:, 0].sum() / t[:, 1].sum()) for side, t in (("new", new), ("old", old))}
+        report[method] = {"tok_s_new": round(rate["new"], 1), "tok_s_old": round(rate["old"], 1),
                           "ratio": None if interval is None else round(interval.ratio, 3),
                           "interval": None if interval is None else interval.to_list(3),
                           "answers_differing": differ[method], "prompts": len(prompt_ids)}
-        print(f"{method:10s} screen {rate['screen']:6.1f} tok/s, exact {rate['exact']:6.1f} tok/s, "
+        print(f"{method:10s} new {rate['new']:6.1f} tok/s, old {rate['old']:6.1f} tok/s, "
               f"ratio {report[method]['ratio']} {report[method]['interval']}, "
               f"{differ[method]}/{len(prompt_ids)} answers differ")
     if args.json:

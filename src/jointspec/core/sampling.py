@@ -4,8 +4,12 @@ Convention (the same for every method, drafter and verifier, and the same as Hug
 1. divide the logits by ``temperature``;
 2. keep the ``top_k`` largest logits (``top_k=0`` keeps all);
 3. keep the smallest set of the most likely remaining tokens whose probability sums to at least ``top_p``
-   (the most likely token is always kept; ``top_p=1`` keeps all);
+   (the most likely token is always kept; ``top_p=1`` keeps all; of tokens with equal logits the lower id comes
+   first);
 4. softmax over the kept tokens; every other token gets probability exactly 0.
+
+On a CPU where this process has loaded the compiled kernels, the top-k search and the draw run there (``_row_kernels``):
+the same bits as the PyTorch operations, in a pass over the row instead of several.
 
 ``temperature == 0`` means greedy: the distribution is one-hot on the argmax (ties go to the lowest token id, as
 ``torch.argmax`` does), and top-k/top-p are irrelevant.
@@ -83,14 +87,12 @@ def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     paths."""
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
-        top = torch.topk(logits, sampling.top_k, dim=-1)
-        kth = top.values[..., -1:]
-        exact = (logits >= kth).sum(dim=-1) == sampling.top_k
+        values, indices, exact = _top_k(logits, sampling.top_k)
         if bool(exact.all()):
-            return _top_k_probs(top.values, top.indices, vocab, sampling.top_p)
+            return _top_k_probs(values, indices, vocab, sampling.top_p)
         if bool(exact.any()):
             raise _PathsDiffer
-        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties at the k-th logit keep every tied token
+        logits = logits.masked_fill(logits < values[..., -1:], float("-inf"))  # ties at the k-th keep every tied one
     if sampling.top_p < 1.0 and not 0 < sampling.top_k < vocab:
         nucleus = _nucleus_probs(logits, sampling.top_p)
         if nucleus is not None:
@@ -130,16 +132,57 @@ def _nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
     for count in NUCLEUS_CANDIDATES:
         if count >= logits.shape[-1]:
             return None
-        top = torch.topk(logits, count, dim=-1)
-        probs = (top.values - log_total).exp()
+        values, indices, _ = _top_k(logits, count)
+        probs = (values - log_total).exp()
         held = probs.sum(dim=-1) >= top_p
         if bool(held.all()):
-            values = top.values.masked_fill(_top_p_drop(probs, top_p), float("-inf"))
+            values = values.masked_fill(_top_p_drop(probs, top_p), float("-inf"))
             out = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
-            return out.scatter_(-1, top.indices, values.softmax(dim=-1))
+            return out.scatter_(-1, indices, values.softmax(dim=-1))
         if bool(held.any()):
             raise _PathsDiffer
     return None
+
+
+# A compiled build of jointspec.kernels.grouped, set by that module when it loads one (the core imports no layer above
+# it): any build gives the same bits (they are held against each other), so the first loaded serves every call.
+_LOADED_KERNELS: list = []
+
+
+def use_row_kernels(module) -> None:
+    """Called with a kernels build as it loads: sampling's row work runs on it from then on (``_row_kernels``)."""
+    if not _LOADED_KERNELS:
+        _LOADED_KERNELS.append(module)
+
+
+def _row_kernels(rows: torch.Tensor):
+    """The compiled CPU kernels where this process has loaded a build (:func:`use_row_kernels`) and ``rows`` is a
+    contiguous float32 CPU matrix they read, else None: sampling never starts a build, and on any other device, or
+    before a build is loaded, PyTorch's operations run, which give the same tokens."""
+    if not _LOADED_KERNELS or rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.dim() != 2 \
+            or not rows.is_contiguous():
+        return None
+    return _LOADED_KERNELS[0]
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest logits, largest first and ties to the lower token id, their ids, and whether exactly
+    ``k`` logits of the row are >= its k-th largest. [n, vocab] -> [n, k], [n, k], [n].
+
+    The kernels find them in one pass and a count; ``torch.topk`` takes several times as long on a large vocabulary
+    and orders ties as it likes, so its answer is put in the kernels' order where the row has ties (which top-p, run
+    on the tokens in this order, can tell apart). A row with a NaN takes PyTorch's path."""
+    module = _row_kernels(logits)
+    if module is not None:
+        values, indices, counts = module.top_k_rows(logits, k)
+        if bool((counts >= 0).all()):
+            return values, indices, counts == k
+    values, indices = torch.topk(logits, k, dim=-1)
+    if k > 1 and bool((values[..., 1:] == values[..., :-1]).any()):
+        indices, by_id = indices.sort(dim=-1)
+        values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+        indices = indices.gather(-1, by_value)
+    return values, indices, (logits >= values[..., -1:]).sum(dim=-1) == k
 
 
 def _top_k_probs(values: torch.Tensor, indices: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
@@ -179,13 +222,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     it. (``torch.multinomial`` draws the same law but costs far more per row on a large vocabulary.)
     """
     rows = probs.reshape(-1, probs.shape[-1]).float()
+    device = generator.device if generator is not None else rows.device
+    uniform = torch.rand(rows.shape[0], 1, generator=generator, device=device).to(rows.device)
+    module = _row_kernels(rows)
+    if module is not None:  # the same draws in one pass over each row's nonzero entries
+        draws = module.sample_rows(rows, uniform.reshape(-1))
+        if bool((draws >= 0).all()):
+            return draws.reshape(probs.shape[:-1])
+        # A row the kernel refuses (a negative or non-finite entry, or no mass): PyTorch's path, with the same u.
     cumulative = rows.cumsum(dim=-1)
     total = cumulative[:, -1:].contiguous()
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("sample() needs rows of probabilities with a positive, finite sum; got a row summing to "
                          f"{total[~((total > 0) & torch.isfinite(total))][0].item()}")
-    device = generator.device if generator is not None else rows.device
-    uniform = torch.rand(rows.shape[0], 1, generator=generator, device=device).to(rows.device)
     draws = torch.searchsorted(cumulative, uniform * total, right=True)
     # u * total can round up to the total itself: then the draw is the token where the sum reaches its total, the
     # last one that carries mass.

@@ -69,6 +69,7 @@ import torch
 from torch import nn
 
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.sampling import use_row_kernels
 from jointspec.kernels.cpu import cpu_flags, usable_cores
 from jointspec.kernels.heap import release_freed_memory
 
@@ -245,6 +246,7 @@ def _load(isa: str):
             module, reason = _build(isa)
             if module is not None:
                 module.use_q8_inputs(inputs_setting() == "q8")
+                use_row_kernels(module)
             if reason is not None:
                 log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 "
                             "where the kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 "

@@ -29,6 +29,7 @@
 #include "rows.h"
 
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -1213,6 +1214,139 @@ std::vector<at::Tensor> q6_k_blocks(at::Tensor raw) {
   return {packed, plane, scale, sub};
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Sampling's two passes over a vocabulary-wide row (jointspec/core/sampling.py), which PyTorch takes in several
+// operations of a full pass each. Both give exactly what those operations give (tests/test_sampling_kernels.py), so
+// a sampled token is the same whichever runs.
+
+// The k largest entries of each row of `rows` [n, V], largest first, ties to the lower id (torch.topk leaves the order
+// of ties unspecified), with how many entries of the row are >= the k-th largest. A heap of the best k so far and a
+// scan sixteen entries at a time for those above its least; a row holding a NaN (which topk ranks above everything)
+// gets a count of -1, for the caller to take PyTorch's path. -> (values [n, k], indices int64 [n, k], count int64 [n]).
+std::vector<at::Tensor> top_k_rows(at::Tensor rows, int64_t k) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.device().is_cpu(),
+              "top_k_rows: rows must be a contiguous float32 CPU matrix [n, V]");
+  const int64_t n = rows.size(0), vocab = rows.size(1);
+  TORCH_CHECK(1 <= k && k <= vocab, "top_k_rows: k must be in [1, ", vocab, "], got ", k);
+  at::Tensor values = at::empty({n, k}, at::kFloat);
+  at::Tensor indices = at::empty({n, k}, at::kLong);
+  at::Tensor counts = at::empty({n}, at::kLong);
+  const float* in = rows.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  int64_t* cp = counts.data_ptr<int64_t>();
+  // a before b in the output: larger, or as large with the lower id.
+  const auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = in + r * vocab;
+    // NaN: a lane that is not >= -inf. Counted in the same pass as the entries >= the k-th, after the heap.
+    std::vector<std::pair<float, int64_t>> top;  // a heap whose front is the entry that comes last
+    top.reserve(k);
+    for (int64_t j = 0; j < k; ++j) {
+      top.emplace_back(row[j], j);
+      std::push_heap(top.begin(), top.end(), before);
+    }
+    float least = top.front().first;
+    const auto offer = [&](int64_t j) {
+      // A later id as large as the least comes after it: only a larger entry goes in.
+      if (row[j] > least) {
+        std::pop_heap(top.begin(), top.end(), before);
+        top.back() = {row[j], j};
+        std::push_heap(top.begin(), top.end(), before);
+        least = top.front().first;
+      }
+    };
+    int64_t j = k;
+    for (; j + 16 <= vocab; j += 16)
+      for (uint32_t hits = simd::at_least(simd::load(row + j), least); hits; hits &= hits - 1)
+        offer(j + __builtin_ctz(hits));
+    for (; j < vocab; ++j) offer(j);
+    std::sort_heap(top.begin(), top.end(), before);
+    const float kth = top.back().first;
+    int64_t count = 0, nan = 0;
+    j = 0;
+    for (; j + 16 <= vocab; j += 16) {
+      const V16 lanes = simd::load(row + j);
+      count += __builtin_popcount(simd::at_least(lanes, kth));
+      nan += 16 - __builtin_popcount(simd::at_least(lanes, -INFINITY));
+    }
+    for (; j < vocab; ++j) {
+      count += row[j] >= kth;
+      nan += std::isnan(row[j]);
+    }
+    for (int64_t i = 0; i < k; ++i) {
+      vp[r * k + i] = top[i].first;
+      ip[r * k + i] = top[i].second;
+    }
+    cp[r] = nan ? -1 : count;
+  }
+  return {values, indices, counts};
+}
+
+// One token per row of probabilities `probs` [n, V] by inverse transform, with `uniform` [n] in [0, 1): what
+// sampling.sample() computes with torch.cumsum (float32 partial sums of a double running sum, as PyTorch's CPU cumsum
+// keeps them) and two torch.searchsorted calls. A zero entry leaves the running sum as it was, so it can be neither
+// the first partial sum above u * total nor the first to reach the total: only nonzero entries are summed, found
+// sixteen at a time, and the two searches run over their partial sums. A row with a negative, infinite or NaN entry,
+// or no mass, gets -1 (the caller takes PyTorch's path, which raises for it). -> int64 [n].
+at::Tensor sample_rows(at::Tensor probs, at::Tensor uniform) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous() && probs.device().is_cpu(),
+              "sample_rows: probs must be a contiguous float32 CPU matrix [n, V]");
+  const int64_t n = probs.size(0), vocab = probs.size(1);
+  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.is_contiguous() && uniform.numel() == n,
+              "sample_rows: uniform must be float32 [n]");
+  at::Tensor out = at::empty({n}, at::kLong);
+  const float* in = probs.data_ptr<float>();
+  const float* up = uniform.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  // The nonzero entries' ids and the float partial sums there; kept between calls (a row per sampled token).
+  thread_local std::vector<int64_t> ids;
+  thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(ids.size()) < vocab) {
+    ids.resize(vocab);
+    sums.resize(vocab);
+  }
+  constexpr float kLeast = std::numeric_limits<float>::denorm_min();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = in + r * vocab;
+    int64_t count = 0;
+    double sum = 0.0;
+    bool bad = false;
+    int64_t j = 0;
+    for (; j + 16 <= vocab && !bad; j += 16) {
+      const V16 lanes = simd::load(row + j);
+      // 0 <= x < inf in every lane (false for NaN), else the row is refused.
+      bad = ((simd::at_least(lanes, 0.0f) & ~simd::at_least(lanes, INFINITY)) & 0xFFFFu) != 0xFFFFu;
+      for (uint32_t hits = bad ? 0u : simd::at_least(lanes, kLeast); hits; hits &= hits - 1) {
+        const int64_t i = j + __builtin_ctz(hits);
+        sum += static_cast<double>(row[i]);
+        ids[count] = i;
+        sums[count++] = static_cast<float>(sum);
+      }
+    }
+    for (; j < vocab && !bad; ++j) {
+      bad = !(row[j] >= 0.0f) || std::isinf(row[j]);
+      if (!bad && row[j] != 0.0f) {
+        sum += static_cast<double>(row[j]);
+        ids[count] = j;
+        sums[count++] = static_cast<float>(sum);
+      }
+    }
+    const float total = count ? sums[count - 1] : 0.0f;
+    if (bad || !(total > 0.0f) || std::isinf(total)) {
+      op[r] = -1;
+      continue;
+    }
+    const float target = up[r] * total;
+    const int64_t draw = std::upper_bound(sums.begin(), sums.begin() + count, target) - sums.begin();
+    const int64_t last = std::lower_bound(sums.begin(), sums.begin() + count, total) - sums.begin();
+    op[r] = draw < count ? std::min(ids[draw], ids[last]) : ids[last];
+  }
+  return out;
+}
+
 }  // namespace: internal linkage, so the builds for several instruction sets load side by side
 }  // namespace JOINTSPEC_NS
 
@@ -1251,4 +1385,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits: 4-bit scores, exact 8-bit logits within margin of each row's best (rank: its rank-th best) score",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("head"),
         py::arg("margin"), py::arg("max_exact"), py::arg("rank") = 1, unlocked);
+  m.def("top_k_rows", &top_k_rows, "each row's k largest entries, largest first, ties to the lower id, and how many "
+        "entries are >= the k-th (-1: the row holds a NaN)", py::arg("rows"), py::arg("k"));
+  m.def("sample_rows", &sample_rows, "a token per row of probabilities by inverse transform, as sampling.sample() "
+        "draws it (-1: a row sample() refuses)", py::arg("probs"), py::arg("uniform"));
 }
