@@ -118,7 +118,7 @@ def test_sample_rows_hands_rows_sample_refuses_back(isa):
 
 
 CONFIGS = [SamplingConfig(1.0, 10, 0.9), SamplingConfig(0.7, 40, 1.0), SamplingConfig(1.0, 0, 0.9),
-           SamplingConfig(1.3, 0, 1.0), SamplingConfig(1.0, 5, 0.5)]
+           SamplingConfig(1.3, 0, 1.0), SamplingConfig(1.0, 5, 0.5), SamplingConfig(1.0, 0, 0.5)]
 
 
 def logit_rows() -> list[torch.Tensor]:
@@ -129,12 +129,18 @@ def logit_rows() -> list[torch.Tensor]:
     draft = torch.full((2, 2048), float("-inf"))
     draft[:, :700] = torch.randn(2, 700, generator=generator) * 4
     rows.append(draft)
+    # 300 tokens tied at the top: top-p alone cuts its 256 candidates inside the tie, where torch.topk picks as it
+    # likes which tied tokens make the cut.
+    straddle = torch.full((1, 2048), -30.0)
+    straddle[0, torch.randperm(2048, generator=generator)[:300]] = 0.0
+    rows.append(straddle)
     return rows
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_processed_probabilities_and_draws_are_the_same_with_and_without_the_kernels(config, monkeypatch):
     kernels()  # loaded, as a model on the int4 kernels loads them
+    assert sampling._row_kernels(torch.zeros(1, 8)) is not None  # so the first pass below runs on them
     with_kernels = []
     for logits in logit_rows():
         probs = processed_probs(logits, config)
@@ -152,6 +158,10 @@ def test_the_pytorch_path_orders_ties_as_the_kernels_do(monkeypatch):
     assert indices.tolist() == [[1, 3, 5, 7, 4]] and values.tolist() == [[2.0, 2.0, 2.0, 2.0, 1.5]]
     assert exact.tolist() == [True]
     assert sampling._top_k(logits, 3)[2].tolist() == [False]  # the 3rd is tied with the 4th: top-k keeps all four
-    # Top-p runs over the tokens in that order: of three tokens tied at the top, the lowest ids are kept.
-    probs = processed_probs(torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]]), SamplingConfig(1.0, 3, 0.5))
-    assert probs[0].nonzero().reshape(-1).tolist() == [1, 2]
+    # Of tokens tied at the k-th, the lowest ids make the cut.
+    assert sampling._top_k(logits, 3)[1].tolist() == [[1, 3, 5]]
+    # Top-p runs over the tokens in that order: of three tokens tied at the top, the lowest ids are kept, after a
+    # top-k and alone (a vocabulary this small takes the general path).
+    for top_k in (3, 0):
+        probs = processed_probs(torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]]), SamplingConfig(1.0, top_k, 0.5))
+        assert probs[0].nonzero().reshape(-1).tolist() == [1, 2], top_k

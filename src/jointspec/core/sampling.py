@@ -104,7 +104,7 @@ def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         num_finite = torch.isfinite(logits).sum(dim=-1)
         if bool((num_finite != num_finite[0]).any()):  # rows of other widths: their sums would group differently
             raise _PathsDiffer
-        sorted_logits, order = torch.topk(logits, max(int(num_finite[0]), 1), dim=-1)
+        sorted_logits, order, _ = _top_k(logits, max(int(num_finite[0]), 1))
         drop_sorted = _top_p_drop(sorted_logits.softmax(dim=-1), sampling.top_p)
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
@@ -144,15 +144,16 @@ def _nucleus_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
     return None
 
 
-# A compiled build of jointspec.kernels.grouped, set by that module when it loads one (the core imports no layer above
-# it): any build gives the same bits (they are held against each other), so the first loaded serves every call.
+# A compiled build of jointspec.kernels.grouped, set by that module as it loads one (the core imports no layer above
+# it). Every build gives the same bits (they are held against each other); the one the layers run on is the fastest.
 _LOADED_KERNELS: list = []
 
 
-def use_row_kernels(module) -> None:
-    """Called with a kernels build as it loads: sampling's row work runs on it from then on (``_row_kernels``)."""
-    if not _LOADED_KERNELS:
-        _LOADED_KERNELS.append(module)
+def use_row_kernels(module, preferred: bool) -> None:
+    """Called with a kernels build as it loads: sampling's row work runs on it (``_row_kernels``) if none runs it
+    yet, or if it is the ``preferred`` one (the build the process runs its layers on, not one loaded to compare)."""
+    if preferred or not _LOADED_KERNELS:
+        _LOADED_KERNELS[:] = [module]
 
 
 def _row_kernels(rows: torch.Tensor):
@@ -165,24 +166,34 @@ def _row_kernels(rows: torch.Tensor):
     return _LOADED_KERNELS[0]
 
 
+# The largest k the kernels' heap takes (a full sort beats a heap of a whole vocabulary).
+KERNEL_TOP_K_MAX = 4096
+
+
 def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` largest logits, largest first and ties to the lower token id, their ids, and whether exactly
-    ``k`` logits of the row are >= its k-th largest. [n, vocab] -> [n, k], [n, k], [n].
+    """Each row's ``k`` largest logits, largest first and ties to the lower token id (of tokens tied at the k-th,
+    the lowest ids), their ids, and whether exactly ``k`` logits of the row are >= its k-th largest. [n, vocab] ->
+    [n, k], [n, k], [n].
 
     The kernels find them in one pass and a count; ``torch.topk`` takes several times as long on a large vocabulary
-    and orders ties as it likes, so its answer is put in the kernels' order where the row has ties (which top-p, run
-    on the tokens in this order, can tell apart). A row with a NaN takes PyTorch's path."""
-    module = _row_kernels(logits)
+    and picks and orders tied tokens as it likes, so where the row has ties its answer is made the kernels' (top-p,
+    which runs over the tokens in this order, can tell tied tokens apart). A row with a NaN takes PyTorch's path."""
+    module = _row_kernels(logits) if k <= KERNEL_TOP_K_MAX else None
     if module is not None:
         values, indices, counts = module.top_k_rows(logits, k)
         if bool((counts >= 0).all()):
             return values, indices, counts == k
     values, indices = torch.topk(logits, k, dim=-1)
-    if k > 1 and bool((values[..., 1:] == values[..., :-1]).any()):
-        indices, by_id = indices.sort(dim=-1)
-        values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
-        indices = indices.gather(-1, by_value)
-    return values, indices, (logits >= values[..., -1:]).sum(dim=-1) == k
+    kth = values[..., -1:]
+    exact = (logits >= kth).sum(dim=-1) == k
+    if k > 1 and not bool(values.isnan().any()) and (
+            bool((values[..., 1:] == values[..., :-1]).any()) or not bool(exact.all())):
+        above, tied = logits > kth, logits == kth
+        chosen = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+        indices = chosen.nonzero()[:, -1].reshape(values.shape)  # each row's k tokens, in id order
+        values, order = logits.gather(-1, indices).sort(dim=-1, descending=True, stable=True)
+        indices = indices.gather(-1, order)
+    return values, indices, exact
 
 
 def _top_k_probs(values: torch.Tensor, indices: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
@@ -229,7 +240,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
         draws = module.sample_rows(rows, uniform.reshape(-1))
         if bool((draws >= 0).all()):
             return draws.reshape(probs.shape[:-1])
-        # A row the kernel refuses (a negative or non-finite entry, or no mass): PyTorch's path, with the same u.
+        # A row the kernel refuses (a negative or non-finite entry, or no mass): PyTorch's path with the same u,
+        # which raises for a row without a positive, finite sum and draws as before otherwise.
     cumulative = rows.cumsum(dim=-1)
     total = cumulative[:, -1:].contiguous()
     if not bool(((total > 0) & torch.isfinite(total)).all()):

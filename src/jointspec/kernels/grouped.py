@@ -246,7 +246,7 @@ def _load(isa: str):
             module, reason = _build(isa)
             if module is not None:
                 module.use_q8_inputs(inputs_setting() == "q8")
-                use_row_kernels(module)
+                use_row_kernels(module, preferred=isa == _fastest_isa())
             if reason is not None:
                 log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 "
                             "where the kernels run) and --quantize int4 uses PyTorch's int4/int8 kernels (bfloat16 "

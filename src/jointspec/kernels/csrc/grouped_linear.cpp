@@ -1290,7 +1290,7 @@ std::vector<at::Tensor> top_k_rows(at::Tensor rows, int64_t k) {
 // keeps them) and two torch.searchsorted calls. A zero entry leaves the running sum as it was, so it can be neither
 // the first partial sum above u * total nor the first to reach the total: only nonzero entries are summed, found
 // sixteen at a time, and the two searches run over their partial sums. A row with a negative, infinite or NaN entry,
-// or no mass, gets -1 (the caller takes PyTorch's path, which raises for it). -> int64 [n].
+// or no mass, gets -1: the caller takes PyTorch's path for it. -> int64 [n].
 at::Tensor sample_rows(at::Tensor probs, at::Tensor uniform) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous() && probs.device().is_cpu(),
               "sample_rows: probs must be a contiguous float32 CPU matrix [n, V]");
@@ -1386,7 +1386,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("head"),
         py::arg("margin"), py::arg("max_exact"), py::arg("rank") = 1, unlocked);
   m.def("top_k_rows", &top_k_rows, "each row's k largest entries, largest first, ties to the lower id, and how many "
-        "entries are >= the k-th (-1: the row holds a NaN)", py::arg("rows"), py::arg("k"));
+        "entries are >= the k-th (-1: the row holds a NaN)", py::arg("rows"), py::arg("k"), unlocked);
   m.def("sample_rows", &sample_rows, "a token per row of probabilities by inverse transform, as sampling.sample() "
-        "draws it (-1: a row sample() refuses)", py::arg("probs"), py::arg("uniform"));
+        "draws it (-1: a row it hands back)", py::arg("probs"), py::arg("uniform"), unlocked);
 }
