@@ -113,6 +113,23 @@ def test_each_commands_own_parser_is_the_full_parsers():
     assert len(options(cli.build_parser(""), "bench")) == 1  # only -h until bench is the command
 
 
+def test_each_commands_help_gives_its_own_defaults():
+    """``SUBCOMMAND --help`` ends an option's help with the default that command runs with (``set_defaults``
+    included), once, and says nothing where the default is None or a flag's False."""
+    def help_text(name: str) -> str:
+        sub = next(a for a in cli.build_parser(name)._actions if isinstance(a, argparse._SubParsersAction))
+        return " ".join(sub.choices[name].format_help().split("options:")[1].split())  # unwrapped, past the usage
+
+    serve, bench, generate = help_text("serve"), help_text("bench"), help_text("generate")
+    assert "quantised target (default: auto)" in serve and "quantised target (default: none)" in bench
+    assert "port to listen on (default: 8000)" in serve
+    assert "(default: default)" in generate.split("--method METHOD")[1].split("--draft")[0]
+    assert "new tokens at most (default: 128)" in generate
+    assert "(default: None)" not in generate and "(default: False)" not in generate
+    # A help that already gives its default is left as it is.
+    assert "(default 64) (default" not in serve and "(default 64)" in serve
+
+
 def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)
     code, _, err = run_cli(capsys, "serve")

@@ -55,11 +55,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-order", type=positive_int, default=4, help="longest n-gram in the table")
     parser.add_argument("--min-count", type=positive_int, default=2,
                         help="keep n-grams seen at least this often")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' shuffle")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--out", required=True, help="folder for the table (table.npz and corpus.json)")
     parser.add_argument("--data", default=None, help="folder for the target's answers (default: OUT/data)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
 
 

@@ -37,7 +37,7 @@ def _add_generate(subparsers) -> None:
                         help="read the prompt from this text file ('-': standard input), e.g. a long document and a "
                              "question about it")
     add_model_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -53,9 +53,9 @@ def _add_generate(subparsers) -> None:
                              "first quarter of layers attends to most from the prompt's end, which also cuts the time "
                              "to the first token (docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    # generate's default is the fastest exact configuration (the bench's `default`); serve and bench keep `ar`,
-    # since the batched engine has no hybrid/head drafter.
-    # Its quantisation likewise: auto runs the embedded default on the int4 kernel that recovers its own weights.
+    # generate's default is the fastest exact configuration (the bench's `default`, which serve also runs; the bench
+    # runs its --methods). Its quantisation likewise: auto runs the embedded default on the int4 kernel that
+    # recovers its own weights.
     parser.set_defaults(run=_run_generate, method="default", quantize="auto")
 
 
@@ -260,7 +260,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             builders[name](subparsers)
         else:
             importlib.import_module(module).add_parser(subparsers)
+    for subparser in subparsers.choices.values():
+        subparser.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Ends each option's help with its default (the subcommand's own, where ``set_defaults`` gives it one), unless
+    the help already says it or there is none to say (None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        says = any(phrase in text for phrase in ("(default", "default:", "by default"))
+        if (not action.option_strings or says or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or isinstance(action, argparse._VersionAction)):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help=command_help("serve"))
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    parser.add_argument("--port", type=port_number, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     parser.add_argument("--max-batch-size", type=positive_int, default=16, help="sequences decoded together")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="new tokens when a chat request does not say")

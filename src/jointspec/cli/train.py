@@ -107,7 +107,7 @@ def add_parser(subparsers) -> None:
                         help="decoder layers in the draft (default: 1 for heads, 2 for distill)")
     parser.add_argument("--loss", default=None, choices=["kl", "tv"],
                         help="distillation loss for --kind distill: forward KL (default) or total variation")
-    parser.add_argument("--epochs", type=positive_int, default=8)
+    parser.add_argument("--epochs", type=positive_int, default=8, help="passes over the training positions")
     parser.add_argument("--max-minutes", type=_positive_float, default=None,
                         help="stop training after this long (minutes, > 0)")
     parser.add_argument("--patience", type=positive_int, default=4,
@@ -115,7 +115,8 @@ def add_parser(subparsers) -> None:
                              "stopped by it (or by --max-minutes) resumes when given a larger value")
     parser.add_argument("--batch-tokens", type=_batch_tokens, default=4096,
                         help="padded tokens per training step (at least 16)")
-    parser.add_argument("--learning-rate", type=_positive_float, default=1e-3)
+    parser.add_argument("--learning-rate", type=_positive_float, default=1e-3,
+                        help="the optimiser's learning rate (> 0)")
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
                         help="passes that read the head's own predicted features (training-time test; --kind heads "
                              "only, default 2)")
@@ -131,10 +132,11 @@ def add_parser(subparsers) -> None:
                              "3,15 for a 30-layer target; --head eagle3: the three layers fc reads (default: "
                              "2, L/2, L-3 as vLLM's). The data folder must be built with (at least) these layers")
     parser.add_argument("--eval-every", type=positive_int, default=200, help="steps between held-out evaluations")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sampled prompt sources, the initial weights and the batch order")
+    parser.add_argument("--device", default="cpu", help="where the draft trains: cpu or cuda")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
 
 
