@@ -160,6 +160,9 @@ def test_the_pytorch_path_orders_ties_as_the_kernels_do(monkeypatch):
     assert sampling._top_k(logits, 3)[2].tolist() == [False]  # the 3rd is tied with the 4th: top-k keeps all four
     # Of tokens tied at the k-th, the lowest ids make the cut.
     assert sampling._top_k(logits, 3)[1].tolist() == [[1, 3, 5]]
+    # Each row alone: a row with a NaN beside it (which keeps torch.topk's own answer) changes nothing.
+    beside = torch.cat([logits, torch.full_like(logits, float("nan"))])
+    assert sampling._top_k(beside, 5)[1][0].tolist() == [1, 3, 5, 7, 4]
     # Top-p runs over the tokens in that order: of three tokens tied at the top, the lowest ids are kept, after a
     # top-k and alone (a vocabulary this small takes the general path).
     for top_k in (3, 0):

@@ -184,15 +184,19 @@ def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
         if bool((counts >= 0).all()):
             return values, indices, counts == k
     values, indices = torch.topk(logits, k, dim=-1)
-    kth = values[..., -1:]
+    kth = values[:, -1:]
     exact = (logits >= kth).sum(dim=-1) == k
-    if k > 1 and not bool(values.isnan().any()) and (
-            bool((values[..., 1:] == values[..., :-1]).any()) or not bool(exact.all())):
-        above, tied = logits > kth, logits == kth
+    # Rows with ties (inside the k, or at the k-th: not exact), each alone: a row's answer never depends on the others.
+    tied_rows = ((values[:, 1:] == values[:, :-1]).any(dim=-1) | ~exact) & ~values.isnan().any(dim=-1)
+    if k > 1 and bool(tied_rows.any()):
+        rows = tied_rows.nonzero().squeeze(-1)
+        row_logits, row_kth = logits[rows], kth[rows]
+        above, tied = row_logits > row_kth, row_logits == row_kth
         chosen = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
-        indices = chosen.nonzero()[:, -1].reshape(values.shape)  # each row's k tokens, in id order
-        values, order = logits.gather(-1, indices).sort(dim=-1, descending=True, stable=True)
-        indices = indices.gather(-1, order)
+        row_indices = chosen.nonzero()[:, -1].reshape(len(rows), k)  # each row's k tokens, in id order
+        row_values, order = row_logits.gather(-1, row_indices).sort(dim=-1, descending=True, stable=True)
+        values, indices = values.clone(), indices.clone()
+        values[rows], indices[rows] = row_values, row_indices.gather(-1, order)
     return values, indices, exact
 
 
