@@ -288,6 +288,26 @@ def test_bad_requests_get_the_openai_error_envelope(endpoint, body, param, clien
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+def test_a_null_field_is_read_as_left_out(client):
+    """As OpenAI's API reads it: an explicit null where a field has a default gives the default (strict types would
+    refuse it), and completions take ``logprobs: false`` as chat does."""
+    body = {"prompt": "once upon", "temperature": 0}
+    left_out = client.post("/v1/completions", json=body).json()
+    nulls = {"top_p": None, "top_k": None, "n": None, "stream": None, "echo": None, "max_tokens": None,
+             "return_token_ids": None, "logprobs": False}
+    reply = client.post("/v1/completions", json={**body, **nulls})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == left_out["choices"][0]["text"]
+    assert reply.json()["usage"]["completion_tokens"] == left_out["usage"]["completion_tokens"]
+    chat = {k: v for k, v in chat_body("hello").items() if k != "temperature"}
+    sampled = client.post("/v1/chat/completions", json={**chat, "seed": 3}).json()
+    reply = client.post("/v1/chat/completions", json={**chat, "seed": 3, "temperature": None})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"] == sampled["choices"][0]["message"]
+    # A required field stays required.
+    assert client.post("/v1/chat/completions", json={**chat, "messages": None}).status_code == 400
+
+
 @pytest.mark.parametrize("endpoint, body", [("chat", chat_body("x" * 300)),
                                             ("completions", {"prompt": "x" * 300}),
                                             ("completions", {"prompt": [5] * 256})])

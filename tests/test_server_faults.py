@@ -223,6 +223,10 @@ def test_a_request_its_own_method_refuses_mid_way_gets_a_400_and_the_server_goes
             assert '"code": "invalid_request"' in streamed.replace('":"', '": "')
             good = http.post(f"{url}/v1/completions", json={**body, "jointspec": {"method": "pld"}})
             assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 30
+            # Counted as the 400s they are, whole and streamed, not as engine errors.
+            page = http.get(f"{url}/metrics").text
+            assert 'jointspec_requests_total{endpoint="completions",outcome="rejected"} 2' in page, page
+            assert 'jointspec_requests_total{endpoint="completions",outcome="error"} 0' in page
     finally:
         engine.close()
 

@@ -211,5 +211,12 @@ def test_greedy_block_verification_equals_plain_decoding(target_model, other_mod
 def test_block_verification_is_offered_where_it_applies(target_model):
     with pytest.raises(ValueError, match="verify must be one of"):
         MethodConfig(name="sps", verify="blocks")
-    with pytest.raises(UnsupportedOptionError, match="sps and hybrid"):
+    with pytest.raises(UnsupportedOptionError, match="sps, hybrid, pearl and sparse-self"):
         build_method(MethodContext(MethodConfig(name="pld", verify="block"), CausalLM(target_model), None, None))
+    # The message names every chain method that takes it: each builds a block verifier.
+    target = CausalLM(target_model)
+    load = lambda source: (target, None)  # noqa: E731
+    for name, draft in (("sps", "self"), ("hybrid", "self"), ("pearl", "self"), ("sparse-self", None)):
+        _, verifier = build_method(MethodContext(MethodConfig(name=name, draft=draft, verify="block"), target, None,
+                                                 load))
+        assert isinstance(verifier, BlockVerifier), name

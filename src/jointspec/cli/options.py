@@ -63,15 +63,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'; for "
                              "corpus: a table folder from `build-corpus`")
     parser.add_argument("--cost-aware", action=argparse.BooleanOptionalAction, default=None,
-                        help="pld/corpus/sps/hybrid: choose each round's draft length, or no draft, from the target's "
-                             "measured cost curve and the running acceptance, so speculation does not run slower "
-                             "than plain decoding (measures the curve once, a few seconds); mtad: each round's "
+                        help="pld/corpus/cross/sps/hybrid: choose each round's draft length, or no draft, from the "
+                             "target's measured cost curve and the running acceptance, so speculation does not run "
+                             "slower than plain decoding (measures the curve once, a few seconds); mtad: each round's "
                              "depth, at least 1; specinfer/spectr: whether a round drafts their tree at all. sps, "
-                             "hybrid, mtad, specinfer and spectr do this unless --no-cost-aware; pld and corpus only "
-                             "with --cost-aware")
+                             "hybrid, mtad, specinfer and spectr do this unless --no-cost-aware; pld, corpus and cross "
+                             "only with --cost-aware")
     parser.add_argument("--verify", choices=VERIFY_CHOICES, default="token",
-                        help="sps/hybrid: token = token-wise speculative sampling; block = block verification of the "
-                             "same drafts (Sun et al. 2024): the same output law, more tokens kept per round; "
+                        help="sps/hybrid/pearl/sparse-self: token = token-wise speculative sampling; block = block "
+                             "verification of the same drafts (Sun et al. 2024): the same output law, more tokens kept "
+                             "per round; "
                              "specinfer: traversal = traversal verification of its trees (Weng et al. 2025)")
     parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft length / depth (gamma)")
     parser.add_argument("--max-draft-tokens", type=positive_int, default=16,

@@ -257,7 +257,8 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     drafter, verifier = entry.builder(context)
     if context.config.verify == "block" and not isinstance(verifier, BlockVerifier):
         raise UnsupportedOptionError(f"method '{name}' has no block verification; it is for chain methods whose "
-                                     "drafts carry their probabilities: sps and hybrid (--verify block)")
+                                     "drafts carry their probabilities: sps, hybrid, pearl and sparse-self "
+                                     "(--verify block)")
     if context.config.verify == "traversal" and not isinstance(verifier, TraversalVerifier):
         raise UnsupportedOptionError(f"method '{name}' has no traversal verification; it is for sampled token "
                                      "trees: specinfer (--verify traversal)")

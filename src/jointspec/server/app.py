@@ -31,7 +31,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
@@ -97,6 +97,16 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data):
+        """OpenAI's API reads an explicit null in a field that has a default as the field left out (clients send
+        ``"temperature": null``); so does this server, where strict types would refuse it."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, field in cls.model_fields.items() if field.default is not None}
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -117,7 +127,7 @@ class _Sampling(_Body):
 class CompletionBody(_Sampling):
     prompt: str | list[str] | list[int]
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = None
+    logprobs: int | bool | None = None  # an int (how many), or false as chat takes it: none
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
@@ -194,6 +204,12 @@ def _from_failure(failure: Failure, retry_after: int) -> RequestError:
     if failure.code == "invalid_request":
         return RequestError(failure.message, code=failure.code, status=400)
     return RequestError(failure.message, code=failure.code, status=500, type_="server_error")
+
+
+def _failure_outcome(failure: Failure) -> str:
+    """The metrics' outcome of a request that failed once decoding: its own method refusing a round is a 400 to the
+    client, so ``rejected``, as other 400s; anything else ``error``."""
+    return "rejected" if failure.code == "invalid_request" else "error"
 
 
 def _shutting_down(message: str, retry_after: int) -> RequestError:
@@ -409,7 +425,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             return error_response(collecting.exception())
         collected = collecting.result()
         if collected and collected[-1].failure is not None:
-            metrics.count_request(endpoint, "error")
+            metrics.count_request(endpoint, _failure_outcome(collected[-1].failure))
             return error_response(_from_failure(collected[-1].failure, settings.retry_after))
         metrics.count_request(endpoint, "completed")
         return JSONResponse(reply.whole(collected, return_token_ids=return_token_ids))
@@ -423,7 +439,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 async for chunk in chunks:
                     reply.add(chunk)
                     if chunk.failure is not None:
-                        outcome = "error"
+                        outcome = _failure_outcome(chunk.failure)
                         yield _event(_from_failure(chunk.failure, settings.retry_after).body())
                         return
                     if chunk.text or chunk.finish_reason:  # rounds whose text is held back (half a character)
