@@ -960,37 +960,49 @@ inline float row_best(const float* row, int64_t n) {
   return best;
 }
 
-// A row's rank-th largest score (NaN scores passed over, as at_least passes them): a min-heap of the largest so far,
-// and a scan sixteen scores at a time for those above its least; -inf where fewer than `rank` scores are numbers. The
-// same value whatever order the scores are visited in (it is an order statistic), so every build gives it.
-inline float row_kth(const float* row, int64_t n, int64_t rank) {
-  std::vector<float> top;
+// A row's `rank` largest scores with their ids (NaN scores passed over, as at_least passes them), as a heap whose
+// front is the one that comes last in the order "larger, or as large with the lower id": a heap of the best so far,
+// and a scan sixteen scores at a time for those above its least. Fewer than `rank` where fewer scores are numbers.
+// Which scores it holds is an order statistic (ties to the lower ids), so every build gives it.
+using Entry = std::pair<float, int64_t>;
+inline bool comes_before(const Entry& a, const Entry& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+inline void row_top(const float* row, int64_t n, int64_t rank, std::vector<Entry>& top) {
+  top.clear();
   top.reserve(rank);
-  const auto greater = std::greater<float>();
   int64_t j = 0;
   for (; j < n && static_cast<int64_t>(top.size()) < rank; ++j)
     if (!std::isnan(row[j])) {
-      top.push_back(row[j]);
-      std::push_heap(top.begin(), top.end(), greater);
+      top.emplace_back(row[j], j);
+      std::push_heap(top.begin(), top.end(), comes_before);
     }
-  if (static_cast<int64_t>(top.size()) < rank) return -INFINITY;
-  float least = top.front();
-  const auto offer = [&](float x) {
-    if (x > least) {
-      std::pop_heap(top.begin(), top.end(), greater);
-      top.back() = x;
-      std::push_heap(top.begin(), top.end(), greater);
-      least = top.front();
+  if (static_cast<int64_t>(top.size()) < rank) return;
+  float least = top.front().first;
+  // A later id as large as the least comes after it: only a larger score goes in.
+  const auto offer = [&](int64_t i) {
+    if (row[i] > least) {
+      std::pop_heap(top.begin(), top.end(), comes_before);
+      top.back() = {row[i], i};
+      std::push_heap(top.begin(), top.end(), comes_before);
+      least = top.front().first;
     }
   };
   for (; j + 16 <= n; j += 16)
     for (uint32_t hits = simd::at_least(simd::load(row + j), least); hits; hits &= hits - 1)
-      offer(row[j + __builtin_ctz(hits)]);
-  for (; j < n; ++j) offer(row[j]);
-  return least;
+      offer(j + __builtin_ctz(hits));
+  for (; j < n; ++j) offer(j);
 }
 
-inline void near_scores(const float* row, int64_t n, float bar, std::vector<std::pair<float, int64_t>>& near) {
+// A row's rank-th largest score (NaN scores passed over); -inf where fewer than `rank` scores are numbers.
+inline float row_kth(const float* row, int64_t n, int64_t rank) {
+  std::vector<Entry> top;
+  row_top(row, n, rank, top);
+  return static_cast<int64_t>(top.size()) < rank ? -INFINITY : top.front().first;
+}
+
+inline void near_scores(const float* row, int64_t n, float bar, std::vector<Entry>& near) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
     for (uint32_t hits = simd::at_least(simd::load(row + j), bar); hits; hits &= hits - 1) {
@@ -1063,14 +1075,11 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
     const float bar = (rank == 1 ? row_best(row, vocab) : row_kth(row, vocab, rank)) - static_cast<float>(margin);
     // (score, id) side by side: a flat row's tens of thousands of candidates are then ranked in one array rather
     // than through the ids into the row.
-    std::vector<std::pair<float, int64_t>> near;
+    std::vector<Entry> near;
     near.reserve(std::min<int64_t>(vocab, 4096));
     near_scores(row, vocab, bar, near);
     if (static_cast<int64_t>(near.size()) > max_exact) {
-      const auto higher = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      };
-      std::nth_element(near.begin(), near.begin() + max_exact, near.end(), higher);
+      std::nth_element(near.begin(), near.begin() + max_exact, near.end(), comes_before);
       near.resize(max_exact);
     }
     for (const auto& [score, j] : near) row_pairs[r].emplace_back(r, j);
@@ -1235,38 +1244,17 @@ std::vector<at::Tensor> top_k_rows(at::Tensor rows, int64_t k) {
   float* vp = values.data_ptr<float>();
   int64_t* ip = indices.data_ptr<int64_t>();
   int64_t* cp = counts.data_ptr<int64_t>();
-  // a before b in the output: larger, or as large with the lower id.
-  const auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
+  std::vector<Entry> top;
   for (int64_t r = 0; r < n; ++r) {
     const float* row = in + r * vocab;
-    // NaN: a lane that is not >= -inf. Counted in the same pass as the entries >= the k-th, after the heap.
-    std::vector<std::pair<float, int64_t>> top;  // a heap whose front is the entry that comes last
-    top.reserve(k);
-    for (int64_t j = 0; j < k; ++j) {
-      top.emplace_back(row[j], j);
-      std::push_heap(top.begin(), top.end(), before);
+    row_top(row, vocab, k, top);  // NaN passed over; a row with one is handed back below
+    if (static_cast<int64_t>(top.size()) < k) {
+      cp[r] = -1;
+      continue;
     }
-    float least = top.front().first;
-    const auto offer = [&](int64_t j) {
-      // A later id as large as the least comes after it: only a larger entry goes in.
-      if (row[j] > least) {
-        std::pop_heap(top.begin(), top.end(), before);
-        top.back() = {row[j], j};
-        std::push_heap(top.begin(), top.end(), before);
-        least = top.front().first;
-      }
-    };
-    int64_t j = k;
-    for (; j + 16 <= vocab; j += 16)
-      for (uint32_t hits = simd::at_least(simd::load(row + j), least); hits; hits &= hits - 1)
-        offer(j + __builtin_ctz(hits));
-    for (; j < vocab; ++j) offer(j);
-    std::sort_heap(top.begin(), top.end(), before);
+    std::sort_heap(top.begin(), top.end(), comes_before);
     const float kth = top.back().first;
-    int64_t count = 0, nan = 0;
-    j = 0;
+    int64_t count = 0, nan = 0, j = 0;
     for (; j + 16 <= vocab; j += 16) {
       const V16 lanes = simd::load(row + j);
       count += __builtin_popcount(simd::at_least(lanes, kth));
