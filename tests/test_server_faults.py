@@ -230,6 +230,54 @@ def test_a_request_its_own_method_refuses_mid_way_gets_a_400_and_the_server_goes
     finally:
         engine.close()
 
+def test_a_round_that_raises_fails_its_requests_with_a_500_code_and_the_server_goes_on(make_engine, monkeypatch):
+    """A bug in a round (here: a round that raises once) fails the requests in it with a 500 in OpenAI's envelope,
+    code ``engine_error``, whole or streamed, counted as ``error``; the engine starts afresh and the next request is
+    served."""
+    real, raised = BatchEngine.step, []
+
+    def step(self):
+        if self.active and len(raised) < 2:  # the whole request's round, then the streamed one's
+            raised.append(True)
+            raise RuntimeError("a bug in a round")
+        return real(self)
+
+    monkeypatch.setattr(BatchEngine, "step", step)
+    engine = make_engine()
+    with live_server(create_app(ServerSettings(), engine)) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        reply = http.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 8})
+        assert reply.status_code == 500, reply.text
+        assert_envelope(reply.json(), "engine_error")
+        assert reply.json()["error"]["type"] == "server_error"
+        streamed = [json.loads(line) for line in sse_data(http.post(
+            f"{url}/v1/completions", json={**LONG, "max_tokens": 8, "stream": True}).text) if line != "[DONE]"]
+        assert_envelope(streamed[-1], "engine_error")
+        good = http.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 8})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8, good.text
+        assert outcome_count(url, "completions", "error") == 2
+        assert outcome_count(url, "completions", "completed") == 1
+
+
+def test_an_unexpected_failure_outside_a_round_is_a_500_with_a_code(make_engine, monkeypatch):
+    """Failures no rule names still answer in OpenAI's envelope with a code a client can branch on: ``engine_error``
+    where the engine refused a request unexpectedly (here: its tokenizer step raising), ``internal_error`` for any
+    other route (here: /metrics failing to read the engine)."""
+    engine = make_engine()
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    with live_server(create_app(ServerSettings(), engine)) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        monkeypatch.setattr(engine, "encode", broken)
+        reply = http.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 4})
+        assert reply.status_code == 500, reply.text
+        assert_envelope(reply.json(), "engine_error")
+        monkeypatch.setattr(engine, "snapshot", broken)
+        page = http.get(f"{url}/metrics")
+        assert page.status_code == 500, page.text
+        assert_envelope(page.json(), "internal_error")
+        assert page.json()["error"]["type"] == "server_error"
+
 # -- shutdown ---------------------------------------------------------------------------------------------------
 
 def test_sigterm_drains_every_request_finishes_or_gets_an_error(make_engine, monkeypatch):

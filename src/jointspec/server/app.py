@@ -195,7 +195,7 @@ def _from_engine(error: Exception, retry_after: int) -> RequestError:
     if isinstance(error, (JointspecError, ValueError, TypeError)):
         return RequestError(str(error))
     log.exception("engine failed on a request", exc_info=error)
-    return RequestError("internal error in the engine", status=500, type_="server_error")
+    return RequestError("internal error in the engine", code="engine_error", status=500, type_="server_error")
 
 
 def _from_failure(failure: Failure, retry_after: int) -> RequestError:
@@ -307,7 +307,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=error)
-        return error_response(RequestError("internal server error", status=500, type_="server_error"))
+        return error_response(RequestError("internal server error", code="internal_error", status=500,
+                                           type_="server_error"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
