@@ -157,6 +157,49 @@ def test_the_request_options_docs_serving_md_shows_are_accepted():
         assert ServingEngine.method_for(served, options).name == options["method"], options
 
 
+def test_every_setting_a_refusal_names_is_one_a_request_can_send(client):
+    """A request naming a setting its method does not read is refused with the settings the method does read; each
+    of those must be a key the request may send (the message once named internal fields, ``max_num_draft_tokens``,
+    that the request's own checks then refused), or say that only the server sets it. And every settable key reaches
+    the method. Deterministic: no false failures."""
+    import re
+    from types import SimpleNamespace
+
+    from jointspec.methods import method_names
+    from jointspec.server.app import JointspecOptions
+    from jointspec.server.engine import REQUEST_KEYS
+
+    assert set(REQUEST_KEYS) == set(JointspecOptions.model_fields) - {"method"}
+    served = SimpleNamespace(method=MethodConfig(name="default"))
+    for name in method_names():
+        # A setting each method leaves unread: no method reads both SpecTr's/MTAD's width and a verifier choice.
+        message = _refusal(served, name, {"beam_width": 2}) or _refusal(served, name, {"verify": "block"})
+        assert message is not None, name
+        listed = re.search(rf"; {re.escape(name)} reads (.*) \(`jointspec methods`", message).group(1)
+        for item in re.split(r", (?![^()]*\))", listed):
+            if item == "no method options":
+                continue
+            key = item.split(" ")[0]
+            assert key in JointspecOptions.model_fields or "(not set per request" in item, (name, item, message)
+    settable = {"max_draft_tokens": 8, "tree": [2, 2], "tree_budget": 12}
+    config = ServingEngine.method_for(served, {"method": "default", **settable})
+    assert (config.max_num_draft_tokens, config.tree, config.tree_budget) == (8, (2, 2), 12)
+    assert JointspecOptions.model_validate(settable).tree == [2, 2]
+    reply = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 8, "temperature": 0, "jointspec": {
+        "method": "pld", "max_draft_tokens": 8, "cost_aware": True}})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8, reply.text
+
+
+def _refusal(served, name: str, options: dict) -> str | None:
+    from jointspec.core.errors import UnsupportedOptionError
+
+    try:
+        ServingEngine.method_for(served, {"method": name, **options})
+    except UnsupportedOptionError as error:
+        return str(error)
+    return None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_ends_every_method_at_the_token_that_completed_it(stream, client, engine, byte_model,
                                                                         tokenizer):
@@ -286,6 +329,18 @@ def test_bad_requests_get_the_openai_error_envelope(endpoint, body, param, clien
     assert error["param"] == param
     # ... and the server still serves.
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_a_value_that_fits_no_form_of_a_field_is_told_every_form(client):
+    """``prompt`` takes a string or token ids: a number is refused naming both, not with the first form's complaint
+    ("Input should be a valid string") alone. Deterministic: no false failures."""
+    reply = client.post("/v1/completions", json={"prompt": 42})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "prompt" and error["message"] == (
+        "prompt: should be a string, a list of strings or a list of integers"), error
+    reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]})
+    assert reply.json()["error"]["message"] == "messages.0.content: should be a string or a list of text parts"
 
 
 def test_a_null_field_is_read_as_left_out(client):

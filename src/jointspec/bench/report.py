@@ -259,7 +259,8 @@ def interval_lines(result: BenchResult, summary: dict) -> list[str]:
     """Each method against the baseline, with the paired bootstrap intervals and what they do (not) show."""
     num_prompts = summary[result.baseline]["num_prompts"]
     if num_prompts < MIN_PROMPTS:
-        return [f"(no {LEVEL:.0%} intervals against the baseline: {num_prompts} prompts, fewer than {MIN_PROMPTS})"]
+        prompts = "1 prompt" if num_prompts == 1 else f"{num_prompts} prompts"
+        return [f"(no {LEVEL:.0%} intervals against the baseline: {prompts}, fewer than {MIN_PROMPTS})"]
     rows = [[f"vs {result.baseline}, {LEVEL:.0%} paired bootstrap over {num_prompts} prompts", "speedup", "",
              "perplexity ratio", "", "decode speedup (after the prompt)", ""]]
     for method, s in summary.items():

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import sys
 
 from jointspec.cli.commands import command_help
 from jointspec.core.errors import JointspecError
-
-log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> None:
@@ -149,8 +147,9 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_engine(args)
         settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
                                   drain_timeout=args.drain_timeout)
-        log.warning("serving %s (method %s; %s) on http://%s:%d/v1", engine.model_id, args.method,
-                    engine.description, args.host, args.port)
+        # A status line, not a warning: printed whatever the log level (JOINTSPEC_LOG).
+        print(f"serving {engine.model_id} (method {args.method}; {engine.description}) on "
+              f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         try:
             serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
         finally:

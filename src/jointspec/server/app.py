@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -83,6 +83,7 @@ class JointspecOptions(_Body):
 
     method: str | None = None
     num_draft_tokens: int | None = Field(None, ge=1, le=64)
+    max_draft_tokens: int | None = Field(None, ge=1, le=64)  # cost-aware chains' longest draft (--max-draft-tokens)
     max_ngram: int | None = Field(None, ge=1, le=64)
     min_ngram: int | None = Field(None, ge=1, le=64)
     draft: str | None = None
@@ -90,6 +91,10 @@ class JointspecOptions(_Body):
     accept_threshold: float | None = Field(None, gt=0.0)  # mtad's tau
     cost_aware: bool | None = None  # choose each round's draft length from the batch's cost curve
     verify: Literal[VERIFY_CHOICES] | None = None  # checked here: a 400
+    # Tree methods: branching per depth (--tree), and a dynamic tree's node budget (--tree-budget); a tree past the
+    # rows a round verifies is refused by the request's first round (a 400 that names the limit).
+    tree: list[Annotated[int, Field(ge=1, le=64)]] | None = Field(None, min_length=1, max_length=16)
+    tree_budget: int | None = Field(None, ge=0, le=255)
 
 
 class StreamOptions(_Body):
@@ -176,11 +181,29 @@ def error_response(error: RequestError) -> JSONResponse:
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}
 
 
+# How a message names the members of a union field (``prompt``: a string or token ids) that a value fitted none of.
+_TAG_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false", "none": "null",
+              "list[str]": "a list of strings", "list[int]": "a list of integers",
+              "list[TextPart]": "a list of text parts"}
+
+
+def _is_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+
 def _from_validation(error: ValidationError) -> RequestError:
-    first = error.errors()[0]
+    errors = error.errors()
+    first = errors[0]
     # Union members add their type to the location ("stop.str"); OpenAI names only the field.
-    param = ".".join(str(part) for part in first["loc"]
-                     if not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS))) or None
+    param = ".".join(str(part) for part in first["loc"] if not _is_tag(part)) or None
+    # The union member each error is about, for the errors on the first one's field (the path up to its tag).
+    field = first["loc"][:next((i for i, part in enumerate(first["loc"]) if _is_tag(part)), len(first["loc"]))]
+    tags = [e["loc"][len(field)] for e in errors if e["loc"][:len(field)] == field and len(e["loc"]) > len(field)]
+    if field and len(tags) > 1 and all(tag in _TAG_WORDS for tag in tags):
+        # A value that fits no member of a union: name every member, not only the first one's complaint.
+        words = list(dict.fromkeys(_TAG_WORDS[tag] for tag in tags))
+        name = ".".join(str(part) for part in field)
+        return RequestError(f"{name}: should be {', '.join(words[:-1])} or {words[-1]}", param=name)
     return RequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 

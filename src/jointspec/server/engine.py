@@ -43,6 +43,22 @@ log = logging.getLogger(__name__)
 # Whether the server keeps a memory of earlier answers for the lookup drafters (drafters/memory.py): never, one per
 # request's ``user``, or one that every request shares.
 ONLINE_MEMORY_CHOICES = ("off", "user", "shared")
+# The method settings a request's ``jointspec`` field may set (server/app.py's JointspecOptions checks their values),
+# by the MethodConfig field each sets where its key differs from the field's name; and the settings only the server's
+# command line sets. What a refusal names a setting by.
+REQUEST_KEYS = ("num_draft_tokens", "max_draft_tokens", "max_ngram", "min_ngram", "draft", "beam_width",
+                "accept_threshold", "cost_aware", "verify", "tree", "tree_budget")
+REQUEST_FIELDS = {"max_draft_tokens": "max_num_draft_tokens"}
+SERVER_ONLY_FLAGS = {"head_weights": "--head-weights"}
+
+
+def request_key(field: str) -> str:
+    """How a request names MethodConfig ``field``; a field no request sets is named as such."""
+    key = next((key for key, name in REQUEST_FIELDS.items() if name == field), field)
+    if key in REQUEST_KEYS:
+        return key
+    flag = SERVER_ONLY_FLAGS.get(field)
+    return f"{field} (not set per request{f'; the server sets it: {flag}' if flag else ''})"
 
 
 class QueueFullError(JointspecError):
@@ -326,15 +342,18 @@ class ServingEngine:
             raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
                                          f"draft ({self.method.draft or 'none'})")
         name = options.get("method", self.method.name)
-        # A setting the method does not read is refused, not ignored (the server's own draft is given to every method).
-        error = unread_options_error(name, [key for key in options if key != "method"])
+        settings = {REQUEST_FIELDS.get(key, key): value for key, value in options.items() if key != "method"}
+        if "tree" in settings:
+            settings["tree"] = tuple(settings["tree"])
+        # A setting the method does not read is refused, not ignored (the server's own draft is given to every method),
+        # each named as a request names it.
+        error = unread_options_error(name, list(settings), spell=request_key)
         if error:
             raise UnsupportedOptionError(error)
         base = self.method
         if name != base.name:
             base = MethodConfig(draft=base.draft, head_weights=base.head_weights)
-        fields = {"method": "name"}
-        return replace(base, **{fields.get(k, k): v for k, v in options.items()})
+        return replace(base, name=name, **settings)
 
     def memory_for(self, user: str | None, method: MethodConfig) -> OutputMemory | None:
         """The memory of earlier answers this request drafts from and joins: none unless the server keeps one
