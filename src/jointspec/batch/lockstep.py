@@ -363,8 +363,8 @@ class LockstepEngine(EngineBase):
         """The target's cost by rows per forward up to a full batch's, measured once (memoised per model). Sampled
         rows (``sampled``) are timed with every row's exact logits, as sampled verification reads them: on a target
         whose greedy rows take a screened head, a sampled row costs the exact head's row besides, which a sampled
-        request's extra rows must be priced by (docs/serving.md, "Sampled requests under load"): the greedy curve plus
-        that share, fitted (:func:`sampled_rows_curve`)."""
+        request's extra rows must be priced by (docs/lab/serving.md, section 11, "Sampled requests under load"): the
+        greedy curve plus that share, fitted (:func:`sampled_rows_curve`)."""
         key = sampled and self.target.capabilities.argmax_screen  # without a screen the two kinds are one curve
         if key not in self._curves:
             room = self.target.max_context - 1
