@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         gap = ("" if row.difference is None else
                f"   {row.difference[0]:+.3f} [{row.difference[1]:+.3f}, {row.difference[2]:+.3f}]")
         print(f"  pass@{row.k:<3} {row.method:<32} {row.value:.3f}  (n = {row.samples_per_problem}){gap}")
+    left_out = [k for k in ks if k not in {row.k for row in rows}]
+    if left_out:
+        print(f"  (pass@{', '.join(map(str, left_out))} left out: above the samples per problem; more runs with other "
+              "--seed values give them)")
     print(json.dumps({"reference": reference, "num_runs": len(args.results),
                       "rows": [{"method": r.method, "k": r.k, "pass_at_k": round(r.value, 4),
                                 "num_problems": r.num_problems, "samples_per_problem": r.samples_per_problem,
