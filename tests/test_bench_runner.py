@@ -93,12 +93,12 @@ def test_transformers_rows_stop_at_the_context_as_jointspec_does(bench_main, tmp
 
 def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
     report = tmp_path / "report"
-    code, out, err = bench_main("--prompts", str(bench_prompt_file), "--methods", "ar,pld:n=4,hf-generate",
+    code, out, err = bench_main("--prompts", str(bench_prompt_file), "--methods", "ar,pld:n=3,hf-generate",
                                 "--max-new-tokens", "12", "--repeats", "2", "--report-dir", str(report))
     assert code == 0, err
     last = json.loads(out.strip().splitlines()[-1])
     assert last["baseline"] == "ar"
-    assert set(last["methods"]) == {"ar", "pld:n=4", "hf-generate"}
+    assert set(last["methods"]) == {"ar", "pld:n=3", "hf-generate"}
     for summary in last["methods"].values():
         assert set(CONTRACT_KEYS) | {"per_category"} == set(summary)
         assert set(summary["per_category"]) == {"summary", "code"}
@@ -110,6 +110,17 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
                                                   "accepted_length.png", "speed_vs_perplexity.png"}
     results = json.loads((report / "results.json").read_text())
     assert results["target_cost"]["ms_by_k"]["1"] > 0
+    # What each row ran, resolved, and the code it ran: a report read later says what "pld:n=3" meant.
+    pld = results["settings"]["pld:n=3"]
+    assert pld["method"] == "pld" and pld["num_draft_tokens"] == 3 and pld["quantize"] == "as loaded"
+    assert set(pld) >= {"max_ngram", "min_ngram", "cost_aware"} and pld["cost_aware"] is False
+    assert results["settings"]["hf-generate"] == {"method": "hf-generate", "options": {}}
+    assert "jointspec_commit" in results["environment"]
+    text = (report / "report.md").read_text()
+    assert "## Columns" in text and "`acc.tok`" in text and "## Rows as run" in text
+    drafted = results["methods"]["pld:n=3"]["drafted_per_position"]
+    # A round that drafted depth d + 1 drafted depth d too: the counts never grow with depth.
+    assert drafted[0] > 0 and all(a >= b for a, b in zip(drafted, drafted[1:]))
     assert len(results["runs"]) == 9 and all(len(r["seconds"]) == 2 for r in results["runs"])
     # Reading the prompt is timed apart where the engine says how long it took (transformers' generate does not).
     assert all((r["prefill_seconds"] is None) == (r["method"] == "hf-generate") for r in results["runs"])
@@ -349,3 +360,19 @@ def test_a_process_that_cannot_reset_its_peak_reports_no_added_memory(target_mod
     header, *rows = table(result, summary).splitlines()[:3]
     end = header.index("+MB") + len("+MB")  # cells are right-aligned to their header's end
     assert [row[:end].split()[-1] for row in rows] == ["-", "-"]
+
+
+def test_the_report_says_what_few_prompts_and_sampling_leave_unsaid():
+    """Notes under the table: intervals from few prompts cover less than they say, and sampled answers may leave the
+    baseline's (and a rerun's) for reasons other than a broken method. Deterministic: no false failures."""
+    from jointspec.bench.report import notes
+    from jointspec.bench.runner import BenchConfig, BenchResult
+
+    def result(temperature: float) -> BenchResult:
+        return BenchResult(BenchConfig(temperature=temperature), ["ar"], "ar", [], None)
+
+    assert notes(result(0.0), {"ar": {"num_prompts": 48}}) == []
+    few = notes(result(0.0), {"ar": {"num_prompts": 8}})
+    assert len(few) == 1 and "85-90 %" in few[0]
+    sampled = notes(result(1.0), {"ar": {"num_prompts": 48}})
+    assert len(sampled) == 1 and "rerun with the same seed" in sampled[0] and "`pld`" in sampled[0]

@@ -24,6 +24,8 @@ def test_spec_parsing():
     assert method_config(parse_spec("specinfer:tree=3,1"), MethodConfig()).tree == (3, 1)
     assert method_config(parse_spec("hybrid-tree:tree=2x2"), MethodConfig()).tree == (2, 2)
     assert method_config(parse_spec("default:tree_budget=3"), MethodConfig()).tree_budget == 3
+    # The command line's name for the longest draft works as a key too (--max-draft-tokens).
+    assert method_config(parse_spec("pld:max_draft_tokens=8"), MethodConfig()).max_num_draft_tokens == 8
 
 
 @pytest.mark.parametrize("text,message", [

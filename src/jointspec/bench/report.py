@@ -95,6 +95,7 @@ def summarise_group(runs: list[PromptRun], baseline_runs: list[PromptRun], cost:
             "mean_accepted_tokens": _rounded(stats.mean_accepted_tokens),
             "acceptance_rate": _rounded(stats.acceptance_rate),
             "acceptance_per_position": [_rounded(x) for x in stats.acceptance_per_position],
+            "drafted_per_position": list(stats.drafted_per_position),
             "accepted_histogram": accepted_histogram(stats),
             "draft_seconds": _rounded(stats.draft_seconds),
             "verify_seconds": _rounded(stats.verify_seconds),
@@ -219,6 +220,42 @@ def contract(result: BenchResult, summary: dict) -> dict:
                         for m, s in summary.items()}}
 
 
+COLUMNS = """## Columns
+
+- `tok/s`: every new token over the sum of each prompt's median time (prompt reading included); `min-max`: the same
+  over each prompt's slowest and fastest repeat. `speedup`: tok/s over the baseline's.
+- `acc.tok`: tokens committed per target call, 1 + accepted draft tokens / rounds (1.00 for plain decoding; for
+  transformers' rows, new tokens per target call).
+- `identical`: prompts whose answer is the baseline's, token for token (notes above for sampling).
+- `ppl`: perplexity of the row's answers under the bench's target as loaded; `dist-2`: distinct bigrams over all
+  bigrams of each answer, averaged.
+- `draft s`, `verify s`: seconds spent drafting and verifying, summed over the prompts of the first timed repeat.
+- `pred.speedup`: the speedup the measured T(k) (below) predicts from the row's rounds, against the baseline's
+  prediction; `loop eff`: predicted over measured time (below 1: time outside drafting and the target's forwards).
+- `RSS MB`: the process's peak resident memory while the row ran (the weights and every row's state included); `+MB`:
+  the most one of the row's answers raised it.
+- `prompt s`: mean seconds reading a prompt; `decode x`: the speedup after the prompt was read.
+"""
+
+
+def notes(result: BenchResult, summary: dict) -> list[str]:
+    """What the table's figures do not say by themselves for this run: how sure few prompts' intervals are, and which
+    answers sampling lets differ from the baseline's or from a rerun's."""
+    lines = []
+    num_prompts = summary[result.baseline]["num_prompts"]
+    if MIN_PROMPTS <= num_prompts < 24:
+        lines.append(f"With {num_prompts} prompts a percentile bootstrap is narrow: read the {LEVEL:.0%} intervals as "
+                     "nearer 85-90 % (docs/cli.md, `jointspec bench`).\n")
+    if result.config.temperature > 0:
+        lines.append("Sampled: each prompt draws with its own seed. A lossless row's answers follow the target's "
+                     "law, but are the baseline's token for token only where its drafts take no random draws and their "
+                     "lengths do not follow timing (lookup drafts: `pld`, `corpus`, `lookahead`, and `default` where "
+                     "it drafts by lookup). Rows whose draft lengths follow the measured cost of a draft (`sps`, "
+                     "`hybrid`, `mtad`, `specinfer`, `spectr` unless `cost_aware=false`) can also answer otherwise "
+                     "in a rerun with the same seed.\n")
+    return lines
+
+
 def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
@@ -240,7 +277,7 @@ def table(result: BenchResult, summary: dict) -> str:
     lines = _align(rows)
     categories = list(next(iter(summary.values()))["per_category"])
     if len(categories) > 1:
-        cat_rows = [["speedup by category (after the prompt)"] + list(summary)]
+        cat_rows = [["speedup by category (after the prompt in brackets)"] + list(summary)]
         for c in categories:
             cat_rows.append([f"{c} (n={summary[result.baseline]['per_category'][c]['num_prompts']})"]
                             + [_category_speedup(s["per_category"][c]) for s in summary.values()])
@@ -309,7 +346,7 @@ def _write_report(result: BenchResult, summary: dict, folder: Path, command: str
     env, config = result.environment, result.config
     results = {"command": command, "environment": env, "config": vars(config), "baseline": result.baseline,
                "target_cost": result.target_cost.to_dict() if result.target_cost else None,
-               "methods": summary,
+               "settings": result.settings, "methods": summary,
                "runs": [{"prompt_index": r.prompt_index, "question_id": r.question_id, "category": r.category,
                          "method": r.method, "seconds": [round(s, 4) for s in r.seconds],
                          "prefill_seconds": (None if r.prefill_seconds is None
@@ -327,13 +364,15 @@ def _write_report(result: BenchResult, summary: dict, folder: Path, command: str
           f"{', attention ' + env['attention'] if env.get('attention') else ''}, "
           f"on {env['device']} ({env['device_name']}, "
           f"{env['num_threads']} threads); torch {env['torch']}, transformers {env['transformers']}, "
-          f"jointspec {env['jointspec']}, Python {env['python']}.\n",
+          f"jointspec {env['jointspec']}"
+          f"{' (commit ' + env['jointspec_commit'] + ')' if env.get('jointspec_commit') else ''}, "
+          f"Python {env['python']}.\n",
           f"{len(summary[result.baseline]['per_category'])} categories, "
           f"{summary[result.baseline]['num_prompts']} prompts, max_new_tokens {config.max_new_tokens}, temperature "
           f"{config.temperature} (top-k {config.top_k}, top-p {config.top_p}), seed {config.seed}, "
           f"{config.repeats} timed repeat(s) after a discarded warm-up; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",
-          "```", table(result, summary), "```\n"]
+          "```", table(result, summary), "```\n", *notes(result, summary), COLUMNS]
     load = [env.get("load_average_start"), env.get("load_average_end")]
     if None not in load:
         busy = max(load) > (env.get("cpu_count") or 1)
@@ -354,10 +393,21 @@ def _write_report(result: BenchResult, summary: dict, folder: Path, command: str
         md.append("## Online memory: the first prompts against the last\n")
         md += learning + [""]
     md.append("## Acceptance per draft position\n")
+    md.append("Of the rounds that drafted a token at depth d (their number in brackets), the share in which it was "
+              "accepted; a tree counts a depth once per round.\n")
     for method, s in summary.items():
         if s.get("acceptance_per_position"):
-            md.append(f"- `{method}`: " + ", ".join(f"{x:.2f}" for x in s["acceptance_per_position"]))
+            counts = s.get("drafted_per_position") or [None] * len(s["acceptance_per_position"])
+            md.append(f"- `{method}`: " + ", ".join(f"{x:.2f}" + (f" ({n})" if n is not None else "")
+                                                   for x, n in zip(s["acceptance_per_position"], counts)))
     md.append("")
+    if result.settings:
+        md.append("## Rows as run\n")
+        md.append("Each row's settings as resolved from the shared options and its spec (`cost_aware` as the method "
+                  "takes it; `quantize: as loaded` is the model line's target itself).\n")
+        for label, settings in result.settings.items():
+            md.append(f"- `{label}`: " + ", ".join(f"{key} {value}" for key, value in settings.items()))
+        md.append("")
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (folder / "report.md").write_text("\n".join(md) + "\n")
     return [folder / "report.md", folder / "results.json", *plots]
@@ -436,7 +486,7 @@ def write_plots(summary: dict, folder: Path, baseline: str) -> list[Path]:
     if with_bars:  # where the baseline stands: a bar crossing its line is no clear difference
         ax.axvline(base_ppl, color="grey", linestyle=":", linewidth=0.8)
         ax.axhline(base_tps, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("perplexity under the target (lower = closer to the target)")
+    ax.set_xlabel("perplexity of the answers under the target (lower: likelier to the target)")
     ax.set_ylabel("tokens/s")
     ax.set_title("Speed vs perplexity" + (f" (bars: 95 % paired intervals against {short_label(baseline)})"
                                           if with_bars else ""), fontsize="medium")

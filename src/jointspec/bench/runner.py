@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -32,12 +33,13 @@ from jointspec.backends.tokens import eos_token_ids
 from jointspec.bench.costmodel import TargetCost, measure_target_cost
 from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
 from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids, check_prompts_fit
-from jointspec.bench.specs import MethodSpec, MethodSpecError
+from jointspec.bench.specs import MethodSpec, MethodSpecError, method_config
 from jointspec.core.loop import SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.approximate import with_attention
 from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
 from jointspec.methods import MethodConfig
+from jointspec.methods.registry import method_reads, resolved_cost_aware
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,7 @@ class BenchResult:
     runs: list[PromptRun]
     target_cost: TargetCost | None
     environment: dict = field(default_factory=dict)
+    settings: dict[str, dict] = field(default_factory=dict)  # each row's settings as run (row_settings), by label
 
 
 LLAMACPP_MAX_CONTEXT = 32768
@@ -187,7 +190,30 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     env = environment(target) | {"load_average_start": load_at_start, "load_average_end": _load_average()}
     if llamacpp is not None:
         env |= llamacpp.environment()
-    return BenchResult(config, list(engines), baseline, runs, cost, env)
+    return BenchResult(config, list(engines), baseline, runs, cost, env,
+                       {spec.label: row_settings(spec, defaults, targets.quantize(spec)) for spec in specs})
+
+
+def row_settings(spec: MethodSpec, defaults: MethodConfig, quantize: str) -> dict:
+    """What a row ran, for the report: a jointspec method's every setting it reads, as resolved from the shared
+    options and the spec (``cost_aware`` as the method resolves it), and where it ran; for a reference engine
+    (transformers, llama.cpp) its spec's options."""
+    if spec.is_hf or spec.is_llamacpp_reference:
+        return {"method": spec.name, "options": dict(spec.options)}
+    config = method_config(spec, defaults)
+    reads = sorted(method_reads(spec.name))
+    settings = {key: getattr(config, key) for key in reads if hasattr(config, key)}
+    if "cost_aware" in settings:
+        settings["cost_aware"] = resolved_cost_aware(config)
+    if isinstance(settings.get("tree"), tuple):
+        settings["tree"] = list(settings["tree"])
+    for key in ("draft", "tree"):  # None: the method chooses (the head shipped for the target; its own tree)
+        if key in settings and settings[key] is None:
+            settings[key] = "the method's own"
+    # "as loaded": the bench's target itself (the report's model line says how it was loaded), not a copy.
+    placement = {"quantize": "as loaded" if quantize == "none" else quantize, "backend": spec.backend,
+                 "kv": spec.kv, "attention": spec.attention, "kernels": spec.kernels, "memory": spec.memory}
+    return {"method": spec.name, **settings, **placement}
 
 
 class _TargetCopies:
@@ -387,7 +413,26 @@ def environment(target: CausalLM) -> dict:
             "kernels": kernels_in_use(model), "attention": attention_in_use(model),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "jointspec": jointspec.__version__}
+            "transformers": transformers.__version__, "jointspec": jointspec.__version__,
+            "jointspec_commit": source_commit(Path(jointspec.__file__).parent)}
+
+
+def source_commit(folder: Path) -> str | None:
+    """The git commit of the checkout ``folder`` is in, with "+changes" where tracked files differ from it; None
+    outside a git checkout (an installed wheel) or without git."""
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return None
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _load_average() -> float | None:

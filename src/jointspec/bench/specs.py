@@ -37,7 +37,8 @@ HF_METHODS: dict[str, tuple[str, ...]] = {
 
 ALIASES = {"n": "num_draft_tokens", "k": "num_draft_tokens", "gamma": "num_draft_tokens",
            "ngram": "max_ngram", "tau": "accept_threshold", "threshold": "accept_threshold",
-           "beams": "beam_width", "corrupt": "corruption_rate", "corruption": "corruption_rate"}
+           "beams": "beam_width", "corrupt": "corruption_rate", "corruption": "corruption_rate",
+           "max_draft_tokens": "max_num_draft_tokens"}  # the last as the command line's --max-draft-tokens
 
 # llama-cpp-python's own generation loop, with the option keys each one accepts: LlamaPromptLookupDecoding's
 # constructor arguments (its defaults: max_ngram_size=2, num_pred_tokens=10), and flash_attn (default off, as
