@@ -161,6 +161,10 @@ def test_bench_intervals_between_two_methods(bench_run, capsys):
     summary = json.loads((folder / "results.json").read_text())["methods"]["pld:n=4"]
     assert speedup["ratio"] == pytest.approx(summary["speedup"], rel=0.05)
     assert out.splitlines()[0] == "pld:n=4 against ar, 8 prompts"
+    # After the prompt too, as the report's "decode x" with its interval (both engines time prompt reading apart).
+    decode = comparison["decode_speedup"]
+    assert decode["ratio"] == pytest.approx(summary["decode_speedup"], rel=0.02)  # the file's times: to 0.1 ms
+    assert decode["interval"] == pytest.approx(summary["decode_speedup_interval"], rel=0.05)
 
 
 def test_bench_intervals_names_a_method_the_run_does_not_have(bench_run, capsys):

@@ -94,10 +94,15 @@ def pick_method(labels: list[str], wanted: str) -> str:
 
 
 def _parts(runs: list[dict], kind: str) -> torch.Tensor:
-    """[num_prompts, 2] in ``runs``' order: (tokens, median seconds) or (log-prob sum, scored tokens)."""
+    """[num_prompts, 2] in ``runs``' order: (tokens, median seconds), (tokens, median seconds after the prompt was
+    read: ``decode``, as the bench's PromptRun.decode_seconds) or (log-prob sum, scored tokens)."""
     if kind == "rate":
         return torch.tensor([[r["num_new_tokens"], statistics.median(r["seconds"])] for r in runs],
                             dtype=torch.float64)
+    if kind == "decode":
+        return torch.tensor([[r["num_new_tokens"], statistics.median(s - p for s, p in zip(r["seconds"],
+                                                                                          r["prefill_seconds"]))]
+                             for r in runs], dtype=torch.float64)
     return torch.tensor([[r.get("logprob_sum", 0.0), r.get("num_scored_tokens", 0)] for r in runs],
                         dtype=torch.float64)
 
@@ -128,18 +133,24 @@ def compare_methods(results: dict, method: str, reference: str) -> dict:
         raise ResultsError(f"'{method}' and '{reference}' ran different prompts; they cannot be paired")
     seed = results.get("config", {}).get("seed", 0)
     out: dict = {"method": method, "reference": reference, "num_prompts": len(prompts)}
-    for kind, name in (("rate", "speedup"), ("perplexity", "perplexity_ratio")):
+    # After the prompt: where both methods' engines timed their prompt reading apart (the bench's "decode x").
+    timed_apart = all(by_prompt[label][p].get("prefill_seconds") for label in (method, reference) for p in prompts)
+    for kind, name in (("rate", "speedup"), ("perplexity", "perplexity_ratio"), ("decode", "decode_speedup")):
+        if kind == "decode" and not timed_apart:
+            out[name] = None
+            continue
         mine = _parts([by_prompt[method][p] for p in prompts], kind)
         theirs = _parts([by_prompt[reference][p] for p in prompts], kind)
-        out[name] = _interval_dict(paired_ratio_interval(mine, theirs, kind, seed=seed), mine, theirs, kind)
+        rate = "perplexity" if kind == "perplexity" else "rate"
+        out[name] = _interval_dict(paired_ratio_interval(mine, theirs, rate, seed=seed), mine, theirs, rate)
     return out
 
 
 def describe(comparison: dict) -> list[str]:
     """Lines for people: one per ratio, ``-`` where it has no interval."""
     lines = [f"{comparison['method']} against {comparison['reference']}, {comparison['num_prompts']} prompts"]
-    for name in ("speedup", "perplexity_ratio"):
-        row = comparison[name]
+    for name in ("speedup", "perplexity_ratio", "decode_speedup"):
+        row = comparison.get(name)
         if row is None:
             lines.append(f"{name}: -")
         elif row["interval"] is None:
@@ -149,8 +160,8 @@ def describe(comparison: dict) -> list[str]:
     if comparison["num_prompts"] < MIN_PROMPTS:
         lines.append(f"(no intervals under {MIN_PROMPTS} prompts)")
     else:
-        bare = [name for name in ("speedup", "perplexity_ratio")
-                if comparison[name] is not None and comparison[name]["interval"] is None]
+        bare = [name for name in ("speedup", "perplexity_ratio", "decode_speedup")
+                if comparison.get(name) is not None and comparison[name]["interval"] is None]
         if bare:  # the ratio is defined over all the prompts, but not over most resamples of them
             lines.append(f"({' and '.join(bare)}: no interval, the ratio being undefined in most bootstrap resamples "
                          "of these prompts)")
