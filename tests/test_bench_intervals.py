@@ -185,3 +185,7 @@ def test_a_ratio_without_an_interval_over_enough_prompts_says_why():
     assert describe(dict(comparison, num_prompts=4))[-1] == f"(no intervals under {MIN_PROMPTS} prompts)"
     complete = dict(comparison, perplexity_ratio=comparison["speedup"])
     assert len(describe(complete)) == 3  # nothing to explain
+    # The speedup after the prompt, where the run timed it, is one more line and explained the same way.
+    after = describe(dict(complete, decode_speedup={"ratio": 1.2, "interval": None, "excludes_1": None}))
+    assert after[3] == "decode_speedup: 1.200" and after[4].startswith("(decode_speedup: no interval")
+    assert describe(dict(complete, decode_speedup=None)) == describe(complete)

@@ -149,8 +149,10 @@ def compare_methods(results: dict, method: str, reference: str) -> dict:
 def describe(comparison: dict) -> list[str]:
     """Lines for people: one per ratio, ``-`` where it has no interval."""
     lines = [f"{comparison['method']} against {comparison['reference']}, {comparison['num_prompts']} prompts"]
-    for name in ("speedup", "perplexity_ratio", "decode_speedup"):
-        row = comparison.get(name)
+    # The speedup after the prompt where the run timed it (every jointspec engine and llama.cpp's loop do).
+    names = ("speedup", "perplexity_ratio") + (("decode_speedup",) if comparison.get("decode_speedup") else ())
+    for name in names:
+        row = comparison[name]
         if row is None:
             lines.append(f"{name}: -")
         elif row["interval"] is None:
@@ -160,8 +162,7 @@ def describe(comparison: dict) -> list[str]:
     if comparison["num_prompts"] < MIN_PROMPTS:
         lines.append(f"(no intervals under {MIN_PROMPTS} prompts)")
     else:
-        bare = [name for name in ("speedup", "perplexity_ratio", "decode_speedup")
-                if comparison.get(name) is not None and comparison[name]["interval"] is None]
+        bare = [name for name in names if comparison[name] is not None and comparison[name]["interval"] is None]
         if bare:  # the ratio is defined over all the prompts, but not over most resamples of them
             lines.append(f"({' and '.join(bare)}: no interval, the ratio being undefined in most bootstrap resamples "
                          "of these prompts)")
