@@ -331,6 +331,24 @@ def test_bad_requests_get_the_openai_error_envelope(endpoint, body, param, clien
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+def test_a_tree_past_what_a_round_verifies_is_refused_before_anything_is_drafted(client):
+    """A request's tree is built whole by its drafter before the round could refuse it: 64,64,64 would be 266,304
+    nodes. The request is refused at once, naming the limit; one that fits is served. Deterministic."""
+    from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+    from jointspec.server.app import MAX_REQUEST_DRAFT
+
+    assert MAX_REQUEST_DRAFT == ROWWISE_MAX_ROWS - 1  # the rows a CPU round computes alone, less the pending token
+    reply = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "jointspec": {
+        "method": "specinfer", "draft": "self", "tree": [64, 64, 64]}})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "jointspec.tree" and error["message"] == (
+        "jointspec.tree: a tree of 64,64,64 has more than 255 nodes, the most draft tokens a round verifies"), error
+    assert MethodConfig(name="specinfer", tree=(15, 16)).tree == (15, 16)  # 255 nodes: allowed
+    with pytest.raises(ValueError, match="has over 4096 nodes"):  # and every entry point refuses a runaway tree
+        MethodConfig(name="specinfer", tree=(64, 64, 64))
+
+
 def test_a_value_that_fits_no_form_of_a_field_is_told_every_form(client):
     """``prompt`` takes a string or token ids: a number is refused naming both, not with the first form's complaint
     ("Input should be a valid string") alone. Deterministic: no false failures."""

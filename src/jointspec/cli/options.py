@@ -84,7 +84,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=tree_spec, default=None,
                         help="tree methods: branching per depth, e.g. 4,2,2, drafted every round (default: the "
                              "one-level tree of the draft's top 1-3 tokens that the target's cost curve pays best; "
-                             "specinfer with --no-cost-aware: 4,2,2)")
+                             "specinfer with --no-cost-aware: 4,2,2); at most 4,096 nodes, and a CPU round verifies "
+                             "at most 255")
     parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
                              "(EAGLE-2) instead of the static --tree, greedy decoding only; lookahead/lade/aded: the "

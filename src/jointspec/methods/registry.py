@@ -29,6 +29,23 @@ from jointspec.verifiers.traversal import TraversalVerifier
 log = logging.getLogger(__name__)
 
 
+# The most nodes a static tree may have: far past what any round verifies (a CPU round: 255 draft tokens), so that a
+# mistyped tree is refused before a drafter builds millions of nodes.
+MAX_TREE_NODES = 4096
+
+
+def tree_nodes(branching) -> int:
+    """Nodes of a static tree with these branching factors per depth, b1 + b1*b2 + ...; past MAX_TREE_NODES the count
+    stops (any number above it is refused alike)."""
+    total, level = 0, 1
+    for width in branching:
+        level *= int(width)
+        total += level
+        if total > MAX_TREE_NODES:
+            break
+    return total
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Every knob a method may read. ``draft`` names a draft model source ("self" = the target itself)."""
@@ -78,6 +95,10 @@ class MethodConfig:
             raise ValueError(f"accept_threshold must be > 0, got {self.accept_threshold}")
         if self.tree is not None and (not self.tree or any(k < 1 for k in self.tree)):
             raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
+        if self.tree is not None and tree_nodes(self.tree) > MAX_TREE_NODES:
+            # Checked here: a drafter builds the whole tree before the loop can refuse its verification.
+            raise ValueError(f"tree {','.join(map(str, self.tree))} has over {MAX_TREE_NODES} nodes; at most "
+                             f"{MAX_TREE_NODES} (a CPU round verifies at most 255)")
         if self.tree_budget < 0:
             raise ValueError(f"tree_budget must be >= 0 (0: the static tree), got {self.tree_budget}")
         if self.verify not in VERIFY_CHOICES:

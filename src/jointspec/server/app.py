@@ -31,12 +31,13 @@ from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.sampling import fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
+from jointspec.methods.registry import tree_nodes
 from jointspec.server.engine import (
     Chunk,
     CompletionRequest,
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # After the engine closes, how long the routes get to write the errors it handed them.
 FLUSH_SECONDS = 5.0
+# The most draft tokens a request's tree may hold: what one CPU round verifies (the compiled kernels compute up to
+# 256 rows alone: the pending token and 255 drafted).
+MAX_REQUEST_DRAFT = 255
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,16 @@ class JointspecOptions(_Body):
     # Tree methods: branching per depth (--tree), and a dynamic tree's node budget (--tree-budget); a tree past the
     # rows a round verifies is refused by the request's first round (a 400 that names the limit).
     tree: list[Annotated[int, Field(ge=1, le=64)]] | None = Field(None, min_length=1, max_length=16)
-    tree_budget: int | None = Field(None, ge=0, le=255)
+    tree_budget: int | None = Field(None, ge=0, le=MAX_REQUEST_DRAFT)
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_fits_a_round(cls, tree: list[int] | None) -> list[int] | None:
+        # Refused here, not by the round: the request's drafter would build the whole tree first.
+        if tree is not None and tree_nodes(tree) > MAX_REQUEST_DRAFT:
+            raise ValueError(f"a tree of {','.join(map(str, tree))} has more than {MAX_REQUEST_DRAFT} nodes, the "
+                             "most draft tokens a round verifies")
+        return tree
 
 
 class StreamOptions(_Body):
@@ -204,7 +217,8 @@ def _from_validation(error: ValidationError) -> RequestError:
         words = list(dict.fromkeys(_TAG_WORDS[tag] for tag in tags))
         name = ".".join(str(part) for part in field)
         return RequestError(f"{name}: should be {', '.join(words[:-1])} or {words[-1]}", param=name)
-    return RequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
+    message = first["msg"].removeprefix("Value error, ")  # a validator's own message, without pydantic's label
+    return RequestError(f"{param}: {message}" if param else message, param=param)
 
 
 def _from_engine(error: Exception, retry_after: int) -> RequestError:
