@@ -11,7 +11,9 @@ inside the model's 256 positions; the cost model is measured with 2 repeats only
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import statistics
 
 import pytest
@@ -376,3 +378,32 @@ def test_the_report_says_what_few_prompts_and_sampling_leave_unsaid():
     assert len(few) == 1 and "85-90 %" in few[0]
     sampled = notes(result(1.0), {"ar": {"num_prompts": 48}})
     assert len(sampled) == 1 and "rerun with the same seed" in sampled[0] and "`pld`" in sampled[0]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_report_names_the_commit_only_of_a_checkout_that_holds_the_package(tmp_path):
+    """A report names the jointspec commit that ran, with "+changes" where tracked files were edited; a copy installed
+    inside some other repository (a virtual environment in a project's folder) names none, not that project's commit.
+    Deterministic: no false failures."""
+    import subprocess
+
+    from jointspec.bench.runner import source_commit
+
+    def git(*args):
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, env=env)
+
+    package = tmp_path / "src" / "jointspec"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "project")
+    assert source_commit(package) is None  # untracked: an installed copy, not this repository's code
+    git("add", "src")
+    git("commit", "-q", "-m", "package")
+    commit = source_commit(package)
+    assert commit is not None and len(commit) == 12 and int(commit, 16) >= 0
+    (package / "__init__.py").write_text("x = 1\n")
+    assert source_commit(package) == commit + "+changes"
+    assert source_commit(tmp_path.parent / "nowhere") is None

@@ -418,8 +418,8 @@ def environment(target: CausalLM) -> dict:
 
 
 def source_commit(folder: Path) -> str | None:
-    """The git commit of the checkout ``folder`` is in, with "+changes" where tracked files differ from it; None
-    outside a git checkout (an installed wheel) or without git."""
+    """The git commit of the checkout whose tracked files ``folder`` is, with "+changes" where tracked files differ
+    from it; None outside such a checkout (an installed wheel) or without git."""
     import subprocess
 
     def git(*args: str) -> str | None:
@@ -430,7 +430,9 @@ def source_commit(folder: Path) -> str | None:
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = git("rev-parse", "--short=12", "HEAD")
-    if not commit:
+    # Only a checkout that holds the package itself: an installed copy inside some other repository (a virtual
+    # environment in a project's folder) is not that repository's code.
+    if not commit or git("ls-files", "--error-unmatch", "__init__.py") is None:
         return None
     return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
