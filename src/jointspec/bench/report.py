@@ -23,6 +23,7 @@ from jointspec.bench.intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
 from jointspec.bench.runner import BenchResult, PromptRun, perplexity_of
 from jointspec.bench.specs import MethodSpecError, parse_spec
 from jointspec.core.loop import SpecStats
+from jointspec.methods.registry import cost_aware_by_default
 
 CONTRACT_KEYS = ("tokens_per_second", "speedup", "mean_accepted_tokens", "num_identical", "num_prompts",
                  "perplexity")
@@ -247,12 +248,12 @@ def notes(result: BenchResult, summary: dict) -> list[str]:
         lines.append(f"With {num_prompts} prompts a percentile bootstrap is narrow: read the {LEVEL:.0%} intervals as "
                      "nearer 85-90 % (docs/cli.md, `jointspec bench`).\n")
     if result.config.temperature > 0:
+        timed = ", ".join(f"`{name}`" for name in cost_aware_by_default())
         lines.append("Sampled: each prompt draws with its own seed. A lossless row's answers follow the target's "
                      "law, but are the baseline's token for token only where its drafts take no random draws and their "
                      "lengths do not follow timing (lookup drafts: `pld`, `corpus`, `lookahead`, and `default` where "
-                     "it drafts by lookup). Rows whose draft lengths follow the measured cost of a draft (`sps`, "
-                     "`hybrid`, `mtad`, `specinfer`, `spectr` unless `cost_aware=false`) can also answer otherwise "
-                     "in a rerun with the same seed.\n")
+                     f"it drafts by lookup). Rows whose draft lengths follow the measured cost of a draft ({timed} "
+                     "unless `cost_aware=false`) can also answer otherwise in a rerun with the same seed.\n")
     return lines
 
 

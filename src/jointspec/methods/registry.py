@@ -256,6 +256,11 @@ def resolved_cost_aware(config: MethodConfig) -> bool:
     return entry.cost_aware_by_default if config.cost_aware is None else config.cost_aware and entry.cost_aware
 
 
+def cost_aware_by_default() -> list[str]:
+    """The methods that choose their draft lengths from the cost curve unless told ``cost_aware=False``."""
+    return [name for name, entry in _METHODS.items() if entry.cost_aware_by_default]
+
+
 def online_methods() -> list[str]:
     """The methods whose drafters copy from a memory of the target's earlier answers."""
     return sorted(name for name, entry in _METHODS.items() if entry.learns_online)
