@@ -144,6 +144,22 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
         outputs = [out for r in results["runs"] if r["method"] == method for out in r["output_ids"] if len(out) >= 2]
         assert numbers["distinct_2"] == pytest.approx(sum(map(distinct_bigrams, outputs)) / len(outputs), abs=1e-4)
     assert any(distinct_bigrams(out) < 1 for r in results["runs"] for out in r["output_ids"] if len(out) >= 2)
+    # The target's own quantisation beside what a row's quantize=auto adds to it (both nothing here).
+    assert results["config"]["quantize"] == "none" and results["config"]["auto_quantize"] == "none"
+
+
+def test_the_report_says_what_quantize_auto_loaded(monkeypatch):
+    # A `--quantize auto` run's config said auto_quantize 'none' (what a row's auto adds to a target already int4)
+    # and nothing of the target's own int4: the report now names what auto decided.
+    import argparse
+
+    decided = []
+    monkeypatch.setattr(bench_cli, "resolve_quantize", lambda mode, model, **kw: decided.append(mode) or "int4")
+    args = argparse.Namespace(quantize="auto", model="default", backend="torch", device="cpu", dtype=None,
+                              kernels="auto")
+    assert bench_cli._target_quantize(args) == "auto -> int4" and decided == ["auto"]
+    args.quantize = "int8"
+    assert bench_cli._target_quantize(args) == "int8"
 
 
 def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, bench_tokenizer, bench_prompt_file):

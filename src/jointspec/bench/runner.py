@@ -61,8 +61,11 @@ class BenchConfig:
     llamacpp_model: str = "default"
     # llama.cpp threads (None: torch's current intra-op thread count, which `bench --threads` sets).
     threads: int | None = None
-    # What quantize=auto (the `default` method's unless told otherwise) means for this bench's target: 'int4' where
-    # that recovers the model's own weights (backends.loading.resolve_quantize), else 'none'.
+    # The target's own quantisation, as the bench loaded it (--quantize; 'auto -> int4' where auto decided).
+    quantize: str = "none"
+    # What a method's quantize=auto (the `default` method's unless told otherwise) adds to this bench's target: 'int4'
+    # where a float target's copy on the int4 kernels recovers the model's own weights
+    # (backends.loading.resolve_quantize), else 'none' (also where the target is loaded quantised already).
     auto_quantize: str = "none"
     # What the quantised copies' caches store (--kv-cache; backends.loading.quantized_copy).
     kv_cache: str = "auto"

@@ -84,6 +84,15 @@ def llamacpp_model(args: argparse.Namespace) -> str:
     return args.model if args.model == DEFAULT_MODEL or args.model.endswith(".gguf") else DEFAULT_MODEL
 
 
+def _target_quantize(args: argparse.Namespace) -> str:
+    """The target's own quantisation as loaded: ``--quantize``, with what ``auto`` decided ('auto -> int4')."""
+    if args.quantize != "auto":
+        return args.quantize
+    mode = resolve_quantize("auto", args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+                            kernels=args.kernels)
+    return f"auto -> {mode}"
+
+
 def _auto_quantize(args: argparse.Namespace, specs) -> str:
     """What quantize=auto means here: the quantisation ``jointspec generate`` would give this target, for a float
     torch target ('none' when the target is loaded quantised or on llama.cpp, or no method asks)."""
@@ -152,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # Every check above is cheap and runs first: a mistyped option is refused before a first run starts compiling
     # the kernels, and before quantize=auto waits for them (or reads the model file) to decide.
     prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
-    config = replace(config, auto_quantize=_auto_quantize(args, specs))
+    config = replace(config, quantize=_target_quantize(args), auto_quantize=_auto_quantize(args, specs))
     prompts = load_prompt_sets(args.prompts or [f"{BUILTIN_PREFIX}mt_bench"])
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select_prompts(prompts, categories, args.num_per_category, args.max_turns)
