@@ -169,6 +169,19 @@ def test_a_method_the_ragged_engine_cannot_batch_runs_lockstep_on_a_float_model(
     assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]
 
 
+def test_pearl_is_refused_by_every_engine_with_why_and_never_offered_by_the_server(int4_target):
+    # PEARL drafts on a thread of its own beside its target's forward; a batch's forward already takes every core.
+    from jointspec.methods.registry import batched_methods, method_names, unknown_method_error
+
+    pearl = MethodConfig(name="pearl", draft="self")
+    for target in (int4_target, CausalLM(tiny_llama(0))):  # lockstep, and the ragged engine's lockstep fallback
+        with pytest.raises(UnsupportedOptionError, match="'pearl' is not batched: it drafts on a thread"):
+            engine_for(target, method=pearl).method(pearl)
+    served = batched_methods()
+    assert "pearl" in method_names() and "pearl" not in served and {"ar", "default", "sps", "mtad"} <= set(served)
+    assert "pearl" not in unknown_method_error("nope", served) and "pearl" in unknown_method_error("nope")
+
+
 # -- the engine -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -51,10 +51,10 @@ from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
-from jointspec.drafters.pearl import ParallelDrafter
 from jointspec.drafters.tree_gate import GatedTreeDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.methods.registry import method_is_batched
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +237,11 @@ class LockstepEngine(EngineBase):
         return not sampling.greedy and not self.target.capabilities.screened_top_k(sampling)
 
     def _check(self, config: MethodConfig) -> bool:
-        drafter = self._decoder(config).drafter
-        if isinstance(drafter, ParallelDrafter):
-            raise UnsupportedOptionError("method 'pearl' is not batched: it drafts on a thread of its own while "
-                                         "its target verifies, and a batch's forward already takes every core; "
+        if not method_is_batched(config.name):
+            raise UnsupportedOptionError(f"method '{config.name}' is not batched: it drafts on a thread of its own "
+                                         "while its target verifies, and a batch's forward already takes every core; "
                                          "use 'default' or 'sps'")
+        drafter = self._decoder(config).drafter
         if isinstance(drafter, LOAD_AWARE_DRAFTERS):
             self._batch_curve()
             return True

@@ -50,7 +50,7 @@ def _build_sps(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 @register_method("pearl", "PEARL: the draft model or head drafts on while the target verifies (worker thread), one "
                  "token after a rejection, the drafted chain after a full acceptance (lossless)", lossless=True,
-                 cost_aware=False,
+                 cost_aware=False, batched=False,  # its own thread would compete with a batch's forward for the cores
                  reads=("draft", "head_weights", "num_draft_tokens", "verify"))
 def _build_pearl(context: MethodContext) -> tuple[Drafter, Verifier]:
     return ParallelDrafter(context.draft_model(), context.config.num_draft_tokens), chain_verifier(context.config)

@@ -169,17 +169,19 @@ class MethodEntry:
     learns_online: bool = False  # its drafters copy from ``MethodContext.memory`` (drafters/memory.py)
     cost_aware_by_default: bool = False  # what ``MethodConfig.cost_aware = None`` means for it
     reads: frozenset[str] = frozenset()  # the MethodConfig fields it reads (tests/test_methods.py records them)
+    batched: bool = True  # whether `serve` may batch it (an engine may still refuse it for its target or draft)
 
 
 _METHODS: dict[str, MethodEntry] = {}
 
 
 def register_method(name: str, summary: str, *, lossless: bool, reads: tuple[str, ...], cost_aware: bool = False,
-                    learns_online: bool = False, cost_aware_by_default: bool = False) -> Callable[[Builder], Builder]:
+                    learns_online: bool = False, cost_aware_by_default: bool = False,
+                    batched: bool = True) -> Callable[[Builder], Builder]:
     """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, the
     :class:`MethodConfig` fields it ``reads`` (a setting of any other is refused where a user gives it, not ignored),
-    whether it may be made ``cost_aware`` (and is unless told otherwise: ``cost_aware_by_default``), and whether it
-    drafts from a memory of earlier answers (``learns_online``)."""
+    whether it may be made ``cost_aware`` (and is unless told otherwise: ``cost_aware_by_default``), whether it
+    drafts from a memory of earlier answers (``learns_online``), and whether the server may batch it (``batched``)."""
     if cost_aware_by_default and not cost_aware:
         raise ValueError(f"method '{name}' cannot be cost-aware by default without being cost-aware")
     if "cost_aware" in reads and not cost_aware:
@@ -187,7 +189,7 @@ def register_method(name: str, summary: str, *, lossless: bool, reads: tuple[str
 
     def decorate(builder: Builder) -> Builder:
         _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online, cost_aware_by_default,
-                                     frozenset(reads))
+                                     frozenset(reads), batched)
         return builder
     return decorate
 
@@ -223,11 +225,23 @@ def method_names() -> list[str]:
 NOT_BUILT: dict[str, str] = {}
 
 
-def unknown_method_error(name: str) -> str:
-    """The message for a method name that is not registered: why, for a system not built; else the choices."""
+def unknown_method_error(name: str, choices: list[str] | None = None) -> str:
+    """The message for a method name that is not registered: why, for a system not built; else the ``choices``
+    (default: every registered method)."""
     if name in NOT_BUILT:
         return f"method '{name}': {NOT_BUILT[name]}"
-    return f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS))}"
+    return f"unknown method '{name}'; choose one of: {', '.join(sorted(_METHODS) if choices is None else choices)}"
+
+
+def batched_methods() -> list[str]:
+    """The methods the server may batch (each engine may still refuse one for its target or draft, saying why)."""
+    return sorted(name for name, entry in _METHODS.items() if entry.batched)
+
+
+def method_is_batched(name: str) -> bool:
+    """Whether the server may batch method ``name`` (False for a name not registered)."""
+    entry = _METHODS.get(name)
+    return entry is not None and entry.batched
 
 
 def method_summaries() -> dict[str, str]:

@@ -34,7 +34,7 @@ from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
-from jointspec.methods.registry import unknown_method_error, unread_options_error
+from jointspec.methods.registry import batched_methods, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 
 log = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ class ServingEngine:
         if not options:
             return self.method
         if "method" in options and options["method"] not in method_names():
-            raise UnsupportedOptionError(unknown_method_error(options["method"]))
+            raise UnsupportedOptionError(unknown_method_error(options["method"], batched_methods()))
         draft = options.get("draft", self.method.draft)
         if draft not in (None, "self", self.method.draft):
             raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
