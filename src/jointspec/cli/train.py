@@ -134,7 +134,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-every", type=positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampled prompt sources, the initial weights and the batch order")
-    parser.add_argument("--device", default="cpu", help="where the draft trains: cpu or cuda")
+    parser.add_argument("--device", default="cpu",
+                        help="where the target writes the answers and their features: cpu or cuda (the draft itself "
+                             "trains on CPU copies)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
