@@ -18,6 +18,7 @@ tests/test_kernels_grouped.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -559,3 +560,101 @@ def test_the_engine_keeps_a_bounded_number_of_checked_methods(int4_target):
         engine.method(config)
     assert len(engine._checked) == MAX_BUILT_METHODS
     assert configs[0] not in engine._checked and configs[-1] in engine._checked
+
+
+# -- the prompt cache -------------------------------------------------------------------------------------------------
+
+def decode_one(engine, request: BatchRequest):
+    """Run ``request`` alone through ``engine``; its new tokens and final statistics."""
+    seq_id, tokens, stats = engine.submit(request), [], None
+    while engine.has_work:
+        for event in engine.step():
+            assert event.error is None, event.error
+            if event.seq_id == seq_id:
+                tokens.extend(event.token_ids)
+                stats = event.stats if event.finish_reason is not None else stats
+    return tokens, stats
+
+
+PREFILL_MODES = {  # (chunk, rows from which a chunk is read as one GEMM)
+    "rows alone": (16, math.inf),  # the compiled AVX-512 layers' way: any shared prefix is reusable
+    "GEMM chunks": (16, 8),  # the AVX2 build's way (at its own sizes): whole prompt chunks only
+}
+
+
+@pytest.mark.parametrize("mode", list(PREFILL_MODES))
+@pytest.mark.parametrize("method", ["ar", "pld", "sps-self"])
+def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, monkeypatch, mode, method):
+    """A prompt that begins with a finished request's tokens takes its cache and reads only the rest: the answer is
+    the one ``generate`` gives, and the prompt's cache entries are the bits a fresh prefill writes (where rows of a
+    prompt chunk are not computed alone, only whole chunks of the earlier prompt are reused: reusing its decoded
+    entries too gives other bits, and this test fails)."""
+    chunk, gemm_rows = PREFILL_MODES[mode]
+    monkeypatch.setattr(int4_target.lean, "prefill_chunk", chunk)
+    monkeypatch.setattr(int4_target.lean, "prefill_gemm_rows", gemm_rows)
+    config = METHODS[method] if method in METHODS else MethodConfig(method)
+    decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
+    engine = LockstepEngine(int4_target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
+    first = random_prompt(3, 45)
+    answer, stats = decode_one(engine, BatchRequest(first, decode, config))
+    assert stats.prompt_tokens_reused == 0 and len(engine.prompt_cache) == 1
+    second = first + answer + random_prompt(5, 9)  # the conversation so far, then the next turn
+    tokens, stats = decode_one(engine, BatchRequest(second, decode, config))
+    assert tokens == alone(int4_target, config, second, decode)
+    held = len(first) + len(answer) - 1  # every committed token but the last has its entry
+    expected = held if mode == "rows alone" else (len(first) - 1) // chunk * chunk
+    assert stats.prompt_tokens_reused == expected > 0
+    (kept,) = engine.prompt_cache._kept.values()  # the second turn's own cache, kept in turn
+    fresh = int4_target.fork("fresh")
+    fresh.forward(second[:-1], num_logits=0)
+    end = len(second) - 1
+    for layer, reference in zip(kept.cache.layers, fresh.cache.layers):
+        assert torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
+        assert torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
+
+
+def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(int4_target):
+    from jointspec.batch.prompt_cache import PromptCache, cache_bytes
+
+    def cache_of(tokens):
+        fork = int4_target.fork("kept")
+        fork.forward(tokens, num_logits=0)
+        return fork.cache
+
+    a, b, c = random_prompt(0, 20), random_prompt(3, 20), random_prompt(5, 20)
+    size = cache_bytes(cache_of(a))
+    store = PromptCache(2 * size)
+    store.keep(a, cache_of(a), None)
+    store.keep(b, cache_of(b), None)
+    store.keep(c, cache_of(c), None)  # past the budget: the oldest (a) leaves
+    assert len(store) == 2 and store.nbytes == 2 * size
+    assert store.take(a + [4, 5], 21, None) is None  # a's cache is gone
+    cache, length = store.take(b[:12] + [9, 9, 9], 15, None)
+    assert length == 12 and cache.get_seq_length() == 20  # the caller crops it
+    assert len(store) == 1  # taken: the caller's now
+    _, length = store.take(c + [4], 20, None)
+    assert length == 20
+    whole_chunks = PromptCache(2 * size)
+    whole_chunks.keep(a, cache_of(a), 16)  # only its first 16 entries are any prompt's own
+    assert whole_chunks.take(a + [4], 21, 8)[1] == 16
+    tiny = PromptCache(size - 1)
+    tiny.keep(a, cache_of(a), None)  # larger than the whole budget: not kept
+    assert len(tiny) == 0
+    with pytest.raises(ValueError, match="budget"):
+        PromptCache(-1)
+
+
+def test_a_target_feeding_a_heads_mirror_takes_no_kept_cache(int4_target):
+    # A head reads the target's features by position, which a kept cache does not carry.
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    prompt = random_prompt(6, 30)
+    kept = int4_target.fork("kept")
+    kept.forward(prompt[:20], num_logits=0)
+    engine.prompt_cache.keep(prompt[:20], kept.cache, None)
+    target = int4_target.fork("a head's target")
+    target.mirrors.append(object())  # any mirror
+    try:
+        assert engine._reuse(target, prompt, len(prompt) - 1) == 0 and len(engine.prompt_cache) == 1
+    finally:
+        target.mirrors.clear()
+    assert engine._reuse(target, prompt, len(prompt) - 1) == 20 and target.num_cached == 20

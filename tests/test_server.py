@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import queue
 import threading
 import time
@@ -117,7 +118,7 @@ def test_chat_returns_the_engine_tokens_whatever_the_method(options, client, eng
     usage = dict(data["usage"])
     figures = usage.pop("jointspec")
     assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": num_tokens,
-                     "total_tokens": len(prompt_ids) + num_tokens}
+                     "total_tokens": len(prompt_ids) + num_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
     assert figures["rounds"] == data["jointspec"]["num_rounds"]  # the engine's own count for the sequence
     if options and options["method"] == "sps":
         assert data["jointspec"]["acceptance_rate"] == 1.0  # the target drafting for itself
@@ -719,3 +720,53 @@ def test_the_engine_thread_loads_the_model_and_reports_a_failed_load(byte_model,
     assert {t.ident for t in threading.enumerate() if t.name == "jointspec-engine"} <= before
     with pytest.raises(ValueError, match="not both"):
         ServingEngine(CausalLM(byte_model), tokenizer, load=load)
+
+
+def test_a_conversations_next_turn_reports_the_prompt_tokens_it_did_not_read_again(tmp_path, monkeypatch):
+    """`serve` keeps finished requests' caches (--prompt-cache-mb): a prompt that begins with an earlier request's
+    tokens reads only the rest, says how many it reused in OpenAI's ``usage.prompt_tokens_details.cached_tokens``,
+    and answers what `generate` answers. With --prompt-cache-mb 0 nothing is reused."""
+    from jointspec.api import GenerationConfig, Pipeline
+    from jointspec.backends.lean_forward import LeanLlamaForward
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import build_engine
+
+    from helpers import grouped_llama, random_prompt, word_tokenizer
+
+    # Prompts read row by row on every build (the AVX-512 builds' way), so that any shared prefix is reusable here;
+    # tests/test_batch_lockstep.py holds the whole-chunk rule of the other way.
+    own = LeanLlamaForward._set_prefill
+
+    def rows_alone(self):
+        own(self)
+        if self.compiled is not None:
+            self.prefill_chunk, self.prefill_gemm_rows = 16, math.inf
+    monkeypatch.setattr(LeanLlamaForward, "_set_prefill", rows_alone)
+
+    folder = tmp_path / "model"
+    grouped_llama(0).save_pretrained(folder)
+    word_tokenizer(99).save_pretrained(folder)
+    pipeline = Pipeline.load(str(folder), quantize="int4")
+    first = random_prompt(3, 40)
+    for budget in ("256", "0"):
+        args = build_parser().parse_args(["serve", "--model", str(folder), "--quantize", "int4", "--method", "ar",
+                                          "--prompt-cache-mb", budget])
+        served = build_engine(args)
+        try:
+            client = TestClient(create_app(ServerSettings(), served))
+
+            def ask(prompt: list[int], client=client) -> dict:
+                reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                             "return_token_ids": True})
+                assert reply.status_code == 200, reply.text
+                return reply.json()
+            answer = ask(first)["choices"][0]["token_ids"]
+            second = first + answer + random_prompt(5, 6)
+            reply = ask(second)
+            expected = pipeline.generate_ids(second, GenerationConfig(max_new_tokens=12)).token_ids
+            assert reply["choices"][0]["token_ids"] == expected
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == (len(first) + len(answer) - 1 if budget != "0" else 0), cached
+            assert f"jointspec_prompt_tokens_cached_total {cached}\n" in client.get("/metrics").text
+        finally:
+            served.close()

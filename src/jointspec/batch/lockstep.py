@@ -16,7 +16,9 @@ So a request's tokens are the tokens ``generate`` gives it with the same model, 
 the batch and whenever it joined (``tests/test_batch_lockstep.py``). Prompts are read one at a time before they
 join (a prefill takes GEMM kernels that are not row by row, and ``generate`` runs it alone too), about
 ``PREFILL_CHUNK`` tokens a round: a long prompt is read over several rounds, in the very chunks ``generate`` reads it
-in, while the requests already decoding keep getting tokens.
+in, while the requests already decoding keep getting tokens. With a prompt cache (``prompt_cache_bytes``), a prompt
+that begins with a finished request's tokens (a chat's next turn) takes that request's cache and reads only the rest
+(:mod:`jointspec.batch.prompt_cache`: the entries it reuses are the bits its own prefill would write).
 
 Where the target has no compiled layers (a float32 model), step 2 runs the forwards one after another: still
 correct, with none of the batching gain; :func:`engine_for` then picks the ragged engine, unless the method is one
@@ -36,6 +38,7 @@ within :data:`BATCH_PROBE_BUDGET`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,6 +49,7 @@ import torch
 from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase, recently_used
+from jointspec.batch.prompt_cache import PromptCache
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
@@ -65,6 +69,13 @@ def compiled_target(target) -> bool:
     return isinstance(target, CausalLM) and lean is not None and lean.compiled is not None
 
 
+def prompt_rows_alone(target) -> bool:
+    """Whether ``target`` computes every row of a prompt alone (the compiled layers reading prompts row by row), so a
+    cache entry's bits do not depend on the forward that wrote it (:mod:`jointspec.batch.prompt_cache`)."""
+    lean = getattr(target, "lean", None)
+    return lean is not None and lean.compiled is not None and lean.prefill_gemm_rows == math.inf
+
+
 def engine_description(engine) -> str:
     """What batching ``engine`` gives, in a few words (the server says it at start-up)."""
     if isinstance(engine, LockstepEngine):
@@ -75,14 +86,15 @@ def engine_description(engine) -> str:
 
 
 def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, max_batch_size: int = 16,
-               load_draft=None):
+               load_draft=None, prompt_cache_bytes: int = 0):
     """The batched engine for ``target`` (and the server's ``method``): lockstep on the compiled CPU layers (every
     method, ``generate``'s tokens, one pass of the weights a round); elsewhere the ragged-cache engine (chain methods,
     one transformers forward over the padded batch), unless ``method`` is one it cannot batch: then lockstep too, whose
-    rounds there run the sequences' forwards one after another (correct, without the batching gain)."""
+    rounds there run the sequences' forwards one after another (correct, without the batching gain).
+    ``prompt_cache_bytes``: the lockstep engine's prompt cache (the ragged engine keeps none)."""
     options = dict(max_batch_size=max_batch_size, load_draft=load_draft)
     if compiled_target(target):
-        return LockstepEngine(target, tokenizer, **options)
+        return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
     ragged = BatchEngine(target, tokenizer, **options)
     if method is not None:
         try:
@@ -90,7 +102,7 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
         except UnsupportedOptionError as error:
             log.warning("%s; decoding every request with its own loop, the sequences of a round one after another",
                         error)
-            return LockstepEngine(target, tokenizer, **options)
+            return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
     return ragged
 
 
@@ -190,6 +202,7 @@ class _Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     prefilled: int = 0  # prompt tokens read so far (while waiting)
     prefill_seconds: float = 0.0
+    reused: int | None = None  # prompt tokens whose entries came from the prompt cache (None: not looked yet)
 
 
 class LockstepEngine(EngineBase):
@@ -197,9 +210,12 @@ class LockstepEngine(EngineBase):
     :class:`~jointspec.batch.engine.BatchEngine`. Not thread-safe: one thread calls ``submit``/``cancel``/``step``."""
 
     def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
-                 load_draft: Callable[[str], tuple[CausalLM, object]] | None = None) -> None:
+                 load_draft: Callable[[str], tuple[CausalLM, object]] | None = None,
+                 prompt_cache_bytes: int = 0) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
         self.prefill_tokens_per_round = hf.PREFILL_CHUNK
+        # Finished requests' caches for prompts that begin with their tokens (0 bytes: none kept).
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         # Configs whose method was checked, the most recently used MAX_BUILT_METHODS (each request may name its own),
         # and whether each is load-aware.
         self._checked: OrderedDict[MethodConfig, bool] = OrderedDict()
@@ -263,6 +279,9 @@ class LockstepEngine(EngineBase):
             seq = self.waiting[0]
             prompt = list(seq.request.prompt_ids)
             end = len(prompt) - 1  # the loop caches every prompt token but the last
+            if seq.reused is None:
+                seq.reused = self._reuse(seq.decoder.target, prompt, end)
+                seq.prefilled = seq.reused
             if seq.prefilled < end:
                 if budget <= 0:
                     return
@@ -277,7 +296,35 @@ class LockstepEngine(EngineBase):
                 seq.state = seq.decoder.start(prompt, seq.request.config, seq.generator, prefilled=True)
                 seq.stats = seq.decoder.stats
                 seq.stats.prefill_seconds += seq.prefill_seconds
+                seq.stats.prompt_tokens_reused = seq.reused
                 self.active[seq.seq_id] = seq
+
+    def _reuse(self, target: CausalLM, prompt: list[int], end: int) -> int:
+        """Give ``target`` (a new request's, empty) the kept cache serving most of ``prompt[:end]``; returns how many
+        of its entries it now holds."""
+        if not self.prompt_cache.max_bytes or target.mirrors:  # a head's mirror would need the features too
+            return 0
+        taken = self.prompt_cache.take(prompt, end, None if prompt_rows_alone(target) else target.prefill_chunk)
+        if taken is None:
+            return 0
+        cache, length = taken
+        target.cache, target.num_cached = cache, cache.get_seq_length()
+        target.crop(length)
+        return length
+
+    def _keep_cache(self, seq: _Sequence) -> None:
+        """Offer a finished request's cache to the prompt cache, with the tokens its entries hold."""
+        target, state = seq.decoder.target, seq.state
+        if not self.prompt_cache.max_bytes or target.mirrors or state is None:
+            return
+        held = min(target.num_cached, len(state.tokens))
+        target.crop(held)
+        # Rows not computed alone: only the leading whole chunks of its prompt are what another prompt's prefill
+        # writes for the same tokens.
+        chunk = target.prefill_chunk
+        canonical = None if prompt_rows_alone(target) else (len(seq.request.prompt_ids) - 1) // chunk * chunk
+        self.prompt_cache.keep(state.tokens[:held], target.cache, canonical)
+        target.reset()  # the cache is the prompt cache's now
 
     # -- the round ----------------------------------------------------------------------------------------------
 
@@ -312,6 +359,7 @@ class LockstepEngine(EngineBase):
             if state.done:
                 finish = "stop" if state.stopped else "length"
                 del self.active[seq.seq_id]
+                self._keep_cache(seq)
             events.append(BatchEvent(seq.seq_id, new_tokens, finish, len(state.depths), state.num_accepted,
                                      seq.stats if finish else None, depths=list(state.depths)))
         if self.on_round is not None:

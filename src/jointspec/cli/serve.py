@@ -33,6 +33,10 @@ def add_parser(subparsers) -> None:
                              "lookup) also copy from earlier answers, kept per request 'user' (requests without one "
                              "get none) or shared by every request; bounded per model, off by default "
                              "(docs/methods.md)")
+    parser.add_argument("--prompt-cache-mb", type=non_negative_int, default=256, metavar="MB",
+                        help="keep finished requests' caches, up to this many MB, for prompts that begin with their "
+                             "tokens (a chat's next turn): those tokens are not read again, and the answer is the "
+                             "same; 0 keeps none (default 256; the compiled CPU layers' engine only)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -110,7 +114,8 @@ def build_engine(args: argparse.Namespace):
     return ServingEngine(None, None, method, model_id=args.model_id or args.model,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          default_max_tokens=args.max_tokens, load=lambda: load(args.model),
-                         load_draft=lambda source: load(source, name=source), online_memory=args.online_memory)
+                         load_draft=lambda source: load(source, name=source), online_memory=args.online_memory,
+                         prompt_cache_bytes=args.prompt_cache_mb * 2 ** 20)
 
 
 # What ``jointspec serve`` imports beyond the core dependencies: the ``serve`` extra.

@@ -57,6 +57,7 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prompt_tokens_reused: int = 0  # prompt tokens whose cache entries a batched engine took from an earlier request
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -91,7 +92,7 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         for name in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "num_new_tokens",
-                     "draft_seconds", "verify_seconds", "prefill_seconds"):
+                     "draft_seconds", "verify_seconds", "prefill_seconds", "prompt_tokens_reused"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("drafted_per_position", "accepted_per_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -111,6 +112,7 @@ class SpecStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "prompt_tokens_reused": self.prompt_tokens_reused,
         }
 
 

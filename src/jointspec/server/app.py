@@ -438,6 +438,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                     metrics.observe_chunk(generation.method, now - last, chunk.num_tokens)
                 last = now
                 metrics.count_tokens(num_generated_tokens=chunk.num_tokens)
+            if chunk.stats is not None and chunk.finish_reason is not None:
+                metrics.count_tokens(num_cached_prompt_tokens=chunk.stats.prompt_tokens_reused)
             yield chunk
 
     async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk],
@@ -581,12 +583,15 @@ class _Reply:
         self.num_rounds = 0
         self.num_drafted = 0
         self.num_accepted = 0
+        self.num_cached = 0  # prompt tokens read from the prompt cache, not again
 
     def add(self, chunk: Chunk) -> None:
         self.num_tokens += chunk.num_tokens
         self.num_rounds += chunk.num_rounds
         self.num_drafted += chunk.num_drafted
         self.num_accepted += chunk.num_accepted
+        if chunk.stats is not None:
+            self.num_cached = chunk.stats.prompt_tokens_reused
 
     def _envelope(self, kind: str, choice: dict) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
@@ -599,8 +604,10 @@ class _Reply:
                    "mean_accepted_tokens": round(mean, 4), "acceptance_rate": round(rate, 4)}
         if self.seed is not None:
             figures["seed"] = self.seed
+        # OpenAI's own field for prompt tokens served from a cache.
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_tokens, "jointspec": figures}
+                "total_tokens": self.num_prompt_tokens + self.num_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached}, "jointspec": figures}
 
     @staticmethod
     def _finish(reason: str | None) -> str | None:

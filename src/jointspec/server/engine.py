@@ -263,6 +263,9 @@ class ServingEngine:
     ``max_queue``: how many admitted requests may wait for a row when all ``max_batch_size`` rows are busy; past
     ``max_batch_size + max_queue`` requests in flight, :meth:`submit` raises :class:`QueueFullError` at once.
 
+    ``prompt_cache_bytes``: the lockstep engine keeps finished requests' caches, up to this many bytes, for prompts
+    that begin with their tokens (:mod:`jointspec.batch.prompt_cache`); 0 keeps none.
+
     ``load`` (instead of ``target`` and ``tokenizer``): a function that loads them, called on the engine thread, so
     that every torch computation of the process runs on that one thread. OpenMP keeps a team of worker threads for
     each thread that starts parallel regions; once two teams exist (the loading thread's and the engine's) a small
@@ -272,7 +275,8 @@ class ServingEngine:
 
     def __init__(self, target: CausalLM | None, tokenizer=None, method: MethodConfig = MethodConfig(), *,
                  model_id: str = "jointspec", max_batch_size: int = 16, max_queue: int = 64,
-                 default_max_tokens: int = 256, load_draft=None, load=None, online_memory: str = "off") -> None:
+                 default_max_tokens: int = 256, load_draft=None, load=None, online_memory: str = "off",
+                 prompt_cache_bytes: int = 0) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if online_memory not in ONLINE_MEMORY_CHOICES:
@@ -289,7 +293,7 @@ class ServingEngine:
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self._make_engine = lambda: engine_for(self.target, self.tokenizer, method, max_batch_size=max_batch_size,
-                                               load_draft=load_draft)
+                                               load_draft=load_draft, prompt_cache_bytes=prompt_cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}  # the engine thread's: sequences still decoding
         # Admission: guards _admitted and _closing, and orders every "submit" put before the thread's last look at

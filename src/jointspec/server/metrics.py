@@ -118,6 +118,7 @@ class Metrics:
         # Every endpoint and outcome starts at 0, so that rates over a series that has not happened yet are 0.
         self.requests: dict[Labels, int] = {(("endpoint", e), ("outcome", o)): 0 for e in ENDPOINTS for o in OUTCOMES}
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.generated_tokens = 0
         self.time_to_first_token: dict[str, Histogram] = defaultdict(lambda: Histogram(TTFT_BUCKETS))
         self.time_per_output_token: dict[str, Histogram] = defaultdict(lambda: Histogram(PER_TOKEN_BUCKETS))
@@ -128,10 +129,12 @@ class Metrics:
         with self._lock:
             self.requests[(("endpoint", endpoint), ("outcome", outcome))] += 1
 
-    def count_tokens(self, num_prompt_tokens: int = 0, num_generated_tokens: int = 0) -> None:
+    def count_tokens(self, num_prompt_tokens: int = 0, num_generated_tokens: int = 0,
+                     num_cached_prompt_tokens: int = 0) -> None:
         with self._lock:
             self.prompt_tokens += num_prompt_tokens
             self.generated_tokens += num_generated_tokens
+            self.cached_prompt_tokens += num_cached_prompt_tokens
 
     def observe_first_token(self, method: str, seconds: float) -> None:
         with self._lock:
@@ -163,6 +166,9 @@ class Metrics:
                    sorted(self.requests.items()))
             metric("jointspec_prompt_tokens_total", "counter", "Prompt tokens of requests the engine took.",
                    [((), self.prompt_tokens)])
+            metric("jointspec_prompt_tokens_cached_total", "counter",
+                   "Prompt tokens served from the prompt cache instead of being read again.",
+                   [((), self.cached_prompt_tokens)])
             metric("jointspec_generated_tokens_total", "counter", "Tokens sent to clients.",
                    [((), self.generated_tokens)])
             histograms("jointspec_time_to_first_token_seconds", "Request arrival to its first token, by method.",

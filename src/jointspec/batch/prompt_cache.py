@@ -1,0 +1,102 @@
+"""Reusing a finished request's cache for a prompt that begins with its tokens.
+
+A chat client sends the whole conversation with every turn, so the next turn's prompt begins with the tokens of the
+last one: its prompt, and mostly its answer. Reading them again costs the server a prefill per turn, which grows with
+the conversation (about 8 s for 7,000 tokens on 2 cores). The lockstep engine keeps the caches of finished requests,
+within a byte budget, the least recently kept leaving first, and a new request takes the one that shares the longest
+prefix with its prompt: those entries are not read again.
+
+It must not change a token. A cache entry is a function of its token, its position and the entries before it,
+computed the way the forward that wrote it computes rows. Where the target reads a prompt row by row (the compiled
+AVX-512 layers), every row of every forward, a prompt's, a verification's or a decoding step's, is computed alone,
+so any shared prefix holds exactly the bits this request's own prefill would write. Where a prompt is read in chunks
+whose rows are not computed alone (a GEMM), the entries written by a chunk are those of that chunk's forward: a
+request reuses only whole prompt chunks both prompts read alike, the leading full chunks of the earlier prompt
+(``canonical``), and reads the rest itself, in the chunks its own prefill reads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from jointspec.backends.kvcache import BufferedCache, BufferedLayer
+
+
+@dataclass
+class KeptCache:
+    tokens: list[int]  # the tokens whose entries ``cache`` holds, in order
+    cache: BufferedCache
+    canonical: int | None  # leading entries any prompt's own prefill writes alike (None: every one)
+    nbytes: int
+
+
+def cache_bytes(cache: BufferedCache) -> int:
+    """The bytes a cache's layers hold: their buffers' whole capacity, which cropping does not give back."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, BufferedLayer) and layer._length is not None:
+            tensors = (layer._key_buffer, layer._value_buffer)
+        else:
+            tensors = (layer.keys, layer.values)
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PromptCache:
+    """Finished requests' caches, at most ``max_bytes`` of them, for prompts that begin with their tokens (module
+    docstring). Not thread-safe: the engine's thread alone uses it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"the prompt cache's budget must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[int, KeptCache] = OrderedDict()
+        self._next = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, tokens: list[int], cache: BufferedCache, canonical: int | None) -> None:
+        """Keep ``cache`` (which holds the entries of ``tokens``), leaving out the oldest kept ones past the budget; a
+        cache larger than the whole budget, or one with sliding-window layers (their windows drop entries), is not
+        kept."""
+        if not tokens or cache.sliding_window is not None:
+            return
+        nbytes = cache_bytes(cache)
+        if nbytes > self.max_bytes:
+            return
+        while self._kept and self.nbytes + nbytes > self.max_bytes:
+            _, oldest = self._kept.popitem(last=False)
+            self.nbytes -= oldest.nbytes
+        self._kept[self._next] = KeptCache(list(tokens), cache, canonical, nbytes)
+        self._next += 1
+        self.nbytes += nbytes
+
+    def take(self, prompt: list[int], end: int, chunk: int | None) -> tuple[BufferedCache, int] | None:
+        """The kept cache whose entries serve most of ``prompt[:end]`` and how many of them do (it leaves the store:
+        the caller's sequence owns it now), or None where none serves any. ``chunk``: the prompt chunk of a target
+        whose prompt rows are not computed alone (only whole chunks are reused there)."""
+        best, best_length = None, 0
+        for key, kept in self._kept.items():
+            length = shared_prefix(kept.tokens, prompt[:end])
+            if kept.canonical is not None:
+                length = min(length, kept.canonical) // chunk * chunk if chunk else 0
+            if length > best_length:
+                best, best_length = key, length
+        if best is None:
+            return None
+        kept = self._kept.pop(best)
+        self.nbytes -= kept.nbytes
+        return kept.cache, best_length
