@@ -629,19 +629,48 @@ def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(i
     store.keep(c, cache_of(c), None)  # past the budget: the oldest (a) leaves
     assert len(store) == 2 and store.nbytes == 2 * size
     assert store.take(a + [4, 5], 21, None) is None  # a's cache is gone
-    cache, length = store.take(b[:12] + [9, 9, 9], 15, None)
-    assert length == 12 and cache.get_seq_length() == 20  # the caller crops it
-    assert len(store) == 1  # taken: the caller's now
-    _, length = store.take(c + [4], 20, None)
-    assert length == 20
+    cache, length, owned = store.take(b[:12] + [9, 9, 9], 15, None)
+    assert length == 12 and not owned and len(store) == 2  # a part of b's tokens: copied, b's cache stays
+    cache, length, owned = store.take(c + [4], 20, None)
+    assert length == 20 and owned and cache.get_seq_length() == 20  # all of c's: the caller's now (it crops)
+    assert len(store) == 1
     whole_chunks = PromptCache(2 * size)
     whole_chunks.keep(a, cache_of(a), 16)  # only its first 16 entries are any prompt's own
-    assert whole_chunks.take(a + [4], 21, 8)[1] == 16
+    assert whole_chunks.take(a + [4], 21, 8)[1:] == (16, True)
     tiny = PromptCache(size - 1)
     tiny.keep(a, cache_of(a), None)  # larger than the whole budget: not kept
     assert len(tiny) == 0
     with pytest.raises(ValueError, match="budget"):
         PromptCache(-1)
+
+
+@pytest.mark.parametrize("mode", list(PREFILL_MODES))
+def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, monkeypatch, mode):
+    """A kept cache that a prompt shares only in part (a system prompt) is copied into each such request's own cache
+    and stays kept: every one of them reads only its own part, and its entries are a fresh prefill's bits."""
+    chunk, gemm_rows = PREFILL_MODES[mode]
+    monkeypatch.setattr(int4_target.lean, "prefill_chunk", chunk)
+    monkeypatch.setattr(int4_target.lean, "prefill_gemm_rows", gemm_rows)
+    engine = LockstepEngine(int4_target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
+    decode = replace(GREEDY, max_new_tokens=8, eos_token_ids=frozenset())
+    system = random_prompt(0, 33)
+    decode_one(engine, BatchRequest(system + random_prompt(3, 7), decode))
+    for seed in (5, 6):
+        prompt = system + random_prompt(seed, 11)
+        fresh = int4_target.fork("fresh")
+        fresh.forward(prompt[:-1], num_logits=0)
+        seq_id = engine.submit(BatchRequest(prompt, decode))
+        tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
+        target = engine.active[seq_id].decoder.target
+        # GEMM chunks: the first request's prompt (40 tokens) left 2 whole chunks of 16, 32 of the 33 shared
+        assert engine.active[seq_id].reused == (len(system) if mode == "rows alone" else 32)
+        for layer, reference in zip(target.cache.layers, fresh.cache.layers):
+            end = len(prompt) - 1
+            assert torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
+            assert torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
+        while engine.has_work:
+            tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
+        assert tokens == alone(int4_target, MethodConfig(), prompt, decode)
 
 
 def test_a_target_feeding_a_heads_mirror_takes_no_kept_cache(int4_target):

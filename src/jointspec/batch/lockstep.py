@@ -307,9 +307,15 @@ class LockstepEngine(EngineBase):
         taken = self.prompt_cache.take(prompt, end, None if prompt_rows_alone(target) else target.prefill_chunk)
         if taken is None:
             return 0
-        cache, length = taken
-        target.cache, target.num_cached = cache, cache.get_seq_length()
-        target.crop(length)
+        cache, length, owned = taken
+        if owned:
+            target.cache, target.num_cached = cache, cache.get_seq_length()
+            target.crop(length)
+            return length
+        with torch.inference_mode():  # the same entries, into the new request's own (empty) cache
+            for mine, theirs in zip(target.cache.layers, cache.layers):
+                mine.update(theirs.keys[..., :length, :], theirs.values[..., :length, :])
+        target.num_cached = length
         return length
 
     def _keep_cache(self, seq: _Sequence) -> None:

@@ -3,8 +3,10 @@
 A chat client sends the whole conversation with every turn, so the next turn's prompt begins with the tokens of the
 last one: its prompt, and mostly its answer. Reading them again costs the server a prefill per turn, which grows with
 the conversation (about 8 s for 7,000 tokens on 2 cores). The lockstep engine keeps the caches of finished requests,
-within a byte budget, the least recently kept leaving first, and a new request takes the one that shares the longest
-prefix with its prompt: those entries are not read again.
+within a byte budget, the least recently used leaving first, and a new request takes the one that shares the longest
+prefix with its prompt: those entries are not read again. A prompt that holds all of a kept cache's tokens (the next
+turn of that conversation) takes the cache itself; one that shares only a part (a system prompt) copies those
+entries, and the cache stays for others.
 
 It must not change a token. A cache entry is a function of its token, its position and the entries before it,
 computed the way the forward that wrote it computes rows. Where the target reads a prompt row by row (the compiled
@@ -84,19 +86,25 @@ class PromptCache:
         self._next += 1
         self.nbytes += nbytes
 
-    def take(self, prompt: list[int], end: int, chunk: int | None) -> tuple[BufferedCache, int] | None:
-        """The kept cache whose entries serve most of ``prompt[:end]`` and how many of them do (it leaves the store:
-        the caller's sequence owns it now), or None where none serves any. ``chunk``: the prompt chunk of a target
-        whose prompt rows are not computed alone (only whole chunks are reused there)."""
-        best, best_length = None, 0
+    def take(self, prompt: list[int], end: int, chunk: int | None) -> tuple[BufferedCache, int, bool] | None:
+        """The kept cache whose entries serve most of ``prompt[:end]``, how many of them do, and whether it leaves the
+        store (the prompt holds all of its tokens: the caller's sequence supersedes it and owns it now; otherwise the
+        caller copies the entries it uses, and the cache stays for other prompts that share them, such as a system
+        prompt); None where none serves any. ``chunk``: the prompt chunk of a target whose prompt rows are not computed
+        alone (only whole chunks are reused there)."""
+        best, best_length, best_whole = None, 0, False
         for key, kept in self._kept.items():
-            length = shared_prefix(kept.tokens, prompt[:end])
+            shared = shared_prefix(kept.tokens, prompt[:end])
+            length = shared
             if kept.canonical is not None:
                 length = min(length, kept.canonical) // chunk * chunk if chunk else 0
             if length > best_length:
-                best, best_length = key, length
+                best, best_length, best_whole = key, length, shared == len(kept.tokens)
         if best is None:
             return None
+        if not best_whole:
+            self._kept.move_to_end(best)  # recently used: the last to leave
+            return self._kept[best].cache, best_length, False
         kept = self._kept.pop(best)
         self.nbytes -= kept.nbytes
-        return kept.cache, best_length
+        return kept.cache, best_length, True
