@@ -455,3 +455,34 @@ def test_a_gguf_cut_inside_its_tensor_data_says_how_much_is_missing(tmp_path, qu
         return
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(cut), backend="llamacpp")
+
+
+def test_a_wrong_model_name_says_what_is_wrong_with_it(tmp_path, monkeypatch):
+    """A file that is not a GGUF was "does not exist"; a misspelt folder name read as a failed hub download; a GGUF
+    whose shapes transformers' reader gets wrong (a Qwen3 file with heads 64 wide) was a traceback pointing at a
+    report nobody saw."""
+    import transformers
+
+    from jointspec.core.errors import ModelLoadError
+
+    (tmp_path / "weights.bin").write_bytes(b"not a model")
+    with pytest.raises(ModelLoadError, match="is a file but not a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"), quantize="none")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match="there is no folder 'modle' here, and as a hub id it is not in"):
+        load_model("modle", quantize="none")
+    folder = tmp_path / "model"
+    save_model(folder, 0)
+
+    def mismatched(*args, **kwargs):
+        raise RuntimeError("Error(s) in loading state_dict: size mismatch for q_proj. You set "
+                           "ignore_mismatched_sizes to False, look at the above report!")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", mismatched)
+    with pytest.raises(ModelLoadError, match="shapes differ from the model transformers built from its metadata"):
+        load_model(str(folder), quantize="none")
+
+    def other(*args, **kwargs):
+        raise RuntimeError("a bug elsewhere")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", other)
+    with pytest.raises(RuntimeError, match="a bug elsewhere"):  # not dressed up as a load error
+        load_model(str(folder), quantize="none")

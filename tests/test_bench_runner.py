@@ -148,6 +148,34 @@ def test_cli_json_contract_and_report(bench_main, bench_prompt_file, tmp_path):
     assert results["config"]["quantize"] == "none" and results["config"]["auto_quantize"] == "none"
 
 
+def test_llamacpp_rows_on_a_folder_target_say_they_run_another_model(monkeypatch, capsys, bench_prompt_file,
+                                                                      tmp_path):
+    # llama.cpp reads GGUF files only: on a folder target its rows ran the embedded default's file, and the report's
+    # 0/N identical answers read as if the same model disagreed.
+    from jointspec.bench.runner import row_settings
+    from jointspec.bench.specs import parse_spec
+    from jointspec.methods import MethodConfig
+
+    def stop(*args, **kwargs):
+        raise SystemExit(9)
+    monkeypatch.setattr(bench_cli, "load_target", stop)
+    monkeypatch.setattr(bench_cli, "prebuild_kernels", lambda args: None)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--no-progress", "--model", str(tmp_path), "--prompts", str(bench_prompt_file),
+                  "--methods", "ar,llamacpp,pld:backend=llamacpp", "--no-perplexity"])
+    err = capsys.readouterr().err
+    assert "llamacpp, pld:backend=llamacpp run llama.cpp on the embedded default's GGUF, not on" in err
+    assert "--llamacpp-model" in err
+    with pytest.raises(SystemExit):  # the model's own GGUF named: nothing to say
+        cli.main(["bench", "--no-progress", "--model", str(tmp_path), "--llamacpp-model", "own.gguf",
+                  "--prompts", str(bench_prompt_file), "--methods", "ar,llamacpp", "--no-perplexity"])
+    assert "warning" not in capsys.readouterr().err
+    # and each such row names the file it ran in the report's settings
+    for text in ("llamacpp", "pld:backend=llamacpp"):
+        assert row_settings(parse_spec(text), MethodConfig(), "none", "own.gguf")["model"] == "own.gguf"
+    assert "model" not in row_settings(parse_spec("pld"), MethodConfig(), "none", "own.gguf")
+
+
 def test_the_report_says_what_quantize_auto_loaded(monkeypatch):
     # A `--quantize auto` run's config said auto_quantize 'none' (what a row's auto adds to a target already int4)
     # and nothing of the target's own int4: the report now names what auto decided.
@@ -423,3 +451,17 @@ def test_the_report_names_the_commit_only_of_a_checkout_that_holds_the_package(t
     (package / "__init__.py").write_text("x = 1\n")
     assert source_commit(package) == commit + "+changes"
     assert source_commit(tmp_path.parent / "nowhere") is None
+
+
+def test_the_report_names_the_kernels_the_linear_layers_run_on(target_model):
+    # An int4 target's report said "linear layers on stock": what kernels_in_use says of anything not on oneDNN.
+    from jointspec.bench.runner import linear_kernels
+    from jointspec.kernels.grouped import kernels, selected_isa
+    from jointspec.kernels.quantize import quantize_model
+
+    from helpers import grouped_llama
+
+    assert linear_kernels(None) == ""
+    assert linear_kernels(target_model) in ("oneDNN", "PyTorch's own kernels")
+    assert kernels() is not None  # the compiled kernels build on every CI machine (a C++ compiler is required)
+    assert linear_kernels(quantize_model(grouped_llama(0), "int4")) == f"jointspec's {selected_isa()} kernels"

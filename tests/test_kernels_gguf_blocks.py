@@ -508,3 +508,18 @@ def test_a_gguf_with_a_type_the_kernels_do_not_take_loads_through_transformers_a
     assert "blk.0.ffn_down.weight is F16" in caplog.text
     target, _ = loading.load_model(str(path), quantize="int4")  # through transformers, the F16 layer rounded
     assert type(target.model.model.layers[0].mlp.down_proj) is GroupedInt4Linear
+
+
+def test_a_quantised_copy_of_a_float_loaded_gguf_is_the_int4_load(tmp_path):
+    """The bench's ``quantize=int4`` rows (and ``train-draft --answer-quantize int4``) copy the float target loaded
+    from a GGUF: the copy takes the file's own blocks, as ``load_model(..., quantize="int4")`` does. It re-rounded
+    the dequantised weights, another model on a K-quant file (logits up to 0.16 apart on a synthetic Q4_K_M)."""
+    from jointspec.backends import loading
+
+    path = tmp_path / "tiny.gguf"
+    loadable_gguf(path, tied=False)
+    float_target, tokenizer = loading.load_model(str(path), quantize="none")
+    copied = loading.quantized_copy(float_target, "int4", kv_cache="float32")
+    loaded, _ = loading.load_model(str(path), quantize="int4", kv_cache="float32")
+    prompt = tokenizer("The sea is", return_tensors=None)["input_ids"]
+    assert torch.equal(copied.forward(prompt).logits, loaded.forward(prompt).logits)

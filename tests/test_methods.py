@@ -227,3 +227,25 @@ def test_each_method_declares_exactly_the_settings_it_reads(target_model, traine
         assert declared - seen <= {"cost_aware", "verify", "head_weights"}, (name, declared - seen)
         if "draft" in declared and name not in ("corpus", "aded", "cross"):
             assert "head_weights" in declared, name  # it binds heads
+
+
+def test_tree_methods_are_refused_up_front_on_a_target_that_scores_chains_only():
+    """On llama.cpp's backend (chains only) a tree method ran until its first branching draft and then failed
+    mid-answer; each method that may branch now says so before it starts, and chain methods still build."""
+    from jointspec.core.target import TargetCapabilities
+    from jointspec.methods.registry import _METHODS
+
+    class ChainsOnly:
+        name = "chains only"
+        capabilities = TargetCapabilities(fork=True)
+
+    trees = sorted(name for name, entry in _METHODS.items() if entry.drafts_trees)
+    assert trees == ["aded", "hybrid-tree", "lade", "lookahead", "mtad-tree", "specinfer", "spectr"]
+    for name in trees:
+        with pytest.raises(UnsupportedOptionError, match=f"method '{name}' drafts token trees.*scores chains only"):
+            build_method(MethodContext(MethodConfig(name, draft="self"), ChainsOnly(), None, None))
+    target = CausalLM(tiny_llama(0))
+    assert target.capabilities.trees
+    for name in trees:  # where trees are scored, every one builds
+        draft = "self" if name in ("hybrid-tree", "mtad-tree", "specinfer", "spectr") else None
+        build_method(MethodContext(MethodConfig(name, draft=draft), target, None, None))

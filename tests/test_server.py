@@ -621,7 +621,8 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
         served.close()
 
 
-def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_model, tokenizer, monkeypatch):
+def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_model, tokenizer, monkeypatch,
+                                                               capsys):
     """`jointspec serve` keeps the cost curves it measures in the store `generate` uses (drafters/curve_store.py), so
     a restart answers the same without measuring again (nothing new written) and makes the same speed choices."""
     from jointspec.cli.main import build_parser
@@ -646,6 +647,9 @@ def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_mo
     args = build_parser().parse_args(["serve", "--model", str(tmp_path / "model"), "--method", "pld", "--cost-aware",
                                       "--dtype", "float32", "--max-tokens", "12"])
     assert run_serve(args) == 0
+    # It says what its weights are, as generate does (--quantize auto leaves a float folder float), then where it is.
+    err = capsys.readouterr().err
+    assert "jointspec: quantize=auto -> none:" in err and err.index("quantize=auto") < err.index("serving ")
     kept = sorted((tmp_path / "curves").glob("*.json"))
     assert kept, "the server measured a cost curve and kept none"
     read, written = record_curve_store(monkeypatch)
@@ -770,3 +774,23 @@ def test_a_conversations_next_turn_reports_the_prompt_tokens_it_did_not_read_aga
             assert f"jointspec_prompt_tokens_cached_total {cached}\n" in client.get("/metrics").text
         finally:
             served.close()
+
+
+def test_a_model_without_a_chat_template_reads_a_chat_with_its_bos_token(byte_model):
+    """Without a template the messages become a plain transcript, read as any prompt is: with the tokenizer's BOS.
+    It was read without special tokens, and a base model (Gemma-3's GGUF) then continued the text as noise."""
+    from tokenizers import processors
+
+    from helpers import byte_tokenizer
+
+    plain = byte_tokenizer()
+    plain.chat_template = None
+    plain.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                           special_tokens=[("<s>", 257)])
+    served = ServingEngine(CausalLM(byte_model), plain, model_id="tiny")
+    try:
+        messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"})
+        ids = served.encode(CompletionRequest(messages=messages))
+        assert ids == plain("system: Be brief.\nuser: hi\nassistant:")["input_ids"] and ids[0] == 257
+    finally:
+        served.close()

@@ -132,8 +132,8 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
         from jointspec.kernels.gguf_blocks import SUPPORTED_TYPES
 
         return "none", (f"the model is not a GGUF whose projections and head are all in block types the kernels take "
-                        f"as stored ({', '.join(SUPPORTED_TYPES)}): int4 would be a second rounding of its weights "
-                        "(--quantize int4 to ask for it anyway)")
+                        f"as stored ({', '.join(SUPPORTED_TYPES)}): int4 would round its weights to other ones, "
+                        "another model than its own (--quantize int4 to ask for it anyway)")
     from jointspec.kernels.grouped import selected_isa, unavailable_reason
 
     isa = selected_isa()
@@ -273,6 +273,8 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
     identity = source_identity(source)
     if identity is not None:  # what a measured cost curve may be kept under (drafters/curve_store.py)
         model.jointspec_identity = f"{identity}|{quantize}|{kernels}|{kv_cache}|{dtype}|{device}"
+    # Where its weights came from: a quantised copy of a float model takes a GGUF's own blocks, as a load does.
+    model.jointspec_source = source
     target = CausalLM(model, name=name or label, lean=kernels != "stock")
     kv_dtype = {"float16": torch.float16, "float32": None, "auto": auto_kv_dtype(target)}[kv_cache]
     if kv_dtype is not None:
@@ -315,22 +317,28 @@ def _file_levels(model, source: str, quantize: str) -> dict | None:
     found = file_layers(model, path)
     if found.left:
         log.warning("int4: %d layer(s) of %s are not in a block type jointspec's kernels take as stored, so they are "
-                    "rounded to 4-bit groups (a second rounding): %s", len(found.left), path.name,
+                    "rounded to 4-bit groups (another model than the file's): %s", len(found.left), path.name,
                     "; ".join(found.left[:6]) + (" ..." if len(found.left) > 6 else ""))
     return found.layers
 
 
 def quantized_copy(target: CausalLM, mode: str, kv_cache: str = "auto") -> CausalLM:
-    """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``), its cache
-    as ``kv_cache`` says (``auto``: :func:`auto_kv_dtype`); the original stays as it is. For comparing float and
-    quantised decoding in one process (the bench's ``quantize=`` option) without loading the model twice."""
+    """A copy of a float torch target with its linear layers quantised as ``mode`` (``int8`` / ``int4``) as
+    :func:`load_model` quantises them (a GGUF's own blocks where the kernels take them), its cache as ``kv_cache`` says
+    (``auto``: :func:`auto_kv_dtype`); the original stays as it is. For comparing float and quantised decoding in one
+    process (the bench's ``quantize=`` option) without loading the model twice."""
     import copy
 
     if quantization_mode(target.model) != "none":
         raise UnsupportedOptionError(f"{target.name} is already quantised ({quantization_mode(target.model)}); "
                                      f"load it in float to compare it with {mode}")
     model = _unmarked(copy.deepcopy(target.model))
-    quantize_model(model, mode)
+    # As load_model quantises: a GGUF's own blocks where the kernels take them (rounding its dequantised weights
+    # again would be another model than `generate --quantize int4` runs), and the screened head.
+    source = getattr(target.model, "jointspec_source", None)
+    use_stock_linears(model)  # plain nn.Linear layers, as a load quantises them (oneDNN's are not matched to blocks)
+    quantize_model(model, mode, file_levels=None if source is None else _file_levels(model, source, mode),
+                   screen_head=screens_head(model.config))
     copied = CausalLM(model, name=f"{target.name} ({mode})", lean=target.lean is not None)
     copied.kv_dtype = {"float16": torch.float16, "float32": None, "auto": auto_kv_dtype(copied)}[kv_cache]
     copied.check_kv_dtype()
@@ -416,25 +424,36 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
                 raise ModelLoadError(f"model folder '{source}' has no config.json; pass a Hugging Face model folder, "
                                      "a .gguf file, or 'default'")
             folder = str(path)
-        elif path.exists() or _looks_like_path(source):
-            raise ModelLoadError(f"model path '{source}' does not exist (or is not a folder or .gguf file); "
-                                 "check the path, or pass 'default' for the embedded SmolLM2")
+        elif path.exists():
+            raise ModelLoadError(f"model path '{source}' is a file but not a .gguf file; pass a Hugging Face model "
+                                 "folder (the one holding config.json), a .gguf file, or 'default'")
+        elif _looks_like_path(source):
+            raise ModelLoadError(f"model path '{source}' does not exist; check the path, or pass 'default' for the "
+                                 "embedded SmolLM2")
         else:
             folder = source
             kwargs["local_files_only"] = os.environ.get("JOINTSPEC_ALLOW_DOWNLOAD") != "1"
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
-    except (OSError, ValueError, KeyError, struct.error) as error:
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error) as error:
         if "gguf_file" in kwargs:
             raise_if_cut_short(source, Path(folder) / kwargs["gguf_file"], error)
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
+        if kwargs.get("local_files_only") and "/" not in source:
+            hint = (f" (there is no folder '{source}' here, and as a hub id it is not in this machine's cache: check "
+                    "the path; hub ids load only from the cache, or set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)")
         if Path(folder).is_dir() and "gguf_file" not in kwargs:
             hint = (" (a model folder holds its tokenizer files and weights, *.safetensors or *.bin, beside "
                     "config.json)")
         if isinstance(error, struct.error):
             hint = " (a GGUF file cut short or damaged reads so; check its size against the original)"
+        if isinstance(error, RuntimeError):
+            if "size mismatch" not in str(error) and "mismatched" not in str(error):
+                raise
+            hint = (" (its tensors' shapes differ from the model transformers built from its metadata; transformers' "
+                    "GGUF reader takes some sizes from defaults, such as Qwen3's 128-wide heads)")
         raise ModelLoadError(f"could not load model '{source}': {_error_text(error)}{hint}") from error
     model.to(device)
     return model, tokenizer, label

@@ -194,15 +194,18 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     if llamacpp is not None:
         env |= llamacpp.environment()
     return BenchResult(config, list(engines), baseline, runs, cost, env,
-                       {spec.label: row_settings(spec, defaults, targets.quantize(spec)) for spec in specs})
+                       {spec.label: row_settings(spec, defaults, targets.quantize(spec), config.llamacpp_model)
+                        for spec in specs})
 
 
-def row_settings(spec: MethodSpec, defaults: MethodConfig, quantize: str) -> dict:
+def row_settings(spec: MethodSpec, defaults: MethodConfig, quantize: str, llamacpp_model: str = "default") -> dict:
     """What a row ran, for the report: a jointspec method's every setting it reads, as resolved from the shared
     options and the spec (``cost_aware`` as the method resolves it), and where it ran; for a reference engine
-    (transformers, llama.cpp) its spec's options."""
+    (transformers, llama.cpp) its spec's options. A row on llama.cpp names the GGUF it ran (``llamacpp_model``),
+    which is not the bench's target where that is a folder."""
+    on_llamacpp = {"model": llamacpp_model} if spec.is_llamacpp_reference or spec.backend == "llamacpp" else {}
     if spec.is_hf or spec.is_llamacpp_reference:
-        return {"method": spec.name, "options": dict(spec.options)}
+        return {"method": spec.name, "options": dict(spec.options), **on_llamacpp}
     config = method_config(spec, defaults)
     reads = sorted(method_reads(spec.name))
     settings = {key: getattr(config, key) for key in reads if hasattr(config, key)}
@@ -216,7 +219,7 @@ def row_settings(spec: MethodSpec, defaults: MethodConfig, quantize: str) -> dic
     # "as loaded": the bench's target itself (the report's model line says how it was loaded), not a copy.
     placement = {"quantize": "as loaded" if quantize == "none" else quantize, "backend": spec.backend,
                  "kv": spec.kv, "attention": spec.attention, "kernels": spec.kernels, "memory": spec.memory}
-    return {"method": spec.name, **settings, **placement}
+    return {"method": spec.name, **settings, **placement, **on_llamacpp}
 
 
 class _TargetCopies:
@@ -400,6 +403,22 @@ def peak_memory(device: torch.device) -> tuple[int, int | None]:
     return rss, cuda
 
 
+def linear_kernels(model) -> str:
+    """What a torch model's linear layers run on, for the report: jointspec's grouped kernels and their build,
+    PyTorch's quantised kernels, oneDNN or PyTorch's own ("" for a model that is not a torch module)."""
+    if model is None:
+        return ""
+    from jointspec.kernels.grouped import GROUPED_LINEARS, selected_isa
+    from jointspec.kernels.quantize import Int4Linear, Int8Linear
+
+    kinds = {type(module) for module in model.modules()}
+    if any(issubclass(kind, GROUPED_LINEARS) for kind in kinds):
+        return f"jointspec's {selected_isa()} kernels"
+    if kinds & {Int4Linear, Int8Linear}:
+        return "PyTorch's quantised kernels"
+    return {"onednn": "oneDNN", "stock": "PyTorch's own kernels"}[kernels_in_use(model)]
+
+
 def environment(target: CausalLM) -> dict:
     import transformers
 
@@ -413,7 +432,7 @@ def environment(target: CausalLM) -> dict:
         device_name = _cpu_name()
     return {"model": target.name, "device": str(device), "device_name": device_name,
             "dtype": str(target.dtype).replace("torch.", ""), "num_threads": torch.get_num_threads(),
-            "kernels": kernels_in_use(model), "attention": attention_in_use(model),
+            "kernels": linear_kernels(model), "attention": attention_in_use(model),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "jointspec": jointspec.__version__,

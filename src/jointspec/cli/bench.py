@@ -160,6 +160,11 @@ def run(args: argparse.Namespace) -> int:
                                   "--no-perplexity (or keep --backend torch and add ':backend=llamacpp' methods)")
     # Every check above is cheap and runs first: a mistyped option is refused before a first run starts compiling
     # the kernels, and before quantize=auto waits for them (or reads the model file) to decide.
+    llamacpp_rows = [spec.label for spec in specs if spec.is_llamacpp_reference or spec.backend == "llamacpp"]
+    if llamacpp_rows and args.llamacpp_model is None and config.llamacpp_model != args.model:
+        print(f"jointspec bench: warning: {', '.join(llamacpp_rows)} run llama.cpp on the embedded default's GGUF, "
+              f"not on {args.model} (llama.cpp reads GGUF files only): their answers and speed are another model's; "
+              "pass --llamacpp-model FILE.gguf with this model's GGUF", file=sys.stderr)
     prebuild_kernels(args)  # a first run compiles them while it reads the prompts and loads the model
     config = replace(config, quantize=_target_quantize(args), auto_quantize=_auto_quantize(args, specs))
     prompts = load_prompt_sets(args.prompts or [f"{BUILTIN_PREFIX}mt_bench"])

@@ -19,6 +19,7 @@ from jointspec.cli.options import (
     model_options,
     positive_int,
     prebuild_kernels,
+    say_quantize_choice,
 )
 from jointspec.core.errors import JointspecError
 
@@ -95,7 +96,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                  else "after a prompt of 2,048 tokens or more")
         print(f"jointspec: --attention {args.attention}: approximate decoding; the output is not the model's own "
               f"{where}", file=sys.stderr)
-    _say_quantize_choice(args)
+    say_quantize_choice(args)
     if args.json:
         from jointspec.analysis.quality import quality_report
         from jointspec.bench.energy import meter_for_device
@@ -203,20 +204,6 @@ def _prefill_bar(target):
         target.prefill_progress = None
         if bar is not None:
             bar.close()
-
-
-def _say_quantize_choice(args: argparse.Namespace) -> None:
-    """One line on stderr: the weights and kernels the target runs on, and why."""
-    from jointspec.backends.loading import quantize_choice
-
-    mode, why = quantize_choice(args.quantize, args.model, backend=args.backend, device=args.device, dtype=args.dtype,
-                                kernels=args.kernels)
-    if mode == "int4" and args.backend == "torch" and args.device == "cpu":
-        from jointspec.kernels.grouped import kernels
-
-        built = kernels()
-        mode += f" ({built.isa()} kernels)" if built is not None else ""
-    print(f"jointspec: quantize={args.quantize} -> {mode}: {why}", file=sys.stderr)
 
 
 def _add_methods(subparsers) -> None:

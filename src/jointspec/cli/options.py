@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 from pathlib import Path
 
 from jointspec.core.choices import (
@@ -203,3 +204,17 @@ def check_dynamic_tree(config, temperature: float) -> None:
     refusal = dynamic_tree_refusal(config.name, config.tree_budget, temperature)
     if refusal:
         raise UnsupportedOptionError(refusal)
+
+
+def say_quantize_choice(args: argparse.Namespace) -> None:
+    """One line on stderr: the weights and kernels the target runs on, and why (generate and serve say it)."""
+    from jointspec.backends.loading import quantize_choice
+
+    mode, why = quantize_choice(args.quantize, args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+                                kernels=args.kernels)
+    if mode == "int4" and args.backend == "torch" and args.device == "cpu":
+        from jointspec.kernels.grouped import kernels
+
+        built = kernels()
+        mode += f" ({built.isa()} kernels)" if built is not None else ""
+    print(f"jointspec: quantize={args.quantize} -> {mode}: {why}", file=sys.stderr)

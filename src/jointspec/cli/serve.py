@@ -136,7 +136,7 @@ def require_serve_extra() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
-    from jointspec.cli.options import apply_threads, prebuild_kernels
+    from jointspec.cli.options import apply_threads, prebuild_kernels, say_quantize_choice
 
     check_address_free(args.host, args.port)
     prebuild_kernels(args)  # a first run compiles them while the server's modules import and the model loads
@@ -145,6 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from jointspec.server.lifecycle import serve
 
     apply_threads(args)
+    say_quantize_choice(args)  # what --quantize auto chose, as generate says it
     # The cost curves `generate` measured and kept for this model are read back, and the server's are kept: a restart
     # skips the measurement, and `default` makes the choice `generate` makes on this machine (its tree or lookup alone
     # follows the curve, and a fresh measurement near the bar could fall either side).

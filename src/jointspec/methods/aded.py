@@ -18,7 +18,7 @@ NO_PRIOR = "none"
                  "best-first into one token tree sized by the cost curve (--tree-budget caps the nodes, default 16; "
                  "--draft TABLE or 'none' for its n-gram prior, default: the one shipped for the tokenizer) "
                  "(lossless)", lossless=True, learns_online=True,
-                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "tree_budget"))
+                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "tree_budget"), drafts_trees=True)
 def _build_aded(context: MethodContext):
     config = context.config
     if config.draft == NO_PRIOR:

@@ -14,7 +14,8 @@ from jointspec.verifiers.tree import TreeRejectionVerifier
 @register_method("lookahead", "Lookahead (Zhao et al. 2023): a trie of every earlier continuation of the context's "
                  "last n-gram, drafted as one token tree sized by the cost curve (--tree-budget caps the nodes, "
                  "default 16) (lossless)", lossless=True, learns_online=True,
-                 reads=("num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram", "tree_budget"))
+                 reads=("num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram", "tree_budget"),
+                 drafts_trees=True)
 def _build_lookahead(context: MethodContext):
     config = context.config
     drafter = TrieLookupDrafter(target_cost_curve(context.target),
@@ -29,7 +30,7 @@ def _build_lookahead(context: MethodContext):
                  "the target's n-grams from every scored row drafted when the context reaches their first token; "
                  "one token tree sized by the cost curve (--num-draft-tokens: the window, --max-ngram: the n-gram "
                  "length, --tree-budget: the most nodes) (lossless)", lossless=True,
-                 reads=("num_draft_tokens", "max_ngram", "tree_budget"))
+                 reads=("num_draft_tokens", "max_ngram", "tree_budget"), drafts_trees=True)
 def _build_lade(context: MethodContext):
     config = context.config
     drafter = JacobiLookaheadDrafter(target_cost_curve(context.target), window=config.num_draft_tokens,

@@ -108,7 +108,7 @@ def _build_hybrid(context: MethodContext) -> tuple[Drafter, Verifier]:
                  "default: the draft's top 1-3 tokens); cost-aware (lossless)", lossless=True, cost_aware=True,
                  learns_online=True,
                  reads=("draft", "head_weights", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram",
-                        "tree", "tree_budget"))
+                        "tree", "tree_budget"), drafts_trees=True)
 def _build_hybrid_tree(context: MethodContext) -> tuple[Drafter, Verifier]:
     return hybrid_tree(context)
 

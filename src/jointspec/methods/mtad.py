@@ -45,6 +45,7 @@ def _build_mtad(context: MethodContext):
 
 @register_method("mtad-tree", "tree MTAD: every draft beam of every level verified in one pass (not lossless)",
                  lossless=False,
-                 reads=("draft", "head_weights", "num_draft_tokens", "beam_width", "accept_threshold"))
+                 reads=("draft", "head_weights", "num_draft_tokens", "beam_width", "accept_threshold"),
+                 drafts_trees=True)
 def _build_mtad_tree(context: MethodContext):
     return _beam_drafter(context, tree=True), MTADVerifier(context.config.accept_threshold)

@@ -127,7 +127,8 @@ class MethodContext:
             if head is None:
                 raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model and no draft head "
                                              f"ships for target '{self.target.name}': pass --draft PATH (or --draft "
-                                             "self to use the target as its own draft)")
+                                             "self to use the target as its own draft; in a request to `jointspec "
+                                             "serve`, \"draft\": \"self\" or the server's --draft)")
             log.info("method %s: drafting with the head shipped for the target (%s); --draft chooses another",
                      self.config.name, head)
             return bind_trained_draft(str(head), self.target, self.config.head_weights)
@@ -170,6 +171,7 @@ class MethodEntry:
     cost_aware_by_default: bool = False  # what ``MethodConfig.cost_aware = None`` means for it
     reads: frozenset[str] = frozenset()  # the MethodConfig fields it reads (tests/test_methods.py records them)
     batched: bool = True  # whether `serve` may batch it (an engine may still refuse it for its target or draft)
+    drafts_trees: bool = False  # its drafts may branch: its target must score trees (TargetCapabilities.trees)
 
 
 _METHODS: dict[str, MethodEntry] = {}
@@ -177,11 +179,12 @@ _METHODS: dict[str, MethodEntry] = {}
 
 def register_method(name: str, summary: str, *, lossless: bool, reads: tuple[str, ...], cost_aware: bool = False,
                     learns_online: bool = False, cost_aware_by_default: bool = False,
-                    batched: bool = True) -> Callable[[Builder], Builder]:
+                    batched: bool = True, drafts_trees: bool = False) -> Callable[[Builder], Builder]:
     """Register a builder under ``name``: a one-line ``summary``, whether the method is ``lossless``, the
     :class:`MethodConfig` fields it ``reads`` (a setting of any other is refused where a user gives it, not ignored),
     whether it may be made ``cost_aware`` (and is unless told otherwise: ``cost_aware_by_default``), whether it
-    drafts from a memory of earlier answers (``learns_online``), and whether the server may batch it (``batched``)."""
+    drafts from a memory of earlier answers (``learns_online``), whether the server may batch it (``batched``), and
+    whether its drafts may branch (``drafts_trees``: refused on a target that scores chains only)."""
     if cost_aware_by_default and not cost_aware:
         raise ValueError(f"method '{name}' cannot be cost-aware by default without being cost-aware")
     if "cost_aware" in reads and not cost_aware:
@@ -189,7 +192,7 @@ def register_method(name: str, summary: str, *, lossless: bool, reads: tuple[str
 
     def decorate(builder: Builder) -> Builder:
         _METHODS[name] = MethodEntry(builder, summary, lossless, cost_aware, learns_online, cost_aware_by_default,
-                                     frozenset(reads), batched)
+                                     frozenset(reads), batched, drafts_trees)
         return builder
     return decorate
 
@@ -291,6 +294,10 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
         cost_aware = sorted(n for n, other in _METHODS.items() if other.cost_aware)
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
+    if entry.drafts_trees and not context.target.capabilities.trees:
+        raise UnsupportedOptionError(f"method '{name}' drafts token trees, and target '{context.target.name}' scores "
+                                     "chains only (llama.cpp's backend); use a chain method such as pld, corpus, sps, "
+                                     "hybrid or default (which drafts chains there)")
     if context.memory is not None and not entry.learns_online:
         raise UnsupportedOptionError(f"method '{name}' does not draft from earlier answers; methods that learn "
                                      f"online: {', '.join(online_methods())}")

@@ -50,7 +50,7 @@ def _every_round(context: MethodContext, branching: tuple[int, ...]) -> TreeDraf
                  "--verify traversal (lossless); --tree k-config every round, else the one-level tree the cost curve "
                  "pays best, drafted while it beats plain decoding (--no-cost-aware: 4,2,2 every round)", lossless=True,
                  cost_aware=True, cost_aware_by_default=True,
-                 reads=("draft", "head_weights", "tree", "cost_aware", "verify"))
+                 reads=("draft", "head_weights", "tree", "cost_aware", "verify"), drafts_trees=True)
 def _build_specinfer(context: MethodContext):
     config = context.config
     drafter = (_tree(context, config.tree, every_round=config.tree is not None) if config.cost_aware
@@ -62,7 +62,7 @@ def _build_specinfer(context: MethodContext):
 @register_method("spectr", "SpecTr: --beam-width i.i.d. draft chains of --num-draft-tokens, k-sequential selection, "
                  "drafted only while they beat plain decoding (--no-cost-aware: every round) (lossless)",
                  lossless=True, cost_aware=True, cost_aware_by_default=True,
-                 reads=("draft", "head_weights", "num_draft_tokens", "beam_width", "cost_aware"))
+                 reads=("draft", "head_weights", "num_draft_tokens", "beam_width", "cost_aware"), drafts_trees=True)
 def _build_spectr(context: MethodContext):
     config = context.config
     chains = (config.beam_width,) + (1,) * (config.num_draft_tokens - 1)

@@ -318,11 +318,13 @@ class ServingEngine:
     def encode(self, request: CompletionRequest) -> list[int]:
         if request.messages is not None:
             messages = [dict(m) for m in request.messages]
-            if getattr(self.tokenizer, "chat_template", None):
+            if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:  # no template: a plain transcript the model can continue
-                text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
+            # without it a base model such as Gemma-3's continues the text as noise).
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+            return self.tokenizer(text)["input_ids"]
         if isinstance(request.prompt, list):
             # Checked here: an id past the vocabulary would fail the whole batch's forward, not just this request.
             vocab = self.target.vocab_size
