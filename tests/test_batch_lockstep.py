@@ -37,6 +37,7 @@ from jointspec.batch.lockstep import (
     batch_cost_curve,
     engine_description,
     engine_for,
+    prompt_rows_alone,
     sampled_rows_curve,
 )
 from jointspec.core.errors import UnsupportedOptionError
@@ -178,6 +179,8 @@ def test_pearl_is_refused_by_every_engine_with_why_and_never_offered_by_the_serv
     for target in (int4_target, CausalLM(tiny_llama(0))):  # lockstep, and the ragged engine's lockstep fallback
         with pytest.raises(UnsupportedOptionError, match="'pearl' is not batched: it drafts on a thread"):
             engine_for(target, method=pearl).method(pearl)
+    with pytest.raises(UnsupportedOptionError, match="unknown method 'no-such-method'; choose one of"):
+        engine_for(int4_target).method(MethodConfig(name="no-such-method"))  # not pearl's reason
     served = batched_methods()
     assert "pearl" in method_names() and "pearl" not in served and {"ar", "default", "sps", "mtad"} <= set(served)
     assert "pearl" not in unknown_method_error("nope", served) and "pearl" in unknown_method_error("nope")
@@ -583,7 +586,7 @@ PREFILL_MODES = {  # (chunk, rows from which a chunk is read as one GEMM)
 
 
 @pytest.mark.parametrize("mode", list(PREFILL_MODES))
-@pytest.mark.parametrize("method", ["ar", "pld", "sps-self"])
+@pytest.mark.parametrize("method", ["ar", "pld", "sps-self", "specinfer-self", "lookahead"])
 def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, monkeypatch, mode, method):
     """A prompt that begins with a finished request's tokens takes its cache and reads only the rest: the answer is
     the one ``generate`` gives, and the prompt's cache entries are the bits a fresh prefill writes (where rows of a
@@ -597,6 +600,7 @@ def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, 
     engine = LockstepEngine(int4_target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
     first = random_prompt(3, 45)
     answer, stats = decode_one(engine, BatchRequest(first, decode, config))
+    assert (engine.stats.num_draft_tokens > 0) == (method != "ar")  # (the drafts' entries are reused too)
     assert stats.prompt_tokens_reused == 0 and len(engine.prompt_cache) == 1
     second = first + answer + random_prompt(5, 9)  # the conversation so far, then the next turn
     tokens, stats = decode_one(engine, BatchRequest(second, decode, config))
@@ -613,6 +617,25 @@ def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, 
         assert torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
 
 
+def test_an_answer_ended_by_an_eos_inside_a_draft_leaves_the_entries_of_its_tokens(int4_target):
+    """A draft accepted past an end-of-sequence token leaves cache entries for tokens never committed: the kept
+    cache holds those of the committed tokens only, and the next turn still gets a fresh reading's bits."""
+    config = METHODS["sps-self"]  # the target drafting for itself: every drafted token accepted
+    free = alone(int4_target, config, random_prompt(3, 45), replace(GREEDY, max_new_tokens=14,
+                                                                   eos_token_ids=frozenset()))
+    decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset({free[6]}))  # an EOS mid-answer
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    first = random_prompt(3, 45)
+    answer, _ = decode_one(engine, BatchRequest(first, decode, config))
+    assert answer[-1] == free[6] and len(answer) < 14
+    (kept,) = engine.prompt_cache._kept.values()
+    assert kept.tokens == first + answer and kept.cache.get_seq_length() == len(kept.tokens)
+    second = first + answer + random_prompt(5, 9)
+    tokens, stats = decode_one(engine, BatchRequest(second, decode, config))
+    assert tokens == alone(int4_target, config, second, decode)
+    assert stats.prompt_tokens_reused == len(first) + len(answer) or not prompt_rows_alone(int4_target)
+
+
 def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(int4_target):
     from jointspec.batch.prompt_cache import PromptCache, cache_bytes
 
@@ -622,7 +645,14 @@ def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(i
         return fork.cache
 
     a, b, c = random_prompt(0, 20), random_prompt(3, 20), random_prompt(5, 20)
-    size = cache_bytes(cache_of(a))
+    fitted = cache_of(a)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in fitted.layers]
+    roomy = cache_bytes(fitted)
+    fitted.fit()  # what keep does first: the spare room goes, the entries stay
+    size = cache_bytes(fitted)
+    assert size < roomy and all(layer._key_buffer.shape[-2] == 20 for layer in fitted.layers)
+    assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+               for layer, (k, v) in zip(fitted.layers, before))
     store = PromptCache(2 * size)
     store.keep(a, cache_of(a), None)
     store.keep(b, cache_of(b), None)
@@ -637,6 +667,11 @@ def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(i
     whole_chunks = PromptCache(2 * size)
     whole_chunks.keep(a, cache_of(a), 16)  # only its first 16 entries are any prompt's own
     assert whole_chunks.take(a + [4], 21, 8)[1:] == (16, True)
+    again = PromptCache(4 * size)
+    again.keep(b[:12], cache_of(b[:12]), None)
+    again.keep(a, cache_of(a), None)
+    again.keep(b, cache_of(b), None)  # serves every prompt b[:12]'s cache served: that one leaves
+    assert len(again) == 2 and again.take(b[:12] + [9], 13, None)[1:] == (12, False)
     tiny = PromptCache(size - 1)
     tiny.keep(a, cache_of(a), None)  # larger than the whole budget: not kept
     assert len(tiny) == 0
@@ -644,33 +679,35 @@ def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(i
         PromptCache(-1)
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("mode", list(PREFILL_MODES))
-def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, monkeypatch, mode):
+def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, monkeypatch, mode, kv):
     """A kept cache that a prompt shares only in part (a system prompt) is copied into each such request's own cache
     and stays kept: every one of them reads only its own part, and its entries are a fresh prefill's bits."""
     chunk, gemm_rows = PREFILL_MODES[mode]
     monkeypatch.setattr(int4_target.lean, "prefill_chunk", chunk)
     monkeypatch.setattr(int4_target.lean, "prefill_gemm_rows", gemm_rows)
-    engine = LockstepEngine(int4_target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
+    target = int4_target.fork(kv, kv_dtype=torch.float16 if kv == "float16" else None)  # copies widen, then narrow
+    engine = LockstepEngine(target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
     decode = replace(GREEDY, max_new_tokens=8, eos_token_ids=frozenset())
     system = random_prompt(0, 33)
     decode_one(engine, BatchRequest(system + random_prompt(3, 7), decode))
     for seed in (5, 6):
         prompt = system + random_prompt(seed, 11)
-        fresh = int4_target.fork("fresh")
+        fresh = target.fork("fresh")
         fresh.forward(prompt[:-1], num_logits=0)
         seq_id = engine.submit(BatchRequest(prompt, decode))
         tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
-        target = engine.active[seq_id].decoder.target
+        own = engine.active[seq_id].decoder.target
         # GEMM chunks: the first request's prompt (40 tokens) left 2 whole chunks of 16, 32 of the 33 shared
         assert engine.active[seq_id].reused == (len(system) if mode == "rows alone" else 32)
-        for layer, reference in zip(target.cache.layers, fresh.cache.layers):
+        for layer, reference in zip(own.cache.layers, fresh.cache.layers):
             end = len(prompt) - 1
             assert torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
             assert torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
         while engine.has_work:
             tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
-        assert tokens == alone(int4_target, MethodConfig(), prompt, decode)
+        assert tokens == alone(target, MethodConfig(), prompt, decode)
 
 
 def test_a_target_feeding_a_heads_mirror_takes_no_kept_cache(int4_target):

@@ -71,7 +71,7 @@ def test_draft_vocabulary_mismatch(capsys, model_dirs, draft):
     # other_vocab: a different tokenizer; other_size: the same tokenizer on a model with more output rows.
     code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps",
                                                   "--draft", model_dirs[draft]))
-    assert_clean_error(code, err, "jointspec: error:", "tokenizer", "--method cross")
+    assert_clean_error(code, err, "jointspec: error:", "tokenizer", "the cross method")
 
 
 def test_prompt_longer_than_context(capsys, model_dirs):

@@ -261,6 +261,19 @@ class BufferedCache(DynamicCache):
             values.append(value_rows)
         return keys, values, start
 
+    @torch.inference_mode()
+    def fit(self) -> None:
+        """Give back the room past the cached entries in every buffered layer (a cache kept for later holds its
+        capacity as memory no entry uses; a later append grows it again)."""
+        for layer in self.layers:
+            if (isinstance(layer, BufferedLayer) and layer._length is not None and layer._key_buffer is not None
+                    and layer._key_buffer.shape[-2] > layer._length):
+                length = layer._length
+                layer._key_buffer = layer._key_buffer[..., :length, :].clone()
+                layer._value_buffer = layer._value_buffer[..., :length, :].clone()
+                layer._rows = None
+                layer._set_length(length)
+
     @torch.inference_mode()  # the buffers are inference tensors (the adapter's forward makes them)
     def keep(self, positions: torch.Tensor) -> None:
         """Keep the cached entries at ``positions`` (increasing) in every layer, in that order."""

@@ -19,10 +19,13 @@ request reuses only whole prompt chunks both prompts read alike, the leading ful
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from jointspec.backends.kvcache import BufferedCache, BufferedLayer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,7 +37,7 @@ class KeptCache:
 
 
 def cache_bytes(cache: BufferedCache) -> int:
-    """The bytes a cache's layers hold: their buffers' whole capacity, which cropping does not give back."""
+    """The bytes a cache's layers hold: their buffers' whole capacity (cropping gives none back; ``fit`` does)."""
     total = 0
     for layer in cache.layers:
         if isinstance(layer, BufferedLayer) and layer._length is not None:
@@ -66,19 +69,32 @@ class PromptCache:
         self._kept: OrderedDict[int, KeptCache] = OrderedDict()
         self._next = 0
         self.nbytes = 0
+        self._said_too_large = False
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def keep(self, tokens: list[int], cache: BufferedCache, canonical: int | None) -> None:
-        """Keep ``cache`` (which holds the entries of ``tokens``), leaving out the oldest kept ones past the budget; a
-        cache larger than the whole budget, or one with sliding-window layers (their windows drop entries), is not
-        kept."""
+        """Keep ``cache`` (which holds the entries of ``tokens``; its spare room is given back first), leaving out
+        the kept caches it serves every prompt of (their tokens begin its own: an answer regenerated, a conversation's
+        earlier turn) and then the least recently used past the budget; a cache larger than the whole budget, or one
+        with sliding-window layers (their windows drop entries), is not kept."""
         if not tokens or cache.sliding_window is not None:
             return
+        cache.fit()
         nbytes = cache_bytes(cache)
         if nbytes > self.max_bytes:
+            if not self._said_too_large:
+                log.warning("a finished request's cache (%.0f MB) is larger than the prompt cache's %.0f MB "
+                            "(--prompt-cache-mb): caches that large are not kept", nbytes / 2 ** 20,
+                            self.max_bytes / 2 ** 20)
+                self._said_too_large = True
             return
+        for key, kept in list(self._kept.items()):
+            if shared_prefix(kept.tokens, tokens) == len(kept.tokens) and (
+                    canonical is None or (kept.canonical is not None and kept.canonical <= canonical)):
+                del self._kept[key]
+                self.nbytes -= kept.nbytes
         while self._kept and self.nbytes + nbytes > self.max_bytes:
             _, oldest = self._kept.popitem(last=False)
             self.nbytes -= oldest.nbytes

@@ -35,8 +35,9 @@ def add_parser(subparsers) -> None:
                              "(docs/methods.md)")
     parser.add_argument("--prompt-cache-mb", type=non_negative_int, default=256, metavar="MB",
                         help="keep finished requests' caches, up to this many MB, for prompts that begin with their "
-                             "tokens (a chat's next turn): those tokens are not read again, and the answer is the "
-                             "same; 0 keeps none (default 256; the compiled CPU layers' engine only)")
+                             "tokens (a chat's next turn): the target does not read those tokens again, and the "
+                             "answer is the same; 0 keeps none (default 256; the lockstep engine only, not the "
+                             "ragged one of float models)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -145,12 +146,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from jointspec.server.lifecycle import serve
 
     apply_threads(args)
-    say_quantize_choice(args)  # what --quantize auto chose, as generate says it
     # The cost curves `generate` measured and kept for this model are read back, and the server's are kept: a restart
     # skips the measurement, and `default` makes the choice `generate` makes on this machine (its tree or lookup alone
     # follows the curve, and a fresh measurement near the bar could fall either side).
     with persisted_curves():
-        engine = build_engine(args)
+        engine = build_engine(args)  # (its cheap checks first: a mistyped option waits for no kernel build)
+        say_quantize_choice(args)  # what --quantize auto chose, as generate says it
         settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
                                   drain_timeout=args.drain_timeout)
         # A status line, not a warning: printed whatever the log level (JOINTSPEC_LOG).

@@ -32,12 +32,12 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target: CausalLM, d
             raise VocabularyMismatchError(
                 f"draft '{draft.name}' and target '{target.name}' use different vocabularies "
                 f"({len(draft_tokenizer)} vs {len(target_tokenizer)} tokens); this method needs a draft with the "
-                "target's tokenizer (--method cross drafts with a model of another tokenizer)")
+                "target's tokenizer (the cross method drafts with a model of another tokenizer)")
     if draft.vocab_size != target.vocab_size:
         raise VocabularyMismatchError(
             f"draft '{draft.name}' has {draft.vocab_size} output tokens but target '{target.name}' has "
-            f"{target.vocab_size}; this method needs a draft with the target's tokenizer (--method cross drafts with "
-            "a model of another tokenizer)")
+            f"{target.vocab_size}; this method needs a draft with the target's tokenizer (the cross method drafts "
+            "with a model of another tokenizer)")
 
 
 class ModelDrafter:
