@@ -465,6 +465,10 @@ def test_a_wrong_model_name_says_what_is_wrong_with_it(tmp_path, monkeypatch):
 
     from jointspec.core.errors import ModelLoadError
 
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "model-q4.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="has no config.json but holds model-q4.gguf: pass the GGUF file itself"):
+        load_model(str(tmp_path / "only"), quantize="none")
     (tmp_path / "weights.bin").write_bytes(b"not a model")
     with pytest.raises(ModelLoadError, match="is a file but not a .gguf file"):
         load_model(str(tmp_path / "weights.bin"), quantize="none")

@@ -186,6 +186,15 @@ def test_pearl_is_refused_by_every_engine_with_why_and_never_offered_by_the_serv
     assert "pearl" not in unknown_method_error("nope", served) and "pearl" in unknown_method_error("nope")
 
 
+def test_a_method_neither_engine_runs_is_refused_with_its_reason_and_no_fallback_warning(caplog):
+    # `serve --method mtad` on a float model without a draft logged "decoding every request with its own loop"
+    # and then failed with the real reason.
+    target = CausalLM(tiny_llama(0), name="fp32")
+    with caplog.at_level("WARNING"), pytest.raises(UnsupportedOptionError, match="needs a draft model"):
+        engine_for(target, method=MethodConfig("mtad"))
+    assert "its own loop" not in caplog.text
+
+
 # -- the engine -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", list(METHODS))

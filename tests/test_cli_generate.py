@@ -74,6 +74,18 @@ def test_draft_vocabulary_mismatch(capsys, model_dirs, draft):
     assert_clean_error(code, err, "jointspec: error:", "tokenizer", "the cross method")
 
 
+def test_an_answer_the_context_cut_says_so(capsys, model_dirs):
+    # 10 prompt tokens and 20 asked for, on a 16-position model: the answer stopped at 6 tokens with nothing said.
+    prompt = " ".join(f"w{4 + i}" for i in range(10))
+    code, _, err = run_cli(capsys, "generate", prompt, "--model", model_dirs["short"], "--no-chat",
+                           "--max-new-tokens", "20", "--method", "ar")
+    assert code == 0, err
+    assert "the prompt's 10 tokens and the answer filled the model's 16-token context" in err
+    code, _, err = run_cli(capsys, "generate", prompt, "--model", model_dirs["short"], "--no-chat",
+                           "--max-new-tokens", "3", "--method", "ar")
+    assert code == 0 and "context" not in err  # it stopped where asked
+
+
 def test_prompt_longer_than_context(capsys, model_dirs):
     long_prompt = " ".join(f"w{4 + i}" for i in range(20))  # 20 tokens for a 16-position context
     code, _, err = run_cli(capsys, "generate", long_prompt, "--model", model_dirs["short"], "--no-chat")

@@ -421,6 +421,10 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
             folder, kwargs["gguf_file"] = str(path.parent), path.name
         elif path.is_dir():
             if not (path / "config.json").is_file():
+                inside = sorted(path.glob("*.gguf"))
+                if inside:
+                    raise ModelLoadError(f"model folder '{source}' has no config.json but holds {inside[0].name}: "
+                                         f"pass the GGUF file itself (--model {path / inside[0].name})")
                 raise ModelLoadError(f"model folder '{source}' has no config.json; pass a Hugging Face model folder, "
                                      "a .gguf file, or 'default'")
             folder = str(path)

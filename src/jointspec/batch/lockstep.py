@@ -100,9 +100,11 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
         try:
             ragged.method(method)
         except UnsupportedOptionError as error:
+            lockstep = LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
+            lockstep.method(method)  # a method neither engine runs is refused with its own reason, and no warning
             log.warning("%s; decoding every request with its own loop, the sequences of a round one after another",
                         error)
-            return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
+            return lockstep
     return ragged
 
 

@@ -132,8 +132,18 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"{stats.num_rounds} target calls, "
           f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
           f"({pipeline.target.name}){f'; seed {seed}' if args.temperature > 0 else ''}", file=sys.stderr)
+    _say_if_context_ended(result, args.max_new_tokens, pipeline.target.max_context)
     _say_if_drafted_nothing(method, stats)
     return 0
+
+
+def _say_if_context_ended(result, max_new_tokens: int, max_context: int) -> None:
+    """A line on stderr where the answer stopped because the model's context was full, not at --max-new-tokens."""
+    if (result.finish_reason == "length" and result.num_new_tokens < max_new_tokens
+            and len(result.prompt_ids) + result.num_new_tokens >= max_context):
+        print(f"jointspec: the answer stopped after {result.num_new_tokens} tokens: the prompt's "
+              f"{len(result.prompt_ids):,} tokens and the answer filled the model's {max_context:,}-token context "
+              "(--max-new-tokens asked for more)", file=sys.stderr)
 
 
 # Rounds after which a method that drafted nothing is worth a word (a short answer may end before a lookup matches).
