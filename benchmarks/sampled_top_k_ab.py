@@ -9,6 +9,11 @@ for the run. Where the screen held every token of the exact top k, both sides sa
 (``top_k_rows``, ``sample_rows``: core/sampling.py) instead of PyTorch's full-row operations; both sides sample the
 same tokens by construction (tests/test_sampling_kernels.py), which the count of differing answers checks again.
 
+``--compare draws`` (with ``--top-k 0 --top-p 1``: temperature alone): plain sampling's rows, and lookup drafts', are
+drawn through the screen by the Gumbel-max trick (``ScreenedInt8Head.draw_tokens``) instead of from every exact
+logit; the "old" side is the same adapter without ``draw_tokens``. Both follow the target's law, with other noise:
+their answers differ for the same seed.
+
 The script decodes the same prompts with the same seeds both ways, alternating per prompt and method (the order
 reversed every other prompt, so drift hits both alike), and reports for each method tokens per second both ways, the
 paired ratio with a 95 % bootstrap interval over prompts (``jointspec.bench.intervals``), and how many answers differ.
@@ -16,6 +21,7 @@ paired ratio with a 95 % bootstrap interval over prompts (``jointspec.bench.inte
     python benchmarks/sampled_top_k_ab.py                                     # ar,sps,mtad,default; top-k 10
     python benchmarks/sampled_top_k_ab.py --methods ar --top-k 40 --top-p 1 --prompts 8
     python benchmarks/sampled_top_k_ab.py --compare row-kernels --top-k 0 --top-p 0.95
+    python benchmarks/sampled_top_k_ab.py --compare draws --methods ar,default --top-k 0 --top-p 1
 """
 
 from __future__ import annotations
@@ -57,7 +63,20 @@ def exact_top_k_rows():
         ScreenedInt8Head.top_k_logits = screened
 
 
-OLD_SIDE = {"screen": exact_top_k_rows, "row-kernels": pytorch_sampling_rows}  # --compare: the code before
+@contextlib.contextmanager
+def exact_draws():
+    """Within it a screened head draws nothing (no ``draw_tokens``): rows sampled with temperature alone read every
+    exact logit, as before draws through the screen."""
+    draw = ScreenedInt8Head.draw_tokens
+    del ScreenedInt8Head.draw_tokens
+    try:
+        yield
+    finally:
+        ScreenedInt8Head.draw_tokens = draw
+
+
+OLD_SIDE = {"screen": exact_top_k_rows, "row-kernels": pytorch_sampling_rows,  # --compare: the code before
+            "draws": exact_draws}
 
 
 def main() -> None:

@@ -397,12 +397,22 @@ def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatc
     assert len(calls) == decoder.stats.num_rounds  # every verification forward, not the prefill
     assert exact_calls == []
     calls.clear()
-    # Sampling without a top-k, or with one past the screen's, reads every logit of the exact head.
-    for top_k in (0, target.capabilities.top_k_screen + 1):
-        config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, top_k=top_k))
-        decoder.generate(random_prompt(0), config, torch.Generator().manual_seed(0))
+    # Sampling with a top-p alone, or a top-k past the screen's, reads every logit of the exact head.
+    for sampling in (SamplingConfig(temperature=1.0, top_k=target.capabilities.top_k_screen + 1),
+                     SamplingConfig(temperature=1.0, top_p=0.9)):
+        decoder.generate(random_prompt(0), DecodeConfig(max_new_tokens=20, sampling=sampling),
+                         torch.Generator().manual_seed(0))
         assert calls == [] and len(exact_calls) == decoder.stats.num_rounds
         exact_calls.clear()
+    # Temperature alone: lookup drafts' rows are drawn through the screen (ScreenedInt8Head.draw_tokens).
+    draws, original_draws = [], ScreenedInt8Head.draw_tokens
+    def counted(self, x, *args, **kwargs):
+        draws.append(x.shape)
+        return original_draws(self, x, *args, **kwargs)
+    monkeypatch.setattr(ScreenedInt8Head, "draw_tokens", counted)
+    decoder.generate(random_prompt(0), DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0)),
+                     torch.Generator().manual_seed(0))
+    assert calls == [] and exact_calls == [] and len(draws) == decoder.stats.num_rounds
 
 
 SAMPLED_TOP_K = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)

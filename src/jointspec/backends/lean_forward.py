@@ -214,10 +214,14 @@ class LeanCall:
     hidden_layers: tuple[int, ...] = ()
     argmax_only: bool = False
     top_k_only: int = 0
+    draws: object = None  # core.sampling.RowDraws: the rows' tokens drawn through the screened head
 
     @property
     def screen_rank(self) -> int:
-        return screen_rank(self.argmax_only, self.top_k_only)
+        return DRAWN if self.draws is not None else screen_rank(self.argmax_only, self.top_k_only)
+
+
+DRAWN = -1  # a head call's kind for rows drawn through the screen (core.sampling.RowDraws)
 
 
 def screen_rank(argmax_only: bool, top_k_only: int) -> int:
@@ -407,7 +411,7 @@ class LeanLlamaForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  cache, num_logits: int, hidden_layers: tuple[int, ...] = (), argmax_only: bool = False,
-                 top_k_only: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 top_k_only: int = 0, draws=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``input_ids`` ([1, n]) at ``position_ids`` ([1, n]) after ``cache`` (updated in place).
 
         ``attention_mask``: None (causal) or the 4-D mask transformers' mask builder accepts. Returns the logits of
@@ -417,6 +421,8 @@ class LeanLlamaForward:
         ``argmax_only``: the caller reads only each row's argmax (greedy decoding), so a screened head
         (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`) may give its screened logits; ``top_k_only`` (k > 0):
         it reads only each row's k largest logits (sampling with top-k), which the screen completes likewise.
+        ``draws`` (:class:`~jointspec.core.sampling.RowDraws`): each row's token drawn through the screened head, the
+        rows returned one-hot at the draws.
         """
         model = self.model
         base = model.model
@@ -445,7 +451,10 @@ class LeanLlamaForward:
         hidden = _rms_norm(base.norm, hidden)
         if num_layers in wanted:
             kept[num_layers] = hidden
-        logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only))
+        if draws is not None and num_logits > 0:
+            logits = self._drawn(hidden[0, -num_logits:], [draws])[None]
+        else:
+            logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only))
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
     def forward_many(self, calls: list[LeanCall]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]] | None:
@@ -507,13 +516,33 @@ class LeanLlamaForward:
         logits: list[torch.Tensor | None] = [None] * len(calls)
         for rank in sorted({call.screen_rank for call in calls}):
             group = [i for i, call in enumerate(calls) if call.screen_rank == rank]
-            out = torch.cat([self._head(piece[None], len(piece), rank)[0]
-                             for piece in torch.cat([heads[i] for i in group]).split(ROWWISE_MAX_ROWS)])
+            if rank == DRAWN:  # every drawing call's rows in one screen pass, each row with its own key
+                out = self._drawn(torch.cat([heads[i] for i in group]), [calls[i].draws for i in group])
+            else:
+                out = torch.cat([self._head(piece[None], len(piece), rank)[0]
+                                 for piece in torch.cat([heads[i] for i in group]).split(ROWWISE_MAX_ROWS)])
             start = 0
             for i in group:
                 logits[i] = out[None, start:start + len(heads[i])]
                 start += len(heads[i])
         return list(zip(logits, states))
+
+    def _drawn(self, rows: torch.Tensor, draws: list) -> torch.Tensor:
+        """[n, width] final-normed rows -> [n, vocab] rows one-hot at each row's token drawn through the screened
+        head, ``draws`` (RowDraws) giving the rows' keys and temperatures in order."""
+        from jointspec.core.sampling import drawn_rows
+
+        keys = torch.tensor([key for d in draws for key in d.keys], dtype=torch.long)
+        temperature = torch.tensor([d.temperature for d in draws for _ in d.keys], dtype=torch.float32)
+        if len(keys) != len(rows):
+            raise ValueError(f"{len(keys)} draw keys for {len(rows)} rows of logits")
+        head = self.model.lm_head
+        tokens = head.draw_tokens(rows.contiguous(), temperature, keys)
+        out = drawn_rows(tokens.clamp_min(0), head.out_features)
+        broken = (tokens < 0).nonzero().flatten()  # no number to draw from (a NaN row): its exact logits, as sampled
+        if len(broken):
+            out[broken] = _linear(head, rows[broken][None])[0].float()
+        return out
 
     def _head(self, hidden: torch.Tensor, num_logits: int, screen: int) -> torch.Tensor:
         """The logits of the last ``num_logits`` rows of ``hidden`` ([1, n, width]); none for 0. ``screen``

@@ -23,7 +23,7 @@ import torch
 
 from jointspec.core.draft import Draft, Drafter, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
-from jointspec.core.sampling import SamplingConfig
+from jointspec.core.sampling import RowDraws, SamplingConfig, draws_for, position_key, sequence_draw_key
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
 from jointspec.core.verdict import Verifier
 
@@ -138,6 +138,7 @@ class DecodeState:
     argmax_only: bool  # greedy verification may read the target's screened argmax
     max_verify_rows: int | None = None  # the target's, read once (TargetCapabilities)
     top_k_only: int = 0  # sampled verification with top-k may read the target's screened top k (k; 0: every logit)
+    draw_key: int | None = None  # temperature alone: rows of drafts without probabilities are drawn through the screen
     done: bool = False
     stopped: bool = False  # it ended on an end-of-sequence token
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
@@ -211,7 +212,12 @@ class SpeculativeDecoder:
                        and getattr(self.verifier, "reads_argmax_when_greedy", False))
         top_k_only = (capabilities.screened_top_k(sampling)
                       if getattr(self.verifier, "reads_top_k_when_sampling", False) else 0)
-        return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only)
+        # Temperature alone: a verifier that keeps the target's own draw for a draft without probabilities needs only
+        # that draw of each row, which a screened target makes without every logit (core/sampling.py, "draws").
+        draw_key = (sequence_draw_key(generator) if capabilities.draw_screen and draws_for(sampling)
+                    and getattr(self.verifier, "draws_for_drafts_without_probs", False) else None)
+        return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
+                           draw_key=draw_key)
 
     def begin_round(self, state: DecodeState) -> ForwardCall:
         """Draft (1.) and return the target forward that scores the pending token and the draft (2.)."""
@@ -233,9 +239,15 @@ class SpeculativeDecoder:
         state.draft = draft
         state.verify_start = time.perf_counter()
         # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
+        draws = None
+        if state.draw_key is not None and draft.draft_probs is None:
+            # Row 0 draws the token at position len(tokens); a draft node's row the one after it, by its depth.
+            positions = [len(tokens)] + [len(tokens) + depth + 1 for depth in state.depths]
+            draws = RowDraws(tuple(position_key(state.draw_key, p) for p in positions),
+                             state.config.sampling.temperature)
         return ForwardCall([tokens[-1]] + draft.token_ids,
                            parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
-                           argmax_only=state.argmax_only, top_k_only=state.top_k_only)
+                           argmax_only=state.argmax_only, top_k_only=state.top_k_only, draws=draws)
 
     def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
         """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""

@@ -263,3 +263,45 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
     if sampling.greedy:
         return logits.argmax(dim=-1)
     return sample(processed_probs(logits, sampling), generator)
+
+
+# -- draws through a screened head (temperature alone) -------------------------------------------------------------
+#
+# Sampling without a top-k or top-p needs every logit of a row for its normaliser, so it cannot read a screened head
+# the way greedy and top-k rows do. A draw needs less: with independent Gumbel noise g, argmax(l / T + g) is a draw
+# from softmax(l / T), and a screened head finds that argmax as it finds a greedy row's (kernels/grouped.py,
+# ScreenedInt8Head.draw_tokens). A row's noise is keyed by its sequence's key and the position it draws for, not by
+# how many rows a round scored: plain sampling and lookup drafts (whose verifiers keep the target's own draw at each
+# position) then draw the same token at every position, as they do from exact logits with one uniform per token.
+
+
+@dataclass(frozen=True)
+class RowDraws:
+    """A forward's request to draw each logit row's token instead of returning its logits: row i's token is drawn
+    from softmax(logits / temperature) with the noise keyed by ``keys[i]``. The target returns rows that are 0 at the
+    drawn token and -inf elsewhere (:func:`drawn_rows`), which :func:`processed_probs` reads as that token for
+    certain."""
+
+    keys: tuple[int, ...]
+    temperature: float
+
+
+def draws_for(sampling: SamplingConfig) -> bool:
+    """Whether rows sampled with ``sampling`` may be drawn through a screen (temperature alone)."""
+    return not sampling.greedy and sampling.top_k == 0 and sampling.top_p == 1.0
+
+
+def sequence_draw_key(generator: torch.Generator | None) -> int:
+    """A sequence's noise key, drawn once from its generator (a seeded request repeats its draws)."""
+    return int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+
+
+def position_key(sequence_key: int, position: int) -> int:
+    """The noise key of the token at ``position`` of the sequence keyed ``sequence_key`` (an int64)."""
+    return (sequence_key * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03) % 2 ** 63
+
+
+def drawn_rows(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows] drawn token ids -> [rows, vocab] float32 rows, 0 at each token and -inf elsewhere."""
+    rows = torch.full((len(tokens), vocab), float("-inf"))
+    return rows.scatter_(1, tokens.reshape(-1, 1).long().cpu(), 0.0)

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from jointspec.core.sampling import SamplingConfig
+from jointspec.core.sampling import RowDraws, SamplingConfig
 
 
 @dataclass
@@ -38,10 +38,13 @@ class ForwardCall:
     output_hidden: bool = False
     argmax_only: bool = False
     top_k_only: int = 0
+    draws: RowDraws | None = None  # draw each row's token through the screen (TargetCapabilities.draw_screen)
 
     def run(self, target: TargetLM) -> ForwardOutput:
-        # top_k_only only where set: a target without the capability need not take it.
+        # top_k_only and draws only where set: a target without the capability need not take them.
         extra = {"top_k_only": self.top_k_only} if self.top_k_only else {}
+        if self.draws is not None:
+            extra["draws"] = self.draws
         return target.forward(self.token_ids, parents=self.parents, num_logits=self.num_logits,
                               output_hidden=self.output_hidden, argmax_only=self.argmax_only, **extra)
 
@@ -62,6 +65,8 @@ class TargetCapabilities:
     ``torch_module``: ``.model`` is a torch module that jointspec may quantise or give other kernels.
     ``sparse_view``: ``forward(attend_to=...)`` lets the new tokens see only some of the cached ones (a target
     drafting for itself over part of its own cache, drafters/sparse_self.py).
+    ``draw_screen``: ``forward(draws=RowDraws(...))`` draws each row's token from softmax(logits / temperature)
+    through the screened head (temperature alone; core/sampling.py, "draws"), returning rows one-hot at the draws.
     ``max_verify_rows``: the most rows a forward may have and still compute each row as it would alone (past it a
     forward is read as a prompt, in other kernels); None: no such limit. A round verifying more would not be exact.
     """
@@ -74,6 +79,7 @@ class TargetCapabilities:
     plain_decode: bool = False
     torch_module: bool = False
     sparse_view: bool = False
+    draw_screen: bool = False
     max_verify_rows: int | None = None
 
     def screened_top_k(self, sampling: SamplingConfig) -> int:

@@ -210,13 +210,14 @@ class SparseViewTarget(WrappedTarget):
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False, argmax_only: bool = False,
-                top_k_only: int = 0, attend_to: torch.Tensor | None = None) -> ForwardOutput:
+                top_k_only: int = 0, attend_to: torch.Tensor | None = None, draws=None) -> ForwardOutput:
         ids = [int(t) for t in token_ids]
         if attend_to is None and num_logits != 0:  # a prompt (no logits) is read with full attention
             attend_to = self._view_for(ids)
         out = self.inner.forward(ids, parents=parents, num_logits=num_logits, output_hidden=output_hidden,
                                  argmax_only=argmax_only,
-                                 **({"top_k_only": top_k_only} if top_k_only else {}), attend_to=attend_to)
+                                 **({"top_k_only": top_k_only} if top_k_only else {}),
+                                 **({"draws": draws} if draws is not None else {}), attend_to=attend_to)
         self._tokens.extend(ids)
         return out
 

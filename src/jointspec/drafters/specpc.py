@@ -163,7 +163,7 @@ class PromptCompressedTarget(WrappedTarget):
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False, argmax_only: bool = False,
-                top_k_only: int = 0, attend_to: torch.Tensor | None = None) -> ForwardOutput:
+                top_k_only: int = 0, attend_to: torch.Tensor | None = None, draws=None) -> ForwardOutput:
         if attend_to is not None:
             raise UnsupportedOptionError("a target reading a compressed prompt cannot restrict its attention further")
         ids = [int(t) for t in token_ids]
@@ -172,7 +172,8 @@ class PromptCompressedTarget(WrappedTarget):
             return self._read_compressed(ids)
         out = self.inner.forward(ids, parents=parents, num_logits=num_logits, output_hidden=output_hidden,
                                  argmax_only=argmax_only,
-                                 **({"top_k_only": top_k_only} if top_k_only else {}))
+                                 **({"top_k_only": top_k_only} if top_k_only else {}),
+                                 **({"draws": draws} if draws is not None else {}))
         self._tokens.extend(ids)
         return out
 

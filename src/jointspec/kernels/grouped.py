@@ -972,8 +972,9 @@ class ScreenedInt8Head(GroupedInt8Linear):
     argmax is the exact head's wherever that token's score is within the margin of the best (every position
     measured; not guaranteed), and each row's result depends on that row alone, so plain and speculative greedy
     decoding read the same tokens. Sampling with a top-k of at most :data:`SCREEN_TOP_K_MAX` reads
-    :meth:`top_k_logits` likewise, exact for the tokens near the row's k-th best score; sampling without one,
-    perplexity and every other caller use :meth:`forward`: the exact logits.
+    :meth:`top_k_logits` likewise, exact for the tokens near the row's k-th best score; sampling with temperature
+    alone draws its token through the screen (:meth:`draw_tokens`, the Gumbel-max trick); other sampling, perplexity
+    and every other caller use :meth:`forward`: the exact logits.
     """
 
     # The logits greedy decoding's screen completes are computed on float inputs; the head's own logits are too, so
@@ -1054,6 +1055,22 @@ class ScreenedInt8Head(GroupedInt8Linear):
             raise ValueError(f"the screen completes the top k for k in [1, {SCREEN_TOP_K_MAX}], got {k}; read "
                              "the exact head (forward) for a larger k")
         return self._screened_logits(x, k)
+
+    def draw_tokens(self, x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                    margin: float | None = None) -> torch.Tensor:
+        """A token per row of ``x`` ([rows, in]) drawn from softmax(logits / temperature) by the Gumbel-max trick
+        through the screen (``screened_draws`` in csrc/grouped_linear.cpp): exact logits only for the tokens whose
+        perturbed score comes within the margin of the best, the noise drawn top down and keyed by each row's
+        ``keys`` entry (int64), so a row's draw depends on its key and its own logits alone. The winner is the exact
+        head's Gumbel-max winner wherever the screen's error is under half the margin (as for greedy rows).
+        ``temperature``: float32 [rows]. ``margin`` (logits; default the screen's): a very large one makes every
+        logit exact (the definition the tests hold the screen to). A row with no finite perturbed score (a NaN row)
+        gets -1."""
+        rows = _rows(x, self.in_features)
+        return kernels().screened_draws(rows, self.screen4, self.screen_scale, self.column,
+                                        [getattr(self, name) for name in self.BUFFERS],
+                                        self.margin if margin is None else float(margin),
+                                        temperature.float().contiguous(), keys.long().contiguous())
 
     def _screened_logits(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         rows = _rows(x, self.in_features)

@@ -43,6 +43,8 @@ def follow_target_draws(draft: Draft, target_probs: torch.Tensor, generator: tor
 class RejectionSamplingVerifier:
     reads_argmax_when_greedy = True  # temperature 0 goes to GreedyVerifier
     reads_top_k_when_sampling = True  # only processed_probs of the target's rows
+    # Temperature alone, a draft without probabilities: only the target's own draw of each row is read.
+    draws_for_drafts_without_probs = True
 
     def __init__(self) -> None:
         self._greedy = GreedyVerifier()

@@ -1109,6 +1109,139 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// A draw of each row's next token through the screen (sampling with temperature alone; core/sampling.py, "Draws").
+//
+// With independent standard Gumbel noise g, argmax_j (l_j / T + g_j) is a draw from softmax(l / T). The noise is drawn
+// top down, as the Gumbel process can be: each block of 64 tokens first gets its maximum, a Gumbel about the
+// log-sum-exp of its screen scores z = s / T; only the blocks whose maximum comes within margin / T of the best get
+// their tokens' own values (the block's argmax drawn in proportion to exp(z), the others Gumbels truncated at the
+// block's maximum), and of those the tokens within margin / T get their exact logit. Every token's noise is then the
+// same as a draw of all 49k values would give it in law, whatever the margin; the winner is the exact Gumbel-max
+// winner wherever the screen's error is under half the margin (as for greedy rows: measured, not guaranteed).
+// The uniforms come from a counter-based generator keyed by the row's key (the request and the position it draws
+// for) and the block or token: a row's draw depends on its key and its own logits alone, and every build gives it
+// (exp through simd.h, logarithms in double through the C library).
+namespace draws {
+
+inline uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A uniform in (0, 1) with 53 random bits, for counter `counter` of stream `stream` of the row keyed `key`.
+inline double uniform(uint64_t key, uint64_t stream, uint64_t counter) {
+  const uint64_t bits = mix(key ^ mix((stream << 40) + counter));
+  return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53;
+}
+
+constexpr uint64_t kBlockStream = 1, kTokenStream = 2, kWinnerStream = 3;
+constexpr int64_t kBlock = 64;
+
+}  // namespace draws
+
+at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_scale, at::Tensor column,
+                          std::vector<at::Tensor> head, double margin, at::Tensor temperature, at::Tensor keys) {
+  check_x(x);
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() && temperature.numel() == rows,
+              "screened_draws: temperature must be float32 [rows]");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.numel() == rows,
+              "screened_draws: keys must be int64 [rows]");
+  TORCH_CHECK(std::isfinite(margin) && margin >= 0, "screened_draws: margin must be finite and >= 0");
+  // The 4-bit scores alone (a negative margin completes no exact logit).
+  at::Tensor scores = screened_head(x, screen4, screen_scale, column, head, -1.0, 1, 1);
+  const Weights weights = weights_without_bias(head, k, "screened_draws");
+  const int64_t vocab = weights.out_features, blocks = (vocab + draws::kBlock - 1) / draws::kBlock;
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scores.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  auto out = at::empty({rows}, at::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  const auto draw_rows = [&](const auto& exact) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> z(vocab);
+      std::vector<double> top(blocks), lse(blocks);
+      float* w = static_cast<float*>(std::aligned_alloc(64, k * sizeof(float)));
+      for (int64_t r = begin; r < end; ++r) {
+        const float t = tp[r];
+        const uint64_t key = static_cast<uint64_t>(kp[r]);
+        const float* s = sp + r * vocab;
+        for (int64_t j = 0; j < vocab; ++j) z[j] = s[j] / t;
+        // Each block's maximum: a Gumbel about its log-sum-exp.
+        double best = -INFINITY;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t first = b * draws::kBlock, n = std::min<int64_t>(draws::kBlock, vocab - first);
+          float high = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) high = std::max(high, z[first + j]);
+          V16 total = simd::zero();
+          const V16 shift = simd::set1(high);
+          for (int64_t j = 0; j < n; j += 16) {
+            const int64_t m = std::min<int64_t>(16, n - j);
+            V16 e = simd::exp(simd::sub(simd::load_first(z.data() + first + j, m), shift));
+            if (m < 16) {  // lanes past the block's last token add nothing
+              float lanes[16];
+              simd::store(lanes, e);
+              for (int64_t i = m; i < 16; ++i) lanes[i] = 0.f;
+              e = simd::load(lanes);
+            }
+            total = simd::add(total, e);
+          }
+          lse[b] = static_cast<double>(high) + std::log(static_cast<double>(simd::reduce_add(total)));
+          top[b] = lse[b] - std::log(-std::log(draws::uniform(key, draws::kBlockStream, b)));
+          best = std::max(best, top[b]);
+        }
+        const double bar = best - margin / t;
+        int64_t winner = -1;
+        double winner_value = -INFINITY;
+        for (int64_t b = 0; b < blocks; ++b) {
+          if (!(top[b] >= bar)) continue;
+          const int64_t first = b * draws::kBlock, n = std::min<int64_t>(draws::kBlock, vocab - first);
+          // The block's argmax, in proportion to exp(z) (the block's own shift, in double), then the others below it.
+          double weights_sum = 0, cumulative = 0;
+          for (int64_t j = 0; j < n; ++j) weights_sum += std::exp(static_cast<double>(z[first + j]) - lse[b]);
+          const double u = draws::uniform(key, draws::kWinnerStream, b) * weights_sum;
+          int64_t argmax = n - 1;
+          for (int64_t j = 0; j < n; ++j) {
+            cumulative += std::exp(static_cast<double>(z[first + j]) - lse[b]);
+            if (u < cumulative) {
+              argmax = j;
+              break;
+            }
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t id = first + j;
+            double value = top[b];  // the token's Gumbel-perturbed score, z + g
+            if (j != argmax) {
+              const double e = -std::log(draws::uniform(key, draws::kTokenStream, id));
+              value = -std::log(std::exp(-top[b]) + e * std::exp(-static_cast<double>(z[id])));
+            }
+            if (!(value >= bar)) continue;
+            float logit;
+            exact.row(id, w);
+            dot_block<1, 1>(xp + r * k, w, k, &logit, 1);
+            const double perturbed = static_cast<double>(logit) / t + (value - static_cast<double>(z[id]));
+            if (perturbed > winner_value) {
+              winner_value = perturbed;
+              winner = id;
+            }
+          }
+        }
+        op[r] = winner;
+      }
+      std::free(w);
+    });
+  };
+  if (weights.bits == 6)
+    draw_rows(weights.int6_rows());
+  else
+    draw_rows(weights.int8_rows());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // A GGUF file's K-quant blocks in the layers' storage, at load (jointspec/kernels/gguf_blocks.py's decode(), whose
 // numpy version is the reference these equal byte for byte): plain integer shuffles and exact half -> float widening,
 // a row per task. raw: uint8 [rows, blocks * block bytes].
@@ -1373,6 +1506,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits: 4-bit scores, exact 8-bit logits within margin of each row's best (rank: its rank-th best) score",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("head"),
         py::arg("margin"), py::arg("max_exact"), py::arg("rank") = 1, unlocked);
+  m.def("screened_draws", &screened_draws, "a token per row drawn from softmax(logits / temperature) by Gumbel-max "
+        "through the screen, its noise keyed by the row's key", py::arg("x"), py::arg("screen4"),
+        py::arg("screen_scale"), py::arg("column"), py::arg("head"), py::arg("margin"), py::arg("temperature"),
+        py::arg("keys"), unlocked);
   m.def("top_k_rows", &top_k_rows, "each row's k largest entries, largest first, ties to the lower id, and how many "
         "entries are >= the k-th (-1: the row holds a NaN)", py::arg("rows"), py::arg("k"), unlocked);
   m.def("sample_rows", &sample_rows, "a token per row of probabilities by inverse transform, as sampling.sample() "
