@@ -515,10 +515,7 @@ def test_a_sampled_request_has_the_sampled_curve_measured_when_it_is_checked(int
     assert calls == [True]
     engine.check(BatchRequest(tuple(PROMPTS[0]), SAMPLED, METHODS["pld-cost-aware"]))
     assert calls == [True]  # its top-k reads the screen: greedy rows' curve
-    drawn = replace(SAMPLED, sampling=SamplingConfig(temperature=0.8))
-    engine.check(BatchRequest(tuple(PROMPTS[0]), drawn, METHODS["pld-cost-aware"]))
-    assert calls == [True]  # temperature alone: lookup drafts' rows are drawn through the screen
-    exact = replace(SAMPLED, sampling=SamplingConfig(temperature=0.8, top_p=0.9))
+    exact = replace(SAMPLED, sampling=SamplingConfig(temperature=0.8))  # (its drawn rows priced as exact ones)
     engine.check(BatchRequest(tuple(PROMPTS[0]), exact, METHODS["pld-cost-aware"]))
     assert calls == [True, False]  # before any round, not in one
 
@@ -552,9 +549,9 @@ def test_sampled_and_greedy_requests_in_one_batch_are_priced_by_their_own_rows_c
                       True: CostCurve({n: 1.5 + 0.4 * (n - 1) for n in BATCH_CURVE_SIZES})}
     config = METHODS["pld-cost-aware"]
     exact = SamplingConfig(temperature=0.8, top_p=0.9)  # top-p alone: every logit's normaliser
-    drawn = SamplingConfig(temperature=0.8)  # temperature alone: lookup drafts' rows drawn through the screen
+    drawn = SamplingConfig(temperature=0.8)  # temperature alone: drawn rows, priced as exact ones (the dearer)
     assert 0 < SAMPLED.sampling.top_k <= int4_target.capabilities.top_k_screen
-    kinds = [(GREEDY.sampling, False), (SAMPLED.sampling, False), (exact, True), (drawn, False)]
+    kinds = [(GREEDY.sampling, False), (SAMPLED.sampling, False), (exact, True), (drawn, True)]
     for i, (p, (sampling, _)) in enumerate(zip(PROMPTS, kinds)):
         engine.submit(BatchRequest(tuple(p), DecodeConfig(4, sampling, EOS), config, seed=i))
     engine.step()

@@ -537,6 +537,8 @@ class LeanLlamaForward:
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} draw keys for {len(rows)} rows of logits")
         head = self.model.lm_head
+        if not (self.screens_head and hasattr(head, "draw_tokens")):  # no screen to draw through: every logit
+            return _linear(head, rows[None])[0].float()
         tokens = head.draw_tokens(rows.contiguous(), temperature, keys)
         out = drawn_rows(tokens.clamp_min(0), head.out_features)
         broken = (tokens < 0).nonzero().flatten()  # no number to draw from (a NaN row): its exact logits, as sampled

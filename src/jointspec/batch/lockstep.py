@@ -29,7 +29,8 @@ busy with other rows. Each round the engine tells every cost-aware drafter (chai
 that its draft tokens have at the current batch size (:func:`batch_cost_curve`), so drafts shrink, and stop, as the
 batch fills. The curve is of the request's own kind of rows: a sampled row without a top-k reads every logit of the
 exact head, and costs more than a greedy one, which may read the screened head's argmax (or a sampled one with a top-k,
-its k largest; or one sampled with temperature alone, a draw through the screen). A stopped drafter must still learn
+its k largest; rows drawn through the screen with temperature alone are priced as exact ones, the dearer kind their
+rounds with model drafts read). A stopped drafter must still learn
 when drafting starts to pay again; a probe that tells it costs a whole extra row in a batch, so a lookup drafter
 learns instead from shadow tests (its skipped drafts scored against the tokens the target commits, at no cost;
 :mod:`jointspec.drafters.costaware`), and any other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
@@ -52,7 +53,6 @@ from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, Engine
 from jointspec.batch.prompt_cache import PromptCache
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
-from jointspec.core.sampling import draws_for
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
@@ -250,13 +250,12 @@ class LockstepEngine(EngineBase):
             self._batch_curve(sampled=True)
 
     def _reads_exact_rows(self, request: BatchRequest) -> bool:
-        """Whether ``request``'s verified rows read every logit of the exact head: sampled, without a top-k that the
-        target's screen completes, nor with temperature alone where the screen draws (SpeculativeDecoder.start says
-        which rows read what; drafts sampled from a model read the exact head still, priced here as draws)."""
+        """Whether ``request``'s verified rows are priced as reading every logit of the exact head: sampled, without a
+        top-k that the target's screen completes (SpeculativeDecoder.start says which rows read what). Rows drawn
+        through the screen (temperature alone, drafts without probabilities) cost less, but the same request's rounds
+        with model drafts read the exact head: they are priced as exact rows, the dearer."""
         sampling = request.config.sampling
-        capabilities = self.target.capabilities
-        return (not sampling.greedy and not capabilities.screened_top_k(sampling)
-                and not (capabilities.draw_screen and draws_for(sampling)))
+        return not sampling.greedy and not self.target.capabilities.screened_top_k(sampling)
 
     def _check(self, config: MethodConfig) -> bool:
         if config.name in method_names() and not method_is_batched(config.name):  # (an unknown name: the build says)
@@ -394,7 +393,7 @@ class LockstepEngine(EngineBase):
         for seq in rows:
             # What its rows read, as its decoder chose it when it started (before that, from its request).
             state = getattr(seq, "state", None)
-            sampled = (not (state.argmax_only or state.top_k_only or state.draw_key is not None) if state is not None
+            sampled = (not (state.argmax_only or state.top_k_only) if state is not None
                        else self._reads_exact_rows(seq.request))
             for part in load_aware_parts(seq.decoder.drafter):
                 own_curve, own_budget = seq.own_settings.setdefault(

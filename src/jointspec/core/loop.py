@@ -138,7 +138,8 @@ class DecodeState:
     argmax_only: bool  # greedy verification may read the target's screened argmax
     max_verify_rows: int | None = None  # the target's, read once (TargetCapabilities)
     top_k_only: int = 0  # sampled verification with top-k may read the target's screened top k (k; 0: every logit)
-    draw_key: int | None = None  # temperature alone: rows of drafts without probabilities are drawn through the screen
+    draws: bool = False  # temperature alone: rows of drafts without probabilities are drawn through the screen
+    draw_key: int | None = None  # the sequence's noise key, drawn from its generator at its first such round
     done: bool = False
     stopped: bool = False  # it ended on an end-of-sequence token
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
@@ -214,10 +215,10 @@ class SpeculativeDecoder:
                       if getattr(self.verifier, "reads_top_k_when_sampling", False) else 0)
         # Temperature alone: a verifier that keeps the target's own draw for a draft without probabilities needs only
         # that draw of each row, which a screened target makes without every logit (core/sampling.py, "draws").
-        draw_key = (sequence_draw_key(generator) if capabilities.draw_screen and draws_for(sampling)
-                    and getattr(self.verifier, "draws_for_drafts_without_probs", False) else None)
+        draws = (capabilities.draw_screen and draws_for(sampling)
+                 and getattr(self.verifier, "draws_for_drafts_without_probs", False))
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
-                           draw_key=draw_key)
+                           draws=draws)
 
     def begin_round(self, state: DecodeState) -> ForwardCall:
         """Draft (1.) and return the target forward that scores the pending token and the draft (2.)."""
@@ -240,7 +241,9 @@ class SpeculativeDecoder:
         state.verify_start = time.perf_counter()
         # 2. Score the pending token and every draft node in one pass (input 0 is the pending token).
         draws = None
-        if state.draw_key is not None and draft.draft_probs is None:
+        if state.draws and draft.draft_probs is None:
+            if state.draw_key is None:  # drawn at the first round that draws: methods that never do keep their stream
+                state.draw_key = sequence_draw_key(state.generator)
             # Row 0 draws the token at position len(tokens); a draft node's row the one after it, by its depth.
             positions = [len(tokens)] + [len(tokens) + depth + 1 for depth in state.depths]
             draws = RowDraws(tuple(position_key(state.draw_key, p) for p in positions),

@@ -1213,16 +1213,18 @@ at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_sc
           }
           for (int64_t j = 0; j < n; ++j) {
             const int64_t id = first + j;
-            double value = top[b];  // the token's Gumbel-perturbed score, z + g
-            if (j != argmax) {
-              const double e = -std::log(draws::uniform(key, draws::kTokenStream, id));
-              value = -std::log(std::exp(-top[b]) + e * std::exp(-static_cast<double>(z[id])));
-            }
-            if (!(value >= bar)) continue;
+            const double zj = static_cast<double>(z[id]);
+            // The token's noise g (its perturbed score is z + g): the block's maximum less z for the argmax; for the
+            // others a Gumbel about z truncated at that maximum, -log(exp(-top) + E exp(-z)) - z, written as
+            // -log(exp(z - top) + E) so that no exponential overflows at a small temperature (z - top is at most
+            // about 3.6: top is a Gumbel about the block's log-sum-exp, which z never exceeds).
+            const double noise = j == argmax ? top[b] - zj
+                : -std::log(std::exp(zj - top[b]) - std::log(draws::uniform(key, draws::kTokenStream, id)));
+            if (!(zj + noise >= bar)) continue;
             float logit;
             exact.row(id, w);
             dot_block<1, 1>(xp + r * k, w, k, &logit, 1);
-            const double perturbed = static_cast<double>(logit) / t + (value - static_cast<double>(z[id]));
+            const double perturbed = static_cast<double>(logit) / t + noise;
             if (perturbed > winner_value) {
               winner_value = perturbed;
               winner = id;
