@@ -115,10 +115,10 @@ class TargetLM(Protocol):
 
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False,
-                argmax_only: bool = False, top_k_only: int = 0) -> ForwardOutput:
+                argmax_only: bool = False, top_k_only: int = 0, draws: RowDraws | None = None) -> ForwardOutput:
         """Feed ``token_ids`` after the cache (they stay cached); the last ``num_logits`` rows of logits (all if
         None). A target without a capability refuses the option that needs it with a clear error (``top_k_only``
-        is passed only to a target with ``top_k_screen``)."""
+        is passed only to a target with ``top_k_screen``, ``draws`` only to one with ``draw_screen``)."""
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""
