@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from jointspec.backends.kvcache import BufferedCache, BufferedLayer
+from jointspec.drafters.model import common_prefix_length
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +47,6 @@ def cache_bytes(cache: BufferedCache) -> int:
             tensors = (layer.keys, layer.values)
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PromptCache:
@@ -91,7 +82,7 @@ class PromptCache:
                 self._said_too_large = True
             return
         for key, kept in list(self._kept.items()):
-            if shared_prefix(kept.tokens, tokens) == len(kept.tokens) and (
+            if common_prefix_length(kept.tokens, tokens) == len(kept.tokens) and (
                     canonical is None or (kept.canonical is not None and kept.canonical <= canonical)):
                 del self._kept[key]
                 self.nbytes -= kept.nbytes
@@ -110,7 +101,7 @@ class PromptCache:
         alone (only whole chunks are reused there)."""
         best, best_length, best_whole = None, 0, False
         for key, kept in self._kept.items():
-            shared = shared_prefix(kept.tokens, prompt[:end])
+            shared = common_prefix_length(kept.tokens, prompt[:end])
             length = shared
             if kept.canonical is not None:
                 length = min(length, kept.canonical) // chunk * chunk if chunk else 0
