@@ -115,6 +115,14 @@ struct Weights {
     return Int8Rows{levels, static_cast<const float*>(scale), in_features / group, group, sub};
   }
   Int6Rows int6_rows() const { return Int6Rows{packed, plane, static_cast<const float*>(scale), sub, in_features}; }
+  // f(rows) with an output head's row reader: 6-bit (Q6_K at its own size) or 8-bit levels.
+  template <typename F>
+  void with_head_rows(F&& f) const {
+    if (bits == 6)
+      f(int6_rows());
+    else
+      f(int8_rows());
+  }
 
   template <typename Rows>
   void apply_rows(const float* x, int64_t rows, float* out, bool gemm, const Rows& weights, bool q8 = true) const {
@@ -1101,10 +1109,7 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
       std::free(w);
     });
   };
-  if (weights.bits == 6)
-    exact_logits(weights.int6_rows());
-  else
-    exact_logits(weights.int8_rows());
+  weights.with_head_rows(exact_logits);
   return out;
 }
 
@@ -1236,10 +1241,7 @@ at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_sc
       std::free(w);
     });
   };
-  if (weights.bits == 6)
-    draw_rows(weights.int6_rows());
-  else
-    draw_rows(weights.int8_rows());
+  weights.with_head_rows(draw_rows);
   return out;
 }
 
