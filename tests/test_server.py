@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import queue
+import re
 import threading
 import time
 
@@ -764,6 +765,8 @@ def test_a_conversations_next_turn_reports_the_prompt_tokens_it_did_not_read_aga
                                                              "return_token_ids": True})
                 assert reply.status_code == 200, reply.text
                 return reply.json()
+            budget_bytes = int(budget) * 2 ** 20
+            assert f"jointspec_prompt_cache_max_bytes {budget_bytes}\n" in client.get("/metrics").text
             answer = ask(first)["choices"][0]["token_ids"]
             second = first + answer + random_prompt(5, 6)
             reply = ask(second)
@@ -771,7 +774,13 @@ def test_a_conversations_next_turn_reports_the_prompt_tokens_it_did_not_read_aga
             assert reply["choices"][0]["token_ids"] == expected
             cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == (len(first) + len(answer) - 1 if budget != "0" else 0), cached
-            assert f"jointspec_prompt_tokens_cached_total {cached}\n" in client.get("/metrics").text
+            metrics = client.get("/metrics").text
+            assert f"jointspec_prompt_tokens_cached_total {cached}\n" in metrics
+            # The second request took the first's cache whole and left its own: one entry, under the budget.
+            entries = re.search(r"^jointspec_prompt_cache_entries (\d+)$", metrics, re.M)
+            kept = re.search(r"^jointspec_prompt_cache_bytes (\d+)$", metrics, re.M)
+            assert int(entries.group(1)) == (1 if budget_bytes else 0)
+            assert (0 < int(kept.group(1)) <= budget_bytes) if budget_bytes else int(kept.group(1)) == 0
         finally:
             served.close()
 

@@ -84,11 +84,9 @@ class PromptCache:
         for key, kept in list(self._kept.items()):
             if common_prefix_length(kept.tokens, tokens) == len(kept.tokens) and (
                     canonical is None or (kept.canonical is not None and kept.canonical <= canonical)):
-                del self._kept[key]
-                self.nbytes -= kept.nbytes
+                self._drop(key)
         while self._kept and self.nbytes + nbytes > self.max_bytes:
-            _, oldest = self._kept.popitem(last=False)
-            self.nbytes -= oldest.nbytes
+            self._drop(next(iter(self._kept)))  # the least recently used
         self._kept[self._next] = KeptCache(list(tokens), cache, canonical, nbytes)
         self._next += 1
         self.nbytes += nbytes
@@ -112,6 +110,9 @@ class PromptCache:
         if not best_whole:
             self._kept.move_to_end(best)  # recently used: the last to leave
             return self._kept[best].cache, best_length, False
-        kept = self._kept.pop(best)
+        return self._drop(best).cache, best_length, True
+
+    def _drop(self, key: int) -> KeptCache:
+        kept = self._kept.pop(key)
         self.nbytes -= kept.nbytes
-        return kept.cache, best_length, True
+        return kept

@@ -427,6 +427,7 @@ class ServingEngine:
         self.eos_token_ids = eos_token_ids(self.target, self.tokenizer)
         self._engine = self._make_engine()
         self._engine.method(self.method)  # build (and load a draft) now, and refuse an unbatchable default early
+        self._update_gauges()  # the prompt cache's budget is a gauge from the start
 
     def _run(self, load) -> None:
         try:
@@ -501,9 +502,14 @@ class ServingEngine:
 
     def _update_gauges(self) -> None:
         running = len(self._engine.active)
+        prompt_cache = getattr(self._engine, "prompt_cache", None)  # the lockstep engine's (the ragged keeps none)
         with self._stats_lock:
             self._snapshot.running_sequences = running
             self._snapshot.waiting_sequences = max(self._admitted - running, 0)
+            if prompt_cache is not None:
+                self._snapshot.prompt_cache_bytes = prompt_cache.nbytes
+                self._snapshot.prompt_cache_entries = len(prompt_cache)
+                self._snapshot.prompt_cache_max_bytes = prompt_cache.max_bytes
 
     def _forget(self, seq_id: int) -> _Stream | None:
         stream = self._streams.pop(seq_id, None)

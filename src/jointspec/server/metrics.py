@@ -96,6 +96,9 @@ class EngineSnapshot:
     max_queue: int = 0
     num_cancelled: int = 0  # sequences stopped before their end (client gone, timeout, stop string)
     batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BUCKETS))  # rows per target forward
+    prompt_cache_bytes: int = 0  # finished requests' caches kept for later prompts (batch/prompt_cache.py)
+    prompt_cache_entries: int = 0
+    prompt_cache_max_bytes: int = 0  # --prompt-cache-mb (0: the engine keeps none)
 
     def copy(self) -> EngineSnapshot:
         return copy.deepcopy(self)
@@ -210,6 +213,13 @@ class Metrics:
                [((), engine.max_batch_size)])
         metric("jointspec_max_queue", "gauge", "Requests that may wait for a row (--max-queue).",
                [((), engine.max_queue)])
+        metric("jointspec_prompt_cache_bytes", "gauge",
+               "Bytes of finished requests' caches kept for prompts that begin with their tokens.",
+               [((), engine.prompt_cache_bytes)])
+        metric("jointspec_prompt_cache_entries", "gauge", "Finished requests' caches kept in the prompt cache.",
+               [((), engine.prompt_cache_entries)])
+        metric("jointspec_prompt_cache_max_bytes", "gauge", "The prompt cache's budget (--prompt-cache-mb; 0: off).",
+               [((), engine.prompt_cache_max_bytes)])
         family("jointspec_batch_size", "histogram", "Sequences scored by each batched target forward.")
         out.extend(engine.batch_size.lines("jointspec_batch_size"))
         metric("jointspec_cancelled_sequences_total", "counter",
