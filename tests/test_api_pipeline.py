@@ -30,17 +30,23 @@ def pipeline(model, method: str = "pld") -> Pipeline:
 def test_threads_calling_generate_on_one_pipeline_each_get_their_own_answer(target_model):
     prompts = [random_prompt(seed) for seed in range(4)]
     alone = [pipeline(target_model).generate_ids(p, CONFIG).token_ids for p in prompts]
-    shared, answers = pipeline(target_model), {}
+    shared = pipeline(target_model)
+    assert in_threads(lambda i: shared.generate_ids(prompts[i], CONFIG).token_ids, len(prompts)) == alone
+
+
+def in_threads(work, count: int) -> list:
+    """``work(i)`` for i in 0..count-1, each on a thread of its own, all started together; the results in order."""
+    results = {}
 
     def run(index):
-        answers[index] = shared.generate_ids(prompts[index], CONFIG).token_ids
+        results[index] = work(index)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert [answers[i] for i in range(len(prompts))] == alone
+    return [results[i] for i in range(count)]
 
 
 def test_a_stream_left_open_is_ended_by_the_next_generation_and_says_so(target_model):
@@ -215,3 +221,52 @@ def test_a_dropped_stream_finalised_inside_a_round_does_not_deadlock(target_mode
 def test_temperatures_that_cannot_sample_are_refused_by_name(temperature, error):
     with pytest.raises(error, match="temperature"):
         GenerationConfig(temperature=temperature)
+
+
+def test_pipelines_on_one_target_share_its_cache_one_generation_at_a_time(target_model):
+    """Two pipelines built on one loaded target read and write one cache: an open stream of one is ended by the
+    other's generation, with the error that says so, not continued on the other's entries (it returned the wrong text
+    before), and threads calling both get their own answers."""
+    target = CausalLM(target_model, name="tiny")
+    first, second = Pipeline(target, None, "ar"), Pipeline(target, None, "pld")
+    prompts = [random_prompt(seed) for seed in range(4)]
+    alone = [pipeline(target_model, "ar").generate_ids(p, CONFIG).token_ids for p in prompts]
+    one = first.stream_ids(prompts[0], CONFIG)
+    assert next(one) == alone[0][:1]
+    assert second.generate_ids(prompts[1], CONFIG).token_ids == alone[1]
+    with pytest.raises(JointspecError, match="another generation started"):
+        next(one)
+    pipes = (first, second)
+    assert in_threads(lambda i: pipes[i % 2].generate_ids(prompts[i], CONFIG).token_ids, len(prompts)) == alone
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name(target_model, byte_model, tokenizer):
+    texts = Pipeline(CausalLM(byte_model, name="tiny"), tokenizer, "ar")
+    for prompt in ([1, 2, 3], None, [{"role": "user", "content": "hi"}]):
+        with pytest.raises(TypeError, match="generate_ids"):
+            texts.generate(prompt, CONFIG)
+        with pytest.raises(TypeError, match="generate_ids"):
+            list(texts.stream(prompt, CONFIG))
+    for config in (None, {"max_new_tokens": 8}):
+        with pytest.raises(TypeError, match="GenerationConfig"):
+            texts.generate("hi", config)
+        with pytest.raises(TypeError, match="GenerationConfig"):
+            pipeline(target_model).generate_ids(random_prompt(1), config)
+    with pytest.raises(TypeError, match="chat"):
+        GenerationConfig(chat="no")
+
+
+def test_a_fresh_seed_is_reported_and_repeats_its_answer(target_model):
+    pipe = pipeline(target_model, "ar")
+    fresh = pipe.generate_ids(random_prompt(4), GenerationConfig(max_new_tokens=8, temperature=1.0, seed=None))
+    assert isinstance(fresh.seed, int)
+    again = pipe.generate_ids(random_prompt(4), GenerationConfig(max_new_tokens=8, temperature=1.0, seed=fresh.seed))
+    assert again.token_ids == fresh.token_ids and again.seed == fresh.seed
+
+
+@pytest.mark.parametrize("options, match", [(dict(model=""), "model must be"), (dict(model=123), "model must be"),
+                                            (dict(threads="2"), "threads"), (dict(threads=1.5), "threads")])
+def test_load_arguments_of_the_wrong_kind_are_refused_before_loading(options, match):
+    from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+    with pytest.raises((ModelLoadError, UnsupportedOptionError), match=match):
+        Pipeline.load(**options)

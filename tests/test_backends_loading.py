@@ -54,7 +54,7 @@ def test_load_model_quantizes(quant_folder, mode):
     ("default", {"backend": "llamacpp", "dtype": "bfloat16"}, "dtype 'bfloat16'"),
     ("default", {"backend": "onnx"}, "unknown backend 'onnx'"),
     ("default", {"quantize": "fp8"}, "unknown quantisation 'fp8'"),
-    ("default", {"threads": 0}, "threads must be >= 1"),
+    ("default", {"threads": 0}, "threads must be a whole number >= 1"),
     ("default", {"backend": "llamacpp", "kernels": "onednn"}, "--kernels onednn is for the torch backend"),
     ("default", {"backend": "llamacpp", "kv_cache": "float16"}, "--kv-cache float16 is for the torch backend"),
 ])

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +26,12 @@ from jointspec.methods.registry import options_set, unread_options_error
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How to decode one prompt: at most ``max_new_tokens`` new tokens; greedy at ``temperature`` 0 (the default),
+    else sampled with that temperature and, where set, a ``top_k`` (0: none) and a ``top_p`` (1: none). ``seed``: the
+    sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each generation,
+    which :attr:`GenerationResult.seed` reports). ``chat``: wrap a text prompt in the model's chat template as one
+    user message (where the tokenizer has one)."""
+
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
@@ -41,6 +48,8 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.chat, bool):
+            raise TypeError(f"chat must be True or False, got {self.chat!r}")
         _ = self.sampling  # building it validates temperature / top-k / top-p
 
     @property
@@ -50,12 +59,18 @@ class GenerationConfig:
 
 @dataclass
 class GenerationResult:
+    """One generation: its new ``text`` and ``token_ids`` (an end-of-sequence token included, where it ended on
+    one), the ``prompt_ids`` decoded after, the decoding's wall-clock ``seconds`` (prompt reading included),
+    ``finish_reason`` ("stop": an end-of-sequence token; "length": ``max_new_tokens`` or the context's end), the
+    method's ``stats`` (rounds, drafted and accepted tokens, timings) and the ``seed`` it sampled with."""
+
     text: str
     token_ids: list[int]
     prompt_ids: list[int]
     seconds: float
     finish_reason: str  # "stop" (end-of-sequence token) or "length"
     stats: SpecStats = field(default_factory=SpecStats)
+    seed: int | None = None  # the seed the generation used (GenerationConfig.seed, or the fresh one drawn for None)
 
     @property
     def num_new_tokens(self) -> int:
@@ -72,13 +87,45 @@ class GenerationResult:
                 "stats": self.stats.to_dict()}
 
 
+def _checked_config(config) -> GenerationConfig:
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(f"config must be a GenerationConfig (e.g. GenerationConfig(max_new_tokens=64)), not "
+                        f"{type(config).__name__}")
+    return config
+
+
+class _Session:
+    """What every pipeline on one target shares: the target has one cache, so one generation at a time."""
+
+    def __init__(self) -> None:
+        # Held while a decoder runs a round, never while a caller holds a chunk. Reentrant: the cyclic garbage
+        # collector may finalise a dropped stream (its finally takes the lock) inside a round of this thread.
+        self.lock = threading.RLock()
+        self.calls = threading.RLock()  # one generate_ids at a time (threads queue); a nested call ends the outer
+        self.generation = 0  # which stream owns the target
+        self.active: Iterator[list[int]] | None = None  # that stream's decoder generator, while unfinished
+
+
+_SESSIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _session(target: CausalLM) -> _Session:
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.get(target)
+        if session is None:
+            session = _SESSIONS[target] = _Session()
+        return session
+
+
 class Pipeline:
     """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it.
 
     One pipeline decodes one request at a time (one cache): ``generate`` calls from several threads run one after
     another, a stream started while another thread's ``generate`` runs waits for it, and a stream left open when
-    another generation starts on the same pipeline is ended, its next read raising :class:`JointspecError`. Decode
-    in parallel with one pipeline per thread (``jointspec serve`` batches)."""
+    another generation starts on the same pipeline is ended, its next read raising :class:`JointspecError`.
+    Pipelines built on one loaded target share its cache, so they count as one here. Decode in parallel with one
+    pipeline per thread, each on a target of its own (``jointspec serve`` batches requests on one model)."""
 
     def __init__(self, target: CausalLM, tokenizer, method: MethodConfig | None = None, *,
                  device: str = "cpu", dtype: str | None = None, quantize: str = "none", backend: str = "torch",
@@ -96,12 +143,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.method = method or MethodConfig(name="default")
         self.memory = memory
-        # Held while the decoder runs a round, never while a caller holds a chunk. Reentrant: the cyclic garbage
-        # collector may finalise a dropped stream (its finally takes the lock) inside a round of this thread.
-        self._lock = threading.RLock()
-        self._calls = threading.RLock()  # one generate_ids at a time (threads queue); a nested call ends the outer
-        self._generation = 0  # which stream owns the decoder
-        self._active: Iterator[list[int]] | None = None  # that stream's decoder generator, while unfinished
+        self._session = _session(target)  # shared with every pipeline on this target: it has one cache
 
         def load_draft(source: str):
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
@@ -123,14 +165,22 @@ class Pipeline:
         """Load ``model`` and the method's draft (``method``: by default ``default``, as ``jointspec generate``)
         with the same options: ``quantize`` auto/none/int8/int4 (torch
         backend; auto, as ``jointspec generate``: int4 where that recovers the model's own weights, else none),
-        ``backend`` torch/llamacpp, ``threads`` for llama.cpp, ``kernels`` auto/onednn/stock, ``kv_cache``
-        auto/float16 (see :func:`jointspec.backends.loading.load_model`)."""
+        ``backend`` torch/llamacpp, ``threads`` (llama.cpp's threads; on the torch backend PyTorch's, which is
+        process-wide, as ``--threads`` sets it for the CLI; None: leave them as they are), ``kernels``
+        auto/onednn/stock, ``kv_cache`` auto/float16 (see :func:`jointspec.backends.loading.load_model`)."""
         options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,
                        kernels=kernels, kv_cache=kv_cache)
-        target, tokenizer = load_model(model, **options)
+        target, tokenizer = load_model(model, **options)  # (checks threads)
+        if threads is not None and backend == "torch":
+            torch.set_num_threads(threads)
         return cls(target, tokenizer, method, **options)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """``prompt``'s token ids: in the chat template as one user message where ``chat`` and the tokenizer has one,
+        else the text as the tokenizer reads it."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"the prompt must be text (str), not {type(prompt).__name__}; for token ids call "
+                            "generate_ids() or stream_ids()")
         if chat and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                       add_generation_prompt=True)
@@ -143,7 +193,7 @@ class Pipeline:
         stream = self._stream(self._token_ids(prompt_ids), config)
         # Started under the calls' lock, never held across a yield: a stream's caller may keep it open for as long
         # as it likes, and a dropped one is finalised on whichever thread the collector runs.
-        with self._calls:
+        with self._session.calls:
             first = next(stream, None)
         if first is None:
             return
@@ -152,24 +202,27 @@ class Pipeline:
 
     def _stream(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
         """stream_ids on ids already checked (:meth:`_token_ids`)."""
+        config = _checked_config(config)
         if not prompt_ids:  # e.g. an empty prompt without a chat template: a user error, not an engine one
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
         seed = config.seed if config.seed is not None else fresh_seed()
         generator = torch.Generator(device="cpu").manual_seed(seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids)
         new_ids: list[int] = []
-        with self._lock:
-            if self._active is not None:  # a stream left unfinished ends before this one starts (its drafter too)
-                self._active.close()
-            self._generation += 1
-            mine = self._generation
-            stream = self._active = self.decoder.stream(prompt_ids, decode, generator)
+        session = self._session
+        with session.lock:
+            if session.active is not None:  # a stream left unfinished ends before this one starts (its drafter too)
+                session.active.close()
+            session.generation += 1
+            mine = session.generation
+            stream = session.active = self.decoder.stream(prompt_ids, decode, generator)
         try:
             while True:
-                with self._lock:
-                    if self._generation != mine:
-                        raise JointspecError("another generation started on this Pipeline while this stream was open, "
-                                             "so it was ended; a Pipeline decodes one request at a time (use one per "
+                with session.lock:
+                    if session.generation != mine:
+                        raise JointspecError("another generation started on this Pipeline (or another one on the "
+                                             "same model) while this stream was open, so it was ended; a model "
+                                             "decodes one request at a time (use a Pipeline with its own model per "
                                              "thread, or finish a stream before starting another)")
                     try:
                         chunk = next(stream)
@@ -178,10 +231,10 @@ class Pipeline:
                 new_ids.extend(chunk)
                 yield chunk
         finally:  # finished, failed or dropped by its caller: a stream still owning the decoder ends now
-            with self._lock:
-                if self._generation == mine and self._active is stream:
+            with session.lock:
+                if session.generation == mine and session.active is stream:
                     stream.close()
-                    self._active = None
+                    session.active = None
         if self.memory is not None:  # a whole answer only: a stream its caller stopped early is not remembered
             self.memory.add(prompt_ids, new_ids)
 
@@ -207,7 +260,7 @@ class Pipeline:
     def stream(self, prompt: str, config: GenerationConfig = GenerationConfig()) -> Iterator[str]:
         """Yield text deltas as rounds commit tokens."""
         detok = IncrementalDetokenizer(self.tokenizer)
-        for chunk in self.stream_ids(self.encode(prompt, config.chat), config):
+        for chunk in self.stream_ids(self.encode(prompt, _checked_config(config).chat), config):
             delta = detok.push(chunk)
             if delta:
                 yield delta
@@ -219,9 +272,12 @@ class Pipeline:
                      on_text=None) -> GenerationResult:
         """Decode after ``prompt_ids``; ``on_text(delta)`` is called with streamed text if given."""
         prompt_ids = self._token_ids(prompt_ids)
+        config = _checked_config(config)
+        seed = config.seed if config.seed is not None else fresh_seed()
+        config = replace(config, seed=seed)  # the seed drawn for None, to report
         detok = IncrementalDetokenizer(self.tokenizer) if on_text is not None else None
         new_ids: list[int] = []
-        with self._calls:
+        with self._session.calls:
             start = time.perf_counter()
             for chunk in self._stream(prompt_ids, config):
                 new_ids.extend(chunk)
@@ -237,7 +293,9 @@ class Pipeline:
                 on_text(tail)
         finished = bool(new_ids) and new_ids[-1] in self.eos_token_ids
         text = decode_text(self.tokenizer, new_ids) if self.tokenizer is not None else ""
-        return GenerationResult(text, new_ids, prompt_ids, seconds, "stop" if finished else "length", stats)
+        return GenerationResult(text, new_ids, prompt_ids, seconds, "stop" if finished else "length", stats, seed)
 
     def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:
-        return self.generate_ids(self.encode(prompt, config.chat), config, on_text)
+        """Decode after ``prompt`` (text; in the model's chat template as one user message where ``config.chat``);
+        ``on_text(delta)`` is called with the text as rounds commit it, if given."""
+        return self.generate_ids(self.encode(prompt, _checked_config(config).chat), config, on_text)

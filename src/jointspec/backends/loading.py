@@ -180,8 +180,8 @@ def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.d
         raise UnsupportedOptionError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
     if quantize not in QUANTIZE_CHOICES:
         raise UnsupportedOptionError(f"unknown quantisation '{quantize}'; choose one of: {', '.join(QUANTIZE_CHOICES)}")
-    if threads is not None and threads < 1:
-        raise UnsupportedOptionError(f"threads must be >= 1, got {threads}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise UnsupportedOptionError(f"threads must be a whole number >= 1, got {threads!r}")
     if backend != "llamacpp":
         return
     if quantize not in ("none", "auto"):
@@ -226,7 +226,10 @@ def load_model(source: str | None = DEFAULT_MODEL, *, device: str = "cpu", dtype
 def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | None, name: str | None, quantize: str,
                 backend: str, threads: int | None, kernels: str, kv_cache: str) -> tuple[CausalLM, object]:
     """:func:`load_model`, inside its shared GGUF readers."""
-    source = source or DEFAULT_MODEL
+    if source is not None and (not isinstance(source, (str, os.PathLike)) or not str(source).strip()):
+        raise ModelLoadError(f"the model must be a folder, a .gguf file or a model id (text), or None for the "
+                             f"embedded default; got {source!r}")
+    source = str(source) if source is not None else DEFAULT_MODEL
     if kernels not in KERNEL_CHOICES:
         raise UnsupportedOptionError(f"unknown kernels '{kernels}'; choose one of: {', '.join(KERNEL_CHOICES)}")
     if kv_cache not in KV_CACHE_CHOICES:

@@ -186,8 +186,8 @@ class SpeculativeDecoder:
         max_context = self.target.max_context
         if len(prompt_ids) >= max_context:
             raise ContextTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {max_context}; "
-                "shorten the prompt")
+                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {max_context}, one of them "
+                f"for the first new token; shorten the prompt to at most {max_context - 1} tokens")
         self.stats = stats = SpecStats()
         tokens = list(prompt_ids)
         end = min(len(tokens) + config.max_new_tokens, max_context)
@@ -220,12 +220,15 @@ class SpeculativeDecoder:
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
                            draws=draws)
 
-    def begin_round(self, state: DecodeState) -> ForwardCall:
-        """Draft (1.) and return the target forward that scores the pending token and the draft (2.)."""
+    def begin_round(self, state: DecodeState, *, hold_draft: bool = False) -> ForwardCall:
+        """Draft (1.) and return the target forward that scores the pending token and the draft (2.). ``hold_draft``:
+        the drafter gets no budget this round (as when ``max_new_tokens`` leaves no room), so the round decodes
+        plainly; a batched engine holds drafts off where it measures them slower (batch/supervisor.py)."""
         tokens = state.tokens
         t0 = time.perf_counter()
         # 1. Propose, leaving room for the one token the target always adds.
-        draft = self.drafter.propose(tokens, state.end - len(tokens) - 1, state.config.sampling, state.generator)
+        budget = 0 if hold_draft else state.end - len(tokens) - 1
+        draft = self.drafter.propose(tokens, budget, state.config.sampling, state.generator)
         state.draft_seconds = time.perf_counter() - t0
         limit = state.max_verify_rows
         if limit is not None and 1 + draft.num_nodes > limit:
