@@ -34,6 +34,10 @@ and, for sampled requests, sampled rows' (every row's exact logits).
     python benchmarks/lockstep_methods.py --concurrency 4 --rounds-log rounds.jsonl          # every round's forward
     python benchmarks/lockstep_methods.py --methods ar,sps,mtad --temperature 1 --top-k 10 --top-p 0.9 \
         --max-new-tokens 64                                       # sampling: MTAD against plain sampling and sps
+    python benchmarks/lockstep_methods.py --methods ar,default,default/unsupervised   # the draft supervisor's worth
+
+A method written ``NAME/unsupervised`` runs ``NAME`` with the engine's draft supervisor off (drafts as the drafters
+choose in every round; batch/supervisor.py); the supervisor's measurements carry over between runs, as in a server.
 """
 
 from __future__ import annotations
@@ -93,12 +97,19 @@ class RunResult:
     busy_seconds: float = 0.0
 
 
+UNSUPERVISED = "/unsupervised"
+
+
 def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurrency: int,
         config: DecodeConfig, rounds: list[RoundRecord] | None = None, seed: int = 0) -> RunResult:
     """Answer every prompt with ``concurrency`` in flight, prompt i's request seeded ``seed`` + i. Each round's
-    record is appended to ``rounds`` where given."""
+    record is appended to ``rounds`` where given. ``method`` ending in ``/unsupervised``: the engine's draft
+    supervisor is off for this run."""
     records: list[RoundRecord] = [] if rounds is None else rounds
     engine.on_round = records.append
+    supervisor = engine.supervisor
+    if method.endswith(UNSUPERVISED):
+        method, engine.supervisor = method.removesuffix(UNSUPERVISED), None
     queue = list(enumerate(prompts))
     answers: dict[int, list[int]] = {}
     owner: dict[int, int] = {}
@@ -118,6 +129,7 @@ def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurren
             result.busy_tokens += got
             result.busy_seconds += records[-1].seconds
     engine.on_round = None
+    engine.supervisor = supervisor
     result.seconds = time.perf_counter() - start
     result.answers = [answers[i] for i in range(len(prompts))]
     return result
@@ -226,6 +238,15 @@ def main() -> None:
         costs = {n: round(cost * 1e3, 3) for n, cost in curve.target_cost.items()}
         report[f"batch_curve_ms_{kind}"] = costs
         print(f"batch cost curve ({kind} rows), ms by rows: " + " ".join(f"{n}:{ms:.1f}" for n, ms in costs.items()))
+    if engine.supervisor is not None and engine.supervisor.rates():
+        # What the supervisor measured last at each batch size (decayed rates) and which kind of round it runs there.
+        rates = sorted(engine.supervisor.rates().items())
+        report["supervisor"] = {str(size): {"drafted": round(d, 1), "held": round(h, 1),
+                                            "prefers_drafts": engine.supervisor.prefers_drafts(size)}
+                                for size, (d, h) in rates}
+        print("draft supervisor, tok/s of its last rounds by batch size (with drafts / held off): " + "  ".join(
+            f"{size}: {d:.0f}/{h:.0f}{'' if engine.supervisor.prefers_drafts(size) else ' off'}"
+            for size, (d, h) in rates))
     print(json.dumps(report))
 
 

@@ -34,6 +34,9 @@ rounds with model drafts read). A stopped drafter must still learn
 when drafting starts to pay again; a probe that tells it costs a whole extra row in a batch, so a lookup drafter
 learns instead from shadow tests (its skipped drafts scored against the tokens the target commits, at no cost;
 :mod:`jointspec.drafters.costaware`), and any other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
+The curve is a model measured once; the engine also measures its own rounds at each batch size of two or more with
+the drafts of such rows run and held off, and holds them off where rounds without them commit more tokens a second
+(:mod:`jointspec.batch.supervisor`; batches of greedy rows of lossless methods, whose tokens that cannot change).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
 from jointspec.batch.engine import BatchEngine, BatchEvent, BatchRequest, EngineBase, recently_used
 from jointspec.batch.prompt_cache import PromptCache
+from jointspec.batch.supervisor import DraftSupervisor
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
@@ -59,7 +63,7 @@ from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.tree_gate import GatedTreeDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
-from jointspec.methods.registry import method_is_batched, method_names
+from jointspec.methods.registry import method_is_batched, method_is_lossless, method_names
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +195,7 @@ class RoundRecord:
     forward_seconds: float
     accepted: int
     seconds: float
+    drafted: bool = True  # False: the supervisor held every row's draft off (batch/supervisor.py)
 
 
 @dataclass
@@ -206,6 +211,7 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens read so far (while waiting)
     prefill_seconds: float = 0.0
     reused: int | None = None  # prompt tokens whose entries came from the prompt cache (None: not looked yet)
+    supervised: bool = False  # a lossless load-aware method's: its drafts may be held off (batch/supervisor.py)
 
 
 class LockstepEngine(EngineBase):
@@ -214,8 +220,10 @@ class LockstepEngine(EngineBase):
 
     def __init__(self, target: CausalLM, tokenizer=None, *, max_batch_size: int = 16,
                  load_draft: Callable[[str], tuple[CausalLM, object]] | None = None,
-                 prompt_cache_bytes: int = 0) -> None:
+                 prompt_cache_bytes: int = 0, supervise_drafts: bool = True) -> None:
         super().__init__(target, tokenizer, max_batch_size=max_batch_size, load_draft=load_draft)
+        # Rounds with drafts held off where they measure faster (batch/supervisor.py); None: drafts as chosen.
+        self.supervisor = DraftSupervisor() if supervise_drafts else None
         self.prefill_tokens_per_round = hf.PREFILL_CHUNK
         # Finished requests' caches for prompts that begin with their tokens (0 bytes: none kept).
         self.prompt_cache = PromptCache(prompt_cache_bytes)
@@ -269,7 +277,10 @@ class LockstepEngine(EngineBase):
         return False
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
-        return _Sequence(seq_id, request, self._decoder(request.method, request.memory), generator)
+        decoder = self._decoder(request.method, request.memory)
+        supervised = (method_is_lossless(request.method.name)
+                      and isinstance(decoder.drafter, LOAD_AWARE_DRAFTERS))
+        return _Sequence(seq_id, request, decoder, generator, supervised=supervised)
 
     def _drop_active(self, seq_id: int) -> None:
         del self.active[seq_id]
@@ -346,10 +357,12 @@ class LockstepEngine(EngineBase):
             return events
         round_start = time.perf_counter()
         self._set_draft_costs(list(self.active.values()))
+        key = self._supervision_key()
+        drafts = key is None or self.supervisor.drafts(key)
         rows, calls = [], []
         for seq in list(self.active.values()):
             try:
-                calls.append(seq.decoder.begin_round(seq.state))
+                calls.append(seq.decoder.begin_round(seq.state, hold_draft=not drafts))
                 rows.append(seq)
             except JointspecError as error:  # its own options refused (say, a draft past the target's rows)
                 del self.active[seq.seq_id]
@@ -359,13 +372,14 @@ class LockstepEngine(EngineBase):
         start = time.perf_counter()
         outputs = forward_many([seq.decoder.target for seq in rows], calls)
         forward_seconds = time.perf_counter() - start
-        accepted = 0
+        accepted = committed = 0
         for seq, output in zip(rows, outputs):
             state = seq.state
             new_tokens = seq.decoder.finish_round(state, output)
             self.stats.record(state.depths, state.num_accepted, len(new_tokens))
             self.stats.draft_seconds += state.draft_seconds
             accepted += state.num_accepted
+            committed += len(new_tokens)
             finish = None
             if state.done:
                 finish = "stop" if state.stopped else "length"
@@ -373,10 +387,23 @@ class LockstepEngine(EngineBase):
                 self._keep_cache(seq)
             events.append(BatchEvent(seq.seq_id, new_tokens, finish, len(state.depths), state.num_accepted,
                                      seq.stats if finish else None, depths=list(state.depths)))
+        round_seconds = time.perf_counter() - round_start
+        if key is not None and len(rows) == key:  # (a row refused its round: not the batch that was decided)
+            self.supervisor.record(key, drafts, committed, round_seconds)
         if self.on_round is not None:
             self.on_round(RoundRecord(len(rows), sum(len(call.token_ids) for call in calls), forward_seconds,
-                                      accepted, time.perf_counter() - round_start))
+                                      accepted, round_seconds, drafts))
         return events
+
+    def _supervision_key(self) -> int | None:
+        """The supervisor's key for this round's batch (its size), or None where the batch is not supervised: one
+        request alone (it drafts as ``generate`` does, on its own curve), a row of a method whose drafts are fixed or
+        are its output law, or a sampled row (a draft with probabilities, held off, would change which tokens its seed
+        draws: the law stays, the text a seed repeats would not)."""
+        if self.supervisor is None or len(self.active) < 2 or not all(
+                seq.supervised and seq.request.config.sampling.greedy for seq in self.active.values()):
+            return None
+        return len(self.active)
 
     def _set_draft_costs(self, rows: list[_Sequence]) -> None:
         """Give each cost-aware drafter the cost its draft tokens have in this round's batch (module docstring): its
