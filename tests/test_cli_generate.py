@@ -106,16 +106,16 @@ def test_malformed_options_are_argparse_errors(capsys, model_dirs, option, value
 
 
 @pytest.mark.parametrize("option, value, needle", [
-    ("--temperature", "-0.5", "temperature"),
-    ("--temperature", "nan", "temperature"),
-    ("--top-p", "0", "top_p"),
-    ("--top-p", "1.5", "top_p"),
-    ("--top-p", "-0.1", "top_p"),
-    ("--top-k", "-1", "top_k"),
+    ("--temperature", "-0.5", "--temperature"),
+    ("--temperature", "nan", "--temperature"),
+    ("--top-p", "0", "--top-p must be"),  # named by its flag, not the API's field (top_p)
+    ("--top-p", "1.5", "--top-p must be"),
+    ("--top-p", "-0.1", "--top-p must be"),
+    ("--top-k", "-1", "--top-k"),
     ("--method", "no-such-method", "unknown method"),
     ("--dtype", "float8", "dtype"),
-    ("--min-ngram", "4", "min_ngram"),  # 4 > --max-ngram 3
-    ("--tree-budget", "-1", "tree_budget"),
+    ("--min-ngram", "4", "--min-ngram <= --max-ngram"),  # 4 > --max-ngram 3
+    ("--tree-budget", "-1", "--tree-budget"),
 ])
 def test_bad_values_are_library_errors(capsys, model_dirs, option, value, needle):
     code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], option, value))
@@ -141,7 +141,11 @@ def test_a_tree_budget_that_caps_a_lookup_tree_samples(capsys, model_dirs):
 
 @pytest.mark.parametrize("options, flag", [(("--method", "pld", "--beam-width", "8"), "--beam-width"),
                                            (("--method", "ar", "--draft", "self"), "--draft"),
-                                           (("--method", "default", "--no-cost-aware"), "--no-cost-aware")])
+                                           (("--method", "default", "--no-cost-aware"), "--no-cost-aware"),
+                                           # given at its default value: it was accepted and ignored
+                                           (("--method", "ar", "--num-draft-tokens", "4"), "--num-draft-tokens"),
+                                           (("--method", "pld", "--verify", "token"), "--verify"),
+                                           (("--method", "ar", "--cost-aware"), "--cost-aware")])
 def test_an_option_the_method_does_not_read_is_refused_not_ignored(capsys, model_dirs, options, flag):
     code, out, err = run_cli(capsys, *generate_args(model_dirs["target"], *options))
     assert_clean_error(code, err, "jointspec: error:", f"does not read {flag}, so it would be ignored")
@@ -233,10 +237,13 @@ def test_a_method_that_drafted_nothing_says_it_decoded_plainly(capsys, model_dir
 
 
 @pytest.mark.parametrize("extra, exact", [((), True), (("--attention", "speckv"), False),
-                                          (("--method", "mtad", "--draft", "self"), False)])
+                                          (("--method", "mtad", "--draft", "self"), True),
+                                          (("--method", "mtad", "--draft", "self", "--temperature", "1"), False),
+                                          (("--method", "pld", "--temperature", "1"), True)])
 def test_json_says_whether_the_text_is_the_models_own(capsys, model_dirs, extra, exact):
-    """--json names the attention and whether the output is exact (a lossless method over full attention): an
-    approximate attention mode or MTAD is not, whatever the tokens happen to be on a short prompt."""
+    """--json names the attention and whether the output is exact (over full attention: greedy, every method, MTAD's
+    verifier reducing to greedy matching; sampled, a lossless method): an approximate attention mode or sampled MTAD
+    is not, whatever the tokens happen to be on a short prompt."""
     result = json_result(capsys, *generate_args(model_dirs["target"], "--json", *extra))
     assert result["exact"] is exact
     assert result["attention"] == (extra[1] if extra[:1] == ("--attention",) else "full")

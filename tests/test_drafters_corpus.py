@@ -202,6 +202,22 @@ def test_table_for_refuses_another_vocabulary_or_tokenizer(tmp_path, target_mode
         table_for(tmp_path / "missing", mine, VOCAB)
 
 
+def test_defaults_lookup_through_the_table_keeps_a_longer_min_ngram(target_model):
+    # `default` reads --min-ngram for its lookup; where a table is shipped its lookup drafts as corpus does, which
+    # fixed the shortest context match at 2 and dropped the user's value without a word.
+    from jointspec.backends.hf import CausalLM
+    from jointspec.methods import MethodConfig, MethodContext
+    from jointspec.methods.lossless import _corpus_lookup, table_for
+
+    from helpers import corpus_folder
+
+    target = CausalLM(target_model)
+    table = table_for(corpus_folder(target_model), None, target.vocab_size)
+    for min_ngram, expected in ((1, 2), (3, 3)):
+        config = MethodConfig(name="default", min_ngram=min_ngram, max_ngram=3)
+        assert _corpus_lookup(MethodContext(config, target, None, None), table).min_ngram == expected
+
+
 def test_corpus_method_without_a_table_says_how_to_build_one(target_model):
     from jointspec.backends.hf import CausalLM
     from jointspec.methods import MethodConfig, MethodContext, build_method

@@ -249,3 +249,12 @@ def test_tree_methods_are_refused_up_front_on_a_target_that_scores_chains_only()
     for name in trees:  # where trees are scored, every one builds
         draft = "self" if name in ("hybrid-tree", "mtad-tree", "specinfer", "spectr") else None
         build_method(MethodContext(MethodConfig(name, draft=draft), target, None, None))
+
+
+def test_lade_refuses_one_token_ngrams_rather_than_lengthening_them(target_model):
+    # --max-ngram 1 was raised to 2 without a word.
+    target = CausalLM(target_model)
+    with pytest.raises(UnsupportedOptionError, match="--max-ngram .* must be >= 2 for lade, got 1"):
+        build_method(MethodContext(MethodConfig(name="lade", max_ngram=1), target, None, None))
+    drafter, _ = build_method(MethodContext(MethodConfig(name="lade", max_ngram=2), target, None, None))
+    assert drafter.ngram == 2

@@ -201,3 +201,23 @@ def test_default_verifies_token_wise_on_a_chain_only_target_whatever_its_config_
     assert not isinstance(build("token")[1], BlockVerifier)
     with pytest.raises(UnsupportedOptionError, match="no block verification"):
         build("block")  # refused, as on every other target
+
+
+@pytest.mark.parametrize("shape", [dict(tree=(2, 2)), dict(tree_budget=6)])
+def test_a_tree_shape_default_cannot_draft_is_refused_not_ignored(target_model, shape):
+    """--tree and --tree-budget shape `default`'s head tree. On a chain-only target (llama.cpp's) and where no head
+    ships for the target, `default` drafts by lookup, and the option was dropped without a word. Deterministic."""
+    import dataclasses
+
+    from jointspec.core.errors import UnsupportedOptionError
+
+    class ChainOnly(CausalLM):
+        @property
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities, trees=False, features=False)
+
+    config = MethodConfig(name="default", **shape)
+    with pytest.raises(UnsupportedOptionError, match="chains only"):
+        build_method(MethodContext(config, ChainOnly(target_model, name="chain-only"), None, None))
+    with pytest.raises(UnsupportedOptionError, match="no draft head ships"):  # the tiny model has none
+        build_method(MethodContext(config, CausalLM(target_model, name="tiny"), None, None))

@@ -25,6 +25,8 @@ from jointspec.bench.specs import (
 )
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
+    GIVEN,
+    METHOD_OPTIONS,
     add_model_arguments,
     apply_threads,
     check_dynamic_tree,
@@ -75,6 +77,9 @@ def add_parser(subparsers) -> None:
                              "(default: --model when it is 'default' or a .gguf file, else 'default')")
     add_model_arguments(parser)
     parser.set_defaults(run=run, method=None)  # the bench runs --methods; --method is refused in run
+    for action in parser._actions:
+        if action.dest == "method":
+            action.help = argparse.SUPPRESS  # (refused: not listed)
 
 
 def llamacpp_model(args: argparse.Namespace) -> str:
@@ -101,10 +106,11 @@ def _auto_quantize(args: argparse.Namespace, specs) -> str:
     return resolve_quantize("auto", args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
 
 
-def check_shared_options(defaults, specs) -> None:
+def check_shared_options(defaults, specs, given=()) -> None:
     """Refuse a shared method option (``--beam-width 8``) that no method of the bench reads: it would be ignored by
-    every row, as ``generate`` refuses one its method does not read. One that some row reads is that row's setting."""
-    unread = [option for option in options_set(defaults)
+    every row, as ``generate`` refuses one its method does not read. One that some row reads is that row's setting.
+    ``given``: the options given on the command line at their default value, refused alike."""
+    unread = [option for option in dict.fromkeys([*options_set(defaults), *given])
               if not any(option in valid_keys(spec.name) for spec in specs)]
     if unread:
         raise MethodSpecError(f"no method of --methods ({', '.join(spec.label for spec in specs)}) reads "
@@ -129,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
                              llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
-    check_shared_options(defaults, specs)
+    check_shared_options(defaults, specs, [METHOD_OPTIONS[dest] for dest in sorted(getattr(args, GIVEN, None) or ())
+                                           if dest in METHOD_OPTIONS])
     for spec in specs:  # bad option values fail here, before the model loads
         if spec.is_hf:
             hf_settings(spec, defaults)

@@ -20,6 +20,7 @@ from jointspec.cli.options import (
     positive_int,
     prebuild_kernels,
     say_quantize_choice,
+    with_flags,
 )
 from jointspec.core.errors import JointspecError
 
@@ -75,9 +76,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=seed, chat=not args.no_chat)
         method = method_config_from_args(args)
-        check_reads(method)
+        check_reads(method, args)
     except ValueError as error:
-        raise JointspecError(str(error)) from error
+        raise JointspecError(with_flags(str(error))) from error
     prompt = _prompt_text(args)  # before the model loads: a prompt that cannot be read fails at once
     if not prompt.strip():
         raise JointspecError("the prompt is empty; pass some text (as the argument, --prompt, --prompt-file or on "
@@ -110,10 +111,11 @@ def _run_generate(args: argparse.Namespace) -> int:
             record["seed"] = seed
         # Scored by the model with its whole cache, also when it decoded over a sparse view.
         record["quality"] = quality_report(model, result.prompt_ids, result.token_ids, joules)
-        # Whether the text is the model's own: a lossless method over full attention (greedy: token-identical to
-        # plain decoding; sampled: the model's own law).
+        # Whether the text is the model's own, over full attention: greedy, every method's (each verifier reduces to
+        # greedy matching, MTAD's too: token-identical to plain decoding); sampled, a lossless method's (the model's
+        # own law).
         record["attention"] = args.attention
-        record["exact"] = args.attention == "full" and method_is_lossless(args.method)
+        record["exact"] = args.attention == "full" and (config.sampling.greedy or method_is_lossless(args.method))
         print(json.dumps(record))
         _say_if_drafted_nothing(method, result.stats)
         return 0
@@ -161,7 +163,8 @@ def _say_if_drafted_nothing(method, stats) -> None:
         why = "it drafts only once the context passes 2,048 tokens (a long input)"
     elif resolved_cost_aware(method):
         why = ("it drafts only where it finds a draft and the target's measured costs and the running acceptance say "
-               "the draft pays, which one as dear as a target step never does")
+               "the draft pays (a draft as dear as a target step, such as --draft self, never does; a head whose "
+               "tokens the target rarely accepts seldom does)")
         if method.name not in ("default", "hybrid-tree"):
             why += "; --no-cost-aware drafts every round"
     else:

@@ -55,43 +55,76 @@ def tree_spec(text: str) -> tuple[int, ...]:
     return values
 
 
+# Method options by argparse dest -> MethodConfig field: a flag given is refused where the method does not read it,
+# also at its default value (check_reads).
+METHOD_OPTIONS = {"draft": "draft", "cost_aware": "cost_aware", "verify": "verify",
+                  "num_draft_tokens": "num_draft_tokens", "max_draft_tokens": "max_num_draft_tokens",
+                  "max_ngram": "max_ngram", "min_ngram": "min_ngram", "beam_width": "beam_width",
+                  "accept_threshold": "accept_threshold", "tree": "tree", "tree_budget": "tree_budget",
+                  "head_weights": "head_weights"}
+GIVEN = "given_method_options"  # the Namespace attribute that lists the method options given on the command line
+
+
+def _recording(action_class: type[argparse.Action]) -> type[argparse.Action]:
+    """``action_class`` that also notes its dest in the namespace's :data:`GIVEN` set when the flag is given."""
+
+    class Recording(action_class):
+        def __call__(self, parser, namespace, values, option_string=None):
+            given = getattr(namespace, GIVEN, None) or set()
+            setattr(namespace, GIVEN, given | {self.dest})
+            super().__call__(parser, namespace, values, option_string)
+
+    return Recording
+
+
+_GIVEN_STORE = _recording(argparse._StoreAction)
+_GIVEN_BOOLEAN = _recording(argparse.BooleanOptionalAction)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that loads a model and picks a method."""
     parser.add_argument("--model", default="default",
                         help="target: 'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a hub id")
     parser.add_argument("--method", default="ar", help="decoding method (see `jointspec methods`)")
-    parser.add_argument("--draft", default=None,
+    parser.add_argument("--draft", action=_GIVEN_STORE, default=None,
                         help="draft for model-based methods: a model, a head folder from `train-draft`, or 'self'; for "
                              "corpus: a table folder from `build-corpus`")
-    parser.add_argument("--cost-aware", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--cost-aware", action=_GIVEN_BOOLEAN, default=None,
                         help="pld/corpus/cross/sps/hybrid: choose each round's draft length, or no draft, from the "
                              "target's measured cost curve and the running acceptance, so speculation does not run "
                              "slower than plain decoding (measures the curve once, a few seconds); mtad: each round's "
                              "depth, at least 1; specinfer/spectr: whether a round drafts their tree at all. sps, "
                              "hybrid, mtad, specinfer and spectr do this unless --no-cost-aware; pld, corpus and cross "
                              "only with --cost-aware")
-    parser.add_argument("--verify", choices=VERIFY_CHOICES, default="token",
+    parser.add_argument("--verify", action=_GIVEN_STORE, choices=VERIFY_CHOICES, default="token",
                         help="sps/hybrid/pearl/sparse-self: token = token-wise speculative sampling; block = block "
                              "verification of the same drafts (Sun et al. 2024): the same output law, more tokens kept "
                              "per round; "
                              "specinfer: traversal = traversal verification of its trees (Weng et al. 2025)")
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft length / depth (gamma)")
-    parser.add_argument("--max-draft-tokens", type=positive_int, default=16,
-                        help="pld: the draft length doubles after fully accepted drafts, up to this")
-    parser.add_argument("--max-ngram", type=positive_int, default=3, help="pld: longest n-gram to match")
-    parser.add_argument("--min-ngram", type=positive_int, default=1, help="pld: shortest n-gram to match")
-    parser.add_argument("--beam-width", type=positive_int, default=4, help="mtad: beams per level")
-    parser.add_argument("--accept-threshold", type=float, default=0.5, help="mtad: joint-likelihood ratio tau")
-    parser.add_argument("--tree", type=tree_spec, default=None,
+    parser.add_argument("--num-draft-tokens", action=_GIVEN_STORE, type=positive_int, default=4,
+                        help="draft length / depth (gamma); lade: its Jacobi window W")
+    parser.add_argument("--max-draft-tokens", action=_GIVEN_STORE, type=positive_int, default=16,
+                        help="the longest draft: pld/corpus/cross double their length after fully accepted drafts up "
+                             "to this; cost-aware chains (sps, hybrid, default's lookup) choose lengths up to it; "
+                             "lookahead/aded: the deepest path is the larger of this and --num-draft-tokens")
+    parser.add_argument("--max-ngram", action=_GIVEN_STORE, type=positive_int, default=3,
+                        help="lookup methods: the longest n-gram to match; lade: its n-gram length N (>= 2)")
+    parser.add_argument("--min-ngram", action=_GIVEN_STORE, type=positive_int, default=1,
+                        help="lookup methods: the shortest n-gram to match")
+    parser.add_argument("--beam-width", action=_GIVEN_STORE, type=positive_int, default=4,
+                        help="mtad/mtad-tree: beams per level; spectr: its number of draft chains")
+    parser.add_argument("--accept-threshold", action=_GIVEN_STORE, type=float, default=0.5,
+                        help="mtad: joint-likelihood ratio tau")
+    parser.add_argument("--tree", action=_GIVEN_STORE, type=tree_spec, default=None,
                         help="tree methods: branching per depth, e.g. 4,2,2, drafted every round (default: the "
                              "one-level tree of the draft's top 1-3 tokens that the target's cost curve pays best; "
                              "specinfer with --no-cost-aware: 4,2,2); at most 4,096 nodes, and a CPU round verifies "
                              "at most 255")
-    parser.add_argument("--tree-budget", type=int, default=0, metavar="N",
+    parser.add_argument("--tree-budget", action=_GIVEN_STORE, type=int, default=0, metavar="N",
                         help="hybrid-tree/default: draft a dynamic tree of N nodes ranked by the draft's confidence "
                              "(EAGLE-2) instead of the static --tree, greedy decoding only; lookahead/lade/aded: the "
                              "most nodes of their trees (default 16)")
-    parser.add_argument("--head-weights", choices=HEAD_WEIGHT_CHOICES, default="auto",
+    parser.add_argument("--head-weights", action=_GIVEN_STORE, choices=HEAD_WEIGHT_CHOICES, default="auto",
                         help="a trained EAGLE head's weights (the draft of default on the embedded model): int8 = "
                              "8-bit weight groups on jointspec's CPU kernel (a draft call ~25 %% cheaper, drafts "
                              "nearly the same; output unchanged either way: the target verifies); auto = int8 where "
@@ -180,17 +213,33 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     return config
 
 
-def check_reads(config) -> None:
+def check_reads(config, args: argparse.Namespace | None = None) -> None:
     """Refuse the method options given for a method that does not read them (``--beam-width`` with ``pld``): they
-    were ignored without a word. The CLI's defaults are MethodConfig's, so what differs from them was given."""
+    were ignored without a word. The CLI's defaults are MethodConfig's, so what differs from them was given; ``args``
+    also names those given at their default value (``--num-draft-tokens 4`` with ``ar``)."""
     from jointspec.methods.registry import options_set, unread_options_error
 
     def spell(field: str) -> str:
         return "--no-cost-aware" if field == "cost_aware" and config.cost_aware is False else cli_flag(field)
 
-    error = unread_options_error(config.name, options_set(config), spell=spell)
+    given = [METHOD_OPTIONS[dest] for dest in sorted(getattr(args, GIVEN, None) or ()) if dest in METHOD_OPTIONS]
+    fields = list(dict.fromkeys(options_set(config) + given))
+    error = unread_options_error(config.name, fields, spell=spell)
     if error:
         raise UnsupportedOptionError(error)
+
+
+# Settings whose checks (GenerationConfig, SamplingConfig, MethodConfig) name them as the Python API spells them.
+_FLAGGED_FIELDS = ("max_num_draft_tokens", "num_draft_tokens", "max_new_tokens", "accept_threshold", "tree_budget",
+                   "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "temperature", "seed")
+
+
+def with_flags(message: str) -> str:
+    """A settings check's message with each field it names spelt as its command-line flag (``top_p`` -> ``--top-p``)."""
+    import re
+
+    pattern = r"(?<![\w-])(" + "|".join(_FLAGGED_FIELDS) + r")(?![\w-])"
+    return re.sub(pattern, lambda match: cli_flag(match.group(1)), message)
 
 
 def cli_flag(field: str) -> str:

@@ -29,9 +29,10 @@ def add_parser(subparsers) -> None:
                         help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish before they get "
                              "an error (default 30); new requests get 503 meanwhile")
     parser.add_argument("--online-memory", choices=("off", "user", "shared"), default="off",
-                        help="online adaptation: the lookup drafters (pld, corpus, lookahead, aded, default's "
-                             "lookup) also copy from earlier answers, kept per request 'user' (requests without one "
-                             "get none) or shared by every request; bounded per model, off by default "
+                        help="online adaptation: the lookup drafters (pld, corpus, lookahead, aded, and the lookup "
+                             "of default, hybrid and hybrid-tree) also copy from earlier answers, kept per request "
+                             "'user' (requests without one get none) or shared by every request; bounded per model, "
+                             "off by default "
                              "(docs/methods.md)")
     parser.add_argument("--prompt-cache-mb", type=non_negative_int, default=256, metavar="MB",
                         help="keep finished requests' caches, up to this many MB, for prompts that begin with their "
@@ -93,7 +94,7 @@ def non_negative_float(text: str) -> float:
 
 def build_engine(args: argparse.Namespace):
     """The serving engine for parsed ``serve`` arguments (also used by tests, with a local model folder)."""
-    from jointspec.cli.options import check_reads, method_config_from_args, model_loader
+    from jointspec.cli.options import check_reads, method_config_from_args, model_loader, with_flags
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.methods import method_names
     from jointspec.methods.registry import batched_methods, unknown_method_error
@@ -107,9 +108,9 @@ def build_engine(args: argparse.Namespace):
                                      "weights on torch)")
     try:
         method = method_config_from_args(args)
-        check_reads(method)
+        check_reads(method, args)
     except ValueError as error:
-        raise JointspecError(str(error)) from error
+        raise JointspecError(with_flags(str(error))) from error
     load = model_loader(args)
     # The engine thread loads the model: all torch work on one thread (ServingEngine says why).
     return ServingEngine(None, None, method, model_id=args.model_id or args.model,

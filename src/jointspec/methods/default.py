@@ -13,6 +13,7 @@ import weakref
 from dataclasses import replace
 
 from jointspec.core.draft import Drafter
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.corpus import shipped_table_for
 from jointspec.drafts.artifact import shipped_head_for
@@ -58,6 +59,16 @@ def _build_default(context: MethodContext) -> tuple[Drafter, Verifier]:
     head = context.config.draft
     if head is None and trees_and_heads:
         head = shipped_head_for(context.target)
+    asked = context.config
+    shaped = [option for option, value in (("--tree", asked.tree), ("--tree-budget", asked.tree_budget)) if value]
+    if shaped and not trees_and_heads:
+        raise UnsupportedOptionError(f"{' and '.join(shaped)} shape `default`'s head tree, and this target scores "
+                                     "chains only (llama.cpp's backend): `default` drafts chains by lookup here, so "
+                                     "drop them")
+    if shaped and head is None:
+        raise UnsupportedOptionError(f"{' and '.join(shaped)} shape `default`'s head tree, but no draft head ships for "
+                                     "this target: pass one with --draft DIR (jointspec train-draft makes one), or "
+                                     "drop them")
     # What the remembered decision depends on besides the weights: the head, and the functions and bar that judge it.
     key = (str(head), expected_tree_gain, draft_cost_per_call, top_w_hit_rate, MIN_TREE_GAIN)
     remembered = _TREE_GAINS.get(context.target.model, {}).get(key) if capabilities.torch_module else None

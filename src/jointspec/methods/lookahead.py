@@ -4,6 +4,7 @@ decoding (Fu et al., 2024), Jacobi iterations and the n-grams they leave behind 
 
 from __future__ import annotations
 
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.drafters.jacobi import JacobiLookaheadDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods.costs import target_cost_curve
@@ -33,6 +34,9 @@ def _build_lookahead(context: MethodContext):
                  reads=("num_draft_tokens", "max_ngram", "tree_budget"), drafts_trees=True)
 def _build_lade(context: MethodContext):
     config = context.config
+    if config.max_ngram < 2:  # an n-gram is drafted after its first token: one token drafts nothing
+        raise UnsupportedOptionError(f"lade's n-grams hold their first token and what follows it: --max-ngram (the "
+                                     f"n-gram length N) must be >= 2 for lade, got {config.max_ngram}")
     drafter = JacobiLookaheadDrafter(target_cost_curve(context.target), window=config.num_draft_tokens,
-                                     ngram=max(2, config.max_ngram), max_nodes=config.tree_budget or 16)
+                                     ngram=config.max_ngram, max_nodes=config.tree_budget or 16)
     return drafter, TreeRejectionVerifier(replacement=True)

@@ -74,7 +74,7 @@ def _prompt_lookup(context: MethodContext) -> PromptLookupDrafter:
 @register_method("corpus", "prompt lookup, else an n-gram table of the target's own answers (--draft TABLE, default: "
                  "the one shipped for its tokenizer) (lossless)", lossless=True, cost_aware=True,
                  learns_online=True,
-                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "cost_aware"))
+                 reads=("draft", "num_draft_tokens", "max_num_draft_tokens", "max_ngram", "min_ngram", "cost_aware"))
 def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
     config = context.config
     table = (table_for(config.draft, context.tokenizer, context.target.vocab_size) if config.draft else
@@ -88,10 +88,12 @@ def _build_corpus(context: MethodContext) -> tuple[Drafter, Verifier]:
 
 def _corpus_lookup(context: MethodContext, table) -> Drafter:
     config = context.config
-    # The context's matches come first from 2 tokens on; --max-ngram 1 asks for 1-token matches alone.
+    # The context's matches come first from 2 tokens on; --max-ngram 1 asks for 1-token matches alone, --min-ngram
+    # for longer ones only.
+    min_context = max(min(2, config.max_ngram), config.min_ngram)
     return CorpusLookupDrafter(table, config.num_draft_tokens,
                                max(config.max_num_draft_tokens, config.num_draft_tokens), max_ngram=config.max_ngram,
-                               min_context_ngram=min(2, config.max_ngram), output_memory=context.memory)
+                               min_context_ngram=min_context, output_memory=context.memory)
 
 
 @register_method("hybrid", "prompt lookup when the context repeats, else the draft model or head (lossless)",

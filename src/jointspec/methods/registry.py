@@ -123,10 +123,13 @@ class MethodContext:
         """The draft model named by ``config.draft`` (required), checked against the target's vocabulary."""
         if self.config.draft is None:
             # The head shipped for the target where there is one (heads read the target's hidden states).
-            head = shipped_head_for(self.target) if self.target.capabilities.features else None
+            features = self.target.capabilities.features
+            head = shipped_head_for(self.target) if features else None
             if head is None:
-                raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model and no draft head "
-                                             f"ships for target '{self.target.name}': pass --draft PATH (or --draft "
+                why = ("no draft head ships for target" if features else
+                       "a draft head reads the target's hidden states, which this backend does not expose, for target")
+                raise UnsupportedOptionError(f"method '{self.config.name}' needs a draft model and {why} "
+                                             f"'{self.target.name}': pass --draft PATH (or --draft "
                                              "self to use the target as its own draft; in a request to `jointspec "
                                              "serve`, \"draft\": \"self\" or the server's --draft)")
             log.info("method %s: drafting with the head shipped for the target (%s); --draft chooses another",
