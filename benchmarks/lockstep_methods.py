@@ -115,21 +115,23 @@ def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurren
     owner: dict[int, int] = {}
     result = RunResult(0, 0.0, [])
     start = time.perf_counter()
-    while queue or engine.has_work:
-        while queue and len(engine.active) + len(engine.waiting) < concurrency:
-            index, ids = queue.pop(0)
-            owner[engine.submit(BatchRequest(tuple(ids), config, MethodConfig(method), seed + index))] = index
-            answers[index] = []
-        num_records, got = len(records), 0
-        for event in engine.step():
-            got += len(event.token_ids)
-            answers[owner[event.seq_id]].extend(event.token_ids)
-        result.tokens += got
-        if len(records) > num_records and records[-1].sequences == concurrency:
-            result.busy_tokens += got
-            result.busy_seconds += records[-1].seconds
-    engine.on_round = None
-    engine.supervisor = supervisor
+    try:
+        while queue or engine.has_work:
+            while queue and len(engine.active) + len(engine.waiting) < concurrency:
+                index, ids = queue.pop(0)
+                owner[engine.submit(BatchRequest(tuple(ids), config, MethodConfig(method), seed + index))] = index
+                answers[index] = []
+            num_records, got = len(records), 0
+            for event in engine.step():
+                got += len(event.token_ids)
+                answers[owner[event.seq_id]].extend(event.token_ids)
+            result.tokens += got
+            if len(records) > num_records and records[-1].sequences == concurrency:
+                result.busy_tokens += got
+                result.busy_seconds += records[-1].seconds
+    finally:
+        engine.on_round = None
+        engine.supervisor = supervisor
     result.seconds = time.perf_counter() - start
     result.answers = [answers[i] for i in range(len(prompts))]
     return result

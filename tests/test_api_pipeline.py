@@ -238,6 +238,15 @@ def test_pipelines_on_one_target_share_its_cache_one_generation_at_a_time(target
         next(one)
     pipes = (first, second)
     assert in_threads(lambda i: pipes[i % 2].generate_ids(prompts[i], CONFIG).token_ids, len(prompts)) == alone
+    # A wrapper over the target (an approximate attention mode) reads and writes the same cache.
+    from jointspec.drafters.approximate import with_attention
+
+    wrapped = Pipeline(with_attention(target, "sparse"), None, "ar")
+    one = first.stream_ids(prompts[0], CONFIG)
+    next(one)
+    wrapped.generate_ids(prompts[1], CONFIG)
+    with pytest.raises(JointspecError, match="another generation started"):
+        next(one)
 
 
 def test_arguments_of_the_wrong_kind_are_refused_by_name(target_model, byte_model, tokenizer):

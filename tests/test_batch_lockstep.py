@@ -206,6 +206,7 @@ def test_each_request_gets_the_tokens_it_gets_alone_greedy(int4_target, method, 
     # and then nothing is verified. Rows priced nearly free keep the cost-aware drafters drafting: the check below
     # that drafts were accepted then holds whatever the machine's load (the tokens hold either way).
     engine._curves = dict.fromkeys((False, True), CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES}))
+    engine.supervisor = None  # drafts as the pinned curve prices them (the supervisor's choice is timed)
     out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS])
     expected = [alone(int4_target, config, p, GREEDY) for p in PROMPTS]
     assert out == expected
@@ -224,6 +225,7 @@ def test_each_round_reports_its_sequences_rows_and_accepted_tokens(int4_target):
     engine = LockstepEngine(int4_target, max_batch_size=3)
     # Rows nearly free: drafts.
     engine._curves = dict.fromkeys((False, True), CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES}))
+    engine.supervisor = None  # drafts as the pinned curve prices them (the supervisor's choice is timed)
     records: list[RoundRecord] = []
     engine.on_round = records.append
     before = []
@@ -291,6 +293,7 @@ def test_lookup_drafts_sample_what_ar_samples_under_load(int4_target):
     # Rows priced nearly free, as above: a measured curve on a loaded machine can leave drafting (and learning) too
     # rare for the acceptance check below; the tokens hold either way.
     engine._curves = dict.fromkeys((False, True), CostCurve({n: 1.0 + 0.002 * (n - 1) for n in BATCH_CURVE_SIZES}))
+    engine.supervisor = None  # drafts as the pinned curve prices them (the supervisor's choice is timed)
     requests = [BatchRequest(tuple(p), SAMPLED, METHODS["pld-cost-aware"], seed=100 + i) for i, p in enumerate(PROMPTS)]
     out = engine.generate(requests)
     assert out == [alone(int4_target, METHODS["ar"], list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]

@@ -5,9 +5,9 @@ What is proved here:
   tokens a second runs but for one round in ``explore_every`` (drafts kept unless rounds without them win by more
   than the margin), each size on its own, and a change of which is faster is followed within a few explored rounds;
 - the engine: rounds it holds off draft nothing and decode plainly, so every greedy request still gets exactly the
-  tokens it gets alone; only batches of two or more greedy rows of lossless load-aware methods are supervised (never
-  a request alone, MTAD's, a sampled row's, or a fixed draft's), and each supervised round is recorded with what it
-  committed.
+  tokens it gets alone; only batches of two or more greedy rows of lossless methods drafting by load-aware lookup
+  are supervised (never a request alone, MTAD's, a model's or head's, a sampled row's, or a fixed draft's), and each
+  supervised round is recorded with what it committed.
 
 The supervisor's tests feed it chosen seconds, and the engine's decide with a fixed pattern: no timing, so no
 false-failure odds.
@@ -134,7 +134,9 @@ def supervised_engine(target: CausalLM) -> tuple[LockstepEngine, Alternating, li
 
 
 @pytest.mark.parametrize("config", [MethodConfig("pld", num_draft_tokens=4, cost_aware=True),
-                                    MethodConfig("lookahead")], ids=["pld-cost-aware", "lookahead"])
+                                    MethodConfig("lookahead"), MethodConfig("lade"),
+                                    MethodConfig("aded", draft="none")],
+                         ids=["pld-cost-aware", "lookahead", "lade", "aded"])
 def test_rounds_held_off_decode_plainly_and_every_greedy_request_keeps_its_tokens(int4_target, config):
     engine, supervisor, records = supervised_engine(int4_target)
     out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS])
@@ -149,8 +151,11 @@ def test_rounds_held_off_decode_plainly_and_every_greedy_request_keeps_its_token
 
 
 @pytest.mark.parametrize("mixed", [MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2),
-                                   MethodConfig("pld", num_draft_tokens=4)], ids=["mtad", "fixed-pld"])
-def test_a_batch_with_an_mtad_or_a_fixed_draft_row_is_not_supervised(int4_target, mixed):
+                                   MethodConfig("pld", num_draft_tokens=4),
+                                   MethodConfig("sps", draft="self"),  # cost-aware, but a model catches up
+                                   MethodConfig("specinfer", draft="self", tree=(2, 2))],
+                         ids=["mtad", "fixed-pld", "cost-aware-sps", "specinfer-tree"])
+def test_a_batch_with_an_mtad_a_model_or_a_fixed_draft_row_is_not_supervised(int4_target, mixed):
     engine, supervisor, records = supervised_engine(int4_target)
     lookup = MethodConfig("pld", num_draft_tokens=4, cost_aware=True)
     requests = [BatchRequest(tuple(PROMPTS[0]), GREEDY, mixed), BatchRequest(tuple(PROMPTS[1]), GREEDY, lookup)]

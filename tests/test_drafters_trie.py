@@ -73,3 +73,21 @@ def test_the_cost_curve_sizes_the_tree_and_the_calibration_follows_acceptance():
     assert drafter.calibration > before and drafter._probe_interval == 1
     drafter.start(context)
     assert drafter.calibration == 1.0
+
+
+def test_a_round_without_budget_leaves_the_probe_schedule_alone():
+    # A round given no budget (an answer's last token; a batched round whose drafts the engine holds off) drafts
+    # nothing; its commit judged the probe of an earlier round again, as rejected, and doubled the wait each time.
+    context = [5, 6, 7, 9, 0, 5, 6, 3, 0, 5, 6, 7, 9, 0, 5, 6, 7, 8, 0, 5, 6]
+    drafter = TrieLookupDrafter(CostCurve({1: 1.0, 2: 1.1, 3: 1.5, 5: 3.0}), max_depth=2, max_ngram=2)
+    for _ in range(60):  # rejections until only probes are drafted
+        drafter.propose(context, 8, GREEDY, None)
+        drafter.commit(context, 0)
+    while drafter.propose(context, 8, GREEDY, None).num_nodes == 0:
+        drafter.commit(context, 0)
+    drafter.commit(context + [7], 1)  # the probe accepted: probes every round again
+    assert drafter._probe_interval == 1
+    for _ in range(5):
+        assert drafter.propose(context, 0, GREEDY, None).num_nodes == 0
+        drafter.commit(context, 0)
+    assert drafter._probe_interval == 1

@@ -111,10 +111,17 @@ _SESSIONS_LOCK = threading.Lock()
 
 
 def _session(target: CausalLM) -> _Session:
+    """The session of the target whose cache ``target`` uses: a wrapper's (an approximate attention mode) is its
+    inner target's. A target that cannot be weakly referenced gets a session of its own pipeline."""
+    while getattr(target, "inner", None) is not None:
+        target = target.inner
     with _SESSIONS_LOCK:
-        session = _SESSIONS.get(target)
-        if session is None:
-            session = _SESSIONS[target] = _Session()
+        try:
+            session = _SESSIONS.get(target)
+            if session is None:
+                session = _SESSIONS[target] = _Session()
+        except TypeError:  # not weakly referenceable or not hashable: nothing to share it by
+            session = _Session()
         return session
 
 

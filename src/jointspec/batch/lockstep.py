@@ -36,7 +36,8 @@ learns instead from shadow tests (its skipped drafts scored against the tokens t
 :mod:`jointspec.drafters.costaware`), and any other cost-aware drafter probes within :data:`BATCH_PROBE_BUDGET`.
 The curve is a model measured once; the engine also measures its own rounds at each batch size of two or more with
 the drafts of such rows run and held off, and holds them off where rounds without them commit more tokens a second
-(:mod:`jointspec.batch.supervisor`; batches of greedy rows of lossless methods, whose tokens that cannot change).
+(:mod:`jointspec.batch.supervisor`; batches of greedy rows of lossless methods drafting by lookup, whose tokens that
+cannot change).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
+from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.drafters.tree_gate import GatedTreeDrafter
 from jointspec.drafters.trie import TrieLookupDrafter
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -183,6 +185,16 @@ def load_aware_parts(drafter) -> list:
     return [drafter.lookup, drafter] if isinstance(drafter, LookupOrTreeDrafter) else [drafter]
 
 
+def drafts_by_lookup(drafter) -> bool:
+    """Whether a load-aware drafter drafts by lookup alone (cost-aware prompt or corpus lookup, Lookahead's trie and
+    its kin), with no draft model or head: a round whose drafts are held off then costs it nothing later, so rounds
+    with and without drafts compare fairly (batch/supervisor.py). A model's drafter catches up on the tokens of the
+    rounds it skipped in its next draft, which would be measured against drafting."""
+    if isinstance(drafter, CostAwareDrafter):
+        return isinstance(drafter.inner, PromptLookupDrafter)
+    return isinstance(drafter, TrieLookupDrafter)  # (sized by the cost curve: load-aware itself)
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """One round of the lockstep engine, for whoever studies what its forwards cost (``LockstepEngine.on_round``):
@@ -211,7 +223,7 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens read so far (while waiting)
     prefill_seconds: float = 0.0
     reused: int | None = None  # prompt tokens whose entries came from the prompt cache (None: not looked yet)
-    supervised: bool = False  # a lossless load-aware method's: its drafts may be held off (batch/supervisor.py)
+    supervised: bool = False  # a lossless method's lookup drafts: they may be held off (batch/supervisor.py)
 
 
 class LockstepEngine(EngineBase):
@@ -278,8 +290,7 @@ class LockstepEngine(EngineBase):
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
         decoder = self._decoder(request.method, request.memory)
-        supervised = (method_is_lossless(request.method.name)
-                      and isinstance(decoder.drafter, LOAD_AWARE_DRAFTERS))
+        supervised = method_is_lossless(request.method.name) and drafts_by_lookup(decoder.drafter)
         return _Sequence(seq_id, request, decoder, generator, supervised=supervised)
 
     def _drop_active(self, seq_id: int) -> None:
@@ -397,9 +408,8 @@ class LockstepEngine(EngineBase):
 
     def _supervision_key(self) -> int | None:
         """The supervisor's key for this round's batch (its size), or None where the batch is not supervised: one
-        request alone (it drafts as ``generate`` does, on its own curve), a row of a method whose drafts are fixed or
-        are its output law, or a sampled row (a draft with probabilities, held off, would change which tokens its seed
-        draws: the law stays, the text a seed repeats would not)."""
+        request alone (it drafts as ``generate`` does, on its own curve), a row whose drafts are not load-aware
+        lookups (fixed drafts, a model's or a head's, MTAD's), or a sampled row (the server repeats a seed's text)."""
         if self.supervisor is None or len(self.active) < 2 or not all(
                 seq.supervised and seq.request.config.sampling.greedy for seq in self.active.values()):
             return None

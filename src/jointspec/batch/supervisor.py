@@ -18,8 +18,10 @@ change of workload (a run of extraction requests, whose drafts pay many times ov
 A request alone is not supervised: it drafts as ``generate`` drafts, on its own curve, measured as ``generate``
 measures it. Holding drafts off never changes what is generated: the engine supervises only batches of greedy rows
 of lossless methods, whose rows commit exactly the tokens they would have (never MTAD's, whose output law is its
-drafts, nor a sampled row's: held off, a draft with probabilities would change which tokens its seed draws, and the
-server repeats a seed's text). What it costs: where drafts pay, one round in :data:`EXPLORE_EVERY` without them (at
+drafts, nor a sampled row's: the server repeats a seed's text). And only rows whose load-aware drafts are lookups
+(``default`` where it drafts by lookup, cost-aware ``pld`` and ``corpus``, ``lookahead``, ``lade``, ``aded``): a draft
+model or head skips its own forwards in a held-off round and catches up in its next draft, which would be measured
+against drafting. What it costs: where drafts pay, one round in :data:`EXPLORE_EVERY` without them (at
 a 1.2x gain from drafts, about 1 % of the tokens), and the warm-up's alternation at each batch size.
 """
 

@@ -119,12 +119,12 @@ class TrieLookupDrafter:
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         self._last_predicted = 0.0
+        self._probing = False  # (also where no budget is left: the round's commit must not judge an earlier probe)
         depth = min(self.max_depth, max_num_draft_tokens)
         if depth <= 0:
             return EMPTY_DRAFT
         tokens, parents, chances = self.trie(context_ids, depth)
         keep = self._nodes_that_pay(chances[:self.max_nodes], self.calibration)
-        self._probing = False
         if keep == 0 and self._nodes_that_pay(chances[:1], 1.0):  # only the calibration says no: probe now and then
             self._skipped += 1
             self._probing = keep = int(self._skipped >= self._probe_interval)
