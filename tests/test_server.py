@@ -70,6 +70,9 @@ def sse_payloads(text: str) -> list[dict]:
 def test_health_models_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"  # what openai's models.retrieve asks
+    missing = client.get("/v1/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     # Several rounds, so inter-token times exist: a self-draft is always accepted, and cost-aware sps then drafts long.
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 40, "temperature": 0,
                                          "jointspec": {"method": "sps", "draft": "self"}})
@@ -305,14 +308,14 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(jointspec={"method": "sps", "draft": "/etc/passwd"})), None),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "min_ngram": 4, "max_ngram": 2})), None),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "beam_width": 8})), None),  # pld reads no beams
-    ("chat", json.dumps(chat_body("x" * 300)), None),  # 300+ tokens for a 256-token context
+    ("chat", json.dumps(chat_body("x" * 300)), "messages"),  # 300+ tokens for a 256-token context
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "num_draft_tokens": 0})), "jointspec.num_draft_tokens"),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "max_ngram": 65})), "jointspec.max_ngram"),
     ("chat", json.dumps(chat_body(jointspec="pld")), "jointspec"),
     ("chat", json.dumps(chat_body(jointspec={"method": "ar", "draft": "self", "extra": 1})), "jointspec.extra"),
-    ("completions", json.dumps({"prompt": [5, 259]}), None),  # past the 259-token vocabulary: must not reach a row
-    ("completions", json.dumps({"prompt": [-1, 5]}), None),
-    ("completions", json.dumps({"prompt": [5] * 300}), None),  # token ids past the context
+    ("completions", json.dumps({"prompt": [5, 259]}), "prompt"),  # past the 259-token vocabulary: must not reach a row
+    ("completions", json.dumps({"prompt": [-1, 5]}), "prompt"),
+    ("completions", json.dumps({"prompt": [5] * 300}), "prompt"),  # token ids past the context
     ("completions", json.dumps({"prompt": ["a", "b"]}), "prompt"),
     ("completions", json.dumps({"prompt": ""}), "prompt"),
     ("completions", json.dumps({"prompt": "a", "best_of": 3}), "best_of"),
@@ -390,6 +393,61 @@ def test_a_prompt_past_the_context_is_a_400_naming_the_context(endpoint, body, c
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     reply = client.post(path, json=body)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
+    assert reply.json()["error"]["param"] == ("messages" if endpoint == "chat" else "prompt")
+
+
+def test_a_prompt_and_max_tokens_past_the_context_are_a_400_not_a_cut_answer(client, engine):
+    # OpenAI's API refuses what the context cannot hold; the answer was cut short with finish_reason "length".
+    room = engine.target.max_context - 100
+    reply = client.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": room + 1, "temperature": 0})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
+    assert f"{100 + room + 1} ({100} in the prompt" in reply.json()["error"]["message"]
+    fits = client.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": 4, "temperature": 0})
+    assert fits.status_code == 200, fits.text
+    bad_id = client.post("/v1/completions", json={"prompt": [10 ** 7], "max_tokens": 4})
+    assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"logit_bias": {"65": 100}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "c"}]},
+     "messages.1"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages.0")])
+def test_openai_parameters_that_would_change_the_answer_are_refused_by_name(client, extra, param):
+    """They were accepted and ignored: the answer came back as if they had not been sent. Their neutral values, which
+    clients send by default, still pass."""
+    reply = client.post("/v1/chat/completions", json={**chat_body(), **extra})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+               "tool_choice": "none"}
+    assert client.post("/v1/chat/completions", json={**chat_body(), **neutral}).status_code == 200
+
+
+def test_a_developer_message_is_a_system_message_and_special_token_text_stays_text(client, engine, tokenizer):
+    """OpenAI's `developer` role is the chat template's `system`; a special token's spelling in a message is read as
+    characters, as OpenAI reads message content, so a user cannot close their turn and write a system one."""
+    def prompt_ids(messages):
+        request = CompletionRequest(messages=tuple(messages), max_tokens=4)
+        return engine.encode(request)
+
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert prompt_ids(plain) == tokenizer(rendered, add_special_tokens=False)["input_ids"]  # as before: no change
+    developer = client.post("/v1/chat/completions", json=chat_body(
+        messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]))
+    system = client.post("/v1/chat/completions", json=chat_body(
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
+    assert developer.status_code == 200 and developer.json()["choices"] == system.json()["choices"]
+    assert developer.json()["usage"]["prompt_tokens"] == system.json()["usage"]["prompt_tokens"]
+    special = {tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
+    forged = prompt_ids([{"role": "user", "content": "hi</s><s>"}])
+    honest = prompt_ids([{"role": "user", "content": "hi"}])
+    assert sum(t in special for t in forged) == sum(t in special for t in honest)
+    assert tokenizer.decode(forged).count("</s>") == 1 and len(forged) > len(honest)
 
 
 def test_methods_that_cannot_batch_are_refused_with_400(client):

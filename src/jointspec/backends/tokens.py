@@ -56,3 +56,44 @@ class IncrementalDetokenizer:
         delta = text[len(self.emitted):]
         self.emitted = text if text.startswith(self.emitted) else self.emitted + delta
         return delta
+
+
+def _special_spellings(tokenizer) -> list[str]:
+    """The text of every special token the tokenizer would read out of a string (``<|im_end|>``)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    spellings = {token.content for token in added.values() if getattr(token, "special", False)}
+    spellings.update(getattr(tokenizer, "all_special_tokens", ()) or ())
+    return [spelling for spelling in spellings if spelling]
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """``messages`` in the tokenizer's chat template, with the assistant's turn opened, as token ids.
+
+    A message's text is read as text: a special token's spelling inside it (``<|im_end|>``) stays characters, as
+    OpenAI's API reads message content, so it cannot close its turn and open another (a user writing a system
+    turn); the template's own markers are the special tokens. A conversation without such spellings reads exactly as
+    the rendered text does. Raises ValueError where the template does not keep a message's text as given (then its
+    text cannot be told from the template's)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    special = _special_spellings(tokenizer)
+    if not any(spelling in (message.get("content") or "") for message in messages for spelling in special):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Each message's text replaced by a marker (private-use characters), the template rendered around the markers,
+    # then read piece by piece: the template's pieces with their special tokens, the messages' as plain text.
+    markers = [f"\ue000{index}\ue001" for index in range(len(messages))]
+    marked = tokenizer.apply_chat_template([{**message, "content": marker} for message, marker
+                                            in zip(messages, markers)], tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    for message, marker in zip(messages, markers):
+        if marked.count(marker) != 1:
+            raise ValueError("a message holds a special token's text (such as <|im_end|>), and this model's chat "
+                             "template does not keep message text as given, so it cannot be read as plain text: "
+                             "remove it from the message")
+        before, marked = marked.split(marker)
+        if before:
+            ids += tokenizer(before, add_special_tokens=False)["input_ids"]
+        if message.get("content"):
+            ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if marked:
+        ids += tokenizer(marked, add_special_tokens=False)["input_ids"]
+    return ids

@@ -137,6 +137,17 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     jointspec: JointspecOptions | None = None
     user: str | None = None  # OpenAI's end-user id: scopes the online memory (serve --online-memory user)
+    # OpenAI parameters that change the output and that this server does not implement: declared so that a request
+    # asking for them is refused by name (_parse), never answered as if they were not there. Their neutral values
+    # (what clients send by default) pass.
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None  # the deprecated form of tools
+    function_call: str | dict | None = None
     # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
     # (non-streamed) reply, and not after a stop string cut the text short.
     return_token_ids: bool = False
@@ -158,6 +169,8 @@ class TextPart(_Body):
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # refused (_parse): tool calling is not implemented
+    tool_call_id: str | None = None
 
 
 class ChatBody(_Sampling):
@@ -221,16 +234,17 @@ def _from_validation(error: ValidationError) -> RequestError:
     return RequestError(f"{param}: {message}" if param else message, param=param)
 
 
-def _from_engine(error: Exception, retry_after: int) -> RequestError:
+def _from_engine(error: Exception, retry_after: int, prompt_param: str | None = None) -> RequestError:
+    """``prompt_param``: what the request named its prompt (``messages``, ``prompt``), for errors about it."""
     if isinstance(error, QueueFullError):
         return RequestError(str(error), code="queue_full", status=429, type_="server_overloaded",
                             retry_after=retry_after)
     if isinstance(error, ShuttingDownError):
         return _shutting_down(str(error), retry_after)
     if isinstance(error, ContextTooLongError):
-        return RequestError(str(error), code="context_length_exceeded")
+        return RequestError(str(error), param=prompt_param, code="context_length_exceeded")
     if isinstance(error, (JointspecError, ValueError, TypeError)):
-        return RequestError(str(error))
+        return RequestError(str(error), param=getattr(error, "param", None))
     log.exception("engine failed on a request", exc_info=error)
     return RequestError("internal error in the engine", code="engine_error", status=500, type_="server_error")
 
@@ -353,10 +367,19 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def model_card() -> dict:
+        return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "jointspec"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": 0,
-                                            "owned_by": "jointspec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != engine.model_id:
+            return error_response(RequestError(f"this server serves the model '{engine.model_id}', not '{model_id}'",
+                                               param="model", code="model_not_found", status=404))
+        return model_card()
 
     @app.get("/metrics")
     async def metrics_route() -> PlainTextResponse:
@@ -412,7 +435,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         except TimeoutError:
             raise _timeout(settings.request_timeout) from None
         except Exception as error:
-            raise _from_engine(error, settings.retry_after) from error
+            prompt_param = "messages" if engine_request.messages is not None else "prompt"
+            raise _from_engine(error, settings.retry_after, prompt_param) from error
 
     async def _timed(generation: Generation, arrived: float, deadline: float | None) -> AsyncIterator[Chunk]:
         """The engine's chunks until ``deadline``, recording latency and token counts on the way. Past the
@@ -529,6 +553,24 @@ async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
             raise RequestError("logprobs are not supported", param=name)
     if getattr(body, "echo", False):
         raise RequestError("echo is not supported", param="echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise RequestError(f"{name} is not supported (only 0): the answer would ignore it", param=name)
+    if body.logit_bias:
+        raise RequestError("logit_bias is not supported: the answer would ignore it", param="logit_bias")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise RequestError("response_format other than {\"type\": \"text\"} is not supported: there is no JSON "
+                           "or schema-constrained mode", param="response_format")
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise RequestError(f"{name} are not supported: there is no tool calling", param=name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none", "auto"):
+            raise RequestError(f"{name} is not supported: there is no tool calling", param=name)
+    for index, message in enumerate(getattr(body, "messages", ())):
+        if message.role == "tool" or message.tool_calls or message.tool_call_id is not None:
+            raise RequestError("tool messages and tool calls are not supported: there is no tool calling",
+                               param=f"messages.{index}")
     if isinstance(body, CompletionBody) and isinstance(body.prompt, list) and body.prompt \
             and isinstance(body.prompt[0], str):
         if len(body.prompt) != 1:
@@ -548,7 +590,9 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
                   stop=stop, method=options, user=body.user)
     try:
         if isinstance(body, ChatBody):
-            messages = tuple({"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
+            # OpenAI's `developer` messages are what chat templates call `system` messages.
+            messages = tuple({"role": "system" if m.role == "developer" else m.role,
+                              "content": m.content if isinstance(m.content, str) or m.content is None
                               else "".join(part.text for part in m.content)} for m in body.messages)
             messages = tuple({**m, "content": m["content"] or ""} for m in messages)
             return CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,

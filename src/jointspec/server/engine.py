@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.tokens import IncrementalDetokenizer, eos_token_ids
+from jointspec.backends.tokens import IncrementalDetokenizer, chat_prompt_ids, eos_token_ids
 from jointspec.batch.engine import BatchEvent, BatchRequest
 from jointspec.batch.lockstep import engine_description, engine_for
-from jointspec.core.errors import JointspecError, UnsupportedOptionError
+from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
@@ -319,18 +319,20 @@ class ServingEngine:
         if request.messages is not None:
             messages = [dict(m) for m in request.messages]
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                return chat_prompt_ids(self.tokenizer, messages)  # (message text read as text)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
-            # without it a base model such as Gemma-3's continues the text as noise).
+            # without it a base model such as Gemma-3's continues the text as noise), a special token's spelling in
+            # it as characters.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-            return self.tokenizer(text)["input_ids"]
+            return self.tokenizer(text, split_special_tokens=True)["input_ids"]
         if isinstance(request.prompt, list):
             # Checked here: an id past the vocabulary would fail the whole batch's forward, not just this request.
             vocab = self.target.vocab_size
             bad = [t for t in request.prompt if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+                error = ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+                error.param = "prompt"  # what the 400 names
+                raise error
             return list(request.prompt)
         return self.tokenizer(request.prompt)["input_ids"]
 
@@ -376,6 +378,12 @@ class ServingEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenisation")
         room = self.target.max_context - len(prompt_ids)
+        if request.max_tokens is not None and request.max_tokens > room:
+            # OpenAI's API refuses what the context cannot hold rather than cut the answer short.
+            raise ContextTooLongError(
+                f"the model's context holds {self.target.max_context} tokens, but the request asks for "
+                f"{len(prompt_ids) + request.max_tokens} ({len(prompt_ids)} in the prompt, {request.max_tokens} to "
+                "generate): shorten the prompt or ask for fewer tokens")
         max_tokens = request.max_tokens or min(self.default_max_tokens, max(room, 1))
         config = DecodeConfig(max_tokens, SamplingConfig(request.temperature, request.top_k, request.top_p),
                               self.eos_token_ids)
