@@ -92,8 +92,9 @@ def test_given_answers_are_featurised_as_given_and_only_the_rest_generated(targe
     a, b = first["starts"][1].item(), first["starts"][2].item()
     assert torch.allclose(first["features"][a:b].float(), expected, atol=1e-3, rtol=2e-3)  # stored as float16
 
-    # The same prompts without the given answers are other data: the folder refuses them instead of mixing.
-    with pytest.raises(UnsupportedOptionError, match="different settings"):
+    # The same prompts without the given answers are other data: the folder refuses them instead of mixing, and says
+    # which setting differs.
+    with pytest.raises(UnsupportedOptionError, match="different settings \\(prompts_sha256: '"):
         build_data(target, None, prompts, data, max_new_tokens=8, max_length=64, shard_size=4, batch_size=4)
     without = build_data(target, None, prompts, tmp_path / "plain", max_new_tokens=8, max_length=64, shard_size=4,
                          batch_size=4, answers=[None] * 6)

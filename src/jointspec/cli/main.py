@@ -285,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The subcommand is the first word that is not an option (the options before it take no values).
     command = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     try:
+        # (inside: building the parser imports the command's modules, seconds a Ctrl-C may fall into)
+        args = build_parser(command if command in COMMANDS else "").parse_args(argv)
         with _library_bars_off(getattr(args, "no_progress", False)):
             return args.run(args)
     except JointspecError as error:

@@ -239,9 +239,12 @@ def _open_folder(folder: Path, spec: DataSpec, write: bool = True) -> DataSpec:
     if not spec.fuse_layers and existing.get("fuse_layers"):
         # A folder with fused layers serves drafts that read only the last feature too: finish it as begun.
         spec = replace(spec, fuse_layers=tuple(existing["fuse_layers"]))
-    if existing != spec.as_json():
+    wanted = spec.as_json()
+    if existing != wanted:
+        differing = sorted(key for key in existing.keys() | wanted.keys() if existing.get(key) != wanted.get(key))
+        said = ", ".join(f"{key}: {existing.get(key)!r} there, {wanted.get(key)!r} now" for key in differing)
         raise UnsupportedOptionError(
-            f"data folder '{folder}' was built with different settings ({existing}); use a new --data folder "
+            f"data folder '{folder}' was built with different settings ({said}); use a new --data folder "
             "or delete this one")
     return spec
 
