@@ -97,6 +97,10 @@ def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, m
     assert main(args + ["--out", str(tmp_path / "refused"), "--answers-from", str(other)]) != 0
     assert "holds answers of another target" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # refused before anything was written
+    # An unfinished folder (a shard missing: its build was stopped) is refused, as train-draft --extra-data does.
+    next(iter(sorted(folder.glob("shard-*.pt")))).unlink()
+    assert main(args + ["--out", str(tmp_path / "part"), "--answers-from", str(folder)]) != 0
+    assert "is unfinished" in capsys.readouterr().err and not (tmp_path / "part").exists()
 
 
 def test_answers_made_with_other_settings_are_refused_not_reused(tmp_path, monkeypatch, capsys, target_model):

@@ -192,6 +192,10 @@ def data_folder_answers(folder: str | Path, target) -> list[list[int]]:
     if spec.get("target_fingerprint") != target_fingerprint(target):
         raise UnsupportedOptionError(f"--answers-from '{folder}' holds answers of another target (fingerprint "
                                      f"{spec.get('target_fingerprint')}, this one {target_fingerprint(target)})")
+    num_shards = -(-spec["num_prompts"] // spec["shard_size"])
+    if len(list(Path(folder).glob("shard-*.pt"))) < num_shards:  # as train-draft --extra-data refuses it
+        raise UnsupportedOptionError(f"--answers-from '{folder}' is unfinished (fewer than its {num_shards} shards); "
+                                     "run the same train-draft --data-only command again to finish it")
     answers = []
     for shard in load_shards(folder):
         starts, answer_starts = shard["starts"].tolist(), shard["answer_starts"].tolist()
