@@ -15,7 +15,7 @@ import torch
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
-from jointspec.backends.tokens import IncrementalDetokenizer, chat_prompt_ids, decode_text, eos_token_ids
+from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, decode_text, eos_token_ids
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
@@ -189,7 +189,7 @@ class Pipeline:
             raise TypeError(f"the prompt must be text (str), not {type(prompt).__name__}; for token ids call "
                             "generate_ids() or stream_ids()")
         if chat and getattr(self.tokenizer, "chat_template", None):  # as `serve` reads a chat (text as text)
-            return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
+            return chat_template_ids(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
 
     def stream_ids(self, prompt_ids: Sequence[int] | torch.Tensor, config: GenerationConfig) -> Iterator[list[int]]:

@@ -66,7 +66,7 @@ def _special_spellings(tokenizer) -> list[str]:
     return [spelling for spelling in spellings if spelling]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
     """``messages`` in the tokenizer's chat template, with the assistant's turn opened, as token ids.
 
     A message's text is read as text: a special token's spelling inside it (``<|im_end|>``) stays characters, as

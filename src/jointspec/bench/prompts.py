@@ -129,11 +129,13 @@ def select_prompts(prompts: list[BenchPrompt], categories: list[str] | None = No
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation ending in a user turn, ready for the assistant's answer.
 
-    Uses the tokenizer's chat template; without one, the turns are joined as plain text.
+    Uses the tokenizer's chat template, as `generate` and `serve` read a chat (message text as text); without one,
+    the turns are joined as plain text.
     """
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        from jointspec.backends.tokens import chat_template_ids  # (here: it imports torch, this module does not)
+
+        return list(chat_template_ids(tokenizer, messages))
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer(text)["input_ids"])
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.tokens import IncrementalDetokenizer, chat_prompt_ids, eos_token_ids
+from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, eos_token_ids
 from jointspec.batch.engine import BatchEvent, BatchRequest
 from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
@@ -319,7 +319,7 @@ class ServingEngine:
         if request.messages is not None:
             messages = [dict(m) for m in request.messages]
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
-                return chat_prompt_ids(self.tokenizer, messages)  # (message text read as text)
+                return chat_template_ids(self.tokenizer, messages)  # (message text read as text)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
             # without it a base model such as Gemma-3's continues the text as noise), a special token's spelling in
             # it as characters.
