@@ -152,10 +152,7 @@ class EngineBase:
     def check(self, request: BatchRequest) -> None:
         """Raise the error ``submit`` would, without queueing anything."""
         if len(request.prompt_ids) >= self.target.max_context:
-            raise ContextTooLongError(
-                f"the prompt has {len(request.prompt_ids)} tokens but the model's context holds "
-                f"{self.target.max_context}, one of them for the first new token; shorten the prompt to at most "
-                f"{self.target.max_context - 1} tokens")
+            raise ContextTooLongError.for_prompt(len(request.prompt_ids), self.target.max_context)
         refusal = dynamic_tree_refusal(request.method.name, request.method.tree_budget,
                                        request.config.sampling.temperature)
         if refusal:  # now, not by the drafter once the answer's first tokens are out

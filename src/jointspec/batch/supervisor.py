@@ -80,7 +80,7 @@ class DraftSupervisor:
         size = self._sizes.setdefault(key, _Size())
         count = size.count
         size.count += 1
-        if size.drafted.rounds < self.min_rounds or size.held.rounds < self.min_rounds:
+        if not self._measured(size):
             return count % 2 == 0
         explore = count % self.explore_every == self.explore_every - 1
         return self.prefers_drafts(key) != explore
@@ -88,9 +88,12 @@ class DraftSupervisor:
     def prefers_drafts(self, key: object) -> bool:
         """Whether rounds with drafts are preferred at ``key`` (so far; True before anything is measured)."""
         size = self._sizes.get(key)
-        if size is None or size.drafted.rounds < self.min_rounds or size.held.rounds < self.min_rounds:
+        if size is None or not self._measured(size):
             return True
         return size.held.per_second <= size.drafted.per_second * (1.0 + self.margin)
+
+    def _measured(self, size: _Size) -> bool:
+        return min(size.drafted.rounds, size.held.rounds) >= self.min_rounds
 
     def record(self, key: object, drafted: bool, tokens: int, seconds: float) -> None:
         """A round at ``key`` (drafts run or held off) committed ``tokens`` in ``seconds``."""

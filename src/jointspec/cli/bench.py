@@ -25,13 +25,12 @@ from jointspec.bench.specs import (
 )
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
-    GIVEN,
-    METHOD_OPTIONS,
     add_model_arguments,
     apply_threads,
     check_dynamic_tree,
     check_output_folder,
     cli_flag,
+    given_method_options,
     method_config_from_args,
     model_loader,
     model_options,
@@ -135,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
                              llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
-    check_shared_options(defaults, specs, [METHOD_OPTIONS[dest] for dest in sorted(getattr(args, GIVEN, None) or ())
-                                           if dest in METHOD_OPTIONS])
+    check_shared_options(defaults, specs, given_method_options(args))
     for spec in specs:  # bad option values fail here, before the model loads
         if spec.is_hf:
             hf_settings(spec, defaults)

@@ -213,6 +213,11 @@ def method_config_from_args(args: argparse.Namespace, name: str | None = None):
     return config
 
 
+def given_method_options(args: argparse.Namespace | None) -> list[str]:
+    """The MethodConfig fields whose flags were given on the command line (at any value), in a fixed order."""
+    return [METHOD_OPTIONS[dest] for dest in sorted(getattr(args, GIVEN, None) or ()) if dest in METHOD_OPTIONS]
+
+
 def check_reads(config, args: argparse.Namespace | None = None) -> None:
     """Refuse the method options given for a method that does not read them (``--beam-width`` with ``pld``): they
     were ignored without a word. The CLI's defaults are MethodConfig's, so what differs from them was given; ``args``
@@ -222,8 +227,7 @@ def check_reads(config, args: argparse.Namespace | None = None) -> None:
     def spell(field: str) -> str:
         return "--no-cost-aware" if field == "cost_aware" and config.cost_aware is False else cli_flag(field)
 
-    given = [METHOD_OPTIONS[dest] for dest in sorted(getattr(args, GIVEN, None) or ()) if dest in METHOD_OPTIONS]
-    fields = list(dict.fromkeys(options_set(config) + given))
+    fields = list(dict.fromkeys(options_set(config) + given_method_options(args)))
     error = unread_options_error(config.name, fields, spell=spell)
     if error:
         raise UnsupportedOptionError(error)

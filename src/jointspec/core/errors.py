@@ -22,6 +22,12 @@ class VocabularyMismatchError(JointspecError):
 class ContextTooLongError(JointspecError):
     """The prompt (plus what is asked for) does not fit the model's context window."""
 
+    @classmethod
+    def for_prompt(cls, num_prompt_tokens: int, max_context: int) -> ContextTooLongError:
+        """A prompt that leaves no room for the first new token."""
+        return cls(f"the prompt has {num_prompt_tokens} tokens but the model's context holds {max_context}, one of "
+                   f"them for the first new token; shorten the prompt to at most {max_context - 1} tokens")
+
 
 class UnsupportedOptionError(JointspecError):
     """An option, method or combination the library does not support."""

@@ -185,9 +185,7 @@ class SpeculativeDecoder:
             raise ValueError("the prompt must contain at least one token")
         max_context = self.target.max_context
         if len(prompt_ids) >= max_context:
-            raise ContextTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context holds {max_context}, one of them "
-                f"for the first new token; shorten the prompt to at most {max_context - 1} tokens")
+            raise ContextTooLongError.for_prompt(len(prompt_ids), max_context)
         self.stats = stats = SpecStats()
         tokens = list(prompt_ids)
         end = min(len(tokens) + config.max_new_tokens, max_context)
