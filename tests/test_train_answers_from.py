@@ -30,6 +30,7 @@ from jointspec.server.engine import ServingEngine
 from jointspec.train.data import build_data, load_shards, read_spec
 from jointspec.train.server_answers import (
     ANSWERS_FILE,
+    CHECK_PROMPTS,
     CHECK_TOKENS,
     AnswerCache,
     AnswerServer,
@@ -67,18 +68,21 @@ def eos(target, words):
 
 
 class CountingEngine:
-    """A served engine that records the prompts of the answers it is asked for (not the same-model check's short
-    ones) and, past ``fail_after`` of them, fails every further request (the route answers 500): a server that
+    """A served engine that records the prompts of the answers it is asked for (``checked``: the same-model check's
+    short ones) and, past ``fail_after`` of them, fails every further request (the route answers 500): a server that
     breaks mid-run."""
 
     def __init__(self, engine: ServingEngine, fail_after: int | None = None) -> None:
         self.engine, self.fail_after = engine, fail_after
         self.model_id = engine.model_id
         self.answered: list[tuple[int, ...]] = []
+        self.checked: list[tuple[int, ...]] = []
         self.refused = 0
 
     async def submit(self, request):
-        if request.max_tokens != CHECK_TOKENS:
+        if request.max_tokens == CHECK_TOKENS:
+            self.checked.append(tuple(request.prompt))
+        else:
             if self.fail_after is not None and len(self.answered) >= self.fail_after:
                 self.refused += 1
                 raise RuntimeError("simulated failure")
@@ -144,7 +148,7 @@ def test_server_answers_build_the_same_folder_as_local_generation(target_model, 
 
 def test_an_interrupted_fetch_resumes_without_refetching(target_model, target, words, eos, tmp_path):
     """The server fails after 5 answers: those 5 are kept (and no shard is written), and the rerun asks the server
-    for exactly the 7 others."""
+    for exactly the 7 others, after the same same-model check as the first run (the build's first prompts)."""
     folder = tmp_path / "served"
     with serving(target_model, words, fail_after=5) as (url, first):
         with pytest.raises(AnswerServerError, match=rf"{url}/completions answered HTTP 500"):
@@ -155,6 +159,7 @@ def test_an_interrupted_fetch_resumes_without_refetching(target_model, target, w
     with serving(target_model, words) as (url, second):
         build(target, words, eos, folder, answers_from=AnswerServer(url, concurrency=4))
     assert sorted(first.answered + second.answered) == sorted(tuple(p) for p in PROMPTS)
+    assert sorted(first.checked) == sorted(second.checked) == sorted(tuple(p) for p in PROMPTS[:CHECK_PROMPTS])
     build(target, words, eos, tmp_path / "local")
     assert_same_shards(tmp_path / "local", folder)
 

@@ -16,9 +16,10 @@ another machine. Only the answers come from it: the features and the labels stil
 - **Resumable.** Each answer is appended to ``server-answers.jsonl`` in the data folder as it arrives (one line,
   flushed and synced), keyed by a hash of the prompt ids and the budget; a rerun requests only what is missing. A
   line cut off by an interruption is dropped when the file is next opened.
-- **Same model.** Before fetching, :func:`check_same_model` asks for short greedy answers to the first few prompts
-  and has the local target read them: where the local target's own greedy choice differs from the server's token at
-  more than :data:`CHECK_MAX_MISMATCHES` positions, the server runs another model (or tokenizer) and is refused.
+- **Same model.** Before fetching, :func:`check_same_model` asks for short greedy answers to the build's first few
+  prompts (the same ones when a build resumes) and has the local target read them: where the local target's own
+  greedy choice differs from the server's token at more than :data:`CHECK_MAX_MISMATCHES` positions, the server
+  runs another model (or tokenizer) and is refused.
 """
 
 from __future__ import annotations
@@ -353,13 +354,17 @@ class ServerAnswers:
         self.cache = AnswerCache(folder / ANSWERS_FILE)
         self.model: str | None = None
 
-    def todo(self) -> list[int]:
-        """Indices of the prompts whose answers are still to fetch, one per distinct key."""
-        firsts = {}
+    def _firsts(self, wanted) -> list[int]:
+        """The index of each distinct key's first prompt, in order, for the keys ``wanted`` takes."""
+        firsts: dict[str, int] = {}
         for index, key in enumerate(self.keys):
-            if key not in self.cache.answers:
+            if wanted(key):
                 firsts.setdefault(key, index)
         return list(firsts.values())
+
+    def todo(self) -> list[int]:
+        """Indices of the prompts whose answers are still to fetch, one per distinct key."""
+        return self._firsts(lambda key: key not in self.cache.answers)
 
     def prepare(self) -> None:
         todo = self.todo()
@@ -367,8 +372,11 @@ class ServerAnswers:
             return  # everything is cached: no server needed
         self.model = served_model(self.server)
         if self.server.check:
+            # The first prompts of the whole build, cached or not: a resumed build asks the same questions as the run
+            # it resumes, so a server that passed the check once passes it again.
+            firsts = self._firsts(lambda key: True)
             check_same_model(self.server, self.model, self.target, self.tokenizer,
-                             [self.prompts[i] for i in todo], [self.budgets[i] for i in todo], self.eos)
+                             [self.prompts[i] for i in firsts], [self.budgets[i] for i in firsts], self.eos)
         else:
             log.warning("--no-answers-check: using %s's answers without checking that it runs the target",
                         self.server.url)
