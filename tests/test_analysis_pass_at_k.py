@@ -9,6 +9,7 @@ false-failure odds (the looping program is cut by a 2-second limit; the right on
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -91,10 +92,13 @@ def test_pass_at_k_is_the_unbiased_estimate_per_problem_averaged():
         pass_at_k_table(samples, passed, [1], reference="c")
 
 
-def write_results(path, method_answers: dict[str, str], baseline: str = "ar") -> str:
+def write_results(path, method_answers: dict[str, str], baseline: str = "ar", **config) -> str:
     runs = [{"question_id": "HumanEval/0", "method": m, "output_ids": [[1]], "output_text": [a]}
             for m, a in method_answers.items()]
-    path.write_text(json.dumps({"baseline": baseline, "methods": {m: {} for m in method_answers}, "runs": runs}))
+    config = {"max_new_tokens": 128, "temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": 0, "quantize": "none",
+              **config}
+    path.write_text(json.dumps({"baseline": baseline, "environment": {"model": "tiny"}, "config": config,
+                                "methods": {m: {} for m in method_answers}, "runs": runs}))
     return str(path)
 
 
@@ -102,7 +106,7 @@ def test_the_command_scores_several_runs_as_samples(tmp_path, capsys):
     from jointspec.cli.main import main
 
     first = write_results(tmp_path / "seed0.json", {"ar": RIGHT, "mtad": WRONG})
-    second = write_results(tmp_path / "seed1.json", {"ar": WRONG, "mtad": WRONG})
+    second = write_results(tmp_path / "seed1.json", {"ar": WRONG, "mtad": WRONG}, seed=1)
     assert main(["pass-at-k", first, second, "--k", "1,2,5"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     out = json.loads(lines[-1])
@@ -111,6 +115,30 @@ def test_the_command_scores_several_runs_as_samples(tmp_path, capsys):
     assert out["reference"] == "ar" and set(rows) == {("ar", 1), ("mtad", 1), ("ar", 2), ("mtad", 2)}
     assert rows["ar", 1]["pass_at_k"] == 0.5 and rows["ar", 2]["pass_at_k"] == 1.0
     assert rows["mtad", 2]["pass_at_k"] == 0.0 and rows["mtad", 2]["difference"][0] == -1.0
+
+
+@pytest.mark.parametrize(("second", "message"), [
+    ({"seed": 1, "temperature": 0.0}, r"other\.json has temperature=0\.0, \S*seed0\.json has temperature=0\.8"),
+    ({"seed": 1, "max_new_tokens": 64}, r"other\.json has max_new_tokens=64, \S*seed0\.json has max_new_tokens=128"),
+    ({"seed": 1, "quantize": "int4"}, r"other\.json has quantize='int4'"),
+    ({"seed": 0}, r"seed0\.json and \S*other\.json both sampled with seed 0"),
+])
+def test_runs_that_are_not_samples_of_one_law_are_refused_before_any_test_runs(second, message, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Greedy runs pooled with sampled ones, other lengths or another target, and the same seed twice used to be
+    counted as samples of one method; each is refused, naming the files. Greedy runs with one seed pool (each is
+    the same answer, counted as what it is)."""
+    from jointspec.analysis import pass_at_k
+    from jointspec.cli.main import main
+
+    monkeypatch.setattr(pass_at_k, "run_tests", lambda *args, **kwargs: pytest.fail("the tests ran"))
+    first = write_results(tmp_path / "seed0.json", {"ar": RIGHT})
+    other = write_results(tmp_path / "other.json", {"ar": RIGHT}, **second)
+    assert main(["pass-at-k", first, other]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    greedy = [write_results(tmp_path / f"greedy{i}.json", {"ar": RIGHT}, temperature=0.0) for i in range(2)]
+    monkeypatch.setattr(pass_at_k, "run_tests", lambda samples, **kwargs: [True] * len(samples))
+    assert main(["pass-at-k", *greedy, "--k", "2"]) == 0
 
 
 def test_runs_without_answer_text_or_humaneval_are_refused():

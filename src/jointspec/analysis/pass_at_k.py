@@ -75,9 +75,41 @@ class Sample:
     answer: str
 
 
+# What a run's answers are drawn from: runs that differ in one are not samples of one method's output.
+SAMPLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "quantize")
+
+
+def _drawn_from(result: dict) -> dict:
+    config = result.get("config", {})
+    return {"model": result.get("environment", {}).get("model")} | {key: config.get(key) for key in SAMPLED_SETTINGS}
+
+
+def check_samples_of_one_law(results: Sequence[tuple[str, dict]]) -> None:
+    """Refuses runs that are not samples of the same thing, naming the files: another model or sampling setting
+    (greedy runs pooled with sampled ones, other lengths), or two sampled runs with one seed (the same draws twice,
+    which would count one sample as two)."""
+    first_name, first = results[0]
+    wanted = _drawn_from(first)
+    seen_seeds: dict[object, str] = {}
+    for name, result in results:
+        drawn = _drawn_from(result)
+        for key, value in drawn.items():
+            if value != wanted[key]:
+                raise JointspecError(f"{name} has {key}={value!r}, {first_name} has {key}={wanted[key]!r}: runs "
+                                     "pooled into pass@k must differ only in --seed")
+        config = result.get("config", {})
+        if (config.get("temperature") or 0) > 0:
+            seed = config.get("seed")
+            if seed in seen_seeds:
+                raise JointspecError(f"{seen_seeds[seed]} and {name} both sampled with seed {seed!r}: they drew the "
+                                     "same answers, one sample counted twice; give runs with different --seed values")
+            seen_seeds[seed] = name
+
+
 def samples_from_results(results: Sequence[tuple[str, dict]]) -> list[Sample]:
     """Every HumanEval answer in one or more bench runs, ``(name, results.json's contents)`` each (one sample per
-    run, method and problem)."""
+    run, method and problem); runs that are not samples of one law are refused (:func:`check_samples_of_one_law`)."""
+    check_samples_of_one_law(results)
     samples: list[Sample] = []
     for name, result in results:
         for run in result["runs"]:
