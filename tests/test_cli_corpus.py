@@ -82,6 +82,12 @@ def test_build_corpus_counts_the_answers_of_train_draft_data_folders(tmp_path, m
     config = json.loads((tmp_path / "with" / CONFIG_FILE).read_text())
     assert config["num_data_folder_answers"] == 4 and config["num_target_answers"] == 1
     with_folder = table_for(tmp_path / "with", tokenizer, VOCAB)
+    # --answers-from alone counts those answers only: the target answers no default prompts, writes no data folder.
+    assert main(["build-corpus", "--answers-from", str(folder), "--min-count", "1", "--no-progress",
+                 "--out", str(tmp_path / "only"), "--data", str(tmp_path / "only-data")]) == 0
+    config = json.loads((tmp_path / "only" / CONFIG_FILE).read_text())
+    assert config["num_data_folder_answers"] == 4 and config["num_target_answers"] == 0
+    assert not (tmp_path / "only-data").exists()
     assert main(args + ["--out", str(tmp_path / "without")]) == 0  # the same table without the folder's answers
     without = table_for(tmp_path / "without", tokenizer, VOCAB)
     assert with_folder.num_entries > without.num_entries

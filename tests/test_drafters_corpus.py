@@ -9,6 +9,7 @@ import pytest
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.corpus import (
+    CONFIG_FILE,
     DEFAULT_MIN_SHARE,
     SHARE_OVER_ACCEPTANCE,
     CorpusLookupDrafter,
@@ -93,6 +94,31 @@ def test_table_round_trips_through_its_folder(tmp_path):
     context = sequences[0][:10]
     assert loaded.continuation(context) == (table.continuation(context)[0], pytest.approx(
         table.continuation(context)[1], abs=1e-3), table.continuation(context)[2])
+
+
+def test_a_save_stopped_midway_leaves_no_table_with_another_tables_config(tmp_path, monkeypatch):
+    """A rebuild into the same folder that stops before its config is in place must not leave the new table.npz read
+    with the old corpus.json (another max_order: a KeyError, or wrong shares): the folder holds no table instead."""
+    from pathlib import Path
+
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 20, size=30).tolist() for _ in range(8)]
+    NgramTable.build(sequences, vocab_size=20, max_order=2, min_count=1).save(tmp_path, {"kind": "corpus"})
+
+    def refuse_the_config(original):
+        def call(self, *args, **kwargs):
+            if CONFIG_FILE in (Path(self).name, *(Path(a).name for a in args if isinstance(a, str | Path))):
+                raise OSError("disk full")
+            return original(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(Path, "write_text", refuse_the_config(Path.write_text))
+    monkeypatch.setattr(Path, "replace", refuse_the_config(Path.replace))
+    with pytest.raises(OSError, match="disk full"):
+        NgramTable.build(sequences, vocab_size=20, max_order=4, min_count=1).save(tmp_path, {"kind": "corpus"})
+    monkeypatch.undo()
+    with pytest.raises(UnsupportedOptionError, match="holds no n-gram table"):
+        NgramTable.load(tmp_path)
 
 
 def test_drafter_copies_the_context_first_then_the_table_then_stops():

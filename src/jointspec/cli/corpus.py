@@ -12,7 +12,8 @@ whole, as given. The others are pooled, prompts over ``--max-prompt-tokens`` dro
 answers each one greedily; its answers are appended to ``DATA/answers.jsonl`` as they come, so an interrupted run
 resumes where it stopped. ``--answers-from DIR`` (repeatable) adds the answers already in a ``train-draft`` data
 folder (the target's own, or a quantised copy's: ``--answer-quantize``) for the same target, so answers generated
-once for training a head are counted too. Then the table is counted from all answers
+once for training a head are counted too (without ``--prompts``, only those: the target answers nothing). Then
+the table is counted from all answers
 (:class:`jointspec.drafters.corpus.NgramTable`) and written to ``OUT``.
 """
 
@@ -43,10 +44,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf or a hub id")
     parser.add_argument("--prompts", action="append", default=None, metavar="SOURCE",
                         help="prompt source, repeatable (as train-draft: train:default, sharegpt-prompts:N, "
-                             "sharegpt:N, a .txt or .jsonl file)")
+                             "sharegpt:N, a .txt or .jsonl file; default: train:default, or none with "
+                             "--answers-from)")
     parser.add_argument("--answers-from", action="append", default=[], metavar="DIR",
                         help="also count the answers in a `train-draft` data folder built for this target "
-                             "(repeatable)")
+                             "(repeatable; without --prompts, only these are counted)")
     parser.add_argument("--num-prompts", type=positive_int, default=None,
                         help="keep the first N prompts of the seeded shuffle (default: all)")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=400,
@@ -83,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
     eos = eos_token_ids(target, tokenizer)
     # Read first, so a wrong folder is refused before any prompt is answered.
     folder_answers = [answer for folder in args.answers_from for answer in data_folder_answers(folder, target)]
-    sources = args.prompts or ["train:default"]
+    # Without --prompts the target answers train:default, unless answers of data folders are all that was asked for.
+    sources = args.prompts or ([] if args.answers_from else ["train:default"])
     prompts, given = training_prompts(sources, tokenizer, target, eos, data, args.seed,
-                                      progress=not args.no_progress)
+                                      progress=not args.no_progress) if sources else ([], [])
     given_answers = [list(answer) for answer in given if answer is not None]
     pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
     random.Random(args.seed).shuffle(pool)
@@ -93,35 +96,12 @@ def run(args: argparse.Namespace) -> int:
     # What decides the answers (not --num-prompts: a larger count extends the same seeded order).
     spec = {"target_fingerprint": target_fingerprint(target), "prompts": list(sources),
             "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
-    answers_path = data / ANSWERS_FILE
-    done = _answers_so_far(data, spec)
-    data.mkdir(parents=True, exist_ok=True)
-    spec_path = data / ANSWERS_SPEC_FILE
-    # The record goes with the answers: written afresh while there are none (an earlier run stopped before its first
-    # answer may have left one for other settings, which the answers to come would then be filed under).
-    if not _has_answers(answers_path):
-        tmp = spec_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(spec, indent=1))
-        tmp.replace(spec_path)
-    pipeline = Pipeline(target, tokenizer, MethodConfig(name="default"))
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    todo = [i for i in range(len(pool)) if i not in done]
-    progress = None
-    if not args.no_progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(pool), initial=len(pool) - len(todo), desc="answers", unit="prompt")
-    with answers_path.open("a") as sink:
-        for index in todo:
-            answer = pipeline.generate_ids(pool[index], config).token_ids
-            done[index] = list(answer)
-            sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
-            sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
-            if progress is not None:
-                progress.update()
-    if progress is not None:
-        progress.close()
-    sequences = given_answers + folder_answers + [done[i] for i in range(len(pool))]
+    target_answers = []
+    if sources:
+        pipeline = Pipeline(target, tokenizer, MethodConfig(name="default"))
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+        target_answers = _target_answers(pool, spec, data, pipeline, config, progress_bar=not args.no_progress)
+    sequences = given_answers + folder_answers + target_answers
     table = NgramTable.build(sequences, target.vocab_size, args.max_order, args.min_count)
     table.save(out, {
         "kind": "corpus",
@@ -138,6 +118,39 @@ def run(args: argparse.Namespace) -> int:
     })
     print(f"{len(sequences)} answers, {sum(len(s) for s in sequences)} tokens -> {table.num_entries} n-grams in {out}")
     return 0
+
+
+def _target_answers(pool: list[list[int]], spec: dict, data: Path, pipeline, config,
+                    progress_bar: bool) -> list[list[int]]:
+    """The target's greedy answers to ``pool``, appended to ``data``/answers.jsonl as they come; an earlier run's
+    answers there (made with ``spec``) are reused."""
+    answers_path = data / ANSWERS_FILE
+    done = _answers_so_far(data, spec)
+    data.mkdir(parents=True, exist_ok=True)
+    spec_path = data / ANSWERS_SPEC_FILE
+    # The record goes with the answers: written afresh while there are none (an earlier run stopped before its first
+    # answer may have left one for other settings, which the answers to come would then be filed under).
+    if not _has_answers(answers_path):
+        tmp = spec_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(spec, indent=1))
+        tmp.replace(spec_path)
+    todo = [i for i in range(len(pool)) if i not in done]
+    progress = None
+    if progress_bar:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(pool), initial=len(pool) - len(todo), desc="answers", unit="prompt")
+    with answers_path.open("a") as sink:
+        for index in todo:
+            answer = pipeline.generate_ids(pool[index], config).token_ids
+            done[index] = list(answer)
+            sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
+            sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
+            if progress is not None:
+                progress.update()
+    if progress is not None:
+        progress.close()
+    return [done[i] for i in range(len(pool))]
 
 
 def _answers_so_far(data: Path, spec: dict) -> dict[int, list[int]]:

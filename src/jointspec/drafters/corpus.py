@@ -233,9 +233,14 @@ class NgramTable:
                            f"share{n + 1}": self.shares[n].astype(np.float16), f"count{n + 1}": self.counts[n]})
         temporary = folder / (TABLE_FILE + ".partial.npz")
         np.savez_compressed(temporary, **arrays)
-        temporary.replace(folder / TABLE_FILE)
         config = dict(metadata, vocab_size=self.vocab_size, max_order=self.max_order, num_entries=self.num_entries)
-        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        temporary_config = folder / (CONFIG_FILE + ".partial")
+        temporary_config.write_text(json.dumps(config, indent=2) + "\n")
+        # The old config goes first: a save stopped between the two renames leaves a folder that load refuses as
+        # holding no table, never a new table read with an older table's config.
+        (folder / CONFIG_FILE).unlink(missing_ok=True)
+        temporary.replace(folder / TABLE_FILE)
+        temporary_config.replace(folder / CONFIG_FILE)
 
     @classmethod
     def load(cls, folder: str | Path) -> tuple[NgramTable, dict]:
