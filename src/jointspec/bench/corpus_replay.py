@@ -11,6 +11,8 @@ is needed (to format the turns), so it runs in seconds next to other work.
 
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids
 from jointspec.core.errors import JointspecError
 from jointspec.core.sampling import SamplingConfig
@@ -50,12 +52,13 @@ def runs_by_prompt(results: dict, method: str, prompts: list[BenchPrompt]) -> li
 
 
 def replay(table: NgramTable, tokenizer, runs: list[tuple[BenchPrompt, dict]],
-           curve: CostCurve) -> list[tuple[int, float]]:
-    """Per turn: (answer tokens, cost of the rounds that committed them)."""
+           curve: CostCurve, progress: str | None = None) -> list[tuple[int, float]]:
+    """Per turn: (answer tokens, cost of the rounds that committed them); ``progress``: a bar on stderr with this
+    label."""
     config = MethodConfig()
     greedy = SamplingConfig(temperature=0.0)
     totals = [[0, 0.0] for _ in range(max((len(run["output_ids"]) for _, run in runs), default=0))]
-    for prompt, run in runs:
+    for prompt, run in tqdm(runs, desc=progress, unit="prompt", disable=progress is None):
         drafter = CostAwareDrafter(CorpusLookupDrafter(table, config.num_draft_tokens, config.max_num_draft_tokens,
                                                        max_ngram=config.max_ngram),
                                    curve, max_num_draft_tokens=config.max_num_draft_tokens)

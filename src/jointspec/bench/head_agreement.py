@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.bench.prompts import BenchPrompt
@@ -50,10 +51,12 @@ def round_robin(prompts: list[BenchPrompt], count: int) -> list[BenchPrompt]:
     return ordered[:count]
 
 
-def target_answers(pipe: Pipeline, prompts: list[BenchPrompt], count: int, max_new_tokens: int) -> list[TargetAnswer]:
-    """The target's greedy answers to the first turn of ``count`` of ``prompts`` (round-robin over categories)."""
+def target_answers(pipe: Pipeline, prompts: list[BenchPrompt], count: int, max_new_tokens: int,
+                   progress: str | None = None) -> list[TargetAnswer]:
+    """The target's greedy answers to the first turn of ``count`` of ``prompts`` (round-robin over categories);
+    ``progress``: a bar on stderr with this label."""
     answers = []
-    for prompt in round_robin(prompts, count):
+    for prompt in tqdm(round_robin(prompts, count), desc=progress, unit="prompt", disable=progress is None):
         prompt_ids = pipe.encode(prompt.turns[0])
         answer = pipe.generate_ids(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
         sequence = list(prompt_ids) + list(answer)

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         table_for(folder, tokenizer, target.vocab_size)
     report = {}
     for folder, table in tables.items():
-        turns = replay(table, tokenizer, runs, curve)
+        turns = replay(table, tokenizer, runs, curve, progress=None if args.no_progress else f"replaying {folder}")
         report[folder] = replay_summary(turns)
         by_turn = ", ".join(f"{rate:.4f}" for rate in report[folder]["by_turn"])
         print(f"{folder}: {report[folder]['tokens_per_cost']:.4f} tokens per step-cost (by turn: {by_turn})")

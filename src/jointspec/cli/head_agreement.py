@@ -74,7 +74,7 @@ def _draft_kinds(folders: list[str], record: bool) -> dict[str, str]:
                                  "`jointspec train-draft`")
         if record and kind in TRAINED_KINDS:
             raise UnsupportedOptionError(f"--record writes top-w hit rates, which head-agreement measures for "
-                                         f"EAGLE-style heads only; '{folder}' holds a '{kind}' draft")
+                                         f"'eagle' and 'eagle1' heads only; '{folder}' holds a '{kind}' draft")
         kinds[folder] = kind
     return kinds
 
@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     drafts = _load_drafts(kinds, target)
     pipe = Pipeline(target, tokenizer, MethodConfig(name="ar"))
     target_lm_weight = float_lm_weight(target.model).detach().float().cpu()
-    answers = {name: target_answers(pipe, prompts[name], args.num_prompts, args.max_new_tokens) for name in sets}
+    answers = {name: target_answers(pipe, prompts[name], args.num_prompts, args.max_new_tokens,
+                                    progress=None if args.no_progress else f"target answers ({name})")
+               for name in sets}
     head_trainer = HeadTrainer(target, HeadTrainConfig(unroll=2))
     results = {}
     for folder, (kind, draft) in drafts.items():

@@ -27,6 +27,7 @@ def add_parser(subparsers) -> None:
                              "95 %% bootstrap interval over problems (default: the runs' baseline)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds each program may run")
     parser.add_argument("--workers", type=positive_int, default=2, help="programs tested at once")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(run=run)
 
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     methods = sorted({sample.method for sample in samples})
     if reference is not None and reference not in methods:  # before the tests run, which take minutes
         raise JointspecError(f"reference method '{reference}' has no HumanEval answers; methods: {', '.join(methods)}")
-    passed = run_tests(samples, timeout=args.timeout, workers=args.workers)
+    passed = run_tests(samples, timeout=args.timeout, workers=args.workers, progress=not args.no_progress)
     rows = pass_at_k_table(samples, passed, ks, reference)
     if not rows:
         raise JointspecError(f"every k in {ks} exceeds the samples per problem; pass more runs (--seed) or a lower --k")

@@ -130,7 +130,7 @@ def add_parser(subparsers) -> None:
                         help="EAGLE-3 style feature fusion (--head eagle): the head also reads the target's hidden "
                              "states at these indices (0 = embedding output, i = output of decoder layer i), e.g. "
                              "3,15 for a 30-layer target; --head eagle3: the three layers fc reads (default: "
-                             "2, L/2, L-3 as vLLM's). The data folder must be built with (at least) these layers")
+                             "2, L/2, L-3 as vLLM's). A --data folder must have been built with exactly these layers")
     parser.add_argument("--eval-every", type=positive_int, default=200, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampled prompt sources, the initial weights and the batch order")

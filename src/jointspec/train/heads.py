@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -560,9 +561,11 @@ class _Run:
         result = self.trainer.evaluate(self.head, data.eval_seqs, data.eval_labels_of, data.draft_weight,
                                        data.draft_index, state["step"])
         state["history"].append(asdict(result))
-        log.info(prefix + result.line())
+        # A result, not progress: shown without the bar too (--no-progress hides bars only).
         if self.bar is not None:
             self.bar.write(prefix + result.line())
+        else:
+            print(prefix + result.line(), file=sys.stderr, flush=True)
         if not scheduled and state["best"] is not None:
             return
         if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
@@ -572,7 +575,23 @@ class _Run:
         else:
             state["bad_evals"] += 1
 
+    def stopped_already(self) -> bool:
+        """Whether the run resumed from a checkpoint that a stopping rule ended, with that rule unchanged: it trains
+        no further step (raise --max-minutes or --patience to go on)."""
+        config, state = self.config, self.state
+        if state["step"] == 0 or state["step"] >= self.total_steps:
+            return False
+        timed_out = config.max_minutes is not None and state["seconds"] > 60 * config.max_minutes
+        if timed_out or state["bad_evals"] >= config.patience:
+            rule = "--max-minutes" if timed_out else "--patience"
+            log.warning("the checkpoint in %s stopped at step %d by %s, unchanged since: nothing to train (raise %s "
+                        "to go on)", self.out_folder, state["step"], rule, rule)
+            return True
+        return False
+
     def train_epochs(self) -> None:
+        if self.stopped_already():
+            return
         epoch = self.state["step"] // max(1, self.steps_per_epoch)
         while epoch < self.config.epochs:
             groups = _batches(self.data.train_seqs, self.config.batch_tokens,
