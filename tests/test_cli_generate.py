@@ -61,6 +61,18 @@ def test_missing_draft_path(capsys, model_dirs, tmp_path):
     assert_clean_error(code, err, "jointspec: error:", "does not exist")
 
 
+@pytest.mark.parametrize(("draft", "said"), [
+    ("no-such-draft-here", "there is no folder 'no-such-draft-here' here, and as a hub id it is not in this machine's "
+                           "cache: check the path; hub ids load only"),
+    ("nobody/no-such-draft", "'nobody/no-such-draft' is not a folder here, and as a hub id it is not in this "
+                             "machine's cache; hub ids load only"),
+])
+def test_a_draft_neither_a_folder_nor_cached_says_so_first(capsys, model_dirs, draft, said):
+    """The message opened with transformers' text about connecting to the hub, which is never tried."""
+    code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps", "--draft", draft))
+    assert_clean_error(code, err, f"jointspec: error: could not load model '{draft}': {said}")
+
+
 def test_sps_without_draft(capsys, model_dirs):
     code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps"))
     assert_clean_error(code, err, "jointspec: error:", "--draft")

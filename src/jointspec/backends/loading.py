@@ -446,11 +446,17 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
     except (OSError, ValueError, KeyError, RuntimeError, struct.error) as error:
         if "gguf_file" in kwargs:
             raise_if_cut_short(source, Path(folder) / kwargs["gguf_file"], error)
+        if kwargs.get("local_files_only") and not Path(folder).exists():
+            # Neither a folder nor a cached hub id: what to do first, transformers' own words (about connecting to
+            # the hub, which was not tried) after.
+            where = (f"there is no folder '{source}' here, and as a hub id it is not in this machine's cache: check "
+                     "the path" if "/" not in source else
+                     f"'{source}' is not a folder here, and as a hub id it is not in this machine's cache")
+            raise ModelLoadError(f"could not load model '{source}': {where}; hub ids load only from the cache, or set "
+                                 f"JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch (transformers: {_error_text(error)})"
+                                 ) from error
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
-        if kwargs.get("local_files_only") and "/" not in source:
-            hint = (f" (there is no folder '{source}' here, and as a hub id it is not in this machine's cache: check "
-                    "the path; hub ids load only from the cache, or set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)")
         if Path(folder).is_dir() and "gguf_file" not in kwargs:
             hint = (" (a model folder holds its tokenizer files and weights, *.safetensors or *.bin, beside "
                     "config.json)")
