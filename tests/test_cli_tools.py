@@ -130,6 +130,16 @@ def test_each_commands_help_gives_its_own_defaults():
     assert "(default 64) (default" not in serve and "(default 64)" in serve
 
 
+def test_no_commands_help_shows_docstring_markup():
+    """Two commands' --help showed their module docstrings' first lines, RST and all (``jointspec build-corpus``)."""
+    from jointspec.cli.commands import COMMANDS
+
+    for name in COMMANDS:
+        sub = next(a for a in cli.build_parser(name)._actions if isinstance(a, argparse._SubParsersAction))
+        text = sub.choices[name].format_help()
+        assert not any(mark in text for mark in ("``", ":class:", ":func:", ":data:", ":mod:")), name
+
+
 def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)
     code, _, err = run_cli(capsys, "serve")

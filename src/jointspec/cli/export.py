@@ -69,7 +69,10 @@ WRITES = {"medusa": {"medusa"}, "speculators": {"eagle3"}, "eagle3": {"eagle3"},
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "export-draft", help=command_help("export-draft"),
-        description=__doc__.splitlines()[0])
+        description="Writes a trained draft in a format another engine loads, only where that format holds its kind "
+                    "faithfully: EAGLE-3 heads as speculators (vLLM) or EAGLE-3's own layout (SGLang), Medusa heads "
+                    "as vLLM's Medusa, EAGLE-1 heads as vLLM's or SGLang's EAGLE-1. Other kinds are refused with "
+                    "the reason. The target is loaded to check that the draft belongs to it (docs/interop.md).")
     parser.add_argument("draft", type=Path, help="the draft's folder (from train-draft, or a speculators checkpoint)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the format to write")
     parser.add_argument("--out", type=Path, required=True, help="a new folder for the checkpoint")
@@ -77,9 +80,27 @@ def add_parser(subparsers) -> None:
                         help="the target the draft belongs to: 'default', a folder, a .gguf or a hub id")
     parser.add_argument("--verifier", default=None,
                         help="--format speculators: the target's name as the serving engine finds it (a hub id or a "
-                             "path; default: --target's own path or id)")
+                             "path; default: --target's own path or id, the hub id for the embedded default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (model loading's too)")
     parser.set_defaults(run=run)
+
+
+def _verifier_name(given_target: str, target) -> str:
+    """The name a speculators checkpoint gives its verifier where --verifier is not given: the embedded default's hub
+    id (its local copy is this machine's), else the target's own id or path, with a warning where that is a path
+    here (an engine on another machine will not find it)."""
+    import logging
+
+    from jointspec.backends.embedded import HUB_ID
+
+    if given_target == "default":
+        return HUB_ID
+    name = str(getattr(target.model.config, "_name_or_path", "") or given_target)
+    if Path(name).expanduser().exists():
+        logging.getLogger(__name__).warning(
+            "the checkpoint names its verifier by this machine's path '%s'; pass --verifier with the name the serving "
+            "engine finds the target by (a hub id) where it runs elsewhere", name)
+    return name
 
 
 def _kind(folder: Path) -> str:
@@ -142,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     # Bound only to check it against the target (refusing one trained for another), in float32: auto would swap its
     # linears for int8 copies, and the checkpoint must carry the weights as trained.
     draft = bind_eagle3(args.draft, target, "float32")
-    verifier = args.verifier or str(getattr(target.model.config, "_name_or_path", "") or args.target)
+    verifier = args.verifier or _verifier_name(args.target, target)
     if args.format == "speculators":
         save_speculators(draft.head, args.out, verifier, target.model.get_input_embeddings().weight)
     else:
