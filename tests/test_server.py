@@ -253,6 +253,22 @@ def test_a_request_without_a_seed_samples_afresh_and_reports_its_seed(client):
     assert "seed" not in greedy["usage"]["jointspec"]  # a greedy answer draws nothing
 
 
+def test_top_p_zero_keeps_the_top_token_alone(client):
+    """OpenAI's API takes top_p 0, and clients send it (with temperature 0 too); it was a 400. The smallest set of
+    tokens holding probability 0 is the top token: any seed and temperature give the greedy answer (the tiny target
+    has no exact ties at these positions, so no false failures)."""
+    body = {"prompt": "abcab", "max_tokens": 16}
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    for extra in ({"temperature": 0, "top_p": 0}, {"temperature": 1.5, "top_p": 0, "seed": 1},
+                  {"temperature": 1.0, "top_p": 0, "top_k": 5, "seed": 2}):
+        reply = client.post("/v1/completions", json={**body, **extra})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == greedy, extra
+    sampled = {client.post("/v1/completions", json={**body, "temperature": 1.5, "seed": seed}).json()["choices"][0][
+        "text"] for seed in range(4)}
+    assert sampled != {greedy}  # the comparison can fail: sampling at 1.5 without top_p 0 leaves the greedy answer
+
+
 def test_a_method_the_ragged_engine_cannot_batch_is_a_400_naming_it(client):
     """The float32 byte model is served by the ragged engine, which batches chain methods only (a CPU int4 model is
     served by the lockstep engine, which runs every method: test_server_memory.py serves MTAD there)."""

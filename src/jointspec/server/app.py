@@ -128,7 +128,7 @@ class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the top token alone (_engine_request)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)  # as the Python API's GenerationConfig takes
@@ -586,7 +586,10 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
     # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports.
     seed = body.seed if body.seed is not None else fresh_seed()
-    common = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
+    top_p, top_k = body.top_p, body.top_k
+    if top_p == 0:  # OpenAI's API takes it: the smallest set of tokens holding probability 0 is the top one alone
+        top_p, top_k = 1.0, 1
+    common = dict(temperature=body.temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=stop, method=options, user=body.user)
     try:
         if isinstance(body, ChatBody):
