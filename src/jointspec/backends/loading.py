@@ -403,6 +403,16 @@ def raise_if_cut_short(source: str, path: Path, error: Exception) -> None:
         raise ModelLoadError(f"could not load model '{source}': {message}") from error
 
 
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether this machine's Hugging Face cache holds a model's config under ``repo_id``."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an id the hub cannot hold (HFValidationError and kin) is in no cache
+        return False
+
+
 def _error_text(error: Exception, limit: int = 400) -> str:
     """A library's error message on one line (transformers' run over several, and the first can end mid-sentence)."""
     text = " ".join(str(error).split())
@@ -446,7 +456,7 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
     except (OSError, ValueError, KeyError, RuntimeError, struct.error) as error:
         if "gguf_file" in kwargs:
             raise_if_cut_short(source, Path(folder) / kwargs["gguf_file"], error)
-        if kwargs.get("local_files_only") and not Path(folder).exists():
+        if kwargs.get("local_files_only") and not _in_hub_cache(source):
             # Neither a folder nor a cached hub id: what to do first, transformers' own words (about connecting to
             # the hub, which was not tried) after.
             where = (f"there is no folder '{source}' here, and as a hub id it is not in this machine's cache: check "

@@ -13,8 +13,7 @@ answers each one greedily; its answers are appended to ``DATA/answers.jsonl`` as
 resumes where it stopped. ``--answers-from DIR`` (repeatable) adds the answers already in a ``train-draft`` data
 folder (the target's own, or a quantised copy's: ``--answer-quantize``) for the same target, so answers generated
 once for training a head are counted too (without ``--prompts``, only those: the target answers nothing). Then
-the table is counted from all answers
-(:class:`jointspec.drafters.corpus.NgramTable`) and written to ``OUT``.
+the table is counted from all answers (:class:`jointspec.drafters.corpus.NgramTable`) and written to ``OUT``.
 """
 
 from __future__ import annotations

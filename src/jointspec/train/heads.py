@@ -563,7 +563,7 @@ class _Run:
         state["history"].append(asdict(result))
         # A result, not progress: shown without the bar too (--no-progress hides bars only).
         if self.bar is not None:
-            self.bar.write(prefix + result.line())
+            self.bar.write(prefix + result.line(), file=sys.stderr)  # with the bar: stdout ends with JSON
         else:
             print(prefix + result.line(), file=sys.stderr, flush=True)
         if not scheduled and state["best"] is not None:
@@ -582,10 +582,12 @@ class _Run:
         if state["step"] == 0 or state["step"] >= self.total_steps:
             return False
         timed_out = config.max_minutes is not None and state["seconds"] > 60 * config.max_minutes
-        if timed_out or state["bad_evals"] >= config.patience:
-            rule = "--max-minutes" if timed_out else "--patience"
+        rules = [rule for rule, stopped in (("--max-minutes", timed_out), ("--patience",
+                                                                           state["bad_evals"] >= config.patience))
+                 if stopped]
+        if rules:
             log.warning("the checkpoint in %s stopped at step %d by %s, unchanged since: nothing to train (raise %s "
-                        "to go on)", self.out_folder, state["step"], rule, rule)
+                        "to go on)", self.out_folder, state["step"], " and ".join(rules), " and ".join(rules))
             return True
         return False
 
