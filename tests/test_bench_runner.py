@@ -424,6 +424,24 @@ def test_the_report_says_what_few_prompts_and_sampling_leave_unsaid():
     assert len(sampled) == 1 and "rerun with the same seed" in sampled[0] and "`pld`" in sampled[0]
 
 
+def test_rows_on_another_target_than_the_baselines_are_marked():
+    """`default` runs quantize=auto: on a float target, an int4 copy. Its `identical` count then compares two models'
+    answers, and a lossless method showed 1/2 with nothing said; such rows are marked and the mark explained.
+    Deterministic: no false failures."""
+    from jointspec.bench.report import other_target_note, other_target_rows
+    from jointspec.bench.runner import BenchConfig, BenchResult
+
+    placed = {"backend": "torch", "kv": "auto", "kernels": "loaded"}
+    settings = {"ar": {"quantize": "as loaded", **placed}, "pld": {"quantize": "as loaded", **placed},
+                "default": {"quantize": "int4", **placed}, "llamacpp": {"method": "llamacpp", "options": {}}}
+    result = BenchResult(BenchConfig(), list(settings), "ar", [], None, settings=settings)
+    assert other_target_rows(result) == ["default"]
+    assert other_target_note(result).startswith("* runs another target than the baseline (default: quantize int4)")
+    same = BenchResult(BenchConfig(), ["ar", "pld"], "ar", [], None,
+                       settings={k: settings[k] for k in ("ar", "pld")})
+    assert other_target_rows(same) == [] and other_target_note(same) is None
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_the_report_names_the_commit_only_of_a_checkout_that_holds_the_package(tmp_path):
     """A report names the jointspec commit that ran, with "+changes" where tracked files were edited; a copy installed

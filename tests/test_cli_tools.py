@@ -216,6 +216,20 @@ def test_bench_intervals_pools_shards_into_the_whole_runs_comparison(bench_run, 
                                  "config": {**whole["config"], "temperature": 0.7}}))
     code, _, err = run_cli(capsys, "bench-intervals", str(shards[0]), str(other), "pld", "ar")
     assert code == 2 and "temperature=0.7" in err and "only runs with the same settings pool" in err
+    # So are another target (its model, its quantisation) and a method run with other settings.
+    second = json.loads(shards[1].read_text())
+    others = {"quantize": {**second, "config": {**whole["config"], "quantize": "int4"}},
+              "model": {**second, "environment": {**whole["environment"], "model": "another"}},
+              "settings": {**second, "settings": {**whole["settings"],
+                                                  "pld:n=4": {**whole["settings"]["pld:n=4"], "num_draft_tokens": 2}}}}
+    for what, results in others.items():
+        other.write_text(json.dumps(results))
+        code, _, err = run_cli(capsys, "bench-intervals", str(shards[0]), str(other), "pld", "ar")
+        assert code == 2 and {"quantize": "quantize='int4'", "model": "ran model 'another'",
+                              "settings": "ran 'pld:n=4' with other settings than"}[what] in err, (what, err)
+    # A method against itself is no comparison.
+    code, _, err = run_cli(capsys, "bench-intervals", str(folder / "results.json"), "pld", "pld")
+    assert code == 2 and "both names pick 'pld:n=4'" in err
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,8 @@ def load_results(path: str | Path) -> dict:
 
 
 # Settings that change what a run samples or scores; shards with different values do not pool.
-POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "perplexity", "repeats")
+POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "perplexity", "repeats", "quantize",
+                   "auto_quantize", "kv_cache")
 
 
 def pool_results(results: list[dict], names: list[str] | None = None) -> dict:
@@ -68,6 +69,16 @@ def pool_results(results: list[dict], names: list[str] | None = None) -> dict:
             if config.get(key) != first_config.get(key):
                 raise ResultsError(f"{name} has {key}={config.get(key)!r}, {names[0]} has "
                                    f"{key}={first_config.get(key)!r}; only runs with the same settings pool")
+        model, first_model = (r.get("environment", {}).get("model") for r in (result, first))
+        if model != first_model:
+            raise ResultsError(f"{name} ran model {model!r}, {names[0]} ran {first_model!r}; only runs of one target "
+                               "pool")
+        for label, row in (result.get("settings") or {}).items():  # a method's own settings as run (its spec)
+            theirs = (first.get("settings") or {}).get(label)
+            if theirs is not None and row != theirs:
+                differing = sorted(key for key in {*row, *theirs} if row.get(key) != theirs.get(key))
+                raise ResultsError(f"{name} ran '{label}' with other settings than {names[0]} "
+                                   f"({', '.join(differing)}); only runs with the same settings pool")
         indices = sorted({run["prompt_index"] for run in result["runs"]})
         renumber = {index: offset + i for i, index in enumerate(indices)}
         for index in indices:
@@ -126,6 +137,9 @@ def compare_methods(results: dict, method: str, reference: str) -> dict:
     prompts; None where nothing was scored). Both may be given as unique parts of their labels."""
     labels = list(results["methods"])
     method, reference = pick_method(labels, method), pick_method(labels, reference)
+    if method == reference:
+        raise ResultsError(f"both names pick '{method}': compare two different methods of the run "
+                           f"({', '.join(labels)})")
     by_prompt = {label: {r["prompt_index"]: r for r in results["runs"] if r["method"] == label}
                  for label in (method, reference)}
     prompts = sorted(by_prompt[method])

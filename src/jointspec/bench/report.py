@@ -239,6 +239,35 @@ COLUMNS = """## Columns
 """
 
 
+# Where a jointspec row runs (row_settings' placement keys): a row whose differ from the baseline's decodes another
+# model (an int4 copy, another cache), so its answers are that model's.
+PLACEMENT_KEYS = ("quantize", "backend", "kv", "kernels")
+
+
+def other_target_rows(result: BenchResult) -> list[str]:
+    """The jointspec rows that run another target than the baseline's (``default``'s quantize=auto on a float target):
+    their `identical` count compares two models' answers."""
+    base = result.settings.get(result.baseline, {})
+    if not all(key in base for key in PLACEMENT_KEYS):  # a reference engine as the baseline: no placement to compare
+        return []
+    return [label for label, row in result.settings.items()
+            if label != result.baseline and all(key in row for key in PLACEMENT_KEYS)
+            and any(row[key] != base[key] for key in PLACEMENT_KEYS)]
+
+
+def other_target_note(result: BenchResult) -> str | None:
+    """What the `*` after a row's `identical` count means, where some row has one."""
+    moved = other_target_rows(result)
+    if not moved:
+        return None
+    base = result.settings[result.baseline]
+    placed = "; ".join(f"{label}: " + ", ".join(f"{key} {result.settings[label][key]}" for key in PLACEMENT_KEYS
+                                                if result.settings[label][key] != base[key]) for label in moved)
+    return (f"* runs another target than the baseline ({placed}): its answers are that model's and may differ from "
+            "the baseline's even where the method is lossless; a row on the same target (e.g. ar:quantize=int4) is "
+            "what they equal.")
+
+
 def notes(result: BenchResult, summary: dict) -> list[str]:
     """What the table's figures do not say by themselves for this run: how sure few prompts' intervals are, and which
     answers sampling lets differ from the baseline's or from a rerun's."""
@@ -266,11 +295,13 @@ def table(result: BenchResult, summary: dict) -> str:
     header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "dist-2", "draft s", "verify s",
               "pred.speedup", "loop eff", "RSS MB", "+MB", "prompt s", "decode x"]
     rows = [header]
+    moved = set(other_target_rows(result))
     for method, s in summary.items():
         rows.append([method, _fmt(s["tokens_per_second"], ".1f"),
                      f"{_fmt(s['tokens_per_second_min'], '.1f')}-{_fmt(s['tokens_per_second_max'], '.1f')}",
                      _fmt(s["speedup"], ".2f") + "x", _fmt(s["mean_accepted_tokens"]),
-                     f"{s['num_identical']}/{s['num_prompts']}", _fmt(s["perplexity"]), _fmt(s["distinct_2"]),
+                     f"{s['num_identical']}/{s['num_prompts']}" + ("*" if method in moved else ""),
+                     _fmt(s["perplexity"]), _fmt(s["distinct_2"]),
                      _fmt(s.get("draft_seconds")), _fmt(s.get("verify_seconds")),
                      _fmt(s.get("predicted_speedup")), _fmt(s.get("loop_efficiency")),
                      _fmt(s["peak_rss_mb"], ".0f"), _fmt(s.get("added_rss_mb"), ".0f"), _fmt(s["prompt_seconds"]),
@@ -283,6 +314,9 @@ def table(result: BenchResult, summary: dict) -> str:
             cat_rows.append([f"{c} (n={summary[result.baseline]['per_category'][c]['num_prompts']})"]
                             + [_category_speedup(s["per_category"][c]) for s in summary.values()])
         lines += [""] + _align(cat_rows)
+    note = other_target_note(result)
+    if note is not None:
+        lines += [note]
     lines += [""] + interval_lines(result, summary)
     return "\n".join(lines)
 
