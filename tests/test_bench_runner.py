@@ -331,6 +331,35 @@ def test_a_report_that_fails_while_written_leaves_the_earlier_one_whole(bench_ma
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing half-written
 
 
+def test_a_report_stopped_in_a_new_folder_leaves_no_folder(bench_main, bench_prompt_file, tmp_path, monkeypatch):
+    """The folders made for a report were left, empty, by a run stopped while writing it."""
+    from jointspec.bench import report as bench_report
+
+    def broken_plots(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_report, "write_plots", broken_plots)
+    code, _, err = bench_main("--prompts", str(bench_prompt_file), "--max-new-tokens", "4", "--no-perplexity",
+                              "--no-cost-model", "--methods", "ar", "--report-dir", str(tmp_path / "new" / "sub"))
+    assert code == 130 and not (tmp_path / "new").exists()
+
+
+def test_a_rerun_leaves_no_plot_it_did_not_draw_and_says_how_it_ran(bench_main, bench_prompt_file, tmp_path,
+                                                                    monkeypatch):
+    """An earlier run's plots stayed beside a rerun's report that drew fewer (no matplotlib, or --no-perplexity,
+    which drew an empty speed-vs-perplexity chart); the report said 'after a discarded warm-up' with --no-warmup."""
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "report"
+    common = ("--prompts", str(bench_prompt_file), "--max-new-tokens", "4", "--no-cost-model", "--methods", "ar,pld",
+              "--report-dir", str(folder))
+    assert bench_main(*common)[0] == 0
+    assert (folder / "speed_vs_perplexity.png").is_file()
+    assert bench_main(*common, "--no-perplexity", "--no-warmup")[0] == 0
+    assert not (folder / "speed_vs_perplexity.png").exists() and (folder / "speedup_by_category.png").is_file()
+    report = (folder / "report.md").read_text()
+    assert "(no warm-up)" in report and "discarded warm-up" not in report and "speed_vs_perplexity" not in report
+
+
 def test_prompts_that_cannot_fit_the_context_are_refused_before_anything_runs(target_model, bench_tokenizer,
                                                                               monkeypatch):
     """A prompt too long for the model's context was refused only when the bench reached it, after every prompt

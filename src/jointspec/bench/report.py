@@ -9,6 +9,7 @@ perplexity ratio also get 95 % paired bootstrap intervals over prompts (:mod:`jo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -286,6 +287,10 @@ def notes(result: BenchResult, summary: dict) -> list[str]:
     return lines
 
 
+def _count(number: int, one: str, many: str) -> str:
+    return f"{number} {one if number == 1 else many}"
+
+
 def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
@@ -359,6 +364,10 @@ def _align(rows: list[list[str]]) -> list[str]:
             for r in rows]
 
 
+# Every plot a report may hold (write_plots).
+REPORT_PLOTS = frozenset({"speedup_by_category.png", "accepted_length.png", "speed_vs_perplexity.png"})
+
+
 def write_report(result: BenchResult, summary: dict, folder: Path, command: str) -> list[Path]:
     """report.md, results.json and PNG plots in ``folder``; returns the files written. They are written aside first
     and moved in together at the end, so that a run stopped while writing (the plots take a second or two) does not
@@ -366,14 +375,25 @@ def write_report(result: BenchResult, summary: dict, folder: Path, command: str)
     import shutil
     import tempfile
 
+    made = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     aside = Path(tempfile.mkdtemp(prefix=".report-", dir=folder))
+    moved = False
     try:
         written = _write_report(result, summary, aside, command)
         for path in written:
             path.replace(folder / path.name)
+            moved = True
+        # An earlier run's plots that this one did not draw (no matplotlib, --no-perplexity) would sit beside this
+        # run's report as if they were its own.
+        for name in REPORT_PLOTS - {path.name for path in written}:
+            (folder / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+        if not moved:  # stopped before anything was moved in: the folders made for it go too
+            for parent in made:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
     return [folder / path.name for path in written]
 
 
@@ -402,10 +422,11 @@ def _write_report(result: BenchResult, summary: dict, folder: Path, command: str
           f"jointspec {env['jointspec']}"
           f"{' (commit ' + env['jointspec_commit'] + ')' if env.get('jointspec_commit') else ''}, "
           f"Python {env['python']}.\n",
-          f"{len(summary[result.baseline]['per_category'])} categories, "
-          f"{summary[result.baseline]['num_prompts']} prompts, max_new_tokens {config.max_new_tokens}, temperature "
-          f"{config.temperature} (top-k {config.top_k}, top-p {config.top_p}), seed {config.seed}, "
-          f"{config.repeats} timed repeat(s) after a discarded warm-up; "
+          f"{_count(len(summary[result.baseline]['per_category']), 'category', 'categories')}, "
+          f"{_count(summary[result.baseline]['num_prompts'], 'prompt', 'prompts')}, max_new_tokens "
+          f"{config.max_new_tokens}, temperature {config.temperature} (top-k {config.top_k}, top-p {config.top_p}), "
+          f"seed {config.seed}, {_count(config.repeats, 'timed repeat', 'timed repeats')}"
+          f"{' after a discarded warm-up' if config.warmup else ' (no warm-up)'}; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",
           "```", table(result, summary), "```\n", *notes(result, summary), COLUMNS]
     load = [env.get("load_average_start"), env.get("load_average_end")]
@@ -499,6 +520,8 @@ def write_plots(summary: dict, folder: Path, baseline: str) -> list[Path]:
         ax.legend(fontsize="small")
     paths.append(_save(fig, folder / "accepted_length.png"))
 
+    if all(summary[method]["perplexity"] is None for method in methods):  # --no-perplexity: nothing to plot
+        return paths
     fig, ax = plt.subplots(figsize=(7, 5))
     base_ppl, base_tps = summary[baseline]["perplexity"], summary[baseline]["tokens_per_second"]
     with_bars = False
@@ -525,8 +548,7 @@ def write_plots(summary: dict, folder: Path, baseline: str) -> list[Path]:
     ax.set_ylabel("tokens/s")
     ax.set_title("Speed vs perplexity" + (f" (bars: 95 % paired intervals against {short_label(baseline)})"
                                           if with_bars else ""), fontsize="medium")
-    if ax.get_legend_handles_labels()[1]:  # nothing is plotted without perplexities (--no-perplexity)
-        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
     paths.append(_save(fig, folder / "speed_vs_perplexity.png"))
     return paths
 
