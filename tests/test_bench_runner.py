@@ -170,6 +170,14 @@ def test_llamacpp_rows_on_a_folder_target_say_they_run_another_model(monkeypatch
         cli.main(["bench", "--no-progress", "--model", str(tmp_path), "--llamacpp-model", "own.gguf",
                   "--prompts", str(bench_prompt_file), "--methods", "ar,llamacpp", "--no-perplexity"])
     assert "warning" not in capsys.readouterr().err
+    # --llamacpp-model without a row on llama.cpp would be ignored: refused, before the model loads.
+    assert cli.main(["bench", "--no-progress", "--llamacpp-model", "own.gguf", "--prompts", str(bench_prompt_file),
+                     "--methods", "ar,pld", "--no-perplexity"]) == 2
+    assert "no method of --methods (ar, pld) runs on llama.cpp, so --llamacpp-model" in capsys.readouterr().err
+    # A draft path that does not exist: refused before the model loads too (load_target stops the run above).
+    assert cli.main(["bench", "--no-progress", "--prompts", str(bench_prompt_file), "--methods",
+                     "ar,sps:draft=/no/such/draft", "--no-perplexity"]) == 2
+    assert "'sps:draft=/no/such/draft': draft '/no/such/draft' does not exist" in capsys.readouterr().err
     # and each such row names the file it ran in the report's settings
     for text in ("llamacpp", "pld:backend=llamacpp"):
         assert row_settings(parse_spec(text), MethodConfig(), "none", "own.gguf")["model"] == "own.gguf"

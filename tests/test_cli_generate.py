@@ -55,10 +55,14 @@ def test_folder_without_config(capsys, tmp_path):
     assert_clean_error(code, err, "jointspec: error:", "config.json")
 
 
-def test_missing_draft_path(capsys, model_dirs, tmp_path):
+def test_missing_draft_path(capsys, model_dirs, tmp_path, monkeypatch):
+    """Refused before the target loads (it was found only after)."""
+    from jointspec.backends import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: pytest.fail("the target loaded"))
     code, _, err = run_cli(capsys, *generate_args(model_dirs["target"], "--method", "sps",
                                                   "--draft", str(tmp_path / "no-such-draft")))
-    assert_clean_error(code, err, "jointspec: error:", "does not exist")
+    assert_clean_error(code, err, "jointspec: error:", f"--draft '{tmp_path / 'no-such-draft'}' does not exist")
 
 
 @pytest.mark.parametrize(("draft", "said"), [

@@ -173,6 +173,13 @@ def _looks_like_path(source: str) -> bool:
     return source.endswith(".gguf") or source.startswith((".", "/", "~")) or os.sep + os.sep in source
 
 
+def check_model_path(source: str | None, option: str) -> None:
+    """Refuse, before anything loads, a model or draft named by a path that does not exist (``option``: the flag or
+    key that named it)."""
+    if source and _looks_like_path(source) and not Path(source).expanduser().exists():
+        raise ModelLoadError(f"{option} '{source}' does not exist; check the path")
+
+
 def check_load_options(source: str, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                        quantize: str = "none", backend: str = "torch", threads: int | None = None) -> None:
     """Refuse an unknown value or a combination that cannot work, before anything is loaded."""

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from jointspec.backends.loading import DEFAULT_MODEL, load_model, resolve_quantize
+from jointspec.backends.loading import DEFAULT_MODEL, check_model_path, load_model, resolve_quantize
 from jointspec.bench import report
 from jointspec.bench.engines import hf_settings
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompt_sets, select_prompts
@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                                       "bench")
         else:
             check_dynamic_tree(method_config(spec, defaults), args.temperature)
+            check_model_path(method_config(spec, defaults).draft, f"'{spec.label}': draft")
     quantized = [spec.label for spec in specs if spec.quantize_explicit]
     if quantized and (args.quantize != "none" or args.backend != "torch"):
         raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "
@@ -166,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     # Every check above is cheap and runs first: a mistyped option is refused before a first run starts compiling
     # the kernels, and before quantize=auto waits for them (or reads the model file) to decide.
     llamacpp_rows = [spec.label for spec in specs if spec.is_llamacpp_reference or spec.backend == "llamacpp"]
+    if args.llamacpp_model is not None and not llamacpp_rows and args.backend != "llamacpp":
+        raise MethodSpecError(f"no method of --methods ({', '.join(spec.label for spec in specs)}) runs on llama.cpp, "
+                              "so --llamacpp-model would be ignored; add llamacpp or a ':backend=llamacpp' method, or "
+                              "drop it")
     if llamacpp_rows and args.llamacpp_model is None and config.llamacpp_model != args.model:
         print(f"jointspec bench: warning: {', '.join(llamacpp_rows)} run llama.cpp on the embedded default's GGUF, "
               f"not on {args.model} (llama.cpp reads GGUF files only): their answers and speed are another model's; "

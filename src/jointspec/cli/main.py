@@ -83,8 +83,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise JointspecError("the prompt is empty; pass some text (as the argument, --prompt, --prompt-file or on "
                              "stdin with --prompt-file -)")
+    from jointspec.backends.loading import check_model_path, load_model
+
+    check_model_path(method.draft, "--draft")  # before the target loads
     apply_threads(args)
-    from jointspec.backends.loading import load_model
     from jointspec.drafters.approximate import with_attention
     from jointspec.drafters.curve_store import persisted_curves
 
