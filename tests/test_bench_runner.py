@@ -43,6 +43,8 @@ def bench_main(monkeypatch, target_model, bench_tokenizer, capsys):
 def test_cli_errors_are_one_line(bench_main, bench_prompt_file, tmp_path):
     code, out, err = bench_main("--prompts", str(bench_prompt_file), "--methods", "ar,warp")
     assert code == 2 and err.startswith("jointspec: error: unknown method 'warp'") and err.count("\n") == 1
+    code, out, err = bench_main("--prompts", str(bench_prompt_file), "--methods", "ar", "--baseline", "warp")
+    assert code == 2 and err.startswith("jointspec: error: --baseline: unknown method 'warp'")  # names the option
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1}\n{oops\n')
     code, out, err = bench_main("--prompts", str(bad))

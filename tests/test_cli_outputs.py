@@ -26,6 +26,9 @@ def test_check_output_folder_refuses_files_in_the_way_and_creates_nothing(tmp_pa
         check_output_folder(blocker / "deeper" / "out", "--out")
     check_output_folder(tmp_path / "new" / "out", "--out")  # fine, and nothing made
     assert not (tmp_path / "new").exists()
+    for empty in ("", "  "):  # the current folder, unasked: its files would be written among the user's own
+        with pytest.raises(UnsupportedOptionError, match="--report-dir is empty; pass a folder path"):
+            check_output_folder(empty, "--report-dir")
     monkeypatch.setattr("os.access", lambda path, mode: False)  # this suite may run as root, who may write anywhere
     with pytest.raises(UnsupportedOptionError, match="no permission"):
         check_output_folder(tmp_path / "out", "--report-dir")

@@ -122,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
         raise MethodSpecError(f"bench runs the methods of --methods (comma-separated specs, e.g. --methods ar,"
                               f"{args.method}), not --method")
     specs = parse_specs(args.methods)
-    baseline = parse_spec(args.baseline)
+    try:
+        baseline = parse_spec(args.baseline)
+    except MethodSpecError as error:
+        raise MethodSpecError(f"--baseline: {error}") from None
     args.baseline = baseline.label  # as --methods names it: " ar" is ar
     if args.baseline not in [s.label for s in specs]:
         specs.insert(0, baseline)

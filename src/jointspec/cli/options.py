@@ -33,6 +33,8 @@ def positive_int(text: str) -> int:
 def check_output_folder(path: str | os.PathLike, option: str) -> None:
     """Refuse, before any work, a folder a command would write into but could not: a file in its place or above it,
     or a parent it may not write in. Creates nothing, so a refused command leaves nothing behind."""
+    if not str(path).strip():  # Path("") is the current folder: its files would be written among the user's own
+        raise UnsupportedOptionError(f"{option} is empty; pass a folder path (. for the current folder)")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UnsupportedOptionError(f"{option} '{path}' is a file, not a folder; pass a folder path")
