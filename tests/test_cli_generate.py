@@ -170,10 +170,15 @@ def test_an_option_the_method_does_not_read_is_refused_not_ignored(capsys, model
 
 def test_methods_lists_the_options_each_method_reads(capsys):
     code, out, _ = run_cli(capsys, "methods")
-    lines = out.splitlines()
+    methods, references = out.split("\n\nreference rows of `jointspec bench`")
+    lines = methods.splitlines()
     options = {line.split()[0]: lines[i + 1] for i, line in enumerate(lines) if not line.startswith(" ")}
     assert code == 0 and "--max-ngram" in options["pld"] and "--beam-width" not in options["pld"]
     assert options["ar"].split() == ["options:", "none"]
+    # The rows bench also takes, which the listing left out: other engines' loops, with their spec keys.
+    rows = {line.split()[0]: line for line in references.splitlines()[1:]}
+    assert set(rows) == {"hf-generate", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-pld"}
+    assert "keys: num_pred_tokens, max_ngram_size, flash_attn" in rows["llamacpp-pld"]
 
 
 def test_unknown_device(capsys, model_dirs):

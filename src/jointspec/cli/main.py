@@ -238,6 +238,13 @@ def _run_methods(args: argparse.Namespace) -> int:
         print(f"{name:12s} {summary}")
         options = ", ".join(cli_flag(option) for option in sorted(method_reads(name)) if option in flags)
         print(f"{'':12s}   options: {options or 'none'}")
+    from jointspec.bench.specs import HF_METHODS, LLAMACPP_METHODS
+
+    # Rows `jointspec bench --methods` also takes: other engines' own loops, run beside jointspec's as references.
+    print("\nreference rows of `jointspec bench` (other engines' own loops; spec keys, not flags):")
+    for name, keys in {**HF_METHODS, **LLAMACPP_METHODS}.items():
+        engine = "transformers' generate" if name in HF_METHODS else "llama-cpp-python's generation loop"
+        print(f"{name:12s} {engine}; keys: {', '.join(keys) or 'none'}")
     return 0
 
 
