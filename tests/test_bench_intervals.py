@@ -155,6 +155,15 @@ def test_table_says_when_there_are_too_few_prompts(target_model, bench_tokenizer
     assert "fewer than" in table(result, summary)
 
 
+def test_a_baseline_alone_gets_no_interval_section(target_model, bench_tokenizer):
+    """With the baseline alone and enough prompts, the table printed an interval header with no rows under it."""
+    from jointspec.bench.report import interval_lines
+
+    prompts = [BenchPrompt(str(i), "x", (" ".join(WORDS[i:i + 6]),)) for i in range(8)]
+    result, summary = run_tiny(target_model, bench_tokenizer, "ar", prompts, max_new_tokens=2, perplexity=False)
+    assert interval_lines(result, summary) == [] and "paired bootstrap" not in table(result, summary)
+
+
 def test_each_prompt_and_turn_samples_with_its_own_seed(target_model, bench_tokenizer):
     assert prompt_seed(0, "81", 0) == prompt_seed(0, "81", 0)
     seeds = {prompt_seed(0, "81", 0), prompt_seed(0, "81", 1), prompt_seed(0, "82", 0), prompt_seed(1, "81", 0)}

@@ -228,7 +228,8 @@ COLUMNS = """## Columns
   over each prompt's slowest and fastest repeat. `speedup`: tok/s over the baseline's.
 - `acc.tok`: tokens committed per target call, 1 + accepted draft tokens / rounds (1.00 for plain decoding; for
   transformers' rows, new tokens per target call).
-- `identical`: prompts whose answer is the baseline's, token for token (notes above for sampling).
+- `identical`: prompts whose answer is the baseline's, token for token (`*`: a row on another target; sampled
+  runs: the notes above).
 - `ppl`: perplexity of the row's answers under the bench's target as loaded; `dist-2`: distinct bigrams over all
   bigrams of each answer, averaged.
 - `draft s`, `verify s`: seconds spent drafting and verifying, summed over the prompts of the first timed repeat.
@@ -322,7 +323,9 @@ def table(result: BenchResult, summary: dict) -> str:
     note = other_target_note(result)
     if note is not None:
         lines += [note]
-    lines += [""] + interval_lines(result, summary)
+    intervals = interval_lines(result, summary)
+    if intervals:
+        lines += [""] + intervals
     return "\n".join(lines)
 
 
@@ -335,6 +338,8 @@ def _category_speedup(s: dict) -> str:
 def interval_lines(result: BenchResult, summary: dict) -> list[str]:
     """Each method against the baseline, with the paired bootstrap intervals and what they do (not) show."""
     num_prompts = summary[result.baseline]["num_prompts"]
+    if len(summary) == 1:  # the baseline alone: nothing to compare it with
+        return []
     if num_prompts < MIN_PROMPTS:
         prompts = "1 prompt" if num_prompts == 1 else f"{num_prompts} prompts"
         return [f"(no {LEVEL:.0%} intervals against the baseline: {prompts}, fewer than {MIN_PROMPTS})"]
