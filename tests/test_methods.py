@@ -258,3 +258,13 @@ def test_lade_refuses_one_token_ngrams_rather_than_lengthening_them(target_model
         build_method(MethodContext(MethodConfig(name="lade", max_ngram=1), target, None, None))
     drafter, _ = build_method(MethodContext(MethodConfig(name="lade", max_ngram=2), target, None, None))
     assert drafter.ngram == 2
+
+
+def test_jointspec_methods_tags_as_lossless_exactly_the_methods_registered_so():
+    """`jointspec methods` prints each hand-written summary, whose '(lossless)' tag had drifted from the registry for
+    `oracle`; `ar` is plain decoding itself, the baseline the claim is made against."""
+    from jointspec.methods import method_summaries
+    from jointspec.methods.registry import method_is_lossless
+
+    tagged = {name for name, summary in method_summaries().items() if "(lossless" in summary}
+    assert tagged == {name for name in method_summaries() if method_is_lossless(name)} - {"ar"}
