@@ -227,6 +227,13 @@ def test_bench_intervals_pools_shards_into_the_whole_runs_comparison(bench_run, 
         code, _, err = run_cli(capsys, "bench-intervals", str(shards[0]), str(other), "pld", "ar")
         assert code == 2 and {"quantize": "quantize='int4'", "model": "ran model 'another'",
                               "settings": "ran 'pld:n=4' with other settings than"}[what] in err, (what, err)
+    # One model kept at another path on another machine is the same target: those shards pool.
+    for path in ("/home/a/models/tiny", "/srv/b/tiny"):
+        other.write_text(json.dumps({**second, "environment": {**whole["environment"], "model": path}}))
+        (tmp_path / "first.json").write_text(json.dumps({**json.loads(shards[0].read_text()), "environment": {
+            **whole["environment"], "model": "/home/a/models/tiny"}}))
+        code, _, err = run_cli(capsys, "bench-intervals", str(tmp_path / "first.json"), str(other), "pld", "ar")
+        assert code == 0, err
     # A method against itself is no comparison.
     code, _, err = run_cli(capsys, "bench-intervals", str(folder / "results.json"), "pld", "pld")
     assert code == 2 and "both names pick 'pld:n=4'" in err

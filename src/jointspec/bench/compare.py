@@ -48,6 +48,18 @@ POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "p
                    "auto_quantize", "kv_cache")
 
 
+def _model_name(model):
+    """A model as shards on several machines name it alike: a folder or file by its last component (each machine
+    keeps its copy at its own path)."""
+    local = isinstance(model, str) and (model.startswith(("/", ".", "~")) or model.endswith(".gguf"))
+    return Path(model).name if local else model  # a hub id ('org/name') names the same model everywhere
+
+
+def _machine_free(settings: dict) -> dict:
+    """A row's settings with the GGUF it ran named as _model_name names a model."""
+    return {key: _model_name(value) if key == "model" else value for key, value in settings.items()}
+
+
 def pool_results(results: list[dict], names: list[str] | None = None) -> dict:
     """One results dict from bench runs over disjoint prompts with the same methods and settings.
 
@@ -70,12 +82,12 @@ def pool_results(results: list[dict], names: list[str] | None = None) -> dict:
                 raise ResultsError(f"{name} has {key}={config.get(key)!r}, {names[0]} has "
                                    f"{key}={first_config.get(key)!r}; only runs with the same settings pool")
         model, first_model = (r.get("environment", {}).get("model") for r in (result, first))
-        if model != first_model:
+        if _model_name(model) != _model_name(first_model):
             raise ResultsError(f"{name} ran model {model!r}, {names[0]} ran {first_model!r}; only runs of one target "
                                "pool")
         for label, row in (result.get("settings") or {}).items():  # a method's own settings as run (its spec)
             theirs = (first.get("settings") or {}).get(label)
-            if theirs is not None and row != theirs:
+            if theirs is not None and _machine_free(row) != _machine_free(theirs):
                 differing = sorted(key for key in {*row, *theirs} if row.get(key) != theirs.get(key))
                 raise ResultsError(f"{name} ran '{label}' with other settings than {names[0]} "
                                    f"({', '.join(differing)}); only runs with the same settings pool")
