@@ -475,10 +475,11 @@ def test_rows_on_another_target_than_the_baselines_are_marked():
                 "default": {"quantize": "int4", **placed}, "llamacpp": {"method": "llamacpp", "options": {}}}
     result = BenchResult(BenchConfig(), list(settings), "ar", [], None, settings=settings)
     assert other_target_rows(result) == ["default"]
-    assert other_target_note(result).startswith("* runs another target than the baseline (default: quantize int4)")
+    note = other_target_note(result, other_target_rows(result))
+    assert note.startswith("* runs another target than the baseline (default: quantize int4)")
     same = BenchResult(BenchConfig(), ["ar", "pld"], "ar", [], None,
                        settings={k: settings[k] for k in ("ar", "pld")})
-    assert other_target_rows(same) == [] and other_target_note(same) is None
+    assert other_target_rows(same) == [] and other_target_note(same, []) is None
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

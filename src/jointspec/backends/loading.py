@@ -169,14 +169,15 @@ def check_device(device: str) -> None:
         raise ModelLoadError(f"device '{device}' asked for, but CUDA is not available on this machine; use cpu")
 
 
-def _looks_like_path(source: str) -> bool:
+def looks_like_path(source: str) -> bool:
+    """Whether a model name is a local path (a hub id is 'org/name')."""
     return source.endswith(".gguf") or source.startswith((".", "/", "~")) or os.sep + os.sep in source
 
 
 def check_model_path(source: str | None, option: str) -> None:
     """Refuse, before anything loads, a model or draft named by a path that does not exist (``option``: the flag or
     key that named it)."""
-    if source and _looks_like_path(source) and not Path(source).expanduser().exists():
+    if source and looks_like_path(source) and not Path(source).expanduser().exists():
         raise ModelLoadError(f"{option} '{source}' does not exist; check the path")
 
 
@@ -451,7 +452,7 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
         elif path.exists():
             raise ModelLoadError(f"model path '{source}' is a file but not a .gguf file; pass a Hugging Face model "
                                  "folder (the one holding config.json), a .gguf file, or 'default'")
-        elif _looks_like_path(source):
+        elif looks_like_path(source):
             raise ModelLoadError(f"model path '{source}' does not exist; check the path, or pass 'default' for the "
                                  "embedded SmolLM2")
         else:

@@ -51,8 +51,9 @@ POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "p
 def _model_name(model):
     """A model as shards on several machines name it alike: a folder or file by its last component (each machine
     keeps its copy at its own path)."""
-    local = isinstance(model, str) and (model.startswith(("/", ".", "~")) or model.endswith(".gguf"))
-    return Path(model).name if local else model  # a hub id ('org/name') names the same model everywhere
+    from jointspec.backends.loading import looks_like_path
+
+    return Path(model).name if isinstance(model, str) and looks_like_path(model) else model  # a hub id: as given
 
 
 def _machine_free(settings: dict) -> dict:

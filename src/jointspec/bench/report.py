@@ -22,7 +22,7 @@ from jointspec.analysis.quality import distinct_n
 from jointspec.bench.costmodel import TargetCost, predict
 from jointspec.bench.intervals import LEVEL, MIN_PROMPTS, paired_ratio_interval
 from jointspec.bench.runner import BenchResult, PromptRun, perplexity_of
-from jointspec.bench.specs import MethodSpecError, parse_spec
+from jointspec.bench.specs import PLACEMENT_KEYS, MethodSpecError, parse_spec
 from jointspec.core.loop import SpecStats
 from jointspec.methods.registry import cost_aware_by_default
 
@@ -241,29 +241,28 @@ COLUMNS = """## Columns
 """
 
 
-# Where a jointspec row runs (row_settings' placement keys): a row whose differ from the baseline's decodes another
-# model (an int4 copy, another cache), so its answers are that model's.
-PLACEMENT_KEYS = ("quantize", "backend", "kv", "kernels")
+# The placement keys (row_settings') that choose the model a row decodes: its weights, cache and kernels. A row whose
+# differ from the baseline's decodes another model (an int4 copy, another cache), so its answers are that model's.
+TARGET_KEYS = tuple(key for key in PLACEMENT_KEYS if key not in ("attention", "memory"))
 
 
 def other_target_rows(result: BenchResult) -> list[str]:
     """The jointspec rows that run another target than the baseline's (``default``'s quantize=auto on a float target):
     their `identical` count compares two models' answers."""
     base = result.settings.get(result.baseline, {})
-    if not all(key in base for key in PLACEMENT_KEYS):  # a reference engine as the baseline: no placement to compare
+    if not all(key in base for key in TARGET_KEYS):  # a reference engine as the baseline: no placement to compare
         return []
     return [label for label, row in result.settings.items()
-            if label != result.baseline and all(key in row for key in PLACEMENT_KEYS)
-            and any(row[key] != base[key] for key in PLACEMENT_KEYS)]
+            if label != result.baseline and all(key in row for key in TARGET_KEYS)
+            and any(row[key] != base[key] for key in TARGET_KEYS)]
 
 
-def other_target_note(result: BenchResult) -> str | None:
-    """What the `*` after a row's `identical` count means, where some row has one."""
-    moved = other_target_rows(result)
+def other_target_note(result: BenchResult, moved: list[str]) -> str | None:
+    """What the `*` after the `identical` count of the rows ``moved`` (other_target_rows) means, where there are any."""
     if not moved:
         return None
     base = result.settings[result.baseline]
-    placed = "; ".join(f"{label}: " + ", ".join(f"{key} {result.settings[label][key]}" for key in PLACEMENT_KEYS
+    placed = "; ".join(f"{label}: " + ", ".join(f"{key} {result.settings[label][key]}" for key in TARGET_KEYS
                                                 if result.settings[label][key] != base[key]) for label in moved)
     return (f"* runs another target than the baseline ({placed}): its answers are that model's and may differ from "
             "the baseline's even where the method is lossless; a row on the same target (e.g. ar:quantize=int4) is "
@@ -301,7 +300,7 @@ def table(result: BenchResult, summary: dict) -> str:
     header = ["method", "tok/s", "min-max", "speedup", "acc.tok", "identical", "ppl", "dist-2", "draft s", "verify s",
               "pred.speedup", "loop eff", "RSS MB", "+MB", "prompt s", "decode x"]
     rows = [header]
-    moved = set(other_target_rows(result))
+    moved = other_target_rows(result)
     for method, s in summary.items():
         rows.append([method, _fmt(s["tokens_per_second"], ".1f"),
                      f"{_fmt(s['tokens_per_second_min'], '.1f')}-{_fmt(s['tokens_per_second_max'], '.1f')}",
@@ -320,7 +319,7 @@ def table(result: BenchResult, summary: dict) -> str:
             cat_rows.append([f"{c} (n={summary[result.baseline]['per_category'][c]['num_prompts']})"]
                             + [_category_speedup(s["per_category"][c]) for s in summary.values()])
         lines += [""] + _align(cat_rows)
-    note = other_target_note(result)
+    note = other_target_note(result, moved)
     if note is not None:
         lines += [note]
     intervals = interval_lines(result, summary)

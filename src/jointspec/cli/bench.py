@@ -146,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
                 raise MethodSpecError(f"'{spec.label}' runs greedy only (temperature 0); drop it from a sampling "
                                       "bench")
         else:
-            check_dynamic_tree(method_config(spec, defaults), args.temperature)
-            check_model_path(method_config(spec, defaults).draft, f"'{spec.label}': draft")
+            spec_config = method_config(spec, defaults)
+            check_dynamic_tree(spec_config, args.temperature)
+            check_model_path(spec_config.draft, f"'{spec.label}': draft")
     quantized = [spec.label for spec in specs if spec.quantize_explicit]
     if quantized and (args.quantize != "none" or args.backend != "torch"):
         raise MethodSpecError(f"{', '.join(quantized)} quantise a copy of the float torch target; drop --quantize "

@@ -575,13 +575,17 @@ class _Run:
         else:
             state["bad_evals"] += 1
 
+    def past_time_cap(self, seconds: float) -> bool:
+        """Whether a run that has trained ``seconds`` is past --max-minutes."""
+        return self.config.max_minutes is not None and seconds > 60 * self.config.max_minutes
+
     def stopped_already(self) -> bool:
         """Whether the run resumed from a checkpoint that a stopping rule ended, with that rule unchanged: it trains
         no further step (raise --max-minutes or --patience to go on)."""
         config, state = self.config, self.state
         if state["step"] == 0 or state["step"] >= self.total_steps:
             return False
-        timed_out = config.max_minutes is not None and state["seconds"] > 60 * config.max_minutes
+        timed_out = self.past_time_cap(state["seconds"])
         rules = [rule for rule, stopped in (("--max-minutes", timed_out), ("--patience",
                                                                            state["bad_evals"] >= config.patience))
                  if stopped]
@@ -625,7 +629,7 @@ class _Run:
     def after_step(self) -> bool:
         """Evaluate and checkpoint when due; True when training should stop (patience or time spent)."""
         config, state = self.config, self.state
-        timed_out = config.max_minutes is not None and time.perf_counter() - self.started > 60 * config.max_minutes
+        timed_out = self.past_time_cap(time.perf_counter() - self.started)
         scheduled = state["step"] % config.eval_every == 0 or state["step"] == self.total_steps
         if not (scheduled or timed_out):
             return False
