@@ -31,8 +31,11 @@ def child(engine: str, path: str, contexts: list[int], new_tokens: int, threads:
     if engine == "llamacpp":
         import llama_cpp
 
-        llama = llama_cpp.Llama(model_path=path, n_ctx=max(contexts) + new_tokens + 8, n_batch=512,
-                                n_threads=threads, n_threads_batch=threads, verbose=False)
+        from jointspec.backends.llamacpp import llama_class_params
+
+        with llama_class_params():  # as the bench's llamacpp rows: no AMX buffers where they crash
+            llama = llama_cpp.Llama(model_path=path, n_ctx=max(contexts) + new_tokens + 8, n_batch=512,
+                                    n_threads=threads, n_threads_batch=threads, verbose=False)
         vocab = llama.n_vocab()
     else:
         import torch

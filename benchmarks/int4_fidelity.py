@@ -55,8 +55,11 @@ def main() -> None:
     except ImportError:
         llama_cpp = None
     if llama_cpp is not None and gguf is not None:  # a model folder has no llama.cpp file to compare with
-        llama = llama_cpp.Llama(str(gguf), n_ctx=1024, logits_all=True, verbose=False,
-                                n_threads=args.threads or torch.get_num_threads())
+        from jointspec.backends.llamacpp import llama_class_params
+
+        with llama_class_params():  # as the bench's llamacpp rows: no AMX buffers where they crash
+            llama = llama_cpp.Llama(str(gguf), n_ctx=1024, logits_all=True, verbose=False,
+                                    n_threads=args.threads or torch.get_num_threads())
     questions = load_prompts("builtin:mt_bench")
 
     def rows(model, ids: list[int]) -> torch.Tensor:  # logits of every position, read 128 rows at a time

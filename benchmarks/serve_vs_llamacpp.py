@@ -1,7 +1,10 @@
 """``jointspec serve`` next to llama-cpp-python's own OpenAI server, end to end, on the same GGUF file.
 
 Starts each server itself, one at a time, as a subprocess on a free localhost port: ``python -m jointspec serve
---model FILE.gguf`` and ``python -m llama_cpp.server --model FILE.gguf``. It waits until ``GET /v1/models`` answers
+--model FILE.gguf`` and llama-cpp-python's ``python -m llama_cpp.server --model FILE.gguf``, the latter through
+``llamacpp_server.py`` beside this file, which loads the model as the bench's ``llamacpp`` rows do (on CPUs with AMX
+without llama.cpp's extra buffer types, whose AMX kernels segfault in 0.3.36 at the first decode of several tokens;
+elsewhere unchanged). It waits until ``GET /v1/models`` answers
 (with a deadline), warms it up (one request, non-streamed then streamed), runs every concurrency level, then stops
 the server (SIGTERM, then SIGKILL after ``--stop-timeout``; in a ``finally``, so Ctrl-C, SIGTERM or an error leave
 no server running; each server runs in its own session, so a Ctrl-C reaches the script only and the script stops the
@@ -83,6 +86,8 @@ from jointspec.bench.prompts import load_prompts
 
 SERVERS = ("jointspec", "llamacpp")
 LABELS = {"jointspec": "jointspec serve", "llamacpp": "llama_cpp.server"}
+# `python -m llama_cpp.server` with the model loaded as the bench's llama.cpp rows load it (its docstring says why).
+LLAMACPP_SERVER = Path(__file__).with_name("llamacpp_server.py")
 
 
 def default_gguf() -> Path:
@@ -102,7 +107,7 @@ def server_command(name: str, args, port: int) -> list[str]:
     if name == "jointspec":
         return ([sys.executable, "-m", "jointspec", "serve", "--model", str(args.gguf), "--threads", str(args.threads),
                  "--host", "127.0.0.1", "--port", str(port)] + shlex.split(args.jointspec_args))
-    return ([sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf), "--n_ctx", str(args.n_ctx),
+    return ([sys.executable, str(LLAMACPP_SERVER), "--model", str(args.gguf), "--n_ctx", str(args.n_ctx),
              "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
              "--interrupt_requests", "False", "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)]
             + shlex.split(args.llamacpp_args))
@@ -115,11 +120,20 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def exit_description(code: int) -> str:
+    """A server's exit status in words: ``code 1``, or the signal that killed it (``signal 11 (SIGSEGV)``)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        return f"signal {-code}"
+    return f"code {code}"
+
+
 def wait_ready(process: subprocess.Popen, base_url: str, deadline: float, log_path: Path) -> None:
     """Poll GET /v1/models until it answers 200; fail when the server exits or the deadline passes."""
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with code {process.returncode} before it was ready:\n"
+            raise RuntimeError(f"server exited with {exit_description(process.returncode)} before it was ready:\n"
                                f"{log_tail(log_path)}")
         try:
             if httpx.get(f"{base_url}/models", timeout=2.0).status_code == 200:
@@ -274,6 +288,9 @@ def run_server(name: str, args, texts: list[str], deadline: float, out_dir: Path
         record.update(asyncio.run(drive(f"http://127.0.0.1:{port}/v1", texts, args, deadline)))
     except Exception as error:  # noqa: BLE001 - reported, and the other server still runs
         record["error"] = f"{type(error).__name__}: {error}"
+        if process.poll() is not None:  # it died under the load: say so, not only what the client saw
+            record["error"] = (f"the server exited with {exit_description(process.returncode)} ({record['error']}); "
+                               f"the end of its log ({log_path}):\n{log_tail(log_path)}")
         print(f"  error: {record['error']}", flush=True)
     finally:
         stop_server(process, args.stop_timeout)
