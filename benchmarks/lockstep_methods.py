@@ -35,9 +35,13 @@ and, for sampled requests, sampled rows' (every row's exact logits).
     python benchmarks/lockstep_methods.py --methods ar,sps,mtad --temperature 1 --top-k 10 --top-p 0.9 \
         --max-new-tokens 64                                       # sampling: MTAD against plain sampling and sps
     python benchmarks/lockstep_methods.py --methods ar,default,default/unsupervised   # the draft supervisor's worth
+    python benchmarks/lockstep_methods.py --methods ar,mtad,mtad/unbatched --temperature 1 --top-k 10 --top-p 0.9 \
+        --max-new-tokens 64                                       # MTAD's head calls made together, or each alone
 
 A method written ``NAME/unsupervised`` runs ``NAME`` with the engine's draft supervisor off (drafts as the drafters
 choose in every round; batch/supervisor.py); the supervisor's measurements carry over between runs, as in a server.
+``NAME/unbatched`` runs ``NAME`` with each request's head call made alone (``LockstepEngine.batch_head_calls``: MTAD's
+first head call a round, made for every request in one pass otherwise).
 """
 
 from __future__ import annotations
@@ -98,18 +102,21 @@ class RunResult:
 
 
 UNSUPERVISED = "/unsupervised"
+UNBATCHED = "/unbatched"
 
 
 def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurrency: int,
         config: DecodeConfig, rounds: list[RoundRecord] | None = None, seed: int = 0) -> RunResult:
     """Answer every prompt with ``concurrency`` in flight, prompt i's request seeded ``seed`` + i. Each round's
     record is appended to ``rounds`` where given. ``method`` ending in ``/unsupervised``: the engine's draft
-    supervisor is off for this run."""
+    supervisor is off for this run; in ``/unbatched``, each request's head calls are made alone."""
     records: list[RoundRecord] = [] if rounds is None else rounds
     engine.on_round = records.append
-    supervisor = engine.supervisor
+    supervisor, batch_head_calls = engine.supervisor, engine.batch_head_calls
     if method.endswith(UNSUPERVISED):
         method, engine.supervisor = method.removesuffix(UNSUPERVISED), None
+    if method.endswith(UNBATCHED):
+        method, engine.batch_head_calls = method.removesuffix(UNBATCHED), False
     queue = list(enumerate(prompts))
     answers: dict[int, list[int]] = {}
     owner: dict[int, int] = {}
@@ -131,7 +138,7 @@ def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurren
                 result.busy_seconds += records[-1].seconds
     finally:
         engine.on_round = None
-        engine.supervisor = supervisor
+        engine.supervisor, engine.batch_head_calls = supervisor, batch_head_calls
     result.seconds = time.perf_counter() - start
     result.answers = [answers[i] for i in range(len(prompts))]
     return result

@@ -26,6 +26,7 @@ import torch
 
 from jointspec.backends import hf
 from jointspec.backends.hf import CausalLM, forward_many
+from jointspec.backends.lean_forward import CompiledBody as LeanCompiledBody
 from jointspec.backends.lean_forward import LeanLlamaForward
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import (
@@ -53,7 +54,7 @@ from helpers import BATCH_EOS as EOS
 from helpers import BATCH_GREEDY as GREEDY
 from helpers import BATCH_PROMPTS as PROMPTS
 from helpers import BATCH_SAMPLED as SAMPLED
-from helpers import assert_forward_many_is_each_alone, grouped_llama, random_prompt, tiny_llama
+from helpers import assert_forward_many_is_each_alone, grouped_llama, random_prompt, tiny_llama, untrained_head
 
 METHODS = {
     "ar": MethodConfig("ar"),
@@ -255,6 +256,39 @@ def test_each_request_gets_the_tokens_it_gets_alone_sampled(int4_target, method)
     requests = [BatchRequest(tuple(p), SAMPLED, config, seed=100 + i) for i, p in enumerate(PROMPTS)]
     out = engine.generate(requests)
     assert out == [alone(int4_target, config, list(r.prompt_ids), SAMPLED, seed=r.seed) for r in requests]
+
+
+@pytest.mark.parametrize("decode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_mtad_requests_over_a_head_share_its_first_call_a_round_and_keep_their_tokens(decode, tmp_path, monkeypatch):
+    """MTAD's requests drafting with one head (int8, its layer compiled) get each round's first head call made for
+    all of them in one pass (drafts/eagle.py, context_logits_many), and each request still gets the tokens it gets
+    alone: sampled ones too, whose draws read the draft's probabilities (so the batched logits must be each call's
+    own bits). Deterministic: no false-failure odds."""
+    from jointspec.batch import lockstep
+    from jointspec.drafts.eagle import HeadDraftModel
+
+    model = grouped_llama(3)  # a head reads the target's LM head: a quantised one through the tied embedding
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    target = CausalLM(quantize_model(model, "int4"), name="int4 tied")
+    head = untrained_head(target, seed=3)
+    head.save(tmp_path / "head")
+    assert isinstance(HeadDraftModel(head, target.fork("check"), weights="int8")._lean, LeanCompiledBody)
+    config = MethodConfig("mtad", draft=str(tmp_path / "head"), num_draft_tokens=2, beam_width=2, cost_aware=False)
+    batched = []
+    original = lockstep.context_logits_many
+
+    def counted(drafts, token_lists):
+        result = original(drafts, token_lists)
+        batched.append(0 if result is None else len(drafts))
+        return result
+    monkeypatch.setattr(lockstep, "context_logits_many", counted)
+    engine = LockstepEngine(target, max_batch_size=5)
+    requests = [BatchRequest(tuple(p), decode, config, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    out = engine.generate(requests)
+    assert max(batched) >= 3 and sum(batched) > 3 * len(PROMPTS)  # most rounds' head calls made together
+    assert out == [alone(target, config, list(r.prompt_ids), decode, seed=r.seed) for r in requests]
+    assert engine.stats.num_draft_tokens > 0
 
 
 def test_requests_reading_different_heads_in_one_batch_each_get_their_own_tokens(int4_target):

@@ -751,6 +751,50 @@ def test_an_int8_heads_body_runs_as_one_compiled_call_close_to_its_operations():
             draft.crop(len(prompt))
 
 
+def test_int8_heads_context_calls_in_one_pass_give_each_calls_own_bits():
+    """A batched server's round feeds several requests' heads (one template, each bound to its own fork) their
+    committed tokens in one pass of the head's weights (drafts/eagle.py, context_logits_many): the logits and the
+    state afterwards (entries, exact count, predicted features, cache rows) are each call's alone, bit for bit, over
+    two rounds. Deterministic: no false-failure odds."""
+    from jointspec.backends.lean_forward import CompiledBody
+    from jointspec.drafts.eagle import HeadDraftModel, context_logits_many
+
+    target = CausalLM(grouped_llama(2), name="tiny-64")
+    template = HeadDraftModel(untrained_head(target, seed=2, draft_vocab_size=40), target, weights="int8").template()
+    assert isinstance(template._lean, CompiledBody)
+    prompts = [random_prompt(seed, length=5 + 4 * seed) for seed in range(3)]
+    sides = {}
+    for side in ("together", "alone"):
+        forks = [target.fork(f"{side} {i}") for i in range(len(prompts))]
+        drafts = [template.bound_to(fork) for fork in forks]
+        for fork, prompt in zip(forks, prompts):
+            fork.forward(prompt[:-1], num_logits=0)
+        sides[side] = forks, drafts
+    (forks, together), (alone_forks, alone) = sides["together"], sides["alone"]
+    pending = [list(prompt) for prompt in prompts]  # round 1: every prompt token; round 2: the token after it
+    for round_ in range(2):
+        batched = context_logits_many(together, pending)
+        assert batched is not None
+        for draft, tokens, logits in zip(alone, pending, batched):
+            assert torch.equal(draft.forward(tokens, num_logits=1).logits[-1], logits)
+        for mine, theirs in zip(together, alone):
+            assert (mine.num_cached, mine.num_exact) == (theirs.num_cached, theirs.num_exact)
+            assert torch.equal(mine.predicted, theirs.predicted) and mine._fed_tokens == theirs._fed_tokens
+            for a, b in zip(mine.cache.layers, theirs.cache.layers):
+                assert torch.equal(a.keys[..., :mine.num_cached, :], b.keys[..., :theirs.num_cached, :])
+                assert torch.equal(a.values[..., :mine.num_cached, :], b.values[..., :theirs.num_cached, :])
+        if round_ == 0:  # the target commits one more token: its last prompt token's feature, and 7 after it
+            for fork_list in (forks, alone_forks):
+                for fork, prompt in zip(fork_list, prompts):
+                    fork.forward([prompt[-1]], num_logits=0)
+            pending = [[7 + i] for i in range(len(prompts))]
+    # Refused, touching nothing: a token whose input feature the target has not scored (a draft token's), one call.
+    entries = [draft.num_cached for draft in together]
+    assert context_logits_many(together, [[1, 2], [3], [4]]) is None
+    assert context_logits_many(together[:1], [[1]]) is None
+    assert [draft.num_cached for draft in together] == entries
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     """The head's precision changes only what is drafted: chains (sps) and trees (default's static tree) verified

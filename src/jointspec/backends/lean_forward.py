@@ -719,6 +719,36 @@ class CompiledBody:
         return _rms_norm(base.norm, rows[None])
 
 
+    def forward_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor],
+                     caches: list) -> list[torch.Tensor] | None:
+        """Several heads' chain forwards (each ``__call__``'s ``inputs_embeds`` [1, n, hidden] and ``position_ids``,
+        causal, after its own ``cache``) in one pass of the layer's weights: ``[self(x, p, None, c)[0] ...]``, with the
+        same bits, since the compiled layers compute each row alone. None, with no cache touched, where a call does
+        not fit the compiled layers (then call each alone)."""
+        base = self.base
+        if any(x.dtype != torch.float32 or not LeanLlamaForward._compiled_call_ready(x.shape[1], cache)
+               for x, cache in zip(inputs, caches)):
+            return None
+        visible, lengths, keys, values, starts, cos, sin = [], [], [], [], [], [], []
+        for x, position_ids, cache in zip(inputs, positions, caches):
+            seen, count = causal_view(base.config, x, position_ids, None, cache)
+            layer_keys, layer_values, start = cache.append_rows(x.shape[1],
+                                                                x.new_empty(1, self.kv_heads, 0, self.head_dim))
+            c, s = base.rotary_emb(x, position_ids=position_ids)
+            visible.append([seen])
+            lengths.append([count])
+            keys.append(layer_keys)
+            values.append(layer_values)
+            starts.append(start)
+            cos.append(c[0].float())
+            sin.append(s[0].float())
+        sizes = [x.shape[1] for x in inputs]
+        rows = self.stack.forward_many(torch.cat([x[0] for x in inputs]).contiguous(), sizes, starts, visible,
+                                       lengths, keys, values, [torch.cat(cos).contiguous()],
+                                       [torch.cat(sin).contiguous()], [])[0]
+        return list(_rms_norm(base.norm, rows[None])[0].split(sizes))
+
+
 def lean_body_forward(base: llama.LlamaModel, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
     """``base(inputs_embeds=..., position_ids=..., attention_mask=..., past_key_values=cache,

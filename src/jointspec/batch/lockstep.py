@@ -58,12 +58,15 @@ from jointspec.batch.prompt_cache import PromptCache
 from jointspec.batch.supervisor import DraftSupervisor
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
+from jointspec.drafters.beam import BeamDrafter
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.drafters.tree_gate import GatedTreeDrafter
+from jointspec.drafters.treecache import DraftTreeCache
 from jointspec.drafters.trie import TrieLookupDrafter
+from jointspec.drafts.eagle import context_logits_many
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.methods.registry import method_is_batched, method_is_lossless, method_names
 
@@ -195,6 +198,13 @@ def drafts_by_lookup(drafter) -> bool:
     return isinstance(drafter, TrieLookupDrafter)  # (sized by the cost curve: load-aware itself)
 
 
+def beam_context_cache(drafter) -> DraftTreeCache | None:
+    """The draft cache of MTAD's beam drafter (cost-aware or not), whose every draft begins with the draft's logits
+    after the committed text; None for any other drafter."""
+    inner = drafter.inner if isinstance(drafter, CostAwareDrafter) else drafter
+    return inner.cache if isinstance(inner, BeamDrafter) else None
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """One round of the lockstep engine, for whoever studies what its forwards cost (``LockstepEngine.on_round``):
@@ -248,6 +258,8 @@ class LockstepEngine(EngineBase):
         self._costs_set_for: tuple[int, ...] = ()  # the sequences whose drafters got this batch's costs
         # Called with each round's RoundRecord where set (benchmarks/lockstep_methods.py --rounds-log); None: nothing.
         self.on_round: Callable[[RoundRecord], None] | None = None
+        # MTAD's first head call a round made for every request in one pass (_batch_head_calls); False: each alone.
+        self.batch_head_calls = True
 
     # -- requests -----------------------------------------------------------------------------------------------
 
@@ -370,6 +382,8 @@ class LockstepEngine(EngineBase):
         self._set_draft_costs(list(self.active.values()))
         key = self._supervision_key()
         drafts = key is None or self.supervisor.drafts(key)
+        if self.batch_head_calls:
+            self._batch_head_calls(list(self.active.values()))
         rows, calls = [], []
         for seq in list(self.active.values()):
             try:
@@ -405,6 +419,32 @@ class LockstepEngine(EngineBase):
             self.on_round(RoundRecord(len(rows), sum(len(call.token_ids) for call in calls), forward_seconds,
                                       accepted, round_seconds, drafts))
         return events
+
+    def _batch_head_calls(self, rows: list[_Sequence]) -> None:
+        """The first head call of this round's MTAD drafts (each request's head's logits after its committed text,
+        :func:`beam_context_cache`), made for every such request in one pass of the head's weights: each request's
+        drafter then finds its logits there, the bits its own call gives (drafts/eagle.py, ``context_logits_many``).
+        A request alone calls its head itself, as ``generate`` does."""
+        caches, contexts, pending = [], [], []
+        for seq in rows:
+            cache = beam_context_cache(seq.decoder.drafter)
+            state = seq.state
+            if cache is None or state.end - len(state.tokens) - 1 < 1:  # (no budget: it drafts nothing this round)
+                continue
+            tokens = cache.pending(state.tokens)
+            if tokens:
+                caches.append(cache)
+                contexts.append(state.tokens)
+                pending.append(tokens)
+        groups: dict[int, list[int]] = {}  # by head weights: requests may name different heads
+        for i, cache in enumerate(caches):
+            groups.setdefault(id(getattr(cache.draft, "head", cache.draft)), []).append(i)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            logits = context_logits_many([caches[i].draft for i in group], [pending[i] for i in group])
+            for i, out in zip(group, logits or []):
+                caches[i].prime(contexts[i], out)
 
     def _supervision_key(self) -> int | None:
         """The supervisor's key for this round's batch (its size), or None where the batch is not supervised: one

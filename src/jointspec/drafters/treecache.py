@@ -28,6 +28,7 @@ class DraftTreeCache:
         self._cached_ids: list[int] = []  # committed tokens in the cache, in order
         self._tree_parents: list[int] = []  # the tree fed after them (adapter convention: -1 = last context token)
         self._tree_tokens: list[int] = []
+        self._primed: torch.Tensor | None = None  # context_logits' answer, computed in a batch (prime)
 
     @property
     def vocab_size(self) -> int:
@@ -36,9 +37,29 @@ class DraftTreeCache:
     def start(self) -> None:
         self.draft.reset()
         self._cached_ids, self._tree_parents, self._tree_tokens = [], [], []
+        self._primed = None
+
+    def pending(self, context_ids: list[int]) -> list[int]:
+        """The tokens :meth:`context_logits` would feed the draft for ``context_ids`` (none where it is primed)."""
+        if self._primed is not None or not self.draft.num_cached == len(self._cached_ids) < len(context_ids):
+            return []
+        return context_ids[self.draft.num_cached:]
+
+    def prime(self, context_ids: list[int], logits: torch.Tensor) -> None:
+        """Someone fed the draft :meth:`pending`'s tokens and got ``logits`` after them (a batched engine, in one pass
+        for many requests' drafts: drafts/eagle.py, ``context_logits_many``): the next :meth:`context_logits` for
+        ``context_ids`` returns them."""
+        assert self.draft.num_cached == len(context_ids)
+        self._cached_ids = list(context_ids)
+        self._tree_parents, self._tree_tokens = [], []
+        self._primed = logits
 
     def context_logits(self, context_ids: list[int]) -> torch.Tensor:
         """The draft's logits after the whole committed context ([vocab]); feeds only what the cache lacks."""
+        if self._primed is not None:
+            assert len(self._cached_ids) == len(context_ids), "primed for another context"
+            logits, self._primed = self._primed, None
+            return logits
         assert self.draft.num_cached == len(self._cached_ids) < len(context_ids)
         logits = self.draft.forward(context_ids[self.draft.num_cached:], num_logits=1).logits[-1]
         self._cached_ids = list(context_ids)
@@ -59,6 +80,7 @@ class DraftTreeCache:
         return out
 
     def commit(self, context_ids: list[int], num_accepted: int) -> None:
+        self._primed = None  # primed for a round that drafted nothing: the cache holds the context, as after a draft
         num_context = len(self._cached_ids)
         path = _longest_path(self._tree_parents, self._tree_tokens, context_ids[num_context:num_context + num_accepted])
         keep = list(range(num_context)) + [num_context + node for node in path]

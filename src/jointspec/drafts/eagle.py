@@ -120,6 +120,53 @@ def bind_head(folder: str | Path, target: CausalLM, weights: str = "auto") -> He
     return HeadDraftModel(head, target, name=f"head {Path(folder).name}", weights=weights)
 
 
+def context_logits_many(drafts: list[HeadDraftModel], token_lists: list[list[int]]) -> list[torch.Tensor] | None:
+    """``[d.forward(tokens, num_logits=1).logits[-1] for d, tokens in zip(drafts, token_lists)]``, each draft
+    (a request's head, all bound from one template) fed committed tokens whose input features the target has
+    scored: in one pass of the head's weights, which every call otherwise reads again. The same bits and the same
+    state afterwards as each call alone (its int8 linears and compiled layer compute each row alone). None, with no
+    draft touched, where this path does not take them all: then call each alone.
+
+    What a batched server's round does for MTAD's requests: each drafts from its head's logits after its committed
+    text, a head call a request that would each read the head's ~14 MB of weights (batch/lockstep.py)."""
+    from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
+    first = drafts[0] if drafts else None
+    body = getattr(first, "_lean", None)
+    if (len(drafts) < 2 or not isinstance(body, CompiledBody) or first._lm_int8 is None
+            or sum(map(len, token_lists)) > ROWWISE_MAX_ROWS or any(
+                not isinstance(d, HeadDraftModel) or d.head is not first.head or d._lean is not body
+                or d._lm_int8 is not first._lm_int8 or d._tree_tail or not tokens
+                or d.num_cached + len(tokens) - 1 > d.known_features()  # every input a true feature
+                for d, tokens in zip(drafts, token_lists))):
+        return None
+    with torch.inference_mode():
+        # _run's inputs, request by request: its tokens' embeddings, their input features, their positions.
+        embeds, features, positions = [], [], []
+        for d, tokens in zip(drafts, token_lists):
+            start = d.num_cached
+            embeds.append(d.embed(torch.tensor(tokens, dtype=torch.long, device=d.device)).to(d.dtype))
+            features.append(torch.stack([d._input_feature(start + j) for j in range(len(tokens))]))
+            positions.append(torch.arange(start, start + len(tokens), device=d.device)[None])
+        x = first.head.fc(torch.cat([torch.cat(features), torch.cat(embeds)], dim=-1)[None])  # EagleHead's fc
+        sizes = [len(tokens) for tokens in token_lists]
+        outs = body.forward_many(list(x.split(sizes, dim=1)), positions, [d.cache for d in drafts])
+        if outs is None:
+            return None
+        logits = first._lm_int8(torch.stack([out[-1] for out in outs]).float())  # [drafts, draft vocab]
+    results = []
+    for d, tokens, out, row in zip(drafts, token_lists, outs, logits):
+        start = d.num_cached
+        for entry in range(start, start + len(tokens)):  # as _forward_chain counts the entries fed true features
+            if d.num_exact == entry:
+                d.num_exact = entry + 1
+        d.predicted = torch.cat([d.predicted, out])
+        d.num_cached += len(tokens)
+        d._fed_tokens, d._fed_parents, d._fed_out = list(tokens), chain_parents(len(tokens)), out
+        results.append(full_vocab_logits(row, d.draft_vocab, d._full_vocab))
+    return results
+
+
 def load_head(folder: str | Path, *, device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32) -> tuple[EagleHead, dict]:
     """Load a saved head (weights back to ``dtype``) and its training record."""
