@@ -432,15 +432,82 @@ def test_a_prompt_and_max_tokens_past_the_context_are_a_400_not_a_cut_answer(cli
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "c"}]},
      "messages.1"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
-     "messages.0")])
+     "messages.0"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"), ({"min_p": 0.1}, "min_p"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty")])
 def test_openai_parameters_that_would_change_the_answer_are_refused_by_name(client, extra, param):
     """They were accepted and ignored: the answer came back as if they had not been sent. Their neutral values, which
     clients send by default, still pass."""
     reply = client.post("/v1/chat/completions", json={**chat_body(), **extra})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-               "tool_choice": "none"}
+               "tool_choice": "none", "modalities": ["text"], "min_p": 0, "repetition_penalty": 1}
     assert client.post("/v1/chat/completions", json={**chat_body(), **neutral}).status_code == 200
+    suffixed = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "suffix": " b"})
+    assert suffixed.status_code == 400 and suffixed.json()["error"]["param"] == "suffix"
+
+
+def raw_post(client, body: bytes, path: str = "/v1/chat/completions"):
+    return client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"seed": ' + b"9" * 5000 + b"}", None),  # past Python's 4,300-digit limit: a ValueError, not a JSONDecodeError
+    (b"[" * 5000 + b"]" * 5000, None),  # deeper than the JSON decoder's recursion
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),  # a lone surrogate
+    (b'{"messages": [{"role": "user", "content": "hi"}], "jointspec": {"method": "\\ud800"}}', "jointspec.method"),
+    (json.dumps({**chat_body(), "stream_options": {"include_usage": True}}).encode(), "stream_options"),
+])
+def test_malformed_json_and_text_that_is_no_text_are_400s_and_the_connection_goes_on(client, body, param):
+    """They were 500s (whose connection the server then dropped, with the next request a client sent on it) or
+    400s quoting the tokenizer's internals."""
+    reply = raw_post(client, body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert raw_post(client, json.dumps(chat_body(max_tokens=2)).encode()).status_code == 200
+
+
+def test_a_body_past_the_size_limit_is_a_413_unread_and_a_slow_body_a_408(engine):
+    small = TestClient(create_app(ServerSettings(max_request_bytes=1000), engine))
+    reply = raw_post(small, json.dumps(chat_body("x" * 2000)).encode())
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert raw_post(small, json.dumps(chat_body("x", max_tokens=2)).encode()).status_code == 200
+
+    # A body that stops after its first byte: 408 in the timeout; a client gone meanwhile: cancelled, not an error.
+    from starlette.requests import Request
+
+    from jointspec.server.app import RequestError, _ClientLeft, _read_body
+
+    def request(then: dict) -> Request:
+        sent = []
+
+        async def receive() -> dict:
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": b"{", "more_body": True}
+            if then["type"] == "http.request":
+                await asyncio.sleep(5)
+            return then
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+    start = time.monotonic()
+    with pytest.raises(RequestError) as slow:
+        asyncio.run(_read_body(request({"type": "http.request", "body": b"}"}), 1000, 0.2))
+    assert slow.value.status == 408 and time.monotonic() - start < 4
+    with pytest.raises(_ClientLeft):
+        asyncio.run(_read_body(request({"type": "http.disconnect"}), 1000, 5.0))
+
+
+def test_get_routes_answer_head_and_no_schema_or_slash_redirect_is_served(client):
+    for path in ("/health", "/v1/models", "/metrics"):
+        reply = client.head(path)
+        assert reply.status_code == 200 and reply.content == b"", path
+    for path in ("/openapi.json", "/v1/chat/completions/"):
+        reply = client.post(path, json=chat_body()) if path.endswith("/") else client.get(path)
+        assert reply.status_code == 404 and "Invalid URL" in reply.json()["error"]["message"], path
+    stream = client.post("/v1/chat/completions", json=chat_body(max_tokens=2, stream=True))
+    assert stream.headers["cache-control"] == "no-cache"
 
 
 def test_a_developer_message_is_a_system_message_and_special_token_text_stays_text(client, engine, tokenizer):

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.sampling import fresh_seed
@@ -65,6 +66,10 @@ class ServerSettings:
     request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
     drain_timeout: float = 30.0  # at shutdown, how long requests in flight may take to finish before they fail
     retry_after: int = 1  # seconds, the Retry-After header of a 429 or 503
+    # A request body past this many bytes is refused (413) unread: a prompt the context holds is far smaller, and
+    # reading and tokenising a huge one costs the server seconds and memory.
+    max_request_bytes: int = 4 << 20
+    body_timeout: float = 30.0  # seconds for a request's body to arrive, once its headers have (past it: 408)
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -73,6 +78,10 @@ class ServerSettings:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
@@ -148,6 +157,9 @@ class _Sampling(_Body):
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
+    # vLLM's sampling extensions, refused likewise unless neutral (a vLLM client sends them).
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
     # (non-streamed) reply, and not after a stop string cut the text short.
     return_token_ids: bool = False
@@ -158,6 +170,7 @@ class CompletionBody(_Sampling):
     best_of: int | None = Field(None, ge=1)
     logprobs: int | bool | None = None  # an int (how many), or false as chat takes it: none
     echo: bool = False
+    suffix: str | None = None  # insertion (text to fit before it): refused (_parse)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
 
@@ -178,6 +191,9 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    modalities: list[str] | None = None  # output kinds: text only here (_parse)
+    audio: dict | None = None  # audio output: refused (_parse)
+    web_search_options: dict | None = None  # web search: refused (_parse)
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
@@ -199,9 +215,21 @@ class RequestError(Exception):
             self.status, "error" if self.status >= 500 else "rejected")
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote a request's string, and a lone
+    surrogate in it (valid JSON, not UTF-8) would fail to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: RequestError) -> JSONResponse:
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return _AsciiJSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _ClientLeft(Exception):
+    """The client disconnected before its request's body had arrived."""
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}
@@ -339,7 +367,10 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         yield
         await drain()  # under plain uvicorn this runs once its connections have closed: it closes the engine
 
-    app = FastAPI(title="jointspec", docs_url=None, redoc_url=None, lifespan=lifespan)
+    # No schema page (it lists internal names) and no redirect of a trailing slash (its Location echoes the request's
+    # Host header): such a path is a 404 with the envelope, as any unknown path is.
+    app = FastAPI(title="jointspec", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
+                  lifespan=lifespan)
     app.state.settings, app.state.engine, app.state.metrics, app.state.drain = settings, engine, metrics, drain
 
     @app.exception_handler(RequestError)
@@ -361,7 +392,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         return error_response(RequestError("internal server error", code="internal_error", status=500,
                                            type_="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers probe with
     async def health() -> JSONResponse:
         if not in_flight.admitting:  # load balancers: send no more here
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -370,18 +401,18 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     def model_card() -> dict:
         return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "jointspec"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != engine.model_id:
             return error_response(RequestError(f"this server serves the model '{engine.model_id}', not '{model_id}'",
                                                param="model", code="model_not_found", status=404))
         return model_card()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_route() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(engine.snapshot(), in_flight.count), media_type=CONTENT_TYPE)
 
@@ -396,6 +427,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def _serve(request: Request, endpoint: str, model: type[_Sampling]):
         arrived = time.perf_counter()
         deadline = arrived + settings.request_timeout if settings.request_timeout else None
+        try:
+            # The body before a place in flight: a client that never sends it holds no place (nor the drain).
+            raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
+        except RequestError as error:
+            metrics.count_request(endpoint, error.outcome)
+            return error_response(error)
+        except _ClientLeft:
+            metrics.count_request(endpoint, "cancelled")
+            return Response(status_code=400)  # (nobody reads it)
         ticket = in_flight.enter()
         if ticket is None:
             metrics.count_request(endpoint, "overloaded")
@@ -404,12 +444,19 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         streaming = False
         try:
             try:
-                body = await _parse(request, model)
+                body = _parse(raw, model)
                 engine_request = _engine_request(body)
                 generation = await _submit(engine_request, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
                 return error_response(error)
+            except Exception as error:  # noqa: BLE001 - a bug: a 500 envelope, counted, the connection kept
+                # (answered here: Starlette's catch-all handler re-raises after its reply, and uvicorn then drops
+                # the connection, and the next request a client sends on it)
+                log.exception("unhandled error", exc_info=error)
+                metrics.count_request(endpoint, "error")
+                return error_response(RequestError("internal server error", code="internal_error", status=500,
+                                                   type_="server_error"))
             metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
             reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens,
                            engine_request.seed if engine_request.temperature > 0 else None)
@@ -422,7 +469,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             # the ticket), and Starlette drops a response's body unstarted when the client is gone before it.
             first = await anext(events)
             streaming = True
-            return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
+            # no-cache: proxies that buffer cacheable responses would hold the events back.
+            return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         finally:
             if not streaming:  # a stream gives its ticket back when it ends
                 ticket.close()
@@ -531,14 +580,65 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
         yield item
 
 
-async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
-    raw = await request.body()
+async def _read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The request's body: refused (413) past ``max_bytes``, unread where its Content-Length says so; 408 if it has
+    not arrived within ``timeout`` seconds; :class:`_ClientLeft` if the client went away meanwhile."""
+    too_large = RequestError(f"the request body is larger than this server takes ({max_bytes} bytes)",
+                             code="request_too_large", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    parts: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > max_bytes:
+                raise too_large
+            parts.append(part)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout:g} s", code="timeout",
+                           status=408) from None
+    except ClientDisconnect:
+        raise _ClientLeft from None
+    return b"".join(parts)
+
+
+def _lone_surrogate(data) -> str | None:
+    """Where ``data`` (parsed JSON) holds a string with a lone UTF-16 surrogate (``"\\ud800"``: valid JSON, not
+    text): its field's name, as errors name fields; None where every string is text."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+            stack.extend(("body", key) for key in value)  # a key is text too
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
+
+
+def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the body is not valid JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise RequestError(f"the body is not valid JSON: {reason}") from None
     if not isinstance(data, dict):
         raise RequestError("the body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
+                           "character): send text", param=where)
     try:
         body = model.model_validate(data)
     except ValidationError as error:
@@ -553,6 +653,21 @@ async def _parse(request: Request, model: type[_Sampling]) -> _Sampling:
             raise RequestError("logprobs are not supported", param=name)
     if getattr(body, "echo", False):
         raise RequestError("echo is not supported", param="echo")
+    if getattr(body, "suffix", None):
+        raise RequestError("suffix (insertion) is not supported: the answer would ignore it", param="suffix")
+    if any(kind != "text" for kind in getattr(body, "modalities", None) or ()) or getattr(body, "audio", None):
+        raise RequestError("audio output is not supported: this server answers text", param="modalities"
+                           if getattr(body, "modalities", None) else "audio")
+    if getattr(body, "web_search_options", None) is not None:
+        raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
+    if body.min_p:
+        raise RequestError("min_p is not supported (only 0): the answer would ignore it; use top_p or top_k",
+                           param="min_p")
+    if body.repetition_penalty != 1:
+        raise RequestError("repetition_penalty is not supported (only 1): the answer would ignore it",
+                           param="repetition_penalty")
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise RequestError(f"{name} is not supported (only 0): the answer would ignore it", param=name)

@@ -299,6 +299,7 @@ class ServingEngine:
         # Admission: guards _admitted and _closing, and orders every "submit" put before the thread's last look at
         # its inbox, so a request either reaches the thread or is refused: none waits forever.
         self._admission = threading.Lock()
+        self._encoding = threading.Lock()  # (submit)
         self._admitted = 0  # requests submitted and not yet ended (decoding, queued, or on their way to the thread)
         self._closing = False
         self._stats_lock = threading.Lock()
@@ -373,8 +374,14 @@ class ServingEngine:
             return None if not user else memory_for(self.target.model, f"user:{user}")
         return memory_for(self.target.model, "shared")
 
+    def _encode_one_at_a_time(self, request: CompletionRequest) -> list[int]:
+        with self._encoding:
+            return self.encode(request)
+
     async def submit(self, request: CompletionRequest) -> Generation:
-        prompt_ids = self.encode(request)
+        # On a worker thread: a long prompt's chat template and tokenisation take seconds, which on the event loop
+        # would hold up every other request and stream. One at a time: a tokenizer is not made for concurrent use.
+        prompt_ids = await asyncio.to_thread(self._encode_one_at_a_time, request)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenisation")
         room = self.target.max_context - len(prompt_ids)
