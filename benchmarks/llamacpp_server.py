@@ -14,5 +14,5 @@ from jointspec.backends.llamacpp import llama_class_params, use_extra_buffer_typ
 if __name__ == "__main__":
     print(f"llamacpp_server: llama.cpp's extra buffer types {'on' if use_extra_buffer_types() else 'off (AMX)'}",
           flush=True)
-    with llama_class_params():
+    with llama_class_params():  # for the server's whole life: it loads its model inside, at start-up
         runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)

@@ -113,10 +113,11 @@ def run(engine: LockstepEngine, method: str, prompts: list[list[int]], concurren
     records: list[RoundRecord] = [] if rounds is None else rounds
     engine.on_round = records.append
     supervisor, batch_head_calls = engine.supervisor, engine.batch_head_calls
-    if method.endswith(UNSUPERVISED):
-        method, engine.supervisor = method.removesuffix(UNSUPERVISED), None
-    if method.endswith(UNBATCHED):
-        method, engine.batch_head_calls = method.removesuffix(UNBATCHED), False
+    while method.endswith((UNSUPERVISED, UNBATCHED)):  # in either order
+        if method.endswith(UNSUPERVISED):
+            method, engine.supervisor = method.removesuffix(UNSUPERVISED), None
+        else:
+            method, engine.batch_head_calls = method.removesuffix(UNBATCHED), False
     queue = list(enumerate(prompts))
     answers: dict[int, list[int]] = {}
     owner: dict[int, int] = {}

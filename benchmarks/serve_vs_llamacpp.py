@@ -288,6 +288,8 @@ def run_server(name: str, args, texts: list[str], deadline: float, out_dir: Path
         record.update(asyncio.run(drive(f"http://127.0.0.1:{port}/v1", texts, args, deadline)))
     except Exception as error:  # noqa: BLE001 - reported, and the other server still runs
         record["error"] = f"{type(error).__name__}: {error}"
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a crashed server may not be reaped yet
+            process.wait(1.0)
         if process.poll() is not None:  # it died under the load: say so, not only what the client saw
             record["error"] = (f"the server exited with {exit_description(process.returncode)} ({record['error']}); "
                                f"the end of its log ({log_path}):\n{log_tail(log_path)}")

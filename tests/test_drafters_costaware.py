@@ -854,6 +854,23 @@ def test_a_draft_dearer_in_decoding_than_measured_alone_stops_drafting(monkeypat
     assert late >= 75 if drafts else late <= 10, drafted  # of 80 rounds: all drafted, or a probe now and then
 
 
+def test_draft_time_spent_before_propose_by_a_batched_engine_is_learned_as_drafting(monkeypatch):
+    """A batched server makes part of a request's draft (MTAD's first head call) for many requests at once, before
+    the round's propose, and gives the wrapper its share (``outside_seconds``): learned as this draft's cost, then
+    cleared. Here the head's call costs 2 ms a token, all of it outside propose. Deterministic: a fake clock."""
+    clock = [0.0]
+    monkeypatch.setattr(CostAwareDrafter, "clock", staticmethod(lambda: clock[0]))
+    curve = CostCurve({1: 0.005, 2: 0.006, 3: 0.007, 17: 0.02}, draft_cost_per_token=0.0006)
+    wrapper = CostAwareDrafter(ChargedDrafter(clock, 0.0), curve, max_num_draft_tokens=1, prior_acceptance=0.4,
+                               prior_weight=50.0, min_num_draft_tokens=1)
+    wrapper.start([1])
+    for _ in range(5):
+        wrapper.outside_seconds = 0.002
+        wrapper.propose([1], 1, greedy(1).sampling, None)
+        wrapper.commit([1], 0)
+    assert wrapper.learned_draft_cost == pytest.approx(0.002) and wrapper.outside_seconds == 0.0
+
+
 def test_a_learned_cost_carries_over_unless_no_draft_could_pay(monkeypatch):
     """What one request's drafted rounds cost carries over to the wrapper's next request (it does not pay to learn
     it again), unless it says that no draft could pay at all: then no probe would ever time a draft again, and a busy

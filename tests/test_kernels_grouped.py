@@ -778,8 +778,10 @@ def test_int8_heads_context_calls_in_one_pass_give_each_calls_own_bits():
         for draft, tokens, logits in zip(alone, pending, batched):
             assert torch.equal(draft.forward(tokens, num_logits=1).logits[-1], logits)
         for mine, theirs in zip(together, alone):
-            assert (mine.num_cached, mine.num_exact) == (theirs.num_cached, theirs.num_exact)
-            assert torch.equal(mine.predicted, theirs.predicted) and mine._fed_tokens == theirs._fed_tokens
+            assert (mine.num_cached, mine.num_exact, mine._tree_tail) == (theirs.num_cached, theirs.num_exact,
+                                                                          theirs._tree_tail)
+            assert torch.equal(mine.predicted, theirs.predicted) and torch.equal(mine._fed_out, theirs._fed_out)
+            assert (mine._fed_tokens, mine._fed_parents) == (theirs._fed_tokens, theirs._fed_parents)
             for a, b in zip(mine.cache.layers, theirs.cache.layers):
                 assert torch.equal(a.keys[..., :mine.num_cached, :], b.keys[..., :theirs.num_cached, :])
                 assert torch.equal(a.values[..., :mine.num_cached, :], b.values[..., :theirs.num_cached, :])

@@ -382,12 +382,12 @@ class LockstepEngine(EngineBase):
         self._set_draft_costs(list(self.active.values()))
         key = self._supervision_key()
         drafts = key is None or self.supervisor.drafts(key)
-        if self.batch_head_calls:
-            self._batch_head_calls(list(self.active.values()))
+        shared = self._batch_head_calls(list(self.active.values())) if self.batch_head_calls and drafts else {}
         rows, calls = [], []
         for seq in list(self.active.values()):
             try:
                 calls.append(seq.decoder.begin_round(seq.state, hold_draft=not drafts))
+                seq.state.draft_seconds += shared.get(seq.seq_id, 0.0)  # its share of the head call made for all
                 rows.append(seq)
             except JointspecError as error:  # its own options refused (say, a draft past the target's rows)
                 del self.active[seq.seq_id]
@@ -420,12 +420,14 @@ class LockstepEngine(EngineBase):
                                       accepted, round_seconds, drafts))
         return events
 
-    def _batch_head_calls(self, rows: list[_Sequence]) -> None:
+    def _batch_head_calls(self, rows: list[_Sequence]) -> dict[int, float]:
         """The first head call of this round's MTAD drafts (each request's head's logits after its committed text,
         :func:`beam_context_cache`), made for every such request in one pass of the head's weights: each request's
         drafter then finds its logits there, the bits its own call gives (drafts/eagle.py, ``context_logits_many``).
-        A request alone calls its head itself, as ``generate`` does."""
-        caches, contexts, pending = [], [], []
+        A request alone calls its head itself, as ``generate`` does. Returns each served request's share of the
+        pass's seconds (by its rows), which its drafting is charged: its round's draft time, and what a cost-aware
+        drafter learns its draft's cost from."""
+        caches, contexts, pending, seq_ids = [], [], [], []
         for seq in rows:
             cache = beam_context_cache(seq.decoder.drafter)
             state = seq.state
@@ -436,15 +438,27 @@ class LockstepEngine(EngineBase):
                 caches.append(cache)
                 contexts.append(state.tokens)
                 pending.append(tokens)
+                seq_ids.append(seq.seq_id)
         groups: dict[int, list[int]] = {}  # by head weights: requests may name different heads
         for i, cache in enumerate(caches):
             groups.setdefault(id(getattr(cache.draft, "head", cache.draft)), []).append(i)
+        shares: dict[int, float] = {}
         for group in groups.values():
             if len(group) < 2:
                 continue
+            start = time.perf_counter()
             logits = context_logits_many([caches[i].draft for i in group], [pending[i] for i in group])
-            for i, out in zip(group, logits or []):
+            if logits is None:
+                continue
+            seconds = time.perf_counter() - start
+            rows_fed = sum(len(pending[i]) for i in group)
+            for i, out in zip(group, logits):
                 caches[i].prime(contexts[i], out)
+                shares[seq_ids[i]] = seconds * len(pending[i]) / rows_fed
+                drafter = self.active[seq_ids[i]].decoder.drafter
+                if isinstance(drafter, CostAwareDrafter):
+                    drafter.outside_seconds = shares[seq_ids[i]]
+        return shares
 
     def _supervision_key(self) -> int | None:
         """The supervisor's key for this round's batch (its size), or None where the batch is not supervised: one

@@ -434,6 +434,9 @@ class CostAwareDrafter:
         self._state = self._fresh_state()
         # Seconds per drafted token of recent drafted rounds, across requests (the draft's cost is the machine's).
         self._draft_seconds: collections.deque[float] = collections.deque(maxlen=DRAFT_COST_ROUNDS)
+        # Seconds of the next round's draft spent before propose, by someone else: a batched engine's head call made
+        # for many requests at once (batch/lockstep.py), this request's share. Timed as drafting, then cleared.
+        self.outside_seconds = 0.0
         self._priced: tuple[CostCurve | None, float, CostCurve | None] = (None, 0.0, None)
 
     @property
@@ -531,8 +534,10 @@ class CostAwareDrafter:
         timed = state.drafted_before
         start = self.clock()
         draft = self.inner.propose(context_ids, num_tokens, sampling, generator)
+        seconds = self.clock() - start + self.outside_seconds
+        self.outside_seconds = 0.0
         if draft.num_nodes and timed:
-            self._draft_seconds.append((self.clock() - start) / draft.num_nodes)
+            self._draft_seconds.append(seconds / draft.num_nodes)
         state.drafted_before = state.drafted_before or draft.num_nodes > 0
         if not draft.is_chain:
             raise UnsupportedOptionError(

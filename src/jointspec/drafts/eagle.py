@@ -128,14 +128,16 @@ def context_logits_many(drafts: list[HeadDraftModel], token_lists: list[list[int
     draft touched, where this path does not take them all: then call each alone.
 
     What a batched server's round does for MTAD's requests: each drafts from its head's logits after its committed
-    text, a head call a request that would each read the head's ~14 MB of weights (batch/lockstep.py)."""
+    text, and one call a request would read the head's ~14 MB of weights once for each (batch/lockstep.py). Only
+    jointspec's own EAGLE-style heads (exactly :class:`HeadDraftModel`: the engines' EAGLE-1 and EAGLE-3 layouts
+    compute otherwise) on int8 weights with their layer compiled."""
     from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
 
     first = drafts[0] if drafts else None
     body = getattr(first, "_lean", None)
     if (len(drafts) < 2 or not isinstance(body, CompiledBody) or first._lm_int8 is None
             or sum(map(len, token_lists)) > ROWWISE_MAX_ROWS or any(
-                not isinstance(d, HeadDraftModel) or d.head is not first.head or d._lean is not body
+                type(d) is not HeadDraftModel or d.head is not first.head or d._lean is not body
                 or d._lm_int8 is not first._lm_int8 or d._tree_tail or not tokens
                 or d.num_cached + len(tokens) - 1 > d.known_features()  # every input a true feature
                 for d, tokens in zip(drafts, token_lists))):
@@ -154,16 +156,16 @@ def context_logits_many(drafts: list[HeadDraftModel], token_lists: list[list[int
         if outs is None:
             return None
         logits = first._lm_int8(torch.stack([out[-1] for out in outs]).float())  # [drafts, draft vocab]
-    results = []
-    for d, tokens, out, row in zip(drafts, token_lists, outs, logits):
-        start = d.num_cached
-        for entry in range(start, start + len(tokens)):  # as _forward_chain counts the entries fed true features
-            if d.num_exact == entry:
-                d.num_exact = entry + 1
-        d.predicted = torch.cat([d.predicted, out])
-        d.num_cached += len(tokens)
-        d._fed_tokens, d._fed_parents, d._fed_out = list(tokens), chain_parents(len(tokens)), out
-        results.append(full_vocab_logits(row, d.draft_vocab, d._full_vocab))
+        results = []
+        for d, tokens, out, row in zip(drafts, token_lists, outs, logits):
+            start = d.num_cached
+            for entry in range(start, start + len(tokens)):  # as _forward_chain counts the entries fed true features
+                if d.num_exact == entry:
+                    d.num_exact = entry + 1
+            d.predicted = torch.cat([d.predicted, out])
+            d.num_cached += len(tokens)
+            d._fed_tokens, d._fed_parents, d._fed_out = list(tokens), chain_parents(len(tokens)), out
+            results.append(full_vocab_logits(row, d.draft_vocab, d._full_vocab))
     return results
 
 

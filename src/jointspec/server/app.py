@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -444,7 +445,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         streaming = False
         try:
             try:
-                body = _parse(raw, model)
+                body = await asyncio.to_thread(_parse, raw, model)  # a large body's parse takes its time: off the loop
                 engine_request = _engine_request(body)
                 generation = await _submit(engine_request, deadline)
             except RequestError as error:
@@ -627,6 +628,10 @@ def _lone_surrogate(data) -> str | None:
     return None
 
 
+# JSON escapes of UTF-16 surrogates: how a lone one reaches a parsed string from a UTF-8 body.
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
 def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
     try:
         data = json.loads(raw)
@@ -635,7 +640,7 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError(f"the body is not valid JSON: {reason}") from None
     if not isinstance(data, dict):
         raise RequestError("the body must be a JSON object")
-    where = _lone_surrogate(data)
+    where = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None  # (the walk only where one may be)
     if where is not None:
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
@@ -655,9 +660,10 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("echo is not supported", param="echo")
     if getattr(body, "suffix", None):
         raise RequestError("suffix (insertion) is not supported: the answer would ignore it", param="suffix")
-    if any(kind != "text" for kind in getattr(body, "modalities", None) or ()) or getattr(body, "audio", None):
-        raise RequestError("audio output is not supported: this server answers text", param="modalities"
-                           if getattr(body, "modalities", None) else "audio")
+    if any(kind != "text" for kind in getattr(body, "modalities", None) or ()):
+        raise RequestError("audio output is not supported: this server answers text", param="modalities")
+    if getattr(body, "audio", None):
+        raise RequestError("audio output is not supported: this server answers text", param="audio")
     if getattr(body, "web_search_options", None) is not None:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
     if body.min_p:

@@ -374,13 +374,25 @@ class ServingEngine:
             return None if not user else memory_for(self.target.model, f"user:{user}")
         return memory_for(self.target.model, "shared")
 
+    def _full(self) -> bool:
+        return self._admitted >= self.max_batch_size + self.max_queue
+
+    def _full_error(self) -> QueueFullError:
+        return QueueFullError(f"the server is full: {self.max_batch_size} requests decoding and {self.max_queue} "
+                              "waiting; retry later")
+
     def _encode_one_at_a_time(self, request: CompletionRequest) -> list[int]:
         with self._encoding:
             return self.encode(request)
 
     async def submit(self, request: CompletionRequest) -> Generation:
+        # A full server refuses at once, before the tokenisation it would waste (the check below decides).
+        if self._full() and not self._closing:
+            raise self._full_error()
         # On a worker thread: a long prompt's chat template and tokenisation take seconds, which on the event loop
-        # would hold up every other request and stream. One at a time: a tokenizer is not made for concurrent use.
+        # would hold up every other request and stream. Encodes one at a time, since an encode may set the fast
+        # tokenizer's per-call options (split_special_tokens) on it; the streams' decodes on the loop set none, and
+        # a decode and an encode may run together.
         prompt_ids = await asyncio.to_thread(self._encode_one_at_a_time, request)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenisation")
@@ -401,9 +413,8 @@ class ServingEngine:
         with self._admission:
             if self._closing:
                 raise ShuttingDownError("the server is shutting down; retry on another instance or later")
-            if self._admitted >= self.max_batch_size + self.max_queue:
-                raise QueueFullError(f"the server is full: {self.max_batch_size} requests decoding and "
-                                     f"{self.max_queue} waiting; retry later")
+            if self._full():
+                raise self._full_error()
             stream.memory = self.memory_for(request.user, method)  # admitted: a refused request makes no memory
             batch_request = BatchRequest(prompt_ids, config, method, request.seed, stream.memory)
             self._admitted += 1
