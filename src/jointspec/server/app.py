@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
-from jointspec.core.sampling import fresh_seed
+from jointspec.core.sampling import MIN_TEMPERATURE, fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.methods.registry import tree_nodes
 from jointspec.server.engine import (
@@ -710,7 +710,9 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     top_p, top_k = body.top_p, body.top_k
     if top_p == 0:  # OpenAI's API takes it: the smallest set of tokens holding probability 0 is the top one alone
         top_p, top_k = 1.0, 1
-    common = dict(temperature=body.temperature, top_p=top_p, top_k=top_k, seed=seed,
+    # OpenAI's API takes any temperature in [0, 2]; one too small to sample with is greedy decoding, its limit.
+    temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=stop, method=options, user=body.user)
     try:
         if isinstance(body, ChatBody):

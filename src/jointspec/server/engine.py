@@ -34,7 +34,7 @@ from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
-from jointspec.methods.registry import batched_methods, unknown_method_error, unread_options_error
+from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,12 @@ class _Stream:
             self.owner._inbox.put(("cancel", self.seq_id))
 
 
+def _naming(option: str, error: Exception) -> Exception:
+    """``error``, naming the request's ``jointspec`` option it is about (the 400's ``param``)."""
+    error.param = f"jointspec.{option}"
+    return error
+
+
 class ServingEngine:
     """A target, a tokenizer and a default method, served by one batched engine on a background thread.
 
@@ -345,11 +351,12 @@ class ServingEngine:
         if not options:
             return self.method
         if "method" in options and options["method"] not in method_names():
-            raise UnsupportedOptionError(unknown_method_error(options["method"], batched_methods()))
+            raise _naming("method", UnsupportedOptionError(unknown_method_error(options["method"],
+                                                                                batched_methods())))
         draft = options.get("draft", self.method.draft)
         if draft not in (None, "self", self.method.draft):
-            raise UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the server's "
-                                         f"draft ({self.method.draft or 'none'})")
+            raise _naming("draft", UnsupportedOptionError(f"draft '{draft}' is not served here; use 'self' or the "
+                                                          f"server's draft ({self.method.draft or 'none'})"))
         name = options.get("method", self.method.name)
         settings = {REQUEST_FIELDS.get(key, key): value for key, value in options.items() if key != "method"}
         if "tree" in settings:
@@ -358,7 +365,8 @@ class ServingEngine:
         # each named as a request names it.
         error = unread_options_error(name, list(settings), spell=request_key)
         if error:
-            raise UnsupportedOptionError(error)
+            unread = next(key for key in options if REQUEST_FIELDS.get(key, key) in set(settings) - method_reads(name))
+            raise _naming(unread, UnsupportedOptionError(error))
         base = self.method
         if name != base.name:
             base = MethodConfig(draft=base.draft, head_weights=base.head_weights)
