@@ -296,6 +296,11 @@ def _shutting_down(message: str, retry_after: int) -> RequestError:
     return RequestError(message, code="shutting_down", status=503, type_="server_error", retry_after=retry_after)
 
 
+def _internal_error() -> RequestError:
+    """What a request gets where the server failed in a way no rule names (a bug; the server logs it)."""
+    return RequestError("internal server error", code="internal_error", status=500, type_="server_error")
+
+
 def _timeout(seconds: float) -> RequestError:
     return RequestError(f"the request took longer than the server's request timeout ({seconds:g} s) and was "
                         "stopped", code="timeout", status=504, type_="server_error")
@@ -390,8 +395,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=error)
-        return error_response(RequestError("internal server error", code="internal_error", status=500,
-                                           type_="server_error"))
+        return error_response(_internal_error())
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers probe with
     async def health() -> JSONResponse:
@@ -456,8 +460,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 # the connection, and the next request a client sends on it)
                 log.exception("unhandled error", exc_info=error)
                 metrics.count_request(endpoint, "error")
-                return error_response(RequestError("internal server error", code="internal_error", status=500,
-                                                   type_="server_error"))
+                return error_response(_internal_error())
             metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
             reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens,
                            engine_request.seed if engine_request.temperature > 0 else None)
