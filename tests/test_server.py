@@ -459,6 +459,7 @@ def raw_post(client, body: bytes, path: str = "/v1/chat/completions"):
     (b"[" * 5000 + b"]" * 5000, None),  # deeper than the JSON decoder's recursion
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),  # a lone surrogate
     (b'{"messages": [{"role": "user", "content": "hi"}], "jointspec": {"method": "\\ud800"}}', "jointspec.method"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}]}'.encode("utf-16"), "messages.0.content"),  # UTF-16
     (json.dumps({**chat_body(), "stream_options": {"include_usage": True}}).encode(), "stream_options"),
 ])
 def test_malformed_json_and_text_that_is_no_text_are_400s_and_the_server_goes_on(client, body, param):

@@ -643,7 +643,10 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError(f"the body is not valid JSON: {reason}") from None
     if not isinstance(data, dict):
         raise RequestError("the body must be a JSON object")
-    where = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None  # (the walk only where one may be)
+    # The walk only where a surrogate may be: an escape of one in a UTF-8 body, or any body json.loads read as
+    # UTF-16 or UTF-32 (a NUL among its first bytes), where the escape's bytes are spread out.
+    maybe = b"\x00" in raw[:4] or _SURROGATE_ESCAPE.search(raw)
+    where = _lone_surrogate(data) if maybe else None
     if where is not None:
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
