@@ -427,7 +427,8 @@ class LockstepEngine(EngineBase):
         A request alone calls its head itself, as ``generate`` does. Returns each served request's share of the
         pass's seconds (by its rows), which its drafting is charged: its round's draft time, and what a cost-aware
         drafter learns its draft's cost from."""
-        caches, contexts, pending, seq_ids = [], [], [], []
+        # (request, its draft cache, the tokens its head call feeds), grouped by head: requests may name other heads.
+        groups: dict[int, list[tuple[_Sequence, DraftTreeCache, list[int]]]] = {}
         for seq in rows:
             cache = beam_context_cache(seq.decoder.drafter)
             state = seq.state
@@ -435,29 +436,22 @@ class LockstepEngine(EngineBase):
                 continue
             tokens = cache.pending(state.tokens)
             if tokens:
-                caches.append(cache)
-                contexts.append(state.tokens)
-                pending.append(tokens)
-                seq_ids.append(seq.seq_id)
-        groups: dict[int, list[int]] = {}  # by head weights: requests may name different heads
-        for i, cache in enumerate(caches):
-            groups.setdefault(id(getattr(cache.draft, "head", cache.draft)), []).append(i)
+                groups.setdefault(id(getattr(cache.draft, "head", cache.draft)), []).append((seq, cache, tokens))
         shares: dict[int, float] = {}
         for group in groups.values():
             if len(group) < 2:
                 continue
             start = time.perf_counter()
-            logits = context_logits_many([caches[i].draft for i in group], [pending[i] for i in group])
+            logits = context_logits_many([cache.draft for _, cache, _ in group], [tokens for *_, tokens in group])
             if logits is None:
                 continue
             seconds = time.perf_counter() - start
-            rows_fed = sum(len(pending[i]) for i in group)
-            for i, out in zip(group, logits):
-                caches[i].prime(contexts[i], out)
-                shares[seq_ids[i]] = seconds * len(pending[i]) / rows_fed
-                drafter = self.active[seq_ids[i]].decoder.drafter
-                if isinstance(drafter, CostAwareDrafter):
-                    drafter.outside_seconds = shares[seq_ids[i]]
+            rows_fed = sum(len(tokens) for *_, tokens in group)
+            for (seq, cache, tokens), out in zip(group, logits):
+                cache.prime(seq.state.tokens, out)
+                shares[seq.seq_id] = seconds * len(tokens) / rows_fed
+                if isinstance(seq.decoder.drafter, CostAwareDrafter):
+                    seq.decoder.drafter.outside_seconds = shares[seq.seq_id]
         return shares
 
     def _supervision_key(self) -> int | None:
