@@ -22,8 +22,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
+from jointspec.backends.tokens import chat_template_ids
 from jointspec.batch.engine import BatchEvent
 from jointspec.core.draft import NoDrafter
+from jointspec.core.grammar import OutputFormat
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.methods import MethodConfig
 from jointspec.server.app import ServerSettings, create_app
@@ -427,7 +429,10 @@ def test_a_prompt_and_max_tokens_past_the_context_are_a_400_not_a_cut_answer(cli
 
 @pytest.mark.parametrize("extra, param", [
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"65": 100}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"65": 100}}, "logit_bias"), ({"response_format": {"type": "regex"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a"}}}},
+     "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "c"}]},
@@ -448,6 +453,30 @@ def test_openai_parameters_that_would_change_the_answer_are_refused_by_name(clie
     assert client.post("/v1/chat/completions", json={**chat_body(), **neutral}).status_code == 200
     suffixed = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "suffix": " b"})
     assert suffixed.status_code == 400 and suffixed.json()["error"]["param"] == "suffix"
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "default"])
+def test_response_format_answers_what_the_schema_accepts_as_the_loop_decodes_it(client, engine, byte_model, tokenizer,
+                                                                               method):
+    """OpenAI's structured output: the answer is the single-sequence loop's constrained greedy decoding
+    (core/grammar.py) of the same chat, JSON its schema accepts where it ended; ``json_object``: any JSON object."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    body = chat_body(max_tokens=40, jointspec={"method": method},
+                     response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    grammar = engine.grammar(OutputFormat.json_schema(schema))
+    prompt = chat_template_ids(tokenizer, body["messages"])
+    loop = SpeculativeDecoder(CausalLM(byte_model), NoDrafter(), GreedyVerifier())
+    ids = loop.generate(prompt, DecodeConfig(40, eos_token_ids=engine.eos_token_ids, grammar=grammar))
+    assert choice["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert choice["message"]["content"].startswith('{"ok": ')  # (a random model: the schema wrote it)
+    if choice["finish_reason"] == "stop":
+        assert set(json.loads(choice["message"]["content"])) == {"ok", "n"}
+    anything = client.post("/v1/chat/completions", json=chat_body(response_format={"type": "json_object"}))
+    assert anything.status_code == 200 and anything.json()["choices"][0]["message"]["content"].startswith("{")
 
 
 def raw_post(client, body: bytes, path: str = "/v1/chat/completions"):

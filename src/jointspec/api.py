@@ -17,6 +17,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
 from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, decode_text, eos_token_ids
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
+from jointspec.core.grammar import Grammar, OutputFormat
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
@@ -30,7 +31,8 @@ class GenerationConfig:
     else sampled with that temperature and, where set, a ``top_k`` (0: none) and a ``top_p`` (1: none). ``seed``: the
     sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each generation,
     which :attr:`GenerationResult.seed` reports). ``chat``: wrap a text prompt in the model's chat template as one
-    user message (where the tokenizer has one)."""
+    user message (where the tokenizer has one). ``output_format``: what the answer must match (structured output:
+    JSON of a schema, a regex, a Lark grammar; :class:`~jointspec.core.grammar.OutputFormat`), through any method."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -38,6 +40,7 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
+    output_format: OutputFormat | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
@@ -50,6 +53,9 @@ class GenerationConfig:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.chat, bool):
             raise TypeError(f"chat must be True or False, got {self.chat!r}")
+        if self.output_format is not None and not isinstance(self.output_format, OutputFormat):
+            raise TypeError(f"output_format must be an OutputFormat (e.g. OutputFormat.json_schema(schema)), got "
+                            f"{type(self.output_format).__name__}")
         _ = self.sampling  # building it validates temperature / top-k / top-p
 
     @property
@@ -164,6 +170,7 @@ class Pipeline:
         drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft, memory))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
+        self._grammars: dict[OutputFormat, Grammar] = {}  # each output format compiled once for this tokenizer
 
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | str | None = None, *, device: str = "cpu",
@@ -212,7 +219,8 @@ class Pipeline:
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
         seed = config.seed if config.seed is not None else fresh_seed()
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids)
+        decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids,
+                              self.grammar(config.output_format))
         new_ids: list[int] = []
         session = self._session
         with session.lock:
@@ -242,6 +250,16 @@ class Pipeline:
                     session.active = None
         if self.memory is not None:  # a whole answer only: a stream its caller stopped early is not remembered
             self.memory.add(prompt_ids, new_ids)
+
+    def grammar(self, output_format: OutputFormat | None) -> Grammar | None:
+        """``output_format`` compiled for this pipeline's tokenizer (None for None); a format that cannot be used
+        raises :class:`~jointspec.core.grammar.GrammarError` naming why."""
+        if output_format is None:
+            return None
+        if output_format not in self._grammars:
+            self._grammars[output_format] = Grammar(output_format, self.tokenizer, self.target.vocab_size,
+                                                    self.eos_token_ids)
+        return self._grammars[output_format]
 
     def _token_ids(self, prompt_ids) -> list[int]:
         """``prompt_ids`` as a list of ints inside the vocabulary (a list, tuple, 1-D tensor or array), else a clear

@@ -38,6 +38,7 @@ from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.choices import dynamic_tree_refusal
 from jointspec.core.draft import tree_depths
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
+from jointspec.core.grammar import GrammarState, masked_logits
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
@@ -96,6 +97,9 @@ class _Sequence:
     tokens: list[int]
     end: int  # the sequence stops growing at this length
     stats: SpecStats = field(default_factory=SpecStats)
+    grammar: GrammarState | None = None  # structured output: where the answer stands in its grammar
+    masks: torch.Tensor | None = None  # the round's allowed tokens per row (grammar only)
+    own_nodes: int = 0  # the round's draft nodes that are the drafter's (not tokens a grammar forced)
 
 
 class EngineBase:
@@ -252,8 +256,9 @@ class BatchEngine(EngineBase):
 
     def _new_sequence(self, seq_id: int, request: BatchRequest, generator: torch.Generator) -> _Sequence:
         end = min(len(request.prompt_ids) + request.config.max_new_tokens, self.target.max_context)
+        grammar = request.config.grammar
         return _Sequence(seq_id, request, self.method(request.method, request.memory), generator,
-                         list(request.prompt_ids), end)
+                         list(request.prompt_ids), end, grammar=None if grammar is None else grammar.start())
 
     def _drop_active(self, seq_id: int) -> None:
         self._leave({seq_id})
@@ -296,6 +301,11 @@ class BatchEngine(EngineBase):
                 if not draft.is_chain:
                     raise UnsupportedOptionError("the batched engine verifies chain drafts only")
                 assert draft.num_nodes <= seq.end - len(seq.tokens) - 1, "drafter exceeded its draft budget"
+                seq.own_nodes = draft.num_nodes
+                if seq.grammar is not None:  # as the single-sequence loop does (core/grammar.py)
+                    plain = getattr(getattr(seq.method.drafter, "prototype", None), "never_drafts", False)
+                    fitted = seq.grammar.fit(draft, 0 if plain else seq.end - len(seq.tokens) - 1)
+                    draft, seq.masks, seq.own_nodes = fitted.draft, fitted.masks, fitted.own
                 drafts[seq.seq_id] = draft
         t1 = time.perf_counter()
 
@@ -309,12 +319,17 @@ class BatchEngine(EngineBase):
         for r, seq in enumerate(rows):
             draft = drafts[seq.seq_id]
             config = seq.request.config
-            verdict = seq.method.verifier.verify(draft, logits[r, :draft.num_nodes + 1], config.sampling,
-                                                 seq.generator)
+            rows_logits = logits[r, :draft.num_nodes + 1]
+            if seq.masks is not None:
+                rows_logits = masked_logits(rows_logits, seq.masks)
+            verdict = seq.method.verifier.verify(draft, rows_logits, config.sampling, seq.generator)
             keep.append(len(seq.tokens) + verdict.num_accepted)
-            num_accepted[seq.seq_id] = verdict.num_accepted
+            num_accepted[seq.seq_id] = min(verdict.num_accepted, seq.own_nodes)  # what its drafter proposed
             new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
             seq.tokens.extend(new_tokens)
+            if seq.grammar is not None:
+                seq.grammar.advance(new_tokens[:-1] if stopped else new_tokens)
+                seq.masks = None
             if stopped or len(seq.tokens) >= seq.end:
                 finished[seq.seq_id] = "stop" if stopped else "length"
             depths = tree_depths(draft.node_parents())

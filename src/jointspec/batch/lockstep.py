@@ -287,6 +287,8 @@ class LockstepEngine(EngineBase):
         through the screen (temperature alone, drafts without probabilities) cost less, but the same request's rounds
         with model drafts read the exact head: they are priced as exact rows, the dearer."""
         sampling = request.config.sampling
+        if request.config.grammar is not None:  # masked rows: every logit, greedy or not
+            return True
         return not sampling.greedy and not self.target.capabilities.screened_top_k(sampling)
 
     def _check(self, config: MethodConfig) -> bool:

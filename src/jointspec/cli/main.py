@@ -55,6 +55,15 @@ def _add_generate(subparsers) -> None:
                              "first quarter of layers attends to most from the prompt's end, which also cuts the time "
                              "to the first token (docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                       help="structured output: the answer is JSON that this schema accepts (the schema inline, or "
+                            "a path to a .json file); works with every method (docs/structured-output.md)")
+    shape.add_argument("--json-object", action="store_true", help="structured output: the answer is a JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", default=None,
+                       help="structured output: the whole answer matches this regular expression")
+    shape.add_argument("--lark", metavar="PATH", default=None,
+                       help="structured output: the answer is a sentence of this Lark grammar (llguidance's dialect)")
     # generate's default is the fastest exact configuration (the bench's `default`, which serve also runs; the bench
     # runs its --methods). Its quantisation likewise: auto runs the embedded default on the int4 kernel that
     # recovers its own weights.
@@ -74,7 +83,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else fresh_seed()
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=seed, chat=not args.no_chat)
+                                  top_p=args.top_p, seed=seed, chat=not args.no_chat,
+                                  output_format=_output_format(args))
         method = method_config_from_args(args)
         check_reads(method, args)
     except ValueError as error:
@@ -139,6 +149,33 @@ def _run_generate(args: argparse.Namespace) -> int:
     _say_if_context_ended(result, args.max_new_tokens, pipeline.target.max_context)
     _say_if_drafted_nothing(method, stats)
     return 0
+
+
+def _output_format(args: argparse.Namespace):
+    """The structured output --json-schema, --json-object, --regex or --lark asks for (None: free text)."""
+    from jointspec.core.grammar import OutputFormat
+
+    if args.json_object:
+        return OutputFormat.json_schema()
+    if args.regex is not None:
+        return OutputFormat("regex", args.regex)
+    if args.lark is not None:
+        return OutputFormat("lark", _read_text(args.lark, "--lark"))
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):  # not inline JSON: a file
+        text = _read_text(text, "--json-schema")
+    return OutputFormat.json_schema(text)
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise JointspecError(f"{flag} {path}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise JointspecError(f"{flag} {path}: not UTF-8 text ({error})") from None
 
 
 def _say_if_context_ended(result, max_new_tokens: int, max_context: int) -> None:

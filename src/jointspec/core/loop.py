@@ -23,6 +23,7 @@ import torch
 
 from jointspec.core.draft import Draft, Drafter, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
+from jointspec.core.grammar import Grammar, GrammarState, masked_logits
 from jointspec.core.sampling import RowDraws, SamplingConfig, draws_for, position_key, sequence_draw_key
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
 from jointspec.core.verdict import Verifier
@@ -121,6 +122,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
     eos_token_ids: frozenset[int] = frozenset()
+    grammar: Grammar | None = None  # structured output: what every answer must match (core/grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -140,6 +142,9 @@ class DecodeState:
     top_k_only: int = 0  # sampled verification with top-k may read the target's screened top k (k; 0: every logit)
     draws: bool = False  # temperature alone: rows of drafts without probabilities are drawn through the screen
     draw_key: int | None = None  # the sequence's noise key, drawn from its generator at its first such round
+    grammar: GrammarState | None = None  # structured output: where the answer stands in its grammar
+    masks: torch.Tensor | None = None  # the round in flight's allowed tokens per row (grammar only)
+    own_nodes: int = 0  # the round's draft nodes that are the drafter's (not tokens a grammar forced)
     done: bool = False
     stopped: bool = False  # it ended on an end-of-sequence token
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
@@ -160,6 +165,7 @@ class SpeculativeDecoder:
         # A drafter that learns from the target's rows gets their argmax each round (core/draft.py).
         self._observes_target = bool(getattr(drafter, "observes_target", False))
         self._finishes = callable(getattr(drafter, "finish", None))
+        self._never_drafts = bool(getattr(drafter, "never_drafts", False))
 
     def stream(self, prompt_ids: list[int], config: DecodeConfig,
                generator: torch.Generator | None = None) -> Iterator[list[int]]:
@@ -215,8 +221,13 @@ class SpeculativeDecoder:
         # that draw of each row, which a screened target makes without every logit (core/sampling.py, "draws").
         draws = (capabilities.draw_screen and draws_for(sampling)
                  and getattr(self.verifier, "draws_for_drafts_without_probs", False))
+        grammar = None
+        if config.grammar is not None:
+            # A grammar masks whole rows of logits, which the screens never compute.
+            grammar = config.grammar.start()
+            argmax_only, top_k_only, draws = False, 0, False
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
-                           draws=draws)
+                           draws=draws, grammar=grammar)
 
     def begin_round(self, state: DecodeState, *, hold_draft: bool = False) -> ForwardCall:
         """Draft (1.) and return the target forward that scores the pending token and the draft (2.). ``hold_draft``:
@@ -227,6 +238,14 @@ class SpeculativeDecoder:
         # 1. Propose, leaving room for the one token the target always adds.
         budget = 0 if hold_draft else state.end - len(tokens) - 1
         draft = self.drafter.propose(tokens, budget, state.config.sampling, state.generator)
+        state.own_nodes = draft.num_nodes
+        if state.grammar is not None:  # the nodes the grammar lets count, its forced tokens, every row's mask
+            # Forced tokens are drafts too: plain decoding (a drafter that never drafts) reads them one a step.
+            room = 0 if self._never_drafts else budget
+            if state.max_verify_rows is not None:
+                room = min(room, state.max_verify_rows - 1)
+            fitted = state.grammar.fit(draft, max(room, draft.num_nodes))
+            draft, state.masks, state.own_nodes = fitted.draft, fitted.masks, fitted.own
         state.draft_seconds = time.perf_counter() - t0
         limit = state.max_verify_rows
         if limit is not None and 1 + draft.num_nodes > limit:
@@ -256,16 +275,19 @@ class SpeculativeDecoder:
     def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
         """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""
         tokens, draft, stats = state.tokens, state.draft, self.stats
+        logits = output.logits if state.masks is None else masked_logits(output.logits, state.masks)
         # 3. Verify.
-        verdict = self.verifier.verify(draft, output.logits, state.config.sampling, state.generator)
-        if self._observes_target:
-            self.drafter.observe_target(draft, output.logits.argmax(dim=-1).tolist(), verdict.accepted)
+        verdict = self.verifier.verify(draft, logits, state.config.sampling, state.generator)
+        if self._observes_target and state.own_nodes == draft.num_nodes:  # (not a draft a grammar extended)
+            self.drafter.observe_target(draft, logits.argmax(dim=-1).tolist(), verdict.accepted)
 
         # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
         num_committed = len(tokens)
         self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
         new_tokens, stopped = committed_tokens(verdict.token_ids, state.config.eos_token_ids)
         tokens.extend(new_tokens)
+        if state.grammar is not None:
+            state.grammar.advance(new_tokens[:-1] if stopped else new_tokens)  # an end-of-sequence token ends it
         state.num_accepted = kept_draft_tokens(verdict.num_accepted, new_tokens)
         stats.record(state.depths, state.num_accepted, len(new_tokens))
         stats.draft_seconds += state.draft_seconds
@@ -273,10 +295,10 @@ class SpeculativeDecoder:
         state.done = stopped or len(tokens) >= state.end
         state.stopped = stopped
         if not stopped:
-            self.drafter.commit(tokens, verdict.num_accepted)
+            self.drafter.commit(tokens, min(verdict.num_accepted, state.own_nodes))
         if state.done and self._finishes:
             self.drafter.finish()
-        state.draft = None
+        state.draft = state.masks = None
         return new_tokens
 
     def generate(self, prompt_ids: list[int], config: DecodeConfig,

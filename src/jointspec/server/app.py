@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from jointspec.core.errors import ContextTooLongError, JointspecError
+from jointspec.core.grammar import OutputFormat
 from jointspec.core.sampling import MIN_TEMPERATURE, fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.methods.registry import tree_nodes
@@ -685,9 +686,7 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
             raise RequestError(f"{name} is not supported (only 0): the answer would ignore it", param=name)
     if body.logit_bias:
         raise RequestError("logit_bias is not supported: the answer would ignore it", param="logit_bias")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise RequestError("response_format other than {\"type\": \"text\"} is not supported: there is no JSON "
-                           "or schema-constrained mode", param="response_format")
+    _output_format(body.response_format)  # refused here, before anything is queued
     for name in ("tools", "functions"):
         if getattr(body, name):
             raise RequestError(f"{name} are not supported: there is no tool calling", param=name)
@@ -708,6 +707,26 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
     return body
 
 
+def _output_format(response_format: dict | None) -> OutputFormat | None:
+    """OpenAI's ``response_format``: ``text`` (free text), ``json_object`` (any JSON object) or ``json_schema`` (JSON
+    its ``json_schema.schema`` accepts), as the structured output every method decodes (core/grammar.py)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat.json_schema()
+    if kind != "json_schema":
+        raise RequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format.type")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RequestError("response_format json_schema needs a JSON schema object at response_format.json_schema."
+                           "schema", param="response_format.json_schema")
+    return OutputFormat.json_schema(spec["schema"])
+
+
 def _engine_request(body: _Sampling) -> CompletionRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
@@ -719,7 +738,7 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     # OpenAI's API takes any temperature in [0, 2]; one too small to sample with is greedy decoding, its limit.
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                  stop=stop, method=options, user=body.user)
+                  stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format))
     try:
         if isinstance(body, ChatBody):
             # OpenAI's `developer` messages are what chat templates call `system` messages.

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -30,6 +31,7 @@ from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids,
 from jointspec.batch.engine import BatchEvent, BatchRequest
 from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
+from jointspec.core.grammar import Grammar, GrammarError, OutputFormat
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
@@ -61,6 +63,10 @@ def request_key(field: str) -> str:
     return f"{field} (not set per request{f'; the server sets it: {flag}' if flag else ''})"
 
 
+# Output formats a server keeps compiled (ServingEngine.grammar).
+MAX_GRAMMARS = 64
+
+
 class QueueFullError(JointspecError):
     """Every row is busy and the queue is full: the request is refused at once (429 with Retry-After)."""
 
@@ -83,6 +89,7 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     method: dict | None = None  # the request's "jointspec" options, overriding the server's method
     user: str | None = None  # OpenAI's end-user id: the scope of the online memory where the server keeps one per user
+    output_format: OutputFormat | None = None  # structured output (response_format)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -306,6 +313,10 @@ class ServingEngine:
         # its inbox, so a request either reaches the thread or is refused: none waits forever.
         self._admission = threading.Lock()
         self._encoding = threading.Lock()  # (submit)
+        # Output formats compiled for the tokenizer, the least recently used past MAX_GRAMMARS (a grammar takes
+        # milliseconds to compile and clients repeat their schemas).
+        self._grammars: OrderedDict[OutputFormat, Grammar] = OrderedDict()
+        self._grammars_lock = threading.Lock()
         self._admitted = 0  # requests submitted and not yet ended (decoding, queued, or on their way to the thread)
         self._closing = False
         self._stats_lock = threading.Lock()
@@ -393,6 +404,26 @@ class ServingEngine:
         with self._encoding:
             return self.encode(request)
 
+    def grammar(self, output_format: OutputFormat | None) -> Grammar | None:
+        """``output_format`` compiled for the server's tokenizer (GrammarError, a 400, where it cannot be used)."""
+        if output_format is None:
+            return None
+        with self._grammars_lock:
+            grammar = self._grammars.get(output_format)
+            if grammar is not None:
+                self._grammars.move_to_end(output_format)
+                return grammar
+        try:
+            grammar = Grammar(output_format, self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+        except GrammarError as error:
+            error.param = "response_format"  # what the route's 400 names
+            raise
+        with self._grammars_lock:
+            self._grammars[output_format] = grammar
+            while len(self._grammars) > MAX_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar
+
     async def submit(self, request: CompletionRequest) -> Generation:
         # A full server refuses at once, before the tokenisation it would waste (the check below decides).
         if self._full() and not self._closing:
@@ -402,6 +433,8 @@ class ServingEngine:
         # tokenizer's per-call options (split_special_tokens) on it; the streams' decodes on the loop set none, and
         # a decode and an encode may run together.
         prompt_ids = await asyncio.to_thread(self._encode_one_at_a_time, request)
+        grammar = None if request.output_format is None else await asyncio.to_thread(self.grammar,
+                                                                                      request.output_format)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenisation")
         room = self.target.max_context - len(prompt_ids)
@@ -413,7 +446,7 @@ class ServingEngine:
                 "generate): shorten the prompt or ask for fewer tokens")
         max_tokens = request.max_tokens or min(self.default_max_tokens, max(room, 1))
         config = DecodeConfig(max_tokens, SamplingConfig(request.temperature, request.top_k, request.top_p),
-                              self.eos_token_ids)
+                              self.eos_token_ids, grammar)
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids
