@@ -622,4 +622,5 @@ def test_the_llamacpp_adapter_implements_the_target_protocol(lm):
     from jointspec.core.target import TargetCapabilities, TargetLM
 
     assert isinstance(lm, TargetLM)
-    assert lm.capabilities == TargetCapabilities(fork=True, plain_decode=True)  # chains only, no hidden states
+    # chains only, no hidden states
+    assert lm.capabilities == TargetCapabilities(fork=True, plain_decode=True, chains_only="llama.cpp's backend")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -228,6 +229,22 @@ def test_layers_the_int4_kernel_cannot_take_stay_float_and_are_logged(caplog):
     message = caplog.text
     assert "model.layers.0.mlp.gate_proj (out_features 37 is not a multiple of 16)" in message
     assert "model.layers.1.mlp.down_proj (in_features 37 is not a multiple of the group size 32)" in message
+
+
+def test_a_model_mostly_outside_torch_linears_says_it_stays_float(caplog):
+    """GPT-2 keeps its layers in Conv1D and Falcon in a Linear subclass: quantising them reached the head alone while
+    the run said int4. Now a warning names the share left in float; a Llama (norms aside, all Linear) gets none."""
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=99))
+    with caplog.at_level(logging.WARNING, logger="jointspec.kernels.quantize"):
+        quantize_model(gpt2.eval(), "int4")
+    assert re.search(r"int4: 9\d% of the model's weights are in layers other than torch's Linear \(Conv1D\)",
+                     caplog.text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jointspec.kernels.quantize"):
+        quantize_model(quant_llama(0), "int4")
+    assert "other than torch's Linear" not in caplog.text
 
 
 def test_mode_none_changes_nothing():

@@ -105,6 +105,22 @@ class FeatureMirror:
         self.length = kept.shape[0]
 
 
+def slot_position_reason(config) -> str | None:
+    """Why a model's attention depends on where each key sits in the cache, not on its position id (None: it does
+    not). ALiBi (Bloom, MPT, Falcon with ``alibi``) biases each key by its distance in cache slots, and GPT-Neo's local
+    layers take their window over slots. Such a model's rows are exact only where slot and position agree: a chain
+    appended after the committed tokens. A tree's nodes (at slots past their depth), a view of part of the cache and a
+    batch's cache with the holes a rejected draft leaves are not, so their methods and engines refuse it."""
+    kind = getattr(config, "model_type", "")
+    attn = getattr(config, "attn_config", None)  # MPT's (ALiBi unless it says otherwise)
+    mpt_alibi = attn.get("alibi", True) if isinstance(attn, dict) else getattr(attn, "alibi", True)
+    if kind == "bloom" or (kind == "mpt" and mpt_alibi) or getattr(config, "alibi", False) is True:
+        return f"{kind or 'this model'}'s ALiBi attention biases keys by their place in the cache"
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        return f"{kind or 'this model'}'s local attention windows count places in the cache"
+    return None
+
+
 class CausalLM:
     """A Hugging Face causal LM plus one sequence's KV cache.
 
@@ -170,7 +186,9 @@ class CausalLM:
 
         head = self.model.get_output_embeddings()
         screens = self.lean is not None and self.lean.screens_head
-        return TargetCapabilities(trees=True, features=True, fork=True, torch_module=True, sparse_view=True,
+        by_slot = slot_position_reason(self.model.config)
+        return TargetCapabilities(trees=by_slot is None, features=True, fork=True, torch_module=True,
+                                  sparse_view=by_slot is None, chains_only=by_slot or "",
                                   argmax_screen=screens and hasattr(head, "argmax_logits"),
                                   top_k_screen=SCREEN_TOP_K_MAX if screens and hasattr(head, "top_k_logits") else 0,
                                   draw_screen=screens and hasattr(head, "draw_tokens"),

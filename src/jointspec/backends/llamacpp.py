@@ -239,7 +239,7 @@ class LlamaCppLM:
 
     # Chains only, no hidden states, no torch module; a fork is a second llama.cpp context; ``plain`` decodes may run
     # on llama.cpp's default kernels (class docstring).
-    capabilities = TargetCapabilities(fork=True, plain_decode=True)
+    capabilities = TargetCapabilities(fork=True, plain_decode=True, chains_only="llama.cpp's backend")
 
     @property
     def vocab_size(self) -> int:

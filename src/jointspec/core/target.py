@@ -69,6 +69,7 @@ class TargetCapabilities:
     through the screened head (temperature alone; core/sampling.py, "draws"), returning rows one-hot at the draws.
     ``max_verify_rows``: the most rows a forward may have and still compute each row as it would alone (past it a
     forward is read as a prompt, in other kernels); None: no such limit. A round verifying more would not be exact.
+    ``chains_only``: why a target without ``trees`` scores chains only, for the errors that refuse a tree.
     """
 
     trees: bool = False
@@ -81,6 +82,7 @@ class TargetCapabilities:
     sparse_view: bool = False
     draw_screen: bool = False
     max_verify_rows: int | None = None
+    chains_only: str = ""
 
     def screened_top_k(self, sampling: SamplingConfig) -> int:
         """The k of the top k that rows sampled with ``sampling`` may read through this target's screen

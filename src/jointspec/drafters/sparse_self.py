@@ -80,9 +80,9 @@ class SparseSelfDrafter:
     def __init__(self, target: TargetLM, num_draft_tokens: int, view: SparseView = SparseView(),
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         if not target.capabilities.sparse_view:
+            why = target.capabilities.chains_only or "use the torch backend"
             raise UnsupportedOptionError(f"target '{target.name}' cannot restrict its attention to part of its "
-                                         "cache, so it cannot draft for itself over a sparse view; use the torch "
-                                         "backend")
+                                         f"cache, so it cannot draft for itself over a sparse view ({why})")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.target = target
@@ -181,8 +181,9 @@ class SparseViewTarget(WrappedTarget):
 
     def __init__(self, inner: TargetLM, view: SparseView = SparseView(), name: str | None = None) -> None:
         if not inner.capabilities.sparse_view:
-            raise UnsupportedOptionError(f"target '{inner.name}' cannot restrict its attention to part of its cache; "
-                                         "sparse attention needs the torch backend")
+            why = inner.capabilities.chains_only or "sparse attention needs the torch backend"
+            raise UnsupportedOptionError(f"target '{inner.name}' cannot restrict its attention to part of its cache "
+                                         f"({why})")
         self.inner = inner
         self.view = view
         self.name = name or f"{inner.name} (sparse attention)"

@@ -20,10 +20,17 @@ from __future__ import annotations
 import torch
 
 from jointspec.backends.hf import CausalLM
+from jointspec.core.errors import UnsupportedOptionError
 
 
 class DraftTreeCache:
     def __init__(self, draft: CausalLM) -> None:
+        capabilities = getattr(draft, "capabilities", None)
+        if capabilities is not None and not capabilities.trees:
+            why = capabilities.chains_only or "its backend"
+            raise UnsupportedOptionError(f"this method scores token trees in its draft model, and draft "
+                                         f"'{draft.name}' scores chains only ({why}); use a chain method (sps) or "
+                                         "another draft")
         self.draft = draft
         self._cached_ids: list[int] = []  # committed tokens in the cache, in order
         self._tree_parents: list[int] = []  # the tree fed after them (adapter convention: -1 = last context token)

@@ -347,6 +347,16 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
                and kernels() is not None)
     skipped: list[str] = []
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    # Weights this walk cannot reach (GPT-2's Conv1D, Falcon's Linear subclass, fused MoE experts), by module type:
+    # a model mostly made of them is barely quantised, and says so below.
+    others: dict[str, int] = {}
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for module in model.modules():
+        if type(module) is nn.Linear or isinstance(module, nn.Embedding) or module is embeddings:
+            continue
+        weights = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2 and p.is_floating_point())
+        if weights:
+            others[type(module).__name__] = others.get(type(module).__name__, 0) + weights
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
             if type(child) is not nn.Linear or (child is head and not quantize_head):
@@ -368,6 +378,8 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
                 skipped.append(f"{full_name} ({misfit})")
                 continue
             replacements.append((parent, child_name, Int8Linear(child) if as_int8 else Int4Linear(child, group_size)))
+    quantized_weights = sum(child.weight.numel() for parent, name, _ in replacements
+                            for child in [getattr(parent, name)])
     # Replace after walking, so the walk never sees a half-rewritten tree.
     for parent, child_name, quantized in replacements:
         setattr(parent, child_name, quantized)
@@ -398,4 +410,9 @@ def quantize_model(model: nn.Module, mode: str, *, group_size: int = DEFAULT_GRO
         log.warning("%s: %d linear layer(s) left in float: %s", mode, len(skipped), "; ".join(skipped))
     if not replaced:
         log.warning("%s: no linear layer could be quantised; the model is unchanged", mode)
+    elif others:
+        share = sum(others.values()) / (sum(others.values()) + quantized_weights)
+        if share > 0.1:
+            log.warning("%s: %.0f%% of the model's weights are in layers other than torch's Linear (%s) and stay in "
+                        "float: they run and weigh as float", mode, 100 * share, ", ".join(sorted(others)))
     return model

@@ -298,9 +298,10 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
         raise UnsupportedOptionError(f"method '{name}' cannot be made cost-aware (it drafts trees or measures the "
                                      f"loop itself); cost-aware methods: {', '.join(cost_aware)}")
     if entry.drafts_trees and not context.target.capabilities.trees:
+        why = context.target.capabilities.chains_only or "this backend"
         raise UnsupportedOptionError(f"method '{name}' drafts token trees, and target '{context.target.name}' scores "
-                                     "chains only (llama.cpp's backend); use a chain method such as pld, corpus, sps, "
-                                     "hybrid or default (which drafts chains there)")
+                                     f"chains only ({why}); use a chain method such as pld, corpus, sps, hybrid or "
+                                     "default (which drafts chains there)")
     if context.memory is not None and not entry.learns_online:
         raise UnsupportedOptionError(f"method '{name}' does not draft from earlier answers; methods that learn "
                                      f"online: {', '.join(online_methods())}")
