@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jointspec.api import GenerationConfig, Pipeline
+from jointspec.api import MAX_GRAMMARS, GenerationConfig, Pipeline
 from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, compiled_target
@@ -372,3 +372,12 @@ def test_the_pipeline_takes_an_output_format(model, tokenizer):
         assert set(json.loads(result.text)) == {"name", "age"}
     with pytest.raises(TypeError, match="OutputFormat"):
         GenerationConfig(output_format={"type": "json_object"})
+
+
+def test_a_pipeline_keeps_its_recent_grammars_compiled_and_no_more(model, tokenizer):
+    pipeline = Pipeline(CausalLM(model), tokenizer, MethodConfig(name="ar"))
+    first = pipeline.grammar(OutputFormat("regex", "a+"))
+    assert pipeline.grammar(OutputFormat("regex", "a+")) is first  # compiled once
+    for count in range(1, MAX_GRAMMARS + 1):
+        pipeline.grammar(OutputFormat("regex", f"b{{{count}}}"))
+    assert pipeline.grammar(OutputFormat("regex", "a+")) is not first  # the least recently used went

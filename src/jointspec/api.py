@@ -24,6 +24,9 @@ from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method, method_names
 from jointspec.methods.registry import options_set, unread_options_error
 
+# Output formats a pipeline keeps compiled: each takes milliseconds to compile, and callers repeat their schemas.
+MAX_GRAMMARS = 64
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -256,10 +259,13 @@ class Pipeline:
         raises :class:`~jointspec.core.grammar.GrammarError` naming why."""
         if output_format is None:
             return None
-        if output_format not in self._grammars:
-            self._grammars[output_format] = Grammar(output_format, self.tokenizer, self.target.vocab_size,
-                                                    self.eos_token_ids)
-        return self._grammars[output_format]
+        grammar = self._grammars.pop(output_format, None)  # (re-inserted last: the least recently used go first)
+        if grammar is None:
+            grammar = Grammar(output_format, self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+        self._grammars[output_format] = grammar
+        while len(self._grammars) > MAX_GRAMMARS:
+            self._grammars.pop(next(iter(self._grammars)))
+        return grammar
 
     def _token_ids(self, prompt_ids) -> list[int]:
         """``prompt_ids`` as a list of ints inside the vocabulary (a list, tuple, 1-D tensor or array), else a clear
