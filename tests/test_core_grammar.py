@@ -38,6 +38,7 @@ from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
+from jointspec.verifiers.spectr import SpecTrVerifier
 
 from helpers import byte_tokenizer, chi_square_pvalue, tiny_llama
 
@@ -117,9 +118,10 @@ def test_plain_constrained_greedy_is_the_argmax_of_the_allowed_tokens(model, tok
 
 
 # Methods whose drafts the grammar must fit: prompt lookup (deterministic chains), a self-draft (chains accepted in
-# full), the same verified as a block, a tree, and Lookahead (which learns from the target's rows).
+# full), the same verified as a block, a tree, and Lookahead and lookahead decoding (which learn from the target's
+# rows: of their own draft, where the grammar changed it).
 METHODS = [("pld", None, None), ("sps", "self", None), ("sps", "self", None, "block"), ("specinfer", "self", (2, 2)),
-           ("lookahead", None, None)]
+           ("lookahead", None, None), ("lade", None, None)]
 
 
 def method_decoder(model, method) -> SpeculativeDecoder:
@@ -314,12 +316,15 @@ class DroppingState(GrammarState):
             return super().fit(draft, 0)
         fitted = super().fit(Draft(draft.token_ids, None, draft.parents), 0)  # (no forced tokens: none here)
         kept = len(fitted.draft.token_ids)
-        return Fitted(Draft(fitted.draft.token_ids, draft.draft_probs[:kept]), fitted.masks, kept)
+        return Fitted(Draft(fitted.draft.token_ids, draft.draft_probs[:kept]), fitted.masks, list(range(kept)))
 
 
-def constrained_law(model, grammar: Grammar, prompt: list[int]) -> np.ndarray:
-    """P(first two tokens) under the grammar at temperature 1: [vocab, vocab]."""
+def constrained_law(model, grammar: Grammar, prompt: list[int], first_forced: int | None = None) -> np.ndarray:
+    """P(first two tokens) under the grammar at temperature 1: [vocab, vocab]. ``first_forced``: the answer's first
+    token, already at the end of ``prompt`` (the law is then of the two after it)."""
     state = grammar.start()
+    if first_forced is not None:
+        state.advance([first_forced])
     with torch.no_grad():
         first = model(input_ids=torch.tensor([prompt])).logits[0, -1]
     first_allowed = state.allowed()
@@ -361,13 +366,75 @@ def test_sampled_tokens_follow_the_constrained_law_and_dropping_a_forbidden_draf
     assert chi_square_pvalue(two_token_counts(model, grammar, prompt, SkewedDrafter(probs), 4000), law) < ALPHA
 
 
+class NoDraft:
+    """Drafts nothing: every draft token of a round is one the grammar forces."""
+
+    def start(self, prompt_ids):
+        pass
+
+    def propose(self, context_ids, max_num_draft_tokens, sampling, generator):
+        return Draft([])
+
+    def commit(self, context_ids, num_accepted):
+        pass
+
+
+class UnmaskedForcedState(GrammarState):
+    """The mutant: the rows after forced tokens left unmasked."""
+
+    def fit(self, draft, budget):
+        fitted = super().fit(draft, budget)
+        masks = fitted.masks.clone()
+        masks[1 + fitted.own:] = True
+        return Fitted(fitted.draft, masks, fitted.kept)
+
+
+def tokens_after_forced_counts(model, grammar, prompt, verifier, draws: int) -> np.ndarray:
+    """Counts of (second, third) token: the first is forced, the second drawn from the row after it (the round that
+    verified the forced token), the third from a round of its own."""
+    counts = np.zeros((BYTES, BYTES))
+    loop = SpeculativeDecoder(CausalLM(model), NoDraft(), verifier)
+    for seed in range(draws):
+        out = loop.generate(prompt, constrained(grammar, 3, temperature=1.0), torch.Generator().manual_seed(seed))
+        counts[out[1], out[2]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("verifier", [RejectionSamplingVerifier, SpecTrVerifier])
+def test_sampled_tokens_after_forced_ones_follow_the_constrained_law(monkeypatch, tokenizer, verifier):
+    """A forced token drafted as certain (a one-hot row, which SpecTr needs) and the row after it masked: the next
+    tokens follow the constrained law; the mutant that leaves that row unmasked is caught (it draws a token the grammar
+    forbids, which the loop refuses to commit). On these seeds the correct loop gave p = 0.32 with either verifier
+    (a certain draft token: both take the same draws)."""
+    model = tiny_llama(13, vocab=BYTES)
+    with torch.no_grad():
+        model.lm_head.weight.div_(8.0)
+    grammar = Grammar(OutputFormat("regex", "q[a-h][a-h]"), tokenizer, BYTES, frozenset({EOS}))
+    prompt = prompt_ids(tokenizer, "letters: ")
+    q = tokenizer.convert_tokens_to_ids("q")
+    law = constrained_law(model, grammar, prompt + [q], first_forced=q)
+    assert chi_square_pvalue(tokens_after_forced_counts(model, grammar, prompt, verifier(), 2000), law) > ALPHA
+    monkeypatch.setattr(Grammar, "start", lambda self: UnmaskedForcedState(self))
+    with pytest.raises(RuntimeError, match="a committed token broke the grammar"):  # the loop will not commit it
+        tokens_after_forced_counts(model, grammar, prompt, verifier(), 2000)
+
+
+def test_the_grammar_and_the_decoding_end_at_the_same_tokens(tokenizer):
+    with pytest.raises(GrammarError, match="end-of-sequence"):
+        Grammar(FORMATS["regex"], tokenizer, BYTES, frozenset())
+    grammar = Grammar(FORMATS["regex"], tokenizer, BYTES, frozenset({EOS}))
+    with pytest.raises(ValueError, match=r"compiled with end-of-sequence ids \[258\] and the decoding stops at \[2\]"):
+        DecodeConfig(10, SamplingConfig(0.0), frozenset({2}), grammar)
+
+
 def test_the_pipeline_takes_an_output_format(model, tokenizer):
     """What generate runs (`default`: cost-aware lookup, told of its own drafts' tokens only, not the forced ones)."""
     pipeline = Pipeline(CausalLM(model), tokenizer, MethodConfig(name="default"))
     config = GenerationConfig(max_new_tokens=60, output_format=FORMATS["schema"], chat=False)
     result = pipeline.generate("a person: ", config)
     assert result.token_ids == decoder(CausalLM(model), "ar").generate(
-        pipeline.encode("a person: ", chat=False), constrained(pipeline.grammar(FORMATS["schema"]), 60))
+        pipeline.encode("a person: ", chat=False),
+        DecodeConfig(60, SamplingConfig(0.0), pipeline.eos_token_ids, pipeline.grammar(FORMATS["schema"])))
     if result.finish_reason == "stop":
         assert set(json.loads(result.text)) == {"name", "age"}
     with pytest.raises(TypeError, match="OutputFormat"):

@@ -110,6 +110,9 @@ class Grammar:
         llguidance = _llguidance()
         if tokenizer is None:
             raise GrammarError("structured output needs the model's tokenizer (to know each token's text)")
+        if not eos_token_ids:
+            raise GrammarError("structured output needs the model's end-of-sequence token ids: an answer ends where "
+                               "its grammar is complete, and the decoding must stop there")
         self.output_format = output_format
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -133,10 +136,11 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
     if key not in built:
         try:
             built[key] = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                         eos_token=sorted(eos_token_ids) or None)
+                                                         eos_token=sorted(eos_token_ids))
         except Exception as error:  # llguidance names what it could not read (a slow tokenizer, no vocabulary)
             raise GrammarError(f"structured output cannot read this tokenizer's vocabulary "
-                               f"({type(tokenizer).__name__}): {error}") from None
+                               f"({type(tokenizer).__name__}, for a model of {vocab_size} ids ending at "
+                               f"{sorted(eos_token_ids)}): {error}") from None
     return built[key]
 
 
@@ -152,8 +156,8 @@ class GrammarState:
         self._check()
 
     def _check(self) -> None:
-        if self._matcher.is_error():
-            raise RuntimeError(f"the grammar matcher failed: {self._matcher.get_error()}")
+        if self._matcher.is_error():  # past llguidance's limits (a grammar too ambiguous to follow), say
+            raise GrammarError(f"the grammar matcher stopped: {self._matcher.get_error()}; simplify the grammar")
 
     def allowed(self) -> torch.Tensor:
         """The tokens that may come next: bool [vocab] (end-of-sequence tokens where the answer may end there)."""
@@ -213,7 +217,7 @@ class GrammarState:
         if fitted.is_chain and not leaves and budget > len(kept):
             fitted, extra = self._extend(fitted, budget - len(kept))
             masks.extend(extra)
-        return Fitted(fitted, torch.stack(masks), len(kept))
+        return Fitted(fitted, torch.stack(masks), kept)
 
     def _extend(self, chain: Draft, room: int) -> tuple[Draft, list[torch.Tensor]]:
         """``chain`` followed by up to ``room`` tokens the grammar forces after it, and their rows' allowed tokens.
@@ -229,10 +233,12 @@ class GrammarState:
         if not forced:
             return chain, rows
         probs = chain.draft_probs
-        if probs is not None:
-            certain = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        if probs is not None or not chain.token_ids:
+            # Rows for the forced tokens (after an empty chain too: a verifier of sampled drafts may need them).
+            like = probs if probs is not None else torch.empty(0, self.grammar.vocab_size)
+            certain = torch.zeros(len(forced), like.shape[-1], dtype=like.dtype, device=like.device)
             certain[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
-            probs = torch.cat([probs, certain])
+            probs = certain if probs is None else torch.cat([probs, certain])
         logprobs = chain.draft_logprobs
         if logprobs is not None:
             logprobs = torch.cat([logprobs, logprobs.new_zeros(len(forced))])
@@ -243,12 +249,17 @@ class GrammarState:
 class Fitted:
     """A round's draft as the grammar lets it be verified: ``draft`` (the drafter's nodes that can count, then any
     forced tokens), ``masks`` (bool [1 + nodes, vocab]: row 0 the pending token's, row i + 1 node i's; all True for a
-    forbidden node kept as a leaf, which nothing reads) and ``own`` (how many of the nodes are the drafter's: the
-    loop tells it of no more accepted than those)."""
+    forbidden node kept as a leaf, which nothing reads) and ``kept`` (the drafter's nodes among them, by their index in
+    its own draft: the verified draft's first ``len(kept)`` nodes; the loop tells the drafter of no more accepted
+    than those, and maps what a drafter that watches the target's rows sees back to its own draft)."""
 
     draft: Draft
     masks: torch.Tensor
-    own: int
+    kept: list[int]
+
+    @property
+    def own(self) -> int:
+        return len(self.kept)
 
 
 def subset(draft: Draft, kept: list[int]) -> Draft:

@@ -127,6 +127,11 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.grammar is not None and self.grammar.eos_token_ids != self.eos_token_ids:
+            # The grammar allows its end-of-sequence tokens where the answer may end, and only those once it is
+            # complete: the decoding must stop at exactly those.
+            raise ValueError(f"the grammar was compiled with end-of-sequence ids {sorted(self.grammar.eos_token_ids)} "
+                             f"and the decoding stops at {sorted(self.eos_token_ids)}: compile it with the same ids")
 
 
 @dataclass
@@ -145,6 +150,8 @@ class DecodeState:
     grammar: GrammarState | None = None  # structured output: where the answer stands in its grammar
     masks: torch.Tensor | None = None  # the round in flight's allowed tokens per row (grammar only)
     own_nodes: int = 0  # the round's draft nodes that are the drafter's (not tokens a grammar forced)
+    proposed: Draft | None = None  # the drafter's own draft, where a grammar changed it (core/grammar.py)
+    kept: list[int] = field(default_factory=list)  # its nodes the round verifies, by their index in it
     done: bool = False
     stopped: bool = False  # it ended on an end-of-sequence token
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
@@ -245,7 +252,8 @@ class SpeculativeDecoder:
             if state.max_verify_rows is not None:
                 room = min(room, state.max_verify_rows - 1)
             fitted = state.grammar.fit(draft, max(room, draft.num_nodes))
-            draft, state.masks, state.own_nodes = fitted.draft, fitted.masks, fitted.own
+            state.proposed = draft if fitted.draft is not draft else None
+            draft, state.masks, state.own_nodes, state.kept = fitted.draft, fitted.masks, fitted.own, fitted.kept
         state.draft_seconds = time.perf_counter() - t0
         limit = state.max_verify_rows
         if limit is not None and 1 + draft.num_nodes > limit:
@@ -278,8 +286,8 @@ class SpeculativeDecoder:
         logits = output.logits if state.masks is None else masked_logits(output.logits, state.masks)
         # 3. Verify.
         verdict = self.verifier.verify(draft, logits, state.config.sampling, state.generator)
-        if self._observes_target and state.own_nodes == draft.num_nodes:  # (not a draft a grammar extended)
-            self.drafter.observe_target(draft, logits.argmax(dim=-1).tolist(), verdict.accepted)
+        if self._observes_target:
+            self._observe(state, draft, logits.argmax(dim=-1).tolist(), verdict.accepted)
 
         # 4. Commit: keep the cache entries of the committed tokens but the last, then tell the drafter.
         num_committed = len(tokens)
@@ -298,8 +306,20 @@ class SpeculativeDecoder:
             self.drafter.commit(tokens, min(verdict.num_accepted, state.own_nodes))
         if state.done and self._finishes:
             self.drafter.finish()
-        state.draft = state.masks = None
+        state.draft = state.masks = state.proposed = None
         return new_tokens
+
+    def _observe(self, state: DecodeState, draft: Draft, target_tokens: list[int], accepted: list[int]) -> None:
+        """Show a drafter that learns from the target's rows what they said of its own draft. Where a grammar changed
+        the draft (core/grammar.py), its kept nodes get their rows, a dropped node its own token (nothing learnt), and
+        forced tokens are left out: the drafter's node ids stay its own."""
+        if state.proposed is None:
+            self.drafter.observe_target(draft, target_tokens, accepted)
+            return
+        proposed, row_of = state.proposed, {node: i + 1 for i, node in enumerate(state.kept)}
+        tokens = [target_tokens[0]] + [target_tokens[row_of[node]] if node in row_of else token
+                                       for node, token in enumerate(proposed.token_ids)]
+        self.drafter.observe_target(proposed, tokens, [state.kept[i] for i in accepted if i < len(state.kept)])
 
     def generate(self, prompt_ids: list[int], config: DecodeConfig,
                  generator: torch.Generator | None = None) -> list[int]:

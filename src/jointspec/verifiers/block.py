@@ -129,7 +129,7 @@ class BlockVerifier:
         decision = block_decision(target_rows, draft.draft_probs, tokens)
         gamma = len(tokens)
         uniforms = torch.rand(gamma, generator=generator).tolist()
-        kept = next((i for i in range(gamma, 0, -1) if uniforms[i - 1] <= decision.keep[i - 1]), 0)
+        kept = next((i for i in range(gamma, 0, -1) if uniforms[i - 1] < decision.keep[i - 1]), 0)
         if kept == gamma:
             token = int(sample(target_rows[gamma], generator))
         else:
