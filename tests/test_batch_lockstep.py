@@ -55,7 +55,7 @@ from helpers import BATCH_EOS as EOS
 from helpers import BATCH_GREEDY as GREEDY
 from helpers import BATCH_PROMPTS as PROMPTS
 from helpers import BATCH_SAMPLED as SAMPLED
-from helpers import assert_forward_many_is_each_alone, grouped_llama, random_prompt, tiny_llama, untrained_head
+from helpers import assert_forward_many_is_each_alone, greedy, grouped_llama, random_prompt, tiny_llama, untrained_head
 
 METHODS = {
     "ar": MethodConfig("ar"),
@@ -788,3 +788,28 @@ def test_a_target_feeding_a_heads_mirror_takes_no_kept_cache(int4_target):
     finally:
         target.mirrors.clear()
     assert engine._reuse(target, prompt, len(prompt) - 1) == 20 and target.num_cached == 20
+
+
+def test_a_fault_in_one_requests_verification_ends_that_request_alone(monkeypatch, int4_target):
+    """A verification that raises (a fault: a structured-output review found two) used to fail every request of the
+    round, which a server then failed too. Now that request ends with its error and the others decode on."""
+    prompts = [random_prompt(seed, 12) for seed in (0, 3)]
+    real = SpeculativeDecoder.finish_round
+
+    def finish_round(self, state, output):
+        if state.tokens[:12] == prompts[0] and len(state.tokens) > 16:
+            raise RuntimeError("a fault in this request's verification")
+        return real(self, state, output)
+
+    monkeypatch.setattr(SpeculativeDecoder, "finish_round", finish_round)
+    engine = LockstepEngine(int4_target, max_batch_size=4)
+    ids = [engine.submit(BatchRequest(tuple(p), greedy(24), MethodConfig("pld", cost_aware=False))) for p in prompts]
+    tokens, errors = {seq_id: [] for seq_id in ids}, {}
+    while engine.has_work:
+        for event in engine.step():
+            tokens[event.seq_id].extend(event.token_ids)
+            if event.error is not None:
+                errors[event.seq_id] = event.error
+    assert list(errors) == [ids[0]] and isinstance(errors[ids[0]], RuntimeError)
+    monkeypatch.setattr(SpeculativeDecoder, "finish_round", real)
+    assert tokens[ids[1]] == alone(int4_target, MethodConfig("pld", cost_aware=False), prompts[1], greedy(24))

@@ -479,6 +479,30 @@ def test_response_format_answers_what_the_schema_accepts_as_the_loop_decodes_it(
     assert anything.status_code == 200 and anything.json()["choices"][0]["message"]["content"].startswith("{")
 
 
+def test_a_fault_in_one_requests_round_is_a_500_for_it_and_a_refusal_a_400(monkeypatch, client):
+    """The engine ends a request alone where its round fails (batch/lockstep.py): a fault is the server's, a 500
+    ``engine_error``; the request's own method refusing a round stays a 400 ``invalid_request``."""
+    from jointspec.batch.engine import BatchEngine
+    from jointspec.core.errors import UnsupportedOptionError
+
+    real = BatchEngine.step
+    for error, status, code in ((RuntimeError("a fault"), 500, "engine_error"),
+                                (UnsupportedOptionError("its own option"), 400, "invalid_request")):
+        def step(self, error=error):
+            events = real(self)
+            for i, event in enumerate(events):
+                if event.token_ids and event.seq_id in self.active:
+                    self._drop_active(event.seq_id)
+                    events[i] = BatchEvent(event.seq_id, [], "error", error=error)
+            return events
+
+        monkeypatch.setattr(BatchEngine, "step", step)
+        reply = client.post("/v1/chat/completions", json=chat_body())
+        assert reply.status_code == status and reply.json()["error"]["code"] == code, reply.text
+    monkeypatch.setattr(BatchEngine, "step", real)
+    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
 def raw_post(client, body: bytes, path: str = "/v1/chat/completions"):
     return client.post(path, content=body, headers={"content-type": "application/json"})
 

@@ -37,7 +37,7 @@ from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.choices import dynamic_tree_refusal
 from jointspec.core.draft import tree_depths
-from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
+from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import GrammarState, masked_logits
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
 from jointspec.core.verdict import Verifier
@@ -69,8 +69,9 @@ class BatchRequest:
 @dataclass
 class BatchEvent:
     """What one round did for one sequence. ``finish_reason``: None while it runs, else "stop" (end-of-sequence
-    token), "length" (``max_new_tokens`` or the context), "cancelled", or "error": the request's own method refused
-    a round (``error`` says why; a draft too large for the target, say), which ends it alone."""
+    token), "length" (``max_new_tokens`` or the context), "cancelled", or "error", which ends it alone: the request's
+    own method refused a round (``error`` a :class:`JointspecError` saying why; a draft too large for the target, say)
+    or its verification failed (any other exception: a fault, which the lockstep engine logs)."""
 
     seq_id: int
     token_ids: list[int]
@@ -79,7 +80,7 @@ class BatchEvent:
     num_accepted: int = 0
     stats: SpecStats | None = None  # the sequence's whole-generation stats, on its last event
     depths: list[int] | None = None  # the round's draft nodes' depths (None: a chain of num_drafted)
-    error: JointspecError | None = None  # why, where finish_reason is "error"
+    error: Exception | None = None  # why, where finish_reason is "error"
 
 
 @dataclass

@@ -407,7 +407,13 @@ class LockstepEngine(EngineBase):
         accepted = committed = 0
         for seq, output in zip(rows, outputs):
             state = seq.state
-            new_tokens = seq.decoder.finish_round(state, output)
+            try:
+                new_tokens = seq.decoder.finish_round(state, output)
+            except Exception as error:  # a fault in this request's verification: it ends alone, the round goes on
+                log.exception("request %d failed in its verification", seq.seq_id)
+                del self.active[seq.seq_id]
+                events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=error))
+                continue
             self.stats.record(state.depths, state.num_accepted, len(new_tokens))
             self.stats.draft_seconds += state.draft_seconds
             accepted += state.num_accepted

@@ -232,9 +232,13 @@ class _Stream:
                     self.done = self.ended = True
                     yield Chunk(self.text.finish(), 0, "error", failure=event)
                     return
-                if event.error is not None:  # its own options refused a round: it ends, with the text so far
+                if event.error is not None:  # it ends, with the text so far
                     self.done = self.ended = True
-                    yield Chunk(self.text.finish(), 0, "error", failure=Failure("invalid_request", str(event.error)))
+                    if isinstance(event.error, JointspecError):  # its own options refused a round
+                        failure = Failure("invalid_request", str(event.error))
+                    else:  # a fault in its verification (logged by the engine), the other requests unharmed
+                        failure = Failure("engine_error", "the engine failed while decoding this request")
+                    yield Chunk(self.text.finish(), 0, "error", failure=failure)
                     return
                 delta, used = self.text.push(event.token_ids)
                 finish = event.finish_reason
