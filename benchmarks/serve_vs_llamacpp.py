@@ -24,6 +24,11 @@ do not fit are reported as skipped.
     python benchmarks/serve_vs_llamacpp.py                      # the embedded default's GGUF, 1 4 16
     python benchmarks/serve_vs_llamacpp.py --concurrency 1 4 --requests 8 --max-tokens 64
     python benchmarks/serve_vs_llamacpp.py --gguf model.gguf --jointspec-args "--quantize auto --method pld"
+    python benchmarks/serve_vs_llamacpp.py --structured --max-tokens 96 --concurrency 1 4 8   # JSON under a schema
+
+With ``--structured`` the load is ``structured_output.py``'s ten extraction requests, each asking for JSON under its
+schema as ``response_format: {"type": "json_object", "schema": ...}`` (the form llama-cpp-python's server takes;
+``jointspec serve`` takes it too), and each level also counts the answers that parse as a JSON object.
 
 The servers' settings. jointspec: ``--model FILE.gguf --threads N`` and ``--jointspec-args`` (default ``--quantize
 auto``, also ``serve``'s own default: the GGUF's own Q4_0/Q4_1/... blocks on jointspec's int4 kernels, as llama.cpp
@@ -162,13 +167,21 @@ def stop_server(process: subprocess.Popen, timeout: float) -> None:
             process.wait()
 
 
-async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+def request_fields(prompt) -> tuple[str, dict]:
+    """A load entry's text, and the fields its request adds (``--structured``: its response_format)."""
+    if isinstance(prompt, tuple):
+        return prompt[0], {"response_format": prompt[1]}
+    return prompt, {}
+
+
+async def one(client: AsyncOpenAI, model: str, prompt, max_tokens: int, timeout: float) -> dict:
     """One streamed chat request: latency, TTFT, completion tokens (and how they were counted), finish reason."""
     start = time.perf_counter()
     ttft, usage_tokens, finish, chunks_with_text, text = None, None, None, 0, []
+    prompt, extra = request_fields(prompt)
     stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                   max_tokens=max_tokens, temperature=0, stream=True,
-                                                  timeout=timeout, stream_options={"include_usage": True})
+                                                  timeout=timeout, stream_options={"include_usage": True}, **extra)
     async for chunk in stream:
         if chunk.choices:
             content = chunk.choices[0].delta.content
@@ -194,13 +207,14 @@ async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, tim
             "text": "".join(text)}
 
 
-async def warm_up(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+async def warm_up(client: AsyncOpenAI, model: str, prompt, max_tokens: int, timeout: float) -> dict:
     """A non-streamed request (exact usage from the server) and the same one streamed (tokens as the load counts
     them): warms the server up and checks the token count and the prompt's length under the chat template."""
     start = time.perf_counter()
+    text, extra = request_fields(prompt)
     reply = await asyncio.wait_for(client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        timeout=timeout), timeout)
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
+        timeout=timeout, **extra), timeout)
     seconds = time.perf_counter() - start
     streamed = await asyncio.wait_for(one(client, model, prompt, max_tokens, timeout), timeout)
     return {"seconds": round(seconds, 3), "prompt_tokens": reply.usage.prompt_tokens,
@@ -243,6 +257,7 @@ async def run_level(client: AsyncOpenAI, model: str, texts: list[str], concurren
                                for k in sorted({r["finish"] for r in results})},
             "latency_s": {"p50": percentile(latencies, .5), "p99": percentile(latencies, .99)},
             "ttft_s": {"p50": percentile(ttfts, .5), "p99": percentile(ttfts, .99)},
+            "json_objects": sum(parses_as_object(r["text"]) for r in results),
             "failures": failures[:5]}
 
 
@@ -262,7 +277,8 @@ async def drive(base_url: str, texts: list[str], args, deadline: float) -> dict:
                 continue
             level = await run_level(client, model, texts, concurrency, requests, args, deadline)
             print(f"  concurrency {concurrency}: {level['completed']}/{requests} completed, "
-                  f"{level['tokens_per_s']} tok/s, p50 latency {level['latency_s']['p50']} s", flush=True)
+                  f"{level['tokens_per_s']} tok/s, p50 latency {level['latency_s']['p50']} s, "
+                  f"{level['json_objects']} answers a JSON object", flush=True)
             for failure in level["failures"]:
                 print("    failure:", failure, flush=True)
             levels.append(level)
@@ -298,6 +314,13 @@ def run_server(name: str, args, texts: list[str], deadline: float, out_dir: Path
         stop_server(process, args.stop_timeout)
         record["exit_code"] = process.returncode
     return record
+
+
+def parses_as_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def fmt(value) -> str:
@@ -358,6 +381,9 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to get ready")
     parser.add_argument("--stop-timeout", type=float, default=10.0, help="seconds after SIGTERM before SIGKILL")
     parser.add_argument("--deadline", type=float, default=3600.0, help="seconds for the whole run")
+    parser.add_argument("--structured", action="store_true",
+                        help="structured output: structured_output.py's extraction requests, each with its JSON schema "
+                             "as response_format {type: json_object, schema} (the form both servers take)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON file (default: reports/serve_vs_llamacpp/TIMESTAMP/results.json)")
     args = parser.parse_args()
@@ -371,9 +397,15 @@ def main() -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or Path(__file__).resolve().parent.parent / "reports" / "serve_vs_llamacpp" / stamp / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    texts = [p.turns[0] for source in ("builtin:grounded", "builtin:mt_bench") for p in load_prompts(source)]
+    if args.structured:  # each request asks for its facts as JSON under its schema, in llama.cpp's form
+        from structured_output import PROMPTS, prompt_text
+
+        texts = [(prompt_text(text, schema), {"type": "json_object", "schema": schema}) for text, schema in PROMPTS]
+    else:
+        texts = [p.turns[0] for source in ("builtin:grounded", "builtin:mt_bench") for p in load_prompts(source)]
 
     report = {"gguf": str(args.gguf), "max_tokens": args.max_tokens, "temperature": 0, "prompts": len(texts),
+              "structured": args.structured,
               "concurrency": args.concurrency, "threads": args.threads,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
               "started": stamp, "load_average_before": os.getloadavg(), "servers": {}, "ratios": []}

@@ -431,6 +431,7 @@ def test_a_prompt_and_max_tokens_past_the_context_are_a_400_not_a_cut_answer(cli
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logit_bias": {"65": 100}}, "logit_bias"), ({"response_format": {"type": "regex"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "schema": "{}"}}, "response_format.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a"}}}},
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -477,6 +478,11 @@ def test_response_format_answers_what_the_schema_accepts_as_the_loop_decodes_it(
         assert set(json.loads(choice["message"]["content"])) == {"ok", "n"}
     anything = client.post("/v1/chat/completions", json=chat_body(response_format={"type": "json_object"}))
     assert anything.status_code == 200 and anything.json()["choices"][0]["message"]["content"].startswith("{")
+    # llama.cpp's servers take the schema inside json_object: the same answer as json_schema's
+    inside = client.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object",
+                                                                                    "schema": schema}})
+    assert inside.status_code == 200 and inside.json()["choices"][0]["message"]["content"] == choice["message"][
+        "content"]
 
 
 def test_a_fault_in_one_requests_round_is_a_500_for_it_and_a_refusal_a_400(monkeypatch, client):

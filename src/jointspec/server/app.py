@@ -708,15 +708,19 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
 
 
 def _output_format(response_format: dict | None) -> OutputFormat | None:
-    """OpenAI's ``response_format``: ``text`` (free text), ``json_object`` (any JSON object) or ``json_schema`` (JSON
-    its ``json_schema.schema`` accepts), as the structured output every method decodes (core/grammar.py)."""
+    """OpenAI's ``response_format``: ``text`` (free text), ``json_object`` (any JSON object; JSON its ``schema`` accepts
+    where it has one, llama.cpp's servers' form) or ``json_schema`` (JSON its ``json_schema.schema`` accepts), as the
+    structured output every method decodes (core/grammar.py)."""
     if response_format is None:
         return None
     kind = response_format.get("type", "text")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return OutputFormat.json_schema()
+    if kind == "json_object":  # with a "schema", as llama.cpp's servers (and Anyscale's) take one there
+        schema = response_format.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise RequestError("response_format.schema must be a JSON schema object", param="response_format.schema")
+        return OutputFormat.json_schema(schema)
     if kind != "json_schema":
         raise RequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                            param="response_format.type")
