@@ -40,7 +40,7 @@ from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.verifiers.spectr import SpecTrVerifier
 
-from helpers import byte_tokenizer, chi_square_pvalue, tiny_llama
+from helpers import assert_clean_error, byte_tokenizer, chi_square_pvalue, run_cli, tiny_llama
 
 BYTES = 259  # byte_tokenizer's ids: 256 bytes, <pad>, <s>, </s>
 EOS = 258
@@ -448,3 +448,17 @@ def test_a_pipeline_keeps_its_recent_grammars_compiled_and_no_more(model, tokeni
     for count in range(1, MAX_GRAMMARS + 1):
         pipeline.grammar(OutputFormat("regex", f"b{{{count}}}"))
     assert pipeline.grammar(OutputFormat("regex", "a+")) is not first  # the least recently used went
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--regex", "(unclosed"], ["regex output format cannot be used", "unclosed group"]),
+    (["--lark", "GRAMMAR"], ["lark output format cannot be used", 'unknown name: "undefined_rule"']),
+    (["--json-schema", '{"type": "string", "pattern": "(a"}'], ["json output format cannot be used"]),
+    (["--json-schema", "{not json"], ["not valid JSON"]),
+])
+def test_generate_refuses_a_format_it_cannot_use_before_loading_a_model(capsys, tmp_path, flags, needles):
+    grammar = tmp_path / "grammar.lark"
+    grammar.write_text("start: undefined_rule\n")
+    flags = [str(grammar) if flag == "GRAMMAR" else flag for flag in flags]
+    code, _, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "no-such-model"), *flags)
+    assert_clean_error(code, err, *needles)  # (the model, which does not exist, was not looked for)

@@ -156,17 +156,20 @@ def _output_format(args: argparse.Namespace):
     from jointspec.core.grammar import OutputFormat
 
     if args.json_object:
-        return OutputFormat.json_schema()
-    if args.regex is not None:
-        return OutputFormat("regex", args.regex)
-    if args.lark is not None:
-        return OutputFormat("lark", _read_text(args.lark, "--lark"))
-    if args.json_schema is None:
+        output_format = OutputFormat.json_schema()
+    elif args.regex is not None:
+        output_format = OutputFormat("regex", args.regex)
+    elif args.lark is not None:
+        output_format = OutputFormat("lark", _read_text(args.lark, "--lark"))
+    elif args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):  # not inline JSON: a file
+            text = _read_text(text, "--json-schema")
+        output_format = OutputFormat.json_schema(text)
+    else:
         return None
-    text = args.json_schema
-    if not text.lstrip().startswith("{"):  # not inline JSON: a file
-        text = _read_text(text, "--json-schema")
-    return OutputFormat.json_schema(text)
+    output_format.check()  # now, not once the model has loaded
+    return output_format
 
 
 def _read_text(path: str, flag: str) -> str:

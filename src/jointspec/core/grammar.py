@@ -78,6 +78,13 @@ class OutputFormat:
             raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
         return cls("json", json.dumps(schema))  # its properties in their order: the answer writes them so
 
+    def check(self) -> None:
+        """Refuse a format llguidance cannot compile, naming why, before any tokenizer is at hand (a command checks
+        its format before it loads a model)."""
+        error = _llguidance().LLMatcher.validate_grammar(self.grammar_text(), None)
+        if error:
+            raise GrammarError(f"the {self.kind} output format cannot be used: {one_line(error)}")
+
     def grammar_text(self) -> str:
         """The format as llguidance's grammar (not yet checked against a tokenizer)."""
         matcher = _llguidance().LLMatcher
@@ -88,6 +95,11 @@ class OutputFormat:
             except ValueError as error:
                 raise GrammarError(f"the JSON schema cannot be compiled: {error}") from None
         return matcher.grammar_from_regex(self.spec) if self.kind == "regex" else matcher.grammar_from_lark(self.spec)
+
+
+def one_line(message: str) -> str:
+    """llguidance's multi-line message (with its caret drawings) as one line, for an error line."""
+    return " ".join(message.split())
 
 
 def _llguidance():
@@ -120,7 +132,7 @@ class Grammar:
         self._text = output_format.grammar_text()
         error = llguidance.LLMatcher.validate_grammar(self._text, self._tokenizer)
         if error:
-            raise GrammarError(f"the {output_format.kind} output format cannot be used: {error}")
+            raise GrammarError(f"the {output_format.kind} output format cannot be used: {one_line(error)}")
 
     def start(self) -> GrammarState:
         """A matcher at the start of an answer."""
