@@ -26,12 +26,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jointspec.api import MAX_GRAMMARS, GenerationConfig, Pipeline
+from jointspec.api import GenerationConfig, Pipeline
 from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, compiled_target
 from jointspec.core.draft import Draft
-from jointspec.core.grammar import Fitted, Grammar, GrammarError, GrammarState, OutputFormat
+from jointspec.core.grammar import MAX_GRAMMARS, Fitted, Grammar, GrammarError, GrammarState, OutputFormat
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.ngram import PromptLookupDrafter

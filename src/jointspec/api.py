@@ -17,15 +17,12 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
 from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, decode_text, eos_token_ids
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
-from jointspec.core.grammar import Grammar, OutputFormat
+from jointspec.core.grammar import Grammar, OutputFormat, RecentGrammars
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method, method_names
 from jointspec.methods.registry import options_set, unread_options_error
-
-# Output formats a pipeline keeps compiled: each takes milliseconds to compile, and callers repeat their schemas.
-MAX_GRAMMARS = 64
 
 
 @dataclass(frozen=True)
@@ -173,7 +170,7 @@ class Pipeline:
         drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft, memory))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
-        self._grammars: dict[OutputFormat, Grammar] = {}  # each output format compiled once for this tokenizer
+        self._grammars = RecentGrammars()  # output formats compiled for this tokenizer
 
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, method: MethodConfig | str | None = None, *, device: str = "cpu",
@@ -259,13 +256,8 @@ class Pipeline:
         raises :class:`~jointspec.core.grammar.GrammarError` naming why."""
         if output_format is None:
             return None
-        grammar = self._grammars.pop(output_format, None)  # (re-inserted last: the least recently used go first)
-        if grammar is None:
-            grammar = Grammar(output_format, self.tokenizer, self.target.vocab_size, self.eos_token_ids)
-        self._grammars[output_format] = grammar
-        while len(self._grammars) > MAX_GRAMMARS:
-            self._grammars.pop(next(iter(self._grammars)))
-        return grammar
+        return self._grammars.get(output_format, lambda: Grammar(output_format, self.tokenizer, self.target.vocab_size,
+                                                                 self.eos_token_ids))
 
     def _token_ids(self, prompt_ids) -> list[int]:
         """``prompt_ids`` as a list of ints inside the vocabulary (a list, tuple, 1-D tensor or array), else a clear

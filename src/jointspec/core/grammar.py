@@ -20,7 +20,10 @@ only when a grammar is compiled: ``pip install 'jointspec[structured]'``.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +39,10 @@ FORMAT_KINDS = ("json", "regex", "lark")
 # way to write the punctuation the grammar forces keys and separators, which then cost no draft. A schema's own
 # "x-guidance" options replace these.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# Output formats a pipeline or a server keeps compiled (RecentGrammars): each takes milliseconds to compile, and
+# callers repeat their schemas.
+MAX_GRAMMARS = 64
 
 # The LLTokenizer built for each (tokenizer, vocabulary size, end-of-sequence ids): reading a 50k vocabulary's token
 # bytes takes a few tenths of a second, and a server compiles a grammar per request.
@@ -137,6 +144,25 @@ class Grammar:
     def start(self) -> GrammarState:
         """A matcher at the start of an answer."""
         return GrammarState(self)
+
+
+class RecentGrammars:
+    """Compiled output formats, the :data:`MAX_GRAMMARS` most recently used kept; safe to share between threads (a
+    server compiles on worker threads)."""
+
+    def __init__(self) -> None:
+        self._grammars: OrderedDict[OutputFormat, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, output_format: OutputFormat, make: Callable[[], Grammar]) -> Grammar:
+        """The grammar compiled for ``output_format``, made by ``make()`` on first use."""
+        with self._lock:
+            if output_format not in self._grammars:
+                self._grammars[output_format] = make()
+                while len(self._grammars) > MAX_GRAMMARS:
+                    self._grammars.popitem(last=False)
+            self._grammars.move_to_end(output_format)
+            return self._grammars[output_format]
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):

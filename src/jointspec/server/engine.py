@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -31,7 +30,7 @@ from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids,
 from jointspec.batch.engine import BatchEvent, BatchRequest
 from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
-from jointspec.core.grammar import Grammar, GrammarError, OutputFormat
+from jointspec.core.grammar import Grammar, GrammarError, OutputFormat, RecentGrammars
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
@@ -61,10 +60,6 @@ def request_key(field: str) -> str:
         return key
     flag = SERVER_ONLY_FLAGS.get(field)
     return f"{field} (not set per request{f'; the server sets it: {flag}' if flag else ''})"
-
-
-# Output formats a server keeps compiled (ServingEngine.grammar).
-MAX_GRAMMARS = 64
 
 
 class QueueFullError(JointspecError):
@@ -317,10 +312,7 @@ class ServingEngine:
         # its inbox, so a request either reaches the thread or is refused: none waits forever.
         self._admission = threading.Lock()
         self._encoding = threading.Lock()  # (submit)
-        # Output formats compiled for the tokenizer, the least recently used past MAX_GRAMMARS (a grammar takes
-        # milliseconds to compile and clients repeat their schemas).
-        self._grammars: OrderedDict[OutputFormat, Grammar] = OrderedDict()
-        self._grammars_lock = threading.Lock()
+        self._grammars = RecentGrammars()  # output formats compiled for the tokenizer
         self._admitted = 0  # requests submitted and not yet ended (decoding, queued, or on their way to the thread)
         self._closing = False
         self._stats_lock = threading.Lock()
@@ -412,21 +404,12 @@ class ServingEngine:
         """``output_format`` compiled for the server's tokenizer (GrammarError, a 400, where it cannot be used)."""
         if output_format is None:
             return None
-        with self._grammars_lock:
-            grammar = self._grammars.get(output_format)
-            if grammar is not None:
-                self._grammars.move_to_end(output_format)
-                return grammar
         try:
-            grammar = Grammar(output_format, self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+            return self._grammars.get(output_format, lambda: Grammar(output_format, self.tokenizer,
+                                                                     self.target.vocab_size, self.eos_token_ids))
         except GrammarError as error:
             error.param = "response_format"  # what the route's 400 names
             raise
-        with self._grammars_lock:
-            self._grammars[output_format] = grammar
-            while len(self._grammars) > MAX_GRAMMARS:
-                self._grammars.popitem(last=False)
-        return grammar
 
     async def submit(self, request: CompletionRequest) -> Generation:
         # A full server refuses at once, before the tokenisation it would waste (the check below decides).
