@@ -87,6 +87,7 @@ class BatchEvent:
 class _Method:
     drafter: BatchDrafter
     verifier: Verifier
+    never_drafts: bool = False  # plain decoding: a grammar's forced tokens are read one a step, not drafted
 
 
 @dataclass
@@ -247,7 +248,8 @@ class BatchEngine(EngineBase):
                 raise UnsupportedOptionError(
                     f"method '{config.name}' cannot run batched: its verifier ({type(verifier).__name__}) is not a "
                     "chain verifier; batched methods are ar, pld, corpus and sps")
-            return _Method(batch_drafter_for(drafter, config.name), verifier)
+            return _Method(batch_drafter_for(drafter, config.name), verifier,
+                           bool(getattr(drafter, "never_drafts", False)))
         except BaseException:
             # A head bound for a method then refused had attached a feature mirror to the shared target, one more
             # per refused request: the target would fill every one of them on its next forward.
@@ -304,8 +306,7 @@ class BatchEngine(EngineBase):
                 assert draft.num_nodes <= seq.end - len(seq.tokens) - 1, "drafter exceeded its draft budget"
                 seq.own_nodes = draft.num_nodes
                 if seq.grammar is not None:  # as the single-sequence loop does (core/grammar.py)
-                    plain = getattr(getattr(seq.method.drafter, "prototype", None), "never_drafts", False)
-                    fitted = seq.grammar.fit(draft, 0 if plain else seq.end - len(seq.tokens) - 1)
+                    fitted = seq.grammar.fit(draft, 0 if seq.method.never_drafts else seq.end - len(seq.tokens) - 1)
                     draft, seq.masks, seq.own_nodes = fitted.draft, fitted.masks, fitted.own
                 drafts[seq.seq_id] = draft
         t1 = time.perf_counter()

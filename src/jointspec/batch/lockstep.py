@@ -105,10 +105,10 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
     options = dict(max_batch_size=max_batch_size, load_draft=load_draft)
     if compiled_target(target):
         return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
-    by_slot = target.capabilities.chains_only if not target.capabilities.trees else ""
-    if by_slot:  # the ragged cache's holes would move its keys (backends/hf.py, slot_position_reason)
+    if not target.capabilities.trees:  # keys placed by cache slot (backends/hf.py, slot_position_reason): the
+        # ragged cache's holes would move them
         log.warning("%s: decoding every request with its own loop and cache, the sequences of a round one after "
-                    "another", by_slot)
+                    "another", target.capabilities.chains_only)
         return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
     ragged = BatchEngine(target, tokenizer, **options)
     if method is not None:

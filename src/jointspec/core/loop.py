@@ -210,7 +210,7 @@ class SpeculativeDecoder:
                                  f"tokens); it holds {self.target.num_cached}")
         else:
             # A decode that never verifies may run on the target's fastest kernels even if batched rows would differ.
-            self.target.reset(plain=getattr(self.drafter, "never_drafts", False), length=end)
+            self.target.reset(plain=self._never_drafts, length=end)
             if len(tokens) > 1:
                 self.target.forward(tokens[:-1], num_logits=0)
         self.drafter.start(tokens)
