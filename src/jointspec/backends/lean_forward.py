@@ -710,14 +710,22 @@ class CompiledBody:
         n = inputs_embeds.shape[1]
         if inputs_embeds.dtype != torch.float32 or not LeanLlamaForward._compiled_call_ready(n, cache):
             return lean_body_forward(base, inputs_embeds, position_ids, attention_mask, cache)
-        visible, lengths = causal_view(base.config, inputs_embeds, position_ids, attention_mask, cache)
-        keys, values, start = cache.append_rows(n, inputs_embeds.new_empty(1, self.kv_heads, 0, self.head_dim))
+        visible, lengths, keys, values, start, cos, sin = self._call_inputs(inputs_embeds, position_ids,
+                                                                            attention_mask, cache)
         self._buffers = give_caches(self.stack, self._buffers, keys, values)
-        cos, sin = base.rotary_emb(inputs_embeds, position_ids=position_ids)
-        rows = self.stack.forward(inputs_embeds[0].contiguous(), start, [visible], [lengths],
-                                  [cos[0].float().contiguous()], [sin[0].float().contiguous()], False, [])[0]
+        rows = self.stack.forward(inputs_embeds[0].contiguous(), start, [visible], [lengths], [cos.contiguous()],
+                                  [sin.contiguous()], False, [])[0]
         return _rms_norm(base.norm, rows[None])
 
+    def _call_inputs(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, cache):
+        """What the compiled layers take for one call: the keys each row sees (visible, lengths), the cache rows it
+        writes (keys, values, start) and its rotary tables (cos, sin, float32 [n, head_dim])."""
+        visible, lengths = causal_view(self.base.config, inputs_embeds, position_ids, attention_mask, cache)
+        keys, values, start = cache.append_rows(inputs_embeds.shape[1],
+                                                inputs_embeds.new_empty(1, self.kv_heads, 0, self.head_dim))
+        cos, sin = self.base.rotary_emb(inputs_embeds, position_ids=position_ids)
+        return visible, lengths, keys, values, start, cos[0].float(), sin[0].float()
 
     def forward_many(self, inputs: list[torch.Tensor], positions: list[torch.Tensor],
                      caches: list) -> list[torch.Tensor] | None:
@@ -731,17 +739,14 @@ class CompiledBody:
             return None
         visible, lengths, keys, values, starts, cos, sin = [], [], [], [], [], [], []
         for x, position_ids, cache in zip(inputs, positions, caches):
-            seen, count = causal_view(base.config, x, position_ids, None, cache)
-            layer_keys, layer_values, start = cache.append_rows(x.shape[1],
-                                                                x.new_empty(1, self.kv_heads, 0, self.head_dim))
-            c, s = base.rotary_emb(x, position_ids=position_ids)
+            seen, count, layer_keys, layer_values, start, c, s = self._call_inputs(x, position_ids, None, cache)
             visible.append([seen])
             lengths.append([count])
             keys.append(layer_keys)
             values.append(layer_values)
             starts.append(start)
-            cos.append(c[0].float())
-            sin.append(s[0].float())
+            cos.append(c)
+            sin.append(s)
         sizes = [x.shape[1] for x in inputs]
         rows = self.stack.forward_many(torch.cat([x[0] for x in inputs]).contiguous(), sizes, starts, visible,
                                        lengths, keys, values, [torch.cat(cos).contiguous()],
