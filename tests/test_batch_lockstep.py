@@ -323,7 +323,7 @@ def test_requests_reading_different_heads_in_one_batch_each_get_their_own_tokens
     heads = []
     lean = int4_target.lean
     head = lean._head
-    lean._head = lambda hidden, num_logits, rank: heads.append(rank) or head(hidden, num_logits, rank)
+    lean._head = lambda hidden, num_logits, rank, *rest: heads.append(rank) or head(hidden, num_logits, rank, *rest)
     try:
         for name, value in narrowed.items():
             setattr(screen, name, value)

@@ -31,7 +31,15 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, compiled_target
 from jointspec.core.draft import Draft
-from jointspec.core.grammar import MAX_GRAMMARS, Fitted, Grammar, GrammarError, GrammarState, OutputFormat
+from jointspec.core.grammar import (
+    MAX_GRAMMARS,
+    Fitted,
+    Grammar,
+    GrammarError,
+    GrammarState,
+    OutputFormat,
+    masked_logits,
+)
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.ngram import PromptLookupDrafter
@@ -164,28 +172,76 @@ def test_self_drafts_are_accepted_with_an_end_of_sequence_inside_them(model, tok
     assert spec.stats.num_accepted_tokens > 0 and spec.stats.num_rounds < len(expected)
 
 
-def test_the_int4_compiled_layers_and_both_batched_engines_decode_the_same(tokenizer):
-    """A request under a grammar gets generate's tokens on the compiled int4 layers (whose greedy rows otherwise read
-    the screened argmax: a grammar reads whole rows), in the lockstep engine beside free requests, and in the ragged
-    engine on float32."""
+def test_the_int4_compiled_layers_and_both_batched_engines_decode_the_same(monkeypatch, tokenizer):
+    """A request under a grammar gets generate's tokens on the compiled int4 layers, whose greedy rows read the
+    screened argmax with the grammar's masks (checked against the exact head's logits masked, a step at a time), in
+    the lockstep engine beside free requests, and in the ragged engine on float32."""
     model = grouped_bytes_llama(12)
     quantized = quantize_model(grouped_bytes_llama(12), "int4")
     assert compiled_target(CausalLM(quantized))
     grammar = Grammar(FORMATS["schema"], tokenizer, 272, frozenset({EOS}))
     prompt = prompt_ids(tokenizer, '{"name": "bo", "age": 3} ')
+    head = quantized.lm_head
+    screened_with_masks = []
+    argmax_logits = head.argmax_logits
+    monkeypatch.setattr(head, "argmax_logits", lambda rows, allowed=None: (
+        screened_with_masks.append(allowed is not None), argmax_logits(rows, allowed))[1])
     alone = decoder(CausalLM(quantized), "pld").generate(prompt, constrained(grammar, 30))
     assert alone == decoder(CausalLM(quantized), "ar").generate(prompt, constrained(grammar, 30))
+    assert screened_with_masks and all(screened_with_masks)
+    target, state, expected = CausalLM(quantized), grammar.start(), []
+    target.forward(prompt[:-1], num_logits=0)
+    token = prompt[-1]
+    for _ in range(30):
+        row = target.forward([token], num_logits=1).logits  # the exact head: every logit
+        token = int(masked_logits(row, state.allowed()[None]).argmax())
+        expected.append(token)
+        if token == EOS:
+            break
+        state.advance([token])
+    assert alone == expected
     requests = [BatchRequest(tuple(prompt), constrained(grammar, 30), MethodConfig(name="pld", cost_aware=False)),
                 BatchRequest(tuple(prompt), constrained(None, 30), MethodConfig(name="ar")),
                 BatchRequest(tuple(prompt_ids(tokenizer, "other text ")), constrained(grammar, 30),
                              MethodConfig(name="sps", draft="self", cost_aware=False))]
-    lockstep = LockstepEngine(CausalLM(quantized), tokenizer, max_batch_size=4).generate(requests)
+    engine = LockstepEngine(CausalLM(quantized), tokenizer, max_batch_size=4)
+    # Drafts are priced by what the rows read: the screen with the masks, greedy; every logit, temperature alone.
+    assert not engine._reads_exact_rows(requests[0])
+    assert engine._reads_exact_rows(BatchRequest(tuple(prompt), constrained(grammar, 30, 1.0), MethodConfig("pld")))
+    lockstep = engine.generate(requests)
     assert lockstep[0] == alone
     assert lockstep[2] == decoder(CausalLM(quantized), "ar").generate(list(requests[2].prompt_ids),
                                                                       constrained(grammar, 30))
     float_plain = decoder(CausalLM(model), "ar").generate(prompt, constrained(grammar, 30))
     ragged = BatchEngine(CausalLM(model), tokenizer, max_batch_size=4).generate(requests[:2])
     assert ragged[0] == float_plain
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_sampling_with_a_top_k_under_a_grammar_reads_the_screen_with_the_masks(monkeypatch, tokenizer, method):
+    """Sampled rows with a top-k read the screen's top k of the allowed tokens: seeded, they sample what the exact
+    head's rows masked sample, token for token (the screen's top k is the exact one where the margin decides)."""
+    quantized = quantize_model(grouped_bytes_llama(13), "int4")
+    grammar = Grammar(FORMATS["lark"], tokenizer, 272, frozenset({EOS}))
+    sampling = SamplingConfig(temperature=1.0, top_k=5)
+    config = DecodeConfig(30, sampling, frozenset({EOS}), grammar)
+    head = quantized.lm_head
+    masked_calls = []
+    top_k_logits = head.top_k_logits
+    monkeypatch.setattr(head, "top_k_logits", lambda rows, k, allowed=None: (
+        masked_calls.append(allowed is not None), top_k_logits(rows, k, allowed))[1])
+    prompt = prompt_ids(tokenizer, "12,34,56,12,34,56,12,34,56,12,34,")
+    accepted = 0
+    for seed in range(4):
+        spec = decoder(CausalLM(quantized), method)
+        ours = spec.generate(prompt, config, torch.Generator().manual_seed(seed))
+        accepted += spec.stats.num_accepted_tokens
+        exact = CausalLM(quantized)
+        exact.lean.screens_head = False  # every logit of the exact head, masked by the loop
+        assert exact.capabilities.top_k_screen == 0
+        assert ours == decoder(exact, method).generate(prompt, config, torch.Generator().manual_seed(seed)), seed
+    assert masked_calls and all(masked_calls)
+    assert (accepted > 0) == (method == "pld")
 
 
 def grouped_bytes_llama(seed: int) -> LlamaForCausalLM:

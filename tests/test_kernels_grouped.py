@@ -371,6 +371,44 @@ def test_the_top_k_screen_gives_exact_logits_exactly_near_each_rows_kth_best_sco
         screened.top_k_logits(x[:1], 65)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_screen_under_a_grammar_completes_the_allowed_tokens_near_their_best(k):
+    """Structured output reads the screen with each row's allowed tokens: the others are minus infinity, and the
+    allowed tokens within the margin of the best allowed score (its k-th best, for a top k) get the int8 head's
+    logit, the rest of the allowed keep their score. Each row's allowed set leaves out its 8 best-scoring tokens,
+    so a screen that searched every token and masked afterwards would complete none of them (tested: it fails)."""
+    layer = head(seed=5)
+    screened = ScreenedInt8Head(layer, margin=1.5)
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(300, 128, generator=generator) * 2
+    with torch.no_grad():
+        with float_inputs():
+            exact = torch.cat([GroupedInt8Linear(layer)(x[i:i + 4]) for i in range(0, len(x), 4)])
+        screened.margin = -1.0
+        scores = screened.argmax_logits(x)
+        screened.margin = 1.5
+        allowed = torch.rand(scores.shape, generator=generator) < 0.5
+        allowed.scatter_(1, scores.topk(8, dim=1).indices, False)
+        allowed[0] = False  # a row with nothing allowed: every entry minus infinity, nothing completed
+        allowed[1] = False
+        allowed[1, 7] = True  # one allowed token: it is the row's best, whatever its score
+        out = screened.argmax_logits(x, allowed) if k == 1 else screened.top_k_logits(x, k, allowed)
+    assert (out[~allowed] == float("-inf")).all()
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    bar = masked.topk(k, dim=1).values[:, -1:] - 1.5
+    near = allowed & (masked >= bar)
+    assert torch.equal(out[near], exact[near])
+    far = allowed & ~near
+    assert torch.equal(out[far], scores[far]) and far.any()
+    assert near[2:].sum(1).min() >= k and out[1, 7] == exact[1, 7]
+    top, top_exact = out[2:].topk(k, dim=1), exact[2:].masked_fill(~allowed[2:], float("-inf")).topk(k, dim=1)
+    assert torch.equal(top.indices, top_exact.indices) and torch.equal(top.values, top_exact.values)
+    with pytest.raises(RuntimeError, match="allowed must be"):
+        kernels().screened_head(x[:2], screened.screen4, screened.screen_scale, screened.column,
+                                [getattr(screened, name) for name in screened.BUFFERS], 1.5, 64, 1,
+                                allowed[:2, :100].contiguous())
+
+
 def test_screened_rows_are_bitwise_independent_of_the_batch():
     screened = ScreenedInt8Head(head(seed=3))
     x = torch.randn(17, 128) * 3
@@ -387,7 +425,8 @@ def test_greedy_decoding_reads_the_screen_and_sampling_the_exact_head(monkeypatc
     assert model.lm_head.margin == SCREEN_MARGIN
     calls, exact_calls = [], []
     original, exact = ScreenedInt8Head.argmax_logits, ScreenedInt8Head.forward
-    monkeypatch.setattr(ScreenedInt8Head, "argmax_logits", lambda self, x: calls.append(x.shape) or original(self, x))
+    monkeypatch.setattr(ScreenedInt8Head, "argmax_logits",
+                        lambda self, x, *rest: calls.append(x.shape) or original(self, x, *rest))
     monkeypatch.setattr(ScreenedInt8Head, "forward", lambda self, x: exact_calls.append(x.shape) or exact(self, x))
     target = CausalLM(model, name="int4")
     assert target.capabilities.argmax_screen
@@ -437,7 +476,7 @@ def test_sampling_with_a_top_k_reads_the_screens_top_k_and_samples_the_exact_hea
     calls = []
     original = ScreenedInt8Head.top_k_logits
     monkeypatch.setattr(ScreenedInt8Head, "top_k_logits",
-                        lambda self, x, k: calls.append(k) or original(self, x, k))
+                        lambda self, x, k, *rest: calls.append(k) or original(self, x, k, *rest))
     for seed in range(3):
         prompt = random_prompt(seed, length=12)
         calls.clear()

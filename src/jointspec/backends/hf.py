@@ -192,6 +192,7 @@ class CausalLM:
                                   argmax_screen=screens and hasattr(head, "argmax_logits"),
                                   top_k_screen=SCREEN_TOP_K_MAX if screens and hasattr(head, "top_k_logits") else 0,
                                   draw_screen=screens and hasattr(head, "draw_tokens"),
+                                  screen_masks=screens and hasattr(head, "argmax_logits"),
                                   # CPU forwards past it take the prompt's one-call kernels (kernels/grouped.py)
                                   max_verify_rows=ROWWISE_MAX_ROWS if self.device.type == "cpu" else None)
 
@@ -236,7 +237,8 @@ class CausalLM:
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
                 num_logits: int | None = None, output_hidden: bool = False,
                 argmax_only: bool = False, top_k_only: int = 0,
-                attend_to: torch.Tensor | None = None, draws: RowDraws | None = None) -> ForwardOutput:
+                attend_to: torch.Tensor | None = None, draws: RowDraws | None = None,
+                allowed: torch.Tensor | None = None) -> ForwardOutput:
         """Feed ``token_ids`` after the cache; they stay cached. Returns the last ``num_logits`` rows (all if None).
 
         ``parents`` (optional) makes the new tokens a tree, see the module docstring. ``argmax_only``: the caller
@@ -244,7 +246,8 @@ class CausalLM:
         logits whose other entries are approximate (``capabilities.argmax_screen``; kernels/grouped.py);
         ``top_k_only`` = k > 0: it reads only each row's k largest logits (sampling with top-k), likewise
         (``capabilities.top_k_screen``). ``draws``: each row's token drawn through the screened head instead, the rows
-        returned one-hot at the draws (``capabilities.draw_screen``; core/sampling.py).
+        returned one-hot at the draws (``capabilities.draw_screen``; core/sampling.py). ``allowed`` (bool [rows,
+        vocab]; ``capabilities.screen_masks``): the screens find each row's best among its allowed tokens.
         A prefill (``num_logits=0``, a chain) longer than ``prefill_chunk`` tokens runs in chunks of that many.
         ``attend_to`` (int64 positions below ``num_cached``, increasing): the only cached tokens the new ones see
         (they still see each other causally, or along ``parents``); None: all of them.
@@ -252,11 +255,14 @@ class CausalLM:
         if num_logits == 0 and parents is None and attend_to is None and len(token_ids) > self.prefill_chunk:
             return self._prefill_in_chunks(token_ids, output_hidden)
         call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only, attend_to, top_k_only,
-                               draws)
+                               draws, allowed)
         if self.lean is not None:
+            extra = {"draws": draws} if draws is not None else {}
+            if allowed is not None:
+                extra["allowed"] = allowed
             logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
                                        call.num_logits, call.hidden_layers, argmax_only=argmax_only,
-                                       top_k_only=top_k_only, **({"draws": draws} if draws is not None else {}))
+                                       top_k_only=top_k_only, **extra)
         else:
             logits, states = transformers_forward(self.model, call.input_ids, call.position_ids, call.attention_mask,
                                                   self.cache, call.num_logits, call.hidden_layers)
@@ -287,7 +293,8 @@ class CausalLM:
         return min(start + self.prefill_chunk, total)
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None,
-                   top_k_only: int = 0, draws: RowDraws | None = None) -> LeanCall:
+                   top_k_only: int = 0, draws: RowDraws | None = None,
+                   allowed: torch.Tensor | None = None) -> LeanCall:
         """The model-level arguments of a forward: ids, positions, the tree mask, rows of logits, hidden states."""
         device = self.device  # read once: the module finds it by walking its parameters
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(1, -1)  # [1, n]
@@ -326,7 +333,7 @@ class CausalLM:
         layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
                         | ({-1} if output_hidden else set()))
         return LeanCall(ids, positions.reshape(1, -1), mask, self.cache, keep, tuple(layers), argmax_only,
-                        top_k_only, draws)
+                        top_k_only, draws, allowed)
 
     def _additive_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """[rows, keys] bool -> the additive float mask [1, 1, rows, keys] that eager and sdpa attention take as
@@ -407,7 +414,8 @@ def forward_many(targets: list[TargetLM], calls: list[ForwardCall]) -> list[Forw
     if lean is not None and len(targets) > 1 and all(
             isinstance(target, CausalLM) and target.lean is lean for target in targets):
         plans = [target._lean_call(call.token_ids, call.parents, call.num_logits, call.output_hidden,
-                                   call.argmax_only, top_k_only=call.top_k_only, draws=call.draws)
+                                   call.argmax_only, top_k_only=call.top_k_only, draws=call.draws,
+                                   allowed=call.allowed)
                  for target, call in zip(targets, calls)]
         together = lean.forward_many(plans)
         if together is not None:

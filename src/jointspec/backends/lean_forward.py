@@ -215,6 +215,7 @@ class LeanCall:
     argmax_only: bool = False
     top_k_only: int = 0
     draws: object = None  # core.sampling.RowDraws: the rows' tokens drawn through the screened head
+    allowed: torch.Tensor | None = None  # a grammar's allowed tokens per row of logits, for the screens
 
     @property
     def screen_rank(self) -> int:
@@ -411,7 +412,8 @@ class LeanLlamaForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  cache, num_logits: int, hidden_layers: tuple[int, ...] = (), argmax_only: bool = False,
-                 top_k_only: int = 0, draws=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 top_k_only: int = 0, draws=None, allowed: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run ``input_ids`` ([1, n]) at ``position_ids`` ([1, n]) after ``cache`` (updated in place).
 
         ``attention_mask``: None (causal) or the 4-D mask transformers' mask builder accepts. Returns the logits of
@@ -422,7 +424,8 @@ class LeanLlamaForward:
         (:class:`~jointspec.kernels.grouped.ScreenedInt8Head`) may give its screened logits; ``top_k_only`` (k > 0):
         it reads only each row's k largest logits (sampling with top-k), which the screen completes likewise.
         ``draws`` (:class:`~jointspec.core.sampling.RowDraws`): each row's token drawn through the screened head, the
-        rows returned one-hot at the draws.
+        rows returned one-hot at the draws. ``allowed`` (bool [num_logits, vocab]; structured output): the screens find
+        each row's best among its allowed tokens (the exact head ignores it: the caller masks its rows).
         """
         model = self.model
         base = model.model
@@ -454,7 +457,7 @@ class LeanLlamaForward:
         if draws is not None and num_logits > 0:
             logits = self._drawn(hidden[0, -num_logits:], [draws])[None]
         else:
-            logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only))
+            logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only), allowed)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
     def forward_many(self, calls: list[LeanCall]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]] | None:
@@ -519,8 +522,11 @@ class LeanLlamaForward:
             if rank == DRAWN:  # every drawing call's rows in one screen pass, each row with its own key
                 out = self._drawn(torch.cat([heads[i] for i in group]), [calls[i].draws for i in group])
             else:
-                out = torch.cat([self._head(piece[None], len(piece), rank)[0]
-                                 for piece in torch.cat([heads[i] for i in group]).split(ROWWISE_MAX_ROWS)])
+                rows = torch.cat([heads[i] for i in group])
+                allowed = self._group_allowed([calls[i] for i in group], [len(heads[i]) for i in group], rank)
+                pieces = zip(rows.split(ROWWISE_MAX_ROWS), allowed.split(ROWWISE_MAX_ROWS) if allowed is not None
+                             else [None] * len(rows))
+                out = torch.cat([self._head(piece[None], len(piece), rank, mask)[0] for piece, mask in pieces])
             start = 0
             for i in group:
                 logits[i] = out[None, start:start + len(heads[i])]
@@ -546,20 +552,40 @@ class LeanLlamaForward:
             out[broken] = _linear(head, rows[broken][None])[0].float()
         return out
 
-    def _head(self, hidden: torch.Tensor, num_logits: int, screen: int) -> torch.Tensor:
+    def _head(self, hidden: torch.Tensor, num_logits: int, screen: int,
+              allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of the last ``num_logits`` rows of ``hidden`` ([1, n, width]); none for 0. ``screen``
-        (:func:`screen_rank`): 1 where the caller reads each row's argmax alone, k its k largest logits, 0 all."""
+        (:func:`screen_rank`): 1 where the caller reads each row's argmax alone, k its k largest logits, 0 all.
+        ``allowed`` (bool [num_logits, vocab] or None): a grammar's allowed tokens, which a screen finds the best
+        of; the exact head's rows are all given (the caller masks them)."""
         if num_logits <= 0:
             return hidden.new_zeros(hidden.shape[0], 0, self.model.config.vocab_size)
         from jointspec.kernels.grouped import SCREEN_TOP_K_MAX
 
         head, rows = self.model.lm_head, hidden[:, -num_logits:, :]
         if screen and self.screens_head and hasattr(head, "argmax_logits"):
+            if allowed is not None:
+                from jointspec.core.grammar import fit_width
+
+                allowed = fit_width(allowed, head.out_features)
             if screen == 1:
-                return head.argmax_logits(rows)
+                return head.argmax_logits(rows, allowed)
             if screen <= SCREEN_TOP_K_MAX:
-                return head.top_k_logits(rows, screen)
+                return head.top_k_logits(rows, screen, allowed)
         return _linear(head, rows)
+
+    @staticmethod
+    def _group_allowed(calls: list[LeanCall], counts: list[int], rank: int) -> torch.Tensor | None:
+        """The allowed tokens of a head call over several calls' rows (``counts`` rows each): each call's own, all
+        for a call without a grammar; None where no call has one or the rows read every logit."""
+        masks = [call.allowed for call in calls]
+        if rank <= 0 or all(mask is None for mask in masks):
+            return None
+        width = max(mask.shape[-1] for mask in masks if mask is not None)
+        from jointspec.core.grammar import fit_width
+
+        return torch.cat([torch.ones(count, width, dtype=torch.bool) if mask is None else fit_width(mask, width)
+                          for mask, count in zip(masks, counts)])
 
     def _segment(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> tuple:
         """What the compiled layers need of one sequence's forward besides its rows: its views, each (visible,

@@ -114,8 +114,8 @@ class LeanGemmaForward(LeanLlamaForward):
                                              for layer in cache.layers)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache, num_logits: int,
-                 hidden_layers: tuple[int, ...] = (), argmax_only: bool = False, top_k_only: int = 0
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 hidden_layers: tuple[int, ...] = (), argmax_only: bool = False, top_k_only: int = 0,
+                 allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """As :meth:`LeanLlamaForward.__call__`; ``attention_mask`` may also be the adapter's dict of a 4-D mask
         per layer kind."""
         model = self.model
@@ -134,7 +134,7 @@ class LeanGemmaForward(LeanLlamaForward):
         hidden = self._final_norm(self._compiled_body(hidden, ropes, segment, wanted, kept, prefill))
         if num_layers in wanted:
             kept[num_layers] = hidden
-        logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only))
+        logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only), allowed)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
 
     def _ropes(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -291,10 +291,10 @@ class LockstepEngine(EngineBase):
         top-k that the target's screen completes (SpeculativeDecoder.start says which rows read what). Rows drawn
         through the screen (temperature alone, drafts without probabilities) cost less, but the same request's rounds
         with model drafts read the exact head: they are priced as exact rows, the dearer."""
-        sampling = request.config.sampling
-        if request.config.grammar is not None:  # masked rows: every logit, greedy or not
+        sampling, capabilities = request.config.sampling, self.target.capabilities
+        if request.config.grammar is not None and not capabilities.screen_masks:  # masked rows: every logit
             return True
-        return not sampling.greedy and not self.target.capabilities.screened_top_k(sampling)
+        return not sampling.greedy and not capabilities.screened_top_k(sampling)
 
     def _check(self, config: MethodConfig) -> bool:
         if config.name in method_names() and not method_is_batched(config.name):  # (an unknown name: the build says)

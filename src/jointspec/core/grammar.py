@@ -316,10 +316,15 @@ def subset(draft: Draft, kept: list[int]) -> Draft:
 
 def masked_logits(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """``logits`` [rows, vocab] with every forbidden token at minus infinity (``masks``: the allowed ones)."""
-    width = logits.shape[-1]
-    if masks.shape[-1] != width:  # a model whose logits are wider or narrower than the tokenizer's vocabulary
-        fitted = torch.zeros(masks.shape[0], width, dtype=torch.bool)
-        common = min(width, masks.shape[-1])
-        fitted[:, :common] = masks[:, :common]
-        masks = fitted
-    return logits.masked_fill(~masks.to(logits.device), float("-inf"))
+    return logits.masked_fill(~fit_width(masks, logits.shape[-1]).to(logits.device), float("-inf"))
+
+
+def fit_width(masks: torch.Tensor, width: int) -> torch.Tensor:
+    """``masks`` [rows, vocab] as [rows, width]: a model's logits may be wider than its tokenizer's vocabulary (the
+    extra ids are never allowed) or narrower (the ids past them cannot be drawn)."""
+    if masks.shape[-1] == width:
+        return masks
+    fitted = torch.zeros(masks.shape[0], width, dtype=torch.bool)
+    common = min(width, masks.shape[-1])
+    fitted[:, :common] = masks[:, :common]
+    return fitted

@@ -230,9 +230,12 @@ class SpeculativeDecoder:
                  and getattr(self.verifier, "draws_for_drafts_without_probs", False))
         grammar = None
         if config.grammar is not None:
-            # A grammar masks whole rows of logits, which the screens never compute.
+            # A grammar masks whole rows of logits. The argmax and top-k screens can take the masks and find each
+            # row's best among its allowed tokens; a draw through the screen cannot (it would draw forbidden tokens).
             grammar = config.grammar.start()
-            argmax_only, top_k_only, draws = False, 0, False
+            draws = False
+            if not capabilities.screen_masks:
+                argmax_only, top_k_only = False, 0
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
                            draws=draws, grammar=grammar)
 
@@ -276,9 +279,11 @@ class SpeculativeDecoder:
             positions = [len(tokens)] + [len(tokens) + depth + 1 for depth in state.depths]
             draws = RowDraws(tuple(position_key(state.draw_key, p) for p in positions),
                              state.config.sampling.temperature)
+        screened = state.argmax_only or state.top_k_only
         return ForwardCall([tokens[-1]] + draft.token_ids,
                            parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
-                           argmax_only=state.argmax_only, top_k_only=state.top_k_only, draws=draws)
+                           argmax_only=state.argmax_only, top_k_only=state.top_k_only, draws=draws,
+                           allowed=state.masks if screened else None)
 
     def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
         """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""

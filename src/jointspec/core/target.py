@@ -39,12 +39,15 @@ class ForwardCall:
     argmax_only: bool = False
     top_k_only: int = 0
     draws: RowDraws | None = None  # draw each row's token through the screen (TargetCapabilities.draw_screen)
+    allowed: torch.Tensor | None = None  # a grammar's allowed tokens per row, for the screens (screen_masks)
 
     def run(self, target: TargetLM) -> ForwardOutput:
-        # top_k_only and draws only where set: a target without the capability need not take them.
+        # top_k_only, draws and allowed only where set: a target without the capability need not take them.
         extra = {"top_k_only": self.top_k_only} if self.top_k_only else {}
         if self.draws is not None:
             extra["draws"] = self.draws
+        if self.allowed is not None:
+            extra["allowed"] = self.allowed
         return target.forward(self.token_ids, parents=self.parents, num_logits=self.num_logits,
                               output_hidden=self.output_hidden, argmax_only=self.argmax_only, **extra)
 
@@ -70,6 +73,8 @@ class TargetCapabilities:
     ``max_verify_rows``: the most rows a forward may have and still compute each row as it would alone (past it a
     forward is read as a prompt, in other kernels); None: no such limit. A round verifying more would not be exact.
     ``chains_only``: why a target without ``trees`` scores chains only, for the errors that refuse a tree.
+    ``screen_masks``: ``forward(allowed=...)`` (bool [rows, vocab], structured output) makes the argmax and top-k
+    screens find each row's best among its allowed tokens, the others at minus infinity.
     """
 
     trees: bool = False
@@ -83,6 +88,7 @@ class TargetCapabilities:
     draw_screen: bool = False
     max_verify_rows: int | None = None
     chains_only: str = ""
+    screen_masks: bool = False
 
     def screened_top_k(self, sampling: SamplingConfig) -> int:
         """The k of the top k that rows sampled with ``sampling`` may read through this target's screen
@@ -120,7 +126,8 @@ class TargetLM(Protocol):
                 argmax_only: bool = False, top_k_only: int = 0, draws: RowDraws | None = None) -> ForwardOutput:
         """Feed ``token_ids`` after the cache (they stay cached); the last ``num_logits`` rows of logits (all if
         None). A target without a capability refuses the option that needs it with a clear error (``top_k_only``
-        is passed only to a target with ``top_k_screen``, ``draws`` only to one with ``draw_screen``)."""
+        is passed only to a target with ``top_k_screen``, ``draws`` only to one with ``draw_screen``, ``allowed``
+        only to one with ``screen_masks``)."""
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""

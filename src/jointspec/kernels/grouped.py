@@ -1039,22 +1039,25 @@ class ScreenedInt8Head(GroupedInt8Linear):
         self.margin = float(margin)
         self.max_exact = int(max_exact)
 
-    def argmax_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def argmax_logits(self, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits whose rows' argmax is what greedy decoding reads: the 4-bit screen's scores, with the exact logit
-        for every token within the margin of its row's best score. [..., in] -> [..., out]."""
-        return self._screened_logits(x, 1)
+        for every token within the margin of its row's best score. [..., in] -> [..., out]. ``allowed`` (bool, one
+        row of ``out`` a row of ``x``; structured output): the other tokens are minus infinity, and the best score
+        and the tokens near it are the allowed tokens' alone."""
+        return self._screened_logits(x, 1, allowed)
 
-    def top_k_logits(self, x: torch.Tensor, k: int) -> torch.Tensor:
+    def top_k_logits(self, x: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits whose rows' ``k`` largest are what sampling with top-k reads: the 4-bit screen's scores, with the
         exact logit for every token within the margin of its row's k-th best score (at most ``exact_per_rank`` * k of
         them, the best-scoring). Where the margin decides, every other entry is a score at least a margin below the
         k-th best, and top-k keeps exact logits only, the same bits :meth:`forward` gives them; where the cap
         decides, scores past it may still be near the k-th best (not guaranteed exact, as the greedy screen's
-        argmax is not: docs/kernels.md has how often). Each row depends on that row alone. [..., in] -> [..., out]."""
+        argmax is not: docs/kernels.md has how often). Each row depends on that row alone. [..., in] -> [..., out].
+        ``allowed``: as for :meth:`argmax_logits`, the top k of the allowed tokens."""
         if not 1 <= k <= SCREEN_TOP_K_MAX:
             raise ValueError(f"the screen completes the top k for k in [1, {SCREEN_TOP_K_MAX}], got {k}; read "
                              "the exact head (forward) for a larger k")
-        return self._screened_logits(x, k)
+        return self._screened_logits(x, k, allowed)
 
     def draw_tokens(self, x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
                     margin: float | None = None) -> torch.Tensor:
@@ -1072,11 +1075,14 @@ class ScreenedInt8Head(GroupedInt8Linear):
                                         self.margin if margin is None else float(margin),
                                         temperature.float().contiguous(), keys.long().contiguous())
 
-    def _screened_logits(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+    def _screened_logits(self, x: torch.Tensor, rank: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
         rows = _rows(x, self.in_features)
         max_exact = self.max_exact if rank == 1 else max(rank, self.exact_per_rank * rank)
+        if allowed is not None:
+            allowed = allowed.to(torch.bool).reshape(len(rows), self.out_features).contiguous()
         out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column,
-                                      [getattr(self, name) for name in self.BUFFERS], self.margin, max_exact, rank)
+                                      [getattr(self, name) for name in self.BUFFERS], self.margin, max_exact, rank,
+                                      allowed)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1022,7 +1022,8 @@ inline void near_scores(const float* row, int64_t n, float bar, std::vector<Entr
 }
 
 at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_scale, at::Tensor column,
-                            std::vector<at::Tensor> head, double margin, int64_t max_exact, int64_t rank) {
+                            std::vector<at::Tensor> head, double margin, int64_t max_exact, int64_t rank,
+                            c10::optional<at::Tensor> allowed) {
   check_x(x);
   // The exact head as an 8-bit layer takes it, (levels, scale) or Q6_K's (levels, scale, sub), or as a 6-bit one:
   // (packed, plane, scale, sub).
@@ -1041,6 +1042,15 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
   TORCH_CHECK(std::isfinite(margin), "margin must be finite (below 0: the scores alone, none exact)");
   TORCH_CHECK(max_exact >= 1, "max_exact must be >= 1");
   TORCH_CHECK(rank >= 1 && rank <= max_exact, "rank must be in [1, max_exact], got ", rank);
+  // A grammar's allowed tokens per row (structured output): the others score minus infinity and are never completed,
+  // so a row's best, its rank-th best and the tokens near them are the allowed tokens' alone.
+  const bool* ap = nullptr;
+  if (allowed.has_value()) {
+    TORCH_CHECK(allowed->scalar_type() == at::kBool && allowed->is_contiguous() && allowed->dim() == 2 &&
+                allowed->size(0) == x.size(0) && allowed->size(1) == vocab,
+                "screened_head: allowed must be contiguous bool [rows, V]");
+    ap = allowed->data_ptr<bool>();
+  }
   const float* xp = x.data_ptr<float>();
   const float* cp = column.data_ptr<float>();
   // Each input row equalised and rounded to 8 bits alone (its own scale): rows stay independent.
@@ -1071,6 +1081,10 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
     for (int64_t j = begin; j < end; ++j)
       for (int64_t r = 0; r < rows; ++r)
         op[r * vocab + j] = sp[j] * x_scale[r] * float(dots[(j - begin) * rows + r] - 8 * x_sum[r]);
+    if (ap != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = begin; j < end; ++j)
+          if (!ap[r * vocab + j]) op[r * vocab + j] = -INFINITY;
   });
   // Exact logits near each row's top: the tokens within the margin of its best score (of its rank-th best, for a
   // sampler that keeps the top `rank`), at most max_exact of them (the best scores, ties to the lower id), so that a
@@ -1086,6 +1100,9 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
     std::vector<Entry> near;
     near.reserve(std::min<int64_t>(vocab, 4096));
     near_scores(row, vocab, bar, near);
+    if (ap != nullptr)  // a row with fewer allowed tokens than its rank has a bar of minus infinity, which they pass
+      near.erase(std::remove_if(near.begin(), near.end(), [&](const Entry& e) { return !ap[r * vocab + e.second]; }),
+                 near.end());
     if (static_cast<int64_t>(near.size()) > max_exact) {
       std::nth_element(near.begin(), near.begin() + max_exact, near.end(), comes_before);
       near.resize(max_exact);
@@ -1156,7 +1173,7 @@ at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_sc
               "screened_draws: keys must be int64 [rows]");
   TORCH_CHECK(std::isfinite(margin) && margin >= 0, "screened_draws: margin must be finite and >= 0");
   // The 4-bit scores alone (a negative margin completes no exact logit).
-  at::Tensor scores = screened_head(x, screen4, screen_scale, column, head, -1.0, 1, 1);
+  at::Tensor scores = screened_head(x, screen4, screen_scale, column, head, -1.0, 1, 1, c10::nullopt);
   const Weights weights = weights_without_bias(head, k, "screened_draws");
   const int64_t vocab = weights.out_features, blocks = (vocab + draws::kBlock - 1) / draws::kBlock;
   const float* xp = x.data_ptr<float>();
@@ -1509,7 +1526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_head", &screened_head,
         "logits: 4-bit scores, exact 8-bit logits within margin of each row's best (rank: its rank-th best) score",
         py::arg("x"), py::arg("screen4"), py::arg("screen_scale"), py::arg("column"), py::arg("head"),
-        py::arg("margin"), py::arg("max_exact"), py::arg("rank") = 1, unlocked);
+        py::arg("margin"), py::arg("max_exact"), py::arg("rank") = 1, py::arg("allowed") = py::none(), unlocked);
   m.def("screened_draws", &screened_draws, "a token per row drawn from softmax(logits / temperature) by Gumbel-max "
         "through the screen, its noise keyed by the row's key", py::arg("x"), py::arg("screen4"),
         py::arg("screen_scale"), py::arg("column"), py::arg("head"), py::arg("margin"), py::arg("temperature"),
