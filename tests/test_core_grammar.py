@@ -244,6 +244,40 @@ def test_sampling_with_a_top_k_under_a_grammar_reads_the_screen_with_the_masks(m
     assert (accepted > 0) == (method == "pld")
 
 
+def test_sampling_with_temperature_alone_under_a_grammar_draws_through_the_screen_with_the_masks(monkeypatch,
+                                                                                                 tokenizer):
+    """Temperature alone: rows are drawn through the screen among their allowed tokens (the draw's law under a mask:
+    tests/test_sampling_draws.py), each row's noise keyed by its position, so prompt lookup's drafts draw what plain
+    sampling draws, seed for seed, and every answer matches its grammar."""
+    quantized = quantize_model(grouped_bytes_llama(13), "int4")
+    grammar = Grammar(FORMATS["lark"], tokenizer, 272, frozenset({EOS}))
+    config = DecodeConfig(30, SamplingConfig(temperature=0.5), frozenset({EOS}), grammar)
+    head = quantized.lm_head
+    masked_draws = []
+    draw_tokens = head.draw_tokens
+    monkeypatch.setattr(head, "draw_tokens", lambda rows, temperature, keys, margin=None, allowed=None: (
+        masked_draws.append(allowed is not None), draw_tokens(rows, temperature, keys, margin, allowed))[1])
+    prompt = prompt_ids(tokenizer, "12,34,56,12,34,56,12,34,56,12,34,")
+    accepted, texts = 0, set()
+    for seed in range(4):
+        plain = decoder(CausalLM(quantized), "ar").generate(prompt, config, torch.Generator().manual_seed(seed))
+        spec = decoder(CausalLM(quantized), "pld")
+        assert spec.generate(prompt, config, torch.Generator().manual_seed(seed)) == plain, seed
+        accepted += spec.stats.num_accepted_tokens
+        text = bytes(plain[:-1] if plain[-1] == EOS else plain).decode()
+        assert re.fullmatch(r"([0-9]{1,3}|x)(,([0-9]{1,3}|x))*" + ("" if plain[-1] == EOS else ",?[0-9]{0,2}"), text)
+        texts.add(text)
+    assert masked_draws and all(masked_draws) and accepted > 0 and len(texts) > 1
+    # In a batch (the lockstep engine, beside a free request drawing too) each request draws what it draws alone.
+    free = DecodeConfig(30, SamplingConfig(temperature=0.5), frozenset({EOS}))
+    requests = [BatchRequest(tuple(prompt), config, MethodConfig("pld", cost_aware=False), seed=seed)
+                for seed in range(3)] + [BatchRequest(tuple(prompt), free, MethodConfig("ar"), seed=7)]
+    batched = LockstepEngine(CausalLM(quantized), tokenizer, max_batch_size=4).generate(requests)
+    for seed in range(3):
+        alone = decoder(CausalLM(quantized), "pld").generate(prompt, config, torch.Generator().manual_seed(seed))
+        assert batched[seed] == alone, seed
+
+
 def grouped_bytes_llama(seed: int) -> LlamaForCausalLM:
     """helpers.grouped_llama (every linear on the grouped kernel) with a vocabulary of 272 ids, whole 16-row tiles
     past the byte tokenizer's 259: the ids past it are never allowed."""

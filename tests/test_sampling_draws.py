@@ -153,3 +153,38 @@ def test_a_row_with_nothing_to_draw_from_gets_its_exact_logits(int4_model):
     out = target.lean._drawn(rows, [RowDraws((position_key(5, 0), position_key(5, 1)), 1.0)])
     assert (out[0] == 0).sum() == 1 and torch.isinf(out[0]).sum() == out.shape[1] - 1
     assert torch.isnan(out[1]).all()
+
+
+def test_draws_under_a_grammar_follow_the_masked_law_on_every_build(int4_model):
+    """Structured output: each row draws from softmax over its allowed tokens (the rest forbidden before the draw),
+    which a chi-square test over 24,000 keyed draws holds to the masked law and rejects against the unmasked one
+    renormalised over the allowed tokens at another temperature; every draw is allowed, the screen changes none, every
+    build draws alike, and a row with nothing allowed draws nothing (-1)."""
+    head = int4_model.lm_head
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(1, head.in_features, generator=generator) * 3
+    logits = head(x)[0].float()
+    allowed = torch.rand(head.out_features, generator=generator) < 0.5
+    allowed[logits.topk(3).indices] = False  # the model's favourites forbidden: the law is the rest's
+    allowed[:64] = False  # a whole block of the draw's 64 forbidden
+    n = 24_000
+    keys = torch.tensor([position_key(777, i) for i in range(n)], dtype=torch.long)
+    tokens = head.draw_tokens(x.expand(n, -1).contiguous(), torch.full((n,), 1.0), keys,
+                              allowed=allowed.expand(n, -1))
+    assert allowed[tokens].all()
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    assert chi_square_p(tokens, torch.softmax(masked, -1)) > P_VALUE_FLOOR
+    assert chi_square_p(tokens, torch.softmax(masked / 1.15, -1)) < P_VALUE_FLOOR
+    rows = torch.randn(200, head.in_features, generator=generator) * 3
+    temperature = torch.rand(200, generator=generator) * 1.5 + 0.1
+    row_keys = torch.randint(0, 2 ** 62, (200,), generator=generator)
+    masks = torch.rand(200, head.out_features, generator=generator) < 0.3
+    masks[0] = False
+    screened = head.draw_tokens(rows, temperature, row_keys, allowed=masks)
+    assert screened[0] == -1 and masks[torch.arange(1, 200), screened[1:]].all()
+    assert torch.equal(screened, head.draw_tokens(rows, temperature, row_keys, margin=1e6, allowed=masks))
+    buffers = [getattr(head, name) for name in head.BUFFERS]
+    for isa in runnable_isas():
+        drawn = kernels(isa).screened_draws(rows, head.screen4, head.screen_scale, head.column, buffers,
+                                            head.margin, temperature, row_keys, masks)
+        assert torch.equal(drawn, screened), isa

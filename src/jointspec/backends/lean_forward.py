@@ -455,7 +455,7 @@ class LeanLlamaForward:
         if num_layers in wanted:
             kept[num_layers] = hidden
         if draws is not None and num_logits > 0:
-            logits = self._drawn(hidden[0, -num_logits:], [draws])[None]
+            logits = self._drawn(hidden[0, -num_logits:], [draws], allowed)[None]
         else:
             logits = self._head(hidden, num_logits, screen_rank(argmax_only, top_k_only), allowed)
         return logits, {layer: kept[layer % (num_layers + 1)] for layer in hidden_layers}
@@ -519,11 +519,12 @@ class LeanLlamaForward:
         logits: list[torch.Tensor | None] = [None] * len(calls)
         for rank in sorted({call.screen_rank for call in calls}):
             group = [i for i, call in enumerate(calls) if call.screen_rank == rank]
+            allowed = (self._group_allowed([calls[i] for i in group], [len(heads[i]) for i in group])
+                       if rank else None)  # the exact head's rows are masked by their callers
             if rank == DRAWN:  # every drawing call's rows in one screen pass, each row with its own key
-                out = self._drawn(torch.cat([heads[i] for i in group]), [calls[i].draws for i in group])
+                out = self._drawn(torch.cat([heads[i] for i in group]), [calls[i].draws for i in group], allowed)
             else:
                 rows = torch.cat([heads[i] for i in group])
-                allowed = self._group_allowed([calls[i] for i in group], [len(heads[i]) for i in group], rank)
                 pieces = zip(rows.split(ROWWISE_MAX_ROWS), allowed.split(ROWWISE_MAX_ROWS) if allowed is not None
                              else [None] * len(rows))
                 out = torch.cat([self._head(piece[None], len(piece), rank, mask)[0] for piece, mask in pieces])
@@ -533,9 +534,10 @@ class LeanLlamaForward:
                 start += len(heads[i])
         return list(zip(logits, states))
 
-    def _drawn(self, rows: torch.Tensor, draws: list) -> torch.Tensor:
+    def _drawn(self, rows: torch.Tensor, draws: list, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """[n, width] final-normed rows -> [n, vocab] rows one-hot at each row's token drawn through the screened
-        head, ``draws`` (RowDraws) giving the rows' keys and temperatures in order."""
+        head, ``draws`` (RowDraws) giving the rows' keys and temperatures in order; ``allowed`` (bool [n, vocab] or
+        None): a grammar's allowed tokens, the only ones drawn."""
         from jointspec.core.sampling import drawn_rows
 
         keys = torch.tensor([key for d in draws for key in d.keys], dtype=torch.long)
@@ -545,9 +547,14 @@ class LeanLlamaForward:
         head = self.model.lm_head
         if not (self.screens_head and hasattr(head, "draw_tokens")):  # no screen to draw through: every logit
             return _linear(head, rows[None])[0].float()
-        tokens = head.draw_tokens(rows.contiguous(), temperature, keys)
+        if allowed is not None:
+            from jointspec.core.grammar import fit_width
+
+            allowed = fit_width(allowed, head.out_features)
+        tokens = head.draw_tokens(rows.contiguous(), temperature, keys, allowed=allowed)
         out = drawn_rows(tokens.clamp_min(0), head.out_features)
-        broken = (tokens < 0).nonzero().flatten()  # no number to draw from (a NaN row): its exact logits, as sampled
+        # No number to draw from (a NaN row, or nothing allowed): its exact logits, as sampled (a caller masks them).
+        broken = (tokens < 0).nonzero().flatten()
         if len(broken):
             out[broken] = _linear(head, rows[broken][None])[0].float()
         return out
@@ -575,11 +582,11 @@ class LeanLlamaForward:
         return _linear(head, rows)
 
     @staticmethod
-    def _group_allowed(calls: list[LeanCall], counts: list[int], rank: int) -> torch.Tensor | None:
+    def _group_allowed(calls: list[LeanCall], counts: list[int]) -> torch.Tensor | None:
         """The allowed tokens of a head call over several calls' rows (``counts`` rows each): each call's own, all
-        for a call without a grammar; None where no call has one or the rows read every logit."""
+        for a call without a grammar; None where no call has one."""
         masks = [call.allowed for call in calls]
-        if rank <= 0 or all(mask is None for mask in masks):
+        if all(mask is None for mask in masks):
             return None
         width = max(mask.shape[-1] for mask in masks if mask is not None)
         from jointspec.core.grammar import fit_width

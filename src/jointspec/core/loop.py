@@ -230,12 +230,11 @@ class SpeculativeDecoder:
                  and getattr(self.verifier, "draws_for_drafts_without_probs", False))
         grammar = None
         if config.grammar is not None:
-            # A grammar masks whole rows of logits. The argmax and top-k screens can take the masks and find each
-            # row's best among its allowed tokens; a draw through the screen cannot (it would draw forbidden tokens).
+            # A grammar masks whole rows of logits: the screens, where they take the masks, find each row's best
+            # (or draw) among its allowed tokens; elsewhere the rows are read whole.
             grammar = config.grammar.start()
-            draws = False
             if not capabilities.screen_masks:
-                argmax_only, top_k_only = False, 0
+                argmax_only, top_k_only, draws = False, 0, False
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
                            draws=draws, grammar=grammar)
 
@@ -279,7 +278,7 @@ class SpeculativeDecoder:
             positions = [len(tokens)] + [len(tokens) + depth + 1 for depth in state.depths]
             draws = RowDraws(tuple(position_key(state.draw_key, p) for p in positions),
                              state.config.sampling.temperature)
-        screened = state.argmax_only or state.top_k_only
+        screened = state.argmax_only or state.top_k_only or draws is not None
         return ForwardCall([tokens[-1]] + draft.token_ids,
                            parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
                            argmax_only=state.argmax_only, top_k_only=state.top_k_only, draws=draws,

@@ -73,8 +73,8 @@ class TargetCapabilities:
     ``max_verify_rows``: the most rows a forward may have and still compute each row as it would alone (past it a
     forward is read as a prompt, in other kernels); None: no such limit. A round verifying more would not be exact.
     ``chains_only``: why a target without ``trees`` scores chains only, for the errors that refuse a tree.
-    ``screen_masks``: ``forward(allowed=...)`` (bool [rows, vocab], structured output) makes the argmax and top-k
-    screens find each row's best among its allowed tokens, the others at minus infinity.
+    ``screen_masks``: ``forward(allowed=...)`` (bool [rows, vocab], structured output) makes the screens (argmax,
+    top-k, draws) find each row's best among its allowed tokens, or draw among them, the others at minus infinity.
     """
 
     trees: bool = False

@@ -1060,20 +1060,23 @@ class ScreenedInt8Head(GroupedInt8Linear):
         return self._screened_logits(x, k, allowed)
 
     def draw_tokens(self, x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
-                    margin: float | None = None) -> torch.Tensor:
+                    margin: float | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """A token per row of ``x`` ([rows, in]) drawn from softmax(logits / temperature) by the Gumbel-max trick
         through the screen (``screened_draws`` in csrc/grouped_linear.cpp): exact logits only for the tokens whose
         perturbed score comes within the margin of the best, the noise drawn top down and keyed by each row's
         ``keys`` entry (int64), so a row's draw depends on its key and its own logits alone. The winner is the exact
         head's Gumbel-max winner wherever the screen's error is under half the margin (as for greedy rows).
         ``temperature``: float32 [rows]. ``margin`` (logits; default the screen's): a very large one makes every
-        logit exact (the definition the tests hold the screen to). A row with no finite perturbed score (a NaN row)
-        gets -1."""
+        logit exact (the definition the tests hold the screen to). ``allowed`` (bool [rows, out]; structured output):
+        each row draws from softmax over its allowed tokens. A row with no finite perturbed score (a NaN row, or
+        nothing allowed) gets -1."""
         rows = _rows(x, self.in_features)
+        if allowed is not None:
+            allowed = allowed.to(torch.bool).reshape(len(rows), self.out_features).contiguous()
         return kernels().screened_draws(rows, self.screen4, self.screen_scale, self.column,
                                         [getattr(self, name) for name in self.BUFFERS],
                                         self.margin if margin is None else float(margin),
-                                        temperature.float().contiguous(), keys.long().contiguous())
+                                        temperature.float().contiguous(), keys.long().contiguous(), allowed)
 
     def _screened_logits(self, x: torch.Tensor, rank: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
         rows = _rows(x, self.in_features)

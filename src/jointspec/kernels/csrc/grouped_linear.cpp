@@ -1164,7 +1164,8 @@ constexpr int64_t kBlock = 64;
 }  // namespace draws
 
 at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_scale, at::Tensor column,
-                          std::vector<at::Tensor> head, double margin, at::Tensor temperature, at::Tensor keys) {
+                          std::vector<at::Tensor> head, double margin, at::Tensor temperature, at::Tensor keys,
+                          c10::optional<at::Tensor> allowed) {
   check_x(x);
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() && temperature.numel() == rows,
@@ -1172,8 +1173,9 @@ at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_sc
   TORCH_CHECK(keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.numel() == rows,
               "screened_draws: keys must be int64 [rows]");
   TORCH_CHECK(std::isfinite(margin) && margin >= 0, "screened_draws: margin must be finite and >= 0");
-  // The 4-bit scores alone (a negative margin completes no exact logit).
-  at::Tensor scores = screened_head(x, screen4, screen_scale, column, head, -1.0, 1, 1, c10::nullopt);
+  // The 4-bit scores alone (a negative margin completes no exact logit); a grammar's forbidden tokens at minus
+  // infinity, which no draw reaches: the draw is then from softmax over the allowed tokens, the constrained law.
+  at::Tensor scores = screened_head(x, screen4, screen_scale, column, head, -1.0, 1, 1, allowed);
   const Weights weights = weights_without_bias(head, k, "screened_draws");
   const int64_t vocab = weights.out_features, blocks = (vocab + draws::kBlock - 1) / draws::kBlock;
   const float* xp = x.data_ptr<float>();
@@ -1198,6 +1200,10 @@ at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_sc
           const int64_t first = b * draws::kBlock, n = std::min<int64_t>(draws::kBlock, vocab - first);
           float high = -INFINITY;
           for (int64_t j = 0; j < n; ++j) high = std::max(high, z[first + j]);
+          if (high == -INFINITY) {  // a block of forbidden tokens: nothing to draw there
+            lse[b] = top[b] = -INFINITY;
+            continue;
+          }
           V16 total = simd::zero();
           const V16 shift = simd::set1(high);
           for (int64_t j = 0; j < n; j += 16) {
@@ -1219,7 +1225,7 @@ at::Tensor screened_draws(at::Tensor x, at::Tensor screen4, at::Tensor screen_sc
         int64_t winner = -1;
         double winner_value = -INFINITY;
         for (int64_t b = 0; b < blocks; ++b) {
-          if (!(top[b] >= bar)) continue;
+          if (!(top[b] >= bar) || top[b] == -INFINITY) continue;  // (a row with nothing allowed draws nothing: -1)
           const int64_t first = b * draws::kBlock, n = std::min<int64_t>(draws::kBlock, vocab - first);
           // The block's argmax, in proportion to exp(z) (the block's own shift, in double), then the others below it.
           double weights_sum = 0, cumulative = 0;
@@ -1530,7 +1536,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_draws", &screened_draws, "a token per row drawn from softmax(logits / temperature) by Gumbel-max "
         "through the screen, its noise keyed by the row's key", py::arg("x"), py::arg("screen4"),
         py::arg("screen_scale"), py::arg("column"), py::arg("head"), py::arg("margin"), py::arg("temperature"),
-        py::arg("keys"), unlocked);
+        py::arg("keys"), py::arg("allowed") = py::none(), unlocked);
   m.def("top_k_rows", &top_k_rows, "each row's k largest entries, largest first, ties to the lower id, and how many "
         "entries are >= the k-th (-1: the row holds a NaN)", py::arg("rows"), py::arg("k"), unlocked);
   m.def("sample_rows", &sample_rows, "a token per row of probabilities by inverse transform, as sampling.sample() "
