@@ -6,9 +6,12 @@ prompt and their order reversed every other repeat. Reported per method: tokens 
 ``--repeats``), tokens per target call, answers that parse and carry the schema's required keys, and the ratio to the
 first method (the geometric mean of per-prompt ratios, with a 95 % t interval over prompts), plus whether every answer
 equals the first method's (greedy: a lossless method must). ``--free`` adds each method without the schema, for
-what the grammar itself costs or gives::
+what the grammar itself costs or gives. ``--temperature T`` samples instead (each prompt's seed its index, the same
+for every method: with temperature alone, rows drawn by position, prompt lookup's drafts give plain sampling's
+tokens)::
 
     python benchmarks/structured_output.py --methods ar,default --repeats 3 --threads 2 --free
+    python benchmarks/structured_output.py --methods ar,default --repeats 3 --threads 2 --temperature 1
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--free", action="store_true", help="also each method without the schema")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,7 +99,7 @@ def main() -> None:
         for i, (text, schema) in enumerate(PROMPTS):
             order = rows if (repeat + i) % 2 == 0 else rows[::-1]
             for name, shaped in order:
-                config = GenerationConfig(max_new_tokens=args.max_new_tokens,
+                config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=i,
                                           output_format=OutputFormat.json_schema(schema) if shaped else None)
                 result = pipelines[name].generate(prompt_text(text, schema), config)
                 seconds = result.seconds - result.stats.prefill_seconds
@@ -106,7 +110,9 @@ def main() -> None:
         print(f"pass {repeat} done", file=sys.stderr, flush=True)
     reference = results[rows[0]]
     report = {}
-    print(f"{len(PROMPTS)} extraction prompts, greedy, {args.max_new_tokens} tokens at most, best of {args.repeats}")
+    decoding = f"temperature {args.temperature:g}" if args.temperature else "greedy"
+    print(f"{len(PROMPTS)} extraction prompts, {decoding}, {args.max_new_tokens} tokens at most, "
+          f"best of {args.repeats}")
     for row in rows:
         cells = results[row]
         tokens = sum(c["tokens"] for c in cells)
