@@ -252,6 +252,15 @@ def test_sampling_with_temperature_alone_under_a_grammar_draws_through_the_scree
     quantized = quantize_model(grouped_bytes_llama(13), "int4")
     grammar = Grammar(FORMATS["lark"], tokenizer, 272, frozenset({EOS}))
     config = DecodeConfig(30, SamplingConfig(temperature=0.5), frozenset({EOS}), grammar)
+    # Under a JSON schema, with forced tokens after empty drafts too (drafted without probabilities, so drawn).
+    person = DecodeConfig(30, SamplingConfig(temperature=0.5), frozenset({EOS}),
+                          Grammar(FORMATS["schema"], tokenizer, 272, frozenset({EOS})))
+    person_prompt = prompt_ids(tokenizer, '{"name": "bo", "age": 3} ')
+    for seed in range(3):
+        plain = decoder(CausalLM(quantized), "ar").generate(person_prompt, person, torch.Generator().manual_seed(seed))
+        spec = decoder(CausalLM(quantized), "pld")
+        assert spec.generate(person_prompt, person, torch.Generator().manual_seed(seed)) == plain, seed
+        assert spec.stats.num_rounds < len(plain)  # forced tokens drafted
     head = quantized.lm_head
     masked_draws = []
     draw_tokens = head.draw_tokens
@@ -401,7 +410,7 @@ class SkewedDrafter:
 class DroppingState(GrammarState):
     """The mutant: drops a sampled forbidden draft token instead of keeping it to be rejected."""
 
-    def fit(self, draft, budget):
+    def fit(self, draft, budget, certain_rows=True):
         if draft.draft_probs is None:
             return super().fit(draft, 0)
         fitted = super().fit(Draft(draft.token_ids, None, draft.parents), 0)  # (no forced tokens: none here)
@@ -472,8 +481,8 @@ class NoDraft:
 class UnmaskedForcedState(GrammarState):
     """The mutant: the rows after forced tokens left unmasked."""
 
-    def fit(self, draft, budget):
-        fitted = super().fit(draft, budget)
+    def fit(self, draft, budget, certain_rows=True):
+        fitted = super().fit(draft, budget, certain_rows)
         masks = fitted.masks.clone()
         masks[1 + fitted.own:] = True
         return Fitted(fitted.draft, masks, fitted.kept)

@@ -221,10 +221,12 @@ class GrammarState:
         """The tokens the grammar forces next, whatever the model would say (a JSON key, its quotes and colon)."""
         return list(self._matcher.compute_ff_tokens())
 
-    def fit(self, draft: Draft, budget: int) -> Fitted:
+    def fit(self, draft: Draft, budget: int, certain_rows: bool = True) -> Fitted:
         """``draft`` without the nodes that can never be accepted (module docstring), a chain extended by the tokens
         the grammar forces after it (within ``budget`` nodes in all), and the allowed tokens of each of the
-        verification's rows."""
+        verification's rows. ``certain_rows``: tokens forced after an empty draft come with one-hot rows of draft
+        probabilities, for a verifier that needs them; without, they come as a draft without probabilities (which
+        a verifier that draws the target's token for such drafts verifies by that draw, as plain sampling does)."""
         parents = draft.node_parents()
         probabilistic = draft.draft_probs is not None or draft.draft_logprobs is not None
         children: list[list[int]] = [[] for _ in range(draft.num_nodes + 1)]  # [0]: the roots
@@ -253,11 +255,11 @@ class GrammarState:
         fitted = draft if len(kept) == draft.num_nodes else subset(draft, kept)
         masks = [root] + [rows[node] for node in kept]
         if fitted.is_chain and not leaves and budget > len(kept):
-            fitted, extra = self._extend(fitted, budget - len(kept))
+            fitted, extra = self._extend(fitted, budget - len(kept), certain_rows)
             masks.extend(extra)
         return Fitted(fitted, torch.stack(masks), kept)
 
-    def _extend(self, chain: Draft, room: int) -> tuple[Draft, list[torch.Tensor]]:
+    def _extend(self, chain: Draft, room: int, certain_rows: bool) -> tuple[Draft, list[torch.Tensor]]:
         """``chain`` followed by up to ``room`` tokens the grammar forces after it, and their rows' allowed tokens.
         A forced token is drafted as certain (a one-hot row where the draft has probabilities): where the grammar
         allows it alone, verification keeps it whatever the model says."""
@@ -271,7 +273,7 @@ class GrammarState:
         if not forced:
             return chain, rows
         probs = chain.draft_probs
-        if probs is not None or not chain.token_ids:
+        if probs is not None or (certain_rows and not chain.token_ids):
             # Rows for the forced tokens (after an empty chain too: a verifier of sampled drafts may need them).
             like = probs if probs is not None else torch.empty(0, self.grammar.vocab_size)
             certain = torch.zeros(len(forced), like.shape[-1], dtype=like.dtype, device=like.device)

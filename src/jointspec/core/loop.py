@@ -173,6 +173,7 @@ class SpeculativeDecoder:
         self._observes_target = bool(getattr(drafter, "observes_target", False))
         self._finishes = callable(getattr(drafter, "finish", None))
         self._never_drafts = bool(getattr(drafter, "never_drafts", False))
+        self._draws_without_probs = bool(getattr(verifier, "draws_for_drafts_without_probs", False))
 
     def stream(self, prompt_ids: list[int], config: DecodeConfig,
                generator: torch.Generator | None = None) -> Iterator[list[int]]:
@@ -226,8 +227,7 @@ class SpeculativeDecoder:
                       if getattr(self.verifier, "reads_top_k_when_sampling", False) else 0)
         # Temperature alone: a verifier that keeps the target's own draw for a draft without probabilities needs only
         # that draw of each row, which a screened target makes without every logit (core/sampling.py, "draws").
-        draws = (capabilities.draw_screen and draws_for(sampling)
-                 and getattr(self.verifier, "draws_for_drafts_without_probs", False))
+        draws = capabilities.draw_screen and draws_for(sampling) and self._draws_without_probs
         grammar = None
         if config.grammar is not None:
             # A grammar masks whole rows of logits: the screens, where they take the masks, find each row's best
@@ -253,7 +253,9 @@ class SpeculativeDecoder:
             room = 0 if self._never_drafts else budget
             if state.max_verify_rows is not None:
                 room = min(room, state.max_verify_rows - 1)
-            fitted = state.grammar.fit(draft, max(room, draft.num_nodes))
+            # Forced tokens after an empty draft need no draft probabilities where the verifier draws the target's
+            # token for drafts without them: drawn through the screen, they then draw what plain sampling draws.
+            fitted = state.grammar.fit(draft, max(room, draft.num_nodes), certain_rows=not self._draws_without_probs)
             state.proposed = draft if fitted.draft is not draft else None
             draft, state.masks, state.own_nodes, state.kept = fitted.draft, fitted.masks, fitted.own, fitted.kept
         state.draft_seconds = time.perf_counter() - t0
