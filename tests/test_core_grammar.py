@@ -153,6 +153,28 @@ def test_every_method_gives_plain_constrained_greedy(model, tokenizer, kind, met
         assert spec.generate(prompt, constrained(grammar, budget)) == expected[:budget]
 
 
+@pytest.mark.parametrize("method", ["mtad", "mtad-tree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mtad_answers_match_their_grammar(model, tokenizer, method, temperature):
+    """MTAD's output law is its own (not plain decoding's), so the check is the format: every answer its grammar
+    accepts (a finished one whole, one cut by the length limit as a prefix), beams fitted like any draft."""
+    prompt = prompt_ids(tokenizer, '{"name": "ann", "age": 7} ab ba, 12,x ' * 2)
+    checks = {"regex": lambda text: re.fullmatch(FORMATS["regex"].spec, text),
+              "lark": lambda text: re.fullmatch(r"([0-9]{1,3}|x)(,([0-9]{1,3}|x))*", text),
+              "schema": lambda text: set(json.loads(text)) == {"name", "age"}}
+    for kind, check in checks.items():
+        grammar = Grammar(FORMATS[kind], tokenizer, BYTES, frozenset({EOS}))
+        for seed in range(2):
+            spec = decoder(CausalLM(model), method, "self")
+            out = spec.generate(prompt, constrained(grammar, 40, temperature), torch.Generator().manual_seed(seed))
+            state = grammar.start()
+            state.advance(out[:-1] if out[-1] == EOS else out)  # raises where a token broke the grammar
+            if out[-1] == EOS:
+                assert check(tokenizer.decode(out[:-1])), (kind, out)
+            else:
+                assert len(out) == 40
+
+
 @pytest.mark.parametrize("method", METHODS[1:4], ids=lambda m: "-".join(str(x) for x in m if x))
 def test_self_drafts_are_accepted_with_an_end_of_sequence_inside_them(model, tokenizer, method):
     """A grammar that lets the model write what it would (any byte but one): its own drafts are accepted, and a
