@@ -183,15 +183,23 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
 
 
 class GrammarState:
-    """One answer's place in its grammar: which tokens may come next, and the masks of a draft's rows."""
+    """One answer's place in its grammar: which tokens may come next, and the masks of a draft's rows.
 
-    def __init__(self, grammar: Grammar) -> None:
+    A draft's rows are read ahead on copies of the matcher, never by consuming and rolling back: llguidance (1.9.1)
+    can leave a matcher rolled back past a computed mask out of step with the tokens it holds, and its next masks
+    wrong (tests/test_core_grammar.py has the case). The answer's own matcher only ever consumes committed tokens."""
+
+    def __init__(self, grammar: Grammar, matcher=None) -> None:
         llguidance = _llguidance()
         self.grammar = grammar
         self._numpy = llguidance.numpy
-        self._matcher = llguidance.LLMatcher(grammar._tokenizer, grammar._text, log_level=0)
+        self._matcher = matcher or llguidance.LLMatcher(grammar._tokenizer, grammar._text, log_level=0)
         self._bits = self._numpy.allocate_token_bitmask(1, grammar.vocab_size)
         self._check()
+
+    def copy(self) -> GrammarState:
+        """A state at the same place that goes on alone (a look-ahead)."""
+        return GrammarState(self.grammar, self._matcher.deep_copy())
 
     def _check(self) -> None:
         if self._matcher.is_error():  # past llguidance's limits (a grammar too ambiguous to follow), say
@@ -204,18 +212,10 @@ class GrammarState:
         bits = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[:self.grammar.vocab_size]
         return torch.from_numpy(bits.astype(bool))
 
-    def valid(self, token: int) -> bool:
-        """Whether ``token`` may come next."""
-        return self._matcher.validate_tokens([int(token)]) == 1
-
     def advance(self, token_ids: list[int]) -> None:
         """Consume committed tokens (each allowed where it stands: the masks made sure)."""
         if token_ids and not self._matcher.consume_tokens([int(t) for t in token_ids]):
             raise RuntimeError(f"a committed token broke the grammar: {self._matcher.get_error()}")
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens and not self._matcher.rollback(num_tokens):
-            raise RuntimeError(f"the grammar matcher could not roll back {num_tokens} tokens")
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would say (a JSON key, its quotes and colon)."""
@@ -234,42 +234,45 @@ class GrammarState:
             children[parent + 1].append(node)
         rows: dict[int, torch.Tensor] = {}
         leaves: set[int] = set()  # forbidden nodes kept for their rejection
+        after: dict[int, GrammarState] = {}  # the state after a node (a chain's last: where forced tokens follow)
         root = self.allowed()
 
-        def visit(node: int) -> None:
+        def visit(node: int, state: GrammarState, allowed: torch.Tensor) -> None:
+            """``state``: where the node's parent left the answer (``allowed`` its row), this node's to consume."""
             token = draft.token_ids[node]
-            if not self.valid(token):
+            if not (0 <= token < len(allowed) and allowed[token]):
                 if probabilistic:
                     rows[node] = torch.ones_like(root)
                     leaves.add(node)
                 return
-            self.advance([token])
-            rows[node] = self.allowed()
-            for child in children[node + 1]:
-                visit(child)
-            self.rollback(1)
+            state.advance([token])
+            after[node] = state
+            rows[node] = state.allowed()
+            below = children[node + 1]
+            for i, child in enumerate(below):  # the last child goes on in this state, the others in copies
+                visit(child, state if i == len(below) - 1 else state.copy(), rows[node])
 
         for node in children[0]:
-            visit(node)
+            visit(node, self.copy(), root)
         kept = sorted(rows)
         fitted = draft if len(kept) == draft.num_nodes else subset(draft, kept)
         masks = [root] + [rows[node] for node in kept]
         if fitted.is_chain and not leaves and budget > len(kept):
-            fitted, extra = self._extend(fitted, budget - len(kept), certain_rows)
+            end = after[kept[-1]] if kept else self.copy()
+            fitted, extra = self._extend(fitted, budget - len(kept), certain_rows, end)
             masks.extend(extra)
         return Fitted(fitted, torch.stack(masks), kept)
 
-    def _extend(self, chain: Draft, room: int, certain_rows: bool) -> tuple[Draft, list[torch.Tensor]]:
+    def _extend(self, chain: Draft, room: int, certain_rows: bool,
+                end: GrammarState) -> tuple[Draft, list[torch.Tensor]]:
         """``chain`` followed by up to ``room`` tokens the grammar forces after it, and their rows' allowed tokens.
         A forced token is drafted as certain (a one-hot row where the draft has probabilities): where the grammar
         allows it alone, verification keeps it whatever the model says."""
-        self.advance(chain.token_ids)
-        forced = self.forced()[:room]
+        forced = end.forced()[:room]  # (``end``: a look-ahead state after the chain, which this goes on consuming)
         rows = []
         for token in forced:
-            self.advance([token])
-            rows.append(self.allowed())
-        self.rollback(len(chain.token_ids) + len(forced))
+            end.advance([token])
+            rows.append(end.allowed())
         if not forced:
             return chain, rows
         probs = chain.draft_probs
