@@ -403,6 +403,11 @@ def test_the_screen_under_a_grammar_completes_the_allowed_tokens_near_their_best
     assert near[2:].sum(1).min() >= k and out[1, 7] == exact[1, 7]
     top, top_exact = out[2:].topk(k, dim=1), exact[2:].masked_fill(~allowed[2:], float("-inf")).topk(k, dim=1)
     assert torch.equal(top.indices, top_exact.indices) and torch.equal(top.values, top_exact.values)
+    arguments = [screened.screen4, screened.screen_scale, screened.column,
+                 [getattr(screened, name) for name in screened.BUFFERS]]
+    max_exact = screened.max_exact if k == 1 else max(k, screened.exact_per_rank * k)
+    for isa in runnable_isas():  # every build this CPU runs gives the same bits
+        assert torch.equal(kernels(isa).screened_head(x, *arguments, 1.5, max_exact, k, allowed), out), isa
     with pytest.raises(RuntimeError, match="allowed must be"):
         kernels().screened_head(x[:2], screened.screen4, screened.screen_scale, screened.column,
                                 [getattr(screened, name) for name in screened.BUFFERS], 1.5, 64, 1,

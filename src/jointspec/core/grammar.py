@@ -193,7 +193,8 @@ class GrammarState:
         llguidance = _llguidance()
         self.grammar = grammar
         self._numpy = llguidance.numpy
-        self._matcher = matcher or llguidance.LLMatcher(grammar._tokenizer, grammar._text, log_level=0)
+        self._matcher = (matcher if matcher is not None
+                         else llguidance.LLMatcher(grammar._tokenizer, grammar._text, log_level=0))
         self._bits = self._numpy.allocate_token_bitmask(1, grammar.vocab_size)
         self._check()
 
