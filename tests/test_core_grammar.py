@@ -45,6 +45,7 @@ from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
+from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.verifiers.spectr import SpecTrVerifier
 
@@ -208,7 +209,8 @@ def test_the_int4_compiled_layers_and_both_batched_engines_decode_the_same(monke
     argmax_logits = head.argmax_logits
     monkeypatch.setattr(head, "argmax_logits", lambda rows, allowed=None: (
         screened_with_masks.append(allowed is not None), argmax_logits(rows, allowed))[1])
-    alone = decoder(CausalLM(quantized), "pld").generate(prompt, constrained(grammar, 30))
+    lookup = decoder(CausalLM(quantized), "pld")
+    alone = lookup.generate(prompt, constrained(grammar, 30))
     assert alone == decoder(CausalLM(quantized), "ar").generate(prompt, constrained(grammar, 30))
     assert screened_with_masks and all(screened_with_masks)
     target, state, expected = CausalLM(quantized), grammar.start(), []
@@ -230,8 +232,16 @@ def test_the_int4_compiled_layers_and_both_batched_engines_decode_the_same(monke
     # Drafts are priced by what the rows read: the screen with the masks, greedy; every logit, temperature alone.
     assert not engine._reads_exact_rows(requests[0])
     assert engine._reads_exact_rows(BatchRequest(tuple(prompt), constrained(grammar, 30, 1.0), MethodConfig("pld")))
-    lockstep = engine.generate(requests)
+    ids = [engine.submit(request) for request in requests]
+    lockstep, forced = {seq_id: [] for seq_id in ids}, dict.fromkeys(ids, 0)
+    while engine.has_work:
+        for event in engine.step():
+            lockstep[event.seq_id].extend(event.token_ids)
+            forced[event.seq_id] += event.num_forced  # what the server's usage reports as forced_tokens
+    lockstep = [lockstep[seq_id] for seq_id in ids]
     assert lockstep[0] == alone
+    assert forced[ids[0]] == lookup.stats.num_forced_tokens > 0 and forced[ids[1]] == 0  # the grammar's, apart
+    assert 0 < engine.stats.num_forced_tokens < engine.stats.num_accepted_tokens
     assert lockstep[2] == decoder(CausalLM(quantized), "ar").generate(list(requests[2].prompt_ids),
                                                                       constrained(grammar, 30))
     float_plain = decoder(CausalLM(model), "ar").generate(prompt, constrained(grammar, 30))
@@ -326,6 +336,37 @@ def grouped_bytes_llama(seed: int) -> LlamaForCausalLM:
 def fit(state: GrammarState, draft: Draft, budget: int):
     fitted = state.fit(draft, budget)
     return fitted.draft, fitted.masks, fitted.own
+
+
+class EmptyDrafter:
+    """Drafts nothing, but is not plain decoding: the grammar's forced tokens are drafted for it."""
+
+    def start(self, prompt_ids):
+        pass
+
+    def propose(self, context_ids, max_num_draft_tokens, sampling, generator):
+        return Draft([])
+
+    def commit(self, context_ids, num_accepted):
+        assert num_accepted == 0  # told only of its own tokens
+
+
+def test_the_statistics_count_the_forced_tokens_apart(model, tokenizer):
+    """Forced tokens are drafted and accepted like a drafter's (the rows verify them), and counted apart:
+    ``num_forced_tokens``. With a drafter that drafts nothing, every accepted token is a forced one; plain decoding
+    drafts none."""
+    grammar = Grammar(FORMATS["schema"], tokenizer, BYTES, frozenset({EOS}))
+    prompt = prompt_ids(tokenizer)
+    empty = SpeculativeDecoder(CausalLM(model), EmptyDrafter(), GreedyVerifier())
+    out = empty.generate(prompt, constrained(grammar, 40))
+    assert out == decoder(CausalLM(model), "ar").generate(prompt, constrained(grammar, 40))
+    assert empty.stats.num_forced_tokens == empty.stats.num_accepted_tokens >= len('{"name": "') - 1
+    plain = decoder(CausalLM(model), "ar")
+    plain.generate(prompt, constrained(grammar, 40))
+    assert plain.stats.num_forced_tokens == plain.stats.num_accepted_tokens == 0
+    lookup = decoder(CausalLM(model), "pld")
+    lookup.generate(prompt_ids(tokenizer, '{"name": "ann", "age": 7} ' * 2), constrained(grammar, 40))
+    assert 0 < lookup.stats.num_forced_tokens < lookup.stats.num_accepted_tokens
 
 
 def test_drafters_are_told_only_of_their_own_tokens_accepted(monkeypatch, model, tokenizer):

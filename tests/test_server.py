@@ -474,6 +474,11 @@ def test_response_format_answers_what_the_schema_accepts_as_the_loop_decodes_it(
     ids = loop.generate(prompt, DecodeConfig(40, eos_token_ids=engine.eos_token_ids, grammar=grammar))
     assert choice["message"]["content"] == tokenizer.decode(ids, skip_special_tokens=True)
     assert choice["message"]["content"].startswith('{"ok": ')  # (a random model: the schema wrote it)
+    figures = reply.json()["usage"]["jointspec"]
+    if method == "ar":  # plain decoding reads forced tokens one a step: none drafted
+        assert figures["forced_tokens"] == figures["drafted_tokens"] == 0
+    else:  # '{"ok": ' at least, drafted after an empty draft and kept
+        assert figures["accepted_tokens"] >= figures["forced_tokens"] >= len(tokenizer.encode('{"ok": ')) - 1
     if choice["finish_reason"] == "stop":
         assert set(json.loads(choice["message"]["content"])) == {"ok", "n"}
     anything = client.post("/v1/chat/completions", json=chat_body(response_format={"type": "json_object"}))
@@ -797,7 +802,7 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
             assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
             assert chunks[-1].usage.model_extra["jointspec"] == {  # ar drafts nothing: one token per round
                 "drafted_tokens": 0, "accepted_tokens": 0, "rounds": whole.usage.completion_tokens,
-                "mean_accepted_tokens": 1.0, "acceptance_rate": 0.0}
+                "mean_accepted_tokens": 1.0, "acceptance_rate": 0.0, "forced_tokens": 0}
             with pytest.raises(openai.BadRequestError) as error:
                 client.chat.completions.create(model="tiny-served", messages=messages, n=3)
             assert error.value.body["param"] == "n"

@@ -81,6 +81,7 @@ class BatchEvent:
     stats: SpecStats | None = None  # the sequence's whole-generation stats, on its last event
     depths: list[int] | None = None  # the round's draft nodes' depths (None: a chain of num_drafted)
     error: Exception | None = None  # why, where finish_reason is "error"
+    num_forced: int = 0  # of num_accepted, the tokens a grammar forced (structured output)
 
 
 @dataclass
@@ -336,10 +337,11 @@ class BatchEngine(EngineBase):
                 finished[seq.seq_id] = "stop" if stopped else "length"
             depths = tree_depths(draft.node_parents())
             kept = kept_draft_tokens(verdict.num_accepted, new_tokens)
+            forced = max(0, kept - seq.own_nodes)  # a grammar's forced tokens follow the drafter's own
             for stats in (seq.stats, self.stats):
-                stats.record(depths, kept, len(new_tokens))
+                stats.record(depths, kept, len(new_tokens), forced)
             events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes, kept,
-                                     seq.stats if seq.seq_id in finished else None))
+                                     seq.stats if seq.seq_id in finished else None, num_forced=forced))
         t2 = time.perf_counter()
         for stats in [self.stats] + [seq.stats for seq in rows]:
             stats.draft_seconds += t1 - t0

@@ -414,7 +414,7 @@ class LockstepEngine(EngineBase):
                 del self.active[seq.seq_id]
                 events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=error))
                 continue
-            self.stats.record(state.depths, state.num_accepted, len(new_tokens))
+            self.stats.record(state.depths, state.num_accepted, len(new_tokens), state.num_forced)
             self.stats.draft_seconds += state.draft_seconds
             accepted += state.num_accepted
             committed += len(new_tokens)
@@ -424,7 +424,8 @@ class LockstepEngine(EngineBase):
                 del self.active[seq.seq_id]
                 self._keep_cache(seq)
             events.append(BatchEvent(seq.seq_id, new_tokens, finish, len(state.depths), state.num_accepted,
-                                     seq.stats if finish else None, depths=list(state.depths)))
+                                     seq.stats if finish else None, depths=list(state.depths),
+                                     num_forced=state.num_forced))
         round_seconds = time.perf_counter() - round_start
         if key is not None and len(rows) == key:  # (a row refused its round: not the batch that was decided)
             self.supervisor.record(key, drafts, committed, round_seconds)

@@ -52,6 +52,7 @@ class SpecStats:
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_forced_tokens: int = 0  # of the accepted, the tokens a grammar forced (structured output), not a drafter's
     num_new_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -73,12 +74,14 @@ class SpecStats:
     def acceptance_per_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
-    def record(self, depths: list[int], num_accepted: int, num_new_tokens: int = 0) -> None:
-        """One round: a draft with nodes at ``depths``, ``num_accepted`` of them kept, ``num_new_tokens`` committed."""
+    def record(self, depths: list[int], num_accepted: int, num_new_tokens: int = 0, num_forced: int = 0) -> None:
+        """One round: a draft with nodes at ``depths``, ``num_accepted`` of them kept (``num_forced`` of those a
+        grammar's forced tokens), ``num_new_tokens`` committed."""
         self.num_rounds += 1
         self.num_new_tokens += num_new_tokens
         self.num_draft_tokens += len(depths)
         self.num_accepted_tokens += num_accepted
+        self.num_forced_tokens += num_forced
         deepest = max(depths, default=-1) + 1
         for counts in (self.drafted_per_position, self.accepted_per_position):
             counts.extend([0] * (deepest - len(counts)))
@@ -157,6 +160,7 @@ class DecodeState:
     draft: Draft | None = None  # the round in flight's draft, between begin_round and finish_round
     depths: list[int] = field(default_factory=list)
     num_accepted: int = 0  # the last round's
+    num_forced: int = 0  # the last round's accepted tokens that a grammar forced (they follow the drafter's own)
     draft_seconds: float = 0.0
     verify_start: float = 0.0
 
@@ -303,7 +307,8 @@ class SpeculativeDecoder:
         if state.grammar is not None:
             state.grammar.advance(new_tokens[:-1] if stopped else new_tokens)  # an end-of-sequence token ends it
         state.num_accepted = kept_draft_tokens(verdict.num_accepted, new_tokens)
-        stats.record(state.depths, state.num_accepted, len(new_tokens))
+        state.num_forced = max(0, state.num_accepted - state.own_nodes)
+        stats.record(state.depths, state.num_accepted, len(new_tokens), state.num_forced)
         stats.draft_seconds += state.draft_seconds
         stats.verify_seconds += time.perf_counter() - state.verify_start
         state.done = stopped or len(tokens) >= state.end

@@ -782,6 +782,7 @@ class _Reply:
         self.num_rounds = 0
         self.num_drafted = 0
         self.num_accepted = 0
+        self.num_forced = 0
         self.num_cached = 0  # prompt tokens read from the prompt cache, not again
 
     def add(self, chunk: Chunk) -> None:
@@ -789,6 +790,7 @@ class _Reply:
         self.num_rounds += chunk.num_rounds
         self.num_drafted += chunk.num_drafted
         self.num_accepted += chunk.num_accepted
+        self.num_forced += chunk.num_forced
         if chunk.stats is not None:
             self.num_cached = chunk.stats.prompt_tokens_reused
 
@@ -800,7 +802,8 @@ class _Reply:
         mean = 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
         figures = {"drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted, "rounds": self.num_rounds,
-                   "mean_accepted_tokens": round(mean, 4), "acceptance_rate": round(rate, 4)}
+                   "mean_accepted_tokens": round(mean, 4), "acceptance_rate": round(rate, 4),
+                   "forced_tokens": self.num_forced}
         if self.seed is not None:
             figures["seed"] = self.seed
         # OpenAI's own field for prompt tokens served from a cache.

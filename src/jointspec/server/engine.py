@@ -113,6 +113,7 @@ class Chunk:
     num_rounds: int = 0  # target forwards behind this chunk: 1 for a decoded round, 0 for an end with no tokens
     num_drafted: int = 0
     num_accepted: int = 0
+    num_forced: int = 0  # of num_accepted, the tokens a grammar forced (structured output)
     failure: Failure | None = None  # set when finish_reason is "error"
     token_ids: tuple[int, ...] = ()  # the round's generated ids the answer keeps (as num_tokens)
     text_cut: bool = False  # a stop string ended the text inside the ids: they say more than the text
@@ -249,7 +250,8 @@ class _Stream:
                         self.owner._inbox.put(("remember", self))  # whole: no stop string cut it
                 yield Chunk(delta, used, finish, event.stats, num_rounds=int(bool(event.token_ids)),
                             num_drafted=event.num_drafted, num_accepted=event.num_accepted,
-                            token_ids=tuple(event.token_ids[:used]), text_cut=self.text.stopped)
+                            num_forced=event.num_forced, token_ids=tuple(event.token_ids[:used]),
+                            text_cut=self.text.stopped)
         finally:
             # A consumer that leaves early, or a stop string the text hit before the engine's own end: free the row
             # now rather than decode to max_tokens for nobody.
@@ -529,7 +531,7 @@ class ServingEngine:
                 stats = self._snapshot.methods.setdefault(stream.method, MethodStats())
                 # A chain's draft nodes sit at depths 0..num_drafted-1; a tree's come with the event.
                 depths = event.depths if event.depths is not None else list(range(event.num_drafted))
-                stats.spec.record(depths, event.num_accepted, len(event.token_ids))
+                stats.spec.record(depths, event.num_accepted, len(event.token_ids), event.num_forced)
                 stats.tokens_per_round.observe(len(event.token_ids))
                 if not stream.joined:  # its first round: it waited from submission to the start of this step
                     stream.joined = True
