@@ -338,26 +338,13 @@ def fit(state: GrammarState, draft: Draft, budget: int):
     return fitted.draft, fitted.masks, fitted.own
 
 
-class EmptyDrafter:
-    """Drafts nothing, but is not plain decoding: the grammar's forced tokens are drafted for it."""
-
-    def start(self, prompt_ids):
-        pass
-
-    def propose(self, context_ids, max_num_draft_tokens, sampling, generator):
-        return Draft([])
-
-    def commit(self, context_ids, num_accepted):
-        assert num_accepted == 0  # told only of its own tokens
-
-
 def test_the_statistics_count_the_forced_tokens_apart(model, tokenizer):
     """Forced tokens are drafted and accepted like a drafter's (the rows verify them), and counted apart:
     ``num_forced_tokens``. With a drafter that drafts nothing, every accepted token is a forced one; plain decoding
     drafts none."""
     grammar = Grammar(FORMATS["schema"], tokenizer, BYTES, frozenset({EOS}))
     prompt = prompt_ids(tokenizer)
-    empty = SpeculativeDecoder(CausalLM(model), EmptyDrafter(), GreedyVerifier())
+    empty = SpeculativeDecoder(CausalLM(model), NoDraft(), GreedyVerifier())
     out = empty.generate(prompt, constrained(grammar, 40))
     assert out == decoder(CausalLM(model), "ar").generate(prompt, constrained(grammar, 40))
     assert empty.stats.num_forced_tokens == empty.stats.num_accepted_tokens >= len('{"name": "') - 1
@@ -560,7 +547,7 @@ def test_sampled_tokens_follow_the_constrained_law_and_dropping_a_forbidden_draf
 
 
 class NoDraft:
-    """Drafts nothing: every draft token of a round is one the grammar forces."""
+    """Drafts nothing, but is not plain decoding: every draft token of a round is one the grammar forces."""
 
     def start(self, prompt_ids):
         pass
@@ -569,7 +556,7 @@ class NoDraft:
         return Draft([])
 
     def commit(self, context_ids, num_accepted):
-        pass
+        assert num_accepted == 0  # told only of its own tokens
 
 
 class UnmaskedForcedState(GrammarState):
