@@ -40,7 +40,7 @@ from jointspec.core.grammar import (
     OutputFormat,
     masked_logits,
 )
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.ngram import PromptLookupDrafter
 from jointspec.kernels.quantize import quantize_model
@@ -354,6 +354,10 @@ def test_the_statistics_count_the_forced_tokens_apart(model, tokenizer):
     lookup = decoder(CausalLM(model), "pld")
     lookup.generate(prompt_ids(tokenizer, '{"name": "ann", "age": 7} ' * 2), constrained(grammar, 40))
     assert 0 < lookup.stats.num_forced_tokens < lookup.stats.num_accepted_tokens
+    merged = SpecStats()  # as the bench sums a method's answers
+    for stats in (empty.stats, lookup.stats):
+        merged.merge(stats)
+    assert merged.to_dict()["num_forced_tokens"] == empty.stats.num_forced_tokens + lookup.stats.num_forced_tokens
 
 
 def test_drafters_are_told_only_of_their_own_tokens_accepted(monkeypatch, model, tokenizer):

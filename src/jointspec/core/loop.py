@@ -95,7 +95,7 @@ class SpecStats:
                                    accepted_per_position=list(self.accepted_per_position))
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "num_new_tokens",
+        for name in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "num_forced_tokens", "num_new_tokens",
                      "draft_seconds", "verify_seconds", "prefill_seconds", "prompt_tokens_reused"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("drafted_per_position", "accepted_per_position"):
@@ -109,6 +109,7 @@ class SpecStats:
             "num_rounds": self.num_rounds,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_forced_tokens": self.num_forced_tokens,
             "num_new_tokens": self.num_new_tokens,
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
