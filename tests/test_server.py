@@ -479,6 +479,9 @@ def test_response_format_answers_what_the_schema_accepts_as_the_loop_decodes_it(
         assert figures["forced_tokens"] == figures["drafted_tokens"] == 0
     else:  # '{"ok": ' at least, drafted after an empty draft and kept
         assert figures["accepted_tokens"] >= figures["forced_tokens"] >= len(tokenizer.encode('{"ok": ')) - 1
+        page = client.get("/metrics").text  # the method's counter since the server started: this request's at least
+        counted = re.search(rf'^jointspec_forced_tokens_total{{method="{method}"}} (\d+)', page, re.MULTILINE)
+        assert counted and int(counted.group(1)) >= figures["forced_tokens"]
     if choice["finish_reason"] == "stop":
         assert set(json.loads(choice["message"]["content"])) == {"ok", "n"}
     anything = client.post("/v1/chat/completions", json=chat_body(response_format={"type": "json_object"}))

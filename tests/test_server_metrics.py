@@ -152,6 +152,7 @@ def test_metrics_page_is_prometheus_text_with_per_method_series(served):
         assert value(families, "jointspec_rounds_total", method=method) == figures["rounds"]
         assert value(families, "jointspec_draft_tokens_total", method=method) == figures["drafted_tokens"]
         assert value(families, "jointspec_accepted_tokens_total", method=method) == figures["accepted_tokens"]
+        assert value(families, "jointspec_forced_tokens_total", method=method) == figures["forced_tokens"] == 0
         assert value(families, "jointspec_acceptance_rate", method=method) == round(figures["acceptance_rate"], 6)
         assert value(families, "jointspec_tokens_per_round_count", method=method) == figures["rounds"]
         assert value(families, "jointspec_tokens_per_round_sum", method=method) == usage["completion_tokens"]

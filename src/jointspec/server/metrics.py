@@ -191,6 +191,9 @@ class Metrics:
                [(labels, s.num_draft_tokens) for labels, s in by_method])
         metric("jointspec_accepted_tokens_total", "counter", "Draft tokens accepted.",
                [(labels, s.num_accepted_tokens) for labels, s in by_method])
+        metric("jointspec_forced_tokens_total", "counter",
+               "Accepted draft tokens that a response_format's grammar forced (counted in the accepted too).",
+               [(labels, s.num_forced_tokens) for labels, s in by_method])
         metric("jointspec_acceptance_rate", "gauge", "Accepted / drafted tokens since the server started.",
                [(labels, round(s.acceptance_rate, 6)) for labels, s in by_method])
         histograms("jointspec_tokens_per_round", "Tokens a sequence committed in one round (accepted + 1).",
