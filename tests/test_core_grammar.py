@@ -646,3 +646,22 @@ def test_generate_refuses_a_format_it_cannot_use_before_loading_a_model(capsys, 
     flags = [str(grammar) if flag == "GRAMMAR" else flag for flag in flags]
     code, _, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "no-such-model"), *flags)
     assert_clean_error(code, err, *needles)  # (the model, which does not exist, was not looked for)
+
+
+def test_generate_says_how_many_accepted_tokens_the_format_forced(capsys, tmp_path, tokenizer):
+    """Under --json-schema the tokens the grammar forces (the object's opening) are drafted and accepted with the
+    method's: the summary line and --json's stats say how many; plain decoding drafts none."""
+    model = tiny_llama(11, vocab=BYTES)  # (its own: the module's is shared)
+    model.config.eos_token_id = model.generation_config.eos_token_id = EOS
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    args = ["generate", "a person as JSON: ", "--model", str(tmp_path), "--no-chat", "--max-new-tokens", "16",
+            "--json-schema", json.dumps(PERSON), "--method", "pld"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 0, err
+    forced = re.search(r"\((\d+) accepted tokens forced by the format\)", err)
+    assert forced and int(forced.group(1)) >= len('{"name": "') - 1, err
+    code, out, err = run_cli(capsys, *args, "--json")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["stats"]["num_forced_tokens"] == int(forced.group(1))
+    code, _, err = run_cli(capsys, *args[:-2], "--method", "ar")
+    assert code == 0 and "forced by the format" not in err, err

@@ -145,6 +145,7 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"{result.num_new_tokens / decode_seconds if decode_seconds > 0 else 0.0:.1f} tok/s; "
           f"{stats.num_rounds} target calls, "
           f"{stats.mean_accepted_tokens:.2f} tokens per call, acceptance {stats.acceptance_rate:.0%} "
+          f"{f'({stats.num_forced_tokens} accepted tokens forced by the format) ' if stats.num_forced_tokens else ''}"
           f"({pipeline.target.name}){f'; seed {seed}' if args.temperature > 0 else ''}", file=sys.stderr)
     _say_if_context_ended(result, args.max_new_tokens, pipeline.target.max_context)
     _say_if_drafted_nothing(method, stats)
