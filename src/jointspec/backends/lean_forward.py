@@ -581,14 +581,13 @@ class LeanLlamaForward:
                 return head.top_k_logits(rows, screen, allowed)
         return _linear(head, rows)
 
-    @staticmethod
-    def _group_allowed(calls: list[LeanCall], counts: list[int]) -> torch.Tensor | None:
-        """The allowed tokens of a head call over several calls' rows (``counts`` rows each): each call's own, all
-        for a call without a grammar; None where no call has one."""
+    def _group_allowed(self, calls: list[LeanCall], counts: list[int]) -> torch.Tensor | None:
+        """The allowed tokens of a screened head call over several calls' rows (``counts`` rows each), as wide as the
+        head: each call's own, all for a call without a grammar; None where no call has one."""
         masks = [call.allowed for call in calls]
         if all(mask is None for mask in masks):
             return None
-        width = max(mask.shape[-1] for mask in masks if mask is not None)
+        width = self.model.lm_head.out_features
         from jointspec.core.grammar import fit_width
 
         return torch.cat([torch.ones(count, width, dtype=torch.bool) if mask is None else fit_width(mask, width)

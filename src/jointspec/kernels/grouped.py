@@ -1071,22 +1071,25 @@ class ScreenedInt8Head(GroupedInt8Linear):
         each row draws from softmax over its allowed tokens. A row with no finite perturbed score (a NaN row, or
         nothing allowed) gets -1."""
         rows = _rows(x, self.in_features)
-        if allowed is not None:
-            allowed = allowed.to(torch.bool).reshape(len(rows), self.out_features).contiguous()
         return kernels().screened_draws(rows, self.screen4, self.screen_scale, self.column,
                                         [getattr(self, name) for name in self.BUFFERS],
                                         self.margin if margin is None else float(margin),
-                                        temperature.float().contiguous(), keys.long().contiguous(), allowed)
+                                        temperature.float().contiguous(), keys.long().contiguous(),
+                                        self._allowed_rows(allowed, len(rows)))
 
     def _screened_logits(self, x: torch.Tensor, rank: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
         rows = _rows(x, self.in_features)
         max_exact = self.max_exact if rank == 1 else max(rank, self.exact_per_rank * rank)
-        if allowed is not None:
-            allowed = allowed.to(torch.bool).reshape(len(rows), self.out_features).contiguous()
         out = kernels().screened_head(rows, self.screen4, self.screen_scale, self.column,
                                       [getattr(self, name) for name in self.BUFFERS], self.margin, max_exact, rank,
-                                      allowed)
+                                      self._allowed_rows(allowed, len(rows)))
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _allowed_rows(self, allowed: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+        """A grammar's allowed tokens as the kernels take them: contiguous bool [rows, out] (None: no grammar)."""
+        if allowed is None:
+            return None
+        return allowed.to(torch.bool).reshape(num_rows, self.out_features).contiguous()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", greedy and top-k sampling read through a 4-bit screen (margin "
