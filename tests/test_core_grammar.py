@@ -411,6 +411,54 @@ def test_fit_drops_what_can_never_be_accepted(tokenizer):
     assert state.allowed().nonzero().flatten().tolist() == [a]  # the state as it was
 
 
+def test_an_end_of_sequence_token_in_a_draft_ends_the_fitted_draft(tokenizer):
+    """Where the grammar is complete it allows the end of sequence and llguidance's matcher takes no token at all: the
+    end-of-sequence node stays (its row the end again, never empty), the matcher does not consume it, and its subtree
+    goes; in a tree its siblings stay. (Consuming it raised.)"""
+    grammar = Grammar(OutputFormat("regex", "ab"), tokenizer, BYTES, frozenset({EOS}))
+    state = grammar.start()
+    state.advance(tokenizer.encode("a"))
+    b, x = (tokenizer.convert_tokens_to_ids(ch) for ch in "bx")
+    for probs in (None, torch.full((4, BYTES), 1.0 / BYTES)):
+        fitted, masks, own = fit(state, Draft([b, EOS, x, x], draft_probs=probs), 4)
+        assert fitted.token_ids == [b, EOS] and own == 2 and masks.shape == (3, BYTES)
+        assert masks[1].nonzero().flatten().tolist() == [EOS] and masks[2].nonzero().flatten().tolist() == [EOS]
+    assert state.allowed().nonzero().flatten().tolist() == [b]  # the answer's own state as it was
+    more = Grammar(OutputFormat("regex", "ab+"), tokenizer, BYTES, frozenset({EOS})).start()
+    more.advance(tokenizer.encode("a"))
+    fitted, masks, own = fit(more, Draft([b, EOS, x, b, b], parents=[-1, 0, 1, 0, 3]), 5)  # b's other child stays
+    assert fitted.token_ids == [b, EOS, b, b] and fitted.parents == [-1, 0, 0, 2]
+    assert masks[2].nonzero().flatten().tolist() == [EOS] and set(masks[3].nonzero().flatten().tolist()) == {b, EOS}
+
+
+def test_lookup_copying_the_end_of_sequence_after_a_complete_answer_gives_plain_decodings_tokens(tokenizer, model):
+    """A prompt in which the format's last character is followed by the end-of-sequence token (as a chat template's
+    end of turn follows a user's message): prompt lookup drafts that token where the answer is complete, alone and in
+    both batched engines beside a free request, greedy and seeded; each gives plain decoding's tokens."""
+    grammar = Grammar(FORMATS["regex"], tokenizer, BYTES, frozenset({EOS}))
+    prompt = prompt_ids(tokenizer, "write abcdz") + [EOS] + prompt_ids(tokenizer, " now one more: ")
+    for temperature, seed in ((0.0, 0), (1.0, 0), (1.0, 1), (1.0, 2)):
+        config = constrained(grammar, 40, temperature)
+        expected = decoder(CausalLM(model), "ar").generate(prompt, config, torch.Generator().manual_seed(seed))
+        lookup = decoder(CausalLM(model), "pld")
+        assert lookup.generate(prompt, config, torch.Generator().manual_seed(seed)) == expected
+        assert expected[-1] == EOS
+    assert lookup.stats.num_accepted_tokens > 0
+    config = constrained(grammar, 40)
+    expected = decoder(CausalLM(model), "ar").generate(prompt, config)
+    requests = [BatchRequest(tuple(prompt), config, MethodConfig(name="pld", cost_aware=False)),
+                BatchRequest(tuple(prompt_ids(tokenizer, "free text ")), constrained(None, 40), MethodConfig("ar"))]
+    lockstep = LockstepEngine(CausalLM(model), tokenizer, max_batch_size=4)
+    ids = [lockstep.submit(request) for request in requests]
+    tokens = {seq_id: [] for seq_id in ids}
+    while lockstep.has_work:
+        for event in lockstep.step():
+            assert event.error is None
+            tokens[event.seq_id].extend(event.token_ids)
+    assert tokens[ids[0]] == expected
+    assert BatchEngine(CausalLM(model), tokenizer, max_batch_size=4).generate(requests)[0] == expected
+
+
 def test_reading_a_drafts_rows_leaves_the_answers_grammar_state_in_step():
     """llguidance 1.9.1 can leave a matcher rolled back past a computed mask out of step (its next masks wrong): after
     '{"name": "Felicia", "habits_recreational": {"play":' in SmolLM2's tokens, consuming ' {"', reading the mask,
@@ -586,10 +634,11 @@ def tokens_after_forced_counts(model, grammar, prompt, verifier, draws: int) -> 
 
 @pytest.mark.parametrize("verifier", [RejectionSamplingVerifier, SpecTrVerifier])
 def test_sampled_tokens_after_forced_ones_follow_the_constrained_law(monkeypatch, tokenizer, verifier):
-    """A forced token drafted as certain (a one-hot row, which SpecTr needs) and the row after it masked: the next
-    tokens follow the constrained law; the mutant that leaves that row unmasked is caught (it draws a token the grammar
-    forbids, which the loop refuses to commit). On these seeds the correct loop gave p = 0.32 with either verifier
-    (a certain draft token: both take the same draws)."""
+    """A forced token drafted after an empty draft (for SpecTr with a one-hot row, which it needs; for rejection
+    sampling without probabilities, which it verifies by drawing the target's own token) and the row after it masked:
+    the next tokens follow the constrained law; the mutant that leaves that row unmasked is caught (it draws a token
+    the grammar forbids, which the loop refuses to commit). On these seeds the correct loop gave p = 0.32 with either
+    verifier (the forced token is the only one its row allows: both take the same draws)."""
     model = tiny_llama(13, vocab=BYTES)
     with torch.no_grad():
         model.lm_head.weight.div_(8.0)

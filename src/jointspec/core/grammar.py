@@ -218,6 +218,13 @@ class GrammarState:
         if token_ids and not self._matcher.consume_tokens([int(t) for t in token_ids]):
             raise RuntimeError(f"a committed token broke the grammar: {self._matcher.get_error()}")
 
+    def _end_row(self) -> torch.Tensor:
+        """The allowed tokens of a row after an end-of-sequence token, which nothing commits: the end again, so that
+        the row is never empty (a verifier still reads it)."""
+        row = torch.zeros(self.grammar.vocab_size, dtype=torch.bool)
+        row[[token for token in self.grammar.eos_token_ids if token < len(row)]] = True
+        return row
+
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would say (a JSON key, its quotes and colon)."""
         return list(self._matcher.compute_ff_tokens())
@@ -246,6 +253,11 @@ class GrammarState:
                     rows[node] = torch.ones_like(root)
                     leaves.add(node)
                 return
+            if token in self.grammar.eos_token_ids:
+                # The answer ends here, where its grammar allows: the matcher consumes no end-of-sequence token (a
+                # complete grammar refuses one), and nothing after it is committed, so its subtree goes.
+                rows[node] = self._end_row()
+                return
             state.advance([token])
             after[node] = state
             rows[node] = state.allowed()
@@ -258,7 +270,7 @@ class GrammarState:
         kept = sorted(rows)
         fitted = draft if len(kept) == draft.num_nodes else subset(draft, kept)
         masks = [root] + [rows[node] for node in kept]
-        if fitted.is_chain and not leaves and budget > len(kept):
+        if fitted.is_chain and not leaves and budget > len(kept) and (not kept or kept[-1] in after):
             end = after[kept[-1]] if kept else self.copy()
             fitted, extra = self._extend(fitted, budget - len(kept), certain_rows, end)
             masks.extend(extra)
@@ -271,7 +283,7 @@ class GrammarState:
         allows it alone, verification keeps it whatever the model says."""
         forced = end.forced()[:room]  # (``end``: a look-ahead state after the chain, which this goes on consuming)
         rows = []
-        for token in forced:
+        for token in forced:  # (llguidance's forced tokens never hold the end of sequence: fit's visit handles it)
             end.advance([token])
             rows.append(end.allowed())
         if not forced:
