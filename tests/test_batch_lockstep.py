@@ -790,18 +790,20 @@ def test_a_target_feeding_a_heads_mirror_takes_no_kept_cache(int4_target):
     assert engine._reuse(target, prompt, len(prompt) - 1) == 20 and target.num_cached == 20
 
 
-def test_a_fault_in_one_requests_verification_ends_that_request_alone(monkeypatch, int4_target):
-    """A verification that raises (a fault: a structured-output review found two) used to fail every request of the
-    round, which a server then failed too. Now that request ends with its error and the others decode on."""
+@pytest.mark.parametrize("half", ["begin_round", "finish_round"])
+def test_a_fault_in_one_requests_round_ends_that_request_alone(monkeypatch, int4_target, half):
+    """A drafting or verification that raises (faults: reviews found three, one in fitting a draft to a grammar) used to
+    fail every request of the round, which a server then failed too. Now that request ends with its error and the
+    others decode on."""
     prompts = [random_prompt(seed, 12) for seed in (0, 3)]
-    real = SpeculativeDecoder.finish_round
+    real = getattr(SpeculativeDecoder, half)
 
-    def finish_round(self, state, output):
+    def faulty(self, state, *args, **kwargs):
         if state.tokens[:12] == prompts[0] and len(state.tokens) > 16:
-            raise RuntimeError("a fault in this request's verification")
-        return real(self, state, output)
+            raise RuntimeError(f"a fault in this request's {half}")
+        return real(self, state, *args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeDecoder, "finish_round", finish_round)
+    monkeypatch.setattr(SpeculativeDecoder, half, faulty)
     engine = LockstepEngine(int4_target, max_batch_size=4)
     ids = [engine.submit(BatchRequest(tuple(p), greedy(24), MethodConfig("pld", cost_aware=False))) for p in prompts]
     tokens, errors = {seq_id: [] for seq_id in ids}, {}
@@ -811,5 +813,5 @@ def test_a_fault_in_one_requests_verification_ends_that_request_alone(monkeypatc
             if event.error is not None:
                 errors[event.seq_id] = event.error
     assert list(errors) == [ids[0]] and isinstance(errors[ids[0]], RuntimeError)
-    monkeypatch.setattr(SpeculativeDecoder, "finish_round", real)
+    monkeypatch.setattr(SpeculativeDecoder, half, real)
     assert tokens[ids[1]] == alone(int4_target, MethodConfig("pld", cost_aware=False), prompts[1], greedy(24))

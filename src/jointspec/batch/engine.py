@@ -71,7 +71,7 @@ class BatchEvent:
     """What one round did for one sequence. ``finish_reason``: None while it runs, else "stop" (end-of-sequence
     token), "length" (``max_new_tokens`` or the context), "cancelled", or "error", which ends it alone: the request's
     own method refused a round (``error`` a :class:`JointspecError` saying why; a draft too large for the target, say)
-    or its verification failed (any other exception: a fault, which the lockstep engine logs)."""
+    or, on the lockstep engine, its drafting or verification failed (any other exception: a fault, which it logs)."""
 
     seq_id: int
     token_ids: list[int]

@@ -396,7 +396,9 @@ class LockstepEngine(EngineBase):
                 calls.append(seq.decoder.begin_round(seq.state, hold_draft=not drafts))
                 seq.state.draft_seconds += shared.get(seq.seq_id, 0.0)  # its share of the head call made for all
                 rows.append(seq)
-            except JointspecError as error:  # its own options refused (say, a draft past the target's rows)
+            except Exception as error:  # its own options refused (say, a draft past the target's rows), or a fault
+                if not isinstance(error, JointspecError):
+                    log.exception("request %d failed in its drafting", seq.seq_id)
                 del self.active[seq.seq_id]
                 events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=error))
         if not rows:

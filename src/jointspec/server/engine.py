@@ -232,7 +232,7 @@ class _Stream:
                     self.done = self.ended = True
                     if isinstance(event.error, JointspecError):  # its own options refused a round
                         failure = Failure("invalid_request", str(event.error))
-                    else:  # a fault in its verification (logged by the engine), the other requests unharmed
+                    else:  # a fault in its drafting or verification (logged by the engine), the others unharmed
                         failure = Failure("engine_error", "the engine failed while decoding this request")
                     yield Chunk(self.text.finish(), 0, "error", failure=failure)
                     return
