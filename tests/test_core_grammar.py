@@ -459,6 +459,46 @@ def test_lookup_copying_the_end_of_sequence_after_a_complete_answer_gives_plain_
     assert BatchEngine(CausalLM(model), tokenizer, max_batch_size=4).generate(requests)[0] == expected
 
 
+@pytest.mark.parametrize("engine_kind", ["lockstep", "ragged"])
+@pytest.mark.parametrize("half", ["fit", "advance"])
+def test_a_grammar_fault_in_one_request_ends_that_request_alone(monkeypatch, tokenizer, model, engine_kind, half):
+    """A fault in one request's grammar (fitting its draft, or consuming its committed tokens) ends that request with
+    its error; the requests beside it, constrained and free, get their own tokens (both engines failed the whole round
+    before; a server then failed every request in it)."""
+    faulty = Grammar(FORMATS["regex"], tokenizer, BYTES, frozenset({EOS}))
+    grammar = Grammar(FORMATS["regex"], tokenizer, BYTES, frozenset({EOS}))
+    real, real_copy = getattr(GrammarState, half), GrammarState.copy
+
+    def broken(self, *args, **kwargs):  # (advance: the answer's own state's, not a draft's look-ahead copies')
+        if self.grammar is faulty and not getattr(self, "look_ahead", False):
+            raise RuntimeError(f"a fault in {half}")
+        return real(self, *args, **kwargs)
+
+    def marked_copy(self):
+        state = real_copy(self)
+        state.look_ahead = True
+        return state
+
+    monkeypatch.setattr(GrammarState, half, broken)
+    monkeypatch.setattr(GrammarState, "copy", marked_copy)
+    prompts = [prompt_ids(tokenizer, text) for text in ("write abcdz: ", "once more: ", "x ")]
+    requests = [BatchRequest(tuple(prompts[0]), constrained(faulty, 20), MethodConfig(name="pld", cost_aware=False)),
+                BatchRequest(tuple(prompts[1]), constrained(grammar, 20), MethodConfig(name="pld", cost_aware=False)),
+                BatchRequest(tuple(prompts[2]), constrained(None, 20), MethodConfig(name="ar"))]
+    engine = (LockstepEngine if engine_kind == "lockstep" else BatchEngine)(CausalLM(model), tokenizer,
+                                                                             max_batch_size=4)
+    ids = [engine.submit(request) for request in requests]
+    tokens, errors = {seq_id: [] for seq_id in ids}, {}
+    while engine.has_work:
+        for event in engine.step():
+            tokens[event.seq_id].extend(event.token_ids)
+            if event.error is not None:
+                errors[event.seq_id] = event.error
+    assert list(errors) == [ids[0]] and str(errors[ids[0]]) == f"a fault in {half}"
+    for seq_id, request in zip(ids[1:], requests[1:]):
+        assert tokens[seq_id] == decoder(CausalLM(model), "ar").generate(list(request.prompt_ids), request.config)
+
+
 def test_reading_a_drafts_rows_leaves_the_answers_grammar_state_in_step():
     """llguidance 1.9.1 can leave a matcher rolled back past a computed mask out of step (its next masks wrong): after
     '{"name": "Felicia", "habits_recreational": {"play":' in SmolLM2's tokens, consuming ' {"', reading the mask,

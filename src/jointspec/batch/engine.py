@@ -36,7 +36,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.choices import dynamic_tree_refusal
-from jointspec.core.draft import tree_depths
+from jointspec.core.draft import Draft, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import GrammarState, masked_logits
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
@@ -71,7 +71,9 @@ class BatchEvent:
     """What one round did for one sequence. ``finish_reason``: None while it runs, else "stop" (end-of-sequence
     token), "length" (``max_new_tokens`` or the context), "cancelled", or "error", which ends it alone: the request's
     own method refused a round (``error`` a :class:`JointspecError` saying why; a draft too large for the target, say)
-    or, on the lockstep engine, its drafting or verification failed (any other exception: a fault, which it logs)."""
+    or its drafting or verification failed (any other exception: a fault, which the engine logs; on the ragged engine
+    a fault in fitting its draft to its grammar or in its verification, while one in a group's drafter fails the
+    round)."""
 
     seq_id: int
     token_ids: list[int]
@@ -295,6 +297,9 @@ class BatchEngine(EngineBase):
         t0 = time.perf_counter()
         drafts: dict[int, object] = {}
         groups: dict[int, list[_Sequence]] = {}
+        # A fault in one request's grammar fit or verification ends that request alone (its row still goes through
+        # the round's forward, with no draft, and leaves the batch at the end of the round); the others go on.
+        failed: dict[int, Exception] = {}
         for seq in rows:
             groups.setdefault(id(seq.method), []).append(seq)
         for group in groups.values():
@@ -307,8 +312,13 @@ class BatchEngine(EngineBase):
                 assert draft.num_nodes <= seq.end - len(seq.tokens) - 1, "drafter exceeded its draft budget"
                 seq.own_nodes = draft.num_nodes
                 if seq.grammar is not None:  # as the single-sequence loop does (core/grammar.py)
-                    fitted = seq.grammar.fit(draft, 0 if seq.method.never_drafts else seq.end - len(seq.tokens) - 1)
-                    draft, seq.masks, seq.own_nodes = fitted.draft, fitted.masks, fitted.own
+                    try:
+                        fitted = seq.grammar.fit(draft, 0 if seq.method.never_drafts else seq.end - len(seq.tokens) - 1)
+                        draft, seq.masks, seq.own_nodes = fitted.draft, fitted.masks, fitted.own
+                    except Exception as error:
+                        log.exception("request %d failed in its drafting", seq.seq_id)
+                        failed[seq.seq_id] = error
+                        draft = Draft([])  # its row in the forward, which nothing reads
                 drafts[seq.seq_id] = draft
         t1 = time.perf_counter()
 
@@ -322,17 +332,28 @@ class BatchEngine(EngineBase):
         for r, seq in enumerate(rows):
             draft = drafts[seq.seq_id]
             config = seq.request.config
-            rows_logits = logits[r, :draft.num_nodes + 1]
-            if seq.masks is not None:
-                rows_logits = masked_logits(rows_logits, seq.masks)
-            verdict = seq.method.verifier.verify(draft, rows_logits, config.sampling, seq.generator)
-            keep.append(len(seq.tokens) + verdict.num_accepted)
+            before = len(seq.tokens)
+            if seq.seq_id not in failed:
+                try:
+                    rows_logits = logits[r, :draft.num_nodes + 1]
+                    if seq.masks is not None:
+                        rows_logits = masked_logits(rows_logits, seq.masks)
+                    verdict = seq.method.verifier.verify(draft, rows_logits, config.sampling, seq.generator)
+                    new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
+                    if seq.grammar is not None:
+                        seq.grammar.advance(new_tokens[:-1] if stopped else new_tokens)
+                except Exception as error:
+                    log.exception("request %d failed in its verification", seq.seq_id)
+                    failed[seq.seq_id] = error
+            if seq.seq_id in failed:
+                keep.append(before)
+                finished[seq.seq_id] = "error"
+                events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=failed[seq.seq_id]))
+                continue
+            seq.masks = None
+            keep.append(before + verdict.num_accepted)
             num_accepted[seq.seq_id] = min(verdict.num_accepted, seq.own_nodes)  # what its drafter proposed
-            new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
             seq.tokens.extend(new_tokens)
-            if seq.grammar is not None:
-                seq.grammar.advance(new_tokens[:-1] if stopped else new_tokens)
-                seq.masks = None
             if stopped or len(seq.tokens) >= seq.end:
                 finished[seq.seq_id] = "stop" if stopped else "length"
             depths = tree_depths(draft.node_parents())
