@@ -209,6 +209,17 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int |
     return out[0, len(prompt):].tolist()
 
 
+def run_engine(engine, ids: list[int]) -> tuple[dict[int, list[int]], dict[int, Exception]]:
+    """Step a batched engine until it has no work: each request's tokens, and the errors that ended requests."""
+    tokens, errors = {seq_id: [] for seq_id in ids}, {}
+    while engine.has_work:
+        for event in engine.step():
+            tokens[event.seq_id].extend(event.token_ids)
+            if event.error is not None:
+                errors[event.seq_id] = event.error
+    return tokens, errors
+
+
 def first_occurrences(tokens: list[int]) -> dict[int, int]:
     """Position of the first occurrence of each token."""
     first: dict[int, int] = {}

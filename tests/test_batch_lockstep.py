@@ -55,7 +55,15 @@ from helpers import BATCH_EOS as EOS
 from helpers import BATCH_GREEDY as GREEDY
 from helpers import BATCH_PROMPTS as PROMPTS
 from helpers import BATCH_SAMPLED as SAMPLED
-from helpers import assert_forward_many_is_each_alone, greedy, grouped_llama, random_prompt, tiny_llama, untrained_head
+from helpers import (
+    assert_forward_many_is_each_alone,
+    greedy,
+    grouped_llama,
+    random_prompt,
+    run_engine,
+    tiny_llama,
+    untrained_head,
+)
 
 METHODS = {
     "ar": MethodConfig("ar"),
@@ -806,12 +814,7 @@ def test_a_fault_in_one_requests_round_ends_that_request_alone(monkeypatch, int4
     monkeypatch.setattr(SpeculativeDecoder, half, faulty)
     engine = LockstepEngine(int4_target, max_batch_size=4)
     ids = [engine.submit(BatchRequest(tuple(p), greedy(24), MethodConfig("pld", cost_aware=False))) for p in prompts]
-    tokens, errors = {seq_id: [] for seq_id in ids}, {}
-    while engine.has_work:
-        for event in engine.step():
-            tokens[event.seq_id].extend(event.token_ids)
-            if event.error is not None:
-                errors[event.seq_id] = event.error
+    tokens, errors = run_engine(engine, ids)
     assert list(errors) == [ids[0]] and isinstance(errors[ids[0]], RuntimeError)
     monkeypatch.setattr(SpeculativeDecoder, half, real)
     assert tokens[ids[1]] == alone(int4_target, MethodConfig("pld", cost_aware=False), prompts[1], greedy(24))

@@ -49,7 +49,7 @@ from jointspec.verifiers.greedy import GreedyVerifier
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
 from jointspec.verifiers.spectr import SpecTrVerifier
 
-from helpers import assert_clean_error, byte_tokenizer, chi_square_pvalue, run_cli, tiny_llama
+from helpers import assert_clean_error, byte_tokenizer, chi_square_pvalue, run_cli, run_engine, tiny_llama
 
 BYTES = 259  # byte_tokenizer's ids: 256 bytes, <pad>, <s>, </s>
 EOS = 258
@@ -450,12 +450,8 @@ def test_lookup_copying_the_end_of_sequence_after_a_complete_answer_gives_plain_
                 BatchRequest(tuple(prompt_ids(tokenizer, "free text ")), constrained(None, 40), MethodConfig("ar"))]
     lockstep = LockstepEngine(CausalLM(model), tokenizer, max_batch_size=4)
     ids = [lockstep.submit(request) for request in requests]
-    tokens = {seq_id: [] for seq_id in ids}
-    while lockstep.has_work:
-        for event in lockstep.step():
-            assert event.error is None
-            tokens[event.seq_id].extend(event.token_ids)
-    assert tokens[ids[0]] == expected
+    tokens, errors = run_engine(lockstep, ids)
+    assert not errors and tokens[ids[0]] == expected
     assert BatchEngine(CausalLM(model), tokenizer, max_batch_size=4).generate(requests)[0] == expected
 
 
@@ -488,12 +484,7 @@ def test_a_grammar_fault_in_one_request_ends_that_request_alone(monkeypatch, tok
     engine = (LockstepEngine if engine_kind == "lockstep" else BatchEngine)(CausalLM(model), tokenizer,
                                                                              max_batch_size=4)
     ids = [engine.submit(request) for request in requests]
-    tokens, errors = {seq_id: [] for seq_id in ids}, {}
-    while engine.has_work:
-        for event in engine.step():
-            tokens[event.seq_id].extend(event.token_ids)
-            if event.error is not None:
-                errors[event.seq_id] = event.error
+    tokens, errors = run_engine(engine, ids)
     assert list(errors) == [ids[0]] and str(errors[ids[0]]) == f"a fault in {half}"
     for seq_id, request in zip(ids[1:], requests[1:]):
         assert tokens[seq_id] == decoder(CausalLM(model), "ar").generate(list(request.prompt_ids), request.config)
