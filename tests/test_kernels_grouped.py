@@ -1085,7 +1085,8 @@ def test_kernel_inputs_are_chosen_by_the_environment_and_refused_by_name(monkeyp
     monkeypatch.delenv(grouped.INPUTS_ENV)
 
 
-def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypatch):
+def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypatch, tmp_path):
+    """(A cache without a finished build: one that has it imports it and needs no ninja.)"""
     from torch.utils import cpp_extension
 
     from jointspec.kernels import grouped
@@ -1093,6 +1094,7 @@ def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypa
     def no_ninja():
         raise RuntimeError("Ninja is required to load C++ extensions")
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     module, reason = grouped._build("portable")
     assert module is None and "cannot be built (Ninja is required" in reason and "pip install ninja" in reason
 
@@ -1286,6 +1288,76 @@ def test_a_build_waits_for_another_process_build_and_clears_a_dead_ones_lock(tmp
     with caplog.at_level("WARNING", logger="jointspec.kernels.grouped"):
         grouped._wait_for_other_build(tmp_path)
     assert not lock.exists() and "did not finish" in caplog.text
+
+
+def test_a_lock_whose_builder_has_ended_goes_at_once_and_a_stopped_wait_ends(monkeypatch, tmp_path, caplog):
+    """A build killed midway (a CI cancel, `timeout`, the OOM killer) left torch's lock, which the next run waited out
+    for ten minutes. The process that builds writes who it is beside the lock: a lock whose builder has ended goes at
+    once. A lock whose builder runs is waited on, and an interrupted command's wait ends (stop_builds): it lingered
+    until the other build finished."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from jointspec.kernels import grouped
+
+    monkeypatch.setattr(grouped, "STALE_LOCK_SECONDS", 20)  # (the age rule, which a test must not wait out at 600 s)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    lock = tmp_path / "lock"
+    lock.touch()
+    (tmp_path / grouped._OWNER).write_text(f"{platform.node()} {ended.pid} 1")
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="jointspec.kernels.grouped"):
+        assert grouped._wait_for_other_build(tmp_path)
+    assert time.monotonic() - start < 5 and not lock.exists() and "whose process has ended" in caplog.text
+    lock.touch()
+    (tmp_path / grouped._OWNER).write_text(grouped._owner_line())  # this process: alive
+    monkeypatch.setattr(grouped, "_STOP", threading.Event())
+    threading.Timer(1.0, grouped.stop_builds).start()
+    assert not grouped._wait_for_other_build(tmp_path) and lock.exists()
+    assert not grouped._STOP.is_set()  # later waits (a library that goes on, the next test) wait as before
+
+
+def test_a_damaged_library_is_built_again_and_a_finished_one_imported_without_torchs_build(monkeypatch, tmp_path):
+    """A build records the library it finished (size and hash). A library that no longer matches (truncated: mapping
+    it crashed every command with no message) is removed and built again, never imported; a matching one is
+    imported directly, without torch's build, its lock or ninja (a read-only cache could not take the lock). The
+    compiler is a stand-in that writes a library file."""
+    from torch.utils import cpp_extension
+
+    from jointspec.kernels import grouped
+
+    class Built:
+        def isa(self):
+            return "portable"
+
+    built, imported = [], []
+
+    def fake_load(*, name, sources, build_directory, **options):
+        library = Path(build_directory) / f"{name}.so"
+        if not library.exists():
+            built.append(name)
+            library.write_bytes(b"a finished library")
+        return Built()
+
+    def fake_import(name, library):
+        imported.append(library.read_bytes())
+        return Built()
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(grouped, "_import_library", fake_import)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert grouped._build("portable")[1] is None and len(built) == 1 and imported == []
+    [library] = tmp_path.glob("jointspec/kernels/*/*.so")
+    assert (library.parent / grouped._FINISHED).read_text().split()[0] == str(len(b"a finished library"))
+    monkeypatch.setattr(cpp_extension, "load", None)  # a finished build needs none of it
+    assert grouped._build("portable")[1] is None and imported == [b"a finished library"]
+    library.write_bytes(b"a damaged library!")  # the same size, other bytes
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert grouped._build("portable")[1] is None and len(built) == 2 and imported == [b"a finished library"]
+    assert library.read_bytes() == b"a finished library"
 
 
 def test_a_forced_build_serves_every_kernels_call_inside_its_block():

@@ -122,7 +122,9 @@ def inputs_setting() -> str:
 
 
 def _build_directory(tag: str) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    """Where a build lives: ``$XDG_CACHE_HOME/jointspec/kernels`` (default ``~/.cache``). Not ``$JOINTSPEC_CACHE``,
+    which tests point at empty folders: the kernels load once a process, and a build there would take minutes."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "jointspec" / "kernels" / tag
 
 
@@ -244,6 +246,8 @@ def _load(isa: str):
     with _LOAD_LOCK:
         if isa not in _RESULTS:
             module, reason = _build(isa)
+            if reason == _INTERRUPTED:  # nothing to say, and the next call (a library that goes on) tries again
+                return None, reason
             if module is not None:
                 module.use_q8_inputs(inputs_setting() == "q8")
                 use_row_kernels(module, preferred=isa == _fastest_isa())
@@ -311,29 +315,82 @@ def source_digest() -> str:
 
 
 # A build that holds its folder's lock longer than this is taken for a process that died building (torch's own wait
-# would last for ever): a build takes a minute or two on two cores.
+# would last for ever): a build takes a minute or two on two cores. Where the lock's owner is known (``_OWNER``) and
+# gone, the lock goes at once.
 STALE_LOCK_SECONDS = 600
+_OWNER = "owner"  # beside torch's lock: "host pid start" of the process that calls torch's build
+_STOP = threading.Event()  # set by stop_builds(): the waits for another process's build begun before it end
+_INTERRUPTED = "the command was interrupted while another process built the kernels"
 
 
-def _wait_for_other_build(directory: Path) -> None:
-    """Wait while another process builds into ``directory`` (torch's lock file there), saying so once; a lock left
-    by a process that died while building (older than :data:`STALE_LOCK_SECONDS`) is removed, with a warning."""
+def stop_builds() -> None:
+    """End the waits for another process's kernel build begun so far (an interrupted command: its build thread is
+    not a daemon, and the process would otherwise linger until that other build finished). Later builds (a library
+    that goes on, a test run) wait as before."""
+    global _STOP
+    stopping, _STOP = _STOP, threading.Event()
+    stopping.set()
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc``'s clock ticks since boot: a reused pid has another), "" where this
+    system has no ``/proc``, None where no such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None if os.path.isdir("/proc/self") else ""
+    except (OSError, IndexError):
+        return ""
+
+
+def _owner_line() -> str:
+    return f"{platform.node()} {os.getpid()} {_process_start(os.getpid()) or '-'}"
+
+
+def _owner_gone(directory: Path) -> bool:
+    """Whether the process that last called torch's build in ``directory`` has ended (known only on this host)."""
+    try:
+        host, pid, start = (directory / _OWNER).read_text().split()
+    except (OSError, ValueError):
+        return False
+    if host != platform.node():
+        return False
+    now = _process_start(int(pid))
+    if now == "":  # no /proc: whether the pid runs at all
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    return now is None or (start != "-" and now != start)
+
+
+def _wait_for_other_build(directory: Path) -> bool:
+    """Wait while another process builds into ``directory`` (torch's lock file there), saying so once. A lock left by
+    a process that died while building (its owner gone, or the lock older than :data:`STALE_LOCK_SECONDS`) is
+    removed, with a warning. False where :func:`stop_builds` ended the wait."""
     lock = directory / "lock"
-    said = False
+    said, stop = False, _STOP
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
         except FileNotFoundError:
-            return
-        if age > STALE_LOCK_SECONDS:
-            log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+            return True
+        gone = _owner_gone(directory)
+        if gone or age > STALE_LOCK_SECONDS:
+            why = "whose process has ended" if gone else f"{age:.0f} s ago"
+            log.warning("removing %s, left by a kernel build that did not finish (%s)", lock, why)
             lock.unlink(missing_ok=True)
-            return
+            return True
         if not said:
             print(f"jointspec: waiting for another process building the CPU kernels (its lock: {lock}; if no "
                   "jointspec process is running, remove that file)", file=sys.stderr, flush=True)
             said = True
-        time.sleep(1.0)
+        if stop.wait(1.0):
+            return False
 
 
 def own_ninja_directory() -> str | None:
@@ -365,6 +422,27 @@ def _environment_variable(name: str, value: str | None) -> Iterator[None]:
 
 
 def _build(isa: str):
+    flags = ISA_FLAGS[isa][1]
+    digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
+    name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
+    directory = _build_directory(name)  # (named by the sources and flags: a library in it is of these sources)
+    if directory.is_dir():
+        if not _wait_for_other_build(directory):
+            return None, _INTERRUPTED
+        library = directory / f"{name}.so"
+        if _finished(library):
+            try:  # a finished build, checked: imported as torch's load would, without its lock or ninja's check
+                return _checked(_import_library(name, library), isa, directory, library)
+            except ImportError as error:
+                log.debug("importing %s failed (%s); building it again", library, error)
+        elif library.exists() and (directory / _FINISHED).exists():
+            # Not the library the build finished (damaged since, or a link stopped midway after an earlier one):
+            # loading it could crash the process. Without a record at all, ninja's own log judges it (below).
+            try:
+                library.unlink()
+            except OSError as error:
+                return None, (f"jointspec's {isa} CPU kernels at {library} are damaged and cannot be removed "
+                              f"({error}); delete that folder and run again")
     # torch runs whichever ninja PATH names first. Two ninja versions (the environment's and the system's, as in an
     # activated shell and a script that calls .venv/bin/python) keep the build log in formats each reads as stale,
     # so every switch between them rebuilt the kernels (20 s and more on two cores): always this Python's own.
@@ -376,17 +454,16 @@ def _build(isa: str):
             verify_ninja_availability()
         except (ImportError, RuntimeError) as error:
             return None, f"jointspec's CPU kernels cannot be built ({error}; pip install ninja)"
-        flags = ISA_FLAGS[isa][1]
-        digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
-        name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
-        directory = _build_directory(name)
         compiling = not any(directory.glob("*.so"))
         if compiling:
             print(f"jointspec: building the {isa} CPU kernels, once for this CPU type (a minute or two on two cores) "
                   "...", file=sys.stderr, flush=True)
             _prune_builds(directory, isa)
         directory.mkdir(parents=True, exist_ok=True)
-        _wait_for_other_build(directory)
+        if not _wait_for_other_build(directory):
+            return None, _INTERRUPTED
+        with contextlib.suppress(OSError):
+            (directory / _OWNER).write_text(_owner_line())
         if compiling:
             _COMPILING.set()
         # ninja's default runs every unit at once (cores + 2 jobs): on two cores the longest unit then shares them with
@@ -406,8 +483,55 @@ def _build(isa: str):
             return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
         finally:
             _COMPILING.clear()
+    return _checked(module, isa, directory, directory / f"{name}.so", record=True)
+
+
+_FINISHED = ".finished"  # "size sha256" of the library a build finished and loaded
+
+
+def _finished(library: Path) -> bool:
+    """Whether ``library`` is what a build finished and loaded (its size and hash as recorded then): a link stopped
+    midway, or a file damaged since, is not, and is never loaded (a truncated library crashes the process that maps
+    it)."""
+    try:
+        size, digest = (library.parent / _FINISHED).read_text().split()
+        if library.stat().st_size != int(size):
+            return False
+    except (OSError, ValueError):
+        return False
+    with open(library, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest() == digest
+
+
+def _import_library(name: str, library: Path):
+    """The built extension module, imported as torch's ``load`` imports it once built."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _checked(module, isa: str, directory: Path, library: Path, record: bool = False):
+    """``_build``'s answer for a loaded ``module``; ``record``: note the library as finished (just built or
+    checked by torch's load)."""
     if module.isa() != isa:
         return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
+    if record and library.is_file():
+        with contextlib.suppress(OSError):  # a read-only cache: checked again by torch's load next time
+            with open(library, "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").hexdigest()
+            staged = directory / f"{_FINISHED}.{os.getpid()}"
+            staged.write_text(f"{library.stat().st_size} {digest}\n")
+            os.replace(staged, directory / _FINISHED)
+    if record:
+        with contextlib.suppress(OSError):
+            owner = directory / _OWNER
+            if owner.read_text() == _owner_line():
+                owner.unlink()
     _mark_used(directory)
     return module, None
 
