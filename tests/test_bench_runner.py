@@ -341,6 +341,33 @@ def test_a_report_that_fails_while_written_leaves_the_earlier_one_whole(bench_ma
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing half-written
 
 
+def test_a_sigterm_while_a_report_is_written_cleans_up_as_ctrl_c_does(bench_main, bench_prompt_file, tmp_path,
+                                                                        monkeypatch):
+    """SIGTERM (`timeout`, `docker stop`, a CI's cancel) ended the process at once, skipping every clean-up: a
+    report's staging folder stayed in the report folder (and a first run's half-prepared model, 183 MB). The CLI now
+    raises it as it raises Ctrl-C's interrupt: the same clean-up, exit status 143."""
+    import os
+    import signal
+
+    from jointspec.bench import report as bench_report
+
+    folder = tmp_path / "report"
+    common = ("--prompts", str(bench_prompt_file), "--max-new-tokens", "4", "--no-perplexity", "--no-cost-model",
+              "--report-dir", str(folder))
+    assert bench_main(*common, "--methods", "ar")[0] == 0
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+
+    def terminated_plots(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0)  # (a no-op that lets the handler run here, as it would at the next instruction)
+
+    monkeypatch.setattr(bench_report, "write_plots", terminated_plots)
+    code, out, err = bench_main(*common, "--methods", "ar,pld")
+    assert code == 143 and "terminated" in err
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before the command
+
+
 def test_a_report_stopped_in_a_new_folder_leaves_no_folder(bench_main, bench_prompt_file, tmp_path, monkeypatch):
     """The folders made for a report were left, empty, by a run stopped while writing it."""
     from jointspec.bench import report as bench_report

@@ -7,7 +7,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from jointspec.cli.commands import COMMANDS, command_help
@@ -328,7 +330,29 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``docker stop``, a CI's cancel), raised in the main thread as Ctrl-C's interrupt is, so
+    that what a command cleans up on Ctrl-C (a model half prepared, a report half written) is cleaned up too."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    # (A server's uvicorn puts its own draining handler in place while it serves, and restores this one after.)
+    on_term = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    if on_term:
+        signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _main(argv)
+    finally:
+        if on_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=os.environ.get("JOINTSPEC_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     # transformers is chatty on load (GGUF dequantisation notes, generation-config notes); keep the CLI readable.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -344,9 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         _say_if_still_building()
         print(f"jointspec: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # what a command had not finished is lost, and the user should know it stopped
-        print(f"jointspec: interrupted: {command or 'the command'} stopped before it finished", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # what a command had not finished is lost, and the user should know it
+        grouped = sys.modules.get("jointspec.kernels.grouped")
+        if grouped is not None:  # a build thread waiting for another process's build would keep the process alive
+            grouped.stop_builds()
+        how = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
+        print(f"jointspec: {how}: {command or 'the command'} stopped before it finished", file=sys.stderr)
+        return 143 if isinstance(interrupt, Terminated) else 130
     except BrokenPipeError:  # the reader went away (`jointspec methods | head`): nothing more to say, no traceback
         # Python flushes stdout again on exit: point it at /dev/null so that flush cannot fail too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
