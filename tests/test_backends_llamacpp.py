@@ -489,6 +489,7 @@ def test_default_gguf_path_keeps_one_checked_copy(tmp_path, monkeypatch):
     digest = embedded._sha256(source)
     monkeypatch.setattr(embedded, "_fetch_gguf", lambda workdir: source)
     monkeypatch.setattr(embedded, "GGUF_SHA256", "0" * 64)
+    monkeypatch.setattr(embedded, "GGUF_SIZE", len(b"GGUF and some bytes"))
     with pytest.raises(ModelLoadError, match="checksum mismatch"):
         embedded.default_gguf_path()
     assert not embedded.default_gguf_file().exists()

