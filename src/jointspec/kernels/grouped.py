@@ -497,10 +497,10 @@ def _finished(library: Path) -> bool:
         size, digest = (library.parent / _FINISHED).read_text().split()
         if library.stat().st_size != int(size):
             return False
+        with open(library, "rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest() == digest
     except (OSError, ValueError):
         return False
-    with open(library, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest() == digest
 
 
 def _import_library(name: str, library: Path):
