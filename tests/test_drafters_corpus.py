@@ -121,6 +121,23 @@ def test_a_save_stopped_midway_leaves_no_table_with_another_tables_config(tmp_pa
         NgramTable.load(tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["table cut short", "config emptied", "config without a key"])
+def test_a_damaged_table_is_refused_naming_its_folder_and_what_to_do(tmp_path, damage):
+    """Both files are written atomically, so only damage from outside makes them unreadable: that was the archive
+    or JSON library's own traceback. Now an error naming the folder and how to make the table again."""
+    NgramTable.build([[1, 2, 3, 4], [1, 2, 3, 5]], vocab_size=20, max_order=2, min_count=1).save(tmp_path, {})
+    if damage == "table cut short":
+        table = tmp_path / "table.npz"
+        table.write_bytes(table.read_bytes()[:100])
+    elif damage == "config emptied":
+        (tmp_path / "corpus.json").write_text("")
+    else:
+        (tmp_path / "corpus.json").write_text('{"vocab_size": 20}')
+    with pytest.raises(UnsupportedOptionError, match="is damaged .*jointspec build-corpus") as raised:
+        NgramTable.load(tmp_path)
+    assert str(tmp_path) in str(raised.value)
+
+
 def test_drafter_copies_the_context_first_then_the_table_then_stops():
     # Context lookup ((4, 5) occurred earlier, followed by 6) wins over the table; where the context has no match
     # of >= 2 tokens the table continues (1 -> 2 -> 3); the table knows nothing after 3: the draft ends there.

@@ -238,3 +238,30 @@ def test_answers_written_by_a_quantised_copy_are_featurised_by_the_float_target(
         build_data(target, None, prompts, data, max_new_tokens=12, max_length=64, shard_size=4, batch_size=4)
     with pytest.raises(UnsupportedOptionError, match="none, int8 or int4, got 'int3'"):
         build_data(target, None, prompts, tmp_path / "bad", max_new_tokens=12, answer_quantize="int3")
+
+
+def test_a_damaged_shard_or_spec_is_refused_naming_the_file_and_a_rebuilt_shard_reads_again(target_model, tmp_path):
+    """Shards and data.json are written atomically, so only damage from outside makes them unreadable: that was
+    torch's or json's own traceback. Now an error naming the file and what to do; deleting a shard and building
+    again makes it anew."""
+    from jointspec.core.errors import UnsupportedOptionError
+
+    target = CausalLM(target_model, name="tiny-target")
+    prompts = [random_prompt(460 + i, length=8) for i in range(4)]
+
+    def build():
+        return build_data(target, None, prompts, tmp_path / "d", max_new_tokens=4, max_length=64, shard_size=2,
+                          batch_size=2)
+
+    data = build()
+    expected = [shard["token_ids"].tolist() for shard in load_shards(data)]
+    first = sorted(data.glob("shard-*.pt"))[0]
+    first.write_bytes(first.read_bytes()[:200])
+    with pytest.raises(UnsupportedOptionError, match="is damaged.*delete it") as raised:
+        list(load_shards(data))
+    assert str(first) in str(raised.value)
+    first.unlink()
+    assert [shard["token_ids"].tolist() for shard in load_shards(build())] == expected
+    (data / "data.json").write_text("{")
+    with pytest.raises(UnsupportedOptionError, match="data.json' is damaged"):
+        build()

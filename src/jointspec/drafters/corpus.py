@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import weakref
+import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,13 +249,19 @@ class NgramTable:
         if not (folder / CONFIG_FILE).is_file() or not (folder / TABLE_FILE).is_file():
             raise UnsupportedOptionError(f"'{folder}' holds no n-gram table ({CONFIG_FILE} and {TABLE_FILE}); build "
                                          "one with `jointspec build-corpus`")
-        config = json.loads((folder / CONFIG_FILE).read_text())
-        with np.load(folder / TABLE_FILE) as data:
-            orders = range(1, int(config["max_order"]) + 1)
-            table = cls(int(config["vocab_size"]), tuple(data[f"keys{n}"] for n in orders),
-                        tuple(data[f"next{n}"] for n in orders),
-                        tuple(data[f"share{n}"].astype(np.float32) for n in orders),
-                        tuple(data[f"count{n}"] for n in orders))
+        try:
+            config = json.loads((folder / CONFIG_FILE).read_text())
+            with np.load(folder / TABLE_FILE) as data:
+                orders = range(1, int(config["max_order"]) + 1)
+                table = cls(int(config["vocab_size"]), tuple(data[f"keys{n}"] for n in orders),
+                            tuple(data[f"next{n}"] for n in orders),
+                            tuple(data[f"share{n}"].astype(np.float32) for n in orders),
+                            tuple(data[f"count{n}"] for n in orders))
+        except (ValueError, KeyError, TypeError, OSError, zipfile.BadZipFile) as error:
+            # jointspec writes both atomically: only damage from outside (a copy cut short, a full disk) lands here.
+            raise UnsupportedOptionError(
+                f"the n-gram table in '{folder}' is damaged ({type(error).__name__}: {error}); build it again with "
+                "`jointspec build-corpus`") from None
         return table, config
 
 

@@ -235,7 +235,11 @@ def _open_folder(folder: Path, spec: DataSpec, write: bool = True) -> DataSpec:
             tmp.write_text(json.dumps(spec.as_json(), indent=1))
             os.replace(tmp, meta_path)
         return spec
-    existing = json.loads(meta_path.read_text())
+    try:
+        existing = json.loads(meta_path.read_text())
+    except ValueError as error:
+        raise UnsupportedOptionError(f"'{meta_path}' is damaged ({error}); use a new --data folder or delete this "
+                                     "one") from None
     if not spec.fuse_layers and existing.get("fuse_layers"):
         # A folder with fused layers serves drafts that read only the last feature too: finish it as begun.
         spec = replace(spec, fuse_layers=tuple(existing["fuse_layers"]))
@@ -263,7 +267,14 @@ def load_shards(folder: str | Path) -> Iterator[dict]:
     if not paths:
         raise UnsupportedOptionError(f"data folder '{folder}' has no shards; build it first (train-draft does)")
     for path in paths:
-        yield torch.load(path, weights_only=True)
+        try:
+            shard = torch.load(path, weights_only=True)
+        except (RuntimeError, EOFError, OSError, ValueError) as error:  # written atomically: damaged from outside
+            why = " ".join(str(error).split())[:200]
+            raise UnsupportedOptionError(
+                f"data shard '{path}' is damaged ({why}); delete it and run train-draft with --data '{folder}' again, "
+                "which makes the missing shards") from None
+        yield shard
 
 
 def read_spec(folder: str | Path) -> dict:
