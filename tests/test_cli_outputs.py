@@ -51,6 +51,17 @@ def test_bench_refuses_a_shared_option_no_method_of_it_reads(capsys, tmp_path, f
     assert_clean_error(code, err, "jointspec: error:", flags[0], "(ar, pld)", "would be ignored")
 
 
+def test_train_draft_names_the_option_the_user_passed(capsys, tmp_path):
+    """With --data-only and no --data, the data folder is --out's: an --out that is a file was refused as
+    "--data 'FILE/data' cannot be made", an option the user never passed."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, _, err = run_cli(capsys, "train-draft", "--target", str(tmp_path / "no-model"), "--data-only", "--out",
+                           str(blocker))
+    assert_clean_error(code, err, "jointspec: error:", "--out", "is a file")
+    assert "--data" not in err
+
+
 def test_bench_takes_a_shared_option_one_of_its_methods_reads(capsys, tmp_path):
     code, _, err = run_cli(capsys, "bench", "--model", str(tmp_path / "no-model"), "--methods", "ar,spectr",
                            "--beam-width", "3", "--no-progress")

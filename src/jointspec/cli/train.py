@@ -213,9 +213,9 @@ def run(args: argparse.Namespace) -> int:
     answers_from = _answer_server(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.data_only:
+    if not args.data_only or args.data is None:  # (--out holds the data folder where --data is not given)
         check_output_folder(args.out, "--out")
-    check_output_folder(args.data or args.out / "data", "--data")
+    check_output_folder(args.data or args.out / "data", "--data" if args.data else "--out's data folder")
     if args.init is not None and not (args.init / "draft.json").is_file() and not is_eagle3_checkpoint(args.init):
         what = ("an EAGLE-1 or Medusa checkpoint made for another engine, which --init does not read"
                 if is_head_artifact(args.init) else "not a draft folder (no draft.json)")
