@@ -1320,6 +1320,26 @@ def test_a_lock_whose_builder_has_ended_goes_at_once_and_a_stopped_wait_ends(mon
     assert not grouped._STOP.is_set()  # later waits (a library that goes on, the next test) wait as before
 
 
+def test_a_build_ctrl_c_stopped_is_no_build_failure(monkeypatch, tmp_path, caplog):
+    """Ctrl-C reaches the compiler too (the terminal's process group): after "interrupted" the command then warned
+    that the kernels "failed to build" and the float32 model was kept. A build ninja reports interrupted is no
+    failure: no warning, and nothing kept that would stop a later call (a library that goes on) from building."""
+    from torch.utils import cpp_extension
+
+    from jointspec.kernels import grouped
+
+    def interrupted(**options):
+        raise RuntimeError("Error building extension 'x': ninja: build stopped: interrupted by user.")
+    monkeypatch.setattr(cpp_extension, "load", interrupted)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(grouped, "_RESULTS", {})
+    with caplog.at_level("WARNING", logger="jointspec.kernels.grouped"):
+        module, reason = grouped._load("portable")
+    assert module is None and reason == grouped._INTERRUPTED and "failed to build" not in caplog.text
+    assert "portable" not in grouped._RESULTS
+
+
 def test_a_damaged_library_is_built_again_and_a_finished_one_imported_without_torchs_build(monkeypatch, tmp_path):
     """A build records the library it finished (size and hash). A library that no longer matches (truncated: mapping
     it crashed every command with no message) is removed and built again, never imported; a matching one is

@@ -320,7 +320,7 @@ def source_digest() -> str:
 STALE_LOCK_SECONDS = 600
 _OWNER = "owner"  # beside torch's lock: "host pid start" of the process that calls torch's build
 _STOP = threading.Event()  # set by stop_builds(): the waits for another process's build begun before it end
-_INTERRUPTED = "the command was interrupted while another process built the kernels"
+_INTERRUPTED = "the command was interrupted before the kernels were built"
 
 
 def stop_builds() -> None:
@@ -478,6 +478,8 @@ def _build(isa: str):
                               extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
                               extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
+            if "interrupted by user" in str(error):  # Ctrl-C reached the compiler too: the command says it stopped
+                return None, _INTERRUPTED
             lines = str(error).splitlines()
             first = next((line for line in lines if "error:" in line), lines[0] if lines else type(error).__name__)
             return None, f"jointspec's {isa} CPU kernels failed to build ({first.strip()[:300]})"
