@@ -368,6 +368,25 @@ def test_a_sigterm_while_a_report_is_written_cleans_up_as_ctrl_c_does(bench_main
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as it was before the command
 
 
+def test_a_report_that_finds_the_disk_full_says_so_and_still_gives_the_runs_figures(bench_main, bench_prompt_file,
+                                                                                     tmp_path, monkeypatch):
+    """A full disk while the report was written (after the whole run) ended in PIL's or json's traceback, the run's
+    figures printed only as the table. Now the JSON line still goes out, then an error naming the folder."""
+    from jointspec.bench import report as bench_report
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench_report, "_write_report", full)
+    folder = tmp_path / "report"
+    code, out, err = bench_main("--prompts", str(bench_prompt_file), "--max-new-tokens", "4", "--no-perplexity",
+                                "--no-cost-model", "--report-dir", str(folder), "--methods", "ar")
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write the report in {folder} (No space left on device)" in err
+    assert json.loads(out.strip().splitlines()[-1])["methods"]["ar"]["num_prompts"] > 0
+    assert not folder.exists()
+
+
 def test_a_report_stopped_in_a_new_folder_leaves_no_folder(bench_main, bench_prompt_file, tmp_path, monkeypatch):
     """The folders made for a report were left, empty, by a run stopped while writing it."""
     from jointspec.bench import report as bench_report

@@ -37,6 +37,7 @@ from jointspec.cli.options import (
     positive_int,
     prebuild_kernels,
 )
+from jointspec.core.errors import JointspecError
 from jointspec.methods.registry import options_set
 
 # Test seam: tests replace this with a function returning a tiny in-process (CausalLM, tokenizer).
@@ -204,7 +205,13 @@ def run(args: argparse.Namespace) -> int:
         if not report.plots_available():
             print("jointspec bench: no plots: they need matplotlib, the bench extra (pip install 'jointspec[bench]')",
                   file=sys.stderr)
-        files = write_report(result, summary, args.report_dir, command)
+        try:
+            files = write_report(result, summary, args.report_dir, command)
+        except OSError as error:  # a full disk, after the whole run: its summary still goes out, then the error
+            print(json.dumps(contract(result, summary)))
+            raise JointspecError(f"could not write the report in {args.report_dir} ({error.strerror or error}); "
+                                 "nothing of it was left there: the table and the JSON line above are what this run "
+                                 "measured") from None
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
     print(json.dumps(contract(result, summary)))
     return 0
