@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"jointspec bench: warning: load average {load} on {cpus} CPUs: other work competed for the cores, "
               "so timings are unreliable", file=sys.stderr)
     print(table(result, summary))
+    print(json.dumps(contract(result, summary)))  # (before the report: a report that cannot be written loses no figure)
     if args.report_dir is not None:
         command = "jointspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         if not report.plots_available():
@@ -207,12 +208,10 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         try:
             files = write_report(result, summary, args.report_dir, command)
-        except OSError as error:  # a full disk, after the whole run: its summary still goes out, then the error
-            print(json.dumps(contract(result, summary)))
+        except OSError as error:  # a full disk, after the whole run: the figures are out above
             raise JointspecError(f"could not write the report in {args.report_dir} ({error.strerror or error}); "
                                  "nothing of it was left there: the table and the JSON line above are what this run "
                                  "measured") from None
         print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
-    print(json.dumps(contract(result, summary)))
     return 0
 

@@ -257,7 +257,7 @@ class NgramTable:
                             tuple(data[f"next{n}"] for n in orders),
                             tuple(data[f"share{n}"].astype(np.float32) for n in orders),
                             tuple(data[f"count{n}"] for n in orders))
-        except (ValueError, KeyError, TypeError, OSError, zipfile.BadZipFile) as error:
+        except (ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as error:
             # jointspec writes both atomically: only damage from outside (a copy cut short, a full disk) lands here.
             raise UnsupportedOptionError(
                 f"the n-gram table in '{folder}' is damaged ({type(error).__name__}: {error}); build it again with "

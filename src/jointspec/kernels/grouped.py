@@ -499,10 +499,14 @@ def _finished(library: Path) -> bool:
         size, digest = (library.parent / _FINISHED).read_text().split()
         if library.stat().st_size != int(size):
             return False
-        with open(library, "rb") as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest() == digest
+        return _digest(library) == digest
     except (OSError, ValueError):
         return False
+
+
+def _digest(library: Path) -> str:
+    with open(library, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _import_library(name: str, library: Path):
@@ -524,10 +528,8 @@ def _checked(module, isa: str, directory: Path, library: Path, record: bool = Fa
         return None, f"jointspec's {isa} CPU kernels were built as '{module.isa()}'"
     if record and library.is_file():
         with contextlib.suppress(OSError):  # a read-only cache: checked again by torch's load next time
-            with open(library, "rb") as handle:
-                digest = hashlib.file_digest(handle, "sha256").hexdigest()
             staged = directory / f"{_FINISHED}.{os.getpid()}"
-            staged.write_text(f"{library.stat().st_size} {digest}\n")
+            staged.write_text(f"{library.stat().st_size} {_digest(library)}\n")
             os.replace(staged, directory / _FINISHED)
     if record:
         with contextlib.suppress(OSError):

@@ -269,7 +269,7 @@ def load_shards(folder: str | Path) -> Iterator[dict]:
     for path in paths:
         try:
             shard = torch.load(path, weights_only=True)
-        except (RuntimeError, EOFError, OSError, ValueError) as error:  # written atomically: damaged from outside
+        except (RuntimeError, EOFError, ValueError) as error:  # written atomically: damaged from outside
             why = " ".join(str(error).split())[:200]
             raise UnsupportedOptionError(
                 f"data shard '{path}' is damaged ({why}); delete it and run train-draft with --data '{folder}' again, "
