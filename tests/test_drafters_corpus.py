@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.files import WriteError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.corpus import (
     CONFIG_FILE,
@@ -114,9 +115,10 @@ def test_a_save_stopped_midway_leaves_no_table_with_another_tables_config(tmp_pa
 
     monkeypatch.setattr(Path, "write_text", refuse_the_config(Path.write_text))
     monkeypatch.setattr(Path, "replace", refuse_the_config(Path.replace))
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(WriteError, match="could not write the n-gram table .* [(]disk full"):
         NgramTable.build(sequences, vocab_size=20, max_order=4, min_count=1).save(tmp_path, {"kind": "corpus"})
     monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table.npz"]  # no partial file left
     with pytest.raises(UnsupportedOptionError, match="holds no n-gram table"):
         NgramTable.load(tmp_path)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from jointspec.backends.loading import load_model as load_target
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import check_output_folder, positive_int
+from jointspec.core.files import cannot_write, replacing
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,8 @@ def _target_answers(pool: list[list[int]], spec: dict, data: Path, pipeline, con
     # The record goes with the answers: written afresh while there are none (an earlier run stopped before its first
     # answer may have left one for other settings, which the answers to come would then be filed under).
     if not _has_answers(answers_path):
-        tmp = spec_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(spec, indent=1))
-        tmp.replace(spec_path)
+        with replacing(spec_path, "the answers' record") as tmp:
+            tmp.write_text(json.dumps(spec, indent=1))
     todo = [i for i in range(len(pool)) if i not in done]
     progress = None
     if progress_bar:
@@ -145,8 +145,12 @@ def _target_answers(pool: list[list[int]], spec: dict, data: Path, pipeline, con
         for index in todo:
             answer = pipeline.generate_ids(pool[index], config).token_ids
             done[index] = list(answer)
-            sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
-            sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
+            try:
+                sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
+                sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
+            except OSError as error:  # a full disk: a line cut short is dropped when the run goes on
+                raise cannot_write("the answers", answers_path, error, "the answers before this one are kept: free "
+                                   "some room and run the same command again to go on from them") from error
             if progress is not None:
                 progress.update()
     if progress is not None:

@@ -18,6 +18,7 @@ from torch import nn
 from jointspec.backends.hf import CausalLM
 from jointspec.core.choices import HEAD_WEIGHT_CHOICES  # noqa: F401  (re-exported)
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
+from jointspec.core.files import cannot_write, replacing
 from jointspec.core.target import TargetCapabilities
 
 ARTIFACT_FORMAT = 1
@@ -103,13 +104,13 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
              if not k.startswith("body.embed_tokens")}
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp))
-    shareable(tmp)
-    tmp.replace(folder / WEIGHTS_FILE)
+    then = "what the folder held before is kept"
+    with replacing(folder / WEIGHTS_FILE, "the draft's weights", then) as tmp:
+        save_file(state, str(tmp))
+        shareable(tmp)
     meta = {"config": asdict(config), "training": training or {}}
-    (folder / (CONFIG_FILE + ".tmp")).write_text(json.dumps(meta, indent=1))
-    (folder / (CONFIG_FILE + ".tmp")).replace(folder / CONFIG_FILE)
+    with replacing(folder / CONFIG_FILE, "the draft's config", then) as tmp:
+        tmp.write_text(json.dumps(meta, indent=1))
     return folder
 
 
@@ -239,15 +240,20 @@ def write_engine_checkpoint(folder: Path, config: dict, state: dict[str, torch.T
 
     if folder.exists():
         raise FileExistsError(f"'{folder}' exists; export-draft writes a new folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as error:
+        raise cannot_write("the checkpoint", folder, error) from error
     try:
         (tmp / SPECULATORS_CONFIG).write_text(json.dumps(config, indent=2))
         save_file(state, str(tmp / ENGINE_WEIGHTS), metadata={"format": "pt"})
         shareable(tmp)
         tmp.rename(folder)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, Exception):  # a full disk: safetensors' error names no file
+            raise cannot_write("the checkpoint", folder, error, "nothing of it was left there") from error
         raise
     return folder
 

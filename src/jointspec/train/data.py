@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -36,6 +35,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.engine import BatchRequest
 from jointspec.batch.lockstep import engine_for
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.files import cannot_write, replacing
 from jointspec.core.loop import DecodeConfig
 from jointspec.drafts.artifact import target_fingerprint
 from jointspec.train.server_answers import AnswerServer, ServerAnswers
@@ -87,10 +87,13 @@ def _prompts_sha256(prompts: list[list[int]], answers: list[list[int] | None] | 
     return hashlib.sha256(json.dumps([prompts, answers] if given else prompts).encode()).hexdigest()
 
 
+# What a data build that could not write a file (a full disk) leaves, and how to go on.
+DATA_KEPT = "the files written before are kept: free some room and run the same command again to go on from them"
+
+
 def atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with replacing(path, "training data", DATA_KEPT) as tmp:
+        torch.save(obj, tmp)
 
 
 def _shard_path(folder: Path, index: int) -> Path:
@@ -230,10 +233,12 @@ def _open_folder(folder: Path, spec: DataSpec, write: bool = True) -> DataSpec:
     meta_path = folder / "data.json"
     if not meta_path.exists():
         if write:  # atomically, as the shards: a folder is begun with its whole spec or not at all
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = meta_path.with_suffix(f".json.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(spec.as_json(), indent=1))
-            os.replace(tmp, meta_path)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise cannot_write("the data folder", folder, error) from error
+            with replacing(meta_path, "the data folder's record", DATA_KEPT) as tmp:
+                tmp.write_text(json.dumps(spec.as_json(), indent=1))
         return spec
     try:
         existing = json.loads(meta_path.read_text())

@@ -29,7 +29,6 @@ import copy
 import hashlib
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -41,11 +40,16 @@ import torch.nn.functional as F
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.files import WriteError, replacing
 from jointspec.drafts.artifact import HeadConfig, float_lm_weight, target_fingerprint
 from jointspec.drafts.eagle import EagleHead
 from jointspec.train.data import atomic_save, load_shards, read_spec
 
 log = logging.getLogger(__name__)
+
+# What a run that could not write its head or checkpoint (a full disk) leaves, and how to go on.
+RESUME = ("the head and checkpoint written before (if any) are kept: free some room and run the same command again "
+          "to resume from that checkpoint")
 
 
 @dataclass(frozen=True)
@@ -570,8 +574,11 @@ class _Run:
             return
         if state["best"] is None or result.agreement[0] > state["best"]["agreement"][0]:
             state["best"], state["bad_evals"] = asdict(result), 0
-            self.head.save(self.out_folder, training={"best": state["best"], "settings": self.settings,
-                                                      **self.provenance})
+            try:
+                self.head.save(self.out_folder, training={"best": state["best"], "settings": self.settings,
+                                                          **self.provenance})
+            except WriteError as error:
+                raise WriteError(f"{error}; {RESUME}") from error.__cause__
         else:
             state["bad_evals"] += 1
 
@@ -641,11 +648,10 @@ class _Run:
         state["seconds"] = time.perf_counter() - self.started
         if kept is not None:
             kept["seconds"] = state["seconds"]
-        tmp = self.checkpoint.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"config": asdict(config), "vocab": self.data.vocab, "data_digest": self.data_digest,
-                    "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "state": state if kept is None else kept, "generator": self.generator.get_state()}, tmp)
-        os.replace(tmp, self.checkpoint)
+        with replacing(self.checkpoint, "the training checkpoint", RESUME) as tmp:
+            torch.save({"config": asdict(config), "vocab": self.data.vocab, "data_digest": self.data_digest,
+                        "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "state": state if kept is None else kept, "generator": self.generator.get_state()}, tmp)
         return state["bad_evals"] >= config.patience or timed_out
 
     def close(self) -> None:

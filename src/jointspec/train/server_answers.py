@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from jointspec.backends.hf import CausalLM
 from jointspec.bench.prompts import chat_prompt_ids
 from jointspec.core.errors import JointspecError
+from jointspec.core.files import cannot_write
 from jointspec.train.sources import given_answer_ids
 
 log = logging.getLogger(__name__)
@@ -253,10 +254,14 @@ class AnswerCache:
     def add(self, key: str, answer: ServerAnswer, model: str) -> None:
         line = json.dumps({"key": key, "text": answer.text, "finish_reason": answer.finish_reason, "model": model,
                            "token_ids": None if answer.token_ids is None else list(answer.token_ids)})
-        with self.path.open("a", encoding="utf-8") as sink:
-            sink.write(line + "\n")
-            sink.flush()
-            os.fsync(sink.fileno())  # an answer costs seconds of a server's time; a sync costs milliseconds
+        try:
+            with self.path.open("a", encoding="utf-8") as sink:
+                sink.write(line + "\n")
+                sink.flush()
+                os.fsync(sink.fileno())  # an answer costs seconds of a server's time; a sync costs milliseconds
+        except OSError as error:  # a full disk: a line cut short is dropped when the run goes on
+            raise cannot_write("the server's answers", self.path, error, "the answers before this one are kept: "
+                               "free some room and run the same command again to go on from them") from error
         self.answers[key] = answer
 
 

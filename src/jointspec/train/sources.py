@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jointspec.bench.prompts import BUILTIN_PREFIX, chat_prompt_ids, load_prompts
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.core.files import cannot_write, replacing
 from jointspec.drafts.artifact import target_fingerprint
 from jointspec.train.prompts import chat_prompts, default_training_prompts, stdlib_code_prompts
 from jointspec.train.selfinstruct import SelfInstructConfig, self_instruct_prompts
@@ -52,10 +53,12 @@ def _self_instruct(source: str, target, tokenizer, eos, data_folder: Path | None
     except ValueError as error:
         raise UnsupportedOptionError(f"'{source}': {error}") from error
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**record, "prompts": prompts}, indent=0))
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise cannot_write("the generated prompts", path, error) from error
+        with replacing(path, "the generated prompts") as tmp:
+            tmp.write_text(json.dumps({**record, "prompts": prompts}, indent=0))
     return prompts
 
 

@@ -1,0 +1,70 @@
+"""Files jointspec writes whole or not at all, and what a user reads when one cannot be written.
+
+A file is written under a temporary name beside its place and renamed over it once complete, so a reader finds the
+old file or the new one, never half of one. Where the write fails (a full disk, a quota, a folder made read-only) the
+temporary file is removed and the failure becomes a :class:`WriteError` naming the file, the reason and the room
+left: torch's writer says only "unexpected pos 576 vs 534" when the disk fills, and safetensors' error comes without
+the file's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from jointspec.core.errors import JointspecError
+
+
+class WriteError(JointspecError):
+    """A file jointspec writes could not be written (the message names it, why, and the room left there)."""
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, what: str, then: str = "") -> Iterator[Path]:
+    """A temporary path to write ``path``'s new content to; on leaving, it replaces ``path`` (atomically). On any
+    failure it is removed and ``path`` stays as it was; an error that is not already a :class:`JointspecError` becomes
+    a :class:`WriteError` naming ``what`` ("the draft's weights") and ending with ``then`` (what the user can do, what
+    was kept). Ctrl-C removes it too and goes on as it was."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(error, Exception) and not isinstance(error, JointspecError):
+            raise cannot_write(what, path, error, then) from error
+        raise
+
+
+def cannot_write(what: str, path: str | os.PathLike, error: BaseException, then: str = "") -> WriteError:
+    """The :class:`WriteError` for ``error``, raised while writing ``what`` at ``path``."""
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:
+        reason = " ".join(str(error).split()) or type(error).__name__
+    free = free_bytes(path)
+    room = "" if free is None else f"; {_size(free)} free there"
+    return WriteError(f"could not write {what} '{path}' ({reason}{room})" + (f"; {then}" if then else ""))
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """The bytes free on the file system that holds ``path`` (or its nearest existing folder); None where unknown."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 10 ** 9), ("MB", 10 ** 6), ("kB", 10 ** 3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"

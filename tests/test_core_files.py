@@ -1,0 +1,174 @@
+"""Files written whole or not at all (jointspec/core/files.py), and what a user reads when a disk is full: the file
+named, the reason, the room left, and what was kept; no temporary file left behind. The commands that write drafts,
+training data and checkpoints are tested through their own entry points with the write made to fail as a full disk
+fails (torch's writer and safetensors' do not say which file). Deterministic: no false-failure odds."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+import torch
+
+from jointspec.core.errors import JointspecError
+from jointspec.core.files import WriteError, cannot_write, replacing
+
+from helpers import CausalLM, run_cli, tiny_llama, tiny_tokenizer, train_cli_argv
+
+FULL = OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_file_is_replaced_only_once_written_whole(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text("old")
+    with replacing(path, "the table") as tmp:
+        tmp.write_text("new")
+        assert path.read_text() == "old" and tmp.parent == tmp_path  # a sibling: the rename stays on one disk
+    assert path.read_text() == "new" and sorted(tmp_path.iterdir()) == [path]
+
+
+TORCH_FULL = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")  # torch.save's
+
+
+@pytest.mark.parametrize("failure", [FULL, TORCH_FULL])
+def test_a_failed_write_keeps_the_old_file_and_names_what_where_and_why(tmp_path, failure):
+    path = tmp_path / "checkpoint.pt"
+    path.write_text("old")
+    with pytest.raises(WriteError) as raised:
+        with replacing(path, "the training checkpoint", "the one before is kept") as tmp:
+            tmp.write_text("half of it")
+            raise failure
+    message = str(raised.value)
+    assert message.startswith(f"could not write the training checkpoint '{path}' (")
+    assert ("No space left on device" if isinstance(failure, OSError) else "unexpected pos 576 vs 534") in message
+    assert " free there); the one before is kept" in message
+    assert raised.value.__cause__ is failure
+    assert path.read_text() == "old" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_user_error_and_ctrl_c_pass_through_and_leave_nothing(tmp_path):
+    path = tmp_path / "out.json"
+    for stop in (JointspecError("the user's own error"), KeyboardInterrupt()):
+        with pytest.raises(type(stop)) as raised:
+            with replacing(path, "the report") as tmp:
+                tmp.write_text("part")
+                raise stop
+        assert raised.value is stop
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_room_left_is_said_for_a_folder_not_made_yet(tmp_path):
+    message = str(cannot_write("the draft", tmp_path / "a" / "b" / "c", FULL))
+    assert message.startswith(f"could not write the draft '{tmp_path / 'a' / 'b' / 'c'}' (No space left on device; ")
+    assert message.endswith(" free there)")
+
+
+def full_disk_on(name_part: str, writer):
+    """``writer`` (torch.save or safetensors' save_file) failing as on a full disk for paths holding ``name_part``,
+    writing part of the file first as the real writers do."""
+    def write(obj, path, *args, **kwargs):
+        if name_part in str(path):
+            with open(path, "wb") as out:
+                out.write(b"\0" * 100)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+        return writer(obj, path, *args, **kwargs)
+    return write
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.rglob("*") if "tmp" in p.name or "partial" in p.name)
+
+
+def test_train_draft_on_a_full_disk_says_what_was_kept_and_resumes(target_model, tmp_path, monkeypatch, capsys):
+    from jointspec.train import data as train_data
+    from jointspec.train import heads as train_heads
+
+    argv = train_cli_argv(monkeypatch, target_model, tmp_path, "head")
+    real_save = torch.save
+    # The data build's shard cannot be written: the folder's record stays, and the next run goes on from it.
+    monkeypatch.setattr(train_data.torch, "save", full_disk_on("shard-00000", real_save))
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write training data '{tmp_path / 'head' / 'data' / 'shard-00000.pt'}' (" in err
+    assert "the files written before are kept: free some room and run the same command again" in err
+    assert (tmp_path / "head" / "data" / "data.json").is_file() and not leftovers(tmp_path)
+    assert not list((tmp_path / "head" / "data").glob("shard-*"))
+    # Training cannot write its checkpoint: the head saved at that evaluation stays, the command says how to go on.
+    monkeypatch.setattr(train_data.torch, "save", full_disk_on("checkpoint.pt", real_save))
+    assert train_heads.torch is train_data.torch  # (one torch module: the patch covers the checkpoint's writer)
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write the training checkpoint '{tmp_path / 'head' / 'checkpoint.pt'}'" in err
+    assert "run the same command again to resume from that checkpoint" in err
+    assert (tmp_path / "head" / "draft.json").is_file() and not (tmp_path / "head" / "checkpoint.pt").exists()
+    assert not leftovers(tmp_path)
+    # The head itself cannot be written (safetensors' writer): the same advice.
+    import safetensors.torch
+
+    monkeypatch.setattr(train_data.torch, "save", real_save)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_on("model.safetensors", safetensors.torch.save_file))
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write the draft's weights '{tmp_path / 'head' / 'model.safetensors'}'" in err
+    assert "run the same command again to resume from that checkpoint" in err and not leftovers(tmp_path)
+    monkeypatch.undo()
+    code, out, err = run_cli(capsys, *train_cli_argv(monkeypatch, target_model, tmp_path, "head"))
+    assert code == 0, err
+
+
+def test_an_answer_from_a_server_that_cannot_be_kept_says_so(tmp_path):
+    from jointspec.train.server_answers import AnswerCache, ServerAnswer
+
+    path = tmp_path / "server-answers.jsonl"
+    cache = AnswerCache(path)
+    path.mkdir()  # (where the file should be: appending fails as on a full disk)
+    with pytest.raises(WriteError, match="could not write the server's answers .* the answers before this one are "
+                                         "kept"):
+        cache.add("key", ServerAnswer("text", "stop"), "model")
+
+
+def test_export_draft_on_a_full_disk_leaves_no_checkpoint(tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+    from test_drafts_eagle3 import random_head
+
+    from jointspec.cli import export as export_cli
+
+    target = tiny_llama(0, layers=4)
+    random_head(target).save(tmp_path / "head")
+    monkeypatch.setattr(export_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target, name="tiny-target"), tiny_tokenizer()))
+
+    def full(*args, **kwargs):  # safetensors' own words on a full disk
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "speculators", "--out",
+                           str(tmp_path / "vllm"), "--verifier", "org/tiny-target")
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write the checkpoint '{tmp_path / 'vllm'}' (Error while serializing: I/O error: No space " in err
+    assert "nothing of it was left there" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+
+
+def test_build_corpus_on_a_full_disk_keeps_its_answers(tmp_path, monkeypatch, capsys, target_model):
+    import numpy as np
+    from test_cli_corpus import build_corpus_on
+
+    build_corpus_on(monkeypatch, target_model)
+
+    def full(*args, **kwargs):
+        raise FULL
+
+    monkeypatch.setattr(np, "savez_compressed", full)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"question number {i} about things" for i in range(3)))
+    out = tmp_path / "table"
+    code, _, err = run_cli(capsys, "build-corpus", "--prompts", str(prompts), "--max-new-tokens", "6", "--min-count",
+                           "1", "--no-progress", "--out", str(out))
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write the n-gram table '{out}' (No space left on device; " in err
+    assert "the answers it was built from are kept" in err
+    answers = (out / "data" / "answers.jsonl").read_text().splitlines()
+    assert len(answers) == 3 and all(json.loads(line)["answer_ids"] for line in answers)
+    assert not leftovers(tmp_path) and not (out / "corpus.json").exists()
