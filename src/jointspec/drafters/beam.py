@@ -169,7 +169,7 @@ class BeamDrafter:
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        num_tokens = min(self.num_draft_tokens, max_num_draft_tokens)
+        num_tokens = min(self.num_draft_tokens, max_num_draft_tokens, self.cache.room(context_ids))
         if num_tokens <= 0:
             return EMPTY_DRAFT
         beams = beam_search(self.cache, context_ids, num_tokens, self.beam_width, sampling, generator,

@@ -55,7 +55,7 @@ class DynamicTreeDrafter:
         if not sampling.greedy:
             raise UnsupportedOptionError("a dynamic tree (--tree-budget) drafts for greedy decoding only; for "
                                          "sampling, give a static tree with --tree")
-        depth = min(self.budget, max_num_draft_tokens)
+        depth = min(self.budget, max_num_draft_tokens, self.cache.room(context_ids))
         if depth <= 0:
             return EMPTY_DRAFT
         budget = self.budget

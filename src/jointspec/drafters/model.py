@@ -40,6 +40,15 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target: CausalLM, d
             "with a model of another tokenizer)")
 
 
+def draft_room(draft, context_ids: list[int]) -> int:
+    """How many tokens ``draft`` can draft after ``context_ids`` within its own context window: a draft trained for
+    fewer positions than its target (SmolLM-135M's 2,048 drafting for SmolLM2's 8,192) stops drafting where its
+    window ends, and the loop decodes on without drafts (plain decoding, so nothing changes in the output). The
+    last drafted token is never fed, so ``max_context - len(context) + 1``; none once the context itself does not
+    fit."""
+    return max(0, int(draft.max_context) - len(context_ids) + 1)
+
+
 class ModelDrafter:
     """Drafts ``num_draft_tokens`` tokens one at a time with a small causal LM."""
 
@@ -56,7 +65,7 @@ class ModelDrafter:
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        num_tokens = min(self.num_draft_tokens, max_num_draft_tokens)
+        num_tokens = min(self.num_draft_tokens, max_num_draft_tokens, draft_room(self.draft, context_ids))
         if num_tokens <= 0:
             return EMPTY_DRAFT
         assert self.draft.num_cached == len(self._cached_ids) < len(context_ids)

@@ -22,7 +22,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig
-from jointspec.drafters.model import common_prefix_length
+from jointspec.drafters.model import common_prefix_length, draft_room
 
 # Extend a memoised continuation by at least this many tokens at a time (fewer, longer extensions).
 _EXTEND_CHUNK = 16
@@ -63,8 +63,11 @@ class OracleDrafter:
         done = context_ids[len(self._prompt):]
         if continuation[:len(done)] == done:
             missing = len(done) + num_tokens - len(continuation)
-            if missing > 0:
-                continuation.extend(self._greedy(self._prompt + continuation, max(missing, _EXTEND_CHUNK)))
+            if missing > 0:  # (a chunk at a time, never past the model's context: the loop reads none past it)
+                room = draft_room(self.model, self._prompt + continuation)
+                if room > 0:
+                    continuation.extend(self._greedy(self._prompt + continuation,
+                                                     min(max(missing, _EXTEND_CHUNK), room)))
             tokens = continuation[len(done):len(done) + num_tokens]
         else:
             tokens = self._greedy(list(context_ids), num_tokens)

@@ -38,6 +38,7 @@ import torch
 from jointspec.backends.hf import CausalLM, lean_forward_of
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
+from jointspec.drafters.model import draft_room
 from jointspec.drafts.artifact import FeatureDraft
 
 
@@ -118,7 +119,7 @@ class ParallelDrafter:
             self._wait()
         first = len(context_ids) - len(self._prefix)
         token_ids = self._chain[first:first + wanted]
-        rows = None if sampling.greedy else torch.stack(self._rows[first:first + wanted])
+        rows = None if sampling.greedy or not token_ids else torch.stack(self._rows[first:first + wanted])
         self._proposed = len(token_ids)
         self._next = first + len(token_ids)  # the chain token the target's own token must equal for the chain to last
         # Draft on while the target verifies, as if every proposed token were kept: num_draft_tokens more, but none
@@ -176,6 +177,8 @@ class ParallelDrafter:
             # crop), for the logits after the chain's end; without copying the whole text each token.
             seen = self.draft.num_cached - len(self._prefix)
             unseen = self._chain[seen:] if seen >= 0 else self._prefix[seen:] + self._chain
+            if draft_room(self.draft, self._prefix + self._chain) <= 0:
+                return  # the draft's own window is full (drafters/model.py, draft_room): the chain ends here
             logits = self.draft.forward(unseen, num_logits=1).logits[-1]
             if sampling.greedy:
                 token = int(logits.argmax())

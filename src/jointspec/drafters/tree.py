@@ -40,7 +40,7 @@ class TreeDrafter:
 
     def propose(self, context_ids: list[int], max_num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        depth = min(len(self.branching), max_num_draft_tokens)
+        depth = min(len(self.branching), max_num_draft_tokens, self.cache.room(context_ids))
         if depth <= 0:
             return EMPTY_DRAFT
         parents: list[int] = []

@@ -21,6 +21,7 @@ import torch
 
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
+from jointspec.drafters.model import draft_room
 
 
 class DraftTreeCache:
@@ -46,9 +47,16 @@ class DraftTreeCache:
         self._cached_ids, self._tree_parents, self._tree_tokens = [], [], []
         self._primed = None
 
+    def room(self, context_ids: list[int]) -> int:
+        """The deepest tree the draft's own context window lets it draft after ``context_ids`` (0: none at all;
+        drafters/model.py, ``draft_room``)."""
+        return draft_room(self.draft, context_ids)
+
     def pending(self, context_ids: list[int]) -> list[int]:
-        """The tokens :meth:`context_logits` would feed the draft for ``context_ids`` (none where it is primed)."""
-        if self._primed is not None or not self.draft.num_cached == len(self._cached_ids) < len(context_ids):
+        """The tokens :meth:`context_logits` would feed the draft for ``context_ids`` (none where it is primed, or
+        where the draft's window has no room for them)."""
+        if (self._primed is not None or not self.draft.num_cached == len(self._cached_ids) < len(context_ids)
+                or self.room(context_ids) <= 0):
             return []
         return context_ids[self.draft.num_cached:]
 
