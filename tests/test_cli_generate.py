@@ -96,7 +96,11 @@ def test_an_answer_the_context_cut_says_so(capsys, model_dirs):
     code, _, err = run_cli(capsys, "generate", prompt, "--model", model_dirs["short"], "--no-chat",
                            "--max-new-tokens", "20", "--method", "ar")
     assert code == 0, err
-    assert "the prompt's 10 tokens and the answer filled the model's 16-token context" in err
+    assert "stopped after 6 tokens: the prompt's 10 tokens and the answer filled the model's 16-token context" in err
+    longer = " ".join(f"w{4 + i}" for i in range(15))  # one token of room: "1 token", not "1 tokens"
+    code, _, err = run_cli(capsys, "generate", longer, "--model", model_dirs["short"], "--no-chat",
+                           "--max-new-tokens", "20", "--method", "ar")
+    assert code == 0 and "stopped after 1 token: the prompt's 15 tokens" in err, err
     code, _, err = run_cli(capsys, "generate", prompt, "--model", model_dirs["short"], "--no-chat",
                            "--max-new-tokens", "3", "--method", "ar")
     assert code == 0 and "context" not in err  # it stopped where asked

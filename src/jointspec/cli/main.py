@@ -188,7 +188,8 @@ def _say_if_context_ended(result, max_new_tokens: int, max_context: int) -> None
     """A line on stderr where the answer stopped because the model's context was full, not at --max-new-tokens."""
     if (result.finish_reason == "length" and result.num_new_tokens < max_new_tokens
             and len(result.prompt_ids) + result.num_new_tokens >= max_context):
-        print(f"jointspec: the answer stopped after {result.num_new_tokens} tokens: the prompt's "
+        count = f"{result.num_new_tokens} token" + ("" if result.num_new_tokens == 1 else "s")
+        print(f"jointspec: the answer stopped after {count}: the prompt's "
               f"{len(result.prompt_ids):,} tokens and the answer filled the model's {max_context:,}-token context "
               "(--max-new-tokens asked for more)", file=sys.stderr)
 
