@@ -14,7 +14,7 @@ import torch
 from jointspec.core.errors import JointspecError
 from jointspec.core.files import WriteError, cannot_write, replacing
 
-from helpers import CausalLM, run_cli, tiny_llama, tiny_tokenizer, train_cli_argv
+from helpers import CausalLM, run_cli, tiny_tokenizer, train_cli_argv, untrained_draft_of
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
 
@@ -128,23 +128,22 @@ def test_an_answer_from_a_server_that_cannot_be_kept_says_so(tmp_path):
         cache.add("key", ServerAnswer("text", "stop"), "model")
 
 
-def test_export_draft_on_a_full_disk_leaves_no_checkpoint(tmp_path, monkeypatch, capsys):
+def test_export_draft_on_a_full_disk_leaves_no_checkpoint(target_model, tmp_path, monkeypatch, capsys):
     import safetensors.torch
-    from test_drafts_eagle3 import random_head
 
     from jointspec.cli import export as export_cli
+    from jointspec.drafts.eagle1 import Eagle1Config, Eagle1Head
 
-    target = tiny_llama(0, layers=4)
-    random_head(target).save(tmp_path / "head")
+    untrained_draft_of(Eagle1Head, Eagle1Config, CausalLM(target_model)).save(tmp_path / "head")
     monkeypatch.setattr(export_cli, "load_target",
-                        lambda *args, **kwargs: (CausalLM(target, name="tiny-target"), tiny_tokenizer()))
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
 
     def full(*args, **kwargs):  # safetensors' own words on a full disk
         raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
-    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "speculators", "--out",
-                           str(tmp_path / "vllm"), "--verifier", "org/tiny-target")
+    code, _, err = run_cli(capsys, "export-draft", str(tmp_path / "head"), "--format", "vllm-eagle", "--out",
+                           str(tmp_path / "vllm"))
     assert code == 2 and "Traceback" not in err
     assert f"could not write the checkpoint '{tmp_path / 'vllm'}' (Error while serializing: I/O error: No space " in err
     assert "nothing of it was left there" in err
@@ -153,9 +152,11 @@ def test_export_draft_on_a_full_disk_leaves_no_checkpoint(tmp_path, monkeypatch,
 
 def test_build_corpus_on_a_full_disk_keeps_its_answers(tmp_path, monkeypatch, capsys, target_model):
     import numpy as np
-    from test_cli_corpus import build_corpus_on
 
-    build_corpus_on(monkeypatch, target_model)
+    from jointspec.cli import corpus as corpus_cli
+
+    monkeypatch.setattr(corpus_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
 
     def full(*args, **kwargs):
         raise FULL
