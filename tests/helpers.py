@@ -255,14 +255,17 @@ def corpus_folder(target_model) -> str:
 def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: int = 4):
     """A registered method built the way the library builds it, at its fixed draft length (the cost-aware wrapper,
     sps's default, has equivalence tests of its own in test_drafters_costaware.py). ``method`` is a name, or
-    ``sps-other`` (``pearl-other``) for speculative sampling (PEARL) with a different random model as the draft."""
+    ``sps-other`` (``pearl-other``) for speculative sampling (PEARL) with a different random model as the draft,
+    ``hybrid-self`` prompt lookup with the target as the model draft behind it."""
     target = CausalLM(target_model, name="tiny-target")
     if method == "corpus":
         name, draft = "corpus", corpus_folder(target_model)
     else:
         name, draft = {"ar": ("ar", None), "pld": ("pld", None), "sps-self": ("sps", "self"),
                        "sps-other": ("sps", "other"), "lookahead": ("lookahead", None),
-                       "pearl-self": ("pearl", "self"), "pearl-other": ("pearl", "other")}[method]
+                       "pearl-self": ("pearl", "self"), "pearl-other": ("pearl", "other"),
+                       "hybrid-self": ("hybrid", "self"), "lade": ("lade", None), "oracle": ("oracle", None),
+                       "aded": ("aded", None)}[method]
 
     def load_draft(source: str):
         assert source == "other"
@@ -274,11 +277,23 @@ def make_decoder(method: str, target_model, other_model=None, num_draft_tokens: 
 
 
 def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDecoder:
-    """``method`` with the draft in ``draft_dir`` (a trained draft's folder, ``"self"``, or None for none)."""
+    """``method`` with the draft in ``draft_dir`` (a trained draft's folder, ``"self"``, or None for none), built as
+    the library builds it (cost-aware where that is the method's default)."""
     target = CausalLM(target_model, name="tiny-target")
     method_config = MethodConfig(name=method, draft=None if draft_dir is None else str(draft_dir), **config)
     drafter, verifier = build_method(MethodContext(method_config, target, None, lambda source: None))
     return SpeculativeDecoder(target, drafter, verifier)
+
+
+def fixed_length_decoder(target_model, method: str, draft_dir, **config) -> SpeculativeDecoder:
+    """:func:`decoder_for`, but a method that is cost-aware by default drafts at its given length unless
+    ``cost_aware`` is given: the wrapper's choice follows this machine's timings (on a tiny target a draft call costs
+    about a step, and it then drafts next to nothing), and an equivalence test must see drafts kept."""
+    from jointspec.methods.registry import cost_aware_by_default
+
+    if method in cost_aware_by_default():
+        config.setdefault("cost_aware", False)
+    return decoder_for(target_model, method, draft_dir, **config)
 
 
 def attention_masks(rows: int, keys: int, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -525,16 +540,75 @@ def sps_acceptance(target_model, folder, num_draft_tokens: int = 4) -> float:
     return accepted / drafted
 
 
-def assert_greedy_equivalent(target_model, decoder: SpeculativeDecoder, prompt: list[int]) -> None:
-    """``decoder`` gives transformers' greedy output, also when max length or EOS falls inside a draft."""
+class RecordingVerifier:
+    """A decoder's verifier that keeps what it said last (``last``: the round's Verdict), all else passed through."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.last = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify(self, *args, **kwargs):
+        self.last = self.inner.verify(*args, **kwargs)
+        return self.last
+
+
+def assert_greedy_equivalent(target_model, decoder: SpeculativeDecoder, prompt: list[int], *,
+                             drafts_kept: bool | None = None) -> None:
+    """``decoder`` gives transformers' greedy output, also when max length or EOS falls inside a draft.
+
+    Both cases are placed from the decoder's own rounds (greedy drafting is deterministic: build the decoder with
+    ``cost_aware=False``, whose timings would move its drafts): a length and an end-of-sequence token strictly inside
+    a round that kept drafted tokens, so verification keeps tokens past them and the loop must cut; the EOS case
+    checks that it did. A token ends the answer where it is first seen, and a tiny model's answer soon repeats
+    itself, so where no token is first seen inside such a round, the same case is looked for after the prompt
+    followed by the answer's first tokens (another prompt, as good as any). ``drafts_kept=False``: a decoder whose
+    drafts may all be rejected (an untrained head): the cases fall back to fixed positions, which then test nothing
+    inside a draft; None: False for a cost-aware drafter (its timings decide whether it drafts), else True."""
+    from jointspec.drafters.costaware import CostAwareDrafter
+
+    if drafts_kept is None:
+        drafts_kept = not isinstance(decoder.drafter, CostAwareDrafter)
     expected = hf_greedy(target_model, prompt, 40)
-    assert decoder.generate(prompt, greedy(40)) == expected
-    # Max length inside a draft: 7 new tokens cannot hold two full rounds of 4-token drafts.
-    assert decoder.generate(prompt, greedy(7)) == expected[:7]
-    # EOS inside a draft: pretend a token that appears mid-continuation is the end of sequence.
-    eos = expected[9]
-    cut = expected.index(eos) + 1
-    assert decoder.generate(prompt, greedy(40, frozenset({eos}))) == expected[:cut]
+    rounds = list(decoder.stream(prompt, greedy(40)))
+    assert [token for chunk in rounds for token in chunk] == expected
+    several = _rounds_kept(rounds)
+    assert several or not drafts_kept, f"no round kept a drafted token ({len(rounds)} rounds of one token)"
+    # Max length inside a draft: a budget that ends inside a round of the whole answer (its draft must be cut short).
+    for length in sorted({b - 1 for _, b in several})[:3] or [7]:
+        assert decoder.generate(prompt, greedy(length)) == expected[:length]
+    # EOS inside a draft: a token first seen inside such a round, not its last, is the end of sequence.
+    recorder = RecordingVerifier(decoder.verifier)
+    decoder.verifier = recorder
+    try:
+        for lead in (0, 6, 12, 18, 24):
+            start = prompt + expected[:lead]
+            answer = hf_greedy(target_model, start, 40) if lead else expected
+            rounds = rounds if not lead else list(decoder.stream(start, greedy(40)))
+            first_seen = {token: i for i, token in reversed(list(enumerate(answer)))}
+            inside = [q for a, b in _rounds_kept(rounds) for q in range(a, b - 1) if first_seen[answer[q]] == q]
+            if inside or not drafts_kept:
+                break
+        assert inside or not drafts_kept, "no token is first seen inside a kept draft after any of the prompts tried"
+        cut = False
+        for position in inside[:3] or [expected.index(expected[9])]:
+            tail = list(decoder.stream(start, greedy(40, frozenset({answer[position]}))))
+            assert [token for chunk in tail for token in chunk] == answer[:position + 1]
+            cut = cut or len(recorder.last.token_ids) > len(tail[-1])
+        assert cut or not drafts_kept, "verification never kept tokens past the end of sequence: nothing was cut"
+    finally:
+        decoder.verifier = recorder.inner
+
+
+def _rounds_kept(rounds: list[list[int]]) -> list[tuple[int, int]]:
+    """(first, end) answer positions of each round that committed several tokens (kept drafted tokens)."""
+    spans, start = [], 0
+    for chunk in rounds:
+        if len(chunk) >= 2:
+            spans.append((start, start + len(chunk)))
+        start += len(chunk)
+    return spans
 
 
 def fp16_rounded(module):
@@ -681,6 +755,24 @@ def live_server(app, make_server=None):
         thread.join(SERVER_TIMEOUT)
         sock.close()
         assert not thread.is_alive(), "the server did not stop"
+
+
+def model_joint_law(model, prompt: list[int], sampling, num_tokens: int) -> dict[tuple[int, ...], float]:
+    """A transformers model's law of its first ``num_tokens`` tokens after ``prompt`` under ``sampling`` (a
+    SamplingConfig: top-k keeps the enumeration small), by enumeration: {tokens: probability}."""
+    from jointspec.core.sampling import processed_probs
+
+    law = {(): 1.0}
+    for _ in range(num_tokens):
+        grown = {}
+        for prefix, p in law.items():
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + list(prefix)], device=model.device)).logits[0, -1]
+            probs = processed_probs(logits, sampling).double().cpu()
+            for token in torch.nonzero(probs).flatten().tolist():
+                grown[prefix + (token,)] = p * float(probs[token])
+        law = grown
+    return law
 
 
 def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:

@@ -20,14 +20,27 @@ from jointspec.core.errors import ContextTooLongError
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.verifiers.greedy import GreedyVerifier
 
-from helpers import VOCAB, first_occurrences, greedy, hf_greedy, make_decoder, random_prompt, tiny_llama
+from helpers import (
+    VOCAB,
+    RecordingVerifier,
+    first_occurrences,
+    greedy,
+    hf_greedy,
+    make_decoder,
+    random_prompt,
+    tiny_llama,
+)
 
 # 40 new tokens: with 4-token drafts a fully accepted round emits 5, so even the best case needs 8 rounds, and a
 # draft that is always rejected needs 40: every method goes through many draft/verify/commit/roll-back cycles.
 MAX_NEW_TOKENS = 40
 NUM_DRAFT_TOKENS = 4
 
-METHODS = ["ar", "sps-self", "sps-other", "pld", "corpus", "lookahead", "pearl-self", "pearl-other"]
+METHODS = ["ar", "sps-self", "sps-other", "pld", "corpus", "lookahead", "pearl-self", "pearl-other", "hybrid-self",
+           "lade", "oracle"]
+# Drafters whose every draft token is the target's own (a self-draft, the uncorrupted oracle): their rounds are known
+# in advance (4 + 1 tokens), so an end of sequence placed inside a round's draft is certain to cut kept tokens.
+SELF_DRAFTS = ("sps-self", "pearl-self", "hybrid-self", "oracle")
 
 
 @pytest.mark.parametrize("prompt_seed", [0, 3, 6])
@@ -104,11 +117,14 @@ def test_eos_inside_draft_stops_like_plain_greedy(target_model, other_model, met
         expected = reference[:pos + 1]
         assert hf_greedy(target_model, prompt, MAX_NEW_TOKENS, eos_token_id=eos) == expected
         decoder = make_decoder(method, target_model, other_model)
+        decoder.verifier = recorder = RecordingVerifier(decoder.verifier)
         out = decoder.generate(prompt, greedy(MAX_NEW_TOKENS, frozenset({eos})))
         assert out == expected, f"EOS {eos} first produced at new token {pos}"
         assert decoder.stats.num_new_tokens == len(expected)
         # Tokens per round = 1 + accepted / rounds: accepted draft tokens after the EOS, never committed, not counted.
         assert decoder.stats.num_new_tokens == decoder.stats.num_rounds + decoder.stats.num_accepted_tokens
+        if method in SELF_DRAFTS:  # verification kept tokens past the EOS, which the loop cut
+            assert len(recorder.last.token_ids) > 1 + pos % (NUM_DRAFT_TOKENS + 1)
 
 
 @pytest.mark.parametrize("method", ["sps-self", "pld", "corpus", "lookahead", "pearl-self"])

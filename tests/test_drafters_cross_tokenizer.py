@@ -288,7 +288,7 @@ def test_a_draft_that_knows_everything_through_another_vocabulary_is_accepted_wh
 def test_greedy_equals_plain_decoding_with_a_random_byte_level_draft(words_target, seed):
     model, tokenizer = words_target
     decoder = cross_decoder(model, tokenizer, tiny_llama(11, vocab=259), byte_tokenizer())
-    assert_greedy_equivalent(model, decoder, word_prompt(seed))
+    assert_greedy_equivalent(model, decoder, word_prompt(seed), drafts_kept=False)  # a random draft: rejected
 
 
 def test_greedy_equals_plain_decoding_for_a_byte_level_target_with_a_word_draft(words_target):
@@ -296,7 +296,7 @@ def test_greedy_equals_plain_decoding_for_a_byte_level_target_with_a_word_draft(
     model, tokenizer = words_target
     target = tiny_llama(5, vocab=259)
     decoder = cross_decoder(target, byte_tokenizer(), model, tokenizer, num_draft_tokens=3)
-    assert_greedy_equivalent(target, decoder, list(b" the hive is warm"))
+    assert_greedy_equivalent(target, decoder, list(b" the hive is warm"), drafts_kept=False)
 
 
 def test_sampled_decoding_is_reproducible_from_its_generator(words_target):
@@ -307,6 +307,8 @@ def test_sampled_decoding_is_reproducible_from_its_generator(words_target):
     runs = [decoder.generate(word_prompt(1), config, torch.Generator().manual_seed(5)) for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 30 and all(0 <= t < VOCAB for t in runs[0])
     assert decoder.stats.num_accepted_tokens > 0
+    # (Not plain sampling's text for the seed, though its drafts carry no probabilities: the draft samples them with
+    # the same generator, so the target's draws come later in its stream. The law is the target's all the same.)
 
 
 def test_clear_errors(words_target):

@@ -91,10 +91,11 @@ def test_gated_tree_methods_match_plain_greedy(target_model, trained_head_dir, m
     monkeypatch.setattr(trees, "draft_cost_per_call", lambda draft, target=None: 0.0)
     prompt = random_prompt(6)
     reference = hf_greedy(target_model, prompt, max_new_tokens)
-    eos = frozenset() if eos_index is None else frozenset({sorted(first_occurrences(reference))[eos_index]})
+    by_position = sorted(first_occurrences(reference), key=first_occurrences(reference).get)  # early to late
+    eos = frozenset() if eos_index is None else frozenset({by_position[eos_index]})
     if eos:
         reference = reference[:reference.index(next(iter(eos))) + 1]
-    decoder = decoder_for(target_model, method, trained_head_dir, num_draft_tokens=3, beam_width=2)
+    decoder = decoder_for(target_model, method, trained_head_dir, num_draft_tokens=3, beam_width=2, cost_aware=None)
     assert type(decoder.drafter) is GatedTreeDrafter and not decoder.drafter.every_round
     assert decoder.generate(prompt, greedy(max_new_tokens, eos)) == reference
     # every round drafts the tree, but a last one where the length limit leaves no room for a draft

@@ -23,7 +23,7 @@ from helpers import (
     assert_artifact_round_trip,
     assert_greedy_equivalent,
     assert_loads_to_the_same_decoding,
-    decoder_for,
+    fixed_length_decoder,
     fp16_rounded,
     random_prompt,
     sps_acceptance,
@@ -117,8 +117,8 @@ def test_greedy_equivalence_with_a_distilled_draft(target_model, trained_distill
     if not trained:
         folder = tmp_path / "untrained"
         untrained_draft(CausalLM(target_model), from_target=False, draft_vocab_size=40).save(folder)
-    assert_greedy_equivalent(target_model, decoder_for(target_model, method, folder, **config),
-                             random_prompt(prompt_seed))
+    assert_greedy_equivalent(target_model, fixed_length_decoder(target_model, method, folder, **config),
+                             random_prompt(prompt_seed), drafts_kept=None if trained else False)
 
 
 def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model, tmp_path):

@@ -26,7 +26,7 @@ from helpers import (
     assert_artifact_round_trip,
     assert_greedy_equivalent,
     assert_loads_to_the_same_decoding,
-    decoder_for,
+    fixed_length_decoder,
     fp16_rounded,
     random_prompt,
     tiny_llama,
@@ -186,8 +186,8 @@ def test_greedy_equivalence_with_a_head(target_model, trained_head_dir, tmp_path
     if not trained:
         folder = tmp_path / "untrained"
         untrained_head(CausalLM(target_model), draft_vocab_size=40).save(folder)
-    assert_greedy_equivalent(target_model, decoder_for(target_model, method, folder, **config),
-                             random_prompt(prompt_seed))
+    assert_greedy_equivalent(target_model, fixed_length_decoder(target_model, method, folder, **config),
+                             random_prompt(prompt_seed), drafts_kept=None if trained else False)
 
 
 def test_artifact_reloads_to_identical_outputs(target_model, trained_head_dir, tmp_path):

@@ -30,6 +30,7 @@ from jointspec.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
 from helpers import (
     assert_greedy_equivalent,
     decoder_for,
+    fixed_length_decoder,
     greedy,
     random_prompt,
     run_cli,
@@ -155,12 +156,13 @@ def test_training_time_test_raises_agreement_at_every_depth(trained_eagle3):
 def test_methods_with_an_eagle3_draft_are_greedy_exact(target4, trained_eagle3, tmp_path, method, config):
     target = CausalLM(target4)
     folder = exported(target4, bind_eagle3(trained_eagle3[0], target).head, tmp_path / "e3")
-    decoder = decoder_for(target4, method, folder, **config)
+    decoder = fixed_length_decoder(target4, method, folder, **config)
     accepted = drafted = 0
     for prompt_seed in (0, 3):
         decoder.generate(random_prompt(prompt_seed), greedy(40))
         accepted, drafted = accepted + decoder.stats.num_accepted_tokens, drafted + decoder.stats.num_draft_tokens
-        assert_greedy_equivalent(target4, decoder, random_prompt(prompt_seed))
+        # (A chain of this head's drafts is not always kept on one prompt: the trees' are.)
+        assert_greedy_equivalent(target4, decoder, random_prompt(prompt_seed), drafts_kept=method != "sps")
     assert 0 < accepted < drafted  # the head drafted, was sometimes right and sometimes wrong
 
 
@@ -377,7 +379,7 @@ def test_int8_weights_where_the_kernel_takes_them_change_drafts_never_outputs(tm
     error = (drafts["int8"] - drafts["float32"])[finite].abs().max()
     assert 0 < error < 0.05 * drafts["float32"][finite].abs().max()  # int8 groups of 32: close, not equal
     decoder = decoder_for(wide, "sps", folder, num_draft_tokens=4, head_weights="int8")
-    assert_greedy_equivalent(wide, decoder, random_prompt(0))
+    assert_greedy_equivalent(wide, decoder, random_prompt(0), drafts_kept=False)  # random weights
     # export-draft writes the weights as trained, even where binding would run them on int8.
     from jointspec.cli import export as export_cli
 

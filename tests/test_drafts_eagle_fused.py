@@ -22,7 +22,7 @@ from jointspec.train.heads import HeadTrainConfig, HeadTrainer
 from helpers import (
     assert_greedy_equivalent,
     assert_loads_to_the_same_decoding,
-    decoder_for,
+    fixed_length_decoder,
     random_prompt,
     sps_acceptance,
     tiny_training_data,
@@ -113,7 +113,7 @@ def test_fused_training_raises_acceptance_and_reloads(target_model, fused_head_d
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 def test_greedy_equivalence_with_a_fused_head(target_model, fused_head_dir, method, config):
-    assert_greedy_equivalent(target_model, decoder_for(target_model, method, fused_head_dir, **config),
+    assert_greedy_equivalent(target_model, fixed_length_decoder(target_model, method, fused_head_dir, **config),
                              random_prompt(3))
 
 

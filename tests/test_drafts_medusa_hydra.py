@@ -27,7 +27,7 @@ from helpers import (
     assert_artifact_round_trip,
     assert_greedy_equivalent,
     assert_loads_to_the_same_decoding,
-    decoder_for,
+    fixed_length_decoder,
     fp16_rounded,
     random_prompt,
     run_cli,
@@ -163,8 +163,8 @@ def test_greedy_equivalence_with_heads(target_model, trained_dirs, tmp_path, kin
     if not trained:
         folder = tmp_path / "untrained"
         untrained_heads(kind, CausalLM(target_model), draft_vocab_size=40, scale=0.5).save(folder)
-    assert_greedy_equivalent(target_model, decoder_for(target_model, method, folder, **config),
-                             random_prompt(prompt_seed))
+    assert_greedy_equivalent(target_model, fixed_length_decoder(target_model, method, folder, **config),
+                             random_prompt(prompt_seed), drafts_kept=None if trained else False)
 
 
 @pytest.mark.parametrize("kind", KINDS)
