@@ -1,6 +1,7 @@
 """Sampled equivalence: a method whose drafts carry no probabilities emits exactly plain sampling's tokens.
 
-Prompt lookup, corpus lookup and lookahead propose tokens without a distribution. Their verifiers judge such a draft
+Prompt lookup, corpus lookup, lookahead (its trie), lookahead decoding (``lade``: Jacobi guesses) and ADED propose
+tokens without a distribution. Their verifiers judge such a draft
 by the target's own draw at each position, one draw per emitted token, in order (verifiers/rejection.py), which is
 how ``ar`` samples. So with the same seeded generator every one of them must emit ``ar``'s tokens, whatever it
 drafted, however long its drafts were and however a cost-aware wrapper timed them: the property `--seed` promises.
@@ -8,8 +9,8 @@ The law of each token is tested apart (tests/test_verifiers_rejection.py, tests/
 
 False failures: the target scores a draft in one multi-row forward and ``ar`` one row at a time. On these fp32
 tiny models the two can differ in the last bits of a probability (about 1e-7), which moves a draw only if its
-uniform falls that close to a boundary of the cumulative sum: about 1e-6 per token here, about 1e-3 for the file's
-nearly 1,000 tokens.
+uniform falls that close to a boundary of the cumulative sum: about 1e-6 per token here, about 2e-3 for the file's
+nearly 1,600 tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ MAX_NEW_TOKENS = 40
 # Sharp enough that the tiny target repeats itself and lookup drafts are kept, soft enough that most tokens are
 # real draws (the top token has well under all the mass).
 SAMPLING = SamplingConfig(temperature=0.7, top_k=8)
-METHODS = ["pld", "corpus", "lookahead"]
+METHODS = ["pld", "corpus", "lookahead", "lade", "aded"]
 
 
 def sampled(max_new_tokens: int, eos_token_ids: frozenset[int] = frozenset()) -> DecodeConfig:

@@ -25,7 +25,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.core.sampling import SamplingConfig, processed_probs
+from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.pearl import ParallelDrafter
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -39,6 +39,7 @@ from helpers import (
     grouped_llama,
     hf_greedy,
     make_decoder,
+    model_joint_law,
     random_prompt,
 )
 
@@ -238,23 +239,8 @@ class MisreportingDrafter(ParallelDrafter):
         return draft
 
 
-def exact_joint(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
-    """The target's law of its first LAW_TOKENS tokens under SAMPLING, by enumeration."""
-    law = {(): 1.0}
-    for _ in range(LAW_TOKENS):
-        grown = {}
-        for prefix, p in law.items():
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt + list(prefix)], device=model.device)).logits[0, -1]
-            probs = processed_probs(logits, SAMPLING).double().cpu()
-            for token in torch.nonzero(probs).flatten().tolist():
-                grown[prefix + (token,)] = p * float(probs[token])
-        law = grown
-    return law
-
-
 def joint_pvalue(cls, target_model, draft_model, prompt: list[int]) -> float:
-    law = exact_joint(target_model, prompt)
+    law = model_joint_law(target_model, prompt, SAMPLING, LAW_TOKENS)
     cells = sorted(law)
     counts = dict.fromkeys(cells, 0)
     decoder = pearl(target_model, CausalLM(draft_model, name="draft"), 2, cls)

@@ -16,6 +16,9 @@ completed with a draw from ``p_1``.
    verifier fails at ALPHA = 1e-4 (its seeds are fixed, so the test passes or fails the same way on every run; the
    chance that these seeds were unlucky is at most 1e-4). Two mutants that scan the wrong way or drop the residual
    mass from ``h`` are rejected with p-values far below ALPHA (deviations of order 1e-2 to 1e-1 in the cells).
+3. ``verify()`` again, on all GAMMA + 1 tokens of a round (the bonus after a whole block included; a shorter round
+   completed from the target's rows): 30,000 rounds, the same ALPHA, and a mutant that draws the bonus from the
+   wrong row, which the first two tokens cannot show.
 """
 
 from __future__ import annotations
@@ -163,6 +166,48 @@ def chi_square_pvalue(counts: np.ndarray) -> float:
 
 def test_verify_is_lossless_by_chi_square():
     assert chi_square_pvalue(first_two_counts(BlockVerifier(), 30_000, seed=11)) > ALPHA
+
+
+def whole_round_counts(verifier, num_rounds: int, seed: int) -> np.ndarray:
+    """Counts of the first GAMMA + 1 emitted tokens: a round that keeps the whole block emits all of them (the last
+    is the bonus, from the target's row after the block); a shorter one is completed by draws from the target's rows,
+    as the next rounds would emit with these position-only rows."""
+    logits = torch.tensor(TARGET).log().float()
+    draft_rows = torch.tensor(DRAFT, dtype=torch.float32)
+    rows = torch.tensor(TARGET, dtype=torch.float32)
+    drafting, verifying, completing = (torch.Generator().manual_seed(seed + k) for k in range(3))
+    counts = np.zeros((VOCAB,) * (GAMMA + 1))
+    for _ in range(num_rounds):
+        tokens = torch.multinomial(draft_rows, 1, generator=drafting).squeeze(1).tolist()
+        emitted = verifier.verify(Draft(tokens, draft_probs=draft_rows), logits, T1, verifying).token_ids
+        for position in range(len(emitted), GAMMA + 1):
+            emitted.append(int(torch.multinomial(rows[position], 1, generator=completing)))
+        counts[tuple(emitted)] += 1
+    return counts
+
+
+class BonusFromTheLastDraftRow(BlockVerifier):
+    """Mutant: the bonus after a whole kept block is drawn from the row of the block's last token (the verifier is
+    given that row in place of the one after the block, which nothing else reads)."""
+
+    def verify(self, draft, target_logits, sampling, generator):
+        rows = target_logits.clone()
+        rows[len(draft.token_ids)] = target_logits[len(draft.token_ids) - 1]
+        return super().verify(draft, rows, sampling, generator)
+
+
+@pytest.mark.parametrize("verifier, lossless", [(BlockVerifier(), True), (BonusFromTheLastDraftRow(), False)],
+                         ids=["block", "bonus-from-the-wrong-row"])
+def test_every_token_of_a_round_follows_the_target_bonus_included(verifier, lossless):
+    """The law of a round's GAMMA + 1 tokens (256 cells, 30,000 rounds): the residual after each kept length and the
+    bonus after a whole block. A correct verifier fails at ALPHA = 1e-4 (fixed seeds); the mutant's p-value was 0 in
+    double precision when written."""
+    counts = whole_round_counts(verifier, 30_000, seed=17)
+    law = TARGET[0]
+    for row in TARGET[1:]:
+        law = np.multiply.outer(law, row)
+    pvalue = float(stats.chisquare(counts.ravel(), law.ravel() * counts.sum()).pvalue)
+    assert (pvalue > ALPHA) if lossless else (pvalue < ALPHA), pvalue
 
 
 class FrontToBackVerifier(BlockVerifier):

@@ -3,10 +3,12 @@
 Each case builds a two-level "language" on a tiny vocabulary from hand-made tables: target and draft distributions
 after the context, after each first token and after each pair. Drafts are drawn from the draft tables exactly as the
 drafters do (k-config trees with or without replacement; k i.i.d. chains for SpecTr), the verifier runs once per
-draw, and a chi-square test compares the first emitted token with ``target(. | context)`` and the first two with
-``target(a) target(b | a)`` (when a round emits one token the second is drawn from the target, as the next round
-would). Every run is seeded, so the tests are deterministic; for a fresh seed each lossless check fails falsely with
-probability ``ALPHA`` = 1e-4 (about 1e-3 over the file), and the mutants must give p-values below ``ALPHA`` too.
+draw, and a chi-square test compares the first emitted token with ``target(. | context)``, the first two with
+``target(a) target(b | a)`` and the first three with ``target(a) target(b | a) target(c | a, b)`` (when a round emits
+fewer, the rest are drawn from the target, as the next rounds would). The third token is the bonus drawn after a
+kept leaf: a verifier that draws it from another row is caught there alone. Every run is seeded, so the tests are
+deterministic; for a fresh seed each lossless check fails falsely with probability ``ALPHA`` = 1e-4 (about 1e-3 over
+the file), and the mutants must give p-values below ``ALPHA`` too.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ def draw_trees(draft_tables, branching: tuple[int, int], num: int, replacement: 
 
 
 def run_verifier(verifier, target_tables, draft_tables, branching, num, replacement, seed, one_hot=False,
-                 kept: list[int] | None = None):
+                 kept: list[int] | None = None, third: list[int] | None = None):
     """First and second emitted tokens over ``num`` seeded rounds ([num] each); ``kept``, if given, gets each round's
-    number of kept draft tokens. The trees depend on the seed alone, whatever the verifier."""
+    number of kept draft tokens, ``third`` each round's third token (drawn from the target where the round emitted
+    fewer, with a generator of its own). The trees depend on the seed alone, whatever the verifier."""
     g = torch.Generator().manual_seed(seed)
+    completing = torch.Generator().manual_seed(seed + 1000)
     p0, p1, p2 = target_tables
     q0, q1, _ = draft_tables
     k0, k1 = branching
@@ -75,17 +79,25 @@ def run_verifier(verifier, target_tables, draft_tables, branching, num, replacem
             kept.append(len(verdict.accepted))
         out_first.append(emitted[0])
         out_second.append(emitted[1] if len(emitted) > 1 else fallback[i][emitted[0]])
+        if third is not None:
+            third.append(emitted[2] if len(emitted) > 2 else
+                         int(torch.multinomial(p2[out_first[-1], out_second[-1]], 1, generator=completing)))
     return torch.tensor(out_first), torch.tensor(out_second)
 
 
-def p_values(target_tables, first: torch.Tensor, second: torch.Tensor) -> tuple[float, float]:
-    """Chi-square p-values of the first token and of the first pair; impossible outcomes give 0."""
-    p0, p1, _ = target_tables
+def p_values(target_tables, first: torch.Tensor, second: torch.Tensor,
+             third: list[int] | None = None) -> tuple[float, ...]:
+    """Chi-square p-values of the first token, of the first pair and (``third`` given) of the first three tokens;
+    impossible outcomes give 0."""
+    p0, p1, p2 = target_tables
     vocab = p0.shape[0]
     results = []
-    for observed, expected in ((torch.bincount(first, minlength=vocab), p0),
-                               (torch.bincount(first * vocab + second, minlength=vocab * vocab),
-                                (p0[:, None] * p1).flatten())):
+    cases = [(torch.bincount(first, minlength=vocab), p0),
+             (torch.bincount(first * vocab + second, minlength=vocab * vocab), (p0[:, None] * p1).flatten())]
+    if third is not None:
+        cases.append((torch.bincount((first * vocab + second) * vocab + torch.tensor(third), minlength=vocab ** 3),
+                      (p0[:, None, None] * p1[:, :, None] * p2).flatten()))
+    for observed, expected in cases:
         expected = expected.double() * len(first)
         if observed[expected == 0].sum() > 0:
             results.append(0.0)
@@ -93,7 +105,7 @@ def p_values(target_tables, first: torch.Tensor, second: torch.Tensor) -> tuple[
         keep = expected > 0
         scaled = expected[keep] * observed.sum() / expected.sum()
         results.append(float(chisquare(observed[keep].double(), scaled).pvalue))
-    return results[0], results[1]
+    return tuple(results)
 
 
 VOCAB = 5
@@ -128,9 +140,10 @@ class RhoOne(SpecTrVerifier):
 
 @pytest.mark.parametrize("replacement", [True, False], ids=["with-replacement", "without-replacement"])
 def test_specinfer_is_lossless(replacement):
+    third = []
     first, second = run_verifier(TreeRejectionVerifier(replacement), TARGET, DRAFT, (3, 2), NUM_DRAWS, replacement,
-                                 seed=10)
-    assert min(p_values(TARGET, first, second)) > ALPHA
+                                 seed=10, third=third)
+    assert min(p_values(TARGET, first, second, third)) > ALPHA
 
 
 @pytest.mark.parametrize("case", ["draft-is-target", "disjoint", "one-hot"])
@@ -178,8 +191,35 @@ def test_replacement_mismatch_is_rejected():
 
 
 def test_spectr_is_lossless():
-    first, second = run_verifier(SpecTrVerifier(), TARGET, DRAFT, (3, 1), NUM_DRAWS, True, seed=20)
-    assert min(p_values(TARGET, first, second)) > ALPHA
+    third = []
+    first, second = run_verifier(SpecTrVerifier(), TARGET, DRAFT, (3, 1), NUM_DRAWS, True, seed=20, third=third)
+    assert min(p_values(TARGET, first, second, third)) > ALPHA
+
+
+class BonusFromTheParentsRow:
+    """Mutant of either verifier: a kept leaf's bonus token is drawn from its parent's row (the verifier is given
+    the leaves' rows replaced by their parents'; nothing but the bonus reads a leaf's row)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def verify(self, draft, target_logits, sampling, generator):
+        rows = target_logits.clone()
+        for node, parent in enumerate(draft.parents):
+            if parent >= 0:
+                rows[node + 1] = target_logits[parent + 1]
+        return self.inner.verify(draft, rows, sampling, generator)
+
+
+@pytest.mark.parametrize("verifier, branching", [(TreeRejectionVerifier(True), (3, 2)), (SpecTrVerifier(), (3, 1))],
+                         ids=["specinfer", "spectr"])
+def test_a_bonus_drawn_from_the_wrong_row_is_rejected(verifier, branching):
+    third = []
+    first, second = run_verifier(BonusFromTheParentsRow(verifier), TARGET, DRAFT, branching,
+                                 NUM_SMALL, True, seed=22, third=third)
+    first_two = p_values(TARGET, first, second)
+    assert min(first_two) > ALPHA  # (the first two tokens never read a leaf's row: only the third can tell)
+    assert p_values(TARGET, first, second, third)[2] < ALPHA
 
 
 @pytest.mark.parametrize("case", ["draft-is-target", "disjoint"])
