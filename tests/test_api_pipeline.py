@@ -279,3 +279,43 @@ def test_load_arguments_of_the_wrong_kind_are_refused_before_loading(options, ma
     from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
     with pytest.raises((ModelLoadError, UnsupportedOptionError), match=match):
         Pipeline.load(**options)
+
+
+@pytest.mark.parametrize("method, match", [("nope", "unknown method 'nope'"), (5, "method must be a MethodConfig"),
+                                           ("ar:n=8", "unknown method"), (None, None)])
+def test_load_checks_the_method_before_it_loads_the_model(method, match, monkeypatch):
+    """A misspelt method, or an option it does not read, was refused only after the whole model had loaded."""
+    from jointspec import api
+    from jointspec.core.errors import UnsupportedOptionError
+    from jointspec.methods import MethodConfig
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(api, "load_model", no_load)
+    for bad in ([method] if method is not None else [MethodConfig(name="ar", num_draft_tokens=8)]):
+        with pytest.raises((TypeError, UnsupportedOptionError), match=match or "does not read num_draft_tokens"):
+            Pipeline.load(method=bad)
+
+
+def test_a_pipeline_refuses_what_it_cannot_decode_with_by_name(target_model, byte_model, tokenizer):
+    """A transformers model where a loaded target belongs, a memory that is no OutputMemory, text for a pipeline
+    without a tokenizer, a callback that is not one and a tree given as a number each failed later, in another
+    library's words (an AttributeError in the middle of a generation)."""
+    from jointspec.core.errors import JointspecError
+    from jointspec.core.grammar import GrammarError, OutputFormat
+    from jointspec.methods import MethodConfig
+
+    with pytest.raises(TypeError, match="target must be a loaded target .*CausalLM.* not LlamaForCausalLM"):
+        Pipeline(byte_model, tokenizer, "pld")
+    with pytest.raises(TypeError, match="memory must be an OutputMemory or None, not list"):
+        Pipeline(CausalLM(byte_model), tokenizer, "pld", memory=[])
+    with pytest.raises(JointspecError, match="no tokenizer.*generate_ids"):
+        Pipeline(CausalLM(byte_model), None, "ar").generate("hi", CONFIG)
+    with pytest.raises(TypeError, match="on_text must be a function"):
+        Pipeline(CausalLM(byte_model), tokenizer, "ar").generate("hi", CONFIG, on_text=5)
+    with pytest.raises(TypeError, match="tree must be a list of ints"):
+        MethodConfig(name="specinfer", tree=4)
+    for spec, match in (("{bad", "not valid JSON"), ("[1]", "must be a JSON object")):
+        with pytest.raises(GrammarError, match=match):
+            OutputFormat("json", spec)

@@ -22,7 +22,7 @@ from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method, method_names
-from jointspec.methods.registry import options_set, unread_options_error
+from jointspec.methods.registry import options_set, unknown_method_error, unread_options_error
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,12 @@ class GenerationConfig:
     """How to decode one prompt: at most ``max_new_tokens`` new tokens; greedy at ``temperature`` 0 (the default),
     else sampled with that temperature and, where set, a ``top_k`` (0: none) and a ``top_p`` (1: none). ``seed``: the
     sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each generation,
-    which :attr:`GenerationResult.seed` reports). ``chat``: wrap a text prompt in the model's chat template as one
-    user message (where the tokenizer has one). ``output_format``: what the answer must match (structured output:
-    JSON of a schema, a regex, a Lark grammar; :class:`~jointspec.core.grammar.OutputFormat`), through any method."""
+    which :attr:`GenerationResult.seed` reports), except with a method whose draft lengths follow measured timings
+    (``sps``, ``hybrid``, ``mtad``, ``specinfer``, ``spectr`` unless ``cost_aware=False``; ``hybrid-tree``; ``default``
+    where it drafts its head's tree): its drafts draw from the same generator, so another length draws otherwise.
+    ``chat``: wrap a text prompt in the model's chat template as one user message (where the tokenizer has one).
+    ``output_format``: what the answer must match (structured output: JSON of a schema, a regex, a Lark grammar;
+    :class:`~jointspec.core.grammar.OutputFormat`), through any method."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -131,6 +134,23 @@ def _session(target: CausalLM) -> _Session:
         return session
 
 
+def _checked_method(method: MethodConfig | str | None) -> MethodConfig:
+    """``method`` as a MethodConfig (a name alone, as the CLI's --method; None: ``default``), refused where its name is
+    not a method or it sets an option the method does not read (as generate and serve refuse it, not ignore it)."""
+    if method is None:
+        method = MethodConfig(name="default")
+    elif isinstance(method, str):
+        method = MethodConfig(name=method)
+    elif not isinstance(method, MethodConfig):
+        raise TypeError(f"method must be a MethodConfig or a method name, not {type(method).__name__}")
+    if method.name not in method_names():
+        raise UnsupportedOptionError(unknown_method_error(method.name))
+    error = unread_options_error(method.name, options_set(method))
+    if error:
+        raise UnsupportedOptionError(error)
+    return method
+
+
 class Pipeline:
     """A target model, a decoding method and a tokenizer: ``generate`` text or ``stream`` it.
 
@@ -148,13 +168,15 @@ class Pipeline:
         ``quantize``, ``backend``, ``threads``, ``kernels`` and ``kv_cache`` load the method's draft model, if any,
         the way :func:`load_model` loads a target. ``memory``: online adaptation, for the methods that learn online
         (:func:`jointspec.methods.online_methods`): every finished answer joins it, and later ones draft from it."""
-        if isinstance(method, str):  # the name alone, as the CLI's --method
-            method = MethodConfig(name=method)
-        if method is not None and not isinstance(method, MethodConfig):
-            raise TypeError(f"method must be a MethodConfig or a method name, not {type(method).__name__}")
+        method = _checked_method(method)
+        if not all(hasattr(target, name) for name in ("forward", "max_context")):
+            raise TypeError(f"target must be a loaded target (jointspec.backends.hf.CausalLM(model), or what "
+                            f"load_model or Pipeline.load gives), not {type(target).__name__}")
+        if memory is not None and not isinstance(memory, OutputMemory):
+            raise TypeError(f"memory must be an OutputMemory or None, not {type(memory).__name__}")
         self.target = target
         self.tokenizer = tokenizer
-        self.method = method or MethodConfig(name="default")
+        self.method = method
         self.memory = memory
         self._session = _session(target)  # shared with every pipeline on this target: it has one cache
 
@@ -162,11 +184,6 @@ class Pipeline:
             return load_model(source, device=device, dtype=dtype, name=source, quantize=quantize, backend=backend,
                               threads=threads, kernels=kernels, kv_cache=kv_cache)
 
-        if self.method.name in method_names():  # else build_method names the choices
-            # A setting the method does not read is refused, as generate and serve refuse it, not ignored.
-            error = unread_options_error(self.method.name, options_set(self.method))
-            if error:
-                raise UnsupportedOptionError(error)
         drafter, verifier = build_method(MethodContext(self.method, target, tokenizer, load_draft, memory))
         self.decoder = SpeculativeDecoder(target, drafter, verifier)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
@@ -184,6 +201,7 @@ class Pipeline:
         auto/onednn/stock, ``kv_cache`` auto/float16 (see :func:`jointspec.backends.loading.load_model`)."""
         options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,
                        kernels=kernels, kv_cache=kv_cache)
+        method = _checked_method(method)  # before the model loads: a misspelt method costs no load
         target, tokenizer = load_model(model, **options)  # (checks threads)
         if threads is not None and backend == "torch":
             torch.set_num_threads(threads)
@@ -195,6 +213,9 @@ class Pipeline:
         if not isinstance(prompt, str):
             raise TypeError(f"the prompt must be text (str), not {type(prompt).__name__}; for token ids call "
                             "generate_ids() or stream_ids()")
+        if self.tokenizer is None:
+            raise JointspecError("this Pipeline has no tokenizer, so it cannot read text: pass token ids to "
+                                 "generate_ids() or stream_ids(), or build it with the model's tokenizer")
         if chat and getattr(self.tokenizer, "chat_template", None):  # as `serve` reads a chat (text as text)
             return chat_template_ids(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
@@ -292,6 +313,8 @@ class Pipeline:
     def generate_ids(self, prompt_ids: list[int], config: GenerationConfig = GenerationConfig(),
                      on_text=None) -> GenerationResult:
         """Decode after ``prompt_ids``; ``on_text(delta)`` is called with streamed text if given."""
+        if on_text is not None and not callable(on_text):
+            raise TypeError(f"on_text must be a function of the text delta, not {type(on_text).__name__}")
         prompt_ids = self._token_ids(prompt_ids)
         config = _checked_config(config)
         seed = config.seed if config.seed is not None else fresh_seed()

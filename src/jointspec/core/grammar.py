@@ -70,6 +70,13 @@ class OutputFormat:
         if self.kind != "json" and not self.spec:
             what = "pattern" if self.kind == "regex" else "grammar"
             raise ValueError(f"a {self.kind} output format needs its {what}")
+        if self.kind == "json" and self.spec:
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as error:
+                raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+            if not isinstance(schema, dict):
+                raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
 
     @classmethod
     def json_schema(cls, schema: dict | str | None = None) -> OutputFormat:

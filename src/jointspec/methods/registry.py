@@ -80,8 +80,9 @@ class MethodConfig:
             raise TypeError(f"accept_threshold must be a number, got {self.accept_threshold!r}")
         if self.cost_aware is not None and not isinstance(self.cost_aware, bool):
             raise TypeError(f"cost_aware must be true, false or None, got {self.cost_aware!r}")
-        if self.tree is not None and not all(isinstance(k, numbers.Integral) and not isinstance(k, bool)
-                                             for k in self.tree):
+        if self.tree is not None and (isinstance(self.tree, str | bytes) or not hasattr(self.tree, "__iter__")
+                                      or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool)
+                                                 for k in self.tree)):
             raise TypeError(f"tree must be a list of ints (branching factors), got {self.tree!r}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
