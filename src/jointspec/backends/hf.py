@@ -208,8 +208,8 @@ class CausalLM:
                                          "the cache can be float32 or, for a float32 model, float16")
         if self.lean is None or self.lean.compiled is None:
             raise UnsupportedOptionError("a float16 KV cache needs jointspec's compiled CPU layers (a model quantised "
-                                         "with --quantize int4|int8|auto on a CPU); this model runs transformers' "
-                                         "forward: use --kv-cache auto")
+                                         "with --quantize int4 or auto on a CPU; --quantize int8 runs PyTorch's int8 "
+                                         "kernel); this model runs transformers' forward: use --kv-cache auto")
 
     def fork(self, name: str | None = None, *, kv_dtype: torch.dtype | None = None) -> CausalLM:
         """A second adapter over the same weights, with its own empty cache (a self-draft, a cost probe), stored in

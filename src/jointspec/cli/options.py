@@ -154,8 +154,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--kv-cache", choices=KV_CACHE_CHOICES, default="auto",
                         help="torch backend: what the KV cache stores. float16 = half precision, as llama.cpp keeps "
-                             "it: half the cache memory, and at long inputs a cheaper step (needs the int4/int8 CPU "
-                             "kernels; exactness then holds against the same model with a float16 cache, "
+                             "it: half the cache memory, and at long inputs a cheaper step (needs jointspec's "
+                             "compiled int4 layers: --quantize auto or int4; exactness then holds against the same "
+                             "model with a float16 cache, "
                              "docs/long-inputs.md); float32 = the model's dtype; auto (default) = float16 where the "
                              "model runs on those kernels, else the model's dtype")
     parser.add_argument("--threads", type=positive_int, default=None,

