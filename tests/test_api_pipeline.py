@@ -319,3 +319,20 @@ def test_a_pipeline_refuses_what_it_cannot_decode_with_by_name(target_model, byt
     for spec, match in (("{bad", "not valid JSON"), ("[1]", "must be a JSON object")):
         with pytest.raises(GrammarError, match=match):
             OutputFormat("json", spec)
+
+
+def test_numpy_scalars_are_taken_wherever_python_numbers_are(target_model):
+    """numpy's ints and floats were refused by GenerationConfig and in a list of prompt ids (np.float64 alone passed,
+    as a float subclass), though MethodConfig and an array of ids took them."""
+    import numpy as np
+
+    config = GenerationConfig(max_new_tokens=np.int64(6), temperature=np.float32(0.5), top_k=np.int32(4),
+                              top_p=np.float32(0.9), seed=np.int64(3))
+    assert (type(config.max_new_tokens), type(config.seed), type(config.sampling.temperature)) == (int, int, float)
+    pipe = pipeline(target_model, "ar")
+    prompt = random_prompt(2)
+    as_numpy = pipe.generate_ids([np.int64(t) for t in prompt], config).token_ids
+    assert as_numpy == pipe.generate_ids(prompt, GenerationConfig(max_new_tokens=6, temperature=0.5, top_k=4,
+                                                                  top_p=float(np.float32(0.9)), seed=3)).token_ids
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        GenerationConfig(max_new_tokens=np.float64(6))

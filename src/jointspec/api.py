@@ -5,6 +5,7 @@ The engine below works on token ids; this layer is the only one that touches tok
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 import weakref
@@ -48,8 +49,9 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy's ints are Integral)
                 raise TypeError(f"{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2 ** 63:
@@ -289,9 +291,9 @@ class Pipeline:
             prompt_ids = prompt_ids.tolist()
         ids = []
         for position, token in enumerate(prompt_ids):
-            if isinstance(token, bool) or not isinstance(token, int):
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
                 raise TypeError(f"prompt_ids must be a flat sequence of ints; item {position} is {token!r}")
-            ids.append(token)
+            ids.append(int(token))
         vocab = self.target.vocab_size
         outside = next((i for i, token in enumerate(ids) if not 0 <= token < vocab), None)
         if outside is not None:
@@ -300,7 +302,8 @@ class Pipeline:
         return ids
 
     def stream(self, prompt: str, config: GenerationConfig = GenerationConfig()) -> Iterator[str]:
-        """Yield text deltas as rounds commit tokens."""
+        """Yield text deltas as rounds commit tokens. (A stream reports no seed: to repeat a sampled stream, give
+        ``config`` a seed; ``seed=None`` draws one that only :meth:`generate` reports.)"""
         detok = IncrementalDetokenizer(self.tokenizer)
         for chunk in self.stream_ids(self.encode(prompt, _checked_config(config).chat), config):
             delta = detok.push(chunk)

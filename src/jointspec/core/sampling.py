@@ -18,6 +18,7 @@ the same bits as the PyTorch operations, in a pass over the row instead of sever
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
@@ -37,9 +38,10 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         for name, kind in (("temperature", "a number"), ("top_k", "an int"), ("top_p", "a number")):
             value = getattr(self, name)
-            wanted = int if name == "top_k" else (int, float)
+            wanted = numbers.Integral if name == "top_k" else numbers.Real  # (numpy's scalars are these too)
             if isinstance(value, bool) or not isinstance(value, wanted):
                 raise TypeError(f"{name} must be {kind}, got {value!r}")
+            object.__setattr__(self, name, int(value) if name == "top_k" else float(value))
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
                              f"{self.temperature}")
