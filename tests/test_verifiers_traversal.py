@@ -1,16 +1,15 @@
 """Losslessness of traversal verification (``verifiers/traversal.py``), with the harness of the tree verifiers:
 two-level trees drawn from hand-made draft tables on a 5-token vocabulary, the verifier run once per draw, and
-chi-square tests of the first emitted token and of the first two against the target tables (module docstring of
-``test_verifiers_tree_spectr.py``). For a fresh seed each lossless check fails falsely with probability ``ALPHA`` =
-1e-4; the mutants (the ones the derivation in shared research lists, each at a known distance from the target's law)
-must give p-values below ``ALPHA`` on the same test.
+chi-square tests of the first emitted tokens against the target tables (tests/tree_tables.py). For a fresh seed each
+lossless check fails falsely with probability ``ALPHA`` = 1e-4; the mutants (the ones the derivation in shared
+research lists, each at a known distance from the target's law) must give p-values below ``ALPHA`` on the same test.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_verifiers_tree_spectr import ALPHA, DRAFT, NUM_DRAWS, NUM_SMALL, TARGET, disjoint_case, p_values, run_verifier
+from tree_tables import ALPHA, DRAFT, NUM_DRAWS, NUM_SMALL, TARGET, disjoint_case, p_values, run_verifier
 
 from jointspec.core.draft import Draft
 from jointspec.core.sampling import SamplingConfig
@@ -22,8 +21,10 @@ from jointspec.verifiers.tree import TreeRejectionVerifier
 @pytest.mark.parametrize("branching, num", [((3, 2), NUM_DRAWS), ((1, 1), NUM_SMALL)], ids=["3x2", "chain"])
 def test_traversal_is_lossless(replacement, branching, num):
     # (2, 2) trees at 50,000 draws: in the test that compares with recursive rejection below.
-    first, second = run_verifier(TraversalVerifier(replacement), TARGET, DRAFT, branching, num, replacement, seed=30)
-    assert min(p_values(TARGET, first, second)) > ALPHA
+    third = []  # (the third token: the bonus after a kept leaf)
+    first, second = run_verifier(TraversalVerifier(replacement), TARGET, DRAFT, branching, num, replacement, seed=30,
+                                 third=third)
+    assert min(p_values(TARGET, first, second, third)) > ALPHA
 
 
 @pytest.mark.parametrize("case", ["draft-is-target", "disjoint", "one-hot"])
