@@ -1,5 +1,6 @@
 """Fixtures shared by every test module: tiny random models built in process (fp32, CPU), no downloads, forward
-passes well under a millisecond. The builders themselves live in ``helpers.py``; no test module imports another.
+passes well under a millisecond. The builders themselves live in ``helpers.py`` (the tree verifiers' tables in
+``tree_tables.py``); no test module imports another.
 """
 
 from __future__ import annotations
