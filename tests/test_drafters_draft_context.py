@@ -61,6 +61,8 @@ def test_a_draft_with_a_shorter_window_drafts_until_it_is_full_then_decoding_goe
     draft.forward = watched
     assert spec.generate(prompt, greedy(30)) == expected
     assert max(fed) <= 16  # never past the draft's last position
+    if not method.startswith("hybrid"):  # (hybrid's lookup drafts some rounds instead of the model)
+        assert max(fed) == 16  # and up to it: a window one short would stop a round early
     assert spec.stats.num_accepted_tokens > 0  # it drafted (and the target kept drafts) while the window lasted
 
 
@@ -72,3 +74,24 @@ def test_the_oracle_extends_its_continuation_no_further_than_the_context():
         oracle, _ = decoder("oracle", model)
         assert oracle.generate(prompt, greedy(100)) == expected
         assert len(expected) == 32 - length  # to the context's end
+
+
+def test_the_batched_engine_drafts_within_a_short_window_as_the_loop_does():
+    """The ragged engine's model drafter drafted past the window (its cache clamps positions, so no error): its
+    sampled drafts then drew otherwise than the loop's, and a seeded request's text was not `generate`'s."""
+    from jointspec.batch.engine import BatchEngine, BatchRequest
+    from jointspec.core.loop import DecodeConfig
+    from jointspec.core.sampling import SamplingConfig
+
+    target_model, draft_model = gpt2(0, 64), gpt2(0, 16)
+    draft_model.load_state_dict({k: v[:16] if k == "transformer.wpe.weight" else v
+                                 for k, v in target_model.state_dict().items()})
+    load = lambda source: (CausalLM(draft_model, name="short draft"), None)  # noqa: E731
+    method = MethodConfig("sps", draft="short", num_draft_tokens=4, cost_aware=False)
+    config = DecodeConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=0.8, top_k=50))
+    prompt = random_prompt(3, 10)
+    for seed in range(3):
+        single, _ = decoder("sps", target_model, draft_model, num_draft_tokens=4)
+        expected = single.generate(prompt, config, torch.Generator().manual_seed(seed))
+        engine = BatchEngine(CausalLM(target_model), max_batch_size=2, load_draft=load)
+        assert engine.generate([BatchRequest(prompt, config, method, seed=seed)])[0] == expected

@@ -25,7 +25,7 @@ from jointspec.core.draft import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig, processed_probs, sample
 from jointspec.drafters.corpus import CorpusLookupDrafter
-from jointspec.drafters.model import ModelDrafter, common_prefix_length
+from jointspec.drafters.model import ModelDrafter, common_prefix_length, draft_room
 from jointspec.drafters.ngram import PromptLookupDrafter
 
 
@@ -85,6 +85,7 @@ class BatchModelDrafter:
 
     def __init__(self, drafter: ModelDrafter) -> None:
         self.num_draft_tokens = drafter.num_draft_tokens
+        self.draft = drafter.draft
         self.cache = RaggedCache(drafter.draft)
         self.cached_ids: dict[int, list[int]] = {}
 
@@ -103,7 +104,10 @@ class BatchModelDrafter:
         return [position[row_id] for row_id in self.cache.row_ids]
 
     def propose(self, seq_ids, contexts, budgets, samplings, generators) -> list[Draft]:
-        budgets = [min(self.num_draft_tokens, b) for b in budgets]
+        # A row drafts what the draft's own window holds, as ModelDrafter does (drafters/model.py, draft_room): past
+        # it the row feeds dummy tokens (the cache clamps their positions) and draws nothing.
+        budgets = [min(self.num_draft_tokens, budget, draft_room(self.draft, context))
+                   for budget, context in zip(budgets, contexts)]
         depth = max(budgets, default=0)
         if depth <= 0:
             return [EMPTY_DRAFT] * len(seq_ids)
