@@ -13,6 +13,7 @@ import torch
 
 from jointspec.core.errors import JointspecError
 from jointspec.core.files import WriteError, cannot_write, replacing
+from jointspec.drafts.eagle1 import Eagle1Config, Eagle1Head
 
 from helpers import CausalLM, run_cli, tiny_tokenizer, train_cli_argv, untrained_draft_of
 
@@ -110,7 +111,7 @@ def test_train_draft_on_a_full_disk_says_what_was_kept_and_resumes(target_model,
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk_on("model.safetensors", safetensors.torch.save_file))
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "Traceback" not in err
-    assert f"could not write the draft's weights '{tmp_path / 'head' / 'model.safetensors'}'" in err
+    assert f"could not write the draft '{tmp_path / 'head'}'" in err
     assert "run the same command again to resume from that checkpoint" in err and not leftovers(tmp_path)
     monkeypatch.undo()
     code, out, err = run_cli(capsys, *train_cli_argv(monkeypatch, target_model, tmp_path, "head"))
@@ -132,8 +133,6 @@ def test_export_draft_on_a_full_disk_leaves_no_checkpoint(target_model, tmp_path
     import safetensors.torch
 
     from jointspec.cli import export as export_cli
-    from jointspec.drafts.eagle1 import Eagle1Config, Eagle1Head
-
     untrained_draft_of(Eagle1Head, Eagle1Config, CausalLM(target_model)).save(tmp_path / "head")
     monkeypatch.setattr(export_cli, "load_target",
                         lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
@@ -173,3 +172,70 @@ def test_build_corpus_on_a_full_disk_keeps_its_answers(tmp_path, monkeypatch, ca
     answers = (out / "data" / "answers.jsonl").read_text().splitlines()
     assert len(answers) == 3 and all(json.loads(line)["answer_ids"] for line in answers)
     assert not leftovers(tmp_path) and not (out / "corpus.json").exists()
+
+
+def test_build_corpus_whose_answers_cannot_be_written_says_so(tmp_path, monkeypatch, capsys, target_model):
+    """The answers log's write failing: closing the file flushes again and raised its own OSError over the message."""
+    import io
+    import pathlib
+
+    from jointspec.cli import corpus as corpus_cli
+
+    monkeypatch.setattr(corpus_cli, "load_target",
+                        lambda *args, **kwargs: (CausalLM(target_model, name="tiny-target"), tiny_tokenizer()))
+
+    class Full(io.RawIOBase):  # a file on a full disk: every write fails
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open = pathlib.Path.open
+
+    def open_(self, mode="r", *args, **kwargs):
+        if self.name == corpus_cli.ANSWERS_FILE and "a" in mode:
+            return io.TextIOWrapper(io.BufferedWriter(Full()))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", open_)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"question number {i} about things" for i in range(2)))
+    code, _, err = run_cli(capsys, "build-corpus", "--prompts", str(prompts), "--max-new-tokens", "6", "--min-count",
+                           "1", "--no-progress", "--out", str(tmp_path / "table"))
+    assert code == 2 and "Traceback" not in err, err
+    assert f"could not write the answers '{tmp_path / 'table' / 'data' / 'answers.jsonl'}' (No space left" in err
+
+
+def test_a_draft_whose_config_cannot_be_written_keeps_the_folder_as_it_was(target_model, tmp_path, monkeypatch):
+    """The weights were renamed into place before the config was written: a failure there paired new weights with
+    the old config. And a bug raised while writing is not a full disk: it goes on as it was."""
+    import pathlib
+
+    folder = tmp_path / "head"
+    untrained_draft_of(Eagle1Head, Eagle1Config, CausalLM(target_model), seed=0).save(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real_write = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if "draft.json" in self.name:
+            raise FULL
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    with pytest.raises(WriteError, match="could not write the draft .* what the folder held before is kept"):
+        untrained_draft_of(Eagle1Head, Eagle1Config, CausalLM(target_model), seed=1).save(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+    def bug(self, *args, **kwargs):
+        raise TypeError("Object of type set is not JSON serializable")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", bug)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        untrained_draft_of(Eagle1Head, Eagle1Config, CausalLM(target_model), seed=1).save(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    with pytest.raises(ValueError, match="a bug"):  # replacing() too: only a failure to write is reported as one
+        with replacing(tmp_path / "x.json", "the record") as tmp:
+            tmp.write_bytes(b"part")
+            raise ValueError("a bug")
+    assert not (tmp_path / "x.json").exists() and not list(tmp_path.glob("x.json.tmp*"))

@@ -141,18 +141,18 @@ def _target_answers(pool: list[list[int]], spec: dict, data: Path, pipeline, con
         from tqdm.auto import tqdm
 
         progress = tqdm(total=len(pool), initial=len(pool) - len(todo), desc="answers", unit="prompt")
-    with answers_path.open("a") as sink:
-        for index in todo:
-            answer = pipeline.generate_ids(pool[index], config).token_ids
-            done[index] = list(answer)
-            try:
+    try:  # (around the whole file: closing it flushes again, and would raise its own error)
+        with answers_path.open("a") as sink:
+            for index in todo:
+                answer = pipeline.generate_ids(pool[index], config).token_ids
+                done[index] = list(answer)
                 sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
                 sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
-            except OSError as error:  # a full disk: a line cut short is dropped when the run goes on
-                raise cannot_write("the answers", answers_path, error, "the answers before this one are kept: free "
-                                   "some room and run the same command again to go on from them") from error
-            if progress is not None:
-                progress.update()
+                if progress is not None:
+                    progress.update()
+    except OSError as error:  # a full disk: a line cut short is dropped when the run goes on
+        raise cannot_write("the answers", answers_path, error, "the answers before this one are kept: free some "
+                           "room and run the same command again to go on from them") from error
     if progress is not None:
         progress.close()
     return [done[i] for i in range(len(pool))]

@@ -4,7 +4,7 @@ A file is written under a temporary name beside its place and renamed over it on
 old file or the new one, never half of one. Where the write fails (a full disk, a quota, a folder made read-only) the
 temporary file is removed and the failure becomes a :class:`WriteError` naming the file, the reason and the room
 left: torch's writer says only "unexpected pos 576 vs 534" when the disk fills, and safetensors' error comes without
-the file's name.
+the file's name. Any other error (a bug) goes on as it was, its temporary file removed.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ class WriteError(JointspecError):
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike, what: str, then: str = "") -> Iterator[Path]:
     """A temporary path to write ``path``'s new content to; on leaving, it replaces ``path`` (atomically). On any
-    failure it is removed and ``path`` stays as it was; an error that is not already a :class:`JointspecError` becomes
-    a :class:`WriteError` naming ``what`` ("the draft's weights") and ending with ``then`` (what the user can do, what
-    was kept). Ctrl-C removes it too and goes on as it was."""
+    failure it is removed and ``path`` stays as it was; a failure to write (:func:`is_write_failure`) becomes a
+    :class:`WriteError` naming ``what`` ("the training checkpoint") and ending with ``then`` (what the user can do,
+    what was kept). Any other error, Ctrl-C included, goes on as it was."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
@@ -36,9 +36,22 @@ def replacing(path: str | os.PathLike, what: str, then: str = "") -> Iterator[Pa
     except BaseException as error:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(error, Exception) and not isinstance(error, JointspecError):
+        if is_write_failure(error):
             raise cannot_write(what, path, error, then) from error
         raise
+
+
+# How writers that do not raise OSError say that the disk failed them: torch's zip writer, safetensors.
+_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "I/O error",
+                   "No space left on device")
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """Whether ``error`` says a file could not be written (a full disk, a quota, a read-only folder), not a bug."""
+    if isinstance(error, OSError):
+        return True
+    return isinstance(error, Exception) and not isinstance(error, JointspecError) and any(
+        sign in str(error) for sign in _WRITE_FAILURES)
 
 
 def cannot_write(what: str, path: str | os.PathLike, error: BaseException, then: str = "") -> WriteError:

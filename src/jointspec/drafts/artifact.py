@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from torch import nn
 from jointspec.backends.hf import CausalLM
 from jointspec.core.choices import HEAD_WEIGHT_CHOICES  # noqa: F401  (re-exported)
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.core.files import cannot_write, replacing
+from jointspec.core.files import cannot_write, is_write_failure
 from jointspec.core.target import TargetCapabilities
 
 ARTIFACT_FORMAT = 1
@@ -95,22 +96,35 @@ def _rope_theta(config) -> float:
 def save_artifact(module: nn.Module, config, folder: str | Path, training: dict | None = None) -> Path:
     """Write a trained draft's ``draft.json`` (``config`` and ``training``) and fp16 weights into ``folder``.
 
-    The body's placeholder token embedding is left out: drafts read the target's embedding. Each file is replaced
-    atomically, weights first, so a folder never pairs a new config with old weights of another shape.
+    The body's placeholder token embedding is left out: drafts read the target's embedding. Both files are written
+    whole under temporary names before either replaces the folder's, so a failed save (a full disk: a
+    :class:`~jointspec.core.files.WriteError`) keeps the folder as it was, and a folder never pairs a new config with
+    old weights of another shape, or new weights with an old config.
     """
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
              if not k.startswith("body.embed_tokens")}
-    then = "what the folder held before is kept"
-    with replacing(folder / WEIGHTS_FILE, "the draft's weights", then) as tmp:
-        save_file(state, str(tmp))
-        shareable(tmp)
-    meta = {"config": asdict(config), "training": training or {}}
-    with replacing(folder / CONFIG_FILE, "the draft's config", then) as tmp:
-        tmp.write_text(json.dumps(meta, indent=1))
+    meta = json.dumps({"config": asdict(config), "training": training or {}}, indent=1)
+    weights, settings = folder / WEIGHTS_FILE, folder / CONFIG_FILE
+    partial = [path.with_name(f"{path.name}.tmp{os.getpid()}") for path in (weights, settings)]
+    try:  # both files written whole before either replaces the folder's
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(partial[0]))
+        shareable(partial[0])
+        partial[1].write_text(meta)
+        # The old config goes first: a save stopped between the renames leaves a folder that holds no draft (refused
+        # at load), never new weights read with an older config.
+        settings.unlink(missing_ok=True)
+        os.replace(partial[0], weights)
+        os.replace(partial[1], settings)
+    except BaseException as error:
+        for path in partial:
+            path.unlink(missing_ok=True)
+        if is_write_failure(error):
+            raise cannot_write("the draft", folder, error, "what the folder held before is kept") from error
+        raise
     return folder
 
 
@@ -252,7 +266,7 @@ def write_engine_checkpoint(folder: Path, config: dict, state: dict[str, torch.T
         tmp.rename(folder)
     except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, Exception):  # a full disk: safetensors' error names no file
+        if is_write_failure(error):  # a full disk: safetensors' error names no file
             raise cannot_write("the checkpoint", folder, error, "nothing of it was left there") from error
         raise
     return folder

@@ -648,10 +648,11 @@ class _Run:
         state["seconds"] = time.perf_counter() - self.started
         if kept is not None:
             kept["seconds"] = state["seconds"]
+        checkpoint = {"config": asdict(config), "vocab": self.data.vocab, "data_digest": self.data_digest,
+                      "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                      "state": state if kept is None else kept, "generator": self.generator.get_state()}
         with replacing(self.checkpoint, "the training checkpoint", RESUME) as tmp:
-            torch.save({"config": asdict(config), "vocab": self.data.vocab, "data_digest": self.data_digest,
-                        "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "state": state if kept is None else kept, "generator": self.generator.get_state()}, tmp)
+            torch.save(checkpoint, tmp)
         return state["bad_evals"] >= config.patience or timed_out
 
     def close(self) -> None:
