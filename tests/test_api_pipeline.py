@@ -314,6 +314,8 @@ def test_a_pipeline_refuses_what_it_cannot_decode_with_by_name(target_model, byt
         Pipeline(CausalLM(byte_model), None, "ar").generate("hi", CONFIG)
     with pytest.raises(TypeError, match="on_text must be a function"):
         Pipeline(CausalLM(byte_model), tokenizer, "ar").generate("hi", CONFIG, on_text=5)
+    with pytest.raises(JointspecError, match="no tokenizer, so it cannot give on_text"):
+        Pipeline(CausalLM(byte_model), None, "ar").generate_ids([5, 6, 7], CONFIG, on_text=print)
     with pytest.raises(TypeError, match="tree must be a list of ints"):
         MethodConfig(name="specinfer", tree=4)
     for spec, match in (("{bad", "not valid JSON"), ("[1]", "must be a JSON object")):

@@ -123,3 +123,18 @@ def test_a_trained_draft_on_a_target_without_features_is_refused_by_name(tmp_pat
     context = MethodContext(MethodConfig(name="sps", draft=str(head)), target, None, lambda source: None)
     with pytest.raises(UnsupportedOptionError, match="trained draft.*--backend torch"):
         context.draft_model()
+
+
+def test_the_log_level_is_read_in_either_case_and_a_wrong_one_is_refused_in_a_line(capsys, monkeypatch):
+    """JOINTSPEC_LOG=debug (lower case, as cli.md spells it) ended every command in logging's ValueError."""
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # (basicConfig configures only a root without handlers)
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setenv("JOINTSPEC_LOG", "debug")
+    code, out, _ = run_cli(capsys, "methods")
+    assert code == 0 and "ar" in out and root.level == logging.DEBUG
+    monkeypatch.setenv("JOINTSPEC_LOG", "verbose")
+    code, _, err = run_cli(capsys, "methods")
+    assert_clean_error(code, err, "JOINTSPEC_LOG='verbose' is not a log level", "DEBUG, INFO, WARNING")

@@ -318,6 +318,9 @@ class Pipeline:
         """Decode after ``prompt_ids``; ``on_text(delta)`` is called with streamed text if given."""
         if on_text is not None and not callable(on_text):
             raise TypeError(f"on_text must be a function of the text delta, not {type(on_text).__name__}")
+        if on_text is not None and self.tokenizer is None:
+            raise JointspecError("this Pipeline has no tokenizer, so it cannot give on_text the answer's text: build "
+                                 "it with the model's tokenizer, or decode the returned token ids yourself")
         prompt_ids = self._token_ids(prompt_ids)
         config = _checked_config(config)
         seed = config.seed if config.seed is not None else fresh_seed()

@@ -353,8 +353,16 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def _main(argv: list[str] | None) -> int:
-    logging.basicConfig(level=os.environ.get("JOINTSPEC_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("JOINTSPEC_LOG", "WARNING").strip().upper()
+    if level not in LOG_LEVELS:
+        print(f"jointspec: error: JOINTSPEC_LOG={os.environ['JOINTSPEC_LOG']!r} is not a log level; use one of "
+              f"{', '.join(LOG_LEVELS)} (or leave it unset: WARNING)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # transformers is chatty on load (GGUF dequantisation notes, generation-config notes); keep the CLI readable.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = sys.argv[1:] if argv is None else list(argv)
