@@ -95,3 +95,17 @@ def test_the_batched_engine_drafts_within_a_short_window_as_the_loop_does():
         expected = single.generate(prompt, config, torch.Generator().manual_seed(seed))
         engine = BatchEngine(CausalLM(target_model), max_batch_size=2, load_draft=load)
         assert engine.generate([BatchRequest(prompt, config, method, seed=seed)])[0] == expected
+
+
+def test_a_prompt_past_a_short_windows_end_drafts_nothing_in_the_batched_engine_either():
+    """The ragged engine prefilled a draft with the whole prompt at unclamped positions: a prompt longer than a
+    learned-position draft's window was an IndexError there (the loop drafts nothing and decodes on)."""
+    from jointspec.batch.engine import BatchEngine, BatchRequest
+
+    target_model, draft_model = gpt2(0, 64), gpt2(0, 16)
+    load = lambda source: (CausalLM(draft_model, name="short draft"), None)  # noqa: E731
+    method = MethodConfig("sps", draft="short", num_draft_tokens=4, cost_aware=False)
+    prompt = random_prompt(3, 20)
+    expected = decoder("ar", target_model)[0].generate(prompt, greedy(12))
+    engine = BatchEngine(CausalLM(target_model), max_batch_size=2, load_draft=load)
+    assert engine.generate([BatchRequest(prompt, greedy(12), method)])[0] == expected

@@ -80,7 +80,10 @@ class RaggedCache:
         cache = self._fresh_cache()
         if prefix_ids:
             ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.lm.device)  # [1, n]
-            positions = torch.arange(len(prefix_ids), device=self.lm.device).reshape(1, -1)
+            # Clamped as forward() clamps: a draft model with a shorter window than its target's gets a prompt past it
+            # (it drafts nothing there: batch/drafters.py), and learned positions have no row beyond it.
+            positions = torch.arange(len(prefix_ids), device=self.lm.device).clamp_max(self.lm.max_context - 1)
+            positions = positions.reshape(1, -1)
             cache = self.lm.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                                   logits_to_keep=1).past_key_values
         valid = torch.ones(1, len(prefix_ids), dtype=torch.bool, device=self.lm.device)  # [1, n]
