@@ -141,18 +141,30 @@ def _target_answers(pool: list[list[int]], spec: dict, data: Path, pipeline, con
         from tqdm.auto import tqdm
 
         progress = tqdm(total=len(pool), initial=len(pool) - len(todo), desc="answers", unit="prompt")
-    try:  # (around the whole file: closing it flushes again, and would raise its own error)
+    # A write that fails (a full disk) ends the loop; closing the file then flushes again and fails too, so the guard
+    # surrounds the file, and tells a failure to write from an OSError of the decoding or the progress bar.
+    failed, writing = None, False
+    try:
         with answers_path.open("a") as sink:
             for index in todo:
                 answer = pipeline.generate_ids(pool[index], config).token_ids
                 done[index] = list(answer)
-                sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
-                sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
+                try:
+                    sink.write(json.dumps({"index": index, "answer_ids": list(answer)}) + "\n")
+                    sink.flush()  # a line per answer: an interrupted run loses at most the answer in progress
+                except OSError as error:
+                    failed = error
+                    break
                 if progress is not None:
                     progress.update()
-    except OSError as error:  # a full disk: a line cut short is dropped when the run goes on
-        raise cannot_write("the answers", answers_path, error, "the answers before this one are kept: free some "
-                           "room and run the same command again to go on from them") from error
+            writing = True  # what fails from here on is the file's close
+    except OSError as error:
+        if failed is None and not writing:
+            raise
+        failed = failed or error
+    if failed is not None:  # a line cut short is dropped when the run goes on
+        raise cannot_write("the answers", answers_path, failed, "the answers before this one are kept: free some "
+                           "room and run the same command again to go on from them") from failed
     if progress is not None:
         progress.close()
     return [done[i] for i in range(len(pool))]

@@ -41,9 +41,10 @@ def replacing(path: str | os.PathLike, what: str, then: str = "") -> Iterator[Pa
         raise
 
 
-# How writers that do not raise OSError say that the disk failed them: torch's zip writer, safetensors.
-_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "I/O error",
-                   "No space left on device")
+# How writers that do not raise OSError say that the disk or the folder failed them: torch's zip writer (a full disk,
+# a file it could not open), safetensors (Rust's io::Error, as text or in its debug form).
+_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "open file failed",
+                   "I/O error", "os error", "Os { code", "No space left on device")
 
 
 def is_write_failure(error: BaseException) -> bool:

@@ -5,6 +5,7 @@ target's features. The kinds themselves (eagle, medusa, hydra, distill) build on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -97,9 +98,10 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
     """Write a trained draft's ``draft.json`` (``config`` and ``training``) and fp16 weights into ``folder``.
 
     The body's placeholder token embedding is left out: drafts read the target's embedding. Both files are written
-    whole under temporary names before either replaces the folder's, so a failed save (a full disk: a
+    whole under temporary names before either replaces the folder's, so a failed write (a full disk: a
     :class:`~jointspec.core.files.WriteError`) keeps the folder as it was, and a folder never pairs a new config with
-    old weights of another shape, or new weights with an old config.
+    old weights of another shape, or new weights with an old config (a save stopped between the renames leaves no
+    config, and the folder is refused at load).
     """
     from safetensors.torch import save_file
 
@@ -109,6 +111,7 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
     meta = json.dumps({"config": asdict(config), "training": training or {}}, indent=1)
     weights, settings = folder / WEIGHTS_FILE, folder / CONFIG_FILE
     partial = [path.with_name(f"{path.name}.tmp{os.getpid()}") for path in (weights, settings)]
+    kept = "what the folder held before is kept"
     try:  # both files written whole before either replaces the folder's
         folder.mkdir(parents=True, exist_ok=True)
         save_file(state, str(partial[0]))
@@ -116,14 +119,16 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
         partial[1].write_text(meta)
         # The old config goes first: a save stopped between the renames leaves a folder that holds no draft (refused
         # at load), never new weights read with an older config.
+        kept = "the folder holds no whole draft now: run the same command again"
         settings.unlink(missing_ok=True)
         os.replace(partial[0], weights)
         os.replace(partial[1], settings)
     except BaseException as error:
         for path in partial:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (a folder that could not be made, a read-only one)
+                path.unlink()
         if is_write_failure(error):
-            raise cannot_write("the draft", folder, error, "what the folder held before is kept") from error
+            raise cannot_write("the draft", folder, error, kept) from error
         raise
     return folder
 
