@@ -135,6 +135,9 @@ def test_the_log_level_is_read_in_either_case_and_a_wrong_one_is_refused_in_a_li
     monkeypatch.setenv("JOINTSPEC_LOG", "debug")
     code, out, _ = run_cli(capsys, "methods")
     assert code == 0 and "ar" in out and root.level == logging.DEBUG
+    for level in ("", "warn", " Info "):  # set but empty: the default; logging's own other names
+        monkeypatch.setenv("JOINTSPEC_LOG", level)
+        assert run_cli(capsys, "methods")[0] == 0, level
     monkeypatch.setenv("JOINTSPEC_LOG", "verbose")
     code, _, err = run_cli(capsys, "methods")
     assert_clean_error(code, err, "JOINTSPEC_LOG='verbose' is not a log level", "DEBUG, INFO, WARNING")

@@ -93,6 +93,9 @@ def p_values(target_tables, first: torch.Tensor, second: torch.Tensor,
             results.append(0.0)
             continue
         keep, rare = expected >= 5, (expected > 0) & (expected < 5)
+        while rare.any() and float(expected[rare].sum()) < 5 and keep.sum() > 1:  # the pool itself expects 5 or more
+            smallest = torch.where(keep, expected, torch.inf).argmin()
+            keep[smallest], rare[smallest] = False, True
         counts, wanted = observed[keep].double(), expected[keep]
         if rare.any():
             counts = torch.cat([counts, observed[rare].sum().double()[None]])

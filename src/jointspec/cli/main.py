@@ -357,8 +357,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _main(argv: list[str] | None) -> int:
-    level = os.environ.get("JOINTSPEC_LOG", "WARNING").strip().upper()
-    if level not in LOG_LEVELS:
+    level = os.environ.get("JOINTSPEC_LOG", "").strip().upper() or "WARNING"  # (set but empty: the default)
+    if level not in logging.getLevelNamesMapping():  # (logging's own names: WARN and FATAL too)
         print(f"jointspec: error: JOINTSPEC_LOG={os.environ['JOINTSPEC_LOG']!r} is not a log level; use one of "
               f"{', '.join(LOG_LEVELS)} (or leave it unset: WARNING)", file=sys.stderr)
         return 2
