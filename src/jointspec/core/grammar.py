@@ -71,26 +71,15 @@ class OutputFormat:
             what = "pattern" if self.kind == "regex" else "grammar"
             raise ValueError(f"a {self.kind} output format needs its {what}")
         if self.kind == "json" and self.spec:
-            try:
-                schema = json.loads(self.spec)
-            except ValueError as error:
-                raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
-            if not isinstance(schema, dict):
-                raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+            _schema_object(self.spec)
 
     @classmethod
     def json_schema(cls, schema: dict | str | None = None) -> OutputFormat:
         """JSON that the schema accepts (None: any JSON object)."""
         if schema is None:
             return cls("json")
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as error:
-                raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
-        if not isinstance(schema, dict):
-            raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
-        return cls("json", json.dumps(schema))  # its properties in their order: the answer writes them so
+        # (its properties in their order: the answer writes them so)
+        return cls("json", json.dumps(_schema_object(schema)))
 
     def check(self) -> None:
         """Refuse a format llguidance cannot compile, naming why, before any tokenizer is at hand (a command checks
@@ -109,6 +98,18 @@ class OutputFormat:
             except ValueError as error:
                 raise GrammarError(f"the JSON schema cannot be compiled: {error}") from None
         return matcher.grammar_from_regex(self.spec) if self.kind == "regex" else matcher.grammar_from_lark(self.spec)
+
+
+def _schema_object(schema: dict | str) -> dict:
+    """``schema`` (a JSON schema, or its text) as a dict, refused where it is not valid JSON or not a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+    return schema
 
 
 def one_line(message: str) -> str:
