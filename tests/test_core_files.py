@@ -114,7 +114,7 @@ def test_train_draft_on_a_full_disk_says_what_was_kept_and_resumes(target_model,
     import safetensors.torch
 
     monkeypatch.setattr(train_data.torch, "save", real_save)
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_on("model.safetensors", safetensors.torch.save_file))
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_on(".safetensors", safetensors.torch.save_file))
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "Traceback" not in err
     assert f"could not write the draft '{tmp_path / 'head'}'" in err
@@ -224,7 +224,7 @@ def test_a_draft_whose_config_cannot_be_written_keeps_the_folder_as_it_was(targe
     real_write = pathlib.Path.write_text
 
     def full(self, *args, **kwargs):
-        if "draft.json" in self.name:
+        if self.name.startswith("draft") and self.suffix == ".json":  # (the config, under its temporary name)
             raise FULL
         return real_write(self, *args, **kwargs)
 

@@ -106,15 +106,16 @@ def test_a_save_stopped_midway_leaves_no_table_with_another_tables_config(tmp_pa
     sequences = [rng.integers(0, 20, size=30).tolist() for _ in range(8)]
     NgramTable.build(sequences, vocab_size=20, max_order=2, min_count=1).save(tmp_path, {"kind": "corpus"})
 
-    def refuse_the_config(original):
-        def call(self, *args, **kwargs):
-            if CONFIG_FILE in (Path(self).name, *(Path(a).name for a in args if isinstance(a, str | Path))):
-                raise OSError("disk full")
-            return original(self, *args, **kwargs)
-        return call
+    import os
 
-    monkeypatch.setattr(Path, "write_text", refuse_the_config(Path.write_text))
-    monkeypatch.setattr(Path, "replace", refuse_the_config(Path.replace))
+    real_replace = os.replace
+
+    def refuse_the_config(source, destination):  # the config's rename, the save's last step, fails
+        if Path(destination).name == CONFIG_FILE:
+            raise OSError("disk full")
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", refuse_the_config)
     with pytest.raises(WriteError, match="could not write the n-gram table .* [(]disk full"):
         NgramTable.build(sequences, vocab_size=20, max_order=4, min_count=1).save(tmp_path, {"kind": "corpus"})
     monkeypatch.undo()

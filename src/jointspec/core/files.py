@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from jointspec.core.errors import JointspecError
@@ -38,6 +38,32 @@ def replacing(path: str | os.PathLike, what: str, then: str = "") -> Iterator[Pa
             tmp.unlink()
         if is_write_failure(error):
             raise cannot_write(what, path, error, then) from error
+        raise
+
+
+@contextlib.contextmanager
+def replacing_together(paths: Sequence[Path], what: str, folder: Path, then: str = "") -> Iterator[list[Path]]:
+    """:func:`replacing` for files that go together (a draft's weights and its config): temporary paths for
+    ``paths`` (each keeping its suffix, which some writers insist on), all written in the block before any replaces
+    its file. Then the last of ``paths``, the one that says the others are whole (a config), is removed first and
+    put back last, so a folder stopped between the renames holds no config (refused where it is read), never new files
+    read with an old one. A failure to write removes the temporaries and becomes a :class:`WriteError` naming
+    ``what`` ("draft") in ``folder``, ending with ``then`` while the folder is as it was."""
+    partial = [path.with_name(f"{path.stem}.tmp{os.getpid()}{path.suffix}") for path in paths]
+    kept = then
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        yield partial
+        kept = f"the folder holds no whole {what} now: run the same command again"
+        paths[-1].unlink(missing_ok=True)
+        for temporary, path in zip(partial, paths):
+            os.replace(temporary, path)
+    except BaseException as error:
+        for path in partial:
+            with contextlib.suppress(OSError):  # (a folder that could not be made, a read-only one)
+                path.unlink()
+        if is_write_failure(error):
+            raise cannot_write(f"the {what}", folder, error, kept) from error
         raise
 
 

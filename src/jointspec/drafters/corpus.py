@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from jointspec.core.errors import UnsupportedOptionError
-from jointspec.core.files import cannot_write
+from jointspec.core.files import replacing_together
 from jointspec.drafters.memory import OutputMemory
 from jointspec.drafters.ngram import PromptLookupDrafter, lookup
 
@@ -233,24 +233,11 @@ class NgramTable:
             arrays.update({f"keys{n + 1}": self.keys[n], f"next{n + 1}": self.next_ids[n],
                            f"share{n + 1}": self.shares[n].astype(np.float16), f"count{n + 1}": self.counts[n]})
         config = dict(metadata, vocab_size=self.vocab_size, max_order=self.max_order, num_entries=self.num_entries)
-        temporary = folder / (TABLE_FILE + ".partial.npz")
-        temporary_config = folder / (CONFIG_FILE + ".partial")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            np.savez_compressed(temporary, **arrays)
-            temporary_config.write_text(json.dumps(config, indent=2) + "\n")
-            # The old config goes first: a save stopped between the two renames leaves a folder that load refuses
-            # as holding no table, never a new table read with an older table's config.
-            (folder / CONFIG_FILE).unlink(missing_ok=True)
-            temporary.replace(folder / TABLE_FILE)
-            temporary_config.replace(folder / CONFIG_FILE)
-        except BaseException as error:
-            for partial in (temporary, temporary_config):
-                partial.unlink(missing_ok=True)
-            if isinstance(error, OSError):  # a full disk: the table can be built again from the answers kept
-                raise cannot_write("the n-gram table", folder, error, "the answers it was built from are kept: "
-                                   "free some room and run the same command again") from error
-            raise
+        with replacing_together([folder / TABLE_FILE, folder / CONFIG_FILE], "n-gram table", folder,
+                                "the answers it was built from are kept: free some room and run the same command "
+                                "again") as (table, settings):
+            np.savez_compressed(table, **arrays)
+            settings.write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def load(cls, folder: str | Path) -> tuple[NgramTable, dict]:

@@ -5,11 +5,9 @@ target's features. The kinds themselves (eagle, medusa, hydra, distill) build on
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +18,7 @@ from torch import nn
 from jointspec.backends.hf import CausalLM
 from jointspec.core.choices import HEAD_WEIGHT_CHOICES  # noqa: F401  (re-exported)
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
-from jointspec.core.files import cannot_write, is_write_failure
+from jointspec.core.files import cannot_write, is_write_failure, replacing_together
 from jointspec.core.target import TargetCapabilities
 
 ARTIFACT_FORMAT = 1
@@ -109,27 +107,11 @@ def save_artifact(module: nn.Module, config, folder: str | Path, training: dict 
     state = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
              if not k.startswith("body.embed_tokens")}
     meta = json.dumps({"config": asdict(config), "training": training or {}}, indent=1)
-    weights, settings = folder / WEIGHTS_FILE, folder / CONFIG_FILE
-    partial = [path.with_name(f"{path.name}.tmp{os.getpid()}") for path in (weights, settings)]
-    kept = "what the folder held before is kept"
-    try:  # both files written whole before either replaces the folder's
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(partial[0]))
-        shareable(partial[0])
-        partial[1].write_text(meta)
-        # The old config goes first: a save stopped between the renames leaves a folder that holds no draft (refused
-        # at load), never new weights read with an older config.
-        kept = "the folder holds no whole draft now: run the same command again"
-        settings.unlink(missing_ok=True)
-        os.replace(partial[0], weights)
-        os.replace(partial[1], settings)
-    except BaseException as error:
-        for path in partial:
-            with contextlib.suppress(OSError):  # (a folder that could not be made, a read-only one)
-                path.unlink()
-        if is_write_failure(error):
-            raise cannot_write("the draft", folder, error, kept) from error
-        raise
+    with replacing_together([folder / WEIGHTS_FILE, folder / CONFIG_FILE], "draft", folder,
+                            "what the folder held before is kept") as (weights, settings):
+        save_file(state, str(weights))
+        shareable(weights)
+        settings.write_text(meta)
     return folder
 
 
