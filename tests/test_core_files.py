@@ -266,3 +266,32 @@ def test_an_oserror_of_the_decoding_is_not_reported_as_the_answers_log(tmp_path)
 
     answers = corpus_cli._target_answers([[5, 6]], {"a": 1}, tmp_path, Answering(), None, progress_bar=False)
     assert answers == [[1, 2, 3]]
+
+
+def test_recorded_hit_rates_keep_the_config_and_its_mode_or_leave_it_as_it_was(tmp_path, monkeypatch):
+    """head-agreement --record rewrites a head's draft.json: whole, with the file's own mode, or not at all."""
+    import os
+    import pathlib
+
+    from jointspec.bench.head_agreement import record_top_w_hit_rate
+
+    config = tmp_path / "draft.json"
+    config.write_text(json.dumps({"kind": "eagle", "measured": {"note": "kept"}}))
+    os.chmod(config, 0o640)
+    record_top_w_hit_rate(tmp_path, {2: 0.5, 1: 0.25}, "by hand")
+    meta = json.loads(config.read_text())
+    assert meta == {"kind": "eagle", "measured": {"note": "kept", "top_w_hit_rate": {"1": 0.25, "2": 0.5},
+                                                   "how": "by hand"}}
+    assert config.stat().st_mode & 0o777 == 0o640 and sorted(tmp_path.iterdir()) == [config]
+
+    before = config.read_bytes()
+    real_write = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        real_write(self, "{\"half", encoding="utf-8")
+        raise FULL
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    with pytest.raises(WriteError, match=f"could not write the head's draft.json '{config}' .*; it is as it was"):
+        record_top_w_hit_rate(tmp_path, {1: 0.75}, "again")
+    assert config.read_bytes() == before and sorted(tmp_path.iterdir()) == [config]

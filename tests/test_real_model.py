@@ -47,6 +47,7 @@ def test_lossless_methods_match_plain_greedy_on_the_default_model():
     }
     pipelines = {name: Pipeline(target, tokenizer, method) for name, method in methods.items()}
     eos_token_ids = sorted(pipelines["ar"].eos_token_ids)
+    drafted = {name: [0, 0] for name in methods}  # [drafted, accepted] over the prompts
 
     for prompt in PROMPTS:
         prompt_ids = pipelines["ar"].encode(prompt, chat=True)
@@ -55,12 +56,18 @@ def test_lossless_methods_match_plain_greedy_on_the_default_model():
         assert reference.text.strip(), f"empty output for {prompt!r}"
         for name, result in results.items():
             assert result.token_ids == reference.token_ids, f"{name} differs from ar on {prompt!r}"
+            drafted[name][0] += result.stats.num_draft_tokens
+            drafted[name][1] += result.stats.num_accepted_tokens
         # The target drafting for itself accepts every draft token, but those past an end of sequence inside its
         # last draft, which are neither committed nor counted.
         stats = results["sps-self"].stats
         uncounted = stats.num_draft_tokens - stats.num_accepted_tokens
         assert stats.num_draft_tokens > 0 and (uncounted == 0 or (
             results["sps-self"].token_ids[-1] in eos_token_ids and uncounted < 4)), stats
+    # Equal tokens prove nothing about a method that never drafted: each speculative one must have drafted and kept
+    # some (these prompts' answers repeat their own words, and the shipped head agrees about 40 % of the time).
+    for name in ("pld", "default"):
+        assert drafted[name][1] > 0, f"{name} drafted {drafted[name][0]} tokens and kept {drafted[name][1]}"
 
     # ar itself against transformers' own greedy decoding, on the last prompt.
     ids = torch.tensor([prompt_ids])

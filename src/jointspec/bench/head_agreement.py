@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tqdm.auto import tqdm
 
 from jointspec.api import GenerationConfig, Pipeline
 from jointspec.bench.prompts import BenchPrompt
+from jointspec.core.files import replacing
 from jointspec.drafts.artifact import CONFIG_FILE
 
 TOP_W = (1, 2, 3)
@@ -141,7 +141,7 @@ def score_trained(draft, trainer, target_lm_weight: torch.Tensor, answers: list[
 
 def record_top_w_hit_rate(folder: str | Path, rates: dict[int, float], how: str) -> Path:
     """Write ``rates`` (w -> share) into ``folder``'s draft.json as ``measured.top_w_hit_rate`` (keys "1", "2", ...)
-    with ``measured.how``, keeping everything else; the file is replaced atomically. Returns its path."""
+    with ``measured.how``, keeping everything else; the file is replaced whole or not at all. Returns its path."""
     if not rates or any(not 0.0 <= rate <= 1.0 for rate in rates.values()):
         raise ValueError(f"hit rates must be shares in [0, 1], got {rates}")
     path = Path(folder).expanduser() / CONFIG_FILE
@@ -149,15 +149,7 @@ def record_top_w_hit_rate(folder: str | Path, rates: dict[int, float], how: str)
     measured = meta.get("measured") if isinstance(meta.get("measured"), dict) else {}
     measured.update({"top_w_hit_rate": {str(w): rates[w] for w in sorted(rates)}, "how": how})
     meta["measured"] = measured
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=CONFIG_FILE + ".", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(json.dumps(meta, indent=1))
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, path.stat().st_mode & 0o777)  # mkstemp makes it private; keep the file's own mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path, f"the head's {CONFIG_FILE}", "it is as it was") as tmp:
+        tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        os.chmod(tmp, path.stat().st_mode & 0o777)  # keep the file's own mode, not the umask's
     return path
