@@ -212,6 +212,15 @@ def test_draft_stays_within_the_drafts_context():
     drafter.draft.max_context = len(b" the dog") + 3  # room for three bytes
     assert drafter.propose(CONTEXT, 10, GREEDY, None).token_ids == ids(" the")
     assert drafter.draft.num_cached <= drafter.draft.max_context
+    # Up to the window's last position: a window the context fills exactly still drafts (its last token is never
+    # fed), one the context overflows drafts nothing.
+    context_bytes = len(b"the dog")
+    for max_context in range(context_bytes - 2, context_bytes + 6):
+        drafter = scripted_drafter(" the cat sat on the mat", num_draft_tokens=4)
+        drafter.draft.max_context = max_context
+        drafted = drafter.propose(CONTEXT, 10, GREEDY, None).token_ids
+        assert drafter.draft.num_cached <= max_context
+        assert bool(drafted) == (max_context >= context_bytes), (max_context, drafted)
 
 
 def test_length_doubles_after_full_acceptance_and_resets_after_rejection():

@@ -45,7 +45,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.core.draft import EMPTY_DRAFT, Draft
 from jointspec.core.sampling import SamplingConfig, pick
-from jointspec.drafters.model import common_prefix_length
+from jointspec.drafters.model import common_prefix_length, draft_room
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class CrossTokenizerDrafter:
         # The context says how many draft tokens its text takes per target token; twice that for the budget and
         # the word after it lets the draft finish its words without running on when its text goes nowhere.
         per_target_token = len(draft_ids) / len(context_ids)
-        max_steps = min(math.ceil(2 * per_target_token * (budget + 1)) + 2, self.draft.max_context - len(draft_ids))
+        max_steps = min(math.ceil(2 * per_target_token * (budget + 1)) + 2, draft_room(self.draft, draft_ids))
         if not draft_ids or max_steps <= 0:
             return EMPTY_DRAFT
         boundary = TargetBoundary(self.target_tokenizer, context_ids, self.window, self.target_specials)
