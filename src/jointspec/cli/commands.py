@@ -6,6 +6,7 @@ from __future__ import annotations
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("jointspec.cli.main", "generate text for one prompt"),
+    "chat": ("jointspec.cli.chat", "a conversation on the terminal, each turn's cache kept for the next"),
     "methods": ("jointspec.cli.main", "list the decoding methods"),
     "bench": ("jointspec.cli.bench", "benchmark methods against a baseline on prompt sets (Spec-Bench style)"),
     "bench-intervals": ("jointspec.cli.bench_intervals",

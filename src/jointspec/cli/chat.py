@@ -1,0 +1,232 @@
+"""``jointspec chat``: a conversation on the terminal, each answer shown as it is written.
+
+Each turn hands the whole conversation, as a chat client hands it to a server, to the batched engine ``serve`` runs,
+here in the same process and without HTTP. Its prompt cache keeps the conversation's cache from one turn to the
+next, so a follow-up reads only its own new tokens rather than the whole conversation again (a question about a
+long pasted document is answered at once the second time). The engine gives a request ``generate``'s tokens, so a
+greedy turn's answer is the one ``generate`` writes for the same conversation.
+
+Lines typed are the user's turns (a line ending with a backslash continues on the next); ``/file PATH [question]``
+sends a file's text, ``/reset`` starts a new conversation, ``/exit`` (or end of input, Ctrl-D) ends the chat, and
+Ctrl-C stops the answer being written (what was shown stays in the conversation). Read from a pipe, each line is a
+turn and each answer is followed by a newline, so a conversation can be scripted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from jointspec.cli.commands import command_help
+from jointspec.core.errors import JointspecError
+
+COMMANDS_HELP = ("a line ending with \\ continues on the next; /file PATH [question] sends a file's text (and the "
+                 "question after it); /reset starts a new conversation; /exit or Ctrl-D ends the chat; Ctrl-C stops "
+                 "an answer")
+
+
+def add_parser(subparsers) -> None:
+    from jointspec.cli.options import add_model_arguments, positive_int
+    from jointspec.cli.serve import non_negative_int
+
+    parser = subparsers.add_parser("chat", help=command_help("chat"))
+    add_model_arguments(parser)
+    parser.add_argument("--system", metavar="TEXT", default=None,
+                        help="a system message that opens the conversation (and every one /reset starts)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=512, help="new tokens at most per answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="fixes a sampled conversation: answer n (from 0) samples with seed + n (default: a "
+                             "fresh seed, reported when the chat starts)")
+    parser.add_argument("--prompt-cache-mb", type=non_negative_int, default=256, metavar="MB",
+                        help="the conversation's cache kept between turns, up to this many MB, so a turn reads only "
+                             "its new tokens; 0 reads the whole conversation every turn (the lockstep engine only, "
+                             "not the ragged one of float models)")
+    # What generate runs by default; the serving engine's settings for one conversation at a time.
+    parser.set_defaults(run=run_chat, method="default", quantize="auto", max_batch_size=1, max_queue=0,
+                        model_id=None, online_memory="off")
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from jointspec.cli.options import apply_threads, prebuild_kernels, say_quantize_choice
+    from jointspec.cli.serve import build_engine
+    from jointspec.core.sampling import SamplingConfig, fresh_seed
+
+    try:
+        SamplingConfig(args.temperature, args.top_k, args.top_p)  # before the model loads
+    except ValueError as error:
+        raise JointspecError(str(error)) from None
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        raise JointspecError(f"--seed must be 0 to 2**63 - 1, got {args.seed}")
+    sampled = args.temperature > 0
+    seed = (args.seed if args.seed is not None else fresh_seed()) if sampled else 0
+    prebuild_kernels(args)
+    apply_threads(args)
+    from jointspec.drafters.curve_store import persisted_curves
+
+    args.max_tokens = args.max_new_tokens  # (the engine's answer length where a request gives none)
+    with persisted_curves():
+        engine = build_engine(args)
+        try:
+            say_quantize_choice(args)
+            return _converse(engine, args, seed if sampled else None)
+        finally:
+            engine.close()
+
+
+def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
+    interactive = sys.stdin.isatty()
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    if interactive:
+        with contextlib.suppress(ImportError):  # line editing and history for input() where the platform has it
+            import readline  # noqa: F401
+        print(f"jointspec chat: {engine.model_id} (method {args.method}){f'; seed {seed}' if seed is not None else ''}"
+              ". /help lists the commands; /exit or Ctrl-D ends the chat.", file=sys.stderr, flush=True)
+    elif seed is not None:
+        print(f"jointspec chat: seed {seed}", file=sys.stderr, flush=True)
+    turn = 0
+    while True:
+        line = _read_turn(interactive)
+        if line is None:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = list(opening)
+            print("(a new conversation)", file=sys.stderr, flush=True)
+            continue
+        if text == "/help":
+            print(COMMANDS_HELP, file=sys.stderr, flush=True)
+            continue
+        if text == "/file" or text.startswith("/file "):
+            try:
+                line = _file_turn(text)
+            except JointspecError as error:
+                print(f"jointspec: {error}", file=sys.stderr, flush=True)
+                continue
+        messages.append({"role": "user", "content": line})
+        answer = _Answer()
+        try:
+            asyncio.run(_answer(engine, messages, args, None if seed is None else seed + turn, answer))
+        except KeyboardInterrupt:  # stop this answer, not the chat; what was shown stays in the conversation
+            print("\n(stopped)", file=sys.stderr, flush=True)
+        except (JointspecError, ValueError) as error:  # this turn refused (the context is full): the chat goes on
+            messages.pop()
+            print(f"{chr(10) if answer.text else ''}jointspec: {error}; the turn was not kept (/reset starts a new "
+                  "conversation)", file=sys.stderr, flush=True)
+            continue
+        turn += 1
+        messages.append({"role": "assistant", "content": answer.text})
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if answer.summary:
+            print(answer.summary, file=sys.stderr, flush=True)
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The user's next turn: a line, or lines joined where each but the last ends with a backslash; None at the end
+    of input (Ctrl-D) or on Ctrl-C at the prompt."""
+    lines = []
+    while True:
+        if interactive:
+            try:
+                line = input("> " if not lines else ". ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return None
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                return "\n".join(lines) if lines else None
+            line = line.rstrip("\r\n")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def _file_turn(text: str) -> str:
+    """``/file PATH [words]``: the file's text, then the words after a blank line (a document and a question)."""
+    import shlex
+
+    try:
+        words = shlex.split(text[len("/file"):])
+    except ValueError as error:
+        raise JointspecError(f"/file: {error}; quote a path that has spaces") from None
+    if not words:
+        raise JointspecError("/file needs a path: /file report.txt [a question about it]")
+    path = Path(words[0]).expanduser()
+    try:
+        document = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise JointspecError(f"/file: cannot read '{path}': {getattr(error, 'strerror', None) or error}") from None
+    question = " ".join(words[1:])
+    return document.rstrip("\n") + (f"\n\n{question}" if question else "")
+
+
+def show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+class _Answer:
+    """What a turn wrote, kept as it arrives, so a stopped answer still has the text that was shown."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.summary = ""
+
+
+async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: int | None, answer: _Answer) -> None:
+    from jointspec.server.engine import CompletionRequest
+
+    request = CompletionRequest(messages=tuple(dict(m) for m in messages), temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=seed or 0)
+    start = time.perf_counter()
+    generation = await engine.submit(request)
+    first = None
+    tokens = 0
+    try:
+        async for chunk in generation:
+            if chunk.failure is not None:
+                raise JointspecError(chunk.failure.message)
+            if chunk.text:
+                first = first or time.perf_counter()
+                show(chunk.text)
+                answer.text += chunk.text
+            tokens += chunk.num_tokens
+            if chunk.finish_reason is not None:
+                answer.summary = _summary(args, generation.num_prompt_tokens, tokens, chunk, start, first)
+    finally:
+        generation.cancel()  # (a no-op once it ended; frees the row when Ctrl-C stopped the answer)
+
+
+def _summary(args: argparse.Namespace, num_prompt_tokens: int, tokens: int, last, start: float,
+             first: float | None) -> str:
+    """One line after an answer: speed, speculation, and how much of the conversation the cache spared reading."""
+    end = time.perf_counter()
+    stats = last.stats
+    reused = stats.prompt_tokens_reused if stats is not None else 0
+    decode = end - (first or end)
+    parts = [f"[{args.method}] {tokens} token{'' if tokens == 1 else 's'}"]
+    if tokens > 1 and decode > 0:
+        parts.append(f"{(tokens - 1) / decode:.1f} tok/s")
+    if stats is not None and stats.num_rounds:
+        parts.append(f"{stats.mean_accepted_tokens:.2f} tokens per call")
+    parts.append(f"first token after {((first or end) - start):.2f} s; conversation {num_prompt_tokens} tokens"
+                 + (f", {reused} of them from the cache" if reused else ""))
+    if last.finish_reason == "length":
+        parts.append("cut at --max-new-tokens" if tokens >= args.max_new_tokens else
+                     "cut where the model's context ends (/reset starts a new conversation)")
+    return "; ".join(parts)

@@ -1,0 +1,146 @@
+"""``jointspec chat``: each turn answered as ``generate`` answers the same conversation, the conversation kept between
+turns and dropped by /reset, a turn the context cannot hold refused without ending the chat. A tiny byte-level model
+saved to a folder, driven through the real CLI with its input piped. Deterministic (greedy, or seeded sampling of
+the same draws both ways): no false-failure odds."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import pytest
+
+from jointspec.api import GenerationConfig, Pipeline
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.tokens import chat_template_ids
+from jointspec.methods import MethodConfig
+
+from helpers import assert_clean_error, run_cli
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture
+def model_folder(tmp_path, byte_model, tokenizer):
+    tokenizer.chat_template = TEMPLATE
+    byte_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def chat(capsys, monkeypatch, folder, lines: list[str], *options: str):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    return run_cli(capsys, "chat", "--model", str(folder), "--dtype", "float32",
+                   "--max-new-tokens", str(MAX_NEW_TOKENS), *options)
+
+
+def conversation(byte_model, tokenizer, user_turns: list[str | None], temperature: float = 0.0,
+                 seed: int = 0) -> list[str]:
+    """What ``generate`` (the Python API's loop, plain decoding) answers to ``user_turns`` (None: /reset), each
+    turn's conversation holding the earlier answers; turn n samples with ``seed`` + n."""
+    pipeline = Pipeline(CausalLM(byte_model), tokenizer, MethodConfig(name="ar"))
+    messages, answers = [], []
+    for text in user_turns:
+        if text is None:
+            messages = []
+            continue
+        messages.append({"role": "user", "content": text})
+        config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=temperature, seed=seed + len(answers))
+        answers.append(pipeline.generate_ids(chat_template_ids(tokenizer, messages), config).text)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "default"])
+def test_each_turn_is_generates_answer_to_the_whole_conversation(capsys, monkeypatch, model_folder, byte_model,
+                                                                 tokenizer, method):
+    turns = ["abcabc", "and abc again", None, "abcabc"]
+    code, out, err = chat(capsys, monkeypatch, model_folder, [t if t is not None else "/reset" for t in turns],
+                          "--method", method)
+    assert code == 0, err
+    answers = conversation(byte_model, tokenizer, turns)
+    assert out == "".join(answer + "\n" for answer in answers)
+    # The conversation each turn read: the second holds the first turn and its answer, /reset starts over.
+    first = [{"role": "user", "content": "abcabc"}]
+    second = first + [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": "and abc again"}]
+    read = [int(n) for n in re.findall(r"conversation (\d+) tokens", err)]
+    assert read == [len(chat_template_ids(tokenizer, m)) for m in (first, second, first)], err
+    assert err.count(f"[{method}] ") == 3 and "(a new conversation)" in err
+
+
+def test_a_sampled_chat_repeats_with_its_seed(capsys, monkeypatch, model_folder, byte_model, tokenizer):
+    turns = ["abcabc", "more of it"]
+    code, out, err = chat(capsys, monkeypatch, model_folder, turns, "--method", "ar", "--temperature", "0.9",
+                          "--seed", "7")
+    assert code == 0, err
+    assert "seed 7" in err
+    answers = conversation(byte_model, tokenizer, turns, temperature=0.9, seed=7)
+    assert out == "".join(answer + "\n" for answer in answers)
+    assert answers != conversation(byte_model, tokenizer, turns, temperature=0.9, seed=8)  # the seed matters
+
+
+def test_a_turn_the_context_cannot_hold_is_refused_and_the_chat_goes_on(capsys, monkeypatch, model_folder, byte_model,
+                                                                        tokenizer):
+    long_turn = "x" * 300  # the tiny model holds 256 positions
+    code, out, err = chat(capsys, monkeypatch, model_folder, [long_turn, "abcabc", "/exit", "never read"],
+                          "--method", "pld")
+    assert code == 0, err
+    assert "the turn was not kept (/reset starts a new conversation)" in err and "context" in err
+    assert out == "".join(answer + "\n" for answer in conversation(byte_model, tokenizer, ["abcabc"]))
+
+
+def test_a_turn_over_several_lines_and_a_file_turn(capsys, monkeypatch, model_folder, byte_model, tokenizer, tmp_path):
+    document = tmp_path / "notes.txt"
+    document.write_text("abc abc\nabd abd\n")
+    code, out, err = chat(capsys, monkeypatch, model_folder,
+                          ["abc\\", "abd", f"/file {tmp_path / 'missing.txt'}", f"/file '{document}' what is it",
+                           "/file"], "--method", "pld")
+    assert code == 0, err
+    turns = ["abc\nabd", "abc abc\nabd abd\n\nwhat is it"]
+    answers = conversation(byte_model, tokenizer, turns)
+    assert out == "".join(answer + "\n" for answer in answers)
+    messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": turns[1]}]
+    read = [int(n) for n in re.findall(r"conversation (\d+) tokens", err)]
+    assert read == [len(chat_template_ids(tokenizer, messages[:1])), len(chat_template_ids(tokenizer, messages))]
+    assert f"/file: cannot read '{tmp_path / 'missing.txt'}': No such file" in err
+    assert "/file needs a path" in err
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(capsys, monkeypatch, model_folder, byte_model, tokenizer):
+    """Ctrl-C while an answer is written stops that answer (what was shown stays in the conversation) and frees the
+    engine's row: the next turn is answered."""
+    from jointspec.cli import chat as chat_cli
+
+    shown = []
+    real_show = chat_cli.show
+
+    def interrupted_once(text):
+        if len(shown) == 1:  # the answer's second piece: Ctrl-C
+            shown.append(None)
+            raise KeyboardInterrupt
+        shown.append(text)
+        real_show(text)
+
+    monkeypatch.setattr(chat_cli, "show", interrupted_once)
+    code, out, err = chat(capsys, monkeypatch, model_folder, ["abcabc", "abcabc"], "--method", "ar")
+    assert code == 0, err
+    assert "(stopped)" in err and len(shown) >= 3
+    part = shown[0]
+    messages = [{"role": "user", "content": "abcabc"}, {"role": "assistant", "content": part},
+                {"role": "user", "content": "abcabc"}]
+    pipeline = Pipeline(CausalLM(byte_model), tokenizer, MethodConfig(name="ar"))
+    answer = pipeline.generate_ids(chat_template_ids(tokenizer, messages),
+                                   GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)).text
+    assert out == part + "\n" + answer + "\n"
+
+
+def test_options_are_checked_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    missing = tmp_path / "nothing-here"
+    code, _, err = chat(capsys, monkeypatch, missing, ["hi"], "--temperature", "-1")
+    assert_clean_error(code, err, "temperature")
+    code, _, err = chat(capsys, monkeypatch, missing, ["hi"], "--method", "no-such-method")
+    assert_clean_error(code, err, "no-such-method")
