@@ -441,8 +441,15 @@ def test_an_empty_prompt_is_refused_before_the_model_loads(capsys, tmp_path):
         assert_clean_error(code, err, "jointspec: error:", "the prompt is empty")
 
 
-def test_a_model_folder_without_tokenizer_or_weights_says_what_a_folder_holds(capsys, tmp_path):
+def test_a_model_folder_without_tokenizer_or_weights_says_what_a_folder_holds(capsys, tmp_path, tokenizer):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    # No tokenizer: said so, not transformers' advice to install sentencepiece or tiktoken.
+    code, _, err = run_cli(capsys, *generate_args(str(tmp_path)))
+    assert_clean_error(code, err, "jointspec: error:", f"model folder '{tmp_path}' has no tokenizer",
+                       "tokenizer.save_pretrained(folder)")
+    assert "sentencepiece" not in err
+    # A tokenizer but no weights.
+    tokenizer.save_pretrained(tmp_path)
     code, _, err = run_cli(capsys, *generate_args(str(tmp_path)))
     assert_clean_error(code, err, "jointspec: error:", "could not load model", "tokenizer files and weights")
 

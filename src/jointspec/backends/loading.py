@@ -427,6 +427,11 @@ def _error_text(error: Exception, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+# The files a Hugging Face tokenizer loads from (fast, SentencePiece, byte-level BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tokenizer.tiktoken")
+
+
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):
     """(transformers model on ``device``, tokenizer, display label) for ``source``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -476,6 +481,12 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
         if Path(folder).is_dir() and "gguf_file" not in kwargs:
+            if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+                # transformers then says to install sentencepiece or tiktoken, which would not help
+                raise ModelLoadError(f"model folder '{source}' has no tokenizer (no tokenizer.json, tokenizer.model "
+                                     "or vocab.json beside its config.json); save the model's tokenizer there "
+                                     "(tokenizer.save_pretrained(folder)) or copy its files from where the model came "
+                                     "from") from error
             hint = (" (a model folder holds its tokenizer files and weights, *.safetensors or *.bin, beside "
                     "config.json)")
         if isinstance(error, struct.error):
