@@ -247,6 +247,9 @@ def test_a_request_without_a_seed_samples_afresh_and_reports_its_seed(client):
     first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
     seeds = [reply["usage"]["jointspec"]["seed"] for reply in (first, second)]
     assert seeds[0] != seeds[1]
+    # -1, as clients of llama.cpp's server send it, is a fresh seed too (not a 400), reported as any drawn one is.
+    fresh = client.post("/v1/completions", json={**body, "seed": -1}).json()["usage"]["jointspec"]["seed"]
+    assert 0 <= fresh < 2 ** 53 and fresh not in seeds
     for reply, seed in zip((first, second), seeds):
         replay = client.post("/v1/completions", json={**body, "seed": seed}).json()
         assert replay["choices"][0]["text"] == reply["choices"][0]["text"]
@@ -315,11 +318,12 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(max_tokens=0)), "max_tokens"),
     ("chat", json.dumps(chat_body(max_tokens=True)), "max_tokens"),
     ("chat", json.dumps(chat_body(stop=5)), "stop"),
+    ("chat", json.dumps(chat_body(stop=["x"] * 33)), "stop"),  # each is looked for after every token
     ("chat", json.dumps(chat_body(n=2)), "n"),
     ("chat", json.dumps(chat_body(logprobs=True)), "logprobs"),
     ("chat", json.dumps(chat_body(top_logprobs=3)), "top_logprobs"),
     ("completions", json.dumps({"prompt": "a", "logprobs": 0}), "logprobs"),  # 0: the chosen tokens' own
-    ("chat", json.dumps(chat_body(seed=-1)), "seed"),
+    ("chat", json.dumps(chat_body(seed=-2)), "seed"),  # (-1 is llama.cpp's "a fresh seed")
     ("chat", json.dumps(chat_body(seed=2 ** 64)), "seed"),  # past what a torch.Generator takes
     ("chat", json.dumps(chat_body(jointspec={"method": "nope"})), "jointspec.method"),
     ("chat", json.dumps(chat_body(jointspec={"method": "pld", "num_draft_tokens": "4"})), "jointspec.num_draft_tokens"),

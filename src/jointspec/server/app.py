@@ -142,7 +142,8 @@ class _Sampling(_Body):
     top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the top token alone (_engine_request)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)  # as the Python API's GenerationConfig takes
+    # As the Python API's GenerationConfig takes, and -1: "a fresh seed", as clients of llama.cpp's server send it.
+    seed: int | None = Field(None, ge=-1, lt=2 ** 63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -165,6 +166,18 @@ class _Sampling(_Body):
     # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
     # (non-streamed) reply, and not after a stop string cut the text short.
     return_token_ids: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # Every stop string is looked for after every token, on the event loop that streams every request: a few
+        # thousand would slow them all. OpenAI takes 4; clients of vLLM send more.
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        return stop
+
+
+MAX_STOP_STRINGS = 32
 
 
 class CompletionBody(_Sampling):
@@ -735,7 +748,7 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
     # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports.
-    seed = body.seed if body.seed is not None else fresh_seed()
+    seed = body.seed if body.seed is not None and body.seed != -1 else fresh_seed()
     top_p, top_k = body.top_p, body.top_k
     if top_p == 0:  # OpenAI's API takes it: the smallest set of tokens holding probability 0 is the top one alone
         top_p, top_k = 1.0, 1
