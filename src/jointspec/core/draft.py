@@ -81,7 +81,9 @@ class Drafter(Protocol):
     # Optional: a drafter with ``observes_target = True`` also gets ``observe_target(draft, target_tokens, accepted)``
     # before each ``commit``: the target's argmax after the pending token (``target_tokens[0]``) and after each draft
     # node (``target_tokens[i + 1]``), whatever was accepted, and the accepted nodes (the verdict's). Lookahead
-    # decoding learns its n-grams from those rows.
+    # decoding learns its n-grams from those rows. Where a sampled round's rows are draws rather than logits
+    # (temperature alone on the 4-bit screen, core/sampling.py's RowDraws) each row's argmax is its draw, so the
+    # drafter learns the target's samples: drafts only, the verifier keeps the output law.
 
     # Optional: ``finish()``, called once when the sequence ends: at its end-of-sequence token or its length (after
     # the last round's ``commit`` if there is one), or when its caller closes the stream before then. A drafter that
