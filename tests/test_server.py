@@ -1020,3 +1020,51 @@ def test_a_model_without_a_chat_template_reads_a_chat_with_its_bos_token(byte_mo
         assert ids == plain("system: Be brief.\nuser: hi\nassistant:")["input_ids"] and ids[0] == 257
     finally:
         served.close()
+
+
+def test_an_api_key_guards_the_api_and_leaves_health_and_metrics_open(engine):
+    """serve --api-key: the official client with the key is answered, without it or with another it gets 401 in
+    OpenAI's envelope (the key never echoed), before the body is read; /health and /metrics stay open; a streamed
+    answer still streams (the gate is pure ASGI). Deterministic."""
+    import openai
+
+    key = "s3cret-key"
+    app = create_app(ServerSettings(api_key=key), engine)
+    with live_server(app) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
+        reply = client.completions.create(model="tiny", prompt="abcab", max_tokens=6, temperature=0)
+        assert reply.usage.completion_tokens >= 1
+        chunks = list(client.completions.create(model="tiny", prompt="abcab", max_tokens=6, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+        for wrong in ("not-the-key", key + "x"):
+            with pytest.raises(openai.AuthenticationError) as refused:
+                openai.OpenAI(base_url=f"{url}/v1", api_key=wrong, timeout=TIMEOUT, max_retries=0).models.list()
+            assert refused.value.body["code"] == "invalid_api_key" and wrong not in str(refused.value.body)
+        bare = httpx.post(f"{url}/v1/chat/completions", json=chat_body(), timeout=TIMEOUT)
+        assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+        assert bare.json()["error"]["message"].startswith("no API key given")
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"bearer {key}"}, timeout=TIMEOUT
+                         ).status_code == 200  # the scheme's case does not matter (RFC 7235)
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+        assert httpx.get(f"{url}/metrics", timeout=TIMEOUT).status_code == 200
+    assert key not in repr(ServerSettings(api_key=key))
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        ServerSettings(api_key=" ")
+
+
+def test_serve_takes_its_api_key_from_the_environment_and_refuses_an_empty_one(monkeypatch, capsys):
+    from jointspec.cli.main import build_parser
+    from jointspec.cli.serve import API_KEY_VARIABLE, api_key
+
+    from helpers import assert_clean_error, run_cli
+
+    parse = build_parser("serve").parse_args
+    monkeypatch.delenv(API_KEY_VARIABLE, raising=False)
+    assert api_key(parse(["serve"])) is None
+    monkeypatch.setenv(API_KEY_VARIABLE, "from-env")
+    assert api_key(parse(["serve"])) == "from-env"
+    assert api_key(parse(["serve", "--api-key", "from-flag"])) == "from-flag"
+    monkeypatch.setenv(API_KEY_VARIABLE, "")
+    code, _, err = run_cli(capsys, "serve", "--port", "1")  # refused before the port or the model is looked at
+    assert_clean_error(code, err, f"{API_KEY_VARIABLE} is empty")

@@ -97,11 +97,11 @@ class CountingEngine:
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, fail_after: int | None = None):
+def serving(model, tokenizer, fail_after: int | None = None, api_key: str | None = None):
     """``jointspec serve``'s app over ``model`` on a free local port; yields (API base URL, CountingEngine)."""
     engine = CountingEngine(ServingEngine(CausalLM(model), tokenizer, model_id="tiny", max_batch_size=4), fail_after)
     try:
-        with live_server(create_app(ServerSettings(), engine)) as (url, _):
+        with live_server(create_app(ServerSettings(api_key=api_key), engine)) as (url, _):
             yield f"{url}/v1", engine
     finally:
         engine.close()
@@ -284,6 +284,21 @@ def test_cli_builds_from_a_server_what_it_builds_locally(target_model, words, tm
     for local, served in zip(load_shards(tmp_path / "local"), load_shards(tmp_path / "served")):
         assert torch.equal(local["token_ids"], served["token_ids"])
         assert torch.equal(local["features"], served["features"])
+
+
+def test_cli_sends_the_api_key_a_server_asks_for(target_model, words, tmp_path, monkeypatch, capsys):
+    """A server started with a key (jointspec serve --api-key, vLLM's --api-key): without JOINTSPEC_API_KEY the
+    build stops at once, naming the variable, and writes nothing; with it, the answers come."""
+    argv = cli_argv(monkeypatch, target_model, words, tmp_path)
+    monkeypatch.delenv("JOINTSPEC_API_KEY", raising=False)
+    with serving(target_model, words, api_key="k3y") as (url, engine):
+        code, _, err = run_cli(capsys, *argv, "--data", str(tmp_path / "data"), "--answers-from", url)
+        assert_clean_error(code, err, "answered HTTP 401", "set JOINTSPEC_API_KEY")
+        assert not (tmp_path / "data" / "data.json").exists()
+        monkeypatch.setenv("JOINTSPEC_API_KEY", "k3y")
+        code, _, err = run_cli(capsys, *argv, "--data", str(tmp_path / "data"), "--answers-from", url)
+        assert code == 0, err
+    assert len(engine.answered) == len(PROMPTS)
 
 
 def test_cli_names_an_unreachable_server_and_writes_nothing(target_model, words, tmp_path, monkeypatch, capsys):

@@ -39,6 +39,11 @@ def add_parser(subparsers) -> None:
                              "tokens (a chat's next turn): the target does not read those tokens again, and the "
                              "answer is the same; 0 keeps none (default 256; the lockstep engine only, not the "
                              "ragged one of float models)")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="answer /v1 requests only with the header 'Authorization: Bearer KEY' (what OpenAI "
+                             "clients send as their api_key); /health and /metrics stay open. Default: "
+                             "$JOINTSPEC_API_KEY where set (better than the flag, which other users of the machine "
+                             "can read in its process list), else no key")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -136,8 +141,24 @@ def require_serve_extra() -> None:
                                  f"({error})") from None
 
 
+API_KEY_VARIABLE = "JOINTSPEC_API_KEY"
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key ``serve`` asks for: ``--api-key``, else $JOINTSPEC_API_KEY, else None (none asked for)."""
+    import os
+
+    key, where = args.api_key, "--api-key"
+    if key is None:
+        key, where = os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE
+    if key is not None and not key.strip():
+        raise JointspecError(f"{where} is empty; give the key clients must send, or leave it unset for none")
+    return key
+
+
 def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
+    key = api_key(args)  # (before the model loads)
     from jointspec.cli.options import apply_threads, prebuild_kernels, say_quantize_choice
 
     check_address_free(args.host, args.port)
@@ -154,10 +175,11 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_engine(args)  # (its cheap checks first: a mistyped option waits for no kernel build)
         say_quantize_choice(args)  # what --quantize auto chose, as generate says it
         settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
-                                  drain_timeout=args.drain_timeout)
+                                  drain_timeout=args.drain_timeout, api_key=key)
         # A status line, not a warning: printed whatever the log level (JOINTSPEC_LOG).
         print(f"serving {engine.model_id} (method {args.method}; {engine.description}) on "
-              f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+              f"http://{args.host}:{args.port}/v1{'; requests need the API key' if key else ''}", file=sys.stderr,
+              flush=True)
         try:
             serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
         finally:

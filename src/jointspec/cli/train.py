@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 from pathlib import Path
 
@@ -275,8 +276,13 @@ def _answer_server(args: argparse.Namespace) -> AnswerServer | None:
     if args.answer_quantize != "none":
         raise UnsupportedOptionError(f"--answer-quantize {args.answer_quantize} has a local copy of the target write "
                                      "the answers and --answers-from has a server write them; give one of the two")
+    from jointspec.cli.serve import API_KEY_VARIABLE
+
+    # The key a server started with one asks for (jointspec serve reads the same variable; vLLM's --api-key and
+    # llama.cpp's likewise take Bearer keys): from the environment, never a flag that the process list shows.
     return AnswerServer(args.answers_from, concurrency=args.answers_concurrency or AnswerServer.concurrency,
-                        model=args.answers_model, check=not args.no_answers_check)
+                        model=args.answers_model, check=not args.no_answers_check,
+                        api_key=os.environ.get(API_KEY_VARIABLE) or None)
 
 
 def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:

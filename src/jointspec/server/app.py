@@ -19,6 +19,7 @@ lets the requests in flight finish, then ends the rest with an error: none is le
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -27,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
@@ -72,6 +73,9 @@ class ServerSettings:
     # reading and tokenising a huge one costs the server seconds and memory.
     max_request_bytes: int = 4 << 20
     body_timeout: float = 30.0  # seconds for a request's body to arrive, once its headers have (past it: 408)
+    # Where set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (as vLLM's and llama.cpp's servers
+    # ask); /health and /metrics stay open to load balancers and scrapers. Kept out of the repr: settings get logged.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -84,6 +88,8 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if not self.body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (None: no key asked for)")
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
@@ -243,6 +249,32 @@ def error_response(error: RequestError) -> JSONResponse:
     return _AsciiJSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+class _ApiKeyGate:
+    """ASGI middleware: a /v1 request without ``Authorization: Bearer <key>`` gets 401 in OpenAI's envelope, before
+    its body is read. Pure ASGI, not Starlette's BaseHTTPMiddleware, which would buffer the event streams."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    def _allowed(self, given: bytes) -> bool:
+        scheme, _, token = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)  # (constant time)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+            if given is None or not self._allowed(given):
+                message = ("no API key given: send the header 'Authorization: Bearer <key>' (OpenAI clients send "
+                           "their api_key so)" if given is None else "incorrect API key")  # never echo it
+                error = RequestError(message, code="invalid_api_key", status=401)
+                response = error_response(error)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _ClientLeft(Exception):
     """The client disconnected before its request's body had arrived."""
 
@@ -392,6 +424,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     app = FastAPI(title="jointspec", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False,
                   lifespan=lifespan)
     app.state.settings, app.state.engine, app.state.metrics, app.state.drain = settings, engine, metrics, drain
+    if settings.api_key is not None:
+        app.add_middleware(_ApiKeyGate, key=settings.api_key)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, error: RequestError) -> JSONResponse:

@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -71,6 +71,7 @@ class AnswerServer:
     model: str | None = None  # the request's ``model`` field; None: the first model ``URL/models`` lists
     check: bool = True  # the same-model check (check_same_model)
     timeout: float = REQUEST_TIMEOUT
+    api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY" where set
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -98,8 +99,10 @@ def _request(server: AnswerServer, path: str, body: dict | None = None) -> dict:
     url = server.url + path
     data = None if body is None else json.dumps(body).encode()
     for attempt in range(RETRIES + 1):
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
-                                                                   "Accept": "application/json"})
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if server.api_key is not None:
+            headers["Authorization"] = f"Bearer {server.api_key}"
+        request = urllib.request.Request(url, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=server.timeout) as response:
                 raw = response.read()
@@ -142,7 +145,8 @@ def _http_error(error: urllib.error.HTTPError, url: str) -> str:
     hint = {404: f"is --answers-from the API's base URL, ending in /v1 (e.g. {URL_EXAMPLE})?",
             400: "the server refused the request: it must take token ids as a completions prompt (vLLM, SGLang, "
                  "llama.cpp's server and jointspec serve do), and the prompts must fit its context",
-            401: "the server wants an API key, which train-draft does not send: serve without one on a local address",
+            401: "the server wants an API key (another one, where JOINTSPEC_API_KEY was set): set JOINTSPEC_API_KEY "
+                 "to the key it was started with",
             429: "the server stayed full: lower --answers-concurrency or raise the server's queue",
             503: "the server is shutting down or not ready: start it again and rerun (fetched answers are kept)"}
     return f"{url} answered HTTP {error.code} ({message}); " + hint.get(error.code, "see the server's log")
