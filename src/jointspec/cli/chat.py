@@ -24,13 +24,14 @@ from pathlib import Path
 from jointspec.cli.commands import command_help
 from jointspec.core.errors import JointspecError
 
+IDLE_TIMEOUT = 30.0  # seconds a stopped answer may take to leave the engine (a round of a long prompt's reading)
 COMMANDS_HELP = ("a line ending with \\ continues on the next; /file PATH [question] sends a file's text (and the "
                  "question after it); /reset starts a new conversation; /exit or Ctrl-D ends the chat; Ctrl-C stops "
                  "an answer")
 
 
 def add_parser(subparsers) -> None:
-    from jointspec.cli.options import add_model_arguments, positive_int
+    from jointspec.cli.options import add_model_arguments, add_sampling_arguments, positive_int
     from jointspec.cli.serve import non_negative_int
 
     parser = subparsers.add_parser("chat", help=command_help("chat"))
@@ -38,12 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--system", metavar="TEXT", default=None,
                         help="a system message that opens the conversation (and every one /reset starts)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=512, help="new tokens at most per answer")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="fixes a sampled conversation: answer n (from 0) samples with seed + n (default: a "
-                             "fresh seed, reported when the chat starts)")
+    add_sampling_arguments(parser, "fixes a sampled conversation: answer n (from 0) samples with seed + n "
+                                   "(default: a fresh seed, reported when the chat starts)")
     parser.add_argument("--prompt-cache-mb", type=non_negative_int, default=256, metavar="MB",
                         help="the conversation's cache kept between turns, up to this many MB, so a turn reads only "
                              "its new tokens; 0 reads the whole conversation every turn (the lockstep engine only, "
@@ -120,6 +117,11 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
             asyncio.run(_answer(engine, messages, args, None if seed is None else seed + turn, answer))
         except KeyboardInterrupt:  # stop this answer, not the chat; what was shown stays in the conversation
             print("\n(stopped)", file=sys.stderr, flush=True)
+            # The engine thread frees the stopped answer's row when it next looks at its inbox: the next turn must
+            # not find it still taken.
+            if not engine.wait_idle(IDLE_TIMEOUT):
+                raise JointspecError(f"the engine did not free the stopped answer's row within {IDLE_TIMEOUT:g} s"
+                                     ) from None
         except (JointspecError, ValueError) as error:  # this turn refused (the context is full): the chat goes on
             messages.pop()
             print(f"{chr(10) if answer.text else ''}jointspec: {error}; the turn was not kept (/reset starts a new "

@@ -15,6 +15,7 @@ from pathlib import Path
 from jointspec.cli.commands import COMMANDS, command_help
 from jointspec.cli.options import (
     add_model_arguments,
+    add_sampling_arguments,
     apply_threads,
     check_reads,
     method_config_from_args,
@@ -42,12 +43,8 @@ def _add_generate(subparsers) -> None:
                              "question about it")
     add_model_arguments(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="fixes a sampled answer (default: a fresh seed per run, reported so the answer can be "
-                             "repeated)")
+    add_sampling_arguments(parser, "fixes a sampled answer (default: a fresh seed per run, reported so the answer "
+                                   "can be repeated)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--attention", choices=("full", "sparse", "speckv", "specpc"), default="full",
                         help="APPROXIMATE (lossy) decoding for long inputs, past 2,048 tokens of context. sparse: "

@@ -171,6 +171,14 @@ def model_options(args: argparse.Namespace) -> dict:
                 threads=args.threads, kernels=args.kernels, kv_cache=args.kv_cache)
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:
+    """--temperature, --top-k, --top-p and --seed, as generate and chat take them (greedy by default)."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
 def model_loader(args: argparse.Namespace):
     """``load(source, name=None) -> (model, tokenizer)`` with the run's :func:`model_options`, for the target and
     every draft model alike; each (source, name) is loaded once."""

@@ -457,6 +457,18 @@ class ServingEngine:
             raise
         return stream
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every request submitted has ended and left its row (a cancelled one leaves when the engine
+        thread next looks at its inbox); False if that takes longer than ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._admission:
+                if self._admitted == 0:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+
     @property
     def description(self) -> str:
         """Which batched engine serves, and what its batching gives."""
