@@ -144,3 +144,79 @@ def test_options_are_checked_before_the_model_loads(capsys, monkeypatch, tmp_pat
     assert_clean_error(code, err, "temperature")
     code, _, err = chat(capsys, monkeypatch, missing, ["hi"], "--method", "no-such-method")
     assert_clean_error(code, err, "no-such-method")
+    code, _, err = chat(capsys, monkeypatch, missing, ["hi"], "--method", "pearl")  # (serve's check too)
+    assert_clean_error(code, err, "method 'pearl' is not batched")
+
+
+def test_commands_are_words_after_one_slash_and_file_keeps_the_question_as_typed(capsys, monkeypatch, model_folder,
+                                                                                 byte_model, tokenizer, tmp_path):
+    """/rest (a typo) is refused, not sent; //x sends /x; /usr/bin is a turn; /FILE is /file, its question kept as
+    typed (quotes, apostrophes, spaces); a path with spaces goes in quotes; an empty file is refused; bytes that are
+    not UTF-8 on piped input become U+FFFD."""
+    document = tmp_path / "my notes.txt"
+    document.write_text("abc abd")
+    (tmp_path / "empty.txt").write_text("\n")
+    question = "what's in  it, \"really\"?"
+    lines = ["/rest", "//x", "/usr/bin", f"/FILE '{document}' {question}", f"/file {document} what",
+             f"/file {tmp_path / 'empty.txt'}", "ab\udcffc"]
+    code, out, err = chat(capsys, monkeypatch, model_folder, lines, "--method", "pld")
+    assert code == 0, err
+    turns = ["/x", "/usr/bin", f"abc abd\n\n{question}", "ab\ufffdc"]
+    assert out == "".join(answer + "\n" for answer in conversation(byte_model, tokenizer, turns))
+    assert "unknown command /rest" in err
+    assert "a path with spaces goes in quotes" in err and "is empty" in err
+
+
+def test_a_turn_stopped_before_anything_was_shown_is_not_kept(capsys, monkeypatch, model_folder, byte_model,
+                                                              tokenizer):
+    from jointspec.cli import chat as chat_cli
+
+    real_show, calls = chat_cli.show, []
+
+    def interrupted_first(text):
+        calls.append(text)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_show(text)
+
+    monkeypatch.setattr(chat_cli, "show", interrupted_first)
+    code, out, err = chat(capsys, monkeypatch, model_folder, ["abcabc", "abd"], "--method", "ar")
+    assert code == 0 and "(stopped; the turn was not kept)" in err
+    assert out == conversation(byte_model, tokenizer, ["abd"])[0] + "\n"  # the next turn alone in the conversation
+
+
+def test_a_turn_stopped_just_as_the_engine_takes_it_is_cancelled_not_decoded(byte_model, tokenizer):
+    """Ctrl-C after the request went to the engine thread but before the engine said it took it: the cancel is sent
+    once the engine answers, through the chat's loop, which must still run then (a loop per turn was closed by then,
+    and the answer decoded to its end for nobody). Deterministic: the stop lands right after the hand-off."""
+    import asyncio
+    import contextlib
+
+    from jointspec.cli.chat import _settle
+    from jointspec.server.engine import CompletionRequest, ServingEngine
+
+    engine = ServingEngine(CausalLM(byte_model), tokenizer, model_id="tiny", max_batch_size=1, max_queue=0)
+    try:
+        request = CompletionRequest(prompt="abcabc", max_tokens=200, temperature=0.0)
+        real_put = engine._inbox.put
+
+        async def stopped_as_handed_over():
+            task = asyncio.current_task()
+
+            def put_then_stop(item):
+                real_put(item)
+                if item[0] == "submit":
+                    task.cancel()  # raised at submit's next await: waiting for the engine to take it
+
+            engine._inbox.put = put_then_stop
+            with contextlib.suppress(asyncio.CancelledError):
+                await engine.submit(request)
+            engine._inbox.put = real_put
+
+        with asyncio.Runner() as runner:
+            runner.run(stopped_as_handed_over())
+            _settle(runner, engine)
+            assert engine.wait_idle(0.0)
+        assert engine.snapshot().num_cancelled == 1
+    finally:
+        engine.close()

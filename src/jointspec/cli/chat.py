@@ -1,15 +1,16 @@
 """``jointspec chat``: a conversation on the terminal, each answer shown as it is written.
 
 Each turn hands the whole conversation, as a chat client hands it to a server, to the batched engine ``serve`` runs,
-here in the same process and without HTTP. Its prompt cache keeps the conversation's cache from one turn to the
-next, so a follow-up reads only its own new tokens rather than the whole conversation again (a question about a
-long pasted document is answered at once the second time). The engine gives a request ``generate``'s tokens, so a
-greedy turn's answer is the one ``generate`` writes for the same conversation.
+here in the same process and without HTTP. Where that engine keeps a prompt cache, the conversation's cache stays from
+one turn to the next, so a follow-up reads only its own new tokens rather than the whole conversation again (a second
+question about a long document is answered at once). The engine gives a request ``generate``'s tokens, so a greedy
+turn's answer is the one ``generate`` writes for the same conversation.
 
-Lines typed are the user's turns (a line ending with a backslash continues on the next); ``/file PATH [question]``
-sends a file's text, ``/reset`` starts a new conversation, ``/exit`` (or end of input, Ctrl-D) ends the chat, and
-Ctrl-C stops the answer being written (what was shown stays in the conversation). Read from a pipe, each line is a
-turn and each answer is followed by a newline, so a conversation can be scripted.
+Lines typed are the user's turns (a line ending with a backslash continues on the next); a word after one slash is a
+command: ``/file PATH [question]`` sends a file's text, ``/reset`` starts a new conversation, ``/exit`` or ``/quit``
+(or end of input, Ctrl-D) ends the chat. Ctrl-C stops the answer being written (what was shown stays in the
+conversation). Read from a pipe, each line is a turn and each answer is followed by a newline, so a conversation can
+be scripted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,8 +28,8 @@ from jointspec.core.errors import JointspecError
 
 IDLE_TIMEOUT = 30.0  # seconds a stopped answer may take to leave the engine (a round of a long prompt's reading)
 COMMANDS_HELP = ("a line ending with \\ continues on the next; /file PATH [question] sends a file's text (and the "
-                 "question after it); /reset starts a new conversation; /exit or Ctrl-D ends the chat; Ctrl-C stops "
-                 "an answer")
+                 "question after it; a path with spaces in quotes); /reset starts a new conversation; /exit, /quit or "
+                 "Ctrl-D ends the chat; Ctrl-C stops an answer; // sends a line that begins with /")
 
 
 def add_parser(subparsers) -> None:
@@ -88,64 +90,115 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
               ". /help lists the commands; /exit or Ctrl-D ends the chat.", file=sys.stderr, flush=True)
     elif seed is not None:
         print(f"jointspec chat: seed {seed}", file=sys.stderr, flush=True)
+    if not engine.keeps_prompts:
+        print("jointspec chat: no prompt cache here (" + ("--prompt-cache-mb 0" if not args.prompt_cache_mb else
+              "the batched engine of float models keeps none") + "): every turn reads the whole conversation again",
+              file=sys.stderr, flush=True)
     turn = 0
-    while True:
-        line = _read_turn(interactive)
-        if line is None:
-            return 0
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            messages = list(opening)
-            print("(a new conversation)", file=sys.stderr, flush=True)
-            continue
-        if text == "/help":
-            print(COMMANDS_HELP, file=sys.stderr, flush=True)
-            continue
-        if text == "/file" or text.startswith("/file "):
-            try:
-                line = _file_turn(text)
-            except JointspecError as error:
-                print(f"jointspec: {error}", file=sys.stderr, flush=True)
+    # One event loop for the whole chat: a request the engine takes after Ctrl-C has stopped its turn is cancelled
+    # through this loop, which must still be there to hear of it (_settle).
+    with asyncio.Runner() as runner:
+        while True:
+            line = _read_turn(interactive)
+            if line is None:
+                return 0
+            line = _text(line)
+            command = _command(line)
+            if not line.strip() or command in ("/exit", "/quit"):
+                if command:
+                    return 0
                 continue
-        messages.append({"role": "user", "content": line})
-        answer = _Answer()
-        try:
-            asyncio.run(_answer(engine, messages, args, None if seed is None else seed + turn, answer))
-        except KeyboardInterrupt:  # stop this answer, not the chat; what was shown stays in the conversation
-            print("\n(stopped)", file=sys.stderr, flush=True)
-            # The engine thread frees the stopped answer's row when it next looks at its inbox: the next turn must
-            # not find it still taken.
-            if not engine.wait_idle(IDLE_TIMEOUT):
-                raise JointspecError(f"the engine did not free the stopped answer's row within {IDLE_TIMEOUT:g} s"
-                                     ) from None
-        except (JointspecError, ValueError) as error:  # this turn refused (the context is full): the chat goes on
-            messages.pop()
-            print(f"{chr(10) if answer.text else ''}jointspec: {error}; the turn was not kept (/reset starts a new "
-                  "conversation)", file=sys.stderr, flush=True)
-            continue
-        turn += 1
-        messages.append({"role": "assistant", "content": answer.text})
+            if command == "/reset":
+                messages = list(opening)
+                print("(a new conversation)", file=sys.stderr, flush=True)
+                continue
+            if command == "/help":
+                print(COMMANDS_HELP, file=sys.stderr, flush=True)
+                continue
+            if command is not None and command != "/file":
+                print(f"jointspec: unknown command {command}; /help lists them (begin a turn with // to send a line "
+                      "that begins with /)", file=sys.stderr, flush=True)
+                continue
+            if command == "/file":
+                try:
+                    line = _file_turn(line)
+                except JointspecError as error:
+                    print(f"jointspec: {error}", file=sys.stderr, flush=True)
+                    continue
+            elif line.lstrip().startswith("//"):
+                line = line.replace("/", "", 1)
+            messages.append({"role": "user", "content": line})
+            answer = _Answer()
+            turn_seed = None if seed is None else seed + turn
+            coroutine = _answer(engine, messages, args, turn_seed, answer)
+            try:
+                runner.run(coroutine)
+            except KeyboardInterrupt:  # stop this answer, not the chat
+                coroutine.close()  # (one stopped before it began was never awaited)
+                _settle(runner, engine)
+                answer.stopped = True
+            except (JointspecError, ValueError) as error:  # this turn refused (the context is full): the chat goes on
+                messages.pop()
+                _end_line(answer, finished=False)
+                print(f"jointspec: {error}; the turn was not kept (/reset starts a new conversation)",
+                      file=sys.stderr, flush=True)
+                continue
+            _end_line(answer, finished=not answer.stopped)
+            if answer.stopped and not answer.text:  # nothing shown: as if the turn had not been asked
+                messages.pop()
+                print("(stopped; the turn was not kept)", file=sys.stderr, flush=True)
+                continue
+            turn += 1
+            messages.append({"role": "assistant", "content": answer.text})
+            if answer.stopped or answer.summary:
+                print("(stopped)" if answer.stopped else answer.summary, file=sys.stderr, flush=True)
+
+
+def _settle(runner: asyncio.Runner, engine) -> None:
+    """After Ctrl-C: wait until the stopped answer has left the engine, running the chat's loop meanwhile (a request
+    the engine took just as the turn stopped is cancelled from there). Ctrl-C again only waits on."""
+    deadline = time.monotonic() + IDLE_TIMEOUT
+    while not engine.wait_idle(0.0):
+        if time.monotonic() > deadline:
+            raise JointspecError(f"the engine did not free the stopped answer's row within {IDLE_TIMEOUT:g} s")
+        with contextlib.suppress(KeyboardInterrupt):
+            runner.run(asyncio.sleep(0.01))
+
+
+def _end_line(answer, finished: bool) -> None:
+    """Ends the answer's line on stdout: each answer is followed by a newline, one stopped or failed part-way too."""
+    if answer.text or finished:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        if answer.summary:
-            print(answer.summary, file=sys.stderr, flush=True)
+
+
+def _text(line: str) -> str:
+    """A line as text: bytes that are not UTF-8 (piped input reads them as lone surrogates) become U+FFFD."""
+    return line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _command(line: str) -> str | None:
+    """The command a line gives (``/reset``, ``/FILE`` as ``/file``), or None for a turn; a word of letters after
+    one slash is a command, so a path such as ``/usr/bin`` and ``//`` lines are turns."""
+    word = line.strip().split(None, 1)[0] if line.strip() else ""
+    return word.lower() if re.fullmatch(r"/[A-Za-z]+", word) else None
 
 
 def _read_turn(interactive: bool) -> str | None:
     """The user's next turn: a line, or lines joined where each but the last ends with a backslash; None at the end
-    of input (Ctrl-D) or on Ctrl-C at the prompt."""
+    of input (Ctrl-D). Ctrl-C at the prompt drops what was typed and asks again."""
     lines = []
     while True:
         if interactive:
             try:
                 line = input("> " if not lines else ". ")
-            except (EOFError, KeyboardInterrupt):
+            except EOFError:
                 print(file=sys.stderr)
                 return None
+            except KeyboardInterrupt:
+                print("\n(Ctrl-D or /exit ends the chat)", file=sys.stderr, flush=True)
+                lines = []
+                continue
         else:
             line = sys.stdin.readline()
             if not line:
@@ -158,22 +211,29 @@ def _read_turn(interactive: bool) -> str | None:
         return "\n".join(lines)
 
 
-def _file_turn(text: str) -> str:
-    """``/file PATH [words]``: the file's text, then the words after a blank line (a document and a question)."""
-    import shlex
-
-    try:
-        words = shlex.split(text[len("/file"):])
-    except ValueError as error:
-        raise JointspecError(f"/file: {error}; quote a path that has spaces") from None
-    if not words:
+def _file_turn(line: str) -> str:
+    """``/file PATH [question]``: the file's text, then the question as typed after a blank line (a document and a
+    question). A path with spaces goes in quotes."""
+    rest = line.strip()[len("/file"):].strip()
+    if rest[:1] in ("'", '"'):
+        end = rest.find(rest[0], 1)
+        if end < 0:
+            raise JointspecError(f"/file: the path's closing {rest[0]} is missing")
+        name, question = rest[1:end], rest[end + 1:].strip()
+    else:
+        name, _, question = rest.partition(" ")
+        question = question.strip()
+    if not name:
         raise JointspecError("/file needs a path: /file report.txt [a question about it]")
-    path = Path(words[0]).expanduser()
+    path = Path(name).expanduser()
     try:
         document = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        raise JointspecError(f"/file: cannot read '{path}': {getattr(error, 'strerror', None) or error}") from None
-    question = " ".join(words[1:])
+        hint = "; a path with spaces goes in quotes" if question and not path.exists() else ""
+        raise JointspecError(f"/file: cannot read '{path}': {getattr(error, 'strerror', None) or error}{hint}"
+                             ) from None
+    if not document.strip():
+        raise JointspecError(f"/file: '{path}' is empty")
     return document.rstrip("\n") + (f"\n\n{question}" if question else "")
 
 
@@ -188,6 +248,7 @@ class _Answer:
     def __init__(self) -> None:
         self.text = ""
         self.summary = ""
+        self.stopped = False  # Ctrl-C stopped it
 
 
 async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: int | None, answer: _Answer) -> None:
@@ -222,7 +283,7 @@ def _summary(args: argparse.Namespace, num_prompt_tokens: int, tokens: int, last
     reused = stats.prompt_tokens_reused if stats is not None else 0
     decode = end - (first or end)
     parts = [f"[{args.method}] {tokens} token{'' if tokens == 1 else 's'}"]
-    if tokens > 1 and decode > 0:
+    if tokens >= 8 and decode > 0:  # (fewer make no speed worth reading)
         parts.append(f"{(tokens - 1) / decode:.1f} tok/s")
     if stats is not None and stats.num_rounds:
         parts.append(f"{stats.mean_accepted_tokens:.2f} tokens per call")

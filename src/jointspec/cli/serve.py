@@ -102,11 +102,14 @@ def build_engine(args: argparse.Namespace):
     from jointspec.cli.options import check_reads, method_config_from_args, model_loader, with_flags
     from jointspec.core.errors import UnsupportedOptionError
     from jointspec.methods import method_names
-    from jointspec.methods.registry import batched_methods, unknown_method_error
+    from jointspec.methods.registry import batched_methods, method_is_batched, unknown_method_error
     from jointspec.server.engine import ServingEngine
 
     if args.method not in method_names():
         raise JointspecError(unknown_method_error(args.method, batched_methods()))
+    if not method_is_batched(args.method):  # (refused here, before the model loads, not at the first request)
+        raise UnsupportedOptionError(f"method '{args.method}' is not batched: it drafts on a thread of its own while "
+                                     f"its target verifies; the batched engine runs {', '.join(batched_methods())}")
     if args.backend != "torch":
         raise UnsupportedOptionError(f"the server's batched engine runs on the torch backend only, not "
                                      f"'{args.backend}'; drop --backend (--quantize int8/int4 gives quantised "

@@ -457,6 +457,14 @@ class ServingEngine:
             raise
         return stream
 
+    @property
+    def keeps_prompts(self) -> bool:
+        """Whether a prompt that begins with a finished request's tokens may take that request's cache: the lockstep
+        engine with a prompt cache (a request whose method reads a head's features still neither takes nor leaves
+        one, :mod:`jointspec.batch.lockstep`)."""
+        cache = getattr(self._engine, "prompt_cache", None)
+        return cache is not None and cache.max_bytes > 0
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every request submitted has ended and left its row (a cancelled one leaves when the engine
         thread next looks at its inbox); False if that takes longer than ``timeout`` seconds."""
