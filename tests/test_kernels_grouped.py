@@ -167,6 +167,50 @@ def test_8_bit_inputs_give_the_dequantised_weights_times_the_rounded_inputs(bits
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_input_gives_a_nonfinite_row_on_every_build(isa, bad):
+    """An 8-bit-input product of a row holding NaN or infinity (activations already broken) is NaN, as the float
+    path's is not finite, and leaves the other rows' bits alone. The rounding to 8 bits turned NaN into an integer
+    (INT_MIN on x86, undefined in C++), so the row came out finite, and differently by build. Deterministic."""
+    layer = GroupedInt4Linear(linear(64, 320, seed=4))
+    tensors = [getattr(layer, name) for name in layer.BUFFERS]
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(6))
+    broken = x.clone()
+    broken[1, 37] = bad
+    built = kernels(isa)
+    out, clean = built.linear(broken, tensors, False, True), built.linear(x, tensors, False, True)
+    assert torch.isnan(out[1]).all()
+    assert torch.equal(out[[0, 2]], clean[[0, 2]]) and torch.isfinite(clean).all()
+
+
+def test_degenerate_kernel_calls_are_refused_not_crashes():
+    """Calls no Python caller makes, which crashed the process (a division by zero, null reads) until each had its
+    check; a sanitizer sweep found them. Deterministic."""
+    built, k = kernels(), 64
+    x = torch.randn(1, k)
+    with pytest.raises(RuntimeError, match="positive multiple of kv_heads"):  # no query heads
+        built.attention(torch.randn(0, 2, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16),
+                        torch.empty(0, dtype=torch.bool), torch.tensor([4, 4]), 0.25)
+    screen = (torch.zeros(8, k // 2, dtype=torch.uint8), torch.rand(8), torch.ones(k))
+    four_bit = [torch.zeros(8, k // 2, dtype=torch.uint8), torch.rand(8, k // 32), torch.rand(8, k // 32),
+                torch.zeros(1)]
+    with pytest.raises(RuntimeError, match="must be 8-bit or 6-bit, got 4 bits"):
+        built.screened_head(x, *screen, four_bit, 6.0, 4, 1, None)
+    with pytest.raises(RuntimeError, match="an empty vocabulary"):
+        built.screened_head(x, torch.zeros(0, k // 2, dtype=torch.uint8), torch.zeros(0), torch.ones(k),
+                            [torch.zeros(0, k, dtype=torch.int8), torch.zeros(0, k // 32)], 6.0, 4, 1, None)
+    with pytest.raises(RuntimeError, match="a layer with no output rows"):  # (the offset form, Q4_0's)
+        built.linear(x, [torch.zeros(0, k // 2, dtype=torch.uint8), torch.zeros(0, k // 32, dtype=torch.float16),
+                         torch.zeros(0, 1, dtype=torch.float16)], False, True)
+    layers = built.CompiledLayers()
+    part = GroupedInt8Linear(nn.Linear(k, k, bias=False))
+    parts = [part.levels, part.scale]
+    layers.add_layer(torch.ones(k), torch.ones(k), 1e-6, [parts], parts, [parts], parts, 1, 0.125)
+    with pytest.raises(RuntimeError, match="one sequence or more"):
+        layers.forward_many(torch.zeros(0, k), [], [], [], [], [], [], [torch.zeros(0, 16)], [torch.zeros(0, 16)], [])
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
 def test_scales_kept_as_halves_give_the_float32_scales_bits(isa):
     """A file's float16 scales and minima (Q4_0/Q4_1/Q5_0/Q5_1) are kept as halves, a sixth fewer bytes to read; the
     kernels widen them exactly, so every path gives the bits of the same values held as float32. Scales that are not

@@ -347,6 +347,7 @@ Weights weights_without_bias(const std::vector<at::Tensor>& tensors, int64_t in_
     if (half && minimum.scalar_type() == at::kHalf && has_shape(minimum, {out, 1})) {
       TORCH_CHECK(has_shape(scale, {out, groups}), name, ": scale must be a contiguous float16 [out, in / 32] matrix");
       weights.form = ScaleForm::kHalfOffset;
+      TORCH_CHECK(out > 0, name, ": a layer with no output rows");
       weights.offset = simd::half_to_float(*reinterpret_cast<const uint16_t*>(minimum.data_ptr()));
       TORCH_CHECK(weights.offset == -8.0f || weights.offset == -16.0f, name, ": minima given as one offset times "
                   "each scale must be -8 or -16 (Q4_0's or Q5_0's), got ", weights.offset);
@@ -430,7 +431,7 @@ at::Tensor attention_by(bool pairwise, at::Tensor query, at::Tensor key, at::Ten
   TORCH_CHECK(dim % 16 == 0 && dim <= 256, "head_dim must be a multiple of 16, at most 256, got ", dim);
   TORCH_CHECK(key.size(2) == dim && value.sizes() == key.sizes() && key.stride(1) == dim && value.stride(1) == dim,
               "key and value must be [kv_heads, keys, dim] with contiguous rows");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a positive multiple of kv_heads");
   const auto index = visible_keys(visible, lengths, rows, num_keys);
   auto out = at::empty({rows, heads, dim}, query.options());
   auto run = [&](auto* key_data, auto* value_data) {
@@ -604,7 +605,7 @@ LayerWeights layer_weights(const at::Tensor& hidden, const at::Tensor& input_nor
               hidden.device().is_cpu(), "hidden must be a contiguous float32 CPU matrix [rows, width]");
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-  TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && dim <= 256 && kv_heads > 0 && heads % kv_heads == 0,
+  TORCH_CHECK(width % 64 == 0 && dim % 16 == 0 && dim <= 256 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0,
               "width must be a multiple of 64, head_dim of 16 (at most 256), heads of kv_heads");
   for (const auto* t : {&input_norm, &post_norm}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == width,
@@ -735,6 +736,7 @@ class CompiledLayers {
                                           std::vector<int64_t> keep) {
     const size_t count = row_counts.size();
     TORCH_CHECK(!layers_.empty(), "no layers registered");
+    TORCH_CHECK(count > 0, "forward_many needs one sequence or more");
     TORCH_CHECK(starts.size() == count && visible.size() == count && lengths.size() == count &&
                 keys.size() == count && values.size() == count, "one start, visibility, lengths and set of caches "
                 "per sequence");
@@ -1033,6 +1035,9 @@ at::Tensor screened_head(at::Tensor x, at::Tensor screen4, at::Tensor screen_sca
               "screened_head: the exact head's levels must be int8, or packed uint8 at 6 bits");
   const Weights weights = weights_without_bias(head, x.size(1), "screened_head");
   const int64_t rows = x.size(0), k = x.size(1), vocab = weights.out_features;
+  TORCH_CHECK(weights.bits == 8 || weights.bits == 6, "screened_head: the exact head must be 8-bit or 6-bit, got ",
+              weights.bits, " bits");
+  TORCH_CHECK(vocab > 0, "screened_head: an empty vocabulary");
   TORCH_CHECK(screen4.scalar_type() == at::kByte && screen4.is_contiguous() && screen4.dim() == 2 &&
               screen4.size(0) == vocab && screen4.size(1) == k / 2, "screen4 must be contiguous uint8 [V, in / 2]");
   TORCH_CHECK(screen_scale.scalar_type() == at::kFloat && screen_scale.is_contiguous() &&

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(JOINTSPEC_ISA_AVX512)
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__))
@@ -51,6 +52,16 @@ constexpr float kExpHigh = 88.0f;  // above this 2^n would not be a normal float
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                1.6666665459e-1f, 5.0000001201e-1f};
+
+// A group of 8-bit inputs that holds NaN or infinity (activations already broken): levels 0 and a NaN step, so the
+// product comes out NaN as the float path's does, on every build. Converting NaN to an integer is undefined in C++
+// and INT_MIN in the x86 instructions, and max() drops a NaN, which gave finite rows that differed by build.
+inline int nonfinite_group(int8_t* out, float& step, int64_t high) {
+  std::memset(out, 0, 16);
+  std::memset(out + high, 0, 16);
+  step = std::numeric_limits<float>::quiet_NaN();
+  return 0;
+}
 
 #if defined(JOINTSPEC_ISA_AVX512)
 struct V16 {
@@ -549,6 +560,8 @@ inline V16 dot4_signed(L64 w, L64 q) {
 inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q) || !std::isfinite(top))
+    return nonfinite_group(out, step, high);
   step = top / 127.0f;
   const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
@@ -719,6 +732,9 @@ inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high
   __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
   top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
   const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1)));
+  int unordered = 0;
+  for (int i = 0; i < 4; ++i) unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  if (unordered || !std::isfinite(top)) return nonfinite_group(out, step, high);
   step = top / 127.0f;
   const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
   __m256i q[4];
@@ -851,7 +867,12 @@ inline V16 dot4_six(const L64& u, const L64& q, const I16& base) {
 inline V16 dot4_signed(const L64& w, const L64& q) { return dot4(w, q); }
 inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
   float top = 0.0f;
-  for (int i = 0; i < 32; ++i) top = std::max(top, std::fabs(x[i]));
+  bool finite = true;
+  for (int i = 0; i < 32; ++i) {
+    top = std::max(top, std::fabs(x[i]));
+    finite = finite && std::isfinite(x[i]);
+  }
+  if (!finite) return nonfinite_group(out, step, high);
   step = top / 127.0f;
   const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
   int total = 0;
