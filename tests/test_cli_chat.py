@@ -220,3 +220,39 @@ def test_a_turn_stopped_just_as_the_engine_takes_it_is_cancelled_not_decoded(byt
         assert engine.snapshot().num_cancelled == 1
     finally:
         engine.close()
+
+
+def test_a_later_turn_takes_the_conversations_cache_and_answers_the_same(tmp_path, monkeypatch, capsys):
+    """On the int4 kernels the engine keeps the conversation's cache: turn 2 reads only what turn 1 did not, says
+    so, and answers as with --prompt-cache-mb 0, which reuses nothing and says there is no cache."""
+    import math
+
+    from jointspec.backends.lean_forward import LeanLlamaForward
+
+    from helpers import grouped_llama, word_tokenizer
+
+    own = LeanLlamaForward._set_prefill
+
+    def rows_alone(self):  # prompts read row by row on every build, as the AVX-512 builds read them
+        own(self)
+        if self.compiled is not None:
+            self.prefill_chunk, self.prefill_gemm_rows = 16, math.inf
+    monkeypatch.setattr(LeanLlamaForward, "_set_prefill", rows_alone)
+    folder = tmp_path / "model"
+    grouped_llama(0).save_pretrained(folder)
+    words = word_tokenizer(99)
+    words.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    words.save_pretrained(folder)
+    turns = [" ".join(f"w{5 + i % 60}" for i in range(30)), "w9 w10 w11 w12"]
+    outs, reused, errs = [], [], []
+    for budget in ("256", "0"):
+        code, out, err = chat(capsys, monkeypatch, folder, turns, "--quantize", "int4", "--method", "ar",
+                              "--prompt-cache-mb", budget)
+        assert code == 0, err
+        outs.append(out)
+        errs.append(err)
+        reused.append([int(n or 0) for n in re.findall(r"conversation \d+ tokens(?:, (\d+) of them from the cache)?",
+                                                        err)])
+    assert outs[0] == outs[1] and outs[0].count("\n") == 2
+    assert reused[0][1] >= 30 and reused[1] == [0, 0], reused
+    assert "no prompt cache here" not in errs[0] and "no prompt cache here (--prompt-cache-mb 0)" in errs[1]

@@ -301,6 +301,11 @@ def test_streaming_chat_and_completion_match_non_streaming(client):
     assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] == 10
 
 
+def test_up_to_32_stop_strings_are_taken(client):
+    reply = client.post("/v1/chat/completions", json=chat_body(stop=[f"zz{i}" for i in range(32)], max_tokens=4))
+    assert reply.status_code == 200, reply.text  # (33 is a 400: BAD_REQUESTS)
+
+
 def test_unknown_fields_are_ignored_like_openai(client):
     reply = client.post("/v1/chat/completions", json=chat_body(user="me", frequency_penalty=0.0, tools=None,
                                                                metadata={"a": 1}))
@@ -1046,16 +1051,39 @@ def test_an_api_key_guards_the_api_and_leaves_health_and_metrics_open(engine):
         assert bare.json()["error"]["message"].startswith("no API key given")
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"bearer {key}"}, timeout=TIMEOUT
                          ).status_code == 200  # the scheme's case does not matter (RFC 7235)
+        for header in (key, f"Basic {key}", f"Bearer{key}"):  # the key, but not as a bearer token
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": header}, timeout=TIMEOUT
+                             ).status_code == 401, header
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
         assert httpx.get(f"{url}/metrics", timeout=TIMEOUT).status_code == 200
     assert key not in repr(ServerSettings(api_key=key))
-    with pytest.raises(ValueError, match="api_key must not be empty"):
-        ServerSettings(api_key=" ")
+    for unusable in ("", " ", " padded", "non-ascii-\u00e9", "two words"):  # (a header could not carry it whole)
+        with pytest.raises(ValueError, match="printable ASCII without spaces"):
+            ServerSettings(api_key=unusable)
+
+
+def test_the_api_key_guards_every_route_under_a_root_path_or_a_mount(engine):
+    """Behind a proxy's prefix or mounted in another app, the routes' paths begin with the prefix: a gate that looked
+    for /v1 at the start let /prefix/v1/completions through. Only /health and /metrics are open, wherever mounted."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    key = "k3y"
+    outer = Starlette(routes=[Mount("/api", app=create_app(ServerSettings(api_key=key), engine))])
+    with live_server(outer) as (url, _):
+        body = {"prompt": "abcab", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/api/v1/completions", json=body, timeout=TIMEOUT).status_code == 401
+        assert httpx.get(f"{url}/api/v1/models", timeout=TIMEOUT).status_code == 401
+        assert httpx.post(f"{url}/api/v1/completions", json=body, timeout=TIMEOUT,
+                          headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.get(f"{url}/api/health", timeout=TIMEOUT).status_code == 200
+        assert httpx.get(f"{url}/api/metrics", timeout=TIMEOUT).status_code == 200
 
 
 def test_serve_takes_its_api_key_from_the_environment_and_refuses_an_empty_one(monkeypatch, capsys):
     from jointspec.cli.main import build_parser
-    from jointspec.cli.serve import API_KEY_VARIABLE, api_key
+    from jointspec.cli.serve import api_key
+    from jointspec.server.keys import API_KEY_VARIABLE
 
     from helpers import assert_clean_error, run_cli
 
@@ -1068,3 +1096,6 @@ def test_serve_takes_its_api_key_from_the_environment_and_refuses_an_empty_one(m
     monkeypatch.setenv(API_KEY_VARIABLE, "")
     code, _, err = run_cli(capsys, "serve", "--port", "1")  # refused before the port or the model is looked at
     assert_clean_error(code, err, f"{API_KEY_VARIABLE} is empty")
+    code, _, err = run_cli(capsys, "serve", "--port", "1", "--api-key", "secret with spaces")
+    assert_clean_error(code, err, "--api-key: an API key is printable ASCII without spaces")
+    assert "secret with spaces" not in err  # a secret is not repeated

@@ -335,3 +335,51 @@ def test_cli_refuses_a_url_without_a_scheme(target_model, words, tmp_path, monke
     code, _, err = run_cli(capsys, *cli_argv(monkeypatch, target_model, words, tmp_path),
                            "--answers-from", "localhost:8000/v1")
     assert code == 2 and "'localhost:8000/v1' is not an http:// or https:// URL" in err
+
+
+def test_the_api_key_is_not_sent_where_a_redirect_points_elsewhere(monkeypatch):
+    """urllib keeps a request's Authorization header on every redirect, to any host: a server that redirected
+    --answers-from elsewhere would have been handed the key. A redirect within the same origin keeps it."""
+    import http.server
+    import threading
+
+    from jointspec.train.server_answers import _request
+
+    seen = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.setdefault(self.server.name, []).append((self.path, self.headers.get("Authorization")))
+            if self.path.startswith("/v1/elsewhere"):
+                self.send_response(307)
+                self.send_header("Location", f"http://127.0.0.1:{other.server_port}/v1/models")
+            elif self.path.startswith("/v1/here"):
+                self.send_response(307)
+                self.send_header("Location", "/v1/models")
+            else:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            if self.path == "/v1/models":
+                self.wfile.write(b'{"data": []}')
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+    for name in ("home", "other"):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.name = name
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    home, other = servers
+    try:
+        answers = AnswerServer(f"http://127.0.0.1:{home.server_port}/v1", api_key="k3y")
+        assert _request(answers, "/elsewhere") == {"data": []}
+        assert seen["other"] == [("/v1/models", None)]  # followed, without the key
+        assert _request(answers, "/here") == {"data": []}
+        assert seen["home"][-1] == ("/v1/models", "Bearer k3y")  # the same origin keeps it
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

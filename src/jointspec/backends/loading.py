@@ -427,9 +427,9 @@ def _error_text(error: Exception, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-# The files a Hugging Face tokenizer loads from (fast, SentencePiece, byte-level BPE, WordPiece, tiktoken).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "tokenizer.tiktoken")
+# The files a Hugging Face tokenizer loads its vocabulary from (fast, SentencePiece, byte-level BPE, WordPiece), and
+# *.tiktoken (qwen.tiktoken and kin).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None):
@@ -481,7 +481,8 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
         hint = (" (hub ids load only from this machine's cache; set JOINTSPEC_ALLOW_DOWNLOAD=1 to fetch)"
                 if kwargs.get("local_files_only") else "")
         if Path(folder).is_dir() and "gguf_file" not in kwargs:
-            if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+            if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES) and not any(
+                    Path(folder).glob("*.tiktoken")):
                 # transformers then says to install sentencepiece or tiktoken, which would not help
                 raise ModelLoadError(f"model folder '{source}' has no tokenizer (no tokenizer.json, tokenizer.model "
                                      "or vocab.json beside its config.json); save the model's tokenizer there "

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from jointspec.cli.commands import command_help
-from jointspec.core.errors import JointspecError
+from jointspec.core.errors import ContextTooLongError, JointspecError
 
-IDLE_TIMEOUT = 30.0  # seconds a stopped answer may take to leave the engine (a round of a long prompt's reading)
+IDLE_TIMEOUT = 120.0  # seconds a stopped answer may take to leave the engine (a round of a long prompt's reading)
 COMMANDS_HELP = ("a line ending with \\ continues on the next; /file PATH [question] sends a file's text (and the "
                  "question after it; a path with spaces in quotes); /reset starts a new conversation; /exit, /quit or "
                  "Ctrl-D ends the chat; Ctrl-C stops an answer; // sends a line that begins with /")
@@ -129,7 +129,7 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
                 line = line.replace("/", "", 1)
             messages.append({"role": "user", "content": line})
             answer = _Answer()
-            turn_seed = None if seed is None else seed + turn
+            turn_seed = None if seed is None else (seed + turn) % 2 ** 63  # (what a torch.Generator takes)
             coroutine = _answer(engine, messages, args, turn_seed, answer)
             try:
                 runner.run(coroutine)
@@ -140,8 +140,8 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
             except (JointspecError, ValueError) as error:  # this turn refused (the context is full): the chat goes on
                 messages.pop()
                 _end_line(answer, finished=False)
-                print(f"jointspec: {error}; the turn was not kept (/reset starts a new conversation)",
-                      file=sys.stderr, flush=True)
+                hint = " (/reset starts a new conversation)" if isinstance(error, ContextTooLongError) else ""
+                print(f"jointspec: {error}; the turn was not kept{hint}", file=sys.stderr, flush=True)
                 continue
             _end_line(answer, finished=not answer.stopped)
             if answer.stopped and not answer.text:  # nothing shown: as if the turn had not been asked
@@ -158,11 +158,15 @@ def _settle(runner: asyncio.Runner, engine) -> None:
     """After Ctrl-C: wait until the stopped answer has left the engine, running the chat's loop meanwhile (a request
     the engine took just as the turn stopped is cancelled from there). Ctrl-C again only waits on."""
     deadline = time.monotonic() + IDLE_TIMEOUT
-    while not engine.wait_idle(0.0):
-        if time.monotonic() > deadline:
-            raise JointspecError(f"the engine did not free the stopped answer's row within {IDLE_TIMEOUT:g} s")
-        with contextlib.suppress(KeyboardInterrupt):
+    while True:
+        try:
+            if engine.wait_idle(0.0):
+                return
+            if time.monotonic() > deadline:
+                raise JointspecError(f"the engine did not free the stopped answer's row within {IDLE_TIMEOUT:g} s")
             runner.run(asyncio.sleep(0.01))
+        except KeyboardInterrupt:
+            continue
 
 
 def _end_line(answer, finished: bool) -> None:

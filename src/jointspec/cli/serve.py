@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
                              "answer is the same; 0 keeps none (default 256; the lockstep engine only, not the "
                              "ragged one of float models)")
     parser.add_argument("--api-key", metavar="KEY", default=None,
-                        help="answer /v1 requests only with the header 'Authorization: Bearer KEY' (what OpenAI "
+                        help="answer requests only with the header 'Authorization: Bearer KEY' (what OpenAI "
                              "clients send as their api_key); /health and /metrics stay open. Default: "
                              "$JOINTSPEC_API_KEY where set (better than the flag, which other users of the machine "
                              "can read in its process list), else no key")
@@ -108,8 +108,8 @@ def build_engine(args: argparse.Namespace):
     if args.method not in method_names():
         raise JointspecError(unknown_method_error(args.method, batched_methods()))
     if not method_is_batched(args.method):  # (refused here, before the model loads, not at the first request)
-        raise UnsupportedOptionError(f"method '{args.method}' is not batched: it drafts on a thread of its own while "
-                                     f"its target verifies; the batched engine runs {', '.join(batched_methods())}")
+        raise UnsupportedOptionError(f"method '{args.method}' is not batched; the batched engine runs "
+                                     f"{', '.join(batched_methods())}")
     if args.backend != "torch":
         raise UnsupportedOptionError(f"the server's batched engine runs on the torch backend only, not "
                                      f"'{args.backend}'; drop --backend (--quantize int8/int4 gives quantised "
@@ -144,18 +144,19 @@ def require_serve_extra() -> None:
                                  f"({error})") from None
 
 
-API_KEY_VARIABLE = "JOINTSPEC_API_KEY"
-
-
 def api_key(args: argparse.Namespace) -> str | None:
     """The key ``serve`` asks for: ``--api-key``, else $JOINTSPEC_API_KEY, else None (none asked for)."""
     import os
 
+    from jointspec.server.keys import API_KEY_RULE, API_KEY_VARIABLE, valid_api_key
+
     key, where = args.api_key, "--api-key"
     if key is None:
         key, where = os.environ.get(API_KEY_VARIABLE), API_KEY_VARIABLE
-    if key is not None and not key.strip():
+    if key is not None and not key:
         raise JointspecError(f"{where} is empty; give the key clients must send, or leave it unset for none")
+    if key is not None and not valid_api_key(key):  # (the key itself is not repeated: it is a secret)
+        raise JointspecError(f"{where}: {API_KEY_RULE}")
     return key
 
 

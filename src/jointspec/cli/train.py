@@ -276,13 +276,15 @@ def _answer_server(args: argparse.Namespace) -> AnswerServer | None:
     if args.answer_quantize != "none":
         raise UnsupportedOptionError(f"--answer-quantize {args.answer_quantize} has a local copy of the target write "
                                      "the answers and --answers-from has a server write them; give one of the two")
-    from jointspec.cli.serve import API_KEY_VARIABLE
+    from jointspec.server.keys import API_KEY_RULE, API_KEY_VARIABLE, valid_api_key
 
     # The key a server started with one asks for (jointspec serve reads the same variable; vLLM's --api-key and
     # llama.cpp's likewise take Bearer keys): from the environment, never a flag that the process list shows.
+    key = os.environ.get(API_KEY_VARIABLE) or None
+    if key is not None and not valid_api_key(key):
+        raise UnsupportedOptionError(f"{API_KEY_VARIABLE}: {API_KEY_RULE}")
     return AnswerServer(args.answers_from, concurrency=args.answers_concurrency or AnswerServer.concurrency,
-                        model=args.answers_model, check=not args.no_answers_check,
-                        api_key=os.environ.get(API_KEY_VARIABLE) or None)
+                        model=args.answers_model, check=not args.no_answers_check, api_key=key)
 
 
 def _resolve_kind_options(args: argparse.Namespace) -> TrainKind:

@@ -51,6 +51,7 @@ from jointspec.server.engine import (
     QueueFullError,
     ShuttingDownError,
 )
+from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,8 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if not self.body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty (None: no key asked for)")
+        if self.api_key is not None and not valid_api_key(self.api_key):
+            raise ValueError(API_KEY_RULE)
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
@@ -250,8 +251,12 @@ def error_response(error: RequestError) -> JSONResponse:
 
 
 class _ApiKeyGate:
-    """ASGI middleware: a /v1 request without ``Authorization: Bearer <key>`` gets 401 in OpenAI's envelope, before
-    its body is read. Pure ASGI, not Starlette's BaseHTTPMiddleware, which would buffer the event streams."""
+    """ASGI middleware: a request without ``Authorization: Bearer <key>`` gets 401 in OpenAI's envelope, before its
+    body is read; only /health and /metrics are open. Pure ASGI, not Starlette's BaseHTTPMiddleware, which would
+    buffer the event streams. The path is read as the router reads it, under any root path (a proxy's prefix, or the
+    app mounted in another), so no spelling of a route passes without the key."""
+
+    OPEN = ("/health", "/metrics")
 
     def __init__(self, app, key: str) -> None:
         self.app = app
@@ -262,7 +267,10 @@ class _ApiKeyGate:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)  # (constant time)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if scope["type"] == "http" and path not in self.OPEN:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
             if given is None or not self._allowed(given):
                 message = ("no API key given: send the header 'Authorization: Bearer <key>' (OpenAI clients send "

@@ -30,6 +30,7 @@ import logging
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -104,7 +105,7 @@ def _request(server: AnswerServer, path: str, body: dict | None = None) -> dict:
             headers["Authorization"] = f"Bearer {server.api_key}"
         request = urllib.request.Request(url, data=data, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=server.timeout) as response:
+            with _OPENER.open(request, timeout=server.timeout) as response:
                 raw = response.read()
             break
         except urllib.error.HTTPError as error:
@@ -128,6 +129,25 @@ def _request(server: AnswerServer, path: str, body: dict | None = None) -> dict:
         raise AnswerServerError(f"{url} answered {str(reply)[:80]}, not a JSON object: it is not an "
                                 "OpenAI-compatible API")
     return reply
+
+
+class _KeyStaysHome(urllib.request.HTTPRedirectHandler):
+    """Follows redirects as urllib does, but a redirect to another origin (scheme, host or port) loses the request's
+    API key: urllib would send it wherever the server pointed."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
+_OPENER = urllib.request.build_opener(_KeyStaysHome)
 
 
 def _retry_after(error: urllib.error.HTTPError, attempt: int) -> float:
