@@ -158,13 +158,15 @@ def test_commands_are_words_after_one_slash_and_file_keeps_the_question_as_typed
     (tmp_path / "empty.txt").write_text("\n")
     question = "what's in  it, \"really\"?"
     lines = ["/rest", "//x", "/usr/bin", f"/FILE '{document}' {question}", f"/file {document} what",
-             f"/file {tmp_path / 'empty.txt'}", "ab\udcffc"]
+             f"/file {tmp_path / 'empty.txt'}", "/file a\x00b", "/file ~no-such-user-here/x", f"/file {'n' * 300} q",
+             "ab\udcffc", "/exit.", "never read"]
     code, out, err = chat(capsys, monkeypatch, model_folder, lines, "--method", "pld")
     assert code == 0, err
     turns = ["/x", "/usr/bin", f"abc abd\n\n{question}", "ab\ufffdc"]
     assert out == "".join(answer + "\n" for answer in conversation(byte_model, tokenizer, turns))
     assert "unknown command /rest" in err
     assert "a path with spaces goes in quotes" in err and "is empty" in err
+    assert err.count("/file: cannot read") == 4 and "Traceback" not in err  # (NUL, ~user, a name too long)
 
 
 def test_a_turn_stopped_before_anything_was_shown_is_not_kept(capsys, monkeypatch, model_folder, byte_model,

@@ -183,6 +183,21 @@ def test_a_nonfinite_input_gives_a_nonfinite_row_on_every_build(isa, bad):
     assert torch.equal(out[[0, 2]], clean[[0, 2]]) and torch.isfinite(clean).all()
 
 
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_a_group_of_inputs_too_small_to_scale_rounds_to_zero(isa):
+    """Inputs whose largest is under about 3.7e-37: 127 / top overflowed, and infinity times the inputs rounded
+    every one to -128 whatever its sign. Such a group now gives levels 0 (a product of 0, the float product being
+    about 1e-39). Deterministic."""
+    layer = GroupedInt4Linear(linear(64, 320, seed=4))
+    tensors = [getattr(layer, name) for name in layer.BUFFERS]
+    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(6))
+    x[1] = 0.0
+    x[1, :32] = torch.linspace(-1, 1, 32) * 1e-38  # row 1: one group, too small to scale, and zeros
+    out = kernels(isa).linear(x, tensors, False, True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # (-128 levels gave about -2e-38 a column)
+    assert torch.equal(out[0], kernels(isa).linear(x[:1], tensors, False, True)[0])
+
+
 def test_degenerate_kernel_calls_are_refused_not_crashes():
     """Calls no Python caller makes, which crashed the process (a division by zero, null reads) until each had its
     check; a sanitizer sweep found them. Deterministic."""

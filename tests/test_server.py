@@ -1056,6 +1056,7 @@ def test_an_api_key_guards_the_api_and_leaves_health_and_metrics_open(engine):
                              ).status_code == 401, header
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
         assert httpx.get(f"{url}/metrics", timeout=TIMEOUT).status_code == 200
+        assert httpx.get(f"{url}/health/", timeout=TIMEOUT).status_code == 404  # a probe's slash: no key asked
     assert key not in repr(ServerSettings(api_key=key))
     for unusable in ("", " ", " padded", "non-ascii-\u00e9", "two words"):  # (a header could not carry it whole)
         with pytest.raises(ValueError, match="printable ASCII without spaces"):

@@ -185,7 +185,8 @@ def _command(line: str) -> str | None:
     """The command a line gives (``/reset``, ``/FILE`` as ``/file``), or None for a turn; a word of letters after
     one slash is a command, so a path such as ``/usr/bin`` and ``//`` lines are turns."""
     word = line.strip().split(None, 1)[0] if line.strip() else ""
-    return word.lower() if re.fullmatch(r"/[A-Za-z]+", word) else None
+    found = re.fullmatch(r"(/[A-Za-z]+)[.!?]*", word)  # (/exit. and /help? too)
+    return found.group(1).lower() if found else None
 
 
 def _read_turn(interactive: bool) -> str | None:
@@ -229,11 +230,15 @@ def _file_turn(line: str) -> str:
         question = question.strip()
     if not name:
         raise JointspecError("/file needs a path: /file report.txt [a question about it]")
-    path = Path(name).expanduser()
+    path = Path(name)
     try:
+        path = path.expanduser()
         document = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        hint = "; a path with spaces goes in quotes" if question and not path.exists() else ""
+    except (OSError, ValueError, RuntimeError) as error:  # (a NUL in the path, ~nosuchuser, a name too long)
+        missing = False
+        with contextlib.suppress(OSError, ValueError):
+            missing = not path.exists()
+        hint = "; a path with spaces goes in quotes" if question and missing else ""
         raise JointspecError(f"/file: cannot read '{path}': {getattr(error, 'strerror', None) or error}{hint}"
                              ) from None
     if not document.strip():

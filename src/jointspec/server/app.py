@@ -270,7 +270,7 @@ class _ApiKeyGate:
         path, root = scope.get("path", ""), scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if scope["type"] == "http" and path not in self.OPEN:
+        if scope["type"] == "http" and path.rstrip("/") not in self.OPEN:  # (/health/: the router's 404, keyless)
             given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
             if given is None or not self._allowed(given):
                 message = ("no API key given: send the header 'Authorization: Bearer <key>' (OpenAI clients send "

@@ -166,9 +166,13 @@ def _http_error(error: urllib.error.HTTPError, url: str) -> str:
             400: "the server refused the request: it must take token ids as a completions prompt (vLLM, SGLang, "
                  "llama.cpp's server and jointspec serve do), and the prompts must fit its context",
             401: "the server wants an API key (another one, where JOINTSPEC_API_KEY was set): set JOINTSPEC_API_KEY "
-                 "to the key it was started with",
+                 "to the key it was started with (a redirect to another origin, http to https included, does not "
+                 "carry the key: give --answers-from the URL it points to)",
             429: "the server stayed full: lower --answers-concurrency or raise the server's queue",
             503: "the server is shutting down or not ready: start it again and rerun (fetched answers are kept)"}
+    if 300 <= error.code < 400:  # a redirect urllib did not follow (a POST's 307 or 308)
+        return (f"{url} answered HTTP {error.code}, a redirect to {error.headers.get('Location', 'nowhere said')}; "
+                "give --answers-from the URL it points to")
     return f"{url} answered HTTP {error.code} ({message}); " + hint.get(error.code, "see the server's log")
 
 

@@ -56,6 +56,12 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 // A group of 8-bit inputs that holds NaN or infinity (activations already broken): levels 0 and a NaN step, so the
 // product comes out NaN as the float path's does, on every build. Converting NaN to an integer is undefined in C++
 // and INT_MIN in the x86 instructions, and max() drops a NaN, which gave finite rows that differed by build.
+// 127 / top, the inputs' scale to levels; 0 (every level 0) where top is 0, or so small (under about 3.7e-37) that
+// 127 / top overflows: infinity times the inputs gave levels of -128, whatever their signs.
+inline float inverse_of(float top) {
+  const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+  return std::isfinite(inverse) ? inverse : 0.0f;
+}
 inline int nonfinite_group(int8_t* out, float& step, int64_t high) {
   std::memset(out, 0, 16);
   std::memset(out + high, 0, 16);
@@ -563,7 +569,7 @@ inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high
   if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q) || !std::isfinite(top))
     return nonfinite_group(out, step, high);
   step = top / 127.0f;
-  const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  const __m512 inverse = _mm512_set1_ps(inverse_of(top));
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + high), _mm512_cvtsepi32_epi8(qb));
@@ -736,7 +742,7 @@ inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high
   for (int i = 0; i < 4; ++i) unordered |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
   if (unordered || !std::isfinite(top)) return nonfinite_group(out, step, high);
   step = top / 127.0f;
-  const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  const __m256 inverse = _mm256_set1_ps(inverse_of(top));
   __m256i q[4];
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
   // int32 -> int8 (|q| <= 127, no saturation), in order: packs interleave 128-bit halves, the permute undoes it.
@@ -874,7 +880,7 @@ inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high
   }
   if (!finite) return nonfinite_group(out, step, high);
   step = top / 127.0f;
-  const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+  const float inverse = inverse_of(top);
   int total = 0;
   for (int i = 0; i < 32; ++i) {
     const int8_t level = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
