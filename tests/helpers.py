@@ -51,6 +51,22 @@ VOCAB = 99
 TEST_DEVICE = torch.device(os.environ.get("JOINTSPEC_TEST_DEVICE", "cpu"))
 
 
+def read_prompts_row_by_row(monkeypatch) -> None:
+    """Compiled int4 models read prompts a row at a time on every build (the AVX-512 builds' way), so that any shared
+    prefix is reusable by a prompt cache; tests/test_batch_lockstep.py holds the whole-chunk rule of the other way."""
+    import math
+
+    from jointspec.backends.lean_forward import LeanLlamaForward
+
+    own = LeanLlamaForward._set_prefill
+
+    def rows_alone(self):
+        own(self)
+        if self.compiled is not None:
+            self.prefill_chunk, self.prefill_gemm_rows = 16, math.inf
+    monkeypatch.setattr(LeanLlamaForward, "_set_prefill", rows_alone)
+
+
 # -- tiny models ------------------------------------------------------------------------------------------------------
 
 def tiny_llama(seed: int, *, vocab: int = VOCAB, layers: int = 2, max_positions: int = 256,

@@ -227,19 +227,9 @@ def test_a_turn_stopped_just_as_the_engine_takes_it_is_cancelled_not_decoded(byt
 def test_a_later_turn_takes_the_conversations_cache_and_answers_the_same(tmp_path, monkeypatch, capsys):
     """On the int4 kernels the engine keeps the conversation's cache: turn 2 reads only what turn 1 did not, says
     so, and answers as with --prompt-cache-mb 0, which reuses nothing and says there is no cache."""
-    import math
+    from helpers import grouped_llama, read_prompts_row_by_row, word_tokenizer
 
-    from jointspec.backends.lean_forward import LeanLlamaForward
-
-    from helpers import grouped_llama, word_tokenizer
-
-    own = LeanLlamaForward._set_prefill
-
-    def rows_alone(self):  # prompts read row by row on every build, as the AVX-512 builds read them
-        own(self)
-        if self.compiled is not None:
-            self.prefill_chunk, self.prefill_gemm_rows = 16, math.inf
-    monkeypatch.setattr(LeanLlamaForward, "_set_prefill", rows_alone)
+    read_prompts_row_by_row(monkeypatch)
     folder = tmp_path / "model"
     grouped_llama(0).save_pretrained(folder)
     words = word_tokenizer(99)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import queue
 import re
 import threading
@@ -954,21 +953,12 @@ def test_a_conversations_next_turn_reports_the_prompt_tokens_it_did_not_read_aga
     tokens reads only the rest, says how many it reused in OpenAI's ``usage.prompt_tokens_details.cached_tokens``,
     and answers what `generate` answers. With --prompt-cache-mb 0 nothing is reused."""
     from jointspec.api import GenerationConfig, Pipeline
-    from jointspec.backends.lean_forward import LeanLlamaForward
     from jointspec.cli.main import build_parser
     from jointspec.cli.serve import build_engine
 
-    from helpers import grouped_llama, random_prompt, word_tokenizer
+    from helpers import grouped_llama, random_prompt, read_prompts_row_by_row, word_tokenizer
 
-    # Prompts read row by row on every build (the AVX-512 builds' way), so that any shared prefix is reusable here;
-    # tests/test_batch_lockstep.py holds the whole-chunk rule of the other way.
-    own = LeanLlamaForward._set_prefill
-
-    def rows_alone(self):
-        own(self)
-        if self.compiled is not None:
-            self.prefill_chunk, self.prefill_gemm_rows = 16, math.inf
-    monkeypatch.setattr(LeanLlamaForward, "_set_prefill", rows_alone)
+    read_prompts_row_by_row(monkeypatch)
 
     folder = tmp_path / "model"
     grouped_llama(0).save_pretrained(folder)

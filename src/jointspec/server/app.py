@@ -74,8 +74,9 @@ class ServerSettings:
     # reading and tokenising a huge one costs the server seconds and memory.
     max_request_bytes: int = 4 << 20
     body_timeout: float = 30.0  # seconds for a request's body to arrive, once its headers have (past it: 408)
-    # Where set, every /v1 request must carry ``Authorization: Bearer <api_key>`` (as vLLM's and llama.cpp's servers
-    # ask); /health and /metrics stay open to load balancers and scrapers. Kept out of the repr: settings get logged.
+    # Where set, every request but /health and /metrics (open to load balancers and scrapers) must carry
+    # ``Authorization: Bearer <api_key>``, as vLLM's and llama.cpp's servers ask. Kept out of the repr: settings get
+    # logged.
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +133,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
+
+
 class _Sampling(_Body):
     @model_validator(mode="before")
     @classmethod
@@ -183,8 +187,6 @@ class _Sampling(_Body):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
 
-
-MAX_STOP_STRINGS = 32
 
 
 class CompletionBody(_Sampling):
