@@ -53,18 +53,18 @@ def add_parser(subparsers) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from jointspec.cli.options import apply_threads, prebuild_kernels, say_quantize_choice
+    from jointspec.api import GenerationConfig
+    from jointspec.cli.options import apply_threads, prebuild_kernels, say_quantize_choice, with_flags
     from jointspec.cli.serve import build_engine
-    from jointspec.core.sampling import SamplingConfig, fresh_seed
+    from jointspec.core.sampling import fresh_seed
 
-    try:
-        SamplingConfig(args.temperature, args.top_k, args.top_p)  # before the model loads
+    try:  # generate's check of the same options, before the model loads
+        GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed)
     except ValueError as error:
-        raise JointspecError(str(error)) from None
-    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
-        raise JointspecError(f"--seed must be 0 to 2**63 - 1, got {args.seed}")
-    sampled = args.temperature > 0
-    seed = (args.seed if args.seed is not None else fresh_seed()) if sampled else 0
+        raise JointspecError(with_flags(str(error))) from None
+    # Sampled: the conversation's seed (answer n samples with seed + n); greedy: none.
+    seed = (args.seed if args.seed is not None else fresh_seed()) if args.temperature > 0 else None
     prebuild_kernels(args)
     apply_threads(args)
     from jointspec.drafters.curve_store import persisted_curves
@@ -74,7 +74,7 @@ def run_chat(args: argparse.Namespace) -> int:
         engine = build_engine(args)
         try:
             say_quantize_choice(args)
-            return _converse(engine, args, seed if sampled else None)
+            return _converse(engine, args, seed)
         finally:
             engine.close()
 

@@ -53,15 +53,15 @@ constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low 
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                1.6666665459e-1f, 5.0000001201e-1f};
 
-// A group of 8-bit inputs that holds NaN or infinity (activations already broken): levels 0 and a NaN step, so the
-// product comes out NaN as the float path's does, on every build. Converting NaN to an integer is undefined in C++
-// and INT_MIN in the x86 instructions, and max() drops a NaN, which gave finite rows that differed by build.
 // 127 / top, the inputs' scale to levels; 0 (every level 0) where top is 0, or so small (under about 3.7e-37) that
 // 127 / top overflows: infinity times the inputs gave levels of -128, whatever their signs.
 inline float inverse_of(float top) {
   const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
   return std::isfinite(inverse) ? inverse : 0.0f;
 }
+// A group of 8-bit inputs that holds NaN or infinity (activations already broken): levels 0 and a NaN step, so the
+// product comes out NaN as the float path's does, on every build. Converting NaN to an integer is undefined in C++
+// and INT_MIN in the x86 instructions, and max() drops a NaN, which gave finite rows that differed by build.
 inline int nonfinite_group(int8_t* out, float& step, int64_t high) {
   std::memset(out, 0, 16);
   std::memset(out + high, 0, 16);
