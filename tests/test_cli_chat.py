@@ -110,6 +110,18 @@ def test_a_turn_over_several_lines_and_a_file_turn(capsys, monkeypatch, model_fo
     assert "/file needs a path" in err
 
 
+def test_a_turn_in_triple_quotes_is_sent_as_pasted(capsys, monkeypatch, model_folder, byte_model, tokenizer):
+    # A paste reaches input() line by line; between lines of triple quotes (ollama's way) it is one turn, sent as it
+    # is: a line that looks like a command, a // line and a trailing backslash are text there.
+    code, out, err = chat(capsys, monkeypatch, model_folder,
+                          ['"""', "abc", "/reset", "//ab \\", "", '  abd"""', '"""one line"""', ' """abc', '"""', "ab"],
+                          "--method", "pld")
+    assert code == 0, err
+    turns = ["abc\n/reset\n//ab \\\n\n  abd", "one line", ' """abc', "ab"]  # (input that ends inside quotes is sent)
+    assert out == "".join(answer + "\n" for answer in conversation(byte_model, tokenizer, turns))
+    assert "(a new conversation)" not in err and "unknown command" not in err
+
+
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(capsys, monkeypatch, model_folder, byte_model, tokenizer):
     """Ctrl-C while an answer is written stops that answer (what was shown stays in the conversation) and frees the
     engine's row: the next turn is answered."""

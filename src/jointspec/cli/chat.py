@@ -6,11 +6,11 @@ one turn to the next, so a follow-up reads only its own new tokens rather than t
 question about a long document is answered at once). The engine gives a request ``generate``'s tokens, so a greedy
 turn's answer is the one ``generate`` writes for the same conversation.
 
-Lines typed are the user's turns (a line ending with a backslash continues on the next); a word after one slash is a
-command: ``/file PATH [question]`` sends a file's text, ``/reset`` starts a new conversation, ``/exit`` or ``/quit``
-(or end of input, Ctrl-D) ends the chat. Ctrl-C stops the answer being written (what was shown stays in the
-conversation). Read from a pipe, each line is a turn and each answer is followed by a newline, so a conversation can
-be scripted.
+Lines typed are the user's turns (a line ending with a backslash continues on the next, and text between lines of
+triple quotes, ollama's way, is one turn: a paste of several lines); a word after one slash is a command:
+``/file PATH [question]`` sends a file's text, ``/reset`` starts a new conversation, ``/exit`` or ``/quit`` (or end
+of input, Ctrl-D) ends the chat. Ctrl-C stops the answer being written (what was shown stays in the conversation).
+Read from a pipe, each line is a turn and each answer is followed by a newline, so a conversation can be scripted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from jointspec.cli.commands import command_help
 from jointspec.core.errors import ContextTooLongError, JointspecError
 
 IDLE_TIMEOUT = 120.0  # seconds a stopped answer may take to leave the engine (a round of a long prompt's reading)
-COMMANDS_HELP = ("a line ending with \\ continues on the next; /file PATH [question] sends a file's text (and the "
+COMMANDS_HELP = ('a line ending with \\ continues on the next; """ opens a turn of several lines (a paste) and """ '
+                 "closes it; /file PATH [question] sends a file's text (and the "
                  "question after it; a path with spaces in quotes); /reset starts a new conversation; /exit, /quit or "
                  "Ctrl-D ends the chat; Ctrl-C stops an answer; // sends a line that begins with /")
 
@@ -99,11 +100,11 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
     # through this loop, which must still be there to hear of it (_settle).
     with asyncio.Runner() as runner:
         while True:
-            line = _read_turn(interactive)
-            if line is None:
+            read = _read_turn(interactive)
+            if read is None:
                 return 0
-            line = _text(line)
-            command = _command(line)
+            line, quoted = _text(read[0]), read[1]
+            command = None if quoted else _command(line)
             if not line.strip() or command in ("/exit", "/quit"):
                 if command:
                     return 0
@@ -125,7 +126,7 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
                 except JointspecError as error:
                     print(f"jointspec: {error}", file=sys.stderr, flush=True)
                     continue
-            elif line.lstrip().startswith("//"):
+            elif not quoted and line.lstrip().startswith("//"):
                 line = line.replace("/", "", 1)
             messages.append({"role": "user", "content": line})
             answer = _Answer()
@@ -189,31 +190,61 @@ def _command(line: str) -> str | None:
     return found.group(1).lower() if found else None
 
 
-def _read_turn(interactive: bool) -> str | None:
-    """The user's next turn: a line, or lines joined where each but the last ends with a backslash; None at the end
-    of input (Ctrl-D). Ctrl-C at the prompt drops what was typed and asks again."""
-    lines = []
+BLOCK = '"""'  # a line that begins with it opens a turn of several lines; the next line that ends with it closes it
+
+
+def _read_turn(interactive: bool) -> tuple[str, bool] | None:
+    """The user's next turn and whether it came in triple quotes: a line; lines joined where each but the last ends
+    with a backslash; or the lines from one that begins with triple quotes to one that ends with them (a paste of
+    several lines, as ollama takes it: a terminal hands Python's input() a paste line by line), the quotes left out
+    and the text sent as it is, never read as a command. None at the end of input (Ctrl-D; piped input that ends
+    inside a turn sends what it has). Ctrl-C at the prompt drops what was typed and asks again."""
+    lines: list[str] = []
+    block = False  # inside triple quotes
     while True:
         if interactive:
             try:
-                line = input("> " if not lines else ". ")
+                line = input("> " if not lines and not block else ". ")
             except EOFError:
                 print(file=sys.stderr)
                 return None
             except KeyboardInterrupt:
                 print("\n(Ctrl-D or /exit ends the chat)", file=sys.stderr, flush=True)
-                lines = []
+                lines, block = [], False
                 continue
         else:
             line = sys.stdin.readline()
             if not line:
-                return "\n".join(lines) if lines else None
+                if block:
+                    return _quoted(lines), True
+                return ("\n".join(lines), False) if lines else None
             line = line.rstrip("\r\n")
+        if not block and not lines and line.startswith(BLOCK):  # (' """...' is a line of text)
+            line = line[len(BLOCK):]
+            block = True
+            if not line.rstrip().endswith(BLOCK):  # ('"""text"""' is a turn of one line)
+                lines.append(line)
+                continue
+        if block:
+            if not line.rstrip().endswith(BLOCK):
+                lines.append(line)
+                continue
+            lines.append(line.rstrip()[:-len(BLOCK)])
+            return _quoted(lines), True
         if line.endswith("\\"):
             lines.append(line[:-1])
             continue
         lines.append(line)
-        return "\n".join(lines)
+        return "\n".join(lines), False
+
+
+def _quoted(lines: list[str]) -> str:
+    """The text of a turn in triple quotes: its lines, less the quotes' own lines where they stand alone."""
+    if lines and not lines[0].strip():
+        lines = lines[1:]
+    if len(lines) > 1 and not lines[-1].strip():
+        lines = lines[:-1]
+    return "\n".join(lines)
 
 
 def _file_turn(line: str) -> str:
