@@ -920,6 +920,26 @@ def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     assert decoder.stats.num_draft_tokens > 0
 
 
+def test_int8_head_weights_run_on_the_portable_build_when_asked_and_auto_keeps_float32_there():
+    """The portable build (every CPU that is not x86 with AVX2: ARM) is exact but unmeasured against float32 heads:
+    ``auto`` keeps float32 there, as ``--quantize auto`` keeps the float32 model, and ``int8`` asked for runs it, as
+    ``--quantize int4`` does (it was refused, so this file's int8-head tests failed on a machine that runs only the
+    portable build). Deterministic."""
+    from jointspec.drafters.model import ModelDrafter
+    from jointspec.drafts.eagle import HeadDraftModel
+    from jointspec.verifiers.rejection import RejectionSamplingVerifier
+
+    with use_isa("portable"):
+        int8_head, _, target = int8_and_float_heads(seed=1)
+        assert int8_head.weights == "int8"
+        assert HeadDraftModel(untrained_head(target, seed=1, draft_vocab_size=40), target).weights == "float32"
+        decoder = SpeculativeDecoder(target, ModelDrafter(int8_head, 4), RejectionSamplingVerifier())
+        assert_greedy_equivalent(target.model, decoder, random_prompt(0))
+        assert decoder.stats.num_draft_tokens > 0
+    assert HeadDraftModel(untrained_head(target, seed=1, draft_vocab_size=40), target).weights == (
+        "float32" if selected_isa() == "portable" else "int8")
+
+
 def test_int8_head_weights_refused_where_the_kernel_cannot_take_them():
     # conftest's tiny target is 32 wide: no multiple of 64, so int8 is refused by name and auto keeps float32.
     from jointspec.core.errors import UnsupportedOptionError

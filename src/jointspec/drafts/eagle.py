@@ -185,7 +185,7 @@ def float_activations(head: nn.Module) -> tuple[torch.device, torch.dtype]:
 def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | None:
     """Why ``head`` cannot run its ``body``'s linears (default: ``head.body`` and ``fc``) on int8 weights (None: it
     can)."""
-    from jointspec.kernels.grouped import grouped_misfit, selected_isa, unavailable_reason
+    from jointspec.kernels.grouped import grouped_misfit, unavailable_reason
 
     device, dtype = float_activations(head)
     if device.type != "cpu" or dtype != torch.float32:
@@ -196,8 +196,6 @@ def int8_head_misfit(head: nn.Module, body: nn.Module | None = None) -> str | No
                    for reason in [grouped_misfit(module)] if reason), None)
     if misfit is None and head.config.hidden_size % 64:
         misfit = f"the hidden size {head.config.hidden_size} is not a multiple of 64"
-    if misfit is None and selected_isa() == "portable":
-        misfit = "jointspec's kernels run their portable build here, not measured against float32 heads"
     return misfit or unavailable_reason()  # builds the kernels once if it can (a minute or more)
 
 
@@ -241,9 +239,15 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
     if weights not in HEAD_WEIGHT_CHOICES:
         raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                      f"{', '.join(HEAD_WEIGHT_CHOICES)}")
+    from jointspec.kernels.grouped import selected_isa
+
     misfit = int8_head_misfit(head, body) if weights != "float32" else None
     if weights == "int8" and misfit:
         raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
+    # The portable build is exact but unmeasured against float32 heads: auto keeps float32 there, as --quantize auto
+    # keeps the float32 model; int8 asked for runs it.
+    if weights == "auto" and misfit is None and selected_isa() == "portable":
+        return "float32"
     return "int8" if weights != "float32" and misfit is None else "float32"
 
 
