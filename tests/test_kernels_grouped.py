@@ -828,6 +828,7 @@ def test_a_head_bound_twice_keeps_its_int8_weights_and_float_activations():
     assert torch.equal(again.forward(prompt + [5, 6]).logits, first)
 
 
+@pytest.mark.skipif(selected_isa() == "portable", reason="the compiled decoder layers run on the vector builds only")
 def test_an_int8_heads_body_runs_as_one_compiled_call_close_to_its_operations():
     """An int8 head's one-layer body runs as one call of the compiled decoder layers (lean_forward.CompiledBody): the
     operations' results to float rounding, for a chain fed in one call and for a tree's masked levels. Deterministic:
@@ -854,6 +855,7 @@ def test_an_int8_heads_body_runs_as_one_compiled_call_close_to_its_operations():
             draft.crop(len(prompt))
 
 
+@pytest.mark.skipif(selected_isa() == "portable", reason="the compiled decoder layers run on the vector builds only")
 def test_int8_heads_context_calls_in_one_pass_give_each_calls_own_bits():
     """A batched server's round feeds several requests' heads (one template, each bound to its own fork) their
     committed tokens in one pass of the head's weights (drafts/eagle.py, context_logits_many): the logits and the
@@ -933,6 +935,7 @@ def test_int8_head_weights_run_on_the_portable_build_when_asked_and_auto_keeps_f
         int8_head, _, target = int8_and_float_heads(seed=1)
         assert int8_head.weights == "int8"
         assert HeadDraftModel(untrained_head(target, seed=1, draft_vocab_size=40), target).weights == "float32"
+        assert HeadDraftModel(int8_head.head, target).weights == "int8"  # bound as int8 before: converted in place
         decoder = SpeculativeDecoder(target, ModelDrafter(int8_head, 4), RejectionSamplingVerifier())
         assert_greedy_equivalent(target.model, decoder, random_prompt(0))
         assert decoder.stats.num_draft_tokens > 0
@@ -1093,6 +1096,7 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
                                                      "avx512, avx2vnni, avx2, portable"):
         selected_isa()
     monkeypatch.delenv(grouped.ISA_ENV)
+    monkeypatch.setattr(grouped.platform, "machine", lambda: "x86_64")  # (the flags below are x86's on any machine)
     monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse4_2"}))
     lacks = (r"cannot run the 'avx512' kernels \(it lacks avx512bw, avx512dq, avx512f, avx512vl\); "
              r"it runs: avx2, portable")

@@ -239,14 +239,16 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
     if weights not in HEAD_WEIGHT_CHOICES:
         raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                      f"{', '.join(HEAD_WEIGHT_CHOICES)}")
-    from jointspec.kernels.grouped import selected_isa
+    from jointspec.kernels.grouped import GroupedInt8Linear, selected_isa
 
     misfit = int8_head_misfit(head, body) if weights != "float32" else None
     if weights == "int8" and misfit:
         raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
     # The portable build is exact but unmeasured against float32 heads: auto keeps float32 there, as --quantize auto
-    # keeps the float32 model; int8 asked for runs it.
-    if weights == "auto" and misfit is None and selected_isa() == "portable":
+    # keeps the float32 model, unless the head was bound with int8 before (binding converts it in place); int8 asked
+    # for runs it.
+    if (weights == "auto" and misfit is None and selected_isa() == "portable"
+            and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
         return "float32"
     return "int8" if weights != "float32" and misfit is None else "float32"
 
