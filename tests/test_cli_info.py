@@ -1,0 +1,91 @@
+"""``jointspec info``: what the installation runs on, read without building, loading or fetching anything; and the
+CPU fields it reads on x86 and on ARM. Deterministic: no false-failure odds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jointspec.kernels import cpu, grouped
+
+from helpers import run_cli
+
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 50.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0xd0c
+CPU revision\t: 1
+"""
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch, tmp_path):
+    """Point the CPU reader at a file of the test's own (its fields are cached: cleared both ways)."""
+    def use(text: str) -> None:
+        path = tmp_path / "cpuinfo"
+        path.write_text(text)
+        monkeypatch.setattr(cpu, "CPUINFO", str(path))
+        cpu._cpuinfo_field.cache_clear()
+    yield use
+    cpu._cpuinfo_field.cache_clear()
+
+
+def test_info_reports_the_build_and_the_quantisation_choice_without_building(capsys, monkeypatch, tmp_path):
+    # A cache with no build in it: info says the build is not made, and makes none (a build would take a minute).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("JOINTSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(grouped.ISA_ENV, "portable")
+    code, out, err = run_cli(capsys, "info", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["kernels"]["selected"] == "portable" and report["kernels"]["chosen_by"] == f"${grouped.ISA_ENV}"
+    assert report["kernels"]["built"] is False and report["kernels"]["runnable"] == list(grouped.runnable_isas())
+    assert report["kernels"]["folder"].startswith(str(tmp_path / "xdg"))
+    assert report["quantize_auto"]["mode"] == "none" and "portable build" in report["quantize_auto"]["why"]
+    assert report["caches"] == {"jointspec": str(tmp_path / "cache"), "set_by": "$JOINTSPEC_CACHE",
+                                "kernels": str(tmp_path / "xdg" / "jointspec" / "kernels")}
+    assert report["embedded_model"]["prepared"] is False
+    assert not (tmp_path / "xdg").exists() and not (tmp_path / "cache").exists()  # nothing built, nothing fetched
+    assert "building" not in err
+    assert {item["package"] for item in report["optional"]} >= {"llguidance", "fastapi", "ninja"}
+    assert report["cpu"]["usable_cores"] >= 1 and set(report["cpu"]["vector_flags"]) <= set(cpu.cpu_flags())
+
+
+def test_info_in_text_and_with_a_refused_build_name(capsys, monkeypatch):
+    monkeypatch.setenv(grouped.ISA_ENV, "avx9")
+    code, out, err = run_cli(capsys, "info")
+    assert code == 0, err
+    assert "unknown instruction set 'avx9'" in out and "--quantize auto on the embedded model: none" in out
+    monkeypatch.delenv(grouped.ISA_ENV)
+    code, out, err = run_cli(capsys, "info")
+    assert code == 0, err
+    assert f"CPU kernels: the {grouped.selected_isa()} build (chosen by the CPU;" in out
+    assert out.startswith("jointspec ") and "drafts shipped: smollm2-135m-instruct-corpus" in out
+
+
+def test_auto_quantisation_on_the_portable_build_is_decided_without_building(monkeypatch):
+    from jointspec.backends.loading import quantize_choice
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the kernels were built to decide")
+    monkeypatch.setattr(grouped, "unavailable_reason", no_build)
+    with grouped.use_isa("portable"):
+        assert quantize_choice("auto", None)[0] == "none"
+
+
+def test_an_arm_cpus_features_name_and_signature(cpuinfo):
+    cpuinfo(ARM_CPUINFO)
+    assert {"asimd", "asimddp", "fphp"} <= cpu.cpu_flags()
+    assert cpu.cpu_name() == "ARM CPU implementer 0x41, part 0xd0c"
+    assert "0xd0c" in cpu.cpu_signature() and "asimddp" in cpu.cpu_signature()
+    assert "asimddp" not in cpu.cpu_signature().replace("0xd0c", "").split("|")[0]
+    other = ARM_CPUINFO.replace("0xd0c", "0xd40")  # another core of the same features: another signature
+    first = cpu.cpu_signature()
+    cpuinfo(other)
+    assert cpu.cpu_signature() != first
+    cpuinfo("processor\t: 0\nmodel name\t: Some x86\nflags\t\t: fpu avx2 fma\n")
+    assert cpu.cpu_flags() == {"fpu", "avx2", "fma"} and cpu.cpu_name() == "Some x86"
