@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import random
+import sys
 from pathlib import Path
 
 # Test seam: tests replace load_target with a function returning a tiny in-process (CausalLM, tokenizer).
@@ -92,7 +93,14 @@ def run(args: argparse.Namespace) -> int:
     prompts, given = training_prompts(sources, tokenizer, target, eos, data, args.seed,
                                       progress=not args.no_progress) if sources else ([], [])
     given_answers = [list(answer) for answer in given if answer is not None]
-    pool = [p for p, g in zip(prompts, given) if g is None and len(p) <= args.max_prompt_tokens]
+    # A prompt the target's context cannot hold with a token to answer is dropped, as one over --max-prompt-tokens is
+    # (it stopped the whole run; which prompts train:default's source code gives depends on the Python version).
+    longest = min(args.max_prompt_tokens, target.max_context - 1)
+    asked = [p for p, g in zip(prompts, given) if g is None]
+    pool = [p for p in asked if len(p) <= longest]
+    if len(pool) < len(asked) and longest < args.max_prompt_tokens:
+        print(f"jointspec: {len(asked) - len(pool)} of {len(asked)} prompts left out: over {longest} tokens (the "
+              f"model's context holds {target.max_context}, an answer needs a token of it)", file=sys.stderr)
     random.Random(args.seed).shuffle(pool)
     pool = pool[:args.num_prompts]
     # What decides the answers (not --num-prompts: a larger count extends the same seeded order).

@@ -158,6 +158,7 @@ def build_data(target: CausalLM, tokenizer, prompts: list[list[int]], folder: st
     folder = Path(folder)  # made when the first file is written: a refused or failed start leaves nothing behind
     if answers is not None and len(answers) != len(prompts):
         raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts")
+    max_length = min(max_length, target.max_context)  # (a model of a shorter context: its prompt and answer fit it)
     prompts = [p[: max_length - 1] for p in prompts]
     answers = answers if answers is not None else [None] * len(prompts)
 
