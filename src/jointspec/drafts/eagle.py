@@ -241,15 +241,15 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
                                      f"{', '.join(HEAD_WEIGHT_CHOICES)}")
     from jointspec.kernels.grouped import GroupedInt8Linear, selected_isa
 
+    # The portable build is exact but unmeasured against float32 heads: auto keeps float32 there (decided before the
+    # misfit check, which builds the kernels), as --quantize auto keeps the float32 model, unless the head was bound
+    # with int8 before (binding converts it in place); int8 asked for runs it.
+    if (weights == "auto" and selected_isa() == "portable"
+            and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
+        return "float32"
     misfit = int8_head_misfit(head, body) if weights != "float32" else None
     if weights == "int8" and misfit:
         raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
-    # The portable build is exact but unmeasured against float32 heads: auto keeps float32 there, as --quantize auto
-    # keeps the float32 model, unless the head was bound with int8 before (binding converts it in place); int8 asked
-    # for runs it.
-    if (weights == "auto" and misfit is None and selected_isa() == "portable"
-            and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
-        return "float32"
     return "int8" if weights != "float32" and misfit is None else "float32"
 
 
