@@ -111,15 +111,33 @@ def test_a_turn_over_several_lines_and_a_file_turn(capsys, monkeypatch, model_fo
 
 
 def test_a_turn_in_triple_quotes_is_sent_as_pasted(capsys, monkeypatch, model_folder, byte_model, tokenizer):
-    # A paste reaches input() line by line; between lines of triple quotes (ollama's way) it is one turn, sent as it
-    # is: a line that looks like a command, a // line and a trailing backslash are text there.
+    # A paste reaches input() line by line; between a line that begins with triple quotes and a line of them alone
+    # (ollama's way) it is one turn, sent as it is: a line that looks like a command, a // line, a trailing backslash
+    # and pasted code's docstrings (indented, or with text beside the quotes) are text there.
     code, out, err = chat(capsys, monkeypatch, model_folder,
-                          ['"""', "abc", "/reset", "//ab \\", "", '  abd"""', '"""one line"""', ' """abc', '"""', "ab"],
-                          "--method", "pld")
+                          ['"""', "abc", "/reset", "//ab \\", "", '  abd"""', '    """Doc."""', '"""   ',
+                           '"""one line"""', ' """abc', '"""', "ab"], "--method", "pld")
     assert code == 0, err
-    turns = ["abc\n/reset\n//ab \\\n\n  abd", "one line", ' """abc', "ab"]  # (input that ends inside quotes is sent)
+    turns = ['abc\n/reset\n//ab \\\n\n  abd"""\n    """Doc."""', "one line", ' """abc',
+             "ab"]  # (input that ends inside quotes is sent)
     assert out == "".join(answer + "\n" for answer in conversation(byte_model, tokenizer, turns))
     assert "(a new conversation)" not in err and "unknown command" not in err
+
+
+def test_ctrl_c_at_the_prompt_drops_the_lines_typed_inside_quotes_too(monkeypatch, capsys):
+    from jointspec.cli import chat as chat_cli
+
+    typed = iter(['"""', "half a paste", KeyboardInterrupt, "next", '"""x', KeyboardInterrupt, "/help"])
+
+    def fake_input(prompt):
+        item = next(typed)
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return item
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert chat_cli._read_turn(True) == ("next", False)
+    assert chat_cli._read_turn(True) == ("/help", False)  # not inside the quotes Ctrl-C left
+    assert capsys.readouterr().err.count("Ctrl-D or /exit ends the chat") == 2
 
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(capsys, monkeypatch, model_folder, byte_model, tokenizer):

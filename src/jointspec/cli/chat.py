@@ -27,10 +27,11 @@ from jointspec.cli.commands import command_help
 from jointspec.core.errors import ContextTooLongError, JointspecError
 
 IDLE_TIMEOUT = 120.0  # seconds a stopped answer may take to leave the engine (a round of a long prompt's reading)
-COMMANDS_HELP = ('a line ending with \\ continues on the next; """ opens a turn of several lines (a paste) and """ '
-                 "closes it; /file PATH [question] sends a file's text (and the "
-                 "question after it; a path with spaces in quotes); /reset starts a new conversation; /exit, /quit or "
-                 "Ctrl-D ends the chat; Ctrl-C stops an answer; // sends a line that begins with /")
+COMMANDS_HELP = (
+    'a line ending with \\ continues on the next; """ opens a turn of several lines (a paste) and a line of """ alone '
+    "closes it; /file PATH [question] sends a file's text (and the question after it; a path with spaces in quotes); "
+    "/reset starts a new conversation; /exit, /quit or Ctrl-D ends the chat; Ctrl-C stops an answer; // sends a line "
+    "that begins with /")
 
 
 def add_parser(subparsers) -> None:
@@ -190,15 +191,16 @@ def _command(line: str) -> str | None:
     return found.group(1).lower() if found else None
 
 
-BLOCK = '"""'  # a line that begins with it opens a turn of several lines; the next line that ends with it closes it
+BLOCK = '"""'  # a line that begins with it opens a turn of several lines; a line of it alone closes it
 
 
 def _read_turn(interactive: bool) -> tuple[str, bool] | None:
     """The user's next turn and whether it came in triple quotes: a line; lines joined where each but the last ends
-    with a backslash; or the lines from one that begins with triple quotes to one that ends with them (a paste of
-    several lines, as ollama takes it: a terminal hands Python's input() a paste line by line), the quotes left out
-    and the text sent as it is, never read as a command. None at the end of input (Ctrl-D; piped input that ends
-    inside a turn sends what it has). Ctrl-C at the prompt drops what was typed and asks again."""
+    with a backslash; or the lines from one that begins with triple quotes to a line of triple quotes alone (a paste
+    of several lines, as ollama takes it: a terminal hands Python's input() a paste line by line), the quotes left
+    out and the text sent as it is, never read as a command. Only quotes alone at a line's start close it, so pasted
+    code's docstrings (indented, or with text beside them) stay inside. None at the end of input (Ctrl-D; piped
+    input that ends inside a turn sends what it has). Ctrl-C at the prompt drops what was typed and asks again."""
     lines: list[str] = []
     block = False  # inside triple quotes
     while True:
@@ -220,16 +222,15 @@ def _read_turn(interactive: bool) -> tuple[str, bool] | None:
                 return ("\n".join(lines), False) if lines else None
             line = line.rstrip("\r\n")
         if not block and not lines and line.startswith(BLOCK):  # (' """...' is a line of text)
-            line = line[len(BLOCK):]
-            block = True
-            if not line.rstrip().endswith(BLOCK):  # ('"""text"""' is a turn of one line)
-                lines.append(line)
-                continue
+            rest = line[len(BLOCK):]
+            if rest.rstrip().endswith(BLOCK):  # '"""text"""': a turn of one line
+                return rest.rstrip()[:-len(BLOCK)], True
+            lines, block = [rest], True
+            continue
         if block:
-            if not line.rstrip().endswith(BLOCK):
+            if line.rstrip() != BLOCK:
                 lines.append(line)
                 continue
-            lines.append(line.rstrip()[:-len(BLOCK)])
             return _quoted(lines), True
         if line.endswith("\\"):
             lines.append(line[:-1])
@@ -239,7 +240,8 @@ def _read_turn(interactive: bool) -> tuple[str, bool] | None:
 
 
 def _quoted(lines: list[str]) -> str:
-    """The text of a turn in triple quotes: its lines, less the quotes' own lines where they stand alone."""
+    """The text of a turn in triple quotes: its lines, less the opening quotes' own line where they stand alone
+    and a blank last line."""
     if lines and not lines[0].strip():
         lines = lines[1:]
     if len(lines) > 1 and not lines[-1].strip():
