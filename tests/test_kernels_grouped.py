@@ -944,6 +944,12 @@ def test_int8_head_weights_run_on_the_portable_build_when_asked_and_auto_keeps_f
         assert decoder.stats.num_draft_tokens > 0
     assert HeadDraftModel(untrained_head(target, seed=1, draft_vocab_size=40), target).weights == (
         "float32" if selected_isa() == "portable" else "int8")
+    # A head int8 cannot take (here half precision; a GPU's) keeps float32 without asking which build runs, so a bad
+    # $JOINTSPEC_KERNEL_ISA, which only the kernels read, does not stop it.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ISA_ENV, "bogus")
+        half = untrained_head(target, seed=1, draft_vocab_size=40).half()
+        assert HeadDraftModel(half, target).weights == "float32"
 
 
 def test_int8_head_weights_refused_where_the_kernel_cannot_take_them():

@@ -244,7 +244,8 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
     # The portable build is exact but unmeasured against float32 heads: auto keeps float32 there (decided before the
     # misfit check, which builds the kernels), as --quantize auto keeps the float32 model, unless the head was bound
     # with int8 before (binding converts it in place); int8 asked for runs it.
-    if (weights == "auto" and selected_isa() == "portable"
+    device, dtype = float_activations(head)
+    if (weights == "auto" and device.type == "cpu" and dtype == torch.float32 and selected_isa() == "portable"
             and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
         return "float32"
     misfit = int8_head_misfit(head, body) if weights != "float32" else None
