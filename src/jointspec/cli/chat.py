@@ -6,8 +6,9 @@ one turn to the next, so a follow-up reads only its own new tokens rather than t
 question about a long document is answered at once). The engine gives a request ``generate``'s tokens, so a greedy
 turn's answer is the one ``generate`` writes for the same conversation.
 
-Lines typed are the user's turns (a line ending with a backslash continues on the next, and text between lines of
-triple quotes, ollama's way, is one turn: a paste of several lines); a word after one slash is a command:
+Lines typed are the user's turns (a line ending with a backslash continues on the next, and text from a line that
+begins with triple quotes to a line of them alone is one turn: a paste of several lines); a word after one slash is a
+command:
 ``/file PATH [question]`` sends a file's text, ``/reset`` starts a new conversation, ``/exit`` or ``/quit`` (or end
 of input, Ctrl-D) ends the chat. Ctrl-C stops the answer being written (what was shown stays in the conversation).
 Read from a pipe, each line is a turn and each answer is followed by a newline, so a conversation can be scripted.
@@ -240,13 +241,8 @@ def _read_turn(interactive: bool) -> tuple[str, bool] | None:
 
 
 def _quoted(lines: list[str]) -> str:
-    """The text of a turn in triple quotes: its lines, less the opening quotes' own line where they stand alone
-    and a blank last line."""
-    if lines and not lines[0].strip():
-        lines = lines[1:]
-    if len(lines) > 1 and not lines[-1].strip():
-        lines = lines[:-1]
-    return "\n".join(lines)
+    """The text of a turn in triple quotes: its lines, less the opening quotes' own line where they stand alone."""
+    return "\n".join(lines[1:] if lines and not lines[0].strip() else lines)
 
 
 def _file_turn(line: str) -> str:
