@@ -148,3 +148,16 @@ def test_info_names_a_kept_model_copy_only_when_whole(capsys, monkeypatch, tmp_p
     monkeypatch.setattr(embedded, "_kept_gguf_whole", lambda path: path == kept)
     code, out, err = run_cli(capsys, "info")
     assert code == 0 and "from its copy in the cache, converted on first use" in out, out
+
+
+def test_an_unexpected_fault_ends_with_its_traceback_and_what_a_report_needs(capsys, monkeypatch):
+    from jointspec.cli import info
+
+    def broken():
+        raise RuntimeError("a fault no check names")
+    monkeypatch.setattr(info, "environment", broken)
+    code, out, err = run_cli(capsys, "info")
+    assert code == 1
+    assert "Traceback" in err and "RuntimeError: a fault no check names" in err
+    assert err.strip().splitlines()[-1].startswith("jointspec: unexpected error in `jointspec info` (a bug")
+    assert "`jointspec info`" in err.strip().splitlines()[-1]

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 from jointspec.cli.commands import COMMANDS, command_help
@@ -385,6 +386,12 @@ def _main(argv: list[str] | None) -> int:
         # Python flushes stdout again on exit: point it at /dev/null so that flush cannot fail too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception:  # a fault no check names (a bug, here or below): the traceback, and what a report needs
+        traceback.print_exc()
+        _say_if_still_building()
+        print(f"jointspec: unexpected error in `jointspec {command or ''}` (a bug: a report with the traceback above "
+              "and the output of `jointspec info` helps fix it)", file=sys.stderr)
+        return 1
 
 
 @contextlib.contextmanager
