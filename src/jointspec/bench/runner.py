@@ -468,14 +468,9 @@ def _load_average() -> float | None:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    from jointspec.kernels.cpu import cpu_name
+
+    return cpu_name() or platform.processor() or "cpu"
 
 
 def perplexity_of(runs: list[PromptRun]) -> float:

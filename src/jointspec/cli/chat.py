@@ -163,7 +163,7 @@ def _settle(runner: asyncio.Runner, engine) -> None:
     deadline = time.monotonic() + IDLE_TIMEOUT
     while True:
         try:
-            if engine.wait_idle(0.0):
+            if engine.is_idle():
                 return
             if time.monotonic() > deadline:
                 raise JointspecError(f"the engine did not free the stopped answer's row within {IDLE_TIMEOUT:g} s")

@@ -465,17 +465,11 @@ class ServingEngine:
         cache = getattr(self._engine, "prompt_cache", None)
         return cache is not None and cache.max_bytes > 0
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until every request submitted has ended and left its row (a cancelled one leaves when the engine
-        thread next looks at its inbox); False if that takes longer than ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._admission:
-                if self._admitted == 0:
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
+    def is_idle(self) -> bool:
+        """Whether every request submitted has ended and left its row (a cancelled one leaves when the engine thread
+        next looks at its inbox)."""
+        with self._admission:
+            return self._admitted == 0
 
     @property
     def description(self) -> str:
