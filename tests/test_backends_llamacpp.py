@@ -26,6 +26,7 @@ by up to ~1 without it: see jointspec.backends.llamacpp.)
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -336,6 +337,26 @@ def test_methods_match_plain_greedy(loaded, other_draft, method, prompt_seed):
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     if method == "sps-other":  # the roll-back path, nearly every round
         assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.25
+
+
+@pytest.mark.parametrize("method", ["ar", "sps-self"])
+def test_log_probabilities_are_the_adapters_own_rows(loaded, method):
+    """llama.cpp's rows are whole (no screen): each committed token's log-probability is its row's, as a forward per
+    token on the context that decoded it gives it (``ar``'s plain context: flash attention off; to float rounding of
+    another batch shape: 1e-4)."""
+    lm, tokenizer = loaded
+    prompt = random_prompt(3)
+    decoder = make_decoder(method, lm, tokenizer)
+    tokens = decoder.generate(prompt, replace(greedy(MAX_NEW_TOKENS), logprobs=2))
+    assert [f.token_id for f in decoder.logprobs] == tokens
+    reference = LlamaCppLM(lm.model, n_ctx=lm.max_context, n_threads=1, flash_attn=False) if method == "ar" else lm
+    reference.reset()
+    reference.forward(prompt[:-1], num_logits=0)
+    expected = []
+    for previous, token in zip([prompt[-1]] + tokens, tokens):
+        expected.append(float(torch.log_softmax(reference.forward([previous]).logits[-1].double(), -1)[token]))
+    assert [f.logprob for f in decoder.logprobs] == pytest.approx(expected, abs=1e-4)
+    assert all(len(f.top) == 2 and f.top[0][0] == f.token_id for f in decoder.logprobs)  # greedy: the top token
 
 
 @pytest.mark.parametrize("prompt_seed", [3, 6])

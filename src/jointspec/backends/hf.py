@@ -353,6 +353,15 @@ class CausalLM:
         hidden = states[-1][0, -keep:] if output_hidden and keep > 0 else None
         return ForwardOutput(logits=logits[0].float(), hidden=hidden)
 
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The exact head's logits [n, vocab] of final-normed hidden rows [n, width] (``ForwardOutput.hidden``), as a
+        forward that reads every logit computes them: what a screened forward's rows are, whole."""
+        if self.lean is None:  # (no screen either: its forwards' logits are already whole)
+            raise UnsupportedOptionError(f"target '{self.name}' runs transformers' own forward, whose logits are "
+                                         "whole: read them from the forward")
+        return self.lean._head(hidden[None], len(hidden), 0)[0].float()
+
     @property
     def reads_attention(self) -> bool:
         """Whether :meth:`attention_mass` can run: the model takes the lean forward of a Llama-family model."""

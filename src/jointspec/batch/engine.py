@@ -39,6 +39,7 @@ from jointspec.core.choices import dynamic_tree_refusal
 from jointspec.core.draft import Draft, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import GrammarState, masked_logits
+from jointspec.core.logprobs import TokenLogprob, token_logprobs
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
@@ -84,6 +85,8 @@ class BatchEvent:
     depths: list[int] | None = None  # the round's draft nodes' depths (None: a chain of num_drafted)
     error: Exception | None = None  # why, where finish_reason is "error"
     num_forced: int = 0  # of num_accepted, the tokens a grammar forced (structured output)
+    # One per token in token_ids, where the request's config asks for log-probabilities (core/logprobs.py).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -361,8 +364,12 @@ class BatchEngine(EngineBase):
             forced = max(0, kept - seq.own_nodes)  # a grammar's forced tokens follow the drafter's own
             for stats in (seq.stats, self.stats):
                 stats.record(depths, kept, len(new_tokens), forced)
+            # A chain's committed token i follows row i (core/loop.py, committed_logprobs); the rows are whole here.
+            logprobs = (None if config.logprobs is None else
+                        token_logprobs(logits[r, :len(new_tokens)], new_tokens, config.logprobs))
             events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes, kept,
-                                     seq.stats if seq.seq_id in finished else None, num_forced=forced))
+                                     seq.stats if seq.seq_id in finished else None, num_forced=forced,
+                                     logprobs=logprobs))
         t2 = time.perf_counter()
         for stats in [self.stats] + [seq.stats for seq in rows]:
             stats.draft_seconds += t1 - t0

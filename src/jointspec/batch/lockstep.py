@@ -427,7 +427,8 @@ class LockstepEngine(EngineBase):
                 self._keep_cache(seq)
             events.append(BatchEvent(seq.seq_id, new_tokens, finish, len(state.depths), state.num_accepted,
                                      seq.stats if finish else None, depths=list(state.depths),
-                                     num_forced=state.num_forced))
+                                     num_forced=state.num_forced,
+                                     logprobs=state.logprobs if state.config.logprobs is not None else None))
         round_seconds = time.perf_counter() - round_start
         if key is not None and len(rows) == key:  # (a row refused its round: not the batch that was decided)
             self.supervisor.record(key, drafts, committed, round_seconds)

@@ -24,6 +24,7 @@ import torch
 from jointspec.core.draft import Draft, Drafter, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, GrammarState, masked_logits
+from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from jointspec.core.sampling import RowDraws, SamplingConfig, draws_for, position_key, sequence_draw_key
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
 from jointspec.core.verdict import Verifier
@@ -43,6 +44,16 @@ def kept_draft_tokens(num_accepted: int, new_tokens: list[int]) -> int:
     token does otherwise) and the accepted tokens after it, never committed, not at all; so a round commits
     ``1 + kept`` tokens either way, as "tokens per round = 1 + accepted / rounds" says."""
     return min(num_accepted, len(new_tokens) - 1)
+
+
+def committed_logprobs(target: TargetLM, output: ForwardOutput, accepted: list[int], new_tokens: list[int],
+                       top: int, from_hidden: bool) -> list[TokenLogprob]:
+    """The log-probabilities of a round's committed tokens (core/logprobs.py): token ``i`` follows row 0 of the
+    round's forward, and each later one the row after the accepted draft node before it. ``from_hidden``: the forward
+    read a screened head, so those rows' exact logits come from their hidden states (``target.logits_of``)."""
+    rows = ([0] + [1 + node for node in accepted])[:len(new_tokens)]
+    logits = target.logits_of(output.hidden[rows]) if from_hidden else output.logits[rows]
+    return token_logprobs(logits, new_tokens, top)
 
 
 @dataclass
@@ -127,10 +138,14 @@ class DecodeConfig:
     sampling: SamplingConfig = SamplingConfig()
     eos_token_ids: frozenset[int] = frozenset()
     grammar: Grammar | None = None  # structured output: what every answer must match (core/grammar.py)
+    # Each committed token's log-probability under the target, with this many of its row's most likely tokens
+    # (core/logprobs.py); None: none computed.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_top_logprobs(self.logprobs)
         if self.grammar is not None and self.grammar.eos_token_ids != self.eos_token_ids:
             # The grammar allows its end-of-sequence tokens where the answer may end, and only those once it is
             # complete: the decoding must stop at exactly those.
@@ -164,6 +179,11 @@ class DecodeState:
     num_forced: int = 0  # the last round's accepted tokens that a grammar forced (they follow the drafter's own)
     draft_seconds: float = 0.0
     verify_start: float = 0.0
+    # Where the config asks for log-probabilities: whether the round in flight's forward reads a screened head, so
+    # that the committed rows' exact logits come from their hidden states (core/logprobs.py); and the last round's
+    # figures, one per token it committed.
+    logprob_hidden: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class SpeculativeDecoder:
@@ -174,6 +194,9 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.verifier = verifier
         self.stats = SpecStats()
+        # Every committed token's log-probability so far, where the config asks for them (like ``stats``, the
+        # generation's: it starts afresh with each one).
+        self.logprobs: list[TokenLogprob] = []
         # A drafter that learns from the target's rows gets their argmax each round (core/draft.py).
         self._observes_target = bool(getattr(drafter, "observes_target", False))
         self._finishes = callable(getattr(drafter, "finish", None))
@@ -206,6 +229,7 @@ class SpeculativeDecoder:
         if len(prompt_ids) >= max_context:
             raise ContextTooLongError.for_prompt(len(prompt_ids), max_context)
         self.stats = stats = SpecStats()
+        self.logprobs = []
         tokens = list(prompt_ids)
         end = min(len(tokens) + config.max_new_tokens, max_context)
 
@@ -285,11 +309,12 @@ class SpeculativeDecoder:
             positions = [len(tokens)] + [len(tokens) + depth + 1 for depth in state.depths]
             draws = RowDraws(tuple(position_key(state.draw_key, p) for p in positions),
                              state.config.sampling.temperature)
-        screened = state.argmax_only or state.top_k_only or draws is not None
+        screened = bool(state.argmax_only or state.top_k_only or draws is not None)
+        state.logprob_hidden = screened and state.config.logprobs is not None
         return ForwardCall([tokens[-1]] + draft.token_ids,
                            parents=None if draft.is_chain else [-1] + [p + 1 for p in parents],
                            argmax_only=state.argmax_only, top_k_only=state.top_k_only, draws=draws,
-                           allowed=state.masks if screened else None)
+                           allowed=state.masks if screened else None, output_hidden=state.logprob_hidden)
 
     def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
         """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""
@@ -304,6 +329,10 @@ class SpeculativeDecoder:
         num_committed = len(tokens)
         self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
         new_tokens, stopped = committed_tokens(verdict.token_ids, state.config.eos_token_ids)
+        if state.config.logprobs is not None:
+            state.logprobs = committed_logprobs(self.target, output, verdict.accepted, new_tokens,
+                                                state.config.logprobs, state.logprob_hidden)
+            self.logprobs.extend(state.logprobs)
         tokens.extend(new_tokens)
         if state.grammar is not None:
             state.grammar.advance(new_tokens[:-1] if stopped else new_tokens)  # an end-of-sequence token ends it

@@ -59,7 +59,9 @@ class TargetCapabilities:
     ``trees``: ``forward(parents=...)`` scores a token tree in one pass (each node sees its ancestors only).
     ``features``: hidden states (``output_hidden``, feature mirrors), which EAGLE-style heads and Medusa read.
     ``fork``: :meth:`TargetLM.fork` gives a second cache over the same weights (a self-draft, a cost probe).
-    ``argmax_screen``: ``forward(argmax_only=True)`` finds each row's argmax through a cheaper screened head.
+    ``argmax_screen``: ``forward(argmax_only=True)`` finds each row's argmax through a cheaper screened head. Such a
+    target also has ``logits_of(hidden)``: the exact head's logits [n, vocab] of final-normed hidden rows (a screened
+    forward's ``ForwardOutput.hidden``), the whole rows that log-probabilities need (core/logprobs.py).
     ``top_k_screen``: the largest k for which ``forward(top_k_only=k)`` computes each row's k largest logits through
     the screened head (exact near the k-th best, the rest of the row approximate; as the argmax screen, not
     guaranteed to hold the exact top k); 0: none.

@@ -163,6 +163,9 @@ class WrappedTarget:
     device = property(lambda self: self.inner.device)
     dtype = property(lambda self: self.inner.dtype)
 
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.logits_of(hidden)
+
 
 class SparseViewTarget(WrappedTarget):
     """An approximate target for long inputs: ``inner`` (with ``capabilities.sparse_view``), every forward after
