@@ -273,6 +273,25 @@ def test_a_fresh_seed_is_reported_and_repeats_its_answer(target_model):
     assert again.token_ids == fresh.token_ids and again.seed == fresh.seed
 
 
+def test_logprobs_come_with_the_answer_when_asked_and_leave_it_unchanged(target_model):
+    pipe = pipeline(target_model, "pld")
+    prompt = random_prompt(5)
+    config = GenerationConfig(max_new_tokens=12, temperature=0.9, top_k=20, seed=3)
+    plain = pipe.generate_ids(prompt, config)
+    scored = pipe.generate_ids(prompt, GenerationConfig(**{**config.__dict__, "logprobs": 2}))
+    assert plain.logprobs is None and "logprobs" not in plain.to_dict()
+    assert scored.token_ids == plain.token_ids and [f.token_id for f in scored.logprobs] == scored.token_ids
+    with torch.no_grad():
+        logits = target_model(torch.tensor([prompt + scored.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+    expected = torch.log_softmax(logits.double(), -1)
+    assert [f.logprob for f in scored.logprobs] == pytest.approx(
+        [float(expected[i, t]) for i, t in enumerate(scored.token_ids)], abs=1e-4)
+    listed = scored.to_dict()["logprobs"]
+    assert len(listed) == len(scored.token_ids) and all(len(entry["top"]) == 2 for entry in listed)
+    with pytest.raises(ValueError, match="logprobs must be a whole number from 0 to 20"):
+        GenerationConfig(logprobs=21)
+
+
 @pytest.mark.parametrize("options, match", [(dict(model=""), "model must be"), (dict(model=123), "model must be"),
                                             (dict(threads="2"), "threads"), (dict(threads=1.5), "threads")])
 def test_load_arguments_of_the_wrong_kind_are_refused_before_loading(options, match):

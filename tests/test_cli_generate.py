@@ -341,6 +341,30 @@ def test_a_reader_that_goes_away_gets_no_traceback():
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
+def test_logprobs_in_json_and_as_a_table(capsys, model_dirs):
+    """--logprobs: each new token's log-probability under the model, with its text and its alternatives, in --json
+    (their mean is minus the log of the perplexity --json reports); a table on stderr otherwise; out of range, a
+    clear error naming the flag."""
+    import math
+
+    args = ("generate", PROMPT, "--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "12",
+            "--method", "pld")
+    result = json_result(capsys, *args, "--json", "--logprobs", "2")
+    figures = result["logprobs"]
+    assert [f["token_id"] for f in figures] == result["token_ids"]
+    assert all(f["token"] and len(f["top"]) == 2 and f["top"][0]["logprob"] >= f["top"][1]["logprob"]
+               for f in figures)
+    mean = sum(f["logprob"] for f in figures) / len(figures)
+    assert math.exp(-mean) == pytest.approx(result["quality"]["perplexity"], rel=1e-3)
+    code, out, err = run_cli(capsys, *args, "--logprobs", "1")
+    assert code == 0 and "log-probabilities" in err
+    table = err.split("the most likely tokens):\n")[1].strip().splitlines()
+    assert len(table) == len(figures) and table[0].split()[:2] == [repr(figures[0]["token"]),
+                                                                   f"{figures[0]['logprob']:.3f}"]
+    code, _, err = run_cli(capsys, *args, "--logprobs", "21")
+    assert_clean_error(code, err, "--logprobs must be a whole number from 0 to 20")
+
+
 def test_json_quality_block(capsys, model_dirs, monkeypatch):
     """--json reports perplexity under the raw target (checked against a direct computation), distinct-2 and the
     4-gram repetition rate of the tokens it printed (counted here by hand), and energy per token only from a

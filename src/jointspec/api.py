@@ -19,6 +19,7 @@ from jointspec.backends.loading import DEFAULT_MODEL, load_model
 from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, decode_text, eos_token_ids
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, OutputFormat, RecentGrammars
+from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, json_logprob
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
@@ -36,7 +37,9 @@ class GenerationConfig:
     where it drafts its head's tree): its drafts draw from the same generator, so another length draws otherwise.
     ``chat``: wrap a text prompt in the model's chat template as one user message (where the tokenizer has one).
     ``output_format``: what the answer must match (structured output: JSON of a schema, a regex, a Lark grammar;
-    :class:`~jointspec.core.grammar.OutputFormat`), through any method."""
+    :class:`~jointspec.core.grammar.OutputFormat`), through any method. ``logprobs``: each new token's
+    log-probability under the model (its raw distribution: temperature 1, before top-k, top-p and a grammar), with
+    this many of the most likely tokens beside it (0 to 20; :attr:`GenerationResult.logprobs`); None: none."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -45,6 +48,7 @@ class GenerationConfig:
     seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
     output_format: OutputFormat | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
@@ -61,6 +65,7 @@ class GenerationConfig:
         if self.output_format is not None and not isinstance(self.output_format, OutputFormat):
             raise TypeError(f"output_format must be an OutputFormat (e.g. OutputFormat.json_schema(schema)), got "
                             f"{type(self.output_format).__name__}")
+        check_top_logprobs(self.logprobs)
         _ = self.sampling  # building it validates temperature / top-k / top-p
 
     @property
@@ -73,7 +78,8 @@ class GenerationResult:
     """One generation: its new ``text`` and ``token_ids`` (an end-of-sequence token included, where it ended on
     one), the ``prompt_ids`` decoded after, the decoding's wall-clock ``seconds`` (prompt reading included),
     ``finish_reason`` ("stop": an end-of-sequence token; "length": ``max_new_tokens`` or the context's end), the
-    method's ``stats`` (rounds, drafted and accepted tokens, timings) and the ``seed`` it sampled with."""
+    method's ``stats`` (rounds, drafted and accepted tokens, timings), the ``seed`` it sampled with, and where the
+    config asked for them, each new token's ``logprobs`` (:class:`~jointspec.core.logprobs.TokenLogprob`)."""
 
     text: str
     token_ids: list[int]
@@ -82,6 +88,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (end-of-sequence token) or "length"
     stats: SpecStats = field(default_factory=SpecStats)
     seed: int | None = None  # the seed the generation used (GenerationConfig.seed, or the fresh one drawn for None)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where GenerationConfig.logprobs asked for them
 
     @property
     def num_new_tokens(self) -> int:
@@ -95,7 +102,10 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "num_prompt_tokens": len(self.prompt_ids),
                 "num_new_tokens": self.num_new_tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_second": round(self.tokens_per_second, 3), "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+                "stats": self.stats.to_dict(),
+                **({} if self.logprobs is None else {"logprobs": [
+                    {"token_id": f.token_id, "logprob": json_logprob(f.logprob),
+                     "top": [[token_id, json_logprob(value)] for token_id, value in f.top]} for f in self.logprobs]})}
 
 
 def _checked_config(config) -> GenerationConfig:
@@ -243,7 +253,7 @@ class Pipeline:
         seed = config.seed if config.seed is not None else fresh_seed()
         generator = torch.Generator(device="cpu").manual_seed(seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids,
-                              self.grammar(config.output_format))
+                              self.grammar(config.output_format), logprobs=config.logprobs)
         new_ids: list[int] = []
         session = self._session
         with session.lock:
@@ -337,13 +347,15 @@ class Pipeline:
                         on_text(delta)
             seconds = time.perf_counter() - start
             stats = self.decoder.stats
+            logprobs = list(self.decoder.logprobs) if config.logprobs is not None else None
         if detok is not None:
             tail = detok.finish()
             if tail:
                 on_text(tail)
         finished = bool(new_ids) and new_ids[-1] in self.eos_token_ids
         text = decode_text(self.tokenizer, new_ids) if self.tokenizer is not None else ""
-        return GenerationResult(text, new_ids, prompt_ids, seconds, "stop" if finished else "length", stats, seed)
+        return GenerationResult(text, new_ids, prompt_ids, seconds, "stop" if finished else "length", stats, seed,
+                                logprobs)
 
     def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:
         """Decode after ``prompt`` (text; in the model's chat template as one user message where ``config.chat``);

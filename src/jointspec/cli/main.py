@@ -55,6 +55,10 @@ def _add_generate(subparsers) -> None:
                              "first quarter of layers attends to most from the prompt's end, which also cuts the time "
                              "to the first token (docs/long-inputs.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--logprobs", type=int, metavar="N", default=None,
+                        help="each new token's log-probability under the model (temperature 1, before top-k, top-p "
+                             "and a format), with its N most likely alternatives (0 to 20): --json's 'logprobs', "
+                             "else a table on stderr after the answer")
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA", default=None,
                        help="structured output: the answer is JSON that this schema accepts (the schema inline, or "
@@ -73,6 +77,7 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     prebuild_kernels(args)  # first: a first run compiles them while the rest imports and loads
     from jointspec.api import GenerationConfig, Pipeline
+    from jointspec.backends.tokens import TokenSpelling
     from jointspec.core.sampling import fresh_seed
     from jointspec.methods import method_names
     from jointspec.methods.registry import method_is_lossless, unknown_method_error
@@ -84,7 +89,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=seed, chat=not args.no_chat,
-                                  output_format=_output_format(args))
+                                  output_format=_output_format(args), logprobs=args.logprobs)
         method = method_config_from_args(args)
         check_reads(method, args)
     except ValueError as error:
@@ -119,6 +124,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         result = pipeline.generate(prompt, config)
         joules = meter.stop()
         record = result.to_dict()
+        if result.logprobs is not None:  # with each token's own text, and its alternatives'
+            spell = TokenSpelling(tokenizer)
+            for entry in record["logprobs"]:
+                entry["token"] = spell(entry["token_id"])[0]
+                entry["top"] = [{"token_id": token_id, "token": spell(token_id)[0], "logprob": value}
+                                for token_id, value in entry["top"]]
         if args.temperature > 0:
             record["seed"] = seed
         # Scored by the model with its whole cache, also when it decoded over a sparse view.
@@ -149,7 +160,18 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"({pipeline.target.name}){f'; seed {seed}' if args.temperature > 0 else ''}", file=sys.stderr)
     _say_if_context_ended(result, args.max_new_tokens, pipeline.target.max_context)
     _say_if_drafted_nothing(method, stats)
+    if result.logprobs is not None:
+        _print_logprobs(result.logprobs, TokenSpelling(tokenizer))
     return 0
+
+
+def _print_logprobs(figures, spell) -> None:
+    """--logprobs without --json: one line per new token on stderr, its log-probability and its alternatives'."""
+    print("log-probabilities (token, its log-probability, then the most likely tokens):", file=sys.stderr)
+    for figure in figures:
+        others = "  ".join(f"{spell(token_id)[0]!r} {value:.3f}" for token_id, value in figure.top)
+        print(f"  {spell(figure.token_id)[0]!r} {figure.logprob:.3f}{'    ' + others if others else ''}",
+              file=sys.stderr)
 
 
 def _output_format(args: argparse.Namespace):

@@ -246,7 +246,7 @@ def check_reads(config, args: argparse.Namespace | None = None) -> None:
 
 # Settings whose checks (GenerationConfig, SamplingConfig, MethodConfig) name them as the Python API spells them.
 _FLAGGED_FIELDS = ("max_num_draft_tokens", "num_draft_tokens", "max_new_tokens", "accept_threshold", "tree_budget",
-                   "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "temperature", "seed")
+                   "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "temperature", "seed", "logprobs")
 
 
 def with_flags(message: str) -> str:
