@@ -18,10 +18,11 @@ import time
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.tokens import chat_template_ids
+from jointspec.backends.tokens import TokenSpelling, chat_template_ids
 from jointspec.batch.engine import BatchEvent
 from jointspec.core.draft import NoDrafter
 from jointspec.core.grammar import OutputFormat
@@ -300,6 +301,138 @@ def test_streaming_chat_and_completion_match_non_streaming(client):
     assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] == 10
 
 
+def teacher_forced_logprobs(model, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits at each answer token's position, from one forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids[:-1]])).logits[0, len(prompt_ids) - 1:]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_logprobs_are_the_models_own_in_openais_shapes_whole_and_streamed(client, byte_model, tokenizer, method):
+    """Completions' parallel lists and chat's content list: each answer token's log-probability under the model (a
+    teacher-forced forward gives them), its text and bytes, and the most likely tokens beside it; streamed, the same
+    figures chunk by chunk, also for rounds whose text is held back (a character split across tokens)."""
+    prompt_ids = tokenizer("caf\u00e9 na\u00efve \u65e5\u672c")["input_ids"]
+    body = {"prompt": prompt_ids, "max_tokens": 20, "temperature": 0, "logprobs": 2, "return_token_ids": True,
+            "jointspec": {"method": method}}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    ids, figures = choice["token_ids"], choice["logprobs"]
+    expected = teacher_forced_logprobs(byte_model, prompt_ids, ids)
+    assert len(figures["tokens"]) == len(figures["token_logprobs"]) == len(figures["top_logprobs"]) == len(ids)
+    assert figures["token_logprobs"] == pytest.approx([float(expected[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+    # A byte token's text: its character, or as OpenAI writes part of a character, "bytes:" and its byte escaped.
+    spelled = [tokenizer.convert_ids_to_tokens(t) if t >= 256 else chr(t) if t < 128 else f"bytes:\\x{t:02x}"
+               for t in ids]
+    assert figures["tokens"] == spelled
+    answer = bytes(t for t in ids if t < 256)
+    offsets = [len(answer[:i].decode("utf-8", errors="ignore")) for i in range(len(ids))]
+    assert figures["text_offset"] == offsets and any(t >= 128 for t in ids), ids
+    for i, (top, token) in enumerate(zip(figures["top_logprobs"], spelled)):
+        best = expected[i].topk(2)
+        assert token in top and len(top) <= 3  # the two most likely, and the chosen token
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(best.values.tolist(), abs=1e-4)
+    streamed = sse_payloads(client.post("/v1/completions", json={**body, "stream": True}).text)
+    pieces = [p["choices"][0]["logprobs"] for p in streamed[1:]]
+    assert all(piece is not None for piece in pieces)
+    assert [t for piece in pieces for t in piece["tokens"]] == figures["tokens"]
+    assert [t for piece in pieces for t in piece["token_logprobs"]] == figures["token_logprobs"]
+    assert [t for piece in pieces for t in piece["text_offset"]] == figures["text_offset"]
+
+    chat = {**chat_body("caf\u00e9 \u65e5\u672c", max_tokens=20), "logprobs": True, "top_logprobs": 3,
+            "jointspec": {"method": method}}
+    whole = client.post("/v1/chat/completions", json=chat).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"]
+    answer = b"".join(bytes(entry["bytes"]) for entry in content if entry["token"] != "</s>")
+    assert answer.decode("utf-8", errors="replace") == whole["choices"][0]["message"]["content"]
+    assert any(entry["token"].startswith("bytes:") for entry in content)  # part of a character: no text of its own
+    for entry in content:
+        assert [len(entry["top_logprobs"]), set(entry)] == [3, {"token", "logprob", "bytes", "top_logprobs"}]
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])  # greedy: the top token
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+    streamed = sse_payloads(client.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+    assert [entry for p in streamed if p["choices"] and p["choices"][0].get("logprobs")
+            for entry in p["choices"][0]["logprobs"]["content"]] == content
+    # Not asked: none, as before.
+    plain = client.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+    assert plain["choices"][0]["message"] == whole["choices"][0]["message"]
+
+
+def test_echo_returns_the_prompt_scored_and_max_tokens_0_the_prompt_alone(client, byte_model, tokenizer):
+    """Completions' echo (what scoring clients, lm-eval's loglikelihood tasks among them, send): the prompt's text
+    before the answer's and, with logprobs, each prompt token's log-probability under the model given the tokens
+    before it (the first token's null); max_tokens 0 asks for the prompt alone."""
+    text = "bees keep the hive warm \u65e5"
+    prompt_ids = tokenizer(text)["input_ids"]
+    with torch.no_grad():
+        logits = byte_model(torch.tensor([prompt_ids])).logits[0, :-1]
+    expected = torch.log_softmax(logits.double(), -1)
+    scored = client.post("/v1/completions", json={"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                  "temperature": 0}).json()
+    choice = scored["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(prompt_ids)
+    figures = choice["logprobs"]
+    assert len(figures["tokens"]) == len(prompt_ids)
+    assert figures["token_logprobs"][0] is None and figures["top_logprobs"][0] is None
+    assert figures["token_logprobs"][1:] == pytest.approx(
+        [float(expected[i, t]) for i, t in enumerate(prompt_ids[1:])], abs=1e-4)
+    assert all(len(top) <= 2 for top in figures["top_logprobs"][1:])
+
+    body = {"prompt": text, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == text + plain["text"]
+    both = echoed["logprobs"]
+    assert both["tokens"] == figures["tokens"] + plain["logprobs"]["tokens"]
+    assert both["token_logprobs"] == figures["token_logprobs"] + plain["logprobs"]["token_logprobs"]
+    # The answer's offsets count from the prompt's start: its characters come first.
+    assert both["text_offset"][len(prompt_ids):] == [offset + len(text) for offset in plain["logprobs"]["text_offset"]]
+    assert client.post("/v1/completions", json={**body, "echo": True, "logprobs": None}).json()["choices"][0][
+        "logprobs"] is None
+    streamed = sse_payloads(client.post("/v1/completions", json={**body, "echo": True, "stream": True}).text)
+    assert "".join(p["choices"][0]["text"] for p in streamed) == echoed["text"]
+    assert [t for p in streamed if p["choices"][0]["logprobs"] for t in p["choices"][0]["logprobs"]["tokens"]] == \
+        both["tokens"]
+    refused = client.post("/v1/completions", json={"prompt": text, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    # Token ids in a list of one prompt, as batching clients send them (lm-eval's tokenized requests).
+    batched = client.post("/v1/completions", json={"prompt": [prompt_ids], "max_tokens": 0, "echo": True,
+                                                   "logprobs": 1}).json()["choices"][0]
+    assert batched["logprobs"]["token_logprobs"] == figures["token_logprobs"]
+    two = client.post("/v1/completions", json={"prompt": [prompt_ids, prompt_ids], "max_tokens": 0, "echo": True})
+    assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
+
+
+class SentencePieceLike:
+    """The pieces a SentencePiece tokenizer gives (Llama 2, Mistral, Gemma): a word marker for a space and byte
+    fallback tokens."""
+
+    all_special_ids = [2]
+    pieces = {2: "</s>", 5: "\u2581hello", 6: "<0xE6>", 7: "world"}
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def decode(self, token_ids, **options) -> str:
+        return "".join(self.pieces[t] for t in token_ids)
+
+
+def test_each_token_is_spelled_by_its_own_bytes(tokenizer):
+    byte_level = TokenSpelling(tokenizer)
+    assert byte_level(ord("a")) == ("a", b"a")
+    assert byte_level(0xE6) == ("bytes:\\xe6", b"\xe6")  # part of a character: its bytes, as OpenAI writes them
+    assert byte_level(258) == ("</s>", b"</s>") and byte_level.is_special(258) and not byte_level.is_special(97)
+    pieces = TokenSpelling(SentencePieceLike())
+    assert pieces(5) == (" hello", b" hello")  # the word marker is a space (decoding the token alone drops it)
+    assert pieces(6) == ("bytes:\\xe6", b"\xe6")
+    assert pieces(7) == ("world", b"world")
+    assert pieces(2) == ("</s>", b"</s>") and pieces.is_special(2)
+    assert pieces(99) == ("", b"")  # past the tokenizer (a padded head's row)
+
+
 def test_up_to_32_stop_strings_are_taken(client):
     reply = client.post("/v1/chat/completions", json=chat_body(stop=[f"zz{i}" for i in range(32)], max_tokens=4))
     assert reply.status_code == 200, reply.text  # (33 is a 400: BAD_REQUESTS)
@@ -324,9 +457,13 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(stop=5)), "stop"),
     ("chat", json.dumps(chat_body(stop=["x"] * 33)), "stop"),  # each is looked for after every token
     ("chat", json.dumps(chat_body(n=2)), "n"),
-    ("chat", json.dumps(chat_body(logprobs=True)), "logprobs"),
-    ("chat", json.dumps(chat_body(top_logprobs=3)), "top_logprobs"),
-    ("completions", json.dumps({"prompt": "a", "logprobs": 0}), "logprobs"),  # 0: the chosen tokens' own
+    ("chat", json.dumps(chat_body(top_logprobs=3)), "top_logprobs"),  # without logprobs: true, as OpenAI refuses it
+    ("chat", json.dumps(chat_body(logprobs=True, top_logprobs=21)), "top_logprobs"),
+    ("chat", json.dumps(chat_body(logprobs=True, top_logprobs=-1)), "top_logprobs"),
+    ("completions", json.dumps({"prompt": "a", "logprobs": 21}), "logprobs"),
+    ("completions", json.dumps({"prompt": "a", "logprobs": True}), "logprobs"),  # a count, not a switch, there
+    ("completions", json.dumps({"prompt": "a", "max_tokens": 0}), "max_tokens"),  # no answer: only with echo
+    ("completions", json.dumps({"prompt": "a", "max_tokens": -1, "echo": True}), "max_tokens"),
     ("chat", json.dumps(chat_body(seed=-2)), "seed"),  # (-1 is llama.cpp's "a fresh seed")
     ("chat", json.dumps(chat_body(seed=2 ** 64)), "seed"),  # past what a torch.Generator takes
     ("chat", json.dumps(chat_body(jointspec={"method": "nope"})), "jointspec.method"),
@@ -388,7 +525,7 @@ def test_a_value_that_fits_no_form_of_a_field_is_told_every_form(client):
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == "prompt" and error["message"] == (
-        "prompt: should be a string, a list of strings or a list of integers"), error
+        "prompt: should be a string, a list of strings, a list of integers or a list of one list of integers"), error
     reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]})
     assert reply.json()["error"]["message"] == "messages.0.content: should be a string or a list of text parts"
 
@@ -814,6 +951,18 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
             assert chunks[-1].usage.model_extra["jointspec"] == {  # ar drafts nothing: one token per round
                 "drafted_tokens": 0, "accepted_tokens": 0, "rounds": whole.usage.completion_tokens,
                 "mean_accepted_tokens": 1.0, "acceptance_rate": 0.0, "forced_tokens": 0}
+            # Log-probabilities parse into the client's own models, in both endpoints' shapes.
+            scored = client.chat.completions.create(model="tiny-served", messages=messages, temperature=0,
+                                                    max_tokens=12, logprobs=True, top_logprobs=2)
+            assert scored.choices[0].message.content == whole.choices[0].message.content
+            content = scored.choices[0].logprobs.content
+            assert len(content) == scored.usage.completion_tokens
+            assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 and entry.bytes is not None
+                       for entry in content)
+            legacy = client.completions.create(model="tiny-served", prompt="abcabc", temperature=0, max_tokens=8,
+                                               logprobs=1)
+            assert len(legacy.choices[0].logprobs.token_logprobs) == legacy.usage.completion_tokens
+            assert all(len(top) <= 2 for top in legacy.choices[0].logprobs.top_logprobs)
             with pytest.raises(openai.BadRequestError) as error:
                 client.chat.completions.create(model="tiny-served", messages=messages, n=3)
             assert error.value.body["param"] == "n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from jointspec.backends.hf import CausalLM
 
 
@@ -97,3 +99,65 @@ def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
     if marked:
         ids += tokenizer(marked, add_special_tokens=False)["input_ids"]
     return ids
+
+
+class TokenSpelling:
+    """Each token's own UTF-8 bytes and text, as OpenAI's log-probabilities list them (``bytes`` and ``token``).
+
+    A token may hold part of a character (byte-level BPE splits multi-byte characters; SentencePiece falls back to
+    ``<0xE2>`` byte tokens): its bytes are then exact and its text is written as OpenAI's API writes such a token,
+    ``bytes:`` and the bytes escaped (``bytes:\\xe6\\x97``), so that no two tokens share a text. Read from the
+    tokenizer's own pieces, not by decoding the token alone, which drops a SentencePiece piece's leading space and
+    cannot give a partial character's bytes."""
+
+    _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = None
+        if decoder is not None and "ByteLevel" in repr(decoder):  # (inside a Sequence too)
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._byte_level = {char: byte for byte, char in bytes_to_unicode().items()}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._known: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of ``token_id``."""
+        token_id = int(token_id)
+        if token_id not in self._known:
+            data = self._bytes(token_id)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+            self._known[token_id] = (text, data)
+        return self._known[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token (an end of sequence, say), which answer text leaves out."""
+        return int(token_id) in self._special
+
+    def _bytes(self, token_id: int) -> bytes:
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        except (IndexError, KeyError, OverflowError, TypeError):  # an id past the tokenizer (a padded head)
+            piece = None
+        if piece is None:
+            return b""
+        if token_id in self._special:
+            return piece.encode("utf-8")
+        if self._byte_level is not None and all(char in self._byte_level for char in piece):
+            return bytes(self._byte_level[char] for char in piece)
+        byte = self._BYTE_TOKEN.fullmatch(piece)
+        if byte:
+            return bytes([int(byte[1], 16)])
+        if "\u2581" in piece:  # SentencePiece's word marker stands for a space
+            return piece.replace("\u2581", " ").encode("utf-8")
+        try:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False).encode("utf-8")
+        except TypeError:
+            return self.tokenizer.decode([token_id]).encode("utf-8")

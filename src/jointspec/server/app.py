@@ -37,8 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from jointspec.backends.tokens import TokenSpelling
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.grammar import OutputFormat
+from jointspec.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
 from jointspec.core.sampling import MIN_TEMPERATURE, fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.methods.registry import tree_nodes
@@ -190,12 +192,12 @@ class _Sampling(_Body):
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # (a list: one prompt in it, as batching clients send)
     best_of: int | None = Field(None, ge=1)
     logprobs: int | bool | None = None  # an int (how many), or false as chat takes it: none
     echo: bool = False
     suffix: str | None = None  # insertion (text to fit before it): refused (_parse)
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0: the prompt alone (echo)
 
 
 class TextPart(_Body):
@@ -295,7 +297,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}
 # How a message names the members of a union field (``prompt``: a string or token ids) that a value fitted none of.
 _TAG_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false", "none": "null",
               "list[str]": "a list of strings", "list[int]": "a list of integers",
-              "list[TextPart]": "a list of text parts"}
+              "list[list[int]]": "a list of one list of integers", "list[TextPart]": "a list of text parts"}
 
 
 def _is_tag(part) -> bool:
@@ -521,7 +523,10 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 return error_response(_internal_error())
             metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
             reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens,
-                           engine_request.seed if engine_request.temperature > 0 else None)
+                           engine_request.seed if engine_request.temperature > 0 else None,
+                           engine.spelling if engine_request.logprobs is not None else None)
+            if engine_request.echo:
+                reply.echo_text, reply.prompt_logprobs = generation.echo_text, generation.prompt_logprobs
             chunks = _timed(generation, arrived, deadline)
             if not body.stream:
                 return await _whole(request, endpoint, reply, chunks, generation, body.return_token_ids)
@@ -610,6 +615,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         outcome = "cancelled"  # unless it gets to an end of its own: the client left
         try:
             yield _event(reply.first_chunk())
+            if reply.echo_text or reply.prompt_logprobs is not None:
+                yield _event(reply.echo_chunk())
             try:
                 async for chunk in chunks:
                     reply.add(chunk)
@@ -617,8 +624,10 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                         outcome = _failure_outcome(chunk.failure)
                         yield _event(_from_failure(chunk.failure, settings.retry_after).body())
                         return
-                    if chunk.text or chunk.finish_reason:  # rounds whose text is held back (half a character)
-                        yield _event(reply.chunk(chunk))  # send nothing
+                    # Rounds whose text is held back (half a character) send nothing, unless they carry the
+                    # log-probabilities of their tokens.
+                    if chunk.text or chunk.finish_reason or chunk.logprobs:
+                        yield _event(reply.chunk(chunk))
             except RequestError as error:  # past the request timeout
                 outcome = "timeout"
                 yield _event(error.body())
@@ -716,12 +725,10 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("n > 1 is not supported: send one request per choice", param="n")
     if getattr(body, "best_of", None) not in (None, 1):
         raise RequestError("best_of > 1 is not supported", param="best_of")
-    for name in ("logprobs", "top_logprobs"):  # completions' logprobs 0 asks for the chosen tokens' own
-        value = getattr(body, name, None)
-        if value is not None and value is not False:
-            raise RequestError("logprobs are not supported", param=name)
-    if getattr(body, "echo", False):
-        raise RequestError("echo is not supported", param="echo")
+    _requested_logprobs(body)  # refused here where out of range
+    if body.max_tokens == 0 and not getattr(body, "echo", False):
+        raise RequestError("max_tokens 0 asks for no answer: it needs echo: true (the prompt alone, scored with "
+                           "logprobs)", param="max_tokens")
     if getattr(body, "suffix", None):
         raise RequestError("suffix (insertion) is not supported: the answer would ignore it", param="suffix")
     if any(kind != "text" for kind in getattr(body, "modalities", None) or ()):
@@ -755,13 +762,33 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
             raise RequestError("tool messages and tool calls are not supported: there is no tool calling",
                                param=f"messages.{index}")
     if isinstance(body, CompletionBody) and isinstance(body.prompt, list) and body.prompt \
-            and isinstance(body.prompt[0], str):
+            and isinstance(body.prompt[0], (str, list)):
         if len(body.prompt) != 1:
             raise RequestError("one prompt per request: a list of prompts is not supported", param="prompt")
         body.prompt = body.prompt[0]
     if isinstance(body, CompletionBody) and not body.prompt:
         raise RequestError("the prompt is empty", param="prompt")
     return body
+
+
+def _requested_logprobs(body: _Sampling) -> int | None:
+    """How many of the most likely tokens a request wants listed beside each answer token's log-probability, or None
+    where it wants no log-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0 where left out), or
+    completions' ``logprobs`` count (0: the chosen tokens' own alone)."""
+    if isinstance(body, ChatBody):
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+        return (top or 0) if body.logprobs else None
+    value = getattr(body, "logprobs", None)
+    if value is None or value is False:
+        return None
+    if value is True or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens to "
+                           f"list beside each chosen one), got {json.dumps(value)}", param="logprobs")
+    return value
 
 
 def _output_format(response_format: dict | None) -> OutputFormat | None:
@@ -799,7 +826,8 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
     # OpenAI's API takes any temperature in [0, 2]; one too small to sample with is greedy decoding, its limit.
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                  stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format))
+                  stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format),
+                  logprobs=_requested_logprobs(body))
     try:
         if isinstance(body, ChatBody):
             # OpenAI's `developer` messages are what chat templates call `system` messages.
@@ -809,7 +837,7 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
             messages = tuple({**m, "content": m["content"] or ""} for m in messages)
             return CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
                                      **common)
-        return CompletionRequest(prompt=body.prompt, max_tokens=body.max_tokens, **common)
+        return CompletionRequest(prompt=body.prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
     except ValueError as error:
         raise RequestError(str(error)) from None
 
@@ -828,8 +856,16 @@ def _event(payload: dict) -> str:
 class _Reply:
     """OpenAI's response shapes for one request, and the running totals its usage reports."""
 
-    def __init__(self, endpoint: str, model_id: str, num_prompt_tokens: int, seed: int | None) -> None:
+    def __init__(self, endpoint: str, model_id: str, num_prompt_tokens: int, seed: int | None,
+                 spell: TokenSpelling | None = None) -> None:
         self.chat = endpoint == "chat"
+        # token id -> (its text, its UTF-8 bytes), for the log-probabilities (backends/tokens.py, TokenSpelling);
+        # None: the request asked for none.
+        self.spell = spell
+        self.answer_bytes = b""  # completions' logprobs: the answer's bytes so far, for each token's text_offset
+        # Completions' echo: the prompt's text, and its tokens' figures where logprobs were asked for (Generation).
+        self.echo_text = ""
+        self.prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
@@ -878,12 +914,56 @@ class _Reply:
                                   {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         return self._envelope("text_completion", {"index": 0, "text": "", "logprobs": None, "finish_reason": None})
 
+    def logprobs(self, figures: list[TokenLogprob]) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice (or of a streamed chunk's choice) for ``figures``, in the endpoint's
+        shape: chat's ``content`` list (each token with its text, bytes and ``top_logprobs``), or completions'
+        parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as text -> log-probability with the chosen
+        token among them, ``text_offset``). None where the request asked for none."""
+        if self.spell is None:
+            return None
+        if self.chat:
+            def entry(token_id: int, value: float) -> dict:
+                text, data = self.spell(token_id)
+                return {"token": text, "logprob": json_logprob(value), "bytes": list(data)}
+            return {"content": [{**entry(f.token_id, f.logprob), "top_logprobs": [entry(*pair) for pair in f.top]}
+                                for f in figures], "refusal": None}
+        return self._completion_logprobs([(f.token_id, f) for f in figures])
+
+    def _completion_logprobs(self, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
+        """Completions' lists for tokens given as (id, figures), figures None for an echoed prompt's first token
+        (which nothing precedes): its entries are then null, as OpenAI writes them."""
+        tokens, offsets = [], []
+        for token_id, _ in entries:
+            text, data = self.spell(token_id)
+            tokens.append(text)
+            # Where its text starts in the answer: the whole characters before it (special tokens write none).
+            offsets.append(len(self.answer_bytes.decode("utf-8", errors="ignore")))
+            if not self.spell.is_special(token_id):
+                self.answer_bytes += data
+        top = [None if f is None else
+               {self.spell(token_id)[0]: json_logprob(value) for token_id, value in (*f.top, (f.token_id, f.logprob))}
+               for _, f in entries]
+        return {"tokens": tokens, "token_logprobs": [None if f is None else json_logprob(f.logprob)
+                                                     for _, f in entries], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def echo_chunk(self) -> dict:
+        """A streamed completion's echo: the prompt's text (and figures), before the answer's chunks."""
+        logprobs = (None if self.spell is None or self.prompt_logprobs is None
+                    else self._completion_logprobs(self.prompt_logprobs))
+        return self._envelope("text_completion", {"index": 0, "text": self.echo_text, "logprobs": logprobs,
+                                                  "finish_reason": None})
+
     def chunk(self, chunk: Chunk) -> dict:
         finish = self._finish(chunk.finish_reason)
+        logprobs = self.logprobs(list(chunk.logprobs))
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
-            return self._envelope("chat.completion.chunk", {"index": 0, "delta": delta, "finish_reason": finish})
-        return self._envelope("text_completion", {"index": 0, "text": chunk.text, "logprobs": None,
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
+            return self._envelope("chat.completion.chunk", choice)
+        return self._envelope("text_completion", {"index": 0, "text": chunk.text, "logprobs": logprobs,
                                                   "finish_reason": finish})
 
     def usage_chunk(self) -> dict:
@@ -897,11 +977,18 @@ class _Reply:
             self.add(chunk)
         text = "".join(c.text for c in chunks)
         finish = self._finish(chunks[-1].finish_reason if chunks else "stop")
+        text = self.echo_text + text  # (completions' echo: the prompt first)
+        # The echoed prompt's entries first: the answer's text offsets then count from the prompt's start.
+        prompt_part = (self._completion_logprobs(self.prompt_logprobs)
+                       if self.spell is not None and self.prompt_logprobs is not None else None)
+        logprobs = self.logprobs([figure for c in chunks for figure in c.logprobs])
+        if prompt_part is not None:
+            logprobs = {key: prompt_part[key] + logprobs[key] for key in logprobs}
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if return_token_ids and not any(c.text_cut for c in chunks):
             choice["token_ids"] = [token for c in chunks for token in c.token_ids]
         payload = self._envelope("chat.completion" if self.chat else "text_completion", choice)

@@ -26,11 +26,18 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, eos_token_ids
+from jointspec.backends.tokens import (
+    IncrementalDetokenizer,
+    TokenSpelling,
+    chat_template_ids,
+    decode_text,
+    eos_token_ids,
+)
 from jointspec.batch.engine import BatchEvent, BatchRequest
 from jointspec.batch.lockstep import engine_description, engine_for
 from jointspec.core.errors import ContextTooLongError, JointspecError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, GrammarError, OutputFormat, RecentGrammars
+from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from jointspec.core.loop import DecodeConfig, SpecStats
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
@@ -85,11 +92,17 @@ class CompletionRequest:
     method: dict | None = None  # the request's "jointspec" options, overriding the server's method
     user: str | None = None  # OpenAI's end-user id: the scope of the online memory where the server keeps one per user
     output_format: OutputFormat | None = None  # structured output (response_format)
+    # Each answer token's log-probability, with this many of the most likely tokens beside it; None: none.
+    logprobs: int | None = None
+    # Completions' echo: the answer begins with the prompt (and, with logprobs, the prompt's tokens' own figures);
+    # max_tokens 0 then asks for the prompt alone (a text scored, not continued).
+    echo: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a request has either a prompt or messages")
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates
+        check_top_logprobs(self.logprobs)
 
 
 @dataclass(frozen=True)
@@ -116,12 +129,17 @@ class Chunk:
     num_forced: int = 0  # of num_accepted, the tokens a grammar forced (structured output)
     failure: Failure | None = None  # set when finish_reason is "error"
     token_ids: tuple[int, ...] = ()  # the round's generated ids the answer keeps (as num_tokens)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per id in token_ids, where the request asked for them
     text_cut: bool = False  # a stop string ended the text inside the ids: they say more than the text
 
 
 class Generation(Protocol):
     num_prompt_tokens: int
     method: str  # the method that decodes it (the server's, or the request's override)
+    echo_text: str  # an echo request's prompt as text ("" otherwise)
+    # An echo request's prompt tokens with their log-probabilities: the first token's None (nothing precedes it),
+    # each later one's under the model given the tokens before it; None where the request asked for none.
+    prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None
 
     def __aiter__(self) -> AsyncIterator[Chunk]: ...
 
@@ -208,6 +226,8 @@ class _Stream:
         self.text = TextStream(owner.tokenizer, stop)
         self.num_prompt_tokens = num_prompt_tokens
         self.method = method
+        self.echo_text = ""
+        self.prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
         self.seq_id: int | None = None
         self.submitted = time.perf_counter()
         self.joined = False  # set by the engine thread at the sequence's first round
@@ -251,7 +271,7 @@ class _Stream:
                 yield Chunk(delta, used, finish, event.stats, num_rounds=int(bool(event.token_ids)),
                             num_drafted=event.num_drafted, num_accepted=event.num_accepted,
                             num_forced=event.num_forced, token_ids=tuple(event.token_ids[:used]),
-                            text_cut=self.text.stopped)
+                            text_cut=self.text.stopped, logprobs=tuple((event.logprobs or ())[:used]))
         finally:
             # A consumer that leaves early, or a stop string the text hit before the engine's own end: free the row
             # now rather than decode to max_tokens for nobody.
@@ -301,6 +321,7 @@ class ServingEngine:
             raise ValueError("give the engine a target (and tokenizer) or a function that loads them, not both")
         self.target = target
         self.tokenizer = tokenizer
+        self._spelling: TokenSpelling | None = None  # built at the first request that asks for log-probabilities
         self.method = method
         self.model_id = model_id
         self.max_batch_size = max_batch_size
@@ -433,12 +454,26 @@ class ServingEngine:
                 f"the model's context holds {self.target.max_context} tokens, but the request asks for "
                 f"{len(prompt_ids) + request.max_tokens} ({len(prompt_ids)} in the prompt, {request.max_tokens} to "
                 "generate): shorten the prompt or ask for fewer tokens")
-        max_tokens = request.max_tokens or min(self.default_max_tokens, max(room, 1))
-        config = DecodeConfig(max_tokens, SamplingConfig(request.temperature, request.top_k, request.top_p),
-                              self.eos_token_ids, grammar)
+        if request.max_tokens == 0 and not request.echo:
+            raise ValueError("max_tokens 0 asks for no answer: it needs echo (the prompt alone, scored with logprobs)")
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(self.default_max_tokens,
+                                                                                   max(room, 1))
+        config = DecodeConfig(max(max_tokens, 1), SamplingConfig(request.temperature, request.top_k, request.top_p),
+                              self.eos_token_ids, grammar, logprobs=request.logprobs)
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids
+        if request.echo:
+            if len(prompt_ids) >= self.target.max_context:  # (what the engine refuses a prompt for, as decoding)
+                raise ContextTooLongError.for_prompt(len(prompt_ids), self.target.max_context)
+            stream.echo_text = (request.prompt if isinstance(request.prompt, str)
+                                else decode_text(self.tokenizer, prompt_ids))
+            if request.logprobs is not None:
+                stream.prompt_logprobs = await self._score(prompt_ids, request.logprobs)
+            if max_tokens == 0:  # the prompt alone: nothing for the engine to decode
+                stream.ended = True
+                stream.events.put_nowait(BatchEvent(-1, [], "length"))
+                return stream
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admission:
             if self._closing:
@@ -456,6 +491,39 @@ class ServingEngine:
                                      or self._inbox.put(("cancel", f.result())))
             raise
         return stream
+
+    @property
+    def spelling(self) -> TokenSpelling:
+        """Each token's own text and UTF-8 bytes, as a request's log-probabilities list them."""
+        if self._spelling is None or self._spelling.tokenizer is not self.tokenizer:
+            self._spelling = TokenSpelling(self.tokenizer)
+        return self._spelling
+
+    async def _score(self, prompt_ids: list[int], top: int) -> list[tuple[int, TokenLogprob | None]]:
+        """Each prompt token with its log-probability under the model given the tokens before it (the first: None),
+        computed on the engine thread between rounds, which owns the model."""
+        with self._admission:
+            if self._closing:
+                raise ShuttingDownError("the server is shutting down; retry on another instance or later")
+            future: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._inbox.put(("score", prompt_ids, top, asyncio.get_running_loop(), future))
+        figures = await future
+        return [(prompt_ids[0], None)] + [(figure.token_id, figure) for figure in figures]
+
+    def _score_now(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """The engine thread's side of :meth:`_score`: the prompt read on a fork of the target a chunk at a time,
+        every row's whole logits kept (the rows of a chunk of ``prefill_chunk`` tokens at most)."""
+        fork = self.target.fork("score")
+        fork.reset(length=len(prompt_ids))
+        figures: list[TokenLogprob] = []
+        total = len(prompt_ids) - 1  # the last token's row would score the answer's first
+        start = 0
+        while start < total:
+            stop = fork.prefill_chunk_end(start, total)
+            out = fork.forward(prompt_ids[start:stop], num_logits=stop - start)
+            figures += token_logprobs(out.logits, prompt_ids[start + 1:stop + 1], top)
+            start = stop
+        return figures
 
     @property
     def keeps_prompts(self) -> bool:
@@ -518,6 +586,8 @@ class ServingEngine:
             while not self._inbox.empty():
                 leftovers.append(self._inbox.get_nowait())
         for item in leftovers:
+            if item[0] == "score":
+                self._resolve(item[3], item[4], None, ShuttingDownError("the server is shutting down"))
             if item[0] == "submit":
                 self._admitted_done(1)
                 if item[2].memory is not None:
@@ -615,6 +685,14 @@ class ServingEngine:
                         forget_if_unused(self.target.model, stream.memory)
                     result, error = None, exc
                 self._resolve(stream.loop, future, result, error)
+            elif item[0] == "score":  # an echo request's prompt, scored before it is decoded
+                _, prompt_ids, top, loop, future = item
+                try:
+                    result, error = self._score_now(prompt_ids, top), None
+                except Exception as exc:  # a bug: the route answers 500
+                    log.exception("scoring a prompt failed")
+                    result, error = None, exc
+                self._resolve(loop, future, result, error)
             elif item[0] == "remember":  # a whole answer, as its client got it: later requests may copy from it
                 stream = item[1]
                 stream.memory.add(stream.prompt_ids, stream.answer_ids)
