@@ -406,6 +406,53 @@ def test_echo_returns_the_prompt_scored_and_max_tokens_0_the_prompt_alone(client
     assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_n_choices_are_the_seeds_answers_whole_and_streamed(client, endpoint):
+    """n choices: choice i is the answer the same request gives alone with seed + i (greedy: n times the answer),
+    with its own logprobs; usage counts the prompt once and every choice's tokens; streamed, each chunk names its
+    choice and each choice's text adds up to the whole answer's."""
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    base = chat_body("hello there", max_tokens=10) if endpoint == "chat" else {"prompt": "hello there",
+                                                                              "max_tokens": 10}
+    body = {**base, "temperature": 0.9, "seed": 11, "logprobs": True if endpoint == "chat" else 1}
+
+    def text(choice: dict) -> str:
+        return choice["message"]["content"] if endpoint == "chat" else choice["text"]
+
+    alone = [client.post(path, json={**body, "seed": seed}).json() for seed in (11, 12, 13)]
+    together = client.post(path, json={**body, "n": 3}).json()
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    assert [text(c) for c in together["choices"]] == [text(a["choices"][0]) for a in alone]
+    # (The ragged engine's padded batch rounds float32 logits otherwise than a row alone: figures to 1e-4.)
+    key = "content" if endpoint == "chat" else "token_logprobs"
+    for c, a in zip(together["choices"], alone):
+        mine, theirs = c["logprobs"][key], a["choices"][0]["logprobs"][key]
+        if endpoint == "chat":
+            mine, theirs = [e["logprob"] for e in mine], [e["logprob"] for e in theirs]
+        assert mine == pytest.approx(theirs, abs=1e-4)
+    assert len({text(c) for c in together["choices"]}) > 1  # (seeds 11-13 sample different answers here)
+    usage = together["usage"]
+    assert usage["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    assert usage["jointspec"]["seed"] == 11 and "jointspec" not in together
+    assert all(c["jointspec"]["num_new_tokens"] == a["usage"]["completion_tokens"]
+               for c, a in zip(together["choices"], alone))
+    streamed = sse_payloads(client.post(path, json={**body, "n": 3, "stream": True,
+                                                    "stream_options": {"include_usage": True}}).text)
+    pieces: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished = {}
+    for payload in streamed[:-1]:
+        (choice,) = payload["choices"]
+        pieces[choice["index"]] += choice["delta"].get("content", "") if endpoint == "chat" else choice["text"]
+        if choice["finish_reason"]:
+            finished[choice["index"]] = choice["finish_reason"]
+    assert [pieces[i] for i in range(3)] == [text(c) for c in together["choices"]]
+    assert finished == {i: c["finish_reason"] for i, c in enumerate(together["choices"])}
+    assert streamed[-1]["usage"] == usage
+    greedy = client.post(path, json={**base, "temperature": 0, "n": 2}).json()["choices"]
+    assert text(greedy[0]) == text(greedy[1])
+
+
 class SentencePieceLike:
     """The pieces a SentencePiece tokenizer gives (Llama 2, Mistral, Gemma): a word marker for a space and byte
     fallback tokens."""
@@ -456,7 +503,7 @@ BAD_REQUESTS = [
     ("chat", json.dumps(chat_body(max_tokens=True)), "max_tokens"),
     ("chat", json.dumps(chat_body(stop=5)), "stop"),
     ("chat", json.dumps(chat_body(stop=["x"] * 33)), "stop"),  # each is looked for after every token
-    ("chat", json.dumps(chat_body(n=2)), "n"),
+    ("chat", json.dumps(chat_body(n=17)), "n"),  # each choice takes a row
     ("chat", json.dumps(chat_body(top_logprobs=3)), "top_logprobs"),  # without logprobs: true, as OpenAI refuses it
     ("chat", json.dumps(chat_body(logprobs=True, top_logprobs=21)), "top_logprobs"),
     ("chat", json.dumps(chat_body(logprobs=True, top_logprobs=-1)), "top_logprobs"),
@@ -963,8 +1010,14 @@ def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokeni
                                                logprobs=1)
             assert len(legacy.choices[0].logprobs.token_logprobs) == legacy.usage.completion_tokens
             assert all(len(top) <= 2 for top in legacy.choices[0].logprobs.top_logprobs)
+            several = client.chat.completions.create(model="tiny-served", messages=messages, temperature=1.0,
+                                                     seed=7, max_tokens=8, n=3)
+            assert [c.index for c in several.choices] == [0, 1, 2]
+            assert [c.message.content for c in several.choices] == [
+                client.chat.completions.create(model="tiny-served", messages=messages, temperature=1.0, seed=seed,
+                                               max_tokens=8).choices[0].message.content for seed in (7, 8, 9)]
             with pytest.raises(openai.BadRequestError) as error:
-                client.chat.completions.create(model="tiny-served", messages=messages, n=3)
+                client.chat.completions.create(model="tiny-served", messages=messages, n=17)
             assert error.value.body["param"] == "n"
 
             async def concurrently() -> list[str]:

@@ -136,6 +136,25 @@ def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(make_engine, m
         assert outcome_count(url, "completions", "completed") == 3
 
 
+def test_choices_the_queue_cannot_hold_are_refused_together_and_leave_nothing_running(make_engine, monkeypatch):
+    # n choices are n sequences, admitted all or none: where the queue holds only some, those are cancelled and the
+    # request gets 429, and the server is idle again at once.
+    gate = held_rounds(monkeypatch)
+    engine = make_engine(max_batch_size=1, max_queue=1)  # room for two sequences in flight
+    body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
+    with live_server(create_app(ServerSettings(), engine)) as (url, _):
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}, timeout=TIMEOUT)
+        assert refused.status_code == 429
+        assert_envelope(refused.json(), "queue_full")
+        deadline = time.monotonic() + TIMEOUT
+        while not engine.is_idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.is_idle()
+        gate.set()
+        both = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=TIMEOUT)
+        assert both.status_code == 200 and len(both.json()["choices"]) == 2
+
+
 # -- timeouts, clients leaving, stop strings --------------------------------------------------------------------
 
 def test_a_request_past_its_timeout_is_stopped_and_gets_504(make_engine, monkeypatch):

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
@@ -136,6 +136,7 @@ class StreamOptions(_Body):
 
 
 MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
+MAX_CHOICES = 16  # choices a request may ask for (n): each is a sequence of the batch
 
 
 class _Sampling(_Body):
@@ -511,7 +512,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             try:
                 body = await asyncio.to_thread(_parse, raw, model)  # a large body's parse takes its time: off the loop
                 engine_request = _engine_request(body)
-                generation = await _submit(engine_request, deadline)
+                generations = await _submit_choices(engine_request, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
                 return error_response(error)
@@ -521,17 +522,19 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 log.exception("unhandled error", exc_info=error)
                 metrics.count_request(endpoint, "error")
                 return error_response(_internal_error())
-            metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
-            reply = _Reply(endpoint, engine.model_id, generation.num_prompt_tokens,
+            first = generations[0]
+            for generation in generations:  # (each choice reads the prompt)
+                metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
+            reply = _Reply(endpoint, engine.model_id, first.num_prompt_tokens,
                            engine_request.seed if engine_request.temperature > 0 else None,
                            engine.spelling if engine_request.logprobs is not None else None)
             if engine_request.echo:
-                reply.echo_text, reply.prompt_logprobs = generation.echo_text, generation.prompt_logprobs
-            chunks = _timed(generation, arrived, deadline)
+                reply.echo_text, reply.prompt_logprobs = first.echo_text, first.prompt_logprobs
+            chunks = [_timed(generation, arrived, deadline) for generation in generations]
             if not body.stream:
-                return await _whole(request, endpoint, reply, chunks, generation, body.return_token_ids)
+                return await _whole(request, endpoint, reply, chunks, generations, body.return_token_ids)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse(endpoint, reply, chunks, generation, include_usage, ticket)
+            events = _sse(endpoint, reply, chunks, generations, include_usage, ticket)
             # Start the generator here: a body that never starts never runs its finally (which frees the row and
             # the ticket), and Starlette drops a response's body unstarted when the client is gone before it.
             first = await anext(events)
@@ -542,6 +545,22 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         finally:
             if not streaming:  # a stream gives its ticket back when it ends
                 ticket.close()
+
+    async def _submit_choices(engine_request: CompletionRequest, n: int,
+                              deadline: float | None) -> list[Generation]:
+        """The request's ``n`` choices, each a sequence of its own: choice i samples with the request's seed + i (a
+        greedy request's choices are the same answer). All or none: where one is refused (the queue full, say),
+        those already submitted are cancelled and the refusal answers the request."""
+        generations: list[Generation] = []
+        try:
+            for index in range(n):
+                seed = (engine_request.seed + index) % 2 ** 63
+                generations.append(await _submit(replace(engine_request, seed=seed), deadline))
+        except BaseException:
+            for generation in generations:
+                generation.cancel()
+            raise
+        return generations
 
     async def _submit(engine_request: CompletionRequest, deadline: float | None) -> Generation:
         try:
@@ -582,12 +601,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 metrics.count_tokens(num_cached_prompt_tokens=chunk.stats.prompt_tokens_reused)
             yield chunk
 
-    async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk],
-                     generation: Generation, return_token_ids: bool) -> JSONResponse:
-        async def collect() -> list[Chunk]:
-            return [chunk async for chunk in chunks]
+    async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: list[AsyncIterator[Chunk]],
+                     generations: list[Generation], return_token_ids: bool) -> JSONResponse:
+        async def collect(choice: AsyncIterator[Chunk]) -> list[Chunk]:
+            return [chunk async for chunk in choice]
 
-        collecting = asyncio.ensure_future(collect())
+        async def collect_all() -> list[list[Chunk]]:  # (a task: cancelled, it takes its gather's error with it)
+            return await asyncio.gather(*(collect(choice) for choice in chunks))
+
+        collecting = asyncio.ensure_future(collect_all())
         leaving = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
@@ -596,29 +618,34 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             left = not collecting.done()
             if left:  # the client left (or this task was cancelled): stop decoding for it
                 collecting.cancel()
-                generation.cancel()
+                for generation in generations:
+                    generation.cancel()
                 metrics.count_request(endpoint, "cancelled")
         if left:
             return JSONResponse({}, status_code=499)  # nobody reads it
         if isinstance(collecting.exception(), RequestError):  # past the request timeout
+            for generation in generations:
+                generation.cancel()
             metrics.count_request(endpoint, "timeout")
             return error_response(collecting.exception())
         collected = collecting.result()
-        if collected and collected[-1].failure is not None:
-            metrics.count_request(endpoint, _failure_outcome(collected[-1].failure))
-            return error_response(_from_failure(collected[-1].failure, settings.retry_after))
+        failure = next((c[-1].failure for c in collected if c and c[-1].failure is not None), None)
+        if failure is not None:
+            metrics.count_request(endpoint, _failure_outcome(failure))
+            return error_response(_from_failure(failure, settings.retry_after))
         metrics.count_request(endpoint, "completed")
         return JSONResponse(reply.whole(collected, return_token_ids=return_token_ids))
 
-    async def _sse(endpoint: str, reply: _Reply, chunks: AsyncIterator[Chunk], generation: Generation,
+    async def _sse(endpoint: str, reply: _Reply, chunks: list[AsyncIterator[Chunk]], generations: list[Generation],
                    include_usage: bool, ticket: _Ticket) -> AsyncIterator[str]:
         outcome = "cancelled"  # unless it gets to an end of its own: the client left
         try:
-            yield _event(reply.first_chunk())
-            if reply.echo_text or reply.prompt_logprobs is not None:
-                yield _event(reply.echo_chunk())
+            for index in range(len(chunks)):
+                yield _event(reply.first_chunk(index))
+                if reply.echo_text or reply.prompt_logprobs is not None:
+                    yield _event(reply.echo_chunk(index))
             try:
-                async for chunk in chunks:
+                async for index, chunk in _merged(chunks):
                     reply.add(chunk)
                     if chunk.failure is not None:
                         outcome = _failure_outcome(chunk.failure)
@@ -627,7 +654,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                     # Rounds whose text is held back (half a character) send nothing, unless they carry the
                     # log-probabilities of their tokens.
                     if chunk.text or chunk.finish_reason or chunk.logprobs:
-                        yield _event(reply.chunk(chunk))
+                        yield _event(reply.chunk(chunk, index))
             except RequestError as error:  # past the request timeout
                 outcome = "timeout"
                 yield _event(error.body())
@@ -637,12 +664,37 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             yield "data: [DONE]\n\n"
             outcome = "completed"
         finally:
-            if outcome != "completed":  # the client left, or the stream failed: free the row
-                generation.cancel()
+            if outcome != "completed":  # the client left, or the stream failed: free the rows
+                for generation in generations:
+                    generation.cancel()
             metrics.count_request(endpoint, outcome)
             ticket.close()
 
     return app
+
+
+async def _merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) from every stream as each chunk arrives (one stream: its chunks in turn); an error any stream
+    raises ends the merge, raised here, its siblings' reads cancelled."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                try:
+                    chunk = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, chunk
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -721,8 +773,9 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         body = model.model_validate(data)
     except ValidationError as error:
         raise _from_validation(error) from None
-    if body.n != 1:
-        raise RequestError("n > 1 is not supported: send one request per choice", param="n")
+    if body.n > MAX_CHOICES:
+        raise RequestError(f"n must be at most {MAX_CHOICES} (each choice takes a row of the batch), got {body.n}",
+                           param="n")
     if getattr(body, "best_of", None) not in (None, 1):
         raise RequestError("best_of > 1 is not supported", param="best_of")
     _requested_logprobs(body)  # refused here where out of range
@@ -862,7 +915,8 @@ class _Reply:
         # token id -> (its text, its UTF-8 bytes), for the log-probabilities (backends/tokens.py, TokenSpelling);
         # None: the request asked for none.
         self.spell = spell
-        self.answer_bytes = b""  # completions' logprobs: the answer's bytes so far, for each token's text_offset
+        # completions' logprobs: each choice's answer bytes so far, by index, for each token's text_offset
+        self.answer_bytes: dict[int, bytes] = {}
         # Completions' echo: the prompt's text, and its tokens' figures where logprobs were asked for (Generation).
         self.echo_text = ""
         self.prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
@@ -884,11 +938,11 @@ class _Reply:
         self.num_drafted += chunk.num_drafted
         self.num_accepted += chunk.num_accepted
         self.num_forced += chunk.num_forced
-        if chunk.stats is not None:
-            self.num_cached = chunk.stats.prompt_tokens_reused
+        if chunk.stats is not None:  # (several choices: each read the prompt; the most any took from the cache)
+            self.num_cached = max(self.num_cached, chunk.stats.prompt_tokens_reused)
 
-    def _envelope(self, kind: str, choice: dict) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+    def _envelope(self, kind: str, *choices: dict) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": list(choices)}
 
     def usage(self) -> dict:
         # "jointspec" is an extension: OpenAI's clients keep unknown usage fields (or drop them) without failing.
@@ -908,17 +962,18 @@ class _Reply:
     def _finish(reason: str | None) -> str | None:
         return {"cancelled": "stop"}.get(reason, reason)
 
-    def first_chunk(self) -> dict:
+    def first_chunk(self, index: int = 0) -> dict:
         if self.chat:
             return self._envelope("chat.completion.chunk",
-                                  {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        return self._envelope("text_completion", {"index": 0, "text": "", "logprobs": None, "finish_reason": None})
+                                  {"index": index, "delta": {"role": "assistant", "content": ""},
+                                   "finish_reason": None})
+        return self._envelope("text_completion", {"index": index, "text": "", "logprobs": None, "finish_reason": None})
 
-    def logprobs(self, figures: list[TokenLogprob]) -> dict | None:
-        """OpenAI's ``logprobs`` of a choice (or of a streamed chunk's choice) for ``figures``, in the endpoint's
-        shape: chat's ``content`` list (each token with its text, bytes and ``top_logprobs``), or completions'
-        parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as text -> log-probability with the chosen
-        token among them, ``text_offset``). None where the request asked for none."""
+    def logprobs(self, figures: list[TokenLogprob], index: int = 0) -> dict | None:
+        """OpenAI's ``logprobs`` of choice ``index`` (or of a streamed chunk of it) for ``figures``, in the
+        endpoint's shape: chat's ``content`` list (each token with its text, bytes and ``top_logprobs``), or
+        completions' parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as text -> log-probability with
+        the chosen token among them, ``text_offset``). None where the request asked for none."""
         if self.spell is None:
             return None
         if self.chat:
@@ -927,19 +982,20 @@ class _Reply:
                 return {"token": text, "logprob": json_logprob(value), "bytes": list(data)}
             return {"content": [{**entry(f.token_id, f.logprob), "top_logprobs": [entry(*pair) for pair in f.top]}
                                 for f in figures], "refusal": None}
-        return self._completion_logprobs([(f.token_id, f) for f in figures])
+        return self._completion_logprobs([(f.token_id, f) for f in figures], index)
 
-    def _completion_logprobs(self, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
-        """Completions' lists for tokens given as (id, figures), figures None for an echoed prompt's first token
-        (which nothing precedes): its entries are then null, as OpenAI writes them."""
+    def _completion_logprobs(self, entries: list[tuple[int, TokenLogprob | None]], index: int) -> dict:
+        """Completions' lists for choice ``index``'s tokens given as (id, figures), figures None for an echoed
+        prompt's first token (which nothing precedes): its entries are then null, as OpenAI writes them."""
         tokens, offsets = [], []
         for token_id, _ in entries:
             text, data = self.spell(token_id)
             tokens.append(text)
             # Where its text starts in the answer: the whole characters before it (special tokens write none).
-            offsets.append(len(self.answer_bytes.decode("utf-8", errors="ignore")))
+            written = self.answer_bytes.get(index, b"")
+            offsets.append(len(written.decode("utf-8", errors="ignore")))
             if not self.spell.is_special(token_id):
-                self.answer_bytes += data
+                self.answer_bytes[index] = written + data
         top = [None if f is None else
                {self.spell(token_id)[0]: json_logprob(value) for token_id, value in (*f.top, (f.token_id, f.logprob))}
                for _, f in entries]
@@ -947,53 +1003,67 @@ class _Reply:
                                                      for _, f in entries], "top_logprobs": top,
                 "text_offset": offsets}
 
-    def echo_chunk(self) -> dict:
-        """A streamed completion's echo: the prompt's text (and figures), before the answer's chunks."""
-        logprobs = (None if self.spell is None or self.prompt_logprobs is None
-                    else self._completion_logprobs(self.prompt_logprobs))
-        return self._envelope("text_completion", {"index": 0, "text": self.echo_text, "logprobs": logprobs,
-                                                  "finish_reason": None})
+    def _prompt_logprobs(self, index: int) -> dict | None:
+        """An echoed prompt's entries in choice ``index``'s lists (None where none were asked for)."""
+        if self.spell is None or self.prompt_logprobs is None:
+            return None
+        return self._completion_logprobs(self.prompt_logprobs, index)
 
-    def chunk(self, chunk: Chunk) -> dict:
+    def echo_chunk(self, index: int = 0) -> dict:
+        """A streamed completion's echo: the prompt's text (and figures), before the answer's chunks."""
+        return self._envelope("text_completion", {"index": index, "text": self.echo_text,
+                                                  "logprobs": self._prompt_logprobs(index), "finish_reason": None})
+
+    def chunk(self, chunk: Chunk, index: int = 0) -> dict:
         finish = self._finish(chunk.finish_reason)
-        logprobs = self.logprobs(list(chunk.logprobs))
+        logprobs = self.logprobs(list(chunk.logprobs), index)
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = logprobs
             return self._envelope("chat.completion.chunk", choice)
-        return self._envelope("text_completion", {"index": 0, "text": chunk.text, "logprobs": logprobs,
+        return self._envelope("text_completion", {"index": index, "text": chunk.text, "logprobs": logprobs,
                                                   "finish_reason": finish})
 
     def usage_chunk(self) -> dict:
-        payload = self._envelope("chat.completion.chunk" if self.chat else "text_completion", {})
-        payload["choices"] = []
+        payload = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         payload["usage"] = self.usage()
         return payload
 
-    def whole(self, chunks: list[Chunk], return_token_ids: bool = False) -> dict:
+    def _choice(self, chunks: list[Chunk], index: int, return_token_ids: bool) -> dict:
         for chunk in chunks:
             self.add(chunk)
-        text = "".join(c.text for c in chunks)
+        text = self.echo_text + "".join(c.text for c in chunks)  # (completions' echo: the prompt first)
         finish = self._finish(chunks[-1].finish_reason if chunks else "stop")
-        text = self.echo_text + text  # (completions' echo: the prompt first)
         # The echoed prompt's entries first: the answer's text offsets then count from the prompt's start.
-        prompt_part = (self._completion_logprobs(self.prompt_logprobs)
-                       if self.spell is not None and self.prompt_logprobs is not None else None)
-        logprobs = self.logprobs([figure for c in chunks for figure in c.logprobs])
+        prompt_part = self._prompt_logprobs(index)
+        logprobs = self.logprobs([figure for c in chunks for figure in c.logprobs], index)
         if prompt_part is not None:
             logprobs = {key: prompt_part[key] + logprobs[key] for key in logprobs}
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if return_token_ids and not any(c.text_cut for c in chunks):
             choice["token_ids"] = [token for c in chunks for token in c.token_ids]
-        payload = self._envelope("chat.completion" if self.chat else "text_completion", choice)
+        return choice
+
+    def whole(self, choices: list[list[Chunk]], return_token_ids: bool = False) -> dict:
+        """The whole answer: one choice per list of chunks (each choice's, in order)."""
+        payload = self._envelope("chat.completion" if self.chat else "text_completion",
+                                 *(self._choice(chunks, index, return_token_ids)
+                                   for index, chunks in enumerate(choices)))
         payload["usage"] = self.usage()
-        stats = chunks[-1].stats if chunks else None
-        if stats is not None:
-            payload["jointspec"] = stats.to_dict()  # an extension field: OpenAI clients ignore it
+        # The engine's full statistics, an extension field OpenAI clients ignore: the request's, or with several
+        # choices each choice's own.
+        stats = [chunks[-1].stats if chunks else None for chunks in choices]
+        if len(choices) == 1:
+            if stats[0] is not None:
+                payload["jointspec"] = stats[0].to_dict()
+        else:
+            for choice, own in zip(payload["choices"], stats):
+                if own is not None:
+                    choice["jointspec"] = own.to_dict()
         return payload
