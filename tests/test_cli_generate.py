@@ -365,6 +365,14 @@ def test_logprobs_in_json_and_as_a_table(capsys, model_dirs):
     assert_clean_error(code, err, "--logprobs must be a whole number from 0 to 20")
 
 
+def test_min_p_one_samples_the_greedy_answer_and_a_bad_one_is_refused(capsys, model_dirs):
+    args = ("generate", PROMPT, "--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "12", "--json")
+    greedy = json_result(capsys, *args)["token_ids"]
+    assert json_result(capsys, *args, "--temperature", "1", "--min-p", "1", "--seed", "4")["token_ids"] == greedy
+    code, _, err = run_cli(capsys, *args, "--temperature", "1", "--min-p", "1.5")
+    assert_clean_error(code, err, "--min-p must be in [0, 1]")
+
+
 def test_json_quality_block(capsys, model_dirs, monkeypatch):
     """--json reports perplexity under the raw target (checked against a direct computation), distinct-2 and the
     4-gram repetition rate of the tokens it printed (counted here by hand), and energy per token only from a

@@ -67,6 +67,34 @@ def test_order_temperature_then_top_k_then_top_p():
     probs_close(processed_probs(logits, SamplingConfig(temperature=1.0, top_p=0.6)), [0.625, 0.375, 0])
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_best_after_the_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])  # probabilities relative to the best: 1, e^-1, e^-2, e^-3
+    e = [math.exp(x) for x in (2.0, 1.0)]
+    probs_close(processed_probs(logits, SamplingConfig(1.0, min_p=0.3)), [e[0] / sum(e), e[1] / sum(e), 0, 0])
+    probs_close(processed_probs(logits, SamplingConfig(0.5, min_p=0.3)), [1, 0, 0, 0])  # tempered: e^-2 < 0.3
+    probs_close(processed_probs(logits, SamplingConfig(1.0, min_p=1.0)), [1, 0, 0, 0])  # the best alone
+    assert torch.equal(processed_probs(logits, SamplingConfig(1.0, min_p=0.0)), processed_probs(logits,
+                                                                                                SamplingConfig(1.0)))
+    # With top-k and top-p: min-p between the temperature and top-k, as vLLM applies it (top-k gives the same set in
+    # either order; top-p runs over what min-p left).
+    generator = torch.Generator().manual_seed(2)
+    rows = 2 * torch.randn(3, 500, generator=generator)
+    for sampling in (SamplingConfig(0.8, top_k=40, min_p=0.05), SamplingConfig(1.2, top_p=0.9, min_p=0.1),
+                     SamplingConfig(1.0, top_k=100, top_p=0.8, min_p=0.02)):
+        scaled = rows / sampling.temperature
+        kept = scaled.masked_fill(scaled < scaled.max(dim=-1, keepdim=True).values + math.log(sampling.min_p),
+                                  float("-inf"))
+        reference = _full_vocabulary_reference(kept, SamplingConfig(1.0, sampling.top_k, sampling.top_p))
+        got = processed_probs(rows, sampling)
+        assert torch.equal(got > 0, reference > 0), sampling
+        torch.testing.assert_close(got, reference, atol=1e-6, rtol=0)
+        without = processed_probs(rows, SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p))
+        assert int((got > 0).sum()) < int((without > 0).sum())  # it dropped some
+        if not sampling.top_p < 1.0:  # top-k alone: min-p last, on what top-k left, is the same
+            last = without.masked_fill(without < sampling.min_p * without.max(dim=-1, keepdim=True).values, 0.0)
+            torch.testing.assert_close(got, last / last.sum(dim=-1, keepdim=True), atol=1e-6, rtol=0)
+
+
 def test_processed_probs_keeps_leading_dimensions():
     logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))  # [2, 3, vocab]
     probs = processed_probs(logits, SamplingConfig(temperature=0.8, top_k=3, top_p=0.9))
@@ -90,7 +118,8 @@ def test_top_p_sorts_only_finite_logits_and_matches_a_full_sort():
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"temperature": float("nan")}, {"top_k": -1},
-                                    {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.2}])
+                                    {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.2}, {"min_p": -0.1},
+                                    {"min_p": 1.5}])
 def test_sampling_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
@@ -214,7 +243,8 @@ def test_each_row_gets_the_bits_it_gets_alone_whatever_rows_come_with_it():
     masked = peaked.masked_fill(torch.arange(6000) % 3 == 0, float("-inf"))  # fewer finite logits
     cases = [(SamplingConfig(1.0, top_k=10), peaked, tied), (SamplingConfig(0.8, top_k=10, top_p=0.7), peaked, tied),
              (SamplingConfig(1.0, top_p=0.9), peaked, flat), (SamplingConfig(1.0, top_p=0.9), mid, peaked),
-             (SamplingConfig(1.0, top_p=0.9), flat, masked), (SamplingConfig(0.7, top_k=10, top_p=0.8), tied, masked)]
+             (SamplingConfig(1.0, top_p=0.9), flat, masked), (SamplingConfig(0.7, top_k=10, top_p=0.8), tied, masked),
+             (SamplingConfig(1.0, top_p=0.9, min_p=0.05), peaked, flat), (SamplingConfig(1.0, min_p=0.01), mid, flat)]
     for sampling, first, second in cases:
         together = processed_probs(torch.stack([first, second]), sampling)
         for row, alone in zip(together, (processed_probs(first[None], sampling), processed_probs(second, sampling))):

@@ -122,6 +122,7 @@ def test_plain_sampling_and_lookup_drafts_draw_the_same_tokens_through_the_scree
     assert target.capabilities.draw_screen
     sampling = SamplingConfig(temperature=0.3)  # low enough for the tiny model to repeat itself: drafts accepted
     assert draws_for(sampling) and not draws_for(SamplingConfig(temperature=0.9, top_p=0.95))
+    assert not draws_for(SamplingConfig(temperature=0.9, min_p=0.1))  # min-p needs the whole row
     for seed in range(4):
         prompt = random_prompt(1, 24)  # seed 1's prompt repeats itself: lookup drafts plenty
         plain = decode(target, "ar", prompt, sampling, seed)

@@ -231,6 +231,20 @@ def test_top_p_applied_to_the_target():
     assert p_first > ALPHA and p_joint > ALPHA, (p_first, p_joint)
 
 
+def test_min_p_applied_to_the_target():
+    # min_p = 0.45 keeps the tokens at least 0.45 times as likely as the best: row 0 (best 0.40) keeps {1, 3}
+    # (0.25 >= 0.18; 0.15 is not), renormalised to 0.40 / 0.65 and 0.25 / 0.65; row 1 (best 0.30) keeps {0, 2, 5}
+    # (0.20 >= 0.135), renormalised over 0.80.
+    logits = logits_from_probs(TARGET)
+    target = np.zeros((3, VOCAB))
+    target[0, [1, 3]] = [0.40 / 0.65, 0.25 / 0.65]
+    target[1, [0, 2, 5]] = [0.375, 0.25, 0.375]
+    target[2, [2, 4]] = [0.40 / 0.60, 0.20 / 0.60]
+    case = chain_case(target, DRAFT, sampling=SamplingConfig(temperature=1.0, min_p=0.45), target_logits=logits)
+    p_first, p_joint = lossless_pvalues(RejectionSamplingVerifier(), case, seed=8)
+    assert p_first > ALPHA and p_joint > ALPHA, (p_first, p_joint)
+
+
 def test_residual_distribution_by_hand():
     target = torch.tensor([0.5, 0.3, 0.2, 0.0])
     draft = torch.tensor([0.2, 0.5, 0.1, 0.2])

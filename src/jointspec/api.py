@@ -30,11 +30,13 @@ from jointspec.methods.registry import options_set, unknown_method_error, unread
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to decode one prompt: at most ``max_new_tokens`` new tokens; greedy at ``temperature`` 0 (the default),
-    else sampled with that temperature and, where set, a ``top_k`` (0: none) and a ``top_p`` (1: none). ``seed``: the
-    sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each generation,
-    which :attr:`GenerationResult.seed` reports), except with a method whose draft lengths follow measured timings
-    (``sps``, ``hybrid``, ``mtad``, ``specinfer``, ``spectr`` unless ``cost_aware=False``; ``hybrid-tree``; ``default``
-    where it drafts its head's tree): its drafts draw from the same generator, so another length draws otherwise.
+    else sampled with that temperature and, where set, a ``top_k`` (0: none), a ``top_p`` (1: none) and a ``min_p``
+    (0: none; tokens less than min_p times as likely as the most likely one are dropped, after the temperature).
+    ``seed``: the sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each
+    generation, which :attr:`GenerationResult.seed` reports), except with a method whose draft lengths follow
+    measured timings (``sps``, ``hybrid``, ``mtad``, ``specinfer``, ``spectr`` unless ``cost_aware=False``;
+    ``hybrid-tree``; ``default`` where it drafts its head's tree): its drafts draw from the same generator, so another
+    length draws otherwise.
     ``chat``: wrap a text prompt in the model's chat template as one user message (where the tokenizer has one).
     ``output_format``: what the answer must match (structured output: JSON of a schema, a regex, a Lark grammar;
     :class:`~jointspec.core.grammar.OutputFormat`), through any method. ``logprobs``: each new token's
@@ -45,6 +47,7 @@ class GenerationConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
     output_format: OutputFormat | None = None
@@ -70,7 +73,7 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass

@@ -44,8 +44,10 @@ def load_results(path: str | Path) -> dict:
 
 
 # Settings that change what a run samples or scores; shards with different values do not pool.
-POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "perplexity", "repeats", "quantize",
-                   "auto_quantize", "kv_cache")
+POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "perplexity", "repeats",
+                   "quantize", "auto_quantize", "kv_cache")
+# What a results.json written before a setting existed ran with.
+SETTING_DEFAULTS = {"min_p": 0.0}
 
 
 def _model_name(model):
@@ -79,9 +81,10 @@ def pool_results(results: list[dict], names: list[str] | None = None) -> dict:
                                f"{', '.join(first['methods'])}; only runs of the same methods pool")
         config = result.get("config", {})
         for key in POOLED_SETTINGS:
-            if config.get(key) != first_config.get(key):
-                raise ResultsError(f"{name} has {key}={config.get(key)!r}, {names[0]} has "
-                                   f"{key}={first_config.get(key)!r}; only runs with the same settings pool")
+            mine, theirs = (c.get(key, SETTING_DEFAULTS.get(key)) for c in (config, first_config))
+            if mine != theirs:
+                raise ResultsError(f"{name} has {key}={mine!r}, {names[0]} has {key}={theirs!r}; only runs with the "
+                                   "same settings pool")
         model, first_model = (r.get("environment", {}).get("model") for r in (result, first))
         if _model_name(model) != _model_name(first_model):
             raise ResultsError(f"{name} ran model {model!r}, {names[0]} ran {first_model!r}; only runs of one target "

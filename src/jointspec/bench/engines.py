@@ -73,7 +73,7 @@ class JointspecEngine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+                                  top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed)
         device = self.pipeline.target.device
         synchronize(device)
         start = time.perf_counter()
@@ -173,7 +173,7 @@ class HFEngine:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, prompt_len]
         # The same temperature -> top-k -> top-p order as jointspec.core.sampling (transformers' default warper order).
         options = ({"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                    "top_p": sampling.top_p} if not sampling.greedy
+                    "top_p": sampling.top_p, "min_p": sampling.min_p or None} if not sampling.greedy
                    else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
         calls = 0
 

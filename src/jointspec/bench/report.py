@@ -428,7 +428,8 @@ def _write_report(result: BenchResult, summary: dict, folder: Path, command: str
           f"Python {env['python']}.\n",
           f"{_count(len(summary[result.baseline]['per_category']), 'category', 'categories')}, "
           f"{_count(summary[result.baseline]['num_prompts'], 'prompt', 'prompts')}, max_new_tokens "
-          f"{config.max_new_tokens}, temperature {config.temperature} (top-k {config.top_k}, top-p {config.top_p}), "
+          f"{config.max_new_tokens}, temperature {config.temperature} (top-k {config.top_k}, top-p {config.top_p}"
+          f"{f', min-p {config.min_p}' if config.min_p else ''}), "
           f"seed {config.seed}, {_count(config.repeats, 'timed repeat', 'timed repeats')}"
           f"{' after a discarded warm-up' if config.warmup else ' (no warm-up)'}; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",

@@ -51,6 +51,7 @@ class BenchConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     warmup: bool = True
     perplexity: bool = True
@@ -77,11 +78,11 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        _ = self.sampling  # building it validates temperature, top-k and top-p
+        _ = self.sampling  # building it validates temperature, top-k, top-p and min-p
 
     @property
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass

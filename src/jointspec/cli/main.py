@@ -88,7 +88,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else fresh_seed()
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=seed, chat=not args.no_chat,
+                                  top_p=args.top_p, min_p=args.min_p, seed=seed, chat=not args.no_chat,
                                   output_format=_output_format(args), logprobs=args.logprobs)
         method = method_config_from_args(args)
         check_reads(method, args)

@@ -172,10 +172,13 @@ def model_options(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:
-    """--temperature, --top-k, --top-p and --seed, as generate and chat take them (greedy by default)."""
+    """--temperature, --top-k, --top-p, --min-p and --seed, as generate and chat take them (greedy by default)."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="0 = off; drop tokens less than this times as likely as the most likely one (after the "
+                             "temperature, as transformers and vLLM apply it)")
     parser.add_argument("--seed", type=int, default=None, help=seed_help)
 
 
@@ -246,7 +249,8 @@ def check_reads(config, args: argparse.Namespace | None = None) -> None:
 
 # Settings whose checks (GenerationConfig, SamplingConfig, MethodConfig) name them as the Python API spells them.
 _FLAGGED_FIELDS = ("max_num_draft_tokens", "num_draft_tokens", "max_new_tokens", "accept_threshold", "tree_budget",
-                   "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "temperature", "seed", "logprobs")
+                   "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "min_p", "temperature", "seed",
+                   "logprobs")
 
 
 def with_flags(message: str) -> str:

@@ -8,6 +8,11 @@ Convention (the same for every method, drafter and verifier, and the same as Hug
    first);
 4. softmax over the kept tokens; every other token gets probability exactly 0.
 
+``min_p`` (0: off) keeps only the tokens at least ``min_p`` times as likely as the most likely one, between steps 1
+and 2: on the tempered logits, a token staying where its logit is at least the row's largest plus log(``min_p``). That
+is vLLM's order (temperature, min-p, then top-k and top-p). Top-k gives the same set either way, top-p does not:
+transformers applies min-p after top-p, and llama.cpp's sampler chain before its temperature.
+
 On a CPU where this process has loaded the compiled kernels, the top-k search and the draw run there (``_row_kernels``):
 the same bits as the PyTorch operations, in a pass over the row instead of several.
 
@@ -34,9 +39,11 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, kind in (("temperature", "a number"), ("top_k", "an int"), ("top_p", "a number")):
+        for name, kind in (("temperature", "a number"), ("top_k", "an int"), ("top_p", "a number"),
+                           ("min_p", "a number")):
             value = getattr(self, name)
             wanted = numbers.Integral if name == "top_k" else numbers.Real  # (numpy's scalars are these too)
             if isinstance(value, bool) or not isinstance(value, wanted):
@@ -49,6 +56,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 = no min-p), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +82,8 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     rows = logits.reshape(-1, logits.shape[-1]) / sampling.temperature
+    if sampling.min_p > 0.0:
+        rows = _min_p_kept(rows, sampling.min_p)
     try:
         probs = _processed(rows, sampling)
     except _PathsDiffer:
@@ -111,6 +122,13 @@ def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def _min_p_kept(rows: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Tempered rows with every token less than ``min_p`` times as likely as the row's most likely one at -inf (its
+    logit below the largest plus log(``min_p``)); the most likely token always stays."""
+    floor = rows.max(dim=-1, keepdim=True).values + math.log(min_p)
+    return rows.masked_fill(rows < floor, float("-inf"))
 
 
 def _top_p_drop(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -289,8 +307,9 @@ class RowDraws:
 
 
 def draws_for(sampling: SamplingConfig) -> bool:
-    """Whether rows sampled with ``sampling`` may be drawn through a screen (temperature alone)."""
-    return not sampling.greedy and sampling.top_k == 0 and sampling.top_p == 1.0
+    """Whether rows sampled with ``sampling`` may be drawn through a screen (temperature alone: no top-k, top-p or
+    min-p)."""
+    return not sampling.greedy and sampling.top_k == 0 and sampling.top_p == 1.0 and sampling.min_p == 0.0
 
 
 def sequence_draw_key(generator: torch.Generator | None) -> int:

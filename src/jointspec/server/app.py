@@ -174,7 +174,8 @@ class _Sampling(_Body):
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
-    # vLLM's sampling extensions, refused likewise unless neutral (a vLLM client sends them).
+    # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
+    # after the temperature, as vLLM drops them), and repetition_penalty, refused unless neutral.
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
@@ -790,9 +791,6 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("audio output is not supported: this server answers text", param="audio")
     if getattr(body, "web_search_options", None) is not None:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
-    if body.min_p:
-        raise RequestError("min_p is not supported (only 0): the answer would ignore it; use top_p or top_k",
-                           param="min_p")
     if body.repetition_penalty != 1:
         raise RequestError("repetition_penalty is not supported (only 1): the answer would ignore it",
                            param="repetition_penalty")
@@ -878,7 +876,7 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
         top_p, top_k = 1.0, 1
     # OpenAI's API takes any temperature in [0, 2]; one too small to sample with is greedy decoding, its limit.
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
-    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed,
                   stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format),
                   logprobs=_requested_logprobs(body))
     try:

@@ -87,6 +87,7 @@ class CompletionRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
     method: dict | None = None  # the request's "jointspec" options, overriding the server's method
@@ -101,7 +102,7 @@ class CompletionRequest:
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("a request has either a prompt or messages")
-        SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates
+        SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)  # validates
         check_top_logprobs(self.logprobs)
 
 
@@ -458,7 +459,8 @@ class ServingEngine:
             raise ValueError("max_tokens 0 asks for no answer: it needs echo (the prompt alone, scored with logprobs)")
         max_tokens = request.max_tokens if request.max_tokens is not None else min(self.default_max_tokens,
                                                                                    max(room, 1))
-        config = DecodeConfig(max(max_tokens, 1), SamplingConfig(request.temperature, request.top_k, request.top_p),
+        config = DecodeConfig(max(max_tokens, 1), SamplingConfig(request.temperature, request.top_k, request.top_p,
+                                                            request.min_p),
                               self.eos_token_ids, grammar, logprobs=request.logprobs)
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
