@@ -414,8 +414,32 @@ def test_echo_returns_the_prompt_scored_and_max_tokens_0_the_prompt_alone(client
     batched = client.post("/v1/completions", json={"prompt": [prompt_ids], "max_tokens": 0, "echo": True,
                                                    "logprobs": 1}).json()["choices"][0]
     assert batched["logprobs"]["token_logprobs"] == figures["token_logprobs"]
-    two = client.post("/v1/completions", json={"prompt": [prompt_ids, prompt_ids], "max_tokens": 0, "echo": True})
-    assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
+    two = client.post("/v1/completions", json={"prompt": [prompt_ids, prompt_ids[:3]], "max_tokens": 0, "echo": True,
+                                               "logprobs": 1}).json()
+    assert [c["logprobs"]["token_logprobs"] for c in two["choices"]] == [figures["token_logprobs"],
+                                                                         figures["token_logprobs"][:3]]
+    assert two["usage"]["prompt_tokens"] == len(prompt_ids) + 3 and "seed" not in two["usage"]["jointspec"]
+
+
+def test_a_batch_of_prompts_gets_each_prompts_choices_in_openais_order(client):
+    """Completions' list of prompts (what batching clients send, lm-eval's batch_size among them): prompt i's choice
+    j has index i * n + j, is the answer that prompt gets alone with the request's seed + its index, and usage counts
+    each prompt once."""
+    prompts = ["bees in a hive", "warm water", "one more line"]
+    body = {"max_tokens": 8, "temperature": 0.9, "seed": 5, "n": 2}
+    batch = client.post("/v1/completions", json={**body, "prompt": prompts}).json()
+    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    alone = [client.post("/v1/completions", json={**body, "prompt": prompts[i // 2], "n": 1, "seed": 5 + i}).json()
+             for i in range(6)]
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert batch["usage"]["prompt_tokens"] == sum(alone[i]["usage"]["prompt_tokens"] for i in (0, 2, 4))
+    assert batch["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    echoed = client.post("/v1/completions", json={**body, "prompt": prompts, "echo": True, "stream": True}).text
+    texts: dict[int, str] = {}
+    for payload in sse_payloads(echoed):
+        for choice in payload["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert [texts[i] for i in range(6)] == [prompts[i // 2] + c["text"] for i, c in enumerate(batch["choices"])]
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -539,7 +563,8 @@ BAD_REQUESTS = [
     ("completions", json.dumps({"prompt": [5, 259]}), "prompt"),  # past the 259-token vocabulary: must not reach a row
     ("completions", json.dumps({"prompt": [-1, 5]}), "prompt"),
     ("completions", json.dumps({"prompt": [5] * 300}), "prompt"),  # token ids past the context
-    ("completions", json.dumps({"prompt": ["a", "b"]}), "prompt"),
+    ("completions", json.dumps({"prompt": ["a", ""]}), "prompt"),  # a batch's empty prompt
+    ("completions", json.dumps({"prompt": ["a"] * 33, "n": 2}), "prompt"),  # more sequences than a request takes
     ("completions", json.dumps({"prompt": ""}), "prompt"),
     ("completions", json.dumps({"prompt": "a", "best_of": 3}), "best_of"),
     ("completions", json.dumps({}), "prompt"),

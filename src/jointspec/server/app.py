@@ -137,6 +137,7 @@ class StreamOptions(_Body):
 
 MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
 MAX_CHOICES = 16  # choices a request may ask for (n): each is a sequence of the batch
+MAX_SEQUENCES = 64  # sequences one request may take: its prompts times its choices
 
 
 class _Sampling(_Body):
@@ -153,7 +154,7 @@ class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the top token alone (_engine_request)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the top token alone (_engine_requests)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
     # As the Python API's GenerationConfig takes, and -1: "a fresh seed", as clients of llama.cpp's server send it.
@@ -512,8 +513,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         try:
             try:
                 body = await asyncio.to_thread(_parse, raw, model)  # a large body's parse takes its time: off the loop
-                engine_request = _engine_request(body)
-                generations = await _submit_choices(engine_request, body.n, deadline)
+                engine_requests = _engine_requests(body)
+                generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
                 return error_response(error)
@@ -523,14 +524,18 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 log.exception("unhandled error", exc_info=error)
                 metrics.count_request(endpoint, "error")
                 return error_response(_internal_error())
-            first = generations[0]
-            for generation in generations:  # (each choice reads the prompt)
+            for generation in generations:  # (each choice reads its prompt)
                 metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
-            reply = _Reply(endpoint, engine.model_id, first.num_prompt_tokens,
-                           engine_request.seed if engine_request.temperature > 0 else None,
-                           engine.spelling if engine_request.logprobs is not None else None)
-            if engine_request.echo:
-                reply.echo_text, reply.prompt_logprobs = first.echo_text, first.prompt_logprobs
+            shared = engine_requests[0]  # (the settings every prompt's request shares)
+            sampled = shared.temperature > 0 and shared.max_tokens != 0  # (a prompt scored alone samples nothing)
+            # usage counts each prompt once, however many choices read it
+            reply = _Reply(endpoint, engine.model_id,
+                           sum(generation.num_prompt_tokens for generation in generations[::body.n]),
+                           shared.seed if sampled else None,
+                           engine.spelling if shared.logprobs is not None else None)
+            if shared.echo:
+                reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
+                              for index, generation in enumerate(generations)}
             chunks = [_timed(generation, arrived, deadline) for generation in generations]
             if not body.stream:
                 return await _whole(request, endpoint, reply, chunks, generations, body.return_token_ids)
@@ -547,16 +552,18 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             if not streaming:  # a stream gives its ticket back when it ends
                 ticket.close()
 
-    async def _submit_choices(engine_request: CompletionRequest, n: int,
+    async def _submit_choices(engine_requests: list[CompletionRequest], n: int,
                               deadline: float | None) -> list[Generation]:
-        """The request's ``n`` choices, each a sequence of its own: choice i samples with the request's seed + i (a
-        greedy request's choices are the same answer). All or none: where one is refused (the queue full, say),
-        those already submitted are cancelled and the refusal answers the request."""
+        """``n`` choices for each prompt's request, each a sequence of its own, in OpenAI's order (prompt i's choice j
+        has index i * n + j): the choice of index k samples with the request's seed + k (a greedy request's choices of
+        one prompt are the same answer). All or none: where one is refused (the queue full, say), those already
+        submitted are cancelled and the refusal answers the request."""
         generations: list[Generation] = []
         try:
-            for index in range(n):
-                seed = (engine_request.seed + index) % 2 ** 63
-                generations.append(await _submit(replace(engine_request, seed=seed), deadline))
+            for engine_request in engine_requests:
+                for _ in range(n):
+                    seed = (engine_request.seed + len(generations)) % 2 ** 63
+                    generations.append(await _submit(replace(engine_request, seed=seed), deadline))
         except BaseException:
             for generation in generations:
                 generation.cancel()
@@ -643,7 +650,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         try:
             for index in range(len(chunks)):
                 yield _event(reply.first_chunk(index))
-                if reply.echo_text or reply.prompt_logprobs is not None:
+                if index in reply.echo:
                     yield _event(reply.echo_chunk(index))
             try:
                 async for index, chunk in _merged(chunks):
@@ -812,14 +819,26 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         if message.role == "tool" or message.tool_calls or message.tool_call_id is not None:
             raise RequestError("tool messages and tool calls are not supported: there is no tool calling",
                                param=f"messages.{index}")
-    if isinstance(body, CompletionBody) and isinstance(body.prompt, list) and body.prompt \
-            and isinstance(body.prompt[0], (str, list)):
-        if len(body.prompt) != 1:
-            raise RequestError("one prompt per request: a list of prompts is not supported", param="prompt")
-        body.prompt = body.prompt[0]
-    if isinstance(body, CompletionBody) and not body.prompt:
-        raise RequestError("the prompt is empty", param="prompt")
+    if isinstance(body, CompletionBody):
+        prompts = _prompts(body)
+        if not prompts:
+            raise RequestError("the prompt is empty", param="prompt")
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise RequestError(f"prompt {index} is empty", param="prompt")
+        if len(prompts) * body.n > MAX_SEQUENCES:
+            raise RequestError(f"{len(prompts)} prompts x n = {body.n} choices ask for more than the {MAX_SEQUENCES} "
+                               "sequences a request may take: send fewer at a time", param="prompt")
     return body
+
+
+def _prompts(body: CompletionBody) -> list[str | list[int]]:
+    """A completions body's prompts: one (a string or token ids), or a batch (a list of strings or of token id
+    lists)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
 
 
 def _requested_logprobs(body: _Sampling) -> int | None:
@@ -866,7 +885,8 @@ def _output_format(response_format: dict | None) -> OutputFormat | None:
     return OutputFormat.json_schema(spec["schema"])
 
 
-def _engine_request(body: _Sampling) -> CompletionRequest:
+def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
+    """The engine's request for each of ``body``'s prompts (chat: one)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
     # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports.
@@ -886,9 +906,10 @@ def _engine_request(body: _Sampling) -> CompletionRequest:
                               "content": m.content if isinstance(m.content, str) or m.content is None
                               else "".join(part.text for part in m.content)} for m in body.messages)
             messages = tuple({**m, "content": m["content"] or ""} for m in messages)
-            return CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
-                                     **common)
-        return CompletionRequest(prompt=body.prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
+            return [CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
+                                      **common)]
+        return [CompletionRequest(prompt=prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
+                for prompt in _prompts(body)]
     except ValueError as error:
         raise RequestError(str(error)) from None
 
@@ -915,9 +936,9 @@ class _Reply:
         self.spell = spell
         # completions' logprobs: each choice's answer bytes so far, by index, for each token's text_offset
         self.answer_bytes: dict[int, bytes] = {}
-        # Completions' echo: the prompt's text, and its tokens' figures where logprobs were asked for (Generation).
-        self.echo_text = ""
-        self.prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
+        # Completions' echo, by choice: its prompt's text, and its tokens' figures where logprobs were asked for
+        # (Generation); empty without echo.
+        self.echo: dict[int, tuple[str, list[tuple[int, TokenLogprob | None]] | None]] = {}
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
@@ -1003,13 +1024,14 @@ class _Reply:
 
     def _prompt_logprobs(self, index: int) -> dict | None:
         """An echoed prompt's entries in choice ``index``'s lists (None where none were asked for)."""
-        if self.spell is None or self.prompt_logprobs is None:
+        figures = self.echo.get(index, ("", None))[1]
+        if self.spell is None or figures is None:
             return None
-        return self._completion_logprobs(self.prompt_logprobs, index)
+        return self._completion_logprobs(figures, index)
 
     def echo_chunk(self, index: int = 0) -> dict:
-        """A streamed completion's echo: the prompt's text (and figures), before the answer's chunks."""
-        return self._envelope("text_completion", {"index": index, "text": self.echo_text,
+        """A streamed completion's echo: choice ``index``'s prompt text (and figures), before its answer's chunks."""
+        return self._envelope("text_completion", {"index": index, "text": self.echo[index][0],
                                                   "logprobs": self._prompt_logprobs(index), "finish_reason": None})
 
     def chunk(self, chunk: Chunk, index: int = 0) -> dict:
@@ -1032,7 +1054,7 @@ class _Reply:
     def _choice(self, chunks: list[Chunk], index: int, return_token_ids: bool) -> dict:
         for chunk in chunks:
             self.add(chunk)
-        text = self.echo_text + "".join(c.text for c in chunks)  # (completions' echo: the prompt first)
+        text = self.echo.get(index, ("", None))[0] + "".join(c.text for c in chunks)  # (echo: the prompt first)
         finish = self._finish(chunks[-1].finish_reason if chunks else "stop")
         # The echoed prompt's entries first: the answer's text offsets then count from the prompt's start.
         prompt_part = self._prompt_logprobs(index)
