@@ -21,6 +21,7 @@ from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, OutputFormat, RecentGrammars
 from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, json_logprob
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
+from jointspec.core.penalties import Penalties
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method, method_names
@@ -32,6 +33,8 @@ class GenerationConfig:
     """How to decode one prompt: at most ``max_new_tokens`` new tokens; greedy at ``temperature`` 0 (the default),
     else sampled with that temperature and, where set, a ``top_k`` (0: none), a ``top_p`` (1: none) and a ``min_p``
     (0: none; tokens less than min_p times as likely as the most likely one are dropped, after the temperature).
+    ``repetition_penalty``, ``presence_penalty`` and ``frequency_penalty`` (1, 0, 0: off) change each row's logits by
+    the text before it, as vLLM applies them, greedy decoding included (:mod:`jointspec.core.penalties`).
     ``seed``: the sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each
     generation, which :attr:`GenerationResult.seed` reports), except with a method whose draft lengths follow
     measured timings (``sps``, ``hybrid``, ``mtad``, ``specinfer``, ``spectr`` unless ``cost_aware=False``;
@@ -48,6 +51,9 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
     output_format: OutputFormat | None = None
@@ -69,7 +75,12 @@ class GenerationConfig:
             raise TypeError(f"output_format must be an OutputFormat (e.g. OutputFormat.json_schema(schema)), got "
                             f"{type(self.output_format).__name__}")
         check_top_logprobs(self.logprobs)
+        _ = self.penalties  # building it validates the three penalties
         _ = self.sampling  # building it validates temperature / top-k / top-p
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -256,7 +267,8 @@ class Pipeline:
         seed = config.seed if config.seed is not None else fresh_seed()
         generator = torch.Generator(device="cpu").manual_seed(seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids,
-                              self.grammar(config.output_format), logprobs=config.logprobs)
+                              self.grammar(config.output_format), logprobs=config.logprobs,
+                              penalties=config.penalties)
         new_ids: list[int] = []
         session = self._session
         with session.lock:

@@ -41,6 +41,7 @@ from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import GrammarState, masked_logits
 from jointspec.core.logprobs import TokenLogprob, token_logprobs
 from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
+from jointspec.core.penalties import penalized_rows
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -339,6 +340,10 @@ class BatchEngine(EngineBase):
             if seq.seq_id not in failed:
                 try:
                     rows_logits = logits[r, :draft.num_nodes + 1]
+                    if config.penalties.active:  # row i follows the committed text and the draft's first i tokens
+                        rows_logits = penalized_rows(rows_logits, seq.tokens, len(seq.request.prompt_ids),
+                                                     [draft.token_ids[:i] for i in range(draft.num_nodes + 1)],
+                                                     config.penalties)
                     if seq.masks is not None:
                         rows_logits = masked_logits(rows_logits, seq.masks)
                     verdict = seq.method.verifier.verify(draft, rows_logits, config.sampling, seq.generator)

@@ -294,6 +294,8 @@ class LockstepEngine(EngineBase):
         sampling, capabilities = request.config.sampling, self.target.capabilities
         if request.config.grammar is not None and not capabilities.screen_masks:  # masked rows: every logit
             return True
+        if request.config.penalties.active:  # penalised rows: every logit (core/penalties.py)
+            return True
         return not sampling.greedy and not capabilities.screened_top_k(sampling)
 
     def _check(self, config: MethodConfig) -> bool:

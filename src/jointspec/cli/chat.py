@@ -63,7 +63,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
     try:  # generate's check of the same options, before the model loads
         GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+                         top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                         frequency_penalty=args.frequency_penalty)
     except ValueError as error:
         raise JointspecError(with_flags(str(error))) from None
     # Sampled: the conversation's seed (answer n samples with seed + n); greedy: none.
@@ -290,10 +292,13 @@ class _Answer:
 
 
 async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: int | None, answer: _Answer) -> None:
+    from jointspec.core.penalties import Penalties
     from jointspec.server.engine import CompletionRequest
 
     request = CompletionRequest(messages=tuple(dict(m) for m in messages), temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed or 0)
+                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed or 0,
+                                penalties=Penalties(args.repetition_penalty, args.presence_penalty,
+                                                    args.frequency_penalty))
     start = time.perf_counter()
     generation = await engine.submit(request)
     first = None

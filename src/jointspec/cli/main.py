@@ -89,6 +89,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, min_p=args.min_p, seed=seed, chat=not args.no_chat,
+                                  repetition_penalty=args.repetition_penalty,
+                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                   output_format=_output_format(args), logprobs=args.logprobs)
         method = method_config_from_args(args)
         check_reads(method, args)

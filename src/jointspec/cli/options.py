@@ -179,6 +179,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> N
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="0 = off; drop tokens less than this times as likely as the most likely one (after the "
                              "temperature, as transformers and vLLM apply it)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="1 = off; the logit of every token of the prompt or answer so far divided by it where "
+                             "positive, multiplied where not (vLLM's repetition_penalty, over the whole text)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="0 = off (-2 to 2): subtracted from the logit of every token the answer holds")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="0 = off (-2 to 2): subtracted once per time the answer holds the token")
     parser.add_argument("--seed", type=int, default=None, help=seed_help)
 
 
@@ -250,7 +257,7 @@ def check_reads(config, args: argparse.Namespace | None = None) -> None:
 # Settings whose checks (GenerationConfig, SamplingConfig, MethodConfig) name them as the Python API spells them.
 _FLAGGED_FIELDS = ("max_num_draft_tokens", "num_draft_tokens", "max_new_tokens", "accept_threshold", "tree_budget",
                    "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "min_p", "temperature", "seed",
-                   "logprobs")
+                   "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def with_flags(message: str) -> str:

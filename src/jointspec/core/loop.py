@@ -25,9 +25,10 @@ from jointspec.core.draft import Draft, Drafter, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, GrammarState, masked_logits
 from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
+from jointspec.core.penalties import NO_PENALTIES, Penalties, penalized_rows
 from jointspec.core.sampling import RowDraws, SamplingConfig, draws_for, position_key, sequence_draw_key
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
-from jointspec.core.verdict import Verifier
+from jointspec.core.verdict import Verifier, path_to
 
 
 def committed_tokens(token_ids: list[int], eos_token_ids: frozenset[int]) -> tuple[list[int], bool]:
@@ -141,6 +142,8 @@ class DecodeConfig:
     # Each committed token's log-probability under the target, with this many of its row's most likely tokens
     # (core/logprobs.py); None: none computed.
     logprobs: int | None = None
+    # Repetition, presence and frequency penalties on every row (core/penalties.py); neutral by default.
+    penalties: Penalties = NO_PENALTIES
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -184,6 +187,7 @@ class DecodeState:
     # figures, one per token it committed.
     logprob_hidden: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_length: int = 0  # the tokens before the answer (what the presence and frequency penalties leave out)
 
 
 class SpeculativeDecoder:
@@ -264,8 +268,10 @@ class SpeculativeDecoder:
             grammar = config.grammar.start()
             if not capabilities.screen_masks:
                 argmax_only, top_k_only, draws = False, 0, False
+        if config.penalties.active:  # they change logits a screen would not have kept: whole rows
+            argmax_only, top_k_only, draws = False, 0, False
         return DecodeState(tokens, end, config, generator, argmax_only, capabilities.max_verify_rows, top_k_only,
-                           draws=draws, grammar=grammar)
+                           draws=draws, grammar=grammar, prompt_length=len(tokens))
 
     def begin_round(self, state: DecodeState, *, hold_draft: bool = False) -> ForwardCall:
         """Draft (1.) and return the target forward that scores the pending token and the draft (2.). ``hold_draft``:
@@ -319,7 +325,13 @@ class SpeculativeDecoder:
     def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
         """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""
         tokens, draft, stats = state.tokens, state.draft, self.stats
-        logits = output.logits if state.masks is None else masked_logits(output.logits, state.masks)
+        logits = output.logits
+        if state.config.penalties.active:  # each row by the text before it: committed, then its draft path
+            parents = draft.node_parents()
+            paths = [[]] + [[draft.token_ids[n] for n in path_to(parents, node)] for node in range(draft.num_nodes)]
+            logits = penalized_rows(logits, tokens, state.prompt_length, paths, state.config.penalties)
+        if state.masks is not None:
+            logits = masked_logits(logits, state.masks)
         # 3. Verify.
         verdict = self.verifier.verify(draft, logits, state.config.sampling, state.generator)
         if self._observes_target:

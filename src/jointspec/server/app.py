@@ -41,6 +41,7 @@ from jointspec.backends.tokens import TokenSpelling
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.grammar import OutputFormat
 from jointspec.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
+from jointspec.core.penalties import Penalties
 from jointspec.core.sampling import MIN_TEMPERATURE, fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.methods.registry import tree_nodes
@@ -164,19 +165,20 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     jointspec: JointspecOptions | None = None
     user: str | None = None  # OpenAI's end-user id: scopes the online memory (serve --online-memory user)
+    # OpenAI's penalties (core/penalties.py, as vLLM applies them).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    response_format: dict | None = None
     # OpenAI parameters that change the output and that this server does not implement: declared so that a request
     # asking for them is refused by name (_parse), never answered as if they were not there. Their neutral values
     # (what clients send by default) pass.
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
     # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
-    # after the temperature, as vLLM drops them), and repetition_penalty, refused unless neutral.
+    # after the temperature, as vLLM drops them) and repetition_penalty (core/penalties.py).
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     # vLLM's extension: the generated token ids beside the text (what `train-draft --answers-from` reads), in a whole
@@ -798,14 +800,8 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("audio output is not supported: this server answers text", param="audio")
     if getattr(body, "web_search_options", None) is not None:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
-    if body.repetition_penalty != 1:
-        raise RequestError("repetition_penalty is not supported (only 1): the answer would ignore it",
-                           param="repetition_penalty")
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise RequestError(f"{name} is not supported (only 0): the answer would ignore it", param=name)
     if body.logit_bias:
         raise RequestError("logit_bias is not supported: the answer would ignore it", param="logit_bias")
     _output_format(body.response_format)  # refused here, before anything is queued
@@ -896,7 +892,8 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
         top_p, top_k = 1.0, 1
     # OpenAI's API takes any temperature in [0, 2]; one too small to sample with is greedy decoding, its limit.
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
-    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed,
+    penalties = Penalties(body.repetition_penalty, body.presence_penalty, body.frequency_penalty)
+    common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed, penalties=penalties,
                   stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format),
                   logprobs=_requested_logprobs(body))
     try:

@@ -39,6 +39,7 @@ from jointspec.core.errors import ContextTooLongError, JointspecError, Unsupport
 from jointspec.core.grammar import Grammar, GrammarError, OutputFormat, RecentGrammars
 from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from jointspec.core.loop import DecodeConfig, SpecStats
+from jointspec.core.penalties import NO_PENALTIES, Penalties
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
@@ -88,6 +89,7 @@ class CompletionRequest:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    penalties: Penalties = NO_PENALTIES  # repetition, presence and frequency (core/penalties.py)
     seed: int = 0
     stop: tuple[str, ...] = ()
     method: dict | None = None  # the request's "jointspec" options, overriding the server's method
@@ -461,7 +463,7 @@ class ServingEngine:
                                                                                    max(room, 1))
         config = DecodeConfig(max(max_tokens, 1), SamplingConfig(request.temperature, request.top_k, request.top_p,
                                                             request.min_p),
-                              self.eos_token_ids, grammar, logprobs=request.logprobs)
+                              self.eos_token_ids, grammar, logprobs=request.logprobs, penalties=request.penalties)
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids

@@ -1,0 +1,76 @@
+"""Repetition, presence and frequency penalties: a row's logits changed by the tokens before it.
+
+As vLLM applies them (and OpenAI's API its two), to the raw logits, before the temperature and every other step of
+``core/sampling.py``, greedy decoding included:
+
+1. ``repetition`` (1: off; > 0): every token of the prompt or the answer so far has its logit divided by it where
+   positive and multiplied by it where not;
+2. ``frequency`` (0: off; -2 to 2): subtracted from a token's logit once for each time the answer holds it;
+3. ``presence`` (0: off; -2 to 2): subtracted from the logit of every token the answer holds.
+
+A verified row's history is the committed text and, for a draft node's row, the draft tokens on the path to it: each
+row gets the logits plain decoding gives it at that position, so every lossless method stays lossless (greedy: the
+same tokens; sampled: the same law). The penalties read every logit of a row, so a penalised decode reads whole rows,
+never a screened head's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Penalties:
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("repetition", "presence", "frequency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}_penalty must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not 0.0 < self.repetition < float("inf"):
+            raise ValueError(f"repetition_penalty must be a positive number (1 = off), got {self.repetition}")
+        for name in ("presence", "frequency"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}_penalty must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+
+    @property
+    def active(self) -> bool:
+        return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
+
+
+NO_PENALTIES = Penalties()
+
+
+def penalized_rows(logits: torch.Tensor, tokens: Sequence[int], prompt_length: int, paths: Sequence[Sequence[int]],
+                   penalties: Penalties) -> torch.Tensor:
+    """``logits`` [rows, vocab] with row r penalised by its history: ``tokens`` (the prompt, its first
+    ``prompt_length``, then the answer so far) followed by ``paths[r]`` (the draft tokens before the row's
+    position). A new tensor; ``logits`` is left as it is."""
+    if len(paths) != logits.shape[0]:
+        raise ValueError(f"{len(paths)} histories for {logits.shape[0]} rows of logits")
+    out = logits.float().clone()
+    if not penalties.active:
+        return out
+    device, vocab = out.device, out.shape[-1]
+    tokens = torch.as_tensor(list(tokens), dtype=torch.long)
+    answer = tokens[prompt_length:]
+    for row, path in enumerate(paths):
+        path = torch.as_tensor(list(path), dtype=torch.long)
+        if penalties.repetition != 1.0:
+            seen = torch.cat([tokens, path]).unique()
+            seen = seen[seen < vocab].to(device)
+            values = out[row, seen]
+            out[row, seen] = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
+        if penalties.presence or penalties.frequency:
+            ids, counts = torch.cat([answer, path]).unique(return_counts=True)
+            keep = ids < vocab
+            ids, counts = ids[keep].to(device), counts[keep].to(device=device, dtype=out.dtype)
+            out[row, ids] -= penalties.frequency * counts + penalties.presence
+    return out
