@@ -699,6 +699,16 @@ BATCH_EOS = frozenset({2, 7})
 BATCH_GREEDY = DecodeConfig(max_new_tokens=20, eos_token_ids=BATCH_EOS)
 BATCH_SAMPLED = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, top_k=50),
                              eos_token_ids=BATCH_EOS)
+# One method of each kind of round, at fixed draft lengths (so a seed draws the same): a chain without draft
+# probabilities, a model draft's chain, a tree whose accepted path is not rows 1, 2, ..., and MTAD's joint test. The
+# tests of what every method's rows get (log-probabilities, penalties) run them all.
+ROUND_KINDS = {
+    "ar": MethodConfig("ar"),
+    "pld": MethodConfig("pld", num_draft_tokens=4),
+    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=3, cost_aware=False),
+    "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
+    "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2, cost_aware=False),
+}
 # The ragged engine batches a method's inner drafter (batch/drafters.py): sps at its fixed length, so the single loop
 # it is held to drafts the same.
 BATCH_METHODS = {

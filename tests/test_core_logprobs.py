@@ -27,16 +27,9 @@ from jointspec.methods import MethodConfig, MethodContext, build_method
 
 from helpers import BATCH_EOS as EOS
 from helpers import BATCH_PROMPTS as PROMPTS
-from helpers import grouped_llama, random_prompt
+from helpers import ROUND_KINDS, grouped_llama, random_prompt
 
-METHODS = {
-    "ar": MethodConfig("ar"),
-    "pld": MethodConfig("pld", num_draft_tokens=4),
-    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=3, cost_aware=False),
-    # A tree whose accepted path is not rows 1, 2, ...: each level's nodes come before the next level's.
-    "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
-    "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2, cost_aware=False),
-}
+METHODS = ROUND_KINDS
 SAMPLINGS = {
     "greedy": SamplingConfig(0.0),  # the screened argmax
     "top-k": SamplingConfig(0.8, top_k=50),  # the screened top k

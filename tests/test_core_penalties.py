@@ -20,17 +20,10 @@ from jointspec.core.sampling import SamplingConfig
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import grouped_llama, random_prompt
+from helpers import ROUND_KINDS, grouped_llama, random_prompt
 
 PENALTIES = Penalties(repetition=1.3, presence=0.4, frequency=0.6)
-METHODS = {
-    "ar": MethodConfig("ar"),
-    "pld": MethodConfig("pld", num_draft_tokens=4),
-    "sps-self": MethodConfig("sps", draft="self", num_draft_tokens=3, cost_aware=False),
-    "specinfer-self": MethodConfig("specinfer", draft="self", tree=(2, 2)),
-    "mtad-self": MethodConfig("mtad", draft="self", num_draft_tokens=3, beam_width=2, cost_aware=False),
-    "lookahead": MethodConfig("lookahead"),
-}
+METHODS = {**ROUND_KINDS, "lookahead": MethodConfig("lookahead")}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +104,8 @@ def test_the_batched_engines_give_each_request_the_loops_tokens(target, int4_tar
     penalties = [PENALTIES, Penalties(), Penalties(repetition=1.5), Penalties(frequency=1.0)]
     for engine, method in ((LockstepEngine(int4_target, max_batch_size=4), METHODS["specinfer-self"]),
                            (BatchEngine(target, max_batch_size=4), METHODS["pld"])):
-        requests = [BatchRequest(tuple(p), DecodeConfig(16, penalties=pen), method) for p, pen in zip(prompts, penalties)]
+        requests = [BatchRequest(tuple(p), DecodeConfig(16, penalties=pen), method)
+                    for p, pen in zip(prompts, penalties)]
         out = engine.generate(requests)
         reference = int4_target if isinstance(engine, LockstepEngine) else target
         assert out == [by_hand(reference, p, 16, pen, frozenset()) for p, pen in zip(prompts, penalties)]
