@@ -178,7 +178,16 @@ def test_whole_rows_of_a_float32_target_give_the_same_figures(target, method):
         assert_logprobs_are_the_targets(target, prompt, tokens, figures, 2)
 
 
-def test_the_lockstep_engine_gives_each_request_the_loops_figures(int4_target):
+def test_the_lockstep_engine_gives_each_request_the_loops_figures(int4_target, monkeypatch):
+    # The rows of every request that asks read the exact head in one call a round (each row computed alone there,
+    # so each request still gets its own call's bits).
+    calls = {"logits_of": 0, "steps": 0}
+    own_logits_of = CausalLM.logits_of
+
+    def counted(self, hidden):
+        calls["logits_of"] += 1
+        return own_logits_of(self, hidden)
+    monkeypatch.setattr(CausalLM, "logits_of", counted)
     engine = LockstepEngine(int4_target, max_batch_size=4)
     requests = []
     for i, prompt in enumerate(PROMPTS[:6]):
@@ -190,11 +199,13 @@ def test_the_lockstep_engine_gives_each_request_the_loops_figures(int4_target):
     figures: dict[int, list[TokenLogprob]] = {seq_id: [] for seq_id in ids}
     tokens: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
     while engine.has_work:
+        calls["steps"] += 1
         for event in engine.step():
             assert event.error is None
             tokens[event.seq_id] += event.token_ids
             assert (event.logprobs is None) == (requests[ids.index(event.seq_id)].config.logprobs is None)
             figures[event.seq_id] += event.logprobs or []
+    assert 0 < calls["logits_of"] <= calls["steps"]  # (alone, each asking request would call once a round)
     for seq_id, request in zip(ids, requests):
         alone, alone_figures, _ = decode(int4_target, request.method, list(request.prompt_ids), request.config,
                                          seed=request.seed)

@@ -337,9 +337,12 @@ def test_logprobs_are_the_models_own_in_openais_shapes_whole_and_streamed(client
     spelled = [tokenizer.convert_ids_to_tokens(t) if t >= 256 else chr(t) if t < 128 else f"bytes:\\x{t:02x}"
                for t in ids]
     assert figures["tokens"] == spelled
-    answer = bytes(t for t in ids if t < 256)
-    offsets = [len(answer[:i].decode("utf-8", errors="ignore")) for i in range(len(ids))]
-    assert figures["text_offset"] == offsets and any(t >= 128 for t in ids), ids
+    # Each offset points into the text returned beside it: at a whole character's token, that character (the
+    # answer holds bytes that are no UTF-8, which the text shows as U+FFFD, and characters split over tokens).
+    offsets, text = figures["text_offset"], choice["text"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and any(t >= 128 for t in ids), ids
+    whole = [i for i, token in enumerate(spelled) if not token.startswith("bytes:") and token != "</s>"]
+    assert whole and all(text[offsets[i]:].startswith(spelled[i]) for i in whole), (text, offsets)
     for i, (top, token) in enumerate(zip(figures["top_logprobs"], spelled)):
         best = expected[i].topk(2)
         assert token in top and len(top) <= 3  # the two most likely, and the chosen token
@@ -501,6 +504,38 @@ class SentencePieceLike:
 
     def decode(self, token_ids, **options) -> str:
         return "".join(self.pieces[t] for t in token_ids)
+
+
+def test_offsets_and_echo_follow_a_sentencepiece_text(byte_model):
+    """A SentencePiece-style tokenizer (a word marker for each word's space, which a text's decoder strips at its
+    start): each token's text_offset points at its word in the returned text, and an echoed answer keeps the space
+    between the prompt and its first word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from helpers import tiny_llama
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"\u2581w{i}": i for i in range(3, 99)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    pieces = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    served = ServingEngine(CausalLM(tiny_llama(3)), pieces, model_id="sp", max_batch_size=2)
+    try:
+        sp = TestClient(create_app(ServerSettings(), served))
+        body = {"prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0, "logprobs": 0}
+        choice = sp.post("/v1/completions", json=body).json()["choices"][0]
+        text, figures = choice["text"], choice["logprobs"]
+        assert not text.startswith(" ") and figures["tokens"][0].startswith(" ")
+        for i, (token, offset) in enumerate(zip(figures["tokens"], figures["text_offset"])):
+            # (a word's token begins with its space, except the text's first)
+            assert text[offset:].startswith(token.lstrip(" ") if i == 0 else token), (text, figures)
+        echoed = sp.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+        assert echoed["text"] == "w5 w6 w7 " + text
+        for i, (token, offset) in enumerate(zip(echoed["logprobs"]["tokens"], echoed["logprobs"]["text_offset"])):
+            assert echoed["text"][offset:].startswith(token.lstrip(" ") if i == 0 else token), echoed
+    finally:
+        served.close()
 
 
 def test_each_token_is_spelled_by_its_own_bytes(tokenizer):

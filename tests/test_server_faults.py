@@ -155,6 +155,44 @@ def test_choices_the_queue_cannot_hold_are_refused_together_and_leave_nothing_ru
         assert both.status_code == 200 and len(both.json()["choices"]) == 2
 
 
+def test_a_prompt_being_scored_holds_its_place_and_a_full_server_refuses_more(make_engine, monkeypatch):
+    # Echo's scoring runs on the engine thread before any decoding: it takes a place in flight as a request does, so
+    # past --max-batch-size + --max-queue the next is refused at once, never queued behind it unseen.
+    import threading
+
+    gate, entered = threading.Event(), threading.Event()
+    real = ServingEngine._score_now
+
+    def held(self, prompt_ids, top):
+        entered.set()
+        gate.wait(TIMEOUT)
+        return real(self, prompt_ids, top)
+
+    monkeypatch.setattr(ServingEngine, "_score_now", held)
+    engine = make_engine(max_batch_size=1, max_queue=0)
+    body = {"prompt": "abc abc", "max_tokens": 0, "echo": True, "logprobs": 1}
+    with live_server(create_app(ServerSettings(), engine)) as (url, _):
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+                first = asyncio.create_task(http.post("/v1/completions", json=body))
+                try:
+                    await asyncio.to_thread(entered.wait, TIMEOUT)  # the first is being scored
+                    # refused at once, not queued behind it
+                    refused = [await asyncio.wait_for(http.post("/v1/completions", json=b), 5)
+                               for b in (body, {**body, "max_tokens": 4})]
+                finally:
+                    gate.set()
+                return await first, refused
+
+        first, refused = asyncio.run(scenario())
+        assert first.status_code == 200 and first.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        for reply in refused:
+            assert reply.status_code == 429
+            assert_envelope(reply.json(), "queue_full")
+        eventually(engine.is_idle, "the scored request's place given back")
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+
+
 # -- timeouts, clients leaving, stop strings --------------------------------------------------------------------
 
 def test_a_request_past_its_timeout_is_stopped_and_gets_504(make_engine, monkeypatch):

@@ -75,6 +75,8 @@ class GenerationConfig:
             raise TypeError(f"output_format must be an OutputFormat (e.g. OutputFormat.json_schema(schema)), got "
                             f"{type(self.output_format).__name__}")
         check_top_logprobs(self.logprobs)
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
         _ = self.penalties  # building it validates the three penalties
         _ = self.sampling  # building it validates temperature / top-k / top-p
 

@@ -35,10 +35,13 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters; the deltas and
     :meth:`finish` add up to :func:`decode_text` of every id pushed."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, context: list[int] | None = None) -> None:
+        """``context``: ids the text follows but does not include (an echoed prompt): decoded with them, the deltas
+        are what the ids add to the context's text (a SentencePiece answer's first space included, which a decode
+        of the answer alone drops)."""
         self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.emitted = ""
+        self.token_ids: list[int] = list(context or ())
+        self.emitted = decode_text(tokenizer, self.token_ids) if self.token_ids else ""
 
     def push(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
@@ -139,6 +142,15 @@ class TokenSpelling:
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special token (an end of sequence, say), which answer text leaves out."""
         return int(token_id) in self._special
+
+    def starts_text_without_its_space(self, token_id: int) -> bool:
+        """Whether a text that begins with ``token_id`` drops the space its bytes begin with (a SentencePiece word
+        marker, which the tokenizer's decoder strips at the start of a text): where it begins an answer, its text
+        then starts one character later than its bytes say."""
+        data = self(token_id)[1]
+        if not data.startswith(b" ") or self.is_special(token_id):
+            return False
+        return not decode_text(self.tokenizer, [int(token_id)]).startswith(" ")
 
     def _bytes(self, token_id: int) -> bytes:
         try:

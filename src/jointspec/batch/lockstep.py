@@ -47,7 +47,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +58,7 @@ from jointspec.batch.prompt_cache import PromptCache
 from jointspec.batch.supervisor import DraftSupervisor
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
+from jointspec.core.target import ForwardOutput
 from jointspec.drafters.beam import BeamDrafter
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
@@ -407,6 +408,7 @@ class LockstepEngine(EngineBase):
             return events
         start = time.perf_counter()
         outputs = forward_many([seq.decoder.target for seq in rows], calls)
+        outputs = self._whole_rows(rows, outputs)
         forward_seconds = time.perf_counter() - start
         accepted = committed = 0
         for seq, output in zip(rows, outputs):
@@ -438,6 +440,23 @@ class LockstepEngine(EngineBase):
             self.on_round(RoundRecord(len(rows), sum(len(call.token_ids) for call in calls), forward_seconds,
                                       accepted, round_seconds, drafts))
         return events
+
+    def _whole_rows(self, rows: list[_Sequence], outputs: list[ForwardOutput]) -> list[ForwardOutput]:
+        """Where several sequences ask for log-probabilities over a screened forward, every one of their rows' exact
+        logits in one call of the head (``logits_of``), instead of a call (a read of the whole head) each when they
+        commit: each row is computed alone there, so a sequence gets the bits its own call gives
+        (core/logprobs.py)."""
+        asking = [i for i, seq in enumerate(rows) if seq.state.logprob_hidden and outputs[i].hidden is not None]
+        if len(asking) < 2:
+            return outputs
+        from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
+
+        hidden = torch.cat([outputs[i].hidden for i in asking])
+        whole = torch.cat([self.target.logits_of(piece) for piece in hidden.split(ROWWISE_MAX_ROWS)])
+        outputs = list(outputs)
+        for i, part in zip(asking, whole.split([len(outputs[i].hidden) for i in asking])):
+            outputs[i] = replace(outputs[i], whole=part)
+        return outputs
 
     def _batch_head_calls(self, rows: list[_Sequence]) -> dict[int, float]:
         """The first head call of this round's MTAD drafts (each request's head's logits after its committed text,

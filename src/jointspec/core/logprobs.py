@@ -13,6 +13,7 @@ of the committed rows alone (``TargetLM.logits_of``), and the tokens stay those 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,8 @@ class TokenLogprob:
 
 def check_top_logprobs(top: int | None, name: str = "logprobs") -> None:
     """Raise ValueError unless ``top`` is None (no log-probabilities) or a count from 0 to :data:`MAX_TOP_LOGPROBS`."""
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+    if top is not None and (isinstance(top, bool) or not isinstance(top, numbers.Integral)
+                            or not 0 <= top <= MAX_TOP_LOGPROBS):  # (numpy's ints are Integral)
         raise ValueError(f"{name} must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens to list "
                          f"beside each chosen one), got {top!r}")
 

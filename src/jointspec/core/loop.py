@@ -53,7 +53,10 @@ def committed_logprobs(target: TargetLM, output: ForwardOutput, accepted: list[i
     round's forward, and each later one the row after the accepted draft node before it. ``from_hidden``: the forward
     read a screened head, so those rows' exact logits come from their hidden states (``target.logits_of``)."""
     rows = ([0] + [1 + node for node in accepted])[:len(new_tokens)]
-    logits = target.logits_of(output.hidden[rows]) if from_hidden else output.logits[rows]
+    if not from_hidden:
+        logits = output.logits[rows]
+    else:
+        logits = output.whole[rows] if output.whole is not None else target.logits_of(output.hidden[rows])
     return token_logprobs(logits, new_tokens, top)
 
 

@@ -19,6 +19,7 @@ lets the requests in flight finish, then ends the rest with an error: none is le
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -931,8 +932,9 @@ class _Reply:
         # token id -> (its text, its UTF-8 bytes), for the log-probabilities (backends/tokens.py, TokenSpelling);
         # None: the request asked for none.
         self.spell = spell
-        # completions' logprobs: each choice's answer bytes so far, by index, for each token's text_offset
-        self.answer_bytes: dict[int, bytes] = {}
+        # completions' logprobs: each choice's UTF-8 decoder and the characters its text holds so far, by index, for
+        # each token's text_offset
+        self.written: dict[int, tuple[codecs.IncrementalDecoder, int]] = {}
         # Completions' echo, by choice: its prompt's text, and its tokens' figures where logprobs were asked for
         # (Generation); empty without echo.
         self.echo: dict[int, tuple[str, list[tuple[int, TokenLogprob | None]] | None]] = {}
@@ -1004,14 +1006,22 @@ class _Reply:
         """Completions' lists for choice ``index``'s tokens given as (id, figures), figures None for an echoed
         prompt's first token (which nothing precedes): its entries are then null, as OpenAI writes them."""
         tokens, offsets = [], []
+        decoder, written = self.written.get(index) or (codecs.getincrementaldecoder("utf-8")("replace"), 0)
         for token_id, _ in entries:
             text, data = self.spell(token_id)
             tokens.append(text)
-            # Where its text starts in the answer: the whole characters before it (special tokens write none).
-            written = self.answer_bytes.get(index, b"")
-            offsets.append(len(written.decode("utf-8", errors="ignore")))
-            if not self.spell.is_special(token_id):
-                self.answer_bytes[index] = written + data
+            # Where its text starts in the answer, as the text decodes it: a whole token's characters are the last
+            # its bytes add (before them, the U+FFFD of bytes before it that it shows were no character); a token
+            # holding part of a character points where the text stood before it; special tokens write none.
+            if self.spell.is_special(token_id):
+                offsets.append(written)
+                continue
+            if written == 0 and self.spell.starts_text_without_its_space(token_id):
+                data, text = data[1:], text[1:]  # the text's first token: its word marker's space is not in the text
+            added = len(decoder.decode(data))
+            offsets.append(written if text.startswith("bytes:") else written + max(0, added - len(text)))
+            written += added
+        self.written[index] = (decoder, written)
         top = [None if f is None else
                {self.spell(token_id)[0]: json_logprob(value) for token_id, value in (*f.top, (f.token_id, f.logprob))}
                for _, f in entries]

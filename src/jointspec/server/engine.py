@@ -468,7 +468,12 @@ class ServingEngine:
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids
         if request.echo:
-            if len(prompt_ids) >= self.target.max_context:  # (what the engine refuses a prompt for, as decoding)
+            # The answer's text as it follows the prompt's (a SentencePiece answer keeps its first space).
+            stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            if max_tokens == 0 and len(prompt_ids) > self.target.max_context:  # scored alone: no new token
+                raise ContextTooLongError(f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
+                                          f"{self.target.max_context}; shorten it to at most that many")
+            if max_tokens != 0 and len(prompt_ids) >= self.target.max_context:  # (as the engine refuses it)
                 raise ContextTooLongError.for_prompt(len(prompt_ids), self.target.max_context)
             stream.echo_text = (request.prompt if isinstance(request.prompt, str)
                                 else decode_text(self.tokenizer, prompt_ids))
@@ -505,10 +510,15 @@ class ServingEngine:
 
     async def _score(self, prompt_ids: list[int], top: int) -> list[tuple[int, TokenLogprob | None]]:
         """Each prompt token with its log-probability under the model given the tokens before it (the first: None),
-        computed on the engine thread between rounds, which owns the model."""
+        computed on the engine thread between rounds, which owns the model. It holds a place in flight while it waits
+        and is read (a full server refuses it, as it refuses a request); one whose caller is gone by then (its client
+        left, its timeout passed) is not read."""
         with self._admission:
             if self._closing:
                 raise ShuttingDownError("the server is shutting down; retry on another instance or later")
+            if self._full():
+                raise self._full_error()
+            self._admitted += 1
             future: asyncio.Future = asyncio.get_running_loop().create_future()
             self._inbox.put(("score", prompt_ids, top, asyncio.get_running_loop(), future))
         figures = await future
@@ -591,6 +601,7 @@ class ServingEngine:
                 leftovers.append(self._inbox.get_nowait())
         for item in leftovers:
             if item[0] == "score":
+                self._admitted_done(1)
                 self._resolve(item[3], item[4], None, ShuttingDownError("the server is shutting down"))
             if item[0] == "submit":
                 self._admitted_done(1)
@@ -691,11 +702,16 @@ class ServingEngine:
                 self._resolve(stream.loop, future, result, error)
             elif item[0] == "score":  # an echo request's prompt, scored before it is decoded
                 _, prompt_ids, top, loop, future = item
-                try:
-                    result, error = self._score_now(prompt_ids, top), None
-                except Exception as exc:  # a bug: the route answers 500
-                    log.exception("scoring a prompt failed")
-                    result, error = None, exc
+                result, error = None, None
+                if self._closed.is_set():
+                    error = ShuttingDownError("the server is shutting down")
+                elif not future.done():  # (done: its caller was cancelled, nobody waits for it)
+                    try:
+                        result = self._score_now(prompt_ids, top)
+                    except Exception as exc:  # a bug: the route answers 500
+                        log.exception("scoring a prompt failed")
+                        error = exc
+                self._admitted_done(1)
                 self._resolve(loop, future, result, error)
             elif item[0] == "remember":  # a whole answer, as its client got it: later requests may copy from it
                 stream = item[1]
