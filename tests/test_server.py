@@ -413,6 +413,13 @@ def test_echo_returns_the_prompt_scored_and_max_tokens_0_the_prompt_alone(client
         both["tokens"]
     refused = client.post("/v1/completions", json={"prompt": text, "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    # A prompt as long as the context may be scored alone (no room for a new token needed), not continued.
+    full = {"prompt": "x" * 256, "echo": True, "logprobs": 0}
+    assert len(tokenizer(full["prompt"])["input_ids"]) == byte_model.config.max_position_embeddings
+    assert client.post("/v1/completions", json={**full, "max_tokens": 0}).status_code == 200
+    for body in ({**full, "max_tokens": 1}, {**full, "prompt": "x" * 257, "max_tokens": 0}):
+        reply = client.post("/v1/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
     # Token ids in a list of one prompt, as batching clients send them (lm-eval's tokenized requests).
     batched = client.post("/v1/completions", json={"prompt": [prompt_ids], "max_tokens": 0, "echo": True,
                                                    "logprobs": 1}).json()["choices"][0]

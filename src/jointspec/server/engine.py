@@ -470,10 +470,9 @@ class ServingEngine:
         if request.echo:
             # The answer's text as it follows the prompt's (a SentencePiece answer keeps its first space).
             stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-            if max_tokens == 0 and len(prompt_ids) > self.target.max_context:  # scored alone: no new token
-                raise ContextTooLongError(f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
-                                          f"{self.target.max_context}; shorten it to at most that many")
-            if max_tokens != 0 and len(prompt_ids) >= self.target.max_context:  # (as the engine refuses it)
+            # (A prompt past the context was refused above; one as long as the context may be scored alone, with
+            # max_tokens 0, and is refused for decoding, as the engine refuses it.)
+            if max_tokens != 0 and len(prompt_ids) >= self.target.max_context:
                 raise ContextTooLongError.for_prompt(len(prompt_ids), self.target.max_context)
             stream.echo_text = (request.prompt if isinstance(request.prompt, str)
                                 else decode_text(self.tokenizer, prompt_ids))
