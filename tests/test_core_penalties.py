@@ -69,6 +69,9 @@ def test_the_penalties_by_hand():
         with pytest.raises(ValueError, match=match):
             Penalties(**bad)
     assert not Penalties().active and PENALTIES.active
+    import numpy as np
+
+    assert Penalties(np.float32(1.5), np.int64(1)).repetition == 1.5  # numpy's numbers, as the sampling settings take
 
 
 @pytest.mark.parametrize("method", METHODS)

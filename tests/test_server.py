@@ -1040,6 +1040,20 @@ def hold_rounds_and_count_rows(monkeypatch) -> tuple[dict, list[int]]:
     return hold, rows
 
 
+def test_a_batch_of_prompts_joins_the_batch_in_one_round(byte_model, tokenizer, monkeypatch):
+    # Admitted together: the first forward that scores any of them scores all of them, not one more a round.
+    _, rows = hold_rounds_and_count_rows(monkeypatch)
+    served = ServingEngine(CausalLM(byte_model), tokenizer, model_id="tiny", max_batch_size=8)
+    try:
+        client = TestClient(create_app(ServerSettings(), served))
+        reply = client.post("/v1/completions", json={"prompt": ["a b", "c d e", "f", "g h"], "max_tokens": 6,
+                                                     "temperature": 0, "n": 2})
+        assert reply.status_code == 200 and len(reply.json()["choices"]) == 8
+        assert rows[0] == 8, rows
+    finally:
+        served.close()
+
+
 def test_the_openai_client_talks_to_jointspec_serve(tmp_path, byte_model, tokenizer, monkeypatch):
     """The `serve` code path (model folder -> build_engine -> create_app -> uvicorn) with the official client."""
     import openai
@@ -1272,6 +1286,14 @@ def test_a_conversations_next_turn_reports_the_prompt_tokens_it_did_not_read_aga
             kept = re.search(r"^jointspec_prompt_cache_bytes (\d+)$", metrics, re.M)
             assert int(entries.group(1)) == (1 if budget_bytes else 0)
             assert (0 < int(kept.group(1)) <= budget_bytes) if budget_bytes else int(kept.group(1)) == 0
+            # A batch of two prompts: usage's cached tokens are each prompt's, summed (the metric counts them too).
+            counted = r"^jointspec_prompt_tokens_cached_total (\d+)$"
+            before = int(re.search(counted, metrics, re.M).group(1))
+            batch = client.post("/v1/completions", json={"prompt": [second + [5, 6], second + [7, 8]],
+                                                         "max_tokens": 4, "temperature": 0}).json()
+            after = int(re.search(counted, client.get("/metrics").text, re.M).group(1))
+            assert batch["usage"]["prompt_tokens_details"]["cached_tokens"] == after - before
+            assert (after - before > len(second)) == bool(budget_bytes), (before, after)  # (both reused)
         finally:
             served.close()
 

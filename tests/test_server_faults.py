@@ -137,20 +137,31 @@ def test_a_full_queue_is_refused_at_once_with_429_and_retry_after(make_engine, m
 
 
 def test_choices_the_queue_cannot_hold_are_refused_together_and_leave_nothing_running(make_engine, monkeypatch):
-    # n choices are n sequences, admitted all or none: where the queue holds only some, those are cancelled and the
-    # request gets 429, and the server is idle again at once.
+    # n choices are n sequences, admitted together or refused together: more than the server ever holds is a 400;
+    # more than it has room for now, a 429 with none of them queued; and the ones admitted join the same round.
     gate = held_rounds(monkeypatch)
     engine = make_engine(max_batch_size=1, max_queue=1)  # room for two sequences in flight
     body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
     with live_server(create_app(ServerSettings(), engine)) as (url, _):
-        refused = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}, timeout=TIMEOUT)
-        assert refused.status_code == 429
+        never = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}, timeout=TIMEOUT)
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+        assert "--max-batch-size 1 + --max-queue 1" in never.json()["error"]["message"]
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+                first = asyncio.create_task(http.post("/v1/completions", json=body))
+                while engine.snapshot().waiting_sequences < 1:  # no round runs: it waits, holding a place
+                    await asyncio.sleep(0.01)
+                refused = await http.post("/v1/completions", json={**body, "n": 2})
+                waiting = engine.snapshot().waiting_sequences
+                gate.set()
+                return await first, refused, waiting
+
+        first, refused, waiting = asyncio.run(scenario())
+        assert refused.status_code == 429 and waiting == 1  # none of the two was queued
         assert_envelope(refused.json(), "queue_full")
-        deadline = time.monotonic() + TIMEOUT
-        while not engine.is_idle() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.is_idle()
-        gate.set()
+        assert first.status_code == 200
+        eventually(engine.is_idle, "every place given back")
         both = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=TIMEOUT)
         assert both.status_code == 200 and len(both.json()["choices"]) == 2
 

@@ -47,7 +47,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,7 +58,6 @@ from jointspec.batch.prompt_cache import PromptCache
 from jointspec.batch.supervisor import DraftSupervisor
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.loop import DecodeState, SpecStats, SpeculativeDecoder
-from jointspec.core.target import ForwardOutput
 from jointspec.drafters.beam import BeamDrafter
 from jointspec.drafters.costaware import CostAwareDrafter, CostCurve, measure_cost_curve
 from jointspec.drafters.lookup_tree import LookupOrTreeDrafter
@@ -408,13 +407,12 @@ class LockstepEngine(EngineBase):
             return events
         start = time.perf_counter()
         outputs = forward_many([seq.decoder.target for seq in rows], calls)
-        outputs = self._whole_rows(rows, outputs)
         forward_seconds = time.perf_counter() - start
         accepted = committed = 0
         for seq, output in zip(rows, outputs):
             state = seq.state
             try:
-                new_tokens = seq.decoder.finish_round(state, output)
+                new_tokens = seq.decoder.finish_round(state, output, defer_logprobs=True)
             except Exception as error:  # a fault in this request's verification: it ends alone, the round goes on
                 log.exception("request %d failed in its verification", seq.seq_id)
                 del self.active[seq.seq_id]
@@ -433,6 +431,7 @@ class LockstepEngine(EngineBase):
                                      seq.stats if finish else None, depths=list(state.depths),
                                      num_forced=state.num_forced,
                                      logprobs=state.logprobs if state.config.logprobs is not None else None))
+        self._complete_logprobs(rows, events)  # (each event's figures list, filled in place)
         round_seconds = time.perf_counter() - round_start
         if key is not None and len(rows) == key:  # (a row refused its round: not the batch that was decided)
             self.supervisor.record(key, drafts, committed, round_seconds)
@@ -441,22 +440,34 @@ class LockstepEngine(EngineBase):
                                       accepted, round_seconds, drafts))
         return events
 
-    def _whole_rows(self, rows: list[_Sequence], outputs: list[ForwardOutput]) -> list[ForwardOutput]:
-        """Where several sequences ask for log-probabilities over a screened forward, every one of their rows' exact
-        logits in one call of the head (``logits_of``), instead of a call (a read of the whole head) each when they
-        commit: each row is computed alone there, so a sequence gets the bits its own call gives
-        (core/logprobs.py)."""
-        asking = [i for i, seq in enumerate(rows) if seq.state.logprob_hidden and outputs[i].hidden is not None]
-        if len(asking) < 2:
-            return outputs
+    def _complete_logprobs(self, rows: list[_Sequence], events: list[BatchEvent]) -> None:
+        """The committed tokens' log-probabilities of every sequence whose round left them pending (a screened
+        forward: core/loop.py, ``finish_round(defer_logprobs=True)``), their rows' exact logits read in one call of
+        the head for all of them rather than one a sequence: each row is computed alone there, so every sequence
+        gets the bits its own call gives. A sequence whose figures cannot be made ends with an error, alone."""
+        pending = [seq for seq in rows if seq.state is not None and seq.state.pending_logprobs is not None]
+        if not pending:
+            return
         from jointspec.kernels.grouped import ROWWISE_MAX_ROWS
 
-        hidden = torch.cat([outputs[i].hidden for i in asking])
-        whole = torch.cat([self.target.logits_of(piece) for piece in hidden.split(ROWWISE_MAX_ROWS)])
-        outputs = list(outputs)
-        for i, part in zip(asking, whole.split([len(outputs[i].hidden) for i in asking])):
-            outputs[i] = replace(outputs[i], whole=part)
-        return outputs
+        hidden = [seq.state.pending_logprobs[0] for seq in pending]
+        try:
+            whole = torch.cat([self.target.logits_of(piece) for piece in torch.cat(hidden).split(ROWWISE_MAX_ROWS)])
+            parts = whole.split([len(h) for h in hidden])
+        except Exception:  # a fault: each sequence alone, so that one that fails ends alone
+            log.exception("the round's log-probabilities failed in one call; reading them a sequence at a time")
+            parts = [None] * len(pending)
+        for seq, part in zip(pending, parts):
+            state = seq.state
+            rows_hidden, new_tokens = state.pending_logprobs
+            try:
+                seq.decoder.complete_logprobs(state, part if part is not None else
+                                              seq.decoder.target.logits_of(rows_hidden), new_tokens)
+            except Exception as error:
+                log.exception("request %d failed in its log-probabilities", seq.seq_id)
+                self.active.pop(seq.seq_id, None)
+                events[:] = [e for e in events if e.seq_id != seq.seq_id]
+                events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=error))
 
     def _batch_head_calls(self, rows: list[_Sequence]) -> dict[int, float]:
         """The first head call of this round's MTAD drafts (each request's head's logits after its committed text,

@@ -47,17 +47,10 @@ def kept_draft_tokens(num_accepted: int, new_tokens: list[int]) -> int:
     return min(num_accepted, len(new_tokens) - 1)
 
 
-def committed_logprobs(target: TargetLM, output: ForwardOutput, accepted: list[int], new_tokens: list[int],
-                       top: int, from_hidden: bool) -> list[TokenLogprob]:
-    """The log-probabilities of a round's committed tokens (core/logprobs.py): token ``i`` follows row 0 of the
-    round's forward, and each later one the row after the accepted draft node before it. ``from_hidden``: the forward
-    read a screened head, so those rows' exact logits come from their hidden states (``target.logits_of``)."""
-    rows = ([0] + [1 + node for node in accepted])[:len(new_tokens)]
-    if not from_hidden:
-        logits = output.logits[rows]
-    else:
-        logits = output.whole[rows] if output.whole is not None else target.logits_of(output.hidden[rows])
-    return token_logprobs(logits, new_tokens, top)
+def committed_rows(accepted: list[int], new_tokens: list[int]) -> list[int]:
+    """The rows of a round's forward that its committed tokens follow (core/logprobs.py): token ``i`` follows row 0,
+    and each later one the row after the accepted draft node before it."""
+    return ([0] + [1 + node for node in accepted])[:len(new_tokens)]
 
 
 @dataclass
@@ -191,6 +184,8 @@ class DecodeState:
     logprob_hidden: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_length: int = 0  # the tokens before the answer (what the presence and frequency penalties leave out)
+    # A deferred round's committed rows' hidden states and tokens (finish_round(defer_logprobs=True)); None: none.
+    pending_logprobs: tuple[torch.Tensor, list[int]] | None = None
 
 
 class SpeculativeDecoder:
@@ -325,8 +320,11 @@ class SpeculativeDecoder:
                            argmax_only=state.argmax_only, top_k_only=state.top_k_only, draws=draws,
                            allowed=state.masks if screened else None, output_hidden=state.logprob_hidden)
 
-    def finish_round(self, state: DecodeState, output: ForwardOutput) -> list[int]:
-        """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed."""
+    def finish_round(self, state: DecodeState, output: ForwardOutput, *, defer_logprobs: bool = False) -> list[int]:
+        """Verify (3.) and commit (4.) what the round's forward scored; returns the tokens committed.
+        ``defer_logprobs``: where the config asks for log-probabilities and the forward read a screened head, leave
+        the committed rows' hidden states in ``state.pending_logprobs`` for the caller to give
+        :meth:`complete_logprobs` their exact logits (a batched engine reads the head once for many sequences)."""
         tokens, draft, stats = state.tokens, state.draft, self.stats
         logits = output.logits
         if state.config.penalties.active:  # each row by the text before it: committed, then its draft path
@@ -345,9 +343,14 @@ class SpeculativeDecoder:
         self.target.keep(list(range(num_committed)) + [num_committed + i for i in verdict.accepted])
         new_tokens, stopped = committed_tokens(verdict.token_ids, state.config.eos_token_ids)
         if state.config.logprobs is not None:
-            state.logprobs = committed_logprobs(self.target, output, verdict.accepted, new_tokens,
-                                                state.config.logprobs, state.logprob_hidden)
-            self.logprobs.extend(state.logprobs)
+            rows = committed_rows(verdict.accepted, new_tokens)
+            state.logprobs = []
+            if not state.logprob_hidden:  # whole rows
+                self.complete_logprobs(state, output.logits[rows], new_tokens)
+            elif defer_logprobs:  # the caller reads the exact head for them, with other sequences' rows
+                state.pending_logprobs = (output.hidden[rows], new_tokens)
+            else:  # a screened forward's rows: the exact head's logits of the rows kept
+                self.complete_logprobs(state, self.target.logits_of(output.hidden[rows]), new_tokens)
         tokens.extend(new_tokens)
         if state.grammar is not None:
             state.grammar.advance(new_tokens[:-1] if stopped else new_tokens)  # an end-of-sequence token ends it
@@ -364,6 +367,14 @@ class SpeculativeDecoder:
             self.drafter.finish()
         state.draft = state.masks = state.proposed = None
         return new_tokens
+
+    def complete_logprobs(self, state: DecodeState, rows: torch.Tensor, new_tokens: list[int]) -> None:
+        """The round's committed tokens' figures from ``rows``, their whole logits, into ``state.logprobs`` (extended
+        in place: a batched engine's event for the round may hold that list already) and the generation's."""
+        figures = token_logprobs(rows, new_tokens, state.config.logprobs)
+        state.logprobs.extend(figures)
+        self.logprobs.extend(figures)
+        state.pending_logprobs = None
 
     def _observe(self, state: DecodeState, draft: Draft, target_tokens: list[int], accepted: list[int]) -> None:
         """Show a drafter that learns from the target's rows what they said of its own draft. Where a grammar changed

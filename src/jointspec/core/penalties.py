@@ -16,6 +16,7 @@ never a screened head's.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class Penalties:
     def __post_init__(self) -> None:
         for name in ("repetition", "presence", "frequency"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # (numpy's scalars are Real too)
                 raise TypeError(f"{name}_penalty must be a number, got {value!r}")
             object.__setattr__(self, name, float(value))
         if not 0.0 < self.repetition < float("inf"):

@@ -25,9 +25,6 @@ from jointspec.core.sampling import RowDraws, SamplingConfig
 class ForwardOutput:
     logits: torch.Tensor  # [num_logits, vocab], float32
     hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states (after the final norm), if asked
-    # A screened forward's rows whole (``logits_of(hidden)``), where the caller computed them for every row at once
-    # (the batched engine, for all its sequences' rows in one read of the head); None: not computed.
-    whole: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

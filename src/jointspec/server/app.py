@@ -536,6 +536,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                            sum(generation.num_prompt_tokens for generation in generations[::body.n]),
                            shared.seed if sampled else None,
                            engine.spelling if shared.logprobs is not None else None)
+            reply.choices_per_prompt = body.n
             if shared.echo:
                 reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
                               for index, generation in enumerate(generations)}
@@ -559,19 +560,31 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                               deadline: float | None) -> list[Generation]:
         """``n`` choices for each prompt's request, each a sequence of its own, in OpenAI's order (prompt i's choice j
         has index i * n + j): the choice of index k samples with the request's seed + k (a greedy request's choices of
-        one prompt are the same answer). All or none: where one is refused (the queue full, say), those already
-        submitted are cancelled and the refusal answers the request."""
-        generations: list[Generation] = []
+        one prompt are the same answer). Admitted together or refused together (the engine's ``submit_many``)."""
+        requests = [replace(request, seed=(request.seed + i * n + j) % 2 ** 63)
+                    for i, request in enumerate(engine_requests) for j in range(n)]
+        if len(requests) == 1:
+            return [await _submit(requests[0], deadline)]
+        submit_many = getattr(engine, "submit_many", None)
+        if submit_many is None:  # an engine that admits one at a time (a test's fake): in turn, undone on a refusal
+            generations: list[Generation] = []
+            try:
+                for request in requests:
+                    generations.append(await _submit(request, deadline))
+            except BaseException:
+                for generation in generations:
+                    generation.cancel()
+                raise
+            return generations
         try:
-            for engine_request in engine_requests:
-                for _ in range(n):
-                    seed = (engine_request.seed + len(generations)) % 2 ** 63
-                    generations.append(await _submit(replace(engine_request, seed=seed), deadline))
-        except BaseException:
-            for generation in generations:
-                generation.cancel()
-            raise
-        return generations
+            if deadline is None:
+                return await submit_many(requests)
+            return await asyncio.wait_for(submit_many(requests), max(deadline - time.perf_counter(), 0))
+        except TimeoutError:
+            raise _timeout(settings.request_timeout) from None
+        except Exception as error:
+            prompt_param = "messages" if requests[0].messages is not None else "prompt"
+            raise _from_engine(error, settings.retry_after, prompt_param) from error
 
     async def _submit(engine_request: CompletionRequest, deadline: float | None) -> Generation:
         try:
@@ -657,7 +670,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                     yield _event(reply.echo_chunk(index))
             try:
                 async for index, chunk in _merged(chunks):
-                    reply.add(chunk)
+                    reply.add(chunk, index)
                     if chunk.failure is not None:
                         outcome = _failure_outcome(chunk.failure)
                         yield _event(_from_failure(chunk.failure, settings.retry_after).body())
@@ -948,16 +961,18 @@ class _Reply:
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_forced = 0
-        self.num_cached = 0  # prompt tokens read from the prompt cache, not again
+        self.cached: dict[int, int] = {}  # by prompt: its tokens read from the prompt cache, not again
+        self.choices_per_prompt = 1
 
-    def add(self, chunk: Chunk) -> None:
+    def add(self, chunk: Chunk, index: int = 0) -> None:
         self.num_tokens += chunk.num_tokens
         self.num_rounds += chunk.num_rounds
         self.num_drafted += chunk.num_drafted
         self.num_accepted += chunk.num_accepted
         self.num_forced += chunk.num_forced
-        if chunk.stats is not None:  # (several choices: each read the prompt; the most any took from the cache)
-            self.num_cached = max(self.num_cached, chunk.stats.prompt_tokens_reused)
+        if chunk.stats is not None:  # each prompt's: the most any of its choices took from the prompt cache
+            prompt = index // self.choices_per_prompt
+            self.cached[prompt] = max(self.cached.get(prompt, 0), chunk.stats.prompt_tokens_reused)
 
     def _envelope(self, kind: str, *choices: dict) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": list(choices)}
@@ -974,7 +989,7 @@ class _Reply:
         # OpenAI's own field for prompt tokens served from a cache.
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
                 "total_tokens": self.num_prompt_tokens + self.num_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached}, "jointspec": figures}
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}, "jointspec": figures}
 
     @staticmethod
     def _finish(reason: str | None) -> str | None:
@@ -1060,7 +1075,7 @@ class _Reply:
 
     def _choice(self, chunks: list[Chunk], index: int, return_token_ids: bool) -> dict:
         for chunk in chunks:
-            self.add(chunk)
+            self.add(chunk, index)
         text = self.echo.get(index, ("", None))[0] + "".join(c.text for c in chunks)  # (echo: the prompt first)
         finish = self._finish(chunks[-1].finish_reason if chunks else "stop")
         # The echoed prompt's entries first: the answer's text offsets then count from the prompt's start.

@@ -438,9 +438,63 @@ class ServingEngine:
             raise
 
     async def submit(self, request: CompletionRequest) -> Generation:
+        return (await self.submit_many([request]))[0]
+
+    async def submit_many(self, requests: list[CompletionRequest]) -> list[Generation]:
+        """Several sequences (a request's choices, a batch of prompts), admitted together or refused together: all
+        join the batch at the same round, or the request gets the refusal (429 where the server lacks room for all
+        of them now; 400 where it never has room for so many)."""
+        capacity = self.max_batch_size + self.max_queue
+        if len(requests) > capacity:
+            error = JointspecError(f"{len(requests)} sequences (prompts x n) are more than this server holds at once "
+                                   f"(--max-batch-size {self.max_batch_size} + --max-queue {self.max_queue}): send "
+                                   "fewer prompts or choices a request")
+            error.param = "n"
+            raise error
         # A full server refuses at once, before the tokenisation it would waste (the check below decides).
         if self._full() and not self._closing:
             raise self._full_error()
+        prepared = await asyncio.gather(*(self._prepare(request) for request in requests))
+        loop = asyncio.get_running_loop()
+        admitted: list[tuple[_Stream, asyncio.Future]] = []
+        with self._admission:
+            if self._closing:
+                raise ShuttingDownError("the server is shutting down; retry on another instance or later")
+            waiting = [item for item in prepared if item[1] is not None]
+            if self._admitted + len(waiting) > capacity:
+                raise self._full_error()
+            for stream, (request, prompt_ids, config, method) in waiting:
+                stream.memory = self.memory_for(request.user, method)  # admitted: a refused request makes no memory
+                future: asyncio.Future = loop.create_future()
+                self._admitted += 1
+                self._inbox.put(("submit", BatchRequest(prompt_ids, config, method, request.seed, stream.memory),
+                                 stream, future))
+                admitted.append((stream, future))
+
+        def cancel_when_known(future: asyncio.Future) -> None:  # the sequence once it exists
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                     or self._inbox.put(("cancel", f.result())))
+
+        try:
+            results = await asyncio.shield(asyncio.gather(*(future for _, future in admitted),
+                                                          return_exceptions=True))
+        except asyncio.CancelledError:  # the client left while we waited
+            for _, future in admitted:
+                cancel_when_known(future)
+            raise
+        refusal = next((result for result in results if isinstance(result, BaseException)), None)
+        for (stream, _), result in zip(admitted, results):
+            if refusal is not None and not isinstance(result, BaseException):
+                self._inbox.put(("cancel", result))  # a sibling was refused (bad method, too long): none runs
+            elif refusal is None:
+                stream.seq_id = result
+        if refusal is not None:
+            raise refusal
+        return [stream for stream, _ in prepared]
+
+    async def _prepare(self, request: CompletionRequest):
+        """``request`` read into a stream and what its admission needs: (stream, (request, prompt ids, decode
+        config, method)), or (stream, None) for an echo that asks for no answer (its prompt scored, if asked for)."""
         # On a worker thread: a long prompt's chat template and tokenisation take seconds, which on the event loop
         # would hold up every other request and stream. Encodes one at a time, since an encode may set the fast
         # tokenizer's per-call options (split_special_tokens) on it; the streams' decodes on the loop set none, and
@@ -481,24 +535,8 @@ class ServingEngine:
             if max_tokens == 0:  # the prompt alone: nothing for the engine to decode
                 stream.ended = True
                 stream.events.put_nowait(BatchEvent(-1, [], "length"))
-                return stream
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        with self._admission:
-            if self._closing:
-                raise ShuttingDownError("the server is shutting down; retry on another instance or later")
-            if self._full():
-                raise self._full_error()
-            stream.memory = self.memory_for(request.user, method)  # admitted: a refused request makes no memory
-            batch_request = BatchRequest(prompt_ids, config, method, request.seed, stream.memory)
-            self._admitted += 1
-            self._inbox.put(("submit", batch_request, stream, future))
-        try:
-            stream.seq_id = await asyncio.shield(future)  # raises what the engine raised (bad method, too long)
-        except asyncio.CancelledError:  # the client left while we waited: cancel the sequence once it exists
-            future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                     or self._inbox.put(("cancel", f.result())))
-            raise
-        return stream
+                return stream, None
+        return stream, (request, prompt_ids, config, method)
 
     @property
     def spelling(self) -> TokenSpelling:
