@@ -146,6 +146,14 @@ def test_choices_the_queue_cannot_hold_are_refused_together_and_leave_nothing_ru
         never = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}, timeout=TIMEOUT)
         assert never.status_code == 400 and never.json()["error"]["param"] == "n"
         assert "--max-batch-size 1 + --max-queue 1" in never.json()["error"]["message"]
+        three = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b", "c"]}, timeout=TIMEOUT)
+        assert three.status_code == 400 and three.json()["error"]["param"] == "prompt"
+        # Prompts scored alone hold no sequence (each holds a place while it is scored, one after another).
+        gate.set()
+        scored = httpx.post(f"{url}/v1/completions", json={"prompt": ["a b", "c d", "e f"], "max_tokens": 0,
+                                                           "echo": True, "logprobs": 0}, timeout=TIMEOUT)
+        assert scored.status_code == 200 and len(scored.json()["choices"]) == 3
+        gate.clear()
 
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:

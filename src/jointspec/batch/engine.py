@@ -369,7 +369,7 @@ class BatchEngine(EngineBase):
             forced = max(0, kept - seq.own_nodes)  # a grammar's forced tokens follow the drafter's own
             for stats in (seq.stats, self.stats):
                 stats.record(depths, kept, len(new_tokens), forced)
-            # A chain's committed token i follows row i (core/loop.py, committed_logprobs); the rows are whole here.
+            # A chain's committed token i follows row i (core/loop.py, committed_rows); the rows are whole here.
             logprobs = (None if config.logprobs is None else
                         token_logprobs(logits[r, :len(new_tokens)], new_tokens, config.logprobs))
             events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes, kept,

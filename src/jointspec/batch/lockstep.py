@@ -415,6 +415,7 @@ class LockstepEngine(EngineBase):
                 new_tokens = seq.decoder.finish_round(state, output, defer_logprobs=True)
             except Exception as error:  # a fault in this request's verification: it ends alone, the round goes on
                 log.exception("request %d failed in its verification", seq.seq_id)
+                state.pending_logprobs = None  # (it gets its error, not figures)
                 del self.active[seq.seq_id]
                 events.append(BatchEvent(seq.seq_id, [], "error", stats=seq.stats, error=error))
                 continue

@@ -162,6 +162,27 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+async def _all_or_none(coroutines: list) -> list:
+    """The coroutines' results, run side by side; the first to raise cancels the others and is raised (where
+    ``asyncio.gather`` would leave them running for a caller that has already given up)."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled: so are they
+        for task in tasks:
+            task.cancel()
+        raise
+    failed = next((task for task in tasks if task.done() and not task.cancelled() and task.exception()), None)
+    if failed is not None:
+        for task in pending:
+            task.cancel()
+        for task in done:  # (their errors retrieved: no "never retrieved" warnings)
+            if not task.cancelled():
+                task.exception()
+        raise failed.exception()
+    return [task.result() for task in tasks]
+
+
 class TextStream:
     """Token ids in, text deltas out: no broken UTF-8 characters, and text stops before any ``stop`` string."""
 
@@ -445,16 +466,24 @@ class ServingEngine:
         join the batch at the same round, or the request gets the refusal (429 where the server lacks room for all
         of them now; 400 where it never has room for so many)."""
         capacity = self.max_batch_size + self.max_queue
-        if len(requests) > capacity:
-            error = JointspecError(f"{len(requests)} sequences (prompts x n) are more than this server holds at once "
+        decoding = sum(1 for request in requests if not (request.echo and request.max_tokens == 0))
+        if decoding > capacity:
+            error = JointspecError(f"{decoding} sequences (prompts x n) are more than this server holds at once "
                                    f"(--max-batch-size {self.max_batch_size} + --max-queue {self.max_queue}): send "
                                    "fewer prompts or choices a request")
-            error.param = "n"
+            prompts = {(r.prompt if isinstance(r.prompt, str) else tuple(r.prompt or ()), id(r.messages))
+                       for r in requests}  # (a chat's choices share one messages tuple)
+            error.param = "n" if len(prompts) == 1 else "prompt"
             raise error
         # A full server refuses at once, before the tokenisation it would waste (the check below decides).
         if self._full() and not self._closing:
             raise self._full_error()
-        prepared = await asyncio.gather(*(self._prepare(request) for request in requests))
+        prepared = await _all_or_none([self._prepare(request) for request in requests])
+        # Echoed prompts scored one after another: each holds one place while it waits and is read, and the engine
+        # thread reads one between rounds, as for requests sent one by one.
+        for (stream, _), request in zip(prepared, requests):
+            if request.echo and request.logprobs is not None:
+                stream.prompt_logprobs = await self._score(stream.prompt_ids, request.logprobs)
         loop = asyncio.get_running_loop()
         admitted: list[tuple[_Stream, asyncio.Future]] = []
         with self._admission:
@@ -494,7 +523,7 @@ class ServingEngine:
 
     async def _prepare(self, request: CompletionRequest):
         """``request`` read into a stream and what its admission needs: (stream, (request, prompt ids, decode
-        config, method)), or (stream, None) for an echo that asks for no answer (its prompt scored, if asked for)."""
+        config, method)), or (stream, None) for an echo that asks for no answer."""
         # On a worker thread: a long prompt's chat template and tokenisation take seconds, which on the event loop
         # would hold up every other request and stream. Encodes one at a time, since an encode may set the fast
         # tokenizer's per-call options (split_special_tokens) on it; the streams' decodes on the loop set none, and
@@ -530,8 +559,7 @@ class ServingEngine:
                 raise ContextTooLongError.for_prompt(len(prompt_ids), self.target.max_context)
             stream.echo_text = (request.prompt if isinstance(request.prompt, str)
                                 else decode_text(self.tokenizer, prompt_ids))
-            if request.logprobs is not None:
-                stream.prompt_logprobs = await self._score(prompt_ids, request.logprobs)
+            # (its prompt's figures, where asked for, are scored by submit_many once every prompt is prepared)
             if max_tokens == 0:  # the prompt alone: nothing for the engine to decode
                 stream.ended = True
                 stream.events.put_nowait(BatchEvent(-1, [], "length"))
