@@ -215,6 +215,27 @@ def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, benc
     assert len(first.prompt_ids) == 2 and len(first.prompt_ids[1]) > len(first.prompt_ids[0]) + 5
 
 
+def test_a_penalised_run_keeps_every_lossless_method_on_the_baselines_tokens(target_model, bench_tokenizer,
+                                                                            bench_prompt_file):
+    # --repetition-penalty, --presence-penalty and --frequency-penalty: every lossless method, transformers' generate
+    # (repetition alone, its only one) included, writes the penalised baseline's answers.
+    from jointspec.bench.specs import MethodSpecError
+
+    prompts = load_prompts(str(bench_prompt_file))
+    sps = "sps:draft=self,k=3,cost_aware=false"
+    result, summary = run_tiny(target_model, bench_tokenizer, f"ar,pld:n=4,{sps},hf-generate", prompts,
+                               repetition_penalty=1.5)
+    assert all(s["num_identical"] == s["num_prompts"] == 3 for s in summary.values()), summary
+    plain, _ = run_tiny(target_model, bench_tokenizer, "ar", prompts)
+    penalised = {r.question_id: r.output_ids for r in result.runs if r.method == "ar"}
+    assert penalised != {r.question_id: r.output_ids for r in plain.runs}  # (the penalty changed the answers)
+    _, both = run_tiny(target_model, bench_tokenizer, f"ar,{sps}", prompts, presence_penalty=0.5,
+                       frequency_penalty=0.5)
+    assert both[sps]["num_identical"] == 3
+    with pytest.raises(MethodSpecError, match="no presence or frequency penalty"):
+        run_tiny(target_model, bench_tokenizer, "ar,hf-generate", prompts, presence_penalty=0.5)
+
+
 def test_decode_speed_is_timed_after_the_prompt(target_model, bench_tokenizer, bench_prompt_file):
     """The decode speedup is tokens over the medians of (time - time reading the prompt), recomputed here from the
     runs; an engine that does not time its prompt (transformers' generate) gets none."""

@@ -25,6 +25,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.bench.specs import MethodSpec, MethodSpecError, llamacpp_options, method_config
 from jointspec.core.errors import ModelLoadError
 from jointspec.core.loop import SpecStats, SpeculativeDecoder
+from jointspec.core.penalties import NO_PENALTIES, Penalties
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.memory import OutputMemory
 from jointspec.kernels.fp32 import stock_kernels
@@ -71,9 +72,12 @@ class JointspecEngine:
         # Drafters whose first run of a prompt costs more than later ones (the oracle) get an untimed run per prompt.
         self.warm_per_prompt = bool(getattr(drafter, "warm_per_prompt", False))
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                 penalties: Penalties = NO_PENALTIES) -> TurnOutput:
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed)
+                                  top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed,
+                                  repetition_penalty=penalties.repetition, presence_penalty=penalties.presence,
+                                  frequency_penalty=penalties.frequency)
         device = self.pipeline.target.device
         synchronize(device)
         start = time.perf_counter()
@@ -163,7 +167,11 @@ class HFEngine:
         return assistant
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                 penalties: Penalties = NO_PENALTIES) -> TurnOutput:
+        if penalties.presence or penalties.frequency:
+            raise MethodSpecError(f"'{self.spec.label}': transformers' generate has no presence or frequency penalty "
+                                  "(only --repetition-penalty); drop it from a run with those")
         # The same budget as jointspec's loop: the new tokens stop at the model's context.
         max_new_tokens = min(max_new_tokens, self.max_context - len(prompt_ids))
         if max_new_tokens <= 0:
@@ -175,6 +183,8 @@ class HFEngine:
         options = ({"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
                     "top_p": sampling.top_p, "min_p": sampling.min_p or None} if not sampling.greedy
                    else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
+        if penalties.repetition != 1.0:  # transformers' is the same penalty: over the prompt and the answer
+            options["repetition_penalty"] = penalties.repetition
         calls = 0
 
         def count(module, args, kwargs):
@@ -289,7 +299,12 @@ class LlamaCppEngine:
 
         self.draft_model = LlamaPromptLookupDecoding(**options) if is_pld else None
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int) -> TurnOutput:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                 penalties: Penalties = NO_PENALTIES) -> TurnOutput:
+        if penalties.active:
+            raise MethodSpecError(f"'{self.spec.label}': llama.cpp's loop applies its repeat penalty over its last "
+                                  "tokens, not the whole text as jointspec's penalties do; drop it from a penalised "
+                                  "run")
         if not sampling.greedy:
             raise MethodSpecError(f"'{self.spec.label}' runs greedy only (temperature 0); drop it from a sampling "
                                   "bench")

@@ -287,6 +287,14 @@ def notes(result: BenchResult, summary: dict) -> list[str]:
     return lines
 
 
+def _penalties(config) -> str:
+    """The run's penalties for the report's settings line ("" where none)."""
+    if not config.penalties.active:
+        return ""
+    return (f", penalties: repetition {config.repetition_penalty}, presence {config.presence_penalty}, frequency "
+            f"{config.frequency_penalty}")
+
+
 def _count(number: int, one: str, many: str) -> str:
     return f"{number} {one if number == 1 else many}"
 
@@ -429,7 +437,7 @@ def _write_report(result: BenchResult, summary: dict, folder: Path, command: str
           f"{_count(len(summary[result.baseline]['per_category']), 'category', 'categories')}, "
           f"{_count(summary[result.baseline]['num_prompts'], 'prompt', 'prompts')}, max_new_tokens "
           f"{config.max_new_tokens}, temperature {config.temperature} (top-k {config.top_k}, top-p {config.top_p}"
-          f"{f', min-p {config.min_p}' if config.min_p else ''}), "
+          f"{f', min-p {config.min_p}' if config.min_p else ''}{_penalties(config)}), "
           f"seed {config.seed}, {_count(config.repeats, 'timed repeat', 'timed repeats')}"
           f"{' after a discarded warm-up' if config.warmup else ' (no warm-up)'}; "
           f"baseline `{result.baseline}`. Times are medians over repeats; min-max is the range.\n",

@@ -35,6 +35,7 @@ from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, buil
 from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids, check_prompts_fit
 from jointspec.bench.specs import MethodSpec, MethodSpecError, method_config
 from jointspec.core.loop import SpecStats
+from jointspec.core.penalties import Penalties
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.approximate import with_attention
 from jointspec.kernels.fp32 import GQA_ATTENTION, attention_in_use, kernels_in_use
@@ -52,6 +53,9 @@ class BenchConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
     warmup: bool = True
     perplexity: bool = True
@@ -79,10 +83,15 @@ class BenchConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         _ = self.sampling  # building it validates temperature, top-k, top-p and min-p
+        _ = self.penalties
 
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
 
 @dataclass
@@ -318,7 +327,7 @@ def run_conversation(engine, tokenizer, prompt: BenchPrompt,
         messages.append({"role": "user", "content": text})
         prompt_ids = chat_prompt_ids(tokenizer, messages)
         seed = prompt_seed(config.seed, prompt.question_id, turn)
-        out = engine.generate(prompt_ids, config.max_new_tokens, config.sampling, seed)
+        out = engine.generate(prompt_ids, config.max_new_tokens, config.sampling, seed, penalties=config.penalties)
         turns.append((prompt_ids, out))
         messages.append({"role": "assistant", "content": tokenizer.decode(out.new_ids, skip_special_tokens=True)})
     return turns

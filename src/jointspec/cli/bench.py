@@ -66,6 +66,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="0 = off; drop tokens less than this times as likely as the most likely one")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (as generate's)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (as generate's)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (as generate's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="when sampling, each prompt and turn draws with a seed derived from this and its id")
     parser.add_argument("--report-dir", type=Path, default=None,
@@ -136,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         defaults = method_config_from_args(args, name="ar")
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                             frequency_penalty=args.frequency_penalty,
                              warmup=not args.no_warmup,
                              perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
                              llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache)
