@@ -216,9 +216,10 @@ def test_lossless_methods_match_the_baseline_at_temperature_0(target_model, benc
 
 
 def test_a_penalised_run_keeps_every_lossless_method_on_the_baselines_tokens(target_model, bench_tokenizer,
-                                                                            bench_prompt_file):
+                                                                            bench_prompt_file, monkeypatch):
     # --repetition-penalty, --presence-penalty and --frequency-penalty: every lossless method, transformers' generate
     # (repetition alone, its only one) included, writes the penalised baseline's answers.
+    from jointspec.bench.engines import JointspecEngine
     from jointspec.bench.specs import MethodSpecError
 
     prompts = load_prompts(str(bench_prompt_file))
@@ -232,8 +233,12 @@ def test_a_penalised_run_keeps_every_lossless_method_on_the_baselines_tokens(tar
     _, both = run_tiny(target_model, bench_tokenizer, f"ar,{sps}", prompts, presence_penalty=0.5,
                        frequency_penalty=0.5)
     assert both[sps]["num_identical"] == 3
+    decoded = []  # refused before anything decodes
+    original = JointspecEngine.generate
+    monkeypatch.setattr(JointspecEngine, "generate", lambda self, *a, **k: decoded.append(1) or original(self, *a, **k))
     with pytest.raises(MethodSpecError, match="no presence or frequency penalty"):
         run_tiny(target_model, bench_tokenizer, "ar,hf-generate", prompts, presence_penalty=0.5)
+    assert not decoded
 
 
 def test_decode_speed_is_timed_after_the_prompt(target_model, bench_tokenizer, bench_prompt_file):

@@ -169,9 +169,9 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
                  penalties: Penalties = NO_PENALTIES) -> TurnOutput:
-        if penalties.presence or penalties.frequency:
-            raise MethodSpecError(f"'{self.spec.label}': transformers' generate has no presence or frequency penalty "
-                                  "(only --repetition-penalty); drop it from a run with those")
+        refusal = penalties_refusal(self.spec, penalties)
+        if refusal:
+            raise MethodSpecError(refusal)
         # The same budget as jointspec's loop: the new tokens stop at the model's context.
         max_new_tokens = min(max_new_tokens, self.max_context - len(prompt_ids))
         if max_new_tokens <= 0:
@@ -301,10 +301,9 @@ class LlamaCppEngine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
                  penalties: Penalties = NO_PENALTIES) -> TurnOutput:
-        if penalties.active:
-            raise MethodSpecError(f"'{self.spec.label}': llama.cpp's loop applies its repeat penalty over its last "
-                                  "tokens, not the whole text as jointspec's penalties do; drop it from a penalised "
-                                  "run")
+        refusal = penalties_refusal(self.spec, penalties)
+        if refusal:
+            raise MethodSpecError(refusal)
         if not sampling.greedy:
             raise MethodSpecError(f"'{self.spec.label}' runs greedy only (temperature 0); drop it from a sampling "
                                   "bench")
@@ -338,6 +337,18 @@ class LlamaCppEngine:
         finally:
             del llama.eval
         return TurnOutput(new_ids, seconds, calls, None, first)
+
+
+def penalties_refusal(spec: MethodSpec, penalties: Penalties) -> str | None:
+    """Why row ``spec`` cannot decode with ``penalties`` (None: it can): transformers' generate has the repetition
+    penalty alone, and llama.cpp's own loop a repeat penalty over its last tokens only."""
+    if spec.is_hf and (penalties.presence or penalties.frequency):
+        return (f"'{spec.label}': transformers' generate has no presence or frequency penalty (only "
+                "--repetition-penalty); drop it from a run with those")
+    if spec.is_llamacpp_reference and penalties.active:
+        return (f"'{spec.label}': llama.cpp's loop applies its repeat penalty over its last tokens, not the whole "
+                "text as jointspec's penalties do; drop it from a penalised run")
+    return None
 
 
 def build_engine(spec: MethodSpec, target: CausalLM, tokenizer, defaults: MethodConfig, load_draft: LoadDraft,

@@ -31,7 +31,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import load_model, quantized_copy, stock_copy
 from jointspec.backends.tokens import eos_token_ids
 from jointspec.bench.costmodel import TargetCost, measure_target_cost
-from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine
+from jointspec.bench.engines import LlamaCppBackend, LoadDraft, TurnOutput, build_engine, penalties_refusal
 from jointspec.bench.prompts import BenchPrompt, chat_prompt_ids, check_prompts_fit
 from jointspec.bench.specs import MethodSpec, MethodSpecError, method_config
 from jointspec.core.loop import SpecStats
@@ -177,6 +177,9 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
                       if any(s.needs_llamacpp for s in specs) else target.max_context)
     specs = sorted(specs, key=lambda s: s.label != baseline)  # baseline first
     load_draft = load_draft or memoised_loader(str(target.device), None)
+    refusal = next(filter(None, (penalties_refusal(s, config.penalties) for s in specs)), None)
+    if refusal:  # before anything is loaded or decoded
+        raise MethodSpecError(refusal)
     eos = eos_token_ids(target, tokenizer)
     llamacpp = None
     if any(s.needs_llamacpp for s in specs):
