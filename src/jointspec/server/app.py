@@ -560,42 +560,21 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                               deadline: float | None) -> list[Generation]:
         """``n`` choices for each prompt's request, each a sequence of its own, in OpenAI's order (prompt i's choice j
         has index i * n + j): the choice of index k samples with the request's seed + k (a greedy request's choices of
-        one prompt are the same answer). Admitted together or refused together (the engine's ``submit_many``)."""
+        one prompt are the same answer). Several are admitted together or refused together (``submit_many``)."""
         requests = [replace(request, seed=(request.seed + i * n + j) % 2 ** 63)
                     for i, request in enumerate(engine_requests) for j in range(n)]
-        if len(requests) == 1:
-            return [await _submit(requests[0], deadline)]
-        submit_many = getattr(engine, "submit_many", None)
-        if submit_many is None:  # an engine that admits one at a time (a test's fake): in turn, undone on a refusal
-            generations: list[Generation] = []
-            try:
-                for request in requests:
-                    generations.append(await _submit(request, deadline))
-            except BaseException:
-                for generation in generations:
-                    generation.cancel()
-                raise
-            return generations
+        one = len(requests) == 1
+        submitting = engine.submit(requests[0]) if one else engine.submit_many(requests)
         try:
-            if deadline is None:
-                return await submit_many(requests)
-            return await asyncio.wait_for(submit_many(requests), max(deadline - time.perf_counter(), 0))
+            if deadline is not None:
+                submitting = asyncio.wait_for(submitting, max(deadline - time.perf_counter(), 0))
+            generations = await submitting
         except TimeoutError:
             raise _timeout(settings.request_timeout) from None
         except Exception as error:
             prompt_param = "messages" if requests[0].messages is not None else "prompt"
             raise _from_engine(error, settings.retry_after, prompt_param) from error
-
-    async def _submit(engine_request: CompletionRequest, deadline: float | None) -> Generation:
-        try:
-            if deadline is None:
-                return await engine.submit(engine_request)
-            return await asyncio.wait_for(engine.submit(engine_request), max(deadline - time.perf_counter(), 0))
-        except TimeoutError:
-            raise _timeout(settings.request_timeout) from None
-        except Exception as error:
-            prompt_param = "messages" if engine_request.messages is not None else "prompt"
-            raise _from_engine(error, settings.retry_after, prompt_param) from error
+        return [generations] if one else generations
 
     async def _timed(generation: Generation, arrived: float, deadline: float | None) -> AsyncIterator[Chunk]:
         """The engine's chunks until ``deadline``, recording latency and token counts on the way. Past the

@@ -157,6 +157,9 @@ class Engine(Protocol):
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
 
+    async def submit_many(self, requests: list[CompletionRequest]) -> list[Generation]:
+        """Several sequences (a request's choices, a batch of prompts), admitted together or refused together."""
+
     def snapshot(self) -> EngineSnapshot: ...
 
     def close(self) -> None: ...
