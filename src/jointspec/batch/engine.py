@@ -36,11 +36,11 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.choices import dynamic_tree_refusal
-from jointspec.core.draft import Draft, tree_depths
+from jointspec.core.draft import Draft, row_paths, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import GrammarState, masked_logits
 from jointspec.core.logprobs import TokenLogprob, token_logprobs
-from jointspec.core.loop import DecodeConfig, SpecStats, committed_tokens, kept_draft_tokens
+from jointspec.core.loop import DecodeConfig, SpecStats, committed_rows, committed_tokens, kept_draft_tokens
 from jointspec.core.penalties import penalized_rows
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
@@ -340,10 +340,9 @@ class BatchEngine(EngineBase):
             if seq.seq_id not in failed:
                 try:
                     rows_logits = logits[r, :draft.num_nodes + 1]
-                    if config.penalties.active:  # row i follows the committed text and the draft's first i tokens
+                    if config.penalties.active:  # each row by the text before it: committed, then its draft path
                         rows_logits = penalized_rows(rows_logits, seq.tokens, len(seq.request.prompt_ids),
-                                                     [draft.token_ids[:i] for i in range(draft.num_nodes + 1)],
-                                                     config.penalties)
+                                                     row_paths(draft), config.penalties)
                     if seq.masks is not None:
                         rows_logits = masked_logits(rows_logits, seq.masks)
                     verdict = seq.method.verifier.verify(draft, rows_logits, config.sampling, seq.generator)
@@ -369,9 +368,9 @@ class BatchEngine(EngineBase):
             forced = max(0, kept - seq.own_nodes)  # a grammar's forced tokens follow the drafter's own
             for stats in (seq.stats, self.stats):
                 stats.record(depths, kept, len(new_tokens), forced)
-            # A chain's committed token i follows row i (core/loop.py, committed_rows); the rows are whole here.
-            logprobs = (None if config.logprobs is None else
-                        token_logprobs(logits[r, :len(new_tokens)], new_tokens, config.logprobs))
+            # (the rows are whole here: no screen)
+            logprobs = (None if config.logprobs is None else token_logprobs(
+                logits[r, committed_rows(verdict.accepted, new_tokens)], new_tokens, config.logprobs))
             events.append(BatchEvent(seq.seq_id, new_tokens, finished.get(seq.seq_id), draft.num_nodes, kept,
                                      seq.stats if seq.seq_id in finished else None, num_forced=forced,
                                      logprobs=logprobs))

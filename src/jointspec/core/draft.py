@@ -62,6 +62,16 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
+def row_paths(draft: Draft) -> list[list[int]]:
+    """The draft tokens before each row of the forward that scores ``draft`` (row 0, the pending token's: none; row
+    1 + i: node i and its ancestors, root first)."""
+    parents = draft.node_parents()
+    paths: list[list[int]] = [[]]
+    for node, parent in enumerate(parents):  # (parents come before their children)
+        paths.append(paths[parent + 1] + [draft.token_ids[node]])
+    return paths
+
+
 EMPTY_DRAFT = Draft(token_ids=[])
 
 

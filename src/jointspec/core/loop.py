@@ -21,14 +21,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from jointspec.core.draft import Draft, Drafter, tree_depths
+from jointspec.core.draft import Draft, Drafter, row_paths, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, GrammarState, masked_logits
 from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, token_logprobs
 from jointspec.core.penalties import NO_PENALTIES, Penalties, penalized_rows
 from jointspec.core.sampling import RowDraws, SamplingConfig, draws_for, position_key, sequence_draw_key
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetLM
-from jointspec.core.verdict import Verifier, path_to
+from jointspec.core.verdict import Verifier
 
 
 def committed_tokens(token_ids: list[int], eos_token_ids: frozenset[int]) -> tuple[list[int], bool]:
@@ -328,9 +328,7 @@ class SpeculativeDecoder:
         tokens, draft, stats = state.tokens, state.draft, self.stats
         logits = output.logits
         if state.config.penalties.active:  # each row by the text before it: committed, then its draft path
-            parents = draft.node_parents()
-            paths = [[]] + [[draft.token_ids[n] for n in path_to(parents, node)] for node in range(draft.num_nodes)]
-            logits = penalized_rows(logits, tokens, state.prompt_length, paths, state.config.penalties)
+            logits = penalized_rows(logits, tokens, state.prompt_length, row_paths(draft), state.config.penalties)
         if state.masks is not None:
             logits = masked_logits(logits, state.masks)
         # 3. Verify.
