@@ -26,6 +26,7 @@ from jointspec.bench.specs import (
 from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
     add_model_arguments,
+    add_sampling_flags,
     apply_threads,
     check_dynamic_tree,
     check_output_folder,
@@ -36,6 +37,7 @@ from jointspec.cli.options import (
     model_options,
     positive_int,
     prebuild_kernels,
+    sampling_options,
 )
 from jointspec.core.errors import JointspecError
 from jointspec.methods.registry import options_set
@@ -61,14 +63,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--baseline", default="ar", help="the method speedups are relative to (added if not listed)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="per turn")
     parser.add_argument("--repeats", type=positive_int, default=1, help="timed repeats (median; min-max shown)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--min-p", type=float, default=0.0,
-                        help="0 = off; drop tokens less than this times as likely as the most likely one")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (as generate's)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (as generate's)")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (as generate's)")
+    add_sampling_flags(parser)
     parser.add_argument("--seed", type=int, default=0,
                         help="when sampling, each prompt and turn draws with a seed derived from this and its id")
     parser.add_argument("--report-dir", type=Path, default=None,
@@ -137,11 +132,8 @@ def run(args: argparse.Namespace) -> int:
         specs.insert(0, baseline)
     try:
         defaults = method_config_from_args(args, name="ar")
-        config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                             frequency_penalty=args.frequency_penalty,
-                             warmup=not args.no_warmup,
+        config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
+                             **sampling_options(args), warmup=not args.no_warmup,
                              perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
                              llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache)
     except ValueError as error:

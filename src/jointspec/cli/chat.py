@@ -57,15 +57,12 @@ def add_parser(subparsers) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     from jointspec.api import GenerationConfig
-    from jointspec.cli.options import apply_threads, prebuild_kernels, say_quantize_choice, with_flags
+    from jointspec.cli.options import apply_threads, prebuild_kernels, sampling_options, say_quantize_choice, with_flags
     from jointspec.cli.serve import build_engine
     from jointspec.core.sampling import fresh_seed
 
     try:  # generate's check of the same options, before the model loads
-        GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                         frequency_penalty=args.frequency_penalty)
+        GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling_options(args))
     except ValueError as error:
         raise JointspecError(with_flags(str(error))) from None
     # Sampled: the conversation's seed (answer n samples with seed + n); greedy: none.
@@ -292,13 +289,14 @@ class _Answer:
 
 
 async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: int | None, answer: _Answer) -> None:
-    from jointspec.core.penalties import Penalties
+    from jointspec.api import GenerationConfig
+    from jointspec.cli.options import sampling_options
     from jointspec.server.engine import CompletionRequest
 
-    request = CompletionRequest(messages=tuple(dict(m) for m in messages), temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed or 0,
-                                penalties=Penalties(args.repetition_penalty, args.presence_penalty,
-                                                    args.frequency_penalty))
+    config = GenerationConfig(**sampling_options(args))
+    request = CompletionRequest(messages=tuple(dict(m) for m in messages), temperature=config.temperature,
+                                top_k=config.top_k, top_p=config.top_p, min_p=config.min_p, seed=seed or 0,
+                                penalties=config.penalties)
     start = time.perf_counter()
     generation = await engine.submit(request)
     first = None

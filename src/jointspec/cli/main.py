@@ -23,6 +23,7 @@ from jointspec.cli.options import (
     model_options,
     positive_int,
     prebuild_kernels,
+    sampling_options,
     say_quantize_choice,
     with_flags,
 )
@@ -87,11 +88,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     # Without --seed a sampled answer is a fresh one each run, as in llama.cpp's CLI; the seed drawn is reported.
     seed = args.seed if args.seed is not None else fresh_seed()
     try:
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, min_p=args.min_p, seed=seed, chat=not args.no_chat,
-                                  repetition_penalty=args.repetition_penalty,
-                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                  output_format=_output_format(args), logprobs=args.logprobs)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=seed, chat=not args.no_chat,
+                                  output_format=_output_format(args), logprobs=args.logprobs,
+                                  **sampling_options(args))
         method = method_config_from_args(args)
         check_reads(method, args)
     except ValueError as error:

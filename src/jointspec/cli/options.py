@@ -172,13 +172,19 @@ def model_options(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:
-    """--temperature, --top-k, --top-p, --min-p and --seed, as generate and chat take them (greedy by default)."""
+    """:func:`add_sampling_flags` and --seed, as generate and chat take them (greedy by default)."""
+    add_sampling_flags(parser)
+    parser.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p, --min-p and the three penalties (generate, chat and bench take them)."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="0 = off; drop tokens less than this times as likely as the most likely one (after the "
-                             "temperature, as transformers and vLLM apply it)")
+                             "temperature, before top-k and top-p, as vLLM applies it)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="1 = off; the logit of every token of the prompt or answer so far divided by it where "
                              "positive, multiplied where not (vLLM's repetition_penalty, over the whole text)")
@@ -186,7 +192,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> N
                         help="0 = off (-2 to 2): subtracted from the logit of every token the answer holds")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="0 = off (-2 to 2): subtracted once per time the answer holds the token")
-    parser.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The :func:`add_sampling_flags` values by the names GenerationConfig and BenchConfig take them."""
+    return {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                   "presence_penalty", "frequency_penalty")}
 
 
 def model_loader(args: argparse.Namespace):
