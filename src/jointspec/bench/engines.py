@@ -169,9 +169,7 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
                  penalties: Penalties = NO_PENALTIES) -> TurnOutput:
-        refusal = penalties_refusal(self.spec, penalties)
-        if refusal:
-            raise MethodSpecError(refusal)
+        # (penalties it cannot apply were refused before the run: penalties_refusal)
         # The same budget as jointspec's loop: the new tokens stop at the model's context.
         max_new_tokens = min(max_new_tokens, self.max_context - len(prompt_ids))
         if max_new_tokens <= 0:
@@ -301,9 +299,7 @@ class LlamaCppEngine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, seed: int,
                  penalties: Penalties = NO_PENALTIES) -> TurnOutput:
-        refusal = penalties_refusal(self.spec, penalties)
-        if refusal:
-            raise MethodSpecError(refusal)
+        # (penalties it cannot apply were refused before the run: penalties_refusal)
         if not sampling.greedy:
             raise MethodSpecError(f"'{self.spec.label}' runs greedy only (temperature 0); drop it from a sampling "
                                   "bench")

@@ -7,7 +7,8 @@ top-k, top-p and a grammar's mask, as vLLM reports them by default. So the figur
 method drafted the token and however the request samples: a method's answers can be scored under the target (their
 perplexity) from the answers themselves. Where a forward read a screened head (greedy rows, sampled rows with a
 top-k, draws), its logits are not whole; the loop then asks for the rows' hidden states and the exact head's logits
-of the committed rows alone (``TargetLM.logits_of``), and the tokens stay those the screen chose.
+of the committed rows alone (the target's ``logits_of``, core/target.py), and the tokens stay those the screen
+chose.
 """
 
 from __future__ import annotations
