@@ -40,6 +40,8 @@ def int4_model():
     (9, 3, 64, 7000, 1),  # a long context's decode step (values two chunks a task, spans over threads)
     (9, 3, 64, 300, 6),  # a verification: shared cache, each row's own draft keys
     (6, 6, 48, 37, 3),  # an odd number of 16-value chunks: one chunk a task
+    (9, 3, 64, 1500, 8),  # rows enough that each task widens a span of values once for its several passes
+    (6, 2, 48, 500, 12),  # the same with one chunk a task, and tiles of a head size scored without a fixed form
 ])
 def test_half_keys_and_values_are_read_as_their_float32_values(isa, heads, kv_heads, dim, keys, rows):
     """Bit for bit: attention over float16 keys and values equals attention over the same values widened to float32

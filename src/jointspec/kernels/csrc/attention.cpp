@@ -24,7 +24,7 @@ inline V16 load_kv(const c10::Half* p) { return simd::load_half(reinterpret_cast
 // the same tree (simd::sum_lanes16), whatever its neighbours. A whole tile of a common head size (every tile of a
 // shared prefix) takes score16_full, whose fixed chunk count keeps the accumulators in registers (sixteen keys' at
 // once; four at a time on AVX2, which has sixteen registers and spilled them); the arithmetic is the same either way.
-template <int C, typename T>
+template <int C, bool Contiguous, typename T>
 inline void score16_full(const V16* qv, const T* key, const int64_t* index, int64_t dim, float scale, float* out) {
   constexpr int kKeys = simd::kSumGroup;  // keys reduced at once: all sixteen, or AVX2's four
 #pragma GCC unroll 4
@@ -32,7 +32,7 @@ inline void score16_full(const V16* qv, const T* key, const int64_t* index, int6
     V16 acc[kKeys];
 #pragma GCC unroll 16
     for (int j = 0; j < kKeys; ++j) {
-      const T* k = key + index[i + j] * dim;
+      const T* k = key + (Contiguous ? i + j : index[i + j]) * dim;
       V16 a = simd::zero();
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) a = simd::fmadd(qv[c], load_kv(k + 16 * c), a);
@@ -47,11 +47,11 @@ inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* 
                     float scale, float* out) {
   if (n == 16) {
     switch (chunks) {
-      case 1: return score16_full<1, T>(qv, key, index, dim, scale, out);
-      case 2: return score16_full<2, T>(qv, key, index, dim, scale, out);
-      case 4: return score16_full<4, T>(qv, key, index, dim, scale, out);
-      case 6: return score16_full<6, T>(qv, key, index, dim, scale, out);
-      case 8: return score16_full<8, T>(qv, key, index, dim, scale, out);
+      case 1: return score16_full<1, false, T>(qv, key, index, dim, scale, out);
+      case 2: return score16_full<2, false, T>(qv, key, index, dim, scale, out);
+      case 4: return score16_full<4, false, T>(qv, key, index, dim, scale, out);
+      case 6: return score16_full<6, false, T>(qv, key, index, dim, scale, out);
+      case 8: return score16_full<8, false, T>(qv, key, index, dim, scale, out);
       default: break;
     }
   }
@@ -64,6 +64,30 @@ inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* 
     }
   }
   simd::store_first(out, simd::mul(simd::sum_lanes16(acc), simd::set1(scale)), n);
+}
+
+// score16() for sixteen keys held one after another in `tile` (float32 rows of dim): the same arithmetic, without a
+// list to read or a half to widen per query.
+inline void score16_tile(const V16* qv, int64_t chunks, const float* tile, int64_t dim, float scale, float* out) {
+  static constexpr int64_t kIdentity[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  switch (chunks) {
+    case 1: return score16_full<1, true, float>(qv, tile, nullptr, dim, scale, out);
+    case 2: return score16_full<2, true, float>(qv, tile, nullptr, dim, scale, out);
+    case 4: return score16_full<4, true, float>(qv, tile, nullptr, dim, scale, out);
+    case 6: return score16_full<6, true, float>(qv, tile, nullptr, dim, scale, out);
+    case 8: return score16_full<8, true, float>(qv, tile, nullptr, dim, scale, out);
+    default: return score16(qv, chunks, tile, kIdentity, 16, dim, scale, out);
+  }
+}
+
+// The sixteen keys at list entries index[0 .. 15], widened to float32 into tile[j * dim ..] (exact: every half is a
+// float32).
+template <typename T>
+inline void gather_tile(const T* key, const int64_t* index, int64_t dim, float* tile) {
+  for (int j = 0; j < 16; ++j) {
+    const T* k = key + index[j] * dim;
+    for (int64_t c = 0; c < dim; c += 16) simd::store(tile + j * dim + c, load_kv(k + c));
+  }
 }
 
 // The sixteen keys at list entries index[0 .. 15], to L1 (a 64-byte line at a time).
@@ -143,13 +167,18 @@ constexpr int64_t kValueSpan = 128;
 // that a prompt's many rows still spread over the threads.
 constexpr int64_t kValuePasses = 12;
 
+// Pairs of one key head from which attend_all() widens a half cache's tile of keys once for all of them.
+constexpr int64_t kWidenPairs = 8;
+
 // Keys values_pass() prefetches ahead.
 constexpr int64_t kValueAhead = 8;
 
 // M queries' values pass for L adjacent 16-float chunks of dim: acc[l * M + m] += p_m[j] * value[index[j]] (chunk
 // l) over j in key order, for list entries j in [begin, end). `probs[m]` is query m's row of probabilities. Each
 // accumulator sums in key order whatever L is; L = 2 lets one task read whole 64-byte lines of a half cache's values.
-template <int M, int L, typename T>
+// Contiguous: list entry j's chunks are at value + (j - begin) * 16 * L instead (a span widened into a buffer), and
+// `index` is not read.
+template <int M, int L, typename T, bool Contiguous = false>
 inline void values_pass(V16* acc, float* const* probs, const T* value, const int64_t* index, int64_t begin,
                         int64_t end, int64_t dim) {
   V16 a[L * M];
@@ -157,12 +186,12 @@ inline void values_pass(V16* acc, float* const* probs, const T* value, const int
   for (int64_t j = begin; j < end; ++j) {
     // A row's chunks some keys ahead, to L1: a long context's values come from memory, one line or two a key, and
     // the hardware prefetcher did not keep the loop fed (it waited on the loads).
-    if (j + kValueAhead < end) {
+    if (!Contiguous && j + kValueAhead < end) {
       const char* ahead = reinterpret_cast<const char*>(value + index[j + kValueAhead] * dim);
       __builtin_prefetch(ahead, 0, 3);
       if constexpr (L * 16 * sizeof(T) > 64) __builtin_prefetch(ahead + 64, 0, 3);
     }
-    const T* row = value + index[j] * dim;
+    const T* row = Contiguous ? value + (j - begin) * 16 * L : value + index[j] * dim;
     V16 v[L];
     for (int l = 0; l < L; ++l) v[l] = load_kv(row + 16 * l);
     for (int m = 0; m < M; ++m) {
@@ -174,12 +203,12 @@ inline void values_pass(V16* acc, float* const* probs, const T* value, const int
 }
 
 // values_pass for `count` queries (L * count <= kValueQueries, so that the accumulators stay in registers).
-template <int L, typename T, int M = 1>
+template <int L, typename T, bool Contiguous = false, int M = 1>
 inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const T* value, const int64_t* index,
                           int64_t begin, int64_t end, int64_t dim) {
   if constexpr (M * L <= kValueQueries) {
-    if (count == M) return values_pass<M, L, T>(acc, probs, value, index, begin, end, dim);
-    return values_pass_n<L, T, M + 1>(count, acc, probs, value, index, begin, end, dim);
+    if (count == M) return values_pass<M, L, T, Contiguous>(acc, probs, value, index, begin, end, dim);
+    return values_pass_n<L, T, Contiguous, M + 1>(count, acc, probs, value, index, begin, end, dim);
   } else {
     TORCH_CHECK(false, "values_pass_n: ", count, " queries of ", L, " chunks");
   }
@@ -235,9 +264,11 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
                 dim, scale, s + i);
       inverse[(r - r0) * heads + h] = softmax_numerators(s, count);
     };
+    const bool widen_tiles = std::is_same_v<T, c10::Half> && block * group >= kWidenPairs;
     // 1. Scores over the shared prefix: per key head and span of keys, every pair of the block; a key head whose
     // prefix is one span also finishes its pairs (their own keys, the softmax) in the same task.
     at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float tile[16 * 256];  // a tile's keys in float32 (dim <= 256)
       for (int64_t task = begin; task < end; ++task) {
         const int64_t g = task / spans, t0 = (task % spans) * span_tiles;
         const int64_t t1 = std::min(shared_tiles, t0 + span_tiles);
@@ -246,12 +277,21 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
           // The next tile's keys, to L1, while this one is scored: its first pair would otherwise wait on memory
           // for each of them (the keys of a long context do not stay in cache from one forward to the next).
           if (t + 1 < t1) prefetch_keys(key, shared_index + 16 * (t + 1), dim);
+          // A half cache's tile is widened once for all the pairs of the block where they are many (each pair
+          // widening it again cost more than the copy); a float32 one, or a decoding step's few pairs, read it in
+          // place (there the copy cost as much as it saved, or more).
+          if (widen_tiles) gather_tile(key, shared_index + 16 * t, dim, tile);
           for (int64_t r = r0; r < r1; ++r) {
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               V16 qv[16];
               const float* q = qp + h * q_head_stride + r * q_row_stride;
               for (int64_t c = 0; c < chunks; ++c) qv[c] = simd::load(q + 16 * c);
-              score16(qv, chunks, key, shared_index + 16 * t, 16, dim, scale, pair_scores(r, h) + 16 * t);
+              float* out = pair_scores(r, h) + 16 * t;
+              if (widen_tiles) {
+                score16_tile(qv, chunks, tile, dim, scale, out);
+              } else {
+                score16(qv, chunks, key, shared_index + 16 * t, 16, dim, scale, out);
+              }
             }
           }
         }
@@ -280,6 +320,7 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
     at::parallel_for(0, kv_heads * chunk_groups * pass_blocks, 1, [&](int64_t begin, int64_t end) {
       V16 held[kValuePasses * kValueQueries];  // the task's pass i's accumulators at i * kValueQueries, as acc below
       float* probs[kValuePasses * kValueQueries];
+      alignas(64) float span_values[kValueSpan * 32];  // a span's chunks c, c + 1 in float32 (widen, below)
       for (int64_t task = begin; task < end; ++task) {
         const int64_t g = task / (chunk_groups * pass_blocks), c = task / pass_blocks % chunk_groups * lines;
         const int64_t first = task % pass_blocks * kValuePasses, last = std::min(passes, first + kValuePasses);
@@ -297,15 +338,34 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
           for (int64_t i = 0; i < lines * pass_pairs(pass); ++i)
             held[(pass - first) * kValueQueries + i] = simd::zero();
         }
+        // A half cache's span is widened once into `span_values` where the task takes several passes over it (each
+        // pass widening it again cost more than the copy).
+        const bool widen = std::is_same_v<T, c10::Half> && last - first > 2;
         for (int64_t s0 = 0; s0 < shared; s0 += kValueSpan) {
           const int64_t s1 = std::min(shared, s0 + kValueSpan);
+          if (widen) {
+            for (int64_t j = s0; j < s1; ++j) {
+              if (j + kValueAhead < s1) {
+                const char* ahead = reinterpret_cast<const char*>(value + shared_index[j + kValueAhead] * dim);
+                __builtin_prefetch(ahead, 0, 3);
+              }
+              const T* row = value + shared_index[j] * dim;
+              for (int64_t l = 0; l < lines; ++l)
+                simd::store(span_values + (j - s0) * 16 * lines + 16 * l, load_kv(row + 16 * l));
+            }
+          }
           for (int64_t pass = first; pass < last; ++pass) {
             V16* acc = held + (pass - first) * kValueQueries;  // acc[l * count + m]: pair m, chunk c + l
             float* const* pass_probs = probs + (pass - first) * kValueQueries;
-            if (lines == 2) {
-              values_pass_n<2>(pass_pairs(pass), acc, pass_probs, value, shared_index, s0, s1, dim);
+            const int64_t count = pass_pairs(pass);
+            if (widen && lines == 2) {
+              values_pass_n<2, float, true>(count, acc, pass_probs, span_values, nullptr, s0, s1, dim);
+            } else if (widen) {
+              values_pass_n<1, float, true>(count, acc, pass_probs, span_values, nullptr, s0, s1, dim);
+            } else if (lines == 2) {
+              values_pass_n<2>(count, acc, pass_probs, value, shared_index, s0, s1, dim);
             } else {
-              values_pass_n<1>(pass_pairs(pass), acc, pass_probs, value, shared_index, s0, s1, dim);
+              values_pass_n<1>(count, acc, pass_probs, value, shared_index, s0, s1, dim);
             }
           }
         }
