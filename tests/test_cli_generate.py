@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -371,6 +372,17 @@ def test_min_p_one_samples_the_greedy_answer_and_a_bad_one_is_refused(capsys, mo
     assert json_result(capsys, *args, "--temperature", "1", "--min-p", "1", "--seed", "4")["token_ids"] == greedy
     code, _, err = run_cli(capsys, *args, "--temperature", "1", "--min-p", "1.5")
     assert_clean_error(code, err, "--min-p must be in [0, 1]")
+
+
+def test_logit_bias_bans_a_token_and_a_bad_one_is_refused(capsys, model_dirs):
+    args = ("generate", PROMPT, "--model", model_dirs["target"], "--no-chat", "--max-new-tokens", "12", "--json")
+    greedy = json_result(capsys, *args)["token_ids"]
+    banned = json_result(capsys, *args, "--logit-bias", f"{greedy[0]}=-100", "--logit-bias", f"{greedy[1]}=-100")
+    assert greedy[0] not in banned["token_ids"] and greedy[1] not in banned["token_ids"]
+    for bad, message in (("5", "expected TOKEN_ID=AMOUNT"), ("5=200", r"logit_bias\[5\] must be in \[-100, 100\]"),
+                         ("10000000=1", "beyond this model's vocabulary")):
+        code, _, err = run_cli(capsys, *args, "--logit-bias", bad)
+        assert code != 0 and re.search(message, err), err
 
 
 def test_json_quality_block(capsys, model_dirs, monkeypatch):

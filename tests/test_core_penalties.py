@@ -1,6 +1,7 @@
-"""Repetition, presence and frequency penalties (core/penalties.py) through every method.
+"""Repetition, presence and frequency penalties and the logit bias (core/penalties.py) through every method.
 
-What is proved: the penalties are vLLM's, by hand on a small row; every lossless method, penalised, gives the tokens
+What is proved: the penalties and the bias are vLLM's, by hand on a small row (the bias first); every lossless
+method, penalised or biased, gives the tokens
 of plain penalised decoding done by hand (one full forward a token, the penalties from the text so far, the argmax),
 chains, a tree and MTAD, with an end-of-sequence token inside drafts; a seeded lookup draft samples plain sampling's
 penalised text token for token; both batched engines give each request the loop's tokens. Fixed models, prompts
@@ -14,6 +15,7 @@ import torch
 
 from jointspec.batch.engine import BatchEngine, BatchRequest
 from jointspec.batch.lockstep import LockstepEngine
+from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.penalties import Penalties, penalized_rows
 from jointspec.core.sampling import SamplingConfig
@@ -23,6 +25,8 @@ from jointspec.methods import MethodConfig, MethodContext, build_method
 from helpers import ROUND_KINDS, grouped_llama, random_prompt
 
 PENALTIES = Penalties(repetition=1.3, presence=0.4, frequency=0.6)
+# A bias that bans tokens the tiny models write often unbiased and favours one, with a presence penalty beside it.
+BIASED = Penalties(presence=0.3, bias={5: -100.0, 17: -100.0, 40: 4.0, 41: -2.5})
 METHODS = {**ROUND_KINDS, "lookahead": MethodConfig("lookahead")}
 
 
@@ -74,18 +78,43 @@ def test_the_penalties_by_hand():
     assert Penalties(np.float32(1.5), np.int64(1)).repetition == 1.5  # numpy's numbers, as the sampling settings take
 
 
+def test_the_logit_bias_by_hand():
+    logits = torch.tensor([[1.0, -1.0, 0.5, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    biased = Penalties(bias={0: 1.0, 3: -100})
+    assert biased.active and biased.bias == ((0, 1.0), (3, -100.0))
+    assert penalized_rows(logits, [], 0, [[], []], biased).tolist() == [[2.0, -1.0, 0.5, -97.0, 0.0],
+                                                                         [1.0, 0.0, 0.0, -100.0, 0.0]]
+    # The bias first, then the repetition penalty (vLLM's order): token 0's 1.0 + 1.0, then halved; the other order
+    # would give 1.5.
+    both = Penalties(repetition=2.0, bias={0: 1.0})
+    assert penalized_rows(logits[:1], [0], 0, [[]], both)[0, 0] == 1.0
+    assert Penalties(bias=[(4, 2), (1, -3)]).bias == ((1, -3.0), (4, 2.0))  # pairs too, kept sorted
+    for bad, error, match in (({0: 100.5}, ValueError, r"logit_bias\[0\] must be in \[-100, 100\]"),
+                              ({-1: 1.0}, ValueError, "keys must be token ids"),
+                              ({"7": 1.0}, ValueError, "keys must be token ids"),
+                              ({0: float("nan")}, TypeError, r"logit_bias\[0\] must be a finite number"),
+                              ({0: True}, TypeError, "must be a finite number"),
+                              ([(1, 1.0), (1, 2.0)], ValueError, "lists token 1 twice"),
+                              ([1, 2], TypeError, "must map token ids to amounts")):
+        with pytest.raises(error, match=match):
+            Penalties(bias=bad)
+    with pytest.raises(UnsupportedOptionError, match="token id 9, beyond this model's vocabulary of 5"):
+        penalized_rows(logits, [], 0, [[], []], Penalties(bias={9: 1.0}))
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("model", ["float32", "int4"])
-def test_every_lossless_method_decodes_plain_penalised_greedy(method, model, target, int4_target):
+@pytest.mark.parametrize("penalties", [PENALTIES, BIASED], ids=["penalised", "biased"])
+def test_every_lossless_method_decodes_plain_penalised_greedy(method, model, penalties, target, int4_target):
     target = int4_target if model == "int4" else target
     for seed in (3, 5):
         prompt = random_prompt(seed)
-        expected = by_hand(target, prompt, 20, PENALTIES, frozenset())
+        expected = by_hand(target, prompt, 20, penalties, frozenset())
         # An end-of-sequence token set at an answer token a draft may run past.
         eos = frozenset({expected[9]})
-        config = DecodeConfig(20, SamplingConfig(0.0), eos, penalties=PENALTIES)
-        assert decode(target, METHODS[method], prompt, config) == by_hand(target, prompt, 20, PENALTIES, eos)
-        assert decode(target, METHODS[method], prompt, DecodeConfig(20, penalties=PENALTIES)) == expected
+        config = DecodeConfig(20, SamplingConfig(0.0), eos, penalties=penalties)
+        assert decode(target, METHODS[method], prompt, config) == by_hand(target, prompt, 20, penalties, eos)
+        assert decode(target, METHODS[method], prompt, DecodeConfig(20, penalties=penalties)) == expected
     # (And the penalties change the answer: the test would pass vacuously otherwise.)
     assert decode(target, METHODS[method], prompt, DecodeConfig(20)) != expected
 
@@ -104,7 +133,7 @@ def test_a_seeded_lookup_draft_samples_plain_penalised_sampling_token_for_token(
 
 def test_the_batched_engines_give_each_request_the_loops_tokens(target, int4_target):
     prompts = [random_prompt(seed) for seed in (0, 3, 5, 6)]
-    penalties = [PENALTIES, Penalties(), Penalties(repetition=1.5), Penalties(frequency=1.0)]
+    penalties = [PENALTIES, Penalties(), BIASED, Penalties(bias={40: 4.0, 5: -100.0, 17: -100.0})]  # the last alone
     for engine, method in ((LockstepEngine(int4_target, max_batch_size=4), METHODS["specinfer-self"]),
                            (BatchEngine(target, max_batch_size=4), METHODS["pld"])):
         requests = [BatchRequest(tuple(p), DecodeConfig(16, penalties=pen), method)
@@ -112,3 +141,4 @@ def test_the_batched_engines_give_each_request_the_loops_tokens(target, int4_tar
         out = engine.generate(requests)
         reference = int4_target if isinstance(engine, LockstepEngine) else target
         assert out == [by_hand(reference, p, 16, pen, frozenset()) for p, pen in zip(prompts, penalties)]
+        assert out[3] != by_hand(reference, prompts[3], 16, Penalties(), frozenset())  # (the bias alone tells)

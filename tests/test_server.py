@@ -27,6 +27,7 @@ from jointspec.batch.engine import BatchEvent
 from jointspec.core.draft import NoDrafter
 from jointspec.core.grammar import OutputFormat
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.core.penalties import Penalties
 from jointspec.methods import MethodConfig
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine, TextStream, _Stream
@@ -268,6 +269,27 @@ def test_min_p_one_keeps_the_top_token_alone(client, method):
     assert sampled["choices"][0]["message"]["content"] == greedy
     loose = client.post("/v1/chat/completions", json={**body, "temperature": 1.0, "min_p": 0.0001, "seed": 3}).json()
     assert loose["choices"][0]["message"]["content"] != greedy  # (a loose floor samples this model's flat rows)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_logit_bias_answers_the_loops_biased_greedy_decoding(client, engine, byte_model, tokenizer, method):
+    """OpenAI's logit_bias (token ids as text): the answer is plain biased greedy decoding's, by the single-sequence
+    loop; a key the model lacks, a bad key or amount is a 400 naming logit_bias."""
+    prompt = tokenizer("the cat sat on the mat and the cat sat")["input_ids"]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "jointspec": {"method": method}}
+    plain = reference_text(byte_model, tokenizer, engine, prompt, 12)[0]
+    plain_ids = tokenizer(plain)["input_ids"]
+    bias = {plain_ids[0]: -100.0, plain_ids[1]: -100.0, 40: 5.0}
+    decoder = SpeculativeDecoder(CausalLM(byte_model), NoDrafter(), GreedyVerifier())
+    biased = tokenizer.decode(decoder.generate(prompt, DecodeConfig(12, eos_token_ids=engine.eos_token_ids,
+                                                                    penalties=Penalties(bias=bias))),
+                              skip_special_tokens=True)
+    assert biased != plain  # (the bias tells)
+    reply = client.post("/v1/completions", json={**body, "logit_bias": {str(k): v for k, v in bias.items()}})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == biased, reply.text
+    for bad in ({"65": 100.5}, {"x": 1}, {str(engine.target.vocab_size): 1}, {"65": "high"}):
+        refused = client.post("/v1/completions", json={**body, "logit_bias": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("logit_bias"), refused.text
 
 
 def test_top_p_zero_keeps_the_top_token_alone(client):
@@ -699,7 +721,7 @@ def test_a_prompt_and_max_tokens_past_the_context_are_a_400_not_a_cut_answer(cli
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"logit_bias": {"65": 100}}, "logit_bias"), ({"response_format": {"type": "regex"}}, "response_format.type"),
+    ({"response_format": {"type": "regex"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_object", "schema": "{}"}}, "response_format.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a"}}}},

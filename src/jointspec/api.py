@@ -9,7 +9,7 @@ import numbers
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -21,7 +21,7 @@ from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, OutputFormat, RecentGrammars
 from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, json_logprob
 from jointspec.core.loop import DecodeConfig, SpecStats, SpeculativeDecoder
-from jointspec.core.penalties import Penalties
+from jointspec.core.penalties import Penalties, checked_bias
 from jointspec.core.sampling import SamplingConfig, fresh_seed
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method, method_names
@@ -34,7 +34,9 @@ class GenerationConfig:
     else sampled with that temperature and, where set, a ``top_k`` (0: none), a ``top_p`` (1: none) and a ``min_p``
     (0: none; tokens less than min_p times as likely as the most likely one are dropped, after the temperature).
     ``repetition_penalty``, ``presence_penalty`` and ``frequency_penalty`` (1, 0, 0: off) change each row's logits by
-    the text before it, as vLLM applies them, greedy decoding included (:mod:`jointspec.core.penalties`).
+    the text before it, as vLLM applies them, greedy decoding included (:mod:`jointspec.core.penalties`);
+    ``logit_bias`` (a mapping of token id to an amount in [-100, 100], kept as sorted pairs) adds a fixed amount to
+    those tokens' logits before them, as OpenAI's ``logit_bias`` does.
     ``seed``: the sampled answer's seed, so a sampled call repeats its text (0 by default; None draws a fresh one each
     generation, which :attr:`GenerationResult.seed` reports), except with a method whose draft lengths follow
     measured timings (``sps``, ``hybrid``, ``mtad``, ``specinfer``, ``spectr`` unless ``cost_aware=False``;
@@ -54,6 +56,7 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
     output_format: OutputFormat | None = None
@@ -77,12 +80,13 @@ class GenerationConfig:
         check_top_logprobs(self.logprobs)
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", int(self.logprobs))
+        object.__setattr__(self, "logit_bias", checked_bias(self.logit_bias))
         _ = self.penalties  # building it validates the three penalties
         _ = self.sampling  # building it validates temperature / top-k / top-p
 
     @property
     def penalties(self) -> Penalties:
-        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.logit_bias)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -266,6 +270,7 @@ class Pipeline:
         config = _checked_config(config)
         if not prompt_ids:  # e.g. an empty prompt without a chat template: a user error, not an engine one
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
+        config.penalties.check_vocab(self.target.vocab_size)  # a bias on a token the model lacks: refused by name
         seed = config.seed if config.seed is not None else fresh_seed()
         generator = torch.Generator(device="cpu").manual_seed(seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids,

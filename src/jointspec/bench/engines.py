@@ -341,6 +341,8 @@ def penalties_refusal(spec: MethodSpec, penalties: Penalties) -> str | None:
     if spec.is_hf and (penalties.presence or penalties.frequency):
         return (f"'{spec.label}': transformers' generate has no presence or frequency penalty (only "
                 "--repetition-penalty); drop it from a run with those")
+    if spec.is_hf and penalties.bias:
+        return f"'{spec.label}': this bench does not pass --logit-bias to transformers' generate; drop it from the run"
     if spec.is_llamacpp_reference and penalties.active:
         return (f"'{spec.label}': llama.cpp's loop applies its repeat penalty over its last tokens, not the whole "
                 "text as jointspec's penalties do; drop it from a penalised run")

@@ -291,8 +291,9 @@ def _penalties(config) -> str:
     """The run's penalties for the report's settings line ("" where none)."""
     if not config.penalties.active:
         return ""
+    bias = config.penalties.bias
     return (f", penalties: repetition {config.repetition_penalty}, presence {config.presence_penalty}, frequency "
-            f"{config.frequency_penalty}")
+            f"{config.frequency_penalty}" + (f", logit bias {dict(bias)}" if bias else ""))
 
 
 def _count(number: int, one: str, many: str) -> str:

@@ -56,6 +56,7 @@ class BenchConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, as GenerationConfig's
     seed: int = 0
     warmup: bool = True
     perplexity: bool = True
@@ -91,7 +92,7 @@ class BenchConfig:
 
     @property
     def penalties(self) -> Penalties:
-        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.logit_bias)
 
 
 @dataclass
@@ -180,6 +181,7 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
     refusal = next(filter(None, (penalties_refusal(s, config.penalties) for s in specs)), None)
     if refusal:  # before anything is loaded or decoded
         raise MethodSpecError(refusal)
+    config.penalties.check_vocab(target.vocab_size)  # a bias on a token the model lacks: before the run too
     eos = eos_token_ids(target, tokenizer)
     llamacpp = None
     if any(s.needs_llamacpp for s in specs):

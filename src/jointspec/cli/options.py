@@ -178,7 +178,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> N
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    """--temperature, --top-k, --top-p, --min-p and the three penalties (generate, chat and bench take them)."""
+    """--temperature, --top-k, --top-p, --min-p, the three penalties and --logit-bias (generate, chat and bench take
+    them)."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -192,12 +193,28 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
                         help="0 = off (-2 to 2): subtracted from the logit of every token the answer holds")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="0 = off (-2 to 2): subtracted once per time the answer holds the token")
+    parser.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=AMOUNT",
+                        help="add AMOUNT (-100 to 100) to that token's logit before the penalties, as OpenAI's "
+                             "logit_bias does (-100 all but bans it); repeat for more tokens")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """One --logit-bias entry, TOKEN_ID=AMOUNT."""
+    token, sep, amount = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=AMOUNT (e.g. 2=-100), got {text!r}") from None
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
     """The :func:`add_sampling_flags` values by the names GenerationConfig and BenchConfig take them."""
-    return {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                                   "presence_penalty", "frequency_penalty")}
+    options = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                      "presence_penalty", "frequency_penalty")}
+    options["logit_bias"] = tuple(args.logit_bias)  # checked (range, repeats) where the config is built
+    return options
 
 
 def model_loader(args: argparse.Namespace):

@@ -42,7 +42,7 @@ from jointspec.backends.tokens import TokenSpelling
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.grammar import OutputFormat
 from jointspec.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
-from jointspec.core.penalties import Penalties
+from jointspec.core.penalties import Penalties, checked_bias
 from jointspec.core.sampling import MIN_TEMPERATURE, fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.methods.registry import tree_nodes
@@ -170,10 +170,11 @@ class _Sampling(_Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     response_format: dict | None = None
+    # OpenAI's logit_bias: token id (as text) to an amount in [-100, 100], added to the logit before the penalties.
+    logit_bias: dict[str, float] | None = None
     # OpenAI parameters that change the output and that this server does not implement: declared so that a request
     # asking for them is refused by name (_parse), never answered as if they were not there. Their neutral values
     # (what clients send by default) pass.
-    logit_bias: dict[str, float] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
@@ -795,8 +796,7 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
-    if body.logit_bias:
-        raise RequestError("logit_bias is not supported: the answer would ignore it", param="logit_bias")
+    _logit_bias(body.logit_bias)  # refused here where malformed or out of range
     _output_format(body.response_format)  # refused here, before anything is queued
     for name in ("tools", "functions"):
         if getattr(body, name):
@@ -874,6 +874,24 @@ def _output_format(response_format: dict | None) -> OutputFormat | None:
     return OutputFormat.json_schema(spec["schema"])
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as strings, amounts in [-100, 100]) as checked pairs; RequestError naming
+    the bad entry."""
+    pairs: dict[int, float] = {}
+    for token, amount in (bias or {}).items():
+        try:
+            key = int(token)
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias") from None
+        if key in pairs:
+            raise RequestError(f"logit_bias lists token {key} twice", param="logit_bias")
+        pairs[key] = amount
+    try:
+        return checked_bias(pairs)
+    except (TypeError, ValueError) as error:
+        raise RequestError(str(error), param="logit_bias") from None
+
+
 def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
     """The engine's request for each of ``body``'s prompts (chat: one)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -885,7 +903,8 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
         top_p, top_k = 1.0, 1
     # OpenAI's API takes any temperature in [0, 2]; one too small to sample with is greedy decoding, its limit.
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
-    penalties = Penalties(body.repetition_penalty, body.presence_penalty, body.frequency_penalty)
+    penalties = Penalties(body.repetition_penalty, body.presence_penalty, body.frequency_penalty,
+                          _logit_bias(body.logit_bias))
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed, penalties=penalties,
                   stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format),
                   logprobs=_requested_logprobs(body))

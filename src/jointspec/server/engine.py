@@ -380,6 +380,11 @@ class ServingEngine:
     # -- the request side (event loop threads) ------------------------------------------------------------------
 
     def encode(self, request: CompletionRequest) -> list[int]:
+        try:  # a bias on a token the model lacks: this request's 400, not an error inside the batch's round
+            request.penalties.check_vocab(self.target.vocab_size)
+        except UnsupportedOptionError as error:
+            error.param = "logit_bias"
+            raise
         if request.messages is not None:
             messages = [dict(m) for m in request.messages]
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
