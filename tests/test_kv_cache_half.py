@@ -42,6 +42,8 @@ def int4_model():
     (6, 6, 48, 37, 3),  # an odd number of 16-value chunks: one chunk a task
     (9, 3, 64, 1500, 8),  # rows enough that each task widens a span of values once for its several passes
     (6, 2, 48, 500, 12),  # the same with one chunk a task, and tiles of a head size scored without a fixed form
+    (16, 2, 256, 600, 1),  # one row whose 8 query heads a key head widen its tiles: the widest head, a full buffer
+    (4, 1, 64, 2000, 13),  # more passes than one task takes: tasks that widen values beside one that does not
 ])
 def test_half_keys_and_values_are_read_as_their_float32_values(isa, heads, kv_heads, dim, keys, rows):
     """Bit for bit: attention over float16 keys and values equals attention over the same values widened to float32

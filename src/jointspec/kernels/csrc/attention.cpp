@@ -67,7 +67,7 @@ inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* 
 }
 
 // score16() for sixteen keys held one after another in `tile` (float32 rows of dim): the same arithmetic, without a
-// list to read or a half to widen per query.
+// half to widen per query (nor, for the head sizes score16_full fixes, a key list to read).
 inline void score16_tile(const V16* qv, int64_t chunks, const float* tile, int64_t dim, float scale, float* out) {
   static constexpr int64_t kIdentity[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   switch (chunks) {
@@ -277,9 +277,9 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
           // The next tile's keys, to L1, while this one is scored: its first pair would otherwise wait on memory
           // for each of them (the keys of a long context do not stay in cache from one forward to the next).
           if (t + 1 < t1) prefetch_keys(key, shared_index + 16 * (t + 1), dim);
-          // A half cache's tile is widened once for all the pairs of the block where they are many (each pair
-          // widening it again cost more than the copy); a float32 one, or a decoding step's few pairs, read it in
-          // place (there the copy cost as much as it saved, or more).
+          // A half cache's tile is widened once for all the pairs of the block where they are kWidenPairs or more
+          // (each pair widening it again cost more than the copy); a float32 one, or fewer pairs (SmolLM2's decoding
+          // step has 3), read it in place (there the copy cost as much as it saved, or more).
           if (widen_tiles) gather_tile(key, shared_index + 16 * t, dim, tile);
           for (int64_t r = r0; r < r1; ++r) {
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -320,7 +320,7 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
     at::parallel_for(0, kv_heads * chunk_groups * pass_blocks, 1, [&](int64_t begin, int64_t end) {
       V16 held[kValuePasses * kValueQueries];  // the task's pass i's accumulators at i * kValueQueries, as acc below
       float* probs[kValuePasses * kValueQueries];
-      alignas(64) float span_values[kValueSpan * 32];  // a span's chunks c, c + 1 in float32 (widen, below)
+      alignas(64) float span_values[kValueSpan * 32];  // a span's `lines` chunks from c in float32 (widen, below)
       for (int64_t task = begin; task < end; ++task) {
         const int64_t g = task / (chunk_groups * pass_blocks), c = task / pass_blocks % chunk_groups * lines;
         const int64_t first = task % pass_blocks * kValuePasses, last = std::min(passes, first + kValuePasses);
