@@ -290,6 +290,11 @@ def test_logprobs_come_with_the_answer_when_asked_and_leave_it_unchanged(target_
     assert len(listed) == len(scored.token_ids) and all(len(entry["top"]) == 2 for entry in listed)
     with pytest.raises(ValueError, match="logprobs must be a whole number from 0 to 20"):
         GenerationConfig(logprobs=21)
+    # Streamed: the same figures, a round's at a time.
+    streamed = list(pipe.stream_logprobs(prompt, GenerationConfig(**{**config.__dict__, "logprobs": 2})))
+    assert len(streamed) > 1 and [f for chunk in streamed for f in chunk] == scored.logprobs
+    with pytest.raises(ValueError, match="stream_logprobs needs config.logprobs"):
+        next(pipe.stream_logprobs(prompt, config))
 
 
 @pytest.mark.parametrize("options, match", [(dict(model=""), "model must be"), (dict(model=123), "model must be"),

@@ -265,6 +265,22 @@ class Pipeline:
         yield first
         yield from stream
 
+    def stream_logprobs(self, prompt_ids: Sequence[int] | torch.Tensor,
+                        config: GenerationConfig) -> Iterator[list[TokenLogprob]]:
+        """:meth:`stream_ids` with each new token's log-probability: yields, as rounds commit them, one
+        :class:`~jointspec.core.logprobs.TokenLogprob` a token (its id, its figure, its row's ``config.logprobs`` most
+        likely tokens), the figures :meth:`generate_ids` returns. ``config.logprobs`` must be set (0 for no
+        alternatives)."""
+        if _checked_config(config).logprobs is None:
+            raise ValueError("stream_logprobs needs config.logprobs: 0 for each token's own figure, up to 20 for as "
+                             "many of its row's most likely tokens beside it")
+        seen = 0
+        for chunk in self.stream_ids(prompt_ids, config):
+            # (the decoder adds one figure per committed token as each round ends, before the round's tokens come out)
+            figures = self.decoder.logprobs[seen:seen + len(chunk)]
+            seen += len(chunk)
+            yield list(figures)
+
     def _stream(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[list[int]]:
         """stream_ids on ids already checked (:meth:`_token_ids`)."""
         config = _checked_config(config)
