@@ -238,7 +238,18 @@ def test_a_penalised_run_keeps_every_lossless_method_on_the_baselines_tokens(tar
     monkeypatch.setattr(JointspecEngine, "generate", lambda self, *a, **k: decoded.append(1) or original(self, *a, **k))
     with pytest.raises(MethodSpecError, match="no presence or frequency penalty"):
         run_tiny(target_model, bench_tokenizer, "ar,hf-generate", prompts, presence_penalty=0.5)
+    with pytest.raises(MethodSpecError, match="does not pass --logit-bias to transformers"):
+        run_tiny(target_model, bench_tokenizer, "ar,hf-generate", prompts, logit_bias=((4, -100.0),))
     assert not decoded
+    # --logit-bias reaches every row: the biased baseline differs from the plain one, and each lossless row writes it.
+    plain_ids = {r.question_id: r.output_ids for r in plain.runs}
+    banned = sorted({t for ids in plain_ids.values() for turn in ids for t in turn})[:3]
+    bias = tuple((t, -100.0) for t in banned)
+    biased, summary = run_tiny(target_model, bench_tokenizer, f"ar,pld:n=4,{sps}", prompts, logit_bias=bias)
+    assert all(s["num_identical"] == s["num_prompts"] == 3 for s in summary.values()), summary
+    biased_ids = {r.question_id: r.output_ids for r in biased.runs if r.method == "ar"}
+    assert biased_ids != plain_ids
+    assert not {t for ids in biased_ids.values() for turn in ids for t in turn} & set(banned)
 
 
 def test_decode_speed_is_timed_after_the_prompt(target_model, bench_tokenizer, bench_prompt_file):

@@ -287,7 +287,8 @@ def test_logit_bias_answers_the_loops_biased_greedy_decoding(client, engine, byt
     assert biased != plain  # (the bias tells)
     reply = client.post("/v1/completions", json={**body, "logit_bias": {str(k): v for k, v in bias.items()}})
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == biased, reply.text
-    for bad in ({"65": 100.5}, {"x": 1}, {str(engine.target.vocab_size): 1}, {"65": "high"}):
+    for bad in ({"65": 100.5}, {"x": 1}, {str(engine.target.vocab_size): 1}, {"65": "high"}, {"5_0": 1}, {" 5": 1},
+                {"+5": 1}, {"5": 1, "05": 2}):
         refused = client.post("/v1/completions", json={**body, "logit_bias": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("logit_bias"), refused.text
 

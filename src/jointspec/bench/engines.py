@@ -77,7 +77,7 @@ class JointspecEngine:
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
                                   top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, seed=seed,
                                   repetition_penalty=penalties.repetition, presence_penalty=penalties.presence,
-                                  frequency_penalty=penalties.frequency)
+                                  frequency_penalty=penalties.frequency, logit_bias=penalties.bias)
         device = self.pipeline.target.device
         synchronize(device)
         start = time.perf_counter()
@@ -343,6 +343,8 @@ def penalties_refusal(spec: MethodSpec, penalties: Penalties) -> str | None:
                 "--repetition-penalty); drop it from a run with those")
     if spec.is_hf and penalties.bias:
         return f"'{spec.label}': this bench does not pass --logit-bias to transformers' generate; drop it from the run"
+    if spec.is_llamacpp_reference and penalties.bias:
+        return f"'{spec.label}': this bench runs llama.cpp's loop without a logit bias; drop it from a biased run"
     if spec.is_llamacpp_reference and penalties.active:
         return (f"'{spec.label}': llama.cpp's loop applies its repeat penalty over its last tokens, not the whole "
                 "text as jointspec's penalties do; drop it from a penalised run")

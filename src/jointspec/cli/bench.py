@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jointspec.backends.loading import DEFAULT_MODEL, check_model_path, load_model, resolve_quantize
 from jointspec.bench import report
-from jointspec.bench.engines import hf_settings
+from jointspec.bench.engines import hf_settings, penalties_refusal
 from jointspec.bench.prompts import BUILTIN_PREFIX, builtin_names, load_prompt_sets, select_prompts
 from jointspec.bench.report import contract, summarise, table, write_report
 from jointspec.bench.runner import BenchConfig, run_bench
@@ -139,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     check_shared_options(defaults, specs, given_method_options(args))
+    refusal = next(filter(None, (penalties_refusal(spec, config.penalties) for spec in specs)), None)
+    if refusal:  # a row that cannot apply the penalties or the bias: before the model loads too
+        raise MethodSpecError(refusal)
     for spec in specs:  # bad option values fail here, before the model loads
         if spec.is_hf:
             hf_settings(spec, defaults)

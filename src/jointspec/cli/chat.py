@@ -62,7 +62,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from jointspec.core.sampling import fresh_seed
 
     try:  # generate's check of the same options, before the model loads
-        GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling_options(args))
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling_options(args))
     except ValueError as error:
         raise JointspecError(with_flags(str(error))) from None
     # Sampled: the conversation's seed (answer n samples with seed + n); greedy: none.
@@ -76,6 +76,10 @@ def run_chat(args: argparse.Namespace) -> int:
         engine = build_engine(args)
         try:
             say_quantize_choice(args)
+            try:  # a bias on a token the model lacks: refused once, not at every turn
+                config.penalties.check_vocab(engine.target.vocab_size)
+            except JointspecError as error:
+                raise JointspecError(with_flags(str(error))) from None
             return _converse(engine, args, seed)
         finally:
             engine.close()

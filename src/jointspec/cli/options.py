@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -202,11 +204,12 @@ def _logit_bias(text: str) -> tuple[int, float]:
     """One --logit-bias entry, TOKEN_ID=AMOUNT."""
     token, sep, amount = text.partition("=")
     try:
-        if not sep:
+        if not sep or not re.fullmatch(r"[0-9]+", token) or not math.isfinite(float(amount)):
             raise ValueError
         return int(token), float(amount)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=AMOUNT (e.g. 2=-100), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=AMOUNT, a token id and a finite amount (e.g. 2=-100), "
+                                         f"got {text!r}") from None
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -285,13 +288,11 @@ def check_reads(config, args: argparse.Namespace | None = None) -> None:
 # Settings whose checks (GenerationConfig, SamplingConfig, MethodConfig) name them as the Python API spells them.
 _FLAGGED_FIELDS = ("max_num_draft_tokens", "num_draft_tokens", "max_new_tokens", "accept_threshold", "tree_budget",
                    "beam_width", "min_ngram", "max_ngram", "top_p", "top_k", "min_p", "temperature", "seed",
-                   "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")
+                   "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def with_flags(message: str) -> str:
     """A settings check's message with each field it names spelt as its command-line flag (``top_p`` -> ``--top-p``)."""
-    import re
-
     pattern = r"(?<![\w-])(" + "|".join(_FLAGGED_FIELDS) + r")(?![\w-])"
     return re.sub(pattern, lambda match: cli_flag(match.group(1)), message)
 

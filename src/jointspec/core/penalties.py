@@ -19,6 +19,7 @@ never a screened head's; so does a biased one (a bias moves the argmax the scree
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -45,8 +46,10 @@ def checked_bias(bias) -> tuple[tuple[int, float], ...]:
         token, amount = entry
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
-        if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or not math.isfinite(amount):
-            raise TypeError(f"logit_bias[{token}] must be a finite number, got {amount!r}")
+        if isinstance(amount, bool) or not isinstance(amount, numbers.Real):
+            raise TypeError(f"logit_bias[{token}] must be a number, got {amount!r}")
+        if not math.isfinite(amount):
+            raise ValueError(f"logit_bias[{token}] must be a finite number, got {amount!r}")
         if not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {amount}")
         if int(token) in out:
@@ -80,6 +83,12 @@ class Penalties:
     def active(self) -> bool:
         return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0 or bool(self.bias)
 
+    @functools.cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bias as (token ids, amounts) tensors, built once (a request's every round reads them)."""
+        return (torch.tensor([token for token, _ in self.bias], dtype=torch.long),
+                torch.tensor([amount for _, amount in self.bias], dtype=torch.float32))
+
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a bias on a token id the model does not have (UnsupportedOptionError naming it)."""
         beyond = [token for token, _ in self.bias if token >= vocab_size]
@@ -104,8 +113,8 @@ def penalized_rows(logits: torch.Tensor, tokens: Sequence[int], prompt_length: i
     device, vocab = out.device, out.shape[-1]
     if penalties.bias:
         penalties.check_vocab(vocab)
-        ids = torch.tensor([token for token, _ in penalties.bias], dtype=torch.long, device=device)
-        out[:, ids] += torch.tensor([amount for _, amount in penalties.bias], dtype=out.dtype, device=device)
+        ids, amounts = penalties.bias_tensors
+        out[:, ids.to(device)] += amounts.to(device=device, dtype=out.dtype)
     tokens = torch.as_tensor(list(tokens), dtype=torch.long)
     answer = tokens[prompt_length:]
     for row, path in enumerate(paths):

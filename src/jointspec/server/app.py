@@ -879,10 +879,9 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     the bad entry."""
     pairs: dict[int, float] = {}
     for token, amount in (bias or {}).items():
-        try:
-            key = int(token)
-        except ValueError:
-            raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias") from None
+        if not re.fullmatch(r"[0-9]+", token):  # (int() takes " 5", "+5", "5_0" and other digits too)
+            raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+        key = int(token)
         if key in pairs:
             raise RequestError(f"logit_bias lists token {key} twice", param="logit_bias")
         pairs[key] = amount
