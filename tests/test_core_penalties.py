@@ -95,7 +95,9 @@ def test_the_logit_bias_by_hand():
                               ({0: float("nan")}, ValueError, r"logit_bias\[0\] must be a finite number"),
                               ({0: True}, TypeError, "must be a number"),
                               ([(1, 1.0), (1, 2.0)], ValueError, "lists token 1 twice"),
-                              ([1, 2], TypeError, "must map token ids to amounts")):
+                              ([1, 2], TypeError, "must map token ids to amounts"),
+                              (5, TypeError, "must map token ids to amounts"),
+                              ("5=1", TypeError, "must map token ids to amounts")):
         with pytest.raises(error, match=match):
             Penalties(bias=bad)
     with pytest.raises(UnsupportedOptionError, match="token id 9, beyond this model's vocabulary of 5"):

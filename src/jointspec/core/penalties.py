@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,8 @@ def checked_bias(bias) -> tuple[tuple[int, float], ...]:
     TypeError / ValueError naming the bad entry."""
     if bias is None:
         return ()
+    if not isinstance(bias, Iterable) or isinstance(bias, (str, bytes)):
+        raise TypeError(f"logit_bias must map token ids to amounts (a dict, or (token id, amount) pairs), got {bias!r}")
     pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
     out: dict[int, float] = {}
     for entry in pairs:
