@@ -286,12 +286,13 @@ class Pipeline:
         config = _checked_config(config)
         if not prompt_ids:  # e.g. an empty prompt without a chat template: a user error, not an engine one
             raise JointspecError("the prompt is empty after tokenisation; pass some text")
-        config.penalties.check_vocab(self.target.vocab_size)  # a bias on a token the model lacks: refused by name
+        penalties = config.penalties  # (built once: it checks its bias)
+        penalties.check_vocab(self.target.vocab_size)  # a bias on a token the model lacks: refused by name
         seed = config.seed if config.seed is not None else fresh_seed()
         generator = torch.Generator(device="cpu").manual_seed(seed)
         decode = DecodeConfig(config.max_new_tokens, config.sampling, self.eos_token_ids,
                               self.grammar(config.output_format), logprobs=config.logprobs,
-                              penalties=config.penalties)
+                              penalties=penalties)
         new_ids: list[int] = []
         session = self._session
         with session.lock:

@@ -36,12 +36,18 @@ from jointspec.backends.hf import CausalLM
 from jointspec.batch.cache import RaggedCache
 from jointspec.batch.drafters import BatchDrafter, batch_drafter_for
 from jointspec.core.choices import dynamic_tree_refusal
-from jointspec.core.draft import Draft, row_paths, tree_depths
+from jointspec.core.draft import Draft, tree_depths
 from jointspec.core.errors import ContextTooLongError, UnsupportedOptionError
-from jointspec.core.grammar import GrammarState, masked_logits
+from jointspec.core.grammar import GrammarState
 from jointspec.core.logprobs import TokenLogprob, token_logprobs
-from jointspec.core.loop import DecodeConfig, SpecStats, committed_rows, committed_tokens, kept_draft_tokens
-from jointspec.core.penalties import penalized_rows
+from jointspec.core.loop import (
+    DecodeConfig,
+    SpecStats,
+    committed_rows,
+    committed_tokens,
+    kept_draft_tokens,
+    verified_logits,
+)
 from jointspec.core.verdict import Verifier
 from jointspec.drafters.memory import OutputMemory
 from jointspec.methods import MethodConfig, MethodContext, build_method
@@ -339,12 +345,8 @@ class BatchEngine(EngineBase):
             before = len(seq.tokens)
             if seq.seq_id not in failed:
                 try:
-                    rows_logits = logits[r, :draft.num_nodes + 1]
-                    if config.penalties.active:  # each row by the text before it: committed, then its draft path
-                        rows_logits = penalized_rows(rows_logits, seq.tokens, len(seq.request.prompt_ids),
-                                                     row_paths(draft), config.penalties)
-                    if seq.masks is not None:
-                        rows_logits = masked_logits(rows_logits, seq.masks)
+                    rows_logits = verified_logits(logits[r, :draft.num_nodes + 1], draft, seq.tokens,
+                                                  len(seq.request.prompt_ids), config, seq.masks)
                     verdict = seq.method.verifier.verify(draft, rows_logits, config.sampling, seq.generator)
                     new_tokens, stopped = committed_tokens(verdict.token_ids, config.eos_token_ids)
                     if seq.grammar is not None:

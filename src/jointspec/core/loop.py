@@ -47,6 +47,18 @@ def kept_draft_tokens(num_accepted: int, new_tokens: list[int]) -> int:
     return min(num_accepted, len(new_tokens) - 1)
 
 
+def verified_logits(logits: torch.Tensor, draft: Draft, tokens: list[int], prompt_length: int, config: DecodeConfig,
+                    masks) -> torch.Tensor:
+    """The rows a verifier reads from a round's forward ``logits`` (the pending token's row, then one a draft node):
+    each penalised by the text before it, committed ``tokens`` and then its draft path (core/penalties.py), then
+    masked by the grammar's ``masks`` where there are any (core/grammar.py)."""
+    if config.penalties.active:
+        logits = penalized_rows(logits, tokens, prompt_length, row_paths(draft), config.penalties)
+    if masks is not None:
+        logits = masked_logits(logits, masks)
+    return logits
+
+
 def committed_rows(accepted: list[int], new_tokens: list[int]) -> list[int]:
     """The rows of a round's forward that its committed tokens follow (core/logprobs.py): token ``i`` follows row 0,
     and each later one the row after the accepted draft node before it."""
@@ -326,11 +338,7 @@ class SpeculativeDecoder:
         the committed rows' hidden states in ``state.pending_logprobs`` for the caller to give
         :meth:`complete_logprobs` their exact logits (a batched engine reads the head once for many sequences)."""
         tokens, draft, stats = state.tokens, state.draft, self.stats
-        logits = output.logits
-        if state.config.penalties.active:  # each row by the text before it: committed, then its draft path
-            logits = penalized_rows(logits, tokens, state.prompt_length, row_paths(draft), state.config.penalties)
-        if state.masks is not None:
-            logits = masked_logits(logits, state.masks)
+        logits = verified_logits(output.logits, draft, tokens, state.prompt_length, state.config, state.masks)
         # 3. Verify.
         verdict = self.verifier.verify(draft, logits, state.config.sampling, state.generator)
         if self._observes_target:

@@ -92,10 +92,11 @@ class Penalties:
                 torch.tensor([amount for _, amount in self.bias], dtype=torch.float32))
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Refuse a bias on a token id the model does not have (UnsupportedOptionError naming it)."""
-        beyond = [token for token, _ in self.bias if token >= vocab_size]
-        if beyond:
-            raise UnsupportedOptionError(f"logit_bias names token id {beyond[0]}, beyond this model's vocabulary of "
+        """Refuse a bias on a token id the model does not have (UnsupportedOptionError naming it). The pairs are sorted,
+        so the last id decides (penalized_rows checks every round)."""
+        if self.bias and self.bias[-1][0] >= vocab_size:
+            first = next(token for token, _ in self.bias if token >= vocab_size)
+            raise UnsupportedOptionError(f"logit_bias names token id {first}, beyond this model's vocabulary of "
                                          f"{vocab_size}")
 
 
