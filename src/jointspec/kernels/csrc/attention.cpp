@@ -42,19 +42,24 @@ inline void score16_full(const V16* qv, const T* key, const int64_t* index, int6
   }
 }
 
+// score16_full for the head sizes it fixes (chunks 1, 2, 4, 6 or 8); false for any other, which it leaves unscored.
+template <bool Contiguous, typename T>
+inline bool score16_fixed(const V16* qv, int64_t chunks, const T* key, const int64_t* index, int64_t dim, float scale,
+                          float* out) {
+  switch (chunks) {
+    case 1: score16_full<1, Contiguous, T>(qv, key, index, dim, scale, out); return true;
+    case 2: score16_full<2, Contiguous, T>(qv, key, index, dim, scale, out); return true;
+    case 4: score16_full<4, Contiguous, T>(qv, key, index, dim, scale, out); return true;
+    case 6: score16_full<6, Contiguous, T>(qv, key, index, dim, scale, out); return true;
+    case 8: score16_full<8, Contiguous, T>(qv, key, index, dim, scale, out); return true;
+    default: return false;
+  }
+}
+
 template <typename T>
 inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* index, int64_t n, int64_t dim,
                     float scale, float* out) {
-  if (n == 16) {
-    switch (chunks) {
-      case 1: return score16_full<1, false, T>(qv, key, index, dim, scale, out);
-      case 2: return score16_full<2, false, T>(qv, key, index, dim, scale, out);
-      case 4: return score16_full<4, false, T>(qv, key, index, dim, scale, out);
-      case 6: return score16_full<6, false, T>(qv, key, index, dim, scale, out);
-      case 8: return score16_full<8, false, T>(qv, key, index, dim, scale, out);
-      default: break;
-    }
-  }
+  if (n == 16 && score16_fixed<false>(qv, chunks, key, index, dim, scale, out)) return;
   V16 acc[16];
   for (int64_t j = 0; j < 16; ++j) {
     acc[j] = simd::zero();
@@ -70,14 +75,8 @@ inline void score16(const V16* qv, int64_t chunks, const T* key, const int64_t* 
 // half to widen per query (nor, for the head sizes score16_full fixes, a key list to read).
 inline void score16_tile(const V16* qv, int64_t chunks, const float* tile, int64_t dim, float scale, float* out) {
   static constexpr int64_t kIdentity[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  switch (chunks) {
-    case 1: return score16_full<1, true, float>(qv, tile, nullptr, dim, scale, out);
-    case 2: return score16_full<2, true, float>(qv, tile, nullptr, dim, scale, out);
-    case 4: return score16_full<4, true, float>(qv, tile, nullptr, dim, scale, out);
-    case 6: return score16_full<6, true, float>(qv, tile, nullptr, dim, scale, out);
-    case 8: return score16_full<8, true, float>(qv, tile, nullptr, dim, scale, out);
-    default: return score16(qv, chunks, tile, kIdentity, 16, dim, scale, out);
-  }
+  if (!score16_fixed<true>(qv, chunks, tile, nullptr, dim, scale, out))
+    score16(qv, chunks, tile, kIdentity, 16, dim, scale, out);
 }
 
 // The sixteen keys at list entries index[0 .. 15], widened to float32 into tile[j * dim ..] (exact: every half is a
