@@ -449,8 +449,11 @@ def test_echo_returns_the_prompt_scored_and_max_tokens_0_the_prompt_alone(client
     assert batched["logprobs"]["token_logprobs"] == figures["token_logprobs"]
     two = client.post("/v1/completions", json={"prompt": [prompt_ids, prompt_ids[:3]], "max_tokens": 0, "echo": True,
                                                "logprobs": 1}).json()
-    assert [c["logprobs"]["token_logprobs"] for c in two["choices"]] == [figures["token_logprobs"],
-                                                                         figures["token_logprobs"][:3]]
+    first, second = (c["logprobs"]["token_logprobs"] for c in two["choices"])
+    assert first == figures["token_logprobs"]
+    # The 3-token prompt is scored by a forward of its own: another shape, which a CPU's matrix kernels may round
+    # otherwise (on a Zen 4 its last figure moved by 5e-7), so its figures are the longer prompt's to rounding.
+    assert second[0] is None and second[1:] == pytest.approx(figures["token_logprobs"][1:3], abs=1e-5)
     assert two["usage"]["prompt_tokens"] == len(prompt_ids) + 3 and "seed" not in two["usage"]["jointspec"]
 
 
@@ -727,12 +730,9 @@ def test_a_prompt_and_max_tokens_past_the_context_are_a_400_not_a_cut_answer(cli
     ({"response_format": {"type": "json_object", "schema": "{}"}}, "response_format.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a"}}}},
      "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "c"}]},
-     "messages.1"),
+    ({"tool_choice": "required"}, "tool_choice"),  # (no tools offered; tool calling: test_server_tools.py)
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
-     "messages.0"),
+     "messages.0.tool_calls.0"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text"], "audio": {"voice": "alloy"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options")])
