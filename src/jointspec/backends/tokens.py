@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from jointspec.backends.hf import CausalLM
@@ -71,23 +72,29 @@ def _special_spellings(tokenizer) -> list[str]:
     return [spelling for spelling in spellings if spelling]
 
 
-def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """``messages`` in the tokenizer's chat template, with the assistant's turn opened, as token ids.
 
     A message's text is read as text: a special token's spelling inside it (``<|im_end|>``) stays characters, as
     OpenAI's API reads message content, so it cannot close its turn and open another (a user writing a system
     turn); the template's own markers are the special tokens. A conversation without such spellings reads exactly as
     the rendered text does. Raises ValueError where the template does not keep a message's text as given (then its
-    text cannot be told from the template's)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text cannot be told from the template's). ``tools`` (OpenAI's form) go to a template that renders them; their
+    text, and that of the calls in ``messages``, may hold no special token's spelling (ValueError)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     special = _special_spellings(tokenizer)
+    rendered_as_is = json.dumps([tools, [message.get("tool_calls") for message in messages]], ensure_ascii=False)
+    if any(spelling in rendered_as_is for spelling in special):
+        raise ValueError("a tool or a tool call holds a special token's text (such as <|im_end|>), which the chat "
+                         "template would read as that token: remove it")
     if not any(spelling in (message.get("content") or "") for message in messages for spelling in special):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     # Each message's text replaced by a marker (private-use characters), the template rendered around the markers,
     # then read piece by piece: the template's pieces with their special tokens, the messages' as plain text.
     markers = [f"\ue000{index}\ue001" for index in range(len(messages))]
     marked = tokenizer.apply_chat_template([{**message, "content": marker} for message, marker
-                                            in zip(messages, markers)], tokenize=False, add_generation_prompt=True)
+                                            in zip(messages, markers)], tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
     ids: list[int] = []
     for message, marker in zip(messages, markers):
         if marked.count(marker) != 1:

@@ -57,6 +57,7 @@ from jointspec.server.engine import (
 )
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
+from jointspec.server.tools import CallStream, ToolError, ToolUse, check_message, read_calls, read_tool_use
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +173,10 @@ class _Sampling(_Body):
     response_format: dict | None = None
     # OpenAI's logit_bias: token id (as text) to an amount in [-100, 100], added to the logit before the penalties.
     logit_bias: dict[str, float] | None = None
-    # OpenAI parameters that change the output and that this server does not implement: declared so that a request
-    # asking for them is refused by name (_parse), never answered as if they were not there. Their neutral values
-    # (what clients send by default) pass.
+    # OpenAI's tool calling (server/tools.py), chat only: a completions request offering tools is refused (_parse).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
     # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
@@ -213,10 +213,10 @@ class TextPart(_Body):
 
 
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the older tool
     content: str | list[TextPart] | None = None
-    tool_calls: list[dict] | None = None  # refused (_parse): tool calling is not implemented
-    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (server/tools.py)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class ChatBody(_Sampling):
@@ -538,6 +538,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                            shared.seed if sampled else None,
                            engine.spelling if shared.logprobs is not None else None)
             reply.choices_per_prompt = body.n
+            use = _tool_use(body)
+            reply.tools = use if use is not None and use.reads_calls else None
             if shared.echo:
                 reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
                               for index, generation in enumerate(generations)}
@@ -658,7 +660,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                     # Rounds whose text is held back (half a character) send nothing, unless they carry the
                     # log-probabilities of their tokens.
                     if chunk.text or chunk.finish_reason or chunk.logprobs:
-                        yield _event(reply.chunk(chunk, index))
+                        for payload in reply.events(chunk, index):
+                            yield _event(payload)
             except RequestError as error:  # past the request timeout
                 outcome = "timeout"
                 yield _event(error.body())
@@ -798,16 +801,16 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
     _output_format(body.response_format)  # refused here, before anything is queued
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise RequestError(f"{name} are not supported: there is no tool calling", param=name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none", "auto"):
-            raise RequestError(f"{name} is not supported: there is no tool calling", param=name)
+    use = _tool_use(body)  # refused here where malformed
+    if use is not None and use.reads_calls and body.response_format is not None and _output_format(
+            body.response_format) is not None:
+        raise RequestError("response_format and tools together: an answer cannot be both the schema's JSON and tool "
+                           "calls; send tool_choice: none, or no response_format", param="response_format")
     for index, message in enumerate(getattr(body, "messages", ())):
-        if message.role == "tool" or message.tool_calls or message.tool_call_id is not None:
-            raise RequestError("tool messages and tool calls are not supported: there is no tool calling",
-                               param=f"messages.{index}")
+        try:
+            check_message(message.model_dump(), f"messages.{index}")
+        except ToolError as error:
+            raise RequestError(str(error), param=error.param) from None
     if isinstance(body, CompletionBody):
         prompts = _prompts(body)
         if not prompts:
@@ -819,6 +822,20 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
             raise RequestError(f"{len(prompts)} prompts x n = {body.n} choices ask for more than the {MAX_SEQUENCES} "
                                "sequences a request may take: send fewer at a time", param="prompt")
     return body
+
+
+def _tool_use(body: _Sampling) -> ToolUse | None:
+    """The request's tools and tool choice (server/tools.py); RequestError naming the field at fault."""
+    if isinstance(body, CompletionBody):
+        for name in ("tools", "functions"):
+            if getattr(body, name):
+                raise RequestError(f"{name} are for chat completions (/v1/chat/completions), where a chat template "
+                                   "shows them to the model", param=name)
+    try:
+        return read_tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, functions=body.functions,
+                             function_call=body.function_call)
+    except ToolError as error:
+        raise RequestError(str(error), param=error.param) from None
 
 
 def _prompts(body: CompletionBody) -> list[str | list[int]]:
@@ -904,22 +921,37 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
     penalties = Penalties(body.repetition_penalty, body.presence_penalty, body.frequency_penalty,
                           _logit_bias(body.logit_bias))
+    use = _tool_use(body)
+    output_format = use.output_format() if use is not None else None
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed, penalties=penalties,
-                  stop=stop, method=options, user=body.user, output_format=_output_format(body.response_format),
+                  stop=stop, method=options, user=body.user,
+                  output_format=output_format or _output_format(body.response_format),
                   logprobs=_requested_logprobs(body))
     try:
         if isinstance(body, ChatBody):
-            # OpenAI's `developer` messages are what chat templates call `system` messages.
-            messages = tuple({"role": "system" if m.role == "developer" else m.role,
-                              "content": m.content if isinstance(m.content, str) or m.content is None
-                              else "".join(part.text for part in m.content)} for m in body.messages)
-            messages = tuple({**m, "content": m["content"] or ""} for m in messages)
+            messages = tuple(_message(m) for m in body.messages)
             return [CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
-                                      **common)]
+                                      tools=use.shown() if use is not None else (), **common)]
         return [CompletionRequest(prompt=prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
                 for prompt in _prompts(body)]
     except ValueError as error:
         raise RequestError(str(error)) from None
+
+
+def _message(message: Message) -> dict:
+    """A chat message as the engine reads it: its text joined, OpenAI's `developer` as chat templates' `system` and
+    its older `function` result as a `tool` message, an assistant's calls and a tool result's call id kept
+    (server/tools.py renders them)."""
+    content = message.content
+    if not isinstance(content, str) and content is not None:
+        content = "".join(part.text for part in content)
+    role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+    read = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        read["tool_calls"] = message.tool_calls
+    if role == "tool":  # (the older function message answers by the function's name, not a call id)
+        read["tool_call_id"] = message.tool_call_id or ""
+    return read
 
 
 async def _disconnected(request: Request) -> None:
@@ -960,6 +992,9 @@ class _Reply:
         self.num_forced = 0
         self.cached: dict[int, int] = {}  # by prompt: its tokens read from the prompt cache, not again
         self.choices_per_prompt = 1
+        # The tools whose calls each choice's answer is read for (server/tools.py); None: the answer is text.
+        self.tools: ToolUse | None = None
+        self.call_streams: dict[int, CallStream] = {}  # by choice, while streaming with tools
 
     def add(self, chunk: Chunk, index: int = 0) -> None:
         self.num_tokens += chunk.num_tokens
@@ -1065,6 +1100,32 @@ class _Reply:
         return self._envelope("text_completion", {"index": index, "text": chunk.text, "logprobs": logprobs,
                                                   "finish_reason": finish})
 
+    def events(self, chunk: Chunk, index: int = 0) -> list[dict]:
+        """What a streamed chunk sends: itself, or with tools (server/tools.py) its content less the text a call
+        may be in, and at the end the calls, each whole, then the finish."""
+        if self.tools is None:
+            return [self.chunk(chunk, index)]
+        stream = self.call_streams.setdefault(index, CallStream(self.tools))
+        text = stream.feed(chunk.text)
+        if chunk.finish_reason is None:
+            return [self.chunk(replace(chunk, text=text), index)] if text or chunk.logprobs else []
+        rest, calls = stream.finish(cut=chunk.finish_reason == "length")
+        if not calls:
+            return [self.chunk(replace(chunk, text=text + rest), index)]
+        events = []
+        if text + rest or chunk.logprobs:
+            events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None), index))
+        events.append(self._envelope("chat.completion.chunk", {
+            "index": index, "delta": {"tool_calls": [{"index": number, **call} for number, call in enumerate(calls)]},
+            "finish_reason": None}))
+        events.append(self._envelope("chat.completion.chunk", {
+            "index": index, "delta": {}, "finish_reason": self._call_finish(chunk.finish_reason)}))
+        return events
+
+    def _call_finish(self, reason: str | None) -> str | None:
+        """An answer that made calls ends with ``tool_calls`` where it ended by itself (not cut by its length)."""
+        return "tool_calls" if reason in ("stop", "cancelled") else self._finish(reason)
+
     def usage_chunk(self) -> dict:
         payload = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         payload["usage"] = self.usage()
@@ -1081,8 +1142,13 @@ class _Reply:
         if prompt_part is not None:
             logprobs = {key: prompt_part[key] + logprobs[key] for key in logprobs}
         if self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            cut = bool(chunks) and chunks[-1].finish_reason == "length"
+            read = read_calls(text, self.tools, cut) if self.tools is not None else None
+            if read is not None and read.calls:
+                message = {"role": "assistant", "content": read.content, "tool_calls": list(read.calls)}
+                finish = self._call_finish(chunks[-1].finish_reason if chunks else "stop")
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if return_token_ids and not any(c.text_cut for c in chunks):

@@ -45,6 +45,7 @@ from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
+from jointspec.server.tools import native_tool_template, prompt_messages
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class CompletionRequest:
     # Completions' echo: the answer begins with the prompt (and, with logprobs, the prompt's tokens' own figures);
     # max_tokens 0 then asks for the prompt alone (a text scored, not continued).
     echo: bool = False
+    # The tools a chat's prompt shows, as OpenAI writes them (server/tools.py); empty: none.
+    tools: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -386,9 +389,11 @@ class ServingEngine:
             error.param = "logit_bias"
             raise
         if request.messages is not None:
-            messages = [dict(m) for m in request.messages]
+            # Tools, earlier calls and their results as the template renders them, or as text (server/tools.py).
+            messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools,
+                                              native_tool_template(self.tokenizer))
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
-                return chat_template_ids(self.tokenizer, messages)  # (message text read as text)
+                return chat_template_ids(self.tokenizer, messages, tools=tools)  # (message text read as text)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
             # without it a base model such as Gemma-3's continues the text as noise), a special token's spelling in
             # it as characters.

@@ -1,0 +1,360 @@
+"""OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
+
+Calls are written in Hermes's format, the one Qwen2.5 and Qwen3, the Hermes models and many small instruction-tuned
+models were trained on: each call a block of its own, parallel calls one block after another::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+How the prompt shows the tools. A chat template that takes ``tools`` and writes this format itself (its text names
+``<tool_call>``) renders them, with the conversation's earlier calls and results, as the model was trained to read
+them. Any other template, and a model without one, gets them as text (:func:`prompt_messages`): a system message that
+lists the tools' JSON schemas and shows the format, earlier calls as these blocks in the assistant's text, results as
+a user turn in ``<tool_response>`` tags (as Qwen's template writes them). A template that takes tools in another
+format (Llama 3.1's, Mistral's) is given the text form too: jointspec reads calls in one format only.
+
+What ``tool_choice`` does to the answer:
+
+- ``"none"``: the tools are not shown and no call is read; the answer is text.
+- ``"auto"`` (the default where tools are given): the model writes freely. Each block whose JSON names an offered
+  tool and holds an arguments object is a call, and the text outside the blocks is the message's content. Where a
+  block does not read so, nothing is taken for a call: the whole answer is content, as the model wrote it.
+- ``"required"``, or one function by name: a grammar (core/grammar.py) lets the model write only calls (of that
+  function) whose arguments the tool's JSON schema accepts. Every method decodes a grammar losslessly, so a greedy
+  answer is the call plain constrained decoding writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from jointspec.core.grammar import JSON_STYLE, OutputFormat
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+# OpenAI's rule for function names.
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CHOICES = ("none", "auto", "required")
+
+
+class ToolError(ValueError):
+    """A request's tools, tool choice or tool messages that cannot be served; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function a request offers: its name, what it does, and the JSON schema of its arguments object."""
+
+    name: str
+    description: str = ""
+    parameters: dict | None = None  # None: any arguments object
+
+    def spec(self) -> dict:
+        """The tool as OpenAI's API and chat templates write it."""
+        function = {"name": self.name, "description": self.description,
+                    "parameters": self.parameters if self.parameters is not None else {"type": "object"}}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a request offers and what it lets the model do with them. ``choice``: ``none``, ``auto`` or
+    ``required``; ``function``: the one function the answer must call (``choice`` is then ``required``);
+    ``parallel``: several calls in one answer."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    function: str | None = None
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.choice not in CHOICES:
+            raise ValueError(f"tool choice must be one of {', '.join(CHOICES)}, got {self.choice!r}")
+        if self.function is not None and (self.choice != "required"
+                                          or self.function not in {tool.name for tool in self.tools}):
+            raise ValueError(f"function {self.function!r} must be an offered tool, with choice 'required'")
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.choice != "none"
+
+    def shown(self) -> tuple[dict, ...]:
+        """The tools the prompt shows (none where the answer may not call them)."""
+        return tuple(tool.spec() for tool in self.tools) if self.reads_calls else ()
+
+    def output_format(self) -> OutputFormat | None:
+        """The grammar an answer that must call tools follows (None where it may write text): one call, or with
+        ``parallel`` one or more, each a block whose JSON names an allowed tool and whose arguments its schema
+        accepts; then the end of the answer."""
+        if self.choice != "required":
+            return None
+        allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
+        rules = [f"call{index}: %json {json.dumps(_call_schema(tool))}" for index, tool in enumerate(allowed)]
+        either = " | ".join(f"call{index}" for index in range(len(allowed)))
+        repeat = ' ("\\n" call)*' if self.parallel else ""
+        opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
+        return OutputFormat("lark", "\n".join([f"start: call{repeat}", f"call: {opening} ({either}) {closing}",
+                                               *rules]) + "\n")
+
+
+def _call_schema(tool: Tool) -> dict:
+    """The JSON schema of one call of ``tool``: ``{"name": <its name>, "arguments": <its parameters>}``, the
+    parameters' definitions moved to the root so that their ``#/$defs/...`` references still resolve."""
+    parameters = copy.deepcopy(tool.parameters) if tool.parameters is not None else {"type": "object"}
+    schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": parameters},
+              "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": dict(JSON_STYLE)}
+    for key in ("$defs", "definitions"):
+        if key in parameters:
+            schema[key] = parameters.pop(key)
+    return schema
+
+
+def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, functions: list | None = None,
+                  function_call=None) -> ToolUse | None:
+    """A chat request's ``tools`` and ``tool_choice`` (or the deprecated ``functions`` and ``function_call``) as a
+    :class:`ToolUse`; None where it offers no tools. ToolError names the field at fault."""
+    if tools and functions:
+        raise ToolError("send tools or functions (their older form), not both", "functions")
+    param, choice_param = "tools", "tool_choice"
+    if functions:
+        tools = [{"type": "function", "function": function} for function in functions]
+        param = "functions"
+    if tool_choice is None and function_call is not None:  # the older form: {"name": ...} for one function
+        choice_param = "function_call"
+        tool_choice = ({"type": "function", "function": function_call} if isinstance(function_call, dict)
+                       else function_call)
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ToolError(f"{choice_param} asks for a tool call, but the request offers no tools", choice_param)
+        return None
+    offered = tuple(_read_tool(tool, f"{param}.{index}") for index, tool in enumerate(tools))
+    names = [tool.name for tool in offered]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ToolError(f"tool names must differ: {', '.join(twice)} is offered twice", param)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None or tool_choice in CHOICES:
+        return ToolUse(offered, tool_choice or "auto", parallel=parallel)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(
+            tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in names:
+            raise ToolError(f"{choice_param} names function {name!r}, which the request does not offer (it offers "
+                            f"{', '.join(names)})", choice_param)
+        return ToolUse(offered, "required", function=name, parallel=parallel)
+    raise ToolError(f"{choice_param} must be none, auto, required or {{\"type\": \"function\", \"function\": "
+                    f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
+
+
+def _read_tool(raw, where: str) -> Tool:
+    if not isinstance(raw, dict) or raw.get("type", "function") != "function" or not isinstance(
+            raw.get("function"), dict):
+        raise ToolError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": "
+                        "...}}: functions are the only tools served", where)
+    function = raw["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ToolError(f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, got "
+                        f"{json.dumps(name)}", f"{where}.function.name")
+    description = function.get("description") or ""
+    if not isinstance(description, str):
+        raise ToolError(f"{where}.function.description must be text", f"{where}.function.description")
+    parameters = function.get("parameters")
+    if parameters is not None and (not isinstance(parameters, dict)
+                                   or parameters.get("type", "object") != "object"):
+        raise ToolError(f"{where}.function.parameters must be the JSON schema of an object (a call's arguments are "
+                        "one)", f"{where}.function.parameters")
+    return Tool(name, description, parameters)
+
+
+# -- the prompt ----------------------------------------------------------------------------------------------------
+
+def native_tool_template(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tools itself, in the call format read here."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template and CALL_OPEN in template
+
+
+def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool) -> tuple[list[dict], list | None]:
+    """The conversation as the chat template gets it, and the ``tools`` it gets (None: none). ``messages`` are
+    OpenAI's, as dicts (assistant messages may hold ``tool_calls``, ``tool`` messages a result); ``native``: the
+    template renders tools and calls itself (:func:`native_tool_template`)."""
+    if native:
+        rendered = [_native_message(message) for message in messages]
+        return rendered, (list(tools) or None)
+    rendered: list[dict] = []
+    for message in messages:
+        if message["role"] == "tool":
+            text = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            if rendered and rendered[-1].get("tool_results"):  # results of one turn's calls: one user turn
+                rendered[-1] = {**rendered[-1], "content": rendered[-1]["content"] + "\n" + text}
+            else:
+                rendered.append({"role": "user", "content": text, "tool_results": True})
+        elif message.get("tool_calls"):
+            blocks = "\n".join(f"{CALL_OPEN}\n{json.dumps(_call_record(call), ensure_ascii=False)}\n{CALL_CLOSE}"
+                               for call in message["tool_calls"])
+            content = message.get("content") or ""
+            rendered.append({"role": "assistant", "content": f"{content}\n{blocks}" if content else blocks})
+        else:
+            rendered.append({"role": message["role"], "content": message.get("content") or ""})
+    rendered = [{"role": m["role"], "content": m["content"]} for m in rendered]
+    if tools:
+        preamble = _tools_preamble(tools)
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{preamble}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": preamble})
+    return rendered, None
+
+
+def _tools_preamble(tools: tuple[dict, ...]) -> str:
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You may call one or more functions to help with the user's request. The functions, as JSON schemas:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "To call a function, write a JSON object with its name and its arguments between the tags:\n"
+            f'{CALL_OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CALL_CLOSE}')
+
+
+def _call_record(call: dict) -> dict:
+    """An earlier call as the call format writes it: its name and its arguments as an object (OpenAI sends them as
+    JSON text; text that is no JSON object stays text)."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    return {"name": function["name"], "arguments": arguments if arguments is not None else {}}
+
+
+def _native_message(message: dict) -> dict:
+    if message.get("tool_calls"):
+        calls = [{"type": "function", "id": call.get("id"), "function": _call_record(call)}
+                 for call in message["tool_calls"]]
+        return {**message, "tool_calls": calls}
+    return message
+
+
+def check_message(message: dict, where: str) -> None:
+    """Refuse an assistant message's ``tool_calls`` or a ``tool`` message OpenAI's API would not take."""
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if message["role"] != "assistant":
+            raise ToolError(f"{where}.tool_calls: only assistant messages hold tool calls", f"{where}.tool_calls")
+        for index, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                    or not isinstance(function.get("arguments", ""), str)):
+                raise ToolError(f"{where}.tool_calls.{index} must be {{\"id\": ..., \"type\": \"function\", "
+                                "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}",
+                                f"{where}.tool_calls.{index}")
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise ToolError(f"{where}: a tool message needs the tool_call_id of the call it answers",
+                        f"{where}.tool_call_id")
+
+
+# -- the answer ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calls:
+    """An answer read for calls: its content (the text outside the call blocks; None where there is none) and its
+    calls in OpenAI's shape (empty where it made none)."""
+
+    content: str | None
+    calls: tuple[dict, ...]
+
+
+def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
+    """``text`` read as :mod:`this module <jointspec.server.tools>` says: every block a call of an offered tool, or
+    the whole text content. ``cut``: the answer ran out of tokens, so a block it left open is dropped, and the calls
+    before it stand."""
+    if not use.reads_calls or CALL_OPEN not in text:
+        return Calls(text, ())
+    if cut and text.rfind(CALL_OPEN) > text.rfind(CALL_CLOSE):
+        text = text[:text.rfind(CALL_OPEN)]
+    names = {tool.name for tool in use.tools}
+    calls = []
+    for block in _BLOCK.finditer(text):
+        call = _read_call(block.group(1), names)
+        if call is None:
+            return Calls(text, ())
+        calls.append(call)
+    outside = _BLOCK.sub("", text)
+    if not calls or CALL_OPEN in outside:  # a block left open where the answer ended by itself: no call
+        return Calls(text, ())
+    if not use.parallel:
+        calls = calls[:1]
+    outside = outside.strip()
+    return Calls(outside or None, tuple(calls))
+
+
+def _read_call(inside: str, names: set[str]) -> dict | None:
+    try:
+        record = json.loads(inside)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("name") not in names:
+        return None
+    arguments = record.get("arguments", record.get("parameters"))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text, as OpenAI's API sends them
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": record["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+class CallStream:
+    """One streamed choice's text split into what may be sent as content now and the calls read at its end: text
+    before the first call block streams as it comes (less a tail that may be the start of a block), the rest waits
+    for the end, where :func:`read_calls` reads it."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.held = ""  # text not sent: a tail that may begin a block, or everything from a block on
+        self.sent = ""  # content sent so far
+        self.in_calls = False
+
+    def feed(self, text: str) -> str:
+        """The content ``text`` lets through now."""
+        self.held += text
+        if self.in_calls:
+            return ""
+        start = self.held.find(CALL_OPEN)
+        if start >= 0:
+            self.in_calls = True
+            out, self.held = self.held[:start], self.held[start:]
+        else:
+            keep = next((n for n in range(min(len(CALL_OPEN) - 1, len(self.held)), 0, -1)
+                         if CALL_OPEN.startswith(self.held[-n:])), 0)
+            out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        self.sent += out
+        return out
+
+    def finish(self, cut: bool = False) -> tuple[str, tuple[dict, ...]]:
+        """At the end of the answer (``cut``: by its length): the content still to send, and the calls."""
+        read = read_calls(self.sent + self.held, self.use, cut)
+        if not read.calls:
+            return self.held, ()
+        # The content sent already is the text before the first block; what is left of the content follows the
+        # last block (text between blocks, rare, joins it).
+        whole = read.content or ""
+        rest = whole[len(self.sent.strip()):] if whole.startswith(self.sent.strip()) else ""
+        return rest, read.calls

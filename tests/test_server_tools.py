@@ -1,0 +1,349 @@
+"""OpenAI tool calling in the server (server/tools.py): the tools read and refused, the prompt that shows them, the
+calls read back from whole and streamed answers, and calls forced by a grammar decoded as the loop decodes them.
+
+The model is conftest's tiny random Llama (with a longer context) and its byte-level tokenizer: it never writes a
+call of its own, so answers that choose to call (``auto``) are given to the text layer as chunks; ``required`` makes
+it write calls through the grammar, whatever its weights. No test samples: nothing can fail by chance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from jointspec.backends.hf import CausalLM
+from jointspec.backends.tokens import chat_template_ids
+from jointspec.core.draft import NoDrafter
+from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
+from jointspec.server.app import Message, ServerSettings, _message, _Reply, create_app
+from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
+from jointspec.server.tools import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    CallStream,
+    ToolError,
+    ToolUse,
+    native_tool_template,
+    prompt_messages,
+    read_calls,
+    read_tool_use,
+)
+from jointspec.verifiers.greedy import GreedyVerifier
+
+from helpers import byte_tokenizer, tiny_llama
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                   "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/small"}},
+                                  "required": ["a"], "additionalProperties": False,
+                                  "$defs": {"small": {"enum": [1, 2, 3]}}}}}
+
+
+def block(name: str, arguments) -> str:
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
+
+
+def use_of(*tools, choice=None, parallel=None) -> ToolUse:
+    return read_tool_use(list(tools), choice, parallel)
+
+
+@pytest.fixture(scope="module")
+def long_model():
+    """conftest's byte model with room for the tools' text (byte tokens: the tools' preamble is ~900)."""
+    return tiny_llama(3, vocab=259, max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def engine(long_model, tokenizer):
+    served = ServingEngine(CausalLM(long_model), tokenizer, model_id="tiny", max_batch_size=8)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return TestClient(create_app(ServerSettings(), engine))
+
+
+# -- what a request offers -------------------------------------------------------------------------------------
+
+def test_tools_and_tool_choice_are_read_in_both_of_openais_forms():
+    use = use_of(WEATHER, ADD)
+    assert (use.choice, use.function, use.parallel) == ("auto", None, True)
+    assert [tool.name for tool in use.tools] == ["get_weather", "add"] and use.shown()[0] == WEATHER
+    named = use_of(WEATHER, ADD, choice={"type": "function", "function": {"name": "add"}}, parallel=False)
+    assert (named.choice, named.function, named.parallel) == ("required", "add", False)
+    assert use_of(WEATHER, choice="none").shown() == ()  # "none": the model is not shown them
+    # The deprecated functions / function_call are the same request.
+    old = read_tool_use(None, None, None, functions=[WEATHER["function"]], function_call={"name": "get_weather"})
+    assert (old.choice, old.function, old.shown()) == ("required", "get_weather", (WEATHER,))
+    assert read_tool_use(None, "auto", None) is None and read_tool_use([], "none", None) is None
+
+
+@pytest.mark.parametrize("tools, choice, parallel, param", [
+    ([{"type": "retrieval"}], None, None, "tools.0"),
+    ([{"type": "function", "function": {"name": "get weather"}}], None, None, "tools.0.function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None, None,
+     "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "description": 3}}], None, None, "tools.0.function.description"),
+    ([WEATHER, WEATHER], None, None, "tools"),
+    ([WEATHER], {"type": "function", "function": {"name": "add"}}, None, "tool_choice"),
+    ([WEATHER], "always", None, "tool_choice"),
+    ([], "required", None, "tool_choice"),
+    ([WEATHER], None, "yes", "parallel_tool_calls"),
+])
+def test_a_tool_request_that_cannot_be_served_names_its_field(tools, choice, parallel, param):
+    with pytest.raises(ToolError) as refused:
+        read_tool_use(tools, choice, parallel)
+    assert refused.value.param == param
+    with pytest.raises(ToolError, match="not both"):
+        read_tool_use([WEATHER], None, None, functions=[WEATHER["function"]])
+
+
+def grammar_takes(engine, use: ToolUse, text: str) -> bool:
+    """Whether the grammar of ``use``'s required calls lets an answer be ``text`` and then end."""
+    state = engine.grammar(use.output_format()).start()
+    for token in engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
+        if not state.allowed()[token]:
+            return False
+        state.advance([token])
+    return bool(state.allowed()[sorted(engine.eos_token_ids)].any())
+
+
+def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing_else(engine):
+    both = use_of(WEATHER, ADD, choice="required")
+    two = block("get_weather", {"city": "Rome"}) + "\n" + block("add", {"a": 3})
+    assert grammar_takes(engine, both, block("add", {"a": 3})) and grammar_takes(engine, both, two)
+    assert not grammar_takes(engine, use_of(WEATHER, ADD, choice="required", parallel=False), two)
+    named = use_of(WEATHER, ADD, choice={"type": "function", "function": {"name": "add"}})
+    assert grammar_takes(engine, named, block("add", {"a": 1})) and not grammar_takes(
+        engine, named, block("get_weather", {"city": "Rome"}))
+    for wrong in (block("add", {"a": 4}), block("get_weather", {"city": "Oslo"}), block("sub", {"a": 1}),
+                  block("add", {"a": 1, "b": 2}), "Sure: " + block("add", {"a": 1})):
+        assert not grammar_takes(engine, both, wrong), wrong  # (add's "a" is an enum through a $ref: followed)
+    assert use_of(WEATHER, ADD).output_format() is None and use_of(WEATHER, choice="none").output_format() is None
+
+
+# -- the prompt ------------------------------------------------------------------------------------------------
+
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "21C"},
+]
+
+
+def test_a_template_without_tools_gets_them_and_the_calls_as_text(tokenizer):
+    messages, tools = prompt_messages(CONVERSATION, (WEATHER,), native=False)
+    assert tools is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert json.dumps(WEATHER) in messages[0]["content"] and CALL_OPEN in messages[0]["content"]
+    assert messages[2]["content"] == (block("get_weather", {"city": "Paris"}) + "\n"
+                                      + block("get_weather", {"city": "Rome"}))
+    # one turn's results, one user turn
+    assert messages[3]["content"] == "<tool_response>\n18C\n</tool_response>\n<tool_response>\n21C\n</tool_response>"
+    # A system message of the request's own keeps its text first; without tools shown there is no preamble.
+    own, _ = prompt_messages([{"role": "system", "content": "Be brief."}, *CONVERSATION[:1]], (WEATHER,), False)
+    assert own[0]["content"].startswith("Be brief.\n\n") and len(own) == 2
+    assert prompt_messages(CONVERSATION[:1], (), False)[0] == CONVERSATION[:1]
+    assert not native_tool_template(tokenizer)
+
+
+def test_a_template_that_renders_tools_gets_them_with_the_calls_arguments_as_objects():
+    template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}{% for m in messages %}<{{ m.role }}>"
+                "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+                "{% endfor %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}<assistant>")
+    native = byte_tokenizer()
+    native.chat_template = template
+    assert native_tool_template(native)
+    messages, tools = prompt_messages(CONVERSATION, (WEATHER,), native=True)
+    assert tools == [WEATHER] and messages[1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                               "arguments": {"city": "Paris"}}
+    text = native.decode(chat_template_ids(native, messages, tools=tools))
+    shown, _, after = text.partition("</tools>")
+    assert shown.startswith("<tools>") and json.loads(shown[len("<tools>"):]) == [WEATHER]
+    # (the template's newlines after its tags are trimmed, as transformers renders templates)
+    assert after == ('<user>Weather in Paris and Rome?<assistant><tool_call>{"name": "get_weather", "arguments": '
+                     '{"city": "Paris"}}</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+                     '</tool_call><tool>18C<tool>21C<assistant>')
+    # A special token's spelling inside a call would be read as the token: refused.
+    bad = [dict(CONVERSATION[1], tool_calls=[{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "</s>"}'}}])]
+    with pytest.raises(ValueError, match="special token"):
+        chat_template_ids(native, prompt_messages(bad, (WEATHER,), True)[0], tools=[WEATHER])
+
+
+def test_the_engine_reads_a_tool_conversation_as_the_rendered_prompt(engine, tokenizer):
+    request = CompletionRequest(messages=tuple(CONVERSATION), tools=(WEATHER,))
+    rendered, _ = prompt_messages(CONVERSATION, (WEATHER,), native=False)
+    assert engine.encode(request) == chat_template_ids(tokenizer, rendered)
+    assert engine.encode(CompletionRequest(messages=tuple(CONVERSATION[:1]))) == chat_template_ids(
+        tokenizer, CONVERSATION[:1])
+
+
+# -- calls read back -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("It is sunny.", "It is sunny.", []),
+    (block("get_weather", {"city": "Paris"}), None, [("get_weather", {"city": "Paris"})]),
+    ("Let me look.\n" + block("get_weather", {"city": "Paris"}) + "\n" + block("add", {"a": 2}),
+     "Let me look.", [("get_weather", {"city": "Paris"}), ("add", {"a": 2})]),
+    # arguments written as JSON text, as OpenAI's API sends them
+    (f'{CALL_OPEN}{{"name": "add", "arguments": "{{\\"a\\": 1}}"}}{CALL_CLOSE}', None, [("add", {"a": 1})]),
+    # what does not read as a call of an offered tool leaves the whole answer text
+    (block("weather", {"city": "Paris"}), block("weather", {"city": "Paris"}), []),
+    (f"{CALL_OPEN}\n{{not json\n{CALL_CLOSE}", f"{CALL_OPEN}\n{{not json\n{CALL_CLOSE}", []),
+    (block("add", [1]), block("add", [1]), []),
+    (block("add", {"a": 1}) + f"\n{CALL_OPEN}\n{{", block("add", {"a": 1}) + f"\n{CALL_OPEN}\n{{", []),
+])
+def test_an_answer_is_read_for_calls_of_the_offered_tools_or_left_text(text, content, calls):
+    read = read_calls(text, use_of(WEATHER, ADD))
+    assert read.content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read.calls] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in read.calls)
+    assert len({c["id"] for c in read.calls}) == len(read.calls)
+
+
+def test_a_cut_answer_keeps_its_whole_calls_and_one_call_is_read_where_parallel_calls_are_off():
+    two = block("add", {"a": 1}) + "\n" + block("add", {"a": 2})
+    cut = two + f"\n{CALL_OPEN}\n{{\"name\": \"ad"
+    assert [c["function"]["arguments"] for c in read_calls(cut, use_of(ADD), cut=True).calls] == ['{"a": 1}',
+                                                                                                 '{"a": 2}']
+    assert read_calls(cut, use_of(ADD)).calls == ()  # ended by itself with a block open: no call
+    assert len(read_calls(two, use_of(ADD, parallel=False)).calls) == 1
+    assert read_calls(two, use_of(ADD, choice="none")).content == two
+
+
+@pytest.mark.parametrize("pieces", [
+    ["Let me ", "look.\n<tool", "_call>\n", '{"name": "add", "arguments": {"a": 3}}\n</tool_call>'],
+    ["Let me look.\n<", "t", "ool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 3}}\n</tool_call>", ""],
+    ["Let me look.\n", block("add", {"a": 3})],
+])
+def test_a_stream_sends_the_text_before_the_calls_as_it_comes_and_the_calls_at_the_end(pieces):
+    stream = CallStream(use_of(ADD))
+    sent = [stream.feed(piece) for piece in pieces]
+    assert "".join(sent) == "Let me look.\n" and not any("<" in piece for piece in sent)
+    assert sent[0] == pieces[0].split("<")[0]  # (text that cannot begin a block is not held back)
+    rest, calls = stream.finish()
+    assert rest == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 3}]
+    # A "<" that turns out not to open a block is sent after all, and an answer without calls is all text.
+    plain = CallStream(use_of(ADD))
+    assert plain.feed("a <") == "a " and plain.feed("b") == "<b" and plain.finish() == ("", ())
+
+
+def reply_with(use: ToolUse) -> _Reply:
+    reply = _Reply("chat", "tiny", 5, None)
+    reply.tools = use
+    return reply
+
+
+def test_whole_and_streamed_replies_carry_the_calls_in_openais_shapes():
+    use = use_of(WEATHER, ADD)
+    pieces = ["Sure.\n<tool_", 'call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>\n',
+              block("get_weather", {"city": "Rome"})]
+    chunks = [Chunk(text=p, num_tokens=len(p), num_rounds=1) for p in pieces]
+    chunks[-1].finish_reason = "stop"
+    whole = reply_with(use).whole([chunks])["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Sure."
+    called = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert called == [("add", '{"a": 2}'), ("get_weather", '{"city": "Rome"}')]
+    reply = reply_with(use)
+    events = [event for chunk in chunks for event in reply.events(chunk)]
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert "".join(d.get("content", "") for d in deltas) == "Sure.\n"
+    streamed = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(streamed) == 1 and [c["index"] for c in streamed[0]] == [0, 1]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed[0]] == called
+    assert [event["choices"][0]["finish_reason"] for event in events][-1] == "tool_calls"
+    # An answer that reads as no call is the text, whole and streamed, with the engine's finish reason.
+    text = [Chunk(text="No call here.", num_tokens=4, num_rounds=1, finish_reason="length")]
+    assert reply_with(use).whole([text])["choices"][0]["message"] == {"role": "assistant",
+                                                                      "content": "No call here."}
+    assert [e["choices"][0] for e in reply_with(use).events(text[0])] == [
+        {"index": 0, "delta": {"content": "No call here."}, "finish_reason": "length"}]
+
+
+# -- through the server ----------------------------------------------------------------------------------------
+
+def body_with(**extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
+            "max_tokens": 120, **extra}
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "default"])
+def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_streamed(client, engine, long_model,
+                                                                                     tokenizer, method):
+    """The grammar makes even a random model call a tool, with arguments its schema accepts; every method answers
+    with the tokens plain constrained decoding gives the same prompt (the grammar's losslessness, core/grammar.py)."""
+    body = body_with(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=False,
+                     jointspec={"method": method})
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    use = use_of(WEATHER, ADD, choice="required", parallel=False)
+    prompt = chat_template_ids(tokenizer, prompt_messages(body["messages"], use.shown(), False)[0])
+    loop = SpeculativeDecoder(CausalLM(long_model), NoDrafter(), GreedyVerifier())
+    ids = loop.generate(prompt, DecodeConfig(120, eos_token_ids=engine.eos_token_ids,
+                                             grammar=engine.grammar(use.output_format())))
+    expected = read_calls(tokenizer.decode(ids, skip_special_tokens=True), use)
+    # (content: none but the end-of-sequence byte this byte model's config names, which its tokenizer spells)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == expected.content
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"] for c in calls] == [c["function"] for c in expected.calls] and len(calls) == 1
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    assert arguments in ({"city": "Paris"}, {"city": "Rome"}, {"a": 1}, {"a": 2}, {"a": 3})  # (the schemas')
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [c["function"] for c in calls]
+    assert "".join(d.get("content") or "" for d in deltas).strip() == (expected.content or "")
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_function_is_the_one_called_and_a_conversation_with_results_is_answered(client):
+    named = client.post("/v1/chat/completions", json=body_with(
+        tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}}))
+    assert named.status_code == 200, named.text
+    calls = named.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and {c["function"]["name"] for c in calls} == {"add"}
+    assert all(json.loads(c["function"]["arguments"])["a"] in (1, 2, 3) for c in calls)
+    # the calls and their results sent back: a plain answer (this model's is gibberish, but an answer)
+    follow = client.post("/v1/chat/completions", json=body_with(tools=[WEATHER, ADD], messages=CONVERSATION,
+                                                                 max_tokens=8))
+    assert follow.status_code == 200 and follow.json()["choices"][0]["message"]["role"] == "assistant"
+    # the legacy functions form decodes the same call, and its results (role "function") read as tool results
+    legacy = client.post("/v1/chat/completions", json=body_with(
+        functions=[WEATHER["function"], ADD["function"]], function_call={"name": "add"}))
+    assert [c["function"] for c in legacy.json()["choices"][0]["message"]["tool_calls"]] == [
+        c["function"] for c in calls]
+    answered = client.post("/v1/chat/completions", json=body_with(max_tokens=1, messages=[
+        *CONVERSATION[:2], {"role": "function", "name": "get_weather", "content": "18C"}]))
+    assert answered.status_code == 200, answered.text
+    assert _message(Message(role="function", name="get_weather", content="18C")) == {
+        "role": "tool", "content": "18C", "tool_call_id": ""}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"prompt": "hi", "tools": [WEATHER]}, "tools"),
+    ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "18C"}]}, "messages.0.tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(a"}}}}}], "tool_choice": "required"},
+     None),
+])
+def test_a_tool_request_the_server_cannot_serve_is_a_400_naming_the_field(client, path, extra, param):
+    body = {**body_with(), **extra} if path.endswith("chat/completions") else {"model": "tiny", **extra}
+    reply = client.post(path, json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param or (param is None and "schema" in reply.json()["error"]["message"])
