@@ -43,6 +43,10 @@ def load_build(cache: Path, isa: str):
     spec = importlib.util.spec_from_file_location(found[-1].name.split(".")[0], found[-1])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if hasattr(module, "use_widened_keys"):  # as jointspec sets it when it loads a build ($JOINTSPEC_KERNEL_WIDEN_KEYS)
+        from jointspec.kernels.grouped import widen_keys_setting
+
+        module.use_widened_keys(widen_keys_setting())
     return module
 
 

@@ -1177,6 +1177,25 @@ def test_kernel_inputs_are_chosen_by_the_environment_and_refused_by_name(monkeyp
     monkeypatch.delenv(grouped.INPUTS_ENV)
 
 
+def test_widened_key_tiles_are_chosen_by_the_vendor_or_the_environment_and_refused_by_name(monkeypatch):
+    """On where measured faster (Intel), off elsewhere (a Zen 4 ran slower: docs/kernels.md); the environment
+    overrides either; a build applies the choice when it loads (test_kv_cache_half.py holds both ways to the same
+    bits)."""
+    from jointspec.kernels import grouped
+
+    monkeypatch.delenv(grouped.WIDEN_KEYS_ENV, raising=False)
+    for vendor, widened in (("GenuineIntel", True), ("AuthenticAMD", False), ("", False)):
+        monkeypatch.setattr(grouped, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert grouped.widen_keys_setting() is widened
+        for value, forced in (("on", True), (" OFF ", False)):
+            monkeypatch.setenv(grouped.WIDEN_KEYS_ENV, value)
+            assert grouped.widen_keys_setting() is forced
+        monkeypatch.delenv(grouped.WIDEN_KEYS_ENV)
+    monkeypatch.setenv(grouped.WIDEN_KEYS_ENV, "yes")
+    with pytest.raises(UnsupportedOptionError, match="JOINTSPEC_KERNEL_WIDEN_KEYS='yes' is not one of: on, off"):
+        grouped.widen_keys_setting()
+
+
 def test_a_build_that_cannot_be_made_says_why_and_names_what_to_install(monkeypatch, tmp_path):
     """(A cache without a finished build: one that has it imports it and needs no ninja.)"""
     from torch.utils import cpp_extension

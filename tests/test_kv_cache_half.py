@@ -17,7 +17,7 @@ from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.sparse_self import SparseSelfDrafter, SparseView
-from jointspec.kernels.grouped import kernels, runnable_isas
+from jointspec.kernels.grouped import kernels, runnable_isas, widen_keys_setting
 from jointspec.kernels.quantize import quantize_model
 from jointspec.methods import MethodConfig, MethodContext, build_method
 from jointspec.verifiers.rejection import RejectionSamplingVerifier
@@ -55,10 +55,19 @@ def test_half_keys_and_values_are_read_as_their_float32_values(isa, heads, kv_he
     query = torch.randn(heads, rows, dim, generator=generator)
     key, value = (torch.randn(kv_heads, keys, dim, generator=generator).half() for _ in range(2))
     key[0, 1, :4] = torch.tensor([6e-8, -3e-6, 0.0, -0.0]).half()  # subnormal halves and signed zeros
-    for visible, lengths in attention_masks(rows, keys, generator):
-        half = compiled.attention(query, key, value, visible, lengths, dim ** -0.5)
-        assert torch.equal(half, compiled.attention(query, key.float(), value.float(), visible, lengths, dim ** -0.5))
-        assert torch.equal(half, compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
+    # Both ways of reading a half cache's key tiles, whichever this CPU's vendor runs (kernels/grouped.py).
+    chosen = widen_keys_setting()
+    try:
+        for widen in (True, False):
+            compiled.use_widened_keys(widen)
+            for visible, lengths in attention_masks(rows, keys, generator):
+                half = compiled.attention(query, key, value, visible, lengths, dim ** -0.5)
+                assert torch.equal(half, compiled.attention(query, key.float(), value.float(), visible, lengths,
+                                                            dim ** -0.5))
+                assert torch.equal(half, compiled.attention_pairwise(query, key, value, visible, lengths,
+                                                                     dim ** -0.5))
+    finally:
+        compiled.use_widened_keys(chosen)
 
 
 def test_mixed_or_other_cache_dtypes_are_refused():

@@ -73,11 +73,13 @@ def environment() -> dict:
     from jointspec.kernels.grouped import (
         INPUTS_ENV,
         ISA_ENV,
+        WIDEN_KEYS_ENV,
         build_finished,
         build_folder,
         inputs_setting,
         runnable_isas,
         selected_isa,
+        widen_keys_setting,
     )
 
     flags = cpu_flags()
@@ -89,6 +91,10 @@ def environment() -> dict:
         inputs = inputs_setting()
     except Exception as error:  # noqa: BLE001 - a bad $JOINTSPEC_KERNEL_INPUTS likewise
         inputs = str(error)
+    try:
+        widen_keys = "widened once for many pairs" if widen_keys_setting() else "read in place by each pair"
+    except Exception as error:  # noqa: BLE001 - and a bad $JOINTSPEC_KERNEL_WIDEN_KEYS
+        widen_keys = str(error)
     report = {
         "jointspec": {"version": jointspec.__version__, "path": os.path.dirname(jointspec.__file__)},
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
@@ -101,6 +107,9 @@ def environment() -> dict:
                     "chosen_by": f"${ISA_ENV}" if os.environ.get(ISA_ENV, "").strip() else "the CPU",
                     "inputs": inputs,
                     "inputs_set_by": f"${INPUTS_ENV}" if os.environ.get(INPUTS_ENV, "").strip() else "default",
+                    "half_key_tiles": widen_keys,
+                    "half_key_tiles_set_by": (f"${WIDEN_KEYS_ENV}" if os.environ.get(WIDEN_KEYS_ENV, "").strip()
+                                              else "the CPU's vendor"),
                     "built": bool(isa) and build_finished(isa), "folder": str(build_folder(isa)) if isa else None},
     }
     try:
@@ -156,6 +165,7 @@ def render(report: dict) -> str:
         lines.append(f"CPU kernels: the {k['selected']} build (chosen by {k['chosen_by']}; this CPU runs "
                      f"{', '.join(k['runnable'])}), {state}: {k['folder']}")
     lines.append(f"quantised layers' inputs: {k['inputs']} ({k['inputs_set_by']})")
+    lines.append(f"attention's half-cache key tiles: {k['half_key_tiles']} ({k['half_key_tiles_set_by']})")
     auto = report["quantize_auto"]
     lines.append(f"--quantize auto on the embedded model: {auto['mode'] or '?'} ({auto['why']})")
     # (as the loader takes it: the installed package's file, else a whole copy kept in the cache, else pip's)

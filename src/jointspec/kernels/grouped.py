@@ -70,7 +70,7 @@ from torch import nn
 
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import use_row_kernels
-from jointspec.kernels.cpu import cpu_flags, usable_cores
+from jointspec.kernels.cpu import cpu_flags, cpu_vendor, usable_cores
 from jointspec.kernels.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,26 @@ def inputs_setting() -> str:
         raise UnsupportedOptionError(f"{INPUTS_ENV}={value!r} is not one of: {', '.join(INPUT_CHOICES)} (q8: inputs "
                                      "rounded to 8 bits, as llama.cpp does; float: float32 inputs)")
     return value
+
+
+# Attention over a half cache widens each tile of keys once for a key head's many pairs (a verification's rows) where
+# that was measured faster: on the vendors named here; elsewhere each pair reads the tile in place, as before the
+# widening was built (docs/kernels.md, "Halves widened once for many pairs"). The bits are the same either way.
+# $JOINTSPEC_KERNEL_WIDEN_KEYS (on, off) overrides the choice.
+WIDEN_KEYS_ENV = "JOINTSPEC_KERNEL_WIDEN_KEYS"
+WIDEN_KEYS_VENDORS = frozenset({"GenuineIntel"})
+
+
+def widen_keys_setting() -> bool:
+    """Whether attention widens a half cache's key tiles once for many pairs here: $JOINTSPEC_KERNEL_WIDEN_KEYS, or
+    by the CPU's vendor; an unknown value is refused by name."""
+    value = os.environ.get(WIDEN_KEYS_ENV, "").strip().lower()
+    if not value:
+        return cpu_vendor() in WIDEN_KEYS_VENDORS
+    if value not in ("on", "off"):
+        raise UnsupportedOptionError(f"{WIDEN_KEYS_ENV}={value!r} is not one of: on, off (whether attention over a "
+                                     "half cache widens key tiles once for many pairs; the same results either way)")
+    return value == "on"
 
 
 def _build_directory(tag: str) -> Path:
@@ -250,6 +270,7 @@ def _load(isa: str):
                 return None, reason
             if module is not None:
                 module.use_q8_inputs(inputs_setting() == "q8")
+                module.use_widened_keys(widen_keys_setting())
                 use_row_kernels(module, preferred=isa == _fastest_isa())
             if reason is not None:
                 log.warning("int4: %s; --quantize auto keeps the float32 model (several times slower than int4 "

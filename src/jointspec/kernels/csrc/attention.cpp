@@ -166,8 +166,10 @@ constexpr int64_t kValueSpan = 128;
 // that a prompt's many rows still spread over the threads.
 constexpr int64_t kValuePasses = 12;
 
-// Pairs of one key head from which attend_all() widens a half cache's tile of keys once for all of them.
+// Pairs of one key head from which attend_all() widens a half cache's tile of keys once for all of them, where
+// use_widened_keys() allows it.
 constexpr int64_t kWidenPairs = 8;
+bool g_widen_keys = true;
 
 // Keys values_pass() prefetches ahead.
 constexpr int64_t kValueAhead = 8;
@@ -214,6 +216,11 @@ inline void values_pass_n(int64_t count, V16* acc, float* const* probs, const T*
 }
 
 }  // namespace
+
+bool use_widened_keys(bool on) {
+  g_widen_keys = on;
+  return g_widen_keys;
+}
 
 // Every (row, head) pair, each computing exactly attend()'s bits; out [rows, heads, dim]. Query head h reads key
 // head h / (heads / kv_heads). The pairs of one key head share the prefix of key lists that all rows have in common
@@ -263,7 +270,7 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
                 dim, scale, s + i);
       inverse[(r - r0) * heads + h] = softmax_numerators(s, count);
     };
-    const bool widen_tiles = std::is_same_v<T, c10::Half> && block * group >= kWidenPairs;
+    const bool widen_tiles = std::is_same_v<T, c10::Half> && g_widen_keys && block * group >= kWidenPairs;
     // 1. Scores over the shared prefix: per key head and span of keys, every pair of the block; a key head whose
     // prefix is one span also finishes its pairs (their own keys, the softmax) in the same task.
     at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {

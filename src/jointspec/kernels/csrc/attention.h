@@ -28,6 +28,10 @@ template <typename T>
 void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const T* kp, int64_t k_head_stride,
                 const T* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op);
+// Whether attend_all() widens a half cache's tiles of keys once for a key head's many pairs (the default) or each
+// pair reads them in place; the bits are the same either way, the speed is not on every CPU (kernels/grouped.py
+// chooses). Returns the setting.
+bool use_widened_keys(bool on);
 // The same, by the definition pair by pair on one thread: what attend_all() must equal bit for bit.
 template <typename T>
 void attend_pairs(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const T* kp, int64_t k_head_stride,

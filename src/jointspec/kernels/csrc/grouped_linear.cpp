@@ -1512,6 +1512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512vnni, avx512, avx2vnni, avx2 or portable");
   m.def("use_q8_inputs", &use_q8_inputs, "quantised layers on 8-bit inputs (the default) or float ones; returns which");
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
+  m.def("use_widened_keys", &use_widened_keys, "attention widens a half cache's key tiles once for many pairs, or "
+        "reads them in place (the same bits); returns which");
   m.def("linear", &linear, "x [rows, in] @ dequantised W [out, in]^T, W as (packed, scale, minimum), (packed, fifth, "
         "scale, minimum), (levels, scale) or (levels, scale, sub) (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("tensors"), py::arg("gemm") = false, py::arg("q8") = true, unlocked);
