@@ -1338,6 +1338,9 @@ def test_prebuild_builds_on_its_own_thread_and_a_kernels_call_meanwhile_waits_fo
         def use_q8_inputs(self, on):
             return on
 
+        def use_widened_keys(self, on):
+            return on
+
     def slow_build(isa):
         builds.append((isa, threading.current_thread().name))
         grouped._COMPILING.set()  # as _build does while the compiler runs
