@@ -90,13 +90,17 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     if not any(spelling in (message.get("content") or "") for message in messages for spelling in special):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     # Each message's text replaced by a marker (private-use characters), the template rendered around the markers,
-    # then read piece by piece: the template's pieces with their special tokens, the messages' as plain text.
-    markers = [f"\ue000{index}\ue001" for index in range(len(messages))]
-    marked = tokenizer.apply_chat_template([{**message, "content": marker} for message, marker
+    # then read piece by piece: the template's pieces with their special tokens, the messages' as plain text. An
+    # empty text keeps no marker: a template may render an empty message otherwise (an assistant turn holding only
+    # tool calls).
+    markers = [f"\ue000{index}\ue001" if message.get("content") else None for index, message in enumerate(messages)]
+    marked = tokenizer.apply_chat_template([{**message, "content": marker} if marker else message for message, marker
                                             in zip(messages, markers)], tools=tools, tokenize=False,
                                            add_generation_prompt=True)
     ids: list[int] = []
     for message, marker in zip(messages, markers):
+        if marker is None:
+            continue
         if marked.count(marker) != 1:
             raise ValueError("a message holds a special token's text (such as <|im_end|>), and this model's chat "
                              "template does not keep message text as given, so it cannot be read as plain text: "
@@ -104,8 +108,7 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
         before, marked = marked.split(marker)
         if before:
             ids += tokenizer(before, add_special_tokens=False)["input_ids"]
-        if message.get("content"):
-            ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
     if marked:
         ids += tokenizer(marked, add_special_tokens=False)["input_ids"]
     return ids
