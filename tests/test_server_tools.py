@@ -127,6 +127,21 @@ def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing
                   block("add", {"a": 1, "b": 2}), "Sure: " + block("add", {"a": 1})):
         assert not grammar_takes(engine, both, wrong), wrong  # (add's "a" is an enum through a $ref: followed)
     assert use_of(WEATHER, ADD).output_format() is None and use_of(WEATHER, choice="none").output_format() is None
+    # A named function is called once, whatever parallel_tool_calls says (as OpenAI answers it).
+    assert not grammar_takes(engine, named, block("add", {"a": 1}) + "\n" + block("add", {"a": 2}))
+    # The arguments' references resolve against the arguments' own schema: to a sibling, and recursively to the root.
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"size": {"enum": [1, 2]}, "same": {"$ref": "#/properties/size"},
+                                         "child": {"$ref": "#"}}, "required": ["size"], "additionalProperties": False}}}
+    nested = use_of(tree, choice="required")
+    assert grammar_takes(engine, nested, block("tree", {"size": 1, "same": 2, "child": {"size": 2, "child": {
+        "size": 1}}}))
+    assert not grammar_takes(engine, nested, block("tree", {"size": 1, "child": {"name": "tree", "arguments": {}}}))
+    assert not grammar_takes(engine, nested, block("tree", {"size": 1, "same": 3}))
+    # A function without parameters takes no arguments (OpenAI's reading), not any object.
+    now = {"type": "function", "function": {"name": "now"}}
+    assert grammar_takes(engine, use_of(now, choice="required"), block("now", {}))
+    assert not grammar_takes(engine, use_of(now, choice="required"), block("now", {"type": "object"}))
 
 
 # -- the prompt ------------------------------------------------------------------------------------------------
@@ -180,6 +195,27 @@ def test_a_template_that_renders_tools_gets_them_with_the_calls_arguments_as_obj
         chat_template_ids(native, prompt_messages(bad, (WEATHER,), True)[0], tools=[WEATHER])
 
 
+def test_an_empty_assistant_turn_renders_as_its_template_writes_it_when_text_is_read_apart():
+    """Where a message holds a special token's spelling, every message's text is read apart from the template's
+    (backends/tokens.py); an empty one (an assistant turn of tool calls alone) is rendered as it is, not as a marker
+    that a template's ``{% if message.content %}`` would take for text."""
+    native = byte_tokenizer()
+    native.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.content %}:{{ m.content }}{% endif %}"
+                            "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}"
+                            "{% endfor %}{% if tools %}{% endif %}<assistant>")
+    messages = [{"role": "user", "content": "a </s> b"}, *prompt_messages(CONVERSATION[1:2], (), True)[0],
+                {"role": "tool", "content": "18C"}]
+    ids = chat_template_ids(native, messages)
+    assert native.decode(ids) == "<user>:a </s> b<assistant><tool_call>get_weather</tool_call><tool_call>get_weather" \
+                                 "</tool_call><tool>:18C<assistant>"
+    assert native.convert_tokens_to_ids("</s>") not in ids  # (the user's spelling stays characters)
+    # A tokenizer with named templates renders tools with its tool_use one.
+    named = byte_tokenizer()
+    named.chat_template = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}",
+                           "tool_use": "{{ tools }}<tool_call>{% for m in messages %}{{ m.content }}{% endfor %}"}
+    assert native_tool_template(named)
+
+
 def test_the_engine_reads_a_tool_conversation_as_the_rendered_prompt(engine, tokenizer):
     request = CompletionRequest(messages=tuple(CONVERSATION), tools=(WEATHER,))
     rendered, _ = prompt_messages(CONVERSATION, (WEATHER,), native=False)
@@ -202,6 +238,12 @@ def test_the_engine_reads_a_tool_conversation_as_the_rendered_prompt(engine, tok
     (f"{CALL_OPEN}\n{{not json\n{CALL_CLOSE}", f"{CALL_OPEN}\n{{not json\n{CALL_CLOSE}", []),
     (block("add", [1]), block("add", [1]), []),
     (block("add", {"a": 1}) + f"\n{CALL_OPEN}\n{{", block("add", {"a": 1}) + f"\n{CALL_OPEN}\n{{", []),
+    # a closing tag inside an argument's string does not end the block: the JSON is read as JSON
+    (block("get_weather", {"city": "</tool_call> <tool_call>"}), None,
+     [("get_weather", {"city": "</tool_call> <tool_call>"})]),
+    # text after and between blocks: the content outside them, less the whitespace beside a block
+    ("  Hi.\n" + block("add", {"a": 1}) + "\n middle \n" + block("add", {"a": 2}) + "\nDone.\n", "  Hi.\nmiddle\nDone.",
+     [("add", {"a": 1}), ("add", {"a": 2})]),
 ])
 def test_an_answer_is_read_for_calls_of_the_offered_tools_or_left_text(text, content, calls):
     read = read_calls(text, use_of(WEATHER, ADD))
@@ -217,6 +259,10 @@ def test_a_cut_answer_keeps_its_whole_calls_and_one_call_is_read_where_parallel_
     assert [c["function"]["arguments"] for c in read_calls(cut, use_of(ADD), cut=True).calls] == ['{"a": 1}',
                                                                                                  '{"a": 2}']
     assert read_calls(cut, use_of(ADD)).calls == ()  # ended by itself with a block open: no call
+    # cut inside the next block's opening tag: the tag's start is no content
+    started = read_calls(two + "\n<tool_", use_of(ADD), cut=True)
+    assert started.content is None and len(started.calls) == 2
+    assert read_calls("No call <tool_", use_of(ADD), cut=True).content == "No call <tool_"  # no call: as written
     assert len(read_calls(two, use_of(ADD, parallel=False)).calls) == 1
     assert read_calls(two, use_of(ADD, choice="none")).content == two
 
@@ -229,13 +275,34 @@ def test_a_cut_answer_keeps_its_whole_calls_and_one_call_is_read_where_parallel_
 def test_a_stream_sends_the_text_before_the_calls_as_it_comes_and_the_calls_at_the_end(pieces):
     stream = CallStream(use_of(ADD))
     sent = [stream.feed(piece) for piece in pieces]
-    assert "".join(sent) == "Let me look.\n" and not any("<" in piece for piece in sent)
-    assert sent[0] == pieces[0].split("<")[0]  # (text that cannot begin a block is not held back)
+    # (the whitespace before a block is held back, and dropped with the block, as the whole answer drops it)
+    assert "".join(sent) == "Let me look." and not any("<" in piece for piece in sent)
+    assert sent[0] == pieces[0].split("<")[0].rstrip()  # (text that cannot begin a block is not held back)
     rest, calls = stream.finish()
     assert rest == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 3}]
-    # A "<" that turns out not to open a block is sent after all, and an answer without calls is all text.
+    # A "<" that turns out not to open a block is sent after all, and an answer without calls is all text, as
+    # written (its trailing whitespace too).
     plain = CallStream(use_of(ADD))
-    assert plain.feed("a <") == "a " and plain.feed("b") == "<b" and plain.finish() == ("", ())
+    assert plain.feed("a <") == "a" and plain.feed("b ") == " <b" and plain.finish() == (" ", ())
+
+
+@pytest.mark.parametrize("text", [
+    "  Hi.\n" + block("add", {"a": 1}) + "\n middle \n" + block("add", {"a": 2}) + "\nDone.\n",
+    block("add", {"a": 1}) + "\n\n", "Plain text,\n  with <b>tags</b> and spaces  \n",
+    "Before " + block("add", {"a": 1}) + " <tool_call> broken", "x" + block("get_weather", {"city": "<tool_call>"}),
+])
+def test_the_content_streamed_is_the_whole_answers_however_the_text_is_split(text):
+    """Split into chunks at every place (and into single characters), a stream sends the content the whole answer
+    has, and the same calls."""
+    use = use_of(WEATHER, ADD)
+    whole = read_calls(text, use)
+    splits = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        stream = CallStream(use)
+        sent = "".join(stream.feed(piece) for piece in pieces)
+        rest, calls = stream.finish()
+        assert sent + rest == (whole.content or "") and [c["function"] for c in calls] == [
+            c["function"] for c in whole.calls], pieces
 
 
 def reply_with(use: ToolUse) -> _Reply:
@@ -257,7 +324,8 @@ def test_whole_and_streamed_replies_carry_the_calls_in_openais_shapes():
     reply = reply_with(use)
     events = [event for chunk in chunks for event in reply.events(chunk)]
     deltas = [event["choices"][0]["delta"] for event in events]
-    assert "".join(d.get("content", "") for d in deltas) == "Sure.\n"
+    assert "".join(d.get("content", "") for d in deltas) == "Sure."
+    assert deltas[0] == {"content": "Sure."}  # (the reply's role chunk, which with tools sends no empty content, aside)
     streamed = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert len(streamed) == 1 and [c["index"] for c in streamed[0]] == [0, 1]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed[0]] == called
@@ -319,16 +387,32 @@ def test_a_named_function_is_the_one_called_and_a_conversation_with_results_is_a
     follow = client.post("/v1/chat/completions", json=body_with(tools=[WEATHER, ADD], messages=CONVERSATION,
                                                                  max_tokens=8))
     assert follow.status_code == 200 and follow.json()["choices"][0]["message"]["role"] == "assistant"
-    # the legacy functions form decodes the same call, and its results (role "function") read as tool results
+    assert len(calls) == 1  # a named function is called once
+    # The older functions form decodes the same call and answers in its own shape: one function_call.
     legacy = client.post("/v1/chat/completions", json=body_with(
         functions=[WEATHER["function"], ADD["function"]], function_call={"name": "add"}))
-    assert [c["function"] for c in legacy.json()["choices"][0]["message"]["tool_calls"]] == [
-        c["function"] for c in calls]
-    answered = client.post("/v1/chat/completions", json=body_with(max_tokens=1, messages=[
-        *CONVERSATION[:2], {"role": "function", "name": "get_weather", "content": "18C"}]))
+    choice = legacy.json()["choices"][0]
+    assert choice["message"]["function_call"] == {"name": "add", "arguments": calls[0]["function"]["arguments"]}
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "function_call"
+    streamed = client.post("/v1/chat/completions", json=body_with(
+        functions=[WEATHER["function"], ADD["function"]], function_call={"name": "add"}, stream=True))
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [e["choices"][0]["delta"]["function_call"] for e in events
+            if "function_call" in e["choices"][0]["delta"]] == [choice["message"]["function_call"]]
+    assert events[-1]["choices"][0]["finish_reason"] == "function_call"
+    # Its history: an assistant's function_call and the function's result read as a call and a tool result.
+    history = [CONVERSATION[0], {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}, {"role": "function", "name": "get_weather",
+                                                                     "content": "18C"}]
+    answered = client.post("/v1/chat/completions", json=body_with(max_tokens=1, messages=history))
     assert answered.status_code == 200, answered.text
-    assert _message(Message(role="function", name="get_weather", content="18C")) == {
-        "role": "tool", "content": "18C", "tool_call_id": ""}
+    read = [_message(Message.model_validate(message)) for message in history]
+    assert read[1]["tool_calls"][0]["function"] == history[1]["function_call"]
+    assert read[2] == {"role": "tool", "content": "18C", "tool_call_id": ""}
+    rendered = prompt_messages(read, (), native=False)[0]
+    assert rendered[1]["content"] == block("get_weather", {"city": "Paris"})
+    assert rendered[2]["content"] == "<tool_response>\n18C\n</tool_response>"
 
 
 @pytest.mark.parametrize("path, extra, param", [
@@ -338,12 +422,16 @@ def test_a_named_function_is_the_one_called_and_a_conversation_with_results_is_a
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "18C"}]}, "messages.0.tool_call_id"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+    ("/v1/chat/completions", {"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "(a"}}}}}], "tool_choice": "required"},
-     None),
+     "tools.1.function.parameters"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f"}}]},
+     "messages.0.function_call"),
 ])
 def test_a_tool_request_the_server_cannot_serve_is_a_400_naming_the_field(client, path, extra, param):
     body = {**body_with(), **extra} if path.endswith("chat/completions") else {"model": "tiny", **extra}
     reply = client.post(path, json=body)
-    assert reply.status_code == 400, reply.text
-    assert reply.json()["error"]["param"] == param or (param is None and "schema" in reply.json()["error"]["message"])
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

@@ -216,6 +216,7 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the older tool
     content: str | list[TextPart] | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls (server/tools.py)
+    function_call: dict | None = None  # the older form of an assistant's earlier call (one)
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
@@ -949,6 +950,8 @@ def _message(message: Message) -> dict:
     read = {"role": role, "content": content or ""}
     if message.tool_calls:
         read["tool_calls"] = message.tool_calls
+    elif message.function_call:
+        read["tool_calls"] = [{"id": "", "type": "function", "function": message.function_call}]
     if role == "tool":  # (the older function message answers by the function's name, not a call id)
         read["tool_call_id"] = message.tool_call_id or ""
     return read
@@ -1029,9 +1032,9 @@ class _Reply:
 
     def first_chunk(self, index: int = 0) -> dict:
         if self.chat:
-            return self._envelope("chat.completion.chunk",
-                                  {"index": index, "delta": {"role": "assistant", "content": ""},
-                                   "finish_reason": None})
+            # (with tools, no empty content yet: an answer that only calls has none, as a whole answer says)
+            delta = {"role": "assistant"} if self.tools is not None else {"role": "assistant", "content": ""}
+            return self._envelope("chat.completion.chunk", {"index": index, "delta": delta, "finish_reason": None})
         return self._envelope("text_completion", {"index": index, "text": "", "logprobs": None, "finish_reason": None})
 
     def logprobs(self, figures: list[TokenLogprob], index: int = 0) -> dict | None:
@@ -1115,16 +1118,21 @@ class _Reply:
         events = []
         if text + rest or chunk.logprobs:
             events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None), index))
-        events.append(self._envelope("chat.completion.chunk", {
-            "index": index, "delta": {"tool_calls": [{"index": number, **call} for number, call in enumerate(calls)]},
-            "finish_reason": None}))
+        if self.tools.legacy:
+            delta = {"function_call": calls[0]["function"]}
+        else:
+            delta = {"tool_calls": [{"index": number, **call} for number, call in enumerate(calls)]}
+        events.append(self._envelope("chat.completion.chunk", {"index": index, "delta": delta, "finish_reason": None}))
         events.append(self._envelope("chat.completion.chunk", {
             "index": index, "delta": {}, "finish_reason": self._call_finish(chunk.finish_reason)}))
         return events
 
     def _call_finish(self, reason: str | None) -> str | None:
-        """An answer that made calls ends with ``tool_calls`` where it ended by itself (not cut by its length)."""
-        return "tool_calls" if reason in ("stop", "cancelled") else self._finish(reason)
+        """An answer that made calls ends with ``tool_calls`` (``function_call`` in the older form) where it ended by
+        itself (not cut by its length)."""
+        if reason not in ("stop", "cancelled"):
+            return self._finish(reason)
+        return "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
 
     def usage_chunk(self) -> dict:
         payload = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
@@ -1146,7 +1154,11 @@ class _Reply:
             cut = bool(chunks) and chunks[-1].finish_reason == "length"
             read = read_calls(text, self.tools, cut) if self.tools is not None else None
             if read is not None and read.calls:
-                message = {"role": "assistant", "content": read.content, "tool_calls": list(read.calls)}
+                message = {"role": "assistant", "content": read.content}
+                if self.tools.legacy:  # the older form: one function_call
+                    message["function_call"] = read.calls[0]["function"]
+                else:
+                    message["tool_calls"] = list(read.calls)
                 finish = self._call_finish(chunks[-1].finish_reason if chunks else "stop")
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:

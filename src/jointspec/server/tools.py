@@ -33,11 +33,10 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from jointspec.core.grammar import JSON_STYLE, OutputFormat
+from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -57,25 +56,32 @@ class Tool:
 
     name: str
     description: str = ""
-    parameters: dict | None = None  # None: any arguments object
+    parameters: dict | None = None  # None: no arguments (OpenAI's reading of a function without parameters)
 
     def spec(self) -> dict:
         """The tool as OpenAI's API and chat templates write it."""
-        function = {"name": self.name, "description": self.description,
-                    "parameters": self.parameters if self.parameters is not None else {"type": "object"}}
+        function = {"name": self.name, "description": self.description, "parameters": self.arguments_schema()}
         return {"type": "function", "function": function}
+
+    def arguments_schema(self) -> dict:
+        """The JSON schema of its arguments object."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters
 
 
 @dataclass(frozen=True)
 class ToolUse:
     """The tools a request offers and what it lets the model do with them. ``choice``: ``none``, ``auto`` or
-    ``required``; ``function``: the one function the answer must call (``choice`` is then ``required``);
-    ``parallel``: several calls in one answer."""
+    ``required``; ``function``: the one function the answer must call, once (``choice`` is then ``required``);
+    ``parallel``: several calls in one answer; ``legacy``: asked in the older form (``functions``), which is answered
+    in that form (one ``function_call``)."""
 
     tools: tuple[Tool, ...]
     choice: str = "auto"
     function: str | None = None
     parallel: bool = True
+    legacy: bool = False
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -99,24 +105,22 @@ class ToolUse:
         if self.choice != "required":
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
-        rules = [f"call{index}: %json {json.dumps(_call_schema(tool))}" for index, tool in enumerate(allowed)]
+        # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
+        # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
+        rules = []
+        for index, tool in enumerate(allowed):
+            head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+            rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {arguments_grammar(tool)}"]
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
-        repeat = ' ("\\n" call)*' if self.parallel else ""
+        repeat = ' ("\\n" call)*' if self.parallel and self.function is None else ""
         opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
         return OutputFormat("lark", "\n".join([f"start: call{repeat}", f"call: {opening} ({either}) {closing}",
                                                *rules]) + "\n")
 
 
-def _call_schema(tool: Tool) -> dict:
-    """The JSON schema of one call of ``tool``: ``{"name": <its name>, "arguments": <its parameters>}``, the
-    parameters' definitions moved to the root so that their ``#/$defs/...`` references still resolve."""
-    parameters = copy.deepcopy(tool.parameters) if tool.parameters is not None else {"type": "object"}
-    schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": parameters},
-              "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": dict(JSON_STYLE)}
-    for key in ("$defs", "definitions"):
-        if key in parameters:
-            schema[key] = parameters.pop(key)
-    return schema
+def arguments_grammar(tool: Tool) -> str:
+    """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
+    return json.dumps({**copy.deepcopy(tool.arguments_schema()), "x-guidance": dict(JSON_STYLE)})
 
 
 def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, functions: list | None = None,
@@ -144,18 +148,30 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
         raise ToolError(f"tool names must differ: {', '.join(twice)} is offered twice", param)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
-    parallel = parallel_tool_calls is not False
+    # The older form answers with one function_call (OpenAI's functions API had no parallel calls).
+    legacy = bool(functions)
+    parallel = parallel_tool_calls is not False and not legacy
     if tool_choice is None or tool_choice in CHOICES:
-        return ToolUse(offered, tool_choice or "auto", parallel=parallel)
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(
+        use = ToolUse(offered, tool_choice or "auto", parallel=parallel, legacy=legacy)
+    elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(
             tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
         if name not in names:
             raise ToolError(f"{choice_param} names function {name!r}, which the request does not offer (it offers "
                             f"{', '.join(names)})", choice_param)
-        return ToolUse(offered, "required", function=name, parallel=parallel)
-    raise ToolError(f"{choice_param} must be none, auto, required or {{\"type\": \"function\", \"function\": "
-                    f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
+        use = ToolUse(offered, "required", function=name, parallel=parallel, legacy=legacy)
+    else:
+        raise ToolError(f"{choice_param} must be none, auto, required or {{\"type\": \"function\", \"function\": "
+                        f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
+    if use.choice == "required":  # the grammar holds the schemas: one it cannot compile is that tool's fault
+        for index, tool in enumerate(offered):
+            if use.function in (None, tool.name):
+                try:
+                    OutputFormat.json_schema(arguments_grammar(tool)).check()
+                except GrammarError as error:
+                    raise ToolError(f"{param}.{index}.function.parameters cannot hold the call's arguments: "
+                                    f"{one_line(str(error))}", f"{param}.{index}.function.parameters") from None
+    return use
 
 
 def _read_tool(raw, where: str) -> Tool:
@@ -182,8 +198,11 @@ def _read_tool(raw, where: str) -> Tool:
 # -- the prompt ----------------------------------------------------------------------------------------------------
 
 def native_tool_template(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders tools itself, in the call format read here."""
+    """Whether the tokenizer's chat template renders tools itself, in the call format read here (of a tokenizer with
+    several named templates, its ``tool_use`` one, which transformers renders where tools are given)."""
     template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
     return isinstance(template, str) and "tools" in template and CALL_OPEN in template
 
 
@@ -250,7 +269,14 @@ def _native_message(message: dict) -> dict:
 
 
 def check_message(message: dict, where: str) -> None:
-    """Refuse an assistant message's ``tool_calls`` or a ``tool`` message OpenAI's API would not take."""
+    """Refuse an assistant message's ``tool_calls`` (or older ``function_call``) or a ``tool`` message OpenAI's API
+    would not take."""
+    older = message.get("function_call")
+    if older is not None:
+        if message["role"] != "assistant" or not isinstance(older.get("name"), str) or not isinstance(
+                older.get("arguments", ""), str):
+            raise ToolError(f"{where}.function_call must be an assistant's {{\"name\": ..., \"arguments\": \"<JSON "
+                            "text>\"}", f"{where}.function_call")
     calls = message.get("tool_calls")
     if calls is not None:
         if message["role"] != "assistant":
@@ -271,42 +297,71 @@ def check_message(message: dict, where: str) -> None:
 
 @dataclass(frozen=True)
 class Calls:
-    """An answer read for calls: its content (the text outside the call blocks; None where there is none) and its
-    calls in OpenAI's shape (empty where it made none)."""
+    """An answer read for calls: its content (where it made calls, the text outside the call blocks, without the
+    whitespace beside a block; None where that is empty) and its calls in OpenAI's shape (empty where it made none:
+    the content is then the answer as written)."""
 
     content: str | None
     calls: tuple[dict, ...]
 
 
+def _blocks(text: str) -> tuple[list[str], list[object]] | None:
+    """``text`` split at its call blocks: (the pieces outside them, each block's JSON value), or None where a block
+    is not an opening tag, one JSON value and a closing tag (whitespace around the value allowed). The JSON is read
+    as JSON, so a closing tag inside one of its strings does not end the block."""
+    decoder = json.JSONDecoder()
+    pieces, values, at = [], [], 0
+    while (start := text.find(CALL_OPEN, at)) >= 0:
+        pieces.append(text[at:start])
+        inside = start + len(CALL_OPEN)
+        inside += len(text[inside:]) - len(text[inside:].lstrip())
+        try:
+            value, end = decoder.raw_decode(text, inside)
+        except ValueError:
+            return None
+        end += len(text[end:]) - len(text[end:].lstrip())
+        if not text.startswith(CALL_CLOSE, end):
+            return None
+        values.append(value)
+        at = end + len(CALL_CLOSE)
+    pieces.append(text[at:])
+    return pieces, values
+
+
+def _content(pieces: list[str]) -> str:
+    """The text outside the blocks: the first piece less its trailing whitespace, the others less theirs on both
+    sides, joined by newlines (how :class:`CallStream` can send it)."""
+    first, rest = pieces[0].rstrip(), [piece.strip() for piece in pieces[1:] if piece.strip()]
+    return "\n".join(([first] if first else []) + rest) if rest else first
+
+
 def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     """``text`` read as :mod:`this module <jointspec.server.tools>` says: every block a call of an offered tool, or
-    the whole text content. ``cut``: the answer ran out of tokens, so a block it left open is dropped, and the calls
-    before it stand."""
+    the whole text content. ``cut``: the answer ran out of tokens, so a block it left open (or the start of one's
+    tag) is dropped, and the calls before it stand."""
     if not use.reads_calls or CALL_OPEN not in text:
         return Calls(text, ())
-    if cut and text.rfind(CALL_OPEN) > text.rfind(CALL_CLOSE):
-        text = text[:text.rfind(CALL_OPEN)]
+    kept = text
+    if cut:
+        kept = kept[:len(kept) - _open_tail(kept)]
+        if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE):
+            kept = kept[:kept.rfind(CALL_OPEN)]
+    split = _blocks(kept)
     names = {tool.name for tool in use.tools}
-    calls = []
-    for block in _BLOCK.finditer(text):
-        call = _read_call(block.group(1), names)
-        if call is None:
-            return Calls(text, ())
-        calls.append(call)
-    outside = _BLOCK.sub("", text)
-    if not calls or CALL_OPEN in outside:  # a block left open where the answer ended by itself: no call
+    calls = [_read_call(value, names) for value in (split[1] if split else ())]
+    if not calls or None in calls:
         return Calls(text, ())
     if not use.parallel:
         calls = calls[:1]
-    outside = outside.strip()
-    return Calls(outside or None, tuple(calls))
+    return Calls(_content(split[0]) or None, tuple(calls))
 
 
-def _read_call(inside: str, names: set[str]) -> dict | None:
-    try:
-        record = json.loads(inside)
-    except ValueError:
-        return None
+def _open_tail(text: str) -> int:
+    """The length of the longest end of ``text`` that begins an opening tag (0 where none does)."""
+    return next((n for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1) if CALL_OPEN.startswith(text[-n:])), 0)
+
+
+def _read_call(record, names: set[str]) -> dict | None:
     if not isinstance(record, dict) or record.get("name") not in names:
         return None
     arguments = record.get("arguments", record.get("parameters"))
@@ -322,39 +377,35 @@ def _read_call(inside: str, names: set[str]) -> dict | None:
 
 
 class CallStream:
-    """One streamed choice's text split into what may be sent as content now and the calls read at its end: text
-    before the first call block streams as it comes (less a tail that may be the start of a block), the rest waits
-    for the end, where :func:`read_calls` reads it."""
+    """One streamed choice's text split into what may be sent as content now and the calls read at its end. Text
+    before the first call block streams as it comes, less what it cannot yet tell apart: a tail that may begin a
+    block, and trailing whitespace (dropped where a block follows, as :func:`read_calls` drops it). The rest waits for
+    the end, where :func:`read_calls` reads it, so that the content streamed equals the content of the whole answer."""
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
-        self.held = ""  # text not sent: a tail that may begin a block, or everything from a block on
-        self.sent = ""  # content sent so far
+        self.text = ""  # everything received
+        self.sent = ""  # content sent so far: a prefix of the text before the first block
         self.in_calls = False
 
     def feed(self, text: str) -> str:
         """The content ``text`` lets through now."""
-        self.held += text
+        self.text += text
         if self.in_calls:
             return ""
-        start = self.held.find(CALL_OPEN)
+        start = self.text.find(CALL_OPEN)
         if start >= 0:
             self.in_calls = True
-            out, self.held = self.held[:start], self.held[start:]
+            ready = self.text[:start].rstrip()
         else:
-            keep = next((n for n in range(min(len(CALL_OPEN) - 1, len(self.held)), 0, -1)
-                         if CALL_OPEN.startswith(self.held[-n:])), 0)
-            out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+            ready = self.text[:len(self.text) - _open_tail(self.text)].rstrip()
+        out = ready[len(self.sent):] if len(ready) > len(self.sent) else ""
         self.sent += out
         return out
 
     def finish(self, cut: bool = False) -> tuple[str, tuple[dict, ...]]:
         """At the end of the answer (``cut``: by its length): the content still to send, and the calls."""
-        read = read_calls(self.sent + self.held, self.use, cut)
-        if not read.calls:
-            return self.held, ()
-        # The content sent already is the text before the first block; what is left of the content follows the
-        # last block (text between blocks, rare, joins it).
-        whole = read.content or ""
-        rest = whole[len(self.sent.strip()):] if whole.startswith(self.sent.strip()) else ""
-        return rest, read.calls
+        read = read_calls(self.text, self.use, cut)
+        whole = read.content or "" if read.calls else read.content
+        assert whole.startswith(self.sent), "sent content that the whole answer does not begin with"
+        return whole[len(self.sent):], read.calls
