@@ -284,8 +284,9 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
           // for each of them (the keys of a long context do not stay in cache from one forward to the next).
           if (t + 1 < t1) prefetch_keys(key, shared_index + 16 * (t + 1), dim);
           // A half cache's tile is widened once for all the pairs of the block where they are kWidenPairs or more
-          // (each pair widening it again cost more than the copy); a float32 one, or fewer pairs (SmolLM2's decoding
-          // step has 3), read it in place (there the copy cost as much as it saved, or more).
+          // and use_widened_keys() allows it (on some CPUs each pair widening it again cost more than the copy, on
+          // others less); a float32 one, or fewer pairs (SmolLM2's decoding step has 3), read it in place (there the
+          // copy cost as much as it saved, or more).
           if (widen_tiles) gather_tile(key, shared_index + 16 * t, dim, tile);
           for (int64_t r = r0; r < r1; ++r) {
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
