@@ -338,6 +338,27 @@ def test_whole_and_streamed_replies_carry_the_calls_in_openais_shapes():
         {"index": 0, "delta": {"content": "No call here."}, "finish_reason": "length"}]
 
 
+def test_each_streamed_choice_is_read_for_its_own_calls():
+    """With n choices a stream's chunks interleave: each choice's text is held and read apart (by index)."""
+    use = use_of(WEATHER, ADD)
+    reply = reply_with(use)
+    first = ["Hi ", "<tool_call>\n", '{"name": "add", "arguments": {"a": 1}}\n</tool_call>']
+    second = ["<tool_", 'call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>', " Bye"]
+    events = []
+    for number, (one, two) in enumerate(zip(first, second)):
+        done = "stop" if number == len(first) - 1 else None
+        events += reply.events(Chunk(text=one, num_tokens=1, finish_reason=done), 0)
+        events += reply.events(Chunk(text=two, num_tokens=1, finish_reason=done), 1)
+    by_choice = {0: [], 1: []}
+    for event in events:
+        by_choice[event["choices"][0]["index"]].append(event["choices"][0])
+    for index, name, content in ((0, "add", "Hi"), (1, "get_weather", "Bye")):
+        deltas = [choice["delta"] for choice in by_choice[index]]
+        assert "".join(d.get("content", "") for d in deltas) == content
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == [name]
+        assert by_choice[index][-1]["finish_reason"] == "tool_calls"
+
+
 # -- through the server ----------------------------------------------------------------------------------------
 
 def body_with(**extra) -> dict:
