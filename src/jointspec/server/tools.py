@@ -27,7 +27,6 @@ What ``tool_choice`` does to the answer:
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import uuid
@@ -120,7 +119,7 @@ class ToolUse:
 
 def arguments_grammar(tool: Tool) -> str:
     """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
-    return json.dumps({**copy.deepcopy(tool.arguments_schema()), "x-guidance": dict(JSON_STYLE)})
+    return json.dumps({**tool.arguments_schema(), "x-guidance": dict(JSON_STYLE)})
 
 
 def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, functions: list | None = None,
