@@ -17,7 +17,16 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import chat_template_ids
 from jointspec.core.draft import NoDrafter
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.server.app import Message, ServerSettings, _message, _Reply, create_app
+from jointspec.server.app import (
+    ChatBody,
+    Message,
+    ServerSettings,
+    _engine_requests,
+    _message,
+    _parse,
+    _Reply,
+    create_app,
+)
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
 from jointspec.server.tools import (
     CALL_CLOSE,
@@ -96,6 +105,7 @@ def test_tools_and_tool_choice_are_read_in_both_of_openais_forms():
     ([WEATHER], "always", None, "tool_choice"),
     ([], "required", None, "tool_choice"),
     ([WEATHER], None, "yes", "parallel_tool_calls"),
+    ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], None, None, "tools.0.function.strict"),
 ])
 def test_a_tool_request_that_cannot_be_served_names_its_field(tools, choice, parallel, param):
     with pytest.raises(ToolError) as refused:
@@ -138,6 +148,18 @@ def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing
         "size": 1}}}))
     assert not grammar_takes(engine, nested, block("tree", {"size": 1, "child": {"name": "tree", "arguments": {}}}))
     assert not grammar_takes(engine, nested, block("tree", {"size": 1, "same": 3}))
+    # auto with a strict function: any text without the tag, or such text and then valid calls, and nothing else.
+    strict = {"type": "function", "function": {**ADD["function"], "strict": True}}
+    held = use_of(WEATHER, strict)
+    assert held.tools[1].strict and not held.tools[0].strict and held.output_format() is not None
+    for text in ("Plain text <b>with</b> tags.", "", "Let me add.\n" + block("add", {"a": 2}),
+                 "x" + block("add", {"a": 1}) + "\n" + block("get_weather", {"city": "Paris"})):
+        assert grammar_takes(engine, held, text), text
+    for text in ("Hi <tool_call> nope", "Hi " + block("add", {"a": 5}), block("add", {"a": 1}) + " and more text",
+                 f"{CALL_OPEN}\n{{\"name\": \"sub\", \"arguments\": {{}}}}\n{CALL_CLOSE}"):
+        assert not grammar_takes(engine, held, text), text
+    assert not grammar_takes(engine, use_of(WEATHER, strict, parallel=False),
+                             block("add", {"a": 1}) + "\n" + block("add", {"a": 2}))
     # A function without parameters takes no arguments (OpenAI's reading), not any object.
     now = {"type": "function", "function": {"name": "now"}}
     assert grammar_takes(engine, use_of(now, choice="required"), block("now", {}))
@@ -364,6 +386,29 @@ def test_each_streamed_choice_is_read_for_its_own_calls():
 def body_with(**extra) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
             "max_tokens": 120, **extra}
+
+
+@pytest.mark.parametrize("method", ["ar", "default"])
+def test_auto_with_a_strict_function_decodes_as_the_loop_under_its_grammar(client, engine, long_model, tokenizer,
+                                                                           method):
+    """OpenAI's strict functions: the answer follows the auto grammar, and every method gives the loop's
+    constrained greedy answer (which this random model writes as text: the grammar forbids only a bad call)."""
+    strict = {"type": "function", "function": {**ADD["function"], "strict": True}}
+    body = body_with(tools=[WEATHER, strict], max_tokens=40, jointspec={"method": method})
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    use = use_of(WEATHER, strict)
+    prompt = chat_template_ids(tokenizer, prompt_messages(body["messages"], use.shown(), False)[0])
+    loop = SpeculativeDecoder(CausalLM(long_model), NoDrafter(), GreedyVerifier())
+    ids = loop.generate(prompt, DecodeConfig(40, eos_token_ids=engine.eos_token_ids,
+                                             grammar=engine.grammar(use.output_format())))
+    assert reply.json()["choices"][0]["message"]["content"] == read_calls(
+        tokenizer.decode(ids, skip_special_tokens=True), use).content
+    # (the server decodes it under that grammar; without a strict function, under none)
+    parsed = _parse(json.dumps(body).encode(), ChatBody)
+    assert _engine_requests(parsed)[0].output_format == use.output_format()
+    loose = _parse(json.dumps(body_with(tools=[WEATHER, ADD])).encode(), ChatBody)
+    assert _engine_requests(loose)[0].output_format is None
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "default"])

@@ -56,6 +56,7 @@ class Tool:
     name: str
     description: str = ""
     parameters: dict | None = None  # None: no arguments (OpenAI's reading of a function without parameters)
+    strict: bool = False  # OpenAI's structured outputs for functions: its calls' arguments held to the schema
 
     def spec(self) -> dict:
         """The tool as OpenAI's API and chat templates write it."""
@@ -98,10 +99,13 @@ class ToolUse:
         return tuple(tool.spec() for tool in self.tools) if self.reads_calls else ()
 
     def output_format(self) -> OutputFormat | None:
-        """The grammar an answer that must call tools follows (None where it may write text): one call, or with
-        ``parallel`` one or more, each a block whose JSON names an allowed tool and whose arguments its schema
-        accepts; then the end of the answer."""
-        if self.choice != "required":
+        """The grammar the answer follows, or None where it is free text. ``required``: one call, or with ``parallel``
+        one or more, each a block whose JSON names an allowed tool and whose arguments its schema accepts; then the
+        end of the answer. ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict function's arguments
+        match its schema): text without a call's opening tag, or such text and then calls as ``required`` writes
+        them; the grammar decides nothing until the tag is written."""
+        strict_auto = self.choice == "auto" and any(tool.strict for tool in self.tools)
+        if self.choice != "required" and not strict_auto:
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
         # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
@@ -113,8 +117,14 @@ class ToolUse:
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
         repeat = ' ("\\n" call)*' if self.parallel and self.function is None else ""
         opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
-        return OutputFormat("lark", "\n".join([f"start: call{repeat}", f"call: {opening} ({either}) {closing}",
-                                               *rules]) + "\n")
+        if strict_auto:
+            # TEXT: anything without the opening tag. OPENED: such text and the tag, one lexeme, so that the text
+            # ends where the tag begins (a lexer cannot end a lexeme it has already extended past the tag's start).
+            start = [f"start: TEXT | OPENED ({either}) {closing}{repeat}", f"OPENED: TEXT {opening}",
+                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(CALL_OPEN)}.*)/"]
+        else:
+            start = [f"start: call{repeat}"]
+        return OutputFormat("lark", "\n".join([*start, f"call: {opening} ({either}) {closing}", *rules]) + "\n")
 
 
 def arguments_grammar(tool: Tool) -> str:
@@ -162,7 +172,7 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
     else:
         raise ToolError(f"{choice_param} must be none, auto, required or {{\"type\": \"function\", \"function\": "
                         f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
-    if use.choice == "required":  # the grammar holds the schemas: one it cannot compile is that tool's fault
+    if use.output_format() is not None:  # the grammar holds the schemas: one it cannot compile is that tool's fault
         for index, tool in enumerate(offered):
             if use.function in (None, tool.name):
                 try:
@@ -191,7 +201,10 @@ def _read_tool(raw, where: str) -> Tool:
                                    or parameters.get("type", "object") != "object"):
         raise ToolError(f"{where}.function.parameters must be the JSON schema of an object (a call's arguments are "
                         "one)", f"{where}.function.parameters")
-    return Tool(name, description, parameters)
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolError(f"{where}.function.strict must be true or false", f"{where}.function.strict")
+    return Tool(name, description, parameters, bool(strict))
 
 
 # -- the prompt ----------------------------------------------------------------------------------------------------
