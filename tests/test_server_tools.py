@@ -133,7 +133,9 @@ def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing
     named = use_of(WEATHER, ADD, choice={"type": "function", "function": {"name": "add"}})
     assert grammar_takes(engine, named, block("add", {"a": 1})) and not grammar_takes(
         engine, named, block("get_weather", {"city": "Rome"}))
-    for wrong in (block("add", {"a": 4}), block("get_weather", {"city": "Oslo"}), block("sub", {"a": 1}),
+    assert grammar_takes(engine, both, block("add", {"a": 3}) + "\n")  # (a newline after the calls, at most)
+    for wrong in (block("add", {"a": 3}) + "\n\n", block("add", {"a": 3}) + "\nmore",
+                  block("add", {"a": 4}), block("get_weather", {"city": "Oslo"}), block("sub", {"a": 1}),
                   block("add", {"a": 1, "b": 2}), "Sure: " + block("add", {"a": 1})):
         assert not grammar_takes(engine, both, wrong), wrong  # (add's "a" is an enum through a $ref: followed)
     assert use_of(WEATHER, ADD).output_format() is None and use_of(WEATHER, choice="none").output_format() is None
@@ -160,6 +162,13 @@ def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing
         assert not grammar_takes(engine, held, text), text
     assert not grammar_takes(engine, use_of(WEATHER, strict, parallel=False),
                              block("add", {"a": 1}) + "\n" + block("add", {"a": 2}))
+    # strict is a function's own: the others' arguments are any object, and their schemas are not compiled at all
+    assert grammar_takes(engine, held, "x" + block("get_weather", {"town": 3}))
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "properties": {
+        "n": {"type": "string", "format": "int32"}}}}}
+    assert use_of(odd, strict).output_format() is not None
+    with pytest.raises(ToolError, match="Unknown format"):
+        use_of(odd, strict, choice="required")
     # A function without parameters takes no arguments (OpenAI's reading), not any object.
     now = {"type": "function", "function": {"name": "now"}}
     assert grammar_takes(engine, use_of(now, choice="required"), block("now", {}))

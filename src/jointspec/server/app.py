@@ -179,7 +179,7 @@ class _Sampling(_Body):
     parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
-    _tool_use: ToolUse | None = PrivateAttr(None)  # the four above as read once (_parse: their schemas compiled)
+    _tools_read: ToolUse | None = PrivateAttr(None)  # the four above as read once (_parse: their schemas compiled)
     # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
     # after the temperature, as vLLM drops them) and repetition_penalty (core/penalties.py).
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -540,7 +540,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                            shared.seed if sampled else None,
                            engine.spelling if shared.logprobs is not None else None)
             reply.choices_per_prompt = body.n
-            use = body._tool_use
+            use = body._tools_read
             reply.tools = use if use is not None and use.reads_calls else None
             if shared.echo:
                 reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
@@ -803,7 +803,7 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
     _output_format(body.response_format)  # refused here, before anything is queued
-    use = body._tool_use = _tool_use(body)  # refused here where malformed
+    use = body._tools_read = _tool_use(body)  # refused here where malformed
     if use is not None and use.reads_calls and body.response_format is not None and _output_format(
             body.response_format) is not None:
         raise RequestError("response_format and tools together: an answer cannot be both the schema's JSON and tool "
@@ -923,7 +923,7 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
     temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
     penalties = Penalties(body.repetition_penalty, body.presence_penalty, body.frequency_penalty,
                           _logit_bias(body.logit_bias))
-    use = body._tool_use  # (read by _parse)
+    use = body._tools_read  # (read by _parse)
     output_format = use.output_format() if use is not None else None
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed, penalties=penalties,
                   stop=stop, method=options, user=body.user,

@@ -100,30 +100,34 @@ class ToolUse:
 
     def output_format(self) -> OutputFormat | None:
         """The grammar the answer follows, or None where it is free text. ``required``: one call, or with ``parallel``
-        one or more, each a block whose JSON names an allowed tool and whose arguments its schema accepts; then the
-        end of the answer. ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict function's arguments
-        match its schema): text without a call's opening tag, or such text and then calls as ``required`` writes
-        them; the grammar decides nothing until the tag is written."""
+        one or more, each a block whose JSON names an allowed tool and whose arguments its schema accepts; then a
+        newline at most, and the end of the answer. ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict
+        function's arguments match its schema): text without a call's opening tag, or such text and then calls as
+        ``required`` writes them (a strict function's arguments held to its schema, the others' any object)."""
         strict_auto = self.choice == "auto" and any(tool.strict for tool in self.tools)
         if self.choice != "required" and not strict_auto:
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
         # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
         # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
+        # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are any object)
         rules = []
         for index, tool in enumerate(allowed):
             head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-            rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {arguments_grammar(tool)}"]
+            held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
+                {"type": "object", "x-guidance": JSON_STYLE})
+            rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {held}"]
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
-        repeat = ' ("\\n" call)*' if self.parallel and self.function is None else ""
+        # (then a newline at most: a model that ends its calls with one is not made to write another call)
+        after = (' ("\\n" call)*' if self.parallel and self.function is None else "") + ' "\\n"?'
         opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
         if strict_auto:
             # TEXT: anything without the opening tag. OPENED: such text and the tag, one lexeme, so that the text
             # ends where the tag begins (a lexer cannot end a lexeme it has already extended past the tag's start).
-            start = [f"start: TEXT | OPENED ({either}) {closing}{repeat}", f"OPENED: TEXT {opening}",
+            start = [f"start: TEXT | OPENED ({either}) {closing}{after}", f"OPENED: TEXT {opening}",
                      f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(CALL_OPEN)}.*)/"]
         else:
-            start = [f"start: call{repeat}"]
+            start = [f"start: call{after}"]
         return OutputFormat("lark", "\n".join([*start, f"call: {opening} ({either}) {closing}", *rules]) + "\n")
 
 
@@ -174,7 +178,7 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
                         f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
     if use.output_format() is not None:  # the grammar holds the schemas: one it cannot compile is that tool's fault
         for index, tool in enumerate(offered):
-            if use.function in (None, tool.name):
+            if use.function in (None, tool.name) and (use.choice == "required" or tool.strict):
                 try:
                     OutputFormat.json_schema(arguments_grammar(tool)).check()
                 except GrammarError as error:
