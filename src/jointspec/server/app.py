@@ -802,10 +802,9 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
-    _output_format(body.response_format)  # refused here, before anything is queued
+    response_format = _output_format(body.response_format)  # refused here, before anything is queued
     use = body._tools_read = _tool_use(body)  # refused here where malformed
-    if use is not None and use.reads_calls and body.response_format is not None and _output_format(
-            body.response_format) is not None:
+    if use is not None and use.reads_calls and response_format is not None:
         raise RequestError("response_format and tools together: an answer cannot be both the schema's JSON and tool "
                            "calls; send tool_choice: none, or no response_format", param="response_format")
     for index, message in enumerate(getattr(body, "messages", ())):
@@ -1119,14 +1118,18 @@ class _Reply:
         events = []
         if text + rest or chunk.logprobs:
             events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None), index))
-        if self.tools.legacy:
-            delta = {"function_call": calls[0]["function"]}
-        else:
-            delta = {"tool_calls": [{"index": number, **call} for number, call in enumerate(calls)]}
-        events.append(self._envelope("chat.completion.chunk", {"index": index, "delta": delta, "finish_reason": None}))
+        events.append(self._envelope("chat.completion.chunk", {"index": index, "delta": self._calls(calls, True),
+                                                                "finish_reason": None}))
         events.append(self._envelope("chat.completion.chunk", {
             "index": index, "delta": {}, "finish_reason": self._call_finish(chunk.finish_reason)}))
         return events
+
+    def _calls(self, calls: tuple[dict, ...], streamed: bool) -> dict:
+        """An answer's calls as its message (or a streamed delta) carries them: ``tool_calls`` (streamed, each with its
+        index), or the older form's one ``function_call``."""
+        if self.tools.legacy:
+            return {"function_call": calls[0]["function"]}
+        return {"tool_calls": [{"index": number, **call} if streamed else call for number, call in enumerate(calls)]}
 
     def _call_finish(self, reason: str | None) -> str | None:
         """An answer that made calls ends with ``tool_calls`` (``function_call`` in the older form) where it ended by
@@ -1155,11 +1158,7 @@ class _Reply:
             cut = bool(chunks) and chunks[-1].finish_reason == "length"
             read = read_calls(text, self.tools, cut) if self.tools is not None else None
             if read is not None and read.calls:
-                message = {"role": "assistant", "content": read.content}
-                if self.tools.legacy:  # the older form: one function_call
-                    message["function_call"] = read.calls[0]["function"]
-                else:
-                    message["tool_calls"] = list(read.calls)
+                message = {"role": "assistant", "content": read.content, **self._calls(read.calls, False)}
                 finish = self._call_finish(chunks[-1].finish_reason if chunks else "stop")
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:

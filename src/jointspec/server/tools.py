@@ -230,13 +230,13 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool)
         rendered = [_native_message(message) for message in messages]
         return rendered, (list(tools) or None)
     rendered: list[dict] = []
-    for message in messages:
+    for index, message in enumerate(messages):
         if message["role"] == "tool":
             text = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
-            if rendered and rendered[-1].get("tool_results"):  # results of one turn's calls: one user turn
-                rendered[-1] = {**rendered[-1], "content": rendered[-1]["content"] + "\n" + text}
+            if index and messages[index - 1]["role"] == "tool":  # results of one turn's calls: one user turn
+                rendered[-1] = {"role": "user", "content": rendered[-1]["content"] + "\n" + text}
             else:
-                rendered.append({"role": "user", "content": text, "tool_results": True})
+                rendered.append({"role": "user", "content": text})
         elif message.get("tool_calls"):
             blocks = "\n".join(f"{CALL_OPEN}\n{json.dumps(_call_record(call), ensure_ascii=False)}\n{CALL_CLOSE}"
                                for call in message["tool_calls"])
@@ -244,7 +244,6 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool)
             rendered.append({"role": "assistant", "content": f"{content}\n{blocks}" if content else blocks})
         else:
             rendered.append({"role": message["role"], "content": message.get("content") or ""})
-    rendered = [{"role": m["role"], "content": m["content"]} for m in rendered]
     if tools:
         preamble = _tools_preamble(tools)
         if rendered and rendered[0]["role"] == "system":
