@@ -1005,6 +1005,7 @@ class EndlessGeneration:
 
 class FakeEngine:
     model_id = "fake"
+    call_format = "hermes"
 
     def __init__(self) -> None:
         self.generations: list[EndlessGeneration] = []

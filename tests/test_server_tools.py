@@ -31,9 +31,13 @@ from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
 from jointspec.server.tools import (
     CALL_CLOSE,
     CALL_OPEN,
+    HERMES,
+    LLAMA3_JSON,
+    PYTHON_TAG,
     CallStream,
     ToolError,
     ToolUse,
+    native_call_format,
     native_tool_template,
     prompt_messages,
     read_calls,
@@ -125,14 +129,21 @@ def grammar_takes(engine, use: ToolUse, text: str) -> bool:
     return bool(state.allowed()[sorted(engine.eos_token_ids)].any())
 
 
-def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing_else(engine):
+def required_calls_grammar(engine, use_of, call, joined) -> tuple[ToolUse, ToolUse]:
+    """Check a format's required grammar (``use_of`` reads tools in it, ``call`` writes one call, ``joined`` two):
+    one call or two, two refused without parallel calls, a named function alone; returns (both tools, named)."""
     both = use_of(WEATHER, ADD, choice="required")
-    two = block("get_weather", {"city": "Rome"}) + "\n" + block("add", {"a": 3})
-    assert grammar_takes(engine, both, block("add", {"a": 3})) and grammar_takes(engine, both, two)
+    two = joined(call("get_weather", {"city": "Rome"}), call("add", {"a": 3}))
+    assert grammar_takes(engine, both, call("add", {"a": 3})) and grammar_takes(engine, both, two)
     assert not grammar_takes(engine, use_of(WEATHER, ADD, choice="required", parallel=False), two)
     named = use_of(WEATHER, ADD, choice={"type": "function", "function": {"name": "add"}})
-    assert grammar_takes(engine, named, block("add", {"a": 1})) and not grammar_takes(
-        engine, named, block("get_weather", {"city": "Rome"}))
+    assert grammar_takes(engine, named, call("add", {"a": 1})) and not grammar_takes(
+        engine, named, call("get_weather", {"city": "Rome"}))
+    return both, named
+
+
+def test_the_grammar_of_required_calls_takes_what_the_schemas_accept_and_nothing_else(engine):
+    both, named = required_calls_grammar(engine, use_of, block, lambda one, two: one + "\n" + two)
     assert grammar_takes(engine, both, block("add", {"a": 3}) + "\n")  # (a newline after the calls, at most)
     for wrong in (block("add", {"a": 3}) + "\n\n", block("add", {"a": 3}) + "\nmore",
                   block("add", {"a": 4}), block("get_weather", {"city": "Oslo"}), block("sub", {"a": 1}),
@@ -510,3 +521,157 @@ def test_a_tool_request_the_server_cannot_serve_is_a_400_naming_the_field(client
     body = {**body_with(), **extra} if path.endswith("chat/completions") else {"model": "tiny", **extra}
     reply = client.post(path, json=body)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+# -- Llama 3's format ------------------------------------------------------------------------------------------
+
+# Llama 3.1-3.3's conventions, in a template of this test's own: the tools shown in the first user turn, an earlier
+# call written as the bare JSON object with its arguments under "parameters", results in ipython turns, one call a
+# turn (more refused, as Meta's templates refuse them).
+LLAMA_TEMPLATE = (
+    "{% set ns = namespace(first=true) %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "{% if tools %}Environment: ipython\n{% endif %}<|eot_id|>"
+    "{% for m in messages %}"
+    "{% if m.tool_calls %}{% if m.tool_calls | length != 1 %}{{ raise_exception('one call a turn') }}{% endif %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{{ '{\"name\": \"' + m.tool_calls[0].function.name + '\", \"parameters\": ' }}"
+    "{{ m.tool_calls[0].function.arguments | tojson }}}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if tools and m.role == 'user' and ns.first %}{% set ns.first = false %}Respond with a JSON call "
+    "{{ '{\"name\": function name, \"parameters\": arguments}' }}.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "{% endif %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def llama_use(*tools, choice=None, parallel=None) -> ToolUse:
+    return read_tool_use(list(tools), choice, parallel, call_format=LLAMA3_JSON)
+
+
+def llama_call(name: str, arguments) -> str:
+    return json.dumps({"name": name, "parameters": arguments})
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer():
+    words = byte_tokenizer()
+    words.chat_template = LLAMA_TEMPLATE
+    return words
+
+
+@pytest.fixture(scope="module")
+def llama_engine(long_model, llama_tokenizer):
+    served = ServingEngine(CausalLM(long_model), llama_tokenizer, model_id="tiny", max_batch_size=4)
+    yield served
+    served.close()
+
+
+def test_a_llama_template_is_recognised_and_gets_the_tools_each_call_in_a_turn_and_the_results(
+        llama_tokenizer, llama_engine, engine):
+    assert native_call_format(llama_tokenizer) == LLAMA3_JSON and llama_engine.call_format == LLAMA3_JSON
+    assert engine.call_format == HERMES and native_call_format(byte_tokenizer()) is None  # (SmolLM2-like: as text)
+    hermes = byte_tokenizer()
+    hermes.chat_template = "{% if tools %}{% endif %}<tool_call>{\"name\": ..., \"parameters\": ...} ipython"
+    assert native_call_format(hermes) == HERMES  # (the tag decides first)
+    messages, tools = prompt_messages(CONVERSATION, (WEATHER,), True, LLAMA3_JSON)
+    assert tools == [WEATHER] and [m["role"] for m in messages] == ["user", "assistant", "assistant", "tool", "tool"]
+    assert [m["tool_calls"][0]["function"] for m in messages[1:3]] == [
+        {"name": "get_weather", "arguments": {"city": city}} for city in ("Paris", "Rome")]
+    text = llama_tokenizer.decode(llama_engine.encode(CompletionRequest(messages=tuple(CONVERSATION),
+                                                                        tools=(WEATHER,))))
+    assert json.dumps(WEATHER) in text and "Environment: ipython" in text
+    assert text.count("<|start_header_id|>assistant<|end_header_id|>\n\n" + llama_call("get_weather", {
+        "city": "Paris"}) + "<|eot_id|>") == 1 and llama_call("get_weather", {"city": "Rome"}) in text
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n18C<|eot_id|>" in text
+    # (without the split, the template refuses the turn of two calls)
+    with pytest.raises(Exception, match="one call a turn"):
+        chat_template_ids(llama_tokenizer, prompt_messages(CONVERSATION, (WEATHER,), True)[0], tools=[WEATHER])
+
+
+def test_the_llama_grammar_takes_calls_of_the_offered_tools_as_their_schemas_say_and_nothing_else(llama_engine):
+    both, named = required_calls_grammar(llama_engine, llama_use, llama_call, lambda one, two: one + "; " + two)
+    for wrong in (llama_call("add", {"a": 4}), llama_call("get_weather", {"city": "Oslo"}), llama_call("sub", {}),
+                  block("add", {"a": 1}), json.dumps({"name": "add", "arguments": {"a": 1}}),
+                  "Sure: " + llama_call("add", {"a": 1}), llama_call("add", {"a": 1}) + " more"):
+        assert not grammar_takes(llama_engine, both, wrong), wrong
+    assert not grammar_takes(llama_engine, named, llama_call("add", {"a": 1}) + "; " + llama_call("add", {"a": 2}))
+    # auto with a strict function: text that does not begin with a call's "{", or calls alone
+    strict = {"type": "function", "function": {**ADD["function"], "strict": True}}
+    held = llama_use(WEATHER, strict)
+    for text in ("Plain text {with} braces.", "", llama_call("add", {"a": 2}), llama_call("get_weather", {"x": 1})):
+        assert grammar_takes(llama_engine, held, text), text
+    for text in (llama_call("add", {"a": 5}), "  {", "  " + llama_call("add", {"a": 1}),
+                 llama_call("add", {"a": 1}) + " and text", PYTHON_TAG + " " + llama_call("add", {"a": 5})):
+        assert not grammar_takes(llama_engine, held, text), text
+    # (a call after text is no call: the answer reads as text, which the grammar takes)
+    after = "Let me add. " + llama_call("add", {"a": 1})
+    assert grammar_takes(llama_engine, held, after) and not read_calls(after, held).calls
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (llama_call("get_weather", {"city": "Paris"}), None, [("get_weather", {"city": "Paris"})]),
+    ("  " + PYTHON_TAG + llama_call("add", {"a": 1}) + "\n", None, [("add", {"a": 1})]),
+    (llama_call("add", {"a": 1}) + " ;" + llama_call("add", {"a": 2}), None, [("add", {"a": 1}), ("add", {"a": 2})]),
+    (json.dumps({"name": "add", "arguments": {"a": 1}}), None, [("add", {"a": 1})]),  # (the Hermes key read too)
+    ("It is sunny.", "It is sunny.", []),
+    ("Sure: " + llama_call("add", {"a": 1}), "Sure: " + llama_call("add", {"a": 1}), []),
+    (llama_call("add", {"a": 1}) + " Done.", llama_call("add", {"a": 1}) + " Done.", []),
+    (llama_call("add", {"a": 1}) + "; " + llama_call("sub", {}), llama_call("add", {"a": 1}) + "; "
+     + llama_call("sub", {}), []),
+    (llama_call("add", {"a": 1}) + ";", llama_call("add", {"a": 1}) + ";", []),
+    ('{"name": "add", "parameters": {"a": ', '{"name": "add", "parameters": {"a": ', []),  # (cut: no call)
+    ("{not json}", "{not json}", []),
+])
+def test_a_llama_answer_is_its_calls_or_text(text, content, calls):
+    read = read_calls(text, llama_use(WEATHER, ADD))
+    assert read.content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read.calls] == calls
+    cut = read_calls(text, llama_use(WEATHER, ADD), cut=True)  # (a cut answer is read alike: a cut call is text)
+    assert cut.content == read.content and [c["function"] for c in cut.calls] == [c["function"] for c in read.calls]
+    if len(calls) > 1:
+        assert len(read_calls(text, llama_use(WEATHER, ADD, parallel=False)).calls) == 1
+
+
+@pytest.mark.parametrize("text", [
+    llama_call("add", {"a": 1}), "  " + llama_call("add", {"a": 1}) + "\n", PYTHON_TAG + llama_call("add", {"a": 1}),
+    "Plain text,\n  with <b>tags</b> and {braces}  \n", "  <|python", "\n\nHi", "{not a call} but text", "",
+])
+def test_a_llama_stream_sends_text_as_it_comes_and_the_same_content_as_the_whole_answer(text):
+    use = llama_use(WEATHER, ADD)
+    whole = read_calls(text, use)
+    splits = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        stream = CallStream(use)
+        sent = [stream.feed(piece) for piece in pieces]
+        rest, calls = stream.finish()
+        assert "".join(sent) + rest == (whole.content or "") and [c["function"] for c in calls] == [
+            c["function"] for c in whole.calls], pieces
+    # Text that cannot begin a call streams at once; what may be a call waits for the end.
+    stream = CallStream(use)
+    assert stream.feed(" Hel") == " Hel" and stream.feed("lo") == "lo"
+    waiting = CallStream(use)
+    assert waiting.feed(" {") == "" and waiting.feed('"name"') == "" and waiting.feed("<") == ""
+
+
+@pytest.mark.parametrize("method", ["ar", "default"])
+def test_a_required_llama_call_is_the_loops_constrained_greedy_decoding(llama_engine, long_model, llama_tokenizer,
+                                                                        method):
+    client = TestClient(create_app(ServerSettings(), llama_engine))
+    body = body_with(tools=[WEATHER, ADD], tool_choice="required", jointspec={"method": method})
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    use = llama_use(WEATHER, ADD, choice="required")
+    prompt = chat_template_ids(llama_tokenizer, *prompt_messages(body["messages"], use.shown(), True, LLAMA3_JSON))
+    loop = SpeculativeDecoder(CausalLM(long_model), NoDrafter(), GreedyVerifier())
+    ids = loop.generate(prompt, DecodeConfig(120, eos_token_ids=llama_engine.eos_token_ids,
+                                             grammar=llama_engine.grammar(use.output_format())))
+    expected = read_calls(llama_tokenizer.decode(ids, skip_special_tokens=True), use)
+    assert expected.calls and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in expected.calls]
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [c["function"] for c in expected.calls]
+    assert not "".join(d.get("content") or "" for d in deltas) and events[-1]["choices"][0]["finish_reason"] == \
+        "tool_calls"

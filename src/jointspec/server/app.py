@@ -57,7 +57,15 @@ from jointspec.server.engine import (
 )
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
-from jointspec.server.tools import CallStream, ToolError, ToolUse, check_message, read_calls, read_tool_use
+from jointspec.server.tools import (
+    HERMES,
+    CallStream,
+    ToolError,
+    ToolUse,
+    check_message,
+    read_calls,
+    read_tool_use,
+)
 
 log = logging.getLogger(__name__)
 
@@ -421,6 +429,7 @@ class _Ticket:
 def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     metrics = Metrics()
     in_flight = _InFlight()
+    call_format = engine.call_format  # (the model's, read once)
 
     async def drain(timeout: float | None = None) -> None:
         """Shut down without losing a request: refuse new ones (503), give those in flight up to ``timeout``
@@ -518,7 +527,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         streaming = False
         try:
             try:
-                body = await asyncio.to_thread(_parse, raw, model)  # a large body's parse takes its time: off the loop
+                # (a large body's parse takes its time: off the loop)
+                body = await asyncio.to_thread(_parse, raw, model, call_format)
                 engine_requests = _engine_requests(body)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
@@ -763,7 +773,9 @@ def _lone_surrogate(data) -> str | None:
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
+def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES) -> _Sampling:
+    """A request's body, read and checked; ``call_format``: the format the model writes tool calls in
+    (server/tools.py)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
@@ -803,7 +815,7 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
     response_format = _output_format(body.response_format)  # refused here, before anything is queued
-    use = body._tools_read = _tool_use(body)  # refused here where malformed
+    use = body._tools_read = _tool_use(body, call_format)  # refused here where malformed
     if use is not None and use.reads_calls and response_format is not None:
         raise RequestError("response_format and tools together: an answer cannot be both the schema's JSON and tool "
                            "calls; send tool_choice: none, or no response_format", param="response_format")
@@ -825,7 +837,7 @@ def _parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
     return body
 
 
-def _tool_use(body: _Sampling) -> ToolUse | None:
+def _tool_use(body: _Sampling, call_format: str = HERMES) -> ToolUse | None:
     """The request's tools and tool choice (server/tools.py); RequestError naming the field at fault."""
     if isinstance(body, CompletionBody):
         for name in ("tools", "functions"):
@@ -834,7 +846,7 @@ def _tool_use(body: _Sampling) -> ToolUse | None:
                                    "shows them to the model", param=name)
     try:
         return read_tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, functions=body.functions,
-                             function_call=body.function_call)
+                             function_call=body.function_call, call_format=call_format)
     except ToolError as error:
         raise RequestError(str(error), param=error.param) from None
 

@@ -45,7 +45,7 @@ from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
-from jointspec.server.tools import native_tool_template, prompt_messages
+from jointspec.server.tools import call_format_of, native_tool_template, prompt_messages
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ class Engine(Protocol):
     when full, ShuttingDownError once closed; ``close`` ends what is in flight with a Failure."""
 
     model_id: str
+    call_format: str  # the format the model writes tool calls in (server/tools.py)
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
 
@@ -382,6 +383,11 @@ class ServingEngine:
 
     # -- the request side (event loop threads) ------------------------------------------------------------------
 
+    @property
+    def call_format(self) -> str:
+        """The format the model writes tool calls in (server/tools.py): its chat template's own, else Hermes's."""
+        return call_format_of(self.tokenizer)
+
     def encode(self, request: CompletionRequest) -> list[int]:
         try:  # a bias on a token the model lacks: this request's 400, not an error inside the batch's round
             request.penalties.check_vocab(self.target.vocab_size)
@@ -391,7 +397,7 @@ class ServingEngine:
         if request.messages is not None:
             # Tools, earlier calls and their results as the template renders them, or as text (server/tools.py).
             messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools,
-                                              native_tool_template(self.tokenizer))
+                                              native_tool_template(self.tokenizer), self.call_format)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
                 return chat_template_ids(self.tokenizer, messages, tools=tools)  # (message text read as text)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:

@@ -11,8 +11,19 @@ How the prompt shows the tools. A chat template that takes ``tools`` and writes 
 ``<tool_call>``) renders them, with the conversation's earlier calls and results, as the model was trained to read
 them. Any other template, and a model without one, gets them as text (:func:`prompt_messages`): a system message that
 lists the tools' JSON schemas and shows the format, earlier calls as these blocks in the assistant's text, results as
-a user turn in ``<tool_response>`` tags (as Qwen's template writes them). A template that takes tools in another
-format (Llama 3.1's, Mistral's) is given the text form too: jointspec reads calls in one format only.
+a user turn in ``<tool_response>`` tags (as Qwen's template writes them).
+
+Llama 3.1-3.3's templates render tools in a format of their own (``llama3_json``): the answer *is* the call, one JSON
+object with the arguments under ``parameters``, and the results come back in ``ipython`` turns::
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+A template that writes calls so (its text names ``"parameters": `` and the ``ipython`` role) renders the tools, the
+earlier calls and the results itself, and its answers are read and constrained in that format: an answer is a call
+where it begins with ``{`` (after Llama 3.1's ``<|python_tag|>``, where that is spelled out) and is one such object, or
+several joined by ``;``; text otherwise. Those templates hold one call an assistant turn, so an earlier turn's
+parallel calls are given to them as consecutive turns of one call each. A template that takes tools in yet another
+format (Mistral's) is given the Hermes text form: jointspec reads these two formats only.
 
 What ``tool_choice`` does to the answer:
 
@@ -36,6 +47,13 @@ from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_l
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+# The call formats read here (module docstring): Hermes's blocks, and Llama 3's bare JSON.
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+FORMATS = (HERMES, LLAMA3_JSON)
+# Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
+PYTHON_TAG = "<|python_tag|>"
+# Llama 3's calls joined in one answer (as vLLM's llama3_json parser reads them).
+LLAMA_CALL_SEPARATOR = "; "
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -75,17 +93,21 @@ class ToolUse:
     """The tools a request offers and what it lets the model do with them. ``choice``: ``none``, ``auto`` or
     ``required``; ``function``: the one function the answer must call, once (``choice`` is then ``required``);
     ``parallel``: several calls in one answer; ``legacy``: asked in the older form (``functions``), which is answered
-    in that form (one ``function_call``)."""
+    in that form (one ``function_call``); ``format``: how the model writes calls (:data:`FORMATS`, module
+    docstring)."""
 
     tools: tuple[Tool, ...]
     choice: str = "auto"
     function: str | None = None
     parallel: bool = True
     legacy: bool = False
+    format: str = HERMES
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
             raise ValueError(f"tool choice must be one of {', '.join(CHOICES)}, got {self.choice!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"call format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.function is not None and (self.choice != "required"
                                           or self.function not in {tool.name for tool in self.tools}):
             raise ValueError(f"function {self.function!r} must be an offered tool, with choice 'required'")
@@ -100,10 +122,12 @@ class ToolUse:
 
     def output_format(self) -> OutputFormat | None:
         """The grammar the answer follows, or None where it is free text. ``required``: one call, or with ``parallel``
-        one or more, each a block whose JSON names an allowed tool and whose arguments its schema accepts; then a
-        newline at most, and the end of the answer. ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict
-        function's arguments match its schema): text without a call's opening tag, or such text and then calls as
-        ``required`` writes them (a strict function's arguments held to its schema, the others' any object)."""
+        one or more, each a block (Llama 3's format: an object; several joined by ``"; "``) whose JSON names an allowed
+        tool and whose arguments its schema accepts; then (Hermes) a newline at most, and the end of the answer.
+        ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict function's arguments match its schema):
+        text without a call's opening tag (Llama 3: text that does not begin with ``{``), or (Hermes) such text and
+        then calls as ``required`` writes them (a strict function's arguments held to its schema, the others' any
+        object), or (Llama 3) those calls alone."""
         strict_auto = self.choice == "auto" and any(tool.strict for tool in self.tools)
         if self.choice != "required" and not strict_auto:
             return None
@@ -111,15 +135,25 @@ class ToolUse:
         # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
         # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
         # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are any object)
+        key = "arguments" if self.format == HERMES else "parameters"
         rules = []
         for index, tool in enumerate(allowed):
-            head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+            head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')
             held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
                 {"type": "object", "x-guidance": JSON_STYLE})
             rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {held}"]
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
+        several = self.parallel and self.function is None
+        if self.format == LLAMA3_JSON:
+            # The answer is the calls: text (in strict auto) is what would not be read as calls, an answer that
+            # does not begin with a call's "{" (after whitespace and the python tag, as read_calls reads it).
+            calls = f"call ({json.dumps(LLAMA_CALL_SEPARATOR)} call)*" if several else "call"
+            start = ([f"start: TEXT | {calls}",
+                      f"TEXT: /(?s:.*)/ & ~/(?s:\\s*({re.escape(PYTHON_TAG)}\\s*)?\\{{.*)/"] if strict_auto
+                     else [f"start: {calls}"])
+            return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
         # (then a newline at most: a model that ends its calls with one is not made to write another call)
-        after = (' ("\\n" call)*' if self.parallel and self.function is None else "") + ' "\\n"?'
+        after = (' ("\\n" call)*' if several else "") + ' "\\n"?'
         opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
         if strict_auto:
             # TEXT: anything without the opening tag. OPENED: such text and the tag, one lexeme, so that the text
@@ -137,9 +171,10 @@ def arguments_grammar(tool: Tool) -> str:
 
 
 def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, functions: list | None = None,
-                  function_call=None) -> ToolUse | None:
+                  function_call=None, call_format: str = HERMES) -> ToolUse | None:
     """A chat request's ``tools`` and ``tool_choice`` (or the deprecated ``functions`` and ``function_call``) as a
-    :class:`ToolUse`; None where it offers no tools. ToolError names the field at fault."""
+    :class:`ToolUse` whose calls the model writes in ``call_format`` (:func:`call_format_of`); None where it offers
+    no tools. ToolError names the field at fault."""
     if tools and functions:
         raise ToolError("send tools or functions (their older form), not both", "functions")
     param, choice_param = "tools", "tool_choice"
@@ -165,14 +200,14 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
     legacy = bool(functions)
     parallel = parallel_tool_calls is not False and not legacy
     if tool_choice is None or tool_choice in CHOICES:
-        use = ToolUse(offered, tool_choice or "auto", parallel=parallel, legacy=legacy)
+        use = ToolUse(offered, tool_choice or "auto", parallel=parallel, legacy=legacy, format=call_format)
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(
             tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
         if name not in names:
             raise ToolError(f"{choice_param} names function {name!r}, which the request does not offer (it offers "
                             f"{', '.join(names)})", choice_param)
-        use = ToolUse(offered, "required", function=name, parallel=parallel, legacy=legacy)
+        use = ToolUse(offered, "required", function=name, parallel=parallel, legacy=legacy, format=call_format)
     else:
         raise ToolError(f"{choice_param} must be none, auto, required or {{\"type\": \"function\", \"function\": "
                         f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
@@ -213,21 +248,42 @@ def _read_tool(raw, where: str) -> Tool:
 
 # -- the prompt ----------------------------------------------------------------------------------------------------
 
-def native_tool_template(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders tools itself, in the call format read here (of a tokenizer with
-    several named templates, its ``tool_use`` one, which transformers renders where tools are given)."""
+def native_call_format(tokenizer) -> str | None:
+    """The call format the tokenizer's chat template renders tools and calls in itself (:data:`FORMATS`), or None
+    where it renders them in none of them (of a tokenizer with several named templates, its ``tool_use`` one, which
+    transformers renders where tools are given)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
-    return isinstance(template, str) and "tools" in template and CALL_OPEN in template
+    if not isinstance(template, str) or "tools" not in template:
+        return None
+    if CALL_OPEN in template:
+        return HERMES
+    if '"parameters": ' in template and "ipython" in template:
+        return LLAMA3_JSON
+    return None
 
 
-def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool) -> tuple[list[dict], list | None]:
+def native_tool_template(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tools itself, in a call format read here."""
+    return native_call_format(tokenizer) is not None
+
+
+def call_format_of(tokenizer) -> str:
+    """The format a model behind ``tokenizer`` writes calls in: its template's own where that is one read here, else
+    Hermes's, which :func:`prompt_messages` then shows it as text."""
+    return native_call_format(tokenizer) or HERMES
+
+
+def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
+                    call_format: str = HERMES) -> tuple[list[dict], list | None]:
     """The conversation as the chat template gets it, and the ``tools`` it gets (None: none). ``messages`` are
     OpenAI's, as dicts (assistant messages may hold ``tool_calls``, ``tool`` messages a result); ``native``: the
-    template renders tools and calls itself (:func:`native_tool_template`)."""
+    template renders tools and calls itself (:func:`native_tool_template`), in ``call_format``."""
     if native:
         rendered = [_native_message(message) for message in messages]
+        if call_format == LLAMA3_JSON:
+            rendered = _one_call_a_turn(rendered)
         return rendered, (list(tools) or None)
     rendered: list[dict] = []
     for index, message in enumerate(messages):
@@ -273,6 +329,20 @@ def _call_record(call: dict) -> dict:
             parsed = None
         arguments = parsed if isinstance(parsed, dict) else arguments
     return {"name": function["name"], "arguments": arguments if arguments is not None else {}}
+
+
+def _one_call_a_turn(messages: list[dict]) -> list[dict]:
+    """An assistant turn of several calls as consecutive turns of one call each (its text with the first): Llama 3's
+    templates hold one call a turn, and refuse more."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") or []
+        if len(calls) < 2:
+            out.append(message)
+            continue
+        out += [dict(message, tool_calls=[call], content=message.get("content") if not index else "")
+                for index, call in enumerate(calls)]
+    return out
 
 
 def _native_message(message: dict) -> dict:
@@ -353,7 +423,10 @@ def _content(pieces: list[str]) -> str:
 def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     """``text`` read as :mod:`this module <jointspec.server.tools>` says: every block a call of an offered tool, or
     the whole text content. ``cut``: the answer ran out of tokens, so a block it left open (or the start of one's
-    tag) is dropped, and the calls before it stand."""
+    tag) is dropped, and the calls before it stand. In Llama 3's format the answer is its calls or text (a cut call
+    leaves it text)."""
+    if use.reads_calls and use.format == LLAMA3_JSON:
+        return _read_json_calls(text, use)
     if not use.reads_calls or CALL_OPEN not in text:
         return Calls(text, ())
     kept = text
@@ -369,6 +442,35 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     if not use.parallel:
         calls = calls[:1]
     return Calls(_content(split[0]) or None, tuple(calls))
+
+
+def _read_json_calls(text: str, use: ToolUse) -> Calls:
+    """``text`` read in Llama 3's format: the whole answer (less the whitespace around it and a leading
+    ``<|python_tag|>``) one call object, or several joined by ``;``, each naming an offered tool; else text."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    decoder = json.JSONDecoder()
+    names = {tool.name for tool in use.tools}
+    calls, at = [], 0
+    while True:
+        if not body.startswith("{", at):
+            return Calls(text, ())
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return Calls(text, ())
+        call = _read_call(value, names)
+        if call is None:
+            return Calls(text, ())
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if not rest:
+            break
+        if not rest.startswith(";"):
+            return Calls(text, ())
+        at = len(body) - len(rest[1:].lstrip())
+    return Calls(None, tuple(calls if use.parallel else calls[:1]))
 
 
 def _open_tail(text: str) -> int:
@@ -408,6 +510,8 @@ class CallStream:
         self.text += text
         if self.in_calls:
             return ""
+        if self.use.format == LLAMA3_JSON:
+            return self._feed_json()
         start = self.text.find(CALL_OPEN)
         if start >= 0:
             self.in_calls = True
@@ -416,6 +520,19 @@ class CallStream:
             ready = self.text[:len(self.text) - _open_tail(self.text)].rstrip()
         out = ready[len(self.sent):] if len(ready) > len(self.sent) else ""
         self.sent += out
+        return out
+
+    def _feed_json(self) -> str:
+        """Llama 3's format: an answer that begins with ``{`` (or the python tag) may be calls, and waits for its end;
+        any other streams whole once its first character that is not whitespace shows which it is."""
+        begun = self.text.lstrip()
+        if not begun or (PYTHON_TAG.startswith(begun) and len(begun) < len(PYTHON_TAG)):
+            return ""
+        if begun.startswith(("{", PYTHON_TAG)):
+            self.in_calls = True
+            return ""
+        out = self.text[len(self.sent):]
+        self.sent = self.text
         return out
 
     def finish(self, cut: bool = False) -> tuple[str, tuple[dict, ...]]:
