@@ -992,6 +992,7 @@ class EndlessGeneration:
     def __init__(self) -> None:
         self.num_prompt_tokens = 3
         self.method = "ar"
+        self.opens_reasoning = None
         self.cancelled = threading.Event()
 
     async def __aiter__(self):

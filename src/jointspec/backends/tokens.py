@@ -72,7 +72,8 @@ def _special_spellings(tokenizer) -> list[str]:
     return [spelling for spelling in spellings if spelling]
 
 
-def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                      template_kwargs: dict | None = None) -> list[int]:
     """``messages`` in the tokenizer's chat template, with the assistant's turn opened, as token ids.
 
     A message's text is read as text: a special token's spelling inside it (``<|im_end|>``) stays characters, as
@@ -80,13 +81,18 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     turn); the template's own markers are the special tokens. A conversation without such spellings reads exactly as
     the rendered text does. Raises ValueError where the template does not keep a message's text as given (then its
     text cannot be told from the template's). ``tools`` (OpenAI's form) go to a template that renders them; their
-    text, and that of the calls in ``messages``, may hold no special token's spelling (ValueError)."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text, and that of the calls in ``messages``, may hold no special token's spelling (ValueError).
+    ``template_kwargs``: further variables the template reads (``enable_thinking``), as vLLM's
+    ``chat_template_kwargs``; their text may hold no special token's spelling either."""
+    extra = dict(template_kwargs or {})
+    text = _render(tokenizer, messages, tools, extra)
     special = _special_spellings(tokenizer)
-    rendered_as_is = json.dumps([tools, [message.get("tool_calls") for message in messages]], ensure_ascii=False)
+    rendered_as_is = json.dumps([tools, [[message.get("tool_calls"), message.get("reasoning_content")]
+                                         for message in messages], extra], ensure_ascii=False)
     if any(spelling in rendered_as_is for spelling in special):
-        raise ValueError("a tool or a tool call holds a special token's text (such as <|im_end|>), which the chat "
-                         "template would read as that token: remove it")
+        raise ValueError("a tool, a tool call, an earlier reasoning_content or a chat_template_kwargs value holds a "
+                         "special token's text (such as <|im_end|>), which the chat template would read as that "
+                         "token: remove it")
     if not any(spelling in (message.get("content") or "") for message in messages for spelling in special):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     # Each message's text replaced by a marker (private-use characters), the template rendered around the markers,
@@ -94,9 +100,8 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     # empty text keeps no marker: a template may render an empty message otherwise (an assistant turn holding only
     # tool calls).
     markers = [f"\ue000{index}\ue001" if message.get("content") else None for index, message in enumerate(messages)]
-    marked = tokenizer.apply_chat_template([{**message, "content": marker} if marker else message for message, marker
-                                            in zip(messages, markers)], tools=tools, tokenize=False,
-                                           add_generation_prompt=True)
+    marked = _render(tokenizer, [{**message, "content": marker} if marker else message
+                                 for message, marker in zip(messages, markers)], tools, extra)
     ids: list[int] = []
     for message, marker in zip(messages, markers):
         if marker is None:
@@ -112,6 +117,23 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     if marked:
         ids += tokenizer(marked, add_special_tokens=False)["input_ids"]
     return ids
+
+
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, extra: dict) -> str:
+    """The chat template's text for ``messages``, the assistant's turn opened. A conversation the template refuses
+    (its ``raise_exception``: roles that do not alternate, a system message it does not take) is a ValueError that
+    says so, naming ``messages`` (``param``): the conversation's fault, not the server's."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **extra)
+    except jinja2.TemplateSyntaxError:
+        raise  # (the template itself is broken: not the conversation's fault)
+    except jinja2.TemplateError as error:
+        refused = ValueError(f"the model's chat template refused the conversation: {error}")
+        refused.param = "messages"
+        raise refused from None
 
 
 class TokenSpelling:

@@ -44,6 +44,10 @@ def add_parser(subparsers) -> None:
                              "clients send as their api_key); /health and /metrics stay open. Default: "
                              "$JOINTSPEC_API_KEY where set (better than the flag, which other users of the machine "
                              "can read in its process list), else no key")
+    parser.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
+                        help="auto (default): a reasoning model's <think> block (Qwen3, DeepSeek-R1's distilled "
+                             "models: a chat template that names </think>) comes back as the message's "
+                             "reasoning_content, apart from its content; none: left in the content as written")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -179,7 +183,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_engine(args)  # (its cheap checks first: a mistyped option waits for no kernel build)
         say_quantize_choice(args)  # what --quantize auto chose, as generate says it
         settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
-                                  drain_timeout=args.drain_timeout, api_key=key)
+                                  drain_timeout=args.drain_timeout, api_key=key,
+                                  reasoning_format=args.reasoning_format)
         # A status line, not a warning: printed whatever the log level (JOINTSPEC_LOG).
         print(f"serving {engine.model_id} (method {args.method}; {engine.description}) on "
               f"http://{args.host}:{args.port}/v1{'; requests need the API key' if key else ''}", file=sys.stderr,

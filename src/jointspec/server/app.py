@@ -57,6 +57,7 @@ from jointspec.server.engine import (
 )
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
+from jointspec.server.reasoning import Parts, ReasoningStream, split_reasoning
 from jointspec.server.tools import (
     HERMES,
     CallStream,
@@ -76,6 +77,9 @@ FLUSH_SECONDS = 5.0
 MAX_REQUEST_DRAFT = 255
 
 
+REASONING_FORMATS = ("auto", "none")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
@@ -91,6 +95,9 @@ class ServerSettings:
     # ``Authorization: Bearer <api_key>``, as vLLM's and llama.cpp's servers ask. Kept out of the repr: settings get
     # logged.
     api_key: str | None = field(default=None, repr=False)
+    # Reasoning (server/reasoning.py): "auto" returns a reasoning model's <think> block as reasoning_content, apart
+    # from the content; "none" leaves it in the content, as written.
+    reasoning_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -105,6 +112,9 @@ class ServerSettings:
             raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
         if self.api_key is not None and not valid_api_key(self.api_key):
             raise ValueError(API_KEY_RULE)
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
+                             f"{self.reasoning_format!r}")
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
@@ -148,6 +158,12 @@ class StreamOptions(_Body):
 
 MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
 MAX_CHOICES = 16  # choices a request may ask for (n): each is a sequence of the batch
+# What chat_template_kwargs may not name: the conversation and tools the server renders, and the arguments of
+# transformers' apply_chat_template itself (the output's form).
+TEMPLATE_CALL_NAMES = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MAX_SEQUENCES = 64  # sequences one request may take: its prompts times its choices
 
 
@@ -227,6 +243,7 @@ class Message(_Body):
     tool_calls: list[dict] | None = None  # an assistant's earlier calls (server/tools.py)
     function_call: dict | None = None  # the older form of an assistant's earlier call (one)
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, sent back (a template may read it)
 
 
 class ChatBody(_Sampling):
@@ -237,6 +254,9 @@ class ChatBody(_Sampling):
     modalities: list[str] | None = None  # output kinds: text only here (_parse)
     audio: dict | None = None  # audio output: refused (_parse)
     web_search_options: dict | None = None  # web search: refused (_parse)
+    # vLLM's and SGLang's extension: further variables for the chat template (Qwen3's enable_thinking), checked by
+    # _parse against the names the template call takes itself.
+    chat_template_kwargs: dict | None = None
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
@@ -552,6 +572,12 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             reply.choices_per_prompt = body.n
             use = body._tools_read
             reply.tools = use if use is not None and use.reads_calls else None
+            # (an answer a grammar holds from its first token, a response_format's or required calls', is that
+            # format, never reasoning)
+            held = body.response_format is not None or (use is not None and use.choice == "required")
+            if endpoint == "chat" and settings.reasoning_format == "auto" and not held:
+                reply.reasoning = {index: generation.opens_reasoning for index, generation in enumerate(generations)
+                                   if generation.opens_reasoning is not None}
             if shared.echo:
                 reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
                               for index, generation in enumerate(generations)}
@@ -811,6 +837,10 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES) -> _Sa
         raise RequestError("audio output is not supported: this server answers text", param="audio")
     if getattr(body, "web_search_options", None) is not None:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
+    taken = sorted(set(getattr(body, "chat_template_kwargs", None) or ()) & TEMPLATE_CALL_NAMES)
+    if taken:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them itself",
+                           param="chat_template_kwargs")
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
@@ -944,7 +974,8 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
         if isinstance(body, ChatBody):
             messages = tuple(_message(m) for m in body.messages)
             return [CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
-                                      tools=use.shown() if use is not None else (), **common)]
+                                      tools=use.shown() if use is not None else (),
+                                      template_kwargs=body.chat_template_kwargs, **common)]
         return [CompletionRequest(prompt=prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
                 for prompt in _prompts(body)]
     except ValueError as error:
@@ -966,6 +997,8 @@ def _message(message: Message) -> dict:
         read["tool_calls"] = [{"id": "", "type": "function", "function": message.function_call}]
     if role == "tool":  # (the older function message answers by the function's name, not a call id)
         read["tool_call_id"] = message.tool_call_id or ""
+    if role == "assistant" and message.reasoning_content is not None:
+        read["reasoning_content"] = message.reasoning_content  # (Qwen3's template reads it; others ignore it)
     return read
 
 
@@ -1010,6 +1043,9 @@ class _Reply:
         # The tools whose calls each choice's answer is read for (server/tools.py); None: the answer is text.
         self.tools: ToolUse | None = None
         self.call_streams: dict[int, CallStream] = {}  # by choice, while streaming with tools
+        # By choice, where its answer is read for reasoning (server/reasoning.py): whether it begins inside a block.
+        self.reasoning: dict[int, bool] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}  # by choice, while streaming
 
     def add(self, chunk: Chunk, index: int = 0) -> None:
         self.num_tokens += chunk.num_tokens
@@ -1103,11 +1139,14 @@ class _Reply:
         return self._envelope("text_completion", {"index": index, "text": self.echo[index][0],
                                                   "logprobs": self._prompt_logprobs(index), "finish_reason": None})
 
-    def chunk(self, chunk: Chunk, index: int = 0) -> dict:
+    def chunk(self, chunk: Chunk, index: int = 0, reasoning: str = "") -> dict:
+        """A streamed chunk; ``reasoning``: the reasoning it sends beside its text (chat)."""
         finish = self._finish(chunk.finish_reason)
         logprobs = self.logprobs(list(chunk.logprobs), index)
         if self.chat:
-            delta = {"content": chunk.text} if chunk.text else {}
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if chunk.text:
+                delta["content"] = chunk.text
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = logprobs
@@ -1116,20 +1155,27 @@ class _Reply:
                                                   "finish_reason": finish})
 
     def events(self, chunk: Chunk, index: int = 0) -> list[dict]:
-        """What a streamed chunk sends: itself, or with tools (server/tools.py) its content less the text a call
-        may be in, and at the end the calls, each whole, then the finish."""
+        """What a streamed chunk sends: itself; with reasoning (server/reasoning.py) its reasoning and content
+        apart; with tools (server/tools.py) its content less the text a call may be in, and at the end the calls,
+        each whole, then the finish."""
+        reasoning = ""
+        if index in self.reasoning:
+            split = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning[index]))
+            reasoning, text = split.feed(chunk.text, final=chunk.finish_reason is not None)
+            chunk = replace(chunk, text=text)
         if self.tools is None:
-            return [self.chunk(chunk, index)]
+            return [self.chunk(chunk, index, reasoning)]
         stream = self.call_streams.setdefault(index, CallStream(self.tools))
         text = stream.feed(chunk.text)
         if chunk.finish_reason is None:
-            return [self.chunk(replace(chunk, text=text), index)] if text or chunk.logprobs else []
+            return [self.chunk(replace(chunk, text=text), index, reasoning)] if (
+                text or reasoning or chunk.logprobs) else []
         rest, calls = stream.finish(cut=chunk.finish_reason == "length")
         if not calls:
-            return [self.chunk(replace(chunk, text=text + rest), index)]
+            return [self.chunk(replace(chunk, text=text + rest), index, reasoning)]
         events = []
-        if text + rest or chunk.logprobs:
-            events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None), index))
+        if text + rest or reasoning or chunk.logprobs:
+            events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None), index, reasoning))
         events.append(self._envelope("chat.completion.chunk", {"index": index, "delta": self._calls(calls, True),
                                                                 "finish_reason": None}))
         events.append(self._envelope("chat.completion.chunk", {
@@ -1166,11 +1212,15 @@ class _Reply:
         if prompt_part is not None:
             logprobs = {key: prompt_part[key] + logprobs[key] for key in logprobs}
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            parts = split_reasoning(text, self.reasoning[index]) if index in self.reasoning else Parts(None, text)
+            # (an answer that reasoned and wrote nothing after: no content, as an answer of calls alone has none)
+            message = {"role": "assistant", "content": parts.content or (None if parts.reasoning is not None else "")}
+            if parts.reasoning is not None:
+                message["reasoning_content"] = parts.reasoning
             cut = bool(chunks) and chunks[-1].finish_reason == "length"
-            read = read_calls(text, self.tools, cut) if self.tools is not None else None
+            read = read_calls(parts.content, self.tools, cut) if self.tools is not None else None
             if read is not None and read.calls:
-                message = {"role": "assistant", "content": read.content, **self._calls(read.calls, False)}
+                message.update(content=read.content, **self._calls(read.calls, False))
                 finish = self._call_finish(chunks[-1].finish_reason if chunks else "stop")
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:

@@ -45,6 +45,7 @@ from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
+from jointspec.server.reasoning import prompt_opens_reasoning, template_reasons
 from jointspec.server.tools import call_format_of, native_tool_template, prompt_messages
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class CompletionRequest:
     echo: bool = False
     # The tools a chat's prompt shows, as OpenAI writes them (server/tools.py); empty: none.
     tools: tuple[dict, ...] = ()
+    # Further variables a chat's template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking); None: none.
+    template_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -143,6 +146,9 @@ class Generation(Protocol):
     num_prompt_tokens: int
     method: str  # the method that decodes it (the server's, or the request's override)
     echo_text: str  # an echo request's prompt as text ("" otherwise)
+    # A chat answer's reasoning (server/reasoning.py): whether its prompt leaves it inside a reasoning block; None
+    # where the model's template writes none (and for completions).
+    opens_reasoning: bool | None
     # An echo request's prompt tokens with their log-probabilities: the first token's None (nothing precedes it),
     # each later one's under the model given the tokens before it; None where the request asked for none.
     prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None
@@ -258,6 +264,7 @@ class _Stream:
         self.num_prompt_tokens = num_prompt_tokens
         self.method = method
         self.echo_text = ""
+        self.opens_reasoning: bool | None = None
         self.prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
         self.seq_id: int | None = None
         self.submitted = time.perf_counter()
@@ -399,7 +406,8 @@ class ServingEngine:
             messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools,
                                               native_tool_template(self.tokenizer), self.call_format)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
-                return chat_template_ids(self.tokenizer, messages, tools=tools)  # (message text read as text)
+                return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)
+                                         template_kwargs=request.template_kwargs)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
             # without it a base model such as Gemma-3's continues the text as noise), a special token's spelling in
             # it as characters.
@@ -569,6 +577,9 @@ class ServingEngine:
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids
+        if request.messages is not None and template_reasons(self.tokenizer):
+            # (the prompt's last tokens hold the template's opening tag where it opens a block)
+            stream.opens_reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-8:]))
         if request.echo:
             # The answer's text as it follows the prompt's (a SentencePiece answer keeps its first space).
             stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)

@@ -297,9 +297,9 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
             blocks = "\n".join(f"{CALL_OPEN}\n{json.dumps(_call_record(call), ensure_ascii=False)}\n{CALL_CLOSE}"
                                for call in message["tool_calls"])
             content = message.get("content") or ""
-            rendered.append({"role": "assistant", "content": f"{content}\n{blocks}" if content else blocks})
+            rendered.append({**_kept(message), "content": f"{content}\n{blocks}" if content else blocks})
         else:
-            rendered.append({"role": message["role"], "content": message.get("content") or ""})
+            rendered.append({**_kept(message), "content": message.get("content") or ""})
     if tools:
         preamble = _tools_preamble(tools)
         if rendered and rendered[0]["role"] == "system":
@@ -307,6 +307,12 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     return rendered, None
+
+
+def _kept(message: dict) -> dict:
+    """What a message shown as text keeps of its own: all but its calls (an assistant's earlier reasoning, which a
+    template may show, included)."""
+    return {key: value for key, value in message.items() if key not in ("tool_calls", "tool_call_id")}
 
 
 def _tools_preamble(tools: tuple[dict, ...]) -> str:
