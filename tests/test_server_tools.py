@@ -525,22 +525,30 @@ def test_a_tool_request_the_server_cannot_serve_is_a_400_naming_the_field(client
 
 # -- Llama 3's format ------------------------------------------------------------------------------------------
 
-# Llama 3.1-3.3's conventions, in a template of this test's own: the tools shown in the first user turn, an earlier
-# call written as the bare JSON object with its arguments under "parameters", results in ipython turns, one call a
-# turn (more refused, as Meta's templates refuse them).
+# Llama 3.1-3.3's conventions, in a template of this test's own: a system message taken out of the turns, the tools
+# shown in the first turn after it (which must exist), or in the system turn where tools_in_user_message is false; an
+# earlier call written as the bare JSON object with its arguments under "parameters" and its turn's text dropped;
+# results in ipython turns; one call a turn (more refused, as Meta's templates refuse them).
 LLAMA_TEMPLATE = (
-    "{% set ns = namespace(first=true) %}<|start_header_id|>system<|end_header_id|>\n\n"
-    "{% if tools %}Environment: ipython\n{% endif %}<|eot_id|>"
+    "{% if tools_in_user_message is not defined %}{% set tools_in_user_message = true %}{% endif %}"
+    "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set messages = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{% if tools %}Environment: ipython\n"
+    "{% if not tools_in_user_message %}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}{% endif %}"
+    "{{ system }}<|eot_id|>"
+    "{% if tools and tools_in_user_message %}{% if messages | length == 0 %}"
+    "{{ raise_exception('no first user message for the tools') }}{% endif %}"
+    "<|start_header_id|>user<|end_header_id|>\n\nRespond with a JSON call "
+    "{{ '{\"name\": function name, \"parameters\": arguments}' }}.\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}{{ messages[0].content }}<|eot_id|>{% set messages = messages[1:] %}{% endif %}"
     "{% for m in messages %}"
     "{% if m.tool_calls %}{% if m.tool_calls | length != 1 %}{{ raise_exception('one call a turn') }}{% endif %}"
     "<|start_header_id|>assistant<|end_header_id|>\n\n"
     "{{ '{\"name\": \"' + m.tool_calls[0].function.name + '\", \"parameters\": ' }}"
     "{{ m.tool_calls[0].function.arguments | tojson }}}<|eot_id|>"
     "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
-    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
-    "{% if tools and m.role == 'user' and ns.first %}{% set ns.first = false %}Respond with a JSON call "
-    "{{ '{\"name\": function name, \"parameters\": arguments}' }}.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
-    "{% endif %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
+    "{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def llama_use(*tools, choice=None, parallel=None) -> ToolUse:
@@ -551,11 +559,15 @@ def llama_call(name: str, arguments) -> str:
     return json.dumps({"name": name, "parameters": arguments})
 
 
+def tokenizer_with(template: str):
+    words = byte_tokenizer()
+    words.chat_template = template
+    return words
+
+
 @pytest.fixture(scope="module")
 def llama_tokenizer():
-    words = byte_tokenizer()
-    words.chat_template = LLAMA_TEMPLATE
-    return words
+    return tokenizer_with(LLAMA_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -572,19 +584,33 @@ def test_a_llama_template_is_recognised_and_gets_the_tools_each_call_in_a_turn_a
     hermes = byte_tokenizer()
     hermes.chat_template = "{% if tools %}{% endif %}<tool_call>{\"name\": ..., \"parameters\": ...} ipython"
     assert native_call_format(hermes) == HERMES  # (the tag decides first)
+    assert native_call_format(tokenizer_with("{{ tools }} \"parameters\": ipython <|python_start|>")) is None  # Llama 4
+    # Each call in a turn of its own, followed by its result (matched by id: the ipython turns name no call).
     messages, tools = prompt_messages(CONVERSATION, (WEATHER,), True, LLAMA3_JSON)
-    assert tools == [WEATHER] and [m["role"] for m in messages] == ["user", "assistant", "assistant", "tool", "tool"]
-    assert [m["tool_calls"][0]["function"] for m in messages[1:3]] == [
-        {"name": "get_weather", "arguments": {"city": city}} for city in ("Paris", "Rome")]
+    assert tools == [WEATHER] and [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert [(m["tool_calls"][0]["function"], r["content"]) for m, r in (messages[1:3], messages[3:5])] == [
+        ({"name": "get_weather", "arguments": {"city": city}}, result) for city, result in (("Paris", "18C"),
+                                                                                            ("Rome", "21C"))]
+    swapped = [*CONVERSATION[:2], CONVERSATION[3], CONVERSATION[2]]  # (results in another order: by id all the same)
+    assert prompt_messages(swapped, (WEATHER,), True, LLAMA3_JSON)[0] == messages
     text = llama_tokenizer.decode(llama_engine.encode(CompletionRequest(messages=tuple(CONVERSATION),
                                                                         tools=(WEATHER,))))
     assert json.dumps(WEATHER) in text and "Environment: ipython" in text
-    assert text.count("<|start_header_id|>assistant<|end_header_id|>\n\n" + llama_call("get_weather", {
-        "city": "Paris"}) + "<|eot_id|>") == 1 and llama_call("get_weather", {"city": "Rome"}) in text
-    assert "<|start_header_id|>ipython<|end_header_id|>\n\n18C<|eot_id|>" in text
+    turn = "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>"
+    assert (turn.format("assistant", llama_call("get_weather", {"city": "Paris"})) + turn.format("ipython", "18C")
+            + turn.format("assistant", llama_call("get_weather", {"city": "Rome"})) + turn.format("ipython", "21C")
+            in text)
     # (without the split, the template refuses the turn of two calls)
     with pytest.raises(Exception, match="one call a turn"):
         chat_template_ids(llama_tokenizer, prompt_messages(CONVERSATION, (WEATHER,), True)[0], tools=[WEATHER])
+    # A conversation without a user turn gets the tools in the system turn (the template would refuse it), and a
+    # call turn's text, which the template drops, is not looked for in its output (where a special token's spelling
+    # elsewhere has the messages' text read apart).
+    system_only = CompletionRequest(messages=({"role": "system", "content": "Be brief."},), tools=(WEATHER,))
+    assert json.dumps(WEATHER) + "\nBe brief.<|eot_id|>" in llama_tokenizer.decode(llama_engine.encode(system_only))
+    spelled = ({"role": "user", "content": "a </s> b"}, {**CONVERSATION[1], "content": "Let me check."},
+               *CONVERSATION[2:])
+    assert llama_engine.encode(CompletionRequest(messages=spelled, tools=(WEATHER,)))
 
 
 def test_the_llama_grammar_takes_calls_of_the_offered_tools_as_their_schemas_say_and_nothing_else(llama_engine):
@@ -600,7 +626,8 @@ def test_the_llama_grammar_takes_calls_of_the_offered_tools_as_their_schemas_say
     for text in ("Plain text {with} braces.", "", llama_call("add", {"a": 2}), llama_call("get_weather", {"x": 1})):
         assert grammar_takes(llama_engine, held, text), text
     for text in (llama_call("add", {"a": 5}), "  {", "  " + llama_call("add", {"a": 1}),
-                 llama_call("add", {"a": 1}) + " and text", PYTHON_TAG + " " + llama_call("add", {"a": 5})):
+                 llama_call("add", {"a": 1}) + " and text", PYTHON_TAG + " " + llama_call("add", {"a": 5}),
+                 "\x1c" + llama_call("add", {"a": 5})):  # (what the reader strips as whitespace, the grammar too)
         assert not grammar_takes(llama_engine, held, text), text
     # (a call after text is no call: the answer reads as text, which the grammar takes)
     after = "Let me add. " + llama_call("add", {"a": 1})
@@ -625,10 +652,22 @@ def test_a_llama_answer_is_its_calls_or_text(text, content, calls):
     read = read_calls(text, llama_use(WEATHER, ADD))
     assert read.content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read.calls] == calls
-    cut = read_calls(text, llama_use(WEATHER, ADD), cut=True)  # (a cut answer is read alike: a cut call is text)
-    assert cut.content == read.content and [c["function"] for c in cut.calls] == [c["function"] for c in read.calls]
+    cut = read_calls(text, llama_use(WEATHER, ADD), cut=True)  # (cut by its length: read alike, but after a ";")
+    if not text.endswith(";"):
+        assert cut.content == read.content and [c["function"] for c in cut.calls] == [
+            c["function"] for c in read.calls]
     if len(calls) > 1:
         assert len(read_calls(text, llama_use(WEATHER, ADD, parallel=False)).calls) == 1
+
+
+def test_a_llama_answer_cut_by_its_length_keeps_the_calls_it_finished():
+    use = llama_use(WEATHER, ADD)
+    finished = llama_call("add", {"a": 1}) + "; " + llama_call("add", {"a": 2})
+    for tail in ("; {\"name\": \"get_weath", ";", "; "):
+        calls = read_calls(finished + tail, use, cut=True).calls
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1}, {"a": 2}], tail
+        assert read_calls(finished + tail, use).calls == ()  # (ended by itself so: text)
+    assert read_calls('{"name": "add", "param', use, cut=True) == read_calls('{"name": "add", "param', use)
 
 
 @pytest.mark.parametrize("text", [

@@ -46,7 +46,7 @@ from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 from jointspec.server.reasoning import prompt_opens_reasoning, template_reasons
-from jointspec.server.tools import call_format_of, native_tool_template, prompt_messages
+from jointspec.server.tools import call_format_of, native_tool_template, prompt_messages, template_variables
 
 log = logging.getLogger(__name__)
 
@@ -406,8 +406,9 @@ class ServingEngine:
             messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools,
                                               native_tool_template(self.tokenizer), self.call_format)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
+                variables = template_variables(messages, tools, self.call_format) | (request.template_kwargs or {})
                 return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)
-                                         template_kwargs=request.template_kwargs)
+                                         template_kwargs=variables)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
             # without it a base model such as Gemma-3's continues the text as noise), a special token's spelling in
             # it as characters.

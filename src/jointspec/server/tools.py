@@ -1,7 +1,7 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are written in Hermes's format, the one Qwen2.5 and Qwen3, the Hermes models and many small instruction-tuned
-models were trained on: each call a block of its own, parallel calls one block after another::
+Calls are read in one of two formats. Hermes's, the one Qwen2.5 and Qwen3, the Hermes models and many small
+instruction-tuned models were trained on: each call a block of its own, parallel calls one block after another::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -22,10 +22,11 @@ A template that writes calls so (its text names ``"parameters": `` and the ``ipy
 earlier calls and the results itself, and its answers are read and constrained in that format: an answer is a call
 where it begins with ``{`` (after Llama 3.1's ``<|python_tag|>``, where that is spelled out) and is one such object, or
 several joined by ``;``; text otherwise. Those templates hold one call an assistant turn, so an earlier turn's
-parallel calls are given to them as consecutive turns of one call each. A template that takes tools in yet another
-format (Mistral's) is given the Hermes text form: jointspec reads these two formats only.
+parallel calls are given to them as consecutive turns of one call each, each followed by its result. A template that
+takes tools in yet another format (Mistral's, Llama 4's) is given the Hermes text form: jointspec reads these two
+formats only.
 
-What ``tool_choice`` does to the answer:
+What ``tool_choice`` does to the answer (in Hermes's format; Llama 3's reads and holds its own alike):
 
 - ``"none"``: the tools are not shown and no call is read; the answer is text.
 - ``"auto"`` (the default where tools are given): the model writes freely. Each block whose JSON names an offered
@@ -52,6 +53,9 @@ HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 FORMATS = (HERMES, LLAMA3_JSON)
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
+# What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
+# (\x1c-\x1f) that Python counts and the grammar's \s does not.
+SPACE = r"[\s\x1c-\x1f]*"
 # Llama 3's calls joined in one answer (as vLLM's llama3_json parser reads them).
 LLAMA_CALL_SEPARATOR = "; "
 # OpenAI's rule for function names.
@@ -149,7 +153,7 @@ class ToolUse:
             # does not begin with a call's "{" (after whitespace and the python tag, as read_calls reads it).
             calls = f"call ({json.dumps(LLAMA_CALL_SEPARATOR)} call)*" if several else "call"
             start = ([f"start: TEXT | {calls}",
-                      f"TEXT: /(?s:.*)/ & ~/(?s:\\s*({re.escape(PYTHON_TAG)}\\s*)?\\{{.*)/"] if strict_auto
+                      f"TEXT: /(?s:.*)/ & ~/(?s:{SPACE}({re.escape(PYTHON_TAG)}{SPACE})?\\{{.*)/"] if strict_auto
                      else [f"start: {calls}"])
             return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
         # (then a newline at most: a model that ends its calls with one is not made to write another call)
@@ -259,7 +263,8 @@ def native_call_format(tokenizer) -> str | None:
         return None
     if CALL_OPEN in template:
         return HERMES
-    if '"parameters": ' in template and "ipython" in template:
+    # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)
+    if '"parameters": ' in template and "ipython" in template and "<|python_start|>" not in template:
         return LLAMA3_JSON
     return None
 
@@ -283,7 +288,7 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
     if native:
         rendered = [_native_message(message) for message in messages]
         if call_format == LLAMA3_JSON:
-            rendered = _one_call_a_turn(rendered)
+            rendered = _llama_turns(rendered)
         return rendered, (list(tools) or None)
     rendered: list[dict] = []
     for index, message in enumerate(messages):
@@ -307,6 +312,16 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     return rendered, None
+
+
+def template_variables(messages: list[dict], tools: list | None, call_format: str) -> dict:
+    """Variables a native template needs for ``messages`` besides the request's own (``chat_template_kwargs`` win):
+    Llama 3's templates put the tools into the first user turn, and refuse a conversation that has none (a system
+    message alone); there they are told to put them into the system turn."""
+    if call_format != LLAMA3_JSON or not tools:
+        return {}
+    first = next((message for message in messages if message["role"] != "system"), None)
+    return {} if first is not None and first["role"] == "user" else {"tools_in_user_message": False}
 
 
 def _kept(message: dict) -> dict:
@@ -337,17 +352,31 @@ def _call_record(call: dict) -> dict:
     return {"name": function["name"], "arguments": arguments if arguments is not None else {}}
 
 
-def _one_call_a_turn(messages: list[dict]) -> list[dict]:
-    """An assistant turn of several calls as consecutive turns of one call each (its text with the first): Llama 3's
-    templates hold one call a turn, and refuse more."""
-    out = []
-    for message in messages:
+def _llama_turns(messages: list[dict]) -> list[dict]:
+    """The conversation as Llama 3's templates take it: one call a turn (they refuse more), so a turn of several calls
+    becomes turns of one call each, each followed by its result where the results that follow answer those calls by
+    id (the template's ``ipython`` turns name no call); a call turn's text is dropped, as the templates drop it (so
+    that a text they do not render is not looked for in their output)."""
+    out: list[dict] = []
+    at = 0
+    while at < len(messages):
+        message = messages[at]
+        at += 1
         calls = message.get("tool_calls") or []
-        if len(calls) < 2:
+        if not calls:
             out.append(message)
             continue
-        out += [dict(message, tool_calls=[call], content=message.get("content") if not index else "")
-                for index, call in enumerate(calls)]
+        turns = [dict(message, tool_calls=[call], content="") for call in calls]
+        results = []
+        while at < len(messages) and messages[at]["role"] == "tool":
+            results.append(messages[at])
+            at += 1
+        by_id = {result.get("tool_call_id"): result for result in results}
+        ids = [call.get("id") for call in calls]
+        if len(calls) > 1 and len(by_id) == len(results) == len(calls) and set(by_id) == set(ids):
+            out += [part for turn, id_ in zip(turns, ids) for part in (turn, by_id[id_])]
+        else:
+            out += turns + results
     return out
 
 
@@ -432,7 +461,7 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     tag) is dropped, and the calls before it stand. In Llama 3's format the answer is its calls or text (a cut call
     leaves it text)."""
     if use.reads_calls and use.format == LLAMA3_JSON:
-        return _read_json_calls(text, use)
+        return _read_json_calls(text, use, cut)
     if not use.reads_calls or CALL_OPEN not in text:
         return Calls(text, ())
     kept = text
@@ -450,9 +479,11 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     return Calls(_content(split[0]) or None, tuple(calls))
 
 
-def _read_json_calls(text: str, use: ToolUse) -> Calls:
+def _read_json_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     """``text`` read in Llama 3's format: the whole answer (less the whitespace around it and a leading
-    ``<|python_tag|>``) one call object, or several joined by ``;``, each naming an offered tool; else text."""
+    ``<|python_tag|>``) one call object, or several joined by ``;``, each naming an offered tool; else text.
+    ``cut``: the answer ran out of tokens, so what follows the last whole call's ``;`` is dropped and the calls
+    before it stand."""
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].lstrip()
@@ -460,11 +491,15 @@ def _read_json_calls(text: str, use: ToolUse) -> Calls:
     names = {tool.name for tool in use.tools}
     calls, at = [], 0
     while True:
+        if cut and calls and at == len(body):  # (cut right after a ";")
+            break
         if not body.startswith("{", at):
             return Calls(text, ())
         try:
             value, at = decoder.raw_decode(body, at)
         except ValueError:
+            if cut and calls:  # (the call the length cut off)
+                break
             return Calls(text, ())
         call = _read_call(value, names)
         if call is None:
@@ -503,7 +538,9 @@ class CallStream:
     """One streamed choice's text split into what may be sent as content now and the calls read at its end. Text
     before the first call block streams as it comes, less what it cannot yet tell apart: a tail that may begin a
     block, and trailing whitespace (dropped where a block follows, as :func:`read_calls` drops it). The rest waits for
-    the end, where :func:`read_calls` reads it, so that the content streamed equals the content of the whole answer."""
+    the end, where :func:`read_calls` reads it, so that the content streamed equals the content of the whole answer.
+    In Llama 3's format an answer is its calls or text: one that begins with ``{`` waits for its end, any other
+    streams as it comes."""
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
