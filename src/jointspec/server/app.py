@@ -58,6 +58,7 @@ from jointspec.server.engine import (
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 from jointspec.server.reasoning import Parts, ReasoningStream, split_reasoning
+from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body, response_param
 from jointspec.server.tools import (
     HERMES,
     CallStream,
@@ -204,6 +205,7 @@ class _Sampling(_Body):
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
     _tools_read: ToolUse | None = PrivateAttr(None)  # the four above as read once (_parse: their schemas compiled)
+    _responses: dict | None = PrivateAttr(None)  # a Responses API request's own body, where it was one (_parse)
     # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
     # after the temperature, as vLLM drops them) and repetition_penalty (core/penalties.py).
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -527,6 +529,10 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, "chat", ChatBody)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _serve(request, "responses", ChatBody)  # (read into a chat request: server/responses.py)
+
     async def _serve(request: Request, endpoint: str, model: type[_Sampling]):
         arrived = time.perf_counter()
         deadline = arrived + settings.request_timeout if settings.request_timeout else None
@@ -548,11 +554,13 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         try:
             try:
                 # (a large body's parse takes its time: off the loop)
-                body = await asyncio.to_thread(_parse, raw, model, call_format)
+                body = await asyncio.to_thread(_parse, raw, model, call_format, endpoint == "responses")
                 engine_requests = _engine_requests(body)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
+                if endpoint == "responses":  # (named as the client named it)
+                    error.param = response_param(error.param)
                 return error_response(error)
             except Exception as error:  # noqa: BLE001 - a bug: a 500 envelope, counted, the connection kept
                 # (answered here: Starlette's catch-all handler re-raises after its reply, and uvicorn then drops
@@ -565,7 +573,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             shared = engine_requests[0]  # (the settings every prompt's request shares)
             sampled = shared.temperature > 0 and shared.max_tokens != 0  # (a prompt scored alone samples nothing)
             # usage counts each prompt once, however many choices read it
-            reply = _Reply(endpoint, engine.model_id,
+            shaper = ResponseShaper(body._responses, body.model_dump(exclude_none=True)) if (
+                endpoint == "responses") else None
+            reply = _Reply("chat" if shaper else endpoint, engine.model_id,
                            sum(generation.num_prompt_tokens for generation in generations[::body.n]),
                            shared.seed if sampled else None,
                            engine.spelling if shared.logprobs is not None else None)
@@ -575,7 +585,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             # (an answer a grammar holds from its first token, a response_format's or required calls', is that
             # format, never reasoning)
             held = body.response_format is not None or (use is not None and use.choice == "required")
-            if endpoint == "chat" and settings.reasoning_format == "auto" and not held:
+            if endpoint != "completions" and settings.reasoning_format == "auto" and not held:
                 reply.reasoning = {index: generation.opens_reasoning for index, generation in enumerate(generations)
                                    if generation.opens_reasoning is not None}
             if shared.echo:
@@ -583,9 +593,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                               for index, generation in enumerate(generations)}
             chunks = [_timed(generation, arrived, deadline) for generation in generations]
             if not body.stream:
-                return await _whole(request, endpoint, reply, chunks, generations, body.return_token_ids)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse(endpoint, reply, chunks, generations, include_usage, ticket)
+                return await _whole(request, endpoint, reply, chunks, generations, body.return_token_ids, shaper)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage) or shaper is not None
+            events = _sse(endpoint, reply, chunks, generations, include_usage, ticket, shaper)
             # Start the generator here: a body that never starts never runs its finally (which frees the row and
             # the ticket), and Starlette drops a response's body unstarted when the client is gone before it.
             first = await anext(events)
@@ -646,7 +656,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             yield chunk
 
     async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: list[AsyncIterator[Chunk]],
-                     generations: list[Generation], return_token_ids: bool) -> JSONResponse:
+                     generations: list[Generation], return_token_ids: bool,
+                     shaper: ResponseShaper | None = None) -> JSONResponse:
         async def collect(choice: AsyncIterator[Chunk]) -> list[Chunk]:
             return [chunk async for chunk in choice]
 
@@ -678,14 +689,24 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             metrics.count_request(endpoint, _failure_outcome(failure))
             return error_response(_from_failure(failure, settings.retry_after))
         metrics.count_request(endpoint, "completed")
-        return JSONResponse(reply.whole(collected, return_token_ids=return_token_ids))
+        whole = reply.whole(collected, return_token_ids=return_token_ids)
+        return JSONResponse(shaper.whole(whole) if shaper is not None else whole)
 
     async def _sse(endpoint: str, reply: _Reply, chunks: list[AsyncIterator[Chunk]], generations: list[Generation],
-                   include_usage: bool, ticket: _Ticket) -> AsyncIterator[str]:
+                   include_usage: bool, ticket: _Ticket, shaper: ResponseShaper | None = None) -> AsyncIterator[str]:
+        """The stream's events: the chat or completions chunks, or (``shaper``) the Responses API's events made from
+        them."""
+        def send(payload: dict) -> list[str]:
+            return shaper.events(payload) if shaper is not None else [_event(payload)]
+
         outcome = "cancelled"  # unless it gets to an end of its own: the client left
         try:
+            if shaper is not None:
+                for event in shaper.start():
+                    yield event
             for index in range(len(chunks)):
-                yield _event(reply.first_chunk(index))
+                for event in send(reply.first_chunk(index)):
+                    yield event
                 if index in reply.echo:
                     yield _event(reply.echo_chunk(index))
             try:
@@ -693,20 +714,28 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                     reply.add(chunk, index)
                     if chunk.failure is not None:
                         outcome = _failure_outcome(chunk.failure)
-                        yield _event(_from_failure(chunk.failure, settings.retry_after).body())
+                        for event in send(_from_failure(chunk.failure, settings.retry_after).body()):
+                            yield event
                         return
                     # Rounds whose text is held back (half a character) send nothing, unless they carry the
                     # log-probabilities of their tokens.
                     if chunk.text or chunk.finish_reason or chunk.logprobs:
                         for payload in reply.events(chunk, index):
-                            yield _event(payload)
+                            for event in send(payload):
+                                yield event
             except RequestError as error:  # past the request timeout
                 outcome = "timeout"
-                yield _event(error.body())
+                for event in send(error.body()):
+                    yield event
                 return
             if include_usage:
-                yield _event(reply.usage_chunk())
-            yield "data: [DONE]\n\n"
+                for event in send(reply.usage_chunk()):
+                    yield event
+            if shaper is not None:
+                for event in shaper.end(engine.model_id):
+                    yield event
+            else:
+                yield "data: [DONE]\n\n"
             outcome = "completed"
         finally:
             if outcome != "completed":  # the client left, or the stream failed: free the rows
@@ -799,9 +828,10 @@ def _lone_surrogate(data) -> str | None:
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES) -> _Sampling:
+def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, responses: bool = False) -> _Sampling:
     """A request's body, read and checked; ``call_format``: the format the model writes tool calls in
-    (server/tools.py)."""
+    (server/tools.py); ``responses``: a Responses API body, read into the chat body that decodes it
+    (server/responses.py; the original is kept as the body's ``_responses``)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
@@ -816,10 +846,18 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES) -> _Sa
     if where is not None:
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
+    original = data
+    if responses:
+        try:
+            data = chat_body(data)
+        except ResponsesError as error:
+            raise RequestError(str(error), param=error.param) from None
     try:
         body = model.model_validate(data)
     except ValidationError as error:
         raise _from_validation(error) from None
+    if responses:
+        body._responses = original
     if body.n > MAX_CHOICES:
         raise RequestError(f"n must be at most {MAX_CHOICES} (each choice takes a row of the batch), got {body.n}",
                            param="n")

@@ -1,0 +1,365 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on top of the chat route: a request is read into a chat request
+(:func:`chat_body`), decoded as one, and its answer written back as a response (:class:`ResponseShaper`).
+
+What is served. ``input`` (text, or items: messages with text parts, earlier ``function_call`` items and their
+``function_call_output``), ``instructions`` (a system message first), ``max_output_tokens``, ``temperature``,
+``top_p``, ``tools`` (functions; Responses writes a function's fields at the top level of the tool),
+``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, ``json_object`` or ``json_schema``: structured
+output), ``metadata`` (echoed), ``user``, ``stream``, and this server's extensions as on chat (``top_k``, ``min_p``,
+``seed``, ``chat_template_kwargs``, ``jointspec``). The output: a ``reasoning`` item where a reasoning model thought
+(server/reasoning.py), a ``message`` item with its ``output_text``, and a ``function_call`` item per call; streamed,
+the typed events OpenAI's clients read (``response.created`` ... ``response.completed``, each with its
+``sequence_number``; no ``[DONE]``).
+
+What is not. Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused (400, named),
+and there is no route to fetch a response again; ``store`` is read as false. Built-in tools (web search, files,
+computer use), images and files in the input are refused by name. ``reasoning`` (an effort for OpenAI's own reasoning
+models) and ``include`` are read and not acted on: a reasoning model here thinks as its template lets it
+(``chat_template_kwargs``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+# Fields of a Responses request that ask for what this server does not do: each a 400 naming it.
+REFUSED = {
+    "previous_response_id": "responses are not stored here: send the whole conversation as input",
+    "conversation": "conversations are not stored here: send the whole conversation as input",
+    "background": "background responses are not served: send the request and wait for it (or stream it)",
+    "prompt": "stored prompt templates are not served: send the instructions and input themselves",
+}
+# What passes to the chat request unchanged.
+SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "user", "parallel_tool_calls",
+        "chat_template_kwargs", "jointspec", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "stop")
+# A chat request's field names, as a Responses request names them (errors name what the client sent).
+PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"))
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesError(ValueError):
+    """A Responses request that cannot be served; ``param`` names its field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def response_param(param: str | None) -> str | None:
+    """A chat field's name (in an error) as the Responses request named it."""
+    if param is None:
+        return None
+    for chat, ours in PARAMS:
+        if param == chat or param.startswith(chat + "."):
+            return ours + param[len(chat):]
+    return param.replace(".function.", ".") if param.startswith("tools.") else param
+
+
+def chat_body(data: dict) -> dict:
+    """A Responses request body as the chat request that decodes it; ResponsesError names the field at fault."""
+    for name, why in REFUSED.items():
+        if data.get(name) not in (None, False, ""):
+            raise ResponsesError(f"{name}: {why}", name)
+    if data.get("n", 1) != 1:
+        raise ResponsesError("the Responses API has no n: send one request per answer", "n")
+    chat = {name: data[name] for name in SAME if name in data}
+    messages = []
+    if data.get("instructions") is not None:
+        if not isinstance(data["instructions"], str):
+            raise ResponsesError("instructions must be text", "instructions")
+        messages.append({"role": "system", "content": data["instructions"]})
+    messages += _messages(data.get("input"))
+    chat["messages"] = messages
+    if data.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = data["max_output_tokens"]
+    if data.get("tools") is not None:
+        chat["tools"] = [_chat_tool(tool, f"tools.{index}") for index, tool in enumerate(_list(data["tools"], "tools"))]
+    if data.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(data["tool_choice"])
+    fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
+    if data.get("text") is not None and not isinstance(data["text"], dict):
+        raise ResponsesError("text must be an object such as {\"format\": {\"type\": \"text\"}}", "text")
+    if fmt is not None:
+        chat["response_format"] = _chat_format(fmt)
+    return chat
+
+
+def _list(value, param: str) -> list:
+    if not isinstance(value, list):
+        raise ResponsesError(f"{param} must be a list", param)
+    return value
+
+
+def _text(content, param: str) -> str:
+    """A message's content (text, or a list of text parts) as text."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for index, part in enumerate(_list(content, param)):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ResponsesError(f"{param}.{index}: only text parts are served ({', '.join(TEXT_PARTS)}), got "
+                                 f"{json.dumps(kind)}", f"{param}.{index}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(given) -> list[dict]:
+    """``input`` as chat messages: text a user message; items in order, an assistant's calls joined to its turn."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages: list[dict] = []
+    for index, item in enumerate(_list(given, "input")):
+        where = f"input.{index}"
+        if not isinstance(item, dict):
+            raise ResponsesError(f"{where} must be an object (a message or an item)", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ResponsesError(f"{where}.role must be user, system, developer or assistant, got "
+                                     f"{json.dumps(role)}", f"{where}.role")
+            messages.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            if not isinstance(call["id"], str) or not isinstance(call["function"]["name"], str):
+                raise ResponsesError(f"{where}: a function_call item needs its call_id and name", where)
+            if messages and messages[-1]["role"] == "assistant":  # (one turn: its text, then its calls)
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ResponsesError(f"{where}: a function_call_output item needs the call_id of its call", where)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output", ""), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # (a model's earlier thinking: templates drop it from earlier turns)
+        else:
+            raise ResponsesError(f"{where}.type {json.dumps(kind)} is not served: send messages, function_call and "
+                                 "function_call_output items", f"{where}.type")
+    if not messages:
+        raise ResponsesError("input is empty: send text or at least one message", "input")
+    return messages
+
+
+def _chat_tool(tool, where: str) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise ResponsesError(f"{where}: only function tools are served, got {json.dumps(kind)}", where)
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice):
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _chat_format(fmt) -> dict:
+    if not isinstance(fmt, dict):
+        raise ResponsesError("text.format must be an object such as {\"type\": \"text\"}", "text.format")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {key: fmt[key] for key in ("name", "schema", "strict",
+                                                                                  "description") if key in fmt}}
+    return fmt
+
+
+# -- the answer -----------------------------------------------------------------------------------------------------
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseShaper:
+    """One request's answer in the Responses API's shapes: :meth:`whole` from the chat route's whole reply, or, for a
+    stream, :meth:`events` from each chat chunk in order and :meth:`end` once the chat stream ends."""
+
+    def __init__(self, data: dict, chat: dict) -> None:
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.data, self.chat = data, chat
+        self.sequence = 0
+        self.output: list[dict] = []  # the items so far, in order
+        self.open: dict | None = None  # the item streaming now: reasoning or message
+        self.usage: dict | None = None
+        self.finish: str | None = None
+
+    def response(self, status: str, output: list[dict] | None = None, usage: dict | None = None,
+                 model: str | None = None) -> dict:
+        data, chat = self.data, self.chat
+        tools = [{"type": "function", **tool["function"]} for tool in chat.get("tools", [])]
+        for tool in tools:
+            tool.setdefault("strict", False)
+            tool.setdefault("parameters", None)
+        text_format = (data.get("text") or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": data.get("instructions"), "max_output_tokens": data.get("max_output_tokens"),
+            "model": model or data.get("model") or "", "output": output if output is not None else [],
+            "parallel_tool_calls": data.get("parallel_tool_calls", True), "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": data.get("temperature", 1.0), "text": {"format": text_format},
+            "tool_choice": data.get("tool_choice", "auto"), "tools": tools, "top_p": data.get("top_p", 1.0),
+            "truncation": "disabled", "usage": usage, "user": data.get("user"), "metadata": data.get("metadata") or {},
+        }
+
+    @staticmethod
+    def _usage(chat_usage: dict) -> dict:
+        cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        # (cache writes and reasoning tokens are not counted apart here: 0, as the API's required fields ask)
+        usage = {"input_tokens": chat_usage["prompt_tokens"],
+                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                 "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": chat_usage["total_tokens"]}
+        if "jointspec" in chat_usage:  # (the request's speculation figures: an extension, as on chat)
+            usage["jointspec"] = chat_usage["jointspec"]
+        return usage
+
+    @staticmethod
+    def _status(finish: str | None) -> str:
+        return "incomplete" if finish == "length" else "completed"
+
+    # -- whole --
+
+    def whole(self, chat_reply: dict) -> dict:
+        """The response for the chat route's whole reply."""
+        choice = chat_reply["choices"][0]
+        message, status = choice["message"], self._status(choice["finish_reason"])
+        output = []
+        if message.get("reasoning_content") is not None:
+            output.append(self._reasoning_item(message["reasoning_content"], status))
+        if message.get("content"):
+            output.append(self._message_item(message["content"], status))
+        for call in message.get("tool_calls") or []:
+            output.append(self._call_item(call))
+        response = self.response(status, output, self._usage(chat_reply["usage"]), chat_reply.get("model"))
+        if "jointspec" in chat_reply:
+            response["jointspec"] = chat_reply["jointspec"]  # (the engine's figures, as on chat)
+        return response
+
+    @staticmethod
+    def _reasoning_item(text: str, status: str, item_id: str | None = None) -> dict:
+        return {"type": "reasoning", "id": item_id or _new_id("rs"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+    @staticmethod
+    def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
+        return {"type": "message", "id": item_id or _new_id("msg"), "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    @staticmethod
+    def _call_item(call: dict, item_id: str | None = None) -> dict:
+        return {"type": "function_call", "id": item_id or _new_id("fc"), "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+    # -- streamed --
+
+    def _event(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        """The stream's first events."""
+        begun = self.response("in_progress")
+        return [self._event("response.created", response=begun), self._event("response.in_progress", response=begun)]
+
+    def _close_open(self, status: str | None = None) -> list[str]:
+        """The events that end the item streaming now, if any (``status``: the item's, where not the answer's)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        status = status or self._status(self.finish)
+        if item["type"] == "reasoning":
+            text = item["text"]
+            done = self._reasoning_item(text, status, item["id"])
+            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=text)]
+        else:
+            text = item["text"]
+            done = self._message_item(text, status, item["id"])
+            part = done["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=text, logprobs=[]),
+                      self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)]
+        events.append(self._event("response.output_item.done", output_index=index, item=done))
+        self.output.append(done)
+        return events
+
+    def _open(self, kind: str) -> list[str]:
+        """The events that begin an item of ``kind`` (closing another that was streaming)."""
+        events = self._close_open() if self.open is not None and self.open["type"] != kind else []
+        if self.open is not None:
+            return events
+        index = len(self.output)
+        if kind == "reasoning":
+            self.open = {"type": kind, "id": _new_id("rs"), "text": ""}
+            item = {"type": "reasoning", "id": self.open["id"], "summary": [], "content": [],
+                    "status": "in_progress"}
+            return [*events, self._event("response.output_item.added", output_index=index, item=item)]
+        self.open = {"type": kind, "id": _new_id("msg"), "text": ""}
+        item = {"type": "message", "id": self.open["id"], "status": "in_progress", "role": "assistant",
+                "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [*events, self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                            content_index=0, part=part)]
+
+    def events(self, chunk: dict) -> list[str]:
+        """The events of one streamed chat chunk (the chat route's payload): deltas, calls, the finish, the usage,
+        or an error."""
+        if "error" in chunk:
+            events = self._close_open("incomplete")  # (what it had written, as written)
+            failed = self.response("failed", self.output)
+            # (the API's codes are a fixed set: a request's own method refusing a round is its prompt's fault, all
+            # else the server's; this server's own code goes as the type)
+            code = chunk["error"].get("code")
+            failed["error"] = {"code": "invalid_prompt" if code == "invalid_request" else "server_error",
+                               "message": chunk["error"]["message"], "type": code}
+            return [*events, self._event("response.failed", response=failed)]
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            self.usage = self._usage(chunk["usage"])
+            return []
+        events = []
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta", {})
+            for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+                if delta.get(key):
+                    events += self._open(kind)
+                    self.open["text"] += delta[key]
+                    name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                    extra = {} if kind == "reasoning" else {"logprobs": []}
+                    events.append(self._event(name, item_id=self.open["id"], output_index=len(self.output),
+                                              content_index=0, delta=delta[key], **extra))
+            for call in delta.get("tool_calls") or []:
+                events += self._close_open()
+                index, item_id = len(self.output), _new_id("fc")
+                done = self._call_item(call, item_id)
+                events += [self._event("response.output_item.added", output_index=index,
+                                       item={**done, "arguments": "", "status": "in_progress"}),
+                           self._event("response.function_call_arguments.delta", item_id=item_id,
+                                       output_index=index, delta=done["arguments"]),
+                           self._event("response.function_call_arguments.done", item_id=item_id,
+                                       output_index=index, name=done["name"], arguments=done["arguments"]),
+                           self._event("response.output_item.done", output_index=index, item=done)]
+                self.output.append(done)
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+        return events
+
+    def end(self, model: str) -> list[str]:
+        """The stream's last events, once the chat stream ended (its usage chunk read)."""
+        events = self._close_open()
+        status = self._status(self.finish)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=self.response(status, self.output, self.usage, model))]

@@ -1,0 +1,206 @@
+"""OpenAI's Responses API on the server (server/responses.py): requests read into chat requests, answers written as
+responses and as the typed stream events OpenAI's own client reads, checked against that client's models.
+
+conftest's tiny random Llama and byte tokenizer; greedy throughout, so nothing can fail by chance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from jointspec.backends.hf import CausalLM
+from jointspec.server.app import ServerSettings, create_app
+from jointspec.server.engine import ServingEngine
+from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body
+
+from helpers import byte_tokenizer, live_server, tiny_llama
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(3, vocab=259, max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    served = ServingEngine(CausalLM(model), byte_tokenizer(), model_id="tiny", max_batch_size=4)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return TestClient(create_app(ServerSettings(), engine))
+
+
+def events_of(reply) -> list[dict]:
+    """A streamed response's events, each checked against OpenAI's client's own event models; their numbering."""
+    assert reply.status_code == 200, reply.text
+    lines = reply.text.split("\n\n")
+    events = []
+    for block in filter(None, lines):
+        kind, data = block.split("\n")
+        event = json.loads(data[len("data: "):])
+        assert kind == f"event: {event['type']}"
+        EVENTS.validate_python(event)
+        events.append(event)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    return events
+
+
+def test_a_responses_request_is_read_into_the_chat_request_that_decodes_it():
+    data = {"model": "m", "instructions": "Be brief.", "max_output_tokens": 40, "temperature": 0, "stream": True,
+            "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}, "metadata": {"a": "b"},
+            "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}, "strict": True}},
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text",
+                                                                                          "text": "in Paris?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+                {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "21C"}]},
+            ]}
+    chat = chat_body(data)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"}, {"role": "tool", "tool_call_id": "c2",
+                                                                  "content": "21C"}]
+    assert chat["tools"] == [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "out", "schema": {
+        "type": "object"}, "strict": True}}
+    assert (chat["max_completion_tokens"], chat["temperature"], chat["stream"]) == (40, 0, True)
+    assert chat_body({"input": "Hi"})["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("data, param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"role": "critic", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type"),
+    ({"input": [{"type": "function_call_output", "output": "18C"}]}, "input.0"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "x", "text": "plain"}, "text"),
+    ({"input": "x", "instructions": ["a"]}, "instructions"),
+])
+def test_what_a_responses_request_cannot_have_here_is_refused_by_name(client, data, param):
+    with pytest.raises(ResponsesError) as refused:
+        chat_body(data)
+    assert refused.value.param == param
+    reply = client.post("/v1/responses", json={"model": "tiny", **data})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.mark.parametrize("data, param", [
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}, "text.format"),
+    ({"max_output_tokens": 5000}, "input"),  # (past the context: the chat route names its messages)
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+])
+def test_what_the_chat_route_refuses_is_named_as_the_responses_request_named_it(client, data, param):
+    reply = client.post("/v1/responses", json={"model": "tiny", "input": "x", **data})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(client):
+    body = {"model": "tiny", "input": "Hello", "instructions": "Answer.", "max_output_tokens": 12, "temperature": 0,
+            "metadata": {"run": "1"}}
+    whole = client.post("/v1/responses", json=body).json()
+    response = Response.model_validate(whole)
+    chat = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Hello"}],
+        "max_completion_tokens": 12, "temperature": 0}).json()
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"  # (cut)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat["usage"]["prompt_tokens"], 12)
+    assert response.metadata == {"run": "1"} and response.instructions == "Answer." and response.id.startswith("resp_")
+    # Streamed: the deltas add up to the same text, inside one message item, and the last event carries it all.
+    events = events_of(client.post("/v1/responses", json={**body, "stream": True}))
+    kinds = [event["type"] for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.incomplete"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == response.output_text
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output_text == response.output_text and final.usage.output_tokens == 12
+    # An answer that ends by itself (here at a stop string: its own third character) is completed.
+    ended = client.post("/v1/responses", json={**body, "stop": [response.output_text[2]]}).json()
+    assert ended["status"] == "completed" and ended["incomplete_details"] is None
+    assert ended["output"][0]["content"][0]["text"] == response.output_text[:2]
+
+
+def test_calls_come_back_as_function_call_items_whole_and_streamed_through_openais_client(engine):
+    import openai
+
+    with live_server(create_app(ServerSettings(), engine)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        asked = dict(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice="required", temperature=0,
+                     max_output_tokens=120, parallel_tool_calls=False)
+        whole = client.responses.create(**asked)
+        calls = [item for item in whole.output if item.type == "function_call"]
+        assert whole.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+        assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome") and calls[0].call_id.startswith("call_")
+        # The client's own stream helper accumulates the events into the same response.
+        with client.responses.stream(**asked) as stream:
+            final = stream.get_final_response()
+        streamed = [item for item in final.output if item.type == "function_call"]
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+        # The call and its result sent back as input items: answered.
+        follow = client.responses.create(model="tiny", temperature=0, max_output_tokens=4, tools=[WEATHER], input=[
+            {"role": "user", "content": "Weather in Rome?"}, calls[0].model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21C"}])
+        assert follow.status == "incomplete" and follow.output_text
+
+
+def test_a_reasoning_models_thinking_is_a_reasoning_item(model):
+    """A template that opens a reasoning block (DeepSeek-R1's conventions): this random model never closes it, so its
+    whole answer is one reasoning item, with the text the chat route returns as reasoning_content."""
+    words = byte_tokenizer()
+    words.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content.split('</think>')[-1] }}\n"
+                           "{% endfor %}<|assistant|><think>\n")
+    served = ServingEngine(CausalLM(model), words, model_id="tiny", max_batch_size=2)
+    try:
+        client = TestClient(create_app(ServerSettings(), served))
+        body = {"model": "tiny", "input": "Why?", "max_output_tokens": 10, "temperature": 0}
+        chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user",
+                                                                                        "content": "Why?"}],
+                                                         "max_tokens": 10, "temperature": 0}).json()
+        thought = chat["choices"][0]["message"]["reasoning_content"]
+        response = Response.model_validate(client.post("/v1/responses", json=body).json())
+        assert [item.type for item in response.output] == ["reasoning"]
+        assert response.output[0].content[0].text == thought and response.output_text == ""
+        events = events_of(client.post("/v1/responses", json={**body, "stream": True}))
+        assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
+        assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["reasoning"]
+    finally:
+        served.close()
+
+
+def test_an_error_in_a_stream_ends_it_with_a_failed_response():
+    shaper = ResponseShaper({"model": "tiny", "input": "x"}, {"messages": []})
+    events = [*shaper.start(), *shaper.events({"choices": [{"index": 0, "delta": {"content": "Hi"},
+                                                            "finish_reason": None}]}),
+              *shaper.events({"error": {"message": "the engine failed", "code": "engine_error"}})]
+    parsed = [EVENTS.validate_python(json.loads(event.split("\n")[1][len("data: "):])) for event in events]
+    assert parsed[-1].type == "response.failed" and parsed[-1].response.error.message == "the engine failed"
+    assert (parsed[-1].response.error.code, parsed[-1].response.error.type) == ("server_error", "engine_error")
+    assert [item.content[0].text for item in parsed[-1].response.output] == ["Hi"]  # (what it had written)
+    assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
