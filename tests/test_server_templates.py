@@ -84,6 +84,7 @@ def streamed(client: TestClient, **extra) -> list[dict]:
     ("scattering...\n</think>\n\nBlue light.", True, "scattering...", "Blue light."),  # (the prompt opened it)
     ("never closed", True, "never closed", ""),
     ("x</think>a </think> b", True, "x", "a </think> b"),
+    ("<think>\nagain</think>ok", True, "again", "ok"),  # (an answer that opens the prompt's block again)
     ("", False, None, ""),
     ("", True, "", ""),
 ])
@@ -115,6 +116,24 @@ def test_a_stream_sends_what_the_whole_answer_has_however_the_text_is_split(open
     assert ReasoningStream(False).feed("Hello") == ("", "Hello")
 
 
+def test_streams_of_seeded_random_answers_add_up_to_the_whole_answers_parts():
+    """Answers made of the pieces a reading can trip on, split at random places (seeded: the same every run)."""
+    import random
+
+    rng = random.Random(7)
+    pieces = ["<think>", "</think>", "<", "</th", "<thi", "nk>", " ", "\n", "a", "b c", "think>"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        opened = rng.random() < 0.5
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream = ReasoningStream(opened)
+        sent = [stream.feed(chunk, final=number == len(chunks) - 1) for number, chunk in enumerate(chunks)]
+        whole = split_reasoning(text, opened)
+        assert ("".join(r for r, _ in sent), "".join(c for _, c in sent)) == (whole.reasoning or "",
+                                                                             whole.content), (text, opened, chunks)
+
+
 def test_templates_that_write_reasoning_and_prompts_that_open_it_are_recognised(r1_engine, qwen_engine):
     assert template_reasons(tokenizer_with(QWEN_LIKE)) and template_reasons(tokenizer_with(R1_LIKE))
     assert not template_reasons(byte_tokenizer()) and template_reasons(tokenizer_with({"default": R1_LIKE}))
@@ -144,12 +163,14 @@ def test_an_answer_begun_inside_a_block_is_reasoning_until_it_closes_it(r1_engin
     assert called["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
     shaped = chat(split, response_format={"type": "json_object"}, max_tokens=12).json()["choices"][0]["message"]
     assert "reasoning_content" not in shaped and shaped["content"].startswith("{")
+    # (OpenAI's default format said out loud holds nothing: the answer is read for reasoning as before)
+    assert chat(split, response_format={"type": "text"}).json()["choices"][0]["message"] == message
 
 
 def test_a_reply_carries_reasoning_and_content_apart_whole_and_streamed_with_tools_read_from_the_content():
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
-    pieces = ["<think>\nThe user wants", " weather.\n</think>", "\n\n<tool_call>\n", '{"name": "get_weather", '
+    pieces = ["<think>\nThe user wants", " weather.\n", "</think>", "\n\n", "<tool_call>\n", '{"name": "get_weather", '
               '"arguments": {"city": "Paris"}}\n</tool_call>']
     chunks = [Chunk(text=piece, num_tokens=1, num_rounds=1) for piece in pieces]
     chunks[-1].finish_reason = "stop"
@@ -162,8 +183,9 @@ def test_a_reply_carries_reasoning_and_content_apart_whole_and_streamed_with_too
         deltas = [event["delta"] for event in events]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
         assert deltas[0] == {"reasoning_content": "The user wants"}  # (sent as it comes)
+        assert all(deltas[:-1])  # (pieces held back whole send no empty chunk)
         if tools is None:
-            assert message["content"] == "".join(pieces[2:]).lstrip() == "".join(d.get("content", "") for d in deltas)
+            assert message["content"] == "".join(pieces[3:]).lstrip() == "".join(d.get("content", "") for d in deltas)
         else:
             assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
             assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == [
@@ -187,6 +209,14 @@ def test_chat_template_kwargs_reach_the_template_and_earlier_reasoning_is_shown_
     prompt = words.decode(qwen_engine.encode(CompletionRequest(messages=tuple(chat_body_messages(history)))))
     assert "<|assistant|><think>Greet back.</think>Hello.\n" in prompt
     assert chat(client, messages=history).status_code == 200
+    # Earlier reasoning is read as text, as content is: a special token's spelling in it stays characters (where
+    # the template shows it), and a template that drops it does not look for it.
+    spelled = [*messages, {"role": "assistant", "content": "Hello.", "reasoning_content": "a </s> b"}]
+    ids = qwen_engine.encode(CompletionRequest(messages=tuple(chat_body_messages(spelled))))
+    assert "<think>a </s> b</think>" in words.decode(ids) and words.convert_tokens_to_ids("</s>") not in ids
+    dropping = tokenizer_with(R1_LIKE)
+    assert chat_template_ids(dropping, chat_body_messages(spelled)) == chat_template_ids(dropping, [
+        *messages, {"role": "assistant", "content": "Hello."}])
 
 
 def chat_body_messages(history: list[dict]) -> list[dict]:
@@ -200,7 +230,9 @@ def chat_body_messages(history: list[dict]) -> list[dict]:
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "add_generation_prompt"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
     ({"chat_template_kwargs": {"note": "</s>"}}, None, "special token"),
-    ({"messages": [{"role": "assistant", "content": "a", "reasoning_content": "</s>"}]}, None, "special token"),
+    # (names the template call or the template itself uses otherwise: refused as the template fails on them)
+    ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs", "cannot be given"),
+    ({"chat_template_kwargs": {"deep": json.loads("[" * 600 + "]" * 600)}}, None, "nested too deeply"),
 ])
 def test_what_the_template_may_not_be_given_is_a_400(qwen_engine, extra, param, says):
     reply = chat(TestClient(create_app(ServerSettings(), qwen_engine)), **extra)

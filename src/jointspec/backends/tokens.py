@@ -72,50 +72,62 @@ def _special_spellings(tokenizer) -> list[str]:
     return [spelling for spelling in spellings if spelling]
 
 
+# A message's fields that hold text read as text (chat_template_ids): its content, and an assistant's reasoning.
+MESSAGE_TEXTS = ("content", "reasoning_content")
+
+
 def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                       template_kwargs: dict | None = None) -> list[int]:
     """``messages`` in the tokenizer's chat template, with the assistant's turn opened, as token ids.
 
-    A message's text is read as text: a special token's spelling inside it (``<|im_end|>``) stays characters, as
-    OpenAI's API reads message content, so it cannot close its turn and open another (a user writing a system
-    turn); the template's own markers are the special tokens. A conversation without such spellings reads exactly as
-    the rendered text does. Raises ValueError where the template does not keep a message's text as given (then its
-    text cannot be told from the template's). ``tools`` (OpenAI's form) go to a template that renders them; their
+    A message's text (its content, and an assistant's ``reasoning_content`` sent back) is read as text: a special
+    token's spelling inside it (``<|im_end|>``) stays characters, as OpenAI's API reads message content, so it cannot
+    close its turn and open another (a user writing a system turn); the template's own markers are the special
+    tokens. A conversation without such spellings reads exactly as the rendered text does. Raises ValueError where
+    the template repeats a text (then its copies cannot be told from the template's); a text the template does not
+    render is not looked for. ``tools`` (OpenAI's form) go to a template that renders them; their
     text, and that of the calls in ``messages``, may hold no special token's spelling (ValueError).
     ``template_kwargs``: further variables the template reads (``enable_thinking``), as vLLM's
     ``chat_template_kwargs``; their text may hold no special token's spelling either."""
     extra = dict(template_kwargs or {})
     text = _render(tokenizer, messages, tools, extra)
     special = _special_spellings(tokenizer)
-    rendered_as_is = json.dumps([tools, [[message.get("tool_calls"), message.get("reasoning_content")]
-                                         for message in messages], extra], ensure_ascii=False)
+    rendered_as_is = json.dumps([tools, [message.get("tool_calls") for message in messages], extra],
+                                ensure_ascii=False)
     if any(spelling in rendered_as_is for spelling in special):
-        raise ValueError("a tool, a tool call, an earlier reasoning_content or a chat_template_kwargs value holds a "
-                         "special token's text (such as <|im_end|>), which the chat template would read as that "
-                         "token: remove it")
-    if not any(spelling in (message.get("content") or "") for message in messages for spelling in special):
+        raise ValueError("a tool, a tool call or a chat_template_kwargs value holds a special token's text (such as "
+                         "<|im_end|>), which the chat template would read as that token: remove it")
+    # The texts read as text: each message's content, and an assistant's earlier reasoning sent back.
+    texts = {(index, key): message[key] for index, message in enumerate(messages) for key in MESSAGE_TEXTS
+             if isinstance(message.get(key), str) and message[key]}
+    if not any(spelling in text for text in texts.values() for spelling in special):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    # Each message's text replaced by a marker (private-use characters), the template rendered around the markers,
-    # then read piece by piece: the template's pieces with their special tokens, the messages' as plain text. An
-    # empty text keeps no marker: a template may render an empty message otherwise (an assistant turn holding only
-    # tool calls).
-    markers = [f"\ue000{index}\ue001" if message.get("content") else None for index, message in enumerate(messages)]
-    marked = _render(tokenizer, [{**message, "content": marker} if marker else message
-                                 for message, marker in zip(messages, markers)], tools, extra)
-    ids: list[int] = []
-    for message, marker in zip(messages, markers):
-        if marker is None:
-            continue
-        if marked.count(marker) != 1:
+    # Each text replaced by a marker (private-use characters), the template rendered around the markers, then read
+    # piece by piece: the template's pieces with their special tokens, the texts as plain text. An empty text keeps
+    # no marker: a template may render an empty message otherwise (an assistant turn holding only tool calls). A
+    # text the template does not render (earlier reasoning it drops, a call turn's text) has no marker in its output.
+    markers = {field: f"\ue000{number}\ue001" for number, field in enumerate(texts)}
+    marked = _render(tokenizer, [{**message, **{key: markers[(index, key)] for key in MESSAGE_TEXTS
+                                                if (index, key) in markers}}
+                                 for index, message in enumerate(messages)], tools, extra)
+    found = []
+    for field, marker in markers.items():
+        count = marked.count(marker)
+        if count > 1:
             raise ValueError("a message holds a special token's text (such as <|im_end|>), and this model's chat "
-                             "template does not keep message text as given, so it cannot be read as plain text: "
-                             "remove it from the message")
-        before, marked = marked.split(marker)
-        if before:
-            ids += tokenizer(before, add_special_tokens=False)["input_ids"]
-        ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    if marked:
-        ids += tokenizer(marked, add_special_tokens=False)["input_ids"]
+                             "template repeats message text, so it cannot be read as plain text: remove it from the "
+                             "message")
+        if count:
+            found.append((marked.index(marker), marker, texts[field]))
+    ids: list[int] = []
+    at = 0
+    for position, marker, given in sorted(found):
+        if position > at:
+            ids += tokenizer(marked[at:position], add_special_tokens=False)["input_ids"]
+        ids += tokenizer(given, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        at = position + len(marker)
+    if marked[at:]:
+        ids += tokenizer(marked[at:], add_special_tokens=False)["input_ids"]
     return ids
 
 
@@ -133,6 +145,16 @@ def _render(tokenizer, messages: list[dict], tools: list[dict] | None, extra: di
     except jinja2.TemplateError as error:
         refused = ValueError(f"the model's chat template refused the conversation: {error}")
         refused.param = "messages"
+        raise refused from None
+    except RecursionError:
+        raise ValueError("the conversation, its tools or chat_template_kwargs are nested too deeply for the chat "
+                         "template") from None
+    except TypeError as error:
+        if not extra:
+            raise
+        # (a name the template call or the template itself uses for something else: namespace, conversations)
+        refused = ValueError(f"chat_template_kwargs cannot be given to the chat template: {error}")
+        refused.param = "chat_template_kwargs"
         raise refused from None
 
 

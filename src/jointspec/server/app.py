@@ -584,7 +584,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             reply.tools = use if use is not None and use.reads_calls else None
             # (an answer a grammar holds from its first token, a response_format's or required calls', is that
             # format, never reasoning)
-            held = body.response_format is not None or (use is not None and use.choice == "required")
+            held = _output_format(body.response_format) is not None or (use is not None and use.choice == "required")
             if endpoint != "completions" and settings.reasoning_format == "auto" and not held:
                 reply.reasoning = {index: generation.opens_reasoning for index, generation in enumerate(generations)
                                    if generation.opens_reasoning is not None}
@@ -1202,6 +1202,8 @@ class _Reply:
             reasoning, text = split.feed(chunk.text, final=chunk.finish_reason is not None)
             chunk = replace(chunk, text=text)
         if self.tools is None:
+            if index in self.reasoning and not (chunk.text or reasoning or chunk.logprobs or chunk.finish_reason):
+                return []  # (all held back: the start of a tag, whitespace that may end the reasoning)
             return [self.chunk(chunk, index, reasoning)]
         stream = self.call_streams.setdefault(index, CallStream(self.tools))
         text = stream.feed(chunk.text)

@@ -52,48 +52,69 @@ def _tail_of(text: str, tag: str) -> int:
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
-def _parts(text: str, opened: bool, final: bool) -> Parts | None:
-    """``text`` split as the module docstring says; not ``final``: as much of each part as more text cannot change
-    (a prefix of each final part), or None where it cannot yet tell whether the answer reasons."""
-    body = text
-    if not opened:
-        begun = text.lstrip()
-        if not begun.startswith(THINK_OPEN):
-            if not final and THINK_OPEN.startswith(begun):
-                return None
-            return Parts(None, text)
-        body = begun[len(THINK_OPEN):]
-    end = body.find(THINK_CLOSE)
-    if end >= 0:
-        return Parts(body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip())
-    if final:
-        return Parts(body.strip(), "")
-    return Parts(body[:len(body) - _tail_of(body, THINK_CLOSE)].strip(), "")
-
-
 def split_reasoning(text: str, opened: bool) -> Parts:
     """A whole answer's reasoning and content; ``opened``: its prompt left it inside a block
-    (:func:`prompt_opens_reasoning`)."""
-    return _parts(text, opened, final=True)
+    (:func:`prompt_opens_reasoning`; an answer that opens it again has that tag dropped too)."""
+    begun = text.lstrip()
+    if begun.startswith(THINK_OPEN):
+        body = begun[len(THINK_OPEN):]
+    elif opened:
+        body = text
+    else:
+        return Parts(None, text)
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return Parts(body.strip(), "")
+    return Parts(body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip())
 
 
 class ReasoningStream:
-    """One streamed answer's text split into reasoning and content as it comes (module docstring)."""
+    """One streamed answer's text split into reasoning and content as it comes (module docstring): what it sends
+    adds up to :func:`split_reasoning`'s parts of the whole answer. Each piece is looked at once (with the few
+    characters held back before it), so a long answer costs what its length does."""
 
     def __init__(self, opened: bool) -> None:
         self.opened = opened
-        self.text = ""
-        self.sent = Parts(None, "")
+        self.state = "start"  # then "reasoning" or "content"
+        self.held = ""  # received and not yet sent: the start, or reasoning's trailing whitespace and tag start
+        self.sent_any = False  # of the current part (its leading whitespace is dropped until then)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content that ``text`` (the next piece; ``final``: the last) lets through now."""
-        self.text += text
-        now = _parts(self.text, self.opened, final)
-        if now is None:
-            return "", ""
-        sent_reasoning, reasoning = self.sent.reasoning or "", now.reasoning or ""
-        assert reasoning.startswith(sent_reasoning) and now.content.startswith(self.sent.content), \
-            "streamed reasoning or content that the whole answer does not begin with"
-        new = reasoning[len(sent_reasoning):], now.content[len(self.sent.content):]
-        self.sent = now
-        return new
+        self.held += text
+        reasoning = ""
+        if self.state == "start":
+            begun = self.held.lstrip()
+            if begun.startswith(THINK_OPEN):
+                self.state, self.held = "reasoning", begun[len(THINK_OPEN):]
+            elif not final and THINK_OPEN.startswith(begun):
+                return "", ""  # (it may yet open a block)
+            elif self.opened:
+                self.state = "reasoning"
+            else:
+                self.state = "content"
+                self.sent_any = True  # (an answer without reasoning is content as written, its whitespace too)
+        if self.state == "reasoning":
+            end = self.held.find(THINK_CLOSE)
+            if end < 0:
+                keep = 0 if final else _tail_of(self.held, THINK_CLOSE)
+                ready, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                return self._part(ready, final), ""
+            reasoning = self._part(self.held[:end], True)
+            self.state, self.held, self.sent_any = "content", self.held[end + len(THINK_CLOSE):], False
+        content, self.held = self.held, ""  # (content: as it comes, less its leading whitespace)
+        if not self.sent_any:
+            content = content.lstrip()
+            self.sent_any = bool(content)
+        return reasoning, content
+
+    def _part(self, ready: str, closing: bool) -> str:
+        """Reasoning ``ready`` to send, less its leading whitespace (until something was sent) and, unless the part
+        ends here (``closing``), its trailing whitespace, held back for more."""
+        if not self.sent_any:
+            ready = ready.lstrip()
+        trimmed = ready.rstrip()
+        if not closing:
+            self.held = ready[len(trimmed):] + self.held
+        self.sent_any = self.sent_any or bool(trimmed)
+        return trimmed
