@@ -362,3 +362,23 @@ def test_numpy_scalars_are_taken_wherever_python_numbers_are(target_model):
                                                                   top_p=float(np.float32(0.9)), seed=3)).token_ids
     with pytest.raises(TypeError, match="max_new_tokens must be an int"):
         GenerationConfig(max_new_tokens=np.float64(6))
+
+
+def test_chat_template_variables_reach_the_template_and_bad_ones_are_refused(byte_model):
+    from jointspec.backends.tokens import chat_template_ids
+
+    from helpers import byte_tokenizer
+
+    words = byte_tokenizer()  # (a tokenizer of its own: the fixture's is shared)
+    words.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+                           "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    pipe = Pipeline(CausalLM(byte_model, name="tiny"), words, "ar")
+    off = GenerationConfig(max_new_tokens=3, chat_template_kwargs={"enable_thinking": False})
+    assert pipe.generate("hi", off).prompt_ids == chat_template_ids(words, [{"role": "user", "content": "hi"}],
+                                                                    template_kwargs={"enable_thinking": False})
+    assert words.decode(pipe.generate("hi", off).prompt_ids).endswith("<assistant><think></think>")
+    assert words.decode(pipe.generate("hi", GenerationConfig(max_new_tokens=3)).prompt_ids).endswith("<assistant>")
+    with pytest.raises(ValueError, match="may not set tools"):
+        GenerationConfig(chat_template_kwargs={"tools": []})
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a mapping"):
+        GenerationConfig(chat_template_kwargs=[("a", 1)])

@@ -198,3 +198,20 @@ def test_a_ratio_without_an_interval_over_enough_prompts_says_why():
     after = describe(dict(complete, decode_speedup={"ratio": 1.2, "interval": None, "excludes_1": None}))
     assert after[3] == "decode_speedup: 1.200" and after[4].startswith("(decode_speedup: no interval")
     assert describe(dict(complete, decode_speedup=None)) == describe(complete)
+
+
+def test_chat_template_variables_reach_every_prompt_of_a_bench(byte_model):
+    """--chat-template-kwargs: each turn is read with the variables (a template of this test's own reads one)."""
+    from jointspec.backends.tokens import chat_template_ids
+
+    from helpers import byte_tokenizer
+
+    words = byte_tokenizer()
+    words.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+                           "{% if note is defined %}{{ note }}{% endif %}")
+    prompts = [BenchPrompt("1", "x", ("abc",))]
+    result, _ = run_tiny(byte_model, words, "ar", prompts, max_new_tokens=2, perplexity=False,
+                         chat_template_kwargs={"note": "[n]"})
+    assert result.runs[0].prompt_ids[0] == chat_template_ids(words, [{"role": "user", "content": "abc"}],
+                                                             template_kwargs={"note": "[n]"})
+    assert words.decode(result.runs[0].prompt_ids[0]).endswith("<assistant>[n]")

@@ -278,3 +278,31 @@ def test_a_later_turn_takes_the_conversations_cache_and_answers_the_same(tmp_pat
     assert outs[0] == outs[1] and outs[0].count("\n") == 2
     assert reused[0][1] >= 30 and reused[1] == [0, 0], reused
     assert "no prompt cache here" not in errs[0] and "no prompt cache here (--prompt-cache-mb 0)" in errs[1]
+
+
+def test_a_reasoning_models_thinking_shows_faint_on_a_terminal_and_template_variables_reach_it(
+        capsys, monkeypatch, tmp_path, byte_model):
+    """A template that opens a reasoning block (DeepSeek-R1's conventions) and reads a variable: on a terminal the
+    answer, all thinking here (this random model never closes the block), is shown faint; piped, as written; and
+    --chat-template-kwargs reaches the template."""
+    from jointspec.cli import chat as chat_cli
+
+    from helpers import byte_tokenizer
+
+    tokenizer = byte_tokenizer()  # (its own: the fixture's is shared)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'].split('</think>')[-1] }}"
+                               "{% endfor %}<assistant>{% if note is defined %}{{ note }}{% endif %}<think>\n")
+    byte_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    code, piped, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar")
+    assert code == 0, err
+    written = piped[:-1]  # (less the line's end)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(chat_cli.sys.stdout, "isatty", lambda: True, raising=False)
+    code, shown, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar")
+    assert code == 0, err
+    assert shown == chat_cli.FAINT + written.strip() + chat_cli.PLAIN + "\n"
+    code, _, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar",
+                        "--chat-template-kwargs", '{"note": "xyz"}')
+    read = [int(n) for n in re.findall(r"conversation (\d+) tokens", err)]
+    assert code == 0 and read == [len(chat_template_ids(tokenizer, [{"role": "user", "content": "abcabc"}])) + 3]

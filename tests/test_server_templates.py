@@ -25,7 +25,8 @@ from helpers import byte_tokenizer, tiny_llama
 # Qwen3's conventions: the answer may open a block itself; enable_thinking false writes an empty one after the turn's
 # opening; earlier reasoning sent back is shown in its turn.
 QWEN_LIKE = (
-    "{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% set ns = namespace(turns=0) %}{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
     "{% endif %}{{ m.content }}\n{% endfor %}<|assistant|>"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
 # DeepSeek-R1's: the prompt opens the block, and the answer closes it; earlier answers lose their reasoning.
@@ -231,7 +232,8 @@ def chat_body_messages(history: list[dict]) -> list[dict]:
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
     ({"chat_template_kwargs": {"note": "</s>"}}, None, "special token"),
     # (names the template call or the template itself uses otherwise: refused as the template fails on them)
-    ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs", "cannot be given"),
+    ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs", "may not set conversations"),
+    ({"chat_template_kwargs": {"namespace": 1}}, "chat_template_kwargs", "cannot be given"),
     ({"chat_template_kwargs": {"deep": json.loads("[" * 600 + "]" * 600)}}, None, "nested too deeply"),
 ])
 def test_what_the_template_may_not_be_given_is_a_400(qwen_engine, extra, param, says):

@@ -16,7 +16,13 @@ import torch
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.loading import DEFAULT_MODEL, load_model
-from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, decode_text, eos_token_ids
+from jointspec.backends.tokens import (
+    IncrementalDetokenizer,
+    chat_template_ids,
+    check_template_kwargs,
+    decode_text,
+    eos_token_ids,
+)
 from jointspec.core.errors import JointspecError, UnsupportedOptionError
 from jointspec.core.grammar import Grammar, OutputFormat, RecentGrammars
 from jointspec.core.logprobs import TokenLogprob, check_top_logprobs, json_logprob
@@ -43,6 +49,8 @@ class GenerationConfig:
     ``hybrid-tree``; ``default`` where it drafts its head's tree): its drafts draw from the same generator, so another
     length draws otherwise.
     ``chat``: wrap a text prompt in the model's chat template as one user message (where the tokenizer has one).
+    ``chat_template_kwargs``: further variables for that template, as vLLM's ``chat_template_kwargs`` (Qwen3's
+    ``{"enable_thinking": False}``).
     ``output_format``: what the answer must match (structured output: JSON of a schema, a regex, a Lark grammar;
     :class:`~jointspec.core.grammar.OutputFormat`), through any method. ``logprobs``: each new token's
     log-probability under the model (its raw distribution: temperature 1, before top-k, top-p and a grammar), with
@@ -59,6 +67,7 @@ class GenerationConfig:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     seed: int | None = 0  # None: a fresh seed each generation (a sampled answer is then not repeatable)
     chat: bool = True
+    chat_template_kwargs: Mapping[str, object] | None = None
     output_format: OutputFormat | None = None
     logprobs: int | None = None
 
@@ -74,6 +83,11 @@ class GenerationConfig:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.chat, bool):
             raise TypeError(f"chat must be True or False, got {self.chat!r}")
+        if self.chat_template_kwargs is not None:
+            if not isinstance(self.chat_template_kwargs, Mapping):
+                raise TypeError(f"chat_template_kwargs must be a mapping of names to values, got "
+                                f"{type(self.chat_template_kwargs).__name__}")
+            object.__setattr__(self, "chat_template_kwargs", check_template_kwargs(dict(self.chat_template_kwargs)))
         if self.output_format is not None and not isinstance(self.output_format, OutputFormat):
             raise TypeError(f"output_format must be an OutputFormat (e.g. OutputFormat.json_schema(schema)), got "
                             f"{type(self.output_format).__name__}")
@@ -239,9 +253,9 @@ class Pipeline:
             torch.set_num_threads(threads)
         return cls(target, tokenizer, method, **options)
 
-    def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        """``prompt``'s token ids: in the chat template as one user message where ``chat`` and the tokenizer has one,
-        else the text as the tokenizer reads it."""
+    def encode(self, prompt: str, chat: bool = True, template_kwargs: Mapping[str, object] | None = None) -> list[int]:
+        """``prompt``'s token ids: in the chat template as one user message where ``chat`` and the tokenizer has one
+        (``template_kwargs``: further variables for it), else the text as the tokenizer reads it."""
         if not isinstance(prompt, str):
             raise TypeError(f"the prompt must be text (str), not {type(prompt).__name__}; for token ids call "
                             "generate_ids() or stream_ids()")
@@ -249,8 +263,13 @@ class Pipeline:
             raise JointspecError("this Pipeline has no tokenizer, so it cannot read text: pass token ids to "
                                  "generate_ids() or stream_ids(), or build it with the model's tokenizer")
         if chat and getattr(self.tokenizer, "chat_template", None):  # as `serve` reads a chat (text as text)
-            return chat_template_ids(self.tokenizer, [{"role": "user", "content": prompt}])
+            return chat_template_ids(self.tokenizer, [{"role": "user", "content": prompt}],
+                                     template_kwargs=template_kwargs)
         return self.tokenizer(prompt)["input_ids"]
+
+    def _encode_for(self, prompt: str, config: GenerationConfig) -> list[int]:
+        config = _checked_config(config)
+        return self.encode(prompt, config.chat, config.chat_template_kwargs)
 
     def stream_ids(self, prompt_ids: Sequence[int] | torch.Tensor, config: GenerationConfig) -> Iterator[list[int]]:
         """Yield the new token ids as rounds commit them. A ``generate`` call running in another thread finishes
@@ -354,7 +373,7 @@ class Pipeline:
         """Yield text deltas as rounds commit tokens. (A stream reports no seed: to repeat a sampled stream, give
         ``config`` a seed; ``seed=None`` draws one that only :meth:`generate` reports.)"""
         detok = IncrementalDetokenizer(self.tokenizer)
-        for chunk in self.stream_ids(self.encode(prompt, _checked_config(config).chat), config):
+        for chunk in self.stream_ids(self._encode_for(prompt, config), config):
             delta = detok.push(chunk)
             if delta:
                 yield delta
@@ -399,4 +418,4 @@ class Pipeline:
     def generate(self, prompt: str, config: GenerationConfig = GenerationConfig(), on_text=None) -> GenerationResult:
         """Decode after ``prompt`` (text; in the model's chat template as one user message where ``config.chat``);
         ``on_text(delta)`` is called with the text as rounds commit it, if given."""
-        return self.generate_ids(self.encode(prompt, _checked_config(config).chat), config, on_text)
+        return self.generate_ids(self._encode_for(prompt, config), config, on_text)

@@ -74,6 +74,26 @@ def _special_spellings(tokenizer) -> list[str]:
 
 # A message's fields that hold text read as text (chat_template_ids): its content, and an assistant's reasoning.
 MESSAGE_TEXTS = ("content", "reasoning_content")
+# What further template variables (chat_template_ids' template_kwargs, vLLM's chat_template_kwargs) may not name:
+# the conversation and tools rendered from the messages, and the arguments of transformers' apply_chat_template
+# itself (the output's form).
+TEMPLATE_CALL_NAMES = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
+
+def check_template_kwargs(kwargs) -> dict:
+    """``kwargs`` as further chat template variables: an object whose names the template call does not take itself
+    (ValueError naming them)."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat template variables must be a JSON object such as {{\"enable_thinking\": false}}, got "
+                         f"{json.dumps(kwargs)}")
+    taken = sorted(set(kwargs) & TEMPLATE_CALL_NAMES)
+    if taken:
+        raise ValueError(f"chat template variables may not set {', '.join(taken)}: the chat template call sets them "
+                         "itself")
+    return kwargs
 
 
 def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,

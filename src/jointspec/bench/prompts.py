@@ -126,21 +126,22 @@ def select_prompts(prompts: list[BenchPrompt], categories: list[str] | None = No
     return chosen
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation ending in a user turn, ready for the assistant's answer.
 
-    Uses the tokenizer's chat template, as `generate` and `serve` read a chat (message text as text); without one,
-    the turns are joined as plain text.
+    Uses the tokenizer's chat template (``template_kwargs``: further variables for it), as `generate` and `serve`
+    read a chat (message text as text); without one, the turns are joined as plain text.
     """
     if getattr(tokenizer, "chat_template", None):
         from jointspec.backends.tokens import chat_template_ids  # (here: it imports torch, this module does not)
 
-        return list(chat_template_ids(tokenizer, messages))
+        return list(chat_template_ids(tokenizer, messages, template_kwargs=template_kwargs))
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer(text)["input_ids"])
 
 
-def check_prompts_fit(prompts: list[BenchPrompt], tokenizer, max_context: int) -> None:
+def check_prompts_fit(prompts: list[BenchPrompt], tokenizer, max_context: int,
+                      template_kwargs: dict | None = None) -> None:
     """Refuse, before anything runs, the prompts whose turns cannot fit ``max_context`` tokens even with empty
     answers before them (a turn is asked after the method's own earlier answers, so this is the least it needs);
     otherwise a bench ran every prompt before the first such one, which could be hours, and then stopped."""
@@ -149,7 +150,7 @@ def check_prompts_fit(prompts: list[BenchPrompt], tokenizer, max_context: int) -
         messages: list[dict[str, str]] = []
         for turn, text in enumerate(prompt.turns):
             messages.append({"role": "user", "content": text})
-            length = len(chat_prompt_ids(tokenizer, messages))
+            length = len(chat_prompt_ids(tokenizer, messages, template_kwargs))
             if length >= max_context:
                 too_long.append(f"{prompt.question_id} (turn {turn + 1}: {length:,} tokens)")
                 break

@@ -75,6 +75,8 @@ class BenchConfig:
     auto_quantize: str = "none"
     # What the quantised copies' caches store (--kv-cache; backends.loading.quantized_copy).
     kv_cache: str = "auto"
+    # Further chat template variables for every prompt (--chat-template-kwargs: Qwen3's enable_thinking).
+    chat_template_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -175,7 +177,7 @@ def run_bench(target: CausalLM, tokenizer, prompts: list[BenchPrompt], specs: li
         raise ValueError("no prompts to run")
     # llama.cpp's rows read within their own, capped context (below): the prompts must fit that too.
     check_prompts_fit(prompts, tokenizer, min(target.max_context, LLAMACPP_MAX_CONTEXT)
-                      if any(s.needs_llamacpp for s in specs) else target.max_context)
+                      if any(s.needs_llamacpp for s in specs) else target.max_context, config.chat_template_kwargs)
     specs = sorted(specs, key=lambda s: s.label != baseline)  # baseline first
     load_draft = load_draft or memoised_loader(str(target.device), None)
     refusal = next(filter(None, (penalties_refusal(s, config.penalties) for s in specs)), None)
@@ -330,7 +332,7 @@ def run_conversation(engine, tokenizer, prompt: BenchPrompt,
     turns: list[tuple[list[int], TurnOutput]] = []
     for turn, text in enumerate(prompt.turns):
         messages.append({"role": "user", "content": text})
-        prompt_ids = chat_prompt_ids(tokenizer, messages)
+        prompt_ids = chat_prompt_ids(tokenizer, messages, config.chat_template_kwargs)
         seed = prompt_seed(config.seed, prompt.question_id, turn)
         out = engine.generate(prompt_ids, config.max_new_tokens, config.sampling, seed, penalties=config.penalties)
         turns.append((prompt_ids, out))

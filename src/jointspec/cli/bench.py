@@ -27,6 +27,7 @@ from jointspec.cli.commands import command_help
 from jointspec.cli.options import (
     add_model_arguments,
     add_sampling_flags,
+    add_template_argument,
     apply_threads,
     check_dynamic_tree,
     check_output_folder,
@@ -64,6 +65,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="per turn")
     parser.add_argument("--repeats", type=positive_int, default=1, help="timed repeats (median; min-max shown)")
     add_sampling_flags(parser)
+    add_template_argument(parser)
     parser.add_argument("--seed", type=int, default=0,
                         help="when sampling, each prompt and turn draws with a seed derived from this and its id")
     parser.add_argument("--report-dir", type=Path, default=None,
@@ -135,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                              **sampling_options(args), warmup=not args.no_warmup,
                              perplexity=not args.no_perplexity, cost_model=not args.no_cost_model,
-                             llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache)
+                             llamacpp_model=llamacpp_model(args), threads=args.threads, kv_cache=args.kv_cache,
+                             chat_template_kwargs=args.chat_template_kwargs)
     except ValueError as error:
         raise MethodSpecError(str(error)) from error
     check_shared_options(defaults, specs, given_method_options(args))

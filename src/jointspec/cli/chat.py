@@ -36,7 +36,7 @@ COMMANDS_HELP = (
 
 
 def add_parser(subparsers) -> None:
-    from jointspec.cli.options import add_model_arguments, add_sampling_arguments, positive_int
+    from jointspec.cli.options import add_model_arguments, add_sampling_arguments, add_template_argument, positive_int
     from jointspec.cli.serve import non_negative_int
 
     parser = subparsers.add_parser("chat", help=command_help("chat"))
@@ -44,6 +44,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--system", metavar="TEXT", default=None,
                         help="a system message that opens the conversation (and every one /reset starts)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=512, help="new tokens at most per answer")
+    add_template_argument(parser)
     add_sampling_arguments(parser, "fixes a sampled conversation: answer n (from 0) samples with seed + n "
                                    "(default: a fresh seed, reported when the chat starts)")
     parser.add_argument("--prompt-cache-mb", type=non_negative_int, default=256, metavar="MB",
@@ -283,6 +284,38 @@ def show(text: str) -> None:
     sys.stdout.flush()
 
 
+# A reasoning model's thinking, shown faint on a terminal (ANSI's faint, then reset): apart from its answer.
+FAINT, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+class _Shown:
+    """What a turn shows of its answer as it comes. On a terminal, a reasoning model's thinking (its <think> block,
+    server/reasoning.py) faint and its answer after a blank line; elsewhere (a pipe, a file), the text as written."""
+
+    def __init__(self, opens_reasoning: bool | None) -> None:
+        from jointspec.server.reasoning import ReasoningStream
+
+        self.split = ReasoningStream(opens_reasoning) if opens_reasoning is not None and sys.stdout.isatty() else None
+        self.thinking = False  # inside the faint part now
+        self.thought = False  # some thinking was shown
+
+    def feed(self, text: str, final: bool) -> None:
+        if self.split is None:
+            if text:
+                show(text)
+            return
+        reasoning, content = self.split.feed(text, final)
+        shown = ""
+        if reasoning:
+            shown += ("" if self.thinking else FAINT) + reasoning
+            self.thinking = self.thought = True
+        if self.thinking and (content or final):
+            shown += PLAIN + ("\n\n" if content else "")
+            self.thinking = False
+        if shown or content:
+            show(shown + content)
+
+
 class _Answer:
     """What a turn wrote, kept as it arrives, so a stopped answer still has the text that was shown."""
 
@@ -300,18 +333,19 @@ async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: 
     config = GenerationConfig(**sampling_options(args))
     request = CompletionRequest(messages=tuple(dict(m) for m in messages), temperature=config.temperature,
                                 top_k=config.top_k, top_p=config.top_p, min_p=config.min_p, seed=seed or 0,
-                                penalties=config.penalties)
+                                penalties=config.penalties, template_kwargs=args.chat_template_kwargs)
     start = time.perf_counter()
     generation = await engine.submit(request)
+    shown = _Shown(generation.opens_reasoning)
     first = None
     tokens = 0
     try:
         async for chunk in generation:
             if chunk.failure is not None:
                 raise JointspecError(chunk.failure.message)
-            if chunk.text:
-                first = first or time.perf_counter()
-                show(chunk.text)
+            if chunk.text or chunk.finish_reason is not None:
+                first = first or (time.perf_counter() if chunk.text else None)
+                shown.feed(chunk.text, final=chunk.finish_reason is not None)
                 answer.text += chunk.text
             tokens += chunk.num_tokens
             if chunk.finish_reason is not None:

@@ -17,6 +17,7 @@ from jointspec.cli.commands import COMMANDS, command_help
 from jointspec.cli.options import (
     add_model_arguments,
     add_sampling_arguments,
+    add_template_argument,
     apply_threads,
     check_reads,
     method_config_from_args,
@@ -48,6 +49,7 @@ def _add_generate(subparsers) -> None:
     add_sampling_arguments(parser, "fixes a sampled answer (default: a fresh seed per run, reported so the answer "
                                    "can be repeated)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    add_template_argument(parser)
     parser.add_argument("--attention", choices=("full", "sparse", "speckv", "specpc"), default="full",
                         help="APPROXIMATE (lossy) decoding for long inputs, past 2,048 tokens of context. sparse: "
                              "the model sees only attention sinks, its last 1,024 tokens and the input spans its "
@@ -89,6 +91,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else fresh_seed()
     try:
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=seed, chat=not args.no_chat,
+                                  chat_template_kwargs=args.chat_template_kwargs,
                                   output_format=_output_format(args), logprobs=args.logprobs,
                                   **sampling_options(args))
         method = method_config_from_args(args)

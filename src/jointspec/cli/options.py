@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import re
@@ -171,6 +172,23 @@ def model_options(args: argparse.Namespace) -> dict:
     serve, bench and draft loading all pass every one."""
     return dict(device=args.device, dtype=args.dtype, quantize=args.quantize, backend=args.backend,
                 threads=args.threads, kernels=args.kernels, kv_cache=args.kv_cache)
+
+
+def template_kwargs_option(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of further chat template variables."""
+    from jointspec.backends.tokens import check_template_kwargs
+
+    try:
+        return check_template_kwargs(json.loads(text))
+    except ValueError as error:  # (json's own errors included)
+        raise argparse.ArgumentTypeError(f"--chat-template-kwargs {text!r}: {error}") from None
+
+
+def add_template_argument(parser: argparse.ArgumentParser) -> None:
+    """--chat-template-kwargs, as generate, chat and bench take it (serve: per request, as vLLM reads it)."""
+    parser.add_argument("--chat-template-kwargs", type=template_kwargs_option, default=None, metavar="JSON",
+                        help="further variables for the model's chat template, as a JSON object, as vLLM's "
+                             "chat_template_kwargs: e.g. '{\"enable_thinking\": false}' turns Qwen3's thinking off")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:

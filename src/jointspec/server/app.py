@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from jointspec.backends.tokens import TokenSpelling
+from jointspec.backends.tokens import TokenSpelling, check_template_kwargs
 from jointspec.core.errors import ContextTooLongError, JointspecError
 from jointspec.core.grammar import OutputFormat
 from jointspec.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, json_logprob
@@ -159,12 +159,6 @@ class StreamOptions(_Body):
 
 MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
 MAX_CHOICES = 16  # choices a request may ask for (n): each is a sequence of the batch
-# What chat_template_kwargs may not name: the conversation and tools the server renders, and the arguments of
-# transformers' apply_chat_template itself (the output's form).
-TEMPLATE_CALL_NAMES = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MAX_SEQUENCES = 64  # sequences one request may take: its prompts times its choices
 
 
@@ -875,10 +869,11 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, respon
         raise RequestError("audio output is not supported: this server answers text", param="audio")
     if getattr(body, "web_search_options", None) is not None:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
-    taken = sorted(set(getattr(body, "chat_template_kwargs", None) or ()) & TEMPLATE_CALL_NAMES)
-    if taken:
-        raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them itself",
-                           param="chat_template_kwargs")
+    if getattr(body, "chat_template_kwargs", None) is not None:
+        try:
+            check_template_kwargs(body.chat_template_kwargs)
+        except ValueError as error:
+            raise RequestError(str(error), param="chat_template_kwargs") from None
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
