@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
-from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body
+from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body, chat_request
 
 from helpers import byte_tokenizer, live_server, tiny_llama
 
@@ -52,7 +52,7 @@ def events_of(reply) -> list[dict]:
         kind, data = block.split("\n")
         event = json.loads(data[len("data: "):])
         assert kind == f"event: {event['type']}"
-        EVENTS.validate_python(event)
+        EVENTS.validate_python(event, strict=True)
         events.append(event)
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     return events
@@ -65,7 +65,8 @@ def test_a_responses_request_is_read_into_the_chat_request_that_decodes_it():
             "input": [
                 {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text",
                                                                                           "text": "in Paris?"}]},
-                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                                 "text": "Look it up."}]},
                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
                 {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
                 {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
@@ -75,7 +76,7 @@ def test_a_responses_request_is_read_into_the_chat_request_that_decodes_it():
     chat = chat_body(data)
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Look it up.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18C"}, {"role": "tool", "tool_call_id": "c2",
@@ -97,7 +98,17 @@ def test_a_responses_request_is_read_into_the_chat_request_that_decodes_it():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"input": [{"role": "critic", "content": "x"}]}, "input.0.role"),
     ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type"),
-    ({"input": [{"type": "function_call_output", "output": "18C"}]}, "input.0"),
+    ({"input": [{"type": "function_call_output", "output": "18C"}]}, "input.0.call_id"),
+    # (nothing is stored: a result answers a call sent beside it, as OpenAI refuses one whose call it cannot find)
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
+     "input.1.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}, "input.0.arguments"),
+    ({"input": "x", "metadata": {"a": 1}}, "metadata"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"model": "tiny"}, "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": "x", "text": "plain"}, "text"),
     ({"input": "x", "instructions": ["a"]}, "instructions"),
@@ -110,22 +121,47 @@ def test_what_a_responses_request_cannot_have_here_is_refused_by_name(client, da
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
-@pytest.mark.parametrize("data, param", [
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}, "text.format"),
-    ({"max_output_tokens": 5000}, "input"),  # (past the context: the chat route names its messages)
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+def test_a_chat_message_named_in_an_error_is_the_input_item_it_came_from():
+    read = chat_request({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "reasoning", "summary": []}, {"type": "function_call_output", "call_id": "c", "output": "1"}]})
+    assert read.origins == ("instructions", "input.0", "input.1", "input.3")
+    assert read.wording("messages.2.tool_calls.0 must be a call") == "input.1 must be a call"
+    assert read.wording("messages.3.tool_call_id") == "input.3.call_id"
+    assert read.wording("response_format.json_schema.schema and max_completion_tokens") == (
+        "text.format.schema and max_output_tokens")
+    assert read.wording("tools.2.function.parameters") == "tools.2.parameters" and read.wording(None) is None
+
+
+def test_instructions_and_the_system_messages_before_the_conversation_are_one_system_message():
+    chat = chat_body({"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Later."}]})
+    assert chat["messages"] == [{"role": "system", "content": "Be brief.\n\nAnswer in French."},
+                                {"role": "user", "content": "Hi"}, {"role": "system", "content": "Later."}]
+
+
+@pytest.mark.parametrize("data, param, says", [
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}, "text.format", ""),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "text.format.schema"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools.0.strict", "tools.0.strict"),
+    ({"max_output_tokens": 5000}, "input", ""),  # (past the context: the chat route names its messages)
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools.0.parameters", ""),
 ])
-def test_what_the_chat_route_refuses_is_named_as_the_responses_request_named_it(client, data, param):
+def test_what_the_chat_route_refuses_is_named_as_the_responses_request_named_it(client, data, param, says):
     reply = client.post("/v1/responses", json={"model": "tiny", "input": "x", **data})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and says in error["message"], reply.text
+    for chat_name in ("messages", "max_completion_tokens", "response_format", "function", "tool_call"):
+        assert chat_name not in error["message"], error["message"]
 
 
 def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(client):
     body = {"model": "tiny", "input": "Hello", "instructions": "Answer.", "max_output_tokens": 12, "temperature": 0,
-            "metadata": {"run": "1"}}
+            "metadata": {"run": "1"}, "parallel_tool_calls": None, "tool_choice": None}  # (nulls: left out)
     whole = client.post("/v1/responses", json=body).json()
-    response = Response.model_validate(whole)
+    response = Response.model_validate(whole, strict=True)
     chat = client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Hello"}],
         "max_completion_tokens": 12, "temperature": 0}).json()
@@ -134,12 +170,14 @@ def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(client
     assert (response.usage.input_tokens, response.usage.output_tokens) == (chat["usage"]["prompt_tokens"], 12)
     assert response.metadata == {"run": "1"} and response.instructions == "Answer." and response.id.startswith("resp_")
     # Streamed: the deltas add up to the same text, inside one message item, and the last event carries it all.
-    events = events_of(client.post("/v1/responses", json={**body, "stream": True}))
+    # (a request may name any model: the served one answers, and every event names it)
+    events = events_of(client.post("/v1/responses", json={**body, "stream": True, "model": "gpt-4o"}))
     kinds = [event["type"] for event in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"] and kinds[-1] == "response.incomplete"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == response.output_text
-    final = Response.model_validate(events[-1]["response"])
+    final = Response.model_validate(events[-1]["response"], strict=True)
+    assert events[0]["response"]["model"] == final.model == "tiny"  # (the served model's name throughout)
     assert final.output_text == response.output_text and final.usage.output_tokens == 12
     # An answer that ends by itself (here at a stop string: its own third character) is completed.
     ended = client.post("/v1/responses", json={**body, "stop": [response.output_text[2]]}).json()
@@ -184,19 +222,23 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item(model):
                                                                                         "content": "Why?"}],
                                                          "max_tokens": 10, "temperature": 0}).json()
         thought = chat["choices"][0]["message"]["reasoning_content"]
-        response = Response.model_validate(client.post("/v1/responses", json=body).json())
+        response = Response.model_validate(client.post("/v1/responses", json=body).json(), strict=True)
         assert [item.type for item in response.output] == ["reasoning"]
         assert response.output[0].content[0].text == thought and response.output_text == ""
         events = events_of(client.post("/v1/responses", json={**body, "stream": True}))
         assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
         assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["reasoning"]
+        parts = [e for e in events if e["type"].startswith("response.content_part.")]
+        assert [(e["type"], e["part"]["type"]) for e in parts] == [("response.content_part.added", "reasoning_text"),
+                                                                 ("response.content_part.done", "reasoning_text")]
+        assert parts[1]["part"]["text"] == thought
     finally:
         served.close()
 
 
 def test_an_error_in_a_stream_ends_it_with_a_failed_response():
     shaper = ResponseShaper({"model": "tiny", "input": "x"}, {"messages": []})
-    events = [*shaper.start(), *shaper.events({"choices": [{"index": 0, "delta": {"content": "Hi"},
+    events = [*shaper.start("tiny"), *shaper.events({"choices": [{"index": 0, "delta": {"content": "Hi"},
                                                             "finish_reason": None}]}),
               *shaper.events({"error": {"message": "the engine failed", "code": "engine_error"}})]
     parsed = [EVENTS.validate_python(json.loads(event.split("\n")[1][len("data: "):])) for event in events]
@@ -204,3 +246,15 @@ def test_an_error_in_a_stream_ends_it_with_a_failed_response():
     assert (parsed[-1].response.error.code, parsed[-1].response.error.type) == ("server_error", "engine_error")
     assert [item.content[0].text for item in parsed[-1].response.output] == ["Hi"]  # (what it had written)
     assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
+
+
+def test_thinking_an_answer_followed_is_complete_however_the_answer_ended():
+    shaper = ResponseShaper({"model": "tiny", "input": "x"}, {"messages": []})
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    cut = {"model": "tiny", "usage": usage, "choices": [{"index": 0, "finish_reason": "length", "message": {
+        "role": "assistant", "content": "Blue", "reasoning_content": "Scattering."}}]}
+    response = Response.model_validate(shaper.whole(cut), strict=True)
+    assert [(item.type, item.status) for item in response.output] == [("reasoning", "completed"),
+                                                                      ("message", "incomplete")]
+    cut["choices"][0]["message"]["content"] = None  # (cut while thinking: the thinking is what was cut)
+    assert [item["status"] for item in shaper.whole(cut)["output"]] == ["incomplete"]

@@ -58,7 +58,7 @@ from jointspec.server.engine import (
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 from jointspec.server.reasoning import Parts, ReasoningStream, split_reasoning
-from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body, response_param
+from jointspec.server.responses import ChatRequest, ResponsesError, ResponseShaper, chat_request
 from jointspec.server.tools import (
     HERMES,
     CallStream,
@@ -199,7 +199,8 @@ class _Sampling(_Body):
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
     _tools_read: ToolUse | None = PrivateAttr(None)  # the four above as read once (_parse: their schemas compiled)
-    _responses: dict | None = PrivateAttr(None)  # a Responses API request's own body, where it was one (_parse)
+    # A Responses API request's own body and its reading (server/responses.py), where it was one (_parse).
+    _responses: tuple[dict, ChatRequest] | None = PrivateAttr(None)
     # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
     # after the temperature, as vLLM drops them) and repetition_penalty (core/penalties.py).
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -480,8 +481,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
         # An unknown path or method: OpenAI's envelope (clients read error.message), not FastAPI's {"detail": ...}.
-        message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions "
-                   "and /v1/chat/completions, GET /v1/models, /health and /metrics"
+        message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions, "
+                   "/v1/chat/completions and /v1/responses (nothing is stored to fetch again), GET /v1/models, "
+                   "/health and /metrics"
                    if error.status_code in (404, 405) else str(error.detail))
         return JSONResponse(RequestError(message, status=error.status_code).body(), status_code=error.status_code,
                             headers=getattr(error, "headers", None))
@@ -545,6 +547,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             return error_response(_shutting_down("the server is shutting down; retry on another instance or later",
                                                  settings.retry_after))
         streaming = False
+        body = None
         try:
             try:
                 # (a large body's parse takes its time: off the loop)
@@ -553,8 +556,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
-                if endpoint == "responses":  # (named as the client named it)
-                    error.param = response_param(error.param)
+                if body is not None and body._responses is not None:  # (named as the client named it)
+                    error = _as_responses(error, body._responses[1])
                 return error_response(error)
             except Exception as error:  # noqa: BLE001 - a bug: a 500 envelope, counted, the connection kept
                 # (answered here: Starlette's catch-all handler re-raises after its reply, and uvicorn then drops
@@ -567,8 +570,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             shared = engine_requests[0]  # (the settings every prompt's request shares)
             sampled = shared.temperature > 0 and shared.max_tokens != 0  # (a prompt scored alone samples nothing)
             # usage counts each prompt once, however many choices read it
-            shaper = ResponseShaper(body._responses, body.model_dump(exclude_none=True)) if (
-                endpoint == "responses") else None
+            shaper = ResponseShaper(body._responses[0], body.model_dump(exclude_none=True)) if (
+                body._responses is not None) else None
             reply = _Reply("chat" if shaper else endpoint, engine.model_id,
                            sum(generation.num_prompt_tokens for generation in generations[::body.n]),
                            shared.seed if sampled else None,
@@ -696,7 +699,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         outcome = "cancelled"  # unless it gets to an end of its own: the client left
         try:
             if shaper is not None:
-                for event in shaper.start():
+                for event in shaper.start(engine.model_id):
                     yield event
             for index in range(len(chunks)):
                 for event in send(reply.first_chunk(index)):
@@ -840,18 +843,32 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, respon
     if where is not None:
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
-    original = data
-    if responses:
-        try:
-            data = chat_body(data)
-        except ResponsesError as error:
-            raise RequestError(str(error), param=error.param) from None
+    if not responses:
+        return _checked(data, model, call_format)
+    try:
+        request = chat_request(data)
+    except ResponsesError as error:
+        raise RequestError(str(error), param=error.param) from None
+    try:
+        body = _checked(request.body, model, call_format)
+    except RequestError as error:
+        raise _as_responses(error, request) from None
+    body._responses = (data, request)
+    return body
+
+
+def _as_responses(error: RequestError, request: ChatRequest) -> RequestError:
+    """A chat request's error as the Responses request it came from names its fields (server/responses.py)."""
+    error.param, error.message = request.wording(error.param), request.wording(error.message)
+    return error
+
+
+def _checked(data: dict, model: type[_Sampling], call_format: str) -> _Sampling:
+    """A request's body, already read as JSON, checked (``_parse``)."""
     try:
         body = model.model_validate(data)
     except ValidationError as error:
         raise _from_validation(error) from None
-    if responses:
-        body._responses = original
     if body.n > MAX_CHOICES:
         raise RequestError(f"n must be at most {MAX_CHOICES} (each choice takes a row of the batch), got {body.n}",
                            param="n")

@@ -21,8 +21,10 @@ models) and ``include`` are read and not acted on: a reasoning model here thinks
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from dataclasses import dataclass
 
 # Fields of a Responses request that ask for what this server does not do: each a 400 naming it.
 REFUSED = {
@@ -30,14 +32,21 @@ REFUSED = {
     "conversation": "conversations are not stored here: send the whole conversation as input",
     "background": "background responses are not served: send the request and wait for it (or stream it)",
     "prompt": "stored prompt templates are not served: send the instructions and input themselves",
+    "top_logprobs": "log-probabilities are not served on /v1/responses: ask /v1/chat/completions with logprobs",
 }
 # What passes to the chat request unchanged.
 SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "user", "parallel_tool_calls",
         "chat_template_kwargs", "jointspec", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "stop")
-# A chat request's field names, as a Responses request names them (errors name what the client sent).
-PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"))
 TEXT_PARTS = ("input_text", "output_text", "text")
+# OpenAI's limits on metadata: so many pairs of text, keys and values so long.
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+# A chat request's names, as a Responses request names what they came from (errors name what the client sent).
+_RENAMES = ((re.compile(r"max_completion_tokens"), "max_output_tokens"),
+            (re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
+            (re.compile(r"response_format(\.json_schema)?"), "text.format"),
+            (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
+_MESSAGE = re.compile(r"\bmessages\.(\d+)((?:\.tool_calls\.\d+)?(?:\.tool_call_id)?)")
 
 
 class ResponsesError(ValueError):
@@ -48,30 +57,53 @@ class ResponsesError(ValueError):
         self.param = param
 
 
-def response_param(param: str | None) -> str | None:
-    """A chat field's name (in an error) as the Responses request named it."""
-    if param is None:
-        return None
-    for chat, ours in PARAMS:
-        if param == chat or param.startswith(chat + "."):
-            return ours + param[len(chat):]
-    return param.replace(".function.", ".") if param.startswith("tools.") else param
+@dataclass(frozen=True)
+class ChatRequest:
+    """A Responses request as the chat request that decodes it: its body, and where each of its messages came from
+    (``instructions`` or ``input.N``), so that an error about a message names the item the client sent."""
+
+    body: dict
+    origins: tuple[str, ...]
+
+    def wording(self, text: str | None) -> str | None:
+        """An error's field name or message as the Responses request names its fields."""
+        if text is None:
+            return None
+
+        def item(match: re.Match) -> str:
+            index = int(match.group(1))
+            if index >= len(self.origins):
+                return match.group(0)
+            return self.origins[index] + (".call_id" if match.group(2).endswith("tool_call_id") else "")
+
+        text = _MESSAGE.sub(item, text).replace("messages", "input")
+        for pattern, name in _RENAMES:
+            text = pattern.sub(name, text)
+        return text
 
 
-def chat_body(data: dict) -> dict:
+def chat_request(data: dict) -> ChatRequest:
     """A Responses request body as the chat request that decodes it; ResponsesError names the field at fault."""
     for name, why in REFUSED.items():
         if data.get(name) not in (None, False, ""):
             raise ResponsesError(f"{name}: {why}", name)
-    if data.get("n", 1) != 1:
+    if data.get("n") not in (None, 1):
         raise ResponsesError("the Responses API has no n: send one request per answer", "n")
+    if data.get("truncation") not in (None, "disabled"):
+        raise ResponsesError("truncation: only \"disabled\" is served (an input past the context is refused, not "
+                             "cut)", "truncation")
+    include = data.get("include") or []
+    if not isinstance(include, list) or "message.output_text.logprobs" in include:
+        raise ResponsesError("include: log-probabilities are not served on /v1/responses (ask /v1/chat/completions "
+                             "with logprobs); other include values are read and not acted on", "include")
+    _check_metadata(data.get("metadata"))
     chat = {name: data[name] for name in SAME if name in data}
-    messages = []
-    if data.get("instructions") is not None:
-        if not isinstance(data["instructions"], str):
-            raise ResponsesError("instructions must be text", "instructions")
-        messages.append({"role": "system", "content": data["instructions"]})
-    messages += _messages(data.get("input"))
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ResponsesError("instructions must be text", "instructions")
+    if "input" not in data or data["input"] is None:
+        raise ResponsesError("input is required: text, or a list of messages and items", "input")
+    messages, origins = _messages(data["input"], instructions)
     chat["messages"] = messages
     if data.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = data["max_output_tokens"]
@@ -79,12 +111,28 @@ def chat_body(data: dict) -> dict:
         chat["tools"] = [_chat_tool(tool, f"tools.{index}") for index, tool in enumerate(_list(data["tools"], "tools"))]
     if data.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(data["tool_choice"])
-    fmt = (data.get("text") or {}).get("format") if isinstance(data.get("text"), dict) else None
     if data.get("text") is not None and not isinstance(data["text"], dict):
         raise ResponsesError("text must be an object such as {\"format\": {\"type\": \"text\"}}", "text")
+    fmt = (data.get("text") or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _chat_format(fmt)
-    return chat
+    return ChatRequest(chat, tuple(origins))
+
+
+def chat_body(data: dict) -> dict:
+    """:func:`chat_request`'s chat body alone."""
+    return chat_request(data).body
+
+
+def _check_metadata(metadata) -> None:
+    if metadata is None:
+        return
+    rule = (f"metadata must be an object of at most {METADATA_PAIRS} pairs of text, keys up to {METADATA_KEY} "
+            f"characters and values up to {METADATA_VALUE}")
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_PAIRS or any(
+            not isinstance(value, str) or len(key) > METADATA_KEY or len(value) > METADATA_VALUE
+            for key, value in metadata.items()):
+        raise ResponsesError(rule, "metadata")
 
 
 def _list(value, param: str) -> list:
@@ -100,18 +148,46 @@ def _text(content, param: str) -> str:
     texts = []
     for index, part in enumerate(_list(content, param)):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in TEXT_PARTS:
             raise ResponsesError(f"{param}.{index}: only text parts are served ({', '.join(TEXT_PARTS)}), got "
                                  f"{json.dumps(kind)}", f"{param}.{index}")
+        if not isinstance(part.get("text"), str):
+            raise ResponsesError(f"{param}.{index}: a {kind} part needs its text", f"{param}.{index}.text")
         texts.append(part["text"])
     return "".join(texts)
 
 
-def _messages(given) -> list[dict]:
-    """``input`` as chat messages: text a user message; items in order, an assistant's calls joined to its turn."""
+def _reasoning_text(item: dict) -> str:
+    """An earlier reasoning item's text: its content, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(part.get("text", "") for part in parts if isinstance(part, dict) and isinstance(part.get("text"),
+                                                                                                     str))
+
+
+def _messages(given, instructions: str | None) -> tuple[list[dict], list[str]]:
+    """``input`` (and ``instructions``) as chat messages, and where each came from (``instructions``, ``input.N``).
+    Text is a user message; items keep their order: the instructions and the system or developer messages before any
+    other item one system message, an assistant's calls joined to its turn, earlier reasoning given to the assistant
+    turn it preceded (as reasoning_content, which a template may show)."""
     if isinstance(given, str):
-        return [{"role": "user", "content": given}]
+        given = [{"role": "user", "content": given}]
     messages: list[dict] = []
+    origins: list[str] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+        origins.append("instructions")
+    calls: set[str] = set()
+    thought: str | None = None  # reasoning waiting for its assistant turn
+
+    def assistant(where: str, content: str | None) -> dict:
+        nonlocal thought
+        turn = {"role": "assistant", "content": content}
+        if thought is not None:
+            turn["reasoning_content"], thought = thought, None
+        messages.append(turn)
+        origins.append(where)
+        return turn
+
     for index, item in enumerate(_list(given, "input")):
         where = f"input.{index}"
         if not isinstance(item, dict):
@@ -122,29 +198,47 @@ def _messages(given) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ResponsesError(f"{where}.role must be user, system, developer or assistant, got "
                                      f"{json.dumps(role)}", f"{where}.role")
-            messages.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
-            if not isinstance(call["id"], str) or not isinstance(call["function"]["name"], str):
-                raise ResponsesError(f"{where}: a function_call item needs its call_id and name", where)
-            if messages and messages[-1]["role"] == "assistant":  # (one turn: its text, then its calls)
-                messages[-1].setdefault("tool_calls", []).append(call)
+            text = _text(item.get("content", ""), f"{where}.content")
+            leading = messages and all(m["role"] == "system" for m in messages)
+            if role in ("system", "developer") and (leading or not messages):
+                if messages:  # (one system message: some templates take no second one)
+                    messages[0]["content"] += "\n\n" + text
+                else:
+                    messages.append({"role": "system", "content": text})
+                    origins.append(where)
+            elif role == "assistant":
+                assistant(where, text)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append({"role": role, "content": text})
+                origins.append(where)
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise ResponsesError(f"{where}: a function_call item needs its call_id and name", where)
+            if not isinstance(arguments, str):
+                raise ResponsesError(f"{where}.arguments must be the arguments as JSON text", f"{where}.arguments")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            turn = messages[-1] if messages and messages[-1]["role"] == "assistant" and thought is None else None
+            (turn or assistant(where, None)).setdefault("tool_calls", []).append(call)
+            calls.add(call_id)
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise ResponsesError(f"{where}: a function_call_output item needs the call_id of its call", where)
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+            call_id = item.get("call_id")
+            if call_id not in calls:
+                raise ResponsesError(f"{where}.call_id: no function_call item before it has call_id "
+                                     f"{json.dumps(call_id)} (nothing is stored here: send the call too)",
+                                     f"{where}.call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(item.get("output", ""), f"{where}.output")})
+            origins.append(where)
         elif kind == "reasoning":
-            continue  # (a model's earlier thinking: templates drop it from earlier turns)
+            text = _reasoning_text(item)
+            thought = (thought or "") + text if text else thought
         else:
             raise ResponsesError(f"{where}.type {json.dumps(kind)} is not served: send messages, function_call and "
                                  "function_call_output items", f"{where}.type")
-    if not messages:
+    if not messages or all(m["role"] == "system" for m in messages):
         raise ResponsesError("input is empty: send text or at least one message", "input")
-    return messages
+    return messages, origins
 
 
 def _chat_tool(tool, where: str) -> dict:
@@ -204,10 +298,12 @@ class ResponseShaper:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": data.get("instructions"), "max_output_tokens": data.get("max_output_tokens"),
             "model": model or data.get("model") or "", "output": output if output is not None else [],
-            "parallel_tool_calls": data.get("parallel_tool_calls", True), "previous_response_id": None,
+            "parallel_tool_calls": data.get("parallel_tool_calls") is not False, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": data.get("temperature", 1.0), "text": {"format": text_format},
-            "tool_choice": data.get("tool_choice", "auto"), "tools": tools, "top_p": data.get("top_p", 1.0),
+            "temperature": data.get("temperature") if data.get("temperature") is not None else 1.0,
+            "text": {"format": text_format},
+            "tool_choice": data.get("tool_choice") or "auto", "tools": tools,
+            "top_p": data.get("top_p") if data.get("top_p") is not None else 1.0,
             "truncation": "disabled", "usage": usage, "user": data.get("user"), "metadata": data.get("metadata") or {},
         }
 
@@ -235,7 +331,9 @@ class ResponseShaper:
         message, status = choice["message"], self._status(choice["finish_reason"])
         output = []
         if message.get("reasoning_content") is not None:
-            output.append(self._reasoning_item(message["reasoning_content"], status))
+            # (thinking that an answer or a call followed is complete, whatever cut the answer after it)
+            followed = bool(message.get("content") or message.get("tool_calls"))
+            output.append(self._reasoning_item(message["reasoning_content"], "completed" if followed else status))
         if message.get("content"):
             output.append(self._message_item(message["content"], status))
         for call in message.get("tool_calls") or []:
@@ -267,9 +365,9 @@ class ResponseShaper:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def start(self) -> list[str]:
-        """The stream's first events."""
-        begun = self.response("in_progress")
+    def start(self, model: str) -> list[str]:
+        """The stream's first events (``model``: the served model's name, as the last event names it)."""
+        begun = self.response("in_progress", model=model)
         return [self._event("response.created", response=begun), self._event("response.in_progress", response=begun)]
 
     def _close_open(self, status: str | None = None) -> list[str]:
@@ -283,7 +381,9 @@ class ResponseShaper:
             text = item["text"]
             done = self._reasoning_item(text, status, item["id"])
             events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=text)]
+                                  content_index=0, text=text),
+                      self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=done["content"][0])]
         else:
             text = item["text"]
             done = self._message_item(text, status, item["id"])
@@ -306,7 +406,9 @@ class ResponseShaper:
             self.open = {"type": kind, "id": _new_id("rs"), "text": ""}
             item = {"type": "reasoning", "id": self.open["id"], "summary": [], "content": [],
                     "status": "in_progress"}
-            return [*events, self._event("response.output_item.added", output_index=index, item=item)]
+            return [*events, self._event("response.output_item.added", output_index=index, item=item),
+                    self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part={"type": "reasoning_text", "text": ""})]
         self.open = {"type": kind, "id": _new_id("msg"), "text": ""}
         item = {"type": "message", "id": self.open["id"], "status": "in_progress", "role": "assistant",
                 "content": []}
