@@ -105,3 +105,34 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def byte_model():
     return tiny_llama(3, vocab=259)
+
+
+@pytest.fixture(scope="module")
+def long_byte_model():
+    """The byte model with room for long prompts (tools, templates): 2,048 positions."""
+    from helpers import tiny_llama
+
+    return tiny_llama(3, vocab=259, max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def byte_engine(long_byte_model):
+    """A serving engine on the long byte model and a byte tokenizer of its own (its template the server tests')."""
+    from jointspec.backends.hf import CausalLM
+    from jointspec.server.engine import ServingEngine
+
+    from helpers import byte_tokenizer
+
+    served = ServingEngine(CausalLM(long_byte_model), byte_tokenizer(), model_id="tiny", max_batch_size=4)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def byte_client(byte_engine):
+    """The server's app on :func:`byte_engine`, in process."""
+    from fastapi.testclient import TestClient
+
+    from jointspec.server.app import ServerSettings, create_app
+
+    return TestClient(create_app(ServerSettings(), byte_engine))

@@ -18,29 +18,12 @@ from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
 from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body, chat_request
 
-from helpers import byte_tokenizer, live_server, tiny_llama
+from helpers import byte_tokenizer, live_server
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
     "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(3, vocab=259, max_positions=2048)
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    served = ServingEngine(CausalLM(model), byte_tokenizer(), model_id="tiny", max_batch_size=4)
-    yield served
-    served.close()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    return TestClient(create_app(ServerSettings(), engine))
 
 
 def events_of(reply) -> list[dict]:
@@ -113,11 +96,11 @@ def test_a_responses_request_is_read_into_the_chat_request_that_decodes_it():
     ({"input": "x", "text": "plain"}, "text"),
     ({"input": "x", "instructions": ["a"]}, "instructions"),
 ])
-def test_what_a_responses_request_cannot_have_here_is_refused_by_name(client, data, param):
+def test_what_a_responses_request_cannot_have_here_is_refused_by_name(byte_client, data, param):
     with pytest.raises(ResponsesError) as refused:
         chat_body(data)
     assert refused.value.param == param
-    reply = client.post("/v1/responses", json={"model": "tiny", **data})
+    reply = byte_client.post("/v1/responses", json={"model": "tiny", **data})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
@@ -149,20 +132,20 @@ def test_instructions_and_the_system_messages_before_the_conversation_are_one_sy
     ({"max_output_tokens": 5000}, "input", ""),  # (past the context: the chat route names its messages)
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools.0.parameters", ""),
 ])
-def test_what_the_chat_route_refuses_is_named_as_the_responses_request_named_it(client, data, param, says):
-    reply = client.post("/v1/responses", json={"model": "tiny", "input": "x", **data})
+def test_what_the_chat_route_refuses_is_named_as_the_responses_request_named_it(byte_client, data, param, says):
+    reply = byte_client.post("/v1/responses", json={"model": "tiny", "input": "x", **data})
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == param and says in error["message"], reply.text
     for chat_name in ("messages", "max_completion_tokens", "response_format", "function", "tool_call"):
         assert chat_name not in error["message"], error["message"]
 
 
-def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(client):
+def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(byte_client):
     body = {"model": "tiny", "input": "Hello", "instructions": "Answer.", "max_output_tokens": 12, "temperature": 0,
             "metadata": {"run": "1"}, "parallel_tool_calls": None, "tool_choice": None}  # (nulls: left out)
-    whole = client.post("/v1/responses", json=body).json()
+    whole = byte_client.post("/v1/responses", json=body).json()
     response = Response.model_validate(whole, strict=True)
-    chat = client.post("/v1/chat/completions", json={
+    chat = byte_client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Hello"}],
         "max_completion_tokens": 12, "temperature": 0}).json()
     assert response.output_text == chat["choices"][0]["message"]["content"]
@@ -171,7 +154,7 @@ def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(client
     assert response.metadata == {"run": "1"} and response.instructions == "Answer." and response.id.startswith("resp_")
     # Streamed: the deltas add up to the same text, inside one message item, and the last event carries it all.
     # (a request may name any model: the served one answers, and every event names it)
-    events = events_of(client.post("/v1/responses", json={**body, "stream": True, "model": "gpt-4o"}))
+    events = events_of(byte_client.post("/v1/responses", json={**body, "stream": True, "model": "gpt-4o"}))
     kinds = [event["type"] for event in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"] and kinds[-1] == "response.incomplete"
@@ -180,15 +163,15 @@ def test_a_response_holds_the_chat_routes_answer_and_validates_as_openais(client
     assert events[0]["response"]["model"] == final.model == "tiny"  # (the served model's name throughout)
     assert final.output_text == response.output_text and final.usage.output_tokens == 12
     # An answer that ends by itself (here at a stop string: its own third character) is completed.
-    ended = client.post("/v1/responses", json={**body, "stop": [response.output_text[2]]}).json()
+    ended = byte_client.post("/v1/responses", json={**body, "stop": [response.output_text[2]]}).json()
     assert ended["status"] == "completed" and ended["incomplete_details"] is None
     assert ended["output"][0]["content"][0]["text"] == response.output_text[:2]
 
 
-def test_calls_come_back_as_function_call_items_whole_and_streamed_through_openais_client(engine):
+def test_calls_come_back_as_function_call_items_whole_and_streamed_through_openais_client(byte_engine):
     import openai
 
-    with live_server(create_app(ServerSettings(), engine)) as (url, _):
+    with live_server(create_app(ServerSettings(), byte_engine)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         asked = dict(model="tiny", input="Weather in Rome?", tools=[WEATHER], tool_choice="required", temperature=0,
                      max_output_tokens=120, parallel_tool_calls=False)
@@ -208,13 +191,13 @@ def test_calls_come_back_as_function_call_items_whole_and_streamed_through_opena
         assert follow.status == "incomplete" and follow.output_text
 
 
-def test_a_reasoning_models_thinking_is_a_reasoning_item(model):
+def test_a_reasoning_models_thinking_is_a_reasoning_item(long_byte_model):
     """A template that opens a reasoning block (DeepSeek-R1's conventions): this random model never closes it, so its
     whole answer is one reasoning item, with the text the chat route returns as reasoning_content."""
     words = byte_tokenizer()
     words.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content.split('</think>')[-1] }}\n"
                            "{% endfor %}<|assistant|><think>\n")
-    served = ServingEngine(CausalLM(model), words, model_id="tiny", max_batch_size=2)
+    served = ServingEngine(CausalLM(long_byte_model), words, model_id="tiny", max_batch_size=2)
     try:
         client = TestClient(create_app(ServerSettings(), served))
         body = {"model": "tiny", "input": "Why?", "max_output_tokens": 10, "temperature": 0}

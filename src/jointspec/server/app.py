@@ -46,6 +46,7 @@ from jointspec.core.penalties import Penalties, checked_bias
 from jointspec.core.sampling import MIN_TEMPERATURE, fresh_seed
 from jointspec.core.verdict import VERIFY_CHOICES
 from jointspec.methods.registry import tree_nodes
+from jointspec.server import anthropic
 from jointspec.server.engine import (
     Chunk,
     CompletionRequest,
@@ -158,6 +159,8 @@ class StreamOptions(_Body):
 
 
 MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
+# The routes that read another API's request into a chat request: their endpoint, and the API _parse reads.
+TRANSLATED = {"responses": "responses", "messages": "messages"}
 MAX_CHOICES = 16  # choices a request may ask for (n): each is a sequence of the batch
 MAX_SEQUENCES = 64  # sequences one request may take: its prompts times its choices
 
@@ -199,8 +202,8 @@ class _Sampling(_Body):
     functions: list[dict] | None = None  # the deprecated form of tools
     function_call: str | dict | None = None
     _tools_read: ToolUse | None = PrivateAttr(None)  # the four above as read once (_parse: their schemas compiled)
-    # A Responses API request's own body and its reading (server/responses.py), where it was one (_parse).
-    _responses: tuple[dict, ChatRequest] | None = PrivateAttr(None)
+    # Another API's request (Responses, Anthropic's Messages): its own body and its reading, where it was one (_parse).
+    _translated: tuple[dict, ChatRequest] | None = PrivateAttr(None)
     # vLLM's sampling extensions: min_p (tokens less than min_p times as likely as the most likely one dropped,
     # after the temperature, as vLLM drops them) and repetition_penalty (core/penalties.py).
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -300,8 +303,8 @@ class _ApiKeyGate:
         self.app = app
         self.key = key.encode()
 
-    def _allowed(self, given: bytes) -> bool:
-        scheme, _, token = given.partition(b" ")
+    def _allowed(self, given: bytes, bearer: bool = True) -> bool:
+        scheme, _, token = given.partition(b" ") if bearer else (b"bearer", b"", given)
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)  # (constant time)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -310,11 +313,19 @@ class _ApiKeyGate:
             path = path[len(root):]
         if scope["type"] == "http" and path.rstrip("/") not in self.OPEN:  # (/health/: the router's 404, keyless)
             given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-            if given is None or not self._allowed(given):
+            # (Anthropic's clients send their key as x-api-key)
+            other = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
+            if given is None and other is not None:
+                given, allowed = other, self._allowed(other, bearer=False)
+            else:
+                allowed = given is not None and self._allowed(given)
+            if not allowed:
                 message = ("no API key given: send the header 'Authorization: Bearer <key>' (OpenAI clients send "
-                           "their api_key so)" if given is None else "incorrect API key")  # never echo it
+                           "their api_key so; Anthropic's send x-api-key)" if given is None
+                           else "incorrect API key")  # never echo it
                 error = RequestError(message, code="invalid_api_key", status=401)
-                response = error_response(error)
+                response = error_response(error) if path.rstrip("/") != "/v1/messages" else _AsciiJSONResponse(
+                    anthropic.error_body(401, message), status_code=401)  # (in the envelope of the API asked)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
@@ -529,6 +540,18 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def responses(request: Request):
         return await _serve(request, "responses", ChatBody)  # (read into a chat request: server/responses.py)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await _serve(request, "messages", ChatBody)  # (Anthropic's API, read likewise: server/anthropic.py)
+
+    def refusal(endpoint: str, error: RequestError) -> JSONResponse:
+        """An error in the envelope of the API the route speaks (Anthropic's on /v1/messages, else OpenAI's)."""
+        response = error_response(error)
+        if endpoint != "messages":
+            return response
+        return _AsciiJSONResponse(anthropic.error_body(error.status, error.message), status_code=error.status,
+                                  headers={k: v for k, v in response.headers.items() if k.lower() == "retry-after"})
+
     async def _serve(request: Request, endpoint: str, model: type[_Sampling]):
         arrived = time.perf_counter()
         deadline = arrived + settings.request_timeout if settings.request_timeout else None
@@ -537,41 +560,44 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
         except RequestError as error:
             metrics.count_request(endpoint, error.outcome)
-            return error_response(error)
+            return refusal(endpoint, error)
         except _ClientLeft:
             metrics.count_request(endpoint, "cancelled")
             return Response(status_code=400)  # (nobody reads it)
         ticket = in_flight.enter()
         if ticket is None:
             metrics.count_request(endpoint, "overloaded")
-            return error_response(_shutting_down("the server is shutting down; retry on another instance or later",
+            return refusal(endpoint, _shutting_down("the server is shutting down; retry on another instance or later",
                                                  settings.retry_after))
         streaming = False
         body = None
         try:
             try:
                 # (a large body's parse takes its time: off the loop)
-                body = await asyncio.to_thread(_parse, raw, model, call_format, endpoint == "responses")
+                body = await asyncio.to_thread(_parse, raw, model, call_format, TRANSLATED.get(endpoint))
                 engine_requests = _engine_requests(body)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
-                if body is not None and body._responses is not None:  # (named as the client named it)
-                    error = _as_responses(error, body._responses[1])
-                return error_response(error)
+                if body is not None and body._translated is not None:  # (named as the client named it)
+                    error = _as_translated(error, body._translated[1])
+                return refusal(endpoint, error)
             except Exception as error:  # noqa: BLE001 - a bug: a 500 envelope, counted, the connection kept
                 # (answered here: Starlette's catch-all handler re-raises after its reply, and uvicorn then drops
                 # the connection, and the next request a client sends on it)
                 log.exception("unhandled error", exc_info=error)
                 metrics.count_request(endpoint, "error")
-                return error_response(_internal_error())
+                return refusal(endpoint, _internal_error())
             for generation in generations:  # (each choice reads its prompt)
                 metrics.count_tokens(num_prompt_tokens=generation.num_prompt_tokens)
             shared = engine_requests[0]  # (the settings every prompt's request shares)
             sampled = shared.temperature > 0 and shared.max_tokens != 0  # (a prompt scored alone samples nothing)
             # usage counts each prompt once, however many choices read it
-            shaper = ResponseShaper(body._responses[0], body.model_dump(exclude_none=True)) if (
-                body._responses is not None) else None
+            shaper = None
+            if endpoint == "responses":
+                shaper = ResponseShaper(body._translated[0], body.model_dump(exclude_none=True))
+            elif endpoint == "messages":
+                shaper = anthropic.MessageShaper()
             reply = _Reply("chat" if shaper else endpoint, engine.model_id,
                            sum(generation.num_prompt_tokens for generation in generations[::body.n]),
                            shared.seed if sampled else None,
@@ -679,12 +705,12 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             for generation in generations:
                 generation.cancel()
             metrics.count_request(endpoint, "timeout")
-            return error_response(collecting.exception())
+            return refusal(endpoint, collecting.exception())
         collected = collecting.result()
         failure = next((c[-1].failure for c in collected if c and c[-1].failure is not None), None)
         if failure is not None:
             metrics.count_request(endpoint, _failure_outcome(failure))
-            return error_response(_from_failure(failure, settings.retry_after))
+            return refusal(endpoint, _from_failure(failure, settings.retry_after))
         metrics.count_request(endpoint, "completed")
         whole = reply.whole(collected, return_token_ids=return_token_ids)
         return JSONResponse(shaper.whole(whole) if shaper is not None else whole)
@@ -699,7 +725,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         outcome = "cancelled"  # unless it gets to an end of its own: the client left
         try:
             if shaper is not None:
-                for event in shaper.start(engine.model_id):
+                for event in shaper.start(engine.model_id, reply.num_prompt_tokens):
                     yield event
             for index in range(len(chunks)):
                 for event in send(reply.first_chunk(index)):
@@ -825,10 +851,11 @@ def _lone_surrogate(data) -> str | None:
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, responses: bool = False) -> _Sampling:
+def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: str | None = None) -> _Sampling:
     """A request's body, read and checked; ``call_format``: the format the model writes tool calls in
-    (server/tools.py); ``responses``: a Responses API body, read into the chat body that decodes it
-    (server/responses.py; the original is kept as the body's ``_responses``)."""
+    (server/tools.py); ``api``: another API's body ("responses": OpenAI's Responses API; "messages": Anthropic's),
+    read into the chat body that decodes it (server/responses.py, server/anthropic.py; the original is kept as the
+    body's ``_translated``)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
@@ -843,22 +870,22 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, respon
     if where is not None:
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
-    if not responses:
+    if api is None:
         return _checked(data, model, call_format)
     try:
-        request = chat_request(data)
-    except ResponsesError as error:
+        request = (chat_request if api == "responses" else anthropic.chat_request)(data)
+    except (ResponsesError, anthropic.MessagesError) as error:
         raise RequestError(str(error), param=error.param) from None
     try:
         body = _checked(request.body, model, call_format)
     except RequestError as error:
-        raise _as_responses(error, request) from None
-    body._responses = (data, request)
+        raise _as_translated(error, request) from None
+    body._translated = (data, request)
     return body
 
 
-def _as_responses(error: RequestError, request: ChatRequest) -> RequestError:
-    """A chat request's error as the Responses request it came from names its fields (server/responses.py)."""
+def _as_translated(error: RequestError, request: ChatRequest) -> RequestError:
+    """A chat request's error as the other API's request it came from names its fields."""
     error.param, error.message = request.wording(error.param), request.wording(error.message)
     return error
 
@@ -1200,9 +1227,13 @@ class _Reply:
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = logprobs
+            if chunk.stop_string is not None:
+                choice["stop_reason"] = chunk.stop_string
             return self._envelope("chat.completion.chunk", choice)
-        return self._envelope("text_completion", {"index": index, "text": chunk.text, "logprobs": logprobs,
-                                                  "finish_reason": finish})
+        choice = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+        if chunk.stop_string is not None:
+            choice["stop_reason"] = chunk.stop_string
+        return self._envelope("text_completion", choice)
 
     def events(self, chunk: Chunk, index: int = 0) -> list[dict]:
         """What a streamed chunk sends: itself; with reasoning (server/reasoning.py) its reasoning and content
@@ -1279,6 +1310,8 @@ class _Reply:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if return_token_ids and not any(c.text_cut for c in chunks):
             choice["token_ids"] = [token for c in chunks for token in c.token_ids]
+        if chunks and chunks[-1].stop_string is not None:  # (vLLM's extension: which stop string ended it)
+            choice["stop_reason"] = chunks[-1].stop_string
         return choice
 
     def whole(self, choices: list[list[Chunk]], return_token_ids: bool = False) -> dict:

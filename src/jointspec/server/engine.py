@@ -140,6 +140,7 @@ class Chunk:
     token_ids: tuple[int, ...] = ()  # the round's generated ids the answer keeps (as num_tokens)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per id in token_ids, where the request asked for them
     text_cut: bool = False  # a stop string ended the text inside the ids: they say more than the text
+    stop_string: str | None = None  # the stop string that ended the answer (its last chunk's), where one did
 
 
 class Generation(Protocol):
@@ -206,6 +207,7 @@ class TextStream:
         self.text = ""  # every complete character decoded so far
         self.num_sent = 0  # characters of ``text`` already returned
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def push(self, token_ids: list[int]) -> tuple[str, int]:
         """The text ``token_ids`` add, and how many of them it takes: all, or those up to the one that completed a
@@ -235,9 +237,9 @@ class TextStream:
         end = len(self.text)
         if self.stop:
             search_from = max(0, self.num_sent - max(len(s) for s in self.stop))
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(at, s) for at, s in ((self.text.find(s, search_from), s) for s in self.stop) if at >= 0]
             if hits:
-                end, self.stopped = min(hits), True
+                (end, self.matched), self.stopped = min(hits, key=lambda hit: hit[0]), True
             elif not final:
                 # Hold back a tail that could still grow into a stop string.
                 for keep in range(min(len(self.text), max(len(s) for s in self.stop) - 1), 0, -1):
@@ -309,7 +311,8 @@ class _Stream:
                 yield Chunk(delta, used, finish, event.stats, num_rounds=int(bool(event.token_ids)),
                             num_drafted=event.num_drafted, num_accepted=event.num_accepted,
                             num_forced=event.num_forced, token_ids=tuple(event.token_ids[:used]),
-                            text_cut=self.text.stopped, logprobs=tuple((event.logprobs or ())[:used]))
+                            text_cut=self.text.stopped, logprobs=tuple((event.logprobs or ())[:used]),
+                            stop_string=self.text.matched if finish is not None else None)
         finally:
             # A consumer that leaves early, or a stop string the text hit before the engine's own end: free the row
             # now rather than decode to max_tokens for nobody.

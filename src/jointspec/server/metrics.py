@@ -31,7 +31,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 TOKENS_PER_ROUND_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
-ENDPOINTS = ("completions", "chat", "responses")
+ENDPOINTS = ("completions", "chat", "responses", "messages")
 # How a request ended. "rejected": a 400 (bad request); "overloaded": a 429 or 503 (queue full, or draining);
 # "timeout": past --request-timeout; "cancelled": its client left; "error": the engine failed it or shut down under it.
 OUTCOMES = ("completed", "cancelled", "timeout", "error", "rejected", "overloaded")

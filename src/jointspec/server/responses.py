@@ -42,10 +42,11 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's limits on metadata: so many pairs of text, keys and values so long.
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 # A chat request's names, as a Responses request names what they came from (errors name what the client sent).
-_RENAMES = ((re.compile(r"max_completion_tokens"), "max_output_tokens"),
-            (re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
-            (re.compile(r"response_format(\.json_schema)?"), "text.format"),
-            (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
+RENAMES = ((re.compile(r"\bmessages\b"), "input"),
+           (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+           (re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
+           (re.compile(r"response_format(\.json_schema)?"), "text.format"),
+           (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
 _MESSAGE = re.compile(r"\bmessages\.(\d+)((?:\.tool_calls\.\d+)?(?:\.tool_call_id)?)")
 
 
@@ -59,14 +60,18 @@ class ResponsesError(ValueError):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A Responses request as the chat request that decodes it: its body, and where each of its messages came from
-    (``instructions`` or ``input.N``), so that an error about a message names the item the client sent."""
+    """A request of another API (Responses, Anthropic's Messages) as the chat request that decodes it: its body,
+    where each of its messages came from (``instructions``, ``input.N``, ``system``, ``messages.N``), so that an
+    error about a message names what the client sent, and the other API's names for the chat's fields."""
 
     body: dict
     origins: tuple[str, ...]
+    renames: tuple[tuple[re.Pattern, str], ...] = RENAMES
+    # What a tool result's call id is called where the message came from.
+    call_id: str = ".call_id"
 
     def wording(self, text: str | None) -> str | None:
-        """An error's field name or message as the Responses request names its fields."""
+        """An error's field name or message as the other API's request names its fields."""
         if text is None:
             return None
 
@@ -74,10 +79,10 @@ class ChatRequest:
             index = int(match.group(1))
             if index >= len(self.origins):
                 return match.group(0)
-            return self.origins[index] + (".call_id" if match.group(2).endswith("tool_call_id") else "")
+            return self.origins[index] + (self.call_id if match.group(2).endswith("tool_call_id") else "")
 
-        text = _MESSAGE.sub(item, text).replace("messages", "input")
-        for pattern, name in _RENAMES:
+        text = _MESSAGE.sub(item, text)
+        for pattern, name in self.renames:
             text = pattern.sub(name, text)
         return text
 
@@ -365,8 +370,9 @@ class ResponseShaper:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def start(self, model: str) -> list[str]:
-        """The stream's first events (``model``: the served model's name, as the last event names it)."""
+    def start(self, model: str, input_tokens: int = 0) -> list[str]:
+        """The stream's first events (``model``: the served model's name, as the last event names it; the input's
+        tokens are counted in the last event's usage)."""
         begun = self.response("in_progress", model=model)
         return [self._event("response.created", response=begun), self._event("response.in_progress", response=begun)]
 
