@@ -299,9 +299,28 @@ def test_a_reasoning_models_thinking_shows_faint_on_a_terminal_and_template_vari
     written = piped[:-1]  # (less the line's end)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     monkeypatch.setattr(chat_cli.sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("NO_COLOR", raising=False)
     code, shown, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar")
     assert code == 0, err
     assert shown == chat_cli.FAINT + written.strip() + chat_cli.PLAIN + "\n"
+    monkeypatch.setenv("NO_COLOR", "1")  # (no-color.org: the text as written)
+    assert chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar")[1] == piped
+    monkeypatch.delenv("NO_COLOR")
+    # Ctrl-C while thinking: the terminal is not left faint.
+    real_show, pieces = chat_cli.show, []
+
+    def interrupted(text):
+        if len(pieces) == 1:
+            pieces.append(None)
+            raise KeyboardInterrupt
+        pieces.append(text)
+        real_show(text)
+
+    monkeypatch.setattr(chat_cli, "show", interrupted)
+    code, stopped, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar")
+    assert code == 0 and "(stopped" in err and stopped.startswith(chat_cli.FAINT)
+    assert stopped.rstrip("\n").endswith(chat_cli.PLAIN), stopped
     code, _, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar",
                         "--chat-template-kwargs", '{"note": "xyz"}')
     read = [int(n) for n in re.findall(r"conversation (\d+) tokens", err)]

@@ -198,3 +198,82 @@ def test_a_reasoning_models_thinking_is_a_thinking_block(long_byte_model):
         assert "".join(d.get("thinking", "") for d in deltas) == thought and deltas[-1]["type"] == "signature_delta"
     finally:
         served.close()
+
+
+def test_a_final_assistant_message_is_continued_as_a_prefill(byte_client, byte_engine):
+    """The API's prefill: the answer goes on from the last assistant message's text, not from a new turn."""
+    from jointspec.backends.tokens import chat_template_ids
+    from jointspec.server.engine import CompletionRequest
+
+    turns = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "The answer is ("}]
+    read = chat_request({"max_tokens": 5, "messages": turns})
+    assert read.body["continue_final_message"] is True
+    prompt = byte_engine.encode(CompletionRequest(messages=tuple(turns), continue_final=True))
+    words = byte_engine.tokenizer
+    assert prompt == chat_template_ids(words, turns, continue_final=True)
+    assert words.decode(prompt).endswith("The answer is (")  # (the turn left open)
+    assert len(prompt) < len(chat_template_ids(words, turns))  # (closed and a new turn opened, without it)
+    reply = ask(byte_client, messages=turns, max_tokens=3).json()
+    assert reply["usage"]["input_tokens"] == len(prompt)
+    # On chat, the same as vLLM's continue_final_message; a last message that is not an assistant's text is refused.
+    refused = byte_client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": turns[:1], "continue_final_message": True, "max_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": None}]}]}, "thinking"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": ["t"], "content": "1"}]}]},
+     "tool_use_id"),
+    ({"thinking": {"type": "enabled"}, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+])
+def test_malformed_blocks_are_400s_naming_them_not_500s(byte_client, extra, says):
+    reply = ask(byte_client, **extra)
+    assert reply.status_code == 400 and says in reply.json()["error"]["message"], reply.text
+
+
+def test_what_a_conversion_keeps_results_errors_paragraphs_turns_and_the_output_format(byte_client):
+    body = chat_request({"max_tokens": 5, "system": [{"type": "text", "text": "You are X."},
+                                                     {"type": "text", "text": "Be brief."}], "messages": [
+        {"role": "user", "content": "Part A."}, {"role": "user", "content": [{"type": "text", "text": "Part B."}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "not found",
+                                      "is_error": True}]}],
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}).body
+    assert body["messages"][0] == {"role": "system", "content": "You are X.\n\nBe brief."}
+    assert body["messages"][1] == {"role": "user", "content": "Part A.\n\nPart B."}  # (consecutive turns: one)
+    assert body["messages"][-1]["content"] == "Error: not found"  # (a failure told from a result)
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": {
+        "type": "object"}}}
+    shaped = ask(byte_client, max_tokens=6, output_config={"format": {"type": "json_schema",
+                                                                      "schema": {"type": "object"}}}).json()
+    assert shaped["content"][0]["text"].startswith("{")
+
+
+def test_usage_counts_calls_stops_errors_and_routes_as_the_api_does(byte_client, byte_engine):
+    import anthropic
+
+    from jointspec.server.anthropic import MessageShaper, error_body
+
+    usage = MessageShaper._usage({"prompt_tokens": 416, "completion_tokens": 8,
+                                  "prompt_tokens_details": {"cached_tokens": 400}})
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (16, 400)  # (the total is their sum)
+    shaper = MessageShaper()
+    shaper._stop({"finish_reason": "tool_calls", "stop_reason": "DONE"})  # (calls made: tool_use, not the stop)
+    assert (shaper.stop_reason, shaper.stop_sequence) == ("tool_use", None)
+    assert error_body(504, "x")["error"]["type"] == "timeout_error"
+    assert shaper.whole({"model": "tiny", "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "choices": [{
+        "finish_reason": "stop", "message": {"content": "ok", "reasoning_content": ""}}]})["content"] == [
+        {"type": "text", "text": "ok"}]  # (an empty thinking block, thinking turned off, is none)
+    missing = byte_client.get("/v1/messages/batches")
+    assert missing.status_code in (404, 405) and missing.json()["type"] == "error"
+    with live_server(create_app(ServerSettings(api_key="k3y"), byte_engine)) as (url, _):
+        client = anthropic.Anthropic(base_url=url, api_key="k3y", max_retries=0)
+        messages = [{"role": "user", "content": "Weather in Rome?"}]
+        counted = client.messages.count_tokens(model="tiny", messages=messages, tools=[WEATHER])
+        answered = client.messages.create(model="tiny", max_tokens=1, messages=messages, tools=[WEATHER])
+        assert counted.input_tokens == answered.usage.input_tokens + answered.usage.cache_read_input_tokens > 0
+    keyed = TestClient(create_app(ServerSettings(api_key="k3y"), byte_engine))
+    assert keyed.post("/v1/messages", headers={"x-api-key": "k3y", "Authorization": "Bearer placeholder"}, json={
+        "model": "tiny", "max_tokens": 2, "messages": messages}).status_code == 200  # (either header may hold it)

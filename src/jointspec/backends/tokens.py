@@ -89,6 +89,13 @@ def check_template_kwargs(kwargs) -> dict:
     if not isinstance(kwargs, dict):
         raise ValueError(f"chat template variables must be a JSON object such as {{\"enable_thinking\": false}}, got "
                          f"{json.dumps(kwargs)}")
+    if any(not isinstance(name, str) for name in kwargs):
+        raise ValueError("chat template variables are named by text")
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError):
+        raise ValueError("chat template variables must be JSON values (text, numbers, true/false, null, lists, "
+                         "objects)") from None
     taken = sorted(set(kwargs) & TEMPLATE_CALL_NAMES)
     if taken:
         raise ValueError(f"chat template variables may not set {', '.join(taken)}: the chat template call sets them "
@@ -97,7 +104,7 @@ def check_template_kwargs(kwargs) -> dict:
 
 
 def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                      template_kwargs: dict | None = None) -> list[int]:
+                      template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
     """``messages`` in the tokenizer's chat template, with the assistant's turn opened, as token ids.
 
     A message's text (its content, and an assistant's ``reasoning_content`` sent back) is read as text: a special
@@ -108,8 +115,11 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     render is not looked for. ``tools`` (OpenAI's form) go to a template that renders them; their
     text, and that of the calls in ``messages``, may hold no special token's spelling (ValueError).
     ``template_kwargs``: further variables the template reads (``enable_thinking``), as vLLM's
-    ``chat_template_kwargs``; their text may hold no special token's spelling either."""
+    ``chat_template_kwargs``; their text may hold no special token's spelling either. ``continue_final``: the last
+    message (an assistant's) is continued, not closed (a prefill: the answer goes on from its text)."""
     extra = dict(template_kwargs or {})
+    if continue_final:
+        extra.update(continue_final_message=True, add_generation_prompt=False)
     text = _render(tokenizer, messages, tools, extra)
     special = _special_spellings(tokenizer)
     rendered_as_is = json.dumps([tools, [message.get("tool_calls") for message in messages], extra],
@@ -158,8 +168,8 @@ def _render(tokenizer, messages: list[dict], tools: list[dict] | None, extra: di
     import jinja2
 
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                             **extra)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             **{"add_generation_prompt": True, **extra})
     except jinja2.TemplateSyntaxError:
         raise  # (the template itself is broken: not the conversation's fault)
     except jinja2.TemplateError as error:

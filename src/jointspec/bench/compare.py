@@ -46,10 +46,10 @@ def load_results(path: str | Path) -> dict:
 # Settings that change what a run samples or scores; shards with different values do not pool.
 POOLED_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "perplexity", "repeats", "quantize",
-                   "auto_quantize", "kv_cache")
+                   "auto_quantize", "kv_cache", "chat_template_kwargs")
 # What a results.json written before a setting existed ran with.
 SETTING_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "logit_bias": []}
+                    "logit_bias": [], "chat_template_kwargs": None}
 
 
 def _model_name(model):

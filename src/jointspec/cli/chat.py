@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import re
 import sys
 import time
@@ -288,6 +289,11 @@ def show(text: str) -> None:
 FAINT, PLAIN = "\x1b[2m", "\x1b[0m"
 
 
+def _styled() -> bool:
+    """Whether the answer may be styled: a terminal that takes ANSI's codes, and no NO_COLOR (no-color.org)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
 class _Shown:
     """What a turn shows of its answer as it comes. On a terminal, a reasoning model's thinking (its <think> block,
     server/reasoning.py) faint and its answer after a blank line; elsewhere (a pipe, a file), the text as written."""
@@ -295,7 +301,7 @@ class _Shown:
     def __init__(self, opens_reasoning: bool | None) -> None:
         from jointspec.server.reasoning import ReasoningStream
 
-        self.split = ReasoningStream(opens_reasoning) if opens_reasoning is not None and sys.stdout.isatty() else None
+        self.split = ReasoningStream(opens_reasoning) if opens_reasoning is not None and _styled() else None
         self.thinking = False  # inside the faint part now
         self.thought = False  # some thinking was shown
 
@@ -351,6 +357,8 @@ async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: 
             if chunk.finish_reason is not None:
                 answer.summary = _summary(args, generation.num_prompt_tokens, tokens, chunk, start, first)
     finally:
+        if shown.thinking:  # (stopped mid-thinking: what follows is not faint)
+            show(PLAIN)
         generation.cancel()  # (a no-op once it ended; frees the row when Ctrl-C stopped the answer)
 
 

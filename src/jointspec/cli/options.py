@@ -179,9 +179,14 @@ def template_kwargs_option(text: str) -> dict:
     from jointspec.backends.tokens import check_template_kwargs
 
     try:
-        return check_template_kwargs(json.loads(text))
-    except ValueError as error:  # (json's own errors included)
-        raise argparse.ArgumentTypeError(f"--chat-template-kwargs {text!r}: {error}") from None
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error}): give an object such as "
+                                         "'{\"enable_thinking\": false}'") from None
+    try:
+        return check_template_kwargs(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
 def add_template_argument(parser: argparse.ArgumentParser) -> None:

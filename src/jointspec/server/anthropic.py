@@ -36,13 +36,19 @@ SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "ch
 RENAMES = ((re.compile(r"max_completion_tokens"), "max_tokens"),
            (re.compile(r"\btools\.(\d+)\.function\.parameters"), r"tools.\1.input_schema"),
            (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
-           (re.compile(r"\bstop\b"), "stop_sequences"))
+           (re.compile(r"\bstop(?=[.:]|$)"), "stop_sequences"),
+           (re.compile(r"^user(?=[.:]|$)"), "metadata.user_id"),
+           (re.compile(r"\bresponse_format(\.json_schema)?"), "output_config.format"),
+           (re.compile(r"\bcontinue_final_message\b"), "messages"))
 # Chat's finish reasons as this API's stop reasons (a stop string's: "stop_sequence", where one matched).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 # The HTTP statuses of errors, as this API's error types.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "request_too_large", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 504: "api_error"}
+               404: "not_found_error", 405: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+# A stream's failure (chat's error code) as this API's error type.
+STREAM_ERROR_TYPES = {"timeout": "timeout_error", "shutting_down": "overloaded_error",
+                      "invalid_request": "invalid_request_error"}
 
 
 class MessagesError(ValueError):
@@ -77,10 +83,20 @@ def chat_request(data: dict) -> ChatRequest:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "disabled", "adaptive"):
             raise MessagesError("thinking must be {\"type\": \"enabled\"} or {\"type\": \"disabled\"}", "thinking")
-        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled", **(chat.get("chat_template_kwargs")
-                                                                                    or {})}
+        given = chat.get("chat_template_kwargs") or {}
+        if not isinstance(given, dict):
+            raise MessagesError("chat_template_kwargs must be an object", "chat_template_kwargs")
+        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled", **given}
+    fmt = (data.get("output_config") or {}).get("format") if isinstance(data.get("output_config"), dict) else None
+    if fmt is not None:  # (structured output: a JSON schema the answer follows)
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise MessagesError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                                "output_config.format")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     messages, origins = _messages(data.get("system"), data.get("messages"))
     chat["messages"] = messages
+    if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        chat["continue_final_message"] = True  # (a prefill: the answer goes on from the assistant's text)
     if data.get("tools") is not None:
         if not isinstance(data["tools"], list):
             raise MessagesError("tools must be a list", "tools")
@@ -107,10 +123,11 @@ def _texts(content, where: str, kinds: tuple[str, ...]) -> list[dict]:
 
 
 def _text_of(blocks: list[dict], where: str) -> str:
+    """Text blocks' text, each a paragraph of its own."""
     for index, block in enumerate(blocks):
         if not isinstance(block.get("text"), str):
             raise MessagesError(f"{where}.{index}: a text block needs its text", f"{where}.{index}.text")
-    return "".join(block["text"] for block in blocks)
+    return "\n\n".join(block["text"] for block in blocks)
 
 
 def _messages(system, given) -> tuple[list[dict], list[str]]:
@@ -134,24 +151,34 @@ def _messages(system, given) -> tuple[list[dict], list[str]]:
                 if block["type"] != "tool_result":
                     continue
                 block_where = f"{where}.content.{number}"
-                if block.get("tool_use_id") not in calls:
+                if not isinstance(block.get("tool_use_id"), str) or block["tool_use_id"] not in calls:
                     raise MessagesError(f"{block_where}.tool_use_id: no tool_use block before it has id "
                                         f"{json.dumps(block.get('tool_use_id'))}", f"{block_where}.tool_use_id")
                 result = block.get("content", "")
                 text = result if isinstance(result, str) else _text_of(
                     _texts(result, f"{block_where}.content", ("text",)), f"{block_where}.content")
+                if block.get("is_error") is True:  # (the model should tell a failure from a result)
+                    text = f"Error: {text}"
                 messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
                 origins.append(block_where)
             texts = [block for block in blocks if block["type"] == "text"]
             if texts or not any(block["type"] == "tool_result" for block in blocks):
-                messages.append({"role": "user", "content": _text_of(texts, f"{where}.content")})
-                origins.append(where)
+                text = _text_of(texts, f"{where}.content")
+                if messages and messages[-1]["role"] == "user":  # (consecutive user turns are one, as the API reads)
+                    messages[-1]["content"] += "\n\n" + text
+                else:
+                    messages.append({"role": "user", "content": text})
+                    origins.append(where)
         elif role == "assistant":
             blocks = _texts(message.get("content"), f"{where}.content",
                             ("text", "tool_use", "thinking", "redacted_thinking"))
             turn: dict = {"role": "assistant", "content": _text_of([b for b in blocks if b["type"] == "text"],
                                                                    f"{where}.content")}
-            thought = "".join(block.get("thinking", "") for block in blocks if block["type"] == "thinking")
+            for number, block in enumerate(blocks):
+                if block["type"] == "thinking" and not isinstance(block.get("thinking"), str):
+                    raise MessagesError(f"{where}.content.{number}: a thinking block needs its thinking text",
+                                        f"{where}.content.{number}.thinking")
+            thought = "".join(block["thinking"] for block in blocks if block["type"] == "thinking")
             if thought:
                 turn["reasoning_content"] = thought
             for number, block in enumerate(blocks):
@@ -164,8 +191,15 @@ def _messages(system, given) -> tuple[list[dict], list[str]]:
                 turn.setdefault("tool_calls", []).append({"id": block["id"], "type": "function", "function": {
                     "name": block["name"], "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
                 calls.add(block["id"])
-            messages.append(turn)
-            origins.append(where)
+            previous = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+            if previous is not None and not previous.get("tool_calls"):  # (consecutive assistant turns are one)
+                previous["content"] = "\n\n".join(filter(None, [previous["content"], turn["content"]]))
+                for key in ("reasoning_content", "tool_calls"):
+                    if key in turn:
+                        previous[key] = turn[key]
+            else:
+                messages.append(turn)
+                origins.append(where)
         else:
             raise MessagesError(f"{where}.role must be user or assistant, got {json.dumps(role)}", f"{where}.role")
     return messages, origins
@@ -207,27 +241,31 @@ class MessageShaper:
         self.open: str | None = None  # the kind of the block streaming now: "thinking" or "text"
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.output_tokens = 0
+        self.usage: dict | None = None  # the final figures, from the chat stream's usage chunk
 
     def _stop(self, choice: dict) -> None:
         finish = choice.get("finish_reason")
-        if choice.get("stop_reason") is not None:  # (chat's own extension: the stop string that matched)
+        if finish in ("tool_calls", "function_call"):  # (calls made: a stop string after them ended nothing else)
+            self.stop_reason, self.stop_sequence = "tool_use", None
+        elif choice.get("stop_reason") is not None:  # (chat's own extension: the stop string that matched)
             self.stop_reason, self.stop_sequence = "stop_sequence", choice["stop_reason"]
         elif finish is not None:
             self.stop_reason = STOP_REASONS.get(finish, "end_turn")
 
     @staticmethod
     def _usage(usage: dict) -> dict:
-        return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                "cache_read_input_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                "cache_creation_input_tokens": 0}
+        """Chat's usage in this API's terms: the input read afresh, apart from the prompt cache's (the API's total
+        input is their sum)."""
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
     def whole(self, chat_reply: dict) -> dict:
         """The message for the chat route's whole reply."""
         choice = chat_reply["choices"][0]
         message = choice["message"]
         content = []
-        if message.get("reasoning_content") is not None:
+        if message.get("reasoning_content"):  # (an empty block, thinking turned off, is none: as streamed)
             content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
@@ -272,10 +310,10 @@ class MessageShaper:
     def events(self, chunk: dict) -> list[str]:
         """The events of one streamed chat chunk (the chat route's payload)."""
         if "error" in chunk:
-            return [*self._close(), self._event("error", error={"type": "api_error",
-                                                                "message": chunk["error"]["message"]})]
+            kind = STREAM_ERROR_TYPES.get(chunk["error"].get("code"), "api_error")
+            return [*self._close(), self._event("error", error={"type": kind, "message": chunk["error"]["message"]})]
         if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.output_tokens = chunk["usage"]["completion_tokens"]
+            self.usage = self._usage(chunk["usage"])
             return []
         events = []
         for choice in chunk.get("choices", []):
@@ -306,5 +344,5 @@ class MessageShaper:
         return [*self._close(),
                 self._event("message_delta", delta={"stop_reason": self.stop_reason,
                                                      "stop_sequence": self.stop_sequence},
-                            usage={"output_tokens": self.output_tokens}),
+                            usage=self.usage or {"output_tokens": 0}),
                 self._event("message_stop")]

@@ -257,6 +257,8 @@ class ChatBody(_Sampling):
     # vLLM's and SGLang's extension: further variables for the chat template (Qwen3's enable_thinking), checked by
     # _parse against the names the template call takes itself.
     chat_template_kwargs: dict | None = None
+    # vLLM's extension: the last message, an assistant's, is continued rather than answered (a prefill).
+    continue_final_message: bool = False
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
@@ -313,12 +315,11 @@ class _ApiKeyGate:
             path = path[len(root):]
         if scope["type"] == "http" and path.rstrip("/") not in self.OPEN:  # (/health/: the router's 404, keyless)
             given = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-            # (Anthropic's clients send their key as x-api-key)
+            # (Anthropic's clients send their key as x-api-key: either header may hold it)
             other = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
-            if given is None and other is not None:
-                given, allowed = other, self._allowed(other, bearer=False)
-            else:
-                allowed = given is not None and self._allowed(given)
+            allowed = ((given is not None and self._allowed(given))
+                       or (other is not None and self._allowed(other, bearer=False)))
+            given = given if given is not None else other
             if not allowed:
                 message = ("no API key given: send the header 'Authorization: Bearer <key>' (OpenAI clients send "
                            "their api_key so; Anthropic's send x-api-key)" if given is None
@@ -493,11 +494,12 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
         # An unknown path or method: OpenAI's envelope (clients read error.message), not FastAPI's {"detail": ...}.
         message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions, "
-                   "/v1/chat/completions and /v1/responses (nothing is stored to fetch again), GET /v1/models, "
-                   "/health and /metrics"
+                   "/v1/chat/completions, /v1/responses (nothing is stored to fetch again), /v1/messages and "
+                   "/v1/messages/count_tokens, GET /v1/models, /health and /metrics"
                    if error.status_code in (404, 405) else str(error.detail))
-        return JSONResponse(RequestError(message, status=error.status_code).body(), status_code=error.status_code,
-                            headers=getattr(error, "headers", None))
+        body = (anthropic.error_body(error.status_code, message) if request.url.path.startswith("/v1/messages")
+                else RequestError(message, status=error.status_code).body())  # (the envelope of the API asked)
+        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -543,6 +545,24 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await _serve(request, "messages", ChatBody)  # (Anthropic's API, read likewise: server/anthropic.py)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """Anthropic's token count: the request's prompt as the model reads it, nothing decoded."""
+        try:
+            raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
+            body = await asyncio.to_thread(_parse_count, raw, call_format)
+            prompt = await asyncio.to_thread(engine.encode, _engine_requests(body)[0])
+        except RequestError as error:
+            return refusal("messages", error)
+        except _ClientLeft:
+            return Response(status_code=400)  # (nobody reads it)
+        except Exception as error:  # noqa: BLE001 - the engine's refusals (a template's, a bad bias), as on /v1/messages
+            translated = _from_engine(error, settings.retry_after, "messages")
+            if translated.status >= 500:
+                log.exception("unhandled error", exc_info=error)
+            return refusal("messages", translated)
+        return {"input_tokens": len(prompt)}
 
     def refusal(endpoint: str, error: RequestError) -> JSONResponse:
         """An error in the envelope of the API the route speaks (Anthropic's on /v1/messages, else OpenAI's)."""
@@ -884,6 +904,18 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
     return body
 
 
+def _parse_count(raw: bytes, call_format: str) -> _Sampling:
+    """A count_tokens body (a Messages request without max_tokens, which counting needs not) read as /v1/messages
+    reads one."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict) and "max_tokens" not in data:
+        raw = json.dumps({**data, "max_tokens": 1}).encode()
+    return _parse(raw, ChatBody, call_format, "messages")
+
+
 def _as_translated(error: RequestError, request: ChatRequest) -> RequestError:
     """A chat request's error as the other API's request it came from names its fields."""
     error.param, error.message = request.wording(error.param), request.wording(error.message)
@@ -913,6 +945,10 @@ def _checked(data: dict, model: type[_Sampling], call_format: str) -> _Sampling:
         raise RequestError("audio output is not supported: this server answers text", param="audio")
     if getattr(body, "web_search_options", None) is not None:
         raise RequestError("web search is not supported: the answer would ignore it", param="web_search_options")
+    if getattr(body, "continue_final_message", False) and (body.messages[-1].role != "assistant"
+                                                           or body.messages[-1].tool_calls):
+        raise RequestError("continue_final_message continues the last message, which must be an assistant's text",
+                           param="continue_final_message")
     if getattr(body, "chat_template_kwargs", None) is not None:
         try:
             check_template_kwargs(body.chat_template_kwargs)
@@ -1052,7 +1088,8 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
             messages = tuple(_message(m) for m in body.messages)
             return [CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
                                       tools=use.shown() if use is not None else (),
-                                      template_kwargs=body.chat_template_kwargs, **common)]
+                                      template_kwargs=body.chat_template_kwargs,
+                                      continue_final=body.continue_final_message, **common)]
         return [CompletionRequest(prompt=prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
                 for prompt in _prompts(body)]
     except ValueError as error:
@@ -1257,8 +1294,9 @@ class _Reply:
         if not calls:
             return [self.chunk(replace(chunk, text=text + rest), index, reasoning)]
         events = []
-        if text + rest or reasoning or chunk.logprobs:
-            events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None), index, reasoning))
+        if text + rest or reasoning or chunk.logprobs:  # (calls ended it: no stop string is named)
+            events.append(self.chunk(replace(chunk, text=text + rest, finish_reason=None, stop_string=None), index,
+                                     reasoning))
         events.append(self._envelope("chat.completion.chunk", {"index": index, "delta": self._calls(calls, True),
                                                                 "finish_reason": None}))
         events.append(self._envelope("chat.completion.chunk", {

@@ -106,6 +106,8 @@ class CompletionRequest:
     tools: tuple[dict, ...] = ()
     # Further variables a chat's template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking); None: none.
     template_kwargs: dict | None = None
+    # The last message, an assistant's, is continued rather than answered (Anthropic's prefill).
+    continue_final: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -167,6 +169,9 @@ class Engine(Protocol):
     call_format: str  # the format the model writes tool calls in (server/tools.py)
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
+
+    def encode(self, request: CompletionRequest) -> list[int]:
+        """A request's prompt as the model reads it (/v1/messages/count_tokens)."""
 
     async def submit_many(self, requests: list[CompletionRequest]) -> list[Generation]:
         """Several sequences (a request's choices, a batch of prompts), admitted together or refused together."""
@@ -411,7 +416,7 @@ class ServingEngine:
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
                 variables = template_variables(messages, tools, self.call_format) | (request.template_kwargs or {})
                 return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)
-                                         template_kwargs=variables)
+                                         template_kwargs=variables, continue_final=request.continue_final)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
             # without it a base model such as Gemma-3's continues the text as noise), a special token's spelling in
             # it as characters.
