@@ -159,8 +159,11 @@ class StreamOptions(_Body):
 
 
 MAX_STOP_STRINGS = 32  # stop strings a request may give (OpenAI takes 4)
-# The routes that read another API's request into a chat request: their endpoint, and the API _parse reads.
-TRANSLATED = {"responses": "responses", "messages": "messages"}
+# The routes that read another API's request into a chat request (_parse's api): OpenAI's Responses, Anthropic's
+# Messages.
+TRANSLATED = ("responses", "messages")
+# What writes a translated route's answer in its API's shapes (server/responses.py, server/anthropic.py).
+Shaper = ResponseShaper | anthropic.MessageShaper
 MAX_CHOICES = 16  # choices a request may ask for (n): each is a sequence of the batch
 MAX_SEQUENCES = 64  # sequences one request may take: its prompts times its choices
 
@@ -325,7 +328,7 @@ class _ApiKeyGate:
                            "their api_key so; Anthropic's send x-api-key)" if given is None
                            else "incorrect API key")  # never echo it
                 error = RequestError(message, code="invalid_api_key", status=401)
-                response = error_response(error) if path.rstrip("/") != "/v1/messages" else _AsciiJSONResponse(
+                response = error_response(error) if not path.startswith("/v1/messages") else _AsciiJSONResponse(
                     anthropic.error_body(401, message), status_code=401)  # (in the envelope of the API asked)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
@@ -594,7 +597,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         try:
             try:
                 # (a large body's parse takes its time: off the loop)
-                body = await asyncio.to_thread(_parse, raw, model, call_format, TRANSLATED.get(endpoint))
+                body = await asyncio.to_thread(_parse, raw, model, call_format,
+                                               endpoint if endpoint in TRANSLATED else None)
                 engine_requests = _engine_requests(body)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
@@ -700,7 +704,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     async def _whole(request: Request, endpoint: str, reply: _Reply, chunks: list[AsyncIterator[Chunk]],
                      generations: list[Generation], return_token_ids: bool,
-                     shaper: ResponseShaper | None = None) -> JSONResponse:
+                     shaper: Shaper | None = None) -> JSONResponse:
         async def collect(choice: AsyncIterator[Chunk]) -> list[Chunk]:
             return [chunk async for chunk in choice]
 
@@ -736,9 +740,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         return JSONResponse(shaper.whole(whole) if shaper is not None else whole)
 
     async def _sse(endpoint: str, reply: _Reply, chunks: list[AsyncIterator[Chunk]], generations: list[Generation],
-                   include_usage: bool, ticket: _Ticket, shaper: ResponseShaper | None = None) -> AsyncIterator[str]:
-        """The stream's events: the chat or completions chunks, or (``shaper``) the Responses API's events made from
-        them."""
+                   include_usage: bool, ticket: _Ticket, shaper: Shaper | None = None) -> AsyncIterator[str]:
+        """The stream's events: the chat or completions chunks, or (``shaper``) another API's events made from them
+        (OpenAI's Responses, Anthropic's Messages)."""
         def send(payload: dict) -> list[str]:
             return shaper.events(payload) if shaper is not None else [_event(payload)]
 
