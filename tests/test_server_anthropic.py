@@ -277,3 +277,5 @@ def test_usage_counts_calls_stops_errors_and_routes_as_the_api_does(byte_client,
     keyed = TestClient(create_app(ServerSettings(api_key="k3y"), byte_engine))
     assert keyed.post("/v1/messages", headers={"x-api-key": "k3y", "Authorization": "Bearer placeholder"}, json={
         "model": "tiny", "max_tokens": 2, "messages": messages}).status_code == 200  # (either header may hold it)
+    unkeyed = keyed.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": messages})
+    assert unkeyed.status_code == 401 and unkeyed.json()["error"]["type"] == "authentication_error"
