@@ -162,7 +162,8 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None, extra: dict) -> str:
-    """The chat template's text for ``messages``, the assistant's turn opened. A conversation the template refuses
+    """The chat template's text for ``messages``, the assistant's turn opened (or, with ``continue_final_message``
+    among ``extra``, the last message's left open). A conversation the template refuses
     (its ``raise_exception``: roles that do not alternate, a system message it does not take) is a ValueError that
     says so, naming ``messages`` (``param``): the conversation's fault, not the server's."""
     import jinja2
