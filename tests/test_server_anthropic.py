@@ -266,6 +266,14 @@ def test_usage_counts_calls_stops_errors_and_routes_as_the_api_does(byte_client,
     assert shaper.whole({"model": "tiny", "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "choices": [{
         "finish_reason": "stop", "message": {"content": "ok", "reasoning_content": ""}}]})["content"] == [
         {"type": "text", "text": "ok"}]  # (an empty thinking block, thinking turned off, is none)
+    # The models list reads as both APIs' clients read it.
+    from anthropic.types import ModelInfo
+    from openai.types import Model
+
+    listed = byte_client.get("/v1/models").json()
+    assert (listed["has_more"], listed["first_id"]) == (False, "tiny")
+    ModelInfo.model_validate(listed["data"][0])  # (its created_at a time: strict mode would want a datetime object)
+    Model.model_validate(listed["data"][0], strict=True)
     missing = byte_client.get("/v1/messages/batches")
     assert missing.status_code in (404, 405) and missing.json()["type"] == "error"
     with live_server(create_app(ServerSettings(api_key="k3y"), byte_engine)) as (url, _):

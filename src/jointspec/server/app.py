@@ -516,11 +516,16 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     def model_card() -> dict:
-        return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "jointspec"}
+        """The served model as OpenAI's clients read it, and (type, display_name, created_at, lifecycle) as
+        Anthropic's read it: one object both take."""
+        return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "jointspec", "type": "model",
+                "display_name": engine.model_id, "created_at": "1970-01-01T00:00:00Z", "lifecycle": "active"}
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        # (the list as both APIs write it: OpenAI's object and data, Anthropic's page fields)
+        return {"object": "list", "data": [model_card()], "has_more": False, "first_id": engine.model_id,
+                "last_id": engine.model_id}
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
