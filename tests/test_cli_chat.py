@@ -321,6 +321,12 @@ def test_a_reasoning_models_thinking_shows_faint_on_a_terminal_and_template_vari
     code, stopped, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar")
     assert code == 0 and "(stopped" in err and stopped.startswith(chat_cli.FAINT)
     assert stopped.rstrip("\n").endswith(chat_cli.PLAIN), stopped
+    # An answer cut inside its thinking is kept closed, so that the template drops it from the next turn's prompt.
+    code, _, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc", "abcabc"], "--method", "ar")
+    kept = [{"role": "user", "content": "abcabc"}, {"role": "assistant", "content": written + "</think>"},
+            {"role": "user", "content": "abcabc"}]
+    read = [int(n) for n in re.findall(r"conversation (\d+) tokens", err)]
+    assert code == 0 and read[1] == len(chat_template_ids(tokenizer, kept)), err
     code, _, err = chat(capsys, monkeypatch, tmp_path / "model", ["abcabc"], "--method", "ar",
                         "--chat-template-kwargs", '{"note": "xyz"}')
     read = [int(n) for n in re.findall(r"conversation (\d+) tokens", err)]

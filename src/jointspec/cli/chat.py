@@ -296,14 +296,21 @@ def _styled() -> bool:
 
 class _Shown:
     """What a turn shows of its answer as it comes. On a terminal, a reasoning model's thinking (its <think> block,
-    server/reasoning.py) faint and its answer after a blank line; elsewhere (a pipe, a file), the text as written."""
+    server/reasoning.py) faint and its answer after a blank line; elsewhere (a pipe, a file), the text as written.
+    Either way it follows whether the answer is inside its thinking (:attr:`in_thinking`)."""
 
     def __init__(self, opens_reasoning: bool | None) -> None:
         from jointspec.server.reasoning import ReasoningStream
 
-        self.split = ReasoningStream(opens_reasoning) if opens_reasoning is not None and _styled() else None
+        self.split = ReasoningStream(opens_reasoning) if opens_reasoning is not None else None
+        self.styled = self.split is not None and _styled()
         self.thinking = False  # inside the faint part now
         self.thought = False  # some thinking was shown
+
+    @property
+    def in_thinking(self) -> bool:
+        """Whether the answer so far ends inside its thinking (stopped there, it needs its closing tag)."""
+        return self.split is not None and self.split.state == "reasoning"
 
     def feed(self, text: str, final: bool) -> None:
         if self.split is None:
@@ -311,6 +318,10 @@ class _Shown:
                 show(text)
             return
         reasoning, content = self.split.feed(text, final)
+        if not self.styled:
+            if text:
+                show(text)
+            return
         shown = ""
         if reasoning:
             shown += ("" if self.thinking else FAINT) + reasoning
@@ -359,6 +370,10 @@ async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: 
     finally:
         if shown.thinking:  # (stopped mid-thinking: what follows is not faint)
             show(PLAIN)
+        if shown.in_thinking and answer.text:
+            # (an answer that ends inside its thinking, stopped or cut, keeps it closed: a template that drops
+            # earlier thinking then drops it, rather than show it to the model as the answer)
+            answer.text += "</think>"
         generation.cancel()  # (a no-op once it ended; frees the row when Ctrl-C stopped the answer)
 
 
