@@ -754,6 +754,13 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def tokenizer_with(template: str | dict):
+    """:func:`byte_tokenizer` with a chat template of a test's own (a new tokenizer: the fixtures' are shared)."""
+    words = byte_tokenizer()
+    words.chat_template = template
+    return words
+
+
 @contextlib.contextmanager
 def live_server(app, make_server=None):
     """uvicorn on 127.0.0.1 on a free port, in a thread; yields (base URL, server) and stops when the block ends.

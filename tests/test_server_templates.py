@@ -20,7 +20,7 @@ from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
 from jointspec.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning, template_reasons
 from jointspec.server.tools import read_tool_use
 
-from helpers import byte_tokenizer, tiny_llama
+from helpers import byte_tokenizer, tiny_llama, tokenizer_with
 
 # Qwen3's conventions: the answer may open a block itself; enable_thinking false writes an empty one after the turn's
 # opening; earlier reasoning sent back is shown in its turn.
@@ -32,12 +32,6 @@ QWEN_LIKE = (
 # DeepSeek-R1's: the prompt opens the block, and the answer closes it; earlier answers lose their reasoning.
 R1_LIKE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content.split('</think>')[-1] }}\n{% endfor %}"
            "<|assistant|><think>\n")
-
-
-def tokenizer_with(template: str):
-    words = byte_tokenizer()
-    words.chat_template = template
-    return words
 
 
 @pytest.fixture(scope="module")

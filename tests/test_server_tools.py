@@ -45,7 +45,7 @@ from jointspec.server.tools import (
 )
 from jointspec.verifiers.greedy import GreedyVerifier
 
-from helpers import byte_tokenizer, tiny_llama
+from helpers import byte_tokenizer, tiny_llama, tokenizer_with
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -557,12 +557,6 @@ def llama_use(*tools, choice=None, parallel=None) -> ToolUse:
 
 def llama_call(name: str, arguments) -> str:
     return json.dumps({"name": name, "parameters": arguments})
-
-
-def tokenizer_with(template: str):
-    words = byte_tokenizer()
-    words.chat_template = template
-    return words
 
 
 @pytest.fixture(scope="module")
