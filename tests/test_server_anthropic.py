@@ -256,7 +256,7 @@ def test_usage_counts_calls_stops_errors_and_routes_as_the_api_does(byte_client,
 
     from jointspec.server.anthropic import MessageShaper, error_body
 
-    usage = MessageShaper._usage({"prompt_tokens": 416, "completion_tokens": 8,
+    usage = MessageShaper.usage_of({"prompt_tokens": 416, "completion_tokens": 8,
                                   "prompt_tokens_details": {"cached_tokens": 400}})
     assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (16, 400)  # (the total is their sum)
     shaper = MessageShaper()

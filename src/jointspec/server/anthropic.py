@@ -23,7 +23,7 @@ import json
 import re
 import uuid
 
-from jointspec.server.responses import ChatRequest
+from jointspec.server.translate import ChatRequest, ChunkShaper, TranslationError
 
 # Fields of a Messages request that ask for what this server does not do: each a 400 naming it.
 REFUSED = {
@@ -51,12 +51,8 @@ STREAM_ERROR_TYPES = {"timeout": "timeout_error", "shutting_down": "overloaded_e
                       "invalid_request": "invalid_request_error"}
 
 
-class MessagesError(ValueError):
+class MessagesError(TranslationError):
     """A Messages request that cannot be served; ``param`` names its field."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def error_body(status: int, message: str) -> dict:
@@ -231,7 +227,7 @@ def _chat_tool_choice(choice) -> tuple[object, bool | None]:
 
 # -- the answer -----------------------------------------------------------------------------------------------------
 
-class MessageShaper:
+class MessageShaper(ChunkShaper):
     """One request's answer in this API's shapes: :meth:`whole` from the chat route's whole reply, or, for a stream,
     :meth:`start`, then :meth:`events` from each chat chunk in order, then :meth:`end`."""
 
@@ -241,7 +237,6 @@ class MessageShaper:
         self.open: str | None = None  # the kind of the block streaming now: "thinking" or "text"
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.usage: dict | None = None  # the final figures, from the chat stream's usage chunk
 
     def _stop(self, choice: dict) -> None:
         finish = choice.get("finish_reason")
@@ -253,7 +248,7 @@ class MessageShaper:
             self.stop_reason = STOP_REASONS.get(finish, "end_turn")
 
     @staticmethod
-    def _usage(usage: dict) -> dict:
+    def usage_of(usage: dict) -> dict:
         """Chat's usage in this API's terms: the input read afresh, apart from the prompt cache's (the API's total
         input is their sum)."""
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -275,7 +270,7 @@ class MessageShaper:
         self._stop(choice)
         reply = {"id": self.id, "type": "message", "role": "assistant", "model": chat_reply["model"],
                  "content": content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
-                 "usage": self._usage(chat_reply["usage"])}
+                 "usage": self.usage_of(chat_reply["usage"])}
         if "jointspec" in chat_reply:
             reply["jointspec"] = chat_reply["jointspec"]  # (the engine's figures, as on chat)
         return reply
@@ -307,35 +302,30 @@ class MessageShaper:
         self.blocks += 1
         return [*events, self._event("content_block_start", index=self.blocks - 1, content_block=block)]
 
-    def events(self, chunk: dict) -> list[str]:
-        """The events of one streamed chat chunk (the chat route's payload)."""
-        if "error" in chunk:
-            kind = STREAM_ERROR_TYPES.get(chunk["error"].get("code"), "api_error")
-            return [*self._close(), self._event("error", error={"type": kind, "message": chunk["error"]["message"]})]
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.usage = self._usage(chunk["usage"])
-            return []
+    def failed(self, error: dict) -> list[str]:
+        kind = STREAM_ERROR_TYPES.get(error.get("code"), "api_error")
+        return [*self._close(), self._event("error", error={"type": kind, "message": error["message"]})]
+
+    def choice(self, choice: dict) -> list[str]:
         events = []
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta", {})
-            for kind, key, delta_kind in (("thinking", "reasoning_content", "thinking_delta"),
-                                          ("text", "content", "text_delta")):
-                if not delta.get(key):
-                    continue
-                if self.open != kind:
-                    events += self._begin({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
-                                          else {"type": "text", "text": ""})
-                    self.open = kind
-                field = "thinking" if kind == "thinking" else "text"
-                events.append(self._event("content_block_delta", index=self.blocks - 1,
-                                          delta={"type": delta_kind, field: delta[key]}))
-            for call in delta.get("tool_calls") or []:
-                events += self._begin({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                                       "input": {}})
-                events += [self._event("content_block_delta", index=self.blocks - 1, delta={
-                               "type": "input_json_delta", "partial_json": call["function"]["arguments"]}),
-                           self._event("content_block_stop", index=self.blocks - 1)]
-            self._stop(choice)
+        delta = choice.get("delta", {})
+        for kind, key, delta_kind in (("thinking", "reasoning_content", "thinking_delta"),
+                                      ("text", "content", "text_delta")):
+            if not delta.get(key):
+                continue
+            if self.open != kind:
+                events += self._begin({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                                      else {"type": "text", "text": ""})
+                self.open = kind
+            events.append(self._event("content_block_delta", index=self.blocks - 1,
+                                      delta={"type": delta_kind, kind: delta[key]}))
+        for call in delta.get("tool_calls") or []:
+            events += self._begin({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                                   "input": {}})
+            events += [self._event("content_block_delta", index=self.blocks - 1, delta={
+                           "type": "input_json_delta", "partial_json": call["function"]["arguments"]}),
+                       self._event("content_block_stop", index=self.blocks - 1)]
+        self._stop(choice)
         return events
 
     def end(self, model: str | None = None) -> list[str]:

@@ -59,7 +59,7 @@ from jointspec.server.engine import (
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 from jointspec.server.reasoning import Parts, ReasoningStream, split_reasoning
-from jointspec.server.responses import ChatRequest, ResponsesError, ResponseShaper, chat_request
+from jointspec.server.responses import ResponseShaper, chat_request
 from jointspec.server.tools import (
     HERMES,
     CallStream,
@@ -69,6 +69,7 @@ from jointspec.server.tools import (
     read_calls,
     read_tool_use,
 )
+from jointspec.server.translate import ChatRequest, TranslationError
 
 log = logging.getLogger(__name__)
 
@@ -903,7 +904,7 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
         return _checked(data, model, call_format)
     try:
         request = (chat_request if api == "responses" else anthropic.chat_request)(data)
-    except (ResponsesError, anthropic.MessagesError) as error:
+    except TranslationError as error:
         raise RequestError(str(error), param=error.param) from None
     try:
         body = _checked(request.body, model, call_format)

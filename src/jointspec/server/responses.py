@@ -24,7 +24,8 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+
+from jointspec.server.translate import ChatRequest, ChunkShaper, TranslationError
 
 # Fields of a Responses request that ask for what this server does not do: each a 400 naming it.
 REFUSED = {
@@ -47,44 +48,10 @@ RENAMES = ((re.compile(r"\bmessages\b"), "input"),
            (re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
            (re.compile(r"response_format(\.json_schema)?"), "text.format"),
            (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
-_MESSAGE = re.compile(r"\bmessages\.(\d+)((?:\.tool_calls\.\d+)?(?:\.tool_call_id)?)")
 
 
-class ResponsesError(ValueError):
+class ResponsesError(TranslationError):
     """A Responses request that cannot be served; ``param`` names its field."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """A request of another API (Responses, Anthropic's Messages) as the chat request that decodes it: its body,
-    where each of its messages came from (``instructions``, ``input.N``, ``system``, ``messages.N``), so that an
-    error about a message names what the client sent, and the other API's names for the chat's fields."""
-
-    body: dict
-    origins: tuple[str, ...]
-    renames: tuple[tuple[re.Pattern, str], ...] = RENAMES
-    # What a tool result's call id is called where the message came from.
-    call_id: str = ".call_id"
-
-    def wording(self, text: str | None) -> str | None:
-        """An error's field name or message as the other API's request names its fields."""
-        if text is None:
-            return None
-
-        def item(match: re.Match) -> str:
-            index = int(match.group(1))
-            if index >= len(self.origins):
-                return match.group(0)
-            return self.origins[index] + (self.call_id if match.group(2).endswith("tool_call_id") else "")
-
-        text = _MESSAGE.sub(item, text)
-        for pattern, name in self.renames:
-            text = pattern.sub(name, text)
-        return text
 
 
 def chat_request(data: dict) -> ChatRequest:
@@ -121,7 +88,7 @@ def chat_request(data: dict) -> ChatRequest:
     fmt = (data.get("text") or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _chat_format(fmt)
-    return ChatRequest(chat, tuple(origins))
+    return ChatRequest(chat, tuple(origins), RENAMES, ".call_id")
 
 
 def chat_body(data: dict) -> dict:
@@ -275,7 +242,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseShaper:
+class ResponseShaper(ChunkShaper):
     """One request's answer in the Responses API's shapes: :meth:`whole` from the chat route's whole reply, or, for a
     stream, :meth:`events` from each chat chunk in order and :meth:`end` once the chat stream ends."""
 
@@ -286,7 +253,6 @@ class ResponseShaper:
         self.sequence = 0
         self.output: list[dict] = []  # the items so far, in order
         self.open: dict | None = None  # the item streaming now: reasoning or message
-        self.usage: dict | None = None
         self.finish: str | None = None
 
     def response(self, status: str, output: list[dict] | None = None, usage: dict | None = None,
@@ -313,7 +279,7 @@ class ResponseShaper:
         }
 
     @staticmethod
-    def _usage(chat_usage: dict) -> dict:
+    def usage_of(chat_usage: dict) -> dict:
         cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         # (cache writes and reasoning tokens are not counted apart here: 0, as the API's required fields ask)
         usage = {"input_tokens": chat_usage["prompt_tokens"],
@@ -343,7 +309,7 @@ class ResponseShaper:
             output.append(self._message_item(message["content"], status))
         for call in message.get("tool_calls") or []:
             output.append(self._call_item(call))
-        response = self.response(status, output, self._usage(chat_reply["usage"]), chat_reply.get("model"))
+        response = self.response(status, output, self.usage_of(chat_reply["usage"]), chat_reply.get("model"))
         if "jointspec" in chat_reply:
             response["jointspec"] = chat_reply["jointspec"]  # (the engine's figures, as on chat)
         return response
@@ -383,22 +349,15 @@ class ResponseShaper:
             return []
         index = len(self.output)
         status = status or self._status(self.finish)
+        where = dict(item_id=item["id"], output_index=index, content_index=0)
         if item["type"] == "reasoning":
-            text = item["text"]
-            done = self._reasoning_item(text, status, item["id"])
-            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=text),
-                      self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=done["content"][0])]
+            done = self._reasoning_item(item["text"], status, item["id"])
+            events = [self._event("response.reasoning_text.done", **where, text=item["text"])]
         else:
-            text = item["text"]
-            done = self._message_item(text, status, item["id"])
-            part = done["content"][0]
-            events = [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=text, logprobs=[]),
-                      self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=part)]
-        events.append(self._event("response.output_item.done", output_index=index, item=done))
+            done = self._message_item(item["text"], status, item["id"])
+            events = [self._event("response.output_text.done", **where, text=item["text"], logprobs=[])]
+        events += [self._event("response.content_part.done", **where, part=done["content"][0]),
+                   self._event("response.output_item.done", output_index=index, item=done)]
         self.output.append(done)
         return events
 
@@ -423,46 +382,41 @@ class ResponseShaper:
                 self._event("response.content_part.added", item_id=item["id"], output_index=index,
                             content_index=0, part=part)]
 
-    def events(self, chunk: dict) -> list[str]:
-        """The events of one streamed chat chunk (the chat route's payload): deltas, calls, the finish, the usage,
-        or an error."""
-        if "error" in chunk:
-            events = self._close_open("incomplete")  # (what it had written, as written)
-            failed = self.response("failed", self.output)
-            # (the API's codes are a fixed set: a request's own method refusing a round is its prompt's fault, all
-            # else the server's; this server's own code goes as the type)
-            code = chunk["error"].get("code")
-            failed["error"] = {"code": "invalid_prompt" if code == "invalid_request" else "server_error",
-                               "message": chunk["error"]["message"], "type": code}
-            return [*events, self._event("response.failed", response=failed)]
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.usage = self._usage(chunk["usage"])
-            return []
+    def failed(self, error: dict) -> list[str]:
+        events = self._close_open("incomplete")  # (what it had written, as written)
+        failed = self.response("failed", self.output)
+        # (the API's codes are a fixed set: a request's own method refusing a round is its prompt's fault, all else
+        # the server's; this server's own code goes as the type)
+        code = error.get("code")
+        failed["error"] = {"code": "invalid_prompt" if code == "invalid_request" else "server_error",
+                           "message": error["message"], "type": code}
+        return [*events, self._event("response.failed", response=failed)]
+
+    def choice(self, choice: dict) -> list[str]:
         events = []
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta", {})
-            for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
-                if delta.get(key):
-                    events += self._open(kind)
-                    self.open["text"] += delta[key]
-                    name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-                    extra = {} if kind == "reasoning" else {"logprobs": []}
-                    events.append(self._event(name, item_id=self.open["id"], output_index=len(self.output),
-                                              content_index=0, delta=delta[key], **extra))
-            for call in delta.get("tool_calls") or []:
-                events += self._close_open()
-                index, item_id = len(self.output), _new_id("fc")
-                done = self._call_item(call, item_id)
-                events += [self._event("response.output_item.added", output_index=index,
-                                       item={**done, "arguments": "", "status": "in_progress"}),
-                           self._event("response.function_call_arguments.delta", item_id=item_id,
-                                       output_index=index, delta=done["arguments"]),
-                           self._event("response.function_call_arguments.done", item_id=item_id,
-                                       output_index=index, name=done["name"], arguments=done["arguments"]),
-                           self._event("response.output_item.done", output_index=index, item=done)]
-                self.output.append(done)
-            if choice.get("finish_reason") is not None:
-                self.finish = choice["finish_reason"]
+        delta = choice.get("delta", {})
+        for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+            if delta.get(key):
+                events += self._open(kind)
+                self.open["text"] += delta[key]
+                name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                extra = {} if kind == "reasoning" else {"logprobs": []}
+                events.append(self._event(name, item_id=self.open["id"], output_index=len(self.output),
+                                          content_index=0, delta=delta[key], **extra))
+        for call in delta.get("tool_calls") or []:
+            events += self._close_open()
+            index, item_id = len(self.output), _new_id("fc")
+            done = self._call_item(call, item_id)
+            events += [self._event("response.output_item.added", output_index=index,
+                                   item={**done, "arguments": "", "status": "in_progress"}),
+                       self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                                   delta=done["arguments"]),
+                       self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                   name=done["name"], arguments=done["arguments"]),
+                       self._event("response.output_item.done", output_index=index, item=done)]
+            self.output.append(done)
+        if choice.get("finish_reason") is not None:
+            self.finish = choice["finish_reason"]
         return events
 
     def end(self, model: str) -> list[str]:
