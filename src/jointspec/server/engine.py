@@ -46,7 +46,7 @@ from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 from jointspec.server.reasoning import prompt_opens_reasoning, template_reasons
-from jointspec.server.tools import call_format_of, native_tool_template, prompt_messages, template_variables
+from jointspec.server.tools import HERMES, call_format_of, native_call_format, prompt_messages, template_variables
 
 log = logging.getLogger(__name__)
 
@@ -411,10 +411,12 @@ class ServingEngine:
             raise
         if request.messages is not None:
             # Tools, earlier calls and their results as the template renders them, or as text (server/tools.py).
-            messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools,
-                                              native_tool_template(self.tokenizer), self.call_format)
+            native = native_call_format(self.tokenizer)  # (the template's own call format, or None: read once)
+            call_format = native or HERMES
+            messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools, native is not None,
+                                              call_format)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
-                variables = template_variables(messages, tools, self.call_format) | (request.template_kwargs or {})
+                variables = template_variables(messages, tools, call_format) | (request.template_kwargs or {})
                 return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)
                                          template_kwargs=variables, continue_final=request.continue_final)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:
