@@ -636,8 +636,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             use = body._tools_read
             reply.tools = use if use is not None and use.reads_calls else None
             # (an answer a grammar holds from its first token, a response_format's or required calls', is that
-            # format, never reasoning)
-            held = _output_format(body.response_format) is not None or (use is not None and use.choice == "required")
+            # format, never reasoning; a strict function's auto grammar lets text come first)
+            held = shared.output_format is not None and (use is None or use.choice != "auto")
             if endpoint != "completions" and settings.reasoning_format == "auto" and not held:
                 reply.reasoning = {index: generation.opens_reasoning for index, generation in enumerate(generations)
                                    if generation.opens_reasoning is not None}
