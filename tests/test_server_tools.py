@@ -38,7 +38,6 @@ from jointspec.server.tools import (
     ToolError,
     ToolUse,
     native_call_format,
-    native_tool_template,
     prompt_messages,
     read_calls,
     read_tool_use,
@@ -210,7 +209,7 @@ def test_a_template_without_tools_gets_them_and_the_calls_as_text(tokenizer):
     own, _ = prompt_messages([{"role": "system", "content": "Be brief."}, *CONVERSATION[:1]], (WEATHER,), False)
     assert own[0]["content"].startswith("Be brief.\n\n") and len(own) == 2
     assert prompt_messages(CONVERSATION[:1], (), False)[0] == CONVERSATION[:1]
-    assert not native_tool_template(tokenizer)
+    assert native_call_format(tokenizer) is None
 
 
 def test_a_template_that_renders_tools_gets_them_with_the_calls_arguments_as_objects():
@@ -219,7 +218,7 @@ def test_a_template_that_renders_tools_gets_them_with_the_calls_arguments_as_obj
                 "{% endfor %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}<assistant>")
     native = byte_tokenizer()
     native.chat_template = template
-    assert native_tool_template(native)
+    assert native_call_format(native) == HERMES
     messages, tools = prompt_messages(CONVERSATION, (WEATHER,), native=True)
     assert tools == [WEATHER] and messages[1]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                                                "arguments": {"city": "Paris"}}
@@ -255,7 +254,7 @@ def test_an_empty_assistant_turn_renders_as_its_template_writes_it_when_text_is_
     named = byte_tokenizer()
     named.chat_template = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}",
                            "tool_use": "{{ tools }}<tool_call>{% for m in messages %}{{ m.content }}{% endfor %}"}
-    assert native_tool_template(named)
+    assert native_call_format(named) == HERMES
 
 
 def test_the_engine_reads_a_tool_conversation_as_the_rendered_prompt(engine, tokenizer):

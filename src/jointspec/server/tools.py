@@ -269,11 +269,6 @@ def native_call_format(tokenizer) -> str | None:
     return None
 
 
-def native_tool_template(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders tools itself, in a call format read here."""
-    return native_call_format(tokenizer) is not None
-
-
 def call_format_of(tokenizer) -> str:
     """The format a model behind ``tokenizer`` writes calls in: its template's own where that is one read here, else
     Hermes's, which :func:`prompt_messages` then shows it as text."""
@@ -284,7 +279,7 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
                     call_format: str = HERMES) -> tuple[list[dict], list | None]:
     """The conversation as the chat template gets it, and the ``tools`` it gets (None: none). ``messages`` are
     OpenAI's, as dicts (assistant messages may hold ``tool_calls``, ``tool`` messages a result); ``native``: the
-    template renders tools and calls itself (:func:`native_tool_template`), in ``call_format``."""
+    template renders tools and calls itself (:func:`native_call_format`), in ``call_format``."""
     if native:
         rendered = [_native_message(message) for message in messages]
         if call_format == LLAMA3_JSON:
