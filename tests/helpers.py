@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -752,6 +753,31 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                         pad_token="<pad>")
     tokenizer.chat_template = SERVER_CHAT_TEMPLATE
     return tokenizer
+
+
+def grammar_takes(engine, use, text: str) -> bool:
+    """Whether the grammar of tool use ``use`` (server/tools.py) lets an answer be ``text`` (tokenized as the
+    engine's tokenizer reads it: a special token's spelling as that token) and then end."""
+    state = engine.grammar(use.output_format()).start()
+    for token in engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
+        if not state.allowed()[token]:
+            return False
+        state.advance([token])
+    return bool(state.allowed()[sorted(engine.eos_token_ids)].any())
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON events of a streamed reply's body (server-sent events), less the closing ``[DONE]``."""
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def streamed_calls(client, body: dict) -> tuple[list[dict], str, str]:
+    """A chat request (``body``) streamed through a test client: the functions of the calls its deltas carry, the
+    content they carry, and the last finish reason."""
+    events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    deltas = [event["choices"][0]["delta"] for event in events]
+    return ([call["function"] for delta in deltas for call in delta.get("tool_calls", [])],
+            "".join(delta.get("content") or "" for delta in deltas), events[-1]["choices"][0]["finish_reason"])
 
 
 def tokenizer_with(template: str | dict):

@@ -1007,6 +1007,7 @@ class EndlessGeneration:
 class FakeEngine:
     model_id = "fake"
     call_format = "hermes"
+    call_markers = ()
 
     def __init__(self) -> None:
         self.generations: list[EndlessGeneration] = []

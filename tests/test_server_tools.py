@@ -44,7 +44,7 @@ from jointspec.server.tools import (
 )
 from jointspec.verifiers.greedy import GreedyVerifier
 
-from helpers import byte_tokenizer, tiny_llama, tokenizer_with
+from helpers import byte_tokenizer, grammar_takes, sse_events, streamed_calls, tiny_llama, tokenizer_with
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -116,16 +116,6 @@ def test_a_tool_request_that_cannot_be_served_names_its_field(tools, choice, par
     assert refused.value.param == param
     with pytest.raises(ToolError, match="not both"):
         read_tool_use([WEATHER], None, None, functions=[WEATHER["function"]])
-
-
-def grammar_takes(engine, use: ToolUse, text: str) -> bool:
-    """Whether the grammar of ``use``'s required calls lets an answer be ``text`` and then end."""
-    state = engine.grammar(use.output_format()).start()
-    for token in engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
-        if not state.allowed()[token]:
-            return False
-        state.advance([token])
-    return bool(state.allowed()[sorted(engine.eos_token_ids)].any())
 
 
 def required_calls_grammar(engine, use_of, call, joined) -> tuple[ToolUse, ToolUse]:
@@ -452,13 +442,9 @@ def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_stre
     assert [c["function"] for c in calls] == [c["function"] for c in expected.calls] and len(calls) == 1
     arguments = json.loads(calls[0]["function"]["arguments"])
     assert arguments in ({"city": "Paris"}, {"city": "Rome"}, {"a": 1}, {"a": 2}, {"a": 3})  # (the schemas')
-    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
-    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    deltas = [e["choices"][0]["delta"] for e in events]
-    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [c["function"] for c in calls]
-    assert "".join(d.get("content") or "" for d in deltas).strip() == (expected.content or "")
-    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    functions, content, finish = streamed_calls(client, body)
+    assert functions == [c["function"] for c in calls] and finish == "tool_calls"
+    assert content.strip() == (expected.content or "")
 
 
 def test_a_named_function_is_the_one_called_and_a_conversation_with_results_is_answered(client):
@@ -481,8 +467,7 @@ def test_a_named_function_is_the_one_called_and_a_conversation_with_results_is_a
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "function_call"
     streamed = client.post("/v1/chat/completions", json=body_with(
         functions=[WEATHER["function"], ADD["function"]], function_call={"name": "add"}, stream=True))
-    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    events = sse_events(streamed.text)
     assert [e["choices"][0]["delta"]["function_call"] for e in events
             if "function_call" in e["choices"][0]["delta"]] == [choice["message"]["function_call"]]
     assert events[-1]["choices"][0]["finish_reason"] == "function_call"
@@ -700,10 +685,4 @@ def test_a_required_llama_call_is_the_loops_constrained_greedy_decoding(llama_en
     expected = read_calls(llama_tokenizer.decode(ids, skip_special_tokens=True), use)
     assert expected.calls and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in expected.calls]
-    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
-    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    deltas = [e["choices"][0]["delta"] for e in events]
-    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [c["function"] for c in expected.calls]
-    assert not "".join(d.get("content") or "" for d in deltas) and events[-1]["choices"][0]["finish_reason"] == \
-        "tool_calls"
+    assert streamed_calls(client, body) == ([c["function"] for c in expected.calls], "", "tool_calls")

@@ -74,7 +74,7 @@ class CountingEngine:
 
     def __init__(self, engine: ServingEngine, fail_after: int | None = None) -> None:
         self.engine, self.fail_after = engine, fail_after
-        self.model_id, self.call_format = engine.model_id, engine.call_format
+        self.model_id, self.call_format, self.call_markers = engine.model_id, engine.call_format, engine.call_markers
         self.answered: list[tuple[int, ...]] = []
         self.checked: list[tuple[int, ...]] = []
         self.refused = 0

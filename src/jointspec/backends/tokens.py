@@ -21,11 +21,21 @@ def eos_token_ids(model: CausalLM, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def decode_text(tokenizer, token_ids: list[int]) -> str:
+def decode_text(tokenizer, token_ids: list[int], kept: dict[int, str] | None = None) -> str:
     """The text of generated ``token_ids``, as every front end shows it: special tokens skipped and no clean-up of
     spaces. Clean-up (``clean_up_tokenization_spaces``, which some tokenizers turn on) rewrites text before a later
     token (" '" then "m" becomes "'m"), so a stream that had sent the earlier text could not show what a whole decode
-    shows; without it a decode of more tokens extends a decode of fewer."""
+    shows; without it a decode of more tokens extends a decode of fewer. ``kept``: special tokens spelled out all the
+    same (id: spelling; a tool-call format's markers), the text between them decoded as above, each run alone."""
+    if kept and not kept.keys().isdisjoint(token_ids):
+        pieces, run = [], []
+        for token_id in token_ids:
+            if token_id in kept:
+                pieces += [decode_text(tokenizer, run), kept[token_id]]
+                run = []
+            else:
+                run.append(token_id)
+        return "".join(pieces) + decode_text(tokenizer, run)
     try:
         return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     except TypeError:  # a tokenizer whose decode takes no such option (not transformers') has no clean-up either
@@ -36,17 +46,18 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters; the deltas and
     :meth:`finish` add up to :func:`decode_text` of every id pushed."""
 
-    def __init__(self, tokenizer, context: list[int] | None = None) -> None:
+    def __init__(self, tokenizer, context: list[int] | None = None, kept: dict[int, str] | None = None) -> None:
         """``context``: ids the text follows but does not include (an echoed prompt): decoded with them, the deltas
         are what the ids add to the context's text (a SentencePiece answer's first space included, which a decode
-        of the answer alone drops)."""
+        of the answer alone drops). ``kept``: special tokens the text spells out (:func:`decode_text`)."""
         self.tokenizer = tokenizer
+        self.kept = kept
         self.token_ids: list[int] = list(context or ())
-        self.emitted = decode_text(tokenizer, self.token_ids) if self.token_ids else ""
+        self.emitted = decode_text(tokenizer, self.token_ids, kept) if self.token_ids else ""
 
     def push(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
-        text = decode_text(self.tokenizer, self.token_ids)
+        text = decode_text(self.tokenizer, self.token_ids, self.kept)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is split across tokens: wait for the rest
         return self._advance(text)
@@ -54,7 +65,7 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The held-back rest at the end: bytes no later token completes show as U+FFFD, as a whole decode shows
         them."""
-        return self._advance(decode_text(self.tokenizer, self.token_ids))
+        return self._advance(decode_text(self.tokenizer, self.token_ids, self.kept))
 
     def _advance(self, text: str) -> str:
         # Text already sent is never sent again: a decode that no longer extends it (a tokenizer whose pieces change

@@ -463,6 +463,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     metrics = Metrics()
     in_flight = _InFlight()
     call_format = engine.call_format  # (the model's, read once)
+    special = engine.call_markers  # (its markers that are special tokens)
 
     async def drain(timeout: float | None = None) -> None:
         """Shut down without losing a request: refuse new ones (503), give those in flight up to ``timeout``
@@ -560,7 +561,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         """Anthropic's token count: the request's prompt as the model reads it, nothing decoded."""
         try:
             raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
-            body = await asyncio.to_thread(_parse_count, raw, call_format)
+            body = await asyncio.to_thread(_parse_count, raw, call_format, special)
             prompt = await asyncio.to_thread(engine.encode, _engine_requests(body)[0])
         except RequestError as error:
             return refusal("messages", error)
@@ -604,7 +605,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             try:
                 # (a large body's parse takes its time: off the loop)
                 body = await asyncio.to_thread(_parse, raw, model, call_format,
-                                               endpoint if endpoint in TRANSLATED else None)
+                                               endpoint if endpoint in TRANSLATED else None, special)
                 engine_requests = _engine_requests(body)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
@@ -881,11 +882,12 @@ def _lone_surrogate(data) -> str | None:
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
-def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: str | None = None) -> _Sampling:
+def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: str | None = None,
+           special: tuple[tuple[str, int], ...] = ()) -> _Sampling:
     """A request's body, read and checked; ``call_format``: the format the model writes tool calls in
-    (server/tools.py); ``api``: another API's body ("responses": OpenAI's Responses API; "messages": Anthropic's),
-    read into the chat body that decodes it (server/responses.py, server/anthropic.py; the original is kept as the
-    body's ``_translated``)."""
+    (server/tools.py), ``special`` its markers that are special tokens; ``api``: another API's body ("responses":
+    OpenAI's Responses API; "messages": Anthropic's), read into the chat body that decodes it (server/responses.py,
+    server/anthropic.py; the original is kept as the body's ``_translated``)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
@@ -901,20 +903,20 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
     if api is None:
-        return _checked(data, model, call_format)
+        return _checked(data, model, call_format, special)
     try:
         request = (chat_request if api == "responses" else anthropic.chat_request)(data)
     except TranslationError as error:
         raise RequestError(str(error), param=error.param) from None
     try:
-        body = _checked(request.body, model, call_format)
+        body = _checked(request.body, model, call_format, special)
     except RequestError as error:
         raise _as_translated(error, request) from None
     body._translated = (data, request)
     return body
 
 
-def _parse_count(raw: bytes, call_format: str) -> _Sampling:
+def _parse_count(raw: bytes, call_format: str, special: tuple[tuple[str, int], ...] = ()) -> _Sampling:
     """A count_tokens body (a Messages request without max_tokens, which counting needs not) read as /v1/messages
     reads one."""
     try:
@@ -923,7 +925,7 @@ def _parse_count(raw: bytes, call_format: str) -> _Sampling:
         data = None
     if isinstance(data, dict) and "max_tokens" not in data:
         raw = json.dumps({**data, "max_tokens": 1}).encode()
-    return _parse(raw, ChatBody, call_format, "messages")
+    return _parse(raw, ChatBody, call_format, "messages", special)
 
 
 def _as_translated(error: RequestError, request: ChatRequest) -> RequestError:
@@ -932,7 +934,8 @@ def _as_translated(error: RequestError, request: ChatRequest) -> RequestError:
     return error
 
 
-def _checked(data: dict, model: type[_Sampling], call_format: str) -> _Sampling:
+def _checked(data: dict, model: type[_Sampling], call_format: str,
+             special: tuple[tuple[str, int], ...] = ()) -> _Sampling:
     """A request's body, already read as JSON, checked (``_parse``)."""
     try:
         body = model.model_validate(data)
@@ -968,7 +971,7 @@ def _checked(data: dict, model: type[_Sampling], call_format: str) -> _Sampling:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
     response_format = _output_format(body.response_format)  # refused here, before anything is queued
-    use = body._tools_read = _tool_use(body, call_format)  # refused here where malformed
+    use = body._tools_read = _tool_use(body, call_format, special)  # refused here where malformed
     if use is not None and use.reads_calls and response_format is not None:
         raise RequestError("response_format and tools together: an answer cannot be both the schema's JSON and tool "
                            "calls; send tool_choice: none, or no response_format", param="response_format")
@@ -990,7 +993,8 @@ def _checked(data: dict, model: type[_Sampling], call_format: str) -> _Sampling:
     return body
 
 
-def _tool_use(body: _Sampling, call_format: str = HERMES) -> ToolUse | None:
+def _tool_use(body: _Sampling, call_format: str = HERMES,
+              special: tuple[tuple[str, int], ...] = ()) -> ToolUse | None:
     """The request's tools and tool choice (server/tools.py); RequestError naming the field at fault."""
     if isinstance(body, CompletionBody):
         for name in ("tools", "functions"):
@@ -999,7 +1003,7 @@ def _tool_use(body: _Sampling, call_format: str = HERMES) -> ToolUse | None:
                                    "shows them to the model", param=name)
     try:
         return read_tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, functions=body.functions,
-                             function_call=body.function_call, call_format=call_format)
+                             function_call=body.function_call, call_format=call_format, special=special)
     except ToolError as error:
         raise RequestError(str(error), param=error.param) from None
 

@@ -46,7 +46,14 @@ from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
 from jointspec.server.reasoning import prompt_opens_reasoning, template_reasons
-from jointspec.server.tools import HERMES, call_format_of, native_call_format, prompt_messages, template_variables
+from jointspec.server.tools import (
+    HERMES,
+    call_format_of,
+    call_markers,
+    native_call_format,
+    prompt_messages,
+    template_variables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +174,7 @@ class Engine(Protocol):
 
     model_id: str
     call_format: str  # the format the model writes tool calls in (server/tools.py)
+    call_markers: tuple[tuple[str, int], ...]  # that format's markers the tokenizer holds as special tokens, with ids
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
 
@@ -403,6 +411,12 @@ class ServingEngine:
         """The format the model writes tool calls in (server/tools.py): its chat template's own, else Hermes's."""
         return call_format_of(self.tokenizer)
 
+    @property
+    def call_markers(self) -> tuple[tuple[str, int], ...]:
+        """The call format's markers that the tokenizer holds as special tokens, with their ids (server/tools.py):
+        the text of an answer read for calls keeps them."""
+        return call_markers(self.tokenizer, self.call_format)
+
     def encode(self, request: CompletionRequest) -> list[int]:
         try:  # a bias on a token the model lacks: this request's 400, not an error inside the batch's round
             request.penalties.check_vocab(self.target.vocab_size)
@@ -588,6 +602,11 @@ class ServingEngine:
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids
+        if request.tools:
+            markers = self.call_markers
+            if markers:  # (a decode would skip them, and with them the calls)
+                stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer,
+                                                                 kept={id_: text for text, id_ in markers})
         if request.messages is not None and template_reasons(self.tokenizer):
             # (the prompt's last tokens hold the template's opening tag where it opens a block)
             stream.opens_reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-8:]))

@@ -22,9 +22,21 @@ A template that writes calls so (its text names ``"parameters": `` and the ``ipy
 earlier calls and the results itself, and its answers are read and constrained in that format: an answer is a call
 where it begins with ``{`` (after Llama 3.1's ``<|python_tag|>``, where that is spelled out) and is one such object, or
 several joined by ``;``; text otherwise. Those templates hold one call an assistant turn, so an earlier turn's
-parallel calls are given to them as consecutive turns of one call each, each followed by its result. A template that
-takes tools in yet another format (Mistral's, Llama 4's) is given the Hermes text form: jointspec reads these two
-formats only.
+parallel calls are given to them as consecutive turns of one call each, each followed by its result.
+
+Mistral's templates open calls with the special token ``[TOOL_CALLS]``, after any text, in one of two formats by the
+tokenizer's version: up to v7 (Mistral 7B v0.3, Nemo, Small 22B-3.1) one JSON list of the calls (``mistral_v3``);
+from v11 (Small 3.2, Magistral, Devstral, Ministral 3) each call its own marker, its name, ``[ARGS]`` and its
+arguments (``mistral_v11``)::
+
+    [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
+
+A template that names ``[TOOL_CALLS]`` renders the tools, calls and results itself (the older templates take call
+ids of 9 letters and digits alone, so other ids are given to them as 9 such characters derived from the id), and its
+answers are read and constrained in its format; their markers, which a decode skips as special tokens, are kept in
+the text of an answer read for calls (:func:`call_markers`). A template that takes tools in yet another format
+(Llama 4's) is given the Hermes text form.
 
 What ``tool_choice`` does to the answer (in Hermes's format; Llama 3's reads and holds its own alike):
 
@@ -39,18 +51,22 @@ What ``tool_choice`` does to the answer (in Hermes's format; Llama 3's reads and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import string
 import uuid
 from dataclasses import dataclass
 
+from jointspec.backends.tokens import decode_text
 from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-# The call formats read here (module docstring): Hermes's blocks, and Llama 3's bare JSON.
+# The call formats read here (module docstring): Hermes's blocks, Llama 3's bare JSON, and Mistral's two.
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
-FORMATS = (HERMES, LLAMA3_JSON)
+MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11)
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
 # What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
@@ -58,6 +74,12 @@ PYTHON_TAG = "<|python_tag|>"
 SPACE = r"[\s\x1c-\x1f]*"
 # Llama 3's calls joined in one answer (as vLLM's llama3_json parser reads them).
 LLAMA_CALL_SEPARATOR = "; "
+# Mistral's markers (module docstring), special tokens in Mistral's tokenizers.
+TOOL_CALLS = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS)}
+# Where calls begin in an answer, in the formats that may write text before them.
+OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: TOOL_CALLS, MISTRAL_V11: TOOL_CALLS}
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -98,7 +120,8 @@ class ToolUse:
     ``required``; ``function``: the one function the answer must call, once (``choice`` is then ``required``);
     ``parallel``: several calls in one answer; ``legacy``: asked in the older form (``functions``), which is answered
     in that form (one ``function_call``); ``format``: how the model writes calls (:data:`FORMATS`, module
-    docstring)."""
+    docstring); ``special``: the format's markers that the model's tokenizer holds as special tokens, with their ids
+    (:func:`call_markers`), which a grammar names by id (a special token has no text to match)."""
 
     tools: tuple[Tool, ...]
     choice: str = "auto"
@@ -106,6 +129,7 @@ class ToolUse:
     parallel: bool = True
     legacy: bool = False
     format: str = HERMES
+    special: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -136,6 +160,8 @@ class ToolUse:
         if self.choice != "required" and not strict_auto:
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
+        if self.format in MARKERS:
+            return self._mistral_format(allowed, strict_auto)
         # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
         # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
         # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are any object)
@@ -168,6 +194,41 @@ class ToolUse:
             start = [f"start: call{after}"]
         return OutputFormat("lark", "\n".join([*start, f"call: {opening} ({either}) {closing}", *rules]) + "\n")
 
+    def _mistral_format(self, allowed: list[Tool], strict_auto: bool) -> OutputFormat:
+        """:meth:`output_format` in Mistral's formats, written as their templates write calls: ``[TOOL_CALLS] [`` and
+        the calls joined by ``, `` then ``]`` (v3); each call ``[TOOL_CALLS]``, its name, ``[ARGS]`` and its arguments
+        (v11). ``required``: the calls alone; strict ``auto``: any text, then such calls or nothing."""
+        ids = dict(self.special)
+        # A marker the tokenizer holds as a special token is named by its id; one it does not, by its text, which
+        # the text before the calls may then not hold.
+        mark = f"<[{ids[TOOL_CALLS]}]>" if TOOL_CALLS in ids else json.dumps(TOOL_CALLS)
+        args_mark = f"<[{ids[ARGS]}]>" if ARGS in ids else json.dumps(ARGS)
+        rules = []
+        for index, tool in enumerate(allowed):
+            held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
+                {"type": "object", "x-guidance": JSON_STYLE})
+            if self.format == MISTRAL_V11:
+                rules.append(f"call{index}: {json.dumps(tool.name)} {args_mark} args{index}")
+            else:
+                head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+                rules.append(f'call{index}: {head} args{index} "}}"')
+            rules.append(f"args{index}: %json {held}")
+        either = " | ".join(f"call{index}" for index in range(len(allowed)))
+        several = self.parallel and self.function is None
+        # ("calls" is what follows the first marker)
+        if self.format == MISTRAL_V11:
+            calls = f"call ({mark} call)*" if several else "call"
+        else:
+            calls = '" [" call (", " call)* "]"' if several else '" [" call "]"'
+        if not strict_auto:
+            start = [f"start: {mark} {calls}"]
+        elif TOOL_CALLS in ids:
+            start = [f"start: TEXT | TEXT {mark} {calls}", "TEXT: /(?s:.*)/"]
+        else:  # (as Hermes's grammar does for its tag: the text and the marker one lexeme)
+            start = [f"start: TEXT | OPENED {calls}", f"OPENED: TEXT {mark}",
+                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_CALLS)}.*)/"]
+        return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
+
 
 def arguments_grammar(tool: Tool) -> str:
     """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
@@ -175,10 +236,12 @@ def arguments_grammar(tool: Tool) -> str:
 
 
 def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, functions: list | None = None,
-                  function_call=None, call_format: str = HERMES) -> ToolUse | None:
+                  function_call=None, call_format: str = HERMES,
+                  special: tuple[tuple[str, int], ...] = ()) -> ToolUse | None:
     """A chat request's ``tools`` and ``tool_choice`` (or the deprecated ``functions`` and ``function_call``) as a
-    :class:`ToolUse` whose calls the model writes in ``call_format`` (:func:`call_format_of`); None where it offers
-    no tools. ToolError names the field at fault."""
+    :class:`ToolUse` whose calls the model writes in ``call_format`` (:func:`call_format_of`), ``special`` being its
+    markers that are special tokens (:func:`call_markers`); None where it offers no tools. ToolError names the field
+    at fault."""
     if tools and functions:
         raise ToolError("send tools or functions (their older form), not both", "functions")
     param, choice_param = "tools", "tool_choice"
@@ -204,14 +267,16 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
     legacy = bool(functions)
     parallel = parallel_tool_calls is not False and not legacy
     if tool_choice is None or tool_choice in CHOICES:
-        use = ToolUse(offered, tool_choice or "auto", parallel=parallel, legacy=legacy, format=call_format)
+        use = ToolUse(offered, tool_choice or "auto", parallel=parallel, legacy=legacy, format=call_format,
+                      special=special)
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(
             tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
         if name not in names:
             raise ToolError(f"{choice_param} names function {name!r}, which the request does not offer (it offers "
                             f"{', '.join(names)})", choice_param)
-        use = ToolUse(offered, "required", function=name, parallel=parallel, legacy=legacy, format=call_format)
+        use = ToolUse(offered, "required", function=name, parallel=parallel, legacy=legacy, format=call_format,
+                      special=special)
     else:
         raise ToolError(f"{choice_param} must be none, auto, required or {{\"type\": \"function\", \"function\": "
                         f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", choice_param)
@@ -263,6 +328,8 @@ def native_call_format(tokenizer) -> str | None:
         return None
     if CALL_OPEN in template:
         return HERMES
+    if TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
+        return MISTRAL_V11 if ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)
     if '"parameters": ' in template and "ipython" in template and "<|python_start|>" not in template:
         return LLAMA3_JSON
@@ -275,13 +342,31 @@ def call_format_of(tokenizer) -> str:
     return native_call_format(tokenizer) or HERMES
 
 
+def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
+    """Of ``call_format``'s markers (Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``), those ``tokenizer`` holds as one
+    special token that a decode skips, with its id: an answer read for calls keeps them in its text, and a grammar
+    names them by id."""
+    found = []
+    for spelling in MARKERS.get(call_format, ()):
+        try:
+            token_id = tokenizer.convert_tokens_to_ids(spelling)
+            if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(
+                    token_id) != spelling:
+                continue
+        except (KeyError, TypeError, ValueError):
+            continue
+        if decode_text(tokenizer, [int(token_id)]) == "":
+            found.append((spelling, int(token_id)))
+    return tuple(found)
+
+
 def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
                     call_format: str = HERMES) -> tuple[list[dict], list | None]:
     """The conversation as the chat template gets it, and the ``tools`` it gets (None: none). ``messages`` are
     OpenAI's, as dicts (assistant messages may hold ``tool_calls``, ``tool`` messages a result); ``native``: the
     template renders tools and calls itself (:func:`native_call_format`), in ``call_format``."""
     if native:
-        rendered = [_native_message(message) for message in messages]
+        rendered = [_native_message(message, call_format) for message in messages]
         if call_format == LLAMA3_JSON:
             rendered = _llama_turns(rendered)
         return rendered, (list(tools) or None)
@@ -375,12 +460,33 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _native_message(message: dict) -> dict:
+def _native_message(message: dict, call_format: str = HERMES) -> dict:
+    """A message as a template that renders calls itself takes it: calls with their arguments as objects, and (for
+    Mistral's older templates, which refuse any other) call ids of 9 letters and digits."""
+    ids = _mistral_id if call_format == MISTRAL_V3 else (lambda id_: id_)
     if message.get("tool_calls"):
-        calls = [{"type": "function", "id": call.get("id"), "function": _call_record(call)}
+        calls = [{"type": "function", "id": ids(call.get("id")), "function": _call_record(call)}
                  for call in message["tool_calls"]]
         return {**message, "tool_calls": calls}
+    if message["role"] == "tool" and "tool_call_id" in message:
+        return {**message, "tool_call_id": ids(message["tool_call_id"])}
     return message
+
+
+_ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def _mistral_id(call_id) -> str:
+    """A call id as Mistral's v3 templates take one, 9 letters and digits: the id itself where it is one, else 9 such
+    characters derived from it (the same for a call and the result that names it)."""
+    if isinstance(call_id, str) and len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    number = int.from_bytes(hashlib.sha256(str(call_id or "").encode()).digest()[:8], "big")
+    out = []
+    for _ in range(9):
+        number, digit = divmod(number, len(_ID_CHARACTERS))
+        out.append(_ID_CHARACTERS[digit])
+    return "".join(out)
 
 
 def check_message(message: dict, where: str) -> None:
@@ -457,6 +563,8 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     leaves it text)."""
     if use.reads_calls and use.format == LLAMA3_JSON:
         return _read_json_calls(text, use, cut)
+    if use.reads_calls and use.format in MARKERS:
+        return _read_marked_calls(text, use, cut)
     if not use.reads_calls or CALL_OPEN not in text:
         return Calls(text, ())
     kept = text
@@ -509,9 +617,81 @@ def _read_json_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     return Calls(None, tuple(calls if use.parallel else calls[:1]))
 
 
-def _open_tail(text: str) -> int:
-    """The length of the longest end of ``text`` that begins an opening tag (0 where none does)."""
-    return next((n for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1) if CALL_OPEN.startswith(text[-n:])), 0)
+def _read_marked_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
+    """``text`` read in Mistral's formats: the text before the first ``[TOOL_CALLS]`` (less its trailing whitespace)
+    the content, and all that follows it the calls of offered tools, as the format writes them; else the whole text
+    content. ``cut``: the answer ran out of tokens, so the call it left unfinished is dropped and the calls before it
+    stand."""
+    start = text.find(TOOL_CALLS)
+    if start < 0:
+        return Calls(text, ())
+    names = {tool.name for tool in use.tools}
+    rest = text[start + len(TOOL_CALLS):]
+    calls = (_v11_calls if use.format == MISTRAL_V11 else _v3_calls)(rest, names, cut)
+    if not calls:
+        return Calls(text, ())
+    return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
+
+
+def _skip_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
+
+
+def _v3_calls(body: str, names: set[str], cut: bool) -> list[dict] | None:
+    """What follows ``[TOOL_CALLS]`` in the v3 format: one JSON list of call objects, then nothing but whitespace."""
+    decoder = json.JSONDecoder()
+    at = _skip_space(body, 0)
+    if not body.startswith("[", at):
+        return None
+    calls, at = [], at + 1
+    while True:
+        try:
+            value, at = decoder.raw_decode(body, _skip_space(body, at))
+        except ValueError:
+            return calls if cut and calls else None
+        call = _read_call(value, names)
+        if call is None:
+            return None
+        calls.append(call)
+        at = _skip_space(body, at)
+        if at == len(body):
+            return calls if cut else None
+        if body[at] == "]":
+            return calls if not body[at + 1:].strip() else None
+        if body[at] != ",":
+            return None
+        at += 1
+
+
+def _v11_calls(body: str, names: set[str], cut: bool) -> list[dict] | None:
+    """What follows the first ``[TOOL_CALLS]`` in the v11 format: a name, ``[ARGS]`` and a JSON arguments object,
+    then the next call's marker or the end (whitespace around each part allowed)."""
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while True:
+        marker = body.find(ARGS, at)
+        if marker < 0:
+            return calls if cut and calls else None
+        name = body[at:marker].strip()
+        try:
+            arguments, at = decoder.raw_decode(body, _skip_space(body, marker + len(ARGS)))
+        except ValueError:
+            return calls if cut and calls else None
+        call = _read_call({"name": name, "arguments": arguments}, names)
+        if call is None:
+            return None
+        calls.append(call)
+        at = _skip_space(body, at)
+        if at == len(body):
+            return calls
+        if not body.startswith(TOOL_CALLS, at):
+            return None
+        at += len(TOOL_CALLS)
+
+
+def _open_tail(text: str, opening: str = CALL_OPEN) -> int:
+    """The length of the longest end of ``text`` that begins ``opening`` (0 where none does)."""
+    return next((n for n in range(min(len(opening) - 1, len(text)), 0, -1) if opening.startswith(text[-n:])), 0)
 
 
 def _read_call(record, names: set[str]) -> dict | None:
@@ -550,12 +730,13 @@ class CallStream:
             return ""
         if self.use.format == LLAMA3_JSON:
             return self._feed_json()
-        start = self.text.find(CALL_OPEN)
+        opening = OPENINGS[self.use.format]
+        start = self.text.find(opening)
         if start >= 0:
             self.in_calls = True
             ready = self.text[:start].rstrip()
         else:
-            ready = self.text[:len(self.text) - _open_tail(self.text)].rstrip()
+            ready = self.text[:len(self.text) - _open_tail(self.text, opening)].rstrip()
         out = ready[len(self.sent):] if len(ready) > len(self.sent) else ""
         self.sent += out
         return out
