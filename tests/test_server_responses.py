@@ -82,7 +82,7 @@ def test_a_responses_request_is_read_into_the_chat_request_that_decodes_it():
     ({"input": [{"role": "critic", "content": "x"}]}, "input.0.role"),
     ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type"),
     ({"input": [{"type": "function_call_output", "output": "18C"}]}, "input.0.call_id"),
-    # (nothing is stored: a result answers a call sent beside it, as OpenAI refuses one whose call it cannot find)
+    # (a result answers a call sent beside it or stored, as OpenAI refuses one whose call it cannot find)
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
      "input.1.call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}, "input.0.arguments"),
@@ -241,3 +241,101 @@ def test_thinking_an_answer_followed_is_complete_however_the_answer_ended():
                                                                       ("message", "incomplete")]
     cut["choices"][0]["message"]["content"] = None  # (cut while thinking: the thinking is what was cut)
     assert [item["status"] for item in shaper.whole(cut)["output"]] == ["incomplete"]
+
+
+# -- stored responses ----------------------------------------------------------------------------------------------
+
+def respond(client, **fields) -> dict:
+    reply = client.post("/v1/responses", json={"model": "tiny", "temperature": 0, "max_output_tokens": 6, **fields})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_stored_response_is_continued_as_the_whole_conversation_sent_again_without_its_instructions(byte_client):
+    """previous_response_id gives the model the conversation the response ended, then the new input: the same prompt
+    (its token count) and the same greedy answer as sending that conversation whole; the earlier instructions are
+    not carried, as in OpenAI's API, and later requests leave the stored conversation as it was."""
+    first = respond(byte_client, input="Hello", instructions="Answer briefly.")
+    assert first["store"] is True and first["previous_response_id"] is None
+    said = first["output"][0]["content"][0]["text"]
+    again = respond(byte_client, input="And then?", previous_response_id=first["id"])
+    whole = respond(byte_client, input=[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": said},
+                                        {"role": "user", "content": "And then?"}])
+    assert again["previous_response_id"] == first["id"]
+    assert again["usage"]["input_tokens"] == whole["usage"]["input_tokens"] and again["output"] == [
+        {**whole["output"][0], "id": again["output"][0]["id"]}]
+    # New instructions go first; a chain of two continues both turns; the first response's conversation is unchanged.
+    instructed = respond(byte_client, input="And then?", previous_response_id=first["id"], instructions="Be kind.")
+    whole_instructed = respond(byte_client, instructions="Be kind.", input=[
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": said},
+        {"role": "user", "content": "And then?"}])
+    assert instructed["usage"]["input_tokens"] == whole_instructed["usage"]["input_tokens"]
+    third = respond(byte_client, input="Why?", previous_response_id=again["id"])
+    chained = respond(byte_client, input=[
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": said},
+        {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": again["output"][0]["content"][0]["text"]},
+        {"role": "user", "content": "Why?"}])
+    assert third["usage"]["input_tokens"] == chained["usage"]["input_tokens"]
+    assert respond(byte_client, input="And then?", previous_response_id=first["id"])["usage"] == again["usage"]
+    # A call item that follows the stored answer joins its turn, in a copy: asked twice, the same prompt.
+    joined = [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": "c1", "output": "18C"}]
+    once, twice = (respond(byte_client, input=joined, previous_response_id=first["id"], tools=[WEATHER])
+                   for _ in range(2))
+    assert once["usage"]["input_tokens"] == twice["usage"]["input_tokens"]
+
+
+def test_a_call_of_a_stored_response_is_answered_by_its_result_alone(byte_engine):
+    """The loop an agent runs with previous_response_id (OpenAI's client): a response that called a function, then
+    only the function's output as input; and GET and DELETE on the stored response."""
+    import openai
+
+    with live_server(create_app(ServerSettings(), byte_engine)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        called = client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER],
+                                         tool_choice="required", temperature=0, max_output_tokens=120,
+                                         parallel_tool_calls=False)
+        call = next(item for item in called.output if item.type == "function_call")
+        follow = client.responses.create(model="tiny", previous_response_id=called.id, temperature=0,
+                                         max_output_tokens=4, tools=[WEATHER], input=[
+                                             {"type": "function_call_output", "call_id": call.call_id,
+                                              "output": "21C"}])
+        # (the same conversation whole: the request, every output item of the response, the result)
+        whole = client.responses.create(model="tiny", temperature=0, max_output_tokens=4, tools=[WEATHER], input=[
+            {"role": "user", "content": "Weather in Rome?"}, *(item.model_dump(exclude_none=True)
+                                                               for item in called.output),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "21C"}])
+        assert follow.usage.input_tokens == whole.usage.input_tokens and follow.output_text == whole.output_text
+        # Streamed responses are stored as their last event carries them.
+        last = list(client.responses.create(model="tiny", input="Hi", temperature=0, max_output_tokens=5,
+                                            stream=True))[-1]
+        assert last.type == "response.incomplete" and last.response.store
+        assert client.responses.retrieve(last.response.id).model_dump() == last.response.model_dump()
+        assert client.responses.retrieve(follow.id).output_text == follow.output_text
+        client.responses.delete(follow.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(follow.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(follow.id)
+
+
+def test_what_is_not_stored_cannot_be_fetched_or_continued(byte_engine):
+    kept = TestClient(create_app(ServerSettings(stored_responses=2), byte_engine))
+    unstored = respond(kept, input="Hi", store=False)
+    assert unstored["store"] is False and kept.get(f"/v1/responses/{unstored['id']}").status_code == 404
+    refused = kept.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": unstored["id"]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    # At most 2 kept: the least recently used goes first (fetching one counts as a use).
+    a, b = respond(kept, input="a"), respond(kept, input="b")
+    assert kept.get(f"/v1/responses/{a['id']}").status_code == 200
+    c = respond(kept, input="c")
+    assert [kept.get(f"/v1/responses/{r['id']}").status_code for r in (a, b, c)] == [200, 404, 200]
+    # A server that stores none says so, and a request that asks to store is answered unstored.
+    none = TestClient(create_app(ServerSettings(stored_responses=0), byte_engine))
+    answered = respond(none, input="Hi")
+    assert answered["store"] is False and none.get(f"/v1/responses/{answered['id']}").status_code == 404
+    refused = none.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": a["id"]})
+    assert refused.status_code == 400 and "--stored-responses 0" in refused.json()["error"]["message"]
+    assert kept.post("/v1/responses", json={"model": "tiny", "input": "x", "store": "yes"}).json()["error"][
+        "param"] == "store"

@@ -48,6 +48,10 @@ def add_parser(subparsers) -> None:
                         help="auto (default): a reasoning model's <think> block (Qwen3, DeepSeek-R1's distilled "
                              "models: a chat template that names </think>) comes back as the message's "
                              "reasoning_content, apart from its content; none: left in the content as written")
+    parser.add_argument("--stored-responses", type=non_negative_int, default=1000, metavar="N",
+                        help="the Responses API's stored responses (store: true, the default), which "
+                             "previous_response_id continues and GET /v1/responses/{id} fetches: at most N kept, in "
+                             "memory, the least recently used dropped first; 0 stores none (default 1000)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -184,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
         say_quantize_choice(args)  # what --quantize auto chose, as generate says it
         settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
                                   drain_timeout=args.drain_timeout, api_key=key,
-                                  reasoning_format=args.reasoning_format)
+                                  reasoning_format=args.reasoning_format, stored_responses=args.stored_responses)
         # A status line, not a warning: printed whatever the log level (JOINTSPEC_LOG).
         print(f"serving {engine.model_id} (method {args.method}; {engine.description}) on "
               f"http://{args.host}:{args.port}/v1{'; requests need the API key' if key else ''}", file=sys.stderr,

@@ -27,7 +27,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
@@ -59,7 +59,7 @@ from jointspec.server.engine import (
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 from jointspec.server.reasoning import Parts, ReasoningStream, split_reasoning
-from jointspec.server.responses import ResponseShaper, chat_request
+from jointspec.server.responses import ResponseShaper, ResponseStore, StoredResponse, chat_request
 from jointspec.server.tools import (
     HERMES,
     CallStream,
@@ -101,6 +101,8 @@ class ServerSettings:
     # Reasoning (server/reasoning.py): "auto" returns a reasoning model's <think> block as reasoning_content, apart
     # from the content; "none" leaves it in the content, as written.
     reasoning_format: str = "auto"
+    # The Responses API's stored responses (server/responses.py): at most this many kept, in memory; 0: none.
+    stored_responses: int = 1000
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -115,6 +117,8 @@ class ServerSettings:
             raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
         if self.api_key is not None and not valid_api_key(self.api_key):
             raise ValueError(API_KEY_RULE)
+        if self.stored_responses < 0:
+            raise ValueError(f"stored_responses must be >= 0, got {self.stored_responses}")
         if self.reasoning_format not in REASONING_FORMATS:
             raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
                              f"{self.reasoning_format!r}")
@@ -464,6 +468,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     in_flight = _InFlight()
     call_format = engine.call_format  # (the model's, read once)
     special = engine.call_markers  # (its markers that are special tokens)
+    stored = ResponseStore(settings.stored_responses)
+    lookup = stored.get if stored.capacity else None  # (what previous_response_id may name)
 
     async def drain(timeout: float | None = None) -> None:
         """Shut down without losing a request: refuse new ones (503), give those in flight up to ``timeout``
@@ -499,8 +505,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
         # An unknown path or method: OpenAI's envelope (clients read error.message), not FastAPI's {"detail": ...}.
         message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions, "
-                   "/v1/chat/completions, /v1/responses (nothing is stored to fetch again), /v1/messages and "
-                   "/v1/messages/count_tokens, GET /v1/models, /health and /metrics"
+                   "/v1/chat/completions, /v1/responses, /v1/messages and /v1/messages/count_tokens, GET /v1/models, "
+                   "GET and DELETE /v1/responses/{id}, /health and /metrics"
                    if error.status_code in (404, 405) else str(error.detail))
         body = (anthropic.error_body(error.status_code, message) if request.url.path.startswith("/v1/messages")
                 else RequestError(message, status=error.status_code).body())  # (the envelope of the API asked)
@@ -539,6 +545,26 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_route() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(engine.snapshot(), in_flight.count), media_type=CONTENT_TYPE)
+
+    def stored_response(response_id: str) -> StoredResponse:
+        kept = stored.get(response_id)
+        if kept is None:
+            why = ("responses are not stored on this server (--stored-responses 0)" if not stored.capacity else
+                   "it was stored with store: false, deleted, dropped for newer ones, or made before the server "
+                   "started")
+            raise RequestError(f"no stored response has id {json.dumps(response_id)}: {why}",
+                               param="response_id", status=404)
+        return kept
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored_response(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        stored_response(response_id)
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -605,7 +631,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             try:
                 # (a large body's parse takes its time: off the loop)
                 body = await asyncio.to_thread(_parse, raw, model, call_format,
-                                               endpoint if endpoint in TRANSLATED else None, special)
+                                               endpoint if endpoint in TRANSLATED else None, special, lookup)
                 engine_requests = _engine_requests(body)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
@@ -626,7 +652,12 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             # usage counts each prompt once, however many choices read it
             shaper = None
             if endpoint == "responses":
-                shaper = ResponseShaper(body._translated[0], body.model_dump(exclude_none=True))
+                data, translated = body._translated
+                keep = None
+                if stored.capacity and data.get("store", True):
+                    def keep(response: dict, conversation: tuple[dict, ...] = translated.conversation) -> None:
+                        stored.put(StoredResponse.of(response, conversation))
+                shaper = ResponseShaper(data, body.model_dump(exclude_none=True), keep)
             elif endpoint == "messages":
                 shaper = anthropic.MessageShaper()
             reply = _Reply("chat" if shaper else endpoint, engine.model_id,
@@ -883,11 +914,13 @@ _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: str | None = None,
-           special: tuple[tuple[str, int], ...] = ()) -> _Sampling:
+           special: tuple[tuple[str, int], ...] = (),
+           stored: Callable[[str], StoredResponse | None] | None = None) -> _Sampling:
     """A request's body, read and checked; ``call_format``: the format the model writes tool calls in
     (server/tools.py), ``special`` its markers that are special tokens; ``api``: another API's body ("responses":
     OpenAI's Responses API; "messages": Anthropic's), read into the chat body that decodes it (server/responses.py,
-    server/anthropic.py; the original is kept as the body's ``_translated``)."""
+    server/anthropic.py; the original is kept as the body's ``_translated``); ``stored``: the stored responses a
+    Responses request may continue (None: none)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
@@ -905,7 +938,7 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
     if api is None:
         return _checked(data, model, call_format, special)
     try:
-        request = (chat_request if api == "responses" else anthropic.chat_request)(data)
+        request = chat_request(data, stored) if api == "responses" else anthropic.chat_request(data)
     except TranslationError as error:
         raise RequestError(str(error), param=error.param) from None
     try:

@@ -11,25 +11,33 @@ output), ``metadata`` (echoed), ``user``, ``stream``, and this server's extensio
 the typed events OpenAI's clients read (``response.created`` ... ``response.completed``, each with its
 ``sequence_number``; no ``[DONE]``).
 
-What is not. Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused (400, named),
-and there is no route to fetch a response again; ``store`` is read as false. Built-in tools (web search, files,
-computer use), images and files in the input are refused by name. ``reasoning`` (an effort for OpenAI's own reasoning
-models) and ``include`` are read and not acted on: a reasoning model here thinks as its template lets it
-(``chat_template_kwargs``).
+Stored responses. A response is kept in memory (``store``, true by default as in OpenAI's API; at most the server's
+``--stored-responses``, the least recently used dropped first), with the conversation it ended: a later request's
+``previous_response_id`` continues it (that conversation, then the new ``input``; the earlier ``instructions`` are not
+carried over, as OpenAI's API does), and ``GET`` / ``DELETE /v1/responses/{id}`` fetch and delete it
+(:class:`ResponseStore`). Nothing survives a restart.
+
+What is not. ``conversation`` (a stored conversation object) and ``background`` are refused (400, named). Built-in
+tools (web search, files, computer use), images and files in the input are refused by name. ``reasoning`` (an effort
+for OpenAI's own reasoning models) and ``include`` are read and not acted on: a reasoning model here thinks as its
+template lets it (``chat_template_kwargs``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from jointspec.server.translate import ChatRequest, ChunkShaper, TranslationError
 
 # Fields of a Responses request that ask for what this server does not do: each a 400 naming it.
 REFUSED = {
-    "previous_response_id": "responses are not stored here: send the whole conversation as input",
     "conversation": "conversations are not stored here: send the whole conversation as input",
     "background": "background responses are not served: send the request and wait for it (or stream it)",
     "prompt": "stored prompt templates are not served: send the instructions and input themselves",
@@ -54,8 +62,71 @@ class ResponsesError(TranslationError):
     """A Responses request that cannot be served; ``param`` names its field."""
 
 
-def chat_request(data: dict) -> ChatRequest:
-    """A Responses request body as the chat request that decodes it; ResponsesError names the field at fault."""
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response kept for later: the response as it was returned, and the conversation it ended as chat messages
+    (the input it continued and its own, its answer last, without its instructions), which a request that names it
+    as ``previous_response_id`` continues. The messages are never changed: later requests copy what they extend."""
+
+    response: dict
+    messages: tuple[dict, ...]
+
+    @classmethod
+    def of(cls, response: dict, conversation: tuple[dict, ...]) -> StoredResponse:
+        """``response`` kept with ``conversation`` (the request's messages, without its instructions) and the answer
+        its output holds as an assistant turn (its reasoning, text and calls; none where it wrote nothing)."""
+        output = response.get("output") or []
+        reasoning = "".join(part["text"] for item in output if item["type"] == "reasoning"
+                            for part in item.get("content") or [])
+        text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+        calls = [{"id": item["call_id"], "type": "function",
+                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+                 for item in output if item["type"] == "function_call"]
+        turn: dict = {"role": "assistant", "content": text or None}
+        if reasoning:
+            turn["reasoning_content"] = reasoning
+        if calls:
+            turn["tool_calls"] = calls
+        answered = text or calls or reasoning
+        return cls(response, tuple(conversation) + ((turn,) if answered else ()))
+
+
+class ResponseStore:
+    """Stored responses by id, at most ``capacity`` (the least recently used dropped first); safe to share between
+    threads (requests are read on worker threads)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"a response store holds 0 or more responses, got {capacity}")
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, stored: StoredResponse) -> None:
+        with self._lock:
+            self._kept[stored.response["id"]] = stored
+            self._kept.move_to_end(stored.response["id"])
+            while len(self._kept) > self.capacity:
+                self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            stored = self._kept.get(response_id)
+            if stored is not None:
+                self._kept.move_to_end(response_id)
+            return stored
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._kept.pop(response_id, None) is not None
+
+
+def chat_request(data: dict, stored: Callable[[str], StoredResponse | None] | None = None) -> ChatRequest:
+    """A Responses request body as the chat request that decodes it; ResponsesError names the field at fault.
+    ``stored``: the server's stored responses by id (None: none are stored), which ``previous_response_id`` names."""
     for name, why in REFUSED.items():
         if data.get(name) not in (None, False, ""):
             raise ResponsesError(f"{name}: {why}", name)
@@ -75,7 +146,10 @@ def chat_request(data: dict) -> ChatRequest:
         raise ResponsesError("instructions must be text", "instructions")
     if "input" not in data or data["input"] is None:
         raise ResponsesError("input is required: text, or a list of messages and items", "input")
-    messages, origins = _messages(data["input"], instructions)
+    if not isinstance(data.get("store", True), bool):
+        raise ResponsesError("store must be true or false", "store")
+    conversation, origins = _messages(data["input"], _previous(data.get("previous_response_id"), stored))
+    messages, origins = _instructed(conversation, origins, instructions)
     chat["messages"] = messages
     if data.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = data["max_output_tokens"]
@@ -88,7 +162,36 @@ def chat_request(data: dict) -> ChatRequest:
     fmt = (data.get("text") or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _chat_format(fmt)
-    return ChatRequest(chat, tuple(origins), RENAMES, ".call_id")
+    return ChatRequest(chat, tuple(origins), RENAMES, ".call_id", tuple(conversation))
+
+
+def _instructed(conversation: list[dict], origins: list[str],
+                instructions: str | None) -> tuple[list[dict], list[str]]:
+    """The conversation with the request's instructions first: a system message of their own, or joined to the
+    system message the conversation begins with (one system message: some templates take no second one)."""
+    if instructions is None:
+        return conversation, origins
+    if conversation and conversation[0]["role"] == "system":
+        first = {"role": "system", "content": f"{instructions}\n\n{conversation[0]['content']}"}
+        return [first, *conversation[1:]], ["instructions", *origins[1:]]
+    return [{"role": "system", "content": instructions}, *conversation], ["instructions", *origins]
+
+
+def _previous(response_id, stored: Callable[[str], StoredResponse | None] | None) -> tuple[dict, ...]:
+    """The conversation a request's ``previous_response_id`` continues (none where it names none)."""
+    if response_id in (None, ""):
+        return ()
+    if not isinstance(response_id, str):
+        raise ResponsesError("previous_response_id must be a response's id", "previous_response_id")
+    if stored is None:
+        raise ResponsesError("previous_response_id: responses are not stored on this server (--stored-responses 0): "
+                             "send the whole conversation as input", "previous_response_id")
+    previous = stored(response_id)
+    if previous is None:
+        raise ResponsesError(f"previous_response_id: no stored response has id {json.dumps(response_id)} (it was "
+                             "stored with store: false, deleted, dropped for newer ones, or made before the server "
+                             "started): send the whole conversation as input", "previous_response_id")
+    return previous.messages
 
 
 def chat_body(data: dict) -> dict:
@@ -136,19 +239,17 @@ def _reasoning_text(item: dict) -> str:
                                                                                                      str))
 
 
-def _messages(given, instructions: str | None) -> tuple[list[dict], list[str]]:
-    """``input`` (and ``instructions``) as chat messages, and where each came from (``instructions``, ``input.N``).
-    Text is a user message; items keep their order: the instructions and the system or developer messages before any
-    other item one system message, an assistant's calls joined to its turn, earlier reasoning given to the assistant
-    turn it preceded (as reasoning_content, which a template may show)."""
+def _messages(given, history: tuple[dict, ...] = ()) -> tuple[list[dict], list[str]]:
+    """``input`` after the ``history`` a previous response ended, as chat messages, and where each came from
+    (``input.N``, ``previous_response_id``). Text is a user message; items keep their order: the system or developer
+    messages before any other item one system message, an assistant's calls joined to its turn, earlier reasoning
+    given to the assistant turn it preceded (as reasoning_content, which a template may show). ``history``'s messages
+    are copied where they are extended, never changed."""
     if isinstance(given, str):
         given = [{"role": "user", "content": given}]
-    messages: list[dict] = []
-    origins: list[str] = []
-    if instructions is not None:
-        messages.append({"role": "system", "content": instructions})
-        origins.append("instructions")
-    calls: set[str] = set()
+    messages: list[dict] = list(history)
+    origins: list[str] = ["previous_response_id"] * len(history)
+    calls: set[str] = {call["id"] for message in history for call in message.get("tool_calls") or ()}
     thought: str | None = None  # reasoning waiting for its assistant turn
 
     def assistant(where: str, content: str | None) -> dict:
@@ -174,7 +275,7 @@ def _messages(given, instructions: str | None) -> tuple[list[dict], list[str]]:
             leading = messages and all(m["role"] == "system" for m in messages)
             if role in ("system", "developer") and (leading or not messages):
                 if messages:  # (one system message: some templates take no second one)
-                    messages[0]["content"] += "\n\n" + text
+                    messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
                 else:
                     messages.append({"role": "system", "content": text})
                     origins.append(where)
@@ -190,15 +291,18 @@ def _messages(given, instructions: str | None) -> tuple[list[dict], list[str]]:
             if not isinstance(arguments, str):
                 raise ResponsesError(f"{where}.arguments must be the arguments as JSON text", f"{where}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            turn = messages[-1] if messages and messages[-1]["role"] == "assistant" and thought is None else None
-            (turn or assistant(where, None)).setdefault("tool_calls", []).append(call)
+            if messages and messages[-1]["role"] == "assistant" and thought is None:
+                turn = messages[-1] = dict(messages[-1])  # (a copy: a stored conversation's turn is never changed)
+            else:
+                turn = assistant(where, None)
+            turn["tool_calls"] = [*turn.get("tool_calls", ()), call]
             calls.add(call_id)
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if call_id not in calls:
-                raise ResponsesError(f"{where}.call_id: no function_call item before it has call_id "
-                                     f"{json.dumps(call_id)} (nothing is stored here: send the call too)",
-                                     f"{where}.call_id")
+                raise ResponsesError(f"{where}.call_id: no function_call item before it, nor the response that "
+                                     f"previous_response_id names, has call_id {json.dumps(call_id)}: send the "
+                                     "call too", f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(item.get("output", ""), f"{where}.output")})
             origins.append(where)
@@ -208,7 +312,7 @@ def _messages(given, instructions: str | None) -> tuple[list[dict], list[str]]:
         else:
             raise ResponsesError(f"{where}.type {json.dumps(kind)} is not served: send messages, function_call and "
                                  "function_call_output items", f"{where}.type")
-    if not messages or all(m["role"] == "system" for m in messages):
+    if not messages[len(history):] or all(m["role"] == "system" for m in messages):
         raise ResponsesError("input is empty: send text or at least one message", "input")
     return messages, origins
 
@@ -246,7 +350,10 @@ class ResponseShaper(ChunkShaper):
     """One request's answer in the Responses API's shapes: :meth:`whole` from the chat route's whole reply, or, for a
     stream, :meth:`events` from each chat chunk in order and :meth:`end` once the chat stream ends."""
 
-    def __init__(self, data: dict, chat: dict) -> None:
+    def __init__(self, data: dict, chat: dict, keep: Callable[[dict], None] | None = None) -> None:
+        """``data``: the Responses request; ``chat``: the chat request it was read into; ``keep``: called with the
+        response once it ends, where it is stored (None: it is not)."""
+        self.keep = keep
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.data, self.chat = data, chat
@@ -269,8 +376,9 @@ class ResponseShaper(ChunkShaper):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": data.get("instructions"), "max_output_tokens": data.get("max_output_tokens"),
             "model": model or data.get("model") or "", "output": output if output is not None else [],
-            "parallel_tool_calls": data.get("parallel_tool_calls") is not False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
+            "previous_response_id": data.get("previous_response_id") or None,
+            "reasoning": {"effort": None, "summary": None}, "store": self.keep is not None,
             "temperature": data.get("temperature") if data.get("temperature") is not None else 1.0,
             "text": {"format": text_format},
             "tool_choice": data.get("tool_choice") or "auto", "tools": tools,
@@ -312,6 +420,12 @@ class ResponseShaper(ChunkShaper):
         response = self.response(status, output, self.usage_of(chat_reply["usage"]), chat_reply.get("model"))
         if "jointspec" in chat_reply:
             response["jointspec"] = chat_reply["jointspec"]  # (the engine's figures, as on chat)
+        return self._ended(response)
+
+    def _ended(self, response: dict) -> dict:
+        """``response``, its last form, kept where it is stored."""
+        if self.keep is not None:
+            self.keep(response)
         return response
 
     @staticmethod
@@ -390,7 +504,7 @@ class ResponseShaper(ChunkShaper):
         code = error.get("code")
         failed["error"] = {"code": "invalid_prompt" if code == "invalid_request" else "server_error",
                            "message": error["message"], "type": code}
-        return [*events, self._event("response.failed", response=failed)]
+        return [*events, self._event("response.failed", response=self._ended(failed))]
 
     def choice(self, choice: dict) -> list[str]:
         events = []
@@ -424,4 +538,5 @@ class ResponseShaper(ChunkShaper):
         events = self._close_open()
         status = self._status(self.finish)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return [*events, self._event(kind, response=self.response(status, self.output, self.usage, model))]
+        return [*events, self._event(kind, response=self._ended(self.response(status, self.output, self.usage,
+                                                                              model)))]

@@ -32,6 +32,9 @@ class ChatRequest:
     renames: tuple[tuple[re.Pattern, str], ...]
     # What a tool result's call id is called where the message came from.
     call_id: str
+    # The messages a later request may continue (the Responses API's stored responses): the body's, less its
+    # instructions.
+    conversation: tuple[dict, ...] = ()
 
     def wording(self, text: str | None) -> str | None:
         """An error's field name or message as the other API's request names its fields."""
