@@ -23,6 +23,7 @@ from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
 from jointspec.server.tools import (
     ARGS,
+    CALL_ID,
     MISTRAL_V3,
     MISTRAL_V11,
     TOOL_CALLS,
@@ -38,7 +39,7 @@ from jointspec.verifiers.greedy import GreedyVerifier
 from helpers import byte_tokenizer, grammar_takes, streamed_calls, tiny_llama
 
 CONTROL = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", TOOL_CALLS, "[TOOL_RESULTS]",
-           "[/TOOL_RESULTS]", ARGS]
+           "[/TOOL_RESULTS]", ARGS, CALL_ID]
 VOCAB = 259 + len(CONTROL)
 
 # v3's conventions: the tools before the last user turn; a call turn one list of the calls, each with its id; a
@@ -70,6 +71,13 @@ V11_TEMPLATE = (
     "{% endfor %}{% endif %}{{ eos_token }}"
     "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
     "{% endif %}{% endfor %}")
+# The v11 layout that shows call ids: [CALL_ID] and the id between a call's name and [ARGS], and beside a result; ids
+# of any other shape refused, as mistral_common refuses them.
+V11_IDS_TEMPLATE = V11_TEMPLATE.replace(
+    "[TOOL_CALLS]{{ c.function.name }}[ARGS]",
+    "{% if c.id | length != 9 %}{{ raise_exception('call ids must be 9 characters') }}{% endif %}"
+    "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]").replace(
+    "[TOOL_RESULTS]{{ m.content }}", "[TOOL_RESULTS]{{ m.tool_call_id }}[CALL_ID]{{ m.content }}")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -140,8 +148,8 @@ def test_a_mistral_template_is_recognised_and_its_special_markers_found():
     assert native_call_format(mistral_tokenizer(V3_TEMPLATE)) == MISTRAL_V3
     assert native_call_format(mistral_tokenizer(V11_TEMPLATE)) == MISTRAL_V11
     v11_tokenizer = mistral_tokenizer(V11_TEMPLATE)
-    ids = v11_tokenizer.convert_tokens_to_ids([TOOL_CALLS, ARGS])
-    assert call_markers(v11_tokenizer, MISTRAL_V11) == ((TOOL_CALLS, ids[0]), (ARGS, ids[1]))
+    ids = v11_tokenizer.convert_tokens_to_ids([TOOL_CALLS, ARGS, CALL_ID])
+    assert call_markers(v11_tokenizer, MISTRAL_V11) == ((TOOL_CALLS, ids[0]), (ARGS, ids[1]), (CALL_ID, ids[2]))
     assert call_markers(mistral_tokenizer(V3_TEMPLATE), MISTRAL_V3) == ((TOOL_CALLS, ids[0]),)
     # (markers a decode keeps as text need no keeping, and a grammar matches their text; other formats have none)
     assert call_markers(mistral_tokenizer(V11_TEMPLATE, special=False), MISTRAL_V11) == ()
@@ -183,6 +191,18 @@ def test_the_v11_template_gets_each_call_after_its_markers_and_the_results():
     assert ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}</s>'
             '[TOOL_RESULTS]"sunny"[/TOOL_RESULTS][TOOL_RESULTS]"rain"[/TOOL_RESULTS]') in text
     assert text.startswith("<s>[AVAILABLE_TOOLS][{")
+    # Where the layout shows ids, they are 9 characters too (the template refuses OpenAI's), a call's and its result's
+    with_ids = mistral_tokenizer(V11_IDS_TEMPLATE)
+    with pytest.raises(Exception, match="9 characters"):
+        with_ids.apply_chat_template(CONVERSATION, tools=[WEATHER], tokenize=False)
+    first = prompt_messages(CONVERSATION, (WEATHER,), True, MISTRAL_V11)[0][1]["tool_calls"][0]["id"]
+    text = with_ids.decode(chat_template_ids(with_ids, messages, tools=tools))
+    assert (f'[TOOL_CALLS]get_weather[CALL_ID]{first}[ARGS]{{"city": "Paris"}}' in text
+            and f'[TOOL_RESULTS]{first}[CALL_ID]"sunny"' in text and len(first) == 9)
+    # and an answer that writes its call's id reads as the call
+    read = read_calls(f'{TOOL_CALLS}get_weather{CALL_ID}abcDEF123{ARGS}{{"city": "Rome"}}',
+                      use_in(MISTRAL_V11, WEATHER))
+    assert [c["function"]["arguments"] for c in read.calls] == ['{"city": "Rome"}']
 
 
 @pytest.mark.parametrize("call_format", [MISTRAL_V3, MISTRAL_V11])
@@ -245,11 +265,24 @@ def test_the_grammar_takes_the_formats_calls_of_the_offered_tools_with_the_marke
     for text in ("Just text.", "", write(("add", {"a": 2}), text="Sum: "), write(("get_weather", {"city": "Oslo"}))):
         assert grammar_takes(engine, held, text), text
     assert not grammar_takes(engine, held, write(("add", {"a": 9}), text="Sum: "))
-    # (the marker's text, not its token, is no call: a special token's spelling is no marker)
+    # (the marker's text, not its token, is no call: a special token's spelling is no marker; and the text before
+    # the calls may not spell it, since the reader takes its first spelling for where the calls begin)
     spelled = engine.tokenizer(write(("add", {"a": 1})), add_special_tokens=False,
                                split_special_tokens=True)["input_ids"]
     state = engine.grammar(both.output_format()).start()
     assert not state.allowed()[spelled[0]]
+    state = engine.grammar(held.output_format()).start()
+    for token in spelled[:len(TOOL_CALLS) - 1]:
+        assert state.allowed()[token]
+        state.advance([token])
+    assert not state.allowed()[spelled[len(TOOL_CALLS) - 1]]
+    # The forms of the two layouts the grammar takes besides the templates': tekken's v3 list without the space, a
+    # v11 call with its id.
+    if call_format == MISTRAL_V3:
+        assert grammar_takes(engine, both, v3(("add", {"a": 3})).replace("] [", "]["))
+    else:
+        with_id = f'{TOOL_CALLS}add{CALL_ID}abcDEF123{ARGS}{{"a": 3}}'
+        assert grammar_takes(engine, both, with_id) and not grammar_takes(engine, both, with_id.replace("123", "12"))
 
 
 def test_a_marker_the_tokenizer_keeps_as_text_is_matched_as_text(model):

@@ -32,11 +32,12 @@ arguments (``mistral_v11``)::
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
 
-A template that names ``[TOOL_CALLS]`` renders the tools, calls and results itself (the older templates take call
-ids of 9 letters and digits alone, so other ids are given to them as 9 such characters derived from the id), and its
-answers are read and constrained in its format; their markers, which a decode skips as special tokens, are kept in
-the text of an answer read for calls (:func:`call_markers`). A template that takes tools in yet another format
-(Llama 4's) is given the Hermes text form.
+(v3's tekken models write no space before the list; a v11 model may write ``[CALL_ID]`` and its call's id before
+``[ARGS]``.) A template that names ``[TOOL_CALLS]`` renders the tools, calls and results itself (Mistral's templates
+that show call ids take ids of 9 letters and digits alone, so other ids are given to them as 9 such characters
+derived from the id), and its answers are read and constrained in its format; their markers, which a decode skips
+as special tokens, are kept in the text of an answer read for calls (:func:`call_markers`). A template that takes
+tools in yet another format (Llama 4's) is given the Hermes text form.
 
 What ``tool_choice`` does to the answer (in Hermes's format; Llama 3's reads and holds its own alike):
 
@@ -77,7 +78,8 @@ LLAMA_CALL_SEPARATOR = "; "
 # Mistral's markers (module docstring), special tokens in Mistral's tokenizers.
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
-MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS)}
+CALL_ID = "[CALL_ID]"  # (between a v11 call's name and [ARGS], where a model writes its call's id)
+MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS, CALL_ID)}
 # Where calls begin in an answer, in the formats that may write text before them.
 OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: TOOL_CALLS, MISTRAL_V11: TOOL_CALLS}
 # OpenAI's rule for function names.
@@ -203,12 +205,14 @@ class ToolUse:
         # the text before the calls may then not hold.
         mark = f"<[{ids[TOOL_CALLS]}]>" if TOOL_CALLS in ids else json.dumps(TOOL_CALLS)
         args_mark = f"<[{ids[ARGS]}]>" if ARGS in ids else json.dumps(ARGS)
+        # (a model whose tokenizer has [CALL_ID] may write its call's id, 9 letters and digits, before [ARGS])
+        call_id = f' (<[{ids[CALL_ID]}]> /[A-Za-z0-9]{{9}}/)?' if CALL_ID in ids else ""
         rules = []
         for index, tool in enumerate(allowed):
             held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
                 {"type": "object", "x-guidance": JSON_STYLE})
             if self.format == MISTRAL_V11:
-                rules.append(f"call{index}: {json.dumps(tool.name)} {args_mark} args{index}")
+                rules.append(f"call{index}: {json.dumps(tool.name)}{call_id} {args_mark} args{index}")
             else:
                 head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
                 rules.append(f'call{index}: {head} args{index} "}}"')
@@ -218,12 +222,14 @@ class ToolUse:
         # ("calls" is what follows the first marker)
         if self.format == MISTRAL_V11:
             calls = f"call ({mark} call)*" if several else "call"
-        else:
-            calls = '" [" call (", " call)* "]"' if several else '" [" call "]"'
+        else:  # (SentencePiece's v0.3 writes a space before the list, tekken's Nemo and Small none)
+            calls = '" "? "[" call (", " call)* "]"' if several else '" "? "[" call "]"'
         if not strict_auto:
             start = [f"start: {mark} {calls}"]
         elif TOOL_CALLS in ids:
-            start = [f"start: TEXT | TEXT {mark} {calls}", "TEXT: /(?s:.*)/"]
+            # (text without the marker's spelling: the reader takes the first marker's text, kept or spelled, for
+            # where the calls begin)
+            start = [f"start: TEXT | TEXT {mark} {calls}", f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_CALLS)}.*)/"]
         else:  # (as Hermes's grammar does for its tag: the text and the marker one lexeme)
             start = [f"start: TEXT | OPENED {calls}", f"OPENED: TEXT {mark}",
                      f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_CALLS)}.*)/"]
@@ -462,8 +468,8 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
 
 def _native_message(message: dict, call_format: str = HERMES) -> dict:
     """A message as a template that renders calls itself takes it: calls with their arguments as objects, and (for
-    Mistral's older templates, which refuse any other) call ids of 9 letters and digits."""
-    ids = _mistral_id if call_format == MISTRAL_V3 else (lambda id_: id_)
+    Mistral's templates, which refuse any other where they show ids) call ids of 9 letters and digits."""
+    ids = _mistral_id if call_format in MARKERS else (lambda id_: id_)
     if message.get("tool_calls"):
         calls = [{"type": "function", "id": ids(call.get("id")), "function": _call_record(call)}
                  for call in message["tool_calls"]]
@@ -477,7 +483,7 @@ _ID_CHARACTERS = string.ascii_letters + string.digits
 
 
 def _mistral_id(call_id) -> str:
-    """A call id as Mistral's v3 templates take one, 9 letters and digits: the id itself where it is one, else 9 such
+    """A call id as Mistral's templates take one, 9 letters and digits: the id itself where it is one, else 9 such
     characters derived from it (the same for a call and the result that names it)."""
     if isinstance(call_id, str) and len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
         return call_id
@@ -664,15 +670,16 @@ def _v3_calls(body: str, names: set[str], cut: bool) -> list[dict] | None:
 
 
 def _v11_calls(body: str, names: set[str], cut: bool) -> list[dict] | None:
-    """What follows the first ``[TOOL_CALLS]`` in the v11 format: a name, ``[ARGS]`` and a JSON arguments object,
-    then the next call's marker or the end (whitespace around each part allowed)."""
+    """What follows the first ``[TOOL_CALLS]`` in the v11 format: a name (and ``[CALL_ID]`` and an id, where the
+    model writes one), ``[ARGS]`` and a JSON arguments object, then the next call's marker or the end (whitespace
+    around each part allowed)."""
     decoder = json.JSONDecoder()
     calls, at = [], 0
     while True:
         marker = body.find(ARGS, at)
         if marker < 0:
             return calls if cut and calls else None
-        name = body[at:marker].strip()
+        name = body[at:marker].split(CALL_ID)[0].strip()
         try:
             arguments, at = decoder.raw_decode(body, _skip_space(body, marker + len(ARGS)))
         except ValueError:
