@@ -1175,9 +1175,10 @@ def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_mo
     tokenizer.save_pretrained(tmp_path / "model")
     monkeypatch.delenv(curve_store.ENV)
     monkeypatch.setattr(curve_store, "default_directory", lambda: tmp_path / "curves")
-    answers = []
+    answers, stores = [], []
 
     def one_request(app, settings):  # stands in for uvicorn: one request, then the drain
+        stores.append((settings.stored_responses, settings.stored_responses_mb))
         with live_server(app) as (url, _):
             reply = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={
                 "prompt": "abcabcabc", "max_tokens": 12, "temperature": 0})
@@ -1186,8 +1187,9 @@ def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_mo
 
     monkeypatch.setattr(lifecycle, "serve", one_request)
     args = build_parser().parse_args(["serve", "--model", str(tmp_path / "model"), "--method", "pld", "--cost-aware",
-                                      "--dtype", "float32", "--max-tokens", "12"])
-    assert run_serve(args) == 0
+                                      "--dtype", "float32", "--max-tokens", "12", "--stored-responses", "7",
+                                      "--stored-responses-mb", "2"])
+    assert run_serve(args) == 0 and stores == [(7, 2)]  # (the flags reach the server's settings)
     # It says what its weights are, as generate does (--quantize auto leaves a float folder float), then where it is.
     err = capsys.readouterr().err
     assert "jointspec: quantize=auto -> none:" in err and err.index("quantize=auto") < err.index("serving ")

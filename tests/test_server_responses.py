@@ -16,7 +16,14 @@ from pydantic import TypeAdapter
 from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
-from jointspec.server.responses import ResponsesError, ResponseShaper, chat_body, chat_request
+from jointspec.server.responses import (
+    ResponsesError,
+    ResponseShaper,
+    ResponseStore,
+    StoredResponse,
+    chat_body,
+    chat_request,
+)
 
 from helpers import byte_tokenizer, live_server
 
@@ -215,12 +222,19 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item(long_byte_model):
         assert [(e["type"], e["part"]["type"]) for e in parts] == [("response.content_part.added", "reasoning_text"),
                                                                  ("response.content_part.done", "reasoning_text")]
         assert parts[1]["part"]["text"] == thought
+        # Continued, a response that only thought reads as sending its reasoning item back does: no turn of its own.
+        again = client.post("/v1/responses", json={**body, "input": "And?", "previous_response_id": response.id})
+        whole = client.post("/v1/responses", json={**body, "input": [
+            {"role": "user", "content": "Why?"}, response.output[0].model_dump(exclude_none=True),
+            {"role": "user", "content": "And?"}]})
+        assert again.json()["usage"]["input_tokens"] == whole.json()["usage"]["input_tokens"]
     finally:
         served.close()
 
 
 def test_an_error_in_a_stream_ends_it_with_a_failed_response():
-    shaper = ResponseShaper({"model": "tiny", "input": "x"}, {"messages": []})
+    kept = []
+    shaper = ResponseShaper({"model": "tiny", "input": "x"}, {"messages": []}, kept.append)
     events = [*shaper.start("tiny"), *shaper.events({"choices": [{"index": 0, "delta": {"content": "Hi"},
                                                             "finish_reason": None}]}),
               *shaper.events({"error": {"message": "the engine failed", "code": "engine_error"}})]
@@ -229,6 +243,7 @@ def test_an_error_in_a_stream_ends_it_with_a_failed_response():
     assert (parsed[-1].response.error.code, parsed[-1].response.error.type) == ("server_error", "engine_error")
     assert [item.content[0].text for item in parsed[-1].response.output] == ["Hi"]  # (what it had written)
     assert [event.sequence_number for event in parsed] == list(range(len(parsed)))
+    assert kept == []  # (a failed response is not kept: its answer is partial)
 
 
 def test_thinking_an_answer_followed_is_complete_however_the_answer_ended():
@@ -277,7 +292,8 @@ def test_a_stored_response_is_continued_as_the_whole_conversation_sent_again_wit
         {"role": "assistant", "content": again["output"][0]["content"][0]["text"]},
         {"role": "user", "content": "Why?"}])
     assert third["usage"]["input_tokens"] == chained["usage"]["input_tokens"]
-    assert respond(byte_client, input="And then?", previous_response_id=first["id"])["usage"] == again["usage"]
+    assert respond(byte_client, input="And then?", previous_response_id=first["id"])["usage"]["input_tokens"] == \
+        again["usage"]["input_tokens"]
     # A call item that follows the stored answer joins its turn, in a copy: asked twice, the same prompt.
     joined = [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
               {"type": "function_call_output", "call_id": "c1", "output": "18C"}]
@@ -326,6 +342,11 @@ def test_what_is_not_stored_cannot_be_fetched_or_continued(byte_engine):
     assert unstored["store"] is False and kept.get(f"/v1/responses/{unstored['id']}").status_code == 404
     refused = kept.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": unstored["id"]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    assert refused.json()["error"]["code"] == "previous_response_not_found"  # (OpenAI's, which clients read)
+    # store: null is store left out (true); a stored response is returned whole, not as a stream
+    nulled = respond(kept, input="Hi", store=None)
+    assert nulled["store"] is True and kept.get(f"/v1/responses/{nulled['id']}").json() == nulled
+    assert kept.get(f"/v1/responses/{nulled['id']}?stream=true").json()["error"]["param"] == "stream"
     # At most 2 kept: the least recently used goes first (fetching one counts as a use).
     a, b = respond(kept, input="a"), respond(kept, input="b")
     assert kept.get(f"/v1/responses/{a['id']}").status_code == 200
@@ -339,3 +360,21 @@ def test_what_is_not_stored_cannot_be_fetched_or_continued(byte_engine):
     assert refused.status_code == 400 and "--stored-responses 0" in refused.json()["error"]["message"]
     assert kept.post("/v1/responses", json={"model": "tiny", "input": "x", "store": "yes"}).json()["error"][
         "param"] == "store"
+
+
+def test_the_store_keeps_responses_within_its_count_and_its_budget_charging_each_only_its_own_text():
+    def response(number: int, text: str) -> dict:
+        return {"id": f"resp_{number}", "output": [{"type": "message", "content": [{"type": "output_text",
+                                                                                      "text": text}]}]}
+
+    first = StoredResponse.of(response(1, "a" * 1000), ({"role": "user", "content": "b" * 1000},))
+    follow = StoredResponse.of(response(2, "c"), first.messages + ({"role": "user", "content": "d"},),
+                               continued=len(first.messages))
+    assert first.size > 3000 and follow.size < 300 and follow.messages[:2] == first.messages
+    store = ResponseStore(capacity=10, budget=first.size + follow.size)
+    store.put(first)
+    store.put(follow)
+    assert len(store) == 2 and store.held == first.size + follow.size
+    store.put(StoredResponse.of(response(3, "e"), ()))  # (over the budget: the least recently used goes)
+    assert store.get("resp_1") is None and store.get("resp_2") is follow and store.held <= store.budget
+    assert store.delete("resp_2") and not store.delete("resp_2") and store.held == store.get("resp_3").size

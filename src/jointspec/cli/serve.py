@@ -52,6 +52,10 @@ def add_parser(subparsers) -> None:
                         help="the Responses API's stored responses (store: true, the default), which "
                              "previous_response_id continues and GET /v1/responses/{id} fetches: at most N kept, in "
                              "memory, the least recently used dropped first; 0 stores none (default 1000)")
+    parser.add_argument("--stored-responses-mb", type=non_negative_int, default=256, metavar="MB",
+                        help="at most this many MB of stored responses' text (their own: a continued response "
+                             "shares the conversation it continued), the least recently used dropped first; 0 "
+                             "stores none (default 256)")
     # What `generate` runs by default, batched (batch/lockstep.py gives each request generate's tokens).
     parser.set_defaults(run=run_serve, method="default", quantize="auto")
 
@@ -188,7 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
         say_quantize_choice(args)  # what --quantize auto chose, as generate says it
         settings = ServerSettings(host=args.host, port=args.port, request_timeout=args.request_timeout,
                                   drain_timeout=args.drain_timeout, api_key=key,
-                                  reasoning_format=args.reasoning_format, stored_responses=args.stored_responses)
+                                  reasoning_format=args.reasoning_format, stored_responses=args.stored_responses,
+                                  stored_responses_mb=args.stored_responses_mb)
         # A status line, not a warning: printed whatever the log level (JOINTSPEC_LOG).
         print(f"serving {engine.model_id} (method {args.method}; {engine.description}) on "
               f"http://{args.host}:{args.port}/v1{'; requests need the API key' if key else ''}", file=sys.stderr,

@@ -101,8 +101,10 @@ class ServerSettings:
     # Reasoning (server/reasoning.py): "auto" returns a reasoning model's <think> block as reasoning_content, apart
     # from the content; "none" leaves it in the content, as written.
     reasoning_format: str = "auto"
-    # The Responses API's stored responses (server/responses.py): at most this many kept, in memory; 0: none.
+    # The Responses API's stored responses (server/responses.py): at most this many kept, in memory, and at most
+    # this many MB of their text; 0: none.
     stored_responses: int = 1000
+    stored_responses_mb: int = 256
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -117,8 +119,9 @@ class ServerSettings:
             raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
         if self.api_key is not None and not valid_api_key(self.api_key):
             raise ValueError(API_KEY_RULE)
-        if self.stored_responses < 0:
-            raise ValueError(f"stored_responses must be >= 0, got {self.stored_responses}")
+        if self.stored_responses < 0 or self.stored_responses_mb < 0:
+            raise ValueError(f"stored_responses and stored_responses_mb must be >= 0, got {self.stored_responses} and "
+                             f"{self.stored_responses_mb}")
         if self.reasoning_format not in REASONING_FORMATS:
             raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
                              f"{self.reasoning_format!r}")
@@ -468,7 +471,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     in_flight = _InFlight()
     call_format = engine.call_format  # (the model's, read once)
     special = engine.call_markers  # (its markers that are special tokens)
-    stored = ResponseStore(settings.stored_responses)
+    stored = ResponseStore(settings.stored_responses if settings.stored_responses_mb else 0,
+                           settings.stored_responses_mb << 20)
     lookup = stored.get if stored.capacity else None  # (what previous_response_id may name)
 
     async def drain(timeout: float | None = None) -> None:
@@ -550,14 +554,16 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         kept = stored.get(response_id)
         if kept is None:
             why = ("responses are not stored on this server (--stored-responses 0)" if not stored.capacity else
-                   "it was stored with store: false, deleted, dropped for newer ones, or made before the server "
-                   "started")
-            raise RequestError(f"no stored response has id {json.dumps(response_id)}: {why}",
-                               param="response_id", status=404)
+                   "it was stored with store: false, failed, was deleted or dropped for newer ones, or was made "
+                   "before the server started")
+            raise RequestError(f"no stored response has id {json.dumps(response_id)}: {why}", status=404)
         return kept
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
+    async def get_response(response_id: str, request: Request):
+        if request.query_params.get("stream") not in (None, "false"):
+            raise RequestError("stream: a stored response is returned whole (its events are not kept)",
+                               param="stream")
         return stored_response(response_id).response
 
     @app.delete("/v1/responses/{response_id}")
@@ -654,9 +660,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             if endpoint == "responses":
                 data, translated = body._translated
                 keep = None
-                if stored.capacity and data.get("store", True):
-                    def keep(response: dict, conversation: tuple[dict, ...] = translated.conversation) -> None:
-                        stored.put(StoredResponse.of(response, conversation))
+                if stored.capacity and data.get("store") is not False:  # (true unless sent false, as OpenAI's)
+                    def keep(response: dict, request: ChatRequest = translated) -> None:
+                        stored.put(StoredResponse.of(response, request.conversation, request.continued))
                 shaper = ResponseShaper(data, body.model_dump(exclude_none=True), keep)
             elif endpoint == "messages":
                 shaper = anthropic.MessageShaper()
@@ -940,7 +946,7 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
     try:
         request = chat_request(data, stored) if api == "responses" else anthropic.chat_request(data)
     except TranslationError as error:
-        raise RequestError(str(error), param=error.param) from None
+        raise RequestError(str(error), param=error.param, code=error.code) from None
     try:
         body = _checked(request.body, model, call_format, special)
     except RequestError as error:

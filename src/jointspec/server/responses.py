@@ -11,8 +11,9 @@ output), ``metadata`` (echoed), ``user``, ``stream``, and this server's extensio
 the typed events OpenAI's clients read (``response.created`` ... ``response.completed``, each with its
 ``sequence_number``; no ``[DONE]``).
 
-Stored responses. A response is kept in memory (``store``, true by default as in OpenAI's API; at most the server's
-``--stored-responses``, the least recently used dropped first), with the conversation it ended: a later request's
+Stored responses. A response that ends (completed or incomplete; not one that failed) is kept in memory (``store``,
+true by default as in OpenAI's API; at most the server's ``--stored-responses`` and ``--stored-responses-mb``, the
+least recently used dropped first), with the conversation it ended: a later request's
 ``previous_response_id`` continues it (that conversation, then the new ``input``; the earlier ``instructions`` are not
 carried over, as OpenAI's API does), and ``GET`` / ``DELETE /v1/responses/{id}`` fetch and delete it
 (:class:`ResponseStore`). Nothing survives a restart.
@@ -66,15 +67,20 @@ class ResponsesError(TranslationError):
 class StoredResponse:
     """A response kept for later: the response as it was returned, and the conversation it ended as chat messages
     (the input it continued and its own, its answer last, without its instructions), which a request that names it
-    as ``previous_response_id`` continues. The messages are never changed: later requests copy what they extend."""
+    as ``previous_response_id`` continues. The messages are never changed: later requests copy what they extend.
+    ``size``: the characters it holds of its own (its response, and the messages it does not share with the response
+    it continued), what a store's budget charges it."""
 
     response: dict
     messages: tuple[dict, ...]
+    size: int = 0
 
     @classmethod
-    def of(cls, response: dict, conversation: tuple[dict, ...]) -> StoredResponse:
-        """``response`` kept with ``conversation`` (the request's messages, without its instructions) and the answer
-        its output holds as an assistant turn (its reasoning, text and calls; none where it wrote nothing)."""
+    def of(cls, response: dict, conversation: tuple[dict, ...], continued: int = 0) -> StoredResponse:
+        """``response`` kept with ``conversation`` (the request's messages, without its instructions, the first
+        ``continued`` those of the response it continued) and the answer its output holds as an assistant turn (its
+        reasoning with its text or calls; none where it wrote neither, as a reasoning item sent back with no turn after
+        it is read)."""
         output = response.get("output") or []
         reasoning = "".join(part["text"] for item in output if item["type"] == "reasoning"
                             for part in item.get("content") or [])
@@ -87,18 +93,21 @@ class StoredResponse:
             turn["reasoning_content"] = reasoning
         if calls:
             turn["tool_calls"] = calls
-        answered = text or calls or reasoning
-        return cls(response, tuple(conversation) + ((turn,) if answered else ()))
+        messages = tuple(conversation) + ((turn,) if text or calls else ())
+        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(messages[continued:], ensure_ascii=False))
+        return cls(response, messages, size)
 
 
 class ResponseStore:
-    """Stored responses by id, at most ``capacity`` (the least recently used dropped first); safe to share between
-    threads (requests are read on worker threads)."""
+    """Stored responses by id, at most ``capacity`` of them and ``budget`` characters of their own (each's
+    :attr:`StoredResponse.size`; the least recently used dropped first); safe to share between threads (requests are
+    read on worker threads)."""
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"a response store holds 0 or more responses, got {capacity}")
-        self.capacity = capacity
+    def __init__(self, capacity: int, budget: int | None = None) -> None:
+        if capacity < 0 or (budget is not None and budget < 0):
+            raise ValueError(f"a response store holds 0 or more responses and characters, got {capacity} and {budget}")
+        self.capacity, self.budget = capacity, budget
+        self.held = 0  # characters held
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -107,10 +116,13 @@ class ResponseStore:
 
     def put(self, stored: StoredResponse) -> None:
         with self._lock:
+            old = self._kept.pop(stored.response["id"], None)
+            self.held -= old.size if old is not None else 0
             self._kept[stored.response["id"]] = stored
-            self._kept.move_to_end(stored.response["id"])
-            while len(self._kept) > self.capacity:
-                self._kept.popitem(last=False)
+            self.held += stored.size
+            while self._kept and (len(self._kept) > self.capacity or (self.budget is not None
+                                                                      and self.held > self.budget)):
+                self.held -= self._kept.popitem(last=False)[1].size
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -121,7 +133,9 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._kept.pop(response_id, None) is not None
+            stored = self._kept.pop(response_id, None)
+            self.held -= stored.size if stored is not None else 0
+            return stored is not None
 
 
 def chat_request(data: dict, stored: Callable[[str], StoredResponse | None] | None = None) -> ChatRequest:
@@ -146,9 +160,10 @@ def chat_request(data: dict, stored: Callable[[str], StoredResponse | None] | No
         raise ResponsesError("instructions must be text", "instructions")
     if "input" not in data or data["input"] is None:
         raise ResponsesError("input is required: text, or a list of messages and items", "input")
-    if not isinstance(data.get("store", True), bool):
+    if data.get("store") is not None and not isinstance(data["store"], bool):
         raise ResponsesError("store must be true or false", "store")
-    conversation, origins = _messages(data["input"], _previous(data.get("previous_response_id"), stored))
+    history = _previous(data.get("previous_response_id"), stored)
+    conversation, origins = _messages(data["input"], history)
     messages, origins = _instructed(conversation, origins, instructions)
     chat["messages"] = messages
     if data.get("max_output_tokens") is not None:
@@ -162,7 +177,7 @@ def chat_request(data: dict, stored: Callable[[str], StoredResponse | None] | No
     fmt = (data.get("text") or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _chat_format(fmt)
-    return ChatRequest(chat, tuple(origins), RENAMES, ".call_id", tuple(conversation))
+    return ChatRequest(chat, tuple(origins), RENAMES, ".call_id", tuple(conversation), len(history))
 
 
 def _instructed(conversation: list[dict], origins: list[str],
@@ -187,10 +202,11 @@ def _previous(response_id, stored: Callable[[str], StoredResponse | None] | None
         raise ResponsesError("previous_response_id: responses are not stored on this server (--stored-responses 0): "
                              "send the whole conversation as input", "previous_response_id")
     previous = stored(response_id)
-    if previous is None:
+    if previous is None:  # (OpenAI's code, which clients read to send the whole conversation instead)
         raise ResponsesError(f"previous_response_id: no stored response has id {json.dumps(response_id)} (it was "
-                             "stored with store: false, deleted, dropped for newer ones, or made before the server "
-                             "started): send the whole conversation as input", "previous_response_id")
+                             "stored with store: false, failed, was deleted or dropped for newer ones, or was made "
+                             "before the server started): send the whole conversation as input",
+                             "previous_response_id", "previous_response_not_found")
     return previous.messages
 
 
@@ -300,9 +316,10 @@ def _messages(given, history: tuple[dict, ...] = ()) -> tuple[list[dict], list[s
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if call_id not in calls:
-                raise ResponsesError(f"{where}.call_id: no function_call item before it, nor the response that "
-                                     f"previous_response_id names, has call_id {json.dumps(call_id)}: send the "
-                                     "call too", f"{where}.call_id")
+                before = "no function_call item before it" + (
+                    ", nor the response that previous_response_id names," if history else "")
+                raise ResponsesError(f"{where}.call_id: {before} has call_id {json.dumps(call_id)}: send the call "
+                                     "too", f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(item.get("output", ""), f"{where}.output")})
             origins.append(where)
@@ -504,7 +521,7 @@ class ResponseShaper(ChunkShaper):
         code = error.get("code")
         failed["error"] = {"code": "invalid_prompt" if code == "invalid_request" else "server_error",
                            "message": error["message"], "type": code}
-        return [*events, self._event("response.failed", response=self._ended(failed))]
+        return [*events, self._event("response.failed", response=failed)]  # (not kept: its answer is partial)
 
     def choice(self, choice: dict) -> list[str]:
         events = []

@@ -16,9 +16,9 @@ _MESSAGE = re.compile(r"\bmessages\.(\d+)((?:\.tool_calls\.\d+)?(?:\.tool_call_i
 class TranslationError(ValueError):
     """Another API's request that cannot be served; ``param`` names its field as that API names it."""
 
-    def __init__(self, message: str, param: str | None) -> None:
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class ChatRequest:
     # What a tool result's call id is called where the message came from.
     call_id: str
     # The messages a later request may continue (the Responses API's stored responses): the body's, less its
-    # instructions.
+    # instructions; the first ``continued`` of them are those of the stored response it continued.
     conversation: tuple[dict, ...] = ()
+    continued: int = 0
 
     def wording(self, text: str | None) -> str | None:
         """An error's field name or message as the other API's request names its fields."""
