@@ -96,6 +96,51 @@ def test_an_unknown_route_or_method_answers_in_the_openai_envelope(client):
         assert "/v1/chat/completions" in error["message"]  # says what the server does answer
 
 
+def test_tokenize_counts_a_text_or_a_chat_as_the_model_reads_it_in_vllms_and_llama_cpps_forms(client, engine,
+                                                                                               tokenizer):
+    """/tokenize: a prompt (vLLM's form, the tokenizer's special tokens added by default) or content (llama.cpp's,
+    none added by default) as the tokenizer reads it; a chat's messages as the chat route's prompt; /detokenize the
+    way back, special tokens spelled."""
+    from tokenizers import processors
+
+    from helpers import byte_tokenizer
+
+    with_bos = byte_tokenizer()  # (a tokenizer that adds a BOS, as Llama's do)
+    with_bos._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 257)])
+    served = ServingEngine(CausalLM(engine.target.model), with_bos, model_id="tiny", max_batch_size=2)
+    try:
+        bos_client = TestClient(create_app(ServerSettings(), served))
+        vllm = bos_client.post("/tokenize", json={"model": "tiny", "prompt": "héllo"}).json()
+        ids = with_bos("héllo")["input_ids"]
+        assert ids[0] == 257 and vllm == {"count": len(ids), "max_model_len": served.context_length, "tokens": ids}
+        bare = ids[1:]
+        assert bos_client.post("/tokenize", json={"content": "héllo"}).json()["tokens"] == bare
+        assert bos_client.post("/tokenize", json={"prompt": "héllo", "add_special_tokens": False}).json()[
+            "tokens"] == bare
+        assert bos_client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "<s>héllo"  # (spelled)
+    finally:
+        served.close()
+    pieces = client.post("/tokenize", json={"content": "hé", "with_pieces": True}).json()["tokens"]
+    assert [piece["id"] for piece in pieces] == tokenizer("hé", add_special_tokens=False)["input_ids"]
+    # (each token's own text; a byte of a character split across tokens as logprobs name it)
+    assert [piece["piece"] for piece in pieces] == ["h", "bytes:\\xc3", "bytes:\\xa9"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello <s>"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat == chat_template_ids(tokenizer, messages) and chat == engine.encode(
+        CompletionRequest(messages=tuple(messages)))
+    assert client.post("/detokenize", json={"tokens": chat}).json() == {"prompt": tokenizer.decode(chat),
+                                                                        "content": tokenizer.decode(chat)}
+    for route, body, param in (("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {}, "prompt"),
+                               ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+                               ("/tokenize", {"messages": messages, "add_generation_prompt": False},
+                                "add_generation_prompt"),
+                               ("/tokenize", {"messages": [{"role": "critic", "content": "x"}]}, "messages.0.role"),
+                               ("/detokenize", {"tokens": [1, 99999]}, "tokens"),
+                               ("/detokenize", {"tokens": "1 2"}, "tokens")):
+        refused = client.post(route, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (route, body, refused.text)
+
+
 def test_completion_returns_its_token_ids_when_asked(client, engine, byte_model, tokenizer):
     # vLLM's return_token_ids, which `train-draft --answers-from` reads: the ids the engine decoded, not the text's
     # tokenisation again; never beside a text a stop string cut short.

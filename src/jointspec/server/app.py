@@ -509,8 +509,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def _routing_error(request: Request, error: HTTPException) -> JSONResponse:
         # An unknown path or method: OpenAI's envelope (clients read error.message), not FastAPI's {"detail": ...}.
         message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions, "
-                   "/v1/chat/completions, /v1/responses, /v1/messages and /v1/messages/count_tokens, GET /v1/models, "
-                   "GET and DELETE /v1/responses/{id}, /health and /metrics"
+                   "/v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize and "
+                   "/detokenize, GET /v1/models, GET and DELETE /v1/responses/{id}, /health and /metrics"
                    if error.status_code in (404, 405) else str(error.detail))
         body = (anthropic.error_body(error.status_code, message) if request.url.path.startswith("/v1/messages")
                 else RequestError(message, status=error.status_code).body())  # (the envelope of the API asked)
@@ -605,6 +605,69 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 log.exception("unhandled error", exc_info=error)
             return refusal("messages", translated)
         return {"input_tokens": len(prompt)}
+
+    async def _tokenizer_route(request: Request, work) -> JSONResponse | dict:
+        """A tokenizer route's answer: ``work(data)`` on the request's JSON body, off the loop; refusals in OpenAI's
+        envelope."""
+        try:
+            raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
+            return await asyncio.to_thread(work, _json_object(raw))
+        except RequestError as error:
+            return error_response(error)
+        except _ClientLeft:
+            return Response(status_code=400)  # (nobody reads it)
+        except Exception as error:  # noqa: BLE001 - the engine's refusals (a template's), as on the other routes
+            translated = _from_engine(error, settings.retry_after, "messages")
+            if translated.status >= 500:
+                log.exception("unhandled error", exc_info=error)
+            return error_response(translated)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's and llama.cpp's tokenizer route: a text (``prompt``; llama.cpp's ``content``) or a chat's
+        ``messages`` (with its tools) as the model reads it, nothing decoded."""
+        def work(data: dict) -> dict:
+            if data.get("messages") is not None:
+                if data.get("add_generation_prompt", True) is not True:
+                    raise RequestError("add_generation_prompt false is not served: the prompt counted is the one the "
+                                       "chat route reads, which opens the assistant's turn",
+                                       param="add_generation_prompt")
+                body = _parse(json.dumps({**data, "max_tokens": 1}).encode(), ChatBody, call_format, None, special)
+                tokens = engine.encode(_engine_requests(body)[0])
+            else:
+                text = data.get("prompt", data.get("content"))
+                if not isinstance(text, str):
+                    raise RequestError("send the text to count as prompt (llama.cpp's content), or a chat's messages",
+                                       param="prompt")
+                # (vLLM adds the tokenizer's special tokens to a prompt by default, llama.cpp none to its content)
+                add = data.get("add_special_tokens", data.get("add_special", "prompt" in data))
+                if not isinstance(add, bool):
+                    raise RequestError("add_special_tokens must be true or false", param="add_special_tokens")
+                tokens = engine.tokenize(text, add)
+            reply: dict = {"count": len(tokens), "max_model_len": engine.context_length, "tokens": tokens}
+            if data.get("return_token_strs") is True:
+                reply["token_strs"] = [engine.spelling(token)[0] for token in tokens]
+            if data.get("with_pieces") is True:  # (llama.cpp's form)
+                reply["tokens"] = [{"id": token, "piece": engine.spelling(token)[0]} for token in tokens]
+            return reply
+
+        return await _tokenizer_route(request, work)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's and llama.cpp's: token ids back to text (``prompt``, and llama.cpp's ``content``)."""
+        def work(data: dict) -> dict:
+            tokens = data.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in tokens):
+                raise RequestError("tokens must be a list of token ids", param="tokens")
+            try:
+                text = engine.detokenize(tokens)
+            except ValueError as error:
+                raise RequestError(str(error), param="tokens") from None
+            return {"prompt": text, "content": text}
+
+        return await _tokenizer_route(request, work)
 
     def refusal(endpoint: str, error: RequestError) -> JSONResponse:
         """An error in the envelope of the API the route speaks (Anthropic's on /v1/messages, else OpenAI's)."""
@@ -927,6 +990,23 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
     OpenAI's Responses API; "messages": Anthropic's), read into the chat body that decodes it (server/responses.py,
     server/anthropic.py; the original is kept as the body's ``_translated``); ``stored``: the stored responses a
     Responses request may continue (None: none)."""
+    data = _json_object(raw)
+    if api is None:
+        return _checked(data, model, call_format, special)
+    try:
+        request = chat_request(data, stored) if api == "responses" else anthropic.chat_request(data)
+    except TranslationError as error:
+        raise RequestError(str(error), param=error.param, code=error.code) from None
+    try:
+        body = _checked(request.body, model, call_format, special)
+    except RequestError as error:
+        raise _as_translated(error, request) from None
+    body._translated = (data, request)
+    return body
+
+
+def _json_object(raw: bytes) -> dict:
+    """A request's body read as a JSON object of text (RequestError where it is not one)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad bytes, a 5,000-digit number, deep nesting
@@ -941,18 +1021,7 @@ def _parse(raw: bytes, model: type[_Sampling], call_format: str = HERMES, api: s
     if where is not None:
         raise RequestError(f"{where}: a string holds a lone UTF-16 surrogate (an escape such as \\ud800 that is no "
                            "character): send text", param=where)
-    if api is None:
-        return _checked(data, model, call_format, special)
-    try:
-        request = chat_request(data, stored) if api == "responses" else anthropic.chat_request(data)
-    except TranslationError as error:
-        raise RequestError(str(error), param=error.param, code=error.code) from None
-    try:
-        body = _checked(request.body, model, call_format, special)
-    except RequestError as error:
-        raise _as_translated(error, request) from None
-    body._translated = (data, request)
-    return body
+    return data
 
 
 def _parse_count(raw: bytes, call_format: str, special: tuple[tuple[str, int], ...] = ()) -> _Sampling:

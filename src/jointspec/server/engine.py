@@ -175,11 +175,18 @@ class Engine(Protocol):
     model_id: str
     call_format: str  # the format the model writes tool calls in (server/tools.py)
     call_markers: tuple[tuple[str, int], ...]  # that format's markers the tokenizer holds as special tokens, with ids
+    context_length: int  # the most tokens a sequence may hold
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
 
     def encode(self, request: CompletionRequest) -> list[int]:
-        """A request's prompt as the model reads it (/v1/messages/count_tokens)."""
+        """A request's prompt as the model reads it (/v1/messages/count_tokens, /tokenize)."""
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text as the tokenizer reads it (/tokenize)."""
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens spelled (/detokenize)."""
 
     async def submit_many(self, requests: list[CompletionRequest]) -> list[Generation]:
         """Several sequences (a request's choices, a batch of prompts), admitted together or refused together."""
@@ -417,7 +424,31 @@ class ServingEngine:
         the text of an answer read for calls keeps them."""
         return call_markers(self.tokenizer, self.call_format)
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens a sequence (prompt and answer) may hold."""
+        return self.target.max_context
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text`` as the tokenizer reads it (``add_special_tokens``: with the tokens it adds, such as a BOS)."""
+        with self._encoding:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens spelled out (as vLLM's and llama.cpp's /detokenize give it);
+        ValueError naming an id outside the vocabulary."""
+        bad = [token for token in token_ids if not 0 <= token < self.target.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0 to {self.target.vocab_size - 1})")
+        return self.tokenizer.decode(token_ids)
+
     def encode(self, request: CompletionRequest) -> list[int]:
+        """``request``'s prompt as the model reads it. One encode at a time: an encode may set the fast tokenizer's
+        per-call options (split_special_tokens) on it, which another thread's encode would then read."""
+        with self._encoding:
+            return self._encode(request)
+
+    def _encode(self, request: CompletionRequest) -> list[int]:
         try:  # a bias on a token the model lacks: this request's 400, not an error inside the batch's round
             request.penalties.check_vocab(self.target.vocab_size)
         except UnsupportedOptionError as error:
@@ -494,10 +525,6 @@ class ServingEngine:
     def _full_error(self) -> QueueFullError:
         return QueueFullError(f"the server is full: {self.max_batch_size} requests decoding and {self.max_queue} "
                               "waiting; retry later")
-
-    def _encode_one_at_a_time(self, request: CompletionRequest) -> list[int]:
-        with self._encoding:
-            return self.encode(request)
 
     def grammar(self, output_format: OutputFormat | None) -> Grammar | None:
         """``output_format`` compiled for the server's tokenizer (GrammarError, a 400, where it cannot be used)."""
@@ -580,7 +607,7 @@ class ServingEngine:
         # would hold up every other request and stream. Encodes one at a time, since an encode may set the fast
         # tokenizer's per-call options (split_special_tokens) on it; the streams' decodes on the loop set none, and
         # a decode and an encode may run together.
-        prompt_ids = await asyncio.to_thread(self._encode_one_at_a_time, request)
+        prompt_ids = await asyncio.to_thread(self.encode, request)
         grammar = None if request.output_format is None else await asyncio.to_thread(self.grammar,
                                                                                       request.output_format)
         if not prompt_ids:
