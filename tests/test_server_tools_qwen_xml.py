@@ -24,6 +24,7 @@ from jointspec.server.tools import (
     HERMES,
     QWEN3_CODER,
     CallStream,
+    ToolError,
     native_call_format,
     prompt_messages,
     read_calls,
@@ -62,9 +63,9 @@ WRITE = {"type": "function", "function": {
         "$defs": {"count": {"type": "integer"}, "tag": {"type": "string"}}}}}
 
 
-def call(name: str, **values) -> str:
+def call(function: str, **values) -> str:
     parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
-    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+    return f"<tool_call>\n<function={function}>\n{parameters}</function>\n</tool_call>"
 
 
 def use_of(*tools, choice=None, parallel=None):
@@ -115,15 +116,77 @@ def test_values_are_typed_by_the_schema_and_text_keeps_its_lines():
 
 @pytest.mark.parametrize("text", [
     call("nope", a="1"),  # an unoffered tool
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n</tool_call>",  # an unclosed value
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>",  # Hermes's JSON
     call("get_weather", city="Rome").replace("</function>\n", ""),
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=city>\nParis\n"
-    "</parameter>\n</function>\n</tool_call>",  # a parameter twice
+    "<tool_call>\n<function=get_weather>\n<function=add>\n</function>\n</tool_call>",  # two functions in one block
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome",  # an unended value
 ])
 def test_a_block_that_does_not_read_as_a_call_leaves_the_answer_text(text):
     assert read_calls("Sure. " + text, use_of(WEATHER)).calls == () and read_calls(
         "Sure. " + text, use_of(WEATHER)).content == "Sure. " + text
+
+
+def test_the_reader_takes_what_vllms_reads_of_a_call_written_loosely():
+    use = use_of(WEATHER)
+    # a value missing its closing tag ends at the next parameter; a parameter written twice keeps its last value; a
+    # value may hold the closing tag's text where no parameter or function end follows it; the last block's closing
+    # tag may be missing at the answer's end
+    loose = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n2\n</parameter>\n"
+             "<parameter=days>\n3\n</parameter>\n</function>")
+    assert [json.loads(c["function"]["arguments"]) for c in read_calls(loose, use).calls] == [
+        {"city": "Rome", "days": 3}]
+    held = call("write_file", path="a", text="see </parameter> here")
+    assert json.loads(read_calls(held, use_of(WRITE)).calls[0]["function"]["arguments"])["text"] == \
+        "see </parameter> here"
+
+
+OPTIONAL = {"type": "function", "function": {"name": "find", "parameters": {
+    "type": "object", "properties": {
+        "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "tags": {"anyOf": [
+            {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        "name": {"type": ["string", "null"]}, "flag": {"$ref": "#/definitions/Flag"}, "x": {"type": "number"}},
+    "required": ["n"], "additionalProperties": False,
+    "definitions": {"Flag": {"type": "boolean"}}}}}
+
+
+def test_unions_and_older_definitions_are_typed_as_their_branches_and_round_trip_through_the_template():
+    """Optional[int] and Optional[list] (pydantic's anyOf with null), a type list with null, a reference into the
+    older draft's definitions (pydantic v1's, zod's): each read as the JSON its branches take, null spelled either
+    way; and what the template writes of a call reads back as that call."""
+    use = use_of(OPTIONAL)
+    read = read_calls(call("find", n="5", tags='["a", "b"]', name="None", flag="True", x="NaN"), use)
+    assert json.loads(read.calls[0]["function"]["arguments"]) == {"n": 5, "tags": ["a", "b"], "name": None,
+                                                                  "flag": True, "x": "NaN"}  # (NaN is no JSON)
+    sent = {"n": 5, "tags": ["a", "b"], "name": None, "flag": False}
+    tokenizer = tokenizer_with(QWEN_XML_TEMPLATE)
+    conversation = [{"role": "user", "content": "Find."}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "find", "arguments": json.dumps(sent)}}]}]
+    text = tokenizer.decode(chat_template_ids(tokenizer, *prompt_messages(conversation, (OPTIONAL,), True,
+                                                                          QWEN3_CODER)))
+    block = text[text.rindex("<tool_call>"):text.rindex("</tool_call>") + len("</tool_call>")]
+    assert json.loads(read_calls(block, use).calls[0]["function"]["arguments"]) == sent
+
+
+def test_the_grammar_holds_unions_definitions_python_spellings_and_open_schemas(engine):
+    held = use_of(OPTIONAL, choice="required")
+    for values in ({"n": "5"}, {"n": "None"}, {"n": "null", "tags": '["a"]', "name": "any text", "flag": "True"},
+                   {"n": "1", "flag": "false", "x": "2.5"}):
+        assert grammar_takes(engine, held, call("find", **values)), values
+    for values in ({"n": "abc"}, {"n": "5", "flag": "yes"}, {"n": "5", "other": "1"}, {"n": "5", "x": "NaN"},
+                   {"n": "5", "name": "a</parameter>b"}, {"n": "5", "name": "a\n<parameter=b"}):
+        # (a text value may not hold the closing tag, nor what the reader takes for a missing one's place)
+        assert not grammar_takes(engine, held, call("find", **values)), values
+    # An open schema (no additionalProperties: false) takes other parameters after its own, as text.
+    open_tool = {"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {
+        "cmd": {"type": "string"}}}}}
+    assert grammar_takes(engine, use_of(open_tool, choice="required"), call("run", cmd="ls", cwd="/tmp", env="x"))
+    assert not grammar_takes(engine, use_of(open_tool, choice="required"), call("run", **{"a<b": "1"}))
+    # A property name the format cannot write is refused with the request, naming the tool.
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a>b": {"type": "string"}}}}}
+    with pytest.raises(ToolError) as refused:
+        use_of(bad, choice="required")
+    assert refused.value.param == "tools.0.function.parameters"
 
 
 def test_a_cut_answer_keeps_its_finished_calls_and_a_stream_sends_the_text_before_them():
@@ -169,7 +232,8 @@ def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_stre
     # (a tool whose one value is an enum's: this random model, let write a free value, writes until its length runs
     # out)
     city = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
             "max_tokens": 200, "tools": [city], "tool_choice": "required", "parallel_tool_calls": False,
             "jointspec": {"method": method}}

@@ -40,19 +40,9 @@ as special tokens, are kept in the text of an answer read for calls (:func:`call
 tools in yet another format (Llama 4's) is given the Hermes text form.
 
 Qwen3-Coder's and Qwen3.5's templates (``qwen3_coder``, as vLLM names it; the template names ``<function=`` and
-``<parameter=`` besides ``<tool_call>``) write a call as XML inside the same tags, each value as text on lines of its
-own::
-
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
-    </parameter>
-    </function>
-    </tool_call>
-
-They are read as Hermes's blocks are, each value typed by the tool's schema (text where the property takes a string,
-else the JSON it spells), and constrained by a grammar of that layout.
+``<parameter=`` besides ``<tool_call>``) write a call as XML inside the same tags, ``<function=NAME>`` and a
+``<parameter=KEY>`` block of text a value. They are read as Hermes's blocks are, each value typed by the tool's
+schema, and constrained by a grammar of that layout (server/tools_xml.py).
 
 What ``tool_choice`` does to the answer (in Hermes's format; the others read and hold their own alike):
 
@@ -76,6 +66,15 @@ from dataclasses import dataclass
 
 from jointspec.backends.tokens import decode_text
 from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
+from jointspec.server.tools_xml import (
+    FUNCTION_OPEN,
+    PARAMETER_OPEN,
+    VALUE_RULES,
+    call_rules,
+    read_call,
+    typed_arguments,
+    unwritable_key,
+)
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -98,9 +97,6 @@ CALL_ID = "[CALL_ID]"  # (between a v11 call's name and [ARGS], where a model wr
 MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS, CALL_ID)}
 # Where calls begin in an answer, in the formats that may write text before them.
 OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: TOOL_CALLS, MISTRAL_V11: TOOL_CALLS, QWEN3_CODER: CALL_OPEN}
-# Qwen3-Coder's and Qwen3.5's calls inside the <tool_call> block (module docstring).
-FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
-PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -190,17 +186,15 @@ class ToolUse:
         rules = []
         for index, tool in enumerate(allowed):
             if self.format == QWEN3_CODER:
-                rules += _xml_rules(tool, index, tool.strict or not strict_auto)
+                rules += call_rules(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None,
+                                    index)
                 continue
             head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')
             held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
                 {"type": "object", "x-guidance": JSON_STYLE})
             rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {held}"]
         if self.format == QWEN3_CODER:
-            # A text value: anything up to the parameter's closing tag, the tag with it as one lexeme (a lexer cannot
-            # end a lexeme it has already extended past the tag's start).
-            rules += [f"VALUE: TEXTVALUE {json.dumps(chr(10) + PARAMETER_CLOSE)}",
-                      r"TEXTVALUE: /(?s:.*)/ & ~/(?s:.*\n<\/parameter>.*)/"]
+            rules += VALUE_RULES
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
         several = self.parallel and self.function is None
         if self.format == LLAMA3_JSON:
@@ -263,64 +257,6 @@ class ToolUse:
         return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
 
 
-def _xml_rules(tool: Tool, index: int, held: bool) -> list[str]:
-    """The grammar of a call of ``tool`` in Qwen3-Coder's format, as its templates write one: ``<function=NAME>``,
-    then each parameter as ``<parameter=KEY>``, its value and ``</parameter>`` on lines of their own, in the order of
-    the schema's properties (the required ones always, the others where the model writes them), then
-    ``</function>``. A value is text where its schema takes a string (an enum's strings: one of them), else JSON
-    that the property's schema accepts. ``held`` false: any parameters, their values text (strict auto's other
-    tools)."""
-    head = json.dumps(f"{FUNCTION_OPEN}{tool.name}>\n")
-    if not held:
-        rules = [f"call{index}: {head} anyparam{index}* {json.dumps(FUNCTION_CLOSE)}",
-                 f'anyparam{index}: {json.dumps(PARAMETER_OPEN)} /[^>\\n]+/ ">\\n" VALUE "\\n"']
-        return rules
-    schema = tool.arguments_schema()
-    required = set(schema.get("required") or ())
-    parts, rules = [], []
-    for number, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-        name = f"p{index}_{number}"
-        opened = json.dumps(f"{PARAMETER_OPEN}{key}>\n")
-        prop = _resolved(prop, schema)
-        if _takes_text(prop):
-            strings = [value for value in prop.get("enum", [prop["const"]] if "const" in prop else [])
-                       if isinstance(value, str)]
-            if strings:
-                closed = json.dumps(f"\n{PARAMETER_CLOSE}\n")
-                rules.append(f"{name}: {opened} ({' | '.join(json.dumps(v) for v in strings)}) {closed}")
-            else:
-                rules.append(f'{name}: {opened} VALUE "\\n"')
-        else:
-            held_value = json.dumps({**prop, **({"$defs": schema["$defs"]} if "$defs" in schema else {}),
-                                     "x-guidance": dict(JSON_STYLE)})
-            rules += [f"{name}: {opened} {name}v {json.dumps(chr(10) + PARAMETER_CLOSE + chr(10))}",
-                      f"{name}v: %json {held_value}"]
-        parts.append(name if key in required else f"{name}?")
-    return [f"call{index}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}", *rules]
-
-
-def _resolved(prop, schema: dict) -> dict:
-    """A property's schema, a reference to the arguments' own ``$defs`` followed."""
-    if not isinstance(prop, dict):
-        return {}
-    ref = prop.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/$defs/"):
-        target = (schema.get("$defs") or {}).get(ref[len("#/$defs/"):])
-        if isinstance(target, dict):
-            return {**target, **{k: v for k, v in prop.items() if k != "$ref"}}
-    return prop
-
-
-def _takes_text(prop: dict) -> bool:
-    """Whether Qwen3-Coder's format writes a property's value as bare text: where its schema takes a string, or names
-    no type (and no enum or const of other values)."""
-    kind = prop.get("type")
-    if kind is None:
-        values = prop.get("enum", [prop["const"]] if "const" in prop else None)
-        return "$ref" not in prop and (values is None or all(isinstance(v, str) for v in values))
-    return kind == "string" or (isinstance(kind, list) and "string" in kind)
-
-
 def arguments_grammar(tool: Tool) -> str:
     """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
     return json.dumps({**tool.arguments_schema(), "x-guidance": dict(JSON_STYLE)})
@@ -374,8 +310,16 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
     if use.output_format() is not None:  # the grammar holds the schemas: one it cannot compile is that tool's fault
         for index, tool in enumerate(offered):
             if use.function in (None, tool.name) and (use.choice == "required" or tool.strict):
+                where = f"{param}.{index}.function.parameters"
                 try:
-                    OutputFormat.json_schema(arguments_grammar(tool)).check()
+                    if call_format == QWEN3_CODER:  # (its calls' own grammar, a property's value at a time)
+                        key = unwritable_key(tool.arguments_schema())
+                        if key is not None:
+                            raise ToolError(f"{where}: the model's call format cannot write a parameter named "
+                                            f"{json.dumps(key)} (it holds <, > or a line break)", where)
+                        ToolUse((tool,), "required", format=QWEN3_CODER).output_format().check()
+                    else:
+                        OutputFormat.json_schema(arguments_grammar(tool)).check()
                 except GrammarError as error:
                     raise ToolError(f"{param}.{index}.function.parameters cannot hold the call's arguments: "
                                     f"{one_line(str(error))}", f"{param}.{index}.function.parameters") from None
@@ -621,7 +565,7 @@ def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | No
     """``text`` split at its call blocks: (the pieces outside them, each block's JSON value), or None where a block
     is not an opening tag, one JSON value and a closing tag (whitespace around the value allowed). The JSON is read
     as JSON, so a closing tag inside one of its strings does not end the block. ``xml``: each block holds a call in
-    Qwen3-Coder's format instead (:func:`_xml_call`)."""
+    Qwen3-Coder's format instead (server/tools_xml.py), the last block's closing tag allowed to be missing."""
     decoder = json.JSONDecoder()
     pieces, values, at = [], [], 0
     while (start := text.find(CALL_OPEN, at)) >= 0:
@@ -629,66 +573,20 @@ def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | No
         inside = start + len(CALL_OPEN)
         inside += len(text[inside:]) - len(text[inside:].lstrip())
         try:
-            value, end = _xml_call(text, inside) if xml else decoder.raw_decode(text, inside)
+            value, end = read_call(text, inside) if xml else decoder.raw_decode(text, inside)
         except ValueError:
             return None
         end += len(text[end:]) - len(text[end:].lstrip())
+        if xml and end == len(text):  # (a model that ends the answer after its last call's function)
+            values.append(value)
+            at = end
+            break
         if not text.startswith(CALL_CLOSE, end):
             return None
         values.append(value)
         at = end + len(CALL_CLOSE)
     pieces.append(text[at:])
     return pieces, values
-
-
-def _xml_call(text: str, at: int) -> tuple[dict, int]:
-    """The call in Qwen3-Coder's format at ``at`` (``<function=NAME>``, its ``<parameter=KEY>`` value
-    ``</parameter>`` blocks, ``</function>``) as ``{"name", "arguments"}``, each value as text less one newline at
-    either end (as the templates write them); and where it ends. ValueError where it does not read so."""
-    def tag_name(opening: str) -> tuple[str, int]:
-        close = text.find(">", at)
-        name = text[at + len(opening):close]
-        if close < 0 or not name.strip() or "\n" in name or "<" in name:
-            raise ValueError("not a tag")
-        return name.strip(), close + 1
-
-    if not text.startswith(FUNCTION_OPEN, at):
-        raise ValueError("not a function")
-    name, at = tag_name(FUNCTION_OPEN)
-    arguments: dict[str, str] = {}
-    while True:
-        at = _skip_space(text, at)
-        if text.startswith(FUNCTION_CLOSE, at):
-            return {"name": name, "arguments": arguments}, at + len(FUNCTION_CLOSE)
-        if not text.startswith(PARAMETER_OPEN, at):
-            raise ValueError("not a parameter")
-        key, at = tag_name(PARAMETER_OPEN)
-        end = text.find(PARAMETER_CLOSE, at)
-        if end < 0 or key in arguments:
-            raise ValueError("an unclosed or repeated parameter")
-        value = text[at:end]
-        value = value[1:] if value.startswith("\n") else value
-        arguments[key] = value[:-1] if value.endswith("\n") else value
-        at = end + len(PARAMETER_CLOSE)
-
-
-def _xml_arguments(record: dict, tools: tuple[Tool, ...]) -> dict:
-    """A call read in Qwen3-Coder's format with its values typed by its tool's schema: text where the property takes
-    a string (or the tool or property is unknown), else the JSON it spells (Python's ``True``, ``False`` and
-    ``None``, which the templates write for JSON's, read as those); a value that is neither stays text."""
-    tool = next((tool for tool in tools if tool.name == record["name"]), None)
-    schema = tool.arguments_schema() if tool is not None else {}
-    typed = {}
-    for key, raw in record["arguments"].items():
-        prop = _resolved((schema.get("properties") or {}).get(key), schema)
-        if not prop or _takes_text(prop):
-            typed[key] = raw
-            continue
-        try:
-            typed[key] = json.loads(raw)
-        except ValueError:
-            typed[key] = {"True": True, "False": False, "None": None}.get(raw.strip(), raw)
-    return {"name": record["name"], "arguments": typed}
 
 
 def _content(pieces: list[str]) -> str:
@@ -718,7 +616,10 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     names = {tool.name for tool in use.tools}
     values = split[1] if split else ()
     if use.format == QWEN3_CODER:
-        values = [_xml_arguments(value, use.tools) for value in values]
+        schemas = {tool.name: tool.arguments_schema() for tool in use.tools}
+        values = [{"name": value["name"], "arguments": typed_arguments(value["arguments"],
+                                                                        schemas.get(value["name"], {}))}
+                  for value in values]
     calls = [_read_call(value, names) for value in values]
     if not calls or None in calls:
         return Calls(text, ())

@@ -1,0 +1,249 @@
+"""Qwen3-Coder's and Qwen3.5's tool-call format (``qwen3_coder``, server/tools.py): a call inside ``<tool_call>`` tags
+is XML, its values bare text on lines of their own::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+The templates write a value with ``tojson`` where it is an object or a list and as Python's ``str`` otherwise (so a
+boolean is ``True``, a null ``None``). This module reads a call back (:func:`read_call`), types its values by the
+tool's schema (:func:`typed_arguments`), and writes the grammar that holds a call to that schema
+(:func:`call_rules`). A property's schema decides: where every type it takes but null is a string (or it names
+none), its value is text; else the JSON it spells, Python's spellings of booleans and null read as those.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jointspec.core.grammar import JSON_STYLE
+
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
+# Python's spellings that the templates write for JSON's true, false and null.
+PYTHON_CONSTANTS = {"True": True, "False": False, "None": None}
+# The root keywords a reference may point into (JSON schema's, and the older draft's that pydantic v1 and zod write).
+DEFINITIONS = ("$defs", "definitions")
+# What ends a value whose closing tag is missing: the next parameter, or the function's end, on a line of its own.
+UNCLOSED = ("\n" + PARAMETER_OPEN, "\n" + FUNCTION_CLOSE)
+# The grammar's text values: anything without a parameter's closing tag or what :data:`UNCLOSED` reads as its end,
+# the tag with it as one lexeme (a lexer cannot end a lexeme it has already extended past the tag's start).
+VALUE_RULES = ['VALUE: TEXTVALUE "\\n</parameter>"',
+               r"TEXTVALUE: /(?s:.*)/ & ~/(?s:.*(<\/parameter>|\n<parameter=|\n<\/function>).*)/"]
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+def read_call(text: str, at: int) -> tuple[dict, int]:
+    """The call at ``at`` (``<function=NAME>``, its parameters, ``</function>``) as ``{"name", "arguments"}``, each
+    value as text less one newline at either end (as the templates write them), and where it ends. A parameter's
+    value ends at a closing tag that a parameter or the function's end follows (so a value may hold the tag's text),
+    or, where its closing tag is missing, at the next parameter or the function's end on a line of its own; a
+    parameter written twice keeps its last value (as vLLM's reader does). ValueError where it does not read so."""
+    if not text.startswith(FUNCTION_OPEN, at):
+        raise ValueError("not a function")
+    name, at = _tag_name(text, at, FUNCTION_OPEN)
+    arguments: dict[str, str] = {}
+    while True:
+        at = _skip_space(text, at)
+        if text.startswith(FUNCTION_CLOSE, at):
+            return {"name": name, "arguments": arguments}, at + len(FUNCTION_CLOSE)
+        if not text.startswith(PARAMETER_OPEN, at):
+            raise ValueError("not a parameter")
+        key, at = _tag_name(text, at, PARAMETER_OPEN)
+        end, after = _value_end(text, at)
+        value = text[at:end]
+        value = value[1:] if value.startswith("\n") else value
+        arguments[key] = value[:-1] if value.endswith("\n") else value
+        at = after
+
+
+def _tag_name(text: str, at: int, opening: str) -> tuple[str, int]:
+    close = text.find(">", at)
+    name = text[at + len(opening):close]
+    if close < 0 or not name.strip() or "\n" in name or "<" in name:
+        raise ValueError("not a tag")
+    return name.strip(), close + 1
+
+
+def _skip_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
+
+
+def _value_end(text: str, at: int) -> tuple[int, int]:
+    """Where the value that starts at ``at`` ends, and where reading goes on after it: at its closing tag, or, where
+    the next parameter or the function's end comes first on a line of its own, there (its closing tag missing)."""
+    unclosed = [found for found in (text.find(start, at) for start in UNCLOSED) if found >= 0]
+    close = text.find(PARAMETER_CLOSE, at)
+    while close >= 0 and not (unclosed and min(unclosed) < close):
+        after = close + len(PARAMETER_CLOSE)
+        if text.startswith((PARAMETER_OPEN, FUNCTION_CLOSE), _skip_space(text, after)):
+            return close, after
+        close = text.find(PARAMETER_CLOSE, after)
+    if not unclosed:
+        raise ValueError("an unended value")
+    return min(unclosed), min(unclosed)
+
+
+def typed_arguments(arguments: dict[str, str], schema: dict) -> dict:
+    """A call's text values typed by its arguments' ``schema`` (:func:`typed_value`); a parameter the schema does not
+    name stays text."""
+    properties = schema.get("properties") or {}
+    return {key: typed_value(raw, property_schema(properties[key], schema) if key in properties else None)
+            for key, raw in arguments.items()}
+
+
+def typed_value(raw: str, prop: dict | None):
+    """``raw`` as the value ``prop`` (a property's schema, references followed) takes: text where every type it
+    takes but null is a string, or where it names none (``None``: an unknown parameter); null for ``null`` or
+    ``None`` where it takes null; else the JSON ``raw`` spells (Python's ``True``, ``False`` and ``None`` read as
+    JSON's), or, where ``raw`` spells none, the text itself (the call is read as written, not validated)."""
+    kinds = json_kinds(prop) if prop is not None else None
+    if kinds is not None and "null" in kinds and raw.strip() in ("null", "None"):
+        return None
+    if takes_text(kinds):
+        return raw
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except ValueError:
+        return PYTHON_CONSTANTS.get(raw.strip(), raw)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # (NaN and Infinity: json.loads takes them, JSON does not)
+
+
+# -- schemas ------------------------------------------------------------------------------------------------------
+
+def property_schema(prop, root: dict) -> dict:
+    """A property's schema with its references into the arguments' schema (``root``) replaced by what they point to;
+    where that cannot be done (a reference that recurs, or points outside ``root``), the property's own schema with
+    ``root``'s definitions beside it, which a JSON grammar resolves itself."""
+    if not isinstance(prop, dict):
+        return {}
+    try:
+        return _inline(prop, root, ())
+    except ValueError:
+        return {**prop, **{key: root[key] for key in DEFINITIONS if key in root}}
+
+
+def _inline(node, root: dict, seen: tuple[str, ...]):
+    if isinstance(node, list):
+        return [_inline(item, root, seen) for item in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if not ref.startswith("#") or ref in seen:
+            raise ValueError(f"cannot inline {ref}")
+        target = _pointer(root, ref[1:])
+        return _inline({**target, **{k: v for k, v in node.items() if k != "$ref"}}, root, (*seen, ref))
+    return {key: value if key in DEFINITIONS else _inline(value, root, seen) for key, value in node.items()}
+
+
+def _pointer(root: dict, pointer: str) -> dict:
+    """The part of ``root`` a JSON pointer (``/definitions/A``) names; ValueError where there is none."""
+    node = root
+    for part in filter(None, pointer.split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise ValueError(f"no {pointer} in the schema")
+    if not isinstance(node, dict):
+        raise ValueError(f"{pointer} is no schema")
+    return node
+
+
+def json_kinds(schema: dict) -> frozenset[str] | None:
+    """The JSON types a schema (references followed) takes: its ``type``, its enum's or const's values', the union
+    of its ``anyOf`` / ``oneOf`` branches, what its ``allOf`` branches share; None where it says none (any value)."""
+    kinds: set[str] = set()
+    said = False
+    kind = schema.get("type")
+    if isinstance(kind, str) or isinstance(kind, list):
+        kinds.update([kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)])
+        said = True
+    elif "enum" in schema or "const" in schema:
+        values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema.get("const")]
+        kinds.update(_json_kind(value) for value in values)
+        said = True
+    for key in ("anyOf", "oneOf"):
+        branches = [json_kinds(branch) for branch in schema.get(key) or () if isinstance(branch, dict)]
+        if branches:
+            if None in branches:
+                return None
+            kinds.update(*branches)
+            said = True
+    shared = [json_kinds(branch) for branch in schema.get("allOf") or () if isinstance(branch, dict)]
+    shared = [branch for branch in shared if branch is not None]
+    if shared:
+        kinds = set.intersection(*(set(branch) for branch in shared), *([kinds] if said else []))
+        said = True
+    return frozenset(kinds) if said else None
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "string")
+
+
+def takes_text(kinds: frozenset[str] | None) -> bool:
+    """Whether a value of these types is written as bare text: every type but null a string, or no type said."""
+    return kinds is None or kinds - {"null"} == {"string"}
+
+
+# -- the grammar ----------------------------------------------------------------------------------------------
+
+def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
+    """The grammar of a call of function ``name`` as the templates write one: ``<function=NAME>``, then each
+    parameter as ``<parameter=KEY>``, its value and ``</parameter>`` on lines of their own, in the order of the
+    schema's properties (the required ones always, the others where the model writes them; any other parameters after
+    them, text, where the schema allows more), then ``</function>``. A value is text where it is (:func:`takes_text`;
+    an enum's strings: one of them), else JSON its schema accepts, or Python's spelling of a boolean or null where it
+    takes one. ``schema`` None: any parameters, text (strict auto's other tools). Add :data:`VALUE_RULES` once."""
+    head = json.dumps(f"{FUNCTION_OPEN}{name}>\n")
+    other = [f'anyparam{index}: {json.dumps(PARAMETER_OPEN)} /[^<>\\n]+/ ">\\n" VALUE "\\n"']
+    if schema is None:
+        return [f"call{index}: {head} anyparam{index}* {json.dumps(FUNCTION_CLOSE)}", *other]
+    required = set(schema.get("required") or ())
+    parts, rules = [], []
+    for number, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+        rule = f"p{index}_{number}"
+        opened = json.dumps(f"{PARAMETER_OPEN}{key}>\n")
+        closed = json.dumps(f"\n{PARAMETER_CLOSE}\n")
+        prop = property_schema(prop, schema)
+        kinds = json_kinds(prop)
+        if takes_text(kinds):
+            values = prop["enum"] if isinstance(prop.get("enum"), list) else (
+                [prop["const"]] if "const" in prop else [])
+            choices = [json.dumps(v) for v in values if isinstance(v, str)]
+            choices += ['"None"', '"null"'] if choices and "null" in kinds else []
+            rules.append(f"{rule}: {opened} ({' | '.join(choices)}) {closed}" if choices
+                         else f'{rule}: {opened} VALUE "\\n"')
+        else:
+            spelled = (['"True"', '"False"'] if "boolean" in (kinds or ()) else []) + (
+                ['"None"'] if "null" in (kinds or ()) else [])
+            held = json.dumps({**prop, "x-guidance": dict(JSON_STYLE)})
+            rules += [f"{rule}: {opened} {rule}v {closed}", f"{rule}v: {' | '.join([f'%json {held}', *spelled])}"]
+        parts.append(rule if key in required else f"{rule}?")
+    if schema.get("additionalProperties", True) is not False:
+        parts.append(f"anyparam{index}*")
+        rules += other
+    return [f"call{index}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}", *rules]
+
+
+def unwritable_key(schema: dict) -> str | None:
+    """A property name the format cannot write (one that holds ``>``, ``<`` or a line break), or None."""
+    return next((key for key in schema.get("properties") or {} if any(c in key for c in "<>\n")), None)
