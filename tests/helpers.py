@@ -780,6 +780,46 @@ def streamed_calls(client, body: dict) -> tuple[list[dict], str, str]:
             "".join(delta.get("content") or "" for delta in deltas), events[-1]["choices"][0]["finish_reason"])
 
 
+# A tool whose one value is an enum's: a random model, let write a free value, writes until its length runs out.
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def check_required_call(engine, model, call_format: str, method: str, max_tokens: int = 120) -> None:
+    """A required call of :data:`CITY_TOOL` through the server on ``engine`` (whose template writes calls in
+    ``call_format``), whole and streamed, is the call plain constrained greedy decoding of ``model`` gives the same
+    prompt (every method decodes a grammar losslessly), read from its text with the format's markers kept."""
+    from fastapi.testclient import TestClient
+
+    from jointspec.backends.tokens import chat_template_ids, decode_text
+    from jointspec.core.draft import NoDrafter
+    from jointspec.server.app import ServerSettings, create_app
+    from jointspec.server.tools import prompt_messages, read_calls, read_tool_use
+    from jointspec.verifiers.greedy import GreedyVerifier
+
+    client = TestClient(create_app(ServerSettings(), engine))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
+            "max_tokens": max_tokens, "tools": [CITY_TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+            "jointspec": {"method": method}}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    use = read_tool_use([CITY_TOOL], "required", False, call_format=call_format, special=engine.call_markers)
+    prompt = chat_template_ids(engine.tokenizer, *prompt_messages(body["messages"], use.shown(), True, call_format))
+    loop = SpeculativeDecoder(CausalLM(model), NoDrafter(), GreedyVerifier())
+    ids = loop.generate(prompt, DecodeConfig(max_tokens, eos_token_ids=engine.eos_token_ids,
+                                             grammar=engine.grammar(use.output_format())))
+    expected = read_calls(decode_text(engine.tokenizer, ids, {i: t for t, i in engine.call_markers}), use)
+    # (content: none, or what a byte model's end-of-sequence byte spells, where its config names one)
+    assert expected.calls and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == \
+        expected.content
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in expected.calls]
+    functions, content, finish = streamed_calls(client, body)
+    assert functions == [c["function"] for c in expected.calls] and finish == "tool_calls"
+    assert content.strip() == (expected.content or "").strip()
+
+
 def tokenizer_with(template: str | dict):
     """:func:`byte_tokenizer` with a chat template of a test's own (a new tokenizer: the fixtures' are shared)."""
     words = byte_tokenizer()

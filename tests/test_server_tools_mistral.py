@@ -17,8 +17,6 @@ from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids, decode_text
-from jointspec.core.draft import NoDrafter
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
 from jointspec.server.tools import (
@@ -34,9 +32,8 @@ from jointspec.server.tools import (
     read_calls,
     read_tool_use,
 )
-from jointspec.verifiers.greedy import GreedyVerifier
 
-from helpers import byte_tokenizer, grammar_takes, streamed_calls, tiny_llama
+from helpers import byte_tokenizer, check_required_call, grammar_takes, tiny_llama
 
 CONTROL = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", TOOL_CALLS, "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]", ARGS, CALL_ID]
@@ -100,13 +97,11 @@ CONVERSATION = [
 
 
 def mistral_tokenizer(template: str, special: bool = True):
-    """:func:`byte_tokenizer` with Mistral's control tokens (special tokens, as in Mistral's tokenizers, or plain
-    added tokens that a decode keeps) and ``template``."""
+    """:func:`byte_tokenizer` with ``template`` and Mistral's control tokens as special tokens, as in Mistral's
+    tokenizers (``special`` false: none of them, so the markers are spelled byte by byte)."""
     tokenizer = byte_tokenizer()
     if special:
         tokenizer.add_special_tokens({"additional_special_tokens": CONTROL})
-    else:
-        tokenizer.add_tokens(CONTROL)
     tokenizer.chat_template = template
     return tokenizer
 
@@ -151,7 +146,7 @@ def test_a_mistral_template_is_recognised_and_its_special_markers_found():
     ids = v11_tokenizer.convert_tokens_to_ids([TOOL_CALLS, ARGS, CALL_ID])
     assert call_markers(v11_tokenizer, MISTRAL_V11) == ((TOOL_CALLS, ids[0]), (ARGS, ids[1]), (CALL_ID, ids[2]))
     assert call_markers(mistral_tokenizer(V3_TEMPLATE), MISTRAL_V3) == ((TOOL_CALLS, ids[0]),)
-    # (markers a decode keeps as text need no keeping, and a grammar matches their text; other formats have none)
+    # (markers that are no token of the vocabulary are matched as text; other formats have none)
     assert call_markers(mistral_tokenizer(V11_TEMPLATE, special=False), MISTRAL_V11) == ()
     assert call_markers(v11_tokenizer, "hermes") == ()
 
@@ -285,7 +280,7 @@ def test_the_grammar_takes_the_formats_calls_of_the_offered_tools_with_the_marke
         assert grammar_takes(engine, both, with_id) and not grammar_takes(engine, both, with_id.replace("123", "12"))
 
 
-def test_a_marker_the_tokenizer_keeps_as_text_is_matched_as_text(model):
+def test_a_marker_that_is_no_token_of_the_vocabulary_is_matched_as_text(model):
     tokenizer = mistral_tokenizer(V11_TEMPLATE, special=False)
     engine = ServingEngine(CausalLM(model), tokenizer, model_id="tiny", max_batch_size=2)
     try:
@@ -309,23 +304,8 @@ def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_stre
     """The server decodes the call through the grammar, keeps the markers in the text, and reads the calls: the
     tokens plain constrained decoding gives the same prompt (every method decodes a grammar losslessly)."""
     call_format, engine = served
-    client = TestClient(create_app(ServerSettings(), engine))
-    # (one call: this random model, let write more, writes calls until its length runs out)
-    body = body_with(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=False,
-                     jointspec={"method": method})
-    reply = client.post("/v1/chat/completions", json=body)
-    assert reply.status_code == 200, reply.text
-    choice = reply.json()["choices"][0]
-    use = use_in(call_format, WEATHER, ADD, choice="required", parallel=False, special=engine.call_markers)
-    prompt = chat_template_ids(engine.tokenizer, *prompt_messages(body["messages"], use.shown(), True, call_format))
-    loop = SpeculativeDecoder(CausalLM(model), NoDrafter(), GreedyVerifier())
-    ids = loop.generate(prompt, DecodeConfig(80, eos_token_ids=engine.eos_token_ids,
-                                             grammar=engine.grammar(use.output_format())))
-    kept = {id_: text for text, id_ in engine.call_markers}
-    expected = read_calls(decode_text(engine.tokenizer, ids, kept), use)
-    assert expected.calls and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in expected.calls]
-    assert streamed_calls(client, body) == ([c["function"] for c in expected.calls], "", "tool_calls")
+    check_required_call(engine, model, call_format, method, max_tokens=80)
+
 
 
 def test_a_conversation_with_openai_call_ids_and_their_results_is_answered(served):

@@ -12,13 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import chat_template_ids
-from jointspec.core.draft import NoDrafter
-from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
-from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
 from jointspec.server.tools import (
     HERMES,
@@ -30,9 +26,8 @@ from jointspec.server.tools import (
     read_calls,
     read_tool_use,
 )
-from jointspec.verifiers.greedy import GreedyVerifier
 
-from helpers import grammar_takes, streamed_calls, tokenizer_with
+from helpers import check_required_call, grammar_takes, tokenizer_with
 
 # Qwen3.5's conventions: the tools and the format in the system turn; each earlier call a block of its own after the
 # turn's text, a value as text where it is a string or number (Python's spelling: True), as JSON where it is an object
@@ -228,26 +223,4 @@ def test_the_grammar_takes_calls_in_the_format_with_values_the_schema_accepts_an
 @pytest.mark.parametrize("method", ["ar", "default"])
 def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_streamed(engine, long_byte_model,
                                                                                      method):
-    client = TestClient(create_app(ServerSettings(), engine))
-    # (a tool whose one value is an enum's: this random model, let write a free value, writes until its length runs
-    # out)
-    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-        "additionalProperties": False}}}
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
-            "max_tokens": 200, "tools": [city], "tool_choice": "required", "parallel_tool_calls": False,
-            "jointspec": {"method": method}}
-    reply = client.post("/v1/chat/completions", json=body)
-    assert reply.status_code == 200, reply.text
-    choice = reply.json()["choices"][0]
-    use = use_of(city, choice="required", parallel=False)
-    prompt = chat_template_ids(engine.tokenizer, *prompt_messages(body["messages"], use.shown(), True, QWEN3_CODER))
-    loop = SpeculativeDecoder(CausalLM(long_byte_model), NoDrafter(), GreedyVerifier())
-    ids = loop.generate(prompt, DecodeConfig(200, eos_token_ids=engine.eos_token_ids,
-                                             grammar=engine.grammar(use.output_format())))
-    expected = read_calls(engine.tokenizer.decode(ids, skip_special_tokens=True), use)
-    assert expected.calls and choice["finish_reason"] == "tool_calls"
-    assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in expected.calls]
-    functions, content, finish = streamed_calls(client, body)
-    assert functions == [c["function"] for c in expected.calls] and finish == "tool_calls"
-    assert content.strip() == (expected.content or "")
+    check_required_call(engine, long_byte_model, QWEN3_CODER, method)

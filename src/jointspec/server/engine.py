@@ -631,7 +631,7 @@ class ServingEngine:
         stream.prompt_ids = prompt_ids
         if request.tools:
             markers = self.call_markers
-            if markers:  # (a decode would skip them, and with them the calls)
+            if markers:  # (a decode would skip those that are special tokens, and with them the calls)
                 stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer,
                                                                  kept={id_: text for text, id_ in markers})
         if request.messages is not None and template_reasons(self.tokenizer):

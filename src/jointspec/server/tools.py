@@ -42,7 +42,9 @@ tools in yet another format (Llama 4's) is given the Hermes text form.
 Qwen3-Coder's and Qwen3.5's templates (``qwen3_coder``, as vLLM names it; the template names ``<function=`` and
 ``<parameter=`` besides ``<tool_call>``) write a call as XML inside the same tags, ``<function=NAME>`` and a
 ``<parameter=KEY>`` block of text a value. They are read as Hermes's blocks are, each value typed by the tool's
-schema, and constrained by a grammar of that layout (server/tools_xml.py).
+schema, and constrained by a grammar of that layout (server/tools_xml.py). Gemma 4's (``gemma4``; the template
+names ``<|tool_call>`` and ``call:``) writes ``<|tool_call>call:NAME{key:value}<tool_call|>`` with strings between
+``<|"|>`` markers, read and held likewise (server/tools_gemma.py).
 
 What ``tool_choice`` does to the answer (in Hermes's format; the others read and hold their own alike):
 
@@ -64,8 +66,8 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from jointspec.backends.tokens import decode_text
 from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
+from jointspec.server import tools_gemma as gemma
 from jointspec.server.tools_xml import (
     FUNCTION_OPEN,
     PARAMETER_OPEN,
@@ -81,8 +83,8 @@ CALL_CLOSE = "</tool_call>"
 # The call formats read here (module docstring): Hermes's blocks, Llama 3's bare JSON, and Mistral's two.
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
-QWEN3_CODER = "qwen3_coder"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER)
+QWEN3_CODER, GEMMA4 = "qwen3_coder", "gemma4"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4)
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
 # What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
@@ -94,9 +96,10 @@ LLAMA_CALL_SEPARATOR = "; "
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"  # (between a v11 call's name and [ARGS], where a model writes its call's id)
-MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS, CALL_ID)}
+MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS, CALL_ID), GEMMA4: gemma.MARKERS}
 # Where calls begin in an answer, in the formats that may write text before them.
-OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: TOOL_CALLS, MISTRAL_V11: TOOL_CALLS, QWEN3_CODER: CALL_OPEN}
+OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: TOOL_CALLS, MISTRAL_V11: TOOL_CALLS, QWEN3_CODER: CALL_OPEN,
+            GEMMA4: gemma.CALL_OPEN}
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -177,6 +180,8 @@ class ToolUse:
         if self.choice != "required" and not strict_auto:
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
+        if self.format == GEMMA4:
+            return self._gemma_format(allowed, strict_auto)
         if self.format in MARKERS:
             return self._mistral_format(allowed, strict_auto)
         # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
@@ -256,6 +261,30 @@ class ToolUse:
                      f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_CALLS)}.*)/"]
         return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
 
+    def _gemma_format(self, allowed: list[Tool], strict_auto: bool) -> OutputFormat:
+        """:meth:`output_format` in Gemma 4's format (server/tools_gemma.py): the calls one after another, each
+        after its opening marker; strict ``auto``: any text that does not spell the opening marker, then such calls
+        or nothing. Markers the tokenizer holds as special tokens are named by id."""
+        ids = dict(self.special)
+        marks = {role: f"<[{ids[spelling]}]>" if spelling in ids else json.dumps(spelling)
+                 for role, spelling in zip(("open", "close", "quote"), gemma.MARKERS, strict=True)}
+        rules = []
+        for index, tool in enumerate(allowed):
+            rules += gemma.call_rules(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None,
+                                      index, marks)
+        either = " | ".join(f"call{index}" for index in range(len(allowed)))
+        more = " call*" if self.parallel and self.function is None else ""
+        if not strict_auto:
+            start = [f"start: call{more}"]
+        elif gemma.CALL_OPEN in ids:
+            start = [f"start: TEXT | TEXT call{more}",
+                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(gemma.CALL_OPEN)}.*)/"]
+        else:  # (as Hermes's grammar does for its tag: the text and the marker one lexeme)
+            start = [f"start: TEXT | OPENED ({either}){more}", f"OPENED: TEXT {marks['open']}",
+                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(gemma.CALL_OPEN)}.*)/"]
+        return OutputFormat("lark", "\n".join([*start, f"call: {marks['open']} ({either})", *rules,
+                                                *gemma.shared_rules(marks)]) + "\n")
+
 
 def arguments_grammar(tool: Tool) -> str:
     """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
@@ -312,12 +341,13 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
             if use.function in (None, tool.name) and (use.choice == "required" or tool.strict):
                 where = f"{param}.{index}.function.parameters"
                 try:
-                    if call_format == QWEN3_CODER:  # (its calls' own grammar, a property's value at a time)
-                        key = unwritable_key(tool.arguments_schema())
+                    if call_format in (QWEN3_CODER, GEMMA4):  # (its calls' own grammar, a value at a time)
+                        key = (unwritable_key if call_format == QWEN3_CODER else gemma.unwritable_key)(
+                            tool.arguments_schema())
                         if key is not None:
-                            raise ToolError(f"{where}: the model's call format cannot write a parameter named "
-                                            f"{json.dumps(key)} (it holds <, > or a line break)", where)
-                        ToolUse((tool,), "required", format=QWEN3_CODER).output_format().check()
+                            raise ToolError(f"{where}: the model's call format ({call_format}) cannot write a "
+                                            f"parameter named {json.dumps(key)}", where)
+                        ToolUse((tool,), "required", format=call_format).output_format().check()
                     else:
                         OutputFormat.json_schema(arguments_grammar(tool)).check()
                 except GrammarError as error:
@@ -363,6 +393,8 @@ def native_call_format(tokenizer) -> str | None:
         return None
     if CALL_OPEN in template:  # (Qwen3-Coder's and Qwen3.5's write <function=...> blocks inside the tags)
         return QWEN3_CODER if FUNCTION_OPEN in template and PARAMETER_OPEN in template else HERMES
+    if gemma.CALL_OPEN in template and gemma.CALL_PREFIX in template:
+        return GEMMA4
     if TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
         return MISTRAL_V11 if ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)
@@ -378,9 +410,10 @@ def call_format_of(tokenizer) -> str:
 
 
 def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
-    """Of ``call_format``'s markers (Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``), those ``tokenizer`` holds as one
-    special token that a decode skips, with its id: an answer read for calls keeps them in its text, and a grammar
-    names them by id."""
+    """Of ``call_format``'s markers (Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``, Gemma's ``<|tool_call>``...), those
+    that are one token of ``tokenizer``'s vocabulary, with its id: an answer read for calls keeps them in its text (a
+    decode skips those that are special tokens), and a grammar names them by id (a special token has no text to
+    match, and llguidance reads some added tokens, such as ``<...>`` ones, as special whatever their flag)."""
     found = []
     for spelling in MARKERS.get(call_format, ()):
         try:
@@ -390,8 +423,7 @@ def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
                 continue
         except (KeyError, TypeError, ValueError):
             continue
-        if decode_text(tokenizer, [int(token_id)]) == "":
-            found.append((spelling, int(token_id)))
+        found.append((spelling, int(token_id)))
     return tuple(found)
 
 
@@ -603,6 +635,8 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     leaves it text)."""
     if use.reads_calls and use.format == LLAMA3_JSON:
         return _read_json_calls(text, use, cut)
+    if use.reads_calls and use.format == GEMMA4:
+        return _read_gemma_calls(text, use, cut)
     if use.reads_calls and use.format in MARKERS:
         return _read_marked_calls(text, use, cut)
     if not use.reads_calls or CALL_OPEN not in text:
@@ -675,6 +709,21 @@ def _read_marked_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     rest = text[start + len(TOOL_CALLS):]
     calls = (_v11_calls if use.format == MISTRAL_V11 else _v3_calls)(rest, names, cut)
     if not calls:
+        return Calls(text, ())
+    return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
+
+
+def _read_gemma_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
+    """``text`` read in Gemma 4's format: the text before the first call marker (less its trailing whitespace) the
+    content, and all that follows it the calls of offered tools (server/tools_gemma.py); else the whole text
+    content. ``cut``: the answer ran out of tokens, so the call it left unfinished is dropped."""
+    start = text.find(gemma.CALL_OPEN)
+    if start < 0:
+        return Calls(text, ())
+    names = {tool.name for tool in use.tools}
+    records = gemma.read_calls(text[start + len(gemma.CALL_OPEN):], cut) or []
+    calls = [_read_call(record, names) for record in records]
+    if not calls or None in calls:
         return Calls(text, ())
     return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
 

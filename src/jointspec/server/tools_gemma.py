@@ -1,0 +1,257 @@
+"""Gemma 4's tool-call format (``gemma4``, server/tools.py): calls one after another after any text, each in its
+markers, its arguments written the way Gemma's templates write values, not JSON::
+
+    <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>
+
+Keys are bare (the templates write them in sorted order), strings sit between ``<|"|>`` markers, objects and lists
+are written as JSON's but for those two, booleans as JSON's, numbers and null as Python writes them (``None``).
+The three markers are special tokens in Gemma's tokenizer: an answer read for calls keeps them in its text
+(server/tools.py, ``call_markers``), and a grammar names them by id.
+
+:func:`read_calls` reads the calls back; :func:`call_rules` writes the grammar that holds a call to its tool's schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from jointspec.server.tool_schemas import property_schema
+
+CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+MARKERS = (CALL_OPEN, CALL_CLOSE, QUOTE)
+CALL_PREFIX = "call:"
+# A function's name as vLLM's reader takes it; a bare key.
+_NAME = re.compile(r"[\w\-.]+")
+_KEY = re.compile(r"[^:{}\[\],<>\s]+")
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+# Bare words for true, false and null (the templates write Python's None; vLLM's reader takes these).
+BARE = {"true": True, "false": False, "null": None, "None": None, "none": None, "nil": None}
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+def read_calls(text: str, cut: bool) -> list[dict] | None:
+    """``text`` from just after the first call marker: the calls as ``{"name", "arguments"}``, one after another
+    (whitespace between them allowed), or None where it does not read so. ``cut``: the answer ran out of tokens, so a
+    call it left unfinished is dropped and the calls before it stand."""
+    calls, at = [], 0
+    while True:
+        try:
+            call, at = _call(text, at)
+        except ValueError:
+            return calls if cut and calls else None
+        calls.append(call)
+        at = _skip_space(text, at)
+        if at == len(text):
+            return calls
+        if not text.startswith(CALL_OPEN, at):
+            return None
+        at += len(CALL_OPEN)
+
+
+def _call(text: str, at: int) -> tuple[dict, int]:
+    """``call:NAME{...}<tool_call|>`` at ``at``: the call, and where it ends."""
+    at = _skip_space(text, at)
+    if not text.startswith(CALL_PREFIX, at):
+        raise ValueError("not a call")
+    name = _NAME.match(text, at + len(CALL_PREFIX))
+    if name is None:
+        raise ValueError("no function name")
+    arguments, at = _object(text, name.end())
+    at = _skip_space(text, at)
+    if not text.startswith(CALL_CLOSE, at):
+        raise ValueError("an unclosed call")
+    return {"name": name.group(), "arguments": arguments}, at + len(CALL_CLOSE)
+
+
+def _skip_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
+
+
+def _object(text: str, at: int) -> tuple[dict, int]:
+    if not text.startswith("{", at):
+        raise ValueError("not an object")
+    values, at = {}, _skip_space(text, at + 1)
+    if text.startswith("}", at):
+        return values, at + 1
+    while True:
+        if text.startswith(QUOTE, at):
+            key, at = _string(text, at)
+        else:
+            bare = _KEY.match(text, at)
+            if bare is None:
+                raise ValueError("no key")
+            key, at = bare.group(), bare.end()
+        at = _skip_space(text, at)
+        if not text.startswith(":", at):
+            raise ValueError("no colon")
+        values[key], at = _value(text, at + 1)
+        at = _skip_space(text, at)
+        if text.startswith("}", at):
+            return values, at + 1
+        if not text.startswith(",", at):
+            raise ValueError("no comma")
+        at = _skip_space(text, at + 1)
+
+
+def _array(text: str, at: int) -> tuple[list, int]:
+    items, at = [], _skip_space(text, at + 1)
+    if text.startswith("]", at):
+        return items, at + 1
+    while True:
+        item, at = _value(text, at)
+        items.append(item)
+        at = _skip_space(text, at)
+        if text.startswith("]", at):
+            return items, at + 1
+        if not text.startswith(",", at):
+            raise ValueError("no comma")
+        at += 1
+
+
+def _string(text: str, at: int) -> tuple[str, int]:
+    end = text.find(QUOTE, at + len(QUOTE))
+    if end < 0:
+        raise ValueError("an unended string")
+    return text[at + len(QUOTE):end], end + len(QUOTE)
+
+
+def _value(text: str, at: int):
+    at = _skip_space(text, at)
+    if text.startswith(QUOTE, at):
+        return _string(text, at)
+    if text.startswith("{", at):
+        return _object(text, at)
+    if text.startswith("[", at):
+        return _array(text, at)
+    end = at
+    while end < len(text) and text[end] not in ",}]" and not text.startswith(QUOTE, end):
+        end += 1
+    word = text[at:end].strip()
+    if not word or "\n" in word:
+        raise ValueError("no value")
+    if word in BARE:
+        return BARE[word], end
+    if _NUMBER.fullmatch(word):
+        return (float(word) if any(c in word for c in ".eE") else int(word)), end
+    return word, end  # (a bare word: text, as vLLM's reader takes it)
+
+
+# -- the grammar ----------------------------------------------------------------------------------------------
+
+class _Rules:
+    """The grammar of one tool's calls, built rule by rule: each value by its schema (references followed)."""
+
+    def __init__(self, index: int, marks: dict[str, str], root: dict) -> None:
+        self.index, self.marks, self.root = index, marks, root
+        self.rules: list[str] = []
+        self.count = 0
+
+    def rule(self, body: str) -> str:
+        name = f"g{self.index}_{self.count}"
+        self.count += 1
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def string(self, literal: str | None = None) -> str:
+        quote = self.marks["quote"]
+        if literal is not None:
+            return f"{quote} {json.dumps(literal)} {quote}" if quote.startswith("<[") else json.dumps(
+                QUOTE + literal + QUOTE)
+        return f"{quote} STRTEXT? {quote}" if quote.startswith("<[") else "QSTRING"
+
+    def value(self, schema: dict) -> str:
+        """The grammar of a value ``schema`` takes (its enum's values, its branches', its type's)."""
+        schema = property_schema(schema, self.root)
+        branches = [branch for key in ("anyOf", "oneOf") for branch in schema.get(key) or ()
+                    if isinstance(branch, dict)]
+        if branches:
+            return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
+        values = schema["enum"] if isinstance(schema.get("enum"), list) else (
+            [schema["const"]] if "const" in schema else None)
+        if values is not None:
+            return "(" + " | ".join(self.literal(value) for value in values) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return "(" + " | ".join(self.value({**schema, "type": one}) for one in kind) + ")"
+        if kind == "string":
+            return self.string()
+        if kind == "integer":
+            return "INT"
+        if kind == "number":
+            return "NUMBER"
+        if kind == "boolean":
+            return '("true" | "false")'
+        if kind == "null":
+            return '("None" | "null")'
+        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+            return self.rule(f'"{{" {self.pairs(schema)} "}}"')
+        if kind == "array" and isinstance(schema.get("items"), dict):
+            item = self.value(schema["items"])
+            return self.rule(f'"[" ({item} ("," {item})*)? "]"')
+        return "gvalue"  # (an object without properties, a list of anything, no type: any value)
+
+    def literal(self, value) -> str:
+        if isinstance(value, str):
+            return self.string(value)
+        if value is None:
+            return '"None"'
+        return json.dumps(json.dumps(value))
+
+    def pairs(self, schema: dict) -> str:
+        """An object's properties as ``key:value`` pairs, in sorted order (as the templates write them), the required
+        ones always, a comma between two: a rule that may match nothing where none is required."""
+        required = set(schema.get("required") or ())
+        pairs = [(f"{json.dumps(key + ':')} {self.value(prop)}", key in required)
+                 for key, prop in sorted(schema["properties"].items())]
+        # tail: the pairs from here on, each after a comma; first: the same, the first of them without one
+        tail, first = "", ""
+        for pair, needed in reversed(pairs):
+            after = f" {tail}" if tail else ""
+            if needed:
+                first = self.rule(f"{pair}{after}")
+            else:
+                first = self.rule(f"{pair}{after} | {first}" if first else f"({pair}{after})?")
+            tail = self.rule(f'"," {pair}{after}' if needed else f'("," {pair})?{after}')
+        return first
+
+
+def call_rules(name: str, schema: dict | None, index: int, marks: dict[str, str]) -> list[str]:
+    """The grammar of a call of function ``name`` after its opening marker: ``call:NAME{``, its arguments as
+    :class:`_Rules` holds them to ``schema`` (None: any arguments, strict auto's other tools), ``}`` and the closing
+    marker (``marks``: each marker's grammar element: ``open``, ``close``, ``quote``). Add :func:`shared_rules`
+    once."""
+    rules = _Rules(index, marks, schema or {})
+    head = json.dumps(f"{CALL_PREFIX}{name}{{")
+    if schema is None or not schema.get("properties"):
+        arguments = '(gpair ("," gpair)*)?' if schema is None or schema.get("additionalProperties", True) is not \
+            False else ""
+    else:
+        arguments = rules.pairs(schema)
+    body = f'{head} {arguments} "}}" {marks["close"]}'.replace("  ", " ")
+    return [f"call{index}: {body}", *rules.rules]
+
+
+def shared_rules(marks: dict[str, str]) -> list[str]:
+    """What every tool's call rules use: numbers, strings, and any value (a key, and a value its schema leaves
+    open)."""
+    quote = marks["quote"]
+    rules = ["INT: /-?(0|[1-9][0-9]*)/", r"NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+             r'STRTEXT: /(?s:.+)/ & ~/(?s:.*<\|"\|>.*)/',
+             f"GKEY: /{_KEY.pattern}/",
+             'gvalue: gstring | NUMBER | "true" | "false" | "None" | "{" (gpair ("," gpair)*)? "}" | '
+             '"[" (gvalue ("," gvalue)*)? "]"',
+             'gpair: GKEY ":" gvalue']
+    if quote.startswith("<["):
+        rules.append(f"gstring: {quote} STRTEXT? {quote}")
+    else:  # (a marker that is text: the string and its markers one lexeme)
+        rules += ["gstring: QSTRING", f"QSTRING: {json.dumps(QUOTE)} STRTEXT? {json.dumps(QUOTE)}"]
+    return rules
+
+
+def unwritable_key(schema: dict) -> str | None:
+    """A property name the format cannot write as a bare key, or None."""
+    return next((key for key in schema.get("properties") or {} if not _KEY.fullmatch(key)), None)
+
+
