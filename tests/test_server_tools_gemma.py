@@ -137,9 +137,15 @@ def test_an_answer_is_read_for_its_calls_after_the_marker_or_left_text():
         {"city": "Paris"}, {"meta": {"a": [1, 2.5, "x,y}"], "b": {"c": False}, "d e": None}, "text": "two\nlines"}]
     one = read_calls(call("note", f"text:{q('a')}") + call("note", f"text:{q('b')}"), use_of(NOTE, parallel=False))
     assert [c["function"]["arguments"] for c in one.calls] == ['{"text": "a"}']
-    for text in (call("nope", ""), call("note", f"text:{q('a')}") + " after", "Hi " + CALL_OPEN,
-                 call("note", "text:" + q("a")).replace(CALL_CLOSE, ""), call("note", "text:{")):
+    for text in (call("nope", ""), "Hi " + CALL_OPEN, call("note", "text:" + q("a")).replace(CALL_CLOSE, ""),
+                 call("note", "text:{"), call("note", "text:" + q("a")) + call("note", "text")):
         assert read_calls(text, use).calls == () and read_calls(text, use).content == text, text
+    # As vLLM's reader: text between and after the calls passed over (the result's marker where it is no end of
+    # sequence), keys up to their colon, null in any case, trailing commas, numbers as float() reads them.
+    loose = read_calls("Ok. " + call("note", f"text:{q('a')}") + " and " + call(
+        "note", f"text:{q('b')},meta:{{first name:NULL,n:[.5,1.,],}}") + "<|tool_response>response:note{}", use)
+    assert loose.content == "Ok." and [json.loads(c["function"]["arguments"]) for c in loose.calls] == [
+        {"text": "a"}, {"text": "b", "meta": {"first name": None, "n": [0.5, 1.0]}}]
     whole = call("get_weather", f"city:{q('Rome')}") + call("note", f"text:{q('cut here')}")
     cut = whole[:whole.rindex("cut")]
     assert [c["function"]["name"] for c in read_calls(cut, use, cut=True).calls] == ["get_weather"]
@@ -174,8 +180,16 @@ def test_the_grammar_takes_calls_the_schema_accepts_in_the_templates_order_and_n
     for token in spelled[:-1]:
         state.advance([token])
     assert not state.allowed()[spelled[-1]]
+    # Keys are written in the template's order, Jinja's dictsort (case ignored); a key the format cannot write, at
+    # any depth, is refused with the request.
+    mixed = {"type": "function", "function": {"name": "crawl", "parameters": {"type": "object", "properties": {
+        "URL": {"type": "string"}, "depth": {"type": "integer"}, "person": {"type": "object", "properties": {
+            "first name": {"type": "string"}}}}, "required": ["depth"]}}}
+    crawl = use_of(mixed, choice="required", special=special)
+    assert grammar_takes(engine, crawl, call("crawl", f"depth:2,person:{{first name:{q('Ann')}}},URL:{q('x')}"))
+    assert not grammar_takes(engine, crawl, call("crawl", f"URL:{q('x')},depth:2"))
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a b": {"type": "string"}}}}}
+        "p": {"type": "object", "properties": {"a:b": {"type": "string"}}}}}}}
     with pytest.raises(ToolError) as refused:
         use_of(bad, choice="required")
     assert refused.value.param == "tools.0.function.parameters"

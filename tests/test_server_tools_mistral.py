@@ -96,11 +96,14 @@ CONVERSATION = [
 ]
 
 
-def mistral_tokenizer(template: str, special: bool = True):
+def mistral_tokenizer(template: str, special: bool = True, added: bool = False):
     """:func:`byte_tokenizer` with ``template`` and Mistral's control tokens as special tokens, as in Mistral's
-    tokenizers (``special`` false: none of them, so the markers are spelled byte by byte)."""
+    tokenizers (``added``: as tokens without the special flag, which a decode keeps; neither: no tokens, the markers
+    spelled byte by byte)."""
     tokenizer = byte_tokenizer()
-    if special:
+    if added:
+        tokenizer.add_tokens(CONTROL)
+    elif special:
         tokenizer.add_special_tokens({"additional_special_tokens": CONTROL})
     tokenizer.chat_template = template
     return tokenizer
@@ -280,16 +283,19 @@ def test_the_grammar_takes_the_formats_calls_of_the_offered_tools_with_the_marke
         assert grammar_takes(engine, both, with_id) and not grammar_takes(engine, both, with_id.replace("123", "12"))
 
 
-def test_a_marker_that_is_no_token_of_the_vocabulary_is_matched_as_text(model):
-    tokenizer = mistral_tokenizer(V11_TEMPLATE, special=False)
+@pytest.mark.parametrize("added", [False, True])
+def test_a_marker_that_is_no_token_or_a_plain_added_one_is_held_too(model, added):
+    tokenizer = mistral_tokenizer(V11_TEMPLATE, special=False, added=added)
     engine = ServingEngine(CausalLM(model), tokenizer, model_id="tiny", max_batch_size=2)
     try:
-        assert engine.call_markers == ()
+        special = engine.call_markers
+        assert bool(special) == added  # (an added token is named by id, as a special one is)
         strict = {"type": "function", "function": {**ADD["function"], "strict": True}}
-        held = use_in(MISTRAL_V11, WEATHER, strict)
+        held = use_in(MISTRAL_V11, WEATHER, strict, special=special)
         assert grammar_takes(engine, held, v11(("add", {"a": 2}), text="Sum: "))
         assert not grammar_takes(engine, held, v11(("add", {"a": 9}), text="Sum: "))
-        assert grammar_takes(engine, use_in(MISTRAL_V11, ADD, choice="required"), v11(("add", {"a": 2})))
+        assert grammar_takes(engine, use_in(MISTRAL_V11, ADD, choice="required", special=special),
+                             v11(("add", {"a": 2})))
     finally:
         engine.close()
 

@@ -470,7 +470,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     metrics = Metrics()
     in_flight = _InFlight()
     call_format = engine.call_format  # (the model's, read once)
-    special = engine.call_markers  # (its markers that are special tokens)
+    special = engine.call_markers  # (its markers that are tokens of the tokenizer)
     stored = ResponseStore(settings.stored_responses if settings.stored_responses_mb else 0,
                            settings.stored_responses_mb << 20)
     lookup = stored.get if stored.capacity else None  # (what previous_response_id may name)

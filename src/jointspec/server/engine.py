@@ -174,7 +174,7 @@ class Engine(Protocol):
 
     model_id: str
     call_format: str  # the format the model writes tool calls in (server/tools.py)
-    call_markers: tuple[tuple[str, int], ...]  # that format's markers the tokenizer holds as special tokens, with ids
+    call_markers: tuple[tuple[str, int], ...]  # that format's markers that are added tokens of the tokenizer, by id
     context_length: int  # the most tokens a sequence may hold
 
     async def submit(self, request: CompletionRequest) -> Generation: ...
@@ -420,8 +420,8 @@ class ServingEngine:
 
     @property
     def call_markers(self) -> tuple[tuple[str, int], ...]:
-        """The call format's markers that the tokenizer holds as special tokens, with their ids (server/tools.py):
-        the text of an answer read for calls keeps them."""
+        """The call format's markers that are added tokens of the tokenizer, with their ids (server/tools.py): the
+        text of an answer read for calls keeps them, and a grammar names them by id."""
         return call_markers(self.tokenizer, self.call_format)
 
     @property

@@ -140,7 +140,7 @@ class ToolUse:
     ``required``; ``function``: the one function the answer must call, once (``choice`` is then ``required``);
     ``parallel``: several calls in one answer; ``legacy``: asked in the older form (``functions``), which is answered
     in that form (one ``function_call``); ``format``: how the model writes calls (:data:`FORMATS`, module
-    docstring); ``special``: the format's markers that the model's tokenizer holds as special tokens, with their ids
+    docstring); ``special``: the format's markers that are added tokens of the model's tokenizer, with their ids
     (:func:`call_markers`), which a grammar names by id (a special token has no text to match)."""
 
     tools: tuple[Tool, ...]
@@ -296,8 +296,8 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
                   special: tuple[tuple[str, int], ...] = ()) -> ToolUse | None:
     """A chat request's ``tools`` and ``tool_choice`` (or the deprecated ``functions`` and ``function_call``) as a
     :class:`ToolUse` whose calls the model writes in ``call_format`` (:func:`call_format_of`), ``special`` being its
-    markers that are special tokens (:func:`call_markers`); None where it offers no tools. ToolError names the field
-    at fault."""
+    markers that are tokens of the model's tokenizer (:func:`call_markers`); None where it offers no tools.
+    ToolError names the field at fault."""
     if tools and functions:
         raise ToolError("send tools or functions (their older form), not both", "functions")
     param, choice_param = "tools", "tool_choice"
@@ -411,20 +411,14 @@ def call_format_of(tokenizer) -> str:
 
 def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
     """Of ``call_format``'s markers (Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``, Gemma's ``<|tool_call>``...), those
-    that are one token of ``tokenizer``'s vocabulary, with its id: an answer read for calls keeps them in its text (a
-    decode skips those that are special tokens), and a grammar names them by id (a special token has no text to
-    match, and llguidance reads some added tokens, such as ``<...>`` ones, as special whatever their flag)."""
-    found = []
-    for spelling in MARKERS.get(call_format, ()):
-        try:
-            token_id = tokenizer.convert_tokens_to_ids(spelling)
-            if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(
-                    token_id) != spelling:
-                continue
-        except (KeyError, TypeError, ValueError):
-            continue
-        found.append((spelling, int(token_id)))
-    return tuple(found)
+    that are one added token of ``tokenizer`` (its control tokens), with its id: an answer read for calls keeps them in
+    its text (a decode skips those that are special tokens), and a grammar names them by id (a special token has no
+    text to match, and llguidance reads some added tokens, such as ``<...>`` ones, as special whatever their flag)."""
+    try:
+        added = tokenizer.get_added_vocab()
+    except (AttributeError, TypeError):  # (a tokenizer that is not transformers')
+        return ()
+    return tuple((spelling, int(added[spelling])) for spelling in MARKERS.get(call_format, ()) if spelling in added)
 
 
 def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,

@@ -21,20 +21,24 @@ from jointspec.server.tool_schemas import property_schema
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 MARKERS = (CALL_OPEN, CALL_CLOSE, QUOTE)
 CALL_PREFIX = "call:"
-# A function's name as vLLM's reader takes it; a bare key.
+# A function's name as vLLM's reader takes it; a bare key (up to its colon, as vLLM's reader takes one; the grammar's
+# keys hold no surrounding space).
 _NAME = re.compile(r"[\w\-.]+")
-_KEY = re.compile(r"[^:{}\[\],<>\s]+")
-_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
-# Bare words for true, false and null (the templates write Python's None; vLLM's reader takes these).
-BARE = {"true": True, "false": False, "null": None, "None": None, "none": None, "nil": None}
+_KEY = re.compile(r"[^:{}\[\],\n]+")
+# A number as Python writes one, and as float() reads one (.5, 1., 1e-05).
+_NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+# Bare words for true and false, and (any case) for null: the templates write Python's None; vLLM's reader takes these.
+BARE = {"true": True, "false": False}
+NULLS = ("null", "none", "nil")
 
 
 # -- reading ------------------------------------------------------------------------------------------------------
 
 def read_calls(text: str, cut: bool) -> list[dict] | None:
-    """``text`` from just after the first call marker: the calls as ``{"name", "arguments"}``, one after another
-    (whitespace between them allowed), or None where it does not read so. ``cut``: the answer ran out of tokens, so a
-    call it left unfinished is dropped and the calls before it stand."""
+    """``text`` from just after the first call marker: the calls as ``{"name", "arguments"}``, or None where a call
+    does not read so. Text between calls and after the last is passed over, as vLLM's reader passes it (a model may go
+    on after its calls: the result's marker, where it does not end the answer). ``cut``: the answer ran out of
+    tokens, so a call it left unfinished is dropped and the calls before it stand."""
     calls, at = [], 0
     while True:
         try:
@@ -42,11 +46,9 @@ def read_calls(text: str, cut: bool) -> list[dict] | None:
         except ValueError:
             return calls if cut and calls else None
         calls.append(call)
-        at = _skip_space(text, at)
-        if at == len(text):
+        at = text.find(CALL_OPEN, at)
+        if at < 0:
             return calls
-        if not text.startswith(CALL_OPEN, at):
-            return None
         at += len(CALL_OPEN)
 
 
@@ -80,9 +82,9 @@ def _object(text: str, at: int) -> tuple[dict, int]:
             key, at = _string(text, at)
         else:
             bare = _KEY.match(text, at)
-            if bare is None:
+            if bare is None or not bare.group().strip():
                 raise ValueError("no key")
-            key, at = bare.group(), bare.end()
+            key, at = bare.group().strip(), bare.end()
         at = _skip_space(text, at)
         if not text.startswith(":", at):
             raise ValueError("no colon")
@@ -93,6 +95,8 @@ def _object(text: str, at: int) -> tuple[dict, int]:
         if not text.startswith(",", at):
             raise ValueError("no comma")
         at = _skip_space(text, at + 1)
+        if text.startswith("}", at):  # (a trailing comma, as vLLM's reader takes one)
+            return values, at + 1
 
 
 def _array(text: str, at: int) -> tuple[list, int]:
@@ -107,7 +111,9 @@ def _array(text: str, at: int) -> tuple[list, int]:
             return items, at + 1
         if not text.startswith(",", at):
             raise ValueError("no comma")
-        at += 1
+        at = _skip_space(text, at + 1)
+        if text.startswith("]", at):
+            return items, at + 1
 
 
 def _string(text: str, at: int) -> tuple[str, int]:
@@ -129,10 +135,12 @@ def _value(text: str, at: int):
     while end < len(text) and text[end] not in ",}]" and not text.startswith(QUOTE, end):
         end += 1
     word = text[at:end].strip()
-    if not word or "\n" in word:
+    if not word:
         raise ValueError("no value")
     if word in BARE:
         return BARE[word], end
+    if word.lower() in NULLS:
+        return None, end
     if _NUMBER.fullmatch(word):
         return (float(word) if any(c in word for c in ".eE") else int(word)), end
     return word, end  # (a bare word: text, as vLLM's reader takes it)
@@ -170,10 +178,11 @@ class _Rules:
             return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
         values = schema["enum"] if isinstance(schema.get("enum"), list) else (
             [schema["const"]] if "const" in schema else None)
-        if values is not None:
+        # (objects and lists among the values, or none: any value, as written)
+        if values and not any(isinstance(value, dict | list) for value in values):
             return "(" + " | ".join(self.literal(value) for value in values) + ")"
         kind = schema.get("type")
-        if isinstance(kind, list):
+        if isinstance(kind, list) and kind:
             return "(" + " | ".join(self.value({**schema, "type": one}) for one in kind) + ")"
         if kind == "string":
             return self.string()
@@ -200,11 +209,12 @@ class _Rules:
         return json.dumps(json.dumps(value))
 
     def pairs(self, schema: dict) -> str:
-        """An object's properties as ``key:value`` pairs, in sorted order (as the templates write them), the required
-        ones always, a comma between two: a rule that may match nothing where none is required."""
+        """An object's properties as ``key:value`` pairs, in the templates' order (Jinja's ``dictsort``: by key,
+        case ignored), the required ones always, a comma between two: a rule that may match nothing where none is
+        required."""
         required = set(schema.get("required") or ())
         pairs = [(f"{json.dumps(key + ':')} {self.value(prop)}", key in required)
-                 for key, prop in sorted(schema["properties"].items())]
+                 for key, prop in sorted(schema["properties"].items(), key=lambda item: item[0].lower())]
         # tail: the pairs from here on, each after a comma; first: the same, the first of them without one
         tail, first = "", ""
         for pair, needed in reversed(pairs):
@@ -240,7 +250,7 @@ def shared_rules(marks: dict[str, str]) -> list[str]:
     rules = ["INT: /-?(0|[1-9][0-9]*)/", r"NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
              r'STRTEXT: /(?s:.+)/ & ~/(?s:.*<\|"\|>.*)/',
              f"GKEY: /{_KEY.pattern}/",
-             'gvalue: gstring | NUMBER | "true" | "false" | "None" | "{" (gpair ("," gpair)*)? "}" | '
+             'gvalue: gstring | NUMBER | "true" | "false" | "None" | "null" | "{" (gpair ("," gpair)*)? "}" | '
              '"[" (gvalue ("," gvalue)*)? "]"',
              'gpair: GKEY ":" gvalue']
     if quote.startswith("<["):
@@ -250,8 +260,19 @@ def shared_rules(marks: dict[str, str]) -> list[str]:
     return rules
 
 
-def unwritable_key(schema: dict) -> str | None:
-    """A property name the format cannot write as a bare key, or None."""
-    return next((key for key in schema.get("properties") or {} if not _KEY.fullmatch(key)), None)
+def unwritable_key(schema, depth: int = 0) -> str | None:
+    """A property name, at any depth of the schema, that the format cannot write as a bare key (one with a colon, a
+    bracket, a comma, a line break or space around it), or None."""
+    if depth > 32:
+        return None
+    if isinstance(schema, list):
+        return next((key for item in schema if (key := unwritable_key(item, depth + 1)) is not None), None)
+    if not isinstance(schema, dict):
+        return None
+    for key in schema.get("properties") or {} if isinstance(schema.get("properties"), dict) else {}:
+        if not _KEY.fullmatch(key) or key != key.strip():
+            return key
+    return next((key for name, value in schema.items() if name != "enum" and name != "const"
+                 and (key := unwritable_key(value, depth + 1)) is not None), None)
 
 
