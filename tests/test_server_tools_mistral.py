@@ -20,11 +20,8 @@ from jointspec.backends.tokens import IncrementalDetokenizer, chat_template_ids,
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
 from jointspec.server.tools import (
-    ARGS,
-    CALL_ID,
     MISTRAL_V3,
     MISTRAL_V11,
-    TOOL_CALLS,
     CallStream,
     call_markers,
     native_call_format,
@@ -32,6 +29,7 @@ from jointspec.server.tools import (
     read_calls,
     read_tool_use,
 )
+from jointspec.server.tools_mistral import ARGS, CALL_ID, TOOL_CALLS
 
 from helpers import byte_tokenizer, check_required_call, grammar_takes, tiny_llama
 

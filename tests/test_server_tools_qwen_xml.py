@@ -190,6 +190,10 @@ def test_a_cut_answer_keeps_its_finished_calls_and_a_stream_sends_the_text_befor
     cut = whole[:whole.rindex("Paris")]
     assert [json.loads(c["function"]["arguments"]) for c in read_calls(cut, use, cut=True).calls] == [
         {"city": "Rome"}]
+    # (a last call whose function ended, cut before its closing tag, reads as it does where the answer ended there)
+    ended = whole[:whole.rindex("</tool_call>")]
+    functions = [[c["function"] for c in read_calls(ended, use, cut=cut).calls] for cut in (True, False)]
+    assert functions[0] == functions[1] and len(functions[0]) == 2
     for size in (1, 4, 9):
         stream = CallStream(use)
         sent = "".join(stream.feed(whole[at:at + size]) for at in range(0, len(whole), size))

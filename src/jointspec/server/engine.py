@@ -17,6 +17,7 @@ that will never come.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -395,7 +396,7 @@ class ServingEngine:
         # Admission: guards _admitted and _closing, and orders every "submit" put before the thread's last look at
         # its inbox, so a request either reaches the thread or is refused: none waits forever.
         self._admission = threading.Lock()
-        self._encoding = threading.Lock()  # (submit)
+        self._encoding = threading.Lock()  # (encode, tokenize: one at a time)
         self._grammars = RecentGrammars()  # output formats compiled for the tokenizer
         self._admitted = 0  # requests submitted and not yet ended (decoding, queued, or on their way to the thread)
         self._closing = False
@@ -418,7 +419,7 @@ class ServingEngine:
         """The format the model writes tool calls in (server/tools.py): its chat template's own, else Hermes's."""
         return call_format_of(self.tokenizer)
 
-    @property
+    @functools.cached_property
     def call_markers(self) -> tuple[tuple[str, int], ...]:
         """The call format's markers that are added tokens of the tokenizer, with their ids (server/tools.py): the
         text of an answer read for calls keeps them, and a grammar names them by id."""
@@ -604,9 +605,8 @@ class ServingEngine:
         """``request`` read into a stream and what its admission needs: (stream, (request, prompt ids, decode
         config, method)), or (stream, None) for an echo that asks for no answer."""
         # On a worker thread: a long prompt's chat template and tokenisation take seconds, which on the event loop
-        # would hold up every other request and stream. Encodes one at a time, since an encode may set the fast
-        # tokenizer's per-call options (split_special_tokens) on it; the streams' decodes on the loop set none, and
-        # a decode and an encode may run together.
+        # would hold up every other request and stream (encodes run one at a time; the streams' decodes on the loop
+        # set no per-call options, and may run beside an encode).
         prompt_ids = await asyncio.to_thread(self.encode, request)
         grammar = None if request.output_format is None else await asyncio.to_thread(self.grammar,
                                                                                       request.output_format)

@@ -1,7 +1,8 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of two formats. Hermes's, the one Qwen2.5 and Qwen3, the Hermes models and many small
-instruction-tuned models were trained on: each call a block of its own, parallel calls one block after another::
+Calls are read in one of six formats, the one the model's chat template writes (:func:`native_call_format`), else
+Hermes's. Hermes's, the one Qwen2.5 and Qwen3, the Hermes models and many small instruction-tuned models were trained
+on: each call a block of its own, parallel calls one block after another::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -59,15 +60,15 @@ What ``tool_choice`` does to the answer (in Hermes's format; the others read and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import string
 import uuid
 from dataclasses import dataclass
 
 from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
 from jointspec.server import tools_gemma as gemma
+from jointspec.server import tools_mistral as mistral
+from jointspec.server.tool_text import skip_space
 from jointspec.server.tools_xml import (
     FUNCTION_OPEN,
     PARAMETER_OPEN,
@@ -80,7 +81,8 @@ from jointspec.server.tools_xml import (
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-# The call formats read here (module docstring): Hermes's blocks, Llama 3's bare JSON, and Mistral's two.
+# The call formats read here (module docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
+# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py) and Gemma 4's (server/tools_gemma.py).
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
 QWEN3_CODER, GEMMA4 = "qwen3_coder", "gemma4"
@@ -93,12 +95,11 @@ SPACE = r"[\s\x1c-\x1f]*"
 # Llama 3's calls joined in one answer (as vLLM's llama3_json parser reads them).
 LLAMA_CALL_SEPARATOR = "; "
 # Mistral's markers (module docstring), special tokens in Mistral's tokenizers.
-TOOL_CALLS = "[TOOL_CALLS]"
-ARGS = "[ARGS]"
-CALL_ID = "[CALL_ID]"  # (between a v11 call's name and [ARGS], where a model writes its call's id)
-MARKERS = {MISTRAL_V3: (TOOL_CALLS,), MISTRAL_V11: (TOOL_CALLS, ARGS, CALL_ID), GEMMA4: gemma.MARKERS}
+MISTRAL = (MISTRAL_V3, MISTRAL_V11)
+# The formats' markers that are added tokens in their models' tokenizers (call_markers).
+MARKERS = {MISTRAL_V3: mistral.MARKERS_V3, MISTRAL_V11: mistral.MARKERS_V11, GEMMA4: gemma.MARKERS}
 # Where calls begin in an answer, in the formats that may write text before them.
-OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: TOOL_CALLS, MISTRAL_V11: TOOL_CALLS, QWEN3_CODER: CALL_OPEN,
+OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: mistral.TOOL_CALLS, MISTRAL_V11: mistral.TOOL_CALLS, QWEN3_CODER: CALL_OPEN,
             GEMMA4: gemma.CALL_OPEN}
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -175,15 +176,22 @@ class ToolUse:
         ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict function's arguments match its schema):
         text without a call's opening tag (Llama 3: text that does not begin with ``{``), or (Hermes) such text and
         then calls as ``required`` writes them (a strict function's arguments held to its schema, the others' any
-        object), or (Llama 3) those calls alone."""
+        object), or (Llama 3) those calls alone. The other formats' grammars are their modules' (Mistral's, Gemma's)
+        or written alike (Qwen3-Coder's, its calls' rules from server/tools_xml.py)."""
         strict_auto = self.choice == "auto" and any(tool.strict for tool in self.tools)
         if self.choice != "required" and not strict_auto:
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
+        several = self.parallel and self.function is None
+        ids = dict(self.special)
+        # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are anything)
+        held = [(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None) for tool in allowed]
         if self.format == GEMMA4:
-            return self._gemma_format(allowed, strict_auto)
-        if self.format in MARKERS:
-            return self._mistral_format(allowed, strict_auto)
+            return OutputFormat("lark", gemma.grammar(held, several, strict_auto, ids))
+        if self.format in MISTRAL:
+            schemas = [(name, arguments_grammar(Tool(name, parameters=schema)) if schema is not None
+                        else json.dumps({"type": "object", "x-guidance": JSON_STYLE})) for name, schema in held]
+            return OutputFormat("lark", mistral.grammar(schemas, self.format == MISTRAL_V11, several, strict_auto, ids))
         # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
         # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
         # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are any object)
@@ -191,8 +199,7 @@ class ToolUse:
         rules = []
         for index, tool in enumerate(allowed):
             if self.format == QWEN3_CODER:
-                rules += call_rules(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None,
-                                    index)
+                rules += call_rules(*held[index], index)
                 continue
             head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')
             held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
@@ -201,7 +208,6 @@ class ToolUse:
         if self.format == QWEN3_CODER:
             rules += VALUE_RULES
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
-        several = self.parallel and self.function is None
         if self.format == LLAMA3_JSON:
             # The answer is the calls: text (in strict auto) is what would not be read as calls, an answer that
             # does not begin with a call's "{" (after whitespace and the python tag, as read_calls reads it).
@@ -221,70 +227,6 @@ class ToolUse:
         else:
             start = [f"start: call{after}"]
         return OutputFormat("lark", "\n".join([*start, f"call: {opening} ({either}) {closing}", *rules]) + "\n")
-
-    def _mistral_format(self, allowed: list[Tool], strict_auto: bool) -> OutputFormat:
-        """:meth:`output_format` in Mistral's formats, written as their templates write calls: ``[TOOL_CALLS] [`` and
-        the calls joined by ``, `` then ``]`` (v3); each call ``[TOOL_CALLS]``, its name, ``[ARGS]`` and its arguments
-        (v11). ``required``: the calls alone; strict ``auto``: any text, then such calls or nothing."""
-        ids = dict(self.special)
-        # A marker the tokenizer holds as a special token is named by its id; one it does not, by its text, which
-        # the text before the calls may then not hold.
-        mark = f"<[{ids[TOOL_CALLS]}]>" if TOOL_CALLS in ids else json.dumps(TOOL_CALLS)
-        args_mark = f"<[{ids[ARGS]}]>" if ARGS in ids else json.dumps(ARGS)
-        # (a model whose tokenizer has [CALL_ID] may write its call's id, 9 letters and digits, before [ARGS])
-        call_id = f' (<[{ids[CALL_ID]}]> /[A-Za-z0-9]{{9}}/)?' if CALL_ID in ids else ""
-        rules = []
-        for index, tool in enumerate(allowed):
-            held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
-                {"type": "object", "x-guidance": JSON_STYLE})
-            if self.format == MISTRAL_V11:
-                rules.append(f"call{index}: {json.dumps(tool.name)}{call_id} {args_mark} args{index}")
-            else:
-                head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-                rules.append(f'call{index}: {head} args{index} "}}"')
-            rules.append(f"args{index}: %json {held}")
-        either = " | ".join(f"call{index}" for index in range(len(allowed)))
-        several = self.parallel and self.function is None
-        # ("calls" is what follows the first marker)
-        if self.format == MISTRAL_V11:
-            calls = f"call ({mark} call)*" if several else "call"
-        else:  # (SentencePiece's v0.3 writes a space before the list, tekken's Nemo and Small none)
-            calls = '" "? "[" call (", " call)* "]"' if several else '" "? "[" call "]"'
-        if not strict_auto:
-            start = [f"start: {mark} {calls}"]
-        elif TOOL_CALLS in ids:
-            # (text without the marker's spelling: the reader takes the first marker's text, kept or spelled, for
-            # where the calls begin)
-            start = [f"start: TEXT | TEXT {mark} {calls}", f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_CALLS)}.*)/"]
-        else:  # (as Hermes's grammar does for its tag: the text and the marker one lexeme)
-            start = [f"start: TEXT | OPENED {calls}", f"OPENED: TEXT {mark}",
-                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(TOOL_CALLS)}.*)/"]
-        return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
-
-    def _gemma_format(self, allowed: list[Tool], strict_auto: bool) -> OutputFormat:
-        """:meth:`output_format` in Gemma 4's format (server/tools_gemma.py): the calls one after another, each
-        after its opening marker; strict ``auto``: any text that does not spell the opening marker, then such calls
-        or nothing. Markers the tokenizer holds as special tokens are named by id."""
-        ids = dict(self.special)
-        marks = {role: f"<[{ids[spelling]}]>" if spelling in ids else json.dumps(spelling)
-                 for role, spelling in zip(("open", "close", "quote"), gemma.MARKERS, strict=True)}
-        rules = []
-        for index, tool in enumerate(allowed):
-            rules += gemma.call_rules(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None,
-                                      index, marks)
-        either = " | ".join(f"call{index}" for index in range(len(allowed)))
-        more = " call*" if self.parallel and self.function is None else ""
-        if not strict_auto:
-            start = [f"start: call{more}"]
-        elif gemma.CALL_OPEN in ids:
-            start = [f"start: TEXT | TEXT call{more}",
-                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(gemma.CALL_OPEN)}.*)/"]
-        else:  # (as Hermes's grammar does for its tag: the text and the marker one lexeme)
-            start = [f"start: TEXT | OPENED ({either}){more}", f"OPENED: TEXT {marks['open']}",
-                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(gemma.CALL_OPEN)}.*)/"]
-        return OutputFormat("lark", "\n".join([*start, f"call: {marks['open']} ({either})", *rules,
-                                                *gemma.shared_rules(marks)]) + "\n")
-
 
 def arguments_grammar(tool: Tool) -> str:
     """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
@@ -395,8 +337,8 @@ def native_call_format(tokenizer) -> str | None:
         return QWEN3_CODER if FUNCTION_OPEN in template and PARAMETER_OPEN in template else HERMES
     if gemma.CALL_OPEN in template and gemma.CALL_PREFIX in template:
         return GEMMA4
-    if TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
-        return MISTRAL_V11 if ARGS in template else MISTRAL_V3
+    if mistral.TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
+        return MISTRAL_V11 if mistral.ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)
     if '"parameters": ' in template and "ipython" in template and "<|python_start|>" not in template:
         return LLAMA3_JSON
@@ -524,7 +466,7 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
 def _native_message(message: dict, call_format: str = HERMES) -> dict:
     """A message as a template that renders calls itself takes it: calls with their arguments as objects, and (for
     Mistral's templates, which refuse any other where they show ids) call ids of 9 letters and digits."""
-    ids = _mistral_id if call_format in MARKERS else (lambda id_: id_)
+    ids = mistral.mistral_id if call_format in MISTRAL else (lambda id_: id_)
     if message.get("tool_calls"):
         calls = [{"type": "function", "id": ids(call.get("id")), "function": _call_record(call)}
                  for call in message["tool_calls"]]
@@ -532,22 +474,6 @@ def _native_message(message: dict, call_format: str = HERMES) -> dict:
     if message["role"] == "tool" and "tool_call_id" in message:
         return {**message, "tool_call_id": ids(message["tool_call_id"])}
     return message
-
-
-_ID_CHARACTERS = string.ascii_letters + string.digits
-
-
-def _mistral_id(call_id) -> str:
-    """A call id as Mistral's templates take one, 9 letters and digits: the id itself where it is one, else 9 such
-    characters derived from it (the same for a call and the result that names it)."""
-    if isinstance(call_id, str) and len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
-        return call_id
-    number = int.from_bytes(hashlib.sha256(str(call_id or "").encode()).digest()[:8], "big")
-    out = []
-    for _ in range(9):
-        number, digit = divmod(number, len(_ID_CHARACTERS))
-        out.append(_ID_CHARACTERS[digit])
-    return "".join(out)
 
 
 def check_message(message: dict, where: str) -> None:
@@ -597,12 +523,12 @@ def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | No
     while (start := text.find(CALL_OPEN, at)) >= 0:
         pieces.append(text[at:start])
         inside = start + len(CALL_OPEN)
-        inside += len(text[inside:]) - len(text[inside:].lstrip())
+        inside = skip_space(text, inside)
         try:
             value, end = read_call(text, inside) if xml else decoder.raw_decode(text, inside)
         except ValueError:
             return None
-        end += len(text[end:]) - len(text[end:].lstrip())
+        end = skip_space(text, end)
         if xml and end == len(text):  # (a model that ends the answer after its last call's function)
             values.append(value)
             at = end
@@ -631,16 +557,18 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
         return _read_json_calls(text, use, cut)
     if use.reads_calls and use.format == GEMMA4:
         return _read_gemma_calls(text, use, cut)
-    if use.reads_calls and use.format in MARKERS:
+    if use.reads_calls and use.format in MISTRAL:
         return _read_marked_calls(text, use, cut)
     if not use.reads_calls or CALL_OPEN not in text:
         return Calls(text, ())
     kept = text
+    xml = use.format == QWEN3_CODER
     if cut:
         kept = kept[:len(kept) - _open_tail(kept)]
-        if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE):
+        # (a last block left open is dropped; in Qwen3-Coder's format, only where its call does not read whole)
+        if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE) and not (xml and _blocks(kept, xml=True)):
             kept = kept[:kept.rfind(CALL_OPEN)]
-    split = _blocks(kept, xml=use.format == QWEN3_CODER)
+    split = _blocks(kept, xml=xml)
     names = {tool.name for tool in use.tools}
     values = split[1] if split else ()
     if use.format == QWEN3_CODER:
@@ -693,16 +621,16 @@ def _read_json_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
 
 def _read_marked_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     """``text`` read in Mistral's formats: the text before the first ``[TOOL_CALLS]`` (less its trailing whitespace)
-    the content, and all that follows it the calls of offered tools, as the format writes them; else the whole text
-    content. ``cut``: the answer ran out of tokens, so the call it left unfinished is dropped and the calls before it
-    stand."""
-    start = text.find(TOOL_CALLS)
+    the content, and all that follows it the calls of offered tools, as the format writes them
+    (server/tools_mistral.py); else the whole text content. ``cut``: the answer ran out of tokens, so the call it
+    left unfinished is dropped and the calls before it stand."""
+    start = text.find(mistral.TOOL_CALLS)
     if start < 0:
         return Calls(text, ())
     names = {tool.name for tool in use.tools}
-    rest = text[start + len(TOOL_CALLS):]
-    calls = (_v11_calls if use.format == MISTRAL_V11 else _v3_calls)(rest, names, cut)
-    if not calls:
+    records = mistral.read_calls(text[start + len(mistral.TOOL_CALLS):], use.format == MISTRAL_V11, cut) or []
+    calls = [_read_call(record, names) for record in records]
+    if not calls or None in calls:
         return Calls(text, ())
     return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
 
@@ -720,63 +648,6 @@ def _read_gemma_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     if not calls or None in calls:
         return Calls(text, ())
     return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
-
-
-def _skip_space(text: str, at: int) -> int:
-    return len(text) - len(text[at:].lstrip())
-
-
-def _v3_calls(body: str, names: set[str], cut: bool) -> list[dict] | None:
-    """What follows ``[TOOL_CALLS]`` in the v3 format: one JSON list of call objects, then nothing but whitespace."""
-    decoder = json.JSONDecoder()
-    at = _skip_space(body, 0)
-    if not body.startswith("[", at):
-        return None
-    calls, at = [], at + 1
-    while True:
-        try:
-            value, at = decoder.raw_decode(body, _skip_space(body, at))
-        except ValueError:
-            return calls if cut and calls else None
-        call = _read_call(value, names)
-        if call is None:
-            return None
-        calls.append(call)
-        at = _skip_space(body, at)
-        if at == len(body):
-            return calls if cut else None
-        if body[at] == "]":
-            return calls if not body[at + 1:].strip() else None
-        if body[at] != ",":
-            return None
-        at += 1
-
-
-def _v11_calls(body: str, names: set[str], cut: bool) -> list[dict] | None:
-    """What follows the first ``[TOOL_CALLS]`` in the v11 format: a name (and ``[CALL_ID]`` and an id, where the
-    model writes one), ``[ARGS]`` and a JSON arguments object, then the next call's marker or the end (whitespace
-    around each part allowed)."""
-    decoder = json.JSONDecoder()
-    calls, at = [], 0
-    while True:
-        marker = body.find(ARGS, at)
-        if marker < 0:
-            return calls if cut and calls else None
-        name = body[at:marker].split(CALL_ID)[0].strip()
-        try:
-            arguments, at = decoder.raw_decode(body, _skip_space(body, marker + len(ARGS)))
-        except ValueError:
-            return calls if cut and calls else None
-        call = _read_call({"name": name, "arguments": arguments}, names)
-        if call is None:
-            return None
-        calls.append(call)
-        at = _skip_space(body, at)
-        if at == len(body):
-            return calls
-        if not body.startswith(TOOL_CALLS, at):
-            return None
-        at += len(TOOL_CALLS)
 
 
 def _open_tail(text: str, opening: str = CALL_OPEN) -> int:

@@ -17,13 +17,14 @@ import json
 import re
 
 from jointspec.server.tool_schemas import property_schema
+from jointspec.server.tool_text import marker, skip_space, start_rules
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 MARKERS = (CALL_OPEN, CALL_CLOSE, QUOTE)
 CALL_PREFIX = "call:"
 # A function's name as vLLM's reader takes it; a bare key (up to its colon, as vLLM's reader takes one; the grammar's
 # keys hold no surrounding space).
-_NAME = re.compile(r"[\w\-.]+")
+_CALL_NAME = re.compile(r"[\w\-.]+")
 _KEY = re.compile(r"[^:{}\[\],\n]+")
 # A number as Python writes one, and as float() reads one (.5, 1., 1e-05).
 _NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
@@ -54,27 +55,23 @@ def read_calls(text: str, cut: bool) -> list[dict] | None:
 
 def _call(text: str, at: int) -> tuple[dict, int]:
     """``call:NAME{...}<tool_call|>`` at ``at``: the call, and where it ends."""
-    at = _skip_space(text, at)
+    at = skip_space(text, at)
     if not text.startswith(CALL_PREFIX, at):
         raise ValueError("not a call")
-    name = _NAME.match(text, at + len(CALL_PREFIX))
+    name = _CALL_NAME.match(text, at + len(CALL_PREFIX))
     if name is None:
         raise ValueError("no function name")
     arguments, at = _object(text, name.end())
-    at = _skip_space(text, at)
+    at = skip_space(text, at)
     if not text.startswith(CALL_CLOSE, at):
         raise ValueError("an unclosed call")
     return {"name": name.group(), "arguments": arguments}, at + len(CALL_CLOSE)
 
 
-def _skip_space(text: str, at: int) -> int:
-    return len(text) - len(text[at:].lstrip())
-
-
 def _object(text: str, at: int) -> tuple[dict, int]:
     if not text.startswith("{", at):
         raise ValueError("not an object")
-    values, at = {}, _skip_space(text, at + 1)
+    values, at = {}, skip_space(text, at + 1)
     if text.startswith("}", at):
         return values, at + 1
     while True:
@@ -85,33 +82,33 @@ def _object(text: str, at: int) -> tuple[dict, int]:
             if bare is None or not bare.group().strip():
                 raise ValueError("no key")
             key, at = bare.group().strip(), bare.end()
-        at = _skip_space(text, at)
+        at = skip_space(text, at)
         if not text.startswith(":", at):
             raise ValueError("no colon")
         values[key], at = _value(text, at + 1)
-        at = _skip_space(text, at)
+        at = skip_space(text, at)
         if text.startswith("}", at):
             return values, at + 1
         if not text.startswith(",", at):
             raise ValueError("no comma")
-        at = _skip_space(text, at + 1)
+        at = skip_space(text, at + 1)
         if text.startswith("}", at):  # (a trailing comma, as vLLM's reader takes one)
             return values, at + 1
 
 
 def _array(text: str, at: int) -> tuple[list, int]:
-    items, at = [], _skip_space(text, at + 1)
+    items, at = [], skip_space(text, at + 1)
     if text.startswith("]", at):
         return items, at + 1
     while True:
         item, at = _value(text, at)
         items.append(item)
-        at = _skip_space(text, at)
+        at = skip_space(text, at)
         if text.startswith("]", at):
             return items, at + 1
         if not text.startswith(",", at):
             raise ValueError("no comma")
-        at = _skip_space(text, at + 1)
+        at = skip_space(text, at + 1)
         if text.startswith("]", at):
             return items, at + 1
 
@@ -124,7 +121,7 @@ def _string(text: str, at: int) -> tuple[str, int]:
 
 
 def _value(text: str, at: int):
-    at = _skip_space(text, at)
+    at = skip_space(text, at)
     if text.startswith(QUOTE, at):
         return _string(text, at)
     if text.startswith("{", at):
@@ -276,3 +273,16 @@ def unwritable_key(schema, depth: int = 0) -> str | None:
                  and (key := unwritable_key(value, depth + 1)) is not None), None)
 
 
+
+
+def grammar(calls: list[tuple[str, dict | None]], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+    """The lark grammar of an answer of ``calls`` (each a function's name and its arguments' schema, None: any
+    arguments), one after another, each after its opening marker. ``several``: more than one call; ``strict_auto``:
+    any text that does not spell the opening marker first, then such calls or nothing (else the calls alone);
+    ``ids``: the markers that are added tokens, named by id (server/tool_text.py)."""
+    marks = {role: marker(spelling, ids) for role, spelling in zip(("open", "close", "quote"), MARKERS, strict=True)}
+    rules = [rule for index, (name, schema) in enumerate(calls) for rule in call_rules(name, schema, index, marks)]
+    either = " | ".join(f"call{index}" for index in range(len(calls)))
+    following = f"({either})" + (" call*" if several else "")
+    return "\n".join([*start_rules(CALL_OPEN, ids, following, strict_auto), f"call: {marks['open']} ({either})",
+                      *rules, *shared_rules(marks)]) + "\n"

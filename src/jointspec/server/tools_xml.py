@@ -22,6 +22,7 @@ import json
 
 from jointspec.core.grammar import JSON_STYLE
 from jointspec.server.tool_schemas import json_kinds, property_schema
+from jointspec.server.tool_text import skip_space
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
@@ -48,7 +49,7 @@ def read_call(text: str, at: int) -> tuple[dict, int]:
     name, at = _tag_name(text, at, FUNCTION_OPEN)
     arguments: dict[str, str] = {}
     while True:
-        at = _skip_space(text, at)
+        at = skip_space(text, at)
         if text.startswith(FUNCTION_CLOSE, at):
             return {"name": name, "arguments": arguments}, at + len(FUNCTION_CLOSE)
         if not text.startswith(PARAMETER_OPEN, at):
@@ -69,10 +70,6 @@ def _tag_name(text: str, at: int, opening: str) -> tuple[str, int]:
     return name.strip(), close + 1
 
 
-def _skip_space(text: str, at: int) -> int:
-    return len(text) - len(text[at:].lstrip())
-
-
 def _value_end(text: str, at: int) -> tuple[int, int]:
     """Where the value that starts at ``at`` ends, and where reading goes on after it: at its closing tag, or, where
     the next parameter or the function's end comes first on a line of its own, there (its closing tag missing)."""
@@ -80,7 +77,7 @@ def _value_end(text: str, at: int) -> tuple[int, int]:
     close = text.find(PARAMETER_CLOSE, at)
     while close >= 0 and not (unclosed and min(unclosed) < close):
         after = close + len(PARAMETER_CLOSE)
-        if text.startswith((PARAMETER_OPEN, FUNCTION_CLOSE), _skip_space(text, after)):
+        if text.startswith((PARAMETER_OPEN, FUNCTION_CLOSE), skip_space(text, after)):
             return close, after
         close = text.find(PARAMETER_CLOSE, after)
     if not unclosed:

@@ -1,0 +1,39 @@
+"""Small pieces the tool-call formats share (server/tools.py and its format modules): reading past whitespace, and
+writing a marker and the text before it into a grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+
+def skip_space(text: str, at: int) -> int:
+    """Where the first character from ``at`` on that is not whitespace is (``len(text)`` where none is)."""
+    return len(text) - len(text[at:].lstrip())
+
+
+def marker(spelling: str, ids: dict[str, int]) -> str:
+    """A marker as a grammar element: by its token id where it is an added token of the tokenizer (``ids``: a special
+    token has no text to match, and llguidance reads added ``<...>`` tokens as special), else by its text."""
+    return f"<[{ids[spelling]}]>" if spelling in ids else json.dumps(spelling)
+
+
+def start_rules(opening: str, ids: dict[str, int], following: str, strict_auto: bool) -> list[str]:
+    """The start of an answer whose calls begin at the marker ``opening`` and go on as ``following`` (a grammar
+    expression): the calls alone; ``strict_auto``: any text that does not spell the marker, then the calls or
+    nothing."""
+    mark = marker(opening, ids)
+    if not strict_auto:
+        return [f"start: {mark} {following}"]
+    if opening in ids:
+        return [f"start: TEXT | TEXT {mark} {following}", text_without(opening)]
+    # (a marker that is text: the text and the marker one lexeme, as Hermes's grammar has its tag, since a lexer
+    # cannot end a lexeme it has already extended past the marker's start)
+    return [f"start: TEXT | OPENED {following}", f"OPENED: TEXT {mark}", text_without(opening)]
+
+
+def text_without(spelling: str, name: str = "TEXT") -> str:
+    """A grammar lexeme ``name`` of any text that does not spell ``spelling`` (the reader takes its first spelling
+    for where the calls begin)."""
+    return f"{name}: /(?s:.*)/ & ~/(?s:.*{re.escape(spelling)}.*)/"
