@@ -9,13 +9,17 @@ template of this file's own in the conventions of Gemma 4's. Greedy throughout: 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from fastapi.testclient import TestClient
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import chat_template_ids, decode_text
-from jointspec.server.engine import ServingEngine
+from jointspec.server.app import ServerSettings, _Reply, create_app
+from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
+from jointspec.server.reasoning import CHANNEL, template_reasons
 from jointspec.server.tools import (
     GEMMA4,
     CallStream,
@@ -30,7 +34,8 @@ from jointspec.server.tools_gemma import CALL_CLOSE, CALL_OPEN, QUOTE
 
 from helpers import byte_tokenizer, check_required_call, grammar_takes, tiny_llama
 
-CONTROL = [CALL_OPEN, CALL_CLOSE, QUOTE, "<|tool_response>", "<tool_response|>", "<|turn>", "<turn|>"]
+CONTROL = [CALL_OPEN, CALL_CLOSE, QUOTE, "<|tool_response>", "<tool_response|>", "<|turn>", "<turn|>", "<|channel>",
+           "<channel|>"]
 VOCAB = 259 + len(CONTROL)
 
 # Gemma 4's conventions: the tools in a system turn; a call turn's calls as call:NAME{...} with their arguments in
@@ -45,11 +50,13 @@ GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|turn>system\n{% for t in tools %}<|tool>{{ t | tojson }}<tool|>{% endfor %}"
     "<turn|>\n{% endif %}"
     "{% for m in messages %}"
-    "{% if m.role == 'assistant' %}<|turn>model\n{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+    "{% if m.role == 'assistant' %}<|turn>model\n{% if m.reasoning_content %}<|channel>thought\n"
+    "{{ m.reasoning_content }}\n<channel|>{% endif %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
     "<|tool_call>call:{{ c.function.name }}{{ arg(c.function.arguments) }}<tool_call|>{% endfor %}<turn|>\n"
     "{% elif m.role == 'tool' %}<|tool_response>response:{value:<|\"|>{{ m.content }}<|\"|>}<tool_response|>"
     "{% else %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    "{% if add_generation_prompt %}<|turn>model\n{% if not enable_thinking | default(false) %}<|channel>thought\n"
+    "<channel|>{% endif %}{% endif %}")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -213,3 +220,72 @@ def test_markers_that_are_plain_added_tokens_or_no_tokens_at_all_are_held_too(mo
 @pytest.mark.parametrize("method", ["ar", "default"])
 def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_streamed(engine, model, method):
     check_required_call(engine, model, GEMMA4, method, max_tokens=80)
+
+
+def test_gemmas_thinking_channel_is_read_as_reasoning_with_its_markers_kept(engine):
+    """Gemma 4's thinking (enable_thinking): "<|channel>thought" ... "<channel|>", special tokens the engine keeps in
+    the text of a chat answer, then read apart as reasoning_content, whole and streamed."""
+    assert template_reasons(engine.tokenizer) is CHANNEL
+    ids = engine.tokenizer.convert_tokens_to_ids(["<|channel>", "<channel|>"])
+    assert engine.reasoning_markers == {"<|channel>": ids[0], "<channel|>": ids[1]}
+    generation = asyncio.run(submitted(engine, {"enable_thinking": True}))
+    assert generation.reasoning_tags is CHANNEL and generation.opens_reasoning is False
+    assert generation.text.detokenizer.kept == {ids[0]: "<|channel>", ids[1]: "<channel|>"}
+    # (with thinking off the template closes an empty block in the prompt: the answer is not inside one; a template
+    # that leaves the block open in the prompt, as DeepSeek-R1's does its own, has the answer begin inside it)
+    assert asyncio.run(submitted(engine, None)).opens_reasoning is False
+    opening = gemma_tokenizer()
+    opening.chat_template = GEMMA_TEMPLATE.replace("<|channel>thought\n<channel|>", "<|channel>thought\n")
+    opened = ServingEngine(engine.target, opening, model_id="tiny", max_batch_size=2)
+    try:
+        assert asyncio.run(submitted(opened, None)).opens_reasoning is True
+    finally:
+        opened.close()
+    answer = "<|channel>thought\nThe user wants weather.\n<channel|>It is sunny."
+    chunks = [Chunk(answer[at:at + 7], 1) for at in range(0, len(answer), 7)] + [Chunk("", 0, "stop")]
+    reply = _Reply("chat", "tiny", 5, None)
+    reply.reasoning, reply.reasoning_tags = {0: False}, {0: CHANNEL}
+    message = reply.whole([chunks])["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The user wants weather.", "It is sunny.")
+    deltas = [event["choices"][0]["delta"] for chunk in chunks for event in reply.events(chunk)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
+    # Through the server: the route reads each answer with its generation's tags.
+    client = TestClient(create_app(ServerSettings(), Answering(engine, answer)))
+    served = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "Weather?"}]}).json()["choices"][0]["message"]
+    assert (served["reasoning_content"], served["content"]) == ("The user wants weather.", "It is sunny.")
+
+
+class Answering:
+    """``engine``'s routes, each request answered with ``text`` by a generation whose template writes Gemma's
+    reasoning tags."""
+
+    def __init__(self, engine, text: str) -> None:
+        self.engine, self.text = engine, text
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def submit(self, request):
+        text = self.text
+
+        class Generation:
+            num_prompt_tokens, method, echo_text, prompt_logprobs = 5, "ar", "", None
+            opens_reasoning, reasoning_tags = False, CHANNEL
+
+            async def __aiter__(self):
+                yield Chunk(text, 3, "stop")
+
+            def cancel(self) -> None:
+                pass
+
+        return Generation()
+
+
+async def submitted(engine, template_kwargs):
+    """A chat request's generation, cancelled once submitted (what it read of its prompt is all these tests ask)."""
+    generation = await engine.submit(CompletionRequest(messages=({"role": "user", "content": "Weather?"},),
+                                                       max_tokens=4, temperature=0, template_kwargs=template_kwargs))
+    generation.cancel()
+    return generation

@@ -299,10 +299,11 @@ class _Shown:
     server/reasoning.py) faint and its answer after a blank line; elsewhere (a pipe, a file), the text as written.
     Either way it follows whether the answer is inside its thinking (:attr:`in_thinking`)."""
 
-    def __init__(self, opens_reasoning: bool | None) -> None:
-        from jointspec.server.reasoning import ReasoningStream
+    def __init__(self, opens_reasoning: bool | None, tags=None) -> None:
+        from jointspec.server.reasoning import THINK, ReasoningStream
 
-        self.split = ReasoningStream(opens_reasoning) if opens_reasoning is not None else None
+        self.tags = tags or THINK  # (the template's reasoning tags)
+        self.split = ReasoningStream(opens_reasoning, self.tags) if opens_reasoning is not None else None
         self.styled = self.split is not None and _styled()
         self.thinking = False  # inside the faint part now
         self.thought = False  # some thinking was shown
@@ -353,7 +354,7 @@ async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: 
                                 penalties=config.penalties, template_kwargs=args.chat_template_kwargs)
     start = time.perf_counter()
     generation = await engine.submit(request)
-    shown = _Shown(generation.opens_reasoning)
+    shown = _Shown(generation.opens_reasoning, getattr(generation, "reasoning_tags", None))
     first = None
     tokens = 0
     try:
@@ -373,7 +374,7 @@ async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: 
         if shown.in_thinking and answer.text:
             # (an answer that ends inside its thinking, stopped or cut, keeps it closed: a template that drops
             # earlier thinking then drops it, rather than show it to the model as the answer)
-            answer.text += "</think>"
+            answer.text += shown.tags.close
         generation.cancel()  # (a no-op once it ended; frees the row when Ctrl-C stopped the answer)
 
 

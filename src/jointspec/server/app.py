@@ -58,7 +58,7 @@ from jointspec.server.engine import (
 )
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
-from jointspec.server.reasoning import Parts, ReasoningStream, split_reasoning
+from jointspec.server.reasoning import THINK, Parts, ReasoningStream, split_reasoning
 from jointspec.server.responses import ResponseShaper, ResponseStore, StoredResponse, chat_request
 from jointspec.server.tools import (
     HERMES,
@@ -742,6 +742,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             if endpoint != "completions" and settings.reasoning_format == "auto" and not held:
                 reply.reasoning = {index: generation.opens_reasoning for index, generation in enumerate(generations)
                                    if generation.opens_reasoning is not None}
+                reply.reasoning_tags = {index: getattr(generation, "reasoning_tags", THINK)
+                                        for index, generation in enumerate(generations)}
             if shared.echo:
                 reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
                               for index, generation in enumerate(generations)}
@@ -1282,6 +1284,7 @@ class _Reply:
         # By choice, where its answer is read for reasoning (server/reasoning.py): whether it begins inside a block.
         self.reasoning: dict[int, bool] = {}
         self.reasoning_streams: dict[int, ReasoningStream] = {}  # by choice, while streaming
+        self.reasoning_tags: dict[int, object] = {}  # by choice: its template's reasoning tags (default <think>)
 
     def add(self, chunk: Chunk, index: int = 0) -> None:
         self.num_tokens += chunk.num_tokens
@@ -1400,7 +1403,8 @@ class _Reply:
         each whole, then the finish."""
         reasoning = ""
         if index in self.reasoning:
-            split = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning[index]))
+            split = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning[index],
+                                                                              self.reasoning_tags.get(index, THINK)))
             reasoning, text = split.feed(chunk.text, final=chunk.finish_reason is not None)
             chunk = replace(chunk, text=text)
         if self.tools is None:
@@ -1455,7 +1459,8 @@ class _Reply:
         if prompt_part is not None:
             logprobs = {key: prompt_part[key] + logprobs[key] for key in logprobs}
         if self.chat:
-            parts = split_reasoning(text, self.reasoning[index]) if index in self.reasoning else Parts(None, text)
+            parts = (split_reasoning(text, self.reasoning[index], self.reasoning_tags.get(index, THINK))
+                     if index in self.reasoning else Parts(None, text))
             # (an answer that reasoned and wrote nothing after: no content, as an answer of calls alone has none)
             message = {"role": "assistant", "content": parts.content or (None if parts.reasoning is not None else "")}
             if parts.reasoning is not None:

@@ -46,7 +46,7 @@ from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
-from jointspec.server.reasoning import prompt_opens_reasoning, template_reasons
+from jointspec.server.reasoning import THINK, Tags, prompt_opens_reasoning, template_reasons
 from jointspec.server.tools import (
     HERMES,
     call_format_of,
@@ -288,6 +288,7 @@ class _Stream:
         self.method = method
         self.echo_text = ""
         self.opens_reasoning: bool | None = None
+        self.reasoning_tags: Tags = THINK  # (the template's, where it writes reasoning)
         self.prompt_logprobs: list[tuple[int, TokenLogprob | None]] | None = None
         self.seq_id: int | None = None
         self.submitted = time.perf_counter()
@@ -418,6 +419,21 @@ class ServingEngine:
     def call_format(self) -> str:
         """The format the model writes tool calls in (server/tools.py): its chat template's own, else Hermes's."""
         return call_format_of(self.tokenizer)
+
+    @functools.cached_property
+    def reasoning_tags(self) -> Tags | None:
+        """The tags of the reasoning blocks the chat template writes (server/reasoning.py), or None."""
+        return template_reasons(self.tokenizer)
+
+    @functools.cached_property
+    def reasoning_markers(self) -> dict[str, int]:
+        """The reasoning tags' special tokens that are added tokens of the tokenizer, by spelling (Gemma 4's)."""
+        tags = self.reasoning_tags
+        try:
+            added = self.tokenizer.get_added_vocab() if tags is not None else {}
+        except (AttributeError, TypeError):
+            return {}
+        return {spelling: int(added[spelling]) for spelling in (tags.kept if tags else ()) if spelling in added}
 
     @functools.cached_property
     def call_markers(self) -> tuple[tuple[str, int], ...]:
@@ -629,14 +645,17 @@ class ServingEngine:
         method = self.method_for(request.method)
         stream = _Stream(self, asyncio.get_running_loop(), request.stop, len(prompt_ids), method.name)
         stream.prompt_ids = prompt_ids
-        if request.tools:
-            markers = self.call_markers
-            if markers:  # (a decode would skip those that are special tokens, and with them the calls)
-                stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer,
-                                                                 kept={id_: text for text, id_ in markers})
-        if request.messages is not None and template_reasons(self.tokenizer):
+        # Markers a decode would skip as special tokens, and with them an answer's calls or its reasoning's bounds.
+        kept = dict(self.call_markers) if request.tools else {}
+        tags = self.reasoning_tags if request.messages is not None else None
+        if tags is not None:
+            kept |= self.reasoning_markers
             # (the prompt's last tokens hold the template's opening tag where it opens a block)
-            stream.opens_reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-8:]))
+            stream.opens_reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-16:]), tags)
+            stream.reasoning_tags = tags
+        if kept:
+            stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer,
+                                                             kept={id_: text for text, id_ in kept.items()})
         if request.echo:
             # The answer's text as it follows the prompt's (a SentencePiece answer keeps its first space).
             stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)

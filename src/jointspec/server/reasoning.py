@@ -12,6 +12,9 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
 - otherwise: an answer that begins with ``<think>`` (after whitespace) is read so from past the tag; any other answer
   is content as written, and a ``<think>`` later in it is text.
 
+Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
+tokens, which the engine keeps in the text where the template names them), read alike.
+
 The reasoning drops the whitespace around it, the content the whitespace before it (Qwen3 writes ``\\n\\n`` after the
 block). A stream (:class:`ReasoningStream`) sends each part as it comes, holding back only what it cannot yet tell
 apart (whitespace that may end the reasoning, a tail that may begin a tag), so that what it sends adds up to the whole
@@ -25,18 +28,38 @@ from dataclasses import dataclass
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def template_reasons(tokenizer) -> bool:
-    """Whether the tokenizer's chat template writes reasoning blocks (names ``</think>``; of a tokenizer with named
-    templates, any of them)."""
+@dataclass(frozen=True)
+class Tags:
+    """A reasoning block's opening and closing tags, and the special tokens among them that a decode must keep
+    (``kept``: their spellings)."""
+
+    open: str
+    close: str
+    kept: tuple[str, ...] = ()
+
+
+THINK = Tags(THINK_OPEN, THINK_CLOSE)
+# Gemma 4's thinking channel: the model writes "<|channel>thought\n" ... "<channel|>", both markers special tokens.
+CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"))
+
+
+def template_reasons(tokenizer) -> Tags | None:
+    """The tags of the reasoning blocks the tokenizer's chat template writes (it names ``</think>``, or Gemma 4's
+    channel; of a tokenizer with named templates, any of them), or None where it writes none."""
     template = getattr(tokenizer, "chat_template", None)
-    templates = template.values() if isinstance(template, dict) else [template]
-    return any(isinstance(text, str) and THINK_CLOSE in text for text in templates)
+    templates = [text for text in (template.values() if isinstance(template, dict) else [template])
+                 if isinstance(text, str)]
+    for tags in (THINK, CHANNEL):
+        if any(tags.open in text and tags.close in text for text in templates) or (
+                tags is THINK and any(THINK_CLOSE in text for text in templates)):
+            return tags
+    return None
 
 
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """Whether a rendered prompt leaves its answer inside a reasoning block: it ends with ``<think>`` (and
-    whitespace), as DeepSeek-R1's template ends it."""
-    return prompt_text.rstrip().endswith(THINK_OPEN)
+def prompt_opens_reasoning(prompt_text: str, tags: Tags = THINK) -> bool:
+    """Whether a rendered prompt leaves its answer inside a reasoning block: it ends with the opening tag (and
+    whitespace), as DeepSeek-R1's template ends it with ``<think>``."""
+    return prompt_text.rstrip().endswith(tags.open)
 
 
 @dataclass(frozen=True)
@@ -52,20 +75,20 @@ def _tail_of(text: str, tag: str) -> int:
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
-def split_reasoning(text: str, opened: bool) -> Parts:
+def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
     """A whole answer's reasoning and content; ``opened``: its prompt left it inside a block
-    (:func:`prompt_opens_reasoning`; an answer that opens it again has that tag dropped too)."""
+    (:func:`prompt_opens_reasoning`; an answer that opens it again has that tag dropped too); ``tags``: the block's."""
     begun = text.lstrip()
-    if begun.startswith(THINK_OPEN):
-        body = begun[len(THINK_OPEN):]
+    if begun.startswith(tags.open):
+        body = begun[len(tags.open):]
     elif opened:
         body = text
     else:
         return Parts(None, text)
-    end = body.find(THINK_CLOSE)
+    end = body.find(tags.close)
     if end < 0:
         return Parts(body.strip(), "")
-    return Parts(body[:end].strip(), body[end + len(THINK_CLOSE):].lstrip())
+    return Parts(body[:end].strip(), body[end + len(tags.close):].lstrip())
 
 
 class ReasoningStream:
@@ -73,8 +96,8 @@ class ReasoningStream:
     adds up to :func:`split_reasoning`'s parts of the whole answer. Each piece is looked at once (with the few
     characters held back before it), so a long answer costs what its length does."""
 
-    def __init__(self, opened: bool) -> None:
-        self.opened = opened
+    def __init__(self, opened: bool, tags: Tags = THINK) -> None:
+        self.opened, self.tags = opened, tags
         self.state = "start"  # then "reasoning" or "content"
         self.held = ""  # received and not yet sent: the start, or reasoning's trailing whitespace and tag start
         self.sent_any = False  # of the current part (its leading whitespace is dropped until then)
@@ -85,9 +108,9 @@ class ReasoningStream:
         reasoning = ""
         if self.state == "start":
             begun = self.held.lstrip()
-            if begun.startswith(THINK_OPEN):
-                self.state, self.held = "reasoning", begun[len(THINK_OPEN):]
-            elif not final and THINK_OPEN.startswith(begun):
+            if begun.startswith(self.tags.open):
+                self.state, self.held = "reasoning", begun[len(self.tags.open):]
+            elif not final and self.tags.open.startswith(begun):
                 return "", ""  # (it may yet open a block)
             elif self.opened:
                 self.state = "reasoning"
@@ -95,13 +118,13 @@ class ReasoningStream:
                 self.state = "content"
                 self.sent_any = True  # (an answer without reasoning is content as written, its whitespace too)
         if self.state == "reasoning":
-            end = self.held.find(THINK_CLOSE)
+            end = self.held.find(self.tags.close)
             if end < 0:
-                keep = 0 if final else _tail_of(self.held, THINK_CLOSE)
+                keep = 0 if final else _tail_of(self.held, self.tags.close)
                 ready, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return self._part(ready, final), ""
             reasoning = self._part(self.held[:end], True)
-            self.state, self.held, self.sent_any = "content", self.held[end + len(THINK_CLOSE):], False
+            self.state, self.held, self.sent_any = "content", self.held[end + len(self.tags.close):], False
         content, self.held = self.held, ""  # (content: as it comes, less its leading whitespace)
         if not self.sent_any:
             content = content.lstrip()
