@@ -289,3 +289,17 @@ async def submitted(engine, template_kwargs):
                                                        max_tokens=4, temperature=0, template_kwargs=template_kwargs))
     generation.cancel()
     return generation
+
+
+def test_the_terminal_chat_keeps_a_gemma_answers_thinking_apart_from_its_content():
+    """`jointspec chat` keeps each answer for the next turn's prompt: a message's text is read as text, so Gemma's
+    channel tags (special tokens) in it would not be seen by the template that drops earlier thinking; the thinking
+    goes apart instead. <think> answers, whose templates drop it from the text themselves, stay as written."""
+    from jointspec.cli.chat import _Answer
+    from jointspec.server.reasoning import THINK
+
+    answer = _Answer()
+    answer.text, answer.reasoning = "<|channel>thought\nhmm\n<channel|>Hello.", (False, CHANNEL)
+    assert answer.message() == {"role": "assistant", "content": "Hello.", "reasoning_content": "hmm"}
+    answer.text, answer.reasoning = "<think>hmm</think>Hello.", (False, THINK)
+    assert answer.message() == {"role": "assistant", "content": "<think>hmm</think>Hello."}

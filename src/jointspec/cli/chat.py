@@ -157,7 +157,7 @@ def _converse(engine, args: argparse.Namespace, seed: int | None) -> int:
                 print("(stopped; the turn was not kept)", file=sys.stderr, flush=True)
                 continue
             turn += 1
-            messages.append({"role": "assistant", "content": answer.text})
+            messages.append(answer.message())
             if answer.stopped or answer.summary:
                 print("(stopped)" if answer.stopped else answer.summary, file=sys.stderr, flush=True)
 
@@ -341,6 +341,21 @@ class _Answer:
         self.text = ""
         self.summary = ""
         self.stopped = False  # Ctrl-C stopped it
+        self.reasoning = None  # (whether its prompt opened a block, its tags), where the answer is read for reasoning
+
+    def message(self) -> dict:
+        """The answer as the conversation keeps it: as written, or, where its reasoning tags are special tokens
+        (Gemma 4's channel), its content with its reasoning apart: the text of a message is read as text, so a template
+        would not see such tags in it to drop earlier thinking."""
+        if self.reasoning is None or not self.reasoning[1].kept:
+            return {"role": "assistant", "content": self.text}
+        from jointspec.server.reasoning import split_reasoning
+
+        parts = split_reasoning(self.text, *self.reasoning)
+        message = {"role": "assistant", "content": parts.content}
+        if parts.reasoning is not None:
+            message["reasoning_content"] = parts.reasoning
+        return message
 
 
 async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: int | None, answer: _Answer) -> None:
@@ -355,6 +370,8 @@ async def _answer(engine, messages: list[dict], args: argparse.Namespace, seed: 
     start = time.perf_counter()
     generation = await engine.submit(request)
     shown = _Shown(generation.opens_reasoning, getattr(generation, "reasoning_tags", None))
+    if generation.opens_reasoning is not None:
+        answer.reasoning = (generation.opens_reasoning, shown.tags)
     first = None
     tokens = 0
     try:

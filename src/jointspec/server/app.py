@@ -98,7 +98,8 @@ class ServerSettings:
     # ``Authorization: Bearer <api_key>``, as vLLM's and llama.cpp's servers ask. Kept out of the repr: settings get
     # logged.
     api_key: str | None = field(default=None, repr=False)
-    # Reasoning (server/reasoning.py): "auto" returns a reasoning model's <think> block as reasoning_content, apart
+    # Reasoning (server/reasoning.py): "auto" returns a reasoning model's <think> block (or Gemma 4's thinking
+    # channel) as reasoning_content, apart
     # from the content; "none" leaves it in the content, as written.
     reasoning_format: str = "auto"
     # The Responses API's stored responses (server/responses.py): at most this many kept, in memory, and at most
