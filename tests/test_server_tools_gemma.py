@@ -303,3 +303,16 @@ def test_the_terminal_chat_keeps_a_gemma_answers_thinking_apart_from_its_content
     assert answer.message() == {"role": "assistant", "content": "Hello.", "reasoning_content": "hmm"}
     answer.text, answer.reasoning = "<think>hmm</think>Hello.", (False, THINK)
     assert answer.message() == {"role": "assistant", "content": "<think>hmm</think>Hello."}
+
+
+def test_the_terminal_chats_turn_reads_its_answer_with_the_generations_tags(engine, capsys):
+    """The turn (`jointspec chat`'s _answer) records its generation's reasoning, and keeps the answer so."""
+    from jointspec.cli.chat import _Answer, _answer
+    from jointspec.cli.main import build_parser
+
+    args = build_parser().parse_args(["chat"])
+    answer = _Answer()
+    text = "<|channel>thought\nhmm\n<channel|>Hello."
+    asyncio.run(_answer(Answering(engine, text), [{"role": "user", "content": "hi"}], args, 0, answer))
+    assert answer.text == text and answer.message() == {"role": "assistant", "content": "Hello.",
+                                                        "reasoning_content": "hmm"}
