@@ -58,7 +58,7 @@ from jointspec.server.engine import (
 )
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
-from jointspec.server.reasoning import THINK, Parts, ReasoningStream, split_reasoning
+from jointspec.server.reasoning import THINK, Parts, ReasoningStream, Tags, split_reasoning
 from jointspec.server.responses import ResponseShaper, ResponseStore, StoredResponse, chat_request
 from jointspec.server.tools import (
     HERMES,
@@ -99,8 +99,7 @@ class ServerSettings:
     # logged.
     api_key: str | None = field(default=None, repr=False)
     # Reasoning (server/reasoning.py): "auto" returns a reasoning model's <think> block (or Gemma 4's thinking
-    # channel) as reasoning_content, apart
-    # from the content; "none" leaves it in the content, as written.
+    # channel) as reasoning_content, apart from the content; "none" leaves it in the content, as written.
     reasoning_format: str = "auto"
     # The Responses API's stored responses (server/responses.py): at most this many kept, in memory, and at most
     # this many MB of their text; 0: none.
@@ -1285,7 +1284,7 @@ class _Reply:
         # By choice, where its answer is read for reasoning (server/reasoning.py): whether it begins inside a block.
         self.reasoning: dict[int, bool] = {}
         self.reasoning_streams: dict[int, ReasoningStream] = {}  # by choice, while streaming
-        self.reasoning_tags: dict[int, object] = {}  # by choice: its template's reasoning tags (default <think>)
+        self.reasoning_tags: dict[int, Tags] = {}  # by choice: its template's reasoning tags (default <think>)
 
     def add(self, chunk: Chunk, index: int = 0) -> None:
         self.num_tokens += chunk.num_tokens
