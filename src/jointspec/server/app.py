@@ -591,42 +591,34 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         """Anthropic's token count: the request's prompt as the model reads it, nothing decoded."""
-        try:
-            raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
-            body = await asyncio.to_thread(_parse_count, raw, call_format, special)
-            prompt = await asyncio.to_thread(engine.encode, _engine_requests(body)[0])
-        except RequestError as error:
-            return refusal("messages", error)
-        except _ClientLeft:
-            return Response(status_code=400)  # (nobody reads it)
-        except Exception as error:  # noqa: BLE001 - the engine's refusals (a template's, a bad bias), as on /v1/messages
-            translated = _from_engine(error, settings.retry_after, "messages")
-            if translated.status >= 500:
-                log.exception("unhandled error", exc_info=error)
-            return refusal("messages", translated)
-        return {"input_tokens": len(prompt)}
+        def work(raw: bytes) -> dict:
+            body = _parse_count(raw, call_format, special)
+            return {"input_tokens": len(engine.encode(_engine_requests(body)[0]))}
 
-    async def _tokenizer_route(request: Request, work) -> JSONResponse | dict:
-        """A tokenizer route's answer: ``work(data)`` on the request's JSON body, off the loop; refusals in OpenAI's
-        envelope."""
+        return await _tokenizer_route(request, work, "messages")
+
+    async def _tokenizer_route(request: Request, work, endpoint: str) -> JSONResponse | Response | dict:
+        """A route that reads a request and decodes nothing (a token count, the tokenizer's routes): ``work(raw)`` on
+        the request's body, off the loop; refusals in ``endpoint``'s API's envelope."""
         try:
             raw = await _read_body(request, settings.max_request_bytes, settings.body_timeout)
-            return await asyncio.to_thread(work, _json_object(raw))
+            return await asyncio.to_thread(work, raw)
         except RequestError as error:
-            return error_response(error)
+            return refusal(endpoint, error)
         except _ClientLeft:
             return Response(status_code=400)  # (nobody reads it)
-        except Exception as error:  # noqa: BLE001 - the engine's refusals (a template's), as on the other routes
+        except Exception as error:  # noqa: BLE001 - the engine's refusals (a template's, a bad bias), as on the chat route
             translated = _from_engine(error, settings.retry_after, "messages")
             if translated.status >= 500:
                 log.exception("unhandled error", exc_info=error)
-            return error_response(translated)
+            return refusal(endpoint, translated)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's and llama.cpp's tokenizer route: a text (``prompt``; llama.cpp's ``content``) or a chat's
         ``messages`` (with its tools) as the model reads it, nothing decoded."""
-        def work(data: dict) -> dict:
+        def work(raw: bytes) -> dict:
+            data = _json_object(raw)
             if data.get("messages") is not None:
                 if data.get("add_generation_prompt", True) is not True:
                     raise RequestError("add_generation_prompt false is not served: the prompt counted is the one the "
@@ -651,13 +643,13 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 reply["tokens"] = [{"id": token, "piece": engine.spelling(token)[0]} for token in tokens]
             return reply
 
-        return await _tokenizer_route(request, work)
+        return await _tokenizer_route(request, work, "tokenize")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         """vLLM's and llama.cpp's: token ids back to text (``prompt``, and llama.cpp's ``content``)."""
-        def work(data: dict) -> dict:
-            tokens = data.get("tokens")
+        def work(raw: bytes) -> dict:
+            tokens = _json_object(raw).get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in tokens):
                 raise RequestError("tokens must be a list of token ids", param="tokens")
@@ -667,7 +659,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 raise RequestError(str(error), param="tokens") from None
             return {"prompt": text, "content": text}
 
-        return await _tokenizer_route(request, work)
+        return await _tokenizer_route(request, work, "tokenize")
 
     def refusal(endpoint: str, error: RequestError) -> JSONResponse:
         """An error in the envelope of the API the route speaks (Anthropic's on /v1/messages, else OpenAI's)."""
