@@ -188,13 +188,16 @@ class ToolUse:
         held = [(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None) for tool in allowed]
         if self.format == GEMMA4:
             return OutputFormat("lark", gemma.grammar(held, several, strict_auto, ids))
-        if self.format in MISTRAL:
-            schemas = [(name, arguments_grammar(Tool(name, parameters=schema)) if schema is not None
-                        else json.dumps({"type": "object", "x-guidance": JSON_STYLE})) for name, schema in held]
-            return OutputFormat("lark", mistral.grammar(schemas, self.format == MISTRAL_V11, several, strict_auto, ids))
-        # Each call's name and keys as text, its arguments a JSON schema of their own: the arguments' references
+        # In the JSON formats each call's arguments are a JSON schema of their own: the arguments' references
         # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
-        # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are any object)
+        json_held = [arguments_grammar(tool) if schema is not None
+                     else json.dumps({"type": "object", "x-guidance": JSON_STYLE})
+                     for tool, (_, schema) in zip(allowed, held, strict=True)]
+        if self.format in MISTRAL:
+            return OutputFormat("lark", mistral.grammar([(tool.name, arguments) for tool, arguments in
+                                                         zip(allowed, json_held, strict=True)],
+                                                        self.format == MISTRAL_V11, several, strict_auto, ids))
+        # Each call's name and keys as text, its arguments as above.
         key = "arguments" if self.format == HERMES else "parameters"
         rules = []
         for index, tool in enumerate(allowed):
@@ -202,9 +205,7 @@ class ToolUse:
                 rules += call_rules(*held[index], index)
                 continue
             head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')
-            held = arguments_grammar(tool) if tool.strict or not strict_auto else json.dumps(
-                {"type": "object", "x-guidance": JSON_STYLE})
-            rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {held}"]
+            rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {json_held[index]}"]
         if self.format == QWEN3_CODER:
             rules += VALUE_RULES
         either = " | ".join(f"call{index}" for index in range(len(allowed)))
@@ -555,9 +556,7 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     leaves it text)."""
     if use.reads_calls and use.format == LLAMA3_JSON:
         return _read_json_calls(text, use, cut)
-    if use.reads_calls and use.format == GEMMA4:
-        return _read_gemma_calls(text, use, cut)
-    if use.reads_calls and use.format in MISTRAL:
+    if use.reads_calls and (use.format == GEMMA4 or use.format in MISTRAL):
         return _read_marked_calls(text, use, cut)
     if not use.reads_calls or CALL_OPEN not in text:
         return Calls(text, ())
@@ -620,30 +619,19 @@ def _read_json_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
 
 
 def _read_marked_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
-    """``text`` read in Mistral's formats: the text before the first ``[TOOL_CALLS]`` (less its trailing whitespace)
-    the content, and all that follows it the calls of offered tools, as the format writes them
-    (server/tools_mistral.py); else the whole text content. ``cut``: the answer ran out of tokens, so the call it
-    left unfinished is dropped and the calls before it stand."""
-    start = text.find(mistral.TOOL_CALLS)
+    """``text`` read in a format whose calls follow a marker after any text (Mistral's, Gemma 4's): the text before
+    the first marker (less its trailing whitespace) the content, and all that follows it the calls of offered tools,
+    as the format's module reads them (server/tools_mistral.py, server/tools_gemma.py); else the whole text content.
+    ``cut``: the answer ran out of tokens, so the call it left unfinished is dropped and the calls before it
+    stand."""
+    opening = OPENINGS[use.format]
+    start = text.find(opening)
     if start < 0:
         return Calls(text, ())
+    rest = text[start + len(opening):]
+    records = (gemma.read_calls(rest, cut) if use.format == GEMMA4
+               else mistral.read_calls(rest, use.format == MISTRAL_V11, cut)) or []
     names = {tool.name for tool in use.tools}
-    records = mistral.read_calls(text[start + len(mistral.TOOL_CALLS):], use.format == MISTRAL_V11, cut) or []
-    calls = [_read_call(record, names) for record in records]
-    if not calls or None in calls:
-        return Calls(text, ())
-    return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
-
-
-def _read_gemma_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
-    """``text`` read in Gemma 4's format: the text before the first call marker (less its trailing whitespace) the
-    content, and all that follows it the calls of offered tools (server/tools_gemma.py); else the whole text
-    content. ``cut``: the answer ran out of tokens, so the call it left unfinished is dropped."""
-    start = text.find(gemma.CALL_OPEN)
-    if start < 0:
-        return Calls(text, ())
-    names = {tool.name for tool in use.tools}
-    records = gemma.read_calls(text[start + len(gemma.CALL_OPEN):], cut) or []
     calls = [_read_call(record, names) for record in records]
     if not calls or None in calls:
         return Calls(text, ())
