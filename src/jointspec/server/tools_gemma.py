@@ -86,14 +86,9 @@ def _object(text: str, at: int) -> tuple[dict, int]:
         if not text.startswith(":", at):
             raise ValueError("no colon")
         values[key], at = _value(text, at + 1)
-        at = skip_space(text, at)
-        if text.startswith("}", at):
-            return values, at + 1
-        if not text.startswith(",", at):
-            raise ValueError("no comma")
-        at = skip_space(text, at + 1)
-        if text.startswith("}", at):  # (a trailing comma, as vLLM's reader takes one)
-            return values, at + 1
+        ended, at = _after_item(text, at, "}")
+        if ended:
+            return values, at
 
 
 def _array(text: str, at: int) -> tuple[list, int]:
@@ -103,14 +98,23 @@ def _array(text: str, at: int) -> tuple[list, int]:
     while True:
         item, at = _value(text, at)
         items.append(item)
-        at = skip_space(text, at)
-        if text.startswith("]", at):
-            return items, at + 1
-        if not text.startswith(",", at):
-            raise ValueError("no comma")
-        at = skip_space(text, at + 1)
-        if text.startswith("]", at):
-            return items, at + 1
+        ended, at = _after_item(text, at, "]")
+        if ended:
+            return items, at
+
+
+def _after_item(text: str, at: int, close: str) -> tuple[bool, int]:
+    """After an object's pair or a list's item: whether ``close`` ends the object or list there (a trailing comma
+    before it allowed, as vLLM's reader takes one), and where reading goes on."""
+    at = skip_space(text, at)
+    if text.startswith(close, at):
+        return True, at + 1
+    if not text.startswith(",", at):
+        raise ValueError("no comma")
+    at = skip_space(text, at + 1)
+    if text.startswith(close, at):
+        return True, at + 1
+    return False, at
 
 
 def _string(text: str, at: int) -> tuple[str, int]:
