@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jointspec.server.tool_text import partial_tail
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -68,11 +70,6 @@ class Parts:
 
     reasoning: str | None
     content: str
-
-
-def _tail_of(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` without being all of it (0: none)."""
-    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
 def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
@@ -120,7 +117,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             end = self.held.find(self.tags.close)
             if end < 0:
-                keep = 0 if final else _tail_of(self.held, self.tags.close)
+                keep = 0 if final else partial_tail(self.held, self.tags.close)
                 ready, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return self._part(ready, final), ""
             reasoning = self._part(self.held[:end], True)

@@ -1,5 +1,6 @@
-"""Small pieces the tool-call formats share (server/tools.py and its format modules): reading past whitespace, and
-writing a marker and the text before it into a grammar.
+"""Small pieces the tool-call formats share (server/tools.py and its format modules), and reasoning's stream
+(server/reasoning.py): reading past whitespace, the tail of a text that may yet become a tag, and writing a marker
+and the text before it into a grammar.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ import re
 def skip_space(text: str, at: int) -> int:
     """Where the first character from ``at`` on that is not whitespace is (``len(text)`` where none is)."""
     return len(text) - len(text[at:].lstrip())
+
+
+def partial_tail(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` without being all of it (0: none): what a stream
+    holds back, as it may yet become the tag."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
 def marker(spelling: str, ids: dict[str, int]) -> str:

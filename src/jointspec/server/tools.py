@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
-from jointspec.server.tool_text import skip_space
+from jointspec.server.tool_text import partial_tail, skip_space
 from jointspec.server.tools_xml import (
     FUNCTION_OPEN,
     PARAMETER_OPEN,
@@ -563,7 +563,7 @@ def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     kept = text
     xml = use.format == QWEN3_CODER
     if cut:
-        kept = kept[:len(kept) - _open_tail(kept)]
+        kept = kept[:len(kept) - partial_tail(kept, CALL_OPEN)]
         # (a last block left open is dropped; in Qwen3-Coder's format, only where its call does not read whole)
         if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE) and not (xml and _blocks(kept, xml=True)):
             kept = kept[:kept.rfind(CALL_OPEN)]
@@ -638,11 +638,6 @@ def _read_marked_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
     return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
 
 
-def _open_tail(text: str, opening: str = CALL_OPEN) -> int:
-    """The length of the longest end of ``text`` that begins ``opening`` (0 where none does)."""
-    return next((n for n in range(min(len(opening) - 1, len(text)), 0, -1) if opening.startswith(text[-n:])), 0)
-
-
 def _read_call(record, names: set[str]) -> dict | None:
     if not isinstance(record, dict) or record.get("name") not in names:
         return None
@@ -685,7 +680,7 @@ class CallStream:
             self.in_calls = True
             ready = self.text[:start].rstrip()
         else:
-            ready = self.text[:len(self.text) - _open_tail(self.text, opening)].rstrip()
+            ready = self.text[:len(self.text) - partial_tail(self.text, opening)].rstrip()
         out = ready[len(self.sent):] if len(ready) > len(self.sent) else ""
         self.sent += out
         return out
