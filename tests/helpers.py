@@ -43,6 +43,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from jointspec.backends.hf import CausalLM, forward_many
+from jointspec.core.grammar import OutputFormat
 from jointspec.core.loop import DecodeConfig, SpeculativeDecoder
 from jointspec.core.sampling import SamplingConfig
 from jointspec.core.target import ForwardCall
@@ -756,9 +757,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def grammar_takes(engine, use, text: str) -> bool:
-    """Whether the grammar of tool use ``use`` (server/tools.py) lets an answer be ``text`` (tokenized as the
-    engine's tokenizer reads it: a special token's spelling as that token) and then end."""
-    state = engine.grammar(use.output_format()).start()
+    """Whether the grammar of tool use ``use`` (server/tools.py; or an OutputFormat) lets an answer be ``text``
+    (tokenized as the engine's tokenizer reads it: a special token's spelling as that token) and then end."""
+    state = engine.grammar(use if isinstance(use, OutputFormat) else use.output_format()).start()
     for token in engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
         if not state.allowed()[token]:
             return False

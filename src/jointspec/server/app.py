@@ -693,7 +693,7 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 # (a large body's parse takes its time: off the loop)
                 body = await asyncio.to_thread(_parse, raw, model, call_format,
                                                endpoint if endpoint in TRANSLATED else None, special, lookup)
-                engine_requests = _engine_requests(body)
+                engine_requests = _engine_requests(body, reasoning_first=settings.reasoning_format == "auto")
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
@@ -728,10 +728,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             reply.choices_per_prompt = body.n
             use = body._tools_read
             reply.tools = use if use is not None and use.reads_calls else None
-            # (an answer a grammar holds from its first token, a response_format's or required calls', is that
-            # format, never reasoning; a strict function's auto grammar lets text come first)
-            held = shared.output_format is not None and (use is None or use.choice != "auto")
-            if endpoint != "completions" and settings.reasoning_format == "auto" and not held:
+            # (a format, a response_format's or calls', is the content's: its grammar lets reasoning come first)
+            if endpoint != "completions" and settings.reasoning_format == "auto":
                 reply.reasoning = {index: generation.opens_reasoning for index, generation in enumerate(generations)
                                    if generation.opens_reasoning is not None}
                 reply.reasoning_tags = {index: getattr(generation, "reasoning_tags", THINK)
@@ -1180,8 +1178,9 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         raise RequestError(str(error), param="logit_bias") from None
 
 
-def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
-    """The engine's request for each of ``body``'s prompts (chat: one)."""
+def _engine_requests(body: _Sampling, reasoning_first: bool = False) -> list[CompletionRequest]:
+    """The engine's request for each of ``body``'s prompts (chat: one); ``reasoning_first``: a chat's format is its
+    content's, after any reasoning (server/reasoning.py)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = body.jointspec.model_dump(exclude_none=True) if body.jointspec else None
     # Without a seed a request samples afresh, as OpenAI's API does: its own seed, which its usage reports.
@@ -1205,7 +1204,8 @@ def _engine_requests(body: _Sampling) -> list[CompletionRequest]:
             return [CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
                                       tools=use.shown() if use is not None else (),
                                       template_kwargs=body.chat_template_kwargs,
-                                      continue_final=body.continue_final_message, **common)]
+                                      continue_final=body.continue_final_message, reasoning_first=reasoning_first,
+                                      **common)]
         return [CompletionRequest(prompt=prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
                 for prompt in _prompts(body)]
     except ValueError as error:

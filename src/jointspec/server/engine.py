@@ -46,7 +46,14 @@ from jointspec.drafters.memory import OutputMemory, forget_if_unused, memory_for
 from jointspec.methods import MethodConfig, method_names, online_methods
 from jointspec.methods.registry import batched_methods, method_reads, unknown_method_error, unread_options_error
 from jointspec.server.metrics import EngineSnapshot, MethodStats
-from jointspec.server.reasoning import THINK, Tags, prompt_opens_reasoning, template_reasons
+from jointspec.server.reasoning import (
+    THINK,
+    Tags,
+    prompt_closes_reasoning,
+    prompt_opens_reasoning,
+    reasoning_first,
+    template_reasons,
+)
 from jointspec.server.tools import (
     HERMES,
     call_format_of,
@@ -116,6 +123,8 @@ class CompletionRequest:
     template_kwargs: dict | None = None
     # The last message, an assistant's, is continued rather than answered (Anthropic's prefill).
     continue_final: bool = False
+    # A chat's output_format is its content's: a reasoning model's block may come first (server/reasoning.py).
+    reasoning_first: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -426,14 +435,23 @@ class ServingEngine:
         return template_reasons(self.tokenizer)
 
     @functools.cached_property
-    def reasoning_markers(self) -> dict[str, int]:
-        """The reasoning tags' special tokens that are added tokens of the tokenizer, by spelling (Gemma 4's)."""
+    def reasoning_tokens(self) -> dict[str, int]:
+        """The reasoning tags' pieces that are added tokens of the tokenizer (special or not), by spelling: a grammar
+        names them by id (server/reasoning.py's reasoning_first)."""
         tags = self.reasoning_tags
         try:
             added = self.tokenizer.get_added_vocab() if tags is not None else {}
         except (AttributeError, TypeError):
             return {}
-        return {spelling: int(added[spelling]) for spelling in (tags.kept if tags else ()) if spelling in added}
+        pieces = (tags.open, tags.close, *tags.kept) if tags else ()
+        return {spelling: int(added[spelling]) for spelling in pieces if spelling in added}
+
+    @functools.cached_property
+    def reasoning_markers(self) -> dict[str, int]:
+        """The reasoning tags' special tokens that are added tokens of the tokenizer, by spelling (Gemma 4's), which
+        a decode keeps."""
+        kept = self.reasoning_tags.kept if self.reasoning_tags else ()
+        return {spelling: id_ for spelling, id_ in self.reasoning_tokens.items() if spelling in kept}
 
     @functools.cached_property
     def call_markers(self) -> tuple[tuple[str, int], ...]:
@@ -624,8 +642,15 @@ class ServingEngine:
         # would hold up every other request and stream (encodes run one at a time; the streams' decodes on the loop
         # set no per-call options, and may run beside an encode).
         prompt_ids = await asyncio.to_thread(self.encode, request)
-        grammar = None if request.output_format is None else await asyncio.to_thread(self.grammar,
-                                                                                      request.output_format)
+        tags = self.reasoning_tags if request.messages is not None else None
+        # (the prompt's last tokens hold the template's tag where it opens a block, or closes an empty one)
+        tail = self.tokenizer.decode(prompt_ids[-16:]) if tags is not None else ""
+        opened = tags is not None and prompt_opens_reasoning(tail, tags)
+        output_format = request.output_format
+        if (output_format is not None and tags is not None and request.reasoning_first
+                and not prompt_closes_reasoning(tail, tags)):
+            output_format = reasoning_first(output_format, tags, self.reasoning_tokens, opened)
+        grammar = None if output_format is None else await asyncio.to_thread(self.grammar, output_format)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenisation")
         room = self.target.max_context - len(prompt_ids)
@@ -647,12 +672,9 @@ class ServingEngine:
         stream.prompt_ids = prompt_ids
         # Markers a decode would skip as special tokens, and with them an answer's calls or its reasoning's bounds.
         kept = dict(self.call_markers) if request.tools else {}
-        tags = self.reasoning_tags if request.messages is not None else None
         if tags is not None:
             kept |= self.reasoning_markers
-            # (the prompt's last tokens hold the template's opening tag where it opens a block)
-            stream.opens_reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-16:]), tags)
-            stream.reasoning_tags = tags
+            stream.opens_reasoning, stream.reasoning_tags = opened, tags
         if kept:
             stream.text.detokenizer = IncrementalDetokenizer(self.tokenizer,
                                                              kept={id_: text for text, id_ in kept.items()})

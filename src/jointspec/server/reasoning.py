@@ -19,13 +19,21 @@ The reasoning drops the whitespace around it, the content the whitespace before 
 block). A stream (:class:`ReasoningStream`) sends each part as it comes, holding back only what it cannot yet tell
 apart (whitespace that may end the reasoning, a tail that may begin a tag), so that what it sends adds up to the whole
 answer's two parts. Tool calls are read from the content alone (server/tools.py).
+
+A format an answer must follow (a ``response_format``, tool calls a grammar holds) is the content's: the grammar lets a
+reasoning block come first (:func:`reasoning_first`), as vLLM and SGLang apply structured output after the reasoning,
+so that a reasoning model thinks before it writes the format rather than being held from its first token; where the
+prompt ends with a closed block (thinking turned off, :func:`prompt_closes_reasoning`) the format begins at once.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
-from jointspec.server.tool_text import partial_tail
+from jointspec.core.grammar import JSON_STYLE, OutputFormat
+from jointspec.server.tool_text import partial_tail, text_without
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -62,6 +70,55 @@ def prompt_opens_reasoning(prompt_text: str, tags: Tags = THINK) -> bool:
     """Whether a rendered prompt leaves its answer inside a reasoning block: it ends with the opening tag (and
     whitespace), as DeepSeek-R1's template ends it with ``<think>``."""
     return prompt_text.rstrip().endswith(tags.open)
+
+
+def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opened: bool) -> OutputFormat:
+    """``answer`` (the format the content follows) after a reasoning block written in ``tags``: where the prompt
+    ``opened`` one, the rest of it and its closing tag, else a whole block or none; then whitespace at most, and the
+    answer. ``ids``: the tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads
+    added ``<...>`` tokens as special: no text matches them). The block's text never spells the closing tag, as the
+    reader (:func:`split_reasoning`) ends it at the first such spelling."""
+    lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]+/", *_answer_rules(answer)]
+    close = _tag(tags.close, ids)
+    if any(tags.close.startswith(spelling) for spelling in ids):
+        block = f"REASONING_TEXT {close}"
+    else:  # (text and tag one lexeme: a lexer cannot end a lexeme it has already extended past the tag's start)
+        lines.append(f"REASONING_CLOSED: REASONING_TEXT {close}")
+        block = "REASONING_CLOSED"
+    then = f"{block} REASONING_GAP? reasoning_answer"
+    start = f"start: {then}" if opened else f"start: reasoning_answer | {_tag(tags.open, ids)} {then}"
+    return OutputFormat("lark", "\n".join([start, *lines]) + "\n")
+
+
+def _tag(tag: str, ids: dict[str, int]) -> str:
+    """A tag as a grammar element: its leading piece by token id where that piece is an added token, the rest as
+    text (Gemma 4's "<|channel>" and "thought"), else all of it as text."""
+    for spelling, id_ in ids.items():
+        if tag.startswith(spelling):
+            rest = tag[len(spelling):]
+            return f"<[{id_}]>" + (f" {json.dumps(rest)}" if rest else "")
+    return json.dumps(tag)
+
+
+def _answer_rules(answer: OutputFormat) -> list[str]:
+    """``answer`` as lark rules whose start is ``reasoning_answer``."""
+    if answer.kind == "json":
+        schema = json.loads(answer.spec) if answer.spec else {"type": "object"}
+        return [f"reasoning_answer: %json {json.dumps({'x-guidance': JSON_STYLE, **schema})}"]
+    if answer.kind == "regex":
+        # (lark's regex literal ends at a bare slash: escape those not already escaped)
+        pattern = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", answer.spec)
+        return [f"reasoning_answer: /{pattern}/"]
+    renamed, count = re.subn(r"(?m)^start:", "reasoning_answer:", answer.spec)
+    if count != 1 or re.search(r"\bstart\b", renamed):
+        raise ValueError("a lark output format put after reasoning needs one start rule that nothing else names")
+    return [renamed.rstrip("\n")]
+
+
+def prompt_closes_reasoning(prompt_text: str, tags: Tags = THINK) -> bool:
+    """Whether a rendered prompt ends with a closed reasoning block (and whitespace): thinking turned off, where
+    Qwen3's and Gemma 4's templates write an empty block for the answer to follow."""
+    return prompt_text.rstrip().endswith(tags.close)
 
 
 @dataclass(frozen=True)

@@ -43,4 +43,5 @@ def start_rules(opening: str, ids: dict[str, int], following: str, strict_auto: 
 def text_without(spelling: str, name: str = "TEXT") -> str:
     """A grammar lexeme ``name`` of any text that does not spell ``spelling`` (the reader takes its first spelling
     for where the calls begin)."""
-    return f"{name}: /(?s:.*)/ & ~/(?s:.*{re.escape(spelling)}.*)/"
+    escaped = re.escape(spelling).replace("/", "\\/")  # (a lark regex ends at a bare slash)
+    return f"{name}: /(?s:.*)/ & ~/(?s:.*{escaped}.*)/"
