@@ -1,8 +1,9 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
 Calls are read in one of six formats, the one the model's chat template writes (:func:`native_call_format`), else
-Hermes's. Hermes's, the one Qwen2.5 and Qwen3, the Hermes models and many small instruction-tuned models were trained
-on: each call a block of its own, parallel calls one block after another::
+Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
+Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
+parallel calls one block after another::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -62,45 +63,31 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
-from jointspec.core.grammar import JSON_STYLE, GrammarError, OutputFormat, one_line
+from jointspec.core.grammar import GrammarError, OutputFormat, one_line
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
-from jointspec.server.tool_text import partial_tail, skip_space
-from jointspec.server.tools_xml import (
-    FUNCTION_OPEN,
-    PARAMETER_OPEN,
-    VALUE_RULES,
-    call_rules,
-    read_call,
-    typed_arguments,
-    unwritable_key,
+from jointspec.server.call_formats import (
+    CALL_CLOSE,
+    CALL_FORMATS,
+    CALL_OPEN,
+    FORMATS,
+    GEMMA4,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL_V3,
+    MISTRAL_V11,
+    PYTHON_TAG,
+    QWEN3_CODER,
+    CallFormat,
+    Calls,
+    Held,
+    Tool,
 )
+from jointspec.server.tool_text import partial_tail
+from jointspec.server.tools_xml import FUNCTION_OPEN, PARAMETER_OPEN
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
-# The call formats read here (module docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
-# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py) and Gemma 4's (server/tools_gemma.py).
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
-MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
-QWEN3_CODER, GEMMA4 = "qwen3_coder", "gemma4"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4)
-# Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
-PYTHON_TAG = "<|python_tag|>"
-# What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
-# (\x1c-\x1f) that Python counts and the grammar's \s does not.
-SPACE = r"[\s\x1c-\x1f]*"
-# Llama 3's calls joined in one answer (as vLLM's llama3_json parser reads them).
-LLAMA_CALL_SEPARATOR = "; "
-# Mistral's markers (module docstring), special tokens in Mistral's tokenizers.
-MISTRAL = (MISTRAL_V3, MISTRAL_V11)
-# The formats' markers that are added tokens in their models' tokenizers (call_markers).
-MARKERS = {MISTRAL_V3: mistral.MARKERS_V3, MISTRAL_V11: mistral.MARKERS_V11, GEMMA4: gemma.MARKERS}
-# Where calls begin in an answer, in the formats that may write text before them.
-OPENINGS = {HERMES: CALL_OPEN, MISTRAL_V3: mistral.TOOL_CALLS, MISTRAL_V11: mistral.TOOL_CALLS, QWEN3_CODER: CALL_OPEN,
-            GEMMA4: gemma.CALL_OPEN}
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -112,27 +99,6 @@ class ToolError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class Tool:
-    """One function a request offers: its name, what it does, and the JSON schema of its arguments object."""
-
-    name: str
-    description: str = ""
-    parameters: dict | None = None  # None: no arguments (OpenAI's reading of a function without parameters)
-    strict: bool = False  # OpenAI's structured outputs for functions: its calls' arguments held to the schema
-
-    def spec(self) -> dict:
-        """The tool as OpenAI's API and chat templates write it."""
-        function = {"name": self.name, "description": self.description, "parameters": self.arguments_schema()}
-        return {"type": "function", "function": function}
-
-    def arguments_schema(self) -> dict:
-        """The JSON schema of its arguments object."""
-        if self.parameters is None:
-            return {"type": "object", "properties": {}, "additionalProperties": False}
-        return self.parameters
 
 
 @dataclass(frozen=True)
@@ -170,68 +136,24 @@ class ToolUse:
         return tuple(tool.spec() for tool in self.tools) if self.reads_calls else ()
 
     def output_format(self) -> OutputFormat | None:
-        """The grammar the answer follows, or None where it is free text. ``required``: one call, or with ``parallel``
-        one or more, each a block (Llama 3's format: an object; several joined by ``"; "``) whose JSON names an allowed
-        tool and whose arguments its schema accepts; then (Hermes) a newline at most, and the end of the answer.
-        ``auto`` where a tool is ``strict`` (OpenAI's promise that a strict function's arguments match its schema):
-        text without a call's opening tag (Llama 3: text that does not begin with ``{``), or (Hermes) such text and
-        then calls as ``required`` writes them (a strict function's arguments held to its schema, the others' any
-        object), or (Llama 3) those calls alone. The other formats' grammars are their modules' (Mistral's, Gemma's)
-        or written alike (Qwen3-Coder's, its calls' rules from server/tools_xml.py)."""
+        """The grammar the answer follows, or None where it is free text. ``required``: one call of an allowed tool, or
+        with ``parallel`` one or more, each one's arguments held to its schema. ``auto`` where a tool is ``strict``
+        (OpenAI's promise that a strict function's arguments match its schema): text that does not begin a call, then
+        such calls or nothing (Llama 3's: the text or the calls), a strict function's arguments held to its schema and
+        the others' any object. Each format writes its own grammar (server/call_formats.py)."""
         strict_auto = self.choice == "auto" and any(tool.strict for tool in self.tools)
         if self.choice != "required" and not strict_auto:
             return None
         allowed = [tool for tool in self.tools if self.function in (None, tool.name)]
         several = self.parallel and self.function is None
-        ids = dict(self.special)
         # (strict, as OpenAI reads it, is a function's own: in auto, the others' arguments are anything)
-        held = [(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None) for tool in allowed]
-        if self.format == GEMMA4:
-            return OutputFormat("lark", gemma.grammar(held, several, strict_auto, ids))
-        # In the JSON formats each call's arguments are a JSON schema of their own: the arguments' references
-        # ("#/$defs/...", "#") then resolve against their own schema, as the tool's author wrote them.
-        json_held = [arguments_grammar(tool) if schema is not None
-                     else json.dumps({"type": "object", "x-guidance": JSON_STYLE})
-                     for tool, (_, schema) in zip(allowed, held, strict=True)]
-        if self.format in MISTRAL:
-            return OutputFormat("lark", mistral.grammar([(tool.name, arguments) for tool, arguments in
-                                                         zip(allowed, json_held, strict=True)],
-                                                        self.format == MISTRAL_V11, several, strict_auto, ids))
-        # Each call's name and keys as text, its arguments as above.
-        key = "arguments" if self.format == HERMES else "parameters"
-        rules = []
-        for index, tool in enumerate(allowed):
-            if self.format == QWEN3_CODER:
-                rules += call_rules(*held[index], index)
-                continue
-            head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')
-            rules += [f"call{index}: {head} args{index} \"}}\"", f"args{index}: %json {json_held[index]}"]
-        if self.format == QWEN3_CODER:
-            rules += VALUE_RULES
-        either = " | ".join(f"call{index}" for index in range(len(allowed)))
-        if self.format == LLAMA3_JSON:
-            # The answer is the calls: text (in strict auto) is what would not be read as calls, an answer that
-            # does not begin with a call's "{" (after whitespace and the python tag, as read_calls reads it).
-            calls = f"call ({json.dumps(LLAMA_CALL_SEPARATOR)} call)*" if several else "call"
-            start = ([f"start: TEXT | {calls}",
-                      f"TEXT: /(?s:.*)/ & ~/(?s:{SPACE}({re.escape(PYTHON_TAG)}{SPACE})?\\{{.*)/"] if strict_auto
-                     else [f"start: {calls}"])
-            return OutputFormat("lark", "\n".join([*start, f"call: {either}", *rules]) + "\n")
-        # (then a newline at most: a model that ends its calls with one is not made to write another call)
-        after = (' ("\\n" call)*' if several else "") + ' "\\n"?'
-        opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
-        if strict_auto:
-            # TEXT: anything without the opening tag. OPENED: such text and the tag, one lexeme, so that the text
-            # ends where the tag begins (a lexer cannot end a lexeme it has already extended past the tag's start).
-            start = [f"start: TEXT | OPENED ({either}) {closing}{after}", f"OPENED: TEXT {opening}",
-                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(CALL_OPEN)}.*)/"]
-        else:
-            start = [f"start: call{after}"]
-        return OutputFormat("lark", "\n".join([*start, f"call: {opening} ({either}) {closing}", *rules]) + "\n")
+        calls = [Held(tool.name, tool.arguments_schema() if tool.strict or not strict_auto else None)
+                 for tool in allowed]
+        return OutputFormat("lark", self.call_format.grammar(calls, several, strict_auto, dict(self.special)))
 
-def arguments_grammar(tool: Tool) -> str:
-    """A tool's arguments schema as the grammar's JSON takes it: JSON written one way (core/grammar.py's style)."""
-    return json.dumps({**tool.arguments_schema(), "x-guidance": dict(JSON_STYLE)})
+    @property
+    def call_format(self) -> CallFormat:
+        return CALL_FORMATS[self.format]
 
 
 def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, functions: list | None = None,
@@ -283,16 +205,12 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
         for index, tool in enumerate(offered):
             if use.function in (None, tool.name) and (use.choice == "required" or tool.strict):
                 where = f"{param}.{index}.function.parameters"
+                key = use.call_format.unwritable_key(tool.arguments_schema())
+                if key is not None:
+                    raise ToolError(f"{where}: the model's call format ({call_format}) cannot write a parameter "
+                                    f"named {json.dumps(key)}", where)
                 try:
-                    if call_format in (QWEN3_CODER, GEMMA4):  # (its calls' own grammar, a value at a time)
-                        key = (unwritable_key if call_format == QWEN3_CODER else gemma.unwritable_key)(
-                            tool.arguments_schema())
-                        if key is not None:
-                            raise ToolError(f"{where}: the model's call format ({call_format}) cannot write a "
-                                            f"parameter named {json.dumps(key)}", where)
-                        ToolUse((tool,), "required", format=call_format).output_format().check()
-                    else:
-                        OutputFormat.json_schema(arguments_grammar(tool)).check()
+                    use.call_format.arguments_format(tool).check()
                 except GrammarError as error:
                     raise ToolError(f"{param}.{index}.function.parameters cannot hold the call's arguments: "
                                     f"{one_line(str(error))}", f"{param}.{index}.function.parameters") from None
@@ -361,7 +279,8 @@ def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
         added = tokenizer.get_added_vocab()
     except (AttributeError, TypeError):  # (a tokenizer that is not transformers')
         return ()
-    return tuple((spelling, int(added[spelling])) for spelling in MARKERS.get(call_format, ()) if spelling in added)
+    return tuple((spelling, int(added[spelling])) for spelling in CALL_FORMATS[call_format].markers
+                 if spelling in added)
 
 
 def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
@@ -371,9 +290,7 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
     template renders tools and calls itself (:func:`native_call_format`), in ``call_format``."""
     if native:
         rendered = [_native_message(message, call_format) for message in messages]
-        if call_format == LLAMA3_JSON:
-            rendered = _llama_turns(rendered)
-        return rendered, (list(tools) or None)
+        return CALL_FORMATS[call_format].native_turns(rendered), (list(tools) or None)
     rendered: list[dict] = []
     for index, message in enumerate(messages):
         if message["role"] == "tool":
@@ -399,13 +316,8 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
 
 
 def template_variables(messages: list[dict], tools: list | None, call_format: str) -> dict:
-    """Variables a native template needs for ``messages`` besides the request's own (``chat_template_kwargs`` win):
-    Llama 3's templates put the tools into the first user turn, and refuse a conversation that has none (a system
-    message alone); there they are told to put them into the system turn."""
-    if call_format != LLAMA3_JSON or not tools:
-        return {}
-    first = next((message for message in messages if message["role"] != "system"), None)
-    return {} if first is not None and first["role"] == "user" else {"tools_in_user_message": False}
+    """Variables a native template needs for ``messages`` besides the request's own (``chat_template_kwargs`` win)."""
+    return CALL_FORMATS[call_format].template_variables(messages, tools)
 
 
 def _kept(message: dict) -> dict:
@@ -436,38 +348,10 @@ def _call_record(call: dict) -> dict:
     return {"name": function["name"], "arguments": arguments if arguments is not None else {}}
 
 
-def _llama_turns(messages: list[dict]) -> list[dict]:
-    """The conversation as Llama 3's templates take it: one call a turn (they refuse more), so a turn of several calls
-    becomes turns of one call each, each followed by its result where the results that follow answer those calls by
-    id (the template's ``ipython`` turns name no call); a call turn's text is dropped, as the templates drop it (so
-    that a text they do not render is not looked for in their output)."""
-    out: list[dict] = []
-    at = 0
-    while at < len(messages):
-        message = messages[at]
-        at += 1
-        calls = message.get("tool_calls") or []
-        if not calls:
-            out.append(message)
-            continue
-        turns = [dict(message, tool_calls=[call], content="") for call in calls]
-        results = []
-        while at < len(messages) and messages[at]["role"] == "tool":
-            results.append(messages[at])
-            at += 1
-        by_id = {result.get("tool_call_id"): result for result in results}
-        ids = [call.get("id") for call in calls]
-        if len(calls) > 1 and len(by_id) == len(results) == len(calls) and set(by_id) == set(ids):
-            out += [part for turn, id_ in zip(turns, ids) for part in (turn, by_id[id_])]
-        else:
-            out += turns + results
-    return out
-
-
 def _native_message(message: dict, call_format: str = HERMES) -> dict:
     """A message as a template that renders calls itself takes it: calls with their arguments as objects, and (for
     Mistral's templates, which refuse any other where they show ids) call ids of 9 letters and digits."""
-    ids = mistral.mistral_id if call_format in MISTRAL else (lambda id_: id_)
+    ids = CALL_FORMATS[call_format].message_id
     if message.get("tool_calls"):
         calls = [{"type": "function", "id": ids(call.get("id")), "function": _call_record(call)}
                  for call in message["tool_calls"]]
@@ -504,153 +388,11 @@ def check_message(message: dict, where: str) -> None:
 
 # -- the answer ----------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Calls:
-    """An answer read for calls: its content (where it made calls, the text outside the call blocks, without the
-    whitespace beside a block; None where that is empty) and its calls in OpenAI's shape (empty where it made none:
-    the content is then the answer as written)."""
-
-    content: str | None
-    calls: tuple[dict, ...]
-
-
-def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | None:
-    """``text`` split at its call blocks: (the pieces outside them, each block's JSON value), or None where a block
-    is not an opening tag, one JSON value and a closing tag (whitespace around the value allowed). The JSON is read
-    as JSON, so a closing tag inside one of its strings does not end the block. ``xml``: each block holds a call in
-    Qwen3-Coder's format instead (server/tools_xml.py), the last block's closing tag allowed to be missing."""
-    decoder = json.JSONDecoder()
-    pieces, values, at = [], [], 0
-    while (start := text.find(CALL_OPEN, at)) >= 0:
-        pieces.append(text[at:start])
-        inside = start + len(CALL_OPEN)
-        inside = skip_space(text, inside)
-        try:
-            value, end = read_call(text, inside) if xml else decoder.raw_decode(text, inside)
-        except ValueError:
-            return None
-        end = skip_space(text, end)
-        if xml and end == len(text):  # (a model that ends the answer after its last call's function)
-            values.append(value)
-            at = end
-            break
-        if not text.startswith(CALL_CLOSE, end):
-            return None
-        values.append(value)
-        at = end + len(CALL_CLOSE)
-    pieces.append(text[at:])
-    return pieces, values
-
-
-def _content(pieces: list[str]) -> str:
-    """The text outside the blocks: the first piece less its trailing whitespace, the others less theirs on both
-    sides, joined by newlines (how :class:`CallStream` can send it)."""
-    first, rest = pieces[0].rstrip(), [piece.strip() for piece in pieces[1:] if piece.strip()]
-    return "\n".join(([first] if first else []) + rest) if rest else first
-
-
 def read_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
-    """``text`` read as :mod:`this module <jointspec.server.tools>` says: every block a call of an offered tool, or
-    the whole text content. ``cut``: the answer ran out of tokens, so a block it left open (or the start of one's
-    tag) is dropped, and the calls before it stand. In Llama 3's format the answer is its calls or text (a cut call
-    leaves it text)."""
-    if use.reads_calls and use.format == LLAMA3_JSON:
-        return _read_json_calls(text, use, cut)
-    if use.reads_calls and (use.format == GEMMA4 or use.format in MISTRAL):
-        return _read_marked_calls(text, use, cut)
-    if not use.reads_calls or CALL_OPEN not in text:
-        return Calls(text, ())
-    kept = text
-    xml = use.format == QWEN3_CODER
-    if cut:
-        kept = kept[:len(kept) - partial_tail(kept, CALL_OPEN)]
-        # (a last block left open is dropped; in Qwen3-Coder's format, only where its call does not read whole)
-        if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE) and not (xml and _blocks(kept, xml=True)):
-            kept = kept[:kept.rfind(CALL_OPEN)]
-    split = _blocks(kept, xml=xml)
-    names = {tool.name for tool in use.tools}
-    values = split[1] if split else ()
-    if use.format == QWEN3_CODER:
-        schemas = {tool.name: tool.arguments_schema() for tool in use.tools}
-        values = [{"name": value["name"], "arguments": typed_arguments(value["arguments"],
-                                                                        schemas.get(value["name"], {}))}
-                  for value in values]
-    calls = [_read_call(value, names) for value in values]
-    if not calls or None in calls:
-        return Calls(text, ())
-    if not use.parallel:
-        calls = calls[:1]
-    return Calls(_content(split[0]) or None, tuple(calls))
-
-
-def _read_json_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
-    """``text`` read in Llama 3's format: the whole answer (less the whitespace around it and a leading
-    ``<|python_tag|>``) one call object, or several joined by ``;``, each naming an offered tool; else text.
-    ``cut``: the answer ran out of tokens, so what follows the last whole call's ``;`` is dropped and the calls
-    before it stand."""
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG):].lstrip()
-    decoder = json.JSONDecoder()
-    names = {tool.name for tool in use.tools}
-    calls, at = [], 0
-    while True:
-        if cut and calls and at == len(body):  # (cut right after a ";")
-            break
-        if not body.startswith("{", at):
-            return Calls(text, ())
-        try:
-            value, at = decoder.raw_decode(body, at)
-        except ValueError:
-            if cut and calls:  # (the call the length cut off)
-                break
-            return Calls(text, ())
-        call = _read_call(value, names)
-        if call is None:
-            return Calls(text, ())
-        calls.append(call)
-        rest = body[at:].lstrip()
-        if not rest:
-            break
-        if not rest.startswith(";"):
-            return Calls(text, ())
-        at = len(body) - len(rest[1:].lstrip())
-    return Calls(None, tuple(calls if use.parallel else calls[:1]))
-
-
-def _read_marked_calls(text: str, use: ToolUse, cut: bool = False) -> Calls:
-    """``text`` read in a format whose calls follow a marker after any text (Mistral's, Gemma 4's): the text before
-    the first marker (less its trailing whitespace) the content, and all that follows it the calls of offered tools,
-    as the format's module reads them (server/tools_mistral.py, server/tools_gemma.py); else the whole text content.
-    ``cut``: the answer ran out of tokens, so the call it left unfinished is dropped and the calls before it
-    stand."""
-    opening = OPENINGS[use.format]
-    start = text.find(opening)
-    if start < 0:
-        return Calls(text, ())
-    rest = text[start + len(opening):]
-    records = (gemma.read_calls(rest, cut) if use.format == GEMMA4
-               else mistral.read_calls(rest, use.format == MISTRAL_V11, cut)) or []
-    names = {tool.name for tool in use.tools}
-    calls = [_read_call(record, names) for record in records]
-    if not calls or None in calls:
-        return Calls(text, ())
-    return Calls(text[:start].rstrip() or None, tuple(calls if use.parallel else calls[:1]))
-
-
-def _read_call(record, names: set[str]) -> dict | None:
-    if not isinstance(record, dict) or record.get("name") not in names:
-        return None
-    arguments = record.get("arguments", record.get("parameters"))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text, as OpenAI's API sends them
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": record["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    """``text`` read as :mod:`this module <jointspec.server.tools>` says, in ``use``'s format: every call of an offered
+    tool, or the whole text content. ``cut``: the answer ran out of tokens, so a call it left unfinished (or the
+    start of one's opening) is dropped, and the calls before it stand."""
+    return use.call_format.read(text, use.tools, use.parallel, cut) if use.reads_calls else Calls(text, ())
 
 
 class CallStream:
@@ -672,9 +414,9 @@ class CallStream:
         self.text += text
         if self.in_calls:
             return ""
-        if self.use.format == LLAMA3_JSON:
+        opening = self.use.call_format.opening
+        if opening is None:
             return self._feed_json()
-        opening = OPENINGS[self.use.format]
         start = self.text.find(opening)
         if start >= 0:
             self.in_calls = True
@@ -704,3 +446,5 @@ class CallStream:
         whole = read.content or "" if read.calls else read.content
         assert whole.startswith(self.sent), "sent content that the whole answer does not begin with"
         return whole[len(self.sent):], read.calls
+
+
