@@ -323,6 +323,22 @@ def test_a_call_of_a_stored_response_is_answered_by_its_result_alone(byte_engine
                                                                for item in called.output),
             {"type": "function_call_output", "call_id": call.call_id, "output": "21C"}])
         assert follow.usage.input_tokens == whole.usage.input_tokens and follow.output_text == whole.output_text
+        # Its input items: the conversation it continued and its own input, which sent back whole give the same
+        # prompt; listed a page at a time (newest first by default), the same items.
+        items = [item.model_dump(exclude_none=True) for item in
+                 client.responses.input_items.list(follow.id, order="asc")]
+        # (the answer's items as the response gave them, less their ids and status: its text, if any, and its call)
+        answered = [{key: value for key, value in item.model_dump(exclude_none=True).items()
+                     if key not in ("id", "status")} for item in called.output]
+        assert [{key: value for key, value in item.items() if key not in ("id", "status")} for item in items] == [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Rome?"}]},
+            *answered, {"type": "function_call_output", "call_id": call.call_id, "output": "21C"}]
+        sent_back = client.responses.create(model="tiny", temperature=0, max_output_tokens=4, tools=[WEATHER],
+                                            input=[{key: value for key, value in item.items() if key != "id"}
+                                                   for item in items])
+        assert sent_back.usage.input_tokens == follow.usage.input_tokens
+        paged = [item.model_dump(exclude_none=True) for item in client.responses.input_items.list(follow.id, limit=1)]
+        assert paged == items[::-1]
         # Streamed responses are stored as their last event carries them.
         last = list(client.responses.create(model="tiny", input="Hi", temperature=0, max_output_tokens=5,
                                             stream=True))[-1]
@@ -334,6 +350,58 @@ def test_a_call_of_a_stored_response_is_answered_by_its_result_alone(byte_engine
             client.responses.retrieve(follow.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.delete(follow.id)
+
+
+def test_input_items_keep_reasoning_calls_and_results_apart_as_openais_item_types():
+    """An earlier assistant turn's reasoning, text and calls are the items a response's output gave them as; a tool
+    result is its call's output; the response's own answer is not an input."""
+    conversation = ({"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "Looking.", "reasoning_content": "Call it.", "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"c": "Rome"}'}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "18C"})
+    response = {"id": "resp_1", "output": [{"type": "message", "content": [{"type": "output_text", "text": "18C."}]}]}
+    items = StoredResponse.of(response, conversation).input_items()
+    assert [{key: value for key, value in item.items() if key not in ("id", "status")} for item in items] == [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Looking.", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"c": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18C"}]
+    assert [item["id"].split("_")[0] for item in items] == ["msg", "rs", "msg", "fc", "fco"]
+
+
+def test_input_items_are_listed_in_pages_by_cursor_and_a_bad_query_is_a_400(byte_client):
+    first = respond(byte_client, input=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    second = respond(byte_client, input="Again?", previous_response_id=first["id"])
+
+    def listed(response_id, **query):
+        reply = byte_client.get(f"/v1/responses/{response_id}/input_items", params=query)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    whole = listed(second["id"], order="asc")
+    said = first["output"][0]["content"][0]["text"]
+    assert [(item["role"], item["content"][0]["text"]) for item in whole["data"]] == [
+        ("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Bye"), ("assistant", said),
+        ("user", "Again?")]
+    assert [item["content"][0]["type"] for item in whole["data"]][:3] == ["input_text", "input_text", "output_text"]
+    ids = [item["id"] for item in whole["data"]]
+    assert len(set(ids)) == 6 and whole["first_id"] == ids[0] and whole["last_id"] == ids[-1] and not whole["has_more"]
+    assert listed(second["id"], order="asc") == whole  # (the same ids from one listing to the next)
+    assert [item["id"] for item in listed(second["id"])["data"]] == ids[::-1]  # (newest first by default)
+    page = listed(second["id"], order="asc", limit=2, after=ids[1])
+    assert [item["id"] for item in page["data"]] == ids[2:4] and page["has_more"] and page["last_id"] == ids[3]
+    assert [item["id"] for item in listed(second["id"], order="asc", after=ids[0], before=ids[3])["data"]] == ids[1:3]
+    assert not listed(second["id"], order="asc", limit=3, after=ids[2])["has_more"]
+    empty = listed(second["id"], order="asc", after=ids[-1])
+    assert empty["data"] == [] and empty["first_id"] is None and not empty["has_more"]
+    for query, param in [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"), ({"before": "x"}, "before")]:
+        reply = byte_client.get(f"/v1/responses/{second['id']}/input_items", params=query)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, query
+    assert byte_client.get("/v1/responses/resp_nope/input_items").status_code == 404
 
 
 def test_what_is_not_stored_cannot_be_fetched_or_continued(byte_engine):

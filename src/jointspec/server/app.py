@@ -59,7 +59,14 @@ from jointspec.server.engine import (
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
 from jointspec.server.reasoning import THINK, Parts, ReasoningStream, Tags, split_reasoning
-from jointspec.server.responses import ResponseShaper, ResponseStore, StoredResponse, chat_request
+from jointspec.server.responses import (
+    ResponsesError,
+    ResponseShaper,
+    ResponseStore,
+    StoredResponse,
+    chat_request,
+    input_items_page,
+)
 from jointspec.server.tools import (
     HERMES,
     CallStream,
@@ -510,7 +517,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         # An unknown path or method: OpenAI's envelope (clients read error.message), not FastAPI's {"detail": ...}.
         message = (f"Invalid URL ({request.method} {request.url.path}); this server answers POST /v1/completions, "
                    "/v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize and "
-                   "/detokenize, GET /v1/models, GET and DELETE /v1/responses/{id}, /health and /metrics"
+                   "/detokenize, GET /v1/models, GET and DELETE /v1/responses/{id}, GET "
+                   "/v1/responses/{id}/input_items, /health and /metrics"
                    if error.status_code in (404, 405) else str(error.detail))
         body = (anthropic.error_body(error.status_code, message) if request.url.path.startswith("/v1/messages")
                 else RequestError(message, status=error.status_code).body())  # (the envelope of the API asked)
@@ -565,6 +573,16 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             raise RequestError("stream: a stored response is returned whole (its events are not kept)",
                                param="stream")
         return stored_response(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request):
+        query = request.query_params
+        limit = query.get("limit", "20")
+        try:
+            return input_items_page(stored_response(response_id), int(limit) if re.fullmatch(r"[0-9]+", limit)
+                                    else limit, query.get("order", "desc"), query.get("after"), query.get("before"))
+        except ResponsesError as error:
+            raise RequestError(str(error), param=error.param) from None
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

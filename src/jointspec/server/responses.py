@@ -15,8 +15,9 @@ Stored responses. A response that ends (completed or incomplete; not one that fa
 true by default as in OpenAI's API; at most the server's ``--stored-responses`` and ``--stored-responses-mb``, the
 least recently used dropped first), with the conversation it ended: a later request's
 ``previous_response_id`` continues it (that conversation, then the new ``input``; the earlier ``instructions`` are not
-carried over, as OpenAI's API does), and ``GET`` / ``DELETE /v1/responses/{id}`` fetch and delete it
-(:class:`ResponseStore`). Nothing survives a restart.
+carried over, as OpenAI's API does), ``GET`` / ``DELETE /v1/responses/{id}`` fetch and delete it
+(:class:`ResponseStore`), and ``GET /v1/responses/{id}/input_items`` lists its input as items
+(:func:`input_items_page`). Nothing survives a restart.
 
 What is not. ``conversation`` (a stored conversation object) and ``background`` are refused (400, named). Built-in
 tools (web search, files, computer use), images and files in the input are refused by name. ``reasoning`` (an effort
@@ -26,6 +27,7 @@ template lets it (``chat_template_kwargs``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -74,6 +76,7 @@ class StoredResponse:
     response: dict
     messages: tuple[dict, ...]
     size: int = 0
+    inputs: int = 0  # of the messages, those that went into it (the rest: its answer)
 
     @classmethod
     def of(cls, response: dict, conversation: tuple[dict, ...], continued: int = 0) -> StoredResponse:
@@ -95,7 +98,34 @@ class StoredResponse:
             turn["tool_calls"] = calls
         messages = tuple(conversation) + ((turn,) if text or calls else ())
         size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(messages[continued:], ensure_ascii=False))
-        return cls(response, messages, size)
+        return cls(response, messages, size, len(conversation))
+
+    def input_items(self) -> list[dict]:
+        """What went into the response (the conversation it continued and its own input, less its instructions) as
+        the Responses API's items, each with an id of its own that stays the same from one listing to the next."""
+        items: list[dict] = []
+
+        def item_id(prefix: str) -> str:  # (from the response's id and the item's place)
+            place = f"{self.response['id']}/{len(items)}"
+            return f"{prefix}_{hashlib.sha256(place.encode()).hexdigest()[:32]}"
+
+        for message in self.messages[:self.inputs]:
+            role = message["role"]
+            if role == "tool":
+                items.append({"type": "function_call_output", "id": item_id("fco"), "call_id": message["tool_call_id"],
+                              "output": message["content"], "status": "completed"})
+            elif role != "assistant":
+                items.append({"type": "message", "id": item_id("msg"), "status": "completed", "role": role,
+                              "content": [{"type": "input_text", "text": message["content"]}]})
+            else:
+                if message.get("reasoning_content"):
+                    items.append(ResponseShaper._reasoning_item(message["reasoning_content"], "completed",
+                                                                item_id("rs")))
+                if message.get("content"):
+                    items.append(ResponseShaper._message_item(message["content"], "completed", item_id("msg")))
+                for call in message.get("tool_calls") or ():
+                    items.append(ResponseShaper._call_item(call, item_id("fc")))
+        return items
 
 
 class ResponseStore:
@@ -355,6 +385,30 @@ def _chat_format(fmt) -> dict:
         return {"type": "json_schema", "json_schema": {key: fmt[key] for key in ("name", "schema", "strict",
                                                                                   "description") if key in fmt}}
     return fmt
+
+
+def input_items_page(stored: StoredResponse, limit: int = 20, order: str = "desc", after: str | None = None,
+                     before: str | None = None) -> dict:
+    """A page of a stored response's input items, as OpenAI's API lists them: ``order`` ``desc`` (its default: the
+    last item first) or ``asc``; the ``limit`` (1 to 100) items after the item ``after`` and before the item
+    ``before`` (ids of its items) in that order. ResponsesError names a bad value."""
+    if not isinstance(limit, int) or not 1 <= limit <= 100:
+        raise ResponsesError(f"limit must be an integer from 1 to 100, got {json.dumps(limit)}", "limit")
+    if order not in ("asc", "desc"):
+        raise ResponsesError(f"order must be asc or desc, got {json.dumps(order)}", "order")
+    items = stored.input_items()
+    if order == "desc":
+        items.reverse()
+    ids = [item["id"] for item in items]
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise ResponsesError(f"{name}: response {stored.response['id']} has no input item {json.dumps(cursor)}",
+                                 name)
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
 
 
 # -- the answer -----------------------------------------------------------------------------------------------------
