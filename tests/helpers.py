@@ -821,6 +821,14 @@ def check_required_call(engine, model, call_format: str, method: str, max_tokens
     assert content.strip() == (expected.content or "").strip()
 
 
+def llama_ending_at_eos(seed: int, vocab: int, max_positions: int = 1024):
+    """:func:`tiny_llama` whose end of sequence is :func:`byte_tokenizer`'s ``</s>`` (a special token, as real models'
+    are), not the byte the test models' config names, which a decode would spell and a grammar's text may hold."""
+    llama = tiny_llama(seed, vocab=vocab, max_positions=max_positions)
+    llama.config.eos_token_id = llama.generation_config.eos_token_id = byte_tokenizer().eos_token_id
+    return llama
+
+
 def tokenizer_with(template: str | dict):
     """:func:`byte_tokenizer` with a chat template of a test's own (a new tokenizer: the fixtures' are shared)."""
     words = byte_tokenizer()

@@ -23,7 +23,7 @@ from jointspec.server.engine import ServingEngine
 from jointspec.server.reasoning import CHANNEL, THINK, prompt_closes_reasoning, reasoning_first
 from jointspec.server.tools import read_tool_use
 
-from helpers import CITY_TOOL, byte_tokenizer, grammar_takes, sse_events, tiny_llama
+from helpers import CITY_TOOL, byte_tokenizer, grammar_takes, llama_ending_at_eos, sse_events
 
 QWEN_LIKE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
              "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
@@ -50,10 +50,7 @@ def tokenizer(tags: str):
 @pytest.fixture(scope="module", params=["text", "think", "channel"])
 def engine(request):
     words = tokenizer(request.param)
-    llama = tiny_llama(5, vocab=len(words), max_positions=1024)
-    # (its end of sequence the tokenizer's </s>, not a byte that a reasoning's text may hold)
-    llama.config.eos_token_id = llama.generation_config.eos_token_id = words.eos_token_id
-    served = ServingEngine(CausalLM(llama), words, model_id="tiny", max_batch_size=4)
+    served = ServingEngine(CausalLM(llama_ending_at_eos(5, len(words))), words, model_id="tiny", max_batch_size=4)
     yield served
     served.close()
 

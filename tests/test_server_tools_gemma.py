@@ -32,7 +32,7 @@ from jointspec.server.tools import (
 )
 from jointspec.server.tools_gemma import CALL_CLOSE, CALL_OPEN, QUOTE
 
-from helpers import byte_tokenizer, check_required_call, grammar_takes, tiny_llama
+from helpers import byte_tokenizer, check_required_call, grammar_takes, llama_ending_at_eos
 
 CONTROL = [CALL_OPEN, CALL_CLOSE, QUOTE, "<|tool_response>", "<tool_response|>", "<|turn>", "<turn|>", "<|channel>",
            "<channel|>"]
@@ -100,9 +100,7 @@ def use_of(*tools, choice=None, parallel=None, special=()):
 @pytest.fixture(scope="module")
 def model():
     """Its end of sequence the tokenizer's </s> (a special token), not the byte the test models' config names."""
-    llama = tiny_llama(9, vocab=VOCAB, max_positions=2048)
-    llama.config.eos_token_id = llama.generation_config.eos_token_id = byte_tokenizer().eos_token_id
-    return llama
+    return llama_ending_at_eos(9, VOCAB, 2048)
 
 
 @pytest.fixture(scope="module")

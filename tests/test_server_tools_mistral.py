@@ -31,7 +31,7 @@ from jointspec.server.tools import (
 )
 from jointspec.server.tools_mistral import ARGS, CALL_ID, TOOL_CALLS
 
-from helpers import byte_tokenizer, check_required_call, grammar_takes, tiny_llama
+from helpers import byte_tokenizer, check_required_call, grammar_takes, llama_ending_at_eos
 
 CONTROL = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", TOOL_CALLS, "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]", ARGS, CALL_ID]
@@ -111,9 +111,7 @@ def mistral_tokenizer(template: str, special: bool = True, added: bool = False):
 def model():
     """A tiny Llama whose end of sequence is the tokenizer's ``</s>`` (a special token, as in Mistral's models), not
     the byte that the test models' config names, which a decode would spell after the calls."""
-    llama = tiny_llama(5, vocab=VOCAB, max_positions=1024)
-    llama.config.eos_token_id = llama.generation_config.eos_token_id = byte_tokenizer().eos_token_id
-    return llama
+    return llama_ending_at_eos(5, VOCAB)
 
 
 @pytest.fixture(scope="module", params=[MISTRAL_V3, MISTRAL_V11])

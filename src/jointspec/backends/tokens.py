@@ -85,6 +85,10 @@ def _special_spellings(tokenizer) -> list[str]:
 
 # A message's fields that hold text read as text (chat_template_ids): its content, and an assistant's reasoning.
 MESSAGE_TEXTS = ("content", "reasoning_content")
+# A message's text the template is given after its content as the template's own, special tokens read as tokens: what
+# the server writes itself (an earlier turn's calls in the model's format, where the template drops them), never a
+# client's text.
+TEMPLATE_TAIL = "template_tail"
 # What further template variables (chat_template_ids' template_kwargs, vLLM's chat_template_kwargs) may not name:
 # the conversation and tools rendered from the messages, and the arguments of transformers' apply_chat_template
 # itself (the output's form).
@@ -127,11 +131,19 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     text, and that of the calls in ``messages``, may hold no special token's spelling (ValueError).
     ``template_kwargs``: further variables the template reads (``enable_thinking``), as vLLM's
     ``chat_template_kwargs``; their text may hold no special token's spelling either. ``continue_final``: the last
-    message (an assistant's) is continued, not closed (a prefill: the answer goes on from its text)."""
+    message (an assistant's) is continued, not closed (a prefill: the answer goes on from its text). A message's
+    :data:`TEMPLATE_TAIL` follows its content as the template's own text."""
     extra = dict(template_kwargs or {})
     if continue_final:
         extra.update(continue_final_message=True, add_generation_prompt=False)
-    text = _render(tokenizer, messages, tools, extra)
+    tails = {index: message[TEMPLATE_TAIL] for index, message in enumerate(messages) if message.get(TEMPLATE_TAIL)}
+    messages = [{key: value for key, value in message.items() if key != TEMPLATE_TAIL} for message in messages]
+
+    def tailed(given: list[dict]) -> list[dict]:  # (each tail after its message's content, as the template's text)
+        return [{**message, "content": (message.get("content") or "") + tails[index]} if index in tails else message
+                for index, message in enumerate(given)]
+
+    text = _render(tokenizer, tailed(messages), tools, extra)
     special = _special_spellings(tokenizer)
     rendered_as_is = json.dumps([tools, [message.get("tool_calls") for message in messages], extra],
                                 ensure_ascii=False)
@@ -148,9 +160,9 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     # no marker: a template may render an empty message otherwise (an assistant turn holding only tool calls). A
     # text the template does not render (earlier reasoning it drops, a call turn's text) has no marker in its output.
     markers = {field: f"\ue000{number}\ue001" for number, field in enumerate(texts)}
-    marked = _render(tokenizer, [{**message, **{key: markers[(index, key)] for key in MESSAGE_TEXTS
-                                                if (index, key) in markers}}
-                                 for index, message in enumerate(messages)], tools, extra)
+    marked = _render(tokenizer, tailed([{**message, **{key: markers[(index, key)] for key in MESSAGE_TEXTS
+                                                       if (index, key) in markers}}
+                                        for index, message in enumerate(messages)]), tools, extra)
     found = []
     for field, marker in markers.items():
         count = marked.count(marker)

@@ -20,11 +20,13 @@ from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # The call formats read here (server/tools.py's docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
-# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py) and Gemma 4's (server/tools_gemma.py).
+# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py) and Granite 3's.
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
-QWEN3_CODER, GEMMA4 = "qwen3_coder", "gemma4"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4)
+QWEN3_CODER, GEMMA4, GRANITE = "qwen3_coder", "gemma4", "granite"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE)
+# Granite 3's opening of its calls (a special token in its tokenizer).
+GRANITE_CALL = "<|tool_call|>"
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
 # What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
@@ -113,6 +115,11 @@ class CallFormat:
             return OutputFormat("lark", self.grammar([held], False, False, {}))
         return OutputFormat.json_schema(held.json())
 
+    def write(self, calls: list[dict]) -> str | None:
+        """An assistant's earlier ``calls`` (OpenAI's) as the model writes them, for a template that renders no calls
+        (server/tools.py's prompt_messages); None where this format is not written here."""
+        return None
+
     def message_id(self, call_id):
         """An earlier call's id as the format's template takes it."""
         return call_id
@@ -124,6 +131,20 @@ class CallFormat:
     def template_variables(self, messages: list[dict], tools: list | None) -> dict:
         """Variables the format's template needs (:func:`template_variables`)."""
         return {}
+
+
+def call_record(call: dict) -> dict:
+    """An earlier call as the call format writes it: its name and its arguments as an object (OpenAI sends them as
+    JSON text; text that is no JSON object stays text)."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    return {"name": function["name"], "arguments": arguments if arguments is not None else {}}
 
 
 def _read_call(record, names: set[str]) -> dict | None:
@@ -191,6 +212,10 @@ class _Hermes(CallFormat):
         """The blocks' values as call records (name and arguments)."""
         return values
 
+    def write(self, calls: list[dict]) -> str | None:
+        return "\n".join(f"{CALL_OPEN}\n{json.dumps(call_record(call), ensure_ascii=False)}\n{CALL_CLOSE}"
+                         for call in calls)
+
 
 class _Qwen3Coder(_Hermes):
     """Qwen3-Coder's and Qwen3.5's XML calls inside Hermes's tags (server/tools_xml.py)."""
@@ -211,6 +236,9 @@ class _Qwen3Coder(_Hermes):
 
     def unwritable_key(self, schema: dict) -> str | None:
         return unwritable_key(schema)
+
+    def write(self, calls: list[dict]) -> str | None:
+        return None  # (its XML calls are not written here)
 
 
 def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | None:
@@ -343,7 +371,7 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
     return out
 
 
-# -- calls after a marker: Mistral's, Gemma 4's --------------------------------------------------------------------
+# -- calls after a marker: Mistral's, Gemma 4's, Granite 3's -------------------------------------------------------
 
 class _Marked(CallFormat):
     """A format whose calls follow a marker after any text (Mistral's, Gemma 4's): the text before the first marker
@@ -400,5 +428,21 @@ class _Gemma4(_Marked):
         return gemma.unwritable_key(schema)
 
 
+class _Granite(_Marked):
+    """IBM Granite 3's: ``<|tool_call|>`` and one JSON list of the calls, as Mistral's v3 writes its list."""
+
+    name, opening, markers = GRANITE, GRANITE_CALL, (GRANITE_CALL,)
+
+    def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+        return mistral.grammar([(call.name, call.json()) for call in calls], False, several, strict_auto, ids,
+                               opening=GRANITE_CALL)
+
+    def records(self, rest: str, cut: bool) -> list[dict] | None:
+        return mistral.list_calls(rest, cut)
+
+    def write(self, calls: list[dict]) -> str | None:
+        return GRANITE_CALL + json.dumps([call_record(call) for call in calls], ensure_ascii=False)
+
+
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
-    _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4())}
+    _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite())}

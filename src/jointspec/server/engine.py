@@ -60,6 +60,7 @@ from jointspec.server.tools import (
     call_markers,
     native_call_format,
     prompt_messages,
+    template_shows_calls,
     template_variables,
 )
 
@@ -454,6 +455,13 @@ class ServingEngine:
         return {spelling: id_ for spelling, id_ in self.reasoning_tokens.items() if spelling in kept}
 
     @functools.cached_property
+    def shows_calls(self) -> bool:
+        """Whether the chat template renders an assistant's earlier calls, where it renders a call format itself
+        (server/tools.py's template_shows_calls; where it does not, the prompt writes them)."""
+        native = native_call_format(self.tokenizer)
+        return native is None or template_shows_calls(self.tokenizer, native)
+
+    @functools.cached_property
     def call_markers(self) -> tuple[tuple[str, int], ...]:
         """The call format's markers that are added tokens of the tokenizer, with their ids (server/tools.py): the
         text of an answer read for calls keeps them, and a grammar names them by id."""
@@ -494,7 +502,7 @@ class ServingEngine:
             native = native_call_format(self.tokenizer)  # (the template's own call format, or None: read once)
             call_format = native or HERMES
             messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools, native is not None,
-                                              call_format)
+                                              call_format, self.shows_calls)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
                 variables = template_variables(messages, tools, call_format) | (request.template_kwargs or {})
                 return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)

@@ -1,6 +1,6 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of six formats, the one the model's chat template writes (:func:`native_call_format`), else
+Calls are read in one of seven formats, the one the model's chat template writes (:func:`native_call_format`), else
 Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
@@ -46,7 +46,11 @@ Qwen3-Coder's and Qwen3.5's templates (``qwen3_coder``, as vLLM names it; the te
 ``<parameter=KEY>`` block of text a value. They are read as Hermes's blocks are, each value typed by the tool's
 schema, and constrained by a grammar of that layout (server/tools_xml.py). Gemma 4's (``gemma4``; the template
 names ``<|tool_call>`` and ``call:``) writes ``<|tool_call>call:NAME{key:value}<tool_call|>`` with strings between
-``<|"|>`` markers, read and held likewise (server/tools_gemma.py).
+``<|"|>`` markers, read and held likewise (server/tools_gemma.py). Granite 3's (``granite``; the template names
+``<|tool_call|>`` and ``<|start_of_role|>``) writes ``<|tool_call|>`` and one JSON list of the calls, as Mistral's v3.
+
+A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
+:func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
 
 What ``tool_choice`` does to the answer (in Hermes's format; the others read and hold their own alike):
 
@@ -65,6 +69,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from jointspec.backends.tokens import TEMPLATE_TAIL
 from jointspec.core.grammar import GrammarError, OutputFormat, one_line
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
@@ -74,6 +79,8 @@ from jointspec.server.call_formats import (
     CALL_OPEN,
     FORMATS,
     GEMMA4,
+    GRANITE,
+    GRANITE_CALL,
     HERMES,
     LLAMA3_JSON,
     MISTRAL_V3,
@@ -84,6 +91,7 @@ from jointspec.server.call_formats import (
     Calls,
     Held,
     Tool,
+    call_record,
 )
 from jointspec.server.tool_text import partial_tail
 from jointspec.server.tools_xml import FUNCTION_OPEN, PARAMETER_OPEN
@@ -256,6 +264,8 @@ def native_call_format(tokenizer) -> str | None:
         return QWEN3_CODER if FUNCTION_OPEN in template and PARAMETER_OPEN in template else HERMES
     if gemma.CALL_OPEN in template and gemma.CALL_PREFIX in template:
         return GEMMA4
+    if GRANITE_CALL in template and "<|start_of_role|>" in template:  # (Granite 4's names <tool_call>: Hermes's)
+        return GRANITE
     if mistral.TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
         return MISTRAL_V11 if mistral.ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)
@@ -284,13 +294,22 @@ def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
 
 
 def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
-                    call_format: str = HERMES) -> tuple[list[dict], list | None]:
+                    call_format: str = HERMES, shows_calls: bool = True) -> tuple[list[dict], list | None]:
     """The conversation as the chat template gets it, and the ``tools`` it gets (None: none). ``messages`` are
     OpenAI's, as dicts (assistant messages may hold ``tool_calls``, ``tool`` messages a result); ``native``: the
-    template renders tools and calls itself (:func:`native_call_format`), in ``call_format``."""
+    template renders tools and calls itself (:func:`native_call_format`), in ``call_format``; ``shows_calls``: it
+    renders an assistant's earlier calls (:func:`template_shows_calls`). Where it does not (Granite 3's, SmolLM3's),
+    each such turn's calls are written after its text in the format, as the model wrote them
+    (backends/tokens.py's TEMPLATE_TAIL)."""
     if native:
+        call_writer = CALL_FORMATS[call_format]
         rendered = [_native_message(message, call_format) for message in messages]
-        return CALL_FORMATS[call_format].native_turns(rendered), (list(tools) or None)
+        if not shows_calls:
+            for index, message in enumerate(messages):
+                written = call_writer.write(message["tool_calls"]) if message.get("tool_calls") else None
+                if written is not None:
+                    rendered[index] = {**rendered[index], TEMPLATE_TAIL: written}
+        return call_writer.native_turns(rendered), (list(tools) or None)
     rendered: list[dict] = []
     for index, message in enumerate(messages):
         if message["role"] == "tool":
@@ -300,8 +319,7 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
             else:
                 rendered.append({"role": "user", "content": text})
         elif message.get("tool_calls"):
-            blocks = "\n".join(f"{CALL_OPEN}\n{json.dumps(_call_record(call), ensure_ascii=False)}\n{CALL_CLOSE}"
-                               for call in message["tool_calls"])
+            blocks = CALL_FORMATS[HERMES].write(message["tool_calls"])
             content = message.get("content") or ""
             rendered.append({**_kept(message), "content": f"{content}\n{blocks}" if content else blocks})
         else:
@@ -313,6 +331,26 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
         else:
             rendered.insert(0, {"role": "system", "content": preamble})
     return rendered, None
+
+
+# An earlier call, named as no offered tool is, that a template which renders calls writes into the prompt.
+_PROBE_CALL = {"id": "call0probe", "type": "function", "function": {"name": "probe_call_7q", "arguments": "{}"}}
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
+
+
+def template_shows_calls(tokenizer, call_format: str) -> bool:
+    """Whether the tokenizer's chat template, given a conversation in ``call_format`` with an earlier call, writes that
+    call into the prompt (Granite 3's and SmolLM3's drop an assistant's calls and keep its text). A template that
+    refuses the probe is taken to show them."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+             {"role": "tool", "tool_call_id": _PROBE_CALL["id"], "content": "ok"}, {"role": "user", "content": "Go"}]
+    messages, tools = prompt_messages(probe, (_PROBE_TOOL,), True, call_format)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **template_variables(messages, tools, call_format))
+    except Exception:  # noqa: BLE001 - any template's own refusal: nothing learned
+        return True
+    return not isinstance(text, str) or _PROBE_CALL["function"]["name"] in text
 
 
 def template_variables(messages: list[dict], tools: list | None, call_format: str) -> dict:
@@ -334,26 +372,12 @@ def _tools_preamble(tools: tuple[dict, ...]) -> str:
             f'{CALL_OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CALL_CLOSE}')
 
 
-def _call_record(call: dict) -> dict:
-    """An earlier call as the call format writes it: its name and its arguments as an object (OpenAI sends them as
-    JSON text; text that is no JSON object stays text)."""
-    function = call["function"]
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            parsed = None
-        arguments = parsed if isinstance(parsed, dict) else arguments
-    return {"name": function["name"], "arguments": arguments if arguments is not None else {}}
-
-
 def _native_message(message: dict, call_format: str = HERMES) -> dict:
     """A message as a template that renders calls itself takes it: calls with their arguments as objects, and (for
     Mistral's templates, which refuse any other where they show ids) call ids of 9 letters and digits."""
     ids = CALL_FORMATS[call_format].message_id
     if message.get("tool_calls"):
-        calls = [{"type": "function", "id": ids(call.get("id")), "function": _call_record(call)}
+        calls = [{"type": "function", "id": ids(call.get("id")), "function": call_record(call)}
                  for call in message["tool_calls"]]
         return {**message, "tool_calls": calls}
     if message["role"] == "tool" and "tool_call_id" in message:

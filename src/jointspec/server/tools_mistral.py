@@ -42,11 +42,11 @@ def read_calls(body: str, v11: bool, cut: bool) -> list[dict] | None:
     """What follows the first ``[TOOL_CALLS]``, read as the layout writes calls: their records (``{"name",
     "arguments"}``), or None where it does not read so. ``cut``: the answer ran out of tokens, so the call it left
     unfinished is dropped and the calls before it stand."""
-    return (_v11_calls if v11 else _v3_calls)(body, cut)
+    return (_v11_calls if v11 else list_calls)(body, cut)
 
 
-def _v3_calls(body: str, cut: bool) -> list[dict] | None:
-    """v3: one JSON list of call objects, then nothing but whitespace."""
+def list_calls(body: str, cut: bool) -> list[dict] | None:
+    """v3 (and Granite 3's, after its own marker): one JSON list of call objects, then nothing but whitespace."""
     decoder = json.JSONDecoder()
     at = skip_space(body, 0)
     if not body.startswith("[", at):
@@ -91,13 +91,15 @@ def _v11_calls(body: str, cut: bool) -> list[dict] | None:
         at += len(TOOL_CALLS)
 
 
-def grammar(calls: list[tuple[str, str]], v11: bool, several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+def grammar(calls: list[tuple[str, str]], v11: bool, several: bool, strict_auto: bool, ids: dict[str, int],
+            opening: str = TOOL_CALLS) -> str:
     """The lark grammar of an answer of ``calls`` (each a function's name and its arguments' JSON schema, as the
     grammar's ``%json`` takes it), written as the templates write them: ``[TOOL_CALLS] [`` and the calls joined by
     ``, `` then ``]`` (v3, the space optional); each call ``[TOOL_CALLS]``, its name, ``[ARGS]`` and its arguments
     (v11). ``several``: more than one call; ``strict_auto``: any text first, then such calls or nothing (else the
-    calls alone); ``ids``: the markers that are added tokens, named by id (server/tool_text.py)."""
-    mark, args_mark = marker(TOOL_CALLS, ids), marker(ARGS, ids)
+    calls alone); ``ids``: the markers that are added tokens, named by id (server/tool_text.py); ``opening``: v3's
+    list after another marker (Granite 3's ``<|tool_call|>``)."""
+    mark, args_mark = marker(opening, ids), marker(ARGS, ids)
     # (a model whose tokenizer has [CALL_ID] may write its call's id, 9 letters and digits, before [ARGS])
     call_id = f" ({marker(CALL_ID, ids)} /[A-Za-z0-9]{{9}}/)?" if CALL_ID in ids else ""
     rules = []
@@ -114,4 +116,4 @@ def grammar(calls: list[tuple[str, str]], v11: bool, several: bool, strict_auto:
         following = f"call ({mark} call)*" if several else "call"
     else:
         following = '" "? "[" call (", " call)* "]"' if several else '" "? "[" call "]"'
-    return "\n".join([*start_rules(TOOL_CALLS, ids, following, strict_auto), f"call: {either}", *rules]) + "\n"
+    return "\n".join([*start_rules(opening, ids, following, strict_auto), f"call: {either}", *rules]) + "\n"
