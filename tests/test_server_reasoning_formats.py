@@ -86,6 +86,11 @@ def test_a_format_may_follow_a_reasoning_block_or_stand_alone(engine):
         ('Hi ' + block(engine, "hm") + '{"x": 1}', False),
     ]:
         assert grammar_takes(engine, after, text) == takes, text
+    # A schema's own x-guidance options go with the house style, as they do without reasoning: JSON written one way.
+    lenient = OutputFormat.json_schema({**POINT, "x-guidance": {"lenient": True}})
+    for text in ('{"x": 1}', '{ "x" :1 }'):
+        assert grammar_takes(engine, reasoning_first(lenient, tags, engine.reasoning_tokens, False),
+                             block(engine, "hm") + text) == grammar_takes(engine, lenient, text) == (text == '{"x": 1}')
     # A prompt that opened the block: the rest of it and its tag come first.
     inside = reasoning_first(answer, tags, engine.reasoning_tokens, opened=True)
     assert grammar_takes(engine, inside, "hm, one." + tags.close + '\n{"x": 1}')
@@ -102,10 +107,19 @@ def test_tool_calls_and_a_lark_format_follow_the_reasoning_and_a_lark_format_nee
                                 (strict, "Sunny.", True), (strict, call.replace("Paris", "Oslo"), False)]:
         after = reasoning_first(answer, tags, engine.reasoning_tokens, opened=False)
         assert grammar_takes(engine, after, block(engine, "Weather: a call.") + "\n\n" + text) == takes, text
-    assert grammar_takes(engine, reasoning_first(OutputFormat("regex", "[0-9]+/[0-9]+"), tags,
-                                                 engine.reasoning_tokens, False), block(engine, "hm") + "3/4")
-    with pytest.raises(ValueError, match="one start rule"):
-        reasoning_first(OutputFormat("lark", 'start: "a" | "(" start ")"\n'), tags, {}, False)
+    regex = reasoning_first(OutputFormat("regex", "[0-9]+/[0-9]+\n?"), tags, engine.reasoning_tokens, False)
+    assert grammar_takes(engine, regex, block(engine, "hm") + "3/4\n")
+    # A lark format is nested whole: its own start rule, which it may name again, and names that the tool's text
+    # holds ("start" in a description) stay its own.
+    nested = reasoning_first(OutputFormat("lark", 'start: "a" | "(" start ")"\n'), tags, engine.reasoning_tokens, False)
+    assert grammar_takes(engine, nested, block(engine, "hm") + "((a))")
+    assert not grammar_takes(engine, nested, "(" + block(engine, "hm") + "a)")
+    timed = {"type": "function", "function": {"name": "start", "parameters": {"type": "object", "properties": {
+        "start": {"enum": ["start", "stop"], "description": "start: when"}}, "required": ["start"]}}}
+    after = reasoning_first(read_tool_use([timed], "required", False).output_format(), tags, engine.reasoning_tokens,
+                            False)
+    assert grammar_takes(engine, after, block(engine, "hm") + '\n<tool_call>\n{"name": "start", "arguments": '
+                                                               '{"start": "stop"}}\n</tool_call>')
 
 
 def test_a_prompt_that_closes_an_empty_block_is_recognised():

@@ -394,6 +394,10 @@ def test_input_items_are_listed_in_pages_by_cursor_and_a_bad_query_is_a_400(byte
     page = listed(second["id"], order="asc", limit=2, after=ids[1])
     assert [item["id"] for item in page["data"]] == ids[2:4] and page["has_more"] and page["last_id"] == ids[3]
     assert [item["id"] for item in listed(second["id"], order="asc", after=ids[0], before=ids[3])["data"]] == ids[1:3]
+    back = listed(second["id"], order="asc", limit=2, before=ids[4])  # (before alone: the page just before it)
+    assert [item["id"] for item in back["data"]] == ids[2:4] and back["has_more"]
+    first_page = listed(second["id"], order="asc", limit=5, before=ids[2])
+    assert [item["id"] for item in first_page["data"]] == ids[:2] and not first_page["has_more"]
     assert not listed(second["id"], order="asc", limit=3, after=ids[2])["has_more"]
     empty = listed(second["id"], order="asc", after=ids[-1])
     assert empty["data"] == [] and empty["first_id"] is None and not empty["has_more"]

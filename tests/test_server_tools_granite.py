@@ -166,3 +166,4 @@ def test_hermes_templates_that_drop_calls_get_blocks_and_those_that_render_them_
         messages, tools = prompt_messages([dict(m) for m in EARLIER], (WEATHER,), True, HERMES, shows)
         text = dropping.decode(chat_template_ids(tokenizer, messages, tools))
         assert (block in text) != shows and text.count("get_weather") == 2  # (the tools' turn and the call)
+        assert ("Checking.\n" + block in text) != shows  # (after the turn's text on a line of its own)

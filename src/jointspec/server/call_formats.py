@@ -91,6 +91,7 @@ class CallFormat:
     opening: str | None = CALL_OPEN
     markers: tuple[str, ...] = ()
     writes_values = False  # (its grammar writes each argument's value itself, rather than a JSON object)
+    after_text = ""  # what the model writes between a turn's text and its calls
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
         """The lark grammar of an answer of one of ``calls`` (``several``: one or more); ``strict_auto``: any text
@@ -168,6 +169,7 @@ class _Hermes(CallFormat):
     """Hermes's blocks: ``<tool_call>`` JSON ``</tool_call>``, after any text."""
 
     xml = False  # (a block holds Qwen3-Coder's XML call instead of JSON)
+    after_text = "\n"
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
         either = " | ".join(f"call{index}" for index in range(len(calls)))

@@ -101,18 +101,18 @@ def _tag(tag: str, ids: dict[str, int]) -> str:
 
 
 def _answer_rules(answer: OutputFormat) -> list[str]:
-    """``answer`` as lark rules whose start is ``reasoning_answer``."""
+    """``answer`` as lark rules whose start is ``reasoning_answer`` (a lark format nested whole, its names its own)."""
     if answer.kind == "json":
         schema = json.loads(answer.spec) if answer.spec else {"type": "object"}
-        return [f"reasoning_answer: %json {json.dumps({'x-guidance': JSON_STYLE, **schema})}"]
+        # (the house style, under whatever the schema's own x-guidance sets, as grammar_from_json_schema's defaults)
+        own = schema.get("x-guidance")
+        style = {**JSON_STYLE, **own} if isinstance(own, dict) else JSON_STYLE if own is None else own
+        return [f"reasoning_answer: %json {json.dumps({**schema, 'x-guidance': style})}"]
     if answer.kind == "regex":
-        # (lark's regex literal ends at a bare slash: escape those not already escaped)
-        pattern = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", answer.spec)
+        # (lark's regex literal ends at a bare slash, and at a line's end: escape those)
+        pattern = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", answer.spec).replace("\n", "\\n").replace("\r", "\\r")
         return [f"reasoning_answer: /{pattern}/"]
-    renamed, count = re.subn(r"(?m)^start:", "reasoning_answer:", answer.spec)
-    if count != 1 or re.search(r"\bstart\b", renamed):
-        raise ValueError("a lark output format put after reasoning needs one start rule that nothing else names")
-    return [renamed.rstrip("\n")]
+    return [f"reasoning_answer: %lark {{\n{answer.spec.rstrip()}\n}}"]
 
 
 def prompt_closes_reasoning(prompt_text: str, tags: Tags = THINK) -> bool:

@@ -390,8 +390,9 @@ def _chat_format(fmt) -> dict:
 def input_items_page(stored: StoredResponse, limit: int = 20, order: str = "desc", after: str | None = None,
                      before: str | None = None) -> dict:
     """A page of a stored response's input items, as OpenAI's API lists them: ``order`` ``desc`` (its default: the
-    last item first) or ``asc``; the ``limit`` (1 to 100) items after the item ``after`` and before the item
-    ``before`` (ids of its items) in that order. ResponsesError names a bad value."""
+    last item first) or ``asc``; the first ``limit`` (1 to 100) items after the item ``after`` (and before the item
+    ``before``), or with ``before`` alone the last ``limit`` items before it (a page back). ResponsesError names a
+    bad value."""
     if not isinstance(limit, int) or not 1 <= limit <= 100:
         raise ResponsesError(f"limit must be an integer from 1 to 100, got {json.dumps(limit)}", "limit")
     if order not in ("asc", "desc"):
@@ -406,9 +407,14 @@ def input_items_page(stored: StoredResponse, limit: int = 20, order: str = "desc
                                  name)
     start = ids.index(after) + 1 if after is not None else 0
     end = ids.index(before) if before is not None else len(items)
-    page = items[start:end][:limit]
+    if before is not None and after is None:  # the page before the cursor (a client paging back)
+        low = max(start, end - limit)
+        page, more = items[low:end], low > start
+    else:
+        page = items[start:end][:limit]
+        more = start + len(page) < end
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+            "last_id": page[-1]["id"] if page else None, "has_more": more}
 
 
 # -- the answer -----------------------------------------------------------------------------------------------------

@@ -308,7 +308,8 @@ def prompt_messages(messages: list[dict], tools: tuple[dict, ...], native: bool,
             for index, message in enumerate(messages):
                 written = call_writer.write(message["tool_calls"]) if message.get("tool_calls") else None
                 if written is not None:
-                    rendered[index] = {**rendered[index], TEMPLATE_TAIL: written}
+                    gap = call_writer.after_text if message.get("content") else ""
+                    rendered[index] = {**rendered[index], TEMPLATE_TAIL: gap + written}
         return call_writer.native_turns(rendered), (list(tools) or None)
     rendered: list[dict] = []
     for index, message in enumerate(messages):
