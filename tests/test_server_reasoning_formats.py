@@ -78,6 +78,7 @@ def test_a_format_may_follow_a_reasoning_block_or_stand_alone(engine):
         (block(engine, "\nhm, one.\n") + '\n\n{"x": 1}', True),
         (block(engine, "") + '{"x": 1}', True),
         (block(engine, "a < b") + ' \t\n{"x": 2}', True),
+        (block(engine, "hm") + "\n" * 9 + '{"x": 1}', False),  # (a few blank lines at most: never endless)
         (block(engine, "hm") + 'So: {"x": 1}', False),  # (text between: the content is the format)
         (block(engine, "hm") + '{"x": "one"}', False),  # (the format's schema still holds)
         (block(engine, "hm") + tags.close + '{"x": 1}', False),  # (the reasoning never spells its closing tag)

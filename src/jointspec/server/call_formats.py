@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from jointspec.core.grammar import JSON_STYLE, OutputFormat
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
-from jointspec.server.tool_text import partial_tail, skip_space
+from jointspec.server.tool_text import marker, partial_tail, skip_space, start_rules
 from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed_arguments, unwritable_key
 
 CALL_OPEN = "<tool_call>"
@@ -170,21 +170,17 @@ class _Hermes(CallFormat):
 
     xml = False  # (a block holds Qwen3-Coder's XML call instead of JSON)
     after_text = "\n"
+    # (added tokens in the tokenizers of the models that write them: Qwen2.5's, Qwen3's, Granite 4's)
+    markers = (CALL_OPEN, CALL_CLOSE)
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
         either = " | ".join(f"call{index}" for index in range(len(calls)))
-        # (then a newline at most: a model that ends its calls with one is not made to write another call)
-        after = (' ("\\n" call)*' if several else "") + ' "\\n"?'
-        opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
-        if strict_auto:
-            # TEXT: anything without the opening tag. OPENED: such text and the tag, one lexeme, so that the text
-            # ends where the tag begins (a lexer cannot end a lexeme it has already extended past the tag's start).
-            start = [f"start: TEXT | OPENED ({either}) {closing}{after}", f"OPENED: TEXT {opening}",
-                     f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(CALL_OPEN)}.*)/"]
-        else:
-            start = [f"start: call{after}"]
+        # Each block's tags by token id where they are tokens (server/tool_text.py); between blocks a newline, and
+        # after the last a newline at most (a model that ends its calls with one is not made to write another call).
+        block = f'"\\n" ({either}) "\\n" {marker(CALL_CLOSE, ids)}'
+        following = block + (f' ("\\n" {marker(CALL_OPEN, ids)} {block})*' if several else "") + ' "\\n"?'
         rules = [rule for index, call in enumerate(calls) for rule in self.call_rules(call, index)]
-        return "\n".join([*start, f"call: {opening} ({either}) {closing}", *rules]) + "\n"
+        return "\n".join([*start_rules(CALL_OPEN, ids, following, strict_auto), *rules]) + "\n"
 
     def call_rules(self, call: Held, index: int) -> list[str]:
         """The grammar's rules of a call of ``call`` (rule ``call{index}``): its name and keys as text, its arguments

@@ -78,7 +78,7 @@ def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opene
     answer. ``ids``: the tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads
     added ``<...>`` tokens as special: no text matches them). The block's text never spells the closing tag, as the
     reader (:func:`split_reasoning`) ends it at the first such spelling."""
-    lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]+/", *_answer_rules(answer)]
+    lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]{1,8}/", *_answer_rules(answer)]
     close = _tag(tags.close, ids)
     if any(tags.close.startswith(spelling) for spelling in ids):
         block = f"REASONING_TEXT {close}"

@@ -1,0 +1,140 @@
+"""The server with real models' chat templates (tests/data/chat_templates, verbatim, with their sources and licences):
+which tool-call format it reads from each, where each leaves an answer's reasoning, and the prompt each renders for a
+conversation with an earlier call, its result and an answer. The tokenizers are the byte tokenizer with each model's
+control tokens added as its own tokenizer has them (special, or added without the flag), the model a tiny random
+Llama. Greedy throughout: nothing can fail by chance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from jointspec.backends.hf import CausalLM
+from jointspec.server.app import ServerSettings, create_app
+from jointspec.server.engine import CompletionRequest, ServingEngine
+from jointspec.server.reasoning import THINK, prompt_closes_reasoning, prompt_opens_reasoning
+from jointspec.server.tools import (
+    GRANITE,
+    HERMES,
+    MISTRAL_V3,
+    MISTRAL_V11,
+    QWEN3_CODER,
+    native_call_format,
+    read_tool_use,
+)
+
+from helpers import CITY_TOOL, byte_tokenizer, check_required_call, llama_ending_at_eos
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+QWEN = (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                                         "</tool_response>"])
+MISTRAL = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
+           "[/TOOL_RESULTS]"]
+# Each template: its model's control tokens (special ones, added ones), the call format read from it, its reasoning
+# tags, and how a prompt leaves the answer (opened: inside a block; closed: after an empty one) by default and with
+# thinking off.
+MODELS = {
+    "Qwen3-0.6B": (*QWEN, HERMES, THINK, (False, False), (False, True)),
+    "Qwen3.5-4B": (*QWEN, QWEN3_CODER, THINK, (True, False), (False, True)),
+    "granite-3.3-2b-instruct": (["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>"], [],
+                                GRANITE, THINK, (False, False), (False, False)),
+    "granite-4.0": (["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"], QWEN[1][2:], HERMES, None, None,
+                    None),
+    "Mistral-Nemo-Instruct-2407": (MISTRAL, [], MISTRAL_V3, None, None, None),
+    "Mistral-Small-3.2-24B-Instruct-2506": (MISTRAL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]",
+                                                       "[TOOL_CONTENT]"], [], MISTRAL_V11, None, None, None),
+    "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
+                                      "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
+                                     (True, False), (True, False)),
+}
+# An earlier call as each format writes it into the prompt (Mistral's with its call id as 9 characters).
+CALLS = {
+    "Qwen3-0.6B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "Qwen3.5-4B": "Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                  "</function>",
+    # (Granite 3's template drops an assistant's calls: the server writes them after its text)
+    "granite-3.3-2b-instruct": 'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "granite-4.0": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "Mistral-Nemo-Instruct-2407": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "',
+    "Mistral-Small-3.2-24B-Instruct-2506": "[TOOL_CALLS]get_weather[CALL_ID]",
+    # (no format of its own: the tools and calls shown as text in Hermes's)
+    "DeepSeek-R1-Distill-Qwen-32B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CONVERSATION = (
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "call_abc123", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_abc123", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"})
+
+
+def tokenizer_of(name: str):
+    special, added, *_ = MODELS[name]
+    words = byte_tokenizer()
+    words.add_special_tokens({"additional_special_tokens": special})
+    if added:
+        words.add_tokens(added)
+    words.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    return words
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def served(request):
+    words = tokenizer_of(request.param)
+    engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words))), words, model_id="tiny", max_batch_size=4)
+    yield request.param, engine
+    engine.close()
+
+
+def test_each_templates_format_and_reasoning_are_read(served):
+    name, engine = served
+    *_, call_format, tags, by_default, thinking_off = MODELS[name]
+    assert native_call_format(engine.tokenizer) == call_format and engine.reasoning_tags == tags
+    if tags is not None:
+        for kwargs, (opened, closed) in (({}, by_default), ({"enable_thinking": False}, thinking_off)):
+            prompt = engine.tokenizer.decode(engine.encode(CompletionRequest(
+                messages=({"role": "user", "content": "Hi"},), template_kwargs=kwargs)))
+            assert (prompt_opens_reasoning(prompt, tags), prompt_closes_reasoning(prompt, tags)) == (opened, closed)
+
+
+def test_each_template_renders_an_earlier_call_in_its_models_format(served):
+    name, engine = served
+    shown = read_tool_use([WEATHER], None, None, call_format=engine.call_format).shown()
+    prompt = engine.tokenizer.decode(engine.encode(CompletionRequest(messages=CONVERSATION, tools=shown)))
+    assert CALLS[name] in prompt and "sunny" in prompt and "And Rome?" in prompt
+    assert engine.shows_calls == (name != "granite-3.3-2b-instruct")
+
+
+@pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "granite-4.0"])
+def test_a_required_call_with_a_real_template_is_the_loops_constrained_greedy_decoding(name):
+    words = tokenizer_of(name)
+    model = llama_ending_at_eos(3, len(words), 4096)  # (Mistral Small's own system prompt is 2,500 tokens)
+    engine = ServingEngine(CausalLM(model), words, model_id="tiny", max_batch_size=4)
+    try:
+        check_required_call(engine, model, MODELS[name][2], "pld")
+    finally:
+        engine.close()
+
+
+def test_qwen3s_required_call_may_come_after_its_thinking_with_the_real_template():
+    """Pushed to open and close its block (added tokens, as in Qwen3's tokenizer), the answer is an empty reasoning
+    and then the call the grammar holds."""
+    words = tokenizer_of("Qwen3-0.6B")
+    engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words))), words, model_id="tiny", max_batch_size=4)
+    try:
+        bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in ("<think>", "</think>")}
+        reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [CITY_TOOL],
+            "tool_choice": "required", "parallel_tool_calls": False, "logit_bias": bias, "temperature": 0,
+            "max_tokens": 120})
+        message = reply.json()["choices"][0]["message"]
+        assert message["reasoning_content"] == "" and message["content"] is None
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+    finally:
+        engine.close()
