@@ -111,7 +111,7 @@ def test_each_template_renders_an_earlier_call_in_its_models_format(served):
     assert engine.shows_calls == (name != "granite-3.3-2b-instruct")
 
 
-@pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "granite-4.0"])
+@pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "Mistral-Nemo-Instruct-2407", "granite-4.0"])
 def test_a_required_call_with_a_real_template_is_the_loops_constrained_greedy_decoding(name):
     words = tokenizer_of(name)
     model = llama_ending_at_eos(3, len(words), 4096)  # (Mistral Small's own system prompt is 2,500 tokens)
@@ -122,11 +122,13 @@ def test_a_required_call_with_a_real_template_is_the_loops_constrained_greedy_de
         engine.close()
 
 
-def test_qwen3s_required_call_may_come_after_its_thinking_with_the_real_template():
-    """Pushed to open and close its block (added tokens, as in Qwen3's tokenizer), the answer is an empty reasoning
-    and then the call the grammar holds."""
-    words = tokenizer_of("Qwen3-0.6B")
-    engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words))), words, model_id="tiny", max_batch_size=4)
+@pytest.mark.parametrize("name", ["Qwen3-0.6B", "Qwen3.5-4B"])
+def test_a_qwen_required_call_may_come_after_its_thinking_with_the_real_template(name):
+    """Pushed to open and close its block (added tokens, as in Qwen's tokenizers; Qwen3.5's template opens it in the
+    prompt), the answer is an empty reasoning and then the call the grammar holds, in the model's format."""
+    words = tokenizer_of(name)
+    engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words), 2048)), words, model_id="tiny",
+                           max_batch_size=4)
     try:
         bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in ("<think>", "</think>")}
         reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
