@@ -14,17 +14,19 @@ from dataclasses import dataclass
 from jointspec.core.grammar import JSON_STYLE, OutputFormat
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
+from jointspec.server import tools_pythonic as pythonic
 from jointspec.server.tool_text import marker, partial_tail, skip_space, start_rules
 from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed_arguments, unwritable_key
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # The call formats read here (server/tools.py's docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
-# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py) and Granite 3's.
+# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py), Granite 3's and
+# LFM2's Python calls (server/tools_pythonic.py).
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
-QWEN3_CODER, GEMMA4, GRANITE = "qwen3_coder", "gemma4", "granite"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE)
+QWEN3_CODER, GEMMA4, GRANITE, LFM2 = "qwen3_coder", "gemma4", "granite", "lfm2"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2)
 # Granite 3's opening of its calls (a special token in its tokenizer).
 GRANITE_CALL = "<|tool_call|>"
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
@@ -442,5 +444,25 @@ class _Granite(_Marked):
         return GRANITE_CALL + json.dumps([call_record(call) for call in calls], ensure_ascii=False)
 
 
+class _Lfm2(_Marked):
+    """LiquidAI LFM2's: one Python list of calls between ``<|tool_call_start|>`` and ``<|tool_call_end|>``
+    (server/tools_pythonic.py)."""
+
+    name, opening, markers, writes_values = LFM2, pythonic.CALL_START, pythonic.MARKERS, True
+
+    def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+        return pythonic.grammar([(call.name, call.schema) for call in calls], several, strict_auto, ids)
+
+    def records(self, rest: str, cut: bool) -> list[dict] | None:
+        return pythonic.read_calls(rest, cut)
+
+    def unwritable_key(self, schema: dict) -> str | None:
+        return pythonic.unwritable_key(schema)
+
+    def write(self, calls: list[dict]) -> str | None:
+        return pythonic.write([call_record(call) for call in calls])
+
+
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
-    _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite())}
+    _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite(),
+    _Lfm2())}

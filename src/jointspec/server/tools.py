@@ -1,7 +1,7 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of seven formats, the one the model's chat template writes (:func:`native_call_format`), else
-Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
+Calls are read in one of eight formats, the one the model's chat template writes (:func:`native_call_format`),
+else Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
 
@@ -48,6 +48,8 @@ schema, and constrained by a grammar of that layout (server/tools_xml.py). Gemma
 names ``<|tool_call>`` and ``call:``) writes ``<|tool_call>call:NAME{key:value}<tool_call|>`` with strings between
 ``<|"|>`` markers, read and held likewise (server/tools_gemma.py). Granite 3's (``granite``; the template names
 ``<|tool_call|>`` and ``<|start_of_role|>``) writes ``<|tool_call|>`` and one JSON list of the calls, as Mistral's v3.
+LFM2's (``lfm2``; the template lists the tools after ``List of tools: ``) writes one Python list of calls between
+``<|tool_call_start|>`` and ``<|tool_call_end|>`` (server/tools_pythonic.py).
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
 :func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
@@ -82,6 +84,7 @@ from jointspec.server.call_formats import (
     GRANITE,
     GRANITE_CALL,
     HERMES,
+    LFM2,
     LLAMA3_JSON,
     MISTRAL_V3,
     MISTRAL_V11,
@@ -266,6 +269,8 @@ def native_call_format(tokenizer) -> str | None:
         return GEMMA4
     if GRANITE_CALL in template and "<|start_of_role|>" in template:  # (Granite 4's names <tool_call>: Hermes's)
         return GRANITE
+    if "<|tool_list_start|>" in template or "List of tools: " in template:  # (LFM2's, and LFM2.5's)
+        return LFM2
     if mistral.TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
         return MISTRAL_V11 if mistral.ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)

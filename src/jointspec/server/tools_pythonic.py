@@ -1,0 +1,177 @@
+"""LiquidAI LFM2's tool-call format (``lfm2``, server/call_formats.py): the calls as one Python list of calls with
+keyword arguments, between two special tokens, after any text::
+
+    <|tool_call_start|>[get_weather(city="Paris"), add(a=1, b=[2, 3])]<|tool_call_end|>
+
+Values are Python literals (strings quoted either way, ``True``, ``False``, ``None``, lists and dicts). The calls are
+read as vLLM's ``lfm2`` parser reads them, with Python's own parser (never evaluated): a list of calls of plain names
+with keyword arguments whose values are literals, else nothing is taken for a call. :func:`grammar` holds required
+and strict calls to their schemas, each value spelled as a Python literal of its type.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import keyword
+
+from jointspec.server.tool_schemas import property_schema
+from jointspec.server.tool_text import marker, start_rules
+
+CALL_START, CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+MARKERS = (CALL_START, CALL_END)
+
+
+def read_calls(body: str, cut: bool) -> list[dict] | None:
+    """What follows the first ``<|tool_call_start|>``: the call records (``{"name", "arguments"}``) of the list up to
+    ``<|tool_call_end|>`` (then nothing but whitespace; a model that ends the answer without the marker may leave it
+    out), or None where it does not read so. ``cut``: the answer ran out of tokens, so the calls before the one it left
+    unfinished stand."""
+    end = body.find(CALL_END)
+    if end >= 0 and body[end + len(CALL_END):].strip():
+        return None
+    segment = body[:end] if end >= 0 else body
+    calls = _calls(segment)
+    if calls is None and cut and end < 0:  # (the longest run of whole calls, the list closed after it)
+        closes = [at for at, char in enumerate(segment) if char == ")"]
+        calls = next((found for at in reversed(closes) if (found := _calls(segment[:at + 1] + "]"))), None)
+    return calls
+
+
+def _calls(segment: str) -> list[dict] | None:
+    try:
+        tree = ast.parse(segment.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        names = [argument.arg for argument in node.keywords] if isinstance(node, ast.Call) else []
+        # (a call with a positional argument, **, a name given twice, which Python refuses, or of no plain name)
+        if (not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name) or None in names
+                or len(set(names)) != len(names)):
+            return None
+        try:
+            arguments = {argument.arg: ast.literal_eval(argument.value) for argument in node.keywords}
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+        calls.append({"name": node.func.id, "arguments": arguments})
+    return calls
+
+
+def python_literal(value) -> str:
+    """``value`` (JSON's) as a Python literal: strings as JSON writes them (Python reads them alike), ``True``,
+    ``False``, ``None``, lists and dicts of such."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(python_literal(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(key))}: {python_literal(item)}" for key, item in value.items()) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def write(calls: list[dict]) -> str:
+    """Call records (name, arguments as an object) as the model writes them."""
+    written = [f"{call['name']}(" + ", ".join(f"{key}={python_literal(value)}" for key, value in (
+        call["arguments"] if isinstance(call["arguments"], dict) else {}).items()) + ")" for call in calls]
+    return f"{CALL_START}[{', '.join(written)}]{CALL_END}"
+
+
+def unwritable_key(schema: dict) -> str | None:
+    """A parameter name that is no Python keyword argument (not an identifier, or a keyword), or None."""
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    return next((key for key in properties if not key.isidentifier() or keyword.iskeyword(key)), None)
+
+
+# -- the grammar ---------------------------------------------------------------------------------------------------
+
+class _Rules:
+    """The grammar of one tool's calls, built rule by rule: each value by its schema (references followed), spelled
+    as a Python literal."""
+
+    def __init__(self, index: int, root: dict) -> None:
+        self.index, self.root = index, root
+        self.rules: list[str] = []
+
+    def rule(self, body: str) -> str:
+        name = f"p{self.index}_{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: dict) -> str:
+        schema = property_schema(schema, self.root)
+        branches = [branch for key in ("anyOf", "oneOf") for branch in schema.get(key) or ()
+                    if isinstance(branch, dict)]
+        if branches:
+            return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
+        values = schema["enum"] if isinstance(schema.get("enum"), list) else (
+            [schema["const"]] if "const" in schema else None)
+        if values:
+            return "(" + " | ".join(json.dumps(python_literal(value)) for value in values) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list) and kind:
+            return "(" + " | ".join(self.value({**schema, "type": one}) for one in kind) + ")"
+        simple = {"string": "PYSTRING", "integer": "INT", "number": "NUMBER", "boolean": '("True" | "False")',
+                  "null": '"None"'}
+        if kind in simple:
+            return simple[kind]
+        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+            pairs = {key: f"{json.dumps(json.dumps(key) + ': ')} {self.value(prop)}"
+                     for key, prop in schema["properties"].items()}
+            return self.rule('"{" ' + self.sequence(pairs, set(schema.get("required") or ())) + ' "}"')
+        if kind == "array" and isinstance(schema.get("items"), dict):
+            item = self.value(schema["items"])
+            return self.rule(f'"[" ({item} (", " {item})*)? "]"')
+        return "pyvalue"  # (an object without properties, a list of anything, no type: any literal)
+
+    def sequence(self, pairs: dict[str, str], required: set[str]) -> str:
+        """``pairs`` (each key's grammar) in their order, the ``required`` ones always, joined by ``", "``: a rule
+        that may match nothing where none is required."""
+        tail, first = "", ""
+        for name, pair in reversed(pairs.items()):
+            after = f" {tail}" if tail else ""
+            if name in required:
+                first = self.rule(f"{pair}{after}")
+            else:
+                first = self.rule(f"{pair}{after} | {first}" if first else f"({pair}{after})?")
+            tail = self.rule(f'", " {pair}{after}' if name in required else f'(", " {pair})?{after}')
+        return first
+
+
+def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
+    """The grammar of a call of function ``name`` (rule ``call{index}``): ``NAME(``, its keyword arguments held to
+    ``schema`` (in its properties' order, the required ones always; None: any arguments), ``)``."""
+    rules = _Rules(index, schema or {})
+    if schema is None:
+        arguments = '(PYKEY "=" pyvalue (", " PYKEY "=" pyvalue)*)?'
+    elif not isinstance(schema.get("properties"), dict) or not schema["properties"]:
+        arguments = ""
+    else:
+        pairs = {key: f"{json.dumps(key + '=')} {rules.value(prop)}" for key, prop in schema["properties"].items()}
+        arguments = rules.sequence(pairs, set(schema.get("required") or ()))
+    return [f'call{index}: {json.dumps(name + "(")} {arguments} ")"'.replace("  ", " "), *rules.rules]
+
+
+SHARED_RULES = [
+    "INT: /-?(0|[1-9][0-9]*)/",
+    r"NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+    # (Python's string literals, either quote, with the escapes JSON's strings have but \/, and no line break)
+    r'''PYSTRING: /"([^"\\\n]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*"/'''
+    r'''    | /'([^'\\\n]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*'/''',
+    "PYKEY: /[A-Za-z_][A-Za-z0-9_]*/",
+    'pyvalue: PYSTRING | NUMBER | "True" | "False" | "None" | "[" (pyvalue (", " pyvalue)*)? "]" '
+    '| "{" (PYSTRING ": " pyvalue (", " PYSTRING ": " pyvalue)*)? "}"',
+]
+
+
+def grammar(calls: list[tuple[str, dict | None]], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+    """The lark grammar of an answer of ``calls`` (each a function's name and its arguments' schema, None: any
+    arguments): the start marker, a list of one call (``several``: one or more) and the end marker. ``strict_auto``:
+    any text that does not spell the start marker first, then such calls or nothing (else the calls alone); ``ids``:
+    the markers that are added tokens, named by id (server/tool_text.py)."""
+    rules = [rule for index, (name, schema) in enumerate(calls) for rule in call_rules(name, schema, index)]
+    either = "(" + " | ".join(f"call{index}" for index in range(len(calls))) + ")"
+    following = f'"[" {either}' + (f' (", " {either})*' if several else "") + f' "]" {marker(CALL_END, ids)}'
+    return "\n".join([*start_rules(CALL_START, ids, following, strict_auto), *rules, *SHARED_RULES]) + "\n"
