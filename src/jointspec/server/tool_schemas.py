@@ -50,6 +50,17 @@ def _pointer(root: dict, pointer: str) -> dict:
     return node
 
 
+def union_branches(schema: dict) -> list[dict]:
+    """A schema's ``anyOf`` and ``oneOf`` branches (none where it is no such union)."""
+    return [branch for key in ("anyOf", "oneOf") for branch in schema.get(key) or () if isinstance(branch, dict)]
+
+
+def listed_values(schema: dict) -> list | None:
+    """The values a schema lists: its ``enum``'s, or its ``const``; None where it lists none."""
+    return schema["enum"] if isinstance(schema.get("enum"), list) else (
+        [schema["const"]] if "const" in schema else None)
+
+
 def json_kinds(schema: dict) -> frozenset[str] | None:
     """The JSON types a schema (references followed) takes: its ``type``, its enum's or const's values', the union
     of its ``anyOf`` / ``oneOf`` branches, what its ``allOf`` branches share; None where it says none (any value)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from jointspec.server.tool_schemas import property_schema
+from jointspec.server.tool_schemas import listed_values, property_schema, union_branches
 from jointspec.server.tool_text import marker, skip_space, start_rules
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -173,12 +173,10 @@ class _Rules:
     def value(self, schema: dict) -> str:
         """The grammar of a value ``schema`` takes (its enum's values, its branches', its type's)."""
         schema = property_schema(schema, self.root)
-        branches = [branch for key in ("anyOf", "oneOf") for branch in schema.get(key) or ()
-                    if isinstance(branch, dict)]
+        branches = union_branches(schema)
         if branches:
             return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
-        values = schema["enum"] if isinstance(schema.get("enum"), list) else (
-            [schema["const"]] if "const" in schema else None)
+        values = listed_values(schema)
         # (objects and lists among the values, or none: any value, as written)
         if values and not any(isinstance(value, dict | list) for value in values):
             return "(" + " | ".join(self.literal(value) for value in values) + ")"

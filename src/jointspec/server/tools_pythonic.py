@@ -15,7 +15,7 @@ import ast
 import json
 import keyword
 
-from jointspec.server.tool_schemas import property_schema
+from jointspec.server.tool_schemas import listed_values, property_schema, union_branches
 from jointspec.server.tool_text import marker, start_rules
 
 CALL_START, CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
@@ -102,12 +102,10 @@ class _Rules:
 
     def value(self, schema: dict) -> str:
         schema = property_schema(schema, self.root)
-        branches = [branch for key in ("anyOf", "oneOf") for branch in schema.get(key) or ()
-                    if isinstance(branch, dict)]
+        branches = union_branches(schema)
         if branches:
             return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
-        values = schema["enum"] if isinstance(schema.get("enum"), list) else (
-            [schema["const"]] if "const" in schema else None)
+        values = listed_values(schema)
         if values:
             return "(" + " | ".join(json.dumps(python_literal(value)) for value in values) + ")"
         kind = schema.get("type")
