@@ -83,11 +83,19 @@ def test_an_answer_is_read_with_pythons_parser_and_nothing_else_is_a_call():
     assert len(read_calls(calls('note(text="a")', 'note(text="b")'), use_of(NOTE, parallel=False)).calls) == 1
     # (a model that ends the answer without the end marker)
     assert read_calls(f'{CALL_START}[note(text="a")]', use).calls
+    # (LFM2 may say what it does after its calls: that text joins the content)
+    after = read_calls(calls('note(text="a")', text="Let me note.") + " Noting it now.", use)
+    assert after.content == "Let me note.\nNoting it now." and len(after.calls) == 1
     for text in (calls('note("positional")'), calls('os.system(cmd="x")'), calls("note(text=open('f'))"),
-                 calls('nope(a=1)'), calls('note(text="a")') + " and more", calls("note(**kw)"), calls(""),
-                 calls('note(text="a"'), "no calls", calls('note(text="a", text="b")')):
+                 calls('nope(a=1)'), calls("note(**kw)"), calls(""), calls('note(text="a"'), "no calls",
+                 calls('note(text="a", text="b")'),
+                 # (literals that are no JSON values)
+                 calls("note(text=1j)"), calls("note(text={1, 2})"), calls('note(text=b"x")'),
+                 calls("note(text=1e999)"), calls("note(text={1: 2})"), calls("note(text=...)")):
         assert read_calls(text, use).calls == () and read_calls(text, use).content == text, text
-    cut = calls('note(text="a")', 'get_weather(city="Ro')[:-len(CALL_END)]
+    assert json.loads(read_calls(calls('note(text=("a", 1))'), use).calls[0]["function"]["arguments"]) == {
+        "text": ["a", 1]}
+    cut = calls('note(text="a)b")', 'get_weather(city="Ro(")')[:-len(CALL_END) - 3]
     assert [call["function"]["name"] for call in read_calls(cut, use, cut=True).calls] == ["note"]
 
 
@@ -115,7 +123,8 @@ def test_the_grammar_holds_each_value_to_its_schema_as_a_python_literal(engine):
         (calls('get_weather(city="Rome", days=2.5)'), False),
         (calls('get_weather(city="Rome", box={"y": 1})'), False),
         (calls('get_weather(city="Rome", other=1)'), False),  # (additionalProperties false)
-        (calls('note(text="a\nb")'), False),  # (a line break inside a literal)
+        (calls('note(text="a\nb")'), False),  # (a line break inside a literal, or a CR, which Python refuses)
+        (calls('note(text="a\rb")'), False),
         ("Sure.", False),
     ]:
         assert grammar_takes(engine, required, text) == takes, text
@@ -126,7 +135,11 @@ def test_the_grammar_holds_each_value_to_its_schema_as_a_python_literal(engine):
     assert not grammar_takes(engine, strict, calls("note(text=1)"))
 
 
-def test_a_parameter_that_is_no_keyword_argument_is_refused_where_calls_are_held():
+def test_a_function_or_parameter_that_python_cannot_write_is_refused_where_calls_are_held():
+    hyphenated = {"type": "function", "function": {"name": "get-weather", "parameters": {"type": "object"}}}
+    with pytest.raises(ValueError, match="cannot write a function named"):
+        use_of(hyphenated, choice="required")
+    assert use_of(hyphenated).choice == "auto"
     for name in ("class", "my-key", "2x"):
         tool = {"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {name: {"type": "string"}}}}}

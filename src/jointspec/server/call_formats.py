@@ -110,6 +110,11 @@ class CallFormat:
         """A parameter name in ``schema`` that this format cannot write (None: it writes any)."""
         return None
 
+    def writes_name(self, name: str) -> bool:
+        """Whether this format can write a call of a function so named (OpenAI's names: letters, digits, ``_``,
+        ``-``)."""
+        return True
+
     def arguments_format(self, tool: Tool) -> OutputFormat:
         """What must compile for a grammar to hold ``tool``'s calls: its arguments' JSON schema, or the format's
         grammar of its calls where that writes the values itself."""
@@ -376,18 +381,23 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
 class _Marked(CallFormat):
     """A format whose calls follow a marker after any text (Mistral's, Gemma 4's): the text before the first marker
     (less its trailing whitespace) the content, and all that follows it the calls, as the format's module reads
-    them."""
+    them (LFM2's may end them and say more: that text joins the content, on a line of its own)."""
 
     def read(self, text: str, tools: tuple[Tool, ...], parallel: bool, cut: bool) -> Calls:
         start = text.find(self.opening)
         if start < 0:
             return Calls(text, ())
-        records = self.records(text[start + len(self.opening):], cut) or []
+        records, after = self.split(text[start + len(self.opening):], cut)
         names = {tool.name for tool in tools}
-        calls = [_read_call(record, names) for record in records]
+        calls = [_read_call(record, names) for record in records or []]
         if not calls or None in calls:
             return Calls(text, ())
-        return Calls(text[:start].rstrip() or None, tuple(calls if parallel else calls[:1]))
+        content = "\n".join(part for part in (text[:start].rstrip(), after.strip()) if part)
+        return Calls(content or None, tuple(calls if parallel else calls[:1]))
+
+    def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
+        """The call records written after the first marker (None: they do not read), and the text after them."""
+        return self.records(rest, cut), ""
 
     def records(self, rest: str, cut: bool) -> list[dict] | None:
         """The call records written after the first marker (None: they do not read)."""
@@ -453,11 +463,14 @@ class _Lfm2(_Marked):
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
         return pythonic.grammar([(call.name, call.schema) for call in calls], several, strict_auto, ids)
 
-    def records(self, rest: str, cut: bool) -> list[dict] | None:
+    def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
         return pythonic.read_calls(rest, cut)
 
     def unwritable_key(self, schema: dict) -> str | None:
         return pythonic.unwritable_key(schema)
+
+    def writes_name(self, name: str) -> bool:
+        return pythonic.writable_name(name)
 
     def write(self, calls: list[dict]) -> str | None:
         return pythonic.write([call_record(call) for call in calls])

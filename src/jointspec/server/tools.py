@@ -216,6 +216,9 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
         for index, tool in enumerate(offered):
             if use.function in (None, tool.name) and (use.choice == "required" or tool.strict):
                 where = f"{param}.{index}.function.parameters"
+                if not use.call_format.writes_name(tool.name):
+                    raise ToolError(f"{param}.{index}.function.name: the model's call format ({call_format}) cannot "
+                                    f"write a function named {json.dumps(tool.name)}", f"{param}.{index}.function.name")
                 key = use.call_format.unwritable_key(tool.arguments_schema())
                 if key is not None:
                     raise ToolError(f"{where}: the model's call format ({call_format}) cannot write a parameter "

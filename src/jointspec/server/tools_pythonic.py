@@ -1,5 +1,5 @@
 """LiquidAI LFM2's tool-call format (``lfm2``, server/call_formats.py): the calls as one Python list of calls with
-keyword arguments, between two special tokens, after any text::
+keyword arguments, between two special tokens, after any text (and before any more)::
 
     <|tool_call_start|>[get_weather(city="Paris"), add(a=1, b=[2, 3])]<|tool_call_end|>
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import keyword
+import math
 
 from jointspec.server.tool_schemas import listed_values, property_schema, union_branches
 from jointspec.server.tool_text import marker, start_rules
@@ -22,20 +23,36 @@ CALL_START, CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
 MARKERS = (CALL_START, CALL_END)
 
 
-def read_calls(body: str, cut: bool) -> list[dict] | None:
+def read_calls(body: str, cut: bool) -> tuple[list[dict] | None, str]:
     """What follows the first ``<|tool_call_start|>``: the call records (``{"name", "arguments"}``) of the list up to
-    ``<|tool_call_end|>`` (then nothing but whitespace; a model that ends the answer without the marker may leave it
-    out), or None where it does not read so. ``cut``: the answer ran out of tokens, so the calls before the one it left
-    unfinished stand."""
+    ``<|tool_call_end|>`` (a model that ends the answer without the marker may leave it out), or None where it does not
+    read so; and the text after the end marker (LFM2 may say what it does after its calls). ``cut``: the answer ran
+    out of tokens, so the calls before the one it left unfinished stand."""
     end = body.find(CALL_END)
-    if end >= 0 and body[end + len(CALL_END):].strip():
-        return None
-    segment = body[:end] if end >= 0 else body
+    segment, after = (body[:end], body[end + len(CALL_END):]) if end >= 0 else (body, "")
     calls = _calls(segment)
     if calls is None and cut and end < 0:  # (the longest run of whole calls, the list closed after it)
-        closes = [at for at, char in enumerate(segment) if char == ")"]
-        calls = next((found for at in reversed(closes) if (found := _calls(segment[:at + 1] + "]"))), None)
-    return calls
+        calls = next((found for at in reversed(_call_ends(segment)) if (found := _calls(segment[:at + 1] + "]"))),
+                     None)
+    return calls, after
+
+
+def _call_ends(segment: str) -> list[int]:
+    """Where the list's calls end: each ``)`` that closes a bracket opened inside the list, outside strings (one pass:
+    a cut answer is tried at these places alone)."""
+    ends, depth, quote, escaped = [], 0, "", False
+    for at, char in enumerate(segment):
+        if quote:
+            escaped, quote = (False, quote) if escaped else (char == "\\", "" if char == quote else quote)
+        elif char in "\"'":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if char == ")" and depth == 1:
+                ends.append(at)
+    return ends
 
 
 def _calls(segment: str) -> list[dict] | None:
@@ -53,11 +70,27 @@ def _calls(segment: str) -> list[dict] | None:
                 or len(set(names)) != len(names)):
             return None
         try:
-            arguments = {argument.arg: ast.literal_eval(argument.value) for argument in node.keywords}
+            arguments = {argument.arg: _json_value(ast.literal_eval(argument.value)) for argument in node.keywords}
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
         calls.append({"name": node.func.id, "arguments": arguments})
     return calls
+
+
+def _json_value(value, depth: int = 0):
+    """A literal as JSON's value (a tuple as a list); ValueError for what JSON has not (complex numbers, sets, bytes,
+    infinities, keys that are not strings)."""
+    if depth > 64:
+        raise ValueError("nested too deep")
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_value(item, depth + 1) for item in value]
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {key: _json_value(item, depth + 1) for key, item in value.items()}
+    raise ValueError(f"{type(value).__name__} is no JSON value")
 
 
 def python_literal(value) -> str:
@@ -79,10 +112,15 @@ def write(calls: list[dict]) -> str:
     return f"{CALL_START}[{', '.join(written)}]{CALL_END}"
 
 
+def writable_name(name: str) -> bool:
+    """Whether a function's name can be written as a call (a Python identifier, not a keyword)."""
+    return name.isidentifier() and not keyword.iskeyword(name)
+
+
 def unwritable_key(schema: dict) -> str | None:
     """A parameter name that is no Python keyword argument (not an identifier, or a keyword), or None."""
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    return next((key for key in properties if not key.isidentifier() or keyword.iskeyword(key)), None)
+    return next((key for key in properties if not writable_name(key)), None)
 
 
 # -- the grammar ---------------------------------------------------------------------------------------------------
@@ -155,9 +193,9 @@ def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
 SHARED_RULES = [
     "INT: /-?(0|[1-9][0-9]*)/",
     r"NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
-    # (Python's string literals, either quote, with the escapes JSON's strings have but \/, and no line break)
-    r'''PYSTRING: /"([^"\\\n]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*"/'''
-    r'''    | /'([^'\\\n]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*'/''',
+    # (Python's string literals, either quote, with the escapes JSON's strings have but \/; no line break, CR or NUL)
+    r'''PYSTRING: /"([^"\\\n\r\x00]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*"/'''
+    r'''    | /'([^'\\\n\r\x00]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*'/''',
     "PYKEY: /[A-Za-z_][A-Za-z0-9_]*/",
     'pyvalue: PYSTRING | NUMBER | "True" | "False" | "None" | "[" (pyvalue (", " pyvalue)*)? "]" '
     '| "{" (PYSTRING ": " pyvalue (", " PYSTRING ": " pyvalue)*)? "}"',
