@@ -1238,6 +1238,8 @@ def test_a_restarted_server_reads_back_the_cost_curves_it_kept(tmp_path, byte_mo
     # It says what its weights are, as generate does (--quantize auto leaves a float folder float), then where it is.
     err = capsys.readouterr().err
     assert "jointspec: quantize=auto -> none:" in err and err.index("quantize=auto") < err.index("serving ")
+    # (and what it reads of the chat template: this one writes no tool format and no reasoning block)
+    assert "chat: tool calls in hermes format, shown to the model as text" in err and "no reasoning block" in err
     kept = sorted((tmp_path / "curves").glob("*.json"))
     assert kept, "the server measured a cost curve and kept none"
     read, written = record_curve_store(monkeypatch)

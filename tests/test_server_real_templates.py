@@ -103,6 +103,18 @@ def test_each_templates_format_and_reasoning_are_read(served):
             assert (prompt_opens_reasoning(prompt, tags), prompt_closes_reasoning(prompt, tags)) == (opened, closed)
 
 
+def test_serve_says_what_it_reads_of_each_template(served):
+    from jointspec.cli.serve import chat_line
+
+    name, engine = served
+    *_, call_format, tags, _, _ = MODELS[name]
+    line = chat_line(engine)
+    assert (f"tool calls in {call_format} format (the chat template's own)" in line if call_format
+            else "tool calls in hermes format, shown to the model as text" in line)
+    assert ("reasoning between <think> and </think>" in line) == (tags is not None)
+    assert "reasoning left in the content" in chat_line(engine, "none") or tags is None
+
+
 def test_each_template_renders_an_earlier_call_in_its_models_format(served):
     name, engine = served
     shown = read_tool_use([WEATHER], None, None, call_format=engine.call_format).shown()

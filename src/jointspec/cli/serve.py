@@ -172,6 +172,24 @@ def api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
+def chat_line(engine, reasoning_format: str = "auto") -> str:
+    """What the server reads of its model's chat template (docs/serving.md, "Tool calling" and "Reasoning"): the
+    format it reads tool calls in, and where a reasoning block is, so that a user sees which the model gets."""
+    from jointspec.server.tools import native_call_format
+
+    native = native_call_format(engine.tokenizer)
+    calls = (f"tool calls in {native} format (the chat template's own)" if native else
+             "tool calls in hermes format, shown to the model as text (its chat template writes none read here)")
+    tags = engine.reasoning_tags
+    if tags is None:
+        reasoning = "no reasoning block in the template"
+    elif reasoning_format == "none":
+        reasoning = "reasoning left in the content (--reasoning-format none)"
+    else:
+        reasoning = f"reasoning between {tags.open} and {tags.close} returned as reasoning_content"
+    return f"chat: {calls}; {reasoning}"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
     key = api_key(args)  # (before the model loads)
@@ -198,6 +216,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"serving {engine.model_id} (method {args.method}; {engine.description}) on "
               f"http://{args.host}:{args.port}/v1{'; requests need the API key' if key else ''}", file=sys.stderr,
               flush=True)
+        print(chat_line(engine, args.reasoning_format), file=sys.stderr, flush=True)
         try:
             serve(create_app(settings, engine), settings)  # returns after SIGTERM / Ctrl-C and a drain
         finally:
