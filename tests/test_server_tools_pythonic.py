@@ -133,6 +133,10 @@ def test_the_grammar_holds_each_value_to_its_schema_as_a_python_literal(engine):
     strict = use_of({**NOTE, "function": {**NOTE["function"], "strict": True}}, special=ids)
     assert grammar_takes(engine, strict, "Sure.") and grammar_takes(engine, strict, calls('note(text="x")', text="Ok "))
     assert not grammar_takes(engine, strict, calls("note(text=1)"))
+    # (a tool that is not strict takes any arguments: any names Python's parser takes)
+    loose = use_of({**NOTE, "function": {**NOTE["function"], "strict": True}}, WEATHER, special=ids)
+    assert grammar_takes(engine, loose, calls("get_weather(anything=[1, {'a': None}], classy=2)"))
+    assert not grammar_takes(engine, loose, calls("get_weather(class=1)"))
 
 
 def test_a_function_or_parameter_that_python_cannot_write_is_refused_where_calls_are_held():

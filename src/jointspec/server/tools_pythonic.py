@@ -196,7 +196,8 @@ SHARED_RULES = [
     # (Python's string literals, either quote, with the escapes JSON's strings have but \/; no line break, CR or NUL)
     r'''PYSTRING: /"([^"\\\n\r\x00]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*"/'''
     r'''    | /'([^'\\\n\r\x00]|\\[\\"'nrtbf]|\\u[0-9a-fA-F]{4})*'/''',
-    "PYKEY: /[A-Za-z_][A-Za-z0-9_]*/",
+    # (a name, not one of Python's keywords, which its parser refuses as an argument's name)
+    "PYKEY: /[A-Za-z_][A-Za-z0-9_]*/ & ~/(" + "|".join(keyword.kwlist) + ")/",
     'pyvalue: PYSTRING | NUMBER | "True" | "False" | "None" | "[" (pyvalue (", " pyvalue)*)? "]" '
     '| "{" (PYSTRING ": " pyvalue (", " PYSTRING ": " pyvalue)*)? "}"',
 ]
