@@ -1,7 +1,7 @@
 """How each tool-call format reads, writes and holds calls (server/tools.py's docstring shows them): one
 :class:`CallFormat` a format, the grammar that holds an answer's calls and the reader of an answer, with what the
-formats share. The formats' own syntaxes are in server/tools_mistral.py, server/tools_xml.py and
-server/tools_gemma.py.
+formats share. The formats' own syntaxes are in server/tools_mistral.py, server/tools_xml.py, server/tools_gemma.py
+and server/tools_pythonic.py.
 """
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ class Held:
 
 
 class CallFormat:
-    """How a model writes tool calls (module docstring), one subclass a format: where its calls begin after any text
-    (``opening``; None: the answer is its calls or text), its markers that may be added tokens of the tokenizer
-    (:func:`call_markers`), the grammar that holds an answer's calls, and the reader of an answer."""
+    """How a model writes tool calls (server/tools.py's docstring), one subclass a format: where its calls begin after
+    any text (``opening``; None: the answer is its calls or text), its markers that may be added tokens of the
+    tokenizer (server/tools.py's ``call_markers``), the grammar that holds an answer's calls, the reader of an answer,
+    and the writer of earlier calls."""
 
     name = HERMES
     opening: str | None = CALL_OPEN
@@ -379,9 +380,10 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
 # -- calls after a marker: Mistral's, Gemma 4's, Granite 3's -------------------------------------------------------
 
 class _Marked(CallFormat):
-    """A format whose calls follow a marker after any text (Mistral's, Gemma 4's): the text before the first marker
-    (less its trailing whitespace) the content, and all that follows it the calls, as the format's module reads
-    them (LFM2's may end them and say more: that text joins the content, on a line of its own)."""
+    """A format whose calls follow a marker after any text (Mistral's, Gemma 4's, Granite 3's, LFM2's): the text
+    before the first marker (less its trailing whitespace) the content, and all that follows it the calls, as the
+    format's module reads them (LFM2's may end them and say more: that text joins the content, on a line of its
+    own)."""
 
     def read(self, text: str, tools: tuple[Tool, ...], parallel: bool, cut: bool) -> Calls:
         start = text.find(self.opening)
