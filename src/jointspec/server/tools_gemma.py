@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from jointspec.server.tool_schemas import listed_values, property_schema, union_branches
+from jointspec.server.tool_schemas import ValueRules
 from jointspec.server.tool_text import marker, skip_space, start_rules
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -149,19 +149,15 @@ def _value(text: str, at: int):
 
 # -- the grammar ----------------------------------------------------------------------------------------------
 
-class _Rules:
-    """The grammar of one tool's calls, built rule by rule: each value by its schema (references followed)."""
+class _Rules(ValueRules):
+    """The grammar of one tool's calls in Gemma's syntax: strings between its quote markers, keys bare and in the
+    templates' order (Jinja's ``dictsort``: by key, case ignored), a comma between two items."""
+
+    prefix, separator, any_value = "g", '","', "gvalue"
 
     def __init__(self, index: int, marks: dict[str, str], root: dict) -> None:
-        self.index, self.marks, self.root = index, marks, root
-        self.rules: list[str] = []
-        self.count = 0
-
-    def rule(self, body: str) -> str:
-        name = f"g{self.index}_{self.count}"
-        self.count += 1
-        self.rules.append(f"{name}: {body}")
-        return name
+        super().__init__(index, root)
+        self.marks = marks
 
     def string(self, literal: str | None = None) -> str:
         quote = self.marks["quote"]
@@ -170,35 +166,17 @@ class _Rules:
                 QUOTE + literal + QUOTE)
         return f"{quote} STRTEXT? {quote}" if quote.startswith("<[") else "QSTRING"
 
-    def value(self, schema: dict) -> str:
-        """The grammar of a value ``schema`` takes (its enum's values, its branches', its type's)."""
-        schema = property_schema(schema, self.root)
-        branches = union_branches(schema)
-        if branches:
-            return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
-        values = listed_values(schema)
-        # (objects and lists among the values, or none: any value, as written)
-        if values and not any(isinstance(value, dict | list) for value in values):
-            return "(" + " | ".join(self.literal(value) for value in values) + ")"
-        kind = schema.get("type")
-        if isinstance(kind, list) and kind:
-            return "(" + " | ".join(self.value({**schema, "type": one}) for one in kind) + ")"
+    def lists(self, values: list) -> bool:
+        return not any(isinstance(value, dict | list) for value in values)  # (else any value, as written)
+
+    def ordered(self, properties: dict) -> list[tuple[str, dict]]:
+        return sorted(properties.items(), key=lambda item: item[0].lower())
+
+    def simple(self, kind) -> str | None:
         if kind == "string":
             return self.string()
-        if kind == "integer":
-            return "INT"
-        if kind == "number":
-            return "NUMBER"
-        if kind == "boolean":
-            return '("true" | "false")'
-        if kind == "null":
-            return '("None" | "null")'
-        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
-            return self.rule(f'"{{" {self.pairs(schema)} "}}"')
-        if kind == "array" and isinstance(schema.get("items"), dict):
-            item = self.value(schema["items"])
-            return self.rule(f'"[" ({item} ("," {item})*)? "]"')
-        return "gvalue"  # (an object without properties, a list of anything, no type: any value)
+        return {"integer": "INT", "number": "NUMBER", "boolean": '("true" | "false")',
+                "null": '("None" | "null")'}.get(kind)
 
     def literal(self, value) -> str:
         if isinstance(value, str):
@@ -207,23 +185,8 @@ class _Rules:
             return '"None"'
         return json.dumps(json.dumps(value))
 
-    def pairs(self, schema: dict) -> str:
-        """An object's properties as ``key:value`` pairs, in the templates' order (Jinja's ``dictsort``: by key,
-        case ignored), the required ones always, a comma between two: a rule that may match nothing where none is
-        required."""
-        required = set(schema.get("required") or ())
-        pairs = [(f"{json.dumps(key + ':')} {self.value(prop)}", key in required)
-                 for key, prop in sorted(schema["properties"].items(), key=lambda item: item[0].lower())]
-        # tail: the pairs from here on, each after a comma; first: the same, the first of them without one
-        tail, first = "", ""
-        for pair, needed in reversed(pairs):
-            after = f" {tail}" if tail else ""
-            if needed:
-                first = self.rule(f"{pair}{after}")
-            else:
-                first = self.rule(f"{pair}{after} | {first}" if first else f"({pair}{after})?")
-            tail = self.rule(f'"," {pair}{after}' if needed else f'("," {pair})?{after}')
-        return first
+    def pair(self, key: str, prop: dict) -> str:
+        return f"{json.dumps(key + ':')} {self.value(prop)}"
 
 
 def call_rules(name: str, schema: dict | None, index: int, marks: dict[str, str]) -> list[str]:

@@ -16,7 +16,7 @@ import json
 import keyword
 import math
 
-from jointspec.server.tool_schemas import listed_values, property_schema, union_branches
+from jointspec.server.tool_schemas import ValueRules
 from jointspec.server.tool_text import marker, start_rules
 
 CALL_START, CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
@@ -125,55 +125,20 @@ def unwritable_key(schema: dict) -> str | None:
 
 # -- the grammar ---------------------------------------------------------------------------------------------------
 
-class _Rules:
-    """The grammar of one tool's calls, built rule by rule: each value by its schema (references followed), spelled
-    as a Python literal."""
+class _Rules(ValueRules):
+    """The grammar of one tool's calls, each value spelled as a Python literal, an object's properties in its order."""
 
-    def __init__(self, index: int, root: dict) -> None:
-        self.index, self.root = index, root
-        self.rules: list[str] = []
+    prefix, any_value = "p", "pyvalue"
 
-    def rule(self, body: str) -> str:
-        name = f"p{self.index}_{len(self.rules)}"
-        self.rules.append(f"{name}: {body}")
-        return name
+    def simple(self, kind) -> str | None:
+        return {"string": "PYSTRING", "integer": "INT", "number": "NUMBER", "boolean": '("True" | "False")',
+                "null": '"None"'}.get(kind)
 
-    def value(self, schema: dict) -> str:
-        schema = property_schema(schema, self.root)
-        branches = union_branches(schema)
-        if branches:
-            return "(" + " | ".join(self.value(branch) for branch in branches) + ")"
-        values = listed_values(schema)
-        if values:
-            return "(" + " | ".join(json.dumps(python_literal(value)) for value in values) + ")"
-        kind = schema.get("type")
-        if isinstance(kind, list) and kind:
-            return "(" + " | ".join(self.value({**schema, "type": one}) for one in kind) + ")"
-        simple = {"string": "PYSTRING", "integer": "INT", "number": "NUMBER", "boolean": '("True" | "False")',
-                  "null": '"None"'}
-        if kind in simple:
-            return simple[kind]
-        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
-            pairs = {key: f"{json.dumps(json.dumps(key) + ': ')} {self.value(prop)}"
-                     for key, prop in schema["properties"].items()}
-            return self.rule('"{" ' + self.sequence(pairs, set(schema.get("required") or ())) + ' "}"')
-        if kind == "array" and isinstance(schema.get("items"), dict):
-            item = self.value(schema["items"])
-            return self.rule(f'"[" ({item} (", " {item})*)? "]"')
-        return "pyvalue"  # (an object without properties, a list of anything, no type: any literal)
+    def literal(self, value) -> str:
+        return json.dumps(python_literal(value))
 
-    def sequence(self, pairs: dict[str, str], required: set[str]) -> str:
-        """``pairs`` (each key's grammar) in their order, the ``required`` ones always, joined by ``", "``: a rule
-        that may match nothing where none is required."""
-        tail, first = "", ""
-        for name, pair in reversed(pairs.items()):
-            after = f" {tail}" if tail else ""
-            if name in required:
-                first = self.rule(f"{pair}{after}")
-            else:
-                first = self.rule(f"{pair}{after} | {first}" if first else f"({pair}{after})?")
-            tail = self.rule(f'", " {pair}{after}' if name in required else f'(", " {pair})?{after}')
-        return first
+    def pair(self, key: str, prop: dict) -> str:
+        return f"{json.dumps(json.dumps(key) + ': ')} {self.value(prop)}"
 
 
 def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
