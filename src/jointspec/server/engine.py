@@ -56,7 +56,6 @@ from jointspec.server.reasoning import (
 )
 from jointspec.server.tools import (
     HERMES,
-    call_format_of,
     call_markers,
     native_call_format,
     prompt_messages,
@@ -425,10 +424,15 @@ class ServingEngine:
 
     # -- the request side (event loop threads) ------------------------------------------------------------------
 
+    @functools.cached_property
+    def native_format(self) -> str | None:
+        """The call format the chat template renders tools and calls in itself (server/tools.py), or None."""
+        return native_call_format(self.tokenizer)
+
     @property
     def call_format(self) -> str:
         """The format the model writes tool calls in (server/tools.py): its chat template's own, else Hermes's."""
-        return call_format_of(self.tokenizer)
+        return self.native_format or HERMES
 
     @functools.cached_property
     def reasoning_tags(self) -> Tags | None:
@@ -458,8 +462,7 @@ class ServingEngine:
     def shows_calls(self) -> bool:
         """Whether the chat template renders an assistant's earlier calls, where it renders a call format itself
         (server/tools.py's template_shows_calls; where it does not, the prompt writes them)."""
-        native = native_call_format(self.tokenizer)
-        return native is None or template_shows_calls(self.tokenizer, native)
+        return self.native_format is None or template_shows_calls(self.tokenizer, self.native_format)
 
     @functools.cached_property
     def call_markers(self) -> tuple[tuple[str, int], ...]:
@@ -499,10 +502,9 @@ class ServingEngine:
             raise
         if request.messages is not None:
             # Tools, earlier calls and their results as the template renders them, or as text (server/tools.py).
-            native = native_call_format(self.tokenizer)  # (the template's own call format, or None: read once)
-            call_format = native or HERMES
-            messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools, native is not None,
-                                              call_format, self.shows_calls)
+            call_format = self.call_format
+            messages, tools = prompt_messages([dict(m) for m in request.messages], request.tools,
+                                              self.native_format is not None, call_format, self.shows_calls)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
                 variables = template_variables(messages, tools, call_format) | (request.template_kwargs or {})
                 return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)

@@ -171,9 +171,9 @@ def read_tool_use(tools: list | None, tool_choice, parallel_tool_calls, *, funct
                   function_call=None, call_format: str = HERMES,
                   special: tuple[tuple[str, int], ...] = ()) -> ToolUse | None:
     """A chat request's ``tools`` and ``tool_choice`` (or the deprecated ``functions`` and ``function_call``) as a
-    :class:`ToolUse` whose calls the model writes in ``call_format`` (:func:`call_format_of`), ``special`` being its
-    markers that are tokens of the model's tokenizer (:func:`call_markers`); None where it offers no tools.
-    ToolError names the field at fault."""
+    :class:`ToolUse` whose calls the model writes in ``call_format`` (:func:`native_call_format`, else Hermes's),
+    ``special`` being its markers that are tokens of the model's tokenizer (:func:`call_markers`); None where it offers
+    no tools. ToolError names the field at fault."""
     if tools and functions:
         raise ToolError("send tools or functions (their older form), not both", "functions")
     param, choice_param = "tools", "tool_choice"
@@ -280,12 +280,6 @@ def native_call_format(tokenizer) -> str | None:
     if '"parameters": ' in template and "ipython" in template and "<|python_start|>" not in template:
         return LLAMA3_JSON
     return None
-
-
-def call_format_of(tokenizer) -> str:
-    """The format a model behind ``tokenizer`` writes calls in: its template's own where that is one read here, else
-    Hermes's, which :func:`prompt_messages` then shows it as text."""
-    return native_call_format(tokenizer) or HERMES
 
 
 def call_markers(tokenizer, call_format: str) -> tuple[tuple[str, int], ...]:
