@@ -175,9 +175,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 def chat_line(engine, reasoning_format: str = "auto") -> str:
     """What the server reads of its model's chat template (docs/serving.md, "Tool calling" and "Reasoning"): the
     format it reads tool calls in, and where a reasoning block is, so that a user sees which the model gets."""
-    from jointspec.server.tools import native_call_format
-
-    native = native_call_format(engine.tokenizer)
+    native = engine.native_format
     calls = (f"tool calls in {native} format (the chat template's own)" if native else
              "tool calls in hermes format, shown to the model as text (its chat template writes none read here)")
     tags = engine.reasoning_tags
