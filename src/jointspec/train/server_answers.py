@@ -18,8 +18,8 @@ another machine. Only the answers come from it: the features and the labels stil
   line cut off by an interruption is dropped when the file is next opened.
 - **Same model.** Before fetching, :func:`check_same_model` asks for short greedy answers to the build's first few
   prompts (the same ones when a build resumes) and has the local target read them: where the local target's own
-  greedy choice differs from the server's token at more than :data:`CHECK_MAX_MISMATCHES` positions, the server
-  runs another model (or tokenizer) and is refused.
+  greedy choice differs from the server's token at more than :data:`CHECK_MAX_MISMATCH_SHARE` of the positions, the
+  server runs another model (or tokenizer) and is refused.
 """
 
 from __future__ import annotations
@@ -49,11 +49,19 @@ log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "server-answers.jsonl"
 # The same-model check: this many prompts, this many answer tokens each. A disagreement is a near-tie that another
-# kernel or precision can flip (an int4 server for a float32 target), and teacher forcing confines one to its own
-# position; two in 48 tokens is more than one model's two builds give, and another model disagrees at most positions.
-CHECK_PROMPTS = 3
-CHECK_TOKENS = 16
-CHECK_MAX_MISMATCHES = 1
+# kernel or precision flips (an int4 server read by a float32 target), and teacher forcing confines one to its own
+# position, so the same model's two builds disagree at a few positions in a hundred (docs/training.md has the rate
+# measured), while another model or tokenizer disagrees at a large share of them. A fixed count of one in 48 refused
+# a correct int4 server on about half of all prompt sets; a share with room above quantisation's rate does not.
+CHECK_PROMPTS = 4
+CHECK_TOKENS = 32
+CHECK_MAX_MISMATCH_SHARE = 0.15
+
+
+def allowed_mismatches(num_tokens: int) -> int:
+    """How many of ``num_tokens`` checked positions may differ: :data:`CHECK_MAX_MISMATCH_SHARE` of them, and one
+    however few tokens the answers had (a short answer can end in a flipped near-tie too)."""
+    return max(1, int(CHECK_MAX_MISMATCH_SHARE * num_tokens))
 REQUEST_TIMEOUT = 600.0  # seconds a request may take: a long answer on a busy CPU server takes minutes
 RETRIES = 6  # a 429 (queue full) or 503 (draining) is retried this often, after Retry-After or a doubling backoff
 URL_EXAMPLE = "http://127.0.0.1:8000/v1"
@@ -342,8 +350,8 @@ def teacher_forced_mismatches(target: CausalLM, prompt_ids: list[int], answer_id
 def check_same_model(server: AnswerServer, model: str, target: CausalLM, tokenizer, prompts: list[list[int]],
                      budgets: list[int], eos: frozenset[int]) -> CheckResult:
     """Refuses a server whose greedy answers are not the local target's: short answers to the first
-    :data:`CHECK_PROMPTS` prompts, read by the local target (teacher forcing, one forward each); more than
-    :data:`CHECK_MAX_MISMATCHES` positions where its greedy choice differs raise AnswerServerError."""
+    :data:`CHECK_PROMPTS` prompts, read by the local target (teacher forcing, one forward each); more positions
+    where its greedy choice differs than :func:`allowed_mismatches` lets through raise AnswerServerError."""
     jobs = [(str(i), prompt, min(CHECK_TOKENS, budget))
             for i, (prompt, budget) in enumerate(zip(prompts[:CHECK_PROMPTS], budgets))]
     answers: dict[str, ServerAnswer] = {}
@@ -355,12 +363,12 @@ def check_same_model(server: AnswerServer, model: str, target: CausalLM, tokeniz
         num_tokens += len(ids)
         mismatches += [(int(key), *found) for found in teacher_forced_mismatches(target, prompt, ids, eos)]
     result = CheckResult(num_tokens, tuple(mismatches))
-    if len(mismatches) > CHECK_MAX_MISMATCHES:
+    if len(mismatches) > (allowed := allowed_mismatches(num_tokens)):
         index, position, theirs, ours = mismatches[0]
         raise AnswerServerError(
             f"the answer server at {server.url} (model '{model}') does not answer like the local target: reading "
             f"its greedy answers to {len(jobs)} prompts ({num_tokens} tokens), the target chose another token at "
-            f"{len(mismatches)} positions (at most {CHECK_MAX_MISMATCHES} may differ; the first: prompt {index}, "
+            f"{len(mismatches)} positions (at most {allowed} may differ; the first: prompt {index}, "
             f"token {position}, server {_shown(tokenizer, theirs)}, target {_shown(tokenizer, ours)}). Serve the "
             "model given as --target, or pass --no-answers-check to use this server's answers anyway")
     log.info("same-model check passed: %d of %d answer tokens as the local target chose", num_tokens - len(mismatches),
