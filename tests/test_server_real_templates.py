@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import CompletionRequest, ServingEngine
-from jointspec.server.reasoning import THINK, prompt_closes_reasoning, prompt_opens_reasoning
+from jointspec.server.reasoning import THINK, THINK_RESPONSE, prompt_closes_reasoning, prompt_opens_reasoning
 from jointspec.server.tools import (
     GRANITE,
     HERMES,
@@ -41,7 +41,7 @@ MODELS = {
     "Qwen3-0.6B": (*QWEN, HERMES, THINK, (False, False), (False, True)),
     "Qwen3.5-4B": (*QWEN, QWEN3_CODER, THINK, (True, False), (False, True)),
     "granite-3.3-2b-instruct": (["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>"], [],
-                                GRANITE, THINK, (False, False), (False, False)),
+                                GRANITE, THINK_RESPONSE, (False, False), (False, False)),
     "granite-4.0": (["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"], QWEN[1][2:], HERMES, None, None,
                     None),
     "Mistral-Nemo-Instruct-2407": (MISTRAL, [], MISTRAL_V3, None, None, None),
@@ -112,6 +112,7 @@ def test_serve_says_what_it_reads_of_each_template(served):
     assert (f"tool calls in {call_format} format (the chat template's own)" in line if call_format
             else "tool calls in hermes format, shown to the model as text" in line)
     assert ("reasoning between <think> and </think>" in line) == (tags is not None)
+    assert ("the content's <response> and </response> taken off" in line) == (tags is THINK_RESPONSE)
     assert "reasoning left in the content" in chat_line(engine, "none") or tags is None
 
 

@@ -20,7 +20,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.core.grammar import OutputFormat
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
-from jointspec.server.reasoning import CHANNEL, THINK, prompt_closes_reasoning, reasoning_first
+from jointspec.server.reasoning import CHANNEL, THINK, THINK_RESPONSE, prompt_closes_reasoning, reasoning_first
 from jointspec.server.tools import read_tool_use
 
 from helpers import CITY_TOOL, byte_tokenizer, grammar_takes, llama_ending_at_eos, sse_events
@@ -96,6 +96,38 @@ def test_a_format_may_follow_a_reasoning_block_or_stand_alone(engine):
     inside = reasoning_first(answer, tags, engine.reasoning_tokens, opened=True)
     assert grammar_takes(engine, inside, "hm, one." + tags.close + '\n{"x": 1}')
     assert not grammar_takes(engine, inside, '{"x": 1}')
+
+
+@pytest.fixture(scope="module", params=["text", "think"])
+def think_engine(request):
+    words = tokenizer(request.param)
+    served = ServingEngine(CausalLM(llama_ending_at_eos(5, len(words))), words, model_id="tiny", max_batch_size=4)
+    yield served
+    served.close()
+
+
+def test_granites_response_tags_may_hold_the_format(think_engine):
+    """Granite 3.3 writes its answer in <response> tags after the block: the grammar lets them hold the format (the
+    reader takes them off), closed, or the format stand without them."""
+    engine = think_engine
+    after = reasoning_first(OutputFormat.json_schema(POINT), THINK_RESPONSE, engine.reasoning_tokens, opened=False)
+    for text, takes in [
+        (block(engine, "hm") + '\n<response>\n{"x": 1}\n</response>', True),
+        (block(engine, "hm") + '<response>{"x": 1}</response>', True),
+        (block(engine, "hm") + '{"x": 1}', True),
+        ('<response>{"x": 1}</response>', True),
+        ('{"x": 1}', True),
+        (block(engine, "hm") + '<response>{"x": 1}', False),  # (opened, so closed)
+        (block(engine, "hm") + '<response>{"x": 1}</response>{"x": 1}', False),
+        (block(engine, "hm") + '<response>{"x": "one"}</response>', False),
+        (block(engine, "hm") + '{"x": 1}</response>', False),
+    ]:
+        assert grammar_takes(engine, after, text) == takes, text
+    inside = reasoning_first(OutputFormat.json_schema(POINT), THINK_RESPONSE, engine.reasoning_tokens, opened=True)
+    assert grammar_takes(engine, inside, 'hm</think><response>{"x": 1}</response>')
+    # Other tags than Granite's hold no <response>.
+    plain = reasoning_first(OutputFormat.json_schema(POINT), THINK, engine.reasoning_tokens, opened=False)
+    assert not grammar_takes(engine, plain, block(engine, "hm") + '<response>{"x": 1}</response>')
 
 
 def test_tool_calls_and_a_lark_format_follow_the_reasoning_and_a_lark_format_needs_one_start(engine):

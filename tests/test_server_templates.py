@@ -17,7 +17,14 @@ from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import chat_template_ids
 from jointspec.server.app import ServerSettings, _Reply, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
-from jointspec.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning, template_reasons
+from jointspec.server.reasoning import (
+    THINK,
+    THINK_RESPONSE,
+    ReasoningStream,
+    prompt_opens_reasoning,
+    split_reasoning,
+    template_reasons,
+)
 from jointspec.server.tools import read_tool_use
 
 from helpers import byte_tokenizer, tiny_llama, tokenizer_with
@@ -96,35 +103,66 @@ def test_an_answer_is_split_into_its_reasoning_and_its_content(text, opened, rea
     (False, "<think>cut </thi"),
     (True, "a\n\n</think>\n\nb < c"),
     (True, "no end <"),
+    (False, "<think>\nPlan.\n</think>\n<response>\nBlue light.\n</response>"),
+    (False, " <response> x </resp </response>y"),
+    (True, "a</think><response> cut "),
 ])
 def test_a_stream_sends_what_the_whole_answer_has_however_the_text_is_split(opened, text):
-    whole = split_reasoning(text, opened)
-    for pieces in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
-        stream = ReasoningStream(opened)
-        sent = [stream.feed(piece, final=number == len(pieces) - 1) for number, piece in enumerate(pieces)]
-        assert "".join(r for r, _ in sent) == (whole.reasoning or "") and "".join(
-            c for _, c in sent) == whole.content, pieces
+    for tags in (THINK, THINK_RESPONSE):
+        assert_stream_adds_up(opened, text, tags)
     # What it cannot yet tell apart waits: the start of a tag, whitespace that may end the reasoning.
     waiting = ReasoningStream(False)
     assert waiting.feed(" <thi") == ("", "") and waiting.feed("nk>Hi ") == ("Hi", "")
     assert waiting.feed("</th") == ("", "") and waiting.feed("ere") == (" </there", "")
     assert ReasoningStream(False).feed("Hello") == ("", "Hello")
+    wrapped = ReasoningStream(False, THINK_RESPONSE)
+    assert wrapped.feed("<think>a</think>\n<resp") == ("a", "") and wrapped.feed("onse>\nB ") == ("", "B")
+    assert wrapped.feed("</resp") == ("", "") and wrapped.feed("onse>") == ("", "")
 
 
-def test_streams_of_seeded_random_answers_add_up_to_the_whole_answers_parts():
+def assert_stream_adds_up(opened: bool, text: str, tags) -> None:
+    whole = split_reasoning(text, opened, tags)
+    for pieces in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
+        stream = ReasoningStream(opened, tags)
+        sent = [stream.feed(piece, final=number == len(pieces) - 1) for number, piece in enumerate(pieces)]
+        assert "".join(r for r, _ in sent) == (whole.reasoning or "") and "".join(
+            c for _, c in sent) == whole.content, pieces
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", [
+    ("<think>\nPlan.\n</think>\n<response>\nBlue light.\n</response>", False, "Plan.", "Blue light."),
+    ("<think>a</think><response>b", False, "a", "b"),  # (cut before the closing tag)
+    ("<think>a</think> <response> b </response> c", False, "a", "b c"),  # (what follows it, as written)
+    ("<think>a</think>b <response>c</response>", False, "a", "b <response>c</response>"),  # (tags later are text)
+    ("<response>only</response>", False, None, "only"),
+    ("  <response>x</response>", False, None, "x"),
+    ("  plain", False, None, "  plain"),
+    ("<resp", False, None, "<resp"),
+    ("a</think><response>b</response>", True, "a", "b"),
+])
+def test_granites_content_has_its_response_tags_taken_off(text, opened, reasoning, content):
+    parts = split_reasoning(text, opened, THINK_RESPONSE)
+    assert (parts.reasoning, parts.content) == (reasoning, content)
+    assert "<response>" in split_reasoning(text, opened).content or "<response>" not in text  # (other templates)
+
+
+@pytest.mark.parametrize("tags", [None, THINK_RESPONSE])
+def test_streams_of_seeded_random_answers_add_up_to_the_whole_answers_parts(tags):
     """Answers made of the pieces a reading can trip on, split at random places (seeded: the same every run)."""
     import random
 
     rng = random.Random(7)
     pieces = ["<think>", "</think>", "<", "</th", "<thi", "nk>", " ", "\n", "a", "b c", "think>"]
+    if tags is not None:
+        pieces += ["<response>", "</response>", "<resp", "</res", "ponse>"]
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         opened = rng.random() < 0.5
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
         chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        stream = ReasoningStream(opened)
+        stream = ReasoningStream(opened) if tags is None else ReasoningStream(opened, tags)
         sent = [stream.feed(chunk, final=number == len(chunks) - 1) for number, chunk in enumerate(chunks)]
-        whole = split_reasoning(text, opened)
+        whole = split_reasoning(text, opened) if tags is None else split_reasoning(text, opened, tags)
         assert ("".join(r for r, _ in sent), "".join(c for _, c in sent)) == (whole.reasoning or "",
                                                                              whole.content), (text, opened, chunks)
 
@@ -186,6 +224,19 @@ def test_a_reply_carries_reasoning_and_content_apart_whole_and_streamed_with_too
             assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == [
                 '{"city": "Paris"}'] and not any(d.get("content") for d in deltas)
             assert events[-1]["finish_reason"] == "tool_calls"
+
+
+def test_granites_reply_carries_its_content_without_the_response_tags_whole_and_streamed():
+    pieces = ["<think>", "Sky: scattering.", "</think>", "\n<resp", "onse>\n", "Blue ", "light.\n</response>"]
+    chunks = [Chunk(text=piece, num_tokens=1, num_rounds=1) for piece in pieces]
+    chunks[-1].finish_reason = "stop"
+    reply = _Reply("chat", "tiny", 5, None)
+    reply.reasoning, reply.reasoning_tags = {0: False}, {0: THINK_RESPONSE}
+    message = reply.whole([chunks])["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Sky: scattering.", "Blue light.")
+    deltas = [event["choices"][0]["delta"] for chunk in chunks for event in reply.events(chunk)]
+    assert "".join(d.get("content", "") for d in deltas) == "Blue light."
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Sky: scattering."
 
 
 def test_chat_template_kwargs_reach_the_template_and_earlier_reasoning_is_shown_to_it(qwen_engine):

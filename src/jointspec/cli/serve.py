@@ -185,6 +185,8 @@ def chat_line(engine, reasoning_format: str = "auto") -> str:
         reasoning = "reasoning left in the content (--reasoning-format none)"
     else:
         reasoning = f"reasoning between {tags.open} and {tags.close} returned as reasoning_content"
+        if tags.answer:
+            reasoning += f", the content's {tags.answer[0]} and {tags.answer[1]} taken off"
     return f"chat: {calls}; {reasoning}"
 
 

@@ -13,12 +13,16 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
   is content as written, and a ``<think>`` later in it is text.
 
 Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
-tokens, which the engine keeps in the text where the template names them), read alike.
+tokens, which the engine keeps in the text where the template names them), read alike. Granite 3.3's template, with
+thinking on, asks for the answer in tags of its own after the block, ``<response>`` ... ``</response>``
+(:data:`THINK_RESPONSE`): a content that begins with them has them taken off, as llama.cpp's server reads Granite's
+answers.
 
 The reasoning drops the whitespace around it, the content the whitespace before it (Qwen3 writes ``\\n\\n`` after the
-block). A stream (:class:`ReasoningStream`) sends each part as it comes, holding back only what it cannot yet tell
-apart (whitespace that may end the reasoning, a tail that may begin a tag), so that what it sends adds up to the whole
-answer's two parts. Tool calls are read from the content alone (server/tools.py).
+block), and a content in tags the whitespace inside them too. A stream (:class:`ReasoningStream`) sends each part as
+it comes, holding back only what it cannot yet tell apart (whitespace that may end a part, a tail that may begin a
+tag), so that what it sends adds up to the whole answer's two parts. Tool calls are read from the content alone
+(server/tools.py).
 
 A format an answer must follow (a ``response_format``, tool calls a grammar holds) is the content's: the grammar lets a
 reasoning block come first (:func:`reasoning_first`), as vLLM and SGLang apply structured output after the reasoning,
@@ -40,17 +44,22 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class Tags:
-    """A reasoning block's opening and closing tags, and the special tokens among them that a decode must keep
-    (``kept``: their spellings)."""
+    """A reasoning block's opening and closing tags, the special tokens among them that a decode must keep
+    (``kept``: their spellings), and the tags the content is written in where the template asks for some
+    (``answer``: opening and closing)."""
 
     open: str
     close: str
     kept: tuple[str, ...] = ()
+    answer: tuple[str, str] | None = None
 
 
 THINK = Tags(THINK_OPEN, THINK_CLOSE)
 # Gemma 4's thinking channel: the model writes "<|channel>thought\n" ... "<channel|>", both markers special tokens.
 CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"))
+# Granite 3.3 with thinking on: "<think>...</think><response>...</response>", all of it text.
+RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
+THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_CLOSE))
 
 
 def template_reasons(tokenizer) -> Tags | None:
@@ -62,6 +71,8 @@ def template_reasons(tokenizer) -> Tags | None:
     for tags in (THINK, CHANNEL):
         if any(tags.open in text and tags.close in text for text in templates) or (
                 tags is THINK and any(THINK_CLOSE in text for text in templates)):
+            if tags is THINK and any(RESPONSE_OPEN in text and RESPONSE_CLOSE in text for text in templates):
+                return THINK_RESPONSE
             return tags
     return None
 
@@ -75,7 +86,7 @@ def prompt_opens_reasoning(prompt_text: str, tags: Tags = THINK) -> bool:
 def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opened: bool) -> OutputFormat:
     """``answer`` (the format the content follows) after a reasoning block written in ``tags``: where the prompt
     ``opened`` one, the rest of it and its closing tag, else a whole block or none; then whitespace at most, and the
-    answer. ``ids``: the tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads
+    answer, alone or in the tags the template asks the content to be written in (``tags.answer``). ``ids``: the tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads
     added ``<...>`` tokens as special: no text matches them). The block's text never spells the closing tag, as the
     reader (:func:`split_reasoning`) ends it at the first such spelling."""
     lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]{1,8}/", *_answer_rules(answer)]
@@ -85,8 +96,14 @@ def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opene
     else:  # (text and tag one lexeme: a lexer cannot end a lexeme it has already extended past the tag's start)
         lines.append(f"REASONING_CLOSED: REASONING_TEXT {close}")
         block = "REASONING_CLOSED"
-    then = f"{block} REASONING_GAP? reasoning_answer"
-    start = f"start: {then}" if opened else f"start: reasoning_answer | {_tag(tags.open, ids)} {then}"
+    content = "reasoning_answer"
+    if tags.answer:  # (or in the tags the template asks the content to be written in, which the reader takes off)
+        opening, closing = (json.dumps(tag) for tag in tags.answer)
+        lines.append(f"wrapped_answer: reasoning_answer | {opening} REASONING_GAP? reasoning_answer REASONING_GAP? "
+                     f"{closing}")
+        content = "wrapped_answer"
+    then = f"{block} REASONING_GAP? {content}"
+    start = f"start: {then}" if opened else f"start: {content} | {_tag(tags.open, ids)} {then}"
     return OutputFormat("lark", "\n".join([start, *lines]) + "\n")
 
 
@@ -138,11 +155,23 @@ def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
     elif opened:
         body = text
     else:
-        return Parts(None, text)
+        return Parts(None, _unwrapped(text, tags))
     end = body.find(tags.close)
     if end < 0:
         return Parts(body.strip(), "")
-    return Parts(body[:end].strip(), body[end + len(tags.close):].lstrip())
+    return Parts(body[:end].strip(), _unwrapped(body[end + len(tags.close):].lstrip(), tags))
+
+
+def _unwrapped(content: str, tags: Tags) -> str:
+    """``content`` less the tags the template asks it to be written in (``tags.answer``), where it begins with them:
+    the text inside, stripped, then whatever followed the closing tag as written."""
+    if tags.answer is None or not (begun := content.lstrip()).startswith(tags.answer[0]):
+        return content
+    inner = begun[len(tags.answer[0]):]
+    end = inner.find(tags.answer[1])
+    if end < 0:
+        return inner.strip()
+    return inner[:end].strip() + inner[end + len(tags.answer[1]):]
 
 
 class ReasoningStream:
@@ -152,8 +181,9 @@ class ReasoningStream:
 
     def __init__(self, opened: bool, tags: Tags = THINK) -> None:
         self.opened, self.tags = opened, tags
-        self.state = "start"  # then "reasoning" or "content"
-        self.held = ""  # received and not yet sent: the start, or reasoning's trailing whitespace and tag start
+        # then "reasoning", and "content"; where the content may be in tags, "answer" (not yet told) and "wrapped"
+        self.state = "start"
+        self.held = ""  # received and not yet sent: the start, or a part's trailing whitespace and tag start
         self.sent_any = False  # of the current part (its leading whitespace is dropped until then)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -169,25 +199,46 @@ class ReasoningStream:
             elif self.opened:
                 self.state = "reasoning"
             else:
-                self.state = "content"
+                self.state = "answer" if self.tags.answer else "content"
                 self.sent_any = True  # (an answer without reasoning is content as written, its whitespace too)
         if self.state == "reasoning":
             end = self.held.find(self.tags.close)
             if end < 0:
-                keep = 0 if final else partial_tail(self.held, self.tags.close)
-                ready, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-                return self._part(ready, final), ""
+                return self._part(self._ready(self.tags.close, final), final), ""
             reasoning = self._part(self.held[:end], True)
-            self.state, self.held, self.sent_any = "content", self.held[end + len(self.tags.close):], False
-        content, self.held = self.held, ""  # (content: as it comes, less its leading whitespace)
+            self.state = "answer" if self.tags.answer else "content"
+            self.held, self.sent_any = self.held[end + len(self.tags.close):], False
+        if self.state == "answer":
+            begun, opening = self.held.lstrip(), self.tags.answer[0]
+            if begun.startswith(opening):
+                self.state, self.held, self.sent_any = "wrapped", begun[len(opening):], False
+            elif not final and opening.startswith(begun):
+                return reasoning, ""  # (it may yet open the tags)
+            else:
+                self.state = "content"
+        content = ""
+        if self.state == "wrapped":
+            end = self.held.find(self.tags.answer[1])
+            if end < 0:
+                return reasoning, self._part(self._ready(self.tags.answer[1], final), final)
+            content = self._part(self.held[:end], True)
+            # (what follows the closing tag is content as written)
+            self.state, self.held, self.sent_any = "content", self.held[end + len(self.tags.answer[1]):], True
+        rest, self.held = self.held, ""  # (content: as it comes, less its leading whitespace)
         if not self.sent_any:
-            content = content.lstrip()
-            self.sent_any = bool(content)
-        return reasoning, content
+            rest = rest.lstrip()
+            self.sent_any = bool(rest)
+        return reasoning, content + rest
+
+    def _ready(self, closing: str, final: bool) -> str:
+        """What is held, less a tail that may begin ``closing`` (all of it where the answer ends here)."""
+        keep = 0 if final else partial_tail(self.held, closing)
+        ready, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return ready
 
     def _part(self, ready: str, closing: bool) -> str:
-        """Reasoning ``ready`` to send, less its leading whitespace (until something was sent) and, unless the part
-        ends here (``closing``), its trailing whitespace, held back for more."""
+        """Reasoning (or content inside tags) ``ready`` to send, less its leading whitespace (until something was sent)
+        and, unless the part ends here (``closing``), its trailing whitespace, held back for more."""
         if not self.sent_any:
             ready = ready.lstrip()
         trimmed = ready.rstrip()
