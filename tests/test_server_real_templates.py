@@ -16,7 +16,13 @@ from fastapi.testclient import TestClient
 from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import CompletionRequest, ServingEngine
-from jointspec.server.reasoning import THINK, THINK_RESPONSE, prompt_closes_reasoning, prompt_opens_reasoning
+from jointspec.server.reasoning import (
+    MISTRAL_THINK,
+    THINK,
+    THINK_RESPONSE,
+    prompt_closes_reasoning,
+    prompt_opens_reasoning,
+)
 from jointspec.server.tools import (
     GRANITE,
     HERMES,
@@ -47,6 +53,9 @@ MODELS = {
     "Mistral-Nemo-Instruct-2407": (MISTRAL, [], MISTRAL_V3, None, None, None),
     "Mistral-Small-3.2-24B-Instruct-2506": (MISTRAL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]",
                                                        "[TOOL_CONTENT]"], [], MISTRAL_V11, None, None, None),
+    "Ministral-3-14B-Reasoning-2512": (MISTRAL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[THINK]",
+                                                  "[/THINK]"], [], MISTRAL_V11, MISTRAL_THINK, (False, False),
+                                       (False, False)),
     "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                                       "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
                                      (True, False), (True, False)),
@@ -61,6 +70,7 @@ CALLS = {
     "granite-4.0": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "Mistral-Nemo-Instruct-2407": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "',
     "Mistral-Small-3.2-24B-Instruct-2506": "[TOOL_CALLS]get_weather[CALL_ID]",
+    "Ministral-3-14B-Reasoning-2512": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     # (no format of its own: the tools and calls shown as text in Hermes's)
     "DeepSeek-R1-Distill-Qwen-32B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
 }
@@ -111,7 +121,7 @@ def test_serve_says_what_it_reads_of_each_template(served):
     line = chat_line(engine)
     assert (f"tool calls in {call_format} format (the chat template's own)" in line if call_format
             else "tool calls in hermes format, shown to the model as text" in line)
-    assert ("reasoning between <think> and </think>" in line) == (tags is not None)
+    assert (tags is not None and f"reasoning between {tags.open} and {tags.close}" in line) == (tags is not None)
     assert ("the content's <response> and </response> taken off" in line) == (tags is THINK_RESPONSE)
     assert "reasoning left in the content" in chat_line(engine, "none") or tags is None
 
@@ -144,6 +154,28 @@ def test_a_qwen_required_call_may_come_after_its_thinking_with_the_real_template
                            max_batch_size=4)
     try:
         bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in ("<think>", "</think>")}
+        reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [CITY_TOOL],
+            "tool_choice": "required", "parallel_tool_calls": False, "logit_bias": bias, "temperature": 0,
+            "max_tokens": 120})
+        message = reply.json()["choices"][0]["message"]
+        assert message["reasoning_content"] == "" and message["content"] is None
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+    finally:
+        engine.close()
+
+
+def test_a_ministral_required_call_may_come_after_its_thinking_with_the_real_template():
+    """Ministral 3 Reasoning thinks in [THINK] ... [/THINK], control tokens of its tokenizer (special, so a decode
+    keeps them only because the engine names them): pushed to open and close its block, the answer is an empty
+    reasoning and then the call the grammar holds, in Mistral's v11 format."""
+    name = "Ministral-3-14B-Reasoning-2512"
+    words = tokenizer_of(name)
+    engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words), 2048)), words, model_id="tiny",
+                           max_batch_size=4)
+    try:
+        assert set(engine.reasoning_markers) == {"[THINK]", "[/THINK]"}
+        bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in ("[THINK]", "[/THINK]")}
         reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [CITY_TOOL],
             "tool_choice": "required", "parallel_tool_calls": False, "logit_bias": bias, "temperature": 0,

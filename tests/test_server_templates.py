@@ -18,6 +18,7 @@ from jointspec.backends.tokens import chat_template_ids
 from jointspec.server.app import ServerSettings, _Reply, create_app
 from jointspec.server.engine import Chunk, CompletionRequest, ServingEngine
 from jointspec.server.reasoning import (
+    MISTRAL_THINK,
     THINK,
     THINK_RESPONSE,
     ReasoningStream,
@@ -171,6 +172,12 @@ def test_templates_that_write_reasoning_and_prompts_that_open_it_are_recognised(
     assert template_reasons(tokenizer_with(QWEN_LIKE)) and template_reasons(tokenizer_with(R1_LIKE))
     assert not template_reasons(byte_tokenizer()) and template_reasons(tokenizer_with({"default": R1_LIKE}))
     assert prompt_opens_reasoning("<|assistant|><think>\n") and not prompt_opens_reasoning("<think>\n\n</think>\n\n")
+    # Granite 3.3's instruction names both of its answer's tags; a template that wraps tool results in them does not.
+    granite_like = QWEN_LIKE + "{# write your response between <response></response> #}"
+    minimax_like = QWEN_LIKE + "{% if false %}<response>{{ m.content }}</response>{% endif %}"
+    assert (template_reasons(tokenizer_with(granite_like)), template_reasons(tokenizer_with(minimax_like))) == (
+        THINK_RESPONSE, THINK)
+    assert template_reasons(tokenizer_with("{{ '[THINK]' + m.thinking + '[/THINK]' }}")) == MISTRAL_THINK
 
 
 # -- through the server ----------------------------------------------------------------------------------------

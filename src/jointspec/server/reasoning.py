@@ -13,7 +13,8 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
   is content as written, and a ``<think>`` later in it is text.
 
 Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
-tokens, which the engine keeps in the text where the template names them), read alike. Granite 3.3's template, with
+tokens, which the engine keeps in the text where the template names them), read alike, and so are Mistral's reasoning
+models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too). Granite 3.3's template, with
 thinking on, asks for the answer in tags of its own after the block, ``<response>`` ... ``</response>``
 (:data:`THINK_RESPONSE`): a content that begins with them has them taken off, as llama.cpp's server reads Granite's
 answers.
@@ -57,21 +58,25 @@ class Tags:
 THINK = Tags(THINK_OPEN, THINK_CLOSE)
 # Gemma 4's thinking channel: the model writes "<|channel>thought\n" ... "<channel|>", both markers special tokens.
 CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"))
+# Mistral's reasoning models (Magistral, Ministral 3 Reasoning): "[THINK]" ... "[/THINK]", both control tokens.
+MISTRAL_THINK = Tags("[THINK]", "[/THINK]", ("[THINK]", "[/THINK]"))
 # Granite 3.3 with thinking on: "<think>...</think><response>...</response>", all of it text.
 RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
 THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_CLOSE))
 
 
 def template_reasons(tokenizer) -> Tags | None:
-    """The tags of the reasoning blocks the tokenizer's chat template writes (it names ``</think>``, or Gemma 4's
-    channel; of a tokenizer with named templates, any of them), or None where it writes none."""
+    """The tags of the reasoning blocks the tokenizer's chat template writes (it names ``</think>``, Gemma 4's
+    channel or Mistral's ``[THINK]``; of a tokenizer with named templates, any of them), or None where it writes
+    none."""
     template = getattr(tokenizer, "chat_template", None)
     templates = [text for text in (template.values() if isinstance(template, dict) else [template])
                  if isinstance(text, str)]
-    for tags in (THINK, CHANNEL):
+    for tags in (THINK, CHANNEL, MISTRAL_THINK):
         if any(tags.open in text and tags.close in text for text in templates) or (
                 tags is THINK and any(THINK_CLOSE in text for text in templates)):
-            if tags is THINK and any(RESPONSE_OPEN in text and RESPONSE_CLOSE in text for text in templates):
+            # (the instruction Granite 3.3's template gives, naming both tags; MiniMax's wraps tool results in them)
+            if tags is THINK and any(RESPONSE_OPEN + RESPONSE_CLOSE in text for text in templates):
                 return THINK_RESPONSE
             return tags
     return None
@@ -86,9 +91,10 @@ def prompt_opens_reasoning(prompt_text: str, tags: Tags = THINK) -> bool:
 def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opened: bool) -> OutputFormat:
     """``answer`` (the format the content follows) after a reasoning block written in ``tags``: where the prompt
     ``opened`` one, the rest of it and its closing tag, else a whole block or none; then whitespace at most, and the
-    answer, alone or in the tags the template asks the content to be written in (``tags.answer``). ``ids``: the tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads
-    added ``<...>`` tokens as special: no text matches them). The block's text never spells the closing tag, as the
-    reader (:func:`split_reasoning`) ends it at the first such spelling."""
+    answer, alone or in the tags the template asks the content to be written in (``tags.answer``). ``ids``: the
+    tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads added ``<...>`` tokens
+    as special: no text matches them). The block's text never spells the closing tag, as the reader
+    (:func:`split_reasoning`) ends it at the first such spelling."""
     lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]{1,8}/", *_answer_rules(answer)]
     close = _tag(tags.close, ids)
     if any(tags.close.startswith(spelling) for spelling in ids):
