@@ -21,14 +21,16 @@ from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # The call formats read here (server/tools.py's docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
-# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py), Granite 3's and
-# LFM2's Python calls (server/tools_pythonic.py).
+# (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py), Granite 3's,
+# LFM2's Python calls (server/tools_pythonic.py) and Nemotron Nano 2's.
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
-QWEN3_CODER, GEMMA4, GRANITE, LFM2 = "qwen3_coder", "gemma4", "granite", "lfm2"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2)
+QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON = "qwen3_coder", "gemma4", "granite", "lfm2", "nemotron"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON)
 # Granite 3's opening of its calls (a special token in its tokenizer).
 GRANITE_CALL = "<|tool_call|>"
+# NVIDIA Nemotron Nano 2's markers around its list of calls.
+TOOLCALL_OPEN, TOOLCALL_CLOSE = "<TOOLCALL>", "</TOOLCALL>"
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
 # What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
@@ -377,13 +379,13 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
     return out
 
 
-# -- calls after a marker: Mistral's, Gemma 4's, Granite 3's -------------------------------------------------------
+# -- calls after a marker: Mistral's, Gemma 4's, Granite 3's, Nemotron's, LFM2's -----------------------------------
 
 class _Marked(CallFormat):
-    """A format whose calls follow a marker after any text (Mistral's, Gemma 4's, Granite 3's, LFM2's): the text
-    before the first marker (less its trailing whitespace) the content, and all that follows it the calls, as the
-    format's module reads them (LFM2's may end them and say more: that text joins the content, on a line of its
-    own)."""
+    """A format whose calls follow a marker after any text (Mistral's, Gemma 4's, Granite 3's, Nemotron's, LFM2's):
+    the text before the first marker (less its trailing whitespace) the content, and all that follows it the calls,
+    as the format's module reads them (Nemotron's and LFM2's may end them and say more: that text joins the content,
+    on a line of its own)."""
 
     def read(self, text: str, tools: tuple[Tool, ...], parallel: bool, cut: bool) -> Calls:
         start = text.find(self.opening)
@@ -456,6 +458,26 @@ class _Granite(_Marked):
         return GRANITE_CALL + json.dumps([call_record(call) for call in calls], ensure_ascii=False)
 
 
+class _Nemotron(_Marked):
+    """NVIDIA Nemotron Nano 2's: one JSON list of the calls between ``<TOOLCALL>`` and ``</TOOLCALL>``, as Mistral's v3
+    writes its list; text after the closing marker joins the content."""
+
+    name, opening, markers = NEMOTRON, TOOLCALL_OPEN, (TOOLCALL_OPEN, TOOLCALL_CLOSE)
+
+    def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+        return mistral.grammar([(call.name, call.json()) for call in calls], False, several, strict_auto, ids,
+                               opening=TOOLCALL_OPEN, closing=TOOLCALL_CLOSE)
+
+    def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
+        end = rest.find(TOOLCALL_CLOSE)
+        if end < 0:  # (cut before the marker, or an answer that ended without it)
+            return mistral.list_calls(rest, cut), ""
+        return mistral.list_calls(rest[:end], False), rest[end + len(TOOLCALL_CLOSE):]
+
+    def write(self, calls: list[dict]) -> str | None:
+        return TOOLCALL_OPEN + json.dumps([call_record(call) for call in calls], ensure_ascii=False) + TOOLCALL_CLOSE
+
+
 class _Lfm2(_Marked):
     """LiquidAI LFM2's: one Python list of calls between ``<|tool_call_start|>`` and ``<|tool_call_end|>``
     (server/tools_pythonic.py)."""
@@ -480,4 +502,4 @@ class _Lfm2(_Marked):
 
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
     _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite(),
-    _Lfm2())}
+    _Lfm2(), _Nemotron())}

@@ -1,6 +1,6 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of eight formats, the one the model's chat template writes (:func:`native_call_format`),
+Calls are read in one of nine formats, the one the model's chat template writes (:func:`native_call_format`),
 else Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
@@ -49,7 +49,9 @@ names ``<|tool_call>`` and ``call:``) writes ``<|tool_call>call:NAME{key:value}<
 ``<|"|>`` markers, read and held likewise (server/tools_gemma.py). Granite 3's (``granite``; the template names
 ``<|tool_call|>`` and ``<|start_of_role|>``) writes ``<|tool_call|>`` and one JSON list of the calls, as Mistral's v3.
 LFM2's (``lfm2``; the template lists the tools after ``List of tools: ``) writes one Python list of calls between
-``<|tool_call_start|>`` and ``<|tool_call_end|>`` (server/tools_pythonic.py).
+``<|tool_call_start|>`` and ``<|tool_call_end|>`` (server/tools_pythonic.py). NVIDIA Nemotron Nano 2's
+(``nemotron``; the template names ``<TOOLCALL>`` and ``</TOOLCALL>``) writes one JSON list of the calls between
+those markers, as Mistral's v3 writes its list.
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
 :func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
@@ -88,8 +90,11 @@ from jointspec.server.call_formats import (
     LLAMA3_JSON,
     MISTRAL_V3,
     MISTRAL_V11,
+    NEMOTRON,
     PYTHON_TAG,
     QWEN3_CODER,
+    TOOLCALL_CLOSE,
+    TOOLCALL_OPEN,
     CallFormat,
     Calls,
     Held,
@@ -274,6 +279,8 @@ def native_call_format(tokenizer) -> str | None:
         return GRANITE
     if "<|tool_list_start|>" in template or "List of tools: " in template:  # (LFM2's, and LFM2.5's)
         return LFM2
+    if TOOLCALL_OPEN in template and TOOLCALL_CLOSE in template:
+        return NEMOTRON
     if mistral.TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
         return MISTRAL_V11 if mistral.ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)

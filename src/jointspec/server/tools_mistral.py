@@ -46,7 +46,8 @@ def read_calls(body: str, v11: bool, cut: bool) -> list[dict] | None:
 
 
 def list_calls(body: str, cut: bool) -> list[dict] | None:
-    """v3 (and Granite 3's, after its own marker): one JSON list of call objects, then nothing but whitespace."""
+    """v3 (and Granite 3's and Nemotron's, after their own markers): one JSON list of call objects, then nothing but
+    whitespace."""
     decoder = json.JSONDecoder()
     at = skip_space(body, 0)
     if not body.startswith("[", at):
@@ -92,13 +93,14 @@ def _v11_calls(body: str, cut: bool) -> list[dict] | None:
 
 
 def grammar(calls: list[tuple[str, str]], v11: bool, several: bool, strict_auto: bool, ids: dict[str, int],
-            opening: str = TOOL_CALLS) -> str:
+            opening: str = TOOL_CALLS, closing: str | None = None) -> str:
     """The lark grammar of an answer of ``calls`` (each a function's name and its arguments' JSON schema, as the
     grammar's ``%json`` takes it), written as the templates write them: ``[TOOL_CALLS] [`` and the calls joined by
     ``, `` then ``]`` (v3, the space optional); each call ``[TOOL_CALLS]``, its name, ``[ARGS]`` and its arguments
     (v11). ``several``: more than one call; ``strict_auto``: any text first, then such calls or nothing (else the
     calls alone); ``ids``: the markers that are added tokens, named by id (server/tool_text.py); ``opening``: v3's
-    list after another marker (Granite 3's ``<|tool_call|>``)."""
+    list after another marker (Granite 3's ``<|tool_call|>``); ``closing``: a marker after the list (Nemotron's
+    ``</TOOLCALL>``)."""
     mark, args_mark = marker(opening, ids), marker(ARGS, ids)
     # (a model whose tokenizer has [CALL_ID] may write its call's id, 9 letters and digits, before [ARGS])
     call_id = f" ({marker(CALL_ID, ids)} /[A-Za-z0-9]{{9}}/)?" if CALL_ID in ids else ""
@@ -116,4 +118,6 @@ def grammar(calls: list[tuple[str, str]], v11: bool, several: bool, strict_auto:
         following = f"call ({mark} call)*" if several else "call"
     else:
         following = '" "? "[" call (", " call)* "]"' if several else '" "? "[" call "]"'
+        if closing is not None:
+            following += f" {marker(closing, ids)}"
     return "\n".join([*start_rules(opening, ids, following, strict_auto), f"call: {either}", *rules]) + "\n"
