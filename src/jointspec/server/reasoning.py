@@ -16,8 +16,8 @@ Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... `
 tokens, which the engine keeps in the text where the template names them), read alike, and so are Mistral's reasoning
 models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too). Granite 3.3's template, with
 thinking on, asks for the answer in tags of its own after the block, ``<response>`` ... ``</response>``
-(:data:`THINK_RESPONSE`): a content that begins with them has them taken off, as llama.cpp's server reads Granite's
-answers.
+(:data:`THINK_RESPONSE`): a content that begins with them has them taken off (llama.cpp's template analyser names the
+same tags for Granite 3.3 as the content's wrapper).
 
 The reasoning drops the whitespace around it, the content the whitespace before it (Qwen3 writes ``\\n\\n`` after the
 block), and a content in tags the whitespace inside them too. A stream (:class:`ReasoningStream`) sends each part as
