@@ -17,6 +17,7 @@ from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import CompletionRequest, ServingEngine
 from jointspec.server.reasoning import (
+    INNER,
     MISTRAL_THINK,
     THINK,
     THINK_RESPONSE,
@@ -24,6 +25,7 @@ from jointspec.server.reasoning import (
     prompt_opens_reasoning,
 )
 from jointspec.server.tools import (
+    APERTUS,
     GRANITE,
     HERMES,
     MISTRAL_V3,
@@ -40,6 +42,9 @@ QWEN = (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "
                                          "</tool_response>"])
 MISTRAL = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]"]
+APERTUS_CONTROL = [f"<|{part}_{end}|>" for part in ("system", "developer", "user", "assistant")
+                   for end in ("start", "end")] + ["<|inner_prefix|>", "<|inner_suffix|>", "<|tools_prefix|>",
+                                                   "<|tools_suffix|>"]
 # Each template: its model's control tokens (special ones, added ones), the call format read from it, its reasoning
 # tags, and how a prompt leaves the answer (opened: inside a block; closed: after an empty one) by default and with
 # thinking off.
@@ -56,6 +61,7 @@ MODELS = {
     "Ministral-3-14B-Reasoning-2512": (MISTRAL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[THINK]",
                                                   "[/THINK]"], [], MISTRAL_V11, MISTRAL_THINK, (False, False),
                                        (False, False)),
+    "Apertus-8B-Instruct-2509": (APERTUS_CONTROL, [], APERTUS, INNER, (False, False), (False, False)),
     "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                                       "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
                                      (True, False), (True, False)),
@@ -71,6 +77,7 @@ CALLS = {
     "Mistral-Nemo-Instruct-2407": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "',
     "Mistral-Small-3.2-24B-Instruct-2506": "[TOOL_CALLS]get_weather[CALL_ID]",
     "Ministral-3-14B-Reasoning-2512": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "Apertus-8B-Instruct-2509": 'Checking.<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
     # (no format of its own: the tools and calls shown as text in Hermes's)
     "DeepSeek-R1-Distill-Qwen-32B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
 }
@@ -165,17 +172,19 @@ def test_a_qwen_required_call_may_come_after_its_thinking_with_the_real_template
         engine.close()
 
 
-def test_a_ministral_required_call_may_come_after_its_thinking_with_the_real_template():
-    """Ministral 3 Reasoning thinks in [THINK] ... [/THINK], control tokens of its tokenizer (special, so a decode
-    keeps them only because the engine names them): pushed to open and close its block, the answer is an empty
-    reasoning and then the call the grammar holds, in Mistral's v11 format."""
-    name = "Ministral-3-14B-Reasoning-2512"
+@pytest.mark.parametrize("name", ["Ministral-3-14B-Reasoning-2512", "Apertus-8B-Instruct-2509"])
+def test_a_required_call_may_come_after_thinking_in_special_tokens_with_the_real_template(name):
+    """Ministral 3 Reasoning thinks in [THINK] ... [/THINK], Apertus in <|inner_prefix|> ... <|inner_suffix|>,
+    control tokens of their tokenizers (special, so a decode keeps them only because the engine names them): pushed
+    to open and close the block, the answer is an empty reasoning and then the call the grammar holds, in the model's
+    format."""
     words = tokenizer_of(name)
     engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words), 2048)), words, model_id="tiny",
                            max_batch_size=4)
     try:
-        assert set(engine.reasoning_markers) == {"[THINK]", "[/THINK]"}
-        bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in ("[THINK]", "[/THINK]")}
+        tags = MODELS[name][3]
+        assert set(engine.reasoning_markers) == {tags.open, tags.close}
+        bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in (tags.open, tags.close)}
         reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [CITY_TOOL],
             "tool_choice": "required", "parallel_tool_calls": False, "logit_bias": bias, "temperature": 0,

@@ -22,15 +22,17 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # The call formats read here (server/tools.py's docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
 # (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py), Granite 3's,
-# LFM2's Python calls (server/tools_pythonic.py) and Nemotron Nano 2's.
+# LFM2's Python calls (server/tools_pythonic.py), Nemotron Nano 2's and Apertus's.
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
 QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON = "qwen3_coder", "gemma4", "granite", "lfm2", "nemotron"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON)
+APERTUS = "apertus"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON, APERTUS)
 # Granite 3's opening of its calls (a special token in its tokenizer).
 GRANITE_CALL = "<|tool_call|>"
-# NVIDIA Nemotron Nano 2's markers around its list of calls.
+# NVIDIA Nemotron Nano 2's markers around its list of calls, and Apertus's (special tokens of its tokenizer).
 TOOLCALL_OPEN, TOOLCALL_CLOSE = "<TOOLCALL>", "</TOOLCALL>"
+TOOLS_PREFIX, TOOLS_SUFFIX = "<|tools_prefix|>", "<|tools_suffix|>"
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
 # What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
@@ -478,6 +480,34 @@ class _Nemotron(_Marked):
         return TOOLCALL_OPEN + json.dumps([call_record(call) for call in calls], ensure_ascii=False) + TOOLCALL_CLOSE
 
 
+class _Apertus(_Marked):
+    """Swiss AI Apertus's: one JSON list between ``<|tools_prefix|>`` and ``<|tools_suffix|>`` whose items each name
+    the function as their one key, ``{"get_weather": {"city": "Paris"}}``."""
+
+    name, opening, markers = APERTUS, TOOLS_PREFIX, (TOOLS_PREFIX, TOOLS_SUFFIX)
+
+    def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+        rules = []
+        for index, call in enumerate(calls):
+            rules += [f'call{index}: {json.dumps("{" + json.dumps(call.name) + ": ")} args{index} "}}"',
+                      f"args{index}: %json {call.json()}"]
+        either = " | ".join(f"call{index}" for index in range(len(calls)))
+        following = ('"[" call (", " call)* "]"' if several else '"[" call "]"') + f" {marker(TOOLS_SUFFIX, ids)}"
+        return "\n".join([*start_rules(TOOLS_PREFIX, ids, following, strict_auto), f"call: {either}", *rules]) + "\n"
+
+    def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
+        end = rest.find(TOOLS_SUFFIX)
+        items, after = (mistral.list_calls(rest, cut), "") if end < 0 else (
+            mistral.list_calls(rest[:end], False), rest[end + len(TOOLS_SUFFIX):])
+        if items is None or not all(isinstance(item, dict) and len(item) == 1 for item in items):
+            return None, after
+        return [{"name": name, "arguments": arguments} for item in items for name, arguments in item.items()], after
+
+    def write(self, calls: list[dict]) -> str | None:
+        items = [{record["name"]: record["arguments"]} for record in map(call_record, calls)]
+        return TOOLS_PREFIX + json.dumps(items, ensure_ascii=False) + TOOLS_SUFFIX
+
+
 class _Lfm2(_Marked):
     """LiquidAI LFM2's: one Python list of calls between ``<|tool_call_start|>`` and ``<|tool_call_end|>``
     (server/tools_pythonic.py)."""
@@ -502,4 +532,4 @@ class _Lfm2(_Marked):
 
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
     _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite(),
-    _Lfm2(), _Nemotron())}
+    _Lfm2(), _Nemotron(), _Apertus())}

@@ -14,7 +14,8 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
 
 Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
 tokens, which the engine keeps in the text where the template names them), read alike, and so are Mistral's reasoning
-models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too). Granite 3.3's template, with
+models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too) and Apertus's
+``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`). Granite 3.3's template, with
 thinking on, asks for the answer in tags of its own after the block, ``<response>`` ... ``</response>``
 (:data:`THINK_RESPONSE`): a content that begins with them has them taken off (llama.cpp's template analyser names the
 same tags for Granite 3.3 as the content's wrapper).
@@ -60,6 +61,8 @@ THINK = Tags(THINK_OPEN, THINK_CLOSE)
 CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"))
 # Mistral's reasoning models (Magistral, Ministral 3 Reasoning): "[THINK]" ... "[/THINK]", both control tokens.
 MISTRAL_THINK = Tags("[THINK]", "[/THINK]", ("[THINK]", "[/THINK]"))
+# Apertus's, with deliberation on: "<|inner_prefix|>" ... "<|inner_suffix|>", special tokens.
+INNER = Tags("<|inner_prefix|>", "<|inner_suffix|>", ("<|inner_prefix|>", "<|inner_suffix|>"))
 # Granite 3.3 with thinking on: "<think>...</think><response>...</response>", all of it text.
 RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
 THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_CLOSE))
@@ -67,12 +70,12 @@ THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_C
 
 def template_reasons(tokenizer) -> Tags | None:
     """The tags of the reasoning blocks the tokenizer's chat template writes (it names ``</think>``, Gemma 4's
-    channel or Mistral's ``[THINK]``; of a tokenizer with named templates, any of them), or None where it writes
-    none."""
+    channel, Mistral's ``[THINK]`` or Apertus's inner block; of a tokenizer with named templates, any of them), or
+    None where it writes none."""
     template = getattr(tokenizer, "chat_template", None)
     templates = [text for text in (template.values() if isinstance(template, dict) else [template])
                  if isinstance(text, str)]
-    for tags in (THINK, CHANNEL, MISTRAL_THINK):
+    for tags in (THINK, CHANNEL, MISTRAL_THINK, INNER):
         if any(tags.open in text and tags.close in text for text in templates) or (
                 tags is THINK and any(THINK_CLOSE in text for text in templates)):
             # (the instruction Granite 3.3's template gives, naming both tags; MiniMax's wraps tool results in them)

@@ -1,6 +1,6 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of nine formats, the one the model's chat template writes (:func:`native_call_format`),
+Calls are read in one of ten formats, the one the model's chat template writes (:func:`native_call_format`),
 else Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
@@ -51,7 +51,9 @@ names ``<|tool_call>`` and ``call:``) writes ``<|tool_call>call:NAME{key:value}<
 LFM2's (``lfm2``; the template lists the tools after ``List of tools: ``) writes one Python list of calls between
 ``<|tool_call_start|>`` and ``<|tool_call_end|>`` (server/tools_pythonic.py). NVIDIA Nemotron Nano 2's
 (``nemotron``; the template names ``<TOOLCALL>`` and ``</TOOLCALL>``) writes one JSON list of the calls between
-those markers, as Mistral's v3 writes its list.
+those markers, as Mistral's v3 writes its list. Apertus's (``apertus``; the template names ``<|tools_prefix|>``)
+writes one JSON list between ``<|tools_prefix|>`` and ``<|tools_suffix|>`` whose items name the function as their
+one key: ``{"get_weather": {"city": "Paris"}}``.
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
 :func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
@@ -78,6 +80,7 @@ from jointspec.core.grammar import GrammarError, OutputFormat, one_line
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
 from jointspec.server.call_formats import (
+    APERTUS,
     CALL_CLOSE,
     CALL_FORMATS,
     CALL_OPEN,
@@ -95,6 +98,8 @@ from jointspec.server.call_formats import (
     QWEN3_CODER,
     TOOLCALL_CLOSE,
     TOOLCALL_OPEN,
+    TOOLS_PREFIX,
+    TOOLS_SUFFIX,
     CallFormat,
     Calls,
     Held,
@@ -281,6 +286,8 @@ def native_call_format(tokenizer) -> str | None:
         return LFM2
     if TOOLCALL_OPEN in template and TOOLCALL_CLOSE in template:
         return NEMOTRON
+    if TOOLS_PREFIX in template and TOOLS_SUFFIX in template:
+        return APERTUS
     if mistral.TOOL_CALLS in template:  # Mistral's: v11 and later name the arguments' marker
         return MISTRAL_V11 if mistral.ARGS in template else MISTRAL_V3
     # (Llama 4's template writes calls so too, but several a turn, unseparated, after <|python_start|>: not read)
