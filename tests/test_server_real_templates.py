@@ -26,6 +26,7 @@ from jointspec.server.reasoning import (
 )
 from jointspec.server.tools import (
     APERTUS,
+    APRIEL,
     GRANITE,
     HERMES,
     MISTRAL_V3,
@@ -62,6 +63,8 @@ MODELS = {
                                                   "[/THINK]"], [], MISTRAL_V11, MISTRAL_THINK, (False, False),
                                        (False, False)),
     "Apertus-8B-Instruct-2509": (APERTUS_CONTROL, [], APERTUS, INNER, (False, False), (False, False)),
+    "Apriel-1.5-15b-Thinker": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool_result|>"], [], APRIEL,
+                               None, None, None),
     "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                                       "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
                                      (True, False), (True, False)),
@@ -78,6 +81,8 @@ CALLS = {
     "Mistral-Small-3.2-24B-Instruct-2506": "[TOOL_CALLS]get_weather[CALL_ID]",
     "Ministral-3-14B-Reasoning-2512": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     "Apertus-8B-Instruct-2509": 'Checking.<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
+    "Apriel-1.5-15b-Thinker": 'Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": '
+                              '"call_abc123"}]</tool_calls>',
     # (no format of its own: the tools and calls shown as text in Hermes's)
     "DeepSeek-R1-Distill-Qwen-32B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
 }
@@ -141,7 +146,8 @@ def test_each_template_renders_an_earlier_call_in_its_models_format(served):
     assert engine.shows_calls == (name != "granite-3.3-2b-instruct")
 
 
-@pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "Mistral-Nemo-Instruct-2407", "granite-4.0"])
+@pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "Mistral-Nemo-Instruct-2407", "granite-4.0",
+                                  "Apriel-1.5-15b-Thinker"])
 def test_a_required_call_with_a_real_template_is_the_loops_constrained_greedy_decoding(name):
     words = tokenizer_of(name)
     model = llama_ending_at_eos(3, len(words), 4096)  # (Mistral Small's own system prompt is 2,500 tokens)

@@ -109,6 +109,14 @@ def test_an_answer_is_read_for_the_list_between_the_markers_whole_cut_and_stream
     whole = written(("add", {"a": 1}), ("get_weather", {"city": "Paris"}))
     assert [c["function"]["name"] for c in read_calls(whole[:whole.rindex("Paris")], use, cut=True).calls] == ["add"]
     assert read_calls(whole[:whole.rindex("Paris")], use).calls == ()  # (not cut: no call was finished)
+    # Cut inside the closing marker (spelled as text), the list before it stands.
+    assert len(read_calls(whole[:-4], use, cut=True).calls) == 2 and read_calls(whole[:-4], use).calls == ()
+    # The list is read as JSON first: the marker's spelling inside an argument is text.
+    note = use_of({"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}})
+    spelled = written(("note", {"text": "a" + TOOLCALL_CLOSE + "b"}), after=" ok")
+    assert [json.loads(c["function"]["arguments"]) for c in read_calls(spelled, note).calls] == [
+        {"text": "a" + TOOLCALL_CLOSE + "b"}] and read_calls(spelled, note).content == "ok"
     text = written(("add", {"a": 1}), text="Let me add. ")
     for size in (1, 4):
         stream = CallStream(use)

@@ -22,17 +22,20 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # The call formats read here (server/tools.py's docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
 # (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py), Granite 3's,
-# LFM2's Python calls (server/tools_pythonic.py), Nemotron Nano 2's and Apertus's.
+# LFM2's Python calls (server/tools_pythonic.py), and the JSON lists between markers of Nemotron Nano 2, Apertus and
+# Apriel 1.5.
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
 QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON = "qwen3_coder", "gemma4", "granite", "lfm2", "nemotron"
-APERTUS = "apertus"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON, APERTUS)
+APERTUS, APRIEL = "apertus", "apriel"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON, APERTUS, APRIEL)
 # Granite 3's opening of its calls (a special token in its tokenizer).
 GRANITE_CALL = "<|tool_call|>"
-# NVIDIA Nemotron Nano 2's markers around its list of calls, and Apertus's (special tokens of its tokenizer).
+# The markers around a list of calls: NVIDIA Nemotron Nano 2's, Apertus's (special tokens of its tokenizer) and
+# ServiceNow Apriel 1.5's.
 TOOLCALL_OPEN, TOOLCALL_CLOSE = "<TOOLCALL>", "</TOOLCALL>"
 TOOLS_PREFIX, TOOLS_SUFFIX = "<|tools_prefix|>", "<|tools_suffix|>"
+TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = "<tool_calls>", "</tool_calls>"
 # Llama 3.1 opens a call with this special token; a tokenizer that spells special tokens out leaves it in the text.
 PYTHON_TAG = "<|python_tag|>"
 # What Python's str.strip() (the reader's) takes for whitespace, as a grammar's regex: \s and the four separators
@@ -381,13 +384,13 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
     return out
 
 
-# -- calls after a marker: Mistral's, Gemma 4's, Granite 3's, Nemotron's, LFM2's -----------------------------------
+# -- calls after a marker: Mistral's, Gemma 4's, Granite 3's, JSON lists between markers, LFM2's --------------------
 
 class _Marked(CallFormat):
-    """A format whose calls follow a marker after any text (Mistral's, Gemma 4's, Granite 3's, Nemotron's, LFM2's):
-    the text before the first marker (less its trailing whitespace) the content, and all that follows it the calls,
-    as the format's module reads them (Nemotron's and LFM2's may end them and say more: that text joins the content,
-    on a line of its own)."""
+    """A format whose calls follow a marker after any text (Mistral's, Gemma 4's, Granite 3's, the JSON lists between
+    markers, LFM2's): the text before the first marker (less its trailing whitespace) the content, and all that
+    follows it the calls, as the format's module reads them (those with a closing marker may end them and say more:
+    that text joins the content, on a line of its own)."""
 
     def read(self, text: str, tools: tuple[Tool, ...], parallel: bool, cut: bool) -> Calls:
         start = text.find(self.opening)
@@ -460,31 +463,49 @@ class _Granite(_Marked):
         return GRANITE_CALL + json.dumps([call_record(call) for call in calls], ensure_ascii=False)
 
 
-class _Nemotron(_Marked):
-    """NVIDIA Nemotron Nano 2's: one JSON list of the calls between ``<TOOLCALL>`` and ``</TOOLCALL>``, as Mistral's v3
-    writes its list; text after the closing marker joins the content."""
+class _JsonList(_Marked):
+    """One JSON list of the calls between an opening and a closing marker, as Mistral's v3 writes its list:
+    NVIDIA Nemotron Nano 2's ``<TOOLCALL>`` ... ``</TOOLCALL>``, ServiceNow Apriel 1.5's ``<tool_calls>`` ...
+    ``</tool_calls>``. The list is read as JSON first, so a marker's spelling inside an argument is text; text after
+    the closing marker joins the content, and an answer that ends (or is cut) after its list without the marker
+    still reads."""
 
-    name, opening, markers = NEMOTRON, TOOLCALL_OPEN, (TOOLCALL_OPEN, TOOLCALL_CLOSE)
+    def __init__(self, name: str, opening: str, closing: str) -> None:
+        self.name, self.opening, self.closing, self.markers = name, opening, closing, (opening, closing)
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
         return mistral.grammar([(call.name, call.json()) for call in calls], False, several, strict_auto, ids,
-                               opening=TOOLCALL_OPEN, closing=TOOLCALL_CLOSE)
+                               opening=self.opening, closing=self.closing)
 
     def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
-        end = rest.find(TOOLCALL_CLOSE)
-        if end < 0:  # (cut before the marker, or an answer that ended without it)
-            return mistral.list_calls(rest, cut), ""
-        return mistral.list_calls(rest[:end], False), rest[end + len(TOOLCALL_CLOSE):]
+        try:
+            items, end = json.JSONDecoder().raw_decode(rest, skip_space(rest, 0))
+        except ValueError:  # (an unfinished list: the calls before the one the cut left unfinished stand)
+            items = mistral.list_calls(rest, cut) if cut else None
+            return (None if items is None else self.records(items)), ""
+        tail = rest[end:].lstrip()
+        if not isinstance(items, list):
+            return None, ""
+        if tail.startswith(self.closing):
+            return self.records(items), tail[len(self.closing):]
+        if not tail or (cut and self.closing.startswith(tail)):
+            return self.records(items), ""
+        return None, ""
+
+    def records(self, items: list) -> list[dict] | None:
+        """The call records (``{"name", "arguments"}``) the list's items are."""
+        return items
 
     def write(self, calls: list[dict]) -> str | None:
-        return TOOLCALL_OPEN + json.dumps([call_record(call) for call in calls], ensure_ascii=False) + TOOLCALL_CLOSE
+        return self.opening + json.dumps([call_record(call) for call in calls], ensure_ascii=False) + self.closing
 
 
-class _Apertus(_Marked):
-    """Swiss AI Apertus's: one JSON list between ``<|tools_prefix|>`` and ``<|tools_suffix|>`` whose items each name
-    the function as their one key, ``{"get_weather": {"city": "Paris"}}``."""
+class _Apertus(_JsonList):
+    """Swiss AI Apertus's: the list between ``<|tools_prefix|>`` and ``<|tools_suffix|>`` (special tokens), each item
+    naming the function as its one key, ``{"get_weather": {"city": "Paris"}}``."""
 
-    name, opening, markers = APERTUS, TOOLS_PREFIX, (TOOLS_PREFIX, TOOLS_SUFFIX)
+    def __init__(self) -> None:
+        super().__init__(APERTUS, TOOLS_PREFIX, TOOLS_SUFFIX)
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
         rules = []
@@ -495,13 +516,10 @@ class _Apertus(_Marked):
         following = ('"[" call (", " call)* "]"' if several else '"[" call "]"') + f" {marker(TOOLS_SUFFIX, ids)}"
         return "\n".join([*start_rules(TOOLS_PREFIX, ids, following, strict_auto), f"call: {either}", *rules]) + "\n"
 
-    def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
-        end = rest.find(TOOLS_SUFFIX)
-        items, after = (mistral.list_calls(rest, cut), "") if end < 0 else (
-            mistral.list_calls(rest[:end], False), rest[end + len(TOOLS_SUFFIX):])
-        if items is None or not all(isinstance(item, dict) and len(item) == 1 for item in items):
-            return None, after
-        return [{"name": name, "arguments": arguments} for item in items for name, arguments in item.items()], after
+    def records(self, items: list) -> list[dict] | None:
+        if not all(isinstance(item, dict) and len(item) == 1 for item in items):
+            return None
+        return [{"name": name, "arguments": arguments} for item in items for name, arguments in item.items()]
 
     def write(self, calls: list[dict]) -> str | None:
         items = [{record["name"]: record["arguments"]} for record in map(call_record, calls)]
@@ -532,4 +550,5 @@ class _Lfm2(_Marked):
 
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
     _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite(),
-    _Lfm2(), _Nemotron(), _Apertus())}
+    _Lfm2(), _JsonList(NEMOTRON, TOOLCALL_OPEN, TOOLCALL_CLOSE), _Apertus(),
+    _JsonList(APRIEL, TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE))}

@@ -1,6 +1,6 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of ten formats, the one the model's chat template writes (:func:`native_call_format`),
+Calls are read in one of eleven formats, the one the model's chat template writes (:func:`native_call_format`),
 else Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
@@ -53,7 +53,8 @@ LFM2's (``lfm2``; the template lists the tools after ``List of tools: ``) writes
 (``nemotron``; the template names ``<TOOLCALL>`` and ``</TOOLCALL>``) writes one JSON list of the calls between
 those markers, as Mistral's v3 writes its list. Apertus's (``apertus``; the template names ``<|tools_prefix|>``)
 writes one JSON list between ``<|tools_prefix|>`` and ``<|tools_suffix|>`` whose items name the function as their
-one key: ``{"get_weather": {"city": "Paris"}}``.
+one key: ``{"get_weather": {"city": "Paris"}}``. ServiceNow Apriel 1.5's (``apriel``; the template writes calls as
+``<tool_calls>[`` ... ``]</tool_calls>``) writes one JSON list between those markers, as Nemotron's.
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
 :func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
@@ -81,6 +82,7 @@ from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_mistral as mistral
 from jointspec.server.call_formats import (
     APERTUS,
+    APRIEL,
     CALL_CLOSE,
     CALL_FORMATS,
     CALL_OPEN,
@@ -96,6 +98,8 @@ from jointspec.server.call_formats import (
     NEMOTRON,
     PYTHON_TAG,
     QWEN3_CODER,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
     TOOLCALL_CLOSE,
     TOOLCALL_OPEN,
     TOOLS_PREFIX,
@@ -276,6 +280,8 @@ def native_call_format(tokenizer) -> str | None:
         template = template.get("tool_use") or template.get("default")
     if not isinstance(template, str) or "tools" not in template:
         return None
+    if TOOL_CALLS_OPEN + "[" in template and "]" + TOOL_CALLS_CLOSE in template:  # (its instructions name <tool_call>)
+        return APRIEL
     if CALL_OPEN in template:  # (Qwen3-Coder's and Qwen3.5's write <function=...> blocks inside the tags)
         return QWEN3_CODER if FUNCTION_OPEN in template and PARAMETER_OPEN in template else HERMES
     if gemma.CALL_OPEN in template and gemma.CALL_PREFIX in template:
