@@ -20,7 +20,14 @@ from jointspec.backends.hf import CausalLM
 from jointspec.core.grammar import OutputFormat
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import ServingEngine
-from jointspec.server.reasoning import CHANNEL, THINK, THINK_RESPONSE, prompt_closes_reasoning, reasoning_first
+from jointspec.server.reasoning import (
+    CHANNEL,
+    THINK,
+    THINK_RESPONSE,
+    prompt_closes_reasoning,
+    reasoning_first,
+    split_reasoning,
+)
 from jointspec.server.tools import read_tool_use
 
 from helpers import CITY_TOOL, byte_tokenizer, grammar_takes, llama_ending_at_eos, sse_events
@@ -123,6 +130,12 @@ def test_granites_response_tags_may_hold_the_format(think_engine):
         (block(engine, "hm") + '{"x": 1}</response>', False),
     ]:
         assert grammar_takes(engine, after, text) == takes, text
+    # What the grammar lets through reads back as the format, a closing tag spelled inside the answer included.
+    said = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"], "additionalProperties": False}
+    text = block(engine, "hm") + '<response>{"s": "</response>"}</response>'
+    assert grammar_takes(engine, reasoning_first(OutputFormat.json_schema(said), THINK_RESPONSE,
+                                                 engine.reasoning_tokens, opened=False), text)
+    assert json.loads(split_reasoning(text, False, THINK_RESPONSE).content) == {"s": "</response>"}
     inside = reasoning_first(OutputFormat.json_schema(POINT), THINK_RESPONSE, engine.reasoning_tokens, opened=True)
     assert grammar_takes(engine, inside, 'hm</think><response>{"x": 1}</response>')
     # Other tags than Granite's hold no <response>.

@@ -107,6 +107,8 @@ def test_an_answer_is_split_into_its_reasoning_and_its_content(text, opened, rea
     (False, "<think>\nPlan.\n</think>\n<response>\nBlue light.\n</response>"),
     (False, " <response> x </resp </response>y"),
     (True, "a</think><response> cut "),
+    (False, '<think>hm</think><response> {"s": "</response>"} </response>\n'),
+    (False, "<response>a </response> b </response></response> c"),
 ])
 def test_a_stream_sends_what_the_whole_answer_has_however_the_text_is_split(opened, text):
     for tags in (THINK, THINK_RESPONSE):
@@ -140,6 +142,9 @@ def assert_stream_adds_up(opened: bool, text: str, tags) -> None:
     ("  plain", False, None, "  plain"),
     ("<resp", False, None, "<resp"),
     ("a</think><response>b</response>", True, "a", "b"),
+    # (the last closing tag closes them: the answer inside may spell one, as a JSON string a grammar lets through)
+    ('<think>hm</think><response>{"s": "</response>"}</response>', False, "hm", '{"s": "</response>"}'),
+    ("<response>a</response> b </response> c", False, None, "a</response> b c"),
 ])
 def test_granites_content_has_its_response_tags_taken_off(text, opened, reasoning, content):
     parts = split_reasoning(text, opened, THINK_RESPONSE)

@@ -15,10 +15,10 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
 Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
 tokens, which the engine keeps in the text where the template names them), read alike, and so are Mistral's reasoning
 models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too) and Apertus's
-``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`). Granite 3.3's template, with
-thinking on, asks for the answer in tags of its own after the block, ``<response>`` ... ``</response>``
-(:data:`THINK_RESPONSE`): a content that begins with them has them taken off (llama.cpp's template analyser names the
-same tags for Granite 3.3 as the content's wrapper).
+``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`). Granite 3.3's template, with thinking on, asks for
+the answer in tags of its own after the block, ``<response>`` ... ``</response>`` (:data:`THINK_RESPONSE`): a content
+that begins with them has them taken off, up to the last closing tag (llama.cpp's template analyser names the same
+tags for Granite 3.3 as the content's wrapper).
 
 The reasoning drops the whitespace around it, the content the whitespace before it (Qwen3 writes ``\\n\\n`` after the
 block), and a content in tags the whitespace inside them too. A stream (:class:`ReasoningStream`) sends each part as
@@ -173,11 +173,12 @@ def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
 
 def _unwrapped(content: str, tags: Tags) -> str:
     """``content`` less the tags the template asks it to be written in (``tags.answer``), where it begins with them:
-    the text inside, stripped, then whatever followed the closing tag as written."""
+    the text inside, stripped, then whatever followed the closing tag as written. The last closing tag closes them:
+    the answer inside may spell it (a JSON string a grammar lets through)."""
     if tags.answer is None or not (begun := content.lstrip()).startswith(tags.answer[0]):
         return content
     inner = begun[len(tags.answer[0]):]
-    end = inner.find(tags.answer[1])
+    end = inner.rfind(tags.answer[1])
     if end < 0:
         return inner.strip()
     return inner[:end].strip() + inner[end + len(tags.answer[1]):]
@@ -227,12 +228,17 @@ class ReasoningStream:
                 self.state = "content"
         content = ""
         if self.state == "wrapped":
-            end = self.held.find(self.tags.answer[1])
+            closing = self.tags.answer[1]
+            # (the last closing tag closes them: what follows one may still hold another, so it waits for the end)
+            end = self.held.rfind(closing)
             if end < 0:
-                return reasoning, self._part(self._ready(self.tags.answer[1], final), final)
+                return reasoning, self._part(self._ready(closing, final), final)
+            if not final:
+                ready, self.held = self.held[:end], self.held[end:]
+                return reasoning, self._part(ready, False)
             content = self._part(self.held[:end], True)
             # (what follows the closing tag is content as written)
-            self.state, self.held, self.sent_any = "content", self.held[end + len(self.tags.answer[1]):], True
+            self.state, self.held, self.sent_any = "content", self.held[end + len(closing):], True
         rest, self.held = self.held, ""  # (content: as it comes, less its leading whitespace)
         if not self.sent_any:
             rest = rest.lstrip()
