@@ -27,6 +27,7 @@ from jointspec.server.reasoning import (
 from jointspec.server.tools import (
     APERTUS,
     APRIEL,
+    GLM,
     GRANITE,
     HERMES,
     MISTRAL_V3,
@@ -65,6 +66,10 @@ MODELS = {
     "Apertus-8B-Instruct-2509": (APERTUS_CONTROL, [], APERTUS, INNER, (False, False), (False, False)),
     "Apriel-1.5-15b-Thinker": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool_result|>"], [], APRIEL,
                                None, None, None),
+    "GLM-4.7-Flash": (["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+                      ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                       "<tool_response>", "</tool_response>", "<think>", "</think>"], GLM, THINK, (True, False),
+                      (False, True)),
     "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                                       "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
                                      (True, False), (True, False)),
@@ -81,6 +86,7 @@ CALLS = {
     "Mistral-Small-3.2-24B-Instruct-2506": "[TOOL_CALLS]get_weather[CALL_ID]",
     "Ministral-3-14B-Reasoning-2512": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     "Apertus-8B-Instruct-2509": 'Checking.<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
+    "GLM-4.7-Flash": "Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
     "Apriel-1.5-15b-Thinker": 'Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": '
                               '"call_abc123"}]</tool_calls>',
     # (no format of its own: the tools and calls shown as text in Hermes's)
@@ -178,18 +184,18 @@ def test_a_qwen_required_call_may_come_after_its_thinking_with_the_real_template
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["Ministral-3-14B-Reasoning-2512", "Apertus-8B-Instruct-2509"])
+@pytest.mark.parametrize("name", ["Ministral-3-14B-Reasoning-2512", "Apertus-8B-Instruct-2509", "GLM-4.7-Flash"])
 def test_a_required_call_may_come_after_thinking_in_special_tokens_with_the_real_template(name):
     """Ministral 3 Reasoning thinks in [THINK] ... [/THINK], Apertus in <|inner_prefix|> ... <|inner_suffix|>,
-    control tokens of their tokenizers (special, so a decode keeps them only because the engine names them): pushed
-    to open and close the block, the answer is an empty reasoning and then the call the grammar holds, in the model's
-    format."""
+    control tokens of their tokenizers (special, so a decode keeps them only because the engine names them), GLM-4.7
+    in <think> ... </think> that its template opens in the prompt: pushed to open (where the prompt did not) and close
+    the block, the answer is an empty reasoning and then the call the grammar holds, in the model's format."""
     words = tokenizer_of(name)
     engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words), 2048)), words, model_id="tiny",
                            max_batch_size=4)
     try:
         tags = MODELS[name][3]
-        assert set(engine.reasoning_markers) == {tags.open, tags.close}
+        assert set(engine.reasoning_markers) == set(tags.kept)
         bias = {str(words.convert_tokens_to_ids(tag)): 100 for tag in (tags.open, tags.close)}
         reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": [CITY_TOOL],

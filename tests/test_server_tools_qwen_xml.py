@@ -176,6 +176,12 @@ def test_the_grammar_holds_unions_definitions_python_spellings_and_open_schemas(
         "cmd": {"type": "string"}}}}}
     assert grammar_takes(engine, use_of(open_tool, choice="required"), call("run", cmd="ls", cwd="/tmp", env="x"))
     assert not grammar_takes(engine, use_of(open_tool, choice="required"), call("run", **{"a<b": "1"}))
+    # ... but none of its own again, where its schema would refuse the value (an integer's "abc", as another key).
+    counted = {"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {
+        "cmd": {"type": "string"}, "n": {"type": "integer"}}}}}
+    assert grammar_takes(engine, use_of(counted, choice="required"), call("run", cmd="ls", n="2", cwd="/tmp"))
+    assert not grammar_takes(engine, use_of(counted, choice="required"), call("run", cmd="ls", n="abc"))
+    assert not grammar_takes(engine, use_of(counted, choice="required"), call("run", cwd="/", cmd="ls"))
     # A property name the format cannot write is refused with the request, naming the tool.
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a>b": {"type": "string"}}}}}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from jointspec.core.grammar import JSON_STYLE, OutputFormat
 from jointspec.server import tools_gemma as gemma
+from jointspec.server import tools_glm as glm_format
 from jointspec.server import tools_mistral as mistral
 from jointspec.server import tools_pythonic as pythonic
 from jointspec.server.tool_text import marker, partial_tail, skip_space, start_rules
@@ -27,8 +28,9 @@ CALL_CLOSE = "</tool_call>"
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
 QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON = "qwen3_coder", "gemma4", "granite", "lfm2", "nemotron"
-APERTUS, APRIEL = "apertus", "apriel"
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON, APERTUS, APRIEL)
+APERTUS, APRIEL, GLM = "apertus", "apriel", "glm"
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON, APERTUS, APRIEL,
+           GLM)
 # Granite 3's opening of its calls (a special token in its tokenizer).
 GRANITE_CALL = "<|tool_call|>"
 # The markers around a list of calls: NVIDIA Nemotron Nano 2's, Apertus's (special tokens of its tokenizer) and
@@ -212,7 +214,7 @@ class _Hermes(CallFormat):
             # (a last block left open is dropped; in Qwen3-Coder's format, only where its call does not read whole)
             if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE) and not (self.xml and _blocks(kept, xml=True)):
                 kept = kept[:kept.rfind(CALL_OPEN)]
-        split = _blocks(kept, xml=self.xml)
+        split = _blocks(kept, xml=self.xml, glm=self.name == GLM)
         names = {tool.name for tool in tools}
         calls = [_read_call(value, names) for value in self.records(split[1] if split else [], tools)]
         if not calls or None in calls:
@@ -254,11 +256,41 @@ class _Qwen3Coder(_Hermes):
         return None  # (its XML calls are not written here)
 
 
-def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | None:
+class _Glm(_Hermes):
+    """GLM-4.5-4.7's calls inside Hermes's tags: the function's name, then each argument's key and value in tags of
+    their own (server/tools_glm.py)."""
+
+    name, writes_values = GLM, True
+    markers = (CALL_OPEN, CALL_CLOSE, *glm_format.MARKERS)
+
+    def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+        either = " | ".join(f"call{index}" for index in range(len(calls)))
+        block = f"({either}) {marker(CALL_CLOSE, ids)}"
+        following = block + (f' ("\\n"? {marker(CALL_OPEN, ids)} {block})*' if several else "")
+        rules = [rule for index, call in enumerate(calls)
+                 for rule in glm_format.call_rules(call.name, call.schema, index, ids)]
+        return "\n".join([*start_rules(CALL_OPEN, ids, following, strict_auto), *rules,
+                          *glm_format.value_rules(ids)]) + "\n"
+
+    def records(self, values: list, tools: tuple[Tool, ...]) -> list:
+        # (each value typed by the tool's schema, as Qwen3-Coder's: the template writes strings as they are)
+        schemas = {tool.name: tool.arguments_schema() for tool in tools}
+        return [{"name": value["name"],
+                 "arguments": typed_arguments(value["arguments"], schemas.get(value["name"], {}))} for value in values]
+
+    def unwritable_key(self, schema: dict) -> str | None:
+        return glm_format.unwritable_key(schema)
+
+    def write(self, calls: list[dict]) -> str | None:
+        return None  # (its templates render earlier calls themselves)
+
+
+def _blocks(text: str, xml: bool = False, glm: bool = False) -> tuple[list[str], list[object]] | None:
     """``text`` split at its call blocks: (the pieces outside them, each block's JSON value), or None where a block
     is not an opening tag, one JSON value and a closing tag (whitespace around the value allowed). The JSON is read
     as JSON, so a closing tag inside one of its strings does not end the block. ``xml``: each block holds a call in
-    Qwen3-Coder's format instead (server/tools_xml.py), the last block's closing tag allowed to be missing."""
+    Qwen3-Coder's format instead (server/tools_xml.py), the last block's closing tag allowed to be missing; ``glm``:
+    a call in GLM's (server/tools_glm.py)."""
     decoder = json.JSONDecoder()
     pieces, values, at = [], [], 0
     while (start := text.find(CALL_OPEN, at)) >= 0:
@@ -266,7 +298,8 @@ def _blocks(text: str, xml: bool = False) -> tuple[list[str], list[object]] | No
         inside = start + len(CALL_OPEN)
         inside = skip_space(text, inside)
         try:
-            value, end = read_call(text, inside) if xml else decoder.raw_decode(text, inside)
+            value, end = (read_call(text, inside) if xml else glm_format.read_call(text, inside) if glm
+                          else decoder.raw_decode(text, inside))
         except ValueError:
             return None
         end = skip_space(text, end)
@@ -551,4 +584,4 @@ class _Lfm2(_Marked):
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
     _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite(),
     _Lfm2(), _JsonList(NEMOTRON, TOOLCALL_OPEN, TOOLCALL_CLOSE), _Apertus(),
-    _JsonList(APRIEL, TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE))}
+    _JsonList(APRIEL, TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE), _Glm())}

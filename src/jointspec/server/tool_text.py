@@ -45,3 +45,14 @@ def text_without(spelling: str, name: str = "TEXT") -> str:
     for where the calls begin)."""
     escaped = re.escape(spelling).replace("/", "\\/")  # (a lark regex ends at a bare slash)
     return f"{name}: /(?s:.*)/ & ~/(?s:.*{escaped}.*)/"
+
+
+def other_key(name: str, known) -> str:
+    """A grammar lexeme ``name`` of a key that is none of ``known`` (a schema's own properties, which their own rules
+    hold, so that "any other key" cannot carry one of them with a value its schema refuses): one line of text without
+    ``<`` or ``>``."""
+    known = sorted(known)
+    if not known:
+        return f"{name}: /[^<>\\n]+/"
+    either = "|".join(re.escape(key).replace("/", "\\/") for key in known)
+    return f"{name}: /[^<>\\n]+/ & ~/(?:{either})/"

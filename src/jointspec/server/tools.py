@@ -1,6 +1,6 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of eleven formats, the one the model's chat template writes (:func:`native_call_format`),
+Calls are read in one of twelve formats, the one the model's chat template writes (:func:`native_call_format`),
 else Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
@@ -54,7 +54,10 @@ LFM2's (``lfm2``; the template lists the tools after ``List of tools: ``) writes
 those markers, as Mistral's v3 writes its list. Apertus's (``apertus``; the template names ``<|tools_prefix|>``)
 writes one JSON list between ``<|tools_prefix|>`` and ``<|tools_suffix|>`` whose items name the function as their
 one key: ``{"get_weather": {"city": "Paris"}}``. ServiceNow Apriel 1.5's (``apriel``; the template writes calls as
-``<tool_calls>[`` ... ``]</tool_calls>``) writes one JSON list between those markers, as Nemotron's.
+``<tool_calls>[`` ... ``]</tool_calls>``) writes one JSON list between those markers, as Nemotron's. GLM-4.5-4.7's
+(``glm``; the template names ``<arg_key>`` besides ``<tool_call>``) writes the function's name inside the tags and each
+argument as ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``, a string as it is and any other value as JSON
+(server/tools_glm.py).
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
 :func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
@@ -79,6 +82,7 @@ from dataclasses import dataclass
 from jointspec.backends.tokens import TEMPLATE_TAIL
 from jointspec.core.grammar import GrammarError, OutputFormat, one_line
 from jointspec.server import tools_gemma as gemma
+from jointspec.server import tools_glm as glm
 from jointspec.server import tools_mistral as mistral
 from jointspec.server.call_formats import (
     APERTUS,
@@ -88,6 +92,7 @@ from jointspec.server.call_formats import (
     CALL_OPEN,
     FORMATS,
     GEMMA4,
+    GLM,
     GRANITE,
     GRANITE_CALL,
     HERMES,
@@ -282,6 +287,8 @@ def native_call_format(tokenizer) -> str | None:
         return None
     if TOOL_CALLS_OPEN + "[" in template and "]" + TOOL_CALLS_CLOSE in template:  # (its instructions name <tool_call>)
         return APRIEL
+    if CALL_OPEN in template and glm.KEY_OPEN in template:  # (GLM's name and <arg_key> pairs inside the tags)
+        return GLM
     if CALL_OPEN in template:  # (Qwen3-Coder's and Qwen3.5's write <function=...> blocks inside the tags)
         return QWEN3_CODER if FUNCTION_OPEN in template and PARAMETER_OPEN in template else HERMES
     if gemma.CALL_OPEN in template and gemma.CALL_PREFIX in template:

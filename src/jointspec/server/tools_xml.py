@@ -22,7 +22,7 @@ import json
 
 from jointspec.core.grammar import JSON_STYLE
 from jointspec.server.tool_schemas import json_kinds, property_schema
-from jointspec.server.tool_text import skip_space
+from jointspec.server.tool_text import other_key, skip_space
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
@@ -124,13 +124,15 @@ def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
     """The grammar of a call of function ``name`` as the templates write one: ``<function=NAME>``, then each
     parameter as ``<parameter=KEY>``, its value and ``</parameter>`` on lines of their own, in the order of the
     schema's properties (the required ones always, the others where the model writes them; any other parameters after
-    them, text, where the schema allows more), then ``</function>``. A value is text where it is (:func:`takes_text`;
-    an enum's strings: one of them), else JSON its schema accepts, or Python's spelling of a boolean or null where it
-    takes one. ``schema`` None: any parameters, text (strict auto's other tools). Add :data:`VALUE_RULES` once."""
+    them, text, where the schema allows more: none of its own properties again), then ``</function>``. A value is
+    text where it is (:func:`takes_text`; an enum's strings: one of them), else JSON its schema accepts, or Python's
+    spelling of a boolean or null where it takes one. ``schema`` None: any parameters, text (strict auto's other
+    tools). Add :data:`VALUE_RULES` once."""
     head = json.dumps(f"{FUNCTION_OPEN}{name}>\n")
-    other = [f'anyparam{index}: {json.dumps(PARAMETER_OPEN)} /[^<>\\n]+/ ">\\n" VALUE "\\n"']
+    other = [f'anyparam{index}: {json.dumps(PARAMETER_OPEN)} OTHERKEY{index} ">\\n" VALUE "\\n"']
     if schema is None:
-        return [f"call{index}: {head} anyparam{index}* {json.dumps(FUNCTION_CLOSE)}", *other]
+        return [f"call{index}: {head} anyparam{index}* {json.dumps(FUNCTION_CLOSE)}", *other,
+                other_key(f"OTHERKEY{index}", ())]
     required = set(schema.get("required") or ())
     parts, rules = [], []
     for number, (key, prop) in enumerate((schema.get("properties") or {}).items()):
@@ -154,7 +156,7 @@ def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
         parts.append(rule if key in required else f"{rule}?")
     if schema.get("additionalProperties", True) is not False:
         parts.append(f"anyparam{index}*")
-        rules += other
+        rules += [*other, other_key(f"OTHERKEY{index}", (schema.get("properties") or {}).keys())]
     return [f"call{index}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}", *rules]
 
 
