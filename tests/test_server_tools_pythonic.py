@@ -95,6 +95,13 @@ def test_an_answer_is_read_with_pythons_parser_and_nothing_else_is_a_call():
         assert read_calls(text, use).calls == () and read_calls(text, use).content == text, text
     assert json.loads(read_calls(calls('note(text=("a", 1))'), use).calls[0]["function"]["arguments"]) == {
         "text": ["a", 1]}
+    # JSON's constants read as Python's (a model trained on both writes them at times); other names stay refused.
+    spelled = read_calls(calls('get_weather(city="Rome", metric=true, near=null, tags={"on": false, "n": [null]})'),
+                         use)
+    assert json.loads(spelled.calls[0]["function"]["arguments"]) == {"city": "Rome", "metric": True, "near": None,
+                                                                     "tags": {"on": False, "n": [None]}}
+    assert read_calls(calls("note(text=nope)"), use).calls == ()
+    assert read_calls(calls("note(text=True_)"), use).calls == ()
     cut = calls('note(text="a)b")', 'get_weather(city="Ro(")')[:-len(CALL_END) - 3]
     assert [call["function"]["name"] for call in read_calls(cut, use, cut=True).calls] == ["note"]
 

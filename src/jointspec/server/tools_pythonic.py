@@ -5,8 +5,9 @@ keyword arguments, between two special tokens, after any text (and before any mo
 
 Values are Python literals (strings quoted either way, ``True``, ``False``, ``None``, lists and dicts). The calls are
 read as vLLM's ``lfm2`` parser reads them, with Python's own parser (never evaluated): a list of calls of plain names
-with keyword arguments whose values are literals, else nothing is taken for a call. :func:`grammar` holds required
-and strict calls to their schemas, each value spelled as a Python literal of its type.
+with keyword arguments whose values are literals, else nothing is taken for a call. JSON's ``true``, ``false`` and
+``null``, which a model trained on both writes at times, are read as Python's (as llama.cpp reads LFM2's calls).
+:func:`grammar` holds required and strict calls to their schemas, each value spelled as a Python literal of its type.
 """
 
 from __future__ import annotations
@@ -70,11 +71,24 @@ def _calls(segment: str) -> list[dict] | None:
                 or len(set(names)) != len(names)):
             return None
         try:
-            arguments = {argument.arg: _json_value(ast.literal_eval(argument.value)) for argument in node.keywords}
+            arguments = {argument.arg: _json_value(ast.literal_eval(_JsonNames().visit(argument.value)))
+                         for argument in node.keywords}
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
         calls.append({"name": node.func.id, "arguments": arguments})
     return calls
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's ``true``, ``false`` and ``null`` in a value as the constants Python spells otherwise (any other name
+    stays a name, which no literal takes)."""
+
+    CONSTANTS = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in self.CONSTANTS:
+            return ast.copy_location(ast.Constant(self.CONSTANTS[node.id]), node)
+        return node
 
 
 def _json_value(value, depth: int = 0):
