@@ -18,7 +18,16 @@ import pytest
 
 from jointspec.backends.hf import CausalLM
 from jointspec.server.engine import CompletionRequest, ServingEngine
-from jointspec.server.tools import GLM, HERMES, CallStream, call_markers, native_call_format, read_calls, read_tool_use
+from jointspec.server.tools import (
+    GLM,
+    HERMES,
+    CallStream,
+    ToolError,
+    call_markers,
+    native_call_format,
+    read_calls,
+    read_tool_use,
+)
 
 from helpers import byte_tokenizer, check_required_call, grammar_takes, llama_ending_at_eos
 
@@ -137,6 +146,12 @@ def test_the_grammar_holds_a_call_to_its_schema_with_the_tags_as_tokens_or_text(
             (call("search", {"query": "q", "limit": "two"}), False),  # (an integer's value is JSON)
             (call("search", {"query": "x</arg_value>y"}), False),  # (a text value ends at its closing tag)
             ("Sure.", False),
+            ("\n" + call("get_weather", {"city": "Rome"}, newlines=True), True),  # (GLM-4.6's line break first)
+            # (an open schema's other keys are none of its own, spaces around it or not: the reader strips a key)
+            (call("search", {"query": "q", "other": "x"}), True),
+            (call("search", {"query": "q", " limit": "two"}), False),
+            (call("search", {"query": "q", "limit\t": "two"}), False),
+            (call("search", {"query": "q", "query ": "again"}), False),
         ]:
             assert grammar_takes(served, required, text) == takes, text
         strict = use_of({**WEATHER, "function": {**WEATHER["function"], "strict": True}}, special=ids)
@@ -145,6 +160,22 @@ def test_the_grammar_holds_a_call_to_its_schema_with_the_tags_as_tokens_or_text(
         assert not grammar_takes(served, strict, call("get_weather", {"city": "Oslo"}))
     finally:
         served.close()
+
+
+def test_a_nullable_enum_takes_null_and_keys_the_format_cannot_write_are_refused(engine):
+    nullable = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
+        "size": {"type": ["string", "null"], "enum": ["s", "m", None]}}, "required": ["size"],
+        "additionalProperties": False}}}
+    held = use_of(nullable, choice="required", special=engine.call_markers)
+    assert grammar_takes(engine, held, call("pick", {"size": None})) and grammar_takes(engine, held, call(
+        "pick", {"size": "m"}))
+    assert arguments_of(call("pick", {"size": None}), held) == [("pick", {"size": None})]
+    for key in ("", " size", "size ", "a<b", "two\nlines"):
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            key: {"type": "string"}}}}}
+        with pytest.raises(ToolError) as refused:
+            use_of(bad, choice="required")
+        assert refused.value.param == "tools.0.function.parameters", key
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])

@@ -182,6 +182,7 @@ def test_the_grammar_holds_unions_definitions_python_spellings_and_open_schemas(
     assert grammar_takes(engine, use_of(counted, choice="required"), call("run", cmd="ls", n="2", cwd="/tmp"))
     assert not grammar_takes(engine, use_of(counted, choice="required"), call("run", cmd="ls", n="abc"))
     assert not grammar_takes(engine, use_of(counted, choice="required"), call("run", cwd="/", cmd="ls"))
+    assert not grammar_takes(engine, use_of(counted, choice="required"), call("run", cmd="ls", **{" n": "abc"}))
     # A property name the format cannot write is refused with the request, naming the tool.
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a>b": {"type": "string"}}}}}

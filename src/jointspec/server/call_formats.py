@@ -16,8 +16,8 @@ from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_glm as glm_format
 from jointspec.server import tools_mistral as mistral
 from jointspec.server import tools_pythonic as pythonic
-from jointspec.server.tool_text import marker, partial_tail, skip_space, start_rules
-from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed_arguments, unwritable_key
+from jointspec.server.tool_text import marker, partial_tail, skip_space, start_rules, unwritable_key
+from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed_arguments
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -269,7 +269,8 @@ class _Glm(_Hermes):
         following = block + (f' ("\\n"? {marker(CALL_OPEN, ids)} {block})*' if several else "")
         rules = [rule for index, call in enumerate(calls)
                  for rule in glm_format.call_rules(call.name, call.schema, index, ids)]
-        return "\n".join([*start_rules(CALL_OPEN, ids, following, strict_auto), *rules,
+        # (GLM-4.6's template writes a line break before its first call)
+        return "\n".join([*start_rules(CALL_OPEN, ids, following, strict_auto, lead='"\\n"? '), *rules,
                           *glm_format.value_rules(ids)]) + "\n"
 
     def records(self, values: list, tools: tuple[Tool, ...]) -> list:
@@ -279,7 +280,7 @@ class _Glm(_Hermes):
                  "arguments": typed_arguments(value["arguments"], schemas.get(value["name"], {}))} for value in values]
 
     def unwritable_key(self, schema: dict) -> str | None:
-        return glm_format.unwritable_key(schema)
+        return unwritable_key(schema)
 
     def write(self, calls: list[dict]) -> str | None:
         return None  # (its templates render earlier calls themselves)

@@ -26,13 +26,13 @@ def marker(spelling: str, ids: dict[str, int]) -> str:
     return f"<[{ids[spelling]}]>" if spelling in ids else json.dumps(spelling)
 
 
-def start_rules(opening: str, ids: dict[str, int], following: str, strict_auto: bool) -> list[str]:
+def start_rules(opening: str, ids: dict[str, int], following: str, strict_auto: bool, lead: str = "") -> list[str]:
     """The start of an answer whose calls begin at the marker ``opening`` and go on as ``following`` (a grammar
-    expression): the calls alone; ``strict_auto``: any text that does not spell the marker, then the calls or
-    nothing."""
+    expression): the calls alone (after ``lead``, a grammar expression: what the format may write first); or
+    ``strict_auto``: any text that does not spell the marker, then the calls or nothing."""
     mark = marker(opening, ids)
     if not strict_auto:
-        return [f"start: {mark} {following}"]
+        return [f"start: {lead}{mark} {following}"]
     if opening in ids:
         return [f"start: TEXT | TEXT {mark} {following}", text_without(opening)]
     # (a marker that is text: the text and the marker one lexeme, as Hermes's grammar has its tag, since a lexer
@@ -50,9 +50,17 @@ def text_without(spelling: str, name: str = "TEXT") -> str:
 def other_key(name: str, known) -> str:
     """A grammar lexeme ``name`` of a key that is none of ``known`` (a schema's own properties, which their own rules
     hold, so that "any other key" cannot carry one of them with a value its schema refuses): one line of text without
-    ``<`` or ``>``."""
+    ``<`` or ``>``, and without whitespace at either end (the readers strip a key, so " city" would be "city")."""
+    key = "/[^<>\\s]([^<>\\n]*[^<>\\s])?/"
     known = sorted(known)
     if not known:
-        return f"{name}: /[^<>\\n]+/"
-    either = "|".join(re.escape(key).replace("/", "\\/") for key in known)
-    return f"{name}: /[^<>\\n]+/ & ~/(?:{either})/"
+        return f"{name}: {key}"
+    either = "|".join(re.escape(known_key).replace("/", "\\/") for known_key in known)
+    return f"{name}: {key} & ~/(?:{either})/"
+
+
+def unwritable_key(schema: dict) -> str | None:
+    """A property name that a format writing keys between tags cannot write (Qwen3-Coder's, GLM's): one that is
+    empty, holds ``<``, ``>`` or a line break, or has whitespace at either end (the readers strip keys), or None."""
+    return next((key for key in schema.get("properties") or {}
+                 if not key or key != key.strip() or any(c in key for c in "<>\n")), None)

@@ -81,6 +81,7 @@ def call_rules(name: str, schema: dict | None, index: int, ids: dict[str, int]) 
             values = prop["enum"] if isinstance(prop.get("enum"), list) else (
                 [prop["const"]] if "const" in prop else [])
             choices = [json.dumps(v) for v in values if isinstance(v, str)]
+            choices += ['"null"'] if choices and "null" in kinds else []  # (the template writes None with tojson)
             value = f"({' | '.join(choices)}) {value_close}" if choices else text_value
         else:
             rules.append(f"{rule}v: %json {json.dumps({**prop, 'x-guidance': dict(JSON_STYLE)})}")
@@ -98,8 +99,3 @@ def value_rules(ids: dict[str, int]) -> list[str]:
     if VALUE_CLOSE in ids:
         return [text_without(VALUE_CLOSE, "GLMVALUE")]
     return [f"GLMVALUED: GLMTEXT {json.dumps(VALUE_CLOSE)}", text_without(VALUE_CLOSE, "GLMTEXT")]
-
-
-def unwritable_key(schema: dict) -> str | None:
-    """A property name the format cannot write (one that holds ``<``, ``>`` or a line break), or None."""
-    return next((key for key in schema.get("properties") or {} if any(c in key for c in "<>\n")), None)

@@ -158,8 +158,3 @@ def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
         parts.append(f"anyparam{index}*")
         rules += [*other, other_key(f"OTHERKEY{index}", (schema.get("properties") or {}).keys())]
     return [f"call{index}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}", *rules]
-
-
-def unwritable_key(schema: dict) -> str | None:
-    """A property name the format cannot write (one that holds ``>``, ``<`` or a line break), or None."""
-    return next((key for key in schema.get("properties") or {} if any(c in key for c in "<>\n")), None)
