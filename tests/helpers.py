@@ -785,6 +785,38 @@ def streamed_calls(client, body: dict) -> tuple[list[dict], str, str]:
 CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
     "additionalProperties": False}}}
+# Another, of an integer enum; and a conversation with an earlier call of CITY_TOOL and its result: what the call
+# formats' tests share.
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
+                                  "additionalProperties": False}}}
+EARLIER_CALL = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "user", "content": "And Rome?"}]
+
+
+def engine_of(model, tokenizer):
+    """A module fixture's serving engine over ``model`` (``yield from`` it): closed when the module is done."""
+    from jointspec.server.engine import ServingEngine
+
+    served = ServingEngine(CausalLM(model), tokenizer, model_id="tiny", max_batch_size=4)
+    yield served
+    served.close()
+
+
+def check_streamed_calls(use, text: str, content: str, num_calls: int) -> None:
+    """``text`` streamed through a call stream a character and four at a time sends ``content`` as it comes and
+    ends with ``num_calls`` calls and nothing held."""
+    from jointspec.server.tools import CallStream
+
+    for size in (1, 4):
+        stream = CallStream(use)
+        sent = "".join(stream.feed(text[at:at + size]) for at in range(0, len(text), size))
+        rest, calls = stream.finish()
+        assert sent == content and rest == "" and len(calls) == num_calls, size
 
 
 def check_required_call(engine, model, call_format: str, method: str, max_tokens: int = 120) -> None:

@@ -16,10 +16,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from jointspec.backends.hf import CausalLM
 from jointspec.core.grammar import OutputFormat
 from jointspec.server.app import ServerSettings, create_app
-from jointspec.server.engine import ServingEngine
 from jointspec.server.reasoning import (
     CHANNEL,
     THINK,
@@ -30,7 +28,7 @@ from jointspec.server.reasoning import (
 )
 from jointspec.server.tools import read_tool_use
 
-from helpers import CITY_TOOL, byte_tokenizer, grammar_takes, llama_ending_at_eos, sse_events
+from helpers import CITY_TOOL, byte_tokenizer, engine_of, grammar_takes, llama_ending_at_eos, sse_events
 
 QWEN_LIKE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
              "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
@@ -57,9 +55,7 @@ def tokenizer(tags: str):
 @pytest.fixture(scope="module", params=["text", "think", "channel"])
 def engine(request):
     words = tokenizer(request.param)
-    served = ServingEngine(CausalLM(llama_ending_at_eos(5, len(words))), words, model_id="tiny", max_batch_size=4)
-    yield served
-    served.close()
+    yield from engine_of(llama_ending_at_eos(5, len(words)), words)
 
 
 def tags_of(engine):
@@ -108,9 +104,7 @@ def test_a_format_may_follow_a_reasoning_block_or_stand_alone(engine):
 @pytest.fixture(scope="module", params=["text", "think"])
 def think_engine(request):
     words = tokenizer(request.param)
-    served = ServingEngine(CausalLM(llama_ending_at_eos(5, len(words))), words, model_id="tiny", max_batch_size=4)
-    yield served
-    served.close()
+    yield from engine_of(llama_ending_at_eos(5, len(words)), words)
 
 
 def test_granites_response_tags_may_hold_the_format(think_engine):

@@ -21,7 +21,6 @@ from jointspec.server.engine import CompletionRequest, ServingEngine
 from jointspec.server.tools import (
     GLM,
     HERMES,
-    CallStream,
     ToolError,
     call_markers,
     native_call_format,
@@ -29,7 +28,16 @@ from jointspec.server.tools import (
     read_tool_use,
 )
 
-from helpers import byte_tokenizer, check_required_call, grammar_takes, llama_ending_at_eos
+from helpers import (
+    CITY_TOOL,
+    EARLIER_CALL,
+    byte_tokenizer,
+    check_required_call,
+    check_streamed_calls,
+    engine_of,
+    grammar_takes,
+    llama_ending_at_eos,
+)
 
 TAGS = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
 CONTROL = ["<|user|>", "<|assistant|>", "<|observation|>", *TAGS]
@@ -45,18 +53,9 @@ GLM_TEMPLATE = (
     "{% elif m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
-                                          "required": ["city"], "additionalProperties": False}}}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
     "query": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"},
     "filters": {"type": "object", "properties": {"site": {"type": "string"}}}}, "required": ["query"]}}}
-EARLIER = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "Checking.", "tool_calls": [
-               {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                                 "arguments": '{"city": "Paris"}'}}]},
-           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-           {"role": "user", "content": "And Rome?"}]
 
 
 def glm_tokenizer(tokens: bool = True):
@@ -89,9 +88,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    served = ServingEngine(CausalLM(model), glm_tokenizer(), model_id="tiny", max_batch_size=4)
-    yield served
-    served.close()
+    yield from engine_of(model, glm_tokenizer())
 
 
 def test_a_glm_template_is_recognised_and_its_tags_found(engine):
@@ -105,13 +102,13 @@ def test_a_glm_template_is_recognised_and_its_tags_found(engine):
 
 @pytest.mark.parametrize("newlines", [False, True])
 def test_an_answer_is_read_in_both_layouts_with_its_values_typed(newlines):
-    use = use_of(WEATHER, SEARCH)
+    use = use_of(CITY_TOOL, SEARCH)
     arguments = {"query": '{"not": "json"} </tool_call>', "limit": 3, "exact": True, "filters": {"site": "a.org"}}
     text = "Looking.\n" + call("search", arguments, newlines) + "\n" + call("get_weather", {"city": "Rome"}, newlines)
     assert arguments_of(text, use) == [("search", arguments), ("get_weather", {"city": "Rome"})]
     assert read_calls(text, use).content == "Looking."
     assert arguments_of(call("search", {}, newlines), use) == [("search", {})]  # (a call without arguments)
-    assert len(read_calls(text, use_of(WEATHER, SEARCH, parallel=False)).calls) == 1
+    assert len(read_calls(text, use_of(CITY_TOOL, SEARCH, parallel=False)).calls) == 1
     for bad in (call("nope", {}), call("search", {"query": "x"})[:-len("</tool_call>")],
                 "<tool_call>search<arg_key>query</arg_key>x</tool_call>", "<tool_call><arg_key>q</arg_key>"
                 "<arg_value>x</arg_value></tool_call>", "no calls"):
@@ -120,11 +117,7 @@ def test_an_answer_is_read_in_both_layouts_with_its_values_typed(newlines):
     assert [name for name, _ in arguments_of(text, use)][:1] == ["search"]
     cut = text[:text.rindex("Rome")]
     assert [c["function"]["name"] for c in read_calls(cut, use, cut=True).calls] == ["search"]
-    for size in (1, 5):
-        stream = CallStream(use)
-        sent = "".join(stream.feed(text[at:at + size]) for at in range(0, len(text), size))
-        rest, calls = stream.finish()
-        assert sent == "Looking." and rest == "" and len(calls) == 2
+    check_streamed_calls(use, text, "Looking.", 2)
 
 
 @pytest.mark.parametrize("tokens", [True, False])
@@ -135,7 +128,7 @@ def test_the_grammar_holds_a_call_to_its_schema_with_the_tags_as_tokens_or_text(
     try:
         ids = served.call_markers
         assert bool(ids) == tokens
-        required = use_of(WEATHER, SEARCH, choice="required", special=ids)
+        required = use_of(CITY_TOOL, SEARCH, choice="required", special=ids)
         for text, takes in [
             (call("get_weather", {"city": "Rome"}), True),
             (call("get_weather", {"city": "Rome"}, newlines=True), True),
@@ -154,7 +147,7 @@ def test_the_grammar_holds_a_call_to_its_schema_with_the_tags_as_tokens_or_text(
             (call("search", {"query": "q", "query ": "again"}), False),
         ]:
             assert grammar_takes(served, required, text) == takes, text
-        strict = use_of({**WEATHER, "function": {**WEATHER["function"], "strict": True}}, special=ids)
+        strict = use_of({**CITY_TOOL, "function": {**CITY_TOOL["function"], "strict": True}}, special=ids)
         assert grammar_takes(served, strict, "Sure.") and grammar_takes(
             served, strict, "Checking. " + call("get_weather", {"city": "Paris"}))
         assert not grammar_takes(served, strict, call("get_weather", {"city": "Oslo"}))
@@ -186,5 +179,5 @@ def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_stre
 def test_the_template_renders_an_earlier_call_in_its_format(engine):
     assert engine.shows_calls
     prompt = engine.tokenizer.decode(engine.encode(CompletionRequest(
-        messages=tuple(EARLIER), tools=use_of(WEATHER).shown())))
+        messages=tuple(EARLIER_CALL), tools=use_of(CITY_TOOL).shown())))
     assert "<|assistant|>Checking." + call("get_weather", {"city": "Paris"}) + "<|observation|>" in prompt

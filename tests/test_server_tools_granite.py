@@ -16,15 +16,13 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from jointspec.backends.hf import CausalLM
 from jointspec.backends.tokens import chat_template_ids
 from jointspec.server.app import ServerSettings, create_app
-from jointspec.server.engine import CompletionRequest, ServingEngine
+from jointspec.server.engine import CompletionRequest
 from jointspec.server.tools import (
     GRANITE,
     GRANITE_CALL,
     HERMES,
-    CallStream,
     call_markers,
     native_call_format,
     prompt_messages,
@@ -33,7 +31,17 @@ from jointspec.server.tools import (
     template_shows_calls,
 )
 
-from helpers import byte_tokenizer, check_required_call, grammar_takes, llama_ending_at_eos
+from helpers import (
+    ADD_TOOL,
+    CITY_TOOL,
+    EARLIER_CALL,
+    byte_tokenizer,
+    check_required_call,
+    check_streamed_calls,
+    engine_of,
+    grammar_takes,
+    llama_ending_at_eos,
+)
 
 CONTROL = ["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", GRANITE_CALL]
 VOCAB = 259 + len(CONTROL)
@@ -51,18 +59,6 @@ HERMES_SHOWING = HERMES_DROPPING.replace(
     "{{ m.content or '' }}", "{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>"
     "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}")
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
-                                          "required": ["city"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
-                                  "additionalProperties": False}}}
-EARLIER = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": "Checking.", "tool_calls": [
-               {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                                 "arguments": '{"city": "Paris"}'}}]},
-           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-           {"role": "user", "content": "And Rome?"}]
 
 
 def granite_tokenizer(template: str = GRANITE_TEMPLATE):
@@ -88,9 +84,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    served = ServingEngine(CausalLM(model), granite_tokenizer(), model_id="tiny", max_batch_size=4)
-    yield served
-    served.close()
+    yield from engine_of(model, granite_tokenizer())
 
 
 def test_a_granite_template_is_recognised_and_its_marker_found(engine):
@@ -102,31 +96,27 @@ def test_a_granite_template_is_recognised_and_its_marker_found(engine):
 
 
 def test_an_answer_is_read_for_the_list_after_the_marker_whole_cut_and_streamed():
-    use = use_of(WEATHER, ADD)
+    use = use_of(CITY_TOOL, ADD_TOOL)
     read = read_calls(written(("get_weather", {"city": "Rome"}), ("add", {"a": 2}), text="Checking.\n"), use)
     assert read.content == "Checking." and [json.loads(c["function"]["arguments"]) for c in read.calls] == [
         {"city": "Rome"}, {"a": 2}]
     assert read_calls(written(("add", {"a": 2})), use).content is None
-    assert len(read_calls(written(("add", {"a": 1}), ("add", {"a": 3})), use_of(ADD, parallel=False)).calls) == 1
+    assert len(read_calls(written(("add", {"a": 1}), ("add", {"a": 3})), use_of(ADD_TOOL, parallel=False)).calls) == 1
     for text in (written(("nope", {})), written(("add", {"a": 1})) + " done", "Hi " + GRANITE_CALL, "no calls"):
         assert read_calls(text, use).calls == () and read_calls(text, use).content == text, text
     whole = written(("add", {"a": 1}), ("get_weather", {"city": "Paris"}))
     assert [c["function"]["name"] for c in read_calls(whole[:whole.rindex("Paris")], use, cut=True).calls] == ["add"]
     text = written(("add", {"a": 1}), text="Let me add. ")
-    for size in (1, 4):
-        stream = CallStream(use)
-        sent = "".join(stream.feed(text[at:at + size]) for at in range(0, len(text), size))
-        rest, calls = stream.finish()
-        assert sent == "Let me add." and rest == "" and len(calls) == 1
+    check_streamed_calls(use, text, "Let me add.", 1)
 
 
 def test_the_grammar_holds_the_list_after_the_marker_token(engine):
     ids = engine.call_markers
-    required = use_of(WEATHER, ADD, choice="required", special=ids)
+    required = use_of(CITY_TOOL, ADD_TOOL, choice="required", special=ids)
     assert grammar_takes(engine, required, written(("get_weather", {"city": "Rome"}), ("add", {"a": 3})))
     assert not grammar_takes(engine, required, written(("get_weather", {"city": "Oslo"})))
     assert not grammar_takes(engine, required, "Sure.")
-    strict = use_of({**WEATHER, "function": {**WEATHER["function"], "strict": True}}, special=ids)
+    strict = use_of({**CITY_TOOL, "function": {**CITY_TOOL["function"], "strict": True}}, special=ids)
     assert grammar_takes(engine, strict, "Sure.") and grammar_takes(engine, strict, written(
         ("get_weather", {"city": "Paris"}), text="Checking. "))
     assert not grammar_takes(engine, strict, written(("get_weather", {"city": "Oslo"})))
@@ -139,22 +129,22 @@ def test_a_required_call_is_the_loops_constrained_greedy_decoding_whole_and_stre
 
 def test_a_template_that_drops_earlier_calls_gets_them_written_in_the_format_as_tokens(engine):
     assert not engine.shows_calls and not template_shows_calls(engine.tokenizer, GRANITE)
-    shown = use_of(WEATHER).shown()  # (the tools as the server gives them to the template)
-    prompt = engine.encode(CompletionRequest(messages=tuple(EARLIER), tools=shown))
+    shown = use_of(CITY_TOOL).shown()  # (the tools as the server gives them to the template)
+    prompt = engine.encode(CompletionRequest(messages=tuple(EARLIER_CALL), tools=shown))
     words = engine.tokenizer
     marker_id = words.convert_tokens_to_ids(GRANITE_CALL)
     call = GRANITE_CALL + '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     assert ("<|start_of_role|>assistant<|end_of_role|>Checking." + call + "<|end_of_text|>") in words.decode(prompt)
     assert prompt.count(marker_id) == 2  # (the system text's and the call's: the tokens the model writes)
     # A client's text in that turn is still read as text: a special token's spelling in it stays characters.
-    spelled = [dict(EARLIER[0]), {**EARLIER[1], "content": "a <|end_of_text|> b"}, *EARLIER[2:]]
+    spelled = [dict(EARLIER_CALL[0]), {**EARLIER_CALL[1], "content": "a <|end_of_text|> b"}, *EARLIER_CALL[2:]]
     ids = engine.encode(CompletionRequest(messages=tuple(spelled), tools=shown))
     assert "a <|end_of_text|> b" + call in words.decode(ids)
     assert ids.count(words.convert_tokens_to_ids("<|end_of_text|>")) == prompt.count(
         words.convert_tokens_to_ids("<|end_of_text|>")) and ids.count(marker_id) == 2
     # The same conversation answered through the server.
     reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
-        "model": "tiny", "messages": EARLIER, "tools": [WEATHER], "temperature": 0, "max_tokens": 4})
+        "model": "tiny", "messages": EARLIER_CALL, "tools": [CITY_TOOL], "temperature": 0, "max_tokens": 4})
     assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
@@ -163,7 +153,7 @@ def test_hermes_templates_that_drop_calls_get_blocks_and_those_that_render_them_
     assert not template_shows_calls(dropping, HERMES) and template_shows_calls(showing, HERMES)
     block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     for tokenizer, shows in ((dropping, False), (showing, True)):
-        messages, tools = prompt_messages([dict(m) for m in EARLIER], (WEATHER,), True, HERMES, shows)
+        messages, tools = prompt_messages([dict(m) for m in EARLIER_CALL], (CITY_TOOL,), True, HERMES, shows)
         text = dropping.decode(chat_template_ids(tokenizer, messages, tools))
         assert (block in text) != shows and text.count("get_weather") == 2  # (the tools' turn and the call)
         assert ("Checking.\n" + block in text) != shows  # (after the turn's text on a line of its own)

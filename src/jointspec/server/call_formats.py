@@ -256,11 +256,11 @@ class _Qwen3Coder(_Hermes):
         return None  # (its XML calls are not written here)
 
 
-class _Glm(_Hermes):
+class _Glm(_Qwen3Coder):
     """GLM-4.5-4.7's calls inside Hermes's tags: the function's name, then each argument's key and value in tags of
-    their own (server/tools_glm.py)."""
+    their own (server/tools_glm.py), typed by the tool's schema as Qwen3-Coder's values are."""
 
-    name, writes_values = GLM, True
+    name, xml = GLM, False
     markers = (CALL_OPEN, CALL_CLOSE, *glm_format.MARKERS)
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
@@ -272,18 +272,6 @@ class _Glm(_Hermes):
         # (GLM-4.6's template writes a line break before its first call)
         return "\n".join([*start_rules(CALL_OPEN, ids, following, strict_auto, lead='"\\n"? '), *rules,
                           *glm_format.value_rules(ids)]) + "\n"
-
-    def records(self, values: list, tools: tuple[Tool, ...]) -> list:
-        # (each value typed by the tool's schema, as Qwen3-Coder's: the template writes strings as they are)
-        schemas = {tool.name: tool.arguments_schema() for tool in tools}
-        return [{"name": value["name"],
-                 "arguments": typed_arguments(value["arguments"], schemas.get(value["name"], {}))} for value in values]
-
-    def unwritable_key(self, schema: dict) -> str | None:
-        return unwritable_key(schema)
-
-    def write(self, calls: list[dict]) -> str | None:
-        return None  # (its templates render earlier calls themselves)
 
 
 def _blocks(text: str, xml: bool = False, glm: bool = False) -> tuple[list[str], list[object]] | None:

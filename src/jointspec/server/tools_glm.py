@@ -19,7 +19,7 @@ import json
 from jointspec.core.grammar import JSON_STYLE
 from jointspec.server.tool_schemas import json_kinds, property_schema
 from jointspec.server.tool_text import marker, other_key, skip_space, text_without
-from jointspec.server.tools_xml import takes_text
+from jointspec.server.tools_xml import takes_text, text_choices
 
 CALL_CLOSE = "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
@@ -78,10 +78,7 @@ def call_rules(name: str, schema: dict | None, index: int, ids: dict[str, int]) 
         prop = property_schema(prop, schema)
         kinds = json_kinds(prop)
         if takes_text(kinds):
-            values = prop["enum"] if isinstance(prop.get("enum"), list) else (
-                [prop["const"]] if "const" in prop else [])
-            choices = [json.dumps(v) for v in values if isinstance(v, str)]
-            choices += ['"null"'] if choices and "null" in kinds else []  # (the template writes None with tojson)
+            choices = text_choices(prop, kinds, ("null",))  # (the template writes None with tojson)
             value = f"({' | '.join(choices)}) {value_close}" if choices else text_value
         else:
             rules.append(f"{rule}v: %json {json.dumps({**prop, 'x-guidance': dict(JSON_STYLE)})}")

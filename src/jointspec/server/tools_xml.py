@@ -113,6 +113,14 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")  # (NaN and Infinity: json.loads takes them, JSON does not)
 
 
+def text_choices(prop: dict, kinds: frozenset[str] | None, nulls: tuple[str, ...]) -> list[str]:
+    """The grammar's literals of a text value held to an enum's (or a const's) strings, with ``nulls`` (how the
+    format's template writes a null) where it takes null; empty where it is held to none."""
+    values = prop["enum"] if isinstance(prop.get("enum"), list) else [prop["const"]] if "const" in prop else []
+    choices = [json.dumps(value) for value in values if isinstance(value, str)]
+    return choices + [json.dumps(null) for null in nulls] if choices and "null" in (kinds or ()) else choices
+
+
 def takes_text(kinds: frozenset[str] | None) -> bool:
     """Whether a value of these types is written as bare text: every type but null a string, or no type said."""
     return kinds is None or kinds - {"null"} == {"string"}
@@ -142,10 +150,7 @@ def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
         prop = property_schema(prop, schema)
         kinds = json_kinds(prop)
         if takes_text(kinds):
-            values = prop["enum"] if isinstance(prop.get("enum"), list) else (
-                [prop["const"]] if "const" in prop else [])
-            choices = [json.dumps(v) for v in values if isinstance(v, str)]
-            choices += ['"None"', '"null"'] if choices and "null" in kinds else []
+            choices = text_choices(prop, kinds, ("None", "null"))
             rules.append(f"{rule}: {opened} ({' | '.join(choices)}) {closed}" if choices
                          else f'{rule}: {opened} VALUE "\\n"')
         else:
