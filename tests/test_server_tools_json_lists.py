@@ -50,7 +50,8 @@ from helpers import (
 )
 
 # An earlier call's arguments as each template writes them: a string as it is, an object as JSON.
-ARGUMENTS = "{% if c.function.arguments is string %}{{ c.function.arguments }}{% else %}{{ c.function.arguments | tojson }}{% endif %}"  # noqa: E501
+ARGUMENTS = ("{% if c.function.arguments is string %}{{ c.function.arguments }}"
+             "{% else %}{{ c.function.arguments | tojson }}{% endif %}")
 
 
 @dataclass(frozen=True)
