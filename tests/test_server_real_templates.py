@@ -17,12 +17,15 @@ from jointspec.backends.hf import CausalLM
 from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import CompletionRequest, ServingEngine
 from jointspec.server.reasoning import (
+    APRIEL_THINK,
     INNER,
     MISTRAL_THINK,
     THINK,
     THINK_RESPONSE,
     prompt_closes_reasoning,
     prompt_opens_reasoning,
+    reasoning_first,
+    split_reasoning,
 )
 from jointspec.server.tools import (
     APERTUS,
@@ -34,10 +37,11 @@ from jointspec.server.tools import (
     MISTRAL_V11,
     QWEN3_CODER,
     native_call_format,
+    read_calls,
     read_tool_use,
 )
 
-from helpers import CITY_TOOL, byte_tokenizer, check_required_call, llama_ending_at_eos
+from helpers import CITY_TOOL, byte_tokenizer, check_required_call, grammar_takes, llama_ending_at_eos
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 QWEN = (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -66,6 +70,8 @@ MODELS = {
     "Apertus-8B-Instruct-2509": (APERTUS_CONTROL, [], APERTUS, INNER, (False, False), (False, False)),
     "Apriel-1.5-15b-Thinker": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool_result|>"], [], APRIEL,
                                None, None, None),
+    "Apriel-1.6-15b-Thinker": (["<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>", "<|end|>",
+                                "<|begin_content|>"], [], APRIEL, APRIEL_THINK, (True, False), (True, False)),
     "GLM-4.7-Flash": (["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
                       ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
                        "<tool_response>", "</tool_response>", "<think>", "</think>"], GLM, THINK, (True, False),
@@ -87,6 +93,8 @@ CALLS = {
     "Ministral-3-14B-Reasoning-2512": 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
     "Apertus-8B-Instruct-2509": 'Checking.<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
     "GLM-4.7-Flash": "Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+    "Apriel-1.6-15b-Thinker": 'Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": '
+                              '"call_abc123"}]</tool_calls>',
     "Apriel-1.5-15b-Thinker": 'Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": '
                               '"call_abc123"}]</tool_calls>',
     # (no format of its own: the tools and calls shown as text in Hermes's)
@@ -186,5 +194,28 @@ def test_a_required_call_may_come_after_thinking_with_the_real_template(name):
         message = reply.json()["choices"][0]["message"]
         assert message["reasoning_content"] == "" and message["content"] is None
         assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+    finally:
+        engine.close()
+
+
+def test_apriel_reasons_in_the_open_prompt_until_its_marker_and_calls_after_it_with_the_real_template():
+    """Apriel 1.6 Thinker's template ends the prompt with "Here are my reasoning steps:"; the model reasons until
+    "[BEGIN FINAL RESPONSE]" and answers after it (llama.cpp's parser tests' cases): read so, and a required call's
+    grammar lets the reasoning come first, then holds the call."""
+    words = tokenizer_of("Apriel-1.6-15b-Thinker")
+    engine = ServingEngine(CausalLM(llama_ending_at_eos(3, len(words), 4096)), words, model_id="tiny",
+                           max_batch_size=4)
+    try:
+        tags = engine.reasoning_tags
+        parts = split_reasoning("I'm\nthinking\n[BEGIN FINAL RESPONSE]\nHello, world!\nWhat's up?", True, tags)
+        assert (parts.reasoning, parts.content) == ("I'm\nthinking", "Hello, world!\nWhat's up?")
+        answer = 'I\'m thinking\n[BEGIN FINAL RESPONSE]\n<tool_calls>[{"name": "get_weather", "arguments": {"city": ' \
+                 '"Rome"}}]</tool_calls>'
+        use = read_tool_use([CITY_TOOL], "required", False, call_format=APRIEL)
+        assert grammar_takes(engine, reasoning_first(use.output_format(), tags, engine.reasoning_tokens, True), answer)
+        assert not grammar_takes(engine, reasoning_first(use.output_format(), tags, engine.reasoning_tokens, True),
+                                 answer.replace("[BEGIN FINAL RESPONSE]\n", ""))
+        content = split_reasoning(answer, True, tags).content
+        assert [json.loads(c["function"]["arguments"]) for c in read_calls(content, use).calls] == [{"city": "Rome"}]
     finally:
         engine.close()

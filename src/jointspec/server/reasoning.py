@@ -15,10 +15,11 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
 Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
 tokens, which the engine keeps in the text where the template names them), read alike, and so are Mistral's reasoning
 models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too) and Apertus's
-``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`). Granite 3.3's template, with thinking on, asks for
-the answer in tags of its own after the block, ``<response>`` ... ``</response>`` (:data:`THINK_RESPONSE`): a content
-that begins with them has them taken off, up to the last closing tag (llama.cpp's template analyser names the same
-tags for Granite 3.3 as the content's wrapper).
+``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`), and Apriel 1.6 Thinker's, which its template opens
+with "Here are my reasoning steps:" and the model ends with "[BEGIN FINAL RESPONSE]" (:data:`APRIEL_THINK`).
+Granite 3.3's template, with thinking on, asks for the answer in tags of its own after the block, ``<response>`` ...
+``</response>`` (:data:`THINK_RESPONSE`): a content that begins with them has them taken off, up to the last closing
+tag (llama.cpp's template analyser names the same tags for Granite 3.3 as the content's wrapper).
 
 The reasoning drops the whitespace around it, the content the whitespace before it (Qwen3 writes ``\\n\\n`` after the
 block), and a content in tags the whitespace inside them too. A stream (:class:`ReasoningStream`) sends each part as
@@ -63,6 +64,9 @@ CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"))
 MISTRAL_THINK = Tags("[THINK]", "[/THINK]", ("[THINK]", "[/THINK]"))
 # Apertus's, with deliberation on: "<|inner_prefix|>" ... "<|inner_suffix|>", special tokens.
 INNER = Tags("<|inner_prefix|>", "<|inner_suffix|>", ("<|inner_prefix|>", "<|inner_suffix|>"))
+# ServiceNow Apriel 1.6 Thinker's: the template opens the reasoning with this text at the end of the prompt, and the
+# model ends it with the marker, all of it text.
+APRIEL_THINK = Tags("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]")
 # Granite 3.3 with thinking on: "<think>...</think><response>...</response>", all of it text.
 RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
 THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_CLOSE))
@@ -70,12 +74,12 @@ THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_C
 
 def template_reasons(tokenizer) -> Tags | None:
     """The tags of the reasoning blocks the tokenizer's chat template writes (it names ``</think>``, Gemma 4's
-    channel, Mistral's ``[THINK]`` or Apertus's inner block; of a tokenizer with named templates, any of them), or
-    None where it writes none."""
+    channel, Mistral's ``[THINK]``, Apertus's inner block or Apriel 1.6's; of a tokenizer with named templates, any
+    of them), or None where it writes none."""
     template = getattr(tokenizer, "chat_template", None)
     templates = [text for text in (template.values() if isinstance(template, dict) else [template])
                  if isinstance(text, str)]
-    for tags in (THINK, CHANNEL, MISTRAL_THINK, INNER):
+    for tags in (THINK, CHANNEL, MISTRAL_THINK, INNER, APRIEL_THINK):
         if any(tags.open in text and tags.close in text for text in templates) or (
                 tags is THINK and any(THINK_CLOSE in text for text in templates)):
             # (the instruction Granite 3.3's template gives, naming both tags; MiniMax's wraps tool results in them)
