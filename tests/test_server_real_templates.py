@@ -217,5 +217,11 @@ def test_apriel_reasons_in_the_open_prompt_until_its_marker_and_calls_after_it_w
                                  answer.replace("[BEGIN FINAL RESPONSE]\n", ""))
         content = split_reasoning(answer, True, tags).content
         assert [json.loads(c["function"]["arguments"]) for c in read_calls(content, use).calls] == [{"city": "Rome"}]
+        # Through the server the prompt is found to open the block, its text spelled a character a token: an answer
+        # that never writes the marker (a random model's, cut by its length) is all reasoning.
+        reply = TestClient(create_app(ServerSettings(), engine)).post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0})
+        message = reply.json()["choices"][0]["message"]
+        assert message["reasoning_content"] and not message["content"]
     finally:
         engine.close()

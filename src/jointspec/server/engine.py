@@ -653,8 +653,10 @@ class ServingEngine:
         # set no per-call options, and may run beside an encode).
         prompt_ids = await asyncio.to_thread(self.encode, request)
         tags = self.reasoning_tags if request.messages is not None else None
-        # (the prompt's last tokens hold the template's tag where it opens a block, or closes an empty one)
-        tail = self.tokenizer.decode(prompt_ids[-16:]) if tags is not None else ""
+        # (the prompt's last tokens hold the template's tag where it opens a block, or closes an empty one: enough of
+        # them for the longer tag spelled a character a token, with room for the whitespace and an empty block's open)
+        window = 16 + len(tags.open) + len(tags.close) if tags is not None else 0
+        tail = self.tokenizer.decode(prompt_ids[-window:]) if tags is not None else ""
         opened = tags is not None and prompt_opens_reasoning(tail, tags)
         output_format = request.output_format
         if (output_format is not None and tags is not None and request.reasoning_first
