@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from jointspec.core.grammar import JSON_STYLE
-from jointspec.server.tool_schemas import json_kinds, property_schema
+from jointspec.server.tool_schemas import json_kinds, listed_values, property_schema
 from jointspec.server.tool_text import other_key, skip_space
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -116,8 +116,7 @@ def _no_constant(name: str):
 def text_choices(prop: dict, kinds: frozenset[str] | None, nulls: tuple[str, ...]) -> list[str]:
     """The grammar's literals of a text value held to an enum's (or a const's) strings, with ``nulls`` (how the
     format's template writes a null) where it takes null; empty where it is held to none."""
-    values = prop["enum"] if isinstance(prop.get("enum"), list) else [prop["const"]] if "const" in prop else []
-    choices = [json.dumps(value) for value in values if isinstance(value, str)]
+    choices = [json.dumps(value) for value in listed_values(prop) or () if isinstance(value, str)]
     return choices + [json.dumps(null) for null in nulls] if choices and "null" in (kinds or ()) else choices
 
 
