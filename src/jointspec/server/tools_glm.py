@@ -17,9 +17,8 @@ from __future__ import annotations
 import json
 
 from jointspec.core.grammar import JSON_STYLE
-from jointspec.server.tool_schemas import json_kinds, property_schema
-from jointspec.server.tool_text import marker, other_key, skip_space, text_without
-from jointspec.server.tools_xml import takes_text, text_choices
+from jointspec.server.tool_text import marker, skip_space, text_without
+from jointspec.server.tools_xml import keyed_call_rules, takes_text, text_choices
 
 CALL_CLOSE = "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
@@ -64,31 +63,23 @@ def call_rules(name: str, schema: dict | None, index: int, ids: dict[str, int]) 
     ``ids``: the tags that are added tokens, named by id. Add :func:`value_rules` once."""
     key_open, key_close = marker(KEY_OPEN, ids), marker(KEY_CLOSE, ids)
     value_open, value_close = marker(VALUE_OPEN, ids), marker(VALUE_CLOSE, ids)
-    head = json.dumps(name)
     # (a text value and its closing tag: one lexeme where the tag is text, as a lexer cannot end a lexeme it has
     # already extended past the tag's start)
     text_value = f"GLMVALUE {value_close}" if VALUE_CLOSE in ids else "GLMVALUED"
-    other = [f'anyarg{index}: "\\n"? {key_open} GLMKEY{index} {key_close} "\\n"? {value_open} {text_value}']
-    if schema is None:
-        return [f'call{index}: {head} anyarg{index}* "\\n"?', *other, other_key(f"GLMKEY{index}", ())]
-    required = set(schema.get("required") or ())
-    parts, rules = [], []
-    for number, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-        rule = f"a{index}_{number}"
-        prop = property_schema(prop, schema)
-        kinds = json_kinds(prop)
+
+    def spell(rule: str, key: str, prop: dict, kinds: frozenset[str] | None) -> list[str]:
+        rules = []
         if takes_text(kinds):
             choices = text_choices(prop, kinds, ("null",))  # (the template writes None with tojson)
             value = f"({' | '.join(choices)}) {value_close}" if choices else text_value
         else:
             rules.append(f"{rule}v: %json {json.dumps({**prop, 'x-guidance': dict(JSON_STYLE)})}")
             value = f"{rule}v {value_close}"
-        rules.append(f'{rule}: "\\n"? {key_open} {json.dumps(key)} {key_close} "\\n"? {value_open} {value}')
-        parts.append(rule if key in required else f"{rule}?")
-    if schema.get("additionalProperties", True) is not False:
-        parts.append(f"anyarg{index}*")
-        rules += [*other, other_key(f"GLMKEY{index}", (schema.get("properties") or {}).keys())]
-    return [f'call{index}: {head} {" ".join(parts)} "\\n"?', *rules]
+        return [f'{rule}: "\\n"? {key_open} {json.dumps(key)} {key_close} "\\n"? {value_open} {value}', *rules]
+
+    return keyed_call_rules(index, schema, json.dumps(name), '"\\n"?', "a", spell,
+                            f'"\\n"? {key_open} GLMKEY{index} {key_close} "\\n"? {value_open} {text_value}',
+                            f"GLMKEY{index}")
 
 
 def value_rules(ids: dict[str, int]) -> list[str]:

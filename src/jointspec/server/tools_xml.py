@@ -135,30 +135,42 @@ def call_rules(name: str, schema: dict | None, index: int) -> list[str]:
     text where it is (:func:`takes_text`; an enum's strings: one of them), else JSON its schema accepts, or Python's
     spelling of a boolean or null where it takes one. ``schema`` None: any parameters, text (strict auto's other
     tools). Add :data:`VALUE_RULES` once."""
-    head = json.dumps(f"{FUNCTION_OPEN}{name}>\n")
-    other = [f'anyparam{index}: {json.dumps(PARAMETER_OPEN)} OTHERKEY{index} ">\\n" VALUE "\\n"']
+    closed = json.dumps(f"\n{PARAMETER_CLOSE}\n")
+
+    def spell(rule: str, key: str, prop: dict, kinds: frozenset[str] | None) -> list[str]:
+        opened = json.dumps(f"{PARAMETER_OPEN}{key}>\n")
+        if takes_text(kinds):
+            choices = text_choices(prop, kinds, ("None", "null"))
+            return [f"{rule}: {opened} ({' | '.join(choices)}) {closed}" if choices
+                    else f'{rule}: {opened} VALUE "\\n"']
+        spelled = (['"True"', '"False"'] if "boolean" in (kinds or ()) else []) + (
+            ['"None"'] if "null" in (kinds or ()) else [])
+        held = json.dumps({**prop, "x-guidance": dict(JSON_STYLE)})
+        return [f"{rule}: {opened} {rule}v {closed}", f"{rule}v: {' | '.join([f'%json {held}', *spelled])}"]
+
+    return keyed_call_rules(index, schema, json.dumps(f"{FUNCTION_OPEN}{name}>\n"), json.dumps(FUNCTION_CLOSE), "p",
+                            spell, f'{json.dumps(PARAMETER_OPEN)} OTHERKEY{index} ">\\n" VALUE "\\n"',
+                            f"OTHERKEY{index}")
+
+
+def keyed_call_rules(index: int, schema: dict | None, head: str, tail: str, prefix: str, spell, other: str,
+                     key_lexeme: str) -> list[str]:
+    """The grammar of a call whose arguments are written key by key (Qwen3-Coder's, GLM's): rule ``call{index}``,
+    ``head``, each of the schema's properties in its order as ``spell(rule, key, property, types)`` writes it (its
+    rules, the first named ``rule``; the required ones always, the others optional), then any other keys, each as
+    ``other`` spells one with the key lexeme ``key_lexeme`` (none of the schema's own), where the schema allows more,
+    then ``tail``. ``schema`` None: any keys."""
+    other_rules = [f"other{index}: {other}"]
     if schema is None:
-        return [f"call{index}: {head} anyparam{index}* {json.dumps(FUNCTION_CLOSE)}", *other,
-                other_key(f"OTHERKEY{index}", ())]
+        return [f"call{index}: {head} other{index}* {tail}", *other_rules, other_key(key_lexeme, ())]
     required = set(schema.get("required") or ())
     parts, rules = [], []
     for number, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-        rule = f"p{index}_{number}"
-        opened = json.dumps(f"{PARAMETER_OPEN}{key}>\n")
-        closed = json.dumps(f"\n{PARAMETER_CLOSE}\n")
+        rule = f"{prefix}{index}_{number}"
         prop = property_schema(prop, schema)
-        kinds = json_kinds(prop)
-        if takes_text(kinds):
-            choices = text_choices(prop, kinds, ("None", "null"))
-            rules.append(f"{rule}: {opened} ({' | '.join(choices)}) {closed}" if choices
-                         else f'{rule}: {opened} VALUE "\\n"')
-        else:
-            spelled = (['"True"', '"False"'] if "boolean" in (kinds or ()) else []) + (
-                ['"None"'] if "null" in (kinds or ()) else [])
-            held = json.dumps({**prop, "x-guidance": dict(JSON_STYLE)})
-            rules += [f"{rule}: {opened} {rule}v {closed}", f"{rule}v: {' | '.join([f'%json {held}', *spelled])}"]
+        rules += spell(rule, key, prop, json_kinds(prop))
         parts.append(rule if key in required else f"{rule}?")
     if schema.get("additionalProperties", True) is not False:
-        parts.append(f"anyparam{index}*")
-        rules += [*other, other_key(f"OTHERKEY{index}", (schema.get("properties") or {}).keys())]
-    return [f"call{index}: {head} {' '.join(parts)} {json.dumps(FUNCTION_CLOSE)}", *rules]
+        parts.append(f"other{index}*")
+        rules += [*other_rules, other_key(key_lexeme, (schema.get("properties") or {}).keys())]
+    return [f"call{index}: {head} {' '.join(parts)} {tail}", *rules]
