@@ -868,6 +868,19 @@ def tokenizer_with(template: str | dict):
     return words
 
 
+def assert_stream_adds_up(opened: bool, text: str, tags) -> None:
+    """A reasoning stream (server/reasoning.py) sends, fed ``text`` cut at any one place or a character at a time,
+    what the whole answer's split has: its reasoning (none read as "") and its content."""
+    from jointspec.server.reasoning import ReasoningStream, split_reasoning
+
+    whole = split_reasoning(text, opened, tags)
+    for pieces in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
+        stream = ReasoningStream(opened, tags)
+        sent = [stream.feed(piece, final=number == len(pieces) - 1) for number, piece in enumerate(pieces)]
+        assert "".join(r for r, _ in sent) == (whole.reasoning or "") and "".join(
+            c for _, c in sent) == whole.content, pieces
+
+
 @contextlib.contextmanager
 def live_server(app, make_server=None):
     """uvicorn on 127.0.0.1 on a free port, in a thread; yields (base URL, server) and stops when the block ends.

@@ -28,7 +28,7 @@ from jointspec.server.reasoning import (
 )
 from jointspec.server.tools import read_tool_use
 
-from helpers import byte_tokenizer, tiny_llama, tokenizer_with
+from helpers import assert_stream_adds_up, byte_tokenizer, tiny_llama, tokenizer_with
 
 # Qwen3's conventions: the answer may open a block itself; enable_thinking false writes an empty one after the turn's
 # opening; earlier reasoning sent back is shown in its turn.
@@ -121,15 +121,6 @@ def test_a_stream_sends_what_the_whole_answer_has_however_the_text_is_split(open
     wrapped = ReasoningStream(False, THINK_RESPONSE)
     assert wrapped.feed("<think>a</think>\n<resp") == ("a", "") and wrapped.feed("onse>\nB ") == ("", "B")
     assert wrapped.feed("</resp") == ("", "") and wrapped.feed("onse>") == ("", "")
-
-
-def assert_stream_adds_up(opened: bool, text: str, tags) -> None:
-    whole = split_reasoning(text, opened, tags)
-    for pieces in [[text[:cut], text[cut:]] for cut in range(len(text) + 1)] + [list(text)]:
-        stream = ReasoningStream(opened, tags)
-        sent = [stream.feed(piece, final=number == len(pieces) - 1) for number, piece in enumerate(pieces)]
-        assert "".join(r for r, _ in sent) == (whole.reasoning or "") and "".join(
-            c for _, c in sent) == whole.content, pieces
 
 
 @pytest.mark.parametrize("text, opened, reasoning, content", [

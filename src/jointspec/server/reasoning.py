@@ -13,8 +13,11 @@ from where its prompt leaves it (:func:`prompt_opens_reasoning`):
   is content as written, and a ``<think>`` later in it is text.
 
 Gemma 4's templates write the block in its own tags, ``<|channel>thought`` ... ``<channel|>`` (:data:`CHANNEL`; special
-tokens, which the engine keeps in the text where the template names them), read alike, and so are Mistral's reasoning
-models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too) and Apertus's
+tokens, which the engine keeps in the text where the template names them), read alike, except that its markers are
+read wherever they stand (``Tags.anywhere``): a block later in the answer is reasoning too, and a marker that opens
+or closes nothing is dropped, so that none is left in either part as text (as llama.cpp's Gemma 4 parser reads
+them, and the template's own strip_thinking reads an earlier answer). Read alike, as ``<think>`` is, are Mistral's
+reasoning models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too), Apertus's
 ``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`), and Apriel 1.6 Thinker's, which its template opens
 with "Here are my reasoning steps:" and the model ends with "[BEGIN FINAL RESPONSE]" (:data:`APRIEL_THINK`).
 Granite 3.3's template, with thinking on, asks for the answer in tags of its own after the block, ``<response>`` ...
@@ -49,17 +52,23 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 class Tags:
     """A reasoning block's opening and closing tags, the special tokens among them that a decode must keep
     (``kept``: their spellings), and the tags the content is written in where the template asks for some
-    (``answer``: opening and closing)."""
+    (``answer``: opening and closing). ``anywhere``: the tags' markers are tokens read wherever they stand (Gemma
+    4's, :data:`CHANNEL`): the opening marker (``kept[0]``, its label after it optional) opens a block at any point
+    of the answer, the closing one closes it, and a marker that opens or closes nothing is dropped, so that no
+    marker is left in either part as text."""
 
     open: str
     close: str
     kept: tuple[str, ...] = ()
     answer: tuple[str, str] | None = None
+    anywhere: bool = False
 
 
 THINK = Tags(THINK_OPEN, THINK_CLOSE)
-# Gemma 4's thinking channel: the model writes "<|channel>thought\n" ... "<channel|>", both markers special tokens.
-CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"))
+# Gemma 4's thinking channel: the model writes "<|channel>thought\n" ... "<channel|>", both markers special tokens,
+# which it may also write elsewhere: another block after its answer, a closing marker left over, an opening one doubled
+# (the cases llama.cpp's Gemma 4 parser reads; its template's strip_thinking drops every block and stray marker).
+CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"), anywhere=True)
 # Mistral's reasoning models (Magistral, Ministral 3 Reasoning): "[THINK]" ... "[/THINK]", both control tokens.
 MISTRAL_THINK = Tags("[THINK]", "[/THINK]", ("[THINK]", "[/THINK]"))
 # Apertus's, with deliberation on: "<|inner_prefix|>" ... "<|inner_suffix|>", special tokens.
@@ -162,6 +171,8 @@ class Parts:
 def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
     """A whole answer's reasoning and content; ``opened``: its prompt left it inside a block
     (:func:`prompt_opens_reasoning`; an answer that opens it again has that tag dropped too); ``tags``: the block's."""
+    if tags.anywhere:
+        return _split_anywhere(text, opened, tags)
     begun = text.lstrip()
     if begun.startswith(tags.open):
         body = begun[len(tags.open):]
@@ -173,6 +184,39 @@ def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
     if end < 0:
         return Parts(body.strip(), "")
     return Parts(body[:end].strip(), _unwrapped(body[end + len(tags.close):].lstrip(), tags))
+
+
+# Between the reasoning of an answer's blocks, where tags that open anywhere (Tags.anywhere) let it write several.
+BLOCKS_APART = "\n\n"
+
+
+def _split_anywhere(text: str, opened: bool, tags: Tags) -> Parts:
+    """:func:`split_reasoning` for tags whose markers are tokens read wherever they stand (``tags.anywhere``, Gemma
+    4's): each block, however many and wherever they are, is reasoning (stripped, the blocks' reasoning joined by
+    :data:`BLOCKS_APART`), the text outside them content; an opening marker (or several in a row), its label after it
+    optional, opens a block, or inside one is dropped; a closing marker closes one, or outside any is dropped. An
+    unclosed block is reasoning to the end. The content is as written, less its leading whitespace where a block
+    came first (as :func:`split_reasoning`'s: an answer that begins with a block, or inside one)."""
+    opening, close = tags.kept[0], tags.close
+    label = tags.open[len(opening):]
+    if not opened and text.lstrip().startswith(opening):
+        text = text.lstrip()
+    starts_with_block = opened or text.startswith(opening)
+    pieces = re.split(f"((?:{re.escape(opening)})+(?:{re.escape(label)})?|{re.escape(close)})", text)
+    blocks: list[list[str]] = [[]] if opened else []  # (each block's text, its markers left out)
+    content: list[str] = []
+    inside = opened
+    for number, piece in enumerate(pieces):  # (text, marker, text, ...)
+        if number % 2 == 0:
+            (blocks[-1] if inside else content).append(piece)
+        elif piece == close:
+            inside = False  # (a stray closing marker: dropped)
+        elif not inside:  # (an opening marker opens a block; inside one it is dropped)
+            inside = True
+            blocks.append([])
+    said = "".join(content)
+    thoughts = [thought for block in blocks if (thought := "".join(block).strip())]
+    return Parts(BLOCKS_APART.join(thoughts) if blocks else None, said.lstrip() if starts_with_block else said)
 
 
 def _unwrapped(content: str, tags: Tags) -> str:
@@ -199,9 +243,17 @@ class ReasoningStream:
         self.state = "start"
         self.held = ""  # received and not yet sent: the start, or a part's trailing whitespace and tag start
         self.sent_any = False  # of the current part (its leading whitespace is dropped until then)
+        # Where the tags open anywhere (tags.anywhere): a block was opened (the reasoning is not None); just past an
+        # opening marker (inside the block: its label, or the marker again, may follow); a block's trailing
+        # whitespace, held until more of it comes; whether the block sent some reasoning, any block did, the
+        # content did (its leading whitespace is dropped until then, where a block came first).
+        self.blocks, self.label, self.gap = opened, False, ""
+        self.block_sent = self.thought = self.content_sent = False
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content that ``text`` (the next piece; ``final``: the last) lets through now."""
+        if self.tags.anywhere:
+            return self._feed_anywhere(text, final)
         self.held += text
         reasoning = ""
         if self.state == "start":
@@ -248,6 +300,79 @@ class ReasoningStream:
             rest = rest.lstrip()
             self.sent_any = bool(rest)
         return reasoning, content + rest
+
+    def _feed_anywhere(self, text: str, final: bool) -> tuple[str, str]:
+        """:meth:`feed` for tags whose markers open and close blocks anywhere (:func:`_split_anywhere`): the text
+        between markers as it comes, less a tail that may begin a marker (or, past an opening one, its label)."""
+        opening, close = self.tags.kept[0], self.tags.close
+        label = self.tags.open[len(opening):]
+        self.held += text
+        if self.state == "start":
+            begun = self.held.lstrip()
+            if self.opened:
+                self.state = "reasoning"
+            elif begun.startswith(opening):
+                self.state, self.held, self.label, self.blocks = "reasoning", begun[len(opening):], True, True
+            elif not final and opening.startswith(begun):
+                return "", ""  # (it may yet open a block)
+            else:
+                self.state, self.content_sent = "content", True  # (an answer that begins so: content as written)
+        reasoning, content = [], []
+        while True:
+            if self.state == "reasoning" and self.label:  # (past an opening marker)
+                if self.held.startswith(opening):
+                    self.held = self.held[len(opening):]
+                    continue
+                if label and self.held.startswith(label):
+                    self.held, self.label = self.held[len(label):], False
+                    continue
+                if not final and (opening.startswith(self.held) or label.startswith(self.held)):
+                    break  # (it may yet be either)
+                self.label = False
+            marks = [(at, spelling) for spelling in (opening, close) if (at := self.held.find(spelling)) >= 0]
+            if not marks:
+                keep = 0 if final else max(partial_tail(self.held, opening), partial_tail(self.held, close))
+                ready, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                if self.state == "reasoning":
+                    reasoning.append(self._thought(ready, final))
+                else:
+                    content.append(self._said(ready))
+                break
+            at, spelling = min(marks)
+            before, self.held = self.held[:at], self.held[at + len(spelling):]
+            if self.state == "reasoning":
+                reasoning.append(self._thought(before, spelling == close))
+                if spelling == close:
+                    self.state = "content"
+                else:  # (an opening marker inside the block: dropped, with its label)
+                    self.label = True
+            else:  # (content: an opening marker opens a block, a closing one is dropped)
+                content.append(self._said(before))
+                if spelling == opening:
+                    self.state, self.label, self.blocks, self.block_sent = "reasoning", True, True, False
+        return "".join(reasoning), "".join(content)
+
+    def _thought(self, ready: str, closing: bool) -> str:
+        """A block's reasoning ``ready`` to send (:meth:`_feed_anywhere`): less its leading whitespace until the block
+        sent some, and its trailing whitespace held back unless the block ends here (``closing``); set apart from an
+        earlier block's."""
+        text = self.gap + ready
+        if not self.block_sent:
+            text = text.lstrip()
+        trimmed = text.rstrip()
+        self.gap = "" if closing else text[len(trimmed):]
+        if not trimmed:
+            return ""
+        apart = BLOCKS_APART if self.thought and not self.block_sent else ""
+        self.block_sent = self.thought = True
+        return apart + trimmed
+
+    def _said(self, ready: str) -> str:
+        """Content ``ready`` to send (:meth:`_feed_anywhere`), less its leading whitespace until some was sent."""
+        if not self.content_sent:
+            ready = ready.lstrip()
+            self.content_sent = bool(ready)
+        return ready
 
     def _ready(self, closing: str, final: bool) -> str:
         """What is held, less a tail that may begin ``closing`` (all of it where the answer ends here)."""
