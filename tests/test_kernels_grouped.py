@@ -27,6 +27,7 @@ from jointspec.kernels.grouped import (
     GROUP_SIZE,
     ISA_ENV,
     ISA_FLAGS,
+    ISA_MACHINES,
     SCREEN_MARGIN,
     SCREEN_TOP_K_MAX,
     GroupedInt4Linear,
@@ -1102,7 +1103,7 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
     assert selected_isa() == "portable" and kernels().isa() == "portable"
     monkeypatch.setenv(grouped.ISA_ENV, "avx9")
     with pytest.raises(UnsupportedOptionError, match="unknown instruction set 'avx9'; choose one of: avx512vnni, "
-                                                     "avx512, avx2vnni, avx2, portable"):
+                                                     "avx512, avx2vnni, avx2, neondot, portable"):
         selected_isa()
     monkeypatch.delenv(grouped.ISA_ENV)
     monkeypatch.setattr(grouped.platform, "machine", lambda: "x86_64")  # (the flags below are x86's on any machine)
@@ -1114,6 +1115,34 @@ def test_a_kernel_build_is_chosen_by_name_and_refused_by_name(monkeypatch):
             pass
     monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
     assert runnable_isas() == ("avx2vnni", "avx2", "portable")  # AVX-VNNI without AVX-512 (Alder Lake and later)
+    with pytest.raises(UnsupportedOptionError, match=r"cannot run the 'neondot' kernels \(they are for aarch64 or "
+                                                     r"arm64 CPUs, this one is x86_64\); it runs: avx2vnni, avx2"):
+        with use_isa("neondot"):
+            pass
+
+
+def test_arm_cpus_run_the_neondot_build_where_they_have_the_dot_product_instructions(monkeypatch):
+    """An ARM CPU's /proc/cpuinfo "Features" decide the ARM build (x86 flags on ARM never do); --quantize auto keeps
+    the float32 model there, decided without building the kernels (the build is unmeasured on a real ARM CPU)."""
+    from jointspec.backends.loading import quantize_choice
+    from jointspec.kernels import grouped
+
+    monkeypatch.setattr(grouped.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"fp", "asimd", "asimddp", "fphp", "asimdhp"}))
+    assert runnable_isas() == ("neondot", "portable")
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"fp", "asimd", "avx2", "fma", "f16c"}))  # Cortex-A72
+    assert runnable_isas() == ("portable",)
+    with pytest.raises(UnsupportedOptionError, match=r"cannot run the 'neondot' kernels \(it lacks asimddp\)"):
+        with use_isa("neondot"):
+            pass
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"asimd", "asimddp"}))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the kernels were built to decide")
+    monkeypatch.setattr(grouped, "unavailable_reason", no_build)
+    with use_isa("neondot"):
+        mode, why = quantize_choice("auto", None)
+    assert mode == "none" and "neondot build here (an ARM CPU)" in why and "--quantize int4 runs it" in why
 
 
 # The builds this CPU cannot run are still compiled by every x86 CI machine, as far as their integer products: a build
@@ -1132,7 +1161,7 @@ extern "C" void probe_dot4(const simd::L64* w, const simd::L64* q, simd::V16* ou
 
 
 @pytest.mark.skipif(platform.machine().lower() not in {"x86_64", "amd64"}, reason="the x86 builds' flags need x86")
-@pytest.mark.parametrize("isa", [isa for isa in ISA_FLAGS if isa != "portable"])
+@pytest.mark.parametrize("isa", [isa for isa in ISA_FLAGS if "x86_64" in ISA_MACHINES.get(isa, ())])
 def test_every_x86_build_compiles_its_own_integer_products(isa, tmp_path):
     from jointspec.kernels import grouped
 

@@ -135,10 +135,11 @@ def _auto_quantize(isa: str | None, built: bool) -> dict:
     """What ``--quantize auto`` picks for the embedded model, and why; asked of the loader where the build is made
     (it would build it otherwise), else said from the build alone."""
     from jointspec.backends.loading import quantize_choice
+    from jointspec.kernels.grouped import AUTO_ISAS
 
     if isa is None:
         return {"mode": "none", "why": "the kernel build could not be chosen (above)"}
-    if isa == "portable" or built:
+    if isa not in AUTO_ISAS or built:
         mode, why = quantize_choice("auto", None)
         return {"mode": mode, "why": why}
     return {"mode": "int4", "why": f"the {isa} kernels, once the first run has built them (a minute or two on two "

@@ -146,8 +146,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "int8 = int8 weights and per-token int8 activations (flattest k-token cost); "
                              "none = float; auto = int4 where that is the model's own weights (a GGUF whose "
                              "projections and head are all such blocks, like the embedded default) on an x86 CPU with "
-                             "AVX2 or AVX-512 (JOINTSPEC_KERNEL_ISA=avx512vnni|avx512|avx2vnni|avx2|portable picks "
-                             "one), else none. Exactness then holds against the quantised target")
+                             "AVX2 or AVX-512 (JOINTSPEC_KERNEL_ISA=avx512vnni|avx512|avx2vnni|avx2|neondot|portable "
+                             "picks a build), else none. Exactness then holds against the quantised target")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="torch backend: CPU kernels. auto = for a float32 model on an AMD CPU, oneDNN linears "
                              "(MKL weight-major for 2-4 tokens: a cheaper step, and verifying 1-3 draft tokens at "

@@ -239,13 +239,13 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
     if weights not in HEAD_WEIGHT_CHOICES:
         raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                      f"{', '.join(HEAD_WEIGHT_CHOICES)}")
-    from jointspec.kernels.grouped import GroupedInt8Linear, selected_isa
+    from jointspec.kernels.grouped import AUTO_ISAS, GroupedInt8Linear, selected_isa
 
-    # The portable build is exact but unmeasured against float32 heads: auto keeps float32 there (decided before the
-    # misfit check, which builds the kernels), as --quantize auto keeps the float32 model, unless the head was bound
-    # with int8 before (binding converts it in place); int8 asked for runs it.
+    # The ARM and portable builds are exact but unmeasured against float32 heads: auto keeps float32 there (decided
+    # before the misfit check, which builds the kernels), as --quantize auto keeps the float32 model, unless the head
+    # was bound with int8 before (binding converts it in place); int8 asked for runs it.
     device, dtype = float_activations(head)
-    if (weights == "auto" and device.type == "cpu" and dtype == torch.float32 and selected_isa() == "portable"
+    if (weights == "auto" and device.type == "cpu" and dtype == torch.float32 and selected_isa() not in AUTO_ISAS
             and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
         return "float32"
     misfit = int8_head_misfit(head, body) if weights != "float32" else None

@@ -40,8 +40,9 @@ plain int4 step (docs/kernels.md). Both treat every row alone, so speculative de
 the int4 model; neither is bit for bit the operation-by-operation forward (float sums in another order), which is why
 plain and speculative decoding both run them.
 
-One source, three builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNNI's integer dot product for the
-screened head where the CPU has it) and portable C++ for any other CPU (ARM included). They compute every float
+One source, four builds (``csrc/simd.h``): AVX-512, AVX2 + FMA (each taking VNNI's integer dot product for the
+screened head where the CPU has it), NEON with the dot-product instructions for 64-bit ARM CPUs that have them
+(``neondot``), and portable C++ for any other CPU. They compute every float
 operation in the same order with the same single roundings, so they give the same bits (the rest of a forward is
 PyTorch's, whose bits may vary between CPUs: docs/kernels.md), and tests hold each build this CPU runs against the
 portable one. :func:`selected_isa` picks the fastest build the CPU runs (``$JOINTSPEC_KERNEL_ISA`` or :func:`use_isa`
@@ -90,7 +91,9 @@ _TINY = 1e-12
 # avx512 build with VNNI's integer dot product for every 8-bit-input product (the same integers in fewer
 # instructions; what the 6-bit layers' products need most: docs/kernels.md); the avx512 and avx2 builds still take it
 # at run time for the screened head where the CPU has it. "avx2vnni" is the avx2 build with AVX-VNNI's 256-bit form
-# of that instruction (the laptops and desktops that have it without AVX-512). "portable" is plain C++ for any CPU.
+# of that instruction (the laptops and desktops that have it without AVX-512). "neondot" is for 64-bit ARM CPUs with
+# the dot-product instructions (ARMv8.2's optional, ARMv8.4's required ones: the "asimddp" flag), whose 128-bit
+# registers take the AVX2 build's shapes. "portable" is plain C++ for any CPU.
 _AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
             "-DJOINTSPEC_ISA_AVX512"])
@@ -100,9 +103,17 @@ ISA_FLAGS = {
     "avx512": _AVX512,
     "avx2vnni": (_AVX2[0] | {"avx_vnni"}, [*_AVX2[1], "-mavxvnni"]),
     "avx2": _AVX2,
+    "neondot": (frozenset({"asimd", "asimddp"}), ["-march=armv8.2-a+dotprod", "-DJOINTSPEC_ISA_NEON"]),
     "portable": (frozenset(), []),
 }
 ISAS = tuple(ISA_FLAGS)
+# The builds that ``--quantize auto`` takes (backends/loading.py): those measured faster than the float32 model on real
+# CPUs. The neondot build is exact (tests hold it to the portable build's bits under an emulator) but has not run on
+# an ARM CPU here, and the portable one was not measured against float32; --quantize int4 runs either.
+AUTO_ISAS = frozenset({"avx512vnni", "avx512", "avx2vnni", "avx2"})
+# The machine types each build compiles for (platform.machine()'s names); the portable build, every one.
+ISA_MACHINES = {"neondot": frozenset({"aarch64", "arm64"}),
+                **{isa: frozenset({"x86_64", "amd64"}) for isa in ISAS if isa.startswith("avx")}}
 # Set to one of ISAS to run that build instead of the fastest this CPU can run (tests, comparisons).
 ISA_ENV = "JOINTSPEC_KERNEL_ISA"
 _override: list[str] = []  # use_isa()'s stack
@@ -150,9 +161,9 @@ def _build_directory(tag: str) -> Path:
 
 def runnable_isas() -> tuple[str, ...]:
     """The builds this CPU can run, fastest first ("portable" always among them)."""
-    flags = cpu_flags()
-    x86 = platform.machine().lower() in {"x86_64", "amd64"}
-    return tuple(isa for isa, (needs, _) in ISA_FLAGS.items() if not needs or (x86 and needs <= flags))
+    flags, machine = cpu_flags(), platform.machine().lower()
+    return tuple(isa for isa, (needs, _) in ISA_FLAGS.items()
+                 if isa not in ISA_MACHINES or (machine in ISA_MACHINES[isa] and needs <= flags))
 
 
 def selected_isa() -> str:
@@ -179,8 +190,12 @@ def _check_isa(isa: str, where: str) -> None:
     if isa not in ISA_FLAGS:
         raise UnsupportedOptionError(f"{where}: unknown instruction set '{isa}'; choose one of: {', '.join(ISAS)}")
     if isa not in runnable_isas():
-        missing = ", ".join(sorted(ISA_FLAGS[isa][0] - cpu_flags()))
-        raise UnsupportedOptionError(f"{where}: this CPU cannot run the '{isa}' kernels (it lacks {missing}); it runs: "
+        machine = platform.machine()
+        if machine.lower() not in ISA_MACHINES.get(isa, {machine.lower()}):
+            lacks = f"they are for {' or '.join(sorted(ISA_MACHINES[isa]))} CPUs, this one is {machine or 'unknown'}"
+        else:
+            lacks = f"it lacks {', '.join(sorted(ISA_FLAGS[isa][0] - cpu_flags()))}"
+        raise UnsupportedOptionError(f"{where}: this CPU cannot run the '{isa}' kernels ({lacks}); it runs: "
                                      f"{', '.join(runnable_isas())}")
 
 

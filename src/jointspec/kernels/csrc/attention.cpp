@@ -148,8 +148,9 @@ void attend(const float* q, const T* key, const T* value, const int64_t* index, 
   for (int64_t c = 0; c < chunks; ++c) simd::store(out + 16 * c, simd::mul(acc[c], inverse));
 }
 
-// Queries per pass over the values in attend_all(): their accumulators stay in registers (two per V16 on AVX2).
-#if defined(JOINTSPEC_ISA_AVX2)
+// Queries per pass over the values in attend_all(): their accumulators stay in registers (two per V16 on AVX2, four
+// on NEON, whose thirty-two registers hold what AVX2's sixteen do).
+#if defined(JOINTSPEC_ISA_AVX2) || defined(JOINTSPEC_ISA_NEON)
 constexpr int64_t kValueQueries = 6;
 #else
 constexpr int64_t kValueQueries = 8;

@@ -235,7 +235,7 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
 // takes several input rows alone (faster than two in an in-cache benchmark, docs/kernels.md).
 template <int Block, int R, bool Quad>
 constexpr int tile_weight_rows() {
-#if defined(JOINTSPEC_ISA_AVX2)
+#if defined(JOINTSPEC_ISA_AVX2) || defined(JOINTSPEC_ISA_NEON)  // NEON: AVX2's register budget
   if constexpr (Quad && R > 1) return 1;
 #endif
   if constexpr (Block == 4 && (R == 3 || R == 4)) return 2;
@@ -331,6 +331,148 @@ void multiply_int4_q8(const float* xp, int64_t rows, int64_t k, int64_t out_feat
 }
 
 }  // namespace
+
+// The screened head's 4-bit screen (grouped_linear.cpp says what it is): sum over k inputs of level (0..15) times x8
+// (signed), for R input rows. Integer sums have no order, so every variant below gives the same numbers: x86 builds
+// take 64 inputs a step (VNNI's dot-product instruction where the CPU has it, chosen at run time, else two steps
+// whose 16-bit sums cannot saturate), the ARM build 32 by its dot-product instruction, the portable build one at a
+// time. Here beside the layers' products so that a test can compile it without PyTorch (tests/native).
+
+// dots[(j - begin) * rows + r]: vocabulary rows begin .. end - 1 against every input row, up to 4 input rows per
+// pass over a weight row (DOTS<R>: one of the screen_dots variants below).
+#define JOINTSPEC_SCREEN_RANGE(DOTS)                                                              \
+  for (int64_t j = begin; j < end; ++j) {                                                        \
+    const uint8_t* w = wp + j * (k / 2);                                                         \
+    int32_t* out = dots + (j - begin) * rows;                                                    \
+    for (int64_t r = 0; r < rows; r += 4) {                                                      \
+      const int8_t* x = x8 + r * k;                                                              \
+      switch (std::min<int64_t>(4, rows - r)) {                                                  \
+        case 4: DOTS<4>(w, x, k, out + r); break;                                                \
+        case 3: DOTS<3>(w, x, k, out + r); break;                                                \
+        case 2: DOTS<2>(w, x, k, out + r); break;                                                \
+        default: DOTS<1>(w, x, k, out + r); break;                                               \
+      }                                                                                          \
+    }                                                                                            \
+  }
+
+namespace {
+#if defined(JOINTSPEC_ISA_AVX512) || defined(JOINTSPEC_ISA_AVX2)
+// x86: 64 inputs a step; DOT_ADD(acc, levels, x8) adds the sums of four adjacent byte products to each 32-bit lane.
+#define JOINTSPEC_SCREEN_DOTS(NAME, DOT_ADD)                                                                   \
+  template <int R>                                                                                            \
+  inline void NAME(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {                              \
+    __m256i acc[R];                                                                                           \
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();                                              \
+    const __m256i nibble = _mm256_set1_epi8(0x0F);                                                            \
+    for (int64_t c = 0; c < k; c += 64) {                                                                     \
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));                 \
+      const __m256i low = _mm256_and_si256(bytes, nibble);                                                    \
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);                             \
+      for (int r = 0; r < R; ++r) {                                                                           \
+        acc[r] = DOT_ADD(acc[r], low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c)));   \
+        acc[r] = DOT_ADD(acc[r], high,                                                                        \
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + r * k + c + 32)));          \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1)); \
+      const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));                             \
+      out[r] = _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));                   \
+    }                                                                                                         \
+  }
+
+// Two steps, u8 x s8 -> pairs summed to s16 -> quadruples to s32 (15 * 127 * 2 < 2^15: no saturation).
+inline __m256i dot_add_maddubs(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+JOINTSPEC_SCREEN_DOTS(screen_dots_plain, dot_add_maddubs)
+
+void screen_range_plain(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                        int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots_plain)
+}
+
+// VNNI's one instruction for the same sums, in a region compiled for it: every function there (the dot product, the
+// loop, the range) carries the target, so they inline into each other. Run only where the CPU has it.
+#pragma GCC push_options
+#if defined(JOINTSPEC_ISA_AVX512)
+#pragma GCC target("avx512vnni")
+#define JOINTSPEC_VNNI_CPU "avx512vnni"
+inline __m256i dot_add_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#pragma GCC target("avxvnni")
+#define JOINTSPEC_VNNI_CPU "avxvnni"
+inline __m256i dot_add_vnni(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+JOINTSPEC_SCREEN_DOTS(screen_dots_vnni, dot_add_vnni)
+
+void screen_range_vnni(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                       int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots_vnni)
+}
+#pragma GCC pop_options
+
+// Whether the screen takes VNNI's instruction: where the CPU has it, unless use_vnni(false) said otherwise (tests
+// hold both variants against the portable build).
+bool g_vnni = (__builtin_cpu_init(), __builtin_cpu_supports(JOINTSPEC_VNNI_CPU));
+
+}  // namespace
+
+bool use_vnni(bool on) {
+  g_vnni = on && __builtin_cpu_supports(JOINTSPEC_VNNI_CPU);
+  return g_vnni;
+}
+
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots) {
+  if (g_vnni) screen_range_vnni(wp, x8, rows, k, begin, end, dots);
+  else screen_range_plain(wp, x8, rows, k, begin, end, dots);
+}
+#else
+#if defined(JOINTSPEC_ISA_NEON)
+// ARM: 32 inputs a step, each 16 weight bytes' nibbles against their 16 inputs by the dot-product instruction
+// (levels 0..15 are non-negative as signed bytes, so signed-by-signed products are the same integers).
+template <int R>
+inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
+  int32x4_t acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vdupq_n_s32(0);
+  const uint8x16_t nibble = vdupq_n_u8(0x0F);
+  for (int64_t c = 0; c < k; c += 64)
+    for (int64_t h = 0; h < 32; h += 16) {
+      const uint8x16_t bytes = vld1q_u8(w + c / 2 + h);
+      const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(bytes, nibble));
+      const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = vdotq_s32(acc[r], low, vld1q_s8(x8 + r * k + c + h));
+        acc[r] = vdotq_s32(acc[r], high, vld1q_s8(x8 + r * k + c + 32 + h));
+      }
+    }
+  for (int r = 0; r < R; ++r) out[r] = vaddvq_s32(acc[r]);
+}
+#else
+// Portable: one input at a time (integer sums: the same numbers).
+template <int R>
+inline void screen_dots(const uint8_t* w, const int8_t* x8, int64_t k, int32_t* out) {
+  for (int r = 0; r < R; ++r) {
+    int32_t sum = 0;
+    for (int64_t c = 0; c < k; c += 64)
+      for (int64_t b = 0; b < 32; ++b) {
+        sum += int32_t(w[c / 2 + b] & 15) * x8[r * k + c + b] + int32_t(w[c / 2 + b] >> 4) * x8[r * k + c + 32 + b];
+      }
+    out[r] = sum;
+  }
+}
+#endif
+
+}  // namespace
+
+bool use_vnni(bool) { return false; }
+
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots) {
+  JOINTSPEC_SCREEN_RANGE(screen_dots)
+}
+#endif
 
 template <typename Rows>
 void multiply(const float* xp, int64_t rows, int64_t k, int64_t out_features, float* op, const Rows& weights,

@@ -326,4 +326,12 @@ extern template void multiply<Int8Rows>(const float*, int64_t, int64_t, int64_t,
 // comparing the two. Returns the setting.
 bool use_q8_inputs(bool on);
 
+// The screened head's screen (products.cpp): dots[(j - begin) * rows + r] = the integer sum over k inputs of row j's
+// 4-bit levels (wp: [vocabulary, k / 2] nibbles) times input row r's 8-bit levels (x8: [rows, k]), for vocabulary
+// rows begin .. end - 1. use_vnni: whether x86 builds take VNNI's instruction for it where the CPU has it (the same
+// integers either way); returns the setting.
+void screen_range(const uint8_t* wp, const int8_t* x8, int64_t rows, int64_t k, int64_t begin, int64_t end,
+                  int32_t* dots);
+bool use_vnni(bool on);
+
 }  // namespace JOINTSPEC_NS

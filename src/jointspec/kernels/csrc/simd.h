@@ -1,14 +1,16 @@
-// Sixteen-float vectors for jointspec's CPU kernels (grouped_linear.cpp), in three backends picked by the build:
+// Sixteen-float vectors for jointspec's CPU kernels (grouped_linear.cpp), in four backends picked by the build:
 //   JOINTSPEC_ISA_AVX512  one AVX-512 register        (built with -mavx512f -mavx512bw -mavx512vl -mavx512dq ...;
 //                                                      with -mavx512vnni too: the avx512vnni build)
 //   JOINTSPEC_ISA_AVX2    two AVX2 registers           (built with -mavx2 -mfma; with -mavxvnni too: the avx2vnni
 //                                                      build)
-//   neither               sixteen floats in an array   (plain C++: any CPU with a C++ compiler, ARM included)
+//   JOINTSPEC_ISA_NEON    four NEON registers          (AArch64 built with -march=armv8.2-a+dotprod: the neondot
+//                                                      build, for ARM CPUs with the dot-product instructions)
+//   neither               sixteen floats in an array   (plain C++: any CPU with a C++ compiler)
 //
 // The contract that makes the backends interchangeable: every operation here is defined lane by lane with one IEEE
 // rounding (fmadd rounds a * b + c once), every reduction by one fixed tree written out below, and the kernels are
 // built with -ffp-contract=off so the compiler fuses nothing on its own. So a kernel written once on V16 gives the
-// same bits on all three backends, and tests can hold them against each other. Only integer dot products (the
+// same bits on all four backends, and tests can hold them against each other. Only integer dot products (the
 // screened head's screen_dots, and dot8 / dot4_signed / dot4_six below) differ in instructions, and integer sums have
 // no order.
 #pragma once
@@ -39,6 +41,12 @@
 #else
 #define JOINTSPEC_ISA_NAME "avx2"
 #endif
+#elif defined(JOINTSPEC_ISA_NEON)
+#if !(defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD))
+#error "JOINTSPEC_ISA_NEON needs AArch64 with the dot-product extension (-march=armv8.2-a+dotprod)"
+#endif
+#include <arm_neon.h>
+#define JOINTSPEC_ISA_NAME "neondot"
 #else
 #define JOINTSPEC_ISA_PORTABLE 1
 #define JOINTSPEC_ISA_NAME "portable"
@@ -299,6 +307,124 @@ inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
 constexpr int kPairs = 4;  // two passes: a pair's accumulators take two registers, eight of sixteen
 constexpr bool kTwoPass = true;
 
+#elif defined(JOINTSPEC_ISA_NEON)
+struct V16 {
+  float32x4_t q[4];  // lanes 0-3, 4-7, 8-11, 12-15
+};
+#define JOINTSPEC_V16_EACH(expression) \
+  V16 r;                               \
+  for (int i = 0; i < 4; ++i) r.q[i] = (expression); \
+  return r;
+inline V16 load(const float* p) { JOINTSPEC_V16_EACH(vld1q_f32(p + 4 * i)) }
+inline V16 load_half(const uint16_t* p) { JOINTSPEC_V16_EACH(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)))) }
+inline void store(float* p, V16 a) {
+  for (int i = 0; i < 4; ++i) vst1q_f32(p + 4 * i, a.q[i]);
+}
+// Partial vectors through a buffer (the rest 0): off the hot loops, which read whole vectors.
+inline V16 load_first(const float* p, int64_t n) {
+  if (n >= 16) return load(p);
+  alignas(16) float buffer[16] = {};
+  std::memcpy(buffer, p, sizeof(float) * static_cast<size_t>(std::max<int64_t>(n, 0)));
+  return load(buffer);
+}
+inline void store_first(float* p, V16 a, int64_t n) {
+  if (n >= 16) return store(p, a);
+  alignas(16) float buffer[16];
+  store(buffer, a);
+  std::memcpy(p, buffer, sizeof(float) * static_cast<size_t>(std::max<int64_t>(n, 0)));
+}
+inline V16 set1(float x) { JOINTSPEC_V16_EACH(vdupq_n_f32(x)) }
+inline V16 zero() { return set1(0.0f); }
+inline V16 add(V16 a, V16 b) { JOINTSPEC_V16_EACH(vaddq_f32(a.q[i], b.q[i])) }
+inline V16 sub(V16 a, V16 b) { JOINTSPEC_V16_EACH(vsubq_f32(a.q[i], b.q[i])) }
+inline V16 mul(V16 a, V16 b) { JOINTSPEC_V16_EACH(vmulq_f32(a.q[i], b.q[i])) }
+inline V16 div(V16 a, V16 b) { JOINTSPEC_V16_EACH(vdivq_f32(a.q[i], b.q[i])) }
+// As x86's max and min, not NEON's (which return NaN where either lane is NaN): a > b ? a : b, a < b ? a : b.
+inline V16 max(V16 a, V16 b) { JOINTSPEC_V16_EACH(vbslq_f32(vcgtq_f32(a.q[i], b.q[i]), a.q[i], b.q[i])) }
+inline V16 min(V16 a, V16 b) { JOINTSPEC_V16_EACH(vbslq_f32(vcltq_f32(a.q[i], b.q[i]), a.q[i], b.q[i])) }
+inline uint32_t at_least(V16 a, float bar) {  // bit i: lane i >= bar (false for NaN, as the scalar >=)
+  static const uint32_t kBits[4] = {1, 2, 4, 8};
+  const uint32x4_t bits = vld1q_u32(kBits);
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) out |= vaddvq_u32(vandq_u32(vcgeq_f32(a.q[i], vdupq_n_f32(bar)), bits)) << (4 * i);
+  return out;
+}
+inline V16 fmadd(V16 a, V16 b, V16 c) { JOINTSPEC_V16_EACH(vfmaq_f32(c.q[i], a.q[i], b.q[i])) }   // one rounding
+inline V16 fnmadd(V16 a, V16 b, V16 c) { JOINTSPEC_V16_EACH(vfmsq_f32(c.q[i], a.q[i], b.q[i])) }  // c - a * b, one
+inline V16 round_even(V16 a) { JOINTSPEC_V16_EACH(vrndnq_f32(a.q[i])) }
+inline V16 pow2(V16 n) {
+  JOINTSPEC_V16_EACH(vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n.q[i]), vdupq_n_s32(127)), 23)))
+}
+inline V16 from_s8(int8x16_t bytes) {
+  const int16x8_t low = vmovl_s8(vget_low_s8(bytes)), high = vmovl_high_s8(bytes);
+  return {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(low))), vcvtq_f32_s32(vmovl_high_s16(low)),
+           vcvtq_f32_s32(vmovl_s16(vget_low_s16(high))), vcvtq_f32_s32(vmovl_high_s16(high))}};
+}
+inline V16 from_u8(uint8x16_t bytes) {
+  const uint16x8_t low = vmovl_u8(vget_low_u8(bytes)), high = vmovl_high_u8(bytes);
+  return {{vcvtq_f32_u32(vmovl_u16(vget_low_u16(low))), vcvtq_f32_u32(vmovl_high_u16(low)),
+           vcvtq_f32_u32(vmovl_u16(vget_low_u16(high))), vcvtq_f32_u32(vmovl_high_u16(high))}};
+}
+inline V16 from_i8(const int8_t* p) { return from_s8(vld1q_s8(p)); }
+inline V16 from_u8_first(const uint8_t* p, int64_t n) {
+  alignas(16) uint8_t buffer[16] = {};
+  std::memcpy(buffer, p, static_cast<size_t>(std::clamp<int64_t>(n, 0, 16)));
+  return from_u8(vld1q_u8(buffer));
+}
+inline V16 from_i8_first(const int8_t* p, int64_t n) {
+  alignas(16) int8_t buffer[16] = {};
+  std::memcpy(buffer, p, static_cast<size_t>(std::clamp<int64_t>(n, 0, 16)));
+  return from_s8(vld1q_s8(buffer));
+}
+inline V16 eights(const float* p, bool two) {
+  const float32x4_t low = vdupq_n_f32(p[0]), high = two ? vdupq_n_f32(p[1]) : vdupq_n_f32(0.0f);
+  return {{low, low, high, high}};
+}
+inline V16 neg(V16 a) { JOINTSPEC_V16_EACH(vnegq_f32(a.q[i])) }
+inline void nibbles(const uint8_t* p, V16& low, V16& high) {
+  const uint8x16_t bytes = vld1q_u8(p);
+  low = from_u8(vandq_u8(bytes, vdupq_n_u8(0x0F)));
+  high = from_u8(vshrq_n_u8(bytes, 4));
+}
+inline V16 sixteens(uint32_t bits) {  // 16.0 in lane i where bit i is set
+  static const uint32_t kBits[4] = {1, 2, 4, 8};
+  const uint32x4_t lane_bits = vld1q_u32(kBits), sixteen = vreinterpretq_u32_f32(vdupq_n_f32(16.0f));
+  JOINTSPEC_V16_EACH(vreinterpretq_f32_u32(vandq_u32(vtstq_u32(vdupq_n_u32((bits >> (4 * i)) & 15u), lane_bits), sixteen)))
+}
+#undef JOINTSPEC_V16_EACH
+inline float reduce_add(V16 a) {  // the halving tree, as for AVX-512
+  const float32x4_t q = vaddq_f32(vaddq_f32(a.q[0], a.q[2]), vaddq_f32(a.q[1], a.q[3]));  // lane i: h[i] + h[i + 4]
+  const float32x4_t e = vaddq_f32(q, vextq_f32(q, q, 2));  // lanes 0, 1: q0 + q2, q1 + q3
+  return vgetq_lane_f32(e, 0) + vgetq_lane_f32(e, 1);
+}
+// Rows of a 4 x 4 block of floats to columns.
+inline void transpose4(float32x4_t& a, float32x4_t& b, float32x4_t& c, float32x4_t& d) {
+  const float32x4_t ab0 = vtrn1q_f32(a, b), ab1 = vtrn2q_f32(a, b), cd0 = vtrn1q_f32(c, d), cd1 = vtrn2q_f32(c, d);
+  a = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(ab0), vreinterpretq_f64_f32(cd0)));
+  b = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(ab1), vreinterpretq_f64_f32(cd1)));
+  c = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(ab0), vreinterpretq_f64_f32(cd0)));
+  d = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(ab1), vreinterpretq_f64_f32(cd1)));
+}
+// Four vectors' sums by sum_lanes16's tree, lane m vector m's: each 4-lane block B_L = (x[4L] + x[4L + 2]) + (x[4L + 1]
+// + x[4L + 3]) of the four vectors at once (their registers L transposed), then (B0 + B1) + (B2 + B3).
+inline float32x4_t sum_lanes4(const V16* v) {
+  float32x4_t block[4];
+  for (int L = 0; L < 4; ++L) {
+    float32x4_t x0 = v[0].q[L], x1 = v[1].q[L], x2 = v[2].q[L], x3 = v[3].q[L];
+    transpose4(x0, x1, x2, x3);
+    block[L] = vaddq_f32(vaddq_f32(x0, x2), vaddq_f32(x1, x3));
+  }
+  return vaddq_f32(vaddq_f32(block[0], block[1]), vaddq_f32(block[2], block[3]));
+}
+inline V16 sum_lanes16(const V16* v) { return {{sum_lanes4(v), sum_lanes4(v + 4), sum_lanes4(v + 8), sum_lanes4(v + 12)}}; }
+// Four keys at a time, as AVX2 (thirty-two 128-bit registers hold what AVX2's sixteen 256-bit ones do).
+constexpr int kSumGroup = 4;
+inline void sum_lanes_scaled(const V16* v, float scale, float* out) {
+  vst1q_f32(out, vmulq_f32(sum_lanes4(v), vdupq_n_f32(scale)));
+}
+constexpr int kPairs = 4;  // as AVX2: two passes, a pair's accumulators eight registers of thirty-two
+constexpr bool kTwoPass = true;
+
 #else  // portable
 struct V16 {
   float v[16];
@@ -384,9 +510,9 @@ constexpr int kPairs = 2;
 constexpr bool kTwoPass = false;
 #endif
 
-#if !defined(JOINTSPEC_ISA_AVX2)
+#if !defined(JOINTSPEC_ISA_AVX2) && !defined(JOINTSPEC_ISA_NEON)
 // Sixteen vectors' sums (sum_lanes16), each times `scale`, into out[0 .. 15]: the AVX-512 and portable builds score
-// sixteen keys at once (AVX2 four: its own sum_lanes_scaled above).
+// sixteen keys at once (AVX2 and NEON four: their own sum_lanes_scaled above).
 constexpr int kSumGroup = 16;
 inline void sum_lanes_scaled(const V16* v, float scale, float* out) { store(out, mul(sum_lanes16(v), set1(scale))); }
 #endif
@@ -411,7 +537,7 @@ inline V16 load_half(const uint16_t* p) { V16 r; for (int i = 0; i < 16; ++i) r.
 // Two halves, p[0] in lanes 0-7 and p[1] in lanes 8-15, widened exactly: a pair of K-quant super-blocks' floats for
 // each of their eight groups (eights() for floats stored as the file stores them).
 inline V16 eights_half(const uint16_t* p) {
-#if defined(JOINTSPEC_ISA_PORTABLE)
+#if defined(JOINTSPEC_ISA_PORTABLE) || defined(JOINTSPEC_ISA_NEON)
   const float two[2] = {half_to_float(p[0]), half_to_float(p[1])};
   return eights(two, true);
 #else
@@ -757,6 +883,141 @@ inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high
   return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1)));
 }
 
+#elif defined(JOINTSPEC_ISA_NEON)
+struct L64 {
+  int8x16_t q[4];  // bytes 0-15 (lanes 0-3), 16-31 (4-7), 32-47 (8-11), 48-63 (12-15)
+};
+// The dot-product instruction sums four adjacent signed byte products into each 32-bit lane, the lanes the layouts
+// above define. Weight levels (0..63) are non-negative as signed bytes, so signed-by-signed products are the x86
+// builds' unsigned-by-signed ones, and no sum can overflow.
+inline V16 to_float(const int32x4_t* lanes) {
+  return {{vcvtq_f32_s32(lanes[0]), vcvtq_f32_s32(lanes[1]), vcvtq_f32_s32(lanes[2]), vcvtq_f32_s32(lanes[3])}};
+}
+// 16 in byte j where bit j of `bits` is set (a 5-bit level's fifth bit).
+inline uint8x16_t sixteen_where(uint32_t bits) {
+  static const uint8_t kBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const uint8x16_t spread = vcombine_u8(vdup_n_u8(uint8_t(bits)), vdup_n_u8(uint8_t(bits >> 8)));
+  return vandq_u8(vtstq_u8(spread, vld1q_u8(kBit)), vdupq_n_u8(16));
+}
+inline L64 pair_levels(const uint8_t* bytes, const uint32_t* fifth) {
+  const uint8x16_t a = vld1q_u8(bytes), b = vld1q_u8(bytes + 16), nibble = vdupq_n_u8(0x0F);
+  uint8x16_t q[4] = {vandq_u8(a, nibble), vandq_u8(b, nibble), vshrq_n_u8(a, 4), vshrq_n_u8(b, 4)};
+  if (fifth != nullptr) {  // group 2p's word: bits 0-15 to bytes 0-15, 16-31 to 32-47; group 2p + 1's to 16-31, 48-63
+    q[0] = vorrq_u8(q[0], sixteen_where(fifth[0] & 0xFFFFu));
+    q[1] = vorrq_u8(q[1], sixteen_where(fifth[1] & 0xFFFFu));
+    q[2] = vorrq_u8(q[2], sixteen_where(fifth[0] >> 16));
+    q[3] = vorrq_u8(q[3], sixteen_where(fifth[1] >> 16));
+  }
+  return {{vreinterpretq_s8_u8(q[0]), vreinterpretq_s8_u8(q[1]), vreinterpretq_s8_u8(q[2]), vreinterpretq_s8_u8(q[3])}};
+}
+inline L64 load_q64(const int8_t* q) { return {{vld1q_s8(q), vld1q_s8(q + 16), vld1q_s8(q + 32), vld1q_s8(q + 48)}}; }
+// Every lane picked here takes its four lanes' one source lane (the three layouts' units come four lanes at a
+// time), so a pick is four broadcast loads from a block kept in L1, as AVX2's Held.
+struct Lanes {
+  int from[4];  // the source lane of lanes 4i .. 4i + 3
+};
+inline Lanes pair_lanes(int i) { return {{2 * i, 2 * i + 1, 2 * i, 2 * i + 1}}; }
+inline Lanes quad_lanes(int i) { return {{4 * i, 4 * i + 2, 4 * i + 1, 4 * i + 3}}; }
+inline Lanes group_lanes(int u) { return {{4 * u, 4 * u + 1, 4 * u + 2, 4 * u + 3}}; }
+struct Held {
+  alignas(16) float v[16];
+};
+inline Held hold(V16 block) {
+  Held out;
+  store(out.v, block);
+  return out;
+}
+inline V16 pick(const Held& block, const Lanes& lanes) {
+  return {{vld1q_dup_f32(block.v + lanes.from[0]), vld1q_dup_f32(block.v + lanes.from[1]),
+           vld1q_dup_f32(block.v + lanes.from[2]), vld1q_dup_f32(block.v + lanes.from[3])}};
+}
+inline V16 pick(V16 block, const Lanes& lanes) { return pick(hold(block), lanes); }
+__attribute__((always_inline)) inline void quad_levels(const uint8_t* bytes, const uint32_t* fifth, bool both,
+                                                       L64& low, L64& high) {
+  const L64 first = pair_levels(bytes, fifth);
+  const int8x16_t zero = vdupq_n_s8(0);
+  const L64 second = both ? pair_levels(bytes + 32, fifth == nullptr ? nullptr : fifth + 2) : L64{{zero, zero, zero, zero}};
+  low = {{first.q[0], first.q[1], second.q[0], second.q[1]}};
+  high = {{first.q[2], first.q[3], second.q[2], second.q[3]}};
+}
+inline V16 dot8(const L64& low, const L64& high, const int8_t* q) {
+  int32x4_t lanes[4];
+  for (int i = 0; i < 4; ++i)
+    lanes[i] = vdotq_s32(vdotq_s32(vdupq_n_s32(0), low.q[i], vld1q_s8(q + 16 * i)), high.q[i], vld1q_s8(q + 64 + 16 * i));
+  return to_float(lanes);
+}
+inline V16 doubled(const float* p, int64_t n) {  // p[0], p[0], p[1], p[1], ... (past n: 0)
+  alignas(16) float buffer[8] = {};
+  std::memcpy(buffer, p, sizeof(float) * static_cast<size_t>(std::clamp<int64_t>(n, 0, 8)));
+  V16 r;
+  for (int i = 0; i < 4; ++i) {
+    const float32x4_t two = vcombine_f32(vld1_f32(buffer + 2 * i), vld1_f32(buffer + 2 * i));
+    r.q[i] = vzip1q_f32(two, two);
+  }
+  return r;
+}
+inline V16 load_first_half(const uint16_t* p, int64_t n) {
+  if (n >= 16) return load_half(p);
+  alignas(16) uint16_t buffer[16] = {};
+  std::memcpy(buffer, p, sizeof(uint16_t) * static_cast<size_t>(std::max<int64_t>(n, 0)));
+  return load_half(buffer);
+}
+inline L64 pair_int8(const int8_t* w) {  // layout bytes 0-15: w 0-15, 16-31: w 32-47, 32-47: w 16-31, 48-63: w 48-63
+  return {{vld1q_s8(w), vld1q_s8(w + 32), vld1q_s8(w + 16), vld1q_s8(w + 48)}};
+}
+// Layout bytes 16r .. 16r + 15 take bits 2r, 2r + 1 of the plane's bytes as bits 4-5.
+inline L64 pair_levels6(const uint8_t* bytes, const uint8_t* plane) {
+  const L64 low = pair_levels(bytes, nullptr);
+  const uint8x16_t top = vld1q_u8(plane), bits = vdupq_n_u8(0x30);
+  const uint8x16_t add[4] = {vandq_u8(vshlq_n_u8(top, 4), bits), vandq_u8(vshlq_n_u8(top, 2), bits), vandq_u8(top, bits),
+                             vandq_u8(vshrq_n_u8(top, 2), bits)};
+  L64 out;
+  for (int i = 0; i < 4; ++i) out.q[i] = vorrq_s8(low.q[i], vreinterpretq_s8_u8(add[i]));
+  return out;
+}
+struct I16 {
+  int32x4_t q[4];  // sixteen int32
+};
+inline I16 six_base(const L64& q) {
+  I16 out;
+  for (int i = 0; i < 4; ++i) out.q[i] = vnegq_s32(vdotq_s32(vdupq_n_s32(0), vdupq_n_s8(32), q.q[i]));
+  return out;
+}
+inline V16 dot4_six(const L64& u, const L64& q, const I16& base) {
+  int32x4_t lanes[4];
+  for (int i = 0; i < 4; ++i) lanes[i] = vdotq_s32(base.q[i], u.q[i], q.q[i]);
+  return to_float(lanes);
+}
+inline V16 dot4_signed(const L64& w, const L64& q) {
+  int32x4_t lanes[4];
+  for (int i = 0; i < 4; ++i) lanes[i] = vdotq_s32(vdupq_n_s32(0), w.q[i], q.q[i]);
+  return to_float(lanes);
+}
+inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high) {
+  float32x4_t v[8], top4 = vdupq_n_f32(0.0f);
+  uint32x4_t ordered = vdupq_n_u32(~0u);
+  for (int i = 0; i < 8; ++i) {
+    v[i] = vld1q_f32(x + 4 * i);
+    ordered = vandq_u32(ordered, vceqq_f32(v[i], v[i]));
+    top4 = vmaxq_f32(top4, vabsq_f32(v[i]));
+  }
+  const float top = vmaxvq_f32(top4);
+  if (vminvq_u32(ordered) == 0 || !std::isfinite(top)) return nonfinite_group(out, step, high);
+  step = top / 127.0f;
+  const float32x4_t inverse = vdupq_n_f32(inverse_of(top));
+  int32x4_t q[8], sum = vdupq_n_s32(0);
+  for (int i = 0; i < 8; ++i) {
+    q[i] = vcvtnq_s32_f32(vmulq_f32(v[i], inverse));  // to nearest, ties to even
+    sum = vaddq_s32(sum, q[i]);
+  }
+  for (int half = 0; half < 2; ++half) {  // |q| <= 127: the narrowing saturates nothing
+    const int16x8_t a = vcombine_s16(vqmovn_s32(q[4 * half]), vqmovn_s32(q[4 * half + 1]));
+    const int16x8_t b = vcombine_s16(vqmovn_s32(q[4 * half + 2]), vqmovn_s32(q[4 * half + 3]));
+    vst1q_s8(out + (half ? high : 0), vcombine_s8(vqmovn_s16(a), vqmovn_s16(b)));
+  }
+  return vaddvq_s32(sum);
+}
+
 #else  // portable
 struct L64 {
   int32_t v[64];  // levels (weights) or signed levels (inputs), in the pair layout
@@ -894,7 +1155,16 @@ inline int quantise_group(const float* x, int8_t* out, float& step, int64_t high
 // One group of a 6-bit pair (pair_levels6's storage; `e`: the group's place in its pair, 0 or 1): its signed levels as
 // floats, inputs 0-15 in `low` and 16-31 in `high`, from the group's 16 nibble bytes and the pair's plane. The same
 // integers as pair_levels6 gives, converted exactly.
-#if defined(JOINTSPEC_ISA_PORTABLE)
+#if defined(JOINTSPEC_ISA_NEON)
+inline void six_group(const uint8_t* p, const uint8_t* plane, int e, V16& low, V16& high) {
+  const uint8x16_t bytes = vld1q_u8(p), top = vld1q_u8(plane), nibble = vdupq_n_u8(0x0F), three = vdupq_n_u8(3);
+  const uint8x16_t top_low = vandq_u8(vshlq_u8(top, vdupq_n_s8(int8_t(-2 * e))), three);
+  const uint8x16_t top_high = vandq_u8(vshlq_u8(top, vdupq_n_s8(int8_t(-4 - 2 * e))), three);
+  const int8x16_t offset = vdupq_n_s8(32);
+  low = from_s8(vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(bytes, nibble), vshlq_n_u8(top_low, 4))), offset));
+  high = from_s8(vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(bytes, 4), vshlq_n_u8(top_high, 4))), offset));
+}
+#elif defined(JOINTSPEC_ISA_PORTABLE)
 inline void six_group(const uint8_t* p, const uint8_t* plane, int e, V16& low, V16& high) {
   for (int j = 0; j < 16; ++j) {
     low.v[j] = float(((p[j] & 15) | (((plane[j] >> (2 * e)) & 3) << 4)) - 32);
