@@ -33,6 +33,7 @@ import zipfile
 from pathlib import Path
 
 from jointspec.core.errors import ModelLoadError
+from jointspec.core.files import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,6 @@ GGUF_SIZE = 98_362_432  # bytes: a kept copy of another size is damaged (checked
 MODEL_NAME = "smollm2-135m-instruct"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded file quantises, as serving engines name it
 _MARKER = "jointspec-embedded.txt"
-
-
-def cache_root() -> Path:
-    """jointspec's cache: ``$JOINTSPEC_CACHE``, else ``$XDG_CACHE_HOME/jointspec``, else ``~/.cache/jointspec``. (The
-    CPU kernels' builds follow ``$XDG_CACHE_HOME`` alone: kernels/grouped.py.)"""
-    if os.environ.get("JOINTSPEC_CACHE"):
-        return Path(os.environ["JOINTSPEC_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jointspec"
 
 
 def default_model_dir() -> Path:

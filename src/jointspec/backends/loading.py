@@ -118,9 +118,9 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
     """(mode, why) for ``quantize``. ``auto`` gives ``int4`` for a float32 torch model on a CPU that runs jointspec's
     grouped kernels with x86 vector instructions (avx512 or avx2) when the source is on their grid
     (:func:`on_int4_grid`: the same weights, a step about two thirds cheaper than float32's), else ``none`` (also for
-    ``kernels="stock"``, which asks for transformers' own path). The ARM (neondot) and portable builds are exact too
-    but unmeasured against float32 (:data:`~jointspec.kernels.grouped.AUTO_ISAS`), so ``auto`` does not pick them;
-    ``--quantize int4`` does."""
+    ``kernels="stock"``, which asks for transformers' own path). The ARM build (neondot), never measured on an ARM CPU
+    here, is taken where a measurement on this CPU finds it faster (:mod:`jointspec.kernels.probe`); the portable
+    build is exact too but unmeasured against float32, so ``auto`` does not pick it; ``--quantize int4`` does."""
     if quantize != "auto":
         return quantize, "asked for"
     if backend != "torch":
@@ -136,15 +136,20 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
                         f"as stored ({', '.join(SUPPORTED_TYPES)}): int4 would round its weights to other ones, "
                         "another model than its own (--quantize int4 to ask for it anyway)")
     from jointspec.kernels.grouped import AUTO_ISAS, selected_isa, unavailable_reason
+    from jointspec.kernels.probe import PROBED_ISAS, int4_measured_faster
 
     isa = selected_isa()
-    if isa not in AUTO_ISAS:  # (decided before the build: nothing to wait a minute for)
-        where = "no AVX2, or $JOINTSPEC_KERNEL_ISA" if isa == "portable" else "an ARM CPU"
-        return "none", (f"jointspec's kernels run their {isa} build here ({where}), which is exact but not measured "
-                        "against float32 on such a CPU (--quantize int4 runs it; docs/kernels.md, \"On ARM\")")
+    if isa not in AUTO_ISAS and isa not in PROBED_ISAS:  # (decided before the build: nothing to wait a minute for)
+        return "none", ("jointspec's kernels run their portable build here (no AVX2, or $JOINTSPEC_KERNEL_ISA), "
+                        "which is exact but not measured against float32")
     reason = unavailable_reason()
     if reason is not None:
         return "none", reason
+    if isa in PROBED_ISAS:
+        faster, why = int4_measured_faster(isa)
+        if not faster:
+            return "none", f"{why} (--quantize int4 runs them anyway)"
+        return "int4", f"the file's own blocks on jointspec's {isa} kernels, the same weights: {why}"
     return "int4", f"the file's own blocks on jointspec's {isa} kernels: the same weights, the fastest exact path"
 
 

@@ -136,9 +136,17 @@ def _auto_quantize(isa: str | None, built: bool) -> dict:
     (it would build it otherwise), else said from the build alone."""
     from jointspec.backends.loading import quantize_choice
     from jointspec.kernels.grouped import AUTO_ISAS
+    from jointspec.kernels.probe import PROBED_ISAS, cached
 
     if isa is None:
         return {"mode": "none", "why": "the kernel build could not be chosen (above)"}
+    if isa in PROBED_ISAS:  # (info measures nothing: the kept verdict, if any)
+        probe = cached(isa)
+        if probe is None:
+            return {"mode": "to be measured", "why": f"the first run that asks for --quantize auto times the {isa} "
+                                                     "kernels against float32 on this CPU (kernels/probe.py) and keeps "
+                                                     "the verdict"}
+        return {"mode": "int4" if probe.int4_faster else "none", "why": f"the {isa} kernels: {probe.describe()}"}
     if isa not in AUTO_ISAS or built:
         mode, why = quantize_choice("auto", None)
         return {"mode": mode, "why": why}

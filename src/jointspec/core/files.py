@@ -18,6 +18,14 @@ from pathlib import Path
 from jointspec.core.errors import JointspecError
 
 
+def cache_root() -> Path:
+    """jointspec's cache: ``$JOINTSPEC_CACHE``, else ``$XDG_CACHE_HOME/jointspec``, else ``~/.cache/jointspec``. (The
+    CPU kernels' builds follow ``$XDG_CACHE_HOME`` alone: kernels/grouped.py.)"""
+    if os.environ.get("JOINTSPEC_CACHE"):
+        return Path(os.environ["JOINTSPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jointspec"
+
+
 class WriteError(JointspecError):
     """A file jointspec writes could not be written (the message names it, why, and the room left there)."""
 

@@ -240,14 +240,19 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
         raise UnsupportedOptionError(f"unknown head weights '{weights}'; choose one of: "
                                      f"{', '.join(HEAD_WEIGHT_CHOICES)}")
     from jointspec.kernels.grouped import AUTO_ISAS, GroupedInt8Linear, selected_isa
+    from jointspec.kernels.probe import cached
 
-    # The ARM and portable builds are exact but unmeasured against float32 heads: auto keeps float32 there (decided
-    # before the misfit check, which builds the kernels), as --quantize auto keeps the float32 model, unless the head
-    # was bound with int8 before (binding converts it in place); int8 asked for runs it.
+    # The portable build is exact but unmeasured against float32 heads, and the ARM one measured only where --quantize
+    # auto asked (kernels/probe.py): auto keeps float32 there unless that measurement found the kernels faster
+    # (decided before the misfit check, which builds the kernels), as --quantize auto keeps the float32 model, unless
+    # the head was bound with int8 before (binding converts it in place); int8 asked for runs it.
     device, dtype = float_activations(head)
-    if (weights == "auto" and device.type == "cpu" and dtype == torch.float32 and selected_isa() not in AUTO_ISAS
-            and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
-        return "float32"
+    if weights == "auto" and device.type == "cpu" and dtype == torch.float32:
+        isa = selected_isa()
+        measured = (probe := cached(isa)) is not None and probe.int4_faster
+        if (isa not in AUTO_ISAS and not measured
+                and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
+            return "float32"
     misfit = int8_head_misfit(head, body) if weights != "float32" else None
     if weights == "int8" and misfit:
         raise UnsupportedOptionError(f"head_weights=int8: {misfit}; use head_weights=float32 or auto")
