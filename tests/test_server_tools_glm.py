@@ -117,6 +117,9 @@ def test_an_answer_is_read_in_both_layouts_with_its_values_typed(newlines):
     assert [name for name, _ in arguments_of(text, use)][:1] == ["search"]
     cut = text[:text.rindex("Rome")]
     assert [c["function"]["name"] for c in read_calls(cut, use, cut=True).calls] == ["search"]
+    # Cut in a call whose text value spells the opening tag: the calls before it stand.
+    quoting = text[:text.rindex("Rome")] + "a <tool_call> b"
+    assert [c["function"]["name"] for c in read_calls(quoting, use, cut=True).calls] == ["search"]
     check_streamed_calls(use, text, "Looking.", 2)
 
 

@@ -209,12 +209,18 @@ class _Hermes(CallFormat):
         if CALL_OPEN not in text:
             return Calls(text, ())
         kept = text
+        glm = self.name == GLM
         if cut:
             kept = kept[:len(kept) - partial_tail(kept, CALL_OPEN)]
             # (a last block left open is dropped; in Qwen3-Coder's format, only where its call does not read whole)
             if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE) and not (self.xml and _blocks(kept, xml=True)):
-                kept = kept[:kept.rfind(CALL_OPEN)]
-        split = _blocks(kept, xml=self.xml, glm=self.name == GLM)
+                # At the latest opening tag before which the blocks read whole: the unfinished call's own text may
+                # spell the tag (a value quoting it), and cutting there would leave it half a block.
+                at = kept.rfind(CALL_OPEN)
+                while at > 0 and _blocks(kept[:at], xml=self.xml, glm=glm) is None:
+                    at = kept.rfind(CALL_OPEN, 0, at)
+                kept = kept[:max(at, 0)]
+        split = _blocks(kept, xml=self.xml, glm=glm)
         names = {tool.name for tool in tools}
         calls = [_read_call(value, names) for value in self.records(split[1] if split else [], tools)]
         if not calls or None in calls:
