@@ -382,3 +382,23 @@ def test_chat_template_variables_reach_the_template_and_bad_ones_are_refused(byt
         GenerationConfig(chat_template_kwargs={"tools": []})
     with pytest.raises(TypeError, match="chat_template_kwargs must be a mapping"):
         GenerationConfig(chat_template_kwargs=[("a", 1)])
+
+
+def test_load_sets_torchs_threads_before_the_model_loads_and_restores_them_where_it_fails(monkeypatch):
+    """--quantize auto may time kernels while the model loads (kernels/probe.py), so the threads asked for are set
+    first; a load that fails leaves the process's threads as they were."""
+    import torch
+
+    from jointspec import api
+
+    before, seen = torch.get_num_threads(), []
+
+    def failing_load(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("no model here")
+
+    monkeypatch.setattr(api, "load_model", failing_load)
+    wanted = 1 if before != 1 else 2
+    with pytest.raises(RuntimeError, match="no model here"):
+        Pipeline.load(threads=wanted)
+    assert seen == [wanted] and torch.get_num_threads() == before

@@ -1127,11 +1127,18 @@ def test_arm_cpus_run_the_neondot_build_where_they_have_the_dot_product_instruct
     from jointspec.kernels import grouped
 
     monkeypatch.setattr(grouped.platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"fp", "asimd", "asimddp", "fphp", "asimdhp"}))
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"fp", "asimd", "asimddp", "atomics", "asimdhp"}))
     assert runnable_isas() == ("neondot", "portable")
     monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset({"fp", "asimd", "avx2", "fma", "f16c"}))  # Cortex-A72
     assert runnable_isas() == ("portable",)
-    with pytest.raises(UnsupportedOptionError, match=r"cannot run the 'neondot' kernels \(it lacks asimddp\)"):
+    with pytest.raises(UnsupportedOptionError, match=r"cannot run the 'neondot' kernels \(it lacks asimddp, "
+                                                     r"atomics\)"):
+        with use_isa("neondot"):
+            pass
+    monkeypatch.setattr(grouped.platform, "machine", lambda: "arm64")  # macOS: no /proc/cpuinfo, no features read
+    monkeypatch.setattr(grouped, "cpu_flags", lambda: frozenset())
+    assert runnable_isas() == ("portable",)
+    with pytest.raises(UnsupportedOptionError, match=r"\(its features cannot be read here: no /proc/cpuinfo"):
         with use_isa("neondot"):
             pass
 

@@ -28,7 +28,8 @@ CROSS, EMULATOR = "aarch64-linux-gnu-g++", "qemu-aarch64"
 
 
 def _command(compiler: str, flags: list[str], out: Path) -> list[str]:
-    return [compiler, "-std=c++17", "-O2", "-ffp-contract=off", *flags, "-DJOINTSPEC_NS=bits", f"-I{HERE / 'shim'}",
+    """The harness's build with the kernels' own compiler flags (grouped.BUILD_CFLAGS) and the build's."""
+    return [compiler, "-std=c++17", *grouped.BUILD_CFLAGS, *flags, "-DJOINTSPEC_NS=bits", f"-I{HERE / 'shim'}",
             f"-I{CSRC}", str(HERE / "kernel_bits.cpp"), str(CSRC / "products.cpp"), str(CSRC / "attention.cpp"),
             "-o", str(out)]
 

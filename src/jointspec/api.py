@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from jointspec.backends.hf import CausalLM
-from jointspec.backends.loading import DEFAULT_MODEL, load_model
+from jointspec.backends.loading import DEFAULT_MODEL, check_load_options, load_model
 from jointspec.backends.tokens import (
     IncrementalDetokenizer,
     chat_template_ids,
@@ -248,9 +248,15 @@ class Pipeline:
         options = dict(device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads,
                        kernels=kernels, kv_cache=kv_cache)
         method = _checked_method(method)  # before the model loads: a misspelt method costs no load
-        target, tokenizer = load_model(model, **options)  # (checks threads)
-        if threads is not None and backend == "torch":
+        check_load_options(model, device=device, dtype=dtype, quantize=quantize, backend=backend, threads=threads)
+        previous = torch.get_num_threads()
+        if threads is not None and backend == "torch":  # (before the load: --quantize auto may time kernels there)
             torch.set_num_threads(threads)
+        try:
+            target, tokenizer = load_model(model, **options)
+        except BaseException:
+            torch.set_num_threads(previous)  # (a failed load leaves the process as it was)
+            raise
         return cls(target, tokenizer, method, **options)
 
     def encode(self, prompt: str, chat: bool = True, template_kwargs: Mapping[str, object] | None = None) -> list[int]:

@@ -10,6 +10,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -98,6 +99,28 @@ void primitives() {
     report("max_min_at_least_reduce_fma_div", m);
   }
   {
+    Hash h;  // every pair of special values, lane by lane: signed zeros, infinities, NaN, subnormals, ties
+    const float tiny = std::numeric_limits<float>::denorm_min(), inf = __builtin_inff();
+    const float specials[16] = {0.0f, -0.0f, inf, -inf, __builtin_nanf(""), 1.0f, -1.0f, tiny, -tiny,
+                                std::numeric_limits<float>::min(), 3.4e38f, -3.4e38f, 0.5f, 2.5f, -87.3f, 88.0f};
+    const simd::V16 b = simd::load(specials);
+    for (int i = 0; i < 16; ++i) {
+      const simd::V16 a = simd::set1(specials[i]);
+      const simd::V16 results[] = {simd::max(a, b), simd::min(a, b), simd::max(b, a), simd::min(b, a), simd::add(a, b),
+                                   simd::sub(a, b), simd::mul(a, b), simd::div(a, b), simd::fmadd(a, b, b),
+                                   simd::fnmadd(a, b, b), simd::exp(simd::mul(a, b)), simd::round_even(simd::mul(a, b)),
+                                   simd::neg(simd::mul(a, b))};
+      for (const simd::V16& result : results) {
+        float out[16];
+        simd::store(out, result);
+        h.floats(out, 16);
+      }
+      const uint32_t at = simd::at_least(b, specials[i]) | simd::at_least(a, specials[(i + 5) % 16]) << 16;
+      h.bytes(&at, sizeof at);
+    }
+    report("special_pairs", h);
+  }
+  {
     Hash h;  // every half, widened whole and in partial loads
     std::vector<uint16_t> halves(65536);
     for (uint32_t i = 0; i < 65536; ++i) halves[i] = static_cast<uint16_t>(i);
@@ -171,6 +194,9 @@ void primitives() {
       if (round == 8) x[30] = -__builtin_inff();
       if (round == 9) std::fill(x.begin(), x.end(), 0.0f);
       if (round == 10) x[3] = 126.5f / 127.0f * 4.0f, x[4] = -4.0f;  // ties
+      if (round == 11) std::fill(x.begin(), x.end(), -0.0f);
+      if (round == 12) for (size_t i = 0; i < x.size(); ++i) x[i] = std::numeric_limits<float>::denorm_min() * float(i);
+      if (round == 13) std::fill(x.begin(), x.end(), -3.0f);  // every input the top
       int8_t out[128] = {};
       float step = 0.0f;
       const int sum = simd::quantise_group(x.data(), out, step, round % 2 ? 64 : 32);

@@ -120,7 +120,8 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
     (:func:`on_int4_grid`: the same weights, a step about two thirds cheaper than float32's), else ``none`` (also for
     ``kernels="stock"``, which asks for transformers' own path). The ARM build (neondot), never measured on an ARM CPU
     here, is taken where a measurement on this CPU finds it faster (:mod:`jointspec.kernels.probe`); the portable
-    build is exact too but unmeasured against float32, so ``auto`` does not pick it; ``--quantize int4`` does."""
+    build is exact too but slower than float32 where it was measured, so ``auto`` does not pick it; ``--quantize
+    int4`` does."""
     if quantize != "auto":
         return quantize, "asked for"
     if backend != "torch":
@@ -140,8 +141,9 @@ def quantize_choice(quantize: str, source: str | None, *, backend: str = "torch"
 
     isa = selected_isa()
     if isa not in AUTO_ISAS and isa not in PROBED_ISAS:  # (decided before the build: nothing to wait a minute for)
-        return "none", ("jointspec's kernels run their portable build here (no AVX2, or $JOINTSPEC_KERNEL_ISA), "
-                        "which is exact but not measured against float32")
+        return "none", ("jointspec's kernels run their portable build here (no AVX2 or ARM dot-product "
+                        "instructions seen, or $JOINTSPEC_KERNEL_ISA), which is exact but slower than float32 where "
+                        "it was measured")
     reason = unavailable_reason()
     if reason is not None:
         return "none", reason

@@ -136,11 +136,13 @@ def _auto_quantize(isa: str | None, built: bool) -> dict:
     (it would build it otherwise), else said from the build alone."""
     from jointspec.backends.loading import quantize_choice
     from jointspec.kernels.grouped import AUTO_ISAS
-    from jointspec.kernels.probe import PROBED_ISAS, cached
+    from jointspec.kernels.probe import PROBE_ENV, PROBED_ISAS, cached, disabled
 
     if isa is None:
         return {"mode": "none", "why": "the kernel build could not be chosen (above)"}
     if isa in PROBED_ISAS:  # (info measures nothing: the kept verdict, if any)
+        if disabled():
+            return {"mode": "none", "why": f"${PROBE_ENV}=off: the {isa} kernels are not measured against float32"}
         probe = cached(isa)
         if probe is None:
             return {"mode": "to be measured", "why": f"the first run that asks for --quantize auto times the {isa} "

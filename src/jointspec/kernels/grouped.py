@@ -103,13 +103,18 @@ ISA_FLAGS = {
     "avx512": _AVX512,
     "avx2vnni": (_AVX2[0] | {"avx_vnni"}, [*_AVX2[1], "-mavxvnni"]),
     "avx2": _AVX2,
-    "neondot": (frozenset({"asimd", "asimddp"}), ["-march=armv8.2-a+dotprod", "-DJOINTSPEC_ISA_NEON"]),
+    # ("atomics": ARMv8.1's, which -march=armv8.2-a lets the compiler use, as every CPU with asimddp has them)
+    "neondot": (frozenset({"asimd", "asimddp", "atomics"}), ["-march=armv8.2-a+dotprod", "-DJOINTSPEC_ISA_NEON"]),
     "portable": (frozenset(), []),
 }
 ISAS = tuple(ISA_FLAGS)
+# Every build's compiler flags besides its own (tests/test_kernels_native.py compiles with them too).
+# -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same bits).
+BUILD_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 # The builds that ``--quantize auto`` takes (backends/loading.py): those measured faster than the float32 model on real
 # CPUs. The neondot build is exact (tests hold it to the portable build's bits under an emulator) but has not run on
-# an ARM CPU here, and the portable one was not measured against float32; --quantize int4 runs either.
+# an ARM CPU here: auto measures it on the user's CPU (kernels/probe.py). The portable one was slower than float32
+# where measured. --quantize int4 runs either.
 AUTO_ISAS = frozenset({"avx512vnni", "avx512", "avx2vnni", "avx2"})
 # The machine types each build compiles for (platform.machine()'s names); the portable build, every one.
 ISA_MACHINES = {"neondot": frozenset({"aarch64", "arm64"}),
@@ -193,6 +198,8 @@ def _check_isa(isa: str, where: str) -> None:
         machine = platform.machine()
         if machine.lower() not in ISA_MACHINES.get(isa, {machine.lower()}):
             lacks = f"they are for {' or '.join(sorted(ISA_MACHINES[isa]))} CPUs, this one is {machine or 'unknown'}"
+        elif not cpu_flags():
+            lacks = "its features cannot be read here: no /proc/cpuinfo, as on macOS"
         else:
             lacks = f"it lacks {', '.join(sorted(ISA_FLAGS[isa][0] - cpu_flags()))}"
         raise UnsupportedOptionError(f"{where}: this CPU cannot run the '{isa}' kernels ({lacks}); it runs: "
@@ -520,10 +527,8 @@ def _build(isa: str):
         jobs = None if "MAX_JOBS" in os.environ else str(usable_cores())
         try:
             with _environment_variable("MAX_JOBS", jobs):
-                # -ffp-contract=off: the compiler may not fuse a * b + c on its own (simd.h: every build, the same
-                # bits).
                 module = load(name=name, sources=[str(unit) for unit in _UNITS], build_directory=str(directory),
-                              extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+                              extra_cflags=[*BUILD_CFLAGS, *flags],
                               extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # a compiler error or a missing toolchain: say which, and fall back
             if "interrupted by user" in str(error):  # Ctrl-C reached the compiler too: the command says it stopped

@@ -7,8 +7,10 @@ it is faster, ``auto`` measures it on the user's CPU the first time it is asked:
 projections (576 <-> 1,536, float32 weights about 85 MB, more than a laptop's last-level cache, as a decoding step's
 weights are), one input row through all of them, float32 ``nn.Linear`` against the same layers on the 4-bit kernels,
 alternating, medians of :data:`REPEATS`. The kernels win where their median is at most :data:`MARGIN` of float32's
-(a whole int4 step has more than the products in it). The verdict is kept per CPU type, kernel build and sources in
-jointspec's cache folder, so later runs read it; ``JOINTSPEC_KERNEL_PROBE=off`` keeps float32 without measuring.
+(a whole int4 step has more than the products in it). The verdict is kept per CPU type, kernel build, sources,
+thread count, inputs setting and PyTorch version in jointspec's cache folder, so later runs read it (and within a
+process one measurement serves every caller, even where the folder cannot be written); ``JOINTSPEC_KERNEL_PROBE=off``
+keeps float32 without measuring, and disregards a kept verdict.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -55,20 +58,44 @@ class Probe:
                 f"model's shape at {self.threads} threads, measured on this CPU")
 
 
-def _path(isa: str) -> Path:
-    from jointspec.kernels.cpu import cpu_signature
-    from jointspec.kernels.grouped import source_digest
+_measured: dict[Path, Probe] = {}  # this process's measurements, by where they are kept
 
-    key = json.dumps([isa, cpu_signature(), source_digest(), torch.get_num_threads(), LAYERS, SHAPE, MARGIN])
-    return cache_root() / "kernel-probe" / f"{isa}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+def key(isa: str) -> list:
+    """What a verdict holds for: the build, the CPU type, the kernels' sources, the threads, the layers' inputs
+    setting, PyTorch (the float32 side) and the measurement's own settings."""
+    from jointspec.kernels.cpu import cpu_signature
+    from jointspec.kernels.grouped import inputs_setting, source_digest
+
+    return [isa, cpu_signature(), source_digest(), torch.get_num_threads(), inputs_setting(), torch.__version__,
+            LAYERS, list(SHAPE), MARGIN]
+
+
+def _path(isa: str) -> Path:
+    digest = hashlib.sha256(json.dumps(key(isa)).encode()).hexdigest()[:16]
+    return cache_root() / "kernel-probe" / f"{isa}-{digest}.json"
+
+
+def disabled() -> bool:
+    """Whether ``$JOINTSPEC_KERNEL_PROBE`` turns the measurement off."""
+    return os.environ.get(PROBE_ENV, "").strip().lower() in ("off", "0", "no", "false")
 
 
 def cached(isa: str) -> Probe | None:
-    """The kept measurement of ``isa`` on this CPU (None: none yet, or unreadable)."""
-    try:
-        return Probe(**json.loads(_path(isa).read_text()))
-    except (OSError, ValueError, TypeError):
+    """The measurement of ``isa`` on this CPU made in this process or kept (None: none yet, a kept file unreadable or
+    not a measurement, or the measurement turned off)."""
+    if disabled():
         return None
+    path = _path(isa)
+    if path in _measured:
+        return _measured[path]
+    try:
+        data = json.loads(path.read_text())
+        probe = Probe(str(data["isa"]), float(data["float32_ms"]), float(data["int4_ms"]), int(data["threads"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    finite = all(math.isfinite(value) and value > 0 for value in (probe.float32_ms, probe.int4_ms))
+    return probe if finite and probe.isa == isa else None
 
 
 def measure(isa: str, layers: int = LAYERS, repeats: int = REPEATS) -> Probe:
@@ -108,12 +135,13 @@ def measure(isa: str, layers: int = LAYERS, repeats: int = REPEATS) -> Probe:
 def int4_measured_faster(isa: str) -> tuple[bool, str]:
     """(whether the ``isa`` build's int4 kernels beat float32 here, why): the kept measurement, else one made now
     and kept (a failure to keep it is logged, not raised); never measured where ``$JOINTSPEC_KERNEL_PROBE=off``."""
-    if os.environ.get(PROBE_ENV, "").strip().lower() in ("off", "0", "no", "false"):
+    if disabled():
         return False, f"${PROBE_ENV}=off: the {isa} kernels are not measured against float32 here"
     probe = cached(isa)
     if probe is None:
         probe = measure(isa)
         path = _path(isa)
+        _measured[path] = probe
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with replacing(path, "the kernel measurement") as temporary:

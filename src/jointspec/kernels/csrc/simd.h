@@ -10,7 +10,8 @@
 // The contract that makes the backends interchangeable: every operation here is defined lane by lane with one IEEE
 // rounding (fmadd rounds a * b + c once), every reduction by one fixed tree written out below, and the kernels are
 // built with -ffp-contract=off so the compiler fuses nothing on its own. So a kernel written once on V16 gives the
-// same bits on all four backends, and tests can hold them against each other. Only integer dot products (the
+// same bits on all four backends (a NaN's payload aside: which NaN an invalid operation makes differs between CPUs),
+// and tests can hold them against each other. Only integer dot products (the
 // screened head's screen_dots, and dot8 / dot4_signed / dot4_six below) differ in instructions, and integer sums have
 // no order.
 #pragma once
@@ -526,7 +527,11 @@ inline float half_to_float(uint16_t h) {
     const float value = std::ldexp(static_cast<float>(mantissa), -24);
     return sign ? -value : value;
   }
-  const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+  // (A NaN comes out quiet, as the hardware conversions of the other builds give it: F16C's and NEON's set the top
+  // mantissa bit of a signalling one.)
+  const uint32_t nan_quiet = exponent == 31 && mantissa != 0 ? 0x00400000u : 0u;
+  const uint32_t bits = sign | nan_quiet |
+                        (exponent == 31 ? 0x7F800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
@@ -888,8 +893,9 @@ struct L64 {
   int8x16_t q[4];  // bytes 0-15 (lanes 0-3), 16-31 (4-7), 32-47 (8-11), 48-63 (12-15)
 };
 // The dot-product instruction sums four adjacent signed byte products into each 32-bit lane, the lanes the layouts
-// above define. Weight levels (0..63) are non-negative as signed bytes, so signed-by-signed products are the x86
-// builds' unsigned-by-signed ones, and no sum can overflow.
+// above define. The 4-, 5- and 6-bit layers' levels (0..63) are non-negative as signed bytes, so there signed-by-signed
+// products are the x86 builds' unsigned-by-signed ones; the 8-bit layers' signed levels are signed-by-signed by
+// definition. No sum can overflow.
 inline V16 to_float(const int32x4_t* lanes) {
   return {{vcvtq_f32_s32(lanes[0]), vcvtq_f32_s32(lanes[1]), vcvtq_f32_s32(lanes[2]), vcvtq_f32_s32(lanes[3])}};
 }
