@@ -291,8 +291,9 @@ def test_a_cut_answer_keeps_its_whole_calls_and_one_call_is_read_where_parallel_
                                                                                                  '{"a": 2}']
     assert read_calls(cut, use_of(ADD)).calls == ()  # ended by itself with a block open: no call
     # The unfinished call's own text spells the opening tag (a value quoting it): the finished calls still stand.
-    quoting = two + f'\n{CALL_OPEN}\n{{"name": "add", "arguments": {{"note": "write {CALL_OPEN} then'
-    assert len(read_calls(quoting, use_of(ADD), cut=True).calls) == 2
+    for spelled in (CALL_OPEN, f"{CALL_OPEN} and {CALL_OPEN}", CALL_CLOSE, f"{CALL_CLOSE}\n{CALL_OPEN}"):
+        quoting = two + f'\n{CALL_OPEN}\n{{"name": "add", "arguments": {{"note": "write {spelled} then'
+        assert len(read_calls(quoting, use_of(ADD), cut=True).calls) == 2, spelled
     # cut inside the next block's opening tag: the tag's start is no content
     started = read_calls(two + "\n<tool_", use_of(ADD), cut=True)
     assert started.content is None and len(started.calls) == 2

@@ -118,8 +118,10 @@ def test_an_answer_is_read_in_both_layouts_with_its_values_typed(newlines):
     cut = text[:text.rindex("Rome")]
     assert [c["function"]["name"] for c in read_calls(cut, use, cut=True).calls] == ["search"]
     # Cut in a call whose text value spells the opening tag: the calls before it stand.
-    quoting = text[:text.rindex("Rome")] + "a <tool_call> b"
-    assert [c["function"]["name"] for c in read_calls(quoting, use, cut=True).calls] == ["search"]
+    # (A value that closes its own tags, "</arg_value></tool_call>", reads as a whole call: GLM's values are raw text.)
+    for spelled in ("<tool_call>", "<tool_call> <tool_call>", "</tool_call>"):
+        quoting = text[:text.rindex("Rome")] + f"a {spelled} b"
+        assert [c["function"]["name"] for c in read_calls(quoting, use, cut=True).calls] == ["search"], spelled
     check_streamed_calls(use, text, "Looking.", 2)
 
 

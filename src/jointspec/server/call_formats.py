@@ -212,14 +212,12 @@ class _Hermes(CallFormat):
         glm = self.name == GLM
         if cut:
             kept = kept[:len(kept) - partial_tail(kept, CALL_OPEN)]
-            # (a last block left open is dropped; in Qwen3-Coder's format, only where its call does not read whole)
-            if kept.rfind(CALL_OPEN) > kept.rfind(CALL_CLOSE) and not (self.xml and _blocks(kept, xml=True)):
-                # At the latest opening tag before which the blocks read whole: the unfinished call's own text may
-                # spell the tag (a value quoting it), and cutting there would leave it half a block.
-                at = kept.rfind(CALL_OPEN)
-                while at > 0 and _blocks(kept[:at], xml=self.xml, glm=glm) is None:
-                    at = kept.rfind(CALL_OPEN, 0, at)
-                kept = kept[:max(at, 0)]
+            # The block the length cut off is dropped, with whatever followed its opening tag: the blocks are read in
+            # order up to the first that does not read whole (in Qwen3-Coder's format a last call without its closing
+            # tag reads), so a tag the unfinished call's own text spells (a value quoting it) is never taken for one.
+            unread = _first_unread_block(kept, xml=self.xml, glm=glm)
+            if unread is not None:
+                kept = kept[:unread]
         split = _blocks(kept, xml=self.xml, glm=glm)
         names = {tool.name for tool in tools}
         calls = [_read_call(value, names) for value in self.records(split[1] if split else [], tools)]
@@ -286,6 +284,18 @@ def _blocks(text: str, xml: bool = False, glm: bool = False) -> tuple[list[str],
     as JSON, so a closing tag inside one of its strings does not end the block. ``xml``: each block holds a call in
     Qwen3-Coder's format instead (server/tools_xml.py), the last block's closing tag allowed to be missing; ``glm``:
     a call in GLM's (server/tools_glm.py)."""
+    split = _read_blocks(text, xml, glm)
+    return None if isinstance(split, int) else split
+
+
+def _first_unread_block(text: str, xml: bool = False, glm: bool = False) -> int | None:
+    """Where the first block of ``text`` that does not read whole (:func:`_blocks`) opens; None where all do."""
+    split = _read_blocks(text, xml, glm)
+    return split if isinstance(split, int) else None
+
+
+def _read_blocks(text: str, xml: bool, glm: bool) -> tuple[list[str], list[object]] | int:
+    """:func:`_blocks`'s split, or the position of the opening tag of the first block that does not read whole."""
     decoder = json.JSONDecoder()
     pieces, values, at = [], [], 0
     while (start := text.find(CALL_OPEN, at)) >= 0:
@@ -296,14 +306,14 @@ def _blocks(text: str, xml: bool = False, glm: bool = False) -> tuple[list[str],
             value, end = (read_call(text, inside) if xml else glm_format.read_call(text, inside) if glm
                           else decoder.raw_decode(text, inside))
         except ValueError:
-            return None
+            return start
         end = skip_space(text, end)
         if xml and end == len(text):  # (a model that ends the answer after its last call's function)
             values.append(value)
             at = end
             break
         if not text.startswith(CALL_CLOSE, end):
-            return None
+            return start
         values.append(value)
         at = end + len(CALL_CLOSE)
     pieces.append(text[at:])
