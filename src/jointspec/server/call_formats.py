@@ -212,15 +212,14 @@ class _Hermes(CallFormat):
         glm = self.name == GLM
         if cut:
             kept = kept[:len(kept) - partial_tail(kept, CALL_OPEN)]
+        split = _blocks(kept, xml=self.xml, glm=glm)
+        if cut and isinstance(split, int):
             # The block the length cut off is dropped, with whatever followed its opening tag: the blocks are read in
             # order up to the first that does not read whole (in Qwen3-Coder's format a last call without its closing
             # tag reads), so a tag the unfinished call's own text spells (a value quoting it) is never taken for one.
-            unread = _first_unread_block(kept, xml=self.xml, glm=glm)
-            if unread is not None:
-                kept = kept[:unread]
-        split = _blocks(kept, xml=self.xml, glm=glm)
+            split = _blocks(kept[:split], xml=self.xml, glm=glm)
         names = {tool.name for tool in tools}
-        calls = [_read_call(value, names) for value in self.records(split[1] if split else [], tools)]
+        calls = [_read_call(value, names) for value in self.records([] if isinstance(split, int) else split[1], tools)]
         if not calls or None in calls:
             return Calls(text, ())
         if not parallel:
@@ -278,24 +277,12 @@ class _Glm(_Qwen3Coder):
                           *glm_format.value_rules(ids)]) + "\n"
 
 
-def _blocks(text: str, xml: bool = False, glm: bool = False) -> tuple[list[str], list[object]] | None:
-    """``text`` split at its call blocks: (the pieces outside them, each block's JSON value), or None where a block
-    is not an opening tag, one JSON value and a closing tag (whitespace around the value allowed). The JSON is read
-    as JSON, so a closing tag inside one of its strings does not end the block. ``xml``: each block holds a call in
-    Qwen3-Coder's format instead (server/tools_xml.py), the last block's closing tag allowed to be missing; ``glm``:
-    a call in GLM's (server/tools_glm.py)."""
-    split = _read_blocks(text, xml, glm)
-    return None if isinstance(split, int) else split
-
-
-def _first_unread_block(text: str, xml: bool = False, glm: bool = False) -> int | None:
-    """Where the first block of ``text`` that does not read whole (:func:`_blocks`) opens; None where all do."""
-    split = _read_blocks(text, xml, glm)
-    return split if isinstance(split, int) else None
-
-
-def _read_blocks(text: str, xml: bool, glm: bool) -> tuple[list[str], list[object]] | int:
-    """:func:`_blocks`'s split, or the position of the opening tag of the first block that does not read whole."""
+def _blocks(text: str, xml: bool = False, glm: bool = False) -> tuple[list[str], list[object]] | int:
+    """``text`` split at its call blocks: (the pieces outside them, each block's JSON value), or, where a block is
+    not an opening tag, one JSON value and a closing tag (whitespace around the value allowed), the position of the
+    first such block's opening tag. The JSON is read as JSON, so a closing tag inside one of its strings does not end
+    the block. ``xml``: each block holds a call in Qwen3-Coder's format instead (server/tools_xml.py), the last
+    block's closing tag allowed to be missing; ``glm``: a call in GLM's (server/tools_glm.py)."""
     decoder = json.JSONDecoder()
     pieces, values, at = [], [], 0
     while (start := text.find(CALL_OPEN, at)) >= 0:
