@@ -249,8 +249,7 @@ def chosen_head_weights(head: nn.Module, weights: str, body: nn.Module | None = 
     device, dtype = float_activations(head)
     if weights == "auto" and device.type == "cpu" and dtype == torch.float32:
         isa = selected_isa()
-        measured = (probe := cached(isa)) is not None and probe.int4_faster
-        if (isa not in AUTO_ISAS and not measured
+        if (isa not in AUTO_ISAS and not ((probe := cached(isa)) is not None and probe.int4_faster)
                 and not any(isinstance(module, GroupedInt8Linear) for module in head.modules())):
             return "float32"
     misfit = int8_head_misfit(head, body) if weights != "float32" else None
