@@ -168,6 +168,75 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
     assert torch.isinf(logits[:, ~allowed]).all() and torch.isfinite(logits[:, allowed]).all()
 
 
+def window_reference(draft: HeadDraftModel, context: list[int], entries: list[int]) -> torch.Tensor:
+    """The bound head's logits after ``entries`` of ``context`` fed without a cache as one unbroken sequence
+    (positions 0, 1, ...), each with the target's true feature of the position before it."""
+    head = draft.head
+    features = torch.stack([draft._input_feature(p) for p in entries])[None]
+    embeds = draft.embed(torch.tensor([context[p] for p in entries]))[None].to(draft.dtype)
+    positions = torch.arange(len(entries))[None]
+    with torch.inference_mode():
+        return draft._logits(head(features, embeds, position_ids=positions)[0, -1:])
+
+
+def test_a_long_chain_keeps_the_sinks_and_the_window_as_one_sequence(target_model):
+    """Deterministic (no false failures): the same operations up to the lean forward's float rounding."""
+    from jointspec.drafts.eagle import HEAD_SINK_ENTRIES as S
+
+    head = untrained_head(CausalLM(target_model))
+    context = random_prompt(6, length=40)
+    draft = primed(target_model, head, context + [0])  # the target has scored all of context
+    draft.window = 8
+    logits = draft.forward(context, num_logits=1).logits
+    kept = list(range(S)) + list(range(len(context) - 8, len(context)))
+    torch.testing.assert_close(logits, window_reference(draft, context, kept), rtol=1e-4, atol=1e-4)
+    assert (draft.num_cached, draft.skipped, draft.cache.get_seq_length()) == (40, 40 - 8 - S, S + 8)
+    # A tree after the window: each branch's rows as that branch fed alone as a chain.
+    tree = draft.forward([7, 8, 9], parents=[-1, -1, 0]).logits
+    branch = primed(target_model, head, context + [0])
+    branch.window = 8
+    branch.forward(context, num_logits=1)
+    torch.testing.assert_close(tree[[0, 2]], branch.forward([7, 9]).logits, rtol=1e-4, atol=1e-4)
+    draft.crop(40)
+    # Decoding on: short chains are fed after the window, and their drafts read its predicted features.
+    logits = draft.forward([context[5], 9], num_logits=2).logits
+    assert draft.num_cached == 42 and draft.num_exact == 41
+    # Back into the skipped entries: the sinks stay and the next chain follows them.
+    draft.crop(20)
+    assert (draft.num_cached, draft.skipped, draft.cache.get_seq_length()) == (20, 20 - S, S)
+    logits = draft.forward(context[20:23], num_logits=1).logits
+    torch.testing.assert_close(logits, window_reference(draft, context, list(range(S)) + [20, 21, 22]),
+                               rtol=1e-4, atol=1e-4)
+    # Into the sinks: an ordinary cache again.
+    draft.crop(2)
+    assert (draft.num_cached, draft.skipped, draft.cache.get_seq_length()) == (2, 0, 2)
+    logits = draft.forward(context[2:9], num_logits=1).logits
+    torch.testing.assert_close(logits, window_reference(draft, context, list(range(9))), rtol=1e-4, atol=1e-4)
+    # A chain whose rows are all read, or whose window would start on a draft token, is fed whole.
+    whole = primed(target_model, head, context + [0])
+    whole.window = 8
+    assert whole.forward(context).logits.shape[0] == 40 and whole.skipped == 0
+    guessed = primed(target_model, head, context[:10])  # the target has scored 9 tokens: the rest are drafts
+    guessed.window = 8
+    guessed.forward(context, num_logits=1)
+    assert guessed.skipped == 0 and guessed.cache.get_seq_length() == 40
+
+
+@pytest.mark.parametrize("method,config", [("hybrid", {"num_draft_tokens": 3}), ("sps", {"num_draft_tokens": 4}),
+                                           ("hybrid-tree", {"tree": (2, 2)}), ("specinfer", {"tree": (3, 2, 1)}),
+                                           ("mtad", {"num_draft_tokens": 3, "beam_width": 2})])
+def test_greedy_equivalence_with_a_head_windowed_on_a_long_prompt(target_model, trained_head_dir, monkeypatch,
+                                                                  method, config):
+    """A prompt past the head's window (shrunk to 8) is drafted from its sinks and window; exact by construction."""
+    monkeypatch.setattr(HeadDraftModel, "window", 8)
+    skips = []
+    skip = HeadDraftModel._skip_to_window
+    monkeypatch.setattr(HeadDraftModel, "_skip_to_window", lambda self, ids: skips.append(skip(self, ids)) or skips[-1])
+    decoder = fixed_length_decoder(target_model, method, trained_head_dir, **config)
+    assert_greedy_equivalent(target_model, decoder, random_prompt(3, length=30))
+    assert any(skips)  # the window was used
+
+
 @pytest.mark.parametrize("trained", [False, True])
 @pytest.mark.parametrize("method,config", [("sps", {"num_draft_tokens": 4}), ("sps", {"num_draft_tokens": 7}),
                                            ("sps", {"cost_aware": True, "max_num_draft_tokens": 6}),

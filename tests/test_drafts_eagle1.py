@@ -19,6 +19,8 @@ from transformers import LlamaConfig, LlamaModel
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError
 from jointspec.drafts.artifact import is_head_artifact
+from jointspec.drafts.eagle import HeadDraftModel
+from jointspec.drafts.eagle1 import bind_eagle1
 from jointspec.drafts.registry import bind_trained_draft
 
 from helpers import (
@@ -127,6 +129,21 @@ def test_imported_eagle1_head_decodes_exactly_greedy(target_model, tmp_path, met
     folder = _write(tmp_path / "eagle1", config, fc, model)
     decoder = decoder_for(target_model, method, folder, num_draft_tokens=4, cost_aware=False)
     assert_greedy_equivalent(target_model, decoder, random_prompt(9), drafts_kept=False)  # random weights
+
+
+def test_imported_eagle1_head_windowed_on_a_long_prompt_decodes_exactly_greedy(target_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(HeadDraftModel, "window", 8)
+    config = _config(1)
+    folder = _write(tmp_path / "eagle1", config, *_reference(config))
+    target = CausalLM(target_model)
+    draft = bind_eagle1(folder, target)
+    prompt = random_prompt(9, length=30)
+    target.reset()
+    target.forward(prompt, num_logits=0)
+    draft.forward(prompt, num_logits=1)
+    assert draft.skipped == 30 - 8 - 4 and draft.cache.get_seq_length() == 12
+    decoder = decoder_for(target_model, "hybrid-tree", folder, num_draft_tokens=4, cost_aware=False)
+    assert_greedy_equivalent(target_model, decoder, prompt, drafts_kept=False)  # random weights
 
 
 def test_int8_weights_change_drafts_never_outputs(tmp_path):

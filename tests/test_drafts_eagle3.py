@@ -13,6 +13,7 @@ import torch
 from jointspec.backends.hf import CausalLM
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.drafts.artifact import target_fingerprint
+from jointspec.drafts.eagle import HeadDraftModel
 from jointspec.drafts.eagle3 import (
     Eagle3Config,
     Eagle3DraftModel,
@@ -164,6 +165,20 @@ def test_methods_with_an_eagle3_draft_are_greedy_exact(target4, trained_eagle3, 
         # (A chain of this head's drafts is not always kept on one prompt: the trees' are.)
         assert_greedy_equivalent(target4, decoder, random_prompt(prompt_seed), drafts_kept=method != "sps")
     assert 0 < accepted < drafted  # the head drafted, was sometimes right and sometimes wrong
+
+
+def test_an_eagle3_head_windowed_on_a_long_prompt_is_greedy_exact(target4, trained_eagle3, tmp_path, monkeypatch):
+    """EAGLE-3 heads keep a long context's sinks and window as EAGLE-style heads do (test_drafts_eagle.py)."""
+    monkeypatch.setattr(HeadDraftModel, "window", 8)
+    target = CausalLM(target4)
+    folder = exported(target4, bind_eagle3(trained_eagle3[0], target).head, tmp_path / "e3")
+    draft = bind_eagle3(folder, target)
+    prompt = random_prompt(3, length=30)
+    target.reset()
+    target.forward(prompt, num_logits=0)
+    draft.forward(prompt, num_logits=1)
+    assert draft.skipped == 30 - 8 - 4 and draft.cache.get_seq_length() == 12
+    assert_greedy_equivalent(target4, fixed_length_decoder(target4, "specinfer", folder, tree=(2, 2)), prompt)
 
 
 def test_jointspec_saved_head_binds_by_fingerprint(target4, tmp_path):

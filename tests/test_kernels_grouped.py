@@ -903,6 +903,32 @@ def test_int8_heads_context_calls_in_one_pass_give_each_calls_own_bits():
     assert [draft.num_cached for draft in together] == entries
 
 
+@pytest.mark.skipif(selected_isa() == "portable", reason="the compiled decoder layers run on the vector builds only")
+def test_int8_heads_context_calls_in_one_pass_after_a_long_prompts_window(monkeypatch):
+    """After a long prompt left each head its sinks and window (drafts/eagle.py), the one-pass context call numbers
+    the next entries as each call alone does. Deterministic: no false-failure odds."""
+    from jointspec.drafts.eagle import HeadDraftModel, context_logits_many
+
+    monkeypatch.setattr(HeadDraftModel, "window", 8)
+    target = CausalLM(grouped_llama(2), name="tiny-64")
+    template = HeadDraftModel(untrained_head(target, seed=2, draft_vocab_size=40), target, weights="int8").template()
+    prompts = [random_prompt(seed, length=16 + 4 * seed) for seed in range(3)]
+    sides = []
+    for side in ("together", "alone"):
+        forks = [target.fork(f"{side} {i}") for i in range(len(prompts))]
+        drafts = [template.bound_to(fork) for fork in forks]
+        for fork, draft, prompt in zip(forks, drafts, prompts):
+            fork.forward(prompt + [7], num_logits=0)
+            draft.forward(prompt, num_logits=1)
+            assert draft.skipped == len(prompt) - 8 - 4
+        sides.append(drafts)
+    together, alone = sides
+    batched = context_logits_many(together, [[7], [8], [9]])
+    assert batched is not None
+    for draft, token, logits in zip(alone, (7, 8, 9), batched):
+        assert torch.equal(draft.forward([token], num_logits=1).logits[-1], logits)
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_decoding_with_an_int8_head_is_plain_greedy_decoding(tree):
     """The head's precision changes only what is drafted: chains (sps) and trees (default's static tree) verified

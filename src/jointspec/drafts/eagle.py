@@ -23,6 +23,13 @@ has already scored position ``p - 1`` (committed text), else the head's own pred
 with a prediction are *inexact*: once the target has scored those positions, the true features are better inputs, so
 ``crop``/``keep`` drop every inexact entry and the drafter feeds those tokens again. Drafters therefore read
 ``num_cached`` back after ``crop``/``keep`` (it may be smaller than asked).
+
+**Long contexts.** A head fed a long context in one call (a long prompt, a long new turn) keeps only the first
+:data:`HEAD_SINK_ENTRIES` entries and the last :data:`HEAD_WINDOW` of it, numbered as one unbroken sequence (the
+entries between are *skipped*: counted in ``num_cached``, not held). Heads are trained on sequences of about a
+thousand tokens, so a window of that size keeps the distances they learnt, and feeding every position of a 7k prompt
+through the head's layer cost more than its drafts saved there (docs/long-inputs.md). It changes drafts only, never
+what lossless verification keeps.
 """
 
 from __future__ import annotations
@@ -52,6 +59,12 @@ from jointspec.drafts.artifact import (
     save_artifact,
 )
 from jointspec.kernels.fp32 import OneDNNLinear, kernels_in_use, onednn_supported, use_onednn_linears
+
+# A chain fed in one call that would leave more than HEAD_SINK_ENTRIES + HEAD_WINDOW entries skips the ones between
+# (see the module docstring). The leading entries are kept as attention sinks: a head trained on sequences that all
+# begin with a chat template's first tokens may attend there as the models it mirrors do.
+HEAD_WINDOW = 1024
+HEAD_SINK_ENTRIES = 4
 
 
 class EagleHead(nn.Module):
@@ -149,7 +162,7 @@ def context_logits_many(drafts: list[HeadDraftModel], token_lists: list[list[int
             start = d.num_cached
             embeds.append(d.embed(torch.tensor(tokens, dtype=torch.long, device=d.device)).to(d.dtype))
             features.append(torch.stack([d._input_feature(start + j) for j in range(len(tokens))]))
-            positions.append(torch.arange(start, start + len(tokens), device=d.device)[None])
+            positions.append(torch.arange(start, start + len(tokens), device=d.device)[None] - d.skipped)
         x = first.head.fc(torch.cat([torch.cat(features), torch.cat(embeds)], dim=-1)[None])  # EagleHead's fc
         sizes = [len(tokens) for tokens in token_lists]
         outs = body.forward_many(list(x.split(sizes, dim=1)), positions, [d.cache for d in drafts])
@@ -271,6 +284,8 @@ def linears_to_int8(module: nn.Module) -> None:
 class HeadDraftModel(FeatureDraft):
     """A trained head, bound to its target, behind the CausalLM interface (see the module docstring)."""
 
+    window = HEAD_WINDOW  # entries kept after the sinks of a long chain (module docstring)
+
     def __init__(self, head: EagleHead, target: CausalLM, name: str = "draft head", weights: str = "auto") -> None:
         super().__init__(target, name, head.config.feature_layers)
         self.head = head.to(target.device).eval()  # a head built or loaded on another device runs beside its target
@@ -331,6 +346,11 @@ class HeadDraftModel(FeatureDraft):
         self.cache = self._new_cache()
         self.num_cached = 0
         self.num_exact = 0  # leading cache entries fed with true target features
+        # Entries skipped after the sinks of a long context (module docstring): entry p >= HEAD_SINK_ENTRIES +
+        # skipped is held at cache slot and position p - skipped.
+        self.skipped = 0
+        # The head's predicted features for entries predicted_from .. num_cached - 1.
+        self.predicted_from = 0
         self.predicted = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
         self._tree_tail = False  # the cache ends in tree nodes: only crop/keep/extend_tree may follow
         # The last forward's tokens as a tree (a chain is one too) and its outputs: what extend_tree may grow.
@@ -345,8 +365,8 @@ class HeadDraftModel(FeatureDraft):
             return torch.zeros(self.head.config.hidden_size, dtype=self.dtype, device=self.device)
         if source < self.known_features():  # the target has scored it: committed text, true feature
             return self.head.fuse(self.mirror.features[source].to(self.dtype))
-        if source < self.predicted.shape[0]:
-            return self.predicted[source]
+        if self.predicted_from <= source < self.predicted_from + self.predicted.shape[0]:
+            return self.predicted[source - self.predicted_from]
         return None
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -364,7 +384,7 @@ class HeadDraftModel(FeatureDraft):
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         embeds = self.embed(ids).to(self.dtype)[None]  # [1, n, hidden]
         features = torch.stack(inputs)[None]  # [1, n, hidden]
-        position_ids = torch.tensor(positions, device=self.device)[None]
+        position_ids = torch.tensor([p - self.skipped for p in positions], device=self.device)[None]
         out = self.head(features, embeds, position_ids=position_ids, attention_mask=mask, cache=self.cache,
                         lean=self._lean)[0]
         self.predicted = torch.cat([self.predicted, out])
@@ -381,8 +401,10 @@ class HeadDraftModel(FeatureDraft):
         if self._tree_tail:
             raise UnsupportedOptionError("a draft head cannot extend a tree draft; crop or keep its cache first")
         if parents is None or parents == chain_parents(n):
-            outputs = self._forward_chain(token_ids)
-            self._fed_tokens, self._fed_parents, self._fed_out = token_ids, chain_parents(n), outputs
+            # Entries may be skipped only where no caller reads their rows.
+            outputs = self._forward_chain(token_ids, window=num_logits is not None and num_logits <= self.window)
+            fed = token_ids[n - outputs.shape[0]:]
+            self._fed_tokens, self._fed_parents, self._fed_out = fed, chain_parents(len(fed)), outputs
         else:
             outputs = self._forward_tree(token_ids, parents)
         return self._output(outputs, num_logits, output_hidden)
@@ -410,10 +432,30 @@ class HeadDraftModel(FeatureDraft):
         rows = outputs[n - keep:] if keep > 0 else outputs[:0]
         return ForwardOutput(logits=self._logits(rows), hidden=rows if output_hidden else None)
 
-    def _forward_chain(self, token_ids: list[int]) -> torch.Tensor:
+    def _skip_to_window(self, token_ids: list[int]) -> int:
+        """Before a chain of ``token_ids`` is fed: where it would leave more than the sinks and the window, drop the
+        held entries after the sinks and skip the chain's tokens before its last HEAD_WINDOW (feeding the sinks first
+        where the cache holds fewer). Returns how many of ``token_ids`` are consumed (0: nothing skipped)."""
+        start, n = self.num_cached, len(token_ids)
+        window_start = start + n - self.window  # the first entry of the window this chain leaves
+        if n <= self.window + HEAD_SINK_ENTRIES or window_start > self.known_features():
+            return 0  # short, or the window's first input would be a prediction
+        consumed = 0
+        if start < HEAD_SINK_ENTRIES:  # a fresh cache: the sinks first, as any chain
+            consumed = HEAD_SINK_ENTRIES - start
+            self._forward_chain(token_ids[:consumed], window=False)
+        held = self.num_cached - self.skipped
+        if held > HEAD_SINK_ENTRIES:
+            self.cache.crop(HEAD_SINK_ENTRIES - held)
+        self.skipped = window_start - HEAD_SINK_ENTRIES
+        self.num_cached = self.num_exact = self.predicted_from = window_start
+        self.predicted = self.predicted[:0]
+        return window_start - start
+
+    def _forward_chain(self, token_ids: list[int], window: bool = True) -> torch.Tensor:
         # Feed in segments: a token whose input is the prediction of a token in the same call must wait for it.
         outputs: list[torch.Tensor] = []
-        i = 0
+        i = self._skip_to_window(token_ids) if window else 0
         while i < len(token_ids):
             start = self.num_cached
             inputs: list[torch.Tensor] = []
@@ -439,6 +481,7 @@ class HeadDraftModel(FeatureDraft):
         if depths != sorted(depths):
             raise ValueError("a draft head takes tree nodes level by level (depths must not decrease)")
         start = self.num_cached - first
+        held = start - self.skipped  # the cache's entries before the tree
         ancestors = tree_ancestor_mask(parents).to(self.device)  # [n, n]
         root_input = self._input_feature(start)
         assert root_input is not None, "a draft head was fed a tree after a token it has not seen"
@@ -453,9 +496,9 @@ class HeadDraftModel(FeatureDraft):
             nodes = list(range(level_start, level_end))
             inputs = [root_input if parents[i] == -1 else out[parents[i]] for i in nodes]
             # Visible: the whole cache before the tree, and each node's own ancestors among the nodes fed so far.
-            visible = torch.ones(len(nodes), start + level_end, dtype=torch.bool, device=self.device)
-            visible[:, start:] = ancestors[level_start:level_end, :level_end]
-            mask = torch.zeros(1, 1, len(nodes), start + level_end, dtype=self.dtype, device=self.device)
+            visible = torch.ones(len(nodes), held + level_end, dtype=torch.bool, device=self.device)
+            visible[:, held:] = ancestors[level_start:level_end, :level_end]
+            mask = torch.zeros(1, 1, len(nodes), held + level_end, dtype=self.dtype, device=self.device)
             mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
             out[level_start:level_end] = self._run([token_ids[i] for i in nodes], inputs,
                                                    [start + depths[i] for i in nodes], mask)
@@ -470,9 +513,18 @@ class HeadDraftModel(FeatureDraft):
             raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
         length = min(length, self.num_exact)
         if length < self.num_cached:
-            self.cache.crop(length - self.num_cached)
+            held = self.num_cached - self.skipped
+            if not self.skipped or length >= HEAD_SINK_ENTRIES + self.skipped:
+                self.cache.crop(length - self.num_cached)
+            elif length >= HEAD_SINK_ENTRIES:  # back into the skipped entries: the sinks stay, the window goes
+                self.cache.crop(HEAD_SINK_ENTRIES - held)
+                self.skipped = length - HEAD_SINK_ENTRIES
+            else:
+                self.cache.crop(length - held)
+                self.skipped = 0
             self.num_cached = length
-            self.predicted = self.predicted[:length]
+            self.predicted = self.predicted[:max(0, length - self.predicted_from)]
+            self.predicted_from = min(self.predicted_from, length)
         self._tree_tail = False
         self._fed_tokens, self._fed_parents = [], []
 
