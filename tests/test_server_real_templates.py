@@ -76,6 +76,8 @@ MODELS = {
                       ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
                        "<tool_response>", "</tool_response>", "<think>", "</think>"], GLM, THINK, (True, False),
                       (False, True)),
+    "SmolLM3-3B": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "</tool_call>"], HERMES,
+                   THINK, (False, False), (False, True)),
     "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                                       "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
                                      (True, False), (True, False)),
@@ -97,6 +99,8 @@ CALLS = {
                               '"call_abc123"}]</tool_calls>',
     "Apriel-1.5-15b-Thinker": 'Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": '
                               '"call_abc123"}]</tool_calls>',
+    # (SmolLM3's template drops an assistant's calls: the server writes them after its text)
+    "SmolLM3-3B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     # (no format of its own: the tools and calls shown as text in Hermes's)
     "DeepSeek-R1-Distill-Qwen-32B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
 }
@@ -157,7 +161,27 @@ def test_each_template_renders_an_earlier_call_in_its_models_format(served):
     shown = read_tool_use([WEATHER], None, None, call_format=engine.call_format).shown()
     prompt = engine.tokenizer.decode(engine.encode(CompletionRequest(messages=CONVERSATION, tools=shown)))
     assert CALLS[name] in prompt and "sunny" in prompt and "And Rome?" in prompt
-    assert engine.shows_calls == (name != "granite-3.3-2b-instruct")
+    assert prompt.count("get_weather") >= 2  # the offered tool is shown too (SmolLM3's template reads xml_tools)
+    assert engine.shows_calls == (name not in ("granite-3.3-2b-instruct", "SmolLM3-3B"))
+
+
+def test_the_tools_variable_a_template_reads():
+    """SmolLM3's first template reads ``xml_tools``; its later one, and every other, ``tools`` (transformers'
+    ``{% generation %}`` tag, which plain jinja2 cannot read, taken off first)."""
+    from jointspec.server.tools import template_tools_variable, xml_tools
+
+    smollm3 = (TEMPLATES / "SmolLM3-3B.jinja").read_text()
+    assert template_tools_variable(smollm3) == "xml_tools"
+    tagged = smollm3.replace('{%- elif message.role == "assistant" -%}',
+                             '{%- elif message.role == "assistant" -%}{% generation %}').replace(
+        '{%- elif message.role == "tool" -%}', '{% endgeneration %}{%- elif message.role == "tool" -%}')
+    assert tagged != smollm3 and template_tools_variable(tagged) == "xml_tools"
+    later = "{%- if tools -%}{%- set xml_tools = tools -%}{%- endif -%}" + smollm3
+    assert template_tools_variable(later) == "tools"
+    for other in ("Qwen3-0.6B", "granite-4.0", "Mistral-Nemo-Instruct-2407"):
+        assert template_tools_variable((TEMPLATES / f"{other}.jinja").read_text()) == "tools"
+    assert template_tools_variable("{% if xml_tools %}") == "tools"  # unreadable: transformers will say why
+    assert xml_tools([WEATHER]) == [json.dumps(WEATHER["function"])]
 
 
 @pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "Mistral-Nemo-Instruct-2407", "granite-4.0",
@@ -173,7 +197,7 @@ def test_a_required_call_with_a_real_template_is_the_loops_constrained_greedy_de
 
 
 @pytest.mark.parametrize("name", ["Qwen3-0.6B", "Qwen3.5-4B", "Ministral-3-14B-Reasoning-2512",
-                                  "Apertus-8B-Instruct-2509", "GLM-4.7-Flash"])
+                                  "Apertus-8B-Instruct-2509", "GLM-4.7-Flash", "SmolLM3-3B"])
 def test_a_required_call_may_come_after_thinking_with_the_real_template(name):
     """Qwen3 thinks in <think> ... </think> (added tokens of its tokenizer; Qwen3.5's template and GLM-4.7's open the
     block in the prompt), Ministral 3 Reasoning in [THINK] ... [/THINK] and Apertus in <|inner_prefix|> ...

@@ -57,10 +57,13 @@ from jointspec.server.reasoning import (
 from jointspec.server.tools import (
     HERMES,
     call_markers,
+    chat_template_text,
     native_call_format,
     prompt_messages,
     template_shows_calls,
+    template_tools_variable,
     template_variables,
+    xml_tools,
 )
 
 log = logging.getLogger(__name__)
@@ -429,6 +432,12 @@ class ServingEngine:
         """The call format the chat template renders tools and calls in itself (server/tools.py), or None."""
         return native_call_format(self.tokenizer)
 
+    @functools.cached_property
+    def tools_variable(self) -> str:
+        """The variable the chat template reads the offered tools from: ``tools``, or SmolLM3's ``xml_tools``
+        (server/tools.py)."""
+        return template_tools_variable(chat_template_text(self.tokenizer))
+
     @property
     def call_format(self) -> str:
         """The format the model writes tool calls in (server/tools.py): its chat template's own, else Hermes's."""
@@ -507,6 +516,8 @@ class ServingEngine:
                                               self.native_format is not None, call_format, self.shows_calls)
             if getattr(self.tokenizer, "chat_template", None):  # the template writes the special tokens itself
                 variables = template_variables(messages, tools, call_format) | (request.template_kwargs or {})
+                if tools is not None and self.tools_variable == "xml_tools":
+                    variables, tools = {"xml_tools": xml_tools(tools), **variables}, None
                 return chat_template_ids(self.tokenizer, messages, tools=tools,  # (message text read as text)
                                          template_kwargs=variables, continue_final=request.continue_final)
             # No template: a plain transcript the model can continue, read as any prompt is (with its BOS token:

@@ -60,7 +60,9 @@ argument as ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``, a string as 
 (server/tools_glm.py).
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
-:func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them.
+:func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them. SmolLM3's
+first template reads the tools from ``xml_tools``, not ``tools`` (:func:`template_tools_variable`): it is given them
+there, each as its function's JSON, which it lists between ``<tools>`` tags as its model card's example does.
 
 What ``tool_choice`` does to the answer (in Hermes's format; the others read and hold their own alike):
 
@@ -276,14 +278,46 @@ def _read_tool(raw, where: str) -> Tool:
 
 # -- the prompt ----------------------------------------------------------------------------------------------------
 
+def chat_template_text(tokenizer) -> str | None:
+    """The tokenizer's chat template (of several named ones, its ``tool_use`` one, which transformers renders where
+    tools are given), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def template_tools_variable(template: str | None) -> str:
+    """The variable a chat template reads the offered tools from: ``tools`` (transformers' argument), or
+    ``xml_tools`` where the template reads that and not ``tools`` (SmolLM3's first template, which also reads
+    ``python_tools``, its own code-tools mode, not OpenAI's)."""
+    import jinja2
+    import jinja2.meta
+
+    if not template:
+        return "tools"
+    # transformers' own tag ({% generation %}, around an assistant's text) is no syntax plain jinja2 reads.
+    plain = re.sub(r"{%-?\s*(?:end)?generation\s*-?%}", "", template)
+    try:
+        names = jinja2.meta.find_undeclared_variables(
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(plain))
+    except jinja2.TemplateError:  # (a template jinja2 cannot read: transformers will say so when it renders it)
+        return "tools"
+    return "xml_tools" if "xml_tools" in names and "tools" not in names else "tools"
+
+
+def xml_tools(tools: list[dict]) -> list[str]:
+    """The offered tools (OpenAI's form) as SmolLM3's first template takes them in ``xml_tools``: each function (its
+    name, description and parameters) as JSON text, which the template writes as it is."""
+    return [json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools]
+
+
 def native_call_format(tokenizer) -> str | None:
     """The call format the tokenizer's chat template renders tools and calls in itself (:data:`FORMATS`), or None
     where it renders them in none of them (of a tokenizer with several named templates, its ``tool_use`` one, which
     transformers renders where tools are given)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("tool_use") or template.get("default")
-    if not isinstance(template, str) or "tools" not in template:
+    template = chat_template_text(tokenizer)
+    if template is None or "tools" not in template:
         return None
     if TOOL_CALLS_OPEN + "[" in template and "]" + TOOL_CALLS_CLOSE in template:  # (its instructions name <tool_call>)
         return APRIEL
