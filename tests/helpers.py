@@ -303,6 +303,18 @@ def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDe
     return SpeculativeDecoder(target, drafter, verifier)
 
 
+def steady_tree_costs(monkeypatch) -> None:
+    """``hybrid-tree`` (and ``default``'s tree) built with a fixed cost curve on which a tree always pays, in place of
+    this machine's timings: on a loaded machine the measured curve can gate every tree round off, and an equivalence
+    test must see drafts kept."""
+    from jointspec.drafters.costaware import CostCurve
+    from jointspec.methods import lossless
+
+    curve = CostCurve({1: 1.0, 2: 1.01, 3: 1.02, 5: 1.04, 9: 1.08, 17: 1.16})
+    monkeypatch.setattr(lossless, "target_cost_curve", lambda target: curve)
+    monkeypatch.setattr(lossless, "draft_cost_per_call", lambda draft, rows=1, *, target=None: 0.01)
+
+
 def fixed_length_decoder(target_model, method: str, draft_dir, **config) -> SpeculativeDecoder:
     """:func:`decoder_for`, but a method that is cost-aware by default drafts at its given length unless
     ``cost_aware`` is given: the wrapper's choice follows this machine's timings (on a tiny target a draft call costs

@@ -29,6 +29,7 @@ from helpers import (
     fixed_length_decoder,
     fp16_rounded,
     random_prompt,
+    steady_tree_costs,
     tiny_llama,
     untrained_head,
 )
@@ -229,6 +230,7 @@ def test_greedy_equivalence_with_a_head_windowed_on_a_long_prompt(target_model, 
                                                                   method, config):
     """A prompt past the head's window (shrunk to 8) is drafted from its sinks and window; exact by construction."""
     monkeypatch.setattr(HeadDraftModel, "window", 8)
+    steady_tree_costs(monkeypatch)
     skips = []
     skip = HeadDraftModel._skip_to_window
     monkeypatch.setattr(HeadDraftModel, "_skip_to_window", lambda self, ids: skips.append(skip(self, ids)) or skips[-1])

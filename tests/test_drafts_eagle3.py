@@ -35,6 +35,7 @@ from helpers import (
     greedy,
     random_prompt,
     run_cli,
+    steady_tree_costs,
     tiny_llama,
     tiny_tokenizer,
     train_cli_argv,
@@ -154,7 +155,10 @@ def test_training_time_test_raises_agreement_at_every_depth(trained_eagle3):
                                            ("specinfer", {"tree": (2, 2)}),
                                            ("mtad", {"num_draft_tokens": 3, "beam_width": 2}),
                                            ("hybrid-tree", {})])
-def test_methods_with_an_eagle3_draft_are_greedy_exact(target4, trained_eagle3, tmp_path, method, config):
+def test_methods_with_an_eagle3_draft_are_greedy_exact(target4, trained_eagle3, tmp_path, monkeypatch, method,
+                                                       config):
+    if method == "hybrid-tree":
+        steady_tree_costs(monkeypatch)
     target = CausalLM(target4)
     folder = exported(target4, bind_eagle3(trained_eagle3[0], target).head, tmp_path / "e3")
     decoder = fixed_length_decoder(target4, method, folder, **config)
