@@ -250,9 +250,11 @@ def test_greedy_equivalence_with_a_head_windowed_on_a_long_prompt(target_model, 
                                            ("specinfer", {"tree": (3, 2, 1)}),
                                            ("mtad", {"num_draft_tokens": 4, "beam_width": 3})])
 @pytest.mark.parametrize("prompt_seed", [0, 3])
-def test_greedy_equivalence_with_a_head(target_model, trained_head_dir, tmp_path, trained, method, config,
-                                        prompt_seed):
+def test_greedy_equivalence_with_a_head(target_model, trained_head_dir, tmp_path, monkeypatch, trained, method,
+                                        config, prompt_seed):
     """Untrained (drafts mostly rejected) and trained (mostly accepted) heads, chain, tree and beam drafters."""
+    if method == "hybrid-tree":
+        steady_tree_costs(monkeypatch)
     folder = trained_head_dir
     if not trained:
         folder = tmp_path / "untrained"
