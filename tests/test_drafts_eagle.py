@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from jointspec.backends.hf import CausalLM
+from jointspec.core.draft import chain_parents
 from jointspec.core.errors import ModelLoadError, UnsupportedOptionError
 from jointspec.core.sampling import SamplingConfig
 from jointspec.drafters.beam import beam_search
@@ -169,15 +170,25 @@ def test_vocab_trim_never_drafts_outside_the_draft_vocabulary(target_model):
     assert torch.isinf(logits[:, ~allowed]).all() and torch.isfinite(logits[:, allowed]).all()
 
 
-def window_reference(draft: HeadDraftModel, context: list[int], entries: list[int]) -> torch.Tensor:
-    """The bound head's logits after ``entries`` of ``context`` fed without a cache as one unbroken sequence
-    (positions 0, 1, ...), each with the target's true feature of the position before it."""
-    head = draft.head
-    features = torch.stack([draft._input_feature(p) for p in entries])[None]
-    embeds = draft.embed(torch.tensor([context[p] for p in entries]))[None].to(draft.dtype)
-    positions = torch.arange(len(entries))[None]
+def window_reference(draft: HeadDraftModel, tokens: list[int], entries: list[int], rows: int = 1) -> torch.Tensor:
+    """The bound head's logits after the last ``rows`` of ``entries`` (entry p holding ``tokens[p]``) fed without a
+    cache as one unbroken sequence (positions 0, 1, ...): each with the target's true feature of the position before
+    it where the target has scored that position, else this reference's own prediction at the entry before."""
+    head, known = draft.head, draft.known_features()
+    features, outputs = [], []
     with torch.inference_mode():
-        return draft._logits(head(features, embeds, position_ids=positions)[0, -1:])
+        for i, p in enumerate(entries):
+            if p == 0:
+                feature = torch.zeros(head.config.hidden_size, dtype=draft.dtype)
+            elif p - 1 < known:
+                feature = head.fuse(draft.mirror.features[p - 1].to(draft.dtype))
+            else:
+                assert i and entries[i - 1] == p - 1, "a predicted feature is the entry before's"
+                feature = outputs[-1]
+            features.append(feature)
+            embeds = draft.embed(torch.tensor([tokens[q] for q in entries[:i + 1]]))[None].to(draft.dtype)
+            outputs.append(head(torch.stack(features)[None], embeds, position_ids=torch.arange(i + 1)[None])[0, -1])
+        return draft._logits(torch.stack(outputs[-rows:]))
 
 
 def test_a_long_chain_keeps_the_sinks_and_the_window_as_one_sequence(target_model):
@@ -185,42 +196,59 @@ def test_a_long_chain_keeps_the_sinks_and_the_window_as_one_sequence(target_mode
     from jointspec.drafts.eagle import HEAD_SINK_ENTRIES as S
 
     head = untrained_head(CausalLM(target_model))
-    context = random_prompt(6, length=40)
-    draft = primed(target_model, head, context + [0])  # the target has scored all of context
+    context = random_prompt(6, length=60)
+    draft = primed(target_model, head, context[:40] + [0])  # the target has scored context[:40]
     draft.window = 8
-    logits = draft.forward(context, num_logits=1).logits
-    kept = list(range(S)) + list(range(len(context) - 8, len(context)))
-    torch.testing.assert_close(logits, window_reference(draft, context, kept), rtol=1e-4, atol=1e-4)
+    sinks = list(range(S))
+
+    def check(logits, tokens, entries):
+        torch.testing.assert_close(logits, window_reference(draft, tokens, entries, len(logits)), rtol=1e-4,
+                                   atol=1e-4)
+
+    check(draft.forward(context[:40], num_logits=1).logits, context, sinks + list(range(32, 40)))
     assert (draft.num_cached, draft.skipped, draft.cache.get_seq_length()) == (40, 40 - 8 - S, S + 8)
+    with pytest.raises(ValueError, match="extend_tree needs the tree fed last"):  # (it was not fed whole)
+        draft.extend_tree(context[:40] + [7], chain_parents(40) + [39], num_logits=1)
     # A tree after the window: each branch's rows as that branch fed alone as a chain.
     tree = draft.forward([7, 8, 9], parents=[-1, -1, 0]).logits
-    branch = primed(target_model, head, context + [0])
+    branch = primed(target_model, head, context[:40] + [0])
     branch.window = 8
-    branch.forward(context, num_logits=1)
+    branch.forward(context[:40], num_logits=1)
     torch.testing.assert_close(tree[[0, 2]], branch.forward([7, 9]).logits, rtol=1e-4, atol=1e-4)
+    # Decoding on: a draft's second row reads the head's own prediction at its first.
     draft.crop(40)
-    # Decoding on: short chains are fed after the window, and their drafts read its predicted features.
-    logits = draft.forward([context[5], 9], num_logits=2).logits
+    check(draft.forward([7, 9], num_logits=2).logits, context[:40] + [7, 9], sinks + list(range(32, 42)))
     assert draft.num_cached == 42 and draft.num_exact == 41
     # Back into the skipped entries: the sinks stay and the next chain follows them.
     draft.crop(20)
     assert (draft.num_cached, draft.skipped, draft.cache.get_seq_length()) == (20, 20 - S, S)
-    logits = draft.forward(context[20:23], num_logits=1).logits
-    torch.testing.assert_close(logits, window_reference(draft, context, list(range(S)) + [20, 21, 22]),
-                               rtol=1e-4, atol=1e-4)
+    check(draft.forward(context[20:23], num_logits=1).logits, context, sinks + [20, 21, 22])
+    # A second long chain (the target read on): the window moves, the sinks stay.
+    draft.target.forward(context[40:60], num_logits=0)
+    check(draft.forward(context[23:60], num_logits=1).logits, context, sinks + list(range(52, 60)))
+    assert (draft.skipped, draft.cache.get_seq_length()) == (60 - 8 - S, S + 8)
+    # Into the skipped entries again, the target cut back too: the next drafts read the predictions made after it.
+    draft.crop(30)
+    draft.target.crop(32)
+    check(draft.forward(context[30:34], num_logits=2).logits, context, sinks + [30, 31, 32, 33])
     # Into the sinks: an ordinary cache again.
     draft.crop(2)
     assert (draft.num_cached, draft.skipped, draft.cache.get_seq_length()) == (2, 0, 2)
-    logits = draft.forward(context[2:9], num_logits=1).logits
-    torch.testing.assert_close(logits, window_reference(draft, context, list(range(9))), rtol=1e-4, atol=1e-4)
-    # A chain whose rows are all read, or whose window would start on a draft token, is fed whole.
-    whole = primed(target_model, head, context + [0])
+    check(draft.forward(context[2:9], num_logits=1).logits, context, list(range(9)))
+    # A chain whose rows are all read, whose window would start on a draft token, or whose sinks hold one: fed whole.
+    whole = primed(target_model, head, context[:40] + [0])
     whole.window = 8
-    assert whole.forward(context).logits.shape[0] == 40 and whole.skipped == 0
+    assert whole.forward(context[:40]).logits.shape[0] == 40 and whole.skipped == 0
     guessed = primed(target_model, head, context[:10])  # the target has scored 9 tokens: the rest are drafts
     guessed.window = 8
-    guessed.forward(context, num_logits=1)
+    guessed.forward(context[:40], num_logits=1)
     assert guessed.skipped == 0 and guessed.cache.get_seq_length() == 40
+    early = primed(target_model, head, context[:3])  # the fourth sink's input is a prediction
+    early.window = 8
+    early.forward(context[:4], num_logits=1)
+    early.target.forward(context[2:40], num_logits=0)
+    early.forward(context[4:40], num_logits=1)
+    assert early.skipped == 0 and early.num_exact == 3 and early.cache.get_seq_length() == 40
 
 
 @pytest.mark.parametrize("method,config", [("hybrid", {"num_draft_tokens": 3}), ("sps", {"num_draft_tokens": 4}),

@@ -923,6 +923,13 @@ def test_int8_heads_context_calls_in_one_pass_after_a_long_prompts_window(monkey
             assert draft.skipped == len(prompt) - 8 - 4
         sides.append(drafts)
     together, alone = sides
+    # A chain a call alone would window is left to it: nothing fed.
+    forks = [target.fork(f"long {i}") for i in range(2)]
+    fresh = [template.bound_to(fork) for fork in forks]
+    for fork in forks:
+        fork.forward(prompts[0] + [7], num_logits=0)
+    assert context_logits_many(fresh, [prompts[0], prompts[0][:4]]) is None
+    assert [draft.num_cached for draft in fresh] == [0, 0]
     batched = context_logits_many(together, [[7], [8], [9]])
     assert batched is not None
     for draft, token, logits in zip(alone, (7, 8, 9), batched):

@@ -26,10 +26,12 @@ with a prediction are *inexact*: once the target has scored those positions, the
 
 **Long contexts.** A head fed a long context in one call (a long prompt, a long new turn) keeps only the first
 :data:`HEAD_SINK_ENTRIES` entries and the last :data:`HEAD_WINDOW` of it, numbered as one unbroken sequence (the
-entries between are *skipped*: counted in ``num_cached``, not held). Heads are trained on sequences of about a
-thousand tokens, so a window of that size keeps the distances they learnt, and feeding every position of a 7k prompt
-through the head's layer cost more than its drafts saved there (docs/long-inputs.md). It changes drafts only, never
-what lossless verification keeps.
+entries between are *skipped*: counted in ``num_cached``, not held). It does so only where the caller reads no more
+than the window's last rows (``num_logits``), the window's first entry reads a feature the target has scored, and
+the sinks were fed true features; ``context_logits_many`` leaves such a chain to a call alone. Heads are trained on
+sequences of about a thousand tokens, so a window of that size keeps the distances they learnt, and feeding every
+position of a 7k prompt through the head's layer cost more than its drafts saved there (docs/long-inputs.md). It
+changes drafts only, never what lossless verification keeps.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ def context_logits_many(drafts: list[HeadDraftModel], token_lists: list[list[int
     if (len(drafts) < 2 or not isinstance(body, CompiledBody) or first._lm_int8 is None
             or sum(map(len, token_lists)) > ROWWISE_MAX_ROWS or any(
                 type(d) is not HeadDraftModel or d.head is not first.head or d._lean is not body
+                or len(tokens) > d.window + HEAD_SINK_ENTRIES  # (a call alone might keep a window of them)
                 or d._lm_int8 is not first._lm_int8 or d._tree_tail or not tokens
                 or d.num_cached + len(tokens) - 1 > d.known_features()  # every input a true feature
                 for d, tokens in zip(drafts, token_lists))):
@@ -438,8 +441,9 @@ class HeadDraftModel(FeatureDraft):
         where the cache holds fewer). Returns how many of ``token_ids`` are consumed (0: nothing skipped)."""
         start, n = self.num_cached, len(token_ids)
         window_start = start + n - self.window  # the first entry of the window this chain leaves
-        if n <= self.window + HEAD_SINK_ENTRIES or window_start > self.known_features():
-            return 0  # short, or the window's first input would be a prediction
+        if (n <= self.window + HEAD_SINK_ENTRIES or window_start > self.known_features()
+                or self.num_exact < min(start, HEAD_SINK_ENTRIES)):
+            return 0  # short; the window's first input would be a prediction; or a kept sink was fed one
         consumed = 0
         if start < HEAD_SINK_ENTRIES:  # a fresh cache: the sinks first, as any chain
             consumed = HEAD_SINK_ENTRIES - start
