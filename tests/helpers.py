@@ -303,6 +303,15 @@ def decoder_for(target_model, method: str, draft_dir, **config) -> SpeculativeDe
     return SpeculativeDecoder(target, drafter, verifier)
 
 
+def assert_head_keeps_a_window(target, draft, prompt: list[int], window: int = 8) -> None:
+    """``draft`` (a head bound to ``target``, its ``window`` set so), fed ``prompt`` after the target read it, holds
+    the 4 sinks and the window's entries alone (drafts/eagle.py, "Long contexts")."""
+    target.reset()
+    target.forward(prompt, num_logits=0)
+    draft.forward(prompt, num_logits=1)
+    assert draft.skipped == len(prompt) - window - 4 and draft.cache.get_seq_length() == window + 4
+
+
 def steady_tree_costs(monkeypatch) -> None:
     """``hybrid-tree`` (and ``default``'s tree) built with a fixed cost curve on which a tree always pays, in place of
     this machine's timings: on a loaded machine the measured curve can gate every tree round off, and an equivalence

@@ -26,6 +26,7 @@ from jointspec.drafts.registry import bind_trained_draft
 from helpers import (
     VOCAB,
     assert_greedy_equivalent,
+    assert_head_keeps_a_window,
     decoder_for,
     grouped_llama,
     random_prompt,
@@ -136,12 +137,8 @@ def test_imported_eagle1_head_windowed_on_a_long_prompt_decodes_exactly_greedy(t
     config = _config(1)
     folder = _write(tmp_path / "eagle1", config, *_reference(config))
     target = CausalLM(target_model)
-    draft = bind_eagle1(folder, target)
     prompt = random_prompt(9, length=30)
-    target.reset()
-    target.forward(prompt, num_logits=0)
-    draft.forward(prompt, num_logits=1)
-    assert draft.skipped == 30 - 8 - 4 and draft.cache.get_seq_length() == 12
+    assert_head_keeps_a_window(target, bind_eagle1(folder, target), prompt)
     decoder = decoder_for(target_model, "hybrid-tree", folder, num_draft_tokens=4, cost_aware=False)
     assert_greedy_equivalent(target_model, decoder, prompt, drafts_kept=False)  # random weights
 

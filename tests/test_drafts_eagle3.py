@@ -30,6 +30,7 @@ from jointspec.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
 
 from helpers import (
     assert_greedy_equivalent,
+    assert_head_keeps_a_window,
     decoder_for,
     fixed_length_decoder,
     greedy,
@@ -176,12 +177,8 @@ def test_an_eagle3_head_windowed_on_a_long_prompt_is_greedy_exact(target4, train
     monkeypatch.setattr(HeadDraftModel, "window", 8)
     target = CausalLM(target4)
     folder = exported(target4, bind_eagle3(trained_eagle3[0], target).head, tmp_path / "e3")
-    draft = bind_eagle3(folder, target)
     prompt = random_prompt(3, length=30)
-    target.reset()
-    target.forward(prompt, num_logits=0)
-    draft.forward(prompt, num_logits=1)
-    assert draft.skipped == 30 - 8 - 4 and draft.cache.get_seq_length() == 12
+    assert_head_keeps_a_window(target, bind_eagle3(folder, target), prompt)
     assert_greedy_equivalent(target4, fixed_length_decoder(target4, "specinfer", folder, tree=(2, 2)), prompt)
 
 
