@@ -178,7 +178,7 @@ def context_logits_many(drafts: list[HeadDraftModel], token_lists: list[list[int
             for entry in range(start, start + len(tokens)):  # as _forward_chain counts the entries fed true features
                 if d.num_exact == entry:
                     d.num_exact = entry + 1
-            d.predicted = torch.cat([d.predicted, out])
+            d._append_predicted(out)
             d.num_cached += len(tokens)
             d._fed_tokens, d._fed_parents, d._fed_out = list(tokens), chain_parents(len(tokens)), out
             results.append(full_vocab_logits(row, d.draft_vocab, d._full_vocab))
@@ -352,9 +352,11 @@ class HeadDraftModel(FeatureDraft):
         # Entries skipped after the sinks of a long context (module docstring): entry p >= HEAD_SINK_ENTRIES +
         # skipped is held at cache slot and position p - skipped.
         self.skipped = 0
-        # The head's predicted features for entries predicted_from .. num_cached - 1.
+        # The head's predicted features for entries predicted_from .. num_cached - 1: a view of a buffer that grows
+        # by doubling, so that a call does not copy every earlier row (tensors of a few MB a call at 1-2k entries).
         self.predicted_from = 0
-        self.predicted = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        self._predicted_room = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.predicted = self._predicted_room[:0]
         self._tree_tail = False  # the cache ends in tree nodes: only crop/keep/extend_tree may follow
         # The last forward's tokens as a tree (a chain is one too) and its outputs: what extend_tree may grow.
         self._fed_tokens: list[int] = []
@@ -390,9 +392,20 @@ class HeadDraftModel(FeatureDraft):
         position_ids = torch.tensor([p - self.skipped for p in positions], device=self.device)[None]
         out = self.head(features, embeds, position_ids=position_ids, attention_mask=mask, cache=self.cache,
                         lean=self._lean)[0]
-        self.predicted = torch.cat([self.predicted, out])
+        self._append_predicted(out)
         self.num_cached += len(token_ids)
         return out
+
+    def _append_predicted(self, rows: torch.Tensor) -> None:
+        """``rows`` [n, hidden] after :attr:`predicted` (the features the head predicted at the entries just fed)."""
+        held, end = self.predicted.shape[0], self.predicted.shape[0] + rows.shape[0]
+        room = self._predicted_room
+        if end > room.shape[0]:
+            room = torch.empty(max(end, 2 * room.shape[0], 64), room.shape[1], dtype=room.dtype, device=room.device)
+            room[:held] = self.predicted
+            self._predicted_room = room
+        room[held:end] = rows
+        self.predicted = room[:end]
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
