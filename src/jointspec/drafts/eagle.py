@@ -354,6 +354,7 @@ class HeadDraftModel(FeatureDraft):
         self.skipped = 0
         # The head's predicted features for entries predicted_from .. num_cached - 1: a view of a buffer that grows
         # by doubling, so that a call does not copy every earlier row (tensors of a few MB a call at 1-2k entries).
+        # After a crop, later calls write over the rows it dropped: a reader that keeps them keeps a clone.
         self.predicted_from = 0
         self._predicted_room = torch.zeros(0, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
         self.predicted = self._predicted_room[:0]
