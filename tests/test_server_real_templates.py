@@ -18,6 +18,7 @@ from jointspec.server.app import ServerSettings, create_app
 from jointspec.server.engine import CompletionRequest, ServingEngine
 from jointspec.server.reasoning import (
     APRIEL_THINK,
+    HARMONY,
     INNER,
     MISTRAL_THINK,
     THINK,
@@ -32,6 +33,7 @@ from jointspec.server.tools import (
     APRIEL,
     GLM,
     GRANITE,
+    HARMONY_CALLS,
     HERMES,
     MISTRAL_V3,
     MISTRAL_V11,
@@ -78,6 +80,8 @@ MODELS = {
                       (False, True)),
     "SmolLM3-3B": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "</tool_call>"], HERMES,
                    THINK, (False, False), (False, True)),
+    "gpt-oss-120b": (["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"],
+                     [], HARMONY_CALLS, HARMONY, (False, False), (False, False)),
     "DeepSeek-R1-Distill-Qwen-32B": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                                       "<｜begin▁of▁sentence｜>"], ["<think>", "</think>"], None, THINK,
                                      (True, False), (True, False)),
@@ -101,6 +105,9 @@ CALLS = {
                               '"call_abc123"}]</tool_calls>',
     # (SmolLM3's template drops an assistant's calls: the server writes them after its text)
     "SmolLM3-3B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    # (the call as a message to the function; its turn's text dropped, as a final answer follows it)
+    "gpt-oss-120b": '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+                    "<|call|>",
     # (no format of its own: the tools and calls shown as text in Hermes's)
     "DeepSeek-R1-Distill-Qwen-32B": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
 }
@@ -151,7 +158,8 @@ def test_serve_says_what_it_reads_of_each_template(served):
     line = chat_line(engine)
     assert (f"tool calls in {call_format} format (the chat template's own)" in line if call_format
             else "tool calls in hermes format, shown to the model as text" in line)
-    assert (tags is not None and f"reasoning between {tags.open} and {tags.close}" in line) == (tags is not None)
+    assert (tags is not None and (f"reasoning between {tags.open} and {tags.close}" in line or (
+        tags.harmony and "reasoning in Harmony's analysis channel" in line))) == (tags is not None)
     assert ("the content's <response> and </response> taken off" in line) == (tags is THINK_RESPONSE)
     assert "reasoning left in the content" in chat_line(engine, "none") or tags is None
 

@@ -83,8 +83,9 @@ def _special_spellings(tokenizer) -> list[str]:
     return [spelling for spelling in spellings if spelling]
 
 
-# A message's fields that hold text read as text (chat_template_ids): its content, and an assistant's reasoning.
-MESSAGE_TEXTS = ("content", "reasoning_content")
+# A message's fields that hold text read as text (chat_template_ids): its content, and an assistant's reasoning (as
+# gpt-oss's template reads it, ``thinking``).
+MESSAGE_TEXTS = ("content", "reasoning_content", "thinking")
 # A message's text the template is given after its content as the template's own, special tokens read as tokens: what
 # the server writes itself (an earlier turn's calls in the model's format, where the template drops them), never a
 # client's text.

@@ -183,6 +183,9 @@ def chat_line(engine, reasoning_format: str = "auto") -> str:
         reasoning = "no reasoning block in the template"
     elif reasoning_format == "none":
         reasoning = "reasoning left in the content (--reasoning-format none)"
+    elif tags.harmony:
+        reasoning = ("reasoning in Harmony's analysis channel returned as reasoning_content, its final channel as "
+                     "content")
     else:
         reasoning = f"reasoning between {tags.open} and {tags.close} returned as reasoning_content"
         if tags.answer:

@@ -88,6 +88,8 @@ MAX_REQUEST_DRAFT = 255
 
 
 REASONING_FORMATS = ("auto", "none")
+# OpenAI's reasoning efforts (gpt-oss's template takes low, medium and high).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,9 @@ class ChatBody(_Sampling):
     chat_template_kwargs: dict | None = None
     # vLLM's extension: the last message, an assistant's, is continued rather than answered (a prefill).
     continue_final_message: bool = False
+    # OpenAI's: how long a reasoning model thinks, given to the chat template as ``reasoning_effort`` (gpt-oss's
+    # writes it into its system message) unless chat_template_kwargs names it; a template that reads none ignores it.
+    reasoning_effort: str | None = None
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
@@ -1085,6 +1090,10 @@ def _checked(data: dict, model: type[_Sampling], call_format: str,
             check_template_kwargs(body.chat_template_kwargs)
         except ValueError as error:
             raise RequestError(str(error), param="chat_template_kwargs") from None
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise RequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
+                           param="reasoning_effort")
     if body.stream_options is not None and not body.stream:
         raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     _logit_bias(body.logit_bias)  # refused here where malformed or out of range
@@ -1212,6 +1221,8 @@ def _engine_requests(body: _Sampling, reasoning_first: bool = False) -> list[Com
                           _logit_bias(body.logit_bias))
     use = body._tools_read  # (read by _parse)
     output_format = use.output_format() if use is not None else None
+    if output_format is not None and use.call_format.reasons_itself:
+        reasoning_first = False  # (Harmony's call grammar holds the whole answer, its analysis included)
     common = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=body.min_p, seed=seed, penalties=penalties,
                   stop=stop, method=options, user=body.user,
                   output_format=output_format or _output_format(body.response_format),
@@ -1221,13 +1232,21 @@ def _engine_requests(body: _Sampling, reasoning_first: bool = False) -> list[Com
             messages = tuple(_message(m) for m in body.messages)
             return [CompletionRequest(messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
                                       tools=use.shown() if use is not None else (),
-                                      template_kwargs=body.chat_template_kwargs,
+                                      template_kwargs=_template_kwargs(body),
                                       continue_final=body.continue_final_message, reasoning_first=reasoning_first,
                                       **common)]
         return [CompletionRequest(prompt=prompt, max_tokens=body.max_tokens, echo=body.echo, **common)
                 for prompt in _prompts(body)]
     except ValueError as error:
         raise RequestError(str(error)) from None
+
+
+def _template_kwargs(body: ChatBody) -> dict | None:
+    """The chat template's further variables: the request's ``chat_template_kwargs``, and its ``reasoning_effort``
+    where those do not name it."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
 
 
 def _message(message: Message) -> dict:

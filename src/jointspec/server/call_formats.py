@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from jointspec.core.grammar import JSON_STYLE, OutputFormat
+from jointspec.server import harmony
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_glm as glm_format
 from jointspec.server import tools_mistral as mistral
@@ -24,13 +25,13 @@ CALL_CLOSE = "</tool_call>"
 # The call formats read here (server/tools.py's docstring): Hermes's blocks, Llama 3's bare JSON, Mistral's two
 # (server/tools_mistral.py), Qwen3-Coder's XML (server/tools_xml.py), Gemma 4's (server/tools_gemma.py), Granite 3's,
 # LFM2's Python calls (server/tools_pythonic.py), and the JSON lists between markers of Nemotron Nano 2, Apertus and
-# Apriel 1.5.
+# Apriel 1.5, and gpt-oss's Harmony messages (server/harmony.py).
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 MISTRAL_V3, MISTRAL_V11 = "mistral_v3", "mistral_v11"
 QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON = "qwen3_coder", "gemma4", "granite", "lfm2", "nemotron"
-APERTUS, APRIEL, GLM = "apertus", "apriel", "glm"
+APERTUS, APRIEL, GLM, HARMONY_CALLS = "apertus", "apriel", "glm", "harmony"
 FORMATS = (HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, QWEN3_CODER, GEMMA4, GRANITE, LFM2, NEMOTRON, APERTUS, APRIEL,
-           GLM)
+           GLM, HARMONY_CALLS)
 # Granite 3's opening of its calls (a special token in its tokenizer).
 GRANITE_CALL = "<|tool_call|>"
 # The markers around a list of calls: NVIDIA Nemotron Nano 2's, Apertus's (special tokens of its tokenizer) and
@@ -103,6 +104,8 @@ class CallFormat:
     opening: str | None = CALL_OPEN
     markers: tuple[str, ...] = ()
     writes_values = False  # (its grammar writes each argument's value itself, rather than a JSON object)
+    # (its grammar holds the whole answer, reasoning included, rather than the content after any reasoning block)
+    reasons_itself = False
     after_text = ""  # what the model writes between a turn's text and its calls
 
     def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
@@ -573,7 +576,31 @@ class _Lfm2(_Marked):
         return pythonic.write([call_record(call) for call in calls])
 
 
+class _Harmony(_Marked):
+    """gpt-oss's Harmony (server/harmony.py): a call is a message addressed to the function, which the content carries
+    after :data:`harmony.CALL_OPENING`. Its grammar holds the whole answer: an analysis message or none, then the
+    call (one: the model ends its answer after a call)."""
+
+    name, opening, markers, reasons_itself = HARMONY_CALLS, harmony.CALL_OPENING, harmony.MARKERS, True
+
+    def read(self, text: str, tools: tuple[Tool, ...], parallel: bool, cut: bool) -> Calls:
+        read = super().read(text, tools, parallel, cut)
+        start = text.find(self.opening)
+        if cut and not read.calls and start >= 0:  # (the call the length cut: its opening is this reader's own)
+            return Calls(text[:start].rstrip(), ())
+        return read
+
+    def grammar(self, calls: list[Held], several: bool, strict_auto: bool, ids: dict[str, int]) -> str:
+        return harmony.call_grammar([(call.name, call.json()) for call in calls], strict_auto, ids)
+
+    def split(self, rest: str, cut: bool) -> tuple[list[dict] | None, str]:
+        return harmony.read_calls(rest, cut)
+
+    def native_turns(self, messages: list[dict]) -> list[dict]:
+        return harmony.native_turns(messages)
+
+
 CALL_FORMATS: dict[str, CallFormat] = {call_format.name: call_format for call_format in (
     _Hermes(), _Llama3Json(), _Mistral(v11=False), _Mistral(v11=True), _Qwen3Coder(), _Gemma4(), _Granite(),
     _Lfm2(), _JsonList(NEMOTRON, TOOLCALL_OPEN, TOOLCALL_CLOSE), _Apertus(),
-    _JsonList(APRIEL, TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE), _Glm())}
+    _JsonList(APRIEL, TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE), _Glm(), _Harmony())}

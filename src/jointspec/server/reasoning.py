@@ -20,6 +20,8 @@ them, and the template's own strip_thinking reads an earlier answer). Read alike
 reasoning models' ``[THINK]`` ... ``[/THINK]`` (:data:`MISTRAL_THINK`, control tokens too), Apertus's
 ``<|inner_prefix|>`` ... ``<|inner_suffix|>`` (:data:`INNER`), and Apriel 1.6 Thinker's, which its template opens
 with "Here are my reasoning steps:" and the model ends with "[BEGIN FINAL RESPONSE]" (:data:`APRIEL_THINK`).
+gpt-oss's template writes OpenAI's Harmony messages (:data:`HARMONY`): its ``analysis`` channel is the reasoning and
+its ``final`` channel the content, read by server/harmony.py, which this module hands such an answer to whole.
 Granite 3.3's template, with thinking on, asks for the answer in tags of its own after the block, ``<response>`` ...
 ``</response>`` (:data:`THINK_RESPONSE`): a content that begins with them has them taken off, up to the last closing
 tag (llama.cpp's template analyser names the same tags for Granite 3.3 as the content's wrapper).
@@ -43,6 +45,7 @@ import re
 from dataclasses import dataclass
 
 from jointspec.core.grammar import JSON_STYLE, OutputFormat
+from jointspec.server import harmony
 from jointspec.server.tool_text import partial_tail, text_without
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -62,6 +65,7 @@ class Tags:
     kept: tuple[str, ...] = ()
     answer: tuple[str, str] | None = None
     anywhere: bool = False
+    harmony: bool = False  # (gpt-oss's Harmony messages: read by server/harmony.py, the tags naming its analysis)
 
 
 THINK = Tags(THINK_OPEN, THINK_CLOSE)
@@ -69,6 +73,8 @@ THINK = Tags(THINK_OPEN, THINK_CLOSE)
 # which it may also write elsewhere: another block after its answer, a closing marker left over, an opening one doubled
 # (the cases llama.cpp's Gemma 4 parser reads; its template's strip_thinking drops every block and stray marker).
 CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"), anywhere=True)
+# gpt-oss's Harmony format (server/harmony.py): the reasoning is the analysis channel's messages.
+HARMONY = Tags(harmony.CHANNEL + "analysis" + harmony.MESSAGE, harmony.END, harmony.MARKERS, harmony=True)
 # Mistral's reasoning models (Magistral, Ministral 3 Reasoning): "[THINK]" ... "[/THINK]", both control tokens.
 MISTRAL_THINK = Tags("[THINK]", "[/THINK]", ("[THINK]", "[/THINK]"))
 # Apertus's, with deliberation on: "<|inner_prefix|>" ... "<|inner_suffix|>", special tokens.
@@ -83,11 +89,13 @@ THINK_RESPONSE = Tags(THINK_OPEN, THINK_CLOSE, answer=(RESPONSE_OPEN, RESPONSE_C
 
 def template_reasons(tokenizer) -> Tags | None:
     """The tags of the reasoning blocks the tokenizer's chat template writes (it names ``</think>``, Gemma 4's
-    channel, Mistral's ``[THINK]``, Apertus's inner block or Apriel 1.6's; of a tokenizer with named templates, any
-    of them), or None where it writes none."""
+    channel, Mistral's ``[THINK]``, Apertus's inner block or Apriel 1.6's, or it writes Harmony's channels; of a
+    tokenizer with named templates, any of them), or None where it writes none."""
     template = getattr(tokenizer, "chat_template", None)
     templates = [text for text in (template.values() if isinstance(template, dict) else [template])
                  if isinstance(text, str)]
+    if any(harmony.CHANNEL in text and harmony.MESSAGE in text for text in templates):
+        return HARMONY
     for tags in (THINK, CHANNEL, MISTRAL_THINK, INNER, APRIEL_THINK):
         if any(tags.open in text and tags.close in text for text in templates) or (
                 tags is THINK and any(THINK_CLOSE in text for text in templates)):
@@ -111,6 +119,9 @@ def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opene
     tags' leading pieces that are added tokens of the tokenizer, named by id (llguidance reads added ``<...>`` tokens
     as special: no text matches them). The block's text never spells the closing tag, as the reader
     (:func:`split_reasoning`) ends it at the first such spelling."""
+    if tags.harmony:  # (an analysis message or none, then the answer in a final message)
+        rules = [harmony.final_rules(ids), *harmony.analysis_rules(ids), *_answer_rules(answer)]
+        return OutputFormat("lark", "\n".join(rules) + "\n")
     lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]{1,8}/", *_answer_rules(answer)]
     close = _tag(tags.close, ids)
     if any(tags.close.startswith(spelling) for spelling in ids):
@@ -171,6 +182,8 @@ class Parts:
 def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
     """A whole answer's reasoning and content; ``opened``: its prompt left it inside a block
     (:func:`prompt_opens_reasoning`; an answer that opens it again has that tag dropped too); ``tags``: the block's."""
+    if tags.harmony:
+        return Parts(*harmony.split(text))
     if tags.anywhere:
         return _split_anywhere(text, opened, tags)
     begun = text.lstrip()
@@ -249,9 +262,12 @@ class ReasoningStream:
         # content did (its leading whitespace is dropped until then, where a block came first).
         self.blocks, self.label, self.gap = opened, False, ""
         self.block_sent = self.thought = self.content_sent = False
+        self.harmony = harmony.HarmonyStream() if tags.harmony else None
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content that ``text`` (the next piece; ``final``: the last) lets through now."""
+        if self.harmony is not None:
+            return self.harmony.feed(text, final)
         if self.tags.anywhere:
             return self._feed_anywhere(text, final)
         self.held += text

@@ -20,9 +20,9 @@ carried over, as OpenAI's API does), ``GET`` / ``DELETE /v1/responses/{id}`` fet
 (:func:`input_items_page`). Nothing survives a restart.
 
 What is not. ``conversation`` (a stored conversation object) and ``background`` are refused (400, named). Built-in
-tools (web search, files, computer use), images and files in the input are refused by name. ``reasoning`` (an effort
-for OpenAI's own reasoning models) and ``include`` are read and not acted on: a reasoning model here thinks as its
-template lets it (``chat_template_kwargs``).
+tools (web search, files, computer use), images and files in the input are refused by name. ``reasoning.effort`` is
+given to the chat template as chat's ``reasoning_effort`` is (gpt-oss's reads it; other templates think as they let
+a model, ``chat_template_kwargs``); its ``summary`` and ``include`` are read and not acted on.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ RENAMES = ((re.compile(r"\bmessages\b"), "input"),
            (re.compile(r"max_completion_tokens"), "max_output_tokens"),
            (re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
            (re.compile(r"response_format(\.json_schema)?"), "text.format"),
-           (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
+           (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+           (re.compile(r"\breasoning_effort\b"), "reasoning.effort"))
 
 
 class ResponsesError(TranslationError):
@@ -207,6 +208,11 @@ def chat_request(data: dict, stored: Callable[[str], StoredResponse | None] | No
     fmt = (data.get("text") or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _chat_format(fmt)
+    reasoning = data.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise ResponsesError("reasoning must be an object such as {\"effort\": \"low\"}", "reasoning")
+    if (reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]  # (checked by the chat route)
     return ChatRequest(chat, tuple(origins), RENAMES, ".call_id", tuple(conversation), len(history))
 
 
@@ -455,7 +461,8 @@ class ResponseShaper(ChunkShaper):
             "model": model or data.get("model") or "", "output": output if output is not None else [],
             "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "previous_response_id": data.get("previous_response_id") or None,
-            "reasoning": {"effort": None, "summary": None}, "store": self.keep is not None,
+            "reasoning": {"effort": (data.get("reasoning") or {}).get("effort"), "summary": None},
+            "store": self.keep is not None,
             "temperature": data.get("temperature") if data.get("temperature") is not None else 1.0,
             "text": {"format": text_format},
             "tool_choice": data.get("tool_choice") or "auto", "tools": tools,

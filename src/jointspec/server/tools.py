@@ -1,6 +1,6 @@
 """OpenAI tool calling for the server: the tools a request offers, the prompt that shows them, the calls read back.
 
-Calls are read in one of twelve formats, the one the model's chat template writes (:func:`native_call_format`),
+Calls are read in one of thirteen formats, the one the model's chat template writes (:func:`native_call_format`),
 else Hermes's (each format's reader and grammar is a class of server/call_formats.py). Hermes's, the one Qwen2.5 and
 Qwen3, the Hermes models and many small instruction-tuned models were trained on: each call a block of its own,
 parallel calls one block after another::
@@ -57,7 +57,9 @@ one key: ``{"get_weather": {"city": "Paris"}}``. ServiceNow Apriel 1.5's (``apri
 ``<tool_calls>[`` ... ``]</tool_calls>``) writes one JSON list between those markers, as Nemotron's. GLM-4.5-4.7's
 (``glm``; the template names ``<arg_key>`` besides ``<tool_call>``) writes the function's name inside the tags and each
 argument as ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``, a string as it is and any other value as JSON
-(server/tools_glm.py).
+(server/tools_glm.py). gpt-oss's Harmony (``harmony``; the template names ``<|channel|>`` and ``<|call|>``) writes a
+call as a message addressed ``to=functions.NAME``, its arguments JSON, read after the answer's messages are split
+(server/harmony.py); its grammar holds the whole answer, the analysis message before the call included.
 
 A template that renders the tools but drops an assistant's earlier calls (Granite 3's, SmolLM3's;
 :func:`template_shows_calls`) is given them after the turn's text, in the format as the model wrote them. SmolLM3's
@@ -83,6 +85,7 @@ from dataclasses import dataclass
 
 from jointspec.backends.tokens import TEMPLATE_TAIL
 from jointspec.core.grammar import GrammarError, OutputFormat, one_line
+from jointspec.server import harmony
 from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_glm as glm
 from jointspec.server import tools_mistral as mistral
@@ -97,6 +100,7 @@ from jointspec.server.call_formats import (
     GLM,
     GRANITE,
     GRANITE_CALL,
+    HARMONY_CALLS,
     HERMES,
     LFM2,
     LLAMA3_JSON,
@@ -319,6 +323,8 @@ def native_call_format(tokenizer) -> str | None:
     template = chat_template_text(tokenizer)
     if template is None or "tools" not in template:
         return None
+    if harmony.CHANNEL in template and harmony.CALL in template:  # (gpt-oss's: calls are messages to functions)
+        return HARMONY_CALLS
     if TOOL_CALLS_OPEN + "[" in template and "]" + TOOL_CALLS_CLOSE in template:  # (its instructions name <tool_call>)
         return APRIEL
     if CALL_OPEN in template and glm.KEY_OPEN in template:  # (GLM's name and <arg_key> pairs inside the tags)
