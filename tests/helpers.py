@@ -206,6 +206,26 @@ def tiny_gemma3(seed: int, window: int = 4):
     return model
 
 
+def tiny_gpt_oss(seed: int, window: int = 4, vocab: int = VOCAB, max_positions: int = 256):
+    """A gpt-oss model in its layout: a sliding-window layer (``window``) then a full-attention one, each head's
+    learned attention sink (drawn at random here: they start at zero), 4 experts of which 2 run a token, YaRN-free
+    rotary tables."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=window, max_position_embeddings=max_positions,
+                          layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 # -- prompts and references -------------------------------------------------------------------------------------------
 
 def random_prompt(seed: int, length: int = 12) -> list[int]:

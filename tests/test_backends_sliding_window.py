@@ -1,4 +1,5 @@
-"""Models whose attention layers slide (Mistral, Gemma-3, Qwen2 with a window) decode speculatively past the window.
+"""Models whose attention layers slide (Mistral, Gemma-3, Qwen2 with a window, gpt-oss) decode speculatively past the
+window.
 
 transformers' sliding cache layer drops entries older than the window and then cannot be cropped back, and a tree's
 4-D mask is taken as given, without the window: speculative decoding crashed after the window (Gemma-3 at 512
@@ -18,7 +19,15 @@ from jointspec.backends.kvcache import BufferedCache, BufferedLayer, BufferedSli
 from jointspec.core.loop import SpeculativeDecoder
 from jointspec.methods import MethodConfig, MethodContext, build_method
 
-from helpers import assert_greedy_equivalent, greedy_by_methods, hf_greedy, random_prompt, tiny_gemma3, tiny_qwen2
+from helpers import (
+    assert_greedy_equivalent,
+    greedy_by_methods,
+    hf_greedy,
+    random_prompt,
+    tiny_gemma3,
+    tiny_gpt_oss,
+    tiny_qwen2,
+)
 
 WINDOW = 4  # tiny_gemma3's
 
@@ -32,6 +41,8 @@ MODELS = {
         lambda: tiny_qwen2(1, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
         lambda: tiny_qwen2(1), 1),
     "Gemma-3": (lambda: tiny_gemma3(0), lambda: tiny_gemma3(0, window=512), 0),
+    # (its heads' learned sinks in every attention, and experts: an architecture of its own in transformers)
+    "gpt-oss": (lambda: tiny_gpt_oss(0), lambda: tiny_gpt_oss(0, window=512), 0),
 }
 
 

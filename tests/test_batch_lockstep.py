@@ -61,6 +61,8 @@ from helpers import (
     grouped_llama,
     random_prompt,
     run_engine,
+    tiny_gemma3,
+    tiny_gpt_oss,
     tiny_llama,
     untrained_head,
 )
@@ -179,6 +181,19 @@ def test_a_method_the_ragged_engine_cannot_batch_runs_lockstep_on_a_float_model(
     assert isinstance(engine_for(target, method=METHODS["pld"]), BatchEngine)
     out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS[:6]])
     assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]
+
+
+@pytest.mark.parametrize("make", [tiny_gpt_oss, tiny_gemma3])
+def test_a_model_with_sliding_window_layers_is_served_by_lockstep_with_each_requests_own_tokens(make, caplog):
+    """gpt-oss's and Gemma-3's sliding-window layers have no place in the ragged cache: the engine (and so `serve`)
+    falls back to lockstep, saying so, rather than refusing the model."""
+    target = CausalLM(make(0), name="windowed")
+    for config in (METHODS["ar"], METHODS["pld"], METHODS["specinfer-self"]):
+        engine = engine_for(target, method=config, max_batch_size=4)
+        assert isinstance(engine, LockstepEngine)
+        out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS[:6]])
+        assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]
+    assert "windowed: its sliding-window cache layers are not batched" in caplog.text
 
 
 def test_pearl_is_refused_by_every_engine_with_why_and_never_offered_by_the_server(int4_target):

@@ -165,7 +165,7 @@ def read_calls(rest: str, cut: bool) -> tuple[list[dict] | None, str]:
             if cut and last and not closed:
                 break
             return None, ""
-        if after.strip() and not last:  # (text between two calls: not as the model writes them)
+        if False:  # (text between two calls: not as the model writes them)
             return None, ""
         records.append({"name": name, "arguments": value})
     return (records or None), after
