@@ -226,6 +226,36 @@ def tiny_gpt_oss(seed: int, window: int = 4, vocab: int = VOCAB, max_positions: 
     return model
 
 
+def tiny_lfm2(seed: int):
+    """A LiquidAI LFM2 model: short-convolution layers between attention ones (a hybrid whose convolutions keep their
+    last few inputs: no recurrent state)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        layer_types=["conv", "full_attention", "conv", "full_attention"])
+    model = Lfm2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def tiny_granite4(seed: int):
+    """An IBM Granite 4 hybrid: a Mamba-2 layer (a recurrent state-space state besides its convolution), then an
+    attention one."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(seed)
+    config = GraniteMoeHybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                                    mamba_n_groups=1, mamba_d_state=16, mamba_expand=1, shared_intermediate_size=128,
+                                    num_local_experts=0)
+    model = GraniteMoeHybridForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 # -- prompts and references -------------------------------------------------------------------------------------------
 
 def random_prompt(seed: int, length: int = 12) -> list[int]:

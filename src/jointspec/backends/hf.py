@@ -11,12 +11,13 @@ token). Each token then sees the whole cache plus its own ancestors, and sits at
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
 
-from jointspec.backends.kvcache import BufferedCache, sliding_window_mask
+from jointspec.backends.kvcache import BufferedCache, recurrent_state_reason, sliding_window_mask
 from jointspec.backends.lean_forward import (
     LeanCall,
     LeanLlamaForward,
@@ -105,6 +106,38 @@ class FeatureMirror:
         self.length = kept.shape[0]
 
 
+# Each hybrid model's recurrence (recurrent_reason), found once: a forward of one token.
+_RECURRENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def recurrent_reason(model: PreTrainedModel) -> str:
+    """Why no draft can be taken back out of ``model``'s state ("" where it can): a layer keeps a recurrent state
+    (Granite 4's and Falcon-H1's state-space layers, Qwen3.5's and Qwen3-Next's linear attention), which every token
+    it reads changes for good. transformers makes such states at a layer's first forward, so a model with
+    linear-attention cache layers is read once, one token on a cache of its own."""
+    probe = BufferedCache(model.config)
+    if not probe.convolutions:
+        return ""
+    if model not in _RECURRENCE:
+        start = getattr(model.config, "bos_token_id", None)
+        token = torch.tensor([[start if isinstance(start, int) else 0]], device=model.device)
+        model(input_ids=token, past_key_values=probe, use_cache=True)
+        reason = recurrent_state_reason(probe)
+        kind = getattr(model.config, "model_type", "") or "this model"
+        _RECURRENCE[model] = f"{kind}: {reason}" if reason else ""
+    return _RECURRENCE[model]
+
+
+def convolution_reason(model: PreTrainedModel) -> str:
+    """Why ``model`` scores chains only ("" where it scores trees): its convolution or recurrent layers (LFM2's,
+    hybrids') keep one state, which a tree's branches cannot share."""
+    if not BufferedCache(model.config).convolutions:
+        return ""
+    kind = getattr(model.config, "model_type", "") or "this model"
+    return f"{kind}'s convolution or recurrent layers keep one state, which a tree's branches cannot share"
+
+
 def slot_position_reason(config) -> str | None:
     """Why a model's attention depends on where each key sits in the cache, not on its position id (None: it does
     not). ALiBi (Bloom, MPT, Falcon with ``alibi``) biases each key by its distance in cache slots, and GPT-Neo's local
@@ -186,9 +219,10 @@ class CausalLM:
 
         head = self.model.get_output_embeddings()
         screens = self.lean is not None and self.lean.screens_head
-        by_slot = slot_position_reason(self.model.config)
+        by_slot = slot_position_reason(self.model.config) or convolution_reason(self.model) or None
         return TargetCapabilities(trees=by_slot is None, features=True, fork=True, torch_module=True,
                                   sparse_view=by_slot is None, chains_only=by_slot or "",
+                                  no_rollback=recurrent_reason(self.model),
                                   argmax_screen=screens and hasattr(head, "argmax_logits"),
                                   top_k_screen=SCREEN_TOP_K_MAX if screens and hasattr(head, "top_k_logits") else 0,
                                   draw_screen=screens and hasattr(head, "draw_tokens"),
@@ -396,6 +430,8 @@ class CausalLM:
             for mirror in self.mirrors:
                 if mirror.synced:
                     mirror.crop(length)
+        elif self.cache.convolutions and self.num_cached:
+            self.cache.crop(0)  # (the convolutions' recorded inputs cut back to their width)
 
     def keep(self, positions: list[int]) -> None:
         """Keep the cached tokens at ``positions`` (increasing), in that order, and drop the rest.

@@ -16,6 +16,13 @@ verified at the sequence's end may briefly pass that room; the buffers then grow
 replaces a layer's ``keys`` / ``values`` with other tensors (as transformers' own batch utilities do) is taken over
 at the next append.
 
+Hybrid models keep some layers' state in another form: LFM2's short convolutions keep their last few inputs,
+Granite 4's and Qwen3.5's state-space and linear-attention layers a recurrent state as well (transformers'
+linear-attention cache layers). A convolution's inputs can be taken back: the cache records them past each forward
+(transformers' ``activate_past_recording``) and every crop cuts them back to the kernel's width, less the tokens
+removed. A recurrent state cannot: :meth:`BufferedCache.crop` refuses to take tokens out of one
+(:func:`recurrent_layers`), so the adapter offers such a model no method that drafts (backends/hf.py).
+
 A cache may store its entries in another dtype than the model computes in (``dtype``: float16 for a float32 model,
 ``--kv-cache float16``): half the memory and half the bytes each decoding step reads at long context. jointspec's
 compiled layers read such buffers directly; anyone reading ``keys`` / ``values`` gets them widened to the model's
@@ -27,6 +34,14 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+try:  # (transformers' linear-attention cache layers: hybrid models' convolutions and recurrent states)
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # an earlier transformers 5, whose hybrid models keep such state elsewhere
+    class LinearAttentionCacheLayerMixin:  # noqa: D101 - nothing is ever one
+        pass
+
+from jointspec.core.errors import UnsupportedOptionError
 
 MIN_CAPACITY = 256
 
@@ -232,6 +247,21 @@ class BufferedCache(DynamicCache):
         self.layers = [BufferedLayer(dtype, length) if type(layer) is DynamicLayer
                        else BufferedSlidingLayer(dtype, layer.sliding_window, length)
                        if type(layer) is DynamicSlidingWindowLayer else layer for layer in self.layers]
+        self.convolutions = [layer for layer in self.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        for layer in self.convolutions:  # (their inputs kept past each forward, until a crop cuts them back)
+            layer.activate_past_recording()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take the last ``-tokens_to_remove`` tokens out of every layer (transformers' negative count; 0: none, the
+        convolutions' recorded inputs cut back to their width). UnsupportedOptionError where a layer holds a
+        recurrent state, which no crop can take tokens out of."""
+        if tokens_to_remove < 0:
+            reason = recurrent_state_reason(self)
+            if reason:
+                raise UnsupportedOptionError(f"cannot take tokens back out of this cache: {reason}; decode it with "
+                                             "method ar")
+        if tokens_to_remove or self.convolutions:
+            super().crop(tokens_to_remove)
 
     @property
     def sliding_window(self) -> int | None:
@@ -277,9 +307,22 @@ class BufferedCache(DynamicCache):
     @torch.inference_mode()  # the buffers are inference tensors (the adapter's forward makes them)
     def keep(self, positions: torch.Tensor) -> None:
         """Keep the cached entries at ``positions`` (increasing) in every layer, in that order."""
+        if self.convolutions:  # (a tree's branches would each need their own state: the adapter drafts no trees)
+            raise UnsupportedOptionError("a hybrid model's convolution or recurrent layers hold one path: only a "
+                                         "prefix of the cached tokens can be kept")
         for layer in self.layers:
             if isinstance(layer, BufferedLayer):
                 layer.keep(positions)
             else:
                 layer.keys = layer.keys.index_select(-2, positions)
                 layer.values = layer.values.index_select(-2, positions)
+
+
+def recurrent_state_reason(cache: DynamicCache) -> str:
+    """Why tokens cannot be taken back out of ``cache`` ("" where they can): a layer holds a recurrent state (a
+    state-space or linear-attention layer's), which sums every token it has read."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and any(layer.is_recurrent_states_initialized.values()):
+            return ("its state-space or linear-attention layers keep a recurrent state, which holds every token it "
+                    "has read")
+    return ""

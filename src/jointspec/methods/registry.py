@@ -292,6 +292,14 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     if name not in _METHODS:
         raise UnsupportedOptionError(unknown_method_error(name))
     entry = _METHODS[name]
+    recurrent = context.target.capabilities.no_rollback
+    if recurrent and name != "ar":
+        if name == "default":  # (the fastest exact configuration for such a target: no draft at all)
+            log.info("default: %s: decoding without drafts (method ar)", recurrent)
+            return _METHODS["ar"].builder(context)
+        raise UnsupportedOptionError(f"method '{name}' drafts tokens, and target '{context.target.name}' cannot take "
+                                     f"a rejected draft back ({recurrent}): use method ar, or default, which decodes "
+                                     "so on it")
     if context.config.cost_aware is None:
         context = replace(context, config=replace(context.config, cost_aware=entry.cost_aware_by_default))
     if context.config.cost_aware and not entry.cost_aware:
