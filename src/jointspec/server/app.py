@@ -58,7 +58,7 @@ from jointspec.server.engine import (
 )
 from jointspec.server.keys import API_KEY_RULE, valid_api_key
 from jointspec.server.metrics import CONTENT_TYPE, Metrics
-from jointspec.server.reasoning import THINK, Parts, ReasoningStream, Tags, split_reasoning
+from jointspec.server.reasoning import HARMONY_IN_CONTENT, THINK, Parts, ReasoningStream, Tags, split_reasoning
 from jointspec.server.responses import (
     ResponsesError,
     ResponseShaper,
@@ -483,6 +483,9 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     in_flight = _InFlight()
     call_format = engine.call_format  # (the model's, read once)
     special = engine.call_markers  # (its markers that are tokens of the tokenizer)
+    # (Harmony's headers are its answers' structure, not a block they may leave out: a format is held in the final
+    # message whatever the reasoning format)
+    harmony_answers = getattr(getattr(engine, "reasoning_tags", None), "harmony", False)
     stored = ResponseStore(settings.stored_responses if settings.stored_responses_mb else 0,
                            settings.stored_responses_mb << 20)
     lookup = stored.get if stored.capacity else None  # (what previous_response_id may name)
@@ -716,7 +719,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                 # (a large body's parse takes its time: off the loop)
                 body = await asyncio.to_thread(_parse, raw, model, call_format,
                                                endpoint if endpoint in TRANSLATED else None, special, lookup)
-                engine_requests = _engine_requests(body, reasoning_first=settings.reasoning_format == "auto")
+                engine_requests = _engine_requests(body, reasoning_first=settings.reasoning_format == "auto"
+                                                   or harmony_answers)
                 generations = await _submit_choices(engine_requests, body.n, deadline)
             except RequestError as error:
                 metrics.count_request(endpoint, error.outcome)
@@ -757,6 +761,10 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                                    if generation.opens_reasoning is not None}
                 reply.reasoning_tags = {index: getattr(generation, "reasoning_tags", THINK)
                                         for index, generation in enumerate(generations)}
+            elif endpoint != "completions":  # (Harmony's messages are read apart all the same: its calls are some)
+                reply.reasoning_tags = {index: HARMONY_IN_CONTENT for index, generation in enumerate(generations)
+                                        if getattr(generation, "reasoning_tags", THINK).harmony}
+                reply.reasoning = {index: False for index in reply.reasoning_tags}
             if shared.echo:
                 reply.echo = {index: (generation.echo_text, generation.prompt_logprobs)
                               for index, generation in enumerate(generations)}
@@ -1499,6 +1507,8 @@ class _Reply:
             if read is not None and read.calls:
                 message.update(content=read.content, **self._calls(read.calls, False))
                 finish = self._call_finish(chunks[-1].finish_reason if chunks else "stop")
+            elif read is not None and read.content != parts.content:  # (Harmony's reader drops a call the length cut)
+                message["content"] = read.content or (None if parts.reasoning is not None else "")
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

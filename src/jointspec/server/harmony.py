@@ -64,9 +64,12 @@ def message_kind(header: str) -> tuple[str, str | None]:
 
 
 class HarmonyStream:
-    """One answer in Harmony read into reasoning and content as it comes (module docstring)."""
+    """One answer in Harmony read into reasoning and content as it comes (module docstring). ``raw_reasoning``: the
+    analysis messages stay in the content as written (``--reasoning-format none``, as llama.cpp leaves them there),
+    the other messages read as they are otherwise, so that calls are still read."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw_reasoning: bool = False) -> None:
+        self.raw_reasoning = raw_reasoning
         self.state = "start"  # then "header", "body" and "between" (messages), or "plain" (no Harmony)
         self.held = ""  # received and not yet read
         self.kind: str | None = None  # the current message's (message_kind)
@@ -99,7 +102,10 @@ class HarmonyStream:
                     break
                 self.kind, name = message_kind(self.held[:at])
                 self.held, self.state, self.body_sent = self.held[at + len(MESSAGE):], "body", False
-                if self.kind == "reasoning":
+                if self.kind == "reasoning" and self.raw_reasoning:
+                    self.kind = "raw"
+                    out["content"].append(CHANNEL + "analysis" + MESSAGE)
+                elif self.kind == "reasoning":
                     self.reasoned = True
                 elif self.kind == "call":
                     out["content"].append(CALL_OPENING + name + CALL_HEAD)
@@ -112,7 +118,7 @@ class HarmonyStream:
                     self.held = self.held[len(self.held) - keep:]
                     break
                 self._body(self.held[:at], out)
-                if self.kind == "call":
+                if self.kind in ("call", "raw"):
                     out["content"].append(END)
                 self.held, self.state = self.held[at + len(END):], "between"
             else:  # between messages: what comes before the next one's start is dropped
@@ -128,7 +134,7 @@ class HarmonyStream:
         """A piece of the current message's body, sent to its part (a body after another of its part's, apart)."""
         if not ready or self.kind == "dropped":
             return
-        if self.kind == "call":  # (the arguments, as written, after the call's opening)
+        if self.kind in ("call", "raw"):  # (the arguments, or a kept analysis, as written after their opening)
             out["content"].append(ready)
             return
         part = self.kind
@@ -138,9 +144,10 @@ class HarmonyStream:
         self.sent[part] = self.body_sent = True
 
 
-def split(text: str) -> tuple[str | None, str]:
-    """A whole answer's reasoning (None where it began no analysis message) and content."""
-    stream = HarmonyStream()
+def split(text: str, raw_reasoning: bool = False) -> tuple[str | None, str]:
+    """A whole answer's reasoning (None where it began no analysis message, or ``raw_reasoning`` left it in the
+    content) and content."""
+    stream = HarmonyStream(raw_reasoning)
     reasoning, content = stream.feed(text, final=True)
     return (reasoning if stream.reasoned else None), content
 
@@ -149,76 +156,103 @@ def split(text: str) -> tuple[str | None, str]:
 
 def read_calls(rest: str, cut: bool) -> tuple[list[dict] | None, str]:
     """The calls after the content's first :data:`CALL_OPENING` (``rest``: what follows it) as records (name and
-    arguments; None where they do not read), and the text after them. ``cut``: the answer ran out of tokens, so an
-    unfinished last call is dropped and the calls before it stand."""
-    records, after = [], ""
+    arguments; None where one does not read), and the text after and between them (a final message or a preamble
+    that followed a call the model closed with ``<|end|>``), joined as the content's parts are. ``cut``: the answer
+    ran out of tokens, so an unfinished last call is dropped and the calls before it stand."""
+    records, said = [], []
     pieces = rest.split(CALL_OPENING)
     for number, piece in enumerate(pieces):
         name, head, body = piece.partition(CALL_HEAD)
         arguments, closed, after = body.partition(END)
-        last = number == len(pieces) - 1
         try:
             value = json.loads(arguments) if head else None
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            if cut and last and not closed:
+            if cut and number == len(pieces) - 1 and not closed:
                 break
             return None, ""
-        if False:  # (text between two calls: not as the model writes them)
-            return None, ""
         records.append({"name": name, "arguments": value})
-    return (records or None), after
+        if after.strip():
+            said.append(after.strip())
+    return (records or None), APART.join(said)
 
 
 def call_grammar(calls: list[tuple[str, str]], strict_auto: bool, ids: dict[str, int]) -> str:
     """The lark grammar of an answer in Harmony that calls one of ``calls`` (each its name and its arguments' JSON
-    schema as the grammar takes it): an analysis message or none, then the call, its recipient before or after its
-    channel as gpt-oss writes either; ``strict_auto``: or a final message of any text instead. One call: the model ends
-    its answer after it."""
+    schema as the grammar takes it): analysis messages and commentary preambles or none, then the call on the
+    commentary or analysis channel, its recipient before or after the channel, as gpt-oss writes any of them;
+    ``strict_auto``: or a final message of any text instead. One call: the model ends its answer after it."""
     channel, message = marker(CHANNEL, ids), marker(MESSAGE, ids)
-    kind = f'(" " {marker(CONSTRAIN, ids)}? "json")?'
     rules = []
     for index, (name, schema) in enumerate(calls):
         recipient = json.dumps(f"to={FUNCTIONS}{name}")
-        rules += [f'call{index}: (" " {recipient} {channel} "commentary" | {channel} "commentary " {recipient}) {kind} '
-                  f"{message} args{index}", f"args{index}: %json {schema}"]
+        rules += [f'call{index}: (" " {recipient} {channel} call_channel | {channel} call_channel " " {recipient}) '
+                  f"kind? {message} args{index}", f"args{index}: %json {schema}"]
     either = " | ".join(f"call{index}" for index in range(len(calls)))
-    then = f"({either} | {channel} \"final\" {message} FINAL_TEXT)" if strict_auto else f"({either})"
+    then = f'({either} | {channel} "final" kind? {message} FINAL_TEXT)' if strict_auto else f"({either})"
     extra = ["FINAL_TEXT: /(?s:.*)/"] if strict_auto else []
-    return "\n".join([f"start: analysis? {then}", *analysis_rules(ids), *rules, *extra]) + "\n"
+    shared = ['call_channel: "commentary" | "analysis"']
+    return "\n".join([f"start: earlier* {then}", *earlier_rules(ids), *shared, *rules, *extra]) + "\n"
 
 
-def analysis_rules(ids: dict[str, int]) -> list[str]:
-    """The grammar's rule ``analysis``: an analysis message and the next message's start."""
-    channel, message, end, start = (marker(spelling, ids) for spelling in (CHANNEL, MESSAGE, END, START))
-    lines = [text_without(END, "ANALYSIS_TEXT")]
+def earlier_rules(ids: dict[str, int]) -> list[str]:
+    """The grammar's rules ``earlier`` (an analysis message, or a commentary preamble, and the next message's start)
+    and ``kind`` (a header's content type: ``json``, after ``<|constrain|>`` or not)."""
+    channel, message, end, start, constrain = (marker(spelling, ids)
+                                               for spelling in (CHANNEL, MESSAGE, END, START, CONSTRAIN))
+    lines = [text_without(END, "MESSAGE_TEXT")]
     if END in ids:
-        body = f"ANALYSIS_TEXT {end}"
+        body = f"MESSAGE_TEXT {end}"
     else:  # (text and marker one lexeme, as reasoning_first has them where the closing tag is text)
-        lines.append(f"ANALYSIS_CLOSED: ANALYSIS_TEXT {end}")
-        body = "ANALYSIS_CLOSED"
-    return [f'analysis: {channel} "analysis" {message} {body} {start} "assistant"', *lines]
+        lines.append(f"MESSAGE_CLOSED: MESSAGE_TEXT {end}")
+        body = "MESSAGE_CLOSED"
+    return [f'earlier: {channel} ("analysis" | "commentary") {message} {body} {start} "assistant"',
+            f'kind: " "? {constrain} "json" | " json"', *lines]
 
 
 def final_rules(ids: dict[str, int]) -> str:
-    """The grammar's start of an answer whose content follows ``reasoning_answer``: in a final message, after an
-    analysis message or none."""
-    return f'start: analysis? {marker(CHANNEL, ids)} "final" {marker(MESSAGE, ids)} reasoning_answer'
+    """The grammar's start of an answer whose content follows ``reasoning_answer``: in a final message (its type
+    named or not), after analysis messages and preambles or none."""
+    return f'start: earlier* {marker(CHANNEL, ids)} "final" kind? {marker(MESSAGE, ids)} reasoning_answer'
 
 
 def native_turns(messages: list[dict]) -> list[dict]:
-    """The conversation as gpt-oss's template takes it: an assistant's earlier reasoning as ``thinking`` (the field it
+    """The conversation as gpt-oss's template takes it. An assistant's earlier reasoning as ``thinking`` (the field it
     reads, which it writes back before that turn's call), and a call turn's text with it (the template refuses a call
-    turn with both; it writes either as the call's analysis)."""
-    out = []
-    for message in messages:
-        thought = message.get("reasoning_content")
-        if message.get("role") != "assistant" or not thought:
+    turn with both; it writes either as the call's analysis). The template writes one call a turn and names each
+    result after the last call: a turn of several calls becomes turns of one call each, its reasoning on the first,
+    each followed by its result where the results answer those calls by id."""
+    out: list[dict] = []
+    at = 0
+    while at < len(messages):
+        message = _thought(messages[at])
+        at += 1
+        calls = message.get("tool_calls") or []
+        if len(calls) < 2:
             out.append(message)
             continue
-        turned = {key: value for key, value in message.items() if key != "reasoning_content"}
-        if message.get("tool_calls") and message.get("content"):
-            thought = thought + APART + turned.pop("content")
-        out.append({**turned, "thinking": thought})
+        turns = [dict(message, tool_calls=[call]) if number == 0 else
+                 {"role": "assistant", "content": "", "tool_calls": [call]} for number, call in enumerate(calls)]
+        results = []
+        while at < len(messages) and messages[at]["role"] == "tool":
+            results.append(messages[at])
+            at += 1
+        by_id = {result.get("tool_call_id"): result for result in results}
+        ids = [call.get("id") for call in calls]
+        if len(by_id) == len(results) == len(calls) and set(by_id) == set(ids):
+            out += [part for turn, id_ in zip(turns, ids) for part in (turn, by_id[id_])]
+        else:
+            out += turns + results
     return out
+
+
+def _thought(message: dict) -> dict:
+    """An assistant message with its ``reasoning_content`` as ``thinking`` (a call turn's text joined to it)."""
+    thought = message.get("reasoning_content")
+    if message.get("role") != "assistant" or not thought:
+        return message
+    turned = {key: value for key, value in message.items() if key != "reasoning_content"}
+    if message.get("tool_calls") and message.get("content"):
+        thought = thought + APART + turned.pop("content")
+    return {**turned, "thinking": thought}

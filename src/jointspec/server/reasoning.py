@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jointspec.core.grammar import JSON_STYLE, OutputFormat
 from jointspec.server import harmony
@@ -66,6 +66,7 @@ class Tags:
     answer: tuple[str, str] | None = None
     anywhere: bool = False
     harmony: bool = False  # (gpt-oss's Harmony messages: read by server/harmony.py, the tags naming its analysis)
+    in_content: bool = False  # (Harmony's analysis left in the content as written: --reasoning-format none)
 
 
 THINK = Tags(THINK_OPEN, THINK_CLOSE)
@@ -75,6 +76,9 @@ THINK = Tags(THINK_OPEN, THINK_CLOSE)
 CHANNEL = Tags("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>"), anywhere=True)
 # gpt-oss's Harmony format (server/harmony.py): the reasoning is the analysis channel's messages.
 HARMONY = Tags(harmony.CHANNEL + "analysis" + harmony.MESSAGE, harmony.END, harmony.MARKERS, harmony=True)
+# The same read with the reasoning left in the content (--reasoning-format none): its messages, the calls among them,
+# are still read apart.
+HARMONY_IN_CONTENT = replace(HARMONY, in_content=True)
 # Mistral's reasoning models (Magistral, Ministral 3 Reasoning): "[THINK]" ... "[/THINK]", both control tokens.
 MISTRAL_THINK = Tags("[THINK]", "[/THINK]", ("[THINK]", "[/THINK]"))
 # Apertus's, with deliberation on: "<|inner_prefix|>" ... "<|inner_suffix|>", special tokens.
@@ -120,7 +124,7 @@ def reasoning_first(answer: OutputFormat, tags: Tags, ids: dict[str, int], opene
     as special: no text matches them). The block's text never spells the closing tag, as the reader
     (:func:`split_reasoning`) ends it at the first such spelling."""
     if tags.harmony:  # (an analysis message or none, then the answer in a final message)
-        rules = [harmony.final_rules(ids), *harmony.analysis_rules(ids), *_answer_rules(answer)]
+        rules = [harmony.final_rules(ids), *harmony.earlier_rules(ids), *_answer_rules(answer)]
         return OutputFormat("lark", "\n".join(rules) + "\n")
     lines = [text_without(tags.close, "REASONING_TEXT"), "REASONING_GAP: /[ \\t\\r\\n]{1,8}/", *_answer_rules(answer)]
     close = _tag(tags.close, ids)
@@ -183,7 +187,7 @@ def split_reasoning(text: str, opened: bool, tags: Tags = THINK) -> Parts:
     """A whole answer's reasoning and content; ``opened``: its prompt left it inside a block
     (:func:`prompt_opens_reasoning`; an answer that opens it again has that tag dropped too); ``tags``: the block's."""
     if tags.harmony:
-        return Parts(*harmony.split(text))
+        return Parts(*harmony.split(text, tags.in_content))
     if tags.anywhere:
         return _split_anywhere(text, opened, tags)
     begun = text.lstrip()
@@ -262,7 +266,7 @@ class ReasoningStream:
         # content did (its leading whitespace is dropped until then, where a block came first).
         self.blocks, self.label, self.gap = opened, False, ""
         self.block_sent = self.thought = self.content_sent = False
-        self.harmony = harmony.HarmonyStream() if tags.harmony else None
+        self.harmony = harmony.HarmonyStream(tags.in_content) if tags.harmony else None
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the content that ``text`` (the next piece; ``final``: the last) lets through now."""
