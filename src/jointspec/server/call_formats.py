@@ -17,7 +17,14 @@ from jointspec.server import tools_gemma as gemma
 from jointspec.server import tools_glm as glm_format
 from jointspec.server import tools_mistral as mistral
 from jointspec.server import tools_pythonic as pythonic
-from jointspec.server.tool_text import marker, partial_tail, skip_space, start_rules, unwritable_key
+from jointspec.server.tool_text import (
+    marker,
+    one_call_a_turn,
+    partial_tail,
+    skip_space,
+    start_rules,
+    unwritable_key,
+)
 from jointspec.server.tools_xml import VALUE_RULES, call_rules, read_call, typed_arguments
 
 CALL_OPEN = "<tool_call>"
@@ -389,27 +396,9 @@ def _llama_turns(messages: list[dict]) -> list[dict]:
     becomes turns of one call each, each followed by its result where the results that follow answer those calls by
     id (the template's ``ipython`` turns name no call); a call turn's text is dropped, as the templates drop it (so
     that a text they do not render is not looked for in their output)."""
-    out: list[dict] = []
-    at = 0
-    while at < len(messages):
-        message = messages[at]
-        at += 1
-        calls = message.get("tool_calls") or []
-        if not calls:
-            out.append(message)
-            continue
-        turns = [dict(message, tool_calls=[call], content="") for call in calls]
-        results = []
-        while at < len(messages) and messages[at]["role"] == "tool":
-            results.append(messages[at])
-            at += 1
-        by_id = {result.get("tool_call_id"): result for result in results}
-        ids = [call.get("id") for call in calls]
-        if len(calls) > 1 and len(by_id) == len(results) == len(calls) and set(by_id) == set(ids):
-            out += [part for turn, id_ in zip(turns, ids) for part in (turn, by_id[id_])]
-        else:
-            out += turns + results
-    return out
+    return one_call_a_turn(messages, lambda message: [dict(message, tool_calls=[call], content="")
+                                                      for call in message["tool_calls"]]
+                           if message.get("tool_calls") else None)
 
 
 # -- calls after a marker: Mistral's, Gemma 4's, Granite 3's, JSON lists between markers, LFM2's --------------------

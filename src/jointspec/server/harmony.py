@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 
-from jointspec.server.tool_text import marker, partial_tail, text_without
+from jointspec.server.tool_text import marker, one_call_a_turn, partial_tail, text_without
 
 START, CHANNEL, MESSAGE, END, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -223,28 +223,14 @@ def native_turns(messages: list[dict]) -> list[dict]:
     turn with both; it writes either as the call's analysis). The template writes one call a turn and names each
     result after the last call: a turn of several calls becomes turns of one call each, its reasoning on the first,
     each followed by its result where the results answer those calls by id."""
-    out: list[dict] = []
-    at = 0
-    while at < len(messages):
-        message = _thought(messages[at])
-        at += 1
+    def turns_of(message: dict) -> list[dict] | None:
         calls = message.get("tool_calls") or []
         if len(calls) < 2:
-            out.append(message)
-            continue
-        turns = [dict(message, tool_calls=[call]) if number == 0 else
-                 {"role": "assistant", "content": "", "tool_calls": [call]} for number, call in enumerate(calls)]
-        results = []
-        while at < len(messages) and messages[at]["role"] == "tool":
-            results.append(messages[at])
-            at += 1
-        by_id = {result.get("tool_call_id"): result for result in results}
-        ids = [call.get("id") for call in calls]
-        if len(by_id) == len(results) == len(calls) and set(by_id) == set(ids):
-            out += [part for turn, id_ in zip(turns, ids) for part in (turn, by_id[id_])]
-        else:
-            out += turns + results
-    return out
+            return None
+        return [dict(message, tool_calls=[call]) if number == 0 else
+                {"role": "assistant", "content": "", "tool_calls": [call]} for number, call in enumerate(calls)]
+
+    return one_call_a_turn([_thought(message) for message in messages], turns_of)
 
 
 def _thought(message: dict) -> dict:

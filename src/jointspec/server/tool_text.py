@@ -64,3 +64,30 @@ def unwritable_key(schema: dict) -> str | None:
     empty, holds ``<``, ``>`` or a line break, or has whitespace at either end (the readers strip keys), or None."""
     return next((key for key in schema.get("properties") or {}
                  if not key or key != key.strip() or any(c in key for c in "<>\n")), None)
+
+
+def one_call_a_turn(messages: list[dict], turns_of) -> list[dict]:
+    """The conversation for a template that writes one call an assistant turn: each message that ``turns_of`` splits
+    (it gives the turns, one call each, or None to keep the message) followed by the results that come after it, each
+    turn by its own result where those answer the calls by id, else the turns and then the results."""
+    out: list[dict] = []
+    at = 0
+    while at < len(messages):
+        message = messages[at]
+        at += 1
+        turns = turns_of(message)
+        if turns is None:
+            out.append(message)
+            continue
+        results = []
+        while at < len(messages) and messages[at]["role"] == "tool":
+            results.append(messages[at])
+            at += 1
+        calls = message["tool_calls"]
+        by_id = {result.get("tool_call_id"): result for result in results}
+        ids = [call.get("id") for call in calls]
+        if len(calls) > 1 and len(by_id) == len(results) == len(calls) and set(by_id) == set(ids):
+            out += [part for turn, id_ in zip(turns, ids) for part in (turn, by_id[id_])]
+        else:
+            out += turns + results
+    return out
