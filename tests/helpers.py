@@ -226,6 +226,38 @@ def tiny_gpt_oss(seed: int, window: int = 4, vocab: int = VOCAB, max_positions: 
     return model
 
 
+def tiny_gemma3n(seed: int, window: int = 4):
+    """A Gemma 3n model: sliding and full layers whose last two read the keys and values of earlier ones (their
+    cache layers hold none), AltUp, Laurel and per-layer inputs."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3nTextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
+                               laurel_rank=8, altup_num_inputs=2, hidden_size_per_layer_input=8,
+                               vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, sliding_window=window,
+                               layer_types=["sliding_attention", "full_attention"] * 2,
+                               activation_sparsity_pattern=[0.0] * 4, intermediate_size=[128] * 4)
+    model = Gemma3nForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def tiny_llama4(seed: int, chunk: int = 4):
+    """A Llama 4 text model: a chunked-attention layer (a key seen from its own chunk of ``chunk`` positions only)
+    without rotary then a full one, mixture-of-experts feed-forwards."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              pad_token_id=0, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128,
+                              attention_chunk_size=chunk, no_rope_layers=[1, 0])
+    model = Llama4ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def tiny_lfm2(seed: int):
     """A LiquidAI LFM2 model: short-convolution layers between attention ones (a hybrid whose convolutions keep their
     last few inputs: no recurrent state)."""

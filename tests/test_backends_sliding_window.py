@@ -1,5 +1,5 @@
-"""Models whose attention layers slide (Mistral, Gemma-3, Qwen2 with a window, gpt-oss) decode speculatively past the
-window.
+"""Models whose attention layers slide (Mistral, Gemma-3, Qwen2 with a window, gpt-oss, Gemma 3n) or look at chunks
+(Llama 4) decode speculatively past the window.
 
 transformers' sliding cache layer drops entries older than the window and then cannot be cropped back, and a tree's
 4-D mask is taken as given, without the window: speculative decoding crashed after the window (Gemma-3 at 512
@@ -25,7 +25,9 @@ from helpers import (
     hf_greedy,
     random_prompt,
     tiny_gemma3,
+    tiny_gemma3n,
     tiny_gpt_oss,
+    tiny_llama4,
     tiny_qwen2,
 )
 
@@ -43,6 +45,10 @@ MODELS = {
     "Gemma-3": (lambda: tiny_gemma3(0), lambda: tiny_gemma3(0, window=512), 0),
     # (its heads' learned sinks in every attention, and experts: an architecture of its own in transformers)
     "gpt-oss": (lambda: tiny_gpt_oss(0), lambda: tiny_gpt_oss(0, window=512), 0),
+    # (its last layers read earlier layers' entries: their cache layers hold none, which keeping a tree's path skips)
+    "Gemma 3n": (lambda: tiny_gemma3n(0), lambda: tiny_gemma3n(0, window=512), 0),
+    # (chunks, not windows: a tree's mask must give each key to its own chunk's positions only)
+    "Llama 4 (chunked attention)": (lambda: tiny_llama4(0), lambda: tiny_llama4(0, chunk=512), 0),
 }
 
 

@@ -358,11 +358,17 @@ class CausalLM:
             window = self.cache.sliding_window
             if window is None:
                 mask = self._additive_mask(visible)
-            else:  # a 4-D mask is taken as given: the sliding layers' window must be in it
+            else:  # a 4-D mask is taken as given: the sliding layers' window (or chunk) must be in it
                 key_positions = torch.cat([torch.arange(start, device=self.device), positions])
-                sliding = self._additive_mask(visible & sliding_window_mask(positions, key_positions, window))
-                mask = sliding if all(self.cache.is_sliding) else {
-                    "full_attention": self._additive_mask(visible), "sliding_attention": sliding}
+                chunk = getattr(self.model.config, "attention_chunk_size", None)
+                if "chunked_attention" in (getattr(self.model.config, "layer_types", None) or ()) and chunk:
+                    # (Llama 4's: a key is seen from its own chunk of positions only)
+                    kind, near = "chunked_attention", key_positions[None, :] // chunk == positions[:, None] // chunk
+                else:
+                    kind, near = "sliding_attention", sliding_window_mask(positions, key_positions, window)
+                sliding = self._additive_mask(visible & near)
+                mask = sliding if all(self.cache.is_sliding) else {"full_attention": self._additive_mask(visible),
+                                                                   kind: sliding}
         keep = n if num_logits is None else num_logits
         layers = sorted({layer for mirror in self.mirrors if mirror.synced for layer in mirror.layers}
                         | ({-1} if output_hidden else set()))

@@ -313,7 +313,7 @@ class BufferedCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, BufferedLayer):
                 layer.keep(positions)
-            else:
+            elif layer.keys is not None:  # (not a layer that holds none: Gemma 3n's that read another's entries)
                 layer.keys = layer.keys.index_select(-2, positions)
                 layer.values = layer.values.index_select(-2, positions)
 
