@@ -44,7 +44,14 @@ def decode_text(tokenizer, token_ids: list[int], kept: dict[int, str] | None = N
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters; the deltas and
-    :meth:`finish` add up to :func:`decode_text` of every id pushed."""
+    :meth:`finish` add up to :func:`decode_text` of every id pushed.
+
+    Each push decodes a window, not the whole answer: the tokens whose text it last sent and the new ones, their
+    delta being what the new ones add to the window's text. Decoding everything at every push made an answer of n
+    tokens cost n^2 (a long reasoning answer spent longer decoding its text than its tokens). The window starts where
+    a text was last sent whole, so the new tokens decode as in the whole text: a SentencePiece word keeps the space
+    its marker spells (a decode drops it only from the window's first token, whose text is not sent again), and a
+    character split across byte tokens joins."""
 
     def __init__(self, tokenizer, context: list[int] | None = None, kept: dict[int, str] | None = None) -> None:
         """``context``: ids the text follows but does not include (an echoed prompt): decoded with them, the deltas
@@ -53,26 +60,35 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.kept = kept
         self.token_ids: list[int] = list(context or ())
-        self.emitted = decode_text(tokenizer, self.token_ids, kept) if self.token_ids else ""
+        # The window: token_ids[start:read] are the tokens whose text was last sent (a few of the context's at first).
+        self.read = len(self.token_ids)
+        self.start = max(0, self.read - CONTEXT_WINDOW)
 
     def push(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
-        text = decode_text(self.tokenizer, self.token_ids, self.kept)
-        if text.endswith("\ufffd"):
-            return ""  # a multi-byte character is split across tokens: wait for the rest
-        return self._advance(text)
+        return self._advance(final=False)
 
     def finish(self) -> str:
         """The held-back rest at the end: bytes no later token completes show as U+FFFD, as a whole decode shows
         them."""
-        return self._advance(decode_text(self.tokenizer, self.token_ids, self.kept))
+        return self._advance(final=True)
 
-    def _advance(self, text: str) -> str:
-        # Text already sent is never sent again: a decode that no longer extends it (a tokenizer whose pieces change
-        # with what follows them) sends only what lies past it.
-        delta = text[len(self.emitted):]
-        self.emitted = text if text.startswith(self.emitted) else self.emitted + delta
+    def _advance(self, final: bool) -> str:
+        before = decode_text(self.tokenizer, self.token_ids[self.start:self.read], self.kept)
+        text = decode_text(self.tokenizer, self.token_ids[self.start:], self.kept)
+        if text.endswith("\ufffd") and not final:
+            return ""  # a multi-byte character is split across tokens: wait for the rest
+        # (what lies past the window's old text: where a later token rewrote it, as SentencePiece's byte fallback
+        # does, text already sent is not sent again)
+        delta = text[len(before):]
+        if delta:
+            self.start, self.read = self.read, len(self.token_ids)
         return delta
+
+
+# How many of a context's last tokens the first push decodes with the answer's (enough for a word's marker and a
+# character's bytes).
+CONTEXT_WINDOW = 8
 
 
 def _special_spellings(tokenizer) -> list[str]:
