@@ -258,14 +258,14 @@ def tiny_llama4(seed: int, chunk: int = 4):
     return model
 
 
-def tiny_lfm2(seed: int):
+def tiny_lfm2(seed: int, max_positions: int = 256):
     """A LiquidAI LFM2 model: short-convolution layers between attention ones (a hybrid whose convolutions keep their
     last few inputs: no recurrent state)."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     torch.manual_seed(seed)
     config = Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                         layer_types=["conv", "full_attention", "conv", "full_attention"])
     model = Lfm2ForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
@@ -284,6 +284,19 @@ def tiny_granite4(seed: int):
                                     mamba_n_groups=1, mamba_d_state=16, mamba_expand=1, shared_intermediate_size=128,
                                     num_local_experts=0)
     model = GraniteMoeHybridForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def tiny_falcon_h1(seed: int):
+    """A TII Falcon-H1 model: each layer a Mamba-2 mixer beside attention, their states in one cache layer."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(seed)
+    config = FalconH1Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                            mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
+    model = FalconH1ForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
     return model
 

@@ -12,8 +12,11 @@ inside transformers. Deterministic: no false-failure odds.
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
 from jointspec.backends.hf import CausalLM
+from jointspec.backends.kvcache import ROLLBACK_ROOM
 from jointspec.batch.engine import BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, engine_for
 from jointspec.core.draft import NoDrafter
@@ -25,10 +28,12 @@ from jointspec.methods.oracle import OracleConfig
 from helpers import (
     BATCH_GREEDY,
     BATCH_PROMPTS,
+    VOCAB,
     assert_greedy_equivalent,
     greedy,
     hf_greedy,
     random_prompt,
+    tiny_falcon_h1,
     tiny_granite4,
     tiny_lfm2,
 )
@@ -48,9 +53,28 @@ def test_lfm2_decodes_chains_with_rejected_drafts_as_plain_greedy_decoding(seed)
     decoder.generate(prompt, greedy(40))
     stats = decoder.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "drafts must be kept and rejected"
-    # the convolutions' recorded inputs are cut back at every round, not kept for the whole answer
-    assert all(state.shape[-1] <= layer.conv_kernel_size[index]
+    # default's cost curve crops a measured forward back to nothing; it decodes as plain greedy decoding too
+    drafter, verifier = build_method(MethodContext(MethodConfig("default"), target, None, None))
+    assert SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)) == hf_greedy(model, prompt, 40)
+
+
+def test_lfm2s_recorded_inputs_stay_bounded_and_a_crop_past_them_is_refused():
+    """The convolutions record their inputs past each forward, for a crop to take back: as far back as
+    ROLLBACK_ROOM tokens, not a long prompt's every input; a crop further back than that is refused, not made
+    wrong."""
+    model = tiny_lfm2(0, max_positions=1024)
+    target = CausalLM(model, name="lfm2")
+    prompt = list(range(3, 63)) * 10  # 600 tokens in one forward
+    target.forward(prompt)
+    assert all(state.shape[-1] <= layer.conv_kernel_size[index] + ROLLBACK_ROOM
                for layer in target.cache.convolutions for index, state in layer.conv_states.items())
+    with pytest.raises(UnsupportedOptionError, match="keep the inputs of their last 256 tokens at most"):
+        target.crop(600 - ROLLBACK_ROOM - 1)
+    target.crop(600 - ROLLBACK_ROOM)  # (as far back as they reach: the next tokens read as after that prefix)
+    expected = model(torch.tensor([prompt[:600 - ROLLBACK_ROOM] + [7]])).logits[0, -1]
+    assert torch.allclose(target.forward([7]).logits[-1], expected, atol=1e-5)
+    target.crop(0)  # (back to nothing, however far that is: no state at all, as a new sequence's)
+    assert torch.allclose(target.forward([7]).logits[-1], model(torch.tensor([[7]])).logits[0, -1], atol=1e-5)
 
 
 def test_lfm2_scores_chains_only_and_refuses_trees_with_the_reason():
@@ -63,30 +87,63 @@ def test_lfm2_scores_chains_only_and_refuses_trees_with_the_reason():
         target.keep([0, 1, 3])  # (a tree's accepted path, its sibling dropped)
 
 
-def test_a_recurrent_hybrid_refuses_drafting_methods_and_default_decodes_without_drafts():
-    model = tiny_granite4(0)
-    target = CausalLM(model, name="granite4")
-    assert "granitemoehybrid: its state-space or linear-attention layers keep a recurrent state" in \
+@pytest.mark.parametrize("make, kind", [(tiny_granite4, "granitemoehybrid"), (tiny_falcon_h1, "falcon_h1")])
+def test_a_recurrent_hybrid_refuses_drafting_methods_and_default_decodes_without_drafts(make, kind):
+    """Granite 4's Mamba layers have cache layers of their own; Falcon-H1's share one with attention."""
+    model = make(0)
+    target = CausalLM(model, name="recurrent")
+    assert f"{kind}: its state-space or linear-attention layers keep a recurrent state" in \
         target.capabilities.no_rollback
-    for config in (MethodConfig("pld"), MethodConfig("sps", draft="self"), MethodConfig("hybrid", draft="self")):
+    for config in (MethodConfig("pld"), MethodConfig("sps", draft="self"), MethodConfig("hybrid", draft="self"),
+                   OracleConfig(num_draft_tokens=4, corruption_rate=0.3)):
         with pytest.raises(UnsupportedOptionError, match="cannot take a rejected draft back"):
             build_method(MethodContext(config, target, None, None))
     drafter, verifier = build_method(MethodContext(MethodConfig("default"), target, None, None))
     assert isinstance(drafter, NoDrafter)
     prompt = random_prompt(0)
     assert SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)) == hf_greedy(model, prompt, 40)
-    with pytest.raises(UnsupportedOptionError, match="cannot take tokens back out of this cache"):
+    with pytest.raises(UnsupportedOptionError, match="cannot take 1 tokens back out of this cache"):
         target.crop(target.num_cached - 1)
 
 
 @pytest.mark.parametrize("make", [tiny_lfm2, tiny_granite4])
 def test_the_server_engine_serves_a_hybrid_model_each_request_its_own_tokens(make):
-    """No ragged cache holds their layers: the engine falls back to lockstep, one loop per request."""
+    """No ragged cache holds their layers: the engine falls back to lockstep, one loop per request. With a prompt
+    cache (serve's default), requests that share a prompt's beginning each get their own tokens: the cache keeps no
+    hybrid's caches, whose states its keys and values would not carry."""
     target = CausalLM(make(0), name="hybrid")
     config = MethodConfig("default")
-    engine = engine_for(target, method=config, max_batch_size=4)
+    engine = engine_for(target, method=config, max_batch_size=4, prompt_cache_bytes=1 << 24)
     assert isinstance(engine, LockstepEngine)
-    out = engine.generate([BatchRequest(tuple(p), BATCH_GREEDY, config) for p in BATCH_PROMPTS[:4]])
+    shared = [list(BATCH_PROMPTS[0]) + list(p[:3]) for p in BATCH_PROMPTS[:3]]
+    prompts = [*BATCH_PROMPTS[:4], *shared]
+    out = engine.generate([BatchRequest(tuple(p), BATCH_GREEDY, config) for p in prompts[:4]])
+    out += engine.generate([BatchRequest(tuple(p), BATCH_GREEDY, config) for p in prompts[4:]])
     alone = CausalLM(target.model, name="alone")
     assert out == [SpeculativeDecoder(alone, NoDrafter(), build_method(MethodContext(
-        MethodConfig("ar"), alone, None, None))[1]).generate(list(p), BATCH_GREEDY) for p in BATCH_PROMPTS[:4]]
+        MethodConfig("ar"), alone, None, None))[1]).generate(list(p), BATCH_GREEDY) for p in prompts]
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8,
+                                                                   num_hidden_layers=2)),
+     "mamba keeps its state in an argument of its own"),
+    (lambda: transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=64, attention_window_size=16, conv1d_width=4)),
+     "recurrent_gemma keeps some layers' state outside transformers' cache"),
+])
+def test_a_model_whose_state_lives_outside_transformers_cache_is_refused_at_once(make, why):
+    """Mamba reads its state from an argument of its own, RecurrentGemma keeps it on its modules: jointspec's cache
+    holds neither, so plain decoding gave other tokens (Mamba) or the first crop crashed; now the adapter refuses."""
+    with pytest.raises(UnsupportedOptionError, match=why):
+        CausalLM(make().eval())
+
+
+def test_a_recurrent_draft_model_is_refused_when_the_method_is_built():
+    target = CausalLM(tiny_lfm2(0), name="target")
+    recurrent = CausalLM(tiny_granite4(0), name="draft")
+    context = MethodContext(MethodConfig("sps", draft="granite4", cost_aware=False), target, None,
+                            lambda source: (recurrent, None))
+    with pytest.raises(UnsupportedOptionError, match="draft model 'granite4' cannot take its rejected tokens back"):
+        build_method(context)

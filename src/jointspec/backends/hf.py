@@ -11,8 +11,10 @@ token). Each token then sees the whole cache plus its own ancestors, and sits at
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -106,36 +108,56 @@ class FeatureMirror:
         self.length = kept.shape[0]
 
 
-# Each hybrid model's recurrence (recurrent_reason), found once: a forward of one token.
-_RECURRENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class CacheKinds:
+    """What a model's cache layers allow besides keys and values: ``chains``, why it scores chains only (its
+    convolution or recurrent layers keep one state, which a tree's branches cannot share; "": it scores trees);
+    ``recurrent``, why no draft can be taken back out of it (a layer keeps a recurrent state, which every token it
+    reads changes for good; "": one can)."""
+
+    chains: str = ""
+    recurrent: str = ""
+
+
+# Each model's, found once (cache_kinds): a hybrid's takes a forward of one token.
+_CACHE_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.inference_mode()
-def recurrent_reason(model: PreTrainedModel) -> str:
-    """Why no draft can be taken back out of ``model``'s state ("" where it can): a layer keeps a recurrent state
-    (Granite 4's and Falcon-H1's state-space layers, Qwen3.5's and Qwen3-Next's linear attention), which every token
-    it reads changes for good. transformers makes such states at a layer's first forward, so a model with
-    linear-attention cache layers is read once, one token on a cache of its own."""
+def cache_kinds(model: PreTrainedModel) -> CacheKinds:
+    """What ``model``'s cache allows (:class:`CacheKinds`). transformers makes a hybrid's recurrent states (Granite
+    4's and Falcon-H1's state-space layers, Qwen3.5's and Qwen3-Next's linear attention) at a layer's first forward,
+    so a model with linear-attention cache layers is read once, one token on a cache of its own. UnsupportedOptionError
+    where the model keeps its state where jointspec's cache cannot hold it: in an argument of its own (Mamba's
+    ``cache_params``, RWKV's ``state``), on its modules (RecurrentGemma's), or in a cache transformers will not mix
+    with another (MiniMax's)."""
+    if model in _CACHE_KINDS:
+        return _CACHE_KINDS[model]
+    kind = getattr(model.config, "model_type", "") or "this model"
+    arguments = inspect.signature(model.forward).parameters
+    own = [name for name in ("cache_params", "state") if name in arguments]
+    if own and "past_key_values" not in arguments:
+        raise UnsupportedOptionError(f"{kind} keeps its state in an argument of its own ({own[0]}), not in "
+                                     "transformers' cache, which jointspec decodes with: it cannot decode this model")
     probe = BufferedCache(model.config)
-    if not probe.convolutions:
-        return ""
-    if model not in _RECURRENCE:
+    kinds = CacheKinds()
+    if probe.convolutions:
         start = getattr(model.config, "bos_token_id", None)
         token = torch.tensor([[start if isinstance(start, int) else 0]], device=model.device)
-        model(input_ids=token, past_key_values=probe, use_cache=True)
+        try:
+            model(input_ids=token, past_key_values=probe, use_cache=True)
+        except (ValueError, TypeError) as error:
+            raise UnsupportedOptionError(f"{kind}: transformers refuses jointspec's cache for it ({error}): it "
+                                         "cannot decode this model") from None
+        if any(not any(layer.is_conv_states_initialized.values())
+               and not any(layer.is_recurrent_states_initialized.values()) for layer in probe.convolutions):
+            raise UnsupportedOptionError(f"{kind} keeps some layers' state outside transformers' cache (on its own "
+                                         "modules), which jointspec decodes with: it cannot decode this model")
         reason = recurrent_state_reason(probe)
-        kind = getattr(model.config, "model_type", "") or "this model"
-        _RECURRENCE[model] = f"{kind}: {reason}" if reason else ""
-    return _RECURRENCE[model]
-
-
-def convolution_reason(model: PreTrainedModel) -> str:
-    """Why ``model`` scores chains only ("" where it scores trees): its convolution or recurrent layers (LFM2's,
-    hybrids') keep one state, which a tree's branches cannot share."""
-    if not BufferedCache(model.config).convolutions:
-        return ""
-    kind = getattr(model.config, "model_type", "") or "this model"
-    return f"{kind}'s convolution or recurrent layers keep one state, which a tree's branches cannot share"
+        kinds = CacheKinds(f"{kind}'s convolution or recurrent layers keep one state, which a tree's branches cannot "
+                           "share", f"{kind}: {reason}" if reason else "")
+    _CACHE_KINDS[model] = kinds
+    return kinds
 
 
 def slot_position_reason(config) -> str | None:
@@ -170,6 +192,7 @@ class CausalLM:
         self.lean = lean_forward_of(self.model) if lean else None
         self.kv_dtype = kv_dtype
         self.check_kv_dtype()
+        cache_kinds(self.model)  # (refuses a model whose state its cache cannot hold)
         self.cache = BufferedCache(model.config, kv_dtype)
         self.num_cached = 0
         self.mirrors: list[FeatureMirror] = []
@@ -219,10 +242,10 @@ class CausalLM:
 
         head = self.model.get_output_embeddings()
         screens = self.lean is not None and self.lean.screens_head
-        by_slot = slot_position_reason(self.model.config) or convolution_reason(self.model) or None
+        kinds = cache_kinds(self.model)
+        by_slot = slot_position_reason(self.model.config) or kinds.chains or None
         return TargetCapabilities(trees=by_slot is None, features=True, fork=True, torch_module=True,
-                                  sparse_view=by_slot is None, chains_only=by_slot or "",
-                                  no_rollback=recurrent_reason(self.model),
+                                  sparse_view=by_slot is None, chains_only=by_slot or "", no_rollback=kinds.recurrent,
                                   argmax_screen=screens and hasattr(head, "argmax_logits"),
                                   top_k_screen=SCREEN_TOP_K_MAX if screens and hasattr(head, "top_k_logits") else 0,
                                   draw_screen=screens and hasattr(head, "draw_tokens"),
@@ -385,6 +408,8 @@ class CausalLM:
                 states: dict[int, torch.Tensor]) -> ForwardOutput:
         """Count the new tokens as cached, feed the feature mirrors, and shape the output."""
         self.num_cached += call.input_ids.shape[1]
+        if self.cache.convolutions:
+            self.cache.keep_recent()
         for mirror in self.mirrors:
             if mirror.synced:
                 mirror.append(states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
@@ -429,15 +454,19 @@ class CausalLM:
         """Keep only the first ``length`` cached tokens."""
         if not 0 <= length <= self.num_cached:
             raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
-        if length < self.num_cached:
+        if length == 0 and self.cache.convolutions and self.num_cached:
+            self.reset()  # (no state at all: what a convolution's recorded inputs need not reach back to)
+        elif length < self.num_cached:
+            recorded = self.cache.recorded_reason(self.num_cached - length, length) if self.cache.convolutions else ""
+            if recorded:
+                raise UnsupportedOptionError(f"cannot take {self.num_cached - length} tokens back out of "
+                                             f"'{self.name}': {recorded}")
             # transformers >= 5 takes the number of tokens to remove as a negative count.
             self.cache.crop(length - self.num_cached)
             self.num_cached = length
             for mirror in self.mirrors:
                 if mirror.synced:
                     mirror.crop(length)
-        elif self.cache.convolutions and self.num_cached:
-            self.cache.crop(0)  # (the convolutions' recorded inputs cut back to their width)
 
     def keep(self, positions: list[int]) -> None:
         """Keep the cached tokens at ``positions`` (increasing), in that order, and drop the rest.

@@ -19,8 +19,8 @@ at the next append.
 Hybrid models keep some layers' state in another form: LFM2's short convolutions keep their last few inputs,
 Granite 4's and Qwen3.5's state-space and linear-attention layers a recurrent state as well (transformers'
 linear-attention cache layers). A convolution's inputs can be taken back: the cache records them past each forward
-(transformers' ``activate_past_recording``) and every crop cuts them back to the kernel's width, less the tokens
-removed. A recurrent state cannot: :meth:`BufferedCache.crop` refuses to take tokens out of one
+(transformers' ``activate_past_recording``), as far back as ``ROLLBACK_ROOM`` tokens, and a crop drops the last
+ones. A recurrent state cannot: :meth:`BufferedCache.crop` refuses to take tokens out of one
 (:func:`recurrent_layers`), so the adapter offers such a model no method that drafts (backends/hf.py).
 
 A cache may store its entries in another dtype than the model computes in (``dtype``: float16 for a float32 model,
@@ -44,6 +44,9 @@ except ImportError:  # an earlier transformers 5, whose hybrid models keep such 
 from jointspec.core.errors import UnsupportedOptionError
 
 MIN_CAPACITY = 256
+# The most tokens a crop may take back out of a convolution layer: its recorded inputs are kept that far back (a
+# round's draft, or a draft model's drafted tokens, are far fewer).
+ROLLBACK_ROOM = 256
 
 
 class BufferedLayer(DynamicLayer):
@@ -252,16 +255,43 @@ class BufferedCache(DynamicCache):
             layer.activate_past_recording()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Take the last ``-tokens_to_remove`` tokens out of every layer (transformers' negative count; 0: none, the
-        convolutions' recorded inputs cut back to their width). UnsupportedOptionError where a layer holds a
-        recurrent state, which no crop can take tokens out of."""
+        """Take the last ``-tokens_to_remove`` tokens out of every layer (transformers' negative count; 0: none).
+        UnsupportedOptionError where a layer holds a
+        recurrent state, which no crop can take tokens out of (a convolution's recorded inputs are checked by the
+        adapter, :meth:`recorded_reason`, which knows the sequence's length)."""
         if tokens_to_remove < 0:
             reason = recurrent_state_reason(self)
             if reason:
-                raise UnsupportedOptionError(f"cannot take tokens back out of this cache: {reason}; decode it with "
-                                             "method ar")
-        if tokens_to_remove or self.convolutions:
-            super().crop(tokens_to_remove)
+                raise UnsupportedOptionError(f"cannot take {-tokens_to_remove} tokens back out of this cache: "
+                                             f"{reason}")
+        for layer in self.layers:
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                layer.crop(tokens_to_remove)
+            elif tokens_to_remove < 0:  # (the last inputs dropped, the earlier ones kept for a later crop: not
+                # transformers' crop, which keeps the kernel's width alone)
+                for index, initialized in layer.is_conv_states_initialized.items():
+                    if initialized:
+                        layer.conv_states[index] = layer.conv_states[index][..., :tokens_to_remove]
+
+    def keep_recent(self, count: int = ROLLBACK_ROOM) -> None:
+        """Cut each convolution's recorded inputs back to what taking the last ``count`` tokens out would need: its
+        width plus ``count`` (a long prompt's forward would otherwise keep every input it read until the next crop)."""
+        for layer in self.convolutions:
+            for index, initialized in layer.is_conv_states_initialized.items():
+                if initialized:
+                    layer.conv_states[index] = layer.conv_states[index][..., -(layer.conv_kernel_size[index] + count):]
+
+    def recorded_reason(self, count: int, kept: int) -> str:
+        """Why the convolutions cannot give back their last ``count`` tokens, ``kept`` tokens staying before them
+        ("" where they can): a layer has recorded fewer inputs than those tokens and the kernel's width before them
+        (or all the kept ones, where fewer)."""
+        for layer in self.convolutions:
+            for index, initialized in layer.is_conv_states_initialized.items():
+                needed = count + min(layer.conv_kernel_size[index], kept)
+                if initialized and layer.conv_states[index].shape[-1] < needed:
+                    return (f"its convolution layers keep the inputs of their last {ROLLBACK_ROOM} tokens at most, "
+                            "and no more")
+        return ""
 
     @property
     def sliding_window(self) -> int | None:

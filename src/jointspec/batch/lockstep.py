@@ -352,10 +352,17 @@ class LockstepEngine(EngineBase):
                 seq.stats.prompt_tokens_reused = seq.reused
                 self.active[seq.seq_id] = seq
 
+    def _caches_prompts(self, target: CausalLM) -> bool:
+        """Whether ``target``'s finished caches are kept and its new ones taken from the kept: not where a head's
+        mirror would need the features too, nor a hybrid model's convolution or recurrent states, which a kept
+        cache's keys and values do not carry and a crop into its prompt could not take back."""
+        return bool(self.prompt_cache.max_bytes) and not target.mirrors and not getattr(target.cache, "convolutions",
+                                                                                          None)
+
     def _reuse(self, target: CausalLM, prompt: list[int], end: int) -> int:
         """Give ``target`` (a new request's, empty) the kept cache serving most of ``prompt[:end]``; returns how many
         of its entries it now holds."""
-        if not self.prompt_cache.max_bytes or target.mirrors:  # a head's mirror would need the features too
+        if not self._caches_prompts(target):
             return 0
         taken = self.prompt_cache.take(prompt, end, None if prompt_rows_alone(target) else target.prefill_chunk)
         if taken is None:
@@ -374,7 +381,7 @@ class LockstepEngine(EngineBase):
     def _keep_cache(self, seq: _Sequence) -> None:
         """Offer a finished request's cache to the prompt cache, with the tokens its entries hold."""
         target, state = seq.decoder.target, seq.state
-        if not self.prompt_cache.max_bytes or target.mirrors or state is None:
+        if not self._caches_prompts(target) or state is None:
             return
         held = min(target.num_cached, len(state.tokens))
         target.crop(held)

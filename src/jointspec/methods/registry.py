@@ -155,6 +155,10 @@ class MethodContext:
                                          "a table goes with --method corpus --draft DIR")
         draft, draft_tokenizer = self.load_draft(self.config.draft)
         check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
+        recurrent = getattr(getattr(draft, "capabilities", None), "no_rollback", "")
+        if recurrent:  # (its own cache is cut back after every round in which the target rejected part of a draft)
+            raise UnsupportedOptionError(f"draft model '{self.config.draft}' cannot take its rejected tokens back "
+                                         f"({recurrent}): draft with a model without recurrent layers, or a head")
         return draft
 
     def eos_token_ids(self) -> frozenset[int]:
