@@ -115,3 +115,30 @@ def test_a_decode_that_rewrites_sent_text_sends_only_what_lies_past_it():
     assert decode_text(tokenizer, ids) == "\ufffd" * 3 and decode_text(tokenizer, ids[:2]) == "\x9f"
     detokenizer = IncrementalDetokenizer(tokenizer)
     assert [detokenizer.push([token]) for token in ids] + [detokenizer.finish()] == ["", "\x9f", "", "\ufffd" * 2]
+
+
+def test_an_echoed_prompt_ending_in_byte_tokens_leaves_the_answers_characters_whole():
+    """The first window reaches into the context from a character's start: begun inside a run of byte tokens, the
+    byte fallback read the run, the answer's bytes with it, as a U+FFFD a byte (a review's case: "x €€€" then 🎉)."""
+    tokenizer = sentencepiece_like()
+    context = tokenizer("x \u20ac\u20ac\u20ac")["input_ids"]
+    answer = tokenizer("\U0001f389", add_special_tokens=False)["input_ids"][1:]
+    assert len(context) > 8 and all(tokenizer.convert_ids_to_tokens(token).startswith("<0x") for token in answer)
+    assert streamed(tokenizer, answer, [1] * len(answer), context=context) == "\U0001f389"
+
+
+def test_tokens_that_add_no_text_are_not_decoded_again():
+    """A run of skipped special tokens (a broken model writing its pad token on and on) stays linear too."""
+    tokenizer = byte_tokenizer()
+    decoded = []
+    original = tokenizer.decode
+
+    def counting(token_ids, **options):
+        decoded.append(len(token_ids))
+        return original(token_ids, **options)
+
+    tokenizer.decode = counting
+    ids = tokenizer("hi ")["input_ids"] + [tokenizer.pad_token_id] * 3000 + tokenizer("there")["input_ids"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert "".join(detokenizer.push([token]) for token in ids) + detokenizer.finish() == "hi there"
+    assert sum(decoded) < 6 * len(ids)

@@ -62,6 +62,7 @@ from helpers import (
     random_prompt,
     run_engine,
     tiny_gemma3,
+    tiny_gemma3n,
     tiny_gpt_oss,
     tiny_llama,
     untrained_head,
@@ -194,6 +195,22 @@ def test_a_model_with_sliding_window_layers_is_served_by_lockstep_with_each_requ
         out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS[:6]])
         assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]
     assert "windowed: its sliding-window cache layers are not batched" in caplog.text
+
+
+def test_a_kept_cache_copied_for_a_longer_prompt_skips_layers_that_hold_no_entries(monkeypatch):
+    """Gemma 3n's last layers read earlier layers' keys and values: their cache layers hold none, and copying a kept
+    cache's first entries into a new request's cache (a prompt that goes on past a kept one) skips them. The new
+    request's next logits are those of reading the prompt afresh."""
+    model = tiny_gemma3n(0)
+    engine = engine_for(CausalLM(model, name="gemma3n"), method=METHODS["ar"], max_batch_size=2,
+                        prompt_cache_bytes=1 << 24)
+    kept, prompt = CausalLM(model, name="kept"), list(range(3, 23))
+    kept.forward(prompt)
+    monkeypatch.setattr(engine.prompt_cache, "take", lambda *_: (kept.cache, 12, False))  # (not owned: copied)
+    fresh, alone = CausalLM(model, name="fresh"), CausalLM(model, name="alone")
+    assert engine._reuse(fresh, prompt[:12] + [50, 51], 14) == 12
+    alone.forward(prompt[:12])
+    assert torch.allclose(fresh.forward([50, 51]).logits[-1], alone.forward([50, 51]).logits[-1], atol=1e-5)
 
 
 def test_pearl_is_refused_by_every_engine_with_why_and_never_offered_by_the_server(int4_target):

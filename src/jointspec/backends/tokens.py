@@ -59,14 +59,29 @@ class IncrementalDetokenizer:
         of the answer alone drops). ``kept``: special tokens the text spells out (:func:`decode_text`)."""
         self.tokenizer = tokenizer
         self.kept = kept
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ()) - set(kept or ())
+        self.skips: dict[int, bool] = {}
         self.token_ids: list[int] = list(context or ())
-        # The window: token_ids[start:read] are the tokens whose text was last sent (a few of the context's at first).
+        # The window: token_ids[start:read] are the tokens whose text was last sent (a few of the context's at first,
+        # from a character's start: SentencePiece's byte fallback reads a run of byte tokens begun inside a character
+        # as a U+FFFD a byte, the answer's own bytes after it too).
         self.read = len(self.token_ids)
         self.start = max(0, self.read - CONTEXT_WINDOW)
+        while self.start and decode_text(tokenizer, self.token_ids[self.start:self.read], kept).startswith("\ufffd"):
+            self.start -= 1
 
     def push(self, token_ids: list[int]) -> str:
-        self.token_ids.extend(token_ids)
+        # Special tokens a decode skips are left out: they change no text, and a run of them (a broken model writing
+        # its pad token on and on) would otherwise stay in every later window.
+        self.token_ids.extend(token for token in token_ids if not self._skipped(token))
         return self._advance(final=False)
+
+    def _skipped(self, token: int) -> bool:
+        """Whether a decode skips ``token`` wherever it stands: a special token that is not kept."""
+        if token not in self.skips:
+            self.skips[token] = token in self.special and not decode_text(self.tokenizer, [token], self.kept) and bool(
+                self.tokenizer.decode([token], skip_special_tokens=False))
+        return self.skips[token]
 
     def finish(self) -> str:
         """The held-back rest at the end: bytes no later token completes show as U+FFFD, as a whole decode shows

@@ -374,7 +374,8 @@ class LockstepEngine(EngineBase):
             return length
         with torch.inference_mode():  # the same entries, into the new request's own (empty) cache
             for mine, theirs in zip(target.cache.layers, cache.layers):
-                mine.update(theirs.keys[..., :length, :], theirs.values[..., :length, :])
+                if theirs.keys is not None:  # (not a layer that holds none: Gemma 3n's that read another's entries)
+                    mine.update(theirs.keys[..., :length, :], theirs.values[..., :length, :])
         target.num_cached = length
         return length
 
