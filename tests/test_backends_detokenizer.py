@@ -38,6 +38,19 @@ def cleaning_up() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=model, clean_up_tokenization_spaces=True)
 
 
+def counting_decodes(tokenizer) -> list[int]:
+    """The number of tokens each of ``tokenizer``'s decodes from now on reads, in a list that grows as it decodes."""
+    decoded: list[int] = []
+    original = tokenizer.decode
+
+    def counting(token_ids, **options):
+        decoded.append(len(token_ids))
+        return original(token_ids, **options)
+
+    tokenizer.decode = counting
+    return decoded
+
+
 TOKENIZERS = {"byte-level": byte_tokenizer, "sentencepiece": sentencepiece_like, "clean-up": cleaning_up}
 
 
@@ -92,14 +105,7 @@ def test_a_sentencepiece_answer_keeps_its_spaces_and_characters_split_over_byte_
 def test_each_push_decodes_a_window_not_the_whole_answer():
     """The tokens decoded over an answer of n tokens pushed one at a time grow as n, not n^2."""
     tokenizer = byte_tokenizer()
-    decoded = []
-    original = tokenizer.decode
-
-    def counting(token_ids, **options):
-        decoded.append(len(token_ids))
-        return original(token_ids, **options)
-
-    tokenizer.decode = counting
+    decoded = counting_decodes(tokenizer)
     ids = tokenizer("a reasonably long answer, " * 80)["input_ids"]
     detokenizer = IncrementalDetokenizer(tokenizer)
     assert "".join(detokenizer.push([token]) for token in ids) + detokenizer.finish() == decode_text(tokenizer, ids)
@@ -130,14 +136,7 @@ def test_an_echoed_prompt_ending_in_byte_tokens_leaves_the_answers_characters_wh
 def test_tokens_that_add_no_text_are_not_decoded_again():
     """A run of skipped special tokens (a broken model writing its pad token on and on) stays linear too."""
     tokenizer = byte_tokenizer()
-    decoded = []
-    original = tokenizer.decode
-
-    def counting(token_ids, **options):
-        decoded.append(len(token_ids))
-        return original(token_ids, **options)
-
-    tokenizer.decode = counting
+    decoded = counting_decodes(tokenizer)
     ids = tokenizer("hi ")["input_ids"] + [tokenizer.pad_token_id] * 3000 + tokenizer("there")["input_ids"]
     detokenizer = IncrementalDetokenizer(tokenizer)
     assert "".join(detokenizer.push([token]) for token in ids) + detokenizer.finish() == "hi there"
