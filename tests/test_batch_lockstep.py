@@ -194,7 +194,7 @@ def test_a_model_with_sliding_window_layers_is_served_by_lockstep_with_each_requ
         assert isinstance(engine, LockstepEngine)
         out = engine.generate([BatchRequest(tuple(p), GREEDY, config) for p in PROMPTS[:6]])
         assert out == [alone(target, config, p, GREEDY) for p in PROMPTS[:6]]
-    assert "windowed: its sliding-window cache layers are not batched" in caplog.text
+    assert "windowed: its sliding-window or shared cache layers are not batched" in caplog.text
 
 
 def test_a_kept_cache_copied_for_a_longer_prompt_skips_layers_that_hold_no_entries(monkeypatch):

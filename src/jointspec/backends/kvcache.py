@@ -21,7 +21,7 @@ Granite 4's and Qwen3.5's state-space and linear-attention layers a recurrent st
 linear-attention cache layers). A convolution's inputs can be taken back: the cache records them past each forward
 (transformers' ``activate_past_recording``), as far back as ``ROLLBACK_ROOM`` tokens, and a crop drops the last
 ones. A recurrent state cannot: :meth:`BufferedCache.crop` refuses to take tokens out of one
-(:func:`recurrent_layers`), so the adapter offers such a model no method that drafts (backends/hf.py).
+(:func:`recurrent_state_reason`), so the adapter offers such a model no method that drafts (backends/hf.py).
 
 A cache may store its entries in another dtype than the model computes in (``dtype``: float16 for a float32 model,
 ``--kv-cache float16``): half the memory and half the bytes each decoding step reads at long context. jointspec's
@@ -256,9 +256,9 @@ class BufferedCache(DynamicCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take the last ``-tokens_to_remove`` tokens out of every layer (transformers' negative count; 0: none).
-        UnsupportedOptionError where a layer holds a
-        recurrent state, which no crop can take tokens out of (a convolution's recorded inputs are checked by the
-        adapter, :meth:`recorded_reason`, which knows the sequence's length)."""
+        UnsupportedOptionError where a layer holds a recurrent state, which no crop can take tokens out of (a
+        convolution's recorded inputs are checked by the adapter, which knows the sequence's length:
+        :meth:`recorded_reason`)."""
         if tokens_to_remove < 0:
             reason = recurrent_state_reason(self)
             if reason:

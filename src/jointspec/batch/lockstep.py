@@ -112,9 +112,9 @@ def engine_for(target, tokenizer=None, method: MethodConfig | None = None, *, ma
         return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
     try:
         ragged = BatchEngine(target, tokenizer, **options)
-    except UnsupportedOptionError:  # (sliding-window layers, gpt-oss's and Gemma-3's: no ragged cache holds them)
-        log.warning("%s: its sliding-window cache layers are not batched; decoding every request with its own loop and "
-                    "cache, the sequences of a round one after another", target.name)
+    except UnsupportedOptionError:  # (sliding-window layers, gpt-oss's and Gemma-3's, or Gemma 3n's shared ones)
+        log.warning("%s: its sliding-window or shared cache layers are not batched; decoding every request with its "
+                    "own loop and cache, the sequences of a round one after another", target.name)
         return LockstepEngine(target, tokenizer, **options, prompt_cache_bytes=prompt_cache_bytes)
     if method is not None:
         try:
