@@ -88,8 +88,9 @@ def test_lfm2_scores_chains_only_and_refuses_trees_with_the_reason():
 
 
 @pytest.mark.parametrize("make, kind", [(tiny_granite4, "granitemoehybrid"), (tiny_falcon_h1, "falcon_h1")])
-def test_a_recurrent_hybrid_refuses_drafting_methods_and_default_decodes_without_drafts(make, kind):
-    """Granite 4's Mamba layers have cache layers of their own; Falcon-H1's share one with attention."""
+def test_a_recurrent_hybrid_refuses_drafting_methods_and_default_decodes_without_drafts(make, kind, caplog):
+    """Granite 4's Mamba layers have cache layers of their own; Falcon-H1's share one with attention. `default` says
+    once a model that it decodes without drafts (a server builds a method for every request)."""
     model = make(0)
     target = CausalLM(model, name="recurrent")
     assert f"{kind}: its state-space or linear-attention layers keep a recurrent state" in \
@@ -99,7 +100,9 @@ def test_a_recurrent_hybrid_refuses_drafting_methods_and_default_decodes_without
         with pytest.raises(UnsupportedOptionError, match="cannot take a rejected draft back"):
             build_method(MethodContext(config, target, None, None))
     drafter, verifier = build_method(MethodContext(MethodConfig("default"), target, None, None))
+    build_method(MethodContext(MethodConfig("default"), CausalLM(model, name="again"), None, None))
     assert isinstance(drafter, NoDrafter)
+    assert caplog.text.count("decoding without drafts (method ar)") == 1
     prompt = random_prompt(0)
     assert SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)) == hf_greedy(model, prompt, 40)
     with pytest.raises(UnsupportedOptionError, match="cannot take 1 tokens back out of this cache"):

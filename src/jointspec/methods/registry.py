@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -27,6 +28,8 @@ from jointspec.verifiers.block import BlockVerifier
 from jointspec.verifiers.traversal import TraversalVerifier
 
 log = logging.getLogger(__name__)
+# The targets `default` has said it decodes without drafts (their recurrent layers take no draft back).
+_TOLD_NO_DRAFTS: weakref.WeakSet = weakref.WeakSet()
 
 
 # The most nodes a static tree may have: far past what any round verifies (a CPU round: 255 draft tokens), so that a
@@ -299,7 +302,10 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     recurrent = context.target.capabilities.no_rollback
     if recurrent and name != "ar":
         if name == "default":  # (the fastest exact configuration for such a target: no draft at all)
-            log.info("default: %s: decoding without drafts (method ar)", recurrent)
+            model = getattr(context.target, "model", context.target)
+            if model not in _TOLD_NO_DRAFTS:  # (said once a model: a server builds a method for every request)
+                _TOLD_NO_DRAFTS.add(model)
+                log.warning("default: %s: decoding without drafts (method ar)", recurrent)
             return _METHODS["ar"].builder(context)
         raise UnsupportedOptionError(f"method '{name}' drafts tokens, and target '{context.target.name}' cannot take "
                                      f"a rejected draft back ({recurrent}): use method ar, or default, which decodes "
