@@ -138,7 +138,8 @@ def test_the_server_engine_serves_a_hybrid_model_each_request_its_own_tokens(mak
 ])
 def test_a_model_whose_state_lives_outside_transformers_cache_is_refused_at_once(make, why):
     """Mamba reads its state from an argument of its own, RecurrentGemma keeps it on its modules: jointspec's cache
-    holds neither, so plain decoding gave other tokens (Mamba) or the first crop crashed; now the adapter refuses."""
+    holds neither (Mamba's plain decoding gave other tokens than its own greedy decoding; RecurrentGemma's one state
+    would be shared by every sequence and fork of the model), so the adapter refuses them."""
     with pytest.raises(UnsupportedOptionError, match=why):
         CausalLM(make().eval())
 
