@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -272,6 +273,22 @@ def tiny_lfm2(seed: int, max_positions: int = 256):
     return model
 
 
+def lasting_state(model):
+    """Make a tiny hybrid's recurrent states matter: at transformers' initialisation a state-space layer's state is
+    about 1e-4 (its RMS norm's epsilon then drowns it), and every layer's decays within a few tokens, so replacing the
+    states by zeros moved the next logits by 1e-7 to 1e-3 and a test of taking tokens back out of them could not
+    fail. Slow decay (A = 0.02), no skip connection past the state (D = 0) and a Mamba input projection 30x larger
+    make them move the logits by 0.08-0.8."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "A_log", None), torch.nn.Parameter):
+                module.A_log.fill_(math.log(0.02))
+                if isinstance(getattr(module, "D", None), torch.nn.Parameter):  # (a Mamba-2 mixer)
+                    module.D.zero_()
+                    module.in_proj.weight.mul_(30.0)
+    return model
+
+
 def tiny_granite4(seed: int):
     """An IBM Granite 4 hybrid: a Mamba-2 layer (a recurrent state-space state besides its convolution), then an
     attention one."""
@@ -283,7 +300,7 @@ def tiny_granite4(seed: int):
                                     layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
                                     mamba_n_groups=1, mamba_d_state=16, mamba_expand=1, shared_intermediate_size=128,
                                     num_local_experts=0)
-    model = GraniteMoeHybridForCausalLM(config).eval()
+    model = lasting_state(GraniteMoeHybridForCausalLM(config).eval())
     model.generation_config.eos_token_id = None
     return model
 
@@ -296,10 +313,41 @@ def tiny_falcon_h1(seed: int):
     config = FalconH1Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                             mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
-    model = FalconH1ForCausalLM(config).eval()
+    model = lasting_state(FalconH1ForCausalLM(config).eval())
     model.generation_config.eos_token_id = None
     return model
 
+
+
+def tiny_qwen3_5(seed: int):
+    """A Qwen3.5 text model: Gated DeltaNet linear-attention layers (a recurrent state and a short convolution each)
+    between full-attention ones."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                               layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    model = lasting_state(Qwen3_5ForCausalLM(config).eval())
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def tiny_qwen3_next(seed: int):
+    """A Qwen3-Next model: Qwen3.5's layer pattern with mixture-of-experts MLPs."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                             layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, decoder_sparse_step=1)
+    model = lasting_state(Qwen3NextForCausalLM(config).eval())
+    model.generation_config.eos_token_id = None
+    return model
 
 # -- prompts and references -------------------------------------------------------------------------------------------
 

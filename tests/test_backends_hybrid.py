@@ -3,10 +3,13 @@
 LFM2's short convolutions keep their last few inputs, which a crop can give back: the adapter records them past each
 forward and cuts them back at every crop, so chains decode speculatively there, rejected drafts included, and give
 plain greedy decoding's tokens; a tree's branches cannot share one convolution state, so trees are refused with the
-reason. Granite 4's Mamba layers (and Qwen3.5's and Qwen3-Next's linear attention) keep a recurrent state that every
-token changes for good: no draft can be taken back, so every drafting method is refused with the reason, `default`
-decodes without drafts, and the cache refuses a crop. Until this, the first rejected draft (or any tree) raised deep
-inside transformers. Deterministic: no false-failure odds.
+reason. Granite 4's and Falcon-H1's Mamba layers, and Qwen3.5's and Qwen3-Next's linear attention, keep a recurrent
+state that every token changes for good: the adapter copies it before each forward, a crop puts a copy back, and the
+next forward reads the kept tokens after it again (backends/recurrent.py). Chains then decode speculatively there too,
+rejected drafts and recurrent draft models included. Deterministic: no false-failure odds. The references are
+transformers' own greedy decoding, which reads one token a forward where a verification reads several: the two
+agree to rounding, so a model whose top two logits came within it would differ (Jamba, seed 0, at 5e-5); these models
+and prompts have no such near-tie.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import transformers
 
 from jointspec.backends.hf import CausalLM
 from jointspec.backends.kvcache import ROLLBACK_ROOM
+from jointspec.backends.recurrent import MAX_SNAPSHOTS
 from jointspec.batch.engine import BatchRequest
 from jointspec.batch.lockstep import LockstepEngine, engine_for
 from jointspec.core.draft import NoDrafter
@@ -36,7 +40,11 @@ from helpers import (
     tiny_falcon_h1,
     tiny_granite4,
     tiny_lfm2,
+    tiny_qwen3_5,
+    tiny_qwen3_next,
 )
+
+RECURRENT = [tiny_granite4, tiny_falcon_h1, tiny_qwen3_5, tiny_qwen3_next]
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -79,7 +87,7 @@ def test_lfm2s_recorded_inputs_stay_bounded_and_a_crop_past_them_is_refused():
 
 def test_lfm2_scores_chains_only_and_refuses_trees_with_the_reason():
     target = CausalLM(tiny_lfm2(0), name="lfm2")
-    assert not target.capabilities.trees and not target.capabilities.no_rollback
+    assert not target.capabilities.trees
     with pytest.raises(UnsupportedOptionError, match="lfm2's convolution or recurrent layers keep one state"):
         build_method(MethodContext(MethodConfig("specinfer", draft="self", tree=(2, 2)), target, None, None))
     target.forward(random_prompt(0))
@@ -87,26 +95,80 @@ def test_lfm2_scores_chains_only_and_refuses_trees_with_the_reason():
         target.keep([0, 1, 3])  # (a tree's accepted path, its sibling dropped)
 
 
-@pytest.mark.parametrize("make, kind", [(tiny_granite4, "granitemoehybrid"), (tiny_falcon_h1, "falcon_h1")])
-def test_a_recurrent_hybrid_refuses_drafting_methods_and_default_decodes_without_drafts(make, kind, caplog):
-    """Granite 4's Mamba layers have cache layers of their own; Falcon-H1's share one with attention. `default` says
-    once a model that it decodes without drafts (a server builds a method for every request)."""
+@pytest.mark.parametrize("make", RECURRENT)
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_recurrent_hybrid_decodes_chains_with_rejected_drafts_as_plain_greedy_decoding(make, seed):
+    """As the LFM2 test above: a third of the oracle's tokens corrupted, so most rounds take part of a draft back out
+    of the recurrent states; also with max length and EOS inside a draft (assert_greedy_equivalent)."""
     model = make(0)
     target = CausalLM(model, name="recurrent")
-    assert f"{kind}: its state-space or linear-attention layers keep a recurrent state" in \
-        target.capabilities.no_rollback
-    for config in (MethodConfig("pld"), MethodConfig("sps", draft="self"), MethodConfig("hybrid", draft="self"),
-                   OracleConfig(num_draft_tokens=4, corruption_rate=0.3)):
-        with pytest.raises(UnsupportedOptionError, match="cannot take a rejected draft back"):
-            build_method(MethodContext(config, target, None, None))
-    drafter, verifier = build_method(MethodContext(MethodConfig("default"), target, None, None))
-    build_method(MethodContext(MethodConfig("default"), CausalLM(model, name="again"), None, None))
-    assert isinstance(drafter, NoDrafter)
-    assert caplog.text.count("decoding without drafts (method ar)") == 1
-    prompt = random_prompt(0)
-    assert SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)) == hf_greedy(model, prompt, 40)
-    with pytest.raises(UnsupportedOptionError, match="cannot take 1 tokens back out of this cache"):
-        target.crop(target.num_cached - 1)
+    config = OracleConfig(num_draft_tokens=4, corruption_rate=0.3, corruption_seed=seed)
+    decoder = SpeculativeDecoder(target, *build_method(MethodContext(config, target, None, None)))
+    prompt = random_prompt(seed)
+    assert_greedy_equivalent(model, decoder, prompt)
+    decoder.generate(prompt, greedy(40))
+    stats = decoder.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "drafts must be kept and rejected"
+
+
+@pytest.mark.parametrize("make", [tiny_granite4, tiny_qwen3_5])
+@pytest.mark.parametrize("method", ["pld", "default", "sps"])
+def test_drafting_methods_on_a_recurrent_hybrid_give_plain_greedy_decoding(make, method):
+    """`sps` drafts with the model itself (a fork): a draft model that is recurrent too, which drafts a token a
+    forward and takes several forwards back after a rejection."""
+    model = make(0)
+    target = CausalLM(model, name="recurrent")
+    config = MethodConfig(method, draft="self" if method == "sps" else None, num_draft_tokens=4,
+                          cost_aware=None if method == "default" else False)
+    decoder = SpeculativeDecoder(target, *build_method(MethodContext(config, target, None, None)))
+    for seed in (0, 1, 5):
+        prompt = random_prompt(seed)
+        assert decoder.generate(prompt, greedy(40)) == hf_greedy(model, prompt, 40), (method, seed)
+
+
+@pytest.mark.parametrize("make", RECURRENT)
+def test_a_crop_puts_the_recurrent_states_back_and_the_next_forward_reads_the_kept_tokens_again(make):
+    """Against the model run from scratch on the kept tokens: the logits of the next forward, and the features a
+    head reads (a mirror of the last hidden states), which must hold each kept token once."""
+    model = make(0)
+    target = CausalLM(model, name="recurrent")
+    mirror = target.attach_feature_mirror()
+    target.reset()
+    prompt = random_prompt(0, 20)
+    target.forward(prompt[:10], num_logits=0)
+    target.forward(prompt[10:16])  # (a round: pending token and five drafts)
+    target.crop(12)  # two of them kept
+    assert target.num_cached == 12 and target.states.replay == prompt[10:12]
+    target.crop(11)  # (one of those still to read again dropped)
+    assert target.states.replay == prompt[10:11]
+    out = target.forward(prompt[11:14])
+    assert out.logits.shape[0] == 3 and target.num_cached == 14
+    with torch.inference_mode():
+        fresh = model(torch.tensor([prompt[:14]]), output_hidden_states=True)
+    assert torch.allclose(out.logits, fresh.logits[0, 11:14], atol=1e-5)
+    assert mirror.features.shape[0] == 14
+    assert torch.allclose(mirror.features, fresh.hidden_states[-1][0], atol=1e-5)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_crop_further_back_than_every_copy_reads_the_kept_tokens_again(plain, monkeypatch):
+    """The copies are the last MAX_SNAPSHOTS forwards' (a decode that drafts nothing keeps none): a crop further back
+    empties the cache and reads the kept tokens again, in the next forward, as a prompt past a prefill chunk."""
+    model = tiny_qwen3_5(0)
+    target = CausalLM(model, name="recurrent")
+    target.reset(plain=plain)
+    tokens = random_prompt(0, 40)
+    target.forward(tokens[:12], num_logits=0)
+    for token in tokens[12:12 + MAX_SNAPSHOTS + 2]:
+        target.forward([token])
+    assert len(target.states.snapshots) == (0 if plain else MAX_SNAPSHOTS)
+    target.crop(13)
+    assert target.states.replay == tokens[:13] and target.cache.get_seq_length() == 0
+    monkeypatch.setattr("jointspec.backends.hf.PREFILL_CHUNK", 8)  # (the 13 read again in chunks, then its own)
+    out = target.forward(tokens[13:16])
+    with torch.inference_mode():
+        fresh = model(torch.tensor([tokens[:16]])).logits[0, 13:16]
+    assert target.num_cached == 16 and torch.allclose(out.logits, fresh, atol=1e-5)
 
 
 @pytest.mark.parametrize("make", [tiny_lfm2, tiny_granite4])
@@ -144,10 +206,13 @@ def test_a_model_whose_state_lives_outside_transformers_cache_is_refused_at_once
         CausalLM(make().eval())
 
 
-def test_a_recurrent_draft_model_is_refused_when_the_method_is_built():
-    target = CausalLM(tiny_lfm2(0), name="target")
-    recurrent = CausalLM(tiny_granite4(0), name="draft")
-    context = MethodContext(MethodConfig("sps", draft="granite4", cost_aware=False), target, None,
-                            lambda source: (recurrent, None))
-    with pytest.raises(UnsupportedOptionError, match="draft model 'granite4' cannot take its rejected tokens back"):
-        build_method(context)
+def test_a_recurrent_draft_model_drafts_for_another_hybrid():
+    target_model = tiny_qwen3_5(0)
+    target = CausalLM(target_model, name="target")
+    draft = CausalLM(tiny_granite4(0), name="draft")
+    context = MethodContext(MethodConfig("sps", draft="granite4", cost_aware=False, num_draft_tokens=4), target, None,
+                            lambda source: (draft, None))
+    decoder = SpeculativeDecoder(target, *build_method(context))
+    prompt = random_prompt(3)
+    assert decoder.generate(prompt, greedy(40)) == hf_greedy(target_model, prompt, 40)
+    assert decoder.stats.num_draft_tokens > 0

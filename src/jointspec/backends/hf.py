@@ -12,6 +12,7 @@ token). Each token then sees the whole cache plus its own ancestors, and sits at
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +30,14 @@ from jointspec.backends.lean_forward import (
 )
 from jointspec.backends.lean_gemma import lean_gemma_for
 from jointspec.backends.lean_qwen3 import lean_qwen3_for
+from jointspec.backends.recurrent import StateHistory
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import RowDraws
 from jointspec.core.target import ForwardCall, ForwardOutput, TargetCapabilities, TargetLM
 from jointspec.kernels.heap import release_freed_memory
+
+log = logging.getLogger(__name__)
 
 # A prompt prefill longer than this runs in chunks of this many tokens: the attention of a chunk then needs no mask
 # over the whole prompt (transformers' mask at 7k tokens is 196 MB), peak memory stays bounded, and a caller can show
@@ -195,6 +199,8 @@ class CausalLM:
         cache_kinds(self.model)  # (refuses a model whose state its cache cannot hold)
         self.cache = BufferedCache(model.config, kv_dtype)
         self.num_cached = 0
+        self.states = self._state_history()
+        self._replayed = 0  # the tokens read again at the start of the forward in flight (backends/recurrent.py)
         self.mirrors: list[FeatureMirror] = []
         # Called as (tokens done, tokens in all) after each chunk of a long prefill (see prefill_chunk).
         self.prefill_progress: Callable[[int, int], None] | None = None
@@ -245,7 +251,7 @@ class CausalLM:
         kinds = cache_kinds(self.model)
         by_slot = slot_position_reason(self.model.config) or kinds.chains or None
         return TargetCapabilities(trees=by_slot is None, features=True, fork=True, torch_module=True,
-                                  sparse_view=by_slot is None, chains_only=by_slot or "", no_rollback=kinds.recurrent,
+                                  sparse_view=by_slot is None, chains_only=by_slot or "",
                                   argmax_screen=screens and hasattr(head, "argmax_logits"),
                                   top_k_screen=SCREEN_TOP_K_MAX if screens and hasattr(head, "top_k_logits") else 0,
                                   draw_screen=screens and hasattr(head, "draw_tokens"),
@@ -286,9 +292,14 @@ class CausalLM:
         write, instead of growing (and copying) as the sequence does."""
         self.cache = BufferedCache(self.model.config, self.kv_dtype, length=length)
         self.num_cached = 0
+        self.states = self._state_history(plain, length)
         for mirror in self.mirrors:
             mirror.crop(0)
             mirror.synced = True
+
+    def _state_history(self, plain: bool = False, length: int | None = None) -> StateHistory | None:
+        """Where the model has recurrent layers, the copies of their states that take drafts back out of them."""
+        return StateHistory(plain, length) if cache_kinds(self.model).recurrent else None
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
@@ -309,10 +320,19 @@ class CausalLM:
         ``attend_to`` (int64 positions below ``num_cached``, increasing): the only cached tokens the new ones see
         (they still see each other causally, or along ``parents``); None: all of them.
         """
+        if self.states is not None:
+            token_ids, parents, num_logits = self._with_replay(token_ids, parents, num_logits)
+        return self._forward(token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to,
+                             draws, allowed)
+
+    def _forward(self, token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to, draws,
+                 allowed) -> ForwardOutput:
         if num_logits == 0 and parents is None and attend_to is None and len(token_ids) > self.prefill_chunk:
             return self._prefill_in_chunks(token_ids, output_hidden)
         call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only, attend_to, top_k_only,
                                draws, allowed)
+        if self.states is not None:
+            self.states.before_forward(self.cache, self.num_cached)
         if self.lean is not None:
             extra = {"draws": draws} if draws is not None else {}
             if allowed is not None:
@@ -325,11 +345,29 @@ class CausalLM:
                                                   self.cache, call.num_logits, call.hidden_layers)
         return self._finish(call, output_hidden, logits, states)
 
+    def _with_replay(self, token_ids, parents, num_logits) -> tuple[list[int], None, int | None]:
+        """A recurrent model's forward: ``token_ids`` counted among its tokens, and after a crop the tokens it must
+        read again put before them, their rows left out of the output (backends/recurrent.py)."""
+        token_ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        if parents is not None and parents != chain_parents(len(token_ids)):
+            raise UnsupportedOptionError(f"target '{self.name}' scores chains only ({cache_kinds(self.model).chains})")
+        history = self.states
+        history.tokens.extend(token_ids)
+        replay, history.replay = history.replay, []
+        if not replay:
+            return token_ids, None, num_logits
+        self.num_cached -= len(replay)  # (the cache's own count until the forward adds them)
+        self._replayed = len(replay)
+        if len(replay) > self.prefill_chunk:  # (read from the start again: as a prompt, in its chunks)
+            self._forward(replay, None, 0, False, False, 0, None, None, None)
+            replay = []
+        return replay + token_ids, None, len(token_ids) if num_logits is None else num_logits
+
     def _prefill_in_chunks(self, token_ids: list[int] | torch.Tensor, output_hidden: bool) -> ForwardOutput:
         total = len(token_ids)
         for start in range(0, total, self.prefill_chunk):
             stop = self.prefill_chunk_end(start, total)
-            out = self.forward(token_ids[start:stop], num_logits=0, output_hidden=output_hidden)
+            out = self._forward(token_ids[start:stop], None, 0, output_hidden, False, 0, None, None, None)
             # A chunk's activations, attention scores and dequantised weights are tens of megabytes each, freed
             # into the C heap, which keeps them as resident memory; handed back, the next chunk's peak starts lower.
             release_freed_memory()
@@ -410,10 +448,13 @@ class CausalLM:
         self.num_cached += call.input_ids.shape[1]
         if self.cache.convolutions:
             self.cache.keep_recent()
+        # (tokens read again, at the start of this forward or of the chunks up to it: the mirrors have their features)
+        replayed = min(self._replayed, call.input_ids.shape[1])
+        self._replayed -= replayed
         for mirror in self.mirrors:
             if mirror.synced:
-                mirror.append(states[-1][0] if mirror.layers == (-1,) else  # [n, hidden * layers]
-                              torch.cat([states[layer][0] for layer in mirror.layers], -1))
+                mirror.append(states[-1][0, replayed:] if mirror.layers == (-1,) else  # [n, hidden * layers]
+                              torch.cat([states[layer][0, replayed:] for layer in mirror.layers], -1))
         keep = call.num_logits
         hidden = states[-1][0, -keep:] if output_hidden and keep > 0 else None
         return ForwardOutput(logits=logits[0].float(), hidden=hidden)
@@ -455,7 +496,10 @@ class CausalLM:
         if not 0 <= length <= self.num_cached:
             raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
         if length == 0 and self.cache.convolutions and self.num_cached:
-            self.reset()  # (no state at all: what a convolution's recorded inputs need not reach back to)
+            self.reset(plain=self.states is not None and self.states.plain)  # (no state at all: what a
+            # convolution's recorded inputs need not reach back to)
+        elif length < self.num_cached and self.states is not None:
+            self._crop_recurrent(length)
         elif length < self.num_cached:
             recorded = self.cache.recorded_reason(self.num_cached - length, length) if self.cache.convolutions else ""
             if recorded:
@@ -467,6 +511,31 @@ class CausalLM:
             for mirror in self.mirrors:
                 if mirror.synced:
                     mirror.crop(length)
+
+    @torch.inference_mode()  # (the states are inference tensors, written in place)
+    def _crop_recurrent(self, length: int) -> None:
+        """:meth:`crop` for a model with recurrent layers (backends/recurrent.py): tokens still to read again are
+        dropped from that list; earlier ones by putting back the states copied before them."""
+        history = self.states
+        held = self.num_cached - len(history.replay)  # (the tokens in the cache itself)
+        if length >= held:
+            del history.replay[length - held:]
+        else:
+            snapshot = history.latest_at_most(length)
+            if snapshot is not None and not self.cache.recorded_reason(held - snapshot.length, snapshot.length):
+                self.cache.crop(snapshot.length - held, states=snapshot.states)
+                history.replay = history.tokens[snapshot.length:length]
+            else:  # no copy reaches back so far (or a convolution's inputs do not): all of them read again
+                log.debug("%s: no copy of the recurrent states %d tokens back: reading %d tokens again",
+                          self.name, self.num_cached - length, length)
+                self.cache = BufferedCache(self.model.config, self.kv_dtype, length=history.length)
+                history.snapshots.clear()
+                history.replay = history.tokens[:length]
+        del history.tokens[length:]
+        self.num_cached = length
+        for mirror in self.mirrors:
+            if mirror.synced:
+                mirror.crop(length)
 
     def keep(self, positions: list[int]) -> None:
         """Keep the cached tokens at ``positions`` (increasing), in that order, and drop the rest.

@@ -20,8 +20,10 @@ Hybrid models keep some layers' state in another form: LFM2's short convolutions
 Granite 4's and Qwen3.5's state-space and linear-attention layers a recurrent state as well (transformers'
 linear-attention cache layers). A convolution's inputs can be taken back: the cache records them past each forward
 (transformers' ``activate_past_recording``), as far back as ``ROLLBACK_ROOM`` tokens, and a crop drops the last
-ones. A recurrent state cannot: :meth:`BufferedCache.crop` refuses to take tokens out of one
-(:func:`recurrent_state_reason`), so the adapter offers such a model no method that drafts (backends/hf.py).
+ones. A recurrent state cannot: it sums every token it has read. Only a copy taken before the tokens came
+(:meth:`BufferedCache.recurrent_snapshot`) brings it back, and :meth:`BufferedCache.crop` refuses to take tokens out
+of one without such a copy (:func:`recurrent_state_reason`); the adapter keeps the copies and reads again the tokens
+after one that it keeps (backends/hf.py, :class:`~jointspec.backends.hf.StateHistory`).
 
 A cache may store its entries in another dtype than the model computes in (``dtype``: float16 for a float32 model,
 ``--kv-cache float16``): half the memory and half the bytes each decoding step reads at long context. jointspec's
@@ -254,16 +256,20 @@ class BufferedCache(DynamicCache):
         for layer in self.convolutions:  # (their inputs kept past each forward, until a crop cuts them back)
             layer.activate_past_recording()
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int, *, states: list[torch.Tensor] | None = None) -> None:
         """Take the last ``-tokens_to_remove`` tokens out of every layer (transformers' negative count; 0: none).
-        UnsupportedOptionError where a layer holds a recurrent state, which no crop can take tokens out of (a
-        convolution's recorded inputs are checked by the adapter, which knows the sequence's length:
+        ``states``: the recurrent states as they were before those tokens (a :meth:`recurrent_snapshot` taken then),
+        put back; without them, UnsupportedOptionError where a layer holds a recurrent state, which no crop can take
+        tokens out of (a convolution's recorded inputs are checked by the adapter, which knows the sequence's length:
         :meth:`recorded_reason`)."""
-        if tokens_to_remove < 0:
+        if tokens_to_remove < 0 and states is None:
             reason = recurrent_state_reason(self)
             if reason:
                 raise UnsupportedOptionError(f"cannot take {-tokens_to_remove} tokens back out of this cache: "
                                              f"{reason}")
+        if states is not None:
+            for state, saved in zip(self._recurrent_states(), states, strict=True):
+                state.copy_(saved)  # (in place: the layers hand this tensor to the next forward)
         for layer in self.layers:
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
                 layer.crop(tokens_to_remove)
@@ -272,6 +278,24 @@ class BufferedCache(DynamicCache):
                 for index, initialized in layer.is_conv_states_initialized.items():
                     if initialized:
                         layer.conv_states[index] = layer.conv_states[index][..., :tokens_to_remove]
+                if isinstance(layer, DynamicLayer):  # (Falcon-H1's: attention beside the state-space mixer, whose
+                    # keys and values are the next class's in the layer's order: DynamicLayer's or the sliding one's)
+                    super(LinearAttentionCacheLayerMixin, layer).crop(tokens_to_remove)
+
+    def _recurrent_states(self) -> list[torch.Tensor]:
+        return [layer.recurrent_states[index] for layer in self.convolutions
+                for index, initialized in layer.is_recurrent_states_initialized.items() if initialized]
+
+    @torch.inference_mode()
+    def recurrent_snapshot(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """A copy of every recurrent state as it is now (empty where there are none yet): what :meth:`crop` puts
+        back to take later tokens out. ``into``: an earlier copy of this cache's, written over."""
+        states = self._recurrent_states()
+        if into is None or len(into) != len(states):
+            return [state.clone() for state in states]
+        for saved, state in zip(into, states):
+            saved.copy_(state)
+        return into
 
     def keep_recent(self, count: int = ROLLBACK_ROOM) -> None:
         """Cut each convolution's recorded inputs back to what taking the last ``count`` tokens out would need: its

@@ -75,8 +75,6 @@ class TargetCapabilities:
     ``max_verify_rows``: the most rows a forward may have and still compute each row as it would alone (past it a
     forward is read as a prompt, in other kernels); None: no such limit. A round verifying more would not be exact.
     ``chains_only``: why a target without ``trees`` scores chains only, for the errors that refuse a tree.
-    ``no_rollback``: why a target cannot take a rejected draft back out of its state (a hybrid model's recurrent
-    layers), for the errors that refuse every method that drafts ("" where it can).
     ``screen_masks``: ``forward(allowed=...)`` (bool [rows, vocab], structured output) makes the screens (argmax,
     top-k, draws) find each row's best among its allowed tokens, or draw among them, the others at minus infinity.
     """
@@ -93,7 +91,6 @@ class TargetCapabilities:
     max_verify_rows: int | None = None
     chains_only: str = ""
     screen_masks: bool = False
-    no_rollback: str = ""
 
     def screened_top_k(self, sampling: SamplingConfig) -> int:
         """The k of the top k that rows sampled with ``sampling`` may read through this target's screen

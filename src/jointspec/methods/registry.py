@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -28,8 +27,6 @@ from jointspec.verifiers.block import BlockVerifier
 from jointspec.verifiers.traversal import TraversalVerifier
 
 log = logging.getLogger(__name__)
-# The targets `default` has said it decodes without drafts (their recurrent layers take no draft back).
-_TOLD_NO_DRAFTS: weakref.WeakSet = weakref.WeakSet()
 
 
 # The most nodes a static tree may have: far past what any round verifies (a CPU round: 255 draft tokens), so that a
@@ -158,10 +155,6 @@ class MethodContext:
                                          "a table goes with --method corpus --draft DIR")
         draft, draft_tokenizer = self.load_draft(self.config.draft)
         check_same_vocabulary(self.tokenizer, draft_tokenizer, self.target, draft)
-        recurrent = getattr(getattr(draft, "capabilities", None), "no_rollback", "")
-        if recurrent:  # (its own cache is cut back after every round in which the target rejected part of a draft)
-            raise UnsupportedOptionError(f"draft model '{self.config.draft}' cannot take its rejected tokens back "
-                                         f"({recurrent}): draft with a model without recurrent layers, or a head")
         return draft
 
     def eos_token_ids(self) -> frozenset[int]:
@@ -299,17 +292,6 @@ def build_method(context: MethodContext) -> tuple[Drafter, Verifier]:
     if name not in _METHODS:
         raise UnsupportedOptionError(unknown_method_error(name))
     entry = _METHODS[name]
-    recurrent = context.target.capabilities.no_rollback
-    if recurrent and name != "ar":
-        if name == "default":  # (the fastest exact configuration for such a target: no draft at all)
-            model = getattr(context.target, "model", context.target)
-            if model not in _TOLD_NO_DRAFTS:  # (said once a model: a server builds a method for every request)
-                _TOLD_NO_DRAFTS.add(model)
-                log.warning("default: %s: decoding without drafts (method ar)", recurrent)
-            return _METHODS["ar"].builder(context)
-        raise UnsupportedOptionError(f"method '{name}' drafts tokens, and target '{context.target.name}' cannot take "
-                                     f"a rejected draft back ({recurrent}): use method ar, or default, which decodes "
-                                     "so on it")
     if context.config.cost_aware is None:
         context = replace(context, config=replace(context.config, cost_aware=entry.cost_aware_by_default))
     if context.config.cost_aware and not entry.cost_aware:
