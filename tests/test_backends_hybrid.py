@@ -66,20 +66,23 @@ def test_lfm2_decodes_chains_with_rejected_drafts_as_plain_greedy_decoding(seed)
     assert SpeculativeDecoder(target, drafter, verifier).generate(prompt, greedy(40)) == hf_greedy(model, prompt, 40)
 
 
-def test_lfm2s_recorded_inputs_stay_bounded_and_a_crop_past_them_is_refused():
+def test_lfm2s_recorded_inputs_stay_bounded_and_a_crop_past_them_reads_the_kept_tokens_again():
     """The convolutions record their inputs past each forward, for a crop to take back: as far back as
-    ROLLBACK_ROOM tokens, not a long prompt's every input; a crop further back than that is refused, not made
-    wrong."""
+    ROLLBACK_ROOM tokens, not a long prompt's every input (transformers convolves all of them at every step); a crop
+    further back than that reads the kept tokens again, and is as right."""
     model = tiny_lfm2(0, max_positions=1024)
     target = CausalLM(model, name="lfm2")
     prompt = list(range(3, 63)) * 10  # 600 tokens in one forward
     target.forward(prompt)
     assert all(state.shape[-1] <= layer.conv_kernel_size[index] + ROLLBACK_ROOM
                for layer in target.cache.convolutions for index, state in layer.conv_states.items())
-    with pytest.raises(UnsupportedOptionError, match="keep the inputs of their last 256 tokens at most"):
-        target.crop(600 - ROLLBACK_ROOM - 1)
     target.crop(600 - ROLLBACK_ROOM)  # (as far back as they reach: the next tokens read as after that prefix)
+    assert not target.states.replay
     expected = model(torch.tensor([prompt[:600 - ROLLBACK_ROOM] + [7]])).logits[0, -1]
+    assert torch.allclose(target.forward([7]).logits[-1], expected, atol=1e-5)
+    target.crop(500)  # (further: the 500 tokens are read again at the next forward)
+    assert target.states.replay == prompt[:500] and target.cache.get_seq_length() == 0
+    expected = model(torch.tensor([prompt[:500] + [7]])).logits[0, -1]
     assert torch.allclose(target.forward([7]).logits[-1], expected, atol=1e-5)
     target.crop(0)  # (back to nothing, however far that is: no state at all, as a new sequence's)
     assert torch.allclose(target.forward([7]).logits[-1], model(torch.tensor([[7]])).logits[0, -1], atol=1e-5)
@@ -148,6 +151,29 @@ def test_a_crop_puts_the_recurrent_states_back_and_the_next_forward_reads_the_ke
     assert torch.allclose(out.logits, fresh.logits[0, 11:14], atol=1e-5)
     assert mirror.features.shape[0] == 14
     assert torch.allclose(mirror.features, fresh.hidden_states[-1][0], atol=1e-5)
+
+
+@pytest.mark.parametrize("make", RECURRENT)
+def test_short_chains_read_without_padding_give_the_rows_of_a_whole_forward(make):
+    """A verification's chain after a state is read as one chunk of its own length (Gated DeltaNet's of up to four
+    tokens a token at a time): the rows a forward of the whole sequence computes, for chains on each side of those
+    lengths."""
+    import sys
+
+    model = make(0)
+    target = CausalLM(model, name="recurrent")
+    module = sys.modules[type(model).__module__]
+    forms = [getattr(module, name) for name in ("mamba2_chunk_scan", "torch_chunk_gated_delta_rule")
+             if hasattr(module, name)]
+    assert forms and all(getattr(form, "short_chains", False) for form in forms)
+    tokens = random_prompt(5, 30)
+    target.forward(tokens[:12], num_logits=0)
+    for n in (2, 4, 5, 9, 17):
+        out = target.forward(tokens[12:12 + n])
+        with torch.inference_mode():
+            whole = model(torch.tensor([tokens[:12 + n]])).logits[0, 12:]
+        assert torch.allclose(out.logits, whole, atol=1e-5), n
+        target.crop(12)
 
 
 @pytest.mark.parametrize("plain", [False, True])

@@ -30,7 +30,7 @@ from jointspec.backends.lean_forward import (
 )
 from jointspec.backends.lean_gemma import lean_gemma_for
 from jointspec.backends.lean_qwen3 import lean_qwen3_for
-from jointspec.backends.recurrent import StateHistory
+from jointspec.backends.recurrent import StateHistory, install_short_chain_forms
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import RowDraws
@@ -196,7 +196,8 @@ class CausalLM:
         self.lean = lean_forward_of(self.model) if lean else None
         self.kv_dtype = kv_dtype
         self.check_kv_dtype()
-        cache_kinds(self.model)  # (refuses a model whose state its cache cannot hold)
+        if cache_kinds(self.model).recurrent:  # (refuses a model whose state its cache cannot hold)
+            install_short_chain_forms(self.model)  # (a verification's rows as plain decoding's, and cheaper)
         self.cache = BufferedCache(model.config, kv_dtype)
         self.num_cached = 0
         self.states = self._state_history()
@@ -298,8 +299,9 @@ class CausalLM:
             mirror.synced = True
 
     def _state_history(self, plain: bool = False, length: int | None = None) -> StateHistory | None:
-        """Where the model has recurrent layers, the copies of their states that take drafts back out of them."""
-        return StateHistory(plain, length) if cache_kinds(self.model).recurrent else None
+        """Where the model has convolution or recurrent layers (a hybrid), what takes drafts back out of them."""
+        kinds = cache_kinds(self.model)
+        return StateHistory(plain, length, recurrent=bool(kinds.recurrent)) if kinds.chains else None
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, *, parents: list[int] | None = None,
@@ -346,7 +348,7 @@ class CausalLM:
         return self._finish(call, output_hidden, logits, states)
 
     def _with_replay(self, token_ids, parents, num_logits) -> tuple[list[int], None, int | None]:
-        """A recurrent model's forward: ``token_ids`` counted among its tokens, and after a crop the tokens it must
+        """A hybrid model's forward: ``token_ids`` counted among its tokens, and after a crop the tokens it must
         read again put before them, their rows left out of the output (backends/recurrent.py)."""
         token_ids = torch.as_tensor(token_ids).reshape(-1).tolist()
         if parents is not None and parents != chain_parents(len(token_ids)):
@@ -499,12 +501,8 @@ class CausalLM:
             self.reset(plain=self.states is not None and self.states.plain)  # (no state at all: what a
             # convolution's recorded inputs need not reach back to)
         elif length < self.num_cached and self.states is not None:
-            self._crop_recurrent(length)
+            self._crop_hybrid(length)
         elif length < self.num_cached:
-            recorded = self.cache.recorded_reason(self.num_cached - length, length) if self.cache.convolutions else ""
-            if recorded:
-                raise UnsupportedOptionError(f"cannot take {self.num_cached - length} tokens back out of "
-                                             f"'{self.name}': {recorded}")
             # transformers >= 5 takes the number of tokens to remove as a negative count.
             self.cache.crop(length - self.num_cached)
             self.num_cached = length
@@ -513,20 +511,24 @@ class CausalLM:
                     mirror.crop(length)
 
     @torch.inference_mode()  # (the states are inference tensors, written in place)
-    def _crop_recurrent(self, length: int) -> None:
-        """:meth:`crop` for a model with recurrent layers (backends/recurrent.py): tokens still to read again are
-        dropped from that list; earlier ones by putting back the states copied before them."""
+    def _crop_hybrid(self, length: int) -> None:
+        """:meth:`crop` for a hybrid model (backends/recurrent.py): tokens still to read again are dropped from that
+        list; earlier ones out of the convolutions' recorded inputs, and out of the recurrent states by putting back
+        the copy taken before them."""
         history = self.states
         held = self.num_cached - len(history.replay)  # (the tokens in the cache itself)
         if length >= held:
             del history.replay[length - held:]
         else:
-            snapshot = history.latest_at_most(length)
-            if snapshot is not None and not self.cache.recorded_reason(held - snapshot.length, snapshot.length):
-                self.cache.crop(snapshot.length - held, states=snapshot.states)
-                history.replay = history.tokens[snapshot.length:length]
-            else:  # no copy reaches back so far (or a convolution's inputs do not): all of them read again
-                log.debug("%s: no copy of the recurrent states %d tokens back: reading %d tokens again",
+            start, states = length, None
+            if history.recurrent:
+                snapshot = history.latest_at_most(length)
+                start, states = (snapshot.length, snapshot.states) if snapshot is not None else (None, None)
+            if start is not None and not self.cache.recorded_reason(held - start, start):
+                self.cache.crop(start - held, states=states)
+                history.replay = history.tokens[start:length]
+            else:  # no copy reaches back so far, or the convolutions' inputs do not: all of them read again
+                log.debug("%s: the states reach back less than %d tokens: reading %d tokens again",
                           self.name, self.num_cached - length, length)
                 self.cache = BufferedCache(self.model.config, self.kv_dtype, length=history.length)
                 history.snapshots.clear()

@@ -46,9 +46,11 @@ except ImportError:  # an earlier transformers 5, whose hybrid models keep such 
 from jointspec.core.errors import UnsupportedOptionError
 
 MIN_CAPACITY = 256
-# The most tokens a crop may take back out of a convolution layer: its recorded inputs are kept that far back (a
-# round's draft, or a draft model's drafted tokens, are far fewer).
-ROLLBACK_ROOM = 256
+# The tokens a crop may take back out of a convolution layer from its recorded inputs, kept that far back: a round's
+# forward (the tokens read again after a crop, the pending one and up to 16 drafted) or a draft model's drafted tokens,
+# one a forward. transformers' layers convolve every recorded input at each forward, so the room is paid for at every
+# step; a crop further back reads the kept tokens again (backends/recurrent.py).
+ROLLBACK_ROOM = 48
 
 
 class BufferedLayer(DynamicLayer):
@@ -313,8 +315,7 @@ class BufferedCache(DynamicCache):
             for index, initialized in layer.is_conv_states_initialized.items():
                 needed = count + min(layer.conv_kernel_size[index], kept)
                 if initialized and layer.conv_states[index].shape[-1] < needed:
-                    return (f"its convolution layers keep the inputs of their last {ROLLBACK_ROOM} tokens at most, "
-                            "and no more")
+                    return f"its convolution layers keep the inputs of their last {ROLLBACK_ROOM} tokens at most"
         return ""
 
     @property

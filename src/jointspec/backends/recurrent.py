@@ -16,13 +16,20 @@ A crop further back than every copy (a decode that drafts nothing keeps none) em
 kept tokens again: never wrong, only slow, and no method of the loop's crops so far back.
 
 A round whose draft was kept whole costs nothing more; a round that rejected part of one makes the next forward a few
-rows longer (the pending token and the accepted ones read again), not a forward more. The state after them is then
-computed by the layers' chunked form instead of token by token, the same function of the same tokens, to
-rounding: greedy decoding stays plain decoding's (the tests check it on each kind of layer).
+rows longer (the pending token and the accepted ones read again), not a forward more.
+
+**Short chains without padding.** transformers reads a forward of more than one token through a layer's chunked
+form, written for prompts, and pads the tokens to a whole chunk: Mamba-2's of 256, Gated DeltaNet's of 64, so a
+verification of 2 to 34 tokens paid for a chunk of 256 or 64 (the costs are in docs/methods.md, "Hybrid models").
+:func:`install_short_chain_forms` has the chunked forms of a model's module read a chain that starts from a state
+and is shorter than a chunk as one chunk of its own length (the same sums, no padding); Gated DeltaNet's chains of at
+most ``TOKEN_BY_TOKEN`` tokens go to its one-token form a token at a time instead, cheaper there, and the operations
+plain decoding makes for each token.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +49,14 @@ class StateHistory:
     """One sequence's copies of its recurrent states, the tokens it holds, and those still to read again.
 
     ``plain``: a decode that drafts nothing (``reset(plain=True)``) never takes tokens back, and keeps no copies.
-    ``length``: the most tokens the sequence will hold, where known (what a new cache takes its room for)."""
+    ``length``: the most tokens the sequence will hold, where known (what a new cache takes its room for).
+    ``recurrent``: False for a model whose layers keep convolution inputs alone (LFM2): those are taken back out of
+    the inputs the cache records, with no copies; a crop past them reads the kept tokens again too."""
 
-    def __init__(self, plain: bool = False, length: int | None = None) -> None:
+    def __init__(self, plain: bool = False, length: int | None = None, *, recurrent: bool = True) -> None:
         self.plain = plain
         self.length = length
+        self.recurrent = recurrent  # False: convolutions alone (LFM2), whose recorded inputs take tokens back
         self.tokens: list[int] = []  # every token counted as cached, in order (what a rollback reads again)
         self.replay: list[int] = []  # the last of them, counted as cached but not in the cache yet
         self.snapshots: list[Snapshot] = []
@@ -54,7 +64,7 @@ class StateHistory:
     def before_forward(self, cache, length: int) -> None:
         """Copy ``cache``'s recurrent states, which hold ``length`` tokens, before a forward changes them (nothing
         before the first forward has made them)."""
-        if self.plain:
+        if self.plain or not self.recurrent:
             return
         if self.snapshots and self.snapshots[-1].length == length:  # (a crop put these states back: the same ones)
             return
@@ -70,3 +80,43 @@ class StateHistory:
         while self.snapshots and self.snapshots[-1].length > length:
             self.snapshots.pop()
         return self.snapshots[-1] if self.snapshots else None
+
+
+# Gated DeltaNet's chains read a token at a time up to this length: cheaper there than its chunked form.
+TOKEN_BY_TOKEN = 4
+
+
+def install_short_chain_forms(model) -> None:
+    """Have the chunked recurrent forms of ``model``'s modelling module read a chain that starts from a state and is
+    shorter than a chunk without padding it (the module docstring). Once per module; a module without such forms is
+    left alone. On the CPU only: a GPU kernel (``mamba_ssm``, ``fla``) may be behind the chunked name there."""
+    module = sys.modules.get(type(model).__module__)
+    for chunked, one, wrap in (("mamba2_chunk_scan", None, _mamba2_scan),
+                               ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", _delta_rule)):
+        form = getattr(module, chunked, None)
+        if form is not None and (one is None or hasattr(module, one)) and not getattr(form, "short_chains", False):
+            wrapped = wrap(form, getattr(module, one)) if one else wrap(form)
+            wrapped.short_chains, wrapped.chunked = True, form  # (the form it wraps: benchmarks/hybrid_costs.py)
+            setattr(module, chunked, wrapped)
+
+
+def _short(states: torch.Tensor | None, tokens: torch.Tensor, chunk_size: int) -> bool:
+    return states is not None and tokens.shape[1] < chunk_size and tokens.device.type == "cpu"
+
+
+def _mamba2_scan(chunked):
+    def scan(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, **kwargs):
+        if _short(initial_states, hidden_states, chunk_size):
+            chunk_size = hidden_states.shape[1]
+        return chunked(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states, **kwargs)
+    return scan
+
+
+def _delta_rule(chunked, one):
+    def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, **kwargs):
+        if _short(initial_state, query, chunk_size):
+            if query.shape[1] <= TOKEN_BY_TOKEN:
+                return one(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
+            chunk_size = query.shape[1]
+        return chunked(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state, **kwargs)
+    return rule
