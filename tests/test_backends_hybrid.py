@@ -112,6 +112,8 @@ def test_a_recurrent_hybrid_decodes_chains_with_rejected_drafts_as_plain_greedy_
     decoder.generate(prompt, greedy(40))
     stats = decoder.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "drafts must be kept and rejected"
+    # the loop never takes a kept token back: the copies before the kept length are let go of, round by round
+    assert 1 <= len(target.states.snapshots) <= 2
 
 
 @pytest.mark.parametrize("make", [tiny_granite4, tiny_qwen3_5])
@@ -197,13 +199,15 @@ def test_a_crop_further_back_than_every_copy_reads_the_kept_tokens_again(plain, 
     assert target.num_cached == 16 and torch.allclose(out.logits, fresh, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [tiny_lfm2, tiny_granite4])
-def test_the_server_engine_serves_a_hybrid_model_each_request_its_own_tokens(make):
-    """No ragged cache holds their layers: the engine falls back to lockstep, one loop per request. With a prompt
-    cache (serve's default), requests that share a prompt's beginning each get their own tokens: the cache keeps no
-    hybrid's caches, whose states its keys and values would not carry."""
+@pytest.mark.parametrize("make", [tiny_lfm2, tiny_granite4, tiny_qwen3_5])
+@pytest.mark.parametrize("method", ["default", "pld"])
+def test_the_server_engine_serves_a_hybrid_model_each_request_its_own_tokens(make, method):
+    """No ragged cache holds their layers: the engine falls back to lockstep, one loop per request (`pld` drafting
+    every round, rejected drafts taken back in a batch). With a prompt cache (serve's default), requests that share a
+    prompt's beginning each get their own tokens: the cache keeps no hybrid's caches, whose states its keys and
+    values would not carry."""
     target = CausalLM(make(0), name="hybrid")
-    config = MethodConfig("default")
+    config = MethodConfig(method, cost_aware=None if method == "default" else False)
     engine = engine_for(target, method=config, max_batch_size=4, prompt_cache_bytes=1 << 24)
     assert isinstance(engine, LockstepEngine)
     shared = [list(BATCH_PROMPTS[0]) + list(p[:3]) for p in BATCH_PROMPTS[:3]]

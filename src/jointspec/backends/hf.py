@@ -500,8 +500,10 @@ class CausalLM:
         if length == 0 and self.cache.convolutions and self.num_cached:
             self.reset(plain=self.states is not None and self.states.plain)  # (no state at all: what a
             # convolution's recorded inputs need not reach back to)
-        elif length < self.num_cached and self.states is not None:
-            self._crop_hybrid(length)
+        elif self.states is not None:
+            self.states.release_before(length)
+            if length < self.num_cached:
+                self._crop_hybrid(length)
         elif length < self.num_cached:
             # transformers >= 5 takes the number of tokens to remove as a negative count.
             self.cache.crop(length - self.num_cached)

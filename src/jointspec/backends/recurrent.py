@@ -6,7 +6,9 @@ drops keys and values. vLLM and SGLang keep such a state per drafted token insid
 return only the state after a forward's last token. So the adapter (backends/hf.py) does this instead:
 
 - before each forward it copies the recurrent states (:meth:`~jointspec.backends.kvcache.BufferedCache.
-  recurrent_snapshot`), the last ``MAX_SNAPSHOTS`` of them kept;
+  recurrent_snapshot`), at most ``MAX_SNAPSHOTS`` of them kept; a crop to ``length`` lets go of the copies before the
+  latest one at or before ``length``, since the loop never takes back tokens it has kept (a target holds one or two
+  copies, a draft model one per token of its round's draft);
 - a crop back to ``length`` puts back the latest copy taken at or before ``length``, cuts every other layer (keys and
   values, a convolution's recorded inputs) to the same place, and notes the tokens between that copy and ``length``
   as still to read (``replay``). They count as cached: the loop sees a cache of ``length`` tokens;
@@ -34,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Copies kept of the recurrent states, one per forward: a draft model drafts one token a forward, and a crop may go
-# back over all of a round's drafts. Each copy is every recurrent state's size (Qwen3.5-2B: about 19 MB).
+# The most copies kept of the recurrent states, one per forward: a draft model drafts one token a forward, and a crop
+# may go back over all of a round's drafts. Each copy is every recurrent state's size (Qwen3.5-2B: about 19 MB).
 MAX_SNAPSHOTS = 16
 
 
@@ -60,6 +62,7 @@ class StateHistory:
         self.tokens: list[int] = []  # every token counted as cached, in order (what a rollback reads again)
         self.replay: list[int] = []  # the last of them, counted as cached but not in the cache yet
         self.snapshots: list[Snapshot] = []
+        self._spare: list[list[torch.Tensor]] = []  # released copies' tensors, written over by the next copies
 
     def before_forward(self, cache, length: int) -> None:
         """Copy ``cache``'s recurrent states, which hold ``length`` tokens, before a forward changes them (nothing
@@ -68,9 +71,10 @@ class StateHistory:
             return
         if self.snapshots and self.snapshots[-1].length == length:  # (a crop put these states back: the same ones)
             return
-        # (the oldest copy's tensors are written over: a copy a forward would otherwise cost fresh pages)
-        reuse = self.snapshots.pop(0).states if len(self.snapshots) >= MAX_SNAPSHOTS else None
-        states = cache.recurrent_snapshot(into=reuse)
+        # (a released copy's tensors, or the oldest copy's, are written over: fresh ones would cost fresh pages)
+        if len(self.snapshots) >= MAX_SNAPSHOTS:
+            self._release(self.snapshots.pop(0))
+        states = cache.recurrent_snapshot(into=self._spare.pop() if self._spare else None)
         if states:
             self.snapshots.append(Snapshot(length, states))
 
@@ -78,8 +82,21 @@ class StateHistory:
         """The latest copy taken with at most ``length`` tokens cached, the copies after it dropped (their tokens are
         being taken back); None: no copy goes back that far."""
         while self.snapshots and self.snapshots[-1].length > length:
-            self.snapshots.pop()
+            self._release(self.snapshots.pop())
         return self.snapshots[-1] if self.snapshots else None
+
+    def release_before(self, length: int) -> None:
+        """Let go of the copies before the latest one taken with at most ``length`` tokens cached: ``length`` tokens
+        are kept, and the loop takes no kept token back (a caller that did would read them again, backends/hf.py)."""
+        kept = [i for i, snapshot in enumerate(self.snapshots) if snapshot.length <= length]
+        if len(kept) > 1:
+            for snapshot in self.snapshots[:kept[-1]]:
+                self._release(snapshot)
+            del self.snapshots[:kept[-1]]
+
+    def _release(self, snapshot: Snapshot) -> None:
+        if len(self._spare) < 2:
+            self._spare.append(snapshot.states)
 
 
 # Gated DeltaNet's chains read a token at a time up to this length: cheaper there than its chunked form.
