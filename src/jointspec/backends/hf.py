@@ -30,7 +30,7 @@ from jointspec.backends.lean_forward import (
 )
 from jointspec.backends.lean_gemma import lean_gemma_for
 from jointspec.backends.lean_qwen3 import lean_qwen3_for
-from jointspec.backends.recurrent import StateHistory, install_short_chain_forms
+from jointspec.backends.recurrent import StateHistory, install_short_chain_forms, states_after
 from jointspec.core.draft import chain_parents, tree_depths
 from jointspec.core.errors import UnsupportedOptionError
 from jointspec.core.sampling import RowDraws
@@ -158,6 +158,15 @@ def cache_kinds(model: PreTrainedModel) -> CacheKinds:
             raise UnsupportedOptionError(f"{kind} keeps some layers' state outside transformers' cache (on its own "
                                          "modules), which jointspec decodes with: it cannot decode this model")
         reason = recurrent_state_reason(probe)
+        if reason:  # (Jamba's Mamba layers read a forward of several tokens from a zero state, not the cached one)
+            vocab = model.get_input_embeddings().num_embeddings
+            more = (token + torch.tensor([[1, 2]], device=model.device)) % vocab
+            after = model(input_ids=more, past_key_values=probe, use_cache=True).logits[0].float()
+            whole = model(input_ids=torch.cat([token, more], 1)).logits[0, 1:].float()
+            if (after - whole).abs().max() > 0.05 * whole.abs().max() + 1e-3:
+                raise UnsupportedOptionError(f"{kind}: transformers' recurrent layers for it read a forward of several "
+                                             "tokens without the state before it, so a prompt read in chunks or a "
+                                             "verified draft would come out wrong: it cannot decode this model")
         kinds = CacheKinds(f"{kind}'s convolution or recurrent layers keep one state, which a tree's branches cannot "
                            "share", f"{kind}: {reason}" if reason else "")
     _CACHE_KINDS[model] = kinds
@@ -322,10 +331,21 @@ class CausalLM:
         ``attend_to`` (int64 positions below ``num_cached``, increasing): the only cached tokens the new ones see
         (they still see each other causally, or along ``parents``); None: all of them.
         """
-        if self.states is not None:
+        if self.states is None:
+            return self._forward(token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to,
+                                 draws, allowed)
+        history = self.states
+        before = (len(history.tokens), list(history.replay), self.num_cached)
+        try:
             token_ids, parents, num_logits = self._with_replay(token_ids, parents, num_logits)
-        return self._forward(token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to,
-                             draws, allowed)
+            return self._forward(token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to,
+                                 draws, allowed)
+        except Exception:
+            # (the counts as they were: a forward that failed before the model ran, on a bad token, leaves the
+            # cache as it was)
+            del history.tokens[before[0]:]
+            history.replay, self.num_cached, self._replayed = before[1], before[2], 0
+            raise
 
     def _forward(self, token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to, draws,
                  allowed) -> ForwardOutput:
@@ -333,24 +353,34 @@ class CausalLM:
             return self._prefill_in_chunks(token_ids, output_hidden)
         call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only, attend_to, top_k_only,
                                draws, allowed)
-        if self.states is not None:
-            self.states.before_forward(self.cache, self.num_cached)
-        if self.lean is not None:
-            extra = {"draws": draws} if draws is not None else {}
-            if allowed is not None:
-                extra["allowed"] = allowed
-            logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
-                                       call.num_logits, call.hidden_layers, argmax_only=argmax_only,
-                                       top_k_only=top_k_only, **extra)
-        else:
-            logits, states = transformers_forward(self.model, call.input_ids, call.position_ids, call.attention_mask,
-                                                  self.cache, call.num_logits, call.hidden_layers)
+        history, start = self.states, self.num_cached
+        # A forward that reads kept tokens again before its own has its recurrent layers hand back their states
+        # between the two: the copy the next crop goes back to (backends/recurrent.py).
+        split = self._replayed if history is not None and 0 < self._replayed < call.input_ids.shape[1] else 0
+        if history is not None:
+            history.before_forward(self.cache, start)
+        with states_after(split if history is not None and history.recurrent and not history.plain else 0) as middle:
+            if self.lean is not None:
+                extra = {"draws": draws} if draws is not None else {}
+                if allowed is not None:
+                    extra["allowed"] = allowed
+                logits, states = self.lean(call.input_ids, call.position_ids, call.attention_mask, self.cache,
+                                           call.num_logits, call.hidden_layers, argmax_only=argmax_only,
+                                           top_k_only=top_k_only, **extra)
+            else:
+                logits, states = transformers_forward(self.model, call.input_ids, call.position_ids,
+                                                      call.attention_mask, self.cache, call.num_logits,
+                                                      call.hidden_layers)
+        if middle:
+            history.add(start + split, middle, self.cache)
         return self._finish(call, output_hidden, logits, states)
 
     def _with_replay(self, token_ids, parents, num_logits) -> tuple[list[int], None, int | None]:
         """A hybrid model's forward: ``token_ids`` counted among its tokens, and after a crop the tokens it must
         read again put before them, their rows left out of the output (backends/recurrent.py)."""
         token_ids = torch.as_tensor(token_ids).reshape(-1).tolist()
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
         if parents is not None and parents != chain_parents(len(token_ids)):
             raise UnsupportedOptionError(f"target '{self.name}' scores chains only ({cache_kinds(self.model).chains})")
         history = self.states
@@ -498,8 +528,8 @@ class CausalLM:
         if not 0 <= length <= self.num_cached:
             raise ValueError(f"cannot crop a cache of {self.num_cached} tokens to {length}")
         if length == 0 and self.cache.convolutions and self.num_cached:
-            self.reset(plain=self.states is not None and self.states.plain)  # (no state at all: what a
-            # convolution's recorded inputs need not reach back to)
+            history = self.states  # (no state at all: what a convolution's recorded inputs need not reach back to)
+            self.reset(plain=history is not None and history.plain, length=history.length if history else None)
         elif self.states is not None:
             self.states.release_before(length)
             if length < self.num_cached:

@@ -270,7 +270,7 @@ class BufferedCache(DynamicCache):
                 raise UnsupportedOptionError(f"cannot take {-tokens_to_remove} tokens back out of this cache: "
                                              f"{reason}")
         if states is not None:
-            for state, saved in zip(self._recurrent_states(), states, strict=True):
+            for state, saved in zip(self.recurrent_states(), states, strict=True):
                 state.copy_(saved)  # (in place: the layers hand this tensor to the next forward)
         for layer in self.layers:
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -284,7 +284,8 @@ class BufferedCache(DynamicCache):
                     # keys and values are the next class's in the layer's order: DynamicLayer's or the sliding one's)
                     super(LinearAttentionCacheLayerMixin, layer).crop(tokens_to_remove)
 
-    def _recurrent_states(self) -> list[torch.Tensor]:
+    def recurrent_states(self) -> list[torch.Tensor]:
+        """Every recurrent state the layers hold, in the layers' order (each layer's in its own)."""
         return [layer.recurrent_states[index] for layer in self.convolutions
                 for index, initialized in layer.is_recurrent_states_initialized.items() if initialized]
 
@@ -292,7 +293,7 @@ class BufferedCache(DynamicCache):
     def recurrent_snapshot(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """A copy of every recurrent state as it is now (empty where there are none yet): what :meth:`crop` puts
         back to take later tokens out. ``into``: an earlier copy of this cache's, written over."""
-        states = self._recurrent_states()
+        states = self.recurrent_states()
         if into is None or len(into) != len(states):
             return [state.clone() for state in states]
         for saved, state in zip(into, states):

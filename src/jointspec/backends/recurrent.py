@@ -1,6 +1,6 @@
 """Taking drafted tokens back out of a model with recurrent layers.
 
-Granite 4's and Falcon-H1's state-space layers, Qwen3.5's and Qwen3-Next's linear attention, Jamba's Mamba: each
+Granite 4's, Falcon-H1's and Bamba's state-space layers, Qwen3.5's and Qwen3-Next's linear attention: each
 keeps one state that sums every token it has read, so a crop cannot take a rejected draft back out of it the way it
 drops keys and values. vLLM and SGLang keep such a state per drafted token inside their kernels; transformers' layers
 return only the state after a forward's last token. So the adapter (backends/hf.py) does this instead:
@@ -13,6 +13,9 @@ return only the state after a forward's last token. So the adapter (backends/hf.
   values, a convolution's recorded inputs) to the same place, and notes the tokens between that copy and ``length``
   as still to read (``replay``). They count as cached: the loop sees a cache of ``length`` tokens;
 - the next forward reads those tokens first, in the same pass as its own, and returns only its own tokens' rows.
+  Each recurrent layer of that forward reads them apart from the forward's own tokens and hands back its state
+  between the two (:func:`states_after`): the copy for the next crop, so that no round reads again more than the
+  round before it kept.
 
 A crop further back than every copy (a decode that drafts nothing keeps none) empties the cache and reads all the
 kept tokens again: never wrong, only slow, and no method of the loop's crops so far back.
@@ -32,13 +35,17 @@ plain decoding makes for each token.
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 # The most copies kept of the recurrent states, one per forward: a draft model drafts one token a forward, and a crop
-# may go back over all of a round's drafts. Each copy is every recurrent state's size (Qwen3.5-2B: about 19 MB).
-MAX_SNAPSHOTS = 16
+# may go back over all of a round's drafts. Each copy is every recurrent state's size (Qwen3.5-2B: about 19 MB); a
+# crop lets go of those before the kept length, so only a draft model's long drafts hold many.
+MAX_SNAPSHOTS = 64
 
 
 @dataclass
@@ -76,6 +83,15 @@ class StateHistory:
             self._release(self.snapshots.pop(0))
         states = cache.recurrent_snapshot(into=self._spare.pop() if self._spare else None)
         if states:
+            self.snapshots.append(Snapshot(length, states))
+
+    def add(self, length: int, states: list[torch.Tensor], cache) -> None:
+        """Keep ``states``, the recurrent states after ``length`` tokens that a forward's layers handed back
+        (:func:`states_after`), if there is one for each of ``cache``'s recurrent states, shaped as it is."""
+        held = cache.recurrent_states()
+        if len(states) == len(held) and all(a.shape == b.shape for a, b in zip(states, held)):
+            if len(self.snapshots) >= MAX_SNAPSHOTS:
+                self._release(self.snapshots.pop(0))
             self.snapshots.append(Snapshot(length, states))
 
     def latest_at_most(self, length: int) -> Snapshot | None:
@@ -117,23 +133,71 @@ def install_short_chain_forms(model) -> None:
             setattr(module, chunked, wrapped)
 
 
+# The forward in flight's split (states_after): how many of its first tokens are read again, and the states after them.
+_SPLIT = threading.local()
+
+
+@contextmanager
+def states_after(count: int) -> Iterator[list[torch.Tensor]]:
+    """While a forward runs whose first ``count`` tokens are read again after a crop (0: none), the recurrent forms
+    it calls (the wrapped ones, :func:`install_short_chain_forms`) read those tokens apart from the rest and append
+    their state between the two to the list this yields, one per call, in the layers' order."""
+    _SPLIT.count, _SPLIT.states = count, []
+    try:
+        yield _SPLIT.states
+    finally:
+        _SPLIT.count = 0
+
+
+def _split_at(states: torch.Tensor | None, tokens: torch.Tensor) -> int:
+    count = getattr(_SPLIT, "count", 0)
+    return count if states is not None and 0 < count < tokens.shape[1] else 0
+
+
 def _short(states: torch.Tensor | None, tokens: torch.Tensor, chunk_size: int) -> bool:
     return states is not None and tokens.shape[1] < chunk_size and tokens.device.type == "cpu"
 
 
 def _mamba2_scan(chunked):
-    def scan(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, **kwargs):
+    def read(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, **kwargs):
         if _short(initial_states, hidden_states, chunk_size):
             chunk_size = hidden_states.shape[1]
         return chunked(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states, **kwargs)
+
+    def scan(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, return_final_states=False,
+             **kwargs):
+        count = _split_at(initial_states, hidden_states)
+        if not count:
+            return read(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states,
+                        return_final_states=return_final_states, **kwargs)
+        head, middle = read(hidden_states[:, :count], dt[:, :count], A, B[:, :count], C[:, :count], chunk_size,
+                            *args, initial_states=initial_states, return_final_states=True, **kwargs)
+        _SPLIT.states.append(middle.clone())
+        tail = read(hidden_states[:, count:], dt[:, count:], A, B[:, count:], C[:, count:], chunk_size, *args,
+                    initial_states=middle, return_final_states=return_final_states, **kwargs)
+        if return_final_states:
+            return torch.cat([head, tail[0]], dim=1), tail[1]
+        return torch.cat([head, tail], dim=1)
     return scan
 
 
 def _delta_rule(chunked, one):
-    def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, **kwargs):
+    def read(query, key, value, g, beta, chunk_size=64, initial_state=None, **kwargs):
         if _short(initial_state, query, chunk_size):
             if query.shape[1] <= TOKEN_BY_TOKEN:
                 return one(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
             chunk_size = query.shape[1]
         return chunked(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state, **kwargs)
+
+    def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs):
+        count = _split_at(initial_state, query)
+        if not count:
+            return read(query, key, value, g, beta, chunk_size, initial_state,
+                        output_final_state=output_final_state, **kwargs)
+        head, middle = read(query[:, :count], key[:, :count], value[:, :count], g[:, :count], beta[:, :count],
+                            chunk_size, initial_state, output_final_state=True, **kwargs)
+        _SPLIT.states.append(middle.clone())
+        tail, final = read(query[:, count:], key[:, count:], value[:, count:], g[:, count:], beta[:, count:],
+                           chunk_size, middle, output_final_state=output_final_state, **kwargs)
+        return torch.cat([head, tail], dim=1), final
     return rule
