@@ -116,22 +116,23 @@ def test_a_recurrent_hybrid_decodes_chains_with_rejected_drafts_as_plain_greedy_
     assert 1 <= len(target.states.snapshots) <= 2
 
 
-@pytest.mark.parametrize("make", [tiny_granite4, tiny_qwen3_5])
-def test_what_a_round_reads_again_stays_what_the_round_before_kept(make):
+@pytest.mark.parametrize("make, k", [(tiny_granite4, 4), (tiny_qwen3_5, 4), (tiny_granite4, 50)])
+def test_what_a_round_reads_again_stays_what_the_round_before_kept(make, k):
     """Every draft rejected (the oracle's tokens all corrupted): each round keeps only the pending token, which the
     next forward reads again with its own. The copy for the next crop is the state between the two (the layers hand it
-    back), so no forward reads more than 1 + 1 + 4 tokens; before, the tokens read again grew by one a round."""
+    back), so no forward reads more than 1 + 1 + k tokens; before, the tokens read again grew by one a round. A draft
+    of 50 reaches back past ROLLBACK_ROOM: the convolutions keep their inputs back to the oldest copy."""
     model = make(0)
     target = CausalLM(model, name="recurrent")
     lengths = []
     forward = target._forward
     target._forward = lambda token_ids, *rest: lengths.append(len(token_ids)) or forward(token_ids, *rest)
-    config = OracleConfig(num_draft_tokens=4, corruption_rate=1.0)
+    config = OracleConfig(num_draft_tokens=k, corruption_rate=1.0)
     decoder = SpeculativeDecoder(target, *build_method(MethodContext(config, target, None, None)))
     prompt = random_prompt(3)
-    assert decoder.generate(prompt, greedy(60)) == hf_greedy(model, prompt, 60)
-    assert decoder.stats.num_accepted_tokens == 0 and decoder.stats.num_rounds == 60
-    assert max(lengths[1:]) == 6, lengths  # (after the prompt's forward)
+    assert decoder.generate(prompt, greedy(80)) == hf_greedy(model, prompt, 80)
+    assert decoder.stats.num_accepted_tokens == 0 and decoder.stats.num_rounds == 80
+    assert max(lengths[1:]) == 2 + k, lengths  # (after the prompt's forward)
 
 
 def test_a_forward_that_fails_leaves_the_counts_as_they_were():
@@ -141,8 +142,8 @@ def test_a_forward_that_fails_leaves_the_counts_as_they_were():
     target.forward(tokens[:12], num_logits=0)
     target.forward(tokens[12:16])
     target.crop(14)  # (two tokens to read again)
-    with pytest.raises(IndexError):
-        target.forward([VOCAB + 5])  # (no such token: the embedding refuses it before any layer runs)
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 5} is outside the model's vocabulary"):
+        target.forward([VOCAB + 5])
     with pytest.raises(ValueError, match="at least one token"):
         target.forward([])
     assert target.num_cached == 14 and target.states.replay == tokens[12:14]
@@ -150,6 +151,18 @@ def test_a_forward_that_fails_leaves_the_counts_as_they_were():
     with torch.inference_mode():
         whole = model(torch.tensor([tokens[:17]])).logits[0, 14:]
     assert out.logits.shape[0] == 3 and torch.allclose(out.logits, whole, atol=1e-5)
+    # a failure inside the model (its last layer: the others have written the cache): all read again
+    layer = model.model.layers[-1]
+    original = layer.forward
+    layer.forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("inside the model"))
+    with pytest.raises(RuntimeError, match="inside the model"):
+        target.forward(tokens[17:19])
+    layer.forward = original
+    assert target.num_cached == 17 and target.states.replay == tokens[:17]
+    out = target.forward(tokens[17:19])
+    with torch.inference_mode():
+        whole = model(torch.tensor([tokens[:19]])).logits[0, 17:]
+    assert torch.allclose(out.logits, whole, atol=1e-5)
 
 
 @pytest.mark.parametrize("make", [tiny_granite4, tiny_qwen3_5])
@@ -235,6 +248,15 @@ def test_a_crop_further_back_than_every_copy_reads_the_kept_tokens_again(plain, 
     with torch.inference_mode():
         fresh = model(torch.tensor([tokens[:16]])).logits[0, 13:16]
     assert target.num_cached == 16 and torch.allclose(out.logits, fresh, atol=1e-5)
+    # that forward, read from an empty cache, handed back the states after the 13 tokens it read again: the copy the
+    # next crop goes back to (without it, every later crop would read everything again)
+    target.crop(14)
+    if plain:
+        assert target.states.replay == tokens[:14]
+    else:
+        assert target.states.replay == tokens[13:14] and target.cache.get_seq_length() == 13
+        out = target.forward(tokens[14:16])
+        assert torch.allclose(out.logits, fresh[1:], atol=1e-5)
 
 
 @pytest.mark.parametrize("make", [tiny_lfm2, tiny_granite4, tiny_qwen3_5])
@@ -257,6 +279,20 @@ def test_the_server_engine_serves_a_hybrid_model_each_request_its_own_tokens(mak
         MethodConfig("ar"), alone, None, None))[1]).generate(list(p), BATCH_GREEDY) for p in prompts]
 
 
+JAMBA = "jamba: transformers' recurrent layers for it read a forward of several tokens without the state before it"
+
+
+def _tiny_jamba():
+    """As initialised, its Mamba layers' states move the logits by less than its chunks' error does; with
+    lasting_state, by far more: the probe refuses it both ways."""
+    torch.manual_seed(0)
+    return transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2)).eval()
+
+
 @pytest.mark.parametrize("make, why", [
     (lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8,
                                                                    num_hidden_layers=2)),
@@ -265,12 +301,8 @@ def test_the_server_engine_serves_a_hybrid_model_each_request_its_own_tokens(mak
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=1, lru_width=64, attention_window_size=16, conv1d_width=4)),
      "recurrent_gemma keeps some layers' state outside transformers' cache"),
-    (lambda: lasting_state(transformers.JambaForCausalLM(transformers.JambaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_layer_period=2, attn_layer_offset=1,
-        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4,
-        mamba_expand=2)).eval()),
-     "jamba: transformers' recurrent layers for it read a forward of several tokens without the state before it"),
+    (lambda: _tiny_jamba(), JAMBA),
+    (lambda: lasting_state(_tiny_jamba()), JAMBA),
 ])
 def test_a_model_whose_state_lives_outside_transformers_cache_is_refused_at_once(make, why):
     """Mamba reads its state from an argument of its own, RecurrentGemma keeps it on its modules: jointspec's cache

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from jointspec.backends.kvcache import BufferedCache, recurrent_state_reason, sliding_window_mask
+from jointspec.backends.kvcache import ROLLBACK_ROOM, BufferedCache, recurrent_state_reason, sliding_window_mask
 from jointspec.backends.lean_forward import (
     LeanCall,
     LeanLlamaForward,
@@ -158,19 +158,29 @@ def cache_kinds(model: PreTrainedModel) -> CacheKinds:
             raise UnsupportedOptionError(f"{kind} keeps some layers' state outside transformers' cache (on its own "
                                          "modules), which jointspec decodes with: it cannot decode this model")
         reason = recurrent_state_reason(probe)
-        if reason:  # (Jamba's Mamba layers read a forward of several tokens from a zero state, not the cached one)
-            vocab = model.get_input_embeddings().num_embeddings
-            more = (token + torch.tensor([[1, 2]], device=model.device)) % vocab
-            after = model(input_ids=more, past_key_values=probe, use_cache=True).logits[0].float()
-            whole = model(input_ids=torch.cat([token, more], 1)).logits[0, 1:].float()
-            if (after - whole).abs().max() > 0.05 * whole.abs().max() + 1e-3:
-                raise UnsupportedOptionError(f"{kind}: transformers' recurrent layers for it read a forward of several "
-                                             "tokens without the state before it, so a prompt read in chunks or a "
-                                             "verified draft would come out wrong: it cannot decode this model")
+        if reason and _reads_chains_without_state(model, token, probe):
+            raise UnsupportedOptionError(f"{kind}: transformers' recurrent layers for it read a forward of several "
+                                         "tokens without the state before it, so a prompt read in chunks or a "
+                                         "verified draft would come out wrong: it cannot decode this model")
         kinds = CacheKinds(f"{kind}'s convolution or recurrent layers keep one state, which a tree's branches cannot "
                            "share", f"{kind}: {reason}" if reason else "")
     _CACHE_KINDS[model] = kinds
     return kinds
+
+
+def _reads_chains_without_state(model: PreTrainedModel, token: torch.Tensor, probe: BufferedCache) -> bool:
+    """Whether ``model`` reads a forward of several tokens after a cached state as if no state came before (Jamba's
+    Mamba layers in transformers start such a scan from zero): two tokens read after ``probe`` (which holds ``token``)
+    come out bit for bit the same when its recurrent states are moved. A layer that reads its state cannot give the
+    same bits from another one, however little the state weighs in its output (a tolerance cannot tell that apart:
+    Jamba's states, as initialised, move its logits less than a correct model's chunks round them)."""
+    moved = BufferedCache(model.config)
+    model(input_ids=token, past_key_values=moved, use_cache=True)
+    for state in moved.recurrent_states():
+        state.add_(1.0)
+    more = (token + torch.tensor([[1, 2]], device=model.device)) % model.get_input_embeddings().num_embeddings
+    after = model(input_ids=more, past_key_values=probe, use_cache=True).logits
+    return torch.equal(after, model(input_ids=more, past_key_values=moved, use_cache=True).logits)
 
 
 def slot_position_reason(config) -> str | None:
@@ -211,6 +221,7 @@ class CausalLM:
         self.num_cached = 0
         self.states = self._state_history()
         self._replayed = 0  # the tokens read again at the start of the forward in flight (backends/recurrent.py)
+        self._ran = False  # whether the forward in flight has called the model (a hybrid's, see forward)
         self.mirrors: list[FeatureMirror] = []
         # Called as (tokens done, tokens in all) after each chunk of a long prefill (see prefill_chunk).
         self.prefill_progress: Callable[[int, int], None] | None = None
@@ -336,15 +347,20 @@ class CausalLM:
                                  draws, allowed)
         history = self.states
         before = (len(history.tokens), list(history.replay), self.num_cached)
+        self._ran = False
         try:
             token_ids, parents, num_logits = self._with_replay(token_ids, parents, num_logits)
             return self._forward(token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to,
                                  draws, allowed)
         except Exception:
-            # (the counts as they were: a forward that failed before the model ran, on a bad token, leaves the
-            # cache as it was)
+            # The counts as they were. A model that failed before it ran (a bad token) left the cache as it was; one
+            # that failed as it ran may have changed some layers: the kept tokens are then all read again.
             del history.tokens[before[0]:]
             history.replay, self.num_cached, self._replayed = before[1], before[2], 0
+            if self._ran:
+                self.cache = BufferedCache(self.model.config, self.kv_dtype, length=history.length)
+                history.snapshots.clear()
+                history.replay = list(history.tokens)
             raise
 
     def _forward(self, token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to, draws,
@@ -359,6 +375,7 @@ class CausalLM:
         split = self._replayed if history is not None and 0 < self._replayed < call.input_ids.shape[1] else 0
         if history is not None:
             history.before_forward(self.cache, start)
+        self._ran = True  # (from here a failure may leave the cache changed: forward() then reads it all again)
         with states_after(split if history is not None and history.recurrent and not history.plain else 0) as middle:
             if self.lean is not None:
                 extra = {"draws": draws} if draws is not None else {}
@@ -381,6 +398,10 @@ class CausalLM:
         token_ids = torch.as_tensor(token_ids).reshape(-1).tolist()
         if not token_ids:
             raise ValueError("forward needs at least one token")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next((token for token in token_ids if not 0 <= token < vocab), None)
+        if bad is not None:  # (before anything is counted or read)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})")
         if parents is not None and parents != chain_parents(len(token_ids)):
             raise UnsupportedOptionError(f"target '{self.name}' scores chains only ({cache_kinds(self.model).chains})")
         history = self.states
@@ -478,8 +499,10 @@ class CausalLM:
                 states: dict[int, torch.Tensor]) -> ForwardOutput:
         """Count the new tokens as cached, feed the feature mirrors, and shape the output."""
         self.num_cached += call.input_ids.shape[1]
-        if self.cache.convolutions:
-            self.cache.keep_recent()
+        if self.cache.convolutions:  # (inputs recorded back to the oldest copy of the recurrent states at least:
+            # what a crop back to it takes out, a long draft's whole round included)
+            copies = self.states.snapshots if self.states is not None else None
+            self.cache.keep_recent(max(ROLLBACK_ROOM, self.num_cached - copies[0].length) if copies else ROLLBACK_ROOM)
         # (tokens read again, at the start of this forward or of the chunks up to it: the mirrors have their features)
         replayed = min(self._replayed, call.input_ids.shape[1])
         self._replayed -= replayed

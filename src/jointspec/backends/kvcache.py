@@ -23,7 +23,7 @@ linear-attention cache layers). A convolution's inputs can be taken back: the ca
 ones. A recurrent state cannot: it sums every token it has read. Only a copy taken before the tokens came
 (:meth:`BufferedCache.recurrent_snapshot`) brings it back, and :meth:`BufferedCache.crop` refuses to take tokens out
 of one without such a copy (:func:`recurrent_state_reason`); the adapter keeps the copies and reads again the tokens
-after one that it keeps (backends/hf.py, :class:`~jointspec.backends.hf.StateHistory`).
+after one that it keeps (backends/hf.py, :class:`~jointspec.backends.recurrent.StateHistory`).
 
 A cache may store its entries in another dtype than the model computes in (``dtype``: float16 for a float32 model,
 ``--kv-cache float16``): half the memory and half the bytes each decoding step reads at long context. jointspec's
@@ -46,9 +46,10 @@ except ImportError:  # an earlier transformers 5, whose hybrid models keep such 
 from jointspec.core.errors import UnsupportedOptionError
 
 MIN_CAPACITY = 256
-# The tokens a crop may take back out of a convolution layer from its recorded inputs, kept that far back: a round's
-# forward (the tokens read again after a crop, the pending one and up to 16 drafted) or a draft model's drafted tokens,
-# one a forward. transformers' layers convolve every recorded input at each forward, so the room is paid for at every
+# The tokens a crop may take back out of a convolution layer from its recorded inputs, kept that far back at least: a
+# round's forward (the tokens read again after a crop, the pending one and up to 16 drafted) or a draft model's drafted
+# tokens, one a forward. The adapter keeps more where a hybrid's oldest copy of its recurrent states is further back
+# (a long draft). transformers' layers convolve every recorded input at each forward, so the room is paid for at every
 # step; a crop further back reads the kept tokens again (backends/recurrent.py).
 ROLLBACK_ROOM = 48
 

@@ -149,9 +149,10 @@ def states_after(count: int) -> Iterator[list[torch.Tensor]]:
         _SPLIT.count = 0
 
 
-def _split_at(states: torch.Tensor | None, tokens: torch.Tensor) -> int:
+def _split_at(tokens: torch.Tensor) -> int:
+    # (with or without a state before them: after a crop past every copy the tokens are read from an empty cache)
     count = getattr(_SPLIT, "count", 0)
-    return count if states is not None and 0 < count < tokens.shape[1] else 0
+    return count if 0 < count < tokens.shape[1] else 0
 
 
 def _short(states: torch.Tensor | None, tokens: torch.Tensor, chunk_size: int) -> bool:
@@ -166,7 +167,7 @@ def _mamba2_scan(chunked):
 
     def scan(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, return_final_states=False,
              **kwargs):
-        count = _split_at(initial_states, hidden_states)
+        count = _split_at(hidden_states)
         if not count:
             return read(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states,
                         return_final_states=return_final_states, **kwargs)
@@ -190,7 +191,7 @@ def _delta_rule(chunked, one):
         return chunked(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state, **kwargs)
 
     def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs):
-        count = _split_at(initial_state, query)
+        count = _split_at(query)
         if not count:
             return read(query, key, value, g, beta, chunk_size, initial_state,
                         output_final_state=output_final_state, **kwargs)
