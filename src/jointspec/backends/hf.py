@@ -372,11 +372,12 @@ class CausalLM:
         history, start = self.states, self.num_cached
         # A forward that reads kept tokens again before its own has its recurrent layers hand back their states
         # between the two: the copy the next crop goes back to (backends/recurrent.py).
-        split = self._replayed if history is not None and 0 < self._replayed < call.input_ids.shape[1] else 0
+        split = (self._replayed if history is not None and history.recurrent and not history.plain
+                 and 0 < self._replayed < call.input_ids.shape[1] else 0)
         if history is not None:
             history.before_forward(self.cache, start)
         self._ran = True  # (from here a failure may leave the cache changed: forward() then reads it all again)
-        with states_after(split if history is not None and history.recurrent and not history.plain else 0) as middle:
+        with states_after(split) as middle:
             if self.lean is not None:
                 extra = {"draws": draws} if draws is not None else {}
                 if allowed is not None:
@@ -579,7 +580,7 @@ class CausalLM:
             if history.recurrent:
                 snapshot = history.latest_at_most(length)
                 start, states = (snapshot.length, snapshot.states) if snapshot is not None else (None, None)
-            if start is not None and not self.cache.recorded_reason(held - start, start):
+            if start is not None and self.cache.records_back(held - start, start):
                 self.cache.crop(start - held, states=states)
                 history.replay = history.tokens[start:length]
             else:  # no copy reaches back so far, or the convolutions' inputs do not: all of them read again

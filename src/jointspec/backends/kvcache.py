@@ -264,7 +264,7 @@ class BufferedCache(DynamicCache):
         ``states``: the recurrent states as they were before those tokens (a :meth:`recurrent_snapshot` taken then),
         put back; without them, UnsupportedOptionError where a layer holds a recurrent state, which no crop can take
         tokens out of (a convolution's recorded inputs are checked by the adapter, which knows the sequence's length:
-        :meth:`recorded_reason`)."""
+        :meth:`records_back`)."""
         if tokens_to_remove < 0 and states is None:
             reason = recurrent_state_reason(self)
             if reason:
@@ -309,16 +309,13 @@ class BufferedCache(DynamicCache):
                 if initialized:
                     layer.conv_states[index] = layer.conv_states[index][..., -(layer.conv_kernel_size[index] + count):]
 
-    def recorded_reason(self, count: int, kept: int) -> str:
-        """Why the convolutions cannot give back their last ``count`` tokens, ``kept`` tokens staying before them
-        ("" where they can): a layer has recorded fewer inputs than those tokens and the kernel's width before them
-        (or all the kept ones, where fewer)."""
-        for layer in self.convolutions:
-            for index, initialized in layer.is_conv_states_initialized.items():
-                needed = count + min(layer.conv_kernel_size[index], kept)
-                if initialized and layer.conv_states[index].shape[-1] < needed:
-                    return f"its convolution layers keep the inputs of their last {ROLLBACK_ROOM} tokens at most"
-        return ""
+    def records_back(self, count: int, kept: int) -> bool:
+        """Whether the convolutions can give back their last ``count`` tokens, ``kept`` tokens staying before them:
+        every layer has recorded those tokens' inputs and the kernel's width before them (or all the kept ones, where
+        fewer)."""
+        return all(layer.conv_states[index].shape[-1] >= count + min(layer.conv_kernel_size[index], kept)
+                   for layer in self.convolutions
+                   for index, initialized in layer.is_conv_states_initialized.items() if initialized)
 
     @property
     def sliding_window(self) -> int | None:

@@ -83,16 +83,14 @@ class StateHistory:
             self._release(self.snapshots.pop(0))
         states = cache.recurrent_snapshot(into=self._spare.pop() if self._spare else None)
         if states:
-            self.snapshots.append(Snapshot(length, states))
+            self._keep(Snapshot(length, states))
 
     def add(self, length: int, states: list[torch.Tensor], cache) -> None:
         """Keep ``states``, the recurrent states after ``length`` tokens that a forward's layers handed back
         (:func:`states_after`), if there is one for each of ``cache``'s recurrent states, shaped as it is."""
         held = cache.recurrent_states()
         if len(states) == len(held) and all(a.shape == b.shape for a, b in zip(states, held)):
-            if len(self.snapshots) >= MAX_SNAPSHOTS:
-                self._release(self.snapshots.pop(0))
-            self.snapshots.append(Snapshot(length, states))
+            self._keep(Snapshot(length, states))
 
     def latest_at_most(self, length: int) -> Snapshot | None:
         """The latest copy taken with at most ``length`` tokens cached, the copies after it dropped (their tokens are
@@ -109,6 +107,11 @@ class StateHistory:
             for snapshot in self.snapshots[:kept[-1]]:
                 self._release(snapshot)
             del self.snapshots[:kept[-1]]
+
+    def _keep(self, snapshot: Snapshot) -> None:
+        if len(self.snapshots) >= MAX_SNAPSHOTS:  # (the oldest let go of)
+            self._release(self.snapshots.pop(0))
+        self.snapshots.append(snapshot)
 
     def _release(self, snapshot: Snapshot) -> None:
         if len(self._spare) < 2:
