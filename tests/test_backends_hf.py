@@ -211,10 +211,11 @@ def test_a_long_prefill_runs_in_chunks_and_reports_progress(monkeypatch):
 
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2vnni", "avx2"])
 def test_the_vector_builds_read_a_prompt_row_by_row(isa):
-    """The AVX-512 builds read a prompt in chunks of ROWWISE_PREFILL_CHUNK rows, the AVX2 build reads forwards of up
-    to that many rows, each row computed alone: the cache then holds the bits that feeding the prompt one token at a
-    time gives, so the next logits are equal, not merely close. (A GEMM prefill fails this: the portable build's,
-    and the AVX2 build's past ROWWISE_PREFILL_CHUNK rows.)"""
+    """The AVX-512 builds read a prompt in chunks of ROWWISE_PREFILL_CHUNK rows, the AVX2 builds read forwards of up
+    to that many rows, and prompts of up to ROWWISE_PROMPT_TOKENS in such chunks, each row computed alone: the cache
+    then holds the bits that feeding the prompt one token at a time gives, so the next logits are equal, not merely
+    close. (A GEMM prefill fails this: the portable build's, and the AVX2 builds' for longer prompts, checked here
+    with that limit lowered: the GEMM's float sums equal the rows' alone with odds far below 1e-9.)"""
     from jointspec.kernels.grouped import runnable_isas, use_isa
 
     if isa not in runnable_isas():
@@ -231,12 +232,22 @@ def test_the_vector_builds_read_a_prompt_row_by_row(isa):
         assert chunked.lean.prefill_gemm_rows == chunk + 1
         assert chunked.prefill_chunk == min(hf.PREFILL_CHUNK,
                                             lean_forward.gemm_prefill_chunk(model.config.intermediate_size))
-        length = chunk
+        assert chunked.lean.alone_prompt_tokens == lean_forward.ROWWISE_PROMPT_TOKENS
+        length = chunk + 40  # two forwards of up to ROWWISE_PREFILL_CHUNK rows
     prompt = random_prompt(6, length=length)
     chunked.forward(prompt, num_logits=0)
     for token in prompt:
         stepped.forward([token], num_logits=0)
-    assert torch.equal(chunked.forward([7]).logits, stepped.forward([7]).logits)
+    expected = stepped.forward([7]).logits
+    assert torch.equal(chunked.forward([7]).logits, expected)
+    if isa.startswith("avx2"):  # past the limit the prompt goes to the GEMM, whose rows are not the same bits
+        chunked.reset()
+        chunked.lean.alone_prompt_tokens = length - 1
+        try:
+            chunked.forward(prompt, num_logits=0)
+            assert not torch.equal(chunked.forward([7]).logits, expected)
+        finally:
+            chunked.lean.alone_prompt_tokens = lean_forward.ROWWISE_PROMPT_TOKENS
 
 
 def test_a_gemm_prefill_chunk_bounds_its_mlp_activations():

@@ -463,6 +463,7 @@ def test_a_long_prompt_is_read_over_rounds_while_the_others_decode(int4_target, 
     ``generate``'s)."""
     monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
     monkeypatch.setattr(int4_target.lean, "prefill_chunk", 16)
+    monkeypatch.setattr(int4_target.lean, "alone_prompt_tokens", 0)  # (the AVX2 builds' 128-row chunks up to 1,024)
     config = METHODS[method]
     engine = LockstepEngine(int4_target, max_batch_size=16)
     engine.prefill_tokens_per_round = 16
@@ -683,10 +684,22 @@ def decode_one(engine, request: BatchRequest):
     return tokens, stats
 
 
-PREFILL_MODES = {  # (chunk, rows from which a chunk is read as one GEMM)
-    "rows alone": (16, math.inf),  # the compiled AVX-512 layers' way: any shared prefix is reusable
-    "GEMM chunks": (16, 8),  # the AVX2 build's way (at its own sizes): whole prompt chunks only
+PREFILL_MODES = {  # (chunk, rows from which a forward is read as one GEMM, prompts read row-wise)
+    "rows alone": (16, math.inf, 0),  # the compiled AVX-512 layers' way: any shared prefix is reusable
+    "GEMM chunks": (16, 8, 0),  # longer prompts on the AVX2 builds (at their own sizes): whole chunks only
+    # The AVX2 builds' way (at their own sizes): prompts of up to 80 tokens read row-wise in chunks of 8 (any shared
+    # prefix reusable), longer ones in GEMM chunks of 16.
+    "short prompts alone": (16, 9, 80),
 }
+
+
+def prefill_mode(monkeypatch, target, mode: str) -> int:
+    """Have ``target``'s compiled layers read prompts in ``mode``'s way (PREFILL_MODES); returns its chunk."""
+    chunk, gemm_rows, alone_tokens = PREFILL_MODES[mode]
+    monkeypatch.setattr(target.lean, "prefill_chunk", chunk)
+    monkeypatch.setattr(target.lean, "prefill_gemm_rows", gemm_rows)
+    monkeypatch.setattr(target.lean, "alone_prompt_tokens", alone_tokens)
+    return chunk
 
 
 @pytest.mark.parametrize("mode", list(PREFILL_MODES))
@@ -696,9 +709,7 @@ def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, 
     the one ``generate`` gives, and the prompt's cache entries are the bits a fresh prefill writes (where rows of a
     prompt chunk are not computed alone, only whole chunks of the earlier prompt are reused: reusing its decoded
     entries too gives other bits, and this test fails)."""
-    chunk, gemm_rows = PREFILL_MODES[mode]
-    monkeypatch.setattr(int4_target.lean, "prefill_chunk", chunk)
-    monkeypatch.setattr(int4_target.lean, "prefill_gemm_rows", gemm_rows)
+    chunk = prefill_mode(monkeypatch, int4_target, mode)
     config = METHODS[method] if method in METHODS else MethodConfig(method)
     decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
     engine = LockstepEngine(int4_target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
@@ -710,7 +721,7 @@ def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, 
     tokens, stats = decode_one(engine, BatchRequest(second, decode, config))
     assert tokens == alone(int4_target, config, second, decode)
     held = len(first) + len(answer) - 1  # every committed token but the last has its entry
-    expected = held if mode == "rows alone" else (len(first) - 1) // chunk * chunk
+    expected = (len(first) - 1) // chunk * chunk if mode == "GEMM chunks" else held
     assert stats.prompt_tokens_reused == expected > 0
     (kept,) = engine.prompt_cache._kept.values()  # the second turn's own cache, kept in turn
     fresh = int4_target.fork("fresh")
@@ -737,7 +748,8 @@ def test_an_answer_ended_by_an_eos_inside_a_draft_leaves_the_entries_of_its_toke
     second = first + answer + random_prompt(5, 9)
     tokens, stats = decode_one(engine, BatchRequest(second, decode, config))
     assert tokens == alone(int4_target, config, second, decode)
-    assert stats.prompt_tokens_reused == len(first) + len(answer) or not prompt_rows_alone(int4_target)
+    assert stats.prompt_tokens_reused == len(first) + len(answer) or not prompt_rows_alone(int4_target,
+                                                                                            len(second) - 1)
 
 
 def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(int4_target):
@@ -788,9 +800,7 @@ def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(i
 def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, monkeypatch, mode, kv):
     """A kept cache that a prompt shares only in part (a system prompt) is copied into each such request's own cache
     and stays kept: every one of them reads only its own part, and its entries are a fresh prefill's bits."""
-    chunk, gemm_rows = PREFILL_MODES[mode]
-    monkeypatch.setattr(int4_target.lean, "prefill_chunk", chunk)
-    monkeypatch.setattr(int4_target.lean, "prefill_gemm_rows", gemm_rows)
+    prefill_mode(monkeypatch, int4_target, mode)
     target = int4_target.fork(kv, kv_dtype=torch.float16 if kv == "float16" else None)  # copies widen, then narrow
     engine = LockstepEngine(target, max_batch_size=4, prompt_cache_bytes=2 ** 26)
     decode = replace(GREEDY, max_new_tokens=8, eos_token_ids=frozenset())
@@ -804,7 +814,7 @@ def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, 
         tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
         own = engine.active[seq_id].decoder.target
         # GEMM chunks: the first request's prompt (40 tokens) left 2 whole chunks of 16, 32 of the 33 shared
-        assert engine.active[seq_id].reused == (len(system) if mode == "rows alone" else 32)
+        assert engine.active[seq_id].reused == (32 if mode == "GEMM chunks" else len(system))
         for layer, reference in zip(own.cache.layers, fresh.cache.layers):
             end = len(prompt) - 1
             assert torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
@@ -812,6 +822,70 @@ def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, 
         while engine.has_work:
             tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
         assert tokens == alone(target, MethodConfig(), prompt, decode)
+
+
+def fresh_bits(target: CausalLM, cache, prompt: list[int]) -> bool:
+    """Whether ``cache`` holds, for every token of ``prompt`` but the last, the bits a fresh prefill writes."""
+    fresh = target.fork("fresh")
+    fresh.forward(prompt[:-1], num_logits=0)
+    end = len(prompt) - 1
+    return all(torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
+               and torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
+               for layer, reference in zip(cache.layers, fresh.cache.layers))
+
+
+def test_entries_serve_only_prompts_read_the_way_they_were(int4_target, monkeypatch):
+    """The AVX2 builds' way at its own sizes (PREFILL_MODES): a short conversation whose next turn grows past the
+    row-wise limit reads it all again (entries computed alone are not a GEMM chunk's), and a long prompt's kept
+    GEMM chunks do not serve a short prompt that shares them; each answer is the one ``generate`` gives, each cache
+    a fresh prefill's bits. (Serving either from the other fails: a GEMM row's bits differ from a row's alone.)"""
+    prefill_mode(monkeypatch, int4_target, "short prompts alone")
+    decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    first = random_prompt(3, 45)  # read alone
+    answer, _ = decode_one(engine, BatchRequest(first, decode))
+    second = first + answer + random_prompt(5, 30)  # 89 tokens: past the limit of 80, read in GEMM chunks
+    seq_id = engine.submit(BatchRequest(second, decode))
+    tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
+    assert engine.active[seq_id].reused == 0
+    assert fresh_bits(int4_target, engine.active[seq_id].decoder.target.cache, second)
+    while engine.has_work:
+        tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
+    assert tokens == alone(int4_target, MethodConfig(), second, decode)
+
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    long = random_prompt(6, 100)  # read in GEMM chunks: 96 of its entries any such prompt writes alike
+    decode_one(engine, BatchRequest(long, decode))
+    short = long[:40] + random_prompt(7, 10)  # shares 40 of them, but is read alone
+    seq_id = engine.submit(BatchRequest(short, decode))
+    tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
+    assert engine.active[seq_id].reused == 0 and len(engine.prompt_cache) == 1
+    assert fresh_bits(int4_target, engine.active[seq_id].decoder.target.cache, short)
+    while engine.has_work:
+        tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
+    assert tokens == alone(int4_target, MethodConfig(), short, decode)
+
+
+def test_the_avx2_builds_serve_a_chats_next_turn_past_one_chunk_of_rows(int4_target):
+    """At the compiled layers' own sizes: a first prompt of more than ROWWISE_PREFILL_CHUNK tokens, which the AVX2
+    builds read by GEMM before they read prompts of up to ROWWISE_PROMPT_TOKENS row-wise, leaves a cache whose every
+    entry serves the next turn (on the AVX-512 builds too; the portable build reads it in GEMM chunks)."""
+    from jointspec.backends.lean_forward import ROWWISE_PREFILL_CHUNK, ROWWISE_PROMPT_TOKENS
+
+    lean = int4_target.lean
+    if lean._isa in ("avx2", "avx2vnni"):
+        assert lean.alone_prompt_tokens == ROWWISE_PROMPT_TOKENS and lean.prefill_gemm_rows <= ROWWISE_PREFILL_CHUNK + 1
+    decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    first = random_prompt(8, ROWWISE_PREFILL_CHUNK + 20)
+    answer, _ = decode_one(engine, BatchRequest(first, decode))
+    second = first + answer + random_prompt(9, 12)
+    tokens, stats = decode_one(engine, BatchRequest(second, decode))
+    assert tokens == alone(int4_target, MethodConfig(), second, decode)
+    if lean._isa != "portable":
+        assert stats.prompt_tokens_reused == len(first) + len(answer) - 1
+    (kept,) = engine.prompt_cache._kept.values()
+    assert fresh_bits(int4_target, kept.cache, second)
 
 
 def test_a_target_feeding_a_heads_mirror_takes_no_kept_cache(int4_target):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -365,7 +366,9 @@ class CausalLM:
 
     def _forward(self, token_ids, parents, num_logits, output_hidden, argmax_only, top_k_only, attend_to, draws,
                  allowed) -> ForwardOutput:
-        if num_logits == 0 and parents is None and attend_to is None and len(token_ids) > self.prefill_chunk:
+        if (num_logits == 0 and parents is None and attend_to is None
+                and self.prefill_chunk_end(self.num_cached, self.num_cached + len(token_ids))
+                < self.num_cached + len(token_ids)):
             return self._prefill_in_chunks(token_ids, output_hidden)
         call = self._lean_call(token_ids, parents, num_logits, output_hidden, argmax_only, attend_to, top_k_only,
                                draws, allowed)
@@ -418,15 +421,21 @@ class CausalLM:
         return replay + token_ids, None, len(token_ids) if num_logits is None else num_logits
 
     def _prefill_in_chunks(self, token_ids: list[int] | torch.Tensor, output_hidden: bool) -> ForwardOutput:
-        total = len(token_ids)
-        for start in range(0, total, self.prefill_chunk):
+        # Chunks by position in the sequence (prefill_chunk_end), as the batched engine reads a prompt after a kept
+        # cache's entries.
+        first = self.num_cached
+        total = first + len(token_ids)
+        start = first
+        while start < total:
             stop = self.prefill_chunk_end(start, total)
-            out = self._forward(token_ids[start:stop], None, 0, output_hidden, False, 0, None, None, None)
+            out = self._forward(token_ids[start - first:stop - first], None, 0, output_hidden, False, 0, None, None,
+                                None)
             # A chunk's activations, attention scores and dequantised weights are tens of megabytes each, freed
             # into the C heap, which keeps them as resident memory; handed back, the next chunk's peak starts lower.
             release_freed_memory()
             if self.prefill_progress is not None:
-                self.prefill_progress(stop, total)
+                self.prefill_progress(stop - first, total - first)
+            start = stop
         return out
 
     @property
@@ -437,9 +446,26 @@ class CausalLM:
         return min(own or PREFILL_CHUNK, PREFILL_CHUNK)
 
     def prefill_chunk_end(self, start: int, total: int) -> int:
-        """Where the prefill chunk starting at token ``start`` of ``total`` ends: the forwards a prompt is read in
-        (:meth:`forward`; the batched engine reads them a few a round, and must read the same ones)."""
+        """Where the prefill chunk starting at token ``start`` of ``total`` ends (positions in the sequence): the
+        forwards a prompt is read in (:meth:`forward`; the batched engine reads them a few a round, and must read the
+        same ones). A prompt short enough to be read row by row on the compiled layers' AVX2 builds
+        (``alone_prompt_tokens``, backends/lean_forward.py) goes in chunks of as many rows as they read row-wise."""
+        lean = self.lean
+        if (lean is not None and lean.compiled is not None and 0 < total <= lean.alone_prompt_tokens
+                and lean.prefill_gemm_rows != math.inf):
+            return min(start + int(lean.prefill_gemm_rows) - 1, total)
         return min(start + self.prefill_chunk, total)
+
+    def prompt_read_alone(self, total: int) -> bool:
+        """Whether reading a prompt of ``total`` cached tokens (from an empty cache, or after entries that were each
+        computed alone) computes every row alone: its entries are then the bits any other reading of the same
+        tokens writes, a chunk at a time, a token at a time or after another prompt's kept entries
+        (batch/prompt_cache.py). So on the compiled layers that read prompts row by row, and on their AVX2 builds for
+        prompts of up to ``alone_prompt_tokens`` tokens and forwards under ``prefill_gemm_rows`` rows."""
+        lean = self.lean
+        if lean is None or lean.compiled is None:
+            return False
+        return lean.prefill_gemm_rows == math.inf or total < lean.prefill_gemm_rows or total <= lean.alone_prompt_tokens
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None,
                    top_k_only: int = 0, draws: RowDraws | None = None,

@@ -82,6 +82,13 @@ PREFILL_GEMM_ROWS = 16
 # Entries of the compiled layers' identity checks tested on every forward, from each end (the first and last layers).
 COMPILED_SAMPLE = 12
 ROWWISE_PREFILL_CHUNK = 128
+# The AVX2 builds read a whole prompt of up to this many cached tokens row-wise too, in chunks of
+# ROWWISE_PREFILL_CHUNK, though the GEMM reads one 6-25 % faster past 128 rows: a prompt read with every row alone
+# holds the bits any other prompt's reading of the same tokens writes, so a chat's next turn and prompts sharing a
+# system prompt take the kept cache of a finished request (batch/prompt_cache.py), where the GEMM's rows let them
+# reuse only whole chunks of 1,024 tokens. Longer prompts keep the GEMM (docs/kernels.md, "Short prompts row by row
+# on AVX2").
+ROWWISE_PROMPT_TOKENS = 1024
 # A chunk read through the GEMM holds its activations in every layer, the MLP's most (rows x intermediate floats,
 # several times over), and each chunk dequantises every weight again: chunks are cut at the largest power of two of
 # rows, at least GEMM_PREFILL_MIN_ROWS, whose rows x intermediate stays within GEMM_PREFILL_ELEMENTS (at most the
@@ -265,14 +272,19 @@ class LeanLlamaForward:
         # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None, or more: the caller's chunk),
         # those of ``prefill_gemm_rows`` rows or more with their projections as one GEMM. Fixed per model, so every
         # method reads a prompt into the same bits.
+        # ``alone_prompt_tokens`` (only where ``prefill_gemm_rows`` is finite): a prompt of up to that many cached
+        # tokens is read instead in chunks of ``prefill_gemm_rows`` - 1 rows, every row alone (ROWWISE_PROMPT_TOKENS).
         self.prefill_chunk: int | None = None
         self.prefill_gemm_rows: float = PREFILL_GEMM_ROWS
+        self.alone_prompt_tokens = 0
         if self.compiled is not None and self._isa in ("avx512vnni", "avx512"):
             self.prefill_chunk, self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK, math.inf
         elif self.compiled is not None:
             self.prefill_chunk = gemm_prefill_chunk(model.config.intermediate_size)
             if self._isa != "portable":
                 self.prefill_gemm_rows = ROWWISE_PREFILL_CHUNK + 1
+            if self._isa in ("avx2", "avx2vnni"):  # (measured on an AVX2-only CPU; the NEON builds were not)
+                self.alone_prompt_tokens = ROWWISE_PROMPT_TOKENS
 
     def _compiled_layers(self) -> list[tuple] | None:
         """Per layer, the arguments of the compiled decoder layer (``decoder_layer`` in kernels/csrc) but the

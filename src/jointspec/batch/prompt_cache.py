@@ -10,11 +10,13 @@ entries, and the cache stays for others.
 
 It must not change a token. A cache entry is a function of its token, its position and the entries before it,
 computed the way the forward that wrote it computes rows. Where the target reads a prompt row by row (the compiled
-AVX-512 layers), every row of every forward, a prompt's, a verification's or a decoding step's, is computed alone,
-so any shared prefix holds exactly the bits this request's own prefill would write. Where a prompt is read in chunks
-whose rows are not computed alone (a GEMM), the entries written by a chunk are those of that chunk's forward: a
-request reuses only whole prompt chunks both prompts read alike, the leading full chunks of the earlier prompt
-(``canonical``), and reads the rest itself, in the chunks its own prefill reads.
+AVX-512 layers; their AVX2 builds for prompts of up to 1,024 tokens), every row of every forward, a prompt's, a
+verification's or a decoding step's, is computed alone, so any shared prefix holds exactly the bits this request's
+own prefill would write. Where a prompt is read in chunks whose rows are not computed alone (a GEMM: the AVX2
+builds' longer prompts), the entries written by a chunk are those of that chunk's forward: a request reuses only whole
+prompt chunks both prompts read alike, the leading full chunks of the earlier prompt (``canonical``), and reads the
+rest itself, in the chunks its own prefill reads. Entries computed alone serve only prompts read alone, and GEMM
+chunks only prompts read in GEMM chunks: the two give other bits for the same tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ log = logging.getLogger(__name__)
 class KeptCache:
     tokens: list[int]  # the tokens whose entries ``cache`` holds, in order
     cache: BufferedCache
-    canonical: int | None  # leading entries any prompt's own prefill writes alike (None: every one)
+    # Leading entries that any prompt read in GEMM chunks writes alike; None: every entry was computed alone (they
+    # serve only prompts read alone, and these only prompts read in GEMM chunks).
+    canonical: int | None
     nbytes: int
 
 
@@ -83,7 +87,8 @@ class PromptCache:
             return
         for key, kept in list(self._kept.items()):
             if common_prefix_length(kept.tokens, tokens) == len(kept.tokens) and (
-                    canonical is None or (kept.canonical is not None and kept.canonical <= canonical)):
+                    kept.canonical is None if canonical is None
+                    else kept.canonical is not None and kept.canonical <= canonical):
                 self._drop(key)
         while self._kept and self.nbytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._kept)))  # the least recently used
@@ -103,6 +108,8 @@ class PromptCache:
             length = shared
             if kept.canonical is not None:
                 length = min(length, kept.canonical) // chunk * chunk if chunk else 0
+            elif chunk:  # (entries computed alone, for a prompt read in GEMM chunks)
+                length = 0
             if length > best_length:
                 best, best_length, best_whole = key, length, shared == len(kept.tokens)
         if best is None:
