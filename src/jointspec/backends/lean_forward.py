@@ -83,11 +83,11 @@ PREFILL_GEMM_ROWS = 16
 COMPILED_SAMPLE = 12
 ROWWISE_PREFILL_CHUNK = 128
 # The AVX2 builds read a whole prompt of up to this many cached tokens row-wise too, in chunks of
-# ROWWISE_PREFILL_CHUNK, though the GEMM reads one 6-25 % faster past 128 rows: a prompt read with every row alone
-# holds the bits any other prompt's reading of the same tokens writes, so a chat's next turn and prompts sharing a
-# system prompt take the kept cache of a finished request (batch/prompt_cache.py), where the GEMM's rows let them
-# reuse only whole chunks of 1,024 tokens. Longer prompts keep the GEMM (docs/kernels.md, "Short prompts row by row
-# on AVX2").
+# ROWWISE_PREFILL_CHUNK, though on a small model the GEMM reads one up to a quarter faster past 128 rows (on a 1B
+# model's shape it reads slower): a prompt read with every row alone holds the bits any other reading of the same
+# tokens writes, so a chat's next turn and prompts sharing a system prompt take the kept cache of a finished request
+# (batch/prompt_cache.py), where the GEMM's rows let them reuse only whole chunks of 1,024 tokens. Longer prompts
+# keep the GEMM (docs/kernels.md, "Short prompts row by row on AVX2").
 ROWWISE_PROMPT_TOKENS = 1024
 # A chunk read through the GEMM holds its activations in every layer, the MLP's most (rows x intermediate floats,
 # several times over), and each chunk dequantises every weight again: chunks are cut at the largest power of two of
