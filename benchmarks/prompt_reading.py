@@ -1,11 +1,11 @@
-"""Reading a prompt on the compiled int4 layers: row by row against one GEMM a chunk, alternating in one process.
+"""Reading a prompt on the compiled int4 layers: row by row, one GEMM a chunk, and the build's own way, alternating.
 
 The AVX-512 builds read every prompt row by row, in chunks of ``ROWWISE_PREFILL_CHUNK`` rows; the AVX2 builds read a
-prompt of up to ``ROWWISE_PROMPT_TOKENS`` tokens that way and a longer one in GEMM chunks (backends/lean_forward.py,
-docs/kernels.md). For each ``--lengths`` prompt of random tokens this times both ways on the same model, the order
-alternating from one repeat to the next (so a machine whose speed drifts slows both alike), as the decode loop reads
-a prompt: every token but the last without logits, then the last with them. Prints the medians and their ratio, then
-one JSON line::
+prompt's first ``ROWWISE_PROMPT_TOKENS`` positions that way and the rest in GEMM chunks (backends/lean_forward.py,
+docs/kernels.md). For each ``--lengths`` prompt of random tokens this times the three ways on the same model, their
+order rotating from one repeat to the next (so a machine whose speed drifts slows each alike), as the decode loop
+reads a prompt: every token but the last without logits, then the last with them. Prints the medians and each
+against the GEMM's, then one JSON line::
 
     python benchmarks/prompt_reading.py --threads 2
     python benchmarks/prompt_reading.py --lengths 150,400,1024 --repeats 9
@@ -47,23 +47,25 @@ def main() -> None:
         raise SystemExit(f"{args.model}: not on the compiled int4 layers here; nothing to compare")
     if max(lengths) >= target.max_context:
         parser.error(f"the model holds {target.max_context} tokens; the longest length must be below that")
-    ways = {  # (prefill chunk, rows from which a forward takes the GEMM, prompts read row-wise whole)
+    own = (lean.prefill_chunk, lean.prefill_gemm_rows, lean.alone_prompt_tokens)
+    ways = {  # (prefill chunk, rows from which a forward takes the GEMM, leading positions read row by row)
         "row by row": (ROWWISE_PREFILL_CHUNK, math.inf, 0),
         "GEMM chunks": (gemm_prefill_chunk(target.model.config.intermediate_size), ROWWISE_PREFILL_CHUNK + 1, 0),
+        "own": own,
     }
-    own = (lean.prefill_chunk, lean.prefill_gemm_rows, lean.alone_prompt_tokens)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = target.vocab_size
-    print(f"{selected_isa()} build, {torch.get_num_threads()} threads, {args.model}; medians of {args.repeats}, ms")
-    print(f"{'tokens':>7} {'row by row':>12} {'GEMM chunks':>12} {'ratio':>7}")
+    print(f"{selected_isa()} build, {torch.get_num_threads()} threads, {args.model}; medians of {args.repeats}, ms "
+          f"(own: prefill chunk {own[0]}, GEMM from {own[1]} rows, first {own[2]} positions row by row)")
+    print(f"{'tokens':>7} {'row by row':>11} {'GEMM chunks':>12} {'own':>9} {'row/GEMM':>9} {'own/GEMM':>9}")
     rows = []
     try:
         for length in lengths:
             ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
             seconds: dict[str, list[float]] = {way: [] for way in ways}
             for repeat in range(args.repeats + 1):  # the first pass warms up, untimed
-                order = list(ways) if repeat % 2 == 0 else list(ways)[::-1]
-                for way in order:
+                names = list(ways)
+                for way in names[repeat % len(names):] + names[:repeat % len(names)]:
                     lean.prefill_chunk, lean.prefill_gemm_rows, lean.alone_prompt_tokens = ways[way]
                     target.reset(length=length)
                     start = time.perf_counter()
@@ -71,9 +73,11 @@ def main() -> None:
                     target.forward(ids[-1:], num_logits=1)
                     if repeat:
                         seconds[way].append(time.perf_counter() - start)
-            rowwise, gemm = (statistics.median(seconds[way]) * 1000 for way in ways)
-            rows.append({"tokens": length, "row_by_row_ms": rowwise, "gemm_ms": gemm, "ratio": rowwise / gemm})
-            print(f"{length:>7} {rowwise:>12.1f} {gemm:>12.1f} {rowwise / gemm:>6.3f}x", flush=True)
+            rowwise, gemm, mine = (statistics.median(seconds[way]) * 1000 for way in ways)
+            rows.append({"tokens": length, "row_by_row_ms": rowwise, "gemm_ms": gemm, "own_ms": mine,
+                         "row_by_row_ratio": rowwise / gemm, "own_ratio": mine / gemm})
+            print(f"{length:>7} {rowwise:>11.1f} {gemm:>12.1f} {mine:>9.1f} {rowwise / gemm:>8.3f}x "
+                  f"{mine / gemm:>8.3f}x", flush=True)
     finally:
         lean.prefill_chunk, lean.prefill_gemm_rows, lean.alone_prompt_tokens = own
     print(json.dumps({"isa": selected_isa(), "threads": torch.get_num_threads(), "model": args.model,

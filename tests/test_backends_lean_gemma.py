@@ -57,6 +57,22 @@ def test_the_compiled_layers_compute_transformers_gemma3_forward_to_float_roundi
         assert not torch.allclose(wide.forward(context).logits[-1], ours[0], atol=1e-2)
 
 
+def test_the_avx2_builds_read_its_prompts_by_gemm_past_128_rows():
+    """The AVX2 builds read a prompt's first positions row by row for the prompt cache, which keeps no cache with
+    sliding-window layers: a Gemma 3 reads its prompts the GEMM's way past 128 rows, as before."""
+    from jointspec.kernels.grouped import runnable_isas, use_isa
+
+    isas = [isa for isa in ("avx2", "avx2vnni") if isa in runnable_isas()]
+    if not isas:
+        pytest.skip("this CPU runs no AVX2 build")
+    for isa in isas:
+        with use_isa(isa):
+            target = CausalLM(int4_gemma(), name=isa)
+        assert target.lean.compiled is not None and target.lean.alone_prompt_tokens > 0
+        assert target.alone_positions == 0
+        assert target.prefill_chunk_end(0, 200) == min(200, target.prefill_chunk)
+
+
 def test_each_row_is_computed_alone_past_the_window():
     """A chain, and every node of a tree, get bit for bit the logits of feeding their tokens one by one."""
     target = CausalLM(int4_gemma(1), name="compiled")

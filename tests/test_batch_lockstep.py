@@ -206,7 +206,7 @@ def test_a_kept_cache_copied_for_a_longer_prompt_skips_layers_that_hold_no_entri
                         prompt_cache_bytes=1 << 24)
     kept, prompt = CausalLM(model, name="kept"), list(range(3, 23))
     kept.forward(prompt)
-    monkeypatch.setattr(engine.prompt_cache, "take", lambda *_: (kept.cache, 12, False))  # (not owned: copied)
+    monkeypatch.setattr(engine.prompt_cache, "take", lambda *_, **__: (kept.cache, 12, False))  # (not owned: copied)
     fresh, alone = CausalLM(model, name="fresh"), CausalLM(model, name="alone")
     assert engine._reuse(fresh, prompt[:12] + [50, 51], 14) == 12
     alone.forward(prompt[:12])
@@ -748,8 +748,8 @@ def test_an_answer_ended_by_an_eos_inside_a_draft_leaves_the_entries_of_its_toke
     second = first + answer + random_prompt(5, 9)
     tokens, stats = decode_one(engine, BatchRequest(second, decode, config))
     assert tokens == alone(int4_target, config, second, decode)
-    assert stats.prompt_tokens_reused == len(first) + len(answer) or not prompt_rows_alone(int4_target,
-                                                                                            len(second) - 1)
+    assert stats.prompt_tokens_reused == len(first) + len(answer) or not (prompt_rows_alone(int4_target)
+                                                                          or int4_target.alone_positions)
 
 
 def test_the_prompt_cache_keeps_within_its_budget_and_gives_the_longest_prefix(int4_target):
@@ -834,36 +834,43 @@ def fresh_bits(target: CausalLM, cache, prompt: list[int]) -> bool:
                for layer, reference in zip(cache.layers, fresh.cache.layers))
 
 
-def test_entries_serve_only_prompts_read_the_way_they_were(int4_target, monkeypatch):
-    """The AVX2 builds' way at its own sizes (PREFILL_MODES): a short conversation whose next turn grows past the
-    row-wise limit reads it all again (entries computed alone are not a GEMM chunk's), and a long prompt's kept
-    GEMM chunks do not serve a short prompt that shares them; each answer is the one ``generate`` gives, each cache
-    a fresh prefill's bits. (Serving either from the other fails: a GEMM row's bits differ from a row's alone.)"""
+def test_past_the_positions_read_alone_only_whole_chunks_serve(int4_target, monkeypatch):
+    """The AVX2 builds' way at its own sizes (PREFILL_MODES: the first 80 positions row by row in chunks of 8, GEMM
+    chunks of 16 from there): a prefix within those positions is reused whatever the prompts' lengths, past them only
+    up to a whole chunk of both prompts' reading, never an answer's entries there (computed alone, where a prompt's
+    own reading takes the GEMM); each answer is the one ``generate`` gives, each cache a fresh prefill's bits.
+    (Reusing past those bounds fails: a GEMM row's bits differ from a row's alone, and a chunk's from another's.)"""
     prefill_mode(monkeypatch, int4_target, "short prompts alone")
     decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
-    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
-    first = random_prompt(3, 45)  # read alone
-    answer, _ = decode_one(engine, BatchRequest(first, decode))
-    second = first + answer + random_prompt(5, 30)  # 89 tokens: past the limit of 80, read in GEMM chunks
-    seq_id = engine.submit(BatchRequest(second, decode))
-    tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
-    assert engine.active[seq_id].reused == 0
-    assert fresh_bits(int4_target, engine.active[seq_id].decoder.target.cache, second)
-    while engine.has_work:
-        tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
-    assert tokens == alone(int4_target, MethodConfig(), second, decode)
+
+    def joins(engine, prompt: list[int]) -> int:
+        """``prompt``'s request run to its end: how many entries it took, checked for a fresh prefill's bits."""
+        seq_id = engine.submit(BatchRequest(prompt, decode))
+        tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
+        reused = engine.active[seq_id].reused
+        assert fresh_bits(int4_target, engine.active[seq_id].decoder.target.cache, prompt)
+        while engine.has_work:
+            tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
+        assert tokens == alone(int4_target, MethodConfig(), prompt, decode)
+        return reused
 
     engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
-    long = random_prompt(6, 100)  # read in GEMM chunks: 96 of its entries any such prompt writes alike
+    first = random_prompt(3, 45)
+    answer, _ = decode_one(engine, BatchRequest(first, decode))
+    # The next turn passes 96 tokens: the kept entries all lie within the positions read alone, and the rest is read
+    # from the 58th in chunks that stop at position 80, where its own reading's first GEMM chunk begins.
+    assert joins(engine, first + answer + random_prompt(5, 45)) == len(first) + len(answer) - 1
+
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    first = random_prompt(4, 70)
+    answer, _ = decode_one(engine, BatchRequest(first, decode))  # its answer's entries pass position 80
+    assert joins(engine, first + answer + random_prompt(6, 10)) == 80
+
+    engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
+    long = random_prompt(6, 120)  # 119 entries read: 80 alone, then chunks of 16 at 80 and 96, then 7 rows
     decode_one(engine, BatchRequest(long, decode))
-    short = long[:40] + random_prompt(7, 10)  # shares 40 of them, but is read alone
-    seq_id = engine.submit(BatchRequest(short, decode))
-    tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
-    assert engine.active[seq_id].reused == 0 and len(engine.prompt_cache) == 1
-    assert fresh_bits(int4_target, engine.active[seq_id].decoder.target.cache, short)
-    while engine.has_work:
-        tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
-    assert tokens == alone(int4_target, MethodConfig(), short, decode)
+    assert joins(engine, long[:100] + random_prompt(7, 20)) == 96  # shares 100: up to the chunk at 96
+    assert joins(engine, long[:40] + random_prompt(8, 10)) == 40
 
 
 def test_the_avx2_builds_serve_a_chats_next_turn_past_one_chunk_of_rows(int4_target):
@@ -874,7 +881,8 @@ def test_the_avx2_builds_serve_a_chats_next_turn_past_one_chunk_of_rows(int4_tar
 
     lean = int4_target.lean
     if lean._isa in ("avx2", "avx2vnni"):
-        assert lean.alone_prompt_tokens == ROWWISE_PROMPT_TOKENS and lean.prefill_gemm_rows <= ROWWISE_PREFILL_CHUNK + 1
+        assert lean.alone_prompt_tokens == ROWWISE_PROMPT_TOKENS and lean.prefill_gemm_rows == ROWWISE_PREFILL_CHUNK + 1
+        assert int4_target.alone_positions == ROWWISE_PROMPT_TOKENS
     decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
     engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
     first = random_prompt(8, ROWWISE_PREFILL_CHUNK + 20)
@@ -882,7 +890,7 @@ def test_the_avx2_builds_serve_a_chats_next_turn_past_one_chunk_of_rows(int4_tar
     second = first + answer + random_prompt(9, 12)
     tokens, stats = decode_one(engine, BatchRequest(second, decode))
     assert tokens == alone(int4_target, MethodConfig(), second, decode)
-    if lean._isa != "portable":
+    if lean.alone_prompt_tokens or prompt_rows_alone(int4_target):  # (the portable and NEON builds: GEMM chunks)
         assert stats.prompt_tokens_reused == len(first) + len(answer) - 1
     (kept,) = engine.prompt_cache._kept.values()
     assert fresh_bits(int4_target, kept.cache, second)

@@ -448,24 +448,27 @@ class CausalLM:
     def prefill_chunk_end(self, start: int, total: int) -> int:
         """Where the prefill chunk starting at token ``start`` of ``total`` ends (positions in the sequence): the
         forwards a prompt is read in (:meth:`forward`; the batched engine reads them a few a round, and must read the
-        same ones). A prompt short enough to be read row by row on the compiled layers' AVX2 builds
-        (``alone_prompt_tokens``, backends/lean_forward.py) goes in chunks of as many rows as they read row-wise."""
-        lean = self.lean
-        if (lean is not None and lean.compiled is not None and 0 < total <= lean.alone_prompt_tokens
-                and lean.prefill_gemm_rows != math.inf):
-            return min(start + int(lean.prefill_gemm_rows) - 1, total)
-        return min(start + self.prefill_chunk, total)
+        same ones). On the compiled layers' AVX2 builds the first :attr:`alone_positions` positions go in chunks of as
+        many rows as they read row-wise, and the rest in chunks of ``prefill_chunk`` counted from there."""
+        alone = self.alone_positions
+        if not alone:
+            return min(start + self.prefill_chunk, total)
+        if start < alone:
+            return min(start + int(self.lean.prefill_gemm_rows) - 1, alone, total)
+        return min(alone + ((start - alone) // self.prefill_chunk + 1) * self.prefill_chunk, total)
 
-    def prompt_read_alone(self, total: int) -> bool:
-        """Whether reading a prompt of ``total`` cached tokens (from an empty cache, or after entries that were each
-        computed alone) computes every row alone: its entries are then the bits any other reading of the same
-        tokens writes, a chunk at a time, a token at a time or after another prompt's kept entries
-        (batch/prompt_cache.py). So on the compiled layers that read prompts row by row, and on their AVX2 builds for
-        prompts of up to ``alone_prompt_tokens`` tokens and forwards under ``prefill_gemm_rows`` rows."""
+    @property
+    def alone_positions(self) -> int:
+        """The leading positions of any prompt that the compiled layers' AVX2 builds read row by row, each row alone
+        (``alone_prompt_tokens``, backends/lean_forward.py; 0 elsewhere): their entries are the bits any other reading
+        of the same tokens writes, a chunk at a time, a token at a time or after another prompt's kept entries
+        (batch/prompt_cache.py). None on a model with sliding-window layers (Gemma 3), whose caches the prompt cache
+        does not keep: it reads its prompts the GEMM's faster way."""
         lean = self.lean
-        if lean is None or lean.compiled is None:
-            return False
-        return lean.prefill_gemm_rows == math.inf or total < lean.prefill_gemm_rows or total <= lean.alone_prompt_tokens
+        if (lean is None or lean.compiled is None or lean.prefill_gemm_rows == math.inf
+                or self.cache.sliding_window is not None):
+            return 0
+        return lean.alone_prompt_tokens
 
     def _lean_call(self, token_ids, parents, num_logits, output_hidden, argmax_only, attend_to=None,
                    top_k_only: int = 0, draws: RowDraws | None = None,

@@ -82,12 +82,12 @@ PREFILL_GEMM_ROWS = 16
 # Entries of the compiled layers' identity checks tested on every forward, from each end (the first and last layers).
 COMPILED_SAMPLE = 12
 ROWWISE_PREFILL_CHUNK = 128
-# The AVX2 builds read a whole prompt of up to this many cached tokens row-wise too, in chunks of
-# ROWWISE_PREFILL_CHUNK, though on a small model the GEMM reads one up to a quarter faster past 128 rows (on a 1B
-# model's shape it reads slower): a prompt read with every row alone holds the bits any other reading of the same
-# tokens writes, so a chat's next turn and prompts sharing a system prompt take the kept cache of a finished request
-# (batch/prompt_cache.py), where the GEMM's rows let them reuse only whole chunks of 1,024 tokens. Longer prompts
-# keep the GEMM (docs/kernels.md, "Short prompts row by row on AVX2").
+# The AVX2 builds read the first this many positions of a prompt row-wise too, in chunks of ROWWISE_PREFILL_CHUNK,
+# though on a small model the GEMM reads them up to a quarter faster past 128 rows (on a 1B model's shape it reads
+# slower): entries computed alone are the bits any other reading of the same tokens writes, so a chat's next turn and
+# prompts sharing a system prompt take the kept cache of a finished request (batch/prompt_cache.py), where the GEMM's
+# rows let them reuse only whole chunks. Positions past them keep the GEMM chunks (docs/kernels.md, "Short prompts
+# row by row on AVX2").
 ROWWISE_PROMPT_TOKENS = 1024
 # A chunk read through the GEMM holds its activations in every layer, the MLP's most (rows x intermediate floats,
 # several times over), and each chunk dequantises every weight again: chunks are cut at the largest power of two of
@@ -272,8 +272,9 @@ class LeanLlamaForward:
         # How this forward reads a prompt: in chunks of ``prefill_chunk`` rows (None, or more: the caller's chunk),
         # those of ``prefill_gemm_rows`` rows or more with their projections as one GEMM. Fixed per model, so every
         # method reads a prompt into the same bits.
-        # ``alone_prompt_tokens`` (only where ``prefill_gemm_rows`` is finite): a prompt of up to that many cached
-        # tokens is read instead in chunks of ``prefill_gemm_rows`` - 1 rows, every row alone (ROWWISE_PROMPT_TOKENS).
+        # ``alone_prompt_tokens`` (only where ``prefill_gemm_rows`` is finite): a prompt's first that many positions
+        # are read in chunks of ``prefill_gemm_rows`` - 1 rows, every row alone (ROWWISE_PROMPT_TOKENS), the rest in
+        # chunks of ``prefill_chunk`` from there (CausalLM.prefill_chunk_end).
         self.prefill_chunk: int | None = None
         self.prefill_gemm_rows: float = PREFILL_GEMM_ROWS
         self.alone_prompt_tokens = 0

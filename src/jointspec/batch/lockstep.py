@@ -43,6 +43,7 @@ cannot change).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -78,12 +79,12 @@ def compiled_target(target) -> bool:
     return isinstance(target, CausalLM) and lean is not None and lean.compiled is not None
 
 
-def prompt_rows_alone(target, total: int) -> bool:
-    """Whether ``target`` computes every row of a prompt of ``total`` cached tokens alone (the compiled layers reading
-    it row by row), so that its cache entries' bits do not depend on the forward that wrote them
-    (:mod:`jointspec.batch.prompt_cache`; :meth:`~jointspec.backends.hf.CausalLM.prompt_read_alone`)."""
-    read_alone = getattr(target, "prompt_read_alone", None)
-    return read_alone is not None and read_alone(total)
+def prompt_rows_alone(target) -> bool:
+    """Whether ``target`` computes every row of a prompt alone (the compiled layers reading prompts row by row), so a
+    cache entry's bits do not depend on the forward that wrote it (:mod:`jointspec.batch.prompt_cache`). The AVX2
+    builds do so for a prompt's first positions only (``CausalLM.alone_positions``)."""
+    lean = getattr(target, "lean", None)
+    return lean is not None and lean.compiled is not None and lean.prefill_gemm_rows == math.inf
 
 
 def engine_description(engine) -> str:
@@ -364,7 +365,8 @@ class LockstepEngine(EngineBase):
         of its entries it now holds."""
         if not self._caches_prompts(target):
             return 0
-        taken = self.prompt_cache.take(prompt, end, None if prompt_rows_alone(target, end) else target.prefill_chunk)
+        taken = self.prompt_cache.take(prompt, end, None if prompt_rows_alone(target) else target.prefill_chunk,
+                                       alone=getattr(target, "alone_positions", 0))
         if taken is None:
             return 0
         cache, length, owned = taken
@@ -386,10 +388,10 @@ class LockstepEngine(EngineBase):
             return
         held = min(target.num_cached, len(state.tokens))
         target.crop(held)
-        # Rows not computed alone: only the leading whole chunks of its prompt are what another prompt's prefill
-        # writes for the same tokens.
-        chunk, end = target.prefill_chunk, len(seq.request.prompt_ids) - 1
-        canonical = None if prompt_rows_alone(target, end) else end // chunk * chunk
+        # Rows not computed alone: past the leading positions read row by row (target.alone_positions, AVX2), only
+        # its prompt's whole chunks are what another prompt's prefill writes for the same tokens.
+        chunk, end, alone = target.prefill_chunk, len(seq.request.prompt_ids) - 1, getattr(target, "alone_positions", 0)
+        canonical = None if prompt_rows_alone(target) else alone + max(0, end - alone) // chunk * chunk
         self.prompt_cache.keep(state.tokens[:held], target.cache, canonical)
         target.reset()  # the cache is the prompt cache's now
 

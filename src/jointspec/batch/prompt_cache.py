@@ -10,13 +10,13 @@ entries, and the cache stays for others.
 
 It must not change a token. A cache entry is a function of its token, its position and the entries before it,
 computed the way the forward that wrote it computes rows. Where the target reads a prompt row by row (the compiled
-AVX-512 layers; their AVX2 builds for prompts of up to 1,024 tokens), every row of every forward, a prompt's, a
-verification's or a decoding step's, is computed alone, so any shared prefix holds exactly the bits this request's
-own prefill would write. Where a prompt is read in chunks whose rows are not computed alone (a GEMM: the AVX2
-builds' longer prompts), the entries written by a chunk are those of that chunk's forward: a request reuses only whole
-prompt chunks both prompts read alike, the leading full chunks of the earlier prompt (``canonical``), and reads the
-rest itself, in the chunks its own prefill reads. Entries computed alone serve only prompts read alone, and GEMM
-chunks only prompts read in GEMM chunks: the two give other bits for the same tokens.
+AVX-512 layers), every row of every forward, a prompt's, a verification's or a decoding step's, is computed alone,
+so any shared prefix holds exactly the bits this request's own prefill would write. Where a prompt is read in chunks
+whose rows are not computed alone (a GEMM), the entries written by a chunk are those of that chunk's forward: a
+request reuses only whole prompt chunks both prompts read alike, up to the end of the earlier prompt's last whole
+chunk (``canonical``), and reads the rest itself, in the chunks its own prefill reads. The compiled layers' AVX2
+builds read a prompt's first 1,024 positions row by row and the rest in GEMM chunks counted from there (``alone``):
+any shared prefix within those positions is reused, past them whole chunks only.
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ log = logging.getLogger(__name__)
 class KeptCache:
     tokens: list[int]  # the tokens whose entries ``cache`` holds, in order
     cache: BufferedCache
-    # Leading entries that any prompt read in GEMM chunks writes alike; None: every entry was computed alone (they
-    # serve only prompts read alone, and these only prompts read in GEMM chunks).
-    canonical: int | None
+    canonical: int | None  # leading entries any prompt's own prefill writes alike (None: every one)
     nbytes: int
 
 
@@ -87,8 +85,7 @@ class PromptCache:
             return
         for key, kept in list(self._kept.items()):
             if common_prefix_length(kept.tokens, tokens) == len(kept.tokens) and (
-                    kept.canonical is None if canonical is None
-                    else kept.canonical is not None and kept.canonical <= canonical):
+                    canonical is None or (kept.canonical is not None and kept.canonical <= canonical)):
                 self._drop(key)
         while self._kept and self.nbytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._kept)))  # the least recently used
@@ -96,20 +93,22 @@ class PromptCache:
         self._next += 1
         self.nbytes += nbytes
 
-    def take(self, prompt: list[int], end: int, chunk: int | None) -> tuple[BufferedCache, int, bool] | None:
+    def take(self, prompt: list[int], end: int, chunk: int | None,
+             alone: int = 0) -> tuple[BufferedCache, int, bool] | None:
         """The kept cache whose entries serve most of ``prompt[:end]``, how many of them do, and whether it leaves the
         store (the prompt holds all of its tokens: the caller's sequence supersedes it and owns it now; otherwise the
         caller copies the entries it uses, and the cache stays for other prompts that share them, such as a system
         prompt); None where none serves any. ``chunk``: the prompt chunk of a target whose prompt rows are not computed
-        alone (only whole chunks are reused there)."""
+        alone (only whole chunks are reused there); ``alone``: its leading positions that are (any prefix within them
+        is reused, and the chunks are counted from there)."""
         best, best_length, best_whole = None, 0, False
         for key, kept in self._kept.items():
             shared = common_prefix_length(kept.tokens, prompt[:end])
             length = shared
             if kept.canonical is not None:
-                length = min(length, kept.canonical) // chunk * chunk if chunk else 0
-            elif chunk:  # (entries computed alone, for a prompt read in GEMM chunks)
-                length = 0
+                length = min(length, kept.canonical)
+                if length > alone:
+                    length = alone + (length - alone) // chunk * chunk if chunk else alone
             if length > best_length:
                 best, best_length, best_whole = key, length, shared == len(kept.tokens)
         if best is None:
