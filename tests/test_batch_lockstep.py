@@ -684,12 +684,12 @@ def decode_one(engine, request: BatchRequest):
     return tokens, stats
 
 
-PREFILL_MODES = {  # (chunk, rows from which a forward is read as one GEMM, prompts read row-wise)
+PREFILL_MODES = {  # (chunk, rows from which a forward is read as one GEMM, leading positions read row by row)
     "rows alone": (16, math.inf, 0),  # the compiled AVX-512 layers' way: any shared prefix is reusable
-    "GEMM chunks": (16, 8, 0),  # longer prompts on the AVX2 builds (at their own sizes): whole chunks only
-    # The AVX2 builds' way (at their own sizes): prompts of up to 80 tokens read row-wise in chunks of 8 (any shared
-    # prefix reusable), longer ones in GEMM chunks of 16.
-    "short prompts alone": (16, 9, 80),
+    "GEMM chunks": (16, 8, 0),  # the portable and NEON builds' way (at their own sizes): whole chunks only
+    # The AVX2 builds' way (at their own sizes): a prompt's first 80 positions row by row in chunks of 8 (any shared
+    # prefix within them reusable), GEMM chunks of 16 from there.
+    "first positions alone": (16, 9, 80),
 }
 
 
@@ -840,7 +840,7 @@ def test_past_the_positions_read_alone_only_whole_chunks_serve(int4_target, monk
     up to a whole chunk of both prompts' reading, never an answer's entries there (computed alone, where a prompt's
     own reading takes the GEMM); each answer is the one ``generate`` gives, each cache a fresh prefill's bits.
     (Reusing past those bounds fails: a GEMM row's bits differ from a row's alone, and a chunk's from another's.)"""
-    prefill_mode(monkeypatch, int4_target, "short prompts alone")
+    prefill_mode(monkeypatch, int4_target, "first positions alone")
     decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
 
     def joins(engine, prompt: list[int]) -> int:
@@ -875,8 +875,8 @@ def test_past_the_positions_read_alone_only_whole_chunks_serve(int4_target, monk
 
 def test_the_avx2_builds_serve_a_chats_next_turn_past_one_chunk_of_rows(int4_target):
     """At the compiled layers' own sizes: a first prompt of more than ROWWISE_PREFILL_CHUNK tokens, which the AVX2
-    builds read by GEMM before they read prompts of up to ROWWISE_PROMPT_TOKENS row-wise, leaves a cache whose every
-    entry serves the next turn (on the AVX-512 builds too; the portable build reads it in GEMM chunks)."""
+    builds read by GEMM before they read a prompt's first ROWWISE_PROMPT_TOKENS positions row by row, leaves a cache
+    whose every entry serves the next turn (on the AVX-512 builds too; the portable and NEON builds read it by GEMM)."""
     from jointspec.backends.lean_forward import ROWWISE_PREFILL_CHUNK, ROWWISE_PROMPT_TOKENS
 
     lean = int4_target.lean

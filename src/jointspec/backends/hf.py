@@ -339,7 +339,8 @@ class CausalLM:
         (``capabilities.top_k_screen``). ``draws``: each row's token drawn through the screened head instead, the rows
         returned one-hot at the draws (``capabilities.draw_screen``; core/sampling.py). ``allowed`` (bool [rows,
         vocab]; ``capabilities.screen_masks``): the screens find each row's best among its allowed tokens.
-        A prefill (``num_logits=0``, a chain) longer than ``prefill_chunk`` tokens runs in chunks of that many.
+        A prefill (``num_logits=0``, a chain) longer than a chunk runs in the chunks :meth:`prefill_chunk_end` gives
+        (``prefill_chunk`` tokens; on the AVX2 builds, 128 over a prompt's first positions).
         ``attend_to`` (int64 positions below ``num_cached``, increasing): the only cached tokens the new ones see
         (they still see each other causally, or along ``parents``); None: all of them.
         """
@@ -462,7 +463,7 @@ class CausalLM:
         """The leading positions of any prompt that the compiled layers' AVX2 builds read row by row, each row alone
         (``alone_prompt_tokens``, backends/lean_forward.py; 0 elsewhere): their entries are the bits any other reading
         of the same tokens writes, a chunk at a time, a token at a time or after another prompt's kept entries
-        (batch/prompt_cache.py). None on a model with sliding-window layers (Gemma 3), whose caches the prompt cache
+        (batch/prompt_cache.py). 0 on a model with sliding-window layers (Gemma 3), whose caches the prompt cache
         does not keep: it reads its prompts the GEMM's faster way."""
         lean = self.lean
         if (lean is None or lean.compiled is None or lean.prefill_gemm_rows == math.inf
