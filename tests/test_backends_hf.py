@@ -245,7 +245,18 @@ def test_the_vector_builds_read_a_prompt_row_by_row(isa):
         chunked.lean.alone_prompt_tokens = 16
         try:
             chunked.forward(prompt, num_logits=0)
-            assert not torch.equal(chunked.forward([7]).logits, expected)
+            cold = chunked.forward([7]).logits
+            assert not torch.equal(cold, expected)
+            # Read in two calls, the second from position 40 across the limit of 100 positions: the same forwards,
+            # so the same bits as reading it in one call.
+            chunked.lean.alone_prompt_tokens = 100
+            chunked.reset()
+            chunked.forward(prompt, num_logits=0)
+            cold = chunked.forward([7]).logits
+            chunked.reset()
+            chunked.forward(prompt[:40], num_logits=0)
+            chunked.forward(prompt[40:], num_logits=0)
+            assert torch.equal(chunked.forward([7]).logits, cold)
         finally:
             chunked.lean.alone_prompt_tokens = lean_forward.ROWWISE_PROMPT_TOKENS
 

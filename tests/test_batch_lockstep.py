@@ -834,13 +834,16 @@ def fresh_bits(target: CausalLM, cache, prompt: list[int]) -> bool:
                for layer, reference in zip(cache.layers, fresh.cache.layers))
 
 
-def test_past_the_positions_read_alone_only_whole_chunks_serve(int4_target, monkeypatch):
+@pytest.mark.parametrize("positions", [80, 76])
+def test_past_the_positions_read_alone_only_whole_chunks_serve(int4_target, monkeypatch, positions):
     """The AVX2 builds' way at its own sizes (PREFILL_MODES: the first 80 positions row by row in chunks of 8, GEMM
-    chunks of 16 from there): a prefix within those positions is reused whatever the prompts' lengths, past them only
-    up to a whole chunk of both prompts' reading, never an answer's entries there (computed alone, where a prompt's
-    own reading takes the GEMM); each answer is the one ``generate`` gives, each cache a fresh prefill's bits.
-    (Reusing past those bounds fails: a GEMM row's bits differ from a row's alone, and a chunk's from another's.)"""
+    chunks of 16 from there; and 76, which no chunk divides): a prefix within those positions is reused whatever the
+    prompts' lengths, past them only up to a whole chunk of both prompts' reading, counted from there, never an
+    answer's entries there (computed alone, where a prompt's own reading takes the GEMM); each answer is the one
+    ``generate`` gives, each cache a fresh prefill's bits. (Reusing past those bounds fails: a GEMM row's bits differ
+    from a row's alone, and a chunk's from another's.)"""
     prefill_mode(monkeypatch, int4_target, "first positions alone")
+    monkeypatch.setattr(int4_target.lean, "alone_prompt_tokens", positions)
     decode = replace(GREEDY, max_new_tokens=14, eos_token_ids=frozenset())
 
     def joins(engine, prompt: list[int]) -> int:
@@ -858,18 +861,19 @@ def test_past_the_positions_read_alone_only_whole_chunks_serve(int4_target, monk
     first = random_prompt(3, 45)
     answer, _ = decode_one(engine, BatchRequest(first, decode))
     # The next turn passes 96 tokens: the kept entries all lie within the positions read alone, and the rest is read
-    # from the 58th in chunks that stop at position 80, where its own reading's first GEMM chunk begins.
+    # from the 58th in chunks that stop where its own reading's first GEMM chunk begins.
     assert joins(engine, first + answer + random_prompt(5, 45)) == len(first) + len(answer) - 1
 
     engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
     first = random_prompt(4, 70)
-    answer, _ = decode_one(engine, BatchRequest(first, decode))  # its answer's entries pass position 80
-    assert joins(engine, first + answer + random_prompt(6, 10)) == 80
+    answer, _ = decode_one(engine, BatchRequest(first, decode))  # its answer's entries pass those positions
+    assert joins(engine, first + answer + random_prompt(6, 10)) == positions
 
     engine = LockstepEngine(int4_target, max_batch_size=2, prompt_cache_bytes=2 ** 26)
-    long = random_prompt(6, 120)  # 119 entries read: 80 alone, then chunks of 16 at 80 and 96, then 7 rows
+    long = random_prompt(6, 120)  # 119 entries read: those positions alone, then chunks of 16, then a few rows
     decode_one(engine, BatchRequest(long, decode))
-    assert joins(engine, long[:100] + random_prompt(7, 20)) == 96  # shares 100: up to the chunk at 96
+    # It shares 100 of them: up to the last chunk that starts before the 100th, counted from the positions read alone.
+    assert joins(engine, long[:100] + random_prompt(7, 20)) == positions + (100 - positions) // 16 * 16
     assert joins(engine, long[:40] + random_prompt(8, 10)) == 40
 
 

@@ -326,7 +326,7 @@ class LockstepEngine(EngineBase):
     def _join(self) -> None:
         """Read waiting prompts, at most about ``prefill_tokens_per_round`` tokens a round; a request whose prompt
         is read joins the batch. A long prompt is read in the chunks ``generate`` reads it in (the target's
-        ``prefill_chunk``), about ``prefill_tokens_per_round`` tokens of them a round, so that the requests already
+        ``prefill_chunk_end``), about ``prefill_tokens_per_round`` tokens of them a round, so that the requests already
         decoding keep getting tokens meanwhile, and its cache holds the same bits as ``generate``'s."""
         budget = self.prefill_tokens_per_round
         while self.waiting and len(self.active) < self.max_batch_size:
