@@ -684,6 +684,16 @@ def decode_one(engine, request: BatchRequest):
     return tokens, stats
 
 
+def fresh_bits(target: CausalLM, cache, prompt: list[int]) -> bool:
+    """Whether ``cache`` holds, for every token of ``prompt`` but the last, the bits a fresh prefill writes."""
+    fresh = target.fork("fresh")
+    fresh.forward(prompt[:-1], num_logits=0)
+    end = len(prompt) - 1
+    return all(torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
+               and torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
+               for layer, reference in zip(cache.layers, fresh.cache.layers))
+
+
 PREFILL_MODES = {  # (chunk, rows from which a forward is read as one GEMM, leading positions read row by row)
     "rows alone": (16, math.inf, 0),  # the compiled AVX-512 layers' way: any shared prefix is reusable
     "GEMM chunks": (16, 8, 0),  # the portable and NEON builds' way (at their own sizes): whole chunks only
@@ -724,12 +734,7 @@ def test_a_chats_next_turn_reuses_the_last_turns_cache_bit_for_bit(int4_target, 
     expected = (len(first) - 1) // chunk * chunk if mode == "GEMM chunks" else held
     assert stats.prompt_tokens_reused == expected > 0
     (kept,) = engine.prompt_cache._kept.values()  # the second turn's own cache, kept in turn
-    fresh = int4_target.fork("fresh")
-    fresh.forward(second[:-1], num_logits=0)
-    end = len(second) - 1
-    for layer, reference in zip(kept.cache.layers, fresh.cache.layers):
-        assert torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
-        assert torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
+    assert fresh_bits(int4_target, kept.cache, second)
 
 
 def test_an_answer_ended_by_an_eos_inside_a_draft_leaves_the_entries_of_its_tokens(int4_target):
@@ -808,30 +813,15 @@ def test_requests_sharing_a_system_prompt_each_copy_it_bit_for_bit(int4_target, 
     decode_one(engine, BatchRequest(system + random_prompt(3, 7), decode))
     for seed in (5, 6):
         prompt = system + random_prompt(seed, 11)
-        fresh = target.fork("fresh")
-        fresh.forward(prompt[:-1], num_logits=0)
         seq_id = engine.submit(BatchRequest(prompt, decode))
         tokens = [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]  # it joins
         own = engine.active[seq_id].decoder.target
         # GEMM chunks: the first request's prompt (40 tokens) left 2 whole chunks of 16, 32 of the 33 shared
         assert engine.active[seq_id].reused == (32 if mode == "GEMM chunks" else len(system))
-        for layer, reference in zip(own.cache.layers, fresh.cache.layers):
-            end = len(prompt) - 1
-            assert torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
-            assert torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
+        assert fresh_bits(target, own.cache, prompt)
         while engine.has_work:
             tokens += [t for event in engine.step() if event.seq_id == seq_id for t in event.token_ids]
         assert tokens == alone(target, MethodConfig(), prompt, decode)
-
-
-def fresh_bits(target: CausalLM, cache, prompt: list[int]) -> bool:
-    """Whether ``cache`` holds, for every token of ``prompt`` but the last, the bits a fresh prefill writes."""
-    fresh = target.fork("fresh")
-    fresh.forward(prompt[:-1], num_logits=0)
-    end = len(prompt) - 1
-    return all(torch.equal(layer.keys[..., :end, :], reference.keys[..., :end, :])
-               and torch.equal(layer.values[..., :end, :], reference.values[..., :end, :])
-               for layer, reference in zip(cache.layers, fresh.cache.layers))
 
 
 @pytest.mark.parametrize("positions", [80, 76])

@@ -366,7 +366,7 @@ class LockstepEngine(EngineBase):
         if not self._caches_prompts(target):
             return 0
         taken = self.prompt_cache.take(prompt, end, None if prompt_rows_alone(target) else target.prefill_chunk,
-                                       alone=getattr(target, "alone_positions", 0))
+                                       alone=target.alone_positions)
         if taken is None:
             return 0
         cache, length, owned = taken
@@ -390,7 +390,7 @@ class LockstepEngine(EngineBase):
         target.crop(held)
         # Rows not computed alone: past the leading positions read row by row (target.alone_positions, AVX2), only
         # its prompt's whole chunks are what another prompt's prefill writes for the same tokens.
-        chunk, end, alone = target.prefill_chunk, len(seq.request.prompt_ids) - 1, getattr(target, "alone_positions", 0)
+        chunk, end, alone = target.prefill_chunk, len(seq.request.prompt_ids) - 1, target.alone_positions
         canonical = None if prompt_rows_alone(target) else alone + max(0, end - alone) // chunk * chunk
         self.prompt_cache.keep(state.tokens[:held], target.cache, canonical)
         target.reset()  # the cache is the prompt cache's now
