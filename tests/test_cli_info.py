@@ -65,6 +65,12 @@ def test_info_in_text_and_with_a_refused_build_name(capsys, monkeypatch):
     assert code == 0, err
     assert f"CPU kernels: the {grouped.selected_isa()} build (chosen by the CPU;" in out
     assert out.startswith("jointspec ") and "drafts shipped: smollm2-135m-instruct-corpus" in out
+    for isa, tiles in (("avx2", "scored key by key) (the build)"), ("portable", "the CPU's vendor)")):
+        if isa in grouped.runnable_isas():
+            monkeypatch.setenv(grouped.ISA_ENV, isa)
+            code, out, err = run_cli(capsys, "info")
+            assert code == 0, err
+            assert "attention's half-cache key tiles: " in out and tiles in out, (isa, out)
 
 
 def test_auto_quantisation_on_the_portable_build_is_decided_without_building(monkeypatch):

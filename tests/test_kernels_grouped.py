@@ -732,9 +732,15 @@ def test_compiled_attention_is_its_pairwise_definition_bit_for_bit(heads, kv_hea
     generator = torch.Generator().manual_seed(keys + rows)
     query = torch.randn(heads, rows, dim, generator=generator)
     key, value = (torch.randn(kv_heads, keys, dim, generator=generator) for _ in range(2))
-    for visible, lengths in attention_masks(rows, keys, generator):
-        assert torch.equal(compiled.attention(query, key, value, visible, lengths, dim ** -0.5),
-                           compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
+    chosen = compiled.scores_by_key()
+    try:
+        for by_key in (True, False):  # a shared prefix scored key by key for many pairs (AVX2's way), or pair by pair
+            compiled.use_scores_by_key(by_key)
+            for visible, lengths in attention_masks(rows, keys, generator):
+                assert torch.equal(compiled.attention(query, key, value, visible, lengths, dim ** -0.5),
+                                   compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
+    finally:
+        compiled.use_scores_by_key(chosen)
 def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
     """On the portable build, a forward that wants no logits (the loop's prompt prefill) runs the compiled layers'
     projections as one GEMM (rows not computed alone); plain and speculative decoding prefill alike, so they still
@@ -1235,6 +1241,15 @@ def test_kernel_inputs_are_chosen_by_the_environment_and_refused_by_name(monkeyp
     with pytest.raises(UnsupportedOptionError, match="JOINTSPEC_KERNEL_INPUTS='int4' is not one of: q8, float"):
         grouped.inputs_setting()
     monkeypatch.delenv(grouped.INPUTS_ENV)
+
+
+def test_the_builds_that_score_keys_for_many_pairs_are_the_ones_python_names():
+    """attention.cpp compiles in which builds score a shared prefix key by key (the AVX2 ones); `jointspec info`
+    reports it from grouped.SCORES_BY_KEY_ISAS, which must name the same builds."""
+    from jointspec.kernels import grouped
+
+    for isa in grouped.runnable_isas():
+        assert kernels(isa).scores_by_key() is (isa in grouped.SCORES_BY_KEY_ISAS), isa
 
 
 def test_widened_key_tiles_are_chosen_by_the_vendor_or_the_environment_and_refused_by_name(monkeypatch):

@@ -4,6 +4,8 @@ forward (prompt chunks, decoding steps, verification rows, batched rounds) store
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -55,11 +57,13 @@ def test_half_keys_and_values_are_read_as_their_float32_values(isa, heads, kv_he
     query = torch.randn(heads, rows, dim, generator=generator)
     key, value = (torch.randn(kv_heads, keys, dim, generator=generator).half() for _ in range(2))
     key[0, 1, :4] = torch.tensor([6e-8, -3e-6, 0.0, -0.0]).half()  # subnormal halves and signed zeros
-    # Both ways of reading a half cache's key tiles, whichever this CPU's vendor runs (kernels/grouped.py).
-    chosen = widen_keys_setting()
+    # Both ways of reading a half cache's key tiles, whichever this CPU's vendor runs (kernels/grouped.py), and both
+    # orders of scoring a shared prefix (key by key for many pairs, AVX2's default; pair by pair, the others').
+    chosen, by_key = widen_keys_setting(), compiled.scores_by_key()
     try:
-        for widen in (True, False):
+        for widen, by_key_now in itertools.product((True, False), repeat=2):
             compiled.use_widened_keys(widen)
+            compiled.use_scores_by_key(by_key_now)
             for visible, lengths in attention_masks(rows, keys, generator):
                 half = compiled.attention(query, key, value, visible, lengths, dim ** -0.5)
                 assert torch.equal(half, compiled.attention(query, key.float(), value.float(), visible, lengths,
@@ -68,6 +72,7 @@ def test_half_keys_and_values_are_read_as_their_float32_values(isa, heads, kv_he
                                                                      dim ** -0.5))
     finally:
         compiled.use_widened_keys(chosen)
+        compiled.use_scores_by_key(by_key)
 
 
 def test_mixed_or_other_cache_dtypes_are_refused():

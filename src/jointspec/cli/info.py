@@ -73,6 +73,7 @@ def environment() -> dict:
     from jointspec.kernels.grouped import (
         INPUTS_ENV,
         ISA_ENV,
+        SCORES_BY_KEY_ISAS,
         WIDEN_KEYS_ENV,
         build_finished,
         build_folder,
@@ -95,6 +96,9 @@ def environment() -> dict:
         widen_keys = "widened once for many pairs" if widen_keys_setting() else "read in place by each pair"
     except Exception as error:  # noqa: BLE001 - and a bad $JOINTSPEC_KERNEL_WIDEN_KEYS
         widen_keys = str(error)
+    by_key = isa in SCORES_BY_KEY_ISAS
+    if by_key:
+        widen_keys = "each key widened once for all the pairs, in registers (scored key by key)"
     report = {
         "jointspec": {"version": jointspec.__version__, "path": os.path.dirname(jointspec.__file__)},
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
@@ -108,8 +112,8 @@ def environment() -> dict:
                     "inputs": inputs,
                     "inputs_set_by": f"${INPUTS_ENV}" if os.environ.get(INPUTS_ENV, "").strip() else "default",
                     "half_key_tiles": widen_keys,
-                    "half_key_tiles_set_by": (f"${WIDEN_KEYS_ENV}" if os.environ.get(WIDEN_KEYS_ENV, "").strip()
-                                              else "the CPU's vendor"),
+                    "half_key_tiles_set_by": ("the build" if by_key else f"${WIDEN_KEYS_ENV}"
+                                              if os.environ.get(WIDEN_KEYS_ENV, "").strip() else "the CPU's vendor"),
                     "built": bool(isa) and build_finished(isa), "folder": str(build_folder(isa)) if isa else None},
     }
     try:

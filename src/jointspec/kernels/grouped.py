@@ -145,6 +145,12 @@ WIDEN_KEYS_ENV = "JOINTSPEC_KERNEL_WIDEN_KEYS"
 WIDEN_KEYS_VENDORS = frozenset({"GenuineIntel"})
 
 
+# The builds whose attention scores a shared prefix key by key for many pairs at once (attention.cpp's
+# g_score_by_key, compiled in): each key widened once for all the pairs in registers, which there takes the place of
+# widened tiles (docs/kernels.md, "Keys scored once for every pair on AVX2").
+SCORES_BY_KEY_ISAS = frozenset({"avx2", "avx2vnni"})
+
+
 def widen_keys_setting() -> bool:
     """Whether attention widens a half cache's key tiles once for many pairs here: $JOINTSPEC_KERNEL_WIDEN_KEYS, or
     by the CPU's vendor; an unknown value is refused by name."""

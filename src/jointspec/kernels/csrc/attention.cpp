@@ -79,6 +79,68 @@ inline void score16_tile(const V16* qv, int64_t chunks, const float* tile, int64
     score16(qv, chunks, tile, kIdentity, 16, dim, scale, out);
 }
 
+// Pairs of one key head that score_tile_pairs() scores a tile for at once (a buffer of kSumGroup partial sums each).
+constexpr int64_t kTilePairs = 12;
+// A key's 16-float chunks score_tile_pairs() holds in registers at once (eight of AVX2's sixteen).
+constexpr int kHeldChunks = 4;
+
+// score16_full's arithmetic for `pairs` (<= kTilePairs) queries of one key head at once, its loops exchanged: each of
+// the tile's sixteen keys is loaded (a half widened) once, held in registers kHeldChunks chunks at a time and
+// multiplied into every pair's accumulator, which waits in `part` between chunk blocks and until kSumGroup keys are
+// in, when sum_lanes_scaled() reduces them. Each pair's lanes sum the same products in the same order (an
+// accumulator stored and reloaded between blocks is exact) and reduce by the same tree, so the bits are
+// score16_full's; what changes is that a key is loaded and widened once for all the pairs instead of once a pair,
+// and that a pair's query is read from L1 instead of held beside the accumulators (which spilled AVX2's sixteen
+// registers). q[p]: pair p's query (dim = 16 C floats); out[p] + offset: its sixteen scores.
+template <int C, typename T>
+inline void score_tile_pairs(const float* const* q, float* const* out, int64_t offset, int64_t pairs, const T* key,
+                             const int64_t* index, float scale) {
+  constexpr int kGroup = simd::kSumGroup;
+  V16 part[kTilePairs * kGroup];
+  for (int i = 0; i < 16; i += kGroup) {
+    for (int j = 0; j < kGroup; ++j) {
+      const T* k = key + index[i + j] * (16 * C);
+#pragma GCC unroll 4
+      for (int c0 = 0; c0 < C; c0 += kHeldChunks) {
+        constexpr int kFirst = C < kHeldChunks ? C : kHeldChunks;
+        const int held = c0 + kHeldChunks <= C ? kHeldChunks : C - c0;
+        V16 kv[kFirst];
+#pragma GCC unroll 4
+        for (int c = 0; c < kFirst; ++c)
+          if (c < held) kv[c] = load_kv(k + 16 * (c0 + c));
+        for (int64_t p = 0; p < pairs; ++p) {
+          V16 a = c0 == 0 ? simd::zero() : part[p * kGroup + j];
+#pragma GCC unroll 4
+          for (int c = 0; c < kFirst; ++c)
+            if (c < held) a = simd::fmadd(simd::load(q[p] + 16 * (c0 + c)), kv[c], a);
+          part[p * kGroup + j] = a;
+        }
+      }
+    }
+    for (int64_t p = 0; p < pairs; ++p) simd::sum_lanes_scaled(part + p * kGroup, scale, out[p] + offset + i);
+  }
+}
+
+// Whether score_tile_pairs_fixed() takes heads of `chunks` 16-float chunks: 1, 2, 4, 6, 8 or 16 (heads of 16 to 256).
+inline bool tile_pairs_fix(int64_t chunks) {
+  return chunks == 1 || chunks == 2 || chunks == 4 || chunks == 6 || chunks == 8 || chunks == 16;
+}
+
+// score_tile_pairs() for the head sizes tile_pairs_fix() names.
+template <typename T>
+inline void score_tile_pairs_fixed(int64_t chunks, const float* const* q, float* const* out, int64_t offset,
+                                   int64_t pairs, const T* key, const int64_t* index, float scale) {
+  switch (chunks) {
+    case 1: return score_tile_pairs<1, T>(q, out, offset, pairs, key, index, scale);
+    case 2: return score_tile_pairs<2, T>(q, out, offset, pairs, key, index, scale);
+    case 4: return score_tile_pairs<4, T>(q, out, offset, pairs, key, index, scale);
+    case 6: return score_tile_pairs<6, T>(q, out, offset, pairs, key, index, scale);
+    case 8: return score_tile_pairs<8, T>(q, out, offset, pairs, key, index, scale);
+    case 16: return score_tile_pairs<16, T>(q, out, offset, pairs, key, index, scale);
+    default: TORCH_CHECK(false, "score_tile_pairs: heads of ", chunks, " chunks");
+  }
+}
+
 // The sixteen keys at list entries index[0 .. 15], widened to float32 into tile[j * dim ..] (exact: every half is a
 // float32).
 template <typename T>
@@ -157,6 +219,13 @@ constexpr int64_t kValueQueries = 8;
 #endif
 // Score entries kept at once: rows are taken in blocks whose scores fit (a long context's rows take smaller blocks).
 constexpr int64_t kScoreBudget = int64_t(1) << 21;
+// Whether attend_all() scores the shared prefix's tiles with score_tile_pairs() (each key loaded once for all the
+// pairs) rather than pair by pair with score16_full() (each pair loading every key, its accumulators held at once).
+#if defined(JOINTSPEC_ISA_AVX2)
+bool g_score_by_key = true;
+#else
+bool g_score_by_key = false;
+#endif
 // Keys per score task: a key head's keys are scored in spans this long, so that a long context's scores spread
 // over every thread.
 constexpr int64_t kScoreSpan = 512;
@@ -223,6 +292,13 @@ bool use_widened_keys(bool on) {
   return g_widen_keys;
 }
 
+bool use_scores_by_key(bool on) {
+  g_score_by_key = on;
+  return g_score_by_key;
+}
+
+bool scores_by_key() { return g_score_by_key; }
+
 // Every (row, head) pair, each computing exactly attend()'s bits; out [rows, heads, dim]. Query head h reads key
 // head h / (heads / kv_heads). The pairs of one key head share the prefix of key lists that all rows have in common
 // (a sequence's cached tokens): its keys are scored sixteen at a time for every pair while they sit in the L1 cache,
@@ -271,13 +347,25 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
                 dim, scale, s + i);
       inverse[(r - r0) * heads + h] = softmax_numerators(s, count);
     };
-    const bool widen_tiles = std::is_same_v<T, c10::Half> && g_widen_keys && block * group >= kWidenPairs;
+    // The shared tiles scored key by key for all the pairs at once (score_tile_pairs(), AVX2's way: it widens each
+    // key once for all of them too, in registers, and was faster than a widened tile on a Zen 3), else pair by pair,
+    // from a tile widened once where there are kWidenPairs pairs or more and use_widened_keys() allows it.
+    const bool by_key = g_score_by_key && tile_pairs_fix(chunks);
+    const bool widen_tiles =
+        !by_key && std::is_same_v<T, c10::Half> && g_widen_keys && block * group >= kWidenPairs;
     // 1. Scores over the shared prefix: per key head and span of keys, every pair of the block; a key head whose
     // prefix is one span also finishes its pairs (their own keys, the softmax) in the same task.
     at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[16 * 256];  // a tile's keys in float32 (dim <= 256)
+      std::vector<const float*> pair_queries(by_key ? block * group : 0);
+      std::vector<float*> pair_outs(by_key ? block * group : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t g = task / spans, t0 = (task % spans) * span_tiles;
+        for (int64_t p = 0; p < static_cast<int64_t>(pair_queries.size()); ++p) {
+          const int64_t r = r0 + p / group, h = g * group + p % group;
+          pair_queries[p] = qp + h * q_head_stride + r * q_row_stride;
+          pair_outs[p] = pair_scores(r, h);
+        }
         const int64_t t1 = std::min(shared_tiles, t0 + span_tiles);
         const T* key = kp + g * k_head_stride;
         for (int64_t t = t0; t < t1; ++t) {
@@ -289,6 +377,12 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
           // others less); a float32 one, or fewer pairs (SmolLM2's decoding step has 3), read it in place (there the
           // copy cost as much as it saved, or more).
           if (widen_tiles) gather_tile(key, shared_index + 16 * t, dim, tile);
+          if (by_key) {
+            for (int64_t p0 = 0; p0 < block * group; p0 += kTilePairs)
+              score_tile_pairs_fixed(chunks, pair_queries.data() + p0, pair_outs.data() + p0, 16 * t,
+                                     std::min(kTilePairs, block * group - p0), key, shared_index + 16 * t, scale);
+            continue;
+          }
           for (int64_t r = r0; r < r1; ++r) {
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               V16 qv[16];

@@ -32,6 +32,10 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
 // pair reads them in place; the bits are the same either way, the speed is not on every CPU (kernels/grouped.py
 // chooses). Returns the setting.
 bool use_widened_keys(bool on);
+// Whether attend_all() scores a shared prefix key by key for many pairs at once (score_tile_pairs(), the default on
+// AVX2) or pair by pair; the bits are the same either way. Returns the setting.
+bool use_scores_by_key(bool on);
+bool scores_by_key();  // the setting in force
 // The same, by the definition pair by pair on one thread: what attend_all() must equal bit for bit.
 template <typename T>
 void attend_pairs(const float* qp, int64_t q_head_stride, int64_t q_row_stride, const T* kp, int64_t k_head_stride,

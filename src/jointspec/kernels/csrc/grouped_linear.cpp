@@ -1401,6 +1401,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_vnni", &use_vnni, "the screened head on VNNI's dot product (where the CPU has it) or not; returns which");
   m.def("use_widened_keys", &use_widened_keys, "attention widens a half cache's key tiles once for many pairs, or "
         "reads them in place (the same bits); returns which");
+  m.def("use_scores_by_key", &use_scores_by_key, "attention scores a shared prefix key by key for many pairs at once, "
+        "or pair by pair (the same bits); returns which");
+  m.def("scores_by_key", &scores_by_key, "whether attention scores a shared prefix key by key (use_scores_by_key)");
   m.def("linear", &linear, "x [rows, in] @ dequantised W [out, in]^T, W as (packed, scale, minimum), (packed, fifth, "
         "scale, minimum), (levels, scale) or (levels, scale, sub) (gemm: through MKL, rows not alone)",
         py::arg("x"), py::arg("tensors"), py::arg("gemm") = false, py::arg("q8") = true, unlocked);
