@@ -29,8 +29,8 @@ void attend_all(const float* qp, int64_t q_head_stride, int64_t q_row_stride, co
                 const T* vp, int64_t v_head_stride, const std::vector<std::vector<int64_t>>& index,
                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, float* op);
 // Whether attend_all() widens a half cache's tiles of keys once for a key head's many pairs (the default) or each
-// pair reads them in place; the bits are the same either way, the speed is not on every CPU (kernels/grouped.py
-// chooses). Returns the setting.
+// pair reads them in place, where it scores pair by pair (below); the bits are the same either way, the speed is not
+// on every CPU (kernels/grouped.py chooses). Returns the setting.
 bool use_widened_keys(bool on);
 // Whether attend_all() scores a shared prefix key by key for many pairs at once (score_tile_pairs(), the default on
 // AVX2) or pair by pair; the bits are the same either way. Returns the setting.
