@@ -741,6 +741,8 @@ def test_compiled_attention_is_its_pairwise_definition_bit_for_bit(heads, kv_hea
                                    compiled.attention_pairwise(query, key, value, visible, lengths, dim ** -0.5))
     finally:
         compiled.use_scores_by_key(chosen)
+
+
 def test_portable_prompt_prefills_take_the_gemm_and_decoding_stays_exact(monkeypatch):
     """On the portable build, a forward that wants no logits (the loop's prompt prefill) runs the compiled layers'
     projections as one GEMM (rows not computed alone); plain and speculative decoding prefill alike, so they still
