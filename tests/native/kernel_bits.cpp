@@ -315,12 +315,15 @@ void screen() {
 }
 
 // Attention over float32 and half caches: grouped heads, causal and gapped key lists, 1-12 rows, both forms of
-// attend_all's half tiles, against the same cases pair by pair.
+// attend_all's half tiles and both orders of its scores (key by key for many pairs, pair by pair), against the same
+// cases pair by pair.
 template <typename T>
 void attention(const char* name) {
   Random random{5};
-  for (const bool widen : {true, false}) {
+  for (const int form_index : {0, 1, 2, 3}) {
+    const bool widen = form_index % 2 == 0, by_key = form_index < 2;
     ns::use_widened_keys(widen);
+    ns::use_scores_by_key(by_key);
     Hash all, pairs;
     for (const int64_t dim : {16, 64, 128})
       for (const int64_t keys : {3, 17, 300, 1500}) {
@@ -352,7 +355,7 @@ void attention(const char* name) {
                         keys, rows);
         }
       }
-    const std::string form = std::string(name) + (widen ? "_widened" : "_in_place");
+    const std::string form = std::string(name) + (widen ? "_widened" : "_in_place") + (by_key ? "_by_key" : "");
     report("attention_all_" + form, all);
     report("attention_pairs_" + form, pairs);
   }
