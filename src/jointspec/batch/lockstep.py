@@ -83,8 +83,7 @@ def prompt_rows_alone(target) -> bool:
     """Whether ``target`` computes every row of a prompt alone (the compiled layers reading prompts row by row), so a
     cache entry's bits do not depend on the forward that wrote it (:mod:`jointspec.batch.prompt_cache`). The AVX2
     builds do so for a prompt's first positions only (``CausalLM.alone_positions``)."""
-    lean = getattr(target, "lean", None)
-    return lean is not None and lean.compiled is not None and lean.prefill_gemm_rows == math.inf
+    return compiled_target(target) and target.lean.prefill_gemm_rows == math.inf
 
 
 def engine_description(engine) -> str:
