@@ -29,9 +29,10 @@ WAYS = {"pair by pair": (False, False), "widened tiles": (True, False), "key by 
 
 def timed(calls: int, run) -> dict[str, float]:
     """Median seconds of ``run()`` for each way, the ways in a rotating order, after two warm-up rounds."""
-    from jointspec.kernels.grouped import kernels
+    from jointspec.kernels.grouped import kernels, widen_keys_setting
 
     built = kernels()
+    by_key_in_force = built.scores_by_key()
     times = {way: [] for way in WAYS}
     order = list(WAYS)
     try:
@@ -44,11 +45,9 @@ def timed(calls: int, run) -> dict[str, float]:
                 run()
                 if call >= 2:
                     times[way].append(time.perf_counter() - start)
-    finally:
-        from jointspec.kernels.grouped import SCORES_BY_KEY_ISAS, selected_isa, widen_keys_setting
-
+    finally:  # the settings in force before
         built.use_widened_keys(widen_keys_setting())
-        built.use_scores_by_key(selected_isa() in SCORES_BY_KEY_ISAS)
+        built.use_scores_by_key(by_key_in_force)
     return {way: statistics.median(values) for way, values in times.items()}
 
 
