@@ -498,6 +498,26 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     assert torch.equal(loaded.forward(prompt).logits, CausalLM(direct, name="again").forward(prompt).logits)
 
 
+def test_a_head_binds_to_a_block_embedding_by_the_rows_it_reads(tmp_path, monkeypatch):
+    """A draft head binds to a target loaded from its blocks as to its float load: the same fingerprint (exact and
+    bf16) and the same LM head rows for its draft vocabulary, each read off only the rows it needs (the whole float
+    matrix is 113 MB on the embedded model, and a server binds a head per request)."""
+    from jointspec.backends import loading
+    from jointspec.drafts.artifact import float_lm_rows, float_lm_weight, target_fingerprint
+
+    path = tmp_path / "tiny.gguf"
+    loadable_gguf(path, tied=True)
+    blocks, _ = loading.load_model(str(path), quantize="int4")
+    float_target, _ = loading.load_model(str(path), quantize="none")
+    assert isinstance(blocks.model.model.embed_tokens, BlockEmbedding)
+    ids = torch.tensor([3, 0, VOCAB - 1, 3])
+    expected = float_lm_weight(float_target.model)[ids]
+    monkeypatch.setattr(BlockEmbedding, "weight", property(lambda self: pytest.fail("dequantised every row")))
+    assert target_fingerprint(blocks) == target_fingerprint(float_target)
+    assert target_fingerprint(blocks, torch.bfloat16) == target_fingerprint(float_target, torch.bfloat16)
+    assert torch.equal(float_lm_rows(blocks.model, ids), expected)
+
+
 def test_a_gguf_with_a_type_the_kernels_do_not_take_loads_through_transformers_and_says_why(tmp_path, caplog):
     from jointspec.backends import loading
 

@@ -148,9 +148,10 @@ def target_fingerprint(target: CausalLM, rounded_to: torch.dtype | None = None) 
         weight = weight.detach() if rounded_to is None else weight.detach().to(rounded_to)
         return weight.float().cpu().numpy().tobytes()
 
-    embedding = model.get_input_embeddings().weight
-    digest.update(sample(embedding[:64]))
-    digest.update(sample(embedding[-64:]))
+    embedding = model.get_input_embeddings()
+    count = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
+    digest.update(sample(embedding_rows(embedding, torch.arange(min(64, count)))))
+    digest.update(sample(embedding_rows(embedding, torch.arange(max(0, count - 64), count))))
     norm = getattr(getattr(model, "model", None), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
         digest.update(sample(norm.weight))
@@ -414,13 +415,30 @@ def load_artifact(folder: str | Path, config_class, module_class, *, device: str
 
 def float_lm_weight(model) -> torch.Tensor:
     """The target's LM head as a float [vocab, hidden] matrix (its tied input embedding if the head is quantised)."""
+    return float_lm_rows(model, None)
+
+
+def float_lm_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``ids`` (1-D; None: all) of :func:`float_lm_weight`, reading only those rows of an embedding that keeps
+    a file's blocks (a draft vocabulary is a third of the rows)."""
     weight = getattr(model.get_output_embeddings(), "weight", None)
     if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
-        return weight
+        return weight if ids is None else weight.index_select(0, ids.to(weight.device))
     if getattr(model.config, "tie_word_embeddings", False):
-        return model.get_input_embeddings().weight
+        embedding = model.get_input_embeddings()
+        return embedding.weight if ids is None else embedding_rows(embedding, ids)
     raise UnsupportedOptionError("the target's LM head is not a float matrix (quantised?) and not tied to its "
                                  "embedding; a draft head cannot read it")
+
+
+def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (1-D) of an input embedding's float matrix: dequantised alone where the embedding keeps a file's
+    blocks (``weight_rows``: kernels/gguf_blocks.BlockEmbedding, whose ``weight`` dequantises every row, 113 MB on
+    the embedded model), else read from ``weight``."""
+    rows = getattr(embedding, "weight_rows", None)
+    if rows is not None:
+        return rows(ids)
+    return embedding.weight.index_select(0, ids.to(embedding.weight.device))
 
 
 def full_vocab_logits(draft_logits: torch.Tensor, draft_vocab: torch.Tensor, full_vocab: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ from jointspec.drafts.artifact import (
     FeatureDraft,
     HeadConfig,
     check_head_target,
-    float_lm_weight,
+    float_lm_rows,
     full_vocab_logits,
     load_artifact,
     save_artifact,
@@ -296,7 +296,7 @@ class HeadDraftModel(FeatureDraft):
         model = target.model
         self.embed = model.get_input_embeddings()
         # Rows of the target's LM head for the draft vocabulary, copied once so each draft step is one small matmul.
-        self.lm_weight = float_lm_weight(model).detach().index_select(0, head.draft_vocab).to(self._dtype)
+        self.lm_weight = float_lm_rows(model, head.draft_vocab).detach().to(self._dtype)
         self.draft_vocab = head.draft_vocab
         self._lm_int8 = None
         self._lm_onednn = None

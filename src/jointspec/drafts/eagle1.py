@@ -46,7 +46,7 @@ from jointspec.drafts.artifact import (
     HeadConfig,
     check_head_target,
     engine_config,
-    float_lm_weight,
+    float_lm_rows,
     is_eagle1_checkpoint,
     load_artifact,
     read_engine_weights,
@@ -214,8 +214,7 @@ class Eagle1DraftModel(HeadDraftModel):
         self._device, self._dtype = float_activations(self.head)
         self.embed = target.model.get_input_embeddings()
         self.head.hide_first_entry = True
-        lm_weight = float_lm_weight(target.model).detach()
-        self.lm_weight = (lm_weight.index_select(0, head.draft_vocab.to(lm_weight.device)).float()
+        self.lm_weight = (float_lm_rows(target.model, head.draft_vocab).detach().float()
                           * head.config.logit_scale).to(self._dtype)
         self.draft_vocab = head.draft_vocab
         self._lm_int8 = self._lm_onednn = None

@@ -441,7 +441,11 @@ class BlockEmbedding(nn.Module):
                       None if self.k_super is None else (self.k_super, self.k_sub), self.plane)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._levels().rows(ids.reshape(-1)).weight().reshape(*ids.shape, self.embedding_dim)
+        return self.weight_rows(ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D) of :attr:`weight`, dequantising those rows alone."""
+        return self._levels().rows(ids).weight()
 
     @property
     def weight(self) -> torch.Tensor:
