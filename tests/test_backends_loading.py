@@ -324,12 +324,12 @@ def test_auto_takes_int4_only_where_the_kernels_take_the_files_own_blocks(tmp_pa
     assert resolve_quantize("int8", str(tmp_path)) == "int8"  # named modes pass through
 
 
-def test_auto_reads_the_embedded_model_before_it_waits_for_the_kernels(monkeypatch, tmp_path):
+def test_auto_prepares_the_embedded_model_before_it_waits_for_the_kernels(monkeypatch, tmp_path):
     """``auto`` on the embedded default decides only after the kernels are built, which on a first run takes a
-    minute or more; the model is read the same way whatever it decides, so load_model reads it first (on a first run
-    it is fetched and converted then, while grouped.prebuild's build runs) and reads it once. A tiny folder stands in
-    for the embedded model."""
-    from jointspec.backends import loading
+    minute or more, so load_model first prepares the model's files (on a first run it fetches and converts them,
+    while grouped.prebuild's build runs), and reads its weights once, after, as decided: here through transformers
+    (float32). A tiny folder stands in for the embedded model; test_kernels_gguf_blocks.py has the int4 side."""
+    from jointspec.backends import embedded, loading
 
     folder = save_model(tmp_path / "model", seed=0)
     calls = []
@@ -344,11 +344,13 @@ def test_auto_reads_the_embedded_model_before_it_waits_for_the_kernels(monkeypat
     real_read = loading._load_transformers
     monkeypatch.setattr(loading, "_load_transformers", read)
     monkeypatch.setattr(loading, "resolve_quantize", decide)
+    monkeypatch.setattr(embedded, "prepare_default_model", lambda: calls.append(("prepare",)) or folder)
+    monkeypatch.setattr(embedded, "default_gguf_path", lambda: calls.append(("gguf",)) or tmp_path / "absent.gguf")
     target, _ = load_model("default", quantize="auto")
-    assert calls == [("read", "default"), ("decide", "auto")]
+    assert calls == [("prepare",), ("decide", "auto"), ("read", "default")]  # (a float load needs no GGUF)
     assert quantization_mode(target.model) == "none"
     calls.clear()
-    load_model("default", quantize="none")  # a named mode: nothing to wait for, the usual order
+    load_model("default", quantize="none")  # a named mode: nothing to wait for, nothing prepared ahead
     assert calls == [("decide", "none"), ("read", "default")]
 
 

@@ -498,6 +498,32 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     assert torch.equal(loaded.forward(prompt).logits, CausalLM(direct, name="again").forward(prompt).logits)
 
 
+def test_the_embedded_default_in_int4_loads_from_its_gguf_blocks_with_its_folders_tokenizer(tmp_path, monkeypatch):
+    """The embedded default on the int4 kernels is built from its GGUF's blocks, as a GGUF file given by path is: its
+    float copy (the converted folder's weights) is never read, which halved the process's resident memory. Its
+    tokenizer, config and name stay the converted folder's, and it decodes what the file's own int4 load decodes. A
+    tiny GGUF and its converted folder stand in for the embedded model's."""
+    from jointspec.backends import embedded, loading
+
+    path = tmp_path / "tiny.gguf"
+    loadable_gguf(path, tied=True)
+    folder = tmp_path / "converted"
+    embedded._convert(path, folder)  # as a first run converts the embedded GGUF
+    calls = []
+    monkeypatch.setattr(embedded, "prepare_default_model", lambda: calls.append("prepare") or folder)
+    monkeypatch.setattr(embedded, "default_gguf_path", lambda: calls.append("gguf") or path)
+    monkeypatch.setattr(loading, "resolve_quantize", lambda quantize, *args, **kwargs: calls.append(quantize) or "int4")
+    monkeypatch.setattr(loading, "_load_transformers", lambda *args: pytest.fail("read the float copy"))
+    target, tokenizer = loading.load_model("default", quantize="auto", kv_cache="float32")
+    assert calls[:2] == ["prepare", "auto"] and "gguf" in calls  # prepared while the kernels build, then decided
+    assert isinstance(target.model.model.embed_tokens, BlockEmbedding)
+    assert tokenizer.name_or_path == str(folder)
+    assert target.name.startswith(loading.DEFAULT_LABEL)
+    prompt = tokenizer("The sea is", return_tensors=None)["input_ids"]
+    by_path, _ = loading.load_model(str(path), quantize="int4", kv_cache="float32")
+    assert torch.equal(target.forward(prompt).logits, by_path.forward(prompt).logits)
+
+
 def test_a_head_binds_to_a_block_embedding_by_the_rows_it_reads(tmp_path, monkeypatch):
     """A draft head binds to a target loaded from its blocks as to its float load: the same fingerprint (exact and
     bf16) and the same LM head rows for its draft vocabulary, each read off only the rows it needs (the whole float

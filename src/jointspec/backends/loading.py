@@ -41,6 +41,7 @@ from jointspec.kernels.quantize import quantization_mode, quantize_model
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
+DEFAULT_LABEL = "SmolLM2-135M-Instruct (embedded default)"  # its name in the speed lines and reports
 # QUANTIZE_CHOICES: ``auto`` is int4 where that is the model itself (:func:`resolve_quantize`), else none.
 # KV_CACHE_CHOICES, what the target's KV cache stores: ``float32`` the model's dtype; ``float16`` half the memory and
 # the bytes a long context's step reads (float32 models on jointspec's compiled CPU layers; CausalLM.check_kv_dtype);
@@ -257,11 +258,10 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
         raise UnsupportedOptionError(f"--{option} {value} is for the torch backend; the llama.cpp backend runs "
                                      "llama.cpp's own kernels and cache, so drop it")
     check_device(device)
-    read_first = None
     if quantize == "auto" and backend == "torch" and source == DEFAULT_MODEL:
-        # `auto` waits for the kernels' build to decide; the embedded model is read the same way whatever it decides,
-        # so it is read (on a first run: fetched and converted) while a build started ahead runs (grouped.prebuild).
-        read_first = _load_transformers(source, device, dtype)
+        # `auto` waits for the kernels' build to decide. On a first run the embedded model is fetched and converted
+        # meanwhile, beside the build started ahead (grouped.prebuild); its weights are read after, as decided.
+        embedded.prepare_default_model()  # (which keeps the GGUF too: an int4 load reads its blocks)
     quantize = resolve_quantize(quantize, source, backend=backend, device=device, dtype=dtype, kernels=kernels)
     if backend == "llamacpp":
         # Imported here: llama-cpp-python is optional, and only this backend needs it.
@@ -269,13 +269,13 @@ def _load_model(source: str | None, *, device: str, dtype: str | torch.dtype | N
 
         return load_llamacpp(source, n_threads=threads, name=name)
     loaded = None
-    if (quantize == "int4" and kernels != "stock" and source != DEFAULT_MODEL and gguf_path(source) is not None
-            and device == "cpu" and resolve_dtype(dtype, device) == torch.float32):
+    if (quantize == "int4" and kernels != "stock" and gguf_path(source) is not None and device == "cpu"
+            and resolve_dtype(dtype, device) == torch.float32):
         loaded = _load_gguf_blocks(source)
     if loaded is not None:
         model, tokenizer, label = loaded
     else:
-        model, tokenizer, label = read_first or _load_transformers(source, device, dtype)
+        model, tokenizer, label = _load_transformers(source, device, dtype)
         if quantize != "none":
             quantize_model(model, quantize, file_levels=_file_levels(model, source, quantize),
                            screen_head=screens_head(model.config))
@@ -385,17 +385,23 @@ def stock_copy(target: CausalLM) -> CausalLM:
 
 
 def _load_gguf_blocks(source: str):
-    """(int4 model, tokenizer, label) for the GGUF file ``source``, built from its blocks without a float copy of
-    its weights (:func:`jointspec.kernels.gguf_blocks.model_from_blocks`), or None where it cannot be, said once in
-    the log (the caller then loads through transformers, as before)."""
+    """(int4 model, tokenizer, label) for the GGUF file ``source``, or the embedded default's, built from its blocks
+    without a float copy of its weights (:func:`jointspec.kernels.gguf_blocks.model_from_blocks`), or None where it
+    cannot be, said once in the log (the caller then loads through transformers, as before). The embedded default
+    takes its tokenizer and config from its converted folder, as its float32 load does: the float copy it would
+    otherwise read and drop is about twice the int4 model's whole resident memory."""
     from transformers import AutoConfig, AutoTokenizer
 
     from jointspec.kernels.gguf_blocks import model_from_blocks
 
-    path = Path(source).expanduser()
+    path, label = gguf_path(source), source
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        if source == DEFAULT_MODEL:
+            folder, label = str(embedded.prepare_default_model()), DEFAULT_LABEL
+            tokenizer, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, struct.error) as error:  # struct.error: a GGUF cut inside its metadata
         raise_if_cut_short(source, path, error)
         hint = " (a GGUF file cut short or damaged reads so)" if isinstance(error, struct.error) else ""
@@ -407,7 +413,7 @@ def _load_gguf_blocks(source: str):
     if model is None:
         log.info("%s: loading through transformers (dequantised first), not from its blocks: %s", path.name, why)
         return None
-    return model, tokenizer, source
+    return model, tokenizer, label
 
 
 def raise_if_cut_short(source: str, path: Path, error: Exception) -> None:
@@ -448,7 +454,7 @@ def _load_transformers(source: str, device: str, dtype: str | torch.dtype | None
     torch_dtype = resolve_dtype(dtype, device)
     kwargs: dict = {}
     if source == DEFAULT_MODEL:
-        folder, label = str(embedded.prepare_default_model()), "SmolLM2-135M-Instruct (embedded default)"
+        folder, label = str(embedded.prepare_default_model()), DEFAULT_LABEL
     else:
         path = Path(source).expanduser()
         label = source
