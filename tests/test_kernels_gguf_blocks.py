@@ -473,6 +473,8 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
     assert torch.equal(embedding.weight, via.model.embed_tokens.weight)
     ids = torch.tensor([[0, 5, 17], [VOCAB - 1, 3, 3]])
     assert torch.equal(embedding(ids), via.model.embed_tokens(ids))
+    none = torch.zeros(0, dtype=torch.long)
+    assert embedding(none).shape == via.model.embed_tokens(none).shape  # (0, hidden): no rows looked up
     if tied:  # the head's own storage, not a copy
         assert embedding.levels.data_ptr() == direct.lm_head.levels.data_ptr()
     # The 4-bit screen is built only where the model's forward reads it (Qwen3's greedy rows read the exact head).

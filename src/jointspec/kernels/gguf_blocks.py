@@ -449,8 +449,9 @@ class BlockEmbedding(nn.Module):
             # Q8_0 (the usual embedding type): GroupedInt8Linear.dequantized's arithmetic on the rows, without
             # building a layer for them, which took most of a decoding step's lookup (a tenth of a millisecond).
             scale = self.scale[ids].float()
-            levels = self.levels[ids].reshape(len(ids), scale.shape[1], -1).float()
-            return levels.mul_(scale[..., None]).reshape(len(ids), -1)
+            groups = scale.shape[1]
+            levels = self.levels[ids].reshape(len(ids), groups, self.embedding_dim // groups).float()
+            return levels.mul_(scale[..., None]).reshape(len(ids), self.embedding_dim)
         return self._levels().rows(ids).weight()
 
     @property
