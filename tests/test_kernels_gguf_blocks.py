@@ -502,7 +502,7 @@ def test_a_gguf_file_loads_from_its_blocks_as_the_dequantising_load_quantises_it
 
 def test_the_embedded_default_in_int4_loads_from_its_gguf_blocks_with_its_folders_tokenizer(tmp_path, monkeypatch):
     """The embedded default on the int4 kernels is built from its GGUF's blocks, as a GGUF file given by path is: its
-    float copy (the converted folder's weights) is never read, which halved the process's resident memory. Its
+    float copy (the converted folder's weights), which stayed resident beside the int4 model, is never read. Its
     tokenizer, config and name stay the converted folder's, and it decodes what the file's own int4 load decodes. A
     tiny GGUF and its converted folder stand in for the embedded model's."""
     from jointspec.backends import embedded, loading
@@ -529,7 +529,7 @@ def test_the_embedded_default_in_int4_loads_from_its_gguf_blocks_with_its_folder
 def test_a_head_binds_to_a_block_embedding_by_the_rows_it_reads(tmp_path, monkeypatch):
     """A draft head binds to a target loaded from its blocks as to its float load: the same fingerprint (exact and
     bf16) and the same LM head rows for its draft vocabulary, each read off only the rows it needs (the whole float
-    matrix is 113 MB on the embedded model, and a server binds a head per request)."""
+    matrix is several times the blocks' bytes, and a server binds a head per request)."""
     from jointspec.backends import loading
     from jointspec.drafts.artifact import float_lm_rows, float_lm_weight, target_fingerprint
 

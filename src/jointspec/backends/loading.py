@@ -388,8 +388,8 @@ def _load_gguf_blocks(source: str):
     """(int4 model, tokenizer, label) for the GGUF file ``source``, or the embedded default's, built from its blocks
     without a float copy of its weights (:func:`jointspec.kernels.gguf_blocks.model_from_blocks`), or None where it
     cannot be, said once in the log (the caller then loads through transformers, as before). The embedded default
-    takes its tokenizer and config from its converted folder, as its float32 load does: the float copy it would
-    otherwise read and drop is about twice the int4 model's whole resident memory."""
+    takes its tokenizer and config from its converted folder, as its float32 load does, and not its float weights:
+    read and dropped, they stayed resident beside the int4 model (docs/kernels.md, "GGUF block types")."""
     from transformers import AutoConfig, AutoTokenizer
 
     from jointspec.kernels.gguf_blocks import model_from_blocks

@@ -433,8 +433,8 @@ def float_lm_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
 
 def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (1-D) of an input embedding's float matrix: dequantised alone where the embedding keeps a file's
-    blocks (``weight_rows``: kernels/gguf_blocks.BlockEmbedding, whose ``weight`` dequantises every row, 113 MB on
-    the embedded model), else read from ``weight``."""
+    blocks (``weight_rows``: kernels/gguf_blocks.BlockEmbedding, whose ``weight`` dequantises every row, several times
+    the blocks' bytes), else read from ``weight``."""
     rows = getattr(embedding, "weight_rows", None)
     if rows is not None:
         return rows(ids)

@@ -447,7 +447,7 @@ class BlockEmbedding(nn.Module):
         """Rows ``ids`` (1-D) of :attr:`weight`, dequantising those rows alone."""
         if self.bits == 8 and self.k_super is None:
             # Q8_0 (the usual embedding type): GroupedInt8Linear.dequantized's arithmetic on the rows, without
-            # building a layer for them, which took most of a decoding step's lookup (a tenth of a millisecond).
+            # building a layer for them, which was most of what a decoding step's lookup cost.
             scale = self.scale[ids].float()
             groups = scale.shape[1]
             levels = self.levels[ids].reshape(len(ids), groups, self.embedding_dim // groups).float()
