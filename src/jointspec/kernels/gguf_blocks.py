@@ -92,10 +92,15 @@ class Levels:
 
     def weight(self) -> torch.Tensor:
         """The float32 weight these levels stand for (what the kernels multiply by)."""
-        if self.bits == 6:  # without building a layer: an embedding looks up a few rows of Q6_K every step
+        # 6 and 8 bits without building a layer: an embedding looks up a few rows of Q6_K or Q8_0 every step
+        if self.bits == 6:
             from jointspec.kernels.grouped import six_weight
 
             return six_weight(self.levels, self.plane, *self.k_scales)
+        if self.bits == 8:
+            from jointspec.kernels.grouped import eight_weight
+
+            return eight_weight(self.levels, *(self.k_scales or (self.scale,)))
         return self.layer().dequantized()
 
     def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -445,13 +450,6 @@ class BlockEmbedding(nn.Module):
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (1-D) of :attr:`weight`, dequantising those rows alone."""
-        if self.bits == 8 and self.k_super is None:
-            # Q8_0 (the usual embedding type): GroupedInt8Linear.dequantized's arithmetic on the rows, without
-            # building a layer for them, which was most of what a decoding step's lookup cost.
-            scale = self.scale[ids].float()
-            groups = scale.shape[1]
-            levels = self.levels[ids].reshape(len(ids), groups, self.embedding_dim // groups).float()
-            return levels.mul_(scale[..., None]).reshape(len(ids), self.embedding_dim)
         return self._levels().rows(ids).weight()
 
     @property

@@ -1007,8 +1007,7 @@ class GroupedInt8Linear(_GroupedLinear):
 
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32 (only ``rows`` of it, if given)."""
-        levels = self.levels[rows].reshape(-1, self.in_features // self.group_size, self.group_size).float()
-        return levels.mul_(self.unit_scales(rows)[..., None]).reshape(-1, self.in_features)  # in place: one copy
+        return eight_weight(self.levels[rows], self.scale[rows], self.sub[rows] if self.k_form else None)
 
 
 
@@ -1041,6 +1040,17 @@ def unpack_six(packed: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
     high = (nibbles >> 4) | (((top >> torch.tensor([[4], [6]], dtype=torch.uint8)) & 3) << 4)  # inputs 16-31
     stored = torch.cat([low, high], dim=-1).reshape(out_features, 64 * pairs)
     return (stored.to(torch.int16) - 32).to(torch.int8)
+
+
+def eight_weight(levels: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight [out, in] of signed 8-bit levels (int8 [out, in]) with a float32 scale per group (``scale``
+    [out, groups]) or in the K form (``scale`` float32 [out, in / 256], ``sub`` int8 [out, in / 16]): what
+    :class:`GroupedInt8Linear` multiplies by, without building one (an embedding looks up a few rows every step)."""
+    unit_scales = scale if sub is None else _k_unit_scales(scale, sub)  # [out, in / group size]
+    out_features, in_features = levels.shape
+    groups = unit_scales.shape[1]
+    levels = levels.reshape(out_features, groups, in_features // groups).float()  # sizes, not -1: no rows is [0, in]
+    return levels.mul_(unit_scales[..., None]).reshape(out_features, in_features)  # in place: one copy
 
 
 def six_weight(packed: torch.Tensor, plane: torch.Tensor, scale: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
