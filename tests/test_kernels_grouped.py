@@ -1046,6 +1046,15 @@ def test_each_build_gives_the_portable_builds_bits(isa):
                                portable.int8_linear(x, q8.levels, q8.scale, gemm)), (rows, gemm)
             assert torch.equal(fast.int8_linear(x, q8.levels, scale16, gemm),  # groups of 16 (GGUF's Q6_K)
                                portable.int8_linear(x, q8.levels, scale16, gemm)), (rows, gemm)
+    # Rows of 576 inputs (18 groups): a whole block of eight pairs, then a last half quad, in tiles of 1, 3 and 4 rows.
+    wide = GroupedInt4Linear(linear(8, 576, seed=6))
+    wide_fifth = torch.randint(-2 ** 31, 2 ** 31 - 1, (8, 18), generator=generator, dtype=torch.int32)
+    for rows in (1, 3, 4, 7):
+        x = torch.randn(rows, 576, generator=generator) * 3
+        assert torch.equal(fast.int4_linear(x, wide.packed, wide.scale, wide.minimum, False),
+                           portable.int4_linear(x, wide.packed, wide.scale, wide.minimum, False)), rows
+        assert torch.equal(fast.int5_linear(x, wide.packed, wide_fifth, wide.scale, wide.minimum, False),
+                           portable.int5_linear(x, wide.packed, wide_fifth, wide.scale, wide.minimum, False)), rows
     # Key counts with and without a partial block of 16, and one that takes the values in several spans.
     for dim, keys in ((32, 40), (64, 17), (16, 3), (64, 300)):
         query = torch.randn(4, 3, dim, generator=generator) * 2

@@ -100,7 +100,22 @@ struct QuantisedInputs {
   std::vector<int8_t> levels;  // [rows, stride]: in simd.h's pair layout, or its quad layout (`quad`); padding 0
   std::vector<float> step;     // [rows, group_stride]
   std::vector<float> sum;      // [rows, group_stride]: step * the group's levels summed (for the minimum's term)
+  std::vector<float> step4;    // [rows, 4 * group_stride]: each step four times over, where lane_steps() (below)
 };
+
+// Whether a tile of R input rows against the quad layout takes each lane's input step from QuantisedInputs::step4 (a
+// load) and multiplies it by the weight scales, picked once for all R rows, instead of picking each row's product of
+// the two (a cross-lane permutation a row, a slow instruction on AVX2's CPUs). It pays in AVX2's tiles of three and
+// four rows (docs/kernels.md, "Input steps by lane"); tiles of one or two rows, and the other builds, keep the
+// permutations. Each lane gets the same product either way, so the bits are the same.
+template <int R>
+constexpr bool lane_steps() {
+#if defined(JOINTSPEC_ISA_AVX2)
+  return R >= 3;
+#else
+  return false;
+#endif
+}
 
 QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k, bool quad) {
   const int64_t groups = k / kGroup, stride = quad ? (k + 4 * kGroup - 1) / (4 * kGroup) * (4 * kGroup) : k;
@@ -118,6 +133,10 @@ QuantisedInputs quantise_inputs(const float* x, int64_t rows, int64_t k, bool qu
         q.sum[r * group_stride + g] = step * static_cast<float>(total);  // one rounding: every build's bits
       }
   });
+  if (quad && lane_steps<3>() && rows >= 3) {  // lanes 4g .. 4g + 3 of a row take group g's step
+    q.step4.resize(rows * group_stride * 4);
+    for (int64_t i = 0; i < rows * group_stride; ++i) std::fill_n(q.step4.data() + 4 * i, 4, q.step[i]);
+  }
   return q;
 }
 
@@ -153,7 +172,9 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
     // (the same multiplications), for one conversion and one multiply per sixteen scales instead of per two.
     simd::Held scaled[W][R];
     for (int b = 0; b < W; ++b) w.q8_prefetch_scales(first + W + b, p0);  // the next tile's, as for its levels below
-    {
+    if constexpr (Rows::kQuad && lane_steps<R>()) {  // the weight scales alone: the steps come lane by lane
+      for (int b = 0; b < W; ++b) scaled[b][0] = simd::hold(w.q8_scales(first + b, p0));
+    } else {
       V16 step[R];
       for (int r = 0; r < R; ++r) step[r] = w.q8_steps(x.step.data() + (r0 + r) * x.group_stride, p0);
       for (int b = 0; b < W; ++b) {
@@ -168,6 +189,18 @@ inline void dot_q8(const QuantisedInputs& x, int64_t r0, const Rows& w, int64_t 
         const simd::Lanes lanes = simd::group_lanes(i / 2);
         for (int b = 0; b < W; ++b) __builtin_prefetch(w.q8_address(first + W + b, p), 0, 1);
         const int8_t* inputs = x.levels.data() + r0 * x.stride + 64 * p;  // read where used (L1), not held
+        if constexpr (lane_steps<R>()) {
+          const float* steps = x.step4.data() + r0 * x.group_stride * 4 + 8 * p;  // groups 2p .. 2p + 3
+          for (int b = 0; b < W; ++b) {
+            simd::L64 low, high;
+            w.q8_quad(first + b, p, both, low, high);
+            const V16 scales = simd::pick(scaled[b][0], lanes);
+            for (int r = 0; r < R; ++r)
+              acc[b][r] = simd::fmadd(simd::dot8(low, high, inputs + r * x.stride),
+                                      simd::mul(scales, simd::load(steps + r * x.group_stride * 4)), acc[b][r]);
+          }
+          return;
+        }
         for (int b = 0; b < W; ++b) {
           simd::L64 low, high;
           w.q8_quad(first + b, p, both, low, high);
