@@ -13,14 +13,17 @@ Prints medians and the ratio new / old per case, then one JSON line::
     git worktree add /tmp/old HEAD          # the sources before the change
     PYTHONPATH=/tmp/old/src XDG_CACHE_HOME=/tmp/oldcache JOINTSPEC_KERNEL_ISA=avx2 \\
         python -c "from jointspec.kernels.grouped import kernels; kernels()"
-    JOINTSPEC_KERNEL_ISA=avx2 python -c "from jointspec.kernels.grouped import kernels; kernels()"
     python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --shape 2048x2048 --threads 1
     python benchmarks/kernel_builds_ab.py --isa avx2 --old-cache /tmp/oldcache --model default --rows 1,4 --threads 2
 
-With ``--old-isa`` the two builds are two instruction sets of the same sources, from one cache (build each first with
-its ``JOINTSPEC_KERNEL_ISA``): what a build is worth against the one below it on this CPU::
+The new build is this checkout's (built first where it is not yet); ``--new-cache`` takes the newest build under
+another cache instead. A cache collects builds of many sources (each checkout's, each edit's), so the old cache
+should hold only the build to compare against; both builds' folders are printed.
 
-    python benchmarks/kernel_builds_ab.py --old-isa avx2 --isa avx2vnni --old-cache ~/.cache --model default
+With ``--old-isa`` and no ``--old-cache`` the two builds are two instruction sets of this checkout's sources: what a
+build is worth against the one below it on this CPU::
+
+    python benchmarks/kernel_builds_ab.py --old-isa avx2 --isa avx2vnni --model default
 """
 
 from __future__ import annotations
@@ -28,18 +31,27 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 
-def load_build(cache: Path, isa: str):
-    """The newest ``isa`` build under ``cache`` (an XDG cache directory), imported as a module."""
+def load_build(cache: Path | None, isa: str):
+    """The newest ``isa`` build under ``cache`` (an XDG cache directory), imported as a module; with ``cache`` None,
+    this checkout's own ``isa`` build (made first where it is not yet)."""
+    if cache is None:
+        from jointspec.kernels.grouped import build_folder, kernels, unavailable_reason
+
+        module = kernels(isa)
+        if module is None:
+            raise SystemExit(f"this checkout's {isa} build cannot run here: {unavailable_reason(isa)}")
+        print(f"{isa}: {build_folder(isa)} (this checkout's sources)", flush=True)
+        return module
     found = sorted((cache / "jointspec" / "kernels").glob(f"jointspec_kernels_{isa}_*/*.so"),
                    key=lambda path: path.stat().st_mtime)
     if not found:
         raise SystemExit(f"no {isa} build under {cache}/jointspec/kernels: build it first (see --help)")
+    print(f"{isa}: {found[-1].parent} (the newest of {len(found)} under {cache})", flush=True)
     spec = importlib.util.spec_from_file_location(found[-1].name.split(".")[0], found[-1])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -154,10 +166,10 @@ def main() -> None:
                         help="the build to compare: avx512vnni, avx512, avx2vnni, avx2 or portable")
     parser.add_argument("--old-isa", default=None,
                         help="the old build's instruction set, where it is not --isa's (then --isa names the new one)")
-    parser.add_argument("--old-cache", type=Path, required=True, help="XDG cache directory holding the old build")
-    parser.add_argument("--new-cache", type=Path,
-                        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")),
-                        help="XDG cache directory holding the new build (default: this user's)")
+    parser.add_argument("--old-cache", type=Path, default=None,
+                        help="XDG cache directory holding the old build (its newest; required without --old-isa)")
+    parser.add_argument("--new-cache", type=Path, default=None,
+                        help="XDG cache directory whose newest build is the new one (default: this checkout's build)")
     parser.add_argument("--shape", default="2048x2048", help="OUTxIN of the random layers (IN a multiple of 64)")
     parser.add_argument("--model", default=None,
                         help="time whole forwards of this model instead of layers ('default': the embedded one; a "
@@ -167,6 +179,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60, help="timed calls of each build per case (10 more warm up)")
     parser.add_argument("--rows", default="1,2,4,8", help="input rows a call, comma-separated (default 1,2,4,8)")
     args = parser.parse_args()
+    if args.old_cache is None and args.old_isa is None:
+        parser.error("--old-cache: the cache holding the build to compare against (or --old-isa for another "
+                     "instruction set of this checkout)")
 
     import torch
 
