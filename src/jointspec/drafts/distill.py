@@ -26,7 +26,7 @@ from jointspec.drafts.artifact import (
     ARTIFACT_FORMAT,
     HeadConfig,
     check_head_target,
-    float_lm_weight,
+    float_lm_rows,
     full_vocab_logits,
     load_artifact,
     save_artifact,
@@ -115,7 +115,7 @@ class DistilledDraftModel(CausalLM):
         model.model.norm = draft.body.norm
         model.model.rotary_emb = draft.body.rotary_emb
         model.model.embed_tokens = target.model.get_input_embeddings()  # shared, not copied
-        lm_weight = float_lm_weight(target.model).detach().index_select(0, draft.draft_vocab.to(target.device))
+        lm_weight = float_lm_rows(target.model, draft.draft_vocab).detach()
         model.lm_head = TrimmedLMHead(lm_weight.to(target.dtype).clone(), draft.draft_vocab, target.vocab_size)
         model.config.vocab_size = target.vocab_size
         model = model.to(device=target.device, dtype=target.dtype)
